@@ -1,0 +1,1 @@
+"""minispeed.comm (in progress)."""

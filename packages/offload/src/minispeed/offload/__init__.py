@@ -1,0 +1,6 @@
+"""minispeed.offload — not yet implemented; see packages/offload/README.md for what is coming.
+
+This module deliberately exports nothing: no placeholder API that would pretend to work.
+"""
+
+__all__: list[str] = []

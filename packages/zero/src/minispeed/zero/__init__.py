@@ -1,0 +1,1 @@
+"""minispeed.zero (in progress)."""
