@@ -1,0 +1,46 @@
+# The two commands of README.md: `make demo` (the main job) and `make test` (every check CI runs).
+# Each creates .venv on first use, installs torch==2.13.0 only when the venv has no torch (never
+# upgrades it), and installs every package editable with its dev extras.
+
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+PIP     := $(PY) -m pip
+PACKAGES := core comm zero offload pipeline moe inference profiler
+STAMP   := $(VENV)/.minispeed-installed
+PYPROJECTS := pyproject.toml $(foreach p,$(PACKAGES),packages/$(p)/pyproject.toml)
+
+.PHONY: demo test lint docs docs-serve bench install-check clean
+
+$(STAMP): $(PYPROJECTS)
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+	$(PIP) install $(foreach p,$(PACKAGES),-e packages/$(p)[dev]) -e ".[dev]"
+	$(PY) -c "import torch; print('minispeed venv ready with torch', torch.__version__)"
+	touch $@
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+test: $(STAMP) lint
+	$(PY) -m pytest packages tests
+	$(PY) -m mkdocs build --strict --site-dir site
+
+install-check: $(STAMP)
+	$(PY) scripts/check_install.py core zero offload
+
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict --site-dir site
+	@echo "site/ built; 'make docs-serve' serves it on http://127.0.0.1:8000"
+
+docs-serve: $(STAMP)
+	$(PY) -m mkdocs serve
+
+bench: $(STAMP)
+	for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) site .minispeed
