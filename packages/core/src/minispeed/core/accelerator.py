@@ -115,11 +115,11 @@ class Accelerator(ABC):
 
     # -- streams and events ------------------------------------------------------------------
     @abstractmethod
-    def Stream(self, priority: int = 0) -> object:  # noqa: N802 (mirrors torch.cuda.Stream)
+    def Stream(self, priority: int = 0) -> object:
         """A new stream (a no-op object on the CPU)."""
 
     @abstractmethod
-    def Event(self, enable_timing: bool = False) -> object:  # noqa: N802 (mirrors torch.cuda.Event)
+    def Event(self, enable_timing: bool = False) -> object:
         """A new event; on the CPU it records wall time."""
 
     @abstractmethod
@@ -199,10 +199,10 @@ class CpuAccelerator(Accelerator):
     def communication_backend(self) -> str:
         return "gloo"
 
-    def Stream(self, priority: int = 0) -> _HostStream:  # noqa: N802
+    def Stream(self, priority: int = 0) -> _HostStream:
         return _HostStream()
 
-    def Event(self, enable_timing: bool = False) -> _HostEvent:  # noqa: N802
+    def Event(self, enable_timing: bool = False) -> _HostEvent:
         return _HostEvent(enable_timing)
 
     def current_stream(self) -> _HostStream:
@@ -253,10 +253,10 @@ class CudaAccelerator(Accelerator):
     def communication_backend(self) -> str:
         return "nccl"
 
-    def Stream(self, priority: int = 0) -> torch.cuda.Stream:  # noqa: N802
+    def Stream(self, priority: int = 0) -> torch.cuda.Stream:
         return torch.cuda.Stream(priority=priority)
 
-    def Event(self, enable_timing: bool = False) -> torch.cuda.Event:  # noqa: N802
+    def Event(self, enable_timing: bool = False) -> torch.cuda.Event:
         return torch.cuda.Event(enable_timing=enable_timing)
 
     def current_stream(self) -> torch.cuda.Stream:
@@ -325,7 +325,9 @@ def set_accelerator(accelerator: Accelerator | str | None) -> Accelerator | None
     old = _active
     if isinstance(accelerator, str):
         if accelerator not in _ACCELERATORS:
-            raise ValueError(f"unknown accelerator {accelerator!r}; use one of {sorted(_ACCELERATORS)}")
+            raise ValueError(
+                f"unknown accelerator {accelerator!r}; use one of {sorted(_ACCELERATORS)}"
+            )
         accelerator = _ACCELERATORS[accelerator]()
     _active = accelerator
     return old

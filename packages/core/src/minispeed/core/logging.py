@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-__all__ = ["get_logger", "warn_once", "log_rank0"]
+__all__ = ["get_logger", "log_rank0", "warn_once"]
 
 _LOGGER_NAME = "minispeed"
 _warned: set[str] = set()
