@@ -1,1 +1,112 @@
-"""minispeed.comm (in progress)."""
+"""minispeed.comm: every collective minispeed issues, with a byte ledger, buckets and topology.
+
+Use it as ``import minispeed.comm as comm``. Reading order (see README.md):
+
+1. :mod:`~minispeed.comm.costs` — what each collective costs (message size, bus-bandwidth factor,
+   bytes on the wire), written once.
+2. :mod:`~minispeed.comm.groups` — start torch.distributed, ranks, sub-groups.
+3. :mod:`~minispeed.comm.collectives` — the collectives, with checks before blocking;
+   :mod:`~minispeed.comm.p2p` — send/recv; :mod:`~minispeed.comm.objects` — Python objects;
+   :mod:`~minispeed.comm.work` — how one call is issued, timed, logged and waited on.
+4. :mod:`~minispeed.comm.logger` — the comms logger (off by default).
+5. :mod:`~minispeed.comm.validation` — errors, local checks, opt-in cross-rank validation.
+6. :mod:`~minispeed.comm.api_compat` — torch-version and backend differences, in one place.
+7. :mod:`~minispeed.comm.buckets` — gradient buckets that overlap communication with backward.
+8. :mod:`~minispeed.comm.topology` and :mod:`~minispeed.comm.hierarchical` — process grids and
+   the two-level all-gather.
+"""
+
+from minispeed.comm.buckets import (
+    Bucket,
+    BucketConfig,
+    BucketEntry,
+    BucketState,
+    GradientBucketer,
+    all_reduce_unbucketed,
+    num_collectives,
+)
+from minispeed.comm.collectives import (
+    ReduceOp,
+    all_gather_coalesced,
+    all_gather_into_tensor,
+    all_reduce,
+    all_to_all_single,
+    barrier,
+    broadcast,
+    reduce_scatter_tensor,
+)
+from minispeed.comm.groups import (
+    destroy_process_group,
+    get_rank,
+    get_world_size,
+    init_distributed,
+    is_initialized,
+    is_member,
+    new_group,
+)
+from minispeed.comm.hierarchical import HierarchicalAllGather
+from minispeed.comm.logger import CommRecord, CommsLogger, comms_logger
+from minispeed.comm.objects import all_gather_object, broadcast_object
+from minispeed.comm.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
+from minispeed.comm.topology import ProcessGrid, ProcessTopology
+from minispeed.comm.validation import (
+    CommBackendError,
+    CommError,
+    CommInputError,
+    CommMismatchError,
+    CommTimeoutError,
+    validation_enabled,
+    validation_mode,
+)
+from minispeed.comm.work import CommWork
+
+__all__ = [
+    "Bucket",
+    "BucketConfig",
+    "BucketEntry",
+    "BucketState",
+    "CommBackendError",
+    "CommError",
+    "CommInputError",
+    "CommMismatchError",
+    "CommRecord",
+    "CommTimeoutError",
+    "CommWork",
+    "CommsLogger",
+    "GradientBucketer",
+    "HierarchicalAllGather",
+    "P2POp",
+    "ProcessGrid",
+    "ProcessTopology",
+    "ReduceOp",
+    "all_gather_coalesced",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "all_reduce_unbucketed",
+    "all_to_all_single",
+    "barrier",
+    "batch_isend_irecv",
+    "broadcast",
+    "broadcast_object",
+    "comms_logger",
+    "destroy_process_group",
+    "get_rank",
+    "get_world_size",
+    "init_distributed",
+    "irecv",
+    "is_initialized",
+    "is_member",
+    "isend",
+    "new_group",
+    "num_collectives",
+    "recv",
+    "reduce_scatter_tensor",
+    "send",
+    "validation_enabled",
+    "validation_mode",
+]
+
+# -- gradient compression (owned by the compression engineer) ----------------------------------
+# ``from minispeed.comm import compression`` imports that subpackage directly; re-exports of its
+# public names, when its owner asks for them, go below this line.

@@ -1,0 +1,218 @@
+"""The one place that knows which torch.distributed functions exist and which a backend lacks.
+
+Note [flat collective names across torch versions]
+torch 2.13 renamed the flat ("into one tensor") collectives: ``all_gather_into_tensor`` became
+``all_gather_single`` and ``reduce_scatter_tensor`` became ``reduce_scatter_single``; the old
+names still work but warn. The GPU machines carry torch 2.11, which has only the old names. We
+pick by feature (``hasattr``), never by version string, once at import, so no deprecation warning
+fires on 2.13 and nothing breaks on 2.11.
+
+Note [backend fallbacks]
+Some process-group backends do not implement every flat collective (older gloo builds lack
+reduce-scatter; some lack the flat all-gather or all-to-all). A backend that lacks an op raises
+before sending anything, and it raises the same way on every rank (same torch build), so we can
+catch that error, remember it per backend, and run an equivalent built from ops it does have:
+
+=====================  ===========================  ===========================================
+op                     fallback (``impl`` logged)   bytes this rank sends instead
+=====================  ===========================  ===========================================
+reduce_scatter         ``all_reduce+slice``         2(n-1)/n · S instead of (n-1)/n · S
+all_gather (flat)      ``all_gather_list``          (n-1)/n · S (same), plus a local copy
+all_to_all (flat)      ``p2p``                      same bytes, n-1 isend/irecv pairs
+=====================  ===========================  ===========================================
+
+The comms logger records the op under its own name and message size (so busbw stays comparable)
+with ``impl`` naming the fallback and ``wire_bytes`` the fallback's real cost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Issued", "all_gather_flat", "all_to_all_flat", "force_fallback", "reduce_scatter_flat"]
+
+# Picked once, by feature. See Note [flat collective names across torch versions].
+_all_gather_flat_native = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat_native = (
+    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+)
+
+# (backend, op) pairs found missing at run time, plus those forced by tests.
+_MISSING: set[tuple[str, str]] = set()
+_FORCED: set[str] = set()
+_UNSUPPORTED_RE = re.compile(
+    r"does not support|not supported|no support|unsupported|not implemented", re.I
+)
+
+# What a flat op returns: the backend's Work (None when synchronous) and a function to run after
+# it completes (copy results out of a temporary), or None.
+Issued = tuple[Any, "Callable[[], None] | None"]
+
+
+@contextlib.contextmanager
+def force_fallback(*ops: str) -> Iterator[None]:
+    """Use the fallback of ``ops`` (``"reduce_scatter"``, ``"all_gather"``, ``"all_to_all"``) inside
+    the block, as if the backend lacked them. For tests of the fallbacks on backends that have the op."""
+    added = set(ops) - _FORCED
+    _FORCED.update(added)
+    try:
+        yield
+    finally:
+        _FORCED.difference_update(added)
+
+
+def impl_of(op: str, group: Any) -> str:
+    """``"native"`` or the fallback name that ``op`` will use on ``group``'s backend."""
+    if not _FORCED and not _MISSING:  # the common case: no backend lookup
+        return "native"
+    if op in _FORCED or (_backend(group), op) in _MISSING:
+        return _FALLBACK_NAMES[op]
+    return "native"
+
+
+_FALLBACK_NAMES = {
+    "reduce_scatter": "all_reduce+slice",
+    "all_gather": "all_gather_list",
+    "all_to_all": "p2p",
+}
+
+
+def _backend(group: Any) -> str:
+    return str(dist.get_backend(group))
+
+
+def _try_native(
+    op: str, group: Any, native: Callable[[], Any], fallback: Callable[[], Issued]
+) -> Issued:
+    """Run ``native``; if the backend says it lacks the op, remember that and run ``fallback``."""
+    if impl_of(op, group) != "native":
+        return fallback()
+    try:
+        return native(), None
+    except RuntimeError as err:
+        if not _UNSUPPORTED_RE.search(str(err)):
+            raise
+        _MISSING.add((_backend(group), op))
+        return fallback()
+
+
+def reduce_scatter_flat(
+    output: torch.Tensor, input: torch.Tensor, op: Any, group: Any, async_op: bool
+) -> Issued:
+    """Reduce ``input`` (n·m elements) over the group; this rank's m-element chunk lands in ``output``.
+
+    Fallback ``all_reduce+slice``: all-reduce a copy of the whole input, keep this rank's chunk.
+    Correct for every reduce op; it sends 2(n-1)/n · S bytes instead of (n-1)/n · S and holds one
+    extra input-sized buffer while in flight.
+    """
+
+    def fallback() -> Issued:
+        full = input.detach().clone()  # the caller's input must stay unreduced
+        work = dist.all_reduce(full, op=op, group=group, async_op=async_op)
+        me = dist.get_rank(group)
+        m = output.numel()
+
+        def finish() -> None:
+            output.view(-1).copy_(full.view(-1)[me * m : (me + 1) * m])
+
+        return work, finish
+
+    return _try_native(
+        "reduce_scatter",
+        group,
+        lambda: _reduce_scatter_flat_native(output, input, op=op, group=group, async_op=async_op),
+        fallback,
+    )
+
+
+def all_gather_flat(
+    output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool
+) -> Issued:
+    """Gather every rank's ``input`` into ``output`` (rank-major, n·m elements).
+
+    Fallback ``all_gather_list``: the list form of all-gather writing into n views of ``output``
+    (same bytes on the wire; the backend may copy once more).
+    """
+
+    def fallback() -> Issued:
+        chunks = list(output.view(-1).chunk(dist.get_world_size(group)))
+        return dist.all_gather(chunks, input.reshape(-1), group=group, async_op=async_op), None
+
+    return _try_native(
+        "all_gather",
+        group,
+        lambda: _all_gather_flat_native(output, input, group=group, async_op=async_op),
+        fallback,
+    )
+
+
+def all_to_all_flat(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: list[int] | None,
+    input_split_sizes: list[int] | None,
+    group: Any,
+    async_op: bool,
+) -> Issued:
+    """Exchange chunks along dim 0: chunk j of ``input`` goes to rank j; chunk i of ``output``
+    comes from rank i (equal chunks when the split sizes are ``None``).
+
+    Fallback ``p2p``: one batched isend/irecv per peer plus a local copy of this rank's own
+    chunk; the same bytes on the wire.
+    """
+
+    def fallback() -> Issued:
+        n = dist.get_world_size(group)
+        me = dist.get_rank(group)
+        ins = _split(input, input_split_sizes, n)
+        outs = _split(output, output_split_sizes, n)
+        ops = []
+        for peer in range(n):
+            if peer == me:
+                continue
+            peer_global = dist.get_global_rank(group, peer) if group is not None else peer
+            ops.append(dist.P2POp(dist.isend, ins[peer].contiguous(), peer_global, group))
+            ops.append(dist.P2POp(dist.irecv, outs[peer], peer_global, group))
+        outs[me].copy_(ins[me])
+        works = dist.batch_isend_irecv(ops) if ops else []
+        if not async_op:
+            for w in works:
+                w.wait()
+            return None, None
+        return _WorkList(works), None
+
+    return _try_native(
+        "all_to_all",
+        group,
+        lambda: dist.all_to_all_single(
+            output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
+        ),
+        fallback,
+    )
+
+
+def _split(t: torch.Tensor, sizes: list[int] | None, n: int) -> list[torch.Tensor]:
+    if sizes is None:
+        return list(t.chunk(n)) if t.shape[0] else [t] * n
+    return list(t.split([int(s) for s in sizes]))
+
+
+class _WorkList:
+    """Several backend handles waited on as one."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self._works = works
+
+    def wait(self, timeout: Any = None) -> bool:
+        for w in self._works:
+            w.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)

@@ -1,0 +1,171 @@
+"""Timing loops for benchmarks/comm_collectives.py: our collectives against plain torch.distributed.
+
+Lives inside minispeed.comm because the baseline calls torch.distributed directly, which only this
+package may do. :func:`measure` runs on every rank of an initialized group; the script spawns the
+processes and prints the table.
+
+Method: for each (op, message size), the three variants (``torch``: the raw torch.distributed
+call; ``comm``: ours with the logger off; ``comm+log``: ours with a :class:`CommsLogger` on) run
+interleaved, ``rounds`` times, each round timing ``iters`` back-to-back calls between barriers.
+A variant's time is the best (minimum) over rounds of the slowest rank's mean per-call time:
+on a shared machine other processes only ever add time, so the minimum is the most repeatable
+estimate. Bus bandwidth follows :mod:`minispeed.comm.costs`.
+
+:func:`measure_dispatch` isolates what we add per call (checks, bookkeeping, logging) from the
+network: each rank calls on a group of one (itself), so the backend does no communication, and
+the difference to torch is our overhead in microseconds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from minispeed.comm import api_compat, collectives, costs
+from minispeed.comm.logger import CommsLogger
+
+__all__ = ["OPS", "VARIANTS", "measure", "measure_dispatch"]
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+VARIANTS = ("torch", "comm", "comm+log")
+
+
+def _buffers(op: str, numel: int, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(input, output, msg_bytes) for a message of ``numel`` fp32 elements (nccl-tests sizes)."""
+    numel = max(n, numel // n * n)  # divisible by n for the scatter/gather family
+    if op == "all_gather":
+        inp, out = torch.ones(numel // n), torch.empty(numel)
+    elif op == "reduce_scatter":
+        inp, out = torch.ones(numel), torch.empty(numel // n)
+    else:
+        inp, out = torch.ones(numel), torch.empty(numel)
+    return inp, out, numel * 4
+
+
+def _call(
+    op: str, variant: str, inp: torch.Tensor, out: torch.Tensor, group: Any = None, src: int = 0
+) -> Callable[[], Any]:
+    g = group
+    if variant == "torch":
+        return {
+            "all_reduce": lambda: dist.all_reduce(inp, group=g),
+            "all_gather": lambda: api_compat._all_gather_flat_native(out, inp, group=g),
+            "reduce_scatter": lambda: api_compat._reduce_scatter_flat_native(out, inp, group=g),
+            "broadcast": lambda: dist.broadcast(inp, src, group=g),
+            "all_to_all": lambda: dist.all_to_all_single(out, inp, group=g),
+        }[op]
+    return {
+        "all_reduce": lambda: collectives.all_reduce(inp, group=g),
+        "all_gather": lambda: collectives.all_gather_into_tensor(out, inp, group=g),
+        "reduce_scatter": lambda: collectives.reduce_scatter_tensor(out, inp, group=g),
+        "broadcast": lambda: collectives.broadcast(inp, src, group=g),
+        "all_to_all": lambda: collectives.all_to_all_single(out, inp, group=g),
+    }[op]
+
+
+def _time_round(fn: Callable[[], Any], iters: int, log: CommsLogger | None) -> float:
+    """Slowest rank's mean seconds per call over ``iters`` calls."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    if log is None:
+        for _ in range(iters):
+            fn()
+    else:
+        with log:
+            for _ in range(iters):
+                fn()
+    per_call = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
+    dist.all_reduce(per_call, op=dist.ReduceOp.MAX)
+    return float(per_call)
+
+
+def measure(
+    ops: tuple[str, ...] = OPS,
+    sizes: tuple[int, ...] = (1 << 8, 1 << 12, 1 << 16, 1 << 20),
+    rounds: int = 5,
+    target_s: float = 0.05,
+) -> list[dict[str, Any]]:
+    """One row per (op, size): seconds per call, busbw per variant, overhead ratios vs torch.
+
+    ``sizes`` are message sizes in fp32 elements; ``iters`` per round is chosen from one
+    calibration call so that a round takes about ``target_s`` seconds.
+    """
+    n = dist.get_world_size()
+    rows = []
+    for op in ops:
+        for size in sizes:
+            inp, out, msg_bytes = _buffers(op, size, n)
+            fns = {v: _call(op, v, inp, out) for v in VARIANTS}
+            for fn in fns.values():  # warm-up (connections, allocations)
+                fn()
+            probe = _time_round(fns["torch"], 2, None)
+            iters = max(3, min(200, int(target_s / max(probe, 1e-6))))
+            times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+            for _ in range(rounds):
+                for v in VARIANTS:
+                    log = CommsLogger() if v == "comm+log" else None
+                    times[v].append(_time_round(fns[v], iters, log))
+            med = {v: min(ts) for v, ts in times.items()}
+            factor = costs.bus_bandwidth_factor(op, n)
+            rows.append(
+                {
+                    "op": op,
+                    "msg_bytes": msg_bytes,
+                    "world_size": n,
+                    "iters": iters,
+                    **{f"time_s[{v}]": med[v] for v in VARIANTS},
+                    **{f"busbw_GBps[{v}]": msg_bytes / med[v] * factor / 1e9 for v in VARIANTS},
+                    "ratio[comm/torch]": med["comm"] / med["torch"],
+                    "ratio[comm+log/torch]": med["comm+log"] / med["torch"],
+                }
+            )
+    return rows
+
+
+def measure_dispatch(
+    ops: tuple[str, ...] = OPS, iters: int = 2000, rounds: int = 5
+) -> list[dict[str, Any]]:
+    """Microseconds per call of each variant on a one-rank group (no communication).
+
+    Every rank creates every solo group (group creation is collective), then times calls on its own.
+    """
+    me = dist.get_rank()
+    solo = None
+    for r in range(dist.get_world_size()):
+        g = dist.new_group([r])
+        if r == me:
+            solo = g
+    inp, out = torch.ones(1), torch.empty(1)
+    rows = []
+    for op in ops:
+        fns = {v: _call(op, v, inp, out, group=solo, src=me) for v in VARIANTS}
+        best: dict[str, float] = {}
+        for v, fn in fns.items():
+            for _ in range(50):
+                fn()
+            samples = []
+            for _ in range(rounds):
+                log = CommsLogger() if v == "comm+log" else None
+                t0 = time.perf_counter()
+                if log is None:
+                    for _ in range(iters):
+                        fn()
+                else:
+                    with log:
+                        for _ in range(iters):
+                            fn()
+                samples.append((time.perf_counter() - t0) / iters)
+            best[v] = min(samples)
+        rows.append(
+            {
+                "op": op,
+                **{f"us_per_call[{v}]": best[v] * 1e6 for v in VARIANTS},
+                "overhead_us[comm]": (best["comm"] - best["torch"]) * 1e6,
+                "overhead_us[comm+log]": (best["comm+log"] - best["torch"]) * 1e6,
+            }
+        )
+    return rows

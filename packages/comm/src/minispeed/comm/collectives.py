@@ -1,0 +1,302 @@
+"""Every collective minispeed issues, over torch.distributed (gloo on CPU, NCCL on GPU).
+
+Each function has the signature of its torch.distributed namesake and adds three things:
+
+* **checks before blocking** — bad devices, dtypes, sizes and group membership raise
+  :class:`~minispeed.comm.validation.CommInputError` on the calling rank before any rank waits
+  (see :mod:`minispeed.comm.validation`; cross-rank checks are opt-in);
+* **a ledger** — when a :class:`~minispeed.comm.logger.CommsLogger` is active each call appends one
+  record (op, size, dtype, group size, latency, algbw, busbw, wire bytes); when none is, the cost
+  is one global read (see Note [logger off is one global read]);
+* **named failures** — a backend timeout becomes a
+  :class:`~minispeed.comm.validation.CommTimeoutError` naming the op, shapes and group.
+
+``async_op=True`` returns a :class:`CommWork`; call ``wait()`` before reading the output. Groups
+are the objects :func:`new_group` returns; ``None`` is the world. Ranks passed as ``src``/``dst``
+are *global* ranks, as in torch.distributed.
+
+Bytes per call (S = message size, n = group size) are in :mod:`minispeed.comm.costs`; in short,
+a ring all_reduce sends 2(n-1)/n · S per rank and all_gather / reduce_scatter (n-1)/n · S.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from minispeed.comm import api_compat, costs, validation
+from minispeed.comm.validation import CommInputError
+from minispeed.comm.work import Call, CommWork, check_across_ranks, launch
+
+__all__ = [
+    "CommWork",
+    "ReduceOp",
+    "all_gather_coalesced",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "reduce_scatter_tensor",
+]
+
+ReduceOp = dist.ReduceOp
+
+
+# -- collectives --------------------------------------------------------------------------------
+def all_reduce(
+    tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False
+) -> CommWork | None:
+    """Reduce ``tensor`` elementwise over the group, in place on every rank.
+
+    Sends 2(n-1)/n · S bytes per rank (ring: reduce-scatter then all-gather), S = tensor bytes.
+    """
+    n = validation.check_group("all_reduce", group)
+    validation.check_tensors("all_reduce", group, tensor)
+    if validation.validation_enabled():
+        check_across_ranks(
+            "all_reduce", group, shape=tuple(tensor.shape), dtype=str(tensor.dtype), op=str(op)
+        )
+    call = Call("all_reduce", group, n, tensor, tensor.numel(), (tensor,))
+    return launch(
+        call, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op
+    )
+
+
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+) -> CommWork | None:
+    """Reduce ``input`` (n · m elements) over the group; rank r receives chunk r into ``output`` (m).
+
+    S = input bytes; sends (n-1)/n · S per rank. On a backend without reduce-scatter it runs
+    ``all_reduce+slice`` instead (see Note [backend fallbacks] in api_compat): 2(n-1)/n · S sent,
+    and the logger records ``impl="all_reduce+slice"`` with those wire bytes.
+    """
+    name = "reduce_scatter"
+    n = validation.check_group(name, group)
+    validation.check_tensors(name, group, output, input)
+    validation.check_same_dtype(name, output, input)
+    validation.check_divisible(name, input.numel(), n)
+    validation.check_numel(
+        name,
+        "output",
+        output.numel(),
+        input.numel() // n,
+        "allocate output with input.numel() // group size elements",
+    )
+    if validation.validation_enabled():
+        check_across_ranks(
+            name, group, shape=tuple(input.shape), dtype=str(input.dtype), op=str(op)
+        )
+    call = Call(
+        name,
+        group,
+        n,
+        input,
+        input.numel(),
+        (output, input),
+        compat_op=name,
+    )
+    return launch(
+        call, lambda: api_compat.reduce_scatter_flat(output, input, op, group, async_op), async_op
+    )
+
+
+def all_gather_into_tensor(
+    output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False
+) -> CommWork | None:
+    """Gather every rank's ``input`` (m elements) into ``output`` (n · m, rank-major).
+
+    S = output bytes; sends (n-1)/n · S per rank (ring).
+    """
+    name = "all_gather"
+    n = validation.check_group(name, group)
+    validation.check_tensors(name, group, output, input)
+    validation.check_same_dtype(name, output, input)
+    validation.check_numel(
+        name,
+        "output",
+        output.numel(),
+        n * input.numel(),
+        "allocate output with group size * input.numel() elements",
+    )
+    if validation.validation_enabled():
+        check_across_ranks(name, group, shape=tuple(input.shape), dtype=str(input.dtype))
+    call = Call(
+        name,
+        group,
+        n,
+        output,
+        output.numel(),
+        (output, input),
+        compat_op=name,
+    )
+    return launch(
+        call, lambda: api_compat.all_gather_flat(output, input, group, async_op), async_op
+    )
+
+
+def all_gather_coalesced(
+    outputs: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    group: Any = None,
+    async_op: bool = False,
+) -> CommWork | None:
+    """All-gather a list of tensors of different sizes with ONE collective.
+
+    ``outputs[i]`` (n · inputs[i].numel() elements) receives every rank's ``inputs[i]``, rank-major.
+    The inputs are packed into one flat buffer (Σ numel elements), gathered once into a buffer of
+    n · Σ numel, and unpacked. Cost: one call's latency instead of len(inputs); (n-1)/n · S sent
+    with S = Σ output bytes; memory: two temporaries of Σ numel and n · Σ numel elements.
+    """
+    name = "all_gather_coalesced"
+    n = validation.check_group(name, group)
+    if len(outputs) != len(inputs) or not inputs:
+        raise CommInputError(
+            f"{name}: got {len(outputs)} outputs for {len(inputs)} inputs; pass one "
+            "output per input (and at least one)"
+        )
+    validation.check_tensors(name, group, *inputs, *outputs, contiguous=False)
+    dtype = inputs[0].dtype
+    for i, (o, t) in enumerate(zip(outputs, inputs)):
+        if t.dtype != dtype or o.dtype != dtype:
+            raise CommInputError(
+                f"{name}: tensor {i} has dtype {t.dtype}/{o.dtype}, the first "
+                f"{dtype}; coalesce tensors of one dtype per call"
+            )
+        validation.check_numel(
+            name,
+            f"outputs[{i}]",
+            o.numel(),
+            n * t.numel(),
+            f"allocate outputs[{i}] with {n} * inputs[{i}].numel() elements",
+        )
+    if validation.validation_enabled():
+        check_across_ranks(name, group, shapes=[tuple(t.shape) for t in inputs], dtype=str(dtype))
+    sizes = [t.numel() for t in inputs]
+    total = sum(sizes)
+    flat_in = torch.cat([t.reshape(-1) for t in inputs])  # 1D, numel = total
+    flat_out = flat_in.new_empty(n * total)  # 1D, rank-major: [rank0: in0|in1|..][rank1: ...]
+
+    def finish() -> None:
+        by_rank = flat_out.view(n, total)
+        offset = 0
+        for o, size in zip(outputs, sizes):
+            o.view(n, size).copy_(by_rank[:, offset : offset + size])
+            offset += size
+
+    def issue() -> api_compat.Issued:
+        work, inner_finish = api_compat.all_gather_flat(flat_out, flat_in, group, async_op)
+        if inner_finish is not None:
+            raise AssertionError("the flat all-gather fallback needs no finishing step")
+        return work, finish
+
+    call = Call(
+        name,
+        group,
+        n,
+        flat_out,
+        n * total,
+        [tuple(t.shape) for t in inputs],
+        compat_op="all_gather",
+    )
+    return launch(call, issue, async_op)
+
+
+def broadcast(
+    tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False
+) -> CommWork | None:
+    """Copy ``tensor`` from global rank ``src`` to every rank of the group, in place.
+
+    S = tensor bytes; the root sends S (pipelined chain or tree), the others forward or receive.
+    """
+    n = validation.check_group("broadcast", group)
+    validation.check_tensors("broadcast", group, tensor)
+    validation.check_peer("broadcast", src, "src", group)
+    if validation.validation_enabled():
+        check_across_ranks(
+            "broadcast", group, shape=tuple(tensor.shape), dtype=str(tensor.dtype), src=src
+        )
+    call = Call("broadcast", group, n, tensor, tensor.numel(), (tensor,))
+    call.wire = costs.wire_bytes("broadcast", call.msg_bytes, n, is_root=dist.get_rank() == src)
+    return launch(
+        call, lambda: dist.broadcast(tensor, src, group=group, async_op=async_op), async_op
+    )
+
+
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: Sequence[int] | None = None,
+    input_split_sizes: Sequence[int] | None = None,
+    group: Any = None,
+    async_op: bool = False,
+) -> CommWork | None:
+    """Rank r sends chunk j of ``input`` (along dim 0) to rank j and receives chunk j of
+    ``output`` from rank j. Equal chunks when split sizes are ``None``; uneven otherwise.
+
+    S = input bytes; sends S minus its own chunk (equal splits: (n-1)/n · S).
+    """
+    name = "all_to_all"
+    n = validation.check_group(name, group)
+    validation.check_tensors(name, group, output, input)
+    validation.check_same_dtype(name, output, input)
+    in_dim0 = input.shape[0] if input.dim() else 1
+    out_dim0 = output.shape[0] if output.dim() else 1
+    validation.check_splits(name, "input", input_split_sizes, in_dim0, n)
+    validation.check_splits(name, "output", output_split_sizes, out_dim0, n)
+    if input[:1].numel() != output[:1].numel() and in_dim0 and out_dim0:
+        raise CommInputError(
+            f"{name}: input rows have shape {tuple(input.shape[1:])}, output rows "
+            f"{tuple(output.shape[1:])}; they must match"
+        )
+    if input_split_sizes is None and output_split_sizes is None and input.numel() != output.numel():
+        raise CommInputError(
+            f"{name}: equal splits need output.numel() == input.numel() "
+            f"({output.numel()} != {input.numel()}); pass split sizes"
+        )
+    in_splits = None if input_split_sizes is None else [int(s) for s in input_split_sizes]
+    out_splits = None if output_split_sizes is None else [int(s) for s in output_split_sizes]
+    me = dist.get_rank(group)
+    if validation.validation_enabled():
+        validation.exchange_and_compare(
+            name,
+            group,
+            (("dtype", str(input.dtype)), ("row", tuple(input.shape[1:]))),
+            payload=(in_splits or [in_dim0 // n] * n, out_splits or [out_dim0 // n] * n),
+            check_payload=validation.check_all_to_all_splits,
+        )
+    row = input[:1].numel() if in_dim0 else 0
+    own = (
+        in_splits[me] * row if in_splits is not None else input.numel() // n
+    ) * input.element_size()
+    call = Call(
+        name,
+        group,
+        n,
+        input,
+        input.numel(),
+        (output, input),
+        compat_op=name,
+    )
+    call.wire = costs.wire_bytes(name, call.msg_bytes, n, own_chunk_bytes=own)
+    return launch(
+        call,
+        lambda: api_compat.all_to_all_flat(output, input, out_splits, in_splits, group, async_op),
+        async_op,
+    )
+
+
+def barrier(group: Any = None) -> None:
+    """Block until every rank of the group reached this call."""
+    n = validation.check_group("barrier", group)
+    if validation.validation_enabled():
+        check_across_ranks("barrier", group)
+    launch(Call("barrier", group, n, None, 0, []), lambda: dist.barrier(group=group), False)

@@ -1,0 +1,111 @@
+"""Process groups: start torch.distributed, ask ranks and sizes, make sub-groups.
+
+Every rank of the world calls :func:`new_group` for every group, in the same order (a torch
+requirement: group creation is itself collective). :mod:`minispeed.comm.topology` does that for
+a whole process grid.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from minispeed.comm import validation
+from minispeed.comm.validation import CommInputError
+from minispeed.core.accelerator import get_accelerator
+from minispeed.core.logging import get_logger
+
+__all__ = [
+    "destroy_process_group",
+    "get_rank",
+    "get_world_size",
+    "init_distributed",
+    "is_initialized",
+    "is_member",
+    "new_group",
+]
+
+_log = get_logger("comm")
+
+
+def init_distributed(
+    backend: str | None = None, timeout_s: float = 300.0, init_method: str | None = None
+) -> None:
+    """Initialize the default process group from torchrun's environment; no-op if already done.
+
+    ``backend=None`` asks the accelerator (gloo on CPU, nccl on GPU). Reads ``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``. Without them (a plain
+    ``python script.py``) it starts a single-process group, so the same script runs unlaunched.
+    On a GPU the process's device is set to ``LOCAL_RANK``.
+    """
+    if dist.is_initialized():
+        return
+    acc = get_accelerator()
+    backend = backend or acc.communication_backend()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if acc.name != "cpu":
+            acc.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, init_method=init_method or "env://", timeout=timeout)
+    elif init_method is not None:
+        raise CommInputError(
+            "init_distributed: init_method given but RANK/WORLD_SIZE are not set; launch with "
+            "torchrun or export RANK and WORLD_SIZE"
+        )
+    else:
+        _log.info("RANK/WORLD_SIZE not set: starting a single-process group (world size 1)")
+        store = dist.HashStore()
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+
+
+def is_initialized() -> bool:
+    """Whether the default process group exists."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def destroy_process_group(group: Any = None) -> None:
+    """Tear down ``group`` (everything when ``None``)."""
+    dist.destroy_process_group(group)
+
+
+def get_rank(group: Any = None) -> int:
+    """This process's rank in ``group`` (global rank for ``None``); -1 if it is not a member."""
+    validation.check_group("get_rank", None)
+    return dist.get_rank(group)
+
+
+def get_world_size(group: Any = None) -> int:
+    """Number of ranks in ``group`` (the world for ``None``); -1 if this rank is not a member."""
+    validation.check_group("get_world_size", None)
+    return dist.get_world_size(group)
+
+
+def is_member(group: Any) -> bool:
+    """Whether this rank belongs to ``group`` (``None``, the world, always)."""
+    return group is None or dist.get_world_size(group) > 0
+
+
+def new_group(
+    ranks: Sequence[int] | None = None, timeout_s: float | None = None, backend: str | None = None
+) -> Any:
+    """A process group over global ``ranks`` (all ranks when ``None``).
+
+    Collective: EVERY rank of the world must call it, with the same ``ranks``, in the same order
+    as other ``new_group`` calls, members or not. Non-members get a handle they may not use for
+    collectives (:func:`is_member` says which).
+    """
+    validation.check_group("new_group", None)
+    kwargs: dict[str, Any] = {"ranks": None if ranks is None else sorted(int(r) for r in ranks)}
+    if timeout_s is not None:
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+    if backend is not None:
+        kwargs["backend"] = backend
+    world = dist.get_world_size()
+    bad = [r for r in (kwargs["ranks"] or []) if not 0 <= r < world]
+    if bad:
+        raise CommInputError(f"new_group: ranks {bad} are outside the world [0, {world})")
+    return dist.new_group(**kwargs)

@@ -1,0 +1,317 @@
+"""Bad input to a collective: found on the calling rank before any rank blocks, or named when found.
+
+Three layers, cheapest first:
+
+1. **Local checks** (always on): wrong device for the group's backend, non-contiguous buffers,
+   dtype differing between input and output, output size not matching ``n · input`` (or the
+   reverse for reduce-scatter), a size not divisible by the group size, a rank calling on a group
+   it is not a member of. Each raises :class:`CommInputError` on the calling rank before it
+   reaches the backend, so no peer is left waiting on a call that would fail anyway.
+2. **Cross-rank validation** (opt-in: ``MINISPEED_COMM_VALIDATE=1`` in the environment, or
+   ``with comm.validation_mode():``): before each collective the group exchanges ``(op, signature)``
+   with an object all-gather; when ranks disagree every rank raises :class:`CommMismatchError`
+   naming the op and the ranks that differ. Costs one extra small all-gather per call (not logged:
+   it is diagnostic traffic, not the program's). Point-to-point calls are not cross-checked.
+3. **Timeouts**: without validation a mismatched call usually ends in a backend timeout; the
+   collectives re-raise it as :class:`CommTimeoutError` naming the op, the shapes and the group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "VALIDATE_ENV",
+    "CommBackendError",
+    "CommError",
+    "CommInputError",
+    "CommMismatchError",
+    "CommTimeoutError",
+    "validation_enabled",
+    "validation_mode",
+]
+
+VALIDATE_ENV = "MINISPEED_COMM_VALIDATE"
+
+# Set by the context manager; None defers to the environment variable. The variable is read once
+# per default process group (a process may outlive several, e.g. a reused test worker), not on
+# every call. See Note [logger off is one global read] for why the hot path stays this thin.
+_VALIDATE: bool | None = None
+_ENV_CACHE: tuple[Any, bool] = (None, False)  # (default group it was read under, value)
+_TRUE = ("1", "true", "yes", "on")
+
+
+class CommError(RuntimeError):
+    """Base class of every error raised by minispeed.comm."""
+
+
+class CommInputError(CommError, ValueError):
+    """Bad arguments found on the calling rank, before any communication."""
+
+
+class CommMismatchError(CommError):
+    """Ranks of one group called a collective with different ops, shapes or dtypes (validation mode)."""
+
+
+class CommTimeoutError(CommError):
+    """The backend timed out waiting for peers; the message names the op, shapes and group."""
+
+
+class CommBackendError(CommError):
+    """Any other backend failure, re-raised with the op, shapes and group."""
+
+
+def validation_enabled() -> bool:
+    """Whether cross-rank validation runs before each collective (context, else the env var)."""
+    global _ENV_CACHE
+    if _VALIDATE is not None:
+        return _VALIDATE
+    world = dist.group.WORLD
+    if _ENV_CACHE[0] is not world:
+        _ENV_CACHE = (world, os.environ.get(VALIDATE_ENV, "").strip().lower() in _TRUE)
+    return _ENV_CACHE[1]
+
+
+@contextlib.contextmanager
+def validation_mode(enabled: bool = True) -> Iterator[None]:
+    """Turn cross-rank validation on (or off) inside the block, overriding the environment.
+    Every rank of the group must enter it around the same calls."""
+    global _VALIDATE
+    old, _VALIDATE = _VALIDATE, enabled
+    try:
+        yield
+    finally:
+        _VALIDATE = old
+
+
+# -- local checks -------------------------------------------------------------------------------
+def group_ranks(group: Any) -> list[int]:
+    """Global ranks of ``group`` (the world for ``None``); ``[]`` when unknown to this rank."""
+    if group is None:
+        return list(range(dist.get_world_size()))
+    try:
+        return dist.get_process_group_ranks(group)
+    except (ValueError, RuntimeError, KeyError):
+        return []
+
+
+def check_group(op: str, group: Any) -> int:
+    """Size of ``group``; raises when torch.distributed is off or this rank is not a member.
+
+    torch returns silently (with a warning) when a non-member calls a collective, leaving the
+    caller's buffers untouched: a silent wrong answer that we turn into an error.
+    """
+    if not dist.is_initialized():
+        raise CommInputError(
+            f"{op}: torch.distributed is not initialized; call comm.init_distributed() first "
+            "(or launch with torchrun)"
+        )
+    n = dist.get_world_size(group)
+    if n < 1:
+        raise CommInputError(
+            f"{op}: global rank {dist.get_rank()} is not a member of this group; only ranks in "
+            "the group may call collectives on it (check the ranks passed to comm.new_group, or "
+            "guard the call with comm.is_member(group))"
+        )
+    return n
+
+
+# device types each process group moves, per group object (weak: dies with the group)
+_DEVICE_KINDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _backend_devices(group: Any) -> tuple[str, ...]:
+    pg = dist.group.WORLD if group is None else group
+    kinds = _DEVICE_KINDS.get(pg)
+    if kinds is None:
+        backend = str(dist.get_backend(group)).lower()
+        found = []
+        if "gloo" in backend or "mpi" in backend:
+            found.append("cpu")
+        if "nccl" in backend:
+            found.append("cuda")
+        kinds = _DEVICE_KINDS[pg] = tuple(found) or ("cpu", "cuda")
+    return kinds
+
+
+def check_tensors(op: str, group: Any, *tensors: torch.Tensor, contiguous: bool = True) -> None:
+    """Each tensor is a Tensor on a device the group's backend can move, and contiguous."""
+    allowed = _backend_devices(group)
+    first: torch.device | None = None
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise CommInputError(f"{op}: expected a torch.Tensor, got {type(t).__name__}")
+        device = t.device
+        if device.type not in allowed:
+            backend = dist.get_backend(group)
+            fix = "move it with .cpu()" if allowed == ("cpu",) else "move it to the GPU"
+            raise CommInputError(
+                f"{op}: tensor of shape {tuple(t.shape)} is on {t.device}, but the group's backend "
+                f"{backend!r} moves {'/'.join(allowed)} tensors; {fix} or use a group of the "
+                "matching backend"
+            )
+        if first is None:
+            first = device
+        elif device != first:
+            raise CommInputError(
+                f"{op}: tensors are on different devices ({first} and {t.device}); put input and "
+                "output on the same device"
+            )
+        if contiguous and not t.is_contiguous():
+            raise CommInputError(
+                f"{op}: tensor of shape {tuple(t.shape)} is not contiguous; pass t.contiguous()"
+            )
+
+
+def check_same_dtype(op: str, output: torch.Tensor, input: torch.Tensor) -> None:
+    """Input and output share a dtype (the backend would reinterpret bytes otherwise)."""
+    if output.dtype != input.dtype:
+        raise CommInputError(
+            f"{op}: output dtype {output.dtype} differs from input dtype {input.dtype}; "
+            "allocate the output with dtype=input.dtype"
+        )
+
+
+def check_numel(op: str, what: str, actual: int, expected: int, fix: str) -> None:
+    """``actual == expected`` or an error naming both and the fix."""
+    if actual != expected:
+        raise CommInputError(f"{op}: {what} has {actual} elements, expected {expected}; {fix}")
+
+
+def check_divisible(op: str, numel: int, n: int) -> None:
+    """``numel`` splits evenly over ``n`` ranks."""
+    if numel % n != 0:
+        raise CommInputError(
+            f"{op}: {numel} elements do not split evenly over {n} ranks; pad the input to a "
+            f"multiple of {n} (next one: {-(-numel // n) * n})"
+        )
+
+
+def check_splits(op: str, what: str, splits: Sequence[int] | None, dim0: int, n: int) -> None:
+    """Uneven all-to-all splits: ``n`` non-negative sizes summing to the tensor's first dimension."""
+    if splits is None:
+        if dim0 % n != 0:
+            raise CommInputError(
+                f"{op}: {what} has first dimension {dim0}, not divisible by {n} ranks; pass "
+                f"{what}_split_sizes or pad to a multiple of {n}"
+            )
+        return
+    if len(splits) != n or any(int(s) < 0 for s in splits):
+        raise CommInputError(
+            f"{op}: {what}_split_sizes={list(splits)} must hold {n} non-negative sizes, one per rank"
+        )
+    if sum(int(s) for s in splits) != dim0:
+        raise CommInputError(
+            f"{op}: {what}_split_sizes={list(splits)} sums to {sum(splits)} but the {what} has "
+            f"first dimension {dim0}; make them agree"
+        )
+
+
+def check_peer(op: str, peer: int, name: str, group: Any) -> None:
+    """``peer`` is a global rank in ``group`` (and not this rank for point-to-point)."""
+    ranks = group_ranks(group)
+    if peer not in ranks:
+        raise CommInputError(
+            f"{op}: {name}={peer} is not a global rank of the group (ranks {ranks}); pass a global "
+            "rank that belongs to the group"
+        )
+    if op in ("send", "recv", "isend", "irecv") and peer == dist.get_rank():
+        raise CommInputError(f"{op}: {name}={peer} is this rank; a rank cannot message itself")
+
+
+# -- cross-rank validation ----------------------------------------------------------------------
+def exchange_and_compare(
+    op: str,
+    group: Any,
+    signature: tuple,
+    payload: Any = None,
+    check_payload: Callable[[str, list[int], list[Any]], None] | None = None,
+) -> None:
+    """All-gather ``(op, signature, payload)`` over ``group``; raise on every rank if two
+    signatures differ, or if ``check_payload(op, ranks, payloads)`` raises.
+
+    Every rank sees the same gathered list, so every rank raises the same error: none is left
+    blocked in the real collective.
+    """
+    n = dist.get_world_size(group)
+    everything: list[Any] = [None] * n
+    dist.all_gather_object(everything, (op, signature, payload), group=group)
+    ranks = group_ranks(group)
+    gathered = [(g[0], g[1]) for g in everything]
+    if all(g == gathered[0] for g in gathered):
+        if check_payload is not None:
+            check_payload(op, ranks, [g[2] for g in everything])
+        return
+    # Name the minority: ranks whose call differs from the most common one.
+    values = [repr(g) for g in gathered]
+    majority = max(values, key=values.count)  # ties: the lowest rank's call is the reference
+    odd = [ranks[i] for i, v in enumerate(values) if v != majority]
+    ref = ranks[values.index(majority)]
+    lines = "\n".join(
+        f"  rank {ranks[i]}: {g[0]}({_describe(g[1])})" for i, g in enumerate(gathered)
+    )
+    ref_op = gathered[values.index(majority)][0]
+    what = (
+        "called other collectives or arguments than"
+        if any(g[0] != ref_op for g in gathered)
+        else "called with arguments that differ from"
+    )
+    raise CommMismatchError(
+        f"{ref_op}: ranks {odd} {what} rank {ref} (group ranks {ranks}):\n{lines}\n"
+        "Every rank of a group must issue the same collectives in the same order with the same "
+        "shapes and dtypes."
+    )
+
+
+def check_all_to_all_splits(op: str, ranks: list[int], payloads: list[Any]) -> None:
+    """Rank i's ``output_split_sizes[j]`` must equal rank j's ``input_split_sizes[i]``."""
+    bad, involved = [], set()
+    for i, (_, out_i) in enumerate(payloads):
+        for j, (in_j, _) in enumerate(payloads):
+            if out_i[j] != in_j[i]:
+                involved.update((ranks[i], ranks[j]))
+                bad.append(
+                    f"  rank {ranks[i]} expects {out_i[j]} rows from rank {ranks[j]}, "
+                    f"which sends it {in_j[i]}"
+                )
+    if bad:
+        raise CommMismatchError(
+            f"{op}: split sizes disagree between ranks {sorted(involved)}:\n"
+            + "\n".join(bad)
+            + "\nEach rank's output_split_sizes must mirror its peers' input_split_sizes."
+        )
+
+
+def _describe(signature: Any) -> str:
+    return (
+        " ".join(f"{k}={v}" for k, v in signature)
+        if isinstance(signature, tuple)
+        else str(signature)
+    )
+
+
+# -- backend errors -----------------------------------------------------------------------------
+_TIMEOUT_RE = re.compile(r"timed? ?out|timeout|pair closure", re.IGNORECASE)
+
+
+def wrap_backend_error(
+    err: BaseException, op: str, group: Any, shapes: Sequence[Any], dtype: Any
+) -> CommError:
+    """A :class:`CommTimeoutError` (or :class:`CommBackendError`) naming op, shapes and group."""
+    ranks = group_ranks(group)
+    where = f"{op} on rank {dist.get_rank()} over group ranks {ranks} (shapes {list(shapes)}, dtype {dtype})"
+    if _TIMEOUT_RE.search(str(err)):
+        return CommTimeoutError(
+            f"{where} timed out: a peer probably did not call {op}, or called it with other "
+            f"arguments or in another order. Rerun with {VALIDATE_ENV}=1 to compare calls across "
+            f"ranks. Backend said: {err}"
+        )
+    return CommBackendError(f"{where} failed: {err}")

@@ -1,0 +1,196 @@
+"""Bad input raises a clear error on the calling rank, before any rank blocks.
+
+Local checks are tested with ONLY the bad rank calling: had the check been missing, that rank
+would block in the backend waiting for a peer that never comes, and the test would time out.
+Cross-rank mismatches are caught by validation mode on every rank; without it, a missing peer
+ends in a CommTimeoutError naming the op.
+"""
+
+import re
+
+import pytest
+import torch
+
+import minispeed.comm as comm
+from minispeed.core.testing import run_distributed
+
+# (description, call, expected message fragment). Each is called by rank 0 alone.
+_LOCAL_CASES = {
+    "wrong_device": (
+        lambda n: comm.all_reduce(torch.ones(2, device="meta")),
+        "is on meta",
+    ),
+    "reduce_scatter_not_divisible": (
+        lambda n: comm.reduce_scatter_tensor(torch.empty(1), torch.ones(2 * n + 1)),
+        "do not split evenly",
+    ),
+    "reduce_scatter_output_size": (
+        lambda n: comm.reduce_scatter_tensor(torch.empty(3), torch.ones(2 * n)),
+        "output has 3 elements, expected 2",
+    ),
+    "all_gather_output_size": (
+        lambda n: comm.all_gather_into_tensor(torch.empty(n * 2 + 1), torch.ones(2)),
+        f"expected {2 * 2}",
+    ),
+    "dtype_mismatch": (
+        lambda n: comm.all_gather_into_tensor(
+            torch.empty(2 * n, dtype=torch.float64), torch.ones(2)
+        ),
+        "output dtype torch.float64 differs from input dtype torch.float32",
+    ),
+    "non_contiguous": (
+        lambda n: comm.all_reduce(torch.ones(4, 4).t()),
+        "not contiguous",
+    ),
+    "all_to_all_split_count": (
+        lambda n: comm.all_to_all_single(torch.empty(3), torch.ones(3), [3], [3]),
+        "must hold 2 non-negative sizes",
+    ),
+    "all_to_all_split_sum": (
+        lambda n: comm.all_to_all_single(torch.empty(3), torch.ones(3), [1, 2], [2, 2]),
+        "sums to 4",
+    ),
+    "all_to_all_not_divisible": (
+        lambda n: comm.all_to_all_single(torch.empty(3), torch.ones(3)),
+        "not divisible by 2 ranks",
+    ),
+    "broadcast_src_outside_group": (
+        lambda n: comm.broadcast(torch.ones(1), src=n + 3),
+        "not a global rank of the group",
+    ),
+    "send_to_self": (
+        lambda n: comm.send(torch.ones(1), dst=0),
+        "cannot message itself",
+    ),
+    "coalesced_mixed_dtypes": (
+        lambda n: comm.all_gather_coalesced(
+            [torch.empty(n), torch.empty(n, dtype=torch.int64)],
+            [torch.ones(1), torch.ones(1, dtype=torch.int64)],
+        ),
+        "one dtype per call",
+    ),
+}
+
+
+def _local_body(rank: int, world_size: int, case: str) -> str:
+    call, _ = _LOCAL_CASES[case]
+    message = ""
+    if rank == 0:
+        with pytest.raises(comm.CommInputError) as info:
+            call(world_size)
+        message = str(info.value)
+    comm.barrier()  # both ranks still talk: nobody was left blocked
+    return message
+
+
+@pytest.mark.parametrize("case", sorted(_LOCAL_CASES))
+def test_local_check_raises_before_blocking(case):
+    message = run_distributed(_local_body, world_size=2, args=(case,), timeout_s=120)[0]
+    assert _LOCAL_CASES[case][1] in message
+
+
+def _non_member_body(rank: int, world_size: int) -> str:
+    only_zero = comm.new_group([0])
+    message = ""
+    if rank == 1:  # torch would skip this call silently; we refuse
+        with pytest.raises(comm.CommInputError) as info:
+            comm.all_reduce(torch.ones(2), group=only_zero)
+        message = str(info.value)
+    comm.barrier()
+    return message
+
+
+def test_group_the_rank_is_not_in():
+    message = run_distributed(_non_member_body, world_size=2)[1]
+    assert "global rank 1 is not a member of this group" in message
+
+
+def _mismatch_body(rank: int, world_size: int, kind: str) -> str:
+    odd = world_size - 2  # the rank that calls differently
+    with comm.validation_mode(), pytest.raises(comm.CommMismatchError) as info:
+        if kind == "shape":
+            comm.all_reduce(torch.ones(3 if rank == odd else 4))
+        elif kind == "dtype":
+            comm.all_reduce(torch.ones(4, dtype=torch.float64 if rank == odd else torch.float32))
+        elif kind == "op":
+            if rank == odd:
+                comm.broadcast(torch.ones(4), src=0)
+            else:
+                comm.all_reduce(torch.ones(4))
+        else:  # all_to_all splits that do not mirror each other
+            n = world_size
+            comm.all_to_all_single(torch.empty(n), torch.ones(n), [1] * n, [1] * n)
+            bad = [2] + [1] * (n - 2) + [0] if rank == odd else [1] * n
+            comm.all_to_all_single(torch.empty(n), torch.ones(n), [1] * n, bad)
+    comm.barrier()
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kind", "world_size"),
+    [("shape", 2), ("shape", 4), ("dtype", 2), ("op", 2), ("splits", 2), ("splits", 4)],
+)
+def test_validation_mode_names_op_and_ranks(kind, world_size):
+    messages = run_distributed(_mismatch_body, world_size=world_size, args=(kind,))
+    odd = world_size - 2
+    assert len(set(messages)) == 1, "every rank must raise the same error"
+    text = messages[0]
+    if kind == "op":  # 2 ranks: rank 0 (broadcast) is the reference
+        assert text.startswith("broadcast: ranks [1] called other collectives")
+        assert "rank 1: all_reduce(" in text and "rank 0: broadcast(" in text
+        return
+    assert text.startswith("all_reduce" if kind != "splits" else "all_to_all")
+    if kind == "splits":
+        assert re.search(r"disagree between ranks \[.*\b" + str(odd) + r"\b", text)
+    elif world_size == 4:
+        assert f"ranks [{odd}] called with arguments that differ from rank 0" in text
+    else:  # 2 ranks: a tie; the lowest rank is the reference
+        assert "ranks [1] called with arguments that differ from rank 0" in text
+
+
+def _env_validation_body(rank: int, world_size: int) -> str:
+    with pytest.raises(comm.CommMismatchError) as info:
+        comm.all_gather_into_tensor(torch.empty(world_size * (rank + 1)), torch.ones(rank + 1))
+    return str(info.value)
+
+
+def test_validation_from_environment_variable():
+    messages = run_distributed(
+        _env_validation_body, world_size=2, env={"MINISPEED_COMM_VALIDATE": "1"}
+    )
+    assert "all_gather: ranks [1]" in messages[0]
+
+
+def _timeout_body(rank: int, world_size: int) -> list[str]:
+    messages = []
+    for async_op in (False, True):
+        group = comm.new_group([0, 1], timeout_s=1.5)
+        if rank == 0:  # rank 1 never joins this all_reduce
+            with pytest.raises(comm.CommTimeoutError) as info:
+                work = comm.all_reduce(torch.ones(5, 2), group=group, async_op=async_op)
+                if work is not None:
+                    work.wait()
+            messages.append(str(info.value))
+        comm.barrier()  # the world group is still healthy
+    return messages
+
+
+def test_timeout_names_op_shapes_and_group():
+    messages = run_distributed(_timeout_body, world_size=2, timeout_s=120)[0]
+    assert len(messages) == 2
+    for text in messages:
+        assert text.startswith("all_reduce on rank 0 over group ranks [0, 1] (shapes [(5, 2)]")
+        assert "MINISPEED_COMM_VALIDATE=1" in text
+
+
+def test_bucket_size_must_be_positive():
+    for bad in (0, -5):
+        with pytest.raises(ValueError, match="bucket_numel must be a positive number"):
+            comm.BucketConfig(bucket_numel=bad)
+    with pytest.raises(TypeError, match="must be an int"):
+        comm.BucketConfig(bucket_numel=2.5)  # type: ignore[arg-type]
+
+
+def test_not_initialized_names_the_fix():
+    with pytest.raises(comm.CommInputError, match=r"call comm\.init_distributed"):
+        comm.all_reduce(torch.ones(1))

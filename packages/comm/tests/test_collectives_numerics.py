@@ -1,0 +1,212 @@
+"""Every collective's result equals the same computation done in one process with plain torch.
+
+Each rank builds every rank's input from a seed (so it can compute the expected result locally),
+runs the collective, and compares. Sync and async forms, 2 and 4 ranks, uneven all-to-all,
+coalesced all-gather of different-size tensors, point-to-point, objects, and the backend fallbacks.
+"""
+
+import warnings
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import minispeed.comm as comm
+from minispeed.comm import api_compat
+from minispeed.core.testing import distributed_test, run_distributed
+
+
+def _data(rank: int, *shape: int, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + rank)
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+def _finish(work, async_op: bool) -> None:
+    if async_op:
+        assert isinstance(work, comm.CommWork)
+        work.wait()
+    else:
+        assert work is None
+
+
+@distributed_test(world_size=[2, 4])
+def test_dense_collectives_match_single_process(rank, world_size):
+    n = world_size
+    for async_op in (False, True):
+        everyone = [_data(r, 3, 4) for r in range(n)]  # (3, 4) per rank
+
+        t = everyone[rank].clone()
+        _finish(comm.all_reduce(t, async_op=async_op), async_op)
+        assert_close(t, torch.stack(everyone).sum(0))
+
+        t = everyone[rank].clone()
+        _finish(comm.all_reduce(t, op=comm.ReduceOp.MAX, async_op=async_op), async_op)
+        assert_close(t, torch.stack(everyone).amax(0))
+
+        full = [_data(r, 2 * n, 3) for r in range(n)]  # (2n, 3) per rank
+        out = torch.empty(2, 3)
+        _finish(comm.reduce_scatter_tensor(out, full[rank], async_op=async_op), async_op)
+        assert_close(out, torch.stack(full).sum(0)[2 * rank : 2 * rank + 2])
+
+        out = torch.empty(3 * n, 4)
+        _finish(comm.all_gather_into_tensor(out, everyone[rank], async_op=async_op), async_op)
+        assert_close(out, torch.cat(everyone))
+
+        src = n - 1
+        t = everyone[rank].clone()
+        _finish(comm.broadcast(t, src=src, async_op=async_op), async_op)
+        assert_close(t, everyone[src])
+
+        # equal all-to-all: rank r sends row block j to rank j
+        blocks = [_data(r, 2 * n, 2) for r in range(n)]
+        out = torch.empty(2 * n, 2)
+        _finish(comm.all_to_all_single(out, blocks[rank], async_op=async_op), async_op)
+        assert_close(out, torch.cat([blocks[j][2 * rank : 2 * rank + 2] for j in range(n)]))
+    comm.barrier()
+
+
+def _splits(n: int) -> list[list[int]]:
+    """splits[i][j] = rows rank i sends to rank j (some zero, all different)."""
+    return [[(i + 2 * j) % 3 for j in range(n)] for i in range(n)]
+
+
+@distributed_test(world_size=[2, 4])
+def test_uneven_all_to_all(rank, world_size):
+    n = world_size
+    s = _splits(n)
+    inputs = [_data(i, sum(s[i]), 3) for i in range(n)]
+    for async_op in (False, True):
+        in_splits = s[rank]
+        out_splits = [s[j][rank] for j in range(n)]
+        out = torch.full((sum(out_splits), 3), float("nan"))
+        work = comm.all_to_all_single(out, inputs[rank], out_splits, in_splits, async_op=async_op)
+        _finish(work, async_op)
+        expected = []
+        for j in range(n):  # what rank j sends to me: its rows for destination `rank`
+            start = sum(s[j][:rank])
+            expected.append(inputs[j][start : start + s[j][rank]])
+        assert_close(out, torch.cat(expected))
+
+
+@distributed_test(world_size=[2, 4])
+def test_coalesced_all_gather_of_different_sizes(rank, world_size):
+    n = world_size
+    shapes = [(3,), (2, 5), (1,), (4, 1, 2)]
+    for async_op in (False, True):
+        ins = [_data(10 * rank + i, *shape) for i, shape in enumerate(shapes)]
+        outs = [torch.empty(n * t.numel()) for t in ins]
+        with comm.CommsLogger() as log:
+            _finish(comm.all_gather_coalesced(outs, ins, async_op=async_op), async_op)
+        assert log.count() == 1, "coalesced all-gather must issue exactly one collective"
+        for i, shape in enumerate(shapes):
+            expected = torch.cat([_data(10 * r + i, *shape).reshape(-1) for r in range(n)])
+            assert_close(outs[i], expected)
+
+
+@distributed_test(world_size=[2, 4])
+def test_point_to_point_ring_and_pairs(rank, world_size):
+    n = world_size
+    # batched ring: everyone sends to the right and receives from the left at once
+    recv_buf = torch.empty(4)
+    works = comm.batch_isend_irecv(
+        [
+            comm.P2POp(comm.isend, _data(rank, 4), (rank + 1) % n),
+            comm.P2POp(comm.irecv, recv_buf, (rank - 1) % n),
+        ]
+    )
+    for w in works:
+        w.wait()
+    assert_close(recv_buf, _data((rank - 1) % n, 4))
+    # blocking pairs (0<->1, 2<->3): even ranks send first
+    peer = rank ^ 1
+    buf = torch.empty(2, 2)
+    if rank % 2 == 0:
+        comm.send(_data(rank, 2, 2), peer)
+        comm.recv(buf, peer)
+    else:
+        comm.recv(buf, peer)
+        comm.send(_data(rank, 2, 2), peer)
+    assert_close(buf, _data(peer, 2, 2))
+    # async pair
+    w_send = comm.isend(_data(rank + 50, 3), peer)
+    w_recv = comm.irecv(buf := torch.empty(3), peer)
+    w_send.wait()
+    w_recv.wait()
+    assert_close(buf, _data(peer + 50, 3))
+
+
+@distributed_test(world_size=[2])
+def test_objects_and_subgroups(rank, world_size):
+    assert comm.all_gather_object({"rank": rank, "pad": "x" * rank}) == [
+        {"rank": r, "pad": "x" * r} for r in range(world_size)
+    ]
+    assert comm.broadcast_object(["hello", 3] if rank == 1 else None, src=1) == ["hello", 3]
+    solo = comm.new_group([0])
+    if rank == 0:
+        t = torch.ones(2)
+        comm.all_reduce(t, group=solo)  # a group of one: unchanged
+        assert_close(t, torch.ones(2))
+        assert comm.get_world_size(solo) == 1 and comm.is_member(solo)
+    else:
+        assert not comm.is_member(solo)
+
+
+@pytest.mark.parametrize("op", ["reduce_scatter", "all_gather", "all_to_all"])
+def test_fallbacks_match_native(op):
+    """The replacements used where a backend lacks an op give the same numbers (Note [backend fallbacks])."""
+    res = run_distributed(_fallback_body, world_size=2, args=(op,), timeout_s=120)
+    assert res == [op] * 2
+
+
+def _fallback_body(rank: int, world_size: int, op: str) -> str:
+    n = world_size
+    full = [_data(r, 2 * n, 3) for r in range(n)]
+    for async_op in (False, True):
+        with api_compat.force_fallback(op), comm.CommsLogger() as log:
+            if op == "reduce_scatter":
+                out = torch.empty(2, 3)
+                _finish(comm.reduce_scatter_tensor(out, full[rank], async_op=async_op), async_op)
+                expected = torch.stack(full).sum(0)[2 * rank : 2 * rank + 2]
+            elif op == "all_gather":
+                out = torch.empty(2 * n * n, 3)
+                _finish(comm.all_gather_into_tensor(out, full[rank], async_op=async_op), async_op)
+                expected = torch.cat(full)
+            else:
+                out = torch.empty(2 * n, 3)
+                _finish(comm.all_to_all_single(out, full[rank], async_op=async_op), async_op)
+                expected = torch.cat([full[j][2 * rank : 2 * rank + 2] for j in range(n)])
+        assert_close(out, expected)
+        assert log.records[0].impl == api_compat._FALLBACK_NAMES[op]
+    return op
+
+
+def _no_deprecation_body(rank: int, world_size: int) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.empty(2)
+        comm.reduce_scatter_tensor(out, torch.ones(2 * world_size))
+        gathered = torch.empty(2 * world_size)
+        comm.all_gather_into_tensor(gathered, torch.ones(2))
+        comm.all_gather_coalesced([torch.empty(world_size)], [torch.ones(1)])
+    return [str(w.message) for w in caught if "deprecat" in str(w.message).lower()]
+
+
+def test_no_deprecation_warning_from_flat_collectives():
+    """torch 2.13 deprecates all_gather_into_tensor/reduce_scatter_tensor; we must not trigger it."""
+    assert run_distributed(_no_deprecation_body, world_size=2) == [[], []]
+
+
+def test_init_distributed_without_launcher_is_a_single_process_group(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    assert not comm.is_initialized()
+    comm.init_distributed()
+    try:
+        comm.init_distributed()  # a second call is a no-op
+        assert (comm.get_rank(), comm.get_world_size()) == (0, 1)
+        t = torch.arange(3.0)
+        comm.all_reduce(t)
+        assert_close(t, torch.arange(3.0))
+    finally:
+        comm.destroy_process_group()
+    assert not comm.is_initialized()
