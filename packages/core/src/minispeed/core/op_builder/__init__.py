@@ -1,0 +1,58 @@
+"""JIT-built C++/CUDA ops with a pure-PyTorch fallback.
+
+Reading order: :mod:`.simd` (which vector ISA), :mod:`.toolchain` (compiler, ninja, nvcc, GPU
+archs), :mod:`.cache` (where builds live, the cross-process lock), :mod:`.builder` (``OpBuilder``:
+sources, flags, is_compatible, load), :mod:`.fallback` (``load_or_fallback``: one warning, then the reference), :mod:`.registry` (entry points
+``minispeed.ops`` so the report lists every installed op).
+
+Declaring an op in any package::
+
+    from pathlib import Path
+    from minispeed.core.op_builder import OpBuilder, load_or_fallback
+
+    class QuantizeBuilder(OpBuilder):
+        name = "quantize"
+        csrc_root = Path(__file__).parent / "csrc"
+        sources = ("quantize/quantize.cpp",)
+
+    op = load_or_fallback(QuantizeBuilder())   # module, or None -> call the reference
+"""
+
+from minispeed.core.op_builder.builder import VERBOSE_ENV, LoadRecord, OpBuilder, OpBuildError
+from minispeed.core.op_builder.cache import CACHE_ENV, LOCK_TIMEOUT_ENV, op_cache_root
+from minispeed.core.op_builder.fallback import DISABLE_ENV, load_or_fallback, ops_disabled
+from minispeed.core.op_builder.registry import (
+    ENTRY_POINT_GROUP,
+    OpRegistry,
+    discover_builders,
+    register_builder,
+)
+from minispeed.core.op_builder.simd import (
+    SIMD_ENV,
+    SimdLevel,
+    cpu_simd_level,
+    requested_simd_level,
+    simd_flags,
+)
+
+__all__ = [
+    "CACHE_ENV",
+    "DISABLE_ENV",
+    "ENTRY_POINT_GROUP",
+    "LOCK_TIMEOUT_ENV",
+    "SIMD_ENV",
+    "VERBOSE_ENV",
+    "LoadRecord",
+    "OpBuildError",
+    "OpBuilder",
+    "OpRegistry",
+    "SimdLevel",
+    "cpu_simd_level",
+    "discover_builders",
+    "load_or_fallback",
+    "op_cache_root",
+    "ops_disabled",
+    "register_builder",
+    "requested_simd_level",
+    "simd_flags",
+]

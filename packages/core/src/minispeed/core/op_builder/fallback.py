@@ -1,0 +1,53 @@
+"""Use the compiled op when it can be had, the pure-PyTorch reference when not, and say so once.
+
+Every op ships a reference implementation with the same signature, so a missing compiler or a
+failed build costs speed, never correctness. ``MINISPEED_DISABLE_OPS`` forces the reference:
+``1``/``all`` for every op, or a comma list of op names (``cast,quantize``).
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+from minispeed.core.logging import get_logger, warn_once
+from minispeed.core.op_builder.builder import OpBuilder, OpBuildError
+
+__all__ = ["DISABLE_ENV", "load_or_fallback", "ops_disabled"]
+
+DISABLE_ENV = "MINISPEED_DISABLE_OPS"
+_ALL = frozenset({"1", "all", "true", "yes", "on"})
+_NONE = frozenset({"", "0", "false", "no", "off", "none"})
+
+
+def ops_disabled(name: str) -> bool:
+    """Whether ``MINISPEED_DISABLE_OPS`` turns op ``name`` off (read on every call: cheap)."""
+    value = os.environ.get(DISABLE_ENV, "").strip().lower()
+    if value in _NONE:
+        return False
+    if value in _ALL:
+        return True
+    return name.lower() in {part.strip() for part in value.split(",")}
+
+
+def load_or_fallback(builder: OpBuilder) -> ModuleType | None:
+    """``builder.load()``, or ``None`` (after ONE warning per op and reason) to use the reference.
+
+    Never raises for an op that cannot be built: the warning names the op, the reason and that
+    the pure-PyTorch reference runs instead; the compiler output goes to the debug log.
+    """
+    if ops_disabled(builder.name):
+        warn_once(
+            f"op {builder.name!r} is disabled by {DISABLE_ENV}={os.environ.get(DISABLE_ENV)}; "
+            "using the pure-PyTorch reference"
+        )
+        return None
+    try:
+        return builder.load()
+    except OpBuildError as err:
+        if warn_once(
+            f"op {builder.name!r} is unavailable ({err.reason}); using the pure-PyTorch "
+            f"reference (slower, same results). Details: python -m minispeed.core.report"
+        ):
+            get_logger("op_builder").debug("op %r build details:\n%s", builder.name, err.details)
+        return None
