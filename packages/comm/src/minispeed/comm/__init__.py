@@ -108,5 +108,9 @@ __all__ = [
 ]
 
 # -- gradient compression (owned by the compression engineer) ----------------------------------
-# ``from minispeed.comm import compression`` imports that subpackage directly; re-exports of its
-# public names, when its owner asks for them, go below this line.
+# Gradient compression and the compressed-momentum optimizers are subpackages, imported last
+# because they build on the collectives above: ``comm.compression.OnebitAllReduce``,
+# ``comm.optim.OnebitAdam``.
+from minispeed.comm import compression, optim
+
+__all__ += ["compression", "optim"]

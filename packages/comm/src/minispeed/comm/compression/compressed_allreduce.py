@@ -1,0 +1,158 @@
+"""Compressed all-reduce (average): 1-bit with worker and server error feedback, and top-k.
+
+Both go through :mod:`minispeed.comm` collectives on uint8 messages, so the comms logger counts
+exactly the compressed bytes (formulas in :mod:`.wire`). Every rank ends with the *same* result.
+
+**1-bit all-reduce** (the scheme of 1-bit Adam), for N elements on n ranks, chunk
+``C = 8 ceil(N / 8n)``; rank r is the "server" of chunk r::
+
+    worker   c_i = pad(x_i) + e_i              (n C,)  e_i = worker residual
+             p_i = onebit(c_i), one scale/chunk         e_i <- c_i - D(p_i)
+             all_to_all: rank r gets chunk r of every p_i   -> n messages of 4 + C/8 bytes
+    server   a_r = (1/n) Σ_i D(p_i)[chunk r]    (C,)
+             s_r = onebit(a_r + f_r)                     f_r <- a_r + f_r - D(s_r)  (server residual)
+             all_gather: every rank gets every s_r      -> n messages of 4 + C/8 bytes
+    result   y = concat_r D(s_r)[:N]
+
+Error bound of one call (derivation). Write m = (1/n) Σ_i x_i for the exact average, Q for the
+1-bit compressor (``||v - Q(v)|| <= q ||v||``, ``q = sqrt(1 - 1/C)``, :mod:`.onebit`; also
+``||Q(v)|| <= ||v||``). With zero residuals::
+
+    ||y - m||  <=  ||Q(a) - a|| + ||a - m||
+               <=  q ||a||  +  (1/n) Σ_i ||Q(x_i) - x_i||
+               <=  q (1/n) Σ_i ||x_i||  +  q (1/n) Σ_i ||x_i||   =  2 q · mean_i ||x_i||
+
+This single-call error is large (1 bit per element); what makes the scheme usable is that it
+does not accumulate. Summing the two feedback loops over steps (Note [why error feedback bounds
+the accumulated error]) gives the exact identity::
+
+    Σ_{t<=T} y_t  =  Σ_{t<=T} m_t  -  (1/n) Σ_i e_i(T)  -  f(T)
+
+so the accumulated result is off by the current residuals only, which stay bounded.
+
+**Top-k all-reduce**: each rank sends its k largest compensated elements (values + indices) in
+one all_gather; every rank adds the n sparse vectors and divides by n. The result is exact on the
+sent elements, so one call errs by ``||y - m|| <= sqrt(1 - k/N) · mean_i ||x_i||`` and the
+accumulated error is ``(1/n) ||Σ_i e_i(T)||``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import minispeed.comm as comm
+from minispeed.comm.compression import ops, wire
+from minispeed.comm.compression.error_feedback import ErrorFeedback
+from minispeed.comm.compression.onebit import OnebitCompressor, SignPacked
+from minispeed.comm.compression.topk import TopkCompressor, TopkPacked
+
+__all__ = ["OnebitAllReduce", "TopkAllReduce"]
+
+
+def _check_tensor(tensor: torch.Tensor, numel: int | None, what: str) -> None:
+    if not tensor.is_floating_point():
+        raise TypeError(f"{what} averages floating-point tensors, got {tensor.dtype}")
+    if numel is not None and tensor.numel() != numel:
+        raise ValueError(
+            f"this {what} was set up for tensors of {numel} elements (its residuals have that "
+            f"size) but got {tensor.numel()}; use one {what} per tensor, or call reset()"
+        )
+
+
+class OnebitAllReduce:
+    """Average a tensor over ``group`` in place, sending ~1 bit per element (module docstring).
+
+    Stateful: holds the worker residual (``4 n C`` bytes, about the tensor's fp32 size) and the
+    server residual (``4 C`` bytes), so use one instance per tensor (a flat buffer of all
+    momenta in :class:`~minispeed.comm.optim.OnebitAdam`). Bytes sent per call per rank:
+    ``2 (n-1) (4 + C/8)`` (:func:`.wire.onebit_allreduce_calls`).
+    """
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+        self.numel: int | None = None
+        self.chunk_numel: int | None = None
+        self.worker_feedback: ErrorFeedback | None = None
+        self.server_feedback: ErrorFeedback | None = None
+        self._padded: torch.Tensor | None = None  # fp32 (n C,): the input, zero-padded
+
+    def reset(self) -> None:
+        """Forget both residuals (and the tensor size); the next call starts afresh."""
+        self.numel = self.chunk_numel = None
+        self.worker_feedback = self.server_feedback = None
+        self._padded = None
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Replace ``tensor`` by the compressed average over the group; returns it."""
+        _check_tensor(tensor, self.numel, type(self).__name__)
+        n = comm.get_world_size(self.group)
+        if self.numel is None:
+            self.numel = tensor.numel()
+            self.chunk_numel = wire.onebit_chunk_numel(tensor.numel(), n)
+            compressor = OnebitCompressor(chunk_numel=self.chunk_numel)
+            self.worker_feedback = ErrorFeedback(compressor)
+            self.server_feedback = ErrorFeedback(compressor)
+        assert self.worker_feedback is not None and self.server_feedback is not None
+        chunk = self.chunk_numel
+        if tensor.numel() == 0:
+            return tensor
+
+        # Worker: compress the padded, compensated tensor; chunk j goes to rank j.
+        if self._padded is None or self._padded.device != tensor.device:
+            self._padded = torch.zeros(n * chunk, dtype=torch.float32, device=tensor.device)
+        self._padded[: tensor.numel()] = tensor.detach().reshape(-1)  # the tail stays 0
+        to_servers = self.worker_feedback.compress(self._padded).to_rows(n)  # (n, 4 + C/8) uint8
+        from_workers = torch.empty_like(to_servers)
+        comm.all_to_all_single(from_workers, to_servers, group=self.group)
+
+        # Server: row i is worker i's copy of my chunk; average, compress once more.
+        received = SignPacked.from_rows(from_workers, chunk, chunk)
+        mean_chunk = self.server_feedback.compressor.decompress(received).view(n, chunk).mean(0)
+        reply = self.server_feedback.compress(mean_chunk).to_bytes()  # (4 + C/8,) uint8
+
+        # Everyone: gather every server's chunk and unpack all of them in one call.
+        gathered = torch.empty(n * reply.numel(), dtype=torch.uint8, device=tensor.device)
+        comm.all_gather_into_tensor(gathered, reply, group=self.group)
+        result = self.server_feedback.compressor.decompress(
+            SignPacked.from_rows(gathered.view(n, -1), chunk, chunk)
+        )
+        tensor.copy_(result[: tensor.numel()].view_as(tensor))
+        return tensor
+
+
+class TopkAllReduce:
+    """Average a tensor over ``group`` in place, each rank sending its top-k (with error feedback).
+
+    Holds one fp32 residual of the tensor's size. Bytes sent per call per rank: ``(n-1) 8 k``
+    (:func:`.wire.topk_allreduce_calls`); the result has up to ``n k`` non-zeros.
+    """
+
+    def __init__(self, compressor: TopkCompressor | None = None, group: Any = None) -> None:
+        self.compressor = compressor if compressor is not None else TopkCompressor()
+        self.group = group
+        self.numel: int | None = None
+        self.feedback = ErrorFeedback(self.compressor)
+
+    def reset(self) -> None:
+        """Forget the residual (and the tensor size)."""
+        self.numel = None
+        self.feedback.reset()
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Replace ``tensor`` by the average of every rank's top-k; returns it."""
+        _check_tensor(tensor, self.numel, type(self).__name__)
+        self.numel = tensor.numel()
+        if tensor.numel() == 0:
+            return tensor
+        n = comm.get_world_size(self.group)
+        message = self.feedback.compress(tensor).to_bytes()  # (8 k,) uint8
+        gathered = torch.empty(n * message.numel(), dtype=torch.uint8, device=tensor.device)
+        comm.all_gather_into_tensor(gathered, message, group=self.group)
+        total = torch.zeros(tensor.numel(), dtype=torch.float32, device=tensor.device)
+        for row in gathered.view(n, -1):  # rank order: the same sum on every rank
+            packed = TopkPacked.from_bytes(row, tensor.numel())
+            ops.sparse_accumulate_(total, packed.values, packed.indices)
+        tensor.copy_(total.div_(n).view_as(tensor))
+        return tensor
