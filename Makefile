@@ -27,13 +27,13 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	$(PY) -m pytest packages tests
-	$(PY) -m mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 install-check: $(STAMP)
 	$(PY) scripts/check_install.py core zero offload
 
 docs: $(STAMP)
-	$(PY) -m mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 	@echo "site/ built; 'make docs-serve' serves it on http://127.0.0.1:8000"
 
 docs-serve: $(STAMP)
