@@ -1,1 +1,39 @@
-"""minispeed.zero (in progress)."""
+"""minispeed.zero: ZeRO stages 0-3, mixed precision, sharded checkpoints and a memory estimator.
+
+::
+
+    import minispeed.zero as zero
+    opt = zero.shard(model, torch.optim.AdamW(model.parameters()), config=zero.ZeroConfig(stage=2),
+                     precision=zero.MixedPrecision(param_dtype=torch.bfloat16))
+    opt.backward(model(x, y)); opt.step()
+
+Reading order: see packages/zero/README.md.
+"""
+
+from minispeed.zero.activation import checkpoint
+from minispeed.zero.api import shard
+from minispeed.zero.checkpoints import consolidate, load_checkpoint, save_checkpoint
+from minispeed.zero.config import ZeroConfig
+from minispeed.zero.memory import estimate, measure
+from minispeed.zero.optimizer import ParamFragment, ShardStrategy, ZeroOptimizer
+from minispeed.zero.precision import LossScaler, MixedPrecision
+from minispeed.zero.stage3 import GatheredParameters, Init, set_leaf_module
+
+__all__ = [
+    "GatheredParameters",
+    "Init",
+    "LossScaler",
+    "MixedPrecision",
+    "ParamFragment",
+    "ShardStrategy",
+    "ZeroConfig",
+    "ZeroOptimizer",
+    "checkpoint",
+    "consolidate",
+    "estimate",
+    "load_checkpoint",
+    "measure",
+    "save_checkpoint",
+    "set_leaf_module",
+    "shard",
+]

@@ -1,0 +1,222 @@
+"""``zero.shard(model, optimizer, ...)``: apply a ZeRO stage to a model and its optimizer.
+
+::
+
+    import minispeed.zero as zero
+    opt = zero.shard(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                     config=zero.ZeroConfig(stage=2), precision=zero.MixedPrecision(torch.bfloat16))
+    for x, y in batches:
+        opt.backward(model(x, y))
+        opt.step()
+
+What it does, in order: check the inputs (each problem is an error naming the fix); broadcast
+rank 0's parameters so every rank starts equal (stages 0-2; Ψ·4 bytes once); build the stage's
+:class:`ShardStrategy` (which casts the parameters to ``param_dtype``, lays out flat buffers and
+installs gradient hooks on ``model`` in place); cast the model's remaining floating-point
+buffers; and wrap the user's optimizer in a :class:`ZeroOptimizer` stepping fp32 masters.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+import minispeed.comm as comm
+from minispeed.core.accelerator import get_accelerator
+from minispeed.core.logging import get_logger
+from minispeed.zero.config import ZeroConfig
+from minispeed.zero.optimizer import ShardStrategy, ZeroOptimizer, param_names
+from minispeed.zero.precision import MixedPrecision
+from minispeed.zero.stage0 import ReplicatedStrategy
+from minispeed.zero.stage3 import Stage3Strategy
+from minispeed.zero.stage12 import PartitionedStrategy
+
+__all__ = ["shard"]
+
+# Optimizers whose update of one element reads other elements (a line search, factored or
+# orthogonalized second moments, sparse rows): a partition of a flat buffer would change them.
+_NOT_ELEMENTWISE = ("LBFGS", "Adafactor", "Muon", "SparseAdam")
+# Optimizers known to update every element independently (any subclass of them counts).
+_ELEMENTWISE = (
+    "SGD",
+    "Adam",
+    "AdamW",
+    "Adagrad",
+    "Adadelta",
+    "Adamax",
+    "ASGD",
+    "NAdam",
+    "RAdam",
+    "RMSprop",
+    "Rprop",
+)
+
+_sharded_models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def shard(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: ZeroConfig | None = None,
+    precision: MixedPrecision | None = None,
+    group: Any = None,
+) -> ZeroOptimizer:
+    """Apply ZeRO ``config.stage`` to ``model`` (in place) and return the wrapping optimizer.
+
+    ``optimizer`` must be a fresh torch.optim optimizer (no state yet) over parameters of
+    ``model``; its param groups and hyper-parameters are kept. ``group`` is the data-parallel
+    process group (``None``: all ranks); the process group must be initialized
+    (``minispeed.comm.init_distributed()``; a single process works too).
+    """
+    config = config if config is not None else ZeroConfig()
+    precision = precision if precision is not None else MixedPrecision()
+    _check_inputs(model, optimizer, config, precision)
+    param_groups = [list(pg["params"]) for pg in optimizer.param_groups]
+
+    if config.stage < 3:
+        _broadcast_from_first_rank(param_groups, group)
+    strategy: ShardStrategy
+    if config.stage == 0:
+        strategy = ReplicatedStrategy(model, config, precision, group, param_groups=param_groups)
+    elif config.stage in (1, 2):
+        strategy = PartitionedStrategy(model, config, precision, group, param_groups=param_groups)
+    else:
+        strategy = Stage3Strategy(model, config, precision, group, param_groups=param_groups)
+    _cast_rest(model, {p for ps in param_groups for p in ps}, precision.param_dtype, config.stage)
+    _sharded_models.add(model)
+    names = param_names(model)
+    params = [p for ps in param_groups for p in ps]
+    return ZeroOptimizer(optimizer, strategy, config, precision, params, names, group)
+
+
+def _check_inputs(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: ZeroConfig,
+    precision: MixedPrecision,
+) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"shard() needs the nn.Module to train, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"shard() needs a torch.optim.Optimizer, got {type(optimizer).__name__}; build one over "
+            f"model.parameters(), e.g. torch.optim.AdamW(model.parameters(), lr=1e-3)"
+        )
+    if not isinstance(config, ZeroConfig):
+        raise TypeError(
+            f"config must be a ZeroConfig (see ZeroConfig.from_ds_config), got {type(config).__name__}"
+        )
+    if not isinstance(precision, MixedPrecision):
+        raise TypeError(f"precision must be a MixedPrecision, got {type(precision).__name__}")
+    if not comm.is_initialized():
+        raise RuntimeError(
+            "shard() needs a process group: call minispeed.comm.init_distributed() first "
+            "(it starts a single-process group when not launched by torchrun)"
+        )
+    if model in _sharded_models:
+        raise RuntimeError(
+            "this model was already passed to shard() and carries its gradient hooks; build a new "
+            "model (or keep using the ZeroOptimizer that shard() returned)"
+        )
+    _check_optimizer_kind(optimizer)
+    if any(len(s) for s in optimizer.state.values()):
+        raise ValueError(
+            "the optimizer already has state (it has stepped); pass a fresh optimizer to shard() "
+            "and restore state with minispeed.zero.load_checkpoint"
+        )
+    owned = {id(p) for p in model.parameters()}
+    for g, pg in enumerate(optimizer.param_groups):
+        for i, p in enumerate(pg["params"]):
+            if id(p) not in owned:
+                raise ValueError(
+                    f"optimizer.param_groups[{g}]['params'][{i}] (shape {tuple(p.shape)}) is not a "
+                    f"parameter of the model passed to shard(); build the optimizer from that "
+                    f"model's parameters (model.parameters())"
+                )
+    if precision.param_dtype == torch.bfloat16 and not get_accelerator().is_bf16_supported():
+        raise RuntimeError(
+            "this accelerator has no bf16 support; use param_dtype=torch.float16 or float32"
+        )
+    if precision.param_dtype == torch.float16 and not get_accelerator().is_fp16_supported():
+        raise RuntimeError(
+            "this accelerator has no fp16 support; use param_dtype=torch.bfloat16 or float32"
+        )
+
+
+def _check_optimizer_kind(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse optimizers that cannot step a partition of a flat buffer, or take our loss scale.
+
+    fp16: minispeed unscales the fp32 master gradients and skips overflowing steps *before* the
+    inner optimizer runs, so the inner step always sees true gradients and never needs the scale.
+    What cannot work is an optimizer that keeps its own view of scaling or of steps on the device
+    (``capturable=True``: CUDA-graph paths with device-side ``step``/``found_inf``) or that
+    differentiates through the step (``differentiable=True``).
+    """
+    kind = type(optimizer)
+    for name in _NOT_ELEMENTWISE:
+        cls = getattr(torch.optim, name, None)
+        if cls is not None and isinstance(optimizer, cls):
+            raise TypeError(
+                f"{kind.__name__} does not update each element independently, so it cannot step a "
+                f"partition of a flat buffer; use an elementwise optimizer ({', '.join(_ELEMENTWISE)})"
+            )
+    for flag in ("capturable", "differentiable"):
+        if any(pg.get(flag, False) for pg in optimizer.param_groups):
+            raise ValueError(
+                f"{kind.__name__}({flag}=True) is not supported: minispeed runs the optimizer step "
+                f"eagerly and applies the fp16 loss scale itself; construct it with {flag}=False"
+            )
+    known = tuple(c for c in (getattr(torch.optim, n, None) for n in _ELEMENTWISE) if c is not None)
+    if not isinstance(optimizer, known):
+        _log.warning(
+            "%s is not a known elementwise optimizer; minispeed.zero assumes it updates every "
+            "element independently (results are wrong for stages 1-3 if it does not)",
+            kind.__name__,
+        )
+
+
+@torch.no_grad()
+def _broadcast_from_first_rank(param_groups: list[list[nn.Parameter]], group: Any) -> None:
+    """Make every rank start from the weights of the group's first rank (Ψ·bytes sent, once)."""
+    if comm.get_world_size(group) == 1:
+        return
+    # broadcast() takes a *global* source rank; find the global rank of group rank 0.
+    device = param_groups[0][0].device if param_groups and param_groups[0] else torch.device("cpu")
+    first = torch.tensor(
+        [float(comm.get_rank() if comm.get_rank(group) == 0 else -1)], device=device
+    )
+    comm.all_reduce(first, op=comm.ReduceOp.MAX, group=group)
+    src = int(first.item())
+    for ps in param_groups:
+        for p in ps:
+            if p.data.is_contiguous():
+                comm.broadcast(p.data, src=src, group=group)
+            else:  # collectives need contiguous memory
+                buf = p.data.contiguous()
+                comm.broadcast(buf, src=src, group=group)
+                p.data.copy_(buf)
+
+
+@torch.no_grad()
+def _cast_rest(
+    model: nn.Module, managed: set[nn.Parameter], dtype: torch.dtype, stage: int
+) -> None:
+    """Cast floating-point buffers (and, stages 0-2, unmanaged parameters) to ``dtype``.
+
+    Managed parameters were cast by the strategy; stage 3 owns all parameter storage itself.
+    """
+    for module in model.modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf.is_floating_point() and buf.dtype != dtype:
+                setattr(module, name, buf.to(dtype))
+    if stage == 3:
+        return
+    for p in model.parameters():
+        if p not in managed and p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+
+
+_log = get_logger("zero")

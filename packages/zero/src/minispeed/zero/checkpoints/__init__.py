@@ -1,0 +1,24 @@
+"""Sharded, parallelism-agnostic ZeRO checkpoints.
+
+Reading order: ``layout.py`` (the files and the atomic-write protocol), ``save.py`` (each rank
+writes its fragments), ``load.py`` (any world size or stage reads them back),
+``consolidate.py`` (one fp32 state_dict, streaming).
+
+(The package is ``checkpoints``, plural: ``zero.checkpoint`` is activation checkpointing, and a
+submodule of that name would replace the function on the package when imported.)
+"""
+
+from minispeed.zero.checkpoints.consolidate import ConsolidationReport, consolidate
+from minispeed.zero.checkpoints.layout import FORMAT_VERSION, CheckpointError, CheckpointMetadata
+from minispeed.zero.checkpoints.load import load_checkpoint
+from minispeed.zero.checkpoints.save import save_checkpoint
+
+__all__ = [
+    "FORMAT_VERSION",
+    "CheckpointError",
+    "CheckpointMetadata",
+    "ConsolidationReport",
+    "consolidate",
+    "load_checkpoint",
+    "save_checkpoint",
+]

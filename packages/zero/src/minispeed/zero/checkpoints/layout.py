@@ -1,0 +1,322 @@
+"""What a ZeRO checkpoint looks like on disk, and how files get there without ever half-existing.
+
+::
+
+    CKPT_DIR/
+      latest                                 "<tag>\\n", replaced atomically after the tag is complete
+      <tag>/
+        weights.rank00000-of-00002.pt        rank 0's fp32 master pieces: one flat tensor and its
+                                             index [(name, start, numel)] (see pack_pieces)
+        optim.rank00000-of-00002.pt          per optimizer state key (exp_avg, ...), the same kind
+                                             of packed pieces; plus this rank's RNG states
+        ...                                  (one pair per rank)
+        common.pt                            rank 0: hyper-parameters, scalar optimizer state per
+                                             parameter, loss scaler, step counters, model buffers
+        metadata.json                        rank 0, written last: the "complete" marker and index
+
+The layout is *per parameter*: a fragment is named by the model's parameter name and the flat
+range ``[start, start + numel)`` of that parameter it covers, never by a rank's flat-buffer offset.
+So any world size or ZeRO stage can find the bytes of any parameter (``load.py``), and a reader
+that wants weights only never opens an ``optim`` file (``consolidate.py``).
+
+Note [atomic checkpoint]
+Every file is written to ``<name>.tmp-<pid>``, flushed, fsynced and renamed over its final name,
+and the directory is fsynced, so a reader sees either no file or a whole one. The tag becomes
+*complete* only when rank 0 writes ``metadata.json``, which it does after every rank's shards
+are on disk (the gather of their shard records is the barrier). ``latest`` moves to the tag
+after that. A crash anywhere before leaves ``latest`` on the previous complete tag, and the
+interrupted tag has no ``metadata.json``, which loaders and the consolidation refuse by name.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "COMMON_FILE",
+    "FORMAT_VERSION",
+    "LATEST_FILE",
+    "METADATA_FILE",
+    "CheckpointError",
+    "CheckpointMetadata",
+    "ParamRecord",
+    "ShardRecord",
+    "atomic_save",
+    "atomic_write_text",
+    "iter_pieces",
+    "optim_file",
+    "pack_pieces",
+    "read_metadata",
+    "resolve_tag_dir",
+    "weights_file",
+]
+
+#: Bumped whenever a reader of the previous layout would misread the new one.
+FORMAT_VERSION = 1
+METADATA_FILE = "metadata.json"
+LATEST_FILE = "latest"
+COMMON_FILE = "common.pt"
+
+#: Fault injection for tests (see Note [atomic checkpoint]): the rank named here exits in the
+#: middle of writing its weights shard, as if the machine died.
+CRASH_RANK_ENV = "MINISPEED_CHECKPOINT_CRASH_RANK"
+
+_SHARD_RE = re.compile(r"^(weights|optim)\.rank(\d{5})-of-(\d{5})\.pt$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read as asked: incomplete, incompatible, or not this model's."""
+
+
+def weights_file(rank: int, world_size: int) -> str:
+    """File name of ``rank``'s fp32 weight fragments."""
+    return f"weights.rank{rank:05d}-of-{world_size:05d}.pt"
+
+
+def optim_file(rank: int, world_size: int) -> str:
+    """File name of ``rank``'s optimizer-state fragments."""
+    return f"optim.rank{rank:05d}-of-{world_size:05d}.pt"
+
+
+@dataclass(frozen=True)
+class ParamRecord:
+    """One model parameter as the checkpoint knows it."""
+
+    name: str  # first name in model.named_parameters()
+    shape: tuple[int, ...]  # the full shape
+    group: int  # optimizer param group at save time
+    aliases: tuple[str, ...] = ()  # other names of the same (tied) parameter
+
+    @property
+    def numel(self) -> int:
+        """Elements of the full parameter."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """One rank's files and the flat ranges they hold: (name, start, numel) per piece."""
+
+    rank: int
+    weights_file: str
+    optim_file: str
+    pieces: tuple[tuple[str, int, int], ...]
+    weights_bytes: int  # bytes of fp32 values in the weights file (the consolidation bound)
+
+
+@dataclass(frozen=True)
+class CheckpointMetadata:
+    """The index written last (``metadata.json``): version, topology and where every piece is."""
+
+    format_version: int
+    tag: str
+    world_size: int
+    stage: int
+    global_step: int
+    params: tuple[ParamRecord, ...]
+    shards: tuple[ShardRecord, ...]
+    optimizer_class: str
+    state_keys: tuple[str, ...]  # per-element optimizer state tensors (exp_avg, ...)
+    state_dict_keys: tuple[str, ...]  # model.state_dict() order, for the consolidated file
+    buffer_names: tuple[str, ...]  # model buffers saved in common.pt
+    frozen_names: tuple[str, ...]  # parameters outside the optimizer, saved whole in common.pt
+
+    def to_json(self) -> str:
+        """Deterministic JSON text."""
+        return json.dumps(asdict(self), indent=1)
+
+    @staticmethod
+    def from_json(text: str) -> CheckpointMetadata:
+        """Parse :meth:`to_json`'s output (version checked by :func:`read_metadata`)."""
+        raw = json.loads(text)
+        raw["params"] = tuple(
+            ParamRecord(p["name"], tuple(p["shape"]), p["group"], tuple(p["aliases"]))
+            for p in raw["params"]
+        )
+        raw["shards"] = tuple(
+            ShardRecord(
+                s["rank"],
+                s["weights_file"],
+                s["optim_file"],
+                tuple((n, int(a), int(k)) for n, a, k in s["pieces"]),
+                s["weights_bytes"],
+            )
+            for s in raw["shards"]
+        )
+        for key in ("state_keys", "state_dict_keys", "buffer_names", "frozen_names"):
+            raw[key] = tuple(raw[key])
+        return CheckpointMetadata(**raw)
+
+
+# -- packed pieces: many small fragments as one tensor ------------------------------------------
+
+
+def pack_pieces(pieces: list[tuple[str, int, torch.Tensor]]) -> dict[str, Any]:
+    """{"index": [(name, start, numel)], "values": 1-D tensor}: the pieces' values back to back.
+
+    One storage per file instead of one per fragment: a shard file is then its values plus a few
+    hundred bytes, and reading it maps one record (Ψ/N·4 bytes for fp32 weights).
+    """
+    index = [(name, start, t.numel()) for name, start, t in pieces]
+    if not pieces:
+        return {"index": index, "values": torch.empty(0)}
+    return {"index": index, "values": torch.cat([t.reshape(-1) for _, _, t in pieces]).to("cpu")}
+
+
+def iter_pieces(packed: dict[str, Any]) -> Iterator[tuple[str, int, torch.Tensor]]:
+    """(name, start, values) of each piece of :func:`pack_pieces`'s output (views, no copies)."""
+    offset = 0
+    for name, start, numel in packed["index"]:
+        yield name, start, packed["values"][offset : offset + numel]
+        offset += numel
+
+
+# -- atomic writes (Note [atomic checkpoint]) --------------------------------------------------
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, write: Callable[[io.BufferedWriter], None]) -> int:
+    """Write through ``write(f)`` to a temp file, fsync, rename over ``path``; returns bytes."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+        size = f.tell()
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    return size
+
+
+class _DieMidWrite(io.RawIOBase):
+    """A file wrapper that flushes what it has and kills the process halfway through a write."""
+
+    def __init__(self, f: io.BufferedWriter) -> None:
+        self.f = f
+        self.calls = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        self.calls += 1
+        if self.calls > 1:  # some bytes already on disk, the rest never will be
+            self.f.flush()
+            os.fsync(self.f.fileno())
+            os._exit(17)
+        return self.f.write(data)
+
+
+def atomic_save(obj: Any, path: Path, *, crash_point: bool = False) -> int:
+    """``torch.save`` to ``path`` atomically; returns the file size in bytes.
+
+    ``crash_point``: this write is the one the test hook (``MINISPEED_CHECKPOINT_CRASH_RANK``)
+    may interrupt.
+    """
+
+    def write(f: io.BufferedWriter) -> None:
+        crash = crash_point and os.environ.get(CRASH_RANK_ENV) == os.environ.get("RANK", "0")
+        torch.save(obj, _DieMidWrite(f) if crash else f)
+
+    return _atomic_write(path, write)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write a small text file atomically (``metadata.json``, ``latest``)."""
+    _atomic_write(path, lambda f: f.write(text.encode()))
+
+
+# -- reading ------------------------------------------------------------------------------------
+
+
+def resolve_tag_dir(path: str | os.PathLike, tag: str | None = None) -> Path:
+    """The tag directory: ``path/tag``, or ``path/<latest>``, or ``path`` itself if it is a tag."""
+    root = Path(path)
+    if tag is not None:
+        return root / tag
+    latest = root / LATEST_FILE
+    if latest.is_file():
+        return root / latest.read_text().strip()
+    if (root / METADATA_FILE).is_file() or any(_SHARD_RE.match(p.name) for p in _listdir(root)):
+        return root
+    raise CheckpointError(
+        f"{root} is neither a checkpoint directory with a '{LATEST_FILE}' file nor a tag "
+        "directory; pass the directory given to save_checkpoint (and tag=... if it has no "
+        f"'{LATEST_FILE}'), or the tag directory itself"
+    )
+
+
+def _listdir(path: Path) -> list[Path]:
+    return sorted(path.iterdir()) if path.is_dir() else []
+
+
+def _missing_shards(tag_dir: Path) -> tuple[list[str], list[str]]:
+    """(present, missing) shard file names, inferring the expected set from the ``-of-N`` suffix."""
+    present = [p.name for p in _listdir(tag_dir) if _SHARD_RE.match(p.name)]
+    world_sizes = {int(_SHARD_RE.match(n).group(3)) for n in present}
+    expected = {
+        f(r, ws) for ws in world_sizes for r in range(ws) for f in (weights_file, optim_file)
+    }
+    return present, sorted(expected - set(present))
+
+
+def read_metadata(tag_dir: Path, *, need_optimizer_state: bool = True) -> CheckpointMetadata:
+    """Read and check ``metadata.json``: present (complete tag), of our format version, and with
+    every shard file it lists (the weights only, when ``need_optimizer_state`` is False)."""
+    meta_path = tag_dir / METADATA_FILE
+    if not tag_dir.is_dir():
+        raise CheckpointError(f"checkpoint tag directory {tag_dir} does not exist")
+    if not meta_path.is_file():
+        present, missing = _missing_shards(tag_dir)
+        latest = tag_dir.parent / LATEST_FILE
+        hint = (
+            f"; '{LATEST_FILE}' points to {latest.read_text().strip()!r}, load that instead"
+            if latest.is_file()
+            else ""
+        )
+        raise CheckpointError(
+            f"checkpoint {tag_dir} is incomplete: {METADATA_FILE} was never written, so the save "
+            f"was interrupted. Missing shards: {missing or 'none (all shard files exist)'}; "
+            f"present: {present}{hint}"
+        )
+    raw = json.loads(meta_path.read_text())
+    version = raw.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {tag_dir} has format version {version}, but this minispeed.zero reads "
+            f"version {FORMAT_VERSION}. Load it with the minispeed release that wrote it and "
+            "consolidate it there (`python -m minispeed.zero consolidate CKPT_DIR OUT.pt`) into a "
+            "plain fp32 state_dict, which loads anywhere with model.load_state_dict"
+        )
+    meta = CheckpointMetadata.from_json(meta_path.read_text())
+    absent = [
+        name
+        for s in meta.shards
+        for name in (s.weights_file, s.optim_file)[: 2 if need_optimizer_state else 1]
+        if not (tag_dir / name).is_file()
+    ]
+    if absent:
+        raise CheckpointError(
+            f"checkpoint {tag_dir} is complete but shard files {absent} are missing (deleted or not "
+            "copied?); copy them back from where the checkpoint was written, or load another tag"
+        )
+    return meta

@@ -1,0 +1,276 @@
+"""Load a ZeRO checkpoint into any world size and any stage ("universal" loading).
+
+The checkpoint names every piece by (parameter name, flat range) (``layout.py``); this rank asks
+its optimizer which ranges it holds now (``opt.fragments()``) and copies the intersection of each
+saved piece with each of its fragments into its fp32 masters and optimizer state. Nothing in
+that depends on the world size or stage that wrote the checkpoint; the same code resumes a run
+exactly (same world size: every element comes back bit for bit, and with it the RNG states) or
+continues it on 4 ranks at stage 3 from 2 ranks at stage 2.
+
+Host memory while loading: the saved shards are opened one at a time with ``mmap``, so only the
+pages of pieces this rank needs are read: about (4 + K_state)·Ψ/N bytes per rank in total.
+Each rank reads metadata.json, common.pt and the shards that overlap its fragments.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import nn
+
+import minispeed.comm as comm
+from minispeed.core.accelerator import get_accelerator
+from minispeed.zero.checkpoints.layout import (
+    COMMON_FILE,
+    CheckpointError,
+    CheckpointMetadata,
+    iter_pieces,
+    read_metadata,
+    resolve_tag_dir,
+)
+
+__all__ = ["load_checkpoint"]
+
+
+def _check_model_matches(
+    model: nn.Module, opt_shapes: dict[str, tuple[int, ...]], meta: CheckpointMetadata
+) -> None:
+    """Same parameter names and shapes as the checkpoint, or an error naming the first mismatch."""
+    saved = {p.name: p.shape for p in meta.params}
+    canonical = {alias: p.name for p in meta.params for alias in p.aliases}
+    frozen = set(meta.frozen_names)
+    seen = set()
+    for name, _ in model.named_parameters():
+        if name in opt_shapes:
+            shape = opt_shapes[name]
+            key = canonical.get(name, name)
+            if key not in saved:
+                raise CheckpointError(
+                    f"model parameter {name!r} {shape} is not in the checkpoint (which has "
+                    f"{len(saved)} parameters, e.g. {next(iter(saved), None)!r}); load into the "
+                    "model architecture that saved it, or rename the parameter"
+                )
+            if tuple(saved[key]) != tuple(shape):
+                raise CheckpointError(
+                    f"parameter {name!r} has shape {tuple(shape)} in the model but "
+                    f"{tuple(saved[key])} in the checkpoint; build the model with the "
+                    "configuration that saved the checkpoint"
+                )
+            seen.add(key)
+        elif name not in frozen:
+            raise CheckpointError(
+                f"model parameter {name!r} is neither optimized nor saved as frozen in the "
+                "checkpoint; load into the model architecture that saved it"
+            )
+    extra = [n for n in saved if n not in seen]
+    if extra:
+        raise CheckpointError(
+            f"checkpoint parameter {extra[0]!r} {tuple(saved[extra[0]])} does not exist in the "
+            f"model ({len(extra)} checkpoint parameters are unmatched); load into the model "
+            "architecture that saved it"
+        )
+
+
+def _restore_rng(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["cpu"])
+    acc = get_accelerator()
+    if rng.get("accelerator") is not None and acc.name == rng["accelerator_name"]:
+        torch.get_device_module(acc.name).set_rng_state(
+            rng["accelerator"], acc.current_device_index()
+        )
+
+
+def load_checkpoint(
+    opt: Any,
+    model: nn.Module,
+    load_dir: str | os.PathLike,
+    tag: str | None = None,
+    *,
+    load_optimizer_states: bool = True,
+    load_rng: bool = True,
+) -> dict[str, Any] | None:
+    """Restore a checkpoint written by :func:`~minispeed.zero.save_checkpoint` into ``opt``/``model``.
+
+    Collective: every rank of the optimizer's group calls it. ``tag`` defaults to the one named
+    in ``load_dir/latest``. Works for any world size and stage (fp32 masters and per-element
+    optimizer state are re-sliced; scalar state such as Adam's ``step`` is shared by all pieces).
+    RNG states are restored only on the world size that saved them. Returns the saved
+    ``client_state``.
+
+    Errors: an incomplete tag (interrupted save), another format version, or a model whose
+    parameter names/shapes differ from the checkpoint's (the first mismatch is named).
+    """
+    group = opt.comm_group
+    rank, world_size = comm.get_rank(group), comm.get_world_size(group)
+    tag_dir = resolve_tag_dir(load_dir, tag)
+    meta = read_metadata(tag_dir, need_optimizer_state=load_optimizer_states)
+
+    fragments = list(opt.fragments())
+    shapes: dict[str, tuple[int, ...]] = {}
+    for part in comm.all_gather_object({f.name: tuple(f.shape) for f in fragments}, group=group):
+        shapes.update(part)
+    _check_model_matches(model, shapes, meta)
+    canonical = {alias: p.name for p in meta.params for alias in p.aliases}
+    # Our fragments by the checkpoint's name of their parameter.
+    mine: dict[str, list[Any]] = defaultdict(list)
+    for f in fragments:
+        if f.numel > 0:
+            mine[canonical.get(f.name, f.name)].append(f)
+
+    # weights_only=False: common.pt carries the caller's client_state (load checkpoints you trust).
+    common = torch.load(tag_dir / COMMON_FILE, map_location="cpu", weights_only=False)
+    inner = opt.optimizer
+    masters = {
+        (f.group, f.master_index): inner.param_groups[f.group]["params"][f.master_index]
+        for f in fragments
+    }
+    for m in masters.values():
+        if not m.is_contiguous():
+            raise RuntimeError(
+                "ZeRO master tensors must be contiguous to be filled from a checkpoint"
+            )
+
+    filled: dict[tuple[str, int], int] = defaultdict(int)
+    state_filled: dict[tuple[int, int], bool] = {}
+    load_states = load_optimizer_states and bool(meta.state_keys)
+    for shard in meta.shards:
+        if not any(name in mine for name, _, _ in shard.pieces):
+            continue  # nothing of ours in this shard: do not even open it
+        _copy_weights(tag_dir / shard.weights_file, mine, masters, filled)
+        if load_states:
+            _copy_states(
+                tag_dir / shard.optim_file, mine, masters, inner, meta.state_keys, state_filled
+            )
+
+    damage = next(
+        (
+            f"checkpoint {tag_dir} holds {filled[(name, f.start)]} of the {f.numel} elements "
+            f"[{f.start}, {f.start + f.numel}) of parameter {name!r} that rank {rank} needs; it is "
+            "damaged (re-save it, or load an earlier tag)"
+            for name, fs in mine.items()
+            for f in fs
+            if filled[(name, f.start)] != f.numel
+        ),
+        None,
+    )
+    # Every rank raises together (the next step is a collective that would wait forever).
+    reports = [r for r in comm.all_gather_object(damage, group=group) if r is not None]
+    if reports:
+        raise CheckpointError(reports[0])
+
+    if load_optimizer_states:
+        _restore_scalars_and_hyper(opt, meta, common, mine, masters, state_filled)
+    if opt.loss_scaler is not None and common["loss_scaler"] is not None:
+        opt.loss_scaler.load_state_dict(common["loss_scaler"])
+    opt.global_step = common["global_step"]
+    opt.micro_step = common["micro_step"]
+    _restore_module_tensors(model, common)
+    opt.strategy.publish_params()  # masters -> model parameters (all-gather for stages 1-2)
+
+    if (
+        load_rng
+        and meta.world_size == world_size
+        and (tag_dir / meta.shards[rank].optim_file).is_file()
+    ):
+        own = meta.shards[rank]
+        rng = torch.load(tag_dir / own.optim_file, mmap=True, weights_only=True)["rng"]
+        if rng is not None:
+            _restore_rng(rng)
+    return common["client_state"]
+
+
+@torch.no_grad()
+def _copy_weights(path, mine, masters, filled) -> None:
+    """Copy the saved fp32 pieces of one shard file that overlap our fragments into the masters."""
+    saved = torch.load(path, mmap=True, weights_only=True)  # pages are read only where we copy
+    for name, start, values in iter_pieces(saved):
+        for f, lo, hi in _overlaps(mine.get(name, ()), start, values.numel()):
+            dst = masters[(f.group, f.master_index)].view(-1)
+            dst[f.master_offset + lo - f.start : f.master_offset + hi - f.start].copy_(
+                values[lo - start : hi - start]
+            )
+            filled[(name, f.start)] += hi - lo
+
+
+@torch.no_grad()
+def _copy_states(path, mine, masters, inner, keys, state_filled) -> None:
+    """The same for each per-element optimizer state tensor (exp_avg, ...)."""
+    saved = torch.load(path, mmap=True, weights_only=True)
+    for key, packed in saved["state"].items():
+        for name, start, values in iter_pieces(packed):
+            for f, lo, hi in _overlaps(mine.get(name, ()), start, values.numel()):
+                where = (f.group, f.master_index)
+                dst = _element_state(inner, masters[where], keys, state_filled, where)[key].view(-1)
+                dst[f.master_offset + lo - f.start : f.master_offset + hi - f.start].copy_(
+                    values[lo - start : hi - start]
+                )
+
+
+def _overlaps(fragments, start: int, numel: int):
+    """(fragment, lo, hi) for each fragment whose range meets [start, start + numel)."""
+    for f in fragments:
+        lo, hi = max(start, f.start), min(start + numel, f.start + f.numel)
+        if lo < hi:
+            yield f, lo, hi
+
+
+def _element_state(inner, master, keys, state_filled, key) -> dict[str, torch.Tensor]:
+    """The master's optimizer state, created (zeros) for ``keys`` the first time it is touched."""
+    if key not in state_filled:
+        inner.state[master] = {k: torch.zeros_like(master) for k in keys}
+        state_filled[key] = True
+    return inner.state[master]
+
+
+def _restore_scalars_and_hyper(opt, meta, common, mine, masters, state_filled) -> None:
+    """Hyper-parameters per param group, and scalar state (Adam's ``step``) per master tensor."""
+    inner = opt.optimizer
+    saved_groups = common["param_groups"]
+    if len(saved_groups) != len(inner.param_groups):
+        raise CheckpointError(
+            f"the checkpoint has {len(saved_groups)} optimizer param groups, this optimizer "
+            f"{len(inner.param_groups)}; build the optimizer with the same groups, or pass "
+            "load_optimizer_states=False to load the weights only"
+        )
+    for pg, saved in zip(inner.param_groups, saved_groups):
+        pg.update({k: v for k, v in saved.items() if k != "params"})
+    scalars = common["scalar_state"]
+    for name, fs in mine.items():
+        for f in fs:
+            key = (f.group, f.master_index)
+            if key in state_filled and name in scalars:
+                state = inner.state[masters[key]]
+                for k, v in scalars[name].items():
+                    state.setdefault(k, _scalar_for(v, inner.param_groups[f.group], masters[key]))
+    # A master whose pieces carried moments but no scalar (its parameters had no state when
+    # saved, e.g. an unused one) takes the scalars of its param group's other masters.
+    for key in state_filled:
+        state = inner.state[masters[key]]
+        for other in state_filled:
+            if other[0] == key[0]:
+                for k, v in inner.state[masters[other]].items():
+                    if k not in meta.state_keys and k not in state:
+                        state[k] = _scalar_for(v, inner.param_groups[key[0]], masters[key])
+
+
+def _scalar_for(value: Any, group: dict[str, Any], master: torch.Tensor) -> Any:
+    """A fresh copy of a scalar state value, on the master's device where the optimizer wants it."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    on_device = group.get("capturable") or group.get("fused")
+    return value.to(master.device, copy=True) if on_device else value.clone()
+
+
+def _restore_module_tensors(model: nn.Module, common: dict[str, Any]) -> None:
+    """Buffers and frozen (non-optimized) parameters, saved whole by rank 0."""
+    with torch.no_grad():
+        buffers = dict(model.named_buffers())
+        for name, value in common["buffers"].items():
+            if name in buffers:
+                buffers[name].copy_(value)
+        params = dict(model.named_parameters())
+        for name, value in common["frozen_params"].items():
+            params[name].copy_(value)

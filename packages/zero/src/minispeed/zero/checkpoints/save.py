@@ -1,0 +1,280 @@
+"""Save a ZeRO training state: every rank writes its own fragments, rank 0 seals the tag.
+
+What each rank writes (layout and atomicity: ``layout.py``, Note [atomic checkpoint]):
+
+- ``weights.rankR-of-N.pt``: the fp32 master values of the fragments it owns (4 bytes per element;
+  summed over ranks: 4Ψ for stages 1-3, and also 4Ψ for stage 0, whose replicated fragments are
+  written by the lowest rank holding them only, see :func:`_owned_pieces`);
+- ``optim.rankR-of-N.pt``: the inner optimizer's per-element state for the same pieces (Adam:
+  8 bytes per element) and the rank's RNG states;
+- rank 0 also writes ``common.pt`` (hyper-parameters, the scalar state of each parameter such as
+  Adam's ``step``, loss scaler, step counters, model buffers) and, last, ``metadata.json``.
+
+Host memory while saving: one copy of this rank's fragments and of their optimizer state, i.e.
+(4 + K_state)·Ψ/N bytes for the partitioned stages (pieces are packed into one new tensor per file,
+so ``torch.save`` never writes the whole flat storage a slice views).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import minispeed.comm as comm
+from minispeed.core.accelerator import get_accelerator
+from minispeed.zero.checkpoints.layout import (
+    COMMON_FILE,
+    FORMAT_VERSION,
+    LATEST_FILE,
+    METADATA_FILE,
+    CheckpointMetadata,
+    ParamRecord,
+    ShardRecord,
+    atomic_save,
+    atomic_write_text,
+    optim_file,
+    pack_pieces,
+    weights_file,
+)
+
+__all__ = ["save_checkpoint"]
+
+
+def _owned_pieces(
+    all_fragments: list[list[tuple[str, int, int]]], rank: int
+) -> list[tuple[str, int, int]]:
+    """This rank's (name, start, numel) ranges that no lower rank also holds.
+
+    Stage 0 replicates every parameter, so without this every rank would write Ψ·4 bytes; with
+    it rank 0 writes them once. Partitioned stages hold disjoint ranges and keep all of theirs.
+    """
+    covered: dict[str, list[tuple[int, int]]] = {}
+    for lower in all_fragments[:rank]:
+        for name, start, numel in lower:
+            covered.setdefault(name, []).append((start, start + numel))
+    owned = []
+    for name, start, numel in all_fragments[rank]:
+        todo = [(start, start + numel)]
+        for a, z in sorted(covered.get(name, [])):
+            todo = [piece for lo, hi in todo for piece in _subtract(lo, hi, a, z)]
+        owned.extend((name, lo, hi - lo) for lo, hi in todo if hi > lo)
+    return owned
+
+
+def _subtract(lo: int, hi: int, a: int, z: int) -> Iterable[tuple[int, int]]:
+    """[lo, hi) minus [a, z): up to two ranges."""
+    if z <= lo or a >= hi:
+        return [(lo, hi)]
+    return [r for r in ((lo, a), (z, hi)) if r[1] > r[0]]
+
+
+def _rng_state() -> dict[str, Any]:
+    acc = get_accelerator()
+    state: dict[str, Any] = {
+        "cpu": torch.get_rng_state(),
+        "accelerator_name": acc.name,
+        "accelerator": None,
+    }
+    if acc.name != "cpu":
+        module = torch.get_device_module(acc.name)
+        state["accelerator"] = module.get_rng_state(acc.current_device_index())
+    return state
+
+
+def _split_state(state: dict[str, Any], master: torch.Tensor) -> tuple[dict, dict]:
+    """(per-element tensors shaped like the master, scalars) of one master's optimizer state."""
+    per_element, scalars = {}, {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.numel() == master.numel() and value.dim() > 0:
+            per_element[key] = value
+        elif isinstance(value, torch.Tensor) and value.numel() == 1:
+            scalars[key] = value.detach().cpu().clone()
+        elif isinstance(value, (int, float, bool)):
+            scalars[key] = value
+        else:
+            raise TypeError(
+                f"optimizer state {key!r} has shape {tuple(getattr(value, 'shape', ()))}, neither "
+                f"the master's ({master.numel()} elements) nor a scalar; ZeRO checkpoints support "
+                "elementwise optimizers only (SGD, Adam(W), Adagrad, RMSprop, ...)"
+            )
+    return per_element, scalars
+
+
+def save_checkpoint(
+    opt: Any,
+    model: nn.Module,
+    save_dir: str | os.PathLike,
+    tag: str | None = None,
+    *,
+    client_state: dict[str, Any] | None = None,
+    save_rng: bool = True,
+) -> Path:
+    """Save ``opt`` (a :class:`~minispeed.zero.ZeroOptimizer`) and ``model`` under ``save_dir/tag``.
+
+    Collective: every rank of the optimizer's group must call it. ``tag`` defaults to
+    ``global_step<N>``. ``client_state`` (picklable, rank 0's copy) comes back from
+    :func:`~minispeed.zero.load_checkpoint`. Returns the tag directory, complete on return.
+    Call it at an accumulation boundary (after ``opt.step()`` stepped, or before any backward).
+    """
+    group = opt.comm_group
+    rank, world_size = comm.get_rank(group), comm.get_world_size(group)
+    gas = opt.config.gradient_accumulation_steps
+    if opt.micro_step % gas != 0:
+        raise RuntimeError(
+            f"save_checkpoint at micro-step {opt.micro_step} is inside a gradient accumulation "
+            f"window of {gas} micro-steps; the partial gradients would be lost. Save after the "
+            "opt.step() call that returned True"
+        )
+    tag = tag if tag is not None else f"global_step{opt.global_step}"
+    root = Path(save_dir)
+    tag_dir = root / tag
+
+    fragments = opt.fragments()
+    mine = [(f.name, f.start, f.numel) for f in fragments if f.numel > 0]
+    everyone = comm.all_gather_object(
+        {"pieces": mine, "shapes": {f.name: tuple(f.shape) for f in fragments}}, group=group
+    )
+    owned = _owned_pieces([e["pieces"] for e in everyone], rank)
+
+    # An existing tag is about to be overwritten: unseal it first, so that a crash part-way
+    # leaves an incomplete tag (refused by name) rather than a complete-looking mixture.
+    if rank == 0:
+        tag_dir.mkdir(parents=True, exist_ok=True)
+        (tag_dir / METADATA_FILE).unlink(missing_ok=True)
+    comm.barrier(group=group)
+
+    by_name = {f.name: f for f in fragments if f.numel > 0}
+    inner = opt.optimizer
+    weights: list[tuple[str, int, torch.Tensor]] = []
+    moments: dict[str, list[tuple[str, int, torch.Tensor]]] = {}  # state key -> pieces
+    scalars: dict[str, dict[str, Any]] = {}
+    with torch.no_grad():
+        for name, start, numel in owned:
+            f = by_name[name]
+            master = inner.param_groups[f.group]["params"][f.master_index]
+            lo = f.master_offset + (start - f.start)
+            weights.append((name, start, master.reshape(-1)[lo : lo + numel]))
+            per_element, scalar = _split_state(inner.state.get(master, {}), master)
+            for key, value in per_element.items():
+                moments.setdefault(key, []).append(
+                    (name, start, value.reshape(-1)[lo : lo + numel])
+                )
+            if scalar:
+                scalars[(name, start)] = scalar  # rank 0 keeps one per parameter
+
+    wfile, ofile = weights_file(rank, world_size), optim_file(rank, world_size)
+    header = {"format_version": FORMAT_VERSION, "rank": rank, "world_size": world_size, "tag": tag}
+    packed = pack_pieces(weights)  # one fp32 copy of this rank's pieces: 4·Ψ/N bytes
+    # See Note [atomic checkpoint]; the weights file is where the crash test hook strikes.
+    atomic_save({**header, **packed}, tag_dir / wfile, crash_point=True)
+    states = {key: pack_pieces(pieces) for key, pieces in moments.items()}
+    atomic_save(
+        {**header, "state": states, "rng": _rng_state() if save_rng else None}, tag_dir / ofile
+    )
+    state_keys = set(moments)
+    record = ShardRecord(rank, wfile, ofile, tuple(owned), packed["values"].numel() * 4)
+
+    # The gather is the barrier: it returns once every rank's shard files are on disk.
+    gathered = comm.all_gather_object(
+        {"record": record, "scalars": scalars, "state_keys": sorted(state_keys)}, group=group
+    )
+    if rank == 0:
+        _write_common_and_seal(opt, model, root, tag, world_size, everyone, gathered, client_state)
+    comm.barrier(group=group)  # nobody returns before the tag is sealed and `latest` moved
+    return tag_dir
+
+
+def _write_common_and_seal(
+    opt: Any,
+    model: nn.Module,
+    root: Path,
+    tag: str,
+    world_size: int,
+    everyone: list[dict[str, Any]],
+    gathered: list[dict[str, Any]],
+    client_state: dict[str, Any] | None,
+) -> None:
+    """Rank 0: write ``common.pt``, then ``metadata.json`` (the seal), then ``latest``."""
+    tag_dir = root / tag
+    shapes: dict[str, tuple[int, ...]] = {}
+    for e in everyone:
+        shapes.update(e["shapes"])
+    aliases: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    fragment_group = {f.name: f.group for f in opt.fragments()}
+    params = tuple(
+        ParamRecord(name, shapes[name], fragment_group.get(name, -1), tuple(aliases[id(p)][1:]))
+        for name, p in model.named_parameters()
+        if name in shapes
+    )
+    # Scalar state (Adam's step) once per parameter: from its first piece that has any. (A
+    # piece may lack state where another has it: stage 0/3 skip a master no rank used.)
+    scalars: dict[str, dict[str, Any]] = {}
+    for (name, _), value in sorted(
+        ((k, v) for g in gathered for k, v in g["scalars"].items()), key=lambda kv: kv[0][1]
+    ):
+        scalars.setdefault(name, value)
+    inner = opt.optimizer
+    hyper = [{k: v for k, v in pg.items() if k != "params"} for pg in inner.param_groups]
+    buffers = {name: b.detach().cpu().clone() for name, b in model.named_buffers()}
+    frozen = {}
+    for name, p in model.named_parameters():
+        if name in shapes:
+            continue
+        if p.numel() == 0:
+            raise NotImplementedError(
+                f"parameter {name!r} is not in the optimizer and holds no data here (a released "
+                "stage-3 parameter): gather it or add it to the optimizer before saving"
+            )
+        frozen[name] = p.detach().cpu().clone()
+    common = {
+        "format_version": FORMAT_VERSION,
+        "param_groups": hyper,
+        "scalar_state": scalars,
+        "loss_scaler": opt.loss_scaler.state_dict() if opt.loss_scaler is not None else None,
+        "global_step": opt.global_step,
+        "micro_step": opt.micro_step,
+        "buffers": buffers,
+        "frozen_params": frozen,
+        "client_state": client_state,
+    }
+    atomic_save(common, tag_dir / COMMON_FILE)
+    meta = CheckpointMetadata(
+        format_version=FORMAT_VERSION,
+        tag=tag,
+        world_size=world_size,
+        stage=opt.config.stage,
+        global_step=opt.global_step,
+        params=params,
+        shards=tuple(g["record"] for g in gathered),
+        optimizer_class=type(inner).__name__,
+        state_keys=tuple(sorted({k for g in gathered for k in g["state_keys"]})),
+        state_dict_keys=tuple(_state_dict_keys(model)),
+        buffer_names=tuple(buffers),
+        frozen_names=tuple(frozen),
+    )
+    atomic_write_text(tag_dir / METADATA_FILE, meta.to_json())
+    atomic_write_text(root / LATEST_FILE, tag + "\n")
+
+
+def _state_dict_keys(module: nn.Module, prefix: str = "") -> list[str]:
+    """``module.state_dict()``'s keys, in its order, without reading any tensor.
+
+    (A released stage-3 parameter must not be touched outside its gathered context.)
+    """
+    keys = [prefix + n for n, p in module._parameters.items() if p is not None]
+    keys += [
+        prefix + n
+        for n, b in module._buffers.items()
+        if b is not None and n not in module._non_persistent_buffers_set
+    ]
+    for name, child in module._modules.items():
+        if child is not None:
+            keys += _state_dict_keys(child, prefix + name + ".")
+    return keys

@@ -1,0 +1,218 @@
+"""ZeroConfig: which ZeRO stage runs, and how it buckets its communication.
+
+Our field names carry their units (``reduce_bucket_numel`` counts elements, not bytes); the
+DeepSpeed ``zero_optimization`` keys are translated into them once, in
+:meth:`ZeroConfig.from_ds_config`, so a user keeps their ds_config.json and our code keeps clear
+names. Unknown keys and contradictory values are errors that name the key and the fix.
+
+What each stage keeps per rank (Ψ parameters, N data-parallel ranks, mixed-precision Adam: 2 bytes
+per 16-bit parameter, 2 per 16-bit gradient, K = 12 for the fp32 master, momentum and variance):
+
+=====  ==================================  ====================================================
+stage  bytes kept per rank                 bytes sent per step (ring, per rank, see ledger.py)
+=====  ==================================  ====================================================
+0      2Ψ + 2Ψ + 12Ψ                        all-reduce of the gradients: 2(N-1)/N · Ψ · g
+1      2Ψ + 2Ψ + 12Ψ/N                      reduce-scatter Ψ·g + all-gather Ψ·p, each (N-1)/N
+2      2Ψ + 2Ψ/N + 12Ψ/N                    same as stage 1, but reduced while backward runs
+3      2Ψ/N + 2Ψ/N + 12Ψ/N                  + one more parameter all-gather (forward and backward)
+=====  ==================================  ====================================================
+
+(g, p = bytes per gradient / parameter element on the wire; gradients travel in
+``MixedPrecision.grad_accum_dtype``, fp32 by default, so g = 4 unless you choose otherwise.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+__all__ = ["ZeroConfig"]
+
+# DeepSpeed's default bucket size for reduce_bucket_size / allgather_bucket_size: 5e8 elements.
+_DS_BUCKET_DEFAULT = 500_000_000
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """Typed ZeRO configuration (build it directly or with :meth:`from_ds_config`).
+
+    Validation happens in ``__post_init__``; every error says which field is wrong and how to fix
+    it. Buffers sized from the bucket fields are capped at the model size, so the large DeepSpeed
+    defaults cost nothing on a small model.
+    """
+
+    #: 0 = plain data parallel (bucketed all-reduce), 1 = + optimizer states partitioned,
+    #: 2 = + gradients partitioned, 3 = + parameters partitioned (DeepSpeed ``stage``).
+    stage: int = 0
+    #: Elements per gradient-reduction bucket (DeepSpeed ``reduce_bucket_size``, which counts
+    #: elements too). Smaller buckets overlap more with backward; larger ones make fewer calls.
+    reduce_bucket_numel: int = _DS_BUCKET_DEFAULT
+    #: Elements per parameter all-gather call after the step, stages 1-2 (DeepSpeed
+    #: ``allgather_bucket_size``).
+    allgather_bucket_numel: int = _DS_BUCKET_DEFAULT
+    #: Launch gradient collectives asynchronously from the gradient hooks so they run while
+    #: backward continues (DeepSpeed ``overlap_comm``). False: each bucket is reduced synchronously
+    #: in its hook.
+    overlap_comm: bool = True
+    #: DeepSpeed ``contiguous_gradients``. Stages 0-2 always write gradients into flat contiguous
+    #: buffers (the buckets are views of them), so for them this flag changes nothing; stage 3
+    #: reads it.
+    contiguous_gradients: bool = True
+    #: Stages 1-2: average gradients with reduce-scatter (each rank receives only its partition).
+    #: False: all-reduce each bucket and keep this rank's part (twice the bytes; DeepSpeed
+    #: ``reduce_scatter``).
+    reduce_scatter: bool = True
+    #: Tolerate parameters that get no gradient on any rank in an accumulation window (they are
+    #: left untouched by the step, as torch.optim does for ``grad is None``). False: raise instead
+    #: (DeepSpeed ``ignore_unused_parameters``).
+    ignore_unused_parameters: bool = True
+    #: Micro-steps per optimizer step (DeepSpeed top-level ``gradient_accumulation_steps``).
+    gradient_accumulation_steps: int = 1
+    #: Clip gradients to this global L2 norm before the step; 0 disables (DeepSpeed top-level
+    #: ``gradient_clipping``).
+    max_grad_norm: float = 0.0
+
+    # -- stage 3 (read by minispeed.zero.stage3) ------------------------------------------------
+    #: Elements fetched ahead of use by the stage-3 prefetcher (``stage3_prefetch_bucket_size``).
+    stage3_prefetch_bucket_numel: int = 50_000_000
+    #: Parameters with at most this many elements stay gathered on every rank
+    #: (``stage3_param_persistence_threshold``).
+    stage3_param_persistence_threshold_numel: int = 100_000
+    #: Upper bound on gathered parameter elements alive at once (``stage3_max_live_parameters``).
+    stage3_max_live_numel: int = 1_000_000_000
+    #: Keep a gathered parameter if it is used again within this many parameter elements
+    #: (``stage3_max_reuse_distance``).
+    stage3_max_reuse_distance_numel: int = 1_000_000_000
+    #: Gather full 16-bit weights when the model is saved
+    #: (``stage3_gather_16bit_weights_on_model_save``).
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    #: Elements per optimizer sub-group stepped at once in stage 3 (``sub_group_size``).
+    sub_group_numel: int = 1_000_000_000
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            expected = {"int": int, "bool": bool, "float": (int, float)}[str(f.type)]
+            # bool is an int subclass: refuse True where a number is meant, and 1 where a flag is.
+            if isinstance(value, bool) != (expected is bool) or not isinstance(value, expected):
+                raise TypeError(
+                    f"ZeroConfig.{f.name} must be {f.type}, got {value!r} "
+                    f"({type(value).__name__}); pass a {f.type}"
+                )
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeroConfig.stage must be 0, 1, 2 or 3, got {self.stage}")
+        for name in (
+            "reduce_bucket_numel",
+            "allgather_bucket_numel",
+            "gradient_accumulation_steps",
+            "stage3_prefetch_bucket_numel",
+            "stage3_max_live_numel",
+            "sub_group_numel",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"ZeroConfig.{name} must be >= 1, got {getattr(self, name)}; "
+                    f"a bucket holds at least one element (use a positive count, e.g. 500_000_000)"
+                )
+        for name in ("stage3_param_persistence_threshold_numel", "stage3_max_reuse_distance_numel"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"ZeroConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_grad_norm < 0:
+            raise ValueError(
+                f"ZeroConfig.max_grad_norm must be >= 0 (0 disables clipping), got {self.max_grad_norm}"
+            )
+
+    @classmethod
+    def from_ds_config(cls, ds_config: dict[str, Any]) -> ZeroConfig:
+        """Translate a DeepSpeed config dict (the whole ds_config.json) into a ZeroConfig.
+
+        Reads ``ds_config["zero_optimization"]`` (missing: stage 0) and the top-level
+        ``gradient_accumulation_steps`` and ``gradient_clipping``; other top-level sections belong
+        to other packages and are ignored here. An unknown key inside ``zero_optimization`` is an
+        error naming it. Where DeepSpeed's default depends on the stage (``overlap_comm``: on for
+        stage 3 only) the DeepSpeed default is used when the key is absent.
+        """
+        if not isinstance(ds_config, dict):
+            raise TypeError(
+                f"ds_config must be a dict (the parsed ds_config.json), got {type(ds_config).__name__}"
+            )
+        section = dict(ds_config.get("zero_optimization") or {})
+        known = _DS_KEYS.keys() | _DS_FIXED.keys() | _DS_ALIASES.keys() | _DS_OFFLOAD
+        unknown = sorted(set(section) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown zero_optimization key(s) {unknown}; minispeed.zero understands "
+                f"{sorted(known)}: remove or rename them"
+            )
+        for key, allowed in _DS_FIXED.items():
+            if key in section and section[key] != allowed:
+                raise ValueError(
+                    f"zero_optimization.{key}={section[key]!r} is not supported by minispeed.zero; "
+                    f"set it to {allowed!r} or remove it"
+                )
+        for key in _DS_OFFLOAD:
+            device = (section.get(key) or {}).get("device", "none")
+            if device not in ("none", None):
+                raise ValueError(
+                    f"zero_optimization.{key}.device={device!r}: ZeroConfig does not offload; "
+                    f"configure offloading with minispeed.offload, or set device to 'none'"
+                )
+        for old, new in _DS_ALIASES.items():
+            if old in section:
+                if new in section and section[new] != section[old]:
+                    raise ValueError(
+                        f"zero_optimization sets both {old} and {new}, differently; keep only {new}"
+                    )
+                section[new] = section.pop(old)
+
+        kwargs: dict[str, Any] = {}
+        for ds_key, ours in _DS_KEYS.items():
+            if ds_key in section:
+                kwargs[ours] = _as_number(section[ds_key], ds_key)
+        stage = kwargs.get("stage", 0)
+        if "overlap_comm" not in kwargs:
+            kwargs["overlap_comm"] = stage == 3  # DeepSpeed's stage-dependent default
+        if "gradient_accumulation_steps" in ds_config:
+            kwargs["gradient_accumulation_steps"] = _as_number(
+                ds_config["gradient_accumulation_steps"], "gradient_accumulation_steps"
+            )
+        if "gradient_clipping" in ds_config:
+            kwargs["max_grad_norm"] = float(
+                _as_number(ds_config["gradient_clipping"], "gradient_clipping")
+            )
+        return cls(**kwargs)
+
+
+def _as_number(value: Any, key: str) -> Any:
+    """DeepSpeed configs often write sizes as floats (``5e8``); accept integral floats for ints."""
+    if isinstance(value, float) and value.is_integer() and key not in ("gradient_clipping",):
+        return int(value)
+    return value
+
+
+# DeepSpeed key -> our field. Each translation happens here and nowhere else.
+_DS_KEYS = {
+    "stage": "stage",
+    "reduce_bucket_size": "reduce_bucket_numel",
+    "allgather_bucket_size": "allgather_bucket_numel",
+    "overlap_comm": "overlap_comm",
+    "contiguous_gradients": "contiguous_gradients",
+    "reduce_scatter": "reduce_scatter",
+    "ignore_unused_parameters": "ignore_unused_parameters",
+    "stage3_prefetch_bucket_size": "stage3_prefetch_bucket_numel",
+    "stage3_param_persistence_threshold": "stage3_param_persistence_threshold_numel",
+    "stage3_max_live_parameters": "stage3_max_live_numel",
+    "stage3_max_reuse_distance": "stage3_max_reuse_distance_numel",
+    "stage3_gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    "sub_group_size": "sub_group_numel",
+}
+# DeepSpeed keys we accept only at the one value we implement.
+_DS_FIXED = {
+    "allgather_partitions": True,  # False = a chain of broadcasts instead of an all-gather
+    "round_robin_gradients": False,
+}
+# Older DeepSpeed spellings -> the current key.
+_DS_ALIASES = {
+    "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+}
+_DS_OFFLOAD = {"offload_param", "offload_optimizer"}

@@ -1,0 +1,131 @@
+"""What ZeRO stages 0-2 send per optimizer step, written once: docs, tests and the estimator call it.
+
+Ψ = parameters, Ψ' = Ψ padded (each bucket rounded up to a multiple of N, at most N-1 elements
+per bucket), N = data-parallel ranks, g / p = bytes per gradient / parameter element on the wire
+(gradients travel in ``grad_accum_dtype``), A = gradient accumulation steps, m = managed
+parameter tensors. Per rank, ring algorithms (``minispeed.comm.costs``):
+
+=====  ======================================================  =================================
+stage  collectives per optimizer step                          bytes this rank sends
+=====  ======================================================  =================================
+0      all-reduce of every gradient bucket (unpadded)          2(N-1)/N · Ψ·g
+1      reduce-scatter of every padded bucket, all-gather of    (N-1)/N · Ψ'·g + (N-1)/N · Ψ'·p
+       the updated parameters
+2      as stage 1, but the reduce-scatter runs every            A·(N-1)/N · Ψ'·g + (N-1)/N · Ψ'·p
+       micro-step (the full gradient is never kept)
+=====  ======================================================  =================================
+
+plus, every stage, one all-reduce of m + 1 fp32 flags (overflow and unused parameters, see
+Note [unused parameters] in optimizer.py): 2(N-1)/N · 4(m+1), and with clipping on a stage that
+partitions gradients (1-3) one fp32 all-reduce of the squared norm: 2(N-1)/N · 4.
+
+Why "≈ 2Ψ" for all three: an all-reduce *is* a reduce-scatter followed by an all-gather, so
+stage 0 sends 2(N-1)/N·Ψ elements as one call and stages 1-2 send the same two halves as two
+calls, the all-gather moving updated parameters instead of summed gradients.
+
+With ``reduce_scatter=False`` the stage 1-2 reduction is an all-reduce of each padded bucket:
+2(N-1)/N · Ψ'·g instead of (N-1)/N · Ψ'·g.
+
+The per-call functions are exact (they add up :func:`minispeed.comm.costs.wire_bytes` over the
+calls the stages issue, including its integer rounding); :func:`approx_wire_bytes_per_step` is
+the closed form for documentation and the estimator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from minispeed.comm import costs
+
+__all__ = ["Collective", "approx_wire_bytes_per_step", "stage_collectives", "wire_bytes_per_step"]
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective call as the comms logger records it (op name, message, group size)."""
+
+    op: str  # "all_reduce", "reduce_scatter" or "all_gather"
+    numel: int  # elements of the message (all_gather: output; reduce_scatter: input)
+    element_bytes: int
+    world_size: int
+
+    @property
+    def msg_bytes(self) -> int:
+        """Message size S, nccl-tests convention."""
+        return self.numel * self.element_bytes
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes this rank sends for this call."""
+        return costs.wire_bytes(self.op, self.msg_bytes, self.world_size)
+
+
+def stage_collectives(
+    stage: int,
+    world_size: int,
+    reduce_numels: Sequence[int],
+    gather_numels: Sequence[int],
+    grad_bytes: int,
+    param_bytes: int,
+    num_params: int,
+    gradient_accumulation_steps: int = 1,
+    reduce_scatter: bool = True,
+    clip_norm: bool = False,
+) -> list[Collective]:
+    """Every collective one optimizer step of ``stage`` issues, in a fixed order.
+
+    ``reduce_numels``: elements of each gradient bucket's reduction (stage 0 unpadded, stages 1-2
+    padded; the strategies' ``bucket_numels()``); ``gather_numels``: output elements of each
+    parameter all-gather (``PartitionedStrategy.gather_numels()``; ignored for stage 0).
+    """
+    if stage not in (0, 1, 2):
+        raise ValueError(
+            f"stage_collectives covers stages 0-2 (stage 3's ledger is in stage3/), got {stage}"
+        )
+    n = world_size
+    calls: list[Collective] = []
+    if stage == 0:
+        calls += [Collective("all_reduce", k, grad_bytes, n) for k in reduce_numels]
+    else:
+        op = "reduce_scatter" if reduce_scatter else "all_reduce"
+        times = gradient_accumulation_steps if stage == 2 else 1
+        calls += [Collective(op, k, grad_bytes, n) for _ in range(times) for k in reduce_numels]
+    calls.append(Collective("all_reduce", num_params + 1, 4, n))  # overflow + unused flags
+    if clip_norm and stage > 0:
+        calls.append(Collective("all_reduce", 1, 4, n))  # squared global norm
+    if stage > 0:
+        calls += [Collective("all_gather", k, param_bytes, n) for k in gather_numels]
+    return calls
+
+
+def wire_bytes_per_step(calls: Sequence[Collective]) -> int:
+    """Total bytes this rank sends for ``calls`` (exact)."""
+    return sum(c.wire_bytes for c in calls)
+
+
+def approx_wire_bytes_per_step(
+    stage: int,
+    numel: int,
+    world_size: int,
+    grad_bytes: int,
+    param_bytes: int,
+    gradient_accumulation_steps: int = 1,
+) -> float:
+    """Closed form for the dominant terms (no padding, no flags): see the module table.
+
+    Stage 3 (for comparison; stage 3's own module is authoritative): reduce-scatter per
+    micro-step plus a parameter all-gather in forward and again in backward:
+    A·((N-1)/N · Ψ·g + 2 (N-1)/N · Ψ·p).
+    """
+    ring = (world_size - 1) / world_size
+    a = gradient_accumulation_steps
+    if stage == 0:
+        return 2 * ring * numel * grad_bytes
+    if stage == 1:
+        return ring * numel * (grad_bytes + param_bytes)
+    if stage == 2:
+        return ring * numel * (a * grad_bytes + param_bytes)
+    if stage == 3:
+        return a * ring * numel * (grad_bytes + 2 * param_bytes)
+    raise ValueError(f"stage must be 0-3, got {stage}")

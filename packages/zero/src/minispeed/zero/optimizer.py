@@ -1,0 +1,348 @@
+"""The partitioned optimizer: the user's torch.optim optimizer, stepping fp32 master tensors.
+
+Three pieces, in reading order:
+
+- :class:`ShardStrategy`: what a ZeRO stage does with parameters and gradients (stage 0:
+  ``stage0.py``, stages 1-2: ``stage12.py``, stage 3: ``stage3/``). The optimizer logic below is
+  the same for all of them.
+- :class:`ParamFragment`: which piece of which parameter a rank's master tensors hold
+  (checkpoints are written from fragments, so they do not depend on the stage).
+- :class:`ZeroOptimizer`: backward with loss scaling, then at each accumulation boundary
+  overflow check, clipping, the inner step on masters, and publishing masters to the model.
+
+Bytes kept by the optimizer itself per rank: the inner optimizer's state for this rank's masters
+(K bytes per master element: 8 for Adam(W), 4 for SGD with momentum, 0 for plain SGD) and one
+fp32 vector of num_params + 1 elements for the cross-rank agreement. The masters and gradient
+buffers belong to the strategy (see its module for their bytes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+import minispeed.comm as comm
+from minispeed.core.logging import get_logger
+from minispeed.zero.config import ZeroConfig
+from minispeed.zero.precision import LossScaler, MixedPrecision
+
+__all__ = ["ParamFragment", "ShardStrategy", "ZeroOptimizer", "param_names"]
+
+
+@dataclass(frozen=True)
+class ParamFragment:
+    """The piece of one model parameter whose fp32 master this rank holds.
+
+    Checkpoints (``checkpoint.py``) use fragments to write and read optimizer state without knowing
+    which stage produced it: the master values of parameter ``name`` for flattened elements
+    ``[start, start + numel)`` live in ``optimizer.param_groups[group]["params"][master_index]``,
+    flattened, at ``[master_offset, master_offset + numel)``; every per-element optimizer state
+    tensor (``exp_avg``, ``momentum_buffer``...) of that master uses the same offsets.
+    """
+
+    name: str  # model.named_parameters() name (the first name of a tied parameter)
+    shape: torch.Size  # the full parameter's shape
+    start: int  # offset of this fragment in the flattened full parameter
+    numel: int  # elements this rank holds (may be 0)
+    group: int  # optimizer param-group index
+    master_index: int  # index into optimizer.param_groups[group]["params"]
+    master_offset: int  # offset of the fragment inside that master tensor (flattened)
+
+
+@runtime_checkable
+class ShardStrategy(Protocol):
+    """What a ZeRO stage does to parameters and gradients; the optimizer logic is shared.
+
+    Construction convention (how ``zero.shard`` builds a strategy)::
+
+        Strategy(model, config, precision, group, param_groups=param_groups)
+
+    ``param_groups`` is ``list[list[nn.Parameter]]``: the model parameters of each of the user's
+    optimizer param groups, in the user's order (validated: every one belongs to ``model``, none
+    twice). ``master_params()`` and ``master_grads()`` are indexed the same way.
+    """
+
+    partitions_grads: bool  # master_grads() are disjoint shards (stages 1-3): the norm needs a sum
+
+    def master_params(self) -> list[list[torch.Tensor]]:
+        """Per optimizer param group: the fp32 tensors this rank updates."""
+        ...
+
+    def master_grads(self) -> list[list[torch.Tensor]]:
+        """Same shapes as ``master_params``, fp32, averaged over ranks at the boundary."""
+        ...
+
+    def backward_done(self, is_boundary: bool) -> None:
+        """After each micro-step's backward: finish in-flight reductions."""
+        ...
+
+    def publish_params(self) -> None:
+        """After the inner step: master -> model params."""
+        ...
+
+    def zero_grad(self) -> None:
+        """Clear every gradient buffer this strategy keeps."""
+        ...
+
+    def fragments(self) -> list[ParamFragment]:
+        """One entry per (parameter, piece held here), for checkpoints."""
+        ...
+
+
+def param_names(model: nn.Module) -> dict[nn.Parameter, str]:
+    """Parameter -> its first ``model.named_parameters()`` name (a tied parameter appears once)."""
+    return {p: name for name, p in model.named_parameters()}
+
+
+# Note [unused parameters]
+# torch.optim skips a parameter whose ``.grad`` is None: no weight decay, no momentum decay, no
+# state step. A plain training loop leaves ``.grad`` None for a parameter the forward never
+# touched (TinyGPT's ``unused``), so to match it we must know which parameters received a
+# gradient on *any* rank during the accumulation window. Every rank sets a flag per parameter in
+# a post-accumulate-grad hook, and the flags are all-reduced (MAX) once per optimizer step, in the
+# same tiny call that agrees on fp16 overflow: (num_params + 1) fp32 elements (PyTorch DDP does
+# the same with ``find_unused_parameters``). The reductions themselves treat a missing gradient
+# as zeros (the buckets must be reduced on every rank either way). For a parameter no rank used:
+# - if it owns whole master tensors (stage 0; stage 3 with per-parameter shards), their ``.grad``
+#   is set to None, so the inner optimizer skips them exactly as torch would;
+# - if it is a slice of a flat master (stages 1-2), its master values and its slices of every
+#   per-element optimizer state tensor are saved before the inner step and put back after it
+#   (state created by this very step is zeroed there instead). The weights then match torch
+#   exactly; a scalar state shared by the flat tensor (Adam's ``step``) still counts the step,
+#   which matters only for a parameter that is used later after being skipped.
+# ``ZeroConfig(ignore_unused_parameters=False)`` turns such a parameter into an error instead.
+
+
+class ZeroOptimizer:
+    """The user's optimizer, stepping this rank's fp32 masters, driven with DeepSpeed semantics.
+
+    Built by :func:`minispeed.zero.shard`. Call :meth:`backward` and :meth:`step` on every
+    micro-step; the optimizer acts only on the last micro-step of each accumulation window::
+
+        loss = model(x, y)
+        opt.backward(loss)   # scales the loss (fp16 scale / gradient_accumulation_steps)
+        opt.step()           # True when an optimizer step was taken
+
+    What one :meth:`step` does at a boundary: unscale (fp16), agree on overflow and unused
+    parameters across ranks (one all-reduce of num_params + 1 fp32 elements), skip the step on
+    overflow (lowering the scale; no weight touched), clip by the global norm (sum of squares over
+    this rank's disjoint gradient shards, one fp32 all-reduce when gradients are partitioned),
+    run the inner optimizer, publish masters into the model parameters, clear the gradients.
+
+    Attributes: ``optimizer`` (the inner torch.optim optimizer, now holding master tensors; attach
+    LR schedulers to it), ``strategy``, ``config``, ``precision``, ``loss_scaler``,
+    ``global_step`` (optimizer steps taken, skipped ones excluded), ``micro_step`` (backward calls).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        strategy: ShardStrategy,
+        config: ZeroConfig,
+        precision: MixedPrecision,
+        params: Sequence[nn.Parameter],
+        names: dict[nn.Parameter, str],
+        group: Any = None,
+    ) -> None:
+        self.optimizer = optimizer
+        self.strategy = strategy
+        self.config = config
+        self.precision = precision
+        self.comm_group = group
+        self.loss_scaler = LossScaler(precision)
+        self.global_step = 0
+        self.micro_step = 0
+        self._stepped_at = 0  # micro_step of the last boundary step() handled
+
+        masters = strategy.master_params()
+        if len(masters) != len(optimizer.param_groups):
+            raise RuntimeError(
+                f"strategy returned masters for {len(masters)} param groups, the optimizer has "
+                f"{len(optimizer.param_groups)}"
+            )
+        for pg, ms in zip(optimizer.param_groups, masters):
+            pg["params"] = list(ms)  # hyper-parameters stay; the tensors become this rank's masters
+        optimizer.state.clear()
+
+        # See Note [unused parameters]. Slot 0 carries this rank's fp16 overflow flag.
+        self._params = list(params)
+        self._names = names
+        self._agreement = torch.zeros(
+            len(self._params) + 1, dtype=torch.float32, device=_device_of(masters)
+        )
+        self._slot = {p: k + 1 for k, p in enumerate(self._params)}
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._mark_used)
+            for p in self._params
+            if p.requires_grad
+        ]
+        self._fragments = strategy.fragments()
+
+    # -- micro-step -------------------------------------------------------------------------------
+    @property
+    def at_boundary(self) -> bool:
+        """Whether the last backward completed an accumulation window (``step`` will act)."""
+        return (
+            self.micro_step > self._stepped_at
+            and self.micro_step % self.config.gradient_accumulation_steps == 0
+        )
+
+    def _mark_used(self, p: nn.Parameter) -> None:
+        self._agreement[self._slot[p]] = 1.0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss`` scaled by ``loss_scale / gradient_accumulation_steps``."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+            raise ValueError(
+                "ZeroOptimizer.backward expects the scalar loss of this micro-batch (a 1-element "
+                "tensor that requires grad); reduce it with .mean() or .sum() first"
+            )
+        gas = self.config.gradient_accumulation_steps
+        is_boundary = (self.micro_step + 1) % gas == 0
+        factor = self.loss_scaler.scale / gas
+        # In fp32, so that an fp16 loss times 2**16 does not overflow before backward starts.
+        (loss.float() * factor if factor != 1.0 else loss).backward()
+        self.strategy.backward_done(is_boundary)
+        self.micro_step += 1
+
+    # -- step -------------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Take the optimizer step if a window just ended; returns whether weights changed."""
+        if not self.at_boundary:
+            return False
+        self._stepped_at = self.micro_step
+        grads_by_group = self.strategy.master_grads()
+        grads = [g for gs in grads_by_group for g in gs]
+
+        if self.loss_scaler.scale != 1.0:
+            inv_scale = 1.0 / self.loss_scaler.scale
+            for g in grads:
+                g.mul_(inv_scale)
+        if self.precision.uses_loss_scaling:
+            for g in grads:  # on the device: no host sync per tensor
+                torch.maximum(
+                    self._agreement[:1], (~torch.isfinite(g)).any().float(), out=self._agreement[:1]
+                )
+        comm.all_reduce(self._agreement, op=comm.ReduceOp.MAX, group=self.comm_group)
+        flags = self._agreement.tolist()  # the one host sync of the step
+        self._agreement.zero_()
+        overflow = flags[0] > 0
+        unused = [p for p in self._params if flags[self._slot[p]] == 0]
+
+        if overflow:
+            # Skip: no master, no state and no parameter is touched. See LossScaler.
+            self.loss_scaler.update(overflow=True)
+            _log.warning(
+                "fp16 gradient overflow: step skipped, loss scale now %g", self.loss_scaler.scale
+            )
+            self.strategy.zero_grad()
+            return False
+        if unused and not self.config.ignore_unused_parameters:
+            raise RuntimeError(
+                f"parameters {[self._names[p] for p in unused]} got no gradient on any rank this step; "
+                f"remove them from the optimizer, or set ZeroConfig(ignore_unused_parameters=True)"
+            )
+        if self.config.max_grad_norm > 0:
+            self._clip(grads)
+
+        masters = self.strategy.master_params()
+        for ms, gs in zip(masters, grads_by_group):
+            for m, g in zip(ms, gs):
+                m.grad = g
+        restore = self._freeze({self._names[p] for p in unused})
+        self.optimizer.step()
+        restore()
+        for ms in masters:
+            for m in ms:
+                m.grad = None
+        self.strategy.publish_params()
+        self.loss_scaler.update(overflow=False)
+        self.strategy.zero_grad()
+        self.global_step += 1
+        return True
+
+    def _clip(self, grads: list[torch.Tensor]) -> None:
+        """Scale gradients so that their global L2 norm is at most ``max_grad_norm``."""
+        sq = torch.zeros(1, dtype=torch.float32, device=self._agreement.device)
+        for g in grads:
+            sq += g.float().pow(2).sum()
+        if self.strategy.partitions_grads:  # disjoint shards: the squares add up across ranks
+            comm.all_reduce(sq, group=self.comm_group)
+        # torch.nn.utils.clip_grad_norm_'s rule, so that results match it.
+        coef = torch.clamp(self.config.max_grad_norm / (sq.sqrt() + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+
+    def _freeze(self, unused: set[str]) -> Callable[[], None]:
+        """Protect the masters of parameters no rank used; returns the function undoing the step."""
+        if not unused:
+            return lambda: None
+        saved: list[tuple[torch.Tensor, slice, torch.Tensor, dict[str, torch.Tensor]]] = []
+        for f in self._fragments:
+            if f.name not in unused or f.numel == 0:
+                continue
+            master = self.optimizer.param_groups[f.group]["params"][f.master_index]
+            if f.numel == master.numel():
+                master.grad = None  # torch.optim skips it: exact. See Note [unused parameters].
+                continue
+            cut = slice(f.master_offset, f.master_offset + f.numel)
+            state = {
+                k: v.reshape(-1)[cut].clone()
+                for k, v in self.optimizer.state.get(master, {}).items()
+                if isinstance(v, torch.Tensor) and v.numel() == master.numel()
+            }
+            saved.append((master, cut, master.detach().reshape(-1)[cut].clone(), state))
+
+        def restore() -> None:
+            with torch.no_grad():
+                for master, cut, values, state in saved:
+                    master.view(-1)[cut].copy_(values)
+                    for k, v in self.optimizer.state.get(master, {}).items():
+                        if not (isinstance(v, torch.Tensor) and v.numel() == master.numel()):
+                            continue
+                        if k in state:
+                            v.view(-1)[cut].copy_(state[k])
+                        else:  # created by this very step: a never-stepped element's is zero
+                            v.view(-1)[cut].zero_()
+
+        return restore
+
+    def zero_grad(self) -> None:
+        """Drop every accumulated gradient (``step`` already does this after stepping).
+
+        Refused in the middle of an accumulation window, where it would silently discard the
+        micro-batches accumulated so far (the plain-PyTorch habit of calling ``zero_grad()``
+        before every backward).
+        """
+        gas = self.config.gradient_accumulation_steps
+        if self.micro_step % gas != 0:
+            raise RuntimeError(
+                f"zero_grad() after micro-step {self.micro_step % gas} of {gas} would discard the "
+                f"gradients accumulated in this window; call it only after step() (which already "
+                f"clears them), or drop the call"
+            )
+        self.strategy.zero_grad()
+
+    def fragments(self) -> list[ParamFragment]:
+        """Which pieces of which parameters this rank's masters hold (for checkpoints)."""
+        return self._fragments
+
+    def __repr__(self) -> str:
+        return (
+            f"ZeroOptimizer(stage={self.config.stage}, inner={type(self.optimizer).__name__}, "
+            f"dtype={self.precision.param_dtype}, global_step={self.global_step}, {self.loss_scaler})"
+        )
+
+
+def _device_of(masters: list[list[torch.Tensor]]) -> torch.device:
+    for ms in masters:
+        for m in ms:
+            return m.device
+    return torch.device("cpu")
+
+
+_log = get_logger("zero")

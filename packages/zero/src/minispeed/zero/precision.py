@@ -1,0 +1,261 @@
+"""Mixed precision: 16-bit model parameters, fp32 master weights, and fp16's dynamic loss scale.
+
+Three modes, chosen by ``MixedPrecision.param_dtype``:
+
+- fp32: parameters, gradients and masters in fp32 (stage 0 keeps no separate master copy).
+- bf16: parameters in bf16; the optimizer steps fp32 masters; gradients are accumulated and
+  reduced in ``grad_accum_dtype`` (fp32 unless you ask for bf16: bf16 has 8 mantissa bits, so
+  summing many micro-batches in it loses the small contributions).
+- fp16: as bf16, plus a loss scale: fp16's range ends at 65504 and its smallest normal is 6e-5,
+  so small gradients underflow unless the loss is multiplied by ``S`` before backward and the
+  gradients divided by ``S`` after. :class:`LossScaler` picks ``S`` dynamically.
+
+Bytes kept per parameter: param_dtype (2 or 4) for the model, grad_accum_dtype (2 or 4) for the
+gradient, 4 for the fp32 master (none for fp32 stage 0) plus the optimizer's state (8 for Adam).
+The loss scaler keeps a few Python numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from minispeed.core.logging import get_logger
+
+__all__ = ["LossScaler", "MixedPrecision"]
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_DTYPE_ALIASES = {
+    "float32": "fp32",
+    "float": "fp32",
+    "float16": "fp16",
+    "half": "fp16",
+    "bfloat16": "bf16",
+}
+_FP16_KEYS = {
+    "enabled",
+    "loss_scale",
+    "initial_scale_power",
+    "loss_scale_window",
+    "hysteresis",
+    "consecutive_hysteresis",
+    "min_loss_scale",
+}
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Which dtypes the model, its gradients and the loss scale use.
+
+    ``grad_accum_dtype`` (DeepSpeed ``data_types.grad_accum_dtype``) is the dtype gradients are
+    accumulated across micro-steps *and* reduced in; it is fp32 by default for every mode, so bf16
+    training never silently accumulates in bf16. Choose ``param_dtype`` for it to halve the
+    gradient buffers and the bytes sent (DeepSpeed's fp16 behaviour).
+
+    The ``*loss_scale*`` / ``hysteresis`` fields matter only for fp16 (DeepSpeed ``fp16`` section,
+    same names and meanings).
+    """
+
+    #: dtype of the model's parameters (and of its activations): fp32, bf16 or fp16.
+    param_dtype: torch.dtype = torch.float32
+    #: dtype gradients are accumulated and reduced in (fp32 by default; see the class docstring).
+    grad_accum_dtype: torch.dtype = torch.float32
+    #: fp16 only: a fixed loss scale; ``None`` (DeepSpeed ``loss_scale: 0``) scales dynamically.
+    static_loss_scale: float | None = None
+    #: fp16, dynamic: the first scale is ``2 ** initial_scale_power``.
+    initial_scale_power: int = 16
+    #: fp16, dynamic: double the scale after this many consecutive steps without overflow.
+    loss_scale_window: int = 1000
+    #: fp16, dynamic: overflows tolerated before the scale is lowered (1 = lower at the first).
+    hysteresis: int = 2
+    #: fp16, dynamic: refill the hysteresis budget after every clean step (else after a raise).
+    consecutive_hysteresis: bool = False
+    #: fp16, dynamic: the scale never goes below this.
+    min_loss_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.param_dtype not in _DTYPES.values():
+            raise ValueError(
+                f"MixedPrecision.param_dtype must be torch.float32, torch.bfloat16 or torch.float16, "
+                f"got {self.param_dtype}"
+            )
+        if self.grad_accum_dtype not in _DTYPES.values():
+            raise ValueError(
+                f"MixedPrecision.grad_accum_dtype must be torch.float32, torch.bfloat16 or "
+                f"torch.float16, got {self.grad_accum_dtype}"
+            )
+        if self.param_dtype == torch.float32 and self.grad_accum_dtype != torch.float32:
+            raise ValueError(
+                f"fp32 parameters produce fp32 gradients; accumulating them in {self.grad_accum_dtype} "
+                f"only loses precision: set grad_accum_dtype=torch.float32"
+            )
+        if self.static_loss_scale is not None and self.param_dtype != torch.float16:
+            raise ValueError(
+                "static_loss_scale only applies to fp16; remove it or set param_dtype=torch.float16"
+            )
+        if self.static_loss_scale is not None and not self.static_loss_scale > 0:
+            raise ValueError(f"static_loss_scale must be > 0, got {self.static_loss_scale}")
+        if self.loss_scale_window < 1:
+            raise ValueError(f"loss_scale_window must be >= 1 step, got {self.loss_scale_window}")
+        if self.hysteresis < 1:
+            raise ValueError(
+                f"hysteresis must be >= 1 (1 = lower the scale at the first overflow), got {self.hysteresis}"
+            )
+        if not self.min_loss_scale > 0:
+            raise ValueError(f"min_loss_scale must be > 0, got {self.min_loss_scale}")
+        if 2.0**self.initial_scale_power < self.min_loss_scale:
+            raise ValueError(
+                f"initial scale 2**{self.initial_scale_power} is below min_loss_scale={self.min_loss_scale}; "
+                f"raise initial_scale_power or lower min_loss_scale"
+            )
+
+    @property
+    def uses_loss_scaling(self) -> bool:
+        """Only fp16 needs a loss scale (bf16 has fp32's exponent range)."""
+        return self.param_dtype == torch.float16
+
+    @property
+    def needs_master_copy(self) -> bool:
+        """Whether the optimizer steps a separate fp32 copy of the 16-bit parameters."""
+        return self.param_dtype != torch.float32
+
+    @classmethod
+    def from_ds_config(cls, ds_config: dict[str, Any]) -> MixedPrecision:
+        """Translate DeepSpeed's ``fp16``, ``bf16`` and ``data_types`` sections (whole ds_config).
+
+        Both ``fp16.enabled`` and ``bf16.enabled`` true is a contradiction and an error; unknown
+        keys inside those sections are errors naming the key.
+        """
+        fp16 = dict(ds_config.get("fp16") or {})
+        bf16 = dict(ds_config.get("bf16") or {})
+        types = dict(ds_config.get("data_types") or {})
+        for name, section, allowed in (
+            ("fp16", fp16, _FP16_KEYS),
+            ("bf16", bf16, {"enabled"}),
+            ("data_types", types, {"grad_accum_dtype"}),
+        ):
+            unknown = sorted(set(section) - allowed)
+            if unknown:
+                raise ValueError(
+                    f"unknown {name} key(s) {unknown}; minispeed.zero understands {sorted(allowed)}"
+                )
+        fp16_on, bf16_on = bool(fp16.get("enabled", False)), bool(bf16.get("enabled", False))
+        if fp16_on and bf16_on:
+            raise ValueError(
+                "both fp16.enabled and bf16.enabled are true; enable at most one of them"
+            )
+        param_dtype = torch.float16 if fp16_on else torch.bfloat16 if bf16_on else torch.float32
+        kwargs: dict[str, Any] = {"param_dtype": param_dtype}
+        if types.get("grad_accum_dtype") is not None:
+            kwargs["grad_accum_dtype"] = _parse_dtype(
+                types["grad_accum_dtype"], "data_types.grad_accum_dtype"
+            )
+        if fp16_on:
+            scale = fp16.get("loss_scale", 0)
+            kwargs["static_loss_scale"] = None if scale == 0 else float(scale)
+            for key in ("initial_scale_power", "loss_scale_window", "hysteresis"):
+                if key in fp16:
+                    kwargs[key] = int(fp16[key])
+            if "consecutive_hysteresis" in fp16:
+                kwargs["consecutive_hysteresis"] = bool(fp16["consecutive_hysteresis"])
+            if "min_loss_scale" in fp16:
+                kwargs["min_loss_scale"] = float(fp16["min_loss_scale"])
+        return cls(**kwargs)
+
+
+def _parse_dtype(name: Any, key: str) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    text = _DTYPE_ALIASES.get(str(name).lower(), str(name).lower())
+    if text not in _DTYPES:
+        raise ValueError(f"{key}={name!r} is not a dtype we know; use one of {sorted(_DTYPES)}")
+    return _DTYPES[text]
+
+
+class LossScaler:
+    """The fp16 loss scale ``S``, raised while steps are clean and lowered on overflow.
+
+    Rules (DeepSpeed's dynamic loss scaler, same knobs):
+
+    - overflow (an inf/NaN anywhere in the gradients, agreed by every rank): the step is skipped.
+      The scale is halved (never below ``min_loss_scale``) once ``hysteresis`` overflows have been
+      seen since the budget was last refilled; earlier overflows only spend the budget.
+    - ``loss_scale_window`` consecutive clean steps: the scale doubles and the budget refills.
+    - ``consecutive_hysteresis``: every clean step refills the budget.
+
+    For fp32/bf16 the scale is 1 and never changes. A static scale never changes either, but
+    overflowing steps are still skipped.
+    """
+
+    def __init__(self, precision: MixedPrecision) -> None:
+        self.precision = precision
+        self.dynamic = precision.uses_loss_scaling and precision.static_loss_scale is None
+        if not precision.uses_loss_scaling:
+            self.scale = 1.0
+        elif precision.static_loss_scale is not None:
+            self.scale = float(precision.static_loss_scale)
+        else:
+            self.scale = 2.0**precision.initial_scale_power
+        self.clean_steps = 0  # consecutive steps without overflow since the last change of scale
+        self.hysteresis_left = precision.hysteresis
+        self.overflows = 0  # total skipped steps, for logs
+
+    def update(self, overflow: bool) -> None:
+        """Record one optimizer step's outcome and adjust the scale."""
+        p = self.precision
+        if overflow:
+            self.overflows += 1
+            self.clean_steps = 0
+            if not self.dynamic:
+                return
+            if self.hysteresis_left <= 1:
+                new = max(self.scale / 2.0, p.min_loss_scale)
+                if new == self.scale:
+                    _log.warning(
+                        "fp16 overflow at the minimum loss scale %g; training may not recover", new
+                    )
+                self.scale = new
+            else:
+                self.hysteresis_left -= 1
+            return
+        self.clean_steps += 1
+        if not self.dynamic:
+            return
+        if p.consecutive_hysteresis:
+            self.hysteresis_left = p.hysteresis
+        if self.clean_steps >= p.loss_scale_window:
+            self.scale *= 2.0
+            self.clean_steps = 0
+            self.hysteresis_left = p.hysteresis
+
+    def state_dict(self) -> dict[str, float | int]:
+        """Everything needed to resume with the same scale schedule."""
+        return {
+            "scale": self.scale,
+            "clean_steps": self.clean_steps,
+            "hysteresis_left": self.hysteresis_left,
+            "overflows": self.overflows,
+        }
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        missing = {"scale", "clean_steps", "hysteresis_left", "overflows"} - state.keys()
+        if missing:
+            raise KeyError(
+                f"loss scaler state lacks {sorted(missing)}; pass what LossScaler.state_dict() returned"
+            )
+        if not (math.isfinite(float(state["scale"])) and float(state["scale"]) > 0):
+            raise ValueError(f"loss scale must be a finite positive number, got {state['scale']}")
+        self.scale = float(state["scale"])
+        self.clean_steps = int(state["clean_steps"])
+        self.hysteresis_left = int(state["hysteresis_left"])
+        self.overflows = int(state["overflows"])
+
+    def __repr__(self) -> str:
+        return f"LossScaler(scale={self.scale:g}, dynamic={self.dynamic}, clean_steps={self.clean_steps})"
+
+
+_log = get_logger("zero")

@@ -1,0 +1,312 @@
+"""Gradient hooks -> bucketed collectives, running while backward still computes (stages 0-2).
+
+Every managed parameter gets a ``register_post_accumulate_grad_hook``. When autograd has
+finished a parameter's gradient, the hook copies it into its bucket's flat buffer (in
+``grad_accum_dtype``), frees ``param.grad``, and, once every parameter of the bucket has arrived,
+launches the bucket's collective (asynchronously with ``overlap_comm``), so communication of the
+last layers overlaps the backward of the first ones.
+
+Three schedules, one per stage:
+
+=========================  ===============================  =====================================
+mode                       micro-steps inside a window      the boundary micro-step
+=========================  ===============================  =====================================
+``ALL_REDUCE`` (stage 0)   accumulate into ``flat_grads``   + all-reduce each bucket in place
+``SCATTER_AT_BOUNDARY``    accumulate into ``flat_grads``   + reduce-scatter each bucket into
+(stage 1)                                                   this rank's ``part_grads``
+``SCATTER_EVERY_STEP``     reduce-scatter each bucket into  same
+(stage 2)                  ``part_grads`` (accumulating)
+=========================  ===============================  =====================================
+
+Bytes kept per rank (g = bytes per ``grad_accum_dtype`` element, Ψ parameters, N ranks):
+stage 0: Ψ·g (full flat gradients); stage 1: Ψ·g + Ψ·g/N (full, plus the reduced partition);
+stage 2: Ψ·g/N plus at most ``_MAX_IN_FLIGHT`` + (buckets being filled) staging buckets of
+``reduce_bucket_numel`` elements. Bytes sent: see ``ledger.py``.
+
+Note [bucket launch order]
+Collectives are matched across ranks by the order they are issued, and gradients may arrive in a
+different order on different ranks (data-dependent control flow, or a parameter no rank uses).
+So buckets are launched strictly in one fixed order computed identically on every rank (the
+order gradients usually arrive in: last layers first); a bucket that completes early waits for
+the ones before it. Buckets still incomplete when backward ends (a parameter got no gradient)
+are launched by ``backward_done`` with zeros for the missing parameters, again in order.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+import minispeed.comm as comm
+from minispeed.zero.config import ZeroConfig
+from minispeed.zero.flat import Bucket, FlatLayout
+
+__all__ = ["GradReducer", "ReduceMode"]
+
+# Stage 2: reduce-scatters awaiting completion before the next one waits for the oldest. Two lets
+# one bucket transfer while the next is being filled, bounding the staging memory.
+_MAX_IN_FLIGHT = 2
+
+
+class ReduceMode(enum.Enum):
+    """When gradients are reduced and where each rank keeps the result."""
+
+    ALL_REDUCE = "all_reduce"  # stage 0: every rank keeps the full averaged gradient
+    SCATTER_AT_BOUNDARY = "scatter_at_boundary"  # stage 1: accumulate locally, scatter once
+    SCATTER_EVERY_STEP = "scatter_every_step"  # stage 2: scatter every micro-step
+
+
+@dataclass
+class _BucketState:
+    """Book-keeping of one bucket during one backward."""
+
+    group: int
+    bucket: Bucket
+    pending: int = 0  # parameters whose gradient has not arrived yet
+    staging: torch.Tensor | None = None  # stage 2: (padded_numel,) grads of this micro-step
+
+
+@dataclass
+class _InFlight:
+    work: Any  # comm Work handle, or None once synchronous
+    finish: Callable[[], None] | None = None  # runs after the collective completed
+    keep: list[torch.Tensor] = field(default_factory=list)  # buffers the collective reads/writes
+
+
+class GradReducer:
+    """Owns the gradient buffers of stages 0-2 and the hooks that fill and reduce them."""
+
+    def __init__(
+        self,
+        groups: Sequence[Sequence[nn.Parameter]],
+        layouts: Sequence[FlatLayout],
+        mode: ReduceMode,
+        config: ZeroConfig,
+        grad_dtype: torch.dtype,
+        names: dict[nn.Parameter, str],
+        param_position: dict[nn.Parameter, int],
+        group: Any = None,
+    ) -> None:
+        self.mode = mode
+        self.config = config
+        self.layouts = list(layouts)
+        self.comm_group = group
+        self.world_size = comm.get_world_size(group)
+        self.rank = comm.get_rank(group)
+        self.names = names
+        device = groups[0][0].device if groups and groups[0] else torch.device("cpu")
+
+        # flat_grads[g]: 1-D, numel = layouts[g].numel, grad dtype (stages 0-1).
+        # part_grads[g]: 1-D, numel = layouts[g].partition_numel, grad dtype (stages 1-2).
+        full = mode is not ReduceMode.SCATTER_EVERY_STEP
+        self.flat_grads = [
+            torch.zeros(lay.numel if full else 0, dtype=grad_dtype, device=device)
+            for lay in layouts
+        ]
+        part = mode is not ReduceMode.ALL_REDUCE
+        self.part_grads = [
+            torch.zeros(lay.partition_numel if part else 0, dtype=grad_dtype, device=device)
+            for lay in layouts
+        ]
+        self._fp32: list[torch.Tensor] | None = None  # reduced grads as fp32, valid at a boundary
+
+        # One fixed launch order for every rank: See Note [bucket launch order].
+        self._order: list[_BucketState] = []
+        for g, lay in enumerate(layouts):
+            for bk in lay.buckets:
+                self._order.append(_BucketState(g, bk))
+        self._order.sort(
+            key=lambda s: (
+                -max(param_position[groups[s.group][i]] for i in s.bucket.param_indices),
+                s.group,
+            )
+        )
+        self._state_of = {(s.group, s.bucket.index): s for s in self._order}
+        self._where = {p: (g, i) for g, ps in enumerate(groups) for i, p in enumerate(ps)}
+        self._seen: set[tuple[int, int]] = set()
+        self._next_launch = 0
+        self._in_flight: deque[_InFlight] = deque()
+        self._micro_step = 0
+        self._reset_pending()
+        # A frozen parameter (requires_grad=False) never gets a gradient: it counts as unused.
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._on_grad)
+            for ps in groups
+            for p in ps
+            if p.requires_grad
+        ]
+
+    # -- the hook ---------------------------------------------------------------------------------
+    @property
+    def reducing_this_backward(self) -> bool:
+        """Whether buckets are reduced during the backward now running (else only accumulated)."""
+        if self.mode is ReduceMode.SCATTER_EVERY_STEP:
+            return True
+        return (self._micro_step + 1) % self.config.gradient_accumulation_steps == 0
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        g, i = self._where[p]
+        if (g, i) in self._seen:
+            raise RuntimeError(
+                f"parameter {self.names[p]!r} received a second gradient in one backward (its bucket "
+                f"may already be reduced). Call backward once per micro-step through "
+                f"ZeroOptimizer.backward(loss) (sum several losses first), and use non-reentrant "
+                f"activation checkpointing (use_reentrant=False) for shared parameters"
+            )
+        self._seen.add((g, i))
+        lay = self.layouts[g]
+        slot = lay.slots[i]
+        state = self._state_of[(g, lay.bucket_of_param[i])]
+        grad = p.grad.to_dense() if p.grad.is_sparse else p.grad  # nn.Embedding(sparse=True)
+        if self.mode is ReduceMode.SCATTER_EVERY_STEP:
+            staging = self._staging(state)
+            lo = slot.offset - state.bucket.start
+            staging[lo : lo + slot.numel].view(slot.shape).copy_(grad)
+        else:
+            self.flat_grads[g][slot.offset : slot.offset + slot.numel].view(slot.shape).add_(grad)
+        p.grad = None  # the bucket holds it now; free the autograd buffer
+        state.pending -= 1
+        if self.reducing_this_backward:
+            self._launch_ready()
+
+    def _staging(self, state: _BucketState) -> torch.Tensor:
+        if state.staging is None:
+            grads = self.part_grads[state.group]
+            state.staging = torch.zeros(
+                state.bucket.padded_numel, dtype=grads.dtype, device=grads.device
+            )
+        return state.staging
+
+    # -- launching and finishing collectives ------------------------------------------------------
+    def _launch_ready(self, force: bool = False) -> None:
+        """Launch buckets in the fixed order while the next one is complete (or ``force``)."""
+        while self._next_launch < len(self._order):
+            state = self._order[self._next_launch]
+            if state.pending > 0 and not force:
+                return
+            self._launch(state)
+            self._next_launch += 1
+
+    def _launch(self, state: _BucketState) -> None:
+        g, bk = state.group, state.bucket
+        overlap = self.config.overlap_comm
+        part = self.part_grads[g][bk.shard_offset : bk.shard_offset + bk.shard_numel]
+        mine = slice(
+            bk.shard_start(self.rank) - bk.start,
+            bk.shard_start(self.rank) - bk.start + bk.shard_numel,
+        )
+        if self.mode is ReduceMode.ALL_REDUCE:
+            view = self.flat_grads[g][bk.start : bk.start + bk.numel]
+            self._track(_InFlight(comm.all_reduce(view, group=self.comm_group, async_op=overlap)))
+            return
+        if self.mode is ReduceMode.SCATTER_AT_BOUNDARY:
+            bucket = self.flat_grads[g][bk.start : bk.start + bk.padded_numel]
+            if self.config.reduce_scatter:
+                work = comm.reduce_scatter_tensor(
+                    part, bucket, group=self.comm_group, async_op=overlap
+                )
+                self._track(_InFlight(work))
+            else:
+                work = comm.all_reduce(bucket, group=self.comm_group, async_op=overlap)
+                self._track(_InFlight(work, lambda: part.copy_(bucket[mine])))
+            return
+        # SCATTER_EVERY_STEP: reduce this micro-step's bucket, add it to the partition, free it.
+        staging = self._staging(state)
+        state.staging = None
+        if len(self._in_flight) >= _MAX_IN_FLIGHT:
+            self._finish(self._in_flight.popleft())
+        if self.config.reduce_scatter:
+            out = torch.empty_like(part)
+            work = comm.reduce_scatter_tensor(out, staging, group=self.comm_group, async_op=overlap)
+            self._track(_InFlight(work, lambda: part.add_(out), [out, staging]))
+        else:
+            work = comm.all_reduce(staging, group=self.comm_group, async_op=overlap)
+            self._track(_InFlight(work, lambda: part.add_(staging[mine]), [staging]))
+
+    def _track(self, item: _InFlight) -> None:
+        if item.work is None:  # synchronous: already complete
+            if item.finish is not None:
+                item.finish()
+            return
+        self._in_flight.append(item)
+
+    @staticmethod
+    def _finish(item: _InFlight) -> None:
+        item.work.wait()
+        if item.finish is not None:
+            item.finish()
+
+    def _reset_pending(self) -> None:
+        for s in self._order:
+            s.pending = len(s.bucket.param_indices)
+            s.staging = None
+        self._seen.clear()
+        self._next_launch = 0
+
+    # -- called by the strategy ---------------------------------------------------------------------
+    def backward_done(self, is_boundary: bool) -> None:
+        """Launch what is left (missing grads count as zeros), wait for everything, average."""
+        expected = (self._micro_step + 1) % self.config.gradient_accumulation_steps == 0
+        if is_boundary != expected:
+            raise RuntimeError(
+                f"micro-step {self._micro_step}: the optimizer says is_boundary={is_boundary} but "
+                f"gradient_accumulation_steps={self.config.gradient_accumulation_steps} says {expected}; "
+                f"drive every micro-step through ZeroOptimizer.backward(loss)"
+            )
+        if self.reducing_this_backward:
+            self._launch_ready(force=True)
+        while self._in_flight:
+            self._finish(self._in_flight.popleft())
+        if is_boundary:
+            inv_n = 1.0 / self.world_size
+            if self.mode is ReduceMode.ALL_REDUCE:
+                reduced = self.flat_grads
+            else:
+                reduced = self.part_grads
+                if self.mode is ReduceMode.SCATTER_AT_BOUNDARY:
+                    for flat in self.flat_grads:  # the partition holds the window's sum now
+                        flat.zero_()
+            # Average in fp32: a 16-bit sum divided in 16 bits would round twice.
+            self._fp32 = [
+                t.mul_(inv_n) if t.dtype == torch.float32 else t.float().mul_(inv_n)
+                for t in reduced
+            ]
+        self._micro_step += 1
+        self._reset_pending()
+
+    def reduced(self) -> list[torch.Tensor]:
+        """Per group, the averaged fp32 gradient: the full flat (stage 0) or this rank's partition."""
+        if self._fp32 is None:
+            raise RuntimeError(
+                "no reduced gradients: call backward on the boundary micro-step first"
+            )
+        return self._fp32
+
+    def zero_grad(self) -> None:
+        """Clear accumulated and reduced gradients (the window starts over)."""
+        for t in (*self.flat_grads, *self.part_grads):
+            t.zero_()
+        self._fp32 = None
+
+    def remove_hooks(self) -> None:
+        """Detach from the model (the parameters then behave as plain PyTorch again)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    @property
+    def launched_buckets(self) -> int:
+        """Buckets whose collective was issued during the backward now running (0 between)."""
+        return self._next_launch
+
+    def bucket_numels(self) -> list[int]:
+        """Elements of every bucket's collective, in launch order (padded for stages 1-2)."""
+        if self.mode is ReduceMode.ALL_REDUCE:
+            return [s.bucket.numel for s in self._order]
+        return [s.bucket.padded_numel for s in self._order]

@@ -1,0 +1,131 @@
+"""Stage 0: plain data parallelism, with gradients all-reduced in buckets while backward runs.
+
+Every rank keeps everything: the model parameters, the full gradients, the fp32 masters and the
+whole optimizer state. It is the baseline the partitioned stages are measured against, and the
+simplest ``ShardStrategy``: masters are per-parameter tensors, so the user's optimizer sees the
+same tensors (shapes, order) it would see without minispeed.
+
+Bytes kept per rank (Ψ parameters; p, g = bytes per param / grad element; K = optimizer state
+bytes per parameter, 8 for Adam):
+
+- fp32:   Ψ·4 (params, which double as the masters) + Ψ·4 (grads) + Ψ·K
+- 16-bit: Ψ·p + Ψ·g + Ψ·4 (masters) + Ψ·K       (mixed-precision Adam: 2Ψ + 4Ψ + 12Ψ with fp32
+  gradient accumulation, the textbook 2Ψ + 2Ψ + 12Ψ with ``grad_accum_dtype=param_dtype``)
+
+Bytes sent per optimizer step: one all-reduce of the Ψ gradient elements, 2(N-1)/N · Ψ · g per
+rank on a ring (``ledger.stage_collectives``); nothing between accumulation boundaries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+import minispeed.comm as comm
+from minispeed.zero.config import ZeroConfig
+from minispeed.zero.flat import FlatLayout
+from minispeed.zero.optimizer import ParamFragment, param_names
+from minispeed.zero.precision import MixedPrecision
+from minispeed.zero.reducer import GradReducer, ReduceMode
+
+__all__ = ["ReplicatedStrategy"]
+
+# Note [fp32 stage 0 has no master copy]
+# With fp32 parameters the "master" of a parameter is a detached alias of the parameter itself
+# (same storage): the optimizer's in-place update is the model update, publish_params has nothing
+# to copy, and no second Ψ·4 bytes are spent. 16-bit parameters get a real fp32 copy.
+
+
+class ReplicatedStrategy:
+    """ZeRO stage 0: replicated parameters and optimizer state, bucketed gradient all-reduce."""
+
+    partitions_grads = False  # every rank holds the full averaged gradient: the norm is local
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: ZeroConfig,
+        precision: MixedPrecision,
+        group: Any = None,
+        *,
+        param_groups: Sequence[Sequence[nn.Parameter]],
+    ) -> None:
+        self.config = config
+        self.precision = precision
+        self.groups = [list(ps) for ps in param_groups]
+        self.names = param_names(model)
+        world_size = comm.get_world_size(group)
+
+        dtype = precision.param_dtype
+        self._masters: list[list[torch.Tensor]] = []
+        for ps in self.groups:
+            masters = []
+            for p in ps:
+                if precision.needs_master_copy:
+                    masters.append(
+                        p.detach().to(torch.float32, copy=True)
+                    )  # from the fp32 original
+                    p.data = p.data.to(dtype)
+                else:
+                    p.data = p.data.to(torch.float32)
+                    masters.append(p.detach())  # See Note [fp32 stage 0 has no master copy]
+            self._masters.append(masters)
+
+        self.layouts = [
+            FlatLayout(ps, config.reduce_bucket_numel, world_size, pad=False) for ps in self.groups
+        ]
+        position = {p: k for k, p in enumerate(model.parameters())}
+        self.reducer = GradReducer(
+            self.groups,
+            self.layouts,
+            ReduceMode.ALL_REDUCE,
+            config,
+            precision.grad_accum_dtype,
+            self.names,
+            position,
+            group,
+        )
+
+    def master_params(self) -> list[list[torch.Tensor]]:
+        """Per group, one fp32 tensor per parameter, full size."""
+        return self._masters
+
+    def master_grads(self) -> list[list[torch.Tensor]]:
+        """Per group, views of the averaged fp32 flat gradient, one per parameter."""
+        flats = self.reducer.reduced()
+        return [
+            [flats[g][s.offset : s.offset + s.numel].view(s.shape) for s in lay.slots]
+            for g, lay in enumerate(self.layouts)
+        ]
+
+    def backward_done(self, is_boundary: bool) -> None:
+        """Wait for (and average) the bucket all-reduces launched by the gradient hooks."""
+        self.reducer.backward_done(is_boundary)
+
+    @torch.no_grad()
+    def publish_params(self) -> None:
+        """Copy the stepped fp32 masters into the 16-bit parameters (nothing to do for fp32)."""
+        if not self.precision.needs_master_copy:
+            return
+        for ps, masters in zip(self.groups, self._masters):
+            for p, m in zip(ps, masters):
+                p.copy_(m)
+
+    def zero_grad(self) -> None:
+        """Clear the accumulated gradients."""
+        self.reducer.zero_grad()
+
+    def fragments(self) -> list[ParamFragment]:
+        """Every parameter whole: rank-independent."""
+        return [
+            ParamFragment(self.names[p], p.shape, 0, p.numel(), g, i, 0)
+            for g, ps in enumerate(self.groups)
+            for i, p in enumerate(ps)
+        ]
+
+    def bucket_numels(self) -> list[int]:
+        """Elements of each gradient all-reduce call, in launch order (for the ledger)."""
+        return self.reducer.bucket_numels()

@@ -1,0 +1,196 @@
+"""Stages 1 and 2: fp32 masters and optimizer state partitioned over N ranks; stage 2 also
+partitions the gradients.
+
+Per optimizer param group the parameters are laid out in one flat buffer (``flat.py``); the
+model's parameters become views of it (Note [parameters are views of the flat buffer]). Each rank
+owns one shard of every bucket; the concatenation of its shards is its *partition*, the one
+contiguous fp32 master tensor the user's optimizer steps.
+
+Per step::
+
+    backward   hooks copy grads into buckets ---> reduce-scatter ---> this rank's grad partition
+                 stage 1: only on the boundary micro-step (grads accumulate locally before);
+                 stage 2: every micro-step, so the full gradient never exists at once
+    step       inner optimizer on (master partition, grad partition)
+    publish    master partition -> param dtype -> all-gather per bucket -> the flat buffer,
+               i.e. straight into every model parameter
+
+Bytes kept per rank (Ψ parameters padded to Ψ', N ranks; p, g = bytes per param / grad element;
+K = optimizer state bytes per parameter, 8 for Adam):
+
+- stage 1: Ψ'·p (params) + Ψ'·g (full grads) + Ψ'·g/N (reduced partition) + Ψ'·(4 + K)/N
+- stage 2: Ψ'·p (params) + Ψ'·g/N (grad partition) + staging buckets + Ψ'·(4 + K)/N
+
+Bytes sent per optimizer step (ring, per rank): reduce-scatter (N-1)/N · Ψ'·g (times the number
+of micro-steps for stage 2) + all-gather (N-1)/N · Ψ'·p. With ``reduce_scatter=False`` the
+reduction is an all-reduce (twice the bytes). Exact per-call sums: ``ledger.stage_collectives``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+import minispeed.comm as comm
+from minispeed.zero.config import ZeroConfig
+from minispeed.zero.flat import Bucket, FlatLayout
+from minispeed.zero.optimizer import ParamFragment, param_names
+from minispeed.zero.precision import MixedPrecision
+from minispeed.zero.reducer import GradReducer, ReduceMode
+
+__all__ = ["PartitionedStrategy"]
+
+# Note [parameters are views of the flat buffer]
+# ``param.data`` is set to a view of the group's flat buffer, so the all-gather after the step
+# writes every parameter in place, with no copy and no second full-size buffer. The nn.Parameter
+# objects stay the same (autograd leaves, hooks, user references all keep working); only their
+# storage moves. Gradients are separate tensors made by autograd, copied out by the hooks.
+
+
+class PartitionedStrategy:
+    """ZeRO stage 1 (optimizer state partitioned) or 2 (+ gradients partitioned)."""
+
+    partitions_grads = True  # master_grads() holds this rank's shard only: the norm needs a sum
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: ZeroConfig,
+        precision: MixedPrecision,
+        group: Any = None,
+        *,
+        param_groups: Sequence[Sequence[nn.Parameter]],
+    ) -> None:
+        if config.stage not in (1, 2):
+            raise ValueError(f"PartitionedStrategy implements stages 1 and 2, not {config.stage}")
+        self.config = config
+        self.precision = precision
+        self.comm_group = group
+        self.groups = [list(ps) for ps in param_groups]
+        self.names = param_names(model)
+        self.world_size = comm.get_world_size(group)
+        self.rank = comm.get_rank(group)
+        self.layouts = [
+            FlatLayout(ps, config.reduce_bucket_numel, self.world_size, pad=True)
+            for ps in self.groups
+        ]
+
+        self.flat_params: list[torch.Tensor] = []  # [g]: 1-D, numel = layouts[g].numel, param dtype
+        self._masters: list[list[torch.Tensor]] = []  # [g][0]: 1-D fp32, numel = partition_numel
+        for ps, lay in zip(self.groups, self.layouts):
+            device = ps[0].device if ps else torch.device("cpu")
+            master = torch.zeros(lay.partition_numel, dtype=torch.float32, device=device)
+            for i, start, numel, offset in lay.shard_pieces(self.rank):
+                # Masters come from the original (usually fp32) values, before the cast below.
+                master[offset : offset + numel].copy_(
+                    ps[i].detach().reshape(-1)[start : start + numel]
+                )
+            flat = torch.zeros(lay.numel, dtype=precision.param_dtype, device=device)
+            for slot in lay.slots:
+                view = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                view.copy_(ps[slot.param_index].detach())
+                ps[
+                    slot.param_index
+                ].data = view  # See Note [parameters are views of the flat buffer]
+            self.flat_params.append(flat)
+            self._masters.append([master])
+
+        position = {p: k for k, p in enumerate(model.parameters())}
+        mode = (
+            ReduceMode.SCATTER_AT_BOUNDARY if config.stage == 1 else ReduceMode.SCATTER_EVERY_STEP
+        )
+        self.reducer = GradReducer(
+            self.groups,
+            self.layouts,
+            mode,
+            config,
+            precision.grad_accum_dtype,
+            self.names,
+            position,
+            group,
+        )
+
+    def master_params(self) -> list[list[torch.Tensor]]:
+        """Per group, one flat fp32 tensor: this rank's partition."""
+        return self._masters
+
+    def master_grads(self) -> list[list[torch.Tensor]]:
+        """Per group, this rank's averaged fp32 gradient partition."""
+        return [[t] for t in self.reducer.reduced()]
+
+    def backward_done(self, is_boundary: bool) -> None:
+        """Wait for the reduce-scatters launched by the hooks; average at the boundary."""
+        self.reducer.backward_done(is_boundary)
+
+    @torch.no_grad()
+    def publish_params(self) -> None:
+        """All-gather every rank's updated partition into the flat buffers (= the parameters)."""
+        pending: list[tuple[Any, Any]] = []
+        for g, lay in enumerate(self.layouts):
+            master = self._masters[g][0]
+            # (partition_numel,) in param dtype; a separate tensor, so never aliased by the output.
+            shard16 = master.to(self.precision.param_dtype, copy=True)
+            for bk in lay.buckets:
+                pending.extend(self._gather_bucket(self.flat_params[g], shard16, bk))
+        for work, finish in pending:
+            if work is not None:
+                work.wait()
+            if finish is not None:
+                finish()
+
+    def _gather_bucket(
+        self, flat: torch.Tensor, shard16: torch.Tensor, bk: Bucket
+    ) -> list[tuple[Any, Any]]:
+        """Issue the all-gather(s) that rebuild bucket ``bk``; returns (work, finish) pairs."""
+        n = self.world_size
+        out = flat[bk.start : bk.start + bk.padded_numel]  # (N * shard,) = N shards side by side
+        mine = shard16[bk.shard_offset : bk.shard_offset + bk.shard_numel]
+        chunk = max(1, self.config.allgather_bucket_numel // n)  # input elements per call
+        if bk.shard_numel <= chunk:
+            return [
+                (comm.all_gather_into_tensor(out, mine, group=self.comm_group, async_op=True), None)
+            ]
+        # A bucket larger than allgather_bucket_numel: gather column chunks of the (N, shard) grid
+        # through a temporary, since column j of every shard is not contiguous in ``out``.
+        grid = out.view(n, bk.shard_numel)
+        issued = []
+        for j in range(0, bk.shard_numel, chunk):
+            piece = mine[j : j + chunk]
+            tmp = torch.empty(n * piece.numel(), dtype=out.dtype, device=out.device)
+            work = comm.all_gather_into_tensor(tmp, piece, group=self.comm_group, async_op=True)
+            cols = slice(j, j + piece.numel())
+            issued.append((work, lambda tmp=tmp, cols=cols: grid[:, cols].copy_(tmp.view(n, -1))))
+        return issued
+
+    def zero_grad(self) -> None:
+        """Clear the accumulated gradients and gradient partitions."""
+        self.reducer.zero_grad()
+
+    def fragments(self) -> list[ParamFragment]:
+        """The pieces of each parameter inside this rank's partitions (numel 0 where none)."""
+        out = []
+        for g, (ps, lay) in enumerate(zip(self.groups, self.layouts)):
+            held = {
+                i: (start, numel, offset) for i, start, numel, offset in lay.shard_pieces(self.rank)
+            }
+            for i, p in enumerate(ps):
+                start, numel, offset = held.get(i, (0, 0, 0))
+                out.append(ParamFragment(self.names[p], p.shape, start, numel, g, 0, offset))
+        return out
+
+    def bucket_numels(self) -> list[int]:
+        """Padded elements of each gradient reduce call, in launch order (for the ledger)."""
+        return self.reducer.bucket_numels()
+
+    def gather_numels(self) -> list[int]:
+        """Output elements of each parameter all-gather call (for the ledger)."""
+        chunk = max(1, self.config.allgather_bucket_numel // self.world_size)
+        sizes = []
+        for lay in self.layouts:
+            for bk in lay.buckets:
+                for j in range(0, bk.shard_numel, chunk):
+                    sizes.append(self.world_size * min(chunk, bk.shard_numel - j))
+        return sizes

@@ -1,0 +1,189 @@
+"""Reading stage-3 parameters: fetch inside forward, clear errors where a read is a mistake.
+
+A released parameter's ``.data`` is an empty tensor; using it by mistake gives shape errors far
+from the cause, or silently wrong numbers (``weight.sum()`` of an empty tensor is 0). We cannot
+intercept every use of a tensor, so we guard the paths a user actually takes:
+
+1. **Attribute reads** (``module.weight``). Every module with partitioned parameters gets a
+   :class:`GuardedParameterDict` as its ``_parameters`` (Note [guarding module._parameters]). For a
+   parameter that is not gathered, :func:`check_access`:
+
+   - inside a forward run by our hooks: fetches it now and charges it to the innermost running
+     module, which keeps it as an *external* parameter from then on (a tied weight read by another
+     module, ``nn.MultiheadAttention`` reading ``self.out_proj.weight`` without calling
+     ``out_proj``). See ``FetchCoordinator.demand_fetch``;
+   - from inside some module's ``forward`` that our hooks did not start (``module.forward(x)``
+     instead of ``module(x)``, a parameter-less wrapper reading another module's weight outside
+     the model's forward): raises :class:`ParameterNotGatheredError` naming GatheredParameters;
+   - anywhere else: returns the parameter object. That is how user code names parameters for
+     ``GatheredParameters(model.head.weight, ...)``, so it must not fail.
+
+2. **In-place writes during ``zero.Init``** (``nn.init.normal_(self.block.weight)`` after the block
+   was partitioned, e.g. ``self.apply(init_fn)`` at the end of a root ``__init__``): a
+   :class:`InitWriteGuard` torch-function mode, active only inside the Init context, raises.
+
+3. **``state_dict()`` / ``load_state_dict()``** of a module with released parameters raise
+   (pre-hooks installed by Stage3Strategy).
+
+4. **:func:`full_value(param) <full_value>`**: the helper to read a parameter's value; raises outside
+   forward and GatheredParameters.
+
+Not detectable: a reference obtained earlier and used later (``list(model.parameters())``, then
+``p.sum()``; ``w = lin.weight`` inside a GatheredParameters block, used after it), and functional
+calls outside any forward (``F.linear(x, lin.weight)`` in plain user code): ``p.data`` is then an
+empty tensor of shape ``(0,)``. ``parameters()`` / ``named_parameters()`` iterate the dict without
+``__getitem__`` and are never checked (the optimizer and zero.shard use them).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from minispeed.zero.stage3.params import REGISTRY, ParamState
+
+__all__ = [
+    "GuardedParameterDict",
+    "InitWriteGuard",
+    "ParameterNotGatheredError",
+    "check_access",
+    "full_value",
+    "guard_module",
+    "unguard_module",
+]
+
+# Note [guarding module._parameters]
+# nn.Module.__getattr__ reads parameters with ``self._parameters[name]``. Replacing that dict by a
+# subclass with a checking ``__getitem__`` is the one place where every attribute read of a
+# parameter can be seen without patching nn.Parameter, nn.Module or torch functions globally. It is
+# per module instance, installed when the module's parameters are partitioned and removed by
+# ``unguard_module`` (Stage3Strategy.close). Iteration (``items()``, ``values()``), ``in`` and
+# assignment are plain dict operations and are not checked. The check costs one dict lookup and
+# one enum comparison per attribute read of a gathered parameter.
+
+
+class ParameterNotGatheredError(RuntimeError):
+    """A stage-3 parameter was used while only this rank's shard is present."""
+
+
+class GuardedParameterDict(dict):
+    """``module._parameters`` for a module with stage-3 parameters; checks reads by name."""
+
+    __slots__ = ("guard", "owner_name")
+
+    def __init__(
+        self, params: dict, guard: Callable[[nn.Parameter, str, str], None], owner_name: str
+    ) -> None:
+        super().__init__(params)
+        self.guard = guard  # guard(param, attribute name, owner module description)
+        self.owner_name = owner_name
+
+    def __getitem__(self, name: str) -> Any:
+        param = dict.__getitem__(self, name)
+        if param is not None:
+            self.guard(param, name, self.owner_name)
+        return param
+
+
+def guard_module(
+    module: nn.Module, guard: Callable[[nn.Parameter, str, str], None], owner_name: str
+) -> None:
+    """Install (or re-point) the guarded parameter dict of ``module``."""
+    params = module.__dict__["_parameters"]
+    if isinstance(params, GuardedParameterDict):
+        params.guard, params.owner_name = guard, owner_name
+        return
+    module.__dict__["_parameters"] = GuardedParameterDict(params, guard, owner_name)
+
+
+def unguard_module(module: nn.Module) -> None:
+    """Put a plain dict back (same entries, same order)."""
+    params = module.__dict__["_parameters"]
+    if isinstance(params, GuardedParameterDict):
+        module.__dict__["_parameters"] = dict(params)
+
+
+def check_access(param: nn.Parameter, attr: str, owner: str) -> None:
+    """The guard of every stage-3 module (rules in the module docstring, point 1)."""
+    sp = REGISTRY.get(param)
+    if sp is None or sp.state is ParamState.GATHERED:
+        return
+    coordinator = sp.coordinator
+    if coordinator is not None and coordinator.in_forward:
+        coordinator.demand_fetch(sp, sp.name or f"{owner}.{attr}")
+        return
+    forward_of = _unhooked_forward_caller()
+    if forward_of is not None:
+        raise not_gathered_error(
+            sp.name or f"{owner}.{attr}",
+            f"inside {forward_of}.forward, which ran without the stage-3 hooks",
+        )
+
+
+def full_value(param: nn.Parameter) -> torch.Tensor:
+    """A copy of ``param``'s full value; stage-3 parameters must be gathered (forward or
+    GatheredParameters), else :class:`ParameterNotGatheredError`. Other tensors: a plain copy."""
+    sp = REGISTRY.get(param)
+    if sp is not None and sp.state is not ParamState.GATHERED:
+        raise not_gathered_error(
+            sp.name or "?", "outside a forward pass and outside GatheredParameters"
+        )
+    return param.detach().clone()
+
+
+def not_gathered_error(param_name: str, where: str) -> ParameterNotGatheredError:
+    """The error for a use of a released parameter, naming it and the fix."""
+    return ParameterNotGatheredError(
+        f"stage-3 parameter {param_name!r} was used {where}, but only this rank's shard is present "
+        f"(its .data is an empty tensor). Read or modify full parameters inside "
+        f"`with zero.GatheredParameters(params, modifier_rank=...)` (modifier_rank=r keeps the "
+        f"changes rank r makes), and call modules as module(x), not module.forward(x), so the "
+        f"stage-3 hooks fetch their parameters"
+    )
+
+
+_SKIP_FILES = (os.path.abspath(__file__), os.path.abspath(nn.modules.module.__file__))
+
+
+def _unhooked_forward_caller() -> str | None:
+    """The class name of the module whose ``forward`` made this attribute read, if any."""
+    frame = sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename) in _SKIP_FILES:
+        frame = frame.f_back
+    if frame is None or frame.f_code.co_name != "forward":
+        return None
+    owner = frame.f_locals.get("self")
+    return type(owner).__name__ if isinstance(owner, nn.Module) else None
+
+
+class InitWriteGuard(TorchFunctionMode):
+    """Inside ``zero.Init``: an in-place op on a released stage-3 parameter raises.
+
+    Initialisers write in place (``normal_``, ``zero_``, ``copy_``...); on a released parameter
+    they would write into an empty tensor and do nothing, silently. Only in-place tensor methods
+    (name ends in ``_``) are checked; one dict lookup per tensor argument while Init is active.
+    """
+
+    _METADATA = frozenset({"requires_grad_", "retain_grad", "share_memory_"})
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
+        name = getattr(func, "__name__", "")
+        if name.endswith("_") and not name.startswith("__") and name not in self._METADATA:
+            for a in (*args[:1], *(kwargs or {}).values()):  # nn.init passes tensor=...
+                sp = REGISTRY.get(a) if isinstance(a, nn.Parameter) else None
+                if sp is not None and sp.state is not ParamState.GATHERED:
+                    raise not_gathered_error(
+                        sp.name,
+                        f"by {name}() inside zero.Init after it was partitioned (an initializer "
+                        f"running after its module was built, e.g. self.apply(init_fn) at the end "
+                        f"of __init__)",
+                    )
+        return func(*args, **(kwargs or {}))

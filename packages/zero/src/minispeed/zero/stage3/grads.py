@@ -1,0 +1,130 @@
+"""Stage-3 gradients: reduce-scatter each parameter's gradient into this rank's fp32 shard.
+
+A parameter's full gradient exists only briefly: autograd accumulates it into ``param.grad``
+(full shape, parameter dtype) while the parameter is gathered for backward; a
+``register_post_accumulate_grad_hook`` then moves it into a bucket and drops ``param.grad``.
+When the bucket holds ``reduce_bucket_numel`` elements it is reduce-scattered (async with
+``overlap_comm``, so it travels while backward computes the layers below); rank r receives row r,
+its shard of every gradient in the bucket, and adds it, divided by N, into ``grad_shard``
+(``grad_accum_dtype``, fp32 by default). Gradient accumulation is that addition repeated every
+micro-step; ``zero_grad`` zeroes the shards.
+
+Bucket layout (the reduce-scatter input must be rank-major: row r is what rank r receives)::
+
+    gradient of a (n=7, N=2, s=4):   a0 a1 a2 a3 | a4 a5 a6 0      -> rows of a: (2, 4)
+    gradient of b (n=4, s=2):        b0 b1 | b2 b3                 -> rows of b: (2, 2)
+    bucket = cat(rows, dim=1):       row 0: a0 a1 a2 a3 b0 b1      (2, 6) -> rank 0 gets row 0
+                                     row 1: a4 a5 a6 0  b2 b3                 rank 1 gets row 1
+
+A parameter that receives no gradient (unused in this forward) is never bucketed; its shard stays
+as it was (zero after ``zero_grad``). Buckets are filled in gradient-arrival order, which autograd
+makes identical on every rank when every rank ran the same modules (checked by the coordinator).
+
+Costs: bytes kept: ``Σ s·g`` for the shards; while in flight, at most ``_MAX_IN_FLIGHT`` buckets
+of ``≤ reduce_bucket_numel`` elements (plus the one being filled). Bytes sent per micro-step:
+one reduce-scatter message of ``Σ N·s·g`` over the parameters that got a gradient.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+from torch import nn
+
+import minispeed.comm as comm
+from minispeed.zero.stage3.params import ShardedParam
+
+__all__ = ["GradShardReducer"]
+
+# Reduce-scatters in flight before the next launch waits for the oldest: bounds staging memory.
+_MAX_IN_FLIGHT = 2
+
+
+class GradShardReducer:
+    """Owns the stage-3 gradient shards and the hooks that fill them."""
+
+    def __init__(
+        self,
+        sps: list[ShardedParam],
+        group: Any,
+        *,
+        bucket_numel: int,
+        grad_dtype: torch.dtype,
+        overlap: bool,
+    ) -> None:
+        self.group = group
+        self.world_size = comm.get_world_size(group)
+        self.bucket_numel = bucket_numel
+        self.grad_dtype = grad_dtype
+        self.overlap = overlap
+        self._by_param: dict[nn.Parameter, ShardedParam] = {sp.param: sp for sp in sps}
+        for sp in sps:
+            sp.grad_shard = torch.zeros(sp.shard_numel, dtype=grad_dtype, device=sp.shard.device)
+        self._bucket: list[tuple[ShardedParam, torch.Tensor]] = []  # (param, (N, s) rows)
+        self._bucket_cols = 0  # Σ s of the bucket: elements each rank will receive
+        self._in_flight: deque[
+            tuple[Any, torch.Tensor, list[tuple[ShardedParam, int]], torch.Tensor]
+        ]
+        self._in_flight = deque()
+        self.launched_numels: list[int] = []  # reduce-scatter input elements, in launch order
+        self._handles = [sp.param.register_post_accumulate_grad_hook(self._on_grad) for sp in sps]
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        sp = self._by_param[param]
+        grad = param.grad
+        param.grad = None  # the bucket holds it now; the full gradient is freed after the launch
+        if (
+            self._bucket
+            and (self._bucket_cols + sp.shard_numel) * self.world_size > self.bucket_numel
+        ):
+            self._launch()
+        self._bucket.append((sp, sp.grad_by_rank(grad, self.grad_dtype)))
+        self._bucket_cols += sp.shard_numel
+        if self._bucket_cols * self.world_size >= self.bucket_numel:
+            self._launch()
+
+    def _launch(self) -> None:
+        if not self._bucket:
+            return
+        rows = [r for _, r in self._bucket]
+        staged = torch.cat(rows, dim=1) if len(rows) > 1 else rows[0].contiguous()  # (N, cols)
+        out = staged.new_empty(self._bucket_cols)  # this rank's row after the reduction
+        offsets, col = [], 0
+        for sp, _ in self._bucket:
+            offsets.append((sp, col))
+            col += sp.shard_numel
+        self.launched_numels.append(staged.numel())
+        work = comm.reduce_scatter_tensor(
+            out, staged.view(-1), group=self.group, async_op=self.overlap
+        )
+        self._in_flight.append((work, out, offsets, staged))
+        self._bucket, self._bucket_cols = [], 0
+        if not self.overlap or len(self._in_flight) > _MAX_IN_FLIGHT:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        work, out, offsets, _staged = self._in_flight.popleft()
+        if work is not None:
+            work.wait()
+        scale = 1.0 / self.world_size  # the sum over ranks -> the average
+        for sp, col in offsets:
+            sp.grad_shard.add_(out[col : col + sp.shard_numel], alpha=scale)
+
+    def flush(self) -> None:
+        """Launch the partly filled bucket and wait for every reduction (end of a micro-step)."""
+        self._launch()
+        while self._in_flight:
+            self._finish_oldest()
+
+    def zero_grad(self) -> None:
+        """Zero every gradient shard (start of an accumulation window)."""
+        for sp in self._by_param.values():
+            sp.grad_shard.zero_()
+
+    def remove(self) -> None:
+        """Remove the gradient hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

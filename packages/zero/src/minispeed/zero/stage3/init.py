@@ -1,0 +1,233 @@
+"""Three user-facing contexts of stage 3: build partitioned, look at full values, fetch subtrees.
+
+- :class:`Init` partitions parameters while the model is being constructed, so a model larger
+  than one rank's memory can be built: each rank holds ``Ψ/N`` plus the modules under
+  construction (see Note [when Init partitions a module]).
+- :class:`GatheredParameters` gathers parameters for user code (initialisation, inspection,
+  surgery) and, with ``modifier_rank=r``, keeps the changes rank r made, on every rank.
+- :func:`set_leaf_module` makes a module's whole subtree one fetch unit: fetched when the module
+  starts, released when it ends. For blocks whose children run depending on the data (MoE experts,
+  early exit), where a per-child fetch order would differ between ranks.
+
+All three are collective when they move data: every rank of the group must enter them in the
+same order.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
+
+import minispeed.comm as comm
+from minispeed.zero.stage3.access import InitWriteGuard, check_access, guard_module
+from minispeed.zero.stage3.params import (
+    REGISTRY,
+    ParamState,
+    ShardedParam,
+    all_gather_params,
+    partition_param,
+    release_params,
+)
+
+__all__ = ["GatheredParameters", "Init", "is_leaf_module", "set_leaf_module"]
+
+# Note [when Init partitions a module]
+# We never patch nn.Module.__init__. Two scoped registration hooks (undone on exit) tell us when
+# a parameter is created and when a module is attached to a parent. A module attached to a
+# *container* (ModuleList, Sequential, ModuleDict) is finished and containers do not touch their
+# children's parameters, so its subtree is partitioned at once: a stack of layers built as
+# ``nn.ModuleList(Block() for _ in range(L))`` holds one full block at a time. A module attached
+# to any other parent is partitioned one level later, when that parent is attached in turn: a
+# parent's __init__ may still initialise its children after attaching them (nn.MultiheadAttention
+# zeroes ``self.out_proj.bias`` after creating ``out_proj``). The root and its direct children are
+# partitioned when the context exits. Peak: Ψ/N + the largest unpartitioned subtree (one layer
+# of a container, or the root's direct children such as embeddings).
+# Code that initialises parameters after they were partitioned (``self.apply(init_fn)`` at the
+# end of a root __init__) gets ParameterNotGatheredError naming GatheredParameters as the fix
+# (access.InitWriteGuard, a torch-function mode active only inside the context).
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+class Init:
+    """Context: partition every parameter created inside it across ``group`` as modules are built.
+
+    ``config`` is accepted for symmetry with ``zero.shard`` (Init needs nothing from it); the
+    parameters keep the dtype they are created with (``zero.shard`` makes the fp32 masters from
+    them, then casts to ``MixedPrecision.param_dtype``). Every rank must construct the same model
+    with the same seed: each keeps its slice of what it built.
+
+    Memory while building: ``Ψ/N`` of partitioned parameters plus the modules not yet partitioned
+    (Note [when Init partitions a module]). Communication: none.
+    """
+
+    def __init__(self, config: Any = None, group: Any = None, enabled: bool = True) -> None:
+        self.config = config
+        self.group = group
+        self.enabled = enabled
+        self.sharded: list[ShardedParam] = []
+        self._created: dict[nn.Parameter, tuple[nn.Module, str]] = {}  # -> (module, attribute)
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> Init:
+        if not self.enabled:
+            return self
+        if not comm.is_initialized():
+            raise RuntimeError(
+                "zero.Init partitions parameters across ranks, but torch.distributed is not "
+                "initialized: call minispeed.comm.init_distributed() before entering zero.Init"
+            )
+        self._handles = [
+            register_module_parameter_registration_hook(self._on_parameter),
+            register_module_module_registration_hook(self._on_module),
+        ]
+        self._write_guard = InitWriteGuard()
+        self._write_guard.__enter__()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if not self.enabled:
+            return
+        self._write_guard.__exit__(None, None, None)
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if exc_type is None:
+            for p, (module, _) in list(self._created.items()):
+                self._partition(module, p)
+        self._created.clear()
+
+    def _on_parameter(self, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param not in REGISTRY:
+            self._created[param] = (module, name)
+
+    def _on_module(self, parent: nn.Module, name: str, child: nn.Module | None) -> None:
+        if child is None:
+            return
+        done = [child] if isinstance(parent, _CONTAINERS) else list(child.children())
+        for top in done:
+            for module in top.modules():
+                for p in list(dict.values(module._parameters)):
+                    if p is not None and p in self._created:
+                        self._partition(module, p)
+
+    def _partition(self, module: nn.Module, p: nn.Parameter) -> None:
+        if p in REGISTRY:
+            return
+        _, attr = self._created.pop(p, (module, "?"))
+        # The qualified name is known only once the model is complete; zero.shard sets it.
+        self.sharded.append(partition_param(p, self.group, f"{type(module).__name__}.{attr}"))
+        guard_module(module, check_access, type(module).__name__)
+
+
+class GatheredParameters:
+    """Context: the full values of ``params`` on every rank; keep changes made by ``modifier_rank``.
+
+    ::
+
+        with zero.GatheredParameters(model.head.weight, modifier_rank=0):
+            if comm.get_rank() == 0:
+                model.head.weight.data.normal_()      # the change rank 0 makes...
+        # ...is broadcast and re-partitioned: every rank's shard (and fp32 master) holds it
+
+    With ``modifier_rank=None`` changes are discarded at exit (read-only use). Parameters that are
+    not partitioned by stage 3 are left alone, so the same code runs with and without stage 3.
+    ``modifier_rank`` is a global rank, like ``src`` in ``torch.distributed.broadcast``.
+
+    Costs: one all-gather of the released parameters on entry (``Σ N·s·p`` bytes message); with a
+    modifier, one broadcast of ``Σ n·p`` bytes on exit; ``Σ N·s·p`` bytes held inside.
+    """
+
+    def __init__(
+        self,
+        params: nn.Parameter | Iterable[nn.Parameter],
+        modifier_rank: int | None = None,
+        enabled: bool = True,
+    ) -> None:
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        self.modifier_rank = modifier_rank
+        self.enabled = enabled
+        seen: dict[ShardedParam, None] = {}
+        for p in params:
+            sp = REGISTRY.get(p)
+            if sp is not None:
+                seen[sp] = None
+        self.sharded = list(seen)
+        if len({id(sp.group) for sp in self.sharded}) > 1:
+            raise ValueError(
+                "GatheredParameters got parameters partitioned over different process groups; "
+                "enter one context per group"
+            )
+
+    def __enter__(self) -> GatheredParameters:
+        if self.enabled and self.sharded:
+            all_gather_params(self.sharded)
+            for sp in self.sharded:
+                if sp.state is ParamState.GATHERING:
+                    sp.to_gathered()
+                sp.holds += 1
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if not (self.enabled and self.sharded):
+            return
+        try:
+            if self.modifier_rank is not None and exc_type is None:
+                self._keep_changes()
+        finally:
+            for sp in self.sharded:
+                sp.holds -= 1
+            release_params(self.sharded)
+
+    @torch.no_grad()
+    def _keep_changes(self) -> None:
+        """Broadcast the modifier's full values, then every rank re-partitions them."""
+        values = torch.cat([sp.param.data.reshape(-1).to(sp.shard.dtype) for sp in self.sharded])
+        comm.broadcast(values, src=self.modifier_rank, group=self.sharded[0].group)
+        offset = 0
+        for sp in self.sharded:
+            mine = values[offset : offset + sp.numel]
+            offset += sp.numel
+            full = sp.full_flat()
+            full[: sp.numel].copy_(mine)
+            sp.param.data = full[: sp.numel].view(sp.shape)  # in case user code replaced .data
+            sp.write_full(mine)
+
+
+_LEAF_MODULES: weakref.WeakSet = weakref.WeakSet()
+
+
+def set_leaf_module(modules: nn.Module | Iterable[nn.Module]) -> None:
+    """Fetch each module's whole subtree at once when it starts (call before ``zero.shard``).
+
+    Its descendants get no hooks of their own, so whichever of them run (data-dependent routing),
+    the ranks issue the same collective. Cost: the subtree's parameters are all gathered while the
+    module runs (``Σ N·s·p`` bytes held), even children that end up unused.
+    """
+    if isinstance(modules, nn.Module):
+        modules = [modules]
+    for module in modules:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"set_leaf_module takes nn.Module objects, got {type(module).__name__}")
+        for p in module.parameters():
+            sp = REGISTRY.get(p)
+            if sp is not None and sp.coordinator is not None:
+                raise RuntimeError(
+                    f"set_leaf_module({type(module).__name__}) after zero.shard: the fetch units are "
+                    f"already built; call set_leaf_module before zero.shard"
+                )
+        _LEAF_MODULES.add(module)
+
+
+def is_leaf_module(module: nn.Module) -> bool:
+    """Whether :func:`set_leaf_module` marked ``module``."""
+    return module in _LEAF_MODULES

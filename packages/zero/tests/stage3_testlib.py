@@ -1,0 +1,200 @@
+"""Helpers for the stage-3 tests: the single-process reference, odd models, a memory probe.
+
+Everything here runs either in the pytest process (references) or inside a distributed test body.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
+from zero_testlib import make_batches, make_model, rank_slice
+
+import minispeed.comm as comm
+import minispeed.zero as zero
+from minispeed.zero.stage3 import REGISTRY, ParamState
+
+GLOBAL_BATCH = 8
+LR = 1e-2
+
+
+def reference_losses(steps: int, accum: int = 1, clip: float = 0.0) -> list[float]:
+    """Single-process PyTorch on the global batches: the loss of every micro-step."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for k, batch in enumerate(make_batches(steps * accum, GLOBAL_BATCH)):
+        loss = model(*batch)
+        losses.append(loss.item())
+        (loss / accum).backward()
+        if (k + 1) % accum == 0:
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad()
+    return losses
+
+
+def reference_grads(batch: Any) -> dict[str, torch.Tensor]:
+    """Full gradients of the initial TinyGPT on one global batch, by parameter name."""
+    model = make_model()
+    model(*batch).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def global_loss(loss: torch.Tensor, world_size: int) -> float:
+    """The mean over ranks of each rank's local-mean loss = the loss on the global batch."""
+    t = loss.detach().float().clone().reshape(1)
+    comm.all_reduce(t)
+    return t.item() / world_size
+
+
+def train_stage3(
+    rank: int,
+    world_size: int,
+    steps: int,
+    *,
+    accum: int = 1,
+    clip: float = 0.0,
+    **stage3: Any,
+) -> tuple[list[float], Any, set[str]]:
+    """TinyGPT through zero.shard(stage=3).
+
+    Returns (global loss per micro-step, optimizer, names of non-persistent parameters found
+    gathered, or with non-empty ``.data``, after any ``step()``).
+    """
+    model = make_model()
+    cfg = zero.ZeroConfig(stage=3, gradient_accumulation_steps=accum, max_grad_norm=clip, **stage3)
+    opt = zero.shard(model, torch.optim.AdamW(model.parameters(), lr=LR), config=cfg)
+    losses, leftovers = [], set()
+    for batch in make_batches(steps * accum, GLOBAL_BATCH):
+        loss = model(*rank_slice(batch, rank, world_size))
+        losses.append(global_loss(loss, world_size))
+        opt.backward(loss)
+        opt.step()
+        for sp in opt.strategy.sharded_params():
+            if not sp.persistent and (sp.state is not ParamState.SHARDED or sp.param.numel()):
+                leftovers.add(sp.name)
+    return losses, opt, leftovers
+
+
+# -- models for the divergence and leaf-module tests --------------------------------------------
+class RankBranchNet(nn.Module):
+    """stem -> branch_a or branch_b -> head. ``mode``: "rank" (odd ranks take branch_b), "a", "b"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, 8)
+        self.branch_a = nn.Linear(8, 8)
+        self.branch_b = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+        self.mode = "rank"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.stem(x))
+        take_b = self.mode == "b" or (self.mode == "rank" and comm.get_rank() % 2 == 1)
+        h = self.branch_b(h) if take_b else self.branch_a(h)
+        return self.head(h).pow(2).mean()
+
+
+class Experts(nn.Module):
+    """A toy MoE block: each call runs ONE expert, chosen by the data (so ranks may differ)."""
+
+    def __init__(self, width: int = 8, n: int = 2) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(width, width) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts[0 if float(x.mean()) >= 0 else 1](x)
+
+
+class MoENet(nn.Module):
+    """stem -> Experts -> head. Feed rank-dependent data and ranks run different experts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, 8)
+        self.moe = Experts()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.moe(self.stem(x))).pow(2).mean()
+
+
+class Stack(nn.Module):
+    """``layers`` equal Linear layers in a ModuleList plus a small head: for zero.Init's memory test."""
+
+    def __init__(self, width: int = 64, layers: int = 8) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return F.mse_loss(self.head(x), torch.zeros(x.shape[0], 1))
+
+
+class ParamBytesProbe:
+    """Peak bytes of parameter values held while modules are built (full data + stage-3 shards).
+
+    Samples at every parameter creation and every module attachment, *before* zero.Init reacts
+    (enter the probe before zero.Init: global hooks run in registration order), and once more on
+    ``sample()``. Bytes: each created parameter's ``.data`` (0 once released) plus its shard.
+    """
+
+    def __init__(self) -> None:
+        self.params: dict[int, nn.Parameter] = {}
+        self.peak = 0
+
+    def __enter__(self) -> ParamBytesProbe:
+        self._handles = [
+            register_module_parameter_registration_hook(self._on_param),
+            register_module_module_registration_hook(lambda *a: self.sample()),
+        ]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+
+    def _on_param(self, module: nn.Module, name: str, p: nn.Parameter | None) -> None:
+        if p is not None:
+            self.params[id(p)] = p
+        self.sample()
+
+    def held(self) -> int:
+        total = 0
+        for p in self.params.values():
+            total += p.data.numel() * p.element_size()
+            sp = REGISTRY.get(p)
+            if sp is not None:
+                total += sp.shard.numel() * sp.shard.element_size()
+        return total
+
+    def sample(self) -> None:
+        self.peak = max(self.peak, self.held())
+
+
+class LateInit(nn.Module):
+    """Initialises its layers at the end of __init__, after zero.Init partitioned them (nanoGPT's
+    ``self.apply(self._init_weights)``); ``gathered=True`` does it the stage-3 way."""
+
+    def __init__(self, gathered: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.gathered = gathered
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            with zero.stage3.GatheredParameters(
+                module.bias, modifier_rank=0, enabled=self.gathered
+            ):
+                nn.init.constant_(module.bias, 0.25)

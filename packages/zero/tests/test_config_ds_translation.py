@@ -1,0 +1,104 @@
+"""``ZeroConfig.from_ds_config``: DeepSpeed keys in, clearly named typed fields out, bad keys refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from minispeed.zero import ZeroConfig
+
+
+def test_deepspeed_keys_map_to_named_fields() -> None:
+    cfg = ZeroConfig.from_ds_config(
+        {
+            "train_batch_size": 32,  # another package's key: ignored here
+            "gradient_accumulation_steps": 4,
+            "gradient_clipping": 1.0,
+            "zero_optimization": {
+                "stage": 2,
+                "reduce_bucket_size": 5e7,  # DeepSpeed files write sizes as floats
+                "allgather_bucket_size": 2e8,
+                "overlap_comm": True,
+                "contiguous_gradients": False,
+                "reduce_scatter": False,
+                "ignore_unused_parameters": False,
+                "stage3_prefetch_bucket_size": 123,
+                "stage3_param_persistence_threshold": 456,
+                "stage3_max_live_parameters": 789,
+                "stage3_max_reuse_distance": 1011,
+                "stage3_gather_16bit_weights_on_model_save": True,
+                "sub_group_size": 1213,
+            },
+        }
+    )
+    assert cfg == ZeroConfig(
+        stage=2,
+        reduce_bucket_numel=50_000_000,
+        allgather_bucket_numel=200_000_000,
+        overlap_comm=True,
+        contiguous_gradients=False,
+        reduce_scatter=False,
+        ignore_unused_parameters=False,
+        gradient_accumulation_steps=4,
+        max_grad_norm=1.0,
+        stage3_prefetch_bucket_numel=123,
+        stage3_param_persistence_threshold_numel=456,
+        stage3_max_live_numel=789,
+        stage3_max_reuse_distance_numel=1011,
+        stage3_gather_16bit_weights_on_model_save=True,
+        sub_group_numel=1213,
+    )
+    assert isinstance(cfg.reduce_bucket_numel, int)
+
+
+def test_missing_section_is_stage_0_and_overlap_default_follows_deepspeed() -> None:
+    assert ZeroConfig.from_ds_config({}).stage == 0
+    assert ZeroConfig.from_ds_config({"zero_optimization": {"stage": 1}}).overlap_comm is False
+    assert ZeroConfig.from_ds_config({"zero_optimization": {"stage": 3}}).overlap_comm is True
+
+
+def test_old_spelling_of_gather_on_save_is_accepted_but_not_contradicted() -> None:
+    old = {"stage3_gather_fp16_weights_on_model_save": True}
+    assert ZeroConfig.from_ds_config(
+        {"zero_optimization": old}
+    ).stage3_gather_16bit_weights_on_model_save
+    both = {**old, "stage3_gather_16bit_weights_on_model_save": False}
+    with pytest.raises(ValueError, match="keep only stage3_gather_16bit_weights_on_model_save"):
+        ZeroConfig.from_ds_config({"zero_optimization": both})
+
+
+def test_unknown_key_is_named() -> None:
+    with pytest.raises(ValueError, match=r"unknown zero_optimization key\(s\) \['reduce_bucket'\]"):
+        ZeroConfig.from_ds_config({"zero_optimization": {"stage": 1, "reduce_bucket": 10}})
+
+
+@pytest.mark.parametrize(
+    "section, match",
+    [
+        (
+            {"allgather_partitions": False},
+            "allgather_partitions=False is not supported.*set it to True",
+        ),
+        ({"offload_optimizer": {"device": "cpu"}}, "minispeed.offload"),
+        ({"stage": 4}, "stage must be 0, 1, 2 or 3"),
+        ({"stage": "2"}, "stage must be int"),
+        ({"overlap_comm": 1}, "overlap_comm must be bool"),
+        ({"allgather_bucket_size": -5}, "allgather_bucket_numel must be >= 1"),
+    ],
+)
+def test_contradictory_or_unsupported_values(section, match) -> None:
+    with pytest.raises((ValueError, TypeError), match=match):
+        ZeroConfig.from_ds_config({"zero_optimization": section})
+
+
+def test_offload_to_none_is_accepted() -> None:
+    cfg = ZeroConfig.from_ds_config(
+        {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}}}
+    )
+    assert cfg.stage == 2
+
+
+def test_top_level_values_are_validated() -> None:
+    with pytest.raises(ValueError, match="gradient_accumulation_steps must be >= 1"):
+        ZeroConfig.from_ds_config({"gradient_accumulation_steps": 0})
+    with pytest.raises(ValueError, match="max_grad_norm must be >= 0"):
+        ZeroConfig.from_ds_config({"gradient_clipping": -1.0})

@@ -1,0 +1,71 @@
+"""zero.Init builds a model already partitioned: peak ≈ Ψ/N + one layer, and it trains the same.
+
+A probe (stage3_testlib.ParamBytesProbe) adds up, at every parameter creation and module
+attachment, the bytes of parameter values alive: each parameter's ``.data`` plus its stage-3
+shard. Built under zero.Init on N ranks, an 8-layer stack peaks at Ψ/N + one layer; built
+normally it holds Ψ. Then Init-built models (the stack and TinyGPT, whose nn.MultiheadAttention
+initialises a child after creating it) must hold exactly the weights of a normal build and train
+exactly like single-process PyTorch.
+"""
+
+from __future__ import annotations
+
+import torch
+from stage3_testlib import GLOBAL_BATCH, LR, ParamBytesProbe, Stack, global_loss, reference_losses
+from zero_testlib import TinyGPT, make_batches, rank_slice
+
+import minispeed.zero as zero
+from minispeed.core.testing import run_distributed
+from minispeed.zero.stage3 import REGISTRY, GatheredParameters, Init, ParamState
+
+WIDTH, LAYERS = 64, 8
+
+
+def _body(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    with ParamBytesProbe() as probe, Init():
+        stack = Stack(WIDTH, LAYERS)
+        probe.sample()
+    states = {p.numel() == 0 for p in stack.parameters()}
+    torch.manual_seed(0)
+    with ParamBytesProbe() as plain_probe:
+        plain = Stack(WIDTH, LAYERS)
+    with GatheredParameters(list(stack.parameters())):
+        same = all(torch.equal(p, q) for p, q in zip(stack.parameters(), plain.parameters()))
+
+    torch.manual_seed(0)  # TinyGPT's make_model() seed
+    with Init():
+        gpt = TinyGPT()
+    all_sharded = all(REGISTRY[p].state is ParamState.SHARDED for p in gpt.parameters())
+    opt = zero.shard(
+        gpt, torch.optim.AdamW(gpt.parameters(), lr=LR), config=zero.ZeroConfig(stage=3)
+    )
+    losses = []
+    for batch in make_batches(5, GLOBAL_BATCH):
+        loss = gpt(*rank_slice(batch, rank, world_size))
+        losses.append(global_loss(loss, world_size))
+        opt.backward(loss)
+        opt.step()
+    return dict(
+        peak=probe.peak,
+        plain_peak=plain_probe.peak,
+        released=states == {True},
+        same=same,
+        gpt_sharded_at_exit=all_sharded,
+        gpt_losses=losses,
+    )
+
+
+def test_init_partitions_while_building_and_trains_the_same() -> None:
+    world_size = 2
+    results = run_distributed(_body, world_size=world_size, timeout_s=180)
+    layer = (WIDTH * WIDTH + WIDTH) * 4
+    psi = LAYERS * layer + (WIDTH + 1) * 4  # + the head
+    padding = 4 * (2 * LAYERS + 2)  # < 1 element per parameter per rank
+    want = reference_losses(5)
+    for res in results:
+        assert res["released"] and res["same"] and res["gpt_sharded_at_exit"]
+        assert res["plain_peak"] == psi
+        assert res["peak"] <= psi / world_size + layer + padding, (res["peak"], psi)
+        for a, b in zip(res["gpt_losses"], want, strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (res["gpt_losses"], want)
