@@ -13,7 +13,6 @@ Cases, one distributed run:
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
@@ -31,14 +30,12 @@ def _data() -> torch.Tensor:
 
 
 def _train(rank: int, world_size: int, modes: list[str], check: str) -> dict:
-    os.environ["MINISPEED_ZERO3_TRACE_CHECK"] = check
-    try:
-        torch.manual_seed(0)
-        model = RankBranchNet()
-        cfg = zero.ZeroConfig(stage=3, stage3_param_persistence_threshold_numel=0)
-        opt = zero.shard(model, torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
-    finally:
-        del os.environ["MINISPEED_ZERO3_TRACE_CHECK"]
+    torch.manual_seed(0)
+    model = RankBranchNet()
+    cfg = zero.ZeroConfig(
+        stage=3, stage3_param_persistence_threshold_numel=0, stage3_trace_check=check
+    )
+    opt = zero.shard(model, torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
     n = ROWS // world_size
     x = _data()[rank * n : (rank + 1) * n]
     losses: list[float] = []

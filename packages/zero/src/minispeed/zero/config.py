@@ -88,11 +88,17 @@ class ZeroConfig:
     stage3_gather_16bit_weights_on_model_save: bool = False
     #: Elements per optimizer sub-group stepped at once in stage 3 (``sub_group_size``).
     sub_group_numel: int = 1_000_000_000
+    #: Stage 3: how ranks check that they fetch parameters in the same order (our own setting, no
+    #: DeepSpeed key): ``"first"`` checks every module while the first trace is recorded, then one
+    #: cheap check per forward; ``"every"`` checks every module of every pass (debug); ``"off"``
+    #: checks nothing, so a divergence hangs until the collective timeout. The environment
+    #: variable ``MINISPEED_ZERO3_TRACE_CHECK`` overrides it for one run.
+    stage3_trace_check: str = "first"
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            expected = {"int": int, "bool": bool, "float": (int, float)}[str(f.type)]
+            expected = {"int": int, "bool": bool, "float": (int, float), "str": str}[str(f.type)]
             # bool is an int subclass: refuse True where a number is meant, and 1 where a flag is.
             if isinstance(value, bool) != (expected is bool) or not isinstance(value, expected):
                 raise TypeError(
@@ -117,6 +123,11 @@ class ZeroConfig:
         for name in ("stage3_param_persistence_threshold_numel", "stage3_max_reuse_distance_numel"):
             if getattr(self, name) < 0:
                 raise ValueError(f"ZeroConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.stage3_trace_check not in ("off", "first", "every"):
+            raise ValueError(
+                f"ZeroConfig.stage3_trace_check must be 'first' (default), 'every' (debug) or "
+                f"'off', got {self.stage3_trace_check!r}"
+            )
         if self.max_grad_norm < 0:
             raise ValueError(
                 f"ZeroConfig.max_grad_norm must be >= 0 (0 disables clipping), got {self.max_grad_norm}"

@@ -378,7 +378,7 @@ class FetchCoordinator:
             raise FetchOrderError(
                 f"stage 3: at forward position {pos} this rank {what}, but the trace recorded at the "
                 f"first step expected something else. Other ranks may now wait forever in a "
-                f"collective; enable the cross-rank check (MINISPEED_ZERO3_TRACE_CHECK=first)"
+                f"collective; enable the cross-rank check (ZeroConfig(stage3_trace_check='first'))"
             )
         if self.check is TraceCheck.FIRST:
             # Issue the collectives of trace[pos:], as the ranks that follow it do.

@@ -59,16 +59,15 @@ class TraceCheck(enum.Enum):
 
     @classmethod
     def from_config(cls, config: Any) -> TraceCheck:
-        """``config.stage3_trace_check`` if the config has it, else ``MINISPEED_ZERO3_TRACE_CHECK``."""
-        value = getattr(config, "stage3_trace_check", None) or os.environ.get(
-            "MINISPEED_ZERO3_TRACE_CHECK", "first"
-        )
+        """``MINISPEED_ZERO3_TRACE_CHECK`` when set (a one-run override), else the config's field."""
+        value = os.environ.get("MINISPEED_ZERO3_TRACE_CHECK") or config.stage3_trace_check
         try:
             return cls(str(value).lower())
         except ValueError:
             raise ValueError(
                 f"stage-3 trace check {value!r} is not one of {[m.value for m in cls]}; "
-                f"set MINISPEED_ZERO3_TRACE_CHECK to 'first' (default), 'every' (debug) or 'off'"
+                f"set ZeroConfig.stage3_trace_check (or MINISPEED_ZERO3_TRACE_CHECK) to 'first' "
+                f"(default), 'every' (debug) or 'off'"
             ) from None
 
 
