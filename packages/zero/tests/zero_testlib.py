@@ -19,7 +19,9 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(width)
         self.attn = nn.MultiheadAttention(width, heads, batch_first=True)
         self.ln2 = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # x: (B, T, C)
         h = self.ln1(x)
@@ -28,7 +30,14 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    def __init__(self, vocab: int = 67, width: int = 24, heads: int = 2, layers: int = 2, block_size: int = 16) -> None:
+    def __init__(
+        self,
+        vocab: int = 67,
+        width: int = 24,
+        heads: int = 2,
+        layers: int = 2,
+        block_size: int = 16,
+    ) -> None:
         super().__init__()
         self.wte = nn.Embedding(vocab, width)
         self.wpe = nn.Embedding(block_size, width)
@@ -55,7 +64,9 @@ def make_model(seed: int = 0, **kwargs) -> TinyGPT:
     return TinyGPT(**kwargs)
 
 
-def make_batches(steps: int, global_batch: int, seed: int = 1, vocab: int = 67, block_size: int = 16):
+def make_batches(
+    steps: int, global_batch: int, seed: int = 1, vocab: int = 67, block_size: int = 16
+):
     """``steps`` global batches of (idx, targets), each (global_batch, block_size) int64."""
     g = torch.Generator().manual_seed(seed)
     data = torch.randint(0, vocab, (steps, global_batch, block_size + 1), generator=g)
