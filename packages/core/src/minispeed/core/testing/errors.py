@@ -58,15 +58,15 @@ def tag_lines(rank: int, text: str) -> str:
 
 
 def describe_exit(exitcode: int | None) -> str:
-    """Human words for a ``multiprocessing`` exit code: ``exit code 3`` or ``signal SIGSEGV (-11)``."""
+    """Human words for a ``multiprocessing`` exit code: ``exit code 3``, ``signal SIGSEGV, exit code -11``."""
     if exitcode is None:
         return "no exit code (still running)"
     if exitcode < 0:
         try:
             name = signal.Signals(-exitcode).name
         except ValueError:
-            name = f"signal {-exitcode}"
-        return f"killed by signal {name} (exit code {exitcode})"
+            name = str(-exitcode)
+        return f"signal {name}, exit code {exitcode}"
     return f"exit code {exitcode}"
 
 
@@ -130,7 +130,7 @@ def format_failure(
     if tracebacks:
         lines.append(f"  raised: ranks {sorted(tracebacks)}")
     for rank, code in sorted(exit_codes.items()):
-        lines.append(f"  died: rank {rank} with {describe_exit(code)}")
+        lines.append(f"  died: rank {rank} ({describe_exit(code)})")
     lines.append(f"  finished: ranks {finished}")
     if unfinished:
         why = "timeout" if timed_out else "grace period after the first failure"

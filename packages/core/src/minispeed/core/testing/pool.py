@@ -5,9 +5,10 @@ Note [why a pool]
     hundreds of bodies on 2 or 4 ranks. Fresh processes per run would spend most of the suite
     importing torch: every 2-rank run would cost 2 × 2.3 s of CPU before its first line. The
     pool pays one import per slot once per pytest session; after that a run costs a
-    rendezvous, one barrier and the body. Measured on the 2-core dev box (under load ~11 from
-    other jobs): 10 trivial 2-rank runs took 0.48 s warm (48 ms each) against 263 s with fresh
-    processes per run (26 s each: spawn + torch import, slowed by the load; ≥ 2.3 s idle).
+    rendezvous, one barrier and the body. Measured on the 2-core dev box shared with other
+    jobs, 10 trivial 2-rank runs in a row: 0.32 s warm (32 ms each) against 78.5 s with fresh
+    processes per run (7.9 s each: spawn + torch import) at load ~5; 0.48 s against 263 s at
+    load ~11. The cold first run costs what one fresh run does.
     Memory cost: ~230 MB RSS per slot, alive until the parent exits (or shutdown_pool()).
 
     The pool is one list of slots, not one pool per world size: a 2-rank run uses slots 0-1 of
@@ -115,9 +116,10 @@ class WorkerPool:
         return [self._workers[slot] for slot in range(world_size)]
 
     def _await_ready(self, starting: list[WorkerProcess]) -> None:
+        """Wait for ``ready`` from each new worker; a worker that exits first is an error."""
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         waiting = {w.conn: w for w in starting}
-        sentinels = {w.process.sentinel: w for w in starting}
+        by_sentinel = {w.process.sentinel: w for w in starting}
         while waiting:
             remaining = deadline - time.monotonic()
             ready = wait([*waiting, *(w.process.sentinel for w in waiting.values())], remaining)
@@ -129,22 +131,25 @@ class WorkerPool:
                     "the machine may be overloaded: retry, or run fewer tests in parallel"
                 )
             for obj in ready:
-                worker = waiting.get(obj)  # type: ignore[call-overload]
-                if worker is not None:
-                    with contextlib.suppress(EOFError, OSError):
-                        if worker.conn.recv()[0] == "ready":
-                            worker.to_idle()
-                            del waiting[obj]  # type: ignore[arg-type]
-                            continue
-                worker = sentinels.get(obj)  # type: ignore[call-overload]
-                if worker is not None and worker.conn in waiting and not worker.conn.poll():
-                    code = worker.exitcode_after_exit()
-                    for w in starting:
-                        w.kill()
-                    raise DistributedTestError(
-                        f"test worker for slot {worker.slot} died during start-up with "
-                        f"{describe_exit(code)}; its stderr above says why"
-                    )
+                worker = waiting.get(obj) or by_sentinel.get(obj)  # type: ignore[call-overload]
+                if worker is None or worker.conn not in waiting:
+                    continue
+                message = None
+                try:
+                    if worker.conn.poll():  # also true at EOF, where recv raises
+                        message = worker.conn.recv()
+                except (EOFError, OSError):
+                    pass
+                if message is not None and message[0] == "ready":
+                    worker.to_idle()
+                    del waiting[worker.conn]
+                    continue
+                code = worker.exitcode_after_exit()  # exited (or exiting) without "ready"
+                worker.kill()
+                raise DistributedTestError(
+                    f"test worker for slot {worker.slot} died during start-up "
+                    f"({describe_exit(code)}); its stderr above says why"
+                )
 
     # -- one run ---------------------------------------------------------------------------
 
