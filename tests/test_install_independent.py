@@ -69,7 +69,7 @@ def test_undeclared_sibling_import_fails_the_check(tmp_path: Path) -> None:
     assert good.returncode == 0, good.stdout + good.stderr
 
 
-@pytest.mark.parametrize("package", ["core", "offload"])
+@pytest.mark.parametrize("package", ["core", "zero", "offload"])
 def test_package_installs_alone_and_passes_its_tests(package: str) -> None:
     result = _run(package)
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
