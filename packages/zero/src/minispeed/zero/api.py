@@ -18,6 +18,7 @@ buffers; and wrap the user's optimizer in a :class:`ZeroOptimizer` stepping fp32
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
@@ -89,7 +90,23 @@ def shard(
     _sharded_models.add(model)
     names = param_names(model)
     params = [p for ps in param_groups for p in ps]
-    return ZeroOptimizer(optimizer, strategy, config, precision, params, names, group)
+    return ZeroOptimizer(
+        optimizer,
+        strategy,
+        config,
+        precision,
+        params,
+        names,
+        group,
+        on_close=functools.partial(_forget_model, weakref.ref(model)),
+    )
+
+
+def _forget_model(model_ref: weakref.ref[nn.Module]) -> None:
+    """After ``ZeroOptimizer.close()``: the model carries no hooks, it may be sharded again."""
+    model = model_ref()
+    if model is not None:
+        _sharded_models.discard(model)
 
 
 def _check_inputs(
@@ -118,8 +135,8 @@ def _check_inputs(
         )
     if model in _sharded_models:
         raise RuntimeError(
-            "this model was already passed to shard() and carries its gradient hooks; build a new "
-            "model (or keep using the ZeroOptimizer that shard() returned)"
+            "this model was already passed to shard() and carries its gradient hooks; keep using the "
+            "ZeroOptimizer that shard() returned, call its close() first, or build a new model"
         )
     _check_optimizer_kind(optimizer)
     if any(len(s) for s in optimizer.state.values()):

@@ -29,6 +29,7 @@ import minispeed.comm as comm
 from minispeed.core.logging import get_logger
 from minispeed.zero.config import ZeroConfig
 from minispeed.zero.precision import LossScaler, MixedPrecision
+from minispeed.zero.reducer import weak_hook
 
 __all__ = ["ParamFragment", "ShardStrategy", "ZeroOptimizer", "param_names"]
 
@@ -92,6 +93,10 @@ class ShardStrategy(Protocol):
         """One entry per (parameter, piece held here), for checkpoints."""
         ...
 
+    def close(self) -> None:
+        """Finish in-flight communication and remove every hook this strategy put on the model."""
+        ...
+
 
 def param_names(model: nn.Module) -> dict[nn.Parameter, str]:
     """Parameter -> its first ``model.named_parameters()`` name (a tied parameter appears once)."""
@@ -136,6 +141,11 @@ class ZeroOptimizer:
     Attributes: ``optimizer`` (the inner torch.optim optimizer, now holding master tensors; attach
     LR schedulers to it), ``strategy``, ``config``, ``precision``, ``loss_scaler``,
     ``global_step`` (optimizer steps taken, skipped ones excluded), ``micro_step`` (backward calls).
+
+    Lifetime: dropping the model and this optimizer (``del opt, model``) frees everything (the
+    hooks hold it weakly: Note [hooks hold their owner weakly] in reducer.py). :meth:`close`
+    hands the model back as a plain ``nn.Module`` while keeping it; ``with zero.shard(...) as
+    opt:`` calls it on leaving the block.
     """
 
     def __init__(
@@ -147,6 +157,8 @@ class ZeroOptimizer:
         params: Sequence[nn.Parameter],
         names: dict[nn.Parameter, str],
         group: Any = None,
+        *,
+        on_close: Callable[[], None] | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.strategy = strategy
@@ -176,10 +188,12 @@ class ZeroOptimizer:
         )
         self._slot = {p: k + 1 for k, p in enumerate(self._params)}
         self._hooks = [
-            p.register_post_accumulate_grad_hook(self._mark_used)
+            p.register_post_accumulate_grad_hook(weak_hook(self._mark_used))
             for p in self._params
             if p.requires_grad
         ]
+        self._closed = False
+        self._on_close = on_close  # zero.shard: lets the model be sharded again
         self._fragments = strategy.fragments()
 
     # -- micro-step -------------------------------------------------------------------------------
@@ -196,6 +210,7 @@ class ZeroOptimizer:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` scaled by ``loss_scale / gradient_accumulation_steps``."""
+        self._check_open("backward")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError(
                 "ZeroOptimizer.backward expects the scalar loss of this micro-batch (a 1-element "
@@ -212,6 +227,7 @@ class ZeroOptimizer:
     # -- step -------------------------------------------------------------------------------------
     def step(self) -> bool:
         """Take the optimizer step if a window just ended; returns whether weights changed."""
+        self._check_open("step")
         if not self.at_boundary:
             return False
         self._stepped_at = self.micro_step
@@ -330,6 +346,53 @@ class ZeroOptimizer:
     def fragments(self) -> list[ParamFragment]:
         """Which pieces of which parameters this rank's masters hold (for checkpoints)."""
         return self._fragments
+
+    # -- lifetime ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Detach from the model: it stays a plain, usable ``nn.Module``; this optimizer is done.
+
+        Waits for in-flight gradient communication and removes every hook registered on the
+        model (the used-parameter hooks here, the strategy's gradient hooks; stage 3 also its
+        module hooks and attribute guards). Afterwards backward fills ``param.grad`` as plain
+        PyTorch does, and :meth:`backward` / :meth:`step` raise. Gradients of an unfinished
+        accumulation window are dropped. Idempotent.
+
+        Stages 0-2: local; the parameters keep their current values (stages 1-2: as views of the
+        flat parameter buffer, which costs nothing more than before). Stage 3: collective (every
+        rank must call it), one all-gather of every released parameter, after which each rank
+        holds the full parameters (Ψ·p bytes); the shards, masters and optimizer state are freed
+        with this object.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.strategy.close()
+        if self._on_close is not None:
+            self._on_close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (the model is plain PyTorch again)."""
+        return self._closed
+
+    def __enter__(self) -> ZeroOptimizer:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        # After an error, other ranks may not reach a collective close(): skip it. The hooks are
+        # weak, so dropping the objects still frees everything.
+        if exc_type is None:
+            self.close()
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(
+                f"{what}() on a closed ZeroOptimizer: close() handed the model back to plain "
+                f"PyTorch; call zero.shard(model, fresh_optimizer) again to train it with ZeRO"
+            )
 
     def __repr__(self) -> str:
         return (

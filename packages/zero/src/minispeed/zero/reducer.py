@@ -30,11 +30,21 @@ So buckets are launched strictly in one fixed order computed identically on ever
 order gradients usually arrive in: last layers first); a bucket that completes early waits for
 the ones before it. Buckets still incomplete when backward ends (a parameter got no gradient)
 are launched by ``backward_done`` with zeros for the missing parameters, again in order.
+
+Note [hooks hold their owner weakly]
+A hook registered on a parameter (``register_post_accumulate_grad_hook``) is stored by autograd
+in C++, where Python's garbage collector cannot follow references. A hook that is a bound method
+of its owner would close the cycle parameter -> hook -> owner -> parameter invisibly, and the
+owner (a ZeroOptimizer with its masters, optimizer state and gradient buffers) would never be
+freed after the user drops the model and the optimizer. So every such hook is built by
+:func:`weak_hook`: it holds its owner through a weak reference and does nothing once the owner
+is gone. ``close()`` (``ZeroOptimizer.close``) removes the hooks outright.
 """
 
 from __future__ import annotations
 
 import enum
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -47,11 +57,26 @@ import minispeed.comm as comm
 from minispeed.zero.config import ZeroConfig
 from minispeed.zero.flat import Bucket, FlatLayout
 
-__all__ = ["GradReducer", "ReduceMode"]
+__all__ = ["GradReducer", "ReduceMode", "weak_hook"]
 
 # Stage 2: reduce-scatters awaiting completion before the next one waits for the oldest. Two lets
 # one bucket transfer while the next is being filled, bounding the staging memory.
 _MAX_IN_FLIGHT = 2
+
+
+def weak_hook(method: Callable[[nn.Parameter], None]) -> Callable[[nn.Parameter], None]:
+    """A parameter hook calling the bound ``method`` while its object is alive, a no-op after.
+
+    See Note [hooks hold their owner weakly]. Costs one weak-reference lookup per call.
+    """
+    ref = weakref.WeakMethod(method)
+
+    def hook(param: nn.Parameter) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(param)
+
+    return hook
 
 
 class ReduceMode(enum.Enum):
@@ -136,7 +161,7 @@ class GradReducer:
         self._reset_pending()
         # A frozen parameter (requires_grad=False) never gets a gradient: it counts as unused.
         self._handles = [
-            p.register_post_accumulate_grad_hook(self._on_grad)
+            p.register_post_accumulate_grad_hook(weak_hook(self._on_grad))
             for ps in groups
             for p in ps
             if p.requires_grad
@@ -295,10 +320,17 @@ class GradReducer:
         self._fp32 = None
 
     def remove_hooks(self) -> None:
-        """Detach from the model (the parameters then behave as plain PyTorch again)."""
+        """Wait for in-flight collectives, then detach from the model (plain PyTorch again).
+
+        Idempotent. Gradients of a window not yet stepped are dropped with it: nothing more is
+        reduced after this.
+        """
+        while self._in_flight:
+            self._finish(self._in_flight.popleft())
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._reset_pending()
 
     @property
     def launched_buckets(self) -> int:

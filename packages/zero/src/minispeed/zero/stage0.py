@@ -126,6 +126,14 @@ class ReplicatedStrategy:
             for i, p in enumerate(ps)
         ]
 
+    def close(self) -> None:
+        """Wait for in-flight reductions and remove the gradient hooks (idempotent, local).
+
+        Afterwards the model's backward fills ``param.grad`` as in plain PyTorch. This
+        strategy must not be used again.
+        """
+        self.reducer.remove_hooks()
+
     def bucket_numels(self) -> list[int]:
         """Elements of each gradient all-reduce call, in launch order (for the ledger)."""
         return self.reducer.bucket_numels()

@@ -181,6 +181,16 @@ class PartitionedStrategy:
                 out.append(ParamFragment(self.names[p], p.shape, start, numel, g, 0, offset))
         return out
 
+    def close(self) -> None:
+        """Wait for in-flight reductions and remove the gradient hooks (idempotent, local).
+
+        Afterwards the model's backward fills ``param.grad`` as in plain PyTorch. The parameters
+        stay views of the flat buffers (Note [parameters are views of the flat buffer]): valid
+        tensors of their own shapes, sharing storage with nothing else the user sees. This
+        strategy must not be used again.
+        """
+        self.reducer.remove_hooks()
+
     def bucket_numels(self) -> list[int]:
         """Padded elements of each gradient reduce call, in launch order (for the ledger)."""
         return self.reducer.bucket_numels()

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 import minispeed.comm as comm
+from minispeed.zero.reducer import weak_hook
 from minispeed.zero.stage3.params import ShardedParam
 
 __all__ = ["GradShardReducer"]
@@ -69,7 +70,10 @@ class GradShardReducer:
         ]
         self._in_flight = deque()
         self.launched_numels: list[int] = []  # reduce-scatter input elements, in launch order
-        self._handles = [sp.param.register_post_accumulate_grad_hook(self._on_grad) for sp in sps]
+        # Weak: see Note [hooks hold their owner weakly] (reducer.py).
+        self._handles = [
+            sp.param.register_post_accumulate_grad_hook(weak_hook(self._on_grad)) for sp in sps
+        ]
 
     def _on_grad(self, param: nn.Parameter) -> None:
         sp = self._by_param[param]
@@ -124,7 +128,7 @@ class GradShardReducer:
             sp.grad_shard.zero_()
 
     def remove(self) -> None:
-        """Remove the gradient hooks."""
+        """Remove the gradient hooks (idempotent)."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
