@@ -54,7 +54,7 @@ def _state_machine(rank: int) -> dict:
     )
     all_gather_params([sp])
     out["gathered"] = (sp.state is ParamState.GATHERED, torch.equal(p.data, full))
-    out["bad_gathering"] = _error_of(lambda: sp.to_gathering(full, None))
+    out["bad_gathering"] = _error_of(lambda: sp.to_gathering(None))
     sp.to_sharded()
     return out
 

@@ -12,7 +12,7 @@ when                   collective                           message bytes
 forward                all-gather, if not persistent        ``N·ceil(n/N)·p``
 backward               all-gather again, if not persistent  ``N·ceil(n/N)·p``
 backward               reduce-scatter, if it got a grad     ``N·ceil(n/N)·g``
-after optimizer step   all-gather, if persistent            ``N·ceil(n/N)·p``
+after optimizer step   all-gather, if persistent and N > 1  ``N·ceil(n/N)·p``
 end of each forward    trace check (``first`` mode)         ``N·3·8`` (3 int64 per rank)
 =====================  ===================================  ==========================
 
@@ -22,6 +22,8 @@ holding ``1/N`` of the parameters. Padding adds fewer than N elements per parame
 non-persistent parameter belongs to a module that runs in forward and whose outputs receive
 gradients (so it is fetched once per forward and once per backward); the first forward of a run
 (trace recording: one check per module start, demand fetches of tied weights) costs more.
+With one rank a persistent parameter's shard is its whole (padded) value, so
+``refresh_gathered`` copies it locally and no collective is issued (the formula counts 0).
 """
 
 from __future__ import annotations

@@ -4,13 +4,14 @@ Stage 3 keeps only ``1/N`` of every parameter on each rank. The model's ``nn.Par
 stay where they are (autograd leaves, optimizer references and ``named_parameters()`` keep
 working); what changes is what their ``.data`` points to:
 
-- released (SHARDED): ``param.data`` is an empty tensor (0 elements), so the rank holds only its
-  shard;
-- fetched (GATHERED): ``param.data`` is a view of a freshly all-gathered full buffer.
+- released (SHARDED): ``param.data`` is an empty tensor (0 elements), and the parameter's full
+  buffer keeps its shape but its storage is resized to 0 bytes, so the rank holds only its shard;
+- fetched (GATHERED): the full buffer's storage is re-allocated, all-gathered into, and
+  ``param.data`` is a view of it.
 
 Everything stage 3 knows about a parameter lives in its :class:`ShardedParam`, an object we own,
 found through :data:`REGISTRY` (a weak dict keyed by the parameter). Nothing is patched onto the
-``nn.Parameter``. See Note [why .data is swapped].
+``nn.Parameter``. See Note [why .data is swapped] and Note [why storage is resized, not replaced].
 
 Layout of one parameter of ``n`` elements over N ranks (``s = ceil(n / N)``)::
 
@@ -24,7 +25,8 @@ Costs (p = bytes per element of the parameter dtype):
 
 - kept per rank, always: the shard, ``s·p`` bytes (plus the fp32 master ``4s`` and fp32 gradient
   shard ``4s`` that the strategy attaches; for fp32 parameters the master *is* the shard);
-- while gathered: the full buffer, ``N·s·p`` bytes;
+- while gathered: the full buffer, ``N·s·p`` bytes; while released: 0 bytes, even if autograd still
+  holds views of it (Note [why storage is resized, not replaced]);
 - one all-gather of a parameter: ``N·s·p`` bytes (message size; each rank sends ``(N-1)·s·p``);
 - one reduce-scatter of its gradient: ``N·s·g`` bytes (g = bytes per reduced gradient element).
 """
@@ -64,11 +66,25 @@ __all__ = [
 #     read its ``.data`` when backward runs, so the parameter must be gathered again before its
 #     module's backward (hooks.py: pre-backward hooks), and stay gathered until its gradient has
 #     been accumulated (AccumulateGrad checks the gradient's layout against ``param``);
-#   * nodes that saved a *view* of it (``weight.t()`` inside ``F.linear``) keep the old buffer
-#     alive until backward frees them, so between forward and backward some released parameters
-#     still cost memory. (Resizing the storage to 0 instead would free them, at the price of
-#     parameters that keep their shape while holding no bytes; we keep the simpler rule of the
-#     contract: released means ``param.data.numel() == 0``.)
+#   * nodes that saved a *view* of it (``weight.t()`` inside ``F.linear``) hold the gathered
+#     buffer, not the parameter: swapping ``.data`` alone would leave every such buffer alive
+#     until backward, i.e. the whole model at the end of forward. See the next Note.
+
+# Note [why storage is resized, not replaced]
+# Each ShardedParam owns ONE full-size buffer (``_full``, 1D, N·s elements) for its whole life.
+# Releasing frees the buffer's *storage* in place (``untyped_storage().resize_(0)``) instead of
+# dropping the tensor; fetching re-allocates that same storage (``resize_(N·s·p)``) and
+# all-gathers into it. Every view of the buffer (``param.data`` while gathered, and whatever
+# autograd saved in forward: ``weight.t()``, ``weight`` reshaped...) shares that storage, so:
+#   * between forward and backward those saved views point at 0 bytes: a rank holds its shards
+#     plus what is gathered right now, never the whole model (the point of stage 3);
+#   * backward's pre-hook (hooks.py) re-gathers into the same storage before the module's
+#     backward nodes run, so the views autograd reads see the full values again.
+# The price: reading a view while its storage is released is undefined (a crash, not an error
+# message), so every module whose backward reads a parameter must re-gather it first: the
+# pre-backward hook of the module (or of the module that read it as an external) does.
+# ``param.data`` itself is still swapped to an empty tensor when released (Note [why .data is
+# swapped]), so "released" keeps meaning ``param.data.numel() == 0`` to user code and tests.
 
 #: Every partitioned parameter of this process -> its ShardedParam (weak: dropping the model drops
 #: the entry). zero.Init, zero.shard and GatheredParameters all look parameters up here.
@@ -81,14 +97,18 @@ class ParamState(enum.Enum):
     ==========  ==========================================  =================================
     state       tensors that exist                          bytes held for this parameter
     ==========  ==========================================  =================================
-    SHARDED     shard (s); ``param.data`` = empty (0)       ``s·p``
-    GATHERING   shard; full buffer (N·s) being written by   ``s·p + N·s·p``
-                an async all-gather; ``param.data`` empty
+    SHARDED     shard (s); ``param.data`` = empty (0);      ``s·p`` (shard only)
+                full buffer (N·s) with storage of 0 bytes
+    GATHERING   shard; full buffer's storage allocated and  ``s·p + N·s·p``
+                written by an async all-gather;
+                ``param.data`` empty
     GATHERED    shard; full buffer; ``param.data`` =        ``s·p + N·s·p``
                 ``full[:n].view(shape)``
     ==========  ==========================================  =================================
 
     (Plus the strategy's fp32 master and gradient shards, ``4s`` bytes each, in every state.)
+    The full buffer is one tensor for the parameter's whole life; only its storage comes and goes
+    (Note [why storage is resized, not replaced]), so views autograd saved stay valid.
     Transitions: SHARDED -> GATHERING -> GATHERED -> SHARDED, or SHARDED -> GATHERED for a
     synchronous fetch; each is one ``to_<state>()`` method that asserts its source state.
     """
@@ -127,7 +147,9 @@ class ShardedParam:
         self.persistent = False
         self.holds = 0
         self.state = ParamState.SHARDED
-        self._full: torch.Tensor | None = None  # 1D, numel = N * shard_numel, while not SHARDED
+        # 1D, numel = N * shard_numel, created at the first fetch; its storage is 0 bytes while
+        # SHARDED. Note [why storage is resized, not replaced].
+        self._full: torch.Tensor | None = None
         self._work: Any = None  # the in-flight all-gather, while GATHERING
 
     @property
@@ -153,39 +175,64 @@ class ShardedParam:
         """Real (non-padding) elements in this rank's shard; may be 0 for tiny parameters."""
         return max(0, min(self.shard_numel, self.numel - self.start))
 
+    @property
+    def full_storage_nbytes(self) -> int:
+        """Bytes allocated right now behind the full buffer (and every view of it): 0 if SHARDED."""
+        return 0 if self._full is None else self._full.untyped_storage().nbytes()
+
+    def allocate_full(self) -> torch.Tensor:
+        """The full buffer (1D, ``padded_numel``) with its storage allocated, for a gather into it.
+
+        Re-allocates the same storage that was freed at release, so autograd's saved views see
+        what is gathered into it (Note [why storage is resized, not replaced]). A new buffer is
+        made only at the first fetch, or if the shard's dtype/device changed since (zero.shard
+        casting a shard that zero.Init made): then no view of the old one can be in use.
+        """
+        assert self.state is ParamState.SHARDED, f"{self.name}: allocate_full from {self.state}"
+        full = self._full
+        if full is None or full.dtype != self.shard.dtype or full.device != self.shard.device:
+            self._full = full = self.shard.new_empty(self.padded_numel)
+        storage = full.untyped_storage()
+        nbytes = self.padded_numel * full.element_size()
+        if storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
+        return full
+
     # -- state transitions ------------------------------------------------------------------------
-    def to_gathering(self, full: torch.Tensor, work: Any) -> None:
-        """An async all-gather into ``full`` was issued; ``param.data`` stays empty until it lands."""
+    def to_gathering(self, work: Any) -> None:
+        """An async all-gather into ``allocate_full()`` was issued; ``param.data`` stays empty
+        until it lands."""
         assert self.state is ParamState.SHARDED, f"{self.name}: to_gathering from {self.state}"
-        self._full, self._work = full, work
+        self._work = work
         self.state = ParamState.GATHERING
 
-    def to_gathered(self, full: torch.Tensor | None = None) -> None:
+    def to_gathered(self) -> None:
         """Finish the fetch: wait for the all-gather (if any) and point ``param.data`` at the result.
 
-        From GATHERING (waits on the pending collective), or from SHARDED with ``full`` already
-        holding the gathered values (a synchronous fetch).
+        From GATHERING (waits on the pending collective), or from SHARDED once a synchronous
+        all-gather has filled ``allocate_full()``.
         """
         if self.state is ParamState.GATHERING:
-            assert full is None, f"{self.name}: a pending gather already owns the buffer"
             self._work.wait()  # CommWork.wait is idempotent: several params may share one call
             self._work = None
         else:
-            assert self.state is ParamState.SHARDED and full is not None, (
-                f"{self.name}: to_gathered from {self.state}"
+            assert self.state is ParamState.SHARDED and self.full_storage_nbytes > 0, (
+                f"{self.name}: to_gathered from {self.state} without an allocated full buffer"
             )
-            self._full = full
         self.param.data = self._full[: self.numel].view(self.shape)
         self.state = ParamState.GATHERED
 
     def to_sharded(self) -> None:
-        """Release: drop the full buffer; ``param.data`` becomes an empty tensor."""
+        """Release: free the full buffer's storage in place; ``param.data`` becomes empty.
+
+        Note [why storage is resized, not replaced]: views autograd saved now hold 0 bytes.
+        """
         assert self.state is ParamState.GATHERED, f"{self.name}: to_sharded from {self.state}"
         assert self.holds == 0 and not self.persistent, (
             f"{self.name}: released while held ({self.holds}) or persistent"
         )
         self.param.data = self.shard.new_empty(0)
-        self._full = None
+        self._full.untyped_storage().resize_(0)
         self.state = ParamState.SHARDED
 
     # -- data views -------------------------------------------------------------------------------
@@ -254,18 +301,20 @@ def all_gather_params(sps: Sequence[ShardedParam], async_op: bool = False) -> An
     if not todo:
         return None
     group = todo[0].group
-    fulls = [sp.shard.new_empty(sp.padded_numel) for sp in todo]  # 1D, N*s each, rank-major
+    # 1D, N*s each, rank-major: each parameter's own buffer, so the collective writes straight
+    # into the storage autograd's saved views share (Note [why storage is resized, not replaced]).
+    fulls = [sp.allocate_full() for sp in todo]
     if len(todo) == 1:
         work = comm.all_gather_into_tensor(fulls[0], todo[0].shard, group=group, async_op=async_op)
     else:
         work = comm.all_gather_coalesced(
             fulls, [sp.shard for sp in todo], group=group, async_op=async_op
         )
-    for sp, full in zip(todo, fulls):
+    for sp in todo:
         if async_op:
-            sp.to_gathering(full, work)
+            sp.to_gathering(work)
         else:
-            sp.to_gathered(full)
+            sp.to_gathered()
     return work
 
 
@@ -273,10 +322,15 @@ def refresh_gathered(sps: Sequence[ShardedParam]) -> None:
     """Re-gather GATHERED parameters in place from their (updated) shards: one collective.
 
     Used after the optimizer step for persistent parameters, whose full buffers stay alive; writing
-    into the same buffers keeps ``param.data`` (a view of them) valid.
+    into the same buffers keeps ``param.data`` (a view of them) valid. With one rank the shard
+    *is* the padded full value: a local copy, no collective (ledger.py counts none).
     """
     sps = [sp for sp in sps if sp.state is ParamState.GATHERED]
     if not sps:
+        return
+    if sps[0].world_size == 1:
+        for sp in sps:
+            sp.full_flat().copy_(sp.shard)
         return
     if len(sps) == 1:
         comm.all_gather_into_tensor(sps[0].full_flat(), sps[0].shard, group=sps[0].group)
