@@ -86,6 +86,17 @@ __all__ = [
 # ``param.data`` itself is still swapped to an empty tensor when released (Note [why .data is
 # swapped]), so "released" keeps meaning ``param.data.numel() == 0`` to user code and tests.
 
+# Note [ShardedParam holds its coordinator weakly]
+# REGISTRY keeps a ShardedParam alive until its parameter dies, and a parameter usually dies inside
+# a garbage-collection pass (model, optimizer and strategy form reference cycles). The collector
+# decides what is garbage *before* REGISTRY's weak-key callback drops the entry, so the ShardedParam
+# is still reachable (from REGISTRY, a module global) during that pass. Freed only by its reference
+# count dropping afterwards, it must not sit in a cycle of its own: a strong ``sp.coordinator``
+# (coordinator -> units -> ShardedParam -> coordinator) made one, and every shard, master and
+# gradient shard (``Ψ/N·(p + 4 + g)`` bytes per rank) outlived ``del opt, model; gc.collect()``
+# until the *next* collection. The strategy and the module hooks hold the coordinator strongly,
+# so the weak reference is alive whenever a hook can use it.
+
 #: Every partitioned parameter of this process -> its ShardedParam (weak: dropping the model drops
 #: the entry). zero.Init, zero.shard and GatheredParameters all look parameters up here.
 REGISTRY: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -143,7 +154,8 @@ class ShardedParam:
         self.shard = shard  # 1D, numel = shard_numel, param dtype; padding elements are 0
         self.master: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
-        self.coordinator: Any = None
+        # Weak: Note [ShardedParam holds its coordinator weakly].
+        self._coordinator: weakref.ref | None = None
         self.persistent = False
         self.holds = 0
         self.state = ParamState.SHARDED
@@ -151,6 +163,15 @@ class ShardedParam:
         # SHARDED. Note [why storage is resized, not replaced].
         self._full: torch.Tensor | None = None
         self._work: Any = None  # the in-flight all-gather, while GATHERING
+
+    @property
+    def coordinator(self) -> Any:
+        """The FetchCoordinator managing this parameter, or None (no strategy, or it was freed)."""
+        return None if self._coordinator is None else self._coordinator()
+
+    @coordinator.setter
+    def coordinator(self, coordinator: Any) -> None:
+        self._coordinator = None if coordinator is None else weakref.ref(coordinator)
 
     @property
     def param(self) -> nn.Parameter:
