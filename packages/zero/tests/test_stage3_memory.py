@@ -34,7 +34,11 @@ class SavedParamStorages:
 
     def __init__(self, sharded: list) -> None:
         self.sharded = [sp for sp in sharded if not sp.persistent]
-        self.storages: dict[int, tuple[torch.UntypedStorage, int]] = {}  # data_ptr -> (s, bytes)
+        # Keyed by the storage object itself (its C++ StorageImpl), not by data_ptr: a storage
+        # resized to 0 after one module's forward frees its address, and the allocator may hand
+        # that address to the next module's gathered buffer; keying by address would then merge
+        # two storages into one entry. Holding the storage keeps its StorageImpl from reuse.
+        self.storages: dict[int, tuple[torch.UntypedStorage, int]] = {}  # _cdata -> (s, bytes)
         self.saved_tensors = 0
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -46,7 +50,7 @@ class SavedParamStorages:
         storage = t.untyped_storage()
         if storage.data_ptr() in gathered:
             self.saved_tensors += 1
-            self.storages[storage.data_ptr()] = (storage, storage.nbytes())
+            self.storages.setdefault(storage._cdata, (storage, storage.nbytes()))
         return t
 
     def bytes_when_saved(self) -> int:
