@@ -49,6 +49,20 @@ class OnebitPhase(enum.Enum):
     COMPRESSED = "compressed"
 
 
+def check_adam_hyperparameters(
+    lr: float, betas: tuple[float, float], eps: float, weight_decay: float
+) -> None:
+    """Raise a ValueError naming the bad value for the hyper-parameters Adam and LAMB share."""
+    if not lr > 0.0:
+        raise ValueError(f"lr must be > 0, got {lr}")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"betas must be two values in [0, 1), got {betas}")
+    if not eps > 0.0:
+        raise ValueError(f"eps must be > 0 (it keeps the update finite where v = 0), got {eps}")
+    if weight_decay < 0.0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+
+
 class CompressedMomentumOptimizer(torch.optim.Optimizer):
     """Base class: phases, the flat gradient/momentum collectives, checkpoint handling.
 

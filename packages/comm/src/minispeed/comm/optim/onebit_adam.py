@@ -27,7 +27,10 @@ from typing import Any
 
 import torch
 
-from minispeed.comm.optim.compressed_momentum import CompressedMomentumOptimizer
+from minispeed.comm.optim.compressed_momentum import (
+    CompressedMomentumOptimizer,
+    check_adam_hyperparameters,
+)
 
 __all__ = ["OnebitAdam"]
 
@@ -50,14 +53,7 @@ class OnebitAdam(CompressedMomentumOptimizer):
         freeze_step: int = 100,
         group: Any = None,
     ) -> None:
-        if not lr > 0.0:
-            raise ValueError(f"lr must be > 0, got {lr}")
-        if not all(0.0 <= b < 1.0 for b in betas) or len(betas) != 2:
-            raise ValueError(f"betas must be two values in [0, 1), got {betas}")
-        if not eps > 0.0:
-            raise ValueError(f"eps must be > 0 (it keeps the update finite where v = 0), got {eps}")
-        if weight_decay < 0.0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        check_adam_hyperparameters(lr, betas, eps, weight_decay)
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults, freeze_step=freeze_step, group=group)
 

@@ -32,7 +32,10 @@ from typing import Any
 
 import torch
 
-from minispeed.comm.optim.compressed_momentum import CompressedMomentumOptimizer
+from minispeed.comm.optim.compressed_momentum import (
+    CompressedMomentumOptimizer,
+    check_adam_hyperparameters,
+)
 
 __all__ = ["OnebitLamb"]
 
@@ -61,12 +64,7 @@ class OnebitLamb(CompressedMomentumOptimizer):
         factor_threshold: float = 0.1,
         group: Any = None,
     ) -> None:
-        if not lr > 0.0 or not eps > 0.0 or weight_decay < 0.0:
-            raise ValueError(
-                f"need lr > 0, eps > 0, weight_decay >= 0; got {lr}, {eps}, {weight_decay}"
-            )
-        if not all(0.0 <= b < 1.0 for b in betas) or len(betas) != 2:
-            raise ValueError(f"betas must be two values in [0, 1), got {betas}")
+        check_adam_hyperparameters(lr, betas, eps, weight_decay)
         if not 0.0 < min_coeff <= max_coeff:
             raise ValueError(f"need 0 < min_coeff <= max_coeff, got {min_coeff}, {max_coeff}")
         if not 0.0 < factor_min <= 1.0 <= factor_max:
