@@ -18,6 +18,7 @@ the difference to torch is our overhead in microseconds.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -67,18 +68,19 @@ def _call(
     }[op]
 
 
+def _mean_call_seconds(fn: Callable[[], Any], iters: int, log: CommsLogger | None) -> float:
+    """This rank's mean seconds per call over ``iters`` calls (inside ``log`` when given)."""
+    t0 = time.perf_counter()
+    with log if log is not None else contextlib.nullcontext():
+        for _ in range(iters):
+            fn()
+    return (time.perf_counter() - t0) / iters
+
+
 def _time_round(fn: Callable[[], Any], iters: int, log: CommsLogger | None) -> float:
     """Slowest rank's mean seconds per call over ``iters`` calls."""
     dist.barrier()
-    t0 = time.perf_counter()
-    if log is None:
-        for _ in range(iters):
-            fn()
-    else:
-        with log:
-            for _ in range(iters):
-                fn()
-    per_call = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
+    per_call = torch.tensor([_mean_call_seconds(fn, iters, log)], dtype=torch.float64)
     dist.all_reduce(per_call, op=dist.ReduceOp.MAX)
     return float(per_call)
 
@@ -150,15 +152,7 @@ def measure_dispatch(
             samples = []
             for _ in range(rounds):
                 log = CommsLogger() if v == "comm+log" else None
-                t0 = time.perf_counter()
-                if log is None:
-                    for _ in range(iters):
-                        fn()
-                else:
-                    with log:
-                        for _ in range(iters):
-                            fn()
-                samples.append((time.perf_counter() - t0) / iters)
+                samples.append(_mean_call_seconds(fn, iters, log))
             best[v] = min(samples)
         rows.append(
             {
