@@ -6,6 +6,7 @@ coalesced all-gather of different-size tensors, point-to-point, objects, and the
 """
 
 import warnings
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -178,6 +179,31 @@ def _fallback_body(rank: int, world_size: int, op: str) -> str:
         assert_close(out, expected)
         assert log.records[0].impl == api_compat._FALLBACK_NAMES[op]
     return op
+
+
+@distributed_test(world_size=[2, 4])
+def test_in_place_flat_collectives(rank, world_size):
+    """Output = this rank's chunk of the input (reduce-scatter) / input = this rank's chunk of the
+    output (all-gather): ZeRO relies on it to skip a copy (Note [in-place flat collectives])."""
+    n, m = world_size, 7
+    for fallback in (False, True):
+        for async_op in (False, True):
+            with (
+                api_compat.force_fallback("reduce_scatter", "all_gather")
+                if fallback
+                else nullcontext()
+            ):
+                buf = _data(rank, n * m).clone()
+                mine = buf[rank * m : (rank + 1) * m]
+                _finish(comm.reduce_scatter_tensor(mine, buf, async_op=async_op), async_op)
+                expected = torch.stack([_data(r, n * m) for r in range(n)]).sum(0)
+                assert_close(mine, expected[rank * m : (rank + 1) * m])
+
+                full = torch.zeros(n * m)
+                full[rank * m : (rank + 1) * m] = _data(rank, m)
+                chunk = full[rank * m : (rank + 1) * m]
+                _finish(comm.all_gather_into_tensor(full, chunk, async_op=async_op), async_op)
+                assert_close(full, torch.cat([_data(r, m) for r in range(n)]))
 
 
 def _no_deprecation_body(rank: int, world_size: int) -> list[str]:

@@ -23,6 +23,15 @@ all_to_all (flat)      ``p2p``                      same bytes, n-1 isend/irecv 
 
 The comms logger records the op under its own name and message size (so busbw stays comparable)
 with ``impl`` naming the fallback and ``wire_bytes`` the fallback's real cost.
+
+Note [in-place flat collectives]
+The flat collectives may run in place: for reduce-scatter the output may be this rank's chunk of
+the input (``input[r·m : (r+1)·m]``), for all-gather the input may be this rank's chunk of the
+output. NCCL documents both; gloo (the CPU backend) gives the same results, and so do both
+fallbacks above (the reduce-scatter fallback reduces a copy; the list all-gather copies the input
+onto itself). ``test_in_place_flat_collectives`` checks every combination. ZeRO uses it to keep
+no separate output buffer: stage 1 reduce-scatters gradient buckets in place, and
+``all_gather_coalesced`` packs its inputs straight into the output.
 """
 
 from __future__ import annotations

@@ -152,9 +152,11 @@ def all_gather_coalesced(
     """All-gather a list of tensors of different sizes with ONE collective.
 
     ``outputs[i]`` (n · inputs[i].numel() elements) receives every rank's ``inputs[i]``, rank-major.
-    The inputs are packed into one flat buffer (Σ numel elements), gathered once into a buffer of
-    n · Σ numel, and unpacked. Cost: one call's latency instead of len(inputs); (n-1)/n · S sent
-    with S = Σ output bytes; memory: two temporaries of Σ numel and n · Σ numel elements.
+    The inputs are packed straight into this rank's chunk of one flat buffer of n · Σ numel
+    elements, gathered in place (the input is a view of the output: see Note [in-place flat
+    collectives] in api_compat.py), and unpacked. Cost: one call's latency instead of
+    len(inputs); (n-1)/n · S sent with S = Σ output bytes; memory: one temporary of n · Σ numel
+    elements, alive until the call completes.
     """
     name = "all_gather_coalesced"
     n = validation.check_group(name, group)
@@ -182,8 +184,10 @@ def all_gather_coalesced(
         check_across_ranks(name, group, shapes=[tuple(t.shape) for t in inputs], dtype=str(dtype))
     sizes = [t.numel() for t in inputs]
     total = sum(sizes)
-    flat_in = torch.cat([t.reshape(-1) for t in inputs])  # 1D, numel = total
-    flat_out = flat_in.new_empty(n * total)  # 1D, rank-major: [rank0: in0|in1|..][rank1: ...]
+    flat_out = inputs[0].new_empty(n * total)  # 1D, rank-major: [rank0: in0|in1|..][rank1: ...]
+    me = dist.get_rank(group)
+    flat_in = flat_out[me * total : (me + 1) * total]  # this rank's chunk: gathered in place
+    torch.cat([t.reshape(-1) for t in inputs], out=flat_in)
 
     def finish() -> None:
         by_rank = flat_out.view(n, total)
