@@ -103,6 +103,21 @@ def test_coalesced_all_gather_of_different_sizes(rank, world_size):
             expected = torch.cat([_data(10 * r + i, *shape).reshape(-1) for r in range(n)])
             assert_close(outs[i], expected)
 
+        # Lazy outputs: allocated only once the data is there (in wait() for an async call).
+        made: list[list[torch.Tensor]] = []
+
+        def allocate(made=made, ins=ins) -> list[torch.Tensor]:
+            made.append([torch.empty(n * t.numel()) for t in ins])
+            return made[-1]
+
+        work = comm.all_gather_coalesced(allocate, ins, async_op=async_op)
+        assert len(made) == (0 if async_op else 1)
+        _finish(work, async_op)
+        assert len(made) == 1
+        for i, shape in enumerate(shapes):
+            expected = torch.cat([_data(10 * r + i, *shape).reshape(-1) for r in range(n)])
+            assert_close(made[0][i], expected)
+
 
 @distributed_test(world_size=[2, 4])
 def test_point_to_point_ring_and_pairs(rank, world_size):

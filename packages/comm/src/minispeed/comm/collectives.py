@@ -21,7 +21,7 @@ a ring all_reduce sends 2(n-1)/n · S per rank and all_gather / reduce_scatter (
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -144,7 +144,7 @@ def all_gather_into_tensor(
 
 
 def all_gather_coalesced(
-    outputs: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]],
     inputs: Sequence[torch.Tensor],
     group: Any = None,
     async_op: bool = False,
@@ -157,29 +157,51 @@ def all_gather_coalesced(
     collectives] in api_compat.py), and unpacked. Cost: one call's latency instead of
     len(inputs); (n-1)/n · S sent with S = Σ output bytes; memory: one temporary of n · Σ numel
     elements, alive until the call completes.
+
+    ``outputs`` may be a function returning the output tensors: it is called once the data has
+    arrived (in ``wait()`` for an async call), so an in-flight gather holds only its n · Σ numel
+    buffer, not the outputs as well (ZeRO-3 prefetches this way). Its tensors are checked then.
     """
     name = "all_gather_coalesced"
     n = validation.check_group(name, group)
-    if len(outputs) != len(inputs) or not inputs:
+    lazy = callable(outputs)
+    if not inputs or (not lazy and len(outputs) != len(inputs)):
         raise CommInputError(
-            f"{name}: got {len(outputs)} outputs for {len(inputs)} inputs; pass one "
-            "output per input (and at least one)"
+            f"{name}: got {'lazy' if lazy else len(outputs)} outputs for {len(inputs)} inputs; "
+            "pass one output per input (and at least one)"
         )
-    validation.check_tensors(name, group, *inputs, *outputs, contiguous=False)
+    validation.check_tensors(name, group, *inputs, contiguous=False)
     dtype = inputs[0].dtype
-    for i, (o, t) in enumerate(zip(outputs, inputs)):
-        if t.dtype != dtype or o.dtype != dtype:
+
+    def check_outputs(outs: Sequence[torch.Tensor]) -> None:
+        if len(outs) != len(inputs):
             raise CommInputError(
-                f"{name}: tensor {i} has dtype {t.dtype}/{o.dtype}, the first "
-                f"{dtype}; coalesce tensors of one dtype per call"
+                f"{name}: got {len(outs)} outputs for {len(inputs)} inputs; pass one output per input"
             )
-        validation.check_numel(
-            name,
-            f"outputs[{i}]",
-            o.numel(),
-            n * t.numel(),
-            f"allocate outputs[{i}] with {n} * inputs[{i}].numel() elements",
-        )
+        validation.check_tensors(name, group, *outs, contiguous=False)
+        for i, (o, t) in enumerate(zip(outs, inputs)):
+            if t.dtype != dtype or o.dtype != dtype:
+                raise CommInputError(
+                    f"{name}: tensor {i} has dtype {t.dtype}/{o.dtype}, the first "
+                    f"{dtype}; coalesce tensors of one dtype per call"
+                )
+            validation.check_numel(
+                name,
+                f"outputs[{i}]",
+                o.numel(),
+                n * t.numel(),
+                f"allocate outputs[{i}] with {n} * inputs[{i}].numel() elements",
+            )
+
+    if not lazy:
+        check_outputs(outputs)
+    else:
+        for i, t in enumerate(inputs):
+            if t.dtype != dtype:
+                raise CommInputError(
+                    f"{name}: input {i} has dtype {t.dtype}, the first {dtype}; coalesce tensors "
+                    "of one dtype per call"
+                )
     if validation.validation_enabled():
         check_across_ranks(name, group, shapes=[tuple(t.shape) for t in inputs], dtype=str(dtype))
     sizes = [t.numel() for t in inputs]
@@ -190,9 +212,13 @@ def all_gather_coalesced(
     torch.cat([t.reshape(-1) for t in inputs], out=flat_in)
 
     def finish() -> None:
+        outs = outputs
+        if lazy:
+            outs = outputs()
+            check_outputs(outs)
         by_rank = flat_out.view(n, total)
         offset = 0
-        for o, size in zip(outputs, sizes):
+        for o, size in zip(outs, sizes):
             o.view(n, size).copy_(by_rank[:, offset : offset + size])
             offset += size
 

@@ -46,6 +46,9 @@ class CommWork:
         if self._finish is not None:
             self._finish()
         self._done = True
+        # Drop the backend's Work and the finishing step: both reference the op's buffers (a
+        # coalesced all-gather's n·Σ temporary), which a handle kept after wait() must not pin.
+        self._work = self._finish = None
         if self._log is not None:
             get_accelerator().synchronize()
             self._call.record(self._log, time.perf_counter() - self._t0, async_op=True)
