@@ -5,8 +5,9 @@ Both sides come from minispeed itself, never from this file:
 - memory, predicted: ``minispeed.zero.memory``: the ZeRO paper's per-rank formula for the stage
   (``estimate``) and minispeed's own (``predict``: the paper plus the differences it names, e.g.
   no separate fp32 master when the parameters are fp32); measured: ``minispeed.zero.measure``
-  (the bytes of the distinct storages the live optimizer and model hold), on every rank, at the
-  first optimizer-step boundary. Measured must equal minispeed's formula up to padding.
+  (the bytes of the distinct storages the live optimizer and model hold), on every rank, after
+  the last backward of step 2 and before its optimizer step (optimizer state and gradients both
+  exist then). Measured must equal minispeed's formula up to padding.
 - communication, predicted: ``minispeed.zero.ledger.stage_collectives`` (stages 0-2, from the
   strategy's actual bucket sizes) or ``minispeed.zero.stage3.stage3_step_bytes`` (stage 3), plus
   the per-step flag and norm all-reduces every stage issues; measured: the
@@ -66,7 +67,7 @@ def predict_memory(
 
 
 def measure_memory(opt: zero.ZeroOptimizer, model: nn.Module) -> dict[str, dict[str, int]]:
-    """At a step boundary: minispeed's own formula for this optimizer, this rank's measurement,
+    """Between a boundary backward and its step: minispeed's own formula for this optimizer, this rank's measurement,
     and the most padding may add (``zero.memory.predict`` / ``measure`` / ``padding_allowance``)."""
     pred, got, pad = memory.predict(opt), memory.measure(opt, model), memory.padding_allowance(opt)
     return {

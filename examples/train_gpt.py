@@ -352,11 +352,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 )
                 _, loss = model(x.to(device), y.to(device))
                 opt.backward(loss)
+                if step == min(2, args.steps) and micro == tcfg.grad_accum_steps - 1:
+                    # After the last backward of step 2, before its optimizer step: the optimizer
+                    # state exists (created lazily by step 1) and so do the reduced gradients
+                    # (the step clears them).
+                    measured_memory = ledgers.measure_memory(opt, model)
                 opt.step()  # acts at the accumulation boundary only, then clears the gradients
                 step_loss += loss.item() / tcfg.grad_accum_steps
-            if step == 1:
-                # At the first step boundary: the optimizer state exists now (it is lazy).
-                measured_memory = ledgers.measure_memory(opt, model)
         step_times.append(time.perf_counter() - t0)
         loss_mean = mean_over_ranks(step_loss)
         if not math.isfinite(loss_mean):

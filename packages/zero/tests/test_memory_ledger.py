@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ckpt_testlib import train
+from ckpt_testlib import batches, rank_slice, train
 from rich.console import Console
 from zero_testlib import make_model
 
@@ -30,8 +30,11 @@ def _ledger_body(rank: int, world_size: int, stage: int, dtype: torch.dtype):
         stage3_param_persistence_threshold_numel=30,  # LayerNorms whole, matrices sharded
     )
     opt = zero.shard(model, inner, config=config, precision=zero.MixedPrecision(param_dtype=dtype))
-    train(model, opt, rank, world_size, range(0, 2))  # measured at a step boundary
-    got = measure(opt, model)
+    train(model, opt, rank, world_size, range(0, 1))  # the optimizer state exists after a step
+    idx, tgt = rank_slice(batches()[1], rank, world_size)
+    opt.backward(model(idx, tgt))
+    got = measure(opt, model)  # before the step: every model state exists (gradients included)
+    opt.step()
     return got, predict(opt), padding_allowance(opt)
 
 

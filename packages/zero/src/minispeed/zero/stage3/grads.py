@@ -5,9 +5,11 @@ A parameter's full gradient exists only briefly: autograd accumulates it into ``
 ``register_post_accumulate_grad_hook`` then moves it into a bucket and drops ``param.grad``.
 When the bucket holds ``reduce_bucket_numel`` elements it is reduce-scattered (async with
 ``overlap_comm``, so it travels while backward computes the layers below); rank r receives row r,
-its shard of every gradient in the bucket, and adds it, divided by N, into ``grad_shard``
-(``grad_accum_dtype``, fp32 by default). Gradient accumulation is that addition repeated every
-micro-step; ``zero_grad`` zeroes the shards.
+its shard of every gradient in the bucket, divided by N. The first micro-step of a window makes
+each ``grad_shard`` a view of that received row (no copy, no zero-filled buffer waiting through
+forward); later micro-steps add into it. ``zero_grad`` drops the shards (``grad_shard = None``),
+as ``optimizer.zero_grad(set_to_none=True)`` does, so between the step and the next backward, and
+through the whole forward, a rank holds no gradient bytes at all. See Note [lazy gradient shards].
 
 Bucket layout (the reduce-scatter input must be rank-major: row r is what rank r receives)::
 
@@ -17,11 +19,21 @@ Bucket layout (the reduce-scatter input must be rank-major: row r is what rank r
                                      row 1: a4 a5 a6 0  b2 b3                 rank 1 gets row 1
 
 A parameter that receives no gradient (unused in this forward) is never bucketed; its shard stays
-as it was (zero after ``zero_grad``). Buckets are filled in gradient-arrival order, which autograd
+as it was (``None``, i.e. zero, after ``zero_grad``). Buckets are filled in gradient-arrival order, which autograd
 makes identical on every rank when every rank ran the same modules (checked by the coordinator).
 
-Costs: bytes kept: ``Σ s·g`` for the shards; while in flight, at most ``_MAX_IN_FLIGHT`` buckets
-of ``≤ reduce_bucket_numel`` elements (plus the one being filled). Bytes sent per micro-step:
+Note [lazy gradient shards]
+The gradient shards (``Σ s·g`` bytes) are needed from the reduction of a parameter's gradient until
+the optimizer step. Allocating them once and zeroing them after each step (as this module first
+did) keeps them through the forward and the start of backward, which is exactly when activations
+peak: on the benchmark's GPT that was 6 MiB of a 70 MiB peak per rank that FSDP2 does not pay
+(it also creates sharded gradients during backward). Now they appear bucket by bucket as
+backward proceeds, while activations are being freed.
+
+Costs: bytes kept: ``Σ s·g`` for the shards, from the first reduction of a window to the step,
+as views of each bucket's averaged row; while in flight, at most ``_MAX_IN_FLIGHT + 1`` buckets of
+``≤ reduce_bucket_numel`` elements, each reduced in place and freed as soon as its reduction is
+seen complete (plus the full gradients of the one being filled). Bytes sent per micro-step:
 one reduce-scatter message of ``Σ N·s·g`` over the parameters that got a gradient.
 """
 
@@ -43,6 +55,10 @@ __all__ = ["GradShardReducer"]
 _MAX_IN_FLIGHT = 2
 
 
+def _completed(work: Any) -> bool:
+    return work is None or work.is_completed()
+
+
 class GradShardReducer:
     """Owns the stage-3 gradient shards and the hooks that fill them."""
 
@@ -57,17 +73,16 @@ class GradShardReducer:
     ) -> None:
         self.group = group
         self.world_size = comm.get_world_size(group)
+        self.rank = comm.get_rank(group)
         self.bucket_numel = bucket_numel
         self.grad_dtype = grad_dtype
         self.overlap = overlap
         self._by_param: dict[nn.Parameter, ShardedParam] = {sp.param: sp for sp in sps}
         for sp in sps:
-            sp.grad_shard = torch.zeros(sp.shard_numel, dtype=grad_dtype, device=sp.shard.device)
+            sp.grad_shard = None  # created by the first reduction: Note [lazy gradient shards]
         self._bucket: list[tuple[ShardedParam, torch.Tensor]] = []  # (param, (N, s) rows)
         self._bucket_cols = 0  # Σ s of the bucket: elements each rank will receive
-        self._in_flight: deque[
-            tuple[Any, torch.Tensor, list[tuple[ShardedParam, int]], torch.Tensor]
-        ]
+        self._in_flight: deque[tuple[Any, list[tuple[ShardedParam, int]], torch.Tensor]]
         self._in_flight = deque()
         self.launched_numels: list[int] = []  # reduce-scatter input elements, in launch order
         # Weak: see Note [hooks hold their owner weakly] (reducer.py).
@@ -92,29 +107,44 @@ class GradShardReducer:
     def _launch(self) -> None:
         if not self._bucket:
             return
-        rows = [r for _, r in self._bucket]
-        staged = torch.cat(rows, dim=1) if len(rows) > 1 else rows[0].contiguous()  # (N, cols)
-        out = staged.new_empty(self._bucket_cols)  # this rank's row after the reduction
+        bucket = self._bucket
+        self._bucket, self._bucket_cols = [], 0
+        # Finish what already arrived before staging the next bucket: a completed reduction's
+        # input buffer is dead weight until _finish_oldest drops it.
+        while self._in_flight and _completed(self._in_flight[0][0]):
+            self._finish_oldest()
         offsets, col = [], 0
-        for sp, _ in self._bucket:
+        for sp, _ in bucket:
             offsets.append((sp, col))
             col += sp.shard_numel
+        rows = [r for _, r in bucket]
+        del bucket
+        staged = torch.cat(rows, dim=1) if len(rows) > 1 else rows[0].contiguous()  # (N, cols)
+        del rows  # the full gradients are freed now (unless staged is one of them, uncopied)
         self.launched_numels.append(staged.numel())
+        # In place: this rank's row of the input receives the reduced row (Note [in-place flat
+        # collectives], comm/api_compat.py), so a bucket in flight holds N·cols elements, not more.
         work = comm.reduce_scatter_tensor(
-            out, staged.view(-1), group=self.group, async_op=self.overlap
+            staged[self.rank], staged.view(-1), group=self.group, async_op=self.overlap
         )
-        self._in_flight.append((work, out, offsets, staged))
-        self._bucket, self._bucket_cols = [], 0
+        self._in_flight.append((work, offsets, staged))
         if not self.overlap or len(self._in_flight) > _MAX_IN_FLIGHT:
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:
-        work, out, offsets, _staged = self._in_flight.popleft()
+        work, offsets, staged = self._in_flight.popleft()
         if work is not None:
             work.wait()
-        scale = 1.0 / self.world_size  # the sum over ranks -> the average
+        # The average, in a compact (cols,) tensor of its own: the N·cols input is freed with this
+        # frame, and the gradient shards made below are views of ``out``.
+        out = staged[self.rank].mul(1.0 / self.world_size)
+        del staged
         for sp, col in offsets:
-            sp.grad_shard.add_(out[col : col + sp.shard_numel], alpha=scale)
+            mine = out[col : col + sp.shard_numel]
+            if sp.grad_shard is None:  # first micro-step of the window: keep the view
+                sp.grad_shard = mine
+            else:
+                sp.grad_shard.add_(mine)
 
     def flush(self) -> None:
         """Launch the partly filled bucket and wait for every reduction (end of a micro-step)."""
@@ -123,9 +153,17 @@ class GradShardReducer:
             self._finish_oldest()
 
     def zero_grad(self) -> None:
-        """Zero every gradient shard (start of an accumulation window)."""
+        """Drop every gradient shard (start of an accumulation window): frees ``Σ s·g`` bytes."""
         for sp in self._by_param.values():
-            sp.grad_shard.zero_()
+            sp.grad_shard = None
+
+    def grad_of(self, sp: ShardedParam) -> torch.Tensor:
+        """``sp``'s averaged gradient shard; zeros (allocated now) if it received none."""
+        if sp.grad_shard is None:
+            sp.grad_shard = torch.zeros(
+                sp.shard_numel, dtype=self.grad_dtype, device=sp.shard.device
+            )
+        return sp.grad_shard
 
     def remove(self) -> None:
         """Remove the gradient hooks (idempotent)."""

@@ -23,8 +23,9 @@ after it: ``param.data = full[:n].view(shape)``.
 
 Costs (p = bytes per element of the parameter dtype):
 
-- kept per rank, always: the shard, ``s·p`` bytes (plus the fp32 master ``4s`` and fp32 gradient
-  shard ``4s`` that the strategy attaches; for fp32 parameters the master *is* the shard);
+- kept per rank, always: the shard, ``s·p`` bytes (plus the fp32 master ``4s`` that the strategy
+  attaches; for fp32 parameters the master *is* the shard); from its gradient's reduction to the
+  optimizer step, the fp32 gradient shard ``4s`` (grads.py, Note [lazy gradient shards]);
 - while gathered: the full buffer, ``N·s·p`` bytes; while released: 0 bytes, even if autograd still
   holds views of it (Note [why storage is resized, not replaced]);
 - one all-gather of a parameter: ``N·s·p`` bytes (message size; each rank sends ``(N-1)·s·p``);
@@ -86,6 +87,16 @@ __all__ = [
 # ``param.data`` itself is still swapped to an empty tensor when released (Note [why .data is
 # swapped]), so "released" keeps meaning ``param.data.numel() == 0`` to user code and tests.
 
+# Note [a prefetch holds one copy]
+# Several parameters fetched together travel in one coalesced all-gather, whose N·Σs buffer is
+# unpacked into each parameter's full buffer. If the full buffers were allocated when the gather
+# is issued, a prefetch in flight would hold the parameters twice (the buffer and the full
+# buffers) for as long as it waits, and backward prefetches wait while the previous module's
+# backward runs, at the moment activations peak. So the full buffers are allocated only when the
+# data has landed (comm.all_gather_coalesced's lazy outputs, called in wait()): in flight, one
+# copy. On the benchmark's GPT (benchmarks/zero_vs_torch.py) this moved the backward peak from
+# 1.02x FSDP2's to below it. A single parameter is gathered straight into its full buffer.
+
 # Note [ShardedParam holds its coordinator weakly]
 # REGISTRY keeps a ShardedParam alive until its parameter dies, and a parameter usually dies inside
 # a garbage-collection pass (model, optimizer and strategy form reference cycles). The collector
@@ -110,14 +121,18 @@ class ParamState(enum.Enum):
     ==========  ==========================================  =================================
     SHARDED     shard (s); ``param.data`` = empty (0);      ``s·p`` (shard only)
                 full buffer (N·s) with storage of 0 bytes
-    GATHERING   shard; full buffer's storage allocated and  ``s·p + N·s·p``
-                written by an async all-gather;
+    GATHERING   shard; an async all-gather in flight,       ``s·p + N·s·p``
+                into the full buffer (one parameter) or
+                into the collective's buffer, copied into
+                the full buffer when it lands (several:
+                Note [a prefetch holds one copy]);
                 ``param.data`` empty
     GATHERED    shard; full buffer; ``param.data`` =        ``s·p + N·s·p``
                 ``full[:n].view(shape)``
     ==========  ==========================================  =================================
 
-    (Plus the strategy's fp32 master and gradient shards, ``4s`` bytes each, in every state.)
+    (Plus the strategy's fp32 master, ``4s`` bytes in every state, and from backward to the step
+    the gradient shard, ``4s``.)
     The full buffer is one tensor for the parameter's whole life; only its storage comes and goes
     (Note [why storage is resized, not replaced]), so views autograd saved stay valid.
     Transitions: SHARDED -> GATHERING -> GATHERED -> SHARDED, or SHARDED -> GATHERED for a
@@ -134,7 +149,7 @@ class ShardedParam:
 
     Attributes set by the strategy (``None`` until ``zero.shard`` runs): ``master`` (fp32,
     ``s`` elements; the very ``shard`` tensor for fp32 training), ``grad_shard`` (``s`` elements of
-    ``grad_accum_dtype``), ``coordinator`` (the FetchCoordinator that fetches it in forward).
+    ``grad_accum_dtype``, ``None`` until its gradient is first reduced in a window), ``coordinator`` (the FetchCoordinator that fetches it in forward).
     ``holds`` counts the users that need it gathered now (running modules, GatheredParameters
     contexts); it is released only when that count is 0 and it is not ``persistent``.
     """
@@ -209,7 +224,7 @@ class ShardedParam:
         made only at the first fetch, or if the shard's dtype/device changed since (zero.shard
         casting a shard that zero.Init made): then no view of the old one can be in use.
         """
-        assert self.state is ParamState.SHARDED, f"{self.name}: allocate_full from {self.state}"
+        assert self.state is not ParamState.GATHERED, f"{self.name}: allocate_full while gathered"
         full = self._full
         if full is None or full.dtype != self.shard.dtype or full.device != self.shard.device:
             self._full = full = self.shard.new_empty(self.padded_numel)
@@ -322,14 +337,17 @@ def all_gather_params(sps: Sequence[ShardedParam], async_op: bool = False) -> An
     if not todo:
         return None
     group = todo[0].group
-    # 1D, N*s each, rank-major: each parameter's own buffer, so the collective writes straight
-    # into the storage autograd's saved views share (Note [why storage is resized, not replaced]).
-    fulls = [sp.allocate_full() for sp in todo]
+    # Into each parameter's own 1D buffer (N*s, rank-major): the storage autograd's saved views
+    # share (Note [why storage is resized, not replaced]). See Note [a prefetch holds one copy].
     if len(todo) == 1:
-        work = comm.all_gather_into_tensor(fulls[0], todo[0].shard, group=group, async_op=async_op)
+        full = todo[0].allocate_full()
+        work = comm.all_gather_into_tensor(full, todo[0].shard, group=group, async_op=async_op)
     else:
         work = comm.all_gather_coalesced(
-            fulls, [sp.shard for sp in todo], group=group, async_op=async_op
+            lambda: [sp.allocate_full() for sp in todo],
+            [sp.shard for sp in todo],
+            group=group,
+            async_op=async_op,
         )
     for sp in todo:
         if async_op:

@@ -12,7 +12,8 @@
 
 Per rank (Ψ parameters, N ranks, p/g bytes per parameter/gradient element, K = 8 for Adam's
 state): ``Ψ/N·(p + 4 + g + K)`` kept (padding: < 1 element per parameter per rank; ``4`` is the
-master, absent for fp32 where master and shard are one tensor), plus persistent parameters whole
+master, absent for fp32 where master and shard are one tensor; ``g`` is held from backward to the
+step only: Note [lazy gradient shards] in grads.py), plus persistent parameters whole
 (``Ψ_pers·p``) and what is gathered at the moment (bounded by the largest unit plus the prefetch
 window, within ``stage3_max_live_numel``). Bytes sent per micro-step: see ledger.py.
 """
@@ -142,7 +143,7 @@ class Stage3Strategy:
 
     def master_grads(self) -> list[list[torch.Tensor]]:
         """Per group, the fp32 gradient shards, averaged over ranks (valid after backward_done)."""
-        return [[self.sharded[p].grad_shard for p in ps] for ps in self.groups]
+        return [[self.reducer.grad_of(self.sharded[p]) for p in ps] for ps in self.groups]
 
     def backward_done(self, is_boundary: bool) -> None:
         """Wait for the gradient reduce-scatters; make sure nothing gathered for backward remains."""
@@ -162,7 +163,7 @@ class Stage3Strategy:
         refresh_gathered([sp for sp in self.trained if sp.state is ParamState.GATHERED])
 
     def zero_grad(self) -> None:
-        """Zero the gradient shards (and any ``param.grad`` left by hand-written backward code)."""
+        """Drop the gradient shards (and any ``param.grad`` left by hand-written backward code)."""
         self.reducer.zero_grad()
         for p in self.sharded:
             p.grad = None
