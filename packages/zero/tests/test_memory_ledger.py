@@ -38,7 +38,7 @@ def _ledger_body(rank: int, world_size: int, stage: int, dtype: torch.dtype):
     return got, predict(opt), padding_allowance(opt)
 
 
-CASES = [(s, torch.bfloat16) for s in (0, 1, 2, 3)] + [(0, torch.float32), (3, torch.float32)]
+CASES = [(s, torch.bfloat16) for s in (0, 1, 2, 3)] + [(s, torch.float32) for s in (0, 1, 2, 3)]
 
 
 @pytest.mark.parametrize("stage,dtype", CASES, ids=[f"stage{s}-{str(d)[6:]}" for s, d in CASES])
@@ -64,9 +64,13 @@ def test_minispeed_differences_are_the_named_ones():
     kw = {"param_bytes": 2, "grad_bytes": 2, "state_bytes": 8}
     assert minispeed_state_bytes(psi, n, 0, **kw) == model_state_bytes(psi, n, 0)
     assert minispeed_state_bytes(psi, n, 2, **kw) == model_state_bytes(psi, n, 2)
-    assert minispeed_state_bytes(psi, n, 1, **kw).grads == 2 * psi + 2 * psi // n
+    assert minispeed_state_bytes(psi, n, 1, **kw) == model_state_bytes(psi, n, 1)
     fp32 = minispeed_state_bytes(psi, n, 0, param_bytes=4, grad_bytes=4, state_bytes=8)
     assert fp32.optimizer == 8 * psi  # the master is the parameter itself
+    fp32 = minispeed_state_bytes(psi, n, 1, param_bytes=4, grad_bytes=4, state_bytes=8)
+    assert fp32.optimizer == 8 * psi // n  # the master is this rank's shard of the parameters
+    pers = minispeed_state_bytes(psi, n, 3, **kw, persistent_params=100)
+    assert pers.params == 2 * (100 + 100 // n + (psi - 100) // n)
 
 
 def test_estimator_says_which_stages_fit_and_prints_a_table():

@@ -81,6 +81,14 @@ def _zero_grad_mid_window(rank, world_size):
     opt.zero_grad()  # would throw away the first micro-batch
 
 
+def _backward_after_boundary_without_step(rank, world_size):
+    model = make_model()
+    opt = zero.shard(model, torch.optim.SGD(model.parameters(), lr=0.1), zero.ZeroConfig(stage=1))
+    (x, y), _ = micro_batches(make_batches(1, 8)[0], rank, world_size, 2)
+    opt.backward(model(x, y))  # a boundary (no accumulation): step() is due
+    opt.backward(model(x, y))  # would add the next window onto reduced gradients
+
+
 def _errors(rank: int, world_size: int):
     return {
         "foreign_param": _error_of(_foreign_param),
@@ -91,6 +99,9 @@ def _errors(rank: int, world_size: int):
         "backward_outside": _error_of(lambda: _backward_outside_optimizer(rank, world_size)),
         "unused_not_ignored": _error_of(lambda: _unused_not_ignored(rank, world_size)),
         "zero_grad_mid_window": _error_of(lambda: _zero_grad_mid_window(rank, world_size)),
+        "backward_without_step": _error_of(
+            lambda: _backward_after_boundary_without_step(rank, world_size)
+        ),
     }
 
 
@@ -140,6 +151,11 @@ def test_unused_parameter_when_not_ignored(errors) -> None:
 def test_zero_grad_inside_an_accumulation_window(errors) -> None:
     kind, msg = errors["zero_grad_mid_window"]
     assert kind == "RuntimeError" and "micro-step 1 of 2" in msg and "only after step()" in msg
+
+
+def test_backward_after_a_boundary_without_step(errors) -> None:
+    kind, msg = errors["backward_without_step"]
+    assert kind == "RuntimeError" and "without step()" in msg and "call opt.step()" in msg
 
 
 def test_shard_without_a_process_group() -> None:

@@ -72,9 +72,20 @@ def _logged_step(rank: int, world_size: int):
             reduce_scatter=config.reduce_scatter,
             clip_norm=True,
         )
+        reducer = strategy.reducer
         kept = (
-            [g.numel() for g in strategy.reducer.flat_grads],
-            [g.numel() for g in strategy.reducer.part_grads],
+            [g.numel() for g in reducer.flat_grads],
+            [g.numel() for g in reducer.part_grads],
+            # where this rank's reduced shards live: "flat" (stage 1, reduced in place), "part"
+            [
+                "flat"
+                if reducer.flat_grads[g].numel()
+                and t.untyped_storage().data_ptr()
+                == reducer.flat_grads[g].untyped_storage().data_ptr()
+                else "part"
+                for g, ts in enumerate(reducer.shard_grads)
+                for t in ts
+            ],
         )
         numel = sum(p.numel() for p in model.parameters())
         out.append(
@@ -146,8 +157,10 @@ def test_full_gradients_do_not_outlive_backward(logged) -> None:
     _, per_rank = logged
     for r in per_rank[0]:
         assert r["grads_left"] == [0, 0], "param.grad must be freed once copied into its bucket"
-        full, part = r["kept"]
+        full, part, shards_in = r["kept"]
         if r["config"]["stage"] == 2:  # only this rank's partition of the gradient is kept
             assert full == [0] and part == [r["padded"][0] // logged[0]]
-        elif r["config"]["stage"] == 1:
-            assert full == r["padded"] and part == [r["padded"][0] // logged[0]]
+            assert set(shards_in) == {"part"}
+        elif r["config"]["stage"] == 1:  # the full buffer; reduced shards in place inside it
+            assert full == r["padded"] and part == [0]
+            assert set(shards_in) == {"flat"}

@@ -216,6 +216,12 @@ class ZeroOptimizer:
                 "ZeroOptimizer.backward expects the scalar loss of this micro-batch (a 1-element "
                 "tensor that requires grad); reduce it with .mean() or .sum() first"
             )
+        if self.at_boundary:
+            raise RuntimeError(
+                f"backward() after the boundary micro-step {self.micro_step} without step(): the "
+                f"reduced gradients of that window would leak into the next one; call opt.step() "
+                f"after every backward (it acts only at accumulation boundaries)"
+            )
         gas = self.config.gradient_accumulation_steps
         is_boundary = (self.micro_step + 1) % gas == 0
         factor = self.loss_scaler.scale / gas

@@ -1,7 +1,7 @@
 """Gradient hooks -> bucketed collectives, running while backward still computes (stages 0-2).
 
 Every managed parameter gets a ``register_post_accumulate_grad_hook``. When autograd has
-finished a parameter's gradient, the hook copies it into its bucket's flat buffer (in
+finished a parameter's gradient, the hook writes it into its bucket's flat buffer (in
 ``grad_accum_dtype``), frees ``param.grad``, and, once every parameter of the bucket has arrived,
 launches the bucket's collective (asynchronously with ``overlap_comm``), so communication of the
 last layers overlaps the backward of the first ones.
@@ -12,16 +12,24 @@ Three schedules, one per stage:
 mode                       micro-steps inside a window      the boundary micro-step
 =========================  ===============================  =====================================
 ``ALL_REDUCE`` (stage 0)   accumulate into ``flat_grads``   + all-reduce each bucket in place
-``SCATTER_AT_BOUNDARY``    accumulate into ``flat_grads``   + reduce-scatter each bucket into
-(stage 1)                                                   this rank's ``part_grads``
+``SCATTER_AT_BOUNDARY``    accumulate into ``flat_grads``   + reduce-scatter each bucket in place:
+(stage 1)                                                   this rank's shard of it is the result
 ``SCATTER_EVERY_STEP``     reduce-scatter each bucket into  same
 (stage 2)                  ``part_grads`` (accumulating)
 =========================  ===============================  =====================================
 
 Bytes kept per rank (g = bytes per ``grad_accum_dtype`` element, Ψ parameters, N ranks):
-stage 0: Ψ·g (full flat gradients); stage 1: Ψ·g + Ψ·g/N (full, plus the reduced partition);
-stage 2: Ψ·g/N plus at most ``_MAX_IN_FLIGHT`` + (buckets being filled) staging buckets of
-``reduce_bucket_numel`` elements. Bytes sent: see ``ledger.py``.
+stage 0 and 1: Ψ·g (full flat gradients; stage 1's reduced partition is this rank's shard of
+each bucket, in place); stage 2: Ψ·g/N plus at most ``_MAX_IN_FLIGHT`` + (buckets being filled)
+staging buckets of ``reduce_bucket_numel`` elements. Bytes sent: see ``ledger.py``.
+
+Note [the first micro-step overwrites]
+The gradient buffers are not zero-filled after a step. The first backward of an accumulation
+window *copies* each gradient into its slot (later micro-steps add), and just before a bucket is
+reduced (or at the end of a backward that reduces nothing) the slots of parameters that got no
+gradient in that first micro-step are zeroed. That is one pass over Ψ per window instead of two
+(fill, then add), the way PyTorch DDP copies gradients into its buckets. Stage 2 does the same
+with its partition: the first reduced bucket of a window is copied into it, later ones added.
 
 Note [bucket launch order]
 Collectives are matched across ranks by the order they are issued, and gradients may arrive in a
@@ -128,18 +136,35 @@ class GradReducer:
         device = groups[0][0].device if groups and groups[0] else torch.device("cpu")
 
         # flat_grads[g]: 1-D, numel = layouts[g].numel, grad dtype (stages 0-1).
-        # part_grads[g]: 1-D, numel = layouts[g].partition_numel, grad dtype (stages 1-2).
+        # part_grads[g]: 1-D, numel = layouts[g].partition_numel, grad dtype (stage 2).
+        # shard_grads[g][b]: this rank's reduced gradient for bucket b (stages 1-2): a view of
+        # flat_grads (stage 1, reduced in place) or of part_grads (stage 2).
         full = mode is not ReduceMode.SCATTER_EVERY_STEP
         self.flat_grads = [
             torch.zeros(lay.numel if full else 0, dtype=grad_dtype, device=device)
             for lay in layouts
         ]
-        part = mode is not ReduceMode.ALL_REDUCE
+        part = mode is ReduceMode.SCATTER_EVERY_STEP
         self.part_grads = [
             torch.zeros(lay.partition_numel if part else 0, dtype=grad_dtype, device=device)
             for lay in layouts
         ]
-        self._fp32: list[torch.Tensor] | None = None  # reduced grads as fp32, valid at a boundary
+        self.shard_grads: list[list[torch.Tensor]] = []
+        if mode is not ReduceMode.ALL_REDUCE:
+            for g, lay in enumerate(layouts):
+                if part:
+                    src, at = self.part_grads[g], (lambda bk: bk.shard_offset)
+                else:
+                    src, at = self.flat_grads[g], (lambda bk: bk.shard_start(self.rank))
+                self.shard_grads.append(
+                    [src[at(bk) : at(bk) + bk.shard_numel] for bk in lay.buckets]
+                )
+        # Per group, the reduced gradients as fp32, valid at a boundary: the full flat buffer
+        # (stage 0) or this rank's shard of each bucket (stages 1-2).
+        self._fp32: list[list[torch.Tensor]] | None = None
+        # Whether the buffers hold stale values that the next backward overwrites instead of
+        # adding to: Note [the first micro-step overwrites].
+        self._fresh = True
 
         # One fixed launch order for every rank: See Note [bucket launch order].
         self._order: list[_BucketState] = []
@@ -154,6 +179,19 @@ class GradReducer:
         )
         self._state_of = {(s.group, s.bucket.index): s for s in self._order}
         self._where = {p: (g, i) for g, ps in enumerate(groups) for i, p in enumerate(ps)}
+        # Per parameter: (its bucket's state, its slot's view of flat_grads (stages 0-1) or its
+        # offset inside the bucket's staging buffer (stage 2)). Built once: the hook's fast path.
+        self._target: dict[tuple[int, int], tuple[_BucketState, Any]] = {}
+        for g, lay in enumerate(layouts):
+            for i, slot in enumerate(lay.slots):
+                state = self._state_of[(g, lay.bucket_of_param[i])]
+                if full:
+                    where: Any = self.flat_grads[g][slot.offset : slot.offset + slot.numel].view(
+                        slot.shape
+                    )
+                else:
+                    where = slot.offset - state.bucket.start
+                self._target[(g, i)] = (state, where)
         self._seen: set[tuple[int, int]] = set()
         self._next_launch = 0
         self._in_flight: deque[_InFlight] = deque()
@@ -185,16 +223,15 @@ class GradReducer:
                 f"activation checkpointing (use_reentrant=False) for shared parameters"
             )
         self._seen.add((g, i))
-        lay = self.layouts[g]
-        slot = lay.slots[i]
-        state = self._state_of[(g, lay.bucket_of_param[i])]
+        state, where = self._target[(g, i)]
         grad = p.grad.to_dense() if p.grad.is_sparse else p.grad  # nn.Embedding(sparse=True)
         if self.mode is ReduceMode.SCATTER_EVERY_STEP:
             staging = self._staging(state)
-            lo = slot.offset - state.bucket.start
-            staging[lo : lo + slot.numel].view(slot.shape).copy_(grad)
+            staging[where : where + grad.numel()].view(grad.shape).copy_(grad)
+        elif self._fresh:  # Note [the first micro-step overwrites]
+            where.copy_(grad)
         else:
-            self.flat_grads[g][slot.offset : slot.offset + slot.numel].view(slot.shape).add_(grad)
+            where.add_(grad)
         p.grad = None  # the bucket holds it now; free the autograd buffer
         state.pending -= 1
         if self.reducing_this_backward:
@@ -203,10 +240,19 @@ class GradReducer:
     def _staging(self, state: _BucketState) -> torch.Tensor:
         if state.staging is None:
             grads = self.part_grads[state.group]
-            state.staging = torch.zeros(
-                state.bucket.padded_numel, dtype=grads.dtype, device=grads.device
-            )
+            bk = state.bucket
+            state.staging = torch.empty(bk.padded_numel, dtype=grads.dtype, device=grads.device)
+            state.staging[bk.numel :].zero_()  # padding; missing gradients: _zero_missing
         return state.staging
+
+    def _zero_missing(self, state: _BucketState, buffer: torch.Tensor, base: int) -> None:
+        """Zero the slots, in ``buffer`` (whose element 0 is flat element ``base``), of the
+        bucket's parameters that got no gradient in this backward."""
+        lay = self.layouts[state.group]
+        for i in state.bucket.param_indices:
+            if (state.group, i) not in self._seen:
+                slot = lay.slots[i]
+                buffer[slot.offset - base : slot.offset - base + slot.numel].zero_()
 
     # -- launching and finishing collectives ------------------------------------------------------
     def _launch_ready(self, force: bool = False) -> None:
@@ -221,38 +267,43 @@ class GradReducer:
     def _launch(self, state: _BucketState) -> None:
         g, bk = state.group, state.bucket
         overlap = self.config.overlap_comm
-        part = self.part_grads[g][bk.shard_offset : bk.shard_offset + bk.shard_numel]
         mine = slice(
             bk.shard_start(self.rank) - bk.start,
             bk.shard_start(self.rank) - bk.start + bk.shard_numel,
         )
-        if self.mode is ReduceMode.ALL_REDUCE:
-            view = self.flat_grads[g][bk.start : bk.start + bk.numel]
-            self._track(_InFlight(comm.all_reduce(view, group=self.comm_group, async_op=overlap)))
-            return
-        if self.mode is ReduceMode.SCATTER_AT_BOUNDARY:
-            bucket = self.flat_grads[g][bk.start : bk.start + bk.padded_numel]
-            if self.config.reduce_scatter:
-                work = comm.reduce_scatter_tensor(
-                    part, bucket, group=self.comm_group, async_op=overlap
-                )
-                self._track(_InFlight(work))
+        if self.mode is not ReduceMode.SCATTER_EVERY_STEP:
+            if self._fresh:  # Note [the first micro-step overwrites]
+                self._zero_missing(state, self.flat_grads[g], 0)
+            if self.mode is ReduceMode.ALL_REDUCE:
+                view = self.flat_grads[g][bk.start : bk.start + bk.numel]
+                work = comm.all_reduce(view, group=self.comm_group, async_op=overlap)
             else:
-                work = comm.all_reduce(bucket, group=self.comm_group, async_op=overlap)
-                self._track(_InFlight(work, lambda: part.copy_(bucket[mine])))
+                # In place: this rank's shard of the bucket receives the reduced shard (Note
+                # [in-place flat collectives] in comm/api_compat.py); shard_grads views it.
+                bucket = self.flat_grads[g][bk.start : bk.start + bk.padded_numel]
+                if self.config.reduce_scatter:
+                    work = comm.reduce_scatter_tensor(
+                        bucket[mine], bucket, group=self.comm_group, async_op=overlap
+                    )
+                else:  # the all-reduce leaves the reduced shard in place too
+                    work = comm.all_reduce(bucket, group=self.comm_group, async_op=overlap)
+            self._track(_InFlight(work))
             return
-        # SCATTER_EVERY_STEP: reduce this micro-step's bucket, add it to the partition, free it.
+        # SCATTER_EVERY_STEP: reduce this micro-step's bucket in place, fold this rank's shard
+        # into the partition, free the bucket.
         staging = self._staging(state)
         state.staging = None
+        self._zero_missing(state, staging, bk.start)
+        part = self.shard_grads[g][bk.index]
+        fold = part.copy_ if self._fresh else part.add_  # Note [the first micro-step overwrites]
         if len(self._in_flight) >= _MAX_IN_FLIGHT:
             self._finish(self._in_flight.popleft())
         if self.config.reduce_scatter:
-            out = torch.empty_like(part)
+            out = staging[mine]
             work = comm.reduce_scatter_tensor(out, staging, group=self.comm_group, async_op=overlap)
-            self._track(_InFlight(work, lambda: part.add_(out), [out, staging]))
         else:
             work = comm.all_reduce(staging, group=self.comm_group, async_op=overlap)
-            self._track(_InFlight(work, lambda: part.add_(staging[mine]), [staging]))
+        self._track(_InFlight(work, lambda: fold(staging[mine]), [staging]))
 
     def _track(self, item: _InFlight) -> None:
         if item.work is None:  # synchronous: already complete
@@ -286,27 +337,29 @@ class GradReducer:
             )
         if self.reducing_this_backward:
             self._launch_ready(force=True)
+        elif self._fresh:  # nothing reduced: still, missing gradients must read as zeros
+            for s in self._order:
+                self._zero_missing(s, self.flat_grads[s.group], 0)
         while self._in_flight:
             self._finish(self._in_flight.popleft())
+        self._fresh = False
         if is_boundary:
             inv_n = 1.0 / self.world_size
             if self.mode is ReduceMode.ALL_REDUCE:
-                reduced = self.flat_grads
+                reduced = [[t] for t in self.flat_grads]
             else:
-                reduced = self.part_grads
-                if self.mode is ReduceMode.SCATTER_AT_BOUNDARY:
-                    for flat in self.flat_grads:  # the partition holds the window's sum now
-                        flat.zero_()
+                reduced = self.shard_grads
             # Average in fp32: a 16-bit sum divided in 16 bits would round twice.
             self._fp32 = [
-                t.mul_(inv_n) if t.dtype == torch.float32 else t.float().mul_(inv_n)
-                for t in reduced
+                [t.mul_(inv_n) if t.dtype == torch.float32 else t.float().mul_(inv_n) for t in ts]
+                for ts in reduced
             ]
         self._micro_step += 1
         self._reset_pending()
 
-    def reduced(self) -> list[torch.Tensor]:
-        """Per group, the averaged fp32 gradient: the full flat (stage 0) or this rank's partition."""
+    def reduced(self) -> list[list[torch.Tensor]]:
+        """Per group, the averaged fp32 gradient: ``[full flat]`` (stage 0) or this rank's shard of
+        every bucket (stages 1-2)."""
         if self._fp32 is None:
             raise RuntimeError(
                 "no reduced gradients: call backward on the boundary micro-step first"
@@ -314,9 +367,12 @@ class GradReducer:
         return self._fp32
 
     def zero_grad(self) -> None:
-        """Clear accumulated and reduced gradients (the window starts over)."""
-        for t in (*self.flat_grads, *self.part_grads):
-            t.zero_()
+        """Clear accumulated and reduced gradients (the window starts over).
+
+        Marks the buffers stale rather than filling them with zeros: the next backward overwrites
+        them (Note [the first micro-step overwrites]).
+        """
+        self._fresh = True
         self._fp32 = None
 
     def remove_hooks(self) -> None:

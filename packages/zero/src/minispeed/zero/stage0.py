@@ -97,7 +97,7 @@ class ReplicatedStrategy:
         """Per group, views of the averaged fp32 flat gradient, one per parameter."""
         flats = self.reducer.reduced()
         return [
-            [flats[g][s.offset : s.offset + s.numel].view(s.shape) for s in lay.slots]
+            [flats[g][0][s.offset : s.offset + s.numel].view(s.shape) for s in lay.slots]
             for g, lay in enumerate(self.layouts)
         ]
 

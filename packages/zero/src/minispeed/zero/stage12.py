@@ -3,22 +3,24 @@ partitions the gradients.
 
 Per optimizer param group the parameters are laid out in one flat buffer (``flat.py``); the
 model's parameters become views of it (Note [parameters are views of the flat buffer]). Each rank
-owns one shard of every bucket; the concatenation of its shards is its *partition*, the one
-contiguous fp32 master tensor the user's optimizer steps.
+owns one shard of every bucket; the inner optimizer steps one fp32 master tensor per bucket
+shard (Note [one master per bucket shard]).
 
 Per step::
 
-    backward   hooks copy grads into buckets ---> reduce-scatter ---> this rank's grad partition
-                 stage 1: only on the boundary micro-step (grads accumulate locally before);
+    backward   hooks copy grads into buckets ---> reduce-scatter ---> this rank's grad shards
+                 stage 1: only on the boundary micro-step (grads accumulate locally before),
+                          in place: the shard of the full gradient buffer is the result;
                  stage 2: every micro-step, so the full gradient never exists at once
-    step       inner optimizer on (master partition, grad partition)
-    publish    master partition -> param dtype -> all-gather per bucket -> the flat buffer,
+    step       inner optimizer on (master shards, grad shards)
+    publish    master shard -> param dtype -> all-gather per bucket, in place -> the flat buffer,
                i.e. straight into every model parameter
 
 Bytes kept per rank (Ψ parameters padded to Ψ', N ranks; p, g = bytes per param / grad element;
-K = optimizer state bytes per parameter, 8 for Adam):
+K = optimizer state bytes per parameter, 8 for Adam; the fp32 master, ``4``, is absent for fp32
+parameters, where the master *is* this rank's shard of the flat parameter buffer):
 
-- stage 1: Ψ'·p (params) + Ψ'·g (full grads) + Ψ'·g/N (reduced partition) + Ψ'·(4 + K)/N
+- stage 1: Ψ'·p (params) + Ψ'·g (full grads; the reduced shards live inside) + Ψ'·(4 + K)/N
 - stage 2: Ψ'·p (params) + Ψ'·g/N (grad partition) + staging buckets + Ψ'·(4 + K)/N
 
 Bytes sent per optimizer step (ring, per rank): reduce-scatter (N-1)/N · Ψ'·g (times the number
@@ -48,6 +50,18 @@ __all__ = ["PartitionedStrategy"]
 # writes every parameter in place, with no copy and no second full-size buffer. The nn.Parameter
 # objects stay the same (autograd leaves, hooks, user references all keep working); only their
 # storage moves. Gradients are separate tensors made by autograd, copied out by the hooks.
+
+# Note [one master per bucket shard]
+# Rank r's part of a bucket is one contiguous range of the flat buffer (flat.py), but its shards
+# of consecutive buckets are not adjacent there. So the inner optimizer gets one master tensor per
+# bucket, ``optimizer.param_groups[g]["params"][b]`` = rank r's shard of bucket b, instead of one
+# tensor for the whole partition. For fp32 parameters that tensor *is* the shard of the flat
+# parameter buffer (an alias, like stage 0's Note [fp32 stage 0 has no master copy]): the step
+# updates this rank's parameter elements in place, and publishing is an in-place all-gather around
+# them, with no master copy (Ψ'·4/N bytes) and no cast copy. 16-bit parameters get fp32 masters,
+# views of one partition tensor, cast into their shard of the flat buffer before the all-gather.
+# Elementwise optimizers compute the same numbers either way; gradients are laid out to match
+# (``GradReducer.shard_grads``), and checkpoints address masters through ParamFragment.
 
 
 class PartitionedStrategy:
@@ -79,15 +93,17 @@ class PartitionedStrategy:
         ]
 
         self.flat_params: list[torch.Tensor] = []  # [g]: 1-D, numel = layouts[g].numel, param dtype
-        self._masters: list[list[torch.Tensor]] = []  # [g][0]: 1-D fp32, numel = partition_numel
+        # [g][b]: 1-D fp32, numel = buckets[b].shard_numel. Note [one master per bucket shard].
+        self._masters: list[list[torch.Tensor]] = []
         for ps, lay in zip(self.groups, self.layouts):
             device = ps[0].device if ps else torch.device("cpu")
-            master = torch.zeros(lay.partition_numel, dtype=torch.float32, device=device)
-            for i, start, numel, offset in lay.shard_pieces(self.rank):
-                # Masters come from the original (usually fp32) values, before the cast below.
-                master[offset : offset + numel].copy_(
-                    ps[i].detach().reshape(-1)[start : start + numel]
-                )
+            if precision.needs_master_copy:
+                part = torch.zeros(lay.partition_numel, dtype=torch.float32, device=device)
+                for i, start, numel, offset in lay.shard_pieces(self.rank):
+                    # Masters come from the original (usually fp32) values, before the cast below.
+                    part[offset : offset + numel].copy_(
+                        ps[i].detach().reshape(-1)[start : start + numel]
+                    )
             flat = torch.zeros(lay.numel, dtype=precision.param_dtype, device=device)
             for slot in lay.slots:
                 view = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
@@ -96,7 +112,13 @@ class PartitionedStrategy:
                     slot.param_index
                 ].data = view  # See Note [parameters are views of the flat buffer]
             self.flat_params.append(flat)
-            self._masters.append([master])
+            if precision.needs_master_copy:
+                masters = [
+                    part[bk.shard_offset : bk.shard_offset + bk.shard_numel] for bk in lay.buckets
+                ]
+            else:
+                masters = [self._my_shard(flat, bk) for bk in lay.buckets]
+            self._masters.append(masters)
 
         position = {p: k for k, p in enumerate(model.parameters())}
         mode = (
@@ -113,13 +135,18 @@ class PartitionedStrategy:
             group,
         )
 
+    def _my_shard(self, flat: torch.Tensor, bk: Bucket) -> torch.Tensor:
+        """This rank's shard of bucket ``bk`` inside the flat buffer ``flat`` (a view)."""
+        start = bk.shard_start(self.rank)
+        return flat[start : start + bk.shard_numel]
+
     def master_params(self) -> list[list[torch.Tensor]]:
-        """Per group, one flat fp32 tensor: this rank's partition."""
+        """Per group, one fp32 tensor per bucket: this rank's shard of it."""
         return self._masters
 
     def master_grads(self) -> list[list[torch.Tensor]]:
-        """Per group, this rank's averaged fp32 gradient partition."""
-        return [[t] for t in self.reducer.reduced()]
+        """Per group, this rank's averaged fp32 gradient shard of every bucket."""
+        return self.reducer.reduced()
 
     def backward_done(self, is_boundary: bool) -> None:
         """Wait for the reduce-scatters launched by the hooks; average at the boundary."""
@@ -130,11 +157,11 @@ class PartitionedStrategy:
         """All-gather every rank's updated partition into the flat buffers (= the parameters)."""
         pending: list[tuple[Any, Any]] = []
         for g, lay in enumerate(self.layouts):
-            master = self._masters[g][0]
-            # (partition_numel,) in param dtype; a separate tensor, so never aliased by the output.
-            shard16 = master.to(self.precision.param_dtype, copy=True)
-            for bk in lay.buckets:
-                pending.extend(self._gather_bucket(self.flat_params[g], shard16, bk))
+            for bk, master in zip(lay.buckets, self._masters[g]):
+                mine = self._my_shard(self.flat_params[g], bk)
+                if master is not mine:  # 16-bit: cast into place (fp32: the master is the shard)
+                    mine.copy_(master)
+                pending.extend(self._gather_bucket(self.flat_params[g], mine, bk))
         for work, finish in pending:
             if work is not None:
                 work.wait()
@@ -142,12 +169,12 @@ class PartitionedStrategy:
                 finish()
 
     def _gather_bucket(
-        self, flat: torch.Tensor, shard16: torch.Tensor, bk: Bucket
+        self, flat: torch.Tensor, mine: torch.Tensor, bk: Bucket
     ) -> list[tuple[Any, Any]]:
-        """Issue the all-gather(s) that rebuild bucket ``bk``; returns (work, finish) pairs."""
+        """Issue the all-gather(s) that rebuild bucket ``bk`` around ``mine`` (this rank's shard,
+        in place: Note [in-place flat collectives] in comm/api_compat.py); (work, finish) pairs."""
         n = self.world_size
         out = flat[bk.start : bk.start + bk.padded_numel]  # (N * shard,) = N shards side by side
-        mine = shard16[bk.shard_offset : bk.shard_offset + bk.shard_numel]
         chunk = max(1, self.config.allgather_bucket_numel // n)  # input elements per call
         if bk.shard_numel <= chunk:
             return [
@@ -177,8 +204,13 @@ class PartitionedStrategy:
                 i: (start, numel, offset) for i, start, numel, offset in lay.shard_pieces(self.rank)
             }
             for i, p in enumerate(ps):
-                start, numel, offset = held.get(i, (0, 0, 0))
-                out.append(ParamFragment(self.names[p], p.shape, start, numel, g, 0, offset))
+                b = lay.bucket_of_param[i]
+                start, numel, offset = held.get(i, (0, 0, lay.buckets[b].shard_offset))
+                # offset is in the partition; the master of bucket b starts at its shard_offset.
+                fragment_offset = offset - lay.buckets[b].shard_offset
+                out.append(
+                    ParamFragment(self.names[p], p.shape, start, numel, g, b, fragment_offset)
+                )
         return out
 
     def close(self) -> None:

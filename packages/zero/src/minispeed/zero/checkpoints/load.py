@@ -167,6 +167,7 @@ def load_checkpoint(
         opt.loss_scaler.load_state_dict(common["loss_scaler"])
     opt.global_step = common["global_step"]
     opt.micro_step = common["micro_step"]
+    opt._stepped_at = opt.micro_step  # saved at a boundary whose step was taken (save.py checks)
     _restore_module_tensors(model, common)
     opt.strategy.publish_params()  # masters -> model parameters (all-gather for stages 1-2)
 

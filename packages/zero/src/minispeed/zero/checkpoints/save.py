@@ -124,11 +124,12 @@ def save_checkpoint(
     group = opt.comm_group
     rank, world_size = comm.get_rank(group), comm.get_world_size(group)
     gas = opt.config.gradient_accumulation_steps
-    if opt.micro_step % gas != 0:
+    if opt.micro_step % gas != 0 or opt.at_boundary:
+        where = "inside" if opt.micro_step % gas != 0 else "at the end of"
         raise RuntimeError(
-            f"save_checkpoint at micro-step {opt.micro_step} is inside a gradient accumulation "
-            f"window of {gas} micro-steps; the partial gradients would be lost. Save after the "
-            "opt.step() call that returned True"
+            f"save_checkpoint at micro-step {opt.micro_step} is {where} a gradient accumulation "
+            f"window of {gas} micro-steps whose step was not taken; its gradients would be lost. "
+            "Save after the opt.step() call that returned True"
         )
     tag = tag if tag is not None else f"global_step{opt.global_step}"
     root = Path(save_dir)

@@ -1,6 +1,6 @@
 """The memory ledger: what each ZeRO stage keeps per rank, predicted and measured.
 
-Reading order: ``formulas.py`` (the ZeRO paper's formulas and minispeed's three named
+Reading order: ``formulas.py`` (the ZeRO paper's formulas and minispeed's two named
 differences, written once), ``estimate.py`` (which stages fit: a table), ``measure.py`` (count
 what a live optimizer and model hold, beside the formula).
 """

@@ -23,14 +23,16 @@ A partitioned tensor of ``n`` elements is padded to a multiple of N, so each ran
 ``ceil(n / N)`` elements; :func:`padding_elements` bounds the slack. Stage 3 keeps parameters
 below ``stage3_param_persistence_threshold`` whole on every rank ("persistent").
 
-minispeed's stages keep exactly this, with three named differences
+minispeed's stages keep exactly this, with two named differences
 (:func:`minispeed_state_bytes`, checked against live runs by ``tests/test_memory_ledger.py``):
 
-1. fp32 training, stages 0 and 3: the fp32 master *is* the parameter (stage 0) or the parameter
-   shard (stage 3), so the 4 master bytes are not spent twice: K becomes S.
-2. Stage 1 accumulates gradients in a full buffer (g·Ψ) and reduce-scatters it into a reduced
-   partition (g·Ψ/N) that lives until the step: grads are g·Ψ + g·Ψ/N.
-3. Stage 3 keeps a persistent parameter's shard besides its whole copy: p·Ψ_pers·(1 + 1/N).
+1. fp32 training: the fp32 master *is* the parameter (stage 0), this rank's shard of the flat
+   parameter buffer (stages 1-2) or the parameter shard (stage 3), so the 4 master bytes are not
+   spent twice: K becomes S.
+2. Stage 3 keeps a persistent parameter's shard besides its whole copy: p·Ψ_pers·(1 + 1/N).
+
+Measured between the last backward of a window and its step, when every model state exists
+(stage 3 creates its gradient shards during backward and drops them at the step).
 
 These are *model states* only: activations (``activation.py``), communication buckets and
 allocator fragmentation come on top.
@@ -174,13 +176,13 @@ def minispeed_state_bytes(
     state_bytes: int,
     persistent_params: int = 0,
 ) -> ModelStateBytes:
-    """What minispeed's stage ``stage`` keeps per rank: :func:`model_state_bytes` plus the three
+    """What minispeed's stage ``stage`` keeps per rank: :func:`model_state_bytes` plus the two
     differences listed in this module's docstring.
 
     ``state_bytes`` = S, the inner optimizer's per-element state (K - 4); ``num_params`` counts the
     optimized parameters; ``persistent_params``: stage-3 elements kept whole on every rank.
     """
-    master_aliased = param_bytes == 4 and stage in (0, 3)  # difference 1
+    master_aliased = param_bytes == 4  # difference 1
     paper = model_state_bytes(
         num_params,
         world_size,
@@ -190,9 +192,7 @@ def minispeed_state_bytes(
         optimizer_bytes=state_bytes + (0 if master_aliased else MASTER_BYTES),
         persistent_params=persistent_params if stage == 3 else 0,
     )
-    grads, params = paper.grads, paper.params
-    if stage == 1:  # difference 2
-        grads += grad_bytes * partition_numel(num_params, world_size)
-    if stage == 3:  # difference 3
+    params = paper.params
+    if stage == 3:  # difference 2
         params += param_bytes * partition_numel(persistent_params, world_size)
-    return ModelStateBytes(stage, world_size, params, grads, paper.optimizer)
+    return ModelStateBytes(stage, world_size, params, paper.grads, paper.optimizer)
