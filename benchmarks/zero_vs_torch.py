@@ -133,6 +133,20 @@ def _adamw(params) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
 
 
+#: torch DDP's default bucket (``bucket_cap_mb=25``) in fp32 elements: what stages 0 and 1 are
+#: compared against (ZeroRedundancyOptimizer reduces gradients through DDP's buckets too).
+DDP_BUCKET_NUMEL = 25 * 2**20 // 4
+
+
+def _bucket_numel(args: argparse.Namespace, stage: int) -> int:
+    """``--reduce-bucket-numel``, or by default the granularity of the stage's torch counterpart:
+    DDP's 25 MiB buckets for stages 0-1; 500,000 elements for stages 2-3, whose staging buckets
+    are transient memory (FSDP2 reduces one ~790,000-element block at a time here)."""
+    if args.reduce_bucket_numel:
+        return args.reduce_bucket_numel
+    return DDP_BUCKET_NUMEL if stage <= 1 else 500_000
+
+
 def build(name: str, args: argparse.Namespace, vocab: int) -> Trainer:
     """A fresh contender ``name`` over a model built from ``args.seed``."""
     model = _model(args, vocab)
@@ -176,7 +190,7 @@ def build(name: str, args: argparse.Namespace, vocab: int) -> Trainer:
         block_numel = sum(p.numel() for p in model.blocks[0].parameters())
         cfg = zero.ZeroConfig(
             stage=stage,
-            reduce_bucket_numel=args.reduce_bucket_numel,
+            reduce_bucket_numel=_bucket_numel(args, stage),
             stage3_param_persistence_threshold_numel=args.persistence_threshold,
             stage3_prefetch_bucket_numel=args.prefetch_numel or block_numel,
         )
@@ -506,7 +520,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--persistence-threshold", type=int, default=0, help="ZeRO-3: params <= this stay whole"
     )
     p.add_argument(
-        "--reduce-bucket-numel", type=int, default=500_000, help="ZeRO gradient bucket, elements"
+        "--reduce-bucket-numel",
+        type=int,
+        default=0,
+        help="ZeRO gradient bucket, elements (0: DDP's 25 MiB for stages 0-1, 500,000 for 2-3)",
     )
     p.add_argument(
         "--prefetch-numel", type=int, default=0, help="ZeRO-3 prefetch elements (0: one block)"

@@ -187,6 +187,7 @@ class ZeroOptimizer:
             len(self._params) + 1, dtype=torch.float32, device=_device_of(masters)
         )
         self._slot = {p: k + 1 for k, p in enumerate(self._params)}
+        self._used: set[nn.Parameter] = set()  # got a gradient on this rank in this window
         self._hooks = [
             p.register_post_accumulate_grad_hook(weak_hook(self._mark_used))
             for p in self._params
@@ -206,7 +207,9 @@ class ZeroOptimizer:
         )
 
     def _mark_used(self, p: nn.Parameter) -> None:
-        self._agreement[self._slot[p]] = 1.0
+        # A set, not ``_agreement[slot] = 1``: a tensor write per parameter per backward costs a
+        # dispatcher round trip each; the flags are written into the tensor once, in step().
+        self._used.add(p)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` scaled by ``loss_scale / gradient_accumulation_steps``."""
@@ -249,6 +252,10 @@ class ZeroOptimizer:
                 torch.maximum(
                     self._agreement[:1], (~torch.isfinite(g)).any().float(), out=self._agreement[:1]
                 )
+        if self._used:
+            used = torch.tensor([self._slot[p] for p in self._used])
+            self._agreement.index_fill_(0, used.to(self._agreement.device), 1.0)
+            self._used.clear()
         comm.all_reduce(self._agreement, op=comm.ReduceOp.MAX, group=self.comm_group)
         flags = self._agreement.tolist()  # the one host sync of the step
         self._agreement.zero_()
