@@ -115,7 +115,7 @@ def _predicted_calls(
             zcfg.stage,
             world,
             strategy.bucket_numels(),
-            strategy.gather_calls() if zcfg.stage > 0 else [],
+            strategy.gather_numels() if zcfg.stage > 0 else [],
             grad_bytes=g_bytes,
             param_bytes=p_bytes,
             num_params=num_tensors,
@@ -124,7 +124,7 @@ def _predicted_calls(
             clip_norm=zcfg.max_grad_norm > 0,
         )
         for c in calls:
-            per_op[_op(c.op)] += c.msg_bytes
+            per_op[c.op] += c.msg_bytes
         return per_op
     from minispeed.zero.stage3 import stage3_step_bytes
 

@@ -63,12 +63,12 @@ def main() -> None:
     names = dict(phases)
     print(f"ZeRO stage {args.stage}, N = {world} ranks, Ψ = {numel:,} parameters, fp32")
     print(
-        f"{'phase':<36} {'collective':<20} {'elements':>9} {'msg bytes':>10} {'sent by rank 0':>15}"
+        f"{'phase':<36} {'collective':<15} {'elements':>9} {'msg bytes':>10} {'sent by rank 0':>15}"
     )
     phase = ""
     for i, r in second:
         phase = names.get(i, phase)
-        print(f"{phase:<36} {r.op:<20} {r.numel:>9,} {r.msg_bytes:>10,} {r.wire_bytes:>15,}")
+        print(f"{phase:<36} {r.op:<15} {r.numel:>9,} {r.msg_bytes:>10,} {r.wire_bytes:>15,}")
     total = sum(r.wire_bytes for _, r in second)
     closed = approx_wire_bytes_per_step(args.stage, numel, world, 4, 4, 2)
     print(

@@ -26,7 +26,6 @@ CONFIGS = [
     dict(stage=1),
     dict(stage=1, reduce_scatter=False),
     dict(stage=2, allgather_bucket_numel=1000),  # each bucket gathered in several calls
-    dict(stage=2, allgather_bucket_numel=8000),  # runs of buckets: coalesced and alone
 ]
 
 
@@ -65,7 +64,7 @@ def _logged_step(rank: int, world_size: int):
             config.stage,
             world_size,
             strategy.bucket_numels(),
-            strategy.gather_calls() if config.stage else [],
+            strategy.gather_numels() if config.stage else [],
             grad_bytes=4,
             param_bytes=2,
             num_params=sum(1 for _ in model.parameters()),

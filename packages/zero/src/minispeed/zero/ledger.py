@@ -45,7 +45,7 @@ __all__ = ["Collective", "approx_wire_bytes_per_step", "stage_collectives", "wir
 class Collective:
     """One collective call as the comms logger records it (op name, message, group size)."""
 
-    op: str  # "all_reduce", "reduce_scatter", "all_gather" or "all_gather_coalesced"
+    op: str  # "all_reduce", "reduce_scatter" or "all_gather"
     numel: int  # elements of the message (all_gather: output; reduce_scatter: input)
     element_bytes: int
     world_size: int
@@ -65,7 +65,7 @@ def stage_collectives(
     stage: int,
     world_size: int,
     reduce_numels: Sequence[int],
-    gather_calls: Sequence[tuple[str, int]],
+    gather_numels: Sequence[int],
     grad_bytes: int,
     param_bytes: int,
     num_params: int,
@@ -76,8 +76,8 @@ def stage_collectives(
     """Every collective one optimizer step of ``stage`` issues, in a fixed order.
 
     ``reduce_numels``: elements of each gradient bucket's reduction (stage 0 unpadded, stages 1-2
-    padded; the strategies' ``bucket_numels()``); ``gather_calls``: (op, output elements) of each
-    parameter all-gather (``PartitionedStrategy.gather_calls()``; ignored for stage 0).
+    padded; the strategies' ``bucket_numels()``); ``gather_numels``: output elements of each
+    parameter all-gather (``PartitionedStrategy.gather_numels()``; ignored for stage 0).
     """
     if stage not in (0, 1, 2):
         raise ValueError(
@@ -95,7 +95,7 @@ def stage_collectives(
     if clip_norm and stage > 0:
         calls.append(Collective("all_reduce", 1, 4, n))  # squared global norm
     if stage > 0:
-        calls += [Collective(op, k, param_bytes, n) for op, k in gather_calls]
+        calls += [Collective("all_gather", k, param_bytes, n) for k in gather_numels]
     return calls
 
 

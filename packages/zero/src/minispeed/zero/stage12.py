@@ -157,46 +157,16 @@ class PartitionedStrategy:
         """All-gather every rank's updated partition into the flat buffers (= the parameters)."""
         pending: list[tuple[Any, Any]] = []
         for g, lay in enumerate(self.layouts):
-            flat = self.flat_params[g]
             for bk, master in zip(lay.buckets, self._masters[g]):
-                mine = self._my_shard(flat, bk)
+                mine = self._my_shard(self.flat_params[g], bk)
                 if master is not mine:  # 16-bit: cast into place (fp32: the master is the shard)
                     mine.copy_(master)
-            for run in self._gather_runs(lay):
-                if len(run) == 1:
-                    pending.extend(self._gather_bucket(flat, self._my_shard(flat, run[0]), run[0]))
-                    continue
-                work = comm.all_gather_coalesced(
-                    [flat[bk.start : bk.start + bk.padded_numel] for bk in run],
-                    [self._my_shard(flat, bk) for bk in run],
-                    group=self.comm_group,
-                    async_op=True,
-                )
-                pending.append((work, None))
+                pending.extend(self._gather_bucket(self.flat_params[g], mine, bk))
         for work, finish in pending:
             if work is not None:
                 work.wait()
             if finish is not None:
                 finish()
-
-    def _gather_runs(self, lay: FlatLayout) -> list[list[Bucket]]:
-        """Consecutive buckets gathered by one call: at most ``allgather_bucket_numel`` output
-        elements each (DeepSpeed's ``allgather_bucket_size``); a larger bucket alone.
-
-        A run of several buckets is one ``all_gather_coalesced`` (a temporary of the run's size
-        while it runs, in the optimizer phase where activations are gone); a lone bucket is
-        gathered in place. Fewer calls matter where each one costs a fixed latency.
-        """
-        runs: list[list[Bucket]] = []
-        size = 0
-        for bk in lay.buckets:
-            if runs and size + bk.padded_numel <= self.config.allgather_bucket_numel:
-                runs[-1].append(bk)
-                size += bk.padded_numel
-            else:
-                runs.append([bk])
-                size = bk.padded_numel
-        return runs
 
     def _gather_bucket(
         self, flat: torch.Tensor, mine: torch.Tensor, bk: Bucket
@@ -257,17 +227,12 @@ class PartitionedStrategy:
         """Padded elements of each gradient reduce call, in launch order (for the ledger)."""
         return self.reducer.bucket_numels()
 
-    def gather_calls(self) -> list[tuple[str, int]]:
-        """(op, output elements) of each parameter all-gather call, in order (for the ledger)."""
+    def gather_numels(self) -> list[int]:
+        """Output elements of each parameter all-gather call (for the ledger)."""
         chunk = max(1, self.config.allgather_bucket_numel // self.world_size)
-        calls = []
+        sizes = []
         for lay in self.layouts:
-            for run in self._gather_runs(lay):
-                if len(run) > 1:
-                    calls.append(("all_gather_coalesced", sum(bk.padded_numel for bk in run)))
-                    continue
-                for j in range(0, run[0].shard_numel, chunk):
-                    calls.append(
-                        ("all_gather", self.world_size * min(chunk, run[0].shard_numel - j))
-                    )
-        return calls
+            for bk in lay.buckets:
+                for j in range(0, bk.shard_numel, chunk):
+                    sizes.append(self.world_size * min(chunk, bk.shard_numel - j))
+        return sizes
