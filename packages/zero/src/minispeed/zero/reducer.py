@@ -35,12 +35,11 @@ Note [averaging on the way in]
 The reduction sums gradients over N ranks; the optimizer wants their mean. Dividing the reduced
 buffer afterwards is one more pass over it, Ψ elements for stage 0 (about 0.5 ms per step on the
 benchmark's 3.2M-parameter GPT, 0.4 % of a step). So when the hook writes a gradient without a
-dtype cast (gradient dtype = ``grad_accum_dtype``) into the stage 0-1 buffers, it multiplies by
-1/N on the way (``torch.mul(grad, 1/N, out=slot)``, ``slot.add_(grad, alpha=1/N)``): the same
-single pass as a plain copy or add. For N a power of two the result is bit-identical to dividing
-the sum (scaling by 2^-k is exact and commutes with rounding); otherwise it differs by rounding.
-With a cast (16-bit gradients accumulated in fp32) the mean is still taken after the reduction,
-in fp32; stage 2 divides its partition (Ψ/N) at the boundary.
+dtype cast (gradient dtype = ``grad_accum_dtype``) into its bucket, it multiplies by 1/N on the
+way (``torch.mul(grad, 1/N, out=slot)``, ``slot.add_(grad, alpha=1/N)``): the same single pass as
+a plain copy or add. For N a power of two the result is bit-identical to dividing the sum
+(scaling by 2^-k is exact and commutes with rounding); otherwise it differs by rounding. With a
+cast (16-bit gradients accumulated in fp32) the mean is still taken after the reduction, in fp32.
 
 Note [bucket launch order]
 Collectives are matched across ranks by the order they are issued, and gradients may arrive in a
@@ -176,11 +175,11 @@ class GradReducer:
         # Whether the buffers hold stale values that the next backward overwrites instead of
         # adding to: Note [the first micro-step overwrites].
         self._fresh = True
-        # Note [averaging on the way in]: stages 0-1 scale each gradient by 1/N as the hook
-        # writes it, when no dtype cast is involved.
+        # Note [averaging on the way in]: the hook scales each gradient by 1/N as it writes it,
+        # when no dtype cast is involved.
         param_dtype = groups[0][0].dtype if groups and groups[0] else grad_dtype
         self._inv_n = 1.0 / self.world_size
-        self._prescaled = full and param_dtype == grad_dtype and self.world_size > 1
+        self._prescaled = param_dtype == grad_dtype and self.world_size > 1
 
         # One fixed launch order for every rank: See Note [bucket launch order].
         self._order: list[_BucketState] = []
@@ -242,8 +241,11 @@ class GradReducer:
         state, where = self._target[(g, i)]
         grad = p.grad.to_dense() if p.grad.is_sparse else p.grad  # nn.Embedding(sparse=True)
         if self.mode is ReduceMode.SCATTER_EVERY_STEP:
-            staging = self._staging(state)
-            staging[where : where + grad.numel()].view(grad.shape).copy_(grad)
+            slot = self._staging(state)[where : where + grad.numel()].view(grad.shape)
+            if self._prescaled:  # Note [averaging on the way in]
+                torch.mul(grad, self._inv_n, out=slot)
+            else:
+                slot.copy_(grad)
         elif self._prescaled:  # Note [averaging on the way in]
             if self._fresh:  # Note [the first micro-step overwrites]
                 torch.mul(grad, self._inv_n, out=where)
