@@ -114,8 +114,9 @@ def param_names(model: nn.Module) -> dict[nn.Parameter, str]:
 # as zeros (the buckets must be reduced on every rank either way). For a parameter no rank used:
 # - if it owns whole master tensors (stage 0; stage 3 with per-parameter shards), their ``.grad``
 #   is set to None, so the inner optimizer skips them exactly as torch would;
-# - if it is a slice of a master shared with other parameters (stages 1-2: one per bucket shard), its master values and its slices of every
-#   per-element optimizer state tensor are saved before the inner step and put back after it
+# - if it is a slice of a master shared with other parameters (stages 1-2: one master per
+#   bucket shard), its master values and its slices of every per-element optimizer state
+#   tensor are saved before the inner step and put back after it
 #   (state created by this very step is zeroed there instead). The weights then match torch
 #   exactly; a scalar state shared by that master (Adam's ``step``) still counts the step,
 #   which matters only for a parameter that is used later after being skipped.
