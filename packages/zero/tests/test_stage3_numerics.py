@@ -59,8 +59,8 @@ def _grad_shards(rank: int, world_size: int, grads: dict[str, torch.Tensor]) -> 
     opt.backward(model(*rank_slice(make_batches(1, GLOBAL_BATCH)[0], rank, world_size)))
     checked = []
     for sp in opt.strategy.sharded_params():
-        if sp.name not in grads:  # `unused`: no gradient anywhere, no shard was made
-            assert sp.grad_shard is None, sp.name
+        if sp.name not in grads:  # `unused`: no gradient anywhere, reduced as zeros
+            assert sp.grad_shard is not None and not sp.grad_shard.any(), sp.name
             continue
         got = sp.grad_shard[: sp.owned_numel]
         want = grads[sp.name].reshape(-1)[sp.start : sp.start + sp.owned_numel]

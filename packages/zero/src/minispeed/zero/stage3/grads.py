@@ -18,9 +18,17 @@ Bucket layout (the reduce-scatter input must be rank-major: row r is what rank r
     bucket = cat(rows, dim=1):       row 0: a0 a1 a2 a3 b0 b1      (2, 6) -> rank 0 gets row 0
                                      row 1: a4 a5 a6 0  b2 b3                 rank 1 gets row 1
 
-A parameter that receives no gradient (unused in this forward) is never bucketed; its shard stays
-as it was (``None``, i.e. zero, after ``zero_grad``). Buckets are filled in gradient-arrival order, which autograd
-makes identical on every rank when every rank ran the same modules (checked by the coordinator).
+Note [a fixed bucket plan]
+Collectives are matched across ranks by the order they are issued, so every rank must cut its
+gradients into the same buckets and launch them in the same order, even when a parameter gets a
+gradient on one rank and not on another (``if rank == 0: h = h * self.extra``). Buckets are
+therefore planned once, identically on every rank, from the parameters' registration order
+reversed (the order backward usually produces them); a bucket is launched when all of its
+parameters have arrived and every bucket before it is launched, and the buckets still incomplete
+when backward ends are launched then, a missing gradient counting as zeros. (Bucketing by arrival
+order, as this module first did, sent reduce-scatters of different sizes in that case and gloo
+aborted the process.) A parameter no rank used gets a zero gradient shard; the optimizer still
+skips it (Note [unused parameters] in optimizer.py).
 
 Note [lazy gradient shards]
 The gradient shards (``Σ s·g`` bytes) are needed from the reduction of a parameter's gradient until
@@ -33,8 +41,8 @@ backward proceeds, while activations are being freed.
 Costs: bytes kept: ``Σ s·g`` for the shards, from the first reduction of a window to the step,
 as views of each bucket's averaged row; while in flight, at most ``_MAX_IN_FLIGHT + 1`` buckets of
 ``≤ reduce_bucket_numel`` elements, each reduced in place and freed as soon as its reduction is
-seen complete (plus the full gradients of the one being filled). Bytes sent per micro-step:
-one reduce-scatter message of ``Σ N·s·g`` over the parameters that got a gradient.
+seen complete (plus the full gradients of the buckets being filled). Bytes sent per micro-step:
+one reduce-scatter message of ``Σ N·s·g`` over the trained parameters.
 """
 
 from __future__ import annotations
@@ -59,6 +67,18 @@ def _completed(work: Any) -> bool:
     return work is None or work.is_completed()
 
 
+class _Bucket:
+    """One planned bucket: its parameters (in plan order) and this backward's gradients."""
+
+    __slots__ = ("launched", "pending", "rows", "sps")
+
+    def __init__(self, sps: list[ShardedParam]) -> None:
+        self.sps = sps
+        self.rows: dict[ShardedParam, torch.Tensor] = {}  # arrived (N, s) gradients
+        self.pending = len(sps)
+        self.launched = False
+
+
 class GradShardReducer:
     """Owns the stage-3 gradient shards and the hooks that fill them."""
 
@@ -70,6 +90,7 @@ class GradShardReducer:
         bucket_numel: int,
         grad_dtype: torch.dtype,
         overlap: bool,
+        position: dict[ShardedParam, int] | None = None,
     ) -> None:
         self.group = group
         self.world_size = comm.get_world_size(group)
@@ -77,11 +98,26 @@ class GradShardReducer:
         self.bucket_numel = bucket_numel
         self.grad_dtype = grad_dtype
         self.overlap = overlap
+        # A frozen parameter never gets a gradient and is never reduced.
+        sps = [sp for sp in sps if sp.param.requires_grad]
         self._by_param: dict[nn.Parameter, ShardedParam] = {sp.param: sp for sp in sps}
         for sp in sps:
             sp.grad_shard = None  # created by the first reduction: Note [lazy gradient shards]
-        self._bucket: list[tuple[ShardedParam, torch.Tensor]] = []  # (param, (N, s) rows)
-        self._bucket_cols = 0  # Σ s of the bucket: elements each rank will receive
+        # Note [a fixed bucket plan]: registration order reversed, cut at bucket_numel elements.
+        rank_of = position or {sp: k for k, sp in enumerate(sps)}
+        self._plan: list[_Bucket] = []
+        run: list[ShardedParam] = []
+        for sp in sorted(sps, key=lambda sp: -rank_of[sp]):
+            if run and (sum(x.shard_numel for x in run) + sp.shard_numel) * self.world_size > (
+                bucket_numel
+            ):
+                self._plan.append(_Bucket(run))
+                run = []
+            run.append(sp)
+        if run:
+            self._plan.append(_Bucket(run))
+        self._bucket_of = {sp: b for b in self._plan for sp in b.sps}
+        self._next = 0  # the next bucket to launch, in plan order
         self._in_flight: deque[tuple[Any, list[tuple[ShardedParam, int]], torch.Tensor]]
         self._in_flight = deque()
         self.launched_numels: list[int] = []  # reduce-scatter input elements, in launch order
@@ -94,31 +130,46 @@ class GradShardReducer:
         sp = self._by_param[param]
         grad = param.grad
         param.grad = None  # the bucket holds it now; the full gradient is freed after the launch
-        if (
-            self._bucket
-            and (self._bucket_cols + sp.shard_numel) * self.world_size > self.bucket_numel
-        ):
-            self._launch()
-        self._bucket.append((sp, sp.grad_by_rank(grad, self.grad_dtype)))
-        self._bucket_cols += sp.shard_numel
-        if self._bucket_cols * self.world_size >= self.bucket_numel:
-            self._launch()
-
-    def _launch(self) -> None:
-        if not self._bucket:
+        bucket = self._bucket_of[sp]
+        self._reap()  # free finished buckets' inputs while backward goes on
+        rows = sp.grad_by_rank(grad, self.grad_dtype)
+        if sp in bucket.rows or bucket.launched:
+            if bucket.launched:
+                raise RuntimeError(
+                    f"parameter {sp.name!r} received a second gradient in one backward, after its "
+                    f"bucket was reduced. Call backward once per micro-step through "
+                    f"ZeroOptimizer.backward(loss) (sum several losses first), and use "
+                    f"non-reentrant activation checkpointing (use_reentrant=False)"
+                )
+            bucket.rows[sp] = bucket.rows[sp] + rows  # a second gradient: accumulate (a copy)
             return
-        bucket = self._bucket
-        self._bucket, self._bucket_cols = [], 0
-        # Finish what already arrived before staging the next bucket: a completed reduction's
-        # input buffer is dead weight until _finish_oldest drops it.
-        while self._in_flight and _completed(self._in_flight[0][0]):
-            self._finish_oldest()
-        offsets, col = [], 0
-        for sp, _ in bucket:
+        bucket.rows[sp] = rows
+        bucket.pending -= 1
+        self._launch_ready()
+
+    def _launch_ready(self, force: bool = False) -> None:
+        """Launch planned buckets in order while the next one is complete (or ``force``)."""
+        while self._next < len(self._plan):
+            bucket = self._plan[self._next]
+            if bucket.pending and not force:
+                return
+            self._launch(bucket)
+            self._next += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        self._reap()
+        offsets, rows, col = [], [], 0
+        for sp in bucket.sps:
             offsets.append((sp, col))
             col += sp.shard_numel
-        rows = [r for _, r in bucket]
-        del bucket
+            got = bucket.rows.get(sp)
+            if got is None:  # no gradient on this rank: zeros (Note [a fixed bucket plan])
+                got = torch.zeros(
+                    self.world_size, sp.shard_numel, dtype=self.grad_dtype, device=sp.shard.device
+                )
+            rows.append(got)
+        bucket.rows = {}
+        bucket.launched = True
         staged = torch.cat(rows, dim=1) if len(rows) > 1 else rows[0].contiguous()  # (N, cols)
         del rows  # the full gradients are freed now (unless staged is one of them, uncopied)
         self.launched_numels.append(staged.numel())
@@ -129,6 +180,12 @@ class GradShardReducer:
         )
         self._in_flight.append((work, offsets, staged))
         if not self.overlap or len(self._in_flight) > _MAX_IN_FLIGHT:
+            self._finish_oldest()
+
+    def _reap(self) -> None:
+        """Finish the reductions already complete, oldest first: a completed reduction's input
+        buffer is dead weight until _finish_oldest drops it. One ``is_completed`` query each."""
+        while self._in_flight and _completed(self._in_flight[0][0]):
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:
@@ -147,8 +204,17 @@ class GradShardReducer:
                 sp.grad_shard.add_(mine)
 
     def flush(self) -> None:
-        """Launch the partly filled bucket and wait for every reduction (end of a micro-step)."""
-        self._launch()
+        """Launch the buckets still incomplete (missing gradients as zeros), in plan order, and
+        wait for every reduction (end of a micro-step)."""
+        self._launch_ready(force=True)
+        while self._in_flight:
+            self._finish_oldest()
+        self._next = 0
+        for bucket in self._plan:
+            bucket.pending, bucket.launched = len(bucket.sps), False
+
+    def wait_in_flight(self) -> None:
+        """Wait for the reductions already issued; launch nothing (closing)."""
         while self._in_flight:
             self._finish_oldest()
 

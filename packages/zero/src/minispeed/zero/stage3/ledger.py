@@ -11,7 +11,7 @@ when                   collective                           message bytes
 =====================  ===================================  ==========================
 forward                all-gather, if not persistent        ``N·ceil(n/N)·p``
 backward               all-gather again, if not persistent  ``N·ceil(n/N)·p``
-backward               reduce-scatter, if it got a grad     ``N·ceil(n/N)·g``
+backward               reduce-scatter, if trained           ``N·ceil(n/N)·g``
 after optimizer step   all-gather, if persistent and N > 1  ``N·ceil(n/N)·p``
 end of each forward    trace check (``first`` mode)         ``N·3·8`` (3 int64 per rank)
 =====================  ===================================  ==========================
@@ -73,7 +73,9 @@ def stage3_step_bytes(
     """The table of the module docstring, summed over parameters.
 
     ``numels``: every unique parameter's element count (a tied parameter once). ``without_grad``:
-    positions in ``numels`` of parameters that receive no gradient (never reduce-scattered).
+    positions in ``numels`` of parameters that are not trained (frozen, or in no optimizer
+    group): never reduce-scattered. A trained parameter that got no gradient is reduce-scattered
+    as zeros (Note [a fixed bucket plan] in grads.py), so it counts.
     ``trace_check``: the coordinator's default ``first`` mode (one 3-int64 all-gather per forward).
     """
     skip = set(without_grad)

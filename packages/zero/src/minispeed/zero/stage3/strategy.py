@@ -128,12 +128,14 @@ class Stage3Strategy:
                 )
 
         # 5. gradients.
+        position = {self.sharded[p]: k for k, p in enumerate(model.parameters())}
         self.reducer = GradShardReducer(
             self.trained,
             group,
             bucket_numel=config.reduce_bucket_numel,
             grad_dtype=precision.grad_accum_dtype,
             overlap=config.overlap_comm,
+            position=position,
         )
 
     # -- ShardStrategy ------------------------------------------------------------------------------
@@ -188,7 +190,7 @@ class Stage3Strategy:
         Afterwards the model is a plain nn.Module with full parameters (``Ψ·p`` bytes per rank)
         and this strategy must not be used. Collective: one all-gather of all released parameters.
         """
-        self.reducer.flush()
+        self.reducer.wait_in_flight()
         self.coordinator.end_backward()
         all_gather_params(list(self.sharded.values()))
         for sp in self.sharded.values():
