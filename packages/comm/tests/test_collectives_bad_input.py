@@ -183,6 +183,25 @@ def test_timeout_names_op_shapes_and_group():
         assert "MINISPEED_COMM_VALIDATE=1" in text
 
 
+def _coalesced_timeout_body(rank: int, world_size: int) -> str:
+    group = comm.new_group([0, 1], timeout_s=1.5)
+    message = ""
+    if rank == 0:  # rank 1 never joins
+        with pytest.raises(comm.CommTimeoutError) as info:
+            outs = [torch.empty(2 * 3), torch.empty(2 * 4)]
+            comm.all_gather_coalesced(outs, [torch.ones(3), torch.ones(2, 2)], group=group)
+        message = str(info.value)
+    comm.barrier()
+    return message
+
+
+def test_coalesced_timeout_names_the_input_shapes():
+    message = run_distributed(_coalesced_timeout_body, world_size=2, timeout_s=120)[0]
+    assert message.startswith(
+        "all_gather_coalesced on rank 0 over group ranks [0, 1] (shapes [(3,), (2, 2)]"
+    ), message
+
+
 def test_bucket_size_must_be_positive():
     for bad in (0, -5):
         with pytest.raises(ValueError, match="bucket_numel must be a positive number"):

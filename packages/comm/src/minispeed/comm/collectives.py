@@ -234,7 +234,7 @@ def all_gather_coalesced(
         n,
         flat_out,
         n * total,
-        [tuple(t.shape) for t in inputs],
+        inputs,
         compat_op="all_gather",
     )
     return launch(call, issue, async_op)

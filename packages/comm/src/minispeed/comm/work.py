@@ -71,7 +71,7 @@ class Call:
         "n",
         "numel",
         "op",
-        "tensors",
+        "shapes",
         "wire",
     )
 
@@ -93,7 +93,8 @@ class Call:
         self.numel = msg_numel
         self.dtype = t.dtype if t is not None else None
         self.msg_bytes = msg_numel * (t.element_size() if t is not None else 0)
-        self.tensors = tensors  # shapes are read only for an error message
+        # Shapes only, for an error message: a call (kept by its CommWork) never pins a buffer.
+        self.shapes = [tuple(t.shape) for t in tensors]
         self.wire = wire
 
     def wire_bytes(self) -> int:
@@ -121,9 +122,7 @@ class Call:
 
     def error(self, err: BaseException) -> validation.CommError:
         """``err`` from the backend, re-raised as an error that names this call."""
-        return validation.wrap_backend_error(
-            err, self.op, self.group, [tuple(t.shape) for t in self.tensors], self.dtype
-        )
+        return validation.wrap_backend_error(err, self.op, self.group, self.shapes, self.dtype)
 
 
 def launch(
