@@ -63,6 +63,11 @@ class Bucket:
         """First flat-buffer element of ``rank``'s shard of this bucket."""
         return self.start + rank * self.shard_numel
 
+    def shard_of(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
+        """``rank``'s shard of this bucket inside the flat buffer ``flat``: a view."""
+        start = self.shard_start(rank)
+        return flat[start : start + self.shard_numel]
+
 
 class FlatLayout:
     """The flat buffer layout of one param group for ``world_size`` ranks.
@@ -132,12 +137,7 @@ class FlatLayout:
 
     def partition_of(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
         """Copy ``rank``'s shards out of a full flat tensor: a new (partition_numel,) tensor."""
-        return torch.cat(
-            [
-                flat[bk.shard_start(rank) : bk.shard_start(rank) + bk.shard_numel]
-                for bk in self.buckets
-            ]
-        )
+        return torch.cat([bk.shard_of(flat, rank) for bk in self.buckets])
 
     def __repr__(self) -> str:
         return (

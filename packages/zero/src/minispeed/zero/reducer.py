@@ -160,15 +160,16 @@ class GradReducer:
             for lay in layouts
         ]
         self.shard_grads: list[list[torch.Tensor]] = []
-        if mode is not ReduceMode.ALL_REDUCE:
-            for g, lay in enumerate(layouts):
-                if part:
-                    src, at = self.part_grads[g], (lambda bk: bk.shard_offset)
-                else:
-                    src, at = self.flat_grads[g], (lambda bk: bk.shard_start(self.rank))
-                self.shard_grads.append(
-                    [src[at(bk) : at(bk) + bk.shard_numel] for bk in lay.buckets]
-                )
+        if mode is ReduceMode.SCATTER_AT_BOUNDARY:
+            self.shard_grads = [
+                [bk.shard_of(flat, self.rank) for bk in lay.buckets]
+                for flat, lay in zip(self.flat_grads, layouts)
+            ]
+        elif part:
+            self.shard_grads = [
+                [grads[bk.shard_offset : bk.shard_offset + bk.shard_numel] for bk in lay.buckets]
+                for grads, lay in zip(self.part_grads, layouts)
+            ]
         # Per group, the reduced gradients as fp32, valid at a boundary: the full flat buffer
         # (stage 0) or this rank's shard of each bucket (stages 1-2).
         self._fp32: list[list[torch.Tensor]] | None = None
@@ -178,8 +179,9 @@ class GradReducer:
         # Note [averaging on the way in]: the hook scales each gradient by 1/N as it writes it,
         # when no dtype cast is involved.
         param_dtype = groups[0][0].dtype if groups and groups[0] else grad_dtype
-        self._inv_n = 1.0 / self.world_size
         self._prescaled = param_dtype == grad_dtype and self.world_size > 1
+        # The factor each gradient is written with (x·1.0 is exact: a plain copy / add).
+        self._write_scale = 1.0 / self.world_size if self._prescaled else 1.0
 
         # One fixed launch order for every rank: See Note [bucket launch order].
         self._order: list[_BucketState] = []
@@ -240,21 +242,15 @@ class GradReducer:
         self._seen.add((g, i))
         state, where = self._target[(g, i)]
         grad = p.grad.to_dense() if p.grad.is_sparse else p.grad  # nn.Embedding(sparse=True)
-        if self.mode is ReduceMode.SCATTER_EVERY_STEP:
-            slot = self._staging(state)[where : where + grad.numel()].view(grad.shape)
-            if self._prescaled:  # Note [averaging on the way in]
-                torch.mul(grad, self._inv_n, out=slot)
-            else:
-                slot.copy_(grad)
-        elif self._prescaled:  # Note [averaging on the way in]
-            if self._fresh:  # Note [the first micro-step overwrites]
-                torch.mul(grad, self._inv_n, out=where)
-            else:
-                where.add_(grad, alpha=self._inv_n)
-        elif self._fresh:
-            where.copy_(grad)
+        if self.mode is ReduceMode.SCATTER_EVERY_STEP:  # a fresh staging bucket each micro-step
+            slot, overwrite = self._staging(state)[where : where + grad.numel()], True
+        else:  # Note [the first micro-step overwrites]
+            slot, overwrite = where, self._fresh
+        # Note [averaging on the way in]: one pass, scaled by 1/N (or 1.0) on the way.
+        if overwrite:
+            torch.mul(grad, self._write_scale, out=slot.view(grad.shape))
         else:
-            where.add_(grad)
+            slot.add_(grad, alpha=self._write_scale)
         p.grad = None  # the bucket holds it now; free the autograd buffer
         state.pending -= 1
         if self.reducing_this_backward:
@@ -372,18 +368,13 @@ class GradReducer:
                 reduced = [[t] for t in self.flat_grads]
             else:
                 reduced = self.shard_grads
-            if self._prescaled:  # already averaged: Note [averaging on the way in]
-                self._fp32 = [
-                    [t if t.dtype == torch.float32 else t.float() for t in ts] for ts in reduced
-                ]
-            else:  # average in fp32: a 16-bit sum divided in 16 bits would round twice
-                self._fp32 = [
-                    [
-                        t.mul_(inv_n) if t.dtype == torch.float32 else t.float().mul_(inv_n)
-                        for t in ts
-                    ]
-                    for ts in reduced
-                ]
+            # Already averaged when prescaled (Note [averaging on the way in]); else average in
+            # fp32, since a 16-bit sum divided in 16 bits would round twice. ``float()`` is the
+            # tensor itself when it is fp32 already, so that one is averaged in place.
+            self._fp32 = [
+                [t.float() if self._prescaled else t.float().mul_(inv_n) for t in ts]
+                for ts in reduced
+            ]
         self._micro_step += 1
         self._reset_pending()
 

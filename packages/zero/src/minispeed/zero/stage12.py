@@ -117,7 +117,7 @@ class PartitionedStrategy:
                     part[bk.shard_offset : bk.shard_offset + bk.shard_numel] for bk in lay.buckets
                 ]
             else:
-                masters = [self._my_shard(flat, bk) for bk in lay.buckets]
+                masters = [bk.shard_of(flat, self.rank) for bk in lay.buckets]
             self._masters.append(masters)
 
         position = {p: k for k, p in enumerate(model.parameters())}
@@ -134,11 +134,6 @@ class PartitionedStrategy:
             position,
             group,
         )
-
-    def _my_shard(self, flat: torch.Tensor, bk: Bucket) -> torch.Tensor:
-        """This rank's shard of bucket ``bk`` inside the flat buffer ``flat`` (a view)."""
-        start = bk.shard_start(self.rank)
-        return flat[start : start + bk.shard_numel]
 
     def master_params(self) -> list[list[torch.Tensor]]:
         """Per group, one fp32 tensor per bucket: this rank's shard of it."""
@@ -158,7 +153,7 @@ class PartitionedStrategy:
         pending: list[tuple[Any, Any]] = []
         for g, lay in enumerate(self.layouts):
             for bk, master in zip(lay.buckets, self._masters[g]):
-                mine = self._my_shard(self.flat_params[g], bk)
+                mine = bk.shard_of(self.flat_params[g], self.rank)
                 if master is not mine:  # 16-bit: cast into place (fp32: the master is the shard)
                     mine.copy_(master)
                 pending.extend(self._gather_bucket(self.flat_params[g], mine, bk))
