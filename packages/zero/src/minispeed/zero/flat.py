@@ -31,10 +31,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-__all__ = ["Bucket", "FlatLayout", "Slot"]
+__all__ = ["Bucket", "FlatLayout", "Slot", "cut_runs"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,24 @@ class Bucket:
         return flat[start : start + self.shard_numel]
 
 
+def cut_runs(items: Sequence[Any], sizes: Sequence[int], limit: int) -> list[list[Any]]:
+    """Cut ``items`` (in the given order) into consecutive runs of total size at most ``limit``;
+    an item larger than ``limit`` forms a run of its own. How gradient buckets are formed, here
+    and for stage 3 (``stage3/grads.py``)."""
+    runs: list[list[Any]] = []
+    current: list[Any] = []
+    total = 0
+    for item, size in zip(items, sizes):
+        if current and total + size > limit:
+            runs.append(current)
+            current, total = [], 0
+        current.append(item)
+        total += size
+    if current:
+        runs.append(current)
+    return runs
+
+
 class FlatLayout:
     """The flat buffer layout of one param group for ``world_size`` ranks.
 
@@ -86,18 +105,8 @@ class FlatLayout:
 
         # Group parameters into buckets walking backwards (the order gradients arrive in), so the
         # last bucket to fill during backward is the (possibly small) remainder at the front.
-        runs: list[list[int]] = []
-        current: list[int] = []
-        current_numel = 0
-        for i in reversed(range(len(params))):
-            n = params[i].numel()
-            if current and current_numel + n > bucket_numel:
-                runs.append(current)
-                current, current_numel = [], 0
-            current.append(i)
-            current_numel += n
-        if current:
-            runs.append(current)
+        backwards = list(reversed(range(len(params))))
+        runs = cut_runs(backwards, [params[i].numel() for i in backwards], bucket_numel)
         runs = [sorted(run) for run in reversed(runs)]  # flat-buffer order
 
         self.slots: list[Slot] = [None] * len(params)  # type: ignore[list-item]

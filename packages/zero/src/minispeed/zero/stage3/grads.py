@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 import minispeed.comm as comm
+from minispeed.zero.flat import cut_runs
 from minispeed.zero.reducer import weak_hook
 from minispeed.zero.stage3.params import ShardedParam
 
@@ -105,17 +106,9 @@ class GradShardReducer:
             sp.grad_shard = None  # created by the first reduction: Note [lazy gradient shards]
         # Note [a fixed bucket plan]: registration order reversed, cut at bucket_numel elements.
         rank_of = position or {sp: k for k, sp in enumerate(sps)}
-        self._plan: list[_Bucket] = []
-        run: list[ShardedParam] = []
-        for sp in sorted(sps, key=lambda sp: -rank_of[sp]):
-            if run and (sum(x.shard_numel for x in run) + sp.shard_numel) * self.world_size > (
-                bucket_numel
-            ):
-                self._plan.append(_Bucket(run))
-                run = []
-            run.append(sp)
-        if run:
-            self._plan.append(_Bucket(run))
+        backwards = sorted(sps, key=lambda sp: -rank_of[sp])
+        sizes = [self.world_size * sp.shard_numel for sp in backwards]  # reduce-scatter input
+        self._plan = [_Bucket(run) for run in cut_runs(backwards, sizes, bucket_numel)]
         self._bucket_of = {sp: b for b in self._plan for sp in b.sps}
         self._next = 0  # the next bucket to launch, in plan order
         self._in_flight: deque[tuple[Any, list[tuple[ShardedParam, int]], torch.Tensor]]
@@ -132,16 +125,16 @@ class GradShardReducer:
         param.grad = None  # the bucket holds it now; the full gradient is freed after the launch
         bucket = self._bucket_of[sp]
         self._reap()  # free finished buckets' inputs while backward goes on
+        if bucket.launched:
+            raise RuntimeError(
+                f"parameter {sp.name!r} received a second gradient in one backward, after its "
+                f"bucket was reduced. Call backward once per micro-step through "
+                f"ZeroOptimizer.backward(loss) (sum several losses first), and use "
+                f"non-reentrant activation checkpointing (use_reentrant=False)"
+            )
         rows = sp.grad_by_rank(grad, self.grad_dtype)
-        if sp in bucket.rows or bucket.launched:
-            if bucket.launched:
-                raise RuntimeError(
-                    f"parameter {sp.name!r} received a second gradient in one backward, after its "
-                    f"bucket was reduced. Call backward once per micro-step through "
-                    f"ZeroOptimizer.backward(loss) (sum several losses first), and use "
-                    f"non-reentrant activation checkpointing (use_reentrant=False)"
-                )
-            bucket.rows[sp] = bucket.rows[sp] + rows  # a second gradient: accumulate (a copy)
+        if sp in bucket.rows:  # a second gradient before the launch: accumulate (a copy)
+            bucket.rows[sp] = bucket.rows[sp] + rows
             return
         bucket.rows[sp] = rows
         bucket.pending -= 1
