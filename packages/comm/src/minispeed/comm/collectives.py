@@ -164,26 +164,29 @@ def all_gather_coalesced(
     """
     name = "all_gather_coalesced"
     n = validation.check_group(name, group)
-    lazy = callable(outputs)
-    if not inputs or (not lazy and len(outputs) != len(inputs)):
-        raise CommInputError(
-            f"{name}: got {'lazy' if lazy else len(outputs)} outputs for {len(inputs)} inputs; "
-            "pass one output per input (and at least one)"
-        )
+    if not inputs:
+        raise CommInputError(f"{name}: got no inputs; pass at least one tensor")
     validation.check_tensors(name, group, *inputs, contiguous=False)
     dtype = inputs[0].dtype
+    for i, t in enumerate(inputs):
+        if t.dtype != dtype:
+            raise CommInputError(
+                f"{name}: inputs[{i}] has dtype {t.dtype}, the first {dtype}; coalesce tensors "
+                "of one dtype per call"
+            )
 
     def check_outputs(outs: Sequence[torch.Tensor]) -> None:
         if len(outs) != len(inputs):
             raise CommInputError(
-                f"{name}: got {len(outs)} outputs for {len(inputs)} inputs; pass one output per input"
+                f"{name}: got {len(outs)} outputs for {len(inputs)} inputs; pass one output per "
+                "input"
             )
         validation.check_tensors(name, group, *outs, contiguous=False)
         for i, (o, t) in enumerate(zip(outs, inputs)):
-            if t.dtype != dtype or o.dtype != dtype:
+            if o.dtype != dtype:
                 raise CommInputError(
-                    f"{name}: tensor {i} has dtype {t.dtype}/{o.dtype}, the first "
-                    f"{dtype}; coalesce tensors of one dtype per call"
+                    f"{name}: outputs[{i}] has dtype {o.dtype}, the inputs {dtype}; coalesce "
+                    "tensors of one dtype per call"
                 )
             validation.check_numel(
                 name,
@@ -193,15 +196,9 @@ def all_gather_coalesced(
                 f"allocate outputs[{i}] with {n} * inputs[{i}].numel() elements",
             )
 
-    if not lazy:
+    lazy = callable(outputs)
+    if not lazy:  # lazy outputs are checked when they are made, in finish()
         check_outputs(outputs)
-    else:
-        for i, t in enumerate(inputs):
-            if t.dtype != dtype:
-                raise CommInputError(
-                    f"{name}: input {i} has dtype {t.dtype}, the first {dtype}; coalesce tensors "
-                    "of one dtype per call"
-                )
     if validation.validation_enabled():
         check_across_ranks(name, group, shapes=[tuple(t.shape) for t in inputs], dtype=str(dtype))
     sizes = [t.numel() for t in inputs]
