@@ -1,0 +1,123 @@
+"""Named time ranges: the one primitive every minispeed package marks its phases with.
+
+```python
+from minispeed.core import ranges
+
+with ranges.range("zero3.gather"):  # or @ranges.range("pipeline.forward") on a function
+    ...
+```
+
+A range is pushed to two listeners, each only while it listens:
+
+- **NVTX**, so Nsight Systems draws the phase by name on its timeline. NVTX listens when a tool
+  has injected itself (`NVTX_INJECTION64_PATH` is set, as `nsys` does) or when
+  `MINISPEED_NVTX=1`; the push goes through the `nvtx` package, else `torch.cuda.nvtx`.
+- **`torch.profiler`**, through `torch.profiler.record_function`, so a CPU run's Chrome/Perfetto
+  trace shows the same names. It listens while a profiler is recording.
+
+When neither listens a range costs one call and two boolean reads: no allocation, no C call
+into a profiler. comm and zero call this primitive, never `minispeed.profiler`, so the packages
+do not depend on the profiler; the profiler builds its views on the names they emit.
+
+Names are dotted, package first: `comm.all_gather`, `zero3.gather`, `pipeline.forward`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["enable_nvtx", "nvtx_enabled", "range"]
+
+_NVTX_ENV = "MINISPEED_NVTX"
+_nvtx_on: bool | None = None  # decided once, on first use; enable_nvtx() overrides
+_push: Callable[[str], Any] | None = None
+_pop: Callable[[], Any] | None = None
+
+
+def _find_nvtx() -> tuple[Callable[[str], Any], Callable[[], Any]] | None:
+    """The NVTX push/pop pair: the `nvtx` package, else torch's CUDA binding, else None."""
+    try:
+        import nvtx  # the NVTX C API through a small extension; loads the injected tool
+
+        return (lambda name: nvtx.push_range(name)), nvtx.pop_range
+    except ImportError:
+        pass
+    try:
+        from torch.cuda import nvtx as torch_nvtx
+
+        torch_nvtx.range_push("minispeed.probe")  # raises on builds without NVTX
+        torch_nvtx.range_pop()
+        return torch_nvtx.range_push, torch_nvtx.range_pop
+    except (ImportError, RuntimeError, AttributeError):
+        return None
+
+
+def enable_nvtx(on: bool = True) -> bool:
+    """Switch NVTX emission on or off for this process; returns whether it is now on.
+
+    On needs an NVTX binding (`pip install nvtx`, or a CUDA build of torch); without one it
+    stays off and returns False.
+    """
+    global _nvtx_on, _push, _pop
+    pair = _find_nvtx() if on else None
+    _push, _pop = pair if pair else (None, None)
+    _nvtx_on = pair is not None
+    return _nvtx_on
+
+
+def nvtx_enabled() -> bool:
+    """Whether ranges are pushed to NVTX (decided on first use from the environment)."""
+    if _nvtx_on is None:
+        wanted = bool(os.environ.get("NVTX_INJECTION64_PATH")) or os.environ.get(_NVTX_ENV) == "1"
+        enable_nvtx(wanted)
+    return bool(_nvtx_on)
+
+
+def _profiler_recording() -> bool:
+    return torch._C._autograd._profiler_enabled()
+
+
+# `range` shadows the builtin on purpose, in this module only: NVTX pushes and pops ranges.
+class range(contextlib.ContextDecorator):
+    """A named range: `with range("zero3.gather"):` or `@range("pipeline.step")`.
+
+    Costs nothing measurable when no tool listens (see the module docstring); otherwise one
+    NVTX push/pop and one `record_function` enter/exit.
+    """
+
+    __slots__ = ("_name", "_record")
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._record: contextlib.AbstractContextManager[Any] | None = None
+
+    def __enter__(self) -> range:
+        if nvtx_enabled():
+            _push(self._name)  # type: ignore[misc]
+        if _profiler_recording():
+            self._record = torch.profiler.record_function(self._name)
+            self._record.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._record is not None:
+            record, self._record = self._record, None
+            record.__exit__(*exc)
+        if _nvtx_on:
+            _pop()  # type: ignore[misc]
+
+    def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        name = self._name
+
+        @functools.wraps(fn)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            with range(name):  # a fresh range per call: the decorator may be re-entered
+                return fn(*args, **kwargs)
+
+        return wrapped

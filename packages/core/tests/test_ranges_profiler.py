@@ -1,0 +1,38 @@
+"""`minispeed.core.ranges.range` reaches torch.profiler's trace by name, and costs nothing otherwise."""
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from minispeed.core import ranges
+
+
+def test_range_names_appear_in_a_cpu_profile_as_context_and_decorator():
+    @ranges.range("test.decorated")
+    def work(x):
+        return x @ x
+
+    x = torch.randn(8, 8)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with ranges.range("test.outer"):
+            work(x)
+        work(x)
+    names = [e.name for e in prof.events()]
+    assert names.count("test.outer") == 1
+    assert names.count("test.decorated") == 2
+
+
+def test_range_outside_a_profiler_records_nothing_and_nests():
+    with ranges.range("a"), ranges.range("b"):
+        pass
+    r = ranges.range("c")
+    with r:
+        assert r._record is None  # no profiler: no record_function entered
+
+
+def test_enable_nvtx_without_a_binding_reports_off(monkeypatch):
+    monkeypatch.setattr(ranges, "_find_nvtx", lambda: None)
+    assert ranges.enable_nvtx(True) is False
+    assert ranges.nvtx_enabled() is False
+    with ranges.range("still.works"):
+        pass
+    ranges.enable_nvtx(False)
