@@ -1,10 +1,10 @@
 """minispeed.core: the ground every minispeed package stands on.
 
-- :mod:`minispeed.core.accelerator` — one object for device, streams, events, memory, comm backend.
-- :mod:`minispeed.core.op_builder` — JIT builds of C++/CUDA ops with a pure-PyTorch fallback.
-- :mod:`minispeed.core.testing` — run a test body on N gloo processes, with timeouts and rank tags.
-- :mod:`minispeed.core.report` — ``python -m minispeed.core.report``: the environment and every op.
-- :mod:`minispeed.core.logging` — the rank-aware ``minispeed`` logger.
+- `minispeed.core.accelerator` — one object for device, streams, events, memory, comm backend.
+- `minispeed.core.op_builder` — JIT builds of C++/CUDA ops with a pure-PyTorch fallback.
+- `minispeed.core.testing` — run a test body on N gloo processes, with timeouts and rank tags.
+- `minispeed.core.report` — `python -m minispeed.core.report`: the environment and every op.
+- `minispeed.core.logging` — the rank-aware `minispeed` logger.
 """
 
 from minispeed.core.accelerator import get_accelerator, set_accelerator

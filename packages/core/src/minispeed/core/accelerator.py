@@ -1,16 +1,16 @@
 """One object that answers every device question: which device, which streams, which backend.
 
-No other module in minispeed branches on ``torch.cuda.is_available()``: it asks
-:func:`get_accelerator`. That keeps CPU-only machines (gloo, no streams) and GPU machines (NCCL,
+No other module in minispeed branches on `torch.cuda.is_available()`: it asks
+`get_accelerator`. That keeps CPU-only machines (gloo, no streams) and GPU machines (NCCL,
 CUDA streams and events) on one code path, and lets a test force the CPU with
-``MINISPEED_ACCELERATOR=cpu`` on a machine that has a GPU.
+`MINISPEED_ACCELERATOR=cpu` on a machine that has a GPU.
 
 On the CPU, streams and events are no-ops that keep the same interface: an event still measures
 wall time (so the comms logger can time collectives on either device), a stream context does
-nothing, and ``synchronize()`` returns at once, since CPU kernels run eagerly on the calling thread.
+nothing, and `synchronize()` returns at once, since CPU kernels run eagerly on the calling thread.
 
-Costs: nothing is allocated here except what a caller asks for (``pin_memory`` copies a tensor into
-page-locked host memory of the same size: ``numel * element_size`` bytes).
+Costs: nothing is allocated here except what a caller asks for (`pin_memory` copies a tensor into
+page-locked host memory of the same size: `numel * element_size` bytes).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ ACCELERATOR_ENV = "MINISPEED_ACCELERATOR"
 
 
 class _HostEvent:
-    """A CPU stand-in for ``torch.cuda.Event``: records wall time when ``record()`` is called."""
+    """A CPU stand-in for `torch.cuda.Event`: records wall time when `record()` is called."""
 
     def __init__(self, enable_timing: bool = False) -> None:
         self.enable_timing = enable_timing
@@ -45,7 +45,7 @@ class _HostEvent:
         self._t = time.perf_counter()
 
     def wait(self, stream: object | None = None) -> None:
-        """Nothing to wait for: CPU work is already done when ``record`` returns."""
+        """Nothing to wait for: CPU work is already done when `record` returns."""
 
     def query(self) -> bool:
         return True
@@ -54,14 +54,14 @@ class _HostEvent:
         """CPU work is synchronous; nothing to do."""
 
     def elapsed_time(self, end: _HostEvent) -> float:
-        """Milliseconds between this event and ``end``, like ``torch.cuda.Event.elapsed_time``."""
+        """Milliseconds between this event and `end`, like `torch.cuda.Event.elapsed_time`."""
         if self._t is None or end._t is None:
             raise RuntimeError("elapsed_time needs both events recorded: call record() on each")
         return (end._t - self._t) * 1e3
 
 
 class _HostStream:
-    """A CPU stand-in for ``torch.cuda.Stream``: every method is a no-op."""
+    """A CPU stand-in for `torch.cuda.Stream`: every method is a no-op."""
 
     def wait_stream(self, other: object) -> None:
         """Work on the CPU is ordered by program order already."""
@@ -82,9 +82,9 @@ class _HostStream:
 
 
 class Accelerator(ABC):
-    """The interface every device implements. Use :func:`get_accelerator` to get the active one."""
+    """The interface every device implements. Use `get_accelerator` to get the active one."""
 
-    #: Short name: ``"cpu"`` or ``"cuda"``.
+    #: Short name: `"cpu"` or `"cuda"`.
     name: str
 
     @abstractmethod
@@ -101,17 +101,17 @@ class Accelerator(ABC):
 
     @abstractmethod
     def set_device(self, index: int) -> None:
-        """Make ``index`` the current device of this process (a no-op on the CPU)."""
+        """Make `index` the current device of this process (a no-op on the CPU)."""
 
     def device(self, index: int | None = None) -> torch.device:
-        """The ``torch.device`` for ``index`` (the current device when ``None``)."""
+        """The `torch.device` for `index` (the current device when `None`)."""
         if self.name == "cpu":
             return torch.device("cpu")
         return torch.device(self.name, self.current_device_index() if index is None else index)
 
     @abstractmethod
     def communication_backend(self) -> str:
-        """The torch.distributed backend for tensors on this device: ``gloo`` or ``nccl``."""
+        """The torch.distributed backend for tensors on this device: `gloo` or `nccl`."""
 
     # -- streams and events ------------------------------------------------------------------
     @abstractmethod
@@ -128,7 +128,7 @@ class Accelerator(ABC):
 
     @abstractmethod
     def stream(self, stream: object | None) -> contextlib.AbstractContextManager:
-        """A context that queues work on ``stream`` (does nothing on the CPU)."""
+        """A context that queues work on `stream` (does nothing on the CPU)."""
 
     @abstractmethod
     def synchronize(self) -> None:
@@ -137,7 +137,7 @@ class Accelerator(ABC):
     # -- memory -------------------------------------------------------------------------------
     @abstractmethod
     def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A page-locked host copy of ``tensor`` (the tensor itself where pinning means nothing)."""
+        """A page-locked host copy of `tensor` (the tensor itself where pinning means nothing)."""
 
     @abstractmethod
     def memory_allocated(self) -> int:
@@ -145,7 +145,7 @@ class Accelerator(ABC):
 
     @abstractmethod
     def max_memory_allocated(self) -> int:
-        """Peak of :meth:`memory_allocated` since the last reset (CPU: peak resident set size)."""
+        """Peak of `memory_allocated` since the last reset (CPU: peak resident set size)."""
 
     @abstractmethod
     def reset_peak_memory_stats(self) -> None:
@@ -168,7 +168,7 @@ class Accelerator(ABC):
 
 
 def _read_proc_status_kib(field: str) -> int:
-    """A ``kB`` field of ``/proc/self/status`` in bytes; 0 where procfs is absent."""
+    """A `kB` field of `/proc/self/status` in bytes; 0 where procfs is absent."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -234,7 +234,7 @@ class CpuAccelerator(Accelerator):
 
 
 class CudaAccelerator(Accelerator):
-    """NVIDIA GPUs through ``torch.cuda``: NCCL, real streams and events, the caching allocator."""
+    """NVIDIA GPUs through `torch.cuda`: NCCL, real streams and events, the caching allocator."""
 
     name = "cuda"
 
@@ -312,7 +312,7 @@ def _choose() -> Accelerator:
 
 
 def get_accelerator() -> Accelerator:
-    """The active accelerator, chosen once per process (``MINISPEED_ACCELERATOR`` overrides)."""
+    """The active accelerator, chosen once per process (`MINISPEED_ACCELERATOR` overrides)."""
     global _active
     if _active is None:
         _active = _choose()
@@ -320,7 +320,7 @@ def get_accelerator() -> Accelerator:
 
 
 def set_accelerator(accelerator: Accelerator | str | None) -> Accelerator | None:
-    """Replace the active accelerator (``None`` re-runs detection on next use). Returns the old one."""
+    """Replace the active accelerator (`None` re-runs detection on next use). Returns the old one."""
     global _active
     old = _active
     if isinstance(accelerator, str):

@@ -1,8 +1,8 @@
-"""minispeed's logger: one ``logging.Logger`` named ``minispeed``, rank-aware, rich when on a terminal.
+"""minispeed's logger: one `logging.Logger` named `minispeed`, rank-aware, rich when on a terminal.
 
-Every message carries the process's rank (``[rank 1]``) once torch.distributed is initialized, so
-the interleaved output of several processes stays readable. ``MINISPEED_LOG_LEVEL`` sets the level
-(default ``INFO``). :func:`warn_once` emits a warning a single time per process, used for op fallbacks.
+Every message carries the process's rank (`[rank 1]`) once torch.distributed is initialized, so
+the interleaved output of several processes stays readable. `MINISPEED_LOG_LEVEL` sets the level
+(default `INFO`). `warn_once` emits a warning a single time per process, used for op fallbacks.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class _RankFilter(logging.Filter):
 
 
 def get_logger(name: str | None = None) -> logging.Logger:
-    """The ``minispeed`` logger, or its child ``minispeed.<name>``."""
+    """The `minispeed` logger, or its child `minispeed.<name>`."""
     root = logging.getLogger(_LOGGER_NAME)
     if not root.handlers:
         handler = logging.StreamHandler(sys.stderr)
@@ -49,7 +49,7 @@ def get_logger(name: str | None = None) -> logging.Logger:
 
 
 def warn_once(message: str, logger: logging.Logger | None = None) -> bool:
-    """Log ``message`` as a warning the first time it is seen in this process. Returns whether it did."""
+    """Log `message` as a warning the first time it is seen in this process. Returns whether it did."""
     if message in _warned:
         return False
     _warned.add(message)

@@ -1,12 +1,12 @@
-"""``python -m minispeed.core.report``: what this machine offers minispeed, and every op's status.
+"""`python -m minispeed.core.report`: what this machine offers minispeed, and every op's status.
 
 Prints two rich tables: the environment (Python, torch, CUDA runtime and nvcc, accelerator and GPU
 archs, C++ compiler, ninja, communication backends, SIMD level, op cache) and one row per op
-registered by any installed minispeed package (see :mod:`minispeed.core.op_builder.registry`):
+registered by any installed minispeed package (see `minispeed.core.op_builder.registry`):
 compatible here, built (in the cache), and why not. Nothing is compiled: reading it costs a few
-``--version`` calls and hashing each op's sources.
+`--version` calls and hashing each op's sources.
 
-``--build`` additionally loads (building if needed) every compatible op, to warm the cache before
+`--build` additionally loads (building if needed) every compatible op, to warm the cache before
 a job, e.g. once per node.
 """
 
@@ -88,7 +88,7 @@ def environment() -> dict[str, str]:
 
 
 def op_statuses(build: bool = False) -> list[OpStatus]:
-    """One :class:`OpStatus` per registered op (``build=True`` loads each compatible op first)."""
+    """One `OpStatus` per registered op (`build=True` loads each compatible op first)."""
     registry = discover_builders()
     rows = []
     for name, cls in registry.builders.items():
@@ -112,7 +112,7 @@ def op_statuses(build: bool = False) -> list[OpStatus]:
 
 
 def render(console: Console, build: bool = False) -> None:
-    """Print the environment and ops tables to ``console``."""
+    """Print the environment and ops tables to `console`."""
     env = Table(title="minispeed environment", show_header=False)
     env.add_column("item", style="bold")
     env.add_column("value")
@@ -135,7 +135,7 @@ def render(console: Console, build: bool = False) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m minispeed.core.report``."""
+    """Entry point of `python -m minispeed.core.report`."""
     parser = argparse.ArgumentParser(prog="python -m minispeed.core.report", description=__doc__)
     parser.add_argument("--build", action="store_true", help="build every compatible op now")
     args = parser.parse_args(argv)

@@ -1,21 +1,24 @@
 """JIT-built C++/CUDA ops with a pure-PyTorch fallback.
 
-Reading order: :mod:`.simd` (which vector ISA), :mod:`.toolchain` (compiler, ninja, nvcc, GPU
-archs), :mod:`.cache` (where builds live, the cross-process lock), :mod:`.builder` (``OpBuilder``:
-sources, flags, is_compatible, load), :mod:`.fallback` (``load_or_fallback``: one warning, then the reference), :mod:`.registry` (entry points
-``minispeed.ops`` so the report lists every installed op).
+Reading order: `.simd` (which vector ISA), `.toolchain` (compiler, ninja, nvcc, GPU
+archs), `.cache` (where builds live, the cross-process lock), `.builder` (`OpBuilder`:
+sources, flags, is_compatible, load), `.fallback` (`load_or_fallback`: one warning, then the reference), `.registry` (entry points
+`minispeed.ops` so the report lists every installed op).
 
-Declaring an op in any package::
+Declaring an op in any package:
 
-    from pathlib import Path
-    from minispeed.core.op_builder import OpBuilder, load_or_fallback
+```python
+from pathlib import Path
+from minispeed.core.op_builder import OpBuilder, load_or_fallback
 
-    class QuantizeBuilder(OpBuilder):
-        name = "quantize"
-        csrc_root = Path(__file__).parent / "csrc"
-        sources = ("quantize/quantize.cpp",)
+class QuantizeBuilder(OpBuilder):
+    name = "quantize"
+    csrc_root = Path(__file__).parent / "csrc"
+    sources = ("quantize/quantize.cpp",)
 
-    op = load_or_fallback(QuantizeBuilder())   # module, or None -> call the reference
+op = load_or_fallback(QuantizeBuilder())   # module, or None -> call the reference
+```
+
 """
 
 from minispeed.core.op_builder.builder import VERBOSE_ENV, LoadRecord, OpBuilder, OpBuildError

@@ -1,20 +1,22 @@
-"""``OpBuilder``: declare a C++/CUDA op once, JIT-build it once, load it from a cache ever after.
+"""`OpBuilder`: declare a C++/CUDA op once, JIT-build it once, load it from a cache ever after.
 
-An op is a folder of sources (``csrc/<op>/*.cpp``, ``*.cu``) inside the package that owns it,
-plus a small subclass of :class:`OpBuilder` naming them::
+An op is a folder of sources (`csrc/<op>/*.cpp`, `*.cu`) inside the package that owns it,
+plus a small subclass of `OpBuilder` naming them:
 
-    class CastBuilder(OpBuilder):
-        name = "cast"
-        csrc_root = Path(__file__).parent.parent / "csrc"   # this package's csrc/
-        sources = ("cast/cast.cpp",)
+```python
+class CastBuilder(OpBuilder):
+    name = "cast"
+    csrc_root = Path(__file__).parent.parent / "csrc"   # this package's csrc/
+    sources = ("cast/cast.cpp",)
+```
 
-``CastBuilder().load()`` returns the compiled Python module. See Note [op cache layout] (in
-:mod:`.cache`) for where it lives and Note [one builder per machine] for how concurrent ranks share
+`CastBuilder().load()` returns the compiled Python module. See Note [op cache layout] (in
+`.cache`) for where it lives and Note [one builder per machine] for how concurrent ranks share
 one build.
 
 Costs: the first build of an op runs the compiler (seconds for a pybind11-only source, about a
-minute for one that includes ``torch/extension.h``);
-every later ``load()`` in any process imports the cached ``.so`` (milliseconds), and in the same
+minute for one that includes `torch/extension.h`);
+every later `load()` in any process imports the cached `.so` (milliseconds), and in the same
 process returns the memoized module (a dict lookup).
 """
 
@@ -63,7 +65,7 @@ _log = get_logger("op_builder")
 
 
 class OpBuildError(RuntimeError):
-    """An op could not be built or loaded here. ``reason`` is one line; ``str()`` adds details."""
+    """An op could not be built or loaded here. `reason` is one line; `str()` adds details."""
 
     def __init__(self, op: str, reason: str, details: str = "") -> None:
         self.op = op
@@ -93,26 +95,26 @@ _process_lock = threading.RLock()
 class OpBuilder:
     """One JIT-compiled op: its sources, its flags, where it can run. Subclass and set the ClassVars.
 
-    Override :meth:`is_compatible` to add op-specific requirements (call ``super()`` first), and
-    :meth:`cxx_flags` / :meth:`nvcc_flags` for flags that depend on the machine.
+    Override `is_compatible` to add op-specific requirements (call `super()` first), and
+    `cxx_flags` / `nvcc_flags` for flags that depend on the machine.
     """
 
-    #: Op name: the key in the registry, in ``MINISPEED_DISABLE_OPS`` and in the cache path.
+    #: Op name: the key in the registry, in `MINISPEED_DISABLE_OPS` and in the cache path.
     name: ClassVar[str] = ""
-    #: The owning package's ``csrc`` directory; ``sources`` are relative to it.
+    #: The owning package's `csrc` directory; `sources` are relative to it.
     csrc_root: ClassVar[Path | None] = None
-    #: Source files (``.cpp``, ``.cu``) relative to ``csrc_root``; one must define the pybind module
-    #: as ``PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)``.
+    #: Source files (`.cpp`, `.cu`) relative to `csrc_root`; one must define the pybind module
+    #: as `PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)`.
     sources: ClassVar[tuple[str, ...]] = ()
-    #: Extra include directories relative to ``csrc_root`` (each op's own folder is implied).
+    #: Extra include directories relative to `csrc_root` (each op's own folder is implied).
     include_dirs: ClassVar[tuple[str, ...]] = ()
     #: Flags appended after the builder's defaults.
     extra_cxx_flags: ClassVar[tuple[str, ...]] = ()
     extra_nvcc_flags: ClassVar[tuple[str, ...]] = ()
     extra_ld_flags: ClassVar[tuple[str, ...]] = ()
-    #: Compile the C++ sources for the SIMD level (``-mavx512f ... -DMINISPEED_SIMD_AVX512``).
+    #: Compile the C++ sources for the SIMD level (`-mavx512f ... -DMINISPEED_SIMD_AVX512`).
     uses_simd: ClassVar[bool] = True
-    #: Compile and link with OpenMP (needed for ``at::parallel_for`` to use several threads).
+    #: Compile and link with OpenMP (needed for `at::parallel_for` to use several threads).
     uses_openmp: ClassVar[bool] = True
 
     def __init__(self, *, csrc_root: Path | None = None, simd: SimdLevel | None = None) -> None:
@@ -133,25 +135,25 @@ class OpBuilder:
     # -- what and how to compile ------------------------------------------------------------
     @property
     def requires_cuda(self) -> bool:
-        """Whether the op has ``.cu`` sources (then it needs nvcc and a GPU)."""
+        """Whether the op has `.cu` sources (then it needs nvcc and a GPU)."""
         return any(s.endswith(".cu") for s in self.sources)
 
     def simd_level(self) -> SimdLevel:
-        """The SIMD level this builder compiles for (the constructor's, else ``MINISPEED_SIMD``/CPU)."""
+        """The SIMD level this builder compiles for (the constructor's, else `MINISPEED_SIMD`/CPU)."""
         return self._simd if self._simd is not None else requested_simd_level()
 
     def source_paths(self) -> list[Path]:
-        """Absolute paths of ``sources``."""
+        """Absolute paths of `sources`."""
         return [self.root / s for s in self.sources]
 
     def include_paths(self) -> list[Path]:
-        """Absolute include directories: the folder of each source, then ``include_dirs``."""
+        """Absolute include directories: the folder of each source, then `include_dirs`."""
         dirs = dict.fromkeys(p.parent for p in self.source_paths())
         dirs.update(dict.fromkeys(self.root / d for d in self.include_dirs))
         return list(dirs)
 
     def cxx_flags(self) -> list[str]:
-        """Host compiler flags: -O3, OpenMP, the SIMD level's flags, then ``extra_cxx_flags``."""
+        """Host compiler flags: -O3, OpenMP, the SIMD level's flags, then `extra_cxx_flags`."""
         flags = ["-O3"]
         if self.uses_openmp:
             flags.append("-fopenmp")
@@ -160,7 +162,7 @@ class OpBuilder:
         return flags + list(self.extra_cxx_flags)
 
     def nvcc_flags(self) -> list[str]:
-        """nvcc flags: -O3 and one ``-gencode`` per visible GPU arch, then ``extra_nvcc_flags``."""
+        """nvcc flags: -O3 and one `-gencode` per visible GPU arch, then `extra_nvcc_flags`."""
         flags = ["-O3"]
         for arch in toolchain.cuda_device_arches():
             num = arch.replace(".", "")
@@ -168,12 +170,12 @@ class OpBuilder:
         return flags + list(self.extra_nvcc_flags)
 
     def ld_flags(self) -> list[str]:
-        """Linker flags: OpenMP when used, then ``extra_ld_flags``."""
+        """Linker flags: OpenMP when used, then `extra_ld_flags`."""
         return (["-fopenmp"] if self.uses_openmp else []) + list(self.extra_ld_flags)
 
     # -- can it be built here? --------------------------------------------------------------
     def is_compatible(self) -> tuple[bool, str]:
-        """``(True, "")`` when this machine can build and run the op, else ``(False, why + fix)``."""
+        """`(True, "")` when this machine can build and run the op, else `(False, why + fix)`."""
         missing = [s for s, p in zip(self.sources, self.source_paths()) if not p.is_file()]
         if missing:
             return False, (
@@ -260,16 +262,16 @@ class OpBuilder:
     # -- loading -------------------------------------------------------------------------------
     @property
     def last_load(self) -> LoadRecord | None:
-        """How this process loaded the variant :meth:`cache_dir` names, or ``None`` if not yet."""
+        """How this process loaded the variant `cache_dir` names, or `None` if not yet."""
         entry = _loaded.get(self.cache_dir())
         return entry[1] if entry else None
 
     def load(self, verbose: bool | None = None) -> ModuleType:
         """The compiled module: memoized in this process, else from the cache, else built now.
 
-        Raises :class:`OpBuildError` when the op is incompatible here or the build fails; the same
+        Raises `OpBuildError` when the op is incompatible here or the build fails; the same
         error is raised again on later calls in this process without retrying the compiler.
-        ``verbose`` (default: ``MINISPEED_OP_VERBOSE=1``) streams the compiler's output.
+        `verbose` (default: `MINISPEED_OP_VERBOSE=1`) streams the compiler's output.
         """
         if verbose is None:
             verbose = os.environ.get(VERBOSE_ENV, "0") not in ("", "0")
@@ -362,7 +364,7 @@ class OpBuilder:
 
 
 def _first_error_line(output: str) -> str:
-    """The compiler's first ``error`` line (what a user needs first), else the first line."""
+    """The compiler's first `error` line (what a user needs first), else the first line."""
     lines = [line.strip() for line in output.splitlines() if line.strip()]
     for line in lines:
         if "error" in line.lower() and not line.startswith("Error building extension"):
@@ -372,7 +374,7 @@ def _first_error_line(output: str) -> str:
 
 @contextlib.contextmanager
 def _ninja_on_path() -> Iterator[None]:
-    """Put ninja's directory on PATH for torch's JIT, which calls plain ``ninja``."""
+    """Put ninja's directory on PATH for torch's JIT, which calls plain `ninja`."""
     ninja = toolchain.find_ninja()
     old = os.environ.get("PATH", "")
     ninja_dir = str(Path(ninja).parent) if ninja else None

@@ -1,7 +1,7 @@
 """Where built ops live on disk, and how processes share them safely.
 
-See Note [op cache layout] and Note [one builder per machine] below; :class:`OpBuilder` in
-:mod:`.builder` is the only caller.
+See Note [op cache layout] and Note [one builder per machine] below; `OpBuilder` in
+`.builder` is the only caller.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def op_cache_root() -> Path:
 
 
 def import_extension(module_name: str, path: Path) -> ModuleType:
-    """Import the extension at ``path`` without touching ``sys.path`` (as torch's JIT does)."""
+    """Import the extension at `path` without touching `sys.path` (as torch's JIT does)."""
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot create an import spec for {path}")
@@ -81,9 +81,9 @@ def import_extension(module_name: str, path: Path) -> ModuleType:
 
 @contextlib.contextmanager
 def file_lock(path: Path, op: str) -> Iterator[None]:
-    """Exclusive ``flock`` on ``path`` (see Note [one builder per machine]).
+    """Exclusive `flock` on `path` (see Note [one builder per machine]).
 
-    Raises ``TimeoutError`` after ``$MINISPEED_OP_LOCK_TIMEOUT`` seconds of waiting.
+    Raises `TimeoutError` after `$MINISPEED_OP_LOCK_TIMEOUT` seconds of waiting.
     """
     timeout_s = float(os.environ.get(LOCK_TIMEOUT_ENV, "1800"))
     with open(path, "a+") as f:
@@ -110,7 +110,7 @@ def file_lock(path: Path, op: str) -> Iterator[None]:
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:
-    """Write ``payload`` to ``path`` via a temp file, fsync and rename (never a torn file)."""
+    """Write `payload` to `path` via a temp file, fsync and rename (never a torn file)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
         json.dump(payload, f, indent=2)

@@ -1,8 +1,8 @@
 """Use the compiled op when it can be had, the pure-PyTorch reference when not, and say so once.
 
 Every op ships a reference implementation with the same signature, so a missing compiler or a
-failed build costs speed, never correctness. ``MINISPEED_DISABLE_OPS`` forces the reference:
-``1``/``all`` for every op, or a comma list of op names (``cast,quantize``).
+failed build costs speed, never correctness. `MINISPEED_DISABLE_OPS` forces the reference:
+`1`/`all` for every op, or a comma list of op names (`cast,quantize`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ _NONE = frozenset({"", "0", "false", "no", "off", "none"})
 
 
 def ops_disabled(name: str) -> bool:
-    """Whether ``MINISPEED_DISABLE_OPS`` turns op ``name`` off (read on every call: cheap)."""
+    """Whether `MINISPEED_DISABLE_OPS` turns op `name` off (read on every call: cheap)."""
     value = os.environ.get(DISABLE_ENV, "").strip().lower()
     if value in _NONE:
         return False
@@ -31,7 +31,7 @@ def ops_disabled(name: str) -> bool:
 
 
 def load_or_fallback(builder: OpBuilder) -> ModuleType | None:
-    """``builder.load()``, or ``None`` (after ONE warning per op and reason) to use the reference.
+    """`builder.load()`, or `None` (after ONE warning per op and reason) to use the reference.
 
     Never raises for an op that cannot be built: the warning names the op, the reason and that
     the pure-PyTorch reference runs instead; the compiler output goes to the debug log.

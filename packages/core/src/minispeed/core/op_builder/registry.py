@@ -1,14 +1,16 @@
 """Every op builder of every installed minispeed package, found through entry points.
 
-A package declares its builders in its ``pyproject.toml``; the entry name is the op name and the
-value the builder class::
+A package declares its builders in its `pyproject.toml`; the entry name is the op name and the
+value the builder class:
 
-    [project.entry-points."minispeed.ops"]
-    quantize = "minispeed.comm.compression.ops:QuantizeBuilder"
+```toml
+[project.entry-points."minispeed.ops"]
+quantize = "minispeed.comm.compression.ops:QuantizeBuilder"
+```
 
-so a separately installed package's ops appear in ``python -m minispeed.core.report`` without
+so a separately installed package's ops appear in `python -m minispeed.core.report` without
 core knowing about it. Core's own builders are also listed here directly, so they show up even in
-an editable install whose entry-point metadata predates them. :func:`register_builder` adds a
+an editable install whose entry-point metadata predates them. `register_builder` adds a
 builder for this process only (tests, notebooks).
 """
 
@@ -35,14 +37,14 @@ _registered: dict[str, type[OpBuilder]] = {}
 
 @dataclasses.dataclass(frozen=True)
 class OpRegistry:
-    """Result of :func:`discover_builders`: builders by op name, and entries that failed to load."""
+    """Result of `discover_builders`: builders by op name, and entries that failed to load."""
 
     builders: dict[str, type[OpBuilder]]
     errors: dict[str, str]  # op name -> why its entry point could not be loaded
 
 
 def register_builder(cls: type[OpBuilder]) -> type[OpBuilder]:
-    """Register ``cls`` for this process (usable as a class decorator). Returns ``cls``."""
+    """Register `cls` for this process (usable as a class decorator). Returns `cls`."""
     if not (isinstance(cls, type) and issubclass(cls, OpBuilder)) or not cls.name:
         raise TypeError(f"{cls!r} is not an OpBuilder subclass with a `name`")
     other = _registered.get(cls.name)
@@ -64,7 +66,7 @@ def _load_target(target: str) -> object:
 
 
 def discover_builders() -> OpRegistry:
-    """Core's builders, every ``minispeed.ops`` entry point, then :func:`register_builder` ones."""
+    """Core's builders, every `minispeed.ops` entry point, then `register_builder` ones."""
     targets = dict(_CORE_BUILDERS)
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         targets[ep.name] = ep.value

@@ -1,13 +1,13 @@
 """Which CPU vector instructions an op may be compiled for: AVX-512, AVX2, or plain scalar C++.
 
-The level is read once from the ``flags`` line of ``/proc/cpuinfo`` and can be forced lower with
-``MINISPEED_SIMD=avx512|avx2|scalar`` (to exercise the scalar path on a machine with AVX-512, or to
+The level is read once from the `flags` line of `/proc/cpuinfo` and can be forced lower with
+`MINISPEED_SIMD=avx512|avx2|scalar` (to exercise the scalar path on a machine with AVX-512, or to
 build a cache that runs on older CPUs of a cluster). Forcing a level the CPU lacks is allowed to
-*build* but makes ``is_compatible()`` say no, because running it would crash with SIGILL.
+*build* but makes `is_compatible()` say no, because running it would crash with SIGILL.
 
-Each level maps to explicit ``-m`` flags plus one define (``-DMINISPEED_SIMD_AVX512`` ...) that the
-C++ sources switch on. We do not use ``-march=native``: the cache key is a hash of the flags, and
-``native`` would give two different CPUs the same key for different code.
+Each level maps to explicit `-m` flags plus one define (`-DMINISPEED_SIMD_AVX512` ...) that the
+C++ sources switch on. We do not use `-march=native`: the cache key is a hash of the flags, and
+`native` would give two different CPUs the same key for different code.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class SimdLevel(enum.IntEnum):
 
     @property
     def label(self) -> str:
-        """The lower-case name used in ``MINISPEED_SIMD`` and in reports."""
+        """The lower-case name used in `MINISPEED_SIMD` and in reports."""
         return self.name.lower()
 
 
@@ -65,7 +65,7 @@ _COMPILER_FLAGS: dict[SimdLevel, tuple[str, ...]] = {
 
 
 def _cpuinfo_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
-    """The feature flags of the first CPU in ``path``; empty where procfs is absent."""
+    """The feature flags of the first CPU in `path`; empty where procfs is absent."""
     try:
         with open(path) as f:
             for line in f:
@@ -89,9 +89,9 @@ def cpu_simd_level() -> SimdLevel:
 
 
 def requested_simd_level() -> SimdLevel:
-    """The level ops are built for: ``MINISPEED_SIMD`` when set, else :func:`cpu_simd_level`.
+    """The level ops are built for: `MINISPEED_SIMD` when set, else `cpu_simd_level`.
 
-    Read on every call (not cached) so a test can switch levels with ``monkeypatch.setenv``.
+    Read on every call (not cached) so a test can switch levels with `monkeypatch.setenv`.
     """
     forced = os.environ.get(SIMD_ENV, "").strip().lower()
     if not forced:
@@ -106,12 +106,12 @@ def requested_simd_level() -> SimdLevel:
 
 
 def simd_flags(level: SimdLevel) -> list[str]:
-    """The C++ compiler flags (``-m...`` and the ``-DMINISPEED_SIMD_*`` define) for ``level``."""
+    """The C++ compiler flags (`-m...` and the `-DMINISPEED_SIMD_*` define) for `level`."""
     return list(_COMPILER_FLAGS[level])
 
 
 def missing_cpu_flags(level: SimdLevel) -> list[str]:
-    """cpuinfo flags ``level`` needs that this CPU lacks (empty: the CPU can run it)."""
+    """cpuinfo flags `level` needs that this CPU lacks (empty: the CPU can run it)."""
     if level == SimdLevel.SCALAR:
         return []
     if platform.machine().lower() not in ("x86_64", "amd64"):

@@ -1,7 +1,7 @@
 """Where the build tools are: the C++ compiler, ninja, nvcc, and the GPUs' compute capabilities.
 
-Every lookup answers ``None`` (or an empty list) instead of raising, so :class:`OpBuilder` can turn
-a missing tool into an ``is_compatible() -> (False, "why")`` answer and the report can print it.
+Every lookup answers `None` (or an empty list) instead of raising, so `OpBuilder` can turn
+a missing tool into an `is_compatible() -> (False, "why")` answer and the report can print it.
 """
 
 from __future__ import annotations
@@ -27,15 +27,15 @@ __all__ = [
 
 
 def cxx_compiler() -> str | None:
-    """Absolute path of the C++ compiler torch's JIT will call (``$CXX``, else ``c++``)."""
+    """Absolute path of the C++ compiler torch's JIT will call (`$CXX`, else `c++`)."""
     return shutil.which(os.environ.get("CXX", "c++"))
 
 
 def find_ninja() -> str | None:
-    """Absolute path of ``ninja``: on ``PATH``, else beside this Python (a venv's ``bin/``).
+    """Absolute path of `ninja`: on `PATH`, else beside this Python (a venv's `bin/`).
 
-    A venv's ``bin/`` is not on ``PATH`` when Python is called by its full path
-    (``.venv/bin/python -m ...``), yet ``pip install ninja`` put the binary there.
+    A venv's `bin/` is not on `PATH` when Python is called by its full path
+    (`.venv/bin/python -m ...`), yet `pip install ninja` put the binary there.
     """
     found = shutil.which("ninja")
     if found:
@@ -45,7 +45,7 @@ def find_ninja() -> str | None:
 
 
 def find_nvcc() -> str | None:
-    """Absolute path of ``nvcc``: on ``PATH``, else ``$CUDA_HOME/bin/nvcc`` (or ``/usr/local/cuda``)."""
+    """Absolute path of `nvcc`: on `PATH`, else `$CUDA_HOME/bin/nvcc` (or `/usr/local/cuda`)."""
     found = shutil.which("nvcc")
     if found:
         return found
@@ -57,7 +57,7 @@ def find_nvcc() -> str | None:
 
 @functools.cache
 def tool_version(path: str) -> str | None:
-    """The first line of ``<path> --version`` that names a version (cached per path)."""
+    """The first line of `<path> --version` that names a version (cached per path)."""
     try:
         out = subprocess.run(
             [path, "--version"], capture_output=True, text=True, timeout=30, check=False
@@ -72,7 +72,7 @@ def tool_version(path: str) -> str | None:
 
 
 def nvcc_version() -> str | None:
-    """``"13.0"`` style release of the nvcc found by :func:`find_nvcc`, or ``None``."""
+    """`"13.0"` style release of the nvcc found by `find_nvcc`, or `None`."""
     nvcc = find_nvcc()
     line = tool_version(nvcc) if nvcc else None
     match = re.search(r"release (\d+\.\d+)", line or "")
@@ -80,9 +80,9 @@ def nvcc_version() -> str | None:
 
 
 def cuda_device_arches() -> list[str]:
-    """Compute capabilities of the visible GPUs as ``"8.0"`` strings, sorted; empty without a GPU.
+    """Compute capabilities of the visible GPUs as `"8.0"` strings, sorted; empty without a GPU.
 
-    Asks :func:`get_accelerator` first, so ``MINISPEED_ACCELERATOR=cpu`` hides the GPUs here too.
+    Asks `get_accelerator` first, so `MINISPEED_ACCELERATOR=cpu` hides the GPUs here too.
     """
     acc = get_accelerator()
     if acc.name != "cuda":

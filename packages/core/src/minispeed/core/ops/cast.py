@@ -1,17 +1,17 @@
 """fp32 <-> bf16 casts (round-to-nearest-even) and fused flatten/unflatten, compiled or reference.
 
-The functions here have the signatures of :mod:`minispeed.core.ops.cast_reference` (re-exported as
-``cast.reference``) and give the same bits. Each call dispatches on the tensor's device:
+The functions here have the signatures of `minispeed.core.ops.cast_reference` (re-exported as
+`cast.reference`) and give the same bits. Each call dispatches on the tensor's device:
 
-- CPU: the C++ op (``csrc/cast/cast.cpp``: AVX-512 / AVX2 / scalar loops on OpenMP threads);
-- CUDA: the CUDA op (``csrc/cast/cast_cuda.cu``);
-- anything else, an op that cannot be built, or ``MINISPEED_DISABLE_OPS=cast``: the reference,
+- CPU: the C++ op (`csrc/cast/cast.cpp`: AVX-512 / AVX2 / scalar loops on OpenMP threads);
+- CUDA: the CUDA op (`csrc/cast/cast_cuda.cu`);
+- anything else, an op that cannot be built, or `MINISPEED_DISABLE_OPS=cast`: the reference,
   after one warning.
 
-Costs per element: ``float_to_bf16`` reads 4 B, writes 2 B; ``bf16_to_float`` reads 2 B, writes
-4 B; ``flatten``/``unflatten`` read numel * in_bytes and write numel * out_bytes. A non-contiguous
+Costs per element: `float_to_bf16` reads 4 B, writes 2 B; `bf16_to_float` reads 2 B, writes
+4 B; `flatten`/`unflatten` read numel * in_bytes and write numel * out_bytes. A non-contiguous
 input is first made contiguous (one extra read and write of it). Not differentiable: these move
-data (master weights, communication buffers) like ``copy_`` under ``torch.no_grad()``.
+data (master weights, communication buffers) like `copy_` under `torch.no_grad()`.
 
 Used by ZeRO's mixed precision (fp32 master -> bf16 params) and by communication compression.
 """
@@ -66,7 +66,7 @@ _KIND_BYTES, _KIND_F32_TO_BF16, _KIND_BF16_TO_F32 = 0, 1, 2
 
 
 def _op_for(device: torch.device) -> ModuleType | None:
-    """The compiled op for ``device``, or ``None`` to run the reference (warned once by the loader)."""
+    """The compiled op for `device`, or `None` to run the reference (warned once by the loader)."""
     builder = _BUILDERS.get(device.type)
     return load_or_fallback(builder) if builder is not None else None
 
@@ -77,7 +77,7 @@ def _byte_range(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the (contiguous) memory of ``a`` and ``b`` intersects."""
+    """Whether the (contiguous) memory of `a` and `b` intersects."""
     (a0, a1), (b0, b1) = _byte_range(a), _byte_range(b)
     return a.numel() > 0 and b.numel() > 0 and a0 < b1 and b0 < a1
 
@@ -121,20 +121,20 @@ def _cast(src: torch.Tensor, out: torch.Tensor | None, to_bf16: bool) -> torch.T
 
 
 def float_to_bf16(src: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 -> bf16, round-to-nearest-even, NaN -> ``0x7FC0``. Reads 4 B, writes 2 B per element.
+    """fp32 -> bf16, round-to-nearest-even, NaN -> `0x7FC0`. Reads 4 B, writes 2 B per element.
 
-    ``out`` (bf16, shape of ``src``, same device) receives the result when given and is returned.
+    `out` (bf16, shape of `src`, same device) receives the result when given and is returned.
     """
     return _cast(src, out, to_bf16=True)
 
 
 def bf16_to_float(src: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """bf16 -> fp32, exact. Reads 2 B, writes 4 B per element. ``out`` as in :func:`float_to_bf16`."""
+    """bf16 -> fp32, exact. Reads 2 B, writes 4 B per element. `out` as in `float_to_bf16`."""
     return _cast(src, out, to_bf16=False)
 
 
 def _segment_kind(src: torch.dtype, dst: torch.dtype) -> int | None:
-    """The C++ CopyKind for a ``src`` -> ``dst`` copy, or ``None`` if the op cannot do it."""
+    """The C++ CopyKind for a `src` -> `dst` copy, or `None` if the op cannot do it."""
     if src == dst:
         return _KIND_BYTES
     if (src, dst) == (torch.float32, torch.bfloat16):
@@ -173,10 +173,10 @@ def flatten(
     offsets: Sequence[int] | None = None,
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Copy ``tensors`` into one 1-D buffer at ``offsets`` in one parallel pass, casting fp32<->bf16.
+    """Copy `tensors` into one 1-D buffer at `offsets` in one parallel pass, casting fp32<->bf16.
 
-    Same contract as :func:`minispeed.core.ops.cast_reference.flatten`: ``out`` defaults to a zeroed
-    buffer of ``dtype`` (default: the first tensor's) packing the tensors back to back. Reads
+    Same contract as `minispeed.core.ops.cast_reference.flatten`: `out` defaults to a zeroed
+    buffer of `dtype` (default: the first tensor's) packing the tensors back to back. Reads
     sum(numel * in_bytes), writes sum(numel * out_bytes); gaps between slots are untouched.
     """
     offsets = list(offsets) if offsets is not None else reference.default_offsets(tensors)
@@ -199,10 +199,10 @@ def flatten(
 def unflatten(
     flat: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[int] | None = None
 ) -> list[torch.Tensor]:
-    """Copy ``flat[offset : offset + numel]`` back into each tensor in place, casting fp32<->bf16.
+    """Copy `flat[offset : offset + numel]` back into each tensor in place, casting fp32<->bf16.
 
-    The inverse of :func:`flatten`; same contract as the reference's ``unflatten``. Non-contiguous
-    targets are written through a staging copy (one extra write of them). Returns ``tensors``.
+    The inverse of `flatten`; same contract as the reference's `unflatten`. Non-contiguous
+    targets are written through a staging copy (one extra write of them). Returns `tensors`.
     """
     offsets = list(offsets) if offsets is not None else reference.default_offsets(tensors)
     reference.check_layout(tensors, flat, offsets)

@@ -1,11 +1,11 @@
-"""The pure-PyTorch reference of :mod:`minispeed.core.ops.cast`: the specification and the fallback.
+"""The pure-PyTorch reference of `minispeed.core.ops.cast`: the specification and the fallback.
 
 Written on the integer bits so every step of the rounding is visible and matches the C++ op bit
-for bit (see Note [bf16 round-to-nearest-even] in ``csrc/cast/cast.cpp``). Slow on purpose: it
+for bit (see Note [bf16 round-to-nearest-even] in `csrc/cast/cast.cpp`). Slow on purpose: it
 makes int64 temporaries (8 B per element each) for clarity.
 
 Functions are not differentiable: they act on the data (master weights, communication buffers),
-as ``Tensor.copy_`` under ``torch.no_grad()`` would.
+as `Tensor.copy_` under `torch.no_grad()` would.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ def _check_out(out: torch.Tensor, src: torch.Tensor, dtype: torch.dtype) -> None
 
 
 def float_to_bf16(src: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 -> bf16 with round-to-nearest-even; every NaN becomes the quiet NaN ``0x7FC0``.
+    """fp32 -> bf16 with round-to-nearest-even; every NaN becomes the quiet NaN `0x7FC0`.
 
-    Reads 4 B and writes 2 B per element (plus the reference's temporaries). Returns ``out``
-    (shape of ``src``) when given, else a new tensor.
+    Reads 4 B and writes 2 B per element (plus the reference's temporaries). Returns `out`
+    (shape of `src`) when given, else a new tensor.
     """
     if src.dtype != torch.float32:
         raise TypeError(f"src must be float32, got {src.dtype}: call .float() first")
@@ -56,7 +56,7 @@ def float_to_bf16(src: torch.Tensor, out: torch.Tensor | None = None) -> torch.T
 def bf16_to_float(src: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """bf16 -> fp32, exact (the bf16 bits become the high half of the fp32).
 
-    Reads 2 B and writes 4 B per element. Returns ``out`` when given, else a new tensor.
+    Reads 2 B and writes 4 B per element. Returns `out` when given, else a new tensor.
     """
     if src.dtype != torch.bfloat16:
         raise TypeError(f"src must be bfloat16, got {src.dtype}: call .bfloat16() first")
@@ -86,7 +86,7 @@ def _copy_cast(src: torch.Tensor, dst: torch.Tensor) -> None:
 
 
 def default_offsets(tensors: Sequence[torch.Tensor]) -> list[int]:
-    """Offsets that pack ``tensors`` back to back: ``[0, n0, n0 + n1, ...]``."""
+    """Offsets that pack `tensors` back to back: `[0, n0, n0 + n1, ...]`."""
     offsets, total = [], 0
     for t in tensors:
         offsets.append(total)
@@ -97,7 +97,7 @@ def default_offsets(tensors: Sequence[torch.Tensor]) -> list[int]:
 def check_layout(
     tensors: Sequence[torch.Tensor], flat: torch.Tensor, offsets: Sequence[int]
 ) -> None:
-    """Raise unless every tensor's slot ``[offset, offset + numel)`` lies in ``flat`` without overlap."""
+    """Raise unless every tensor's slot `[offset, offset + numel)` lies in `flat` without overlap."""
     if flat.dim() != 1:
         raise ValueError(f"flat must be 1-D, got shape {tuple(flat.shape)}: pass flat.view(-1)")
     if len(offsets) != len(tensors):
@@ -131,9 +131,9 @@ def flatten(
     offsets: Sequence[int] | None = None,
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Copy ``tensors`` into one 1-D buffer at ``offsets`` (default: back to back), casting to its dtype.
+    """Copy `tensors` into one 1-D buffer at `offsets` (default: back to back), casting to its dtype.
 
-    ``out`` is the buffer; when omitted a zeroed one of ``sum(numel)`` elements and ``dtype``
+    `out` is the buffer; when omitted a zeroed one of `sum(numel)` elements and `dtype`
     (default: the first tensor's dtype) is allocated. Reads sum(numel * in_bytes) and writes
     sum(numel * out_bytes); the gaps between slots are left untouched.
     """
@@ -152,10 +152,10 @@ def flatten(
 def unflatten(
     flat: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[int] | None = None
 ) -> list[torch.Tensor]:
-    """Copy ``flat[offset : offset + numel]`` back into each of ``tensors`` (in place), casting.
+    """Copy `flat[offset : offset + numel]` back into each of `tensors` (in place), casting.
 
-    The inverse of :func:`flatten`. Reads sum(numel * flat_bytes), writes sum(numel * tensor_bytes).
-    Returns ``tensors`` as a list.
+    The inverse of `flatten`. Reads sum(numel * flat_bytes), writes sum(numel * tensor_bytes).
+    Returns `tensors` as a list.
     """
     offsets = list(offsets) if offsets is not None else default_offsets(tensors)
     check_layout(tensors, flat, offsets)

@@ -1,45 +1,45 @@
-"""Run a test body on N gloo processes: ``run_distributed`` and ``@distributed_test``.
+"""Run a test body on N gloo processes: `run_distributed` and `@distributed_test`.
 
-::
+```python
+from minispeed.core.testing import distributed_test, run_distributed
 
-    from minispeed.core.testing import distributed_test, run_distributed
+def _body(rank: int, world_size: int, x: int) -> float:   # module level; group is ready
+    t = torch.tensor([float(rank + x)])
+    comm.all_reduce(t)
+    return t.item()
 
-    def _body(rank: int, world_size: int, x: int) -> float:   # module level; group is ready
-        t = torch.tensor([float(rank + x)])
-        comm.all_reduce(t)
-        return t.item()
+def test_sum():
+    assert run_distributed(_body, world_size=2, args=(3,)) == [7.0, 7.0]
 
-    def test_sum():
-        assert run_distributed(_body, world_size=2, args=(3,)) == [7.0, 7.0]
-
-    @distributed_test(world_size=[2, 4])        # two tests: test_other[ws2], test_other[ws4]
-    def test_other(rank, world_size):
-        ...
+@distributed_test(world_size=[2, 4])        # two tests: test_other[ws2], test_other[ws4]
+def test_other(rank, world_size):
+    ...
+```
 
 Design, and what it costs:
 
-- **Processes.** Each rank is a real process (``spawn``), so process groups, globals and
-  collectives behave as under torchrun. Each process sees ``RANK``, ``WORLD_SIZE``,
-  ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1`` and ``MASTER_PORT``, a default
-  process group over all ranks (``backend``, timeout ``timeout_s`` + 10 s), one torch thread and
-  ``MINISPEED_ACCELERATOR=cpu`` (override with ``env=``). The group is destroyed after the
+- **Processes.** Each rank is a real process (`spawn`), so process groups, globals and
+  collectives behave as under torchrun. Each process sees `RANK`, `WORLD_SIZE`,
+  `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR=127.0.0.1` and `MASTER_PORT`, a default
+  process group over all ranks (`backend`, timeout `timeout_s` + 10 s), one torch thread and
+  `MINISPEED_ACCELERATOR=cpu` (override with `env=`). The group is destroyed after the
   body, also when it raises.
-- **A warm pool** (:mod:`.pool`, Note [why a pool]; one process per rank slot, :mod:`.process`;
-  the loop inside each, :mod:`.worker`): the processes are spawned once per pytest
+- **A warm pool** (`.pool`, Note [why a pool]; one process per rank slot, `.process`;
+  the loop inside each, `.worker`): the processes are spawned once per pytest
   session, import torch once (~2 s of CPU each, N processes × one import), and serve every later
   run, so a warm trivial 2-rank run costs a rendezvous (~tens of ms), not two torch imports.
   Workers are reused only after a clean teardown; after a hang, a crash or a leaked group the
   affected processes are killed and re-spawned, so each run starts clean.
-- **Finding the body** (:mod:`.function_ref`): workers receive (module, file, qualname) and load
+- **Finding the body** (`.function_ref`): workers receive (module, file, qualname) and load
   the test file themselves, so bodies must be module-level functions (no lambdas or closures);
   arguments, return values and exceptions travel by pickle.
-- **Failures** (:mod:`.errors`): a raising rank gives :class:`DistributedTestError` with its
-  traceback, every line tagged ``[rank N]``; a dead process is reported at once with its exit
-  code or signal; after ``timeout_s`` a hang is reported with the ranks that finished, those that
+- **Failures** (`.errors`): a raising rank gives `DistributedTestError` with its
+  traceback, every line tagged `[rank N]`; a dead process is reported at once with its exit
+  code or signal; after `timeout_s` a hang is reported with the ranks that finished, those that
   did not, and the Python stack of each unfinished rank. The suite never hangs.
 
-Limits: one run at a time per process; no nesting (a body cannot call ``run_distributed``);
-environment variables read by torch at import time (``OMP_NUM_THREADS``...) are fixed when the
+Limits: one run at a time per process; no nesting (a body cannot call `run_distributed`);
+environment variables read by torch at import time (`OMP_NUM_THREADS`...) are fixed when the
 pool starts; pytest fixtures are not available inside a body.
 """
 
@@ -122,14 +122,14 @@ def run_distributed(
     backend: str = "gloo",
     env: Mapping[str, str] | None = None,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes; return per-rank results.
+    """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` processes; return per-rank results.
 
-    ``fn`` must be a module-level function (workers look it up by module and name). ``args``,
-    ``kwargs`` and the return values travel by pickle: return CPU tensors or Python values.
-    ``timeout_s`` bounds the run from dispatch to the last rank's reply (the process group's own
+    `fn` must be a module-level function (workers look it up by module and name). `args`,
+    `kwargs` and the return values travel by pickle: return CPU tensors or Python values.
+    `timeout_s` bounds the run from dispatch to the last rank's reply (the process group's own
     timeout is 10 s longer, a backstop, so the parent reports a hang first); starting missing workers (a torch import each) is not counted against it
-    and has its own limit, ``pool.STARTUP_TIMEOUT_S``. ``env`` adds or overrides environment variables for the body (e.g.
-    ``{"MINISPEED_ACCELERATOR": "cuda"}``). Raises :class:`DistributedTestError` if any rank
+    and has its own limit, `pool.STARTUP_TIMEOUT_S`. `env` adds or overrides environment variables for the body (e.g.
+    `{"MINISPEED_ACCELERATOR": "cuda"}`). Raises `DistributedTestError` if any rank
     raises, dies, hangs, or returns something unpicklable; the list is in rank order otherwise.
     """
     if os.environ.get(WORKER_ENV):
@@ -197,12 +197,12 @@ def distributed_test(
     backend: str = "gloo",
     env: Mapping[str, str] | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., None]]:
-    """Decorate ``def test_x(rank, world_size)`` to run it on every rank, once per world size.
+    """Decorate `def test_x(rank, world_size)` to run it on every rank, once per world size.
 
-    The decorated test is parametrized over ``world_size`` (ids ``ws2``, ``ws4``...), so pytest
-    selects it as ``test_x[ws2]``. The body must be at module level; it gets no fixtures and no
+    The decorated test is parametrized over `world_size` (ids `ws2`, `ws4`...), so pytest
+    selects it as `test_x[ws2]`. The body must be at module level; it gets no fixtures and no
     other parameters (pass data through module-level constants, or use run_distributed with
-    args=). Marks applied above or below the decorator are kept. Failures raise :class:`DistributedTestError`.
+    args=). Marks applied above or below the decorator are kept. Failures raise `DistributedTestError`.
     """
     sizes = [world_size] if isinstance(world_size, int) else list(world_size)
     if not sizes:
@@ -244,5 +244,5 @@ def distributed_test(
 
 
 def worker_pids() -> dict[int, int]:
-    """``{rank slot: pid}`` of the idle pool workers; lets tests check that processes are reused."""
+    """`{rank slot: pid}` of the idle pool workers; lets tests check that processes are reused."""
     return get_pool().worker_pids()

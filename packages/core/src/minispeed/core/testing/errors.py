@@ -3,11 +3,11 @@
 A failing distributed run has up to four kinds of ranks, and the message names each kind so the
 reader knows where to look first:
 
-- **raised**: the body raised; its traceback is shown, every line tagged ``[rank N]``;
-- **died**: the process exited without reporting (``os._exit``, a segfault, the OOM killer); shown
+- **raised**: the body raised; its traceback is shown, every line tagged `[rank N]`;
+- **died**: the process exited without reporting (`os._exit`, a segfault, the OOM killer); shown
   with its exit code or signal name;
 - **did not finish**: still running when the run gave up (timeout, or the grace period after
-  another rank failed); shown with its Python stack, dumped by ``faulthandler`` just before the
+  another rank failed); shown with its Python stack, dumped by `faulthandler` just before the
   process was killed;
 - **finished**: returned normally; listed by number only (their output is not the problem).
 """
@@ -23,15 +23,15 @@ __all__ = ["DistributedTestError", "describe_exit", "tag_lines", "trim_stack_dum
 class DistributedTestError(RuntimeError):
     """A distributed run failed: a rank raised, died, hung, or returned something unpicklable.
 
-    The message is self-contained (every failing rank's traceback, tagged ``[rank N]``). The same
+    The message is self-contained (every failing rank's traceback, tagged `[rank N]`). The same
     facts are kept as attributes so tests of the harness, and callers that expect a failure, can
     check them without parsing text:
 
-    - ``tracebacks``: ``{rank: formatted traceback}`` of ranks that raised, in failure order;
-    - ``exit_codes``: ``{rank: exitcode}`` of ranks whose process died (negative = signal);
-    - ``finished``: ranks that returned normally;
-    - ``unfinished``: ranks still running when the run gave up;
-    - ``timed_out``: True when the run hit ``timeout_s``.
+    - `tracebacks`: `{rank: formatted traceback}` of ranks that raised, in failure order;
+    - `exit_codes`: `{rank: exitcode}` of ranks whose process died (negative = signal);
+    - `finished`: ranks that returned normally;
+    - `unfinished`: ranks still running when the run gave up;
+    - `timed_out`: True when the run hit `timeout_s`.
     """
 
     def __init__(
@@ -53,12 +53,12 @@ class DistributedTestError(RuntimeError):
 
 
 def tag_lines(rank: int, text: str) -> str:
-    """Prefix every line of ``text`` with ``[rank N] `` so interleaved reports stay attributable."""
+    """Prefix every line of `text` with `[rank N] ` so interleaved reports stay attributable."""
     return "\n".join(f"[rank {rank}] {line}" for line in text.rstrip("\n").splitlines())
 
 
 def describe_exit(exitcode: int | None) -> str:
-    """Human words for a ``multiprocessing`` exit code: ``exit code 3``, ``signal SIGSEGV, exit code -11``."""
+    """Human words for a `multiprocessing` exit code: `exit code 3`, `signal SIGSEGV, exit code -11`."""
     if exitcode is None:
         return "no exit code (still running)"
     if exitcode < 0:
@@ -71,10 +71,10 @@ def describe_exit(exitcode: int | None) -> str:
 
 
 def trim_stack_dump(text: str, harness_file: str, watchdog_function: str) -> str:
-    """Keep what a reader needs from a ``faulthandler`` dump of a hung worker.
+    """Keep what a reader needs from a `faulthandler` dump of a hung worker.
 
     Drops the harness's watchdog thread, and in every other thread the frames from the
-    harness's own ``harness_file`` downwards (worker loop, multiprocessing bootstrap): they are
+    harness's own `harness_file` downwards (worker loop, multiprocessing bootstrap): they are
     the same in every report. The frames above them are the body's and the library's.
     """
     blocks = [b for b in text.strip().split("\n\n") if b.strip()]

@@ -2,20 +2,20 @@
 
 A pool worker was started before the test module was imported, so the body cannot travel by
 value, and pickle's by-name lookup is not enough either: pytest runs with
-``--import-mode=importlib``, which imports ``packages/zero/tests/test_x.py`` under a made-up
-dotted name without putting its directory on ``sys.path``. So the parent sends three strings and
-the worker resolves them itself (:meth:`FunctionRef.resolve`):
+`--import-mode=importlib`, which imports `packages/zero/tests/test_x.py` under a made-up
+dotted name without putting its directory on `sys.path`. So the parent sends three strings and
+the worker resolves them itself (`FunctionRef.resolve`):
 
-1. if ``sys.modules`` already holds a module of that name loaded from the same file, use it
+1. if `sys.modules` already holds a module of that name loaded from the same file, use it
    (the cache: a module is executed once per worker, not once per test);
-2. otherwise insert the file's directory at the front of ``sys.path`` (so helper modules beside
-   the tests import, as a ``conftest.py`` makes them import in the parent); a helper or library
+2. otherwise insert the file's directory at the front of `sys.path` (so helper modules beside
+   the tests import, as a `conftest.py` makes them import in the parent); a helper or library
    module is then imported normally if that finds the same file; a test file (or a module
    import cannot find) is executed from its file under the same name, after creating empty
    parent modules for a dotted name (as pytest does), with pytest's assertion rewriting for
-   test files, so ``assert a == b`` in a body reports both values as in a plain test;
-3. walk the qualname; a ``@distributed_test`` wrapper found there is replaced by the body it
-   wraps (the attribute :data:`BODY_ATTR`).
+   test files, so `assert a == b` in a body reports both values as in a plain test;
+3. walk the qualname; a `@distributed_test` wrapper found there is replaced by the body it
+   wraps (the attribute `BODY_ATTR`).
 
 Keeping the parent's module name matters: a class defined in the test module and returned from a
 body unpickles in the parent, because both processes know the module by one name.
@@ -37,7 +37,7 @@ from typing import Any
 __all__ = ["BODY_ATTR", "FunctionRef"]
 
 BODY_ATTR = "__minispeed_distributed_body__"
-"""Attribute of a ``@distributed_test`` wrapper that holds the per-rank body it runs."""
+"""Attribute of a `@distributed_test` wrapper that holds the per-rank body it runs."""
 
 
 def _unwrap_body(obj: Any) -> Any:
@@ -58,18 +58,18 @@ class FunctionRef:
     """Where a module-level function lives, in a form that survives a trip to another process."""
 
     module: str
-    """``fn.__module__`` as the calling process knows it (pytest's dotted name in importlib mode)."""
+    """`fn.__module__` as the calling process knows it (pytest's dotted name in importlib mode)."""
     qualname: str
-    """``fn.__qualname__``: a dotted path from the module to the function."""
+    """`fn.__qualname__`: a dotted path from the module to the function."""
     file: str | None
-    """The module's source file; ``None`` for modules without one (then only import by name works)."""
+    """The module's source file; `None` for modules without one (then only import by name works)."""
 
     @classmethod
     def of(cls, fn: Callable[..., Any], *, check_reachable: bool = True) -> FunctionRef:
-        """Name ``fn``; raise ``ValueError`` for anything a worker could not look up by name.
+        """Name `fn`; raise `ValueError` for anything a worker could not look up by name.
 
-        ``check_reachable`` also verifies, in this process, that ``module.qualname`` leads back to
-        ``fn`` (it is off while a decorator runs, before the module attribute exists).
+        `check_reachable` also verifies, in this process, that `module.qualname` leads back to
+        `fn` (it is off while a decorator runs, before the module attribute exists).
         """
         fn = _unwrap_body(fn)
         if isinstance(fn, functools.partial):
@@ -180,7 +180,7 @@ class FunctionRef:
 
 
 def _insert_missing_parents(name: str) -> None:
-    """Make ``a`` and ``a.b`` exist for ``a.b.c``, so pickle's ``__import__`` finds the module."""
+    """Make `a` and `a.b` exist for `a.b.c`, so pickle's `__import__` finds the module."""
     parts = name.split(".")
     for i in range(1, len(parts)):
         parent = ".".join(parts[:i])
@@ -195,7 +195,7 @@ def _insert_missing_parents(name: str) -> None:
 
 
 def _is_test_file(file: str) -> bool:
-    """pytest's default ``python_files`` patterns: the files whose asserts pytest rewrites."""
+    """pytest's default `python_files` patterns: the files whose asserts pytest rewrites."""
     base = os.path.basename(file)
     return base.startswith("test_") or base.endswith("_test.py")
 

@@ -16,9 +16,9 @@ Note [why a pool]
     alive, not 6.
 
 Note [how a run is watched]
-    The parent waits with ``multiprocessing.connection.wait`` on every busy worker's pipe *and*
+    The parent waits with `multiprocessing.connection.wait` on every busy worker's pipe *and*
     its process sentinel, so three things wake it at once: a message, a process exit, the
-    deadline. The deadline is ``timeout_s`` after the tasks were sent (pool start-up has its
+    deadline. The deadline is `timeout_s` after the tasks were sent (pool start-up has its
     own, longer limit and does not eat into it). The first failure (a rank raised, or a process
     exited while it owed a reply) starts a grace period of GRACE_AFTER_FAILURE_S for the other
     ranks: gloo fails their pending collectives as soon as the failed rank's connections close,
@@ -26,7 +26,7 @@ Note [how a run is watched]
     is reported within seconds, never at the timeout.
 
 Note [which workers are reused]
-    A worker is reused only if it reported ``done`` with a clean teardown: no process group
+    A worker is reused only if it reported `done` with a clean teardown: no process group
     initialized and torch's group counter back at 0. The counter matters: a failed gloo init
     leaves it advanced, and that process's next init then names its store keys with another
     prefix and waits forever for its peers (seen under load, when a peer closed early). Every
@@ -34,7 +34,7 @@ Note [which workers are reused]
     runs, then terminated (SIGTERM, then SIGKILL after 2 s), and a replacement is spawned at
     once, in the background, so its torch import overlaps the caller's error handling. A rank
     whose body raised but tore down cleanly is reused (what a body does to its own module
-    globals is its business, as in any single-process test). An ``atexit`` hook, daemon
+    globals is its business, as in any single-process test). An `atexit` hook, daemon
     processes, and a parent-death watchdog in each worker leave no orphans.
 """
 
@@ -65,8 +65,8 @@ GRACE_AFTER_FAILURE_S = 5.0
 class WorkerPool:
     """Warm worker processes, one per rank slot, shared by every run in this process.
 
-    Costs: ``max world size`` processes, each paying one torch import at start-up and holding
-    that memory until :meth:`close` (called at interpreter exit). Not re-entrant: one run at a
+    Costs: `max world size` processes, each paying one torch import at start-up and holding
+    that memory until `close` (called at interpreter exit). Not re-entrant: one run at a
     time (a lock serializes threads).
     """
 
@@ -79,7 +79,7 @@ class WorkerPool:
     # -- lifecycle -------------------------------------------------------------------------
 
     def worker_pids(self) -> dict[int, int]:
-        """``{slot: pid}`` of the live idle workers (to check reuse in tests)."""
+        """`{slot: pid}` of the live idle workers (to check reuse in tests)."""
         return {s: w.process.pid for s, w in self._workers.items() if w.state is WorkerState.IDLE}
 
     def close(self) -> None:
@@ -97,7 +97,7 @@ class WorkerPool:
             shutil.rmtree(self._dump_dir, ignore_errors=True)
 
     def _ensure(self, world_size: int) -> list[WorkerProcess]:
-        """Slots ``0..world_size-1`` as IDLE live workers, spawning replacements as needed."""
+        """Slots `0..world_size-1` as IDLE live workers, spawning replacements as needed."""
         starting: list[WorkerProcess] = []
         for slot in range(world_size):
             worker = self._workers.get(slot)
@@ -116,7 +116,7 @@ class WorkerPool:
         return [self._workers[slot] for slot in range(world_size)]
 
     def _await_ready(self, starting: list[WorkerProcess]) -> None:
-        """Wait for ``ready`` from each new worker; a worker that exits first is an error."""
+        """Wait for `ready` from each new worker; a worker that exits first is an error."""
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         waiting = {w.conn: w for w in starting}
         by_sentinel = {w.process.sentinel: w for w in starting}
@@ -154,9 +154,9 @@ class WorkerPool:
     # -- one run ---------------------------------------------------------------------------
 
     def run(self, make_task: Any, world_size: int, timeout_s: float, label: str) -> list[bytes]:
-        """Run ``make_task(rank, master_port)`` on ranks ``0..world_size-1``; pickled results.
+        """Run `make_task(rank, master_port)` on ranks `0..world_size-1`; pickled results.
 
-        Raises :class:`DistributedTestError` describing every failing rank. See Note [how a run
+        Raises `DistributedTestError` describing every failing rank. See Note [how a run
         is watched].
         """
         with self._lock:

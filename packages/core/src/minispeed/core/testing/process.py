@@ -1,8 +1,8 @@
 """The parent's handle on one worker process: spawn it, talk to it, dump its stack, kill it.
 
-Each handle owns one ``spawn``-ed process running :func:`~.worker.worker_main`, the parent's end
-of a duplex pipe to it, and the file its ``faulthandler`` writes stacks to. Its state is an
-explicit :class:`WorkerState`, changed only by ``to_<state>()`` methods that assert the legal
+Each handle owns one `spawn`-ed process running `worker_main`, the parent's end
+of a duplex pipe to it, and the file its `faulthandler` writes stacks to. Its state is an
+explicit `WorkerState`, changed only by `to_<state>()` methods that assert the legal
 source state, so the pool cannot reuse a worker it has stopped trusting.
 """
 
@@ -33,9 +33,9 @@ _STACK_WAIT_S = 1.0
 class WorkerState(enum.Enum):
     """Lifecycle of one worker process (see Note [which workers are reused] in pool.py).
 
-    STARTING: spawned, importing torch, has not sent ``ready``.
+    STARTING: spawned, importing torch, has not sent `ready`.
     IDLE: waiting on its pipe; no process group exists; may take a task.
-    BUSY: owns a task and owes a ``done`` message.
+    BUSY: owns a task and owes a `done` message.
     SUSPECT: did not come back clean (hung, died, or kept a group); will be killed, never reused.
     DEAD: terminated and reaped; its slot is re-spawned on next use.
     """
@@ -49,14 +49,14 @@ class WorkerState(enum.Enum):
 
 @contextlib.contextmanager
 def _main_module_hidden() -> Iterator[None]:
-    """Start a process without ``spawn`` re-running the caller's ``__main__`` in it.
+    """Start a process without `spawn` re-running the caller's `__main__` in it.
 
     Note [workers do not re-import __main__]
-        ``spawn`` normally re-executes the parent's main script in every child, which breaks a
-        script that calls run_distributed at top level (no ``if __name__ == "__main__"`` guard)
-        and costs whatever the script imports. Workers need nothing from ``__main__`` (bodies are
-        found by FunctionRef), so while ``Process.start()`` reads the main module we show it a
-        stand-in with no file and no spec. Only a body defined in ``__main__`` itself makes the
+        `spawn` normally re-executes the parent's main script in every child, which breaks a
+        script that calls run_distributed at top level (no `if __name__ == "__main__"` guard)
+        and costs whatever the script imports. Workers need nothing from `__main__` (bodies are
+        found by FunctionRef), so while `Process.start()` reads the main module we show it a
+        stand-in with no file and no spec. Only a body defined in `__main__` itself makes the
         worker load the script (under another name, so its guard still holds).
     """
     main = sys.modules.get("__main__")

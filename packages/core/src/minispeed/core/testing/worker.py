@@ -1,32 +1,24 @@
 """The worker side of the pool: import torch once, then run one test body per message.
 
-A worker is a ``spawn``-ed process that imports torch at start-up (the ~2 s we want to pay once
-per process, not once per test), sends ``("ready", pid)`` and then loops on its pipe. For each
+A worker is a `spawn`-ed process that imports torch at start-up (the ~2 s we want to pay once
+per process, not once per test), sends `("ready", pid)` and then loops on its pipe. For each
 task it makes the process look like a fresh torchrun rank, runs the body, and undoes what the task
 did to the process before reporting, so the next task starts from the same state:
 
-=====================  ==============================================================
-before the body        ``os.environ`` := the caller's environment + ``MINISPEED_ACCELERATOR=cpu``
-                       + ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT`` +
-                       the caller's ``env=`` overrides; cwd and ``sys.path`` follow the
-                       caller's; torch's RNG is reseeded to a fresh process's seed; one thread
-rendezvous             rank 0 opens a ``TCPStore`` on port 0 (the OS picks a free port, so
-                       no port can be stolen between choosing and binding it) and reports the
-                       port; the parent sends it to the other ranks with their task
-process group          ``init_process_group(backend, store=..., timeout=timeout_s + 10 s)``
-                       and one barrier (Note [barrier after init]); a collective stuck on a
-                       missing peer errors by itself, just after the parent's deadline
-after the body         ``destroy_process_group()`` (also after an error); the accelerator
-                       choice, grad mode and default dtype are reset
-=====================  ==============================================================
+| phase | what happens |
+|---|---|
+| before the body | `os.environ` := the caller's environment + `MINISPEED_ACCELERATOR=cpu` + `RANK`/`WORLD_SIZE`/`LOCAL_RANK`/`MASTER_ADDR`/`MASTER_PORT` + the caller's `env=` overrides; cwd and `sys.path` follow the caller's; torch's RNG is reseeded to a fresh process's seed; one thread |
+| rendezvous | rank 0 opens a `TCPStore` on port 0 (the OS picks a free port, so no port can be stolen between choosing and binding it) and reports the port; the parent sends it to the other ranks with their task |
+| process group | `init_process_group(backend, store=..., timeout=timeout_s + 10 s)` and one barrier (Note [barrier after init]); a collective stuck on a missing peer errors by itself, just after the parent's deadline |
+| after the body | `destroy_process_group()` (also after an error); the accelerator choice, grad mode and default dtype are reset |
 
-The worker then reports ``("done", Outcome)``. ``Outcome.clean`` is False when a process group
+The worker then reports `("done", Outcome)`. `Outcome.clean` is False when a process group
 survived teardown or torch's group counter is not back at 0 (a failed init); the parent then
 retires the worker instead of reusing it.
 
-Two safety nets: ``SIGINT`` is ignored (Ctrl-C goes to the parent, which kills busy workers), and
+Two safety nets: `SIGINT` is ignored (Ctrl-C goes to the parent, which kills busy workers), and
 a watchdog thread exits the worker if its parent disappears, so a killed pytest leaves no orphan
-stuck in a collective. ``SIGUSR1`` makes ``faulthandler`` write every thread's Python stack to a
+stuck in a collective. `SIGUSR1` makes `faulthandler` write every thread's Python stack to a
 file the parent reads when a rank hangs.
 """
 
@@ -67,7 +59,7 @@ class Task:
     world_size: int
     fn: FunctionRef
     payload: bytes
-    """``pickle.dumps((args, kwargs))``, unpickled after ``fn``'s module is loaded (it may define them)."""
+    """`pickle.dumps((args, kwargs))`, unpickled after `fn`'s module is loaded (it may define them)."""
     backend: str
     timeout_s: float
     environ: dict[str, str]
@@ -84,15 +76,15 @@ class Outcome:
 
     ok: bool
     result: bytes | None
-    """``pickle.dumps`` of the body's return value when ``ok``."""
+    """`pickle.dumps` of the body's return value when `ok`."""
     error: str | None
-    """The formatted traceback (or unpicklable-result message) when not ``ok``."""
+    """The formatted traceback (or unpicklable-result message) when not `ok`."""
     clean: bool
     """No process group is left: the worker may take another task."""
 
 
 def worker_main(conn: Connection, slot: int, stack_dump_path: str) -> None:
-    """Entry point of a pool process (the ``spawn`` target): import torch, then serve tasks."""
+    """Entry point of a pool process (the `spawn` target): import torch, then serve tasks."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ[WORKER_ENV] = str(slot)
     import torch
@@ -189,7 +181,7 @@ def _teardown() -> bool:
     """Destroy every process group and reset per-process torch state; True if nothing is left.
 
     "Nothing left" means no group and torch's group counter at 0, so this process's next
-    ``init_process_group`` names its store keys exactly as a fresh process would.
+    `init_process_group` names its store keys exactly as a fresh process would.
     """
     import torch
     import torch.distributed as dist
