@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 import minispeed.comm as comm
-from minispeed.moe.layer import MoE, moe_layers
+from minispeed.moe.layer import MoE
 
 __all__ = ["CHECKPOINT_VERSION", "load_checkpoint", "save_checkpoint"]
 
@@ -56,7 +56,9 @@ def _expert_prefixes(model: nn.Module) -> list[str]:
 
 def _dense_state(model: nn.Module) -> dict[str, torch.Tensor]:
     prefixes = tuple(_expert_prefixes(model))
-    return {k: v.detach().cpu() for k, v in model.state_dict().items() if not k.startswith(prefixes)}
+    return {
+        k: v.detach().cpu() for k, v in model.state_dict().items() if not k.startswith(prefixes)
+    }
 
 
 def _file(directory: Path, layer: str, global_id: int) -> Path:
@@ -95,7 +97,9 @@ def save_checkpoint(model: nn.Module, directory: str | os.PathLike) -> list[Path
             "saved_expert_parallel_degree": groups.expert_parallel_degree,
             "saved_world_size": groups.world_size,
         }
-        _atomic_write(directory / "meta.json", lambda f: f.write(json.dumps(meta, indent=1).encode()))
+        _atomic_write(
+            directory / "meta.json", lambda f: f.write(json.dumps(meta, indent=1).encode())
+        )
         written.append(directory / "meta.json")
     return written
 

@@ -16,6 +16,30 @@ __all__ = ["NOISY_GATE_POLICIES", "MoEConfig"]
 NOISY_GATE_POLICIES = (None, "jitter", "rsample")
 
 
+# DeepSpeed's MoE argument -> our field.
+_DS_KEYS = {
+    "num_experts": "num_experts",
+    "ep_size": "expert_parallel_degree",
+    "k": "top_k",
+    "capacity_factor": "capacity_factor",
+    "eval_capacity_factor": "eval_capacity_factor",
+    "min_capacity": "min_capacity",
+    "drop_tokens": "drop_tokens",
+    "noisy_gate_policy": "noisy_gate_policy",
+    "use_rts": "random_token_selection",
+    "top2_2nd_expert_sampling": "second_expert_sampling",
+    "aux_loss_coef": "aux_loss_coef",
+    "moe_loss_coeff": "aux_loss_coef",
+    "z_loss_coef": "z_loss_coef",
+}
+# Keys DeepSpeed accepts whose features minispeed does not have: refused unless off.
+_DS_UNSUPPORTED = {
+    "use_residual": "Residual MoE (PR-MoE) is not implemented",
+    "use_tutel": "Tutel kernels are not used; the permutation op plays their part",
+    "enable_expert_tensor_parallelism": "experts are not tensor-parallel here",
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
     """How one MoE layer routes tokens, how many experts it has, and how they are spread."""
@@ -96,29 +120,6 @@ class MoEConfig:
         """Experts each rank holds: E / E_p."""
         return self.num_experts // self.expert_parallel_degree
 
-    # DeepSpeed key -> (our field, translation).
-    _DS_KEYS = {
-        "num_experts": "num_experts",
-        "ep_size": "expert_parallel_degree",
-        "k": "top_k",
-        "capacity_factor": "capacity_factor",
-        "eval_capacity_factor": "eval_capacity_factor",
-        "min_capacity": "min_capacity",
-        "drop_tokens": "drop_tokens",
-        "noisy_gate_policy": "noisy_gate_policy",
-        "use_rts": "random_token_selection",
-        "top2_2nd_expert_sampling": "second_expert_sampling",
-        "aux_loss_coef": "aux_loss_coef",
-        "moe_loss_coeff": "aux_loss_coef",
-        "z_loss_coef": "z_loss_coef",
-    }
-    # Keys DeepSpeed accepts whose features minispeed does not have: refused unless off.
-    _DS_UNSUPPORTED = {
-        "use_residual": "Residual MoE (PR-MoE) is not implemented",
-        "use_tutel": "Tutel kernels are not used; the permutation op plays their part",
-        "enable_expert_tensor_parallelism": "experts are not tensor-parallel here",
-    }
-
     @classmethod
     def from_ds_config(cls, section: Mapping[str, Any]) -> MoEConfig:
         """Translate DeepSpeed's MoE arguments (`deepspeed.moe.layer.MoE`) into a config.
@@ -131,21 +132,21 @@ class MoEConfig:
         """
         kwargs: dict[str, Any] = {"second_expert_sampling": True}
         for key, value in section.items():
-            if key in cls._DS_UNSUPPORTED:
+            if key in _DS_UNSUPPORTED:
                 if value:
                     raise ValueError(
-                        f"moe config: {key}={value!r} is not supported ({cls._DS_UNSUPPORTED[key]});"
+                        f"moe config: {key}={value!r} is not supported ({_DS_UNSUPPORTED[key]});"
                         f" remove the key or set it to false"
                     )
                 continue
-            if key not in cls._DS_KEYS:
+            if key not in _DS_KEYS:
                 raise ValueError(
                     f"moe config: unknown key {key!r}; known keys are "
-                    f"{sorted([*cls._DS_KEYS, *cls._DS_UNSUPPORTED])}"
+                    f"{sorted([*_DS_KEYS, *_DS_UNSUPPORTED])}"
                 )
             if key == "noisy_gate_policy":
                 value = None if value in (None, "None", "none") else str(value).lower()
-            kwargs[cls._DS_KEYS[key]] = value
+            kwargs[_DS_KEYS[key]] = value
         if "num_experts" not in kwargs:
             raise ValueError("moe config: 'num_experts' is required (experts per MoE layer)")
         return cls(**kwargs)

@@ -12,7 +12,9 @@ import math
 __all__ = ["all_to_all_bytes", "capacity", "capacity_buffer_rows"]
 
 
-def capacity(num_tokens: int, num_experts: int, top_k: int, factor: float, min_capacity: int) -> int:
+def capacity(
+    num_tokens: int, num_experts: int, top_k: int, factor: float, min_capacity: int
+) -> int:
     """Assignments one expert accepts from one rank's S tokens when dropping:
 
     C = min(S, max(ceil(k·S/E · f), min_capacity)).

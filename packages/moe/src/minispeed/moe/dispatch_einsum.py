@@ -29,7 +29,7 @@ def dispatch_mask(routing: Routing, capacity: int | None = None) -> torch.Tensor
         capacity = routing.capacity
     if capacity is None:
         capacity = int(routing.kept_counts.max()) if num_experts else 0
-    num_tokens, k = routing.expert_index.shape
+    num_tokens = routing.expert_index.shape[0]
     mask = torch.zeros(num_tokens, num_experts, capacity, dtype=torch.float32)
     s, j = routing.kept.nonzero(as_tuple=True)
     mask[s, routing.expert_index[s, j], routing.position[s, j]] = 1.0

@@ -118,7 +118,9 @@ class TopKGate(nn.Module):
         expert_index = self._choose(logits.detach())  # (S, k)
         weight = probs.gather(1, expert_index)  # (S, k)
         if cfg.top_k > 1:
-            weight = weight / weight.sum(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).eps)
+            weight = weight / weight.sum(dim=1, keepdim=True).clamp(
+                min=torch.finfo(torch.float32).eps
+            )
         num_tokens = x.shape[0]
         position, expert_counts = self._rank_in_expert(expert_index)
         if cfg.drop_tokens:

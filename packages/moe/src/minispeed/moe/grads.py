@@ -23,7 +23,7 @@ from minispeed.core import ranges
 from minispeed.moe.experts import Experts
 from minispeed.moe.groups import ExpertGroups
 
-__all__ = ["expert_parameters", "dense_parameters", "reduce_gradients"]
+__all__ = ["dense_parameters", "expert_parameters", "reduce_gradients"]
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:

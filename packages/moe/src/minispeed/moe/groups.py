@@ -33,7 +33,9 @@ class ExpertGroups:
     def __init__(self, expert_parallel_degree: int) -> None:
         ep = expert_parallel_degree
         if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
-            raise ValueError(f"ExpertGroups: expert_parallel_degree must be an int >= 1, got {ep!r}")
+            raise ValueError(
+                f"ExpertGroups: expert_parallel_degree must be an int >= 1, got {ep!r}"
+            )
         self.expert_parallel_degree = ep
         if not comm.is_initialized():
             if ep != 1:

@@ -80,9 +80,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x` (..., d) -> (..., d); see the module docstring for the steps and their costs."""
         if x.shape[-1] != self.hidden_size:
-            raise ValueError(
-                f"MoE: input width {x.shape[-1]} != hidden_size {self.hidden_size}"
-            )
+            raise ValueError(f"MoE: input width {x.shape[-1]} != hidden_size {self.hidden_size}")
         tokens = x.reshape(-1, self.hidden_size)  # (S, d)
         routing = self.gate(tokens)
         plan = plan_dispatch(routing)
@@ -124,7 +122,9 @@ def aux_loss(model: nn.Module) -> torch.Tensor:
     losses = []
     for layer in layers:
         if layer.loss is None:
-            raise RuntimeError("aux_loss: an MoE layer has not run forward yet; call the model first")
+            raise RuntimeError(
+                "aux_loss: an MoE layer has not run forward yet; call the model first"
+            )
         losses.append(layer.loss)
     return torch.stack(losses).sum()
 
@@ -173,7 +173,9 @@ def replace_mlp(
         if child_name == name and not isinstance(child, MoE)
     ]
     if not targets:
-        raise ValueError(f"replace_mlp: no submodule named {name!r}; pass name= the MLP's attribute")
+        raise ValueError(
+            f"replace_mlp: no submodule named {name!r}; pass name= the MLP's attribute"
+        )
     if groups is None:
         groups = ExpertGroups(config.expert_parallel_degree)
     for i, (parent, child_name) in enumerate(targets):
