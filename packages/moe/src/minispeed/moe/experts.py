@@ -4,7 +4,7 @@ Expert g (global id) lives on the rank whose expert-parallel coordinate is g // 
 local expert g % (E/E_p). Its initial weights depend on g and the seed only (not on E_p), so a
 model built with any expert-parallel degree starts from the same experts: see Note [expert init].
 
-# Note [expert init]
+Note [expert init]
 Each copy is re-initialized by calling `reset_parameters()` on its submodules under a private
 RNG state seeded with `seed + g`. Without that, deep copies would start identical and the
 router could never tell them apart except by noise; and seeding by global id (not by rank)

@@ -7,7 +7,7 @@ decision is made from stays on the returned `Routing`, so a user can look at it.
 Cost: the router is one (S, d) × (d, E) matmul, 2·S·d·E FLOPs, plus O(S·E) softmax and
 O(k·S·log(k·S)) for the stable sort that ranks assignments inside each expert.
 
-# Note [priority inside an expert]
+Note [priority inside an expert]
 When an expert is offered more than C assignments, which ones stay? The assignments are ranked
 choice by choice (every token's first choice before any second choice, as in GShard), and inside
 a choice either by token position or, with random token selection, by a random permutation of

@@ -1,6 +1,6 @@
 """Average gradients: dense parameters over all W ranks, expert parameters over W / E_p.
 
-# Note [expert gradient scale]
+Note [expert gradient scale]
 The global loss is the mean of the W ranks' losses, L = (1/W) Σ_r L_r. A dense parameter's
 gradient on rank r is ∂L_r/∂θ, so L's gradient is the SUM over W ranks divided by W (an
 all-reduce over the data-parallel world). An expert's gradient on the rank holding it already
