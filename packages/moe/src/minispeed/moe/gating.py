@@ -100,7 +100,11 @@ def _gumbel_like(t: torch.Tensor) -> torch.Tensor:
 
 
 class TopKGate(nn.Module):
-    """Router of one MoE layer: `wg` (d → E, no bias, fp32) and the routing rules of `config`."""
+    """Router of one MoE layer: `wg` (d → E, no bias) and the routing rules of `config`.
+
+    The router computes in fp32 whatever dtype the model is cast to (input and weight are cast
+    on the way in), so routing decisions do not change with the training precision.
+    """
 
     def __init__(self, hidden_size: int, config: MoEConfig) -> None:
         super().__init__()
@@ -113,7 +117,8 @@ class TopKGate(nn.Module):
         x = x.float()  # the router runs in fp32 whatever the model's dtype
         if self.training and cfg.noisy_gate_policy == "jitter":
             x = x * torch.empty_like(x).uniform_(1.0 - JITTER_EPS, 1.0 + JITTER_EPS)
-        logits = self.wg(x)  # (S, E)
+        # fp32 even when the model was cast to bf16: the softmax and the top-k need the bits.
+        logits = nn.functional.linear(x, self.wg.weight.float())  # (S, E)
         probs = torch.softmax(logits, dim=-1)
         expert_index = self._choose(logits.detach())  # (S, k)
         weight = probs.gather(1, expert_index)  # (S, k)
