@@ -48,10 +48,15 @@ def test_plan_layout_groups_slots_by_expert():
     with torch.no_grad():
         gate.wg.weight.copy_(torch.eye(2))
     r = gate(logits)
-    plan = moe.plan_dispatch(r)
+    plan = moe.plan_dispatch(r)  # padded: E·C rows, for the equal-split all-to-all
     assert r.capacity == 3  # min_capacity 4, but never more than S = 3
     assert plan.rows_per_expert == [3, 3]
     assert plan.slot_token.tolist() == [0, 2, -1, 1, -1, -1]
+    assert plan.token_slot.tolist() == [[0], [3], [1]]
+    compact = moe.plan_dispatch(r, padded=False)  # all experts local: no empty rows
+    assert compact.rows_per_expert == [2, 1]
+    assert compact.slot_token.tolist() == [0, 2, 1]
+    assert compact.token_slot.tolist() == [[0], [2], [1]]
     nodrop = moe.plan_dispatch(
         moe.TopKGate(2, moe.MoEConfig(num_experts=2, drop_tokens=False)).eval()(logits)
     )

@@ -2,11 +2,14 @@
 
 The buffer holds one row per slot, grouped by expert (expert 0's slots, then expert 1's, ...):
 
-- dropping (capacity C): E·C slots, expert e owns rows [e·C, (e+1)·C); assignment (s, j) of
-  expert e at position p < C sits in row e·C + p; unused slots stay empty (zero rows). Every
-  rank's buffer has the same shape, so the all-to-all uses equal splits.
-- no dropping: exactly Σ kept rows; expert e owns `kept_counts[e]` rows starting at the sum of
-  the counts before it. Ranks' buffers differ in size, so the all-to-all uses uneven splits.
+- padded (dropping, before an all-to-all): E·C slots, expert e owns rows [e·C, (e+1)·C);
+  assignment (s, j) of expert e at position p < C sits in row e·C + p; unused slots stay empty
+  (zero rows). Every rank's buffer has the same shape, so the all-to-all uses equal splits.
+- compact (no dropping, or dropping with all experts local): exactly Σ kept rows; expert e owns
+  `kept_counts[e]` rows starting at the sum of the counts before it. Kept positions of an expert
+  are 0 .. kept_counts[e] − 1 (kept iff position < C), so row = start[e] + position. Ranks'
+  buffers differ in size, so an all-to-all of them uses uneven splits; with every expert local
+  the experts skip the E·C − Σ kept empty rows the padded layout would make them compute.
 
 The two index maps are each other's inverse, and every data movement is a gather through one
 of them (see `permute.py`): `slot_token[i]` (token of slot i, −1 if empty) and
@@ -42,12 +45,19 @@ class DispatchPlan:
         return int(self.slot_token.shape[0])
 
 
-def plan_dispatch(routing: Routing) -> DispatchPlan:
-    """Lay out `routing`'s kept assignments expert by expert (see the module docstring)."""
+def plan_dispatch(routing: Routing, padded: bool | None = None) -> DispatchPlan:
+    """Lay out `routing`'s kept assignments expert by expert (see the module docstring).
+
+    `padded` defaults to whether the routing has a capacity; it must be False without one.
+    """
     expert_index, position, kept = routing.expert_index, routing.position, routing.kept
     num_tokens, k = expert_index.shape
     num_experts = routing.kept_counts.shape[0]
-    if routing.capacity is not None:
+    if padded is None:
+        padded = routing.capacity is not None
+    if padded and routing.capacity is None:
+        raise ValueError("plan_dispatch: a padded layout needs a capacity (drop_tokens=True)")
+    if padded:
         rows = [routing.capacity] * num_experts
         slot = expert_index * routing.capacity + position
     else:

@@ -14,7 +14,8 @@ One forward on a rank with S tokens of width d (b bytes per element):
 
 1. **gate** (`gating.py`): top-k experts, weights, capacity, losses.
 2. **dispatch** (`dispatch.py`, `permute.py`): gather the S·k kept assignments into a buffer
-   grouped by expert: E·C rows when dropping, Σ kept otherwise.
+   grouped by expert: E·C rows when dropping across ranks (equal all-to-all splits), Σ kept
+   otherwise (all experts local, or no dropping).
 3. **all-to-all** (`exchange.py`, E_p > 1 only): each expert's rows to its rank.
 4. **experts** (`experts.py`): each local expert on its contiguous rows.
 5. **all-to-all back**, then **combine**: each token sums its k outputs times its gate weights.
@@ -83,13 +84,14 @@ class MoE(nn.Module):
             raise ValueError(f"MoE: input width {x.shape[-1]} != hidden_size {self.hidden_size}")
         tokens = x.reshape(-1, self.hidden_size)  # (S, d)
         routing = self.gate(tokens)
-        plan = plan_dispatch(routing)
+        # Padded E·C rows only where the equal-split all-to-all needs them; see dispatch.py.
+        padded = routing.capacity is not None and self.groups.distributed
+        plan = plan_dispatch(routing, padded=padded)
         with ranges.range("moe.dispatch"):
             buf = perm.permute(tokens, plan.slot_token, plan.token_slot)  # (slots, d)
             if self.groups.distributed:
-                buf, exchange = send_to_experts(
-                    buf, plan.rows_per_expert, routing.capacity, self.groups
-                )
+                capacity = routing.capacity if padded else None
+                buf, exchange = send_to_experts(buf, plan.rows_per_expert, capacity, self.groups)
                 rows = exchange.local_rows_per_expert
             else:
                 rows = plan.rows_per_expert
