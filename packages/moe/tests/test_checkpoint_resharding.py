@@ -81,3 +81,20 @@ def test_load_refuses_an_unfinished_or_mismatched_checkpoint(tmp_path: Path):
     other = moe.replace_mlp(Block(), moe.MoEConfig(num_experts=2, random_token_selection=False))
     with pytest.raises(ValueError, match="build the model with the same layers and num_experts"):
         moe.load_checkpoint(other, tmp_path)
+
+
+def test_a_bare_moe_layer_round_trips(tmp_path: Path):
+    torch.manual_seed(0)
+    cfg = moe.MoEConfig(num_experts=2)
+    layer = moe.MoE(4, torch.nn.Linear(4, 4), cfg)
+    moe.save_checkpoint(layer, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "dense.pt", "meta.json", "root.expert0.pt", "root.expert1.pt"
+    ]  # fmt: skip
+    dense = torch.load(tmp_path / "dense.pt", weights_only=True)
+    assert sorted(dense) == ["gate.wg.weight"]  # experts are only in their own files
+    torch.manual_seed(1)
+    other = moe.MoE(4, torch.nn.Linear(4, 4), cfg)
+    moe.load_checkpoint(other, tmp_path)
+    for (n, a), (_, b) in zip(layer.state_dict().items(), other.state_dict().items()):
+        assert torch.equal(a, b), n

@@ -51,7 +51,10 @@ def _layer_paths(model: nn.Module) -> dict[str, MoE]:
 
 
 def _expert_prefixes(model: nn.Module) -> list[str]:
-    return [f"{name}.experts.local_experts." for name in _layer_paths(model)]
+    return [
+        f"{name}.experts.local_experts." if name else "experts.local_experts."
+        for name in _layer_paths(model)
+    ]
 
 
 def _dense_state(model: nn.Module) -> dict[str, torch.Tensor]:

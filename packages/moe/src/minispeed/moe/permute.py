@@ -110,7 +110,13 @@ def _ptr(t: torch.Tensor | None) -> int:
 def _run_cuda(kernel: Any, *args: Any) -> None:
     """Launch a CUDA kernel with a device error flag, then raise if an index was out of range."""
     acc = get_accelerator()
-    flag = torch.zeros(1, dtype=torch.int32, device=args[0].device)
+    device = args[0].device
+    if device.index is not None and device.index != acc.current_device_index():
+        raise ValueError(
+            f"permute op: tensors on {device} but the current device is "
+            f"{acc.current_device_index()}: call get_accelerator().set_device({device.index}) first"
+        )
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
     raw = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
     kernel(*raw, flag.data_ptr(), acc.current_stream().cuda_stream)
     if int(flag.item()):  # one sync; a bad index must raise, not read wild memory silently
