@@ -128,3 +128,16 @@ def test_topk_general_choices_are_distinct_and_greedy():
     r = gate(x)
     assert torch.equal(r.expert_index, x.topk(3, dim=1).indices)
     assert all(len(set(row)) == 3 for row in r.expert_index.tolist())
+
+
+def test_second_expert_sampling_explores_later_choices_in_training_only():
+    torch.manual_seed(0)
+    gate, x = _gate(6, torch.randn(64, 6), top_k=2, second_expert_sampling=True,
+                    drop_tokens=False)  # fmt: skip
+    greedy = x.topk(2, dim=1).indices
+    r = gate(x)
+    assert torch.equal(r.expert_index[:, 0], greedy[:, 0])  # the first choice stays greedy
+    assert not torch.equal(r.expert_index[:, 1], greedy[:, 1])
+    assert (r.expert_index[:, 1] != r.expert_index[:, 0]).all()
+    gate.eval()
+    assert torch.equal(gate(x).expert_index, greedy)
