@@ -1,0 +1,152 @@
+"""`MoEConfig`: every option of an MoE layer, typed, validated once, translated from DeepSpeed.
+
+DeepSpeed configures MoE through the arguments of `deepspeed.moe.layer.MoE(...)` (`num_experts`,
+`ep_size`, `k`, `capacity_factor`, ...); `MoEConfig.from_ds_config` takes a dict with those keys
+(the engine's `"moe"` section) and gives our names, which say their unit or meaning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["NOISY_GATE_POLICIES", "MoEConfig"]
+
+NOISY_GATE_POLICIES = (None, "jitter", "rsample")
+
+
+# DeepSpeed's MoE argument -> our field.
+_DS_KEYS = {
+    "num_experts": "num_experts",
+    "ep_size": "expert_parallel_degree",
+    "k": "top_k",
+    "capacity_factor": "capacity_factor",
+    "eval_capacity_factor": "eval_capacity_factor",
+    "min_capacity": "min_capacity",
+    "drop_tokens": "drop_tokens",
+    "noisy_gate_policy": "noisy_gate_policy",
+    "use_rts": "random_token_selection",
+    "top2_2nd_expert_sampling": "second_expert_sampling",
+    "aux_loss_coef": "aux_loss_coef",
+    "moe_loss_coeff": "aux_loss_coef",
+    "z_loss_coef": "z_loss_coef",
+}
+# Keys DeepSpeed accepts whose features minispeed does not have: refused unless off.
+_DS_UNSUPPORTED = {
+    "use_residual": "Residual MoE (PR-MoE) is not implemented",
+    "use_tutel": "Tutel kernels are not used; the permutation op plays their part",
+    "enable_expert_tensor_parallelism": "experts are not tensor-parallel here",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """How one MoE layer routes tokens, how many experts it has, and how they are spread."""
+
+    num_experts: int
+    """Experts per layer, E (all ranks together)."""
+    expert_parallel_degree: int = 1
+    """E_p: ranks an expert-parallel group spans; each holds E / E_p experts. Must divide E and
+    the world size. DeepSpeed's `ep_size`."""
+    top_k: int = 1
+    """Experts each token is sent to, k (1: Switch, 2: GShard). DeepSpeed's `k`."""
+    capacity_factor: float = 1.0
+    """Training capacity: each expert takes at most C = ceil(k·S/E · factor) assignments of a
+    rank's S tokens (see `capacity`); > 0."""
+    eval_capacity_factor: float = 1.0
+    """The same factor in eval mode (`module.eval()`); > 0."""
+    min_capacity: int = 4
+    """C is at least this (small batches would otherwise drop most tokens); >= 0."""
+    drop_tokens: bool = True
+    """True: assignments past an expert's capacity are dropped (fixed-size buffers, equal-split
+    all-to-all). False: every assignment is kept (buffers sized by the counts, uneven splits)."""
+    noisy_gate_policy: str | None = None
+    """Training-time noise: `"jitter"` multiplies the gate input by U(1-ε, 1+ε), ε = 0.01;
+    `"rsample"` picks the top-1 expert from logits + Gumbel noise (weights stay the clean
+    softmax). None: no noise. DeepSpeed's `"Jitter"`, `"RSample"`."""
+    random_token_selection: bool = True
+    """When dropping, which assignments an over-full expert keeps: True, a random order
+    (no bias toward early tokens); False, token order (first choices before second). Training
+    only; eval keeps token order. DeepSpeed's `use_rts`."""
+    second_expert_sampling: bool = False
+    """Training only, k > 1: choices after the first are picked from logits + Gumbel noise
+    (exploration), not greedily. DeepSpeed's `top2_2nd_expert_sampling` (default True there)."""
+    aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss in `MoE.loss` (Switch: 0.01). >= 0."""
+    z_loss_coef: float = 0.0
+    """Weight of the router z-loss mean(logsumexp(logits)²) in `MoE.loss` (ST-MoE: 0.001). >= 0."""
+
+    def __post_init__(self) -> None:
+        def positive_int(name: str, value: Any, minimum: int = 1) -> None:
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"MoEConfig.{name} must be an int >= {minimum}, got {value!r}")
+
+        positive_int("num_experts", self.num_experts)
+        positive_int("expert_parallel_degree", self.expert_parallel_degree)
+        positive_int("top_k", self.top_k)
+        positive_int("min_capacity", self.min_capacity, minimum=0)
+        if self.num_experts % self.expert_parallel_degree:
+            raise ValueError(
+                f"MoEConfig: num_experts={self.num_experts} is not divisible by "
+                f"expert_parallel_degree={self.expert_parallel_degree}; every rank of an "
+                "expert-parallel group holds E / E_p experts, so pick E_p among the divisors of "
+                f"{self.num_experts}: {[d for d in range(1, self.num_experts + 1) if self.num_experts % d == 0]}"
+            )
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"MoEConfig: top_k={self.top_k} exceeds num_experts={self.num_experts}; a token "
+                "goes to k distinct experts, so use top_k <= num_experts"
+            )
+        for name in ("capacity_factor", "eval_capacity_factor"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                raise ValueError(
+                    f"MoEConfig.{name} must be > 0, got {value!r}; 1.0 gives each expert its "
+                    "fair share k·S/E, larger values drop fewer tokens (use drop_tokens=False "
+                    "to drop none)"
+                )
+        if self.noisy_gate_policy not in NOISY_GATE_POLICIES:
+            raise ValueError(
+                f"MoEConfig.noisy_gate_policy must be one of {list(NOISY_GATE_POLICIES)}, got "
+                f"{self.noisy_gate_policy!r}"
+            )
+        for name in ("aux_loss_coef", "z_loss_coef"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"MoEConfig.{name} must be >= 0, got {getattr(self, name)!r}")
+
+    @property
+    def num_local_experts(self) -> int:
+        """Experts each rank holds: E / E_p."""
+        return self.num_experts // self.expert_parallel_degree
+
+    @classmethod
+    def from_ds_config(cls, section: Mapping[str, Any]) -> MoEConfig:
+        """Translate DeepSpeed's MoE arguments (`deepspeed.moe.layer.MoE`) into a config.
+
+        `{"num_experts": 8, "ep_size": 2, "k": 2, "noisy_gate_policy": "RSample"}` ->
+        `MoEConfig(num_experts=8, expert_parallel_degree=2, top_k=2, noisy_gate_policy="rsample",
+        second_expert_sampling=True, ...)`. DeepSpeed's defaults apply to absent keys (note
+        `top2_2nd_expert_sampling` defaults to True there). Unknown keys, and `use_residual`,
+        `use_tutel`, `enable_expert_tensor_parallelism` set to True, raise naming the key.
+        """
+        kwargs: dict[str, Any] = {"second_expert_sampling": True}
+        for key, value in section.items():
+            if key in _DS_UNSUPPORTED:
+                if value:
+                    raise ValueError(
+                        f"moe config: {key}={value!r} is not supported ({_DS_UNSUPPORTED[key]});"
+                        f" remove the key or set it to false"
+                    )
+                continue
+            if key not in _DS_KEYS:
+                raise ValueError(
+                    f"moe config: unknown key {key!r}; known keys are "
+                    f"{sorted([*_DS_KEYS, *_DS_UNSUPPORTED])}"
+                )
+            if key == "noisy_gate_policy":
+                value = None if value in (None, "None", "none") else str(value).lower()
+            kwargs[_DS_KEYS[key]] = value
+        if "num_experts" not in kwargs:
+            raise ValueError("moe config: 'num_experts' is required (experts per MoE layer)")
+        return cls(**kwargs)

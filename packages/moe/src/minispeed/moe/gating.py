@@ -1,0 +1,190 @@
+"""The gate: which k experts each token goes to, with what weight, and which assignments fit.
+
+A linear router scores every token against every expert; the top-k scores pick the experts;
+capacity decides which assignments survive; two losses keep the router healthy. Everything the
+decision is made from stays on the returned `Routing`, so a user can look at it.
+
+Cost: the router is one (S, d) × (d, E) matmul, 2·S·d·E FLOPs, plus O(S·E) softmax and
+O(k·S·log(k·S)) for the stable sort that ranks assignments inside each expert.
+
+Note [priority inside an expert]
+When an expert is offered more than C assignments, which ones stay? The assignments are ranked
+choice by choice (every token's first choice before any second choice, as in GShard), and inside
+a choice either by token position or, with random token selection, by a random permutation of
+the tokens (so late tokens in a sequence are not the ones always dropped). `position[s, j]` is
+the rank of assignment (s, j) among those offered to its expert; it is kept iff position < C.
+The ranking is a stable sort by expert of the assignments in priority order, not a one-hot
+cumsum over (S, E).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from minispeed.moe import costs
+from minispeed.moe.config import MoEConfig
+
+__all__ = ["JITTER_EPS", "Routing", "TopKGate", "load_balancing_loss", "router_z_loss"]
+
+JITTER_EPS = 1e-2
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """The gate's decision for S tokens, and the tensors it was computed from."""
+
+    expert_index: torch.Tensor
+    """(S, k) int64: expert of each token's j-th choice (distinct within a row)."""
+    weight: torch.Tensor
+    """(S, k) fp32, differentiable: gate weight of each choice (k = 1: the softmax probability;
+    k > 1: probabilities renormalized over the k choices). Dropped choices keep their weight
+    here; the combine skips them."""
+    kept: torch.Tensor
+    """(S, k) bool: whether the assignment fits in its expert's capacity."""
+    position: torch.Tensor
+    """(S, k) int64: rank among the assignments offered to the same expert
+    (see Note [priority inside an expert])."""
+    probs: torch.Tensor
+    """(S, E) fp32: router softmax."""
+    logits: torch.Tensor
+    """(S, E) fp32: router logits."""
+    expert_counts: torch.Tensor
+    """(E,) int64: assignments offered to each expert (all k choices, before dropping)."""
+    kept_counts: torch.Tensor
+    """(E,) int64: assignments each expert accepted."""
+    capacity: int | None
+    """C, assignments per expert when dropping; None when nothing is dropped."""
+    aux_loss: torch.Tensor
+    """Scalar: the load-balancing loss `load_balancing_loss(probs, expert_index[:, 0])`."""
+    z_loss: torch.Tensor
+    """Scalar: the router z-loss `router_z_loss(logits)`."""
+
+    @property
+    def dropped_assignments(self) -> int:
+        """Assignments that did not fit: k·S − Σ kept_counts."""
+        return int((~self.kept).sum())
+
+    @property
+    def dropped_tokens(self) -> int:
+        """Tokens none of whose k choices fit (their MoE output is zero)."""
+        return int((~self.kept.any(dim=1)).sum())
+
+
+def load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor) -> torch.Tensor:
+    """The Switch/GShard auxiliary loss `E · Σ_e f_e · P_e`.
+
+    f_e = fraction of tokens whose FIRST choice is e (counted, so not differentiable), P_e = mean
+    router probability of e (differentiable). Its minimum, 1, is reached when routing is uniform
+    (f_e = P_e = 1/E); concentrating tokens on few experts raises it, so its gradient lowers the
+    probability of experts that already receive more than their share.
+    """
+    num_tokens, num_experts = probs.shape
+    f = torch.bincount(first_choice, minlength=num_experts).to(probs.dtype) / max(num_tokens, 1)
+    p = probs.mean(dim=0)
+    return num_experts * (f * p).sum()
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's z-loss `mean_s (logsumexp_e logits[s, e])²`: keeps logits small (bf16-safe)."""
+    if logits.shape[0] == 0:
+        return logits.new_zeros(())
+    return torch.logsumexp(logits, dim=-1).square().mean()
+
+
+def _gumbel_like(t: torch.Tensor) -> torch.Tensor:
+    u = torch.rand_like(t).clamp_(min=1e-20, max=1.0 - 1e-7)
+    return -torch.log(-torch.log(u))
+
+
+class TopKGate(nn.Module):
+    """Router of one MoE layer: `wg` (d → E, no bias) and the routing rules of `config`.
+
+    The router computes in fp32 whatever dtype the model is cast to (input and weight are cast
+    on the way in), so routing decisions do not change with the training precision.
+    """
+
+    def __init__(self, hidden_size: int, config: MoEConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wg = nn.Linear(hidden_size, config.num_experts, bias=False, dtype=torch.float32)
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        """Route `x` (S, d). Noise and random token selection apply in training mode only."""
+        cfg = self.config
+        x = x.float()  # the router runs in fp32 whatever the model's dtype
+        if self.training and cfg.noisy_gate_policy == "jitter":
+            x = x * torch.empty_like(x).uniform_(1.0 - JITTER_EPS, 1.0 + JITTER_EPS)
+        # fp32 even when the model was cast to bf16: the softmax and the top-k need the bits.
+        logits = nn.functional.linear(x, self.wg.weight.float())  # (S, E)
+        probs = torch.softmax(logits, dim=-1)
+        expert_index = self._choose(logits.detach())  # (S, k)
+        weight = probs.gather(1, expert_index)  # (S, k)
+        if cfg.top_k > 1:
+            weight = weight / weight.sum(dim=1, keepdim=True).clamp(
+                min=torch.finfo(torch.float32).eps
+            )
+        num_tokens = x.shape[0]
+        position, expert_counts = self._rank_in_expert(expert_index)
+        if cfg.drop_tokens:
+            factor = cfg.capacity_factor if self.training else cfg.eval_capacity_factor
+            cap = costs.capacity(num_tokens, cfg.num_experts, cfg.top_k, factor, cfg.min_capacity)
+            kept = position < cap
+        else:
+            cap, kept = None, torch.ones_like(position, dtype=torch.bool)
+        kept_counts = torch.bincount(expert_index[kept], minlength=cfg.num_experts)
+        return Routing(
+            expert_index=expert_index,
+            weight=weight,
+            kept=kept,
+            position=position,
+            probs=probs,
+            logits=logits,
+            expert_counts=expert_counts,
+            kept_counts=kept_counts,
+            capacity=cap,
+            aux_loss=load_balancing_loss(probs, expert_index[:, 0]),
+            z_loss=router_z_loss(logits),
+        )
+
+    def _choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """(S, k) distinct experts per token, greedy unless a training-time sampling policy applies."""
+        cfg = self.config
+        chosen = []
+        masked = logits.clone()
+        for j in range(cfg.top_k):
+            scores = masked
+            if self.training and (
+                (j == 0 and cfg.noisy_gate_policy == "rsample")
+                or (j > 0 and cfg.second_expert_sampling)
+            ):
+                scores = masked + _gumbel_like(masked)
+            pick = scores.argmax(dim=1)  # (S,)
+            chosen.append(pick)
+            masked = masked.scatter(1, pick[:, None], float("-inf"))
+        return torch.stack(chosen, dim=1)
+
+    def _rank_in_expert(self, expert_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(position (S, k), counts (E,)): see Note [priority inside an expert]."""
+        num_tokens, k = expert_index.shape
+        num_experts = self.config.num_experts
+        if self.training and self.config.random_token_selection and self.config.drop_tokens:
+            token_order = torch.randperm(num_tokens, device=expert_index.device)
+        else:
+            token_order = torch.arange(num_tokens, device=expert_index.device)
+        # Assignments in priority order: choice-major, tokens in token_order inside a choice.
+        experts_in_order = expert_index[token_order].t().reshape(-1)  # (k·S,)
+        counts = torch.bincount(experts_in_order, minlength=num_experts)
+        starts = torch.cumsum(counts, 0) - counts
+        by_expert = torch.sort(experts_in_order, stable=True).indices  # (k·S,)
+        rank_in_order = torch.empty_like(by_expert)
+        rank_in_order[by_expert] = (
+            torch.arange(by_expert.numel(), device=by_expert.device)
+            - starts[experts_in_order[by_expert]]
+        )
+        # Back from (choice, token_order position) to (token, choice).
+        position = torch.empty_like(expert_index)
+        position[token_order] = rank_in_order.view(k, num_tokens).t()
+        return position, counts

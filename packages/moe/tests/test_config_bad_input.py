@@ -1,0 +1,90 @@
+"""Bad MoE settings fail at construction with an error that names the fix; DeepSpeed keys map."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+import minispeed.moe as moe
+from minispeed.core.testing import run_distributed
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"num_experts": 6, "expert_parallel_degree": 4}, "not divisible by expert_parallel"),
+        ({"num_experts": 4, "top_k": 5}, "top_k=5 exceeds num_experts=4"),
+        ({"num_experts": 4, "capacity_factor": 0.0}, "capacity_factor must be > 0"),
+        ({"num_experts": 4, "capacity_factor": -1.0}, "capacity_factor must be > 0"),
+        ({"num_experts": 4, "eval_capacity_factor": 0}, "eval_capacity_factor must be > 0"),
+        ({"num_experts": 0}, "num_experts must be an int >= 1"),
+        ({"num_experts": 4, "min_capacity": -1}, "min_capacity"),
+        ({"num_experts": 4, "noisy_gate_policy": "gumbel"}, "noisy_gate_policy must be one of"),
+    ],
+)
+def test_bad_config_is_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        moe.MoEConfig(**kwargs)
+
+
+def test_from_ds_config_translates_deepspeed_keys():
+    cfg = moe.MoEConfig.from_ds_config(
+        {
+            "num_experts": 8,
+            "ep_size": 2,
+            "k": 2,
+            "capacity_factor": 1.25,
+            "min_capacity": 2,
+            "noisy_gate_policy": "RSample",
+            "drop_tokens": False,
+            "use_rts": False,
+            "use_residual": False,
+        }
+    )
+    assert cfg == moe.MoEConfig(
+        num_experts=8,
+        expert_parallel_degree=2,
+        top_k=2,
+        capacity_factor=1.25,
+        min_capacity=2,
+        noisy_gate_policy="rsample",
+        drop_tokens=False,
+        random_token_selection=False,
+        second_expert_sampling=True,  # DeepSpeed's default for top2_2nd_expert_sampling
+    )
+    assert (
+        moe.MoEConfig.from_ds_config(
+            {"num_experts": 2, "noisy_gate_policy": "None"}
+        ).noisy_gate_policy
+        is None
+    )
+    with pytest.raises(ValueError, match="unknown key 'experts'"):
+        moe.MoEConfig.from_ds_config({"experts": 8})
+    with pytest.raises(ValueError, match="use_residual=True is not supported"):
+        moe.MoEConfig.from_ds_config({"num_experts": 8, "use_residual": True})
+    with pytest.raises(ValueError, match="'num_experts' is required"):
+        moe.MoEConfig.from_ds_config({"k": 1})
+
+
+def test_expert_parallel_without_a_process_group_is_refused():
+    with pytest.raises(ValueError, match=r"call minispeed\.comm\.init_distributed"):
+        moe.MoE(4, nn.Linear(4, 4), moe.MoEConfig(num_experts=4, expert_parallel_degree=2))
+
+
+def test_replace_mlp_without_a_match_is_refused():
+    with pytest.raises(ValueError, match="no submodule named 'mlp'"):
+        moe.replace_mlp(nn.Sequential(nn.Linear(2, 2)), moe.MoEConfig(num_experts=2))
+
+
+def _groups_must_tile(rank: int, world_size: int) -> str:
+    with pytest.raises(ValueError, match="does not tile the world of 2 ranks") as err:
+        moe.ExpertGroups(4)
+    cfg = moe.MoEConfig(num_experts=4, expert_parallel_degree=2)
+    with pytest.raises(ValueError, match="groups were built for expert_parallel_degree=1"):
+        moe.MoE(4, nn.Linear(4, 4), cfg, groups=moe.ExpertGroups(1))
+    return str(err.value)
+
+
+def test_groups_that_do_not_tile_the_world_fail_on_every_rank():
+    messages = run_distributed(_groups_must_tile, world_size=2)
+    assert all("pick a divisor of 2" in m for m in messages)
