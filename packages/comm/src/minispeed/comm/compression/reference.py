@@ -9,7 +9,10 @@ wire formats are defined here, in code (``csrc/compression/compression.h`` repea
   are 0. One fp32 scale per chunk of ``chunk_numel`` elements: the mean of ``|x|`` over the chunk.
 * **int8 / int4 blocks** — symmetric absmax quantization per block of ``block_numel`` elements:
   ``s = max|x| / qmax`` (qmax 127 or 7), ``q = clamp(round_half_even(x / s), -qmax, qmax)``; an
-  all-zero block has ``s = 0`` and ``q = 0``. int8 is stored as two's-complement bytes; int4 puts
+  all-zero block has ``s = 0`` and ``q = 0``. Non-finite blocks: a block holding a NaN has
+  ``s = NaN`` (the canonical quiet NaN), one holding ±inf and no NaN ``s = +inf``; ``q = 0``
+  wherever ``x / s`` is NaN, so every code of such a block is 0 and it dequantizes to NaN
+  throughout. int8 is stored as two's-complement bytes; int4 puts
   element ``2j`` in the low nibble of byte ``j`` and ``2j + 1`` in the high nibble.
 * **top-k** — the ``k`` largest ``|x|`` (ties: lower index first), indices ascending, int32.
 
@@ -98,10 +101,15 @@ def quantize_blocks(
     n_blocks = _ceil_div(n, block_numel)
     blocks = _padded(x, n_blocks * block_numel).view(n_blocks, block_numel)  # (blocks, block)
     scales = blocks.abs().amax(dim=1) / qmax if n else x.new_zeros(0)
+    # A block holding a NaN has a NaN scale: the canonical quiet NaN, whatever NaN the input held.
+    scales = torch.where(torch.isnan(scales), torch.nan, scales)
     # A zero scale means an all-zero block (or one so small that absmax / qmax underflows): its
     # elements divided by 1 round to 0, as the C++ op's explicit "s == 0 -> q = 0" gives.
     safe = torch.where(scales == 0, torch.ones_like(scales), scales)
-    q = torch.round(blocks / safe[:, None]).clamp_(-qmax, qmax).to(torch.int16).view(-1)[:n]
+    r = torch.round(blocks / safe[:, None]).clamp_(-qmax, qmax)
+    # x / s is NaN for a NaN element, every element of a NaN block and +-inf / inf: code 0, so a
+    # non-finite block dequantizes to NaN throughout (0 * NaN, 0 * inf).
+    q = torch.where(torch.isnan(r), 0.0, r).to(torch.int16).view(-1)[:n]
     if bits == 8:
         return q.to(torch.int8).view(torch.uint8), scales
     nibbles = _padded(q & 0xF, _ceil_div(n, 2) * 2).view(-1, 2)  # (bytes, 2): low, high
