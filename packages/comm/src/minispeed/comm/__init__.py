@@ -44,6 +44,7 @@ from minispeed.comm.groups import (
     is_member,
     new_group,
 )
+from minispeed.comm.handshake import validation_enabled, validation_mode
 from minispeed.comm.hierarchical import HierarchicalAllGather
 from minispeed.comm.logger import CommRecord, CommsLogger, comms_logger
 from minispeed.comm.objects import all_gather_object, broadcast_object
@@ -55,8 +56,6 @@ from minispeed.comm.validation import (
     CommInputError,
     CommMismatchError,
     CommTimeoutError,
-    validation_enabled,
-    validation_mode,
 )
 from minispeed.comm.work import CommWork
 

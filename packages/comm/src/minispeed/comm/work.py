@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from minispeed.comm import api_compat, costs, logger, validation
+from minispeed.core import ranges
 from minispeed.core.accelerator import get_accelerator
 
 __all__ = ["Call", "CommWork", "launch"]
@@ -72,6 +73,7 @@ class Call:
         "numel",
         "op",
         "shapes",
+        "step",
         "wire",
     )
 
@@ -96,6 +98,7 @@ class Call:
         # Shapes only, for an error message: a call (kept by its CommWork) never pins a buffer.
         self.shapes = [tuple(t.shape) for t in tensors]
         self.wire = wire
+        self.step: int | None = None  # the logger's step at issue, when a logger is active
 
     def wire_bytes(self) -> int:
         """Bytes this rank sent: given explicitly, or the ring formula of the implementation used."""
@@ -117,6 +120,7 @@ class Call:
             latency_s,
             self.wire_bytes(),
             async_op=async_op,
+            step=self.step,
             impl=self.impl,
         )
 
@@ -128,14 +132,21 @@ class Call:
 def launch(
     call: Call, issue: Callable[[], api_compat.Issued | Any], async_op: bool
 ) -> CommWork | None:
-    """Issue one backend call, time it when a logger is active, wrap its handle and errors."""
+    """Issue one backend call inside the range `comm.<op>`, time it when a logger is active, wrap
+    its handle and errors.
+
+    The range covers the issue (the whole call when synchronous); with no profiler or NVTX tool
+    listening it costs a few attribute reads (see `minispeed.core.ranges`).
+    """
     log = logger._ACTIVE
     t0 = 0.0
     if log is not None:
+        call.step = log.step  # the step of issue, also for an async call logged at wait()
         get_accelerator().synchronize()
         t0 = time.perf_counter()
     try:
-        issued = issue()
+        with ranges.range(_RANGE_NAMES.get(call.op) or _range_name(call.op)):
+            issued = issue()
     except RuntimeError as err:
         if isinstance(err, validation.CommError):
             raise
@@ -153,7 +164,10 @@ def launch(
     return None
 
 
-def check_across_ranks(name: str, group: Any, /, **signature: Any) -> None:
-    """Compare ``signature`` across the group's ranks (callers check validation_enabled() first,
-    so the signature is built only in validation mode)."""
-    validation.exchange_and_compare(name, group, tuple(sorted(signature.items())))
+# op -> "comm.<op>", made once per op so a call builds no string
+_RANGE_NAMES: dict[str, str] = {}
+
+
+def _range_name(op: str) -> str:
+    name = _RANGE_NAMES[op] = f"comm.{op}"
+    return name

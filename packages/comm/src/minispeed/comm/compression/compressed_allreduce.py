@@ -43,10 +43,12 @@ from typing import Any
 import torch
 
 import minispeed.comm as comm
+from minispeed.comm import validation
 from minispeed.comm.compression import ops, wire
 from minispeed.comm.compression.error_feedback import ErrorFeedback
 from minispeed.comm.compression.onebit import OnebitCompressor, SignPacked
 from minispeed.comm.compression.topk import TopkCompressor, TopkPacked
+from minispeed.comm.validation import CommInputError
 
 __all__ = ["OnebitAllReduce", "TopkAllReduce"]
 
@@ -86,8 +88,8 @@ class OnebitAllReduce:
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         """Replace ``tensor`` by the compressed average over the group; returns it."""
+        n = validation.check_group(type(self).__name__, self.group)
         _check_tensor(tensor, self.numel, type(self).__name__)
-        n = comm.get_world_size(self.group)
         if self.numel is None:
             self.numel = tensor.numel()
             self.chunk_numel = wire.onebit_chunk_numel(tensor.numel(), n)
@@ -122,6 +124,14 @@ class OnebitAllReduce:
         return tensor
 
 
+# Note [a rank that cannot compress still sends]
+# Top-k has no answer for a NaN input (no order exists), and the rank that finds one must not
+# just raise: its peers are about to block in the all-gather of the messages, waiting for it until
+# the group's timeout. So it sends a message of the agreed size (8 k bytes) whose first index is
+# -1 (bytes 0xFF), which no real message holds (indices are in [0, numel)), and raises after
+# the gather; every receiver sees the mark and raises too. The same all-gather, no extra bytes.
+
+
 class TopkAllReduce:
     """Average a tensor over ``group`` in place, each rank sending its top-k (with error feedback).
 
@@ -142,14 +152,33 @@ class TopkAllReduce:
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         """Replace ``tensor`` by the average of every rank's top-k; returns it."""
-        _check_tensor(tensor, self.numel, type(self).__name__)
+        name = type(self).__name__
+        n = validation.check_group(name, self.group)
+        _check_tensor(tensor, self.numel, name)
         self.numel = tensor.numel()
         if tensor.numel() == 0:
             return tensor
-        n = comm.get_world_size(self.group)
-        message = self.feedback.compress(tensor).to_bytes()  # (8 k,) uint8
+        k = self.compressor.k_for(tensor.numel())
+        try:
+            message = self.feedback.compress(tensor).to_bytes()  # (8 k,) uint8
+            failure = None
+        except ValueError as err:  # NaN input: See Note [a rank that cannot compress still sends]
+            message = torch.full((8 * k,), 0xFF, dtype=torch.uint8, device=tensor.device)
+            failure = err
         gathered = torch.empty(n * message.numel(), dtype=torch.uint8, device=tensor.device)
         comm.all_gather_into_tensor(gathered, message, group=self.group)
+        if failure is not None:
+            raise failure
+        first_index = gathered.view(n, -1)[:, 4 * k : 4 * k + 4]  # (n, 4): each sender's indices[0]
+        failed = (first_index == 0xFF).all(dim=1)
+        if bool(failed.any()):
+            ranks = validation.group_ranks(self.group)
+            raise CommInputError(
+                f"{name}: rank(s) {[ranks[i] for i in failed.nonzero().view(-1).tolist()]} could "
+                "not compress their tensor (top-k input holds NaN, so no order exists), so no "
+                "rank applies this average; find where the gradient overflows (e.g. enable loss "
+                "scaling) before compressing"
+            )
         total = torch.zeros(tensor.numel(), dtype=torch.float32, device=tensor.device)
         for row in gathered.view(n, -1):  # rank order: the same sum on every rank
             packed = TopkPacked.from_bytes(row, tensor.numel())

@@ -24,6 +24,15 @@ Note [why error feedback bounds the accumulated error]
     compression of chunk ``c`` it is ``~2 c G``, but the measured residual of Gaussian-like
     gradients stays near ``G``.)
 
+Note [a NaN residual]
+    A NaN or ±inf in ``c_t`` reaches the wire as NaN (an int8/int4 block holding one dequantizes
+    to NaN throughout, so an overflow check downstream sees it), and it stays in the residual:
+    ``e_t = c_t - decompress(p_t)`` is NaN on that block (NaN - NaN, inf - NaN). From then on
+    ``c = x + e`` is NaN there for every later input, finite or not: the stream is poisoned until
+    `reset()`. With fp16 loss scaling, call `reset()` on every step the scaler skips for
+    overflow, or the next step overflows again. The residual is not cleaned automatically
+    because that would cost a pass over ``4 n`` bytes on every call to serve the rare bad step.
+
 Costs: one fp32 residual of the vector's size, ``4 n`` bytes, per compressed stream; one extra
 decompress per step.
 """

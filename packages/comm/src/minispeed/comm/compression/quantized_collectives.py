@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 import minispeed.comm as comm
+from minispeed.comm import validation
 from minispeed.comm.compression.error_feedback import ErrorFeedback
 from minispeed.comm.compression.quantize import BlockQuantizer, QuantPacked
 
@@ -52,7 +53,7 @@ def quantized_all_gather_into_tensor(
     Like :func:`minispeed.comm.all_gather_into_tensor` but lossy: each element is off by at most
     ``max|block| / (2 qmax)`` of its block. Returns ``output``.
     """
-    n = comm.get_world_size(group)
+    n = validation.check_group("quantized_all_gather", group)
     shard = input.numel()
     if output.numel() != n * shard:
         raise ValueError(
@@ -91,6 +92,7 @@ def quantized_reduce_scatter_tensor(
     error into its next call (then leave ``quantizer`` unset or pass the same one). Returns
     ``output``.
     """
+    n = validation.check_group("quantized_reduce_scatter", group)
     op = comm.ReduceOp.SUM if op is None else op
     if op not in (comm.ReduceOp.SUM, comm.ReduceOp.AVG):
         raise ValueError(f"quantized reduce-scatter supports ReduceOp.SUM and AVG, got {op}")
@@ -106,7 +108,6 @@ def quantized_reduce_scatter_tensor(
             )
         quantizer = error_feedback.compressor
     quantizer = quantizer if quantizer is not None else _DEFAULT
-    n = comm.get_world_size(group)
     shard = output.numel()
     if input.numel() != n * shard:
         raise ValueError(
