@@ -1,18 +1,18 @@
 """minispeed.comm: every collective minispeed issues, with a byte ledger, buckets and topology.
 
-Use it as ``import minispeed.comm as comm``. Reading order (see README.md):
+Use it as `import minispeed.comm as comm`. Reading order (see README.md):
 
-1. :mod:`~minispeed.comm.costs` — what each collective costs (message size, bus-bandwidth factor,
+1. `costs` — what each collective costs (message size, bus-bandwidth factor,
    bytes on the wire), written once.
-2. :mod:`~minispeed.comm.groups` — start torch.distributed, ranks, sub-groups.
-3. :mod:`~minispeed.comm.collectives` — the collectives, with checks before blocking;
-   :mod:`~minispeed.comm.p2p` — send/recv; :mod:`~minispeed.comm.objects` — Python objects;
-   :mod:`~minispeed.comm.work` — how one call is issued, timed, logged and waited on.
-4. :mod:`~minispeed.comm.logger` — the comms logger (off by default).
-5. :mod:`~minispeed.comm.validation` — errors, local checks, opt-in cross-rank validation.
-6. :mod:`~minispeed.comm.api_compat` — torch-version and backend differences, in one place.
-7. :mod:`~minispeed.comm.buckets` — gradient buckets that overlap communication with backward.
-8. :mod:`~minispeed.comm.topology` and :mod:`~minispeed.comm.hierarchical` — process grids and
+2. `groups` — start torch.distributed, ranks, sub-groups.
+3. `collectives` — the collectives, with checks before blocking;
+   `p2p` — send/recv; `objects` — Python objects;
+   `work` — how one call is issued, timed, logged and waited on.
+4. `logger` — the comms logger (off by default).
+5. `validation` — errors, local checks, opt-in cross-rank validation.
+6. `api_compat` — torch-version and backend differences, in one place.
+7. `buckets` — gradient buckets that overlap communication with backward.
+8. `topology` and `hierarchical` — process grids and
    the two-level all-gather.
 """
 
@@ -108,8 +108,8 @@ __all__ = [
 
 # -- gradient compression (owned by the compression engineer) ----------------------------------
 # Gradient compression and the compressed-momentum optimizers are subpackages, imported last
-# because they build on the collectives above: ``comm.compression.OnebitAllReduce``,
-# ``comm.optim.OnebitAdam``.
+# because they build on the collectives above: `comm.compression.OnebitAllReduce`,
+# `comm.optim.OnebitAdam`.
 from minispeed.comm import compression, optim
 
 __all__ += ["compression", "optim"]

@@ -56,7 +56,7 @@ ReduceOp = dist.ReduceOp
 def all_reduce(
     tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False
 ) -> CommWork | None:
-    """Reduce ``tensor`` elementwise over the group, in place on every rank.
+    """Reduce `tensor` elementwise over the group, in place on every rank.
 
     Sends 2(n-1)/n · S bytes per rank (ring: reduce-scatter then all-gather), S = tensor bytes.
     """
@@ -85,11 +85,11 @@ def reduce_scatter_tensor(
     group: Any = None,
     async_op: bool = False,
 ) -> CommWork | None:
-    """Reduce ``input`` (n · m elements) over the group; rank r receives chunk r into ``output`` (m).
+    """Reduce `input` (n · m elements) over the group; rank r receives chunk r into `output` (m).
 
     S = input bytes; sends (n-1)/n · S per rank. On a backend without reduce-scatter it runs
-    ``all_reduce+slice`` instead (see Note [backend fallbacks] in api_compat): 2(n-1)/n · S sent,
-    and the logger records ``impl="all_reduce+slice"`` with those wire bytes.
+    `all_reduce+slice` instead (see Note [backend fallbacks] in api_compat): 2(n-1)/n · S sent,
+    and the logger records `impl="all_reduce+slice"` with those wire bytes.
     """
     name = "reduce_scatter"
     n = validation.check_group(name, group)
@@ -130,7 +130,7 @@ def reduce_scatter_tensor(
 def all_gather_into_tensor(
     output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False
 ) -> CommWork | None:
-    """Gather every rank's ``input`` (m elements) into ``output`` (n · m, rank-major).
+    """Gather every rank's `input` (m elements) into `output` (n · m, rank-major).
 
     S = output bytes; sends (n-1)/n · S per rank (ring).
     """
@@ -175,15 +175,15 @@ def all_gather_coalesced(
 ) -> CommWork | None:
     """All-gather a list of tensors of different sizes with ONE collective.
 
-    ``outputs[i]`` (n · inputs[i].numel() elements) receives every rank's ``inputs[i]``, rank-major.
+    `outputs[i]` (n · inputs[i].numel() elements) receives every rank's `inputs[i]`, rank-major.
     The inputs are packed straight into this rank's chunk of one flat buffer of n · Σ numel
     elements, gathered in place (the input is a view of the output: see Note [in-place flat
     collectives] in api_compat.py), and unpacked. Cost: one call's latency instead of
     len(inputs); (n-1)/n · S sent with S = Σ output bytes; memory: one temporary of n · Σ numel
     elements, alive until the call completes.
 
-    ``outputs`` may be a function returning the output tensors: it is called once the data has
-    arrived (in ``wait()`` for an async call), so an in-flight gather holds only its n · Σ numel
+    `outputs` may be a function returning the output tensors: it is called once the data has
+    arrived (in `wait()` for an async call), so an in-flight gather holds only its n · Σ numel
     buffer, not the outputs as well (ZeRO-3 prefetches this way). Its tensors are checked then.
     """
     name = "all_gather_coalesced"
@@ -270,7 +270,7 @@ def all_gather_coalesced(
 def broadcast(
     tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False
 ) -> CommWork | None:
-    """Copy ``tensor`` from global rank ``src`` to every rank of the group, in place.
+    """Copy `tensor` from global rank `src` to every rank of the group, in place.
 
     S = tensor bytes; the root sends S (pipelined chain or tree), the others forward or receive.
     """
@@ -302,8 +302,8 @@ def all_to_all_single(
     group: Any = None,
     async_op: bool = False,
 ) -> CommWork | None:
-    """Rank r sends chunk j of ``input`` (along dim 0) to rank j and receives chunk j of
-    ``output`` from rank j. Equal chunks when split sizes are ``None``; uneven otherwise.
+    """Rank r sends chunk j of `input` (along dim 0) to rank j and receives chunk j of
+    `output` from rank j. Equal chunks when split sizes are `None`; uneven otherwise.
 
     S = input bytes; sends S minus its own chunk (equal splits: (n-1)/n · S).
     """
@@ -382,5 +382,5 @@ def barrier(group: Any = None) -> None:
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a 1-D view (contiguous: checked before)."""
+    """`t` as a 1-D view (contiguous: checked before)."""
     return t if t.dim() == 1 else t.view(-1)

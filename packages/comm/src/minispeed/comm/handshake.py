@@ -3,7 +3,7 @@
 A collective whose ranks disagree (10 elements against 12, fp32 against int32, all_reduce
 against broadcast) does not fail cleanly in the backend: gloo aborts one rank and hands the
 other a wrong result, or both get garbage. So ranks compare their calls before the real one,
-in one of three modes (``MINISPEED_COMM_VALIDATE`` in the environment, or
+in one of three modes (`MINISPEED_COMM_VALIDATE` in the environment, or
 `comm.validation_mode(...)` around the calls):
 
 | mode | value | which calls are checked | cost per call |
@@ -13,7 +13,7 @@ in one of three modes (``MINISPEED_COMM_VALIDATE`` in the environment, or
 | all | `1`, `all`, `true`, `yes`, `on` | every call | one all-gather of 16 bytes per rank |
 
 **The fingerprint.** A checked call all-gathers two int64 per rank: a status (0, or 1 when this
-rank rejected its own arguments) and a CRC-32 of ``(op, signature)``, where the signature holds
+rank rejected its own arguments) and a CRC-32 of `(op, signature)`, where the signature holds
 what must agree across ranks (shape, dtype, reduce op, root). Equal fingerprints and no failed
 rank: the real collective runs. Otherwise every rank sees the same gathered table, so every rank
 takes the slow path together: an object all-gather of the full signatures and error texts, then
@@ -128,7 +128,7 @@ def validation_mode(enabled: bool | str = True) -> Iterator[None]:
 def checked(group: Any, depth: int = 2) -> bool:
     """Whether this call is compared across ranks; call it from the collective itself.
 
-    ``depth`` is how many frames up the call site is: 2 = the caller of the function that calls
+    `depth` is how many frames up the call site is: 2 = the caller of the function that calls
     `checked` (the user's line calling `comm.all_reduce`).
     """
     level = validation_level()
@@ -149,10 +149,10 @@ def compare(
     payload: Any = None,
     check_payload: Callable[[str, list[int], list[Any]], None] | None = None,
 ) -> None:
-    """Exchange fingerprints of ``(op, signature)`` and this rank's status; raise on every rank
-    when they differ or a rank rejected its arguments (``error`` on that rank).
+    """Exchange fingerprints of `(op, signature)` and this rank's status; raise on every rank
+    when they differ or a rank rejected its arguments (`error` on that rank).
 
-    ``payload`` (compared by ``check_payload``, e.g. all-to-all split sizes that must mirror each
+    `payload` (compared by `check_payload`, e.g. all-to-all split sizes that must mirror each
     other) always takes the slow path: one object all-gather.
     """
     sig = tuple(sorted(signature.items()))
@@ -175,7 +175,7 @@ def compare(
 
 
 def reject(op: str, group: Any, error: CommInputError, is_checked: bool) -> CommInputError:
-    """``error``, found by this rank's local checks; on a checked call the peers learn of it
+    """`error`, found by this rank's local checks; on a checked call the peers learn of it
     first (they raise too, quoting it). Returns the error for the caller to raise."""
     if is_checked:
         compare(op, group, {}, error=error)  # returns on this rank; its peers raise

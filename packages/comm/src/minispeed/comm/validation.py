@@ -61,7 +61,7 @@ class CommBackendError(CommError):
 
 # -- local checks -------------------------------------------------------------------------------
 def group_ranks(group: Any) -> list[int]:
-    """Global ranks of ``group`` (the world for ``None``); ``[]`` when unknown to this rank."""
+    """Global ranks of `group` (the world for `None`); `[]` when unknown to this rank."""
     if group is None:
         return list(range(dist.get_world_size()))
     try:
@@ -71,7 +71,7 @@ def group_ranks(group: Any) -> list[int]:
 
 
 def check_group(op: str, group: Any) -> int:
-    """Size of ``group``; raises when torch.distributed is off or this rank is not a member.
+    """Size of `group`; raises when torch.distributed is off or this rank is not a member.
 
     torch returns silently (with a warning) when a non-member calls a collective, leaving the
     caller's buffers untouched: a silent wrong answer that we turn into an error.
@@ -155,13 +155,13 @@ def check_same_dtype(op: str, output: torch.Tensor, input: torch.Tensor) -> None
 
 
 def check_numel(op: str, what: str, actual: int, expected: int, fix: str) -> None:
-    """``actual == expected`` or an error naming both and the fix."""
+    """`actual == expected` or an error naming both and the fix."""
     if actual != expected:
         raise CommInputError(f"{op}: {what} has {actual} elements, expected {expected}; {fix}")
 
 
 def check_divisible(op: str, numel: int, n: int) -> None:
-    """``numel`` splits evenly over ``n`` ranks."""
+    """`numel` splits evenly over `n` ranks."""
     if numel % n != 0:
         raise CommInputError(
             f"{op}: {numel} elements do not split evenly over {n} ranks; pad the input to a "
@@ -170,7 +170,7 @@ def check_divisible(op: str, numel: int, n: int) -> None:
 
 
 def check_splits(op: str, what: str, splits: Sequence[int] | None, dim0: int, n: int) -> None:
-    """Uneven all-to-all splits: ``n`` non-negative sizes summing to the tensor's first dimension."""
+    """Uneven all-to-all splits: `n` non-negative sizes summing to the tensor's first dimension."""
     if splits is None:
         if dim0 % n != 0:
             raise CommInputError(
@@ -190,7 +190,7 @@ def check_splits(op: str, what: str, splits: Sequence[int] | None, dim0: int, n:
 
 
 def check_peer(op: str, peer: int, name: str, group: Any) -> None:
-    """``peer`` is a global rank in ``group`` (and not this rank for point-to-point)."""
+    """`peer` is a global rank in `group` (and not this rank for point-to-point)."""
     ranks = group_ranks(group)
     if peer not in ranks:
         raise CommInputError(
@@ -209,8 +209,8 @@ def exchange_and_compare(
     payload: Any = None,
     check_payload: Callable[[str, list[int], list[Any]], None] | None = None,
 ) -> None:
-    """All-gather ``(op, signature, payload)`` over ``group``; raise on every rank if two
-    signatures differ, or if ``check_payload(op, ranks, payloads)`` raises.
+    """All-gather `(op, signature, payload)` over `group`; raise on every rank if two
+    signatures differ, or if `check_payload(op, ranks, payloads)` raises.
 
     Every rank sees the same gathered list, so every rank raises the same error: none is left
     blocked in the real collective.
@@ -228,7 +228,7 @@ def exchange_and_compare(
 
 
 def mismatch_error(gathered: list[tuple[str, Any]], ranks: list[int]) -> CommMismatchError:
-    """The error every rank raises when the ``(op, signature)`` pairs gathered from ``ranks``
+    """The error every rank raises when the `(op, signature)` pairs gathered from `ranks`
     differ: it names the minority, the reference rank and every rank's call."""
     values = [repr(g) for g in gathered]
     majority = max(values, key=values.count)  # ties: the lowest rank's call is the reference
@@ -251,7 +251,7 @@ def mismatch_error(gathered: list[tuple[str, Any]], ranks: list[int]) -> CommMis
 
 
 def check_all_to_all_splits(op: str, ranks: list[int], payloads: list[Any]) -> None:
-    """Rank i's ``output_split_sizes[j]`` must equal rank j's ``input_split_sizes[i]``."""
+    """Rank i's `output_split_sizes[j]` must equal rank j's `input_split_sizes[i]`."""
     bad, involved = [], set()
     for i, (_, out_i) in enumerate(payloads):
         for j, (in_j, _) in enumerate(payloads):
@@ -284,7 +284,7 @@ _TIMEOUT_RE = re.compile(r"timed? ?out|timeout|pair closure", re.IGNORECASE)
 def wrap_backend_error(
     err: BaseException, op: str, group: Any, shapes: Sequence[Any], dtype: Any
 ) -> CommError:
-    """A :class:`CommTimeoutError` (or :class:`CommBackendError`) naming op, shapes and group."""
+    """A `CommTimeoutError` (or `CommBackendError`) naming op, shapes and group."""
     ranks = group_ranks(group)
     where = f"{op} on rank {dist.get_rank()} over group ranks {ranks} (shapes {list(shapes)}, dtype {dtype})"
     if _TIMEOUT_RE.search(str(err)):

@@ -1,8 +1,8 @@
 """How one collective call is issued, timed, logged and waited on (shared by every op).
 
-:func:`launch` is the single choke point: it reads the active comms logger once (see
+`launch` is the single choke point: it reads the active comms logger once (see
 Note [logger off is one global read]), issues the backend call, turns backend exceptions into
-errors that name the op, and wraps async handles in :class:`CommWork`.
+errors that name the op, and wraps async handles in `CommWork`.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ __all__ = ["Call", "CommWork", "launch"]
 
 
 class CommWork:
-    """Handle of an async collective: ``wait()`` finishes it, copies results out, logs its latency.
+    """Handle of an async collective: `wait()` finishes it, copies results out, logs its latency.
 
-    Wraps the backend's Work. Coalesced and fallback ops finish their output copies in ``wait()``,
+    Wraps the backend's Work. Coalesced and fallback ops finish their output copies in `wait()`,
     so read outputs only after it returns. Waiting twice is harmless.
     """
 
@@ -56,7 +56,7 @@ class CommWork:
         return True
 
     def is_completed(self) -> bool:
-        """Whether the backend finished (outputs are final only after :meth:`wait`)."""
+        """Whether the backend finished (outputs are final only after `wait`)."""
         return self._done or self._work is None or self._work.is_completed()
 
 
@@ -110,7 +110,7 @@ class Call:
         return wire
 
     def record(self, log: Any, latency_s: float, async_op: bool = False) -> None:
-        """Append this call to ``log``."""
+        """Append this call to `log`."""
         log.add(
             self.op,
             self.numel,
@@ -125,7 +125,7 @@ class Call:
         )
 
     def error(self, err: BaseException) -> validation.CommError:
-        """``err`` from the backend, re-raised as an error that names this call."""
+        """`err` from the backend, re-raised as an error that names this call."""
         return validation.wrap_backend_error(err, self.op, self.group, self.shapes, self.dtype)
 
 

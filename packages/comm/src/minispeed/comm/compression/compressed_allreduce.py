@@ -1,39 +1,45 @@
 """Compressed all-reduce (average): 1-bit with worker and server error feedback, and top-k.
 
-Both go through :mod:`minispeed.comm` collectives on uint8 messages, so the comms logger counts
-exactly the compressed bytes (formulas in :mod:`.wire`). Every rank ends with the *same* result.
+Both go through `minispeed.comm` collectives on uint8 messages, so the comms logger counts
+exactly the compressed bytes (formulas in `wire`). Every rank ends with the *same* result.
 
 **1-bit all-reduce** (the scheme of 1-bit Adam), for N elements on n ranks, chunk
-``C = 8 ceil(N / 8n)``; rank r is the "server" of chunk r::
+`C = 8 ceil(N / 8n)`; rank r is the "server" of chunk r:
 
-    worker   c_i = pad(x_i) + e_i              (n C,)  e_i = worker residual
-             p_i = onebit(c_i), one scale/chunk         e_i <- c_i - D(p_i)
-             all_to_all: rank r gets chunk r of every p_i   -> n messages of 4 + C/8 bytes
-    server   a_r = (1/n) Σ_i D(p_i)[chunk r]    (C,)
-             s_r = onebit(a_r + f_r)                     f_r <- a_r + f_r - D(s_r)  (server residual)
-             all_gather: every rank gets every s_r      -> n messages of 4 + C/8 bytes
-    result   y = concat_r D(s_r)[:N]
+```text
+worker   c_i = pad(x_i) + e_i              (n C,)  e_i = worker residual
+         p_i = onebit(c_i), one scale/chunk         e_i <- c_i - D(p_i)
+         all_to_all: rank r gets chunk r of every p_i   -> n messages of 4 + C/8 bytes
+server   a_r = (1/n) Σ_i D(p_i)[chunk r]    (C,)
+         s_r = onebit(a_r + f_r)                     f_r <- a_r + f_r - D(s_r)  (server residual)
+         all_gather: every rank gets every s_r      -> n messages of 4 + C/8 bytes
+result   y = concat_r D(s_r)[:N]
+```
 
 Error bound of one call (derivation). Write m = (1/n) Σ_i x_i for the exact average, Q for the
-1-bit compressor (``||v - Q(v)|| <= q ||v||``, ``q = sqrt(1 - 1/C)``, :mod:`.onebit`; also
-``||Q(v)|| <= ||v||``). With zero residuals::
+1-bit compressor (`||v - Q(v)|| <= q ||v||`, `q = sqrt(1 - 1/C)`, `onebit`; also
+`||Q(v)|| <= ||v||`). With zero residuals:
 
-    ||y - m||  <=  ||Q(a) - a|| + ||a - m||
-               <=  q ||a||  +  (1/n) Σ_i ||Q(x_i) - x_i||
-               <=  q (1/n) Σ_i ||x_i||  +  q (1/n) Σ_i ||x_i||   =  2 q · mean_i ||x_i||
+```text
+||y - m||  <=  ||Q(a) - a|| + ||a - m||
+           <=  q ||a||  +  (1/n) Σ_i ||Q(x_i) - x_i||
+           <=  q (1/n) Σ_i ||x_i||  +  q (1/n) Σ_i ||x_i||   =  2 q · mean_i ||x_i||
+```
 
 This single-call error is large (1 bit per element); what makes the scheme usable is that it
 does not accumulate. Summing the two feedback loops over steps (Note [why error feedback bounds
-the accumulated error]) gives the exact identity::
+the accumulated error]) gives the exact identity:
 
-    Σ_{t<=T} y_t  =  Σ_{t<=T} m_t  -  (1/n) Σ_i e_i(T)  -  f(T)
+```text
+Σ_{t<=T} y_t  =  Σ_{t<=T} m_t  -  (1/n) Σ_i e_i(T)  -  f(T)
+```
 
 so the accumulated result is off by the current residuals only, which stay bounded.
 
 **Top-k all-reduce**: each rank sends its k largest compensated elements (values + indices) in
 one all_gather; every rank adds the n sparse vectors and divides by n. The result is exact on the
-sent elements, so one call errs by ``||y - m|| <= sqrt(1 - k/N) · mean_i ||x_i||`` and the
-accumulated error is ``(1/n) ||Σ_i e_i(T)||``.
+sent elements, so one call errs by `||y - m|| <= sqrt(1 - k/N) · mean_i ||x_i||` and the
+accumulated error is `(1/n) ||Σ_i e_i(T)||`.
 """
 
 from __future__ import annotations
@@ -64,12 +70,12 @@ def _check_tensor(tensor: torch.Tensor, numel: int | None, what: str) -> None:
 
 
 class OnebitAllReduce:
-    """Average a tensor over ``group`` in place, sending ~1 bit per element (module docstring).
+    """Average a tensor over `group` in place, sending ~1 bit per element (module docstring).
 
-    Stateful: holds the worker residual (``4 n C`` bytes, about the tensor's fp32 size) and the
-    server residual (``4 C`` bytes), so use one instance per tensor (a flat buffer of all
-    momenta in :class:`~minispeed.comm.optim.OnebitAdam`). Bytes sent per call per rank:
-    ``2 (n-1) (4 + C/8)`` (:func:`.wire.onebit_allreduce_calls`).
+    Stateful: holds the worker residual (`4 n C` bytes, about the tensor's fp32 size) and the
+    server residual (`4 C` bytes), so use one instance per tensor (a flat buffer of all
+    momenta in `OnebitAdam`). Bytes sent per call per rank:
+    `2 (n-1) (4 + C/8)` (`wire.onebit_allreduce_calls`).
     """
 
     def __init__(self, group: Any = None) -> None:
@@ -87,7 +93,7 @@ class OnebitAllReduce:
         self._padded = None
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Replace ``tensor`` by the compressed average over the group; returns it."""
+        """Replace `tensor` by the compressed average over the group; returns it."""
         n = validation.check_group(type(self).__name__, self.group)
         _check_tensor(tensor, self.numel, type(self).__name__)
         if self.numel is None:
@@ -133,10 +139,10 @@ class OnebitAllReduce:
 
 
 class TopkAllReduce:
-    """Average a tensor over ``group`` in place, each rank sending its top-k (with error feedback).
+    """Average a tensor over `group` in place, each rank sending its top-k (with error feedback).
 
-    Holds one fp32 residual of the tensor's size. Bytes sent per call per rank: ``(n-1) 8 k``
-    (:func:`.wire.topk_allreduce_calls`); the result has up to ``n k`` non-zeros.
+    Holds one fp32 residual of the tensor's size. Bytes sent per call per rank: `(n-1) 8 k`
+    (`wire.topk_allreduce_calls`); the result has up to `n k` non-zeros.
     """
 
     def __init__(self, compressor: TopkCompressor | None = None, group: Any = None) -> None:
@@ -151,7 +157,7 @@ class TopkAllReduce:
         self.feedback.reset()
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Replace ``tensor`` by the average of every rank's top-k; returns it."""
+        """Replace `tensor` by the average of every rank's top-k; returns it."""
         name = type(self).__name__
         n = validation.check_group(name, self.group)
         _check_tensor(tensor, self.numel, name)

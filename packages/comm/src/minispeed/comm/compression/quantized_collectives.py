@@ -1,20 +1,20 @@
 """Quantized all-gather and reduce-scatter: ZeRO++'s qwZ (weights) and qgZ (gradients).
 
-Both move int8/int4 codes plus one fp32 scale per block instead of fp32 (:mod:`.quantize`), each
-rank's part padded to whole blocks (``P = B ceil(S / B)`` elements for an S-element shard) so a
-block never spans two ranks. Bytes per rank: ``(n-1) q`` with ``q = ceil(P bits/8) + 4 P/B``
-(:mod:`.wire`), against ``(n-1) 4 S`` for fp32.
+Both move int8/int4 codes plus one fp32 scale per block instead of fp32 (`quantize`), each
+rank's part padded to whole blocks (`P = B ceil(S / B)` elements for an S-element shard) so a
+block never spans two ranks. Bytes per rank: `(n-1) q` with `q = ceil(P bits/8) + 4 P/B`
+(`wire`), against `(n-1) 4 S` for fp32.
 
-**qwZ** — :func:`quantized_all_gather_into_tensor`: quantize my shard, all_gather the messages,
-dequantize all n at once. Error per element: ``|out_i - exact_i| <= max|block| / (2 qmax)`` of
+**qwZ** — `quantized_all_gather_into_tensor`: quantize my shard, all_gather the messages,
+dequantize all n at once. Error per element: `|out_i - exact_i| <= max|block| / (2 qmax)` of
 the block it came from (weights need no error feedback: they are re-gathered from the exact
 fp32 shard every step).
 
-**qgZ** — :func:`quantized_reduce_scatter_tensor`: quantize my full input as n parts, send part
+**qgZ** — `quantized_reduce_scatter_tensor`: quantize my full input as n parts, send part
 j to rank j with one all_to_all, dequantize the n parts I receive and add them in fp32. ZeRO++
 does this all-to-all in two hops (within a node, then across); on one level it is the same
-arithmetic. Error per element of the sum: ``<= Σ_i max|block_i| / (2 qmax)`` over the n
-senders' blocks, or, with ``error_feedback``, the accumulated error over steps is bounded by the
+arithmetic. Error per element of the sum: `<= Σ_i max|block_i| / (2 qmax)` over the n
+senders' blocks, or, with `error_feedback`, the accumulated error over steps is bounded by the
 current residual (Note [why error feedback bounds the accumulated error]).
 """
 
@@ -35,7 +35,7 @@ _DEFAULT = BlockQuantizer()
 
 
 def _padded_rows(x: torch.Tensor, n: int, row_numel: int, padded_numel: int) -> torch.Tensor:
-    """``x`` as ``(n, row_numel)`` fp32 rows, each zero-padded to ``padded_numel`` columns."""
+    """`x` as `(n, row_numel)` fp32 rows, each zero-padded to `padded_numel` columns."""
     rows = torch.zeros(n, padded_numel, dtype=torch.float32, device=x.device)
     rows[:, :row_numel] = x.detach().reshape(n, row_numel)
     return rows
@@ -48,10 +48,10 @@ def quantized_all_gather_into_tensor(
     quantizer: BlockQuantizer = _DEFAULT,
     group: Any = None,
 ) -> torch.Tensor:
-    """Gather every rank's ``input`` into ``output`` (``n * input.numel()`` elements), quantized.
+    """Gather every rank's `input` into `output` (`n * input.numel()` elements), quantized.
 
-    Like :func:`minispeed.comm.all_gather_into_tensor` but lossy: each element is off by at most
-    ``max|block| / (2 qmax)`` of its block. Returns ``output``.
+    Like `minispeed.comm.all_gather_into_tensor` but lossy: each element is off by at most
+    `max|block| / (2 qmax)` of its block. Returns `output`.
     """
     n = validation.check_group("quantized_all_gather", group)
     shard = input.numel()
@@ -85,12 +85,12 @@ def quantized_reduce_scatter_tensor(
     error_feedback: ErrorFeedback | None = None,
     group: Any = None,
 ) -> torch.Tensor:
-    """Reduce ``input`` (``n * output.numel()`` elements) over ranks; rank r keeps part r, quantized.
+    """Reduce `input` (`n * output.numel()` elements) over ranks; rank r keeps part r, quantized.
 
-    ``op`` is ``comm.ReduceOp.SUM`` (default) or ``comm.ReduceOp.AVG``. Pass an
-    :class:`ErrorFeedback` around a :class:`BlockQuantizer` to carry this rank's quantization
-    error into its next call (then leave ``quantizer`` unset or pass the same one). Returns
-    ``output``.
+    `op` is `comm.ReduceOp.SUM` (default) or `comm.ReduceOp.AVG`. Pass an
+    `ErrorFeedback` around a `BlockQuantizer` to carry this rank's quantization
+    error into its next call (then leave `quantizer` unset or pass the same one). Returns
+    `output`.
     """
     n = validation.check_group("quantized_reduce_scatter", group)
     op = comm.ReduceOp.SUM if op is None else op
