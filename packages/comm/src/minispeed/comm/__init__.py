@@ -9,7 +9,8 @@ Use it as `import minispeed.comm as comm`. Reading order (see README.md):
    `p2p` — send/recv; `objects` — Python objects;
    `work` — how one call is issued, timed, logged and waited on.
 4. `logger` — the comms logger (off by default).
-5. `validation` — errors, local checks, opt-in cross-rank validation.
+5. `validation` — errors and local checks; `handshake` — the cross-rank check (first call
+   of each call site by default, every call in validation mode).
 6. `api_compat` — torch-version and backend differences, in one place.
 7. `buckets` — gradient buckets that overlap communication with backward.
 8. `topology` and `hierarchical` — process grids and
