@@ -184,3 +184,18 @@ def test_nan_and_inf_arrive_non_finite_through_quantized_collectives(bits):
         ag = res["ag"]
         assert ag[shard + BLOCK : shard + 2 * BLOCK].isnan().all()
         assert ag[:shard].isfinite().all() and ag[shard + 2 * BLOCK :].isfinite().all()
+
+
+def _one_bad_rank_body(rank: int, world_size: int) -> str:
+    out = torch.empty(3 if rank == 0 else 4)  # rank 0's output does not fit its input
+    with pytest.raises(ValueError) as info:  # CommInputError is a ValueError too
+        quantized_reduce_scatter_tensor(out, torch.ones(4 * world_size))
+    comm.barrier()  # rank 1 did not wait in the all-to-all for rank 0
+    return str(info.value)
+
+
+def test_a_size_error_on_one_rank_reaches_the_other():
+    messages = run_distributed(_one_bad_rank_body, world_size=2, timeout_s=60)
+    assert "n * output.numel()" in messages[0]
+    assert "rank(s) [0] rejected their arguments" in messages[1]
+    assert "n * output.numel()" in messages[1]

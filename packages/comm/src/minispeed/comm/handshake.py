@@ -174,9 +174,18 @@ def compare(
     _compare_in_full(op, group, sig, error, payload, check_payload)
 
 
-def reject(op: str, group: Any, error: CommInputError, is_checked: bool) -> CommInputError:
-    """`error`, found by this rank's local checks; on a checked call the peers learn of it
-    first (they raise too, quoting it). Returns the error for the caller to raise."""
+# Note [errors reach every rank]
+# A rank that rejects its own arguments must not simply raise: its peers would wait in the real
+# collective until the group's timeout (minutes). On a checked call it first takes part in the
+# fingerprint exchange with status 1, so the peers raise at once, quoting its error. Calls that
+# are not checked cannot do this without an exchange per call; there the collectives that can
+# fail on data (top-k's NaN) send a marked message of the agreed size instead (Note [a rank that
+# cannot compress still sends] in compressed_allreduce.py).
+
+
+def reject(op: str, group: Any, error: Exception, is_checked: bool) -> Exception:
+    """``error``, found by this rank's local checks; on a checked call the peers learn of it
+    first (they raise `CommInputError` quoting it). Returns the error for the caller to raise."""
     if is_checked:
         compare(op, group, {}, error=error)  # returns on this rank; its peers raise
     return error

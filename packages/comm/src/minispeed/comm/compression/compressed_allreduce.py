@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 import minispeed.comm as comm
-from minispeed.comm import validation
+from minispeed.comm import handshake, validation
 from minispeed.comm.compression import ops, wire
 from minispeed.comm.compression.error_feedback import ErrorFeedback
 from minispeed.comm.compression.onebit import OnebitCompressor, SignPacked
@@ -94,8 +94,15 @@ class OnebitAllReduce:
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         """Replace `tensor` by the compressed average over the group; returns it."""
-        n = validation.check_group(type(self).__name__, self.group)
-        _check_tensor(tensor, self.numel, type(self).__name__)
+        name = type(self).__name__
+        n = validation.check_group(name, self.group)
+        is_checked = handshake.checked(self.group)
+        try:
+            _check_tensor(tensor, self.numel, name)
+        except (ValueError, TypeError) as err:  # See Note [errors reach every rank]
+            raise handshake.reject(name, self.group, err, is_checked) from None
+        if is_checked:
+            handshake.compare(name, self.group, {"numel": tensor.numel()})
         if self.numel is None:
             self.numel = tensor.numel()
             self.chunk_numel = wire.onebit_chunk_numel(tensor.numel(), n)
@@ -160,7 +167,15 @@ class TopkAllReduce:
         """Replace `tensor` by the average of every rank's top-k; returns it."""
         name = type(self).__name__
         n = validation.check_group(name, self.group)
-        _check_tensor(tensor, self.numel, name)
+        is_checked = handshake.checked(self.group)
+        try:
+            _check_tensor(tensor, self.numel, name)
+        except (ValueError, TypeError) as err:  # See Note [errors reach every rank]
+            raise handshake.reject(name, self.group, err, is_checked) from None
+        if is_checked:
+            handshake.compare(
+                name, self.group, {"numel": tensor.numel(), "compressor": repr(self.compressor)}
+            )
         self.numel = tensor.numel()
         if tensor.numel() == 0:
             return tensor

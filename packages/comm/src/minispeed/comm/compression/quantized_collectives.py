@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 import minispeed.comm as comm
-from minispeed.comm import validation
+from minispeed.comm import handshake, validation
 from minispeed.comm.compression.error_feedback import ErrorFeedback
 from minispeed.comm.compression.quantize import BlockQuantizer, QuantPacked
 
@@ -53,17 +53,24 @@ def quantized_all_gather_into_tensor(
     Like `minispeed.comm.all_gather_into_tensor` but lossy: each element is off by at most
     `max|block| / (2 qmax)` of its block. Returns `output`.
     """
-    n = validation.check_group("quantized_all_gather", group)
+    name = "quantized_all_gather"
+    n = validation.check_group(name, group)
+    is_checked = handshake.checked(group)
     shard = input.numel()
-    if output.numel() != n * shard:
-        raise ValueError(
-            f"output has {output.numel()} elements but {n} ranks x {shard} input elements = "
-            f"{n * shard}; allocate output with n * input.numel() elements"
-        )
-    if not (input.is_floating_point() and output.is_floating_point()):
-        raise TypeError(
-            f"quantized all-gather needs float tensors, got {input.dtype}/{output.dtype}"
-        )
+    try:
+        if output.numel() != n * shard:
+            raise ValueError(
+                f"output has {output.numel()} elements but {n} ranks x {shard} input elements = "
+                f"{n * shard}; allocate output with n * input.numel() elements"
+            )
+        if not (input.is_floating_point() and output.is_floating_point()):
+            raise TypeError(
+                f"quantized all-gather needs float tensors, got {input.dtype}/{output.dtype}"
+            )
+    except (ValueError, TypeError) as err:  # See Note [errors reach every rank] in handshake.py
+        raise handshake.reject(name, group, err, is_checked) from None
+    if is_checked:
+        handshake.compare(name, group, {"shape": tuple(input.shape), "quantizer": repr(quantizer)})
     padded = quantizer.padded_numel(shard)
     message = quantizer.compress(_padded_rows(input, 1, shard, padded)).to_bytes()
     gathered = torch.empty(n * message.numel(), dtype=torch.uint8, device=input.device)
@@ -92,32 +99,39 @@ def quantized_reduce_scatter_tensor(
     error into its next call (then leave `quantizer` unset or pass the same one). Returns
     `output`.
     """
-    n = validation.check_group("quantized_reduce_scatter", group)
-    op = comm.ReduceOp.SUM if op is None else op
-    if op not in (comm.ReduceOp.SUM, comm.ReduceOp.AVG):
-        raise ValueError(f"quantized reduce-scatter supports ReduceOp.SUM and AVG, got {op}")
-    if error_feedback is not None:
-        if not isinstance(error_feedback.compressor, BlockQuantizer):
-            raise TypeError(
-                "error_feedback must wrap a BlockQuantizer for a quantized reduce-scatter"
-            )
-        if quantizer is not None and quantizer != error_feedback.compressor:
+    name = "quantized_reduce_scatter"
+    n = validation.check_group(name, group)
+    is_checked = handshake.checked(group)
+    try:
+        op = comm.ReduceOp.SUM if op is None else op
+        if op not in (comm.ReduceOp.SUM, comm.ReduceOp.AVG):
+            raise ValueError(f"quantized reduce-scatter supports ReduceOp.SUM and AVG, got {op}")
+        if error_feedback is not None:
+            if not isinstance(error_feedback.compressor, BlockQuantizer):
+                raise TypeError(
+                    "error_feedback must wrap a BlockQuantizer for a quantized reduce-scatter"
+                )
+            if quantizer is not None and quantizer != error_feedback.compressor:
+                raise ValueError(
+                    f"quantizer {quantizer} differs from the error feedback's "
+                    f"{error_feedback.compressor}; pass only error_feedback"
+                )
+            quantizer = error_feedback.compressor
+        quantizer = quantizer if quantizer is not None else _DEFAULT
+        shard = output.numel()
+        if input.numel() != n * shard:
             raise ValueError(
-                f"quantizer {quantizer} differs from the error feedback's "
-                f"{error_feedback.compressor}; pass only error_feedback"
+                f"input has {input.numel()} elements but {n} ranks x {shard} output elements = "
+                f"{n * shard}; pass an input of n * output.numel() elements"
             )
-        quantizer = error_feedback.compressor
-    quantizer = quantizer if quantizer is not None else _DEFAULT
-    shard = output.numel()
-    if input.numel() != n * shard:
-        raise ValueError(
-            f"input has {input.numel()} elements but {n} ranks x {shard} output elements = "
-            f"{n * shard}; pass an input of n * output.numel() elements"
-        )
-    if not (input.is_floating_point() and output.is_floating_point()):
-        raise TypeError(
-            f"quantized reduce-scatter needs float tensors, got {input.dtype}/{output.dtype}"
-        )
+        if not (input.is_floating_point() and output.is_floating_point()):
+            raise TypeError(
+                f"quantized reduce-scatter needs float tensors, got {input.dtype}/{output.dtype}"
+            )
+    except (ValueError, TypeError) as err:  # See Note [errors reach every rank] in handshake.py
+        raise handshake.reject(name, group, err, is_checked) from None
+    if is_checked:
+        handshake.compare(name, group, {"shape": tuple(input.shape), "quantizer": repr(quantizer)})
     padded = quantizer.padded_numel(shard)
     rows = _padded_rows(input, n, shard, padded).view(-1)  # (n P,): part j = rows[j]
     packed = (
