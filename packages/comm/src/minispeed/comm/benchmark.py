@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from minispeed.comm import api_compat, collectives, costs, handshake, validation
+from minispeed.comm import api_compat, collectives, costs, handshake
 from minispeed.comm.logger import CommsLogger
 from minispeed.core import ranges
 
@@ -178,7 +178,7 @@ def measure_checks(numel: int = 256, iters: int = 300, rounds: int = 5) -> dict[
     signature = (("dtype", str(t.dtype)), ("op", "ReduceOp.SUM"), ("shape", tuple(t.shape)))
 
     def objects() -> None:  # the previous validation mode: pickled signatures, every call
-        validation.exchange_and_compare("all_reduce", None, signature)
+        handshake.compare_in_full("all_reduce", None, signature)
         collectives.all_reduce(t)
 
     def site() -> None:  # one call site for every round: checked once, on the first call

@@ -58,6 +58,7 @@ __all__ = [
     "VALIDATE_ENV",
     "checked",
     "compare",
+    "compare_in_full",
     "reject",
     "validation_enabled",
     "validation_level",
@@ -171,7 +172,7 @@ def compare(
         if bool((rows[:, 0] == 0).all()) and bool((rows[:, 1] == rows[0, 1]).all()):
             return
     # The slow path: every rank got here together (same table), so the object exchange matches.
-    _compare_in_full(op, group, sig, error, payload, check_payload)
+    compare_in_full(op, group, sig, error, payload, check_payload)
 
 
 # Note [errors reach every rank]
@@ -184,21 +185,27 @@ def compare(
 
 
 def reject(op: str, group: Any, error: Exception, is_checked: bool) -> Exception:
-    """``error``, found by this rank's local checks; on a checked call the peers learn of it
+    """`error`, found by this rank's local checks; on a checked call the peers learn of it
     first (they raise `CommInputError` quoting it). Returns the error for the caller to raise."""
     if is_checked:
         compare(op, group, {}, error=error)  # returns on this rank; its peers raise
     return error
 
 
-def _compare_in_full(
+def compare_in_full(
     op: str,
     group: Any,
     sig: tuple,
-    error: BaseException | None,
-    payload: Any,
-    check_payload: Callable[[str, list[int], list[Any]], None] | None,
+    error: BaseException | None = None,
+    payload: Any = None,
+    check_payload: Callable[[str, list[int], list[Any]], None] | None = None,
 ) -> None:
+    """The slow path: all-gather every rank's `(op, signature, payload, error text)` as pickled
+    objects and raise the same error on every rank (or return when all agree).
+
+    Costs a length all-gather, a payload all-gather and n unpicklings; before the fingerprint,
+    validation mode paid this on every call.
+    """
     n = dist.get_world_size(group)
     everything: list[Any] = [None] * n
     text = None if error is None else f"{type(error).__name__}: {error}"

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -202,31 +202,6 @@ def check_peer(op: str, peer: int, name: str, group: Any) -> None:
 
 
 # -- cross-rank validation ----------------------------------------------------------------------
-def exchange_and_compare(
-    op: str,
-    group: Any,
-    signature: tuple,
-    payload: Any = None,
-    check_payload: Callable[[str, list[int], list[Any]], None] | None = None,
-) -> None:
-    """All-gather `(op, signature, payload)` over `group`; raise on every rank if two
-    signatures differ, or if `check_payload(op, ranks, payloads)` raises.
-
-    Every rank sees the same gathered list, so every rank raises the same error: none is left
-    blocked in the real collective.
-    """
-    n = dist.get_world_size(group)
-    everything: list[Any] = [None] * n
-    dist.all_gather_object(everything, (op, signature, payload), group=group)
-    ranks = group_ranks(group)
-    gathered = [(g[0], g[1]) for g in everything]
-    if all(g == gathered[0] for g in gathered):
-        if check_payload is not None:
-            check_payload(op, ranks, [g[2] for g in everything])
-        return
-    raise mismatch_error(gathered, ranks)
-
-
 def mismatch_error(gathered: list[tuple[str, Any]], ranks: list[int]) -> CommMismatchError:
     """The error every rank raises when the `(op, signature)` pairs gathered from `ranks`
     differ: it names the minority, the reference rank and every rank's call."""
