@@ -4,12 +4,14 @@ Run from the repository root::
 
     .venv/bin/python benchmarks/comm_collectives.py                # 2 processes, default sizes
     .venv/bin/python benchmarks/comm_collectives.py --json out.json --sizes 256 65536
+    .venv/bin/python benchmarks/comm_collectives.py --sizes   # overheads and checks only
 
 Three variants run interleaved in one process group (see :mod:`minispeed.comm.benchmark`):
 ``torch`` (raw torch.distributed), ``comm`` (minispeed.comm, logger off) and ``comm+log``
 (logger on). The ratios are our time over torch's: 1.00 means no overhead. Each time is the best
 of ``--rounds`` rounds; on a shared or small machine the network numbers stay noisy, so a second
-table measures our per-call overhead alone, on one-rank groups where nothing is sent.
+table measures our per-call overhead alone, on one-rank groups where nothing is sent. A third
+times a small all-reduce under each cross-rank check mode (see minispeed.comm.handshake).
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ from minispeed.core.testing import run_distributed, shutdown_pool
 
 def _body(rank: int, world_size: int, ops: tuple, sizes: tuple, rounds: int) -> dict:
     return {
+        "checks": benchmark.measure_checks(rounds=rounds),
         "dispatch": benchmark.measure_dispatch(ops=ops, rounds=rounds),
-        "rows": benchmark.measure(ops=ops, sizes=sizes, rounds=rounds),
+        "rows": benchmark.measure(ops=ops, sizes=sizes, rounds=rounds) if sizes else [],
     }
 
 
@@ -49,8 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--ops", nargs="+", default=list(benchmark.OPS), choices=benchmark.OPS)
     parser.add_argument(
-        "--sizes", nargs="+", type=int, default=[1 << 8, 1 << 12, 1 << 16, 1 << 20],
-        help="message sizes in fp32 elements (default: 1 KiB, 16 KiB, 256 KiB, 4 MiB)",
+        "--sizes", nargs="*", type=int, default=[1 << 8, 1 << 12, 1 << 16, 1 << 20],
+        help="message sizes in fp32 elements (default: 1 KiB, 16 KiB, 256 KiB, 4 MiB); "
+        "none (--sizes) skips the bandwidth table",
     )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", help="also write the rows to this JSON file (atomically)")
@@ -62,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         args=(tuple(args.ops), tuple(args.sizes), args.rounds),
         timeout_s=600,
     )[0]
-    rows, dispatch = result["rows"], result["dispatch"]
+    rows, dispatch, checks = result["rows"], result["dispatch"], result["checks"]
     shutdown_pool()
 
     table = Table(title=f"gloo, {args.world_size} processes, fp32, torch {torch.__version__}")
@@ -93,6 +97,28 @@ def main(argv: list[str] | None = None) -> int:
         )
     console.print(solo)
 
+    title = (
+        f"cross-rank checks: one all_reduce of {checks['numel']} fp32 on {args.world_size} "
+        "processes (steady state)"
+    )
+    check_table = Table(title=title)
+    for col in ("checks", "per call", "/ off"):
+        check_table.add_column(col, justify="left" if col == "checks" else "right")
+    labels = {
+        "off": "off (MINISPEED_COMM_VALIDATE=0)",
+        "first": "first call of each site (default)",
+        "all": "every call, fingerprint (=1)",
+        "objects": "every call, pickled signatures (=1 before)",
+    }
+    for v in benchmark.CHECK_VARIANTS:
+        check_table.add_row(
+            labels[v], f"{checks[f'us_per_call[{v}]']:.1f} us", f"{checks[f'ratio[{v}/off]']:.2f}x"
+        )
+    console.print(check_table)
+    console.print(
+        f"one named range (comm.<op>) with nothing listening: {checks['range_us']:.3f} us"
+    )
+
     if args.json:
         meta = {
             "torch": torch.__version__,
@@ -102,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         folder = os.path.dirname(os.path.abspath(args.json))
         fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
-            json.dump({"meta": meta, "rows": rows, "dispatch": dispatch}, f, indent=1)
+            json.dump(
+                {"meta": meta, "rows": rows, "dispatch": dispatch, "checks": checks}, f, indent=1
+            )
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, args.json)

@@ -1,9 +1,10 @@
 """Bad input raises a clear error on the calling rank, before any rank blocks.
 
-Local checks are tested with ONLY the bad rank calling: had the check been missing, that rank
-would block in the backend waiting for a peer that never comes, and the test would time out.
-Cross-rank mismatches are caught by validation mode on every rank; without it, a missing peer
-ends in a CommTimeoutError naming the op.
+Local checks are tested with ONLY the bad rank calling and cross-rank checks off (as for a call
+site's later calls): had the check been missing, that rank would block in the backend waiting
+for a peer that never comes, and the test would time out. Cross-rank mismatches are caught by
+validation mode on every rank; a missing peer ends in a CommTimeoutError naming the op.
+test_handshake_mismatch.py covers the default checks and errors that reach every rank.
 """
 
 import re
@@ -62,6 +63,14 @@ _LOCAL_CASES = {
         lambda n: comm.send(torch.ones(1), dst=0),
         "cannot message itself",
     ),
+    "sparse": (
+        lambda n: comm.all_reduce(torch.ones(4).to_sparse()),
+        "is sparse (torch.sparse_coo); collectives move dense tensors: pass t.to_dense()",
+    ),
+    "coalesced_sparse": (
+        lambda n: comm.all_gather_coalesced([torch.empty(n)], [torch.ones(1).to_sparse()]),
+        "is sparse (torch.sparse_coo)",
+    ),
     "coalesced_mixed_dtypes": (
         lambda n: comm.all_gather_coalesced(
             [torch.empty(n), torch.empty(n, dtype=torch.int64)],
@@ -76,7 +85,7 @@ def _local_body(rank: int, world_size: int, case: str) -> str:
     call, _ = _LOCAL_CASES[case]
     message = ""
     if rank == 0:
-        with pytest.raises(comm.CommInputError) as info:
+        with comm.validation_mode(False), pytest.raises(comm.CommInputError) as info:
             call(world_size)
         message = str(info.value)
     comm.barrier()  # both ranks still talk: nobody was left blocked
@@ -103,6 +112,66 @@ def _non_member_body(rank: int, world_size: int) -> str:
 def test_group_the_rank_is_not_in():
     message = run_distributed(_non_member_body, world_size=2)[1]
     assert "global rank 1 is not a member of this group" in message
+
+
+def _non_member_compressed_body(rank: int, world_size: int) -> dict:
+    from minispeed.comm.compression import (
+        OnebitAllReduce,
+        TopkAllReduce,
+        quantized_all_gather_into_tensor,
+        quantized_reduce_scatter_tensor,
+    )
+
+    only_zero = comm.new_group([0])
+    calls = {
+        "onebit": lambda: OnebitAllReduce(group=only_zero)(torch.ones(16)),
+        "topk": lambda: TopkAllReduce(group=only_zero)(torch.ones(16)),
+        "quantized_all_gather": lambda: quantized_all_gather_into_tensor(
+            torch.empty(8), torch.ones(8), group=only_zero
+        ),
+        "quantized_reduce_scatter": lambda: quantized_reduce_scatter_tensor(
+            torch.empty(8), torch.ones(8), group=only_zero
+        ),
+    }
+    messages = {}
+    if rank == 1:  # these used to fail with "negative dimension -8" or "-1 ranks"
+        for name, call in calls.items():
+            with pytest.raises(comm.CommInputError) as info:
+                call()
+            messages[name] = str(info.value)
+    comm.barrier()
+    return messages
+
+
+def test_compressed_collectives_check_membership_like_the_dense_ones():
+    messages = run_distributed(_non_member_compressed_body, world_size=2)[1]
+    assert len(messages) == 4
+    for name, text in messages.items():
+        assert "global rank 1 is not a member of this group" in text, name
+        assert "comm.is_member(group)" in text, name
+
+
+def _zero_dim_body(rank: int, world_size: int) -> dict:
+    n = world_size
+    out = torch.empty(())  # 0-dim: one element per rank; gloo segfaulted on this
+    comm.reduce_scatter_tensor(out, torch.arange(n, dtype=torch.float32) + rank)
+    gathered = torch.empty(n, 1)  # 2-D output of a 0-dim input
+    comm.all_gather_into_tensor(gathered, torch.tensor(float(rank)))
+    scalar = torch.tensor(float(rank + 1))
+    comm.all_reduce(scalar)
+    work = comm.reduce_scatter_tensor(
+        torch.empty(1, 2), torch.ones(n, 2) * (rank + 1), async_op=True
+    )
+    work.wait()
+    return {"rs": out.item(), "ag": gathered.view(-1).tolist(), "ar": scalar.item()}
+
+
+def test_zero_dim_and_multi_dim_buffers_reach_the_backend_flat():
+    results = run_distributed(_zero_dim_body, world_size=2, timeout_s=60)
+    for rank, res in enumerate(results):
+        assert res["rs"] == 2 * rank + 1  # sum over ranks r of (rank + r)
+        assert res["ag"] == [0.0, 1.0]
+        assert res["ar"] == 3.0
 
 
 def _mismatch_body(rank: int, world_size: int, kind: str) -> str:

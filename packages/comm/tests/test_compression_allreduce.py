@@ -183,3 +183,23 @@ def _wrong_size(rank: int, world_size: int) -> str:
 def test_onebit_allreduce_refuses_a_tensor_of_another_size():
     messages = run_distributed(_wrong_size, world_size=2, timeout_s=120)
     assert all("one OnebitAllReduce per tensor" in m for m in messages)
+
+
+def _topk_nan_body(rank: int, world_size: int) -> str:
+    x = torch.ones(64)
+    if rank == 0:
+        x[5] = float("nan")
+    allreduce = TopkAllReduce(TopkCompressor(k=4))
+    error = ValueError if rank == 0 else comm.CommInputError
+    with pytest.raises(error) as info:
+        allreduce(x)
+    comm.barrier()  # nobody was left waiting in the all-gather
+    return str(info.value)
+
+
+def test_topk_nan_on_one_rank_raises_on_every_rank_promptly():
+    # Before, rank 1 waited in the all-gather until the group's timeout; the harness's 60 s
+    # limit would have failed this test.
+    messages = run_distributed(_topk_nan_body, world_size=2, timeout_s=60)
+    assert "top-k input holds NaN" in messages[0]
+    assert "rank(s) [0] could not compress their tensor (top-k input holds NaN" in messages[1]

@@ -155,3 +155,17 @@ def test_compressor_configs_reject_bad_values_with_the_fix():
         TopkCompressor(ratio=1.5)
     with pytest.raises(ValueError, match="use 34"):
         BlockQuantizer(bits=4, block_numel=32 + 1)
+
+
+def test_a_nan_residual_poisons_its_block_until_reset():
+    # Documented in error_feedback.py: after a non-finite step, call reset() before the next.
+    ef = ErrorFeedback(BlockQuantizer(8, 16))
+    x = torch.ones(64)
+    bad = x.clone()
+    bad[20] = float("nan")
+    ef.compress(bad)
+    assert ef.residual[16:32].isnan().all() and ef.residual[32:].isfinite().all()
+    again = ef.compressor.decompress(ef.compress(x))  # a finite input, but the residual is NaN
+    assert again[16:32].isnan().all() and again[:16].isfinite().all()
+    ef.reset()
+    assert ef.compressor.decompress(ef.compress(x)).isfinite().all()

@@ -83,6 +83,47 @@ def test_block_quantization_matches_reference_bit_for_bit(op, n, bits):
             assert _same_bits(out, ref.dequantize_blocks(q, scales, block, bits, n))
 
 
+def _non_finite_cases() -> dict[str, torch.Tensor]:
+    """Inputs whose blocks hold NaN, +inf, -inf, mixes of them, in vector bodies and tails."""
+    nan, inf = float("nan"), float("inf")
+    cases = {}
+    for n in (5, 16, 37, 100):
+        for name, values in {
+            "nan": [nan],
+            "pos_inf": [inf],
+            "neg_inf": [-inf],
+            "nan_and_inf": [nan, inf, -inf],
+            "negative_nan": [-nan],  # sign bit set: the scale is still the canonical NaN
+        }.items():
+            for where in {0, n // 2, n - 1}:  # first lane, a middle lane, the last (tail) lane
+                x = _data(n, seed=n + where)
+                for j, v in enumerate(values):
+                    x[(where + 3 * j) % n] = v
+                cases[f"{name}-n{n}-at{where}"] = x
+    return cases
+
+
+_NON_FINITE = _non_finite_cases()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("case", sorted(_NON_FINITE))
+def test_block_quantization_of_nan_and_inf_matches_reference_bit_for_bit(op, case, bits):
+    x = _NON_FINITE[case]
+    for block in (4, 16, 18, 1000):
+        ref_q, ref_scales = ref.quantize_blocks(x, block, bits)
+        values = ref.dequantize_blocks(ref_q, ref_scales, block, bits, x.numel())
+        for part, out in zip(x.split(block), values.split(block)):
+            # a block holding a NaN or +-inf dequantizes to NaN throughout; others stay finite
+            assert bool(out.isnan().all() if not part.isfinite().all() else out.isfinite().all())
+        for level in op.simd_levels():
+            q, scales = op.quantize_blocks(x, block, bits, level)
+            assert _same_bits(scales, ref_scales), (LEVEL_NAMES[level], block)
+            assert _same_bits(q, ref_q), (LEVEL_NAMES[level], block)
+            out = op.dequantize_blocks(q, scales, block, bits, x.numel(), level)
+            assert _same_bits(out, values), (LEVEL_NAMES[level], block)
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantization_rounds_half_to_even_and_packs_nibbles_low_first(bits):
     qmax = 127 if bits == 8 else 7

@@ -151,3 +151,51 @@ def test_quantized_collectives_reject_mismatched_sizes_before_communicating():
     messages = run_distributed(_bad_sizes, world_size=2, timeout_s=120)[0]
     assert len(messages) == 2
     assert "n * input.numel()" in messages[0] and "n * output.numel()" in messages[1]
+
+
+def _non_finite_body(rank: int, world_size: int, bits: int) -> dict:
+    quantizer = BlockQuantizer(bits, BLOCK)
+    shard = 3 * BLOCK
+    x = _data(rank, world_size * shard)
+    if rank == 0:  # a NaN in the part for rank 1, an inf in the part for rank 0
+        x[shard + 10] = float("nan")
+        x[2 * BLOCK + 5] = float("inf")
+    out = torch.empty(shard)
+    quantized_reduce_scatter_tensor(out, x, quantizer=quantizer)
+    gathered = torch.empty(world_size * shard)
+    mine = _data(rank, shard)
+    if rank == 1:
+        mine[BLOCK + 1] = float("nan")
+    quantized_all_gather_into_tensor(gathered, mine, quantizer=quantizer)
+    return {"rs": out, "ag": gathered}
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_nan_and_inf_arrive_non_finite_through_quantized_collectives(bits):
+    # fp16 loss scaling looks for non-finite gradients; quantization must not hide them.
+    n, shard = 2, 3 * BLOCK
+    results = run_distributed(_non_finite_body, world_size=n, args=(bits,), timeout_s=60)
+    rs0, rs1 = results[0]["rs"], results[1]["rs"]
+    assert rs1[10:BLOCK].isnan().all() and rs1[:10].isnan().all()  # the NaN's whole block
+    assert rs1[BLOCK:].isfinite().all()
+    assert rs0[2 * BLOCK :].isnan().all()  # inf block: 0 * inf = NaN throughout, never finite
+    assert rs0[: 2 * BLOCK].isfinite().all()
+    for res in results:  # the all-gather: rank 1's NaN block arrives as NaN on every rank
+        ag = res["ag"]
+        assert ag[shard + BLOCK : shard + 2 * BLOCK].isnan().all()
+        assert ag[:shard].isfinite().all() and ag[shard + 2 * BLOCK :].isfinite().all()
+
+
+def _one_bad_rank_body(rank: int, world_size: int) -> str:
+    out = torch.empty(3 if rank == 0 else 4)  # rank 0's output does not fit its input
+    with pytest.raises(ValueError) as info:  # CommInputError is a ValueError too
+        quantized_reduce_scatter_tensor(out, torch.ones(4 * world_size))
+    comm.barrier()  # rank 1 did not wait in the all-to-all for rank 0
+    return str(info.value)
+
+
+def test_a_size_error_on_one_rank_reaches_the_other():
+    messages = run_distributed(_one_bad_rank_body, world_size=2, timeout_s=60)
+    assert "n * output.numel()" in messages[0]
+    assert "rank(s) [0] rejected their arguments" in messages[1]
+    assert "n * output.numel()" in messages[1]

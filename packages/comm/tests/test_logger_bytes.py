@@ -119,3 +119,30 @@ def test_logger_contexts_nest_and_restore():
             assert comm.comms_logger() is inner
         assert comm.comms_logger() is outer
     assert comm.comms_logger() is None
+
+
+def _async_step_body(rank: int, world_size: int) -> list:
+    with comm.CommsLogger() as log:
+        work = comm.all_reduce(torch.ones(8), async_op=True)  # issued in step 0
+        log.mark_step()
+        comm.all_reduce(torch.ones(4))  # step 1
+        work.wait()  # waited on in step 1, but it belongs to step 0
+    return [(r.numel, r.step, r.async_op) for r in log.records]
+
+
+def test_async_call_carries_the_step_of_issue():
+    records = run_distributed(_async_step_body, world_size=2, timeout_s=60)[0]
+    assert records == [(4, 1, False), (8, 0, True)]
+
+
+def _profiled_body(rank: int, world_size: int) -> list:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        comm.all_reduce(torch.ones(4))
+        comm.all_gather_into_tensor(torch.empty(2 * world_size), torch.ones(2))
+        comm.all_reduce(torch.ones(4), async_op=True).wait()
+    return [e.name for e in prof.events() if e.name.startswith("comm.")]
+
+
+def test_each_collective_is_a_named_range():
+    names = run_distributed(_profiled_body, world_size=2, timeout_s=60)[0]
+    assert names == ["comm.all_reduce", "comm.all_gather", "comm.all_reduce"]

@@ -1,18 +1,19 @@
 """minispeed.comm: every collective minispeed issues, with a byte ledger, buckets and topology.
 
-Use it as ``import minispeed.comm as comm``. Reading order (see README.md):
+Use it as `import minispeed.comm as comm`. Reading order (see README.md):
 
-1. :mod:`~minispeed.comm.costs` — what each collective costs (message size, bus-bandwidth factor,
+1. `costs` — what each collective costs (message size, bus-bandwidth factor,
    bytes on the wire), written once.
-2. :mod:`~minispeed.comm.groups` — start torch.distributed, ranks, sub-groups.
-3. :mod:`~minispeed.comm.collectives` — the collectives, with checks before blocking;
-   :mod:`~minispeed.comm.p2p` — send/recv; :mod:`~minispeed.comm.objects` — Python objects;
-   :mod:`~minispeed.comm.work` — how one call is issued, timed, logged and waited on.
-4. :mod:`~minispeed.comm.logger` — the comms logger (off by default).
-5. :mod:`~minispeed.comm.validation` — errors, local checks, opt-in cross-rank validation.
-6. :mod:`~minispeed.comm.api_compat` — torch-version and backend differences, in one place.
-7. :mod:`~minispeed.comm.buckets` — gradient buckets that overlap communication with backward.
-8. :mod:`~minispeed.comm.topology` and :mod:`~minispeed.comm.hierarchical` — process grids and
+2. `groups` — start torch.distributed, ranks, sub-groups.
+3. `collectives` — the collectives, with checks before blocking;
+   `p2p` — send/recv; `objects` — Python objects;
+   `work` — how one call is issued, timed, logged and waited on.
+4. `logger` — the comms logger (off by default).
+5. `validation` — errors and local checks; `handshake` — the cross-rank check (first call
+   of each call site by default, every call in validation mode).
+6. `api_compat` — torch-version and backend differences, in one place.
+7. `buckets` — gradient buckets that overlap communication with backward.
+8. `topology` and `hierarchical` — process grids and
    the two-level all-gather.
 """
 
@@ -44,6 +45,7 @@ from minispeed.comm.groups import (
     is_member,
     new_group,
 )
+from minispeed.comm.handshake import validation_enabled, validation_mode
 from minispeed.comm.hierarchical import HierarchicalAllGather
 from minispeed.comm.logger import CommRecord, CommsLogger, comms_logger
 from minispeed.comm.objects import all_gather_object, broadcast_object
@@ -55,8 +57,6 @@ from minispeed.comm.validation import (
     CommInputError,
     CommMismatchError,
     CommTimeoutError,
-    validation_enabled,
-    validation_mode,
 )
 from minispeed.comm.work import CommWork
 
@@ -109,8 +109,8 @@ __all__ = [
 
 # -- gradient compression (owned by the compression engineer) ----------------------------------
 # Gradient compression and the compressed-momentum optimizers are subpackages, imported last
-# because they build on the collectives above: ``comm.compression.OnebitAllReduce``,
-# ``comm.optim.OnebitAdam``.
+# because they build on the collectives above: `comm.compression.OnebitAllReduce`,
+# `comm.optim.OnebitAdam`.
 from minispeed.comm import compression, optim
 
 __all__ += ["compression", "optim"]

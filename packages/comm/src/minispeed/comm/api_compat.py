@@ -1,37 +1,38 @@
 """The one place that knows which torch.distributed functions exist and which a backend lacks.
 
-Note [flat collective names across torch versions]
-torch 2.13 renamed the flat ("into one tensor") collectives: ``all_gather_into_tensor`` became
-``all_gather_single`` and ``reduce_scatter_tensor`` became ``reduce_scatter_single``; the old
+**Note [flat collective names across torch versions]**
+
+torch 2.13 renamed the flat ("into one tensor") collectives: `all_gather_into_tensor` became
+`all_gather_single` and `reduce_scatter_tensor` became `reduce_scatter_single`; the old
 names still work but warn. The GPU machines carry torch 2.11, which has only the old names. We
-pick by feature (``hasattr``), never by version string, once at import, so no deprecation warning
+pick by feature (`hasattr`), never by version string, once at import, so no deprecation warning
 fires on 2.13 and nothing breaks on 2.11.
 
-Note [backend fallbacks]
+**Note [backend fallbacks]**
+
 Some process-group backends do not implement every flat collective (older gloo builds lack
 reduce-scatter; some lack the flat all-gather or all-to-all). A backend that lacks an op raises
 before sending anything, and it raises the same way on every rank (same torch build), so we can
 catch that error, remember it per backend, and run an equivalent built from ops it does have:
 
-=====================  ===========================  ===========================================
-op                     fallback (``impl`` logged)   bytes this rank sends instead
-=====================  ===========================  ===========================================
-reduce_scatter         ``all_reduce+slice``         2(n-1)/n · S instead of (n-1)/n · S
-all_gather (flat)      ``all_gather_list``          (n-1)/n · S (same), plus a local copy
-all_to_all (flat)      ``p2p``                      same bytes, n-1 isend/irecv pairs
-=====================  ===========================  ===========================================
+| op | fallback (`impl` logged) | bytes this rank sends instead |
+|---|---|---|
+| reduce_scatter | `all_reduce+slice` | 2(n-1)/n · S instead of (n-1)/n · S |
+| all_gather (flat) | `all_gather_list` | (n-1)/n · S (same), plus a local copy |
+| all_to_all (flat) | `p2p` | same bytes, n-1 isend/irecv pairs |
 
 The comms logger records the op under its own name and message size (so busbw stays comparable)
-with ``impl`` naming the fallback and ``wire_bytes`` the fallback's real cost.
+with `impl` naming the fallback and `wire_bytes` the fallback's real cost.
 
-Note [in-place flat collectives]
+**Note [in-place flat collectives]**
+
 The flat collectives may run in place: for reduce-scatter the output may be this rank's chunk of
-the input (``input[r·m : (r+1)·m]``), for all-gather the input may be this rank's chunk of the
+the input (`input[r·m : (r+1)·m]`), for all-gather the input may be this rank's chunk of the
 output. NCCL documents both; gloo (the CPU backend) gives the same results, and so do both
 fallbacks above (the reduce-scatter fallback reduces a copy; the list all-gather copies the input
-onto itself). ``test_in_place_flat_collectives`` checks every combination. ZeRO uses it to keep
+onto itself). `test_in_place_flat_collectives` checks every combination. ZeRO uses it to keep
 no separate output buffer: stage 1 reduce-scatters gradient buckets in place, and
-``all_gather_coalesced`` packs its inputs straight into the output.
+`all_gather_coalesced` packs its inputs straight into the output.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ Issued = tuple[Any, "Callable[[], None] | None"]
 
 @contextlib.contextmanager
 def force_fallback(*ops: str) -> Iterator[None]:
-    """Use the fallback of ``ops`` (``"reduce_scatter"``, ``"all_gather"``, ``"all_to_all"``) inside
+    """Use the fallback of `ops` (`"reduce_scatter"`, `"all_gather"`, `"all_to_all"`) inside
     the block, as if the backend lacked them. For tests of the fallbacks on backends that have the op."""
     added = set(ops) - _FORCED
     _FORCED.update(added)
@@ -77,7 +78,7 @@ def force_fallback(*ops: str) -> Iterator[None]:
 
 
 def impl_of(op: str, group: Any) -> str:
-    """``"native"`` or the fallback name that ``op`` will use on ``group``'s backend."""
+    """`"native"` or the fallback name that `op` will use on `group`'s backend."""
     if not _FORCED and not _MISSING:  # the common case: no backend lookup
         return "native"
     if op in _FORCED or (_backend(group), op) in _MISSING:
@@ -99,7 +100,7 @@ def _backend(group: Any) -> str:
 def _try_native(
     op: str, group: Any, native: Callable[[], Any], fallback: Callable[[], Issued]
 ) -> Issued:
-    """Run ``native``; if the backend says it lacks the op, remember that and run ``fallback``."""
+    """Run `native`; if the backend says it lacks the op, remember that and run `fallback`."""
     if impl_of(op, group) != "native":
         return fallback()
     try:
@@ -114,9 +115,9 @@ def _try_native(
 def reduce_scatter_flat(
     output: torch.Tensor, input: torch.Tensor, op: Any, group: Any, async_op: bool
 ) -> Issued:
-    """Reduce ``input`` (n·m elements) over the group; this rank's m-element chunk lands in ``output``.
+    """Reduce `input` (n·m elements) over the group; this rank's m-element chunk lands in `output`.
 
-    Fallback ``all_reduce+slice``: all-reduce a copy of the whole input, keep this rank's chunk.
+    Fallback `all_reduce+slice`: all-reduce a copy of the whole input, keep this rank's chunk.
     Correct for every reduce op; it sends 2(n-1)/n · S bytes instead of (n-1)/n · S and holds one
     extra input-sized buffer while in flight.
     """
@@ -143,9 +144,9 @@ def reduce_scatter_flat(
 def all_gather_flat(
     output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool
 ) -> Issued:
-    """Gather every rank's ``input`` into ``output`` (rank-major, n·m elements).
+    """Gather every rank's `input` into `output` (rank-major, n·m elements).
 
-    Fallback ``all_gather_list``: the list form of all-gather writing into n views of ``output``
+    Fallback `all_gather_list`: the list form of all-gather writing into n views of `output`
     (same bytes on the wire; the backend may copy once more).
     """
 
@@ -169,10 +170,10 @@ def all_to_all_flat(
     group: Any,
     async_op: bool,
 ) -> Issued:
-    """Exchange chunks along dim 0: chunk j of ``input`` goes to rank j; chunk i of ``output``
-    comes from rank i (equal chunks when the split sizes are ``None``).
+    """Exchange chunks along dim 0: chunk j of `input` goes to rank j; chunk i of `output`
+    comes from rank i (equal chunks when the split sizes are `None`).
 
-    Fallback ``p2p``: one batched isend/irecv per peer plus a local copy of this rank's own
+    Fallback `p2p`: one batched isend/irecv per peer plus a local copy of this rank's own
     chunk; the same bytes on the wire.
     """
 

@@ -1,17 +1,17 @@
 """Timing loops for benchmarks/comm_collectives.py: our collectives against plain torch.distributed.
 
 Lives inside minispeed.comm because the baseline calls torch.distributed directly, which only this
-package may do. :func:`measure` runs on every rank of an initialized group; the script spawns the
+package may do. `measure` runs on every rank of an initialized group; the script spawns the
 processes and prints the table.
 
-Method: for each (op, message size), the three variants (``torch``: the raw torch.distributed
-call; ``comm``: ours with the logger off; ``comm+log``: ours with a :class:`CommsLogger` on) run
-interleaved, ``rounds`` times, each round timing ``iters`` back-to-back calls between barriers.
+Method: for each (op, message size), the three variants (`torch`: the raw torch.distributed
+call; `comm`: ours with the logger off; `comm+log`: ours with a `CommsLogger` on) run
+interleaved, `rounds` times, each round timing `iters` back-to-back calls between barriers.
 A variant's time is the best (minimum) over rounds of the slowest rank's mean per-call time:
 on a shared machine other processes only ever add time, so the minimum is the most repeatable
-estimate. Bus bandwidth follows :mod:`minispeed.comm.costs`.
+estimate. Bus bandwidth follows `minispeed.comm.costs`.
 
-:func:`measure_dispatch` isolates what we add per call (checks, bookkeeping, logging) from the
+`measure_dispatch` isolates what we add per call (checks, bookkeeping, logging) from the
 network: each rank calls on a group of one (itself), so the backend does no communication, and
 the difference to torch is our overhead in microseconds.
 """
@@ -26,17 +26,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from minispeed.comm import api_compat, collectives, costs
+from minispeed.comm import api_compat, collectives, costs, handshake
 from minispeed.comm.logger import CommsLogger
+from minispeed.core import ranges
 
-__all__ = ["OPS", "VARIANTS", "measure", "measure_dispatch"]
+__all__ = ["CHECK_VARIANTS", "OPS", "VARIANTS", "measure", "measure_checks", "measure_dispatch"]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 VARIANTS = ("torch", "comm", "comm+log")
+CHECK_VARIANTS = ("off", "first", "all", "objects")
+"""Cross-rank checks timed by `measure_checks`: none; the default (first call of each call site,
+timed after it, so the steady state); every call (fingerprint); every call with the object
+exchange that validation mode used before the fingerprint (pickled signatures, two all-gathers)."""
 
 
 def _buffers(op: str, numel: int, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(input, output, msg_bytes) for a message of ``numel`` fp32 elements (nccl-tests sizes)."""
+    """(input, output, msg_bytes) for a message of `numel` fp32 elements (nccl-tests sizes)."""
     numel = max(n, numel // n * n)  # divisible by n for the scatter/gather family
     if op == "all_gather":
         inp, out = torch.ones(numel // n), torch.empty(numel)
@@ -69,7 +74,7 @@ def _call(
 
 
 def _mean_call_seconds(fn: Callable[[], Any], iters: int, log: CommsLogger | None) -> float:
-    """This rank's mean seconds per call over ``iters`` calls (inside ``log`` when given)."""
+    """This rank's mean seconds per call over `iters` calls (inside `log` when given)."""
     t0 = time.perf_counter()
     with log if log is not None else contextlib.nullcontext():
         for _ in range(iters):
@@ -78,7 +83,7 @@ def _mean_call_seconds(fn: Callable[[], Any], iters: int, log: CommsLogger | Non
 
 
 def _time_round(fn: Callable[[], Any], iters: int, log: CommsLogger | None) -> float:
-    """Slowest rank's mean seconds per call over ``iters`` calls."""
+    """Slowest rank's mean seconds per call over `iters` calls."""
     dist.barrier()
     per_call = torch.tensor([_mean_call_seconds(fn, iters, log)], dtype=torch.float64)
     dist.all_reduce(per_call, op=dist.ReduceOp.MAX)
@@ -93,8 +98,8 @@ def measure(
 ) -> list[dict[str, Any]]:
     """One row per (op, size): seconds per call, busbw per variant, overhead ratios vs torch.
 
-    ``sizes`` are message sizes in fp32 elements; ``iters`` per round is chosen from one
-    calibration call so that a round takes about ``target_s`` seconds.
+    `sizes` are message sizes in fp32 elements; `iters` per round is chosen from one
+    calibration call so that a round takes about `target_s` seconds.
     """
     n = dist.get_world_size()
     rows = []
@@ -163,3 +168,45 @@ def measure_dispatch(
             }
         )
     return rows
+
+
+def measure_checks(numel: int = 256, iters: int = 300, rounds: int = 5) -> dict[str, Any]:
+    """Microseconds per small all-reduce (`numel` fp32) on the world group under each of
+    `CHECK_VARIANTS`, best of `rounds` rounds of the slowest rank's mean; plus the cost of one
+    `ranges.range` enter/exit when nothing listens, in microseconds."""
+    t = torch.ones(numel)
+    signature = (("dtype", str(t.dtype)), ("op", "ReduceOp.SUM"), ("shape", tuple(t.shape)))
+
+    def objects() -> None:  # the previous validation mode: pickled signatures, every call
+        handshake.compare_in_full("all_reduce", None, signature)
+        collectives.all_reduce(t)
+
+    def site() -> None:  # one call site for every round: checked once, on the first call
+        collectives.all_reduce(t)
+
+    modes = {"off": "off", "first": "first", "all": "all", "objects": "off"}
+    fns = {"off": site, "first": site, "all": site, "objects": objects}
+    best: dict[str, float] = {}
+    for v in CHECK_VARIANTS:
+        with handshake.validation_mode(modes[v]):
+            for _ in range(10):
+                fns[v]()
+    for _ in range(rounds):  # interleaved: load from other programs falls on every variant
+        for v in CHECK_VARIANTS:
+            with handshake.validation_mode(modes[v]):
+                s = _time_round(fns[v], iters, None)
+            best[v] = min(best.get(v, s), s)
+    probe = ranges.range("comm.all_reduce")
+    samples = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(20000):
+            with probe:
+                pass
+        samples.append((time.perf_counter() - t0) / 20000)
+    return {
+        "numel": numel,
+        **{f"us_per_call[{v}]": best[v] * 1e6 for v in CHECK_VARIANTS},
+        **{f"ratio[{v}/off]": best[v] / best["off"] for v in CHECK_VARIANTS},
+        "range_us": min(samples) * 1e6,
+    }

@@ -1,22 +1,27 @@
 """Every collective minispeed issues, over torch.distributed (gloo on CPU, NCCL on GPU).
 
-Each function has the signature of its torch.distributed namesake and adds three things:
+Each function has the signature of its torch.distributed namesake and adds four things:
 
-* **checks before blocking** — bad devices, dtypes, sizes and group membership raise
-  :class:`~minispeed.comm.validation.CommInputError` on the calling rank before any rank waits
-  (see :mod:`minispeed.comm.validation`; cross-rank checks are opt-in);
-* **a ledger** — when a :class:`~minispeed.comm.logger.CommsLogger` is active each call appends one
-  record (op, size, dtype, group size, latency, algbw, busbw, wire bytes); when none is, the cost
-  is one global read (see Note [logger off is one global read]);
-* **named failures** — a backend timeout becomes a
-  :class:`~minispeed.comm.validation.CommTimeoutError` naming the op, shapes and group.
+- **checks before blocking**: bad devices, dtypes, sizes, sparse tensors and group membership
+  raise `CommInputError` on the calling rank before any rank waits (see
+  `minispeed.comm.validation`);
+- **a cross-rank check** of the first call of each call site (every call in validation mode):
+  ranks that disagree, or a rank that rejected its own arguments, raise on every rank (see
+  `minispeed.comm.handshake`);
+- **a ledger**: when a `CommsLogger` is active each call appends one record (op, size, dtype,
+  group size, latency, algbw, busbw, wire bytes); when none is, the cost is one global read (see
+  Note [logger off is one global read]);
+- **named failures**: a backend timeout becomes a `CommTimeoutError` naming the op, shapes and
+  group.
 
-``async_op=True`` returns a :class:`CommWork`; call ``wait()`` before reading the output. Groups
-are the objects :func:`new_group` returns; ``None`` is the world. Ranks passed as ``src``/``dst``
-are *global* ranks, as in torch.distributed.
+`async_op=True` returns a `CommWork`; call `wait()` before reading the output. Groups are the
+objects `new_group` returns; `None` is the world. Ranks passed as `src`/`dst` are *global* ranks,
+as in torch.distributed. The flat collectives (reduce-scatter, all-gather, all-to-all) hand the
+backend 1-D views: only element counts matter, and shapes a backend mishandles (gloo segfaults
+on a 0-dim reduce-scatter output) never reach it.
 
-Bytes per call (S = message size, n = group size) are in :mod:`minispeed.comm.costs`; in short,
-a ring all_reduce sends 2(n-1)/n · S per rank and all_gather / reduce_scatter (n-1)/n · S.
+Bytes per call (S = message size, n = group size) are in `minispeed.comm.costs`; in short, a
+ring all_reduce sends 2(n-1)/n · S per rank and all_gather / reduce_scatter (n-1)/n · S.
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from minispeed.comm import api_compat, costs, validation
+from minispeed.comm import api_compat, costs, handshake, validation
+from minispeed.comm.handshake import checked, reject
 from minispeed.comm.validation import CommInputError
-from minispeed.comm.work import Call, CommWork, check_across_ranks, launch
+from minispeed.comm.work import Call, CommWork, launch
 
 __all__ = [
     "CommWork",
@@ -50,15 +56,21 @@ ReduceOp = dist.ReduceOp
 def all_reduce(
     tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False
 ) -> CommWork | None:
-    """Reduce ``tensor`` elementwise over the group, in place on every rank.
+    """Reduce `tensor` elementwise over the group, in place on every rank.
 
     Sends 2(n-1)/n · S bytes per rank (ring: reduce-scatter then all-gather), S = tensor bytes.
     """
     n = validation.check_group("all_reduce", group)
-    validation.check_tensors("all_reduce", group, tensor)
-    if validation.validation_enabled():
-        check_across_ranks(
-            "all_reduce", group, shape=tuple(tensor.shape), dtype=str(tensor.dtype), op=str(op)
+    is_checked = checked(group)
+    try:
+        validation.check_tensors("all_reduce", group, tensor)
+    except CommInputError as err:
+        raise reject("all_reduce", group, err, is_checked) from None
+    if is_checked:
+        handshake.compare(
+            "all_reduce",
+            group,
+            {"shape": tuple(tensor.shape), "dtype": str(tensor.dtype), "op": str(op)},
         )
     call = Call("all_reduce", group, n, tensor, tensor.numel(), (tensor,))
     return launch(
@@ -73,27 +85,31 @@ def reduce_scatter_tensor(
     group: Any = None,
     async_op: bool = False,
 ) -> CommWork | None:
-    """Reduce ``input`` (n · m elements) over the group; rank r receives chunk r into ``output`` (m).
+    """Reduce `input` (n · m elements) over the group; rank r receives chunk r into `output` (m).
 
     S = input bytes; sends (n-1)/n · S per rank. On a backend without reduce-scatter it runs
-    ``all_reduce+slice`` instead (see Note [backend fallbacks] in api_compat): 2(n-1)/n · S sent,
-    and the logger records ``impl="all_reduce+slice"`` with those wire bytes.
+    `all_reduce+slice` instead (see Note [backend fallbacks] in api_compat): 2(n-1)/n · S sent,
+    and the logger records `impl="all_reduce+slice"` with those wire bytes.
     """
     name = "reduce_scatter"
     n = validation.check_group(name, group)
-    validation.check_tensors(name, group, output, input)
-    validation.check_same_dtype(name, output, input)
-    validation.check_divisible(name, input.numel(), n)
-    validation.check_numel(
-        name,
-        "output",
-        output.numel(),
-        input.numel() // n,
-        "allocate output with input.numel() // group size elements",
-    )
-    if validation.validation_enabled():
-        check_across_ranks(
-            name, group, shape=tuple(input.shape), dtype=str(input.dtype), op=str(op)
+    is_checked = checked(group)
+    try:
+        validation.check_tensors(name, group, output, input)
+        validation.check_same_dtype(name, output, input)
+        validation.check_divisible(name, input.numel(), n)
+        validation.check_numel(
+            name,
+            "output",
+            output.numel(),
+            input.numel() // n,
+            "allocate output with input.numel() // group size elements",
+        )
+    except CommInputError as err:
+        raise reject(name, group, err, is_checked) from None
+    if is_checked:
+        handshake.compare(
+            name, group, {"shape": tuple(input.shape), "dtype": str(input.dtype), "op": str(op)}
         )
     call = Call(
         name,
@@ -105,30 +121,36 @@ def reduce_scatter_tensor(
         compat_op=name,
     )
     return launch(
-        call, lambda: api_compat.reduce_scatter_flat(output, input, op, group, async_op), async_op
+        call,
+        lambda: api_compat.reduce_scatter_flat(_flat(output), _flat(input), op, group, async_op),
+        async_op,
     )
 
 
 def all_gather_into_tensor(
     output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False
 ) -> CommWork | None:
-    """Gather every rank's ``input`` (m elements) into ``output`` (n · m, rank-major).
+    """Gather every rank's `input` (m elements) into `output` (n · m, rank-major).
 
     S = output bytes; sends (n-1)/n · S per rank (ring).
     """
     name = "all_gather"
     n = validation.check_group(name, group)
-    validation.check_tensors(name, group, output, input)
-    validation.check_same_dtype(name, output, input)
-    validation.check_numel(
-        name,
-        "output",
-        output.numel(),
-        n * input.numel(),
-        "allocate output with group size * input.numel() elements",
-    )
-    if validation.validation_enabled():
-        check_across_ranks(name, group, shape=tuple(input.shape), dtype=str(input.dtype))
+    is_checked = checked(group)
+    try:
+        validation.check_tensors(name, group, output, input)
+        validation.check_same_dtype(name, output, input)
+        validation.check_numel(
+            name,
+            "output",
+            output.numel(),
+            n * input.numel(),
+            "allocate output with group size * input.numel() elements",
+        )
+    except CommInputError as err:
+        raise reject(name, group, err, is_checked) from None
+    if is_checked:
+        handshake.compare(name, group, {"shape": tuple(input.shape), "dtype": str(input.dtype)})
     call = Call(
         name,
         group,
@@ -139,7 +161,9 @@ def all_gather_into_tensor(
         compat_op=name,
     )
     return launch(
-        call, lambda: api_compat.all_gather_flat(output, input, group, async_op), async_op
+        call,
+        lambda: api_compat.all_gather_flat(_flat(output), _flat(input), group, async_op),
+        async_op,
     )
 
 
@@ -151,29 +175,21 @@ def all_gather_coalesced(
 ) -> CommWork | None:
     """All-gather a list of tensors of different sizes with ONE collective.
 
-    ``outputs[i]`` (n · inputs[i].numel() elements) receives every rank's ``inputs[i]``, rank-major.
+    `outputs[i]` (n · inputs[i].numel() elements) receives every rank's `inputs[i]`, rank-major.
     The inputs are packed straight into this rank's chunk of one flat buffer of n · Σ numel
     elements, gathered in place (the input is a view of the output: see Note [in-place flat
     collectives] in api_compat.py), and unpacked. Cost: one call's latency instead of
     len(inputs); (n-1)/n · S sent with S = Σ output bytes; memory: one temporary of n · Σ numel
     elements, alive until the call completes.
 
-    ``outputs`` may be a function returning the output tensors: it is called once the data has
-    arrived (in ``wait()`` for an async call), so an in-flight gather holds only its n · Σ numel
+    `outputs` may be a function returning the output tensors: it is called once the data has
+    arrived (in `wait()` for an async call), so an in-flight gather holds only its n · Σ numel
     buffer, not the outputs as well (ZeRO-3 prefetches this way). Its tensors are checked then.
     """
     name = "all_gather_coalesced"
     n = validation.check_group(name, group)
-    if not inputs:
-        raise CommInputError(f"{name}: got no inputs; pass at least one tensor")
-    validation.check_tensors(name, group, *inputs, contiguous=False)
-    dtype = inputs[0].dtype
-    for i, t in enumerate(inputs):
-        if t.dtype != dtype:
-            raise CommInputError(
-                f"{name}: inputs[{i}] has dtype {t.dtype}, the first {dtype}; coalesce tensors "
-                "of one dtype per call"
-            )
+    is_checked = checked(group)
+    lazy = callable(outputs)
 
     def check_outputs(outs: Sequence[torch.Tensor]) -> None:
         if len(outs) != len(inputs):
@@ -196,11 +212,25 @@ def all_gather_coalesced(
                 f"allocate outputs[{i}] with {n} * inputs[{i}].numel() elements",
             )
 
-    lazy = callable(outputs)
-    if not lazy:  # lazy outputs are checked when they are made, in finish()
-        check_outputs(outputs)
-    if validation.validation_enabled():
-        check_across_ranks(name, group, shapes=[tuple(t.shape) for t in inputs], dtype=str(dtype))
+    try:
+        if not inputs:
+            raise CommInputError(f"{name}: got no inputs; pass at least one tensor")
+        validation.check_tensors(name, group, *inputs, contiguous=False)
+        dtype = inputs[0].dtype
+        for i, t in enumerate(inputs):
+            if t.dtype != dtype:
+                raise CommInputError(
+                    f"{name}: inputs[{i}] has dtype {t.dtype}, the first {dtype}; coalesce "
+                    "tensors of one dtype per call"
+                )
+        if not lazy:  # lazy outputs are checked when they are made, in finish()
+            check_outputs(outputs)
+    except CommInputError as err:
+        raise reject(name, group, err, is_checked) from None
+    if is_checked:
+        handshake.compare(
+            name, group, {"shapes": [tuple(t.shape) for t in inputs], "dtype": str(dtype)}
+        )
     sizes = [t.numel() for t in inputs]
     total = sum(sizes)
     flat_out = inputs[0].new_empty(n * total)  # 1D, rank-major: [rank0: in0|in1|..][rank1: ...]
@@ -240,16 +270,22 @@ def all_gather_coalesced(
 def broadcast(
     tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False
 ) -> CommWork | None:
-    """Copy ``tensor`` from global rank ``src`` to every rank of the group, in place.
+    """Copy `tensor` from global rank `src` to every rank of the group, in place.
 
     S = tensor bytes; the root sends S (pipelined chain or tree), the others forward or receive.
     """
     n = validation.check_group("broadcast", group)
-    validation.check_tensors("broadcast", group, tensor)
-    validation.check_peer("broadcast", src, "src", group)
-    if validation.validation_enabled():
-        check_across_ranks(
-            "broadcast", group, shape=tuple(tensor.shape), dtype=str(tensor.dtype), src=src
+    is_checked = checked(group)
+    try:
+        validation.check_tensors("broadcast", group, tensor)
+        validation.check_peer("broadcast", src, "src", group)
+    except CommInputError as err:
+        raise reject("broadcast", group, err, is_checked) from None
+    if is_checked:
+        handshake.compare(
+            "broadcast",
+            group,
+            {"shape": tuple(tensor.shape), "dtype": str(tensor.dtype), "src": src},
         )
     call = Call("broadcast", group, n, tensor, tensor.numel(), (tensor,))
     call.wire = costs.wire_bytes("broadcast", call.msg_bytes, n, is_root=dist.get_rank() == src)
@@ -266,40 +302,56 @@ def all_to_all_single(
     group: Any = None,
     async_op: bool = False,
 ) -> CommWork | None:
-    """Rank r sends chunk j of ``input`` (along dim 0) to rank j and receives chunk j of
-    ``output`` from rank j. Equal chunks when split sizes are ``None``; uneven otherwise.
+    """Rank r sends chunk j of `input` (along dim 0) to rank j and receives chunk j of
+    `output` from rank j. Equal chunks when split sizes are `None`; uneven otherwise.
 
     S = input bytes; sends S minus its own chunk (equal splits: (n-1)/n · S).
     """
     name = "all_to_all"
     n = validation.check_group(name, group)
-    validation.check_tensors(name, group, output, input)
-    validation.check_same_dtype(name, output, input)
-    in_dim0 = input.shape[0] if input.dim() else 1
-    out_dim0 = output.shape[0] if output.dim() else 1
-    validation.check_splits(name, "input", input_split_sizes, in_dim0, n)
-    validation.check_splits(name, "output", output_split_sizes, out_dim0, n)
-    if input[:1].numel() != output[:1].numel() and in_dim0 and out_dim0:
-        raise CommInputError(
-            f"{name}: input rows have shape {tuple(input.shape[1:])}, output rows "
-            f"{tuple(output.shape[1:])}; they must match"
+    is_checked = checked(group)
+    try:
+        validation.check_tensors(name, group, output, input)
+        validation.check_same_dtype(name, output, input)
+        # a 0-dim tensor is one row of one element: See the module docstring on 1-D views
+        input, output = (
+            (input.view(1) if input.dim() == 0 else input),
+            (output.view(1) if output.dim() == 0 else output),
         )
-    if input_split_sizes is None and output_split_sizes is None and input.numel() != output.numel():
-        raise CommInputError(
-            f"{name}: equal splits need output.numel() == input.numel() "
-            f"({output.numel()} != {input.numel()}); pass split sizes"
-        )
+        in_dim0, out_dim0 = input.shape[0], output.shape[0]
+        validation.check_splits(name, "input", input_split_sizes, in_dim0, n)
+        validation.check_splits(name, "output", output_split_sizes, out_dim0, n)
+        if input[:1].numel() != output[:1].numel() and in_dim0 and out_dim0:
+            raise CommInputError(
+                f"{name}: input rows have shape {tuple(input.shape[1:])}, output rows "
+                f"{tuple(output.shape[1:])}; they must match"
+            )
+        if (
+            input_split_sizes is None
+            and output_split_sizes is None
+            and input.numel() != output.numel()
+        ):
+            raise CommInputError(
+                f"{name}: equal splits need output.numel() == input.numel() "
+                f"({output.numel()} != {input.numel()}); pass split sizes"
+            )
+    except CommInputError as err:
+        raise reject(name, group, err, is_checked) from None
     in_splits = None if input_split_sizes is None else [int(s) for s in input_split_sizes]
     out_splits = None if output_split_sizes is None else [int(s) for s in output_split_sizes]
     me = dist.get_rank(group)
-    if validation.validation_enabled():
-        validation.exchange_and_compare(
-            name,
-            group,
-            (("dtype", str(input.dtype)), ("row", tuple(input.shape[1:]))),
-            payload=(in_splits or [in_dim0 // n] * n, out_splits or [out_dim0 // n] * n),
-            check_payload=validation.check_all_to_all_splits,
-        )
+    if is_checked:
+        signature = {"dtype": str(input.dtype), "row": tuple(input.shape[1:])}
+        if handshake.validation_enabled():  # every call: the split sizes must mirror each other
+            handshake.compare(
+                name,
+                group,
+                signature,
+                payload=(in_splits or [in_dim0 // n] * n, out_splits or [out_dim0 // n] * n),
+                check_payload=validation.check_all_to_all_splits,
+            )
+        else:
+            handshake.compare(name, group, signature)
     row = input[:1].numel() if in_dim0 else 0
     own = (
         in_splits[me] * row if in_splits is not None else input.numel() // n
@@ -324,6 +376,11 @@ def all_to_all_single(
 def barrier(group: Any = None) -> None:
     """Block until every rank of the group reached this call."""
     n = validation.check_group("barrier", group)
-    if validation.validation_enabled():
-        check_across_ranks("barrier", group)
+    if checked(group):
+        handshake.compare("barrier", group, {})
     launch(Call("barrier", group, n, None, 0, []), lambda: dist.barrier(group=group), False)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a 1-D view (contiguous: checked before)."""
+    return t if t.dim() == 1 else t.view(-1)

@@ -3,28 +3,26 @@
 The comms logger, the tests, the benchmark and the docs all call these functions, so the prose,
 the ledger and the assertions cannot drift apart (STYLE habit 11).
 
-Conventions (those of nccl-tests, so our numbers compare with theirs). ``S`` is the *message size*
-in bytes and ``n`` the number of ranks in the group:
+Conventions (those of nccl-tests, so our numbers compare with theirs). `S` is the *message size*
+in bytes and `n` the number of ranks in the group:
 
-=================  =====================================  ==============  ==========================
-op                 message size S                         busbw factor    bytes this rank sends
-=================  =====================================  ==============  ==========================
-all_reduce         tensor bytes                           2(n-1)/n        2(n-1)/n · S  (ring)
-all_gather         OUTPUT (gathered) bytes                (n-1)/n         (n-1)/n · S   (ring)
-reduce_scatter     INPUT (full, unreduced) bytes          (n-1)/n         (n-1)/n · S   (ring)
-all_to_all         input bytes                            (n-1)/n         input bytes - own chunk
-broadcast          tensor bytes                           1               S on the root, 0 elsewhere
-send / recv        tensor bytes                           1               S (send), 0 (recv)
-barrier            0                                      0               0
-=================  =====================================  ==============  ==========================
+| op | message size S | busbw factor | bytes this rank sends |
+|---|---|---|---|
+| all_reduce | tensor bytes | 2(n-1)/n | 2(n-1)/n · S  (ring) |
+| all_gather | OUTPUT (gathered) bytes | (n-1)/n | (n-1)/n · S   (ring) |
+| reduce_scatter | INPUT (full, unreduced) bytes | (n-1)/n | (n-1)/n · S   (ring) |
+| all_to_all | input bytes | (n-1)/n | input bytes - own chunk |
+| broadcast | tensor bytes | 1 | S on the root, 0 elsewhere |
+| send / recv | tensor bytes | 1 | S (send), 0 (recv) |
+| barrier | 0 | 0 | 0 |
 
-*Algorithmic bandwidth* is ``algbw = S / latency``. *Bus bandwidth* is ``busbw = algbw · factor``:
-the rate each link must sustain for an optimal ring to take ``latency``; it is comparable across
+*Algorithmic bandwidth* is `algbw = S / latency`. *Bus bandwidth* is `busbw = algbw · factor`:
+the rate each link must sustain for an optimal ring to take `latency`; it is comparable across
 ops and group sizes and should approach the link speed for large messages.
 
-The alpha-beta model predicts a ring collective's time as ``steps · alpha + wire_bytes · beta``
-with ``alpha`` the per-message latency and ``beta`` the seconds per byte of one link
-(:func:`ring_time_s`). See docs/packages/comm.md for the derivations.
+The alpha-beta model predicts a ring collective's time as `steps · alpha + wire_bytes · beta`
+with `alpha` the per-message latency and `beta` the seconds per byte of one link
+(`ring_time_s`). See docs/packages/comm.md for the derivations.
 """
 
 from __future__ import annotations
@@ -63,7 +61,7 @@ def _check(op: str, n: int) -> None:
 
 
 def bus_bandwidth_factor(op: str, n: int) -> float:
-    """busbw / algbw for ``op`` on ``n`` ranks: 2(n-1)/n for all_reduce, (n-1)/n for the
+    """busbw / algbw for `op` on `n` ranks: 2(n-1)/n for all_reduce, (n-1)/n for the
     gather/scatter/all-to-all family, 1 for broadcast and point-to-point, 0 for barrier."""
     _check(op, n)
     if op == "all_reduce":
@@ -80,10 +78,10 @@ def wire_bytes(
 ) -> int:
     """Bytes this rank puts on the wire for one call, for the bandwidth-optimal algorithm.
 
-    ``msg_bytes`` follows the convention of the module docstring. For ``all_to_all`` pass
-    ``own_chunk_bytes`` (the split this rank keeps for itself) when splits are uneven; by default
-    the equal split ``msg_bytes / n`` is assumed. ``is_root`` matters only for ``broadcast``.
-    all_reduce rounds down when ``2(n-1)·S`` is not a multiple of ``n`` (ring chunks differ by at
+    `msg_bytes` follows the convention of the module docstring. For `all_to_all` pass
+    `own_chunk_bytes` (the split this rank keeps for itself) when splits are uneven; by default
+    the equal split `msg_bytes / n` is assumed. `is_root` matters only for `broadcast`.
+    all_reduce rounds down when `2(n-1)·S` is not a multiple of `n` (ring chunks differ by at
     most one element then); every other value is exact.
     """
     _check(op, n)
@@ -103,7 +101,7 @@ def wire_bytes(
 
 
 def ring_steps(op: str, n: int) -> int:
-    """Number of sequential message rounds of the ring algorithm (the ``alpha`` count)."""
+    """Number of sequential message rounds of the ring algorithm (the `alpha` count)."""
     _check(op, n)
     if op == "all_reduce":
         return 2 * (n - 1)  # reduce-scatter phase, then all-gather phase
@@ -117,5 +115,5 @@ def ring_steps(op: str, n: int) -> int:
 
 
 def ring_time_s(op: str, msg_bytes: int, n: int, alpha_s: float, beta_s_per_byte: float) -> float:
-    """Alpha-beta estimate of one call: ``ring_steps · alpha + wire_bytes · beta`` seconds."""
+    """Alpha-beta estimate of one call: `ring_steps · alpha + wire_bytes · beta` seconds."""
     return ring_steps(op, n) * alpha_s + wire_bytes(op, msg_bytes, n) * beta_s_per_byte

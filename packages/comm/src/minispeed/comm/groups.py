@@ -1,7 +1,7 @@
 """Process groups: start torch.distributed, ask ranks and sizes, make sub-groups.
 
-Every rank of the world calls :func:`new_group` for every group, in the same order (a torch
-requirement: group creation is itself collective). :mod:`minispeed.comm.topology` does that for
+Every rank of the world calls `new_group` for every group, in the same order (a torch
+requirement: group creation is itself collective). `minispeed.comm.topology` does that for
 a whole process grid.
 """
 
@@ -37,10 +37,10 @@ def init_distributed(
 ) -> None:
     """Initialize the default process group from torchrun's environment; no-op if already done.
 
-    ``backend=None`` asks the accelerator (gloo on CPU, nccl on GPU). Reads ``RANK``,
-    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``. Without them (a plain
-    ``python script.py``) it starts a single-process group, so the same script runs unlaunched.
-    On a GPU the process's device is set to ``LOCAL_RANK``.
+    `backend=None` asks the accelerator (gloo on CPU, nccl on GPU). Reads `RANK`,
+    `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`. Without them (a plain
+    `python script.py`) it starts a single-process group, so the same script runs unlaunched.
+    On a GPU the process's device is set to `LOCAL_RANK`.
     """
     if dist.is_initialized():
         return
@@ -68,35 +68,35 @@ def is_initialized() -> bool:
 
 
 def destroy_process_group(group: Any = None) -> None:
-    """Tear down ``group`` (everything when ``None``)."""
+    """Tear down `group` (everything when `None`)."""
     dist.destroy_process_group(group)
 
 
 def get_rank(group: Any = None) -> int:
-    """This process's rank in ``group`` (global rank for ``None``); -1 if it is not a member."""
+    """This process's rank in `group` (global rank for `None`); -1 if it is not a member."""
     validation.check_group("get_rank", None)
     return dist.get_rank(group)
 
 
 def get_world_size(group: Any = None) -> int:
-    """Number of ranks in ``group`` (the world for ``None``); -1 if this rank is not a member."""
+    """Number of ranks in `group` (the world for `None`); -1 if this rank is not a member."""
     validation.check_group("get_world_size", None)
     return dist.get_world_size(group)
 
 
 def is_member(group: Any) -> bool:
-    """Whether this rank belongs to ``group`` (``None``, the world, always)."""
+    """Whether this rank belongs to `group` (`None`, the world, always)."""
     return group is None or dist.get_world_size(group) > 0
 
 
 def new_group(
     ranks: Sequence[int] | None = None, timeout_s: float | None = None, backend: str | None = None
 ) -> Any:
-    """A process group over global ``ranks`` (all ranks when ``None``).
+    """A process group over global `ranks` (all ranks when `None`).
 
-    Collective: EVERY rank of the world must call it, with the same ``ranks``, in the same order
-    as other ``new_group`` calls, members or not. Non-members get a handle they may not use for
-    collectives (:func:`is_member` says which).
+    Collective: EVERY rank of the world must call it, with the same `ranks`, in the same order
+    as other `new_group` calls, members or not. Non-members get a handle they may not use for
+    collectives (`is_member` says which).
     """
     validation.check_group("new_group", None)
     kwargs: dict[str, Any] = {"ranks": None if ranks is None else sorted(int(r) for r in ranks)}

@@ -7,15 +7,15 @@ elements per rank:
    elements (fast links: NVLink, shared memory);
 2. inter-node all-gather over the N ranks with the same local index, one such group per local
    index running side by side: each gathers N node buffers of L·m elements. Because ranks are
-   node-major, the result ``[node 0 | node 1 | ...]`` is exactly the flat all-gather's
-   ``[rank 0 | rank 1 | ...]``: no reordering.
+   node-major, the result `[node 0 | node 1 | ...]` is exactly the flat all-gather's
+   `[rank 0 | rank 1 | ...]`: no reordering.
 
 Cost per rank (e = element bytes): sends (L-1)·m·e inside the node plus (N-1)·L·m·e across nodes,
 (n-1)·m·e in all, the same bytes as a flat ring; but the slow inter-node hops take N-1 steps
 (alpha terms) instead of n-1, the L inter-node rings run in parallel over all NICs, and each
 inter-node message is L times larger (better bandwidth). Memory: the L·m node buffer.
 
-The flat version stays the reference: :func:`minispeed.comm.all_gather_into_tensor`.
+The flat version stays the reference: `minispeed.comm.all_gather_into_tensor`.
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ __all__ = ["HierarchicalAllGather"]
 
 
 class HierarchicalAllGather:
-    """All-gather over global ``ranks`` (the world when ``None``) in two levels, ``node_size``
-    ranks per node; ``ranks`` are node-major (the first ``node_size`` form node 0, ...).
+    """All-gather over global `ranks` (the world when `None`) in two levels, `node_size`
+    ranks per node; `ranks` are node-major (the first `node_size` form node 0, ...).
 
     Construction is collective over the WORLD (it creates the intra- and inter-node groups, and
-    group creation involves every rank), also for ranks outside ``ranks``.
+    group creation involves every rank), also for ranks outside `ranks`.
     """
 
     def __init__(self, node_size: int, ranks: Sequence[int] | None = None) -> None:
@@ -64,9 +64,9 @@ class HierarchicalAllGather:
         self.inter_group = self.grid.group("node") if member else None  # N ranks, same local index
 
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        """Same contract as :func:`minispeed.comm.all_gather_into_tensor` on the group (synchronous).
+        """Same contract as `minispeed.comm.all_gather_into_tensor` on the group (synchronous).
 
-        Logged as two ``all_gather`` records: group size L (intra) and N (inter).
+        Logged as two `all_gather` records: group size L (intra) and N (inter).
         """
         if self.grid.grid_rank is None:
             raise CommInputError(

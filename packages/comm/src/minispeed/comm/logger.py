@@ -1,26 +1,28 @@
 """The comms logger: one record per collective call, so every byte minispeed sends is accounted for.
 
-Off by default. Every collective in :mod:`minispeed.comm.collectives` does one global read
-(``_ACTIVE is None``) and nothing else when no logger is active. Turn it on with a context::
+Off by default. Every collective in `minispeed.comm.collectives` does one global read
+(`_ACTIVE is None`) and nothing else when no logger is active. Turn it on with a context:
 
-    with comm.CommsLogger() as log:
-        ...                      # collectives run here are recorded
-        log.mark_step()          # optional: start step 1 (records carry the step they ran in)
-    log.summary()                # rich table: per op and message size
-    log.to_json("comms.json")    # machine-readable; temp file, fsync, rename
+```python
+with comm.CommsLogger() as log:
+    ...                      # collectives run here are recorded
+    log.mark_step()          # optional: start step 1 (records carry the step they ran in)
+log.summary()                # rich table: per op and message size
+log.to_json("comms.json")    # machine-readable; temp file, fsync, rename
+```
 
-What one :class:`CommRecord` holds: the op name, element count and dtype of the message, its size
-``msg_bytes`` (nccl-tests convention, see :mod:`minispeed.comm.costs`), the group size, the latency,
-the algorithmic bandwidth ``algbw = msg_bytes / latency`` and bus bandwidth ``busbw = algbw · factor``
-with the per-op factor of :func:`~minispeed.comm.costs.bus_bandwidth_factor` (all_reduce 2(n-1)/n;
+What one `CommRecord` holds: the op name, element count and dtype of the message, its size
+`msg_bytes` (nccl-tests convention, see `minispeed.comm.costs`), the group size, the latency,
+the algorithmic bandwidth `algbw = msg_bytes / latency` and bus bandwidth `busbw = algbw · factor`
+with the per-op factor of `bus_bandwidth_factor` (all_reduce 2(n-1)/n;
 all_gather, reduce_scatter, all_to_all (n-1)/n; broadcast, send, recv 1), the bytes this rank
-put on the wire (``wire_bytes``), whether the call was async, the step, and ``impl`` (``"native"``,
+put on the wire (`wire_bytes`), whether the call was async, the step, and `impl` (`"native"`,
 or the name of the fallback used where the backend lacks the op: its wire bytes are those of the
 fallback).
 
 Latency: the logger synchronizes the accelerator before and after a synchronous call (on the CPU
 this costs nothing; on a GPU it removes overlap while logging is on, which is the price of exact
-timings). An async call is timed from issue to the return of its handle's ``wait()``, so its
+timings). An async call is timed from issue to the return of its handle's `wait()`, so its
 latency includes any compute it overlapped with: an upper bound on the transfer time.
 """
 
@@ -43,7 +45,7 @@ _ACTIVE: CommsLogger | None = None
 
 # Note [logger off is one global read]
 # Collectives sit on the critical path of every training step. With logging off, each call pays
-# a single module-global load and an ``is None`` test; nothing is allocated, no clock is read and
+# a single module-global load and an `is None` test; nothing is allocated, no clock is read and
 # the accelerator is never synchronized.
 
 
@@ -52,29 +54,29 @@ class CommRecord:
     """One collective call as this rank saw it."""
 
     op: str
-    """Op name, one of :data:`minispeed.comm.costs.OPS`."""
+    """Op name, one of `minispeed.comm.costs.OPS`."""
     numel: int
-    """Elements in the message (the tensor whose bytes are ``msg_bytes``)."""
+    """Elements in the message (the tensor whose bytes are `msg_bytes`)."""
     dtype: str
-    """Element type, e.g. ``"torch.float32"``."""
+    """Element type, e.g. `"torch.float32"`."""
     msg_bytes: int
     """Message size S by the nccl-tests convention (gathered bytes for all_gather, input for reduce_scatter)."""
     group_size: int
     """Ranks in the group the call ran on."""
     latency_s: float
-    """Seconds from issue to completion (to ``wait()`` for async calls)."""
+    """Seconds from issue to completion (to `wait()` for async calls)."""
     algbw: float
-    """Algorithmic bandwidth, bytes per second: ``msg_bytes / latency_s``."""
+    """Algorithmic bandwidth, bytes per second: `msg_bytes / latency_s`."""
     busbw: float
-    """Bus bandwidth, bytes per second: ``algbw · bus_bandwidth_factor(op, group_size)``."""
+    """Bus bandwidth, bytes per second: `algbw · bus_bandwidth_factor(op, group_size)`."""
     wire_bytes: int
-    """Bytes this rank sent (see :func:`minispeed.comm.costs.wire_bytes`, or the fallback's cost)."""
+    """Bytes this rank sent (see `minispeed.comm.costs.wire_bytes`, or the fallback's cost)."""
     async_op: bool = False
     """Whether the call returned a handle."""
     step: int = 0
-    """Value of the logger's step counter when the call was issued (see :meth:`CommsLogger.mark_step`)."""
+    """Value of the logger's step counter when the call was issued (see `CommsLogger.mark_step`)."""
     impl: str = "native"
-    """``"native"``, or the fallback that replaced an op the backend lacks (e.g. ``"all_reduce+slice"``)."""
+    """`"native"`, or the fallback that replaced an op the backend lacks (e.g. `"all_reduce+slice"`)."""
 
 
 class CommsLogger:
@@ -100,7 +102,7 @@ class CommsLogger:
 
     # -- recording ------------------------------------------------------------------------------
     def mark_step(self) -> int:
-        """Start the next step: later records carry ``step + 1``. Returns the new step."""
+        """Start the next step: later records carry `step + 1`. Returns the new step."""
         self.step += 1
         return self.step
 
@@ -140,7 +142,7 @@ class CommsLogger:
 
     # -- queries --------------------------------------------------------------------------------
     def filter(self, op: str | None = None, step: int | None = None) -> list[CommRecord]:
-        """Records of ``op`` (all ops when ``None``) in ``step`` (all steps when ``None``)."""
+        """Records of `op` (all ops when `None`) in `step` (all steps when `None`)."""
         return [
             r
             for r in self.records
@@ -148,15 +150,15 @@ class CommsLogger:
         ]
 
     def count(self, op: str | None = None, step: int | None = None) -> int:
-        """Number of calls (of ``op``, in ``step``)."""
+        """Number of calls (of `op`, in `step`)."""
         return len(self.filter(op, step))
 
     def total_msg_bytes(self, op: str | None = None, step: int | None = None) -> int:
-        """Sum of message sizes (of ``op``, in ``step``)."""
+        """Sum of message sizes (of `op`, in `step`)."""
         return sum(r.msg_bytes for r in self.filter(op, step))
 
     def total_wire_bytes(self, op: str | None = None, step: int | None = None) -> int:
-        """Sum of bytes this rank sent (of ``op``, in ``step``)."""
+        """Sum of bytes this rank sent (of `op`, in `step`)."""
         return sum(r.wire_bytes for r in self.filter(op, step))
 
     def clear(self) -> None:
@@ -191,7 +193,7 @@ class CommsLogger:
         return rows
 
     def summary(self, print_table: bool = True) -> Any:
-        """A rich table per op and size (printed unless ``print_table=False``); returns it."""
+        """A rich table per op and size (printed unless `print_table=False`); returns it."""
         from rich.console import Console
         from rich.table import Table
 
@@ -226,7 +228,7 @@ class CommsLogger:
         }
 
     def to_json(self, path: str | os.PathLike) -> None:
-        """Write :meth:`to_dict` to ``path`` atomically: temp file in the same folder, fsync, rename."""
+        """Write `to_dict` to `path` atomically: temp file in the same folder, fsync, rename."""
         path = os.fspath(path)
         folder = os.path.dirname(os.path.abspath(path))
         fd, tmp = tempfile.mkstemp(prefix=".comms-", suffix=".json.tmp", dir=folder)
@@ -243,7 +245,7 @@ class CommsLogger:
 
 
 def comms_logger() -> CommsLogger | None:
-    """The logger that is recording now, or ``None`` when logging is off."""
+    """The logger that is recording now, or `None` when logging is off."""
     return _ACTIVE
 
 

@@ -35,7 +35,7 @@ def _to_tensor(obj: Any, device: torch.device) -> torch.Tensor:
 
 
 def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
-    """Every rank's ``obj``, in group-rank order. Sends (n-1) · (8 + max pickled size) bytes per rank."""
+    """Every rank's `obj`, in group-rank order. Sends (n-1) · (8 + max pickled size) bytes per rank."""
     n = validation.check_group("all_gather_object", group)
     device = _device(group)
     payload = _to_tensor(obj, device)  # 1D uint8, numel = pickled size
@@ -52,7 +52,7 @@ def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
 
 
 def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
-    """``obj`` from global rank ``src`` on every rank (the argument is ignored elsewhere)."""
+    """`obj` from global rank `src` on every rank (the argument is ignored elsewhere)."""
     validation.check_group("broadcast_object", group)
     device = _device(group)
     is_src = dist.get_rank() == src

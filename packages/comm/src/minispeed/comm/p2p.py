@@ -34,45 +34,45 @@ def _p2p(op: str, tensor: torch.Tensor, peer: int, group: Any, async_op: bool) -
 
 
 def send(tensor: torch.Tensor, dst: int, group: Any = None) -> None:
-    """Send ``tensor`` to global rank ``dst`` (blocks until handed to the backend). Sends S bytes."""
+    """Send `tensor` to global rank `dst` (blocks until handed to the backend). Sends S bytes."""
     _p2p("send", tensor, dst, group, False)
 
 
 def recv(tensor: torch.Tensor, src: int, group: Any = None) -> None:
-    """Receive into ``tensor`` from global rank ``src``."""
+    """Receive into `tensor` from global rank `src`."""
     _p2p("recv", tensor, src, group, False)
 
 
 def isend(tensor: torch.Tensor, dst: int, group: Any = None) -> CommWork:
-    """Async :func:`send`; returns a handle."""
+    """Async `send`; returns a handle."""
     return _p2p("send", tensor, dst, group, True)  # type: ignore[return-value]
 
 
 def irecv(tensor: torch.Tensor, src: int, group: Any = None) -> CommWork:
-    """Async :func:`recv`; returns a handle."""
+    """Async `recv`; returns a handle."""
     return _p2p("recv", tensor, src, group, True)  # type: ignore[return-value]
 
 
 class P2POp(NamedTuple):
-    """One send or receive for :func:`batch_isend_irecv`: ``P2POp(comm.isend, tensor, peer)``."""
+    """One send or receive for `batch_isend_irecv`: `P2POp(comm.isend, tensor, peer)`."""
 
     op: Callable[..., Any]
-    """:func:`isend` or :func:`irecv`."""
+    """`isend` or `irecv`."""
     tensor: torch.Tensor
     """What to send, or the buffer to receive into."""
     peer: int
     """Global rank of the other side."""
     group: Any = None
-    """Process group (the world when ``None``)."""
+    """Process group (the world when `None`)."""
     tag: int = 0
     """Matches a send with a receive when several are in flight between the same two ranks."""
 
 
 def batch_isend_irecv(ops: Sequence[P2POp]) -> list[CommWork]:
-    """Issue several sends/receives (``comm.P2POp(comm.isend or comm.irecv, tensor, peer)``) at once.
+    """Issue several sends/receives (`comm.P2POp(comm.isend or comm.irecv, tensor, peer)`) at once.
 
     Pairs that would deadlock as blocking calls (each rank sending first) are safe here. Logged
-    as ONE ``batch_p2p`` record: msg_bytes = bytes sent + received, wire_bytes = bytes sent.
+    as ONE `batch_p2p` record: msg_bytes = bytes sent + received, wire_bytes = bytes sent.
     Returns one handle (a list of one, like torch returns a list).
     """
     if not ops:

@@ -2,19 +2,21 @@
 
 Two objects, split by whether they communicate:
 
-* :class:`ProcessTopology` is pure arithmetic (no torch.distributed): axes such as
-  ``("pipe", "data", "model")`` with sizes ``(2, 2, 1)``, ranks laid out row-major (the LAST axis
-  varies fastest, so ``model`` neighbours are adjacent ranks, which is where one wants the
+* `ProcessTopology` is pure arithmetic (no torch.distributed): axes such as
+  `("pipe", "data", "model")` with sizes `(2, 2, 1)`, ranks laid out row-major (the LAST axis
+  varies fastest, so `model` neighbours are adjacent ranks, which is where one wants the
   chattiest axis: on the same node).
-* :class:`ProcessGrid` creates the process groups, collectively: every rank builds every group,
+* `ProcessGrid` creates the process groups, collectively: every rank builds every group,
   in one fixed order (axes in order, then each axis's groups by their lowest rank), because
-  ``new_group`` must be called by all ranks with the same arguments in the same order.
+  `new_group` must be called by all ranks with the same arguments in the same order.
 
-Example with axes ``(pipe, data)`` and dims ``(2, 2)``::
+Example with axes `(pipe, data)` and dims `(2, 2)`:
 
-    rank:   0      1      2      3
-    coord:  (0,0)  (0,1)  (1,0)  (1,1)
-    data groups: [0, 1], [2, 3]      pipe groups: [0, 2], [1, 3]
+```text
+rank:   0      1      2      3
+coord:  (0,0)  (0,1)  (1,0)  (1,1)
+data groups: [0, 1], [2, 3]      pipe groups: [0, 2], [1, 3]
+```
 
 Cost: one process group per (axis, line of the grid): Σ_axis world/dim(axis) groups, each with
 its own communicator (NCCL reserves buffers per communicator, so avoid groups you do not need).
@@ -34,10 +36,10 @@ __all__ = ["ProcessGrid", "ProcessTopology"]
 
 @dataclass(frozen=True)
 class ProcessTopology:
-    """A row-major grid of ``prod(dims)`` ranks over named ``axes``."""
+    """A row-major grid of `prod(dims)` ranks over named `axes`."""
 
     axes: tuple[str, ...]
-    """Axis names, outermost first (e.g. ``("pipe", "data", "model")``)."""
+    """Axis names, outermost first (e.g. `("pipe", "data", "model")`)."""
     dims: tuple[int, ...]
     """Size of each axis; their product is the number of ranks."""
 
@@ -61,15 +63,15 @@ class ProcessTopology:
 
     @property
     def world_size(self) -> int:
-        """Ranks in the grid: the product of ``dims``."""
+        """Ranks in the grid: the product of `dims`."""
         return math.prod(self.dims)
 
     def dim(self, axis: str) -> int:
-        """Size of ``axis``."""
+        """Size of `axis`."""
         return self.dims[self._axis_index(axis)]
 
     def get_coord(self, rank: int) -> dict[str, int]:
-        """Coordinates of grid rank ``rank``, e.g. ``{"pipe": 1, "data": 0}``."""
+        """Coordinates of grid rank `rank`, e.g. `{"pipe": 1, "data": 0}`."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the grid [0, {self.world_size})")
         coord = {}
@@ -78,7 +80,7 @@ class ProcessTopology:
         return {a: coord[a] for a in self.axes}
 
     def get_rank(self, **coord: int) -> int:
-        """Grid rank at ``coord`` (every axis must be given)."""
+        """Grid rank at `coord` (every axis must be given)."""
         missing = [a for a in self.axes if a not in coord]
         extra = [a for a in coord if a not in self.axes]
         if missing or extra:
@@ -93,8 +95,8 @@ class ProcessTopology:
         return rank
 
     def axis_groups(self, axis: str) -> list[list[int]]:
-        """Every line of the grid along ``axis``: ranks that differ only in ``axis``, sorted by
-        their lowest rank. These partition the grid into ``world_size / dim(axis)`` groups."""
+        """Every line of the grid along `axis`: ranks that differ only in `axis`, sorted by
+        their lowest rank. These partition the grid into `world_size / dim(axis)` groups."""
         self._axis_index(axis)
         lines: dict[tuple, list[int]] = {}
         for r in range(self.world_size):
@@ -104,7 +106,7 @@ class ProcessTopology:
         return sorted(lines.values(), key=lambda ranks: ranks[0])
 
     def ranks_with(self, **fixed: int) -> list[int]:
-        """Grid ranks whose coordinates match ``fixed`` (e.g. ``ranks_with(pipe=0)``)."""
+        """Grid ranks whose coordinates match `fixed` (e.g. `ranks_with(pipe=0)`)."""
         for a in fixed:
             self._axis_index(a)
         return [
@@ -120,11 +122,11 @@ class ProcessTopology:
 
 
 class ProcessGrid:
-    """A :class:`ProcessTopology` mapped onto processes, with one process group per axis line.
+    """A `ProcessTopology` mapped onto processes, with one process group per axis line.
 
-    Collective: every rank of the world constructs it, with the same arguments. ``ranks`` maps
-    grid rank i to global rank ``ranks[i]`` (default: global rank i); ranks outside the grid
-    still take part in group creation and get ``coord = None``.
+    Collective: every rank of the world constructs it, with the same arguments. `ranks` maps
+    grid rank i to global rank `ranks[i]` (default: global rank i); ranks outside the grid
+    still take part in group creation and get `coord = None`.
     """
 
     def __init__(self, topology: ProcessTopology, ranks: Sequence[int] | None = None) -> None:
@@ -157,23 +159,23 @@ class ProcessGrid:
                     self._groups[axis], self._group_ranks[axis] = group, global_line
 
     def group(self, axis: str) -> Any:
-        """This rank's process group along ``axis``."""
+        """This rank's process group along `axis`."""
         self._require_member()
         self.topology._axis_index(axis)
         return self._groups[axis]
 
     def group_ranks(self, axis: str) -> list[int]:
-        """Global ranks of this rank's group along ``axis``, in axis order."""
+        """Global ranks of this rank's group along `axis`, in axis order."""
         self._require_member()
         self.topology._axis_index(axis)
         return list(self._group_ranks[axis])
 
     def size(self, axis: str) -> int:
-        """Ranks along ``axis``."""
+        """Ranks along `axis`."""
         return self.topology.dim(axis)
 
     def rank_in(self, axis: str) -> int:
-        """This rank's coordinate along ``axis`` (= its rank in :meth:`group`)."""
+        """This rank's coordinate along `axis` (= its rank in `group`)."""
         self._require_member()
         assert self.coord is not None
         return self.coord[axis]

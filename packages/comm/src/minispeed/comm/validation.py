@@ -2,27 +2,26 @@
 
 Three layers, cheapest first:
 
-1. **Local checks** (always on): wrong device for the group's backend, non-contiguous buffers,
-   dtype differing between input and output, output size not matching ``n · input`` (or the
-   reverse for reduce-scatter), a size not divisible by the group size, a rank calling on a group
-   it is not a member of. Each raises :class:`CommInputError` on the calling rank before it
-   reaches the backend, so no peer is left waiting on a call that would fail anyway.
-2. **Cross-rank validation** (opt-in: ``MINISPEED_COMM_VALIDATE=1`` in the environment, or
-   ``with comm.validation_mode():``): before each collective the group exchanges ``(op, signature)``
-   with an object all-gather; when ranks disagree every rank raises :class:`CommMismatchError`
-   naming the op and the ranks that differ. Costs one extra small all-gather per call (not logged:
-   it is diagnostic traffic, not the program's). Point-to-point calls are not cross-checked.
-3. **Timeouts**: without validation a mismatched call usually ends in a backend timeout; the
-   collectives re-raise it as :class:`CommTimeoutError` naming the op, the shapes and the group.
+1. **Local checks** (always on): wrong device for the group's backend, sparse or non-contiguous
+   buffers, dtype differing between input and output, output size not matching `n · input` (or
+   the reverse for reduce-scatter), a size not divisible by the group size, a rank calling on a
+   group it is not a member of. Each raises `CommInputError` on the calling rank before it
+   reaches the backend.
+2. **Cross-rank checks** (`minispeed.comm.handshake`): by default the first call of each call
+   site, or every call in validation mode, compares a 16-byte fingerprint of the call across
+   the group; when ranks disagree every rank raises `CommMismatchError` naming the op and the
+   ranks that differ, and a rank whose local checks failed tells its peers, which raise too.
+3. **Backend errors**: a call that was not checked and does not match its peers ends in what the
+   backend does: `CommTimeoutError` (naming the op, the shapes and the group) when a peer never
+   joins, `CommBackendError` when the backend aborts, or, for calls whose sizes happen to fit, a
+   wrong result. Validation mode (`MINISPEED_COMM_VALIDATE=1`) checks every call.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -35,18 +34,9 @@ __all__ = [
     "CommInputError",
     "CommMismatchError",
     "CommTimeoutError",
-    "validation_enabled",
-    "validation_mode",
 ]
 
 VALIDATE_ENV = "MINISPEED_COMM_VALIDATE"
-
-# Set by the context manager; None defers to the environment variable. The variable is read once
-# per default process group (a process may outlive several, e.g. a reused test worker), not on
-# every call. See Note [logger off is one global read] for why the hot path stays this thin.
-_VALIDATE: bool | None = None
-_ENV_CACHE: tuple[Any, bool] = (None, False)  # (default group it was read under, value)
-_TRUE = ("1", "true", "yes", "on")
 
 
 class CommError(RuntimeError):
@@ -69,32 +59,9 @@ class CommBackendError(CommError):
     """Any other backend failure, re-raised with the op, shapes and group."""
 
 
-def validation_enabled() -> bool:
-    """Whether cross-rank validation runs before each collective (context, else the env var)."""
-    global _ENV_CACHE
-    if _VALIDATE is not None:
-        return _VALIDATE
-    world = dist.group.WORLD
-    if _ENV_CACHE[0] is not world:
-        _ENV_CACHE = (world, os.environ.get(VALIDATE_ENV, "").strip().lower() in _TRUE)
-    return _ENV_CACHE[1]
-
-
-@contextlib.contextmanager
-def validation_mode(enabled: bool = True) -> Iterator[None]:
-    """Turn cross-rank validation on (or off) inside the block, overriding the environment.
-    Every rank of the group must enter it around the same calls."""
-    global _VALIDATE
-    old, _VALIDATE = _VALIDATE, enabled
-    try:
-        yield
-    finally:
-        _VALIDATE = old
-
-
 # -- local checks -------------------------------------------------------------------------------
 def group_ranks(group: Any) -> list[int]:
-    """Global ranks of ``group`` (the world for ``None``); ``[]`` when unknown to this rank."""
+    """Global ranks of `group` (the world for `None`); `[]` when unknown to this rank."""
     if group is None:
         return list(range(dist.get_world_size()))
     try:
@@ -104,7 +71,7 @@ def group_ranks(group: Any) -> list[int]:
 
 
 def check_group(op: str, group: Any) -> int:
-    """Size of ``group``; raises when torch.distributed is off or this rank is not a member.
+    """Size of `group`; raises when torch.distributed is off or this rank is not a member.
 
     torch returns silently (with a warning) when a non-member calls a collective, leaving the
     caller's buffers untouched: a silent wrong answer that we turn into an error.
@@ -128,7 +95,8 @@ def check_group(op: str, group: Any) -> int:
 _DEVICE_KINDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _backend_devices(group: Any) -> tuple[str, ...]:
+def backend_devices(group: Any) -> tuple[str, ...]:
+    """Device types the group's backend moves (`("cpu",)` for gloo), looked up once per group."""
     pg = dist.group.WORLD if group is None else group
     kinds = _DEVICE_KINDS.get(pg)
     if kinds is None:
@@ -143,8 +111,8 @@ def _backend_devices(group: Any) -> tuple[str, ...]:
 
 
 def check_tensors(op: str, group: Any, *tensors: torch.Tensor, contiguous: bool = True) -> None:
-    """Each tensor is a Tensor on a device the group's backend can move, and contiguous."""
-    allowed = _backend_devices(group)
+    """Each tensor is a dense Tensor on a device the group's backend can move, and contiguous."""
+    allowed = backend_devices(group)
     first: torch.device | None = None
     for t in tensors:
         if not isinstance(t, torch.Tensor):
@@ -157,6 +125,12 @@ def check_tensors(op: str, group: Any, *tensors: torch.Tensor, contiguous: bool 
                 f"{op}: tensor of shape {tuple(t.shape)} is on {t.device}, but the group's backend "
                 f"{backend!r} moves {'/'.join(allowed)} tensors; {fix} or use a group of the "
                 "matching backend"
+            )
+        if t.layout is not torch.strided:
+            raise CommInputError(
+                f"{op}: tensor of shape {tuple(t.shape)} is sparse ({t.layout}); collectives move "
+                "dense tensors: pass t.to_dense(), or send its indices and values as two dense "
+                "tensors"
             )
         if first is None:
             first = device
@@ -181,13 +155,13 @@ def check_same_dtype(op: str, output: torch.Tensor, input: torch.Tensor) -> None
 
 
 def check_numel(op: str, what: str, actual: int, expected: int, fix: str) -> None:
-    """``actual == expected`` or an error naming both and the fix."""
+    """`actual == expected` or an error naming both and the fix."""
     if actual != expected:
         raise CommInputError(f"{op}: {what} has {actual} elements, expected {expected}; {fix}")
 
 
 def check_divisible(op: str, numel: int, n: int) -> None:
-    """``numel`` splits evenly over ``n`` ranks."""
+    """`numel` splits evenly over `n` ranks."""
     if numel % n != 0:
         raise CommInputError(
             f"{op}: {numel} elements do not split evenly over {n} ranks; pad the input to a "
@@ -196,7 +170,7 @@ def check_divisible(op: str, numel: int, n: int) -> None:
 
 
 def check_splits(op: str, what: str, splits: Sequence[int] | None, dim0: int, n: int) -> None:
-    """Uneven all-to-all splits: ``n`` non-negative sizes summing to the tensor's first dimension."""
+    """Uneven all-to-all splits: `n` non-negative sizes summing to the tensor's first dimension."""
     if splits is None:
         if dim0 % n != 0:
             raise CommInputError(
@@ -216,7 +190,7 @@ def check_splits(op: str, what: str, splits: Sequence[int] | None, dim0: int, n:
 
 
 def check_peer(op: str, peer: int, name: str, group: Any) -> None:
-    """``peer`` is a global rank in ``group`` (and not this rank for point-to-point)."""
+    """`peer` is a global rank in `group` (and not this rank for point-to-point)."""
     ranks = group_ranks(group)
     if peer not in ranks:
         raise CommInputError(
@@ -228,29 +202,9 @@ def check_peer(op: str, peer: int, name: str, group: Any) -> None:
 
 
 # -- cross-rank validation ----------------------------------------------------------------------
-def exchange_and_compare(
-    op: str,
-    group: Any,
-    signature: tuple,
-    payload: Any = None,
-    check_payload: Callable[[str, list[int], list[Any]], None] | None = None,
-) -> None:
-    """All-gather ``(op, signature, payload)`` over ``group``; raise on every rank if two
-    signatures differ, or if ``check_payload(op, ranks, payloads)`` raises.
-
-    Every rank sees the same gathered list, so every rank raises the same error: none is left
-    blocked in the real collective.
-    """
-    n = dist.get_world_size(group)
-    everything: list[Any] = [None] * n
-    dist.all_gather_object(everything, (op, signature, payload), group=group)
-    ranks = group_ranks(group)
-    gathered = [(g[0], g[1]) for g in everything]
-    if all(g == gathered[0] for g in gathered):
-        if check_payload is not None:
-            check_payload(op, ranks, [g[2] for g in everything])
-        return
-    # Name the minority: ranks whose call differs from the most common one.
+def mismatch_error(gathered: list[tuple[str, Any]], ranks: list[int]) -> CommMismatchError:
+    """The error every rank raises when the `(op, signature)` pairs gathered from `ranks`
+    differ: it names the minority, the reference rank and every rank's call."""
     values = [repr(g) for g in gathered]
     majority = max(values, key=values.count)  # ties: the lowest rank's call is the reference
     odd = [ranks[i] for i, v in enumerate(values) if v != majority]
@@ -264,7 +218,7 @@ def exchange_and_compare(
         if any(g[0] != ref_op for g in gathered)
         else "called with arguments that differ from"
     )
-    raise CommMismatchError(
+    return CommMismatchError(
         f"{ref_op}: ranks {odd} {what} rank {ref} (group ranks {ranks}):\n{lines}\n"
         "Every rank of a group must issue the same collectives in the same order with the same "
         "shapes and dtypes."
@@ -272,7 +226,7 @@ def exchange_and_compare(
 
 
 def check_all_to_all_splits(op: str, ranks: list[int], payloads: list[Any]) -> None:
-    """Rank i's ``output_split_sizes[j]`` must equal rank j's ``input_split_sizes[i]``."""
+    """Rank i's `output_split_sizes[j]` must equal rank j's `input_split_sizes[i]`."""
     bad, involved = [], set()
     for i, (_, out_i) in enumerate(payloads):
         for j, (in_j, _) in enumerate(payloads):
@@ -305,7 +259,7 @@ _TIMEOUT_RE = re.compile(r"timed? ?out|timeout|pair closure", re.IGNORECASE)
 def wrap_backend_error(
     err: BaseException, op: str, group: Any, shapes: Sequence[Any], dtype: Any
 ) -> CommError:
-    """A :class:`CommTimeoutError` (or :class:`CommBackendError`) naming op, shapes and group."""
+    """A `CommTimeoutError` (or `CommBackendError`) naming op, shapes and group."""
     ranks = group_ranks(group)
     where = f"{op} on rank {dist.get_rank()} over group ranks {ranks} (shapes {list(shapes)}, dtype {dtype})"
     if _TIMEOUT_RE.search(str(err)):

@@ -1,8 +1,8 @@
 """How one collective call is issued, timed, logged and waited on (shared by every op).
 
-:func:`launch` is the single choke point: it reads the active comms logger once (see
+`launch` is the single choke point: it reads the active comms logger once (see
 Note [logger off is one global read]), issues the backend call, turns backend exceptions into
-errors that name the op, and wraps async handles in :class:`CommWork`.
+errors that name the op, and wraps async handles in `CommWork`.
 """
 
 from __future__ import annotations
@@ -14,15 +14,16 @@ from typing import Any
 import torch
 
 from minispeed.comm import api_compat, costs, logger, validation
+from minispeed.core import ranges
 from minispeed.core.accelerator import get_accelerator
 
 __all__ = ["Call", "CommWork", "launch"]
 
 
 class CommWork:
-    """Handle of an async collective: ``wait()`` finishes it, copies results out, logs its latency.
+    """Handle of an async collective: `wait()` finishes it, copies results out, logs its latency.
 
-    Wraps the backend's Work. Coalesced and fallback ops finish their output copies in ``wait()``,
+    Wraps the backend's Work. Coalesced and fallback ops finish their output copies in `wait()`,
     so read outputs only after it returns. Waiting twice is harmless.
     """
 
@@ -55,7 +56,7 @@ class CommWork:
         return True
 
     def is_completed(self) -> bool:
-        """Whether the backend finished (outputs are final only after :meth:`wait`)."""
+        """Whether the backend finished (outputs are final only after `wait`)."""
         return self._done or self._work is None or self._work.is_completed()
 
 
@@ -72,6 +73,7 @@ class Call:
         "numel",
         "op",
         "shapes",
+        "step",
         "wire",
     )
 
@@ -96,6 +98,7 @@ class Call:
         # Shapes only, for an error message: a call (kept by its CommWork) never pins a buffer.
         self.shapes = [tuple(t.shape) for t in tensors]
         self.wire = wire
+        self.step: int | None = None  # the logger's step at issue, when a logger is active
 
     def wire_bytes(self) -> int:
         """Bytes this rank sent: given explicitly, or the ring formula of the implementation used."""
@@ -107,7 +110,7 @@ class Call:
         return wire
 
     def record(self, log: Any, latency_s: float, async_op: bool = False) -> None:
-        """Append this call to ``log``."""
+        """Append this call to `log`."""
         log.add(
             self.op,
             self.numel,
@@ -117,25 +120,33 @@ class Call:
             latency_s,
             self.wire_bytes(),
             async_op=async_op,
+            step=self.step,
             impl=self.impl,
         )
 
     def error(self, err: BaseException) -> validation.CommError:
-        """``err`` from the backend, re-raised as an error that names this call."""
+        """`err` from the backend, re-raised as an error that names this call."""
         return validation.wrap_backend_error(err, self.op, self.group, self.shapes, self.dtype)
 
 
 def launch(
     call: Call, issue: Callable[[], api_compat.Issued | Any], async_op: bool
 ) -> CommWork | None:
-    """Issue one backend call, time it when a logger is active, wrap its handle and errors."""
+    """Issue one backend call inside the range `comm.<op>`, time it when a logger is active, wrap
+    its handle and errors.
+
+    The range covers the issue (the whole call when synchronous); with no profiler or NVTX tool
+    listening it costs a few attribute reads (see `minispeed.core.ranges`).
+    """
     log = logger._ACTIVE
     t0 = 0.0
     if log is not None:
+        call.step = log.step  # the step of issue, also for an async call logged at wait()
         get_accelerator().synchronize()
         t0 = time.perf_counter()
     try:
-        issued = issue()
+        with ranges.range(_RANGE_NAMES.get(call.op) or _range_name(call.op)):
+            issued = issue()
     except RuntimeError as err:
         if isinstance(err, validation.CommError):
             raise
@@ -153,7 +164,10 @@ def launch(
     return None
 
 
-def check_across_ranks(name: str, group: Any, /, **signature: Any) -> None:
-    """Compare ``signature`` across the group's ranks (callers check validation_enabled() first,
-    so the signature is built only in validation mode)."""
-    validation.exchange_and_compare(name, group, tuple(sorted(signature.items())))
+# op -> "comm.<op>", made once per op so a call builds no string
+_RANGE_NAMES: dict[str, str] = {}
+
+
+def _range_name(op: str) -> str:
+    name = _RANGE_NAMES[op] = f"comm.{op}"
+    return name

@@ -2,17 +2,17 @@
 
 Reading order:
 
-1. :mod:`.compressor` — the contract (compress / decompress / bytes) and the wire layout;
-2. :mod:`.onebit`, :mod:`.topk`, :mod:`.quantize` — the three compressors, each with its error
+1. `compressor` — the contract (compress / decompress / bytes) and the wire layout;
+2. `onebit`, `topk`, `quantize` — the three compressors, each with its error
    bound derived in its docstring;
-3. :mod:`.error_feedback` — why the accumulated error stays bounded;
-4. :mod:`.compressed_allreduce` — 1-bit all-reduce (all_to_all + all_gather of packed bits,
+3. `error_feedback` — why the accumulated error stays bounded;
+4. `compressed_allreduce` — 1-bit all-reduce (all_to_all + all_gather of packed bits,
    worker and server residuals) and top-k all-reduce;
-5. :mod:`.quantized_collectives` — quantized all-gather (qwZ) and reduce-scatter (qgZ);
-6. :mod:`.wire` — bytes on the wire per collective, as functions;
-7. :mod:`.ops` and :mod:`.reference` — the C++/CUDA kernels and their pure-PyTorch twins.
+5. `quantized_collectives` — quantized all-gather (qwZ) and reduce-scatter (qgZ);
+6. `wire` — bytes on the wire per collective, as functions;
+7. `ops` and `reference` — the C++/CUDA kernels and their pure-PyTorch twins.
 
-Optimizers that use them: :mod:`minispeed.comm.optim` (``OnebitAdam``, ``OnebitLamb``).
+Optimizers that use them: `minispeed.comm.optim` (`OnebitAdam`, `OnebitLamb`).
 """
 
 from minispeed.comm.compression.compressed_allreduce import OnebitAllReduce, TopkAllReduce

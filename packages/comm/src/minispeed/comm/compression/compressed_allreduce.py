@@ -1,39 +1,45 @@
 """Compressed all-reduce (average): 1-bit with worker and server error feedback, and top-k.
 
-Both go through :mod:`minispeed.comm` collectives on uint8 messages, so the comms logger counts
-exactly the compressed bytes (formulas in :mod:`.wire`). Every rank ends with the *same* result.
+Both go through `minispeed.comm` collectives on uint8 messages, so the comms logger counts
+exactly the compressed bytes (formulas in `wire`). Every rank ends with the *same* result.
 
 **1-bit all-reduce** (the scheme of 1-bit Adam), for N elements on n ranks, chunk
-``C = 8 ceil(N / 8n)``; rank r is the "server" of chunk r::
+`C = 8 ceil(N / 8n)`; rank r is the "server" of chunk r:
 
-    worker   c_i = pad(x_i) + e_i              (n C,)  e_i = worker residual
-             p_i = onebit(c_i), one scale/chunk         e_i <- c_i - D(p_i)
-             all_to_all: rank r gets chunk r of every p_i   -> n messages of 4 + C/8 bytes
-    server   a_r = (1/n) Σ_i D(p_i)[chunk r]    (C,)
-             s_r = onebit(a_r + f_r)                     f_r <- a_r + f_r - D(s_r)  (server residual)
-             all_gather: every rank gets every s_r      -> n messages of 4 + C/8 bytes
-    result   y = concat_r D(s_r)[:N]
+```text
+worker   c_i = pad(x_i) + e_i              (n C,)  e_i = worker residual
+         p_i = onebit(c_i), one scale/chunk         e_i <- c_i - D(p_i)
+         all_to_all: rank r gets chunk r of every p_i   -> n messages of 4 + C/8 bytes
+server   a_r = (1/n) Σ_i D(p_i)[chunk r]    (C,)
+         s_r = onebit(a_r + f_r)                     f_r <- a_r + f_r - D(s_r)  (server residual)
+         all_gather: every rank gets every s_r      -> n messages of 4 + C/8 bytes
+result   y = concat_r D(s_r)[:N]
+```
 
 Error bound of one call (derivation). Write m = (1/n) Σ_i x_i for the exact average, Q for the
-1-bit compressor (``||v - Q(v)|| <= q ||v||``, ``q = sqrt(1 - 1/C)``, :mod:`.onebit`; also
-``||Q(v)|| <= ||v||``). With zero residuals::
+1-bit compressor (`||v - Q(v)|| <= q ||v||`, `q = sqrt(1 - 1/C)`, `onebit`; also
+`||Q(v)|| <= ||v||`). With zero residuals:
 
-    ||y - m||  <=  ||Q(a) - a|| + ||a - m||
-               <=  q ||a||  +  (1/n) Σ_i ||Q(x_i) - x_i||
-               <=  q (1/n) Σ_i ||x_i||  +  q (1/n) Σ_i ||x_i||   =  2 q · mean_i ||x_i||
+```text
+||y - m||  <=  ||Q(a) - a|| + ||a - m||
+           <=  q ||a||  +  (1/n) Σ_i ||Q(x_i) - x_i||
+           <=  q (1/n) Σ_i ||x_i||  +  q (1/n) Σ_i ||x_i||   =  2 q · mean_i ||x_i||
+```
 
 This single-call error is large (1 bit per element); what makes the scheme usable is that it
 does not accumulate. Summing the two feedback loops over steps (Note [why error feedback bounds
-the accumulated error]) gives the exact identity::
+the accumulated error]) gives the exact identity:
 
-    Σ_{t<=T} y_t  =  Σ_{t<=T} m_t  -  (1/n) Σ_i e_i(T)  -  f(T)
+```text
+Σ_{t<=T} y_t  =  Σ_{t<=T} m_t  -  (1/n) Σ_i e_i(T)  -  f(T)
+```
 
 so the accumulated result is off by the current residuals only, which stay bounded.
 
 **Top-k all-reduce**: each rank sends its k largest compensated elements (values + indices) in
 one all_gather; every rank adds the n sparse vectors and divides by n. The result is exact on the
-sent elements, so one call errs by ``||y - m|| <= sqrt(1 - k/N) · mean_i ||x_i||`` and the
-accumulated error is ``(1/n) ||Σ_i e_i(T)||``.
+sent elements, so one call errs by `||y - m|| <= sqrt(1 - k/N) · mean_i ||x_i||` and the
+accumulated error is `(1/n) ||Σ_i e_i(T)||`.
 """
 
 from __future__ import annotations
@@ -43,10 +49,12 @@ from typing import Any
 import torch
 
 import minispeed.comm as comm
+from minispeed.comm import handshake, validation
 from minispeed.comm.compression import ops, wire
 from minispeed.comm.compression.error_feedback import ErrorFeedback
 from minispeed.comm.compression.onebit import OnebitCompressor, SignPacked
 from minispeed.comm.compression.topk import TopkCompressor, TopkPacked
+from minispeed.comm.validation import CommInputError
 
 __all__ = ["OnebitAllReduce", "TopkAllReduce"]
 
@@ -62,12 +70,12 @@ def _check_tensor(tensor: torch.Tensor, numel: int | None, what: str) -> None:
 
 
 class OnebitAllReduce:
-    """Average a tensor over ``group`` in place, sending ~1 bit per element (module docstring).
+    """Average a tensor over `group` in place, sending ~1 bit per element (module docstring).
 
-    Stateful: holds the worker residual (``4 n C`` bytes, about the tensor's fp32 size) and the
-    server residual (``4 C`` bytes), so use one instance per tensor (a flat buffer of all
-    momenta in :class:`~minispeed.comm.optim.OnebitAdam`). Bytes sent per call per rank:
-    ``2 (n-1) (4 + C/8)`` (:func:`.wire.onebit_allreduce_calls`).
+    Stateful: holds the worker residual (`4 n C` bytes, about the tensor's fp32 size) and the
+    server residual (`4 C` bytes), so use one instance per tensor (a flat buffer of all
+    momenta in `OnebitAdam`). Bytes sent per call per rank:
+    `2 (n-1) (4 + C/8)` (`wire.onebit_allreduce_calls`).
     """
 
     def __init__(self, group: Any = None) -> None:
@@ -85,9 +93,16 @@ class OnebitAllReduce:
         self._padded = None
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Replace ``tensor`` by the compressed average over the group; returns it."""
-        _check_tensor(tensor, self.numel, type(self).__name__)
-        n = comm.get_world_size(self.group)
+        """Replace `tensor` by the compressed average over the group; returns it."""
+        name = type(self).__name__
+        n = validation.check_group(name, self.group)
+        is_checked = handshake.checked(self.group)
+        try:
+            _check_tensor(tensor, self.numel, name)
+        except (ValueError, TypeError) as err:  # See Note [errors reach every rank]
+            raise handshake.reject(name, self.group, err, is_checked) from None
+        if is_checked:
+            handshake.compare(name, self.group, {"numel": tensor.numel()})
         if self.numel is None:
             self.numel = tensor.numel()
             self.chunk_numel = wire.onebit_chunk_numel(tensor.numel(), n)
@@ -122,11 +137,19 @@ class OnebitAllReduce:
         return tensor
 
 
-class TopkAllReduce:
-    """Average a tensor over ``group`` in place, each rank sending its top-k (with error feedback).
+# Note [a rank that cannot compress still sends]
+# Top-k has no answer for a NaN input (no order exists), and the rank that finds one must not
+# just raise: its peers are about to block in the all-gather of the messages, waiting for it until
+# the group's timeout. So it sends a message of the agreed size (8 k bytes) whose first index is
+# -1 (bytes 0xFF), which no real message holds (indices are in [0, numel)), and raises after
+# the gather; every receiver sees the mark and raises too. The same all-gather, no extra bytes.
 
-    Holds one fp32 residual of the tensor's size. Bytes sent per call per rank: ``(n-1) 8 k``
-    (:func:`.wire.topk_allreduce_calls`); the result has up to ``n k`` non-zeros.
+
+class TopkAllReduce:
+    """Average a tensor over `group` in place, each rank sending its top-k (with error feedback).
+
+    Holds one fp32 residual of the tensor's size. Bytes sent per call per rank: `(n-1) 8 k`
+    (`wire.topk_allreduce_calls`); the result has up to `n k` non-zeros.
     """
 
     def __init__(self, compressor: TopkCompressor | None = None, group: Any = None) -> None:
@@ -141,15 +164,42 @@ class TopkAllReduce:
         self.feedback.reset()
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Replace ``tensor`` by the average of every rank's top-k; returns it."""
-        _check_tensor(tensor, self.numel, type(self).__name__)
+        """Replace `tensor` by the average of every rank's top-k; returns it."""
+        name = type(self).__name__
+        n = validation.check_group(name, self.group)
+        is_checked = handshake.checked(self.group)
+        try:
+            _check_tensor(tensor, self.numel, name)
+        except (ValueError, TypeError) as err:  # See Note [errors reach every rank]
+            raise handshake.reject(name, self.group, err, is_checked) from None
+        if is_checked:
+            handshake.compare(
+                name, self.group, {"numel": tensor.numel(), "compressor": repr(self.compressor)}
+            )
         self.numel = tensor.numel()
         if tensor.numel() == 0:
             return tensor
-        n = comm.get_world_size(self.group)
-        message = self.feedback.compress(tensor).to_bytes()  # (8 k,) uint8
+        k = self.compressor.k_for(tensor.numel())
+        try:
+            message = self.feedback.compress(tensor).to_bytes()  # (8 k,) uint8
+            failure = None
+        except ValueError as err:  # NaN input: See Note [a rank that cannot compress still sends]
+            message = torch.full((8 * k,), 0xFF, dtype=torch.uint8, device=tensor.device)
+            failure = err
         gathered = torch.empty(n * message.numel(), dtype=torch.uint8, device=tensor.device)
         comm.all_gather_into_tensor(gathered, message, group=self.group)
+        if failure is not None:
+            raise failure
+        first_index = gathered.view(n, -1)[:, 4 * k : 4 * k + 4]  # (n, 4): each sender's indices[0]
+        failed = (first_index == 0xFF).all(dim=1)
+        if bool(failed.any()):
+            ranks = validation.group_ranks(self.group)
+            raise CommInputError(
+                f"{name}: rank(s) {[ranks[i] for i in failed.nonzero().view(-1).tolist()]} could "
+                "not compress their tensor (top-k input holds NaN, so no order exists), so no "
+                "rank applies this average; find where the gradient overflows (e.g. enable loss "
+                "scaling) before compressing"
+            )
         total = torch.zeros(tensor.numel(), dtype=torch.float32, device=tensor.device)
         for row in gathered.view(n, -1):  # rank order: the same sum on every rank
             packed = TopkPacked.from_bytes(row, tensor.numel())

@@ -1,30 +1,47 @@
 """Error feedback: remember what compression dropped and send it next time.
 
-Each step compresses the new vector *plus* the residual the last step left behind::
+Each step compresses the new vector *plus* the residual the last step left behind:
 
-    c_t = x_t + e_{t-1}            compensated input        (e_0 = 0)
-    p_t = compress(c_t)            what goes on the wire
-    e_t = c_t - decompress(p_t)    what the wire lost, kept here
+```text
+c_t = x_t + e_{t-1}            compensated input        (e_0 = 0)
+p_t = compress(c_t)            what goes on the wire
+e_t = c_t - decompress(p_t)    what the wire lost, kept here
+```
 
-Note [why error feedback bounds the accumulated error]
-    Summing ``decompress(p_t) = x_t + e_{t-1} - e_t`` over steps telescopes::
+**Note [why error feedback bounds the accumulated error]**
 
-        Σ_{t<=T} decompress(p_t)  =  Σ_{t<=T} x_t  -  e_T
+Summing `decompress(p_t) = x_t + e_{t-1} - e_t` over steps telescopes:
 
-    so what the receiver has accumulated differs from the true sum by exactly the *current*
-    residual, never by the history. And the residual stays bounded: if the compressor is a
-    contraction, ``||c - decompress(compress(c))|| <= q ||c||`` with ``q = sqrt(1 - δ) < 1``
-    (:mod:`.compressor`), then ``||e_t|| <= q (||x_t|| + ||e_{t-1}||)``, so with ``||x_t|| <= G``::
+```text
+Σ_{t<=T} decompress(p_t)  =  Σ_{t<=T} x_t  -  e_T
+```
 
-        ||e_t||  <=  q G / (1 - q)       for every t
+so what the receiver has accumulated differs from the true sum by exactly the *current*
+residual, never by the history. And the residual stays bounded: if the compressor is a
+contraction, `||c - decompress(compress(c))|| <= q ||c||` with `q = sqrt(1 - δ) < 1`
+(`compressor`), then `||e_t|| <= q (||x_t|| + ||e_{t-1}||)`, so with `||x_t|| <= G`:
 
-    Without feedback the accumulated error is ``Σ_t (x_t - decompress(compress(x_t)))``, which
-    has no such bound: a constant ``x`` is distorted the same way each step and the error grows
-    like ``T ||x - decompress(compress(x))||``. (``q G / (1 - q)`` is a worst case; with 1-bit
-    compression of chunk ``c`` it is ``~2 c G``, but the measured residual of Gaussian-like
-    gradients stays near ``G``.)
+```text
+||e_t||  <=  q G / (1 - q)       for every t
+```
 
-Costs: one fp32 residual of the vector's size, ``4 n`` bytes, per compressed stream; one extra
+Without feedback the accumulated error is `Σ_t (x_t - decompress(compress(x_t)))`, which
+has no such bound: a constant `x` is distorted the same way each step and the error grows
+like `T ||x - decompress(compress(x))||`. (`q G / (1 - q)` is a worst case; with 1-bit
+compression of chunk `c` it is `~2 c G`, but the measured residual of Gaussian-like
+gradients stays near `G`.)
+
+**Note [a NaN residual]**
+
+A NaN or ±inf in `c_t` reaches the wire as NaN (an int8/int4 block holding one dequantizes
+to NaN throughout, so an overflow check downstream sees it), and it stays in the residual:
+`e_t = c_t - decompress(p_t)` is NaN on that block (NaN - NaN, inf - NaN). From then on
+`c = x + e` is NaN there for every later input, finite or not: the stream is poisoned until
+`reset()`. With fp16 loss scaling, call `reset()` on every step the scaler skips for
+overflow, or the next step overflows again. The residual is not cleaned automatically
+because that would cost a pass over `4 n` bytes on every call to serve the rare bad step.
+
+Costs: one fp32 residual of the vector's size, `4 n` bytes, per compressed stream; one extra
 decompress per step.
 """
 
@@ -38,7 +55,7 @@ __all__ = ["ErrorFeedback"]
 
 
 class ErrorFeedback:
-    """Wraps a :class:`~.compressor.Compressor` with a residual (see Note [why error feedback
+    """Wraps a `Compressor` with a residual (see Note [why error feedback
     bounds the accumulated error]). Use one instance per compressed vector stream.
     """
 
@@ -53,11 +70,11 @@ class ErrorFeedback:
 
     @property
     def residual(self) -> torch.Tensor | None:
-        """``e_t``: what the last :meth:`compress` lost (``None`` before the first call)."""
+        """`e_t`: what the last `compress` lost (`None` before the first call)."""
         return self._residual
 
     def compress(self, x: torch.Tensor) -> Packed:
-        """Compress ``x + residual`` and keep the new residual. ``x`` is flattened to fp32."""
+        """Compress `x + residual` and keep the new residual. `x` is flattened to fp32."""
         flat = x.detach().reshape(-1).to(torch.float32)
         if self._residual is None:
             self._residual = torch.zeros_like(flat)

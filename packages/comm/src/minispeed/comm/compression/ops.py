@@ -1,23 +1,23 @@
 """The compression kernels, compiled or reference: builders, and wrappers that pick one per call.
 
-The functions here have the signatures of :mod:`.reference` (re-exported as ``ops.reference``)
+The functions here have the signatures of `reference` (re-exported as `ops.reference`)
 and give the same bytes. Each call dispatches on the tensor's device:
 
-- CPU: the C++ op (``csrc/compression/*.cpp``; AVX-512, AVX2 and scalar paths, the widest this
+- CPU: the C++ op (`csrc/compression/*.cpp`; AVX-512, AVX2 and scalar paths, the widest this
   build and CPU allow; single-threaded, so each rank of a job keeps to its own core);
-- CUDA: the CUDA op (``csrc/compression/compression_cuda.cu``); top-k selection has no kernel and
-  runs the reference there (``torch.topk`` on the GPU);
-- an op that cannot be built, or ``MINISPEED_DISABLE_OPS=comm_compression``: the reference,
-  after one warning (:func:`minispeed.core.op_builder.load_or_fallback`).
+- CUDA: the CUDA op (`csrc/compression/compression_cuda.cu`); top-k selection has no kernel and
+  runs the reference there (`torch.topk` on the GPU);
+- an op that cannot be built, or `MINISPEED_DISABLE_OPS=comm_compression`: the reference,
+  after one warning (`minispeed.core.op_builder.load_or_fallback`).
 
 All kernels live in ONE extension so a machine compiles them once (about 45 s of CPU, 2-4 minutes
-on a busy 2-core machine), then loads the cached ``.so``. Inputs of any shape are flattened;
-bf16/fp16 inputs are cast to fp32 first (one extra read and write of ``4 n`` bytes), since the
+on a busy 2-core machine), then loads the cached `.so`. Inputs of any shape are flattened;
+bf16/fp16 inputs are cast to fp32 first (one extra read and write of `4 n` bytes), since the
 scales and the wire formats are defined on fp32.
 
-Costs per element (n elements): ``sign_pack`` reads 4 B and writes 1/8 B (+4 B per chunk);
-``sign_unpack`` the reverse; ``quantize_blocks`` reads 4 B twice (absmax, then quantize) and
-writes ``bits/8`` B; ``topk_select`` reads 4 B three times and keeps a 4 B scratch copy.
+Costs per element (n elements): `sign_pack` reads 4 B and writes 1/8 B (+4 B per chunk);
+`sign_unpack` the reverse; `quantize_blocks` reads 4 B twice (absmax, then quantize) and
+writes `bits/8` B; `topk_select` reads 4 B three times and keeps a 4 B scratch copy.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ _CPU_SOURCES = (
 class CompressionBuilder(OpBuilder):
     """The CPU op: sign bits, block quantization, top-k; AVX-512/AVX2/scalar paths in one build.
 
-    Only ``bindings.cpp`` includes torch, so the three kernel files compile in seconds; the torch
+    Only `bindings.cpp` includes torch, so the three kernel files compile in seconds; the torch
     headers of the binding dominate the first build.
     """
 
@@ -67,7 +67,7 @@ class CompressionBuilder(OpBuilder):
 
 
 class CompressionCudaBuilder(OpBuilder):
-    """The CUDA op: the CPU sources plus ``compression_cuda.cu``, with CUDA dispatch compiled in."""
+    """The CUDA op: the CPU sources plus `compression_cuda.cu`, with CUDA dispatch compiled in."""
 
     name = "comm_compression_cuda"
     csrc_root = _CSRC
@@ -84,11 +84,11 @@ _LOADED: dict[str, ModuleType | None] = {}
 
 
 def load_op(device_type: str = "cpu") -> ModuleType | None:
-    """The compiled op for ``device_type`` (``"cpu"`` / ``"cuda"``), or ``None`` for the reference.
+    """The compiled op for `device_type` (`"cpu"` / `"cuda"`), or `None` for the reference.
 
     Loaded once per process (the SIMD level in force at the first call wins);
-    ``MINISPEED_DISABLE_OPS`` is still read on every call. The module's functions take an
-    explicit SIMD level (``op.simd_levels()`` lists those compiled in: 0 scalar, 1 AVX2,
+    `MINISPEED_DISABLE_OPS` is still read on every call. The module's functions take an
+    explicit SIMD level (`op.simd_levels()` lists those compiled in: 0 scalar, 1 AVX2,
     2 AVX-512); tests use it to compare every path with the reference.
     """
     builder = _BUILDERS.get(device_type)
@@ -102,7 +102,7 @@ def load_op(device_type: str = "cpu") -> ModuleType | None:
 
 
 def _flat_fp32(x: torch.Tensor, name: str = "x") -> torch.Tensor:
-    """``x`` as a contiguous 1-D fp32 tensor (a copy only when needed)."""
+    """`x` as a contiguous 1-D fp32 tensor (a copy only when needed)."""
     if not x.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
     return x.detach().reshape(-1).to(torch.float32).contiguous()
@@ -118,7 +118,7 @@ def _best(op: ModuleType) -> int:
 
 
 def _stream(t: torch.Tensor) -> dict[str, int]:
-    """``{"stream": handle}`` of the current CUDA stream for a CUDA tensor; ``{}`` on the CPU.
+    """`{"stream": handle}` of the current CUDA stream for a CUDA tensor; `{}` on the CPU.
 
     The kernels launch on the current device, so a CUDA tensor must live there.
     """
@@ -135,7 +135,7 @@ def _stream(t: torch.Tensor) -> dict[str, int]:
 
 # -- 1-bit sign compression ------------------------------------------------------------------
 def sign_pack(x: torch.Tensor, chunk_numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sign bits (uint8 ``[ceil(n/8)]``) and per-chunk mean ``|x|`` (fp32 ``[ceil(n/chunk)]``)."""
+    """Sign bits (uint8 `[ceil(n/8)]`) and per-chunk mean `|x|` (fp32 `[ceil(n/chunk)]`)."""
     _check_positive(chunk_numel, "chunk_numel")
     x = _flat_fp32(x)
     op = load_op(x.device.type)
@@ -148,7 +148,7 @@ def sign_pack(x: torch.Tensor, chunk_numel: int) -> tuple[torch.Tensor, torch.Te
 def sign_unpack(
     bits: torch.Tensor, scales: torch.Tensor, chunk_numel: int, numel: int
 ) -> torch.Tensor:
-    """fp32 ``[numel]``: ``-scale`` where a bit is set, ``+scale`` elsewhere."""
+    """fp32 `[numel]`: `-scale` where a bit is set, `+scale` elsewhere."""
     _check_positive(chunk_numel, "chunk_numel")
     if bits.dtype != torch.uint8 or bits.numel() != -(-numel // 8):
         raise ValueError(
@@ -180,7 +180,7 @@ def _check_quant(block_numel: int, bits: int) -> None:
 def quantize_blocks(
     x: torch.Tensor, block_numel: int, bits: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Absmax int8/int4 quantization per block: ``(q uint8, scales fp32)`` (see :mod:`.reference`)."""
+    """Absmax int8/int4 quantization per block: `(q uint8, scales fp32)` (see `reference`)."""
     _check_quant(block_numel, bits)
     x = _flat_fp32(x)
     op = load_op(x.device.type)
@@ -193,7 +193,7 @@ def quantize_blocks(
 def dequantize_blocks(
     q: torch.Tensor, scales: torch.Tensor, block_numel: int, bits: int, numel: int
 ) -> torch.Tensor:
-    """fp32 ``[numel]`` = ``q * scale`` of its block."""
+    """fp32 `[numel]` = `q * scale` of its block."""
     _check_quant(block_numel, bits)
     q_bytes = numel if bits == 8 else -(-numel // 2)
     if q.dtype != torch.uint8 or q.numel() != q_bytes:
@@ -215,7 +215,7 @@ def dequantize_blocks(
 
 # -- top-k sparsification ----------------------------------------------------------------------
 def topk_select(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(values fp32 [k], indices int32 [k] ascending)`` of the k largest ``|x|``; ties: lower index."""
+    """`(values fp32 [k], indices int32 [k] ascending)` of the k largest `|x|`; ties: lower index."""
     x = _flat_fp32(x)
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= x.numel():
         raise ValueError(f"k must be an int in [0, numel={x.numel()}], got {k!r}")
@@ -234,7 +234,7 @@ def topk_select(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 def sparse_accumulate_(
     out: torch.Tensor, values: torch.Tensor, indices: torch.Tensor
 ) -> torch.Tensor:
-    """``out[indices[j]] += values[j]`` in place; ``out`` must be contiguous fp32. Returns ``out``."""
+    """`out[indices[j]] += values[j]` in place; `out` must be contiguous fp32. Returns `out`."""
     if out.dtype != torch.float32 or not out.is_contiguous():
         raise TypeError(f"out must be a contiguous fp32 tensor, got {out.dtype}")
     if indices.dtype != torch.int32:

@@ -1,21 +1,23 @@
 """int8 / int4 block quantization for communication (ZeRO++'s qwZ weights and qgZ gradients).
 
-A block ``v`` of ``B`` elements is sent as ``s = max |v| / qmax`` (fp32) and the codes
-``q_i = clamp(round(v_i / s), -qmax, qmax)`` with ``qmax = 127`` (int8) or ``7`` (int4), and is
-rebuilt as ``s q_i``. Symmetric (no zero point): gradients and weights are centred near zero.
+A block `v` of `B` elements is sent as `s = max |v| / qmax` (fp32) and the codes
+`q_i = clamp(round(v_i / s), -qmax, qmax)` with `qmax = 127` (int8) or `7` (int4), and is
+rebuilt as `s q_i`. Symmetric (no zero point): gradients and weights are centred near zero.
 
-Error bound (derivation). Rounding moves ``v_i / s`` by at most 1/2, so ``|v_i - s q_i| <= s/2
-= max|v| / (2 qmax)``; an element with ``|v_i| < s/2`` becomes 0, so also ``|v_i - s q_i| <=
-|v_i|``. Hence elementwise::
+Error bound (derivation). Rounding moves `v_i / s` by at most 1/2, so `|v_i - s q_i| <= s/2
+= max|v| / (2 qmax)`; an element with `|v_i| < s/2` becomes 0, so also `|v_i - s q_i| <=
+|v_i|`. Hence elementwise:
 
-    |v_i - v̂_i|  <=  min(|v_i|, max|v| / (2 qmax))
+```text
+|v_i - v̂_i|  <=  min(|v_i|, max|v| / (2 qmax))
+```
 
-and per block ``||v - v̂||² <= ||v||² - max|v|² <= (1 - 1/B) ||v||²`` (the largest element is
-rebuilt exactly, up to one rounding of ``s``): a contraction, so error feedback applies. Relative
+and per block `||v - v̂||² <= ||v||² - max|v|² <= (1 - 1/B) ||v||²` (the largest element is
+rebuilt exactly, up to one rounding of `s`): a contraction, so error feedback applies. Relative
 to the block's largest element the error is at most 0.39 % for int8 and 7.1 % for int4.
 
-Bytes: ``ceil(n bits / 8)`` of codes plus ``4 ceil(n / B)`` of scales; against fp32 that is
-``32 / (bits + 32/B)``-fold fewer: 3.9x (int8) and 7.8x (int4) at ``B = 256``.
+Bytes: `ceil(n bits / 8)` of codes plus `4 ceil(n / B)` of scales; against fp32 that is
+`32 / (bits + 32/B)`-fold fewer: 3.9x (int8) and 7.8x (int4) at `B = 256`.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ __all__ = ["BlockQuantizer", "QuantPacked"]
 
 @dataclasses.dataclass(frozen=True)
 class QuantPacked:
-    """Codes and block scales of ``numel`` elements (see Note [packed bytes layout])."""
+    """Codes and block scales of `numel` elements (see Note [packed bytes layout])."""
 
     scales: torch.Tensor  # fp32 [ceil(numel / block_numel)]
     q: torch.Tensor  # uint8 [numel] (int8) or [ceil(numel / 2)] (int4 nibble pairs)
@@ -42,7 +44,7 @@ class QuantPacked:
 
     @property
     def nbytes(self) -> int:
-        """``4 * len(scales) + len(q)``."""
+        """`4 * len(scales) + len(q)`."""
         return 4 * self.scales.numel() + self.q.numel()
 
     def to_bytes(self) -> torch.Tensor:
@@ -50,9 +52,9 @@ class QuantPacked:
         return self.to_rows(1).view(-1)
 
     def to_rows(self, n: int) -> torch.Tensor:
-        """``(n, bytes_per_row)`` uint8, one message per consecutive ``numel / n`` elements.
+        """`(n, bytes_per_row)` uint8, one message per consecutive `numel / n` elements.
 
-        For ``n > 1`` the row length must be a multiple of ``block_numel`` (so no block and no
+        For `n > 1` the row length must be a multiple of `block_numel` (so no block and no
         int4 byte is shared by two rows).
         """
         row = self.numel // n if n else 0
@@ -67,7 +69,7 @@ class QuantPacked:
     def from_rows(
         cls, rows: torch.Tensor, row_numel: int, bits: int, block_numel: int
     ) -> QuantPacked:
-        """Inverse of :meth:`to_rows`."""
+        """Inverse of `to_rows`."""
         n = rows.shape[0]
         scales_per_row = -(-row_numel // block_numel)
         code_bytes = row_numel if bits == 8 else -(-row_numel // 2)
@@ -84,9 +86,9 @@ class QuantPacked:
 
 @dataclasses.dataclass(frozen=True)
 class BlockQuantizer:
-    """Symmetric absmax quantization to ``bits`` (8 or 4) per block of ``block_numel`` elements.
+    """Symmetric absmax quantization to `bits` (8 or 4) per block of `block_numel` elements.
 
-    Elementwise ``|x_i - x̂_i| <= min(|x_i|, max|block| / (2 qmax))`` (module docstring).
+    Elementwise `|x_i - x̂_i| <= min(|x_i|, max|block| / (2 qmax))` (module docstring).
     """
 
     bits: int = 8
@@ -112,21 +114,21 @@ class BlockQuantizer:
         return 127 if self.bits == 8 else 7
 
     def padded_numel(self, numel: int) -> int:
-        """``numel`` rounded up to whole blocks (how collectives pad each rank's part)."""
+        """`numel` rounded up to whole blocks (how collectives pad each rank's part)."""
         return -(-numel // self.block_numel) * self.block_numel
 
     def compress(self, x: torch.Tensor) -> QuantPacked:
-        """Codes and block scales of ``x`` (flattened, as fp32)."""
+        """Codes and block scales of `x` (flattened, as fp32)."""
         q, scales = ops.quantize_blocks(x, self.block_numel, self.bits)
         return QuantPacked(scales, q, x.numel(), self.bits, self.block_numel)
 
     def decompress(self, packed: QuantPacked) -> torch.Tensor:
-        """fp32 ``[numel]``: code times its block's scale."""
+        """fp32 `[numel]`: code times its block's scale."""
         return ops.dequantize_blocks(
             packed.q, packed.scales, packed.block_numel, packed.bits, packed.numel
         )
 
     def packed_nbytes(self, numel: int) -> int:
-        """``ceil(numel bits / 8) + 4 ceil(numel / block_numel)``."""
+        """`ceil(numel bits / 8) + 4 ceil(numel / block_numel)`."""
         code_bytes = numel if self.bits == 8 else -(-numel // 2)
         return code_bytes + 4 * -(-numel // self.block_numel)

@@ -1,20 +1,20 @@
 """Quantized all-gather and reduce-scatter: ZeRO++'s qwZ (weights) and qgZ (gradients).
 
-Both move int8/int4 codes plus one fp32 scale per block instead of fp32 (:mod:`.quantize`), each
-rank's part padded to whole blocks (``P = B ceil(S / B)`` elements for an S-element shard) so a
-block never spans two ranks. Bytes per rank: ``(n-1) q`` with ``q = ceil(P bits/8) + 4 P/B``
-(:mod:`.wire`), against ``(n-1) 4 S`` for fp32.
+Both move int8/int4 codes plus one fp32 scale per block instead of fp32 (`quantize`), each
+rank's part padded to whole blocks (`P = B ceil(S / B)` elements for an S-element shard) so a
+block never spans two ranks. Bytes per rank: `(n-1) q` with `q = ceil(P bits/8) + 4 P/B`
+(`wire`), against `(n-1) 4 S` for fp32.
 
-**qwZ** — :func:`quantized_all_gather_into_tensor`: quantize my shard, all_gather the messages,
-dequantize all n at once. Error per element: ``|out_i - exact_i| <= max|block| / (2 qmax)`` of
+**qwZ** — `quantized_all_gather_into_tensor`: quantize my shard, all_gather the messages,
+dequantize all n at once. Error per element: `|out_i - exact_i| <= max|block| / (2 qmax)` of
 the block it came from (weights need no error feedback: they are re-gathered from the exact
 fp32 shard every step).
 
-**qgZ** — :func:`quantized_reduce_scatter_tensor`: quantize my full input as n parts, send part
+**qgZ** — `quantized_reduce_scatter_tensor`: quantize my full input as n parts, send part
 j to rank j with one all_to_all, dequantize the n parts I receive and add them in fp32. ZeRO++
 does this all-to-all in two hops (within a node, then across); on one level it is the same
-arithmetic. Error per element of the sum: ``<= Σ_i max|block_i| / (2 qmax)`` over the n
-senders' blocks, or, with ``error_feedback``, the accumulated error over steps is bounded by the
+arithmetic. Error per element of the sum: `<= Σ_i max|block_i| / (2 qmax)` over the n
+senders' blocks, or, with `error_feedback`, the accumulated error over steps is bounded by the
 current residual (Note [why error feedback bounds the accumulated error]).
 """
 
@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 import minispeed.comm as comm
+from minispeed.comm import handshake, validation
 from minispeed.comm.compression.error_feedback import ErrorFeedback
 from minispeed.comm.compression.quantize import BlockQuantizer, QuantPacked
 
@@ -34,7 +35,7 @@ _DEFAULT = BlockQuantizer()
 
 
 def _padded_rows(x: torch.Tensor, n: int, row_numel: int, padded_numel: int) -> torch.Tensor:
-    """``x`` as ``(n, row_numel)`` fp32 rows, each zero-padded to ``padded_numel`` columns."""
+    """`x` as `(n, row_numel)` fp32 rows, each zero-padded to `padded_numel` columns."""
     rows = torch.zeros(n, padded_numel, dtype=torch.float32, device=x.device)
     rows[:, :row_numel] = x.detach().reshape(n, row_numel)
     return rows
@@ -47,22 +48,29 @@ def quantized_all_gather_into_tensor(
     quantizer: BlockQuantizer = _DEFAULT,
     group: Any = None,
 ) -> torch.Tensor:
-    """Gather every rank's ``input`` into ``output`` (``n * input.numel()`` elements), quantized.
+    """Gather every rank's `input` into `output` (`n * input.numel()` elements), quantized.
 
-    Like :func:`minispeed.comm.all_gather_into_tensor` but lossy: each element is off by at most
-    ``max|block| / (2 qmax)`` of its block. Returns ``output``.
+    Like `minispeed.comm.all_gather_into_tensor` but lossy: each element is off by at most
+    `max|block| / (2 qmax)` of its block. Returns `output`.
     """
-    n = comm.get_world_size(group)
+    name = "quantized_all_gather"
+    n = validation.check_group(name, group)
+    is_checked = handshake.checked(group)
     shard = input.numel()
-    if output.numel() != n * shard:
-        raise ValueError(
-            f"output has {output.numel()} elements but {n} ranks x {shard} input elements = "
-            f"{n * shard}; allocate output with n * input.numel() elements"
-        )
-    if not (input.is_floating_point() and output.is_floating_point()):
-        raise TypeError(
-            f"quantized all-gather needs float tensors, got {input.dtype}/{output.dtype}"
-        )
+    try:
+        if output.numel() != n * shard:
+            raise ValueError(
+                f"output has {output.numel()} elements but {n} ranks x {shard} input elements = "
+                f"{n * shard}; allocate output with n * input.numel() elements"
+            )
+        if not (input.is_floating_point() and output.is_floating_point()):
+            raise TypeError(
+                f"quantized all-gather needs float tensors, got {input.dtype}/{output.dtype}"
+            )
+    except (ValueError, TypeError) as err:  # See Note [errors reach every rank] in handshake.py
+        raise handshake.reject(name, group, err, is_checked) from None
+    if is_checked:
+        handshake.compare(name, group, {"shape": tuple(input.shape), "quantizer": repr(quantizer)})
     padded = quantizer.padded_numel(shard)
     message = quantizer.compress(_padded_rows(input, 1, shard, padded)).to_bytes()
     gathered = torch.empty(n * message.numel(), dtype=torch.uint8, device=input.device)
@@ -84,39 +92,46 @@ def quantized_reduce_scatter_tensor(
     error_feedback: ErrorFeedback | None = None,
     group: Any = None,
 ) -> torch.Tensor:
-    """Reduce ``input`` (``n * output.numel()`` elements) over ranks; rank r keeps part r, quantized.
+    """Reduce `input` (`n * output.numel()` elements) over ranks; rank r keeps part r, quantized.
 
-    ``op`` is ``comm.ReduceOp.SUM`` (default) or ``comm.ReduceOp.AVG``. Pass an
-    :class:`ErrorFeedback` around a :class:`BlockQuantizer` to carry this rank's quantization
-    error into its next call (then leave ``quantizer`` unset or pass the same one). Returns
-    ``output``.
+    `op` is `comm.ReduceOp.SUM` (default) or `comm.ReduceOp.AVG`. Pass an
+    `ErrorFeedback` around a `BlockQuantizer` to carry this rank's quantization
+    error into its next call (then leave `quantizer` unset or pass the same one). Returns
+    `output`.
     """
-    op = comm.ReduceOp.SUM if op is None else op
-    if op not in (comm.ReduceOp.SUM, comm.ReduceOp.AVG):
-        raise ValueError(f"quantized reduce-scatter supports ReduceOp.SUM and AVG, got {op}")
-    if error_feedback is not None:
-        if not isinstance(error_feedback.compressor, BlockQuantizer):
-            raise TypeError(
-                "error_feedback must wrap a BlockQuantizer for a quantized reduce-scatter"
-            )
-        if quantizer is not None and quantizer != error_feedback.compressor:
+    name = "quantized_reduce_scatter"
+    n = validation.check_group(name, group)
+    is_checked = handshake.checked(group)
+    try:
+        op = comm.ReduceOp.SUM if op is None else op
+        if op not in (comm.ReduceOp.SUM, comm.ReduceOp.AVG):
+            raise ValueError(f"quantized reduce-scatter supports ReduceOp.SUM and AVG, got {op}")
+        if error_feedback is not None:
+            if not isinstance(error_feedback.compressor, BlockQuantizer):
+                raise TypeError(
+                    "error_feedback must wrap a BlockQuantizer for a quantized reduce-scatter"
+                )
+            if quantizer is not None and quantizer != error_feedback.compressor:
+                raise ValueError(
+                    f"quantizer {quantizer} differs from the error feedback's "
+                    f"{error_feedback.compressor}; pass only error_feedback"
+                )
+            quantizer = error_feedback.compressor
+        quantizer = quantizer if quantizer is not None else _DEFAULT
+        shard = output.numel()
+        if input.numel() != n * shard:
             raise ValueError(
-                f"quantizer {quantizer} differs from the error feedback's "
-                f"{error_feedback.compressor}; pass only error_feedback"
+                f"input has {input.numel()} elements but {n} ranks x {shard} output elements = "
+                f"{n * shard}; pass an input of n * output.numel() elements"
             )
-        quantizer = error_feedback.compressor
-    quantizer = quantizer if quantizer is not None else _DEFAULT
-    n = comm.get_world_size(group)
-    shard = output.numel()
-    if input.numel() != n * shard:
-        raise ValueError(
-            f"input has {input.numel()} elements but {n} ranks x {shard} output elements = "
-            f"{n * shard}; pass an input of n * output.numel() elements"
-        )
-    if not (input.is_floating_point() and output.is_floating_point()):
-        raise TypeError(
-            f"quantized reduce-scatter needs float tensors, got {input.dtype}/{output.dtype}"
-        )
+        if not (input.is_floating_point() and output.is_floating_point()):
+            raise TypeError(
+                f"quantized reduce-scatter needs float tensors, got {input.dtype}/{output.dtype}"
+            )
+    except (ValueError, TypeError) as err:  # See Note [errors reach every rank] in handshake.py
+        raise handshake.reject(name, group, err, is_checked) from None
+    if is_checked:
+        handshake.compare(name, group, {"shape": tuple(input.shape), "quantizer": repr(quantizer)})
     padded = quantizer.padded_numel(shard)
     rows = _padded_rows(input, n, shard, padded).view(-1)  # (n P,): part j = rows[j]
     packed = (

@@ -1,7 +1,7 @@
 """Optimizers that communicate compressed: 1-bit Adam and 1-bit LAMB.
 
-Reading order: :mod:`.compressed_momentum` (the two phases, shared collectives, checkpoints),
-then :mod:`.onebit_adam` and :mod:`.onebit_lamb` (each one update rule per phase).
+Reading order: `compressed_momentum` (the two phases, shared collectives, checkpoints),
+then `onebit_adam` and `onebit_lamb` (each one update rule per phase).
 Use them *instead of* DDP: they average gradients (warm-up) or momenta (compressed) themselves.
 """
 

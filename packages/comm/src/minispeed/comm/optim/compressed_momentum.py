@@ -1,26 +1,26 @@
 """The skeleton shared by 1-bit Adam and 1-bit LAMB: warm up exactly, then send momentum in 1 bit.
 
-Both optimizers run in two phases (:class:`OnebitPhase`):
+Both optimizers run in two phases (`OnebitPhase`):
 
-1. **WARMUP** (steps ``1 .. freeze_step``): gradients are averaged over the group with one fp32
-   all-reduce of a flat buffer (``2(n-1)/n · 4Ψ`` bytes per rank, Ψ = trainable elements) and the
-   optimizer runs its full-precision rule, building its second moment ``v``.
-2. **COMPRESSED** (after ``freeze_step``): ``v`` is frozen. Each rank folds its *local* gradient
-   into its momentum, and the momenta are averaged with :class:`~minispeed.comm.compression.
-   OnebitAllReduce` (worker and server error feedback): ``2(n-1)(4 + C/8)`` bytes with
-   ``C ≈ Ψ/n``, i.e. about ``(n-1)/n · Ψ/4`` per rank instead of ``(n-1)/n · 8Ψ``: ~32x fewer.
+1. **WARMUP** (steps `1 .. freeze_step`): gradients are averaged over the group with one fp32
+   all-reduce of a flat buffer (`2(n-1)/n · 4Ψ` bytes per rank, Ψ = trainable elements) and the
+   optimizer runs its full-precision rule, building its second moment `v`.
+2. **COMPRESSED** (after `freeze_step`): `v` is frozen. Each rank folds its *local* gradient
+   into its momentum, and the momenta are averaged with `OnebitAllReduce` (worker and server error feedback): `2(n-1)(4 + C/8)` bytes with
+   `C ≈ Ψ/n`, i.e. about `(n-1)/n · Ψ/4` per rank instead of `(n-1)/n · 8Ψ`: ~32x fewer.
 
-Note [why freezing v makes momentum compressible]
-    Adam's update ``m / sqrt(v)`` is non-linear in the gradients, so averaging compressed
-    gradients would feed compression noise into ``v`` (whose square amplifies it). Once ``v``
-    stops changing (after warm-up it varies slowly), the update is *linear* in ``m``: averaging
-    the ranks' momenta is the same as building momentum from the averaged gradient, and
-    compression error in ``m`` is corrected by error feedback over the next steps.
+**Note [why freezing v makes momentum compressible]**
 
-Use without DDP: the optimizer communicates itself. Call ``loss.backward()`` on every rank, then
-``step()``. Parameters whose ``.grad`` is ``None`` on a rank count as zero gradients, so every
+Adam's update `m / sqrt(v)` is non-linear in the gradients, so averaging compressed
+gradients would feed compression noise into `v` (whose square amplifies it). Once `v`
+stops changing (after warm-up it varies slowly), the update is *linear* in `m`: averaging
+the ranks' momenta is the same as building momentum from the averaged gradient, and
+compression error in `m` is corrected by error feedback over the next steps.
+
+Use without DDP: the optimizer communicates itself. Call `loss.backward()` on every rank, then
+`step()`. Parameters whose `.grad` is `None` on a rank count as zero gradients, so every
 rank's flat buffer has the same layout. Memory beyond the optimizer's own state: the two
-residuals of the 1-bit all-reduce (``≈ 4Ψ + 4Ψ/n`` bytes).
+residuals of the 1-bit all-reduce (`≈ 4Ψ + 4Ψ/n` bytes).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ __all__ = ["CompressedMomentumOptimizer", "OnebitPhase"]
 class OnebitPhase(enum.Enum):
     """Where a 1-bit optimizer is in its schedule (module docstring).
 
-    WARMUP: fp32 gradient all-reduce; state per parameter: ``exp_avg``, ``exp_avg_sq`` (4 B each
-    per element). COMPRESSED: 1-bit momentum all-reduce; the same state, ``exp_avg_sq`` frozen,
+    WARMUP: fp32 gradient all-reduce; state per parameter: `exp_avg`, `exp_avg_sq` (4 B each
+    per element). COMPRESSED: 1-bit momentum all-reduce; the same state, `exp_avg_sq` frozen,
     plus the all-reduce's residuals (≈ 4 B per element).
     """
 
@@ -66,8 +66,8 @@ def check_adam_hyperparameters(
 class CompressedMomentumOptimizer(torch.optim.Optimizer):
     """Base class: phases, the flat gradient/momentum collectives, checkpoint handling.
 
-    Subclasses implement :meth:`_warmup_update` (gradients already averaged) and
-    :meth:`_compressed_update` (momenta to be averaged with :meth:`_average_momenta`).
+    Subclasses implement `_warmup_update` (gradients already averaged) and
+    `_compressed_update` (momenta to be averaged with `_average_momenta`).
     """
 
     def __init__(
@@ -127,9 +127,9 @@ class CompressedMomentumOptimizer(torch.optim.Optimizer):
     def _average_momenta(
         self, momenta: list[torch.Tensor], scales: list[float] | None = None
     ) -> None:
-        """Average ``momenta`` over the group in place with the 1-bit all-reduce.
+        """Average `momenta` over the group in place with the 1-bit all-reduce.
 
-        ``scales`` multiply each tensor before compression and divide it after, so tensors of
+        `scales` multiply each tensor before compression and divide it after, so tensors of
         different magnitude share the fused buffer's chunk scales fairly (1-bit LAMB uses it).
         """
         if not momenta:

@@ -1,22 +1,25 @@
 """1-bit Adam: Adam whose momentum, not its gradient, is communicated in 1 bit after a warm-up.
 
-Per parameter, with g the gradient (plus ``weight_decay * p``, as ``torch.optim.Adam``'s L2),
+Per parameter, with g the gradient (plus `weight_decay * p`, as `torch.optim.Adam`'s L2),
 β1, β2 the betas and t the step:
 
-WARMUP (t <= freeze_step), ``g`` averaged over ranks in fp32 — exactly ``torch.optim.Adam``::
+WARMUP (t <= freeze_step), `g` averaged over ranks in fp32 — exactly `torch.optim.Adam`:
 
-    m <- β1 m + (1-β1) g          v <- β2 v + (1-β2) g²
-    p <- p - lr · (m / (1-β1^t)) / (sqrt(v / (1-β2^t)) + eps)
+```text
+m <- β1 m + (1-β1) g          v <- β2 v + (1-β2) g²
+p <- p - lr · (m / (1-β1^t)) / (sqrt(v / (1-β2^t)) + eps)
+```
 
-COMPRESSED (t > freeze_step), ``g`` local to this rank, ``v`` and its bias correction frozen at
-``t0 = freeze_step`` (Note [why freezing v makes momentum compressible])::
+COMPRESSED (t > freeze_step), `g` local to this rank, `v` and its bias correction frozen at
+`t0 = freeze_step` (Note [why freezing v makes momentum compressible]):
 
-    m <- onebit_average(β1 m + (1-β1) g)        (all ranks end with the same m)
-    p <- p - lr · (m / (1-β1^t)) / (sqrt(v / (1-β2^t0)) + eps)
+```text
+m <- onebit_average(β1 m + (1-β1) g)        (all ranks end with the same m)
+p <- p - lr · (m / (1-β1^t)) / (sqrt(v / (1-β2^t0)) + eps)
+```
 
-Bytes per step per rank (Ψ trainable elements, n ranks): warm-up ``2(n-1)/n · 4Ψ``; compressed
-``2(n-1)(4 + C/8)``, ``C = 8 ceil(Ψ / 8n)`` (:func:`minispeed.comm.compression.wire.
-onebit_allreduce_calls`). Memory: Adam's ``8Ψ`` bytes of state plus ``≈ 4Ψ (1 + 1/n)`` for the
+Bytes per step per rank (Ψ trainable elements, n ranks): warm-up `2(n-1)/n · 4Ψ`; compressed
+`2(n-1)(4 + C/8)`, `C = 8 ceil(Ψ / 8n)` (`minispeed.comm.compression.wire.onebit_allreduce_calls`). Memory: Adam's `8Ψ` bytes of state plus `≈ 4Ψ (1 + 1/n)` for the
 error-feedback residuals once compressed.
 """
 
@@ -38,8 +41,8 @@ __all__ = ["OnebitAdam"]
 class OnebitAdam(CompressedMomentumOptimizer):
     """Adam with fp32 warm-up, then frozen variance and 1-bit momentum averaging (module docstring).
 
-    ``freeze_step``: warm-up steps (DeepSpeed's ``freeze_step``; 1-bit Adam's paper uses ~15-25 %
-    of training). ``group``: the data-parallel process group (``None``: every rank).
+    `freeze_step`: warm-up steps (DeepSpeed's `freeze_step`; 1-bit Adam's paper uses ~15-25 %
+    of training). `group`: the data-parallel process group (`None`: every rank).
     """
 
     def __init__(

@@ -1,28 +1,28 @@
 """1-bit LAMB: LAMB's layer-wise trust ratio, with momentum sent in 1 bit after a warm-up.
 
-LAMB scales each tensor's Adam-style update ``u = m̂ / (sqrt(v̂) + eps) + wd · p`` by a trust
-ratio ``r = clamp(||p|| / ||u||, min_coeff, max_coeff)``, so every layer moves by a similar
-*relative* amount. Two things break once the momentum is compressed (and ``v`` frozen), and 1-bit
+LAMB scales each tensor's Adam-style update `u = m̂ / (sqrt(v̂) + eps) + wd · p` by a trust
+ratio `r = clamp(||p|| / ||u||, min_coeff, max_coeff)`, so every layer moves by a similar
+*relative* amount. Two things break once the momentum is compressed (and `v` frozen), and 1-bit
 LAMB repairs both:
 
-1. ``||u||`` would be computed from a compressed momentum, so ``r`` would follow compression
-   noise. Instead ``r`` is *frozen* to its running average over warm-up
-   (``c <- coeff_beta c + (1-coeff_beta) r``), and modulated by a bounded factor (3).
+1. `||u||` would be computed from a compressed momentum, so `r` would follow compression
+   noise. Instead `r` is *frozen* to its running average over warm-up
+   (`c <- coeff_beta c + (1-coeff_beta) r`), and modulated by a bounded factor (3).
 2. One fused buffer carries every tensor's momentum, and 1-bit compression shares one scale per
    chunk; a layer with small momenta would be drowned by a large neighbour. At the freeze each
-   tensor gets a fixed multiplier ``σ_p = rms(all m) / rms(m_p)`` applied before compression and
-   removed after (:meth:`~.compressed_momentum.CompressedMomentumOptimizer._average_momenta`).
-3. Frozen ``v`` cannot follow a variance that shrinks later in training. From the averaged
-   momenta the optimizer recovers the averaged gradient, ``ĝ = (m_t - β1 m_{t-1}) / (1-β1)``,
-   keeps a *fresh* ``v' <- β2 v' + (1-β2) ĝ²`` (started from the bias-corrected frozen ``v̂``),
-   and multiplies the frozen trust ratio by ``f = max_i (sqrt(v̂_i) + eps) / (sqrt(v'_i) + eps)``:
-   how much larger the update would be under the fresh variance. ``f`` is clamped to
-   ``[factor_min, factor_max]`` and may change by at most ``factor_threshold`` (relative) per
-   step, so one noisy ``ĝ`` cannot jolt the step size.
+   tensor gets a fixed multiplier `σ_p = rms(all m) / rms(m_p)` applied before compression and
+   removed after (`_average_momenta`).
+3. Frozen `v` cannot follow a variance that shrinks later in training. From the averaged
+   momenta the optimizer recovers the averaged gradient, `ĝ = (m_t - β1 m_{t-1}) / (1-β1)`,
+   keeps a *fresh* `v' <- β2 v' + (1-β2) ĝ²` (started from the bias-corrected frozen `v̂`),
+   and multiplies the frozen trust ratio by `f = max_i (sqrt(v̂_i) + eps) / (sqrt(v'_i) + eps)`:
+   how much larger the update would be under the fresh variance. `f` is clamped to
+   `[factor_min, factor_max]` and may change by at most `factor_threshold` (relative) per
+   step, so one noisy `ĝ` cannot jolt the step size.
 
-COMPRESSED step per tensor: ``p <- p - lr · c · f · u`` with ``u`` built from the frozen ``v``.
-Bytes per step: as :class:`~minispeed.comm.optim.OnebitAdam`. Extra memory: ``v'`` (4 B per
-element) and ``m_{t-1}`` during the step.
+COMPRESSED step per tensor: `p <- p - lr · c · f · u` with `u` built from the frozen `v`.
+Bytes per step: as `OnebitAdam`. Extra memory: `v'` (4 B per
+element) and `m_{t-1}` during the step.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ __all__ = ["OnebitLamb"]
 class OnebitLamb(CompressedMomentumOptimizer):
     """LAMB with fp32 warm-up, then frozen variance and trust ratio, and 1-bit momentum.
 
-    Hyper-parameters keep DeepSpeed's names and meanings (``max_coeff``, ``min_coeff``,
-    ``coeff_beta``, ``factor_max``, ``factor_min``, ``factor_threshold``; module docstring).
+    Hyper-parameters keep DeepSpeed's names and meanings (`max_coeff`, `min_coeff`,
+    `coeff_beta`, `factor_max`, `factor_min`, `factor_threshold`; module docstring).
     """
 
     def __init__(
@@ -103,7 +103,7 @@ class OnebitLamb(CompressedMomentumOptimizer):
     def _update_direction(
         state: dict[str, Any], p: torch.Tensor, group: dict[str, Any], bc1: float, bc2: float
     ) -> torch.Tensor:
-        """``u = m̂ / (sqrt(v̂) + eps) + wd · p`` (fp32)."""
+        """`u = m̂ / (sqrt(v̂) + eps) + wd · p` (fp32)."""
         denom = (state["exp_avg_sq"] / bc2).sqrt_().add_(group["eps"])
         u = (state["exp_avg"] / bc1).div_(denom)
         if group["weight_decay"]:

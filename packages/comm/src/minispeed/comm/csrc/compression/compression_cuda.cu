@@ -44,8 +44,11 @@ __device__ T block_reduce(T v, Op op) {
 struct AddD {
   __device__ double operator()(double a, double b) const { return a + b; }
 };
+// A max that keeps NaN (fmaxf drops it): See Note [non-finite blocks] in quantize_cpu.cpp.
 struct MaxF {
-  __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+  __device__ float operator()(float a, float b) const {
+    return (isnan(a) || isnan(b)) ? __int_as_float(0x7fc00000) : fmaxf(a, b);
+  }
 };
 
 __global__ void sign_bits_kernel(const float* __restrict__ x, int64_t n, uint8_t* __restrict__ bits) {
@@ -77,7 +80,9 @@ __global__ void sign_unpack_kernel(const uint8_t* __restrict__ bits, const float
 
 __device__ int quantize_one(float x, float s, int qmax) {
   if (s == 0.0f) return 0;
-  const float r = fminf(fmaxf(rintf(__fdiv_rn(x, s)), static_cast<float>(-qmax)), static_cast<float>(qmax));
+  const float r0 = rintf(__fdiv_rn(x, s));
+  if (isnan(r0)) return 0;  // a NaN block, a NaN element, or +-inf / inf: code 0
+  const float r = fminf(fmaxf(r0, static_cast<float>(-qmax)), static_cast<float>(qmax));
   return static_cast<int>(r);
 }
 
@@ -87,7 +92,7 @@ __global__ void quantize_kernel(const float* __restrict__ x, int64_t n, int64_t 
   const int64_t end = begin + block < n ? begin + block : n;
   const int qmax = bits == 8 ? 127 : 7;
   float m = 0.0f;
-  for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) m = fmaxf(m, fabsf(x[i]));
+  for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) m = MaxF{}(m, fabsf(x[i]));
   const float s = __fdiv_rn(block_reduce(m, MaxF{}), static_cast<float>(qmax));
   if (threadIdx.x == 0) scales[blockIdx.x] = s;
   if (bits == 8) {

@@ -4,10 +4,20 @@
 // Bit-exactness with the PyTorch reference holds because every step is an exactly rounded IEEE
 // operation in both: absmax (order-free), s = absmax / qmax (one division), x / s (one division,
 // not x * (1/s)), round-half-even, clamp, and q * s on the way back.
+//
+// Note [non-finite blocks]: a block holding a NaN gets the canonical quiet NaN as its scale (the
+// max of |x| is NaN, as torch.amax says); one holding +-inf and no NaN gets +inf. Where x / s is
+// NaN (a NaN element, any element of a NaN block, +-inf / inf) the code is 0, never the integer
+// conversion of a NaN (undefined in C++, INT_MIN from cvtps2dq). Every code of such a block is
+// then 0 (finite / inf = +-0), so the whole block dequantizes to 0 * NaN or 0 * inf = NaN: a
+// non-finite gradient arrives non-finite, which is what an fp16 overflow check looks for. Each
+// SIMD path keeps a NaN flag beside its running max, because maxps returns its second operand
+// when either is NaN and so forgets a NaN seen earlier.
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "compression.h"
 
@@ -22,8 +32,11 @@ inline int qmax_of(int bits) { return bits == 8 ? 127 : 7; }
 
 inline int quantize_one(float x, float s, int qmax) {
   const float r = std::nearbyint(x / s);  // default rounding mode: half to even, like torch.round
+  if (std::isnan(r)) return 0;            // See Note [non-finite blocks]
   return static_cast<int>(std::min(std::max(r, static_cast<float>(-qmax)), static_cast<float>(qmax)));
 }
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
 inline int nibble_to_int(uint8_t nib) { return static_cast<int>(nib ^ 8u) - 8; }  // sign-extend
 
@@ -53,10 +66,16 @@ void dequantize_range_scalar(const uint8_t* q, int64_t begin, int64_t end, float
   }
 }
 
+// max |x| over the range, NaN if any element is NaN (See Note [non-finite blocks]).
 float absmax_scalar(const float* x, int64_t len) {
   float m = 0.0f;
-  for (int64_t i = 0; i < len; ++i) m = std::max(m, std::fabs(x[i]));
-  return m;
+  bool nan = false;
+  for (int64_t i = 0; i < len; ++i) {
+    const float v = std::fabs(x[i]);
+    nan |= std::isnan(v);
+    m = std::max(m, v);  // ignores a NaN v (m < NaN is false): the flag remembers it
+  }
+  return nan ? kNaN : m;
 }
 
 #if defined(MINISPEED_SIMD_AVX2) || defined(MINISPEED_SIMD_AVX512)
@@ -87,11 +106,18 @@ inline __m128i load_nibbles(const uint8_t* src, int count) {
 float absmax_avx2(const float* x, int64_t len) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 m = _mm256_setzero_ps();
+  __m256 nan = _mm256_setzero_ps();  // all-ones lanes where a NaN was seen
   int64_t i = 0;
-  for (; i + 8 <= len; i += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask));
+  for (; i + 8 <= len; i += 8) {
+    const __m256 v = _mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    m = _mm256_max_ps(m, v);
+  }
+  const float r_tail = absmax_scalar(x + i, len - i);
+  if (_mm256_movemask_ps(nan) != 0 || std::isnan(r_tail)) return kNaN;
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, m);
-  float r = absmax_scalar(x + i, len - i);
+  float r = r_tail;
   for (float v : lanes) r = std::max(r, v);
   return r;
 }
@@ -102,8 +128,9 @@ void quantize_block_avx2(const float* x, int64_t begin, int64_t end, float s, in
     const __m256 sv = _mm256_set1_ps(s);
     const __m256i hi = _mm256_set1_epi32(qmax_of(bits)), lo = _mm256_set1_epi32(-qmax_of(bits));
     for (; i + 8 <= end; i += 8) {
-      const __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), sv),
-                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + i), sv),
+                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      r = _mm256_and_ps(r, _mm256_cmp_ps(r, r, _CMP_ORD_Q));  // NaN -> 0: Note [non-finite blocks]
       const __m256i v = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(r), lo), hi);
       // 8 x int32 -> 8 x int16 -> 8 x int8 (values fit, so the saturating packs are exact).
       const __m128i v16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -135,9 +162,16 @@ void dequantize_block_avx2(const uint8_t* q, int64_t begin, int64_t end, float s
 #if defined(MINISPEED_SIMD_AVX512)
 float absmax_avx512(const float* x, int64_t len) {
   __m512 m = _mm512_setzero_ps();
+  __mmask16 nan = 0;  // lanes where a NaN was seen
   int64_t i = 0;
-  for (; i + 16 <= len; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
-  return std::max(_mm512_reduce_max_ps(m), absmax_scalar(x + i, len - i));
+  for (; i + 16 <= len; i += 16) {
+    const __m512 v = _mm512_abs_ps(_mm512_loadu_ps(x + i));
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    m = _mm512_max_ps(m, v);
+  }
+  const float r_tail = absmax_scalar(x + i, len - i);
+  if (nan != 0 || std::isnan(r_tail)) return kNaN;
+  return std::max(_mm512_reduce_max_ps(m), r_tail);
 }
 
 void quantize_block_avx512(const float* x, int64_t begin, int64_t end, float s, int bits,
@@ -147,8 +181,9 @@ void quantize_block_avx512(const float* x, int64_t begin, int64_t end, float s, 
     const __m512 sv = _mm512_set1_ps(s);
     const __m512i hi = _mm512_set1_epi32(qmax_of(bits)), lo = _mm512_set1_epi32(-qmax_of(bits));
     for (; i + 16 <= end; i += 16) {
-      const __m512 r = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + i), sv),
-                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      __m512 r = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + i), sv),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      r = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(r, r, _CMP_ORD_Q), r);  // NaN -> 0
       const __m512i v = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(r), lo), hi);
       const __m128i v8 = _mm512_cvtepi32_epi8(v);  // truncating narrow; values already in range
       if (bits == 8) {
