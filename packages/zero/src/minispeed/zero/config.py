@@ -26,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from minispeed.zero.spelling import check_top_level_spelling, did_you_mean
+
 __all__ = ["ZeroConfig"]
 
 # DeepSpeed's default bucket size for reduce_bucket_size / allgather_bucket_size: 5e8 elements.
@@ -147,13 +149,14 @@ class ZeroConfig:
             raise TypeError(
                 f"ds_config must be a dict (the parsed ds_config.json), got {type(ds_config).__name__}"
             )
+        check_top_level_spelling(ds_config, _DS_SECTIONS, "ZeroConfig.from_ds_config")
         section = dict(ds_config.get("zero_optimization") or {})
         known = _DS_KEYS.keys() | _DS_FIXED.keys() | _DS_ALIASES.keys() | _DS_OFFLOAD
         unknown = sorted(set(section) - known)
         if unknown:
             raise ValueError(
-                f"unknown zero_optimization key(s) {unknown}; minispeed.zero understands "
-                f"{sorted(known)}: remove or rename them"
+                f"unknown zero_optimization key(s) {unknown}{did_you_mean(unknown, known)}; "
+                f"minispeed.zero understands {sorted(known)}: remove or rename them"
             )
         for key, allowed in _DS_FIXED.items():
             if key in section and section[key] != allowed:
@@ -201,6 +204,8 @@ def _as_number(value: Any, key: str) -> Any:
     return value
 
 
+# The top-level ds_config keys ZeroConfig.from_ds_config reads.
+_DS_SECTIONS = {"zero_optimization", "gradient_accumulation_steps", "gradient_clipping"}
 # DeepSpeed key -> our field. Each translation happens here and nowhere else.
 _DS_KEYS = {
     "stage": "stage",

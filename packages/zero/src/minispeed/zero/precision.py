@@ -24,9 +24,12 @@ from typing import Any
 import torch
 
 from minispeed.core.logging import get_logger
+from minispeed.zero.spelling import check_top_level_spelling, did_you_mean
 
 __all__ = ["LossScaler", "MixedPrecision"]
 
+# The top-level ds_config sections MixedPrecision.from_ds_config reads.
+_SECTIONS = {"fp16", "bf16", "bfloat16", "data_types"}
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _DTYPE_ALIASES = {
     "float32": "fp32",
@@ -43,7 +46,10 @@ _FP16_KEYS = {
     "hysteresis",
     "consecutive_hysteresis",
     "min_loss_scale",
+    "raise_error_at_min_scale",
 }
+# DeepSpeed still reads its old name of the bf16 section.
+_BF16_OLD = "bfloat16"
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,11 @@ class MixedPrecision:
     consecutive_hysteresis: bool = False
     #: fp16, dynamic: the scale never goes below this.
     min_loss_scale: float = 1.0
+    #: fp16, dynamic: an overflow while the scale is already at ``min_loss_scale`` raises
+    #: ``FloatingPointError`` (DeepSpeed's default: such a run usually skips every step from then
+    #: on). False: log a warning, skip the step and go on. ds_config key
+    #: ``fp16.raise_error_at_min_scale`` (DeepSpeed's ``DynamicLossScaler`` argument of that name).
+    raise_error_at_min_scale: bool = True
 
     def __post_init__(self) -> None:
         if self.param_dtype not in _DTYPES.values():
@@ -129,8 +140,13 @@ class MixedPrecision:
         Both ``fp16.enabled`` and ``bf16.enabled`` true is a contradiction and an error; unknown
         keys inside those sections are errors naming the key.
         """
+        check_top_level_spelling(ds_config, _SECTIONS, "MixedPrecision.from_ds_config")
+        if "bf16" in ds_config and _BF16_OLD in ds_config:
+            raise ValueError(
+                f"ds_config has both 'bf16' and its old name {_BF16_OLD!r}; keep only 'bf16'"
+            )
         fp16 = dict(ds_config.get("fp16") or {})
-        bf16 = dict(ds_config.get("bf16") or {})
+        bf16 = dict(ds_config.get("bf16", ds_config.get(_BF16_OLD)) or {})
         types = dict(ds_config.get("data_types") or {})
         for name, section, allowed in (
             ("fp16", fp16, _FP16_KEYS),
@@ -140,7 +156,8 @@ class MixedPrecision:
             unknown = sorted(set(section) - allowed)
             if unknown:
                 raise ValueError(
-                    f"unknown {name} key(s) {unknown}; minispeed.zero understands {sorted(allowed)}"
+                    f"unknown {name} key(s) {unknown}{did_you_mean(unknown, allowed)}; "
+                    f"minispeed.zero understands {sorted(allowed)}"
                 )
         fp16_on, bf16_on = bool(fp16.get("enabled", False)), bool(bf16.get("enabled", False))
         if fp16_on and bf16_on:
@@ -163,6 +180,8 @@ class MixedPrecision:
                 kwargs["consecutive_hysteresis"] = bool(fp16["consecutive_hysteresis"])
             if "min_loss_scale" in fp16:
                 kwargs["min_loss_scale"] = float(fp16["min_loss_scale"])
+            if "raise_error_at_min_scale" in fp16:
+                kwargs["raise_error_at_min_scale"] = bool(fp16["raise_error_at_min_scale"])
         return cls(**kwargs)
 
 
@@ -178,12 +197,18 @@ def _parse_dtype(name: Any, key: str) -> torch.dtype:
 class LossScaler:
     """The fp16 loss scale ``S``, raised while steps are clean and lowered on overflow.
 
-    Rules (DeepSpeed's dynamic loss scaler, same knobs):
+    Rules (DeepSpeed's ``DynamicLossScaler`` as of 0.17.1, same knobs):
 
     - overflow (an inf/NaN anywhere in the gradients, agreed by every rank): the step is skipped.
-      The scale is halved (never below ``min_loss_scale``) once ``hysteresis`` overflows have been
-      seen since the budget was last refilled; earlier overflows only spend the budget.
-    - ``loss_scale_window`` consecutive clean steps: the scale doubles and the budget refills.
+      While ``hysteresis`` budget remains (more than 1 left), the overflow only spends one unit of
+      it; otherwise the scale is halved, never below ``min_loss_scale``. The budget is not
+      refilled by halving.
+    - an overflow at ``min_loss_scale`` (with no budget left) raises ``FloatingPointError``,
+      unless ``MixedPrecision.raise_error_at_min_scale`` is False (then it warns and goes on).
+    - a clean step that follows ``c`` clean steps since the last overflow (or since the start)
+      doubles the scale when ``c > 0`` and ``c % loss_scale_window == 0``, and refills the budget.
+      So after an overflow the first doubling comes at the (window + 1)-th clean step, later ones
+      every ``loss_scale_window`` steps (DeepSpeed before 0.17.1 doubled at the window-th).
     - ``consecutive_hysteresis``: every clean step refills the budget.
 
     For fp32/bf16 the scale is 1 and never changes. A static scale never changes either, but
@@ -199,37 +224,48 @@ class LossScaler:
             self.scale = float(precision.static_loss_scale)
         else:
             self.scale = 2.0**precision.initial_scale_power
-        self.clean_steps = 0  # consecutive steps without overflow since the last change of scale
+        self.clean_steps = 0  # consecutive steps without overflow since the last overflow
         self.hysteresis_left = precision.hysteresis
         self.overflows = 0  # total skipped steps, for logs
 
     def update(self, overflow: bool) -> None:
-        """Record one optimizer step's outcome and adjust the scale."""
+        """Record one optimizer step's outcome and adjust the scale.
+
+        Raises ``FloatingPointError`` on an overflow at the minimum scale (see the class rules).
+        """
         p = self.precision
         if overflow:
             self.overflows += 1
             self.clean_steps = 0
             if not self.dynamic:
                 return
-            if self.hysteresis_left <= 1:
-                new = max(self.scale / 2.0, p.min_loss_scale)
-                if new == self.scale:
-                    _log.warning(
-                        "fp16 overflow at the minimum loss scale %g; training may not recover", new
-                    )
-                self.scale = new
-            else:
+            if self.hysteresis_left > 1:
                 self.hysteresis_left -= 1
+                return
+            if self.scale <= p.min_loss_scale:
+                if p.raise_error_at_min_scale:
+                    raise FloatingPointError(
+                        f"fp16 gradients overflowed at the minimum loss scale {self.scale:g}: "
+                        f"the scale cannot go lower, so every later step would be skipped too. "
+                        f"Lower MixedPrecision.min_loss_scale (ds_config fp16.min_loss_scale), "
+                        f"train in bf16, or set MixedPrecision(raise_error_at_min_scale=False) "
+                        f"(fp16.raise_error_at_min_scale: false) to skip the step and continue"
+                    )
+                _log.warning(
+                    "fp16 overflow at the minimum loss scale %g; training may not recover",
+                    self.scale,
+                )
+            self.scale = max(self.scale / 2.0, p.min_loss_scale)
             return
-        self.clean_steps += 1
         if not self.dynamic:
+            self.clean_steps += 1
             return
         if p.consecutive_hysteresis:
             self.hysteresis_left = p.hysteresis
-        if self.clean_steps >= p.loss_scale_window:
+        if self.clean_steps > 0 and self.clean_steps % p.loss_scale_window == 0:
             self.scale *= 2.0
-            self.clean_steps = 0
             self.hysteresis_left = p.hysteresis
+        self.clean_steps += 1
 
     def state_dict(self) -> dict[str, float | int]:
         """Everything needed to resume with the same scale schedule."""
