@@ -88,7 +88,11 @@ class ZeroConfig:
     #: Gather full 16-bit weights when the model is saved
     #: (``stage3_gather_16bit_weights_on_model_save``).
     stage3_gather_16bit_weights_on_model_save: bool = False
-    #: Elements per optimizer sub-group stepped at once in stage 3 (``sub_group_size``).
+    #: Most master elements the inner optimizer steps in one call, every stage (DeepSpeed
+    #: ``sub_group_size``, which DeepSpeed reads for stage 3 only): bounds the step's temporaries
+    #: to about max(sub_group_numel, largest fragment)·4 bytes per temporary instead of Ψ/N·4, at
+    #: one ``optimizer.step()`` call per sub-group. See Note [optimizer sub-groups] in
+    #: optimizer.py.
     sub_group_numel: int = 1_000_000_000
     #: Stage 3: how ranks check that they fetch parameters in the same order (our own setting, no
     #: DeepSpeed key): ``"first"`` checks every module while the first trace is recorded, then one
