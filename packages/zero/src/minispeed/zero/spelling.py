@@ -19,7 +19,7 @@ from typing import Any
 __all__ = ["check_top_level_spelling", "did_you_mean", "edit_distance"]
 
 # Top-level keys DeepSpeed itself defines (any package's): never reported as misspellings, even
-# where one is close to another (``fp16`` / ``bf16``).
+# where one is close to another (`fp16` / `bf16`).
 DEEPSPEED_TOP_LEVEL = frozenset(
     {
         "train_batch_size",
@@ -86,7 +86,7 @@ DEEPSPEED_TOP_LEVEL = frozenset(
 
 def edit_distance(a: str, b: str) -> int:
     """Optimal-string-alignment distance: insertions, deletions, substitutions and swaps of two
-    adjacent characters cost 1 each (``"optimisation"`` -> ``"optimization"``: 1)."""
+    adjacent characters cost 1 each (`"optimisation"` -> `"optimization"`: 1)."""
     prev2: list[int] = []
     prev = list(range(len(b) + 1))
     for i in range(1, len(a) + 1):
@@ -107,7 +107,7 @@ def _close(key: str, known: str) -> bool:
 
 
 def did_you_mean(keys: Iterable[str], known: Iterable[str]) -> str:
-    """``" (did you mean 'x'?)"`` for the first of ``keys`` close to one of ``known``, else ``""``."""
+    """`" (did you mean 'x'?)"` for the first of `keys` close to one of `known`, else `""`."""
     known = sorted(known)
     for key in keys:
         for k in known:
@@ -117,8 +117,8 @@ def did_you_mean(keys: Iterable[str], known: Iterable[str]) -> str:
 
 
 def check_top_level_spelling(ds_config: dict[str, Any], sections: Iterable[str], who: str) -> None:
-    """Raise ``ValueError`` for a top-level key of ``ds_config`` that is a near miss of one of
-    ``sections`` (the keys ``who`` reads) and not itself a DeepSpeed key."""
+    """Raise `ValueError` for a top-level key of `ds_config` that is a near miss of one of
+    `sections` (the keys `who` reads) and not itself a DeepSpeed key."""
     sections = set(sections)
     for key in ds_config:
         if not isinstance(key, str) or key in sections or key in DEEPSPEED_TOP_LEVEL:

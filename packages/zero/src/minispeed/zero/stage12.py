@@ -1,31 +1,33 @@
 """Stages 1 and 2: fp32 masters and optimizer state partitioned over N ranks; stage 2 also
 partitions the gradients.
 
-Per optimizer param group the parameters are laid out in one flat buffer (``flat.py``); the
+Per optimizer param group the parameters are laid out in one flat buffer (`flat.py`); the
 model's parameters become views of it (Note [parameters are views of the flat buffer]). Each rank
 owns one shard of every bucket; the inner optimizer steps one fp32 master tensor per parameter
 fragment, a slice of that partition (Note [one master per fragment]).
 
-Per step::
+Per step:
 
-    backward   hooks copy grads into buckets ---> reduce-scatter ---> this rank's grad shards
-                 stage 1: only on the boundary micro-step (grads accumulate locally before),
-                          in place: the shard of the full gradient buffer is the result;
-                 stage 2: every micro-step, so the full gradient never exists at once
-    step       inner optimizer on (master fragments, grad fragments): slices of the shards
-    publish    master shard -> param dtype -> all-gather per bucket, in place -> the flat buffer,
-               i.e. straight into every model parameter
+```text
+backward   hooks copy grads into buckets ---> reduce-scatter ---> this rank's grad shards
+             stage 1: only on the boundary micro-step (grads accumulate locally before),
+                      in place: the shard of the full gradient buffer is the result;
+             stage 2: every micro-step, so the full gradient never exists at once
+step       inner optimizer on (master fragments, grad fragments): slices of the shards
+publish    master shard -> param dtype -> all-gather per bucket, in place -> the flat buffer,
+           i.e. straight into every model parameter
+```
 
 Bytes kept per rank (Ψ parameters padded to Ψ', N ranks; p, g = bytes per param / grad element;
-K = optimizer state bytes per parameter, 8 for Adam; the fp32 master, ``4``, is absent for fp32
+K = optimizer state bytes per parameter, 8 for Adam; the fp32 master, `4`, is absent for fp32
 parameters, where the master *is* this rank's shard of the flat parameter buffer):
 
 - stage 1: Ψ'·p (params) + Ψ'·g (full grads; the reduced shards live inside) + Ψ'·(4 + K)/N
 - stage 2: Ψ'·p (params) + Ψ'·g/N (grad partition) + staging buckets + Ψ'·(4 + K)/N
 
 Bytes sent per optimizer step (ring, per rank): reduce-scatter (N-1)/N · Ψ'·g (times the number
-of micro-steps for stage 2) + all-gather (N-1)/N · Ψ'·p. With ``reduce_scatter=False`` the
-reduction is an all-reduce (twice the bytes). Exact per-call sums: ``ledger.stage_collectives``.
+of micro-steps for stage 2) + all-gather (N-1)/N · Ψ'·p. With `reduce_scatter=False` the
+reduction is an all-reduce (twice the bytes). Exact per-call sums: `ledger.stage_collectives`.
 """
 
 from __future__ import annotations
@@ -46,29 +48,29 @@ from minispeed.zero.reducer import GradReducer, ReduceMode
 __all__ = ["PartitionedStrategy"]
 
 # Note [parameters are views of the flat buffer]
-# ``param.data`` is set to a view of the group's flat buffer, so the all-gather after the step
+# `param.data` is set to a view of the group's flat buffer, so the all-gather after the step
 # writes every parameter in place, with no copy and no second full-size buffer. The nn.Parameter
 # objects stay the same (autograd leaves, hooks, user references all keep working); only their
 # storage moves. Gradients are separate tensors made by autograd, copied out by the hooks.
 
 # Note [one master per fragment]
 # The inner optimizer gets one master tensor per *parameter* of each param group:
-# ``optimizer.param_groups[g]["params"][i]`` is rank r's fragment of parameter i (the part of it
+# `optimizer.param_groups[g]["params"][i]` is rank r's fragment of parameter i (the part of it
 # that lies in rank r's shards; at most one piece, flat.py), a view into the flat partition, or
 # an empty view where rank r holds none of it. Why not one tensor per bucket shard (fewer,
-# larger tensors)? torch.optim keeps its scalar state per tensor: Adam's ``step`` drives the
-# bias correction, and a parameter that gets no gradient on a step is skipped (``grad is None``)
+# larger tensors)? torch.optim keeps its scalar state per tensor: Adam's `step` drives the
+# bias correction, and a parameter that gets no gradient on a step is skipped (`grad is None`)
 # without advancing its count. A master shared by several parameters would give a skipped one
 # its neighbours' count (issue 14: 4.8e-2 relative loss difference from step 4 on); a master per
 # fragment keeps PyTorch's per-parameter semantics for every elementwise optimizer, exactly, and
-# a parameter no rank used is skipped by setting its master's ``.grad`` to None, as in stages 0
+# a parameter no rank used is skipped by setting its master's `.grad` to None, as in stages 0
 # and 3. The partition stays one flat buffer: for fp32 parameters each master *is* a slice of
 # this rank's shard of the flat parameter buffer (an alias, like stage 0's Note [fp32 stage 0 has
 # no master copy]): the step updates this rank's parameter elements in place and publishing is an
 # in-place all-gather around them, with no master copy (Ψ'·4/N bytes) and no cast copy. 16-bit
 # parameters get fp32 masters, slices of one partition tensor, cast into their shard of the flat
 # buffer before the all-gather. Gradients are the matching slices of the reduced bucket shards
-# (``GradReducer.reduced``); padding belongs to no fragment and is never stepped. Cost: one
+# (`GradReducer.reduced`); padding belongs to no fragment and is never stepped. Cost: one
 # optimizer call per fragment instead of per bucket (stage 0 and 3 pay the same).
 
 
@@ -194,7 +196,7 @@ class PartitionedStrategy:
     def _gather_bucket(
         self, flat: torch.Tensor, mine: torch.Tensor, bk: Bucket
     ) -> list[tuple[Any, Any]]:
-        """Issue the all-gather(s) that rebuild bucket ``bk`` around ``mine`` (this rank's shard,
+        """Issue the all-gather(s) that rebuild bucket `bk` around `mine` (this rank's shard,
         in place: Note [in-place flat collectives] in comm/api_compat.py); (work, finish) pairs."""
         n = self.world_size
         out = flat[bk.start : bk.start + bk.padded_numel]  # (N * shard,) = N shards side by side
@@ -204,7 +206,7 @@ class PartitionedStrategy:
                 (comm.all_gather_into_tensor(out, mine, group=self.comm_group, async_op=True), None)
             ]
         # A bucket larger than allgather_bucket_numel: gather column chunks of the (N, shard) grid
-        # through a temporary, since column j of every shard is not contiguous in ``out``.
+        # through a temporary, since column j of every shard is not contiguous in `out`.
         grid = out.view(n, bk.shard_numel)
         issued = []
         for j in range(0, bk.shard_numel, chunk):
@@ -231,7 +233,7 @@ class PartitionedStrategy:
     def close(self) -> None:
         """Wait for in-flight reductions and remove the gradient hooks (idempotent, local).
 
-        Afterwards the model's backward fills ``param.grad`` as in plain PyTorch. The parameters
+        Afterwards the model's backward fills `param.grad` as in plain PyTorch. The parameters
         stay views of the flat buffers (Note [parameters are views of the flat buffer]): valid
         tensors of their own shapes, sharing storage with nothing else the user sees. This
         strategy must not be used again.
