@@ -1,10 +1,14 @@
-"""MixedPrecision's DeepSpeed translation and the dynamic loss scale's rules (no processes needed)."""
+"""MixedPrecision's DeepSpeed translation and the dynamic loss scale's rules (DeepSpeed >= 0.17.1),
+and an overflow at the minimum scale raising on every rank."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from zero_testlib import make_batches, make_model, rank_slice
 
+import minispeed.zero as zero
+from minispeed.core.testing import run_distributed
 from minispeed.zero import LossScaler, MixedPrecision
 
 
@@ -86,12 +90,18 @@ def test_window_doubles_scale_after_clean_steps() -> None:
     for _ in range(7):
         scaler.update(overflow=False)
         scales.append(scaler.scale)
-    assert scales == [16, 16, 32, 32, 32, 64, 64]
+    # DeepSpeed >= 0.17.1: a clean step preceded by c > 0 clean steps doubles when c % window == 0,
+    # i.e. at the 4th clean step, then every 3rd (0.17.0 and minispeed before: at the 3rd).
+    assert scales == [16, 16, 16, 32, 32, 32, 64]
 
 
 def test_hysteresis_delays_the_decrease_and_min_scale_bounds_it() -> None:
     prec = MixedPrecision(
-        param_dtype=torch.float16, initial_scale_power=3, hysteresis=2, min_loss_scale=2.0
+        param_dtype=torch.float16,
+        initial_scale_power=3,
+        hysteresis=2,
+        min_loss_scale=2.0,
+        raise_error_at_min_scale=False,
     )
     scaler = LossScaler(prec)
     seen = []
@@ -102,6 +112,20 @@ def test_hysteresis_delays_the_decrease_and_min_scale_bounds_it() -> None:
     assert seen == [8, 4, 2, 2, 2]
 
 
+def test_overflow_at_the_minimum_scale_raises_by_default() -> None:
+    prec = MixedPrecision(
+        param_dtype=torch.float16, initial_scale_power=2, hysteresis=1, min_loss_scale=2.0
+    )
+    scaler = LossScaler(prec)
+    scaler.update(overflow=True)  # 4 -> 2: lowering to the minimum is fine
+    assert scaler.scale == 2
+    with pytest.raises(FloatingPointError, match="raise_error_at_min_scale=False"):
+        scaler.update(overflow=True)  # already at the minimum
+    assert MixedPrecision.from_ds_config(
+        {"fp16": {"enabled": True, "raise_error_at_min_scale": False}}
+    ) == MixedPrecision(param_dtype=torch.float16, raise_error_at_min_scale=False)
+
+
 def test_overflow_restarts_the_window() -> None:
     prec = MixedPrecision(
         param_dtype=torch.float16, initial_scale_power=4, loss_scale_window=2, hysteresis=1
@@ -110,9 +134,13 @@ def test_overflow_restarts_the_window() -> None:
     scaler.update(overflow=False)
     scaler.update(overflow=True)  # 16 -> 8, and the clean-step count starts over
     scaler.update(overflow=False)
-    assert scaler.scale == 8
     scaler.update(overflow=False)
+    assert scaler.scale == 8
+    scaler.update(overflow=False)  # the third clean step after it follows 2 = one window
     assert scaler.scale == 16
+    scaler.update(overflow=False)
+    scaler.update(overflow=False)  # then every window
+    assert scaler.scale == 32
 
 
 def test_state_dict_round_trip() -> None:
@@ -125,3 +153,32 @@ def test_state_dict_round_trip() -> None:
     assert b.state_dict() == a.state_dict()
     with pytest.raises(KeyError, match="lacks"):
         b.load_state_dict({"scale": 2.0})
+
+
+def _overflow_at_min_scale(rank: int, world_size: int, stage: int) -> str:
+    """An inf in one gradient, on rank 1 only, while the scale is at its minimum."""
+    model = make_model()
+    precision = MixedPrecision(
+        param_dtype=torch.float16, initial_scale_power=3, hysteresis=1, min_loss_scale=8.0
+    )
+    opt = zero.shard(
+        model,
+        torch.optim.Adam(model.parameters(), lr=1e-2),
+        zero.ZeroConfig(stage=stage, stage3_param_persistence_threshold_numel=0),
+        precision,
+    )
+    if rank == 1:
+        model.blocks[0].mlp[0].weight.register_hook(lambda g: g * float("inf"))
+    x, y = rank_slice(make_batches(1, 4)[0], rank, world_size)
+    opt.backward(model(x, y))
+    try:
+        opt.step()
+    except FloatingPointError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_overflow_at_the_minimum_scale_raises_on_every_rank(stage: int) -> None:
+    for message in run_distributed(_overflow_at_min_scale, world_size=2, args=(stage,)):
+        assert "minimum loss scale 8" in message and "raise_error_at_min_scale" in message

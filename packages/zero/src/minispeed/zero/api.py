@@ -1,19 +1,19 @@
-"""``zero.shard(model, optimizer, ...)``: apply a ZeRO stage to a model and its optimizer.
+"""`zero.shard(model, optimizer, ...)`: apply a ZeRO stage to a model and its optimizer.
 
-::
-
-    import minispeed.zero as zero
-    opt = zero.shard(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                     config=zero.ZeroConfig(stage=2), precision=zero.MixedPrecision(torch.bfloat16))
-    for x, y in batches:
-        opt.backward(model(x, y))
-        opt.step()
+```python
+import minispeed.zero as zero
+opt = zero.shard(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                 config=zero.ZeroConfig(stage=2), precision=zero.MixedPrecision(torch.bfloat16))
+for x, y in batches:
+    opt.backward(model(x, y))
+    opt.step()
+```
 
 What it does, in order: check the inputs (each problem is an error naming the fix); broadcast
 rank 0's parameters so every rank starts equal (stages 0-2; Ψ·4 bytes once); build the stage's
-:class:`ShardStrategy` (which casts the parameters to ``param_dtype``, lays out flat buffers and
-installs gradient hooks on ``model`` in place); cast the model's remaining floating-point
-buffers; and wrap the user's optimizer in a :class:`ZeroOptimizer` stepping fp32 masters.
+`ShardStrategy` (which casts the parameters to `param_dtype`, lays out flat buffers and
+installs gradient hooks on `model` in place); cast the model's remaining floating-point
+buffers; and wrap the user's optimizer in a `ZeroOptimizer` stepping fp32 masters.
 """
 
 from __future__ import annotations
@@ -65,12 +65,12 @@ def shard(
     precision: MixedPrecision | None = None,
     group: Any = None,
 ) -> ZeroOptimizer:
-    """Apply ZeRO ``config.stage`` to ``model`` (in place) and return the wrapping optimizer.
+    """Apply ZeRO `config.stage` to `model` (in place) and return the wrapping optimizer.
 
-    ``optimizer`` must be a fresh torch.optim optimizer (no state yet) over parameters of
-    ``model``; its param groups and hyper-parameters are kept. ``group`` is the data-parallel
-    process group (``None``: all ranks); the process group must be initialized
-    (``minispeed.comm.init_distributed()``; a single process works too).
+    `optimizer` must be a fresh torch.optim optimizer (no state yet) over parameters of
+    `model`; its param groups and hyper-parameters are kept. `group` is the data-parallel
+    process group (`None`: all ranks); the process group must be initialized
+    (`minispeed.comm.init_distributed()`; a single process works too).
     """
     config = config if config is not None else ZeroConfig()
     precision = precision if precision is not None else MixedPrecision()
@@ -103,7 +103,7 @@ def shard(
 
 
 def _forget_model(model_ref: weakref.ref[nn.Module]) -> None:
-    """After ``ZeroOptimizer.close()``: the model carries no hooks, it may be sharded again."""
+    """After `ZeroOptimizer.close()`: the model carries no hooks, it may be sharded again."""
     model = model_ref()
     if model is not None:
         _sharded_models.discard(model)
@@ -169,8 +169,8 @@ def _check_optimizer_kind(optimizer: torch.optim.Optimizer) -> None:
     fp16: minispeed unscales the fp32 master gradients and skips overflowing steps *before* the
     inner optimizer runs, so the inner step always sees true gradients and never needs the scale.
     What cannot work is an optimizer that keeps its own view of scaling or of steps on the device
-    (``capturable=True``: CUDA-graph paths with device-side ``step``/``found_inf``) or that
-    differentiates through the step (``differentiable=True``).
+    (`capturable=True`: CUDA-graph paths with device-side `step`/`found_inf`) or that
+    differentiates through the step (`differentiable=True`).
     """
     kind = type(optimizer)
     for name in _NOT_ELEMENTWISE:
@@ -221,7 +221,7 @@ def _broadcast_from_first_rank(param_groups: list[list[nn.Parameter]], group: An
 def _cast_rest(
     model: nn.Module, managed: set[nn.Parameter], dtype: torch.dtype, stage: int
 ) -> None:
-    """Cast floating-point buffers (and, stages 0-2, unmanaged parameters) to ``dtype``.
+    """Cast floating-point buffers (and, stages 0-2, unmanaged parameters) to `dtype`.
 
     Managed parameters were cast by the strategy; stage 3 owns all parameter storage itself.
     """

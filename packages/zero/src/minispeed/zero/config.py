@@ -1,30 +1,30 @@
 """ZeroConfig: which ZeRO stage runs, and how it buckets its communication.
 
-Our field names carry their units (``reduce_bucket_numel`` counts elements, not bytes); the
-DeepSpeed ``zero_optimization`` keys are translated into them once, in
-:meth:`ZeroConfig.from_ds_config`, so a user keeps their ds_config.json and our code keeps clear
+Our field names carry their units (`reduce_bucket_numel` counts elements, not bytes); the
+DeepSpeed `zero_optimization` keys are translated into them once, in
+`ZeroConfig.from_ds_config`, so a user keeps their ds_config.json and our code keeps clear
 names. Unknown keys and contradictory values are errors that name the key and the fix.
 
 What each stage keeps per rank (Ψ parameters, N data-parallel ranks, mixed-precision Adam: 2 bytes
 per 16-bit parameter, 2 per 16-bit gradient, K = 12 for the fp32 master, momentum and variance):
 
-=====  ==================================  ====================================================
-stage  bytes kept per rank                 bytes sent per step (ring, per rank, see ledger.py)
-=====  ==================================  ====================================================
-0      2Ψ + 2Ψ + 12Ψ                        all-reduce of the gradients: 2(N-1)/N · Ψ · g
-1      2Ψ + 2Ψ + 12Ψ/N                      reduce-scatter Ψ·g + all-gather Ψ·p, each (N-1)/N
-2      2Ψ + 2Ψ/N + 12Ψ/N                    same as stage 1, but reduced while backward runs
-3      2Ψ/N + 2Ψ/N + 12Ψ/N                  + one more parameter all-gather (forward and backward)
-=====  ==================================  ====================================================
+| stage | bytes kept per rank  | bytes sent per step (ring, per rank, see `ledger.py`)  |
+|-------|----------------------|--------------------------------------------------------|
+| 0     | 2Ψ + 2Ψ + 12Ψ        | all-reduce of the gradients: 2(N-1)/N · Ψ · g          |
+| 1     | 2Ψ + 2Ψ + 12Ψ/N      | reduce-scatter Ψ·g + all-gather Ψ·p, each (N-1)/N      |
+| 2     | 2Ψ + 2Ψ/N + 12Ψ/N    | same as stage 1, but reduced while backward runs       |
+| 3     | 2Ψ/N + 2Ψ/N + 12Ψ/N  | + one more parameter all-gather (forward and backward) |
 
 (g, p = bytes per gradient / parameter element on the wire; gradients travel in
-``MixedPrecision.grad_accum_dtype``, fp32 by default, so g = 4 unless you choose otherwise.)
+`MixedPrecision.grad_accum_dtype`, fp32 by default, so g = 4 unless you choose otherwise.)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from typing import Any
+
+from minispeed.zero.spelling import check_top_level_spelling, did_you_mean
 
 __all__ = ["ZeroConfig"]
 
@@ -34,66 +34,69 @@ _DS_BUCKET_DEFAULT = 500_000_000
 
 @dataclass(frozen=True)
 class ZeroConfig:
-    """Typed ZeRO configuration (build it directly or with :meth:`from_ds_config`).
+    """Typed ZeRO configuration (build it directly or with `from_ds_config`).
 
-    Validation happens in ``__post_init__``; every error says which field is wrong and how to fix
+    Validation happens in `__post_init__`; every error says which field is wrong and how to fix
     it. Buffers sized from the bucket fields are capped at the model size, so the large DeepSpeed
     defaults cost nothing on a small model.
     """
 
-    #: 0 = plain data parallel (bucketed all-reduce), 1 = + optimizer states partitioned,
-    #: 2 = + gradients partitioned, 3 = + parameters partitioned (DeepSpeed ``stage``).
     stage: int = 0
-    #: Elements per gradient-reduction bucket (DeepSpeed ``reduce_bucket_size``, which counts
-    #: elements too). Smaller buckets overlap more with backward; larger ones make fewer calls.
+    """0 = plain data parallel (bucketed all-reduce), 1 = + optimizer states partitioned, 2 = +
+    gradients partitioned, 3 = + parameters partitioned (DeepSpeed `stage`)."""
     reduce_bucket_numel: int = _DS_BUCKET_DEFAULT
-    #: Elements per parameter all-gather call after the step, stages 1-2 (DeepSpeed
-    #: ``allgather_bucket_size``).
+    """Elements per gradient-reduction bucket (DeepSpeed `reduce_bucket_size`, which counts
+    elements too). Smaller buckets overlap more with backward; larger ones make fewer calls."""
     allgather_bucket_numel: int = _DS_BUCKET_DEFAULT
-    #: Launch gradient collectives asynchronously from the gradient hooks so they run while
-    #: backward continues (DeepSpeed ``overlap_comm``). False: each bucket is reduced synchronously
-    #: in its hook.
+    """Elements per parameter all-gather call after the step, stages 1-2 (DeepSpeed
+    `allgather_bucket_size`)."""
     overlap_comm: bool = True
-    #: DeepSpeed ``contiguous_gradients``. Stages 0-2 always write gradients into flat contiguous
-    #: buffers (the buckets are views of them), so for them this flag changes nothing; stage 3
-    #: reads it.
+    """Launch gradient collectives asynchronously from the gradient hooks so they run while
+    backward continues (DeepSpeed `overlap_comm`). False: each bucket is reduced synchronously
+    in its hook."""
     contiguous_gradients: bool = True
-    #: Stages 1-2: average gradients with reduce-scatter (each rank receives only its partition).
-    #: False: all-reduce each bucket and keep this rank's part (twice the bytes; DeepSpeed
-    #: ``reduce_scatter``).
+    """DeepSpeed `contiguous_gradients`. Stages 0-2 always write gradients into flat contiguous
+    buffers (the buckets are views of them), so for them this flag changes nothing; stage 3
+    reads it."""
     reduce_scatter: bool = True
-    #: Tolerate parameters that get no gradient on any rank in an accumulation window (they are
-    #: left untouched by the step, as torch.optim does for ``grad is None``). False: raise instead
-    #: (DeepSpeed ``ignore_unused_parameters``).
+    """Stages 1-2: average gradients with reduce-scatter (each rank receives only its partition).
+    False: all-reduce each bucket and keep this rank's part (twice the bytes; DeepSpeed
+    `reduce_scatter`)."""
     ignore_unused_parameters: bool = True
-    #: Micro-steps per optimizer step (DeepSpeed top-level ``gradient_accumulation_steps``).
+    """Tolerate parameters that get no gradient on any rank in an accumulation window (they are
+    left untouched by the step, as torch.optim does for `grad is None`). False: raise instead
+    (DeepSpeed `ignore_unused_parameters`)."""
     gradient_accumulation_steps: int = 1
-    #: Clip gradients to this global L2 norm before the step; 0 disables (DeepSpeed top-level
-    #: ``gradient_clipping``).
+    """Micro-steps per optimizer step (DeepSpeed top-level `gradient_accumulation_steps`)."""
     max_grad_norm: float = 0.0
+    """Clip gradients to this global L2 norm before the step; 0 disables (DeepSpeed top-level
+    `gradient_clipping`)."""
+    sub_group_numel: int = 1_000_000_000
+    """Most master elements the inner optimizer steps in one call, every stage (DeepSpeed
+    `sub_group_size`, which DeepSpeed reads for stage 3 only): bounds the step's temporaries to
+    about max(sub_group_numel, largest fragment)·4 bytes per temporary instead of Ψ/N·4, at one
+    `optimizer.step()` call per sub-group. See Note [optimizer sub-groups] in optimizer.py."""
 
     # -- stage 3 (read by minispeed.zero.stage3) ------------------------------------------------
-    #: Elements fetched ahead of use by the stage-3 prefetcher (``stage3_prefetch_bucket_size``).
     stage3_prefetch_bucket_numel: int = 50_000_000
-    #: Parameters with at most this many elements stay gathered on every rank
-    #: (``stage3_param_persistence_threshold``).
+    """Elements fetched ahead of use by the stage-3 prefetcher (`stage3_prefetch_bucket_size`)."""
     stage3_param_persistence_threshold_numel: int = 100_000
-    #: Upper bound on gathered parameter elements alive at once (``stage3_max_live_parameters``).
+    """Parameters with at most this many elements stay gathered on every rank
+    (`stage3_param_persistence_threshold`)."""
     stage3_max_live_numel: int = 1_000_000_000
-    #: Keep a gathered parameter if it is used again within this many parameter elements
-    #: (``stage3_max_reuse_distance``).
+    """Upper bound on gathered parameter elements alive at once (`stage3_max_live_parameters`)."""
     stage3_max_reuse_distance_numel: int = 1_000_000_000
-    #: Gather full 16-bit weights when the model is saved
-    #: (``stage3_gather_16bit_weights_on_model_save``).
+    """Keep a gathered parameter if it is used again within this many parameter elements
+    (`stage3_max_reuse_distance`)."""
     stage3_gather_16bit_weights_on_model_save: bool = False
-    #: Elements per optimizer sub-group stepped at once in stage 3 (``sub_group_size``).
-    sub_group_numel: int = 1_000_000_000
-    #: Stage 3: how ranks check that they fetch parameters in the same order (our own setting, no
-    #: DeepSpeed key): ``"first"`` checks every module while the first trace is recorded, then one
-    #: cheap check per forward; ``"every"`` checks every module of every pass (debug); ``"off"``
-    #: checks nothing, so a divergence hangs until the collective timeout. The environment
-    #: variable ``MINISPEED_ZERO3_TRACE_CHECK`` overrides it for one run.
+    """Gather full 16-bit weights when the model is saved
+    (`stage3_gather_16bit_weights_on_model_save`)."""
     stage3_trace_check: str = "first"
+    """Stage 3: how ranks check that they fetch parameters in the same order (our own setting, no
+    DeepSpeed key): `"first"` checks every module while the first trace is recorded, then one
+    cheap check per forward; `"every"` checks every module of every pass (debug); `"off"`
+    checks nothing, so a divergence hangs until the collective timeout. The environment
+    variable `MINISPEED_ZERO3_TRACE_CHECK` overrides it for one run."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -137,23 +140,24 @@ class ZeroConfig:
     def from_ds_config(cls, ds_config: dict[str, Any]) -> ZeroConfig:
         """Translate a DeepSpeed config dict (the whole ds_config.json) into a ZeroConfig.
 
-        Reads ``ds_config["zero_optimization"]`` (missing: stage 0) and the top-level
-        ``gradient_accumulation_steps`` and ``gradient_clipping``; other top-level sections belong
-        to other packages and are ignored here. An unknown key inside ``zero_optimization`` is an
-        error naming it. Where DeepSpeed's default depends on the stage (``overlap_comm``: on for
+        Reads `ds_config["zero_optimization"]` (missing: stage 0) and the top-level
+        `gradient_accumulation_steps` and `gradient_clipping`; other top-level sections belong
+        to other packages and are ignored here. An unknown key inside `zero_optimization` is an
+        error naming it. Where DeepSpeed's default depends on the stage (`overlap_comm`: on for
         stage 3 only) the DeepSpeed default is used when the key is absent.
         """
         if not isinstance(ds_config, dict):
             raise TypeError(
                 f"ds_config must be a dict (the parsed ds_config.json), got {type(ds_config).__name__}"
             )
+        check_top_level_spelling(ds_config, _DS_SECTIONS, "ZeroConfig.from_ds_config")
         section = dict(ds_config.get("zero_optimization") or {})
         known = _DS_KEYS.keys() | _DS_FIXED.keys() | _DS_ALIASES.keys() | _DS_OFFLOAD
         unknown = sorted(set(section) - known)
         if unknown:
             raise ValueError(
-                f"unknown zero_optimization key(s) {unknown}; minispeed.zero understands "
-                f"{sorted(known)}: remove or rename them"
+                f"unknown zero_optimization key(s) {unknown}{did_you_mean(unknown, known)}; "
+                f"minispeed.zero understands {sorted(known)}: remove or rename them"
             )
         for key, allowed in _DS_FIXED.items():
             if key in section and section[key] != allowed:
@@ -195,12 +199,14 @@ class ZeroConfig:
 
 
 def _as_number(value: Any, key: str) -> Any:
-    """DeepSpeed configs often write sizes as floats (``5e8``); accept integral floats for ints."""
+    """DeepSpeed configs often write sizes as floats (`5e8`); accept integral floats for ints."""
     if isinstance(value, float) and value.is_integer() and key not in ("gradient_clipping",):
         return int(value)
     return value
 
 
+# The top-level ds_config keys ZeroConfig.from_ds_config reads.
+_DS_SECTIONS = {"zero_optimization", "gradient_accumulation_steps", "gradient_clipping"}
 # DeepSpeed key -> our field. Each translation happens here and nowhere else.
 _DS_KEYS = {
     "stage": "stage",

@@ -1,30 +1,32 @@
 """Flat buffers: where every parameter of an optimizer param group lives in one 1-D tensor.
 
-A :class:`FlatLayout` is pure arithmetic (no tensors): it cuts one param group into *buckets*
+A `FlatLayout` is pure arithmetic (no tensors): it cuts one param group into *buckets*
 of consecutive parameters and, for the partitioned stages, pads each bucket to a multiple of N
 so it splits into N equal *shards*. Rank r owns shard r of every bucket; its *partition* is the
-concatenation of those shards, one contiguous tensor of ``partition_numel`` elements.
+concatenation of those shards, one contiguous tensor of `partition_numel` elements.
 
-Example: params a (5 el.), b (3 el.), c (6 el.), bucket_numel 8, N = 2::
+Example: params a (5 el.), b (3 el.), c (6 el.), bucket_numel 8, N = 2:
 
-    flat (param dtype):  | c c c c c c | a a a a a b b b _ _ |   buckets are formed from the end
-                         |  bucket 0   |      bucket 1       |   (backward order), padded to 2k
-    shards:                r0: c c c     r0: a a a a a
-                           r1: c c c     r1: b b b _ _
-    rank 0 partition:    c c c a a a a a          (partition_numel = 3 + 5 = 8 = flat / N)
-    rank 1 partition:    c c c b b b _ _
+```text
+flat (param dtype):  | c c c c c c | a a a a a b b b _ _ |   buckets are formed from the end
+                     |  bucket 0   |      bucket 1       |   (backward order), padded to 2k
+shards:                r0: c c c     r0: a a a a a
+                       r1: c c c     r1: b b b _ _
+rank 0 partition:    c c c a a a a a          (partition_numel = 3 + 5 = 8 = flat / N)
+rank 1 partition:    c c c b b b _ _
+```
 
-Note [bucket-major flat layout]
-A bucket must be one contiguous range of the flat buffer, so that the gradient hooks can fill it
-in backward order and reduce it the moment it is complete (``reduce_scatter_tensor`` and
-``all_gather_into_tensor`` need the N shards to be adjacent, equal chunks of one tensor). If instead
+**Note [bucket-major flat layout]**:
+a bucket must be one contiguous range of the flat buffer, so that the gradient hooks can fill it
+in backward order and reduce it the moment it is complete (`reduce_scatter_tensor` and
+`all_gather_into_tensor` need the N shards to be adjacent, equal chunks of one tensor). If instead
 the whole group were split once into N contiguous partitions, a bucket near the end of backward
 would straddle partitions unevenly and would need N differently sized reductions. So we pad per
 bucket (at most N-1 elements each) and every rank's partition is the concatenation of its shards:
 still one flat, contiguous fp32 tensor for the optimizer, and the padded flat buffer (the
 concatenation of the N partitions' worth of shards) still divides by N.
 
-Costs: none here; the owners of the buffers (``stages.py``, ``reducer.py``) state theirs.
+Costs: none here; the owners of the buffers (`stage12.py`, `reducer.py`) state theirs.
 """
 
 from __future__ import annotations
@@ -61,19 +63,19 @@ class Bucket:
     shard_offset: int  # where this bucket's shard starts inside a rank's partition
 
     def shard_start(self, rank: int) -> int:
-        """First flat-buffer element of ``rank``'s shard of this bucket."""
+        """First flat-buffer element of `rank`'s shard of this bucket."""
         return self.start + rank * self.shard_numel
 
     def shard_of(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
-        """``rank``'s shard of this bucket inside the flat buffer ``flat``: a view."""
+        """`rank`'s shard of this bucket inside the flat buffer `flat`: a view."""
         start = self.shard_start(rank)
         return flat[start : start + self.shard_numel]
 
 
 def cut_runs(items: Sequence[Any], sizes: Sequence[int], limit: int) -> list[list[Any]]:
-    """Cut ``items`` (in the given order) into consecutive runs of total size at most ``limit``;
-    an item larger than ``limit`` forms a run of its own. How gradient buckets are formed, here
-    and for stage 3 (``stage3/grads.py``)."""
+    """Cut `items` (in the given order) into consecutive runs of total size at most `limit`;
+    an item larger than `limit` forms a run of its own. How gradient buckets are formed, here
+    and for stage 3 (`stage3/grads.py`)."""
     runs: list[list[Any]] = []
     current: list[Any] = []
     total = 0
@@ -89,10 +91,10 @@ def cut_runs(items: Sequence[Any], sizes: Sequence[int], limit: int) -> list[lis
 
 
 class FlatLayout:
-    """The flat buffer layout of one param group for ``world_size`` ranks.
+    """The flat buffer layout of one param group for `world_size` ranks.
 
-    ``pad=False`` (stage 0) keeps buckets unpadded and has no partition; ``pad=True`` (stages
-    1-2) pads each bucket to a multiple of ``world_size``. See Note [bucket-major flat layout].
+    `pad=False` (stage 0) keeps buckets unpadded and has no partition; `pad=True` (stages
+    1-2) pads each bucket to a multiple of `world_size`. See Note [bucket-major flat layout].
     """
 
     def __init__(
@@ -128,9 +130,9 @@ class FlatLayout:
         self.bucket_of_param = {i: bk.index for bk in self.buckets for i in bk.param_indices}
 
     def shard_pieces(self, rank: int) -> list[tuple[int, int, int, int]]:
-        """For ``rank``: (param_index, start in the flattened param, numel, offset in partition).
+        """For `rank`: (param_index, start in the flattened param, numel, offset in partition).
 
-        One entry per parameter that intersects one of ``rank``'s shards (a parameter lies in one
+        One entry per parameter that intersects one of `rank`'s shards (a parameter lies in one
         bucket and a shard is one range of it, so at most one piece per parameter).
         """
         pieces = []
@@ -143,10 +145,6 @@ class FlatLayout:
                 if a < z:
                     pieces.append((i, a - s.offset, z - a, bk.shard_offset + a - lo))
         return pieces
-
-    def partition_of(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
-        """Copy ``rank``'s shards out of a full flat tensor: a new (partition_numel,) tensor."""
-        return torch.cat([bk.shard_of(flat, rank) for bk in self.buckets])
 
     def __repr__(self) -> str:
         return (

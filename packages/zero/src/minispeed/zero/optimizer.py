@@ -2,12 +2,12 @@
 
 Three pieces, in reading order:
 
-- :class:`ShardStrategy`: what a ZeRO stage does with parameters and gradients (stage 0:
-  ``stage0.py``, stages 1-2: ``stage12.py``, stage 3: ``stage3/``). The optimizer logic below is
+- `ShardStrategy`: what a ZeRO stage does with parameters and gradients (stage 0:
+  `stage0.py`, stages 1-2: `stage12.py`, stage 3: `stage3/`). The optimizer logic below is
   the same for all of them.
-- :class:`ParamFragment`: which piece of which parameter a rank's master tensors hold
+- `ParamFragment`: which piece of which parameter a rank's master tensors hold
   (checkpoints are written from fragments, so they do not depend on the stage).
-- :class:`ZeroOptimizer`: backward with loss scaling, then at each accumulation boundary
+- `ZeroOptimizer`: backward with loss scaling, then at each accumulation boundary
   overflow check, clipping, the inner step on masters, and publishing masters to the model.
 
 Bytes kept by the optimizer itself per rank: the inner optimizer's state for this rank's masters
@@ -26,8 +26,10 @@ import torch
 from torch import nn
 
 import minispeed.comm as comm
+from minispeed.core import ranges
 from minispeed.core.logging import get_logger
 from minispeed.zero.config import ZeroConfig
+from minispeed.zero.flat import cut_runs
 from minispeed.zero.precision import LossScaler, MixedPrecision
 from minispeed.zero.reducer import weak_hook
 
@@ -38,11 +40,13 @@ __all__ = ["ParamFragment", "ShardStrategy", "ZeroOptimizer", "param_names"]
 class ParamFragment:
     """The piece of one model parameter whose fp32 master this rank holds.
 
-    Checkpoints (``checkpoint.py``) use fragments to write and read optimizer state without knowing
-    which stage produced it: the master values of parameter ``name`` for flattened elements
-    ``[start, start + numel)`` live in ``optimizer.param_groups[group]["params"][master_index]``,
-    flattened, at ``[master_offset, master_offset + numel)``; every per-element optimizer state
-    tensor (``exp_avg``, ``momentum_buffer``...) of that master uses the same offsets.
+    Checkpoints (`checkpoints/`) use fragments to write and read optimizer state without knowing
+    which stage produced it: the master values of parameter `name` for flattened elements
+    `[start, start + numel)` live in `optimizer.param_groups[group]["params"][master_index]`,
+    flattened, at `[master_offset, master_offset + numel)`; every per-element optimizer state
+    tensor (`exp_avg`, `momentum_buffer`...) of that master uses the same offsets, and its
+    scalar state (Adam's `step`) is this fragment's alone. Every stage gives each fragment a
+    master of its own, so `master_offset` is 0 (Note [one master per fragment] in stage12.py).
     """
 
     name: str  # model.named_parameters() name (the first name of a tied parameter)
@@ -58,13 +62,15 @@ class ParamFragment:
 class ShardStrategy(Protocol):
     """What a ZeRO stage does to parameters and gradients; the optimizer logic is shared.
 
-    Construction convention (how ``zero.shard`` builds a strategy)::
+    Construction convention (how `zero.shard` builds a strategy):
 
-        Strategy(model, config, precision, group, param_groups=param_groups)
+    ```python
+    Strategy(model, config, precision, group, param_groups=param_groups)
+    ```
 
-    ``param_groups`` is ``list[list[nn.Parameter]]``: the model parameters of each of the user's
-    optimizer param groups, in the user's order (validated: every one belongs to ``model``, none
-    twice). ``master_params()`` and ``master_grads()`` are indexed the same way.
+    `param_groups` is `list[list[nn.Parameter]]`: the model parameters of each of the user's
+    optimizer param groups, in the user's order (validated: every one belongs to `model`, none
+    twice). `master_params()` and `master_grads()` are indexed the same way.
     """
 
     partitions_grads: bool  # master_grads() are disjoint shards (stages 1-3): the norm needs a sum
@@ -74,7 +80,7 @@ class ShardStrategy(Protocol):
         ...
 
     def master_grads(self) -> list[list[torch.Tensor]]:
-        """Same shapes as ``master_params``, fp32, averaged over ranks at the boundary."""
+        """Same shapes as `master_params`, fp32, averaged over ranks at the boundary."""
         ...
 
     def backward_done(self, is_boundary: bool) -> None:
@@ -90,7 +96,9 @@ class ShardStrategy(Protocol):
         ...
 
     def fragments(self) -> list[ParamFragment]:
-        """One entry per (parameter, piece held here), for checkpoints."""
+        """One entry per (parameter, piece held here), for checkpoints. Each master tensor holds
+        one fragment, at `master_offset == 0` (padding may follow it), so that the inner
+        optimizer keeps its per-tensor state (Adam's `step`) per parameter."""
         ...
 
     def close(self) -> None:
@@ -99,54 +107,73 @@ class ShardStrategy(Protocol):
 
 
 def param_names(model: nn.Module) -> dict[nn.Parameter, str]:
-    """Parameter -> its first ``model.named_parameters()`` name (a tied parameter appears once)."""
+    """Parameter -> its first `model.named_parameters()` name (a tied parameter appears once)."""
     return {p: name for name, p in model.named_parameters()}
 
 
 # Note [unused parameters]
-# torch.optim skips a parameter whose ``.grad`` is None: no weight decay, no momentum decay, no
-# state step. A plain training loop leaves ``.grad`` None for a parameter the forward never
-# touched (TinyGPT's ``unused``), so to match it we must know which parameters received a
+# torch.optim skips a parameter whose `.grad` is None: no weight decay, no momentum decay, no
+# state step. A plain training loop leaves `.grad` None for a parameter the forward never
+# touched (TinyGPT's `unused`), so to match it we must know which parameters received a
 # gradient on *any* rank during the accumulation window. Every rank sets a flag per parameter in
 # a post-accumulate-grad hook, and the flags are all-reduced (MAX) once per optimizer step, in the
 # same tiny call that agrees on fp16 overflow: (num_params + 1) fp32 elements (PyTorch DDP does
-# the same with ``find_unused_parameters``). The reductions themselves treat a missing gradient
-# as zeros (the buckets must be reduced on every rank either way). For a parameter no rank used:
-# - if it owns whole master tensors (stage 0; stage 3 with per-parameter shards), their ``.grad``
-#   is set to None, so the inner optimizer skips them exactly as torch would;
-# - if it is a slice of a master shared with other parameters (stages 1-2: one master per
-#   bucket shard), its master values and its slices of every per-element optimizer state
-#   tensor are saved before the inner step and put back after it
-#   (state created by this very step is zeroed there instead). The weights then match torch
-#   exactly; a scalar state shared by that master (Adam's ``step``) still counts the step,
-#   which matters only for a parameter that is used later after being skipped.
-# ``ZeroConfig(ignore_unused_parameters=False)`` turns such a parameter into an error instead.
+# the same with `find_unused_parameters`). The reductions themselves treat a missing gradient
+# as zeros (the buckets must be reduced on every rank either way). Every strategy gives each
+# parameter fragment a master tensor of its own (stage12.py: Note [one master per fragment]), so
+# for a parameter no rank used the master's `.grad` is set to None and the inner optimizer
+# skips it exactly as torch would, including its per-parameter `step` count (Adam's bias
+# correction). `ZeroConfig(ignore_unused_parameters=False)` turns such a parameter into an
+# error instead. A parameter frozen after `shard()` (`requires_grad=False`) gets no gradient
+# either and is skipped the same way, as in PyTorch, without that error.
+
+# Note [requires_grad is fixed at shard time]
+# The gradient hooks and buffers are built by `shard()` for the parameters that required grad
+# then. A parameter frozen at that time and set `requires_grad=True` later would get a
+# `.grad` that no hook reduces, and silently never train. So every step compares each
+# parameter's flag with the one seen at `shard()`; a parameter unfrozen on any rank is agreed
+# on in the same all-reduce, in the overflow slot (0: clean, 1: overflow, 2 + k: parameter k was
+# unfrozen; the MAX wins), and every rank raises naming it, before the optimizer touches anything.
+
+# Note [optimizer sub-groups]
+# The inner step allocates temporaries: torch's multi-tensor ("foreach") Adam, the default for
+# CUDA tensors, computes e.g. `sqrt(exp_avg_sq)` for *every* tensor it steps before combining
+# them, so one step of S master elements briefly holds a few times S·4 more bytes. DeepSpeed's
+# `sub_group_size` bounds that: the masters are cut, in order, into runs of at most
+# `ZeroConfig.sub_group_numel` elements (a fragment larger than that is a run of its own), and
+# the inner optimizer is called once per run, with `.grad` set only on that run's masters
+# (torch.optim skips the others). Peak temporaries then scale with max(sub_group_numel, largest
+# fragment) instead of Ψ/N. Same results: every update is elementwise. Costs: one
+# `optimizer.step()` call per run (optimizer step hooks fire once per run). The for-loop
+# implementation (the CPU default) already bounds temporaries by the largest tensor.
 
 
 class ZeroOptimizer:
     """The user's optimizer, stepping this rank's fp32 masters, driven with DeepSpeed semantics.
 
-    Built by :func:`minispeed.zero.shard`. Call :meth:`backward` and :meth:`step` on every
-    micro-step; the optimizer acts only on the last micro-step of each accumulation window::
+    Built by `minispeed.zero.shard`. Call `backward` and `step` on every
+    micro-step; the optimizer acts only on the last micro-step of each accumulation window:
 
-        loss = model(x, y)
-        opt.backward(loss)   # scales the loss (fp16 scale / gradient_accumulation_steps)
-        opt.step()           # True when an optimizer step was taken
+    ```python
+    loss = model(x, y)
+    opt.backward(loss)   # scales the loss (fp16 scale / gradient_accumulation_steps)
+    opt.step()           # True when an optimizer step was taken
+    ```
 
-    What one :meth:`step` does at a boundary: unscale (fp16), agree on overflow and unused
+    What one `step` does at a boundary: unscale (fp16), agree on overflow and unused
     parameters across ranks (one all-reduce of num_params + 1 fp32 elements), skip the step on
     overflow (lowering the scale; no weight touched), clip by the global norm (sum of squares over
     this rank's disjoint gradient shards, one fp32 all-reduce when gradients are partitioned),
     run the inner optimizer, publish masters into the model parameters, clear the gradients.
 
-    Attributes: ``optimizer`` (the inner torch.optim optimizer, now holding master tensors; attach
-    LR schedulers to it), ``strategy``, ``config``, ``precision``, ``loss_scaler``,
-    ``global_step`` (optimizer steps taken, skipped ones excluded), ``micro_step`` (backward calls).
+    Attributes: `optimizer` (the inner torch.optim optimizer, now holding master tensors; attach
+    LR schedulers to it), `strategy`, `config`, `precision`, `loss_scaler`,
+    `global_step` (optimizer steps taken, skipped ones excluded), `micro_step` (backward calls).
 
-    Lifetime: dropping the model and this optimizer (``del opt, model``) frees everything (the
-    hooks hold it weakly: Note [hooks hold their owner weakly] in reducer.py). :meth:`close`
-    hands the model back as a plain ``nn.Module`` while keeping it; ``with zero.shard(...) as
-    opt:`` calls it on leaving the block.
+    Lifetime: dropping the model and this optimizer (`del opt, model`) frees everything (the
+    hooks hold it weakly: Note [hooks hold their owner weakly] in reducer.py). `close`
+    hands the model back as a plain `nn.Module` while keeping it; `with zero.shard(...) as opt:`
+    calls it on leaving the block.
     """
 
     def __init__(
@@ -181,13 +208,16 @@ class ZeroOptimizer:
             pg["params"] = list(ms)  # hyper-parameters stay; the tensors become this rank's masters
         optimizer.state.clear()
 
-        # See Note [unused parameters]. Slot 0 carries this rank's fp16 overflow flag.
+        # See Note [unused parameters]. Slot 0 carries this rank's fp16 overflow flag, or an
+        # unfrozen parameter (Note [requires_grad is fixed at shard time]).
         self._params = list(params)
         self._names = names
         self._agreement = torch.zeros(
             len(self._params) + 1, dtype=torch.float32, device=_device_of(masters)
         )
         self._slot = {p: k + 1 for k, p in enumerate(self._params)}
+        self._trainable_at_shard = [p.requires_grad for p in self._params]
+        self._backward_since_step = False
         self._used: set[nn.Parameter] = set()  # got a gradient on this rank in this window
         self._hooks = [
             p.register_post_accumulate_grad_hook(weak_hook(self._mark_used))
@@ -197,23 +227,35 @@ class ZeroOptimizer:
         self._closed = False
         self._on_close = on_close  # zero.shard: lets the model be sharded again
         self._fragments = strategy.fragments()
+        keys = [(f.group, f.master_index) for f in self._fragments]
+        if len(set(keys)) != len(keys) or any(f.master_offset for f in self._fragments):
+            raise RuntimeError(
+                f"{type(strategy).__name__} shares master tensors between fragments; "
+                f"ZeroOptimizer needs one master per fragment, starting at offset 0 (padding may "
+                f"follow it): Note [one master per fragment] in stage12.py"
+            )
+        self._skip_key = {f.name: (f.group, f.master_index) for f in self._fragments}
+        # See Note [optimizer sub-groups]: runs of (group, index) of at most sub_group_numel.
+        order = [(g, i) for g, ms in enumerate(masters) for i in range(len(ms))]
+        sizes = [masters[g][i].numel() for g, i in order]
+        self._sub_groups = cut_runs(order, sizes, config.sub_group_numel)
 
     # -- micro-step -------------------------------------------------------------------------------
     @property
     def at_boundary(self) -> bool:
-        """Whether the last backward completed an accumulation window (``step`` will act)."""
+        """Whether the last backward completed an accumulation window (`step` will act)."""
         return (
             self.micro_step > self._stepped_at
             and self.micro_step % self.config.gradient_accumulation_steps == 0
         )
 
     def _mark_used(self, p: nn.Parameter) -> None:
-        # A set, not ``_agreement[slot] = 1``: a tensor write per parameter per backward costs a
+        # A set, not `_agreement[slot] = 1`: a tensor write per parameter per backward costs a
         # dispatcher round trip each; the flags are written into the tensor once, in step().
         self._used.add(p)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of ``loss`` scaled by ``loss_scale / gradient_accumulation_steps``."""
+        """Backward of `loss` scaled by `loss_scale / gradient_accumulation_steps`."""
         self._check_open("backward")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError(
@@ -229,17 +271,35 @@ class ZeroOptimizer:
         gas = self.config.gradient_accumulation_steps
         is_boundary = (self.micro_step + 1) % gas == 0
         factor = self.loss_scaler.scale / gas
-        # In fp32, so that an fp16 loss times 2**16 does not overflow before backward starts.
-        (loss.float() * factor if factor != 1.0 else loss).backward()
-        self.strategy.backward_done(is_boundary)
+        with ranges.range("zero.backward"):
+            # In fp32, so that an fp16 loss times 2**16 does not overflow before backward starts.
+            (loss.float() * factor if factor != 1.0 else loss).backward()
+            self.strategy.backward_done(is_boundary)
         self.micro_step += 1
+        self._backward_since_step = True
 
     # -- step -------------------------------------------------------------------------------------
     def step(self) -> bool:
-        """Take the optimizer step if a window just ended; returns whether weights changed."""
+        """Take the optimizer step if a window just ended; returns whether weights changed.
+
+        Call it after every `backward` (it acts only at accumulation boundaries). A call
+        with no `backward` since the previous one is an error: there is nothing to step.
+        """
         self._check_open("step")
+        if not self._backward_since_step:
+            raise RuntimeError(
+                f"step() with no backward() since the last step() (micro-step {self.micro_step}): "
+                f"call opt.backward(loss) on each micro-batch before opt.step(); a plain "
+                f"loss.backward() bypasses the ZeroOptimizer (no loss scaling, no accumulation "
+                f"window), so its gradients are never stepped"
+            )
+        self._backward_since_step = False
         if not self.at_boundary:
             return False
+        with ranges.range("zero.step"):
+            return self._boundary_step()
+
+    def _boundary_step(self) -> bool:
         self._stepped_at = self.micro_step
         grads_by_group = self.strategy.master_grads()
         grads = [g for gs in grads_by_group for g in gs]
@@ -253,6 +313,13 @@ class ZeroOptimizer:
                 torch.maximum(
                     self._agreement[:1], (~torch.isfinite(g)).any().float(), out=self._agreement[:1]
                 )
+        unfrozen = [
+            k
+            for k, (p, was) in enumerate(zip(self._params, self._trainable_at_shard))
+            if p.requires_grad and not was
+        ]
+        if unfrozen:  # See Note [requires_grad is fixed at shard time]
+            self._agreement[0] = float(unfrozen[-1] + 2)
         if self._used:
             used = torch.tensor([self._slot[p] for p in self._used])
             self._agreement.index_fill_(0, used.to(self._agreement.device), 1.0)
@@ -260,43 +327,63 @@ class ZeroOptimizer:
         comm.all_reduce(self._agreement, op=comm.ReduceOp.MAX, group=self.comm_group)
         flags = self._agreement.tolist()  # the one host sync of the step
         self._agreement.zero_()
-        overflow = flags[0] > 0
+        overflow = flags[0] == 1
+        if flags[0] >= 2:
+            self.strategy.zero_grad()
+            name = self._names[self._params[int(flags[0]) - 2]]
+            raise RuntimeError(
+                f"parameter {name!r} was frozen (requires_grad=False) when zero.shard() ran and "
+                f"requires grad now; its gradient has no hook or buffer, so it would never be "
+                f"trained. Set requires_grad before zero.shard(), or re-shard: save with "
+                f"zero.save_checkpoint, opt.close(), zero.shard(model, new_optimizer, ...), "
+                f"zero.load_checkpoint"
+            )
         unused = [p for p in self._params if flags[self._slot[p]] == 0]
 
         if overflow:
             # Skip: no master, no state and no parameter is touched. See LossScaler.
+            self.strategy.zero_grad()
             self.loss_scaler.update(overflow=True)
             _log.warning(
                 "fp16 gradient overflow: step skipped, loss scale now %g", self.loss_scaler.scale
             )
-            self.strategy.zero_grad()
             return False
-        if unused and not self.config.ignore_unused_parameters:
+        missing = [p for p in unused if p.requires_grad]  # a frozen one is skipped silently
+        if missing and not self.config.ignore_unused_parameters:
             raise RuntimeError(
-                f"parameters {[self._names[p] for p in unused]} got no gradient on any rank this step; "
-                f"remove them from the optimizer, or set ZeroConfig(ignore_unused_parameters=True)"
+                f"parameters {[self._names[p] for p in missing]} got no gradient on any rank this "
+                f"step; remove them from the optimizer, or set "
+                f"ZeroConfig(ignore_unused_parameters=True)"
             )
         if self.config.max_grad_norm > 0:
             self._clip(grads)
 
-        masters = self.strategy.master_params()
-        for ms, gs in zip(masters, grads_by_group):
-            for m, g in zip(ms, gs):
-                m.grad = g
-        restore = self._freeze({self._names[p] for p in unused})
-        self.optimizer.step()
-        restore()
-        for ms in masters:
-            for m in ms:
-                m.grad = None
+        skip = {self._skip_key[self._names[p]] for p in unused}
+        self._inner_step(self.strategy.master_params(), grads_by_group, skip)
         self.strategy.publish_params()
         self.loss_scaler.update(overflow=False)
         self.strategy.zero_grad()
         self.global_step += 1
         return True
 
+    def _inner_step(
+        self,
+        masters: list[list[torch.Tensor]],
+        grads: list[list[torch.Tensor]],
+        skip: set[tuple[int, int]],
+    ) -> None:
+        """Run the inner optimizer once per sub-group (Note [optimizer sub-groups]); a master in
+        `skip` keeps `.grad = None`, so torch.optim leaves it and its state untouched."""
+        for run in self._sub_groups:
+            for g, i in run:
+                if (g, i) not in skip:
+                    masters[g][i].grad = grads[g][i]
+            self.optimizer.step()
+            for g, i in run:
+                masters[g][i].grad = None
+
     def _clip(self, grads: list[torch.Tensor]) -> None:
-        """Scale gradients so that their global L2 norm is at most ``max_grad_norm``."""
+        """Scale gradients so that their global L2 norm is at most `max_grad_norm`."""
         sq = torch.zeros(1, dtype=torch.float32, device=self._agreement.device)
         for g in grads:
             sq += g.float().pow(2).sum()
@@ -307,45 +394,11 @@ class ZeroOptimizer:
         for g in grads:
             g.mul_(coef.to(g.dtype))
 
-    def _freeze(self, unused: set[str]) -> Callable[[], None]:
-        """Protect the masters of parameters no rank used; returns the function undoing the step."""
-        if not unused:
-            return lambda: None
-        saved: list[tuple[torch.Tensor, slice, torch.Tensor, dict[str, torch.Tensor]]] = []
-        for f in self._fragments:
-            if f.name not in unused or f.numel == 0:
-                continue
-            master = self.optimizer.param_groups[f.group]["params"][f.master_index]
-            if f.numel == master.numel():
-                master.grad = None  # torch.optim skips it: exact. See Note [unused parameters].
-                continue
-            cut = slice(f.master_offset, f.master_offset + f.numel)
-            state = {
-                k: v.reshape(-1)[cut].clone()
-                for k, v in self.optimizer.state.get(master, {}).items()
-                if isinstance(v, torch.Tensor) and v.numel() == master.numel()
-            }
-            saved.append((master, cut, master.detach().reshape(-1)[cut].clone(), state))
-
-        def restore() -> None:
-            with torch.no_grad():
-                for master, cut, values, state in saved:
-                    master.view(-1)[cut].copy_(values)
-                    for k, v in self.optimizer.state.get(master, {}).items():
-                        if not (isinstance(v, torch.Tensor) and v.numel() == master.numel()):
-                            continue
-                        if k in state:
-                            v.view(-1)[cut].copy_(state[k])
-                        else:  # created by this very step: a never-stepped element's is zero
-                            v.view(-1)[cut].zero_()
-
-        return restore
-
     def zero_grad(self) -> None:
-        """Drop every accumulated gradient (``step`` already does this after stepping).
+        """Drop every accumulated gradient (`step` already does this after stepping).
 
         Refused in the middle of an accumulation window, where it would silently discard the
-        micro-batches accumulated so far (the plain-PyTorch habit of calling ``zero_grad()``
+        micro-batches accumulated so far (the plain-PyTorch habit of calling `zero_grad()`
         before every backward).
         """
         gas = self.config.gradient_accumulation_steps
@@ -363,12 +416,12 @@ class ZeroOptimizer:
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
-        """Detach from the model: it stays a plain, usable ``nn.Module``; this optimizer is done.
+        """Detach from the model: it stays a plain, usable `nn.Module`; this optimizer is done.
 
         Waits for in-flight gradient communication and removes every hook registered on the
         model (the used-parameter hooks here, the strategy's gradient hooks; stage 3 also its
-        module hooks and attribute guards). Afterwards backward fills ``param.grad`` as plain
-        PyTorch does, and :meth:`backward` / :meth:`step` raise. Gradients of an unfinished
+        module hooks and attribute guards). Afterwards backward fills `param.grad` as plain
+        PyTorch does, and `backward` / `step` raise. Gradients of an unfinished
         accumulation window are dropped. Idempotent.
 
         Stages 0-2: local; the parameters keep their current values (stages 1-2: as views of the
@@ -389,7 +442,7 @@ class ZeroOptimizer:
 
     @property
     def closed(self) -> bool:
-        """Whether :meth:`close` ran (the model is plain PyTorch again)."""
+        """Whether `close` ran (the model is plain PyTorch again)."""
         return self._closed
 
     def __enter__(self) -> ZeroOptimizer:

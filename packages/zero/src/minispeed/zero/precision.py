@@ -1,14 +1,14 @@
 """Mixed precision: 16-bit model parameters, fp32 master weights, and fp16's dynamic loss scale.
 
-Three modes, chosen by ``MixedPrecision.param_dtype``:
+Three modes, chosen by `MixedPrecision.param_dtype`:
 
 - fp32: parameters, gradients and masters in fp32 (stage 0 keeps no separate master copy).
 - bf16: parameters in bf16; the optimizer steps fp32 masters; gradients are accumulated and
-  reduced in ``grad_accum_dtype`` (fp32 unless you ask for bf16: bf16 has 8 mantissa bits, so
+  reduced in `grad_accum_dtype` (fp32 unless you ask for bf16: bf16 has 8 mantissa bits, so
   summing many micro-batches in it loses the small contributions).
 - fp16: as bf16, plus a loss scale: fp16's range ends at 65504 and its smallest normal is 6e-5,
-  so small gradients underflow unless the loss is multiplied by ``S`` before backward and the
-  gradients divided by ``S`` after. :class:`LossScaler` picks ``S`` dynamically.
+  so small gradients underflow unless the loss is multiplied by `S` before backward and the
+  gradients divided by `S` after. `LossScaler` picks `S` dynamically.
 
 Bytes kept per parameter: param_dtype (2 or 4) for the model, grad_accum_dtype (2 or 4) for the
 gradient, 4 for the fp32 master (none for fp32 stage 0) plus the optimizer's state (8 for Adam).
@@ -24,9 +24,12 @@ from typing import Any
 import torch
 
 from minispeed.core.logging import get_logger
+from minispeed.zero.spelling import check_top_level_spelling, did_you_mean
 
 __all__ = ["LossScaler", "MixedPrecision"]
 
+# The top-level ds_config sections MixedPrecision.from_ds_config reads.
+_SECTIONS = {"fp16", "bf16", "bfloat16", "data_types"}
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _DTYPE_ALIASES = {
     "float32": "fp32",
@@ -43,38 +46,46 @@ _FP16_KEYS = {
     "hysteresis",
     "consecutive_hysteresis",
     "min_loss_scale",
+    "raise_error_at_min_scale",
 }
+# DeepSpeed still reads its old name of the bf16 section.
+_BF16_OLD = "bfloat16"
 
 
 @dataclass(frozen=True)
 class MixedPrecision:
     """Which dtypes the model, its gradients and the loss scale use.
 
-    ``grad_accum_dtype`` (DeepSpeed ``data_types.grad_accum_dtype``) is the dtype gradients are
+    `grad_accum_dtype` (DeepSpeed `data_types.grad_accum_dtype`) is the dtype gradients are
     accumulated across micro-steps *and* reduced in; it is fp32 by default for every mode, so bf16
-    training never silently accumulates in bf16. Choose ``param_dtype`` for it to halve the
+    training never silently accumulates in bf16. Choose `param_dtype` for it to halve the
     gradient buffers and the bytes sent (DeepSpeed's fp16 behaviour).
 
-    The ``*loss_scale*`` / ``hysteresis`` fields matter only for fp16 (DeepSpeed ``fp16`` section,
+    The `*loss_scale*` / `hysteresis` fields matter only for fp16 (DeepSpeed `fp16` section,
     same names and meanings).
     """
 
-    #: dtype of the model's parameters (and of its activations): fp32, bf16 or fp16.
     param_dtype: torch.dtype = torch.float32
-    #: dtype gradients are accumulated and reduced in (fp32 by default; see the class docstring).
+    """dtype of the model's parameters (and of its activations): fp32, bf16 or fp16."""
     grad_accum_dtype: torch.dtype = torch.float32
-    #: fp16 only: a fixed loss scale; ``None`` (DeepSpeed ``loss_scale: 0``) scales dynamically.
+    """dtype gradients are accumulated and reduced in (fp32 by default; see the class docstring)."""
     static_loss_scale: float | None = None
-    #: fp16, dynamic: the first scale is ``2 ** initial_scale_power``.
+    """fp16 only: a fixed loss scale; `None` (DeepSpeed `loss_scale: 0`) scales dynamically."""
     initial_scale_power: int = 16
-    #: fp16, dynamic: double the scale after this many consecutive steps without overflow.
+    """fp16, dynamic: the first scale is `2 ** initial_scale_power`."""
     loss_scale_window: int = 1000
-    #: fp16, dynamic: overflows tolerated before the scale is lowered (1 = lower at the first).
+    """fp16, dynamic: double the scale after this many consecutive steps without overflow."""
     hysteresis: int = 2
-    #: fp16, dynamic: refill the hysteresis budget after every clean step (else after a raise).
+    """fp16, dynamic: overflows tolerated before the scale is lowered (1 = lower at the first)."""
     consecutive_hysteresis: bool = False
-    #: fp16, dynamic: the scale never goes below this.
+    """fp16, dynamic: refill the hysteresis budget after every clean step (else after a raise)."""
     min_loss_scale: float = 1.0
+    """fp16, dynamic: the scale never goes below this."""
+    raise_error_at_min_scale: bool = True
+    """fp16, dynamic: an overflow while the scale is already at `min_loss_scale` raises
+    `FloatingPointError` (DeepSpeed's default: such a run usually skips every step from then
+    on). False: log a warning, skip the step and go on. ds_config key
+    `fp16.raise_error_at_min_scale` (DeepSpeed's `DynamicLossScaler` argument of that name)."""
 
     def __post_init__(self) -> None:
         if self.param_dtype not in _DTYPES.values():
@@ -124,13 +135,18 @@ class MixedPrecision:
 
     @classmethod
     def from_ds_config(cls, ds_config: dict[str, Any]) -> MixedPrecision:
-        """Translate DeepSpeed's ``fp16``, ``bf16`` and ``data_types`` sections (whole ds_config).
+        """Translate DeepSpeed's `fp16`, `bf16` and `data_types` sections (whole ds_config).
 
-        Both ``fp16.enabled`` and ``bf16.enabled`` true is a contradiction and an error; unknown
+        Both `fp16.enabled` and `bf16.enabled` true is a contradiction and an error; unknown
         keys inside those sections are errors naming the key.
         """
+        check_top_level_spelling(ds_config, _SECTIONS, "MixedPrecision.from_ds_config")
+        if "bf16" in ds_config and _BF16_OLD in ds_config:
+            raise ValueError(
+                f"ds_config has both 'bf16' and its old name {_BF16_OLD!r}; keep only 'bf16'"
+            )
         fp16 = dict(ds_config.get("fp16") or {})
-        bf16 = dict(ds_config.get("bf16") or {})
+        bf16 = dict(ds_config.get("bf16", ds_config.get(_BF16_OLD)) or {})
         types = dict(ds_config.get("data_types") or {})
         for name, section, allowed in (
             ("fp16", fp16, _FP16_KEYS),
@@ -140,7 +156,8 @@ class MixedPrecision:
             unknown = sorted(set(section) - allowed)
             if unknown:
                 raise ValueError(
-                    f"unknown {name} key(s) {unknown}; minispeed.zero understands {sorted(allowed)}"
+                    f"unknown {name} key(s) {unknown}{did_you_mean(unknown, allowed)}; "
+                    f"minispeed.zero understands {sorted(allowed)}"
                 )
         fp16_on, bf16_on = bool(fp16.get("enabled", False)), bool(bf16.get("enabled", False))
         if fp16_on and bf16_on:
@@ -163,6 +180,8 @@ class MixedPrecision:
                 kwargs["consecutive_hysteresis"] = bool(fp16["consecutive_hysteresis"])
             if "min_loss_scale" in fp16:
                 kwargs["min_loss_scale"] = float(fp16["min_loss_scale"])
+            if "raise_error_at_min_scale" in fp16:
+                kwargs["raise_error_at_min_scale"] = bool(fp16["raise_error_at_min_scale"])
         return cls(**kwargs)
 
 
@@ -176,15 +195,21 @@ def _parse_dtype(name: Any, key: str) -> torch.dtype:
 
 
 class LossScaler:
-    """The fp16 loss scale ``S``, raised while steps are clean and lowered on overflow.
+    """The fp16 loss scale `S`, raised while steps are clean and lowered on overflow.
 
-    Rules (DeepSpeed's dynamic loss scaler, same knobs):
+    Rules (DeepSpeed's `DynamicLossScaler` as of 0.17.1, same knobs):
 
     - overflow (an inf/NaN anywhere in the gradients, agreed by every rank): the step is skipped.
-      The scale is halved (never below ``min_loss_scale``) once ``hysteresis`` overflows have been
-      seen since the budget was last refilled; earlier overflows only spend the budget.
-    - ``loss_scale_window`` consecutive clean steps: the scale doubles and the budget refills.
-    - ``consecutive_hysteresis``: every clean step refills the budget.
+      While `hysteresis` budget remains (more than 1 left), the overflow only spends one unit of
+      it; otherwise the scale is halved, never below `min_loss_scale`. The budget is not
+      refilled by halving.
+    - an overflow at `min_loss_scale` (with no budget left) raises `FloatingPointError`,
+      unless `MixedPrecision.raise_error_at_min_scale` is False (then it warns and goes on).
+    - a clean step that follows `c` clean steps since the last overflow (or since the start)
+      doubles the scale when `c > 0` and `c % loss_scale_window == 0`, and refills the budget.
+      So after an overflow the first doubling comes at the (window + 1)-th clean step, later ones
+      every `loss_scale_window` steps (DeepSpeed before 0.17.1 doubled at the window-th).
+    - `consecutive_hysteresis`: every clean step refills the budget.
 
     For fp32/bf16 the scale is 1 and never changes. A static scale never changes either, but
     overflowing steps are still skipped.
@@ -199,37 +224,48 @@ class LossScaler:
             self.scale = float(precision.static_loss_scale)
         else:
             self.scale = 2.0**precision.initial_scale_power
-        self.clean_steps = 0  # consecutive steps without overflow since the last change of scale
+        self.clean_steps = 0  # consecutive steps without overflow since the last overflow
         self.hysteresis_left = precision.hysteresis
         self.overflows = 0  # total skipped steps, for logs
 
     def update(self, overflow: bool) -> None:
-        """Record one optimizer step's outcome and adjust the scale."""
+        """Record one optimizer step's outcome and adjust the scale.
+
+        Raises `FloatingPointError` on an overflow at the minimum scale (see the class rules).
+        """
         p = self.precision
         if overflow:
             self.overflows += 1
             self.clean_steps = 0
             if not self.dynamic:
                 return
-            if self.hysteresis_left <= 1:
-                new = max(self.scale / 2.0, p.min_loss_scale)
-                if new == self.scale:
-                    _log.warning(
-                        "fp16 overflow at the minimum loss scale %g; training may not recover", new
-                    )
-                self.scale = new
-            else:
+            if self.hysteresis_left > 1:
                 self.hysteresis_left -= 1
+                return
+            if self.scale <= p.min_loss_scale:
+                if p.raise_error_at_min_scale:
+                    raise FloatingPointError(
+                        f"fp16 gradients overflowed at the minimum loss scale {self.scale:g}: "
+                        f"the scale cannot go lower, so every later step would be skipped too. "
+                        f"Lower MixedPrecision.min_loss_scale (ds_config fp16.min_loss_scale), "
+                        f"train in bf16, or set MixedPrecision(raise_error_at_min_scale=False) "
+                        f"(fp16.raise_error_at_min_scale: false) to skip the step and continue"
+                    )
+                _log.warning(
+                    "fp16 overflow at the minimum loss scale %g; training may not recover",
+                    self.scale,
+                )
+            self.scale = max(self.scale / 2.0, p.min_loss_scale)
             return
-        self.clean_steps += 1
         if not self.dynamic:
+            self.clean_steps += 1
             return
         if p.consecutive_hysteresis:
             self.hysteresis_left = p.hysteresis
-        if self.clean_steps >= p.loss_scale_window:
+        if self.clean_steps > 0 and self.clean_steps % p.loss_scale_window == 0:
             self.scale *= 2.0
-            self.clean_steps = 0
             self.hysteresis_left = p.hysteresis
+        self.clean_steps += 1
 
     def state_dict(self) -> dict[str, float | int]:
         """Everything needed to resume with the same scale schedule."""
@@ -241,7 +277,7 @@ class LossScaler:
         }
 
     def load_state_dict(self, state: dict[str, float | int]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what `state_dict` returned."""
         missing = {"scale", "clean_steps", "hysteresis_left", "overflows"} - state.keys()
         if missing:
             raise KeyError(

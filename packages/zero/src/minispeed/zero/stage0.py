@@ -2,7 +2,7 @@
 
 Every rank keeps everything: the model parameters, the full gradients, the fp32 masters and the
 whole optimizer state. It is the baseline the partitioned stages are measured against, and the
-simplest ``ShardStrategy``: masters are per-parameter tensors, so the user's optimizer sees the
+simplest `ShardStrategy`: masters are per-parameter tensors, so the user's optimizer sees the
 same tensors (shapes, order) it would see without minispeed.
 
 Bytes kept per rank (Ψ parameters; p, g = bytes per param / grad element; K = optimizer state
@@ -10,10 +10,10 @@ bytes per parameter, 8 for Adam):
 
 - fp32:   Ψ·4 (params, which double as the masters) + Ψ·4 (grads) + Ψ·K
 - 16-bit: Ψ·p + Ψ·g + Ψ·4 (masters) + Ψ·K       (mixed-precision Adam: 2Ψ + 4Ψ + 12Ψ with fp32
-  gradient accumulation, the textbook 2Ψ + 2Ψ + 12Ψ with ``grad_accum_dtype=param_dtype``)
+  gradient accumulation, the textbook 2Ψ + 2Ψ + 12Ψ with `grad_accum_dtype=param_dtype`)
 
 Bytes sent per optimizer step: one all-reduce of the Ψ gradient elements, 2(N-1)/N · Ψ · g per
-rank on a ring (``ledger.stage_collectives``); nothing between accumulation boundaries.
+rank on a ring (`ledger.stage_collectives`); nothing between accumulation boundaries.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ class ReplicatedStrategy:
     def close(self) -> None:
         """Wait for in-flight reductions and remove the gradient hooks (idempotent, local).
 
-        Afterwards the model's backward fills ``param.grad`` as in plain PyTorch. This
+        Afterwards the model's backward fills `param.grad` as in plain PyTorch. This
         strategy must not be used again.
         """
         self.reducer.remove_hooks()

@@ -1,31 +1,33 @@
 """Stages 1 and 2: fp32 masters and optimizer state partitioned over N ranks; stage 2 also
 partitions the gradients.
 
-Per optimizer param group the parameters are laid out in one flat buffer (``flat.py``); the
+Per optimizer param group the parameters are laid out in one flat buffer (`flat.py`); the
 model's parameters become views of it (Note [parameters are views of the flat buffer]). Each rank
-owns one shard of every bucket; the inner optimizer steps one fp32 master tensor per bucket
-shard (Note [one master per bucket shard]).
+owns one shard of every bucket; the inner optimizer steps one fp32 master tensor per parameter
+fragment, a slice of that partition (Note [one master per fragment]).
 
-Per step::
+Per step:
 
-    backward   hooks copy grads into buckets ---> reduce-scatter ---> this rank's grad shards
-                 stage 1: only on the boundary micro-step (grads accumulate locally before),
-                          in place: the shard of the full gradient buffer is the result;
-                 stage 2: every micro-step, so the full gradient never exists at once
-    step       inner optimizer on (master shards, grad shards)
-    publish    master shard -> param dtype -> all-gather per bucket, in place -> the flat buffer,
-               i.e. straight into every model parameter
+```text
+backward   hooks copy grads into buckets ---> reduce-scatter ---> this rank's grad shards
+             stage 1: only on the boundary micro-step (grads accumulate locally before),
+                      in place: the shard of the full gradient buffer is the result;
+             stage 2: every micro-step, so the full gradient never exists at once
+step       inner optimizer on (master fragments, grad fragments): slices of the shards
+publish    master shard -> param dtype -> all-gather per bucket, in place -> the flat buffer,
+           i.e. straight into every model parameter
+```
 
 Bytes kept per rank (Ψ parameters padded to Ψ', N ranks; p, g = bytes per param / grad element;
-K = optimizer state bytes per parameter, 8 for Adam; the fp32 master, ``4``, is absent for fp32
+K = optimizer state bytes per parameter, 8 for Adam; the fp32 master, `4`, is absent for fp32
 parameters, where the master *is* this rank's shard of the flat parameter buffer):
 
 - stage 1: Ψ'·p (params) + Ψ'·g (full grads; the reduced shards live inside) + Ψ'·(4 + K)/N
 - stage 2: Ψ'·p (params) + Ψ'·g/N (grad partition) + staging buckets + Ψ'·(4 + K)/N
 
 Bytes sent per optimizer step (ring, per rank): reduce-scatter (N-1)/N · Ψ'·g (times the number
-of micro-steps for stage 2) + all-gather (N-1)/N · Ψ'·p. With ``reduce_scatter=False`` the
-reduction is an all-reduce (twice the bytes). Exact per-call sums: ``ledger.stage_collectives``.
+of micro-steps for stage 2) + all-gather (N-1)/N · Ψ'·p. With `reduce_scatter=False` the
+reduction is an all-reduce (twice the bytes). Exact per-call sums: `ledger.stage_collectives`.
 """
 
 from __future__ import annotations
@@ -46,22 +48,30 @@ from minispeed.zero.reducer import GradReducer, ReduceMode
 __all__ = ["PartitionedStrategy"]
 
 # Note [parameters are views of the flat buffer]
-# ``param.data`` is set to a view of the group's flat buffer, so the all-gather after the step
+# `param.data` is set to a view of the group's flat buffer, so the all-gather after the step
 # writes every parameter in place, with no copy and no second full-size buffer. The nn.Parameter
 # objects stay the same (autograd leaves, hooks, user references all keep working); only their
 # storage moves. Gradients are separate tensors made by autograd, copied out by the hooks.
 
-# Note [one master per bucket shard]
-# Rank r's part of a bucket is one contiguous range of the flat buffer (flat.py), but its shards
-# of consecutive buckets are not adjacent there. So the inner optimizer gets one master tensor per
-# bucket, ``optimizer.param_groups[g]["params"][b]`` = rank r's shard of bucket b, instead of one
-# tensor for the whole partition. For fp32 parameters that tensor *is* the shard of the flat
-# parameter buffer (an alias, like stage 0's Note [fp32 stage 0 has no master copy]): the step
-# updates this rank's parameter elements in place, and publishing is an in-place all-gather around
-# them, with no master copy (Ψ'·4/N bytes) and no cast copy. 16-bit parameters get fp32 masters,
-# views of one partition tensor, cast into their shard of the flat buffer before the all-gather.
-# Elementwise optimizers compute the same numbers either way; gradients are laid out to match
-# (``GradReducer.shard_grads``), and checkpoints address masters through ParamFragment.
+# Note [one master per fragment]
+# The inner optimizer gets one master tensor per *parameter* of each param group:
+# `optimizer.param_groups[g]["params"][i]` is rank r's fragment of parameter i (the part of it
+# that lies in rank r's shards; at most one piece, flat.py), a view into the flat partition, or
+# an empty view where rank r holds none of it. Why not one tensor per bucket shard (fewer,
+# larger tensors)? torch.optim keeps its scalar state per tensor: Adam's `step` drives the
+# bias correction, and a parameter that gets no gradient on a step is skipped (`grad is None`)
+# without advancing its count. A master shared by several parameters would give a skipped one
+# its neighbours' count (issue 14: 4.8e-2 relative loss difference from step 4 on); a master per
+# fragment keeps PyTorch's per-parameter semantics for every elementwise optimizer, exactly, and
+# a parameter no rank used is skipped by setting its master's `.grad` to None, as in stages 0
+# and 3. The partition stays one flat buffer: for fp32 parameters each master *is* a slice of
+# this rank's shard of the flat parameter buffer (an alias, like stage 0's Note [fp32 stage 0 has
+# no master copy]): the step updates this rank's parameter elements in place and publishing is an
+# in-place all-gather around them, with no master copy (Ψ'·4/N bytes) and no cast copy. 16-bit
+# parameters get fp32 masters, slices of one partition tensor, cast into their shard of the flat
+# buffer before the all-gather. Gradients are the matching slices of the reduced bucket shards
+# (`GradReducer.reduced`); padding belongs to no fragment and is never stepped. Cost: one
+# optimizer call per fragment instead of per bucket (stage 0 and 3 pay the same).
 
 
 class PartitionedStrategy:
@@ -93,10 +103,19 @@ class PartitionedStrategy:
         ]
 
         self.flat_params: list[torch.Tensor] = []  # [g]: 1-D, numel = layouts[g].numel, param dtype
-        # [g][b]: 1-D fp32, numel = buckets[b].shard_numel. Note [one master per bucket shard].
+        # [g]: 1-D fp32, numel = layouts[g].partition_numel; 16-bit parameters only (fp32: None).
+        self._master_parts: list[torch.Tensor | None] = []
+        # [g][i]: (bucket index, offset in the bucket shard, start in the parameter, numel).
+        self._pieces: list[list[tuple[int, int, int, int]]] = []
+        # [g][i]: 1-D fp32 view of parameter i's fragment. Note [one master per fragment].
         self._masters: list[list[torch.Tensor]] = []
         for ps, lay in zip(self.groups, self.layouts):
             device = ps[0].device if ps else torch.device("cpu")
+            pieces = [(lay.bucket_of_param[i], 0, 0, 0) for i in range(len(ps))]
+            for i, start, numel, offset in lay.shard_pieces(self.rank):
+                bk = lay.buckets[lay.bucket_of_param[i]]
+                pieces[i] = (bk.index, offset - bk.shard_offset, start, numel)
+            part = None
             if precision.needs_master_copy:
                 part = torch.zeros(lay.partition_numel, dtype=torch.float32, device=device)
                 for i, start, numel, offset in lay.shard_pieces(self.rank):
@@ -112,12 +131,17 @@ class PartitionedStrategy:
                     slot.param_index
                 ].data = view  # See Note [parameters are views of the flat buffer]
             self.flat_params.append(flat)
-            if precision.needs_master_copy:
-                masters = [
-                    part[bk.shard_offset : bk.shard_offset + bk.shard_numel] for bk in lay.buckets
-                ]
-            else:
-                masters = [bk.shard_of(flat, self.rank) for bk in lay.buckets]
+            self._master_parts.append(part)
+            self._pieces.append(pieces)
+            masters = []
+            for b, at, _, numel in pieces:
+                bk = lay.buckets[b]
+                shard = (
+                    part[bk.shard_offset : bk.shard_offset + bk.shard_numel]
+                    if part is not None
+                    else bk.shard_of(flat, self.rank)
+                )
+                masters.append(shard[at : at + numel])
             self._masters.append(masters)
 
         position = {p: k for k, p in enumerate(model.parameters())}
@@ -136,12 +160,17 @@ class PartitionedStrategy:
         )
 
     def master_params(self) -> list[list[torch.Tensor]]:
-        """Per group, one fp32 tensor per bucket: this rank's shard of it."""
+        """Per group, one fp32 tensor per parameter: its fragment in this rank's partition."""
         return self._masters
 
     def master_grads(self) -> list[list[torch.Tensor]]:
-        """Per group, this rank's averaged fp32 gradient shard of every bucket."""
-        return self.reducer.reduced()
+        """Per group, per parameter: the fragment's slice of this rank's averaged fp32 gradient
+        shard of its bucket (views: no copy)."""
+        shards = self.reducer.reduced()
+        return [
+            [shards[g][b][at : at + numel] for b, at, _, numel in pieces]
+            for g, pieces in enumerate(self._pieces)
+        ]
 
     def backward_done(self, is_boundary: bool) -> None:
         """Wait for the reduce-scatters launched by the hooks; average at the boundary."""
@@ -152,10 +181,11 @@ class PartitionedStrategy:
         """All-gather every rank's updated partition into the flat buffers (= the parameters)."""
         pending: list[tuple[Any, Any]] = []
         for g, lay in enumerate(self.layouts):
-            for bk, master in zip(lay.buckets, self._masters[g]):
+            part = self._master_parts[g]
+            for bk in lay.buckets:
                 mine = bk.shard_of(self.flat_params[g], self.rank)
-                if master is not mine:  # 16-bit: cast into place (fp32: the master is the shard)
-                    mine.copy_(master)
+                if part is not None:  # 16-bit: cast into place (fp32: the masters are the shard)
+                    mine.copy_(part[bk.shard_offset : bk.shard_offset + bk.shard_numel])
                 pending.extend(self._gather_bucket(self.flat_params[g], mine, bk))
         for work, finish in pending:
             if work is not None:
@@ -166,7 +196,7 @@ class PartitionedStrategy:
     def _gather_bucket(
         self, flat: torch.Tensor, mine: torch.Tensor, bk: Bucket
     ) -> list[tuple[Any, Any]]:
-        """Issue the all-gather(s) that rebuild bucket ``bk`` around ``mine`` (this rank's shard,
+        """Issue the all-gather(s) that rebuild bucket `bk` around `mine` (this rank's shard,
         in place: Note [in-place flat collectives] in comm/api_compat.py); (work, finish) pairs."""
         n = self.world_size
         out = flat[bk.start : bk.start + bk.padded_numel]  # (N * shard,) = N shards side by side
@@ -176,7 +206,7 @@ class PartitionedStrategy:
                 (comm.all_gather_into_tensor(out, mine, group=self.comm_group, async_op=True), None)
             ]
         # A bucket larger than allgather_bucket_numel: gather column chunks of the (N, shard) grid
-        # through a temporary, since column j of every shard is not contiguous in ``out``.
+        # through a temporary, since column j of every shard is not contiguous in `out`.
         grid = out.view(n, bk.shard_numel)
         issued = []
         for j in range(0, bk.shard_numel, chunk):
@@ -192,26 +222,18 @@ class PartitionedStrategy:
         self.reducer.zero_grad()
 
     def fragments(self) -> list[ParamFragment]:
-        """The pieces of each parameter inside this rank's partitions (numel 0 where none)."""
-        out = []
-        for g, (ps, lay) in enumerate(zip(self.groups, self.layouts)):
-            held = {
-                i: (start, numel, offset) for i, start, numel, offset in lay.shard_pieces(self.rank)
-            }
-            for i, p in enumerate(ps):
-                b = lay.bucket_of_param[i]
-                start, numel, offset = held.get(i, (0, 0, lay.buckets[b].shard_offset))
-                # offset is in the partition; the master of bucket b starts at its shard_offset.
-                fragment_offset = offset - lay.buckets[b].shard_offset
-                out.append(
-                    ParamFragment(self.names[p], p.shape, start, numel, g, b, fragment_offset)
-                )
-        return out
+        """The piece of each parameter inside this rank's partition (numel 0 where none); the
+        master of parameter i of group g holds exactly that piece."""
+        return [
+            ParamFragment(self.names[p], p.shape, start, numel, g, i, 0)
+            for g, (ps, pieces) in enumerate(zip(self.groups, self._pieces))
+            for i, (p, (_, _, start, numel)) in enumerate(zip(ps, pieces))
+        ]
 
     def close(self) -> None:
         """Wait for in-flight reductions and remove the gradient hooks (idempotent, local).
 
-        Afterwards the model's backward fills ``param.grad`` as in plain PyTorch. The parameters
+        Afterwards the model's backward fills `param.grad` as in plain PyTorch. The parameters
         stay views of the flat buffers (Note [parameters are views of the flat buffer]): valid
         tensors of their own shapes, sharing storage with nothing else the user sees. This
         strategy must not be used again.
