@@ -50,7 +50,7 @@ def data(steps: int, batch: int, seed: int = 0) -> list[tuple[torch.Tensor, torc
     return out
 
 
-def reference(layers: list, steps: int, batch: int, lr: float = 0.5) -> tuple[list[float], dict]:
+def reference(layers: list, steps: int, batch: int, lr: float = 0.05) -> tuple[list[float], dict]:
     """The unsplit model on one process: losses and final parameters by name."""
     model = pipeline.build_unsplit(layers)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -85,7 +85,7 @@ def train_pipeline(
     virtual_stages: int = 1,
     checkpointing: bool = False,
     blocks: int = 4,
-    lr: float = 0.5,
+    lr: float = 0.05,
 ) -> dict:
     """Train `steps` steps; each data-parallel replica takes its slice of the global batch."""
     module = pipeline.partition(
