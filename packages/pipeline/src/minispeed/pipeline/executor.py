@@ -147,6 +147,8 @@ class PipelineExecutor:
         self._loss_sum = torch.zeros((), device=self.device)
         self._live, self.peak_in_flight = 0, 0
         self._trains = schedule.trains
+        # eval sends tensors that do not require grad: a layout of its own, see p2p.Link
+        self._act_kind = "act" if self._trains else "act_eval"
         self.timeline = StageTimeline(self.module.stage)
         try:
             for instr in schedule.program(self.module.stage):
@@ -301,14 +303,14 @@ class PipelineExecutor:
         with ranges.range("pipeline.send"):
             receiver_chunk = i.chunk + 1 if self.module.stage == self.module.stages - 1 else i.chunk
             out = self._outputs[(i.micro_batch, i.chunk)]
-            self.messenger.send(out, i.peer, "act", receiver_chunk)
+            self.messenger.send(out, i.peer, self._act_kind, receiver_chunk)
             if not self._trains:
                 self._outputs.pop((i.micro_batch, i.chunk))
 
     def _recv_activation(self, i: ins.RecvActivation) -> None:
         start = time.perf_counter()
         with ranges.range("pipeline.recv"):
-            msg = self.messenger.recv(i.peer, "act", i.chunk)
+            msg = self.messenger.recv(i.peer, self._act_kind, i.chunk)
         self.timeline.add("wait", i.label, start, time.perf_counter())
         self._inputs[(i.micro_batch, i.chunk)] = msg
 

@@ -69,7 +69,8 @@ class PipelineAbortedError(RuntimeError):
 
 
 Link = tuple[int, str, int]
-"""(peer pipeline rank, "act" | "grad", chunk of the receiving side): one negotiated layout."""
+"""(peer pipeline rank, "act" | "act_eval" | "grad", chunk of the receiving side): one negotiated
+layout (eval's activations do not require grad, so they negotiate their own)."""
 
 
 def encode_layout(tensors: tuple[torch.Tensor, ...]) -> list[int]:
@@ -201,7 +202,7 @@ def _from(peer: int, exc: RuntimeError) -> RuntimeError:
 
 
 def _mismatch_text(src: int, dst: int, kind: str, known: list[int], got: list[int]) -> str:
-    what = "activations" if kind == "act" else "gradients"
+    what = "activations" if kind.startswith("act") else "gradients"
     return (
         f"pipeline stage {src} sends {what} to stage {dst} shaped {describe_layout(got)}, but the "
         f"first micro-batch negotiated {describe_layout(known)}; every micro-batch must have the "

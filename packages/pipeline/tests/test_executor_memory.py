@@ -1,0 +1,28 @@
+"""Activation memory by schedule, counted by the executor: 1F1B keeps at most P − s micro-batches
+in flight on stage s whatever M is, GPipe keeps all M."""
+
+import torch
+from pipeline_testlib import data, lm_loss, tiny_gpt
+
+import minispeed.pipeline as pp
+from minispeed.core.testing import run_distributed
+
+
+def _peaks(rank, world_size, micro_batches):
+    out = {}
+    for schedule in ("gpipe", "1f1b", "zb_h1"):
+        module = pp.partition(tiny_gpt(2), stages=world_size, loss_fn=lm_loss, method="type:Block")
+        ex = pp.PipelineExecutor(module, torch.optim.SGD(module.parameters(), lr=0.01),
+                                 micro_batches=micro_batches, schedule=schedule)  # fmt: skip
+        ex.train_batch(*data(1, 2 * micro_batches)[0])
+        out[schedule] = ex.peak_in_flight
+    return out
+
+
+def test_1f1b_in_flight_stays_bounded_while_gpipe_grows_with_m():
+    p = 2
+    for m in (4, 8):
+        for s, peaks in enumerate(run_distributed(_peaks, world_size=p, args=(m,))):
+            assert peaks["gpipe"] == m == pp.in_flight_bound("gpipe", s, p, m)
+            assert peaks["1f1b"] == p - s == pp.in_flight_bound("1f1b", s, p, m)
+            assert peaks["zb_h1"] == p - s
