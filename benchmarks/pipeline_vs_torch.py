@@ -161,80 +161,91 @@ def _busy_from_marks(clock: list) -> float:
     return busy + sum(e - s for s, e in zip(starts, ends))
 
 
-def run_ours(args, name, v, batches, rank) -> dict:
-    import minispeed.comm as comm
-    import minispeed.pipeline as pp
+class Ours:
+    """minispeed's contender: `step(x, y)` returns (loss, busy seconds)."""
 
-    module = pp.partition(
-        layers(args), stages=args.stages, loss_fn=lm_loss, method="type:Block", virtual_stages=v
-    )
-    ex = pp.PipelineExecutor(
-        module, torch.optim.SGD(module.parameters(), lr=args.lr), micro_batches=args.micro_batches,
-        schedule=name,
-    )  # fmt: skip
-    saved = SavedBytes(list(module.parameters()))
-    times, busy, losses = [], [], []
-    for i, (x, y) in enumerate(batches):
-        comm.barrier()
-        t0 = time.perf_counter()
-        with saved.hooks():
-            losses.append(ex.train_batch(x, y))
-        dt = time.perf_counter() - t0
-        if i >= args.warmup:
-            times.append(dt)
-            busy.append(ex.timeline.busy_s())
-    return {"times": times, "busy": busy, "losses": losses, "saved_peak": saved.peak}
+    def __init__(self, args: argparse.Namespace, name: str, v: int) -> None:
+        import minispeed.pipeline as pp
+
+        module = pp.partition(layers(args), stages=args.stages, loss_fn=lm_loss,
+                              method="type:Block", virtual_stages=v)  # fmt: skip
+        self.ex = pp.PipelineExecutor(module, torch.optim.SGD(module.parameters(), lr=args.lr),
+                                      micro_batches=args.micro_batches, schedule=name)  # fmt: skip
+        self.saved = SavedBytes(list(module.parameters()))
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+        with self.saved.hooks():
+            loss = self.ex.train_batch(x, y)
+        return loss, self.ex.timeline.busy_s()
 
 
-def run_torch(args, name, v, batches, rank) -> dict:
-    import torch.distributed as dist
-    from torch.distributed import pipelining
+class Theirs:
+    """torch.distributed.pipelining on the same chunks: `step(x, y)` returns (loss, busy s)."""
 
-    import minispeed.pipeline as pp
+    def __init__(self, args: argparse.Namespace, name: str, v: int) -> None:
+        from torch.distributed import pipelining
 
-    module = pp.partition(
-        layers(args), stages=args.stages, loss_fn=lm_loss, method="type:Block", virtual_stages=v
-    )
-    p, s = args.stages, module.stage
-    clock: list = []
-    stages = [
-        pipelining.PipelineStage(
-            TorchChunk(module, c, clock), c * p + s, p * v, torch.device("cpu")
-        )
-        for c in range(v)
-    ]
-    cls = getattr(pipelining, TORCH_NAMES[name])
-    sched = cls(stages if v > 1 else stages[0], args.micro_batches, loss_fn=lm_loss)
-    opt = torch.optim.SGD(module.parameters(), lr=args.lr)
-    saved = SavedBytes(list(module.parameters()))
-    times, busy, losses = [], [], []
-    for i, (x, y) in enumerate(batches):
-        dist.barrier()
-        clock.clear()
-        t0 = time.perf_counter()
+        import minispeed.pipeline as pp
+
+        module = pp.partition(layers(args), stages=args.stages, loss_fn=lm_loss,
+                              method="type:Block", virtual_stages=v)  # fmt: skip
+        self.p, self.s = args.stages, module.stage
+        self.clock: list = []
+        stages = [
+            pipelining.PipelineStage(
+                TorchChunk(module, c, self.clock),
+                c * self.p + self.s,
+                self.p * v,
+                torch.device("cpu"),
+            )
+            for c in range(v)
+        ]
+        cls = getattr(pipelining, TORCH_NAMES[name])
+        self.sched = cls(stages if v > 1 else stages[0], args.micro_batches, loss_fn=lm_loss)
+        self.opt = torch.optim.SGD(module.parameters(), lr=args.lr)
+        self.saved = SavedBytes(list(module.parameters()))
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+        import torch.distributed as dist
+
+        self.clock.clear()
         mb_losses: list = []
-        with saved.hooks():
-            if s == 0 and s == p - 1:
-                sched.step(x, target=y, losses=mb_losses)
-            elif s == 0:
-                sched.step(x)
-            elif s == p - 1:
-                sched.step(target=y, losses=mb_losses)
+        first, last = self.s == 0, self.s == self.p - 1
+        with self.saved.hooks():
+            if first and last:
+                self.sched.step(x, target=y, losses=mb_losses)
+            elif first:
+                self.sched.step(x)
+            elif last:
+                self.sched.step(target=y, losses=mb_losses)
             else:
-                sched.step()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss = torch.tensor(
-            [float(torch.stack(mb_losses).detach().mean()) if mb_losses else 0.0],
-            dtype=torch.float32,
-        )
-        dist.broadcast(loss, src=p - 1)
-        dt = time.perf_counter() - t0
-        losses.append(float(loss))
-        if i >= args.warmup:
-            times.append(dt)
-            busy.append(_busy_from_marks(clock))
-    return {"times": times, "busy": busy, "losses": losses, "saved_peak": saved.peak}
+                self.sched.step()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        loss = torch.tensor([float(torch.stack(mb_losses).detach().mean()) if mb_losses else 0.0])
+        dist.broadcast(loss, src=self.p - 1)  # as ours: the loss on every rank
+        return float(loss), _busy_from_marks(self.clock)
+
+
+def run_pair(args: argparse.Namespace, name: str, v: int, batches: list) -> dict:
+    """Both contenders, steps alternated (ours, theirs, ours, ...) so load spikes hit both."""
+    import minispeed.comm as comm
+
+    contenders = {"minispeed": Ours(args, name, v), "torch": Theirs(args, name, v)}
+    out = {lib: {"times": [], "busy": [], "losses": []} for lib in contenders}
+    for i, (x, y) in enumerate(batches):
+        for lib, c in contenders.items():
+            comm.barrier()
+            t0 = time.perf_counter()
+            loss, busy = c.step(x, y)
+            dt = time.perf_counter() - t0
+            out[lib]["losses"].append(loss)
+            if i >= args.warmup:
+                out[lib]["times"].append(dt)
+                out[lib]["busy"].append(busy)
+    for lib, c in contenders.items():
+        out[lib]["saved_peak"] = c.saved.peak
+    return out
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
@@ -253,12 +264,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: A
         )
         batches.append((tok[:, :-1], tok[:, 1:]))
     out: dict[str, Any] = {}
-    run_ours(args, "1f1b", 1, batches[:2], rank)  # warm both processes' allocators and gloo pairs
-    run_torch(args, "1f1b", 1, batches[:2], rank)
     for name in args.schedules:
         v = 2 if name == "interleaved_1f1b" else 1
-        for lib, fn in (("minispeed", run_ours), ("torch", run_torch)):
-            out[f"{name}/{lib}"] = fn(args, name, v, batches, rank)
+        for lib, res in run_pair(args, name, v, batches).items():
+            out[f"{name}/{lib}"] = res
     queue.put((rank, out))
     comm.barrier()
     comm.destroy_process_group()
@@ -281,7 +290,7 @@ def report(results: dict[int, dict], args: argparse.Namespace) -> dict[str, Any]
     table = Table(
         title=f"P={p}, M={args.micro_batches}, {args.params:,} parameters (loaded 2-core CPU)"
     )
-    for col in ("schedule", "library", "step ms", "ours/torch", "bubble", "theory",
+    for col in ("schedule", "library", "step ms median (min)", "ours/torch median (min)", "bubble", "theory",
                 "act MiB per stage", "losses equal"):  # fmt: skip
         table.add_column(col, justify="right")
     for name in args.schedules:
@@ -292,11 +301,12 @@ def report(results: dict[int, dict], args: argparse.Namespace) -> dict[str, Any]
             runs = [results[r][f"{name}/{lib}"] for r in range(p)]
             per_step = [max(r["times"][i] for r in runs) for i in range(args.steps)]
             step[lib] = statistics.median(per_step)
+            step[lib + "/min"] = min(per_step)
             bubbles = [
                 1 - sum(r["busy"][i] for r in runs) / (p * per_step[i]) for i in range(args.steps)
             ]
             row = {
-                "schedule": name, "library": lib, "step_s": step[lib],
+                "schedule": name, "library": lib, "step_s": step[lib], "min_step_s": step[lib + "/min"],
                 "bubble": statistics.median(bubbles), "theory": theory,
                 "saved_peak_bytes": [r["saved_peak"] for r in runs], "losses": runs[-1]["losses"],
             }  # fmt: skip
@@ -306,8 +316,9 @@ def report(results: dict[int, dict], args: argparse.Namespace) -> dict[str, Any]
         for row in (ours, theirs):
             row["losses_equal"] = equal
             table.add_row(
-                name, row["library"], f"{row['step_s'] * 1e3:.0f}",
-                f"{step['minispeed'] / step['torch']:.2f}" if row is ours else "",
+                name, row["library"], f"{row['step_s'] * 1e3:.0f} ({row['min_step_s'] * 1e3:.0f})",
+                f"{step['minispeed'] / step['torch']:.2f} "
+                f"({step['minispeed/min'] / step['torch/min']:.2f})" if row is ours else "",
                 f"{row['bubble']:.1%}", f"{theory:.1%}",
                 " / ".join(f"{b / 2**20:.1f}" for b in row["saved_peak_bytes"]), str(equal),
             )  # fmt: skip
@@ -327,7 +338,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--schedules", nargs="*", default=list(SHARED), choices=SHARED)

@@ -7,8 +7,8 @@ Read them in this order, each one a small answer to the bubble of the one before
 |---|---|---|---|
 | `GPipe` | all M forwards, then all M backwards | (P−1)/(M+P−1) | M |
 | `OneFOneB` | P−1−s forwards, then one forward / one backward, then the rest | (P−1)/(M+P−1) | ≤ P − s |
-| `Interleaved1F1B` | 1F1B over V chunks, in rounds of P micro-batches | (P−1)/(V·M+P−1) | ≤ P − s + (V−1)·P... |
-| `ZeroBubbleH1` | 1F1B with backward split in input (b) and weight (W) passes, W's moved into the bubbles | ≈ (P−1)(F+b−W) / step | ≤ P − s |
+| `Interleaved1F1B` | 1F1B over V chunks, in rounds of P micro-batches | (P−1)/(V·M+P−1) | ≤ 2(P−1−s) + (V−1)·P + 1 chunk passes of 1/V each |
+| `ZeroBubbleH1` | 1F1B with backward split in input (b) and weight (W) passes, b sent before W runs | (P−1)(F+b)/(M(F+b+W)+(P−1)(F+b)) | ≤ P − s |
 | `InferenceSchedule` | forwards only | (P−1)/(M+P−1) | 0 |
 
 Every schedule is built from two blocks per micro-batch and chunk (`_forward_block`,
