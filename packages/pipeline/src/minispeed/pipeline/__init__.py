@@ -17,7 +17,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import minispeed.comm as comm
+from minispeed.pipeline import costs
 from minispeed.pipeline.checker import ScheduleError, Simulation, check
+from minispeed.pipeline.config import PipelineConfig
 from minispeed.pipeline.costs import bubble_fraction, in_flight_bound, p2p_bytes_sent_per_step
 from minispeed.pipeline.executor import PipelineExecutor
 from minispeed.pipeline.instructions import (
@@ -75,6 +77,7 @@ __all__ = [
     "PartitionError",
     "PipeSchedule",
     "PipelineAbortedError",
+    "PipelineConfig",
     "PipelineExecutor",
     "PipelineModule",
     "PipelineShapeError",
@@ -93,6 +96,7 @@ __all__ = [
     "bubble_fraction",
     "build_unsplit",
     "check",
+    "costs",
     "get_schedule",
     "in_flight_bound",
     "layer_boundaries",
