@@ -73,7 +73,7 @@ def p2p_bytes_sent_per_step(
 
     Each virtual stage v = c·P + s sends its output forward when v < P·V − 1 and, when training,
     its input's gradient backward when v > 0; each message carries H header bytes:
-    Σ_c [v < PV−1]·M·(A+H) + [trains][v > 0]·M·(G+H). The shape negotiation of the first
+    the sum over chunks c of M·(A+H) (if v < PV−1) plus M·(G+H) (if training and v > 0). The shape negotiation of the first
     micro-batch adds 8·len(layout) bytes per channel, once per executor (not per step).
     """
     total = 0
