@@ -123,6 +123,8 @@ class PipelineExecutor:
         mean loss (averaged over data-parallel replicas) on every rank."""
         if self.optimizer is None:
             raise ValueError("train_batch needs an optimizer; pass one to PipelineExecutor")
+        if self.module.loss_fn is None:
+            raise ValueError("train_batch needs a loss: pass loss_fn= to pipeline.partition")
         self.module.train()
         return self._run(self.schedule, inputs, labels)
 
