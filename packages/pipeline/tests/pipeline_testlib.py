@@ -41,6 +41,44 @@ def tiny_gpt(blocks: int = 4) -> list:
     ]
 
 
+class MaskedEmbed(nn.Module):
+    """tokens (B, T) -> (hidden (B, T, C), mask (B, T) bool): a tuple with a tensor that needs no grad."""
+
+    def __init__(self, vocab: int, width: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.emb(tokens), tokens.ne(0)
+
+
+class MaskedBlock(Block):
+    """(h, mask) -> (h + mask · mlp(h), mask): the mask rides along to every stage."""
+
+    def forward(self, hm: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        h, mask = hm
+        return h + self.down(torch.tanh(self.up(h))) * mask.unsqueeze(-1), mask
+
+
+class MaskedHead(nn.Linear):
+    """(h, mask) -> logits (B, T, V)."""
+
+    def forward(self, hm: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(hm[0])
+
+
+def masked_model(blocks: int = 4) -> list:
+    """Stages exchange (hidden, bool mask) tuples: the mask needs no gradient and gets none."""
+    return [
+        LayerSpec(MaskedEmbed, (VOCAB, WIDTH)),
+        *[LayerSpec(MaskedBlock, (WIDTH,)) for _ in range(blocks)],
+        LayerSpec(MaskedHead, (WIDTH, VOCAB)),
+    ]
+
+
+MODELS = {"gpt": tiny_gpt, "masked": masked_model}
+
+
 def data(steps: int, batch: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -86,13 +124,14 @@ def train_pipeline(
     checkpointing: bool = False,
     blocks: int = 4,
     lr: float = 0.05,
+    model: str = "gpt",
 ) -> dict:
     """Train `steps` steps; each data-parallel replica takes its slice of the global batch."""
     module = pipeline.partition(
-        tiny_gpt(blocks),
+        MODELS[model](blocks),
         stages=stages,
         loss_fn=lm_loss,
-        method="type:Block",
+        method="type:Block$",
         virtual_stages=virtual_stages,
         activation_checkpointing=checkpointing,
     )
