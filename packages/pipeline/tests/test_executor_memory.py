@@ -1,5 +1,5 @@
 """Activation memory by schedule, counted by the executor: 1F1B keeps at most P − s micro-batches
-in flight on stage s whatever M is, GPipe keeps all M. And the timeline the executor records:
+in flight on stage s whatever M is, GPipe keeps all M, ZB-H1 keeps P on every stage. And the timeline the executor records:
 one compute interval per pass, one wait per receive, in program order."""
 
 import torch
@@ -39,7 +39,7 @@ def test_1f1b_in_flight_stays_bounded_while_gpipe_grows_with_m():
         for s, peaks in enumerate(run_distributed(_peaks, world_size=p, args=(m,))):
             assert peaks["gpipe"] == m == pp.in_flight_bound("gpipe", s, p, m)
             assert peaks["1f1b"] == p - s == pp.in_flight_bound("1f1b", s, p, m)
-            assert peaks["zb_h1"] == p - s
+            assert peaks["zb_h1"] == p == pp.in_flight_bound("zb_h1", s, p, m)
 
 
 def test_the_timeline_records_each_pass_and_each_wait_in_order():

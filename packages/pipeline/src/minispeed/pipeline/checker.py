@@ -74,7 +74,7 @@ class Simulation:
 
 def check(schedule: PipeSchedule, costs: dict[type, float] | None = None) -> Simulation:
     """Simulate all stages of `schedule`; raise `ScheduleError` or return the `Simulation`."""
-    cost = dict(DEFAULT_COSTS, **(costs or {}))
+    cost = {**DEFAULT_COSTS, **(costs or {})}
     p = schedule.stages
     programs = schedule.programs()
     pc = [0] * p  # next instruction per stage

@@ -36,25 +36,32 @@ def bubble_fraction(stages: int, micro_batches: int, virtual_stages: int = 1) ->
 def zero_bubble_fraction(
     stages: int, micro_batches: int, f: float = 1.0, b: float = 1.0, w: float = 1.0
 ) -> float:
-    """Idle share of `ZeroBubbleH1` (W right after b): (P−1)(F+b) / (M(F+b+W) + (P−1)(F+b)).
+    """Idle share of `ZeroBubbleH1`: (P−1)(F+b−W) / (M(F+b+W) + (P−1)(F+b−W)), for W ≤ F, b.
 
-    The fill and drain are paced by F and b only, since W is not on anyone's critical path.
+    Each fill/drain step costs F + b on the critical path, and a held-back W fills W of it; with
+    F = b = W this is (P−1)/(3M+P−1), a third of 1F1B's idle time. (The ZB paper's assumption
+    W ≤ F, b is where the held W's fit their gaps; the checker's simulation covers the rest.)
     """
     p, m = stages, micro_batches
-    idle = (p - 1) * (f + b)
+    if w > f or w > b:
+        raise ValueError(f"the closed form needs W <= F and W <= b, got F={f}, b={b}, W={w}")
+    idle = (p - 1) * (f + b - w)
     return idle / (m * (f + b + w) + idle)
 
 
 def in_flight_bound(schedule_name: str, stage: int, stages: int, micro_batches: int) -> int:
     """Most micro-batches whose activations stage `stage` keeps at once (V = 1 schedules).
 
-    GPipe: M (every forward runs before any backward). 1F1B and ZB-H1: min(P − s, M) (the
-    warm-up depth plus the one in the steady state). Inference: 0 (nothing kept for backward).
+    GPipe: M (every forward runs before any backward). 1F1B: min(P − s, M) (the warm-up depth
+    plus the one in the steady state). ZB-H1: P on every stage (P − s in flight to b, plus s
+    held-back W's), i.e. 1F1B's largest. Inference: 0 (nothing kept for backward).
     """
     if schedule_name == "gpipe":
         return micro_batches
-    if schedule_name in ("1f1b", "zb_h1"):
+    if schedule_name == "1f1b":
         return min(stages - stage, micro_batches)
+    if schedule_name == "zb_h1":
+        return min(stages, micro_batches)
     if schedule_name == "inference":
         return 0
     raise ValueError(f"no closed-form in-flight bound for schedule {schedule_name!r}")

@@ -8,7 +8,7 @@ Read them in this order, each one a small answer to the bubble of the one before
 | `GPipe` | all M forwards, then all M backwards | (P−1)/(M+P−1) | M |
 | `OneFOneB` | P−1−s forwards, then one forward / one backward, then the rest | (P−1)/(M+P−1) | ≤ P − s |
 | `Interleaved1F1B` | 1F1B over V chunks, in rounds of P micro-batches | (P−1)/(V·M+P−1) | ≤ 2(P−1−s) + (V−1)·P + 1 chunk passes of 1/V each |
-| `ZeroBubbleH1` | 1F1B with backward split in input (b) and weight (W) passes, b sent before W runs | (P−1)(F+b)/(M(F+b+W)+(P−1)(F+b)) | ≤ P − s |
+| `ZeroBubbleH1` | 1F1B with backward split in input (b) and weight (W) passes, W's held back into the drain | (P−1)/(3M+P−1) for F = b = W | ≤ P (F to W) |
 | `InferenceSchedule` | forwards only | (P−1)/(M+P−1) | 0 |
 
 Every schedule is built from two blocks per micro-batch and chunk (`_forward_block`,
@@ -19,6 +19,8 @@ in order and that no stage waits forever.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 from minispeed.pipeline.instructions import (
     Backward,
@@ -224,25 +226,37 @@ class Interleaved1F1B(OneFOneB):
 
 
 class ZeroBubbleH1(OneFOneB):
-    """1F1B with backward split in two, in the style of ZB-H1 (Qi et al., 2024, "Zero Bubble
-    Pipeline Parallelism"): the input-gradient pass `b` (what the previous stage waits for) runs
-    and is SENT before the weight-gradient pass `W` (which nobody waits for). The previous stage
-    gets its gradient after F+b instead of F+b+W, so each drain and fill step shortens by W:
-    with F = b = W the simulated bubble of P=4, M=8 drops from 27.3% (1F1B) to 20.0%, with the
-    same activation memory as 1F1B (at most P − s micro-batches in flight on stage s).
+    """1F1B with backward split in two (Qi et al., 2024, "Zero Bubble Pipeline Parallelism",
+    schedule ZB-H1). The input-gradient pass `b` (what the previous stage waits for) runs where
+    1F1B runs B and is sent at once; the weight-gradient pass `W` (which nobody waits for) is
+    held back: stage s keeps up to s W's pending in the steady state, so the steady state runs at
+    the pace of F + b on the stages the drain will wait for, and then runs one held W after each
+    b of the drain, in the gaps where 1F1B idles.
 
-    This version runs each W right after its b. The paper's full ZB-H1 also moves W's into the
-    drain's idle slots, which needs W's held back in the steady state (more memory than 1F1B
-    under our counting); see the docs page for why we stop here.
+    With F = b = W the bubble is (P−1)/(3M+P−1), a third of 1F1B's (P−1)·3/(3M+P−1)
+    (`costs.zero_bubble_fraction`). Memory: a micro-batch is "in flight" from its F to its W;
+    every stage peaks at P, which is 1F1B's peak (on its stage 0), so no stage needs more than
+    the 1F1B pipeline as a whole.
     """
 
     name = "zb_h1"
     splits_backward = True
 
     def _compute_order(self, stage: int) -> list[tuple[str, int, int]]:
-        order = []
-        for kind, mb, chunk in super()._compute_order(stage):
-            order += [("b", mb, chunk), ("W", mb, chunk)] if kind == "B" else [(kind, mb, chunk)]
+        m, w = self.micro_batches, self._warmup(stage)
+        hold = stage  # W's held back on stage s: see the class docstring
+        pending: deque[int] = deque()
+        order: list[tuple[str, int, int]] = [("F", i, 0) for i in range(w)]
+        for i in range(m - w):
+            order += [("F", w + i, 0), ("b", i, 0)]
+            pending.append(i)
+            while len(pending) > hold:
+                order.append(("W", pending.popleft(), 0))
+        for i in range(m - w, m):  # the drain: one W into the gap after each b
+            order.append(("b", i, 0))
+            pending.append(i)
+            order.append(("W", pending.popleft(), 0))
+        order += [("W", i, 0) for i in pending]
         return order
 
 
