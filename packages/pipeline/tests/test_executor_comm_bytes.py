@@ -3,7 +3,7 @@ step equal `costs.p2p_bytes_sent_per_step` (activations forward, gradients back,
 
 import pytest
 import torch
-from pipeline_testlib import SEQ, WIDTH, data, lm_loss, tiny_gpt
+from pipeline_testlib import SEQ, VOCAB, WIDTH, data, lm_loss, tiny_gpt
 
 import minispeed.comm as comm
 import minispeed.pipeline as pp
@@ -44,3 +44,37 @@ def test_p2p_bytes_per_step_match_the_formula(schedule, v):
         messages = sum(M * ((c * p + s < p * v - 1) + (c * p + s > 0)) for c in range(v))
         assert res["sends_per_step"] == [2 * messages] * 2
         assert res["recvs_per_step"] == [2 * messages] * 2
+
+
+def _dp_and_tied_bytes(rank, world_size):
+    module = pp.partition(tiny_gpt(4), stages=2, loss_fn=lm_loss, method="type:Block")
+    ex = pp.PipelineExecutor(module, torch.optim.SGD(module.parameters(), lr=0.01), micro_batches=2)
+    x, y = data(2, BATCH)[0]
+    d = module.grid.rank_in("data")
+    half = slice(d * BATCH // 2, (d + 1) * BATCH // 2)
+    ex.train_batch(x[half], y[half])
+    with comm.CommsLogger() as log:
+        log.mark_step()
+        ex.train_batch(x[half], y[half])
+    return {
+        "stage": module.stage,
+        "stage_numel": sum(p.numel() for p in module.parameters()),
+        "all_reduces": sorted(
+            (r.msg_bytes, r.group_size, r.wire_bytes) for r in log.filter("all_reduce", step=1)
+        ),
+        "sent": sum(r.wire_bytes for r in log.filter("send", step=1)),
+    }
+
+
+def test_pp_x_dp_reduces_each_stage_once_and_ties_once():
+    act = (BATCH // 2 // 2) * SEQ * WIDTH * 4  # per-replica batch 4, M = 2 micro-batches of 2
+    tied = VOCAB * WIDTH * 4  # the embedding, on both stages
+    for res in run_distributed(_dp_and_tied_bytes, world_size=4):
+        # 2 ranks per group: an all-reduce of S bytes sends 2(n−1)/n · S = S
+        want = sorted([
+            (4, 2, 4),  # the loss, averaged over the 2 replicas
+            (tied, 2, tied),  # tied embedding gradient summed over stages 0 and 1
+            (4 * res["stage_numel"], 2, 4 * res["stage_numel"]),  # data-parallel gradient average
+        ])  # fmt: skip
+        assert res["all_reduces"] == want
+        assert res["sent"] == pp.p2p_bytes_sent_per_step(res["stage"], 2, 2, act, act)
