@@ -1,0 +1,135 @@
+"""`PipelineConfig`: the options of `partition` and `PipelineExecutor`, and DeepSpeed's keys for them.
+
+```python
+cfg = PipelineConfig.from_ds_config(json.load(open("ds_config.json")))
+module = pipeline.partition(layers, loss_fn=loss, **cfg.partition_kwargs())
+executor = pipeline.PipelineExecutor(module, opt, **cfg.executor_kwargs())
+```
+
+DeepSpeed keys read (top level and the `"pipeline"` section), and what they become:
+
+| DeepSpeed | here |
+|---|---|
+| `gradient_accumulation_steps` | `micro_batches` (DeepSpeed's pipeline engine runs one micro-batch per accumulation step) |
+| `pipeline.stages` (an int; `"auto"` is refused) | `stages` |
+| `pipeline.partition` / `pipeline.partition_method` (`"best"` = `"parameters"`) | `partition_method` |
+| `pipeline.seed_layers` | `seed = 0` when true, `None` (torch's current RNG) when false |
+| `pipeline.activation_checkpoint_interval` (0 or 1 only) | `activation_checkpointing` |
+| `pipeline.pipe_partitioned`, `pipeline.grad_partitioned` | refused when true: there is no tensor parallelism to split over |
+
+minispeed's own keys in the same section: `schedule`, `virtual_stages`. Unknown keys are errors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from minispeed.pipeline.schedules import SCHEDULES
+
+__all__ = ["PipelineConfig"]
+
+_KNOWN = {
+    "stages",
+    "partition",
+    "partition_method",
+    "seed_layers",
+    "activation_checkpoint_interval",
+    "pipe_partitioned",
+    "grad_partitioned",
+    "schedule",
+    "virtual_stages",
+}
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """How to cut and run a pipeline (validated on construction)."""
+
+    stages: int = 1
+    """Pipeline stages P (the rest of the world is data parallelism)."""
+    micro_batches: int = 1
+    """Micro-batches M per step; the bubble is (P−1)/(M+P−1), so M ≥ 4P keeps it under 20%."""
+    schedule: str = "1f1b"
+    """One of `schedules.SCHEDULES`."""
+    partition_method: str = "parameters"
+    """`"uniform"`, `"parameters"` or `"type:<regex>"`."""
+    virtual_stages: int = 1
+    """Model chunks per stage (V ≥ 2 only with `"interleaved_1f1b"`)."""
+    activation_checkpointing: bool = False
+    """Recompute each chunk's forward during its backward (keeps only chunk inputs)."""
+    seed: int | None = 0
+    """Layer i is built under `torch.manual_seed(seed + i)`; None: no reseeding."""
+
+    def __post_init__(self) -> None:
+        for name in ("stages", "micro_batches", "virtual_stages"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"PipelineConfig.{name} must be an int >= 1, got {v!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"PipelineConfig.schedule={self.schedule!r} is unknown; use one of {sorted(SCHEDULES)}"
+            )
+        m = self.partition_method
+        if m not in ("uniform", "parameters") and not m.startswith("type:"):
+            raise ValueError(
+                f"PipelineConfig.partition_method={m!r}; use 'uniform', 'parameters' or 'type:<regex>'"
+            )
+
+    def partition_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `pipeline.partition`."""
+        return {
+            "stages": self.stages,
+            "method": self.partition_method,
+            "virtual_stages": self.virtual_stages,
+            "activation_checkpointing": self.activation_checkpointing,
+            "seed": self.seed,
+        }
+
+    def executor_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for `PipelineExecutor`."""
+        return {"micro_batches": self.micro_batches, "schedule": self.schedule}
+
+    @classmethod
+    def from_ds_config(cls, ds_config: dict[str, Any]) -> PipelineConfig:
+        """Translate a whole DeepSpeed config dict (see the module docstring for the keys)."""
+        if not isinstance(ds_config, dict):
+            raise TypeError(f"ds_config must be a dict, got {type(ds_config).__name__}")
+        section = dict(ds_config.get("pipeline") or {})
+        unknown = sorted(set(section) - _KNOWN)
+        if unknown:
+            raise ValueError(
+                f"unknown pipeline key(s) {unknown}; minispeed.pipeline understands "
+                f"{sorted(_KNOWN)}: remove or rename them"
+            )
+        if "partition" in section and "partition_method" in section:
+            raise ValueError("pipeline sets both partition and partition_method; keep one")
+        stages = section.get("stages", 1)
+        if stages == "auto":
+            raise ValueError(
+                "pipeline.stages='auto' is not supported: give the number of stages as an int"
+            )
+        method = section.get("partition_method", section.get("partition", "parameters"))
+        if method == "best":
+            method = "parameters"
+        interval = section.get("activation_checkpoint_interval", 0)
+        if interval not in (0, 1):
+            raise ValueError(
+                f"pipeline.activation_checkpoint_interval={interval!r}: minispeed checkpoints a "
+                "whole stage chunk or nothing; use 0 (off) or 1 (on)"
+            )
+        for key in ("pipe_partitioned", "grad_partitioned"):
+            if section.get(key):
+                raise ValueError(
+                    f"pipeline.{key}=true splits activations over tensor-parallel ranks, which "
+                    "minispeed.pipeline does not have; set it to false or remove it"
+                )
+        return cls(
+            stages=stages,
+            micro_batches=ds_config.get("gradient_accumulation_steps", 1),
+            schedule=section.get("schedule", "1f1b"),
+            partition_method=method,
+            virtual_stages=section.get("virtual_stages", 1),
+            activation_checkpointing=bool(interval),
+            seed=0 if section.get("seed_layers", True) else None,
+        )

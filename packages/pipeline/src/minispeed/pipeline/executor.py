@@ -1,0 +1,361 @@
+"""Run a schedule: each instruction class maps to one method of `PipelineExecutor`.
+
+```python
+module = pipeline.partition(layers, stages=2, loss_fn=F.cross_entropy)
+executor = pipeline.PipelineExecutor(module, torch.optim.SGD(module.parameters(), lr=0.1),
+                                     micro_batches=4, schedule="1f1b")
+loss = executor.train_batch(inputs, labels)   # every rank calls it; middle stages may pass None
+```
+
+Per batch the executor splits the batch into M micro-batches along dim 0, runs this stage's
+program (`schedule.program(stage)`, checked by `checker.check` once, when the executor is built),
+and returns the batch's mean loss on every rank. Gradients accumulate in `.grad` over the M
+micro-batches (each micro-batch's loss is divided by M), so one step on a batch equals one step of
+the unsplit model on the same batch.
+
+State kept between instructions, per (micro-batch, chunk) key:
+`_inputs` (the chunk's input tuple, leaves that require grad when they came from another stage),
+`_outputs` (its output tuple, or the loss on the last virtual stage), `_out_grads` (received
+gradients of the outputs), `_in_grads` (gradients of the inputs, to send), `_weight_work` (what a
+zero-bubble weight pass needs). A key is "in flight" from its forward until the pass that frees it
+(Backward, or BackwardWeight); `peak_in_flight` counts them: the activation memory of the schedule
+in micro-batches (asserted against `costs.in_flight_bound`).
+
+Errors: any exception while running a program is passed to the neighbouring stages as an ABORT
+message before it is re-raised (see Note [a header before every message] in `p2p.py`), so a
+failure on one stage stops every stage of the pipeline instead of leaving them blocked.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import minispeed.comm as comm
+from minispeed.core import ranges
+from minispeed.pipeline import instructions as ins
+from minispeed.pipeline.checker import check
+from minispeed.pipeline.module import PipelineModule
+from minispeed.pipeline.p2p import StageMessenger
+from minispeed.pipeline.schedules import InferenceSchedule, PipeSchedule, get_schedule
+from minispeed.pipeline.timeline import StageTimeline
+
+__all__ = ["PipelineExecutor"]
+
+Key = tuple[int, int]  # (micro_batch, chunk)
+
+
+def _as_tuple(x: Any) -> tuple:
+    return x if isinstance(x, tuple) else (x,)
+
+
+def _split(x: Any, m: int, what: str) -> list[Any]:
+    """Split a tensor (or tuple of tensors) into m micro-batches along dim 0."""
+    if isinstance(x, tuple):
+        parts = [_split(t, m, what) for t in x]
+        return [tuple(p[i] for p in parts) for i in range(m)]
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what} must be a tensor or a tuple of tensors, got {type(x).__name__}")
+    if x.shape[0] % m:
+        raise ValueError(
+            f"{what} has batch size {x.shape[0]}, not divisible by micro_batches={m}; make the "
+            "batch a multiple of the micro-batch count"
+        )
+    return list(x.chunk(m, dim=0))
+
+
+class PipelineExecutor:
+    """Runs `train_batch()` / `eval_batch()` of one pipeline stage (see module docstring)."""
+
+    def __init__(
+        self,
+        module: PipelineModule,
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        micro_batches: int,
+        schedule: str | type[PipeSchedule] = "1f1b",
+    ) -> None:
+        self.module, self.optimizer = module, optimizer
+        self.micro_batches = micro_batches
+        p, v = module.stages, module.virtual_stages
+        self.schedule = get_schedule(schedule)(micro_batches, p, v)
+        if module.activation_checkpointing and self.schedule.splits_backward:
+            raise ValueError(
+                f"{self.schedule.name} splits backward per layer and cannot run on a checkpointed "
+                "stage; turn activation_checkpointing off or use 1f1b"
+            )
+        self.eval_schedule = InferenceSchedule(micro_batches, p, v)
+        # Note: checked before anything runs, on every rank alike (a bad schedule raises everywhere).
+        check(self.schedule)
+        check(self.eval_schedule)
+        grid = module.grid
+        if grid is None:
+            raise ValueError(
+                "the PipelineModule has no process grid; build it with pipeline.partition"
+            )
+        self.pipe_ranks = grid.group_ranks("pipe")
+        self.dp = grid.size("data")
+        self.device = next((q.device for q in module.parameters()), torch.device("cpu"))
+        self.messenger = StageMessenger(module.stage, self.pipe_ranks, self.device)
+        self.timeline = StageTimeline(module.stage)
+        self.peak_in_flight = 0
+        self._dispatch: dict[type, Callable[[Any], None]] = {
+            ins.LoadMicroBatch: self._load,
+            ins.Forward: self._forward,
+            ins.Backward: self._backward,
+            ins.BackwardInput: self._backward_input,
+            ins.BackwardWeight: self._backward_weight,
+            ins.SendActivation: self._send_activation,
+            ins.RecvActivation: self._recv_activation,
+            ins.SendGrad: self._send_grad,
+            ins.RecvGrad: self._recv_grad,
+            ins.ReduceTiedGrads: self._reduce_tied,
+            ins.ReduceGrads: self._reduce_grads,
+            ins.OptimizerStep: self._step,
+        }
+
+    # -- public API -------------------------------------------------------------------------------
+    def train_batch(self, inputs: Any = None, labels: Any = None) -> float:
+        """One optimizer step on (inputs, labels), split into M micro-batches; returns the batch's
+        mean loss (averaged over data-parallel replicas) on every rank."""
+        if self.optimizer is None:
+            raise ValueError("train_batch needs an optimizer; pass one to PipelineExecutor")
+        if self.module.loss_fn is None:
+            raise ValueError("train_batch needs a loss: pass loss_fn= to pipeline.partition")
+        self.module.train()
+        return self._run(self.schedule, inputs, labels)
+
+    def eval_batch(self, inputs: Any = None, labels: Any = None) -> float:
+        """Forwards only (no grad, no step); returns the mean loss on every rank."""
+        self.module.eval()
+        with torch.no_grad():
+            return self._run(self.eval_schedule, inputs, labels)
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def _run(self, schedule: PipeSchedule, inputs: Any, labels: Any) -> float:
+        self._batch_inputs, self._batch_labels = inputs, labels
+        self._micro_inputs: list[Any] | None = None
+        self._micro_labels: list[Any] | None = None
+        self._inputs: dict[Key, tuple] = {}
+        self._outputs: dict[Key, tuple] = {}
+        self._layer_outputs: dict[Key, list] = {}
+        self._out_grads: dict[Key, tuple] = {}
+        self._in_grads: dict[Key, tuple] = {}
+        self._weight_work: dict[Key, list] = {}
+        self._labels: dict[int, Any] = {}
+        self._loss_sum = torch.zeros((), device=self.device)
+        self._live, self.peak_in_flight = 0, 0
+        self._trains = schedule.trains
+        # eval sends tensors that do not require grad: a layout of its own, see p2p.Link
+        self._act_kind = "act" if self._trains else "act_eval"
+        self.timeline = StageTimeline(self.module.stage)
+        try:
+            for instr in schedule.program(self.module.stage):
+                self._dispatch[type(instr)](instr)
+            self.messenger.wait_sends()
+        except BaseException as exc:
+            neighbours = {
+                (self.module.stage - 1) % self.module.stages,
+                (self.module.stage + 1) % self.module.stages,
+            }
+            neighbours.discard(self.module.stage)
+            # a stage that told us of the failure (or that we told) needs no abort message
+            neighbours.discard(getattr(exc, "origin", None))
+            self.messenger.abort(neighbours)
+            raise
+        return self._reduce_loss()
+
+    def _reduce_loss(self) -> float:
+        """The last stage's loss, averaged over data-parallel replicas, broadcast to the pipeline."""
+        grid = self.module.grid
+        assert grid is not None
+        loss = self._loss_sum.detach().clone().reshape(1)
+        if self.dp > 1:
+            comm.all_reduce(loss, group=grid.group("data"))
+            loss /= self.dp
+        if self.module.stages > 1:
+            comm.broadcast(loss, src=self.pipe_ranks[-1], group=grid.group("pipe"))
+        return float(loss.item())
+
+    def _is_first(self, chunk: int) -> bool:
+        return chunk == 0 and self.module.stage == 0
+
+    def _is_last(self, chunk: int) -> bool:
+        return (
+            chunk == self.module.virtual_stages - 1 and self.module.stage == self.module.stages - 1
+        )
+
+    # -- instructions -----------------------------------------------------------------------------
+    def _load(self, i: ins.LoadMicroBatch) -> None:
+        m = self.micro_batches
+        if self._is_first(i.chunk):
+            if self._micro_inputs is None:
+                if self._batch_inputs is None:
+                    raise ValueError(
+                        "the first pipeline stage needs the batch inputs; pass inputs="
+                    )
+                self._micro_inputs = _split(self._batch_inputs, m, "inputs")
+            self._inputs[(i.micro_batch, i.chunk)] = _as_tuple(self._micro_inputs[i.micro_batch])
+        if self._is_last(i.chunk) and self.module.loss_fn is not None:
+            if self._micro_labels is None:
+                if self._batch_labels is None:
+                    raise ValueError("the last pipeline stage needs the labels; pass labels=")
+                self._micro_labels = _split(self._batch_labels, m, "labels")
+            self._labels[i.micro_batch] = self._micro_labels[i.micro_batch]
+
+    def _forward(self, i: ins.Forward) -> None:
+        key = (i.micro_batch, i.chunk)
+        x = self._inputs[key]
+        arg = x[0] if len(x) == 1 else x
+        start = time.perf_counter()
+        with ranges.range("pipeline.forward"):
+            keep: list | None = [] if self.schedule.splits_backward and self._trains else None
+            out = self.module.forward_chunk(i.chunk, arg, keep_layer_outputs=keep)
+            if self._is_last(i.chunk) and self.module.loss_fn is not None:
+                loss = (
+                    self.module.loss_fn(out, self._labels.pop(i.micro_batch)) / self.micro_batches
+                )
+                self._loss_sum += loss.detach()
+                out = loss
+        self.timeline.add("compute", i.label, start, time.perf_counter())
+        if self._trains:
+            self._outputs[key] = _as_tuple(out)
+            if keep is not None:
+                self._layer_outputs[key] = keep
+            self._live += 1
+            self.peak_in_flight = max(self.peak_in_flight, self._live)
+        else:
+            self._outputs[key] = _as_tuple(out)
+            self._inputs.pop(key)
+
+    def _output_pairs(self, key: Key) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        outs = [t for t in self._outputs.pop(key) if t.requires_grad]
+        if self._is_last(key[1]):
+            return outs, [None] * len(outs)
+        grads = self._out_grads.pop(key)
+        if len(grads) != len(outs):
+            raise RuntimeError(
+                f"stage {self.module.stage}: {len(outs)} outputs require grad but {len(grads)} "
+                "gradients arrived; every output that requires grad must be used downstream"
+            )
+        return outs, list(grads)
+
+    def _backward(self, i: ins.Backward) -> None:
+        key = (i.micro_batch, i.chunk)
+        outs, grads = self._output_pairs(key)
+        start = time.perf_counter()
+        with ranges.range("pipeline.backward"):
+            if outs:
+                torch.autograd.backward(outs, grads)  # type: ignore[arg-type]
+        self.timeline.add("compute", i.label, start, time.perf_counter())
+        inputs = [t for t in self._inputs.pop(key) if t.requires_grad]
+        self._in_grads[key] = tuple(
+            t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs
+        )
+        self._live -= 1
+
+    def _backward_input(self, i: ins.BackwardInput) -> None:
+        """Gradients of the chunk input and of every layer output, keeping the graph for W."""
+        key = (i.micro_batch, i.chunk)
+        outs, grads = self._output_pairs(key)
+        inputs = [t for t in self._inputs.pop(key) if t.requires_grad]
+        layers = self._layer_outputs.pop(key)
+        # each layer's output tensors that require grad, and that layer's parameters
+        layer_outs = [
+            [t for t in _as_tuple(o) if isinstance(t, torch.Tensor) and t.requires_grad]
+            for o, _ in layers
+        ]
+        flat = [t for group in layer_outs for t in group]
+        start = time.perf_counter()
+        with ranges.range("pipeline.backward_input"):
+            got = (
+                torch.autograd.grad(
+                    outs, inputs + flat, grads, retain_graph=True, allow_unused=True
+                )
+                if outs
+                else (None,) * (len(inputs) + len(flat))
+            )
+        self.timeline.add("compute", i.label, start, time.perf_counter())
+        in_grads, rest = got[: len(inputs)], list(got[len(inputs) :])
+        self._in_grads[key] = tuple(
+            g if g is not None else torch.zeros_like(t) for g, t in zip(in_grads, inputs)
+        )
+        work = []
+        for (_, params), group in zip(layers, layer_outs):
+            gs = [rest.pop(0) for _ in group]
+            pairs = [(t, g) for t, g in zip(group, gs) if g is not None]
+            params = [q for q in params if q.requires_grad]
+            if params and pairs:
+                work.append(([t for t, _ in pairs], [g for _, g in pairs], params))
+        self._weight_work[key] = work
+
+    def _backward_weight(self, i: ins.BackwardWeight) -> None:
+        key = (i.micro_batch, i.chunk)
+        start = time.perf_counter()
+        with ranges.range("pipeline.backward_weight"):
+            for outs, grads, params in self._weight_work.pop(key):
+                torch.autograd.backward(outs, grads, inputs=params, retain_graph=True)
+        self.timeline.add("compute", i.label, start, time.perf_counter())
+        self._live -= 1
+
+    def _send_activation(self, i: ins.SendActivation) -> None:
+        with ranges.range("pipeline.send"):
+            receiver_chunk = i.chunk + 1 if self.module.stage == self.module.stages - 1 else i.chunk
+            out = self._outputs[(i.micro_batch, i.chunk)]
+            self.messenger.send(out, i.peer, self._act_kind, receiver_chunk)
+            if not self._trains:
+                self._outputs.pop((i.micro_batch, i.chunk))
+
+    def _recv_activation(self, i: ins.RecvActivation) -> None:
+        start = time.perf_counter()
+        with ranges.range("pipeline.recv"):
+            msg = self.messenger.recv(i.peer, self._act_kind, i.chunk)
+        self.timeline.add("wait", i.label, start, time.perf_counter())
+        self._inputs[(i.micro_batch, i.chunk)] = msg
+
+    def _send_grad(self, i: ins.SendGrad) -> None:
+        with ranges.range("pipeline.send"):
+            receiver_chunk = i.chunk - 1 if self.module.stage == 0 else i.chunk
+            self.messenger.send(
+                self._in_grads.pop((i.micro_batch, i.chunk)), i.peer, "grad", receiver_chunk
+            )
+
+    def _recv_grad(self, i: ins.RecvGrad) -> None:
+        start = time.perf_counter()
+        with ranges.range("pipeline.recv"):
+            msg = self.messenger.recv(i.peer, "grad", i.chunk)
+        self.timeline.add("wait", i.label, start, time.perf_counter())
+        self._out_grads[(i.micro_batch, i.chunk)] = msg
+
+    def _reduce_tied(self, i: ins.ReduceTiedGrads) -> None:
+        with ranges.range("pipeline.reduce_tied"):
+            self.module.reduce_tied_grads()
+
+    def _reduce_grads(self, i: ins.ReduceGrads) -> None:
+        """Average gradients over the data-parallel group: one all-reduce of the flattened
+        stage gradients, 2(N−1)/N · Ψ_stage · 4 bytes sent (fp32)."""
+        if self.dp == 1:
+            return
+        assert self.module.grid is not None
+        with ranges.range("pipeline.reduce_grads"):
+            params = [q for q in self.module.parameters() if q.requires_grad]
+            for q in params:
+                if q.grad is None:
+                    q.grad = torch.zeros_like(q)
+            flat = torch.cat([q.grad.reshape(-1) for q in params])
+            comm.all_reduce(flat, group=self.module.grid.group("data"))
+            flat /= self.dp
+            offset = 0
+            for q in params:
+                n = q.numel()
+                q.grad.copy_(flat[offset : offset + n].view_as(q))
+                offset += n
+
+    def _step(self, i: ins.OptimizerStep) -> None:
+        assert self.optimizer is not None
+        with ranges.range("pipeline.step"):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,314 @@
+"""A model described as a list of layer specs, of which each rank builds only its own stage.
+
+```python
+layers = [
+    TiedLayerSpec("embed", nn.Embedding, (vocab, d)),          # stage 0
+    *[LayerSpec(Block, (d,)) for _ in range(8)],
+    TiedLayerSpec("embed", nn.Embedding, (vocab, d), forward_fn=lm_head),  # last stage
+]
+module = pipeline.partition(layers, stages=4, loss_fn=F.cross_entropy, method="type:Block")
+```
+
+Each layer takes one argument (the previous layer's output: a tensor or a tuple) and returns one.
+Layer i is built under `torch.manual_seed(seed + i)`, so a rank that builds layers 4..7 gets the
+same weights as `build_unsplit` does on one process: the unsplit model is the reference the
+tests compare with. A tied layer is built once per stage that holds it (under the seed of its
+first occurrence); its copies start equal (broadcast from the lowest holding stage) and stay
+equal because their gradients are summed over the holders before every step
+(`reduce_tied_grads`), which is exactly the gradient of the one shared weight.
+
+Memory per rank: the parameters of its own layers only, plus one copy of each tied layer it
+holds; nothing of the other stages is ever allocated (parameter counts for the `parameters`
+partition are taken on the `meta` device).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+import minispeed.comm as comm
+from minispeed.pipeline import partitioning
+
+__all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec", "build_unsplit", "layer_boundaries"]
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """A layer not yet built: `cls(*args, **kwargs)`. `cls` may also be any callable returning
+    an `nn.Module` or a plain function of one argument (a parameter-free layer)."""
+
+    cls: Callable[..., Any]
+    """Layer class (or factory)."""
+    args: tuple = ()
+    """Positional constructor arguments."""
+    kwargs: dict = field(default_factory=dict)
+    """Keyword constructor arguments."""
+
+    @property
+    def name(self) -> str:
+        """Class name, matched by the `type:<regex>` partition."""
+        return getattr(self.cls, "__name__", type(self.cls).__name__)
+
+    def build(self) -> Any:
+        """Construct the layer."""
+        return self.cls(*self.args, **self.kwargs)
+
+
+@dataclass(frozen=True)
+class TiedLayerSpec(LayerSpec):
+    """A layer whose weights are shared by every spec with the same `key` (e.g. the input
+    embedding and the output projection). `forward_fn(module, x)` replaces `module(x)` where
+    given, e.g. `lambda emb, h: h @ emb.weight.T` for the output head."""
+
+    key: str = ""
+    """Name of the tie; specs with equal keys share one set of weights."""
+    forward_fn: Callable[[nn.Module, Any], Any] | None = None
+    """How this occurrence uses the tied module (default: call it)."""
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            raise ValueError("TiedLayerSpec needs a non-empty key naming the tie")
+
+
+def _seeded(seed: int | None, index: int) -> contextlib.AbstractContextManager:
+    if seed is None:
+        return contextlib.nullcontext()
+    rng = torch.random.fork_rng(devices=[])
+
+    class _Ctx:
+        def __enter__(self) -> None:
+            rng.__enter__()
+            torch.manual_seed(seed + index)
+
+        def __exit__(self, *exc: object) -> None:
+            rng.__exit__(*exc)
+
+    return _Ctx()
+
+
+def _first_index(layers: Sequence[Any]) -> dict[str, int]:
+    first: dict[str, int] = {}
+    for i, spec in enumerate(layers):
+        if isinstance(spec, TiedLayerSpec):
+            first.setdefault(spec.key, i)
+    return first
+
+
+def layer_boundaries(layers: Sequence[Any], parts: int, method: str | Sequence[int]) -> list[int]:
+    """Boundaries `[0, b1, ..., n]` cutting `layers` into `parts` stages by `method`
+    (`"uniform"`, `"parameters"`, `"type:<regex>"` or explicit boundaries); see partitioning.py."""
+    n = len(layers)
+    if not isinstance(method, str):
+        return partitioning.validate_boundaries(method, n, parts)
+    if method == "uniform":
+        return partitioning.uniform_boundaries(n, parts)
+    if method == "parameters":
+        weights = []
+        for spec in layers:
+            with torch.device("meta"):
+                built = spec.build() if isinstance(spec, LayerSpec) else spec
+            weights.append(
+                float(sum(p.numel() for p in built.parameters()))
+                if isinstance(built, nn.Module)
+                else 0.0
+            )
+        return partitioning.balanced_boundaries(weights, parts)
+    if method.startswith("type:"):
+        names = [s.name if isinstance(s, LayerSpec) else type(s).__name__ for s in layers]
+        weights = partitioning.type_weights(names, method[len("type:") :])
+        return partitioning.balanced_boundaries(weights, parts, require_weight=True)
+    raise partitioning.PartitionError(
+        f"unknown partition method {method!r}; use 'uniform', 'parameters', 'type:<regex>' or a "
+        "list of boundaries"
+    )
+
+
+class _Chunk(nn.Module):
+    """Layers [start, stop) of the model: one virtual stage."""
+
+    def __init__(self, start: int, entries: list[tuple[str, Any]]) -> None:
+        super().__init__()
+        self.start = start
+        self.entries = (
+            entries  # (kind, key or index): "layer" -> self.layers[str(i)], "tied" -> key
+        )
+        self.layers = nn.ModuleDict()
+
+
+class PipelineModule(nn.Module):
+    """The chunks of one pipeline rank: virtual stages `stage, stage + P, ...` of the model.
+
+    Attributes a reader needs: `stage` (this rank's pipeline index), `stages` (P),
+    `virtual_stages` (V), `boundaries` (layer cut of all P·V virtual stages), `chunks[c]` (the
+    layers of virtual stage c·P + stage), `tied` (this rank's copy of each tied module it uses),
+    `loss_fn` (run by the last virtual stage), `grid` (the pipe × data process grid).
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[Any],
+        *,
+        stages: int,
+        stage: int,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+        method: str | Sequence[int] = "parameters",
+        virtual_stages: int = 1,
+        seed: int | None = 0,
+        activation_checkpointing: bool = False,
+        grid: comm.ProcessGrid | None = None,
+    ) -> None:
+        super().__init__()
+        if not layers:
+            raise partitioning.PartitionError("the model has no layers; pass a list of LayerSpec")
+        if not 0 <= stage < stages:
+            raise ValueError(f"stage {stage} outside [0, {stages})")
+        self.stages, self.stage, self.virtual_stages = stages, stage, virtual_stages
+        self.loss_fn, self.grid, self.activation_checkpointing = (
+            loss_fn,
+            grid,
+            activation_checkpointing,
+        )
+        self.num_layers = len(layers)
+        self.boundaries = layer_boundaries(layers, stages * virtual_stages, method)
+        first = _first_index(layers)
+        self.tied = nn.ModuleDict()
+        self.tied_forward: dict[int, Callable | None] = {}
+        self.chunks = nn.ModuleList()
+        for c in range(virtual_stages):
+            v = c * stages + stage
+            lo, hi = self.boundaries[v], self.boundaries[v + 1]
+            chunk = _Chunk(lo, [])
+            for i in range(lo, hi):
+                spec = layers[i]
+                if isinstance(spec, TiedLayerSpec):
+                    if spec.key not in self.tied:
+                        with _seeded(seed, first[spec.key]):
+                            self.tied[spec.key] = spec.build()
+                    chunk.entries.append(("tied", spec.key))
+                    self.tied_forward[i] = spec.forward_fn
+                else:
+                    with _seeded(seed, i):
+                        built = spec.build() if isinstance(spec, LayerSpec) else spec
+                    if isinstance(built, nn.Module):
+                        chunk.layers[str(i)] = built
+                        chunk.entries.append(("layer", str(i)))
+                    else:
+                        chunk.entries.append(("fn", built))
+            self.chunks.append(chunk)
+        self._tie_groups = self._make_tie_groups(layers) if grid is not None else {}
+        self._sync_tied_weights()
+
+    # -- running ----------------------------------------------------------------------------------
+    def chunk_layers(self, c: int) -> Iterator[tuple[Callable[[Any], Any], list[nn.Parameter]]]:
+        """Each layer of chunk `c` as (callable of one argument, its parameters)."""
+        chunk = self.chunks[c]
+        for offset, (kind, ref) in enumerate(chunk.entries):
+            if kind == "layer":
+                mod = chunk.layers[ref]
+                yield mod, list(mod.parameters())
+            elif kind == "tied":
+                mod, fn = self.tied[ref], self.tied_forward[chunk.start + offset]
+                yield (mod if fn is None else _bind(fn, mod)), list(mod.parameters())
+            else:
+                yield ref, []
+
+    def forward_chunk(self, c: int, x: Any, keep_layer_outputs: list | None = None) -> Any:
+        """Run chunk `c` on `x`; append each layer's (output, parameters) to `keep_layer_outputs`
+        if given (the zero-bubble weight pass needs them)."""
+        if self.activation_checkpointing and torch.is_grad_enabled():
+            args = x if isinstance(x, tuple) else (x,)
+            return torch.utils.checkpoint.checkpoint(
+                self._run_chunk, c, isinstance(x, tuple), *args, use_reentrant=False
+            )
+        for layer, params in self.chunk_layers(c):
+            x = layer(x)
+            if keep_layer_outputs is not None:
+                keep_layer_outputs.append((x, params))
+        return x
+
+    def _run_chunk(self, c: int, was_tuple: bool, *args: Any) -> Any:
+        x: Any = args if was_tuple else args[0]
+        for layer, _ in self.chunk_layers(c):
+            x = layer(x)
+        return x
+
+    # -- tied layers ------------------------------------------------------------------------------
+    def _make_tie_groups(self, layers: Sequence[Any]) -> dict[str, Any]:
+        """One process group per (tie key, data-parallel index) holding ≥ 2 stages. Created by
+        every rank in the same order (sorted keys, then data index), as new_group requires."""
+        assert self.grid is not None
+        holders: dict[str, set[int]] = {}
+        for v in range(self.stages * self.virtual_stages):
+            for i in range(self.boundaries[v], self.boundaries[v + 1]):
+                if isinstance(layers[i], TiedLayerSpec):
+                    holders.setdefault(layers[i].key, set()).add(v % self.stages)
+        topo, mine = self.grid.topology, {}
+        my_data = self.grid.rank_in("data")
+        for key in sorted(holders):
+            stages = sorted(holders[key])
+            if len(stages) < 2:
+                continue
+            for d in range(topo.dim("data")):
+                ranks = [self.grid.ranks[topo.get_rank(pipe=s, data=d)] for s in stages]
+                group = comm.new_group(ranks)
+                if d == my_data and self.stage in stages:
+                    mine[key] = (group, ranks)
+        return mine
+
+    def _sync_tied_weights(self) -> None:
+        for key, (group, ranks) in sorted(self._tie_groups.items()):
+            for p in self.tied[key].parameters():
+                comm.broadcast(p.data, src=ranks[0], group=group)
+
+    def reduce_tied_grads(self) -> None:
+        """Sum each tied parameter's gradient over the stages that hold it. Bytes sent per tied
+        parameter of W bytes: 2(t−1)/t · W over t holders (all-reduce)."""
+        for key, (group, _) in sorted(self._tie_groups.items()):
+            for p in self.tied[key].parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                comm.all_reduce(p.grad, group=group)
+
+
+def _bind(fn: Callable, mod: nn.Module) -> Callable[[Any], Any]:
+    def call(x: Any) -> Any:
+        return fn(mod, x)
+
+    return call
+
+
+class _Unsplit(nn.Module):
+    def __init__(self, layers: Sequence[Any], seed: int | None) -> None:
+        super().__init__()
+        first = _first_index(layers)
+        self.tied, self.layers, self.calls = nn.ModuleDict(), nn.ModuleDict(), []
+        for i, spec in enumerate(layers):
+            if isinstance(spec, TiedLayerSpec):
+                if spec.key not in self.tied:
+                    with _seeded(seed, first[spec.key]):
+                        self.tied[spec.key] = spec.build()
+                mod = self.tied[spec.key]
+                self.calls.append(mod if spec.forward_fn is None else _bind(spec.forward_fn, mod))
+            else:
+                with _seeded(seed, i):
+                    built = spec.build() if isinstance(spec, LayerSpec) else spec
+                if isinstance(built, nn.Module):
+                    self.layers[str(i)] = built
+                self.calls.append(built)
+
+    def forward(self, x: Any) -> Any:
+        for call in self.calls:
+            x = call(x)
+        return x
+
+
+def build_unsplit(layers: Sequence[Any], seed: int | None = 0) -> nn.Module:
+    """The whole model on one process, built exactly as the stages build their parts (same
+    seeds, one shared module per tie): the reference a pipeline must match."""
+    return _Unsplit(layers, seed)

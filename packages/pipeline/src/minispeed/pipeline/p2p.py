@@ -1,0 +1,211 @@
+"""Messages between pipeline stages: tuples of tensors over `minispeed.comm` send/recv.
+
+A message is a tuple of tensors (activations forward, gradients backward). The receiver must
+post buffers of the right shape and dtype before the data arrives, so shapes are negotiated on
+the first micro-batch of each (peer, kind, chunk) link and cached; later messages carry only a
+header. Everything goes through `comm.isend` / `comm.recv`, so the comms logger sees each
+header and each tensor (`send` records; bytes per step in `costs.p2p_bytes_sent_per_step`).
+
+Note [a header before every message]
+    Every message starts with a 2-element int64 header `[code, meta_len]` (H = 16 bytes):
+    `OK` (data follows in the negotiated layout), `NEGOTIATE` (a layout of meta_len int64s
+    follows, then the data), `MISMATCH` (a layout follows and NO data: the sender's tensors do
+    not match the layout it negotiated; both sides raise `PipelineShapeError`), `ABORT` (the
+    sender failed; the receiver raises `PipelineAbortedError` and passes the abort on). Without
+    it a receiver of a wrongly shaped message would post wrongly sized buffers and hang or read
+    garbage; with it every rank raises a clear error at the first bad micro-batch. Cost: one
+    extra 16-byte message per message (one more latency on gloo, ~tens of µs).
+
+Layout encoding (int64s): `[n, (dtype, requires_grad, ndim, *shape) × n]`.
+
+Sends are asynchronous (the schedule checker relies on it: a send never waits for its
+receiver); their handles and tensors are kept until `wait_sends()`, called at the end of a batch.
+Receives block: the time spent there is the "wait" of the timeline.
+
+`comm` has point-to-point calls but no tuple or shape protocol, so this file builds both over
+comm's public `isend` / `recv`.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import torch
+
+import minispeed.comm as comm
+
+__all__ = ["Link", "PipelineAbortedError", "PipelineShapeError", "StageMessenger"]
+
+_DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+]
+
+
+class Code(enum.IntEnum):
+    """Header codes, see Note [a header before every message]."""
+
+    OK = 0
+    NEGOTIATE = 1
+    MISMATCH = 2
+    ABORT = 3
+
+
+class PipelineShapeError(RuntimeError):
+    """A stage sent tensors whose shapes or dtypes differ from the first micro-batch's."""
+
+
+class PipelineAbortedError(RuntimeError):
+    """Another pipeline stage failed; this one stopped instead of waiting forever."""
+
+
+Link = tuple[int, str, int]
+"""(peer pipeline rank, "act" | "act_eval" | "grad", chunk of the receiving side): one negotiated
+layout (eval's activations do not require grad, so they negotiate their own)."""
+
+
+def encode_layout(tensors: tuple[torch.Tensor, ...]) -> list[int]:
+    """The int64 layout of a tuple of tensors (see module docstring)."""
+    out = [len(tensors)]
+    for t in tensors:
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"pipeline messages cannot carry dtype {t.dtype}; use one of {_DTYPES}")
+        out += [_DTYPES.index(t.dtype), int(t.requires_grad), t.dim(), *t.shape]
+    return out
+
+
+def describe_layout(layout: list[int]) -> str:
+    """Human-readable layout, e.g. `(float32[4, 8] grad, int64[4])`."""
+    parts, i = [], 1
+    for _ in range(layout[0]):
+        dtype, rg, ndim = layout[i : i + 3]
+        shape = layout[i + 3 : i + 3 + ndim]
+        parts.append(
+            f"{str(_DTYPES[dtype]).removeprefix('torch.')}{list(shape)}{' grad' if rg else ''}"
+        )
+        i += 3 + ndim
+    return "(" + ", ".join(parts) + ")"
+
+
+def _empty_from_layout(layout: list[int], device: torch.device) -> list[tuple[torch.Tensor, bool]]:
+    out, i = [], 1
+    for _ in range(layout[0]):
+        dtype, rg, ndim = layout[i : i + 3]
+        shape = layout[i + 3 : i + 3 + ndim]
+        out.append((torch.empty(shape, dtype=_DTYPES[dtype], device=device), bool(rg)))
+        i += 3 + ndim
+    return out
+
+
+class StageMessenger:
+    """One pipeline rank's sends and receives to its neighbours, with negotiated layouts.
+
+    `pipe_ranks[i]` is the global rank of pipeline stage i in this rank's pipeline.
+    """
+
+    def __init__(self, stage: int, pipe_ranks: list[int], device: torch.device) -> None:
+        self.stage, self.pipe_ranks, self.device = stage, pipe_ranks, device
+        self._sent_layouts: dict[Link, list[int]] = {}
+        self._recv_layouts: dict[Link, list[int]] = {}
+        self._pending: list[tuple[Any, tuple]] = []
+
+    def _isend(self, t: torch.Tensor, peer: int) -> None:
+        work = comm.isend(t, self.pipe_ranks[peer])
+        self._pending.append((work, (t,)))
+
+    def _header(self, code: Code, meta_len: int = 0) -> torch.Tensor:
+        return torch.tensor([int(code), meta_len], dtype=torch.int64, device=self.device)
+
+    def send(self, tensors: tuple[torch.Tensor, ...], peer: int, kind: str, chunk: int) -> None:
+        """Send `tensors` (detached) to pipeline stage `peer`; `chunk` is the RECEIVER's chunk."""
+        link = (peer, kind, chunk)
+        layout = encode_layout(tensors)
+        known = self._sent_layouts.get(link)
+        if known is None:
+            self._sent_layouts[link] = layout
+            self._isend(self._header(Code.NEGOTIATE, len(layout)), peer)
+            self._isend(torch.tensor(layout, dtype=torch.int64, device=self.device), peer)
+        elif layout != known:
+            self._isend(self._header(Code.MISMATCH, len(layout)), peer)
+            self._isend(torch.tensor(layout, dtype=torch.int64, device=self.device), peer)
+            raise _from(
+                peer, PipelineShapeError(_mismatch_text(self.stage, peer, kind, known, layout))
+            )
+        else:
+            self._isend(self._header(Code.OK), peer)
+        for t in tensors:
+            self._isend(t.detach().contiguous(), peer)
+
+    def recv(self, peer: int, kind: str, chunk: int) -> tuple[torch.Tensor, ...]:
+        """Receive the next message from pipeline stage `peer` (blocking); tensors that required
+        grad on the sender require grad here (they are leaves of this stage's graph)."""
+        link = (peer, kind, chunk)
+        src = self.pipe_ranks[peer]
+        header = torch.empty(2, dtype=torch.int64, device=self.device)
+        comm.recv(header, src)
+        code, meta_len = Code(int(header[0])), int(header[1])
+        if code is Code.ABORT:
+            raise _from(
+                peer,
+                PipelineAbortedError(
+                    f"pipeline stage {peer} failed and aborted the step (see its error); stage "
+                    f"{self.stage} stopped instead of waiting"
+                ),
+            )
+        if code in (Code.NEGOTIATE, Code.MISMATCH):
+            layout_t = torch.empty(meta_len, dtype=torch.int64, device=self.device)
+            comm.recv(layout_t, src)
+            layout = layout_t.tolist()
+            if code is Code.MISMATCH:
+                raise _from(
+                    peer,
+                    PipelineShapeError(
+                        _mismatch_text(peer, self.stage, kind, self._recv_layouts[link], layout)
+                    ),
+                )
+            self._recv_layouts[link] = layout
+        buffers = _empty_from_layout(self._recv_layouts[link], self.device)
+        out = []
+        for t, rg in buffers:
+            comm.recv(t, src)
+            out.append(t.requires_grad_(rg) if rg else t)
+        return tuple(out)
+
+    def abort(self, peers: set[int]) -> None:
+        """Tell `peers` (pipeline stages) that this one failed; do not wait for them."""
+        for peer in sorted(peers):
+            try:
+                comm.isend(self._header(Code.ABORT), self.pipe_ranks[peer])
+            except Exception:
+                pass
+
+    def wait_sends(self) -> None:
+        """Wait for every send posted so far (their tensors may be freed after)."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+
+
+def _from(peer: int, exc: RuntimeError) -> RuntimeError:
+    """Tag `exc` with the stage that already knows of the failure (no abort message owed to it)."""
+    exc.origin = peer  # type: ignore[attr-defined]
+    return exc
+
+
+def _mismatch_text(src: int, dst: int, kind: str, known: list[int], got: list[int]) -> str:
+    what = "activations" if kind.startswith("act") else "gradients"
+    return (
+        f"pipeline stage {src} sends {what} to stage {dst} shaped {describe_layout(got)}, but the "
+        f"first micro-batch negotiated {describe_layout(known)}; every micro-batch must have the "
+        "same shapes and dtypes (pad or bucket your batches to one sequence length, and keep the "
+        "batch size divisible by the micro-batch count)"
+    )
