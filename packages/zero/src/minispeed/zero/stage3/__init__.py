@@ -17,7 +17,13 @@ The life of one parameter, with a measured trace, is in docs/packages/zero-stage
 """
 
 from minispeed.zero.stage3.access import ParameterNotGatheredError
-from minispeed.zero.stage3.init import GatheredParameters, Init, is_leaf_module, set_leaf_module
+from minispeed.zero.stage3.init import (
+    GatheredParameters,
+    Init,
+    full_state_dict,
+    is_leaf_module,
+    set_leaf_module,
+)
 from minispeed.zero.stage3.ledger import Stage3StepBytes, stage3_step_bytes
 from minispeed.zero.stage3.params import REGISTRY, ParamState, ShardedParam
 from minispeed.zero.stage3.strategy import Stage3Strategy
@@ -34,6 +40,7 @@ __all__ = [
     "Stage3StepBytes",
     "Stage3Strategy",
     "TraceCheck",
+    "full_state_dict",
     "is_leaf_module",
     "set_leaf_module",
     "stage3_step_bytes",

@@ -23,7 +23,11 @@ intercept every use of a tensor, so we guard the paths a user actually takes:
    :class:`InitWriteGuard` torch-function mode, active only inside the Init context, raises.
 
 3. **``state_dict()`` / ``load_state_dict()``** of a module with released parameters raise
-   (pre-hooks installed by Stage3Strategy).
+   :class:`ParameterNotGatheredError` naming the code that works (pre-hooks installed with the
+   guard). Inside ``GatheredParameters`` ``state_dict()`` returns *copies* of the stage-3
+   parameters (a post-hook), because a view would lose its memory when the block exits
+   (Note [why storage is resized, not replaced]); ``zero.full_state_dict(model)`` does the same
+   without a block.
 
 4. **:func:`full_value(param) <full_value>`**: the helper to read a parameter's value; raises outside
    forward and GatheredParameters.
@@ -75,7 +79,7 @@ class ParameterNotGatheredError(RuntimeError):
 class GuardedParameterDict(dict):
     """``module._parameters`` for a module with stage-3 parameters; checks reads by name."""
 
-    __slots__ = ("guard", "owner_name")
+    __slots__ = ("guard", "handles", "owner_name")
 
     def __init__(
         self, params: dict, guard: Callable[[nn.Parameter, str, str], None], owner_name: str
@@ -83,6 +87,7 @@ class GuardedParameterDict(dict):
         super().__init__(params)
         self.guard = guard  # guard(param, attribute name, owner module description)
         self.owner_name = owner_name
+        self.handles: list[Any] = []  # the module's state-dict hooks, removed with the guard
 
     def __getitem__(self, name: str) -> Any:
         param = dict.__getitem__(self, name)
@@ -99,14 +104,74 @@ def guard_module(
     if isinstance(params, GuardedParameterDict):
         params.guard, params.owner_name = guard, owner_name
         return
-    module.__dict__["_parameters"] = GuardedParameterDict(params, guard, owner_name)
+    guarded = GuardedParameterDict(params, guard, owner_name)
+    module.__dict__["_parameters"] = guarded
+    guarded.handles = [
+        module.register_state_dict_pre_hook(_refuse_state_dict),
+        module.register_state_dict_post_hook(_own_state_dict),
+        module.register_load_state_dict_pre_hook(_refuse_load_state_dict),
+    ]
 
 
 def unguard_module(module: nn.Module) -> None:
-    """Put a plain dict back (same entries, same order)."""
+    """Put a plain dict back (same entries, same order) and remove the state-dict hooks."""
     params = module.__dict__["_parameters"]
     if isinstance(params, GuardedParameterDict):
+        for handle in params.handles:
+            handle.remove()
         module.__dict__["_parameters"] = dict(params)
+
+
+# -- state_dict / load_state_dict ------------------------------------------------------------------
+def _released_param(module: nn.Module) -> str | None:
+    """The name of one of ``module``'s own stage-3 parameters that is not gathered, if any."""
+    for name, p in dict.items(module._parameters):
+        sp = REGISTRY.get(p) if p is not None else None
+        if sp is not None and sp.state is not ParamState.GATHERED:
+            return sp.name or name
+    return None
+
+
+def _refuse_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    name = _released_param(module)
+    if name is not None:
+        raise not_gathered_error(
+            name,
+            "by state_dict() outside GatheredParameters",
+            fix="Use `sd = zero.full_state_dict(model)` (full tensors of your own, on every rank; "
+            "rank0_only=True keeps them on rank 0 only), or call state_dict() inside `with "
+            "zero.GatheredParameters(model.parameters()):` (it returns copies there, valid after "
+            "the block); zero.save_checkpoint saves the shards without gathering",
+        )
+
+
+def _refuse_load_state_dict(module: nn.Module, state_dict: Any, prefix: str, *rest: Any) -> None:
+    name = _released_param(module)
+    if name is not None:
+        raise not_gathered_error(
+            name,
+            "by load_state_dict() outside GatheredParameters",
+            fix="Load inside `with zero.GatheredParameters(model.parameters(), modifier_rank=0): "
+            "model.load_state_dict(sd)` (modifier_rank=0 re-partitions rank 0's loaded values on "
+            "every rank), or use zero.load_checkpoint",
+        )
+
+
+def _own_state_dict(module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
+    """Replace views of gathered stage-3 parameters by copies.
+
+    A view shares the parameter's full buffer, whose storage is resized to 0 bytes when the
+    parameter is released (Note [why storage is resized, not replaced]): read after
+    GatheredParameters exits, it would crash the process. Costs: one copy, ``n·p`` bytes, per
+    stage-3 parameter of the state dict. ``keep_vars=True`` entries are the parameters
+    themselves and are left alone.
+    """
+    for name, p in dict.items(module._parameters):
+        key = prefix + name
+        value = state_dict.get(key)
+        if p is None or value is None or isinstance(value, nn.Parameter) or p not in REGISTRY:
+            continue
+        state_dict[key] = value.clone()
 
 
 def check_access(param: nn.Parameter, attr: str, owner: str) -> None:
@@ -137,14 +202,18 @@ def full_value(param: nn.Parameter) -> torch.Tensor:
     return param.detach().clone()
 
 
-def not_gathered_error(param_name: str, where: str) -> ParameterNotGatheredError:
+def not_gathered_error(
+    param_name: str, where: str, fix: str | None = None
+) -> ParameterNotGatheredError:
     """The error for a use of a released parameter, naming it and the fix."""
+    fix = fix or (
+        "Read or modify full parameters inside `with zero.GatheredParameters(params, "
+        "modifier_rank=...)` (modifier_rank=r keeps the changes rank r makes), and call modules "
+        "as module(x), not module.forward(x), so the stage-3 hooks fetch their parameters"
+    )
     return ParameterNotGatheredError(
         f"stage-3 parameter {param_name!r} was used {where}, but only this rank's shard is present "
-        f"(its .data is an empty tensor). Read or modify full parameters inside "
-        f"`with zero.GatheredParameters(params, modifier_rank=...)` (modifier_rank=r keeps the "
-        f"changes rank r makes), and call modules as module(x), not module.forward(x), so the "
-        f"stage-3 hooks fetch their parameters"
+        f"(its .data is an empty tensor). {fix}"
     )
 
 

@@ -37,7 +37,7 @@ from minispeed.zero.stage3.params import (
     release_params,
 )
 
-__all__ = ["GatheredParameters", "Init", "is_leaf_module", "set_leaf_module"]
+__all__ = ["GatheredParameters", "Init", "full_state_dict", "is_leaf_module", "set_leaf_module"]
 
 # Note [when Init partitions a module]
 # We never patch nn.Module.__init__. Two scoped registration hooks (undone on exit) tell us when
@@ -201,6 +201,39 @@ class GatheredParameters:
             full[: sp.numel].copy_(mine)
             sp.param.data = full[: sp.numel].view(sp.shape)  # in case user code replaced .data
             sp.write_full(mine)
+
+
+@torch.no_grad()
+def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with full values that belong to the caller, for a stage-3 model.
+
+    Walks the modules in ``state_dict`` order and gathers one module's own parameters at a time
+    (``GatheredParameters`` without a modifier), copying each stage-3 parameter out before it is
+    released, so the tensors returned never lose their memory (a plain view would: Note [why
+    storage is resized, not replaced] in params.py). Buffers and other entries are what
+    ``state_dict()`` returns, copied too. Works for models without stage 3 as well (a copy of
+    ``state_dict()``). Module state-dict hooks are not run (the entries are each module's own
+    ``_save_to_state_dict``).
+
+    Collective: every rank of the group must call it. With ``rank0_only=True`` only the group's
+    first rank keeps the copies and the others get ``{}``.
+
+    Costs: one all-gather per module owning parameters (``Σ N·s·p`` bytes message in all); held:
+    the copies (``Ψ·p`` bytes on each rank that keeps them) plus one module's gathered parameters.
+    """
+    sps = [REGISTRY[p] for p in model.parameters() if p in REGISTRY]
+    group = sps[0].group if sps else None
+    keep = not rank0_only or not comm.is_initialized() or comm.get_rank(group) == 0
+    out: dict[str, Any] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        with GatheredParameters([p for p in dict.values(module._parameters) if p is not None]):
+            if keep:
+                entries: dict[str, Any] = {}
+                module._save_to_state_dict(entries, prefix + "." if prefix else "", False)
+                out.update(
+                    (k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in entries.items()
+                )
+    return out
 
 
 _LEAF_MODULES: weakref.WeakSet = weakref.WeakSet()

@@ -122,10 +122,6 @@ class Stage3Strategy:
         for name, module in model.named_modules():
             if dict.__len__(module._parameters):
                 guard_module(module, check_access, name or type(module).__name__)
-                self._handles.append(module.register_state_dict_pre_hook(self._refuse_state_dict))
-                self._handles.append(
-                    module.register_load_state_dict_pre_hook(self._refuse_load_state_dict)
-                )
 
         # 5. gradients.
         position = {self.sharded[p]: k for k, p in enumerate(model.parameters())}
@@ -205,25 +201,6 @@ class Stage3Strategy:
         self._handles.clear()
         for module in self.model.modules():
             unguard_module(module)
-
-    def _refuse_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        self._refuse_if_released(module, "state_dict()")
-
-    def _refuse_load_state_dict(
-        self, module: nn.Module, state_dict: Any, prefix: str, *rest: Any
-    ) -> None:
-        self._refuse_if_released(module, "load_state_dict()")
-
-    def _refuse_if_released(self, module: nn.Module, what: str) -> None:
-        for p in dict.values(module._parameters):
-            sp = self.sharded.get(p) if p is not None else None
-            if sp is not None and sp.state is not ParamState.GATHERED:
-                raise RuntimeError(
-                    f"{what} on a stage-3 model would see {sp.name!r} as an empty tensor (only this "
-                    f"rank's shard is present). Wrap it in `with zero.GatheredParameters("
-                    f"model.parameters(), modifier_rank=0)` (modifier_rank so loaded values are "
-                    f"kept), or use zero.save_checkpoint / zero.load_checkpoint / zero.consolidate"
-                )
 
 
 def _build_units(
