@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch.autograd import Variable
 
 import minispeed.comm as comm
@@ -176,7 +177,16 @@ class FetchCoordinator:
         if self._mode is _Mode.FOLLOWING and self._pos != len(self._fwd_trace or ()):
             self._diverged(("end", -1), None, "reaches the end of its forward")
         elif self.check is not TraceCheck.OFF:
-            self._agree("forward", self._pos, 0, "reaches the end of its forward")
+            # Note [the grad mode is part of the end-of-forward check] (trace.py).
+            grad = torch.is_grad_enabled()
+            self._agree(
+                "end",
+                self._pos,
+                1 if grad else 2,
+                "ends a forward with gradients (a training step)"
+                if grad
+                else "ends a forward under no_grad (evaluation)",
+            )
         self._release_unclaimed()
         if self._mode is _Mode.RECORDING:
             self._fwd_trace = self._record  # None after a re-sync: record again next time
@@ -413,7 +423,7 @@ class FetchCoordinator:
     def _describe(self, phase: str, pos: int) -> str:
         """What this rank ran at ``pos`` of the current pass (it followed its trace up to there)."""
         events = self._fwd_trace if self._mode is _Mode.FOLLOWING else self._record
-        if phase != "forward" or not events or pos >= len(events):
+        if phase not in ("forward", "end") or not events or pos >= len(events):
             return "(nothing recorded at that position)"
         kind, index = events[pos]
         verb = "starts its forward" if kind == "pre" else "ends its forward"

@@ -71,7 +71,17 @@ class TraceCheck(enum.Enum):
             ) from None
 
 
-_PHASE_CODE = {"forward": 1, "backward": 2, "call": 3}
+_PHASE_CODE = {"forward": 1, "backward": 2, "call": 3, "end": 4}
+
+# Note [the grad mode is part of the end-of-forward check]
+# Every forward follows the same trace, so ranks that run *different numbers* of forwards (an
+# evaluation loop over 3 batches on one rank and 5 on another) pass every module check: their
+# passes pair up one by one. The mismatch surfaces when one rank goes back to training while the
+# other still evaluates: its backward's all-gathers and reduce-scatters meet the other's forward
+# all-gathers (gloo aborts a process on the size mismatch). So the one check every forward makes
+# at its end carries the grad mode: the first pass where one rank trains and another evaluates
+# raises on every rank, before any backward collective. (Uneven passes that are all evaluations
+# and end in a collective of the user's own are beyond our sight.)
 
 
 def agree_across_ranks(
@@ -99,6 +109,15 @@ def agree_across_ranks(
     mine_text = what if pos == first_pos else describe(phase, first_pos)
     whats = comm.all_gather_object(mine_text, group=group)
     lines = "\n".join(f"  rank {r}: {w}" for r, w in enumerate(whats))
+    if all(row[:2] == [_PHASE_CODE["end"], first_pos] for row in table):
+        raise FetchOrderError(
+            f"stage 3: ranks ran different numbers of forward passes, or the same pass with and "
+            f"without gradients, so one rank's backward collectives would meet another's forward "
+            f"(a hang or a crash). At the end of the same forward pass:\n{lines}\nEvery rank "
+            f"must run the same number of forwards, each in the same grad mode: evaluate the same "
+            f"number of batches on every rank (pad or drop the uneven last batch, e.g. "
+            f"DistributedSampler(drop_last=True)), and use torch.no_grad() on all ranks or none"
+        )
     raise FetchOrderError(
         f"stage 3: ranks run the modules that own parameters in different orders, so their "
         f"parameter all-gathers would pair up wrongly and hang. First difference ({phase} "
