@@ -41,6 +41,7 @@ empty tensor of shape ``(0,)``. ``parameters()`` / ``named_parameters()`` iterat
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 from collections.abc import Callable
@@ -94,6 +95,19 @@ class GuardedParameterDict(dict):
         if param is not None:
             self.guard(param, name, self.owner_name)
         return param
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        """Refuse to copy released parameters: the copies would be empty, untracked tensors."""
+        for name, p in dict.items(self):
+            sp = REGISTRY.get(p) if p is not None else None
+            if sp is not None and sp.state is not ParamState.GATHERED:
+                raise not_gathered_error(
+                    sp.name or f"{self.owner_name}.{name}",
+                    "by copy.deepcopy of its module",
+                    fix="Copy modules before they are partitioned (outside zero.Init, before "
+                    "zero.shard), or build each copy by calling its constructor inside zero.Init",
+                )
+        return {k: copy.deepcopy(v, memo) for k, v in dict.items(self)}
 
 
 def guard_module(

@@ -15,6 +15,7 @@ same order.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -40,21 +41,39 @@ from minispeed.zero.stage3.params import (
 __all__ = ["GatheredParameters", "Init", "full_state_dict", "is_leaf_module", "set_leaf_module"]
 
 # Note [when Init partitions a module]
-# We never patch nn.Module.__init__. Two scoped registration hooks (undone on exit) tell us when
-# a parameter is created and when a module is attached to a parent. A module attached to a
-# *container* (ModuleList, Sequential, ModuleDict) is finished and containers do not touch their
-# children's parameters, so its subtree is partitioned at once: a stack of layers built as
-# ``nn.ModuleList(Block() for _ in range(L))`` holds one full block at a time. A module attached
-# to any other parent is partitioned one level later, when that parent is attached in turn: a
-# parent's __init__ may still initialise its children after attaching them (nn.MultiheadAttention
-# zeroes ``self.out_proj.bias`` after creating ``out_proj``). The root and its direct children are
-# partitioned when the context exits. Peak: Ψ/N + the largest unpartitioned subtree (one layer
-# of a container, or the root's direct children such as embeddings).
+# We never patch nn.Module.__init__. Two registration hooks, installed by the context and removed
+# on exit, fire whenever a parameter is created or a module is attached to a parent. At each of
+# them we look at the Python call stack (``sys._getframe``) for the modules whose ``__init__`` is
+# running: those are still being built. A module is *finished* when it is not being built and,
+# if it was attached to a parent that is not a container, that parent is finished too: a parent's
+# __init__ may still initialise a child it attached (nn.MultiheadAttention zeroes
+# ``self.out_proj.bias`` after attaching ``out_proj``), while containers (ModuleList,
+# Sequential, ModuleDict) never touch their children. At every registration the parameters of
+# finished modules are partitioned. So ``nn.ModuleList([Block() for _ in range(L)])``,
+# ``nn.Sequential(*layers)`` and the generator form all hold one unpartitioned layer (plus the
+# first tensor of the next) at a time, and what remains is partitioned when the context exits.
+# Peak: Ψ/N + about one layer. Cost: one walk of the call stack per registration, only inside
+# the context.
 # Code that initialises parameters after they were partitioned (``self.apply(init_fn)`` at the
 # end of a root __init__) gets ParameterNotGatheredError naming GatheredParameters as the fix
-# (access.InitWriteGuard, a torch-function mode active only inside the context).
+# (access.InitWriteGuard, a torch-function mode active only inside the context), and so does
+# ``copy.deepcopy`` of a module whose parameters are partitioned (access.GuardedParameterDict).
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+def _modules_being_built() -> set[int]:
+    """``id`` of every nn.Module whose ``__init__`` (of any class in its MRO) is running here."""
+    building = set()
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "__init__" and code.co_argcount and code.co_varnames[0] == "self":
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, nn.Module):
+                building.add(id(owner))
+        frame = frame.f_back
+    return building
 
 
 class Init:
@@ -75,6 +94,7 @@ class Init:
         self.enabled = enabled
         self.sharded: list[ShardedParam] = []
         self._created: dict[nn.Parameter, tuple[nn.Module, str]] = {}  # -> (module, attribute)
+        self._parent: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # non-containers
         self._handles: list[Any] = []
 
     def __enter__(self) -> Init:
@@ -104,20 +124,35 @@ class Init:
             for p, (module, _) in list(self._created.items()):
                 self._partition(module, p)
         self._created.clear()
+        self._parent = weakref.WeakKeyDictionary()
 
     def _on_parameter(self, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        self._partition_finished()
         if param is not None and param not in REGISTRY:
             self._created[param] = (module, name)
 
     def _on_module(self, parent: nn.Module, name: str, child: nn.Module | None) -> None:
-        if child is None:
+        if child is not None and not isinstance(parent, _CONTAINERS):
+            self._parent[child] = parent
+        self._partition_finished()
+
+    def _partition_finished(self) -> None:
+        """Partition the parameters of every module whose construction has returned.
+
+        Note [when Init partitions a module].
+        """
+        if not self._created:
             return
-        done = [child] if isinstance(parent, _CONTAINERS) else list(child.children())
-        for top in done:
-            for module in top.modules():
-                for p in list(dict.values(module._parameters)):
-                    if p is not None and p in self._created:
-                        self._partition(module, p)
+        building = _modules_being_built()
+        finished: dict[nn.Module, bool] = {}
+        for p, (module, _) in list(self._created.items()):
+            if module not in finished:
+                m: nn.Module | None = module
+                while m is not None and id(m) not in building:
+                    m = self._parent.get(m)  # a non-container parent may still initialise it
+                finished[module] = m is None
+            if finished[module]:
+                self._partition(module, p)
 
     def _partition(self, module: nn.Module, p: nn.Parameter) -> None:
         if p in REGISTRY:
