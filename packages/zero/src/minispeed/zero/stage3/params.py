@@ -44,6 +44,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 import minispeed.comm as comm
+from minispeed.comm.validation import group_ranks
 from minispeed.core.accelerator import get_accelerator
 
 __all__ = [
@@ -303,12 +304,20 @@ class ShardedParam:
 
 
 # -- one parameter or a group -----------------------------------------------------------------------
-def partition_param(param: nn.Parameter, group: Any, name: str = "") -> ShardedParam:
-    """Cut ``param``'s current full value into N shards, keep ours, release the rest.
+# Note [partitioning starts from the first rank's values]
+# Each rank keeps only its slice of a parameter, so if the ranks built different values (seeded
+# by rank, a common habit for data order) the model would be stitched from N initialisations,
+# silently. Stages 0-2 broadcast the first rank's parameters in zero.shard; stage 3 does it here,
+# per parameter, just before cutting: zero.shard and zero.Init alike. Cost: one broadcast of
+# ``n·p`` bytes per parameter, once (Ψ·p in all); none with one rank.
 
-    Every rank must hold the same full value (same seed, or loaded from the same file): each keeps
-    only its slice, so a rank whose value differs contributes that slice. Memory: after this call
-    the rank holds ``ceil(n/N)`` elements of ``param`` instead of ``n``.
+
+def partition_param(param: nn.Parameter, group: Any, name: str = "") -> ShardedParam:
+    """Take the group's first rank's value of ``param``, keep our shard of it, release the rest.
+
+    Collective (one broadcast of ``n·p`` bytes, Note [partitioning starts from the first rank's
+    values]): every rank of the group partitions the same parameters in the same order. Memory:
+    after this call the rank holds ``ceil(n/N)`` elements of ``param`` instead of ``n``.
     """
     if param in REGISTRY:
         return REGISTRY[param]
@@ -317,6 +326,9 @@ def partition_param(param: nn.Parameter, group: Any, name: str = "") -> ShardedP
     s = -(-n // world)
     start = comm.get_rank(group) * s
     flat = param.detach().reshape(-1)
+    if world > 1:
+        flat = flat.contiguous()  # a copy only if the parameter is not contiguous
+        comm.broadcast(flat, src=group_ranks(group)[0], group=group)
     shard = torch.zeros(s, dtype=param.dtype, device=device)
     owned = max(0, min(s, n - start))
     shard[:owned].copy_(flat[start : start + owned])
