@@ -115,6 +115,7 @@ class Stage3Strategy:
             prefetch_numel=config.stage3_prefetch_bucket_numel,
             max_live_numel=config.stage3_max_live_numel,
             check=TraceCheck.from_config(config),
+            reuse_numel=config.stage3_max_reuse_distance_numel,
         )
         for sp in self.sharded.values():
             sp.coordinator = self.coordinator
