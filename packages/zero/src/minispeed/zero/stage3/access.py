@@ -5,8 +5,8 @@ from the cause, or silently wrong numbers (``weight.sum()`` of an empty tensor i
 intercept every use of a tensor, so we guard the paths a user actually takes:
 
 1. **Attribute reads** (``module.weight``). Every module with partitioned parameters gets a
-   :class:`GuardedParameterDict` as its ``_parameters`` (Note [guarding module._parameters]). For a
-   parameter that is not gathered, :func:`check_access`:
+   `GuardedParameterDict` as its ``_parameters`` (Note [guarding module._parameters]). For a
+   parameter that is not gathered, `check_access`:
 
    - inside a forward run by our hooks: fetches it now and charges it to the innermost running
      module, which keeps it as an *external* parameter from then on (a tied weight read by another
@@ -14,22 +14,22 @@ intercept every use of a tensor, so we guard the paths a user actually takes:
      ``out_proj``). See ``FetchCoordinator.demand_fetch``;
    - from inside some module's ``forward`` that our hooks did not start (``module.forward(x)``
      instead of ``module(x)``, a parameter-less wrapper reading another module's weight outside
-     the model's forward): raises :class:`ParameterNotGatheredError` naming GatheredParameters;
+     the model's forward): raises `ParameterNotGatheredError` naming GatheredParameters;
    - anywhere else: returns the parameter object. That is how user code names parameters for
      ``GatheredParameters(model.head.weight, ...)``, so it must not fail.
 
 2. **In-place writes during ``zero.Init``** (``nn.init.normal_(self.block.weight)`` after the block
    was partitioned, e.g. ``self.apply(init_fn)`` at the end of a root ``__init__``): a
-   :class:`InitWriteGuard` torch-function mode, active only inside the Init context, raises.
+   `InitWriteGuard` torch-function mode, active only inside the Init context, raises.
 
 3. **``state_dict()`` / ``load_state_dict()``** of a module with released parameters raise
-   :class:`ParameterNotGatheredError` naming the code that works (pre-hooks installed with the
+   `ParameterNotGatheredError` naming the code that works (pre-hooks installed with the
    guard). Inside ``GatheredParameters`` ``state_dict()`` returns *copies* of the stage-3
    parameters (a post-hook), because a view would lose its memory when the block exits
    (Note [why storage is resized, not replaced]); ``zero.full_state_dict(model)`` does the same
    without a block.
 
-4. **:func:`full_value(param) <full_value>`**: the helper to read a parameter's value; raises outside
+4. **`full_value(param)`**: the helper to read a parameter's value; raises outside
    forward and GatheredParameters.
 
 Not detectable: a reference obtained earlier and used later (``list(model.parameters())``, then
@@ -207,7 +207,7 @@ def check_access(param: nn.Parameter, attr: str, owner: str) -> None:
 
 def full_value(param: nn.Parameter) -> torch.Tensor:
     """A copy of ``param``'s full value; stage-3 parameters must be gathered (forward or
-    GatheredParameters), else :class:`ParameterNotGatheredError`. Other tensors: a plain copy."""
+    GatheredParameters), else `ParameterNotGatheredError`. Other tensors: a plain copy."""
     sp = REGISTRY.get(param)
     if sp is not None and sp.state is not ParamState.GATHERED:
         raise not_gathered_error(

@@ -1,11 +1,11 @@
 """Three user-facing contexts of stage 3: build partitioned, look at full values, fetch subtrees.
 
-- :class:`Init` partitions parameters while the model is being constructed, so a model larger
+- `Init` partitions parameters while the model is being constructed, so a model larger
   than one rank's memory can be built: each rank holds ``Ψ/N`` plus the modules under
   construction (see Note [when Init partitions a module]).
-- :class:`GatheredParameters` gathers parameters for user code (initialisation, inspection,
+- `GatheredParameters` gathers parameters for user code (initialisation, inspection,
   surgery) and, with ``modifier_rank=r``, keeps the changes rank r made, on every rank.
-- :func:`set_leaf_module` makes a module's whole subtree one fetch unit: fetched when the module
+- `set_leaf_module` makes a module's whole subtree one fetch unit: fetched when the module
   starts, released when it ends. For blocks whose children run depending on the data (MoE experts,
   early exit), where a per-child fetch order would differ between ranks.
 
@@ -29,14 +29,7 @@ from torch.nn.modules.module import (
 
 import minispeed.comm as comm
 from minispeed.zero.stage3.access import InitWriteGuard, check_access, guard_module
-from minispeed.zero.stage3.params import (
-    REGISTRY,
-    ParamState,
-    ShardedParam,
-    all_gather_params,
-    partition_param,
-    release_params,
-)
+from minispeed.zero.stage3.params import REGISTRY, FetchUnit, ShardedParam, partition_param
 
 __all__ = ["GatheredParameters", "Init", "full_state_dict", "is_leaf_module", "set_leaf_module"]
 
@@ -166,12 +159,12 @@ class Init:
 class GatheredParameters:
     """Context: the full values of ``params`` on every rank; keep changes made by ``modifier_rank``.
 
-    ::
-
-        with zero.GatheredParameters(model.head.weight, modifier_rank=0):
-            if comm.get_rank() == 0:
-                model.head.weight.data.normal_()      # the change rank 0 makes...
-        # ...is broadcast and re-partitioned: every rank's shard (and fp32 master) holds it
+    ```python
+    with zero.GatheredParameters(model.head.weight, modifier_rank=0):
+        if comm.get_rank() == 0:
+            model.head.weight.data.normal_()      # the change rank 0 makes...
+    # ...is broadcast and re-partitioned: every rank's shard (and fp32 master) holds it
+    ```
 
     With ``modifier_rank=None`` changes are discarded at exit (read-only use). Parameters that are
     not partitioned by stage 3 are left alone, so the same code runs with and without stage 3.
@@ -197,6 +190,7 @@ class GatheredParameters:
             if sp is not None:
                 seen[sp] = None
         self.sharded = list(seen)
+        self._unit = FetchUnit(-1, "GatheredParameters", "", self.sharded)
         if len({id(sp.group) for sp in self.sharded}) > 1:
             raise ValueError(
                 "GatheredParameters got parameters partitioned over different process groups; "
@@ -205,11 +199,8 @@ class GatheredParameters:
 
     def __enter__(self) -> GatheredParameters:
         if self.enabled and self.sharded:
-            all_gather_params(self.sharded)
-            for sp in self.sharded:
-                if sp.state is ParamState.GATHERING:
-                    sp.to_gathered()
-                sp.holds += 1
+            self._unit.unshard()
+            self._unit.hold()
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -219,9 +210,8 @@ class GatheredParameters:
             if self.modifier_rank is not None and exc_type is None:
                 self._keep_changes()
         finally:
-            for sp in self.sharded:
-                sp.holds -= 1
-            release_params(self.sharded)
+            self._unit.unhold()
+            self._unit.reshard()
 
     @torch.no_grad()
     def _keep_changes(self) -> None:
@@ -230,12 +220,8 @@ class GatheredParameters:
         comm.broadcast(values, src=self.modifier_rank, group=self.sharded[0].group)
         offset = 0
         for sp in self.sharded:
-            mine = values[offset : offset + sp.numel]
+            sp.load_full(values[offset : offset + sp.numel])
             offset += sp.numel
-            full = sp.full_flat()
-            full[: sp.numel].copy_(mine)
-            sp.param.data = full[: sp.numel].view(sp.shape)  # in case user code replaced .data
-            sp.write_full(mine)
 
 
 @torch.no_grad()
@@ -297,5 +283,5 @@ def set_leaf_module(modules: nn.Module | Iterable[nn.Module]) -> None:
 
 
 def is_leaf_module(module: nn.Module) -> bool:
-    """Whether :func:`set_leaf_module` marked ``module``."""
+    """Whether `set_leaf_module` marked ``module``."""
     return module in _LEAF_MODULES
