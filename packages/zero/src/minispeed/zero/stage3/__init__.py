@@ -30,13 +30,14 @@ from minispeed.zero.stage3.init import (
     set_leaf_module,
 )
 from minispeed.zero.stage3.ledger import Stage3StepBytes, stage3_step_bytes
-from minispeed.zero.stage3.params import REGISTRY, ParamState, ShardedParam
+from minispeed.zero.stage3.params import REGISTRY, FetchUnit, ParamState, ShardedParam
 from minispeed.zero.stage3.strategy import Stage3Strategy
 from minispeed.zero.stage3.trace import FetchOrderError, TraceCheck
 
 __all__ = [
     "REGISTRY",
     "FetchOrderError",
+    "FetchUnit",
     "GatheredParameters",
     "Init",
     "ParamState",
