@@ -251,14 +251,23 @@ class InitWriteGuard(TorchFunctionMode):
     Initialisers write in place (``normal_``, ``zero_``, ``copy_``...); on a released parameter
     they would write into an empty tensor and do nothing, silently. Only in-place tensor methods
     (name ends in ``_``) are checked; one dict lookup per tensor argument while Init is active.
+    ``before_factory`` runs before each tensor factory (``torch.empty``...): Init partitions the
+    modules finished so far before the next parameter's memory is allocated.
     """
 
     _METADATA = frozenset({"requires_grad_", "retain_grad", "share_memory_"})
+    _FACTORIES = frozenset({"empty", "zeros", "ones", "full", "rand", "randn", "tensor"})
+
+    def __init__(self, before_factory: Callable[[], None]) -> None:
+        super().__init__()
+        self.before_factory = before_factory
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
     ) -> Any:
         name = getattr(func, "__name__", "")
+        if name in self._FACTORIES:
+            self.before_factory()
         if name.endswith("_") and not name.startswith("__") and name not in self._METADATA:
             for a in (*args[:1], *(kwargs or {}).values()):  # nn.init passes tensor=...
                 sp = REGISTRY.get(a) if isinstance(a, nn.Parameter) else None

@@ -36,17 +36,18 @@ __all__ = ["GatheredParameters", "Init", "full_state_dict", "is_leaf_module", "s
 # Note [when Init partitions a module]
 # We never patch nn.Module.__init__. Two registration hooks, installed by the context and removed
 # on exit, fire whenever a parameter is created or a module is attached to a parent. At each of
-# them we look at the Python call stack (``sys._getframe``) for the modules whose ``__init__`` is
+# them, and before each tensor factory call (``torch.empty``... seen by the InitWriteGuard mode, so
+# that the next layer's weight is allocated after the previous layer is partitioned), we look at
+# the Python call stack (``sys._getframe``) for the modules whose ``__init__`` is
 # running: those are still being built. A module is *finished* when it is not being built and,
 # if it was attached to a parent that is not a container, that parent is finished too: a parent's
 # __init__ may still initialise a child it attached (nn.MultiheadAttention zeroes
 # ``self.out_proj.bias`` after attaching ``out_proj``), while containers (ModuleList,
 # Sequential, ModuleDict) never touch their children. At every registration the parameters of
 # finished modules are partitioned. So ``nn.ModuleList([Block() for _ in range(L)])``,
-# ``nn.Sequential(*layers)`` and the generator form all hold one unpartitioned layer (plus the
-# first tensor of the next) at a time, and what remains is partitioned when the context exits.
-# Peak: Ψ/N + about one layer. Cost: one walk of the call stack per registration, only inside
-# the context.
+# ``nn.Sequential(*layers)`` and the generator form all hold one unpartitioned layer at a time,
+# and what remains is partitioned when the context exits. Peak: Ψ/N + one layer. Cost: one walk
+# of the call stack per registration and per tensor factory call, only inside the context.
 # Code that initialises parameters after they were partitioned (``self.apply(init_fn)`` at the
 # end of a root __init__) gets ParameterNotGatheredError naming GatheredParameters as the fix
 # (access.InitWriteGuard, a torch-function mode active only inside the context), and so does
@@ -88,6 +89,7 @@ class Init:
         self.sharded: list[ShardedParam] = []
         self._created: dict[nn.Parameter, tuple[nn.Module, str]] = {}  # -> (module, attribute)
         self._parent: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # non-containers
+        self._sweeping = False
         self._handles: list[Any] = []
 
     def __enter__(self) -> Init:
@@ -102,7 +104,7 @@ class Init:
             register_module_parameter_registration_hook(self._on_parameter),
             register_module_module_registration_hook(self._on_module),
         ]
-        self._write_guard = InitWriteGuard()
+        self._write_guard = InitWriteGuard(before_factory=self._partition_finished)
         self._write_guard.__enter__()
         return self
 
@@ -134,9 +136,15 @@ class Init:
 
         Note [when Init partitions a module].
         """
-        if not self._created:
+        if not self._created or self._sweeping:  # partitioning itself allocates shards
             return
-        building = _modules_being_built()
+        self._sweeping = True
+        try:
+            self._partition_modules(_modules_being_built())
+        finally:
+            self._sweeping = False
+
+    def _partition_modules(self, building: set[int]) -> None:
         finished: dict[nn.Module, bool] = {}
         for p, (module, _) in list(self._created.items()):
             if module not in finished:
