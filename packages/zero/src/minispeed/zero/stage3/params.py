@@ -333,7 +333,7 @@ class ShardedParam:
         )
 
 
-# -- several parameters: one collective ------------------------------------------------------------
+# -- partitioning -----------------------------------------------------------------------------------
 # Note [partitioning starts from the first rank's values]
 # Each rank keeps only its slice of a parameter, so if the ranks built different values (seeded
 # by rank, a common habit for data order) the model would be stitched from N initialisations,
@@ -367,6 +367,7 @@ def partition_param(param: nn.Parameter, group: Any, name: str = "") -> ShardedP
     return sp
 
 
+# -- several parameters: one collective ------------------------------------------------------------
 def all_gather_params(sps: Sequence[ShardedParam], async_op: bool = False) -> Any:
     """Fetch every SHARDED parameter of ``sps`` with ONE collective; returns its handle (or None).
 
