@@ -418,12 +418,13 @@ def refresh_gathered(sps: Sequence[ShardedParam]) -> None:
         for sp in sps:
             sp.full_flat().copy_(sp.shard)
         return
-    if len(sps) == 1:
-        comm.all_gather_into_tensor(sps[0].full_flat(), sps[0].shard, group=sps[0].group)
-    else:
-        comm.all_gather_coalesced(
-            [sp.full_flat() for sp in sps], [sp.shard for sp in sps], group=sps[0].group
-        )
+    with ranges.range("zero3.gather"):
+        if len(sps) == 1:
+            comm.all_gather_into_tensor(sps[0].full_flat(), sps[0].shard, group=sps[0].group)
+        else:
+            comm.all_gather_coalesced(
+                [sp.full_flat() for sp in sps], [sp.shard for sp in sps], group=sps[0].group
+            )
 
 
 # -- the fetch unit ---------------------------------------------------------------------------------
