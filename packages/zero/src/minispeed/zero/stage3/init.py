@@ -75,11 +75,13 @@ class Init:
 
     ``config`` is accepted for symmetry with ``zero.shard`` (Init needs nothing from it); the
     parameters keep the dtype they are created with (``zero.shard`` makes the fp32 masters from
-    them, then casts to ``MixedPrecision.param_dtype``). Every rank must construct the same model
-    with the same seed: each keeps its slice of what it built.
+    them, then casts to ``MixedPrecision.param_dtype``). Every rank must construct the same
+    modules in the same order; the values are the group's first rank's, whatever each rank's
+    seed (Note [partitioning starts from the first rank's values] in params.py).
 
-    Memory while building: ``Ψ/N`` of partitioned parameters plus the modules not yet partitioned
-    (Note [when Init partitions a module]). Communication: none.
+    Memory while building: ``Ψ/N`` of partitioned parameters plus the module not yet partitioned
+    (Note [when Init partitions a module]). Communication: one broadcast per parameter, ``Ψ·p``
+    bytes in all.
     """
 
     def __init__(self, config: Any = None, group: Any = None, enabled: bool = True) -> None:
