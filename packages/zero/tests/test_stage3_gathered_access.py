@@ -32,7 +32,7 @@ from minispeed.zero.stage3 import (
     set_leaf_module,
 )
 from minispeed.zero.stage3.access import full_value
-from minispeed.zero.stage3.params import all_gather_params, partition_param
+from minispeed.zero.stage3.params import FetchUnit, all_gather_params, partition_param
 
 
 def _error_of(fn) -> str:
@@ -55,7 +55,12 @@ def _state_machine(rank: int) -> dict:
     all_gather_params([sp])
     out["gathered"] = (sp.state is ParamState.GATHERED, torch.equal(p.data, full))
     out["bad_gathering"] = _error_of(lambda: sp.to_gathering(None))
-    sp.to_sharded()
+    unit = FetchUnit(-1, "u", "Test", [sp])
+    unit.hold()
+    out["held_release"] = (unit.reshard(), sp.state is ParamState.GATHERED)  # held: kept
+    unit.unhold()
+    out["bad_unhold"] = _error_of(unit.unhold)  # one unhold too many: an assertion, not a clamp
+    out["unit_released"] = (unit.reshard() == [sp], p.numel())
     return out
 
 
@@ -153,6 +158,9 @@ def test_gathered_parameters_errors_and_leaf_modules() -> None:
         assert sm["released"] == (True, 0) and sm["gathered"] == (True, True)
         assert "to_sharded from ParamState.SHARDED" in sm["bad_release"]
         assert "to_gathering from ParamState.GATHERED" in sm["bad_gathering"]
+        assert sm["held_release"] == ([], True)
+        assert "released more often than held" in sm["bad_unhold"]
+        assert sm["unit_released"] == (True, 0)
 
         for where, message in res["errors"].items():
             assert "GatheredParameters" in message, (where, message)

@@ -1,5 +1,9 @@
 """zero.Init builds a model already partitioned: peak ≈ Ψ/N + one layer, and it trains the same.
 
+The peak holds however the layers reach their container: a generator into nn.ModuleList, a list
+built first (``nn.ModuleList([Linear() for _ in range(L)])``, the Hugging Face way) and
+``nn.Sequential(*layers)``; the last two used to build every layer in full first (peak Ψ).
+
 A probe (stage3_testlib.ParamBytesProbe) adds up, at every parameter creation and module
 attachment, the bytes of parameter values alive: each parameter's ``.data`` plus its stage-3
 shard. Built under zero.Init on N ranks, an 8-layer stack peaks at Ψ/N + one layer; built
@@ -10,13 +14,21 @@ exactly like single-process PyTorch.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from stage3_testlib import GLOBAL_BATCH, LR, ParamBytesProbe, Stack, global_loss, reference_losses
 from zero_testlib import TinyGPT, make_batches, rank_slice
 
 import minispeed.zero as zero
 from minispeed.core.testing import run_distributed
-from minispeed.zero.stage3 import REGISTRY, GatheredParameters, Init, ParamState
+from minispeed.zero.stage3 import (
+    REGISTRY,
+    GatheredParameters,
+    Init,
+    ParameterNotGatheredError,
+    ParamState,
+)
 
 WIDTH, LAYERS = 64, 8
 
@@ -69,3 +81,52 @@ def test_init_partitions_while_building_and_trains_the_same() -> None:
         assert res["peak"] <= psi / world_size + layer + padding, (res["peak"], psi)
         for a, b in zip(res["gpt_losses"], want, strict=True):
             assert abs(a - b) <= 1e-5 * abs(b), (res["gpt_losses"], want)
+
+
+class _Layers(torch.nn.Module):
+    """``LAYERS`` Linear(WIDTH, WIDTH) built in one of three styles, then a small head."""
+
+    def __init__(self, style: str) -> None:
+        super().__init__()
+        if style == "generator":
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS))
+        elif style == "list":
+            self.layers = torch.nn.ModuleList(
+                [torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]
+            )
+        else:
+            layers = [torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]
+            self.layers = torch.nn.Sequential(*layers)
+        self.head = torch.nn.Linear(WIDTH, 1)
+
+
+def _styles_body(rank: int, world_size: int) -> dict:
+    out = {}
+    for style in ("generator", "list", "sequential"):
+        torch.manual_seed(0)
+        with ParamBytesProbe() as probe, Init():
+            model = _Layers(style)
+        torch.manual_seed(0)
+        plain = _Layers(style)
+        with GatheredParameters(list(model.parameters())):
+            same = all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))
+        try:
+            copy.deepcopy(model)
+            copied = ""
+        except ParameterNotGatheredError as err:
+            copied = str(err)
+        out[style] = dict(peak=probe.peak, same=same, copied=copied)
+    return out
+
+
+def test_init_peak_is_one_layer_for_every_container_style() -> None:
+    world_size = 2
+    results = run_distributed(_styles_body, world_size=world_size, timeout_s=120)
+    layer = (WIDTH * WIDTH + WIDTH) * 4
+    psi = LAYERS * layer + (WIDTH + 1) * 4
+    padding = 4 * (2 * LAYERS + 2)
+    for res in results:
+        for style, got in res.items():
+            assert got["same"], style
+            assert got["peak"] <= psi / world_size + layer + padding, (style, got["peak"], psi)
+            assert "copy.deepcopy" in got["copied"], (style, got["copied"])

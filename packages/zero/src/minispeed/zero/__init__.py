@@ -17,7 +17,7 @@ from minispeed.zero.config import ZeroConfig
 from minispeed.zero.memory import estimate, measure
 from minispeed.zero.optimizer import ParamFragment, ShardStrategy, ZeroOptimizer
 from minispeed.zero.precision import LossScaler, MixedPrecision
-from minispeed.zero.stage3 import GatheredParameters, Init, set_leaf_module
+from minispeed.zero.stage3 import GatheredParameters, Init, full_state_dict, set_leaf_module
 
 __all__ = [
     "GatheredParameters",
@@ -31,6 +31,7 @@ __all__ = [
     "checkpoint",
     "consolidate",
     "estimate",
+    "full_state_dict",
     "load_checkpoint",
     "measure",
     "save_checkpoint",

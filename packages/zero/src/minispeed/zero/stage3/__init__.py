@@ -1,31 +1,43 @@
 """ZeRO stage 3: parameters partitioned across ranks and fetched module by module.
 
-Reading order, outside-in:
+Reading order, outside-in. From ``zero.shard`` (api.py) to the all-gather is five files, the
+first four below:
 
-1. :mod:`.hooks` — the four moments (module pre/post forward, pre/post backward) and what each does;
-2. :mod:`.coordinator` — the fetch trace, prefetch within a budget, the live-parameter limit, and
-   how ranks that run modules in different orders are caught instead of hanging (the check
-   itself: :mod:`.trace`);
-3. :mod:`.params` — one partitioned parameter (:class:`ShardedParam`, its state enum) and the
-   all-gather / release of one parameter or a group; :mod:`.grads` — the gradient reduce-scatter;
-4. :mod:`.init` — ``Init`` (build a model already partitioned), ``GatheredParameters`` (full
-   values for user code), ``set_leaf_module`` (fetch a subtree at once);
-5. :mod:`.strategy` — :class:`Stage3Strategy`, what the optimizer sees; :mod:`.access` — why reading
-   a released parameter raises; :mod:`.ledger` — bytes per step, as a formula.
+1. `strategy` — `Stage3Strategy`, what ``zero.shard`` builds (partitions, fp32 masters,
+   persistent parameters, fetch units, hooks, gradient reduction) and what the optimizer sees;
+2. `hooks` — the four moments (module pre/post forward, pre/post backward) and what each does;
+3. `coordinator` — which fetch unit to gather and release when: prefetch within a budget, the
+   live-parameter limit, the reuse distance;
+4. `params` — `FetchUnit` (``unshard`` / ``wait`` / ``reshard``, the hold count) and one
+   partitioned parameter, `ShardedParam` with its state enum; the all-gather itself;
+5. `grads` — the gradient reduce-scatter into shards (from ``zero.shard``: api.py, strategy.py,
+   grads.py);
+6. `trace` — the recorded module order, and how ranks that run modules in different orders are
+   caught (`FetchOrderError`) instead of hanging;
+7. `init` — `Init` (build a model already partitioned), `GatheredParameters` (full values for
+   user code), `full_state_dict`, `set_leaf_module` (fetch a subtree at once); `access` — why
+   reading a released parameter raises; `ledger` — bytes per step, as a formula.
 
 The life of one parameter, with a measured trace, is in docs/packages/zero-stage3.md.
 """
 
 from minispeed.zero.stage3.access import ParameterNotGatheredError
-from minispeed.zero.stage3.init import GatheredParameters, Init, is_leaf_module, set_leaf_module
+from minispeed.zero.stage3.init import (
+    GatheredParameters,
+    Init,
+    full_state_dict,
+    is_leaf_module,
+    set_leaf_module,
+)
 from minispeed.zero.stage3.ledger import Stage3StepBytes, stage3_step_bytes
-from minispeed.zero.stage3.params import REGISTRY, ParamState, ShardedParam
+from minispeed.zero.stage3.params import REGISTRY, FetchUnit, ParamState, ShardedParam
 from minispeed.zero.stage3.strategy import Stage3Strategy
 from minispeed.zero.stage3.trace import FetchOrderError, TraceCheck
 
 __all__ = [
     "REGISTRY",
     "FetchOrderError",
+    "FetchUnit",
     "GatheredParameters",
     "Init",
     "ParamState",
@@ -34,6 +46,7 @@ __all__ = [
     "Stage3StepBytes",
     "Stage3Strategy",
     "TraceCheck",
+    "full_state_dict",
     "is_leaf_module",
     "set_leaf_module",
     "stage3_step_bytes",

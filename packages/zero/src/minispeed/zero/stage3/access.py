@@ -5,8 +5,8 @@ from the cause, or silently wrong numbers (``weight.sum()`` of an empty tensor i
 intercept every use of a tensor, so we guard the paths a user actually takes:
 
 1. **Attribute reads** (``module.weight``). Every module with partitioned parameters gets a
-   :class:`GuardedParameterDict` as its ``_parameters`` (Note [guarding module._parameters]). For a
-   parameter that is not gathered, :func:`check_access`:
+   `GuardedParameterDict` as its ``_parameters`` (Note [guarding module._parameters]). For a
+   parameter that is not gathered, `check_access`:
 
    - inside a forward run by our hooks: fetches it now and charges it to the innermost running
      module, which keeps it as an *external* parameter from then on (a tied weight read by another
@@ -14,18 +14,22 @@ intercept every use of a tensor, so we guard the paths a user actually takes:
      ``out_proj``). See ``FetchCoordinator.demand_fetch``;
    - from inside some module's ``forward`` that our hooks did not start (``module.forward(x)``
      instead of ``module(x)``, a parameter-less wrapper reading another module's weight outside
-     the model's forward): raises :class:`ParameterNotGatheredError` naming GatheredParameters;
+     the model's forward): raises `ParameterNotGatheredError` naming GatheredParameters;
    - anywhere else: returns the parameter object. That is how user code names parameters for
      ``GatheredParameters(model.head.weight, ...)``, so it must not fail.
 
 2. **In-place writes during ``zero.Init``** (``nn.init.normal_(self.block.weight)`` after the block
    was partitioned, e.g. ``self.apply(init_fn)`` at the end of a root ``__init__``): a
-   :class:`InitWriteGuard` torch-function mode, active only inside the Init context, raises.
+   `InitWriteGuard` torch-function mode, active only inside the Init context, raises.
 
 3. **``state_dict()`` / ``load_state_dict()``** of a module with released parameters raise
-   (pre-hooks installed by Stage3Strategy).
+   `ParameterNotGatheredError` naming the code that works (pre-hooks installed with the
+   guard). Inside ``GatheredParameters`` ``state_dict()`` returns *copies* of the stage-3
+   parameters (a post-hook), because a view would lose its memory when the block exits
+   (Note [why storage is resized, not replaced]); ``zero.full_state_dict(model)`` does the same
+   without a block.
 
-4. **:func:`full_value(param) <full_value>`**: the helper to read a parameter's value; raises outside
+4. **`full_value(param)`**: the helper to read a parameter's value; raises outside
    forward and GatheredParameters.
 
 Not detectable: a reference obtained earlier and used later (``list(model.parameters())``, then
@@ -37,6 +41,7 @@ empty tensor of shape ``(0,)``. ``parameters()`` / ``named_parameters()`` iterat
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 from collections.abc import Callable
@@ -75,7 +80,7 @@ class ParameterNotGatheredError(RuntimeError):
 class GuardedParameterDict(dict):
     """``module._parameters`` for a module with stage-3 parameters; checks reads by name."""
 
-    __slots__ = ("guard", "owner_name")
+    __slots__ = ("guard", "handles", "owner_name")
 
     def __init__(
         self, params: dict, guard: Callable[[nn.Parameter, str, str], None], owner_name: str
@@ -83,12 +88,26 @@ class GuardedParameterDict(dict):
         super().__init__(params)
         self.guard = guard  # guard(param, attribute name, owner module description)
         self.owner_name = owner_name
+        self.handles: list[Any] = []  # the module's state-dict hooks, removed with the guard
 
     def __getitem__(self, name: str) -> Any:
         param = dict.__getitem__(self, name)
         if param is not None:
             self.guard(param, name, self.owner_name)
         return param
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        """Refuse to copy released parameters: the copies would be empty, untracked tensors."""
+        for name, p in dict.items(self):
+            sp = REGISTRY.get(p) if p is not None else None
+            if sp is not None and sp.state is not ParamState.GATHERED:
+                raise not_gathered_error(
+                    sp.name or f"{self.owner_name}.{name}",
+                    "by copy.deepcopy of its module",
+                    fix="Copy modules before they are partitioned (outside zero.Init, before "
+                    "zero.shard), or build each copy by calling its constructor inside zero.Init",
+                )
+        return {k: copy.deepcopy(v, memo) for k, v in dict.items(self)}
 
 
 def guard_module(
@@ -99,14 +118,74 @@ def guard_module(
     if isinstance(params, GuardedParameterDict):
         params.guard, params.owner_name = guard, owner_name
         return
-    module.__dict__["_parameters"] = GuardedParameterDict(params, guard, owner_name)
+    guarded = GuardedParameterDict(params, guard, owner_name)
+    module.__dict__["_parameters"] = guarded
+    guarded.handles = [
+        module.register_state_dict_pre_hook(_refuse_state_dict),
+        module.register_state_dict_post_hook(_own_state_dict),
+        module.register_load_state_dict_pre_hook(_refuse_load_state_dict),
+    ]
 
 
 def unguard_module(module: nn.Module) -> None:
-    """Put a plain dict back (same entries, same order)."""
+    """Put a plain dict back (same entries, same order) and remove the state-dict hooks."""
     params = module.__dict__["_parameters"]
     if isinstance(params, GuardedParameterDict):
+        for handle in params.handles:
+            handle.remove()
         module.__dict__["_parameters"] = dict(params)
+
+
+# -- state_dict / load_state_dict ------------------------------------------------------------------
+def _released_param(module: nn.Module) -> str | None:
+    """The name of one of ``module``'s own stage-3 parameters that is not gathered, if any."""
+    for name, p in dict.items(module._parameters):
+        sp = REGISTRY.get(p) if p is not None else None
+        if sp is not None and sp.state is not ParamState.GATHERED:
+            return sp.name or name
+    return None
+
+
+def _refuse_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    name = _released_param(module)
+    if name is not None:
+        raise not_gathered_error(
+            name,
+            "by state_dict() outside GatheredParameters",
+            fix="Use `sd = zero.full_state_dict(model)` (full tensors of your own, on every rank; "
+            "rank0_only=True keeps them on rank 0 only), or call state_dict() inside `with "
+            "zero.GatheredParameters(model.parameters()):` (it returns copies there, valid after "
+            "the block); zero.save_checkpoint saves the shards without gathering",
+        )
+
+
+def _refuse_load_state_dict(module: nn.Module, state_dict: Any, prefix: str, *rest: Any) -> None:
+    name = _released_param(module)
+    if name is not None:
+        raise not_gathered_error(
+            name,
+            "by load_state_dict() outside GatheredParameters",
+            fix="Load inside `with zero.GatheredParameters(model.parameters(), modifier_rank=0): "
+            "model.load_state_dict(sd)` (modifier_rank=0 re-partitions rank 0's loaded values on "
+            "every rank), or use zero.load_checkpoint",
+        )
+
+
+def _own_state_dict(module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
+    """Replace views of gathered stage-3 parameters by copies.
+
+    A view shares the parameter's full buffer, whose storage is resized to 0 bytes when the
+    parameter is released (Note [why storage is resized, not replaced]): read after
+    GatheredParameters exits, it would crash the process. Costs: one copy, ``n·p`` bytes, per
+    stage-3 parameter of the state dict. ``keep_vars=True`` entries are the parameters
+    themselves and are left alone.
+    """
+    for name, p in dict.items(module._parameters):
+        key = prefix + name
+        value = state_dict.get(key)
+        if p is None or value is None or isinstance(value, nn.Parameter) or p not in REGISTRY:
+            continue
+        state_dict[key] = value.clone()
 
 
 def check_access(param: nn.Parameter, attr: str, owner: str) -> None:
@@ -128,7 +207,7 @@ def check_access(param: nn.Parameter, attr: str, owner: str) -> None:
 
 def full_value(param: nn.Parameter) -> torch.Tensor:
     """A copy of ``param``'s full value; stage-3 parameters must be gathered (forward or
-    GatheredParameters), else :class:`ParameterNotGatheredError`. Other tensors: a plain copy."""
+    GatheredParameters), else `ParameterNotGatheredError`. Other tensors: a plain copy."""
     sp = REGISTRY.get(param)
     if sp is not None and sp.state is not ParamState.GATHERED:
         raise not_gathered_error(
@@ -137,14 +216,18 @@ def full_value(param: nn.Parameter) -> torch.Tensor:
     return param.detach().clone()
 
 
-def not_gathered_error(param_name: str, where: str) -> ParameterNotGatheredError:
+def not_gathered_error(
+    param_name: str, where: str, fix: str | None = None
+) -> ParameterNotGatheredError:
     """The error for a use of a released parameter, naming it and the fix."""
+    fix = fix or (
+        "Read or modify full parameters inside `with zero.GatheredParameters(params, "
+        "modifier_rank=...)` (modifier_rank=r keeps the changes rank r makes), and call modules "
+        "as module(x), not module.forward(x), so the stage-3 hooks fetch their parameters"
+    )
     return ParameterNotGatheredError(
         f"stage-3 parameter {param_name!r} was used {where}, but only this rank's shard is present "
-        f"(its .data is an empty tensor). Read or modify full parameters inside "
-        f"`with zero.GatheredParameters(params, modifier_rank=...)` (modifier_rank=r keeps the "
-        f"changes rank r makes), and call modules as module(x), not module.forward(x), so the "
-        f"stage-3 hooks fetch their parameters"
+        f"(its .data is an empty tensor). {fix}"
     )
 
 
@@ -168,14 +251,23 @@ class InitWriteGuard(TorchFunctionMode):
     Initialisers write in place (``normal_``, ``zero_``, ``copy_``...); on a released parameter
     they would write into an empty tensor and do nothing, silently. Only in-place tensor methods
     (name ends in ``_``) are checked; one dict lookup per tensor argument while Init is active.
+    ``before_factory`` runs before each tensor factory (``torch.empty``...): Init partitions the
+    modules finished so far before the next parameter's memory is allocated.
     """
 
     _METADATA = frozenset({"requires_grad_", "retain_grad", "share_memory_"})
+    _FACTORIES = frozenset({"empty", "zeros", "ones", "full", "rand", "randn", "tensor"})
+
+    def __init__(self, before_factory: Callable[[], None]) -> None:
+        super().__init__()
+        self.before_factory = before_factory
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
     ) -> Any:
         name = getattr(func, "__name__", "")
+        if name in self._FACTORIES:
+            self.before_factory()
         if name.endswith("_") and not name.startswith("__") and name not in self._METADATA:
             for a in (*args[:1], *(kwargs or {}).values()):  # nn.init passes tensor=...
                 sp = REGISTRY.get(a) if isinstance(a, nn.Parameter) else None

@@ -11,12 +11,14 @@ forward); later micro-steps add into it. ``zero_grad`` drops the shards (``grad_
 as ``optimizer.zero_grad(set_to_none=True)`` does, so between the step and the next backward, and
 through the whole forward, a rank holds no gradient bytes at all. See Note [lazy gradient shards].
 
-Bucket layout (the reduce-scatter input must be rank-major: row r is what rank r receives)::
+Bucket layout (the reduce-scatter input must be rank-major: row r is what rank r receives):
 
-    gradient of a (n=7, N=2, s=4):   a0 a1 a2 a3 | a4 a5 a6 0      -> rows of a: (2, 4)
-    gradient of b (n=4, s=2):        b0 b1 | b2 b3                 -> rows of b: (2, 2)
-    bucket = cat(rows, dim=1):       row 0: a0 a1 a2 a3 b0 b1      (2, 6) -> rank 0 gets row 0
-                                     row 1: a4 a5 a6 0  b2 b3                 rank 1 gets row 1
+```text
+gradient of a (n=7, N=2, s=4):   a0 a1 a2 a3 | a4 a5 a6 0      -> rows of a: (2, 4)
+gradient of b (n=4, s=2):        b0 b1 | b2 b3                 -> rows of b: (2, 2)
+bucket = cat(rows, dim=1):       row 0: a0 a1 a2 a3 b0 b1      (2, 6) -> rank 0 gets row 0
+                                 row 1: a4 a5 a6 0  b2 b3                 rank 1 gets row 1
+```
 
 Note [a fixed bucket plan]
 Collectives are matched across ranks by the order they are issued, so every rank must cut its
@@ -54,6 +56,7 @@ import torch
 from torch import nn
 
 import minispeed.comm as comm
+from minispeed.core import ranges
 from minispeed.zero.flat import cut_runs
 from minispeed.zero.reducer import weak_hook
 from minispeed.zero.stage3.params import ShardedParam
@@ -113,7 +116,6 @@ class GradShardReducer:
         self._next = 0  # the next bucket to launch, in plan order
         self._in_flight: deque[tuple[Any, list[tuple[ShardedParam, int]], torch.Tensor]]
         self._in_flight = deque()
-        self.launched_numels: list[int] = []  # reduce-scatter input elements, in launch order
         # Weak: see Note [hooks hold their owner weakly] (reducer.py).
         self._handles = [
             sp.param.register_post_accumulate_grad_hook(weak_hook(self._on_grad)) for sp in sps
@@ -165,12 +167,12 @@ class GradShardReducer:
         bucket.launched = True
         staged = torch.cat(rows, dim=1) if len(rows) > 1 else rows[0].contiguous()  # (N, cols)
         del rows  # the full gradients are freed now (unless staged is one of them, uncopied)
-        self.launched_numels.append(staged.numel())
         # In place: this rank's row of the input receives the reduced row (Note [in-place flat
         # collectives], comm/api_compat.py), so a bucket in flight holds N·cols elements, not more.
-        work = comm.reduce_scatter_tensor(
-            staged[self.rank], staged.view(-1), group=self.group, async_op=self.overlap
-        )
+        with ranges.range("zero3.reduce_scatter"):
+            work = comm.reduce_scatter_tensor(
+                staged[self.rank], staged.view(-1), group=self.group, async_op=self.overlap
+            )
         self._in_flight.append((work, offsets, staged))
         if not self.overlap or len(self._in_flight) > _MAX_IN_FLIGHT:
             self._finish_oldest()

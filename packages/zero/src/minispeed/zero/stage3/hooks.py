@@ -1,19 +1,19 @@
 """Module hooks: the four moments stage 3 acts on, and what it does at each.
 
-For every module that owns parameters (and for the root), four hooks, in the order they fire::
+For every module that owns parameters (and for the root), four hooks, in the order they fire:
 
-    forward pre-hook  -> coordinator.pre_forward(unit)    all-gather (or wait for the prefetch)
-    forward post-hook -> coordinator.post_forward(unit)   release
-                         + a gradient hook on the outputs (-> pre-backward)
-    pre-backward      -> coordinator.pre_backward(unit)   all-gather again: backward reads the
-                                                          parameters forward released
-    post-backward     -> coordinator.post_backward(unit)  release once input gradients exist
+| hook | calls | what happens |
+|---|---|---|
+| forward pre-hook | ``coordinator.pre_forward(unit)`` | all-gather (or wait for the prefetch) |
+| forward post-hook | ``coordinator.post_forward(unit)`` | release; a gradient hook on the outputs (-> pre-backward) |
+| pre-backward | ``coordinator.pre_backward(unit)`` | all-gather again: backward reads the parameters forward released |
+| post-backward | ``coordinator.post_backward(unit)`` | release once input gradients exist |
 
 **Pre-backward** is ``torch.autograd.graph.register_multi_grad_hook(outputs, mode="any")``: it
 fires once, when the first gradient for any output of the module is computed, i.e. before any of
 the module's own backward nodes run.
 
-**Post-backward** is an autograd function (:class:`_PostBackward`) wrapped around the module's
+**Post-backward** is an autograd function (`_PostBackward`) wrapped around the module's
 tensor *inputs* in the pre-hook: its backward runs after every gradient w.r.t. those inputs has
 been produced, i.e. after the module's backward. A module whose inputs need no gradient (the
 embedding reading token ids, the root) has no such point; its parameters are released by the
@@ -42,7 +42,8 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
-from minispeed.zero.stage3.coordinator import FetchCoordinator, FetchUnit
+from minispeed.zero.stage3.coordinator import FetchCoordinator
+from minispeed.zero.stage3.params import FetchUnit
 
 __all__ = ["install_module_hooks"]
 

@@ -1,11 +1,11 @@
 """Three user-facing contexts of stage 3: build partitioned, look at full values, fetch subtrees.
 
-- :class:`Init` partitions parameters while the model is being constructed, so a model larger
+- `Init` partitions parameters while the model is being constructed, so a model larger
   than one rank's memory can be built: each rank holds ``Ψ/N`` plus the modules under
   construction (see Note [when Init partitions a module]).
-- :class:`GatheredParameters` gathers parameters for user code (initialisation, inspection,
+- `GatheredParameters` gathers parameters for user code (initialisation, inspection,
   surgery) and, with ``modifier_rank=r``, keeps the changes rank r made, on every rank.
-- :func:`set_leaf_module` makes a module's whole subtree one fetch unit: fetched when the module
+- `set_leaf_module` makes a module's whole subtree one fetch unit: fetched when the module
   starts, released when it ends. For blocks whose children run depending on the data (MoE experts,
   early exit), where a per-child fetch order would differ between ranks.
 
@@ -15,6 +15,7 @@ same order.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -28,33 +29,45 @@ from torch.nn.modules.module import (
 
 import minispeed.comm as comm
 from minispeed.zero.stage3.access import InitWriteGuard, check_access, guard_module
-from minispeed.zero.stage3.params import (
-    REGISTRY,
-    ParamState,
-    ShardedParam,
-    all_gather_params,
-    partition_param,
-    release_params,
-)
+from minispeed.zero.stage3.params import REGISTRY, FetchUnit, ShardedParam, partition_param
 
-__all__ = ["GatheredParameters", "Init", "is_leaf_module", "set_leaf_module"]
+__all__ = ["GatheredParameters", "Init", "full_state_dict", "is_leaf_module", "set_leaf_module"]
 
 # Note [when Init partitions a module]
-# We never patch nn.Module.__init__. Two scoped registration hooks (undone on exit) tell us when
-# a parameter is created and when a module is attached to a parent. A module attached to a
-# *container* (ModuleList, Sequential, ModuleDict) is finished and containers do not touch their
-# children's parameters, so its subtree is partitioned at once: a stack of layers built as
-# ``nn.ModuleList(Block() for _ in range(L))`` holds one full block at a time. A module attached
-# to any other parent is partitioned one level later, when that parent is attached in turn: a
-# parent's __init__ may still initialise its children after attaching them (nn.MultiheadAttention
-# zeroes ``self.out_proj.bias`` after creating ``out_proj``). The root and its direct children are
-# partitioned when the context exits. Peak: Ψ/N + the largest unpartitioned subtree (one layer
-# of a container, or the root's direct children such as embeddings).
+# We never patch nn.Module.__init__. Two registration hooks, installed by the context and removed
+# on exit, fire whenever a parameter is created or a module is attached to a parent. At each of
+# them, and before each tensor factory call (``torch.empty``... seen by the InitWriteGuard mode, so
+# that the next layer's weight is allocated after the previous layer is partitioned), we look at
+# the Python call stack (``sys._getframe``) for the modules whose ``__init__`` is
+# running: those are still being built. A module is *finished* when it is not being built and,
+# if it was attached to a parent that is not a container, that parent is finished too: a parent's
+# __init__ may still initialise a child it attached (nn.MultiheadAttention zeroes
+# ``self.out_proj.bias`` after attaching ``out_proj``), while containers (ModuleList,
+# Sequential, ModuleDict) never touch their children. At every registration the parameters of
+# finished modules are partitioned. So ``nn.ModuleList([Block() for _ in range(L)])``,
+# ``nn.Sequential(*layers)`` and the generator form all hold one unpartitioned layer at a time,
+# and what remains is partitioned when the context exits. Peak: Ψ/N + one layer. Cost: one walk
+# of the call stack per registration and per tensor factory call, only inside the context.
 # Code that initialises parameters after they were partitioned (``self.apply(init_fn)`` at the
 # end of a root __init__) gets ParameterNotGatheredError naming GatheredParameters as the fix
-# (access.InitWriteGuard, a torch-function mode active only inside the context).
+# (access.InitWriteGuard, a torch-function mode active only inside the context), and so does
+# ``copy.deepcopy`` of a module whose parameters are partitioned (access.GuardedParameterDict).
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+def _modules_being_built() -> set[int]:
+    """``id`` of every nn.Module whose ``__init__`` (of any class in its MRO) is running here."""
+    building = set()
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "__init__" and code.co_argcount and code.co_varnames[0] == "self":
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, nn.Module):
+                building.add(id(owner))
+        frame = frame.f_back
+    return building
 
 
 class Init:
@@ -62,11 +75,13 @@ class Init:
 
     ``config`` is accepted for symmetry with ``zero.shard`` (Init needs nothing from it); the
     parameters keep the dtype they are created with (``zero.shard`` makes the fp32 masters from
-    them, then casts to ``MixedPrecision.param_dtype``). Every rank must construct the same model
-    with the same seed: each keeps its slice of what it built.
+    them, then casts to ``MixedPrecision.param_dtype``). Every rank must construct the same
+    modules in the same order; the values are the group's first rank's, whatever each rank's
+    seed (Note [partitioning starts from the first rank's values] in params.py).
 
-    Memory while building: ``Ψ/N`` of partitioned parameters plus the modules not yet partitioned
-    (Note [when Init partitions a module]). Communication: none.
+    Memory while building: ``Ψ/N`` of partitioned parameters plus the module not yet partitioned
+    (Note [when Init partitions a module]). Communication: one broadcast per parameter, ``Ψ·p``
+    bytes in all.
     """
 
     def __init__(self, config: Any = None, group: Any = None, enabled: bool = True) -> None:
@@ -75,6 +90,8 @@ class Init:
         self.enabled = enabled
         self.sharded: list[ShardedParam] = []
         self._created: dict[nn.Parameter, tuple[nn.Module, str]] = {}  # -> (module, attribute)
+        self._parent: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # non-containers
+        self._sweeping = False
         self._handles: list[Any] = []
 
     def __enter__(self) -> Init:
@@ -89,7 +106,7 @@ class Init:
             register_module_parameter_registration_hook(self._on_parameter),
             register_module_module_registration_hook(self._on_module),
         ]
-        self._write_guard = InitWriteGuard()
+        self._write_guard = InitWriteGuard(before_factory=self._partition_finished)
         self._write_guard.__enter__()
         return self
 
@@ -104,20 +121,41 @@ class Init:
             for p, (module, _) in list(self._created.items()):
                 self._partition(module, p)
         self._created.clear()
+        self._parent = weakref.WeakKeyDictionary()
 
     def _on_parameter(self, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        self._partition_finished()
         if param is not None and param not in REGISTRY:
             self._created[param] = (module, name)
 
     def _on_module(self, parent: nn.Module, name: str, child: nn.Module | None) -> None:
-        if child is None:
+        if child is not None and not isinstance(parent, _CONTAINERS):
+            self._parent[child] = parent
+        self._partition_finished()
+
+    def _partition_finished(self) -> None:
+        """Partition the parameters of every module whose construction has returned.
+
+        Note [when Init partitions a module].
+        """
+        if not self._created or self._sweeping:  # partitioning itself allocates shards
             return
-        done = [child] if isinstance(parent, _CONTAINERS) else list(child.children())
-        for top in done:
-            for module in top.modules():
-                for p in list(dict.values(module._parameters)):
-                    if p is not None and p in self._created:
-                        self._partition(module, p)
+        self._sweeping = True
+        try:
+            self._partition_modules(_modules_being_built())
+        finally:
+            self._sweeping = False
+
+    def _partition_modules(self, building: set[int]) -> None:
+        finished: dict[nn.Module, bool] = {}
+        for p, (module, _) in list(self._created.items()):
+            if module not in finished:
+                m: nn.Module | None = module
+                while m is not None and id(m) not in building:
+                    m = self._parent.get(m)  # a non-container parent may still initialise it
+                finished[module] = m is None
+            if finished[module]:
+                self._partition(module, p)
 
     def _partition(self, module: nn.Module, p: nn.Parameter) -> None:
         if p in REGISTRY:
@@ -131,12 +169,12 @@ class Init:
 class GatheredParameters:
     """Context: the full values of ``params`` on every rank; keep changes made by ``modifier_rank``.
 
-    ::
-
-        with zero.GatheredParameters(model.head.weight, modifier_rank=0):
-            if comm.get_rank() == 0:
-                model.head.weight.data.normal_()      # the change rank 0 makes...
-        # ...is broadcast and re-partitioned: every rank's shard (and fp32 master) holds it
+    ```python
+    with zero.GatheredParameters(model.head.weight, modifier_rank=0):
+        if comm.get_rank() == 0:
+            model.head.weight.data.normal_()      # the change rank 0 makes...
+    # ...is broadcast and re-partitioned: every rank's shard (and fp32 master) holds it
+    ```
 
     With ``modifier_rank=None`` changes are discarded at exit (read-only use). Parameters that are
     not partitioned by stage 3 are left alone, so the same code runs with and without stage 3.
@@ -162,6 +200,7 @@ class GatheredParameters:
             if sp is not None:
                 seen[sp] = None
         self.sharded = list(seen)
+        self._unit = FetchUnit(-1, "GatheredParameters", "", self.sharded)
         if len({id(sp.group) for sp in self.sharded}) > 1:
             raise ValueError(
                 "GatheredParameters got parameters partitioned over different process groups; "
@@ -170,11 +209,8 @@ class GatheredParameters:
 
     def __enter__(self) -> GatheredParameters:
         if self.enabled and self.sharded:
-            all_gather_params(self.sharded)
-            for sp in self.sharded:
-                if sp.state is ParamState.GATHERING:
-                    sp.to_gathered()
-                sp.holds += 1
+            self._unit.unshard()
+            self._unit.hold()
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -184,9 +220,8 @@ class GatheredParameters:
             if self.modifier_rank is not None and exc_type is None:
                 self._keep_changes()
         finally:
-            for sp in self.sharded:
-                sp.holds -= 1
-            release_params(self.sharded)
+            self._unit.unhold()
+            self._unit.reshard()
 
     @torch.no_grad()
     def _keep_changes(self) -> None:
@@ -195,12 +230,41 @@ class GatheredParameters:
         comm.broadcast(values, src=self.modifier_rank, group=self.sharded[0].group)
         offset = 0
         for sp in self.sharded:
-            mine = values[offset : offset + sp.numel]
+            sp.load_full(values[offset : offset + sp.numel])
             offset += sp.numel
-            full = sp.full_flat()
-            full[: sp.numel].copy_(mine)
-            sp.param.data = full[: sp.numel].view(sp.shape)  # in case user code replaced .data
-            sp.write_full(mine)
+
+
+@torch.no_grad()
+def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with full values that belong to the caller, for a stage-3 model.
+
+    Walks the modules in ``state_dict`` order and gathers one module's own parameters at a time
+    (``GatheredParameters`` without a modifier), copying each stage-3 parameter out before it is
+    released, so the tensors returned never lose their memory (a plain view would: Note [why
+    storage is resized, not replaced] in params.py). Buffers and other entries are what
+    ``state_dict()`` returns, copied too. Works for models without stage 3 as well (a copy of
+    ``state_dict()``). Module state-dict hooks are not run (the entries are each module's own
+    ``_save_to_state_dict``).
+
+    Collective: every rank of the group must call it. With ``rank0_only=True`` only the group's
+    first rank keeps the copies and the others get ``{}``.
+
+    Costs: one all-gather per module owning parameters (``Σ N·s·p`` bytes message in all); held:
+    the copies (``Ψ·p`` bytes on each rank that keeps them) plus one module's gathered parameters.
+    """
+    sps = [REGISTRY[p] for p in model.parameters() if p in REGISTRY]
+    group = sps[0].group if sps else None
+    keep = not rank0_only or not comm.is_initialized() or comm.get_rank(group) == 0
+    out: dict[str, Any] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        with GatheredParameters([p for p in dict.values(module._parameters) if p is not None]):
+            if keep:
+                entries: dict[str, Any] = {}
+                module._save_to_state_dict(entries, prefix + "." if prefix else "", False)
+                out.update(
+                    (k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in entries.items()
+                )
+    return out
 
 
 _LEAF_MODULES: weakref.WeakSet = weakref.WeakSet()
@@ -229,5 +293,5 @@ def set_leaf_module(modules: nn.Module | Iterable[nn.Module]) -> None:
 
 
 def is_leaf_module(module: nn.Module) -> bool:
-    """Whether :func:`set_leaf_module` marked ``module``."""
+    """Whether `set_leaf_module` marked ``module``."""
     return module in _LEAF_MODULES

@@ -6,22 +6,22 @@ output, a reduce-scatter its input. Each rank *sends* (N-1)/N of these (ring).
 For one unique parameter of ``n`` elements on N ranks, padded to ``N·ceil(n/N)`` elements
 (p, g = bytes per parameter / reduced-gradient element):
 
-=====================  ===================================  ==========================
-when                   collective                           message bytes
-=====================  ===================================  ==========================
-forward                all-gather, if not persistent        ``N·ceil(n/N)·p``
-backward               all-gather again, if not persistent  ``N·ceil(n/N)·p``
-backward               reduce-scatter, if trained           ``N·ceil(n/N)·g``
-after optimizer step   all-gather, if persistent and N > 1  ``N·ceil(n/N)·p``
-end of each forward    trace check (``first`` mode)         ``N·3·8`` (3 int64 per rank)
-=====================  ===================================  ==========================
+| when | collective | message bytes |
+|---|---|---|
+| forward | all-gather, if not persistent | ``N·ceil(n/N)·p`` |
+| backward | all-gather again, if not persistent | ``N·ceil(n/N)·p`` |
+| backward | reduce-scatter, if trained | ``N·ceil(n/N)·g`` |
+| after optimizer step | all-gather, if persistent and N > 1 | ``N·ceil(n/N)·p`` |
+| end of each forward | trace check (``first`` mode) | ``N·3·8`` (3 int64 per rank) |
 
 So a micro-step moves ``≈ 3Ψ`` elements (``2Ψ_np·p + Ψ·g``, Ψ_np the non-persistent elements),
 against stage 1/2's ``2Ψ`` (reduce-scatter + all-gather): stage 3 pays 1.5× the communication for
 holding ``1/N`` of the parameters. Padding adds fewer than N elements per parameter. Assumed: every
-non-persistent parameter belongs to a module that runs in forward and whose outputs receive
-gradients (so it is fetched once per forward and once per backward); the first forward of a run
-(trace recording: one check per module start, demand fetches of tied weights) costs more.
+non-persistent parameter belongs to a module that runs once in forward and whose outputs receive
+gradients (so it is fetched once per forward and once per backward; a module run twice is
+fetched twice unless ``stage3_max_reuse_distance`` keeps it: Note [reuse distance] in
+coordinator.py); the first forward of a run (trace recording: one check per module start, demand
+fetches of tied weights) costs more.
 With one rank a persistent parameter's shard is its whole (padded) value, so
 ``refresh_gathered`` copies it locally and no collective is issued (the formula counts 0).
 """

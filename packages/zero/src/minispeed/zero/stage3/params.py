@@ -1,4 +1,4 @@
-"""One partitioned parameter (:class:`ShardedParam`) and the collectives that move it.
+"""One partitioned parameter (`ShardedParam`), the fetch unit (`FetchUnit`) and their collectives.
 
 Stage 3 keeps only ``1/N`` of every parameter on each rank. The model's ``nn.Parameter`` objects
 stay where they are (autograd leaves, optimizer references and ``named_parameters()`` keep
@@ -9,14 +9,19 @@ working); what changes is what their ``.data`` points to:
 - fetched (GATHERED): the full buffer's storage is re-allocated, all-gathered into, and
   ``param.data`` is a view of it.
 
-Everything stage 3 knows about a parameter lives in its :class:`ShardedParam`, an object we own,
-found through :data:`REGISTRY` (a weak dict keyed by the parameter). Nothing is patched onto the
+Everything stage 3 knows about a parameter lives in its `ShardedParam`, an object we own, found
+through `REGISTRY` (a weak dict keyed by the parameter). Nothing is patched onto the
 ``nn.Parameter``. See Note [why .data is swapped] and Note [why storage is resized, not replaced].
+A `FetchUnit` is the set of parameters one module needs: it owns the transitions of the whole set
+(`unshard()`, `wait()`, `reshard()`) and its hold count (`hold()`, `unhold()`); the coordinator
+decides when to call them.
 
-Layout of one parameter of ``n`` elements over N ranks (``s = ceil(n / N)``)::
+Layout of one parameter of ``n`` elements over N ranks (``s = ceil(n / N)``):
 
-    flattened parameter:  | x0 x1 x2 x3 x4 x5 x6 |  _  |      padded to N·s = 8 (N = 4, n = 7)
-    shard of rank r:        elements [r·s, (r+1)·s)       rank 3 holds x6 and one padding zero
+```text
+flattened parameter:  | x0 x1 x2 x3 x4 x5 x6 |  _  |      padded to N·s = 8 (N = 4, n = 7)
+shard of rank r:        elements [r·s, (r+1)·s)       rank 3 holds x6 and one padding zero
+```
 
 The all-gather of the N shards (rank-major) *is* the padded flat parameter, so no copy is needed
 after it: ``param.data = full[:n].view(shape)``.
@@ -36,7 +41,8 @@ from __future__ import annotations
 
 import enum
 import weakref
-from collections.abc import Sequence
+import zlib
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -44,16 +50,18 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 import minispeed.comm as comm
+from minispeed.comm.validation import group_ranks
+from minispeed.core import ranges
 from minispeed.core.accelerator import get_accelerator
 
 __all__ = [
     "REGISTRY",
+    "FetchUnit",
     "ParamState",
     "ShardedParam",
     "all_gather_params",
     "partition_param",
     "refresh_gathered",
-    "release_params",
 ]
 
 # Note [why .data is swapped]
@@ -116,27 +124,20 @@ REGISTRY: WeakIdKeyDictionary = WeakIdKeyDictionary()
 class ParamState(enum.Enum):
     """Where a stage-3 parameter's full value is. ``n`` elements, ``s = ceil(n/N)``, p bytes each.
 
-    ==========  ==========================================  =================================
-    state       tensors that exist                          bytes held for this parameter
-    ==========  ==========================================  =================================
-    SHARDED     shard (s); ``param.data`` = empty (0);      ``s·p`` (shard only)
-                full buffer (N·s) with storage of 0 bytes
-    GATHERING   shard; an async all-gather in flight,       ``s·p + N·s·p``
-                into the full buffer (one parameter) or
-                into the collective's buffer, copied into
-                the full buffer when it lands (several:
-                Note [a prefetch holds one copy]);
-                ``param.data`` empty
-    GATHERED    shard; full buffer; ``param.data`` =        ``s·p + N·s·p``
-                ``full[:n].view(shape)``
-    ==========  ==========================================  =================================
+    | state | tensors that exist | bytes held for this parameter |
+    |---|---|---|
+    | SHARDED | shard (s); ``param.data`` = empty (0); full buffer (N·s) with storage of 0 bytes | ``s·p`` (shard only) |
+    | GATHERING | shard; an async all-gather in flight, into the full buffer (one parameter) or into the collective's buffer, copied into the full buffer when it lands (several: Note [a prefetch holds one copy]); ``param.data`` empty | ``s·p + N·s·p`` |
+    | GATHERED | shard; full buffer; ``param.data`` = ``full[:n].view(shape)`` | ``s·p + N·s·p`` |
 
     (Plus the strategy's fp32 master, ``4s`` bytes in every state, and from backward to the step
     the gradient shard, ``4s``.)
     The full buffer is one tensor for the parameter's whole life; only its storage comes and goes
     (Note [why storage is resized, not replaced]), so views autograd saved stay valid.
     Transitions: SHARDED -> GATHERING -> GATHERED -> SHARDED, or SHARDED -> GATHERED for a
-    synchronous fetch; each is one ``to_<state>()`` method that asserts its source state.
+    synchronous fetch; each is one ``to_<state>()`` method that asserts its source state, and
+    they (with `set_shard`, `load_full` and `to_plain`) are the only places ``param.data`` is
+    assigned.
     """
 
     SHARDED = "sharded"
@@ -149,9 +150,11 @@ class ShardedParam:
 
     Attributes set by the strategy (``None`` until ``zero.shard`` runs): ``master`` (fp32,
     ``s`` elements; the very ``shard`` tensor for fp32 training), ``grad_shard`` (``s`` elements of
-    ``grad_accum_dtype``, ``None`` until its gradient is first reduced in a window), ``coordinator`` (the FetchCoordinator that fetches it in forward).
-    ``holds`` counts the users that need it gathered now (running modules, GatheredParameters
-    contexts); it is released only when that count is 0 and it is not ``persistent``.
+    ``grad_accum_dtype``, ``None`` until its gradient is first reduced in a window),
+    ``coordinator`` (the FetchCoordinator that fetches it in forward).
+    ``holds`` counts the fetch units that need it gathered now (running modules,
+    GatheredParameters contexts), changed only by `FetchUnit.hold` / `FetchUnit.unhold`; it is
+    released only when that count is 0 and it is not ``persistent``.
     """
 
     def __init__(
@@ -172,12 +175,18 @@ class ShardedParam:
         # Weak: Note [ShardedParam holds its coordinator weakly].
         self._coordinator: weakref.ref | None = None
         self.persistent = False
-        self.holds = 0
+        self._holds = 0  # written only through FetchUnit.hold / FetchUnit.unhold
         self.state = ParamState.SHARDED
         # 1D, numel = N * shard_numel, created at the first fetch; its storage is 0 bytes while
         # SHARDED. Note [why storage is resized, not replaced].
         self._full: torch.Tensor | None = None
         self._work: Any = None  # the in-flight all-gather, while GATHERING
+        param.data = shard.new_empty(0)  # born SHARDED (Note [why .data is swapped])
+
+    @property
+    def holds(self) -> int:
+        """How many fetch units need this parameter gathered now."""
+        return self._holds
 
     @property
     def coordinator(self) -> Any:
@@ -258,6 +267,35 @@ class ShardedParam:
         self.param.data = self._full[: self.numel].view(self.shape)
         self.state = ParamState.GATHERED
 
+    def _add_hold(self, delta: int) -> None:
+        """Only for FetchUnit.hold / unhold: an unmatched release is a bug, never clamped."""
+        assert self._holds + delta >= 0, f"{self.name}: released more often than held"
+        self._holds += delta
+
+    def set_shard(self, shard: torch.Tensor) -> None:
+        """Replace the shard (zero.shard casting it to ``param_dtype``); stays SHARDED."""
+        assert self.state is ParamState.SHARDED, f"{self.name}: set_shard while {self.state}"
+        self.shard = shard
+        self.param.data = shard.new_empty(0)
+
+    def load_full(self, values: torch.Tensor) -> None:
+        """While GATHERED: make ``values`` (``n`` elements) the parameter's value, here and in
+        this rank's shard and master (GatheredParameters keeping a modifier's changes)."""
+        assert self.state is ParamState.GATHERED, f"{self.name}: load_full while {self.state}"
+        self._full[: self.numel].copy_(values)
+        self.param.data = self._full[: self.numel].view(self.shape)  # user code may have swapped it
+        mine = values.reshape(-1)[self.start : self.start + self.owned_numel]
+        self.shard[: self.owned_numel].copy_(mine)
+        if self.master is not None and self.master is not self.shard:
+            self.master[: self.owned_numel].copy_(mine)
+
+    def to_plain(self) -> None:
+        """While GATHERED: hand the parameter back to PyTorch with its own copy of the full value
+        (Stage3Strategy.close); this object is not used afterwards."""
+        assert self.state is ParamState.GATHERED, f"{self.name}: to_plain while {self.state}"
+        self.param.data = self._full[: self.numel].view(self.shape).clone()
+        self._full = None
+
     def to_sharded(self) -> None:
         """Release: free the full buffer's storage in place; ``param.data`` becomes empty.
 
@@ -288,13 +326,6 @@ class ShardedParam:
             flat = torch.cat([flat, flat.new_zeros(pad)])
         return flat.view(self.world_size, self.shard_numel)
 
-    def write_full(self, full_flat: torch.Tensor) -> None:
-        """Re-partition: take this rank's slice of new full values into the shard (and master)."""
-        mine = full_flat.reshape(-1)[self.start : self.start + self.owned_numel]
-        self.shard[: self.owned_numel].copy_(mine)
-        if self.master is not None and self.master is not self.shard:
-            self.master[: self.owned_numel].copy_(mine)
-
     def __repr__(self) -> str:
         return (
             f"ShardedParam({self.name or '?'}, shape={tuple(self.shape)}, state={self.state.name}, "
@@ -302,13 +333,21 @@ class ShardedParam:
         )
 
 
-# -- one parameter or a group -----------------------------------------------------------------------
-def partition_param(param: nn.Parameter, group: Any, name: str = "") -> ShardedParam:
-    """Cut ``param``'s current full value into N shards, keep ours, release the rest.
+# -- partitioning -----------------------------------------------------------------------------------
+# Note [partitioning starts from the first rank's values]
+# Each rank keeps only its slice of a parameter, so if the ranks built different values (seeded
+# by rank, a common habit for data order) the model would be stitched from N initialisations,
+# silently. Stages 0-2 broadcast the first rank's parameters in zero.shard; stage 3 does it here,
+# per parameter, just before cutting: zero.shard and zero.Init alike. Cost: one broadcast of
+# ``n·p`` bytes per parameter, once (Ψ·p in all); none with one rank.
 
-    Every rank must hold the same full value (same seed, or loaded from the same file): each keeps
-    only its slice, so a rank whose value differs contributes that slice. Memory: after this call
-    the rank holds ``ceil(n/N)`` elements of ``param`` instead of ``n``.
+
+def partition_param(param: nn.Parameter, group: Any, name: str = "") -> ShardedParam:
+    """Take the group's first rank's value of ``param``, keep our shard of it, release the rest.
+
+    Collective (one broadcast of ``n·p`` bytes, Note [partitioning starts from the first rank's
+    values]): every rank of the group partitions the same parameters in the same order. Memory:
+    after this call the rank holds ``ceil(n/N)`` elements of ``param`` instead of ``n``.
     """
     if param in REGISTRY:
         return REGISTRY[param]
@@ -317,15 +356,18 @@ def partition_param(param: nn.Parameter, group: Any, name: str = "") -> ShardedP
     s = -(-n // world)
     start = comm.get_rank(group) * s
     flat = param.detach().reshape(-1)
+    if world > 1:
+        flat = flat.contiguous()  # a copy only if the parameter is not contiguous
+        comm.broadcast(flat, src=group_ranks(group)[0], group=group)
     shard = torch.zeros(s, dtype=param.dtype, device=device)
     owned = max(0, min(s, n - start))
     shard[:owned].copy_(flat[start : start + owned])
     sp = ShardedParam(param, shard, group, name)
-    param.data = shard.new_empty(0)
     REGISTRY[param] = sp
     return sp
 
 
+# -- several parameters: one collective ------------------------------------------------------------
 def all_gather_params(sps: Sequence[ShardedParam], async_op: bool = False) -> Any:
     """Fetch every SHARDED parameter of ``sps`` with ONE collective; returns its handle (or None).
 
@@ -336,6 +378,11 @@ def all_gather_params(sps: Sequence[ShardedParam], async_op: bool = False) -> An
     todo = [sp for sp in sps if sp.state is ParamState.SHARDED]
     if not todo:
         return None
+    with ranges.range("zero3.gather"):
+        return _all_gather(todo, async_op)
+
+
+def _all_gather(todo: list[ShardedParam], async_op: bool) -> Any:
     group = todo[0].group
     # Into each parameter's own 1D buffer (N*s, rank-major): the storage autograd's saved views
     # share (Note [why storage is resized, not replaced]). See Note [a prefetch holds one copy].
@@ -371,26 +418,95 @@ def refresh_gathered(sps: Sequence[ShardedParam]) -> None:
         for sp in sps:
             sp.full_flat().copy_(sp.shard)
         return
-    if len(sps) == 1:
-        comm.all_gather_into_tensor(sps[0].full_flat(), sps[0].shard, group=sps[0].group)
-    else:
-        comm.all_gather_coalesced(
-            [sp.full_flat() for sp in sps], [sp.shard for sp in sps], group=sps[0].group
-        )
+    with ranges.range("zero3.gather"):
+        if len(sps) == 1:
+            comm.all_gather_into_tensor(sps[0].full_flat(), sps[0].shard, group=sps[0].group)
+        else:
+            comm.all_gather_coalesced(
+                [sp.full_flat() for sp in sps], [sp.shard for sp in sps], group=sps[0].group
+            )
 
 
-def release_params(sps: Sequence[ShardedParam]) -> list[ShardedParam]:
-    """Release every parameter of ``sps`` that nobody holds and is not persistent.
+# -- the fetch unit ---------------------------------------------------------------------------------
+class FetchUnit:
+    """The parameters gathered together when one module runs, and their transitions.
 
-    A parameter still GATHERING is waited for first (its collective must complete on every rank).
-    Returns the parameters released.
+    ``params``: the module's own parameters (its whole subtree for a leaf module, see
+    ``set_leaf_module``), then *externals*: parameters of other modules it was seen reading in
+    forward (added by the coordinator's demand fetch). Persistent parameters may be listed; they
+    are simply always gathered. GatheredParameters and the prefetcher make units of their own
+    (``index == -1``): a unit is whatever travels in one all-gather.
+
+    Lifecycle, each step one method: `unshard` issues ONE all-gather for the members still
+    SHARDED (async: they become GATHERING), `wait` finishes it (GATHERED), `hold` / `unhold`
+    count this unit's users of every member, `reshard` releases the members nobody holds.
+    A parameter shared by two units (a tied weight) is released only when neither holds it.
+    Costs: `unshard` sends ``Σ N·s·p`` bytes (message) for the members not yet gathered; held
+    while gathered: the same.
     """
-    released = []
-    for sp in sps:
-        if sp.holds or sp.persistent or sp.state is ParamState.SHARDED:
-            continue
-        if sp.state is ParamState.GATHERING:
-            sp.to_gathered()
-        sp.to_sharded()
-        released.append(sp)
-    return released
+
+    __slots__ = ("index", "kind", "name", "params")
+
+    def __init__(self, index: int, name: str, kind: str, params: list[ShardedParam]) -> None:
+        self.index = index
+        self.name = name  # qualified module name ("" for the root)
+        self.kind = kind  # module class name, for messages
+        self.params = params
+
+    @property
+    def label(self) -> str:
+        """``'name' (Class)``, for messages and the event log."""
+        return f"'{self.name or '<root>'}' ({self.kind})"
+
+    def fingerprint(self, what: str) -> int:
+        """A rank-independent 31-bit hash of (event, module name): same module, same number."""
+        return zlib.crc32(f"{what}:{self.name}".encode()) & 0x7FFFFFFF
+
+    def missing(self) -> list[ShardedParam]:
+        """Members still SHARDED (what `unshard` would gather)."""
+        return [sp for sp in self.params if sp.state is ParamState.SHARDED]
+
+    def unshard(self, async_op: bool = False) -> list[ShardedParam]:
+        """Gather the SHARDED members with one collective; returns them. Synchronous: they are
+        GATHERED on return (and members already in flight are waited for)."""
+        missing = self.missing()
+        all_gather_params(missing, async_op=async_op)
+        if not async_op:
+            self.wait()
+        return missing
+
+    def wait(self) -> None:
+        """Finish the all-gathers in flight for members (GATHERING -> GATHERED)."""
+        for sp in self.params:
+            if sp.state is ParamState.GATHERING:
+                sp.to_gathered()
+
+    def hold(self) -> None:
+        """One more user needs every member gathered (they must be, or about to be)."""
+        for sp in self.params:
+            sp._add_hold(+1)
+
+    def unhold(self) -> None:
+        """A user is done with the members (asserts it held them)."""
+        for sp in self.params:
+            sp._add_hold(-1)
+
+    def reshard(self, keep: Collection[ShardedParam] = ()) -> list[ShardedParam]:
+        """Release every member that no unit holds, is not persistent and not in ``keep``.
+
+        A member still GATHERING is waited for first (its collective must complete on every
+        rank). Returns the members released; frees ``N·s·p`` bytes for each.
+        """
+        released = []
+        with ranges.range("zero3.release"):
+            for sp in self.params:
+                if sp.holds or sp.persistent or sp.state is ParamState.SHARDED or sp in keep:
+                    continue
+                if sp.state is ParamState.GATHERING:
+                    sp.to_gathered()
+                sp.to_sharded()
+                released.append(sp)
+        return released
+
+    def __repr__(self) -> str:
+        return f"FetchUnit({self.index}, {self.label}, {len(self.params)} params)"

@@ -31,15 +31,15 @@ from minispeed.zero.config import ZeroConfig
 from minispeed.zero.optimizer import ParamFragment
 from minispeed.zero.precision import MixedPrecision
 from minispeed.zero.stage3.access import check_access, guard_module, unguard_module
-from minispeed.zero.stage3.coordinator import FetchCoordinator, FetchUnit
+from minispeed.zero.stage3.coordinator import FetchCoordinator
 from minispeed.zero.stage3.grads import GradShardReducer
 from minispeed.zero.stage3.hooks import install_module_hooks
 from minispeed.zero.stage3.init import is_leaf_module
 from minispeed.zero.stage3.params import (
     REGISTRY,
+    FetchUnit,
     ParamState,
     ShardedParam,
-    all_gather_params,
     partition_param,
     refresh_gathered,
 )
@@ -68,7 +68,7 @@ class Stage3Strategy:
         self.group = group
         self.world_size = comm.get_world_size(group)
         self.rank = comm.get_rank(group)
-        self.groups = [list(ps) for ps in param_groups]
+        self.groups = [list(ps) for ps in param_groups]  # the optimizer's param groups
 
         # 1. one ShardedParam per unique parameter (named_parameters() lists a tied one once).
         self.sharded: dict[nn.Parameter, ShardedParam] = {}
@@ -93,11 +93,10 @@ class Stage3Strategy:
         for sp in self.sharded.values():
             if precision.needs_master_copy:
                 master = sp.shard.to(torch.float32, copy=True)
-                sp.shard = sp.shard.to(precision.param_dtype)
+                sp.set_shard(sp.shard.to(precision.param_dtype))
             else:
-                sp.shard = sp.shard.to(torch.float32)
+                sp.set_shard(sp.shard.to(torch.float32))
                 master = sp.shard
-            sp.param.data = sp.shard.new_empty(0)
             sp.master = master if sp in self.trained else None
 
         # 3. persistent parameters: gathered once, kept.
@@ -105,7 +104,7 @@ class Stage3Strategy:
         self.persistent = [sp for sp in self.sharded.values() if sp.numel <= threshold]
         for sp in self.persistent:
             sp.persistent = True
-        all_gather_params(self.persistent)
+        FetchUnit(-1, "persistent", "", self.persistent).unshard()
 
         # 4. fetch units, coordinator, hooks, guards.
         self.units = _build_units(model, self.sharded)
@@ -115,6 +114,7 @@ class Stage3Strategy:
             prefetch_numel=config.stage3_prefetch_bucket_numel,
             max_live_numel=config.stage3_max_live_numel,
             check=TraceCheck.from_config(config),
+            reuse_numel=config.stage3_max_reuse_distance_numel,
         )
         for sp in self.sharded.values():
             sp.coordinator = self.coordinator
@@ -122,10 +122,6 @@ class Stage3Strategy:
         for name, module in model.named_modules():
             if dict.__len__(module._parameters):
                 guard_module(module, check_access, name or type(module).__name__)
-                self._handles.append(module.register_state_dict_pre_hook(self._refuse_state_dict))
-                self._handles.append(
-                    module.register_load_state_dict_pre_hook(self._refuse_load_state_dict)
-                )
 
         # 5. gradients.
         position = {self.sharded[p]: k for k, p in enumerate(model.parameters())}
@@ -192,11 +188,9 @@ class Stage3Strategy:
         """
         self.reducer.wait_in_flight()
         self.coordinator.end_backward()
-        all_gather_params(list(self.sharded.values()))
+        FetchUnit(-1, "close", "", list(self.sharded.values())).unshard()
         for sp in self.sharded.values():
-            if sp.state is ParamState.GATHERING:
-                sp.to_gathered()
-            sp.param.data = sp.full_flat()[: sp.numel].view(sp.shape).clone()
+            sp.to_plain()
             sp.coordinator = None
             REGISTRY.pop(sp.param, None)
         self.reducer.remove()
@@ -205,25 +199,6 @@ class Stage3Strategy:
         self._handles.clear()
         for module in self.model.modules():
             unguard_module(module)
-
-    def _refuse_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        self._refuse_if_released(module, "state_dict()")
-
-    def _refuse_load_state_dict(
-        self, module: nn.Module, state_dict: Any, prefix: str, *rest: Any
-    ) -> None:
-        self._refuse_if_released(module, "load_state_dict()")
-
-    def _refuse_if_released(self, module: nn.Module, what: str) -> None:
-        for p in dict.values(module._parameters):
-            sp = self.sharded.get(p) if p is not None else None
-            if sp is not None and sp.state is not ParamState.GATHERED:
-                raise RuntimeError(
-                    f"{what} on a stage-3 model would see {sp.name!r} as an empty tensor (only this "
-                    f"rank's shard is present). Wrap it in `with zero.GatheredParameters("
-                    f"model.parameters(), modifier_rank=0)` (modifier_rank so loaded values are "
-                    f"kept), or use zero.save_checkpoint / zero.load_checkpoint / zero.consolidate"
-                )
 
 
 def _build_units(

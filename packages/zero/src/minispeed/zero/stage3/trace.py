@@ -1,29 +1,40 @@
-"""Cross-rank checks of the fetch order: what makes a ZeRO-3 divergence an error, not a hang.
+"""The fetch trace and its cross-rank checks: what makes a ZeRO-3 divergence an error, not a hang.
+
+`FetchTrace` records the order in which modules start and end in the first forward (and start
+their backward in the first backward), then follows it in later passes, telling the coordinator
+which units come next (for prefetching) and whether this rank is still on the trace.
 
 Collectives pair up by issue order. If ranks run parameter-owning modules in different orders,
 rank 0's all-gather of module A meets rank 1's all-gather of module B: a hang, or garbage when the
-sizes happen to match. :func:`agree_across_ranks` is the check the coordinator runs at chosen
-points of a pass: every rank contributes (phase, position, fingerprint of what it is about to do);
-if any differ, all ranks learn it from the same collective and raise :class:`FetchOrderError`
-together, naming what each rank ran at the first position where they differ.
+sizes happen to match. `agree_across_ranks` is the check run at chosen points of a pass: every
+rank contributes (phase, position, fingerprint of what it is about to do); if any differ, all
+ranks learn it from the same collective and raise `FetchOrderError` together, naming what each
+rank ran at the first position where they differ.
 
-Costs: one all-gather of 3 int64 per rank (``24·N`` bytes message) per check; on a mismatch one
-more ``all_gather_object`` of the descriptions (the run is over anyway).
+Costs: the trace is one small tuple per module call. Checks: one all-gather of 3 int64 per rank
+(``24·N`` bytes message) per check: per module start while recording (``first``) or in every
+pass (``every``), plus one per forward; on a mismatch one more ``all_gather_object`` of the
+descriptions (the run is over anyway).
 """
 
 from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 import minispeed.comm as comm
 from minispeed.core.accelerator import get_accelerator
+from minispeed.core.logging import get_logger
+from minispeed.zero.stage3.params import FetchUnit
 
-__all__ = ["FetchOrderError", "TraceCheck", "agree_across_ranks"]
+__all__ = ["FetchOrderError", "FetchTrace", "TraceCheck", "agree_across_ranks"]
+
+_log = get_logger("zero")
 
 # Note [how divergence is caught]
 # * While a trace is being recorded (the first forward, or after a change of control flow), every
@@ -71,7 +82,17 @@ class TraceCheck(enum.Enum):
             ) from None
 
 
-_PHASE_CODE = {"forward": 1, "backward": 2, "call": 3}
+_PHASE_CODE = {"forward": 1, "backward": 2, "call": 3, "end": 4}
+
+# Note [the grad mode is part of the end-of-forward check]
+# Every forward follows the same trace, so ranks that run *different numbers* of forwards (an
+# evaluation loop over 3 batches on one rank and 5 on another) pass every module check: their
+# passes pair up one by one. The mismatch surfaces when one rank goes back to training while the
+# other still evaluates: its backward's all-gathers and reduce-scatters meet the other's forward
+# all-gathers (gloo aborts a process on the size mismatch). So the one check every forward makes
+# at its end carries the grad mode: the first pass where one rank trains and another evaluates
+# raises on every rank, before any backward collective. (Uneven passes that are all evaluations
+# and end in a collective of the user's own are beyond our sight.)
 
 
 def agree_across_ranks(
@@ -99,6 +120,15 @@ def agree_across_ranks(
     mine_text = what if pos == first_pos else describe(phase, first_pos)
     whats = comm.all_gather_object(mine_text, group=group)
     lines = "\n".join(f"  rank {r}: {w}" for r, w in enumerate(whats))
+    if all(row[:2] == [_PHASE_CODE["end"], first_pos] for row in table):
+        raise FetchOrderError(
+            f"stage 3: ranks ran different numbers of forward passes, or the same pass with and "
+            f"without gradients, so one rank's backward collectives would meet another's forward "
+            f"(a hang or a crash). At the end of the same forward pass:\n{lines}\nEvery rank "
+            f"must run the same number of forwards, each in the same grad mode: evaluate the same "
+            f"number of batches on every rank (pad or drop the uneven last batch, e.g. "
+            f"DistributedSampler(drop_last=True)), and use torch.no_grad() on all ranks or none"
+        )
     raise FetchOrderError(
         f"stage 3: ranks run the modules that own parameters in different orders, so their "
         f"parameter all-gathers would pair up wrongly and hang. First difference ({phase} "
@@ -107,3 +137,176 @@ def agree_across_ranks(
         f"result), or mark the module whose children are chosen by data with "
         f"zero.set_leaf_module(module) so its whole subtree is fetched at once before it runs"
     )
+
+
+class FetchTrace:
+    """The recorded module order of the forward and the backward, and the checks made on it.
+
+    Forward events are ``("pre" | "post", unit index)``; backward events are unit indices in
+    backward-start order. ``pos`` is the position in the current pass. While ``following`` the
+    forward (or ``backward_following``) this rank runs a recorded trace; otherwise it records.
+    The coordinator calls the ``step_*`` methods at each hook and handles a divergence (the
+    collectives it replays are its business); the checks, the recording and the re-sync are here.
+    """
+
+    def __init__(self, group: Any, units: list[FetchUnit], check: TraceCheck, stats: Any) -> None:
+        self.group = group
+        self.units = units
+        self.check = check if comm.get_world_size(group) > 1 else TraceCheck.OFF
+        self.stats = stats  # FetchStats: trace_checks, retraces
+        self.forward: list[tuple[str, int]] | None = None
+        self.backward: list[int] | None = None
+        self.following = False
+        self.backward_following = False
+        self.record: list[Any] | None = None
+        self.pos = 0
+
+    # -- forward ----------------------------------------------------------------------------------
+    def begin_forward(self) -> None:
+        """The root starts: follow the forward trace if there is one, else record it."""
+        self.pos = 0
+        self.following = self.forward is not None
+        self.record = None if self.following else []
+
+    def step_forward(self, kind: str, unit: FetchUnit, what: str, cross_check: bool = True) -> bool:
+        """Advance by ``(kind, unit)``; False if this rank just left the trace it follows."""
+        if self.following:
+            trace = self.forward or []
+            if self.pos < len(trace) and trace[self.pos] == (kind, unit.index):
+                self.pos += 1
+                if cross_check and self.check is TraceCheck.EVERY:
+                    self.agree("forward", self.pos - 1, unit.fingerprint(kind), what)
+                return True
+            return False
+        if cross_check and self.check is not TraceCheck.OFF:
+            self.agree("forward", self.pos, unit.fingerprint(kind), what)
+        if self.record is not None:
+            self.record.append((kind, unit.index))
+        self.pos += 1
+        return True
+
+    def upcoming_forward(self) -> Iterator[FetchUnit]:
+        """The units that start after ``pos`` in the followed forward trace (nothing if none)."""
+        for kind, index in (self.forward or [])[self.pos :] if self.following else ():
+            if kind == "pre":
+                yield self.units[index]
+
+    def check_demand(self, what: str) -> None:
+        """A module read a released parameter by attribute (not in the trace): check it."""
+        if self.check is not TraceCheck.OFF:
+            self.agree("forward", self.pos, zlib.crc32(what.encode()) & 0x7FFFFFFF, what)
+
+    def forward_complete(self) -> bool:
+        """At the root's end: False if this rank follows a trace and has not reached its end."""
+        return not self.following or self.pos == len(self.forward or ())
+
+    def end_forward(self) -> None:
+        """The one check of each forward (Note [the grad mode is part of the end-of-forward
+        check]); keep what was recorded as the trace."""
+        if self.check is not TraceCheck.OFF:
+            grad = torch.is_grad_enabled()
+            what = (
+                "ends a forward with gradients (a training step)"
+                if grad
+                else "ends a forward under no_grad (evaluation)"
+            )
+            self.agree("end", self.pos, 1 if grad else 2, what)
+        self.finish_forward()
+
+    def finish_forward(self) -> None:
+        """Keep the recorded forward (None after a re-sync: record again next time)."""
+        if not self.following:
+            self.forward = self.record
+
+    # -- divergence -------------------------------------------------------------------------------
+    def diverged(self, what: str) -> int:
+        """This rank left the trace at ``pos``: raise now (``off``) or return ``pos``.
+
+        Then the coordinator replays the trace's collectives (``first``) with `replay` and calls
+        `resync`. See Note [how divergence is caught].
+        """
+        if self.check is TraceCheck.OFF:
+            raise FetchOrderError(
+                f"stage 3: at forward position {self.pos} this rank {what}, but the trace recorded "
+                f"at the first step expected something else. Other ranks may now wait forever in "
+                f"a collective; enable the cross-rank check "
+                f"(ZeroConfig(stage3_trace_check='first'))"
+            )
+        return self.pos
+
+    def replay(self) -> Iterator[tuple[str, FetchUnit]]:
+        """The rest of the followed forward trace, advancing ``pos`` as each event is taken."""
+        for kind, index in (self.forward or [])[self.pos :]:
+            self.pos += 1
+            yield kind, self.units[index]
+
+    def resync(self, pos: int, fingerprint: int, what: str) -> None:
+        """Meet the other ranks' check for position ``pos`` (raises unless all diverged alike);
+        then drop the trace and record from here on, with checks."""
+        # Non-diverging ranks make this same call at the end of their forward (or, in EVERY
+        # mode, at this very position).
+        self.agree("forward", pos, fingerprint, what)
+        _log.info(
+            "stage 3: every rank left the recorded module order at position %d; re-tracing", pos
+        )
+        self.stats.retraces += 1
+        self.pos = pos
+        self.following, self.record, self.forward = False, None, None
+
+    def check_call(self, unit: FetchUnit) -> None:
+        """A module called outside the root's forward: no trace to follow, check each call.
+
+        (During backward, recomputation by activation checkpointing follows the autograd order,
+        which the forward check already made identical on every rank.)
+        """
+        if self.check is not TraceCheck.OFF:
+            self.agree("call", 0, unit.fingerprint("call"), f"module {unit.label} is called")
+
+    # -- backward ---------------------------------------------------------------------------------
+    def begin_backward(self) -> None:
+        """Backward starts: follow the backward trace if there is one, else record it."""
+        self.pos = 0
+        self.backward_following = self.backward is not None
+        self.record = None if self.backward_following else []
+
+    def step_backward(self, unit: FetchUnit) -> None:
+        """``unit`` starts its backward. Leaving the trace only stops prefetching: every rank
+        leaves it at the same point (the backward order follows the checked forward)."""
+        if self.backward_following:
+            trace = self.backward or []
+            if self.pos >= len(trace) or trace[self.pos] != unit.index:
+                self.backward_following, self.backward = False, None
+        if self.check is TraceCheck.EVERY:
+            what = f"module {unit.label} starts its backward"
+            self.agree("backward", self.pos, unit.fingerprint("bwd"), what)
+        if self.record is not None:
+            self.record.append(unit.index)
+        self.pos += 1
+
+    def upcoming_backward(self) -> Iterator[FetchUnit]:
+        """The units whose backward starts after ``pos`` in the followed backward trace."""
+        if self.backward_following:
+            for index in (self.backward or [])[self.pos :]:
+                yield self.units[index]
+
+    def end_backward(self) -> None:
+        """Keep what was recorded as the backward trace."""
+        if self.record is not None:
+            self.backward = self.record
+        self.record = None
+
+    # -- the check --------------------------------------------------------------------------------
+    def agree(self, phase: str, pos: int, fingerprint: int, what: str) -> None:
+        """Cross-rank check of this point of the pass (`agree_across_ranks`)."""
+        if comm.get_world_size(self.group) > 1:
+            self.stats.trace_checks += 1
+            agree_across_ranks(self.group, phase, pos, fingerprint, what, self.describe)
+
+    def describe(self, phase: str, pos: int) -> str:
+        """What this rank ran at ``pos`` of the current forward (it followed its trace there)."""
+        events = self.forward if self.following else self.record
+        if phase not in ("forward", "end") or not events or pos >= len(events):
+            return "(nothing recorded at that position)"
+        kind, index = events[pos]
+        verb = "starts its forward" if kind == "pre" else "ends its forward"
+        return f"module {self.units[index].label} {verb}"
