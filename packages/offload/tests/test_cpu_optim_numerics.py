@@ -31,9 +31,13 @@ def _assert_close_rel(ours: torch.Tensor, theirs: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize(
-    "weight_decay,decoupled", [(0.0, False), (0.1, False), (0.1, True)], ids=["plain", "l2", "adamw"]
+    "weight_decay,decoupled",
+    [(0.0, False), (0.1, False), (0.1, True)],
+    ids=["plain", "l2", "adamw"],
 )
-def test_adam_matches_torch_after_100_steps(path: str, weight_decay: float, decoupled: bool) -> None:
+def test_adam_matches_torch_after_100_steps(
+    path: str, weight_decay: float, decoupled: bool
+) -> None:
     gen = torch.Generator().manual_seed(0)
     params = [torch.randn(n, generator=gen) for n in SIZES]
     theirs = [torch.nn.Parameter(p.clone()) for p in params]
@@ -92,7 +96,9 @@ def test_lion_matches_the_reference_after_100_steps(path: str) -> None:
         _assert_close_rel(p, e)
         _assert_close_rel(m, mr)
     # Lion moves every weight by exactly lr * sign(...) (+ decay): not a no-op.
-    assert not torch.equal(params[-1], torch.randn(SIZES[-1], generator=torch.Generator().manual_seed(2)))
+    assert not torch.equal(
+        params[-1], torch.randn(SIZES[-1], generator=torch.Generator().manual_seed(2))
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

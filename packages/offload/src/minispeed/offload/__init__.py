@@ -64,9 +64,7 @@ def offload_optimizer(
     if config.device == "cpu":
         return CPUAdam(params, **adam_kwargs)
     if config.device == "nvme":
-        return SwappedOptimizer(
-            params, config, aio, sub_group_numel=sub_group_numel, **adam_kwargs
-        )
+        return SwappedOptimizer(params, config, aio, sub_group_numel=sub_group_numel, **adam_kwargs)
     raise ValueError(
         "offload_optimizer.device='none' offloads nothing: use a regular optimizer, or set device "
         "to 'cpu' or 'nvme'"

@@ -139,7 +139,7 @@ class IORequest:
         if not self._done and self._tensor is not None:
             try:
                 self._io._engine.wait(self._rid)
-            except Exception:  # noqa: BLE001 - interpreter shutdown; nothing to report to
+            except Exception:
                 pass
 
 
@@ -210,13 +210,20 @@ class AsyncIO:
         return aligned and direct_io_supported(Path(path).parent)
 
     def _submit(
-        self, tensor: torch.Tensor, path: str | os.PathLike[str], offset: int, write: bool, fsync: bool
+        self,
+        tensor: torch.Tensor,
+        path: str | os.PathLike[str],
+        offset: int,
+        write: bool,
+        fsync: bool,
     ) -> IORequest:
         path = os.fspath(path)
         if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
             raise TypeError(f"AsyncIO needs a CPU tensor for {path}, got {type(tensor).__name__}")
         if not tensor.is_contiguous():
-            raise ValueError(f"AsyncIO: the tensor for {path} is not contiguous; call .contiguous()")
+            raise ValueError(
+                f"AsyncIO: the tensor for {path} is not contiguous; call .contiguous()"
+            )
         if offset < 0:
             raise ValueError(f"AsyncIO: offset for {path} must be >= 0, got {offset}")
         direct = self._uses_direct(tensor, path, offset)
@@ -257,7 +264,12 @@ class AsyncIO:
             return self._submit(tensor, path, offset, False, False)
 
     def write(
-        self, tensor: torch.Tensor, path: str | os.PathLike[str], offset: int = 0, *, fsync: bool = False
+        self,
+        tensor: torch.Tensor,
+        path: str | os.PathLike[str],
+        offset: int = 0,
+        *,
+        fsync: bool = False,
     ) -> int:
         """Write now (submit + wait). Returns the bytes written."""
         return self.submit_write(tensor, path, offset, fsync=fsync).wait()

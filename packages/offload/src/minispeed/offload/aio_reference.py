@@ -67,7 +67,11 @@ class ReferenceEngine:
             try:
                 n = os.pwrite(fd, chunk, at + done) if write else os.preadv(fd, [chunk], at + done)
             except OSError as err:
-                return done, err.errno or errno.EIO, f"{'pwrite' if write else 'pread'}: {err.strerror}"
+                return (
+                    done,
+                    err.errno or errno.EIO,
+                    f"{'pwrite' if write else 'pread'}: {err.strerror}",
+                )
             if n == 0:
                 if write:
                     return done, errno.ENOSPC, "pwrite wrote 0 bytes"

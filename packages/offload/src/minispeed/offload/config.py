@@ -30,7 +30,9 @@ def _translate(
     if section is None:
         section = {}
     if not isinstance(section, dict):
-        raise TypeError(f"{name} must be a dict (a ds_config section), got {type(section).__name__}")
+        raise TypeError(
+            f"{name} must be a dict (a ds_config section), got {type(section).__name__}"
+        )
     known = sorted(keys.keys() | fixed.keys())
     for key in section:
         if key not in known:
@@ -165,7 +167,9 @@ class OffloadOptimizerConfig:
         _check_types(self, "offload_optimizer")
         _check_device("offload_optimizer", self.device, self.nvme_path)
         if self.buffer_count < 1:
-            raise ValueError(f"offload_optimizer.buffer_count must be >= 1, got {self.buffer_count}")
+            raise ValueError(
+                f"offload_optimizer.buffer_count must be >= 1, got {self.buffer_count}"
+            )
         if (self.pipeline_read or self.pipeline_write) and self.buffer_count < 2:
             raise ValueError(
                 f"offload_optimizer.buffer_count={self.buffer_count} leaves no buffer to prefetch "

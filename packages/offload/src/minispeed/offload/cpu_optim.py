@@ -158,7 +158,9 @@ def adam_step(
     groups = (params, grads, exp_avgs, exp_avg_sqs)
     half = _check("adam_step", groups, ("params", "grads", "exp_avgs", "exp_avg_sqs"), write_back)
     if step < 1:
-        raise ValueError(f"adam_step: step must be >= 1 (the step count after this update), got {step}")
+        raise ValueError(
+            f"adam_step: step must be >= 1 (the step count after this update), got {step}"
+        )
     op, level = _op_and_level(simd)
     if op is None:
         return reference.adam_step(

@@ -197,7 +197,7 @@ class CPUAdam(_CPUOptimizer):
             "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
         }
 
-    def _step_group(self, group, params, grads, states, write_back) -> None:  # noqa: ANN001
+    def _step_group(self, group, params, grads, states, write_back) -> None:
         # Parameters can differ in step count (one added to the model later): one call per count.
         by_step: dict[float, list[int]] = {}
         for i, s in enumerate(states):
@@ -285,7 +285,9 @@ class CPUAdagrad(_CPUOptimizer):
     ) -> None:
         _refuse("CPUAdagrad", maximize=maximize, differentiable=differentiable, fused=fused)
         if lr < 0 or lr_decay < 0 or weight_decay < 0 or eps < 0 or initial_accumulator_value < 0:
-            raise ValueError("CPUAdagrad: lr, lr_decay, weight_decay, eps and the initial value must be >= 0")
+            raise ValueError(
+                "CPUAdagrad: lr, lr_decay, weight_decay, eps and the initial value must be >= 0"
+            )
         defaults = dict(
             lr=lr,
             lr_decay=lr_decay,
@@ -313,7 +315,7 @@ class CPUAdagrad(_CPUOptimizer):
             "sum": torch.full_like(p, init, memory_format=torch.preserve_format),
         }
 
-    def _step_group(self, group, params, grads, states, write_back) -> None:  # noqa: ANN001
+    def _step_group(self, group, params, grads, states, write_back) -> None:
         by_step: dict[float, list[int]] = {}
         for i, s in enumerate(states):
             s["step"] += 1
@@ -352,13 +354,15 @@ class CPULion(_CPUOptimizer):
         simd: int | None = None,
     ) -> None:
         if lr < 0 or weight_decay < 0 or not all(0 <= b <= 1 for b in betas):
-            raise ValueError(f"CPULion: need lr, weight_decay >= 0 and 0 <= betas <= 1, got {lr}, {weight_decay}, {betas}")
+            raise ValueError(
+                f"CPULion: need lr, weight_decay >= 0 and 0 <= betas <= 1, got {lr}, {weight_decay}, {betas}"
+            )
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay), simd)
 
     def _init_state(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, torch.Tensor]:
         return {"exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format)}
 
-    def _step_group(self, group, params, grads, states, write_back) -> None:  # noqa: ANN001
+    def _step_group(self, group, params, grads, states, write_back) -> None:
         beta1, beta2 = group["betas"]
         cpu_optim.lion_step(
             params,

@@ -225,9 +225,7 @@ class SwappedOptimizer(CPUAdam):
         """Load torch.optim.Adam's (or CPUAdam's) format; the states are written to the files."""
         super().load_state_dict(state_dict)
         for part in self.partitions:
-            if not all(
-                all(k in self.state[p] for k in _STATES) for p in part.params
-            ):
+            if not all(all(k in self.state[p] for k in _STATES) for p in part.params):
                 continue
             self.swapper.swap_in(part.swap)
             ms, vs = self._views(part, self.swapper.wait_in(part.swap))
