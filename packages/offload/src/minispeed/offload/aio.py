@@ -161,19 +161,34 @@ def _error(err: int, message: str, req: IORequest) -> OSError:
 class AsyncIO:
     """Submit tensor reads/writes to files; wait on each, or on all. See the module docstring.
 
+    ``backend``: ``"threadpool"`` (the C++ engine), ``"reference"`` (Python threads), or ``None``
+    (the C++ engine when the op builds, else the reference).
+
     Costs: each request costs one ``open`` plus ``ceil(nbytes / block_bytes)`` pread/pwrite calls
     spread over ``config.workers`` threads; no copy of the data in user space (O_DIRECT moves it
     by DMA, buffered I/O copies it once into the page cache).
     """
 
-    def __init__(self, config: AioConfig | None = None, *, direct: bool | None = None) -> None:
+    def __init__(
+        self,
+        config: AioConfig | None = None,
+        *,
+        direct: bool | None = None,
+        backend: str | None = None,
+    ) -> None:
         self.config = config or AioConfig()
         self.direct = direct
-        op = load_op()
+        if backend not in (None, "threadpool", "reference"):
+            raise ValueError(
+                f"AsyncIO backend must be 'threadpool' or 'reference', got {backend!r}"
+            )
+        op = load_op() if backend != "reference" else None
         workers, block = self.config.workers, self.config.block_bytes
         if op is not None:
             self._engine = op.AioEngine(workers, block, self.config.single_submit)
             self.backend = "threadpool"
+        elif backend == "threadpool":
+            raise RuntimeError("AsyncIO(backend='threadpool'): the offload op cannot be built here")
         else:
             self._engine = aio_reference.ReferenceEngine(workers, block, self.config.single_submit)
             self.backend = "reference"
