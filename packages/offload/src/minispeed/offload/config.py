@@ -55,6 +55,16 @@ def _translate(
     return out
 
 
+def _as_dict(section: Any, name: str) -> dict[str, Any]:
+    if section is None:
+        return {}
+    if not isinstance(section, dict):
+        raise TypeError(
+            f"{name} must be a dict (a ds_config section), got {type(section).__name__}"
+        )
+    return dict(section)
+
+
 def _check_types(obj: Any, prefix: str) -> None:
     for f in fields(obj):
         value = getattr(obj, f.name)
@@ -108,7 +118,7 @@ class AioConfig:
     @classmethod
     def from_ds_config(cls, section: dict[str, Any] | None) -> AioConfig:
         """From DeepSpeed's ``aio`` section (``None`` or ``{}``: the defaults)."""
-        section = dict(section or {})
+        section = _as_dict(section, "aio")
         if "intra_op_parallelism" in section:
             alias = section.pop("intra_op_parallelism")
             if "thread_count" in section and section["thread_count"] != alias:
@@ -179,7 +189,7 @@ class OffloadOptimizerConfig:
     @classmethod
     def from_ds_config(cls, section: dict[str, Any] | None) -> OffloadOptimizerConfig:
         """From DeepSpeed's ``offload_optimizer`` section (``None``: device ``none``)."""
-        section = dict(section or {})
+        section = _as_dict(section, "offload_optimizer")
         if section.get("device") is None:
             section.pop("device", None)
         if "pipeline" in section:  # DeepSpeed's older switch for both directions
@@ -228,7 +238,7 @@ class OffloadParamConfig:
     @classmethod
     def from_ds_config(cls, section: dict[str, Any] | None) -> OffloadParamConfig:
         """From DeepSpeed's ``offload_param`` section (``None``: device ``none``)."""
-        section = dict(section or {})
+        section = _as_dict(section, "offload_param")
         if section.get("device") is None:
             section.pop("device", None)
         keys = {
