@@ -2,16 +2,16 @@
 
 Reading order:
 
-1. :mod:`.cpu_optim_reference` then :mod:`.cpu_optim` (and ``csrc/cpu_optim``): the optimizer
+1. `.cpu_optim_reference` then `.cpu_optim` (and ``csrc/cpu_optim``): the optimizer
    steps, pure PyTorch beside the AVX-512/AVX2/scalar C++ kernels;
-2. :mod:`.optimizers`: ``CPUAdam``, ``CPUAdamW``, ``CPUAdagrad``, ``CPULion`` as torch.optim classes;
-3. :mod:`.aio` (and ``csrc/aio``, :mod:`.aio_reference`): reading/writing tensors at file offsets,
+2. `.optimizers`: ``CPUAdam``, ``CPUAdamW``, ``CPUAdagrad``, ``CPULion`` as torch.optim classes;
+3. `.aio` (and ``csrc/aio``, `.aio_reference`): reading/writing tensors at file offsets,
    asynchronously, on a thread pool;
-4. :mod:`.swapper`: tensors in swap files, a fixed pool of host buffers, stale-file cleanup;
-5. :mod:`.swapped`: ``SwappedOptimizer``, Adam with its states on NVMe, pipelined;
-6. :mod:`.config`: the ``offload_optimizer`` / ``offload_param`` / ``aio`` sections.
+4. `.swapper`: tensors in swap files, a fixed pool of host buffers, stale-file cleanup;
+5. `.swapped`: ``SwappedOptimizer``, Adam with its states on NVMe, pipelined;
+6. `.config`: the ``offload_optimizer`` / ``offload_param`` / ``aio`` sections.
 
-The entry point an engine (or ``minispeed.zero``) calls is :func:`offload_optimizer`.
+The entry point an engine (or ``minispeed.zero``) calls is `offload_optimizer`.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def offload_optimizer(
 ) -> torch.optim.Optimizer:
     """The optimizer an offload config asks for, over fp32 CPU parameters (e.g. ZeRO's masters).
 
-    ``device='cpu'``: :class:`CPUAdam` (states in host memory, 8 B per parameter);
-    ``device='nvme'``: :class:`SwappedOptimizer` (states in files under ``nvme_path``, host memory
+    ``device='cpu'``: `CPUAdam` (states in host memory, 8 B per parameter);
+    ``device='nvme'``: `SwappedOptimizer` (states in files under ``nvme_path``, host memory
     only for ``buffer_count`` partition buffers). ``adam_kwargs`` are torch.optim.Adam's (``lr``,
     ``betas``, ``eps``, ``weight_decay``, ``decoupled_weight_decay``). Both support
     ``step(write_back=[...])`` to emit bf16/fp16 copies of the updated weights in the same pass.

@@ -8,16 +8,16 @@
 
 The work runs on the C++ engine (``csrc/aio``: ``thread_count * queue_depth`` worker threads doing
 pread/pwrite of ``block_bytes`` each; Note [the portable back end]) or, when the op cannot be built,
-on :mod:`.aio_reference` (the same contract in Python threads). io_uring and libaio back ends are
+on `.aio_reference` (the same contract in Python threads). io_uring and libaio back ends are
 not compiled: neither library is required, and the thread pool reaches the disk's rate (see
 docs/packages/offload.md for the measurements).
 
 O_DIRECT: by default (``direct=None``) each directory is probed once; where the file system
 accepts O_DIRECT (ext4, xfs on a disk), requests whose buffer address, size and offset are
-multiples of :data:`ALIGN` bypass the page cache, others go through it; where it refuses (tmpfs,
+multiples of `ALIGN` bypass the page cache, others go through it; where it refuses (tmpfs,
 some network file systems) everything is buffered and the probe says so in the log once.
 ``direct=True`` makes an unaligned request an error instead; ``direct=False`` never uses it.
-:meth:`AsyncIO.aligned_empty` allocates tensors that always qualify.
+`AsyncIO.aligned_empty` allocates tensors that always qualify.
 
 Failure is never a silent partial tensor: a missing directory or file, a full disk (ENOSPC), a
 file shorter than the read (a swap file truncated under a running job) raise ``OSError`` (with
@@ -99,7 +99,7 @@ def _probe(directory: Path) -> bool:
 
 
 class IORequest:
-    """One submitted read or write. Holds its tensor until :meth:`wait` (the buffer must live)."""
+    """One submitted read or write. Holds its tensor until `wait` (the buffer must live)."""
 
     def __init__(
         self, io: AsyncIO, rid: int, tensor: torch.Tensor, path: str, offset: int, write: bool
@@ -116,7 +116,7 @@ class IORequest:
 
     @property
     def done(self) -> bool:
-        """Whether :meth:`wait` has returned (or raised) for this request."""
+        """Whether `wait` has returned (or raised) for this request."""
         return self._done
 
     def wait(self) -> int:
@@ -197,7 +197,7 @@ class AsyncIO:
     # -- buffers -----------------------------------------------------------------------------
     @staticmethod
     def aligned_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """An uninitialized 1-D tensor whose address and byte size are multiples of :data:`ALIGN`.
+        """An uninitialized 1-D tensor whose address and byte size are multiples of `ALIGN`.
 
         Allocates ``numel * itemsize`` rounded up to ALIGN, plus ALIGN of slack; returns the
         aligned ``numel``-element view (it keeps the allocation alive).

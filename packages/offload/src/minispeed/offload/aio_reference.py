@@ -1,7 +1,7 @@
 """Pure-Python async I/O engine: the C++ ``AioEngine``'s contract on a ``ThreadPoolExecutor``.
 
 Same methods as the compiled engine (``submit``, ``wait``, ``pending``, ``threads``) and the same
-results (``(bytes, err, message)``, ``err`` an errno or :data:`SHORT_READ`); used when the op cannot
+results (``(bytes, err, message)``, ``err`` an errno or `SHORT_READ`); used when the op cannot
 be built, and by the tests as the specification. ``os.pread``/``os.pwrite`` release the GIL, so
 the threads overlap their I/O as the C++ workers do, at a Python call per block.
 """

@@ -7,10 +7,10 @@ DeepSpeed's ``buffer_size`` does); DeepSpeed's keys are translated once, here. A
 error that names it and the closest known key; a value we cannot honour is an error that names
 the key and the fix.
 
-Who reads what: :class:`AioConfig` drives :class:`minispeed.offload.aio.AsyncIO`;
-:class:`OffloadOptimizerConfig` drives :class:`minispeed.offload.swapped.SwappedOptimizer` (and,
-later, ``minispeed.zero`` stages 1-2); :class:`OffloadParamConfig` sizes a
-:class:`minispeed.offload.swapper.TensorSwapper` for parameter partitions (ZeRO-3's
+Who reads what: `AioConfig` drives `minispeed.offload.aio.AsyncIO`;
+`OffloadOptimizerConfig` drives `minispeed.offload.swapped.SwappedOptimizer` (and,
+later, ``minispeed.zero`` stages 1-2); `OffloadParamConfig` sizes a
+`minispeed.offload.swapper.TensorSwapper` for parameter partitions (ZeRO-3's
 ``offload_param``; the stage-3 wiring belongs to ``minispeed.zero``).
 """
 
@@ -223,7 +223,7 @@ class OffloadParamConfig:
     buffer_numel: int = 100_000_000
     #: Parameter elements kept in host memory before further ones go to NVMe (``max_in_cpu``).
     max_in_cpu_numel: int = 1_000_000_000
-    #: Page-lock the buffers (``pin_memory``), as in :class:`OffloadOptimizerConfig`.
+    #: Page-lock the buffers (``pin_memory``), as in `OffloadOptimizerConfig`.
     pin_memory: bool = False
 
     def __post_init__(self) -> None:

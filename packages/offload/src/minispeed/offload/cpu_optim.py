@@ -1,17 +1,17 @@
 """CPU optimizer steps, compiled or reference: Adam/AdamW, Adagrad and Lion over many tensors.
 
-The functions here have the signatures of :mod:`minispeed.offload.cpu_optim_reference` (re-exported
+The functions here have the signatures of `minispeed.offload.cpu_optim_reference` (re-exported
 as ``cpu_optim.reference``) and agree with it, and so with ``torch.optim``, to a few ulps per step.
 Each call runs every tensor in ONE OpenMP loop over chunks of ``grain`` elements
 (``csrc/cpu_optim/cpu_optim.cpp``); the SIMD path is the build's widest unless ``simd`` picks a
-narrower one (0 scalar, 1 AVX2, 2 AVX-512; :func:`simd_levels` lists what this build has).
+narrower one (0 scalar, 1 AVX2, 2 AVX-512; `simd_levels` lists what this build has).
 
 Masters are fp32. ``write_back`` (optional, one bf16 or fp16 tensor per parameter) receives the
 updated parameter rounded to nearest even in the same pass: 2 B more written per element instead
 of a separate cast that reads the 4 B master again.
 
 Bytes per element, the floor of a step on a memory-bound CPU: Adam 28 (read p, g, m, v; write p,
-m, v), Adagrad and Lion 20. See :func:`step_bytes`.
+m, v), Adagrad and Lion 20. See `step_bytes`.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Each function follows ``torch.optim``'s single-tensor loop operation by operation (Adam/AdamW:
 ``torch.optim.adam._single_tensor_adam``; Adagrad: ``_single_tensor_adagrad``), so it gives torch's
 bits; Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms") has no torch.optim
-class and is defined here. The same signatures as :mod:`minispeed.offload.cpu_optim`; the wrappers
+class and is defined here. The same signatures as `minispeed.offload.cpu_optim`; the wrappers
 fall back to these when the op cannot be built. ``simd`` and ``grain`` are accepted and ignored.
 
 Costs per element: the same bytes as the kernels (Adam 28 B, Adagrad and Lion 20 B) plus torch's

@@ -3,13 +3,13 @@
 Sources live in ``csrc/``: ``cpu_optim/`` (Adam/AdamW, Adagrad, Lion; AVX-512, AVX2 and scalar
 paths), ``aio/`` (the thread-pool I/O engine) and ``binding/`` (the pybind11 module). None of them
 includes torch's headers, so the first build takes seconds, not a minute; every later load imports
-the cached ``.so`` (see :mod:`minispeed.core.op_builder`).
+the cached ``.so`` (see `minispeed.core.op_builder`).
 
 The SIMD level is chosen at build time from the CPU (``MINISPEED_SIMD`` forces one); a build
 contains every level up to its own and each call picks one (``simd_levels()``), so the tests
-compare every path this CPU can run from one build. Without a compiler, :func:`load_op` returns
-``None`` and the callers run their pure-PyTorch references (:mod:`.cpu_optim_reference`,
-:mod:`.aio_reference`) after one warning.
+compare every path this CPU can run from one build. Without a compiler, `load_op` returns
+``None`` and the callers run their pure-PyTorch references (`.cpu_optim_reference`,
+`.aio_reference`) after one warning.
 """
 
 from __future__ import annotations

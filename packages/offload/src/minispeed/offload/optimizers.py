@@ -223,7 +223,7 @@ class CPUAdam(_CPUOptimizer):
 
 
 class CPUAdamW(CPUAdam):
-    """AdamW on the CPU: :class:`CPUAdam` with decoupled weight decay (default 0.01), like torch."""
+    """AdamW on the CPU: `CPUAdam` with decoupled weight decay (default 0.01), like torch."""
 
     _name = "CPUAdamW"
 

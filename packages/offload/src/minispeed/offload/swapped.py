@@ -14,12 +14,12 @@ so while the CPU updates partition i the disk reads i+1 and writes i-1 (Note [th
 
 Bytes: host memory holds the parameters and gradients (8 B per parameter) plus the pool,
 ``buffer_count * 2 * 4 * max_partition_numel`` bytes, instead of 8 B per parameter of states:
-:meth:`SwappedOptimizer.resident_state_bytes` and :meth:`SwappedOptimizer.swapped_state_bytes`.
+`SwappedOptimizer.resident_state_bytes` and `SwappedOptimizer.swapped_state_bytes`.
 Each step reads and writes ``8 * numel`` bytes of the disk; with a disk of R B/s and a CPU step of
 S s per partition, the step is disk-bound when ``8 * numel_i / R > S_i`` (docs/packages/offload.md).
 
 ``state_dict()`` has torch.optim.Adam's format (the states are read back from the files), so a
-checkpoint moves between this, :class:`~minispeed.offload.optimizers.CPUAdam` and torch.
+checkpoint moves between this, `minispeed.offload.optimizers.CPUAdam` and torch.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class Partition:
 
 
 class SwappedOptimizer(CPUAdam):
-    """:class:`CPUAdam` (Adam/AdamW: same arguments) with ``exp_avg``/``exp_avg_sq`` on NVMe.
+    """`CPUAdam` (Adam/AdamW: same arguments) with ``exp_avg``/``exp_avg_sq`` on NVMe.
 
     ``config.device`` must be ``"nvme"``. ``sub_group_numel`` caps a partition (DeepSpeed's
     ``sub_group_size``); the pool holds ``config.buffer_count`` buffers of two states each.
@@ -160,7 +160,8 @@ class SwappedOptimizer(CPUAdam):
                 buf = sw.wait_in(part.swap)
                 if cfg.pipeline_read and i + 1 < len(parts):
                     sw.swap_in(parts[i + 1].swap)  # read ahead while this partition is stepped
-                self._step_partition(part, buf, out_of)
+                with ranges.range("offload.cpu_step"):
+                    self._step_partition(part, buf, out_of)
                 sw.swap_out(part.swap)
                 if not cfg.pipeline_write:
                     sw.wait_out(part.swap)

@@ -1,13 +1,13 @@
 """Swap tensors to files and back through a fixed pool of aligned (optionally pinned) host buffers.
 
-Reading order: :class:`SwapDir` (this process's directory of swap files, stale ones cleaned),
-:class:`BufferPool` (the only host memory a swapped tensor ever occupies), :class:`SwapState` and
-:class:`SwappedTensor` (one tensor's explicit state machine), :class:`TensorSwapper` (the moves).
+Reading order: `SwapDir` (this process's directory of swap files, stale ones cleaned),
+`BufferPool` (the only host memory a swapped tensor ever occupies), `SwapState` and
+`SwappedTensor` (one tensor's explicit state machine), `TensorSwapper` (the moves).
 
 Host memory held: ``buffer_count * buffer_numel * itemsize`` bytes for the pool, whatever the
 number or size of the tensors swapped; everything else lives in files (``numel * itemsize`` each,
 padded to 4 KiB). A swap-in or swap-out moves ``numel * itemsize`` bytes over the disk; at a disk
-rate of R B/s it takes ``numel * itemsize / R`` seconds, which :mod:`.swapped` hides behind compute
+rate of R B/s it takes ``numel * itemsize / R`` seconds, which `.swapped` hides behind compute
 by prefetching (see docs/packages/offload.md, "How the pipelined swap hides latency").
 """
 
@@ -165,7 +165,7 @@ class BufferPool:
 
 
 class SwapState(enum.Enum):
-    """Where a :class:`SwappedTensor`'s bytes are (n = numel * itemsize).
+    """Where a `SwappedTensor`'s bytes are (n = numel * itemsize).
 
     =============  ==============================  ==========================================
     state          host bytes held                 file
@@ -305,7 +305,7 @@ class TensorSwapper:
         return self.pool.buffers[st.buffer_index][: st.numel]
 
     def swap_out(self, st: SwappedTensor) -> None:
-        """Start writing ``st``'s buffer to its file; the buffer stays busy until :meth:`wait_out`."""
+        """Start writing ``st``'s buffer to its file; the buffer stays busy until `wait_out`."""
         with ranges.range("offload.swap_out"):
             assert st.buffer_index is not None
             req = self.io.submit_write(self._padded(st.buffer_index, st.numel), st.path)

@@ -285,7 +285,9 @@ void run_segments(const std::vector<Segment>& segments, const Scalars& s, HalfKi
     }
   }
   const int64_t n_tasks = static_cast<int64_t>(tasks.size());
-#pragma omp parallel for schedule(static) if (n_tasks > 1)
+  // Dynamic: on a shared machine a descheduled thread's chunks go to the others instead of
+  // stalling the step (a static split waits for the slowest thread).
+#pragma omp parallel for schedule(dynamic, 1) if (n_tasks > 1)
   for (int64_t t = 0; t < n_tasks; ++t) {
     const Task& task = tasks[t];
     dispatch<Range>(segments[task.segment], task.begin, task.end, s, half, simd);
