@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from minispeed.core.accelerator import get_accelerator
 from minispeed.offload import OffloadOptimizerConfig, SwappedOptimizer, TensorSwapper
 from minispeed.offload import swapper as swapper_mod
 
@@ -59,11 +60,14 @@ def test_pin_memory_failure_names_the_key(tmp_path: Path, monkeypatch) -> None:
 
 
 def test_pinned_buffers_are_page_locked(tmp_path: Path) -> None:
-    opt, _ = _opt(tmp_path, pin_memory=True)  # mlock on a CPU-only machine
-    locked = [
-        ln for ln in Path("/proc/self/status").read_text().splitlines() if ln.startswith("VmLck")
-    ]
-    assert locked and int(locked[0].split()[1]) * 1024 >= opt.swapper.pool.nbytes
+    try:
+        opt, _ = _opt(tmp_path, pin_memory=True)  # mlock on a CPU-only machine
+    except MemoryError as err:  # RLIMIT_MEMLOCK below the pool's ~100 KiB (unprivileged user)
+        pytest.skip(f"page-locking is not allowed here: {err}")
+    if get_accelerator().name == "cpu":  # with a GPU, torch's pinned allocator does it instead
+        status = Path("/proc/self/status").read_text().splitlines()
+        locked = [ln for ln in status if ln.startswith("VmLck")]
+        assert locked and int(locked[0].split()[1]) * 1024 >= opt.swapper.pool.nbytes
     opt.close()
 
 

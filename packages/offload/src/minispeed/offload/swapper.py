@@ -100,9 +100,14 @@ class SwapDir:
         root_path = Path(root)
         _check_writable_dir(root_path, key)
         clean_stale(root_path)
-        SwapDir._count += 1
-        self.path = root_path / f"{_PREFIX}{os.getpid()}-{SwapDir._count}"
-        self.path.mkdir()
+        while True:  # a fresh name (a leftover with a reused pid and no lock file is skipped)
+            SwapDir._count += 1
+            self.path = root_path / f"{_PREFIX}{os.getpid()}-{SwapDir._count}"
+            try:
+                self.path.mkdir()
+                break
+            except FileExistsError:
+                continue
         self._lock_fd = os.open(self.path / _LOCK, os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         # Runs on close(), on garbage collection, and at interpreter exit (weakref.finalize is atexit-aware).
