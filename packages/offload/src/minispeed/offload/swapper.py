@@ -172,15 +172,13 @@ class BufferPool:
 class SwapState(enum.Enum):
     """Where a `SwappedTensor`'s bytes are (n = numel * itemsize).
 
-    =============  ==============================  ==========================================
-    state          host bytes held                 file
-    =============  ==============================  ==========================================
-    NEW            0                               none yet (reads as zeros, no I/O)
-    ON_DISK        0                               n bytes, current
-    SWAPPING_IN    one pool buffer (being filled)  n bytes, current
-    IN_BUFFER      one pool buffer (current)       n bytes, stale once the buffer is changed
-    SWAPPING_OUT   one pool buffer (being written) being written
-    =============  ==============================  ==========================================
+    | state | host bytes held | file |
+    |---|---|---|
+    | NEW | 0 | none yet (reads as zeros, no I/O) |
+    | ON_DISK | 0 | n bytes, current |
+    | SWAPPING_IN | one pool buffer (being filled) | n bytes, current |
+    | IN_BUFFER | one pool buffer (current) | n bytes, stale once the buffer is changed |
+    | SWAPPING_OUT | one pool buffer (being written) | being written |
     """
 
     NEW = "new"
