@@ -1,6 +1,71 @@
-"""minispeed.offload — not yet implemented; see packages/offload/README.md for what is coming.
+"""minispeed.offload: SIMD CPU optimizers, async file I/O, and optimizer states swapped to NVMe.
 
-This module deliberately exports nothing: no placeholder API that would pretend to work.
+Reading order:
+
+1. `.cpu_optim_reference` then `.cpu_optim` (and ``csrc/cpu_optim``): the optimizer
+   steps, pure PyTorch beside the AVX-512/AVX2/scalar C++ kernels;
+2. `.optimizers`: ``CPUAdam``, ``CPUAdamW``, ``CPUAdagrad``, ``CPULion`` as torch.optim classes;
+3. `.aio` (and ``csrc/aio``, `.aio_reference`): reading/writing tensors at file offsets,
+   asynchronously, on a thread pool;
+4. `.swapper`: tensors in swap files, a fixed pool of host buffers, stale-file cleanup;
+5. `.swapped`: ``SwappedOptimizer``, Adam with its states on NVMe, pipelined;
+6. `.config`: the ``offload_optimizer`` / ``offload_param`` / ``aio`` sections.
+
+The entry point an engine (or ``minispeed.zero``) calls is `offload_optimizer`.
 """
 
-__all__: list[str] = []
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from minispeed.offload.aio import AsyncIO, IORequest, direct_io_supported
+from minispeed.offload.config import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
+from minispeed.offload.optimizers import CPUAdagrad, CPUAdam, CPUAdamW, CPULion
+from minispeed.offload.swapped import SwappedOptimizer
+from minispeed.offload.swapper import SwapState, TensorSwapper
+
+__all__ = [
+    "AioConfig",
+    "AsyncIO",
+    "CPUAdagrad",
+    "CPUAdam",
+    "CPUAdamW",
+    "CPULion",
+    "IORequest",
+    "OffloadOptimizerConfig",
+    "OffloadParamConfig",
+    "SwapState",
+    "SwappedOptimizer",
+    "TensorSwapper",
+    "direct_io_supported",
+    "offload_optimizer",
+]
+
+
+def offload_optimizer(
+    params: Iterable[Any],
+    config: OffloadOptimizerConfig,
+    aio: AioConfig | None = None,
+    *,
+    sub_group_numel: int = 100_000_000,
+    **adam_kwargs: Any,
+) -> torch.optim.Optimizer:
+    """The optimizer an offload config asks for, over fp32 CPU parameters (e.g. ZeRO's masters).
+
+    ``device='cpu'``: `CPUAdam` (states in host memory, 8 B per parameter);
+    ``device='nvme'``: `SwappedOptimizer` (states in files under ``nvme_path``, host memory
+    only for ``buffer_count`` partition buffers). ``adam_kwargs`` are torch.optim.Adam's (``lr``,
+    ``betas``, ``eps``, ``weight_decay``, ``decoupled_weight_decay``). Both support
+    ``step(write_back=[...])`` to emit bf16/fp16 copies of the updated weights in the same pass.
+    """
+    if config.device == "cpu":
+        return CPUAdam(params, **adam_kwargs)
+    if config.device == "nvme":
+        return SwappedOptimizer(params, config, aio, sub_group_numel=sub_group_numel, **adam_kwargs)
+    raise ValueError(
+        "offload_optimizer.device='none' offloads nothing: use a regular optimizer, or set device "
+        "to 'cpu' or 'nvme'"
+    )
