@@ -12,7 +12,12 @@ Reading order: see packages/zero/README.md.
 
 from minispeed.zero.activation import checkpoint
 from minispeed.zero.api import shard
-from minispeed.zero.checkpoints import consolidate, load_checkpoint, save_checkpoint
+from minispeed.zero.checkpoints import (
+    consolidate,
+    load_checkpoint,
+    save_16bit_model,
+    save_checkpoint,
+)
 from minispeed.zero.config import ZeroConfig
 from minispeed.zero.memory import estimate, measure
 from minispeed.zero.optimizer import ParamFragment, ShardStrategy, ZeroOptimizer
@@ -33,6 +38,7 @@ __all__ = [
     "estimate",
     "load_checkpoint",
     "measure",
+    "save_16bit_model",
     "save_checkpoint",
     "set_leaf_module",
     "shard",
