@@ -11,20 +11,13 @@ Use it as ``import minispeed.comm as comm``. Reading order (see README.md):
 4. :mod:`~minispeed.comm.logger` — the comms logger (off by default).
 5. :mod:`~minispeed.comm.validation` — errors, local checks, opt-in cross-rank validation.
 6. :mod:`~minispeed.comm.api_compat` — torch-version and backend differences, in one place.
-7. :mod:`~minispeed.comm.buckets` — gradient buckets that overlap communication with backward.
+7. :mod:`~minispeed.comm.buckets` — the unbucketed loop, and `LaunchQueue`: buckets launched in
+   one fixed order while backward runs, with a bounded window in flight.
 8. :mod:`~minispeed.comm.topology` and :mod:`~minispeed.comm.hierarchical` — process grids and
    the two-level all-gather.
 """
 
-from minispeed.comm.buckets import (
-    Bucket,
-    BucketConfig,
-    BucketEntry,
-    BucketState,
-    GradientBucketer,
-    all_reduce_unbucketed,
-    num_collectives,
-)
+from minispeed.comm.buckets import InFlight, LaunchQueue, all_reduce_unbucketed
 from minispeed.comm.collectives import (
     ReduceOp,
     all_gather_coalesced,
@@ -61,10 +54,6 @@ from minispeed.comm.validation import (
 from minispeed.comm.work import CommWork
 
 __all__ = [
-    "Bucket",
-    "BucketConfig",
-    "BucketEntry",
-    "BucketState",
     "CommBackendError",
     "CommError",
     "CommInputError",
@@ -73,8 +62,9 @@ __all__ = [
     "CommTimeoutError",
     "CommWork",
     "CommsLogger",
-    "GradientBucketer",
     "HierarchicalAllGather",
+    "InFlight",
+    "LaunchQueue",
     "P2POp",
     "ProcessGrid",
     "ProcessTopology",
@@ -99,7 +89,6 @@ __all__ = [
     "is_member",
     "isend",
     "new_group",
-    "num_collectives",
     "recv",
     "reduce_scatter_tensor",
     "send",

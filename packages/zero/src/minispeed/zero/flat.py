@@ -144,10 +144,6 @@ class FlatLayout:
                     pieces.append((i, a - s.offset, z - a, bk.shard_offset + a - lo))
         return pieces
 
-    def partition_of(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
-        """Copy ``rank``'s shards out of a full flat tensor: a new (partition_numel,) tensor."""
-        return torch.cat([bk.shard_of(flat, rank) for bk in self.buckets])
-
     def __repr__(self) -> str:
         return (
             f"FlatLayout(params={len(self.slots)}, buckets={[b.padded_numel for b in self.buckets]}, "

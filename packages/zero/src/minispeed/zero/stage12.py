@@ -38,10 +38,10 @@ from torch import nn
 
 import minispeed.comm as comm
 from minispeed.zero.config import ZeroConfig
+from minispeed.zero.contract import ParamFragment, param_names
 from minispeed.zero.flat import Bucket, FlatLayout
-from minispeed.zero.optimizer import ParamFragment, param_names
 from minispeed.zero.precision import MixedPrecision
-from minispeed.zero.reducer import GradReducer, ReduceMode
+from minispeed.zero.reducer import BackwardScatterReducer, BoundaryScatterReducer
 
 __all__ = ["PartitionedStrategy"]
 
@@ -61,7 +61,7 @@ __all__ = ["PartitionedStrategy"]
 # them, with no master copy (Ψ'·4/N bytes) and no cast copy. 16-bit parameters get fp32 masters,
 # views of one partition tensor, cast into their shard of the flat buffer before the all-gather.
 # Elementwise optimizers compute the same numbers either way; gradients are laid out to match
-# (``GradReducer.shard_grads``), and checkpoints address masters through ParamFragment.
+# (the reducer's ``shard_grads``), and checkpoints address masters through ParamFragment.
 
 
 class PartitionedStrategy:
@@ -121,13 +121,10 @@ class PartitionedStrategy:
             self._masters.append(masters)
 
         position = {p: k for k, p in enumerate(model.parameters())}
-        mode = (
-            ReduceMode.SCATTER_AT_BOUNDARY if config.stage == 1 else ReduceMode.SCATTER_EVERY_STEP
-        )
-        self.reducer = GradReducer(
+        reducer = BoundaryScatterReducer if config.stage == 1 else BackwardScatterReducer
+        self.reducer = reducer(
             self.groups,
             self.layouts,
-            mode,
             config,
             precision.grad_accum_dtype,
             self.names,
