@@ -5,9 +5,9 @@ Saving and loading alternate between *local* work (writing or reading this rank'
 *collectives* (gathering what the other ranks hold). An exception in the local work of one rank
 (a full disk, a damaged file, a model that does not match) would leave that rank raising and
 every other rank waiting in the next collective, forever. So every local phase runs inside
-:func:`together`: it catches the exception, and every rank then exchanges its outcome in one
+`together`: it catches the exception, and every rank then exchanges its outcome in one
 ``all_gather_object`` (8 + a few hundred bytes per rank). If any rank failed, every rank raises
-the same :class:`~minispeed.zero.checkpoints.CheckpointError` naming the ranks and their errors
+the same `CheckpointError` naming the ranks and their errors
 (the failing rank chains its own exception as the cause). Collectives are never inside a phase,
 so a rank that fails cannot skip one that the others run.
 """

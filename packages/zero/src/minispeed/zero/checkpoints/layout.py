@@ -33,10 +33,10 @@ interrupted tag has no ``metadata.json``, which loaders and the consolidation re
 Note [damaged files]
 A file can still be damaged after the tag was sealed (a copy cut short, a disk that lost
 blocks). ``metadata.json`` records the size in bytes of every file of the tag, so a reader checks
-them with one ``stat`` each before opening anything (:func:`check_sizes`), and a file that
-``torch.load`` cannot read anyway is reported by :func:`load_shard`. Either error names the file,
+them with one ``stat`` each before opening anything (`check_sizes`), and a file that
+``torch.load`` cannot read anyway is reported by `load_shard`. Either error names the file,
 the tag, the damage, and the newest other tag of the directory that passes the same checks
-(:func:`complete_tags`), so the user knows what they can resume from.
+(`complete_tags`), so the user knows what they can resume from.
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ def pack_pieces(pieces: list[tuple[str, int, torch.Tensor]]) -> dict[str, Any]:
 
 
 def iter_pieces(packed: dict[str, Any]) -> Iterator[tuple[str, int, torch.Tensor]]:
-    """(name, start, values) of each piece of :func:`pack_pieces`'s output (views, no copies)."""
+    """(name, start, values) of each piece of `pack_pieces`'s output (views, no copies)."""
     offset = 0
     for name, start, numel in packed["index"]:
         yield name, start, packed["values"][offset : offset + numel]

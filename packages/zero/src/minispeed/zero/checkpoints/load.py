@@ -96,7 +96,7 @@ def load_checkpoint(
     load_optimizer_states: bool = True,
     load_rng: bool = True,
 ) -> dict[str, Any] | None:
-    """Restore a checkpoint written by :func:`~minispeed.zero.save_checkpoint` into ``opt``/``model``.
+    """Restore a checkpoint written by `save_checkpoint` into ``opt``/``model``.
 
     Collective: every rank of the optimizer's group calls it. ``tag`` defaults to the one named
     in ``load_dir/latest``. Works for any world size and stage (fp32 masters and per-element

@@ -4,7 +4,7 @@ What each rank writes (layout and atomicity: ``layout.py``, Note [atomic checkpo
 
 - ``weights.rankR-of-N.pt``: the fp32 master values of the fragments it owns (4 bytes per element;
   summed over ranks: 4Ψ for stages 1-3, and also 4Ψ for stage 0, whose replicated fragments are
-  written by the lowest rank holding them only, see :func:`_owned_pieces`);
+  written by the lowest rank holding them only, see `_owned_pieces`);
 - ``optim.rankR-of-N.pt``: the inner optimizer's per-element state for the same pieces (Adam:
   8 bytes per element) and the rank's RNG states;
 - rank 0 also writes ``common.pt`` (hyper-parameters, the scalar state of each parameter such as
