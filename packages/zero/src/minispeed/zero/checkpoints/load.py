@@ -69,6 +69,13 @@ def _check_model_matches(
                 f"model parameter {name!r} is neither optimized nor saved as frozen in the "
                 "checkpoint; load into the model architecture that saved it"
             )
+    names = {name for name, _ in model.named_parameters()}
+    lost = [n for n in meta.frozen_names if n not in names]
+    if lost:
+        raise CheckpointError(
+            f"checkpoint frozen parameter {lost[0]!r} does not exist in the model ({len(lost)} "
+            "frozen parameters are unmatched); load into the model architecture that saved it"
+        )
     extra = [n for n in saved if n not in seen]
     if extra:
         raise CheckpointError(
