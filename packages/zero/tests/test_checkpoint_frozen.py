@@ -3,7 +3,6 @@ stage 3, where they are partitioned like the others and must be gathered to be w
 
 from __future__ import annotations
 
-import pytest
 import torch
 from ckpt_testlib import LR, train
 from zero_testlib import make_model
@@ -36,26 +35,29 @@ def _frozen_value(model) -> torch.Tensor:
         return model.wpe.weight.detach().float().cpu().clone()
 
 
-def _body(rank: int, world_size: int, stage: int, path: str):
-    model, opt = build_frozen(stage, seed=0)
-    train(model, opt, rank, world_size, range(0, 2))
-    save_checkpoint(opt, model, path)
-    uninterrupted = train(model, opt, rank, world_size, range(2, 4))
+def _body(rank: int, world_size: int, path: str) -> dict[int, tuple]:
+    out = {}
+    for stage in (0, 1, 2, 3):
+        where = f"{path}/stage{stage}"
+        model, opt = build_frozen(stage, seed=0)
+        train(model, opt, rank, world_size, range(0, 1))
+        save_checkpoint(opt, model, where)
+        uninterrupted = train(model, opt, rank, world_size, range(1, 2))
 
-    model2, opt2 = build_frozen(stage, seed=11)  # other values, the frozen one included
-    before = _frozen_value(model2)
-    load_checkpoint(opt2, model2, path)
-    loaded = _frozen_value(model2)
-    resumed = train(model2, opt2, rank, world_size, range(2, 4))
-    return before, loaded, uninterrupted, resumed
+        model2, opt2 = build_frozen(stage, seed=11)  # other values, the frozen one included
+        before = _frozen_value(model2)
+        load_checkpoint(opt2, model2, where)
+        loaded = _frozen_value(model2)
+        resumed = train(model2, opt2, rank, world_size, range(1, 2))
+        out[stage] = (before, loaded, uninterrupted, resumed)
+    return out
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_a_frozen_parameter_is_saved_and_loaded(tmp_path, stage):
+def test_a_frozen_parameter_is_saved_and_loaded_at_every_stage(tmp_path):
     expected = make_model(0).wpe.weight.detach()  # frozen: still its initial value
-    for before, loaded, uninterrupted, resumed in run_distributed(
-        _body, world_size=2, args=(stage, str(tmp_path)), timeout_s=120
-    ):
-        assert not torch.equal(before, expected)  # the fresh model really started elsewhere
-        torch.testing.assert_close(loaded, expected, rtol=0, atol=0)
-        assert resumed == uninterrupted
+    for per_stage in run_distributed(_body, world_size=2, args=(str(tmp_path),), timeout_s=120):
+        assert sorted(per_stage) == [0, 1, 2, 3]
+        for stage, (before, loaded, uninterrupted, resumed) in per_stage.items():
+            assert not torch.equal(before, expected), stage  # the fresh model started elsewhere
+            torch.testing.assert_close(loaded, expected, rtol=0, atol=0, msg=f"stage {stage}")
+            assert resumed == uninterrupted, stage

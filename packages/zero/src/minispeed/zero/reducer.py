@@ -58,6 +58,7 @@ from torch import nn
 
 import minispeed.comm as comm
 from minispeed.comm.buckets import InFlight, LaunchQueue
+from minispeed.core import ranges
 from minispeed.zero.config import ZeroConfig
 from minispeed.zero.contract import weak_hook
 from minispeed.zero.flat import Bucket, FlatLayout
@@ -200,6 +201,7 @@ class _BucketedGrads:
         return slice(lo, lo + bk.shard_numel)
 
     # -- called by the strategy -------------------------------------------------------------
+    @ranges.range("zero.grads.finish")
     def backward_done(self, is_boundary: bool) -> None:
         """Launch what is left (missing grads count as zeros), wait for everything, average."""
         expected = (self._micro_step + 1) % self.config.gradient_accumulation_steps == 0

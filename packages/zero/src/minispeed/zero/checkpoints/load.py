@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 import minispeed.comm as comm
+from minispeed.core import ranges
 from minispeed.core.accelerator import get_accelerator
 from minispeed.zero.checkpoints.agree import together
 from minispeed.zero.checkpoints.layout import (
@@ -94,6 +95,7 @@ def _restore_rng(rng: dict[str, Any]) -> None:
         )
 
 
+@ranges.range("zero.checkpoint.load")
 def load_checkpoint(
     opt: Any,
     model: nn.Module,

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 import minispeed.comm as comm
+from minispeed.core import ranges
 from minispeed.zero.checkpoints.agree import together
 from minispeed.zero.checkpoints.layout import atomic_save
 from minispeed.zero.stage3.init import GatheredParameters
@@ -96,6 +97,7 @@ def _state_dict_entries(module: nn.Module, prefix: str = ""):
             yield from _state_dict_entries(child, prefix + name + ".")
 
 
+@ranges.range("zero.checkpoint.save_16bit_model")
 def save_16bit_model(
     opt: Any,
     model: nn.Module,

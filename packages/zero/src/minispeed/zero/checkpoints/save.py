@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 import minispeed.comm as comm
+from minispeed.core import ranges
 from minispeed.core.accelerator import get_accelerator
 from minispeed.zero.checkpoints.agree import together
 from minispeed.zero.checkpoints.layout import (
@@ -111,6 +112,7 @@ def _split_state(state: dict[str, Any], master: torch.Tensor) -> tuple[dict, dic
     return per_element, scalars
 
 
+@ranges.range("zero.checkpoint.save")
 def save_checkpoint(
     opt: Any,
     model: nn.Module,
