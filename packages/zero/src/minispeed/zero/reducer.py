@@ -50,6 +50,7 @@ are launched by `backward_done` with zeros for the missing parameters, again in 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -125,8 +126,13 @@ class _BucketedGrads:
         )
         self._order: list[tuple[int, Bucket]] = order
         launch_index = {(g, bk.index): k for k, (g, bk) in enumerate(order)}
+        # The queue calls back through a weak reference: a strong one would be a reference cycle,
+        # and the buffers would outlive `del opt` until a garbage collection.
+        launch = weakref.WeakMethod(self._launch_index)
         self._queue = LaunchQueue(
-            [len(bk.param_indices) for _, bk in order], self._launch_index, self.max_in_flight
+            [len(bk.param_indices) for _, bk in order],
+            lambda k: launch()(k),
+            self.max_in_flight,
         )
         # Per parameter: (group, index in group, launch index of its bucket). The hook's fast path.
         self._where = {
