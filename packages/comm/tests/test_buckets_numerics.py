@@ -1,4 +1,5 @@
-"""The bucketer gives the unbucketed loop's results with ceil(Σ small / bucket_numel) + #large collectives."""
+"""`LaunchQueue`: buckets reduced in one fixed order whatever order their members arrive in, with
+a bounded window in flight; the bucketed results equal the unbucketed loop's."""
 
 import pytest
 import torch
@@ -7,11 +8,9 @@ from torch.testing import assert_close
 import minispeed.comm as comm
 from minispeed.core.testing import run_distributed
 
-# Element counts of fake gradients: small ones that straddle bucket boundaries and one (40)
-# larger than the bucket of 16, which must get a collective of its own.
-SIZES = [5, 7, 3, 40, 9, 1, 6]
+# Fake gradients, grouped into buckets of consecutive tensors.
 SHAPES = [(5,), (7,), (3,), (4, 10), (3, 3), (1,), (2, 3)]
-BUCKET = 16
+BUCKETS = [[0, 1, 2], [3], [4, 5, 6]]
 
 
 def _grads(rank: int) -> list[torch.Tensor]:
@@ -19,83 +18,92 @@ def _grads(rank: int) -> list[torch.Tensor]:
     return [torch.randn(*shape, generator=g) for shape in SHAPES]
 
 
-def test_expected_count_by_hand():
-    # small: 5+7+3+9+1+6 = 31 elements -> 2 buckets of 16; the 40-element tensor -> 1 of its own
-    assert comm.num_collectives(SIZES, BUCKET) == 3
-    assert comm.num_collectives([16, 16, 16], 16) == 3
-    assert comm.num_collectives([17], 16) == 1
-    assert comm.num_collectives([], 16) == 0
+def test_launch_order_is_fixed_whatever_the_arrival_order():
+    launched: list[int] = []
+    queue = comm.LaunchQueue([2, 1, 3], lambda b: (launched.append(b), comm.InFlight(None))[1])
+    queue.arrived(1)  # bucket 1 complete first: it must wait for bucket 0
+    assert launched == [] and not queue.launched(1)
+    queue.arrived(0)
+    queue.arrived(0)  # bucket 0 complete: 0 and then 1 go
+    assert launched == [0, 1]
+    queue.arrived(2, launch=False)
+    queue.flush()  # bucket 2 never completed: launched anyway, last
+    assert launched == [0, 1, 2]
+    queue.reset()
+    assert queue.pending == [2, 1, 3] and queue.next == 0
 
 
-def _all_reduce_body(rank: int, world_size: int, average: bool) -> tuple[int, int]:
+class _Work:
+    def __init__(self, log: list[str], name: str) -> None:
+        self.log, self.name = log, name
+
+    def wait(self) -> None:
+        self.log.append(f"wait {self.name}")
+
+    def is_completed(self) -> bool:
+        return False
+
+
+def test_at_most_max_in_flight_collectives_wait_at_once():
+    log: list[str] = []
+
+    def launch(b: int) -> comm.InFlight:
+        log.append(f"launch {b}")
+        return comm.InFlight(_Work(log, str(b)), lambda: log.append(f"done {b}"))
+
+    queue = comm.LaunchQueue([1, 1, 1, 1], launch, max_in_flight=2)
+    for b in range(4):
+        queue.arrived(b)
+    # the third launch overfills the window of 2: the oldest is finished right after it
+    expected = ["launch 0", "launch 1", "launch 2", "wait 0", "done 0"]
+    expected += ["launch 3", "wait 1", "done 1"]
+    assert log == expected
+    queue.wait_all()
+    assert log[-4:] == ["wait 2", "done 2", "wait 3", "done 3"]
+    with pytest.raises(ValueError, match="max_in_flight"):
+        comm.LaunchQueue([1], launch, max_in_flight=0)
+
+
+def _bucketed_body(rank: int, world_size: int, arrival: list[int]) -> int:
     reference = _grads(rank)
-    comm.all_reduce_unbucketed(reference, average=average)
+    comm.all_reduce_unbucketed(reference)
 
     grads = _grads(rank)
-    bucketer = comm.GradientBucketer(comm.BucketConfig(bucket_numel=BUCKET, average=average))
+    flats = [torch.zeros(sum(grads[i].numel() for i in b)) for b in BUCKETS]
+
+    def launch(b: int) -> comm.InFlight:
+        work = comm.all_reduce(flats[b], async_op=True)
+
+        def finish() -> None:
+            offset = 0
+            for i in BUCKETS[b]:
+                n = grads[i].numel()
+                grads[i].copy_(flats[b][offset : offset + n].view_as(grads[i]) / world_size)
+                offset += n
+
+        return comm.InFlight(work, finish, (flats[b],))
+
+    bucket_of = {i: b for b, members in enumerate(BUCKETS) for i in members}
+    queue = comm.LaunchQueue([len(b) for b in BUCKETS], launch, max_in_flight=1)
     with comm.CommsLogger() as log:
-        for i, t in enumerate(grads):  # as grad hooks would, in backward order
-            bucketer.add(t, key=i)
-        launched_before_flush = bucketer.num_launched
-        bucketer.flush()
-        bucketer.wait()
+        for i in arrival:  # each rank its own order, as grad hooks may see
+            b = bucket_of[i]
+            offset = sum(grads[j].numel() for j in BUCKETS[b][: BUCKETS[b].index(i)])
+            flats[b][offset : offset + grads[i].numel()].copy_(grads[i].reshape(-1))
+            queue.arrived(b)
+        queue.flush()
     for got, want in zip(grads, reference):
         assert_close(got, want)
-    # every full bucket was launched during add(), before flush()
-    assert launched_before_flush == comm.num_collectives(SIZES, BUCKET) - 1
-    assert all(r.async_op for r in log.records)
-    return log.count("all_reduce"), bucketer.num_launched
+    return log.count("all_reduce")
 
 
-@pytest.mark.parametrize("average", [True, False])
-def test_bucketed_all_reduce_equals_unbucketed_loop(average):
-    for count, launched in run_distributed(_all_reduce_body, world_size=2, args=(average,)):
-        assert count == launched == comm.num_collectives(SIZES, BUCKET) == 3
+ORDERS = [[6, 5, 4, 3, 2, 1, 0], [0, 3, 1, 6, 2, 4, 5]]
 
 
-def _reduce_scatter_body(rank: int, world_size: int) -> int:
-    n = world_size
-    everyone = [_grads(r) for r in range(n)]
-    # what each element should become: the average over ranks
-    mean = [torch.stack([everyone[r][i] for r in range(n)]).mean(0) for i in range(len(SHAPES))]
-    seen: dict[tuple[int, int], float] = {}  # (tensor index, flat element) -> value from my shards
-
-    def on_shard(bucket: comm.Bucket, shard: torch.Tensor) -> None:
-        start, end = bucket.shard_range(comm.get_rank())
-        assert shard.numel() == end - start
-        for e in bucket.entries:  # map shard elements back to (tensor, element)
-            lo, hi = max(start, e.bucket_offset), min(end, e.bucket_offset + e.numel)
-            for pos in range(lo, hi):
-                seen[(e.key, e.tensor_offset + pos - e.bucket_offset)] = shard[pos - start].item()
-
-    bucketer = comm.GradientBucketer(
-        comm.BucketConfig(bucket_numel=BUCKET, reduction="reduce_scatter"), on_shard=on_shard
-    )
-    with comm.CommsLogger() as log:
-        for i, t in enumerate(everyone[rank]):
-            bucketer.add(t, key=i)
-        bucketer.flush()
-        bucketer.wait()
-    assert seen, "each rank receives a non-empty part of the result"
-    for (i, j), value in seen.items():
-        assert value == pytest.approx(mean[i].reshape(-1)[j].item(), rel=1e-5, abs=1e-6)
-    return log.count("reduce_scatter"), len(seen)
+def _per_rank_order_body(rank: int, world_size: int) -> int:
+    return _bucketed_body(rank, world_size, ORDERS[rank])
 
 
-def test_bucketed_reduce_scatter_shards_cover_the_average():
-    results = run_distributed(_reduce_scatter_body, world_size=2)
-    assert [c for c, _ in results] == [3, 3]
-    assert sum(covered for _, covered in results) == sum(SIZES), "shards partition every element"
-
-
-def test_reduce_scatter_needs_a_callback():
-    with pytest.raises(ValueError, match="needs on_shard"):
-        comm.GradientBucketer.__init__(
-            object.__new__(comm.GradientBucketer),
-            comm.BucketConfig(bucket_numel=4, reduction="reduce_scatter"),
-        )
-
-
-def test_unknown_reduction_names_the_choices():
-    with pytest.raises(ValueError, match="'all_reduce' or 'reduce_scatter'"):
-        comm.BucketConfig(bucket_numel=4, reduction="all_gather")  # type: ignore[arg-type]
+def test_bucketed_all_reduce_equals_the_unbucketed_loop_for_any_arrival_order():
+    results = run_distributed(_per_rank_order_body, world_size=2)
+    assert results == [len(BUCKETS)] * 2

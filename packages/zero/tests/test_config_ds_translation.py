@@ -18,7 +18,7 @@ def test_deepspeed_keys_map_to_named_fields() -> None:
                 "reduce_bucket_size": 5e7,  # DeepSpeed files write sizes as floats
                 "allgather_bucket_size": 2e8,
                 "overlap_comm": True,
-                "contiguous_gradients": False,
+                "contiguous_gradients": True,
                 "reduce_scatter": False,
                 "ignore_unused_parameters": False,
                 "stage3_prefetch_bucket_size": 123,
@@ -35,7 +35,7 @@ def test_deepspeed_keys_map_to_named_fields() -> None:
         reduce_bucket_numel=50_000_000,
         allgather_bucket_numel=200_000_000,
         overlap_comm=True,
-        contiguous_gradients=False,
+        contiguous_gradients=True,
         reduce_scatter=False,
         ignore_unused_parameters=False,
         gradient_accumulation_steps=4,

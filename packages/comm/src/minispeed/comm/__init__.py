@@ -12,20 +12,13 @@ Use it as `import minispeed.comm as comm`. Reading order (see README.md):
 5. `validation` — errors and local checks; `handshake` — the cross-rank check (first call
    of each call site by default, every call in validation mode).
 6. `api_compat` — torch-version and backend differences, in one place.
-7. `buckets` — gradient buckets that overlap communication with backward.
+7. `buckets` — the unbucketed loop, and `LaunchQueue`: buckets launched in one fixed order
+   while backward runs, with a bounded window in flight.
 8. `topology` and `hierarchical` — process grids and
    the two-level all-gather.
 """
 
-from minispeed.comm.buckets import (
-    Bucket,
-    BucketConfig,
-    BucketEntry,
-    BucketState,
-    GradientBucketer,
-    all_reduce_unbucketed,
-    num_collectives,
-)
+from minispeed.comm.buckets import InFlight, LaunchQueue, all_reduce_unbucketed
 from minispeed.comm.collectives import (
     ReduceOp,
     all_gather_coalesced,
@@ -61,10 +54,6 @@ from minispeed.comm.validation import (
 from minispeed.comm.work import CommWork
 
 __all__ = [
-    "Bucket",
-    "BucketConfig",
-    "BucketEntry",
-    "BucketState",
     "CommBackendError",
     "CommError",
     "CommInputError",
@@ -73,8 +62,9 @@ __all__ = [
     "CommTimeoutError",
     "CommWork",
     "CommsLogger",
-    "GradientBucketer",
     "HierarchicalAllGather",
+    "InFlight",
+    "LaunchQueue",
     "P2POp",
     "ProcessGrid",
     "ProcessTopology",
@@ -99,7 +89,6 @@ __all__ = [
     "is_member",
     "isend",
     "new_group",
-    "num_collectives",
     "recv",
     "reduce_scatter_tensor",
     "send",

@@ -12,7 +12,12 @@ Reading order: see packages/zero/README.md.
 
 from minispeed.zero.activation import checkpoint
 from minispeed.zero.api import shard
-from minispeed.zero.checkpoints import consolidate, load_checkpoint, save_checkpoint
+from minispeed.zero.checkpoints import (
+    consolidate,
+    load_checkpoint,
+    save_16bit_model,
+    save_checkpoint,
+)
 from minispeed.zero.config import ZeroConfig
 from minispeed.zero.memory import estimate, measure
 from minispeed.zero.optimizer import ParamFragment, ShardStrategy, ZeroOptimizer
@@ -34,6 +39,7 @@ __all__ = [
     "full_state_dict",
     "load_checkpoint",
     "measure",
+    "save_16bit_model",
     "save_checkpoint",
     "set_leaf_module",
     "shard",

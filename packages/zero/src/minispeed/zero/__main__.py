@@ -1,9 +1,9 @@
-"""Command line: ``python -m minispeed.zero {consolidate,estimate} ...``.
+"""Command line: `python -m minispeed.zero {consolidate,estimate} ...`.
 
-::
-
-    python -m minispeed.zero consolidate CKPT_DIR OUT.pt [--tag TAG]
-    python -m minispeed.zero estimate --params 175e9 --world-size 1024 --gpu-memory-gib 80
+```bash
+python -m minispeed.zero consolidate CKPT_DIR OUT.pt [--tag TAG]
+python -m minispeed.zero estimate --params 175e9 --world-size 1024 --gpu-memory-gib 80
+```
 """
 
 from __future__ import annotations

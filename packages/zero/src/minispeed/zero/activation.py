@@ -3,7 +3,7 @@
 Plain autograd keeps every tensor a block's backward needs (its *activations*) from the forward
 until the backward reaches that block. For a transformer layer of width C on a (B, T) batch those
 are ~34·B·T·C bytes in half precision (plus 5·B·T²·heads for attention scores), far more than
-the layer's input, 2·B·T·C bytes. :func:`checkpoint` runs the block's forward as usual but
+the layer's input, 2·B·T·C bytes. `checkpoint` runs the block's forward as usual but
 replaces every tensor autograd would save by a small index, keeps only the block's inputs, and
 re-runs the block inside backward the first time autograd asks for one of those tensors.
 

@@ -55,9 +55,11 @@ class ZeroConfig:
     backward continues (DeepSpeed `overlap_comm`). False: each bucket is reduced synchronously
     in its hook."""
     contiguous_gradients: bool = True
-    """DeepSpeed `contiguous_gradients`. Stages 0-2 always write gradients into flat contiguous
-    buffers (the buckets are views of them), so for them this flag changes nothing; stage 3
-    reads it."""
+    """DeepSpeed `contiguous_gradients`: copy each gradient, as autograd produces it, into a
+    contiguous buffer (and free `param.grad`), so that one collective reduces a bucket and
+    backward leaves no scattered gradient tensors. minispeed always does this (stages 0-2: views
+    of one flat buffer per param group; stage 3: one buffer per bucket): it is how buckets are
+    reduced. `False` is refused, since it cannot be honoured."""
     reduce_scatter: bool = True
     """Stages 1-2: average gradients with reduce-scatter (each rank receives only its partition).
     False: all-reduce each bucket and keep this rank's part (twice the bytes; DeepSpeed
@@ -110,6 +112,13 @@ class ZeroConfig:
                 )
         if self.stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeroConfig.stage must be 0, 1, 2 or 3, got {self.stage}")
+        if not self.contiguous_gradients:
+            raise ValueError(
+                "ZeroConfig.contiguous_gradients=False (DeepSpeed contiguous_gradients) is not "
+                "supported: minispeed always copies gradients into contiguous bucket buffers as "
+                "backward produces them, since each bucket is reduced by one collective over that "
+                "buffer; set it to True or remove the key"
+            )
         for name in (
             "reduce_bucket_numel",
             "allgather_bucket_numel",

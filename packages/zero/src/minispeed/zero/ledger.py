@@ -5,15 +5,11 @@ per bucket), N = data-parallel ranks, g / p = bytes per gradient / parameter ele
 (gradients travel in ``grad_accum_dtype``), A = gradient accumulation steps, m = managed
 parameter tensors. Per rank, ring algorithms (``minispeed.comm.costs``):
 
-=====  ======================================================  =================================
-stage  collectives per optimizer step                          bytes this rank sends
-=====  ======================================================  =================================
-0      all-reduce of every gradient bucket (unpadded)          2(N-1)/N · Ψ·g
-1      reduce-scatter of every padded bucket, all-gather of    (N-1)/N · Ψ'·g + (N-1)/N · Ψ'·p
-       the updated parameters
-2      as stage 1, but the reduce-scatter runs every            A·(N-1)/N · Ψ'·g + (N-1)/N · Ψ'·p
-       micro-step (the full gradient is never kept)
-=====  ======================================================  =================================
+| stage | collectives per optimizer step | bytes this rank sends |
+|---|---|---|
+| 0 | all-reduce of every gradient bucket (unpadded) | 2(N-1)/N · Ψ·g |
+| 1 | reduce-scatter of every padded bucket, all-gather of the updated parameters | (N-1)/N · Ψ'·g + (N-1)/N · Ψ'·p |
+| 2 | as stage 1, but the reduce-scatter runs every micro-step (the full gradient is never kept) | A·(N-1)/N · Ψ'·g + (N-1)/N · Ψ'·p |
 
 plus, every stage, one all-reduce of m + 1 fp32 flags (overflow and unused parameters, see
 Note [unused parameters] in optimizer.py): 2(N-1)/N · 4(m+1), and with clipping on a stage that
@@ -26,8 +22,8 @@ calls, the all-gather moving updated parameters instead of summed gradients.
 With ``reduce_scatter=False`` the stage 1-2 reduction is an all-reduce of each padded bucket:
 2(N-1)/N · Ψ'·g instead of (N-1)/N · Ψ'·g.
 
-The per-call functions are exact (they add up :func:`minispeed.comm.costs.wire_bytes` over the
-calls the stages issue, including its integer rounding); :func:`approx_wire_bytes_per_step` is
+The per-call functions are exact (they add up `wire_bytes` over the
+calls the stages issue, including its integer rounding); `approx_wire_bytes_per_step` is
 the closed form for documentation and the estimator.
 """
 

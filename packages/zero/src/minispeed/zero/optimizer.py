@@ -1,12 +1,9 @@
 """The partitioned optimizer: the user's torch.optim optimizer, stepping fp32 master tensors.
 
-Three pieces, in reading order:
+Read `contract.py` first: `ShardStrategy` (what a ZeRO stage does with parameters and gradients)
+and `ParamFragment` (which piece of which parameter a rank's masters hold) live there, and are
+re-exported here. Then:
 
-- `ShardStrategy`: what a ZeRO stage does with parameters and gradients (stage 0:
-  `stage0.py`, stages 1-2: `stage12.py`, stage 3: `stage3/`). The optimizer logic below is
-  the same for all of them.
-- `ParamFragment`: which piece of which parameter a rank's master tensors hold
-  (checkpoints are written from fragments, so they do not depend on the stage).
 - `ZeroOptimizer`: backward with loss scaling, then at each accumulation boundary
   overflow check, clipping, the inner step on masters, and publishing masters to the model.
 
@@ -19,8 +16,7 @@ buffers belong to the strategy (see its module for their bytes).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,86 +25,11 @@ import minispeed.comm as comm
 from minispeed.core import ranges
 from minispeed.core.logging import get_logger
 from minispeed.zero.config import ZeroConfig
+from minispeed.zero.contract import ParamFragment, ShardStrategy, param_names, weak_hook
 from minispeed.zero.flat import cut_runs
 from minispeed.zero.precision import LossScaler, MixedPrecision
-from minispeed.zero.reducer import weak_hook
 
 __all__ = ["ParamFragment", "ShardStrategy", "ZeroOptimizer", "param_names"]
-
-
-@dataclass(frozen=True)
-class ParamFragment:
-    """The piece of one model parameter whose fp32 master this rank holds.
-
-    Checkpoints (`checkpoints/`) use fragments to write and read optimizer state without knowing
-    which stage produced it: the master values of parameter `name` for flattened elements
-    `[start, start + numel)` live in `optimizer.param_groups[group]["params"][master_index]`,
-    flattened, at `[master_offset, master_offset + numel)`; every per-element optimizer state
-    tensor (`exp_avg`, `momentum_buffer`...) of that master uses the same offsets, and its
-    scalar state (Adam's `step`) is this fragment's alone. Every stage gives each fragment a
-    master of its own, so `master_offset` is 0 (Note [one master per fragment] in stage12.py).
-    """
-
-    name: str  # model.named_parameters() name (the first name of a tied parameter)
-    shape: torch.Size  # the full parameter's shape
-    start: int  # offset of this fragment in the flattened full parameter
-    numel: int  # elements this rank holds (may be 0)
-    group: int  # optimizer param-group index
-    master_index: int  # index into optimizer.param_groups[group]["params"]
-    master_offset: int  # offset of the fragment inside that master tensor (flattened)
-
-
-@runtime_checkable
-class ShardStrategy(Protocol):
-    """What a ZeRO stage does to parameters and gradients; the optimizer logic is shared.
-
-    Construction convention (how `zero.shard` builds a strategy):
-
-    ```python
-    Strategy(model, config, precision, group, param_groups=param_groups)
-    ```
-
-    `param_groups` is `list[list[nn.Parameter]]`: the model parameters of each of the user's
-    optimizer param groups, in the user's order (validated: every one belongs to `model`, none
-    twice). `master_params()` and `master_grads()` are indexed the same way.
-    """
-
-    partitions_grads: bool  # master_grads() are disjoint shards (stages 1-3): the norm needs a sum
-
-    def master_params(self) -> list[list[torch.Tensor]]:
-        """Per optimizer param group: the fp32 tensors this rank updates."""
-        ...
-
-    def master_grads(self) -> list[list[torch.Tensor]]:
-        """Same shapes as `master_params`, fp32, averaged over ranks at the boundary."""
-        ...
-
-    def backward_done(self, is_boundary: bool) -> None:
-        """After each micro-step's backward: finish in-flight reductions."""
-        ...
-
-    def publish_params(self) -> None:
-        """After the inner step: master -> model params."""
-        ...
-
-    def zero_grad(self) -> None:
-        """Clear every gradient buffer this strategy keeps."""
-        ...
-
-    def fragments(self) -> list[ParamFragment]:
-        """One entry per (parameter, piece held here), for checkpoints. Each master tensor holds
-        one fragment, at `master_offset == 0` (padding may follow it), so that the inner
-        optimizer keeps its per-tensor state (Adam's `step`) per parameter."""
-        ...
-
-    def close(self) -> None:
-        """Finish in-flight communication and remove every hook this strategy put on the model."""
-        ...
-
-
-def param_names(model: nn.Module) -> dict[nn.Parameter, str]:
-    """Parameter -> its first `model.named_parameters()` name (a tied parameter appears once)."""
-    return {p: name for name, p in model.named_parameters()}
 
 
 # Note [unused parameters]
@@ -171,7 +92,7 @@ class ZeroOptimizer:
     `global_step` (optimizer steps taken, skipped ones excluded), `micro_step` (backward calls).
 
     Lifetime: dropping the model and this optimizer (`del opt, model`) frees everything (the
-    hooks hold it weakly: Note [hooks hold their owner weakly] in reducer.py). `close`
+    hooks hold it weakly: Note [hooks hold their owner weakly] in contract.py). `close`
     hands the model back as a plain `nn.Module` while keeping it; `with zero.shard(...) as opt:`
     calls it on leaving the block.
     """

@@ -1,27 +1,25 @@
-"""Gradient hooks -> bucketed collectives, running while backward still computes (stages 0-2).
+"""Gradient hooks -> bucketed collectives while backward still computes: one reducer per schedule.
 
-Every managed parameter gets a ``register_post_accumulate_grad_hook``. When autograd has
-finished a parameter's gradient, the hook writes it into its bucket's flat buffer (in
-``grad_accum_dtype``), frees ``param.grad``, and, once every parameter of the bucket has arrived,
-launches the bucket's collective (asynchronously with ``overlap_comm``), so communication of the
-last layers overlaps the backward of the first ones.
+Every managed parameter gets a `register_post_accumulate_grad_hook`. When autograd has finished a
+parameter's gradient, the hook writes it into its bucket's buffer (in `grad_accum_dtype`), frees
+`param.grad`, and the bucket's collective is launched once every parameter of the bucket has
+arrived (asynchronously with `overlap_comm`), so the communication of the last layers overlaps
+the backward of the first ones. The launch order and the window of collectives in flight are
+`minispeed.comm.LaunchQueue`'s (Note [bucket launch order]).
 
-Three schedules, one per stage:
+Three schedules, one small class each, sharing `_BucketedGrads` (the hooks, the buffers' first
+micro-step, the averaging, the boundary bookkeeping):
 
-=========================  ===============================  =====================================
-mode                       micro-steps inside a window      the boundary micro-step
-=========================  ===============================  =====================================
-``ALL_REDUCE`` (stage 0)   accumulate into ``flat_grads``   + all-reduce each bucket in place
-``SCATTER_AT_BOUNDARY``    accumulate into ``flat_grads``   + reduce-scatter each bucket in place:
-(stage 1)                                                   this rank's shard of it is the result
-``SCATTER_EVERY_STEP``     reduce-scatter each bucket into  same
-(stage 2)                  ``part_grads`` (accumulating)
-=========================  ===============================  =====================================
+| stage | reducer | micro-steps inside a window | the boundary micro-step |
+|---|---|---|---|
+| 0 | `AllReduceReducer` | accumulate into `flat_grads` | + all-reduce each bucket in place |
+| 1 | `BoundaryScatterReducer` | accumulate into `flat_grads` | + reduce-scatter each bucket in place: this rank's shard of it is the result |
+| 2 | `BackwardScatterReducer` | reduce-scatter each bucket into `part_grads` (accumulating) | same |
 
-Bytes kept per rank (g = bytes per ``grad_accum_dtype`` element, Ψ parameters, N ranks):
-stage 0 and 1: Ψ·g (full flat gradients; stage 1's reduced partition is this rank's shard of
-each bucket, in place); stage 2: Ψ·g/N plus at most ``_MAX_IN_FLIGHT`` + (buckets being filled)
-staging buckets of ``reduce_bucket_numel`` elements. Bytes sent: see ``ledger.py``.
+Bytes kept per rank (g = bytes per `grad_accum_dtype` element, Ψ parameters, N ranks):
+stages 0 and 1: Ψ·g (full flat gradients; stage 1's reduced partition is this rank's shard of
+each bucket, in place); stage 2: Ψ·g/N plus at most `_MAX_IN_FLIGHT` + (buckets being filled)
+staging buckets of `reduce_bucket_numel` elements. Bytes sent: see `ledger.py`.
 
 Note [the first micro-step overwrites]
 The gradient buffers are not zero-filled after a step. The first backward of an accumulation
@@ -35,8 +33,8 @@ Note [averaging on the way in]
 The reduction sums gradients over N ranks; the optimizer wants their mean. Dividing the reduced
 buffer afterwards is one more pass over it, Ψ elements for stage 0 (about 0.5 ms per step on the
 benchmark's 3.2M-parameter GPT, 0.4 % of a step). So when the hook writes a gradient without a
-dtype cast (gradient dtype = ``grad_accum_dtype``) into its bucket, it multiplies by 1/N on the
-way (``torch.mul(grad, 1/N, out=slot)``, ``slot.add_(grad, alpha=1/N)``): the same single pass as
+dtype cast (gradient dtype = `grad_accum_dtype`) into its bucket, it multiplies by 1/N on the
+way (`torch.mul(grad, 1/N, out=slot)`, `slot.add_(grad, alpha=1/N)`): the same single pass as
 a plain copy or add. For N a power of two the result is bit-identical to dividing the sum
 (scaling by 2^-k is exact and commutes with rounding); otherwise it differs by rounding. With a
 cast (16-bit gradients accumulated in fp32) the mean is still taken after the reduction, in fp32.
@@ -47,173 +45,103 @@ different order on different ranks (data-dependent control flow, or a parameter 
 So buckets are launched strictly in one fixed order computed identically on every rank (the
 order gradients usually arrive in: last layers first); a bucket that completes early waits for
 the ones before it. Buckets still incomplete when backward ends (a parameter got no gradient)
-are launched by ``backward_done`` with zeros for the missing parameters, again in order.
-
-Note [hooks hold their owner weakly]
-A hook registered on a parameter (``register_post_accumulate_grad_hook``) is stored by autograd
-in C++, where Python's garbage collector cannot follow references. A hook that is a bound method
-of its owner would close the cycle parameter -> hook -> owner -> parameter invisibly, and the
-owner (a ZeroOptimizer with its masters, optimizer state and gradient buffers) would never be
-freed after the user drops the model and the optimizer. So every such hook is built by
-:func:`weak_hook`: it holds its owner through a weak reference and does nothing once the owner
-is gone. ``close()`` (``ZeroOptimizer.close``) removes the hooks outright.
+are launched by `backward_done` with zeros for the missing parameters, again in order.
 """
 
 from __future__ import annotations
 
-import enum
 import weakref
-from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 import minispeed.comm as comm
+from minispeed.comm.buckets import InFlight, LaunchQueue
+from minispeed.core import ranges
 from minispeed.zero.config import ZeroConfig
+from minispeed.zero.contract import weak_hook
 from minispeed.zero.flat import Bucket, FlatLayout
 
-__all__ = ["GradReducer", "ReduceMode", "weak_hook"]
+__all__ = [
+    "AllReduceReducer",
+    "BackwardScatterReducer",
+    "BoundaryScatterReducer",
+    "weak_hook",
+]
 
-# Stage 2: reduce-scatters awaiting completion before the next one waits for the oldest. Two lets
-# one bucket transfer while the next is being filled, bounding the staging memory.
+# Stage 2: reduce-scatters in flight before the oldest is waited for. Two let one bucket transfer
+# while the next is being filled, bounding the staging memory.
 _MAX_IN_FLIGHT = 2
 
 
-def weak_hook(method: Callable[[nn.Parameter], None]) -> Callable[[nn.Parameter], None]:
-    """A parameter hook calling the bound ``method`` while its object is alive, a no-op after.
+class _BucketedGrads:
+    """What the three schedules share: the hooks, the launch order, the first micro-step of a
+    window, the averaging, and the boundary's fp32 results.
 
-    See Note [hooks hold their owner weakly]. Costs one weak-reference lookup per call.
+    A schedule says where a gradient is written (`_slot`), whether this backward reduces
+    (`_reducing_now`), how one bucket is reduced (`_launch`), and which tensors hold the reduced
+    result (`_results`).
     """
-    ref = weakref.WeakMethod(method)
 
-    def hook(param: nn.Parameter) -> None:
-        bound = ref()
-        if bound is not None:
-            bound(param)
-
-    return hook
-
-
-class ReduceMode(enum.Enum):
-    """When gradients are reduced and where each rank keeps the result."""
-
-    ALL_REDUCE = "all_reduce"  # stage 0: every rank keeps the full averaged gradient
-    SCATTER_AT_BOUNDARY = "scatter_at_boundary"  # stage 1: accumulate locally, scatter once
-    SCATTER_EVERY_STEP = "scatter_every_step"  # stage 2: scatter every micro-step
-
-
-@dataclass
-class _BucketState:
-    """Book-keeping of one bucket during one backward."""
-
-    group: int
-    bucket: Bucket
-    pending: int = 0  # parameters whose gradient has not arrived yet
-    staging: torch.Tensor | None = None  # stage 2: (padded_numel,) grads of this micro-step
-
-
-@dataclass
-class _InFlight:
-    work: Any  # comm Work handle, or None once synchronous
-    finish: Callable[[], None] | None = None  # runs after the collective completed
-    keep: list[torch.Tensor] = field(default_factory=list)  # buffers the collective reads/writes
-
-
-class GradReducer:
-    """Owns the gradient buffers of stages 0-2 and the hooks that fill and reduce them."""
+    max_in_flight: int | None = None  # collectives waiting at once (None: no bound)
 
     def __init__(
         self,
         groups: Sequence[Sequence[nn.Parameter]],
         layouts: Sequence[FlatLayout],
-        mode: ReduceMode,
         config: ZeroConfig,
         grad_dtype: torch.dtype,
         names: dict[nn.Parameter, str],
         param_position: dict[nn.Parameter, int],
         group: Any = None,
     ) -> None:
-        self.mode = mode
         self.config = config
         self.layouts = list(layouts)
         self.comm_group = group
         self.world_size = comm.get_world_size(group)
         self.rank = comm.get_rank(group)
         self.names = names
-        device = groups[0][0].device if groups and groups[0] else torch.device("cpu")
-
-        # flat_grads[g]: 1-D, numel = layouts[g].numel, grad dtype (stages 0-1).
-        # part_grads[g]: 1-D, numel = layouts[g].partition_numel, grad dtype (stage 2).
-        # shard_grads[g][b]: this rank's reduced gradient for bucket b (stages 1-2): a view of
-        # flat_grads (stage 1, reduced in place) or of part_grads (stage 2).
-        full = mode is not ReduceMode.SCATTER_EVERY_STEP
-        self.flat_grads = [
-            torch.zeros(lay.numel if full else 0, dtype=grad_dtype, device=device)
-            for lay in layouts
-        ]
-        part = mode is ReduceMode.SCATTER_EVERY_STEP
-        self.part_grads = [
-            torch.zeros(lay.partition_numel if part else 0, dtype=grad_dtype, device=device)
-            for lay in layouts
-        ]
-        self.shard_grads: list[list[torch.Tensor]] = []
-        if mode is ReduceMode.SCATTER_AT_BOUNDARY:
-            self.shard_grads = [
-                [bk.shard_of(flat, self.rank) for bk in lay.buckets]
-                for flat, lay in zip(self.flat_grads, layouts)
-            ]
-        elif part:
-            self.shard_grads = [
-                [grads[bk.shard_offset : bk.shard_offset + bk.shard_numel] for bk in lay.buckets]
-                for grads, lay in zip(self.part_grads, layouts)
-            ]
-        # Per group, the reduced gradients as fp32, valid at a boundary: the full flat buffer
-        # (stage 0) or this rank's shard of each bucket (stages 1-2).
+        self.grad_dtype = grad_dtype
+        self.device = groups[0][0].device if groups and groups[0] else torch.device("cpu")
+        # Per group, the reduced gradients as fp32, valid at a boundary (`reduced()`).
         self._fp32: list[list[torch.Tensor]] | None = None
         # Whether the buffers hold stale values that the next backward overwrites instead of
         # adding to: Note [the first micro-step overwrites].
         self._fresh = True
         # Note [averaging on the way in]: the hook scales each gradient by 1/N as it writes it,
-        # when no dtype cast is involved.
+        # when no dtype cast is involved (x·1.0 is exact: a plain copy / add).
         param_dtype = groups[0][0].dtype if groups and groups[0] else grad_dtype
         self._prescaled = param_dtype == grad_dtype and self.world_size > 1
-        # The factor each gradient is written with (x·1.0 is exact: a plain copy / add).
         self._write_scale = 1.0 / self.world_size if self._prescaled else 1.0
 
         # One fixed launch order for every rank: See Note [bucket launch order].
-        self._order: list[_BucketState] = []
-        for g, lay in enumerate(layouts):
-            for bk in lay.buckets:
-                self._order.append(_BucketState(g, bk))
-        self._order.sort(
-            key=lambda s: (
-                -max(param_position[groups[s.group][i]] for i in s.bucket.param_indices),
-                s.group,
+        order = [(g, bk) for g, lay in enumerate(layouts) for bk in lay.buckets]
+        order.sort(
+            key=lambda gb: (
+                -max(param_position[groups[gb[0]][i]] for i in gb[1].param_indices),
+                gb[0],
             )
         )
-        self._state_of = {(s.group, s.bucket.index): s for s in self._order}
-        self._where = {p: (g, i) for g, ps in enumerate(groups) for i, p in enumerate(ps)}
-        # Per parameter: (its bucket's state, its slot's view of flat_grads (stages 0-1) or its
-        # offset inside the bucket's staging buffer (stage 2)). Built once: the hook's fast path.
-        self._target: dict[tuple[int, int], tuple[_BucketState, Any]] = {}
-        for g, lay in enumerate(layouts):
-            for i, slot in enumerate(lay.slots):
-                state = self._state_of[(g, lay.bucket_of_param[i])]
-                if full:
-                    where: Any = self.flat_grads[g][slot.offset : slot.offset + slot.numel].view(
-                        slot.shape
-                    )
-                else:
-                    where = slot.offset - state.bucket.start
-                self._target[(g, i)] = (state, where)
+        self._order: list[tuple[int, Bucket]] = order
+        launch_index = {(g, bk.index): k for k, (g, bk) in enumerate(order)}
+        # The queue calls back through a weak reference: a strong one would be a reference cycle,
+        # and the buffers would outlive `del opt` until a garbage collection.
+        launch = weakref.WeakMethod(self._launch_index)
+        self._queue = LaunchQueue(
+            [len(bk.param_indices) for _, bk in order],
+            lambda k: launch()(k),
+            self.max_in_flight,
+        )
+        # Per parameter: (group, index in group, launch index of its bucket). The hook's fast path.
+        self._where = {
+            p: (g, i, launch_index[(g, layouts[g].bucket_of_param[i])])
+            for g, ps in enumerate(groups)
+            for i, p in enumerate(ps)
+        }
         self._seen: set[tuple[int, int]] = set()
-        self._next_launch = 0
-        self._in_flight: deque[_InFlight] = deque()
         self._micro_step = 0
-        self._reset_pending()
         # A frozen parameter (requires_grad=False) never gets a gradient: it counts as unused.
         self._handles = [
             p.register_post_accumulate_grad_hook(weak_hook(self._on_grad))
@@ -222,16 +150,26 @@ class GradReducer:
             if p.requires_grad
         ]
 
-    # -- the hook ---------------------------------------------------------------------------------
-    @property
-    def reducing_this_backward(self) -> bool:
-        """Whether buckets are reduced during the backward now running (else only accumulated)."""
-        if self.mode is ReduceMode.SCATTER_EVERY_STEP:
-            return True
-        return (self._micro_step + 1) % self.config.gradient_accumulation_steps == 0
+    # -- what a schedule defines -------------------------------------------------------------
+    def _slot(self, g: int, i: int, k: int) -> tuple[torch.Tensor, bool]:
+        """(where parameter i of group g writes its gradient, whether it overwrites)."""
+        raise NotImplementedError
 
+    def _reducing_now(self) -> bool:
+        """Whether buckets are reduced during the backward now running (else only accumulated)."""
+        raise NotImplementedError
+
+    def _launch(self, g: int, bk: Bucket, k: int) -> InFlight:
+        """Issue the collective of bucket `bk` of group `g` (launch index `k`)."""
+        raise NotImplementedError
+
+    def _results(self) -> list[list[torch.Tensor]]:
+        """Per group, the tensors holding the reduced gradients after the boundary."""
+        raise NotImplementedError
+
+    # -- the hook ----------------------------------------------------------------------------
     def _on_grad(self, p: nn.Parameter) -> None:
-        g, i = self._where[p]
+        g, i, k = self._where[p]
         if (g, i) in self._seen:
             raise RuntimeError(
                 f"parameter {self.names[p]!r} received a second gradient in one backward (its bucket "
@@ -240,111 +178,36 @@ class GradReducer:
                 f"activation checkpointing (use_reentrant=False) for shared parameters"
             )
         self._seen.add((g, i))
-        state, where = self._target[(g, i)]
         grad = p.grad.to_dense() if p.grad.is_sparse else p.grad  # nn.Embedding(sparse=True)
-        if self.mode is ReduceMode.SCATTER_EVERY_STEP:  # a fresh staging bucket each micro-step
-            slot, overwrite = self._staging(state)[where : where + grad.numel()], True
-        else:  # Note [the first micro-step overwrites]
-            slot, overwrite = where, self._fresh
+        slot, overwrite = self._slot(g, i, k)
         # Note [averaging on the way in]: one pass, scaled by 1/N (or 1.0) on the way.
         if overwrite:
             torch.mul(grad, self._write_scale, out=slot.view(grad.shape))
         else:
             slot.add_(grad, alpha=self._write_scale)
         p.grad = None  # the bucket holds it now; free the autograd buffer
-        state.pending -= 1
-        if self.reducing_this_backward:
-            self._launch_ready()
+        self._queue.arrived(k, launch=self._reducing_now())
 
-    def _staging(self, state: _BucketState) -> torch.Tensor:
-        if state.staging is None:
-            grads = self.part_grads[state.group]
-            bk = state.bucket
-            state.staging = torch.empty(bk.padded_numel, dtype=grads.dtype, device=grads.device)
-            state.staging[bk.numel :].zero_()  # padding; missing gradients: _zero_missing
-        return state.staging
+    def _launch_index(self, k: int) -> InFlight:
+        g, bk = self._order[k]
+        return self._launch(g, bk, k)
 
-    def _zero_missing(self, state: _BucketState, buffer: torch.Tensor, base: int) -> None:
-        """Zero the slots, in ``buffer`` (whose element 0 is flat element ``base``), of the
-        bucket's parameters that got no gradient in this backward."""
-        lay = self.layouts[state.group]
-        for i in state.bucket.param_indices:
-            if (state.group, i) not in self._seen:
+    def _zero_missing(self, g: int, bk: Bucket, buffer: torch.Tensor, base: int) -> None:
+        """Zero the slots, in `buffer` (whose element 0 is flat element `base`), of the bucket's
+        parameters that got no gradient in this backward."""
+        lay = self.layouts[g]
+        for i in bk.param_indices:
+            if (g, i) not in self._seen:
                 slot = lay.slots[i]
                 buffer[slot.offset - base : slot.offset - base + slot.numel].zero_()
 
-    # -- launching and finishing collectives ------------------------------------------------------
-    def _launch_ready(self, force: bool = False) -> None:
-        """Launch buckets in the fixed order while the next one is complete (or ``force``)."""
-        while self._next_launch < len(self._order):
-            state = self._order[self._next_launch]
-            if state.pending > 0 and not force:
-                return
-            self._launch(state)
-            self._next_launch += 1
+    def _shard_range(self, bk: Bucket) -> slice:
+        """This rank's shard of bucket `bk`, relative to the bucket's first element."""
+        lo = bk.shard_start(self.rank) - bk.start
+        return slice(lo, lo + bk.shard_numel)
 
-    def _launch(self, state: _BucketState) -> None:
-        g, bk = state.group, state.bucket
-        overlap = self.config.overlap_comm
-        mine = slice(
-            bk.shard_start(self.rank) - bk.start,
-            bk.shard_start(self.rank) - bk.start + bk.shard_numel,
-        )
-        if self.mode is not ReduceMode.SCATTER_EVERY_STEP:
-            if self._fresh:  # Note [the first micro-step overwrites]
-                self._zero_missing(state, self.flat_grads[g], 0)
-            if self.mode is ReduceMode.ALL_REDUCE:
-                view = self.flat_grads[g][bk.start : bk.start + bk.numel]
-                work = comm.all_reduce(view, group=self.comm_group, async_op=overlap)
-            else:
-                # In place: this rank's shard of the bucket receives the reduced shard (Note
-                # [in-place flat collectives] in comm/api_compat.py); shard_grads views it.
-                bucket = self.flat_grads[g][bk.start : bk.start + bk.padded_numel]
-                if self.config.reduce_scatter:
-                    work = comm.reduce_scatter_tensor(
-                        bucket[mine], bucket, group=self.comm_group, async_op=overlap
-                    )
-                else:  # the all-reduce leaves the reduced shard in place too
-                    work = comm.all_reduce(bucket, group=self.comm_group, async_op=overlap)
-            self._track(_InFlight(work))
-            return
-        # SCATTER_EVERY_STEP: reduce this micro-step's bucket in place, fold this rank's shard
-        # into the partition, free the bucket.
-        staging = self._staging(state)
-        state.staging = None
-        self._zero_missing(state, staging, bk.start)
-        part = self.shard_grads[g][bk.index]
-        fold = part.copy_ if self._fresh else part.add_  # Note [the first micro-step overwrites]
-        if len(self._in_flight) >= _MAX_IN_FLIGHT:
-            self._finish(self._in_flight.popleft())
-        if self.config.reduce_scatter:
-            out = staging[mine]
-            work = comm.reduce_scatter_tensor(out, staging, group=self.comm_group, async_op=overlap)
-        else:
-            work = comm.all_reduce(staging, group=self.comm_group, async_op=overlap)
-        self._track(_InFlight(work, lambda: fold(staging[mine]), [staging]))
-
-    def _track(self, item: _InFlight) -> None:
-        if item.work is None:  # synchronous: already complete
-            if item.finish is not None:
-                item.finish()
-            return
-        self._in_flight.append(item)
-
-    @staticmethod
-    def _finish(item: _InFlight) -> None:
-        item.work.wait()
-        if item.finish is not None:
-            item.finish()
-
-    def _reset_pending(self) -> None:
-        for s in self._order:
-            s.pending = len(s.bucket.param_indices)
-            s.staging = None
-        self._seen.clear()
-        self._next_launch = 0
-
-    # -- called by the strategy ---------------------------------------------------------------------
+    # -- called by the strategy -------------------------------------------------------------
+    @ranges.range("zero.grads.finish")
     def backward_done(self, is_boundary: bool) -> None:
         """Launch what is left (missing grads count as zeros), wait for everything, average."""
         expected = (self._micro_step + 1) % self.config.gradient_accumulation_steps == 0
@@ -354,33 +217,31 @@ class GradReducer:
                 f"gradient_accumulation_steps={self.config.gradient_accumulation_steps} says {expected}; "
                 f"drive every micro-step through ZeroOptimizer.backward(loss)"
             )
-        if self.reducing_this_backward:
-            self._launch_ready(force=True)
+        if self._reducing_now():
+            self._queue.flush()
         elif self._fresh:  # nothing reduced: still, missing gradients must read as zeros
-            for s in self._order:
-                self._zero_missing(s, self.flat_grads[s.group], 0)
-        while self._in_flight:
-            self._finish(self._in_flight.popleft())
+            for g, bk in self._order:
+                self._zero_missing(g, bk, self.flat_grads[g], 0)
         self._fresh = False
         if is_boundary:
             inv_n = 1.0 / self.world_size
-            if self.mode is ReduceMode.ALL_REDUCE:
-                reduced = [[t] for t in self.flat_grads]
-            else:
-                reduced = self.shard_grads
             # Already averaged when prescaled (Note [averaging on the way in]); else average in
-            # fp32, since a 16-bit sum divided in 16 bits would round twice. ``float()`` is the
+            # fp32, since a 16-bit sum divided in 16 bits would round twice. `float()` is the
             # tensor itself when it is fp32 already, so that one is averaged in place.
             self._fp32 = [
                 [t.float() if self._prescaled else t.float().mul_(inv_n) for t in ts]
-                for ts in reduced
+                for ts in self._results()
             ]
         self._micro_step += 1
-        self._reset_pending()
+        self._reset()
+
+    def _reset(self) -> None:
+        self._queue.reset()
+        self._seen.clear()
 
     def reduced(self) -> list[list[torch.Tensor]]:
-        """Per group, the averaged fp32 gradient: ``[full flat]`` (stage 0) or this rank's shard of
-        every bucket (stages 1-2)."""
+        """Per group, the averaged fp32 gradient: `[full flat]` (stage 0) or this rank's shard
+        of every bucket (stages 1-2)."""
         if self._fp32 is None:
             raise RuntimeError(
                 "no reduced gradients: call backward on the boundary micro-step first"
@@ -402,20 +263,154 @@ class GradReducer:
         Idempotent. Gradients of a window not yet stepped are dropped with it: nothing more is
         reduced after this.
         """
-        while self._in_flight:
-            self._finish(self._in_flight.popleft())
+        self._queue.wait_all()
         for h in self._handles:
             h.remove()
         self._handles = []
-        self._reset_pending()
+        self._reset()
 
     @property
     def launched_buckets(self) -> int:
         """Buckets whose collective was issued during the backward now running (0 between)."""
-        return self._next_launch
+        return self._queue.next
 
     def bucket_numels(self) -> list[int]:
         """Elements of every bucket's collective, in launch order (padded for stages 1-2)."""
-        if self.mode is ReduceMode.ALL_REDUCE:
-            return [s.bucket.numel for s in self._order]
-        return [s.bucket.padded_numel for s in self._order]
+        return [bk.padded_numel for _, bk in self._order]
+
+
+class _FlatBufferGrads(_BucketedGrads):
+    """Stages 0 and 1: every micro-step accumulates into one full flat buffer per group."""
+
+    def __init__(self, groups, layouts, *args: Any, **kwargs: Any) -> None:
+        super().__init__(groups, layouts, *args, **kwargs)
+        # flat_grads[g]: 1-D, numel = layouts[g].numel, grad dtype.
+        self.flat_grads = [
+            torch.zeros(lay.numel, dtype=self.grad_dtype, device=self.device) for lay in layouts
+        ]
+        # Per parameter, its slot's view of flat_grads. Built once: the hook's fast path.
+        self._views = {
+            (g, i): self.flat_grads[g][s.offset : s.offset + s.numel].view(s.shape)
+            for g, lay in enumerate(layouts)
+            for i, s in enumerate(lay.slots)
+        }
+
+    def _slot(self, g: int, i: int, k: int) -> tuple[torch.Tensor, bool]:
+        return self._views[(g, i)], self._fresh  # Note [the first micro-step overwrites]
+
+    def _reducing_now(self) -> bool:
+        return (self._micro_step + 1) % self.config.gradient_accumulation_steps == 0
+
+
+class AllReduceReducer(_FlatBufferGrads):
+    """Stage 0: accumulate locally; at the boundary all-reduce each bucket of the flat buffer in
+    place, so every rank holds the full averaged gradient. Sends 2(N-1)/N·Ψ·g per step."""
+
+    def _launch(self, g: int, bk: Bucket, k: int) -> InFlight:
+        if self._fresh:  # Note [the first micro-step overwrites]
+            self._zero_missing(g, bk, self.flat_grads[g], 0)
+        view = self.flat_grads[g][bk.start : bk.start + bk.numel]
+        return InFlight(
+            comm.all_reduce(view, group=self.comm_group, async_op=self.config.overlap_comm)
+        )
+
+    def _results(self) -> list[list[torch.Tensor]]:
+        return [[t] for t in self.flat_grads]
+
+    def bucket_numels(self) -> list[int]:
+        """Elements of every bucket's all-reduce, in launch order (unpadded)."""
+        return [bk.numel for _, bk in self._order]
+
+
+class BoundaryScatterReducer(_FlatBufferGrads):
+    """Stage 1: accumulate locally; at the boundary reduce-scatter each bucket in place: this
+    rank's shard of the flat buffer receives its reduced shard. Sends (N-1)/N·Ψ'·g per step."""
+
+    def __init__(self, groups, layouts, *args: Any, **kwargs: Any) -> None:
+        super().__init__(groups, layouts, *args, **kwargs)
+        # shard_grads[g][b]: this rank's reduced gradient for bucket b, a view of flat_grads.
+        self.shard_grads = [
+            [bk.shard_of(flat, self.rank) for bk in lay.buckets]
+            for flat, lay in zip(self.flat_grads, layouts)
+        ]
+
+    def _launch(self, g: int, bk: Bucket, k: int) -> InFlight:
+        if self._fresh:  # Note [the first micro-step overwrites]
+            self._zero_missing(g, bk, self.flat_grads[g], 0)
+        # In place: this rank's shard of the bucket receives the reduced shard (Note [in-place
+        # flat collectives] in comm/api_compat.py); shard_grads views it.
+        bucket = self.flat_grads[g][bk.start : bk.start + bk.padded_numel]
+        overlap = self.config.overlap_comm
+        if self.config.reduce_scatter:
+            mine = bucket[self._shard_range(bk)]
+            work = comm.reduce_scatter_tensor(mine, bucket, group=self.comm_group, async_op=overlap)
+        else:  # the all-reduce leaves the reduced shard in place too
+            work = comm.all_reduce(bucket, group=self.comm_group, async_op=overlap)
+        return InFlight(work)
+
+    def _results(self) -> list[list[torch.Tensor]]:
+        return self.shard_grads
+
+
+class BackwardScatterReducer(_BucketedGrads):
+    """Stage 2: every micro-step, reduce-scatter each bucket as soon as it is complete and fold
+    this rank's shard into its gradient partition; the full gradient never exists at once.
+    Sends (N-1)/N·Ψ'·g per micro-step."""
+
+    max_in_flight = _MAX_IN_FLIGHT
+
+    def __init__(self, groups, layouts, *args: Any, **kwargs: Any) -> None:
+        super().__init__(groups, layouts, *args, **kwargs)
+        # part_grads[g]: 1-D, numel = layouts[g].partition_numel, grad dtype.
+        self.part_grads = [
+            torch.zeros(lay.partition_numel, dtype=self.grad_dtype, device=self.device)
+            for lay in layouts
+        ]
+        # shard_grads[g][b]: this rank's reduced gradient for bucket b, a view of part_grads.
+        self.shard_grads = [
+            [grads[bk.shard_offset : bk.shard_offset + bk.shard_numel] for bk in lay.buckets]
+            for grads, lay in zip(self.part_grads, layouts)
+        ]
+        # staging[k]: (padded_numel,) gradients of this micro-step for the bucket launched k-th,
+        # from its first gradient until its reduce-scatter is finished.
+        self._staging: dict[int, torch.Tensor] = {}
+
+    def _bucket_staging(self, g: int, bk: Bucket, k: int) -> torch.Tensor:
+        staging = self._staging.get(k)
+        if staging is None:
+            staging = torch.empty(bk.padded_numel, dtype=self.grad_dtype, device=self.device)
+            staging[bk.numel :].zero_()  # padding; missing gradients: _zero_missing
+            self._staging[k] = staging
+        return staging
+
+    def _slot(self, g: int, i: int, k: int) -> tuple[torch.Tensor, bool]:
+        bk = self._order[k][1]
+        slot = self.layouts[g].slots[i]
+        lo = slot.offset - bk.start
+        return self._bucket_staging(g, bk, k)[lo : lo + slot.numel], True  # fresh every micro-step
+
+    def _reducing_now(self) -> bool:
+        return True
+
+    def _launch(self, g: int, bk: Bucket, k: int) -> InFlight:
+        staging = self._bucket_staging(g, bk, k)
+        del self._staging[k]
+        self._zero_missing(g, bk, staging, bk.start)
+        part = self.shard_grads[g][bk.index]
+        fold = part.copy_ if self._fresh else part.add_  # Note [the first micro-step overwrites]
+        mine = self._shard_range(bk)
+        overlap = self.config.overlap_comm
+        if self.config.reduce_scatter:
+            work = comm.reduce_scatter_tensor(
+                staging[mine], staging, group=self.comm_group, async_op=overlap
+            )
+        else:
+            work = comm.all_reduce(staging, group=self.comm_group, async_op=overlap)
+        return InFlight(work, lambda: fold(staging[mine]), (staging,))
+
+    def _results(self) -> list[list[torch.Tensor]]:
+        return self.shard_grads
+
+    def _reset(self) -> None:
+        super()._reset()
+        self._staging.clear()

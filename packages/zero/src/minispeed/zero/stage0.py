@@ -26,10 +26,10 @@ from torch import nn
 
 import minispeed.comm as comm
 from minispeed.zero.config import ZeroConfig
+from minispeed.zero.contract import ParamFragment, param_names
 from minispeed.zero.flat import FlatLayout
-from minispeed.zero.optimizer import ParamFragment, param_names
 from minispeed.zero.precision import MixedPrecision
-from minispeed.zero.reducer import GradReducer, ReduceMode
+from minispeed.zero.reducer import AllReduceReducer
 
 __all__ = ["ReplicatedStrategy"]
 
@@ -78,10 +78,9 @@ class ReplicatedStrategy:
             FlatLayout(ps, config.reduce_bucket_numel, world_size, pad=False) for ps in self.groups
         ]
         position = {p: k for k, p in enumerate(model.parameters())}
-        self.reducer = GradReducer(
+        self.reducer = AllReduceReducer(
             self.groups,
             self.layouts,
-            ReduceMode.ALL_REDUCE,
             config,
             precision.grad_accum_dtype,
             self.names,

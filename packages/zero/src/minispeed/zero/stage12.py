@@ -40,10 +40,10 @@ from torch import nn
 
 import minispeed.comm as comm
 from minispeed.zero.config import ZeroConfig
+from minispeed.zero.contract import ParamFragment, param_names
 from minispeed.zero.flat import Bucket, FlatLayout
-from minispeed.zero.optimizer import ParamFragment, param_names
 from minispeed.zero.precision import MixedPrecision
-from minispeed.zero.reducer import GradReducer, ReduceMode
+from minispeed.zero.reducer import BackwardScatterReducer, BoundaryScatterReducer
 
 __all__ = ["PartitionedStrategy"]
 
@@ -70,7 +70,7 @@ __all__ = ["PartitionedStrategy"]
 # in-place all-gather around them, with no master copy (Ψ'·4/N bytes) and no cast copy. 16-bit
 # parameters get fp32 masters, slices of one partition tensor, cast into their shard of the flat
 # buffer before the all-gather. Gradients are the matching slices of the reduced bucket shards
-# (`GradReducer.reduced`); padding belongs to no fragment and is never stepped. Cost: one
+# (the reducer's `reduced()`); padding belongs to no fragment and is never stepped. Cost: one
 # optimizer call per fragment instead of per bucket (stage 0 and 3 pay the same).
 
 
@@ -145,13 +145,10 @@ class PartitionedStrategy:
             self._masters.append(masters)
 
         position = {p: k for k, p in enumerate(model.parameters())}
-        mode = (
-            ReduceMode.SCATTER_AT_BOUNDARY if config.stage == 1 else ReduceMode.SCATTER_EVERY_STEP
-        )
-        self.reducer = GradReducer(
+        reducer = BoundaryScatterReducer if config.stage == 1 else BackwardScatterReducer
+        self.reducer = reducer(
             self.groups,
             self.layouts,
-            mode,
             config,
             precision.grad_accum_dtype,
             self.names,

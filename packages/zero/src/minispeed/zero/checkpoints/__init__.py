@@ -1,16 +1,18 @@
 """Sharded, parallelism-agnostic ZeRO checkpoints.
 
-Reading order: ``layout.py`` (the files and the atomic-write protocol), ``save.py`` (each rank
-writes its fragments), ``load.py`` (any world size or stage reads them back),
-``consolidate.py`` (one fp32 state_dict, streaming).
+Reading order: `layout.py` (the files, the atomic-write protocol, damage checks), `agree.py`
+(an error on one rank is an error on every rank), `save.py` (each rank writes its fragments),
+`load.py` (any world size or stage reads them back), `consolidate.py` (one fp32 state_dict,
+streaming), `model16.py` (one 16-bit state_dict, gathered: `save_16bit_model`).
 
-(The package is ``checkpoints``, plural: ``zero.checkpoint`` is activation checkpointing, and a
+(The package is `checkpoints`, plural: `zero.checkpoint` is activation checkpointing, and a
 submodule of that name would replace the function on the package when imported.)
 """
 
 from minispeed.zero.checkpoints.consolidate import ConsolidationReport, consolidate
 from minispeed.zero.checkpoints.layout import FORMAT_VERSION, CheckpointError, CheckpointMetadata
 from minispeed.zero.checkpoints.load import load_checkpoint
+from minispeed.zero.checkpoints.model16 import save_16bit_model
 from minispeed.zero.checkpoints.save import save_checkpoint
 
 __all__ = [
@@ -20,5 +22,6 @@ __all__ = [
     "ConsolidationReport",
     "consolidate",
     "load_checkpoint",
+    "save_16bit_model",
     "save_checkpoint",
 ]

@@ -18,7 +18,7 @@ Only weight shards are read, never the optimizer moments.
 Host memory: at most one shard's tensors (mapped, not copied: the kernel reads the pages we
 touch and may drop them again) and no per-parameter buffer, so the peak is below the bound
 ``largest parameter + largest shard`` (4 bytes per element; ``common.pt``, rank 0's whole
-buffers and frozen parameters, counts as a shard). The returned :class:`ConsolidationReport`
+buffers and frozen parameters, counts as a shard). The returned `ConsolidationReport`
 counts the bytes of the tensors held at once (``peak_held_bytes``).
 
 Note [skeleton offsets]

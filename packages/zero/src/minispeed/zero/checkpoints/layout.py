@@ -1,18 +1,21 @@
 """What a ZeRO checkpoint looks like on disk, and how files get there without ever half-existing.
 
-::
-
-    CKPT_DIR/
-      latest                                 "<tag>\\n", replaced atomically after the tag is complete
-      <tag>/
-        weights.rank00000-of-00002.pt        rank 0's fp32 master pieces: one flat tensor and its
-                                             index [(name, start, numel)] (see pack_pieces)
-        optim.rank00000-of-00002.pt          per optimizer state key (exp_avg, ...), the same kind
-                                             of packed pieces; plus this rank's RNG states
-        ...                                  (one pair per rank)
-        common.pt                            rank 0: hyper-parameters, scalar optimizer state per
-                                             parameter, loss scaler, step counters, model buffers
-        metadata.json                        rank 0, written last: the "complete" marker and index
+```text
+CKPT_DIR/
+  latest                                 "<tag>\\n", replaced atomically after the tag is complete
+  <tag>/
+    weights.rank00000-of-00002.pt        rank 0's fp32 master pieces: one flat tensor and its
+                                         index [(name, start, numel)] (see pack_pieces)
+    optim.rank00000-of-00002.pt          per optimizer state key (exp_avg, ...), the same kind
+                                         of packed pieces; plus this rank's RNG states
+    ...                                  (one pair per rank)
+    common.pt                            rank 0: hyper-parameters, scalar optimizer state per
+                                         parameter, loss scaler, step counters, model buffers
+    pytorch_model.bin                    rank 0, with stage3_gather_16bit_weights_on_model_save
+                                         only: the model's 16-bit state_dict (model16.py)
+    metadata.json                        rank 0, written last: the "complete" marker and index,
+                                         with every file's size (Note [damaged files])
+```
 
 The layout is *per parameter*: a fragment is named by the model's parameter name and the flat
 range ``[start, start + numel)`` of that parameter it covers, never by a rank's flat-buffer offset.
@@ -26,6 +29,14 @@ and the directory is fsynced, so a reader sees either no file or a whole one. Th
 are on disk (the gather of their shard records is the barrier). ``latest`` moves to the tag
 after that. A crash anywhere before leaves ``latest`` on the previous complete tag, and the
 interrupted tag has no ``metadata.json``, which loaders and the consolidation refuse by name.
+
+Note [damaged files]
+A file can still be damaged after the tag was sealed (a copy cut short, a disk that lost
+blocks). ``metadata.json`` records the size in bytes of every file of the tag, so a reader checks
+them with one ``stat`` each before opening anything (`check_sizes`), and a file that
+``torch.load`` cannot read anyway is reported by `load_shard`. Either error names the file,
+the tag, the damage, and the newest other tag of the directory that passes the same checks
+(`complete_tags`), so the user knows what they can resume from.
 """
 
 from __future__ import annotations
@@ -52,7 +63,10 @@ __all__ = [
     "ShardRecord",
     "atomic_save",
     "atomic_write_text",
+    "check_sizes",
+    "complete_tags",
     "iter_pieces",
+    "load_shard",
     "optim_file",
     "pack_pieces",
     "read_metadata",
@@ -114,6 +128,8 @@ class ShardRecord:
     optim_file: str
     pieces: tuple[tuple[str, int, int], ...]
     weights_bytes: int  # bytes of fp32 values in the weights file (the consolidation bound)
+    weights_file_bytes: int | None = None  # file sizes (None: written before sizes were kept)
+    optim_file_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -132,6 +148,9 @@ class CheckpointMetadata:
     state_dict_keys: tuple[str, ...]  # model.state_dict() order, for the consolidated file
     buffer_names: tuple[str, ...]  # model buffers saved in common.pt
     frozen_names: tuple[str, ...]  # parameters outside the optimizer, saved whole in common.pt
+    common_file_bytes: int | None = None  # size of common.pt (None: not recorded)
+    model_16bit_file: str | None = None  # the consolidated 16-bit state_dict, if one was written
+    model_16bit_file_bytes: int | None = None
 
     def to_json(self) -> str:
         """Deterministic JSON text."""
@@ -139,7 +158,7 @@ class CheckpointMetadata:
 
     @staticmethod
     def from_json(text: str) -> CheckpointMetadata:
-        """Parse :meth:`to_json`'s output (version checked by :func:`read_metadata`)."""
+        """Parse `to_json`'s output (version checked by `read_metadata`)."""
         raw = json.loads(text)
         raw["params"] = tuple(
             ParamRecord(p["name"], tuple(p["shape"]), p["group"], tuple(p["aliases"]))
@@ -152,6 +171,8 @@ class CheckpointMetadata:
                 s["optim_file"],
                 tuple((n, int(a), int(k)) for n, a, k in s["pieces"]),
                 s["weights_bytes"],
+                s.get("weights_file_bytes"),
+                s.get("optim_file_bytes"),
             )
             for s in raw["shards"]
         )
@@ -176,7 +197,7 @@ def pack_pieces(pieces: list[tuple[str, int, torch.Tensor]]) -> dict[str, Any]:
 
 
 def iter_pieces(packed: dict[str, Any]) -> Iterator[tuple[str, int, torch.Tensor]]:
-    """(name, start, values) of each piece of :func:`pack_pieces`'s output (views, no copies)."""
+    """(name, start, values) of each piece of `pack_pieces`'s output (views, no copies)."""
     offset = 0
     for name, start, numel in packed["index"]:
         yield name, start, packed["values"][offset : offset + numel]
@@ -318,5 +339,84 @@ def read_metadata(tag_dir: Path, *, need_optimizer_state: bool = True) -> Checkp
         raise CheckpointError(
             f"checkpoint {tag_dir} is complete but shard files {absent} are missing (deleted or not "
             "copied?); copy them back from where the checkpoint was written, or load another tag"
+            f". {_earlier_hint(tag_dir)}"
         )
+    check_sizes(tag_dir, meta, need_optimizer_state=need_optimizer_state)
     return meta
+
+
+def _expected_sizes(meta: CheckpointMetadata, *, need_optimizer_state: bool) -> dict[str, int]:
+    """{file name: recorded size in bytes} for the files a reader opens (recorded ones only)."""
+    sizes = {COMMON_FILE: meta.common_file_bytes}
+    for s in meta.shards:
+        sizes[s.weights_file] = s.weights_file_bytes
+        if need_optimizer_state:
+            sizes[s.optim_file] = s.optim_file_bytes
+    return {name: size for name, size in sizes.items() if size is not None}
+
+
+def _size_damage(tag_dir: Path, meta: CheckpointMetadata, need_optimizer_state: bool) -> list:
+    """[(file name, what is wrong)] for every file whose size differs from the recorded one."""
+    damage = []
+    for name, size in _expected_sizes(meta, need_optimizer_state=need_optimizer_state).items():
+        path = tag_dir / name
+        actual = path.stat().st_size if path.is_file() else None
+        if actual is None:
+            damage.append((name, "missing"))
+        elif actual != size:
+            what = "truncated" if actual < size else "longer than written"
+            damage.append((name, f"{what}: {actual} bytes on disk, {size} bytes when saved"))
+    return damage
+
+
+def check_sizes(tag_dir: Path, meta: CheckpointMetadata, *, need_optimizer_state: bool) -> None:
+    """Raise naming file, tag, damage and an earlier complete tag if a file's size is not the
+    size it was saved with (Note [damaged files]). One ``stat`` per file."""
+    damage = _size_damage(tag_dir, meta, need_optimizer_state)
+    if damage:
+        name, what = damage[0]
+        more = f" (and {len(damage) - 1} more damaged files)" if len(damage) > 1 else ""
+        raise CheckpointError(
+            f"checkpoint file {tag_dir / name} of tag {meta.tag!r} is damaged: {what}{more}. "
+            f"{_earlier_hint(tag_dir)}"
+        )
+
+
+def load_shard(path: Path, tag: str, **kwargs: Any) -> Any:
+    """``torch.load(path, **kwargs)``, or an error naming the file, the tag and the damage."""
+    try:
+        return torch.load(path, **kwargs)
+    except (RuntimeError, OSError, EOFError, ValueError) as e:
+        raise CheckpointError(
+            f"checkpoint file {path} of tag {tag!r} is damaged: torch.load cannot read it "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "
+            f"{_earlier_hint(path.parent)}"
+        ) from e
+
+
+def complete_tags(root: Path) -> list[str]:
+    """Tags under ``root`` that are sealed, of our format, with every file present at its saved
+    size; newest (highest global step) first."""
+    found = []
+    for tag_dir in _listdir(root):
+        meta_path = tag_dir / METADATA_FILE
+        if not meta_path.is_file():
+            continue
+        try:
+            meta = CheckpointMetadata.from_json(meta_path.read_text())
+        except (ValueError, KeyError, TypeError):
+            continue
+        if meta.format_version != FORMAT_VERSION:
+            continue
+        files = [COMMON_FILE, *(n for s in meta.shards for n in (s.weights_file, s.optim_file))]
+        if all((tag_dir / n).is_file() for n in files) and not _size_damage(tag_dir, meta, True):
+            found.append((meta.global_step, tag_dir.name))
+    return [tag for _, tag in sorted(found, reverse=True)]
+
+
+def _earlier_hint(tag_dir: Path) -> str:
+    """Which other tag of the directory is complete (what the user can load instead)."""
+    others = [t for t in complete_tags(tag_dir.parent) if t != tag_dir.name]
+    if not others:
+        return f"No other complete tag in {tag_dir.parent}: re-save from a training run."
+    return f"Tag {others[0]!r} in {tag_dir.parent} is complete: load it with tag={others[0]!r}."

@@ -16,21 +16,26 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 import minispeed.comm as comm
+from minispeed.core import ranges
 from minispeed.core.accelerator import get_accelerator
+from minispeed.zero.checkpoints.agree import together
 from minispeed.zero.checkpoints.layout import (
     COMMON_FILE,
     CheckpointError,
     CheckpointMetadata,
     iter_pieces,
+    load_shard,
     read_metadata,
     resolve_tag_dir,
 )
+from minispeed.zero.stage3.init import GatheredParameters
 
 __all__ = ["load_checkpoint"]
 
@@ -65,6 +70,13 @@ def _check_model_matches(
                 f"model parameter {name!r} is neither optimized nor saved as frozen in the "
                 "checkpoint; load into the model architecture that saved it"
             )
+    names = {name for name, _ in model.named_parameters()}
+    lost = [n for n in meta.frozen_names if n not in names]
+    if lost:
+        raise CheckpointError(
+            f"checkpoint frozen parameter {lost[0]!r} does not exist in the model ({len(lost)} "
+            "frozen parameters are unmatched); load into the model architecture that saved it"
+        )
     extra = [n for n in saved if n not in seen]
     if extra:
         raise CheckpointError(
@@ -83,6 +95,7 @@ def _restore_rng(rng: dict[str, Any]) -> None:
         )
 
 
+@ranges.range("zero.checkpoint.load")
 def load_checkpoint(
     opt: Any,
     model: nn.Module,
@@ -92,7 +105,7 @@ def load_checkpoint(
     load_optimizer_states: bool = True,
     load_rng: bool = True,
 ) -> dict[str, Any] | None:
-    """Restore a checkpoint written by :func:`~minispeed.zero.save_checkpoint` into ``opt``/``model``.
+    """Restore a checkpoint written by `save_checkpoint` into ``opt``/``model``.
 
     Collective: every rank of the optimizer's group calls it. ``tag`` defaults to the one named
     in ``load_dir/latest``. Works for any world size and stage (fp32 masters and per-element
@@ -105,13 +118,70 @@ def load_checkpoint(
     """
     group = opt.comm_group
     rank, world_size = comm.get_rank(group), comm.get_world_size(group)
-    tag_dir = resolve_tag_dir(load_dir, tag)
-    meta = read_metadata(tag_dir, need_optimizer_state=load_optimizer_states)
+    what = f"load_checkpoint from {os.fspath(load_dir)!r}" + (f" (tag {tag!r})" if tag else "")
 
-    fragments = list(opt.fragments())
+    # 1. Local: find and check the tag; name this rank's fragments.
+    def find() -> tuple[Path, CheckpointMetadata, list[Any]]:
+        tag_dir = resolve_tag_dir(load_dir, tag)
+        meta = read_metadata(tag_dir, need_optimizer_state=load_optimizer_states)
+        return tag_dir, meta, list(opt.fragments())
+
+    (tag_dir, meta, fragments), everyone = together(
+        group,
+        what,
+        find,
+        share=lambda found: ({f.name: tuple(f.shape) for f in found[2]}, comm.get_rank()),
+    )
     shapes: dict[str, tuple[int, ...]] = {}
-    for part in comm.all_gather_object({f.name: tuple(f.shape) for f in fragments}, group=group):
+    for part, _ in everyone:
         shapes.update(part)
+    first_global_rank = everyone[0][1]  # global rank of group rank 0 (broadcast source)
+
+    # 2. Local: fill this rank's masters and optimizer state from the shards that hold them.
+    (common, mine, masters, state_filled, rng), _ = together(
+        group,
+        what,
+        lambda: _read(
+            opt,
+            model,
+            tag_dir,
+            meta,
+            fragments,
+            shapes,
+            rank,
+            world_size,
+            load_rng,
+            load_optimizer_states,
+        ),
+    )
+
+    # 3. Local: scalars, hyper-parameters, counters, buffers.
+    def restore() -> None:
+        if load_optimizer_states:
+            _restore_scalars_and_hyper(opt, meta, common, mine, masters, state_filled)
+        if opt.loss_scaler is not None and common["loss_scaler"] is not None:
+            opt.loss_scaler.load_state_dict(common["loss_scaler"])
+        opt.global_step = common["global_step"]
+        opt.micro_step = common["micro_step"]
+        opt._stepped_at = opt.micro_step  # saved at a boundary whose step was taken (save.py)
+        _restore_buffers(model, common)
+        if rng is not None:
+            _restore_rng(rng)
+
+    together(group, what, restore)
+
+    # 4. Collectives: frozen parameters (re-partitioned from rank 0's copy under stage 3), then
+    # masters -> model parameters (all-gather for stages 1-2).
+    _restore_frozen(model, common, first_global_rank)
+    opt.strategy.publish_params()
+    return common["client_state"]
+
+
+def _read(
+    opt, model, tag_dir, meta, fragments, shapes, rank, world_size, load_rng, load_optimizer_states
+):
+    """Phase 2 of `load_checkpoint`: open exactly the shards whose pieces meet this rank's
+    fragments (mapped: only the pages copied are read) and copy the overlaps in."""
     _check_model_matches(model, shapes, meta)
     canonical = {alias: p.name for p in meta.params for alias in p.aliases}
     # Our fragments by the checkpoint's name of their parameter.
@@ -121,7 +191,7 @@ def load_checkpoint(
             mine[canonical.get(f.name, f.name)].append(f)
 
     # weights_only=False: common.pt carries the caller's client_state (load checkpoints you trust).
-    common = torch.load(tag_dir / COMMON_FILE, map_location="cpu", weights_only=False)
+    common = load_shard(tag_dir / COMMON_FILE, meta.tag, map_location="cpu", weights_only=False)
     inner = opt.optimizer
     masters = {
         (f.group, f.master_index): inner.param_groups[f.group]["params"][f.master_index]
@@ -136,14 +206,24 @@ def load_checkpoint(
     filled: dict[tuple[str, int], int] = defaultdict(int)
     state_filled: dict[tuple[int, int], bool] = {}
     load_states = load_optimizer_states and bool(meta.state_keys)
+    same_world = meta.world_size == world_size
+    rng = None
     for shard in meta.shards:
-        if not any(name in mine for name, _, _ in shard.pieces):
-            continue  # nothing of ours in this shard: do not even open it
-        _copy_weights(tag_dir / shard.weights_file, mine, masters, filled)
+        if not any(any(True for _ in _overlaps(mine.get(n, ()), a, k)) for n, a, k in shard.pieces):
+            continue  # none of our fragments is in this shard: do not even open it
+        _copy_weights(tag_dir / shard.weights_file, meta.tag, mine, masters, filled)
         if load_states:
-            _copy_states(
-                tag_dir / shard.optim_file, mine, masters, inner, meta.state_keys, state_filled
+            saved = _copy_states(
+                tag_dir / shard.optim_file,
+                meta.tag,
+                mine,
+                masters,
+                inner,
+                meta.state_keys,
+                state_filled,
             )
+            if same_world and shard.rank == rank:
+                rng = saved["rng"]
 
     damage = next(
         (
@@ -156,37 +236,24 @@ def load_checkpoint(
         ),
         None,
     )
-    # Every rank raises together (the next step is a collective that would wait forever).
-    reports = [r for r in comm.all_gather_object(damage, group=group) if r is not None]
-    if reports:
-        raise CheckpointError(reports[0])
-
-    if load_optimizer_states:
-        _restore_scalars_and_hyper(opt, meta, common, mine, masters, state_filled)
-    if opt.loss_scaler is not None and common["loss_scaler"] is not None:
-        opt.loss_scaler.load_state_dict(common["loss_scaler"])
-    opt.global_step = common["global_step"]
-    opt.micro_step = common["micro_step"]
-    opt._stepped_at = opt.micro_step  # saved at a boundary whose step was taken (save.py checks)
-    _restore_module_tensors(model, common)
-    opt.strategy.publish_params()  # masters -> model parameters (all-gather for stages 1-2)
+    if damage is not None:
+        raise CheckpointError(damage)
 
     if (
         load_rng
-        and meta.world_size == world_size
+        and same_world
+        and rng is None
         and (tag_dir / meta.shards[rank].optim_file).is_file()
     ):
-        own = meta.shards[rank]
-        rng = torch.load(tag_dir / own.optim_file, mmap=True, weights_only=True)["rng"]
-        if rng is not None:
-            _restore_rng(rng)
-    return common["client_state"]
+        own = tag_dir / meta.shards[rank].optim_file  # our own file, opened for the RNG only
+        rng = load_shard(own, meta.tag, mmap=True, weights_only=True)["rng"]
+    return common, mine, masters, state_filled, rng if load_rng else None
 
 
 @torch.no_grad()
-def _copy_weights(path, mine, masters, filled) -> None:
+def _copy_weights(path, tag, mine, masters, filled) -> None:
     """Copy the saved fp32 pieces of one shard file that overlap our fragments into the masters."""
-    saved = torch.load(path, mmap=True, weights_only=True)  # pages are read only where we copy
+    saved = load_shard(path, tag, mmap=True, weights_only=True)  # pages read only where we copy
     for name, start, values in iter_pieces(saved):
         for f, lo, hi in _overlaps(mine.get(name, ()), start, values.numel()):
             dst = masters[(f.group, f.master_index)].view(-1)
@@ -197,9 +264,9 @@ def _copy_weights(path, mine, masters, filled) -> None:
 
 
 @torch.no_grad()
-def _copy_states(path, mine, masters, inner, keys, state_filled) -> None:
-    """The same for each per-element optimizer state tensor (exp_avg, ...)."""
-    saved = torch.load(path, mmap=True, weights_only=True)
+def _copy_states(path, tag, mine, masters, inner, keys, state_filled) -> dict[str, Any]:
+    """The same for each per-element optimizer state tensor (exp_avg, ...); returns the file."""
+    saved = load_shard(path, tag, mmap=True, weights_only=True)
     for key, packed in saved["state"].items():
         for name, start, values in iter_pieces(packed):
             for f, lo, hi in _overlaps(mine.get(name, ()), start, values.numel()):
@@ -208,6 +275,7 @@ def _copy_states(path, mine, masters, inner, keys, state_filled) -> None:
                 dst[f.master_offset + lo - f.start : f.master_offset + hi - f.start].copy_(
                     values[lo - start : hi - start]
                 )
+    return saved
 
 
 def _overlaps(fragments, start: int, numel: int):
@@ -265,13 +333,20 @@ def _scalar_for(value: Any, group: dict[str, Any], master: torch.Tensor) -> Any:
     return value.to(master.device, copy=True) if on_device else value.clone()
 
 
-def _restore_module_tensors(model: nn.Module, common: dict[str, Any]) -> None:
-    """Buffers and frozen (non-optimized) parameters, saved whole by rank 0."""
+def _restore_buffers(model: nn.Module, common: dict[str, Any]) -> None:
+    """Model buffers, saved whole by rank 0 (stage 3 does not partition buffers)."""
     with torch.no_grad():
         buffers = dict(model.named_buffers())
         for name, value in common["buffers"].items():
             if name in buffers:
                 buffers[name].copy_(value)
-        params = dict(model.named_parameters())
+
+
+def _restore_frozen(model: nn.Module, common: dict[str, Any], src: int) -> None:
+    """Frozen (non-optimized) parameters, saved whole by rank 0. Collective under stage 3: the
+    values are written inside `GatheredParameters` and re-partitioned from global rank `src`."""
+    params = dict(model.named_parameters())
+    frozen = [params[name] for name in common["frozen_params"]]
+    with torch.no_grad(), GatheredParameters(frozen, modifier_rank=src):
         for name, value in common["frozen_params"].items():
-            params[name].copy_(value)
+            params[name].data.copy_(value)

@@ -4,7 +4,7 @@ What each rank writes (layout and atomicity: ``layout.py``, Note [atomic checkpo
 
 - ``weights.rankR-of-N.pt``: the fp32 master values of the fragments it owns (4 bytes per element;
   summed over ranks: 4Ψ for stages 1-3, and also 4Ψ for stage 0, whose replicated fragments are
-  written by the lowest rank holding them only, see :func:`_owned_pieces`);
+  written by the lowest rank holding them only, see `_owned_pieces`);
 - ``optim.rankR-of-N.pt``: the inner optimizer's per-element state for the same pieces (Adam:
   8 bytes per element) and the rank's RNG states;
 - rank 0 also writes ``common.pt`` (hyper-parameters, the scalar state of each parameter such as
@@ -26,7 +26,9 @@ import torch
 from torch import nn
 
 import minispeed.comm as comm
+from minispeed.core import ranges
 from minispeed.core.accelerator import get_accelerator
+from minispeed.zero.checkpoints.agree import together
 from minispeed.zero.checkpoints.layout import (
     COMMON_FILE,
     FORMAT_VERSION,
@@ -40,6 +42,11 @@ from minispeed.zero.checkpoints.layout import (
     optim_file,
     pack_pieces,
     weights_file,
+)
+from minispeed.zero.checkpoints.model16 import (
+    MODEL_16BIT_FILE,
+    gather_16bit_state_dict,
+    gather_full,
 )
 
 __all__ = ["save_checkpoint"]
@@ -105,6 +112,7 @@ def _split_state(state: dict[str, Any], master: torch.Tensor) -> tuple[dict, dic
     return per_element, scalars
 
 
+@ranges.range("zero.checkpoint.save")
 def save_checkpoint(
     opt: Any,
     model: nn.Module,
@@ -114,15 +122,61 @@ def save_checkpoint(
     client_state: dict[str, Any] | None = None,
     save_rng: bool = True,
 ) -> Path:
-    """Save ``opt`` (a :class:`~minispeed.zero.ZeroOptimizer`) and ``model`` under ``save_dir/tag``.
+    """Save `opt` (a `ZeroOptimizer`) and `model` under `save_dir/tag`.
 
-    Collective: every rank of the optimizer's group must call it. ``tag`` defaults to
-    ``global_step<N>``. ``client_state`` (picklable, rank 0's copy) comes back from
-    :func:`~minispeed.zero.load_checkpoint`. Returns the tag directory, complete on return.
-    Call it at an accumulation boundary (after ``opt.step()`` stepped, or before any backward).
+    Collective: every rank of the optimizer's group must call it. `tag` defaults to
+    `global_step<N>`. `client_state` (picklable, rank 0's copy) comes back from
+    `load_checkpoint`. Returns the tag directory, complete on return. Call it at an
+    accumulation boundary (after `opt.step()` stepped, or before any backward).
+
+    Parameters outside the optimizer (frozen ones) are saved whole by rank 0; under stage 3 they
+    are gathered for it first (one all-gather of their shards). With
+    `ZeroConfig.stage3_gather_16bit_weights_on_model_save` the tag also holds the model's
+    consolidated 16-bit state_dict (`pytorch_model.bin`, see `save_16bit_model`).
+
+    Errors: an exception on any rank (a full disk, a bad state) raises `CheckpointError` on every
+    rank, naming the rank and its error (Note [a checkpoint fails on every rank]); the tag is
+    then left unsealed, and `latest` keeps naming the previous complete tag.
     """
     group = opt.comm_group
     rank, world_size = comm.get_rank(group), comm.get_world_size(group)
+    tag = tag if tag is not None else f"global_step{opt.global_step}"
+    what = f"save_checkpoint of tag {tag!r}"
+    root = Path(save_dir)
+    tag_dir = root / tag
+
+    # 1. Local: check the moment, name this rank's pieces, unseal the tag (rank 0).
+    _, everyone = together(group, what, lambda: _plan(opt, rank, tag_dir), share=lambda plan: plan)
+    owned = _owned_pieces([e["pieces"] for e in everyone], rank)
+    optimized = {name for e in everyone for name in e["shapes"]}
+
+    # 2. Collectives: the full values rank 0 writes whole (frozen parameters; the 16-bit model).
+    frozen = gather_full(model, lambda name: name not in optimized, keep=rank == 0)
+    model16 = None
+    if opt.config.stage3_gather_16bit_weights_on_model_save:
+        model16 = gather_16bit_state_dict(model, keep=rank == 0)
+
+    # 3. Local: every rank writes its shard files.
+    _, gathered = together(
+        group,
+        what,
+        lambda: _write_shards(opt, owned, tag_dir, tag, rank, world_size, save_rng),
+        share=lambda shared: shared,
+    )
+
+    # 4. Local to rank 0: common.pt, the 16-bit model, then metadata.json (the seal) and `latest`.
+    def seal() -> None:
+        if rank == 0:
+            _write_common_and_seal(
+                opt, model, root, tag, world_size, everyone, gathered, client_state, frozen, model16
+            )
+
+    together(group, what, seal)  # nobody returns before the tag is sealed and `latest` moved
+    return tag_dir
+
+
+def _plan(opt: Any, rank: int, tag_dir: Path) -> dict[str, Any]:
+    """This rank's pieces and parameter shapes (shared with every rank); rank 0 unseals the tag."""
     gas = opt.config.gradient_accumulation_steps
     if opt.micro_step % gas != 0 or opt.at_boundary:
         where = "inside" if opt.micro_step % gas != 0 else "at the end of"
@@ -131,29 +185,33 @@ def save_checkpoint(
             f"window of {gas} micro-steps whose step was not taken; its gradients would be lost. "
             "Save after the opt.step() call that returned True"
         )
-    tag = tag if tag is not None else f"global_step{opt.global_step}"
-    root = Path(save_dir)
-    tag_dir = root / tag
-
     fragments = opt.fragments()
-    mine = [(f.name, f.start, f.numel) for f in fragments if f.numel > 0]
-    everyone = comm.all_gather_object(
-        {"pieces": mine, "shapes": {f.name: tuple(f.shape) for f in fragments}}, group=group
-    )
-    owned = _owned_pieces([e["pieces"] for e in everyone], rank)
-
     # An existing tag is about to be overwritten: unseal it first, so that a crash part-way
     # leaves an incomplete tag (refused by name) rather than a complete-looking mixture.
     if rank == 0:
         tag_dir.mkdir(parents=True, exist_ok=True)
         (tag_dir / METADATA_FILE).unlink(missing_ok=True)
-    comm.barrier(group=group)
+    return {
+        "pieces": [(f.name, f.start, f.numel) for f in fragments if f.numel > 0],
+        "shapes": {f.name: tuple(f.shape) for f in fragments},
+    }
 
-    by_name = {f.name: f for f in fragments if f.numel > 0}
+
+def _write_shards(
+    opt: Any,
+    owned: list[tuple[str, int, int]],
+    tag_dir: Path,
+    tag: str,
+    rank: int,
+    world_size: int,
+    save_rng: bool,
+) -> dict[str, Any]:
+    """Write this rank's weights and optim files; returns what rank 0 needs to seal the tag."""
+    by_name = {f.name: f for f in opt.fragments() if f.numel > 0}
     inner = opt.optimizer
     weights: list[tuple[str, int, torch.Tensor]] = []
     moments: dict[str, list[tuple[str, int, torch.Tensor]]] = {}  # state key -> pieces
-    scalars: dict[str, dict[str, Any]] = {}
+    scalars: dict[tuple[str, int], dict[str, Any]] = {}
     with torch.no_grad():
         for name, start, numel in owned:
             f = by_name[name]
@@ -172,22 +230,15 @@ def save_checkpoint(
     header = {"format_version": FORMAT_VERSION, "rank": rank, "world_size": world_size, "tag": tag}
     packed = pack_pieces(weights)  # one fp32 copy of this rank's pieces: 4·Ψ/N bytes
     # See Note [atomic checkpoint]; the weights file is where the crash test hook strikes.
-    atomic_save({**header, **packed}, tag_dir / wfile, crash_point=True)
+    wbytes = atomic_save({**header, **packed}, tag_dir / wfile, crash_point=True)
     states = {key: pack_pieces(pieces) for key, pieces in moments.items()}
-    atomic_save(
+    obytes = atomic_save(
         {**header, "state": states, "rng": _rng_state() if save_rng else None}, tag_dir / ofile
     )
-    state_keys = set(moments)
-    record = ShardRecord(rank, wfile, ofile, tuple(owned), packed["values"].numel() * 4)
-
-    # The gather is the barrier: it returns once every rank's shard files are on disk.
-    gathered = comm.all_gather_object(
-        {"record": record, "scalars": scalars, "state_keys": sorted(state_keys)}, group=group
+    record = ShardRecord(
+        rank, wfile, ofile, tuple(owned), packed["values"].numel() * 4, wbytes, obytes
     )
-    if rank == 0:
-        _write_common_and_seal(opt, model, root, tag, world_size, everyone, gathered, client_state)
-    comm.barrier(group=group)  # nobody returns before the tag is sealed and `latest` moved
-    return tag_dir
+    return {"record": record, "scalars": scalars, "state_keys": sorted(moments)}
 
 
 def _write_common_and_seal(
@@ -199,8 +250,11 @@ def _write_common_and_seal(
     everyone: list[dict[str, Any]],
     gathered: list[dict[str, Any]],
     client_state: dict[str, Any] | None,
+    frozen: dict[str, torch.Tensor],
+    model16: dict[str, torch.Tensor] | None,
 ) -> None:
-    """Rank 0: write ``common.pt``, then ``metadata.json`` (the seal), then ``latest``."""
+    """Rank 0: write `common.pt` (and the 16-bit model), then `metadata.json` (the seal), then
+    `latest`."""
     tag_dir = root / tag
     shapes: dict[str, tuple[int, ...]] = {}
     for e in everyone:
@@ -224,16 +278,6 @@ def _write_common_and_seal(
     inner = opt.optimizer
     hyper = [{k: v for k, v in pg.items() if k != "params"} for pg in inner.param_groups]
     buffers = {name: b.detach().cpu().clone() for name, b in model.named_buffers()}
-    frozen = {}
-    for name, p in model.named_parameters():
-        if name in shapes:
-            continue
-        if p.numel() == 0:
-            raise NotImplementedError(
-                f"parameter {name!r} is not in the optimizer and holds no data here (a released "
-                "stage-3 parameter): gather it or add it to the optimizer before saving"
-            )
-        frozen[name] = p.detach().cpu().clone()
     common = {
         "format_version": FORMAT_VERSION,
         "param_groups": hyper,
@@ -245,7 +289,10 @@ def _write_common_and_seal(
         "frozen_params": frozen,
         "client_state": client_state,
     }
-    atomic_save(common, tag_dir / COMMON_FILE)
+    common_bytes = atomic_save(common, tag_dir / COMMON_FILE)
+    model16_bytes = None
+    if model16 is not None:
+        model16_bytes = atomic_save(model16, tag_dir / MODEL_16BIT_FILE)
     meta = CheckpointMetadata(
         format_version=FORMAT_VERSION,
         tag=tag,
@@ -259,6 +306,9 @@ def _write_common_and_seal(
         state_dict_keys=tuple(_state_dict_keys(model)),
         buffer_names=tuple(buffers),
         frozen_names=tuple(frozen),
+        common_file_bytes=common_bytes,
+        model_16bit_file=MODEL_16BIT_FILE if model16 is not None else None,
+        model_16bit_file_bytes=model16_bytes,
     )
     atomic_write_text(tag_dir / METADATA_FILE, meta.to_json())
     atomic_write_text(root / LATEST_FILE, tag + "\n")

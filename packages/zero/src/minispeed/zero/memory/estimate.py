@@ -1,7 +1,7 @@
 """The estimator: which ZeRO stages fit a model on N GPUs of M GiB, as a table.
 
 ``zero.estimate(175e9, world_size=1024, gpu_memory_gib=80).print()`` prints, per stage, the
-per-GPU bytes of parameters, gradients and optimizer states from :func:`.formulas.model_state_bytes`
+per-GPU bytes of parameters, gradients and optimizer states from `formulas.model_state_bytes`
 (the paper's formulas), and whether they fit. Model states only: leave room for activations.
 """
 
@@ -135,7 +135,7 @@ def estimate(
 
     ``model_or_num_params``: a live ``nn.Module`` (its unique parameters are counted; frozen
     ones get no gradient or optimizer bytes) or Ψ as a number (``175e9``). ``optimizer_bytes`` is
-    K or an optimizer instance to read K from (:func:`optimizer_bytes_per_param`).
+    K or an optimizer instance to read K from (`optimizer_bytes_per_param`).
     ``persistence_threshold_numel``: for stage 3 with a live model, parameters this small stay whole.
     Example: ``zero.estimate(175e9, world_size=1024, gpu_memory_gib=80).print()``.
     """

@@ -10,21 +10,19 @@ From the ZeRO paper (Rajbhandari et al., 2020, §3 and §5). Notation:
 - K: optimizer bytes per parameter: the fp32 master copy (4) plus the inner optimizer's
   per-element state S (Adam: momentum 4 + variance 4, so S = 8 and K = 12).
 
-=====  ==============================  ================================================
-stage  what is partitioned             bytes kept per rank (:func:`model_state_bytes`)
-=====  ==============================  ================================================
-0      nothing (data parallel)         p·Ψ + g·Ψ + K·Ψ          (mixed Adam: 16Ψ)
-1      optimizer states                p·Ψ + g·Ψ + K·Ψ/N        (4Ψ + 12Ψ/N)
-2      + gradients                     p·Ψ + g·Ψ/N + K·Ψ/N      (2Ψ + 14Ψ/N)
-3      + parameters                    p·Ψ/N + g·Ψ/N + K·Ψ/N    (16Ψ/N)
-=====  ==============================  ================================================
+| stage | what is partitioned | bytes kept per rank (`model_state_bytes`) |
+|---|---|---|
+| 0 | nothing (data parallel) | p·Ψ + g·Ψ + K·Ψ (mixed Adam: 16Ψ) |
+| 1 | optimizer states | p·Ψ + g·Ψ + K·Ψ/N (4Ψ + 12Ψ/N) |
+| 2 | + gradients | p·Ψ + g·Ψ/N + K·Ψ/N (2Ψ + 14Ψ/N) |
+| 3 | + parameters | p·Ψ/N + g·Ψ/N + K·Ψ/N (16Ψ/N) |
 
 A partitioned tensor of ``n`` elements is padded to a multiple of N, so each rank holds
-``ceil(n / N)`` elements; :func:`padding_elements` bounds the slack. Stage 3 keeps parameters
+``ceil(n / N)`` elements; `padding_elements` bounds the slack. Stage 3 keeps parameters
 below ``stage3_param_persistence_threshold`` whole on every rank ("persistent").
 
 minispeed's stages keep exactly this, with two named differences
-(:func:`minispeed_state_bytes`, checked against live runs by ``tests/test_memory_ledger.py``):
+(`minispeed_state_bytes`, checked against live runs by ``tests/test_memory_ledger.py``):
 
 1. fp32 training: the fp32 master *is* the parameter (stage 0), this rank's shard of the flat
    parameter buffer (stages 1-2) or the parameter shard (stage 3), so the 4 master bytes are not
@@ -109,7 +107,7 @@ def model_state_bytes(
 
     ``num_params`` = Ψ, ``world_size`` = N, ``param_bytes`` = p, ``grad_bytes`` = g,
     ``optimizer_bytes`` = K. Partitioned columns use ``ceil(Ψ/N)`` elements (one padded split; use
-    :func:`padding_elements` for the slack of many). ``persistent_params`` (stage 3 only): elements
+    `padding_elements` for the slack of many). ``persistent_params`` (stage 3 only): elements
     kept whole on every rank. ``trainable_params``: elements that have gradients and optimizer
     state (default: all of Ψ); frozen parameters add to the parameter column only.
     """
@@ -176,7 +174,7 @@ def minispeed_state_bytes(
     state_bytes: int,
     persistent_params: int = 0,
 ) -> ModelStateBytes:
-    """What minispeed's stage ``stage`` keeps per rank: :func:`model_state_bytes` plus the two
+    """What minispeed's stage ``stage`` keeps per rank: `model_state_bytes` plus the two
     differences listed in this module's docstring.
 
     ``state_bytes`` = S, the inner optimizer's per-element state (K - 4); ``num_params`` counts the

@@ -1,6 +1,6 @@
 """Measure what a live ZeRO optimizer and its model hold per rank, and put it beside the formula.
 
-:func:`measure` finds every tensor reachable from the model (parameters, their ``.grad``,
+`measure` finds every tensor reachable from the model (parameters, their ``.grad``,
 buffers), the inner optimizer (master tensors and their state) and the ZeRO objects
 (``opt`` and ``opt.strategy``: flat buffers, gradient partitions, stage-3 shards...), and adds up
 the bytes of their *storages*, each storage once (views of one flat buffer, a master that is the
@@ -18,8 +18,8 @@ Columns, claimed in this order:
    *is* the parameter or its shard counts as a parameter: formulas.py, difference 1);
 5. ``other``: the rest (scalar optimizer state, model buffers, flags).
 
-:func:`predict` is :func:`~.formulas.minispeed_state_bytes` for the same optimizer, and
-:func:`padding_allowance` the most that padding can add to each column; the tests assert
+`predict` is `formulas.minispeed_state_bytes` for the same optimizer, and
+`padding_allowance` the most that padding can add to each column; the tests assert
 ``|measured - predicted| <= allowance`` for every stage.
 """
 
@@ -132,7 +132,7 @@ def measure(opt: Any, model: nn.Module) -> MeasuredBytes:
     """Count the bytes ``opt`` (a ZeroOptimizer) and ``model`` hold on this rank, by column.
 
     Measure at a step boundary (after ``opt.step()`` returned True) to compare with
-    :func:`predict`: between micro-steps stage 2 also holds its in-flight staging buckets.
+    `predict`: between micro-steps stage 2 also holds its in-flight staging buckets.
     """
     counter = _Counter()
     inner = opt.optimizer
@@ -188,7 +188,7 @@ def _optimized_shapes(opt: Any) -> dict[str, int]:
 
 
 def predict(opt: Any) -> ModelStateBytes:
-    """:func:`~.formulas.minispeed_state_bytes` for this optimizer's model, stage and dtypes."""
+    """`formulas.minispeed_state_bytes` for this optimizer's model, stage and dtypes."""
     numels = _optimized_shapes(opt)
     stage = opt.config.stage
     persistent = 0
