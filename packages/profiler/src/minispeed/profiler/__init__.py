@@ -1,6 +1,12 @@
-"""minispeed.profiler — not yet implemented; see packages/profiler/README.md for what is coming.
+"""minispeed.profiler: where the FLOPs, the time and the bytes of a step go.
 
-This module deliberately exports nothing: no placeholder API that would pretend to work.
+- `FlopsProfiler`: FLOPs, MACs, parameters and latency per module, counted per operator
+  (`flops_profiler.py`, priced by `ops.py` with the formulas of `formulas.py`).
 """
 
-__all__: list[str] = []
+from minispeed.profiler import formulas
+from minispeed.profiler.flops_profiler import FlopsProfiler
+from minispeed.profiler.formulas import Cost
+from minispeed.profiler.report import ModuleProfile, Profile
+
+__all__ = ["Cost", "FlopsProfiler", "ModuleProfile", "Profile", "formulas"]
