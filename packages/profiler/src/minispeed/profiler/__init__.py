@@ -5,8 +5,17 @@
 """
 
 from minispeed.profiler import formulas
+from minispeed.profiler.config import FlopsProfilerConfig, StepProfiler
 from minispeed.profiler.flops_profiler import FlopsProfiler
 from minispeed.profiler.formulas import Cost
 from minispeed.profiler.report import ModuleProfile, Profile
 
-__all__ = ["Cost", "FlopsProfiler", "ModuleProfile", "Profile", "formulas"]
+__all__ = [
+    "Cost",
+    "FlopsProfiler",
+    "FlopsProfilerConfig",
+    "ModuleProfile",
+    "Profile",
+    "StepProfiler",
+    "formulas",
+]
