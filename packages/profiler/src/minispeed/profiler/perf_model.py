@@ -1,0 +1,205 @@
+"""Predict a data-parallel training step's time, split into compute and communication per ZeRO stage.
+
+Inputs: the step's FLOPs (from the FLOPs profiler, or `6·Ψ` per token), Ψ parameters, N ranks,
+the ZeRO stage, and the machine as measured by `python -m minispeed.profiler calibrate`:
+R, the matmul throughput (FLOP/s), and per collective a latency α (s per call) and a bus
+bandwidth β (bytes each rank sends per second, ring algorithm).
+
+Equations (Note [the step-time model]), per optimizer step, per rank, A micro-steps,
+g / p bytes per gradient / parameter element on the wire, `r = (N-1)/N`:
+
+    T_compute = F_step / R                              F_step: FLOPs of the A micro-steps
+    T_comm    = Σ_calls (α_op + bytes_call / β_op)
+    T_step    = T_compute + (1 - overlap) · T_comm
+
+Bytes each rank sends, the dominant terms of minispeed.zero's ledgers (restated here: the
+profiler depends on minispeed.core only):
+
+| stage | collectives per step                     | bytes sent per rank            |
+|-------|------------------------------------------|--------------------------------|
+| 0     | all-reduce of the gradients              | 2r·Ψ·g                          |
+| 1     | reduce-scatter, all-gather after step    | r·Ψ·g + r·Ψ·p                   |
+| 2     | reduce-scatter each micro-step, all-gather | A·r·Ψ·g + r·Ψ·p               |
+| 3     | per micro-step: all-gather in forward and in backward, reduce-scatter | A·(r·Ψ·g + 2r·Ψ·p) |
+
+`overlap` (0 by default) is the fraction of communication hidden behind compute; on a CPU
+with gloo the transfer and the arithmetic share cores, so little is hidden.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+__all__ = [
+    "CALIBRATION_FILE",
+    "LinkCost",
+    "Machine",
+    "StepPrediction",
+    "predict_step",
+    "stage_collectives",
+]
+
+CALIBRATION_FILE = Path(os.path.expanduser("~/.cache/minispeed/profiler/calibration.json"))
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    """One collective's cost: `alpha_s` per call plus bytes sent per rank over `busbw_bytes_per_s`."""
+
+    alpha_s: float
+    busbw_bytes_per_s: float
+
+    def time_s(self, wire_bytes: float) -> float:
+        """Seconds for one call in which each rank sends `wire_bytes`."""
+        return self.alpha_s + wire_bytes / self.busbw_bytes_per_s
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What `calibrate` measured: matmul FLOP/s by square size, and each collective's cost."""
+
+    matmul_flops_per_s: dict[int, float]
+    """Measured FLOP/s of an n×n @ n×n float32 matmul, by n."""
+    links: dict[str, LinkCost] = field(default_factory=dict)
+    """`all_reduce`, `all_gather`, `reduce_scatter` -> cost, measured on `world_size` ranks."""
+    world_size: int = 2
+
+    def flops_per_s(self, size: int | None = None) -> float:
+        """Throughput at the measured size nearest `size` (log scale); the best one if None."""
+        if size is None:
+            return max(self.matmul_flops_per_s.values())
+        nearest = min(self.matmul_flops_per_s, key=lambda n: abs(math.log(n / size)))
+        return self.matmul_flops_per_s[nearest]
+
+    def to_json(self) -> dict:
+        """Plain data for the calibration file."""
+        return {
+            "matmul_flops_per_s": {str(k): v for k, v in self.matmul_flops_per_s.items()},
+            "links": {k: asdict(v) for k, v in self.links.items()},
+            "world_size": self.world_size,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> Machine:
+        """The inverse of `to_json`."""
+        return cls(
+            matmul_flops_per_s={int(k): float(v) for k, v in data["matmul_flops_per_s"].items()},
+            links={k: LinkCost(**v) for k, v in data.get("links", {}).items()},
+            world_size=int(data.get("world_size", 2)),
+        )
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str] = CALIBRATION_FILE) -> Machine:
+        """Read a calibration file; the error says how to make one."""
+        try:
+            with open(path) as f:
+                return cls.from_json(json.load(f))
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"no calibration at {path}: run `python -m minispeed.profiler calibrate` first"
+            ) from None
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective call of a step: its op and the bytes each rank sends in it."""
+
+    op: str
+    wire_bytes: float
+
+
+def stage_collectives(
+    stage: int,
+    num_params: int,
+    world_size: int,
+    *,
+    grad_bytes: int = 4,
+    param_bytes: int = 4,
+    micro_steps: int = 1,
+    bucket_numel: int = 500_000,
+    gather_calls: int | None = None,
+) -> list[Collective]:
+    """The collectives of one optimizer step (the table of the module docstring), cut into
+    calls of at most `bucket_numel` elements; stage 3 gathers in `gather_calls` calls per pass
+    (one per module with parameters; default: buckets of `bucket_numel`)."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
+    n, psi, a = world_size, num_params, micro_steps
+    if n == 1:
+        return []
+    r = (n - 1) / n
+    buckets = max(1, math.ceil(psi / bucket_numel))
+
+    def split(op: str, total_bytes: float, calls: int) -> list[Collective]:
+        return [Collective(op, total_bytes / calls)] * calls
+
+    if stage == 0:
+        return split("all_reduce", 2 * r * psi * grad_bytes, buckets)
+    if stage in (1, 2):
+        times = a if stage == 2 else 1
+        reduce = [
+            c for _ in range(times) for c in split("reduce_scatter", r * psi * grad_bytes, buckets)
+        ]
+        return reduce + split("all_gather", r * psi * param_bytes, buckets)
+    gathers = gather_calls or buckets
+    per_micro = (
+        split("all_gather", r * psi * param_bytes, gathers)  # forward
+        + split("all_gather", r * psi * param_bytes, gathers)  # backward
+        + split("reduce_scatter", r * psi * grad_bytes, buckets)
+    )
+    return per_micro * a
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """Predicted seconds of one optimizer step."""
+
+    compute_s: float
+    comm_s: float
+    overlap: float
+    wire_bytes: float
+    calls: int
+
+    @property
+    def step_s(self) -> float:
+        """`compute_s + (1 - overlap) · comm_s`."""
+        return self.compute_s + (1.0 - self.overlap) * self.comm_s
+
+
+def predict_step(
+    machine: Machine,
+    *,
+    flops_per_step: float,
+    num_params: int,
+    stage: int,
+    world_size: int,
+    matmul_size: int | None = None,
+    overlap: float = 0.0,
+    **collective_kwargs: int,
+) -> StepPrediction:
+    """Predict one optimizer step (module docstring). `matmul_size` picks the calibrated
+    throughput nearest the model's typical matmul (e.g. the hidden size); `collective_kwargs`
+    go to `stage_collectives` (`grad_bytes`, `param_bytes`, `micro_steps`, `bucket_numel`,
+    `gather_calls`)."""
+    if not 0.0 <= overlap <= 1.0:
+        raise ValueError(f"overlap is a fraction in [0, 1], got {overlap}")
+    calls = stage_collectives(stage, num_params, world_size, **collective_kwargs)
+    missing = sorted({c.op for c in calls} - set(machine.links))
+    if missing:
+        raise ValueError(
+            f"the calibration has no link cost for {missing}: rerun "
+            "`python -m minispeed.profiler calibrate` with minispeed-comm installed"
+        )
+    comm = sum(machine.links[c.op].time_s(c.wire_bytes) for c in calls)
+    compute = flops_per_step / machine.flops_per_s(matmul_size)
+    return StepPrediction(
+        compute_s=compute,
+        comm_s=comm,
+        overlap=overlap,
+        wire_bytes=sum(c.wire_bytes for c in calls),
+        calls=len(calls),
+    )
