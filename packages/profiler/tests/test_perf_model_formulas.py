@@ -49,14 +49,24 @@ def test_prediction_is_flops_over_throughput_plus_alpha_beta_per_call():
     assert pred.calls == 4
     assert pred.comm_s == pytest.approx(4 * 1e-3 + 2 * 0.5 * PSI * 4 / 1e9)
     assert pred.step_s == pytest.approx(pred.compute_s + pred.comm_s)
+    # With a memory rate and an operator overhead: element-wise FLOPs at 12 bytes each, AdamW at
+    # 64 bytes per owned parameter (Ψ/N from stage 1), and the operator calls.
+    machine = Machine({256: 1e10}, {"all_reduce": link, "all_gather": link, "reduce_scatter": link},
+                      stream_bytes_per_s=1e9, op_overhead_s=1e-5)  # fmt: skip
+    pred = predict_step(machine, flops_per_step=2e10 + 1e6, macs_per_step=1e10, ops_per_step=300,
+                        num_params=PSI, stage=1, world_size=2)  # fmt: skip
+    assert pred.compute_s == pytest.approx(2.0)
+    assert pred.memory_s == pytest.approx((12 * 1e6 + 64 * PSI / 2) / 1e9)
+    assert pred.overhead_s == pytest.approx(300 * 1e-5)
     with pytest.raises(ValueError, match="no link cost"):
-        predict_step(machine, flops_per_step=1, num_params=PSI, stage=3, world_size=2)
+        predict_step(Machine({256: 1e10}), flops_per_step=1, num_params=PSI, stage=3, world_size=2)
 
 
 def test_calibration_round_trips_and_matmul_throughput_is_measured(tmp_path):
     measured = measure_matmul(sizes=(32, 64), seconds=0.03)
     assert set(measured) == {32, 64} and all(v > 0 for v in measured.values())
-    machine = Machine(measured, {"all_gather": LinkCost(1e-4, 2e9)}, world_size=2)
+    machine = Machine(measured, {"all_gather": LinkCost(1e-4, 2e9)}, world_size=2,
+                      stream_bytes_per_s=3e9, op_overhead_s=2e-6)  # fmt: skip
     path = tmp_path / "calibration.json"
     path.write_text(json.dumps(machine.to_json()))
     assert Machine.load(path) == machine

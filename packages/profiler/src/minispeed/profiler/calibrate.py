@@ -4,7 +4,10 @@
 
 - **Matmul**: an n×n @ n×n float32 product (2n³ FLOPs) repeated for `seconds`, for each n in
   `sizes`; the best of three rounds.
-- **Links** (needs `minispeed-comm`): `nproc` local ranks time `all_reduce`,
+- **Memory** (`measure_stream`): bytes/s of a large element-wise add; **operator overhead**
+  (`measure_op_overhead`): seconds per call of a one-element operator.
+- With links, all of the above runs on `nproc` ranks at once (each rank's share of the cores);
+- **Links** (needs `minispeed-comm`): the `nproc` local ranks time `all_reduce`,
   `all_gather` and `reduce_scatter` (through `minispeed.comm`) at a small message (α: seconds
   per call) and a large one (β = bytes each rank sends / (time - α), bytes sent per rank being
   2r·M for all-reduce and r·M for the others, r = (N-1)/N, M the full tensor's bytes).
@@ -24,9 +27,15 @@ from collections.abc import Sequence
 import torch
 
 from minispeed.profiler.launch import launch
-from minispeed.profiler.perf_model import LinkCost, Machine
+from minispeed.profiler.perf_model import Machine
 
-__all__ = ["calibrate", "measure_links", "measure_matmul"]
+__all__ = [
+    "calibrate",
+    "measure_matmul",
+    "measure_op_overhead",
+    "measure_ranks",
+    "measure_stream",
+]
 
 SMALL_BYTES = 4 * 1024
 LARGE_BYTES = 8 * 1024 * 1024
@@ -51,6 +60,41 @@ def measure_matmul(
     return result
 
 
+def measure_stream(numel: int = 2_000_000, seconds: float = 0.2) -> float:
+    """Bytes/s of `c = a + b` on float32 vectors of `numel` (12 bytes moved per element): the
+    rate of memory-bound element-wise work and of the optimizer step."""
+    a, b, c = torch.randn(numel), torch.randn(numel), torch.empty(numel)
+    torch.add(a, b, out=c)
+    best = 0.0
+    for _ in range(3):
+        reps, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < seconds / 3 or reps == 0:
+            torch.add(a, b, out=c)
+            reps += 1
+        best = max(best, 12 * numel * reps / elapsed)
+    return best
+
+
+def measure_op_overhead(calls: int = 2000) -> float:
+    """Seconds per call of a one-element operator: the fixed cost every operator pays."""
+    a, b = torch.ones(1), torch.ones(1)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(calls):
+            torch.add(a, b)
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def _measure_compute(sizes: Sequence[int]) -> dict:
+    return {
+        "matmul_flops_per_s": {str(n): f for n, f in measure_matmul(sizes).items()},
+        "stream_bytes_per_s": measure_stream(),
+        "op_overhead_s": measure_op_overhead(),
+    }
+
+
 def _wire_bytes(op: str, full_bytes: float, n: int) -> float:
     r = (n - 1) / n
     return 2 * r * full_bytes if op == "all_reduce" else r * full_bytes
@@ -65,12 +109,15 @@ def _call(comm, op: str, full: torch.Tensor, shard: torch.Tensor) -> None:
         comm.reduce_scatter_tensor(shard, full)
 
 
-def _probe(out_path: str) -> None:
-    """One rank of the link measurement (run by `measure_links` in each process)."""
+def _probe(out_path: str, sizes: Sequence[int]) -> None:
+    """One rank of `measure_ranks`: compute with every rank busy, then the collectives."""
     import minispeed.comm as comm
 
     comm.init_distributed()
     n, rank = comm.get_world_size(), comm.get_rank()
+    comm.barrier()
+    compute = _measure_compute(sizes)  # all ranks at once: each gets its share of the cores
+    comm.barrier()
     times: dict[str, dict[int, float]] = {}
     for op in ("all_reduce", "all_gather", "reduce_scatter"):
         times[op] = {}
@@ -95,12 +142,15 @@ def _probe(out_path: str) -> None:
             beta = _wire_bytes(op, LARGE_BYTES, n) / max(t[LARGE_BYTES] - alpha, 1e-9)
             links[op] = {"alpha_s": alpha, "busbw_bytes_per_s": beta}
         with open(out_path, "w") as f:
-            json.dump(links, f)
+            json.dump({**compute, "links": links, "world_size": n}, f)
     comm.destroy_process_group()
 
 
-def measure_links(nproc: int = 2, timeout_s: float = 300) -> dict[str, LinkCost]:
-    """α and β of each collective on `nproc` local ranks (needs minispeed-comm)."""
+def measure_ranks(
+    nproc: int = 2, sizes: Sequence[int] = (128, 256, 512, 1024), timeout_s: float = 300
+) -> Machine:
+    """Calibrate on `nproc` local ranks at once (needs minispeed-comm): each rank's matmul and
+    memory rates while all ranks compute, and each collective's α and β."""
     try:
         import minispeed.comm  # noqa: F401
     except ImportError:
@@ -109,28 +159,21 @@ def measure_links(nproc: int = 2, timeout_s: float = 300) -> dict[str, LinkCost]
             "pip install packages/comm (or skip the links with --no-links)"
         ) from None
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "links.json")
-        env = {"OMP_NUM_THREADS": "1"}
-        launch(
-            [sys.executable, "-m", "minispeed.profiler.calibrate", "--probe", out],
-            nproc,
-            env,
-            timeout_s,
-        )
+        out = os.path.join(tmp, "machine.json")
+        argv = [sys.executable, "-m", "minispeed.profiler.calibrate", "--probe", out]
+        launch(argv + [str(n) for n in sizes], nproc, {"OMP_NUM_THREADS": "1"}, timeout_s)
         with open(out) as f:
-            return {op: LinkCost(**v) for op, v in json.load(f).items()}
+            return Machine.from_json(json.load(f))
 
 
 def calibrate(
     nproc: int = 2, links: bool = True, sizes: Sequence[int] = (128, 256, 512, 1024)
 ) -> Machine:
-    """Measure matmul throughput and (with `links`) the collectives of `nproc` ranks."""
-    return Machine(
-        matmul_flops_per_s=measure_matmul(sizes),
-        links=measure_links(nproc) if links else {},
-        world_size=nproc,
-    )
+    """Measure compute rates and (with `links`, on `nproc` ranks at once) the collectives."""
+    if links:
+        return measure_ranks(nproc, sizes)
+    return Machine.from_json({**_measure_compute(sizes), "world_size": 1})
 
 
-if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--probe":
-    _probe(sys.argv[2])
+if __name__ == "__main__" and len(sys.argv) >= 3 and sys.argv[1] == "--probe":
+    _probe(sys.argv[2], [int(n) for n in sys.argv[3:]])

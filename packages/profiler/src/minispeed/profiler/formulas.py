@@ -134,16 +134,25 @@ def sdpa(
 
 
 def gpt_forward(
-    *, batch: int, seq: int, n_layer: int, n_embd: int, n_head: int, vocab: int, loss: bool = True
+    *,
+    batch: int,
+    seq: int,
+    n_layer: int,
+    n_embd: int,
+    n_head: int,
+    vocab: int,
+    loss: bool = True,
+    gelu_flops: int = 1,
 ) -> Cost:
-    """Forward FLOPs of the GPT-2 recipe (examples/gpt.py, Hugging Face `GPT2LMHeadModel` with
-    `gelu` counted as one op), module by module, from the formulas above. B = batch, T = seq,
+    """Forward FLOPs of the GPT-2 recipe (examples/gpt.py; Hugging Face `GPT2LMHeadModel` with
+    `gelu_flops=8`, its tanh-approximated `gelu_new` being 8 element-wise operators), module by
+    module, from the formulas above. B = batch, T = seq,
     C = n_embd, L = n_layer, V = vocab, N = B·T tokens:
 
     - embeddings: the position add, `N·C`;
     - per block: two LayerNorms `2·N·C·(5+2)`; attention projections `matmul(N, C, 3C) +
       matmul(N, C, C)` with biases; causal attention `sdpa(B·H, T, T, C/H, C/H, causal)`; MLP
-      `matmul(N, C, 4C) + matmul(N, 4C, C)` with biases and a GELU `4·N·C`; two residual adds
+      `matmul(N, C, 4C) + matmul(N, 4C, C)` with biases and a GELU `gelu_flops·4·N·C`; two residual adds
       `2·N·C`;
     - final LayerNorm `N·C·7`, tied head `matmul(N, C, V)` (no bias);
     - loss: log-softmax `5·N·V` and the negative log-likelihood gather-sum `N`.
@@ -157,7 +166,7 @@ def gpt_forward(
         + sdpa(batch * n_head, seq, seq, c // n_head, c // n_head, causal=True)
         + matmul(n, c, c, bias=True)
         + matmul(n, c, 4 * c, bias=True)
-        + Cost(4 * n * c)  # GELU
+        + Cost(gelu_flops * 4 * n * c)  # GELU
         + matmul(n, 4 * c, c, bias=True)
         + Cost(2 * n * c)  # residual adds
     )

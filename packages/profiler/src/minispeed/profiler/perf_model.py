@@ -1,16 +1,22 @@
 """Predict a data-parallel training step's time, split into compute and communication per ZeRO stage.
 
-Inputs: the step's FLOPs (from the FLOPs profiler, or `6·Ψ` per token), Ψ parameters, N ranks,
-the ZeRO stage, and the machine as measured by `python -m minispeed.profiler calibrate`:
-R, the matmul throughput (FLOP/s), and per collective a latency α (s per call) and a bus
+Inputs: the step's FLOPs, MACs and operator calls (from the FLOPs profiler), Ψ parameters,
+N ranks, the ZeRO stage, and the machine as measured by `python -m minispeed.profiler
+calibrate`: R, the matmul throughput (FLOP/s), S, the memory rate of element-wise work, t_op,
+the fixed cost of an operator call, and per collective a latency α (s per call) and a bus
 bandwidth β (bytes each rank sends per second, ring algorithm).
 
 Equations (Note [the step-time model]), per optimizer step, per rank, A micro-steps,
 g / p bytes per gradient / parameter element on the wire, `r = (N-1)/N`:
 
-    T_compute = F_step / R                              F_step: FLOPs of the A micro-steps
-    T_comm    = Σ_calls (α_op + bytes_call / β_op)
-    T_step    = T_compute + (1 - overlap) · T_comm
+    T_compute  = 2·MACs / R                     matrix products of the A micro-steps
+    T_memory   = (12·(F - 2·MACs) + 64·Ψ_owned) / S   element-wise FLOPs (12 bytes each) and
+                                                   AdamW (64 bytes per owned parameter), S the
+                                                   measured memory rate; Ψ_owned = Ψ, or Ψ/N
+                                                   from stage 1
+    T_overhead = ops · t_op                        operator calls × measured per-call cost
+    T_comm     = Σ_calls (α_op + bytes_call / β_op)
+    T_step     = T_compute + T_memory + T_overhead + (1 - overlap) · T_comm
 
 Bytes each rank sends, the dominant terms of minispeed.zero's ledgers (restated here: the
 profiler depends on minispeed.core only):
@@ -67,6 +73,10 @@ class Machine:
     links: dict[str, LinkCost] = field(default_factory=dict)
     """`all_reduce`, `all_gather`, `reduce_scatter` -> cost, measured on `world_size` ranks."""
     world_size: int = 2
+    stream_bytes_per_s: float | None = None
+    """Memory rate of element-wise work (bytes read + written per second)."""
+    op_overhead_s: float = 0.0
+    """Fixed cost of one operator call (dispatch, Python), seconds."""
 
     def flops_per_s(self, size: int | None = None) -> float:
         """Throughput at the measured size nearest `size` (log scale); the best one if None."""
@@ -81,6 +91,8 @@ class Machine:
             "matmul_flops_per_s": {str(k): v for k, v in self.matmul_flops_per_s.items()},
             "links": {k: asdict(v) for k, v in self.links.items()},
             "world_size": self.world_size,
+            "stream_bytes_per_s": self.stream_bytes_per_s,
+            "op_overhead_s": self.op_overhead_s,
         }
 
     @classmethod
@@ -90,6 +102,8 @@ class Machine:
             matmul_flops_per_s={int(k): float(v) for k, v in data["matmul_flops_per_s"].items()},
             links={k: LinkCost(**v) for k, v in data.get("links", {}).items()},
             world_size=int(data.get("world_size", 2)),
+            stream_bytes_per_s=data.get("stream_bytes_per_s"),
+            op_overhead_s=float(data.get("op_overhead_s", 0.0)),
         )
 
     @classmethod
@@ -156,9 +170,14 @@ def stage_collectives(
 
 @dataclass(frozen=True)
 class StepPrediction:
-    """Predicted seconds of one optimizer step."""
+    """Predicted seconds of one optimizer step, by term (Note [the step-time model])."""
 
     compute_s: float
+    """Matrix products: `2·macs / R` (all FLOPs over R when MACs are not given)."""
+    memory_s: float
+    """Element-wise work and the optimizer step, at the memory rate."""
+    overhead_s: float
+    """Operator calls × the per-call overhead."""
     comm_s: float
     overlap: float
     wire_bytes: float
@@ -166,8 +185,15 @@ class StepPrediction:
 
     @property
     def step_s(self) -> float:
-        """`compute_s + (1 - overlap) · comm_s`."""
-        return self.compute_s + (1.0 - self.overlap) * self.comm_s
+        """`compute_s + memory_s + overhead_s + (1 - overlap) · comm_s`."""
+        return self.compute_s + self.memory_s + self.overhead_s + (1.0 - self.overlap) * self.comm_s
+
+
+BYTES_PER_ELEMENTWISE_FLOP = 12
+"""An element-wise FLOP reads two float32 values and writes one."""
+OPTIMIZER_BYTES_PER_PARAM = 64
+"""AdamW touches parameter, gradient and two moments (read and write, float32) plus its
+temporaries: about 16 float32 values per parameter it owns."""
 
 
 def predict_step(
@@ -177,14 +203,21 @@ def predict_step(
     num_params: int,
     stage: int,
     world_size: int,
+    macs_per_step: float | None = None,
+    ops_per_step: int = 0,
     matmul_size: int | None = None,
     overlap: float = 0.0,
     **collective_kwargs: int,
 ) -> StepPrediction:
-    """Predict one optimizer step (module docstring). `matmul_size` picks the calibrated
-    throughput nearest the model's typical matmul (e.g. the hidden size); `collective_kwargs`
-    go to `stage_collectives` (`grad_bytes`, `param_bytes`, `micro_steps`, `bucket_numel`,
-    `gather_calls`)."""
+    """Predict one optimizer step (module docstring).
+
+    `flops_per_step` and `macs_per_step` (from `FlopsProfiler`: forward + backward of every
+    micro-step) split the work into matrix products at R and element-wise FLOPs at the memory
+    rate; `ops_per_step` operator calls cost `op_overhead_s` each. The optimizer step moves
+    `OPTIMIZER_BYTES_PER_PARAM` per parameter a rank owns (Ψ, or Ψ/N from stage 1).
+    `matmul_size` picks the calibrated throughput nearest the model's typical matmul (e.g. the
+    hidden size); `collective_kwargs` go to `stage_collectives`.
+    """
     if not 0.0 <= overlap <= 1.0:
         raise ValueError(f"overlap is a fraction in [0, 1], got {overlap}")
     calls = stage_collectives(stage, num_params, world_size, **collective_kwargs)
@@ -195,9 +228,17 @@ def predict_step(
             "`python -m minispeed.profiler calibrate` with minispeed-comm installed"
         )
     comm = sum(machine.links[c.op].time_s(c.wire_bytes) for c in calls)
-    compute = flops_per_step / machine.flops_per_s(matmul_size)
+    rate = machine.flops_per_s(matmul_size)
+    matmul_flops = flops_per_step if macs_per_step is None else 2 * macs_per_step
+    memory = 0.0
+    if machine.stream_bytes_per_s:
+        owned = num_params if stage == 0 else num_params / world_size
+        moved = (flops_per_step - matmul_flops) * BYTES_PER_ELEMENTWISE_FLOP
+        memory = (moved + OPTIMIZER_BYTES_PER_PARAM * owned) / machine.stream_bytes_per_s
     return StepPrediction(
-        compute_s=compute,
+        compute_s=matmul_flops / rate,
+        memory_s=memory,
+        overhead_s=ops_per_step * machine.op_overhead_s,
         comm_s=comm,
         overlap=overlap,
         wire_bytes=sum(c.wire_bytes for c in calls),

@@ -1,0 +1,150 @@
+"""The step-time model against measured ZeRO steps: 2 gloo processes, stages 0-3, two sizes.
+
+1. Calibrate (`minispeed.profiler.calibrate.measure_ranks`) on 2 local ranks at once, one
+   thread each: float32 matmul FLOP/s at a few sizes, the memory rate, the per-operator
+   overhead, and each collective's α and β.
+2. Count one micro-step's FLOPs, MACs and operator calls (forward + backward) of
+   examples/gpt.py's GPT with the FLOPs profiler; parameters Ψ from the model.
+3. Predict each stage's step (`perf_model.predict_step`: Ψ, N = 2, the stage's bucket size, one
+   stage-3 gather per module with parameters in forward and again in backward).
+4. Measure: each stage trains `--steps` steps (after one warm-up) with `minispeed.zero.shard`
+   and AdamW; a step is forward, backward, optimizer step, the slower rank's time, median.
+
+    python benchmarks/profiler_perf_model.py [--steps 3]
+
+Both the model and the measurement see a machine shared with other programs; the error column
+is (predicted - measured) / measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+from gpt import GPT, GPTConfig
+
+from minispeed.profiler import FlopsProfiler, predict_step
+from minispeed.profiler.calibrate import measure_ranks
+from minispeed.profiler.launch import _free_port
+
+SIZES = {
+    "small": dict(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128, batch=4),
+    "35M": dict(vocab_size=8192, block_size=32, n_layer=6, n_head=10, n_embd=640, batch=1),
+}
+BUCKET_NUMEL = 2_000_000
+WORLD = 2
+
+
+def _build(spec: dict) -> tuple[GPT, int]:
+    spec = dict(spec)
+    batch = spec.pop("batch")
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**spec)), batch
+
+
+def _worker(rank: int, port: int, steps: int, queue) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MINISPEED_ACCELERATOR="cpu")  # fmt: skip
+    torch.set_num_threads(1)
+    import minispeed.comm as comm
+    import minispeed.zero as zero
+
+    comm.init_distributed(backend="gloo")
+    out = {}
+    for label, spec in SIZES.items():
+        for stage in (0, 1, 2, 3):
+            model, batch = _build(spec)
+            cfg = zero.ZeroConfig(stage=stage, reduce_bucket_numel=BUCKET_NUMEL,
+                                  allgather_bucket_numel=BUCKET_NUMEL,
+                                  stage3_param_persistence_threshold_numel=0)  # fmt: skip
+            opt = zero.shard(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=cfg)
+            g = torch.Generator().manual_seed(rank)
+            times = []
+            for i in range(steps + 1):
+                idx = torch.randint(
+                    0, model.cfg.vocab_size, (batch, model.cfg.block_size), generator=g
+                )
+                comm.barrier()
+                start = time.perf_counter()
+                _, loss = model(idx, idx)
+                opt.backward(loss)
+                opt.step()
+                t = torch.tensor([time.perf_counter() - start])
+                comm.all_reduce(t, op=comm.ReduceOp.MAX)
+                if i > 0:
+                    times.append(t.item())
+            out[(label, stage)] = statistics.median(times)
+            opt.close()
+    if rank == 0:
+        queue.put(out)
+    comm.barrier()
+    comm.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    machine = measure_ranks(WORLD, sizes=(64, 128, 256, 512, 1024))
+    print("matmul GFLOP/s:", {n: round(f / 1e9, 2) for n, f in machine.matmul_flops_per_s.items()})
+    print(
+        f"memory {machine.stream_bytes_per_s / 1e9:.2f} GB/s, op overhead {machine.op_overhead_s * 1e6:.1f} us"
+    )
+    for op, link in machine.links.items():
+        print(
+            f"{op}: alpha {link.alpha_s * 1e6:.0f} us, busbw {link.busbw_bytes_per_s / 1e9:.3f} GB/s"
+        )
+    counted = {}
+    for label, spec in SIZES.items():
+        model, batch = _build(spec)
+        idx = torch.randint(0, model.cfg.vocab_size, (batch, model.cfg.block_size))
+        with FlopsProfiler(model) as prof:
+            model(idx, idx)[1].backward()
+        with_params = sum(
+            1 for m in model.modules() if any(True for _ in m.parameters(recurse=False))
+        )
+        r = prof.result()
+        ops = sum(r.op_calls.values())
+        counted[label] = (
+            r.flops,
+            r.forward.macs + r.backward.macs,
+            ops,
+            model.num_params(),
+            with_params,
+            model.cfg.n_embd,
+        )
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, args.steps, queue)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    measured = queue.get(timeout=1200)
+    for p in procs:
+        p.join()
+    print(f"{'size':6} {'stage':5} {'compute ms':>10} {'memory ms':>9} {'ops ms':>6} {'comm ms':>8} {'predicted ms':>12} "
+          f"{'measured ms':>11} {'error':>7}")  # fmt: skip
+    for label in SIZES:
+        flops, macs, ops, psi, with_params, width = counted[label]
+        for stage in (0, 1, 2, 3):
+            pred = predict_step(machine, flops_per_step=flops, macs_per_step=macs, ops_per_step=ops,
+                                num_params=psi, stage=stage,
+                                world_size=WORLD, matmul_size=width, bucket_numel=BUCKET_NUMEL,
+                                gather_calls=with_params)  # fmt: skip
+            m = measured[(label, stage)]
+            print(f"{label:6} {stage:5} {pred.compute_s * 1e3:10.1f} {pred.memory_s * 1e3:9.1f} {pred.overhead_s * 1e3:6.1f} {pred.comm_s * 1e3:8.1f} "
+                  f"{pred.step_s * 1e3:12.1f} {m * 1e3:11.1f} {100 * (pred.step_s - m) / m:+6.0f}%")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
