@@ -7,8 +7,10 @@
    examples/gpt.py's GPT with the FLOPs profiler; parameters Ψ from the model.
 3. Predict each stage's step (`perf_model.predict_step`: Ψ, N = 2, the stage's bucket size, one
    stage-3 gather per module with parameters in forward and again in backward).
-4. Measure: each stage trains `--steps` steps (after one warm-up) with `minispeed.zero.shard`
-   and AdamW; a step is forward, backward, optimizer step, the slower rank's time, median.
+4. Measure: the four stages (each its own `minispeed.zero.shard` model and AdamW) take turns,
+   one step each per round, `--steps` rounds after a warm-up round, so that load from other
+   programs falls on all alike; a step is forward, backward, optimizer step, the slower
+   rank's time; median per stage.
 
     python benchmarks/profiler_perf_model.py [--steps 3]
 
@@ -61,18 +63,24 @@ def _worker(rank: int, port: int, steps: int, queue) -> None:
     comm.init_distributed(backend="gloo")
     out = {}
     for label, spec in SIZES.items():
+        trainers = {}
         for stage in (0, 1, 2, 3):
             model, batch = _build(spec)
-            cfg = zero.ZeroConfig(stage=stage, reduce_bucket_numel=BUCKET_NUMEL,
-                                  allgather_bucket_numel=BUCKET_NUMEL,
-                                  stage3_param_persistence_threshold_numel=0)  # fmt: skip
+            cfg = zero.ZeroConfig(
+                stage=stage,
+                reduce_bucket_numel=BUCKET_NUMEL,
+                allgather_bucket_numel=BUCKET_NUMEL,
+                stage3_param_persistence_threshold_numel=0,
+            )
             opt = zero.shard(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=cfg)
-            g = torch.Generator().manual_seed(rank)
-            times = []
-            for i in range(steps + 1):
-                idx = torch.randint(
-                    0, model.cfg.vocab_size, (batch, model.cfg.block_size), generator=g
-                )
+            trainers[stage] = (model, opt)
+        g = torch.Generator().manual_seed(rank)
+        times: dict[int, list[float]] = {stage: [] for stage in trainers}
+        # Rounds: every stage steps once per round, so load from other programs falls on all.
+        for i in range(steps + 1):
+            for stage, (model, opt) in trainers.items():
+                shape = (batch, model.cfg.block_size)
+                idx = torch.randint(0, model.cfg.vocab_size, shape, generator=g)
                 comm.barrier()
                 start = time.perf_counter()
                 _, loss = model(idx, idx)
@@ -80,9 +88,10 @@ def _worker(rank: int, port: int, steps: int, queue) -> None:
                 opt.step()
                 t = torch.tensor([time.perf_counter() - start])
                 comm.all_reduce(t, op=comm.ReduceOp.MAX)
-                if i > 0:
-                    times.append(t.item())
-            out[(label, stage)] = statistics.median(times)
+                if i > 0:  # round 0 warms up
+                    times[stage].append(t.item())
+        for stage, (_, opt) in trainers.items():
+            out[(label, stage)] = statistics.median(times[stage])
             opt.close()
     if rank == 0:
         queue.put(out)

@@ -107,3 +107,16 @@ def test_unknown_operators_are_listed_and_known_ones_still_counted():
     r = _count(Fn(lambda t: torch.linalg.qr(t @ t).Q), x)
     assert r.root.forward.flops == 2 * 4 * 4 * 4
     assert any("linalg_qr" in name for name in r.unknown_ops)
+
+
+def test_an_optimizer_step_is_counted_per_element_without_unknown_ops():
+    lin = nn.Linear(8, 8)
+    lin(torch.randn(2, 8)).sum().backward()
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1, momentum=0.9, foreach=True)
+    opt.step()  # creates the momentum buffers
+    with FlopsProfiler(lin) as prof:
+        opt.step()
+    r = prof.result()
+    assert r.unknown_ops == {}
+    assert r.forward.flops >= 72  # at least one pass over the 72 parameters
+    assert any(name.startswith("aten._foreach_") for name in r.op_totals)

@@ -102,6 +102,10 @@ class FlopsProfiler:
         self.wall_s = 0.0
         self._mode: _CountingMode | None = None
         self._t0 = 0.0
+        if count_ops:
+            # A dispatch mode's first operator imports torch._dynamo (seconds): do it here, not
+            # inside the first profiled module's latency.
+            import torch._dynamo  # noqa: F401
 
     # ---- counting ----------------------------------------------------------------------------
     def on_op(self, op_name: str, cost: Cost) -> None:

@@ -6,7 +6,9 @@ one it does not (the profiler lists those by name; it never guesses). An operato
 1. it has a formula below (matrix products, convolutions, attention, normalization, softmax,
    losses, reductions), or
 2. it carries PyTorch's `pointwise` tag (1 FLOP per output element, see `formulas`), or
-3. it moves or creates data without arithmetic (views, copies, gathers, factories): 0 FLOPs.
+3. it moves or creates data without arithmetic (views, copies, gathers, factories) or is a
+   collective (`c10d`) or a profiler annotation: 0 FLOPs;
+4. it is an optimizer's `_foreach_*` list operator: 1 FLOP per element of its first list.
 
 Formulas read arguments by their schema names (`_bind`), so positional and keyword calls count
 alike. See Note [what a FLOP is here] in `formulas.py` for the conventions.
@@ -242,6 +244,10 @@ _DATA_MOVEMENT = {
 counted only through the mask-free pointwise ops around it; a `where` selects)."""
 
 
+_NO_ARITHMETIC_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional", "_dtensor", "profiler"}
+"""Collectives (bytes on the wire, which the comms logger counts) and profiler annotations."""
+
+
 def _is_view(func: Any) -> bool:
     """Operators whose output aliases their input (view, transpose, expand, split, ...)."""
     schema = func._schema
@@ -254,6 +260,13 @@ def op_cost(func: Any, args: tuple, kwargs: dict, out: Any) -> Cost | None:
     formula = _FORMULAS.get(packet)
     if formula is not None:
         return formula(_bind(func, args, kwargs), out)
+    if func.namespace in _NO_ARITHMETIC_NAMESPACES:
+        return F.ZERO
+    if packet.__name__.startswith("_foreach_"):
+        # An optimizer's fused list operators: 1 FLOP per element of the first list, like the
+        # element-wise operator they batch.
+        first = args[0] if args else ()
+        return Cost(sum(_numel(t) for t in first) if isinstance(first, (list, tuple)) else 0)
     if packet in _DATA_MOVEMENT or _is_view(func):
         return F.ZERO
     if torch.Tag.pointwise in func.tags:
