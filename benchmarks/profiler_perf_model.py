@@ -1,16 +1,17 @@
 """The step-time model against measured ZeRO steps: 2 gloo processes, stages 0-3, two sizes.
 
-1. Calibrate (`minispeed.profiler.calibrate.measure_ranks`) on 2 local ranks at once, one
-   thread each: float32 matmul FLOP/s at a few sizes, the memory rate, the per-operator
-   overhead, and each collective's α and β.
+1. Calibrate (`minispeed.profiler.calibrate.measure_in_group`) inside the 2-rank group, one
+   thread each, at the start of every round: float32 matmul FLOP/s at a few sizes, the memory
+   rate, the per-operator overhead, and each collective's α and β.
 2. Count one micro-step's FLOPs, MACs and operator calls (forward + backward) of
    examples/gpt.py's GPT with the FLOPs profiler; parameters Ψ from the model.
 3. Predict each stage's step (`perf_model.predict_step`: Ψ, N = 2, the stage's bucket size, one
    stage-3 gather per module with parameters in forward and again in backward).
 4. Measure: the four stages (each its own `minispeed.zero.shard` model and AdamW) take turns,
-   one step each per round, `--steps` rounds after a warm-up round, so that load from other
-   programs falls on all alike; a step is forward, backward, optimizer step, the slower
-   rank's time; median per stage.
+   one step each per round right after the round's calibration, `--steps` rounds after a
+   warm-up round, so that load from other programs falls on calibration and stages alike; a
+   step is forward, backward, optimizer step, the slower rank's time. Reported: medians over
+   rounds, and the median of the per-round errors.
 
     python benchmarks/profiler_perf_model.py [--steps 3]
 
@@ -35,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt import GPT, GPTConfig
 
 from minispeed.profiler import FlopsProfiler, predict_step
-from minispeed.profiler.calibrate import measure_ranks
+from minispeed.profiler.calibrate import measure_in_group
 from minispeed.profiler.launch import _free_port
 
 SIZES = {
@@ -53,7 +54,26 @@ def _build(spec: dict) -> tuple[GPT, int]:
     return GPT(GPTConfig(**spec)), batch
 
 
-def _worker(rank: int, port: int, steps: int, queue) -> None:
+SIZES_CALIBRATED = (64, 128, 256, 512, 1024)
+
+
+def _predict(machine, counted: tuple, stage: int):
+    flops, macs, ops, psi, with_params, width = counted
+    return predict_step(
+        machine,
+        flops_per_step=flops,
+        macs_per_step=macs,
+        ops_per_step=ops,
+        num_params=psi,
+        stage=stage,
+        world_size=WORLD,
+        matmul_size=width,
+        bucket_numel=BUCKET_NUMEL,
+        gather_calls=with_params,
+    )
+
+
+def _worker(rank: int, port: int, steps: int, counted: dict, queue) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MINISPEED_ACCELERATOR="cpu")  # fmt: skip
     torch.set_num_threads(1)
@@ -75,9 +95,12 @@ def _worker(rank: int, port: int, steps: int, queue) -> None:
             opt = zero.shard(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=cfg)
             trainers[stage] = (model, opt)
         g = torch.Generator().manual_seed(rank)
-        times: dict[int, list[float]] = {stage: [] for stage in trainers}
-        # Rounds: every stage steps once per round, so load from other programs falls on all.
+        rounds: list[dict] = []
+        # Rounds: calibrate, then every stage steps once, so that calibration and steps see the
+        # same load from other programs (round 0 warms up).
         for i in range(steps + 1):
+            machine = measure_in_group(comm, SIZES_CALIBRATED, seconds=0.1)
+            row = {}
             for stage, (model, opt) in trainers.items():
                 shape = (batch, model.cfg.block_size)
                 idx = torch.randint(0, model.cfg.vocab_size, shape, generator=g)
@@ -88,10 +111,11 @@ def _worker(rank: int, port: int, steps: int, queue) -> None:
                 opt.step()
                 t = torch.tensor([time.perf_counter() - start])
                 comm.all_reduce(t, op=comm.ReduceOp.MAX)
-                if i > 0:  # round 0 warms up
-                    times[stage].append(t.item())
+                row[stage] = (t.item(), _predict(machine, counted[label], stage))
+            if i > 0:
+                rounds.append(row)
         for stage, (_, opt) in trainers.items():
-            out[(label, stage)] = statistics.median(times[stage])
+            out[(label, stage)] = [row[stage] for row in rounds]
             opt.close()
     if rank == 0:
         queue.put(out)
@@ -104,15 +128,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    machine = measure_ranks(WORLD, sizes=(64, 128, 256, 512, 1024))
-    print("matmul GFLOP/s:", {n: round(f / 1e9, 2) for n, f in machine.matmul_flops_per_s.items()})
-    print(
-        f"memory {machine.stream_bytes_per_s / 1e9:.2f} GB/s, op overhead {machine.op_overhead_s * 1e6:.1f} us"
-    )
-    for op, link in machine.links.items():
-        print(
-            f"{op}: alpha {link.alpha_s * 1e6:.0f} us, busbw {link.busbw_bytes_per_s / 1e9:.3f} GB/s"
-        )
     counted = {}
     for label, spec in SIZES.items():
         model, batch = _build(spec)
@@ -135,24 +150,31 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, args.steps, queue)) for r in range(WORLD)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, port, args.steps, counted, queue))
+        for r in range(WORLD)
+    ]
     for p in procs:
         p.start()
     measured = queue.get(timeout=1200)
     for p in procs:
         p.join()
-    print(f"{'size':6} {'stage':5} {'compute ms':>10} {'memory ms':>9} {'ops ms':>6} {'comm ms':>8} {'predicted ms':>12} "
-          f"{'measured ms':>11} {'error':>7}")  # fmt: skip
+    print(
+        "size   stage  compute  memory  ops   comm  predicted  measured  error (median of rounds)"
+    )
     for label in SIZES:
-        flops, macs, ops, psi, with_params, width = counted[label]
         for stage in (0, 1, 2, 3):
-            pred = predict_step(machine, flops_per_step=flops, macs_per_step=macs, ops_per_step=ops,
-                                num_params=psi, stage=stage,
-                                world_size=WORLD, matmul_size=width, bucket_numel=BUCKET_NUMEL,
-                                gather_calls=with_params)  # fmt: skip
-            m = measured[(label, stage)]
-            print(f"{label:6} {stage:5} {pred.compute_s * 1e3:10.1f} {pred.memory_s * 1e3:9.1f} {pred.overhead_s * 1e3:6.1f} {pred.comm_s * 1e3:8.1f} "
-                  f"{pred.step_s * 1e3:12.1f} {m * 1e3:11.1f} {100 * (pred.step_s - m) / m:+6.0f}%")  # fmt: skip
+            rows = measured[(label, stage)]
+            m = statistics.median(t for t, _ in rows)
+            p = statistics.median(pred.step_s for _, pred in rows)
+            last = rows[-1][1]
+            err = statistics.median((pred.step_s - t) / t for t, pred in rows)
+            print(
+                f"{label:6} {stage:5} {last.compute_s * 1e3:8.0f} {last.memory_s * 1e3:7.0f} "
+                f"{last.overhead_s * 1e3:4.0f} {last.comm_s * 1e3:6.0f} {p * 1e3:10.0f} "
+                f"{m * 1e3:9.0f} {100 * err:+6.0f}%"
+            )
+    print("(compute/memory/ops/comm: ms, last round's calibration; predicted/measured: ms)")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ def gpt():
 
 
 def _step(model, idx):
+    model.zero_grad(set_to_none=True)
     _, loss = model(idx, idx)
     loss.backward()
 
@@ -138,3 +139,19 @@ def test_modules_called_twice_and_their_own_hooks_are_counted():
     assert len(seen) == 2  # their hook ran, and still runs after we leave
     lin(x)
     assert len(seen) == 3
+
+
+def test_a_pipeline_stage_profiled_alone_counts_what_it_counts_inside_the_model(gpt):
+    model, _ = gpt
+    idx = torch.randint(0, V, (B, T))
+    with FlopsProfiler(model) as prof:
+        _step(model, idx)
+    whole = prof.result().module("blocks.1")
+    model.zero_grad(set_to_none=True)  # else backward adds into .grad: real, extra FLOPs
+    stage = nn.Sequential(model.blocks[1])  # the last blocks as a stage: activations in
+    x = torch.randn(B, T, C, requires_grad=True)
+    with FlopsProfiler(stage) as prof:
+        stage(x).backward(torch.randn(B, T, C))
+    alone = prof.result().module("0")
+    assert alone.forward == whole.forward
+    assert alone.backward == whole.backward

@@ -27,10 +27,11 @@ from collections.abc import Sequence
 import torch
 
 from minispeed.profiler.launch import launch
-from minispeed.profiler.perf_model import Machine
+from minispeed.profiler.perf_model import LinkCost, Machine
 
 __all__ = [
     "calibrate",
+    "measure_in_group",
     "measure_matmul",
     "measure_op_overhead",
     "measure_ranks",
@@ -87,10 +88,10 @@ def measure_op_overhead(calls: int = 2000) -> float:
     return best
 
 
-def _measure_compute(sizes: Sequence[int]) -> dict:
+def _measure_compute(sizes: Sequence[int], seconds: float = 0.2) -> dict:
     return {
-        "matmul_flops_per_s": {str(n): f for n, f in measure_matmul(sizes).items()},
-        "stream_bytes_per_s": measure_stream(),
+        "matmul_flops_per_s": {str(n): f for n, f in measure_matmul(sizes, seconds).items()},
+        "stream_bytes_per_s": measure_stream(seconds=seconds),
         "op_overhead_s": measure_op_overhead(),
     }
 
@@ -109,40 +110,59 @@ def _call(comm, op: str, full: torch.Tensor, shard: torch.Tensor) -> None:
         comm.reduce_scatter_tensor(shard, full)
 
 
-def _probe(out_path: str, sizes: Sequence[int]) -> None:
-    """One rank of `measure_ranks`: compute with every rank busy, then the collectives."""
-    import minispeed.comm as comm
-
-    comm.init_distributed()
-    n, rank = comm.get_world_size(), comm.get_rank()
+def measure_in_group(
+    comm, sizes: Sequence[int] = (128, 256, 512, 1024), seconds: float = 0.2
+) -> Machine:
+    """Calibrate inside a running process group (every rank calls it; all get the same answer):
+    compute rates with all ranks busy (the slowest rank's: it sets the step time), then
+    each collective's α (small message) and β (large message), the slowest rank's times.
+    `comm` is the `minispeed.comm` module (the profiler does not import it itself)."""
+    n = comm.get_world_size()
     comm.barrier()
-    compute = _measure_compute(sizes)  # all ranks at once: each gets its share of the cores
-    comm.barrier()
+    compute = _measure_compute(sizes, seconds)  # all ranks at once: each its share of the cores
+    rates = [compute["matmul_flops_per_s"][str(k)] for k in sizes]
+    rates += [compute["stream_bytes_per_s"], -compute["op_overhead_s"]]
+    slowest = torch.tensor(rates, dtype=torch.float64)
+    comm.all_reduce(slowest, op=comm.ReduceOp.MIN)
     times: dict[str, dict[int, float]] = {}
     for op in ("all_reduce", "all_gather", "reduce_scatter"):
         times[op] = {}
         for full in (SMALL_BYTES, LARGE_BYTES):
-            numel = full // 4
-            x = torch.ones(numel)
-            shard = torch.ones(numel // n)
-
-            _call(comm, op, x, shard)
-            reps = 20 if full == SMALL_BYTES else 5
+            x, shard = torch.ones(full // 4), torch.ones(full // 4 // n)
+            _call(comm, op, x, shard)  # warm-up
             best = float("inf")
-            for _ in range(reps):
+            for _ in range(10 if full == SMALL_BYTES else 3):
                 comm.barrier()
                 start = time.perf_counter()
                 _call(comm, op, x, shard)
                 best = min(best, time.perf_counter() - start)
-            times[op][full] = best
-    if rank == 0:
-        links = {}
-        for op, t in times.items():
-            alpha = t[SMALL_BYTES]
-            beta = _wire_bytes(op, LARGE_BYTES, n) / max(t[LARGE_BYTES] - alpha, 1e-9)
-            links[op] = {"alpha_s": alpha, "busbw_bytes_per_s": beta}
+            t = torch.tensor([best], dtype=torch.float64)
+            comm.all_reduce(t, op=comm.ReduceOp.MAX)
+            times[op][full] = t.item()
+    links = {}
+    for op, t in times.items():
+        alpha = t[SMALL_BYTES]
+        beta = _wire_bytes(op, LARGE_BYTES, n) / max(t[LARGE_BYTES] - alpha, 1e-9)
+        links[op] = LinkCost(alpha_s=alpha, busbw_bytes_per_s=beta)
+    values = slowest.tolist()
+    return Machine(
+        matmul_flops_per_s=dict(zip(sizes, values[: len(sizes)], strict=True)),
+        links=links,
+        world_size=n,
+        stream_bytes_per_s=values[-2],
+        op_overhead_s=-values[-1],
+    )
+
+
+def _probe(out_path: str, sizes: Sequence[int]) -> None:
+    """One rank of `measure_ranks`."""
+    import minispeed.comm as comm
+
+    comm.init_distributed()
+    machine = measure_in_group(comm, sizes)
+    if comm.get_rank() == 0:
         with open(out_path, "w") as f:
-            json.dump({**compute, "links": links, "world_size": n}, f)
+            json.dump(machine.to_json(), f)
     comm.destroy_process_group()
 
 

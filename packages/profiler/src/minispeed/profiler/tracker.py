@@ -114,7 +114,10 @@ class ModuleTracker:
                 self.forward_s[name] += self._now() - start
         grads = _grad_tensors(output)
         if grads and torch.is_grad_enabled() and not in_backward():
-            self._grad_handles.append(register_multi_grad_hook(grads, self._enter_backward(name)))
+            # mode "any": the module's backward starts with the first output gradient (and an
+            # "all" hook never fires on the tensor `.backward()` is called on).
+            enter = self._enter_backward(name)
+            self._grad_handles.append(register_multi_grad_hook(grads, enter, mode="any"))
 
     def _enter_backward(self, name: str) -> Callable[..., None]:
         def hook(*_: Any) -> None:
