@@ -2,7 +2,8 @@
 
 1. Calibrate (`minispeed.profiler.calibrate.measure_in_group`) inside the 2-rank group, one
    thread each, at the start of every round: float32 matmul FLOP/s at a few sizes, the memory
-   rate, the per-operator overhead, and each collective's α and β.
+   rate, the per-operator overhead, each collective's α and β, and the FLOP/s of every
+   matrix-product shape the model runs (`measure_matmul_shapes`, slowest rank).
 2. Count one micro-step's FLOPs, MACs and operator calls (forward + backward) of
    examples/gpt.py's GPT with the FLOPs profiler; parameters Ψ from the model.
 3. Predict each stage's step (`perf_model.predict_step`: Ψ, N = 2, the stage's bucket size, one
@@ -36,8 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt import GPT, GPTConfig
 
 from minispeed.profiler import FlopsProfiler, predict_step
-from minispeed.profiler.calibrate import measure_in_group
+from minispeed.profiler.calibrate import measure_in_group, measure_matmul_shapes
 from minispeed.profiler.launch import _free_port
+from minispeed.profiler.perf_model import matmul_seconds
 
 SIZES = {
     "small": dict(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128, batch=4),
@@ -57,8 +59,8 @@ def _build(spec: dict) -> tuple[GPT, int]:
 SIZES_CALIBRATED = (64, 128, 256, 512, 1024)
 
 
-def _predict(machine, counted: tuple, stage: int):
-    flops, macs, ops, psi, with_params, width = counted
+def _predict(machine, counted: tuple, stage: int, shape_s: tuple[float, float]):
+    flops, macs, ops, psi, with_params, width, _ = counted
     return predict_step(
         machine,
         flops_per_step=flops,
@@ -70,6 +72,7 @@ def _predict(machine, counted: tuple, stage: int):
         matmul_size=width,
         bucket_numel=BUCKET_NUMEL,
         gather_calls=with_params,
+        matmul_shape_s=shape_s,
     )
 
 
@@ -100,6 +103,11 @@ def _worker(rank: int, port: int, steps: int, counted: dict, queue) -> None:
         # same load from other programs (round 0 warms up).
         for i in range(steps + 1):
             machine = measure_in_group(comm, SIZES_CALIBRATED, seconds=0.1)
+            shapes = counted[label][-1]
+            rates = measure_matmul_shapes(list(shapes))
+            slowest = torch.tensor(list(rates.values()), dtype=torch.float64)
+            comm.all_reduce(slowest, op=comm.ReduceOp.MIN)  # the slower rank sets the pace
+            shape_s = matmul_seconds(shapes, dict(zip(rates, slowest.tolist(), strict=True)))
             row = {}
             for stage, (model, opt) in trainers.items():
                 shape = (batch, model.cfg.block_size)
@@ -111,7 +119,7 @@ def _worker(rank: int, port: int, steps: int, counted: dict, queue) -> None:
                 opt.step()
                 t = torch.tensor([time.perf_counter() - start])
                 comm.all_reduce(t, op=comm.ReduceOp.MAX)
-                row[stage] = (t.item(), _predict(machine, counted[label], stage))
+                row[stage] = (t.item(), _predict(machine, counted[label], stage, shape_s))
             if i > 0:
                 rounds.append(row)
         for stage, (_, opt) in trainers.items():
@@ -146,6 +154,7 @@ def main() -> None:
             model.num_params(),
             with_params,
             model.cfg.n_embd,
+            r.matmul_shapes,
         )
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

@@ -4,6 +4,7 @@ time is compute + communication from a calibrated machine."""
 import json
 
 import pytest
+import torch
 
 from minispeed.profiler.calibrate import measure_matmul
 from minispeed.profiler.perf_model import LinkCost, Machine, predict_step, stage_collectives
@@ -72,3 +73,21 @@ def test_calibration_round_trips_and_matmul_throughput_is_measured(tmp_path):
     assert Machine.load(path) == machine
     with pytest.raises(FileNotFoundError, match="calibrate"):
         Machine.load(tmp_path / "missing.json")
+
+
+def test_matmul_shapes_are_recorded_and_priced_at_their_own_rate():
+    from torch import nn
+
+    from minispeed.profiler import FlopsProfiler
+    from minispeed.profiler.calibrate import measure_matmul_shapes
+    from minispeed.profiler.perf_model import matmul_seconds
+
+    lin = nn.Linear(8, 16)
+    with FlopsProfiler(lin) as prof:
+        lin(torch.randn(4, 8)).sum().backward()
+    shapes = prof.result().matmul_shapes
+    assert shapes == {(1, 4, 8, 16): 1, (1, 16, 4, 8): 1}  # forward addmm; dW = dYᵀ·X
+    rates = measure_matmul_shapes(list(shapes), seconds=0.01)
+    seconds, flops = matmul_seconds(shapes, {s: 1e9 for s in rates})
+    assert flops == 2 * (4 * 8 * 16) * 2 and seconds == pytest.approx(flops / 1e9)
+    assert all(r > 0 for r in rates.values())

@@ -33,6 +33,7 @@ __all__ = [
     "calibrate",
     "measure_in_group",
     "measure_matmul",
+    "measure_matmul_shapes",
     "measure_op_overhead",
     "measure_ranks",
     "measure_stream",
@@ -58,6 +59,23 @@ def measure_matmul(
                 reps += 1
             best = max(best, 2 * n**3 * reps / elapsed)
         result[n] = best
+    return result
+
+
+def measure_matmul_shapes(
+    shapes: Sequence[tuple[int, int, int, int]], seconds: float = 0.05
+) -> dict[tuple[int, int, int, int], float]:
+    """FLOP/s of float32 products of each `(batch, m, k, n)` shape (`Profile.matmul_shapes`):
+    small, thin products run far below the square-matrix peak."""
+    result = {}
+    for b, m, k, n in shapes:
+        x, y = torch.randn(b, m, k).squeeze(0), torch.randn(b, k, n).squeeze(0)
+        x @ y
+        reps, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < seconds or reps == 0:
+            x @ y
+            reps += 1
+        result[(b, m, k, n)] = 2 * b * m * k * n * reps / elapsed
     return result
 
 

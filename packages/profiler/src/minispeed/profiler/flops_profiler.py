@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from minispeed.core.accelerator import get_accelerator
 from minispeed.profiler.formulas import Cost
-from minispeed.profiler.ops import op_cost
+from minispeed.profiler.ops import matmul_shape, op_cost
 from minispeed.profiler.report import ModuleProfile, Profile
 from minispeed.profiler.tracker import ModuleTracker, in_backward
 
@@ -67,6 +67,9 @@ class _CountingMode(TorchDispatchMode):
             self.profiler.unknown_ops[str(func)] += 1
         else:
             self.profiler.on_op(str(func.overloadpacket), cost)
+            shape = matmul_shape(func, args, kwargs)
+            if shape is not None:
+                self.profiler.matmul_shapes[shape] += 1
         return out
 
 
@@ -98,6 +101,7 @@ class FlopsProfiler:
         self.totals: dict[str, Cost] = dict.fromkeys(PHASES, Cost())
         self.op_totals: dict[str, Cost] = defaultdict(Cost)
         self.op_calls: Counter[str] = Counter()
+        self.matmul_shapes: Counter[tuple[int, int, int, int]] = Counter()
         self.unknown_ops: Counter[str] = Counter()
         self.wall_s = 0.0
         self._mode: _CountingMode | None = None
@@ -197,6 +201,7 @@ class FlopsProfiler:
             wall_s=self.wall_s,
             op_totals=dict(self.op_totals),
             op_calls=dict(self.op_calls),
+            matmul_shapes=dict(self.matmul_shapes),
             unknown_ops=dict(self.unknown_ops),
             peak_flops_per_s=self.peak_flops_per_s,
         )

@@ -25,7 +25,7 @@ import torch
 from minispeed.profiler import formulas as F
 from minispeed.profiler.formulas import Cost
 
-__all__ = ["op_cost"]
+__all__ = ["matmul_shape", "op_cost"]
 
 aten = torch.ops.aten
 Formula = Callable[[dict[str, Any], Any], Cost]
@@ -252,6 +252,22 @@ def _is_view(func: Any) -> bool:
     """Operators whose output aliases their input (view, transpose, expand, split, ...)."""
     schema = func._schema
     return any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+_MATMULS = {aten.mm: ("self", "mat2"), aten.addmm: ("mat1", "mat2"), aten.bmm: ("self", "mat2"),
+            aten.baddbmm: ("batch1", "batch2")}  # fmt: skip
+
+
+def matmul_shape(func: Any, args: tuple, kwargs: dict) -> tuple[int, int, int, int] | None:
+    """`(batch, m, k, n)` of a matrix-product operator, None for any other operator: the
+    performance model times each shape the step runs (`perf_model.matmul_seconds`)."""
+    names = _MATMULS.get(func.overloadpacket)
+    if names is None:
+        return None
+    a = _bind(func, args, kwargs)
+    x, y = a[names[0]], a[names[1]]
+    batch = x.shape[0] if x.dim() == 3 else 1
+    return batch, x.shape[-2], x.shape[-1], y.shape[-1]
 
 
 def op_cost(func: Any, args: tuple, kwargs: dict, out: Any) -> Cost | None:

@@ -9,7 +9,9 @@ bandwidth β (bytes each rank sends per second, ring algorithm).
 Equations (Note [the step-time model]), per optimizer step, per rank, A micro-steps,
 g / p bytes per gradient / parameter element on the wire, `r = (N-1)/N`:
 
-    T_compute  = 2·MACs / R                     matrix products of the A micro-steps
+    T_compute  = 2·MACs / R                     matrix products of the A micro-steps (or
+                                                   Σ_shapes calls·2bmkn / R(shape), each
+                                                   shape at its own measured rate)
     T_memory   = (12·(F - 2·MACs) + 64·Ψ_owned) / S   element-wise FLOPs (12 bytes each) and
                                                    AdamW (64 bytes per owned parameter), S the
                                                    measured memory rate; Ψ_owned = Ψ, or Ψ/N
@@ -45,6 +47,7 @@ __all__ = [
     "LinkCost",
     "Machine",
     "StepPrediction",
+    "matmul_seconds",
     "predict_step",
     "stage_collectives",
 ]
@@ -196,6 +199,20 @@ OPTIMIZER_BYTES_PER_PARAM = 64
 temporaries: about 16 float32 values per parameter it owns."""
 
 
+def matmul_seconds(
+    shapes: dict[tuple[int, int, int, int], int], rates: dict[tuple[int, int, int, int], float]
+) -> tuple[float, float]:
+    """Seconds and FLOPs of the matrix products `shapes` (`(batch, m, k, n)` -> calls, from
+    `Profile.matmul_shapes`) at the FLOP/s measured for each shape
+    (`calibrate.measure_matmul_shapes`): `Σ calls · 2·b·m·k·n / R(shape)`."""
+    seconds = flops = 0.0
+    for shape, calls in shapes.items():
+        f = 2 * math.prod(shape) * calls
+        seconds += f / rates[shape]
+        flops += f
+    return seconds, flops
+
+
 def predict_step(
     machine: Machine,
     *,
@@ -206,6 +223,7 @@ def predict_step(
     macs_per_step: float | None = None,
     ops_per_step: int = 0,
     matmul_size: int | None = None,
+    matmul_shape_s: tuple[float, float] | None = None,
     overlap: float = 0.0,
     **collective_kwargs: int,
 ) -> StepPrediction:
@@ -216,7 +234,9 @@ def predict_step(
     rate; `ops_per_step` operator calls cost `op_overhead_s` each. The optimizer step moves
     `OPTIMIZER_BYTES_PER_PARAM` per parameter a rank owns (Ψ, or Ψ/N from stage 1).
     `matmul_size` picks the calibrated throughput nearest the model's typical matmul (e.g. the
-    hidden size); `collective_kwargs` go to `stage_collectives`.
+    hidden size); `matmul_shape_s` (`matmul_seconds(...)` of the step's shapes) prices those
+    products at their own measured rate instead, the other MACs (attention, convolutions)
+    staying at the square rate; `collective_kwargs` go to `stage_collectives`.
     """
     if not 0.0 <= overlap <= 1.0:
         raise ValueError(f"overlap is a fraction in [0, 1], got {overlap}")
@@ -235,8 +255,12 @@ def predict_step(
         owned = num_params if stage == 0 else num_params / world_size
         moved = (flops_per_step - matmul_flops) * BYTES_PER_ELEMENTWISE_FLOP
         memory = (moved + OPTIMIZER_BYTES_PER_PARAM * owned) / machine.stream_bytes_per_s
+    compute = matmul_flops / rate
+    if matmul_shape_s is not None:
+        shaped_s, shaped_flops = matmul_shape_s
+        compute = shaped_s + max(matmul_flops - shaped_flops, 0.0) / rate
     return StepPrediction(
-        compute_s=matmul_flops / rate,
+        compute_s=compute,
         memory_s=memory,
         overhead_s=ops_per_step * machine.op_overhead_s,
         comm_s=comm,

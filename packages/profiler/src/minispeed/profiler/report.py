@@ -97,6 +97,8 @@ class Profile:
     unknown_ops: dict[str, int]
     """Operators the table does not price, with their call counts: their FLOPs are missing."""
     peak_flops_per_s: float | None = None
+    matmul_shapes: dict[tuple[int, int, int, int], int] = field(default_factory=dict)
+    """Calls of each matrix-product shape `(batch, m, k, n)` (mm, addmm, bmm, baddbmm)."""
 
     @property
     def flops(self) -> int:
