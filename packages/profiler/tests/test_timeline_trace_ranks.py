@@ -42,6 +42,7 @@ def test_trace_command_merges_two_gloo_ranks_into_named_tracks(tmp_path):
         assert {"aten::addmm", "aten::mm"} <= names  # forward and backward compute
         inside = {e["name"] for e in events_on(trace, rank, "comm.all_reduce")}
         assert "c10d::allreduce_" in inside and "aten::addmm" not in inside
+        assert not any("Profiler" in t for t in tracks)  # the recorder's own span is dropped
 
 
 def test_merge_files_nested_events_under_their_collective_and_threads_apart(tmp_path):

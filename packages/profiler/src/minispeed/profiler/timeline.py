@@ -93,7 +93,11 @@ def _is_collective(name: str) -> bool:
 
 def _tracks_of_rank(events: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any]]]:
     """(track name, event) for each complete ("X") event of one rank (Note [tracks])."""
-    xs = [e for e in events if e.get("ph") == "X" and "ts" in e and "dur" in e]
+    xs = [
+        e
+        for e in events
+        if e.get("ph") == "X" and "ts" in e and "dur" in e and e.get("cat") != "Trace"
+    ]  # "Trace": the profiler's own span around the recording, not work
     main_tid = min((e["tid"] for e in xs if e.get("tid") == e.get("pid")), default=None)
     by_tid: dict[Any, list[dict[str, Any]]] = {}
     for e in xs:
