@@ -36,3 +36,17 @@ def test_enable_nvtx_without_a_binding_reports_off(monkeypatch):
     with ranges.range("still.works"):
         pass
     ranges.enable_nvtx(False)
+
+
+def test_enabled_nvtx_pushes_and_pops_nested_ranges_in_order(monkeypatch):
+    events = []
+    pair = (lambda name: events.append(f"push {name}"), lambda: events.append("pop"))
+    monkeypatch.setattr(ranges, "_find_nvtx", lambda: pair)
+    assert ranges.enable_nvtx(True) is True
+    try:
+        with ranges.range("a"), ranges.range("b"):
+            pass
+        ranges.range("c")(lambda: None)()
+    finally:
+        ranges.enable_nvtx(False)
+    assert events == ["push a", "push b", "pop", "pop", "push c", "pop"]

@@ -11,7 +11,8 @@ A range is pushed to two listeners, each only while it listens:
 
 - **NVTX**, so Nsight Systems draws the phase by name on its timeline. NVTX listens when a tool
   has injected itself (`NVTX_INJECTION64_PATH` is set, as `nsys` does) or when
-  `MINISPEED_NVTX=1`; the push goes through the `nvtx` package, else `torch.cuda.nvtx`.
+  `MINISPEED_NVTX=1`; the push goes through the `nvtx` package (domain `minispeed`), else
+  `torch.cuda.nvtx`.
 - **`torch.profiler`**, through `torch.profiler.record_function`, so a CPU run's Chrome/Perfetto
   trace shows the same names. It listens while a profiler is recording.
 
@@ -32,7 +33,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["enable_nvtx", "nvtx_enabled", "range"]
+__all__ = ["NVTX_DOMAIN", "enable_nvtx", "nvtx_enabled", "range"]
 
 _NVTX_ENV = "MINISPEED_NVTX"
 _nvtx_on: bool | None = None  # decided once, on first use; enable_nvtx() overrides
@@ -40,13 +41,27 @@ _push: Callable[[str], Any] | None = None
 _pop: Callable[[], Any] | None = None
 
 
+NVTX_DOMAIN = "minispeed"
+"""The NVTX domain minispeed's ranges are pushed in (with the `nvtx` package; Nsight Systems
+shows it as its own row). torch's fallback binding pushes in the default domain."""
+
+
 def _find_nvtx() -> tuple[Callable[[str], Any], Callable[[], Any]] | None:
     """The NVTX push/pop pair: the `nvtx` package, else torch's CUDA binding, else None."""
     try:
         import nvtx  # the NVTX C API through a small extension; loads the injected tool
 
-        return (lambda name: nvtx.push_range(name)), nvtx.pop_range
-    except ImportError:
+        domain = nvtx.get_domain(NVTX_DOMAIN)
+        attributes: dict[str, Any] = {}  # name -> event attributes (a registered string)
+
+        def push(name: str) -> None:
+            attr = attributes.get(name)
+            if attr is None:
+                attr = attributes[name] = domain.get_event_attributes(message=name)
+            domain.push_range(attr)
+
+        return push, domain.pop_range
+    except (ImportError, AttributeError):
         pass
     try:
         from torch.cuda import nvtx as torch_nvtx

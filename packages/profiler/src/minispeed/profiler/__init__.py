@@ -1,6 +1,39 @@
-"""minispeed.profiler — not yet implemented; see packages/profiler/README.md for what is coming.
+"""minispeed.profiler: where the FLOPs, the time and the bytes of a step go.
 
-This module deliberately exports nothing: no placeholder API that would pretend to work.
+- `FlopsProfiler`: FLOPs, MACs, parameters and latency per module, counted per operator
+  (`flops_profiler.py`, priced by `ops.py` with the formulas of `formulas.py`).
+- `range`, `module_ranges`: named NVTX / torch.profiler ranges (`nvtx.py`).
+- `traced_step`, `merge_traces`: a Chrome trace of one step across ranks (`timeline.py`;
+  `python -m minispeed.profiler trace`).
+- `predict_step`, `Machine`: the step-time model (`perf_model.py`), calibrated by
+  `python -m minispeed.profiler calibrate` (`calibrate.py`).
 """
 
-__all__: list[str] = []
+from minispeed.profiler import formulas
+from minispeed.profiler.config import FlopsProfilerConfig, StepProfiler
+from minispeed.profiler.flops_profiler import FlopsProfiler
+from minispeed.profiler.formulas import Cost
+from minispeed.profiler.nvtx import enable_nvtx, module_ranges, nvtx_enabled, range
+from minispeed.profiler.perf_model import Machine, StepPrediction, predict_step
+from minispeed.profiler.report import ModuleProfile, Profile
+from minispeed.profiler.timeline import merge_traces, record_step, traced_step
+
+__all__ = [
+    "Cost",
+    "FlopsProfiler",
+    "FlopsProfilerConfig",
+    "Machine",
+    "ModuleProfile",
+    "Profile",
+    "StepPrediction",
+    "StepProfiler",
+    "enable_nvtx",
+    "formulas",
+    "merge_traces",
+    "module_ranges",
+    "nvtx_enabled",
+    "predict_step",
+    "range",
+    "record_step",
+    "traced_step",
+]

@@ -1,0 +1,190 @@
+"""The step-time model against measured ZeRO steps: 2 gloo processes, stages 0-3, two sizes.
+
+1. Calibrate (`minispeed.profiler.calibrate.measure_in_group`) inside the 2-rank group, one
+   thread each, at the start of every round: float32 matmul FLOP/s at a few sizes, the memory
+   rate, the per-operator overhead, each collective's α and β, and the FLOP/s of every
+   matrix-product shape the model runs (`measure_matmul_shapes`, slowest rank).
+2. Count one micro-step's FLOPs, MACs and operator calls (forward + backward) of
+   examples/gpt.py's GPT with the FLOPs profiler; parameters Ψ from the model.
+3. Predict each stage's step (`perf_model.predict_step`: Ψ, N = 2, the stage's bucket size, one
+   stage-3 gather per module with parameters in forward and again in backward).
+4. Measure: the four stages (each its own `minispeed.zero.shard` model and AdamW) take turns,
+   one step each per round right after the round's calibration, `--steps` rounds after a
+   warm-up round, so that load from other programs falls on calibration and stages alike; a
+   step is forward, backward, optimizer step, the slower rank's time. Reported: medians over
+   rounds, and the median of the per-round errors.
+
+    python benchmarks/profiler_perf_model.py [--steps 3]
+
+Both the model and the measurement see a machine shared with other programs; the error column
+is (predicted - measured) / measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+from gpt import GPT, GPTConfig
+
+from minispeed.profiler import FlopsProfiler, predict_step
+from minispeed.profiler.calibrate import measure_in_group, measure_matmul_shapes
+from minispeed.profiler.launch import _free_port
+from minispeed.profiler.perf_model import matmul_seconds
+
+SIZES = {
+    "small": dict(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128, batch=4),
+    "35M": dict(vocab_size=8192, block_size=32, n_layer=6, n_head=10, n_embd=640, batch=1),
+}
+BUCKET_NUMEL = 2_000_000
+WORLD = 2
+
+
+def _build(spec: dict) -> tuple[GPT, int]:
+    spec = dict(spec)
+    batch = spec.pop("batch")
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**spec)), batch
+
+
+SIZES_CALIBRATED = (64, 128, 256, 512, 1024)
+
+
+def _predict(machine, counted: tuple, stage: int, shape_s: tuple[float, float]):
+    flops, macs, ops, psi, with_params, width, _ = counted
+    return predict_step(
+        machine,
+        flops_per_step=flops,
+        macs_per_step=macs,
+        ops_per_step=ops,
+        num_params=psi,
+        stage=stage,
+        world_size=WORLD,
+        matmul_size=width,
+        bucket_numel=BUCKET_NUMEL,
+        gather_calls=with_params,
+        matmul_shape_s=shape_s,
+    )
+
+
+def _worker(rank: int, port: int, steps: int, counted: dict, queue) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MINISPEED_ACCELERATOR="cpu")  # fmt: skip
+    torch.set_num_threads(1)
+    import minispeed.comm as comm
+    import minispeed.zero as zero
+
+    comm.init_distributed(backend="gloo")
+    out = {}
+    for label, spec in SIZES.items():
+        trainers = {}
+        for stage in (0, 1, 2, 3):
+            model, batch = _build(spec)
+            cfg = zero.ZeroConfig(
+                stage=stage,
+                reduce_bucket_numel=BUCKET_NUMEL,
+                allgather_bucket_numel=BUCKET_NUMEL,
+                stage3_param_persistence_threshold_numel=0,
+            )
+            opt = zero.shard(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=cfg)
+            trainers[stage] = (model, opt)
+        g = torch.Generator().manual_seed(rank)
+        rounds: list[dict] = []
+        # Rounds: calibrate, then every stage steps once, so that calibration and steps see the
+        # same load from other programs (round 0 warms up).
+        for i in range(steps + 1):
+            machine = measure_in_group(comm, SIZES_CALIBRATED, seconds=0.1)
+            shapes = counted[label][-1]
+            rates = measure_matmul_shapes(list(shapes))
+            slowest = torch.tensor(list(rates.values()), dtype=torch.float64)
+            comm.all_reduce(slowest, op=comm.ReduceOp.MIN)  # the slower rank sets the pace
+            shape_s = matmul_seconds(shapes, dict(zip(rates, slowest.tolist(), strict=True)))
+            row = {}
+            for stage, (model, opt) in trainers.items():
+                shape = (batch, model.cfg.block_size)
+                idx = torch.randint(0, model.cfg.vocab_size, shape, generator=g)
+                comm.barrier()
+                start = time.perf_counter()
+                _, loss = model(idx, idx)
+                opt.backward(loss)
+                opt.step()
+                t = torch.tensor([time.perf_counter() - start])
+                comm.all_reduce(t, op=comm.ReduceOp.MAX)
+                row[stage] = (t.item(), _predict(machine, counted[label], stage, shape_s))
+            if i > 0:
+                rounds.append(row)
+        for stage, (_, opt) in trainers.items():
+            out[(label, stage)] = [row[stage] for row in rounds]
+            opt.close()
+    if rank == 0:
+        queue.put(out)
+    comm.barrier()
+    comm.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    counted = {}
+    for label, spec in SIZES.items():
+        model, batch = _build(spec)
+        idx = torch.randint(0, model.cfg.vocab_size, (batch, model.cfg.block_size))
+        with FlopsProfiler(model) as prof:
+            model(idx, idx)[1].backward()
+        with_params = sum(
+            1 for m in model.modules() if any(True for _ in m.parameters(recurse=False))
+        )
+        r = prof.result()
+        ops = sum(r.op_calls.values())
+        counted[label] = (
+            r.flops,
+            r.forward.macs + r.backward.macs,
+            ops,
+            model.num_params(),
+            with_params,
+            model.cfg.n_embd,
+            r.matmul_shapes,
+        )
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, port, args.steps, counted, queue))
+        for r in range(WORLD)
+    ]
+    for p in procs:
+        p.start()
+    measured = queue.get(timeout=1200)
+    for p in procs:
+        p.join()
+    print(
+        "size   stage  compute  memory  ops   comm  predicted  measured  error (median of rounds)"
+    )
+    for label in SIZES:
+        for stage in (0, 1, 2, 3):
+            rows = measured[(label, stage)]
+            m = statistics.median(t for t, _ in rows)
+            p = statistics.median(pred.step_s for _, pred in rows)
+            last = rows[-1][1]
+            err = statistics.median((pred.step_s - t) / t for t, pred in rows)
+            print(
+                f"{label:6} {stage:5} {last.compute_s * 1e3:8.0f} {last.memory_s * 1e3:7.0f} "
+                f"{last.overhead_s * 1e3:4.0f} {last.comm_s * 1e3:6.0f} {p * 1e3:10.0f} "
+                f"{m * 1e3:9.0f} {100 * err:+6.0f}%"
+            )
+    print("(compute/memory/ops/comm: ms, last round's calibration; predicted/measured: ms)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+"""Predict a data-parallel training step's time, split into compute and communication per ZeRO stage.
+
+Inputs: the step's FLOPs, MACs and operator calls (from the FLOPs profiler), Ψ parameters,
+N ranks, the ZeRO stage, and the machine as measured by `python -m minispeed.profiler
+calibrate`: R, the matmul throughput (FLOP/s), S, the memory rate of element-wise work, t_op,
+the fixed cost of an operator call, and per collective a latency α (s per call) and a bus
+bandwidth β (bytes each rank sends per second, ring algorithm).
+
+Equations (Note [the step-time model]), per optimizer step, per rank, A micro-steps,
+g / p bytes per gradient / parameter element on the wire, `r = (N-1)/N`:
+
+    T_compute  = 2·MACs / R                     matrix products of the A micro-steps (or
+                                                   Σ_shapes calls·2bmkn / R(shape), each
+                                                   shape at its own measured rate)
+    T_memory   = (12·(F - 2·MACs) + 64·Ψ_owned) / S   element-wise FLOPs (12 bytes each) and
+                                                   AdamW (64 bytes per owned parameter), S the
+                                                   measured memory rate; Ψ_owned = Ψ, or Ψ/N
+                                                   from stage 1
+    T_overhead = ops · t_op                        operator calls × measured per-call cost
+    T_comm     = Σ_calls (α_op + bytes_call / β_op)
+    T_step     = T_compute + T_memory + T_overhead + (1 - overlap) · T_comm
+
+Bytes each rank sends, the dominant terms of minispeed.zero's ledgers (restated here: the
+profiler depends on minispeed.core only):
+
+| stage | collectives per step                     | bytes sent per rank            |
+|-------|------------------------------------------|--------------------------------|
+| 0     | all-reduce of the gradients              | 2r·Ψ·g                          |
+| 1     | reduce-scatter, all-gather after step    | r·Ψ·g + r·Ψ·p                   |
+| 2     | reduce-scatter each micro-step, all-gather | A·r·Ψ·g + r·Ψ·p               |
+| 3     | per micro-step: all-gather in forward and in backward, reduce-scatter | A·(r·Ψ·g + 2r·Ψ·p) |
+
+`overlap` (0 by default) is the fraction of communication hidden behind compute; on a CPU
+with gloo the transfer and the arithmetic share cores, so little is hidden.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+__all__ = [
+    "CALIBRATION_FILE",
+    "LinkCost",
+    "Machine",
+    "StepPrediction",
+    "matmul_seconds",
+    "predict_step",
+    "stage_collectives",
+]
+
+CALIBRATION_FILE = Path(os.path.expanduser("~/.cache/minispeed/profiler/calibration.json"))
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    """One collective's cost: `alpha_s` per call plus bytes sent per rank over `busbw_bytes_per_s`."""
+
+    alpha_s: float
+    busbw_bytes_per_s: float
+
+    def time_s(self, wire_bytes: float) -> float:
+        """Seconds for one call in which each rank sends `wire_bytes`."""
+        return self.alpha_s + wire_bytes / self.busbw_bytes_per_s
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What `calibrate` measured: matmul FLOP/s by square size, and each collective's cost."""
+
+    matmul_flops_per_s: dict[int, float]
+    """Measured FLOP/s of an n×n @ n×n float32 matmul, by n."""
+    links: dict[str, LinkCost] = field(default_factory=dict)
+    """`all_reduce`, `all_gather`, `reduce_scatter` -> cost, measured on `world_size` ranks."""
+    world_size: int = 2
+    stream_bytes_per_s: float | None = None
+    """Memory rate of element-wise work (bytes read + written per second)."""
+    op_overhead_s: float = 0.0
+    """Fixed cost of one operator call (dispatch, Python), seconds."""
+
+    def flops_per_s(self, size: int | None = None) -> float:
+        """Throughput at the measured size nearest `size` (log scale); the best one if None."""
+        if size is None:
+            return max(self.matmul_flops_per_s.values())
+        nearest = min(self.matmul_flops_per_s, key=lambda n: abs(math.log(n / size)))
+        return self.matmul_flops_per_s[nearest]
+
+    def to_json(self) -> dict:
+        """Plain data for the calibration file."""
+        return {
+            "matmul_flops_per_s": {str(k): v for k, v in self.matmul_flops_per_s.items()},
+            "links": {k: asdict(v) for k, v in self.links.items()},
+            "world_size": self.world_size,
+            "stream_bytes_per_s": self.stream_bytes_per_s,
+            "op_overhead_s": self.op_overhead_s,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> Machine:
+        """The inverse of `to_json`."""
+        return cls(
+            matmul_flops_per_s={int(k): float(v) for k, v in data["matmul_flops_per_s"].items()},
+            links={k: LinkCost(**v) for k, v in data.get("links", {}).items()},
+            world_size=int(data.get("world_size", 2)),
+            stream_bytes_per_s=data.get("stream_bytes_per_s"),
+            op_overhead_s=float(data.get("op_overhead_s", 0.0)),
+        )
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str] = CALIBRATION_FILE) -> Machine:
+        """Read a calibration file; the error says how to make one."""
+        try:
+            with open(path) as f:
+                return cls.from_json(json.load(f))
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"no calibration at {path}: run `python -m minispeed.profiler calibrate` first"
+            ) from None
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective call of a step: its op and the bytes each rank sends in it."""
+
+    op: str
+    wire_bytes: float
+
+
+def stage_collectives(
+    stage: int,
+    num_params: int,
+    world_size: int,
+    *,
+    grad_bytes: int = 4,
+    param_bytes: int = 4,
+    micro_steps: int = 1,
+    bucket_numel: int = 500_000,
+    gather_calls: int | None = None,
+) -> list[Collective]:
+    """The collectives of one optimizer step (the table of the module docstring), cut into
+    calls of at most `bucket_numel` elements; stage 3 gathers in `gather_calls` calls per pass
+    (one per module with parameters; default: buckets of `bucket_numel`)."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
+    n, psi, a = world_size, num_params, micro_steps
+    if n == 1:
+        return []
+    r = (n - 1) / n
+    buckets = max(1, math.ceil(psi / bucket_numel))
+
+    def split(op: str, total_bytes: float, calls: int) -> list[Collective]:
+        return [Collective(op, total_bytes / calls)] * calls
+
+    if stage == 0:
+        return split("all_reduce", 2 * r * psi * grad_bytes, buckets)
+    if stage in (1, 2):
+        times = a if stage == 2 else 1
+        reduce = [
+            c for _ in range(times) for c in split("reduce_scatter", r * psi * grad_bytes, buckets)
+        ]
+        return reduce + split("all_gather", r * psi * param_bytes, buckets)
+    gathers = gather_calls or buckets
+    per_micro = (
+        split("all_gather", r * psi * param_bytes, gathers)  # forward
+        + split("all_gather", r * psi * param_bytes, gathers)  # backward
+        + split("reduce_scatter", r * psi * grad_bytes, buckets)
+    )
+    return per_micro * a
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """Predicted seconds of one optimizer step, by term (Note [the step-time model])."""
+
+    compute_s: float
+    """Matrix products: `2·macs / R` (all FLOPs over R when MACs are not given)."""
+    memory_s: float
+    """Element-wise work and the optimizer step, at the memory rate."""
+    overhead_s: float
+    """Operator calls × the per-call overhead."""
+    comm_s: float
+    overlap: float
+    wire_bytes: float
+    calls: int
+
+    @property
+    def step_s(self) -> float:
+        """`compute_s + memory_s + overhead_s + (1 - overlap) · comm_s`."""
+        return self.compute_s + self.memory_s + self.overhead_s + (1.0 - self.overlap) * self.comm_s
+
+
+BYTES_PER_ELEMENTWISE_FLOP = 12
+"""An element-wise FLOP reads two float32 values and writes one."""
+OPTIMIZER_BYTES_PER_PARAM = 64
+"""AdamW touches parameter, gradient and two moments (read and write, float32) plus its
+temporaries: about 16 float32 values per parameter it owns."""
+
+
+def matmul_seconds(
+    shapes: dict[tuple[int, int, int, int], int], rates: dict[tuple[int, int, int, int], float]
+) -> tuple[float, float]:
+    """Seconds and FLOPs of the matrix products `shapes` (`(batch, m, k, n)` -> calls, from
+    `Profile.matmul_shapes`) at the FLOP/s measured for each shape
+    (`calibrate.measure_matmul_shapes`): `Σ calls · 2·b·m·k·n / R(shape)`."""
+    seconds = flops = 0.0
+    for shape, calls in shapes.items():
+        f = 2 * math.prod(shape) * calls
+        seconds += f / rates[shape]
+        flops += f
+    return seconds, flops
+
+
+def predict_step(
+    machine: Machine,
+    *,
+    flops_per_step: float,
+    num_params: int,
+    stage: int,
+    world_size: int,
+    macs_per_step: float | None = None,
+    ops_per_step: int = 0,
+    matmul_size: int | None = None,
+    matmul_shape_s: tuple[float, float] | None = None,
+    overlap: float = 0.0,
+    **collective_kwargs: int,
+) -> StepPrediction:
+    """Predict one optimizer step (module docstring).
+
+    `flops_per_step` and `macs_per_step` (from `FlopsProfiler`: forward + backward of every
+    micro-step) split the work into matrix products at R and element-wise FLOPs at the memory
+    rate; `ops_per_step` operator calls cost `op_overhead_s` each. The optimizer step moves
+    `OPTIMIZER_BYTES_PER_PARAM` per parameter a rank owns (Ψ, or Ψ/N from stage 1).
+    `matmul_size` picks the calibrated throughput nearest the model's typical matmul (e.g. the
+    hidden size); `matmul_shape_s` (`matmul_seconds(...)` of the step's shapes) prices those
+    products at their own measured rate instead, the other MACs (attention, convolutions)
+    staying at the square rate; `collective_kwargs` go to `stage_collectives`.
+    """
+    if not 0.0 <= overlap <= 1.0:
+        raise ValueError(f"overlap is a fraction in [0, 1], got {overlap}")
+    calls = stage_collectives(stage, num_params, world_size, **collective_kwargs)
+    missing = sorted({c.op for c in calls} - set(machine.links))
+    if missing:
+        raise ValueError(
+            f"the calibration has no link cost for {missing}: rerun "
+            "`python -m minispeed.profiler calibrate` with minispeed-comm installed"
+        )
+    comm = sum(machine.links[c.op].time_s(c.wire_bytes) for c in calls)
+    rate = machine.flops_per_s(matmul_size)
+    matmul_flops = flops_per_step if macs_per_step is None else 2 * macs_per_step
+    memory = 0.0
+    if machine.stream_bytes_per_s:
+        owned = num_params if stage == 0 else num_params / world_size
+        moved = (flops_per_step - matmul_flops) * BYTES_PER_ELEMENTWISE_FLOP
+        memory = (moved + OPTIMIZER_BYTES_PER_PARAM * owned) / machine.stream_bytes_per_s
+    compute = matmul_flops / rate
+    if matmul_shape_s is not None:
+        shaped_s, shaped_flops = matmul_shape_s
+        compute = shaped_s + max(matmul_flops - shaped_flops, 0.0) / rate
+    return StepPrediction(
+        compute_s=compute,
+        memory_s=memory,
+        overhead_s=ops_per_step * machine.op_overhead_s,
+        comm_s=comm,
+        overlap=overlap,
+        wire_bytes=sum(c.wire_bytes for c in calls),
+        calls=len(calls),
+    )

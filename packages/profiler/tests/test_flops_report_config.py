@@ -1,0 +1,72 @@
+"""The table obeys depth and top-k, the JSON carries the tree, and the ds_config section works."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from minispeed.profiler import FlopsProfiler, FlopsProfilerConfig, StepProfiler
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(8, 32), nn.GELU(), nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 8))
+    )
+
+
+def _profile(model):
+    with FlopsProfiler(model, peak_flops_per_s=1e12) as prof:
+        model(torch.randn(4, 8)).sum().backward()
+    return prof.result()
+
+
+def test_table_limits_depth_and_keeps_the_top_k_children_by_flops():
+    r = _profile(_mlp())
+    text = r.render(depth=1, top_k=1)
+    lines = [ln for ln in text.splitlines() if "Linear" in ln or "Sequential" in ln]
+    assert len(lines) == 2  # the root, and its one heaviest child (the inner Sequential)
+    assert "Sequential" in lines[1] and "Linear" not in lines[1]
+    all_rows = r.render(depth=-1, top_k=-1)
+    assert sum("Linear" in ln for ln in all_rows.splitlines()) == 3
+    assert "% of peak" in all_rows
+
+
+def test_json_has_the_tree_the_totals_and_the_peak_fraction():
+    r = _profile(_mlp())
+    data = json.loads(json.dumps(r.to_json()))
+    assert data["forward"]["flops"] == r.forward.flops > 0
+    # Backward is measured: dX and dW per layer, except the first layer's dX (its input needs
+    # no gradient), which a "backward = 2x forward" rule would count.
+    assert data["backward"]["macs"] == 2 * data["forward"]["macs"] - 4 * 8 * 32
+    assert data["modules"]["children"][2]["children"][1]["name"] == "2.1"
+    assert data["peak_fraction"] == pytest.approx(r.flops_per_s / 1e12)
+    assert data["modules"]["params"] == sum(p.numel() for p in _mlp().parameters())
+
+
+def test_from_ds_config_translates_the_section_and_refuses_unknown_keys():
+    cfg = FlopsProfilerConfig.from_ds_config(
+        {"enabled": True, "profile_step": 2, "module_depth": 1, "top_modules": 2,
+         "detailed": False, "output_file": None}
+    )  # fmt: skip
+    assert (cfg.enabled, cfg.profile_step, cfg.module_depth, cfg.top_modules) == (True, 2, 1, 2)
+    with pytest.raises(ValueError, match="unknown flops_profiler key"):
+        FlopsProfilerConfig.from_ds_config({"enable": True})
+    with pytest.raises(ValueError, match="recompute_fwd_factor"):
+        FlopsProfilerConfig.from_ds_config({"recompute_fwd_factor": 1.0})
+    with pytest.raises(ValueError, match="top_modules"):
+        FlopsProfilerConfig(top_modules=0)
+
+
+def test_step_profiler_profiles_only_the_configured_step_and_writes_json(tmp_path):
+    model = _mlp()
+    out = tmp_path / "profile.json"
+    steps = StepProfiler(
+        model, FlopsProfilerConfig(enabled=True, profile_step=1, output_file=str(out))
+    )
+    for step in range(3):
+        with steps.step(step):
+            model(torch.randn(4, 8)).sum().backward()
+        assert out.exists() == (step >= 1)
+    assert json.loads(out.read_text())["modules"]["calls"] == 1

@@ -1,0 +1,93 @@
+"""The performance model's bytes per stage restate the ZeRO ledger's closed forms, and its step
+time is compute + communication from a calibrated machine."""
+
+import json
+
+import pytest
+import torch
+
+from minispeed.profiler.calibrate import measure_matmul
+from minispeed.profiler.perf_model import LinkCost, Machine, predict_step, stage_collectives
+
+PSI, N, A, G, P = 1_000_000, 4, 3, 4, 2
+
+
+def _bytes(stage):
+    calls = stage_collectives(
+        stage, PSI, N, grad_bytes=G, param_bytes=P, micro_steps=A, bucket_numel=300_000
+    )
+    return sum(c.wire_bytes for c in calls), calls
+
+
+@pytest.mark.parametrize(
+    "stage,expected",
+    [
+        (0, 2 * 3 / 4 * PSI * G),
+        (1, 3 / 4 * PSI * (G + P)),
+        (2, 3 / 4 * PSI * (A * G + P)),
+        (3, A * 3 / 4 * PSI * (G + 2 * P)),
+    ],
+)
+def test_bytes_per_step_follow_the_zero_ledger(stage, expected):
+    total, calls = _bytes(stage)
+    assert total == pytest.approx(expected)
+    assert all(c.op in ("all_reduce", "all_gather", "reduce_scatter") for c in calls)
+
+
+def test_stage3_sends_more_than_stage2_which_sends_what_stage0_sends_at_a1():
+    b0 = sum(c.wire_bytes for c in stage_collectives(0, PSI, N))
+    b2 = sum(c.wire_bytes for c in stage_collectives(2, PSI, N))
+    b3 = sum(c.wire_bytes for c in stage_collectives(3, PSI, N))
+    assert b0 == pytest.approx(b2) and b3 == pytest.approx(1.5 * b2)  # same g and p
+
+
+def test_prediction_is_flops_over_throughput_plus_alpha_beta_per_call():
+    link = LinkCost(alpha_s=1e-3, busbw_bytes_per_s=1e9)
+    machine = Machine({256: 1e10, 1024: 4e10}, {"all_reduce": link}, world_size=2)
+    pred = predict_step(machine, flops_per_step=2e10, num_params=PSI, stage=0, world_size=2,
+                        matmul_size=300, bucket_numel=250_000)  # fmt: skip
+    assert pred.compute_s == pytest.approx(2.0)  # nearest calibrated size: 256
+    assert pred.calls == 4
+    assert pred.comm_s == pytest.approx(4 * 1e-3 + 2 * 0.5 * PSI * 4 / 1e9)
+    assert pred.step_s == pytest.approx(pred.compute_s + pred.comm_s)
+    # With a memory rate and an operator overhead: element-wise FLOPs at 12 bytes each, AdamW at
+    # 64 bytes per owned parameter (Ψ/N from stage 1), and the operator calls.
+    machine = Machine({256: 1e10}, {"all_reduce": link, "all_gather": link, "reduce_scatter": link},
+                      stream_bytes_per_s=1e9, op_overhead_s=1e-5)  # fmt: skip
+    pred = predict_step(machine, flops_per_step=2e10 + 1e6, macs_per_step=1e10, ops_per_step=300,
+                        num_params=PSI, stage=1, world_size=2)  # fmt: skip
+    assert pred.compute_s == pytest.approx(2.0)
+    assert pred.memory_s == pytest.approx((12 * 1e6 + 64 * PSI / 2) / 1e9)
+    assert pred.overhead_s == pytest.approx(300 * 1e-5)
+    with pytest.raises(ValueError, match="no link cost"):
+        predict_step(Machine({256: 1e10}), flops_per_step=1, num_params=PSI, stage=3, world_size=2)
+
+
+def test_calibration_round_trips_and_matmul_throughput_is_measured(tmp_path):
+    measured = measure_matmul(sizes=(32, 64), seconds=0.03)
+    assert set(measured) == {32, 64} and all(v > 0 for v in measured.values())
+    machine = Machine(measured, {"all_gather": LinkCost(1e-4, 2e9)}, world_size=2,
+                      stream_bytes_per_s=3e9, op_overhead_s=2e-6)  # fmt: skip
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps(machine.to_json()))
+    assert Machine.load(path) == machine
+    with pytest.raises(FileNotFoundError, match="calibrate"):
+        Machine.load(tmp_path / "missing.json")
+
+
+def test_matmul_shapes_are_recorded_and_priced_at_their_own_rate():
+    from torch import nn
+
+    from minispeed.profiler import FlopsProfiler
+    from minispeed.profiler.calibrate import measure_matmul_shapes
+    from minispeed.profiler.perf_model import matmul_seconds
+
+    lin = nn.Linear(8, 16)
+    with FlopsProfiler(lin) as prof:
+        lin(torch.randn(4, 8)).sum().backward()
+    shapes = prof.result().matmul_shapes
+    assert shapes == {(1, 4, 8, 16): 1, (1, 16, 4, 8): 1}  # forward addmm; dW = dYᵀ·X
+    rates = measure_matmul_shapes(list(shapes), seconds=0.01)
+    seconds, flops = matmul_seconds(shapes, {s: 1e9 for s in rates})
+    assert flops == 2 * (4 * 8 * 16) * 2 and seconds == pytest.approx(flops / 1e9)
+    assert all(r > 0 for r in rates.values())

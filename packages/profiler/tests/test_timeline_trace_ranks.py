@@ -1,0 +1,70 @@
+"""`python -m minispeed.profiler trace` writes one Chrome trace with both ranks, compute and
+each collective on its own named track."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minispeed.profiler.timeline import events_on, merge_traces, track_names
+
+STEP_SCRIPT = Path(__file__).with_name("traced_ddp_step.py")
+
+
+def test_trace_command_merges_two_gloo_ranks_into_named_tracks(tmp_path):
+    pytest.importorskip(
+        "minispeed.comm", reason="the traced step runs collectives through minispeed.comm"
+    )
+    out = tmp_path / "step.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "minispeed.profiler",
+        "trace",
+        "--nproc",
+        "2",
+        "--out",
+        str(out),
+        str(STEP_SCRIPT),
+    ]
+    subprocess.run(cmd, check=True, timeout=240)
+    trace = json.loads(out.read_text())
+    processes = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
+    assert processes == {"rank 0", "rank 1"}
+    for rank in (0, 1):
+        tracks = track_names(trace, rank)
+        assert tracks[0] == "compute" or "compute" in tracks
+        assert "comm.all_reduce" in tracks  # the range and the c10d call inside it
+        assert any(t.startswith("gloo:all_reduce") for t in tracks)  # gloo's worker thread
+        names = {e["name"] for e in events_on(trace, rank, "compute")}
+        assert {"aten::addmm", "aten::mm"} <= names  # forward and backward compute
+        inside = {e["name"] for e in events_on(trace, rank, "comm.all_reduce")}
+        assert "c10d::allreduce_" in inside and "aten::addmm" not in inside
+        assert not any("Profiler" in t for t in tracks)  # the recorder's own span is dropped
+
+
+def test_merge_files_nested_events_under_their_collective_and_threads_apart(tmp_path):
+    def x(name, ts, dur, tid=7):
+        return {"ph": "X", "name": name, "ts": ts, "dur": dur, "pid": 7, "tid": tid}
+
+    rank0 = [x("aten::mm", 0, 5), x("comm.all_gather", 10, 10), x("c10d::_allgather_base_", 11, 3),
+             x("aten::add", 25, 1), x("gloo:all_gather", 12, 6, tid=9), x("aten::copy_", 13, 1, tid=9)]  # fmt: skip
+    files = []
+    for rank in (0, 1):
+        path = tmp_path / f"rank{rank}.json"
+        path.write_text(json.dumps({"traceEvents": rank0}))
+        files.append(path)
+    trace = merge_traces(files, tmp_path / "merged.json")
+    assert track_names(trace, 1) == ["compute", "comm.all_gather", "gloo:all_gather"]
+    assert [e["name"] for e in events_on(trace, 1, "compute")] == ["aten::mm", "aten::add"]
+    assert [e["name"] for e in events_on(trace, 1, "comm.all_gather")] == [
+        "comm.all_gather",
+        "c10d::_allgather_base_",
+    ]
+    assert [e["name"] for e in events_on(trace, 0, "gloo:all_gather")] == [
+        "gloo:all_gather",
+        "aten::copy_",
+    ]
+    assert json.loads((tmp_path / "merged.json").read_text()) == trace
