@@ -1,11 +1,11 @@
 """minispeed.zero: ZeRO stages 0-3, mixed precision, sharded checkpoints and a memory estimator.
 
-::
-
-    import minispeed.zero as zero
-    opt = zero.shard(model, torch.optim.AdamW(model.parameters()), config=zero.ZeroConfig(stage=2),
-                     precision=zero.MixedPrecision(param_dtype=torch.bfloat16))
-    opt.backward(model(x, y)); opt.step()
+```python
+import minispeed.zero as zero
+opt = zero.shard(model, torch.optim.AdamW(model.parameters()), config=zero.ZeroConfig(stage=2),
+                 precision=zero.MixedPrecision(param_dtype=torch.bfloat16))
+opt.backward(model(x, y)); opt.step()
+```
 
 Reading order: see packages/zero/README.md.
 """
