@@ -29,6 +29,7 @@ comm's public `isend` / `recv`.
 from __future__ import annotations
 
 import enum
+import time
 from typing import Any
 
 import torch
@@ -180,13 +181,27 @@ class StageMessenger:
             out.append(t.requires_grad_(rg) if rg else t)
         return tuple(out)
 
-    def abort(self, peers: set[int]) -> None:
-        """Tell `peers` (pipeline stages) that this one failed; do not wait for them."""
+    def abort(self, peers: set[int], deliver_s: float = 5.0) -> None:
+        """Tell `peers` (pipeline stages) that this one failed, without waiting for them.
+
+        The abort headers are posted, then given up to `deliver_s` seconds to leave: the caller
+        raises next, and a process group torn down right after (a test harness, a launcher
+        exiting) would drop a send still queued, leaving the peer blocked in its receive. A peer
+        that never receives cannot hold us longer than that.
+        """
+        works = []
         for peer in sorted(peers):
             try:
-                comm.isend(self._header(Code.ABORT), self.pipe_ranks[peer])
+                works.append(comm.isend(self._header(Code.ABORT), self.pipe_ranks[peer]))
             except Exception:
                 pass
+        deadline = time.monotonic() + deliver_s
+        while works and time.monotonic() < deadline:
+            try:
+                works = [w for w in works if not w.is_completed()]
+            except Exception:
+                break
+            time.sleep(0.005)
 
     def wait_sends(self) -> None:
         """Wait for every send posted so far (their tensors may be freed after)."""
