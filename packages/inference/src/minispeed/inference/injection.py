@@ -1,0 +1,114 @@
+"""`init_inference`: recognise a model's blocks by policy and swap them for fused inference blocks.
+
+A policy knows one model family: whether a model is of it, whether a block is one it can fuse,
+and how to build the inference model. This cut has one: minispeed's own GPT (examples/gpt.py).
+Blocks a policy does not recognise are left as they are and listed in the report; the model
+still runs (full forward), but the KV-cache paths need every block fused.
+
+Module tree, before and after (GPT with L blocks):
+
+    GPT                                  InferenceGPT
+    ├─ wte, wpe                          ├─ wte, wpe                 (same modules)
+    ├─ blocks: L × Block                 ├─ blocks: L × FusedGPTBlock
+    │   ├─ ln1, attn(qkv, proj)          │   ├─ ln1, qkv, attn_proj  (same weights; int8 copies)
+    │   └─ ln2, mlp(fc, proj)            │   └─ ln2, fc (no bias), fc_bias, mlp_proj
+    └─ ln_f                              └─ ln_f
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from minispeed.inference.fused_gpt import FusedGPTBlock, InferenceGPT
+
+__all__ = ["GPTPolicy", "InjectionReport", "init_inference"]
+
+
+@dataclass(frozen=True)
+class InjectionReport:
+    """What `init_inference` did: the policy used, blocks replaced and blocks left as they were."""
+
+    policy: str
+    replaced: tuple[str, ...]
+    """Qualified names of the blocks now fused (e.g. `blocks.0`)."""
+    kept: tuple[str, ...]
+    """Qualified names and types of blocks no policy recognised, left unchanged."""
+    dtype: torch.dtype
+
+    def __str__(self) -> str:
+        kept = ", ".join(self.kept) if self.kept else "none"
+        return (
+            f"policy {self.policy} ({self.dtype}): replaced {len(self.replaced)} blocks; "
+            f"kept unrecognised: {kept}"
+        )
+
+
+class GPTPolicy:
+    """minispeed's GPT: `wte`, `wpe`, `blocks`, `ln_f`, `cfg`; blocks with ln1/attn/ln2/mlp."""
+
+    name = "minispeed-gpt"
+
+    @staticmethod
+    def matches_model(model: nn.Module) -> bool:
+        return all(
+            hasattr(model, a) for a in ("wte", "wpe", "blocks", "ln_f", "cfg")
+        ) and isinstance(model.blocks, nn.ModuleList)
+
+    @staticmethod
+    def matches_block(block: nn.Module) -> bool:
+        """The exact `Block` layout of examples/gpt.py (a subclass may compute something else)."""
+        if type(block).__name__ != "Block":
+            return False
+        attn, mlp = getattr(block, "attn", None), getattr(block, "mlp", None)
+        linears = [getattr(attn, "qkv", None), getattr(attn, "proj", None),
+                   getattr(mlp, "fc", None), getattr(mlp, "proj", None)]  # fmt: skip
+        norms = [getattr(block, "ln1", None), getattr(block, "ln2", None)]
+        return (
+            all(isinstance(m, nn.Linear) and m.bias is not None for m in linears)
+            and all(isinstance(m, nn.LayerNorm) and m.elementwise_affine for m in norms)
+            and isinstance(getattr(attn, "n_head", None), int)
+        )
+
+
+POLICIES = (GPTPolicy,)
+
+
+def init_inference(
+    model: nn.Module,
+    dtype: torch.dtype = torch.float32,
+    replace_with_kernel_inject: bool = True,
+) -> tuple[InferenceGPT, InjectionReport]:
+    """The inference form of `model` and a report of what changed. The model is put in eval mode.
+
+    `dtype`: `torch.float32` (weights shared with `model`, no copy) or `torch.int8` (weight-only:
+    each block's four linears become `Int8Linear`, ≈ 4× fewer weight bytes; activations stay fp32).
+    `replace_with_kernel_inject=False` keeps every block as it is (eager, no KV cache).
+    """
+    if dtype not in (torch.float32, torch.int8):
+        raise TypeError(
+            f"init_inference supports dtype=torch.float32 or torch.int8 (weight-only), got {dtype}: "
+            "bf16/fp16 kernels are not implemented"
+        )
+    policy = next((p for p in POLICIES if p.matches_model(model)), None)
+    if policy is None:
+        raise ValueError(
+            f"no injection policy recognises {type(model).__name__}; known: "
+            f"{[p.name for p in POLICIES]}: only these model families can be wrapped (HF GPT-2 / "
+            "LLaMA policies are not implemented yet); run the model eagerly instead"
+        )
+    if any(p.dtype != torch.float32 for p in model.parameters()):
+        raise TypeError("init_inference expects an fp32 model: call model.float() first")
+    model.eval()
+    blocks, replaced, kept = [], [], []
+    for i, block in enumerate(model.blocks):
+        if replace_with_kernel_inject and policy.matches_block(block):
+            blocks.append(FusedGPTBlock(block, int8=dtype == torch.int8))
+            replaced.append(f"blocks.{i}")
+        else:
+            blocks.append(block)
+            kept.append(f"blocks.{i} ({type(block).__name__})")
+    report = InjectionReport(policy.name, tuple(replaced), tuple(kept), dtype)
+    return InferenceGPT(model, blocks).eval(), report
