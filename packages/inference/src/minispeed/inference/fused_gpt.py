@@ -155,21 +155,13 @@ class InferenceGPT(nn.Module):
         for s in seq_ids:
             cache.reserve(s, 1)
         tables = cache.block_tables(seq_ids)
+        slots = cache.next_slots(seq_ids)  # one index computation per step, shared by all layers
+        shape = (B, self.n_head, self.head_dim)
 
         def attend(layer, q, k, v):
-            for b, s in enumerate(seq_ids):
-                cache.write(
-                    layer,
-                    s,
-                    k[b].view(1, self.n_head, self.head_dim),
-                    v[b].view(1, self.n_head, self.head_dim),
-                )
+            cache.write_next(layer, slots, k.reshape(shape), v.reshape(shape))
             y = kernels.decode_attention(
-                q.reshape(B, self.n_head, self.head_dim),
-                cache.k[layer],
-                cache.v[layer],
-                tables,
-                lengths + 1,
+                q.reshape(shape), cache.k[layer], cache.v[layer], tables, lengths + 1
             )
             return y.view(B, 1, self.n_embd)
 
