@@ -1,9 +1,9 @@
 """minispeed.inference: fused kernels, kernel injection, a paged KV cache, generation, int8 weights.
 
-Reading order: :mod:`.kernels_reference` (what each kernel computes) and :mod:`.kernels` (the
-compiled op and its dispatch); :mod:`.kv_cache` (blocks, pool, block tables); :mod:`.fused_gpt`
-(the fused block and the prefill/decode forward); :mod:`.injection` (`init_inference`);
-:mod:`.generation` (sampling and the generate loop); :mod:`.quantize` (int8 weights).
+Reading order: `.kernels_reference` (what each kernel computes) and `.kernels` (the
+compiled op and its dispatch); `.kv_cache` (blocks, pool, block tables); `.fused_gpt`
+(the fused block and the prefill/decode forward); `.injection` (`init_inference`);
+`.generation` (sampling and the generate loop); `.quantize` (int8 weights).
 
 ```python
 from minispeed.inference import init_inference, generate, SamplingConfig

@@ -1,17 +1,19 @@
 """The inference form of minispeed's GPT (examples/gpt.py): fused blocks, and a KV-cache forward.
 
 `FusedGPTBlock` computes what `Block` computes, with the original block's weight tensors (shared,
-not copied; or int8 copies when quantized) and the fused kernels of :mod:`.kernels`:
+not copied; or int8 copies when quantized) and the fused kernels of `minispeed.inference.kernels`:
 
-    a       = LayerNorm1(x)                                   kernels.layer_norm
-    q, k, v = qkv(a)                                          one matmul
-    y       = attention(q, k, v)                              SDPA, or paged decode attention
-    n2, h   = LayerNorm2(proj(y) + x), and h = proj(y) + x    kernels.layer_norm(residual=x)
-    out     = h + mlp_proj(gelu(fc(n2) + fc_bias))            kernels.bias_gelu
+```text
+a       = LayerNorm1(x)                                   kernels.layer_norm
+q, k, v = qkv(a)                                          one matmul
+y       = attention(q, k, v)                              SDPA, or paged decode attention
+n2, h   = LayerNorm2(proj(y) + x), and h = proj(y) + x    kernels.layer_norm(residual=x)
+out     = h + mlp_proj(gelu(fc(n2) + fc_bias))            kernels.bias_gelu
+```
 
 `InferenceGPT` runs the embeddings, the blocks and the tied head in three modes: a full forward
 (no cache: every position recomputed), a prefill of one sequence that writes its K and V into a
-:class:`~minispeed.inference.kv_cache.PagedKVCache`, and a decode step of one new token for each
+`minispeed.inference.kv_cache.PagedKVCache`, and a decode step of one new token for each
 of B sequences that reads the cache (see Note [paged decode attention] in csrc/kernels/kernels.cpp).
 """
 

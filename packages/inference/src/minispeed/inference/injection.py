@@ -7,12 +7,14 @@ still runs (full forward), but the KV-cache paths need every block fused.
 
 Module tree, before and after (GPT with L blocks):
 
-    GPT                                  InferenceGPT
-    ├─ wte, wpe                          ├─ wte, wpe                 (same modules)
-    ├─ blocks: L × Block                 ├─ blocks: L × FusedGPTBlock
-    │   ├─ ln1, attn(qkv, proj)          │   ├─ ln1, qkv, attn_proj  (same weights; int8 copies)
-    │   └─ ln2, mlp(fc, proj)            │   └─ ln2, fc (no bias), fc_bias, mlp_proj
-    └─ ln_f                              └─ ln_f
+```text
+GPT                                  InferenceGPT
+├─ wte, wpe                          ├─ wte, wpe                 (same modules)
+├─ blocks: L × Block                 ├─ blocks: L × FusedGPTBlock
+│   ├─ ln1, attn(qkv, proj)          │   ├─ ln1, qkv, attn_proj  (same weights; int8 copies)
+│   └─ ln2, mlp(fc, proj)            │   └─ ln2, fc (no bias), fc_bias, mlp_proj
+└─ ln_f                              └─ ln_f
+```
 """
 
 from __future__ import annotations

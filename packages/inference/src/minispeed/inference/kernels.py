@@ -1,6 +1,6 @@
 """Fused inference kernels, compiled or reference: the builder, and wrappers that pick one per call.
 
-The functions here have the signatures of :mod:`minispeed.inference.kernels_reference` (re-exported
+The functions here have the signatures of `minispeed.inference.kernels_reference` (re-exported
 as `kernels.reference`) and agree with it to fp32 rounding (summation order differs). Each call:
 
 - fp32 CPU tensors: the C++ op (`csrc/kernels/kernels.cpp`: AVX-512 / AVX2 / scalar helpers

@@ -1,4 +1,4 @@
-"""The pure-PyTorch reference of :mod:`minispeed.inference.kernels`: the specification and the fallback.
+"""The pure-PyTorch reference of `minispeed.inference.kernels`: the specification and the fallback.
 
 Every function has the signature of its compiled twin and is written in plain tensor ops, so a
 reader can check the math in a few lines. Tests compare the C++ op against these on random odd

@@ -8,7 +8,7 @@ length up front (the waste is under one block per sequence).
 
 Memory (fp32): `2 · n_layer · num_blocks · block_size · H · D · 4` bytes, i.e.
 `8 · n_layer · C` bytes per cached token for width `C = H · D`
-(see :func:`kv_cache_bytes`).
+(see `kv_cache_bytes`).
 """
 
 from __future__ import annotations

@@ -250,6 +250,40 @@ inline __m256 erf_vec(__m256 x) {
 }
 #endif
 
+// v[i] = exp(v[i]) in place for v[i] <= 0, with -inf (a masked entry) giving exactly 0; returns
+// the sum. The SIMD paths use exp_nonpos (see Note [vector erf]); the scalar path std::exp.
+inline float exp_row_sum(float* v, int64_t n) {
+  int64_t i = 0;
+  float total = 0.f;
+#if defined(MINISPEED_SIMD_AVX512)
+  __m512 acc = _mm512_setzero_ps();
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_loadu_ps(v + i);
+    const __mmask16 live = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
+    const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpos(x));
+    _mm512_storeu_ps(v + i, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  total = _mm512_reduce_add_ps(acc);
+#elif defined(MINISPEED_SIMD_AVX2)
+  __m256 acc = _mm256_setzero_ps();
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(v + i);
+    const __m256 e = _mm256_and_ps(_mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ), exp_nonpos(x));
+    _mm256_storeu_ps(v + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  total = hsum256(acc);
+#endif
+  for (; i < n; ++i) {
+    v[i] = std::exp(v[i]);  // exp(-inf) == 0
+    total += v[i];
+  }
+  return total;
+}
+
 // o[i] = gelu(x[i] + b[i]) (b may be null); see Note [vector erf].
 inline void gelu_row(const float* x, const float* b, float* o, int64_t n) {
   constexpr float kInvSqrt2 = 0.70710678118654752440f;
@@ -346,12 +380,9 @@ void masked_softmax(uintptr_t x, uintptr_t mask, uintptr_t out, int64_t rows, in
       std::fill(o, o + cols, 0.f);
       return;
     }
-    float total = 0.f;
-    for (int64_t i = 0; i < cols; ++i) {
-      o[i] = (!m || m[i]) ? std::exp(xr[i] * s - mx) : 0.f;
-      total += o[i];
-    }
-    const float inv = 1.f / total;
+    const float ninf = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < cols; ++i) o[i] = (!m || m[i]) ? xr[i] * s - mx : ninf;
+    const float inv = 1.f / exp_row_sum(o, cols);
     for (int64_t i = 0; i < cols; ++i) o[i] *= inv;
   });
 }
@@ -412,12 +443,8 @@ void decode_attention(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr
         scores[t] = dot(qv, ptr<const float>(k_cache) + slot * row + h * dim, dim) * sc;
         mx = std::max(mx, scores[t]);
       }
-      float total = 0.f;
-      for (int64_t t = 0; t < len; ++t) {
-        scores[t] = std::exp(scores[t] - mx);
-        total += scores[t];
-      }
-      const float inv = 1.f / total;
+      for (int64_t t = 0; t < len; ++t) scores[t] -= mx;
+      const float inv = 1.f / exp_row_sum(scores.data(), len);
       for (int64_t t = 0; t < len; ++t) {
         const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
         axpy(scores[t] * inv, ptr<const float>(v_cache) + slot * row + h * dim, o, dim);
