@@ -6,7 +6,13 @@ import pytest
 import torch
 from torch import nn
 
-from minispeed.inference import FusedGPTBlock, init_inference, weight_bytes
+from minispeed.inference import (
+    FusedGPTBlock,
+    SamplingConfig,
+    generate,
+    init_inference,
+    weight_bytes,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -50,6 +56,12 @@ def test_unrecognised_block_is_kept_and_listed(gpt_module, rel_close):
     idx = torch.randint(0, 37, (2, 9))
     with torch.no_grad():
         rel_close(engine(idx), model(idx)[0])
+    cfg = SamplingConfig(max_new_tokens=3)
+    with pytest.raises(RuntimeError, match=r"block 1 \(Custom\) was not replaced.*use_cache=False"):
+        generate(engine, [[1, 2]], cfg)
+    assert generate(engine, [[1, 2]], cfg, use_cache=False) == generate(
+        model, [[1, 2]], cfg, use_cache=False
+    )
 
 
 def test_int8_weights_are_4x_smaller_and_logits_stay_close(gpt_module):
