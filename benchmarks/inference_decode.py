@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from minispeed.inference import SamplingConfig, generate, init_inference, kernels
+from minispeed.inference import ContinuousBatcher, SamplingConfig, generate, init_inference, kernels
 from minispeed.inference.kernels import reference
 from minispeed.inference.quantize import quantize_per_channel
 
@@ -85,6 +85,35 @@ def bench_decode(gpt, size: str, batch: int, prompt_len: int, new: int, rounds: 
         f"| {size} ({params:.1f}M) | {batch} | {tokens / t_eager:.0f} | {tokens / t_inj:.0f} | "
         f"{tokens / t_ref:.0f} | {t_eager / t_inj:.2f}× | {t_eager / t_ref:.2f}× |"
     ]
+
+
+def bench_batching(gpt, rounds: int) -> list[str]:
+    """16 requests of mixed lengths: one after another vs continuous batching (max_batch 16)."""
+    cfg = gpt.GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
+    torch.manual_seed(0)
+    engine, _ = init_inference(gpt.GPT(cfg).eval())
+    g = torch.Generator().manual_seed(1)
+    reqs = []
+    for i in range(16):
+        plen, new = 4 + (i * 7) % 25, 8 + (i * 5) % 25  # prompts 4-28, 8-32 new tokens
+        prompt = torch.randint(0, 256, (plen,), generator=g).tolist()
+        reqs.append((prompt, SamplingConfig(max_new_tokens=new, temperature=0.8, top_k=40, seed=i)))
+    blocks = sum(-(-(len(p) + c.max_new_tokens) // 16) for p, c in reqs)
+
+    def sequential():
+        return [generate(engine, [p], c)[0] for p, c in reqs]
+
+    def batched():
+        b = ContinuousBatcher(engine, num_blocks=blocks, kv_block_size=16, max_batch=16)
+        ids = [b.submit(p, c) for p, c in reqs]
+        res = b.run()
+        return [res[i].tokens for i in ids]
+
+    assert sequential() == batched(), "continuous batching changed some request's tokens"
+    tokens = sum(c.max_new_tokens for _, c in reqs)
+    t_seq, t_bat = _best(sequential, rounds), _best(batched, rounds)
+    return [f"| 16 mixed requests, small model | {tokens / t_seq:.0f} | {tokens / t_bat:.0f} | "
+            f"{t_seq / t_bat:.2f}× |"]  # fmt: skip
 
 
 def bench_kernels(rounds: int) -> list[str]:
@@ -153,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
                 gpt, size, batch, args.prompt_len, args.new_tokens, args.rounds
             ):
                 print(row, flush=True)
+    print("\n| workload | one after another tok/s | continuous batching tok/s | ratio |")
+    print("|---|---|---|---|")
+    for row in bench_batching(gpt, args.rounds):
+        print(row, flush=True)
     print("\n| kernel | op µs | reference µs | reference / op |")
     print("|---|---|---|---|")
     for row in bench_kernels(max(args.rounds, 5)):

@@ -3,7 +3,7 @@
 Reading order: `.kernels_reference` (what each kernel computes) and `.kernels` (the
 compiled op and its dispatch); `.kv_cache` (blocks, pool, block tables); `.fused_gpt`
 (the fused block and the prefill/decode forward); `.injection` (`init_inference`);
-`.generation` (sampling and the generate loop); `.quantize` (int8 weights).
+`.generation` (sampling and the generate loop); `.batching` (continuous batching); `.quantize` (int8 weights).
 
 ```python
 from minispeed.inference import init_inference, generate, SamplingConfig
@@ -14,6 +14,7 @@ tokens = generate(engine, [[1, 2, 3]], SamplingConfig(max_new_tokens=20, tempera
 ```
 """
 
+from minispeed.inference.batching import ContinuousBatcher, RequestResult
 from minispeed.inference.fused_gpt import FusedGPTBlock, InferenceGPT
 from minispeed.inference.generation import SamplingConfig, generate, sample_next
 from minispeed.inference.injection import GPTPolicy, InjectionReport, init_inference
@@ -22,12 +23,14 @@ from minispeed.inference.quantize import Int8Linear, quantize_per_channel, weigh
 
 __all__ = [
     "CacheFullError",
+    "ContinuousBatcher",
     "FusedGPTBlock",
     "GPTPolicy",
     "InferenceGPT",
     "InjectionReport",
     "Int8Linear",
     "PagedKVCache",
+    "RequestResult",
     "SamplingConfig",
     "generate",
     "init_inference",
