@@ -1,4 +1,4 @@
-"""The inference form of minispeed's GPT (examples/gpt.py): fused blocks, and a KV-cache forward.
+"""The inference form of a GPT (minispeed's examples/gpt.py, HF GPT-2): fused blocks, KV-cache forward.
 
 `FusedGPTBlock` computes what `Block` computes, with the original block's weight tensors (shared,
 not copied; or int8 copies when quantized) and the fused kernels of `minispeed.inference.kernels`:
@@ -52,8 +52,9 @@ def _linear(linear: nn.Linear, int8: bool, keep_bias: bool = True) -> nn.Module:
 class FusedGPTBlock(nn.Module):
     """A `Block` of examples/gpt.py rebuilt on the fused kernels (see the module docstring)."""
 
-    def __init__(self, block: nn.Module, int8: bool = False) -> None:
+    def __init__(self, block: nn.Module, int8: bool = False, tanh_gelu: bool = False) -> None:
         super().__init__()
+        self.tanh_gelu = tanh_gelu  # GPT-2's "gelu_new": no fused kernel, torch's tanh GeLU
         self.n_head = block.attn.n_head
         self.ln1, self.ln2 = block.ln1, block.ln2  # weights read by kernels.layer_norm
         self.qkv = _linear(block.attn.qkv, int8)
@@ -70,6 +71,8 @@ class FusedGPTBlock(nn.Module):
         n2, h = kernels.layer_norm(
             self.attn_proj(y), self.ln2.weight, self.ln2.bias, self.ln2.eps, residual=x
         )
+        if self.tanh_gelu:
+            return h + self.mlp_proj(F.gelu(self.fc(n2) + self.fc_bias, approximate="tanh"))
         return h + self.mlp_proj(kernels.bias_gelu(self.fc(n2), self.fc_bias))
 
 
@@ -80,12 +83,22 @@ class InferenceGPT(nn.Module):
     block fused and say so otherwise.
     """
 
-    def __init__(self, model: nn.Module, blocks: list[nn.Module]) -> None:
+    def __init__(
+        self,
+        wte: nn.Embedding,
+        wpe: nn.Embedding,
+        blocks: list[nn.Module],
+        ln_f: nn.LayerNorm,
+        n_head: int,
+        head_weight: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
-        self.block_size = model.cfg.block_size
-        self.n_head, self.n_embd = model.cfg.n_head, model.cfg.n_embd
-        self.wte, self.wpe, self.ln_f = model.wte, model.wpe, model.ln_f
+        self.block_size = wpe.num_embeddings
+        self.n_head, self.n_embd = n_head, wte.embedding_dim
+        self.wte, self.wpe, self.ln_f = wte, wpe, ln_f
         self.blocks = nn.ModuleList(blocks)
+        # The output head's (V, C) weight; None: tied to wte (minispeed's GPT, GPT-2).
+        self.head_weight = head_weight
 
     @property
     def head_dim(self) -> int:
@@ -117,7 +130,8 @@ class InferenceGPT(nn.Module):
                     "it cannot read a KV cache: generate with use_cache=False"
                 )
         x, _ = kernels.layer_norm(x, self.ln_f.weight, self.ln_f.bias, self.ln_f.eps)
-        return F.linear(x, self.wte.weight)  # (B, T, V), the tied head
+        head = self.wte.weight if self.head_weight is None else self.head_weight
+        return F.linear(x, head)  # (B, T, V)
 
     def _full_attention(self, layer: int, q, k, v) -> torch.Tensor:
         B, T, C = q.shape

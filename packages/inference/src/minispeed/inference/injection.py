@@ -1,7 +1,8 @@
 """`init_inference`: recognise a model's blocks by policy and swap them for fused inference blocks.
 
 A policy knows one model family: whether a model is of it, whether a block is one it can fuse,
-and how to build the inference model. This cut has one: minispeed's own GPT (examples/gpt.py).
+and how to build the inference model. Two so far: minispeed's own GPT (examples/gpt.py) and
+Hugging Face's `GPT2LMHeadModel`.
 Blocks a policy does not recognise are left as they are and listed in the report; the model
 still runs (full forward), but the KV-cache paths need every block fused.
 
@@ -20,6 +21,7 @@ GPT                                  InferenceGPT
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -74,8 +76,83 @@ class GPTPolicy:
             and isinstance(getattr(attn, "n_head", None), int)
         )
 
+    @staticmethod
+    def blocks(model: nn.Module) -> nn.ModuleList:
+        return model.blocks
 
-POLICIES = (GPTPolicy,)
+    @staticmethod
+    def fuse(block: nn.Module, int8: bool) -> FusedGPTBlock:
+        return FusedGPTBlock(block, int8=int8)
+
+    @staticmethod
+    def build(model: nn.Module, blocks: list[nn.Module]) -> InferenceGPT:
+        return InferenceGPT(model.wte, model.wpe, blocks, model.ln_f, model.cfg.n_head)
+
+
+def _conv1d_as_linear(conv: nn.Module) -> nn.Linear:
+    """HF's `Conv1D` (`y = x W + b`, W `(in, out)`) as an `nn.Linear` sharing W's storage (Wᵀ view)."""
+    n_in, n_out = conv.weight.shape
+    linear = nn.Linear(n_in, n_out, device="meta")
+    linear.weight = nn.Parameter(conv.weight.detach().t(), requires_grad=False)
+    linear.bias = nn.Parameter(conv.bias.detach(), requires_grad=False)
+    return linear
+
+
+class GPT2Policy:
+    """Hugging Face `GPT2LMHeadModel` (transformers; small random configs in the tests).
+
+    `GPT2Block` is the same pre-norm block as minispeed's; its `Conv1D` weights are shared as
+    transposed views. Only the standard attention is fused (`scale_attn_weights=True`, no
+    per-layer scaling, no reordered upcast); `gelu_new` (tanh GeLU) runs torch's GeLU after the
+    fused norms, exact `gelu` the fused bias + GeLU kernel.
+    """
+
+    name = "hf-gpt2"
+
+    @staticmethod
+    def matches_model(model: nn.Module) -> bool:
+        return type(model).__name__ == "GPT2LMHeadModel" and hasattr(model, "transformer")
+
+    @staticmethod
+    def matches_block(block: nn.Module) -> bool:
+        if (
+            type(block).__name__ != "GPT2Block"
+            or getattr(block, "crossattention", None) is not None
+        ):
+            return False
+        attn = block.attn
+        return (
+            getattr(attn, "scale_attn_weights", True)
+            and not getattr(attn, "scale_attn_by_inverse_layer_idx", False)
+            and not getattr(attn, "reorder_and_upcast_attn", False)
+            and type(block.mlp.act).__name__ in ("NewGELUActivation", "GELUActivation")
+        )
+
+    @staticmethod
+    def blocks(model: nn.Module) -> nn.ModuleList:
+        return model.transformer.h
+
+    @staticmethod
+    def fuse(block: nn.Module, int8: bool) -> FusedGPTBlock:
+        view = SimpleNamespace(
+            ln1=block.ln_1,
+            ln2=block.ln_2,
+            attn=SimpleNamespace(n_head=block.attn.num_heads, qkv=_conv1d_as_linear(block.attn.c_attn),
+                                 proj=_conv1d_as_linear(block.attn.c_proj)),
+            mlp=SimpleNamespace(fc=_conv1d_as_linear(block.mlp.c_fc), proj=_conv1d_as_linear(block.mlp.c_proj)),
+        )  # fmt: skip
+        tanh = type(block.mlp.act).__name__ == "NewGELUActivation"
+        return FusedGPTBlock(view, int8=int8, tanh_gelu=tanh)
+
+    @staticmethod
+    def build(model: nn.Module, blocks: list[nn.Module]) -> InferenceGPT:
+        t = model.transformer
+        tied = model.lm_head.weight is t.wte.weight
+        head = None if tied else model.lm_head.weight
+        return InferenceGPT(t.wte, t.wpe, blocks, t.ln_f, model.config.n_head, head_weight=head)
+
+
+POLICIES = (GPTPolicy, GPT2Policy)
 
 
 def init_inference(
@@ -98,19 +175,19 @@ def init_inference(
     if policy is None:
         raise ValueError(
             f"no injection policy recognises {type(model).__name__}; known: "
-            f"{[p.name for p in POLICIES]}: only these model families can be wrapped (HF GPT-2 / "
-            "LLaMA policies are not implemented yet); run the model eagerly instead"
+            f"{[p.name for p in POLICIES]}: only these model families can be wrapped (a LLaMA policy is not "
+            "implemented yet); run the model eagerly instead"
         )
     if any(p.dtype != torch.float32 for p in model.parameters()):
         raise TypeError("init_inference expects an fp32 model: call model.float() first")
     model.eval()
     blocks, replaced, kept = [], [], []
-    for i, block in enumerate(model.blocks):
+    for i, block in enumerate(policy.blocks(model)):
         if replace_with_kernel_inject and policy.matches_block(block):
-            blocks.append(FusedGPTBlock(block, int8=dtype == torch.int8))
+            blocks.append(policy.fuse(block, dtype == torch.int8))
             replaced.append(f"blocks.{i}")
         else:
             blocks.append(block)
             kept.append(f"blocks.{i} ({type(block).__name__})")
     report = InjectionReport(policy.name, tuple(replaced), tuple(kept), dtype)
-    return InferenceGPT(model, blocks).eval(), report
+    return policy.build(model, blocks).eval(), report
