@@ -52,6 +52,8 @@ def _linear(linear: nn.Linear, int8: bool, keep_bias: bool = True) -> nn.Module:
 class FusedGPTBlock(nn.Module):
     """A `Block` of examples/gpt.py rebuilt on the fused kernels (see the module docstring)."""
 
+    is_fused = True  # InferenceGPT calls it with (x, layer, attend, positions)
+
     def __init__(self, block: nn.Module, int8: bool = False, tanh_gelu: bool = False) -> None:
         super().__init__()
         self.tanh_gelu = tanh_gelu  # GPT-2's "gelu_new": no fused kernel, torch's tanh GeLU
@@ -63,7 +65,9 @@ class FusedGPTBlock(nn.Module):
         self.fc_bias = block.mlp.fc.bias
         self.mlp_proj = _linear(block.mlp.proj, int8)
 
-    def forward(self, x: torch.Tensor, layer: int, attend: Attend) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, layer: int, attend: Attend, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         C = x.shape[-1]
         a, _ = kernels.layer_norm(x, self.ln1.weight, self.ln1.bias, self.ln1.eps)
         q, k, v = self.qkv(a).split(C, dim=-1)  # each (B, T, C)
@@ -86,14 +90,18 @@ class InferenceGPT(nn.Module):
     def __init__(
         self,
         wte: nn.Embedding,
-        wpe: nn.Embedding,
+        wpe: nn.Embedding | None,
         blocks: list[nn.Module],
-        ln_f: nn.LayerNorm,
+        ln_f: nn.Module,
         n_head: int,
         head_weight: torch.Tensor | None = None,
+        max_positions: int | None = None,
+        rms_final_norm: bool = False,
     ) -> None:
         super().__init__()
-        self.block_size = wpe.num_embeddings
+        # Positions: learned (wpe, GPT) or rotary inside the blocks (wpe None, LLaMA).
+        self.block_size = wpe.num_embeddings if wpe is not None else int(max_positions)
+        self.rms_final_norm = rms_final_norm  # LLaMA's final RMSNorm, else LayerNorm
         self.n_head, self.n_embd = n_head, wte.embedding_dim
         self.wte, self.wpe, self.ln_f = wte, wpe, ln_f
         self.blocks = nn.ModuleList(blocks)
@@ -118,10 +126,12 @@ class InferenceGPT(nn.Module):
     def _run(
         self, idx: torch.Tensor, positions: torch.Tensor, attend: Attend | None
     ) -> torch.Tensor:
-        x = self.wte(idx) + self.wpe(positions)  # (B, T, C)
+        x = self.wte(idx)  # (B, T, C)
+        if self.wpe is not None:
+            x = x + self.wpe(positions)
         for layer, block in enumerate(self.blocks):
-            if isinstance(block, FusedGPTBlock):
-                x = block(x, layer, attend or self._full_attention)
+            if getattr(block, "is_fused", False):
+                x = block(x, layer, attend or self._full_attention, positions)
             elif attend is None:
                 x = block(x)
             else:
@@ -129,7 +139,10 @@ class InferenceGPT(nn.Module):
                     f"block {layer} ({type(block).__name__}) was not replaced by a fused block, so "
                     "it cannot read a KV cache: generate with use_cache=False"
                 )
-        x, _ = kernels.layer_norm(x, self.ln_f.weight, self.ln_f.bias, self.ln_f.eps)
+        if self.rms_final_norm:
+            x, _ = kernels.rms_norm(x, self.ln_f.weight, self.ln_f.variance_epsilon)
+        else:
+            x, _ = kernels.layer_norm(x, self.ln_f.weight, self.ln_f.bias, self.ln_f.eps)
         head = self.wte.weight if self.head_weight is None else self.head_weight
         return F.linear(x, head)  # (B, T, V)
 

@@ -1,8 +1,8 @@
 """`init_inference`: recognise a model's blocks by policy and swap them for fused inference blocks.
 
 A policy knows one model family: whether a model is of it, whether a block is one it can fuse,
-and how to build the inference model. Two so far: minispeed's own GPT (examples/gpt.py) and
-Hugging Face's `GPT2LMHeadModel`.
+and how to build the inference model: minispeed's own GPT (examples/gpt.py), Hugging Face's
+`GPT2LMHeadModel` and `LlamaForCausalLM`.
 Blocks a policy does not recognise are left as they are and listed in the report; the model
 still runs (full forward), but the KV-cache paths need every block fused.
 
@@ -81,7 +81,7 @@ class GPTPolicy:
         return model.blocks
 
     @staticmethod
-    def fuse(block: nn.Module, int8: bool) -> FusedGPTBlock:
+    def fuse(block: nn.Module, int8: bool, model: nn.Module) -> FusedGPTBlock:
         return FusedGPTBlock(block, int8=int8)
 
     @staticmethod
@@ -133,7 +133,7 @@ class GPT2Policy:
         return model.transformer.h
 
     @staticmethod
-    def fuse(block: nn.Module, int8: bool) -> FusedGPTBlock:
+    def fuse(block: nn.Module, int8: bool, model: nn.Module) -> FusedGPTBlock:
         view = SimpleNamespace(
             ln1=block.ln_1,
             ln2=block.ln_2,
@@ -152,7 +152,63 @@ class GPT2Policy:
         return InferenceGPT(t.wte, t.wpe, blocks, t.ln_f, model.config.n_head, head_weight=head)
 
 
-POLICIES = (GPTPolicy, GPT2Policy)
+def _rope_theta(config) -> float:
+    params = getattr(config, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+class LlamaPolicy:
+    """Hugging Face `LlamaForCausalLM`: RMSNorm, rotary positions, grouped-query attention, SwiGLU.
+
+    Only the default rotary embedding is recognised (no scaled RoPE variants), without biases on
+    the attention or MLP linears; see `minispeed.inference.fused_llama` for the fused layer.
+    """
+
+    name = "hf-llama"
+
+    @staticmethod
+    def matches_model(model: nn.Module) -> bool:
+        if type(model).__name__ != "LlamaForCausalLM":
+            return False
+        c = model.config
+        params = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+        return params.get("rope_type", params.get("type", "default")) == "default"
+
+    @staticmethod
+    def matches_block(block: nn.Module) -> bool:
+        if type(block).__name__ != "LlamaDecoderLayer":
+            return False
+        attn, mlp = block.self_attn, block.mlp
+        linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                   mlp.gate_proj, mlp.up_proj, mlp.down_proj]  # fmt: skip
+        return all(isinstance(m, nn.Linear) and m.bias is None for m in linears) and (
+            type(mlp.act_fn).__name__ == "SiLUActivation" or isinstance(mlp.act_fn, nn.SiLU)
+        )
+
+    @staticmethod
+    def blocks(model: nn.Module) -> nn.ModuleList:
+        return model.model.layers
+
+    @staticmethod
+    def fuse(block: nn.Module, int8: bool, model: nn.Module) -> nn.Module:
+        from minispeed.inference.fused_llama import FusedLlamaBlock
+
+        c = model.config
+        return FusedLlamaBlock(block, c.num_attention_heads, c.num_key_value_heads,
+                               _rope_theta(c), c.max_position_embeddings, int8=int8)  # fmt: skip
+
+    @staticmethod
+    def build(model: nn.Module, blocks: list[nn.Module]) -> InferenceGPT:
+        m, c = model.model, model.config
+        tied = model.lm_head.weight is m.embed_tokens.weight
+        return InferenceGPT(
+            m.embed_tokens, None, blocks, m.norm, c.num_attention_heads,
+            head_weight=None if tied else model.lm_head.weight,
+            max_positions=c.max_position_embeddings, rms_final_norm=True,
+        )  # fmt: skip
+
+
+POLICIES = (GPTPolicy, GPT2Policy, LlamaPolicy)
 
 
 def init_inference(
@@ -175,8 +231,8 @@ def init_inference(
     if policy is None:
         raise ValueError(
             f"no injection policy recognises {type(model).__name__}; known: "
-            f"{[p.name for p in POLICIES]}: only these model families can be wrapped (a LLaMA policy is not "
-            "implemented yet); run the model eagerly instead"
+            f"{[p.name for p in POLICIES]}: only these model families can be wrapped (HF GPT-2 and LLaMA "
+            "need transformers' classes); run the model eagerly instead"
         )
     if any(p.dtype != torch.float32 for p in model.parameters()):
         raise TypeError("init_inference expects an fp32 model: call model.float() first")
@@ -184,7 +240,7 @@ def init_inference(
     blocks, replaced, kept = [], [], []
     for i, block in enumerate(policy.blocks(model)):
         if replace_with_kernel_inject and policy.matches_block(block):
-            blocks.append(policy.fuse(block, dtype == torch.int8))
+            blocks.append(policy.fuse(block, dtype == torch.int8, model))
             replaced.append(f"blocks.{i}")
         else:
             blocks.append(block)
