@@ -1,6 +1,41 @@
-"""minispeed.inference — not yet implemented; see packages/inference/README.md for what is coming.
+"""minispeed.inference: fused kernels, kernel injection, a paged KV cache, generation, int8 weights.
 
-This module deliberately exports nothing: no placeholder API that would pretend to work.
+Reading order: `.kernels_reference` (what each kernel computes) and `.kernels` (the
+compiled op and its dispatch); `.kv_cache` (blocks, pool, block tables); `.fused_gpt`
+(the fused block and the prefill/decode forward); `.injection` (`init_inference`);
+`.generation` (sampling and the generate loop); `.batching` (continuous batching); `.quantize` (int8 weights).
+
+```python
+from minispeed.inference import init_inference, generate, SamplingConfig
+
+engine, report = init_inference(gpt, dtype=torch.float32, replace_with_kernel_inject=True)
+print(report)
+tokens = generate(engine, [[1, 2, 3]], SamplingConfig(max_new_tokens=20, temperature=0.8, top_k=40))
+```
 """
 
-__all__: list[str] = []
+from minispeed.inference.batching import ContinuousBatcher, RequestResult
+from minispeed.inference.fused_gpt import FusedGPTBlock, InferenceGPT
+from minispeed.inference.generation import SamplingConfig, generate, sample_next
+from minispeed.inference.injection import GPTPolicy, InjectionReport, init_inference
+from minispeed.inference.kv_cache import CacheFullError, PagedKVCache, kv_cache_bytes
+from minispeed.inference.quantize import Int8Linear, quantize_per_channel, weight_bytes
+
+__all__ = [
+    "CacheFullError",
+    "ContinuousBatcher",
+    "FusedGPTBlock",
+    "GPTPolicy",
+    "InferenceGPT",
+    "InjectionReport",
+    "Int8Linear",
+    "PagedKVCache",
+    "RequestResult",
+    "SamplingConfig",
+    "generate",
+    "init_inference",
+    "kv_cache_bytes",
+    "quantize_per_channel",
+    "sample_next",
+    "weight_bytes",
+]

@@ -1,0 +1,197 @@
+"""Decode tokens/s of the injected GPT (fused kernels + paged KV cache) against eager PyTorch, and
+each fused kernel against its PyTorch reference, all in one run.
+
+Run from the repository root::
+
+    .venv/bin/python benchmarks/inference_decode.py            # small and 30M+ models, batch 1 and 16
+    .venv/bin/python benchmarks/inference_decode.py --quick    # small model only
+
+Variants, on the same model and prompts (greedy, so every variant emits the same tokens; checked):
+
+- `eager`: examples/gpt.py's `GPT.generate`: a full forward over the context for every token;
+- `injected`: `init_inference` + `generate(use_cache=True)`: prefill once, then one decode step per
+  token over the paged cache with the C++ kernels;
+- `injected-ref`: the same, with `MINISPEED_DISABLE_OPS=inference_kernels` (PyTorch reference
+  kernels), which separates what the cache buys from what the kernels buy.
+
+Each time is the best of `--rounds`. Ratios are over eager in the same run; every variant runs
+with the same `--threads` (torch's intra-op pool and the op's OpenMP loops share one libgomp).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from minispeed.inference import ContinuousBatcher, SamplingConfig, generate, init_inference, kernels
+from minispeed.inference.kernels import reference
+from minispeed.inference.quantize import quantize_per_channel
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _gpt_module():
+    spec = importlib.util.spec_from_file_location("bench_gpt", REPO / "examples/gpt.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_gpt"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _best(fn, rounds: int) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def bench_decode(gpt, size: str, batch: int, prompt_len: int, new: int, rounds: int) -> list[str]:
+    dims = {"small": (4, 4, 128, 256), "30M": (8, 8, 512, 32768)}[size]  # layers, heads, C, V
+    cfg = gpt.GPTConfig(vocab_size=dims[3], block_size=prompt_len + new, n_layer=dims[0],
+                        n_head=dims[1], n_embd=dims[2])  # fmt: skip
+    torch.manual_seed(0)
+    model = gpt.GPT(cfg).eval()
+    engine, _ = init_inference(model)
+    prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len))
+    plist = prompts.tolist()
+    scfg = SamplingConfig(max_new_tokens=new)
+
+    def eager():
+        with torch.no_grad():
+            return model.generate(prompts, new, temperature=0)[:, prompt_len:].tolist()
+
+    def injected():
+        return generate(engine, plist, scfg)
+
+    assert eager() == injected(), "injected and eager greedy tokens differ"
+    t_eager = _best(eager, rounds)
+    t_inj = _best(injected, rounds)
+    os.environ["MINISPEED_DISABLE_OPS"] = "inference_kernels"
+    try:
+        t_ref = _best(injected, rounds)
+    finally:
+        del os.environ["MINISPEED_DISABLE_OPS"]
+    tokens = batch * new
+    params = model.num_params() / 1e6
+    return [
+        f"| {size} ({params:.1f}M) | {batch} | {tokens / t_eager:.0f} | {tokens / t_inj:.0f} | "
+        f"{tokens / t_ref:.0f} | {t_eager / t_inj:.2f}× | {t_eager / t_ref:.2f}× |"
+    ]
+
+
+def bench_batching(gpt, rounds: int) -> list[str]:
+    """16 requests of mixed lengths: one after another vs continuous batching (max_batch 16)."""
+    cfg = gpt.GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
+    torch.manual_seed(0)
+    engine, _ = init_inference(gpt.GPT(cfg).eval())
+    g = torch.Generator().manual_seed(1)
+    reqs = []
+    for i in range(16):
+        plen, new = 4 + (i * 7) % 25, 8 + (i * 5) % 25  # prompts 4-28, 8-32 new tokens
+        prompt = torch.randint(0, 256, (plen,), generator=g).tolist()
+        reqs.append((prompt, SamplingConfig(max_new_tokens=new, temperature=0.8, top_k=40, seed=i)))
+    blocks = sum(-(-(len(p) + c.max_new_tokens) // 16) for p, c in reqs)
+
+    def sequential():
+        return [generate(engine, [p], c)[0] for p, c in reqs]
+
+    def batched():
+        b = ContinuousBatcher(engine, num_blocks=blocks, kv_block_size=16, max_batch=16)
+        ids = [b.submit(p, c) for p, c in reqs]
+        res = b.run()
+        return [res[i].tokens for i in ids]
+
+    assert sequential() == batched(), "continuous batching changed some request's tokens"
+    tokens = sum(c.max_new_tokens for _, c in reqs)
+    t_seq, t_bat = _best(sequential, rounds), _best(batched, rounds)
+    return [f"| 16 mixed requests, small model | {tokens / t_seq:.0f} | {tokens / t_bat:.0f} | "
+            f"{t_seq / t_bat:.2f}× |"]  # fmt: skip
+
+
+def bench_kernels(rounds: int) -> list[str]:
+    g = torch.Generator().manual_seed(0)
+    R, C = 64, 1024
+    x, r = torch.randn(R, C, generator=g), torch.randn(R, C, generator=g)
+    w, b = torch.randn(C, generator=g), torch.randn(C, generator=g)
+    s = torch.randn(64, 256, 256, generator=g)
+    mask = torch.ones(256, 256, dtype=torch.bool).tril()
+    cos, sin = kernels.rotary_tables(512, 64)
+    xr, pos = torch.randn(256, 16, 64, generator=g), torch.randint(0, 512, (256,), generator=g)
+    B, H, D, BS, L = 16, 8, 64, 16, 256
+    kc, vc = (
+        torch.randn(B * L // BS, BS, H, D, generator=g),
+        torch.randn(B * L // BS, BS, H, D, generator=g),
+    )
+    q = torch.randn(B, H, D, generator=g)
+    tables = torch.arange(B * L // BS, dtype=torch.int32).view(B, L // BS)
+    lens = torch.full((B,), L)
+    wq, sc = quantize_per_channel(torch.randn(2048, 1024, generator=g))
+    xl = torch.randn(4, 1024, generator=g)
+    cases = {
+        "add + LayerNorm (64×1024)": lambda m: m.layer_norm(x, w, b, residual=r),
+        "add + RMSNorm (64×1024)": lambda m: m.rms_norm(x, w, residual=r),
+        "bias + GeLU (64×1024)": lambda m: m.bias_gelu(x, b),
+        "masked softmax (64×256×256, causal)": lambda m: m.masked_softmax(s, mask),
+        "rotary (256 tok × 16 h × 64)": lambda m: m.rotary_embedding(xr, pos, cos, sin),
+        "decode attention (16 seq × 8 h × 256 ctx)": lambda m: m.decode_attention(
+            q, kc, vc, tables, lens
+        ),
+        "int8 linear (4×1024 → 2048)": lambda m: m.int8_linear(xl, wq, sc, None),
+    }
+    rows = []
+    for name, fn in cases.items():
+        fn(kernels)  # warm-up (and the op load)
+        t_op = _best(lambda fn=fn: fn(kernels), rounds)
+        t_ref = _best(lambda fn=fn: fn(reference), rounds)
+        rows.append(f"| {name} | {t_op * 1e6:.0f} | {t_ref * 1e6:.0f} | {t_ref / t_op:.2f}× |")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small model only")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument(
+        "--threads", type=int, default=1,
+        help="torch and OpenMP threads for every variant (default 1: on a machine shared with "
+        "other jobs, spinning OpenMP threads made every variant 5-10x slower at 2)",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    op = kernels.load_op()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"op SIMD level: {op.simd_level() if op else 'none (reference)'}")  # fmt: skip
+    gpt = _gpt_module()
+    print(
+        "\n| model | batch | eager tok/s | injected tok/s | injected-ref tok/s | injected / eager | injected-ref / eager |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for size in ("small",) if args.quick else ("small", "30M"):
+        for batch in (1, 16):
+            for row in bench_decode(
+                gpt, size, batch, args.prompt_len, args.new_tokens, args.rounds
+            ):
+                print(row, flush=True)
+    print("\n| workload | one after another tok/s | continuous batching tok/s | ratio |")
+    print("|---|---|---|---|")
+    for row in bench_batching(gpt, args.rounds):
+        print(row, flush=True)
+    print("\n| kernel | op µs | reference µs | reference / op |")
+    print("|---|---|---|---|")
+    for row in bench_kernels(max(args.rounds, 5)):
+        print(row, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""Continuous batching: requests join the running batch whenever a slot and cache blocks free up.
+
+`ContinuousBatcher.submit` queues a request at any time; each `step` (1) admits queued requests
+while the batch has room and the pool can hold their worst case (prompt + max_new_tokens), and
+prefills them, (2) runs one decode step for every live request together, (3) retires the ones
+that finished and returns their blocks. A request that cannot ever run (empty, longer than the
+model's positions or the whole pool) fails alone with its error; the others carry on.
+
+Admission reserves a request's worst-case blocks up front, so a live request never meets a full
+pool mid-generation (no preemption or swapping in this cut). Each request samples with its own
+generator (`cfg.seed`), so its tokens equal `generate(model, [prompt], cfg)` run alone
+(see Note [sampling draws one uniform per token] in generation.py).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from minispeed.core import ranges
+from minispeed.inference.fused_gpt import InferenceGPT
+from minispeed.inference.generation import SamplingConfig, sample_next
+
+__all__ = ["ContinuousBatcher", "RequestResult"]
+
+
+@dataclass
+class RequestResult:
+    """What became of one request: its new tokens, or the error that stopped it."""
+
+    tokens: list[int] = field(default_factory=list)
+    error: str | None = None
+    done: bool = False
+
+
+@dataclass
+class _Request:
+    rid: int
+    prompt: list[int]
+    cfg: SamplingConfig
+    generator: torch.Generator
+    blocks: int  # worst-case KV blocks, reserved at admission
+    result: RequestResult
+
+
+class ContinuousBatcher:
+    """Runs many requests through one `InferenceGPT` and one paged KV cache (see module docstring)."""
+
+    def __init__(
+        self, model: InferenceGPT, num_blocks: int, kv_block_size: int = 16, max_batch: int = 16
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.model, self.max_batch = model, max_batch
+        self.cache = model.new_cache(num_blocks, kv_block_size)
+        self.waiting: deque[_Request] = deque()
+        self.live: list[_Request] = []
+        self.results: dict[int, RequestResult] = {}
+        self._reserved = 0  # blocks promised to live requests
+        self._next_id = 0
+
+    def submit(self, prompt: list[int], cfg: SamplingConfig) -> int:
+        """Queue a request; returns its id (the key of `results`)."""
+        rid, self._next_id = self._next_id, self._next_id + 1
+        bs = self.cache.block_size
+        blocks = -(-(len(prompt) + cfg.max_new_tokens) // bs)
+        req = _Request(rid, list(prompt), cfg, torch.Generator().manual_seed(cfg.seed), blocks,
+                       RequestResult())  # fmt: skip
+        self.results[rid] = req.result
+        error = self._why_never(req)
+        if error:
+            req.result.error, req.result.done = error, True
+        else:
+            self.waiting.append(req)
+        return rid
+
+    def _why_never(self, req: _Request) -> str | None:
+        if not req.prompt:
+            return "empty prompt: give at least one token"
+        if len(req.prompt) + req.cfg.max_new_tokens > self.model.block_size:
+            return (f"prompt of {len(req.prompt)} tokens + max_new_tokens {req.cfg.max_new_tokens} "
+                    f"exceeds the model's {self.model.block_size} positions")  # fmt: skip
+        if req.blocks > self.cache.num_blocks:
+            return (f"needs {req.blocks} KV blocks but the whole cache has {self.cache.num_blocks}: "
+                    "build the batcher with more num_blocks")  # fmt: skip
+        return None
+
+    def _finish(self, req: _Request) -> None:
+        req.result.done = True
+        self.cache.free(req.rid)
+        self._reserved -= req.blocks
+
+    def _finished(self, req: _Request) -> bool:
+        out = req.result.tokens
+        return len(out) >= req.cfg.max_new_tokens or (bool(out) and out[-1] in req.cfg.stop_tokens)
+
+    def step(self) -> None:
+        """Admit and prefill what fits, then one decode step for every live request."""
+        with torch.no_grad():
+            while (self.waiting and len(self.live) < self.max_batch
+                   and self._reserved + self.waiting[0].blocks <= self.cache.num_blocks):  # fmt: skip
+                req = self.waiting.popleft()
+                self._reserved += req.blocks
+                self.cache.add_sequence(req.rid)
+                if req.cfg.max_new_tokens == 0:
+                    self._finish(req)
+                    continue
+                with ranges.range("inference.prefill"):
+                    logits = self.model.prefill(torch.tensor(req.prompt), self.cache, req.rid)[-1]
+                req.result.tokens.append(sample_next(logits, req.cfg, req.generator))
+                self.live.append(req)
+            for req in [r for r in self.live if self._finished(r)]:
+                self._finish(req)
+            self.live = [r for r in self.live if not r.result.done]
+            if not self.live:
+                return
+            ids = [r.rid for r in self.live]
+            with ranges.range("inference.decode"):
+                logits = self.model.decode(
+                    torch.tensor([r.result.tokens[-1] for r in self.live]), self.cache, ids
+                )
+            for row, req in enumerate(self.live):
+                req.result.tokens.append(sample_next(logits[row], req.cfg, req.generator))
+            for req in [r for r in self.live if self._finished(r)]:
+                self._finish(req)
+            self.live = [r for r in self.live if not r.result.done]
+
+    def run(self) -> dict[int, RequestResult]:
+        """Step until no request is waiting or live; returns every result by request id."""
+        while self.waiting or self.live:
+            self.step()
+        return self.results

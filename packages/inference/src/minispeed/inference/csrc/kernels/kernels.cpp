@@ -1,0 +1,496 @@
+// minispeed.inference's fused CPU kernels, fp32, in one extension (one JIT build per machine).
+//
+// Kernels: add + LayerNorm, add + RMSNorm, bias + GeLU (erf), masked softmax, rotary embedding
+// (rotate-half), single-token decode attention over a paged KV cache, and an int8 weight-only
+// linear with per-output-channel scales. Each has a pure-PyTorch reference with the same
+// contract in minispeed/inference/kernels_reference.py; the tests compare the two.
+//
+// SIMD: the vector helpers below (dot, sum, sum of squares, axpy, int8 dot) are chosen at compile
+// time by the define the builder passes (-DMINISPEED_SIMD_AVX512 / _AVX2 / _SCALAR), as in
+// core's cast op; every helper ends in the same scalar tail loop. Threads: OpenMP over rows
+// (or over output channels / (sequence, head) pairs), GIL released around every kernel.
+//
+// Note [raw pointers, no torch headers]: like core's cast op, the bindings take data pointers and
+// sizes, not at::Tensor, so this file compiles in seconds. The Python wrapper
+// (minispeed.inference.kernels) checks dtype, device, shape and contiguity before it passes a
+// pointer here; a zero pointer means "absent" for optional inputs (residual, bias, mask).
+
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <vector>
+
+#if defined(MINISPEED_SIMD_AVX512) || defined(MINISPEED_SIMD_AVX2)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+template <typename T>
+inline T* ptr(uintptr_t p) {
+  return reinterpret_cast<T*>(p);
+}
+
+#if defined(MINISPEED_SIMD_AVX2) && !defined(MINISPEED_SIMD_AVX512)
+inline float hsum256(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 0x55)));
+}
+#endif
+
+// sum_i a[i] * b[i]
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float acc = 0.f;
+#if defined(MINISPEED_SIMD_AVX512)
+  __m512 v = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) v = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), v);
+  acc = _mm512_reduce_add_ps(v);
+#elif defined(MINISPEED_SIMD_AVX2)
+  __m256 v = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) v = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), v);
+  acc = hsum256(v);
+#endif
+  for (; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+// sum_i x[i] * float(w[i]): the int8 weight is widened to fp32 in registers, never in memory.
+inline float dot_i8(const float* x, const int8_t* w, int64_t n) {
+  int64_t i = 0;
+  float acc = 0.f;
+#if defined(MINISPEED_SIMD_AVX512)
+  __m512 v = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i));
+    v = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), v);
+  }
+  acc = _mm512_reduce_add_ps(v);
+#elif defined(MINISPEED_SIMD_AVX2)
+  __m256 v = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + i));
+    v = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), v);
+  }
+  acc = hsum256(v);
+#endif
+  for (; i < n; ++i) acc += x[i] * static_cast<float>(w[i]);
+  return acc;
+}
+
+// y[i] += alpha * x[i]
+inline void axpy(float alpha, const float* x, float* y, int64_t n) {
+  int64_t i = 0;
+#if defined(MINISPEED_SIMD_AVX512)
+  const __m512 a = _mm512_set1_ps(alpha);
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(a, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+#elif defined(MINISPEED_SIMD_AVX2)
+  const __m256 a = _mm256_set1_ps(alpha);
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(a, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#endif
+  for (; i < n; ++i) y[i] += alpha * x[i];
+}
+
+// h = x + r (r may be null), written to h; returns sum(h).
+inline float add_into(const float* x, const float* r, float* h, int64_t n) {
+  int64_t i = 0;
+  float acc = 0.f;
+#if defined(MINISPEED_SIMD_AVX512)
+  __m512 s = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    __m512 v = _mm512_loadu_ps(x + i);
+    if (r) v = _mm512_add_ps(v, _mm512_loadu_ps(r + i));
+    _mm512_storeu_ps(h + i, v);
+    s = _mm512_add_ps(s, v);
+  }
+  acc = _mm512_reduce_add_ps(s);
+#elif defined(MINISPEED_SIMD_AVX2)
+  __m256 s = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_loadu_ps(x + i);
+    if (r) v = _mm256_add_ps(v, _mm256_loadu_ps(r + i));
+    _mm256_storeu_ps(h + i, v);
+    s = _mm256_add_ps(s, v);
+  }
+  acc = hsum256(s);
+#endif
+  for (; i < n; ++i) {
+    h[i] = r ? x[i] + r[i] : x[i];
+    acc += h[i];
+  }
+  return acc;
+}
+
+// sum_i (h[i] - mean)^2
+inline float centered_sq(const float* h, float mean, int64_t n) {
+  int64_t i = 0;
+  float acc = 0.f;
+#if defined(MINISPEED_SIMD_AVX512)
+  const __m512 m = _mm512_set1_ps(mean);
+  __m512 s = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 d = _mm512_sub_ps(_mm512_loadu_ps(h + i), m);
+    s = _mm512_fmadd_ps(d, d, s);
+  }
+  acc = _mm512_reduce_add_ps(s);
+#elif defined(MINISPEED_SIMD_AVX2)
+  const __m256 m = _mm256_set1_ps(mean);
+  __m256 s = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(h + i), m);
+    s = _mm256_fmadd_ps(d, d, s);
+  }
+  acc = hsum256(s);
+#endif
+  for (; i < n; ++i) acc += (h[i] - mean) * (h[i] - mean);
+  return acc;
+}
+
+// out[i] = (h[i] - shift) * inv * g[i] + (b ? b[i] : 0)
+inline void scale_affine(const float* h, float shift, float inv, const float* g, const float* b,
+                         float* out, int64_t n) {
+  int64_t i = 0;
+#if defined(MINISPEED_SIMD_AVX512)
+  const __m512 sh = _mm512_set1_ps(shift), iv = _mm512_set1_ps(inv);
+  for (; i + 16 <= n; i += 16) {
+    __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(h + i), sh), iv),
+                             _mm512_loadu_ps(g + i));
+    if (b) v = _mm512_add_ps(v, _mm512_loadu_ps(b + i));
+    _mm512_storeu_ps(out + i, v);
+  }
+#elif defined(MINISPEED_SIMD_AVX2)
+  const __m256 sh = _mm256_set1_ps(shift), iv = _mm256_set1_ps(inv);
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(h + i), sh), iv),
+                             _mm256_loadu_ps(g + i));
+    if (b) v = _mm256_add_ps(v, _mm256_loadu_ps(b + i));
+    _mm256_storeu_ps(out + i, v);
+  }
+#endif
+  for (; i < n; ++i) out[i] = (h[i] - shift) * inv * g[i] + (b ? b[i] : 0.f);
+}
+
+// Note [vector erf]: erf has no vector intrinsic, so the SIMD paths use Abramowitz & Stegun 7.1.26,
+//   erf(x) = sign(x) · (1 − (a1 t + a2 t² + a3 t³ + a4 t⁴ + a5 t⁵) · exp(−x²)),  t = 1 / (1 + p|x|),
+// absolute error ≤ 1.5e-7, with exp(−x²) from a Cephes-style polynomial (range reduction to
+// 2^n · e^r, |r| ≤ ln2/2, relative error ~1e-7). GeLU then differs from the exact-erf reference by
+// at most 0.5 · |v| · 2e-7. The scalar path and every tail use std::erf.
+constexpr float kErfP = 0.3275911f, kErfA1 = 0.254829592f, kErfA2 = -0.284496736f,
+                kErfA3 = 1.421413741f, kErfA4 = -1.453152027f, kErfA5 = 1.061405429f;
+constexpr float kExpC[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                            4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+#if defined(MINISPEED_SIMD_AVX512)
+inline __m512 exp_nonpos(__m512 x) {  // e^x for x <= 0 (clamped at -87: e^-87 ~ 1.6e-38)
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(kExpC[0]);
+  for (int c = 1; c < 6; ++c) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpC[c]));
+  const __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+inline __m512 erf_vec(__m512 x) {
+  const __m512 sign = _mm512_castsi512_ps(
+      _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x80000000)));
+  const __m512 a = _mm512_castsi512_ps(
+      _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FFFFFFF)));
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 t = _mm512_div_ps(one, _mm512_fmadd_ps(_mm512_set1_ps(kErfP), a, one));
+  __m512 poly = _mm512_set1_ps(kErfA5);
+  poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(kErfA4));
+  poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(kErfA3));
+  poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(kErfA2));
+  poly = _mm512_fmadd_ps(poly, t, _mm512_set1_ps(kErfA1));
+  poly = _mm512_mul_ps(poly, t);
+  const __m512 y = _mm512_fnmadd_ps(poly, exp_nonpos(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(a, a))), one);
+  return _mm512_castsi512_ps(
+      _mm512_or_si512(_mm512_castps_si512(y), _mm512_castps_si512(sign)));
+}
+#elif defined(MINISPEED_SIMD_AVX2)
+inline __m256 exp_nonpos(__m256 x) {  // e^x for x <= 0 (clamped at -87: e^-87 ~ 1.6e-38)
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(kExpC[0]);
+  for (int c = 1; c < 6; ++c) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpC[c]));
+  const __m256 y = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+inline __m256 erf_vec(__m256 x) {
+  const __m256 sign = _mm256_and_ps(x, _mm256_set1_ps(-0.f));
+  const __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.f), x);
+  const __m256 one = _mm256_set1_ps(1.f);
+  const __m256 t = _mm256_div_ps(one, _mm256_fmadd_ps(_mm256_set1_ps(kErfP), a, one));
+  __m256 poly = _mm256_set1_ps(kErfA5);
+  poly = _mm256_fmadd_ps(poly, t, _mm256_set1_ps(kErfA4));
+  poly = _mm256_fmadd_ps(poly, t, _mm256_set1_ps(kErfA3));
+  poly = _mm256_fmadd_ps(poly, t, _mm256_set1_ps(kErfA2));
+  poly = _mm256_fmadd_ps(poly, t, _mm256_set1_ps(kErfA1));
+  poly = _mm256_mul_ps(poly, t);
+  const __m256 y = _mm256_fnmadd_ps(poly, exp_nonpos(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(a, a))), one);
+  return _mm256_or_ps(y, sign);
+}
+#endif
+
+// v[i] = exp(v[i]) in place for v[i] <= 0, with -inf (a masked entry) giving exactly 0; returns
+// the sum. The SIMD paths use exp_nonpos (see Note [vector erf]); the scalar path std::exp.
+inline float exp_row_sum(float* v, int64_t n) {
+  int64_t i = 0;
+  float total = 0.f;
+#if defined(MINISPEED_SIMD_AVX512)
+  __m512 acc = _mm512_setzero_ps();
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_loadu_ps(v + i);
+    const __mmask16 live = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
+    const __m512 e = _mm512_maskz_mov_ps(live, exp_nonpos(x));
+    _mm512_storeu_ps(v + i, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  total = _mm512_reduce_add_ps(acc);
+#elif defined(MINISPEED_SIMD_AVX2)
+  __m256 acc = _mm256_setzero_ps();
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(v + i);
+    const __m256 e = _mm256_and_ps(_mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ), exp_nonpos(x));
+    _mm256_storeu_ps(v + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  total = hsum256(acc);
+#endif
+  for (; i < n; ++i) {
+    v[i] = std::exp(v[i]);  // exp(-inf) == 0
+    total += v[i];
+  }
+  return total;
+}
+
+// o[i] = gelu(x[i] + b[i]) (b may be null); see Note [vector erf].
+inline void gelu_row(const float* x, const float* b, float* o, int64_t n) {
+  constexpr float kInvSqrt2 = 0.70710678118654752440f;
+  int64_t i = 0;
+#if defined(MINISPEED_SIMD_AVX512)
+  for (; i + 16 <= n; i += 16) {
+    __m512 v = _mm512_loadu_ps(x + i);
+    if (b) v = _mm512_add_ps(v, _mm512_loadu_ps(b + i));
+    const __m512 e = erf_vec(_mm512_mul_ps(v, _mm512_set1_ps(kInvSqrt2)));
+    _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), v),
+                                          _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+  }
+#elif defined(MINISPEED_SIMD_AVX2)
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_loadu_ps(x + i);
+    if (b) v = _mm256_add_ps(v, _mm256_loadu_ps(b + i));
+    const __m256 e = erf_vec(_mm256_mul_ps(v, _mm256_set1_ps(kInvSqrt2)));
+    _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), v),
+                                          _mm256_add_ps(_mm256_set1_ps(1.f), e)));
+  }
+#endif
+  for (; i < n; ++i) {
+    const float v = b ? x[i] + b[i] : x[i];
+    o[i] = 0.5f * v * (1.f + std::erf(v * kInvSqrt2));
+  }
+}
+
+// Runs body(row) for row in [0, rows) on OpenMP threads; serial when the work is small, so a
+// decode step's tiny kernels pay no thread wake-up.
+template <typename Body>
+void parallel_rows(int64_t rows, int64_t work_per_row, const Body& body) {
+  const bool big = rows > 1 && rows * work_per_row >= (1 << 14);
+#pragma omp parallel for schedule(static) if (big)
+  for (int64_t r = 0; r < rows; ++r) body(r);
+}
+
+// Note [fused residual norm]: h = x + residual is written once (res_out) and normalized in the
+// same pass over the row, so a transformer block reads its residual stream once per norm instead
+// of three times (add, then mean/var, then scale). Per row of C: reads 2C (or C) floats, writes 2C.
+void layer_norm(uintptr_t x, uintptr_t residual, uintptr_t gamma, uintptr_t beta, uintptr_t out,
+                uintptr_t res_out, int64_t rows, int64_t cols, double eps) {
+  pybind11::gil_scoped_release nogil;
+  parallel_rows(rows, cols, [&](int64_t r) {
+    const float* xr = ptr<const float>(x) + r * cols;
+    const float* rr = residual ? ptr<const float>(residual) + r * cols : nullptr;
+    float* h = ptr<float>(res_out) + r * cols;
+    const float mean = add_into(xr, rr, h, cols) / static_cast<float>(cols);
+    const float var = centered_sq(h, mean, cols) / static_cast<float>(cols);
+    const float inv = 1.f / std::sqrt(var + static_cast<float>(eps));
+    scale_affine(h, mean, inv, ptr<const float>(gamma), beta ? ptr<const float>(beta) : nullptr,
+                 ptr<float>(out) + r * cols, cols);
+  });
+}
+
+// RMSNorm: out = h / sqrt(mean(h^2) + eps) * gamma, h = x + residual. See Note [fused residual norm].
+void rms_norm(uintptr_t x, uintptr_t residual, uintptr_t gamma, uintptr_t out, uintptr_t res_out,
+              int64_t rows, int64_t cols, double eps) {
+  pybind11::gil_scoped_release nogil;
+  parallel_rows(rows, cols, [&](int64_t r) {
+    const float* xr = ptr<const float>(x) + r * cols;
+    const float* rr = residual ? ptr<const float>(residual) + r * cols : nullptr;
+    float* h = ptr<float>(res_out) + r * cols;
+    add_into(xr, rr, h, cols);
+    const float ms = dot(h, h, cols) / static_cast<float>(cols);
+    const float inv = 1.f / std::sqrt(ms + static_cast<float>(eps));
+    scale_affine(h, 0.f, inv, ptr<const float>(gamma), nullptr, ptr<float>(out) + r * cols, cols);
+  });
+}
+
+// out = gelu(x + bias), the erf GeLU of torch.nn.functional.gelu (see Note [vector erf]), in one
+// pass instead of two (add, then gelu).
+void bias_gelu(uintptr_t x, uintptr_t bias, uintptr_t out, int64_t rows, int64_t cols) {
+  pybind11::gil_scoped_release nogil;
+  parallel_rows(rows, cols * 8, [&](int64_t r) {
+    gelu_row(ptr<const float>(x) + r * cols, bias ? ptr<const float>(bias) : nullptr,
+             ptr<float>(out) + r * cols, cols);
+  });
+}
+
+// out = softmax(scale * x) over each row, with mask[i] == 0 excluded (probability 0). A row with
+// every entry masked gives all zeros, not NaN. mask is uint8 (rows, cols) or absent.
+void masked_softmax(uintptr_t x, uintptr_t mask, uintptr_t out, int64_t rows, int64_t cols,
+                    double scale) {
+  pybind11::gil_scoped_release nogil;
+  const float s = static_cast<float>(scale);
+  parallel_rows(rows, cols * 4, [&](int64_t r) {
+    const float* xr = ptr<const float>(x) + r * cols;
+    const uint8_t* m = mask ? ptr<const uint8_t>(mask) + r * cols : nullptr;
+    float* o = ptr<float>(out) + r * cols;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < cols; ++i)
+      if (!m || m[i]) mx = std::max(mx, xr[i] * s);
+    if (mx == -std::numeric_limits<float>::infinity()) {
+      std::fill(o, o + cols, 0.f);
+      return;
+    }
+    const float ninf = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < cols; ++i) o[i] = (!m || m[i]) ? xr[i] * s - mx : ninf;
+    const float inv = 1.f / exp_row_sum(o, cols);
+    for (int64_t i = 0; i < cols; ++i) o[i] *= inv;
+  });
+}
+
+// Rotate-half rotary embedding (GPT-NeoX / LLaMA layout): for each token t, head h, and
+// i < D/2 with c = cos[pos[t], i], s = sin[pos[t], i]:
+//   out[i] = x[i] * c - x[i + D/2] * s,   out[i + D/2] = x[i + D/2] * c + x[i] * s.
+// x and out are (tokens, heads, D); cos and sin are (max_pos, D/2) tables built by Python.
+void rotary(uintptr_t x, uintptr_t cos_t, uintptr_t sin_t, uintptr_t positions, uintptr_t out,
+            int64_t tokens, int64_t heads, int64_t dim) {
+  pybind11::gil_scoped_release nogil;
+  const int64_t half = dim / 2;
+  parallel_rows(tokens, heads * dim, [&](int64_t t) {
+    const int64_t p = ptr<const int64_t>(positions)[t];
+    const float* c = ptr<const float>(cos_t) + p * half;
+    const float* s = ptr<const float>(sin_t) + p * half;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* xr = ptr<const float>(x) + (t * heads + h) * dim;
+      float* o = ptr<float>(out) + (t * heads + h) * dim;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = xr[i], b = xr[i + half];
+        o[i] = a * c[i] - b * s[i];
+        o[i + half] = b * c[i] + a * s[i];
+      }
+    }
+  });
+}
+
+// Note [paged decode attention]: one new query token per sequence attends over the L cached
+// positions of its sequence. Position t lives in block block_table[t / block_size] at slot
+// t % block_size; caches are (num_blocks, block_size, heads, D). Per (sequence, head):
+// L dot products of D (scores), one softmax, L axpys of D: 4 L D FLOPs, reading 2 L D floats of
+// cache, which is why decode is memory-bound. Threads split the (sequence, head) pairs.
+void decode_attention(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t block_tables,
+                      uintptr_t seq_lens, uintptr_t out, int64_t batch, int64_t heads, int64_t dim,
+                      int64_t block_size, int64_t max_blocks, double scale) {
+  pybind11::gil_scoped_release nogil;
+  const float sc = static_cast<float>(scale);
+  const int64_t row = heads * dim;  // floats per cached position
+  const int64_t pairs = batch * heads;
+  const bool big = pairs > 1 && pairs * dim * 64 >= (1 << 14);
+#pragma omp parallel if (big)
+  {
+    std::vector<float> scores;
+#pragma omp for schedule(static)
+    for (int64_t bh = 0; bh < pairs; ++bh) {
+      const int64_t b = bh / heads, h = bh % heads;
+      const int64_t len = ptr<const int32_t>(seq_lens)[b];
+      const int32_t* table = ptr<const int32_t>(block_tables) + b * max_blocks;
+      const float* qv = ptr<const float>(q) + bh * dim;
+      float* o = ptr<float>(out) + bh * dim;
+      std::fill(o, o + dim, 0.f);
+      if (len <= 0) continue;
+      scores.resize(len);
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+        scores[t] = dot(qv, ptr<const float>(k_cache) + slot * row + h * dim, dim) * sc;
+        mx = std::max(mx, scores[t]);
+      }
+      for (int64_t t = 0; t < len; ++t) scores[t] -= mx;
+      const float inv = 1.f / exp_row_sum(scores.data(), len);
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+        axpy(scores[t] * inv, ptr<const float>(v_cache) + slot * row + h * dim, o, dim);
+      }
+    }
+  }
+}
+
+// y (M, N) = x (M, K) @ (w_q (N, K) * scales (N, 1))^T + bias: the scale is applied once per
+// output after the int8 dot product, so the weight is never dequantized in memory. Reads
+// N K bytes of weight (a quarter of fp32's 4 N K) per call; threads split the output channels.
+void int8_linear(uintptr_t x, uintptr_t w_q, uintptr_t scales, uintptr_t bias, uintptr_t out,
+                 int64_t m, int64_t n, int64_t k) {
+  pybind11::gil_scoped_release nogil;
+  const bool big = n > 1 && m * n * k >= (1 << 15);
+#pragma omp parallel for schedule(static) if (big)
+  for (int64_t j = 0; j < n; ++j) {
+    const int8_t* w = ptr<const int8_t>(w_q) + j * k;
+    const float s = ptr<const float>(scales)[j];
+    const float b = bias ? ptr<const float>(bias)[j] : 0.f;
+    for (int64_t i = 0; i < m; ++i) {
+      ptr<float>(out)[i * n + j] = dot_i8(ptr<const float>(x) + i * k, w, k) * s + b;
+    }
+  }
+}
+
+std::string simd_level() {
+#if defined(MINISPEED_SIMD_AVX512)
+  return "avx512";
+#elif defined(MINISPEED_SIMD_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "minispeed.inference fused CPU kernels (fp32; raw pointers, checked by the wrapper)";
+  m.def("simd_level", &simd_level, "the SIMD level this build was compiled for");
+  m.def("layer_norm", &layer_norm);
+  m.def("rms_norm", &rms_norm);
+  m.def("bias_gelu", &bias_gelu);
+  m.def("masked_softmax", &masked_softmax);
+  m.def("rotary", &rotary);
+  m.def("decode_attention", &decode_attention);
+  m.def("int8_linear", &int8_linear);
+}

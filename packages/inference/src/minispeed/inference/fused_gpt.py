@@ -1,0 +1,200 @@
+"""The inference form of a GPT (minispeed's examples/gpt.py, HF GPT-2): fused blocks, KV-cache forward.
+
+`FusedGPTBlock` computes what `Block` computes, with the original block's weight tensors (shared,
+not copied; or int8 copies when quantized) and the fused kernels of `minispeed.inference.kernels`:
+
+```text
+a       = LayerNorm1(x)                                   kernels.layer_norm
+q, k, v = qkv(a)                                          one matmul
+y       = attention(q, k, v)                              SDPA, or paged decode attention
+n2, h   = LayerNorm2(proj(y) + x), and h = proj(y) + x    kernels.layer_norm(residual=x)
+out     = h + mlp_proj(gelu(fc(n2) + fc_bias))            kernels.bias_gelu
+```
+
+`InferenceGPT` runs the embeddings, the blocks and the tied head in three modes: a full forward
+(no cache: every position recomputed), a prefill of one sequence that writes its K and V into a
+`minispeed.inference.kv_cache.PagedKVCache`, and a decode step of one new token for each
+of B sequences that reads the cache (see Note [paged decode attention] in csrc/kernels/kernels.cpp).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minispeed.inference import kernels
+from minispeed.inference.kv_cache import PagedKVCache
+from minispeed.inference.quantize import Int8Linear
+
+__all__ = ["FusedGPTBlock", "InferenceGPT"]
+
+# attend(layer, q, k, v) -> y, all (B, T, C): the mode-specific attention of one block.
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _linear(linear: nn.Linear, int8: bool, keep_bias: bool = True) -> nn.Module:
+    """`linear` itself (weights shared), or an `Int8Linear` copy; `keep_bias=False` drops the bias."""
+    if int8:
+        q = Int8Linear(linear)
+        if not keep_bias:
+            q.bias = None
+        return q
+    if keep_bias:
+        return linear
+    bare = nn.Linear(linear.in_features, linear.out_features, bias=False)
+    bare.weight = linear.weight  # the same Parameter: no copy
+    return bare
+
+
+class FusedGPTBlock(nn.Module):
+    """A `Block` of examples/gpt.py rebuilt on the fused kernels (see the module docstring)."""
+
+    is_fused = True  # InferenceGPT calls it with (x, layer, attend, positions)
+
+    def __init__(self, block: nn.Module, int8: bool = False, tanh_gelu: bool = False) -> None:
+        super().__init__()
+        self.tanh_gelu = tanh_gelu  # GPT-2's "gelu_new": no fused kernel, torch's tanh GeLU
+        self.n_head = block.attn.n_head
+        self.ln1, self.ln2 = block.ln1, block.ln2  # weights read by kernels.layer_norm
+        self.qkv = _linear(block.attn.qkv, int8)
+        self.attn_proj = _linear(block.attn.proj, int8)
+        self.fc = _linear(block.mlp.fc, int8, keep_bias=False)  # bias added inside bias_gelu
+        self.fc_bias = block.mlp.fc.bias
+        self.mlp_proj = _linear(block.mlp.proj, int8)
+
+    def forward(
+        self, x: torch.Tensor, layer: int, attend: Attend, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        C = x.shape[-1]
+        a, _ = kernels.layer_norm(x, self.ln1.weight, self.ln1.bias, self.ln1.eps)
+        q, k, v = self.qkv(a).split(C, dim=-1)  # each (B, T, C)
+        y = attend(layer, q, k, v)
+        n2, h = kernels.layer_norm(
+            self.attn_proj(y), self.ln2.weight, self.ln2.bias, self.ln2.eps, residual=x
+        )
+        if self.tanh_gelu:
+            return h + self.mlp_proj(F.gelu(self.fc(n2) + self.fc_bias, approximate="tanh"))
+        return h + self.mlp_proj(kernels.bias_gelu(self.fc(n2), self.fc_bias))
+
+
+class InferenceGPT(nn.Module):
+    """minispeed's GPT for inference: fused blocks where a policy matched, originals elsewhere.
+
+    Original (unrecognised) blocks run only in the full forward; the cached modes need every
+    block fused and say so otherwise.
+    """
+
+    def __init__(
+        self,
+        wte: nn.Embedding,
+        wpe: nn.Embedding | None,
+        blocks: list[nn.Module],
+        ln_f: nn.Module,
+        n_head: int,
+        head_weight: torch.Tensor | None = None,
+        max_positions: int | None = None,
+        rms_final_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        # Positions: learned (wpe, GPT) or rotary inside the blocks (wpe None, LLaMA).
+        self.block_size = wpe.num_embeddings if wpe is not None else int(max_positions)
+        self.rms_final_norm = rms_final_norm  # LLaMA's final RMSNorm, else LayerNorm
+        self.n_head, self.n_embd = n_head, wte.embedding_dim
+        self.wte, self.wpe, self.ln_f = wte, wpe, ln_f
+        self.blocks = nn.ModuleList(blocks)
+        # The output head's (V, C) weight; None: tied to wte (minispeed's GPT, GPT-2).
+        self.head_weight = head_weight
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def new_cache(self, num_blocks: int, block_size: int = 16) -> PagedKVCache:
+        """An empty paged KV cache shaped for this model."""
+        return PagedKVCache(
+            len(self.blocks), self.n_head, self.head_dim, num_blocks, block_size,
+            dtype=self.wte.weight.dtype, device=self.wte.weight.device,
+        )  # fmt: skip
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, H, T, D)
+        B, T, _ = t.shape
+        return t.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+
+    def _run(
+        self, idx: torch.Tensor, positions: torch.Tensor, attend: Attend | None
+    ) -> torch.Tensor:
+        x = self.wte(idx)  # (B, T, C)
+        if self.wpe is not None:
+            x = x + self.wpe(positions)
+        for layer, block in enumerate(self.blocks):
+            if getattr(block, "is_fused", False):
+                x = block(x, layer, attend or self._full_attention, positions)
+            elif attend is None:
+                x = block(x)
+            else:
+                raise RuntimeError(
+                    f"block {layer} ({type(block).__name__}) was not replaced by a fused block, so "
+                    "it cannot read a KV cache: generate with use_cache=False"
+                )
+        if self.rms_final_norm:
+            x, _ = kernels.rms_norm(x, self.ln_f.weight, self.ln_f.variance_epsilon)
+        else:
+            x, _ = kernels.layer_norm(x, self.ln_f.weight, self.ln_f.bias, self.ln_f.eps)
+        head = self.wte.weight if self.head_weight is None else self.head_weight
+        return F.linear(x, head)  # (B, T, V)
+
+    def _full_attention(self, layer: int, q, k, v) -> torch.Tensor:
+        B, T, C = q.shape
+        y = F.scaled_dot_product_attention(
+            self._heads(q), self._heads(k), self._heads(v), is_causal=True
+        )
+        return y.transpose(1, 2).reshape(B, T, C)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits `(B, T, V)` for `idx` `(B, T)`, every position recomputed (no cache)."""
+        T = idx.shape[1]
+        if self.block_size < T:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.block_size}")
+        return self._run(idx, torch.arange(T, device=idx.device), None)
+
+    def prefill(self, idx: torch.Tensor, cache: PagedKVCache, seq_id: int) -> torch.Tensor:
+        """Logits `(T, V)` of one new sequence's prompt `idx` `(T,)`; its K, V go into `cache`."""
+        T = idx.shape[0]
+        if cache.lengths[seq_id] != 0:
+            raise ValueError(f"sequence {seq_id} already holds tokens: prefill starts a sequence")
+        cache.reserve(seq_id, T)
+
+        def attend(layer, q, k, v):
+            cache.write(
+                layer, seq_id, self._heads(k)[0].transpose(0, 1), self._heads(v)[0].transpose(0, 1)
+            )
+            return self._full_attention(layer, q, k, v)
+
+        logits = self._run(idx[None], torch.arange(T, device=idx.device), attend)[0]
+        cache.advance(seq_id, T)
+        return logits
+
+    def decode(self, tokens: torch.Tensor, cache: PagedKVCache, seq_ids: list[int]) -> torch.Tensor:
+        """Logits `(B, V)` for one new token per sequence (`tokens` `(B,)`), reading the cache."""
+        B = len(seq_ids)
+        lengths = torch.tensor([cache.lengths[s] for s in seq_ids])
+        for s in seq_ids:
+            cache.reserve(s, 1)
+        tables = cache.block_tables(seq_ids)
+        slots = cache.next_slots(seq_ids)  # one index computation per step, shared by all layers
+        shape = (B, self.n_head, self.head_dim)
+
+        def attend(layer, q, k, v):
+            cache.write_next(layer, slots, k.reshape(shape), v.reshape(shape))
+            y = kernels.decode_attention(
+                q.reshape(shape), cache.k[layer], cache.v[layer], tables, lengths + 1
+            )
+            return y.view(B, 1, self.n_embd)
+
+        logits = self._run(tokens[:, None], lengths[:, None].to(tokens.device), attend)[:, 0]
+        for s in seq_ids:
+            cache.advance(s, 1)
+        return logits

@@ -1,0 +1,79 @@
+"""A Hugging Face LLaMA decoder layer rebuilt on the fused kernels (used by `LlamaPolicy`).
+
+Per layer, with positions p and rotary tables from `kernels.rotary_tables`:
+
+```text
+a       = RMSNorm1(x)                                   kernels.rms_norm
+q, k, v = q_proj(a), k_proj(a), v_proj(a)               (B, T, H·D), (B, T, KV·D) twice
+q, k    = RoPE(q, p), RoPE(k, p)                        kernels.rotary_embedding
+k, v    = each KV head repeated H / KV times            grouped-query attention, see below
+y       = attention(q, k, v)                            SDPA, or paged decode attention
+n2, h   = RMSNorm2(o_proj(y) + x), h = o_proj(y) + x    kernels.rms_norm(residual=x)
+out     = h + down(silu(gate(n2)) · up(n2))
+```
+
+Grouped-query attention: the paged cache and decode kernel take one K/V head per query head, so
+K and V are repeated to H heads before they are cached: the cache holds H / KV times the bytes a
+GQA-aware cache would (a known cost of this cut).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minispeed.inference import kernels
+from minispeed.inference.fused_gpt import Attend, _linear
+
+__all__ = ["FusedLlamaBlock"]
+
+
+class FusedLlamaBlock(nn.Module):
+    """`LlamaDecoderLayer` on the fused kernels (weights shared, or int8 copies)."""
+
+    is_fused = True
+
+    def __init__(
+        self, layer: nn.Module, n_head: int, n_kv_head: int, rope_theta: float, max_positions: int,
+        int8: bool = False,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        attn, mlp = layer.self_attn, layer.mlp
+        self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, attn.head_dim
+        self.ln1, self.ln2 = layer.input_layernorm, layer.post_attention_layernorm
+        self.q, self.k, self.v = (_linear(m, int8) for m in (attn.q_proj, attn.k_proj, attn.v_proj))
+        self.o = _linear(attn.o_proj, int8)
+        self.gate, self.up, self.down = (
+            _linear(m, int8) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        )
+        cos, sin = kernels.rotary_tables(max_positions, self.head_dim, rope_theta)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _rope(self, t: torch.Tensor, heads: int, positions: torch.Tensor) -> torch.Tensor:
+        B, T, _ = t.shape
+        flat = t.reshape(B * T, heads, self.head_dim)
+        return kernels.rotary_embedding(flat, positions.reshape(-1), self.cos, self.sin).view(
+            B, T, -1
+        )
+
+    def _repeat_kv(self, t: torch.Tensor) -> torch.Tensor:  # (B, T, KV·D) -> (B, T, H·D)
+        B, T, _ = t.shape
+        t = t.view(B, T, self.n_kv_head, 1, self.head_dim)
+        return t.expand(B, T, self.n_kv_head, self.n_head // self.n_kv_head, self.head_dim).reshape(
+            B, T, -1
+        )
+
+    def forward(
+        self, x: torch.Tensor, layer: int, attend: Attend, positions: torch.Tensor
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        pos = positions.expand(B, T)  # (T,) in full and prefill, (B, 1) in decode -> (B, T)
+        a, _ = kernels.rms_norm(x, self.ln1.weight, self.ln1.variance_epsilon)
+        q = self._rope(self.q(a), self.n_head, pos)
+        k = self._repeat_kv(self._rope(self.k(a), self.n_kv_head, pos))
+        v = self._repeat_kv(self.v(a))
+        y = attend(layer, q, k, v)
+        n2, h = kernels.rms_norm(self.o(y), self.ln2.weight, self.ln2.variance_epsilon, residual=x)
+        return h + self.down(F.silu(self.gate(n2)) * self.up(n2))

@@ -1,0 +1,249 @@
+"""`init_inference`: recognise a model's blocks by policy and swap them for fused inference blocks.
+
+A policy knows one model family: whether a model is of it, whether a block is one it can fuse,
+and how to build the inference model: minispeed's own GPT (examples/gpt.py), Hugging Face's
+`GPT2LMHeadModel` and `LlamaForCausalLM`.
+Blocks a policy does not recognise are left as they are and listed in the report; the model
+still runs (full forward), but the KV-cache paths need every block fused.
+
+Module tree, before and after (GPT with L blocks):
+
+```text
+GPT                                  InferenceGPT
+├─ wte, wpe                          ├─ wte, wpe                 (same modules)
+├─ blocks: L × Block                 ├─ blocks: L × FusedGPTBlock
+│   ├─ ln1, attn(qkv, proj)          │   ├─ ln1, qkv, attn_proj  (same weights; int8 copies)
+│   └─ ln2, mlp(fc, proj)            │   └─ ln2, fc (no bias), fc_bias, mlp_proj
+└─ ln_f                              └─ ln_f
+```
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from minispeed.inference.fused_gpt import FusedGPTBlock, InferenceGPT
+
+__all__ = ["GPTPolicy", "InjectionReport", "init_inference"]
+
+
+@dataclass(frozen=True)
+class InjectionReport:
+    """What `init_inference` did: the policy used, blocks replaced and blocks left as they were."""
+
+    policy: str
+    replaced: tuple[str, ...]
+    """Qualified names of the blocks now fused (e.g. `blocks.0`)."""
+    kept: tuple[str, ...]
+    """Qualified names and types of blocks no policy recognised, left unchanged."""
+    dtype: torch.dtype
+
+    def __str__(self) -> str:
+        kept = ", ".join(self.kept) if self.kept else "none"
+        return (
+            f"policy {self.policy} ({self.dtype}): replaced {len(self.replaced)} blocks; "
+            f"kept unrecognised: {kept}"
+        )
+
+
+class GPTPolicy:
+    """minispeed's GPT: `wte`, `wpe`, `blocks`, `ln_f`, `cfg`; blocks with ln1/attn/ln2/mlp."""
+
+    name = "minispeed-gpt"
+
+    @staticmethod
+    def matches_model(model: nn.Module) -> bool:
+        return all(
+            hasattr(model, a) for a in ("wte", "wpe", "blocks", "ln_f", "cfg")
+        ) and isinstance(model.blocks, nn.ModuleList)
+
+    @staticmethod
+    def matches_block(block: nn.Module) -> bool:
+        """The exact `Block` layout of examples/gpt.py (a subclass may compute something else)."""
+        if type(block).__name__ != "Block":
+            return False
+        attn, mlp = getattr(block, "attn", None), getattr(block, "mlp", None)
+        linears = [getattr(attn, "qkv", None), getattr(attn, "proj", None),
+                   getattr(mlp, "fc", None), getattr(mlp, "proj", None)]  # fmt: skip
+        norms = [getattr(block, "ln1", None), getattr(block, "ln2", None)]
+        return (
+            all(isinstance(m, nn.Linear) and m.bias is not None for m in linears)
+            and all(isinstance(m, nn.LayerNorm) and m.elementwise_affine for m in norms)
+            and isinstance(getattr(attn, "n_head", None), int)
+        )
+
+    @staticmethod
+    def blocks(model: nn.Module) -> nn.ModuleList:
+        return model.blocks
+
+    @staticmethod
+    def fuse(block: nn.Module, int8: bool, model: nn.Module) -> FusedGPTBlock:
+        return FusedGPTBlock(block, int8=int8)
+
+    @staticmethod
+    def build(model: nn.Module, blocks: list[nn.Module]) -> InferenceGPT:
+        return InferenceGPT(model.wte, model.wpe, blocks, model.ln_f, model.cfg.n_head)
+
+
+def _conv1d_as_linear(conv: nn.Module) -> nn.Linear:
+    """HF's `Conv1D` (`y = x W + b`, W `(in, out)`) as an `nn.Linear` sharing W's storage (Wᵀ view)."""
+    n_in, n_out = conv.weight.shape
+    linear = nn.Linear(n_in, n_out, device="meta")
+    linear.weight = nn.Parameter(conv.weight.detach().t(), requires_grad=False)
+    linear.bias = nn.Parameter(conv.bias.detach(), requires_grad=False)
+    return linear
+
+
+class GPT2Policy:
+    """Hugging Face `GPT2LMHeadModel` (transformers; small random configs in the tests).
+
+    `GPT2Block` is the same pre-norm block as minispeed's; its `Conv1D` weights are shared as
+    transposed views. Only the standard attention is fused (`scale_attn_weights=True`, no
+    per-layer scaling, no reordered upcast); `gelu_new` (tanh GeLU) runs torch's GeLU after the
+    fused norms, exact `gelu` the fused bias + GeLU kernel.
+    """
+
+    name = "hf-gpt2"
+
+    @staticmethod
+    def matches_model(model: nn.Module) -> bool:
+        return type(model).__name__ == "GPT2LMHeadModel" and hasattr(model, "transformer")
+
+    @staticmethod
+    def matches_block(block: nn.Module) -> bool:
+        if (
+            type(block).__name__ != "GPT2Block"
+            or getattr(block, "crossattention", None) is not None
+        ):
+            return False
+        attn = block.attn
+        return (
+            getattr(attn, "scale_attn_weights", True)
+            and not getattr(attn, "scale_attn_by_inverse_layer_idx", False)
+            and not getattr(attn, "reorder_and_upcast_attn", False)
+            and type(block.mlp.act).__name__ in ("NewGELUActivation", "GELUActivation")
+        )
+
+    @staticmethod
+    def blocks(model: nn.Module) -> nn.ModuleList:
+        return model.transformer.h
+
+    @staticmethod
+    def fuse(block: nn.Module, int8: bool, model: nn.Module) -> FusedGPTBlock:
+        view = SimpleNamespace(
+            ln1=block.ln_1,
+            ln2=block.ln_2,
+            attn=SimpleNamespace(n_head=block.attn.num_heads, qkv=_conv1d_as_linear(block.attn.c_attn),
+                                 proj=_conv1d_as_linear(block.attn.c_proj)),
+            mlp=SimpleNamespace(fc=_conv1d_as_linear(block.mlp.c_fc), proj=_conv1d_as_linear(block.mlp.c_proj)),
+        )  # fmt: skip
+        tanh = type(block.mlp.act).__name__ == "NewGELUActivation"
+        return FusedGPTBlock(view, int8=int8, tanh_gelu=tanh)
+
+    @staticmethod
+    def build(model: nn.Module, blocks: list[nn.Module]) -> InferenceGPT:
+        t = model.transformer
+        tied = model.lm_head.weight is t.wte.weight
+        head = None if tied else model.lm_head.weight
+        return InferenceGPT(t.wte, t.wpe, blocks, t.ln_f, model.config.n_head, head_weight=head)
+
+
+def _rope_theta(config) -> float:
+    params = getattr(config, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+class LlamaPolicy:
+    """Hugging Face `LlamaForCausalLM`: RMSNorm, rotary positions, grouped-query attention, SwiGLU.
+
+    Only the default rotary embedding is recognised (no scaled RoPE variants), without biases on
+    the attention or MLP linears; see `minispeed.inference.fused_llama` for the fused layer.
+    """
+
+    name = "hf-llama"
+
+    @staticmethod
+    def matches_model(model: nn.Module) -> bool:
+        if type(model).__name__ != "LlamaForCausalLM":
+            return False
+        c = model.config
+        params = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+        return params.get("rope_type", params.get("type", "default")) == "default"
+
+    @staticmethod
+    def matches_block(block: nn.Module) -> bool:
+        if type(block).__name__ != "LlamaDecoderLayer":
+            return False
+        attn, mlp = block.self_attn, block.mlp
+        linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                   mlp.gate_proj, mlp.up_proj, mlp.down_proj]  # fmt: skip
+        return all(isinstance(m, nn.Linear) and m.bias is None for m in linears) and (
+            type(mlp.act_fn).__name__ == "SiLUActivation" or isinstance(mlp.act_fn, nn.SiLU)
+        )
+
+    @staticmethod
+    def blocks(model: nn.Module) -> nn.ModuleList:
+        return model.model.layers
+
+    @staticmethod
+    def fuse(block: nn.Module, int8: bool, model: nn.Module) -> nn.Module:
+        from minispeed.inference.fused_llama import FusedLlamaBlock
+
+        c = model.config
+        return FusedLlamaBlock(block, c.num_attention_heads, c.num_key_value_heads,
+                               _rope_theta(c), c.max_position_embeddings, int8=int8)  # fmt: skip
+
+    @staticmethod
+    def build(model: nn.Module, blocks: list[nn.Module]) -> InferenceGPT:
+        m, c = model.model, model.config
+        tied = model.lm_head.weight is m.embed_tokens.weight
+        return InferenceGPT(
+            m.embed_tokens, None, blocks, m.norm, c.num_attention_heads,
+            head_weight=None if tied else model.lm_head.weight,
+            max_positions=c.max_position_embeddings, rms_final_norm=True,
+        )  # fmt: skip
+
+
+POLICIES = (GPTPolicy, GPT2Policy, LlamaPolicy)
+
+
+def init_inference(
+    model: nn.Module,
+    dtype: torch.dtype = torch.float32,
+    replace_with_kernel_inject: bool = True,
+) -> tuple[InferenceGPT, InjectionReport]:
+    """The inference form of `model` and a report of what changed. The model is put in eval mode.
+
+    `dtype`: `torch.float32` (weights shared with `model`, no copy) or `torch.int8` (weight-only:
+    each block's four linears become `Int8Linear`, ≈ 4× fewer weight bytes; activations stay fp32).
+    `replace_with_kernel_inject=False` keeps every block as it is (eager, no KV cache).
+    """
+    if dtype not in (torch.float32, torch.int8):
+        raise TypeError(
+            f"init_inference supports dtype=torch.float32 or torch.int8 (weight-only), got {dtype}: "
+            "bf16/fp16 kernels are not implemented"
+        )
+    policy = next((p for p in POLICIES if p.matches_model(model)), None)
+    if policy is None:
+        raise ValueError(
+            f"no injection policy recognises {type(model).__name__}; known: "
+            f"{[p.name for p in POLICIES]}: only these model families can be wrapped (HF GPT-2 and LLaMA "
+            "need transformers' classes); run the model eagerly instead"
+        )
+    if any(p.dtype != torch.float32 for p in model.parameters()):
+        raise TypeError("init_inference expects an fp32 model: call model.float() first")
+    model.eval()
+    blocks, replaced, kept = [], [], []
+    for i, block in enumerate(policy.blocks(model)):
+        if replace_with_kernel_inject and policy.matches_block(block):
+            blocks.append(policy.fuse(block, dtype == torch.int8, model))
+            replaced.append(f"blocks.{i}")
+        else:
+            blocks.append(block)
+            kept.append(f"blocks.{i} ({type(block).__name__})")
+    report = InjectionReport(policy.name, tuple(replaced), tuple(kept), dtype)
+    return policy.build(model, blocks).eval(), report

@@ -1,0 +1,302 @@
+"""Fused inference kernels, compiled or reference: the builder, and wrappers that pick one per call.
+
+The functions here have the signatures of `minispeed.inference.kernels_reference` (re-exported
+as `kernels.reference`) and agree with it to fp32 rounding (summation order differs). Each call:
+
+- fp32 CPU tensors: the C++ op (`csrc/kernels/kernels.cpp`: AVX-512 / AVX2 / scalar helpers
+  chosen by `MINISPEED_SIMD` at build time, OpenMP over rows, GIL released);
+- CUDA tensors: the reference for now (`csrc/kernels/kernels_cuda.cu` holds the CUDA kernels,
+  compiled by core's nvcc test; its binding is not wired up yet);
+- an op that cannot be built, or `MINISPEED_DISABLE_OPS=inference_kernels`: the reference, after
+  one warning.
+
+Every kernel takes fp32 only (bf16/fp16 inference is not in this cut): another dtype raises a
+`TypeError` that names the fix. Non-contiguous inputs are copied to contiguous first.
+
+Costs (fp32, per call): `layer_norm`/`rms_norm` on (R, C): read 2RC (RC without residual) + 2C,
+write 2RC floats; `bias_gelu`: read RC + C, write RC; `masked_softmax`: read RC (+ RC mask
+bytes), write RC; `rotary_embedding` (T, H, D): read THD + TD, write THD; `decode_attention`:
+4·L·D FLOPs and 2·L·D floats of cache read per (sequence, head); `int8_linear` (M, K) x (N, K):
+2MNK FLOPs, N·K weight bytes read (a quarter of fp32's).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from minispeed.core.op_builder import OpBuilder, load_or_fallback, ops_disabled
+from minispeed.inference import kernels_reference as reference
+
+__all__ = [
+    "InferenceKernelsBuilder",
+    "bias_gelu",
+    "decode_attention",
+    "int8_linear",
+    "layer_norm",
+    "load_op",
+    "masked_softmax",
+    "reference",
+    "rms_norm",
+    "rotary_embedding",
+    "rotary_tables",
+]
+
+_CSRC = Path(__file__).resolve().parent / "csrc"
+rotary_tables = reference.rotary_tables
+
+
+class InferenceKernelsBuilder(OpBuilder):
+    """The CPU op: all seven kernels in one pybind11-only source (no torch headers: seconds to build)."""
+
+    name = "inference_kernels"
+    csrc_root = _CSRC
+    sources = ("kernels/kernels.cpp",)
+
+
+_BUILDER = InferenceKernelsBuilder()
+# SIMD level -> loaded module (or None after a failed build). Asking the builder fingerprints its
+# flags (about a millisecond): too slow per kernel call in a decode loop.
+_LOADED: dict[str, ModuleType | None] = {}
+
+
+def load_op() -> ModuleType | None:
+    """The compiled CPU op for the SIMD level in force (`MINISPEED_SIMD`), or `None`: the reference."""
+    if ops_disabled(_BUILDER.name):
+        return load_or_fallback(_BUILDER)  # None, after its one warning
+    level = _BUILDER.simd_level().label
+    if level not in _LOADED:
+        _LOADED[level] = load_or_fallback(_BUILDER)
+    return _LOADED[level]
+
+
+def _fp32(t: torch.Tensor, name: str) -> torch.Tensor:
+    if t.dtype != torch.float32:
+        raise TypeError(
+            f"{name} must be float32 for the inference kernels, got {t.dtype}: call .float() "
+            "(bf16/fp16 kernels are not implemented)"
+        )
+    return t.detach().contiguous()
+
+
+def _cpu_op(*tensors: torch.Tensor | None) -> ModuleType | None:
+    """The op when every given tensor is on the CPU, else `None` (the reference runs)."""
+    if any(t is not None and t.device.type != "cpu" for t in tensors):
+        return None
+    return load_op()
+
+
+def _p(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _check_vec(v: torch.Tensor | None, n: int, name: str) -> None:
+    if v is not None and v.shape != (n,):
+        raise ValueError(f"{name} must have shape ({n},), got {tuple(v.shape)}")
+
+
+def _norm(kind, x, weight, bias, eps, residual):
+    x = _fp32(x, "x")
+    weight = _fp32(weight, "weight")
+    bias = None if bias is None else _fp32(bias, "bias")
+    C = x.shape[-1]
+    _check_vec(weight, C, "weight")
+    _check_vec(bias, C, "bias")
+    if residual is not None:
+        residual = _fp32(residual, "residual")
+        if residual.shape != x.shape:
+            raise ValueError(
+                f"residual has shape {tuple(residual.shape)} but x {tuple(x.shape)}: they must match"
+            )
+    op = _cpu_op(x, weight, bias, residual)
+    if op is None:
+        if kind == "rms":
+            return reference.rms_norm(x, weight, eps, residual)
+        return reference.layer_norm(x, weight, bias, eps, residual)
+    out, h = torch.empty_like(x), torch.empty_like(x)
+    rows = x.numel() // C if C else 0
+    if kind == "rms":
+        op.rms_norm(x.data_ptr(), _p(residual), weight.data_ptr(), out.data_ptr(), h.data_ptr(),
+                    rows, C, eps)  # fmt: skip
+    else:
+        op.layer_norm(x.data_ptr(), _p(residual), weight.data_ptr(), _p(bias), out.data_ptr(),
+                      h.data_ptr(), rows, C, eps)  # fmt: skip
+    return out, h
+
+
+def layer_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float = 1e-5,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(LayerNorm(h), h)` with `h = x + residual`, in one pass per row (see the reference)."""
+    return _norm("ln", x, weight, bias, eps, residual)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(RMSNorm(h), h)` with `h = x + residual`, in one pass per row (see the reference)."""
+    return _norm("rms", x, weight, None, eps, residual)
+
+
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`gelu(x + bias)` (erf GeLU) in one pass."""
+    x = _fp32(x, "x")
+    bias = None if bias is None else _fp32(bias, "bias")
+    C = x.shape[-1]
+    _check_vec(bias, C, "bias")
+    op = _cpu_op(x, bias)
+    if op is None:
+        return reference.bias_gelu(x, bias)
+    out = torch.empty_like(x)
+    op.bias_gelu(x.data_ptr(), _p(bias), out.data_ptr(), x.numel() // C if C else 0, C)
+    return out
+
+
+def masked_softmax(
+    scores: torch.Tensor, mask: torch.Tensor | None = None, scale: float = 1.0
+) -> torch.Tensor:
+    """Softmax of `scale * scores` over the last dim, `mask` (bool, broadcastable) True = keep.
+
+    A broadcast mask is expanded to the scores' shape for the kernel (one byte per score).
+    """
+    scores = _fp32(scores, "scores")
+    if mask is not None:
+        if mask.dtype != torch.bool:
+            raise TypeError(f"mask must be bool (True = keep), got {mask.dtype}: use mask.bool()")
+        try:
+            mask = mask.expand(scores.shape)
+        except RuntimeError:
+            raise ValueError(
+                f"mask of shape {tuple(mask.shape)} does not broadcast to scores "
+                f"{tuple(scores.shape)}"
+            ) from None
+    op = _cpu_op(scores, mask)
+    if op is None:
+        return reference.masked_softmax(scores, mask, scale)
+    m = None if mask is None else mask.contiguous().view(torch.uint8)
+    out = torch.empty_like(scores)
+    C = scores.shape[-1]
+    op.masked_softmax(scores.data_ptr(), _p(m), out.data_ptr(), scores.numel() // C if C else 0,
+                      C, float(scale))  # fmt: skip
+    return out
+
+
+def rotary_embedding(
+    x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """Rotate-half rotary embedding of `x` `(T, H, D)` at `positions` `(T,)` (int64)."""
+    x, cos, sin = _fp32(x, "x"), _fp32(cos, "cos"), _fp32(sin, "sin")
+    if x.dim() != 3 or x.shape[-1] % 2:
+        raise ValueError(f"x must be (T, H, D) with even D, got {tuple(x.shape)}")
+    T, H, D = x.shape
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != D // 2:
+        raise ValueError(
+            f"cos and sin must both be (max_positions, {D // 2}), got {tuple(cos.shape)} and "
+            f"{tuple(sin.shape)}: build them with rotary_tables(max_positions, {D})"
+        )
+    positions = positions.detach().to(torch.int64).contiguous()
+    if positions.shape != (T,):
+        raise ValueError(f"positions must be ({T},), got {tuple(positions.shape)}")
+    if T and (int(positions.min()) < 0 or int(positions.max()) >= cos.shape[0]):
+        raise ValueError(
+            f"positions must lie in [0, {cos.shape[0]}), got [{int(positions.min())}, "
+            f"{int(positions.max())}]: build longer tables"
+        )
+    op = _cpu_op(x, cos, positions)
+    if op is None:
+        return reference.rotary_embedding(x, positions, cos, sin)
+    out = torch.empty_like(x)
+    op.rotary(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), out.data_ptr(),
+              T, H, D)  # fmt: skip
+    return out
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """One query token per sequence over its paged KV cache (see Note [paged decode attention]).
+
+    `q` `(B, H, D)`; caches `(num_blocks, block_size, H, D)`; `block_tables` `(B, max_blocks)`
+    int32 block ids; `seq_lens` `(B,)` valid positions per sequence.
+    """
+    q = _fp32(q, "q")
+    if k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32:
+        raise TypeError(f"the KV cache must be float32, got {k_cache.dtype}/{v_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(
+            "k_cache and v_cache must be contiguous (the cache pool allocates them so)"
+        )
+    B, H, D = q.shape
+    NB, BS = k_cache.shape[:2]
+    if k_cache.shape != (NB, BS, H, D) or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"caches must be (num_blocks, block_size, {H}, {D}) for q {tuple(q.shape)}, got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    block_tables = block_tables.detach().to(torch.int32).contiguous()
+    seq_lens = seq_lens.detach().to(torch.int32).contiguous()
+    if block_tables.dim() != 2 or block_tables.shape[0] != B or seq_lens.shape != (B,):
+        raise ValueError(
+            f"block_tables must be ({B}, max_blocks) and seq_lens ({B},), got "
+            f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}"
+        )
+    MB = block_tables.shape[1]
+    if B and int(seq_lens.max()) > MB * BS:
+        raise ValueError(f"a seq_len exceeds max_blocks * block_size = {MB * BS}")
+    if block_tables.numel() and (int(block_tables.min()) < 0 or int(block_tables.max()) >= NB):
+        raise ValueError(f"block ids must lie in [0, {NB})")
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    op = _cpu_op(q, k_cache)
+    if op is None:
+        return reference.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    out = torch.empty_like(q)
+    op.decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                        block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
+                        B, H, D, BS, MB, scale)  # fmt: skip
+    return out
+
+
+def int8_linear(
+    x: torch.Tensor,
+    weight_q: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`x (..., K) @ (weight_q (N, K) int8 · scales (N,))ᵀ + bias`, dequantized inside the kernel."""
+    x = _fp32(x, "x")
+    if weight_q.dtype != torch.int8 or weight_q.dim() != 2:
+        raise TypeError(
+            f"weight_q must be a 2-D int8 tensor, got {weight_q.dtype} {tuple(weight_q.shape)}: "
+            "quantize it with minispeed.inference.quantize.quantize_per_channel"
+        )
+    N, K = weight_q.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"x has {x.shape[-1]} features but the weight expects {K}")
+    scales = _fp32(scales, "scales")
+    bias = None if bias is None else _fp32(bias, "bias")
+    _check_vec(scales, N, "scales")
+    _check_vec(bias, N, "bias")
+    op = _cpu_op(x, weight_q, scales, bias)
+    if op is None:
+        return reference.int8_linear(x, weight_q, scales, bias)
+    weight_q = weight_q.detach().contiguous()
+    M = x.numel() // K if K else 0
+    out = torch.empty(*x.shape[:-1], N, dtype=torch.float32)
+    op.int8_linear(x.data_ptr(), weight_q.data_ptr(), scales.data_ptr(), _p(bias), out.data_ptr(),
+                   M, N, K)  # fmt: skip
+    return out

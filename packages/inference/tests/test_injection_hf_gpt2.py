@@ -1,0 +1,44 @@
+"""init_inference on Hugging Face's GPT2LMHeadModel (small random config, built locally: no download)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minispeed.inference import SamplingConfig, generate, init_inference
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.timeout(300)
+
+
+def _gpt2(activation: str = "gelu_new"):
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        vocab_size=53, n_positions=32, n_embd=24, n_layer=2, n_head=3, activation_function=activation,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, eos_token_id=0, bos_token_id=0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+@pytest.mark.parametrize("activation", ["gelu_new", "gelu"])
+def test_injected_gpt2_logits_equal_transformers(activation, rel_close):
+    model = _gpt2(activation)
+    engine, report = init_inference(model)
+    assert report.policy == "hf-gpt2" and report.replaced == ("blocks.0", "blocks.1")
+    # Conv1D weights are shared as transposed views, not copied
+    w = model.transformer.h[0].attn.c_attn.weight
+    assert engine.blocks[0].qkv.weight.data_ptr() == w.data_ptr()
+    idx = torch.randint(0, 53, (2, 17), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = model(idx).logits
+        got = engine(idx)
+    rel_close(got, want)
+
+
+def test_gpt2_cached_generation_equals_recomputation(rel_close):
+    engine, _ = init_inference(_gpt2())
+    prompts = [[1, 2, 3, 4, 5], [9]]
+    cfg = SamplingConfig(max_new_tokens=8, temperature=0.9, top_k=10, seed=1)
+    assert generate(engine, prompts, cfg, kv_block_size=4) == generate(
+        engine, prompts, cfg, use_cache=False
+    )

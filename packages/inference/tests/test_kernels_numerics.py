@@ -1,0 +1,134 @@
+"""Each fused kernel (C++ op at this machine's SIMD level) equals its PyTorch reference, fp32 ≤ 1e-5."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minispeed.inference import kernels
+from minispeed.inference.kernels import reference
+from minispeed.inference.quantize import quantize_per_channel
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def op():
+    op = kernels.load_op()
+    if op is None:
+        pytest.skip("the inference_kernels op cannot be built here; the reference is all there is")
+    return op
+
+
+SHAPES = [(1, 7), (5, 33), (3, 4, 130), (17, 257)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_layer_norm_with_residual_matches_reference(shape, with_residual, rel_close):
+    g = torch.Generator().manual_seed(len(shape) * 100 + shape[-1])
+    x = torch.randn(shape, generator=g) * 3 + 1
+    r = torch.randn(shape, generator=g) if with_residual else None
+    w, b = torch.randn(shape[-1], generator=g), torch.randn(shape[-1], generator=g)
+    out, h = kernels.layer_norm(x, w, b, 1e-5, residual=r)
+    ref_out, ref_h = reference.layer_norm(x, w, b, 1e-5, residual=r)
+    rel_close(out, ref_out)
+    assert torch.equal(h, ref_h)  # one fp32 add: bitwise
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rms_norm_with_residual_matches_reference(shape, rel_close):
+    g = torch.Generator().manual_seed(shape[-1])
+    x, r = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    w = torch.randn(shape[-1], generator=g)
+    out, h = kernels.rms_norm(x, w, 1e-6, residual=r)
+    ref_out, ref_h = reference.rms_norm(x, w, 1e-6, residual=r)
+    rel_close(out, ref_out)
+    assert torch.equal(h, ref_h)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_bias_gelu_matches_reference(shape, rel_close):
+    g = torch.Generator().manual_seed(shape[0])
+    x, b = torch.randn(shape, generator=g) * 4, torch.randn(shape[-1], generator=g)
+    rel_close(kernels.bias_gelu(x, b), reference.bias_gelu(x, b))
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 9), (2, 3, 33, 33), (1, 1)])
+def test_masked_softmax_matches_reference_and_zeroes_fully_masked_rows(shape, rel_close):
+    g = torch.Generator().manual_seed(sum(shape))
+    s = torch.randn(shape, generator=g) * 5
+    mask = torch.rand(shape, generator=g) > 0.3
+    mask[..., 0, :] = False  # one fully masked row
+    got = kernels.masked_softmax(s, mask, scale=0.37)
+    want = reference.masked_softmax(s, mask, scale=0.37)
+    rel_close(got, want)
+    assert torch.all(got[..., 0, :] == 0)
+    causal = torch.ones(shape[-2:], dtype=torch.bool).tril()
+    rel_close(kernels.masked_softmax(s, causal), reference.masked_softmax(s, causal))
+
+
+@pytest.mark.parametrize("T,H,D", [(1, 1, 2), (7, 3, 10), (13, 5, 64)])
+def test_rotary_embedding_matches_reference(T, H, D, rel_close):
+    g = torch.Generator().manual_seed(T * H * D)
+    cos, sin = kernels.rotary_tables(50, D)
+    x = torch.randn(T, H, D, generator=g)
+    pos = torch.randint(0, 50, (T,), generator=g)
+    rel_close(
+        kernels.rotary_embedding(x, pos, cos, sin), reference.rotary_embedding(x, pos, cos, sin)
+    )
+
+
+@pytest.mark.parametrize("B,H,D,block_size", [(1, 1, 8, 4), (3, 4, 17, 5), (5, 2, 64, 16)])
+def test_decode_attention_matches_reference_over_scattered_blocks(B, H, D, block_size, rel_close):
+    g = torch.Generator().manual_seed(B * H * D)
+    num_blocks, max_blocks = 3 * B + 4, 3
+    k = torch.randn(num_blocks, block_size, H, D, generator=g)
+    v = torch.randn(num_blocks, block_size, H, D, generator=g)
+    q = torch.randn(B, H, D, generator=g)
+    tables = torch.randperm(num_blocks, generator=g)[: B * max_blocks].view(B, max_blocks)
+    lens = torch.randint(1, max_blocks * block_size + 1, (B,), generator=g)
+    got = kernels.decode_attention(q, k, v, tables, lens)
+    want = reference.decode_attention(q, k, v, tables, lens)
+    rel_close(got, want)
+    # the naive dense attention on the first sequence, as a third opinion
+    n = int(lens[0])
+    t = torch.arange(n)
+    kd, vd = (
+        k[tables[0, t // block_size], t % block_size],
+        v[tables[0, t // block_size], t % block_size],
+    )
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        q[0][:, None], kd.transpose(0, 1), vd.transpose(0, 1)
+    )[:, 0]
+    rel_close(got[0], dense)
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 7, 9), (3, 33, 65), (16, 40, 257)])
+def test_int8_linear_matches_reference_and_the_quantization_bound(M, N, K, rel_close):
+    g = torch.Generator().manual_seed(M * N * K)
+    w, b = torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+    x = torch.randn(M, K, generator=g)
+    q, s = quantize_per_channel(w)
+    got = kernels.int8_linear(x, q, s, b)
+    rel_close(got, reference.int8_linear(x, q, s, b))
+    # Round-to-nearest leaves |w - q·s| ≤ s/2 per weight, so |y - y_fp32| ≤ (s/2) · Σ|x|.
+    bound = (s[None, :] / 2) * x.abs().sum(-1, keepdim=True)
+    err = (got - torch.nn.functional.linear(x, w, b)).abs()
+    assert torch.all(err <= bound * (1 + 1e-4) + 1e-5)
+
+
+def test_unsupported_dtype_is_a_clear_error():
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"float32.*\.float\(\)"):
+        kernels.layer_norm(x, torch.ones(8), None)
+
+
+def test_shape_mismatch_is_a_clear_error():
+    with pytest.raises(ValueError, match="residual has shape"):
+        kernels.layer_norm(torch.randn(2, 8), torch.ones(8), None, residual=torch.randn(2, 7))
+    with pytest.raises(ValueError, match="block ids"):
+        kernels.decode_attention(
+            torch.randn(1, 1, 4), torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4),
+            torch.tensor([[5]]), torch.tensor([1]),
+        )  # fmt: skip

@@ -1,0 +1,82 @@
+"""The scalar path (MINISPEED_SIMD=scalar, its own build) equals the reference; AVX-512 compiles.
+
+This machine's widest runnable level is covered by test_kernels_numerics.py. AVX-512 cannot run
+on a CPU without it (SIGILL), so where it is missing we only check that the source compiles with
+the AVX-512 flags (syntax and intrinsics, no code generation: about a second).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sysconfig
+
+import pybind11
+import pytest
+import torch
+
+from minispeed.core.op_builder import SIMD_ENV, SimdLevel, cpu_simd_level, simd_flags
+from minispeed.core.op_builder.toolchain import cxx_compiler
+from minispeed.inference import kernels
+from minispeed.inference.kernels import InferenceKernelsBuilder, reference
+from minispeed.inference.quantize import quantize_per_channel
+
+pytestmark = pytest.mark.timeout(400)
+
+
+@pytest.fixture
+def scalar_op(monkeypatch):
+    monkeypatch.setenv(SIMD_ENV, "scalar")
+    ok, why = InferenceKernelsBuilder().is_compatible()
+    if not ok:
+        pytest.skip(f"inference_kernels cannot be built here: {why}")
+    op = kernels.load_op()
+    if op is None:
+        pytest.skip("the scalar build failed; see python -m minispeed.core.report")
+    assert op.simd_level() == "scalar"
+    return op
+
+
+def test_scalar_path_matches_reference(scalar_op, rel_close):
+    g = torch.Generator().manual_seed(0)
+    x, r = torch.randn(5, 37, generator=g), torch.randn(5, 37, generator=g)
+    w, b = torch.randn(37, generator=g), torch.randn(37, generator=g)
+    rel_close(
+        kernels.layer_norm(x, w, b, residual=r)[0], reference.layer_norm(x, w, b, residual=r)[0]
+    )
+    rel_close(kernels.rms_norm(x, w, residual=r)[0], reference.rms_norm(x, w, residual=r)[0])
+    rel_close(kernels.bias_gelu(x, b), reference.bias_gelu(x, b))
+    mask = torch.rand(5, 37, generator=g) > 0.5
+    rel_close(kernels.masked_softmax(x, mask), reference.masked_softmax(x, mask))
+    cos, sin = kernels.rotary_tables(9, 6)
+    xr, pos = torch.randn(4, 3, 6, generator=g), torch.tensor([0, 8, 3, 3])
+    rel_close(
+        kernels.rotary_embedding(xr, pos, cos, sin), reference.rotary_embedding(xr, pos, cos, sin)
+    )
+    k, v = torch.randn(6, 4, 3, 19, generator=g), torch.randn(6, 4, 3, 19, generator=g)
+    q, tables, lens = (
+        torch.randn(2, 3, 19, generator=g),
+        torch.tensor([[5, 0], [2, 3]]),
+        torch.tensor([7, 3]),
+    )
+    rel_close(
+        kernels.decode_attention(q, k, v, tables, lens),
+        reference.decode_attention(q, k, v, tables, lens),
+    )
+    wq, s = quantize_per_channel(torch.randn(11, 37, generator=g))
+    rel_close(kernels.int8_linear(x, wq, s, None), reference.int8_linear(x, wq, s, None))
+
+
+def test_avx512_path_compiles():
+    if cpu_simd_level() == SimdLevel.AVX512:
+        pytest.skip("this CPU runs AVX-512: test_kernels_numerics.py runs that path for real")
+    cxx = cxx_compiler()
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    source = InferenceKernelsBuilder().source_paths()[0]
+    cmd = [
+        str(cxx), "-fsyntax-only", "-std=c++17", "-fopenmp", *simd_flags(SimdLevel.AVX512),
+        "-DTORCH_EXTENSION_NAME=probe", f"-I{pybind11.get_include()}",
+        f"-I{sysconfig.get_paths()['include']}", str(source),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]

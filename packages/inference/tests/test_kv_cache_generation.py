@@ -1,0 +1,94 @@
+"""Paged KV cache: generation with the cache gives the tokens of full recomputation; pool accounting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minispeed.inference import (
+    CacheFullError,
+    PagedKVCache,
+    SamplingConfig,
+    generate,
+    init_inference,
+    kv_cache_bytes,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPTS = [[1, 5, 9], [2], [7, 7, 7, 7, 7, 3, 1, 0, 4, 4, 2]]  # mixed lengths, across block edges
+
+
+@pytest.fixture
+def engine(gpt_module):
+    torch.manual_seed(0)
+    cfg = gpt_module.GPTConfig(vocab_size=31, block_size=40, n_layer=2, n_head=2, n_embd=16)
+    model = gpt_module.GPT(cfg).eval()
+    return model, init_inference(model)[0]
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        SamplingConfig(max_new_tokens=12),  # greedy
+        SamplingConfig(max_new_tokens=12, temperature=1.3, seed=3),
+        SamplingConfig(max_new_tokens=12, temperature=0.9, top_k=5, seed=4),
+        SamplingConfig(max_new_tokens=12, temperature=1.0, top_p=0.8, seed=5),
+    ],
+    ids=["greedy", "temperature", "top_k", "top_p"],
+)
+def test_cached_tokens_equal_recomputed_tokens(engine, cfg):
+    model, inf = engine
+    cached = generate(inf, PROMPTS, cfg, use_cache=True, kv_block_size=4)
+    recomputed = generate(inf, PROMPTS, cfg, use_cache=False)
+    original = generate(model, PROMPTS, cfg, use_cache=False)  # eager GPT, no fused kernels
+    assert cached == recomputed == original
+    assert all(len(o) == 12 for o in cached)
+
+
+def test_greedy_matches_the_models_own_generate(engine):
+    model, inf = engine
+    prompt = torch.tensor([PROMPTS[0]])
+    want = model.generate(prompt, max_new_tokens=9, temperature=0)[0, 3:].tolist()
+    assert generate(inf, [PROMPTS[0]], SamplingConfig(max_new_tokens=9)) == [want]
+
+
+def test_stop_token_ends_a_sequence_alone(engine):
+    _, inf = engine
+    free = generate(inf, PROMPTS, SamplingConfig(max_new_tokens=10))
+    stop = free[0][3]  # the 4th token sequence 0 emits
+    out = generate(inf, PROMPTS, SamplingConfig(max_new_tokens=10, stop_tokens=(stop,)))
+    first = free[0].index(stop)
+    assert out[0] == free[0][: first + 1]
+    for got, full in zip(out[1:], free[1:]):  # others stop only at their own stop token
+        cut = full.index(stop) + 1 if stop in full else len(full)
+        assert got == full[:cut]
+
+
+def test_prompt_longer_than_the_cache_or_the_model_is_a_clear_error(engine):
+    _, inf = engine
+    with pytest.raises(ValueError, match=r"need 4 KV blocks .* cache has 3"):
+        generate(
+            inf, [[1] * 10], SamplingConfig(max_new_tokens=6), kv_block_size=4, kv_num_blocks=3
+        )
+    with pytest.raises(ValueError, match="prompt 0 has 38 tokens"):
+        generate(inf, [[1] * 38], SamplingConfig(max_new_tokens=3))
+
+
+def test_pool_hands_out_and_takes_back_blocks():
+    cache = PagedKVCache(n_layer=1, n_head=2, head_dim=4, num_blocks=3, block_size=4)
+    assert kv_cache_bytes(1, 3, 4, 2, 4) == sum(t.numel() * 4 for t in cache.k + cache.v)
+    cache.add_sequence(0)
+    cache.reserve(0, 5)  # 5 tokens -> 2 blocks
+    assert cache.tables[0] == [0, 1] and cache.free_blocks == 1
+    cache.add_sequence(1)
+    with pytest.raises(CacheFullError, match=r"needs 2 more KV blocks .* 1 free of 3"):
+        cache.reserve(1, 8)
+    assert cache.free_blocks == 1  # a failed reserve takes nothing
+    k = torch.randn(5, 2, 4)
+    cache.write(0, 0, k, -k)
+    cache.advance(0, 5)
+    got_k, got_v = cache.gather(0, 0, 5)
+    assert torch.equal(got_k, k) and torch.equal(got_v, -k)
+    cache.free(0)
+    assert cache.free_blocks == 3 and 0 not in cache.tables
