@@ -35,6 +35,22 @@ def _refuse(cls: str, **flags: Any) -> None:
             )
 
 
+def write_back_by_param(
+    optimizer: torch.optim.Optimizer, write_back: Sequence[torch.Tensor | None] | None
+) -> dict[int, torch.Tensor | None]:
+    """`id(param)` -> its write-back tensor, from one entry per parameter in `param_groups`
+    order; `{}` when `write_back` is None. A list of the wrong length is an error naming both."""
+    if write_back is None:
+        return {}
+    all_params = [p for g in optimizer.param_groups for p in g["params"]]
+    if len(write_back) != len(all_params):
+        raise ValueError(
+            f"{type(optimizer).__name__}.step: write_back has {len(write_back)} entries for "
+            f"{len(all_params)} parameters; pass one tensor or None per parameter"
+        )
+    return dict(zip(map(id, all_params), write_back))
+
+
 class _CPUOptimizer(torch.optim.Optimizer):
     """Shared step loop: collect (param, grad, states) per group, one kernel call per group."""
 
@@ -85,13 +101,7 @@ class _CPUOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        all_params = [p for g in self.param_groups for p in g["params"]]
-        if write_back is not None and len(write_back) != len(all_params):
-            raise ValueError(
-                f"{self._name}.step: write_back has {len(write_back)} entries for "
-                f"{len(all_params)} parameters; pass one tensor or None per parameter"
-            )
-        out_of = dict(zip(map(id, all_params), write_back)) if write_back is not None else {}
+        out_of = write_back_by_param(self, write_back)
         with ranges.range("offload.cpu_step"):
             for group in self.param_groups:
                 self._check_group(group)

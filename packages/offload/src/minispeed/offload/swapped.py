@@ -33,7 +33,7 @@ import torch
 from minispeed.core import ranges
 from minispeed.offload import cpu_optim
 from minispeed.offload.config import AioConfig, OffloadOptimizerConfig
-from minispeed.offload.optimizers import CPUAdam
+from minispeed.offload.optimizers import CPUAdam, write_back_by_param
 from minispeed.offload.swapper import SwappedTensor, TensorSwapper
 
 __all__ = ["Partition", "SwappedOptimizer"]
@@ -143,13 +143,7 @@ class SwappedOptimizer(CPUAdam):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        all_params = [p for g in self.param_groups for p in g["params"]]
-        if write_back is not None and len(write_back) != len(all_params):
-            raise ValueError(
-                f"SwappedOptimizer.step: write_back has {len(write_back)} entries for "
-                f"{len(all_params)} parameters"
-            )
-        out_of = dict(zip(map(id, all_params), write_back)) if write_back is not None else {}
+        out_of = write_back_by_param(self, write_back)
         sw, cfg, parts = self.swapper, self.config, self.partitions
         with ranges.range("offload.swapped_step"):
             if cfg.pipeline_read and parts:
