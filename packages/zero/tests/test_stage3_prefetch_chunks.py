@@ -1,0 +1,96 @@
+"""A large prefetch travels as several all-gathers of whole units (Note [a prefetch travels in
+chunks], coordinator.py), so the next module waits only for the chunk that holds it.
+
+``Stack`` is six linears of 272 elements each. The prefetch window is DeepSpeed's default (5e7
+elements: the whole model), so when the root starts (it owns no parameter) every unit is admitted
+at once. With the chunk size above the model, that is one all-gather; with a chunk of one unit,
+one per unit.
+Either way the steady-state steps gather the same bytes and train to the same losses as
+single-process PyTorch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import minispeed.comm as comm
+import minispeed.zero as zero
+import minispeed.zero.stage3.coordinator as coordinator
+from minispeed.core.testing import run_distributed
+
+WIDTH, DEPTH, STEPS = 16, 6, 3
+UNIT_NUMEL = WIDTH * WIDTH + WIDTH  # one Linear: weight + bias, no padding at N = 2
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.pow(2).mean()
+
+
+def _data() -> torch.Tensor:
+    return torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(3))
+
+
+def _train(rank: int, world_size: int, chunk_numel: int) -> dict:
+    coordinator._GATHER_CHUNK_NUMEL = chunk_numel
+    torch.manual_seed(0)
+    model = Stack()
+    cfg = zero.ZeroConfig(stage=3, stage3_param_persistence_threshold_numel=0)
+    opt = zero.shard(model, torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
+    n = 8 // world_size
+    x = _data()[rank * n : (rank + 1) * n]
+    losses, calls, nbytes = [], [], 0
+    for step in range(STEPS):
+        with comm.CommsLogger() as log:
+            loss = model(x)
+            opt.backward(loss)
+            opt.step()
+        t = loss.detach().clone().reshape(1)
+        comm.all_reduce(t)
+        losses.append(t.item() / world_size)
+        if step >= 1:  # steady state: the trace is followed, prefetches happen
+            gathers = [r for r in log.records if r.op.startswith("all_gather")]
+            gathers = [r for r in gathers if r.dtype != "torch.int64"]  # not the order check
+            calls.append(len(gathers))
+            nbytes += sum(r.msg_bytes for r in gathers)
+    return dict(losses=losses, calls=calls, bytes=nbytes)
+
+
+def _body(rank: int, world_size: int) -> dict:
+    return dict(one=_train(rank, world_size, 1 << 40), chunked=_train(rank, world_size, UNIT_NUMEL))
+
+
+def _reference() -> list[float]:
+    torch.manual_seed(0)
+    model = Stack()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(STEPS):
+        loss = model(_data())
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def test_prefetch_is_cut_into_unit_chunks_with_same_bytes_and_losses() -> None:
+    results = run_distributed(_body, world_size=2, timeout_s=120)
+    ref = _reference()
+    for res in results:
+        one, chunked = res["one"], res["chunked"]
+        # Per pass, the root (which owns no parameter) starts first and admits all DEPTH units:
+        # one all-gather, or DEPTH (one per unit); forward and backward alike.
+        assert one["calls"] == [2] * (STEPS - 1)
+        assert chunked["calls"] == [2 * DEPTH] * (STEPS - 1)
+        assert chunked["bytes"] == one["bytes"] == (STEPS - 1) * 2 * DEPTH * UNIT_NUMEL * 4
+        assert chunked["losses"] == one["losses"]
+        for a, b in zip(chunked["losses"], ref):
+            assert abs(a - b) <= 1e-6 * abs(b)
