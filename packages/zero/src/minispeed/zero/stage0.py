@@ -75,7 +75,10 @@ class ReplicatedStrategy:
             self._masters.append(masters)
 
         self.layouts = [
-            FlatLayout(ps, config.reduce_bucket_numel, world_size, pad=False) for ps in self.groups
+            FlatLayout(
+                ps, config.bucket_numel(precision.grad_accum_dtype.itemsize), world_size, pad=False
+            )
+            for ps in self.groups
         ]
         position = {p: k for k, p in enumerate(model.parameters())}
         self.reducer = AllReduceReducer(

@@ -98,7 +98,12 @@ class PartitionedStrategy:
         self.world_size = comm.get_world_size(group)
         self.rank = comm.get_rank(group)
         self.layouts = [
-            FlatLayout(ps, config.reduce_bucket_numel, self.world_size, pad=True)
+            FlatLayout(
+                ps,
+                config.bucket_numel(precision.grad_accum_dtype.itemsize),
+                self.world_size,
+                pad=True,
+            )
             for ps in self.groups
         ]
 

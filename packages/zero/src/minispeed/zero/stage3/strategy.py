@@ -128,7 +128,7 @@ class Stage3Strategy:
         self.reducer = GradShardReducer(
             self.trained,
             group,
-            bucket_numel=config.reduce_bucket_numel,
+            bucket_numel=config.bucket_numel(precision.grad_accum_dtype.itemsize),
             grad_dtype=precision.grad_accum_dtype,
             overlap=config.overlap_comm,
             position=position,
