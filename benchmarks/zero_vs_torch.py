@@ -68,6 +68,7 @@ import ctypes
 import gc
 import json
 import os
+import resource
 import socket
 import statistics
 import sys
@@ -279,6 +280,7 @@ def time_contenders(args, names, dataset, rank, world) -> dict[str, dict[str, An
     trainers = {n: build(n, args, dataset.tokenizer.vocab_size) for n in names}
     times: dict[str, list[float]] = {n: [] for n in names}
     cpu_times: dict[str, list[float]] = {n: [] for n in names}
+    faults: dict[str, list[float]] = {n: [] for n in names}
     losses: dict[str, list[float]] = {n: [] for n in names}
     cursor = dict.fromkeys(names, 0)
 
@@ -288,12 +290,15 @@ def time_contenders(args, names, dataset, rank, world) -> dict[str, dict[str, An
             cursor[name] += 1
             dist.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             loss = trainers[name].step(x, y)
             dt, dc = time.perf_counter() - t0, time.process_time() - c0
+            df = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
             losses[name].append(loss)
             if record:
                 times[name].append(dt)
                 cpu_times[name].append(dc)
+                faults[name].append(df)
 
     for name in names:
         run(name, args.warmup, record=False)
@@ -306,6 +311,8 @@ def time_contenders(args, names, dataset, rank, world) -> dict[str, dict[str, An
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step ends when its slower rank ends
         c = torch.tensor(cpu_times[name], dtype=torch.float64)
         dist.all_reduce(c, op=dist.ReduceOp.MAX)
+        f = torch.tensor(faults[name], dtype=torch.float64)
+        dist.all_reduce(f, op=dist.ReduceOp.MAX)
         lo = torch.tensor(losses[name], dtype=torch.float64)
         dist.all_reduce(lo)
         k = args.steps_per_round
@@ -314,6 +321,9 @@ def time_contenders(args, names, dataset, rank, world) -> dict[str, dict[str, An
             "median_step_s": statistics.median(t.tolist()),
             "round_median_step_s": per_round,
             "median_cpu_s": statistics.median(c.tolist()),
+            # Minor page faults: memory the kernel handed over (zeroed) during the step; each
+            # fresh allocation above glibc's mmap threshold costs one per 4 KiB page.
+            "median_page_faults": statistics.median(f.tolist()),
             "mean_losses": (lo / world).tolist(),
         }
     return out
@@ -483,6 +493,7 @@ def report(results: dict[int, dict], args: argparse.Namespace) -> dict[str, Any]
         "contender",
         "median step",
         "CPU s/step",
+        "page faults/step",
         "peak mem rank 0",
         "peak mem rank 1",
         "max |Δloss| vs first",
@@ -494,6 +505,7 @@ def report(results: dict[int, dict], args: argparse.Namespace) -> dict[str, Any]
         summary["contenders"][name] = {
             "median_step_s": timing[name]["median_step_s"],
             "median_cpu_s": timing[name]["median_cpu_s"],
+            "median_page_faults": timing[name]["median_page_faults"],
             "peak_bytes_per_rank": peaks,
             "memory": {r: results[r]["memory"][name] for r in sorted(results)},
             "max_abs_loss_diff": dloss,
@@ -502,6 +514,7 @@ def report(results: dict[int, dict], args: argparse.Namespace) -> dict[str, Any]
             name,
             f"{timing[name]['median_step_s'] * 1e3:.1f} ms",
             f"{timing[name]['median_cpu_s'] * 1e3:.1f} ms",
+            f"{timing[name]['median_page_faults']:.0f}",
             *(f"{p / 2**20:.2f} MiB" for p in peaks[:2]),
             f"{dloss:.2e}",
         )

@@ -49,13 +49,13 @@ one reduce-scatter message of ``Σ N·s·g`` over the trained parameters.
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Any
 
 import torch
 from torch import nn
 
 import minispeed.comm as comm
+from minispeed.comm.buckets import InFlight, LaunchQueue
 from minispeed.core import ranges
 from minispeed.zero.flat import cut_runs
 from minispeed.zero.reducer import weak_hook
@@ -67,24 +67,12 @@ __all__ = ["GradShardReducer"]
 _MAX_IN_FLIGHT = 2
 
 
-def _completed(work: Any) -> bool:
-    return work is None or work.is_completed()
-
-
-class _Bucket:
-    """One planned bucket: its parameters (in plan order) and this backward's gradients."""
-
-    __slots__ = ("launched", "pending", "rows", "sps")
-
-    def __init__(self, sps: list[ShardedParam]) -> None:
-        self.sps = sps
-        self.rows: dict[ShardedParam, torch.Tensor] = {}  # arrived (N, s) gradients
-        self.pending = len(sps)
-        self.launched = False
-
-
 class GradShardReducer:
-    """Owns the stage-3 gradient shards and the hooks that fill them."""
+    """Owns the stage-3 gradient shards and the hooks that fill them.
+
+    The launch order and the window of reductions in flight are `comm.LaunchQueue`'s (the same
+    helper stages 0-2 use); this class decides what a bucket is and where its result goes.
+    """
 
     def __init__(
         self,
@@ -111,11 +99,15 @@ class GradShardReducer:
         rank_of = position or {sp: k for k, sp in enumerate(sps)}
         backwards = sorted(sps, key=lambda sp: -rank_of[sp])
         sizes = [self.world_size * sp.shard_numel for sp in backwards]  # reduce-scatter input
-        self._plan = [_Bucket(run) for run in cut_runs(backwards, sizes, bucket_numel)]
-        self._bucket_of = {sp: b for b in self._plan for sp in b.sps}
-        self._next = 0  # the next bucket to launch, in plan order
-        self._in_flight: deque[tuple[Any, list[tuple[ShardedParam, int]], torch.Tensor]]
-        self._in_flight = deque()
+        self._plan: list[list[ShardedParam]] = cut_runs(backwards, sizes, bucket_numel)
+        self._bucket_of = {sp: b for b, run in enumerate(self._plan) for sp in run}
+        # [b]: the (N, s) gradients of bucket b that arrived in this backward, until its launch.
+        self._rows: list[dict[ShardedParam, torch.Tensor]] = [{} for _ in self._plan]
+        self._queue = LaunchQueue(
+            [len(run) for run in self._plan],
+            self._launch,
+            max_in_flight=_MAX_IN_FLIGHT if overlap else None,
+        )
         # Weak: see Note [hooks hold their owner weakly] (reducer.py).
         self._handles = [
             sp.param.register_post_accumulate_grad_hook(weak_hook(self._on_grad)) for sp in sps
@@ -125,9 +117,9 @@ class GradShardReducer:
         sp = self._by_param[param]
         grad = param.grad
         param.grad = None  # the bucket holds it now; the full gradient is freed after the launch
-        bucket = self._bucket_of[sp]
-        self._reap()  # free finished buckets' inputs while backward goes on
-        if bucket.launched:
+        b = self._bucket_of[sp]
+        self._queue.reap()  # free finished buckets' inputs while backward goes on
+        if self._queue.launched(b):
             raise RuntimeError(
                 f"parameter {sp.name!r} received a second gradient in one backward, after its "
                 f"bucket was reduced. Call backward once per micro-step through "
@@ -135,36 +127,27 @@ class GradShardReducer:
                 f"non-reentrant activation checkpointing (use_reentrant=False)"
             )
         rows = sp.grad_by_rank(grad, self.grad_dtype)
-        if sp in bucket.rows:  # a second gradient before the launch: accumulate (a copy)
-            bucket.rows[sp] = bucket.rows[sp] + rows
+        arrived = self._rows[b]
+        if sp in arrived:  # a second gradient before the launch: accumulate (a copy)
+            arrived[sp] = arrived[sp] + rows
             return
-        bucket.rows[sp] = rows
-        bucket.pending -= 1
-        self._launch_ready()
+        arrived[sp] = rows
+        self._queue.arrived(b)
 
-    def _launch_ready(self, force: bool = False) -> None:
-        """Launch planned buckets in order while the next one is complete (or ``force``)."""
-        while self._next < len(self._plan):
-            bucket = self._plan[self._next]
-            if bucket.pending and not force:
-                return
-            self._launch(bucket)
-            self._next += 1
-
-    def _launch(self, bucket: _Bucket) -> None:
-        self._reap()
+    def _launch(self, b: int) -> InFlight:
+        """Reduce-scatter bucket ``b``: its gradients side by side, missing ones as zeros."""
+        self._queue.reap()
+        arrived, self._rows[b] = self._rows[b], {}
         offsets, rows, col = [], [], 0
-        for sp in bucket.sps:
+        for sp in self._plan[b]:
             offsets.append((sp, col))
             col += sp.shard_numel
-            got = bucket.rows.get(sp)
+            got = arrived.pop(sp, None)
             if got is None:  # no gradient on this rank: zeros (Note [a fixed bucket plan])
                 got = torch.zeros(
                     self.world_size, sp.shard_numel, dtype=self.grad_dtype, device=sp.shard.device
                 )
             rows.append(got)
-        bucket.rows = {}
-        bucket.launched = True
         staged = torch.cat(rows, dim=1) if len(rows) > 1 else rows[0].contiguous()  # (N, cols)
         del rows  # the full gradients are freed now (unless staged is one of them, uncopied)
         # In place: this rank's row of the input receives the reduced row (Note [in-place flat
@@ -173,24 +156,15 @@ class GradShardReducer:
             work = comm.reduce_scatter_tensor(
                 staged[self.rank], staged.view(-1), group=self.group, async_op=self.overlap
             )
-        self._in_flight.append((work, offsets, staged))
-        if not self.overlap or len(self._in_flight) > _MAX_IN_FLIGHT:
-            self._finish_oldest()
+        return InFlight(work, lambda: self._deliver(staged, offsets), (staged,))
 
-    def _reap(self) -> None:
-        """Finish the reductions already complete, oldest first: a completed reduction's input
-        buffer is dead weight until _finish_oldest drops it. One ``is_completed`` query each."""
-        while self._in_flight and _completed(self._in_flight[0][0]):
-            self._finish_oldest()
+    def _deliver(self, staged: torch.Tensor, offsets: list[tuple[ShardedParam, int]]) -> None:
+        """The reduction of a bucket completed: average this rank's row into the gradient shards.
 
-    def _finish_oldest(self) -> None:
-        work, offsets, staged = self._in_flight.popleft()
-        if work is not None:
-            work.wait()
-        # The average, in a compact (cols,) tensor of its own: the N·cols input is freed with this
-        # frame, and the gradient shards made below are views of ``out``.
+        The average goes to a compact (cols,) tensor of its own, so the N·cols input is freed
+        with the bucket's record, and the gradient shards made below are views of it.
+        """
         out = staged[self.rank].mul(1.0 / self.world_size)
-        del staged
         for sp, col in offsets:
             mine = out[col : col + sp.shard_numel]
             if sp.grad_shard is None:  # first micro-step of the window: keep the view
@@ -201,17 +175,12 @@ class GradShardReducer:
     def flush(self) -> None:
         """Launch the buckets still incomplete (missing gradients as zeros), in plan order, and
         wait for every reduction (end of a micro-step)."""
-        self._launch_ready(force=True)
-        while self._in_flight:
-            self._finish_oldest()
-        self._next = 0
-        for bucket in self._plan:
-            bucket.pending, bucket.launched = len(bucket.sps), False
+        self._queue.flush()
+        self._queue.reset()
 
     def wait_in_flight(self) -> None:
         """Wait for the reductions already issued; launch nothing (closing)."""
-        while self._in_flight:
-            self._finish_oldest()
+        self._queue.wait_all()
 
     def zero_grad(self) -> None:
         """Drop every gradient shard (start of an accumulation window): frees ``Σ s·g`` bytes."""
