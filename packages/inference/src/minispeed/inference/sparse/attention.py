@@ -12,7 +12,7 @@ rounding, values and gradients, and runs:
   (`csrc/kernels/sparse_attention_cuda.cu` holds CUDA kernels, compiled by core's nvcc test;
   their binding is not wired up in this cut.)
 
-Costs per call, with density ρ = kept tiles / (H · NB²) (causal: of the lower triangle):
+Costs per call, with density ρ = kept tiles / (H · NB²) (causal: tiles on or below the diagonal):
 forward `4 ρ B H T² D` FLOPs, backward about `10 ρ B H T² D` (the scores are recomputed, see
 Note [no scores kept between forward and backward] in the C++ source); memory kept for the
 backward: q, k, v, out and the log-sum-exp, `(4 D + 1) B H T` floats, against dense eager
@@ -81,7 +81,7 @@ class BlockSparseLayout:
 
     @property
     def density(self) -> float:
-        """Fraction of the dense scores computed (causal: of the lower triangle's tiles)."""
+        """Fraction of the `H · NB²` tiles computed (see `layout_density`)."""
         return layout_density(self.layout, causal=self.causal)
 
 

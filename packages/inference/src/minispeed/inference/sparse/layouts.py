@@ -80,7 +80,8 @@ def check_layout(layout: torch.Tensor, *, causal: bool = False) -> None:
 
 
 def layout_density(layout: torch.Tensor, *, causal: bool = False) -> float:
-    """Fraction of the `T × T` scores computed: kept blocks / `H · NB²` (causal: of the tril)."""
+    """Fraction of the `T × T` scores computed: kept tiles / `H · NB²` (causal: tiles on or
+    below the diagonal only; a dense causal layout then has density `(NB + 1) / (2 NB)`)."""
     kept = torch.tril(layout) if causal else layout
     return float(kept.sum()) / max(1, kept.numel())
 

@@ -14,12 +14,12 @@
 // Backward, with Di = dout_i . out_i:  dv_j += p dout_i;  ds = p (dout_i . v_j - Di);
 // dq_i += scale ds k_j;  dk_j += scale ds q_i.
 //
-// Threads: OpenMP over (batch, head, query block) forward; over (batch, head) backward, where
-// every task owns its own slices of dk and dv (no atomics, no races). SIMD: dot and axpy below,
-// chosen by the -DMINISPEED_SIMD_* define like kernels.cpp's helpers (a copy: they live in that
-// file's anonymous namespace). See Note [raw pointers, no torch headers] in kernels.cpp: the
-// Python wrapper (minispeed/inference/sparse/attention.py) checks every shape before passing a
-// pointer here.
+// Threads: OpenMP over (batch, head, query block) forward and over (batch, head) backward, where
+// every task owns its own slices of dk and dv (no atomics, no races); see Note [threads only for
+// real work]. SIMD: dot and axpy below, chosen by the -DMINISPEED_SIMD_* define like kernels.cpp's
+// helpers (a copy: those live in that file's anonymous namespace). See Note [raw pointers, no
+// torch headers] in kernels.cpp: the Python wrapper (minispeed/inference/sparse/attention.py)
+// checks every shape before passing a pointer here.
 
 #include <pybind11/pybind11.h>
 
@@ -86,6 +86,15 @@ struct Problem {
   int64_t nblocks() const { return seq / block; }
 };
 
+// Note [threads only for real work]: a thread team costs tens of microseconds to wake, and far
+// more when the machine is oversubscribed (idle threads spin). Threads start only when the kept
+// tiles hold at least 2^20 multiply-adds (batch * nnz * block^2 * dim); the total nnz is the
+// last row_ptr entry.
+inline bool worth_threads(const Problem& p, const int32_t* row_ptr) {
+  const int64_t nnz = row_ptr[p.heads * (p.nblocks() + 1) - 1];
+  return p.batch * nnz * p.block * p.block * p.dim >= (int64_t{1} << 20);
+}
+
 // One (batch, head, query block) of the forward: scores of the kept keys, softmax, weighted sum.
 void forward_row_block(const Problem& p, int64_t bh, int64_t r, const float* q, const float* k,
                        const float* v, const int32_t* row_ptr, const int32_t* cols, float* out,
@@ -133,10 +142,11 @@ void sparse_attention_forward(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t r
   pybind11::gil_scoped_release nogil;
   const Problem p{batch, heads, seq, dim, block, causal, static_cast<float>(scale)};
   const int64_t nb = p.nblocks(), tasks = batch * heads * nb;
-#pragma omp parallel if (tasks > 1)
+  const bool big = tasks > 1 && worth_threads(p, ptr<const int32_t>(row_ptr));
+#pragma omp parallel if (big)
   {
     std::vector<float> scores;
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < tasks; ++t) {
       forward_row_block(p, t / nb, t % nb, ptr<const float>(q), ptr<const float>(k),
                         ptr<const float>(v), ptr<const int32_t>(row_ptr), ptr<const int32_t>(cols),
@@ -185,7 +195,8 @@ void sparse_attention_backward(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t 
   pybind11::gil_scoped_release nogil;
   const Problem p{batch, heads, seq, dim, block, causal, static_cast<float>(scale)};
   const int64_t pairs = batch * heads;
-#pragma omp parallel for schedule(dynamic, 1) if (pairs > 1)
+  const bool big = pairs > 1 && worth_threads(p, ptr<const int32_t>(row_ptr));
+#pragma omp parallel for schedule(static) if (big)
   for (int64_t bh = 0; bh < pairs; ++bh) {
     backward_head(p, bh, ptr<const float>(q), ptr<const float>(k), ptr<const float>(v),
                   ptr<const float>(out), ptr<const float>(dout), ptr<const float>(lse),
