@@ -10,14 +10,14 @@ The configs mirror DeepSpeed's `sparse_attention` section (same class names and 
 
 ```text
 fixed (local 4, global 1)  bigbird (window 3, 1 random, 1 global)  bslongformer (window 3, global [0])
-####....                   ########                                ########
-####....                   ###.#...                                ###.....
-####....                   .###...#                                #.###...
-#######.                   #.###...                                #..###..
-...#####                   #..###..                                #...###.
-...#####                   #...###.                                #....###
-...#####                   #.#..###                                #.....##
-...#####                   ##....##                                #......#  (rows: query blocks)
+####...#                   ########                                ########
+####...#                   ###....#                                ###.....
+####...#                   ####..#.                                ####....
+####...#                   #.###..#                                #.###...
+...#####                   #..###..                                #..###..
+...#####                   #...###.                                #...###.
+...#####                   #....###                                #....###
+...#####                   #.....##                                #.....##
 ```
 
 - local: each query block sees the blocks of its window (fixed windows, or a sliding window of
