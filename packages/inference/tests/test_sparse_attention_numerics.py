@@ -124,3 +124,15 @@ def test_bad_inputs_raise_with_the_fix():
         block_sparse_attention(y, y, y, layout, 16)
     with pytest.raises(ValueError, match="pass block="):
         block_sparse_attention(x, x, x, layout)
+
+
+def test_with_the_op_disabled_the_reference_runs_and_trains(monkeypatch, rel_close):
+    monkeypatch.setenv("MINISPEED_DISABLE_OPS", "inference_kernels")
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 3, 32, 5, generator=gen, requires_grad=True) for _ in range(3))
+    layout = LocalSlidingWindowSparsityConfig(3, block=8).make_layout(32)
+    got = block_sparse_attention(q, k, v, layout, 8, causal=True)
+    assert "BlockSparseAttention" not in type(got.grad_fn).__name__  # plain autograd
+    rel_close(got, sparse_attention_reference(q, k, v, layout, 8, causal=True))
+    got.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
