@@ -20,6 +20,7 @@ from minispeed.inference.generation import SamplingConfig, generate, sample_next
 from minispeed.inference.injection import GPTPolicy, InjectionReport, init_inference
 from minispeed.inference.kv_cache import CacheFullError, PagedKVCache, kv_cache_bytes
 from minispeed.inference.quantize import Int8Linear, quantize_per_channel, weight_bytes
+from minispeed.inference.sparse import SparseSelfAttention, SparsityConfig
 
 __all__ = [
     "CacheFullError",
@@ -32,6 +33,8 @@ __all__ = [
     "PagedKVCache",
     "RequestResult",
     "SamplingConfig",
+    "SparseSelfAttention",
+    "SparsityConfig",
     "generate",
     "init_inference",
     "kv_cache_bytes",

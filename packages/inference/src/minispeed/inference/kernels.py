@@ -54,7 +54,7 @@ class InferenceKernelsBuilder(OpBuilder):
 
     name = "inference_kernels"
     csrc_root = _CSRC
-    sources = ("kernels/kernels.cpp",)
+    sources = ("kernels/kernels.cpp", "kernels/sparse_attention.cpp")
 
 
 _BUILDER = InferenceKernelsBuilder()

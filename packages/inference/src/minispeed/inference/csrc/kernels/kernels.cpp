@@ -483,6 +483,8 @@ std::string simd_level() {
 
 }  // namespace
 
+void register_sparse_attention(pybind11::module_& m);  // sparse_attention.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "minispeed.inference fused CPU kernels (fp32; raw pointers, checked by the wrapper)";
   m.def("simd_level", &simd_level, "the SIMD level this build was compiled for");
@@ -493,4 +495,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary);
   m.def("decode_attention", &decode_attention);
   m.def("int8_linear", &int8_linear);
+  register_sparse_attention(m);
 }
