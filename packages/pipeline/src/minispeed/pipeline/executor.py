@@ -21,9 +21,14 @@ zero-bubble weight pass needs). A key is "in flight" from its forward until the 
 (Backward, or BackwardWeight); `peak_in_flight` counts them: the activation memory of the schedule
 in micro-batches (asserted against `costs.in_flight_bound`).
 
-Errors: any exception while running a program is passed to the neighbouring stages as an ABORT
-message before it is re-raised (see Note [a header before every message] in `p2p.py`), so a
-failure on one stage stops every stage of the pipeline instead of leaving them blocked.
+Errors (see Note [every rank reaches the agreement] in `status.py`): an exception while running
+a program is passed to the neighbouring stages as an ABORT message (Note [a header before every
+message] in `p2p.py`), then the failed rank skips the rest of its program but still joins the
+batch's collectives with stand-ins, and the end-of-batch agreement makes every rank of the
+pipe × data grid raise together: the failed rank its own error, the others `PipelineAbortedError`
+naming it. Never a rank left blocked in a receive or in the data-parallel all-reduce. A NaN or
+infinite loss raises `NonFiniteLossError` on every rank before the step. After a failure inside a
+program (messages may be left unread between stages) the executor refuses further batches.
 """
 
 from __future__ import annotations
@@ -37,15 +42,31 @@ import torch
 import minispeed.comm as comm
 from minispeed.core import ranges
 from minispeed.pipeline import instructions as ins
+from minispeed.pipeline import status
 from minispeed.pipeline.checker import check
 from minispeed.pipeline.module import PipelineModule
-from minispeed.pipeline.p2p import StageMessenger
+from minispeed.pipeline.p2p import PipelineAbortedError, StageMessenger
 from minispeed.pipeline.schedules import InferenceSchedule, PipeSchedule, get_schedule
 from minispeed.pipeline.timeline import StageTimeline
 
 __all__ = ["PipelineExecutor"]
 
 Key = tuple[int, int]  # (micro_batch, chunk)
+
+_PHASE = {
+    ins.LoadMicroBatch: "load",
+    ins.Forward: "forward",
+    ins.Backward: "backward",
+    ins.BackwardInput: "backward",
+    ins.BackwardWeight: "backward",
+    ins.SendActivation: "send",
+    ins.SendGrad: "send",
+    ins.RecvActivation: "recv",
+    ins.RecvGrad: "recv",
+    ins.ReduceTiedGrads: "tied",
+    ins.ReduceGrads: "dp",
+    ins.OptimizerStep: "step",
+}
 
 
 def _as_tuple(x: Any) -> tuple:
@@ -77,8 +98,10 @@ class PipelineExecutor:
         *,
         micro_batches: int,
         schedule: str | type[PipeSchedule] = "1f1b",
+        check_finite_loss: bool = True,
     ) -> None:
         self.module, self.optimizer = module, optimizer
+        self.check_finite_loss = check_finite_loss
         self.micro_batches = micro_batches
         p, v = module.stages, module.virtual_stages
         self.schedule = get_schedule(schedule)(micro_batches, p, v)
@@ -98,6 +121,9 @@ class PipelineExecutor:
             )
         self.pipe_ranks = grid.group_ranks("pipe")
         self.dp = grid.size("data")
+        # this rank's slot in the status vector of the pipe × data plane (see status.py)
+        self._slot = module.stage * self.dp + grid.rank_in("data")
+        self._broken: str | None = None
         self.device = next((q.device for q in module.parameters()), torch.device("cpu"))
         self.messenger = StageMessenger(module.stage, self.pipe_ranks, self.device)
         self.timeline = StageTimeline(module.stage)
@@ -112,9 +138,6 @@ class PipelineExecutor:
             ins.RecvActivation: self._recv_activation,
             ins.SendGrad: self._send_grad,
             ins.RecvGrad: self._recv_grad,
-            ins.ReduceTiedGrads: self._reduce_tied,
-            ins.ReduceGrads: self._reduce_grads,
-            ins.OptimizerStep: self._step,
         }
 
     # -- public API -------------------------------------------------------------------------------
@@ -136,6 +159,12 @@ class PipelineExecutor:
 
     # -- the loop ---------------------------------------------------------------------------------
     def _run(self, schedule: PipeSchedule, inputs: Any, labels: Any) -> float:
+        if self._broken is not None:
+            raise PipelineAbortedError(
+                f"this executor stopped at an earlier failed batch ({self._broken}); messages of "
+                "that batch may still be queued between stages, so it cannot run another: build "
+                "a new module and executor, or restart from a checkpoint"
+            )
         self._batch_inputs, self._batch_labels = inputs, labels
         self._micro_inputs: list[Any] | None = None
         self._micro_labels: list[Any] | None = None
@@ -152,33 +181,107 @@ class PipelineExecutor:
         # eval sends tensors that do not require grad: a layout of its own, see p2p.Link
         self._act_kind = "act" if self._trains else "act_eval"
         self.timeline = StageTimeline(self.module.stage)
-        try:
-            for instr in schedule.program(self.module.stage):
-                self._dispatch[type(instr)](instr)
-            self.messenger.wait_sends()
-        except BaseException as exc:
-            neighbours = {
-                (self.module.stage - 1) % self.module.stages,
-                (self.module.stage + 1) % self.module.stages,
-            }
-            neighbours.discard(self.module.stage)
-            # a stage that told us of the failure (or that we told) needs no abort message
-            neighbours.discard(getattr(exc, "origin", None))
-            self.messenger.abort(neighbours)
-            raise
-        return self._reduce_loss()
+        failure: tuple[str, Exception] | None = None
+        for instr in schedule.program(self.module.stage):
+            kind = type(instr)
+            if kind is ins.OptimizerStep:
+                loss = self._settle(failure)  # raises on every rank if any rank failed
+                self._settle_step(self._guard("step", self._step))
+                return loss
+            if kind is ins.ReduceTiedGrads or kind is ins.ReduceGrads:
+                # joined by every rank, failed or not: Note [every rank reaches the agreement]
+                run = self._reduce_tied if kind is ins.ReduceTiedGrads else self._reduce_grads
+                err = run(stand_in=failure is not None)
+                if err is not None and failure is None:
+                    failure = (_PHASE[kind], err)
+                continue
+            if failure is not None:
+                continue  # skip the rest of the program after a failure
+            try:
+                self._dispatch[kind](instr)
+            except Exception as exc:
+                failure = (_PHASE[kind], exc)
+                self._abort_neighbours(exc, deliver_s=0.0)
+            except BaseException as exc:  # KeyboardInterrupt, SystemExit: no agreement, stop now
+                self._abort_neighbours(exc, deliver_s=5.0)
+                raise
+        return self._settle(failure)
 
-    def _reduce_loss(self) -> float:
-        """The last stage's loss, averaged over data-parallel replicas, broadcast to the pipeline."""
+    def _abort_neighbours(self, exc: BaseException, deliver_s: float) -> None:
+        neighbours = {
+            (self.module.stage - 1) % self.module.stages,
+            (self.module.stage + 1) % self.module.stages,
+        }
+        neighbours.discard(self.module.stage)
+        # a stage that told us of the failure (or that we told) needs no abort message
+        neighbours.discard(getattr(exc, "origin", None))
+        self.messenger.abort(neighbours, deliver_s=deliver_s)
+
+    def _guard(self, phase: str, fn: Callable[[], None]) -> tuple[str, Exception] | None:
+        try:
+            fn()
+        except Exception as exc:
+            return phase, exc
+        return None
+
+    def _settle(self, failure: tuple[str, Exception] | None) -> float:
+        """The end-of-batch agreement (status.py): the loss averaged over replicas on every rank,
+        and every rank raising together if any rank of the grid failed."""
         grid = self.module.grid
         assert grid is not None
-        loss = self._loss_sum.detach().clone().reshape(1)
-        if self.dp > 1:
-            comm.all_reduce(loss, group=grid.group("data"))
-            loss /= self.dp
-        if self.module.stages > 1:
-            comm.broadcast(loss, src=self.pipe_ranks[-1], group=grid.group("pipe"))
+        code = 0 if failure is None else status.status_code(*failure)
+        value = self._loss_sum if failure is None else torch.zeros((), device=self.device)
+        with ranges.range("pipeline.agree"):
+            total, codes = status.agree(grid, self._slot, value, code, self.device)
+        if any(codes):
+            failed_program = any(c and status.decode(c)[0] in status.PROGRAM_PHASES for c in codes)
+            if failed_program:  # unread messages may remain between stages: drop them, stop here
+                self._broken = status.describe(grid, codes)
+                self.messenger.drop_sends()
+            else:  # every program ran to its end: every send met its receive
+                self.messenger.wait_sends()
+            self._clear_grads()
+            self._raise(failure, codes, "the batch was not applied on any rank")
+        self.messenger.wait_sends()
+        loss = total / self.dp
+        if self._trains and self.check_finite_loss and not bool(torch.isfinite(loss)):
+            self._clear_grads()
+            raise status.NonFiniteLossError(
+                f"the batch's loss is {float(loss)} (mean over {self.dp} data-parallel replicas); "
+                "no rank stepped its optimizer and gradients were cleared: skip this batch, lower "
+                "the learning rate or look for bad data (check_finite_loss=False turns this off)"
+            )
         return float(loss.item())
+
+    def _settle_step(self, failure: tuple[str, Exception] | None) -> None:
+        """After the step: a rank whose optimizer raised stops every rank (2 small all-reduces)."""
+        grid = self.module.grid
+        assert grid is not None
+        code = 0 if failure is None else status.status_code(*failure)
+        with ranges.range("pipeline.agree"):
+            _, codes = status.agree(grid, self._slot, self._loss_sum, code, self.device)
+        if any(codes):
+            self._broken = status.describe(grid, codes)
+            self._raise(
+                failure, codes, "the other ranks did step: parameters may now differ across ranks"
+            )
+
+    def _raise(self, failure: tuple[str, Exception] | None, codes: list[int], what: str) -> None:
+        assert self.module.grid is not None
+        if failure is not None and not isinstance(failure[1], PipelineAbortedError):
+            raise failure[1]
+        err = PipelineAbortedError(
+            f"{status.describe(self.module.grid, codes)} (see its error there); pipeline stage "
+            f"{self.module.stage} of replica {self.module.grid.rank_in('data')} stopped with it, "
+            f"{what}"
+        )
+        if failure is not None:
+            raise err from failure[1]
+        raise err
+
+    def _clear_grads(self) -> None:
+        if self._trains and self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
 
     def _is_first(self, chunk: int) -> bool:
         return chunk == 0 and self.module.stage == 0
@@ -330,31 +433,59 @@ class PipelineExecutor:
         self.timeline.add("wait", i.label, start, time.perf_counter())
         self._out_grads[(i.micro_batch, i.chunk)] = msg
 
-    def _reduce_tied(self, i: ins.ReduceTiedGrads) -> None:
+    def _reduce_tied(self, stand_in: bool) -> Exception | None:
         with ranges.range("pipeline.reduce_tied"):
-            self.module.reduce_tied_grads()
+            return self.module.reduce_tied_grads(stand_in=stand_in)
 
-    def _reduce_grads(self, i: ins.ReduceGrads) -> None:
+    def _reduce_grads(self, stand_in: bool) -> Exception | None:
         """Average gradients over the data-parallel group: one all-reduce of the flattened
-        stage gradients, 2(N−1)/N · Ψ_stage · 4 bytes sent (fp32)."""
+        stage gradients, 2(N−1)/N · Ψ_stage · 4 bytes sent (fp32).
+
+        A rank that failed earlier (`stand_in`), or whose flattening fails, all-reduces zeros of
+        the same size from the same line instead, so its peers are never left waiting; the error
+        is returned, not raised (the agreement raises it). See status.py."""
         if self.dp == 1:
-            return
+            return None
         assert self.module.grid is not None
+        err: Exception | None = None
         with ranges.range("pipeline.reduce_grads"):
             params = [q for q in self.module.parameters() if q.requires_grad]
-            for q in params:
-                if q.grad is None:
-                    q.grad = torch.zeros_like(q)
-            flat = torch.cat([q.grad.reshape(-1) for q in params])
-            comm.all_reduce(flat, group=self.module.grid.group("data"))
-            flat /= self.dp
-            offset = 0
-            for q in params:
-                n = q.numel()
-                q.grad.copy_(flat[offset : offset + n].view_as(q))
-                offset += n
+            flat = None
+            if not stand_in:
+                try:
+                    flat = self._flat_grads(params)
+                except Exception as exc:
+                    err = exc
+            buf = flat if flat is not None else self._stand_in(params)
+            comm.all_reduce(buf, group=self.module.grid.group("data"))
+            if flat is not None:
+                try:
+                    self._unflatten_grads(flat, params)
+                except Exception as exc:
+                    err = exc
+        return err
 
-    def _step(self, i: ins.OptimizerStep) -> None:
+    def _flat_grads(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
+        for q in params:
+            if q.grad is None:
+                q.grad = torch.zeros_like(q)
+        return torch.cat([q.grad.reshape(-1) for q in params])  # type: ignore[union-attr]
+
+    def _stand_in(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
+        dtype = params[0].dtype
+        for q in params[1:]:
+            dtype = torch.promote_types(dtype, q.dtype)
+        return torch.zeros(sum(q.numel() for q in params), dtype=dtype, device=self.device)
+
+    def _unflatten_grads(self, flat: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
+        flat /= self.dp
+        offset = 0
+        for q in params:
+            n = q.numel()
+            q.grad.copy_(flat[offset : offset + n].view_as(q))  # type: ignore[union-attr]
+            offset += n
+
+    def _step(self) -> None:
         assert self.optimizer is not None
         with ranges.range("pipeline.step"):
             self.optimizer.step()

@@ -181,20 +181,26 @@ class StageMessenger:
             out.append(t.requires_grad_(rg) if rg else t)
         return tuple(out)
 
-    def abort(self, peers: set[int], deliver_s: float = 5.0) -> None:
+    def abort(self, peers: set[int], deliver_s: float = 0.0) -> None:
         """Tell `peers` (pipeline stages) that this one failed, without waiting for them.
 
-        The abort headers are posted, then given up to `deliver_s` seconds to leave: the caller
-        raises next, and a process group torn down right after (a test harness, a launcher
-        exiting) would drop a send still queued, leaving the peer blocked in its receive. A peer
-        that never receives cannot hold us longer than that.
+        The abort headers are posted and kept with the other pending sends. A gloo send completes
+        only once its receiver posts the matching receive, and a peer that has finished its
+        program never will, so by default nothing waits here: the executor's end-of-batch
+        agreement (status.py) cannot complete before every peer blocked in a receive has read
+        its ABORT, which is all the delivery that matters. `deliver_s > 0` polls that long for
+        the headers to leave, for a caller about to tear down without an agreement (an
+        interrupt): a process group destroyed at once could drop a send still queued.
         """
         works = []
         for peer in sorted(peers):
             try:
-                works.append(comm.isend(self._header(Code.ABORT), self.pipe_ranks[peer]))
+                header = self._header(Code.ABORT)
+                work = comm.isend(header, self.pipe_ranks[peer])
             except Exception:
-                pass
+                continue
+            works.append(work)
+            self._pending.append((work, (header,)))
         deadline = time.monotonic() + deliver_s
         while works and time.monotonic() < deadline:
             try:
@@ -202,6 +208,11 @@ class StageMessenger:
             except Exception:
                 break
             time.sleep(0.005)
+
+    def drop_sends(self) -> None:
+        """Forget the pending sends without waiting (after a failed batch: a receiver that
+        stopped early will never match them)."""
+        self._pending.clear()
 
     def wait_sends(self) -> None:
         """Wait for every send posted so far (their tensors may be freed after)."""
