@@ -125,7 +125,9 @@ class PipelineExecutor:
         self._slot = module.stage * self.dp + grid.rank_in("data")
         self._broken: str | None = None
         self.device = next((q.device for q in module.parameters()), torch.device("cpu"))
-        self.messenger = StageMessenger(module.stage, self.pipe_ranks, self.device)
+        self.messenger = StageMessenger(
+            module.stage, self.pipe_ranks, self.device, group=grid.group("pipe")
+        )
         self.timeline = StageTimeline(module.stage)
         self.peak_in_flight = 0
         self._dispatch: dict[type, Callable[[Any], None]] = {
@@ -162,8 +164,9 @@ class PipelineExecutor:
         if self._broken is not None:
             raise PipelineAbortedError(
                 f"this executor stopped at an earlier failed batch ({self._broken}); messages of "
-                "that batch may still be queued between stages, so it cannot run another: build "
-                "a new module and executor, or restart from a checkpoint"
+                "that batch may still be queued in this pipeline's process group, so it cannot "
+                "run another: build a new module with pipeline.partition (new groups) and a new "
+                "executor, or restart from a checkpoint"
             )
         self._batch_inputs, self._batch_labels = inputs, labels
         self._micro_inputs: list[Any] | None = None
