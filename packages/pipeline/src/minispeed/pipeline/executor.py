@@ -42,7 +42,7 @@ import torch
 import minispeed.comm as comm
 from minispeed.core import ranges
 from minispeed.pipeline import instructions as ins
-from minispeed.pipeline import status
+from minispeed.pipeline import sharded, status
 from minispeed.pipeline.checker import check
 from minispeed.pipeline.module import PipelineModule
 from minispeed.pipeline.p2p import PipelineAbortedError, StageMessenger
@@ -94,7 +94,7 @@ class PipelineExecutor:
     def __init__(
         self,
         module: PipelineModule,
-        optimizer: torch.optim.Optimizer | None,
+        optimizer: Any,
         *,
         micro_batches: int,
         schedule: str | type[PipeSchedule] = "1f1b",
@@ -111,6 +111,12 @@ class PipelineExecutor:
                 "stage; turn activation_checkpointing off or use 1f1b"
             )
         self.eval_schedule = InferenceSchedule(micro_batches, p, v)
+        # an optimizer with its own backward() reduces over data-parallel ranks: see sharded.py
+        self._window = (
+            sharded.check_reducing_optimizer(optimizer, self.schedule, bool(module._tie_groups))
+            if sharded.reduces_gradients(optimizer)
+            else 0
+        )
         # Note: checked before anything runs, on every rank alike (a bad schedule raises everywhere).
         check(self.schedule)
         check(self.eval_schedule)
@@ -283,7 +289,11 @@ class PipelineExecutor:
         raise err
 
     def _clear_grads(self) -> None:
-        if self._trains and self.optimizer is not None:
+        if not self._trains or self.optimizer is None:
+            return
+        if self._window:  # its window is left half-way: see sharded.py
+            self._broken = self._broken or "a failed batch with an optimizer that reduces itself"
+        else:
             self.optimizer.zero_grad(set_to_none=True)
 
     def _is_first(self, chunk: int) -> bool:
@@ -354,7 +364,9 @@ class PipelineExecutor:
         outs, grads = self._output_pairs(key)
         start = time.perf_counter()
         with ranges.range("pipeline.backward"):
-            if outs:
+            if self._window:
+                self.optimizer.backward(sharded.surrogate_loss(outs, grads, self._window))  # type: ignore[union-attr]
+            elif outs:
                 torch.autograd.backward(outs, grads)  # type: ignore[arg-type]
         self.timeline.add("compute", i.label, start, time.perf_counter())
         inputs = [t for t in self._inputs.pop(key) if t.requires_grad]
@@ -447,7 +459,7 @@ class PipelineExecutor:
         A rank that failed earlier (`stand_in`), or whose flattening fails, all-reduces zeros of
         the same size from the same line instead, so its peers are never left waiting; the error
         is returned, not raised (the agreement raises it). See status.py."""
-        if self.dp == 1:
+        if self.dp == 1 or self._window:  # an optimizer with its own backward() did it
             return None
         assert self.module.grid is not None
         err: Exception | None = None
@@ -492,4 +504,5 @@ class PipelineExecutor:
         assert self.optimizer is not None
         with ranges.range("pipeline.step"):
             self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            if not self._window:  # one with its own backward() clears them in its step
+                self.optimizer.zero_grad(set_to_none=True)
