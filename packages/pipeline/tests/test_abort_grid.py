@@ -45,9 +45,9 @@ def _inject(where: str, ex: pp.PipelineExecutor) -> None:
         hook = _raise_on_call(1, "backward")
         block.register_forward_hook(lambda m, i, out: out.register_hook(hook) and None)
     elif where == "dp_before":
-        ex._flat_grads = _raise_on_call(1, "dp")
+        ex.reducer.flatten = _raise_on_call(1, "dp")
     elif where == "dp_after":
-        ex._unflatten_grads = _raise_on_call(1, "dp")
+        ex.reducer.unflatten = _raise_on_call(1, "dp")
     elif where == "step":
         ex.optimizer.step = _raise_on_call(1, "step")
     elif where == "nan":  # this batch's M forwards only

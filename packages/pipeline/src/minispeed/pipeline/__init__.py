@@ -10,7 +10,8 @@ pipeline.print_schedule(pipeline.OneFOneB(micro_batches=4, stages=2))
 ```
 
 Reading order (see packages/pipeline/README.md): instructions → schedules → checker → printer →
-partitioning → module → p2p → executor → status → timeline → costs.
+partitioning → module → p2p → executor → status → reduction → sharded →
+timeline → costs.
 """
 
 from collections.abc import Callable, Sequence

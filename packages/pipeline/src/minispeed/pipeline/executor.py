@@ -39,34 +39,19 @@ from typing import Any
 
 import torch
 
-import minispeed.comm as comm
 from minispeed.core import ranges
 from minispeed.pipeline import instructions as ins
 from minispeed.pipeline import sharded, status
 from minispeed.pipeline.checker import check
 from minispeed.pipeline.module import PipelineModule
 from minispeed.pipeline.p2p import PipelineAbortedError, StageMessenger
+from minispeed.pipeline.reduction import GradientAverager
 from minispeed.pipeline.schedules import InferenceSchedule, PipeSchedule, get_schedule
 from minispeed.pipeline.timeline import StageTimeline
 
 __all__ = ["PipelineExecutor"]
 
 Key = tuple[int, int]  # (micro_batch, chunk)
-
-_PHASE = {
-    ins.LoadMicroBatch: "load",
-    ins.Forward: "forward",
-    ins.Backward: "backward",
-    ins.BackwardInput: "backward",
-    ins.BackwardWeight: "backward",
-    ins.SendActivation: "send",
-    ins.SendGrad: "send",
-    ins.RecvActivation: "recv",
-    ins.RecvGrad: "recv",
-    ins.ReduceTiedGrads: "tied",
-    ins.ReduceGrads: "dp",
-    ins.OptimizerStep: "step",
-}
 
 
 def _as_tuple(x: Any) -> tuple:
@@ -89,7 +74,15 @@ def _split(x: Any, m: int, what: str) -> list[Any]:
 
 
 class PipelineExecutor:
-    """Runs `train_batch()` / `eval_batch()` of one pipeline stage (see module docstring)."""
+    """Runs `train_batch()` / `eval_batch()` of one pipeline stage (see module docstring).
+
+    `optimizer`: a `torch.optim` optimizer over the stage's parameters (the executor averages
+    gradients over data-parallel replicas), or one with its own `backward(loss)` that reduces
+    them itself, e.g. `minispeed.zero.shard(module, opt, ZeroConfig(stage=1,
+    gradient_accumulation_steps=M·V), group=module.grid.group("data"))` (see `sharded.py`).
+    `check_finite_loss`: raise `NonFiniteLossError` on every rank, before the step, when the
+    batch's loss is NaN or infinite.
+    """
 
     def __init__(
         self,
@@ -131,6 +124,7 @@ class PipelineExecutor:
         self._slot = module.stage * self.dp + grid.rank_in("data")
         self._broken: str | None = None
         self.device = next((q.device for q in module.parameters()), torch.device("cpu"))
+        self.reducer = GradientAverager(module.parameters, grid.group("data"), self.dp, self.device)
         self.messenger = StageMessenger(
             module.stage, self.pipe_ranks, self.device, group=grid.group("pipe")
         )
@@ -202,14 +196,14 @@ class PipelineExecutor:
                 run = self._reduce_tied if kind is ins.ReduceTiedGrads else self._reduce_grads
                 err = run(stand_in=failure is not None)
                 if err is not None and failure is None:
-                    failure = (_PHASE[kind], err)
+                    failure = (status.PHASE_OF[kind], err)
                 continue
             if failure is not None:
                 continue  # skip the rest of the program after a failure
             try:
                 self._dispatch[kind](instr)
             except Exception as exc:
-                failure = (_PHASE[kind], exc)
+                failure = (status.PHASE_OF[kind], exc)
                 self._abort_neighbours(exc, deliver_s=0.0)
             except BaseException as exc:  # KeyboardInterrupt, SystemExit: no agreement, stop now
                 self._abort_neighbours(exc, deliver_s=5.0)
@@ -250,7 +244,7 @@ class PipelineExecutor:
             else:  # every program ran to its end: every send met its receive
                 self.messenger.wait_sends()
             self._clear_grads()
-            self._raise(failure, codes, "the batch was not applied on any rank")
+            status.raise_failure(grid, failure, codes, "the batch was not applied on any rank")
         self.messenger.wait_sends()
         loss = total / self.dp
         if self._trains and self.check_finite_loss and not bool(torch.isfinite(loss)):
@@ -271,22 +265,9 @@ class PipelineExecutor:
             _, codes = status.agree(grid, self._slot, self._loss_sum, code, self.device)
         if any(codes):
             self._broken = status.describe(grid, codes)
-            self._raise(
-                failure, codes, "the other ranks did step: parameters may now differ across ranks"
+            status.raise_failure(
+                grid, failure, codes, "the other ranks did step: parameters may now differ"
             )
-
-    def _raise(self, failure: tuple[str, Exception] | None, codes: list[int], what: str) -> None:
-        assert self.module.grid is not None
-        if failure is not None and not isinstance(failure[1], PipelineAbortedError):
-            raise failure[1]
-        err = PipelineAbortedError(
-            f"{status.describe(self.module.grid, codes)} (see its error there); pipeline stage "
-            f"{self.module.stage} of replica {self.module.grid.rank_in('data')} stopped with it, "
-            f"{what}"
-        )
-        if failure is not None:
-            raise err from failure[1]
-        raise err
 
     def _clear_grads(self) -> None:
         if not self._trains or self.optimizer is None:
@@ -453,52 +434,9 @@ class PipelineExecutor:
             return self.module.reduce_tied_grads(stand_in=stand_in)
 
     def _reduce_grads(self, stand_in: bool) -> Exception | None:
-        """Average gradients over the data-parallel group: one all-reduce of the flattened
-        stage gradients, 2(N−1)/N · Ψ_stage · 4 bytes sent (fp32).
-
-        A rank that failed earlier (`stand_in`), or whose flattening fails, all-reduces zeros of
-        the same size from the same line instead, so its peers are never left waiting; the error
-        is returned, not raised (the agreement raises it). See status.py."""
-        if self.dp == 1 or self._window:  # an optimizer with its own backward() did it
+        if self._window:  # an optimizer with its own backward() did it (sharded.py)
             return None
-        assert self.module.grid is not None
-        err: Exception | None = None
-        with ranges.range("pipeline.reduce_grads"):
-            params = [q for q in self.module.parameters() if q.requires_grad]
-            flat = None
-            if not stand_in:
-                try:
-                    flat = self._flat_grads(params)
-                except Exception as exc:
-                    err = exc
-            buf = flat if flat is not None else self._stand_in(params)
-            comm.all_reduce(buf, group=self.module.grid.group("data"))
-            if flat is not None:
-                try:
-                    self._unflatten_grads(flat, params)
-                except Exception as exc:
-                    err = exc
-        return err
-
-    def _flat_grads(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
-        for q in params:
-            if q.grad is None:
-                q.grad = torch.zeros_like(q)
-        return torch.cat([q.grad.reshape(-1) for q in params])  # type: ignore[union-attr]
-
-    def _stand_in(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
-        dtype = params[0].dtype
-        for q in params[1:]:
-            dtype = torch.promote_types(dtype, q.dtype)
-        return torch.zeros(sum(q.numel() for q in params), dtype=dtype, device=self.device)
-
-    def _unflatten_grads(self, flat: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
-        flat /= self.dp
-        offset = 0
-        for q in params:
-            n = q.numel()
-            q.grad.copy_(flat[offset : offset + n].view_as(q))  # type: ignore[union-attr]
-            offset += n
+        return self.reducer.reduce(stand_in)
 
     def _step(self) -> None:
         assert self.optimizer is not None

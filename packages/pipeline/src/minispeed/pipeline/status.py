@@ -36,17 +36,42 @@ by a neighbour's ABORT (it did not fail itself). Float32 holds these small integ
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
 import minispeed.comm as comm
+from minispeed.pipeline import instructions as ins
 from minispeed.pipeline.p2p import PipelineAbortedError
 
-__all__ = ["PHASES", "NonFiniteLossError", "agree", "describe", "status_code"]
+__all__ = [
+    "PHASES",
+    "PHASE_OF",
+    "NonFiniteLossError",
+    "agree",
+    "describe",
+    "raise_failure",
+    "status_code",
+]
 
 PHASES = ("load", "forward", "backward", "send", "recv", "tied", "dp", "step")
 """Where a rank can fail in a batch: its program's instructions, the two reductions, the step."""
+
+PHASE_OF: dict[type, str] = {
+    ins.LoadMicroBatch: "load",
+    ins.Forward: "forward",
+    ins.Backward: "backward",
+    ins.BackwardInput: "backward",
+    ins.BackwardWeight: "backward",
+    ins.SendActivation: "send",
+    ins.SendGrad: "send",
+    ins.RecvActivation: "recv",
+    ins.RecvGrad: "recv",
+    ins.ReduceTiedGrads: "tied",
+    ins.ReduceGrads: "dp",
+    ins.OptimizerStep: "step",
+}
+"""The phase each instruction class runs in."""
 
 PROGRAM_PHASES = frozenset(PHASES[:5])
 """Failures here may leave point-to-point messages unread (see `PipelineExecutor`)."""
@@ -102,3 +127,20 @@ def describe(grid: Any, codes: list[int]) -> str:
             f"in {phase}"
         )
     return "; ".join(parts)
+
+
+def raise_failure(
+    grid: Any, failure: tuple[str, Exception] | None, codes: list[int], what: str
+) -> NoReturn:
+    """Raise on this rank after a failed agreement: its own error if it failed itself, else
+    `PipelineAbortedError` naming the ranks that failed (chained to the ABORT it received, if
+    any); `what` says what became of the batch."""
+    if failure is not None and not isinstance(failure[1], PipelineAbortedError):
+        raise failure[1]
+    err = PipelineAbortedError(
+        f"{describe(grid, codes)} (see its error there); pipeline stage {grid.rank_in('pipe')} of "
+        f"replica {grid.rank_in('data')} stopped with it, {what}"
+    )
+    if failure is not None:
+        raise err from failure[1]
+    raise err
