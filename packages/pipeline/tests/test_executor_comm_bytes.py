@@ -63,6 +63,7 @@ def _dp_and_tied_bytes(rank, world_size):
             (r.msg_bytes, r.group_size, r.wire_bytes) for r in log.filter("all_reduce", step=1)
         ),
         "sent": sum(r.wire_bytes for r in log.filter("send", step=1)),
+        "broadcasts": log.count("broadcast", step=1),
     }
 
 
@@ -71,10 +72,13 @@ def test_pp_x_dp_reduces_each_stage_once_and_ties_once():
     tied = VOCAB * WIDTH * 4  # the embedding, on both stages
     for res in run_distributed(_dp_and_tied_bytes, world_size=4):
         # 2 ranks per group: an all-reduce of S bytes sends 2(n−1)/n · S = S
+        status = 4 * (1 + 2 * 2)  # [loss, one status code per rank of the 2 × 2 grid], fp32
         want = sorted([
-            (4, 2, 4),  # the loss, averaged over the 2 replicas
             (tied, 2, tied),  # tied embedding gradient summed over stages 0 and 1
             (4 * res["stage_numel"], 2, 4 * res["stage_numel"]),  # data-parallel gradient average
+            # the agreement before the step (over pipe, then data) and the one after it
+            *[(status, 2, status)] * 4,
         ])  # fmt: skip
         assert res["all_reduces"] == want
+        assert res["broadcasts"] == 0  # the loss rides the agreement: no broadcast any more
         assert res["sent"] == pp.p2p_bytes_sent_per_step(res["stage"], 2, 2, act, act)

@@ -1,5 +1,7 @@
 """Activation memory by schedule, counted by the executor: 1F1B keeps at most P − s micro-batches
-in flight on stage s whatever M is, GPipe keeps all M, ZB-H1 keeps P on every stage. And the timeline the executor records:
+in flight on stage s whatever M is, GPipe keeps all M, ZB-H1 keeps P on every stage (the
+executor's count, and the tensors autograd actually keeps, counted by saved-tensor hooks). And the
+timeline the executor records:
 one compute interval per pass, one wait per receive, in program order."""
 
 import torch
@@ -51,3 +53,54 @@ def test_the_timeline_records_each_pass_and_each_wait_in_order():
             assert all(start >= prev for (_, _, start, _), prev in zip(rows, ends))  # no overlap
             busy, wait, span = res[f"{schedule}/busy_wait"]
             assert 0 < busy <= span and busy + wait <= span + 1e-6
+
+
+class _Held:
+    """One activation saved for backward, alive until autograd frees it."""
+
+    live = peak = 0
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+        _Held.live += 1
+        _Held.peak = max(_Held.peak, _Held.live)
+
+    def __del__(self) -> None:
+        _Held.live -= 1
+
+
+def _live_saved(rank, world_size):
+    """Peak number of tensors autograd keeps for backward (parameters excluded), per schedule
+    and M: the activation memory itself, counted by saved-tensor hooks, not by the executor."""
+    out = {}
+    for schedule in ("gpipe", "1f1b"):
+        for m in (4, 8):
+            module = pp.partition(
+                tiny_gpt(2), stages=world_size, loss_fn=lm_loss, method="type:Block"
+            )
+            weights = {q.untyped_storage().data_ptr() for q in module.parameters()}
+            ex = pp.PipelineExecutor(module, torch.optim.SGD(module.parameters(), lr=0.01),
+                                     micro_batches=m, schedule=schedule)  # fmt: skip
+
+            def pack(t, weights=weights):
+                return t if t.untyped_storage().data_ptr() in weights else _Held(t)
+
+            def unpack(h):
+                return h.t if isinstance(h, _Held) else h
+
+            _Held.live = _Held.peak = 0
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                ex.train_batch(*data(1, 2 * m)[0])
+            out[schedule, m] = (_Held.peak, _Held.live)
+    return out
+
+
+def test_live_activations_1f1b_hold_p_minus_s_micro_batches_gpipe_holds_m():
+    p = 2
+    for s, res in enumerate(run_distributed(_live_saved, world_size=p)):
+        assert all(live == 0 for _, live in res.values())  # all freed by the end of the batch
+        per_micro_batch = res["gpipe", 4][0] // 4
+        assert per_micro_batch > 0
+        for m in (4, 8):
+            assert res["gpipe", m][0] == m * per_micro_batch  # grows with M
+            assert res["1f1b", m][0] == (p - s) * per_micro_batch  # bounded by P − s

@@ -10,7 +10,8 @@ pipeline.print_schedule(pipeline.OneFOneB(micro_batches=4, stages=2))
 ```
 
 Reading order (see packages/pipeline/README.md): instructions → schedules → checker → printer →
-partitioning → module → p2p → executor → timeline → costs.
+partitioning → module → p2p → executor → status → reduction → sharded →
+timeline → costs.
 """
 
 from collections.abc import Callable, Sequence
@@ -58,6 +59,7 @@ from minispeed.pipeline.schedules import (
     ZeroBubbleH1,
     get_schedule,
 )
+from minispeed.pipeline.status import NonFiniteLossError
 from minispeed.pipeline.timeline import StageTimeline, pipeline_bubble
 
 __all__ = [
@@ -72,6 +74,7 @@ __all__ = [
     "Interleaved1F1B",
     "LayerSpec",
     "LoadMicroBatch",
+    "NonFiniteLossError",
     "OneFOneB",
     "OptimizerStep",
     "PartitionError",

@@ -21,9 +21,14 @@ zero-bubble weight pass needs). A key is "in flight" from its forward until the 
 (Backward, or BackwardWeight); `peak_in_flight` counts them: the activation memory of the schedule
 in micro-batches (asserted against `costs.in_flight_bound`).
 
-Errors: any exception while running a program is passed to the neighbouring stages as an ABORT
-message before it is re-raised (see Note [a header before every message] in `p2p.py`), so a
-failure on one stage stops every stage of the pipeline instead of leaving them blocked.
+Errors (see Note [every rank reaches the agreement] in `status.py`): an exception while running
+a program is passed to the neighbouring stages as an ABORT message (Note [a header before every
+message] in `p2p.py`), then the failed rank skips the rest of its program but still joins the
+batch's collectives with stand-ins, and the end-of-batch agreement makes every rank of the
+pipe × data grid raise together: the failed rank its own error, the others `PipelineAbortedError`
+naming it. Never a rank left blocked in a receive or in the data-parallel all-reduce. A NaN or
+infinite loss raises `NonFiniteLossError` on every rank before the step. After a failure inside a
+program (messages may be left unread between stages) the executor refuses further batches.
 """
 
 from __future__ import annotations
@@ -34,12 +39,13 @@ from typing import Any
 
 import torch
 
-import minispeed.comm as comm
 from minispeed.core import ranges
 from minispeed.pipeline import instructions as ins
+from minispeed.pipeline import sharded, status
 from minispeed.pipeline.checker import check
 from minispeed.pipeline.module import PipelineModule
-from minispeed.pipeline.p2p import StageMessenger
+from minispeed.pipeline.p2p import PipelineAbortedError, StageMessenger
+from minispeed.pipeline.reduction import GradientAverager
 from minispeed.pipeline.schedules import InferenceSchedule, PipeSchedule, get_schedule
 from minispeed.pipeline.timeline import StageTimeline
 
@@ -68,17 +74,27 @@ def _split(x: Any, m: int, what: str) -> list[Any]:
 
 
 class PipelineExecutor:
-    """Runs `train_batch()` / `eval_batch()` of one pipeline stage (see module docstring)."""
+    """Runs `train_batch()` / `eval_batch()` of one pipeline stage (see module docstring).
+
+    `optimizer`: a `torch.optim` optimizer over the stage's parameters (the executor averages
+    gradients over data-parallel replicas), or one with its own `backward(loss)` that reduces
+    them itself, e.g. `minispeed.zero.shard(module, opt, ZeroConfig(stage=1,
+    gradient_accumulation_steps=M·V), group=module.grid.group("data"))` (see `sharded.py`).
+    `check_finite_loss`: raise `NonFiniteLossError` on every rank, before the step, when the
+    batch's loss is NaN or infinite.
+    """
 
     def __init__(
         self,
         module: PipelineModule,
-        optimizer: torch.optim.Optimizer | None,
+        optimizer: Any,
         *,
         micro_batches: int,
         schedule: str | type[PipeSchedule] = "1f1b",
+        check_finite_loss: bool = True,
     ) -> None:
         self.module, self.optimizer = module, optimizer
+        self.check_finite_loss = check_finite_loss
         self.micro_batches = micro_batches
         p, v = module.stages, module.virtual_stages
         self.schedule = get_schedule(schedule)(micro_batches, p, v)
@@ -88,6 +104,12 @@ class PipelineExecutor:
                 "stage; turn activation_checkpointing off or use 1f1b"
             )
         self.eval_schedule = InferenceSchedule(micro_batches, p, v)
+        # an optimizer with its own backward() reduces over data-parallel ranks: see sharded.py
+        self._window = (
+            sharded.check_reducing_optimizer(optimizer, self.schedule, bool(module._tie_groups))
+            if sharded.reduces_gradients(optimizer)
+            else 0
+        )
         # Note: checked before anything runs, on every rank alike (a bad schedule raises everywhere).
         check(self.schedule)
         check(self.eval_schedule)
@@ -98,8 +120,14 @@ class PipelineExecutor:
             )
         self.pipe_ranks = grid.group_ranks("pipe")
         self.dp = grid.size("data")
+        # this rank's slot in the status vector of the pipe × data plane (see status.py)
+        self._slot = module.stage * self.dp + grid.rank_in("data")
+        self._broken: str | None = None
         self.device = next((q.device for q in module.parameters()), torch.device("cpu"))
-        self.messenger = StageMessenger(module.stage, self.pipe_ranks, self.device)
+        self.reducer = GradientAverager(module.parameters, grid.group("data"), self.dp, self.device)
+        self.messenger = StageMessenger(
+            module.stage, self.pipe_ranks, self.device, group=grid.group("pipe")
+        )
         self.timeline = StageTimeline(module.stage)
         self.peak_in_flight = 0
         self._dispatch: dict[type, Callable[[Any], None]] = {
@@ -112,9 +140,6 @@ class PipelineExecutor:
             ins.RecvActivation: self._recv_activation,
             ins.SendGrad: self._send_grad,
             ins.RecvGrad: self._recv_grad,
-            ins.ReduceTiedGrads: self._reduce_tied,
-            ins.ReduceGrads: self._reduce_grads,
-            ins.OptimizerStep: self._step,
         }
 
     # -- public API -------------------------------------------------------------------------------
@@ -136,6 +161,13 @@ class PipelineExecutor:
 
     # -- the loop ---------------------------------------------------------------------------------
     def _run(self, schedule: PipeSchedule, inputs: Any, labels: Any) -> float:
+        if self._broken is not None:
+            raise PipelineAbortedError(
+                f"this executor stopped at an earlier failed batch ({self._broken}); messages of "
+                "that batch may still be queued in this pipeline's process group, so it cannot "
+                "run another: build a new module with pipeline.partition (new groups) and a new "
+                "executor, or restart from a checkpoint"
+            )
         self._batch_inputs, self._batch_labels = inputs, labels
         self._micro_inputs: list[Any] | None = None
         self._micro_labels: list[Any] | None = None
@@ -152,33 +184,98 @@ class PipelineExecutor:
         # eval sends tensors that do not require grad: a layout of its own, see p2p.Link
         self._act_kind = "act" if self._trains else "act_eval"
         self.timeline = StageTimeline(self.module.stage)
-        try:
-            for instr in schedule.program(self.module.stage):
-                self._dispatch[type(instr)](instr)
-            self.messenger.wait_sends()
-        except BaseException as exc:
-            neighbours = {
-                (self.module.stage - 1) % self.module.stages,
-                (self.module.stage + 1) % self.module.stages,
-            }
-            neighbours.discard(self.module.stage)
-            # a stage that told us of the failure (or that we told) needs no abort message
-            neighbours.discard(getattr(exc, "origin", None))
-            self.messenger.abort(neighbours)
-            raise
-        return self._reduce_loss()
+        failure: tuple[str, Exception] | None = None
+        for instr in schedule.program(self.module.stage):
+            kind = type(instr)
+            if kind is ins.OptimizerStep:
+                loss = self._settle(failure)  # raises on every rank if any rank failed
+                self._settle_step(self._guard("step", self._step))
+                return loss
+            if kind is ins.ReduceTiedGrads or kind is ins.ReduceGrads:
+                # joined by every rank, failed or not: Note [every rank reaches the agreement]
+                run = self._reduce_tied if kind is ins.ReduceTiedGrads else self._reduce_grads
+                err = run(stand_in=failure is not None)
+                if err is not None and failure is None:
+                    failure = (status.PHASE_OF[kind], err)
+                continue
+            if failure is not None:
+                continue  # skip the rest of the program after a failure
+            try:
+                self._dispatch[kind](instr)
+            except Exception as exc:
+                failure = (status.PHASE_OF[kind], exc)
+                self._abort_neighbours(exc, deliver_s=0.0)
+            except BaseException as exc:  # KeyboardInterrupt, SystemExit: no agreement, stop now
+                self._abort_neighbours(exc, deliver_s=5.0)
+                raise
+        return self._settle(failure)
 
-    def _reduce_loss(self) -> float:
-        """The last stage's loss, averaged over data-parallel replicas, broadcast to the pipeline."""
+    def _abort_neighbours(self, exc: BaseException, deliver_s: float) -> None:
+        neighbours = {
+            (self.module.stage - 1) % self.module.stages,
+            (self.module.stage + 1) % self.module.stages,
+        }
+        neighbours.discard(self.module.stage)
+        # a stage that told us of the failure (or that we told) needs no abort message
+        neighbours.discard(getattr(exc, "origin", None))
+        self.messenger.abort(neighbours, deliver_s=deliver_s)
+
+    def _guard(self, phase: str, fn: Callable[[], None]) -> tuple[str, Exception] | None:
+        try:
+            fn()
+        except Exception as exc:
+            return phase, exc
+        return None
+
+    def _settle(self, failure: tuple[str, Exception] | None) -> float:
+        """The end-of-batch agreement (status.py): the loss averaged over replicas on every rank,
+        and every rank raising together if any rank of the grid failed."""
         grid = self.module.grid
         assert grid is not None
-        loss = self._loss_sum.detach().clone().reshape(1)
-        if self.dp > 1:
-            comm.all_reduce(loss, group=grid.group("data"))
-            loss /= self.dp
-        if self.module.stages > 1:
-            comm.broadcast(loss, src=self.pipe_ranks[-1], group=grid.group("pipe"))
+        code = 0 if failure is None else status.status_code(*failure)
+        value = self._loss_sum if failure is None else torch.zeros((), device=self.device)
+        with ranges.range("pipeline.agree"):
+            total, codes = status.agree(grid, self._slot, value, code, self.device)
+        if any(codes):
+            failed_program = any(c and status.decode(c)[0] in status.PROGRAM_PHASES for c in codes)
+            if failed_program:  # unread messages may remain between stages: drop them, stop here
+                self._broken = status.describe(grid, codes)
+                self.messenger.drop_sends()
+            else:  # every program ran to its end: every send met its receive
+                self.messenger.wait_sends()
+            self._clear_grads()
+            status.raise_failure(grid, failure, codes, "the batch was not applied on any rank")
+        self.messenger.wait_sends()
+        loss = total / self.dp
+        if self._trains and self.check_finite_loss and not bool(torch.isfinite(loss)):
+            self._clear_grads()
+            raise status.NonFiniteLossError(
+                f"the batch's loss is {float(loss)} (mean over {self.dp} data-parallel replicas); "
+                "no rank stepped its optimizer and gradients were cleared: skip this batch, lower "
+                "the learning rate or look for bad data (check_finite_loss=False turns this off)"
+            )
         return float(loss.item())
+
+    def _settle_step(self, failure: tuple[str, Exception] | None) -> None:
+        """After the step: a rank whose optimizer raised stops every rank (2 small all-reduces)."""
+        grid = self.module.grid
+        assert grid is not None
+        code = 0 if failure is None else status.status_code(*failure)
+        with ranges.range("pipeline.agree"):
+            _, codes = status.agree(grid, self._slot, self._loss_sum, code, self.device)
+        if any(codes):
+            self._broken = status.describe(grid, codes)
+            status.raise_failure(
+                grid, failure, codes, "the other ranks did step: parameters may now differ"
+            )
+
+    def _clear_grads(self) -> None:
+        if not self._trains or self.optimizer is None:
+            return
+        if self._window:  # its window is left half-way: see sharded.py
+            self._broken = self._broken or "a failed batch with an optimizer that reduces itself"
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
 
     def _is_first(self, chunk: int) -> bool:
         return chunk == 0 and self.module.stage == 0
@@ -248,7 +345,9 @@ class PipelineExecutor:
         outs, grads = self._output_pairs(key)
         start = time.perf_counter()
         with ranges.range("pipeline.backward"):
-            if outs:
+            if self._window:
+                self.optimizer.backward(sharded.surrogate_loss(outs, grads, self._window))  # type: ignore[union-attr]
+            elif outs:
                 torch.autograd.backward(outs, grads)  # type: ignore[arg-type]
         self.timeline.add("compute", i.label, start, time.perf_counter())
         inputs = [t for t in self._inputs.pop(key) if t.requires_grad]
@@ -330,32 +429,18 @@ class PipelineExecutor:
         self.timeline.add("wait", i.label, start, time.perf_counter())
         self._out_grads[(i.micro_batch, i.chunk)] = msg
 
-    def _reduce_tied(self, i: ins.ReduceTiedGrads) -> None:
+    def _reduce_tied(self, stand_in: bool) -> Exception | None:
         with ranges.range("pipeline.reduce_tied"):
-            self.module.reduce_tied_grads()
+            return self.module.reduce_tied_grads(stand_in=stand_in)
 
-    def _reduce_grads(self, i: ins.ReduceGrads) -> None:
-        """Average gradients over the data-parallel group: one all-reduce of the flattened
-        stage gradients, 2(N−1)/N · Ψ_stage · 4 bytes sent (fp32)."""
-        if self.dp == 1:
-            return
-        assert self.module.grid is not None
-        with ranges.range("pipeline.reduce_grads"):
-            params = [q for q in self.module.parameters() if q.requires_grad]
-            for q in params:
-                if q.grad is None:
-                    q.grad = torch.zeros_like(q)
-            flat = torch.cat([q.grad.reshape(-1) for q in params])
-            comm.all_reduce(flat, group=self.module.grid.group("data"))
-            flat /= self.dp
-            offset = 0
-            for q in params:
-                n = q.numel()
-                q.grad.copy_(flat[offset : offset + n].view_as(q))
-                offset += n
+    def _reduce_grads(self, stand_in: bool) -> Exception | None:
+        if self._window:  # an optimizer with its own backward() did it (sharded.py)
+            return None
+        return self.reducer.reduce(stand_in)
 
-    def _step(self, i: ins.OptimizerStep) -> None:
+    def _step(self) -> None:
         assert self.optimizer is not None
         with ranges.range("pipeline.step"):
             self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            if not self._window:  # one with its own backward() clears them in its step
+                self.optimizer.zero_grad(set_to_none=True)

@@ -266,14 +266,26 @@ class PipelineModule(nn.Module):
             for p in self.tied[key].parameters():
                 comm.broadcast(p.data, src=ranks[0], group=group)
 
-    def reduce_tied_grads(self) -> None:
+    def reduce_tied_grads(self, stand_in: bool = False) -> Exception | None:
         """Sum each tied parameter's gradient over the stages that hold it. Bytes sent per tied
-        parameter of W bytes: 2(t−1)/t · W over t holders (all-reduce)."""
+        parameter of W bytes: 2(t−1)/t · W over t holders (all-reduce).
+
+        With `stand_in` (this rank failed earlier in the batch), or once reading a gradient
+        fails, zeros of the same shape are all-reduced instead, from the same line, so the other
+        holders are never left waiting; the error is returned, not raised (see the executor)."""
+        err: Exception | None = None
         for key, (group, _) in sorted(self._tie_groups.items()):
             for p in self.tied[key].parameters():
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                comm.all_reduce(p.grad, group=group)
+                buf = None
+                if not stand_in and err is None:
+                    try:
+                        if p.grad is None:
+                            p.grad = torch.zeros_like(p)
+                        buf = p.grad
+                    except Exception as exc:
+                        err = exc
+                comm.all_reduce(torch.zeros_like(p) if buf is None else buf, group=group)
+        return err
 
 
 def _bind(fn: Callable, mod: nn.Module) -> Callable[[Any], Any]:

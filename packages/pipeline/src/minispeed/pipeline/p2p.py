@@ -110,17 +110,24 @@ def _empty_from_layout(layout: list[int], device: torch.device) -> list[tuple[to
 class StageMessenger:
     """One pipeline rank's sends and receives to its neighbours, with negotiated layouts.
 
-    `pipe_ranks[i]` is the global rank of pipeline stage i in this rank's pipeline.
+        `pipe_ranks[i]` is the global rank of pipeline stage i in this rank's pipeline; `group` the
+    process group the messages travel in (the grid's "pipe" group; `None`: the world).
     """
 
-    def __init__(self, stage: int, pipe_ranks: list[int], device: torch.device) -> None:
+    def __init__(
+        self, stage: int, pipe_ranks: list[int], device: torch.device, group: Any = None
+    ) -> None:
         self.stage, self.pipe_ranks, self.device = stage, pipe_ranks, device
+        # Note: messages travel in the pipeline's own process group (the grid's "pipe" group),
+        # not the world: a failed batch may leave messages unread, and they must not reach the
+        # executor of a new grid built to carry on.
+        self.group = group
         self._sent_layouts: dict[Link, list[int]] = {}
         self._recv_layouts: dict[Link, list[int]] = {}
         self._pending: list[tuple[Any, tuple]] = []
 
     def _isend(self, t: torch.Tensor, peer: int) -> None:
-        work = comm.isend(t, self.pipe_ranks[peer])
+        work = comm.isend(t, self.pipe_ranks[peer], group=self.group)
         self._pending.append((work, (t,)))
 
     def _header(self, code: Code, meta_len: int = 0) -> torch.Tensor:
@@ -152,7 +159,7 @@ class StageMessenger:
         link = (peer, kind, chunk)
         src = self.pipe_ranks[peer]
         header = torch.empty(2, dtype=torch.int64, device=self.device)
-        comm.recv(header, src)
+        comm.recv(header, src, group=self.group)
         code, meta_len = Code(int(header[0])), int(header[1])
         if code is Code.ABORT:
             raise _from(
@@ -164,7 +171,7 @@ class StageMessenger:
             )
         if code in (Code.NEGOTIATE, Code.MISMATCH):
             layout_t = torch.empty(meta_len, dtype=torch.int64, device=self.device)
-            comm.recv(layout_t, src)
+            comm.recv(layout_t, src, group=self.group)
             layout = layout_t.tolist()
             if code is Code.MISMATCH:
                 raise _from(
@@ -177,24 +184,30 @@ class StageMessenger:
         buffers = _empty_from_layout(self._recv_layouts[link], self.device)
         out = []
         for t, rg in buffers:
-            comm.recv(t, src)
+            comm.recv(t, src, group=self.group)
             out.append(t.requires_grad_(rg) if rg else t)
         return tuple(out)
 
-    def abort(self, peers: set[int], deliver_s: float = 5.0) -> None:
+    def abort(self, peers: set[int], deliver_s: float = 0.0) -> None:
         """Tell `peers` (pipeline stages) that this one failed, without waiting for them.
 
-        The abort headers are posted, then given up to `deliver_s` seconds to leave: the caller
-        raises next, and a process group torn down right after (a test harness, a launcher
-        exiting) would drop a send still queued, leaving the peer blocked in its receive. A peer
-        that never receives cannot hold us longer than that.
+        The abort headers are posted and kept with the other pending sends. A gloo send completes
+        only once its receiver posts the matching receive, and a peer that has finished its
+        program never will, so by default nothing waits here: the executor's end-of-batch
+        agreement (status.py) cannot complete before every peer blocked in a receive has read
+        its ABORT, which is all the delivery that matters. `deliver_s > 0` polls that long for
+        the headers to leave, for a caller about to tear down without an agreement (an
+        interrupt): a process group destroyed at once could drop a send still queued.
         """
         works = []
         for peer in sorted(peers):
             try:
-                works.append(comm.isend(self._header(Code.ABORT), self.pipe_ranks[peer]))
+                header = self._header(Code.ABORT)
+                work = comm.isend(header, self.pipe_ranks[peer], group=self.group)
             except Exception:
-                pass
+                continue
+            works.append(work)
+            self._pending.append((work, (header,)))
         deadline = time.monotonic() + deliver_s
         while works and time.monotonic() < deadline:
             try:
@@ -202,6 +215,11 @@ class StageMessenger:
             except Exception:
                 break
             time.sleep(0.005)
+
+    def drop_sends(self) -> None:
+        """Forget the pending sends without waiting (after a failed batch: a receiver that
+        stopped early will never match them)."""
+        self._pending.clear()
 
     def wait_sends(self) -> None:
         """Wait for every send posted so far (their tensors may be freed after)."""

@@ -1,0 +1,91 @@
+"""Optimizers that reduce gradients themselves: ZeRO stage 1 inside each data-parallel group.
+
+```python
+module = pipeline.partition(layers, stages=2, loss_fn=loss)                 # 2 × 2 ranks
+opt = zero.shard(module, torch.optim.AdamW(module.parameters()),
+                 zero.ZeroConfig(stage=1, gradient_accumulation_steps=M),   # M·V when interleaved
+                 group=module.grid.group("data"))                           # this stage's replicas
+executor = pipeline.PipelineExecutor(module, opt, micro_batches=M)
+```
+
+A plain `torch.optim` optimizer leaves the data-parallel reduction to the executor's
+`ReduceGrads` instruction (one all-reduce of the stage's gradients). An optimizer with a
+`backward(loss)` method, like `minispeed.zero`'s, owns it instead: it scales each micro-batch's
+backward by 1/G (G = its `gradient_accumulation_steps`), accumulates, and on the G-th backward
+reduce-scatters the gradients over its group; its `step()` steps this rank's shard of the
+optimizer state and all-gathers the parameters. The executor then routes every backward pass
+through `optimizer.backward` and skips `ReduceGrads`. This package never imports zero: the
+contract is the method.
+
+Note [a scalar for a stage without a loss]
+    `optimizer.backward` takes a scalar; a middle stage has no loss, only its outputs o and the
+    gradients g that arrived for them. Σ (o · g.detach()).sum() is a scalar whose gradient is the
+    same vector-Jacobian product as `torch.autograd.backward(o, g)`. The executor already divides
+    each micro-batch's loss by M, and g carries that division from the stages after, so the
+    scalar is multiplied by G before the optimizer scales it by 1/G (exact for G a power of two,
+    one rounding otherwise).
+
+What does not fit, refused when the executor is built (each with the fix):
+
+- ZB-H1: its backward is two passes (`b`, `W`); the optimizer's backward is one.
+- tied layers: their gradients are summed over stages by `ReduceTiedGrads` after the program,
+  but the optimizer reduces inside the last backward, before that sum.
+- G ≠ M·V: the optimizer must see one window per batch, one backward per micro-batch and chunk.
+
+And one that is not refused: the optimizer's reduce-scatter runs inside a stage's last backward,
+inside the program, so a failure on one replica before that point leaves the same stage of the
+other replicas waiting in it (the end-of-batch agreement in `status.py` covers the executor's own
+`ReduceGrads` only). After any failed batch the executor refuses further batches in this mode
+(the optimizer's accumulation window is left half-way).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["check_reducing_optimizer", "reduces_gradients", "surrogate_loss"]
+
+
+def reduces_gradients(optimizer: Any) -> bool:
+    """Whether `optimizer` owns the data-parallel reduction (has a `backward(loss)` method)."""
+    return callable(getattr(optimizer, "backward", None))
+
+
+def check_reducing_optimizer(optimizer: Any, schedule: Any, has_ties: bool) -> int:
+    """Refuse what does not fit (module docstring); return G, the optimizer's window."""
+    if schedule.splits_backward:
+        raise ValueError(
+            f"{schedule.name} splits backward into two passes, which an optimizer with its own "
+            "backward() (e.g. minispeed.zero's) cannot run; use 1f1b, gpipe or interleaved_1f1b"
+        )
+    if has_ties:
+        raise ValueError(
+            "tied layers are summed across stages after the backward passes, but an optimizer "
+            "with its own backward() reduces inside the last one, before that sum; untie the "
+            "layers or use a torch.optim optimizer"
+        )
+    want = schedule.micro_batches * schedule.virtual_stages
+    config = getattr(optimizer, "config", None)
+    got = getattr(config, "gradient_accumulation_steps", want)
+    if got != want:
+        raise ValueError(
+            f"the optimizer accumulates over gradient_accumulation_steps={got} backward passes "
+            f"but one batch runs {want} per stage (micro_batches × virtual_stages); set "
+            f"gradient_accumulation_steps={want}"
+        )
+    return want
+
+
+def surrogate_loss(
+    outs: list[torch.Tensor], grads: list[torch.Tensor | None], window: int
+) -> torch.Tensor:
+    """The scalar of Note [a scalar for a stage without a loss], times the window G."""
+    total = None
+    for o, g in zip(outs, grads):
+        term = o if g is None else (o * g.detach()).sum()
+        total = term if total is None else total + term
+    if total is None:
+        raise RuntimeError("no output of this stage requires grad: nothing to back-propagate")
+    return total * window
