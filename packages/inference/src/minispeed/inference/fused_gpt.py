@@ -28,6 +28,12 @@ from torch import nn
 from minispeed.inference import kernels
 from minispeed.inference.kv_cache import PagedKVCache
 from minispeed.inference.quantize import Int8Linear
+from minispeed.inference.tensor_parallel import (
+    RowParallelLinear,
+    TPContext,
+    column_shard,
+    row_shard,
+)
 
 __all__ = ["FusedGPTBlock", "InferenceGPT"]
 
@@ -49,28 +55,46 @@ def _linear(linear: nn.Linear, int8: bool, keep_bias: bool = True) -> nn.Module:
     return bare
 
 
+def _row_parallel(linear: nn.Linear, int8: bool, tp: TPContext | None) -> nn.Module:
+    """`linear` whole (TP off), or this rank's column slice all-reduced (see `tensor_parallel`)."""
+    if tp is None:
+        return _linear(linear, int8)
+    return RowParallelLinear(_linear(row_shard(linear, tp), int8), linear.bias, tp)
+
+
 class FusedGPTBlock(nn.Module):
-    """A `Block` of examples/gpt.py rebuilt on the fused kernels (see the module docstring)."""
+    """A `Block` of examples/gpt.py rebuilt on the fused kernels (see the module docstring).
+
+    With `tp` (see `minispeed.inference.tensor_parallel`) it keeps H/n heads of qkv and the
+    matching columns of the output projection, F/n rows of fc and columns of the MLP projection,
+    and all-reduces the two block outputs.
+    """
 
     is_fused = True  # InferenceGPT calls it with (x, layer, attend, positions)
 
-    def __init__(self, block: nn.Module, int8: bool = False, tanh_gelu: bool = False) -> None:
+    def __init__(
+        self, block: nn.Module, int8: bool = False, tanh_gelu: bool = False,
+        tp: TPContext | None = None,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.tanh_gelu = tanh_gelu  # GPT-2's "gelu_new": no fused kernel, torch's tanh GeLU
-        self.n_head = block.attn.n_head
+        n = 1 if tp is None else tp.size
+        self.n_head = block.attn.n_head // n  # heads of this rank
         self.ln1, self.ln2 = block.ln1, block.ln2  # weights read by kernels.layer_norm
-        self.qkv = _linear(block.attn.qkv, int8)
-        self.attn_proj = _linear(block.attn.proj, int8)
-        self.fc = _linear(block.mlp.fc, int8, keep_bias=False)  # bias added inside bias_gelu
-        self.fc_bias = block.mlp.fc.bias
-        self.mlp_proj = _linear(block.mlp.proj, int8)
+        qkv, fc = block.attn.qkv, block.mlp.fc
+        if tp is not None:  # column-parallel: q, k and v each cut by heads; fc by rows
+            qkv, fc = column_shard(qkv, tp, parts=3), column_shard(fc, tp)
+        self.qkv = _linear(qkv, int8)
+        self.attn_proj = _row_parallel(block.attn.proj, int8, tp)
+        self.fc = _linear(fc, int8, keep_bias=False)  # bias added inside bias_gelu
+        self.fc_bias = fc.bias
+        self.mlp_proj = _row_parallel(block.mlp.proj, int8, tp)
 
     def forward(
         self, x: torch.Tensor, layer: int, attend: Attend, positions: torch.Tensor | None = None
     ) -> torch.Tensor:
-        C = x.shape[-1]
         a, _ = kernels.layer_norm(x, self.ln1.weight, self.ln1.bias, self.ln1.eps)
-        q, k, v = self.qkv(a).split(C, dim=-1)  # each (B, T, C)
+        q, k, v = self.qkv(a).chunk(3, dim=-1)  # each (B, T, C / n)
         y = attend(layer, q, k, v)
         n2, h = kernels.layer_norm(
             self.attn_proj(y), self.ln2.weight, self.ln2.bias, self.ln2.eps, residual=x
@@ -97,20 +121,26 @@ class InferenceGPT(nn.Module):
         head_weight: torch.Tensor | None = None,
         max_positions: int | None = None,
         rms_final_norm: bool = False,
+        head_dim: int | None = None,
+        tp: TPContext | None = None,
     ) -> None:
         super().__init__()
+        # n_head: the heads this rank attends over and caches (H / tp_size under TP).
+        self.tp = tp
         # Positions: learned (wpe, GPT) or rotary inside the blocks (wpe None, LLaMA).
         self.block_size = wpe.num_embeddings if wpe is not None else int(max_positions)
         self.rms_final_norm = rms_final_norm  # LLaMA's final RMSNorm, else LayerNorm
         self.n_head, self.n_embd = n_head, wte.embedding_dim
+        self.head_dim = wte.embedding_dim // n_head if head_dim is None else head_dim
         self.wte, self.wpe, self.ln_f = wte, wpe, ln_f
         self.blocks = nn.ModuleList(blocks)
         # The output head's (V, C) weight; None: tied to wte (minispeed's GPT, GPT-2).
         self.head_weight = head_weight
 
     @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+    def tp_size(self) -> int:
+        """Ranks each block is split over (1: no tensor parallelism)."""
+        return 1 if self.tp is None else self.tp.size
 
     def new_cache(self, num_blocks: int, block_size: int = 16) -> PagedKVCache:
         """An empty paged KV cache shaped for this model."""
@@ -192,7 +222,7 @@ class InferenceGPT(nn.Module):
             y = kernels.decode_attention(
                 q.reshape(shape), cache.k[layer], cache.v[layer], tables, lengths + 1
             )
-            return y.view(B, 1, self.n_embd)
+            return y.view(B, 1, -1)
 
         logits = self._run(tokens[:, None], lengths[:, None].to(tokens.device), attend)[:, 0]
         for s in seq_ids:
