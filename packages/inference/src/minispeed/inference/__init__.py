@@ -16,6 +16,7 @@ tokens = generate(engine, [[1, 2, 3]], SamplingConfig(max_new_tokens=20, tempera
 """
 
 from minispeed.inference.batching import ContinuousBatcher, RequestResult
+from minispeed.inference.evaluation import perplexity
 from minispeed.inference.fused_gpt import FusedGPTBlock, InferenceGPT
 from minispeed.inference.generation import SamplingConfig, generate, sample_next
 from minispeed.inference.injection import GPTPolicy, InjectionReport, init_inference
@@ -39,6 +40,7 @@ __all__ = [
     "generate",
     "init_inference",
     "kv_cache_bytes",
+    "perplexity",
     "quantize_per_channel",
     "sample_next",
     "weight_bytes",
