@@ -104,6 +104,15 @@ class FusedGPTBlock(nn.Module):
         return h + self.mlp_proj(kernels.bias_gelu(self.fc(n2), self.fc_bias))
 
 
+# Note [decode step plan]
+# At batch 1 on a small model a decode step is mostly Python: ~10 kernel or linear calls per
+# block, each with its checks. What does not change between the L layers of one step is built
+# once: the block tables and lengths (int32, checked once by `kernels.check_decode_inputs`, so the
+# L `decode_attention` calls pass validate=False and skip three reductions each), and the flat
+# cache slots the new K and V go to (one `index_copy_` per layer instead of indexing with
+# (block, offset) pairs). benchmarks/inference_decode.py reports the effect (docs: before/after).
+
+
 class InferenceGPT(nn.Module):
     """minispeed's GPT for inference: fused blocks where a policy matched, originals elsewhere.
 
@@ -154,6 +163,12 @@ class InferenceGPT(nn.Module):
         return t.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
 
     def _run(
+        self, idx: torch.Tensor, positions: torch.Tensor, attend: Attend | None
+    ) -> torch.Tensor:
+        with kernels.pinned_op():  # the op is looked up once per forward, not per kernel call
+            return self._run_blocks(idx, positions, attend)
+
+    def _run_blocks(
         self, idx: torch.Tensor, positions: torch.Tensor, attend: Attend | None
     ) -> torch.Tensor:
         x = self.wte(idx)  # (B, T, C)
@@ -210,21 +225,27 @@ class InferenceGPT(nn.Module):
     def decode(self, tokens: torch.Tensor, cache: PagedKVCache, seq_ids: list[int]) -> torch.Tensor:
         """Logits `(B, V)` for one new token per sequence (`tokens` `(B,)`), reading the cache."""
         B = len(seq_ids)
-        lengths = torch.tensor([cache.lengths[s] for s in seq_ids])
+        positions = [cache.lengths[s] for s in seq_ids]
         for s in seq_ids:
             cache.reserve(s, 1)
-        tables = cache.block_tables(seq_ids)
-        slots = cache.next_slots(seq_ids)  # one index computation per step, shared by all layers
+        # Once per step, shared by every layer (Note [decode step plan]): tables, lengths, slots.
         shape = (B, self.n_head, self.head_dim)
+        tables, seq_lens = kernels.check_decode_inputs(
+            shape, cache.k[0], cache.v[0], cache.block_tables(seq_ids),
+            torch.tensor(positions, dtype=torch.int32) + 1,
+        )  # fmt: skip
+        slots = cache.next_slots(seq_ids)
 
         def attend(layer, q, k, v):
+            k_cache, v_cache = cache.k[layer], cache.v[layer]
             cache.write_next(layer, slots, k.reshape(shape), v.reshape(shape))
             y = kernels.decode_attention(
-                q.reshape(shape), cache.k[layer], cache.v[layer], tables, lengths + 1
+                q.reshape(shape).contiguous(), k_cache, v_cache, tables, seq_lens, validate=False
             )
             return y.view(B, 1, -1)
 
-        logits = self._run(tokens[:, None], lengths[:, None].to(tokens.device), attend)[:, 0]
+        pos = torch.tensor(positions, device=tokens.device)[:, None]
+        logits = self._run(tokens[:, None], pos, attend)[:, 0]
         for s in seq_ids:
             cache.advance(s, 1)
         return logits

@@ -147,9 +147,15 @@ def _generate_cached(model, prompts, cfg, gens, outputs, num_blocks, kv_block_si
         with ranges.range("inference.decode"):
             logits = model.decode(torch.tensor([outputs[i][-1] for i in live]), cache, live)
         with ranges.range("inference.sample"):
-            for row, i in enumerate(live):
-                outputs[i].append(sample_next(logits[row], cfg, gens[i]))
-        for i in [i for i in live if _done(cfg, outputs[i])]:
+            if cfg.temperature == 0:  # greedy: one argmax for the batch, one list out
+                for i, token in zip(live, logits.argmax(dim=-1).tolist()):
+                    outputs[i].append(token)
+            else:
+                for row, i in enumerate(live):
+                    outputs[i].append(sample_next(logits[row], cfg, gens[i]))
+        finished = [i for i in live if _done(cfg, outputs[i])]
+        for i in finished:
             cache.free(i)  # its blocks serve no one else in this call, but the pool stays honest
-        live = [i for i in live if not _done(cfg, outputs[i])]
+        if finished:
+            live = [i for i in live if i not in finished]
     return outputs

@@ -22,23 +22,34 @@ bytes), write RC; `rotary_embedding` (T, H, D): read THD + TD, write THD; `decod
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from minispeed.core.op_builder import OpBuilder, load_or_fallback, ops_disabled
+from minispeed.core.op_builder import (
+    DISABLE_ENV,
+    SIMD_ENV,
+    OpBuilder,
+    load_or_fallback,
+    ops_disabled,
+)
 from minispeed.inference import kernels_reference as reference
 
 __all__ = [
     "InferenceKernelsBuilder",
     "bias_gelu",
+    "check_decode_inputs",
     "decode_attention",
     "int8_linear",
     "layer_norm",
     "load_op",
     "masked_softmax",
+    "pinned_op",
     "reference",
     "rms_norm",
     "rotary_embedding",
@@ -61,16 +72,48 @@ _BUILDER = InferenceKernelsBuilder()
 # SIMD level -> loaded module (or None after a failed build). Asking the builder fingerprints its
 # flags (about a millisecond): too slow per kernel call in a decode loop.
 _LOADED: dict[str, ModuleType | None] = {}
+# (MINISPEED_DISABLE_OPS, MINISPEED_SIMD) -> the op in force. See Note [op lookup per call].
+_BY_ENV: dict[tuple[str | None, str | None], ModuleType | None] = {}
+
+_UNSET = object()
+_PINNED: object = _UNSET  # set inside `pinned_op()`: the op every call uses, env unread
+
+# Note [op lookup per call]
+# A decode step calls ~10 kernels per block, so the op lookup sits on the per-token path.
+# Resolving the SIMD level and the disable list parses the environment and the CPU flags (tens
+# of µs). Outside a model forward the answer is cached under the raw values of the two variables
+# (two os.environ reads), so tests that switch levels with monkeypatch.setenv still get the
+# right op. Inside `pinned_op()` (InferenceGPT wraps each forward, prefill and decode step in
+# it) the op is resolved once on entry and every kernel call reads one module global.
+
+
+@contextlib.contextmanager
+def pinned_op() -> Iterator[None]:
+    """Within the block, every kernel call uses the op in force on entry (see Note [op lookup per call])."""
+    global _PINNED
+    previous = _PINNED
+    _PINNED = load_op()
+    try:
+        yield
+    finally:
+        _PINNED = previous
 
 
 def load_op() -> ModuleType | None:
     """The compiled CPU op for the SIMD level in force (`MINISPEED_SIMD`), or `None`: the reference."""
+    if _PINNED is not _UNSET:
+        return _PINNED  # type: ignore[return-value]
+    key = (os.environ.get(DISABLE_ENV), os.environ.get(SIMD_ENV))
+    if key in _BY_ENV:
+        return _BY_ENV[key]
     if ops_disabled(_BUILDER.name):
-        return load_or_fallback(_BUILDER)  # None, after its one warning
-    level = _BUILDER.simd_level().label
-    if level not in _LOADED:
-        _LOADED[level] = load_or_fallback(_BUILDER)
-    return _LOADED[level]
+        _BY_ENV[key] = load_or_fallback(_BUILDER)  # None, after its one warning
+    else:
+        level = _BUILDER.simd_level().label
+        if level not in _LOADED:
+            _LOADED[level] = load_or_fallback(_BUILDER)
+        _BY_ENV[key] = _LOADED[level]
+    return _BY_ENV[key]
 
 
 def _fp32(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -84,8 +127,9 @@ def _fp32(t: torch.Tensor, name: str) -> torch.Tensor:
 
 def _cpu_op(*tensors: torch.Tensor | None) -> ModuleType | None:
     """The op when every given tensor is on the CPU, else `None` (the reference runs)."""
-    if any(t is not None and t.device.type != "cpu" for t in tensors):
-        return None
+    for t in tensors:  # a plain loop: this runs ~10 times per block per decode step
+        if t is not None and t.device.type != "cpu":
+            return None
     return load_op()
 
 
@@ -228,24 +272,55 @@ def decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float | None = None,
+    validate: bool = True,
 ) -> torch.Tensor:
     """One query token per sequence over its paged KV cache (see Note [paged decode attention]).
 
     `q` `(B, H, D)`; caches `(num_blocks, block_size, H, D)`; `block_tables` `(B, max_blocks)`
     int32 block ids; `seq_lens` `(B,)` valid positions per sequence.
+
+    `validate=False` skips the checks (dtypes, shapes, id ranges: three reductions that each read
+    the tables) for a caller that made the inputs itself and checked them once per decode step,
+    as `InferenceGPT.decode` does for its L layers; `block_tables` and `seq_lens` must then already
+    be contiguous int32 CPU tensors and `q` a contiguous fp32 one.
     """
-    q = _fp32(q, "q")
+    if validate:
+        q = _fp32(q, "q")
+        block_tables, seq_lens = check_decode_inputs(
+            tuple(q.shape), k_cache, v_cache, block_tables, seq_lens
+        )
+    B, H, D = q.shape
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    op = _cpu_op(q, k_cache)
+    if op is None:
+        return reference.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    out = torch.empty_like(q)
+    op.decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                        block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
+                        B, H, D, k_cache.shape[1], block_tables.shape[1], scale)  # fmt: skip
+    return out
+
+
+def check_decode_inputs(
+    q_shape: tuple[int, ...],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check `decode_attention`'s inputs for queries of shape `q_shape` `(B, H, D)`; return the
+    tables and lengths as contiguous int32. Raises `TypeError` / `ValueError` naming the problem."""
     if k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32:
         raise TypeError(f"the KV cache must be float32, got {k_cache.dtype}/{v_cache.dtype}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError(
             "k_cache and v_cache must be contiguous (the cache pool allocates them so)"
         )
-    B, H, D = q.shape
+    B, H, D = q_shape
     NB, BS = k_cache.shape[:2]
     if k_cache.shape != (NB, BS, H, D) or v_cache.shape != k_cache.shape:
         raise ValueError(
-            f"caches must be (num_blocks, block_size, {H}, {D}) for q {tuple(q.shape)}, got "
+            f"caches must be (num_blocks, block_size, {H}, {D}) for q {tuple(q_shape)}, got "
             f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
     block_tables = block_tables.detach().to(torch.int32).contiguous()
@@ -260,15 +335,7 @@ def decode_attention(
         raise ValueError(f"a seq_len exceeds max_blocks * block_size = {MB * BS}")
     if block_tables.numel() and (int(block_tables.min()) < 0 or int(block_tables.max()) >= NB):
         raise ValueError(f"block ids must lie in [0, {NB})")
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    op = _cpu_op(q, k_cache)
-    if op is None:
-        return reference.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
-    out = torch.empty_like(q)
-    op.decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                        block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
-                        B, H, D, BS, MB, scale)  # fmt: skip
-    return out
+    return block_tables, seq_lens
 
 
 def int8_linear(
