@@ -113,7 +113,8 @@ def _check(results: list[dict], want: dict, n_layer: int, width: int, rel_close)
     for got in results:
         rel_close(got["logits"], want["logits"])
         assert got["greedy"] == want["greedy"] and got["sampled"] == want["sampled"]
-        # one all-reduce per block output: 2·L per forward; prefills 1 each, decode steps NEW - 1
+        # one all-reduce per block output: 2·L per forward; one prefill per prompt length (the
+        # two prompts differ), then NEW - 1 decode steps
         assert got["calls"] == calls * (len(PROMPTS) + NEW - 1)
         assert (got["msg"], got["wire"]) == (msg, wire)
         assert got["heads"] * 2 == want["heads"]  # the KV cache holds half the heads

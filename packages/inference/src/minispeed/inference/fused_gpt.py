@@ -207,19 +207,31 @@ class InferenceGPT(nn.Module):
 
     def prefill(self, idx: torch.Tensor, cache: PagedKVCache, seq_id: int) -> torch.Tensor:
         """Logits `(T, V)` of one new sequence's prompt `idx` `(T,)`; its K, V go into `cache`."""
-        T = idx.shape[0]
-        if cache.lengths[seq_id] != 0:
-            raise ValueError(f"sequence {seq_id} already holds tokens: prefill starts a sequence")
-        cache.reserve(seq_id, T)
+        return self.prefill_many(idx[None], cache, [seq_id])[0]
+
+    def prefill_many(
+        self, idx: torch.Tensor, cache: PagedKVCache, seq_ids: list[int]
+    ) -> torch.Tensor:
+        """Logits `(B, T, V)` of B new sequences whose prompts `idx` `(B, T)` have the same length,
+        in one forward (one pass of Python per layer for all B); their K, V go into `cache`."""
+        B, T = idx.shape
+        if len(seq_ids) != B:
+            raise ValueError(f"{B} prompts but {len(seq_ids)} sequence ids")
+        for s in seq_ids:
+            if cache.lengths[s] != 0:
+                raise ValueError(f"sequence {s} already holds tokens: prefill starts a sequence")
+        for s in seq_ids:
+            cache.reserve(s, T)
 
         def attend(layer, q, k, v):
-            cache.write(
-                layer, seq_id, self._heads(k)[0].transpose(0, 1), self._heads(v)[0].transpose(0, 1)
-            )
+            kh, vh = self._heads(k).transpose(1, 2), self._heads(v).transpose(1, 2)  # (B, T, H, D)
+            for row, s in enumerate(seq_ids):
+                cache.write(layer, s, kh[row], vh[row])
             return self._full_attention(layer, q, k, v)
 
-        logits = self._run(idx[None], torch.arange(T, device=idx.device), attend)[0]
-        cache.advance(seq_id, T)
+        logits = self._run(idx, torch.arange(T, device=idx.device), attend)
+        for s in seq_ids:
+            cache.advance(s, T)
         return logits
 
     def decode(self, tokens: torch.Tensor, cache: PagedKVCache, seq_ids: list[int]) -> torch.Tensor:

@@ -137,11 +137,15 @@ def _generate_recompute(model, prompts, cfg, gens, outputs):
 
 def _generate_cached(model, prompts, cfg, gens, outputs, num_blocks, kv_block_size):
     cache = model.new_cache(num_blocks, kv_block_size)
+    by_length: dict[int, list[int]] = {}  # prompts of one length are prefilled in one forward
     for i, p in enumerate(prompts):
         cache.add_sequence(i)
+        by_length.setdefault(len(p), []).append(i)
+    for ids in by_length.values():
         with ranges.range("inference.prefill"):
-            logits = model.prefill(torch.tensor(p), cache, i)[-1]
-        outputs[i].append(sample_next(logits, cfg, gens[i]))
+            logits = model.prefill_many(torch.tensor([prompts[i] for i in ids]), cache, ids)
+        for row, i in enumerate(ids):
+            outputs[i].append(sample_next(logits[row, -1], cfg, gens[i]))
     live = [i for i in range(len(prompts)) if not _done(cfg, outputs[i])]
     while live:
         with ranges.range("inference.decode"):
