@@ -5,6 +5,7 @@ Run from the repository root::
 
     .venv/bin/python benchmarks/inference_decode.py            # small and 30M+ models, batch 1 and 16
     .venv/bin/python benchmarks/inference_decode.py --quick    # small model only
+    .venv/bin/python benchmarks/inference_decode.py --only hf  # one section: decode, hf, profile
 
 Variants, on the same model and prompts (greedy, so every variant emits the same tokens; checked):
 
@@ -13,6 +14,12 @@ Variants, on the same model and prompts (greedy, so every variant emits the same
   token over the paged cache with the C++ kernels;
 - `injected-ref`: the same, with `MINISPEED_DISABLE_OPS=inference_kernels` (PyTorch reference
   kernels), which separates what the cache buys from what the kernels buy.
+
+On Hugging Face's GPT-2 (a random config built locally; needs the `hf` extra, `--no-hf` skips
+it), the same three-way comparison against `transformers`' own `generate` (greedy, its KV
+cache): `eager` there is a full forward of the HF model per token. Then a `torch.profiler`
+breakdown of one batch-1 generate of the small GPT: matmuls, the fused kernels, cache writes,
+sampling, and the Python around them.
 
 Each time is the best of `--rounds`. Ratios are over eager in the same run; every variant runs
 with the same `--threads` (torch's intra-op pool and the op's OpenMP loops share one libgomp).
@@ -85,6 +92,127 @@ def bench_decode(gpt, size: str, batch: int, prompt_len: int, new: int, rounds: 
         f"| {size} ({params:.1f}M) | {batch} | {tokens / t_eager:.0f} | {tokens / t_inj:.0f} | "
         f"{tokens / t_ref:.0f} | {t_eager / t_inj:.2f}× | {t_eager / t_ref:.2f}× |"
     ]
+
+
+# torch ops of a linear layer, self time (the fused kernels' own torch calls are not among them)
+MATMUL_OPS = ("aten::addmm", "aten::mm", "aten::matmul", "aten::linear", "aten::t",
+              "aten::transpose", "aten::expand", "aten::as_strided", "aten::_unsafe_view")  # fmt: skip
+
+
+def _hf_gpt2(size: str, positions: int):
+    import transformers
+
+    layers, heads, width, vocab = {"small": (4, 4, 128, 256), "30M": (8, 8, 512, 32768)}[size]
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        vocab_size=vocab, n_positions=positions, n_embd=width, n_layer=layers, n_head=heads,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None,
+        pad_token_id=0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def bench_hf(size: str, batch: int, prompt_len: int, new: int, rounds: int) -> list[str]:
+    """The same HF GPT-2 model and prompts: transformers' generate (its own KV cache), eager
+    recomputation (a full forward per token), and init_inference + generate."""
+    model = _hf_gpt2(size, prompt_len + new)
+    engine, report = init_inference(model)
+    assert report.policy == "hf-gpt2" and not report.kept
+    vocab = model.config.vocab_size
+    prompts = torch.randint(
+        0, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(2)
+    )
+    plist = prompts.tolist()
+    mask = torch.ones_like(prompts)
+
+    def hf():
+        with torch.no_grad():
+            out = model.generate(prompts, attention_mask=mask, max_new_tokens=new,
+                                 min_new_tokens=new, do_sample=False)  # fmt: skip
+        return out[:, prompt_len:].tolist()
+
+    def eager():
+        idx = prompts
+        with torch.no_grad():
+            for _ in range(new):
+                logits = model(idx, attention_mask=torch.ones_like(idx)).logits
+                idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        return idx[:, prompt_len:].tolist()
+
+    def injected():
+        return generate(engine, plist, SamplingConfig(max_new_tokens=new))
+
+    got = injected()
+    assert got == hf() == eager(), "injected, transformers and eager greedy tokens differ"
+    t_hf, t_eager, t_inj = (_best(f, rounds) for f in (hf, eager, injected))
+    tokens = batch * new
+    params = sum(p.numel() for p in model.parameters()) / 1e6
+
+    def cell(t: float) -> str:  # tokens/s, and ms per generated position (one decode step)
+        return f"{tokens / t:.0f} / {t / new * 1e3:.1f}"
+
+    return [
+        f"| HF GPT-2 {size} ({params:.1f}M) | {batch} | {cell(t_eager)} | {cell(t_hf)} | "
+        f"{cell(t_inj)} | {t_eager / t_inj:.2f}× | {t_hf / t_inj:.2f}× |"
+    ]
+
+
+def profile_decode(gpt, prompt_len: int, new: int) -> list[str]:
+    """Where a batch-1 decode of the small GPT spends its time (torch.profiler, one generate).
+
+    The fused kernels' wrappers are wrapped in `record_function` for this run only, so their
+    time (checks + the C++ call) shows as one row each; matmuls are torch's own ops."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    cfg = gpt.GPTConfig(vocab_size=256, block_size=prompt_len + new, n_layer=4, n_head=4,
+                        n_embd=128)  # fmt: skip
+    torch.manual_seed(0)
+    engine, _ = init_inference(gpt.GPT(cfg).eval())
+    prompt = [torch.randint(0, 256, (prompt_len,)).tolist()]
+    scfg = SamplingConfig(max_new_tokens=new)
+    names = ("layer_norm", "bias_gelu", "decode_attention", "rms_norm", "rotary_embedding")
+    originals = {n: getattr(kernels, n) for n in names}
+
+    def traced(name, fn):
+        def run(*args, **kwargs):
+            with record_function(f"kernel.{name}"):
+                return fn(*args, **kwargs)
+
+        return run
+
+    generate(engine, prompt, scfg)  # warm-up
+    try:
+        for n, fn in originals.items():
+            setattr(kernels, n, traced(n, fn))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            generate(engine, prompt, scfg)
+            wall = time.perf_counter() - start
+    finally:
+        for n, fn in originals.items():
+            setattr(kernels, n, fn)
+    rows = {e.key: e for e in prof.key_averages()}
+    wall_us = wall * 1e6
+
+    def total(prefix: str) -> float:
+        return sum(e.cpu_time_total for k, e in rows.items() if k.startswith(prefix))
+
+    def self_(keys: tuple[str, ...]) -> float:
+        return sum(rows[k].self_cpu_time_total for k in keys if k in rows)
+
+    parts = {
+        "matmuls (aten::linear → addmm/mm, incl. the tied head)": self_(MATMUL_OPS),
+        "fused kernels (Python checks + C++), kernel.*": total("kernel."),
+        "sampling (argmax, list out)": total("inference.sample"),
+        "KV-cache writes (index_copy_)": self_(("aten::index_copy_",)),
+        "embeddings (aten::embedding)": self_(("aten::embedding", "aten::index_select")),
+    }
+    out = [f"| {k} | {v / 1e3:.1f} | {100 * v / wall_us:.0f} % |" for k, v in parts.items()]
+    rest = wall_us - sum(parts.values())
+    out.append(f"| everything else (Python: module calls, generate loop, tensor glue) | "
+               f"{rest / 1e3:.1f} | {100 * rest / wall_us:.0f} % |")  # fmt: skip
+    out.append(f"| **total** ({new} tokens, batch 1) | {wall * 1e3:.1f} | 100 % |")
+    return out
 
 
 def bench_batching(gpt, rounds: int) -> list[str]:
@@ -162,6 +290,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument(
+        "--no-hf", dest="hf", action="store_false",
+        help="skip the transformers rows (they need pip install packages/inference[hf])",
+    )  # fmt: skip
+    parser.add_argument("--only", choices=("decode", "hf", "profile"), help="run one section")
+    parser.add_argument(
         "--threads", type=int, default=1,
         help="torch and OpenMP threads for every variant (default 1: on a machine shared with "
         "other jobs, spinning OpenMP threads made every variant 5-10x slower at 2)",
@@ -172,16 +305,39 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"op SIMD level: {op.simd_level() if op else 'none (reference)'}")  # fmt: skip
     gpt = _gpt_module()
-    print(
-        "\n| model | batch | eager tok/s | injected tok/s | injected-ref tok/s | injected / eager | injected-ref / eager |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for size in ("small",) if args.quick else ("small", "30M"):
-        for batch in (1, 16):
-            for row in bench_decode(
-                gpt, size, batch, args.prompt_len, args.new_tokens, args.rounds
-            ):
-                print(row, flush=True)
+    sizes = ("small",) if args.quick else ("small", "30M")
+
+    def wanted(section: str) -> bool:
+        return args.only in (None, section)
+
+    if wanted("decode"):
+        print("\n| model | batch | eager tok/s | injected tok/s | injected-ref tok/s | "
+              "injected / eager | injected-ref / eager |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|")
+        for size in sizes:
+            for batch in (1, 16):
+                for row in bench_decode(
+                    gpt, size, batch, args.prompt_len, args.new_tokens, args.rounds
+                ):
+                    print(row, flush=True)
+    if args.hf and wanted("hf"):
+        print("\nThe same HF GPT-2 model (random config, built locally) and prompts; each cell is "
+              "tokens/s / ms per decode step:")  # fmt: skip
+        print("\n| model | batch | eager | transformers generate | injected | injected / eager | "
+              "injected / transformers |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|")
+        for size in sizes:
+            for batch in (1, 16):
+                for row in bench_hf(size, batch, args.prompt_len, args.new_tokens, args.rounds):
+                    print(row, flush=True)
+    if wanted("profile"):
+        print("\nWhere a batch-1 decode of the small GPT spends its time (torch.profiler):")
+        print("\n| part | ms | share |")
+        print("|---|---|---|")
+        for row in profile_decode(gpt, args.prompt_len, args.new_tokens):
+            print(row, flush=True)
+    if args.only is not None:
+        return 0
     print("\n| workload | one after another tok/s | continuous batching tok/s | ratio |")
     print("|---|---|---|---|")
     for row in bench_batching(gpt, args.rounds):

@@ -1,4 +1,5 @@
-"""The scalar path (MINISPEED_SIMD=scalar, its own build) equals the reference; AVX-512 compiles.
+"""The scalar path (MINISPEED_SIMD=scalar, its own build) equals the reference; AVX-512 and the
+CUDA binding compile.
 
 This machine's widest runnable level is covered by test_kernels_numerics.py. AVX-512 cannot run
 on a CPU without it (SIGILL), so where it is missing we only check that the source compiles with
@@ -7,8 +8,11 @@ the AVX-512 flags (syntax and intrinsics, no code generation: about a second).
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sysconfig
+from pathlib import Path
 
 import pybind11
 import pytest
@@ -77,6 +81,41 @@ def test_avx512_path_compiles():
         str(cxx), "-fsyntax-only", "-std=c++17", "-fopenmp", *simd_flags(SimdLevel.AVX512),
         "-DTORCH_EXTENSION_NAME=probe", f"-I{pybind11.get_include()}",
         f"-I{sysconfig.get_paths()['include']}", str(source),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_cuda_binding_compiles_and_binds_every_kernel():
+    """The CUDA op's host binding (no GPU here: syntax only, against the CUDA headers); the .cu
+    itself is compiled by core's test_cuda_sources_compile.py. It binds every kernel of the CPU op
+    with the same arguments plus the stream."""
+    from minispeed.core.op_builder.toolchain import find_nvcc
+    from minispeed.inference.kernels import InferenceCudaKernelsBuilder
+
+    binding = InferenceCudaKernelsBuilder().source_paths()[1]
+    cpu_defs = set(
+        re.findall(r'm\.def\("(\w+)"', InferenceKernelsBuilder().source_paths()[0].read_text())
+    )
+    cuda_defs = set(re.findall(r'm\.def\("(\w+)"', binding.read_text()))
+    assert cuda_defs == cpu_defs - {"simd_level"}
+    nvcc, cxx = find_nvcc(), cxx_compiler()
+    if nvcc is None or cxx is None:
+        pytest.skip("nvcc or a C++ compiler not found")
+    homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda",
+             str(Path(nvcc).resolve().parent.parent)]  # fmt: skip
+    found = [
+        Path(h) / "include"
+        for h in homes
+        if h and (Path(h) / "include/cuda_runtime_api.h").is_file()
+    ]
+    if not found:
+        pytest.skip(f"cuda_runtime_api.h not found under {homes}")
+    cuda_include = found[0]
+    cmd = [
+        str(cxx), "-fsyntax-only", "-std=c++17", "-DTORCH_EXTENSION_NAME=probe",
+        f"-I{binding.parent}", f"-I{cuda_include}", f"-I{pybind11.get_include()}",
+        f"-I{sysconfig.get_paths()['include']}", str(binding),
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

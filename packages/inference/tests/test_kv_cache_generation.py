@@ -16,7 +16,8 @@ from minispeed.inference import (
 
 pytestmark = pytest.mark.timeout(300)
 
-PROMPTS = [[1, 5, 9], [2], [7, 7, 7, 7, 7, 3, 1, 0, 4, 4, 2]]  # mixed lengths, across block edges
+# mixed lengths across block edges; two of length 3, prefilled together in one forward
+PROMPTS = [[1, 5, 9], [2], [7, 7, 7, 7, 7, 3, 1, 0, 4, 4, 2], [4, 0, 6]]
 
 
 @pytest.fixture

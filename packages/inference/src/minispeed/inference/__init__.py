@@ -3,7 +3,8 @@
 Reading order: `.kernels_reference` (what each kernel computes) and `.kernels` (the
 compiled op and its dispatch); `.kv_cache` (blocks, pool, block tables); `.fused_gpt`
 (the fused block and the prefill/decode forward); `.injection` (`init_inference`);
-`.generation` (sampling and the generate loop); `.batching` (continuous batching); `.quantize` (int8 weights).
+`.generation` (sampling and the generate loop); `.batching` (continuous batching); `.quantize` (int8 weights); `.tensor_parallel`
+(the Megatron split of each block over a TP group).
 
 ```python
 from minispeed.inference import init_inference, generate, SamplingConfig
@@ -15,12 +16,14 @@ tokens = generate(engine, [[1, 2, 3]], SamplingConfig(max_new_tokens=20, tempera
 """
 
 from minispeed.inference.batching import ContinuousBatcher, RequestResult
+from minispeed.inference.evaluation import perplexity
 from minispeed.inference.fused_gpt import FusedGPTBlock, InferenceGPT
 from minispeed.inference.generation import SamplingConfig, generate, sample_next
 from minispeed.inference.injection import GPTPolicy, InjectionReport, init_inference
 from minispeed.inference.kv_cache import CacheFullError, PagedKVCache, kv_cache_bytes
 from minispeed.inference.quantize import Int8Linear, quantize_per_channel, weight_bytes
 from minispeed.inference.sparse import SparseSelfAttention, SparsityConfig
+from minispeed.inference.tensor_parallel import TPConfig, allreduce_cost
 
 __all__ = [
     "CacheFullError",
@@ -35,9 +38,12 @@ __all__ = [
     "SamplingConfig",
     "SparseSelfAttention",
     "SparsityConfig",
+    "TPConfig",
+    "allreduce_cost",
     "generate",
     "init_inference",
     "kv_cache_bytes",
+    "perplexity",
     "quantize_per_channel",
     "sample_next",
     "weight_bytes",

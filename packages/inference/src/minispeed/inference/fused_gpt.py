@@ -28,6 +28,12 @@ from torch import nn
 from minispeed.inference import kernels
 from minispeed.inference.kv_cache import PagedKVCache
 from minispeed.inference.quantize import Int8Linear
+from minispeed.inference.tensor_parallel import (
+    RowParallelLinear,
+    TPContext,
+    column_shard,
+    row_shard,
+)
 
 __all__ = ["FusedGPTBlock", "InferenceGPT"]
 
@@ -49,28 +55,46 @@ def _linear(linear: nn.Linear, int8: bool, keep_bias: bool = True) -> nn.Module:
     return bare
 
 
+def _row_parallel(linear: nn.Linear, int8: bool, tp: TPContext | None) -> nn.Module:
+    """`linear` whole (TP off), or this rank's column slice all-reduced (see `tensor_parallel`)."""
+    if tp is None:
+        return _linear(linear, int8)
+    return RowParallelLinear(_linear(row_shard(linear, tp), int8), linear.bias, tp)
+
+
 class FusedGPTBlock(nn.Module):
-    """A `Block` of examples/gpt.py rebuilt on the fused kernels (see the module docstring)."""
+    """A `Block` of examples/gpt.py rebuilt on the fused kernels (see the module docstring).
+
+    With `tp` (see `minispeed.inference.tensor_parallel`) it keeps H/n heads of qkv and the
+    matching columns of the output projection, F/n rows of fc and columns of the MLP projection,
+    and all-reduces the two block outputs.
+    """
 
     is_fused = True  # InferenceGPT calls it with (x, layer, attend, positions)
 
-    def __init__(self, block: nn.Module, int8: bool = False, tanh_gelu: bool = False) -> None:
+    def __init__(
+        self, block: nn.Module, int8: bool = False, tanh_gelu: bool = False,
+        tp: TPContext | None = None,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.tanh_gelu = tanh_gelu  # GPT-2's "gelu_new": no fused kernel, torch's tanh GeLU
-        self.n_head = block.attn.n_head
+        n = 1 if tp is None else tp.size
+        self.n_head = block.attn.n_head // n  # heads of this rank
         self.ln1, self.ln2 = block.ln1, block.ln2  # weights read by kernels.layer_norm
-        self.qkv = _linear(block.attn.qkv, int8)
-        self.attn_proj = _linear(block.attn.proj, int8)
-        self.fc = _linear(block.mlp.fc, int8, keep_bias=False)  # bias added inside bias_gelu
-        self.fc_bias = block.mlp.fc.bias
-        self.mlp_proj = _linear(block.mlp.proj, int8)
+        qkv, fc = block.attn.qkv, block.mlp.fc
+        if tp is not None:  # column-parallel: q, k and v each cut by heads; fc by rows
+            qkv, fc = column_shard(qkv, tp, parts=3), column_shard(fc, tp)
+        self.qkv = _linear(qkv, int8)
+        self.attn_proj = _row_parallel(block.attn.proj, int8, tp)
+        self.fc = _linear(fc, int8, keep_bias=False)  # bias added inside bias_gelu
+        self.fc_bias = fc.bias
+        self.mlp_proj = _row_parallel(block.mlp.proj, int8, tp)
 
     def forward(
         self, x: torch.Tensor, layer: int, attend: Attend, positions: torch.Tensor | None = None
     ) -> torch.Tensor:
-        C = x.shape[-1]
         a, _ = kernels.layer_norm(x, self.ln1.weight, self.ln1.bias, self.ln1.eps)
-        q, k, v = self.qkv(a).split(C, dim=-1)  # each (B, T, C)
+        q, k, v = self.qkv(a).chunk(3, dim=-1)  # each (B, T, C / n)
         y = attend(layer, q, k, v)
         n2, h = kernels.layer_norm(
             self.attn_proj(y), self.ln2.weight, self.ln2.bias, self.ln2.eps, residual=x
@@ -78,6 +102,15 @@ class FusedGPTBlock(nn.Module):
         if self.tanh_gelu:
             return h + self.mlp_proj(F.gelu(self.fc(n2) + self.fc_bias, approximate="tanh"))
         return h + self.mlp_proj(kernels.bias_gelu(self.fc(n2), self.fc_bias))
+
+
+# Note [decode step plan]
+# At batch 1 on a small model a decode step is mostly Python: ~10 kernel or linear calls per
+# block, each with its checks. What does not change between the L layers of one step is built
+# once: the block tables and lengths (int32, checked once by `kernels.check_decode_inputs`, so the
+# L `decode_attention` calls pass validate=False and skip three reductions each), and the flat
+# cache slots the new K and V go to (one `index_copy_` per layer instead of indexing with
+# (block, offset) pairs). benchmarks/inference_decode.py reports the effect (docs: before/after).
 
 
 class InferenceGPT(nn.Module):
@@ -97,20 +130,26 @@ class InferenceGPT(nn.Module):
         head_weight: torch.Tensor | None = None,
         max_positions: int | None = None,
         rms_final_norm: bool = False,
+        head_dim: int | None = None,
+        tp: TPContext | None = None,
     ) -> None:
         super().__init__()
+        # n_head: the heads this rank attends over and caches (H / tp_size under TP).
+        self.tp = tp
         # Positions: learned (wpe, GPT) or rotary inside the blocks (wpe None, LLaMA).
         self.block_size = wpe.num_embeddings if wpe is not None else int(max_positions)
         self.rms_final_norm = rms_final_norm  # LLaMA's final RMSNorm, else LayerNorm
         self.n_head, self.n_embd = n_head, wte.embedding_dim
+        self.head_dim = wte.embedding_dim // n_head if head_dim is None else head_dim
         self.wte, self.wpe, self.ln_f = wte, wpe, ln_f
         self.blocks = nn.ModuleList(blocks)
         # The output head's (V, C) weight; None: tied to wte (minispeed's GPT, GPT-2).
         self.head_weight = head_weight
 
     @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+    def tp_size(self) -> int:
+        """Ranks each block is split over (1: no tensor parallelism)."""
+        return 1 if self.tp is None else self.tp.size
 
     def new_cache(self, num_blocks: int, block_size: int = 16) -> PagedKVCache:
         """An empty paged KV cache shaped for this model."""
@@ -124,6 +163,12 @@ class InferenceGPT(nn.Module):
         return t.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
 
     def _run(
+        self, idx: torch.Tensor, positions: torch.Tensor, attend: Attend | None
+    ) -> torch.Tensor:
+        with kernels.pinned_op():  # the op is looked up once per forward, not per kernel call
+            return self._run_blocks(idx, positions, attend)
+
+    def _run_blocks(
         self, idx: torch.Tensor, positions: torch.Tensor, attend: Attend | None
     ) -> torch.Tensor:
         x = self.wte(idx)  # (B, T, C)
@@ -162,39 +207,57 @@ class InferenceGPT(nn.Module):
 
     def prefill(self, idx: torch.Tensor, cache: PagedKVCache, seq_id: int) -> torch.Tensor:
         """Logits `(T, V)` of one new sequence's prompt `idx` `(T,)`; its K, V go into `cache`."""
-        T = idx.shape[0]
-        if cache.lengths[seq_id] != 0:
-            raise ValueError(f"sequence {seq_id} already holds tokens: prefill starts a sequence")
-        cache.reserve(seq_id, T)
+        return self.prefill_many(idx[None], cache, [seq_id])[0]
+
+    def prefill_many(
+        self, idx: torch.Tensor, cache: PagedKVCache, seq_ids: list[int]
+    ) -> torch.Tensor:
+        """Logits `(B, T, V)` of B new sequences whose prompts `idx` `(B, T)` have the same length,
+        in one forward (one pass of Python per layer for all B); their K, V go into `cache`."""
+        B, T = idx.shape
+        if len(seq_ids) != B:
+            raise ValueError(f"{B} prompts but {len(seq_ids)} sequence ids")
+        for s in seq_ids:
+            if cache.lengths[s] != 0:
+                raise ValueError(f"sequence {s} already holds tokens: prefill starts a sequence")
+        for s in seq_ids:
+            cache.reserve(s, T)
 
         def attend(layer, q, k, v):
-            cache.write(
-                layer, seq_id, self._heads(k)[0].transpose(0, 1), self._heads(v)[0].transpose(0, 1)
-            )
+            kh, vh = self._heads(k).transpose(1, 2), self._heads(v).transpose(1, 2)  # (B, T, H, D)
+            for row, s in enumerate(seq_ids):
+                cache.write(layer, s, kh[row], vh[row])
             return self._full_attention(layer, q, k, v)
 
-        logits = self._run(idx[None], torch.arange(T, device=idx.device), attend)[0]
-        cache.advance(seq_id, T)
+        logits = self._run(idx, torch.arange(T, device=idx.device), attend)
+        for s in seq_ids:
+            cache.advance(s, T)
         return logits
 
     def decode(self, tokens: torch.Tensor, cache: PagedKVCache, seq_ids: list[int]) -> torch.Tensor:
         """Logits `(B, V)` for one new token per sequence (`tokens` `(B,)`), reading the cache."""
         B = len(seq_ids)
-        lengths = torch.tensor([cache.lengths[s] for s in seq_ids])
+        positions = [cache.lengths[s] for s in seq_ids]
         for s in seq_ids:
             cache.reserve(s, 1)
-        tables = cache.block_tables(seq_ids)
-        slots = cache.next_slots(seq_ids)  # one index computation per step, shared by all layers
+        # Once per step, shared by every layer (Note [decode step plan]): tables, lengths, slots.
         shape = (B, self.n_head, self.head_dim)
+        tables, seq_lens = kernels.check_decode_inputs(
+            shape, cache.k[0], cache.v[0], cache.block_tables(seq_ids),
+            torch.tensor(positions, dtype=torch.int32) + 1,
+        )  # fmt: skip
+        slots = cache.next_slots(seq_ids)
 
         def attend(layer, q, k, v):
+            k_cache, v_cache = cache.k[layer], cache.v[layer]
             cache.write_next(layer, slots, k.reshape(shape), v.reshape(shape))
             y = kernels.decode_attention(
-                q.reshape(shape), cache.k[layer], cache.v[layer], tables, lengths + 1
+                q.reshape(shape).contiguous(), k_cache, v_cache, tables, seq_lens, validate=False
             )
-            return y.view(B, 1, self.n_embd)
+            return y.view(B, 1, -1)
 
-        logits = self._run(tokens[:, None], lengths[:, None].to(tokens.device), attend)[:, 0]
+        pos = torch.tensor(positions, device=tokens.device)[:, None]
+        logits = self._run(tokens[:, None], pos, attend)[:, 0]
         for s in seq_ids:
             cache.advance(s, 1)
         return logits

@@ -24,29 +24,36 @@ import torch.nn.functional as F
 from torch import nn
 
 from minispeed.inference import kernels
-from minispeed.inference.fused_gpt import Attend, _linear
+from minispeed.inference.fused_gpt import Attend, _linear, _row_parallel
+from minispeed.inference.tensor_parallel import TPContext, column_shard
 
 __all__ = ["FusedLlamaBlock"]
 
 
 class FusedLlamaBlock(nn.Module):
-    """`LlamaDecoderLayer` on the fused kernels (weights shared, or int8 copies)."""
+    """`LlamaDecoderLayer` on the fused kernels (weights shared, or int8 copies).
+
+    With `tp`: H/n query heads and KV/n key/value heads (q, k, v column-parallel), the matching
+    columns of o (row-parallel), F/n rows of gate and up, columns of down (row-parallel).
+    """
 
     is_fused = True
 
     def __init__(
         self, layer: nn.Module, n_head: int, n_kv_head: int, rope_theta: float, max_positions: int,
-        int8: bool = False,
+        int8: bool = False, tp: TPContext | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
         attn, mlp = layer.self_attn, layer.mlp
-        self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, attn.head_dim
+        n = 1 if tp is None else tp.size
+        self.n_head, self.n_kv_head, self.head_dim = n_head // n, n_kv_head // n, attn.head_dim
         self.ln1, self.ln2 = layer.input_layernorm, layer.post_attention_layernorm
-        self.q, self.k, self.v = (_linear(m, int8) for m in (attn.q_proj, attn.k_proj, attn.v_proj))
-        self.o = _linear(attn.o_proj, int8)
-        self.gate, self.up, self.down = (
-            _linear(m, int8) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-        )
+        columns = [attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj]
+        if tp is not None:
+            columns = [column_shard(m, tp) for m in columns]
+        self.q, self.k, self.v, self.gate, self.up = (_linear(m, int8) for m in columns)
+        self.o = _row_parallel(attn.o_proj, int8, tp)
+        self.down = _row_parallel(mlp.down_proj, int8, tp)
         cos, sin = kernels.rotary_tables(max_positions, self.head_dim, rope_theta)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)

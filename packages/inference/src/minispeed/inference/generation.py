@@ -137,19 +137,29 @@ def _generate_recompute(model, prompts, cfg, gens, outputs):
 
 def _generate_cached(model, prompts, cfg, gens, outputs, num_blocks, kv_block_size):
     cache = model.new_cache(num_blocks, kv_block_size)
+    by_length: dict[int, list[int]] = {}  # prompts of one length are prefilled in one forward
     for i, p in enumerate(prompts):
         cache.add_sequence(i)
+        by_length.setdefault(len(p), []).append(i)
+    for ids in by_length.values():
         with ranges.range("inference.prefill"):
-            logits = model.prefill(torch.tensor(p), cache, i)[-1]
-        outputs[i].append(sample_next(logits, cfg, gens[i]))
+            logits = model.prefill_many(torch.tensor([prompts[i] for i in ids]), cache, ids)
+        for row, i in enumerate(ids):
+            outputs[i].append(sample_next(logits[row, -1], cfg, gens[i]))
     live = [i for i in range(len(prompts)) if not _done(cfg, outputs[i])]
     while live:
         with ranges.range("inference.decode"):
             logits = model.decode(torch.tensor([outputs[i][-1] for i in live]), cache, live)
         with ranges.range("inference.sample"):
-            for row, i in enumerate(live):
-                outputs[i].append(sample_next(logits[row], cfg, gens[i]))
-        for i in [i for i in live if _done(cfg, outputs[i])]:
+            if cfg.temperature == 0:  # greedy: one argmax for the batch, one list out
+                for i, token in zip(live, logits.argmax(dim=-1).tolist()):
+                    outputs[i].append(token)
+            else:
+                for row, i in enumerate(live):
+                    outputs[i].append(sample_next(logits[row], cfg, gens[i]))
+        finished = [i for i in live if _done(cfg, outputs[i])]
+        for i in finished:
             cache.free(i)  # its blocks serve no one else in this call, but the pool stays honest
-        live = [i for i in live if not _done(cfg, outputs[i])]
+        if finished:
+            live = [i for i in live if i not in finished]
     return outputs

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from minispeed.inference.fused_gpt import FusedGPTBlock, InferenceGPT
+from minispeed.inference.tensor_parallel import TPConfig, TPContext, check_divides, resolve
 
 __all__ = ["GPTPolicy", "InjectionReport", "init_inference"]
 
@@ -41,11 +42,14 @@ class InjectionReport:
     kept: tuple[str, ...]
     """Qualified names and types of blocks no policy recognised, left unchanged."""
     dtype: torch.dtype
+    tp_size: int = 1
+    """Ranks each fused block is split over (kept blocks run whole on every rank)."""
 
     def __str__(self) -> str:
         kept = ", ".join(self.kept) if self.kept else "none"
+        tp = f", tensor-parallel over {self.tp_size} ranks" if self.tp_size > 1 else ""
         return (
-            f"policy {self.policy} ({self.dtype}): replaced {len(self.replaced)} blocks; "
+            f"policy {self.policy} ({self.dtype}{tp}): replaced {len(self.replaced)} blocks; "
             f"kept unrecognised: {kept}"
         )
 
@@ -81,12 +85,20 @@ class GPTPolicy:
         return model.blocks
 
     @staticmethod
-    def fuse(block: nn.Module, int8: bool, model: nn.Module) -> FusedGPTBlock:
-        return FusedGPTBlock(block, int8=int8)
+    def tp_sizes(model: nn.Module) -> dict[str, int]:
+        """What tensor parallelism cuts: the heads and the MLP's hidden width."""
+        return {"heads (n_head)": model.cfg.n_head, "MLP width (4·n_embd)": 4 * model.cfg.n_embd}
 
     @staticmethod
-    def build(model: nn.Module, blocks: list[nn.Module]) -> InferenceGPT:
-        return InferenceGPT(model.wte, model.wpe, blocks, model.ln_f, model.cfg.n_head)
+    def fuse(block: nn.Module, int8: bool, model: nn.Module, tp: TPContext | None) -> FusedGPTBlock:
+        return FusedGPTBlock(block, int8=int8, tp=tp)
+
+    @staticmethod
+    def build(model: nn.Module, blocks: list[nn.Module], tp: TPContext | None) -> InferenceGPT:
+        c = model.cfg
+        n = 1 if tp is None else tp.size
+        return InferenceGPT(model.wte, model.wpe, blocks, model.ln_f, c.n_head // n,
+                            head_dim=c.n_embd // c.n_head, tp=tp)  # fmt: skip
 
 
 def _conv1d_as_linear(conv: nn.Module) -> nn.Linear:
@@ -133,7 +145,12 @@ class GPT2Policy:
         return model.transformer.h
 
     @staticmethod
-    def fuse(block: nn.Module, int8: bool, model: nn.Module) -> FusedGPTBlock:
+    def tp_sizes(model: nn.Module) -> dict[str, int]:
+        c = model.config
+        return {"heads (n_head)": c.n_head, "MLP width (n_inner)": c.n_inner or 4 * c.n_embd}
+
+    @staticmethod
+    def fuse(block: nn.Module, int8: bool, model: nn.Module, tp: TPContext | None) -> FusedGPTBlock:
         view = SimpleNamespace(
             ln1=block.ln_1,
             ln2=block.ln_2,
@@ -142,14 +159,16 @@ class GPT2Policy:
             mlp=SimpleNamespace(fc=_conv1d_as_linear(block.mlp.c_fc), proj=_conv1d_as_linear(block.mlp.c_proj)),
         )  # fmt: skip
         tanh = type(block.mlp.act).__name__ == "NewGELUActivation"
-        return FusedGPTBlock(view, int8=int8, tanh_gelu=tanh)
+        return FusedGPTBlock(view, int8=int8, tanh_gelu=tanh, tp=tp)
 
     @staticmethod
-    def build(model: nn.Module, blocks: list[nn.Module]) -> InferenceGPT:
-        t = model.transformer
+    def build(model: nn.Module, blocks: list[nn.Module], tp: TPContext | None) -> InferenceGPT:
+        t, c = model.transformer, model.config
         tied = model.lm_head.weight is t.wte.weight
         head = None if tied else model.lm_head.weight
-        return InferenceGPT(t.wte, t.wpe, blocks, t.ln_f, model.config.n_head, head_weight=head)
+        n = 1 if tp is None else tp.size
+        return InferenceGPT(t.wte, t.wpe, blocks, t.ln_f, c.n_head // n, head_weight=head,
+                            head_dim=c.n_embd // c.n_head, tp=tp)  # fmt: skip
 
 
 def _rope_theta(config) -> float:
@@ -190,21 +209,33 @@ class LlamaPolicy:
         return model.model.layers
 
     @staticmethod
-    def fuse(block: nn.Module, int8: bool, model: nn.Module) -> nn.Module:
+    def tp_sizes(model: nn.Module) -> dict[str, int]:
+        c = model.config
+        return {
+            "heads (num_attention_heads)": c.num_attention_heads,
+            "kv heads (num_key_value_heads)": c.num_key_value_heads,
+            "MLP width (intermediate_size)": c.intermediate_size,
+        }
+
+    @staticmethod
+    def fuse(block: nn.Module, int8: bool, model: nn.Module, tp: TPContext | None) -> nn.Module:
         from minispeed.inference.fused_llama import FusedLlamaBlock
 
         c = model.config
         return FusedLlamaBlock(block, c.num_attention_heads, c.num_key_value_heads,
-                               _rope_theta(c), c.max_position_embeddings, int8=int8)  # fmt: skip
+                               _rope_theta(c), c.max_position_embeddings, int8=int8, tp=tp)  # fmt: skip
 
     @staticmethod
-    def build(model: nn.Module, blocks: list[nn.Module]) -> InferenceGPT:
+    def build(model: nn.Module, blocks: list[nn.Module], tp: TPContext | None) -> InferenceGPT:
         m, c = model.model, model.config
         tied = model.lm_head.weight is m.embed_tokens.weight
+        n = 1 if tp is None else tp.size
         return InferenceGPT(
-            m.embed_tokens, None, blocks, m.norm, c.num_attention_heads,
+            m.embed_tokens, None, blocks, m.norm, c.num_attention_heads // n,
             head_weight=None if tied else model.lm_head.weight,
             max_positions=c.max_position_embeddings, rms_final_norm=True,
+            head_dim=blocks[0].head_dim if blocks and hasattr(blocks[0], "head_dim") else None,
+            tp=tp,
         )  # fmt: skip
 
 
@@ -215,12 +246,18 @@ def init_inference(
     model: nn.Module,
     dtype: torch.dtype = torch.float32,
     replace_with_kernel_inject: bool = True,
+    tensor_parallel: dict | int | TPConfig | None = None,
 ) -> tuple[InferenceGPT, InjectionReport]:
     """The inference form of `model` and a report of what changed. The model is put in eval mode.
 
     `dtype`: `torch.float32` (weights shared with `model`, no copy) or `torch.int8` (weight-only:
     each block's four linears become `Int8Linear`, ≈ 4× fewer weight bytes; activations stay fp32).
     `replace_with_kernel_inject=False` keeps every block as it is (eager, no KV cache).
+    `tensor_parallel`: DeepSpeed's section (`{"tp_size": 2}`, optionally `"tp_group"`) or an int:
+    each fused block is split over that many ranks (see `minispeed.inference.tensor_parallel`;
+    collective: every rank of the group calls `init_inference` with the same model). A TP size
+    that does not divide the heads (LLaMA: also the kv heads) or the MLP width is a `ValueError`
+    on every rank, raised before any rank communicates.
     """
     if dtype not in (torch.float32, torch.int8):
         raise TypeError(
@@ -236,14 +273,22 @@ def init_inference(
         )
     if any(p.dtype != torch.float32 for p in model.parameters()):
         raise TypeError("init_inference expects an fp32 model: call model.float() first")
+    tp_cfg = TPConfig.from_ds_config(tensor_parallel)
+    if tp_cfg.tp_size > 1 and not replace_with_kernel_inject:
+        raise ValueError(
+            "tensor_parallel needs the fused blocks: pass replace_with_kernel_inject=True "
+            "(or tensor_parallel=None)"
+        )
+    check_divides(tp_cfg.tp_size, policy.tp_sizes(model))
+    tp = resolve(tp_cfg)  # collective when it builds the TP group
     model.eval()
     blocks, replaced, kept = [], [], []
     for i, block in enumerate(policy.blocks(model)):
         if replace_with_kernel_inject and policy.matches_block(block):
-            blocks.append(policy.fuse(block, dtype == torch.int8, model))
+            blocks.append(policy.fuse(block, dtype == torch.int8, model, tp))
             replaced.append(f"blocks.{i}")
         else:
             blocks.append(block)
             kept.append(f"blocks.{i} ({type(block).__name__})")
-    report = InjectionReport(policy.name, tuple(replaced), tuple(kept), dtype)
-    return policy.build(model, blocks).eval(), report
+    report = InjectionReport(policy.name, tuple(replaced), tuple(kept), dtype, tp_cfg.tp_size)
+    return policy.build(model, blocks, tp).eval(), report

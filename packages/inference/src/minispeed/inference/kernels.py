@@ -5,10 +5,12 @@ as `kernels.reference`) and agree with it to fp32 rounding (summation order diff
 
 - fp32 CPU tensors: the C++ op (`csrc/kernels/kernels.cpp`: AVX-512 / AVX2 / scalar helpers
   chosen by `MINISPEED_SIMD` at build time, OpenMP over rows, GIL released);
-- CUDA tensors: the reference for now (`csrc/kernels/kernels_cuda.cu` holds the CUDA kernels,
-  compiled by core's nvcc test; its binding is not wired up yet);
-- an op that cannot be built, or `MINISPEED_DISABLE_OPS=inference_kernels`: the reference, after
-  one warning.
+- fp32 CUDA tensors on the current device: the CUDA op (`inference_kernels_cuda`:
+  `csrc/kernels/kernels_cuda.cu` with the pybind11 binding `kernels_cuda_binding.cpp`, launched
+  on the current stream; built only where a GPU is present, never run on this project's CPU
+  machines: compile-checked by nvcc only);
+- tensors on mixed devices, an op that cannot be built, or `MINISPEED_DISABLE_OPS=inference_kernels`
+  (`inference_kernels_cuda` for the CUDA op): the reference, after one warning.
 
 Every kernel takes fp32 only (bf16/fp16 inference is not in this cut): another dtype raises a
 `TypeError` that names the fix. Non-contiguous inputs are copied to contiguous first.
@@ -22,23 +24,36 @@ bytes), write RC; `rotary_embedding` (T, H, D): read THD + TD, write THD; `decod
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from minispeed.core.op_builder import OpBuilder, load_or_fallback, ops_disabled
+from minispeed.core.op_builder import (
+    DISABLE_ENV,
+    SIMD_ENV,
+    OpBuilder,
+    load_or_fallback,
+    ops_disabled,
+)
 from minispeed.inference import kernels_reference as reference
 
 __all__ = [
+    "InferenceCudaKernelsBuilder",
     "InferenceKernelsBuilder",
     "bias_gelu",
+    "check_decode_inputs",
     "decode_attention",
     "int8_linear",
     "layer_norm",
+    "load_cuda_op",
     "load_op",
     "masked_softmax",
+    "pinned_op",
     "reference",
     "rms_norm",
     "rotary_embedding",
@@ -57,20 +72,65 @@ class InferenceKernelsBuilder(OpBuilder):
     sources = ("kernels/kernels.cpp", "kernels/sparse_attention.cpp")
 
 
+class InferenceCudaKernelsBuilder(OpBuilder):
+    """The CUDA op: plain-CUDA kernels (`kernels_cuda.cu`) and a host-only pybind11 binding
+    (`kernels_cuda_binding.cpp`), no torch headers; built only where a GPU is present."""
+
+    name = "inference_kernels_cuda"
+    csrc_root = _CSRC
+    sources = ("kernels/kernels_cuda.cu", "kernels/kernels_cuda_binding.cpp")
+    uses_simd = False
+    uses_openmp = False
+
+
 _BUILDER = InferenceKernelsBuilder()
+_CUDA_BUILDER = InferenceCudaKernelsBuilder()
+_CUDA_BY_ENV: dict[str | None, ModuleType | None] = {}  # MINISPEED_DISABLE_OPS -> the CUDA op
 # SIMD level -> loaded module (or None after a failed build). Asking the builder fingerprints its
 # flags (about a millisecond): too slow per kernel call in a decode loop.
 _LOADED: dict[str, ModuleType | None] = {}
+# (MINISPEED_DISABLE_OPS, MINISPEED_SIMD) -> the op in force. See Note [op lookup per call].
+_BY_ENV: dict[tuple[str | None, str | None], ModuleType | None] = {}
+
+_UNSET = object()
+_PINNED: object = _UNSET  # set inside `pinned_op()`: the op every call uses, env unread
+
+# Note [op lookup per call]
+# A decode step calls ~10 kernels per block, so the op lookup sits on the per-token path.
+# Resolving the SIMD level and the disable list parses the environment and the CPU flags (tens
+# of µs). Outside a model forward the answer is cached under the raw values of the two variables
+# (two os.environ reads), so tests that switch levels with monkeypatch.setenv still get the
+# right op. Inside `pinned_op()` (InferenceGPT wraps each forward, prefill and decode step in
+# it) the op is resolved once on entry and every kernel call reads one module global.
+
+
+@contextlib.contextmanager
+def pinned_op() -> Iterator[None]:
+    """Within the block, every kernel call uses the op in force on entry (see Note [op lookup per call])."""
+    global _PINNED
+    previous = _PINNED
+    _PINNED = load_op()
+    try:
+        yield
+    finally:
+        _PINNED = previous
 
 
 def load_op() -> ModuleType | None:
     """The compiled CPU op for the SIMD level in force (`MINISPEED_SIMD`), or `None`: the reference."""
+    if _PINNED is not _UNSET:
+        return _PINNED  # type: ignore[return-value]
+    key = (os.environ.get(DISABLE_ENV), os.environ.get(SIMD_ENV))
+    if key in _BY_ENV:
+        return _BY_ENV[key]
     if ops_disabled(_BUILDER.name):
-        return load_or_fallback(_BUILDER)  # None, after its one warning
-    level = _BUILDER.simd_level().label
-    if level not in _LOADED:
-        _LOADED[level] = load_or_fallback(_BUILDER)
-    return _LOADED[level]
+        _BY_ENV[key] = load_or_fallback(_BUILDER)  # None, after its one warning
+    else:
+        level = _BUILDER.simd_level().label
+        if level not in _LOADED:
+            _LOADED[level] = load_or_fallback(_BUILDER)
+        _BY_ENV[key] = _LOADED[level]
+    return _BY_ENV[key]
 
 
 def _fp32(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -82,11 +142,38 @@ def _fp32(t: torch.Tensor, name: str) -> torch.Tensor:
     return t.detach().contiguous()
 
 
-def _cpu_op(*tensors: torch.Tensor | None) -> ModuleType | None:
-    """The op when every given tensor is on the CPU, else `None` (the reference runs)."""
-    if any(t is not None and t.device.type != "cpu" for t in tensors):
-        return None
-    return load_op()
+def load_cuda_op() -> ModuleType | None:
+    """The compiled CUDA op (`inference_kernels_cuda`), or `None` (no GPU, no nvcc, or disabled:
+    the reference runs, after one warning)."""
+    key = os.environ.get(DISABLE_ENV)
+    if key not in _CUDA_BY_ENV:
+        _CUDA_BY_ENV[key] = load_or_fallback(_CUDA_BUILDER)
+    return _CUDA_BY_ENV[key]
+
+
+def _op(*tensors: torch.Tensor | None) -> tuple[ModuleType | None, tuple[int, ...]]:
+    """`(op, extra)` for a kernel call on `tensors`: the CPU op and `()` when all are on the CPU;
+    the CUDA op and `(stream,)` (the current stream) when all are on the current CUDA device;
+    `(None, ())` otherwise, or when the op is unavailable: the reference runs."""
+    device = None
+    for t in tensors:  # a plain loop: this runs ~10 times per block per decode step
+        if t is None:
+            continue
+        if device is None:
+            device = t.device
+        elif t.device != device:
+            return None, ()
+    if device is None or device.type == "cpu":
+        return load_op(), ()
+    if device.type != "cuda":
+        return None, ()
+    from minispeed.core.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if device.index not in (None, acc.current_device_index()):
+        return None, ()  # another GPU than the current one: the reference handles it
+    op = load_cuda_op()
+    return (op, (acc.current_stream().cuda_stream,)) if op is not None else (None, ())
 
 
 def _p(t: torch.Tensor | None) -> int:
@@ -111,7 +198,7 @@ def _norm(kind, x, weight, bias, eps, residual):
             raise ValueError(
                 f"residual has shape {tuple(residual.shape)} but x {tuple(x.shape)}: they must match"
             )
-    op = _cpu_op(x, weight, bias, residual)
+    op, stream = _op(x, weight, bias, residual)
     if op is None:
         if kind == "rms":
             return reference.rms_norm(x, weight, eps, residual)
@@ -120,10 +207,10 @@ def _norm(kind, x, weight, bias, eps, residual):
     rows = x.numel() // C if C else 0
     if kind == "rms":
         op.rms_norm(x.data_ptr(), _p(residual), weight.data_ptr(), out.data_ptr(), h.data_ptr(),
-                    rows, C, eps)  # fmt: skip
+                    rows, C, eps, *stream)  # fmt: skip
     else:
         op.layer_norm(x.data_ptr(), _p(residual), weight.data_ptr(), _p(bias), out.data_ptr(),
-                      h.data_ptr(), rows, C, eps)  # fmt: skip
+                      h.data_ptr(), rows, C, eps, *stream)  # fmt: skip
     return out, h
 
 
@@ -154,11 +241,11 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     bias = None if bias is None else _fp32(bias, "bias")
     C = x.shape[-1]
     _check_vec(bias, C, "bias")
-    op = _cpu_op(x, bias)
+    op, stream = _op(x, bias)
     if op is None:
         return reference.bias_gelu(x, bias)
     out = torch.empty_like(x)
-    op.bias_gelu(x.data_ptr(), _p(bias), out.data_ptr(), x.numel() // C if C else 0, C)
+    op.bias_gelu(x.data_ptr(), _p(bias), out.data_ptr(), x.numel() // C if C else 0, C, *stream)
     return out
 
 
@@ -180,14 +267,14 @@ def masked_softmax(
                 f"mask of shape {tuple(mask.shape)} does not broadcast to scores "
                 f"{tuple(scores.shape)}"
             ) from None
-    op = _cpu_op(scores, mask)
+    op, stream = _op(scores, mask)
     if op is None:
         return reference.masked_softmax(scores, mask, scale)
     m = None if mask is None else mask.contiguous().view(torch.uint8)
     out = torch.empty_like(scores)
     C = scores.shape[-1]
     op.masked_softmax(scores.data_ptr(), _p(m), out.data_ptr(), scores.numel() // C if C else 0,
-                      C, float(scale))  # fmt: skip
+                      C, float(scale), *stream)  # fmt: skip
     return out
 
 
@@ -212,12 +299,12 @@ def rotary_embedding(
             f"positions must lie in [0, {cos.shape[0]}), got [{int(positions.min())}, "
             f"{int(positions.max())}]: build longer tables"
         )
-    op = _cpu_op(x, cos, positions)
+    op, stream = _op(x, cos, sin, positions)
     if op is None:
         return reference.rotary_embedding(x, positions, cos, sin)
     out = torch.empty_like(x)
     op.rotary(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), out.data_ptr(),
-              T, H, D)  # fmt: skip
+              T, H, D, *stream)  # fmt: skip
     return out
 
 
@@ -228,24 +315,56 @@ def decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float | None = None,
+    validate: bool = True,
 ) -> torch.Tensor:
     """One query token per sequence over its paged KV cache (see Note [paged decode attention]).
 
     `q` `(B, H, D)`; caches `(num_blocks, block_size, H, D)`; `block_tables` `(B, max_blocks)`
     int32 block ids; `seq_lens` `(B,)` valid positions per sequence.
+
+    `validate=False` skips the checks (dtypes, shapes, id ranges: three reductions that each read
+    the tables) for a caller that made the inputs itself and checked them once per decode step,
+    as `InferenceGPT.decode` does for its L layers; `block_tables` and `seq_lens` must then already
+    be contiguous int32 CPU tensors and `q` a contiguous fp32 one.
     """
-    q = _fp32(q, "q")
+    if validate:
+        q = _fp32(q, "q")
+        block_tables, seq_lens = check_decode_inputs(
+            tuple(q.shape), k_cache, v_cache, block_tables, seq_lens
+        )
+    B, H, D = q.shape
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    op, stream = _op(q, k_cache, v_cache, block_tables, seq_lens)
+    if op is None:
+        return reference.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    out = torch.empty_like(q)
+    op.decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                        block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
+                        B, H, D, k_cache.shape[1], block_tables.shape[1], scale,
+                        *stream)  # fmt: skip
+    return out
+
+
+def check_decode_inputs(
+    q_shape: tuple[int, ...],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check `decode_attention`'s inputs for queries of shape `q_shape` `(B, H, D)`; return the
+    tables and lengths as contiguous int32. Raises `TypeError` / `ValueError` naming the problem."""
     if k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32:
         raise TypeError(f"the KV cache must be float32, got {k_cache.dtype}/{v_cache.dtype}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError(
             "k_cache and v_cache must be contiguous (the cache pool allocates them so)"
         )
-    B, H, D = q.shape
+    B, H, D = q_shape
     NB, BS = k_cache.shape[:2]
     if k_cache.shape != (NB, BS, H, D) or v_cache.shape != k_cache.shape:
         raise ValueError(
-            f"caches must be (num_blocks, block_size, {H}, {D}) for q {tuple(q.shape)}, got "
+            f"caches must be (num_blocks, block_size, {H}, {D}) for q {tuple(q_shape)}, got "
             f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
     block_tables = block_tables.detach().to(torch.int32).contiguous()
@@ -260,15 +379,7 @@ def decode_attention(
         raise ValueError(f"a seq_len exceeds max_blocks * block_size = {MB * BS}")
     if block_tables.numel() and (int(block_tables.min()) < 0 or int(block_tables.max()) >= NB):
         raise ValueError(f"block ids must lie in [0, {NB})")
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    op = _cpu_op(q, k_cache)
-    if op is None:
-        return reference.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
-    out = torch.empty_like(q)
-    op.decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                        block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
-                        B, H, D, BS, MB, scale)  # fmt: skip
-    return out
+    return block_tables, seq_lens
 
 
 def int8_linear(
@@ -291,12 +402,12 @@ def int8_linear(
     bias = None if bias is None else _fp32(bias, "bias")
     _check_vec(scales, N, "scales")
     _check_vec(bias, N, "bias")
-    op = _cpu_op(x, weight_q, scales, bias)
+    op, stream = _op(x, weight_q, scales, bias)
     if op is None:
         return reference.int8_linear(x, weight_q, scales, bias)
     weight_q = weight_q.detach().contiguous()
     M = x.numel() // K if K else 0
-    out = torch.empty(*x.shape[:-1], N, dtype=torch.float32)
+    out = torch.empty(*x.shape[:-1], N, dtype=torch.float32, device=x.device)
     op.int8_linear(x.data_ptr(), weight_q.data_ptr(), scales.data_ptr(), _p(bias), out.data_ptr(),
-                   M, N, K)  # fmt: skip
+                   M, N, K, *stream)  # fmt: skip
     return out

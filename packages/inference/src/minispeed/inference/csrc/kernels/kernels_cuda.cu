@@ -1,14 +1,17 @@
 // minispeed.inference's fused kernels in CUDA, fp32: the same contracts as kernels.cpp (see the
 // reference in minispeed/inference/kernels_reference.py). Plain CUDA with extern "C" launchers
 // taking raw pointers and a stream, no torch headers (see Note [raw pointers, no torch headers]
-// in kernels.cpp). This cut compiles them (core's nvcc test, sm_80 and sm_90); the Python binding
-// that would launch them is not wired up yet, so CUDA tensors run the PyTorch reference.
+// in kernels.cpp). Declared in kernels_cuda.h; bound to Python by kernels_cuda_binding.cpp (the
+// `inference_kernels_cuda` op, built only where a GPU is present). Compiled on every machine with
+// nvcc by core's test (sm_80 and sm_90); the binding is compile-checked by this package's tests.
 //
 // Launch shapes: one block per row (norms, softmax, bias+GeLU), one block per (sequence, head)
 // for decode attention, one warp per output for the int8 linear. Row reductions use warp
 // shuffles then one shared-memory pass across warps.
 
 #include <cuda_runtime.h>
+
+#include "kernels_cuda.h"
 
 #include <cmath>
 #include <cstdint>

@@ -1,0 +1,242 @@
+"""Tensor parallelism for inference: each block's attention and MLP split over a TP group of n ranks.
+
+The Megatron split. Rank r of n keeps:
+
+- **attention, column-parallel by heads**: the rows of W_q, W_k, W_v (GPT's fused `qkv`: rows of
+  each of its three parts) for heads `[r·H/n, (r+1)·H/n)`; it attends over those heads only,
+  so its KV cache holds H/n heads (LLaMA: KV/n key/value heads, grouped-query attention stays
+  local because head h reads kv head `h // (H/KV)` and both ranges are cut at the same place);
+- **attention output, row-parallel**: the columns of W_o that read those heads: each rank's
+  product is a partial sum of the output, summed by one all-reduce, then the bias is added once;
+- **MLP**: W_fc (and LLaMA's gate and up) column-parallel (rows `[r·F/n, (r+1)·F/n)` with their
+  bias slice; GeLU / SiLU are elementwise, so they run on the slice), W_proj (down) row-parallel:
+  one all-reduce, then the bias.
+
+Norms, embeddings and the output head stay whole on every rank (replicated), so every rank ends
+with the same logits and samples the same tokens.
+
+```text
+                x (B, T, C), the same on every rank
+                        │  LayerNorm 1 (replicated)
+          ┌─────────────┴─────────────┐
+   qkv rows, heads 0..H/n-1     qkv rows, heads H/n..2H/n-1        column-parallel (no comm)
+   attention + KV cache (H/n)   attention + KV cache (H/n)
+   W_o columns of its heads     W_o columns of its heads           row-parallel: partial sums
+          └──────── all-reduce (sum) ─┘ + bias + x                 all-reduce #1 of the block
+                        │  LayerNorm 2 (replicated)
+          ┌─────────────┴─────────────┐
+   fc rows F/n, GeLU            fc rows F/n, GeLU                  column-parallel
+   proj columns F/n             proj columns F/n                   row-parallel
+          └──────── all-reduce (sum) ─┘ + bias + h                 all-reduce #2 of the block
+```
+
+Costs, with L blocks, width C, n ranks, fp32:
+
+- all-reduces per forward of M tokens (a prefill of T tokens: M = T; a decode step of B sequences:
+  M = B): `2·L`, each of `4·M·C` bytes; a ring sends `2(n−1)/n · 4·M·C` bytes per rank for each
+  (`allreduce_cost`);
+- weight bytes per rank: each block's linears / n (plus the replicated norms, the row-parallel
+  biases, the embeddings and the head); KV cache bytes per rank: 1/n of TP=1's.
+
+The group comes from `minispeed.comm` (an optional dependency: `pip install
+minispeed-inference[tp]`): a `ProcessGrid` with axes `("data", "tensor")` built over the world,
+or a group handle / `ProcessGrid` the caller passes as `tp_group`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "RowParallelLinear",
+    "TPConfig",
+    "TPContext",
+    "allreduce_cost",
+    "check_divides",
+    "column_shard",
+    "resolve",
+    "row_shard",
+]
+
+_KEYS = ("enabled", "tp_size", "tp_group")
+
+
+@dataclass(frozen=True)
+class TPConfig:
+    """`init_inference(tensor_parallel=...)`: DeepSpeed's `tensor_parallel` section, or an int."""
+
+    tp_size: int = 1
+    """Ranks that split each block (1: no tensor parallelism)."""
+    tp_group: Any = None
+    """None: a `("data", "tensor")` `ProcessGrid` over the world is built (collective: every rank
+    calls `init_inference`); or a process group from `minispeed.comm.new_group`, or a `ProcessGrid`
+    with a `"tensor"` (or `"model"`) axis."""
+
+    def __post_init__(self) -> None:
+        n = self.tp_size
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"tensor_parallel tp_size must be an int >= 1, got {n!r}")
+
+    @classmethod
+    def from_ds_config(cls, section: Any) -> TPConfig:
+        """From `None`, an int (the TP size), a `TPConfig`, or a dict with DeepSpeed's keys
+        `tp_size`, `enabled` (False means tp_size 1) and `tp_group`; other keys are errors."""
+        if section is None:
+            return cls()
+        if isinstance(section, cls):
+            return section
+        if isinstance(section, int) and not isinstance(section, bool):
+            return cls(tp_size=section)
+        if not isinstance(section, dict):
+            raise TypeError(
+                f"tensor_parallel must be an int or a dict like {{'tp_size': 2}}, got "
+                f"{type(section).__name__}"
+            )
+        unknown = sorted(set(section) - set(_KEYS))
+        if unknown:
+            raise ValueError(
+                f"tensor_parallel: unknown keys {unknown}; supported: {list(_KEYS)} "
+                "(e.g. {'tp_size': 2})"
+            )
+        if not section.get("enabled", True):
+            return cls()
+        return cls(tp_size=section.get("tp_size", 1), tp_group=section.get("tp_group"))
+
+
+@dataclass(frozen=True)
+class TPContext:
+    """This rank's place in the TP group: `rank` of `size`, and the group to all-reduce over."""
+
+    rank: int
+    size: int
+    group: Any = None
+
+
+def check_divides(tp_size: int, sizes: dict[str, int]) -> None:
+    """Raise a `ValueError` naming each of `sizes` (heads, kv heads, MLP width) `tp_size` does not divide.
+
+    Called before any group is built: every rank reaches the same verdict without talking.
+    """
+    bad = {name: v for name, v in sizes.items() if v % tp_size}
+    if bad:
+        name, value = next(iter(bad.items()))
+        ok = [d for d in range(1, value + 1) if all(v % d == 0 for v in sizes.values())]
+        raise ValueError(
+            f"tensor_parallel tp_size={tp_size} does not divide the model's {name} ({value})"
+            + "".join(f", nor its {k} ({v})" for k, v in list(bad.items())[1:])
+            + f": each rank must hold whole heads and an equal share; pick tp_size among {ok}"
+        )
+
+
+def resolve(cfg: TPConfig) -> TPContext | None:
+    """The `TPContext` of this rank (collective when it builds a grid), or None for tp_size 1."""
+    n = cfg.tp_size
+    if n == 1 and cfg.tp_group is None:
+        return None
+    try:
+        import minispeed.comm as comm
+    except ImportError:
+        raise ImportError(
+            "tensor_parallel needs minispeed.comm: pip install minispeed-inference[tp]"
+        ) from None
+    if not comm.is_initialized():
+        raise RuntimeError(
+            f"tensor_parallel tp_size={n} needs a process group: call "
+            "minispeed.comm.init_distributed() on every rank first (or launch with torchrun)"
+        )
+    group = cfg.tp_group
+    if group is None:
+        world = comm.get_world_size()
+        if world % n:
+            raise ValueError(
+                f"tensor_parallel tp_size={n} does not tile the world of {world} ranks; pick a "
+                f"divisor of {world}: {[d for d in range(1, world + 1) if world % d == 0]}"
+            )
+        grid = comm.ProcessGrid(comm.ProcessTopology(("data", "tensor"), (world // n, n)))
+        return TPContext(grid.rank_in("tensor"), n, grid.group("tensor"))
+    if isinstance(group, comm.ProcessGrid):
+        axes = group.topology.axes
+        axis = "tensor" if "tensor" in axes else "model" if "model" in axes else None
+        if axis is None:
+            raise ValueError(
+                f"tensor_parallel tp_group is a ProcessGrid with axes {list(axes)}: it needs a "
+                "'tensor' (or 'model') axis"
+            )
+        rank, size, handle = group.rank_in(axis), group.size(axis), group.group(axis)
+    else:
+        rank, size, handle = comm.get_rank(group), comm.get_world_size(group), group
+        if rank < 0:
+            raise ValueError("tensor_parallel tp_group does not contain this rank")
+    if size != n:
+        raise ValueError(
+            f"tensor_parallel tp_size={n} but the given tp_group has {size} ranks: make them equal"
+        )
+    return TPContext(rank, size, handle)
+
+
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t.contiguous(), requires_grad=False)
+
+
+def column_shard(linear: nn.Linear, tp: TPContext, parts: int = 1) -> nn.Linear:
+    """This rank's output rows of `linear` (a copy): W `(N, K)` cut into `parts` equal parts
+    (GPT's fused qkv: 3), each cut in `tp.size`; chunk `tp.rank` of each, concatenated.
+
+    Bytes kept: 4·N·K / n (+ 4·N / n of bias)."""
+
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p.chunk(tp.size, 0)[tp.rank] for p in t.detach().chunk(parts, 0)])
+
+    w = pick(linear.weight)
+    out = nn.Linear(w.shape[1], w.shape[0], bias=linear.bias is not None, device="meta")
+    out.weight = _param(w)
+    if linear.bias is not None:
+        out.bias = _param(pick(linear.bias))
+    return out
+
+
+def row_shard(linear: nn.Linear, tp: TPContext) -> nn.Linear:
+    """This rank's input columns of `linear` (a copy), without the bias (`RowParallelLinear` adds
+    it once, after the all-reduce). Bytes kept: 4·N·K / n."""
+    w = linear.weight.detach().chunk(tp.size, 1)[tp.rank]
+    out = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+    out.weight = _param(w)
+    return out
+
+
+class RowParallelLinear(nn.Module):
+    """`all_reduce(local(x)) + bias`: the row-parallel half of a split, one all-reduce per call.
+
+    `local` is this rank's column slice (an `nn.Linear` or `Int8Linear`, bias-free): its output is
+    a partial sum over the inputs this rank holds. Sends `2(n−1)/n · 4·M·N` bytes per rank for an
+    `(M, N)` output.
+    """
+
+    def __init__(self, local: nn.Module, bias: torch.Tensor | None, tp: TPContext) -> None:
+        super().__init__()
+        import minispeed.comm as comm
+
+        self._all_reduce = comm.all_reduce
+        self.local = local
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.group = tp.group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.local(x)
+        self._all_reduce(y, group=self.group)
+        return y if self.bias is None else y.add_(self.bias)
+
+
+def allreduce_cost(n_layer: int, width: int, tokens: int, tp_size: int) -> tuple[int, int, int]:
+    """`(calls, message bytes, wire bytes per rank)` of one TP forward over `tokens` positions.
+
+    `calls = 2·L` (attention out and MLP out of each block), each message `4·tokens·C` bytes
+    (fp32), a ring sending `2(n−1)/n` of it per rank.
+    """
+    calls = 2 * n_layer
+    msg = calls * 4 * tokens * width
+    return calls, msg, msg * 2 * (tp_size - 1) // tp_size
