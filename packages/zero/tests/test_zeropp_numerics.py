@@ -111,3 +111,18 @@ def test_two_hop_quantized_reduce_scatter_stays_within_its_bound_int8():
 
 def test_two_hop_quantized_reduce_scatter_stays_within_its_bound_int4():
     _check_two_hop_bound(4)
+
+
+def _one_rank_body(rank: int, world_size: int) -> dict:
+    emulate_nodes(1)
+    out = {}
+    for combo in (PLAIN, (True, False, True)):
+        model, opt = build(combo)
+        out[combo] = train(model, opt, rank, world_size, 3)[0]
+    return out
+
+
+def test_one_rank_quantizes_nothing():
+    """With one rank nothing travels, so qwZ and qgZ have nothing to quantize: plain stage 3."""
+    (result,) = run_distributed(_one_rank_body, world_size=1, timeout_s=120)
+    assert result[(True, False, True)] == result[PLAIN]

@@ -216,9 +216,9 @@ class ZeroPP:
         self.weights = (
             BlockQuantizer(8, config.quant_block_numel) if config.quantized_weights else None
         )
-        self.grads = (
+        self.grads = (  # with one rank there is nothing to reduce: the plain path copies
             BlockQuantizer(config.quantized_gradient_bits, config.quant_block_numel)
-            if config.quantized_gradients
+            if config.quantized_gradients and self.layout is not None
             else None
         )
         self.hpz = config.hpz_partition_size > 1 and self.layout is not None
