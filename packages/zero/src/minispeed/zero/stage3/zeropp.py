@@ -131,7 +131,7 @@ def check_zeropp(config: ZeroConfig, group: Any, numels: Sequence[int], param_by
     if config.quantized_weights:
         _check_block_pays(config, world, numels, param_bytes)
     if config.quantized_gradients and world > 1:
-        _check_all_to_all(env_node)
+        _check_all_to_all()
     return env_node
 
 
@@ -154,7 +154,7 @@ def _check_block_pays(config: ZeroConfig, world: int, numels: Sequence[int], p: 
         )
 
 
-def _check_all_to_all(node_size: int) -> None:
+def _check_all_to_all() -> None:
     """qgZ's hops are all-to-alls: probe one on the world; a backend without it is refused."""
     probe = torch.zeros(comm.get_world_size(), dtype=torch.float32)
     backend_error: Exception | None = None
