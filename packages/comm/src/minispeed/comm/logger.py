@@ -77,6 +77,9 @@ class CommRecord:
     """Value of the logger's step counter when the call was issued (see `CommsLogger.mark_step`)."""
     impl: str = "native"
     """`"native"`, or the fallback that replaced an op the backend lacks (e.g. `"all_reduce+slice"`)."""
+    ranks: tuple[int, ...] = ()
+    """Global ranks of the group the call ran on (`()` when unknown): tells which links a call
+    used, e.g. whether it crossed a node boundary (`minispeed.zero.stage3.zeropp_ledger`)."""
 
 
 class CommsLogger:
@@ -119,6 +122,7 @@ class CommsLogger:
         async_op: bool = False,
         step: int | None = None,
         impl: str = "native",
+        ranks: tuple[int, ...] = (),
     ) -> CommRecord:
         """Append one record, deriving algbw and busbw from the latency."""
         algbw = msg_bytes / latency_s if latency_s > 0 else 0.0
@@ -136,6 +140,7 @@ class CommsLogger:
             async_op=async_op,
             step=self.step if step is None else step,
             impl=impl,
+            ranks=ranks,
         )
         self.records.append(rec)
         return rec

@@ -122,6 +122,7 @@ class Call:
             async_op=async_op,
             step=self.step,
             impl=self.impl,
+            ranks=tuple(validation.group_ranks(self.group)),
         )
 
     def error(self, err: BaseException) -> validation.CommError:

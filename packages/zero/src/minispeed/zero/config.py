@@ -116,6 +116,24 @@ class ZeroConfig:
     checks nothing, so a divergence hangs until the collective timeout. The environment
     variable `MINISPEED_ZERO3_TRACE_CHECK` overrides it for one run."""
 
+    # -- ZeRO++ (stage 3 only; read by minispeed.zero.stage3.zeropp) -----------------------------
+    quantized_weights: bool = False
+    """qwZ: stage 3's parameter all-gathers send int8 block-quantized shards; the fp32/bf16
+    masters stay exact, the gathered copy is dequantized (DeepSpeed `zero_quantized_weights`)."""
+    hpz_partition_size: int = 1
+    """hpZ: keep a secondary copy of each parameter split over this many ranks of one node, so
+    backward's all-gather stays inside the node; 1 = off. Must equal the node size
+    (`LOCAL_WORLD_SIZE`) and divide the world (DeepSpeed `zero_hpz_partition_size`)."""
+    quantized_gradients: bool = False
+    """qgZ: gradients reduce-scattered in int8 (or `quantized_gradient_bits=4`) through a
+    two-hop all-to-all, inside each node then across nodes (DeepSpeed
+    `zero_quantized_gradients`)."""
+    quant_block_numel: int = 256
+    """ZeRO++: elements sharing one fp32 scale in qwZ and qgZ (our own setting, no DeepSpeed key):
+    a power of two, at least 8."""
+    quantized_gradient_bits: int = 8
+    """qgZ: 8 (int8) or 4 (int4) bits per gradient element on the wire (our own setting)."""
+
     def bucket_numel(self, element_size: int) -> int:
         """Elements per gradient bucket as planned: `reduce_bucket_numel`, at most
         `BUCKET_CAP_BYTES` of `element_size`-byte elements (Note [bucket sizes are upper bounds])."""
@@ -165,6 +183,7 @@ class ZeroConfig:
             raise ValueError(
                 f"ZeroConfig.max_grad_norm must be >= 0 (0 disables clipping), got {self.max_grad_norm}"
             )
+        _check_zeropp_fields(self)
 
     @classmethod
     def from_ds_config(cls, ds_config: dict[str, Any]) -> ZeroConfig:
@@ -228,6 +247,34 @@ class ZeroConfig:
         return cls(**kwargs)
 
 
+def _check_zeropp_fields(cfg: ZeroConfig) -> None:
+    """The ZeRO++ fields alone; what depends on the world and the model is checked at shard()
+    (stage3/zeropp.py)."""
+    on = cfg.quantized_weights or cfg.quantized_gradients or cfg.hpz_partition_size != 1
+    if on and cfg.stage != 3:
+        raise ValueError(
+            f"ZeRO++ (zero_quantized_weights / zero_hpz_partition_size / zero_quantized_gradients) "
+            f"partitions stage 3's parameter and gradient traffic, but stage={cfg.stage}; set "
+            f"stage to 3 or remove the ZeRO++ keys"
+        )
+    if cfg.hpz_partition_size < 1:
+        raise ValueError(
+            f"ZeroConfig.hpz_partition_size (zero_hpz_partition_size) must be >= 1 (1 = off), got "
+            f"{cfg.hpz_partition_size}; use the number of ranks per node"
+        )
+    b = cfg.quant_block_numel
+    if b < 8 or b & (b - 1):
+        raise ValueError(
+            f"ZeroConfig.quant_block_numel (the block of zero_quantized_weights / "
+            f"zero_quantized_gradients) must be a power of two >= 8, got {b}: other sizes split "
+            f"rows of power-of-two hidden sizes unevenly; use 256 (the default) or 64"
+        )
+    if cfg.quantized_gradient_bits not in (8, 4):
+        raise ValueError(
+            f"ZeroConfig.quantized_gradient_bits must be 8 or 4, got {cfg.quantized_gradient_bits}"
+        )
+
+
 def _as_number(value: Any, key: str) -> Any:
     """DeepSpeed configs often write sizes as floats (`5e8`); accept integral floats for ints."""
     if isinstance(value, float) and value.is_integer() and key not in ("gradient_clipping",):
@@ -252,6 +299,9 @@ _DS_KEYS = {
     "stage3_max_reuse_distance": "stage3_max_reuse_distance_numel",
     "stage3_gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
     "sub_group_size": "sub_group_numel",
+    "zero_quantized_weights": "quantized_weights",
+    "zero_hpz_partition_size": "hpz_partition_size",
+    "zero_quantized_gradients": "quantized_gradients",
 }
 # DeepSpeed keys we accept only at the one value we implement.
 _DS_FIXED = {

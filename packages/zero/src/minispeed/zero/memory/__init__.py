@@ -9,6 +9,7 @@ from minispeed.zero.memory.estimate import MemoryEstimate, estimate
 from minispeed.zero.memory.formulas import (
     GiB,
     ModelStateBytes,
+    hpz_secondary_bytes,
     minispeed_state_bytes,
     model_state_bytes,
     optimizer_bytes_per_param,
@@ -29,6 +30,7 @@ __all__ = [
     "MemoryEstimate",
     "ModelStateBytes",
     "estimate",
+    "hpz_secondary_bytes",
     "ledger_table",
     "measure",
     "minispeed_state_bytes",

@@ -46,6 +46,7 @@ __all__ = [
     "MASTER_BYTES",
     "GiB",
     "ModelStateBytes",
+    "hpz_secondary_bytes",
     "minispeed_state_bytes",
     "model_state_bytes",
     "optimizer_bytes_per_param",
@@ -194,3 +195,27 @@ def minispeed_state_bytes(
     if stage == 3:  # difference 2
         params += param_bytes * partition_numel(persistent_params, world_size)
     return ModelStateBytes(stage, world_size, params, paper.grads, paper.optimizer)
+
+
+def hpz_secondary_bytes(
+    numels: list[int] | tuple[int, ...],
+    world_size: int,
+    hpz_partition_size: int,
+    *,
+    param_bytes: int,
+    persistence_threshold_numel: int,
+) -> int:
+    """ZeRO++ hpZ's secondary partition, per rank: ``Σ (N/k)·ceil(n/N)·p`` over the
+    non-persistent parameters (k = ``hpz_partition_size``; ``≈ Ψ·p/k``, padding aside).
+
+    Each rank keeps, besides its ``1/N`` primary shard, a ``1/k`` slice of every parameter so that
+    backward gathers inside its node (stage3/zeropp.py). 0 when hpZ is off (k = 1).
+    """
+    if hpz_partition_size <= 1:
+        return 0
+    per = world_size // hpz_partition_size
+    return sum(
+        per * partition_numel(n, world_size) * param_bytes
+        for n in numels
+        if n > persistence_threshold_numel
+    )

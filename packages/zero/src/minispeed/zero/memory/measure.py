@@ -37,6 +37,7 @@ from torch import nn
 from minispeed.zero.memory.formulas import (
     MASTER_BYTES,
     ModelStateBytes,
+    hpz_secondary_bytes,
     minispeed_state_bytes,
     optimizer_bytes_per_param,
 )
@@ -195,7 +196,7 @@ def predict(opt: Any) -> ModelStateBytes:
     if stage == 3:
         threshold = opt.config.stage3_param_persistence_threshold_numel
         persistent = sum(n for n in numels.values() if n <= threshold)
-    return minispeed_state_bytes(
+    got = minispeed_state_bytes(
         sum(numels.values()),
         _world_size(opt),
         stage,
@@ -204,6 +205,18 @@ def predict(opt: Any) -> ModelStateBytes:
         state_bytes=optimizer_bytes_per_param(opt.optimizer) - MASTER_BYTES,
         persistent_params=persistent,
     )
+    if stage == 3 and opt.config.hpz_partition_size > 1:  # ZeRO++ hpZ's secondary partition
+        secondary = hpz_secondary_bytes(
+            list(numels.values()),
+            _world_size(opt),
+            opt.config.hpz_partition_size,
+            param_bytes=opt.precision.param_dtype.itemsize,
+            persistence_threshold_numel=opt.config.stage3_param_persistence_threshold_numel,
+        )
+        got = ModelStateBytes(
+            stage, got.world_size, got.params + secondary, got.grads, got.optimizer
+        )
+    return got
 
 
 def padding_allowance(opt: Any) -> ModelStateBytes:

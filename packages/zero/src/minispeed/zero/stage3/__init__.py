@@ -16,7 +16,8 @@ first four below:
    caught (`FetchOrderError`) instead of hanging;
 7. `init` — `Init` (build a model already partitioned), `GatheredParameters` (full values for
    user code), `full_state_dict`, `set_leaf_module` (fetch a subtree at once); `access` — why
-   reading a released parameter raises; `ledger` — bytes per step, as a formula.
+   reading a released parameter raises; `ledger` — bytes per step, as a formula;
+8. `zeropp` (qwZ, hpZ), `zeropp_grads` (qgZ) and `zeropp_ledger` — ZeRO++.
 
 The life of one parameter, with a measured trace, is in docs/packages/zero-stage3.md.
 """
@@ -33,6 +34,14 @@ from minispeed.zero.stage3.ledger import Stage3StepBytes, stage3_step_bytes
 from minispeed.zero.stage3.params import REGISTRY, FetchUnit, ParamState, ShardedParam
 from minispeed.zero.stage3.strategy import Stage3Strategy
 from minispeed.zero.stage3.trace import FetchOrderError, TraceCheck
+from minispeed.zero.stage3.zeropp import ZeroPP
+from minispeed.zero.stage3.zeropp_ledger import (
+    ZeroPPStepBytes,
+    axis_of,
+    bytes_by_axis,
+    cross_node_bytes,
+    zeropp_step_bytes,
+)
 
 __all__ = [
     "REGISTRY",
@@ -46,8 +55,14 @@ __all__ = [
     "Stage3StepBytes",
     "Stage3Strategy",
     "TraceCheck",
+    "ZeroPP",
+    "ZeroPPStepBytes",
+    "axis_of",
+    "bytes_by_axis",
+    "cross_node_bytes",
     "full_state_dict",
     "is_leaf_module",
     "set_leaf_module",
     "stage3_step_bytes",
+    "zeropp_step_bytes",
 ]

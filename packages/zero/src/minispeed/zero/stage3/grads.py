@@ -83,6 +83,7 @@ class GradShardReducer:
         grad_dtype: torch.dtype,
         overlap: bool,
         position: dict[ShardedParam, int] | None = None,
+        reduce_scatter: Any = None,
     ) -> None:
         self.group = group
         self.world_size = comm.get_world_size(group)
@@ -90,6 +91,8 @@ class GradShardReducer:
         self.bucket_numel = bucket_numel
         self.grad_dtype = grad_dtype
         self.overlap = overlap
+        # comm.reduce_scatter_tensor, or ZeRO++'s quantized two-hop one (stage3/zeropp_grads.py)
+        self.reduce_scatter = reduce_scatter or comm.reduce_scatter_tensor
         # A frozen parameter never gets a gradient and is never reduced.
         sps = [sp for sp in sps if sp.param.requires_grad]
         self._by_param: dict[nn.Parameter, ShardedParam] = {sp.param: sp for sp in sps}
@@ -153,7 +156,7 @@ class GradShardReducer:
         # In place: this rank's row of the input receives the reduced row (Note [in-place flat
         # collectives], comm/api_compat.py), so a bucket in flight holds N·cols elements, not more.
         with ranges.range("zero3.reduce_scatter"):
-            work = comm.reduce_scatter_tensor(
+            work = self.reduce_scatter(
                 staged[self.rank], staged.view(-1), group=self.group, async_op=self.overlap
             )
         return InFlight(work, lambda: self._deliver(staged, offsets), (staged,))

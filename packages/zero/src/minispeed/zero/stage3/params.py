@@ -181,6 +181,8 @@ class ShardedParam:
         # SHARDED. Note [why storage is resized, not replaced].
         self._full: torch.Tensor | None = None
         self._work: Any = None  # the in-flight all-gather, while GATHERING
+        # ZeRO++ (stage3/zeropp.py) gathers this parameter when set; held weakly as the coordinator.
+        self._zeropp: weakref.ref | None = None
         param.data = shard.new_empty(0)  # born SHARDED (Note [why .data is swapped])
 
     @property
@@ -196,6 +198,15 @@ class ShardedParam:
     @coordinator.setter
     def coordinator(self, coordinator: Any) -> None:
         self._coordinator = None if coordinator is None else weakref.ref(coordinator)
+
+    @property
+    def zeropp(self) -> Any:
+        """The `ZeroPP` that gathers this parameter (quantized / node-local), or None (plain)."""
+        return None if self._zeropp is None else self._zeropp()
+
+    @zeropp.setter
+    def zeropp(self, zeropp: Any) -> None:
+        self._zeropp = None if zeropp is None else weakref.ref(zeropp)
 
     @property
     def param(self) -> nn.Parameter:
@@ -383,6 +394,9 @@ def all_gather_params(sps: Sequence[ShardedParam], async_op: bool = False) -> An
 
 
 def _all_gather(todo: list[ShardedParam], async_op: bool) -> Any:
+    zeropp = todo[0].zeropp
+    if zeropp is not None:  # ZeRO++: quantized and/or node-local gathers (stage3/zeropp.py)
+        return zeropp.all_gather(todo, async_op)
     group = todo[0].group
     # Into each parameter's own 1D buffer (N*s, rank-major): the storage autograd's saved views
     # share (Note [why storage is resized, not replaced]). See Note [a prefetch holds one copy].

@@ -8,7 +8,8 @@
 3. persistent parameters (``numel <= stage3_param_persistence_threshold_numel``) gathered for good;
 4. fetch units (one per module owning parameters; a whole subtree for a leaf module), the
    coordinator, the module hooks and the attribute guards;
-5. gradient hooks: reduce-scatter into fp32 gradient shards.
+5. ZeRO++ when configured (zeropp.py): quantized / node-local gathers, quantized gradients;
+6. gradient hooks: reduce-scatter into fp32 gradient shards.
 
 Per rank (Ψ parameters, N ranks, p/g bytes per parameter/gradient element, K = 8 for Adam's
 state): ``Ψ/N·(p + 4 + g + K)`` kept (padding: < 1 element per parameter per rank; ``4`` is the
@@ -44,6 +45,7 @@ from minispeed.zero.stage3.params import (
     refresh_gathered,
 )
 from minispeed.zero.stage3.trace import TraceCheck
+from minispeed.zero.stage3.zeropp import ZeroPP, check_zeropp, zeropp_enabled
 
 __all__ = ["Stage3Strategy"]
 
@@ -69,6 +71,10 @@ class Stage3Strategy:
         self.world_size = comm.get_world_size(group)
         self.rank = comm.get_rank(group)
         self.groups = [list(ps) for ps in param_groups]  # the optimizer's param groups
+        node_size = 0  # ZeRO++ (stage3/zeropp.py): its errors come before any collective
+        if zeropp_enabled(config):
+            numels = [REGISTRY[p].numel if p in REGISTRY else p.numel() for p in model.parameters()]
+            node_size = check_zeropp(config, group, numels, precision.param_dtype.itemsize)
 
         # 1. one ShardedParam per unique parameter (named_parameters() lists a tied one once).
         self.sharded: dict[nn.Parameter, ShardedParam] = {}
@@ -123,7 +129,12 @@ class Stage3Strategy:
             if dict.__len__(module._parameters):
                 guard_module(module, check_access, name or type(module).__name__)
 
-        # 5. gradients.
+        # 5. ZeRO++ (optional): quantized / node-local gathers, quantized gradients.
+        self.zeropp = (
+            ZeroPP(config, list(self.sharded.values()), node_size, model) if node_size else None
+        )
+
+        # 6. gradients.
         position = {self.sharded[p]: k for k, p in enumerate(model.parameters())}
         self.reducer = GradShardReducer(
             self.trained,
@@ -132,6 +143,9 @@ class Stage3Strategy:
             grad_dtype=precision.grad_accum_dtype,
             overlap=config.overlap_comm,
             position=position,
+            reduce_scatter=self.zeropp.reduce_scatter
+            if self.zeropp and self.zeropp.grads
+            else None,
         )
 
     # -- ShardStrategy ------------------------------------------------------------------------------
@@ -194,6 +208,8 @@ class Stage3Strategy:
             sp.coordinator = None
             REGISTRY.pop(sp.param, None)
         self.reducer.remove()
+        if self.zeropp is not None:
+            self.zeropp.remove()
         for h in self._handles:
             h.remove()
         self._handles.clear()
