@@ -215,6 +215,20 @@ class SwappedTensor:
         self._move((SwapState.IN_BUFFER,), SwapState.SWAPPING_OUT)
         self.request = request
 
+    def to_filled(self, index: int) -> None:
+        """The caller wrote the current value into pool buffer ``index`` (no read): the file is
+        stale until the swap-out that must follow."""
+        self._move((SwapState.NEW, SwapState.ON_DISK), SwapState.IN_BUFFER)
+        self.buffer_index, self.request = index, None
+
+    def to_discarded(self) -> int:
+        """IN_BUFFER -> ON_DISK without a write (the buffer was only read, so the file is current);
+        returns the freed buffer index."""
+        self._move((SwapState.IN_BUFFER,), SwapState.ON_DISK)
+        index, self.buffer_index = self.buffer_index, None
+        assert index is not None
+        return index
+
     def to_on_disk(self) -> int:
         """Back on disk; returns the buffer index it held (now free)."""
         self._move((SwapState.SWAPPING_OUT,), SwapState.ON_DISK)
@@ -324,6 +338,19 @@ class TensorSwapper:
         self.bytes_written += nbytes
         self._writing.remove(st)
         self.pool.free.append(st.to_on_disk())
+
+    def write(self, st: SwappedTensor, values: torch.Tensor) -> None:
+        """Start writing ``values`` (``st.numel`` elements) to ``st``'s file through a pool buffer,
+        without reading the file first (a tensor overwritten whole, e.g. a parameter shard)."""
+        index = self._acquire()
+        self.pool.buffers[index][: st.numel].copy_(values.reshape(-1))
+        st.to_filled(index)
+        self.swap_out(st)
+
+    def release(self, st: SwappedTensor) -> None:
+        """Free ``st``'s buffer without writing it back: only for a buffer that was read and not
+        changed since (its file is current)."""
+        self.pool.free.append(st.to_discarded())
 
     def wait_all(self) -> None:
         """Finish every swap-out in flight."""
