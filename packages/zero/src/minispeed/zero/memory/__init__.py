@@ -2,7 +2,8 @@
 
 Reading order: ``formulas.py`` (the ZeRO paper's formulas and minispeed's two named
 differences, written once), ``estimate.py`` (which stages fit: a table), ``measure.py`` (count
-what a live optimizer and model hold, beside the formula).
+what a live optimizer and model hold, beside the formula), ``offload.py`` (what offload moved to
+swap files and pools).
 """
 
 from minispeed.zero.memory.estimate import MemoryEstimate, estimate
@@ -22,15 +23,18 @@ from minispeed.zero.memory.measure import (
     padding_allowance,
     predict,
 )
+from minispeed.zero.memory.offload import OffloadBytes, measure_offload, predict_offload
 
 __all__ = [
     "GiB",
     "MeasuredBytes",
     "MemoryEstimate",
     "ModelStateBytes",
+    "OffloadBytes",
     "estimate",
     "ledger_table",
     "measure",
+    "measure_offload",
     "minispeed_state_bytes",
     "model_state_bytes",
     "optimizer_bytes_per_param",
@@ -38,4 +42,5 @@ __all__ = [
     "padding_elements",
     "partition_numel",
     "predict",
+    "predict_offload",
 ]
