@@ -6,6 +6,8 @@ uses (nothing persistent, small prefetch and live budgets), on 2 ranks.
 - `param nvme + optimizer cpu`: after every step each shard is out of memory (0 elements) and
   its swap file was read at every fetch;
 - `param cpu + optimizer nvme`: the optimizer states go through their files every step.
+- bf16: with shards in swap files (bf16 buffers) training is bit-identical to the same run
+  with the shards in memory, and each file holds exactly bf16(master).
 Needs the `[offload]` extra; skipped without it.
 """
 
@@ -79,6 +81,45 @@ def _train(rank: int, world_size: int, nvme_path: str) -> dict:
         )
         opt.close()  # collective: gathers every parameter back (reads every shard once more)
     return out
+
+
+def _bf16(rank: int, world_size: int, nvme_path: str) -> dict:
+    out = {}
+    for case in ("in_memory", "nvme"):
+        section = {**RELEASE, "offload_optimizer": {"device": "cpu"}}
+        if case == "nvme":
+            section["offload_param"] = {"device": "nvme", "nvme_path": nvme_path}
+        model = make_model()
+        opt = zero.shard(
+            model,
+            torch.optim.AdamW(model.parameters(), lr=LR),
+            config=zero.ZeroConfig.from_ds_config({"zero_optimization": section}),
+            precision=zero.MixedPrecision(param_dtype=torch.bfloat16),
+        )
+        losses = []
+        for batch in make_batches(4, GLOBAL_BATCH):
+            loss = model(*rank_slice(batch, rank, world_size))
+            losses.append(global_loss(loss, world_size))
+            opt.backward(loss)
+            opt.step()
+        if case == "nvme":  # each file holds bf16(master) of the last step
+            home = opt.strategy.param_home
+            home.swapper.wait_all()  # the last step's writes
+            for sp in opt.strategy.offloaded:
+                st = home.files[id(sp)]
+                home.swapper.swap_in(st)
+                stored = home.swapper.wait_in(st).clone()
+                home.swapper.release(st)
+                assert stored.dtype == torch.bfloat16
+                assert torch.equal(stored, sp.master.to(torch.bfloat16)), sp.name
+        out[case] = losses
+    return out
+
+
+def test_bf16_shards_in_files_train_bit_identically(tmp_path) -> None:
+    results = run_distributed(_bf16, world_size=2, args=(str(tmp_path),), timeout_s=240)
+    for res in results:
+        assert res["nvme"] == res["in_memory"]
 
 
 def test_offloaded_stage3_losses_match_pytorch(tmp_path) -> None:
