@@ -23,7 +23,13 @@ from minispeed.zero.memory.measure import (
     padding_allowance,
     predict,
 )
-from minispeed.zero.memory.offload import OffloadBytes, measure_offload, predict_offload
+from minispeed.zero.memory.offload import (
+    OffloadBytes,
+    Placement,
+    measure_offload,
+    offload_placement,
+    predict_offload,
+)
 
 __all__ = [
     "GiB",
@@ -31,12 +37,14 @@ __all__ = [
     "MemoryEstimate",
     "ModelStateBytes",
     "OffloadBytes",
+    "Placement",
     "estimate",
     "ledger_table",
     "measure",
     "measure_offload",
     "minispeed_state_bytes",
     "model_state_bytes",
+    "offload_placement",
     "optimizer_bytes_per_param",
     "padding_allowance",
     "padding_elements",

@@ -90,3 +90,86 @@ def measure_offload(opt: Any) -> OffloadBytes:
 
     pool = sum(s.pool.nbytes for s in (opt_swapper, param_swapper) if s is not None)
     return OffloadBytes(on_disk(opt_swapper), on_disk(param_swapper), pool)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Per-rank model-state bytes by where they live (the estimator's offload columns)."""
+
+    accelerator: int
+    host: int
+    files: int
+
+    @property
+    def total(self) -> int:
+        return self.accelerator + self.host + self.files
+
+
+def offload_placement(
+    num_params: int,
+    world_size: int,
+    stage: int,
+    *,
+    param_bytes: int = 2,
+    grad_bytes: int = 2,
+    state_bytes: int = 8,
+    offload_optimizer: str = "none",
+    offload_param: str = "none",
+    persistent_params: int = 0,
+) -> Placement:
+    """Where minispeed's stage ``stage`` keeps each model-state byte with the given offload
+    devices, on a machine whose accelerator is not host memory (a GPU), as built today.
+
+    Starts from `formulas.minispeed_state_bytes` and moves columns (s = ceil(Ψ/N), p, g, S):
+
+    - ``offload_optimizer`` cpu: host gets the fp32 masters 4s, a gradient copy 4s and the
+      states S·s; the accelerator keeps params, grads and, for 16-bit, the strategy's own fp32
+      master partition 4s (`offload_bridge.HostMasters` copies between the two);
+    - ``offload_optimizer`` nvme: the same, with S·s in files instead of host memory;
+    - ``offload_param`` cpu / nvme (stage 3): the non-persistent shards p·(s - persistent/N)
+      go to host memory / files; an fp32 master stops aliasing its shard and stays with the
+      optimizer (host with ``offload_optimizer``, else the accelerator).
+
+    Swap buffer pools (``buffer_count`` buffers) come on top, in host memory; so do gathered
+    parameters, activations and buckets, on the accelerator.
+    """
+    from minispeed.zero.memory.formulas import minispeed_state_bytes, partition_numel
+
+    for key, device in (("offload_optimizer", offload_optimizer), ("offload_param", offload_param)):
+        if device not in ("none", "cpu", "nvme"):
+            raise ValueError(f"{key} must be 'none', 'cpu' or 'nvme', got {device!r}")
+    if offload_optimizer != "none" and stage == 0:
+        raise ValueError("offload_optimizer needs stage 1, 2 or 3")
+    if offload_param != "none" and stage != 3:
+        raise ValueError("offload_param needs stage 3")
+    row = minispeed_state_bytes(
+        num_params,
+        world_size,
+        stage,
+        param_bytes=param_bytes,
+        grad_bytes=grad_bytes,
+        state_bytes=state_bytes,
+        persistent_params=persistent_params,
+    )
+    s = partition_numel(num_params, world_size)
+    states = state_bytes * s
+    master = row.optimizer - states  # the strategy's fp32 master: 4s for 16-bit, 0 when aliased
+    acc, host, files = row.params + row.grads, 0, 0
+    if offload_param != "none":
+        moved = param_bytes * (s - partition_numel(persistent_params, world_size))
+        acc -= moved
+        if offload_param == "cpu":
+            host += moved
+        else:
+            files += moved
+        if param_bytes == 4:
+            master = 4 * s  # the fp32 master no longer aliases the shard
+    acc += master
+    if offload_optimizer == "none":
+        return Placement(acc + states, host, files)
+    host += 4 * s + 4 * s  # host masters + host gradient copy
+    if offload_optimizer == "cpu":
+        host += states
+    else:
+        files += states
+    return Placement(acc, host, files)
