@@ -14,6 +14,7 @@ import torch
 from stage012_testlib import max_relative_error, reference_run, zero_run
 
 import minispeed.zero as zero
+import minispeed.zero.offload_bridge as bridge
 from minispeed.core.testing import run_distributed
 
 offload = pytest.importorskip("minispeed.offload")
@@ -37,12 +38,15 @@ def ds_configs(stage: int, nvme_path: str) -> list[dict]:
         },
         "aio": {"block_size": 65536, "queue_depth": 2, "thread_count": 1},
     }
-    return [cpu, nvme]
+    return [cpu, nvme, cpu]  # the last one with host copies (see _train)
 
 
 def _train(rank: int, world_size: int, stage: int, nvme_path: str):
     out = []
-    for ds in ds_configs(stage, nvme_path):
+    for k, ds in enumerate(ds_configs(stage, nvme_path)):
+        # The third run keeps separate host masters and gradient copies, as on a GPU: gradients
+        # copied down after the reduction, masters copied up before the all-gather.
+        bridge.ALWAYS_COPY = k == 2
         config = zero.ZeroConfig.from_ds_config(ds)
         losses, _, opt = zero_run(rank, world_size, "adamw", config)
         inner = opt.optimizer
@@ -51,6 +55,15 @@ def _train(rank: int, world_size: int, stage: int, nvme_path: str):
         out.append((losses, type(inner).__name__, moved, opt.global_step))
         if swapped:
             inner.close()
+        copies = not opt.strategy.aliased
+        assert copies == (k == 2)
+        if copies:  # the CPU Adam stepped host tensors distinct from the strategy's masters
+            sizes = [m.numel() for m in opt.strategy.master_params()[0]]
+            i = sizes.index(max(sizes))  # a fragment this rank holds (some are empty)
+            host = opt.strategy.master_params()[0][i]
+            device = opt.strategy.strategy.master_params()[0][i]
+            assert host.data_ptr() != device.data_ptr() and torch.equal(host, device)
+    bridge.ALWAYS_COPY = False
     return out
 
 

@@ -147,6 +147,11 @@ def wants_param_offload(config: Any) -> bool:
 # unchanged and copies nothing, so offload there costs exactly the optimizer swap.
 
 
+#: Tests only: keep separate host copies even when the strategy's masters are host tensors, so
+#: that a CPU machine runs the copy-down / copy-up path a GPU takes.
+ALWAYS_COPY = False
+
+
 class HostMasters:
     """A `ShardStrategy` whose `master_params` / `master_grads` are fp32 host tensors.
 
@@ -158,7 +163,8 @@ class HostMasters:
     def __init__(self, strategy: Any, pin_memory: bool) -> None:
         self._inner = strategy
         self._device_masters = strategy.master_params()
-        self.aliased = all(m.device.type == "cpu" for ms in self._device_masters for m in ms)
+        on_host = all(m.device.type == "cpu" for ms in self._device_masters for m in ms)
+        self.aliased = on_host and not ALWAYS_COPY
         if self.aliased:
             self._masters = self._device_masters
             self._grads: list[list[torch.Tensor]] | None = None
