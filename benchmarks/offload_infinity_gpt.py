@@ -5,7 +5,8 @@ Run (not part of CI; validated only at small sizes on the shared development mac
     .venv/bin/python benchmarks/offload_infinity_gpt.py --params 5M --steps 4 --dir /tmp/nvme
 
 One process (a single-rank group) trains a GPT of about ``--params`` parameters with
-``zero.shard`` at stage 3, bf16 parameters, AdamW, and
+``zero.shard`` at stage 3, AdamW (fp32 parameters by default: ``--dtype bfloat16`` for 16-bit
+ones, whose matmuls are slow on CPUs without AVX-512 BF16), and
 
     offload_param:     {device: nvme, nvme_path: --dir}   (parameter shards in swap files)
     offload_optimizer: {device: nvme, nvme_path: --dir}   (Adam's exp_avg / exp_avg_sq in files)
@@ -45,7 +46,7 @@ def peak():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
 
-target, steps, nvme = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+target, steps, nvme, dtype = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 torch.manual_seed(0)
 comm.init_distributed()
 vocab, block = 512, 64
@@ -91,7 +92,7 @@ section = {
 }
 opt = zero.shard(model, torch.optim.AdamW(model.parameters(), lr=3e-3),
                  config=zero.ZeroConfig.from_ds_config({"zero_optimization": section}),
-                 precision=zero.MixedPrecision(param_dtype=torch.bfloat16))
+                 precision=zero.MixedPrecision(param_dtype=getattr(torch, dtype)))
 g = torch.Generator().manual_seed(1)
 data = torch.randint(0, vocab, (8, block + 1), generator=g)  # one batch, learned over the steps
 idx, tgt = data[:, :-1], data[:, 1:]
@@ -155,11 +156,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="nvme_path (swap files)")
     parser.add_argument("--dd-mib", type=int, default=256, help="MiB for the dd probe")
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"],
+        help="parameter dtype (bf16 matmuls are slow on CPUs without AVX-512 BF16)",
+    )  # fmt: skip
     args = parser.parse_args()
     write_rate, read_rate = dd_rates(args.dir, args.dd_mib)
     out = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(WORKER), str(_size(args.params)), str(args.steps),
-         args.dir],
+         args.dir, args.dtype],
         capture_output=True, text=True,
     )  # fmt: skip
     if out.returncode != 0:
