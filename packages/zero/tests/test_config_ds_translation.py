@@ -78,7 +78,10 @@ def test_unknown_key_is_named() -> None:
             {"allgather_partitions": False},
             "allgather_partitions=False is not supported.*set it to True",
         ),
-        ({"offload_optimizer": {"device": "cpu"}}, "minispeed.offload"),
+        (
+            {"offload_optimizer": {"device": "cpu"}},
+            "offload_optimizer.device=.cpu. needs stage 1, 2 or 3",
+        ),
         ({"stage": 4}, "stage must be 0, 1, 2 or 3"),
         ({"stage": "2"}, "stage must be int"),
         ({"overlap_comm": 1}, "overlap_comm must be bool"),

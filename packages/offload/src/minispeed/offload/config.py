@@ -8,10 +8,10 @@ error that names it and the closest known key; a value we cannot honour is an er
 the key and the fix.
 
 Who reads what: `AioConfig` drives `minispeed.offload.aio.AsyncIO`;
-`OffloadOptimizerConfig` drives `minispeed.offload.swapped.SwappedOptimizer` (and,
-later, ``minispeed.zero`` stages 1-2); `OffloadParamConfig` sizes a
-`minispeed.offload.swapper.TensorSwapper` for parameter partitions (ZeRO-3's
-``offload_param``; the stage-3 wiring belongs to ``minispeed.zero``).
+`OffloadOptimizerConfig` drives `minispeed.offload.swapped.SwappedOptimizer` (and, through
+``minispeed.zero``'s offload bridge, stages 1-3); `OffloadParamConfig` sizes the
+`minispeed.offload.swapper.TensorSwapper` that holds ZeRO-3's parameter shards
+(``minispeed.zero.stage3.offloaded``).
 """
 
 from __future__ import annotations

@@ -24,8 +24,9 @@ checkpoint moves between this, `minispeed.offload.optimizers.CPUAdam` and torch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -144,7 +145,10 @@ class SwappedOptimizer(CPUAdam):
             with torch.enable_grad():
                 loss = closure()
         out_of = write_back_by_param(self, write_back)
-        sw, cfg, parts = self.swapper, self.config, self.partitions
+        sw, cfg = self.swapper, self.config
+        # Only partitions with a gradient are read and written: a caller stepping a few
+        # sub-groups per call (minispeed.zero's sub_group_size) moves only those.
+        parts = [p for p in self.partitions if any(q.grad is not None for q in p.params)]
         with ranges.range("offload.swapped_step"):
             if cfg.pipeline_read and parts:
                 sw.swap_in(parts[0].swap)
@@ -198,36 +202,61 @@ class SwappedOptimizer(CPUAdam):
                 )
 
     # -- checkpoints in torch.optim.Adam's format ------------------------------------------------
+    def _materialize(self) -> None:
+        """Copy ``exp_avg``/``exp_avg_sq`` of every stepped partition from the files into ``state``."""
+        for part in self.partitions:
+            stepped = ["step" in self.state[p] for p in part.params]  # never stepped: no state
+            if not any(stepped):
+                continue
+            self.swapper.swap_in(part.swap)
+            ms, vs = self._views(part, self.swapper.wait_in(part.swap))
+            for p, m, v, has in zip(part.params, ms, vs, stepped):
+                if has:
+                    self.state[p].update(exp_avg=m.clone(), exp_avg_sq=v.clone())
+            self.swapper.release(part.swap)  # only read: the file is still current
+
     def state_dict(self) -> dict[str, Any]:
         """torch.optim.Adam's format; ``exp_avg``/``exp_avg_sq`` are copies read from the files."""
         saved = {p: dict(s) for p, s in self.state.items()}
         try:
-            for part in self.partitions:
-                if "step" not in self.state[part.params[0]]:
-                    continue  # never stepped: no state, as in torch
-                self.swapper.swap_in(part.swap)
-                ms, vs = self._views(part, self.swapper.wait_in(part.swap))
-                for p, m, v in zip(part.params, ms, vs):
-                    self.state[p].update(exp_avg=m.clone(), exp_avg_sq=v.clone())
-                self.swapper.swap_out(part.swap)  # unchanged, but frees the buffer in order
-                self.swapper.wait_out(part.swap)
+            self._materialize()
             return super().state_dict()
         finally:
             self.state.clear()
             self.state.update(saved)
 
+    @contextlib.contextmanager
+    def states_in_memory(self) -> Iterator[SwappedOptimizer]:
+        """Inside, ``state[p]`` holds ``exp_avg``/``exp_avg_sq`` as torch.optim.Adam's does (copies
+        read from the files: 8 B per parameter of host memory, for the duration), for code that
+        reads or fills ``state`` directly (minispeed.zero's checkpoints). On exit the states
+        present are written back to the files (`absorb_states`), so changes made inside persist.
+        """
+        self._materialize()
+        try:
+            yield self
+        finally:
+            self.absorb_states()
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch.optim.Adam's (or CPUAdam's) format; the states are written to the files."""
         super().load_state_dict(state_dict)
+        self.absorb_states()
+
+    def absorb_states(self) -> None:
+        """Move every ``exp_avg``/``exp_avg_sq`` found in ``state`` into the files (and out of
+        ``state``); the other parameters of its partition keep what their file holds."""
         for part in self.partitions:
-            if not all(all(k in self.state[p] for k in _STATES) for p in part.params):
+            present = [all(k in self.state[p] for k in _STATES) for p in part.params]
+            if not any(present):
                 continue
             self.swapper.swap_in(part.swap)
             ms, vs = self._views(part, self.swapper.wait_in(part.swap))
-            for p, m, v in zip(part.params, ms, vs):
-                state = self.state[p]
-                m.copy_(state.pop("exp_avg"))
-                v.copy_(state.pop("exp_avg_sq"))
+            for p, m, v, has in zip(part.params, ms, vs, present):
+                if has:
+                    state = self.state[p]
+                    m.copy_(state.pop("exp_avg"))
+                    v.copy_(state.pop("exp_avg_sq"))
             self.swapper.swap_out(part.swap)
             self.swapper.wait_out(part.swap)
 

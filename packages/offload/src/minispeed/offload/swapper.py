@@ -18,6 +18,7 @@ import enum
 import fcntl
 import os
 import shutil
+import time
 import weakref
 from collections import deque
 from pathlib import Path
@@ -52,13 +53,23 @@ def _check_writable_dir(path: Path, key: str) -> None:
         )
 
 
+def _age(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
 def clean_stale(root: Path) -> list[Path]:
     """Remove swap directories under ``root`` whose owning process is gone; returns them.
 
     See Note [stale swap files]. Logs one line per directory removed (files and bytes freed).
     """
     removed = []
-    for d in sorted(root.glob(_PREFIX + "*")):
+    # A half-built directory (SwapDir.__init__ died before renaming it) is stale once it is a
+    # minute old; a younger one may be a live process between mkdir and flock.
+    building = [d for d in root.glob(".building-" + _PREFIX + "*") if _age(d) > 60]
+    for d in sorted(root.glob(_PREFIX + "*")) + building:
         lock = d / _LOCK
         try:
             fd = os.open(lock, os.O_RDWR)
@@ -100,16 +111,24 @@ class SwapDir:
         root_path = Path(root)
         _check_writable_dir(root_path, key)
         clean_stale(root_path)
+        # The directory is built under a name clean_stale() does not look at, locked, and only
+        # then renamed into place: another process starting at the same moment (the other ranks
+        # of this job) can never find it unlocked and remove it as stale.
         while True:  # a fresh name (a leftover with a reused pid and no lock file is skipped)
             SwapDir._count += 1
-            self.path = root_path / f"{_PREFIX}{os.getpid()}-{SwapDir._count}"
+            name = f"{_PREFIX}{os.getpid()}-{SwapDir._count}"
+            self.path = root_path / name
+            building = root_path / f".building-{name}"
+            if self.path.exists():
+                continue
             try:
-                self.path.mkdir()
+                building.mkdir()
                 break
             except FileExistsError:
                 continue
-        self._lock_fd = os.open(self.path / _LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        self._lock_fd = os.open(building / _LOCK, os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(building, self.path)  # the open lock fd follows the directory
         # Runs on close(), on garbage collection, and at interpreter exit (weakref.finalize is atexit-aware).
         self._finalizer = weakref.finalize(self, SwapDir._remove, self.path, self._lock_fd)
 
@@ -214,6 +233,20 @@ class SwappedTensor:
     def to_swapping_out(self, request: IORequest) -> None:
         self._move((SwapState.IN_BUFFER,), SwapState.SWAPPING_OUT)
         self.request = request
+
+    def to_filled(self, index: int) -> None:
+        """The caller wrote the current value into pool buffer ``index`` (no read): the file is
+        stale until the swap-out that must follow."""
+        self._move((SwapState.NEW, SwapState.ON_DISK), SwapState.IN_BUFFER)
+        self.buffer_index, self.request = index, None
+
+    def to_discarded(self) -> int:
+        """IN_BUFFER -> ON_DISK without a write (the buffer was only read, so the file is current);
+        returns the freed buffer index."""
+        self._move((SwapState.IN_BUFFER,), SwapState.ON_DISK)
+        index, self.buffer_index = self.buffer_index, None
+        assert index is not None
+        return index
 
     def to_on_disk(self) -> int:
         """Back on disk; returns the buffer index it held (now free)."""
@@ -324,6 +357,19 @@ class TensorSwapper:
         self.bytes_written += nbytes
         self._writing.remove(st)
         self.pool.free.append(st.to_on_disk())
+
+    def write(self, st: SwappedTensor, values: torch.Tensor) -> None:
+        """Start writing ``values`` (``st.numel`` elements) to ``st``'s file through a pool buffer,
+        without reading the file first (a tensor overwritten whole, e.g. a parameter shard)."""
+        index = self._acquire()
+        self.pool.buffers[index][: st.numel].copy_(values.reshape(-1))
+        st.to_filled(index)
+        self.swap_out(st)
+
+    def release(self, st: SwappedTensor) -> None:
+        """Free ``st``'s buffer without writing it back: only for a buffer that was read and not
+        changed since (its file is current)."""
+        self.pool.free.append(st.to_discarded())
 
     def wait_all(self) -> None:
         """Finish every swap-out in flight."""

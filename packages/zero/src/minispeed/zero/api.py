@@ -86,6 +86,11 @@ def shard(
         strategy = PartitionedStrategy(model, config, precision, group, param_groups=param_groups)
     else:
         strategy = Stage3Strategy(model, config, precision, group, param_groups=param_groups)
+    if config.offload_optimizer is not None or config.offload_param is not None:
+        # Lazy: minispeed.offload is an optional extra (Note [offload is imported lazily]).
+        from minispeed.zero.offload_bridge import apply_offload
+
+        strategy, optimizer = apply_offload(strategy, optimizer, config)
     _cast_rest(model, {p for ps in param_groups for p in ps}, precision.param_dtype, config.stage)
     _sharded_models.add(model)
     names = param_names(model)

@@ -134,6 +134,20 @@ class ZeroConfig:
     quantized_gradient_bits: int = 8
     """qgZ: 8 (int8) or 4 (int4) bits per gradient element on the wire (our own setting)."""
 
+    # -- offload (needs minispeed-offload: `pip install packages/zero[offload]`) ----------------
+    offload_optimizer: Any = None
+    """`None`, or a `minispeed.offload.OffloadOptimizerConfig` with device `cpu` or `nvme`
+    (DeepSpeed `offload_optimizer`): fp32 masters and optimizer states on the host, stepped
+    by the CPU Adam; with `nvme` the states live in swap files. Stages 1-3. See
+    `minispeed.zero.offload_bridge`."""
+    offload_param: Any = None
+    """`None`, or a `minispeed.offload.OffloadParamConfig` with device `cpu` or `nvme`
+    (DeepSpeed `offload_param`, ZeRO-Infinity): stage 3's parameter shards live off the
+    accelerator (host memory or swap files) and are fetched before each all-gather. Stage 3."""
+    aio: Any = None
+    """`None` (defaults), or a `minispeed.offload.AioConfig` (DeepSpeed top-level `aio`): how
+    swap files are read and written when a device is `nvme`."""
+
     def bucket_numel(self, element_size: int) -> int:
         """Elements per gradient bucket as planned: `reduce_bucket_numel`, at most
         `BUCKET_CAP_BYTES` of `element_size`-byte elements (Note [bucket sizes are upper bounds])."""
@@ -142,7 +156,13 @@ class ZeroConfig:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            expected = {"int": int, "bool": bool, "float": (int, float), "str": str}[str(f.type)]
+            expected = {
+                "int": int,
+                "bool": bool,
+                "float": (int, float),
+                "str": str,
+                "Any": object,  # offload sections: checked by check_offload below
+            }[str(f.type)]
             # bool is an int subclass: refuse True where a number is meant, and 1 where a flag is.
             if isinstance(value, bool) != (expected is bool) or not isinstance(value, expected):
                 raise TypeError(
@@ -184,6 +204,11 @@ class ZeroConfig:
                 f"ZeroConfig.max_grad_norm must be >= 0 (0 disables clipping), got {self.max_grad_norm}"
             )
         _check_zeropp_fields(self)
+        if self.offload_optimizer is not None or self.offload_param is not None:
+            # Lazy: no offload import unless a section asks for it.
+            from minispeed.zero.offload_bridge import check_offload
+
+            check_offload(self)
 
     @classmethod
     def from_ds_config(cls, ds_config: dict[str, Any]) -> ZeroConfig:
@@ -214,13 +239,7 @@ class ZeroConfig:
                     f"zero_optimization.{key}={section[key]!r} is not supported by minispeed.zero; "
                     f"set it to {allowed!r} or remove it"
                 )
-        for key in _DS_OFFLOAD:
-            device = (section.get(key) or {}).get("device", "none")
-            if device not in ("none", None):
-                raise ValueError(
-                    f"zero_optimization.{key}.device={device!r}: ZeroConfig does not offload; "
-                    f"configure offloading with minispeed.offload, or set device to 'none'"
-                )
+        offload = {key: section.pop(key) for key in _DS_OFFLOAD if key in section}
         for old, new in _DS_ALIASES.items():
             if old in section:
                 if new in section and section[new] != section[old]:
@@ -244,6 +263,10 @@ class ZeroConfig:
             kwargs["max_grad_norm"] = float(
                 _as_number(ds_config["gradient_clipping"], "gradient_clipping")
             )
+        if any((s or {}).get("device") not in (None, "none") for s in offload.values()):
+            from minispeed.zero.offload_bridge import offload_from_ds_config  # lazy: see there
+
+            kwargs.update(offload_from_ds_config(offload, ds_config.get("aio")))
         return cls(**kwargs)
 
 
@@ -283,7 +306,7 @@ def _as_number(value: Any, key: str) -> Any:
 
 
 # The top-level ds_config keys ZeroConfig.from_ds_config reads.
-_DS_SECTIONS = {"zero_optimization", "gradient_accumulation_steps", "gradient_clipping"}
+_DS_SECTIONS = {"zero_optimization", "gradient_accumulation_steps", "gradient_clipping", "aio"}
 # DeepSpeed key -> our field. Each translation happens here and nowhere else.
 _DS_KEYS = {
     "stage": "stage",

@@ -17,6 +17,7 @@ so ``torch.save`` never writes the whole flat storage a slice views).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -212,7 +213,10 @@ def _write_shards(
     weights: list[tuple[str, int, torch.Tensor]] = []
     moments: dict[str, list[tuple[str, int, torch.Tensor]]] = {}  # state key -> pieces
     scalars: dict[tuple[str, int], dict[str, Any]] = {}
-    with torch.no_grad():
+    # offload_optimizer nvme: the states are in swap files; this reads them into `state` for the
+    # loop below (offload's SwappedOptimizer.states_in_memory; other optimizers have none).
+    resident = getattr(inner, "states_in_memory", contextlib.nullcontext)
+    with torch.no_grad(), resident():
         for name, start, numel in owned:
             f = by_name[name]
             master = inner.param_groups[f.group]["params"][f.master_index]

@@ -2,7 +2,8 @@
 
 Reading order: ``formulas.py`` (the ZeRO paper's formulas and minispeed's two named
 differences, written once), ``estimate.py`` (which stages fit: a table), ``measure.py`` (count
-what a live optimizer and model hold, beside the formula).
+what a live optimizer and model hold, beside the formula), ``offload.py`` (what offload moved to
+swap files and pools).
 """
 
 from minispeed.zero.memory.estimate import MemoryEstimate, estimate
@@ -23,21 +24,33 @@ from minispeed.zero.memory.measure import (
     padding_allowance,
     predict,
 )
+from minispeed.zero.memory.offload import (
+    OffloadBytes,
+    Placement,
+    measure_offload,
+    offload_placement,
+    predict_offload,
+)
 
 __all__ = [
     "GiB",
     "MeasuredBytes",
     "MemoryEstimate",
     "ModelStateBytes",
+    "OffloadBytes",
+    "Placement",
     "estimate",
     "hpz_secondary_bytes",
     "ledger_table",
     "measure",
+    "measure_offload",
     "minispeed_state_bytes",
     "model_state_bytes",
+    "offload_placement",
     "optimizer_bytes_per_param",
     "padding_allowance",
     "padding_elements",
     "partition_numel",
     "predict",
+    "predict_offload",
 ]

@@ -253,4 +253,13 @@ def ledger_table(opt: Any, model: nn.Module):
     ):
         table.add_row(name, f"{a:,}", f"{b:,}", f"{b / a:.4f}" if a else "-")
     table.add_row("other (buffers, flags)", "-", f"{got.other:,}", "-")
+    if opt.config.offload_optimizer is not None or opt.config.offload_param is not None:
+        from minispeed.zero.memory.offload import measure_offload, predict_offload
+
+        po, mo = predict_offload(opt), measure_offload(opt)
+        for name, a, b in (
+            ("in swap files (offload)", po.files, mo.files),
+            ("swap pools (host)", po.pool, mo.pool),
+        ):
+            table.add_row(name, f"{a:,}", f"{b:,}", f"{b / a:.4f}" if a else "-")
     return table

@@ -183,6 +183,10 @@ class ShardedParam:
         self._work: Any = None  # the in-flight all-gather, while GATHERING
         # ZeRO++ (stage3/zeropp.py) gathers this parameter when set; held weakly as the coordinator.
         self._zeropp: weakref.ref | None = None
+        # Where the shard lives while released, or None (always here): ZeRO-Infinity's
+        # offload_param (stage3/offloaded.py). Hooks: fetch in all_gather_params, release in
+        # to_gathered, fetch/store/release in load_full.
+        self.residency: Any = None
         param.data = shard.new_empty(0)  # born SHARDED (Note [why .data is swapped])
 
     @property
@@ -277,6 +281,8 @@ class ShardedParam:
             )
         self.param.data = self._full[: self.numel].view(self.shape)
         self.state = ParamState.GATHERED
+        if self.residency is not None:  # the gathered buffer holds it now: drop the shard
+            self.residency.release(self)
 
     def _add_hold(self, delta: int) -> None:
         """Only for FetchUnit.hold / unhold: an unmatched release is a bug, never clamped."""
@@ -296,7 +302,12 @@ class ShardedParam:
         self._full[: self.numel].copy_(values)
         self.param.data = self._full[: self.numel].view(self.shape)  # user code may have swapped it
         mine = values.reshape(-1)[self.start : self.start + self.owned_numel]
+        if self.residency is not None:
+            self.residency.fetch(self)
         self.shard[: self.owned_numel].copy_(mine)
+        if self.residency is not None:
+            self.residency.store(self)
+            self.residency.release(self)
         if self.master is not None and self.master is not self.shard:
             self.master[: self.owned_numel].copy_(mine)
 
@@ -389,6 +400,9 @@ def all_gather_params(sps: Sequence[ShardedParam], async_op: bool = False) -> An
     todo = [sp for sp in sps if sp.state is ParamState.SHARDED]
     if not todo:
         return None
+    for sp in todo:  # offload_param: bring the shard back first (stage3/offloaded.py)
+        if sp.residency is not None:
+            sp.residency.fetch(sp)
     with ranges.range("zero3.gather"):
         return _all_gather(todo, async_op)
 

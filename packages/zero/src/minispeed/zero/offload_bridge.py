@@ -1,0 +1,276 @@
+"""ZeRO-Offload and ZeRO-Infinity: where `minispeed.zero` hands its states to `minispeed.offload`.
+
+`minispeed.offload` is an optional extra (`pip install packages/zero[offload]`): nothing here
+imports it until a config asks for a device other than `none` (Note [offload is imported
+lazily]). Three pieces, applied by `zero.shard` in this order:
+
+1. `offload_from_ds_config` / `check_offload`: DeepSpeed's `offload_optimizer`,
+   `offload_param` and `aio` sections become offload's typed configs on `ZeroConfig`;
+2. `HostMasters`: a `ShardStrategy` wrapper whose masters and master gradients are host
+   tensors (aliases of the strategy's own where those already live on the CPU);
+3. `host_optimizer`: the user's Adam/AdamW replaced by offload's CPU Adam (`device: cpu`) or
+   its `SwappedOptimizer` (`device: nvme`) over those host masters, same hyper-parameters.
+
+Stage 3's `offload_param` lives in `minispeed.zero.stage3.offloaded` (shards in host memory or
+swap files, fetched before each all-gather).
+
+Where each byte lives, per rank (Ψ parameters, N ranks, p bytes per 16-bit parameter; Adam):
+
+| mode                      | accelerator            | host                         | files      |
+|---------------------------|------------------------|------------------------------|------------|
+| no offload (stage 2)      | 2Ψ + 2Ψ/N + 12Ψ/N      | -                            | -          |
+| offload_optimizer cpu     | 2Ψ + 2Ψ/N              | 4Ψ/N + 4Ψ/N (grad) + 8Ψ/N    | -          |
+| offload_optimizer nvme    | 2Ψ + 2Ψ/N              | 8Ψ/N + pool                  | 8Ψ/N       |
+| + offload_param (stage 3) | gathered units only    | p·Ψ/N (cpu) or pool (nvme)   | p·Ψ/N      |
+
+(pool = `buffer_count` buffers; see `minispeed.offload.swapper.BufferPool`.) Bytes moved per
+step with `offload_optimizer`: the gradient partition down (4Ψ/N) and the master partition
+up (4Ψ/N) over the host link; with `nvme`, 8Ψ/N read and 8Ψ/N written on the disk.
+On a CPU-only machine the "accelerator" is host memory: the masters are not copied at all,
+only the optimizer (CPU Adam) and where the states live (memory or files) change.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+from minispeed.core import ranges
+from minispeed.core.accelerator import get_accelerator
+
+__all__ = [
+    "OFFLOAD_INSTALL_HINT",
+    "HostMasters",
+    "check_offload",
+    "host_optimizer",
+    "import_offload",
+    "offload_from_ds_config",
+]
+
+OFFLOAD_INSTALL_HINT = "pip install packages/zero[offload]"
+
+# Note [offload is imported lazily]
+# ARCHITECTURE.md: zero <- offload is an optional extra of zero. `import minispeed.zero` must
+# work without minispeed-offload installed, so offload is imported only here, and only when a
+# config names a device other than 'none': from `ZeroConfig.from_ds_config` (to build its typed
+# sections) and `zero.shard` (to build the CPU optimizer and swappers). Without the package the
+# ImportError becomes an error naming the section that asked for it and the install command.
+
+
+def import_offload(asked_by: str) -> Any:
+    """`minispeed.offload`, or an ImportError naming `asked_by` and the install command."""
+    try:
+        return importlib.import_module("minispeed.offload")
+    except ImportError as exc:
+        raise ImportError(
+            f"{asked_by} needs the minispeed-offload package, which is not installed: "
+            f"{OFFLOAD_INSTALL_HINT} (or pip install packages/offload), or set its device to "
+            f"'none'"
+        ) from exc
+
+
+def offload_from_ds_config(sections: dict[str, Any], aio: Any) -> dict[str, Any]:
+    """`ZeroConfig` keyword arguments from the `offload_*` sections and the top-level `aio`.
+
+    A section whose device is `none` (or missing) becomes `None`; the others are translated by
+    offload's own `from_ds_config` (unknown keys and bad values are errors there, naming them).
+    """
+    asked = [k for k, s in sections.items() if (s or {}).get("device") not in (None, "none")]
+    offload = import_offload(
+        f"zero_optimization.{asked[0]}.device={sections[asked[0]]['device']!r}"
+    )
+    out: dict[str, Any] = {}
+    for key in asked:
+        cls = (
+            offload.OffloadOptimizerConfig
+            if key == "offload_optimizer"
+            else offload.OffloadParamConfig
+        )
+        out[key] = cls.from_ds_config(sections[key])
+    out["aio"] = offload.AioConfig.from_ds_config(aio)
+    return out
+
+
+def check_offload(config: Any) -> None:
+    """Refuse offload sections the stage cannot honour (called by `ZeroConfig.__post_init__`)."""
+    offload = import_offload("ZeroConfig.offload_optimizer / offload_param")
+    for key, cls in (
+        ("offload_optimizer", offload.OffloadOptimizerConfig),
+        ("offload_param", offload.OffloadParamConfig),
+    ):
+        value = getattr(config, key)
+        if value is not None and not isinstance(value, cls):
+            raise TypeError(
+                f"ZeroConfig.{key} must be a minispeed.offload.{cls.__name__} (or None), got "
+                f"{type(value).__name__}; build it with {cls.__name__}.from_ds_config(section)"
+            )
+    if config.aio is not None and not isinstance(config.aio, offload.AioConfig):
+        raise TypeError(
+            f"ZeroConfig.aio must be a minispeed.offload.AioConfig (or None), got "
+            f"{type(config.aio).__name__}"
+        )
+    opt, par = config.offload_optimizer, config.offload_param
+    if opt is not None and opt.device != "none" and config.stage == 0:
+        raise ValueError(
+            f"zero_optimization.offload_optimizer.device={opt.device!r} needs stage 1, 2 or 3 "
+            "(the optimizer states must be partitioned to be offloaded); set stage >= 1 or "
+            "device 'none'"
+        )
+    if par is not None and par.device != "none" and config.stage != 3:
+        raise ValueError(
+            f"zero_optimization.offload_param.device={par.device!r} needs stage 3 (only stage 3 "
+            f"partitions the parameters); set stage 3, or use offload_optimizer at stage "
+            f"{config.stage}"
+        )
+
+
+def wants_optimizer_offload(config: Any) -> bool:
+    opt = config.offload_optimizer
+    return opt is not None and opt.device != "none"
+
+
+def wants_param_offload(config: Any) -> bool:
+    par = config.offload_param
+    return par is not None and par.device != "none"
+
+
+# -- masters on the host ---------------------------------------------------------------------------
+# Note [host masters alias the strategy's on a CPU accelerator]
+# A strategy keeps its fp32 masters (and the reduced gradient partition) on the accelerator. With
+# offload_optimizer they must be host tensors: the CPU Adam steps them. On a GPU, HostMasters
+# keeps one (pinned, when pin_memory) host copy per master and per gradient fragment: after the
+# reduction the gradient fragments are copied down (non_blocking, one synchronize), after the step
+# the masters are copied up, and the strategy's own publish_params casts and gathers as always.
+# On a CPU-only machine the strategy's tensors already are host tensors: HostMasters returns them
+# unchanged and copies nothing, so offload there costs exactly the optimizer swap.
+
+
+#: Tests only: keep separate host copies even when the strategy's masters are host tensors, so
+#: that a CPU machine runs the copy-down / copy-up path a GPU takes.
+ALWAYS_COPY = False
+
+
+class HostMasters:
+    """A `ShardStrategy` whose `master_params` / `master_grads` are fp32 host tensors.
+
+    Wraps the stage's strategy (everything else is delegated to it). Host bytes per rank: 4 per
+    master element and 4 per gradient element, only where the strategy's live on an accelerator.
+    Per step: copies 4Ψ/N bytes down (gradients) and 4Ψ/N up (masters).
+    """
+
+    def __init__(self, strategy: Any, pin_memory: bool) -> None:
+        self._inner = strategy
+        self._device_masters = strategy.master_params()
+        on_host = all(m.device.type == "cpu" for ms in self._device_masters for m in ms)
+        self.aliased = on_host and not ALWAYS_COPY
+        if self.aliased:
+            self._masters = self._device_masters
+            self._grads: list[list[torch.Tensor]] | None = None
+            return
+        pin = pin_memory and get_accelerator().name != "cpu"
+
+        def host(t: torch.Tensor) -> torch.Tensor:
+            out = torch.empty(t.shape, dtype=torch.float32, pin_memory=pin)
+            return out.copy_(t)
+
+        self._masters = [[host(m) for m in ms] for ms in self._device_masters]
+        self._grads = [[torch.empty_like(m, pin_memory=pin) for m in ms] for ms in self._masters]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    @property
+    def strategy(self) -> Any:
+        """The wrapped stage strategy."""
+        return self._inner
+
+    def master_params(self) -> list[list[torch.Tensor]]:
+        """Per group, the host fp32 masters (the strategy's own on a CPU accelerator)."""
+        return self._masters
+
+    @torch.no_grad()
+    def master_grads(self) -> list[list[torch.Tensor]]:
+        """The reduced gradient fragments, copied into the host gradient buffers."""
+        grads = self._inner.master_grads()
+        if self._grads is None:
+            return grads
+        with ranges.range("zero.offload.grads_to_host"):
+            for hs, ds in zip(self._grads, grads):
+                for h, d in zip(hs, ds):
+                    h.copy_(d, non_blocking=True)
+            get_accelerator().synchronize()
+        return self._grads
+
+    @torch.no_grad()
+    def publish_params(self) -> None:
+        """Copy the stepped host masters up into the strategy's, then let it publish."""
+        if self._grads is not None:
+            with ranges.range("zero.offload.masters_to_device"):
+                for ds, hs in zip(self._device_masters, self._masters):
+                    for d, h in zip(ds, hs):
+                        d.copy_(h, non_blocking=True)
+        self._inner.publish_params()
+
+
+def host_optimizer(
+    user: torch.optim.Optimizer, masters: list[list[torch.Tensor]], config: Any
+) -> torch.optim.Optimizer:
+    """offload's CPU Adam (`cpu`) or `SwappedOptimizer` (`nvme`) over `masters`, with the
+    hyper-parameters of each of `user`'s param groups (Adam and AdamW only)."""
+    offload = import_offload("zero_optimization.offload_optimizer")
+    if not isinstance(user, torch.optim.Adam | offload.CPUAdam):  # AdamW subclasses Adam
+        raise TypeError(
+            f"offload_optimizer runs the CPU Adam kernel, so the optimizer passed to "
+            f"zero.shard must be torch.optim.Adam or AdamW, got {type(user).__name__}; use "
+            f"Adam/AdamW or set offload_optimizer.device to 'none'"
+        )
+    decoupled = isinstance(user, torch.optim.AdamW)
+    groups = []
+    for pg, ms in zip(user.param_groups, masters):
+        for flag in ("amsgrad", "maximize"):
+            if pg.get(flag, False):
+                raise ValueError(
+                    f"offload_optimizer: {type(user).__name__}({flag}=True) is not supported by "
+                    f"the CPU Adam kernel; construct it with {flag}=False"
+                )
+        groups.append(
+            {
+                "params": list(ms),
+                "lr": pg["lr"],
+                "betas": tuple(pg["betas"]),
+                "eps": pg["eps"],
+                "weight_decay": pg["weight_decay"],
+                "decoupled_weight_decay": pg.get("decoupled_weight_decay", decoupled),
+            }
+        )
+    cfg = config.offload_optimizer
+    return offload.offload_optimizer(
+        groups, cfg, config.aio, sub_group_numel=config.sub_group_numel
+    )
+
+
+def apply_optimizer_offload(
+    strategy: Any, optimizer: torch.optim.Optimizer, config: Any
+) -> tuple[Any, torch.optim.Optimizer]:
+    """`zero.shard`'s hook: the strategy with host masters, and the CPU optimizer over them."""
+    host = HostMasters(strategy, config.offload_optimizer.pin_memory)
+    return host, host_optimizer(optimizer, host.master_params(), config)
+
+
+def apply_offload(
+    strategy: Any, optimizer: torch.optim.Optimizer, config: Any
+) -> tuple[Any, torch.optim.Optimizer]:
+    """`zero.shard`'s one hook: parameter offload (stage 3) first, then optimizer offload.
+
+    Runs on every rank; a bad `nvme_path`, a `buffer_size` below one partition or an impossible
+    `pin_memory` raises here, on every rank, naming the key and the fix.
+    """
+    if wants_param_offload(config):
+        from minispeed.zero.stage3.offloaded import offload_params
+
+        strategy = offload_params(strategy, config)
+    if wants_optimizer_offload(config):
+        strategy, optimizer = apply_optimizer_offload(strategy, optimizer, config)
+    return strategy, optimizer

@@ -1,0 +1,229 @@
+"""ZeRO-Infinity's ``offload_param``: stage-3 parameter shards that live off the accelerator.
+
+```text
+zero_optimization: {stage: 3, offload_param: {device: nvme, nvme_path: /nvme, buffer_count: 5,
+                                              buffer_size: 1e8, pin_memory: true}}
+```
+
+A released (SHARDED) parameter normally keeps its shard, ``s·p`` bytes, on the accelerator.
+With ``offload_param`` the shard lives elsewhere and is brought back only while it is needed:
+
+- ``device: cpu``: in host memory (pinned if ``pin_memory``), copied to the accelerator before
+  its all-gather. On a CPU-only machine the accelerator *is* host memory: nothing moves.
+- ``device: nvme``: in one swap file per shard under ``nvme_path``; read through the swapper's
+  pool of ``buffer_count`` buffers of ``buffer_size`` elements before the all-gather.
+
+The lifecycle (one `ShardResidency` per parameter, driven by three hooks in ``params.py``):
+
+```text
+released          all_gather_params()  -> fetch: shard materialised (read s·p bytes)
+GATHERING         the collective reads the shard
+GATHERED          to_gathered()        -> release: shard dropped (no write: it is unchanged)
+step              publish_params       -> shard written from the master (write s·p bytes)
+```
+
+So a shard is resident only between the fetch and the end of its all-gather: the fetch happens
+when the coordinator issues the gather, i.e. *ahead of use* for prefetched units. Writes happen
+once per step (the new values) and in ``GatheredParameters`` when a modifier changes a value.
+Persistent parameters (``stage3_param_persistence_threshold``) stay gathered and are not
+offloaded. An fp32 parameter's master normally *is* its shard; offloaded, it gets a master of
+its own (``4s`` bytes, owned by the optimizer side: host memory with ``offload_optimizer``).
+
+Bytes per step and parameter: read ``s·p`` once per fetch (forward, and backward again when the
+parameter was released in between), write ``s·p`` once at the step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from minispeed.core import ranges
+from minispeed.core.accelerator import get_accelerator
+from minispeed.zero.stage3.params import ShardedParam
+
+__all__ = ["HostShards", "NvmeShards", "ParamOffloadStrategy", "offload_params"]
+
+
+class HostShards:
+    """``offload_param.device='cpu'`` on an accelerator: a host copy per shard, copied up per fetch."""
+
+    def __init__(self, pin_memory: bool) -> None:
+        self.pin = pin_memory
+        self.host: dict[int, torch.Tensor] = {}  # id(sp) -> host shard
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    def adopt(self, sp: ShardedParam) -> None:
+        h = torch.empty(sp.shard.shape, dtype=sp.shard.dtype, pin_memory=self.pin)
+        self.host[id(sp)] = h.copy_(sp.shard)
+        sp.shard = sp.shard.new_empty(0)
+
+    def fetch(self, sp: ShardedParam) -> None:
+        if sp.shard.numel() == 0:
+            sp.shard = self.host[id(sp)].to(get_accelerator().device(), non_blocking=True)
+            self.bytes_read += sp.shard.numel() * sp.shard.element_size()
+
+    def store(self, sp: ShardedParam) -> None:
+        self.host[id(sp)].copy_(sp.shard)
+        self.bytes_written += sp.shard.numel() * sp.shard.element_size()
+
+    def release(self, sp: ShardedParam) -> None:
+        sp.shard = sp.shard.new_empty(0)
+
+    def resident_bytes(self) -> int:
+        return sum(h.numel() * h.element_size() for h in self.host.values())
+
+    def close(self) -> None:
+        self.host.clear()
+
+
+class NvmeShards:
+    """``offload_param.device='nvme'``: one swap file per shard, read through the pool per fetch."""
+
+    def __init__(self, config: Any, aio: Any, dtype: torch.dtype, shards: list[ShardedParam]):
+        from minispeed.zero.offload_bridge import import_offload
+
+        offload = import_offload("zero_optimization.offload_param")
+        largest = max((sp.shard_numel for sp in shards), default=1)
+        if largest > config.buffer_numel:
+            name = next(sp.name for sp in shards if sp.shard_numel == largest)
+            raise ValueError(
+                f"offload_param.buffer_size={config.buffer_numel} elements is smaller than the "
+                f"shard of {name!r} ({largest} elements per rank): raise "
+                f"offload_param.buffer_size to at least {largest}"
+            )
+        self.swapper = offload.TensorSwapper(
+            config.nvme_path,
+            buffer_count=config.buffer_count,
+            buffer_numel=config.buffer_numel,
+            dtype=dtype,
+            pin_memory=config.pin_memory,
+            aio=aio,
+            config_key="offload_param",
+        )
+        self.files: dict[int, Any] = {}
+
+    @property
+    def bytes_read(self) -> int:
+        return self.swapper.bytes_read
+
+    @property
+    def bytes_written(self) -> int:
+        return self.swapper.bytes_written
+
+    def adopt(self, sp: ShardedParam) -> None:
+        st = self.swapper.register(f"param-{len(self.files)}", sp.shard_numel)
+        self.files[id(sp)] = st
+        self.store(sp)
+        sp.shard = sp.shard.new_empty(0)
+
+    def fetch(self, sp: ShardedParam) -> None:
+        if sp.shard.numel():
+            return  # resident already (e.g. fetched for a write)
+        st = self.files[id(sp)]
+        self.swapper.wait_out(st)  # a write of this shard still in flight: the file must be whole
+        self.swapper.swap_in(st)
+        buf = self.swapper.wait_in(st)
+        shard = torch.empty(sp.shard_numel, dtype=buf.dtype, device=get_accelerator().device())
+        shard.copy_(buf)
+        self.swapper.release(st)
+        sp.shard = shard
+
+    def store(self, sp: ShardedParam) -> None:
+        st = self.files[id(sp)]
+        self.swapper.wait_out(st)
+        self.swapper.write(st, sp.shard.to("cpu"))
+
+    def release(self, sp: ShardedParam) -> None:
+        sp.shard = sp.shard.new_empty(0)
+
+    def resident_bytes(self) -> int:
+        return self.swapper.pool.nbytes
+
+    def close(self) -> None:
+        self.swapper.close()
+
+
+class ShardResidency:
+    """What ``ShardedParam.residency`` points at: fetch / store / release one parameter's shard."""
+
+    def __init__(self, home: HostShards | NvmeShards) -> None:
+        self.home = home
+
+    def fetch(self, sp: ShardedParam) -> None:
+        with ranges.range("zero3.offload.fetch"):
+            self.home.fetch(sp)
+
+    def store(self, sp: ShardedParam) -> None:
+        with ranges.range("zero3.offload.store"):
+            self.home.store(sp)
+
+    def release(self, sp: ShardedParam) -> None:
+        self.home.release(sp)
+
+
+class ParamOffloadStrategy:
+    """Stage 3 with offloaded shards: `publish_params` writes each stepped shard to its home.
+
+    Wraps a `Stage3Strategy`; everything else is delegated.
+    """
+
+    def __init__(self, strategy: Any, home: HostShards | NvmeShards, offloaded: list[ShardedParam]):
+        self._inner = strategy
+        self.param_home = home
+        self.offloaded = offloaded
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    @property
+    def strategy(self) -> Any:
+        return self._inner
+
+    @torch.no_grad()
+    def publish_params(self) -> None:
+        """Materialise each offloaded trained shard, let stage 3 write the masters into it,
+        then store it (one write of ``s·p`` bytes each) and drop it again."""
+        trained = {id(sp) for sp in self._inner.trained}
+        mine = [sp for sp in self.offloaded if id(sp) in trained]
+        for sp in mine:
+            if sp.shard.numel() == 0:
+                sp.shard = torch.empty(
+                    sp.shard_numel, dtype=sp.shard.dtype, device=get_accelerator().device()
+                )
+        self._inner.publish_params()
+        for sp in mine:
+            sp.residency.store(sp)
+            sp.residency.release(sp)
+
+    def close(self) -> None:
+        self._inner.close()
+        for sp in self.offloaded:
+            sp.residency = None
+        self.param_home.close()
+
+
+def offload_params(strategy: Any, config: Any) -> ParamOffloadStrategy:
+    """Move every non-persistent shard of a `Stage3Strategy` to ``config.offload_param``'s
+    device; returns the strategy wrapper that stores shards after each step."""
+    cfg = config.offload_param
+    sps = [sp for sp in strategy.sharded_params() if not sp.persistent]
+    dtype = strategy.precision.param_dtype
+    if cfg.device == "nvme":
+        home: HostShards | NvmeShards = NvmeShards(cfg, config.aio, dtype, sps)
+    else:
+        home = HostShards(cfg.pin_memory and get_accelerator().name != "cpu")
+    on_cpu = get_accelerator().name == "cpu"
+    offloaded = []
+    if cfg.device == "cpu" and on_cpu:
+        return ParamOffloadStrategy(strategy, home, offloaded)  # host memory already: no move
+    residency = ShardResidency(home)
+    for sp in sps:
+        if sp.master is sp.shard:  # fp32: the master gets a storage of its own
+            sp.master = sp.shard.clone()
+        home.adopt(sp)
+        sp.residency = residency
+        offloaded.append(sp)
+    return ParamOffloadStrategy(strategy, home, offloaded)

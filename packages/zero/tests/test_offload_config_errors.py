@@ -1,0 +1,145 @@
+"""The offload sections through `ZeroConfig.from_ds_config` and `zero.shard`: translated with
+DeepSpeed's keys when minispeed-offload is installed, an error naming the install command when it
+is not, and bad values refused at `shard()` on every rank with the key and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from zero_testlib import make_model
+
+import minispeed.zero as zero
+from minispeed.core.testing import run_distributed
+
+offload = pytest.importorskip("minispeed.offload")
+
+
+def test_sections_are_translated_with_deepspeed_keys(tmp_path) -> None:
+    cfg = zero.ZeroConfig.from_ds_config(
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "offload_optimizer": {
+                    "device": "nvme",
+                    "nvme_path": str(tmp_path),
+                    "buffer_count": 3,
+                    "pin_memory": False,
+                    "pipeline": True,
+                },
+                "offload_param": {
+                    "device": "cpu",
+                    "buffer_size": 1e6,
+                    "max_in_cpu": 2e6,
+                    "buffer_count": 4,
+                },
+            },
+            "aio": {"block_size": 262144, "queue_depth": 16, "thread_count": 2},
+        }
+    )
+    assert cfg.offload_optimizer == offload.OffloadOptimizerConfig(
+        device="nvme",
+        nvme_path=str(tmp_path),
+        buffer_count=3,
+        pipeline_read=True,
+        pipeline_write=True,
+    )
+    assert cfg.offload_param == offload.OffloadParamConfig(
+        device="cpu", buffer_numel=1_000_000, max_in_cpu_numel=2_000_000, buffer_count=4
+    )
+    assert cfg.aio == offload.AioConfig(block_bytes=262144, queue_depth=16, thread_count=2)
+
+
+@pytest.mark.parametrize(
+    "section,match",
+    [
+        (
+            {"stage": 2, "offload_param": {"device": "cpu"}},
+            "offload_param.device='cpu' needs stage 3",
+        ),
+        (
+            {"stage": 2, "offload_optimizer": {"device": "nvme"}},
+            "needs offload_optimizer.nvme_path",
+        ),
+        ({"stage": 2, "offload_optimizer": {"device": "gpu"}}, "use one of"),
+        ({"stage": 2, "offload_optimizer": {"device": "cpu", "buffer_cnt": 2}}, "buffer_count"),
+    ],
+)
+def test_bad_sections_name_the_key(section, match) -> None:
+    with pytest.raises((ValueError, TypeError), match=match):
+        zero.ZeroConfig.from_ds_config({"zero_optimization": section})
+
+
+def test_without_the_offload_package_the_error_names_the_extra(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "minispeed.offload", None)  # import now raises ImportError
+    with pytest.raises(ImportError, match=r"pip install packages/zero\[offload\]"):
+        zero.ZeroConfig.from_ds_config(
+            {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+        )
+    # device 'none' never needs the package
+    cfg = zero.ZeroConfig.from_ds_config(
+        {"zero_optimization": {"stage": 2, "offload_param": {"device": "none"}}}
+    )
+    assert cfg.offload_param is None
+
+
+def test_zero_does_not_import_offload_unless_asked() -> None:
+    code = (
+        "import sys, minispeed.zero as z;"
+        "z.ZeroConfig.from_ds_config({'zero_optimization': {'stage': 3}});"
+        "assert 'minispeed.offload' not in sys.modules, 'imported eagerly'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _shard_errors(rank: int, world_size: int, root: str) -> dict[str, str]:
+    """shard() under each bad section; the message each rank got."""
+    missing = os.path.join(root, "does-not-exist")
+    cases = {
+        "nvme_path_missing": {
+            "stage": 2,
+            "offload_optimizer": {"device": "nvme", "nvme_path": missing},
+        },
+        "buffer_size_too_small": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "offload_param": {"device": "nvme", "nvme_path": root, "buffer_size": 100},
+        },
+        "pin_memory_impossible": {
+            "stage": 1,
+            "offload_optimizer": {"device": "nvme", "nvme_path": root, "pin_memory": True},
+        },
+        "not_adam": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+    }
+    import minispeed.offload.swapper as swapper
+
+    def refuse(t, key):  # what mlock says when RLIMIT_MEMLOCK is too low (root can always lock)
+        raise MemoryError(f"{key}.pin_memory=true: page-locking failed: set {key}.pin_memory false")
+
+    swapper._mlock = refuse
+    out = {}
+    for name, section in cases.items():
+        model = make_model()
+        cfg = zero.ZeroConfig.from_ds_config({"zero_optimization": section})
+        kind = torch.optim.SGD if name == "not_adam" else torch.optim.AdamW
+        try:
+            zero.shard(model, kind(model.parameters(), lr=0.1), config=cfg)
+            out[name] = "no error"
+        except (ValueError, TypeError, OSError, MemoryError) as err:
+            out[name] = str(err)
+    return out
+
+
+def test_bad_values_fail_at_shard_on_every_rank(tmp_path) -> None:
+    per_rank = run_distributed(_shard_errors, world_size=2, args=(str(tmp_path),), timeout_s=180)
+    for got in per_rank:
+        assert "offload_optimizer.nvme_path" in got["nvme_path_missing"]
+        assert "does not exist" in got["nvme_path_missing"]
+        assert "offload_param.buffer_size=100" in got["buffer_size_too_small"]
+        assert "raise offload_param.buffer_size to at least" in got["buffer_size_too_small"]
+        assert "offload_optimizer.pin_memory" in got["pin_memory_impossible"]
+        assert "torch.optim.Adam or AdamW, got SGD" in got["not_adam"]
