@@ -129,6 +129,7 @@ def _worker(rank: int, port: int, steps: int, counted: dict, queue) -> None:
         for stage, (_, opt) in trainers.items():
             out[(label, stage)] = [row[stage] for row in rounds]
             opt.close()
+        out[label] = machine  # the last round's calibration
     if rank == 0:
         queue.put(out)
     comm.barrier()
@@ -174,7 +175,7 @@ def main() -> None:
     for p in procs:
         p.join()
     load_after = os.getloadavg()
-    print("size   stage  compute  memory  ops  adam   comm  predicted  measured  error")
+    print("size   stage  compute  memory  ops  adam unpack   comm  predicted  measured  error")
     for label in SIZES:
         for stage in (0, 1, 2, 3):
             rows = measured[(label, stage)]
@@ -185,10 +186,20 @@ def main() -> None:
             print(
                 f"{label:6} {stage:5} {last.compute_s * 1e3:8.0f} {last.memory_s * 1e3:7.0f} "
                 f"{last.overhead_s * 1e3:4.0f} {last.optimizer_s * 1e3:5.0f} "
+                f"{last.unpack_s * 1e3:6.0f} "
                 f"{last.comm_s * 1e3:6.0f} {p * 1e3:10.0f} {m * 1e3:9.0f} {100 * err:+6.0f}%"
             )
     print("(terms: ms, last round's calibration; predicted, measured: medians over rounds, ms;")
     print(" error: median over rounds of (predicted - measured) / measured)")
+    for label in SIZES:
+        m = measured[label]
+        links = ", ".join(
+            f"{op} α {c.alpha_s * 1e3:.2f} ms β {c.busbw_bytes_per_s / 1e6:.0f} MB/s"
+            for op, c in m.links.items()
+        )
+        print(f"{label} calibration: {links}; AdamW {m.adam_s_per_param * 1e9:.1f} ns/param, "
+              f"copy {m.copy_bytes_per_s / 1e9:.2f} GB/s, element-wise "
+              f"{m.stream_bytes_per_s / 1e9:.2f} GB/s, t_op {m.op_overhead_s * 1e6:.1f} us")  # fmt: skip
     loads = " ".join(f"{x:.1f}" for x in load_before), " ".join(f"{x:.1f}" for x in load_after)
     print(f"load average (1, 5, 15 min) before: {loads[0]}; after: {loads[1]}")
 

@@ -7,9 +7,10 @@ an operator call and of AdamW per parameter, and each collective's α and β.
   `seconds`, for each n in `sizes`; `measure_matmul_shapes` times the exact `(b, m, k, n)`
   products a profiled step ran, in interleaved rounds.
 - **Memory** (`measure_stream`): bytes/s of a large element-wise add; **operator overhead**
-  (`measure_op_overhead`): seconds per call of a one-element operator; **optimizer**
+  (`measure_op_overhead`): seconds per call of a one-element operator; **copy**
+  (`measure_copy`): bytes/s of copying a 64 MB tensor; **optimizer**
   (`measure_adam`): seconds per parameter of `torch.optim.AdamW.step` (measured, not derived
-  from a byte count: torch's foreach AdamW runs ~10 element-wise passes with temporaries).
+  from a byte count: on a CPU torch's AdamW loops over the tensors, ~10 element-wise passes each).
 - With links, all of the above runs on `nproc` ranks at once (each rank's share of the cores).
 - **Links** (needs `minispeed-comm`): the `nproc` local ranks time `all_reduce`,
   `all_gather` and `reduce_scatter` (through `minispeed.comm`, so as the backend really runs
@@ -43,6 +44,7 @@ __all__ = [
     "calibrate",
     "fit_alpha_beta",
     "measure_adam",
+    "measure_copy",
     "measure_in_group",
     "measure_matmul",
     "measure_matmul_shapes",
@@ -51,8 +53,10 @@ __all__ = [
     "measure_stream",
 ]
 
-LINK_BYTES = (4 * 1024, 256 * 1024, 4 * 1024 * 1024, 16 * 1024 * 1024)
-"""Full-tensor sizes M at which each collective is timed (4 KiB to 16 MiB)."""
+LINK_BYTES = (4 * 1024, 256 * 1024, 4 * 1024 * 1024, 64 * 1024 * 1024)
+"""Full-tensor sizes M at which each collective is timed: 4 KiB to 64 MiB, the largest beyond
+the last-level cache (a collective of a whole model's parameters streams them from DRAM, and
+costs more per byte than one of a few MiB)."""
 
 
 def _rate(work: float, fn: Callable[[], object], seconds: float) -> float:
@@ -119,10 +123,22 @@ def measure_op_overhead(calls: int = 2000) -> float:
     return statistics.median(rounds)
 
 
-def measure_adam(numel: int = 1_000_000, tensors: int = 8, steps: int = 5) -> float:
+def measure_copy(numel: int = 16_000_000, seconds: float = 0.2) -> float:
+    """Bytes/s of `dst.copy_(src)` on float32 tensors of `numel` (64 MB, beyond the cache),
+    counting the bytes copied once: the rate at which ZeRO-3 unpacks a gathered model into its
+    parameters (median of 3 rounds)."""
+    src, dst = torch.randn(numel), torch.empty(numel)
+    dst.copy_(src)
+    return statistics.median(
+        _rate(4 * numel, lambda: dst.copy_(src), seconds / 3) for _ in range(3)
+    )
+
+
+def measure_adam(numel: int = 8_000_000, tensors: int = 8, steps: int = 3) -> float:
     """Seconds per parameter of `torch.optim.AdamW.step` (torch's default implementation for
-    these tensors: foreach on CPU), on `tensors` float32 parameters of `numel` elements in all
-    with gradients set, median of `steps` steps after one warm-up."""
+    CPU tensors: the single-tensor loop), on `tensors` float32 parameters of `numel` elements in all
+    (by default 8M: parameters, gradients and moments far beyond the cache, as in a model) with
+    gradients set, median of `steps` steps after one warm-up."""
     params = [torch.nn.Parameter(torch.randn(numel // tensors)) for _ in range(tensors)]
     for p in params:
         p.grad = torch.randn_like(p)
@@ -161,6 +177,7 @@ def _measure_compute(sizes: Sequence[int], seconds: float = 0.2) -> dict:
         "stream_bytes_per_s": measure_stream(seconds=seconds),
         "op_overhead_s": measure_op_overhead(),
         "adam_s_per_param": measure_adam(),
+        "copy_bytes_per_s": measure_copy(seconds=seconds),
     }
 
 
@@ -194,11 +211,8 @@ def measure_in_group(
     comm.barrier()
     compute = _measure_compute(sizes, seconds)  # all ranks at once: each its share of the cores
     rates = [compute["matmul_flops_per_s"][str(k)] for k in sizes]
-    rates += [
-        compute["stream_bytes_per_s"],
-        -compute["op_overhead_s"],
-        -compute["adam_s_per_param"],
-    ]
+    rates += [compute["stream_bytes_per_s"], compute["copy_bytes_per_s"]]
+    rates += [-compute["op_overhead_s"], -compute["adam_s_per_param"]]
     slowest = torch.tensor(rates, dtype=torch.float64)
     comm.all_reduce(slowest, op=comm.ReduceOp.MIN)
     links = {}
@@ -222,7 +236,8 @@ def measure_in_group(
         matmul_flops_per_s=dict(zip(sizes, values[: len(sizes)], strict=True)),
         links=links,
         world_size=n,
-        stream_bytes_per_s=values[-3],
+        stream_bytes_per_s=values[-4],
+        copy_bytes_per_s=values[-3],
         op_overhead_s=-values[-2],
         adam_s_per_param=-values[-1],
     )

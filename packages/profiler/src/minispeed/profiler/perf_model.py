@@ -18,8 +18,12 @@ g / p bytes per gradient / parameter element on the wire, `r = (N-1)/N`:
     T_overhead = ops · t_op                        operator calls × measured per-call cost
     T_optim    = Ψ_owned · t_adam                  AdamW on the parameters a rank owns:
                                                    Ψ_owned = Ψ, or Ψ/N from stage 1
+    T_unpack   = 2·A·Ψ·p / C                       stage 3 only: each pass's coalesced gather
+                                                   copied into the parameters, C the measured
+                                                   copy rate
     T_comm     = Σ_calls (α_op + bytes_call / β_op)
-    T_step     = T_compute + T_memory + T_overhead + T_optim + (1 - overlap) · T_comm
+    T_step     = T_compute + T_memory + T_overhead + T_optim + T_unpack
+                 + (1 - overlap) · T_comm
 
 Bytes each rank sends, the dominant terms of minispeed.zero's ledgers (restated here: the
 profiler depends on minispeed.core only):
@@ -89,6 +93,8 @@ class Machine:
     """Fixed cost of one operator call (dispatch, Python), seconds."""
     adam_s_per_param: float | None = None
     """Seconds of `torch.optim.AdamW.step` per parameter (None: priced from the memory rate)."""
+    copy_bytes_per_s: float | None = None
+    """Bytes copied per second between tensors beyond the cache (stage 3's unpacking)."""
 
     def flops_per_s(self, size: int | None = None) -> float:
         """Throughput at the measured size nearest `size` (log scale); the best one if None."""
@@ -106,6 +112,7 @@ class Machine:
             "stream_bytes_per_s": self.stream_bytes_per_s,
             "op_overhead_s": self.op_overhead_s,
             "adam_s_per_param": self.adam_s_per_param,
+            "copy_bytes_per_s": self.copy_bytes_per_s,
         }
 
     @classmethod
@@ -118,6 +125,7 @@ class Machine:
             stream_bytes_per_s=data.get("stream_bytes_per_s"),
             op_overhead_s=float(data.get("op_overhead_s", 0.0)),
             adam_s_per_param=data.get("adam_s_per_param"),
+            copy_bytes_per_s=data.get("copy_bytes_per_s"),
         )
 
     @classmethod
@@ -195,6 +203,8 @@ class StepPrediction:
     """Operator calls × the per-call overhead."""
     optimizer_s: float
     """AdamW on the parameters this rank owns."""
+    unpack_s: float
+    """Stage 3: copying each pass's gathered parameters out of the collective's buffer."""
     comm_s: float
     overlap: float
     wire_bytes: float
@@ -202,9 +212,9 @@ class StepPrediction:
 
     @property
     def step_s(self) -> float:
-        """`compute_s + memory_s + overhead_s + optimizer_s + (1 - overlap) · comm_s`."""
-        exposed = (1.0 - self.overlap) * self.comm_s
-        return self.compute_s + self.memory_s + self.overhead_s + self.optimizer_s + exposed
+        """`compute_s + memory_s + overhead_s + optimizer_s + unpack_s + (1 - overlap)·comm_s`."""
+        local = self.compute_s + self.memory_s + self.overhead_s + self.optimizer_s + self.unpack_s
+        return local + (1.0 - self.overlap) * self.comm_s
 
 
 BYTES_PER_ELEMENTWISE_FLOP = 12
@@ -212,7 +222,7 @@ BYTES_PER_ELEMENTWISE_FLOP = 12
 OPTIMIZER_BYTES_PER_PARAM = 64
 """Without a measured `adam_s_per_param`: AdamW touches parameter, gradient and two moments
 (read and write, float32) plus its temporaries, about 16 float32 values per parameter it owns.
-(torch's foreach AdamW on a CPU measures ~2x that: its passes make more temporaries.)"""
+(torch's AdamW on a CPU measures 3-4x that on a loaded machine: ~10 passes over the data.)"""
 
 
 def stage3_gather_calls(num_params: int, units: int, prefetch_numel: int) -> int:
@@ -285,6 +295,11 @@ def predict_step(
         optimizer = OPTIMIZER_BYTES_PER_PARAM * owned / machine.stream_bytes_per_s
     if machine.adam_s_per_param is not None:
         optimizer = owned * machine.adam_s_per_param
+    unpack = 0.0
+    if stage == 3 and world_size > 1 and machine.copy_bytes_per_s:
+        param_bytes = collective_kwargs.get("param_bytes", 4)
+        passes = 2 * collective_kwargs.get("micro_steps", 1)  # forward and backward
+        unpack = passes * num_params * param_bytes / machine.copy_bytes_per_s
     compute = matmul_flops / rate
     if matmul_shape_s is not None:
         shaped_s, shaped_flops = matmul_shape_s
@@ -294,6 +309,7 @@ def predict_step(
         memory_s=memory,
         overhead_s=ops_per_step * machine.op_overhead_s,
         optimizer_s=optimizer,
+        unpack_s=unpack,
         comm_s=comm,
         overlap=overlap,
         wire_bytes=sum(c.wire_bytes for c in calls),
