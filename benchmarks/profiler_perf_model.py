@@ -175,7 +175,7 @@ def main() -> None:
     for p in procs:
         p.join()
     load_after = os.getloadavg()
-    print("size   stage  compute  memory  ops  adam unpack   comm  predicted  measured  error")
+    print("size   stage compute memory ops  adam params unpack  comm predicted measured error")
     for label in SIZES:
         for stage in (0, 1, 2, 3):
             rows = measured[(label, stage)]
@@ -184,10 +184,10 @@ def main() -> None:
             last = rows[-1][1]
             err = statistics.median((pred.step_s - t) / t for t, pred in rows)
             print(
-                f"{label:6} {stage:5} {last.compute_s * 1e3:8.0f} {last.memory_s * 1e3:7.0f} "
-                f"{last.overhead_s * 1e3:4.0f} {last.optimizer_s * 1e3:5.0f} "
-                f"{last.unpack_s * 1e3:6.0f} "
-                f"{last.comm_s * 1e3:6.0f} {p * 1e3:10.0f} {m * 1e3:9.0f} {100 * err:+6.0f}%"
+                f"{label:6} {stage:5} {last.compute_s * 1e3:7.0f} {last.memory_s * 1e3:6.0f} "
+                f"{last.overhead_s * 1e3:3.0f} {last.optimizer_s * 1e3:5.0f} "
+                f"{last.params_s * 1e3:6.0f} {last.unpack_s * 1e3:6.0f} "
+                f"{last.comm_s * 1e3:5.0f} {p * 1e3:9.0f} {m * 1e3:8.0f} {100 * err:+5.0f}%"
             )
     print("(terms: ms, last round's calibration; predicted, measured: medians over rounds, ms;")
     print(" error: median over rounds of (predicted - measured) / measured)")
@@ -198,7 +198,7 @@ def main() -> None:
             for op, c in m.links.items()
         )
         print(f"{label} calibration: {links}; AdamW {m.adam_s_per_param * 1e9:.1f} ns/param, "
-              f"copy {m.copy_bytes_per_s / 1e9:.2f} GB/s, element-wise "
+              f"DRAM {m.dram_bytes_per_s / 1e9:.2f} GB/s, element-wise "
               f"{m.stream_bytes_per_s / 1e9:.2f} GB/s, t_op {m.op_overhead_s * 1e6:.1f} us")  # fmt: skip
     loads = " ".join(f"{x:.1f}" for x in load_before), " ".join(f"{x:.1f}" for x in load_after)
     print(f"load average (1, 5, 15 min) before: {loads[0]}; after: {loads[1]}")

@@ -10,7 +10,7 @@ import torch
 from minispeed.profiler.calibrate import (
     fit_alpha_beta,
     measure_adam,
-    measure_copy,
+    measure_dram,
     measure_matmul,
 )
 from minispeed.profiler.perf_model import (
@@ -76,11 +76,14 @@ def test_prediction_is_flops_over_throughput_plus_alpha_beta_per_call():
     timed = dataclasses.replace(machine, adam_s_per_param=3e-9)
     pred = predict_step(timed, flops_per_step=2e10, num_params=PSI, stage=1, world_size=2)
     assert pred.optimizer_s == pytest.approx(PSI / 2 * 3e-9)
-    # Stage 3 also copies each pass's gathered parameters out of the collective's buffer.
-    copying = dataclasses.replace(timed, copy_bytes_per_s=2e9)
+    # With a DRAM rate D:
+    copying = dataclasses.replace(timed, dram_bytes_per_s=2e9)
     pred3 = predict_step(copying, flops_per_step=2e10, num_params=PSI, stage=3, world_size=2,
                          micro_steps=2, param_bytes=2)  # fmt: skip
-    assert pred3.unpack_s == pytest.approx(2 * 2 * PSI * 2 / 2e9)  # 2 passes x A = 2
+    # Every stage streams the parameters from DRAM: read in forward and backward, gradients
+    # written, per micro-step; stage 3 also copies each pass's gather out (read + write).
+    assert pred3.params_s == pytest.approx(2 * (2 * 2 + 4) * PSI / 2e9)
+    assert pred3.unpack_s == pytest.approx(2 * 2 * 2 * 2 * PSI / 2e9)  # 2 passes x A x 2p
     assert (
         predict_step(copying, flops_per_step=1, num_params=PSI, stage=2, world_size=2).unpack_s == 0
     )
@@ -134,7 +137,7 @@ def test_alpha_and_beta_are_fitted_from_several_message_sizes():
 def test_adam_is_timed_per_parameter_and_stage3_gathers_follow_the_prefetch_budget():
     t = measure_adam(numel=40_000, tensors=2, steps=2)
     assert 0 < t < 1e-3  # seconds per parameter
-    assert measure_copy(numel=100_000, seconds=0.01) > 1e6  # bytes per second
+    assert measure_dram(numel=100_000, seconds=0.01) > 1e6  # bytes per second
     assert stage3_gather_calls(10_000, units=15, prefetch_numel=50_000) == 2  # one + prefetch
     assert stage3_gather_calls(100_000, units=15, prefetch_numel=50_000) == 15  # sliding window
     assert stage3_gather_calls(100, units=1, prefetch_numel=50) == 1

@@ -8,7 +8,7 @@ an operator call and of AdamW per parameter, and each collective's α and β.
   products a profiled step ran, in interleaved rounds.
 - **Memory** (`measure_stream`): bytes/s of a large element-wise add; **operator overhead**
   (`measure_op_overhead`): seconds per call of a one-element operator; **copy**
-  (`measure_copy`): bytes/s of copying a 64 MB tensor; **optimizer**
+  (`measure_dram`): bytes read + written per second by a 64 MB copy, the DRAM rate; **optimizer**
   (`measure_adam`): seconds per parameter of `torch.optim.AdamW.step` (measured, not derived
   from a byte count: on a CPU torch's AdamW loops over the tensors, ~10 element-wise passes each).
 - With links, all of the above runs on `nproc` ranks at once (each rank's share of the cores).
@@ -44,7 +44,7 @@ __all__ = [
     "calibrate",
     "fit_alpha_beta",
     "measure_adam",
-    "measure_copy",
+    "measure_dram",
     "measure_in_group",
     "measure_matmul",
     "measure_matmul_shapes",
@@ -123,14 +123,14 @@ def measure_op_overhead(calls: int = 2000) -> float:
     return statistics.median(rounds)
 
 
-def measure_copy(numel: int = 16_000_000, seconds: float = 0.2) -> float:
-    """Bytes/s of `dst.copy_(src)` on float32 tensors of `numel` (64 MB, beyond the cache),
-    counting the bytes copied once: the rate at which ZeRO-3 unpacks a gathered model into its
-    parameters (median of 3 rounds)."""
+def measure_dram(numel: int = 16_000_000, seconds: float = 0.2) -> float:
+    """Bytes read + written per second by `dst.copy_(src)` on float32 tensors of `numel` (64 MB
+    each, beyond the cache; 8 bytes moved per element): the rate at which a step streams its
+    parameters and ZeRO-3 unpacks a gathered model (median of 3 rounds)."""
     src, dst = torch.randn(numel), torch.empty(numel)
     dst.copy_(src)
     return statistics.median(
-        _rate(4 * numel, lambda: dst.copy_(src), seconds / 3) for _ in range(3)
+        _rate(8 * numel, lambda: dst.copy_(src), seconds / 3) for _ in range(3)
     )
 
 
@@ -177,7 +177,7 @@ def _measure_compute(sizes: Sequence[int], seconds: float = 0.2) -> dict:
         "stream_bytes_per_s": measure_stream(seconds=seconds),
         "op_overhead_s": measure_op_overhead(),
         "adam_s_per_param": measure_adam(),
-        "copy_bytes_per_s": measure_copy(seconds=seconds),
+        "dram_bytes_per_s": measure_dram(seconds=seconds),
     }
 
 
@@ -211,7 +211,7 @@ def measure_in_group(
     comm.barrier()
     compute = _measure_compute(sizes, seconds)  # all ranks at once: each its share of the cores
     rates = [compute["matmul_flops_per_s"][str(k)] for k in sizes]
-    rates += [compute["stream_bytes_per_s"], compute["copy_bytes_per_s"]]
+    rates += [compute["stream_bytes_per_s"], compute["dram_bytes_per_s"]]
     rates += [-compute["op_overhead_s"], -compute["adam_s_per_param"]]
     slowest = torch.tensor(rates, dtype=torch.float64)
     comm.all_reduce(slowest, op=comm.ReduceOp.MIN)
@@ -237,7 +237,7 @@ def measure_in_group(
         links=links,
         world_size=n,
         stream_bytes_per_s=values[-4],
-        copy_bytes_per_s=values[-3],
+        dram_bytes_per_s=values[-3],
         op_overhead_s=-values[-2],
         adam_s_per_param=-values[-1],
     )

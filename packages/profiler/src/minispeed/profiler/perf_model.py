@@ -18,11 +18,15 @@ g / p bytes per gradient / parameter element on the wire, `r = (N-1)/N`:
     T_overhead = ops · t_op                        operator calls × measured per-call cost
     T_optim    = Ψ_owned · t_adam                  AdamW on the parameters a rank owns:
                                                    Ψ_owned = Ψ, or Ψ/N from stage 1
-    T_unpack   = 2·A·Ψ·p / C                       stage 3 only: each pass's coalesced gather
-                                                   copied into the parameters, C the measured
-                                                   copy rate
+    T_params   = A·(2·Ψ·p + Ψ·g) / D              the parameters streamed from DRAM: read in
+                                                   forward and in backward, gradients written
+                                                   (the matmul rates are measured with operands
+                                                   in cache); D the measured DRAM rate (bytes
+                                                   read + written per second)
+    T_unpack   = 2·A·2·Ψ·p / D                     stage 3 only: each pass's coalesced gather
+                                                   copied into the parameters (read + write)
     T_comm     = Σ_calls (α_op + bytes_call / β_op)
-    T_step     = T_compute + T_memory + T_overhead + T_optim + T_unpack
+    T_step     = T_compute + T_memory + T_overhead + T_optim + T_params + T_unpack
                  + (1 - overlap) · T_comm
 
 Bytes each rank sends, the dominant terms of minispeed.zero's ledgers (restated here: the
@@ -93,8 +97,8 @@ class Machine:
     """Fixed cost of one operator call (dispatch, Python), seconds."""
     adam_s_per_param: float | None = None
     """Seconds of `torch.optim.AdamW.step` per parameter (None: priced from the memory rate)."""
-    copy_bytes_per_s: float | None = None
-    """Bytes copied per second between tensors beyond the cache (stage 3's unpacking)."""
+    dram_bytes_per_s: float | None = None
+    """DRAM rate: bytes read + written per second by a copy beyond the cache."""
 
     def flops_per_s(self, size: int | None = None) -> float:
         """Throughput at the measured size nearest `size` (log scale); the best one if None."""
@@ -112,7 +116,7 @@ class Machine:
             "stream_bytes_per_s": self.stream_bytes_per_s,
             "op_overhead_s": self.op_overhead_s,
             "adam_s_per_param": self.adam_s_per_param,
-            "copy_bytes_per_s": self.copy_bytes_per_s,
+            "dram_bytes_per_s": self.dram_bytes_per_s,
         }
 
     @classmethod
@@ -125,7 +129,7 @@ class Machine:
             stream_bytes_per_s=data.get("stream_bytes_per_s"),
             op_overhead_s=float(data.get("op_overhead_s", 0.0)),
             adam_s_per_param=data.get("adam_s_per_param"),
-            copy_bytes_per_s=data.get("copy_bytes_per_s"),
+            dram_bytes_per_s=data.get("dram_bytes_per_s"),
         )
 
     @classmethod
@@ -203,6 +207,8 @@ class StepPrediction:
     """Operator calls × the per-call overhead."""
     optimizer_s: float
     """AdamW on the parameters this rank owns."""
+    params_s: float
+    """Streaming the parameters from DRAM: read in forward and backward, gradients written."""
     unpack_s: float
     """Stage 3: copying each pass's gathered parameters out of the collective's buffer."""
     comm_s: float
@@ -212,9 +218,10 @@ class StepPrediction:
 
     @property
     def step_s(self) -> float:
-        """`compute_s + memory_s + overhead_s + optimizer_s + unpack_s + (1 - overlap)·comm_s`."""
-        local = self.compute_s + self.memory_s + self.overhead_s + self.optimizer_s + self.unpack_s
-        return local + (1.0 - self.overlap) * self.comm_s
+        """The local terms (compute, memory, overhead, optimizer, params, unpack) plus
+        `(1 - overlap) · comm_s`."""
+        local = self.compute_s + self.memory_s + self.overhead_s + self.optimizer_s
+        return local + self.params_s + self.unpack_s + (1.0 - self.overlap) * self.comm_s
 
 
 BYTES_PER_ELEMENTWISE_FLOP = 12
@@ -295,11 +302,13 @@ def predict_step(
         optimizer = OPTIMIZER_BYTES_PER_PARAM * owned / machine.stream_bytes_per_s
     if machine.adam_s_per_param is not None:
         optimizer = owned * machine.adam_s_per_param
-    unpack = 0.0
-    if stage == 3 and world_size > 1 and machine.copy_bytes_per_s:
-        param_bytes = collective_kwargs.get("param_bytes", 4)
-        passes = 2 * collective_kwargs.get("micro_steps", 1)  # forward and backward
-        unpack = passes * num_params * param_bytes / machine.copy_bytes_per_s
+    params = unpack = 0.0
+    if machine.dram_bytes_per_s:
+        p, g = collective_kwargs.get("param_bytes", 4), collective_kwargs.get("grad_bytes", 4)
+        a = collective_kwargs.get("micro_steps", 1)
+        params = a * (2 * p + g) * num_params / machine.dram_bytes_per_s
+        if stage == 3 and world_size > 1:  # forward and backward: read and write Ψ·p each
+            unpack = 2 * a * 2 * p * num_params / machine.dram_bytes_per_s
     compute = matmul_flops / rate
     if matmul_shape_s is not None:
         shaped_s, shaped_flops = matmul_shape_s
@@ -309,6 +318,7 @@ def predict_step(
         memory_s=memory,
         overhead_s=ops_per_step * machine.op_overhead_s,
         optimizer_s=optimizer,
+        params_s=params,
         unpack_s=unpack,
         comm_s=comm,
         overlap=overlap,
