@@ -141,3 +141,25 @@ def test_adam_is_timed_per_parameter_and_stage3_gathers_follow_the_prefetch_budg
     assert stage3_gather_calls(10_000, units=15, prefetch_numel=50_000) == 2  # one + prefetch
     assert stage3_gather_calls(100_000, units=15, prefetch_numel=50_000) == 15  # sliding window
     assert stage3_gather_calls(100, units=1, prefetch_numel=50) == 1
+
+
+def _calibrate_in_group(rank, world_size):
+    import minispeed.comm as comm
+    from minispeed.profiler.calibrate import measure_in_group
+
+    machine = measure_in_group(comm, sizes=(32,), seconds=0.01, link_bytes=(4096, 65536, 262144),
+                               adam_numel=16_000, dram_numel=100_000)  # fmt: skip
+    return machine.to_json()
+
+
+def test_calibration_in_a_gloo_group_gives_every_rank_the_same_alpha_beta_per_collective():
+    pytest.importorskip("minispeed.comm", reason="collectives go through minispeed.comm")
+    from minispeed.core.testing import run_distributed
+
+    results = run_distributed(_calibrate_in_group, world_size=2)
+    assert results[0] == results[1]  # the slowest rank's figures, agreed on by all
+    machine = Machine.from_json(results[0])
+    assert set(machine.links) == {"all_reduce", "all_gather", "reduce_scatter"}
+    for link in machine.links.values():
+        assert link.alpha_s >= 0 and link.busbw_bytes_per_s > 0
+    assert machine.world_size == 2 and machine.adam_s_per_param > 0 and machine.dram_bytes_per_s > 0

@@ -171,13 +171,18 @@ def fit_alpha_beta(wire_bytes: Sequence[float], seconds: Sequence[float]) -> Lin
     return LinkCost(alpha_s=alpha, busbw_bytes_per_s=1.0 / inv_beta)
 
 
-def _measure_compute(sizes: Sequence[int], seconds: float = 0.2) -> dict:
+def _measure_compute(
+    sizes: Sequence[int],
+    seconds: float = 0.2,
+    adam_numel: int = 8_000_000,
+    dram_numel: int = 16_000_000,
+) -> dict:
     return {
         "matmul_flops_per_s": {str(n): f for n, f in measure_matmul(sizes, seconds).items()},
         "stream_bytes_per_s": measure_stream(seconds=seconds),
         "op_overhead_s": measure_op_overhead(),
-        "adam_s_per_param": measure_adam(),
-        "dram_bytes_per_s": measure_dram(seconds=seconds),
+        "adam_s_per_param": measure_adam(adam_numel),
+        "dram_bytes_per_s": measure_dram(dram_numel, seconds=seconds),
     }
 
 
@@ -201,15 +206,18 @@ def measure_in_group(
     sizes: Sequence[int] = (128, 256, 512, 1024),
     seconds: float = 0.2,
     link_bytes: Sequence[int] = LINK_BYTES,
+    adam_numel: int = 8_000_000,
+    dram_numel: int = 16_000_000,
 ) -> Machine:
     """Calibrate inside a running process group (every rank calls it; all get the same answer):
     compute rates with all ranks busy (the slowest rank's: it sets the step time), then each
     collective at every size of `link_bytes` (median of repeats, the slowest rank's time) and
     its α and β by `fit_alpha_beta`. `comm` is the `minispeed.comm` module (the profiler does
-    not import it itself)."""
+    not import it itself); `adam_numel` / `dram_numel` size `measure_adam` / `measure_dram`."""
     n = comm.get_world_size()
     comm.barrier()
-    compute = _measure_compute(sizes, seconds)  # all ranks at once: each its share of the cores
+    # All ranks at once: each its share of the cores.
+    compute = _measure_compute(sizes, seconds, adam_numel, dram_numel)
     rates = [compute["matmul_flops_per_s"][str(k)] for k in sizes]
     rates += [compute["stream_bytes_per_s"], compute["dram_bytes_per_s"]]
     rates += [-compute["op_overhead_s"], -compute["adam_s_per_param"]]
