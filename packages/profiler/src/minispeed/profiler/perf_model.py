@@ -23,8 +23,10 @@ g / p bytes per gradient / parameter element on the wire, `r = (N-1)/N`:
                                                    (the matmul rates are measured with operands
                                                    in cache); D the measured DRAM rate (bytes
                                                    read + written per second)
-    T_unpack   = 2·A·2·Ψ·p / D                     stage 3 only: each pass's coalesced gather
-                                                   copied into the parameters (read + write)
+    T_unpack   = 2·A·3·Ψ·p / D                     stage 3 only: each pass's coalesced gather
+                                                   copied into the parameters (read + write),
+                                                   and its fresh buffer of Ψ·p bytes zeroed by
+                                                   the kernel on first touch
     T_comm     = Σ_calls (α_op + bytes_call / β_op)
     T_step     = T_compute + T_memory + T_overhead + T_optim + T_params + T_unpack
                  + (1 - overlap) · T_comm
@@ -210,7 +212,7 @@ class StepPrediction:
     params_s: float
     """Streaming the parameters from DRAM: read in forward and backward, gradients written."""
     unpack_s: float
-    """Stage 3: copying each pass's gathered parameters out of the collective's buffer."""
+    """Stage 3: copying each pass's gathered parameters out of the collective's (fresh) buffer."""
     comm_s: float
     overlap: float
     wire_bytes: float
@@ -307,8 +309,8 @@ def predict_step(
         p, g = collective_kwargs.get("param_bytes", 4), collective_kwargs.get("grad_bytes", 4)
         a = collective_kwargs.get("micro_steps", 1)
         params = a * (2 * p + g) * num_params / machine.dram_bytes_per_s
-        if stage == 3 and world_size > 1:  # forward and backward: read and write Ψ·p each
-            unpack = 2 * a * 2 * p * num_params / machine.dram_bytes_per_s
+        if stage == 3 and world_size > 1:  # per pass: copy out (read + write), fresh buffer
+            unpack = 2 * a * 3 * p * num_params / machine.dram_bytes_per_s
     compute = matmul_flops / rate
     if matmul_shape_s is not None:
         shaped_s, shaped_flops = matmul_shape_s
