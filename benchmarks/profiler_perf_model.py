@@ -2,12 +2,14 @@
 
 1. Calibrate (`minispeed.profiler.calibrate.measure_in_group`) inside the 2-rank group, one
    thread each, at the start of every round: float32 matmul FLOP/s at a few sizes, the memory
-   rate, the per-operator overhead, each collective's α and β, and the FLOP/s of every
-   matrix-product shape the model runs (`measure_matmul_shapes`, slowest rank).
+   rate, the per-operator overhead, AdamW's seconds per parameter, each collective's α and β
+   (fitted to 4 message sizes), and the FLOP/s of every matrix-product shape the model runs
+   (`measure_matmul_shapes`, slowest rank).
 2. Count one micro-step's FLOPs, MACs and operator calls (forward + backward) of
    examples/gpt.py's GPT with the FLOPs profiler; parameters Ψ from the model.
-3. Predict each stage's step (`perf_model.predict_step`: Ψ, N = 2, the stage's bucket size, one
-   stage-3 gather per module with parameters in forward and again in backward).
+3. Predict each stage's step (`perf_model.predict_step`: Ψ, N = 2, the stage's bucket size,
+   stage 3's gathers per pass from `perf_model.stage3_gather_calls` with zero's default
+   prefetch budget).
 4. Measure: the four stages (each its own `minispeed.zero.shard` model and AdamW) take turns,
    one step each per round right after the round's calibration, `--steps` rounds after a
    warm-up round, so that load from other programs falls on calibration and stages alike; a
@@ -16,8 +18,8 @@
 
     python benchmarks/profiler_perf_model.py [--steps 3]
 
-Both the model and the measurement see a machine shared with other programs; the error column
-is (predicted - measured) / measured.
+Both the model and the measurement see a machine shared with other programs (the load average
+is printed before and after); the error column is (predicted - measured) / measured.
 """
 
 from __future__ import annotations
@@ -39,13 +41,14 @@ from gpt import GPT, GPTConfig
 from minispeed.profiler import FlopsProfiler, predict_step
 from minispeed.profiler.calibrate import measure_in_group, measure_matmul_shapes
 from minispeed.profiler.launch import _free_port
-from minispeed.profiler.perf_model import matmul_seconds
+from minispeed.profiler.perf_model import matmul_seconds, stage3_gather_calls
 
 SIZES = {
     "small": dict(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128, batch=4),
     "35M": dict(vocab_size=8192, block_size=32, n_layer=6, n_head=10, n_embd=640, batch=1),
 }
 BUCKET_NUMEL = 2_000_000
+PREFETCH_NUMEL = 50_000_000  # minispeed.zero's default stage3_prefetch_bucket_numel
 WORLD = 2
 
 
@@ -71,7 +74,7 @@ def _predict(machine, counted: tuple, stage: int, shape_s: tuple[float, float]):
         world_size=WORLD,
         matmul_size=width,
         bucket_numel=BUCKET_NUMEL,
-        gather_calls=with_params,
+        gather_calls=stage3_gather_calls(psi, with_params, PREFETCH_NUMEL),
         matmul_shape_s=shape_s,
     )
 
@@ -94,6 +97,7 @@ def _worker(rank: int, port: int, steps: int, counted: dict, queue) -> None:
                 reduce_bucket_numel=BUCKET_NUMEL,
                 allgather_bucket_numel=BUCKET_NUMEL,
                 stage3_param_persistence_threshold_numel=0,
+                stage3_prefetch_bucket_numel=PREFETCH_NUMEL,
             )
             opt = zero.shard(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=cfg)
             trainers[stage] = (model, opt)
@@ -125,6 +129,7 @@ def _worker(rank: int, port: int, steps: int, counted: dict, queue) -> None:
         for stage, (_, opt) in trainers.items():
             out[(label, stage)] = [row[stage] for row in rounds]
             opt.close()
+        out[label] = machine  # the last round's calibration
     if rank == 0:
         queue.put(out)
     comm.barrier()
@@ -163,14 +168,14 @@ def main() -> None:
         ctx.Process(target=_worker, args=(r, port, args.steps, counted, queue))
         for r in range(WORLD)
     ]
+    load_before = os.getloadavg()
     for p in procs:
         p.start()
-    measured = queue.get(timeout=1200)
+    measured = queue.get(timeout=1800)
     for p in procs:
         p.join()
-    print(
-        "size   stage  compute  memory  ops   comm  predicted  measured  error (median of rounds)"
-    )
+    load_after = os.getloadavg()
+    print("size   stage compute memory ops  adam params unpack  comm predicted measured error")
     for label in SIZES:
         for stage in (0, 1, 2, 3):
             rows = measured[(label, stage)]
@@ -179,11 +184,24 @@ def main() -> None:
             last = rows[-1][1]
             err = statistics.median((pred.step_s - t) / t for t, pred in rows)
             print(
-                f"{label:6} {stage:5} {last.compute_s * 1e3:8.0f} {last.memory_s * 1e3:7.0f} "
-                f"{last.overhead_s * 1e3:4.0f} {last.comm_s * 1e3:6.0f} {p * 1e3:10.0f} "
-                f"{m * 1e3:9.0f} {100 * err:+6.0f}%"
+                f"{label:6} {stage:5} {last.compute_s * 1e3:7.0f} {last.memory_s * 1e3:6.0f} "
+                f"{last.overhead_s * 1e3:3.0f} {last.optimizer_s * 1e3:5.0f} "
+                f"{last.params_s * 1e3:6.0f} {last.unpack_s * 1e3:6.0f} "
+                f"{last.comm_s * 1e3:5.0f} {p * 1e3:9.0f} {m * 1e3:8.0f} {100 * err:+5.0f}%"
             )
-    print("(compute/memory/ops/comm: ms, last round's calibration; predicted/measured: ms)")
+    print("(terms: ms, last round's calibration; predicted, measured: medians over rounds, ms;")
+    print(" error: median over rounds of (predicted - measured) / measured)")
+    for label in SIZES:
+        m = measured[label]
+        links = ", ".join(
+            f"{op} α {c.alpha_s * 1e3:.2f} ms β {c.busbw_bytes_per_s / 1e6:.0f} MB/s"
+            for op, c in m.links.items()
+        )
+        print(f"{label} calibration: {links}; AdamW {m.adam_s_per_param * 1e9:.1f} ns/param, "
+              f"DRAM {m.dram_bytes_per_s / 1e9:.2f} GB/s, element-wise "
+              f"{m.stream_bytes_per_s / 1e9:.2f} GB/s, t_op {m.op_overhead_s * 1e6:.1f} us")  # fmt: skip
+    loads = " ".join(f"{x:.1f}" for x in load_before), " ".join(f"{x:.1f}" for x in load_after)
+    print(f"load average (1, 5, 15 min) before: {loads[0]}; after: {loads[1]}")
 
 
 if __name__ == "__main__":

@@ -70,3 +70,20 @@ def test_step_profiler_profiles_only_the_configured_step_and_writes_json(tmp_pat
             model(torch.randn(4, 8)).sum().backward()
         assert out.exists() == (step >= 1)
     assert json.loads(out.read_text())["modules"]["calls"] == 1
+
+
+def test_the_peak_can_be_the_calibrated_one_and_a_bad_peak_is_refused(tmp_path, monkeypatch):
+    from minispeed.profiler import perf_model
+
+    monkeypatch.setattr(perf_model, "CALIBRATION_FILE", tmp_path / "calibration.json")
+    model = _mlp()
+    with pytest.raises(FileNotFoundError, match=r"minispeed\.profiler calibrate"):
+        FlopsProfiler(model, peak_flops_per_s="calibrated")
+    machine = perf_model.Machine({128: 2e9, 256: 5e9})
+    (tmp_path / "calibration.json").write_text(json.dumps(machine.to_json()))
+    with FlopsProfiler(model, peak_flops_per_s="calibrated") as prof:
+        model(torch.randn(4, 8)).sum().backward()
+    r = prof.result()
+    assert r.peak_flops_per_s == 5e9 and r.peak_fraction == pytest.approx(r.flops_per_s / 5e9)
+    with pytest.raises(ValueError, match="positive FLOP/s"):
+        FlopsProfiler(model, peak_flops_per_s=0)

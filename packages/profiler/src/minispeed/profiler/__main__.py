@@ -53,6 +53,12 @@ def _calibrate(args: argparse.Namespace) -> None:
     os.replace(tmp, out)
     for n, f in sorted(machine.matmul_flops_per_s.items()):
         print(f"matmul {n}x{n}: {f / 1e9:.1f} GFLOP/s")
+    print(f"element-wise memory rate: {machine.stream_bytes_per_s / 1e9:.2f} GB/s")
+    if machine.dram_bytes_per_s:
+        print(f"DRAM rate (64 MB copy, read + write): {machine.dram_bytes_per_s / 1e9:.2f} GB/s")
+    print(f"operator call: {machine.op_overhead_s * 1e6:.1f} us")
+    if machine.adam_s_per_param:
+        print(f"AdamW step: {machine.adam_s_per_param * 1e9:.1f} ns per parameter")
     for op, link in machine.links.items():
         print(
             f"{op}: alpha {link.alpha_s * 1e6:.0f} us, busbw {link.busbw_bytes_per_s / 1e9:.2f} GB/s"

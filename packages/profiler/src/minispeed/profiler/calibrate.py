@@ -1,16 +1,25 @@
-"""Measure the machine for the performance model: matmul FLOP/s and each collective's α and β.
+"""Measure the machine for the performance model: matmul FLOP/s, the memory rate, the cost of
+an operator call and of AdamW per parameter, and each collective's α and β.
 
     python -m minispeed.profiler calibrate [--nproc 2] [--out FILE]
 
-- **Matmul**: an n×n @ n×n float32 product (2n³ FLOPs) repeated for `seconds`, for each n in
-  `sizes`; the best of three rounds.
+- **Matmul** (`measure_matmul`): an n×n @ n×n float32 product (2n³ FLOPs) repeated for
+  `seconds`, for each n in `sizes`; `measure_matmul_shapes` times the exact `(b, m, k, n)`
+  products a profiled step ran, in interleaved rounds.
 - **Memory** (`measure_stream`): bytes/s of a large element-wise add; **operator overhead**
-  (`measure_op_overhead`): seconds per call of a one-element operator.
-- With links, all of the above runs on `nproc` ranks at once (each rank's share of the cores);
+  (`measure_op_overhead`): seconds per call of a one-element operator; **copy**
+  (`measure_dram`): bytes read + written per second by a 64 MB copy, the DRAM rate; **optimizer**
+  (`measure_adam`): seconds per parameter of `torch.optim.AdamW.step` (measured, not derived
+  from a byte count: on a CPU torch's AdamW loops over the tensors, ~10 element-wise passes each).
+- With links, all of the above runs on `nproc` ranks at once (each rank's share of the cores).
 - **Links** (needs `minispeed-comm`): the `nproc` local ranks time `all_reduce`,
-  `all_gather` and `reduce_scatter` (through `minispeed.comm`) at a small message (α: seconds
-  per call) and a large one (β = bytes each rank sends / (time - α), bytes sent per rank being
-  2r·M for all-reduce and r·M for the others, r = (N-1)/N, M the full tensor's bytes).
+  `all_gather` and `reduce_scatter` (through `minispeed.comm`, so as the backend really runs
+  them: gloo has no reduce-scatter and comm runs all-reduce + slice) at several message sizes
+  M, and fit `t = α + w/β` by least squares on relative error (`fit_alpha_beta`), w the bytes
+  each rank sends: 2r·M for all-reduce, r·M for the others, r = (N-1)/N.
+
+Every figure is a median of repeats (not a best-of): on a shared machine the step the model
+predicts also runs at a typical, not a best, share of the cores.
 
 Results go to `~/.cache/minispeed/profiler/calibration.json` (`perf_model.Machine.load`).
 """
@@ -19,10 +28,11 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -30,7 +40,11 @@ from minispeed.profiler.launch import launch
 from minispeed.profiler.perf_model import LinkCost, Machine
 
 __all__ = [
+    "LINK_BYTES",
     "calibrate",
+    "fit_alpha_beta",
+    "measure_adam",
+    "measure_dram",
     "measure_in_group",
     "measure_matmul",
     "measure_matmul_shapes",
@@ -39,82 +53,141 @@ __all__ = [
     "measure_stream",
 ]
 
-SMALL_BYTES = 4 * 1024
-LARGE_BYTES = 8 * 1024 * 1024
+LINK_BYTES = (4 * 1024, 256 * 1024, 4 * 1024 * 1024, 64 * 1024 * 1024)
+"""Full-tensor sizes M at which each collective is timed: 4 KiB to 64 MiB, the largest beyond
+the last-level cache (a collective of a whole model's parameters streams them from DRAM, and
+costs more per byte than one of a few MiB)."""
+
+
+def _rate(work: float, fn: Callable[[], object], seconds: float) -> float:
+    """`work` per second of `fn`, repeated for at least `seconds` (and at least once)."""
+    reps, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds or reps == 0:
+        fn()
+        reps += 1
+    return work * reps / elapsed
 
 
 def measure_matmul(
     sizes: Sequence[int] = (128, 256, 512, 1024), seconds: float = 0.2
 ) -> dict[int, float]:
-    """FLOP/s of float32 n×n matmuls on this process's threads, by n (best of 3 rounds)."""
+    """FLOP/s of float32 n×n matmuls on this process's threads, by n (median of 3 rounds)."""
     result = {}
     for n in sizes:
         a, b = torch.randn(n, n), torch.randn(n, n)
         a @ b  # warm-up
-        best = 0.0
-        for _ in range(3):
-            reps, start = 0, time.perf_counter()
-            while (elapsed := time.perf_counter() - start) < seconds / 3 or reps == 0:
-                a @ b
-                reps += 1
-            best = max(best, 2 * n**3 * reps / elapsed)
-        result[n] = best
+        result[n] = statistics.median(
+            _rate(2 * n**3, lambda a=a, b=b: a @ b, seconds / 3) for _ in range(3)
+        )
     return result
 
 
 def measure_matmul_shapes(
-    shapes: Sequence[tuple[int, int, int, int]], seconds: float = 0.05
+    shapes: Sequence[tuple[int, int, int, int]], seconds: float = 0.05, rounds: int = 3
 ) -> dict[tuple[int, int, int, int], float]:
     """FLOP/s of float32 products of each `(batch, m, k, n)` shape (`Profile.matmul_shapes`):
-    small, thin products run far below the square-matrix peak."""
-    result = {}
+    small, thin products run far below the square-matrix peak. The shapes take turns for
+    `rounds` rounds of `seconds / rounds` each (a burst of load hits all, not one), median."""
+    operands = {}
     for b, m, k, n in shapes:
         x, y = torch.randn(b, m, k).squeeze(0), torch.randn(b, k, n).squeeze(0)
-        x @ y
-        reps, start = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - start) < seconds or reps == 0:
-            x @ y
-            reps += 1
-        result[(b, m, k, n)] = 2 * b * m * k * n * reps / elapsed
-    return result
+        x @ y  # warm-up
+        operands[(b, m, k, n)] = (x, y)
+    samples: dict[tuple[int, int, int, int], list[float]] = {s: [] for s in operands}
+    for _ in range(rounds):
+        for (b, m, k, n), (x, y) in operands.items():
+            flops = 2 * b * m * k * n
+            samples[(b, m, k, n)].append(_rate(flops, lambda x=x, y=y: x @ y, seconds / rounds))
+    return {s: statistics.median(v) for s, v in samples.items()}
 
 
 def measure_stream(numel: int = 2_000_000, seconds: float = 0.2) -> float:
     """Bytes/s of `c = a + b` on float32 vectors of `numel` (12 bytes moved per element): the
-    rate of memory-bound element-wise work and of the optimizer step."""
+    rate of memory-bound element-wise work (median of 3 rounds)."""
     a, b, c = torch.randn(numel), torch.randn(numel), torch.empty(numel)
     torch.add(a, b, out=c)
-    best = 0.0
-    for _ in range(3):
-        reps, start = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - start) < seconds / 3 or reps == 0:
-            torch.add(a, b, out=c)
-            reps += 1
-        best = max(best, 12 * numel * reps / elapsed)
-    return best
+    return statistics.median(
+        _rate(12 * numel, lambda: torch.add(a, b, out=c), seconds / 3) for _ in range(3)
+    )
 
 
 def measure_op_overhead(calls: int = 2000) -> float:
     """Seconds per call of a one-element operator: the fixed cost every operator pays."""
     a, b = torch.ones(1), torch.ones(1)
-    best = float("inf")
-    for _ in range(3):
+    rounds = []
+    for _ in range(10):
         start = time.perf_counter()
-        for _ in range(calls):
+        for _ in range(calls // 10):
             torch.add(a, b)
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best
+        rounds.append((time.perf_counter() - start) / (calls // 10))
+    return statistics.median(rounds)
 
 
-def _measure_compute(sizes: Sequence[int], seconds: float = 0.2) -> dict:
+def measure_dram(numel: int = 16_000_000, seconds: float = 0.2) -> float:
+    """Bytes read + written per second by `dst.copy_(src)` on float32 tensors of `numel` (64 MB
+    each, beyond the cache; 8 bytes moved per element): the rate at which a step streams its
+    parameters and ZeRO-3 unpacks a gathered model (median of 3 rounds)."""
+    src, dst = torch.randn(numel), torch.empty(numel)
+    dst.copy_(src)
+    return statistics.median(
+        _rate(8 * numel, lambda: dst.copy_(src), seconds / 3) for _ in range(3)
+    )
+
+
+def measure_adam(numel: int = 8_000_000, tensors: int = 8, steps: int = 3) -> float:
+    """Seconds per parameter of `torch.optim.AdamW.step` (torch's default implementation for
+    CPU tensors: the single-tensor loop), on `tensors` float32 parameters of `numel` elements in all
+    (by default 8M: parameters, gradients and moments far beyond the cache, as in a model) with
+    gradients set, median of `steps` steps after one warm-up."""
+    params = [torch.nn.Parameter(torch.randn(numel // tensors)) for _ in range(tensors)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    opt.step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / (numel // tensors * tensors)
+
+
+def fit_alpha_beta(wire_bytes: Sequence[float], seconds: Sequence[float]) -> LinkCost:
+    """Least-squares fit of `t = α + w/β` to measured (bytes sent per rank, seconds) pairs,
+    minimizing relative error (each equation divided by its t, so a 4 KiB call's 0.1 ms counts as
+    much as a 16 MiB call's 50 ms). α is clamped to >= 0 and β to a positive rate."""
+    # Rows (1/t, w/t) · (α, 1/β) ≈ 1: the 2×2 normal equations, solved by hand.
+    a11 = a12 = a22 = b1 = b2 = 0.0
+    for w, t in zip(wire_bytes, seconds, strict=True):
+        u, v = 1.0 / t, w / t
+        a11, a12, a22, b1, b2 = a11 + u * u, a12 + u * v, a22 + v * v, b1 + u, b2 + v
+    det = a11 * a22 - a12 * a12
+    alpha = (b1 * a22 - b2 * a12) / det
+    inv_beta = (a11 * b2 - a12 * b1) / det
+    if alpha < 0 or inv_beta <= 0:  # degenerate (noise): α = the smallest message's time
+        alpha = max(0.0, min(seconds))
+        slopes = [(t - alpha) / w for w, t in zip(wire_bytes, seconds, strict=True) if t > alpha]
+        inv_beta = max(statistics.median(slopes) if slopes else 1e-12, 1e-12)
+    return LinkCost(alpha_s=alpha, busbw_bytes_per_s=1.0 / inv_beta)
+
+
+def _measure_compute(
+    sizes: Sequence[int],
+    seconds: float = 0.2,
+    adam_numel: int = 8_000_000,
+    dram_numel: int = 16_000_000,
+) -> dict:
     return {
         "matmul_flops_per_s": {str(n): f for n, f in measure_matmul(sizes, seconds).items()},
         "stream_bytes_per_s": measure_stream(seconds=seconds),
         "op_overhead_s": measure_op_overhead(),
+        "adam_s_per_param": measure_adam(adam_numel),
+        "dram_bytes_per_s": measure_dram(dram_numel, seconds=seconds),
     }
 
 
-def _wire_bytes(op: str, full_bytes: float, n: int) -> float:
+def wire_bytes(op: str, full_bytes: float, n: int) -> float:
+    """Bytes each of `n` ranks sends in one `op` on a tensor of `full_bytes` (ring algorithm)."""
     r = (n - 1) / n
     return 2 * r * full_bytes if op == "all_reduce" else r * full_bytes
 
@@ -129,46 +202,52 @@ def _call(comm, op: str, full: torch.Tensor, shard: torch.Tensor) -> None:
 
 
 def measure_in_group(
-    comm, sizes: Sequence[int] = (128, 256, 512, 1024), seconds: float = 0.2
+    comm,
+    sizes: Sequence[int] = (128, 256, 512, 1024),
+    seconds: float = 0.2,
+    link_bytes: Sequence[int] = LINK_BYTES,
+    adam_numel: int = 8_000_000,
+    dram_numel: int = 16_000_000,
 ) -> Machine:
     """Calibrate inside a running process group (every rank calls it; all get the same answer):
-    compute rates with all ranks busy (the slowest rank's: it sets the step time), then
-    each collective's α (small message) and β (large message), the slowest rank's times.
-    `comm` is the `minispeed.comm` module (the profiler does not import it itself)."""
+    compute rates with all ranks busy (the slowest rank's: it sets the step time), then each
+    collective at every size of `link_bytes` (median of repeats, the slowest rank's time) and
+    its α and β by `fit_alpha_beta`. `comm` is the `minispeed.comm` module (the profiler does
+    not import it itself); `adam_numel` / `dram_numel` size `measure_adam` / `measure_dram`."""
     n = comm.get_world_size()
     comm.barrier()
-    compute = _measure_compute(sizes, seconds)  # all ranks at once: each its share of the cores
+    # All ranks at once: each its share of the cores.
+    compute = _measure_compute(sizes, seconds, adam_numel, dram_numel)
     rates = [compute["matmul_flops_per_s"][str(k)] for k in sizes]
-    rates += [compute["stream_bytes_per_s"], -compute["op_overhead_s"]]
+    rates += [compute["stream_bytes_per_s"], compute["dram_bytes_per_s"]]
+    rates += [-compute["op_overhead_s"], -compute["adam_s_per_param"]]
     slowest = torch.tensor(rates, dtype=torch.float64)
     comm.all_reduce(slowest, op=comm.ReduceOp.MIN)
-    times: dict[str, dict[int, float]] = {}
+    links = {}
     for op in ("all_reduce", "all_gather", "reduce_scatter"):
-        times[op] = {}
-        for full in (SMALL_BYTES, LARGE_BYTES):
+        times = []
+        for full in link_bytes:
             x, shard = torch.ones(full // 4), torch.ones(full // 4 // n)
             _call(comm, op, x, shard)  # warm-up
-            best = float("inf")
-            for _ in range(10 if full == SMALL_BYTES else 3):
+            samples = []
+            for _ in range(5 if full < 1024 * 1024 else 3):
                 comm.barrier()
                 start = time.perf_counter()
                 _call(comm, op, x, shard)
-                best = min(best, time.perf_counter() - start)
-            t = torch.tensor([best], dtype=torch.float64)
+                samples.append(time.perf_counter() - start)
+            t = torch.tensor([statistics.median(samples)], dtype=torch.float64)
             comm.all_reduce(t, op=comm.ReduceOp.MAX)
-            times[op][full] = t.item()
-    links = {}
-    for op, t in times.items():
-        alpha = t[SMALL_BYTES]
-        beta = _wire_bytes(op, LARGE_BYTES, n) / max(t[LARGE_BYTES] - alpha, 1e-9)
-        links[op] = LinkCost(alpha_s=alpha, busbw_bytes_per_s=beta)
+            times.append(t.item())
+        links[op] = fit_alpha_beta([wire_bytes(op, b, n) for b in link_bytes], times)
     values = slowest.tolist()
     return Machine(
         matmul_flops_per_s=dict(zip(sizes, values[: len(sizes)], strict=True)),
         links=links,
         world_size=n,
-        stream_bytes_per_s=values[-2],
-        op_overhead_s=-values[-1],
+        stream_bytes_per_s=values[-4],
+        dram_bytes_per_s=values[-3],
+        op_overhead_s=-values[-2],
+        adam_s_per_param=-values[-1],
     )
 
 

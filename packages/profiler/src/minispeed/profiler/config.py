@@ -86,7 +86,10 @@ class StepProfiler:
     """Profiles the configured step of a training loop and reports it (config `output_file`)."""
 
     def __init__(
-        self, model: nn.Module, config: FlopsProfilerConfig, peak_flops_per_s: float | None = None
+        self,
+        model: nn.Module,
+        config: FlopsProfilerConfig,
+        peak_flops_per_s: float | str | None = None,
     ) -> None:
         self.model = model
         self.config = config

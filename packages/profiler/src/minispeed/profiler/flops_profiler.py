@@ -81,15 +81,32 @@ class FlopsProfiler:
             after theirs, so work done in their hooks is counted in the module).
         count_ops: False times modules only (no dispatch mode: latencies without the counting
             overhead, FLOPs all zero).
-        peak_flops_per_s: the machine's peak to report a fraction of (e.g. from
-            `python -m minispeed.profiler calibrate`); None leaves the fraction out.
+        peak_flops_per_s: the machine's peak to report a fraction of: FLOP/s, or
+            `"calibrated"` for the best matmul rate `python -m minispeed.profiler calibrate`
+            measured (`perf_model.Machine.load()`; the error says to run it when missing);
+            None leaves the fraction out.
     """
 
     def __init__(
-        self, model: nn.Module, *, count_ops: bool = True, peak_flops_per_s: float | None = None
+        self,
+        model: nn.Module,
+        *,
+        count_ops: bool = True,
+        peak_flops_per_s: float | str | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"FlopsProfiler profiles an nn.Module, got {type(model).__name__}")
+        if peak_flops_per_s == "calibrated":
+            from minispeed.profiler.perf_model import Machine
+
+            peak_flops_per_s = Machine.load().flops_per_s()
+        elif isinstance(peak_flops_per_s, str) or (
+            peak_flops_per_s is not None and not peak_flops_per_s > 0
+        ):
+            raise ValueError(
+                f"peak_flops_per_s is a positive FLOP/s, 'calibrated' or None, "
+                f"got {peak_flops_per_s!r}"
+            )
         self.model = model
         self.count_ops = count_ops
         self.peak_flops_per_s = peak_flops_per_s

@@ -3,8 +3,9 @@
 Inputs: the step's FLOPs, MACs and operator calls (from the FLOPs profiler), Ψ parameters,
 N ranks, the ZeRO stage, and the machine as measured by `python -m minispeed.profiler
 calibrate`: R, the matmul throughput (FLOP/s), S, the memory rate of element-wise work, t_op,
-the fixed cost of an operator call, and per collective a latency α (s per call) and a bus
-bandwidth β (bytes each rank sends per second, ring algorithm).
+the fixed cost of an operator call, t_adam, AdamW's seconds per parameter, and per collective
+a latency α (s per call) and a bandwidth β (bytes each rank sends per second), fitted to
+timings at several message sizes.
 
 Equations (Note [the step-time model]), per optimizer step, per rank, A micro-steps,
 g / p bytes per gradient / parameter element on the wire, `r = (N-1)/N`:
@@ -12,13 +13,23 @@ g / p bytes per gradient / parameter element on the wire, `r = (N-1)/N`:
     T_compute  = 2·MACs / R                     matrix products of the A micro-steps (or
                                                    Σ_shapes calls·2bmkn / R(shape), each
                                                    shape at its own measured rate)
-    T_memory   = (12·(F - 2·MACs) + 64·Ψ_owned) / S   element-wise FLOPs (12 bytes each) and
-                                                   AdamW (64 bytes per owned parameter), S the
-                                                   measured memory rate; Ψ_owned = Ψ, or Ψ/N
-                                                   from stage 1
+    T_memory   = 12·(F - 2·MACs) / S               element-wise FLOPs (12 bytes each), S the
+                                                   measured memory rate
     T_overhead = ops · t_op                        operator calls × measured per-call cost
+    T_optim    = Ψ_owned · t_adam                  AdamW on the parameters a rank owns:
+                                                   Ψ_owned = Ψ, or Ψ/N from stage 1
+    T_params   = A·(2·Ψ·p + Ψ·g) / D              the parameters streamed from DRAM: read in
+                                                   forward and in backward, gradients written
+                                                   (the matmul rates are measured with operands
+                                                   in cache); D the measured DRAM rate (bytes
+                                                   read + written per second)
+    T_unpack   = 2·A·3·Ψ·p / D                     stage 3 only: each pass's coalesced gather
+                                                   copied into the parameters (read + write),
+                                                   and its fresh buffer of Ψ·p bytes zeroed by
+                                                   the kernel on first touch
     T_comm     = Σ_calls (α_op + bytes_call / β_op)
-    T_step     = T_compute + T_memory + T_overhead + (1 - overlap) · T_comm
+    T_step     = T_compute + T_memory + T_overhead + T_optim + T_params + T_unpack
+                 + (1 - overlap) · T_comm
 
 Bytes each rank sends, the dominant terms of minispeed.zero's ledgers (restated here: the
 profiler depends on minispeed.core only):
@@ -29,6 +40,11 @@ profiler depends on minispeed.core only):
 | 1     | reduce-scatter, all-gather after step    | r·Ψ·g + r·Ψ·p                   |
 | 2     | reduce-scatter each micro-step, all-gather | A·r·Ψ·g + r·Ψ·p               |
 | 3     | per micro-step: all-gather in forward and in backward, reduce-scatter | A·(r·Ψ·g + 2r·Ψ·p) |
+
+Calls: gradients go in buckets of `bucket_numel` elements (one call each); stage 3 gathers in
+`stage3_gather_calls` calls per pass: with minispeed.zero's prefetcher, the first module's
+blocking gather plus one coalesced prefetch of everything else when the model fits in the
+prefetch budget, else about one call per module with parameters.
 
 `overlap` (0 by default) is the fraction of communication hidden behind compute; on a CPU
 with gloo the transfer and the arithmetic share cores, so little is hidden.
@@ -49,6 +65,7 @@ __all__ = [
     "StepPrediction",
     "matmul_seconds",
     "predict_step",
+    "stage3_gather_calls",
     "stage_collectives",
 ]
 
@@ -80,6 +97,10 @@ class Machine:
     """Memory rate of element-wise work (bytes read + written per second)."""
     op_overhead_s: float = 0.0
     """Fixed cost of one operator call (dispatch, Python), seconds."""
+    adam_s_per_param: float | None = None
+    """Seconds of `torch.optim.AdamW.step` per parameter (None: priced from the memory rate)."""
+    dram_bytes_per_s: float | None = None
+    """DRAM rate: bytes read + written per second by a copy beyond the cache."""
 
     def flops_per_s(self, size: int | None = None) -> float:
         """Throughput at the measured size nearest `size` (log scale); the best one if None."""
@@ -96,6 +117,8 @@ class Machine:
             "world_size": self.world_size,
             "stream_bytes_per_s": self.stream_bytes_per_s,
             "op_overhead_s": self.op_overhead_s,
+            "adam_s_per_param": self.adam_s_per_param,
+            "dram_bytes_per_s": self.dram_bytes_per_s,
         }
 
     @classmethod
@@ -107,11 +130,14 @@ class Machine:
             world_size=int(data.get("world_size", 2)),
             stream_bytes_per_s=data.get("stream_bytes_per_s"),
             op_overhead_s=float(data.get("op_overhead_s", 0.0)),
+            adam_s_per_param=data.get("adam_s_per_param"),
+            dram_bytes_per_s=data.get("dram_bytes_per_s"),
         )
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str] = CALIBRATION_FILE) -> Machine:
-        """Read a calibration file; the error says how to make one."""
+    def load(cls, path: str | os.PathLike[str] | None = None) -> Machine:
+        """Read a calibration file (default `CALIBRATION_FILE`); the error says how to make one."""
+        path = CALIBRATION_FILE if path is None else path
         try:
             with open(path) as f:
                 return cls.from_json(json.load(f))
@@ -178,9 +204,15 @@ class StepPrediction:
     compute_s: float
     """Matrix products: `2·macs / R` (all FLOPs over R when MACs are not given)."""
     memory_s: float
-    """Element-wise work and the optimizer step, at the memory rate."""
+    """Element-wise work at the memory rate."""
     overhead_s: float
     """Operator calls × the per-call overhead."""
+    optimizer_s: float
+    """AdamW on the parameters this rank owns."""
+    params_s: float
+    """Streaming the parameters from DRAM: read in forward and backward, gradients written."""
+    unpack_s: float
+    """Stage 3: copying each pass's gathered parameters out of the collective's (fresh) buffer."""
     comm_s: float
     overlap: float
     wire_bytes: float
@@ -188,15 +220,28 @@ class StepPrediction:
 
     @property
     def step_s(self) -> float:
-        """`compute_s + memory_s + overhead_s + (1 - overlap) · comm_s`."""
-        return self.compute_s + self.memory_s + self.overhead_s + (1.0 - self.overlap) * self.comm_s
+        """The local terms (compute, memory, overhead, optimizer, params, unpack) plus
+        `(1 - overlap) · comm_s`."""
+        local = self.compute_s + self.memory_s + self.overhead_s + self.optimizer_s
+        return local + self.params_s + self.unpack_s + (1.0 - self.overlap) * self.comm_s
 
 
 BYTES_PER_ELEMENTWISE_FLOP = 12
 """An element-wise FLOP reads two float32 values and writes one."""
 OPTIMIZER_BYTES_PER_PARAM = 64
-"""AdamW touches parameter, gradient and two moments (read and write, float32) plus its
-temporaries: about 16 float32 values per parameter it owns."""
+"""Without a measured `adam_s_per_param`: AdamW touches parameter, gradient and two moments
+(read and write, float32) plus its temporaries, about 16 float32 values per parameter it owns.
+(torch's AdamW on a CPU measures 3-4x that on a loaded machine: ~10 passes over the data.)"""
+
+
+def stage3_gather_calls(num_params: int, units: int, prefetch_numel: int) -> int:
+    """All-gather calls of one stage-3 pass (forward, or backward) under minispeed.zero's
+    prefetcher with a budget of `prefetch_numel` elements: the first of `units` modules with
+    parameters gathers blocking, then one coalesced prefetch fetches every later unit that fits;
+    when the model does not fit the window slides and about every unit starts a top-up call."""
+    if units <= 1:
+        return units
+    return 2 if num_params <= prefetch_numel else units
 
 
 def matmul_seconds(
@@ -231,8 +276,9 @@ def predict_step(
 
     `flops_per_step` and `macs_per_step` (from `FlopsProfiler`: forward + backward of every
     micro-step) split the work into matrix products at R and element-wise FLOPs at the memory
-    rate; `ops_per_step` operator calls cost `op_overhead_s` each. The optimizer step moves
-    `OPTIMIZER_BYTES_PER_PARAM` per parameter a rank owns (Ψ, or Ψ/N from stage 1).
+    rate; `ops_per_step` operator calls cost `op_overhead_s` each. The optimizer step costs
+    `adam_s_per_param` per parameter a rank owns (Ψ, or Ψ/N from stage 1), or, uncalibrated,
+    moves `OPTIMIZER_BYTES_PER_PARAM` per parameter at the memory rate.
     `matmul_size` picks the calibrated throughput nearest the model's typical matmul (e.g. the
     hidden size); `matmul_shape_s` (`matmul_seconds(...)` of the step's shapes) prices those
     products at their own measured rate instead, the other MACs (attention, convolutions)
@@ -250,11 +296,21 @@ def predict_step(
     comm = sum(machine.links[c.op].time_s(c.wire_bytes) for c in calls)
     rate = machine.flops_per_s(matmul_size)
     matmul_flops = flops_per_step if macs_per_step is None else 2 * macs_per_step
-    memory = 0.0
+    memory = optimizer = 0.0
+    owned = num_params if stage == 0 else num_params / world_size
     if machine.stream_bytes_per_s:
-        owned = num_params if stage == 0 else num_params / world_size
         moved = (flops_per_step - matmul_flops) * BYTES_PER_ELEMENTWISE_FLOP
-        memory = (moved + OPTIMIZER_BYTES_PER_PARAM * owned) / machine.stream_bytes_per_s
+        memory = moved / machine.stream_bytes_per_s
+        optimizer = OPTIMIZER_BYTES_PER_PARAM * owned / machine.stream_bytes_per_s
+    if machine.adam_s_per_param is not None:
+        optimizer = owned * machine.adam_s_per_param
+    params = unpack = 0.0
+    if machine.dram_bytes_per_s:
+        p, g = collective_kwargs.get("param_bytes", 4), collective_kwargs.get("grad_bytes", 4)
+        a = collective_kwargs.get("micro_steps", 1)
+        params = a * (2 * p + g) * num_params / machine.dram_bytes_per_s
+        if stage == 3 and world_size > 1:  # per pass: copy out (read + write), fresh buffer
+            unpack = 2 * a * 3 * p * num_params / machine.dram_bytes_per_s
     compute = matmul_flops / rate
     if matmul_shape_s is not None:
         shaped_s, shaped_flops = matmul_shape_s
@@ -263,6 +319,9 @@ def predict_step(
         compute_s=compute,
         memory_s=memory,
         overhead_s=ops_per_step * machine.op_overhead_s,
+        optimizer_s=optimizer,
+        params_s=params,
+        unpack_s=unpack,
         comm_s=comm,
         overlap=overlap,
         wire_bytes=sum(c.wire_bytes for c in calls),
