@@ -43,8 +43,8 @@ profiler depends on minispeed.core only):
 
 Calls: gradients go in buckets of `bucket_numel` elements (one call each); stage 3 gathers in
 `stage3_gather_calls` calls per pass: with minispeed.zero's prefetcher, the first module's
-blocking gather plus one coalesced prefetch of everything else when the model fits in the
-prefetch budget, else about one call per module with parameters.
+blocking gather plus the prefetch of everything else, in chunks of about 4M elements, when the
+model fits in the prefetch budget, else about one call per module with parameters.
 
 `overlap` (0 by default) is the fraction of communication hidden behind compute; on a CPU
 with gloo the transfer and the arithmetic share cores, so little is hidden.
@@ -234,14 +234,20 @@ OPTIMIZER_BYTES_PER_PARAM = 64
 (torch's AdamW on a CPU measures 3-4x that on a loaded machine: ~10 passes over the data.)"""
 
 
-def stage3_gather_calls(num_params: int, units: int, prefetch_numel: int) -> int:
+def stage3_gather_calls(
+    num_params: int, units: int, prefetch_numel: int, chunk_numel: int = 1 << 22
+) -> int:
     """All-gather calls of one stage-3 pass (forward, or backward) under minispeed.zero's
     prefetcher with a budget of `prefetch_numel` elements: the first of `units` modules with
-    parameters gathers blocking, then one coalesced prefetch fetches every later unit that fits;
-    when the model does not fit the window slides and about every unit starts a top-up call."""
+    parameters gathers blocking, then the prefetch admits every later unit that fits and issues
+    them in chunks of whole units of about `chunk_numel` elements (zero's Note [a prefetch travels
+    in chunks]: 4M elements); when the model does not fit the window slides and about every unit
+    starts a top-up call."""
     if units <= 1:
         return units
-    return 2 if num_params <= prefetch_numel else units
+    if num_params <= prefetch_numel:
+        return 1 + min(units - 1, max(1, -(-num_params // chunk_numel)))
+    return units
 
 
 def matmul_seconds(
