@@ -120,17 +120,20 @@ def _shard_errors(rank: int, world_size: int, root: str) -> dict[str, str]:
     def refuse(t, key):  # what mlock says when RLIMIT_MEMLOCK is too low (root can always lock)
         raise MemoryError(f"{key}.pin_memory=true: page-locking failed: set {key}.pin_memory false")
 
-    swapper._mlock = refuse
+    real_mlock, swapper._mlock = swapper._mlock, refuse
     out = {}
-    for name, section in cases.items():
-        model = make_model()
-        cfg = zero.ZeroConfig.from_ds_config({"zero_optimization": section})
-        kind = torch.optim.SGD if name == "not_adam" else torch.optim.AdamW
-        try:
-            zero.shard(model, kind(model.parameters(), lr=0.1), config=cfg)
-            out[name] = "no error"
-        except (ValueError, TypeError, OSError, MemoryError) as err:
-            out[name] = str(err)
+    try:
+        for name, section in cases.items():
+            model = make_model()
+            cfg = zero.ZeroConfig.from_ds_config({"zero_optimization": section})
+            kind = torch.optim.SGD if name == "not_adam" else torch.optim.AdamW
+            try:
+                zero.shard(model, kind(model.parameters(), lr=0.1), config=cfg)
+                out[name] = "no error"
+            except (ValueError, TypeError, OSError, MemoryError) as err:
+                out[name] = str(err)
+    finally:
+        swapper._mlock = real_mlock  # the worker process serves later tests too
     return out
 
 

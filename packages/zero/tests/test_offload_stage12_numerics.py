@@ -43,6 +43,13 @@ def ds_configs(stage: int, nvme_path: str) -> list[dict]:
 
 def _train(rank: int, world_size: int, stage: int, nvme_path: str):
     out = []
+    try:
+        return _runs(rank, world_size, stage, nvme_path, out)
+    finally:
+        bridge.ALWAYS_COPY = False  # the worker process serves later tests too
+
+
+def _runs(rank: int, world_size: int, stage: int, nvme_path: str, out: list):
     for k, ds in enumerate(ds_configs(stage, nvme_path)):
         # The third run keeps separate host masters and gradient copies, as on a GPU: gradients
         # copied down after the reduction, masters copied up before the all-gather.
@@ -63,7 +70,6 @@ def _train(rank: int, world_size: int, stage: int, nvme_path: str):
             host = opt.strategy.master_params()[0][i]
             device = opt.strategy.strategy.master_params()[0][i]
             assert host.data_ptr() != device.data_ptr() and torch.equal(host, device)
-    bridge.ALWAYS_COPY = False
     return out
 
 

@@ -64,7 +64,13 @@ def _train(rank: int, world_size: int, chunk_numel: int) -> dict:
 
 
 def _body(rank: int, world_size: int) -> dict:
-    return dict(one=_train(rank, world_size, 1 << 40), chunked=_train(rank, world_size, UNIT_NUMEL))
+    default = coordinator._GATHER_CHUNK_NUMEL
+    try:
+        return dict(
+            one=_train(rank, world_size, 1 << 40), chunked=_train(rank, world_size, UNIT_NUMEL)
+        )
+    finally:  # the worker process serves later tests: every rank must chunk alike there
+        coordinator._GATHER_CHUNK_NUMEL = default
 
 
 def _reference() -> list[float]:
