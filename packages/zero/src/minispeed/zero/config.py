@@ -264,8 +264,10 @@ class ZeroConfig:
                 _as_number(ds_config["gradient_clipping"], "gradient_clipping")
             )
         if any((s or {}).get("device") not in (None, "none") for s in offload.values()):
-            from minispeed.zero.offload_bridge import offload_from_ds_config  # lazy: see there
+            from minispeed.zero.offload_bridge import check_offload_stage, offload_from_ds_config
 
+            devices = [(offload.get(k) or {}).get("device") for k in _DS_OFFLOAD_ORDER]
+            check_offload_stage(stage, *devices)  # before the import: a stage error needs none
             kwargs.update(offload_from_ds_config(offload, ds_config.get("aio")))
         return cls(**kwargs)
 
@@ -336,3 +338,4 @@ _DS_ALIASES = {
     "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
 }
 _DS_OFFLOAD = {"offload_param", "offload_optimizer"}
+_DS_OFFLOAD_ORDER = ("offload_optimizer", "offload_param")  # check_offload_stage's arguments

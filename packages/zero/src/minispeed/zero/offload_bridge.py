@@ -112,17 +112,24 @@ def check_offload(config: Any) -> None:
             f"{type(config.aio).__name__}"
         )
     opt, par = config.offload_optimizer, config.offload_param
-    if opt is not None and opt.device != "none" and config.stage == 0:
+    check_offload_stage(
+        config.stage, None if opt is None else opt.device, None if par is None else par.device
+    )
+
+
+def check_offload_stage(stage: int, optimizer_device: Any, param_device: Any) -> None:
+    """Refuse an offload device the stage cannot honour. Needs no offload package, so a stage
+    error is reported as such even where minispeed-offload is not installed."""
+    if optimizer_device not in (None, "none") and stage == 0:
         raise ValueError(
-            f"zero_optimization.offload_optimizer.device={opt.device!r} needs stage 1, 2 or 3 "
-            "(the optimizer states must be partitioned to be offloaded); set stage >= 1 or "
+            f"zero_optimization.offload_optimizer.device={optimizer_device!r} needs stage 1, 2 "
+            "or 3 (the optimizer states must be partitioned to be offloaded); set stage >= 1 or "
             "device 'none'"
         )
-    if par is not None and par.device != "none" and config.stage != 3:
+    if param_device not in (None, "none") and stage != 3:
         raise ValueError(
-            f"zero_optimization.offload_param.device={par.device!r} needs stage 3 (only stage 3 "
-            f"partitions the parameters); set stage 3, or use offload_optimizer at stage "
-            f"{config.stage}"
+            f"zero_optimization.offload_param.device={param_device!r} needs stage 3 (only stage "
+            f"3 partitions the parameters); set stage 3, or use offload_optimizer at stage {stage}"
         )
 
 
