@@ -60,6 +60,7 @@ __all__ = [
     "ParamState",
     "ShardedParam",
     "all_gather_params",
+    "mark_issued",
     "partition_param",
     "refresh_gathered",
 ]
@@ -424,12 +425,18 @@ def _all_gather(todo: list[ShardedParam], async_op: bool) -> Any:
             group=group,
             async_op=async_op,
         )
+    mark_issued(todo, work, async_op)
+    return work
+
+
+def mark_issued(todo: Sequence[ShardedParam], work: Any, async_op: bool) -> None:
+    """The gather of ``todo`` was issued (as ``work``): they are GATHERING until waited for
+    (async), or GATHERED now."""
     for sp in todo:
         if async_op:
             sp.to_gathering(work)
         else:
             sp.to_gathered()
-    return work
 
 
 def refresh_gathered(sps: Sequence[ShardedParam]) -> None:

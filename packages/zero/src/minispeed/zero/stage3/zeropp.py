@@ -57,7 +57,7 @@ from minispeed.comm import api_compat
 from minispeed.comm.compression import BlockQuantizer, QuantPacked
 from minispeed.core import ranges
 from minispeed.zero.config import ZeroConfig
-from minispeed.zero.stage3.params import ShardedParam
+from minispeed.zero.stage3.params import ShardedParam, mark_issued
 from minispeed.zero.stage3.zeropp_grads import hierarchical_quantized_reduce_scatter
 
 __all__ = ["NodeLayout", "ZeroPP", "check_zeropp", "node_size_from_env", "zeropp_enabled"]
@@ -265,11 +265,7 @@ class ZeroPP:
                 work = self._quantized(todo, async_op)
         else:
             work = self._plain(todo, async_op)
-        for sp in todo:
-            if async_op:
-                sp.to_gathering(work)
-            else:
-                sp.to_gathered()
+        mark_issued(todo, work, async_op)
         return work
 
     @staticmethod
