@@ -1,6 +1,8 @@
 """Memory proof through ZeRO: with `offload_optimizer: nvme` the process's peak resident memory is
 lower than the same run without offload by at least the optimizer-state bytes in swap files
-(measured from /proc, not computed), and the memory ledger accounts for those bytes.
+(measured from /proc, not computed), and the memory ledger accounts for those bytes. The peak is
+taken from the first step on (VmHWM reset after a warm-up backward), so what imports, op loading
+and thread start-up cost, which varies from run to run, does not blur the comparison.
 
 Two fresh single-rank processes train the same 4M-parameter MLP for 3 steps with `zero.shard`
 (stage 1, AdamW): one without offload (torch's AdamW keeps 8 B/parameter of state in memory), one
@@ -22,6 +24,7 @@ import pytest
 
 pytest.importorskip("minispeed.offload")
 
+RUNS = 3
 SLACK = 4 << 20  # I/O threads' stacks and malloc arenas (about 1 MiB measured), with margin
 
 WORKER = """
@@ -46,7 +49,11 @@ if mode == "nvme":
 cfg = zero.ZeroConfig.from_ds_config({"zero_optimization": section})
 opt = zero.shard(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=cfg)
 x = torch.randn(8, 512)
-for _ in range(3):
+opt.backward(model(x).square().mean())  # warm up: ops loaded, I/O threads started, buffers cut
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak (VmHWM) restarts from today's resident set: imports no longer count
+opt.step()  # the first step: Adam's states are born here
+for _ in range(2):
     opt.backward(model(x).square().mean())
     opt.step()
 got, want = measure_offload(opt), predict_offload(opt)
@@ -70,8 +77,10 @@ def _run(mode: str, nvme: Path) -> dict:
 
 @pytest.mark.timeout(900)
 def test_peak_rss_drops_by_the_swapped_state_bytes(tmp_path: Path) -> None:
-    plain = _run("none", tmp_path)
-    nvme = _run("nvme", tmp_path)
+    # Each mode's lowest peak of 3 fresh processes: a peak is noisy upwards (when the allocator
+    # happens to return memory to the OS), by up to ~15 MiB here; the minimum is not.
+    plain = min((_run("none", tmp_path) for _ in range(RUNS)), key=lambda r: r["peak"])
+    nvme = min((_run("nvme", tmp_path) for _ in range(RUNS)), key=lambda r: r["peak"])
     assert abs(nvme["checksum"] - plain["checksum"]) <= 1e-6 * abs(plain["checksum"])
     # the ledger: all of Adam's state is in files (and no longer in memory), as predicted
     assert nvme["files"] == nvme["predicted_files"] == 8 * (1 << 22)
