@@ -19,7 +19,8 @@ micro-step, the averaging, the boundary bookkeeping):
 Bytes kept per rank (g = bytes per `grad_accum_dtype` element, Ψ parameters, N ranks):
 stages 0 and 1: Ψ·g (full flat gradients; stage 1's reduced partition is this rank's shard of
 each bucket, in place); stage 2: Ψ·g/N plus at most `_MAX_IN_FLIGHT` + (buckets being filled)
-staging buckets of `reduce_bucket_numel` elements. Bytes sent: see `ledger.py`.
+staging buckets of `ZeroConfig.bucket_numel` elements (`reduce_bucket_numel`, at most 25 MiB).
+Bytes sent: see `ledger.py`.
 
 Note [the first micro-step overwrites]
 The gradient buffers are not zero-filled after a step. The first backward of an accumulation

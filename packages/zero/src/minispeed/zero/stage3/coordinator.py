@@ -8,9 +8,10 @@ the transitions (`unshard`, `wait`, `reshard`) and counts its users (`hold`, `un
 **Prefetch.** The first forward records the order of module starts and ends (the *trace*,
 trace.py); the first backward records the order of module backward starts. Later passes follow
 the trace: when M starts, the coordinator also issues async all-gathers for the units that come
-next (in chunks of whole units: Note [a prefetch travels in chunks]), as long as the parameters fetched ahead fit in ``stage3_prefetch_bucket_numel`` elements and
-the gathered total stays within ``stage3_max_live_numel``; they are waited for only when their
-module starts, so the transfer overlaps M's compute. Parameters with at most
+next (in chunks of whole units: Note [a prefetch travels in chunks]), as long as the parameters
+fetched ahead fit in ``stage3_prefetch_bucket_numel`` elements and the gathered total stays within
+``stage3_max_live_numel``; they are waited for only when their module starts, so the transfer
+overlaps M's compute. Parameters with at most
 ``stage3_param_persistence_threshold_numel`` elements are *persistent*: gathered once, never
 released (the strategy marks them), because fetching many tiny tensors costs more latency than
 their memory is worth. A unit needed again soon stays gathered (Note [reuse distance]).
@@ -256,7 +257,7 @@ class FetchCoordinator:
         The window counts the upcoming units' parameters that no running module holds (already
         in flight or not), so it slides: each module start tops it up by what was consumed.
         """
-        ahead, seen, batch, chunks = 0, set(), [], []
+        ahead, seen, batch, batch_numel, chunks = 0, set(), [], 0, []
         live = self._live_numel()
         for unit in upcoming:
             fresh = [
@@ -272,10 +273,10 @@ class FetchCoordinator:
                 self.stats.live_budget_stops += 1
                 break
             ahead, live = ahead + numel, live + extra
-            batch += missing
-            if sum(sp.padded_numel for sp in batch) >= _GATHER_CHUNK_NUMEL:
+            batch, batch_numel = batch + missing, batch_numel + extra
+            if batch_numel >= _GATHER_CHUNK_NUMEL:
                 chunks.append(batch)  # Note [a prefetch travels in chunks]
-                batch = []
+                batch, batch_numel = [], 0
         for chunk in [*chunks, batch] if batch else chunks:
             self.stats.prefetch_calls += 1
             self._note("prefetch", chunk, current)

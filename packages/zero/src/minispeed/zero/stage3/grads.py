@@ -3,8 +3,9 @@
 A parameter's full gradient exists only briefly: autograd accumulates it into ``param.grad``
 (full shape, parameter dtype) while the parameter is gathered for backward; a
 ``register_post_accumulate_grad_hook`` then moves it into a bucket and drops ``param.grad``.
-When the bucket holds ``reduce_bucket_numel`` elements it is reduce-scattered (async with
-``overlap_comm``, so it travels while backward computes the layers below); rank r receives row r,
+When the bucket is complete (``ZeroConfig.bucket_numel``: ``reduce_bucket_numel``, at most
+25 MiB) it is reduce-scattered (async with ``overlap_comm``, so it travels while backward
+computes the layers below); rank r receives row r,
 its shard of every gradient in the bucket, divided by N. The first micro-step of a window makes
 each ``grad_shard`` a view of that received row (no copy, no zero-filled buffer waiting through
 forward); later micro-steps add into it. ``zero_grad`` drops the shards (``grad_shard = None``),
