@@ -63,12 +63,13 @@ SIZES_CALIBRATED = (64, 128, 256, 512, 1024)
 
 
 def _predict(machine, counted: tuple, stage: int, shape_s: tuple[float, float]):
-    flops, macs, ops, psi, with_params, width, _ = counted
+    flops, macs, ops, psi, tensors, with_params, width, _ = counted
     return predict_step(
         machine,
         flops_per_step=flops,
         macs_per_step=macs,
         ops_per_step=ops,
+        num_tensors=tensors,
         num_params=psi,
         stage=stage,
         world_size=WORLD,
@@ -157,6 +158,7 @@ def main() -> None:
             r.forward.macs + r.backward.macs,
             ops,
             model.num_params(),
+            sum(1 for _ in model.parameters()),
             with_params,
             model.cfg.n_embd,
             r.matmul_shapes,
@@ -175,7 +177,9 @@ def main() -> None:
     for p in procs:
         p.join()
     load_after = os.getloadavg()
-    print("size   stage compute memory ops  adam params unpack  comm predicted measured error")
+    print(
+        "size   stage compute memory ops  adam hooks params unpack  comm predicted measured error"
+    )
     for label in SIZES:
         for stage in (0, 1, 2, 3):
             rows = measured[(label, stage)]
@@ -186,7 +190,7 @@ def main() -> None:
             print(
                 f"{label:6} {stage:5} {last.compute_s * 1e3:7.0f} {last.memory_s * 1e3:6.0f} "
                 f"{last.overhead_s * 1e3:3.0f} {last.optimizer_s * 1e3:5.0f} "
-                f"{last.params_s * 1e3:6.0f} {last.unpack_s * 1e3:6.0f} "
+                f"{last.hooks_s * 1e3:5.0f} {last.params_s * 1e3:6.0f} {last.unpack_s * 1e3:6.0f} "
                 f"{last.comm_s * 1e3:5.0f} {p * 1e3:9.0f} {m * 1e3:8.0f} {100 * err:+5.0f}%"
             )
     print("(terms: ms, last round's calibration; predicted, measured: medians over rounds, ms;")
@@ -197,8 +201,8 @@ def main() -> None:
             f"{op} α {c.alpha_s * 1e3:.2f} ms β {c.busbw_bytes_per_s / 1e6:.0f} MB/s"
             for op, c in m.links.items()
         )
-        print(f"{label} calibration: {links}; AdamW {m.adam_s_per_param * 1e9:.1f} ns/param, "
-              f"DRAM {m.dram_bytes_per_s / 1e9:.2f} GB/s, element-wise "
+        print(f"{label} calibration: {links}; AdamW {m.adam_s_per_param * 1e9:.1f} ns/param "
+              f"+ {m.adam_s_per_tensor * 1e6:.0f} us/tensor, hook {m.hook_s_per_grad * 1e6:.0f} us, DRAM {m.dram_bytes_per_s / 1e9:.2f} GB/s, element-wise "
               f"{m.stream_bytes_per_s / 1e9:.2f} GB/s, t_op {m.op_overhead_s * 1e6:.1f} us")  # fmt: skip
     loads = " ".join(f"{x:.1f}" for x in load_before), " ".join(f"{x:.1f}" for x in load_after)
     print(f"load average (1, 5, 15 min) before: {loads[0]}; after: {loads[1]}")

@@ -76,6 +76,14 @@ def test_prediction_is_flops_over_throughput_plus_alpha_beta_per_call():
     timed = dataclasses.replace(machine, adam_s_per_param=3e-9)
     pred = predict_step(timed, flops_per_step=2e10, num_params=PSI, stage=1, world_size=2)
     assert pred.optimizer_s == pytest.approx(PSI / 2 * 3e-9)
+    # Per parameter tensor: AdamW's fixed cost (every rank steps a fragment of each tensor) and
+    # one gradient hook per tensor and micro-step.
+    per_tensor = dataclasses.replace(timed, adam_s_per_tensor=2e-4, hook_s_per_grad=5e-5)
+    pred_t = predict_step(per_tensor, flops_per_step=2e10, num_params=PSI, num_tensors=28,
+                          stage=1, world_size=2, micro_steps=3)  # fmt: skip
+    assert pred_t.optimizer_s == pytest.approx(PSI / 2 * 3e-9 + 28 * 2e-4)
+    assert pred_t.hooks_s == pytest.approx(3 * 28 * 5e-5)
+    assert pred_t.step_s == pytest.approx(pred.step_s + 28 * 2e-4 + 3 * 28 * 5e-5, rel=1e-3)
     # With a DRAM rate D:
     copying = dataclasses.replace(timed, dram_bytes_per_s=2e9)
     pred3 = predict_step(copying, flops_per_step=2e10, num_params=PSI, stage=3, world_size=2,
@@ -99,7 +107,8 @@ def test_calibration_round_trips_and_matmul_throughput_is_measured(tmp_path):
     measured = measure_matmul(sizes=(32, 64), seconds=0.03)
     assert set(measured) == {32, 64} and all(v > 0 for v in measured.values())
     machine = Machine(measured, {"all_gather": LinkCost(1e-4, 2e9)}, world_size=2,
-                      stream_bytes_per_s=3e9, op_overhead_s=2e-6)  # fmt: skip
+                      stream_bytes_per_s=3e9, op_overhead_s=2e-6, adam_s_per_tensor=1e-4,
+                      hook_s_per_grad=4e-5)  # fmt: skip
     path = tmp_path / "calibration.json"
     path.write_text(json.dumps(machine.to_json()))
     assert Machine.load(path) == machine
@@ -166,3 +175,6 @@ def test_calibration_in_a_gloo_group_gives_every_rank_the_same_alpha_beta_per_co
     for link in machine.links.values():
         assert link.alpha_s >= 0 and link.busbw_bytes_per_s > 0
     assert machine.world_size == 2 and machine.adam_s_per_param > 0 and machine.dram_bytes_per_s > 0
+    # A tensor's fixed AdamW cost (~10 operator calls) is far above one element's.
+    assert machine.adam_s_per_tensor > 10 * machine.adam_s_per_param
+    assert machine.hook_s_per_grad > 0

@@ -49,7 +49,10 @@ def _calibrate(args: argparse.Namespace) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(machine.to_json(), indent=1))
+    with open(tmp, "w") as f:  # a complete file or the old one, never half of one
+        f.write(json.dumps(machine.to_json(), indent=1))
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, out)
     for n, f in sorted(machine.matmul_flops_per_s.items()):
         print(f"matmul {n}x{n}: {f / 1e9:.1f} GFLOP/s")
@@ -58,7 +61,11 @@ def _calibrate(args: argparse.Namespace) -> None:
         print(f"DRAM rate (64 MB copy, read + write): {machine.dram_bytes_per_s / 1e9:.2f} GB/s")
     print(f"operator call: {machine.op_overhead_s * 1e6:.1f} us")
     if machine.adam_s_per_param:
-        print(f"AdamW step: {machine.adam_s_per_param * 1e9:.1f} ns per parameter")
+        print(
+            f"AdamW step: {machine.adam_s_per_param * 1e9:.1f} ns per parameter "
+            f"+ {machine.adam_s_per_tensor * 1e6:.0f} us per tensor"
+        )
+    print(f"gradient hook: {machine.hook_s_per_grad * 1e6:.0f} us per gradient")
     for op, link in machine.links.items():
         print(
             f"{op}: alpha {link.alpha_s * 1e6:.0f} us, busbw {link.busbw_bytes_per_s / 1e9:.2f} GB/s"

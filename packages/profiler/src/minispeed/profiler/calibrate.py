@@ -10,7 +10,11 @@ an operator call and of AdamW per parameter, and each collective's α and β.
   (`measure_op_overhead`): seconds per call of a one-element operator; **copy**
   (`measure_dram`): bytes read + written per second by a 64 MB copy, the DRAM rate; **optimizer**
   (`measure_adam`): seconds per parameter of `torch.optim.AdamW.step` (measured, not derived
-  from a byte count: on a CPU torch's AdamW loops over the tensors, ~10 element-wise passes each).
+  from a byte count: on a CPU torch's AdamW loops over the tensors, ~10 element-wise passes each),
+  and `measure_adam_per_tensor`: its fixed cost per parameter tensor (those ~10 operator calls,
+  which decide a small model's step); **gradient hook** (`measure_grad_hook`): seconds per
+  gradient of a post-accumulate-grad hook that copies the gradient into a flat bucket, as ZeRO's
+  reducers do for every parameter in every backward.
 - With links, all of the above runs on `nproc` ranks at once (each rank's share of the cores).
 - **Links** (needs `minispeed-comm`): the `nproc` local ranks time `all_reduce`,
   `all_gather` and `reduce_scatter` (through `minispeed.comm`, so as the backend really runs
@@ -44,7 +48,9 @@ __all__ = [
     "calibrate",
     "fit_alpha_beta",
     "measure_adam",
+    "measure_adam_per_tensor",
     "measure_dram",
+    "measure_grad_hook",
     "measure_in_group",
     "measure_matmul",
     "measure_matmul_shapes",
@@ -152,6 +158,59 @@ def measure_adam(numel: int = 8_000_000, tensors: int = 8, steps: int = 3) -> fl
     return statistics.median(times) / (numel // tensors * tensors)
 
 
+def measure_adam_per_tensor(tensors: int = 64, numel: int = 64, steps: int = 5) -> float:
+    """Seconds per parameter *tensor* of `torch.optim.AdamW.step`, beyond its per-element cost:
+    `tensors` parameters of `numel` elements (so small that the arithmetic is negligible), the
+    median step divided by `tensors`. torch's CPU AdamW issues ~10 operators per tensor, so a
+    model of many small tensors pays this ~10·t_op per tensor more than its bytes suggest."""
+    params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(tensors)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    opt.step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / tensors
+
+
+def measure_grad_hook(tensors: int = 64, numel: int = 64, steps: int = 5) -> float:
+    """Seconds per gradient of a hook like ZeRO's (`register_post_accumulate_grad_hook`: look the
+    parameter's slot up, copy its gradient into a flat bucket scaled by 1/N, free `param.grad`,
+    count the bucket's arrivals): the same backward over `tensors` small parameters timed with and
+    without the hooks, the difference divided by `tensors` (median of `steps`)."""
+    params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(tensors)]
+    flat = torch.zeros(tensors * numel)
+    slots = {p: flat[i * numel : (i + 1) * numel] for i, p in enumerate(params)}
+    arrived = [0]
+
+    def hook(p: torch.Tensor) -> None:
+        torch.mul(p.grad, 0.5, out=slots[p])
+        p.grad = None
+        arrived[0] += 1
+
+    def backward() -> float:
+        for p in params:
+            p.grad = None
+        loss = torch.stack([(p * p).sum() for p in params]).sum()
+        start = time.perf_counter()
+        loss.backward()
+        return time.perf_counter() - start
+
+    backward()  # warm-up
+    plain = statistics.median(backward() for _ in range(steps))
+    handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
+    try:
+        backward()
+        hooked = statistics.median(backward() for _ in range(steps))
+    finally:
+        for h in handles:
+            h.remove()
+    return max(hooked - plain, 0.0) / tensors
+
+
 def fit_alpha_beta(wire_bytes: Sequence[float], seconds: Sequence[float]) -> LinkCost:
     """Least-squares fit of `t = α + w/β` to measured (bytes sent per rank, seconds) pairs,
     minimizing relative error (each equation divided by its t, so a 4 KiB call's 0.1 ms counts as
@@ -182,6 +241,8 @@ def _measure_compute(
         "stream_bytes_per_s": measure_stream(seconds=seconds),
         "op_overhead_s": measure_op_overhead(),
         "adam_s_per_param": measure_adam(adam_numel),
+        "adam_s_per_tensor": measure_adam_per_tensor(),
+        "hook_s_per_grad": measure_grad_hook(),
         "dram_bytes_per_s": measure_dram(dram_numel, seconds=seconds),
     }
 
@@ -220,6 +281,7 @@ def measure_in_group(
     compute = _measure_compute(sizes, seconds, adam_numel, dram_numel)
     rates = [compute["matmul_flops_per_s"][str(k)] for k in sizes]
     rates += [compute["stream_bytes_per_s"], compute["dram_bytes_per_s"]]
+    rates += [-compute["adam_s_per_tensor"], -compute["hook_s_per_grad"]]
     rates += [-compute["op_overhead_s"], -compute["adam_s_per_param"]]
     slowest = torch.tensor(rates, dtype=torch.float64)
     comm.all_reduce(slowest, op=comm.ReduceOp.MIN)
@@ -244,8 +306,10 @@ def measure_in_group(
         matmul_flops_per_s=dict(zip(sizes, values[: len(sizes)], strict=True)),
         links=links,
         world_size=n,
-        stream_bytes_per_s=values[-4],
-        dram_bytes_per_s=values[-3],
+        stream_bytes_per_s=values[-6],
+        dram_bytes_per_s=values[-5],
+        adam_s_per_tensor=-values[-4],
+        hook_s_per_grad=-values[-3],
         op_overhead_s=-values[-2],
         adam_s_per_param=-values[-1],
     )

@@ -3,7 +3,8 @@
 Inputs: the step's FLOPs, MACs and operator calls (from the FLOPs profiler), Ψ parameters,
 N ranks, the ZeRO stage, and the machine as measured by `python -m minispeed.profiler
 calibrate`: R, the matmul throughput (FLOP/s), S, the memory rate of element-wise work, t_op,
-the fixed cost of an operator call, t_adam, AdamW's seconds per parameter, and per collective
+the fixed cost of an operator call, t_adam and t_tensor, AdamW's seconds per parameter and per
+parameter tensor, t_hook, the cost of one gradient hook, and per collective
 a latency α (s per call) and a bandwidth β (bytes each rank sends per second), fitted to
 timings at several message sizes.
 
@@ -16,8 +17,12 @@ g / p bytes per gradient / parameter element on the wire, `r = (N-1)/N`:
     T_memory   = 12·(F - 2·MACs) / S               element-wise FLOPs (12 bytes each), S the
                                                    measured memory rate
     T_overhead = ops · t_op                        operator calls × measured per-call cost
-    T_optim    = Ψ_owned · t_adam                  AdamW on the parameters a rank owns:
-                                                   Ψ_owned = Ψ, or Ψ/N from stage 1
+    T_optim    = Ψ_owned · t_adam + n · t_tensor   AdamW on the parameters a rank owns:
+                                                   Ψ_owned = Ψ, or Ψ/N from stage 1, plus its
+                                                   fixed cost per tensor (n parameter tensors:
+                                                   every rank steps one fragment of each)
+    T_hooks    = A · n · t_hook                    ZeRO's gradient hook, once per tensor and
+                                                   micro-step (copy into the bucket, bookkeeping)
     T_params   = A·(2·Ψ·p + Ψ·g) / D              the parameters streamed from DRAM: read in
                                                    forward and in backward, gradients written
                                                    (the matmul rates are measured with operands
@@ -28,8 +33,8 @@ g / p bytes per gradient / parameter element on the wire, `r = (N-1)/N`:
                                                    and its fresh buffer of Ψ·p bytes zeroed by
                                                    the kernel on first touch
     T_comm     = Σ_calls (α_op + bytes_call / β_op)
-    T_step     = T_compute + T_memory + T_overhead + T_optim + T_params + T_unpack
-                 + (1 - overlap) · T_comm
+    T_step     = T_compute + T_memory + T_overhead + T_optim + T_hooks + T_params
+                 + T_unpack + (1 - overlap) · T_comm
 
 Bytes each rank sends, the dominant terms of minispeed.zero's ledgers (restated here: the
 profiler depends on minispeed.core only):
@@ -101,6 +106,10 @@ class Machine:
     """Seconds of `torch.optim.AdamW.step` per parameter (None: priced from the memory rate)."""
     dram_bytes_per_s: float | None = None
     """DRAM rate: bytes read + written per second by a copy beyond the cache."""
+    adam_s_per_tensor: float = 0.0
+    """Fixed seconds of `torch.optim.AdamW.step` per parameter tensor (its ~10 operator calls)."""
+    hook_s_per_grad: float = 0.0
+    """Seconds of one ZeRO-style gradient hook (slot lookup, copy into the bucket, bookkeeping)."""
 
     def flops_per_s(self, size: int | None = None) -> float:
         """Throughput at the measured size nearest `size` (log scale); the best one if None."""
@@ -119,6 +128,8 @@ class Machine:
             "op_overhead_s": self.op_overhead_s,
             "adam_s_per_param": self.adam_s_per_param,
             "dram_bytes_per_s": self.dram_bytes_per_s,
+            "adam_s_per_tensor": self.adam_s_per_tensor,
+            "hook_s_per_grad": self.hook_s_per_grad,
         }
 
     @classmethod
@@ -132,6 +143,8 @@ class Machine:
             op_overhead_s=float(data.get("op_overhead_s", 0.0)),
             adam_s_per_param=data.get("adam_s_per_param"),
             dram_bytes_per_s=data.get("dram_bytes_per_s"),
+            adam_s_per_tensor=float(data.get("adam_s_per_tensor", 0.0)),
+            hook_s_per_grad=float(data.get("hook_s_per_grad", 0.0)),
         )
 
     @classmethod
@@ -208,7 +221,9 @@ class StepPrediction:
     overhead_s: float
     """Operator calls × the per-call overhead."""
     optimizer_s: float
-    """AdamW on the parameters this rank owns."""
+    """AdamW on the parameters this rank owns, plus its fixed cost per parameter tensor."""
+    hooks_s: float
+    """ZeRO's gradient hooks: one per parameter tensor per micro-step."""
     params_s: float
     """Streaming the parameters from DRAM: read in forward and backward, gradients written."""
     unpack_s: float
@@ -220,9 +235,9 @@ class StepPrediction:
 
     @property
     def step_s(self) -> float:
-        """The local terms (compute, memory, overhead, optimizer, params, unpack) plus
+        """The local terms (compute, memory, overhead, optimizer, hooks, params, unpack) plus
         `(1 - overlap) · comm_s`."""
-        local = self.compute_s + self.memory_s + self.overhead_s + self.optimizer_s
+        local = self.compute_s + self.memory_s + self.overhead_s + self.optimizer_s + self.hooks_s
         return local + self.params_s + self.unpack_s + (1.0 - self.overlap) * self.comm_s
 
 
@@ -273,6 +288,7 @@ def predict_step(
     world_size: int,
     macs_per_step: float | None = None,
     ops_per_step: int = 0,
+    num_tensors: int = 0,
     matmul_size: int | None = None,
     matmul_shape_s: tuple[float, float] | None = None,
     overlap: float = 0.0,
@@ -284,7 +300,9 @@ def predict_step(
     micro-step) split the work into matrix products at R and element-wise FLOPs at the memory
     rate; `ops_per_step` operator calls cost `op_overhead_s` each. The optimizer step costs
     `adam_s_per_param` per parameter a rank owns (Ψ, or Ψ/N from stage 1), or, uncalibrated,
-    moves `OPTIMIZER_BYTES_PER_PARAM` per parameter at the memory rate.
+    moves `OPTIMIZER_BYTES_PER_PARAM` per parameter at the memory rate. `num_tensors`, the
+    model's parameter tensors, adds AdamW's fixed cost per tensor (every rank steps one fragment
+    per tensor, empty or not, at every stage) and one gradient hook per tensor and micro-step.
     `matmul_size` picks the calibrated throughput nearest the model's typical matmul (e.g. the
     hidden size); `matmul_shape_s` (`matmul_seconds(...)` of the step's shapes) prices those
     products at their own measured rate instead, the other MACs (attention, convolutions)
@@ -310,6 +328,7 @@ def predict_step(
         optimizer = OPTIMIZER_BYTES_PER_PARAM * owned / machine.stream_bytes_per_s
     if machine.adam_s_per_param is not None:
         optimizer = owned * machine.adam_s_per_param
+    optimizer += num_tensors * machine.adam_s_per_tensor
     params = unpack = 0.0
     if machine.dram_bytes_per_s:
         p, g = collective_kwargs.get("param_bytes", 4), collective_kwargs.get("grad_bytes", 4)
@@ -326,6 +345,7 @@ def predict_step(
         memory_s=memory,
         overhead_s=ops_per_step * machine.op_overhead_s,
         optimizer_s=optimizer,
+        hooks_s=collective_kwargs.get("micro_steps", 1) * num_tensors * machine.hook_s_per_grad,
         params_s=params,
         unpack_s=unpack,
         comm_s=comm,
