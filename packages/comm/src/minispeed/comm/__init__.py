@@ -50,6 +50,7 @@ from minispeed.comm.validation import (
     CommInputError,
     CommMismatchError,
     CommTimeoutError,
+    tensor_device,
 )
 from minispeed.comm.work import CommWork
 
@@ -92,6 +93,7 @@ __all__ = [
     "recv",
     "reduce_scatter_tensor",
     "send",
+    "tensor_device",
     "validation_enabled",
     "validation_mode",
 ]

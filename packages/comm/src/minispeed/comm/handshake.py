@@ -160,7 +160,9 @@ def compare(
     if payload is None:
         status = 0 if error is None else 1
         mine = torch.tensor(
-            [status, zlib.crc32(repr((op, sig)).encode())], dtype=torch.int64, device=_device(group)
+            [status, zlib.crc32(repr((op, sig)).encode())],
+            dtype=torch.int64,
+            device=validation.tensor_device(group),
         )
         n = dist.get_world_size(group)
         table = torch.empty(2 * n, dtype=torch.int64, device=mine.device)
@@ -234,12 +236,3 @@ def compare_in_full(
 def _named(err: BaseException, op: str, group: Any, signature: dict[str, Any]) -> Exception:
     shapes = [signature["shape"]] if "shape" in signature else signature.get("shapes", [])
     return validation.wrap_backend_error(err, op, group, shapes, signature.get("dtype"))
-
-
-def _device(group: Any) -> torch.device:
-    """Where the fingerprint lives: the host unless the group's backend moves only GPU tensors."""
-    if "cpu" in validation.backend_devices(group):
-        return torch.device("cpu")
-    from minispeed.core.accelerator import get_accelerator
-
-    return get_accelerator().device()

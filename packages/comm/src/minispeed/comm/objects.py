@@ -17,16 +17,8 @@ import torch
 import torch.distributed as dist
 
 from minispeed.comm import collectives, validation
-from minispeed.core.accelerator import get_accelerator
 
 __all__ = ["all_gather_object", "broadcast_object"]
-
-
-def _device(group: Any) -> torch.device:
-    # NCCL moves only GPU tensors; every other backend takes host tensors.
-    if "nccl" in str(dist.get_backend(group)).lower() and get_accelerator().name != "cpu":
-        return get_accelerator().device()
-    return torch.device("cpu")
 
 
 def _to_tensor(obj: Any, device: torch.device) -> torch.Tensor:
@@ -37,7 +29,7 @@ def _to_tensor(obj: Any, device: torch.device) -> torch.Tensor:
 def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
     """Every rank's `obj`, in group-rank order. Sends (n-1) · (8 + max pickled size) bytes per rank."""
     n = validation.check_group("all_gather_object", group)
-    device = _device(group)
+    device = validation.tensor_device(group)
     payload = _to_tensor(obj, device)  # 1D uint8, numel = pickled size
     length = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
     lengths = torch.empty(n, dtype=torch.int64, device=device)
@@ -54,7 +46,7 @@ def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
 def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     """`obj` from global rank `src` on every rank (the argument is ignored elsewhere)."""
     validation.check_group("broadcast_object", group)
-    device = _device(group)
+    device = validation.tensor_device(group)
     is_src = dist.get_rank() == src
     payload = _to_tensor(obj, device) if is_src else None
     length = torch.tensor(

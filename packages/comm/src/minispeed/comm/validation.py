@@ -110,6 +110,21 @@ def backend_devices(group: Any) -> tuple[str, ...]:
     return kinds
 
 
+def tensor_device(group: Any = None) -> torch.device:
+    """Where a tensor must live to travel over `group`: the host when the group's backend moves
+    host tensors (gloo), else the accelerator (NCCL moves only GPU tensors).
+
+    For small bookkeeping tensors a caller builds to communicate (flags, norms, fingerprints):
+    they follow the backend, not the data they describe, which offload may keep on the host
+    while NCCL carries the collectives.
+    """
+    if "cpu" in backend_devices(group):
+        return torch.device("cpu")
+    from minispeed.core.accelerator import get_accelerator
+
+    return get_accelerator().device()
+
+
 def check_tensors(op: str, group: Any, *tensors: torch.Tensor, contiguous: bool = True) -> None:
     """Each tensor is a dense Tensor on a device the group's backend can move, and contiguous."""
     allowed = backend_devices(group)

@@ -133,9 +133,12 @@ class ZeroOptimizer:
         # unfrozen parameter (Note [requires_grad is fixed at shard time]).
         self._params = list(params)
         self._names = names
+        # On the backend's device (NCCL: the GPU), even where offload keeps masters on the host.
         self._agreement = torch.zeros(
-            len(self._params) + 1, dtype=torch.float32, device=_device_of(masters)
+            len(self._params) + 1, dtype=torch.float32, device=comm.tensor_device(self.comm_group)
         )
+        # Where the master gradients live: the overflow flag and the norm are summed there.
+        self._grad_device = _device_of(masters)
         self._slot = {p: k + 1 for k, p in enumerate(self._params)}
         self._trainable_at_shard = [p.requires_grad for p in self._params]
         self._backward_since_step = False
@@ -230,10 +233,10 @@ class ZeroOptimizer:
             for g in grads:
                 g.mul_(inv_scale)
         if self.precision.uses_loss_scaling:
-            for g in grads:  # on the device: no host sync per tensor
-                torch.maximum(
-                    self._agreement[:1], (~torch.isfinite(g)).any().float(), out=self._agreement[:1]
-                )
+            bad = torch.zeros(1, dtype=torch.float32, device=self._grad_device)
+            for g in grads:  # on the gradients' device: no host sync per tensor
+                torch.maximum(bad, (~torch.isfinite(g)).any().float(), out=bad)
+            self._agreement[:1].copy_(bad)
         unfrozen = [
             k
             for k, (p, was) in enumerate(zip(self._params, self._trainable_at_shard))
@@ -305,11 +308,13 @@ class ZeroOptimizer:
 
     def _clip(self, grads: list[torch.Tensor]) -> None:
         """Scale gradients so that their global L2 norm is at most `max_grad_norm`."""
-        sq = torch.zeros(1, dtype=torch.float32, device=self._agreement.device)
+        sq = torch.zeros(1, dtype=torch.float32, device=self._grad_device)
         for g in grads:
             sq += g.float().pow(2).sum()
         if self.strategy.partitions_grads:  # disjoint shards: the squares add up across ranks
-            comm.all_reduce(sq, group=self.comm_group)
+            travel = sq.to(comm.tensor_device(self.comm_group))  # the host under offload + NCCL
+            comm.all_reduce(travel, group=self.comm_group)
+            sq = travel.to(self._grad_device)
         # torch.nn.utils.clip_grad_norm_'s rule, so that results match it.
         coef = torch.clamp(self.config.max_grad_norm / (sq.sqrt() + 1e-6), max=1.0)
         for g in grads:
