@@ -140,12 +140,10 @@ def measure_dram(numel: int = 16_000_000, seconds: float = 0.2) -> float:
     )
 
 
-def measure_adam(numel: int = 8_000_000, tensors: int = 8, steps: int = 3) -> float:
-    """Seconds per parameter of `torch.optim.AdamW.step` (torch's default implementation for
-    CPU tensors: the single-tensor loop), on `tensors` float32 parameters of `numel` elements in all
-    (by default 8M: parameters, gradients and moments far beyond the cache, as in a model) with
-    gradients set, median of `steps` steps after one warm-up."""
-    params = [torch.nn.Parameter(torch.randn(numel // tensors)) for _ in range(tensors)]
+def _median_adam_step(tensors: int, numel_each: int, steps: int) -> float:
+    """Median seconds of `torch.optim.AdamW.step` over `tensors` float32 parameters of
+    `numel_each` elements with gradients set, after one warm-up step."""
+    params = [torch.nn.Parameter(torch.randn(numel_each)) for _ in range(tensors)]
     for p in params:
         p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW(params, lr=1e-3)
@@ -155,7 +153,15 @@ def measure_adam(numel: int = 8_000_000, tensors: int = 8, steps: int = 3) -> fl
         start = time.perf_counter()
         opt.step()
         times.append(time.perf_counter() - start)
-    return statistics.median(times) / (numel // tensors * tensors)
+    return statistics.median(times)
+
+
+def measure_adam(numel: int = 8_000_000, tensors: int = 8, steps: int = 3) -> float:
+    """Seconds per parameter of `torch.optim.AdamW.step` (torch's default implementation for
+    CPU tensors: the single-tensor loop), on `tensors` float32 parameters of `numel` elements in all
+    (by default 8M: parameters, gradients and moments far beyond the cache, as in a model) with
+    gradients set, median of `steps` steps after one warm-up."""
+    return _median_adam_step(tensors, numel // tensors, steps) / (numel // tensors * tensors)
 
 
 def measure_adam_per_tensor(tensors: int = 64, numel: int = 64, steps: int = 5) -> float:
@@ -163,17 +169,7 @@ def measure_adam_per_tensor(tensors: int = 64, numel: int = 64, steps: int = 5) 
     `tensors` parameters of `numel` elements (so small that the arithmetic is negligible), the
     median step divided by `tensors`. torch's CPU AdamW issues ~10 operators per tensor, so a
     model of many small tensors pays this ~10·t_op per tensor more than its bytes suggest."""
-    params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(tensors)]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW(params, lr=1e-3)
-    opt.step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        opt.step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) / tensors
+    return _median_adam_step(tensors, numel, steps) / tensors
 
 
 def measure_grad_hook(tensors: int = 64, numel: int = 64, steps: int = 5) -> float:
