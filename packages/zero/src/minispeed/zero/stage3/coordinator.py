@@ -259,16 +259,21 @@ class FetchCoordinator:
         """
         ahead, seen, batch, batch_numel, chunks = 0, set(), [], 0, []
         live = self._live_numel()
+        sharded = ParamState.SHARDED
         for unit in upcoming:
-            fresh = [
-                sp for sp in unit.params if not sp.persistent and sp.holds == 0 and sp not in seen
-            ]
-            seen.update(fresh)
-            numel = sum(sp.padded_numel for sp in fresh)
+            # One pass over the unit's parameters: those no running module holds count against
+            # the window (fresh); the SHARDED among them are what a gather must fetch (missing).
+            numel, missing, extra = 0, [], 0
+            for sp in unit.params:
+                if sp.persistent or sp.holds or sp in seen:
+                    continue
+                seen.add(sp)
+                numel += sp.padded_numel
+                if sp.state is sharded:
+                    missing.append(sp)
+                    extra += sp.padded_numel
             if ahead + numel > self.prefetch_numel:
                 break
-            missing = [sp for sp in fresh if sp.state is ParamState.SHARDED]
-            extra = sum(sp.padded_numel for sp in missing)
             if live + extra > self.max_live_numel:
                 self.stats.live_budget_stops += 1
                 break

@@ -170,6 +170,9 @@ class ShardedParam:
         self.world_size = comm.get_world_size(group)
         self.rank = comm.get_rank(group)
         self.shard_numel = -(-self.numel // self.world_size)  # ceil(n / N)
+        # Elements of the gathered buffer: N · ceil(n / N). A plain attribute: the prefetcher
+        # reads it for every upcoming parameter at every module start.
+        self.padded_numel = self.world_size * self.shard_numel
         self.shard = shard  # 1D, numel = shard_numel, param dtype; padding elements are 0
         self.master: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
@@ -221,11 +224,6 @@ class ShardedParam:
         return param
 
     # -- sizes ------------------------------------------------------------------------------------
-    @property
-    def padded_numel(self) -> int:
-        """Elements of the gathered buffer: ``N · ceil(n / N)``."""
-        return self.world_size * self.shard_numel
-
     @property
     def start(self) -> int:
         """Offset of this rank's shard in the flattened full parameter."""
