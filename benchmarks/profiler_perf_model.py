@@ -9,7 +9,8 @@
    examples/gpt.py's GPT with the FLOPs profiler; parameters Ψ from the model.
 3. Predict each stage's step (`perf_model.predict_step`: Ψ, N = 2, the stage's bucket size,
    stage 3's gathers per pass from `perf_model.stage3_gather_calls` with zero's default
-   prefetch budget).
+   prefetch budget, and stage 3's fixed cost per module from `measure_stage3_unit_s`, timed
+   in every round on a one-rank group).
 4. Measure: the four stages (each its own `minispeed.zero.shard` model and AdamW) take turns,
    one step each per round right after the round's calibration, `--steps` rounds after a
    warm-up round, so that load from other programs falls on calibration and stages alike; a
@@ -62,7 +63,38 @@ def _build(spec: dict) -> tuple[GPT, int]:
 SIZES_CALIBRATED = (64, 128, 256, 512, 1024)
 
 
-def _predict(machine, counted: tuple, stage: int, shape_s: tuple[float, float]):
+def measure_stage3_unit_s(zero, group, steps: int = 6) -> float:
+    """Seconds per module with parameters per micro-step that minispeed.zero's stage 3 adds to
+    stage 2 (its module hooks: fetch, wrap the inputs for the backward hook, release), on one
+    rank (`group` of size 1, so no collective waits) and a tiny GPT whose arithmetic is
+    negligible: forward + backward of stage 3 minus stage 2, alternating, medians."""
+    spec = dict(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32)
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for stage in (2, 3):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**spec))
+        cfg = zero.ZeroConfig(stage=stage, stage3_param_persistence_threshold_numel=0,
+                              stage3_prefetch_bucket_numel=PREFETCH_NUMEL)  # fmt: skip
+        opt = zero.shard(model, torch.optim.AdamW(model.parameters()), config=cfg, group=group)
+        runs[stage] = (model, opt, [])
+    for i in range(steps + 2):
+        for model, opt, samples in runs.values():
+            start = time.perf_counter()
+            _, loss = model(idx, idx)
+            opt.backward(loss)
+            if i >= 2:
+                samples.append(time.perf_counter() - start)
+            opt.step()
+    model = runs[3][0]
+    units = sum(1 for m in model.modules() if any(True for _ in m.parameters(recurse=False)))
+    extra = statistics.median(runs[3][2]) - statistics.median(runs[2][2])
+    for _, opt, _ in runs.values():
+        opt.close()
+    return max(extra, 0.0) / units
+
+
+def _predict(machine, counted: tuple, stage: int, shape_s: tuple[float, float], unit_s: float):
     flops, macs, ops, psi, tensors, with_params, width, _ = counted
     return predict_step(
         machine,
@@ -70,6 +102,8 @@ def _predict(machine, counted: tuple, stage: int, shape_s: tuple[float, float]):
         macs_per_step=macs,
         ops_per_step=ops,
         num_tensors=tensors,
+        stage3_units=with_params,
+        stage3_unit_s=unit_s,
         num_params=psi,
         stage=stage,
         world_size=WORLD,
@@ -88,6 +122,7 @@ def _worker(rank: int, port: int, steps: int, counted: dict, queue) -> None:
     import minispeed.zero as zero
 
     comm.init_distributed(backend="gloo")
+    solo = [comm.new_group([r]) for r in range(WORLD)][rank]  # every rank creates every group
     out = {}
     for label, spec in SIZES.items():
         trainers = {}
@@ -113,6 +148,8 @@ def _worker(rank: int, port: int, steps: int, counted: dict, queue) -> None:
             slowest = torch.tensor(list(rates.values()), dtype=torch.float64)
             comm.all_reduce(slowest, op=comm.ReduceOp.MIN)  # the slower rank sets the pace
             shape_s = matmul_seconds(shapes, dict(zip(rates, slowest.tolist(), strict=True)))
+            unit_s = torch.tensor([measure_stage3_unit_s(zero, solo)])
+            comm.all_reduce(unit_s, op=comm.ReduceOp.MAX)
             row = {}
             for stage, (model, opt) in trainers.items():
                 shape = (batch, model.cfg.block_size)
@@ -124,7 +161,10 @@ def _worker(rank: int, port: int, steps: int, counted: dict, queue) -> None:
                 opt.step()
                 t = torch.tensor([time.perf_counter() - start])
                 comm.all_reduce(t, op=comm.ReduceOp.MAX)
-                row[stage] = (t.item(), _predict(machine, counted[label], stage, shape_s))
+                row[stage] = (
+                    t.item(),
+                    _predict(machine, counted[label], stage, shape_s, unit_s.item()),
+                )
             if i > 0:
                 rounds.append(row)
         for stage, (_, opt) in trainers.items():
@@ -178,7 +218,8 @@ def main() -> None:
         p.join()
     load_after = os.getloadavg()
     print(
-        "size   stage compute memory ops  adam hooks params unpack  comm predicted measured error"
+        "size   stage compute memory ops  adam hooks units params unpack  comm predicted measured "
+        "error"
     )
     for label in SIZES:
         for stage in (0, 1, 2, 3):
@@ -190,7 +231,7 @@ def main() -> None:
             print(
                 f"{label:6} {stage:5} {last.compute_s * 1e3:7.0f} {last.memory_s * 1e3:6.0f} "
                 f"{last.overhead_s * 1e3:3.0f} {last.optimizer_s * 1e3:5.0f} "
-                f"{last.hooks_s * 1e3:5.0f} {last.params_s * 1e3:6.0f} {last.unpack_s * 1e3:6.0f} "
+                f"{last.hooks_s * 1e3:5.0f} {last.units_s * 1e3:5.0f} {last.params_s * 1e3:6.0f} {last.unpack_s * 1e3:6.0f} "
                 f"{last.comm_s * 1e3:5.0f} {p * 1e3:9.0f} {m * 1e3:8.0f} {100 * err:+5.0f}%"
             )
     print("(terms: ms, last round's calibration; predicted, measured: medians over rounds, ms;")

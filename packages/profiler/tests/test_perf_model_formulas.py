@@ -84,6 +84,11 @@ def test_prediction_is_flops_over_throughput_plus_alpha_beta_per_call():
     assert pred_t.optimizer_s == pytest.approx(PSI / 2 * 3e-9 + 28 * 2e-4)
     assert pred_t.hooks_s == pytest.approx(3 * 28 * 5e-5)
     assert pred_t.step_s == pytest.approx(pred.step_s + 28 * 2e-4 + 3 * 28 * 5e-5, rel=1e-3)
+    # Stage 3's fixed cost per module with parameters, per micro-step; no other stage pays it.
+    units = dict(num_params=PSI, stage3_units=17, stage3_unit_s=1e-3, world_size=2, micro_steps=3)
+    with_units = predict_step(per_tensor, flops_per_step=2e10, stage=3, **units)
+    assert with_units.units_s == pytest.approx(3 * 17 * 1e-3)
+    assert predict_step(per_tensor, flops_per_step=2e10, stage=2, **units).units_s == 0
     # With a DRAM rate D:
     copying = dataclasses.replace(timed, dram_bytes_per_s=2e9)
     pred3 = predict_step(copying, flops_per_step=2e10, num_params=PSI, stage=3, world_size=2,

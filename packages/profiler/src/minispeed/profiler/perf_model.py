@@ -23,6 +23,12 @@ g / p bytes per gradient / parameter element on the wire, `r = (N-1)/N`:
                                                    every rank steps one fragment of each)
     T_hooks    = A · n · t_hook                    ZeRO's gradient hook, once per tensor and
                                                    micro-step (copy into the bucket, bookkeeping)
+    T_units    = A · U · t_unit                    stage 3 only: the fixed cost of fetching and
+                                                   releasing each of U modules with parameters
+                                                   in forward and backward (module hooks, state
+                                                   changes), measured on one rank (t_unit: a
+                                                   property of minispeed.zero, not the machine;
+                                                   given by the caller)
     T_params   = A·(2·Ψ·p + Ψ·g) / D              the parameters streamed from DRAM: read in
                                                    forward and in backward, gradients written
                                                    (the matmul rates are measured with operands
@@ -33,8 +39,8 @@ g / p bytes per gradient / parameter element on the wire, `r = (N-1)/N`:
                                                    and its fresh buffer of Ψ·p bytes zeroed by
                                                    the kernel on first touch
     T_comm     = Σ_calls (α_op + bytes_call / β_op)
-    T_step     = T_compute + T_memory + T_overhead + T_optim + T_hooks + T_params
-                 + T_unpack + (1 - overlap) · T_comm
+    T_step     = T_compute + T_memory + T_overhead + T_optim + T_hooks + T_units
+                 + T_params + T_unpack + (1 - overlap) · T_comm
 
 Bytes each rank sends, the dominant terms of minispeed.zero's ledgers (restated here: the
 profiler depends on minispeed.core only):
@@ -224,6 +230,8 @@ class StepPrediction:
     """AdamW on the parameters this rank owns, plus its fixed cost per parameter tensor."""
     hooks_s: float
     """ZeRO's gradient hooks: one per parameter tensor per micro-step."""
+    units_s: float
+    """Stage 3: the fixed cost per module with parameters per micro-step (fetch, release)."""
     params_s: float
     """Streaming the parameters from DRAM: read in forward and backward, gradients written."""
     unpack_s: float
@@ -235,9 +243,10 @@ class StepPrediction:
 
     @property
     def step_s(self) -> float:
-        """The local terms (compute, memory, overhead, optimizer, hooks, params, unpack) plus
+        """The local terms (compute, memory, overhead, optimizer, hooks, units, params, unpack) plus
         `(1 - overlap) · comm_s`."""
         local = self.compute_s + self.memory_s + self.overhead_s + self.optimizer_s + self.hooks_s
+        local += self.units_s
         return local + self.params_s + self.unpack_s + (1.0 - self.overlap) * self.comm_s
 
 
@@ -289,6 +298,8 @@ def predict_step(
     macs_per_step: float | None = None,
     ops_per_step: int = 0,
     num_tensors: int = 0,
+    stage3_units: int = 0,
+    stage3_unit_s: float = 0.0,
     matmul_size: int | None = None,
     matmul_shape_s: tuple[float, float] | None = None,
     overlap: float = 0.0,
@@ -303,6 +314,9 @@ def predict_step(
     moves `OPTIMIZER_BYTES_PER_PARAM` per parameter at the memory rate. `num_tensors`, the
     model's parameter tensors, adds AdamW's fixed cost per tensor (every rank steps one fragment
     per tensor, empty or not, at every stage) and one gradient hook per tensor and micro-step.
+    At stage 3, `stage3_units` modules with parameters cost `stage3_unit_s` each per micro-step
+    (minispeed.zero's fixed cost of fetching and releasing a module, measured by the caller on one
+    rank: the profiler does not run zero).
     `matmul_size` picks the calibrated throughput nearest the model's typical matmul (e.g. the
     hidden size); `matmul_shape_s` (`matmul_seconds(...)` of the step's shapes) prices those
     products at their own measured rate instead, the other MACs (attention, convolutions)
@@ -346,6 +360,9 @@ def predict_step(
         overhead_s=ops_per_step * machine.op_overhead_s,
         optimizer_s=optimizer,
         hooks_s=collective_kwargs.get("micro_steps", 1) * num_tensors * machine.hook_s_per_grad,
+        units_s=collective_kwargs.get("micro_steps", 1) * stage3_units * stage3_unit_s
+        if stage == 3
+        else 0.0,
         params_s=params,
         unpack_s=unpack,
         comm_s=comm,
