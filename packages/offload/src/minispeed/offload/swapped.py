@@ -69,6 +69,7 @@ class SwappedOptimizer(CPUAdam):
     """
 
     _name = "SwappedOptimizer"
+    _slots = 2  # fp32 values per element in a partition's file: exp_avg, exp_avg_sq
 
     def __init__(
         self,
@@ -94,13 +95,13 @@ class SwappedOptimizer(CPUAdam):
         self.swapper = TensorSwapper(
             config.nvme_path,
             buffer_count=config.buffer_count,
-            buffer_numel=2 * largest,
+            buffer_numel=self._slots * largest,
             pin_memory=config.pin_memory,
             aio=aio,
             config_key="offload_optimizer",
         )
         for i, part in enumerate(self.partitions):
-            part.swap = self.swapper.register(f"optimizer-{i}", 2 * part.numel)
+            part.swap = self.swapper.register(f"optimizer-{i}", self._slots * part.numel)
 
     def _cut(self, limit: int) -> list[Partition]:
         parts: list[Partition] = []

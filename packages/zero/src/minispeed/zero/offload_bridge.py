@@ -222,10 +222,16 @@ class HostMasters:
 
 
 def host_optimizer(
-    user: torch.optim.Optimizer, masters: list[list[torch.Tensor]], config: Any
+    user: torch.optim.Optimizer,
+    masters: list[list[torch.Tensor]],
+    config: Any,
+    swap_masters: bool = False,
 ) -> torch.optim.Optimizer:
     """offload's CPU Adam (`cpu`) or `SwappedOptimizer` (`nvme`) over `masters`, with the
-    hyper-parameters of each of `user`'s param groups (Adam and AdamW only)."""
+    hyper-parameters of each of `user`'s param groups (Adam and AdamW only).
+
+    ``swap_masters`` (stage 3, ZeRO-Infinity): `SwappedMastersOptimizer`, whose masters are
+    meta handles and whose values, states and gradients live in its files."""
     offload = import_offload("zero_optimization.offload_optimizer")
     if not isinstance(user, torch.optim.Adam | offload.CPUAdam):  # AdamW subclasses Adam
         raise TypeError(
@@ -253,6 +259,10 @@ def host_optimizer(
             }
         )
     cfg = config.offload_optimizer
+    if swap_masters:
+        return offload.SwappedMastersOptimizer(
+            groups, cfg, config.aio, sub_group_numel=config.sub_group_numel
+        )
     return offload.offload_optimizer(
         groups, cfg, config.aio, sub_group_numel=config.sub_group_numel
     )
@@ -274,10 +284,24 @@ def apply_offload(
     Runs on every rank; a bad `nvme_path`, a `buffer_size` below one partition or an impossible
     `pin_memory` raises here, on every rank, naming the key and the fix.
     """
+    infinity = wants_masters_in_files(config)
     if wants_param_offload(config):
         from minispeed.zero.stage3.offloaded import offload_params
 
-        strategy = offload_params(strategy, config)
+        strategy = offload_params(strategy, config, keep_masters=not infinity)
+    if infinity:
+        from minispeed.zero.stage3.infinity import offload_masters
+
+        return offload_masters(strategy, optimizer, config)
     if wants_optimizer_offload(config):
         strategy, optimizer = apply_optimizer_offload(strategy, optimizer, config)
     return strategy, optimizer
+
+
+def wants_masters_in_files(config: Any) -> bool:
+    """Stage 3 with ``offload_optimizer.device='nvme'``: ZeRO-Infinity keeps the fp32 masters
+    and the gradient shards in swap files too (stage3/infinity.py). Stages 1-2 keep them in
+    host memory: there the masters of fp32 training are the model's own parameters and the
+    gradient partition is the reducer's flat buffer."""
+    opt = config.offload_optimizer
+    return config.stage == 3 and opt is not None and opt.device == "nvme"

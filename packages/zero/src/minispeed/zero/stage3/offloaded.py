@@ -45,6 +45,9 @@ from minispeed.zero.stage3.params import ShardedParam
 
 __all__ = ["HostShards", "NvmeShards", "ParamOffloadStrategy", "offload_params"]
 
+# The ZeRO-Infinity optimizer side (masters, states and gradient shards in swap files) is
+# `minispeed.zero.stage3.infinity`; this module holds the parameter side.
+
 
 class HostShards:
     """``offload_param.device='cpu'`` on an accelerator: a host copy per shard, copied up per fetch."""
@@ -205,9 +208,13 @@ class ParamOffloadStrategy:
         self.param_home.close()
 
 
-def offload_params(strategy: Any, config: Any) -> ParamOffloadStrategy:
+def offload_params(strategy: Any, config: Any, keep_masters: bool = True) -> ParamOffloadStrategy:
     """Move every non-persistent shard of a `Stage3Strategy` to ``config.offload_param``'s
-    device; returns the strategy wrapper that stores shards after each step."""
+    device; returns the strategy wrapper that stores shards after each step.
+
+    ``keep_masters=False`` (ZeRO-Infinity: the masters will live in the optimizer's files, see
+    stage3/infinity.py): an fp32 parameter gets no in-memory master copy; its master is read
+    from the shard file when the optimizer writes its own."""
     cfg = config.offload_param
     sps = [sp for sp in strategy.sharded_params() if not sp.persistent]
     dtype = strategy.precision.param_dtype
@@ -221,8 +228,8 @@ def offload_params(strategy: Any, config: Any) -> ParamOffloadStrategy:
         return ParamOffloadStrategy(strategy, home, offloaded)  # host memory already: no move
     residency = ShardResidency(home)
     for sp in sps:
-        if sp.master is sp.shard:  # fp32: the master gets a storage of its own
-            sp.master = sp.shard.clone()
+        if sp.master is sp.shard:  # fp32: the master gets a storage of its own (or none)
+            sp.master = sp.shard.clone() if keep_masters else None
         home.adopt(sp)
         sp.residency = residency
         offloaded.append(sp)
