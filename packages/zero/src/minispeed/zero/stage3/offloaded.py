@@ -89,14 +89,10 @@ class NvmeShards:
         from minispeed.zero.offload_bridge import import_offload
 
         offload = import_offload("zero_optimization.offload_param")
-        largest = max((sp.shard_numel for sp in shards), default=1)
-        if largest > config.buffer_numel:
-            name = next(sp.name for sp in shards if sp.shard_numel == largest)
-            raise ValueError(
-                f"offload_param.buffer_size={config.buffer_numel} elements is smaller than the "
-                f"shard of {name!r} ({largest} elements per rank): raise "
-                f"offload_param.buffer_size to at least {largest}"
-            )
+        self.buffer_numel = config.buffer_numel
+        self.dtype = dtype
+        for sp in shards:
+            self._check(sp)
         self.swapper = offload.TensorSwapper(
             config.nvme_path,
             buffer_count=config.buffer_count,
@@ -116,7 +112,22 @@ class NvmeShards:
     def bytes_written(self) -> int:
         return self.swapper.bytes_written
 
+    def _check(self, sp: ShardedParam) -> None:
+        if sp.shard_numel > self.buffer_numel:
+            raise ValueError(
+                f"offload_param.buffer_size={self.buffer_numel} elements is smaller than the "
+                f"shard of {sp.name!r} ({sp.shard_numel} elements per rank): raise "
+                f"offload_param.buffer_size to at least {sp.shard_numel}"
+            )
+        if sp.shard.dtype != self.dtype:
+            raise ValueError(
+                f"offload_param nvme: the shard of {sp.name!r} is {sp.shard.dtype}, its swap "
+                f"files hold {self.dtype}; under zero.Init(config) create every parameter in "
+                f"MixedPrecision.param_dtype (or build the model outside zero.Init)"
+            )
+
     def adopt(self, sp: ShardedParam) -> None:
+        self._check(sp)
         st = self.swapper.register(f"param-{len(self.files)}", sp.shard_numel)
         self.files[id(sp)] = st
         self.store(sp)
@@ -216,14 +227,21 @@ def offload_params(strategy: Any, config: Any, keep_masters: bool = True) -> Par
     stage3/infinity.py): an fp32 parameter gets no in-memory master copy; its master is read
     from the shard file when the optimizer writes its own."""
     cfg = config.offload_param
-    sps = [sp for sp in strategy.sharded_params() if not sp.persistent]
+    everything = strategy.sharded_params()
+    sps = [sp for sp in everything if not sp.persistent]
     dtype = strategy.precision.param_dtype
-    if cfg.device == "nvme":
-        home: HostShards | NvmeShards = NvmeShards(cfg, config.aio, dtype, sps)
+    built = [sp for sp in everything if sp.residency is not None]  # in files since zero.Init
+    if built:
+        home = built[0].residency.home
+        for sp in built:
+            _adopt_built(sp, keep_masters)
+        sps = [sp for sp in sps if sp.residency is None]
+    elif cfg.device == "nvme":
+        home = NvmeShards(cfg, config.aio, dtype, sps)
     else:
         home = HostShards(cfg.pin_memory and get_accelerator().name != "cpu")
     on_cpu = get_accelerator().name == "cpu"
-    offloaded = []
+    offloaded = [sp for sp in built if sp.residency is not None]
     if cfg.device == "cpu" and on_cpu:
         return ParamOffloadStrategy(strategy, home, offloaded)  # host memory already: no move
     residency = ShardResidency(home)
@@ -234,3 +252,30 @@ def offload_params(strategy: Any, config: Any, keep_masters: bool = True) -> Par
         sp.residency = residency
         offloaded.append(sp)
     return ParamOffloadStrategy(strategy, home, offloaded)
+
+
+def _adopt_built(sp: ShardedParam, keep_masters: bool) -> None:
+    """A shard that zero.Init already put in a swap file (see `init_residency`): a persistent
+    one comes back into memory for good; the master (fp32, when kept) is read from the file."""
+    if sp.persistent or keep_masters:
+        sp.residency.fetch(sp)
+        if keep_masters:
+            sp.master = sp.shard.to(torch.float32, copy=True)
+        if sp.persistent:
+            sp.residency = None
+            if not keep_masters:
+                sp.master = sp.shard
+        else:
+            sp.residency.release(sp)
+
+
+def init_residency(home: NvmeShards | None, config: Any, sp: ShardedParam) -> NvmeShards:
+    """zero.Init(config) with ``offload_param.device='nvme'``: write ``sp``'s new shard to a swap
+    file at once and drop it, so the whole model never sits in memory. Returns the home (made
+    on the first call; `Init` keeps it, and `offload_params` adopts it at `zero.shard`)."""
+    if home is None:
+        home = NvmeShards(config.offload_param, config.aio, sp.shard.dtype, [])
+        home.residency = ShardResidency(home)
+    home.adopt(sp)
+    sp.residency = home.residency
+    return home
