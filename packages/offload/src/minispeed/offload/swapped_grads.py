@@ -27,6 +27,7 @@ the same arithmetic as scaling in-memory gradients, one pass later.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Hashable, Sequence
 
 import torch
@@ -179,11 +180,14 @@ class SwappedGrads:
             self.start_read(i)
         index, reqs = self._reading[i]
         for _, req in reqs:
+            start = time.perf_counter()
             try:
                 self.swapper.bytes_read += req.wait()
             except OSError:
                 self.done_read(i)
                 raise
+            finally:
+                self.swapper.wait_s["read"] += time.perf_counter() - start
         self._reading[i] = (index, [])
         buf = self.read_pool.buffers[index]
         views = [buf[o : o + n] for (_, n), o in zip(self.partitions[i], self.offsets[i])]
