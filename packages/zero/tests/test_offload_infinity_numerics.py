@@ -21,6 +21,7 @@ from zero_testlib import make_batches, make_model, rank_slice
 
 import minispeed.zero as zero
 from minispeed.core.testing import run_distributed
+from minispeed.zero.memory import measure_offload, predict_offload
 
 offload = pytest.importorskip("minispeed.offload")
 
@@ -95,6 +96,8 @@ def _train(rank: int, world_size: int, nvme_path: str) -> dict:
             grad_io=(grads.bytes_read, grads.bytes_written),
             resident=inner.resident_state_bytes(),
             pools=inner.swapper.pool.nbytes + grads.swapper.pool.nbytes + grads.read_pool.nbytes,
+            measured=measure_offload(opt),
+            predicted=predict_offload(opt),
         )
         opt.close()
     return out
@@ -116,6 +119,9 @@ def test_infinity_stage3_losses_match_pytorch(tmp_path) -> None:
             assert got["partition_elements"] == got["elements"]
             assert got["partition_file_bytes"] == got["expected_partition_bytes"]
             assert got["resident"] == got["pools"]  # the pools, nothing per parameter
+            # the formula of zero.memory says the same, file by file and pool by pool
+            assert got["measured"] == got["predicted"]
+            assert got["predicted"].grad_files == got["expected_grad_bytes"]
             read, written = got["grad_io"]
             assert read > 0 and written > 0
     # clipping changed the run (the threshold is below the gradients' norm)

@@ -263,12 +263,13 @@ class SwappedMastersOptimizer(SwappedOptimizer):
             for p, w, m, v in zip(part.params, ws, ms, vs):
                 real = self._real[p]
                 w.copy_(real.reshape(-1))
-                state = self.state.pop(real, {})
+                state = self.state.pop(real, {})  # not mutated: a state_dict may share it
                 if "exp_avg" in state and "exp_avg_sq" in state:
-                    m.copy_(state.pop("exp_avg").reshape(-1))
-                    v.copy_(state.pop("exp_avg_sq").reshape(-1))
-                if state:
-                    self.state[p] = state
+                    m.copy_(state["exp_avg"].reshape(-1))
+                    v.copy_(state["exp_avg_sq"].reshape(-1))
+                rest = {k: x for k, x in state.items() if k not in ("exp_avg", "exp_avg_sq")}
+                if rest:
+                    self.state[p] = rest
             self.swapper.swap_out(part.swap)
         self.swapper.wait_all()
         self._real = {}

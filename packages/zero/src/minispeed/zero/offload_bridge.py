@@ -12,20 +12,27 @@ lazily]). Three pieces, applied by `zero.shard` in this order:
    its `SwappedOptimizer` (`device: nvme`) over those host masters, same hyper-parameters.
 
 Stage 3's `offload_param` lives in `minispeed.zero.stage3.offloaded` (shards in host memory or
-swap files, fetched before each all-gather).
+swap files, fetched before each all-gather). At stage 3, `offload_optimizer: nvme` is
+ZeRO-Infinity's optimizer side, `minispeed.zero.stage3.infinity` (instead of steps 2-3 above):
+the fp32 masters live in the swap files with the Adam states and the gradient shards are
+written to files as they are reduced (`wants_masters_in_files`).
 
 Where each byte lives, per rank (Ψ parameters, N ranks, p bytes per 16-bit parameter; Adam):
 
-| mode                      | accelerator            | host                         | files      |
-|---------------------------|------------------------|------------------------------|------------|
-| no offload (stage 2)      | 2Ψ + 2Ψ/N + 12Ψ/N      | -                            | -          |
-| offload_optimizer cpu     | 2Ψ + 2Ψ/N              | 4Ψ/N + 4Ψ/N (grad) + 8Ψ/N    | -          |
-| offload_optimizer nvme    | 2Ψ + 2Ψ/N              | 8Ψ/N + pool                  | 8Ψ/N       |
-| + offload_param (stage 3) | gathered units only    | p·Ψ/N (cpu) or pool (nvme)   | p·Ψ/N      |
+| mode                        | accelerator          | host                         | files               |
+|-----------------------------|----------------------|------------------------------|---------------------|
+| no offload (stage 2)        | 2Ψ + 2Ψ/N + 12Ψ/N    | -                            | -                   |
+| offload_optimizer cpu       | 2Ψ + 2Ψ/N            | 4Ψ/N + 4Ψ/N (grad) + 8Ψ/N    | -                   |
+| offload_optimizer nvme      | 2Ψ + 2Ψ/N            | 8Ψ/N + pool                  | 8Ψ/N                |
+| stage 3, optimizer nvme     | p·Ψ/N (shards)       | pools                        | 12Ψ/N + 4Ψ/N (grad) |
+| + offload_param nvme        | gathered units only  | pools                        | + p·Ψ/N             |
+| offload_param cpu (stage 3) | gathered units only  | p·Ψ/N                        | -                   |
 
 (pool = `buffer_count` buffers; see `minispeed.offload.swapper.BufferPool`.) Bytes moved per
 step with `offload_optimizer`: the gradient partition down (4Ψ/N) and the master partition
-up (4Ψ/N) over the host link; with `nvme`, 8Ψ/N read and 8Ψ/N written on the disk.
+up (4Ψ/N) over the host link; with `nvme`, 8Ψ/N read and 8Ψ/N written on the disk; at stage 3
+(masters and gradients in files) 16Ψ/N read and 12Ψ/N written at the step, plus 4Ψ/N of
+gradients written per micro-step.
 On a CPU-only machine the "accelerator" is host memory: the masters are not copied at all,
 only the optimizer (CPU Adam) and where the states live (memory or files) change.
 """

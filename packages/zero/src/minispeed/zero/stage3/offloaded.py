@@ -27,7 +27,13 @@ when the coordinator issues the gather, i.e. *ahead of use* for prefetched units
 once per step (the new values) and in ``GatheredParameters`` when a modifier changes a value.
 Persistent parameters (``stage3_param_persistence_threshold``) stay gathered and are not
 offloaded. An fp32 parameter's master normally *is* its shard; offloaded, it gets a master of
-its own (``4s`` bytes, owned by the optimizer side: host memory with ``offload_optimizer``).
+its own (``4s`` bytes, owned by the optimizer side: host memory with ``offload_optimizer: cpu``;
+with ``offload_optimizer: nvme`` the master lives in the optimizer's swap file, no in-memory
+copy at all, and the step writes each new shard straight from it: stage3/infinity.py).
+
+Under ``zero.Init(config)`` with ``offload_param: nvme`` each shard is written to its file as the
+module that owns it is built (`init_residency`), so the model never exists in memory, not even
+partitioned; ``zero.shard`` adopts those files.
 
 Bytes per step and parameter: read ``s·p`` once per fetch (forward, and backward again when the
 parameter was released in between), write ``s·p`` once at the step.
