@@ -18,6 +18,9 @@ Bytes: host memory holds the parameters and gradients (8 B per parameter) plus t
 Each step reads and writes ``8 * numel`` bytes of the disk; with a disk of R B/s and a CPU step of
 S s per partition, the step is disk-bound when ``8 * numel_i / R > S_i`` (docs/packages/offload.md).
 
+`minispeed.offload.swapped_masters.SwappedMastersOptimizer` moves the masters and the gradients
+to files as well (ZeRO-Infinity: no per-parameter host bytes at all).
+
 ``state_dict()`` has torch.optim.Adam's format (the states are read back from the files), so a
 checkpoint moves between this, `minispeed.offload.optimizers.CPUAdam` and torch.
 """
