@@ -1,26 +1,28 @@
-"""ZeRO-Infinity on one box: a GPT with its parameters and Adam states on NVMe (issue 8, req. 5).
+"""ZeRO-Infinity on one box: a GPT bigger than the machine's RAM, everything on NVMe (issue 8, req. 5).
 
-Run (not part of CI; validated only at small sizes on the shared development machine):
+Run (not part of CI; the recorded run and its figures are in docs/packages/offload.md):
 
-    .venv/bin/python benchmarks/offload_infinity_gpt.py --params 5M --steps 4 --dir /tmp/nvme
+    .venv/bin/python benchmarks/offload_infinity_gpt.py --width 3072 --layers 22 --steps 3 \
+        --lr 1e-5 --dir /tmp/infinity-swap --dd-mib 1024
 
-One process (a single-rank group) trains a GPT of about ``--params`` parameters with
-``zero.shard`` at stage 3, AdamW (fp32 parameters by default: ``--dtype bfloat16`` for 16-bit
-ones, whose matmuls are slow on CPUs without AVX-512 BF16), and
+(2.49B parameters: 16 B/param = 1.58x a 23.5 GiB machine's RAM; ~50 GB of swap files, removed
+at exit; ~22 minutes on a 2-core machine with a ~0.4-0.6 GB/s disk.) Small: ``--params 5M``.
+
+One process (a single-rank group) builds a GPT under ``zero.Init(config)`` (each shard goes to
+its swap file as its module is built: the model never exists in memory) and trains it with
+``zero.shard`` at stage 3, AdamW (fp32 by default; ``--dtype bfloat16`` for 16-bit parameters,
+whose matmuls are slow on CPUs without AVX-512 BF16), and
 
     offload_param:     {device: nvme, nvme_path: --dir}   (parameter shards in swap files)
-    offload_optimizer: {device: nvme, nvme_path: --dir}   (Adam's exp_avg / exp_avg_sq in files)
+    offload_optimizer: {device: nvme, nvme_path: --dir}   (fp32 masters + Adam states, and the
+                                                           gradient shards, in swap files)
 
 It reports: the losses (they must fall), the model-state bytes (16 B per parameter: fp32 params,
 grads and Adam's two states) against this machine's RAM, the peak resident set (VmHWM) as a
-fraction of RAM, and where each step's time went: the bytes read and written by the swappers,
-the time those would take at the disk's ``dd`` rate measured in the same run (``oflag=direct``
-write, ``iflag=direct`` read of ``--dd-mib`` MiB), and the rest (compute and Python).
-
-What stays in host memory today (so the 1.5x-RAM goal is out of reach until it moves too): the
-fp32 masters (4 B/param: `SwappedOptimizer` swaps the two Adam states, not the master) and the
-gradient shards from backward to the step (4 B/param in fp32), i.e. about half of the 16 B.
-The peak RSS this script reports shows it.
+fraction of RAM, and per step: forward+backward and optimizer-step seconds, the bytes the three
+swappers read and wrote, the seconds spent blocked on reads and on writes (the I/O the pipelines
+did not hide), the time the traffic would take at the disk's ``dd`` rate measured in the same
+run (``oflag=direct`` write, ``iflag=direct`` read of ``--dd-mib`` MiB), and the rest (compute).
 """
 
 from __future__ import annotations
