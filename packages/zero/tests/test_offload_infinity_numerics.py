@@ -21,7 +21,7 @@ from zero_testlib import make_batches, make_model, rank_slice
 
 import minispeed.zero as zero
 from minispeed.core.testing import run_distributed
-from minispeed.zero.memory import measure_offload, predict_offload
+from minispeed.zero.memory import measure, measure_offload, predict_offload
 
 offload = pytest.importorskip("minispeed.offload")
 
@@ -97,6 +97,7 @@ def _train(rank: int, world_size: int, nvme_path: str) -> dict:
             resident=inner.resident_state_bytes(),
             pools=inner.swapper.pool.nbytes + grads.swapper.pool.nbytes + grads.read_pool.nbytes,
             measured=measure_offload(opt),
+            live=measure(opt, model),
             predicted=predict_offload(opt),
         )
         opt.close()
@@ -121,6 +122,9 @@ def test_infinity_stage3_losses_match_pytorch(tmp_path) -> None:
             assert got["resident"] == got["pools"]  # the pools, nothing per parameter
             # the formula of zero.memory says the same, file by file and pool by pool
             assert got["measured"] == got["predicted"]
+            # the live tensors: no master, no optimizer state, no gradient in memory
+            live = got["live"]
+            assert (live.master, live.optimizer_states, live.grads) == (0, 0, 0), live
             assert got["predicted"].grad_files == got["expected_grad_bytes"]
             read, written = got["grad_io"]
             assert read > 0 and written > 0
