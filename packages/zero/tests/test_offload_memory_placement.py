@@ -27,7 +27,6 @@ def test_nothing_offloaded_is_the_ledger_row() -> None:
         # ... or the Adam states go to files (nvme)
         (2, "nvme", "none", (2 * PSI + 2 * S + 4 * S, 8 * S, 8 * S)),
         # stage 3: shards 2s leave the device too
-        (3, "nvme", "nvme", (2 * S + 4 * S, 8 * S, 2 * S + 8 * S)),
         (3, "cpu", "cpu", (2 * S + 4 * S, 16 * S + 2 * S, 0)),
     ],
 )
@@ -37,6 +36,23 @@ def test_offloaded_bytes_move_where_the_section_says(stage, opt, param, expected
     # nothing is lost: the row's bytes plus the host copies of masters and gradients
     row = minispeed_state_bytes(PSI, N, stage, param_bytes=2, grad_bytes=2, state_bytes=8)
     assert got.total == row.total + 8 * S
+
+
+@pytest.mark.parametrize(
+    "param,expected",
+    [
+        # ZeRO-Infinity: masters 4s + Adam 8s + fp32 gradients 4s in files; host keeps none
+        ("none", (2 * S, 0, 16 * S)),
+        ("nvme", (0, 0, 2 * S + 16 * S)),
+        ("cpu", (0, 2 * S, 16 * S)),
+    ],
+)
+def test_infinity_keeps_masters_and_gradients_in_files(param, expected) -> None:
+    got = offload_placement(PSI, N, 3, offload_optimizer="nvme", offload_param=param)
+    assert (got.accelerator, got.host, got.files) == expected
+    # the row's bytes, with the 16-bit gradient shard (2s) kept as fp32 (4s) in its file
+    row = minispeed_state_bytes(PSI, N, 3, param_bytes=2, grad_bytes=2, state_bytes=8)
+    assert got.total == row.total + 2 * S
 
 
 def test_fp32_param_offload_gives_the_master_its_own_storage() -> None:

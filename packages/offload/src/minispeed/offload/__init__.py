@@ -8,7 +8,8 @@ Reading order:
 3. `.aio` (and ``csrc/aio``, `.aio_reference`): reading/writing tensors at file offsets,
    asynchronously, on a thread pool;
 4. `.swapper`: tensors in swap files, a fixed pool of host buffers, stale-file cleanup;
-5. `.swapped`: ``SwappedOptimizer``, Adam with its states on NVMe, pipelined;
+5. `.swapped`: ``SwappedOptimizer``, Adam with its states on NVMe, pipelined; then
+   `.swapped_grads` and `.swapped_masters` (ZeRO-Infinity: masters and gradients on NVMe too);
 6. `.config`: the ``offload_optimizer`` / ``offload_param`` / ``aio`` sections.
 
 The entry point an engine (or ``minispeed.zero``) calls is `offload_optimizer`.
@@ -25,6 +26,8 @@ from minispeed.offload.aio import AsyncIO, IORequest, direct_io_supported
 from minispeed.offload.config import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
 from minispeed.offload.optimizers import CPUAdagrad, CPUAdam, CPUAdamW, CPULion
 from minispeed.offload.swapped import SwappedOptimizer
+from minispeed.offload.swapped_grads import SwappedGrads
+from minispeed.offload.swapped_masters import SwappedMastersOptimizer
 from minispeed.offload.swapper import SwapState, TensorSwapper
 
 __all__ = [
@@ -38,6 +41,8 @@ __all__ = [
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
     "SwapState",
+    "SwappedGrads",
+    "SwappedMastersOptimizer",
     "SwappedOptimizer",
     "TensorSwapper",
     "direct_io_supported",

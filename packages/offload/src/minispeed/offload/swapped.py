@@ -18,6 +18,9 @@ Bytes: host memory holds the parameters and gradients (8 B per parameter) plus t
 Each step reads and writes ``8 * numel`` bytes of the disk; with a disk of R B/s and a CPU step of
 S s per partition, the step is disk-bound when ``8 * numel_i / R > S_i`` (docs/packages/offload.md).
 
+`minispeed.offload.swapped_masters.SwappedMastersOptimizer` moves the masters and the gradients
+to files as well (ZeRO-Infinity: no per-parameter host bytes at all).
+
 ``state_dict()`` has torch.optim.Adam's format (the states are read back from the files), so a
 checkpoint moves between this, `minispeed.offload.optimizers.CPUAdam` and torch.
 """
@@ -69,6 +72,7 @@ class SwappedOptimizer(CPUAdam):
     """
 
     _name = "SwappedOptimizer"
+    _slots = 2  # fp32 values per element in a partition's file: exp_avg, exp_avg_sq
 
     def __init__(
         self,
@@ -94,13 +98,13 @@ class SwappedOptimizer(CPUAdam):
         self.swapper = TensorSwapper(
             config.nvme_path,
             buffer_count=config.buffer_count,
-            buffer_numel=2 * largest,
+            buffer_numel=self._slots * largest,
             pin_memory=config.pin_memory,
             aio=aio,
             config_key="offload_optimizer",
         )
         for i, part in enumerate(self.partitions):
-            part.swap = self.swapper.register(f"optimizer-{i}", 2 * part.numel)
+            part.swap = self.swapper.register(f"optimizer-{i}", self._slots * part.numel)
 
     def _cut(self, limit: int) -> list[Partition]:
         parts: list[Partition] = []

@@ -285,6 +285,8 @@ class TensorSwapper:
         self._writing: deque[SwappedTensor] = deque()  # swap-outs in flight, oldest first
         self.bytes_read = 0
         self.bytes_written = 0
+        # Seconds the caller spent blocked on the disk (the part of I/O not hidden by overlap).
+        self.wait_s = {"read": 0.0, "write": 0.0}
 
     def register(self, name: str, numel: int) -> SwappedTensor:
         """A new swapped tensor of ``numel`` elements (state NEW: reads as zeros until written)."""
@@ -332,11 +334,14 @@ class TensorSwapper:
             return self.pool.buffers[st.buffer_index][: st.numel]
         assert st.buffer_index is not None
         if st.request is not None:
+            start = time.perf_counter()
             try:
                 self.bytes_read += st.request.wait()
             except OSError:
                 self.pool.free.append(st.buffer_index)
                 raise
+            finally:
+                self.wait_s["read"] += time.perf_counter() - start
         st.to_in_buffer()
         return self.pool.buffers[st.buffer_index][: st.numel]
 
@@ -353,7 +358,11 @@ class TensorSwapper:
         if st.state != SwapState.SWAPPING_OUT:
             return
         assert st.request is not None
-        nbytes = st.request.wait()  # an error propagates: the file is not current
+        start = time.perf_counter()
+        try:
+            nbytes = st.request.wait()  # an error propagates: the file is not current
+        finally:
+            self.wait_s["write"] += time.perf_counter() - start
         self.bytes_written += nbytes
         self._writing.remove(st)
         self.pool.free.append(st.to_on_disk())

@@ -12,20 +12,27 @@ lazily]). Three pieces, applied by `zero.shard` in this order:
    its `SwappedOptimizer` (`device: nvme`) over those host masters, same hyper-parameters.
 
 Stage 3's `offload_param` lives in `minispeed.zero.stage3.offloaded` (shards in host memory or
-swap files, fetched before each all-gather).
+swap files, fetched before each all-gather). At stage 3, `offload_optimizer: nvme` is
+ZeRO-Infinity's optimizer side, `minispeed.zero.stage3.infinity` (instead of steps 2-3 above):
+the fp32 masters live in the swap files with the Adam states and the gradient shards are
+written to files as they are reduced (`wants_masters_in_files`).
 
 Where each byte lives, per rank (Ψ parameters, N ranks, p bytes per 16-bit parameter; Adam):
 
-| mode                      | accelerator            | host                         | files      |
-|---------------------------|------------------------|------------------------------|------------|
-| no offload (stage 2)      | 2Ψ + 2Ψ/N + 12Ψ/N      | -                            | -          |
-| offload_optimizer cpu     | 2Ψ + 2Ψ/N              | 4Ψ/N + 4Ψ/N (grad) + 8Ψ/N    | -          |
-| offload_optimizer nvme    | 2Ψ + 2Ψ/N              | 8Ψ/N + pool                  | 8Ψ/N       |
-| + offload_param (stage 3) | gathered units only    | p·Ψ/N (cpu) or pool (nvme)   | p·Ψ/N      |
+| mode                        | accelerator          | host                         | files               |
+|-----------------------------|----------------------|------------------------------|---------------------|
+| no offload (stage 2)        | 2Ψ + 2Ψ/N + 12Ψ/N    | -                            | -                   |
+| offload_optimizer cpu       | 2Ψ + 2Ψ/N            | 4Ψ/N + 4Ψ/N (grad) + 8Ψ/N    | -                   |
+| offload_optimizer nvme      | 2Ψ + 2Ψ/N            | 8Ψ/N + pool                  | 8Ψ/N                |
+| stage 3, optimizer nvme     | p·Ψ/N (shards)       | pools                        | 12Ψ/N + 4Ψ/N (grad) |
+| + offload_param nvme        | gathered units only  | pools                        | + p·Ψ/N             |
+| offload_param cpu (stage 3) | gathered units only  | p·Ψ/N                        | -                   |
 
 (pool = `buffer_count` buffers; see `minispeed.offload.swapper.BufferPool`.) Bytes moved per
 step with `offload_optimizer`: the gradient partition down (4Ψ/N) and the master partition
-up (4Ψ/N) over the host link; with `nvme`, 8Ψ/N read and 8Ψ/N written on the disk.
+up (4Ψ/N) over the host link; with `nvme`, 8Ψ/N read and 8Ψ/N written on the disk; at stage 3
+(masters and gradients in files) 16Ψ/N read and 12Ψ/N written at the step, plus 4Ψ/N of
+gradients written per micro-step.
 On a CPU-only machine the "accelerator" is host memory: the masters are not copied at all,
 only the optimizer (CPU Adam) and where the states live (memory or files) change.
 """
@@ -222,10 +229,16 @@ class HostMasters:
 
 
 def host_optimizer(
-    user: torch.optim.Optimizer, masters: list[list[torch.Tensor]], config: Any
+    user: torch.optim.Optimizer,
+    masters: list[list[torch.Tensor]],
+    config: Any,
+    swap_masters: bool = False,
 ) -> torch.optim.Optimizer:
     """offload's CPU Adam (`cpu`) or `SwappedOptimizer` (`nvme`) over `masters`, with the
-    hyper-parameters of each of `user`'s param groups (Adam and AdamW only)."""
+    hyper-parameters of each of `user`'s param groups (Adam and AdamW only).
+
+    ``swap_masters`` (stage 3, ZeRO-Infinity): `SwappedMastersOptimizer`, whose masters are
+    meta handles and whose values, states and gradients live in its files."""
     offload = import_offload("zero_optimization.offload_optimizer")
     if not isinstance(user, torch.optim.Adam | offload.CPUAdam):  # AdamW subclasses Adam
         raise TypeError(
@@ -253,6 +266,10 @@ def host_optimizer(
             }
         )
     cfg = config.offload_optimizer
+    if swap_masters:
+        return offload.SwappedMastersOptimizer(
+            groups, cfg, config.aio, sub_group_numel=config.sub_group_numel
+        )
     return offload.offload_optimizer(
         groups, cfg, config.aio, sub_group_numel=config.sub_group_numel
     )
@@ -274,10 +291,24 @@ def apply_offload(
     Runs on every rank; a bad `nvme_path`, a `buffer_size` below one partition or an impossible
     `pin_memory` raises here, on every rank, naming the key and the fix.
     """
+    infinity = wants_masters_in_files(config)
     if wants_param_offload(config):
         from minispeed.zero.stage3.offloaded import offload_params
 
-        strategy = offload_params(strategy, config)
+        strategy = offload_params(strategy, config, keep_masters=not infinity)
+    if infinity:
+        from minispeed.zero.stage3.infinity import offload_masters
+
+        return offload_masters(strategy, optimizer, config)
     if wants_optimizer_offload(config):
         strategy, optimizer = apply_optimizer_offload(strategy, optimizer, config)
     return strategy, optimizer
+
+
+def wants_masters_in_files(config: Any) -> bool:
+    """Stage 3 with ``offload_optimizer.device='nvme'``: ZeRO-Infinity keeps the fp32 masters
+    and the gradient shards in swap files too (stage3/infinity.py). Stages 1-2 keep them in
+    host memory: there the masters of fp32 training are the model's own parameters and the
+    gradient partition is the reducer's flat buffer."""
+    opt = config.offload_optimizer
+    return config.stage == 3 and opt is not None and opt.device == "nvme"

@@ -298,7 +298,12 @@ class ZeroOptimizer:
     ) -> None:
         """Run the inner optimizer once per sub-group (Note [optimizer sub-groups]); a master in
         `skip` keeps `.grad = None`, so torch.optim leaves it and its state untouched."""
-        for run in self._sub_groups:
+        runs = self._sub_groups
+        if getattr(self.optimizer, "partitions", None) is not None:
+            # offload's swapped optimizers cut their own partitions and pipeline the reads
+            # across them (Note [the swap pipeline] in offload/swapped.py): one call for all.
+            runs = [[gi for run in runs for gi in run]]
+        for run in runs:
             for g, i in run:
                 if (g, i) not in skip:
                     masters[g][i].grad = grads[g][i]
@@ -309,7 +314,12 @@ class ZeroOptimizer:
     def _clip(self, grads: list[torch.Tensor]) -> None:
         """Scale gradients so that their global L2 norm is at most `max_grad_norm`."""
         sq = torch.zeros(1, dtype=torch.float32, device=self._grad_device)
-        for g in grads:
+        # ZeRO-Infinity (stage3/infinity.py): the gradients are in swap files; the sum of squares
+        # was kept as they were written, and the coefficient is applied as they are read back.
+        swapped = getattr(self.strategy, "swapped_grads", None)
+        if swapped is not None:
+            sq += swapped.square_sum()
+        for g in grads if swapped is None else ():
             sq += g.float().pow(2).sum()
         if self.strategy.partitions_grads:  # disjoint shards: the squares add up across ranks
             travel = sq.to(comm.tensor_device(self.comm_group))  # the host under offload + NCCL
@@ -317,6 +327,9 @@ class ZeroOptimizer:
             sq = travel.to(self._grad_device)
         # torch.nn.utils.clip_grad_norm_'s rule, so that results match it.
         coef = torch.clamp(self.config.max_grad_norm / (sq.sqrt() + 1e-6), max=1.0)
+        if swapped is not None:
+            swapped.set_scale(float(coef))
+            return
         for g in grads:
             g.mul_(coef.to(g.dtype))
 
@@ -397,7 +410,8 @@ class ZeroOptimizer:
 def _device_of(masters: list[list[torch.Tensor]]) -> torch.device:
     for ms in masters:
         for m in ms:
-            return m.device
+            if m.device.type != "meta":  # ZeRO-Infinity's masters are meta handles
+                return m.device
     return torch.device("cpu")
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -137,40 +138,45 @@ def load_checkpoint(
         shapes.update(part)
     first_global_rank = everyone[0][1]  # global rank of group rank 0 (broadcast source)
 
-    # 2. Local: fill this rank's masters and optimizer state from the shards that hold them.
-    (common, mine, masters, state_filled, rng), _ = together(
-        group,
-        what,
-        lambda: _read(
-            opt,
-            model,
-            tag_dir,
-            meta,
-            fragments,
-            shapes,
-            rank,
-            world_size,
-            load_rng,
-            load_optimizer_states,
-        ),
-    )
+    # ZeRO-Infinity (offload's SwappedMastersOptimizer): the masters are meta handles whose
+    # values live in swap files; phases 2-3 fill real tensors that go back to the files after.
+    inner = opt.optimizer
+    in_files = getattr(inner, "masters_in_files", False)
+    with inner.states_in_memory() if in_files else nullcontext():
+        # 2. Local: fill this rank's masters and optimizer state from the shards that hold them.
+        (common, mine, masters, state_filled, rng), _ = together(
+            group,
+            what,
+            lambda: _read(
+                opt,
+                model,
+                tag_dir,
+                meta,
+                fragments,
+                shapes,
+                rank,
+                world_size,
+                load_rng,
+                load_optimizer_states,
+            ),
+        )
 
-    # 3. Local: scalars, hyper-parameters, counters, buffers.
-    def restore() -> None:
-        if load_optimizer_states:
-            _restore_scalars_and_hyper(opt, meta, common, mine, masters, state_filled)
-            # offload_optimizer nvme: move the loaded states into the swap files.
-            getattr(opt.optimizer, "absorb_states", lambda: None)()
-        if opt.loss_scaler is not None and common["loss_scaler"] is not None:
-            opt.loss_scaler.load_state_dict(common["loss_scaler"])
-        opt.global_step = common["global_step"]
-        opt.micro_step = common["micro_step"]
-        opt._stepped_at = opt.micro_step  # saved at a boundary whose step was taken (save.py)
-        _restore_buffers(model, common)
-        if rng is not None:
-            _restore_rng(rng)
+        # 3. Local: scalars, hyper-parameters, counters, buffers.
+        def restore() -> None:
+            if load_optimizer_states:
+                _restore_scalars_and_hyper(opt, meta, common, mine, masters, state_filled)
+                # offload_optimizer nvme: move the loaded states into the swap files.
+                getattr(opt.optimizer, "absorb_states", lambda: None)()
+            if opt.loss_scaler is not None and common["loss_scaler"] is not None:
+                opt.loss_scaler.load_state_dict(common["loss_scaler"])
+            opt.global_step = common["global_step"]
+            opt.micro_step = common["micro_step"]
+            opt._stepped_at = opt.micro_step  # saved at a boundary whose step was taken (save.py)
+            _restore_buffers(model, common)
+            if rng is not None:
+                _restore_rng(rng)
 
-    together(group, what, restore)
+        together(group, what, restore)
 
     # 4. Collectives: frozen parameters (re-partitioned from rank 0's copy under stage 3), then
     # masters -> model parameters (all-gather for stages 1-2).

@@ -81,6 +81,8 @@ class _Counter:
         self.where: dict[str, int] = {}
 
     def add(self, tensor: torch.Tensor, column: str, path: str) -> None:
+        if tensor.device.type == "meta":  # no bytes: ZeRO-Infinity's master handles
+            return
         storage = tensor.untyped_storage()
         nbytes = storage.nbytes()
         if nbytes == 0 or storage.data_ptr() in self.seen:

@@ -94,6 +94,9 @@ class GradShardReducer:
         self.overlap = overlap
         # comm.reduce_scatter_tensor, or ZeRO++'s quantized two-hop one (stage3/zeropp_grads.py)
         self.reduce_scatter = reduce_scatter or comm.reduce_scatter_tensor
+        # ZeRO-Infinity (stage3/infinity.py): sink(sp, averaged_shard) takes each reduced shard
+        # (to a swap file) instead of it being kept as ``sp.grad_shard``.
+        self.sink: Any = None
         # A frozen parameter never gets a gradient and is never reduced.
         sps = [sp for sp in sps if sp.param.requires_grad]
         self._by_param: dict[nn.Parameter, ShardedParam] = {sp.param: sp for sp in sps}
@@ -171,7 +174,9 @@ class GradShardReducer:
         out = staged[self.rank].mul(1.0 / self.world_size)
         for sp, col in offsets:
             mine = out[col : col + sp.shard_numel]
-            if sp.grad_shard is None:  # first micro-step of the window: keep the view
+            if self.sink is not None:
+                self.sink(sp, mine)
+            elif sp.grad_shard is None:  # first micro-step of the window: keep the view
                 sp.grad_shard = mine
             else:
                 sp.grad_shard.add_(mine)

@@ -73,7 +73,9 @@ def _modules_being_built() -> set[int]:
 class Init:
     """Context: partition every parameter created inside it across ``group`` as modules are built.
 
-    ``config`` is accepted for symmetry with ``zero.shard`` (Init needs nothing from it); the
+    ``config``: the `ZeroConfig` given to ``zero.shard``; with ``offload_param.device='nvme'``
+    each shard is written to a swap file as it is made and dropped from memory (ZeRO-Infinity:
+    the model never exists in memory, not even partitioned); otherwise unused. The
     parameters keep the dtype they are created with (``zero.shard`` makes the fp32 masters from
     them, then casts to ``MixedPrecision.param_dtype``). Every rank must construct the same
     modules in the same order; the values are the group's first rank's, whatever each rank's
@@ -93,6 +95,11 @@ class Init:
         self._parent: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # non-containers
         self._sweeping = False
         self._handles: list[Any] = []
+        # With a ZeroConfig whose offload_param device is nvme, each shard is written to a swap
+        # file as soon as it is made (stage3/offloaded.py: init_residency); zero.shard adopts them.
+        par = getattr(config, "offload_param", None)
+        self._to_files = enabled and par is not None and par.device == "nvme"
+        self._param_home: Any = None
 
     def __enter__(self) -> Init:
         if not self.enabled:
@@ -162,7 +169,12 @@ class Init:
             return
         _, attr = self._created.pop(p, (module, "?"))
         # The qualified name is known only once the model is complete; zero.shard sets it.
-        self.sharded.append(partition_param(p, self.group, f"{type(module).__name__}.{attr}"))
+        sp = partition_param(p, self.group, f"{type(module).__name__}.{attr}")
+        self.sharded.append(sp)
+        if self._to_files:  # offload_param nvme: the shard goes to its swap file now
+            from minispeed.zero.stage3.offloaded import init_residency
+
+            self._param_home = init_residency(self._param_home, self.config, sp)
         guard_module(module, check_access, type(module).__name__)
 
 

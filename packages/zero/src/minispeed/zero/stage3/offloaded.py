@@ -27,7 +27,13 @@ when the coordinator issues the gather, i.e. *ahead of use* for prefetched units
 once per step (the new values) and in ``GatheredParameters`` when a modifier changes a value.
 Persistent parameters (``stage3_param_persistence_threshold``) stay gathered and are not
 offloaded. An fp32 parameter's master normally *is* its shard; offloaded, it gets a master of
-its own (``4s`` bytes, owned by the optimizer side: host memory with ``offload_optimizer``).
+its own (``4s`` bytes, owned by the optimizer side: host memory with ``offload_optimizer: cpu``;
+with ``offload_optimizer: nvme`` the master lives in the optimizer's swap file, no in-memory
+copy at all, and the step writes each new shard straight from it: stage3/infinity.py).
+
+Under ``zero.Init(config)`` with ``offload_param: nvme`` each shard is written to its file as the
+module that owns it is built (`init_residency`), so the model never exists in memory, not even
+partitioned; ``zero.shard`` adopts those files.
 
 Bytes per step and parameter: read ``s·p`` once per fetch (forward, and backward again when the
 parameter was released in between), write ``s·p`` once at the step.
@@ -44,6 +50,9 @@ from minispeed.core.accelerator import get_accelerator
 from minispeed.zero.stage3.params import ShardedParam
 
 __all__ = ["HostShards", "NvmeShards", "ParamOffloadStrategy", "offload_params"]
+
+# The ZeRO-Infinity optimizer side (masters, states and gradient shards in swap files) is
+# `minispeed.zero.stage3.infinity`; this module holds the parameter side.
 
 
 class HostShards:
@@ -86,14 +95,10 @@ class NvmeShards:
         from minispeed.zero.offload_bridge import import_offload
 
         offload = import_offload("zero_optimization.offload_param")
-        largest = max((sp.shard_numel for sp in shards), default=1)
-        if largest > config.buffer_numel:
-            name = next(sp.name for sp in shards if sp.shard_numel == largest)
-            raise ValueError(
-                f"offload_param.buffer_size={config.buffer_numel} elements is smaller than the "
-                f"shard of {name!r} ({largest} elements per rank): raise "
-                f"offload_param.buffer_size to at least {largest}"
-            )
+        self.buffer_numel = config.buffer_numel
+        self.dtype = dtype
+        for sp in shards:
+            self._check(sp)
         self.swapper = offload.TensorSwapper(
             config.nvme_path,
             buffer_count=config.buffer_count,
@@ -113,7 +118,22 @@ class NvmeShards:
     def bytes_written(self) -> int:
         return self.swapper.bytes_written
 
+    def _check(self, sp: ShardedParam) -> None:
+        if sp.shard_numel > self.buffer_numel:
+            raise ValueError(
+                f"offload_param.buffer_size={self.buffer_numel} elements is smaller than the "
+                f"shard of {sp.name!r} ({sp.shard_numel} elements per rank): raise "
+                f"offload_param.buffer_size to at least {sp.shard_numel}"
+            )
+        if sp.shard.dtype != self.dtype:
+            raise ValueError(
+                f"offload_param nvme: the shard of {sp.name!r} is {sp.shard.dtype}, its swap "
+                f"files hold {self.dtype}; under zero.Init(config) create every parameter in "
+                f"MixedPrecision.param_dtype (or build the model outside zero.Init)"
+            )
+
     def adopt(self, sp: ShardedParam) -> None:
+        self._check(sp)
         st = self.swapper.register(f"param-{len(self.files)}", sp.shard_numel)
         self.files[id(sp)] = st
         self.store(sp)
@@ -205,25 +225,63 @@ class ParamOffloadStrategy:
         self.param_home.close()
 
 
-def offload_params(strategy: Any, config: Any) -> ParamOffloadStrategy:
+def offload_params(strategy: Any, config: Any, keep_masters: bool = True) -> ParamOffloadStrategy:
     """Move every non-persistent shard of a `Stage3Strategy` to ``config.offload_param``'s
-    device; returns the strategy wrapper that stores shards after each step."""
+    device; returns the strategy wrapper that stores shards after each step.
+
+    ``keep_masters=False`` (ZeRO-Infinity: the masters will live in the optimizer's files, see
+    stage3/infinity.py): an fp32 parameter gets no in-memory master copy; its master is read
+    from the shard file when the optimizer writes its own."""
     cfg = config.offload_param
-    sps = [sp for sp in strategy.sharded_params() if not sp.persistent]
+    everything = strategy.sharded_params()
+    sps = [sp for sp in everything if not sp.persistent]
     dtype = strategy.precision.param_dtype
-    if cfg.device == "nvme":
-        home: HostShards | NvmeShards = NvmeShards(cfg, config.aio, dtype, sps)
+    built = [sp for sp in everything if sp.residency is not None]  # in files since zero.Init
+    if built:
+        home = built[0].residency.home
+        for sp in built:
+            _adopt_built(sp, keep_masters)
+        sps = [sp for sp in sps if sp.residency is None]
+    elif cfg.device == "nvme":
+        home = NvmeShards(cfg, config.aio, dtype, sps)
     else:
         home = HostShards(cfg.pin_memory and get_accelerator().name != "cpu")
     on_cpu = get_accelerator().name == "cpu"
-    offloaded = []
+    offloaded = [sp for sp in built if sp.residency is not None]
     if cfg.device == "cpu" and on_cpu:
         return ParamOffloadStrategy(strategy, home, offloaded)  # host memory already: no move
     residency = ShardResidency(home)
     for sp in sps:
-        if sp.master is sp.shard:  # fp32: the master gets a storage of its own
-            sp.master = sp.shard.clone()
+        if sp.master is sp.shard:  # fp32: the master gets a storage of its own (or none)
+            sp.master = sp.shard.clone() if keep_masters else None
         home.adopt(sp)
         sp.residency = residency
         offloaded.append(sp)
     return ParamOffloadStrategy(strategy, home, offloaded)
+
+
+def _adopt_built(sp: ShardedParam, keep_masters: bool) -> None:
+    """A shard that zero.Init already put in a swap file (see `init_residency`): a persistent
+    one comes back into memory for good; the master (fp32, when kept) is read from the file."""
+    if sp.persistent or keep_masters:
+        sp.residency.fetch(sp)
+        if keep_masters:
+            sp.master = sp.shard.to(torch.float32, copy=True)
+        if sp.persistent:
+            sp.residency = None
+            if not keep_masters:
+                sp.master = sp.shard
+        else:
+            sp.residency.release(sp)
+
+
+def init_residency(home: NvmeShards | None, config: Any, sp: ShardedParam) -> NvmeShards:
+    """zero.Init(config) with ``offload_param.device='nvme'``: write ``sp``'s new shard to a swap
+    file at once and drop it, so the whole model never sits in memory. Returns the home (made
+    on the first call; `Init` keeps it, and `offload_params` adopts it at `zero.shard`)."""
+    if home is None:
+        home = NvmeShards(config.offload_param, config.aio, sp.shard.dtype, [])
+        home.residency = ShardResidency(home)
+    home.adopt(sp)
+    sp.residency = home.residency
+    return home

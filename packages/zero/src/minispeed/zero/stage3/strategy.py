@@ -97,6 +97,16 @@ class Stage3Strategy:
 
         # 2. masters and dtypes. See Note [fp32 stage 0 has no master copy] (stage0.py): same here.
         for sp in self.sharded.values():
+            if sp.residency is not None:  # in a swap file since zero.Init(config): offloaded.py
+                if sp.shard.dtype != precision.param_dtype:
+                    raise ValueError(
+                        f"parameter {sp.name!r} was written to its swap file by zero.Init(config) "
+                        f"as {sp.shard.dtype}, but MixedPrecision.param_dtype is "
+                        f"{precision.param_dtype}: create the model in that dtype, or build it "
+                        f"with zero.Init() (no config) and let zero.shard offload it"
+                    )
+                sp.master = None  # read from the file by offload_params / offload_masters
+                continue
             if precision.needs_master_copy:
                 master = sp.shard.to(torch.float32, copy=True)
                 sp.set_shard(sp.shard.to(precision.param_dtype))

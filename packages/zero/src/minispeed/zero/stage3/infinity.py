@@ -1,0 +1,189 @@
+"""ZeRO-Infinity's optimizer side at stage 3: masters, Adam states and gradient shards on NVMe.
+
+```text
+zero_optimization: {stage: 3, offload_optimizer: {device: nvme, nvme_path: /nvme},
+                              offload_param:     {device: nvme, nvme_path: /nvme}}
+```
+
+With ``offload_optimizer.device='nvme'`` at stage 3, nothing of size Ψ/N stays in host memory
+on the optimizer's side (DeepSpeed's ZeRO-Infinity does the same):
+
+- **masters + states**: offload's `SwappedMastersOptimizer` keeps each partition's
+  ``[master | exp_avg | exp_avg_sq]`` in one swap file (12 B per element); the optimizer's
+  "parameters" are meta *handles* (shape only, no bytes), one per trained shard;
+- **gradient shards**: the reducer hands each reduced shard to `SwappedGrads` as its bucket
+  lands (``GradShardReducer.sink``), which writes it out at once (read-add-write from the second
+  micro-step of an accumulation window) and keeps ``Σ g²`` for clipping (Note [the norm is kept
+  as the gradients are written] in offload/swapped_grads.py);
+- **the step**: partition by partition, master + states + gradients read, stepped, written
+  back (pipelined), and each new master written straight into its parameter shard (a swap file
+  with ``offload_param nvme``, the in-memory shard otherwise) while still in the buffer. So an
+  fp32 value is kept once per home: the optimizer file and the parameter shard, never a third
+  in-memory copy.
+
+Bytes per rank (s = Ψ/N elements, p bytes per parameter element):
+
+| where  | bytes                                                                  |
+|--------|------------------------------------------------------------------------|
+| files  | 12s (masters + states) + 4s (gradients) (+ p·s shards with param nvme) |
+| host   | pools only: buffer_count·12·partition + gradient buffers (+ param pool)|
+
+Disk traffic per step: read 12s + 4s, write 12s + p·s (new shards); per micro-step 4s written
+(plus 4s read from the second micro-step of a window). fp16 (loss scaling) is refused: the
+overflow check would have to read every gradient back before the step.
+
+`InfinityResidency` routes a value changed under `zero.GatheredParameters` into the master's
+file, so checkpoints, `full_state_dict` and `close()` see one truth.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from minispeed.zero.offload_bridge import host_optimizer
+from minispeed.zero.stage3.params import ParamState, ShardedParam, refresh_gathered
+
+__all__ = ["InfinityResidency", "InfinityStrategy", "offload_masters"]
+
+
+class InfinityResidency:
+    """``ShardedParam.residency`` under ZeRO-Infinity: the shard's own home (a swap file, or none
+    for an in-memory shard), plus: a stored shard is also written into the master's file."""
+
+    def __init__(self, optimizer: Any, handles: dict[int, torch.Tensor], inner: dict[int, Any]):
+        self.optimizer = optimizer
+        self.handles = handles  # id(sp) -> the optimizer's handle
+        self.inner = inner  # id(sp) -> the shard's own residency (offloaded shards only)
+
+    def fetch(self, sp: ShardedParam) -> None:
+        if id(sp) in self.inner:
+            self.inner[id(sp)].fetch(sp)
+
+    def release(self, sp: ShardedParam) -> None:
+        if id(sp) in self.inner:
+            self.inner[id(sp)].release(sp)
+
+    def store(self, sp: ShardedParam) -> None:
+        if id(sp) in self.inner:
+            self.inner[id(sp)].store(sp)
+        if id(sp) in self.handles:
+            self.optimizer.write_master(self.handles[id(sp)], sp.shard.float())
+
+
+class InfinityStrategy:
+    """A stage-3 strategy (possibly with offloaded shards) whose masters and gradient shards
+    live in the optimizer's swap files. Everything else is delegated to the wrapped strategy."""
+
+    def __init__(self, strategy: Any, optimizer: Any, handles: dict[ShardedParam, torch.Tensor]):
+        self._inner = strategy
+        self.optimizer = optimizer
+        self.swapped_grads = optimizer.grads  # ZeroOptimizer._clip reads the norm from here
+        self._handles = handles
+        self._sp_of = {id(h): sp for sp, h in handles.items()}
+        self._marks = {id(h): torch.empty_like(h) for h in handles.values()}  # meta: no bytes
+        self._written: set[int] = set()  # id(sp) whose shard the last step wrote
+        self._homes = {id(sp): sp.residency.home for sp in handles if sp.residency is not None}
+        self._swapped_homes = list(
+            {id(h): h for h in self._homes.values() if hasattr(h, "swapper")}.values()
+        )
+        optimizer.on_stepped = self._write_shard
+        residency = InfinityResidency(
+            optimizer,
+            {id(sp): h for sp, h in handles.items()},
+            {id(sp): sp.residency for sp in handles if sp.residency is not None},
+        )
+        for sp in handles:
+            sp.residency = residency
+        strategy.reducer.sink = self._grad_out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    @property
+    def strategy(self) -> Any:
+        """The wrapped strategy."""
+        return self._inner
+
+    # -- ShardStrategy ------------------------------------------------------------------------------
+    def master_params(self) -> list[list[torch.Tensor]]:
+        """Per group, the optimizer's handles (meta tensors: the masters live in its files)."""
+        return [[self._handles[self.sharded[p]] for p in ps] for ps in self.groups]
+
+    def master_grads(self) -> list[list[torch.Tensor]]:
+        """Per group, meta markers: setting one as a handle's ``.grad`` selects it for the step;
+        the values are in `SwappedGrads`' files."""
+        return [[self._marks[id(self._handles[self.sharded[p]])] for p in ps] for ps in self.groups]
+
+    def _grad_out(self, sp: ShardedParam, grad: torch.Tensor) -> None:
+        self.swapped_grads.add(self._handles[sp], grad)
+
+    @torch.no_grad()
+    def _write_shard(self, handle: torch.Tensor, value: torch.Tensor) -> None:
+        """The optimizer's ``on_stepped``: the new master becomes the parameter shard."""
+        sp = self._sp_of[id(handle)]
+        home = self._homes.get(id(sp))
+        if home is None:  # the shard lives in memory (persistent, or no offload_param)
+            sp.shard.copy_(value)
+        elif hasattr(home, "swapper"):  # NvmeShards: straight from the buffer to the file
+            st = home.files[id(sp)]
+            home.swapper.wait_out(st)
+            home.swapper.write(st, value)
+        else:  # HostShards
+            home.host[id(sp)].copy_(value)
+            home.bytes_written += value.numel() * home.host[id(sp)].element_size()
+        self._written.add(id(sp))
+
+    @torch.no_grad()
+    def publish_params(self) -> None:
+        """The step already wrote the stepped shards; write the others from the master files
+        (after a checkpoint load, or a parameter no rank used), then re-gather the persistent."""
+        todo = [self._handles[sp] for sp in self.trained if id(sp) not in self._written]
+        self._written.clear()
+        if todo:
+            self.optimizer.read_masters(todo, self._write_shard)
+            self._written.clear()
+        for home in self._swapped_homes:  # the shard files must be whole before a fetch
+            home.swapper.wait_all()
+        refresh_gathered([sp for sp in self.trained if sp.state is ParamState.GATHERED])
+
+    def zero_grad(self) -> None:
+        """Drop the gradient shards: the files' contents are overwritten by the next window."""
+        self._inner.zero_grad()
+        self.swapped_grads.new_window()
+
+    def close(self) -> None:
+        """Gather the full parameters back into the model, then delete every swap file."""
+        self._inner.close()
+        self.strategy.reducer.sink = None
+        self.optimizer.close()
+
+
+def offload_masters(strategy: Any, user: torch.optim.Optimizer, config: Any) -> tuple[Any, Any]:
+    """`zero.shard`'s hook for stage 3 with ``offload_optimizer.device='nvme'``: the masters
+    (from the in-memory master, or read from the shard file) are written into the optimizer's
+    files and dropped from memory; returns the wrapped strategy and the optimizer."""
+    if strategy.precision.uses_loss_scaling:
+        raise ValueError(
+            "offload_optimizer.device='nvme' at stage 3 keeps the gradients in swap files, where "
+            "fp16's overflow check cannot see them before the step: train in bf16 or fp32 "
+            "(MixedPrecision(param_dtype=torch.bfloat16)), or set offload_optimizer.device to 'cpu'"
+        )
+    handles = {sp: torch.empty(sp.shard_numel, device="meta") for sp in strategy.trained}
+    by_id = {id(h): sp for sp, h in handles.items()}
+    masters = [[handles[strategy.sharded[p]] for p in ps] for ps in strategy.groups]
+    optimizer = host_optimizer(user, masters, config, swap_masters=True)
+
+    def first_value(handle: torch.Tensor) -> torch.Tensor:
+        sp = by_id[id(handle)]
+        if sp.master is not None:  # the strategy's master (or the shard itself, fp32)
+            value, sp.master = sp.master, None
+            return value
+        sp.residency.fetch(sp)  # fp32 shard in a swap file: it is its own master
+        value = sp.shard.float()
+        sp.residency.release(sp)
+        return value
+
+    optimizer.fill_masters(first_value)
+    return InfinityStrategy(strategy, optimizer, handles), optimizer
