@@ -208,28 +208,54 @@ class CPUAdam(_CPUOptimizer):
         }
 
     def _step_group(self, group, params, grads, states, write_back) -> None:
-        # Parameters can differ in step count (one added to the model later): one call per count.
-        by_step: dict[float, list[int]] = {}
-        for i, s in enumerate(states):
+        for s in states:
             s["step"] += 1
-            by_step.setdefault(float(s["step"]), []).append(i)
-        beta1, beta2 = group["betas"]
-        for step, idx in by_step.items():
-            cpu_optim.adam_step(
-                [params[i] for i in idx],
-                [grads[i] for i in idx],
-                [states[i]["exp_avg"] for i in idx],
-                [states[i]["exp_avg_sq"] for i in idx],
-                step=int(step),
-                lr=float(group["lr"]),
-                beta1=float(beta1),
-                beta2=float(beta2),
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                decoupled_weight_decay=group.get("decoupled_weight_decay", False),
-                write_back=[write_back[i] for i in idx] if write_back is not None else None,
-                simd=self._simd,
-            )
+        adam_step_by_count(
+            group,
+            [float(s["step"]) for s in states],
+            params,
+            grads,
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            write_back=write_back,
+            simd=self._simd,
+        )
+
+
+def adam_step_by_count(
+    group: dict,
+    counts: Sequence[float],
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    write_back: Sequence[torch.Tensor | None] | None = None,
+    simd: Any = None,
+) -> None:
+    """`cpu_optim.adam_step` with a param group's hyper-parameters, once per distinct step count
+    (`counts[i]`, already incremented: a parameter added to the model later has a smaller one)
+    and, where `write_back[i]` is given for some tensors only, once with and once without it."""
+    calls: dict[tuple[float, bool], list[int]] = {}
+    for i, count in enumerate(counts):
+        has_out = write_back is not None and write_back[i] is not None
+        calls.setdefault((float(count), has_out), []).append(i)
+    beta1, beta2 = group["betas"]
+    for (step, has_out), idx in calls.items():
+        cpu_optim.adam_step(
+            [params[i] for i in idx],
+            [grads[i] for i in idx],
+            [exp_avgs[i] for i in idx],
+            [exp_avg_sqs[i] for i in idx],
+            step=int(step),
+            lr=float(group["lr"]),
+            beta1=float(beta1),
+            beta2=float(beta2),
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            decoupled_weight_decay=group.get("decoupled_weight_decay", False),
+            write_back=[write_back[i] for i in idx] if has_out else None,
+            simd=simd,
+        )
 
 
 class CPUAdamW(CPUAdam):

@@ -35,9 +35,8 @@ from typing import Any
 import torch
 
 from minispeed.core import ranges
-from minispeed.offload import cpu_optim
 from minispeed.offload.config import AioConfig, OffloadOptimizerConfig
-from minispeed.offload.optimizers import CPUAdam, write_back_by_param
+from minispeed.offload.optimizers import CPUAdam, adam_step_by_count, write_back_by_param
 from minispeed.offload.swapper import SwappedTensor, TensorSwapper
 
 __all__ = ["Partition", "SwappedOptimizer"]
@@ -170,40 +169,33 @@ class SwappedOptimizer(CPUAdam):
             sw.wait_all()
         return loss
 
+    def _count_steps(self, params: list[torch.Tensor]) -> list[float]:
+        """Add one to each parameter's ``state["step"]`` (created at 0 on its first step); the
+        new counts, in order."""
+        counts = []
+        for p in params:
+            state = self.state[p]
+            if "step" not in state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["step"] += 1
+            counts.append(float(state["step"]))
+        return counts
+
     def _step_partition(self, part: Partition, buf: torch.Tensor, out_of: dict) -> None:
         group = self.param_groups[part.group]
         self._check_group(group)
         ms, vs = self._views(part, buf)
         idx = [k for k, p in enumerate(part.params) if p.grad is not None]
-        by_step: dict[float, list[int]] = {}
-        for k in idx:
-            state = self.state[part.params[k]]
-            if "step" not in state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["step"] += 1
-            by_step.setdefault(float(state["step"]), []).append(k)
-        beta1, beta2 = group["betas"]
-        for step, ks in by_step.items():
-            outs = [out_of.get(id(part.params[k])) for k in ks]
-            for with_out in (False, True):
-                sel = [k for k, o in zip(ks, outs) if (o is not None) == with_out]
-                if not sel:
-                    continue
-                cpu_optim.adam_step(
-                    [part.params[k] for k in sel],
-                    [part.params[k].grad.detach().float().contiguous() for k in sel],
-                    [ms[k] for k in sel],
-                    [vs[k] for k in sel],
-                    step=int(step),
-                    lr=float(group["lr"]),
-                    beta1=float(beta1),
-                    beta2=float(beta2),
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    decoupled_weight_decay=group.get("decoupled_weight_decay", False),
-                    write_back=[out_of[id(part.params[k])] for k in sel] if with_out else None,
-                    simd=self._simd,
-                )
+        adam_step_by_count(
+            group,
+            self._count_steps([part.params[k] for k in idx]),
+            [part.params[k] for k in idx],
+            [part.params[k].grad.detach().float().contiguous() for k in idx],
+            [ms[k] for k in idx],
+            [vs[k] for k in idx],
+            write_back=[out_of.get(id(part.params[k])) for k in idx],
+            simd=self._simd,
+        )
 
     # -- checkpoints in torch.optim.Adam's format ------------------------------------------------
     def _materialize(self) -> None:

@@ -36,9 +36,8 @@ from typing import Any
 import torch
 
 from minispeed.core import ranges
-from minispeed.offload import cpu_optim
 from minispeed.offload.config import AioConfig, OffloadOptimizerConfig
-from minispeed.offload.optimizers import _refuse
+from minispeed.offload.optimizers import _refuse, adam_step_by_count
 from minispeed.offload.swapped import Partition, SwappedOptimizer
 from minispeed.offload.swapped_grads import SwappedGrads
 
@@ -195,36 +194,19 @@ class SwappedMastersOptimizer(SwappedOptimizer):
     def _step_with(self, part: Partition, buf: torch.Tensor, gs: list[torch.Tensor]) -> None:
         group = self.param_groups[part.group]
         ws, ms, vs = self._views(part, buf)
-        by_step: dict[float, list[int]] = {}
-        for k, p in enumerate(part.params):
-            if p.grad is None:
-                continue
-            state = self.state[p]
-            if "step" not in state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["step"] += 1
-            by_step.setdefault(float(state["step"]), []).append(k)
-        beta1, beta2 = group["betas"]
-        for step, ks in by_step.items():
-            cpu_optim.adam_step(
-                [ws[k] for k in ks],
-                [gs[k] for k in ks],
-                [ms[k] for k in ks],
-                [vs[k] for k in ks],
-                step=int(step),
-                lr=float(group["lr"]),
-                beta1=float(beta1),
-                beta2=float(beta2),
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                decoupled_weight_decay=group.get("decoupled_weight_decay", False),
-                write_back=None,
-                simd=self._simd,
-            )
+        idx = [k for k, p in enumerate(part.params) if p.grad is not None]
+        adam_step_by_count(
+            group,
+            self._count_steps([part.params[k] for k in idx]),
+            [ws[k] for k in idx],
+            [gs[k] for k in idx],
+            [ms[k] for k in idx],
+            [vs[k] for k in idx],
+            simd=self._simd,
+        )
         if self.on_stepped is not None:
-            for ks in by_step.values():
-                for k in ks:
-                    self.on_stepped(part.params[k], ws[k])
+            for k in idx:
+                self.on_stepped(part.params[k], ws[k])
 
     # -- checkpoints: masters and states as real tensors, for the duration ---------------------------
     def _materialize(self) -> None:

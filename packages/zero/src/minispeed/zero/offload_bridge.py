@@ -166,7 +166,23 @@ def wants_param_offload(config: Any) -> bool:
 ALWAYS_COPY = False
 
 
-class HostMasters:
+class StrategyWrapper:
+    """A `ShardStrategy` that wraps a stage's strategy: what it does not define is the wrapped
+    one's (`HostMasters`, stage 3's `InfinityStrategy`)."""
+
+    def __init__(self, strategy: Any) -> None:
+        self._inner = strategy
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    @property
+    def strategy(self) -> Any:
+        """The wrapped stage strategy."""
+        return self._inner
+
+
+class HostMasters(StrategyWrapper):
     """A `ShardStrategy` whose `master_params` / `master_grads` are fp32 host tensors.
 
     Wraps the stage's strategy (everything else is delegated to it). Host bytes per rank: 4 per
@@ -175,7 +191,7 @@ class HostMasters:
     """
 
     def __init__(self, strategy: Any, pin_memory: bool) -> None:
-        self._inner = strategy
+        super().__init__(strategy)
         self._device_masters = strategy.master_params()
         on_host = all(m.device.type == "cpu" for ms in self._device_masters for m in ms)
         self.aliased = on_host and not ALWAYS_COPY
@@ -191,14 +207,6 @@ class HostMasters:
 
         self._masters = [[host(m) for m in ms] for ms in self._device_masters]
         self._grads = [[torch.empty_like(m, pin_memory=pin) for m in ms] for ms in self._masters]
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    @property
-    def strategy(self) -> Any:
-        """The wrapped stage strategy."""
-        return self._inner
 
     def master_params(self) -> list[list[torch.Tensor]]:
         """Per group, the host fp32 masters (the strategy's own on a CPU accelerator)."""

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from minispeed.zero.offload_bridge import host_optimizer
+from minispeed.zero.offload_bridge import StrategyWrapper, host_optimizer
 from minispeed.zero.stage3.params import ParamState, ShardedParam, refresh_gathered
 
 __all__ = ["InfinityResidency", "InfinityStrategy", "offload_masters"]
@@ -72,12 +72,12 @@ class InfinityResidency:
             self.optimizer.write_master(self.handles[id(sp)], sp.shard.float())
 
 
-class InfinityStrategy:
+class InfinityStrategy(StrategyWrapper):
     """A stage-3 strategy (possibly with offloaded shards) whose masters and gradient shards
     live in the optimizer's swap files. Everything else is delegated to the wrapped strategy."""
 
     def __init__(self, strategy: Any, optimizer: Any, handles: dict[ShardedParam, torch.Tensor]):
-        self._inner = strategy
+        super().__init__(strategy)
         self.optimizer = optimizer
         self.swapped_grads = optimizer.grads  # ZeroOptimizer._clip reads the norm from here
         self._handles = handles
@@ -97,14 +97,6 @@ class InfinityStrategy:
         for sp in handles:
             sp.residency = residency
         strategy.reducer.sink = self._grad_out
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    @property
-    def strategy(self) -> Any:
-        """The wrapped strategy."""
-        return self._inner
 
     # -- ShardStrategy ------------------------------------------------------------------------------
     def master_params(self) -> list[list[torch.Tensor]]:
