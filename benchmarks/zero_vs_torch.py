@@ -194,6 +194,8 @@ def zero_section(args: argparse.Namespace, stage: int, block_numel: int) -> dict
         section["allgather_bucket_size"] = DDP_BUCKET_NUMEL
     elif args.reduce_bucket_numel:
         section["reduce_bucket_size"] = args.reduce_bucket_numel
+    if args.overlap_comm != "default":  # otherwise DeepSpeed's default: on at stage 3 only
+        section["overlap_comm"] = args.overlap_comm == "true"
     return section
 
 
@@ -608,6 +610,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         choices=("auto", "yes", "no"),
         default="auto",
         help="add DeepSpeed's stages as contenders (auto: when it imports)",
+    )
+    p.add_argument(
+        "--overlap-comm",
+        choices=("default", "true", "false"),
+        default="default",
+        help="overlap_comm in the zero_optimization dict (default: leave it out)",
     )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=20)
