@@ -8,6 +8,8 @@
 - `param_names`: one name per parameter (the first of a tied one), the name every message and
   checkpoint uses.
 - `weak_hook`: how a stage registers a parameter hook without keeping itself alive forever.
+- `StrategyWrapper`: a strategy that changes part of a stage's (where masters, gradients or
+  shards live: offload) and delegates the rest to it.
 
 Note [hooks hold their owner weakly]
 A hook registered on a parameter (``register_post_accumulate_grad_hook``) is stored by autograd
@@ -24,12 +26,12 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-__all__ = ["ParamFragment", "ShardStrategy", "param_names", "weak_hook"]
+__all__ = ["ParamFragment", "ShardStrategy", "StrategyWrapper", "param_names", "weak_hook"]
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,23 @@ class ShardStrategy(Protocol):
     def close(self) -> None:
         """Finish in-flight communication and remove every hook this strategy put on the model."""
         ...
+
+
+class StrategyWrapper:
+    """A `ShardStrategy` that wraps a stage's strategy: what it does not define is the wrapped
+    one's (`offload_bridge.HostMasters`, `stage3.offloaded.ParamOffloadStrategy`,
+    `stage3.infinity.InfinityStrategy`)."""
+
+    def __init__(self, strategy: Any) -> None:
+        self._inner = strategy
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    @property
+    def strategy(self) -> Any:
+        """The wrapped stage strategy."""
+        return self._inner
 
 
 def param_names(model: nn.Module) -> dict[nn.Parameter, str]:

@@ -46,6 +46,7 @@ import torch
 
 from minispeed.core import ranges
 from minispeed.core.accelerator import get_accelerator
+from minispeed.zero.contract import StrategyWrapper
 
 __all__ = [
     "OFFLOAD_INSTALL_HINT",
@@ -164,22 +165,6 @@ def wants_param_offload(config: Any) -> bool:
 #: Tests only: keep separate host copies even when the strategy's masters are host tensors, so
 #: that a CPU machine runs the copy-down / copy-up path a GPU takes.
 ALWAYS_COPY = False
-
-
-class StrategyWrapper:
-    """A `ShardStrategy` that wraps a stage's strategy: what it does not define is the wrapped
-    one's (`HostMasters`, stage 3's `InfinityStrategy`)."""
-
-    def __init__(self, strategy: Any) -> None:
-        self._inner = strategy
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    @property
-    def strategy(self) -> Any:
-        """The wrapped stage strategy."""
-        return self._inner
 
 
 class HostMasters(StrategyWrapper):

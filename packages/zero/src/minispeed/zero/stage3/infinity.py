@@ -42,7 +42,8 @@ from typing import Any
 
 import torch
 
-from minispeed.zero.offload_bridge import StrategyWrapper, host_optimizer
+from minispeed.zero.contract import StrategyWrapper
+from minispeed.zero.offload_bridge import host_optimizer
 from minispeed.zero.stage3.params import ParamState, ShardedParam, refresh_gathered
 
 __all__ = ["InfinityResidency", "InfinityStrategy", "offload_masters"]

@@ -47,6 +47,7 @@ import torch
 
 from minispeed.core import ranges
 from minispeed.core.accelerator import get_accelerator
+from minispeed.zero.contract import StrategyWrapper
 from minispeed.zero.stage3.params import ShardedParam
 
 __all__ = ["HostShards", "NvmeShards", "ParamOffloadStrategy", "offload_params"]
@@ -184,23 +185,16 @@ class ShardResidency:
         self.home.release(sp)
 
 
-class ParamOffloadStrategy:
+class ParamOffloadStrategy(StrategyWrapper):
     """Stage 3 with offloaded shards: `publish_params` writes each stepped shard to its home.
 
     Wraps a `Stage3Strategy`; everything else is delegated.
     """
 
     def __init__(self, strategy: Any, home: HostShards | NvmeShards, offloaded: list[ShardedParam]):
-        self._inner = strategy
+        super().__init__(strategy)
         self.param_home = home
         self.offloaded = offloaded
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    @property
-    def strategy(self) -> Any:
-        return self._inner
 
     @torch.no_grad()
     def publish_params(self) -> None:
