@@ -26,12 +26,11 @@ import os
 import platform
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 
 import torch
 from rich.console import Console
 from rich.table import Table
+from timing import best_time
 
 import minispeed.comm as comm
 from minispeed.comm.compression import (
@@ -48,15 +47,6 @@ from minispeed.comm.compression import reference as ref
 from minispeed.core.testing import run_distributed, shutdown_pool
 
 LEVELS = {0: "scalar", 1: "avx2", 2: "avx512"}
-
-
-def _best_time(fn: Callable[[], object], rounds: int) -> float:
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 # -- part 1: bytes on the wire ------------------------------------------------------------------
@@ -99,7 +89,7 @@ def _wire_body(rank: int, world_size: int, numel: int, rounds: int) -> list[dict
         with comm.CommsLogger() as log:
             call()
         comm.barrier()
-        seconds = _best_time(call, rounds)
+        seconds = best_time(call, rounds)
         rows.append(
             {
                 "name": name,
@@ -133,10 +123,10 @@ def _kernel_rows(numel: int, rounds: int) -> list[dict]:
     }
     rows = []
     for name, run in kernels.items():
-        reference_s = _best_time(lambda run=run: run(ref), rounds)
+        reference_s = best_time(lambda run=run: run(ref), rounds)
         row = {"kernel": name, "numel": numel, "time_s[reference]": reference_s}
         for level in op.simd_levels() if op is not None else []:
-            row[f"time_s[{LEVELS[level]}]"] = _best_time(
+            row[f"time_s[{LEVELS[level]}]"] = best_time(
                 lambda run=run, level=level: run(op, level), rounds
             )
         rows.append(row)

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 import torch
+from timing import best_time
 
 from minispeed.inference import ContinuousBatcher, SamplingConfig, generate, init_inference, kernels
 from minispeed.inference.kernels import reference
@@ -49,15 +50,6 @@ def _gpt_module():
     sys.modules["bench_gpt"] = module
     spec.loader.exec_module(module)
     return module
-
-
-def _best(fn, rounds: int) -> float:
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def bench_decode(gpt, size: str, batch: int, prompt_len: int, new: int, rounds: int) -> list[str]:
@@ -79,11 +71,11 @@ def bench_decode(gpt, size: str, batch: int, prompt_len: int, new: int, rounds: 
         return generate(engine, plist, scfg)
 
     assert eager() == injected(), "injected and eager greedy tokens differ"
-    t_eager = _best(eager, rounds)
-    t_inj = _best(injected, rounds)
+    t_eager = best_time(eager, rounds)
+    t_inj = best_time(injected, rounds)
     os.environ["MINISPEED_DISABLE_OPS"] = "inference_kernels"
     try:
-        t_ref = _best(injected, rounds)
+        t_ref = best_time(injected, rounds)
     finally:
         del os.environ["MINISPEED_DISABLE_OPS"]
     tokens = batch * new
@@ -144,7 +136,7 @@ def bench_hf(size: str, batch: int, prompt_len: int, new: int, rounds: int) -> l
 
     got = injected()
     assert got == hf() == eager(), "injected, transformers and eager greedy tokens differ"
-    t_hf, t_eager, t_inj = (_best(f, rounds) for f in (hf, eager, injected))
+    t_hf, t_eager, t_inj = (best_time(f, rounds) for f in (hf, eager, injected))
     tokens = batch * new
     params = sum(p.numel() for p in model.parameters()) / 1e6
 
@@ -239,7 +231,7 @@ def bench_batching(gpt, rounds: int) -> list[str]:
 
     assert sequential() == batched(), "continuous batching changed some request's tokens"
     tokens = sum(c.max_new_tokens for _, c in reqs)
-    t_seq, t_bat = _best(sequential, rounds), _best(batched, rounds)
+    t_seq, t_bat = best_time(sequential, rounds), best_time(batched, rounds)
     return [f"| 16 mixed requests, small model | {tokens / t_seq:.0f} | {tokens / t_bat:.0f} | "
             f"{t_seq / t_bat:.2f}× |"]  # fmt: skip
 
@@ -277,8 +269,8 @@ def bench_kernels(rounds: int) -> list[str]:
     rows = []
     for name, fn in cases.items():
         fn(kernels)  # warm-up (and the op load)
-        t_op = _best(lambda fn=fn: fn(kernels), rounds)
-        t_ref = _best(lambda fn=fn: fn(reference), rounds)
+        t_op = best_time(lambda fn=fn: fn(kernels), rounds)
+        t_ref = best_time(lambda fn=fn: fn(reference), rounds)
         rows.append(f"| {name} | {t_op * 1e6:.0f} | {t_ref * 1e6:.0f} | {t_ref / t_op:.2f}× |")
     return rows
 

@@ -28,10 +28,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
+from timing import best_time
 
 from minispeed.inference.sparse import (
     BigBirdSparsityConfig,
@@ -77,15 +77,6 @@ def _peak_rss_mib(fn) -> float:
     return (status("VmHWM:") - base) / 1024
 
 
-def _best(fn, rounds: int) -> float:
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def _measure(attend, q, k, v, rounds: int) -> tuple[float, float, float]:
     """(fwd seconds, fwd+bwd seconds, peak MiB of fwd+bwd) of `attend(q, k, v)`."""
     grad_out = torch.randn_like(q)
@@ -99,7 +90,7 @@ def _measure(attend, q, k, v, rounds: int) -> tuple[float, float, float]:
 
     fwd_bwd()  # warm-up (and the op's layout/threads)
     peak = _peak_rss_mib(fwd_bwd)
-    return _best(fwd, rounds), _best(fwd_bwd, rounds), peak
+    return best_time(fwd, rounds), best_time(fwd_bwd, rounds), peak
 
 
 def bench(seq: int, args) -> list[str]:

@@ -18,10 +18,9 @@ All three run round-robin in one process on the same data; best of `--repeats`.
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import torch
+from timing import best_round_robin
 
 import minispeed.moe as moe
 from minispeed.moe import dispatch_einsum as de
@@ -31,18 +30,6 @@ SIZES = [  # (tokens S, width d, experts E, k)
     (1024, 256, 8, 2),
     (4096, 512, 8, 2),
 ]
-
-
-def _best(impls: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    for fn in impls.values():
-        fn()
-    best = dict.fromkeys(impls, float("inf"))
-    for _ in range(repeats):
-        for name, fn in impls.items():
-            start = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
 
 
 def main() -> None:
@@ -81,7 +68,7 @@ def main() -> None:
             return de.einsum_combine(buf, cw)
 
         torch.testing.assert_close(op(), einsum(), rtol=1e-4, atol=1e-4)
-        t = _best({"op": op, "reference": ref, "einsum": einsum}, args.repeats)
+        t = best_round_robin({"op": op, "reference": ref, "einsum": einsum}, args.repeats)
         print(
             f"{s:<5} {d:<4} {e:<2} {k}  {r.capacity:<5} | {t['op'] * 1e3:6.2f} | "
             f"{t['reference'] * 1e3:12.2f} | {t['einsum'] * 1e3:9.2f} | "

@@ -20,29 +20,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
-from collections.abc import Callable
 
 import torch
 from rich.console import Console
 from rich.table import Table
+from timing import best_round_robin
 
 from minispeed.offload import cpu_optim
 from minispeed.offload.ops import load_op
 
 _SIZES = {"10M": 10_000_000, "100M": 100_000_000, "500M": 500_000_000}
-
-
-def _best(impls: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    for fn in impls.values():
-        fn()  # warm-up: page faults, op load, thread pools
-    best = dict.fromkeys(impls, float("inf"))
-    for _ in range(repeats):
-        for name, fn in impls.items():
-            start = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
 
 
 def _bench(numel: int, repeats: int) -> dict[str, float]:
@@ -75,7 +62,7 @@ def _bench(numel: int, repeats: int) -> dict[str, float]:
     def add() -> None:
         a.add_(g)
 
-    times = _best(
+    times = best_round_robin(
         {"scale": scale, "add": add, "minispeed": ours, "torch foreach": foreach.step,
          "torch fused": fused.step},
         repeats,
