@@ -146,6 +146,11 @@ def _predicted_calls(
     return per_op
 
 
+def _impl(op: str) -> str:
+    """How comm runs `op` here: on gloo a reduce-scatter is an all-reduce, and sends as much."""
+    return comm.reduce_scatter_impl() if op == "reduce_scatter" else "native"
+
+
 def _op(name: str) -> str:
     """The ledger's op: a coalesced all-gather is an all-gather (same bytes, fewer calls)."""
     return "all_gather" if name == "all_gather_coalesced" else name
@@ -181,7 +186,9 @@ def comm_ledger(
                 "op": op,
                 "calls_per_step": calls[op, steady[-1]],
                 "predicted_msg_bytes": pred,
-                "predicted_wire_bytes": costs.wire_bytes(op, pred, world) if pred else 0,
+                "predicted_wire_bytes": (
+                    costs.wire_bytes(op, pred, world, impl=_impl(op)) if pred else 0
+                ),
                 "measured_msg_bytes_min": min(per_step),
                 "measured_msg_bytes_max": max(per_step),
                 "measured_wire_bytes": max(wire[op, s] for s in steady),

@@ -64,13 +64,18 @@ def main() -> None:
     print(f"ZeRO stage {args.stage}, N = {world} ranks, Ψ = {numel:,} parameters, fp32")
     print(
         f"{'phase':<36} {'collective':<15} {'elements':>9} {'msg bytes':>10} {'sent by rank 0':>15}"
+        "  run as"
     )
     phase = ""
     for i, r in second:
         phase = names.get(i, phase)
-        print(f"{phase:<36} {r.op:<15} {r.numel:>9,} {r.msg_bytes:>10,} {r.wire_bytes:>15,}")
+        print(
+            f"{phase:<36} {r.op:<15} {r.numel:>9,} {r.msg_bytes:>10,} {r.wire_bytes:>15,}  {r.impl}"
+        )
     total = sum(r.wire_bytes for _, r in second)
-    closed = approx_wire_bytes_per_step(args.stage, numel, world, 4, 4, 2)
+    closed = approx_wire_bytes_per_step(
+        args.stage, numel, world, 4, 4, 2, reduce_scatter_impl=comm.reduce_scatter_impl()
+    )
     print(
         f"sent this step: {total:,} bytes; ledger closed form (no padding, no flags): {closed:,.0f}"
     )

@@ -221,6 +221,31 @@ def test_in_place_flat_collectives(rank, world_size):
                 assert_close(full, torch.cat([_data(r, m) for r in range(n)]))
 
 
+def _gloo_reduce_scatter_body(rank: int, world_size: int) -> list:
+    n, m = world_size, 5
+    full = [_data(r, n * m) for r in range(n)]
+    expected = torch.stack(full).sum(0)[rank * m : (rank + 1) * m]
+    with comm.CommsLogger() as log:
+        inp = full[rank].clone()
+        out = torch.empty(m)
+        comm.reduce_scatter_tensor(out, inp)  # out of place: the input is the caller's
+        assert_close(out, expected)
+        assert_close(inp, full[rank])
+        buf = full[rank].clone()
+        comm.reduce_scatter_tensor(buf[rank * m : (rank + 1) * m], buf)  # in place
+        assert_close(buf[rank * m : (rank + 1) * m], expected)
+    return [(r.impl, r.wire_bytes) for r in log.records]
+
+
+def test_gloo_reduce_scatter_runs_as_the_all_reduce_it_is():
+    """gloo's reduce-scatter is an all-reduce of a clone (Note [gloo's reduce-scatter is an
+    all-reduce]): comm runs it itself, in place without the clone, and logs the all-reduce's bytes."""
+    n = 2
+    results = run_distributed(_gloo_reduce_scatter_body, world_size=n)
+    wire = 2 * (n - 1) * (5 * n * 4) // n
+    assert results == [[("all_reduce+slice", wire), ("all_reduce_in_place", wire)]] * n
+
+
 def _no_deprecation_body(rank: int, world_size: int) -> list[str]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -71,6 +71,7 @@ def _logged_step(rank: int, world_size: int):
             gradient_accumulation_steps=ACCUMULATION,
             reduce_scatter=config.reduce_scatter,
             clip_norm=True,
+            reduce_scatter_impl=comm.reduce_scatter_impl(),  # gloo: an all-reduce
         )
         reducer = strategy.reducer
         # Stages 0-1 keep full flat gradient buffers, stage 2 a partition: each reducer has its own.
@@ -97,7 +98,13 @@ def _logged_step(rank: int, world_size: int):
                 wire=log.total_wire_bytes(),
                 expected_wire=ledger.wire_bytes_per_step(expected),
                 approx=ledger.approx_wire_bytes_per_step(
-                    config.stage, numel, world_size, 4, 2, ACCUMULATION
+                    config.stage,
+                    numel,
+                    world_size,
+                    4,
+                    2,
+                    ACCUMULATION,
+                    reduce_scatter_impl=comm.reduce_scatter_impl(),
                 ),
                 launched_before_last_grad=launched_before_last_grad,
                 buckets=len(strategy.bucket_numels()),

@@ -18,6 +18,7 @@ Use it as `import minispeed.comm as comm`. Reading order (see README.md):
    the two-level all-gather.
 """
 
+from minispeed.comm.api_compat import reduce_scatter_impl
 from minispeed.comm.buckets import InFlight, LaunchQueue, all_reduce_unbucketed
 from minispeed.comm.collectives import (
     ReduceOp,
@@ -91,6 +92,7 @@ __all__ = [
     "isend",
     "new_group",
     "recv",
+    "reduce_scatter_impl",
     "reduce_scatter_tensor",
     "send",
     "tensor_device",

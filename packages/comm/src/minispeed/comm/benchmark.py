@@ -30,9 +30,21 @@ from minispeed.comm import api_compat, collectives, costs, handshake
 from minispeed.comm.logger import CommsLogger
 from minispeed.core import ranges
 
-__all__ = ["CHECK_VARIANTS", "OPS", "VARIANTS", "measure", "measure_checks", "measure_dispatch"]
+__all__ = [
+    "CHECK_VARIANTS",
+    "IN_PLACE",
+    "OPS",
+    "VARIANTS",
+    "measure",
+    "measure_checks",
+    "measure_dispatch",
+]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+IN_PLACE = "reduce_scatter_in_place"
+"""`measure`'s extra row: a reduce-scatter whose output is this rank's chunk of its input, as ZeRO
+calls it (on gloo comm runs it as an all-reduce of the input: Note [gloo's reduce-scatter is an
+all-reduce] in api_compat)."""
 VARIANTS = ("torch", "comm", "comm+log")
 CHECK_VARIANTS = ("off", "first", "all", "objects")
 """Cross-rank checks timed by `measure_checks`: none; the default (first call of each call site,
@@ -47,6 +59,10 @@ def _buffers(op: str, numel: int, n: int) -> tuple[torch.Tensor, torch.Tensor, i
         inp, out = torch.ones(numel // n), torch.empty(numel)
     elif op == "reduce_scatter":
         inp, out = torch.ones(numel), torch.empty(numel // n)
+    elif op == IN_PLACE:
+        m, r = numel // n, dist.get_rank()
+        inp = torch.ones(numel)
+        out = inp[r * m : (r + 1) * m]
     else:
         inp, out = torch.ones(numel), torch.empty(numel)
     return inp, out, numel * 4
@@ -56,6 +72,7 @@ def _call(
     op: str, variant: str, inp: torch.Tensor, out: torch.Tensor, group: Any = None, src: int = 0
 ) -> Callable[[], Any]:
     g = group
+    op = "reduce_scatter" if op == IN_PLACE else op  # the same calls, on in-place buffers
     if variant == "torch":
         return {
             "all_reduce": lambda: dist.all_reduce(inp, group=g),
@@ -91,7 +108,7 @@ def _time_round(fn: Callable[[], Any], iters: int, log: CommsLogger | None) -> f
 
 
 def measure(
-    ops: tuple[str, ...] = OPS,
+    ops: tuple[str, ...] = (*OPS, IN_PLACE),
     sizes: tuple[int, ...] = (1 << 8, 1 << 12, 1 << 16, 1 << 20),
     rounds: int = 5,
     target_s: float = 0.05,
@@ -117,7 +134,7 @@ def measure(
                     log = CommsLogger() if v == "comm+log" else None
                     times[v].append(_time_round(fns[v], iters, log))
             med = {v: min(ts) for v, ts in times.items()}
-            factor = costs.bus_bandwidth_factor(op, n)
+            factor = costs.bus_bandwidth_factor("reduce_scatter" if op == IN_PLACE else op, n)
             rows.append(
                 {
                     "op": op,

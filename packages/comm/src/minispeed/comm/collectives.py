@@ -87,9 +87,12 @@ def reduce_scatter_tensor(
 ) -> CommWork | None:
     """Reduce `input` (n · m elements) over the group; rank r receives chunk r into `output` (m).
 
-    S = input bytes; sends (n-1)/n · S per rank. On a backend without reduce-scatter it runs
-    `all_reduce+slice` instead (see Note [backend fallbacks] in api_compat): 2(n-1)/n · S sent,
-    and the logger records `impl="all_reduce+slice"` with those wire bytes.
+    S = input bytes; sends (n-1)/n · S per rank. On a backend without reduce-scatter, and on
+    gloo, whose reduce-scatter is an all-reduce of a copy, it runs as an all-reduce instead:
+    `all_reduce+slice`, or `all_reduce_in_place` when `output` is this rank's chunk of `input`
+    (Notes [backend fallbacks], [gloo's reduce-scatter is an all-reduce] in api_compat):
+    2(n-1)/n · S sent, and the logger records that `impl` with those wire bytes. In place, the
+    other chunks of `input` are scratch afterwards (Note [in-place flat collectives]).
     """
     name = "reduce_scatter"
     n = validation.check_group(name, group)
@@ -120,6 +123,7 @@ def reduce_scatter_tensor(
         (output, input),
         compat_op=name,
     )
+    call.impl = api_compat.reduce_scatter_impl(group, output, input)
     return launch(
         call,
         lambda: api_compat.reduce_scatter_flat(_flat(output), _flat(input), op, group, async_op),

@@ -74,17 +74,27 @@ def bus_bandwidth_factor(op: str, n: int) -> float:
 
 
 def wire_bytes(
-    op: str, msg_bytes: int, n: int, *, is_root: bool = True, own_chunk_bytes: int | None = None
+    op: str,
+    msg_bytes: int,
+    n: int,
+    *,
+    is_root: bool = True,
+    own_chunk_bytes: int | None = None,
+    impl: str = "native",
 ) -> int:
     """Bytes this rank puts on the wire for one call, for the bandwidth-optimal algorithm.
 
     `msg_bytes` follows the convention of the module docstring. For `all_to_all` pass
     `own_chunk_bytes` (the split this rank keeps for itself) when splits are uneven; by default
     the equal split `msg_bytes / n` is assumed. `is_root` matters only for `broadcast`.
-    all_reduce rounds down when `2(n-1)·S` is not a multiple of `n` (ring chunks differ by at
-    most one element then); every other value is exact.
+    `impl` is the implementation that ran (`CommRecord.impl`): a reduce-scatter run as an
+    all-reduce (`all_reduce+slice`, `all_reduce_in_place`; see `api_compat`) sends what the
+    all-reduce sends. all_reduce rounds down when `2(n-1)·S` is not a multiple of `n` (ring
+    chunks differ by at most one element then); every other value is exact.
     """
     _check(op, n)
+    if op == "reduce_scatter" and impl.startswith("all_reduce"):
+        op = "all_reduce"
     if op == "all_reduce":
         return 2 * (n - 1) * msg_bytes // n
     if op in ("all_gather", "all_gather_coalesced", "reduce_scatter"):

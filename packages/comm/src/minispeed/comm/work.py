@@ -104,10 +104,7 @@ class Call:
         """Bytes this rank sent: given explicitly, or the ring formula of the implementation used."""
         if self.wire is not None:
             return self.wire
-        wire = costs.wire_bytes(self.op, self.msg_bytes, self.n)
-        if self.impl == "all_reduce+slice":
-            wire = costs.wire_bytes("all_reduce", self.msg_bytes, self.n)
-        return wire
+        return costs.wire_bytes(self.op, self.msg_bytes, self.n, impl=self.impl)
 
     def record(self, log: Any, latency_s: float, async_op: bool = False) -> None:
         """Append this call to `log`."""
@@ -153,7 +150,7 @@ def launch(
             raise
         raise call.error(err) from err
     work, finish = issued if isinstance(issued, tuple) else (issued, None)
-    if call.compat_op is not None:
+    if call.compat_op is not None and call.impl == "native":  # unless the op chose it already
         call.impl = api_compat.impl_of(call.compat_op, call.group)
     if async_op:
         return CommWork(work, call, finish, log, t0)

@@ -286,6 +286,9 @@ def measure_in_group(
         times = []
         for full in link_bytes:
             x, shard = torch.ones(full // 4), torch.ones(full // 4 // n)
+            if op == "reduce_scatter":  # in place, as ZeRO reduces its gradient buckets
+                m = full // 4 // n
+                shard = x[comm.get_rank() * m : (comm.get_rank() + 1) * m]
             _call(comm, op, x, shard)  # warm-up
             samples = []
             for _ in range(5 if full < 1024 * 1024 else 3):

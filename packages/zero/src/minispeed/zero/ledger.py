@@ -20,7 +20,9 @@ stage 0 sends 2(N-1)/N·Ψ elements as one call and stages 1-2 send the same two
 calls, the all-gather moving updated parameters instead of summed gradients.
 
 With ``reduce_scatter=False`` the stage 1-2 reduction is an all-reduce of each padded bucket:
-2(N-1)/N · Ψ'·g instead of (N-1)/N · Ψ'·g.
+2(N-1)/N · Ψ'·g instead of (N-1)/N · Ψ'·g. So it is on gloo, whose reduce-scatter *is* an
+all-reduce (Note [gloo's reduce-scatter is an all-reduce] in comm's api_compat): pass
+``reduce_scatter_impl=comm.reduce_scatter_impl(group)`` to price what the backend sends.
 
 The per-call functions are exact (they add up `wire_bytes` over the
 calls the stages issue, including its integer rounding); `approx_wire_bytes_per_step` is
@@ -45,6 +47,7 @@ class Collective:
     numel: int  # elements of the message (all_gather: output; reduce_scatter: input)
     element_bytes: int
     world_size: int
+    impl: str = "native"  # how comm runs it (`comm.reduce_scatter_impl`); prices the wire
 
     @property
     def msg_bytes(self) -> int:
@@ -54,7 +57,7 @@ class Collective:
     @property
     def wire_bytes(self) -> int:
         """Bytes this rank sends for this call."""
-        return costs.wire_bytes(self.op, self.msg_bytes, self.world_size)
+        return costs.wire_bytes(self.op, self.msg_bytes, self.world_size, impl=self.impl)
 
 
 def stage_collectives(
@@ -68,6 +71,7 @@ def stage_collectives(
     gradient_accumulation_steps: int = 1,
     reduce_scatter: bool = True,
     clip_norm: bool = False,
+    reduce_scatter_impl: str = "native",
 ) -> list[Collective]:
     """Every collective one optimizer step of ``stage`` issues, in a fixed order.
 
@@ -86,7 +90,11 @@ def stage_collectives(
     else:
         op = "reduce_scatter" if reduce_scatter else "all_reduce"
         times = gradient_accumulation_steps if stage == 2 else 1
-        calls += [Collective(op, k, grad_bytes, n) for _ in range(times) for k in reduce_numels]
+        calls += [
+            Collective(op, k, grad_bytes, n, reduce_scatter_impl)
+            for _ in range(times)
+            for k in reduce_numels
+        ]
     calls.append(Collective("all_reduce", num_params + 1, 4, n))  # overflow + unused flags
     if clip_norm and stage > 0:
         calls.append(Collective("all_reduce", 1, 4, n))  # squared global norm
@@ -107,8 +115,10 @@ def approx_wire_bytes_per_step(
     grad_bytes: int,
     param_bytes: int,
     gradient_accumulation_steps: int = 1,
+    reduce_scatter_impl: str = "native",
 ) -> float:
-    """Closed form for the dominant terms (no padding, no flags): see the module table.
+    """Closed form for the dominant terms (no padding, no flags): see the module table. With a
+    `reduce_scatter_impl` that is an all-reduce (gloo), each reduce-scatter term doubles.
 
     Stage 3 (for comparison; stage 3's own module is authoritative): reduce-scatter per
     micro-step plus a parameter all-gather in forward and again in backward:
@@ -116,12 +126,13 @@ def approx_wire_bytes_per_step(
     """
     ring = (world_size - 1) / world_size
     a = gradient_accumulation_steps
+    rs = 2 if reduce_scatter_impl.startswith("all_reduce") else 1  # reduce-scatter's factor
     if stage == 0:
         return 2 * ring * numel * grad_bytes
     if stage == 1:
-        return ring * numel * (grad_bytes + param_bytes)
+        return ring * numel * (rs * grad_bytes + param_bytes)
     if stage == 2:
-        return ring * numel * (a * grad_bytes + param_bytes)
+        return ring * numel * (a * rs * grad_bytes + param_bytes)
     if stage == 3:
-        return a * ring * numel * (grad_bytes + 2 * param_bytes)
+        return a * ring * numel * (rs * grad_bytes + 2 * param_bytes)
     raise ValueError(f"stage must be 0-3, got {stage}")
