@@ -15,11 +15,13 @@ Every rank must raise `zero.OffloadIOError` naming rank 1 and the file. Before t
 rank 1 raised alone and rank 0 waited in its next collective (forward, backward) or stepped on
 (step): each case then ends in a hang (the short harness timeout) or in rank 0 returning no error.
 `close()` afterwards is collective too: it works, or (a shard file still missing) raises on every
-rank. Needs the `[offload]` extra; skipped without it.
+rank. And a full disk on rank 1 while `zero.Init(config)` writes the shards is an error on both
+ranks when `Init` ends. Needs the `[offload]` extra; skipped without it.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 
 import pytest
@@ -31,7 +33,7 @@ import minispeed.zero as zero
 from minispeed.core.testing import run_distributed
 from minispeed.zero.stage3.params import REGISTRY
 
-pytest.importorskip("minispeed.offload")
+AsyncIO = pytest.importorskip("minispeed.offload.aio").AsyncIO
 
 TIMEOUT_S = 90  # a hang fails fast: the bodies take a few seconds
 
@@ -113,3 +115,40 @@ def test_infinity_io_failure_on_one_rank_raises_on_every_rank(tmp_path, phase: s
         assert [res["close_error"] for res in results] == ["", ""]
     if phase != "step":  # failed between collectives: found by the step's agreement flags
         assert "before any update" in results[0]["error"], results[0]["error"]
+
+
+def _full_disk_in_init(rank: int, world_size: int, nvme_path: str) -> dict:
+    real = AsyncIO.submit_write
+    victims: list[str] = []
+
+    def full_disk(self, tensor, path, offset=0, **kwargs):  # rank 1's disk fills at shard 3
+        if rank == 1 and os.path.basename(path) == "param-3.swp":
+            victims.append(str(path))
+            raise OSError(errno.ENOSPC, "No space left on device (injected)", str(path))
+        return real(self, tensor, path, offset, **kwargs)
+
+    AsyncIO.submit_write = full_disk  # this worker process only; restored below
+    error = ""
+    try:
+        with zero.Init(config=_config(nvme_path)):
+            make_model()
+    except OSError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        AsyncIO.submit_write = real
+    return dict(error=error, victim=victims[0] if victims else "")
+
+
+def test_infinity_init_write_failure_on_one_rank_raises_on_every_rank(tmp_path) -> None:
+    """`zero.Init(config)` writes each shard as it is built, between the broadcasts that
+    partition the parameters: a full disk on rank 1 is an error on both ranks when Init ends
+    (before, rank 1 left Init alone and rank 0 waited in its next broadcast)."""
+    results = run_distributed(
+        _full_disk_in_init, world_size=2, args=(str(tmp_path),), timeout_s=TIMEOUT_S
+    )
+    victim = results[1]["victim"]
+    assert victim
+    for rank, res in enumerate(results):
+        assert res["error"].startswith("OffloadIOError: "), f"rank {rank}: {res['error']!r}"
+        assert "failed on rank 1 of 2" in res["error"] and victim in res["error"], res["error"]
+        assert "end of zero.Init" in res["error"], res["error"]

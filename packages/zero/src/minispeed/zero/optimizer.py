@@ -9,9 +9,9 @@ re-exported here. Then:
 
 Bytes kept by the optimizer itself per rank: the inner optimizer's state for this rank's masters
 (K bytes per master element: 8 for Adam(W), 4 for SGD with momentum, 0 for plain SGD) and one
-fp32 vector of num_params + 1 elements for the cross-rank agreement (num_params + 2 under
-ZeRO-Infinity: Note [an I/O failure fails every rank] in stage3/io_failures.py). The masters and gradient
-buffers belong to the strategy (see its module for their bytes).
+fp32 vector of num_params + 1 elements for the cross-rank agreement (num_params + 2 with swap
+files under stage 3: Note [an I/O failure fails every rank] in stage3/io_failures.py). The
+masters and gradient buffers belong to the strategy (see its module for their bytes).
 """
 
 from __future__ import annotations

@@ -6,15 +6,16 @@ and the two ways the ranks agree on it), then `OffloadIOError` (what every rank 
 Where the I/O is and where its failure is agreed (each row is one kind of I/O; the agreement
 is the first collective after it that every rank runs):
 
-| I/O (the file)                                       | between collectives? | agreed at                    |
-|------------------------------------------------------|----------------------|------------------------------|
-| parameter fetch in forward / backward (param shard)  | yes: zeros instead   | the step's agreement flags   |
-| gradient shard write, read-add-write (grad file)     | yes: skipped         | the step's agreement flags   |
-| optimizer step: read / step / write (partition file) | no                   | end of the step (publish)    |
-| new masters into the parameter shards (shard file)   | no                   | end of the step (publish)    |
-| `zero.Init(config)` writing each shard               | yes: recorded        | the end of `Init`            |
-| `GatheredParameters`, `full_state_dict`, checkpoints | yes: zeros instead   | the context's entry          |
-| `close()` gathering the model back                   | yes: zeros instead   | the end of `close()`         |
+| I/O (the file) | between collectives? | agreed at |
+|---|---|---|
+| parameter fetch in forward / backward (param shard) | yes: zeros instead | the step's agreement flags |
+| gradient shard write, read-add-write (grad file) | yes: skipped | the step's agreement flags |
+| optimizer step: read / step / write (partition file) | no | end of the step (publish) |
+| new masters into the parameter shards (shard file) | no | end of the step (publish) |
+| `zero.Init(config)` writing each shard | yes: recorded | the end of `Init` |
+| `zero.shard` writing the first masters | no | the end of `zero.shard` |
+| `GatheredParameters`, `full_state_dict`, checkpoints | yes: zeros instead | the context's entry |
+| `close()` gathering the model back | yes: zeros instead | the end of `close()` |
 
 Checkpoint files themselves are covered by `checkpoints.agree.together`.
 
