@@ -2,7 +2,8 @@
 through meta handles, follows torch.optim.AdamW (odd sizes, 3 partitions, gradients added twice
 per step as under accumulation, a clipping scale), its state_dict loads into torch's AdamW and
 continues identically, and `on_stepped` sees every new master. Host memory holds only the pools.
-A gradient file cut short under the running job is an error naming it.
+A gradient file cut short under the running job is an error naming it; a step that fails
+part-way (a partition file deleted) stops with nothing in flight and every buffer free.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from minispeed.offload import OffloadOptimizerConfig, SwappedGrads, SwappedMastersOptimizer
+from minispeed.offload.swapper import SwapState
 
 SIZES = (37, 1001, 5, 260)
 STEPS = 6
@@ -109,3 +111,34 @@ def test_a_truncated_gradient_file_is_an_error_naming_it(tmp_path) -> None:
         grads.wait_read(0)
     assert len(grads.read_pool.free) == 2  # the read buffer came back
     grads.close()
+
+
+def _all_free(opt: SwappedMastersOptimizer) -> bool:
+    pools = (opt.swapper.pool, opt.grads.swapper.pool, opt.grads.read_pool)
+    idle = (SwapState.NEW, SwapState.ON_DISK)
+    tensors = [*opt.swapper.tensors.values(), *opt.grads.swapper.tensors.values()]
+    return all(len(p.free) == len(p.buffers) for p in pools) and all(
+        st.state in idle for st in tensors
+    )
+
+
+def test_a_step_that_fails_part_way_stops_cleanly(tmp_path) -> None:
+    """A partition file deleted under the job: the step raises naming it with nothing in flight
+    and every buffer free (ZeRO-Infinity then agrees on the error across ranks); once the file
+    is back, the same optimizer steps again."""
+    handles = [torch.empty(n, device="meta") for n in SIZES]
+    opt = SwappedMastersOptimizer(handles, _config(tmp_path), sub_group_numel=1000, lr=1e-2)
+    opt.fill_masters(lambda h: torch.ones(h.numel()))
+    victim = opt.partitions[1].swap.path  # the middle one: the pipeline is mid-way
+    saved = victim.read_bytes()
+    victim.unlink()
+    for h in handles:
+        opt.grads.add(h, torch.ones(h.numel()))
+        h.grad = torch.empty_like(h)
+    with pytest.raises(OSError, match=re.escape(str(victim))):
+        opt.step()
+    assert _all_free(opt)
+    victim.write_bytes(saved)
+    opt.step()
+    assert _all_free(opt)
+    opt.close()

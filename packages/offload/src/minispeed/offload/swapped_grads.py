@@ -206,6 +206,13 @@ class SwappedGrads:
                 pass
         self.read_pool.free.append(index)
 
+    def abandon(self) -> None:
+        """After a failure part-way through a step: give every read buffer back (waiting for
+        the reads in flight) and free the write buffers."""
+        for i in list(self._reading):
+            self.done_read(i)
+        self.swapper.abandon()
+
     def close(self) -> None:
         """Delete the gradient files now."""
         self.swapper.close()

@@ -165,31 +165,41 @@ class SwappedMastersOptimizer(SwappedOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        sw, cfg, grads = self.swapper, self.config, self.grads
+        sw, grads = self.swapper, self.grads
         todo = [
             i for i, p in enumerate(self.partitions) if any(q.grad is not None for q in p.params)
         ]
         with ranges.range("offload.swapped_step"):
-            if cfg.pipeline_read and todo:
-                sw.swap_in(self.partitions[todo[0]].swap)
-                grads.start_read(todo[0])
-            for n, i in enumerate(todo):
-                part = self.partitions[i]
-                if not cfg.pipeline_read:
-                    sw.swap_in(part.swap)
-                buf = sw.wait_in(part.swap)
-                gs = grads.wait_read(i)
-                if cfg.pipeline_read and n + 1 < len(todo):  # read ahead while i is stepped
-                    sw.swap_in(self.partitions[todo[n + 1]].swap)
-                    grads.start_read(todo[n + 1])
-                with ranges.range("offload.cpu_step"):
-                    self._step_with(part, buf, gs)
-                grads.done_read(i)
-                sw.swap_out(part.swap)
-                if not cfg.pipeline_write:
-                    sw.wait_out(part.swap)
-            sw.wait_all()
+            try:
+                self._pipeline(todo)
+            except BaseException:  # stop cleanly: nothing in flight, every buffer free
+                grads.abandon()
+                sw.abandon()
+                raise
         return loss
+
+    def _pipeline(self, todo: list[int]) -> None:
+        """Read, step and write the partitions ``todo``, reading ahead and writing behind."""
+        sw, cfg, grads = self.swapper, self.config, self.grads
+        if cfg.pipeline_read and todo:
+            sw.swap_in(self.partitions[todo[0]].swap)
+            grads.start_read(todo[0])
+        for n, i in enumerate(todo):
+            part = self.partitions[i]
+            if not cfg.pipeline_read:
+                sw.swap_in(part.swap)
+            buf = sw.wait_in(part.swap)
+            gs = grads.wait_read(i)
+            if cfg.pipeline_read and n + 1 < len(todo):  # read ahead while i is stepped
+                sw.swap_in(self.partitions[todo[n + 1]].swap)
+                grads.start_read(todo[n + 1])
+            with ranges.range("offload.cpu_step"):
+                self._step_with(part, buf, gs)
+            grads.done_read(i)
+            sw.swap_out(part.swap)
+            if not cfg.pipeline_write:
+                sw.wait_out(part.swap)
+        sw.wait_all()
 
     def _step_with(self, part: Partition, buf: torch.Tensor, gs: list[torch.Tensor]) -> None:
         group = self.param_groups[part.group]

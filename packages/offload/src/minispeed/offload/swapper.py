@@ -13,6 +13,7 @@ by prefetching (see docs/packages/offload.md, "How the pipelined swap hides late
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import enum
 import fcntl
@@ -255,6 +256,18 @@ class SwappedTensor:
         assert index is not None
         return index
 
+    def to_failed(self) -> int:
+        """A read or write failed (SWAPPING_IN or SWAPPING_OUT): back to ON_DISK, the file as it
+        is (after a failed write: not current); returns the freed buffer index. So the tensor
+        can be tried again, or the swapper closed, without a state error."""
+        never_written = self.state is SwapState.SWAPPING_IN and self.request is None
+        self._move((SwapState.SWAPPING_IN, SwapState.SWAPPING_OUT), SwapState.ON_DISK)
+        if never_written:  # a NEW tensor's zeroed buffer, abandoned: still no file
+            self.state = SwapState.NEW
+        index, self.buffer_index, self.request = self.buffer_index, None, None
+        assert index is not None
+        return index
+
 
 class TensorSwapper:
     """Tensors in files under ``nvme_path``, in host memory only while in one of the pool's buffers.
@@ -325,7 +338,11 @@ class TensorSwapper:
                 self.pool.buffers[index][: st.numel].zero_()
                 st.to_swapping_in(index, None)
                 return
-            req = self.io.submit_read(self._padded(index, st.numel), st.path)
+            try:  # overlap_events=false waits in submit: a failure can surface here
+                req = self.io.submit_read(self._padded(index, st.numel), st.path)
+            except OSError:
+                self.pool.free.append(index)
+                raise
             st.to_swapping_in(index, req)
 
     def wait_in(self, st: SwappedTensor) -> torch.Tensor:
@@ -338,7 +355,7 @@ class TensorSwapper:
             try:
                 self.bytes_read += st.request.wait()
             except OSError:
-                self.pool.free.append(st.buffer_index)
+                self.pool.free.append(st.to_failed())
                 raise
             finally:
                 self.wait_s["read"] += time.perf_counter() - start
@@ -349,7 +366,11 @@ class TensorSwapper:
         """Start writing ``st``'s buffer to its file; the buffer stays busy until `wait_out`."""
         with ranges.range("offload.swap_out"):
             assert st.buffer_index is not None
-            req = self.io.submit_write(self._padded(st.buffer_index, st.numel), st.path)
+            try:
+                req = self.io.submit_write(self._padded(st.buffer_index, st.numel), st.path)
+            except OSError:  # the file is not current; the buffer is free again
+                self.pool.free.append(st.to_discarded())
+                raise
             st.to_swapping_out(req)
             self._writing.append(st)
 
@@ -360,7 +381,11 @@ class TensorSwapper:
         assert st.request is not None
         start = time.perf_counter()
         try:
-            nbytes = st.request.wait()  # an error propagates: the file is not current
+            nbytes = st.request.wait()
+        except OSError:  # raised once: the file is not current, the buffer is free again
+            self._writing.remove(st)
+            self.pool.free.append(st.to_failed())
+            raise
         finally:
             self.wait_s["write"] += time.perf_counter() - start
         self.bytes_written += nbytes
@@ -381,9 +406,29 @@ class TensorSwapper:
         self.pool.free.append(st.to_discarded())
 
     def wait_all(self) -> None:
-        """Finish every swap-out in flight."""
+        """Finish every swap-out in flight; raises the first failure after waiting for all."""
+        first: OSError | None = None
         while self._writing:
-            self.wait_out(self._writing[0])
+            try:
+                self.wait_out(self._writing[0])
+            except OSError as err:
+                first = first or err
+        if first is not None:
+            raise first
+
+    def abandon(self) -> None:
+        """After a failure part-way through a pipeline: wait for every request in flight
+        (ignoring their errors) and free every buffer, leaving each tensor ON_DISK or NEW."""
+        for st in self.tensors.values():
+            if st.state is SwapState.SWAPPING_IN:
+                if st.request is not None:
+                    with contextlib.suppress(OSError):
+                        st.request.wait()
+                self.pool.free.append(st.to_failed())
+            elif st.state is SwapState.IN_BUFFER:
+                self.release(st)
+        with contextlib.suppress(OSError):
+            self.wait_all()
 
     def close(self) -> None:
         """Wait for writes in flight, then delete the swap files."""

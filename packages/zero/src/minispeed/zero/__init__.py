@@ -23,12 +23,14 @@ from minispeed.zero.memory import estimate, measure
 from minispeed.zero.optimizer import ParamFragment, ShardStrategy, ZeroOptimizer
 from minispeed.zero.precision import LossScaler, MixedPrecision
 from minispeed.zero.stage3 import GatheredParameters, Init, full_state_dict, set_leaf_module
+from minispeed.zero.stage3.io_failures import OffloadIOError
 
 __all__ = [
     "GatheredParameters",
     "Init",
     "LossScaler",
     "MixedPrecision",
+    "OffloadIOError",
     "ParamFragment",
     "ShardStrategy",
     "ZeroConfig",

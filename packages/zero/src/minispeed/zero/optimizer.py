@@ -9,8 +9,9 @@ re-exported here. Then:
 
 Bytes kept by the optimizer itself per rank: the inner optimizer's state for this rank's masters
 (K bytes per master element: 8 for Adam(W), 4 for SGD with momentum, 0 for plain SGD) and one
-fp32 vector of num_params + 1 elements for the cross-rank agreement. The masters and gradient
-buffers belong to the strategy (see its module for their bytes).
+fp32 vector of num_params + 1 elements for the cross-rank agreement (num_params + 2 with swap
+files under stage 3: Note [an I/O failure fails every rank] in stage3/io_failures.py). The
+masters and gradient buffers belong to the strategy (see its module for their bytes).
 """
 
 from __future__ import annotations
@@ -133,9 +134,14 @@ class ZeroOptimizer:
         # unfrozen parameter (Note [requires_grad is fixed at shard time]).
         self._params = list(params)
         self._names = names
+        # ZeRO-Infinity (files): the last slot says "file I/O failed on this rank since the
+        # last step" (Note [an I/O failure fails every rank] in stage3/io_failures.py).
+        self._io = getattr(strategy, "io_failures", None)
         # On the backend's device (NCCL: the GPU), even where offload keeps masters on the host.
         self._agreement = torch.zeros(
-            len(self._params) + 1, dtype=torch.float32, device=comm.tensor_device(self.comm_group)
+            len(self._params) + 1 + (self._io is not None),
+            dtype=torch.float32,
+            device=comm.tensor_device(self.comm_group),
         )
         # Where the master gradients live: the overflow flag and the norm are summed there.
         self._grad_device = _device_of(masters)
@@ -248,9 +254,17 @@ class ZeroOptimizer:
             used = torch.tensor([self._slot[p] for p in self._used])
             self._agreement.index_fill_(0, used.to(self._agreement.device), 1.0)
             self._used.clear()
+        if self._io is not None:  # writes still in flight must land (or fail) before the vote
+            self._io.settle()
+            self._agreement[-1] = float(self._io.failed)
         comm.all_reduce(self._agreement, op=comm.ReduceOp.MAX, group=self.comm_group)
         flags = self._agreement.tolist()  # the one host sync of the step
         self._agreement.zero_()
+        if self._io is not None and flags[-1]:  # nothing is stepped with a failed read's zeros
+            self.strategy.zero_grad()
+            self._io.raise_everywhere(
+                self.comm_group, f"step {self.global_step + 1}'s agreement, before any update"
+            )
         overflow = flags[0] == 1
         if flags[0] >= 2:
             self.strategy.zero_grad()
@@ -283,7 +297,13 @@ class ZeroOptimizer:
             self._clip(grads)
 
         skip = {self._skip_key[self._names[p]] for p in unused}
-        self._inner_step(self.strategy.master_params(), grads_by_group, skip)
+        if self._io is None:
+            self._inner_step(self.strategy.master_params(), grads_by_group, skip)
+        else:  # a failure is recorded; publish_params ends in the agreement that raises it
+            self._io.run(
+                "the optimizer step (reading, stepping and writing the swapped partitions)",
+                lambda: self._inner_step(self.strategy.master_params(), grads_by_group, skip),
+            )
         self.strategy.publish_params()
         self.loss_scaler.update(overflow=False)
         self.strategy.zero_grad()
@@ -307,9 +327,11 @@ class ZeroOptimizer:
             for g, i in run:
                 if (g, i) not in skip:
                     masters[g][i].grad = grads[g][i]
-            self.optimizer.step()
-            for g, i in run:
-                masters[g][i].grad = None
+            try:
+                self.optimizer.step()
+            finally:
+                for g, i in run:
+                    masters[g][i].grad = None
 
     def _clip(self, grads: list[torch.Tensor]) -> None:
         """Scale gradients so that their global L2 norm is at most `max_grad_norm`."""
@@ -375,9 +397,11 @@ class ZeroOptimizer:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        self.strategy.close()
-        if self._on_close is not None:
-            self._on_close()
+        try:
+            self.strategy.close()  # ZeRO-Infinity: may raise OffloadIOError, on every rank
+        finally:
+            if self._on_close is not None:
+                self._on_close()
 
     @property
     def closed(self) -> bool:

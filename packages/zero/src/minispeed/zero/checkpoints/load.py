@@ -165,8 +165,9 @@ def load_checkpoint(
         def restore() -> None:
             if load_optimizer_states:
                 _restore_scalars_and_hyper(opt, meta, common, mine, masters, state_filled)
-                # offload_optimizer nvme: move the loaded states into the swap files.
-                getattr(opt.optimizer, "absorb_states", lambda: None)()
+            # offload_optimizer nvme: move the loaded masters (and states) into the swap files
+            # here, inside the agreement, so a failed write raises on every rank.
+            getattr(opt.optimizer, "absorb_states", lambda: None)()
             if opt.loss_scaler is not None and common["loss_scaler"] is not None:
                 opt.loss_scaler.load_state_dict(common["loss_scaler"])
             opt.global_step = common["global_step"]

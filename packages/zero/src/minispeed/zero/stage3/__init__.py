@@ -17,7 +17,10 @@ first four below:
 7. `init` — `Init` (build a model already partitioned), `GatheredParameters` (full values for
    user code), `full_state_dict`, `set_leaf_module` (fetch a subtree at once); `access` — why
    reading a released parameter raises; `ledger` — bytes per step, as a formula;
-8. `zeropp` (qwZ, hpZ), `zeropp_grads` (qgZ) and `zeropp_ledger` — ZeRO++.
+8. `zeropp` (qwZ, hpZ), `zeropp_grads` (qgZ) and `zeropp_ledger` — ZeRO++;
+9. ZeRO-Infinity (``offload_param`` / ``offload_optimizer`` on NVMe): `offloaded` (where shards
+   live), `infinity` (masters, states and gradients in files), `io_failures` (a failed file
+   read or write becomes `OffloadIOError` on every rank, never a wait).
 
 The life of one parameter, with a measured trace, is in docs/packages/zero-stage3.md.
 """

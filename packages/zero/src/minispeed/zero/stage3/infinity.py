@@ -34,6 +34,11 @@ overflow check would have to read every gradient back before the step.
 
 `InfinityResidency` routes a value changed under `zero.GatheredParameters` into the master's
 file, so checkpoints, `full_state_dict` and `close()` see one truth.
+
+A failed read or write of any of these files is recorded on the failing rank, which goes on
+taking part in every collective; the step then raises `OffloadIOError` on every rank (Note [an
+I/O failure fails every rank] in stage3/io_failures.py). Cost: one 1-element all-reduce at the
+end of each step (4 bytes), and one more fp32 slot in the step's agreement flags.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ import torch
 
 from minispeed.zero.contract import StrategyWrapper
 from minispeed.zero.offload_bridge import host_optimizer
+from minispeed.zero.stage3.io_failures import IOFailures
 from minispeed.zero.stage3.params import ParamState, ShardedParam, refresh_gathered
 
 __all__ = ["InfinityResidency", "InfinityStrategy", "offload_masters"]
@@ -53,10 +59,17 @@ class InfinityResidency:
     """``ShardedParam.residency`` under ZeRO-Infinity: the shard's own home (a swap file, or none
     for an in-memory shard), plus: a stored shard is also written into the master's file."""
 
-    def __init__(self, optimizer: Any, handles: dict[int, torch.Tensor], inner: dict[int, Any]):
+    def __init__(
+        self,
+        optimizer: Any,
+        handles: dict[int, torch.Tensor],
+        inner: dict[int, Any],
+        io_failures: IOFailures,
+    ):
         self.optimizer = optimizer
         self.handles = handles  # id(sp) -> the optimizer's handle
         self.inner = inner  # id(sp) -> the shard's own residency (offloaded shards only)
+        self.io_failures = io_failures
 
     def fetch(self, sp: ShardedParam) -> None:
         if id(sp) in self.inner:
@@ -70,14 +83,21 @@ class InfinityResidency:
         if id(sp) in self.inner:
             self.inner[id(sp)].store(sp)
         if id(sp) in self.handles:
-            self.optimizer.write_master(self.handles[id(sp)], sp.shard.float())
+            with self.io_failures.guard(f"writing the master of {sp.name!r}"):
+                self.optimizer.write_master(self.handles[id(sp)], sp.shard.float())
 
 
 class InfinityStrategy(StrategyWrapper):
     """A stage-3 strategy (possibly with offloaded shards) whose masters and gradient shards
     live in the optimizer's swap files. Everything else is delegated to the wrapped strategy."""
 
-    def __init__(self, strategy: Any, optimizer: Any, handles: dict[ShardedParam, torch.Tensor]):
+    def __init__(
+        self,
+        strategy: Any,
+        optimizer: Any,
+        handles: dict[ShardedParam, torch.Tensor],
+        io_failures: IOFailures,
+    ):
         super().__init__(strategy)
         self.optimizer = optimizer
         self.swapped_grads = optimizer.grads  # ZeroOptimizer._clip reads the norm from here
@@ -90,10 +110,14 @@ class InfinityStrategy(StrategyWrapper):
             {id(h): h for h in self._homes.values() if hasattr(h, "swapper")}.values()
         )
         optimizer.on_stepped = self._write_shard
+        # One record of failed file I/O for the shard files and the optimizer's files.
+        self.io_failures = io_failures
+        self.io_failures.settlers.append(self.swapped_grads.swapper.wait_all)
         residency = InfinityResidency(
             optimizer,
             {id(sp): h for sp, h in handles.items()},
             {id(sp): sp.residency for sp in handles if sp.residency is not None},
+            self.io_failures,
         )
         for sp in handles:
             sp.residency = residency
@@ -110,7 +134,9 @@ class InfinityStrategy(StrategyWrapper):
         return [[self._marks[id(self._handles[self.sharded[p]])] for p in ps] for ps in self.groups]
 
     def _grad_out(self, sp: ShardedParam, grad: torch.Tensor) -> None:
-        self.swapped_grads.add(self._handles[sp], grad)
+        # Called in backward, between collectives: a failure is recorded, never raised here.
+        with self.io_failures.guard(f"writing the gradient shard of {sp.name!r}"):
+            self.swapped_grads.add(self._handles[sp], grad)
 
     @torch.no_grad()
     def _write_shard(self, handle: torch.Tensor, value: torch.Tensor) -> None:
@@ -131,15 +157,25 @@ class InfinityStrategy(StrategyWrapper):
     @torch.no_grad()
     def publish_params(self) -> None:
         """The step already wrote the stepped shards; write the others from the master files
-        (after a checkpoint load, or a parameter no rank used), then re-gather the persistent."""
+        (after a checkpoint load, or a parameter no rank used), then re-gather the persistent.
+
+        Ends in the I/O agreement of the step (Note [an I/O failure fails every rank]): one
+        1-element fp32 all-reduce, 4 bytes; after a failure on any rank, every rank raises
+        `OffloadIOError`. Once this rank has failed, its local I/O here is skipped.
+        """
+        io = self.io_failures
         todo = [self._handles[sp] for sp in self.trained if id(sp) not in self._written]
         self._written.clear()
         if todo:
-            self.optimizer.read_masters(todo, self._write_shard)
+            io.run(
+                "writing the parameter shards from the master files",
+                lambda: self.optimizer.read_masters(todo, self._write_shard),
+            )
             self._written.clear()
         for home in self._swapped_homes:  # the shard files must be whole before a fetch
-            home.swapper.wait_all()
+            io.run("writing the parameter shards", home.swapper.wait_all)
         refresh_gathered([sp for sp in self.trained if sp.state is ParamState.GATHERED])
+        io.agree(self.group, "the end of the optimizer step")
 
     def zero_grad(self) -> None:
         """Drop the gradient shards: the files' contents are overwritten by the next window."""
@@ -148,9 +184,11 @@ class InfinityStrategy(StrategyWrapper):
 
     def close(self) -> None:
         """Gather the full parameters back into the model, then delete every swap file."""
-        self._inner.close()
-        self.strategy.reducer.sink = None
-        self.optimizer.close()
+        try:
+            self._inner.close()  # with nvme shards: agrees on the reads of its gather
+        finally:
+            self.strategy.reducer.sink = None
+            self.optimizer.close()
 
 
 def offload_masters(strategy: Any, user: torch.optim.Optimizer, config: Any) -> tuple[Any, Any]:
@@ -178,5 +216,16 @@ def offload_masters(strategy: Any, user: torch.optim.Optimizer, config: Any) -> 
         sp.residency.release(sp)
         return value
 
-    optimizer.fill_masters(first_value)
-    return InfinityStrategy(strategy, optimizer, handles), optimizer
+    # One record of failed file I/O for the shard files and the optimizer's files; the first
+    # masters are written on every rank or the error is raised on every rank (one all-reduce).
+    io: IOFailures = getattr(strategy, "io_failures", None) or IOFailures()
+    io.run(
+        "writing the first masters into the optimizer's files",
+        lambda: optimizer.fill_masters(first_value),
+    )
+    try:
+        io.agree(strategy.group, "zero.shard, writing the first masters")
+    except BaseException:
+        optimizer.close()
+        raise
+    return InfinityStrategy(strategy, optimizer, handles, io), optimizer

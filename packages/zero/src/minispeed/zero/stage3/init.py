@@ -29,6 +29,7 @@ from torch.nn.modules.module import (
 
 import minispeed.comm as comm
 from minispeed.zero.stage3.access import InitWriteGuard, check_access, guard_module
+from minispeed.zero.stage3.io_failures import io_failures_of
 from minispeed.zero.stage3.params import REGISTRY, FetchUnit, ShardedParam, partition_param
 
 __all__ = ["GatheredParameters", "Init", "full_state_dict", "is_leaf_module", "set_leaf_module"]
@@ -129,6 +130,11 @@ class Init:
                 self._partition(module, p)
         self._created.clear()
         self._parent = weakref.WeakKeyDictionary()
+        if exc_type is None and self._param_home is not None:
+            # offload_param nvme: every shard file written, on every rank, or an error on every
+            # rank (Note [an I/O failure fails every rank]): one 1-element all-reduce.
+            self._param_home.io_failures.settle()
+            self._param_home.io_failures.agree(self.group, "the end of zero.Init, writing shards")
 
     def _on_parameter(self, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         self._partition_finished()
@@ -223,6 +229,14 @@ class GatheredParameters:
         if self.enabled and self.sharded:
             self._unit.unshard()
             self._unit.hold()
+            io = _io_failures(self.sharded)
+            if io is not None:  # offload_param nvme: no rank may look at a failed read's zeros
+                try:
+                    io.agree(self.sharded[0].group, "GatheredParameters, reading shards")
+                except BaseException:
+                    self._unit.unhold()
+                    self._unit.reshard()
+                    raise
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -244,6 +258,16 @@ class GatheredParameters:
         for sp in self.sharded:
             sp.load_full(values[offset : offset + sp.numel])
             offset += sp.numel
+
+
+def _io_failures(sps: list[ShardedParam]) -> Any:
+    """The `IOFailures` of the first parameter whose shard lives in a file (None without any):
+    a `GatheredParameters` over such parameters agrees on its reads (one 1-element all-reduce)."""
+    for sp in sps:
+        found = io_failures_of(sp.residency) if sp.residency is not None else None
+        if found is not None:
+            return found
+    return None
 
 
 @torch.no_grad()

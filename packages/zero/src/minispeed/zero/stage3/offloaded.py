@@ -37,6 +37,11 @@ partitioned; ``zero.shard`` adopts those files.
 
 Bytes per step and parameter: read ``s·p`` once per fetch (forward, and backward again when the
 parameter was released in between), write ``s·p`` once at the step.
+
+A failed read or write of a shard file (nvme) is recorded in the home's `IOFailures` and the
+fetch hands out zeros, so the rank keeps taking part in every collective; the step's agreement
+makes every rank raise `OffloadIOError` before anything is stepped (Note [an I/O failure fails
+every rank] in stage3/io_failures.py).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ import torch
 from minispeed.core import ranges
 from minispeed.core.accelerator import get_accelerator
 from minispeed.zero.contract import StrategyWrapper
+from minispeed.zero.stage3.io_failures import IOFailures
 from minispeed.zero.stage3.params import ShardedParam
 
 __all__ = ["HostShards", "NvmeShards", "ParamOffloadStrategy", "offload_params"]
@@ -110,6 +116,8 @@ class NvmeShards:
             config_key="offload_param",
         )
         self.files: dict[int, Any] = {}
+        self.io_failures = IOFailures()  # Note [an I/O failure fails every rank]
+        self.io_failures.settlers.append(self.swapper.wait_all)
 
     @property
     def bytes_read(self) -> int:
@@ -144,18 +152,19 @@ class NvmeShards:
         if sp.shard.numel():
             return  # resident already (e.g. fetched for a write)
         st = self.files[id(sp)]
-        self.swapper.wait_out(st)  # a write of this shard still in flight: the file must be whole
-        self.swapper.swap_in(st)
-        buf = self.swapper.wait_in(st)
-        shard = torch.empty(sp.shard_numel, dtype=buf.dtype, device=get_accelerator().device())
-        shard.copy_(buf)
-        self.swapper.release(st)
+        shard = torch.zeros(sp.shard_numel, dtype=self.dtype, device=get_accelerator().device())
+        with self.io_failures.guard(f"reading the shard of {sp.name!r}"):  # zeros if it fails
+            self.swapper.wait_out(st)  # a write of this shard in flight: the file must be whole
+            self.swapper.swap_in(st)
+            shard.copy_(self.swapper.wait_in(st))
+            self.swapper.release(st)
         sp.shard = shard
 
     def store(self, sp: ShardedParam) -> None:
         st = self.files[id(sp)]
-        self.swapper.wait_out(st)
-        self.swapper.write(st, sp.shard.to("cpu"))
+        with self.io_failures.guard(f"writing the shard of {sp.name!r}"):
+            self.swapper.wait_out(st)
+            self.swapper.write(st, sp.shard.to("cpu"))
 
     def release(self, sp: ShardedParam) -> None:
         sp.shard = sp.shard.new_empty(0)
@@ -195,11 +204,14 @@ class ParamOffloadStrategy(StrategyWrapper):
         super().__init__(strategy)
         self.param_home = home
         self.offloaded = offloaded
+        # nvme: where file I/O failures are recorded (ZeroOptimizer's step agrees on them).
+        self.io_failures: IOFailures | None = getattr(home, "io_failures", None)
 
     @torch.no_grad()
     def publish_params(self) -> None:
         """Materialise each offloaded trained shard, let stage 3 write the masters into it,
-        then store it (one write of ``s·p`` bytes each) and drop it again."""
+        then store it (one write of ``s·p`` bytes each) and drop it again. With nvme, ends in
+        the step's I/O agreement (one 1-element all-reduce, `IOFailures.agree`)."""
         trained = {id(sp) for sp in self._inner.trained}
         mine = [sp for sp in self.offloaded if id(sp) in trained]
         for sp in mine:
@@ -211,12 +223,20 @@ class ParamOffloadStrategy(StrategyWrapper):
         for sp in mine:
             sp.residency.store(sp)
             sp.residency.release(sp)
+        if self.io_failures is not None:
+            self.io_failures.agree(self._inner.group, "the end of the optimizer step")
 
     def close(self) -> None:
-        self._inner.close()
-        for sp in self.offloaded:
-            sp.residency = None
-        self.param_home.close()
+        """Gather the model back (stage 3's close), then delete the shard files; with nvme, a
+        shard that could not be read makes every rank raise (one 1-element all-reduce)."""
+        try:
+            self._inner.close()
+            if self.io_failures is not None:
+                self.io_failures.agree(self._inner.group, "close(), gathering the model back")
+        finally:
+            for sp in self.offloaded:
+                sp.residency = None
+            self.param_home.close()
 
 
 def offload_params(strategy: Any, config: Any, keep_masters: bool = True) -> ParamOffloadStrategy:
@@ -276,6 +296,6 @@ def init_residency(home: NvmeShards | None, config: Any, sp: ShardedParam) -> Nv
     if home is None:
         home = NvmeShards(config.offload_param, config.aio, sp.shard.dtype, [])
         home.residency = ShardResidency(home)
-    home.adopt(sp)
+    home.adopt(sp)  # a failed write is recorded; `Init`'s exit agrees on it
     sp.residency = home.residency
     return home
