@@ -14,7 +14,7 @@ from minispeed.core.ops.cast import CastBuilder
 
 pytestmark = pytest.mark.timeout(300)
 
-# (fp32 bits, expected bf16 bits): Note [bf16 round-to-nearest-even] in csrc/cast/cast.cpp.
+# (fp32 bits, expected bf16 bits): Note [bf16 round-to-nearest-even] in csrc/include/minispeed/simd.h.
 SPECIAL_CASES = [
     (0x00000000, 0x0000),  # +0
     (0x80000000, 0x8000),  # -0

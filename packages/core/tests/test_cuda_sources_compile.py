@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from minispeed.core.op_builder import discover_builders
+from minispeed.core.op_builder import SHARED_INCLUDE_DIR, discover_builders
 from minispeed.core.op_builder.toolchain import find_nvcc
 
 REPO = Path(__file__).resolve().parents[3]
@@ -44,7 +44,7 @@ def _cuda_sources() -> dict[Path, list[Path]]:
             if path.suffix == ".cu" and path.is_file():
                 found[path.resolve()] = builder.include_paths()
     for path in sorted(REPO.glob("packages/*/src/minispeed/*/csrc/**/*.cu")):
-        found.setdefault(path.resolve(), [path.parent])
+        found.setdefault(path.resolve(), [path.parent, SHARED_INCLUDE_DIR])
     return dict(sorted(found.items()))
 
 

@@ -76,11 +76,13 @@ def test_avx512_path_compiles():
     cxx = cxx_compiler()
     if cxx is None:
         pytest.skip("no C++ compiler")
-    source = InferenceKernelsBuilder().source_paths()[0]
+    builder = InferenceKernelsBuilder()
+    source = builder.source_paths()[0]
     cmd = [
         str(cxx), "-fsyntax-only", "-std=c++17", "-fopenmp", *simd_flags(SimdLevel.AVX512),
         "-DTORCH_EXTENSION_NAME=probe", f"-I{pybind11.get_include()}",
-        f"-I{sysconfig.get_paths()['include']}", str(source),
+        f"-I{sysconfig.get_paths()['include']}", *(f"-I{d}" for d in builder.include_paths()),
+        str(source),
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

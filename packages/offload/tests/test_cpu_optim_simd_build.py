@@ -40,7 +40,9 @@ def test_kernel_source_compiles_at_every_simd_level(level: SimdLevel, tmp_path: 
         pytest.skip("no C++ compiler")
     src = CSRC / "cpu_optim" / "cpu_optim.cpp"
     out = tmp_path / f"cpu_optim_{level.label}.o"
-    cmd = [cxx, "-std=c++17", "-O2", "-c", "-fopenmp", *simd_flags(level), str(src), "-o", str(out)]
+    includes = [f"-I{d}" for d in OffloadBuilder().include_paths()]  # core's minispeed/simd.h too
+    cmd = [cxx, "-std=c++17", "-O2", "-c", "-fopenmp", *simd_flags(level), *includes, str(src)]
+    cmd += ["-o", str(out)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert out.stat().st_size > 0

@@ -19,9 +19,19 @@ class QuantizeBuilder(OpBuilder):
 op = load_or_fallback(QuantizeBuilder())   # module, or None -> call the reference
 ```
 
+Shared C++ helpers (the SIMD level enum, bf16/fp16 conversions, dot/axpy) live once in core's
+`csrc/include/minispeed/simd.h`; every builder puts `SHARED_INCLUDE_DIR` on the include path and
+hashes it into the cache key, so a source just writes `#include "minispeed/simd.h"`.
+
 """
 
-from minispeed.core.op_builder.builder import VERBOSE_ENV, LoadRecord, OpBuilder, OpBuildError
+from minispeed.core.op_builder.builder import (
+    SHARED_INCLUDE_DIR,
+    VERBOSE_ENV,
+    LoadRecord,
+    OpBuilder,
+    OpBuildError,
+)
 from minispeed.core.op_builder.cache import CACHE_ENV, LOCK_TIMEOUT_ENV, op_cache_root
 from minispeed.core.op_builder.fallback import DISABLE_ENV, load_or_fallback, ops_disabled
 from minispeed.core.op_builder.registry import (
@@ -43,6 +53,7 @@ __all__ = [
     "DISABLE_ENV",
     "ENTRY_POINT_GROUP",
     "LOCK_TIMEOUT_ENV",
+    "SHARED_INCLUDE_DIR",
     "SIMD_ENV",
     "VERBOSE_ENV",
     "LoadRecord",

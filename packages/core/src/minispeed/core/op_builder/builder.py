@@ -56,10 +56,23 @@ from minispeed.core.op_builder.simd import (
     simd_flags,
 )
 
-__all__ = ["VERBOSE_ENV", "LoadRecord", "OpBuildError", "OpBuilder"]
+__all__ = ["SHARED_INCLUDE_DIR", "VERBOSE_ENV", "LoadRecord", "OpBuildError", "OpBuilder"]
 
 VERBOSE_ENV = "MINISPEED_OP_VERBOSE"
 _HASHED_SUFFIXES = frozenset({".c", ".cc", ".cpp", ".cu", ".cuh", ".h", ".hpp"})
+
+#: Core's shared C++ headers (`minispeed/simd.h`, ...). See Note [shared headers].
+SHARED_INCLUDE_DIR = Path(__file__).resolve().parent.parent / "csrc" / "include"
+
+# Note [shared headers]
+# Helpers that several ops need (the SIMD level enum, bf16/fp16 conversions, dot/axpy; see
+# csrc/include/minispeed/simd.h) live once, in core's csrc/include, which ships inside
+# minispeed-core as package data like every csrc/ file. Every builder puts that directory on its
+# include path (after the op's own folders), so any package's source may
+# `#include "minispeed/simd.h"`; and every builder hashes the directory's files into its cache
+# key, so editing a shared header rebuilds every op on its next load. The files are hashed under
+# their path relative to that directory (not the absolute path), so checkouts in different places
+# with the same headers share cached builds, as they do for the op's own sources.
 
 _log = get_logger("op_builder")
 
@@ -147,9 +160,11 @@ class OpBuilder:
         return [self.root / s for s in self.sources]
 
     def include_paths(self) -> list[Path]:
-        """Absolute include directories: the folder of each source, then `include_dirs`."""
+        """Absolute include directories: each source's folder, `include_dirs`, then core's shared
+        headers (`SHARED_INCLUDE_DIR`, see Note [shared headers])."""
         dirs = dict.fromkeys(p.parent for p in self.source_paths())
         dirs.update(dict.fromkeys(self.root / d for d in self.include_dirs))
+        dirs[SHARED_INCLUDE_DIR] = None  # a module global, read per call
         return list(dirs)
 
     def cxx_flags(self) -> list[str]:
@@ -217,6 +232,13 @@ class OpBuilder:
                 )
         return sorted(files)
 
+    def _hashed_name(self, path: Path) -> str:
+        """The name `path` enters the key under: relative to the shared headers or to `csrc_root`,
+        so the same files in another checkout give the same key (Note [shared headers])."""
+        if path.is_relative_to(SHARED_INCLUDE_DIR):
+            return str(Path("<shared>") / path.relative_to(SHARED_INCLUDE_DIR))
+        return str(path.relative_to(self.root) if path.is_relative_to(self.root) else path)
+
     def fingerprint(self) -> str:
         """16 hex digits naming this variant (see Note [op cache layout]).
 
@@ -239,9 +261,8 @@ class OpBuilder:
             h = hashlib.sha256()
             for part in parts:
                 h.update(part.encode() + b"\0")
-            for path in self._hashed_files():
-                rel = path.relative_to(self.root) if path.is_relative_to(self.root) else path
-                h.update(str(rel).encode() + b"\0")
+            for name, path in sorted((self._hashed_name(p), p) for p in self._hashed_files()):
+                h.update(name.encode() + b"\0")
                 h.update(path.read_bytes() if path.is_file() else b"<missing>")
             self._fingerprints[key] = h.hexdigest()[:16]
         return self._fingerprints[key]

@@ -44,7 +44,8 @@ _log = get_logger("op_builder")
 # Note [op cache layout]
 # <root>/<torch version>/<op>-<16 hex of sha256>/ holds one variant of one op: ninja's files, the
 # `.so`, and `minispeed_build.json`, written (temp file, fsync, rename) only after a successful
-# build. The hash covers every source/header in the op's folders, all compiler flags (so the
+# build. The hash covers every source/header in the op's folders and core's shared headers
+# (Note [shared headers] in `.builder`), all compiler flags (so the
 # SIMD level and CUDA archs), the compiler path, Python and torch versions: change any of them
 # and the op lands in a new folder instead of loading a stale binary. <root> is
 # $MINISPEED_OP_CACHE, else $XDG_CACHE_HOME/minispeed/ops, else ~/.cache/minispeed/ops.

@@ -1,8 +1,8 @@
 """The pure-PyTorch reference of `minispeed.core.ops.cast`: the specification and the fallback.
 
 Written on the integer bits so every step of the rounding is visible and matches the C++ op bit
-for bit (see Note [bf16 round-to-nearest-even] in `csrc/cast/cast.cpp`). Slow on purpose: it
-makes int64 temporaries (8 B per element each) for clarity.
+for bit (see Note [bf16 round-to-nearest-even] in `csrc/include/minispeed/simd.h`). Slow on
+purpose: it makes int64 temporaries (8 B per element each) for clarity.
 
 Functions are not differentiable: they act on the data (master weights, communication buffers),
 as `Tensor.copy_` under `torch.no_grad()` would.

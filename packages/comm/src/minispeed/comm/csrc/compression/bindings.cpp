@@ -44,12 +44,6 @@ void require_cpu_or_cuda(const torch::Tensor& t) {
 #endif
 }
 
-std::vector<int64_t> simd_levels() {
-  std::vector<int64_t> levels;
-  for (int64_t l = 0; l <= static_cast<int64_t>(mc::best_compiled_simd()); ++l) levels.push_back(l);
-  return levels;
-}
-
 bool has_cuda() {
 #if defined(MINISPEED_WITH_CUDA)
   return true;
@@ -202,7 +196,8 @@ void sparse_accumulate_(torch::Tensor& out, const torch::Tensor& values,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "minispeed.comm gradient compression kernels (sign bits, block quantization, top-k)";
-  m.def("simd_levels", &simd_levels, "SIMD levels compiled in: 0 scalar, 1 AVX2, 2 AVX-512");
+  m.def("simd_levels", &minispeed::simd::compiled_simd_levels,
+        "SIMD levels compiled in: 0 scalar, 1 AVX2, 2 AVX-512");
   m.def("has_cuda", &has_cuda, "Whether CUDA kernels are compiled in");
   // `stream`: the CUDA stream handle for CUDA tensors (ignored on the CPU).
   m.def("sign_pack", &sign_pack, "x, chunk, simd -> [bits u8, scales f32]", py::arg("x"),

@@ -17,7 +17,8 @@
 //
 // Note [SIMD paths]: each kernel has a scalar path and, when the build defines
 // MINISPEED_SIMD_AVX2 or MINISPEED_SIMD_AVX512 (set by minispeed.core.op_builder from the CPU's
-// flags), AVX2 and AVX-512 paths. Every compiled path can be chosen at run time (`simd` argument),
+// flags; tested as MINISPEED_HAS_AVX2 / MINISPEED_HAS_AVX512 from minispeed/simd.h), AVX2 and
+// AVX-512 paths. Every compiled path can be chosen at run time (`simd` argument),
 // so one build on an AVX-512 machine lets the tests compare all three against the reference.
 // The paths must produce bit-identical packed bytes; only the float sums behind the sign scales
 // may differ in the last bits (they are accumulated in double to keep that difference ~1e-16).
@@ -26,20 +27,12 @@
 
 #include <cstdint>
 
+#include "minispeed/simd.h"  // Simd, best_compiled_simd, MINISPEED_HAS_* (core/csrc/include)
+
 namespace minispeed_compression {
 
-enum class Simd : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
-
-// The widest path this build contains.
-inline Simd best_compiled_simd() {
-#if defined(MINISPEED_SIMD_AVX512)
-  return Simd::kAvx512;
-#elif defined(MINISPEED_SIMD_AVX2)
-  return Simd::kAvx2;
-#else
-  return Simd::kScalar;
-#endif
-}
+using minispeed::simd::best_compiled_simd;
+using minispeed::simd::Simd;
 
 // ---- 1-bit sign compression ----------------------------------------------------------------
 // x: n floats; bits: ceil(n / 8) bytes; scales: ceil(n / chunk) floats.

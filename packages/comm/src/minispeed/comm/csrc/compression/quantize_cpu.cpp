@@ -21,10 +21,6 @@
 
 #include "compression.h"
 
-#if defined(MINISPEED_SIMD_AVX2) || defined(MINISPEED_SIMD_AVX512)
-#include <immintrin.h>
-#endif
-
 namespace minispeed_compression {
 namespace {
 
@@ -78,7 +74,7 @@ float absmax_scalar(const float* x, int64_t len) {
   return nan ? kNaN : m;
 }
 
-#if defined(MINISPEED_SIMD_AVX2) || defined(MINISPEED_SIMD_AVX512)
+#if defined(MINISPEED_HAS_AVX2)
 // 16 int8 lanes (low 8 used when `count` = 8) -> count / 2 bytes of nibble pairs.
 inline void store_nibbles(__m128i v8, uint8_t* dst, int count) {
   // As 16-bit lanes each pair is (odd << 8 | even) once both are masked to 4 bits; OR-ing with the
@@ -159,7 +155,7 @@ void dequantize_block_avx2(const uint8_t* q, int64_t begin, int64_t end, float s
 }
 #endif
 
-#if defined(MINISPEED_SIMD_AVX512)
+#if defined(MINISPEED_HAS_AVX512)
 float absmax_avx512(const float* x, int64_t len) {
   __m512 m = _mm512_setzero_ps();
   __mmask16 nan = 0;  // lanes where a NaN was seen
@@ -211,10 +207,10 @@ void dequantize_block_avx512(const uint8_t* q, int64_t begin, int64_t end, float
 #endif
 
 float absmax(const float* x, int64_t len, [[maybe_unused]] Simd simd) {
-#if defined(MINISPEED_SIMD_AVX512)
+#if defined(MINISPEED_HAS_AVX512)
   if (simd == Simd::kAvx512) return absmax_avx512(x, len);
 #endif
-#if defined(MINISPEED_SIMD_AVX2) || defined(MINISPEED_SIMD_AVX512)
+#if defined(MINISPEED_HAS_AVX2)
   if (simd == Simd::kAvx2) return absmax_avx2(x, len);
 #endif
   return absmax_scalar(x, len);
@@ -231,13 +227,13 @@ void quantize_blocks(const float* x, int64_t n, int64_t block, int bits, uint8_t
     const int64_t end = std::min(begin + block, n);
     const float s = absmax(x + begin, end - begin, simd) / qmax;
     scales[b] = s;
-#if defined(MINISPEED_SIMD_AVX512)
+#if defined(MINISPEED_HAS_AVX512)
     if (simd == Simd::kAvx512) {
       quantize_block_avx512(x, begin, end, s, bits, q);
       continue;
     }
 #endif
-#if defined(MINISPEED_SIMD_AVX2) || defined(MINISPEED_SIMD_AVX512)
+#if defined(MINISPEED_HAS_AVX2)
     if (simd == Simd::kAvx2) {
       quantize_block_avx2(x, begin, end, s, bits, q);
       continue;
@@ -253,13 +249,13 @@ void dequantize_blocks(const uint8_t* q, const float* scales, int64_t n, int64_t
   for (int64_t b = 0; b < n_blocks; ++b) {
     const int64_t begin = b * block;
     const int64_t end = std::min(begin + block, n);
-#if defined(MINISPEED_SIMD_AVX512)
+#if defined(MINISPEED_HAS_AVX512)
     if (simd == Simd::kAvx512) {
       dequantize_block_avx512(q, begin, end, scales[b], bits, out);
       continue;
     }
 #endif
-#if defined(MINISPEED_SIMD_AVX2) || defined(MINISPEED_SIMD_AVX512)
+#if defined(MINISPEED_HAS_AVX2)
     if (simd == Simd::kAvx2) {
       dequantize_block_avx2(q, begin, end, scales[b], bits, out);
       continue;

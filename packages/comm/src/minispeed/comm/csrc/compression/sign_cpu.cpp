@@ -6,10 +6,6 @@
 
 #include "compression.h"
 
-#if defined(MINISPEED_SIMD_AVX2) || defined(MINISPEED_SIMD_AVX512)
-#include <immintrin.h>
-#endif
-
 namespace minispeed_compression {
 namespace {
 
@@ -28,7 +24,7 @@ void pack_bits_scalar(const float* x, int64_t n, int64_t first_byte, uint8_t* bi
   }
 }
 
-#if defined(MINISPEED_SIMD_AVX2) || defined(MINISPEED_SIMD_AVX512)
+#if defined(MINISPEED_HAS_AVX2)
 void pack_bits_avx2(const float* x, int64_t n, uint8_t* bits) {
   const __m256 zero = _mm256_setzero_ps();
   int64_t i = 0;
@@ -41,7 +37,7 @@ void pack_bits_avx2(const float* x, int64_t n, uint8_t* bits) {
 }
 #endif
 
-#if defined(MINISPEED_SIMD_AVX512)
+#if defined(MINISPEED_HAS_AVX512)
 void pack_bits_avx512(const float* x, int64_t n, uint8_t* bits) {
   const __m512 zero = _mm512_setzero_ps();
   int64_t i = 0;
@@ -55,10 +51,10 @@ void pack_bits_avx512(const float* x, int64_t n, uint8_t* bits) {
 #endif
 
 void pack_bits(const float* x, int64_t n, uint8_t* bits, [[maybe_unused]] Simd simd) {
-#if defined(MINISPEED_SIMD_AVX512)
+#if defined(MINISPEED_HAS_AVX512)
   if (simd == Simd::kAvx512) return pack_bits_avx512(x, n, bits);
 #endif
-#if defined(MINISPEED_SIMD_AVX2) || defined(MINISPEED_SIMD_AVX512)
+#if defined(MINISPEED_HAS_AVX2)
   if (simd == Simd::kAvx2) return pack_bits_avx2(x, n, bits);
 #endif
   pack_bits_scalar(x, n, 0, bits);
@@ -72,7 +68,7 @@ double abs_sum_scalar(const float* x, int64_t len) {
   return sum;
 }
 
-#if defined(MINISPEED_SIMD_AVX2) || defined(MINISPEED_SIMD_AVX512)
+#if defined(MINISPEED_HAS_AVX2)
 double abs_sum_avx2(const float* x, int64_t len) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256d acc_lo = _mm256_setzero_pd(), acc_hi = _mm256_setzero_pd();
@@ -88,7 +84,7 @@ double abs_sum_avx2(const float* x, int64_t len) {
 }
 #endif
 
-#if defined(MINISPEED_SIMD_AVX512)
+#if defined(MINISPEED_HAS_AVX512)
 double abs_sum_avx512(const float* x, int64_t len) {
   __m512d acc_lo = _mm512_setzero_pd(), acc_hi = _mm512_setzero_pd();
   int64_t i = 0;
@@ -105,10 +101,10 @@ double abs_sum_avx512(const float* x, int64_t len) {
 #endif
 
 double abs_sum(const float* x, int64_t len, [[maybe_unused]] Simd simd) {
-#if defined(MINISPEED_SIMD_AVX512)
+#if defined(MINISPEED_HAS_AVX512)
   if (simd == Simd::kAvx512) return abs_sum_avx512(x, len);
 #endif
-#if defined(MINISPEED_SIMD_AVX2) || defined(MINISPEED_SIMD_AVX512)
+#if defined(MINISPEED_HAS_AVX2)
   if (simd == Simd::kAvx2) return abs_sum_avx2(x, len);
 #endif
   return abs_sum_scalar(x, len);
@@ -125,7 +121,7 @@ inline float signed_scale(const uint8_t* bits, int64_t i, float s) {
 void unpack_chunk(const uint8_t* bits, int64_t begin, int64_t end, float s, float* out,
                   [[maybe_unused]] Simd simd) {
   int64_t i = begin;
-#if defined(MINISPEED_SIMD_AVX512)
+#if defined(MINISPEED_HAS_AVX512)
   if (simd == Simd::kAvx512) {
     for (; i < end && (i & 15) != 0; ++i) out[i] = signed_scale(bits, i, s);
     const __m512 pos = _mm512_set1_ps(s), neg = _mm512_set1_ps(-s);
@@ -136,7 +132,7 @@ void unpack_chunk(const uint8_t* bits, int64_t begin, int64_t end, float s, floa
     }
   }
 #endif
-#if defined(MINISPEED_SIMD_AVX2) || defined(MINISPEED_SIMD_AVX512)
+#if defined(MINISPEED_HAS_AVX2)
   if (simd == Simd::kAvx2) {
     for (; i < end && (i & 7) != 0; ++i) out[i] = signed_scale(bits, i, s);
     const __m256 pos = _mm256_set1_ps(s), neg = _mm256_set1_ps(-s);

@@ -15,10 +15,6 @@
 
 #include "compression.h"
 
-#if defined(MINISPEED_SIMD_AVX2) || defined(MINISPEED_SIMD_AVX512)
-#include <immintrin.h>
-#endif
-
 namespace minispeed_compression {
 namespace {
 
@@ -38,7 +34,7 @@ int64_t compact_scalar(const float* x, int64_t begin, int64_t end, float t, int6
   return out;
 }
 
-#if defined(MINISPEED_SIMD_AVX2) || defined(MINISPEED_SIMD_AVX512)
+#if defined(MINISPEED_HAS_AVX2)
 int64_t compact_avx2(const float* x, int64_t n, float t, int64_t eq_left, float* values,
                      int32_t* indices) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -62,7 +58,7 @@ int64_t compact_avx2(const float* x, int64_t n, float t, int64_t eq_left, float*
 }
 #endif
 
-#if defined(MINISPEED_SIMD_AVX512)
+#if defined(MINISPEED_HAS_AVX512)
 int64_t compact_avx512(const float* x, int64_t n, float t, int64_t eq_left, float* values,
                        int32_t* indices) {
   const __m512 tv = _mm512_set1_ps(t);
@@ -107,13 +103,13 @@ int topk_select(const float* x, int64_t n, int64_t k, float* values, int32_t* in
   for (int64_t i = 0; i + 1 < k; ++i) greater += mag[i] > t;
   const int64_t eq_left = k - greater;
   // Pass 3: compaction in index order.
-#if defined(MINISPEED_SIMD_AVX512)
+#if defined(MINISPEED_HAS_AVX512)
   if (simd == Simd::kAvx512) {
     compact_avx512(x, n, t, eq_left, values, indices);
     return 0;
   }
 #endif
-#if defined(MINISPEED_SIMD_AVX2) || defined(MINISPEED_SIMD_AVX512)
+#if defined(MINISPEED_HAS_AVX2)
   if (simd == Simd::kAvx2) {
     compact_avx2(x, n, t, eq_left, values, indices);
     return 0;

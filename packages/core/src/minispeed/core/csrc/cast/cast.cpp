@@ -27,72 +27,28 @@
 #include <omp.h>
 #endif
 
-#if defined(MINISPEED_SIMD_AVX512) || defined(MINISPEED_SIMD_AVX2)
-#include <immintrin.h>
-#endif
+#include "minispeed/simd.h"  // conversions and level macros shared by every op (core/csrc/include)
 
 namespace {
+
+using minispeed::simd::bf16_to_f32;
+using minispeed::simd::f32_to_bf16_rne;
 
 // 32768 elements = 128 KiB of fp32 per task: big enough to amortize a task, small enough that
 // two threads share a 1M-element cast evenly.
 constexpr int64_t kGrain = 1 << 15;
 
-// Note [bf16 round-to-nearest-even]
-// bf16 is the top 16 bits of an fp32. Adding 0x7FFF plus the lowest kept bit, then truncating,
-// rounds to nearest with ties to even: below half rounds down, above half carries into the kept
-// bits, exactly half carries only when the kept lsb is odd. Denormals round like any value; the
-// largest finite values round up to +-inf, as IEEE requires. NaN must not be rounded (the carry
-// could turn it into inf), so every NaN becomes the canonical quiet NaN 0x7FC0 (as c10 does).
-inline uint16_t f32_to_bf16_rne(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) {
-    return 0x7FC0;
-  }
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-inline float bf16_to_f32(uint16_t half) {
-  const uint32_t bits = static_cast<uint32_t>(half) << 16;  // exact: bf16 is a truncated fp32
-  float value;
-  std::memcpy(&value, &bits, sizeof(value));
-  return value;
-}
-
-#if defined(MINISPEED_SIMD_AVX2)
-// 8 fp32 -> 8 bf16 held in the low halves of 32-bit lanes. See Note [bf16 round-to-nearest-even].
-inline __m256i f32x8_to_bf16_lanes(const float* src) {
-  const __m256 value = _mm256_loadu_ps(src);
-  const __m256i bits = _mm256_castps_si256(value);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_srli_epi32(
-      _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb), 16);
-  const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(value, value, _CMP_UNORD_Q));
-  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), is_nan);
-}
-#endif
-
 void f32_to_bf16_range(const float* src, uint16_t* dst, int64_t n) {
   int64_t i = 0;
-#if defined(MINISPEED_SIMD_AVX512)
-  const __m512i bias = _mm512_set1_epi32(0x7FFF);
-  const __m512i one = _mm512_set1_epi32(1);
-  const __m512i quiet_nan = _mm512_set1_epi32(0x7FC0);
+#if defined(MINISPEED_HAS_AVX512)
   for (; i + 16 <= n; i += 16) {  // 16 lanes: 64 B read, 32 B written per iteration
-    const __m512 value = _mm512_loadu_ps(src + i);
-    const __m512i bits = _mm512_castps_si512(value);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
-    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, bias), lsb), 16);
-    const __mmask16 is_nan = _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q);
-    rounded = _mm512_mask_blend_epi32(is_nan, rounded, quiet_nan);
-    // Every lane is < 2^16, so the truncating narrow is exact.
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(rounded));
+    const __m256i half = minispeed::simd::f32x16_to_bf16(_mm512_loadu_ps(src + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), half);
   }
-#elif defined(MINISPEED_SIMD_AVX2)
+#elif defined(MINISPEED_HAS_AVX2)
   for (; i + 16 <= n; i += 16) {  // two 8-lane halves packed into one 16 x u16 store
-    const __m256i lo = f32x8_to_bf16_lanes(src + i);
-    const __m256i hi = f32x8_to_bf16_lanes(src + i + 8);
+    const __m256i lo = minispeed::simd::f32x8_to_bf16_lanes(_mm256_loadu_ps(src + i));
+    const __m256i hi = minispeed::simd::f32x8_to_bf16_lanes(_mm256_loadu_ps(src + i + 8));
     // packus interleaves 128-bit lanes (lo0 hi0 lo1 hi1); the permute restores lo0 lo1 hi0 hi1.
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), packed);
@@ -105,17 +61,15 @@ void f32_to_bf16_range(const float* src, uint16_t* dst, int64_t n) {
 
 void bf16_to_f32_range(const uint16_t* src, float* dst, int64_t n) {
   int64_t i = 0;
-#if defined(MINISPEED_SIMD_AVX512)
+#if defined(MINISPEED_HAS_AVX512)
   for (; i + 16 <= n; i += 16) {
     const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-    const __m512i bits = _mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16);
-    _mm512_storeu_si512(reinterpret_cast<void*>(dst + i), bits);
+    _mm512_storeu_ps(dst + i, minispeed::simd::bf16x16_to_f32(half));
   }
-#elif defined(MINISPEED_SIMD_AVX2)
+#elif defined(MINISPEED_HAS_AVX2)
   for (; i + 8 <= n; i += 8) {
     const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-    const __m256i bits = _mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), bits);
+    _mm256_storeu_ps(dst + i, minispeed::simd::bf16x8_to_f32(half));
   }
 #endif
   for (; i < n; ++i) {
@@ -203,15 +157,7 @@ int max_threads() {
 #endif
 }
 
-const char* simd_level() {
-#if defined(MINISPEED_SIMD_AVX512)
-  return "avx512";
-#elif defined(MINISPEED_SIMD_AVX2)
-  return "avx2";
-#else
-  return "scalar";
-#endif
-}
+const char* simd_level() { return minispeed::simd::compiled_simd_name(); }
 
 }  // namespace
 

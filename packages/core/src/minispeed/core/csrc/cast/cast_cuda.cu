@@ -1,6 +1,6 @@
-// CUDA fp32 <-> bf16 casts, bit-identical to the CPU op (see Note [bf16 round-to-nearest-even]
-// in cast.cpp): integer arithmetic on the fp32 bits, so no bf16 intrinsics (and no sm_80+
-// requirement) are involved.
+// CUDA fp32 <-> bf16 casts, bit-identical to the CPU op: both call the same scalar conversions
+// of minispeed/simd.h (Note [bf16 round-to-nearest-even]), integer arithmetic on the fp32 bits,
+// so no bf16 intrinsics (and no sm_80+ requirement) are involved.
 //
 // Costs: memory bound; float_to_bf16 moves 6 B per element, bf16_to_float 6 B per element.
 // Grid-stride loops with 256 threads per block; consecutive threads touch consecutive elements
@@ -10,27 +10,20 @@
 
 #include <algorithm>
 
+#include "minispeed/simd.h"  // f32_to_bf16_rne, bf16_to_f32: __host__ __device__ under nvcc
+
 namespace minispeed {
 namespace {
 
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 65535;
 
-__device__ __forceinline__ uint16_t f32_to_bf16_rne(float value) {
-  uint32_t bits = __float_as_uint(value);
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) {
-    return 0x7FC0;  // NaN: never rounded (the carry could make it inf)
-  }
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
 __global__ void float_to_bf16_kernel(const float* __restrict__ src, uint16_t* __restrict__ dst,
                                      int64_t n) {
   const int64_t stride = static_cast<int64_t>(blockDim.x) * gridDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += stride) {
-    dst[i] = f32_to_bf16_rne(src[i]);
+    dst[i] = simd::f32_to_bf16_rne(src[i]);
   }
 }
 
@@ -39,7 +32,7 @@ __global__ void bf16_to_float_kernel(const uint16_t* __restrict__ src, float* __
   const int64_t stride = static_cast<int64_t>(blockDim.x) * gridDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += stride) {
-    dst[i] = __uint_as_float(static_cast<uint32_t>(src[i]) << 16);
+    dst[i] = simd::bf16_to_f32(src[i]);
   }
 }
 

@@ -5,10 +5,11 @@
 // linear with per-output-channel scales. Each has a pure-PyTorch reference with the same
 // contract in minispeed/inference/kernels_reference.py; the tests compare the two.
 //
-// SIMD: the vector helpers below (dot, sum, sum of squares, axpy, int8 dot) are chosen at compile
-// time by the define the builder passes (-DMINISPEED_SIMD_AVX512 / _AVX2 / _SCALAR), as in
-// core's cast op; every helper ends in the same scalar tail loop. Threads: OpenMP over rows
-// (or over output channels / (sequence, head) pairs), GIL released around every kernel.
+// SIMD: the vector helpers (dot and axpy from minispeed/simd.h; sum, sum of squares and int8 dot
+// below) are chosen at compile time by the define the builder passes (-DMINISPEED_SIMD_AVX512 /
+// _AVX2 / _SCALAR), as in core's cast op; every helper ends in the same scalar tail loop.
+// Threads: OpenMP over rows (or over output channels / (sequence, head) pairs), GIL released
+// around every kernel.
 //
 // Note [raw pointers, no torch headers]: like core's cast op, the bindings take data pointers and
 // sizes, not at::Tensor, so this file compiles in seconds. The Python wrapper
@@ -24,9 +25,7 @@
 #include <string>
 #include <vector>
 
-#if defined(MINISPEED_SIMD_AVX512) || defined(MINISPEED_SIMD_AVX2)
-#include <immintrin.h>
-#endif
+#include "minispeed/simd.h"  // dot, axpy, hsum256, MINISPEED_HAS_* (core/csrc/include)
 
 namespace {
 
@@ -35,43 +34,24 @@ inline T* ptr(uintptr_t p) {
   return reinterpret_cast<T*>(p);
 }
 
-#if defined(MINISPEED_SIMD_AVX2) && !defined(MINISPEED_SIMD_AVX512)
-inline float hsum256(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 0x55)));
-}
+using minispeed::simd::axpy;
+using minispeed::simd::dot;
+#if defined(MINISPEED_HAS_AVX2)
+using minispeed::simd::hsum256;
 #endif
-
-// sum_i a[i] * b[i]
-inline float dot(const float* a, const float* b, int64_t n) {
-  int64_t i = 0;
-  float acc = 0.f;
-#if defined(MINISPEED_SIMD_AVX512)
-  __m512 v = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) v = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), v);
-  acc = _mm512_reduce_add_ps(v);
-#elif defined(MINISPEED_SIMD_AVX2)
-  __m256 v = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) v = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), v);
-  acc = hsum256(v);
-#endif
-  for (; i < n; ++i) acc += a[i] * b[i];
-  return acc;
-}
 
 // sum_i x[i] * float(w[i]): the int8 weight is widened to fp32 in registers, never in memory.
 inline float dot_i8(const float* x, const int8_t* w, int64_t n) {
   int64_t i = 0;
   float acc = 0.f;
-#if defined(MINISPEED_SIMD_AVX512)
+#if defined(MINISPEED_HAS_AVX512)
   __m512 v = _mm512_setzero_ps();
   for (; i + 16 <= n; i += 16) {
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i));
     v = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), v);
   }
   acc = _mm512_reduce_add_ps(v);
-#elif defined(MINISPEED_SIMD_AVX2)
+#elif defined(MINISPEED_HAS_AVX2)
   __m256 v = _mm256_setzero_ps();
   for (; i + 8 <= n; i += 8) {
     const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + i));
@@ -83,26 +63,11 @@ inline float dot_i8(const float* x, const int8_t* w, int64_t n) {
   return acc;
 }
 
-// y[i] += alpha * x[i]
-inline void axpy(float alpha, const float* x, float* y, int64_t n) {
-  int64_t i = 0;
-#if defined(MINISPEED_SIMD_AVX512)
-  const __m512 a = _mm512_set1_ps(alpha);
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(a, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
-#elif defined(MINISPEED_SIMD_AVX2)
-  const __m256 a = _mm256_set1_ps(alpha);
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(a, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-#endif
-  for (; i < n; ++i) y[i] += alpha * x[i];
-}
-
 // h = x + r (r may be null), written to h; returns sum(h).
 inline float add_into(const float* x, const float* r, float* h, int64_t n) {
   int64_t i = 0;
   float acc = 0.f;
-#if defined(MINISPEED_SIMD_AVX512)
+#if defined(MINISPEED_HAS_AVX512)
   __m512 s = _mm512_setzero_ps();
   for (; i + 16 <= n; i += 16) {
     __m512 v = _mm512_loadu_ps(x + i);
@@ -111,7 +76,7 @@ inline float add_into(const float* x, const float* r, float* h, int64_t n) {
     s = _mm512_add_ps(s, v);
   }
   acc = _mm512_reduce_add_ps(s);
-#elif defined(MINISPEED_SIMD_AVX2)
+#elif defined(MINISPEED_HAS_AVX2)
   __m256 s = _mm256_setzero_ps();
   for (; i + 8 <= n; i += 8) {
     __m256 v = _mm256_loadu_ps(x + i);
@@ -132,7 +97,7 @@ inline float add_into(const float* x, const float* r, float* h, int64_t n) {
 inline float centered_sq(const float* h, float mean, int64_t n) {
   int64_t i = 0;
   float acc = 0.f;
-#if defined(MINISPEED_SIMD_AVX512)
+#if defined(MINISPEED_HAS_AVX512)
   const __m512 m = _mm512_set1_ps(mean);
   __m512 s = _mm512_setzero_ps();
   for (; i + 16 <= n; i += 16) {
@@ -140,7 +105,7 @@ inline float centered_sq(const float* h, float mean, int64_t n) {
     s = _mm512_fmadd_ps(d, d, s);
   }
   acc = _mm512_reduce_add_ps(s);
-#elif defined(MINISPEED_SIMD_AVX2)
+#elif defined(MINISPEED_HAS_AVX2)
   const __m256 m = _mm256_set1_ps(mean);
   __m256 s = _mm256_setzero_ps();
   for (; i + 8 <= n; i += 8) {
@@ -157,7 +122,7 @@ inline float centered_sq(const float* h, float mean, int64_t n) {
 inline void scale_affine(const float* h, float shift, float inv, const float* g, const float* b,
                          float* out, int64_t n) {
   int64_t i = 0;
-#if defined(MINISPEED_SIMD_AVX512)
+#if defined(MINISPEED_HAS_AVX512)
   const __m512 sh = _mm512_set1_ps(shift), iv = _mm512_set1_ps(inv);
   for (; i + 16 <= n; i += 16) {
     __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(h + i), sh), iv),
@@ -165,7 +130,7 @@ inline void scale_affine(const float* h, float shift, float inv, const float* g,
     if (b) v = _mm512_add_ps(v, _mm512_loadu_ps(b + i));
     _mm512_storeu_ps(out + i, v);
   }
-#elif defined(MINISPEED_SIMD_AVX2)
+#elif defined(MINISPEED_HAS_AVX2)
   const __m256 sh = _mm256_set1_ps(shift), iv = _mm256_set1_ps(inv);
   for (; i + 8 <= n; i += 8) {
     __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(h + i), sh), iv),
@@ -187,7 +152,7 @@ constexpr float kErfP = 0.3275911f, kErfA1 = 0.254829592f, kErfA2 = -0.284496736
 constexpr float kExpC[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
                             4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 
-#if defined(MINISPEED_SIMD_AVX512)
+#if defined(MINISPEED_HAS_AVX512)
 inline __m512 exp_nonpos(__m512 x) {  // e^x for x <= 0 (clamped at -87: e^-87 ~ 1.6e-38)
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -219,7 +184,7 @@ inline __m512 erf_vec(__m512 x) {
   return _mm512_castsi512_ps(
       _mm512_or_si512(_mm512_castps_si512(y), _mm512_castps_si512(sign)));
 }
-#elif defined(MINISPEED_SIMD_AVX2)
+#elif defined(MINISPEED_HAS_AVX2)
 inline __m256 exp_nonpos(__m256 x) {  // e^x for x <= 0 (clamped at -87: e^-87 ~ 1.6e-38)
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
@@ -255,7 +220,7 @@ inline __m256 erf_vec(__m256 x) {
 inline float exp_row_sum(float* v, int64_t n) {
   int64_t i = 0;
   float total = 0.f;
-#if defined(MINISPEED_SIMD_AVX512)
+#if defined(MINISPEED_HAS_AVX512)
   __m512 acc = _mm512_setzero_ps();
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (; i + 16 <= n; i += 16) {
@@ -266,7 +231,7 @@ inline float exp_row_sum(float* v, int64_t n) {
     acc = _mm512_add_ps(acc, e);
   }
   total = _mm512_reduce_add_ps(acc);
-#elif defined(MINISPEED_SIMD_AVX2)
+#elif defined(MINISPEED_HAS_AVX2)
   __m256 acc = _mm256_setzero_ps();
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   for (; i + 8 <= n; i += 8) {
@@ -288,7 +253,7 @@ inline float exp_row_sum(float* v, int64_t n) {
 inline void gelu_row(const float* x, const float* b, float* o, int64_t n) {
   constexpr float kInvSqrt2 = 0.70710678118654752440f;
   int64_t i = 0;
-#if defined(MINISPEED_SIMD_AVX512)
+#if defined(MINISPEED_HAS_AVX512)
   for (; i + 16 <= n; i += 16) {
     __m512 v = _mm512_loadu_ps(x + i);
     if (b) v = _mm512_add_ps(v, _mm512_loadu_ps(b + i));
@@ -296,7 +261,7 @@ inline void gelu_row(const float* x, const float* b, float* o, int64_t n) {
     _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), v),
                                           _mm512_add_ps(_mm512_set1_ps(1.f), e)));
   }
-#elif defined(MINISPEED_SIMD_AVX2)
+#elif defined(MINISPEED_HAS_AVX2)
   for (; i + 8 <= n; i += 8) {
     __m256 v = _mm256_loadu_ps(x + i);
     if (b) v = _mm256_add_ps(v, _mm256_loadu_ps(b + i));
@@ -471,15 +436,7 @@ void int8_linear(uintptr_t x, uintptr_t w_q, uintptr_t scales, uintptr_t bias, u
   }
 }
 
-std::string simd_level() {
-#if defined(MINISPEED_SIMD_AVX512)
-  return "avx512";
-#elif defined(MINISPEED_SIMD_AVX2)
-  return "avx2";
-#else
-  return "scalar";
-#endif
-}
+std::string simd_level() { return minispeed::simd::compiled_simd_name(); }
 
 }  // namespace
 

@@ -16,10 +16,9 @@
 //
 // Threads: OpenMP over (batch, head, query block) forward and over (batch, head) backward, where
 // every task owns its own slices of dk and dv (no atomics, no races); see Note [threads only for
-// real work]. SIMD: dot and axpy below, chosen by the -DMINISPEED_SIMD_* define like kernels.cpp's
-// helpers (a copy: those live in that file's anonymous namespace). See Note [raw pointers, no
-// torch headers] in kernels.cpp: the Python wrapper (minispeed/inference/sparse/attention.py)
-// checks every shape before passing a pointer here.
+// real work]. SIMD: dot and axpy from minispeed/simd.h (shared with kernels.cpp), chosen by the
+// -DMINISPEED_SIMD_* define. See Note [raw pointers, no torch headers] in kernels.cpp: the Python
+// wrapper (minispeed/inference/sparse/attention.py) checks every shape before passing a pointer.
 
 #include <pybind11/pybind11.h>
 
@@ -29,9 +28,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(MINISPEED_SIMD_AVX512) || defined(MINISPEED_SIMD_AVX2)
-#include <immintrin.h>
-#endif
+#include "minispeed/simd.h"  // dot, axpy (core/csrc/include)
 
 namespace minispeed_sparse {
 
@@ -40,39 +37,8 @@ inline T* ptr(uintptr_t p) {
   return reinterpret_cast<T*>(p);
 }
 
-// sum_i a[i] * b[i]
-inline float dot(const float* a, const float* b, int64_t n) {
-  int64_t i = 0;
-  float acc = 0.f;
-#if defined(MINISPEED_SIMD_AVX512)
-  __m512 v = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) v = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), v);
-  acc = _mm512_reduce_add_ps(v);
-#elif defined(MINISPEED_SIMD_AVX2)
-  __m256 v = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) v = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), v);
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  acc = _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 0x55)));
-#endif
-  for (; i < n; ++i) acc += a[i] * b[i];
-  return acc;
-}
-
-// y[i] += alpha * x[i]
-inline void axpy(float alpha, const float* x, float* y, int64_t n) {
-  int64_t i = 0;
-#if defined(MINISPEED_SIMD_AVX512)
-  const __m512 a = _mm512_set1_ps(alpha);
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(a, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
-#elif defined(MINISPEED_SIMD_AVX2)
-  const __m256 a = _mm256_set1_ps(alpha);
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(a, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-#endif
-  for (; i < n; ++i) y[i] += alpha * x[i];
-}
+using minispeed::simd::axpy;
+using minispeed::simd::dot;
 
 // y[i] *= alpha
 inline void scal(float alpha, float* y, int64_t n) {

@@ -13,12 +13,13 @@
 // combine_rows reads 4 d k B and writes 4 d B per output row. Memory bound.
 //
 // Note [SIMD paths, one build]
-// The row loops exist three times: scalar, AVX2+FMA and AVX-512F. The vector versions are
-// compiled with GCC/Clang target attributes, so every x86-64 build contains (and compile-checks)
-// all three whatever the machine; which ones may RUN is capped by the level the builder compiled
-// for (-DMINISPEED_SIMD_*, from the CPU flags or MINISPEED_SIMD), reported by simd_levels(). A
-// `level` argument picks one at run time, so the tests compare every runnable path with the
-// reference. The FMA paths round once per multiply-add where the scalar path rounds twice: they
+// The row loops exist three times: scalar, AVX2+FMA and AVX-512F (the axpy rows are
+// minispeed/simd.h's axpy_*, shared with the inference kernels). The vector versions are compiled
+// with GCC/Clang target attributes (MINISPEED_TARGET_*), so every x86-64 build contains (and
+// compile-checks) all three whatever the machine; which ones may RUN is capped by the level the
+// builder compiled for (-DMINISPEED_SIMD_*, from the CPU flags or MINISPEED_SIMD), reported by
+// simd_levels(). A `level` argument picks one at run time, so the tests compare every runnable
+// path with the reference. The FMA paths round once per multiply-add where the scalar path rounds twice: they
 // agree to a few ulp, not bit for bit.
 //
 // Like core's cast op this file includes no torch header (Note [raw pointers, no torch headers]
@@ -35,78 +36,35 @@
 #include <string>
 #include <vector>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define MS_X86 1
-#endif
+#include "minispeed/simd.h"  // levels, MINISPEED_TARGET_*, axpy_* (core/csrc/include)
 
 namespace {
 
-enum Level : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+namespace simd = minispeed::simd;
 
-int best_level() {
-#if defined(MINISPEED_SIMD_AVX512) && defined(MS_X86)
-  return kAvx512;
-#elif (defined(MINISPEED_SIMD_AVX2) || defined(MINISPEED_SIMD_AVX512)) && defined(MS_X86)
-  return kAvx2;
-#else
-  return kScalar;
-#endif
+// ---- one row: y = a * x (copy when a == 1), y += a * x (simd::axpy_*) ---------------------------
+
+void scale_row_scalar(float a, const float* x, float* y, int64_t d) {
+  for (int64_t c = 0; c < d; ++c) y[c] = a * x[c];
 }
 
-// ---- one row: dst = a * src (copy when a == 1), dst += a * src ------------------------------------
-
-void scale_row_scalar(float* dst, const float* src, float a, int64_t d) {
-  for (int64_t c = 0; c < d; ++c) dst[c] = a * src[c];
-}
-
-void axpy_row_scalar(float* dst, const float* src, float a, int64_t d) {
-  for (int64_t c = 0; c < d; ++c) dst[c] += a * src[c];
-}
-
-#if defined(MS_X86)
-__attribute__((target("avx2,fma"))) void scale_row_avx2(float* dst, const float* src, float a,
-                                                          int64_t d) {
+#if defined(MINISPEED_X86)
+MINISPEED_TARGET_AVX2 void scale_row_avx2(float a, const float* x, float* y, int64_t d) {
   const __m256 va = _mm256_set1_ps(a);
   int64_t c = 0;
-  for (; c + 8 <= d; c += 8) _mm256_storeu_ps(dst + c, _mm256_mul_ps(va, _mm256_loadu_ps(src + c)));
-  for (; c < d; ++c) dst[c] = a * src[c];
+  for (; c + 8 <= d; c += 8) _mm256_storeu_ps(y + c, _mm256_mul_ps(va, _mm256_loadu_ps(x + c)));
+  for (; c < d; ++c) y[c] = a * x[c];
 }
 
-__attribute__((target("avx2,fma"))) void axpy_row_avx2(float* dst, const float* src, float a,
-                                                         int64_t d) {
-  const __m256 va = _mm256_set1_ps(a);
-  int64_t c = 0;
-  for (; c + 8 <= d; c += 8) {
-    _mm256_storeu_ps(dst + c,
-                     _mm256_fmadd_ps(va, _mm256_loadu_ps(src + c), _mm256_loadu_ps(dst + c)));
-  }
-  for (; c < d; ++c) dst[c] += a * src[c];
-}
-
-__attribute__((target("avx512f"))) void scale_row_avx512(float* dst, const float* src, float a,
-                                                         int64_t d) {
+MINISPEED_TARGET_AVX512 void scale_row_avx512(float a, const float* x, float* y, int64_t d) {
   const __m512 va = _mm512_set1_ps(a);
   int64_t c = 0;
-  for (; c + 16 <= d; c += 16) {
-    _mm512_storeu_ps(dst + c, _mm512_mul_ps(va, _mm512_loadu_ps(src + c)));
-  }
-  for (; c < d; ++c) dst[c] = a * src[c];
-}
-
-__attribute__((target("avx512f"))) void axpy_row_avx512(float* dst, const float* src, float a,
-                                                        int64_t d) {
-  const __m512 va = _mm512_set1_ps(a);
-  int64_t c = 0;
-  for (; c + 16 <= d; c += 16) {
-    _mm512_storeu_ps(dst + c,
-                     _mm512_fmadd_ps(va, _mm512_loadu_ps(src + c), _mm512_loadu_ps(dst + c)));
-  }
-  for (; c < d; ++c) dst[c] += a * src[c];
+  for (; c + 16 <= d; c += 16) _mm512_storeu_ps(y + c, _mm512_mul_ps(va, _mm512_loadu_ps(x + c)));
+  for (; c < d; ++c) y[c] = a * x[c];
 }
 #endif
 
-using RowFn = void (*)(float*, const float*, float, int64_t);
+using RowFn = void (*)(float a, const float* x, float* y, int64_t d);
 
 struct RowOps {
   RowFn scale;
@@ -114,15 +72,17 @@ struct RowOps {
 };
 
 RowOps row_ops(int64_t level) {
-  if (level < kScalar || level > best_level()) {
+  if (level < 0 || level > static_cast<int64_t>(simd::best_compiled_simd())) {
     throw std::invalid_argument("permute op: SIMD level " + std::to_string(level) +
                                 " is not runnable in this build; pass one of simd_levels()");
   }
-#if defined(MS_X86)
-  if (level == kAvx512) return {scale_row_avx512, axpy_row_avx512};
-  if (level == kAvx2) return {scale_row_avx2, axpy_row_avx2};
+#if defined(MINISPEED_X86)
+  if (level == static_cast<int64_t>(simd::Simd::kAvx512)) {
+    return {scale_row_avx512, simd::axpy_avx512};
+  }
+  if (level == static_cast<int64_t>(simd::Simd::kAvx2)) return {scale_row_avx2, simd::axpy_avx2};
 #endif
-  return {scale_row_scalar, axpy_row_scalar};
+  return {scale_row_scalar, simd::axpy_scalar};
 }
 
 std::string bad_index(const char* op, int64_t at, int64_t value, int64_t rows) {
@@ -152,7 +112,7 @@ void gather_rows(uintptr_t src_p, int64_t n_src, uintptr_t out_p, int64_t n_out,
       std::memset(o, 0, sizeof(float) * static_cast<size_t>(d));
       continue;
     }
-    ops.scale(o, src + r * d, scale ? scale[i] : 1.0f, d);
+    ops.scale(scale ? scale[i] : 1.0f, src + r * d, o, d);
   }
   const int64_t bad = first_bad.load();
   if (bad >= 0) throw std::out_of_range(bad_index("gather_rows", bad, index[bad], n_src));
@@ -180,17 +140,11 @@ void combine_rows(uintptr_t src_p, int64_t n_src, uintptr_t out_p, int64_t n_out
         }
         continue;
       }
-      ops.axpy(o, src + r * d, weight ? weight[t * k + j] : 1.0f, d);
+      ops.axpy(weight ? weight[t * k + j] : 1.0f, src + r * d, o, d);
     }
   }
   const int64_t bad = first_bad.load();
   if (bad >= 0) throw std::out_of_range(bad_index("combine_rows", bad, index[bad], n_src));
-}
-
-std::vector<int64_t> simd_levels() {
-  std::vector<int64_t> levels;
-  for (int64_t l = 0; l <= best_level(); ++l) levels.push_back(l);
-  return levels;
 }
 
 }  // namespace
@@ -208,5 +162,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out[t] = sum_j weight[t, j] * src[index[t, j]] (index -1 skipped)", py::arg("src"),
         py::arg("n_src"), py::arg("out"), py::arg("n_out"), py::arg("index"), py::arg("weight"),
         py::arg("k"), py::arg("d"), py::arg("level"), no_gil);
-  m.def("simd_levels", &simd_levels, "SIMD levels this build may run: 0 scalar, 1 AVX2, 2 AVX-512");
+  m.def("simd_levels", &simd::compiled_simd_levels,
+        "SIMD levels this build may run: 0 scalar, 1 AVX2, 2 AVX-512");
 }

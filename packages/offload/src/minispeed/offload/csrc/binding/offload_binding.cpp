@@ -54,12 +54,6 @@ std::vector<mo::Segment> segments(const std::vector<std::vector<uintptr_t>>& ptr
   return out;
 }
 
-std::vector<int> simd_levels() {
-  std::vector<int> levels;
-  for (int l = 0; l <= static_cast<int>(mo::best_compiled_simd()); ++l) levels.push_back(l);
-  return levels;
-}
-
 int max_threads() {
 #ifdef _OPENMP
   return omp_get_max_threads();
@@ -108,7 +102,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         mo::lion_step(segs, s, to_half(half), to_simd(simd), grain);
       },
       "Lion step over many tensors");
-  m.def("simd_levels", &simd_levels, "SIMD levels compiled in: 0 scalar, 1 AVX2, 2 AVX-512");
+  m.def("simd_levels", &minispeed::simd::compiled_simd_levels,
+        "SIMD levels compiled in: 0 scalar, 1 AVX2, 2 AVX-512");
   m.def("max_threads", &max_threads, "OpenMP threads a parallel loop may use now");
 
   py::class_<mo::AioEngine>(m, "AioEngine")

@@ -10,45 +10,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
-
-#if defined(MINISPEED_SIMD_AVX512) || defined(MINISPEED_SIMD_AVX2)
-#include <immintrin.h>
-#endif
 
 namespace minispeed_offload {
-
-// ---- 16-bit conversions (round-to-nearest-even) ------------------------------------------------
-
-uint16_t float_to_bf16_rne(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;  // NaN: never round (it could become inf)
-  bits += 0x7FFFu + ((bits >> 16) & 1u);  // ties go to the even kept bit
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-uint16_t float_to_fp16_rne(float value) {
-  uint32_t x;
-  std::memcpy(&x, &value, sizeof(x));
-  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
-  uint32_t abs_bits = x & 0x7FFFFFFFu;
-  if (abs_bits >= 0x7F800000u) return sign | (abs_bits > 0x7F800000u ? 0x7E00 : 0x7C00);
-  if (abs_bits >= 0x477FF000u) return sign | 0x7C00;  // >= 65520 rounds to inf
-  if (abs_bits < 0x38800000u) {
-    // Below 2^-14 the result is subnormal: adding 0.5 puts the value where one fp32 ulp is one
-    // fp16 subnormal unit (2^-24), so the hardware add rounds it to nearest even for us.
-    float a;
-    std::memcpy(&a, &abs_bits, sizeof(a));
-    a += 0.5f;
-    uint32_t r;
-    std::memcpy(&r, &a, sizeof(r));
-    return sign | static_cast<uint16_t>(r - 0x3F000000u);
-  }
-  const uint32_t odd = (abs_bits >> 13) & 1u;
-  abs_bits += 0xC8000FFFu + odd;  // rebias the exponent (127 -> 15) and round half to even
-  return sign | static_cast<uint16_t>(abs_bits >> 13);
-}
 
 namespace {
 
@@ -77,11 +40,12 @@ struct ScalarVec {
     return {a.v > 0.0f ? 1.0f : (a.v < 0.0f ? -1.0f : (a.v == 0.0f ? 0.0f : a.v))};
   }
   void store_half(uint16_t* dst, HalfKind kind) const {
-    *dst = kind == HalfKind::kBf16 ? float_to_bf16_rne(v) : float_to_fp16_rne(v);
+    *dst = kind == HalfKind::kBf16 ? minispeed::simd::f32_to_bf16_rne(v)
+                                   : minispeed::simd::f32_to_fp16_rne(v);
   }
 };
 
-#if defined(MINISPEED_SIMD_AVX2) || defined(MINISPEED_SIMD_AVX512)
+#if defined(MINISPEED_HAS_AVX2)
 struct Avx2Vec {
   static constexpr int kWidth = 8;
   __m256 v;
@@ -107,23 +71,15 @@ struct Avx2Vec {
     __m128i packed;
     if (kind == HalfKind::kFp16) {
       packed = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    } else {  // bf16, see float_to_bf16_rne
-      const __m256i bits = _mm256_castps_si256(v);
-      const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-      __m256i rounded = _mm256_srli_epi32(
-          _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb), 16);
-      const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-      rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), is_nan);
-      // Every lane is < 2^16, so the unsigned-saturating pack is exact.
-      packed = _mm_packus_epi32(_mm256_castsi256_si128(rounded),
-                                _mm256_extracti128_si256(rounded, 1));
+    } else {
+      packed = minispeed::simd::f32x8_to_bf16(v);
     }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), packed);
   }
 };
 #endif
 
-#if defined(MINISPEED_SIMD_AVX512)
+#if defined(MINISPEED_HAS_AVX512)
 struct Avx512Vec {
   static constexpr int kWidth = 16;
   __m512 v;
@@ -150,13 +106,7 @@ struct Avx512Vec {
     if (kind == HalfKind::kFp16) {
       packed = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     } else {
-      const __m512i bits = _mm512_castps_si512(v);
-      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-      __m512i rounded = _mm512_srli_epi32(
-          _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-      const __mmask16 is_nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-      rounded = _mm512_mask_blend_epi32(is_nan, rounded, _mm512_set1_epi32(0x7FC0));
-      packed = _mm512_cvtepi32_epi16(rounded);
+      packed = minispeed::simd::f32x16_to_bf16(v);
     }
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), packed);
   }
@@ -240,10 +190,10 @@ template <template <typename> class Range, typename Scalars>
 void dispatch(const Segment& seg, int64_t begin, int64_t end, const Scalars& s, HalfKind half,
               Simd simd) {
   int64_t i = begin;
-#if defined(MINISPEED_SIMD_AVX512)
+#if defined(MINISPEED_HAS_AVX512)
   if (simd == Simd::kAvx512) i = Range<Avx512Vec>::run(seg, i, end, s, half);
 #endif
-#if defined(MINISPEED_SIMD_AVX2) || defined(MINISPEED_SIMD_AVX512)
+#if defined(MINISPEED_HAS_AVX2)
   if (simd == Simd::kAvx2) i = Range<Avx2Vec>::run(seg, i, end, s, half);
 #endif
   (void)simd;

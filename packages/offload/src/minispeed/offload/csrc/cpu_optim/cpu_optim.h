@@ -27,20 +27,12 @@
 #include <cstdint>
 #include <vector>
 
+#include "minispeed/simd.h"  // Simd, best_compiled_simd, the 16-bit conversions (core/csrc/include)
+
 namespace minispeed_offload {
 
-enum class Simd : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
-
-// The widest path this build contains.
-inline Simd best_compiled_simd() {
-#if defined(MINISPEED_SIMD_AVX512)
-  return Simd::kAvx512;
-#elif defined(MINISPEED_SIMD_AVX2)
-  return Simd::kAvx2;
-#else
-  return Simd::kScalar;
-#endif
-}
+using minispeed::simd::best_compiled_simd;
+using minispeed::simd::Simd;
 
 // What the fused write-back stores next to the fp32 master: nothing, bf16 (RNE) or fp16 (RNE).
 enum class HalfKind : int { kNone = 0, kBf16 = 1, kFp16 = 2 };
@@ -89,9 +81,5 @@ void adagrad_step(const std::vector<Segment>& segments, const AdagradScalars& s,
                   Simd simd, int64_t grain);
 void lion_step(const std::vector<Segment>& segments, const LionScalars& s, HalfKind half, Simd simd,
                int64_t grain);
-
-// fp32 -> 16-bit with round-to-nearest-even (NaN -> quiet NaN), scalar; used for tails and tests.
-uint16_t float_to_bf16_rne(float value);
-uint16_t float_to_fp16_rne(float value);
 
 }  // namespace minispeed_offload
