@@ -241,21 +241,25 @@ def build(name: str, args: argparse.Namespace, vocab: int) -> Trainer:
     if name == FLOOR:
         # The compute every rank of a ZeRO step must do, with no communication and no
         # bookkeeping: forward and backward on this rank's micro-batch, then AdamW over this
-        # rank's 1/N of the elements (one flat tensor; its gradient a zero buffer, as the
-        # arithmetic does not depend on the values). No data-parallel system that keeps the same
-        # model, batch and optimizer can beat it on this machine, so it bounds every ratio.
+        # rank's 1/N of every parameter (one tensor per parameter, as ZeRO's masters are: one
+        # flat tensor would make torch's AdamW allocate model-sized temporaries, which cost
+        # fresh pages every step; gradients are zero buffers, as the arithmetic does not depend
+        # on the values). No data-parallel system that keeps the same model, batch and
+        # optimizer can beat it on this machine, so it bounds every ratio.
         world = dist.get_world_size()
-        numel = sum(p.numel() for p in model.parameters())
-        shard = torch.zeros(-(-numel // world), requires_grad=True)
-        shard.grad = torch.zeros_like(shard)
-        floor_opt = _adamw([shard])
+        shards = [
+            torch.zeros(-(-p.numel() // world), requires_grad=True) for p in model.parameters()
+        ]
+        for shard in shards:
+            shard.grad = torch.zeros_like(shard)
+        floor_opt = _adamw(shards)
 
         def floor_step() -> None:
             floor_opt.step()
             model.zero_grad(set_to_none=True)
 
         return Trainer(
-            name, lambda x, y: model(x, y)[1], torch.Tensor.backward, floor_step, (model, shard)
+            name, lambda x, y: model(x, y)[1], torch.Tensor.backward, floor_step, (model, shards)
         )
     block_numel = sum(p.numel() for p in model.blocks[0].parameters())
     if name.startswith("ZeRO-"):
