@@ -26,7 +26,7 @@ import os
 
 import pytest
 import torch
-from stage3_testlib import GLOBAL_BATCH, LR
+from stage3_testlib import GLOBAL_BATCH, LR, infinity_config
 from zero_testlib import make_batches, make_model, rank_slice
 
 import minispeed.zero as zero
@@ -36,22 +36,6 @@ from minispeed.zero.stage3.params import REGISTRY
 AsyncIO = pytest.importorskip("minispeed.offload.aio").AsyncIO
 
 TIMEOUT_S = 90  # a hang fails fast: the bodies take a few seconds
-
-
-def _config(nvme_path: str, accum: int = 1) -> zero.ZeroConfig:
-    nvme = {"device": "nvme", "nvme_path": nvme_path}
-    return zero.ZeroConfig.from_ds_config(
-        {
-            "zero_optimization": {
-                "stage": 3,
-                "stage3_param_persistence_threshold": 30,  # a few persistent (in memory) too
-                "sub_group_size": 3000,
-                "offload_param": {**nvme, "buffer_count": 2, "buffer_size": 2000},
-                "offload_optimizer": {**nvme, "buffer_count": 2, "pipeline_read": True},
-            },
-            "gradient_accumulation_steps": accum,
-        }
-    )
 
 
 def _victim(opt: zero.ZeroOptimizer, model: torch.nn.Module, phase: str) -> str:
@@ -68,7 +52,9 @@ def _break_one_rank(rank: int, world_size: int, nvme_path: str, phase: str) -> d
     accum = 2 if phase == "backward" else 1
     model = make_model()
     opt = zero.shard(
-        model, torch.optim.AdamW(model.parameters(), lr=LR), config=_config(nvme_path, accum)
+        model,
+        torch.optim.AdamW(model.parameters(), lr=LR),
+        config=infinity_config(nvme_path, accum),
     )
     first, second = (rank_slice(b, rank, world_size) for b in make_batches(2, GLOBAL_BATCH))
     for _ in range(accum):  # one healthy step: every file exists and holds data
@@ -130,7 +116,7 @@ def _full_disk_in_init(rank: int, world_size: int, nvme_path: str) -> dict:
     AsyncIO.submit_write = full_disk  # this worker process only; restored below
     error = ""
     try:
-        with zero.Init(config=_config(nvme_path)):
+        with zero.Init(config=infinity_config(nvme_path)):
             make_model()
     except OSError as exc:
         error = f"{type(exc).__name__}: {exc}"

@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from stage3_testlib import GLOBAL_BATCH, LR, global_loss
+from stage3_testlib import GLOBAL_BATCH, LR, global_loss, infinity_config
 from zero_testlib import make_batches, make_model, rank_slice
 
 import minispeed.comm as comm
@@ -22,21 +22,6 @@ from minispeed.core.testing import run_distributed
 offload = pytest.importorskip("minispeed.offload")
 
 STEPS, SURGERY_AT = 6, 3
-
-
-def _config(nvme_path: str) -> zero.ZeroConfig:
-    nvme = {"device": "nvme", "nvme_path": nvme_path}
-    return zero.ZeroConfig.from_ds_config(
-        {
-            "zero_optimization": {
-                "stage": 3,
-                "stage3_param_persistence_threshold": 30,  # a few persistent (in memory) too
-                "sub_group_size": 3000,
-                "offload_param": {**nvme, "buffer_count": 2, "buffer_size": 2000},
-                "offload_optimizer": {**nvme, "buffer_count": 2, "pipeline_read": True},
-            }
-        }
-    )
 
 
 def _surgery(model: torch.nn.Module) -> None:
@@ -59,7 +44,7 @@ def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 def _train(rank: int, world_size: int, nvme_path: str) -> dict:
-    cfg = _config(nvme_path)
+    cfg = infinity_config(nvme_path)
     with zero.Init(config=cfg) as init:
         model = make_model()
     resident_after_init = sum(sp.shard.numel() for sp in init.sharded)
