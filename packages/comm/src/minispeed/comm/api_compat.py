@@ -122,11 +122,9 @@ def reduce_scatter_impl(
     """The implementation a reduce-scatter gets on `group`'s backend: `"native"`,
     `"all_reduce+slice"`, or, for an in-place call (`output` is this rank's chunk of `input`),
     `"all_reduce_in_place"`. The two all-reduce forms send 2(n-1)/n · S bytes per rank."""
-    backend = _backend(group)
     if (
-        backend not in _REDUCE_SCATTER_BY_ALL_REDUCE
-        and "reduce_scatter" not in _FORCED
-        and (backend, "reduce_scatter") not in _MISSING
+        impl_of("reduce_scatter", group) == "native"
+        and _backend(group) not in _REDUCE_SCATTER_BY_ALL_REDUCE
     ):
         return "native"
     if output is not None and input is not None and _is_own_chunk(output, input, group):
@@ -174,7 +172,7 @@ def _try_native(
 
 
 def reduce_scatter_flat(
-    output: torch.Tensor, input: torch.Tensor, op: Any, group: Any, async_op: bool
+    output: torch.Tensor, input: torch.Tensor, op: Any, group: Any, async_op: bool, impl: str
 ) -> Issued:
     """Reduce `input` (n·m elements) over the group; this rank's m-element chunk lands in `output`.
 
@@ -182,9 +180,9 @@ def reduce_scatter_flat(
     Correct for every reduce op; it sends 2(n-1)/n · S bytes instead of (n-1)/n · S and holds one
     extra input-sized buffer while in flight. In place, where the backend's reduce-scatter is an
     all-reduce anyway (`all_reduce_in_place`, Note [gloo's reduce-scatter is an all-reduce]), the
-    input itself is all-reduced: the same bytes, no buffer, no copy.
+    input itself is all-reduced: the same bytes, no buffer, no copy. `impl`: what
+    `reduce_scatter_impl` chose for this call (the caller logs it, so it is computed once).
     """
-    impl = reduce_scatter_impl(group, output, input)
     if impl == "all_reduce_in_place":
         return dist.all_reduce(input, op=op, group=group, async_op=async_op), None
 

@@ -123,10 +123,12 @@ def reduce_scatter_tensor(
         (output, input),
         compat_op=name,
     )
-    call.impl = api_compat.reduce_scatter_impl(group, output, input)
+    impl = call.impl = api_compat.reduce_scatter_impl(group, output, input)
     return launch(
         call,
-        lambda: api_compat.reduce_scatter_flat(_flat(output), _flat(input), op, group, async_op),
+        lambda: api_compat.reduce_scatter_flat(
+            _flat(output), _flat(input), op, group, async_op, impl
+        ),
         async_op,
     )
 
