@@ -1,8 +1,264 @@
-"""minispeed.engine — the meta-package's composition layer (`initialize()`, ds_config, launcher).
+"""minispeed.engine: DeepSpeed's API over minispeed's packages, so a DeepSpeed script runs with
+its import line changed (`import minispeed.engine as deepspeed`).
 
-Not yet implemented: it will read a DeepSpeed-compatible config and apply, in a fixed order, the
-pipeline partition, MoE groups, ZeRO with its offload policy and the profiler hooks. Until then, use
-each package's own entry point (for example `minispeed.zero` from a plain training loop).
+```python
+import minispeed.engine as deepspeed
+engine, optimizer, loader, scheduler = deepspeed.initialize(
+    model=model, model_parameters=model.parameters(), config="ds_config.json")
+```
+
+`initialize` composes the packages in one fixed order (each step selected by the config):
+
+1. read and check the whole config on every rank (no collective yet): `EngineConfig`;
+2. `init_distributed` (torchrun's environment, or a single process);
+3. the optimizer: the one given, a callable of the parameters, or the config's by name;
+4. `zero.shard` over the data-parallel group (stage, precision, offload, ZeRO++);
+5. the scheduler: the one given, a callable of the optimizer, or the config's by name;
+6. the engine (`Engine`), with the profiler, comms logger and timers the config turns on.
+
+Reading order: `config.py` (the ds_config) → `engine.py` (the loop) → this file (the order).
 """
 
-__all__: list[str] = []
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+import minispeed.comm as comm
+import minispeed.zero as zero
+from minispeed.core.config import ConfigError
+from minispeed.core.logging import get_logger
+from minispeed.engine.config import EngineConfig, load_ds_config
+from minispeed.engine.engine import Engine
+
+__all__ = [
+    "ConfigError",
+    "Engine",
+    "EngineConfig",
+    "add_config_arguments",
+    "init_distributed",
+    "initialize",
+]
+
+_log = get_logger("engine")
+
+
+def init_distributed(
+    dist_backend: str | None = None,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int | None = None,
+    verbose: bool = True,
+    timeout: Any = None,
+    init_method: str | None = None,
+    dist_init_required: bool | None = None,
+    config: Any = None,
+    rank: int = -1,
+    world_size: int = -1,
+) -> None:
+    """Start the default process group from torchrun's environment (DeepSpeed's signature).
+
+    `dist_backend=None` picks the accelerator's (gloo on CPU, nccl on GPU); without torchrun's
+    variables a single-process group starts. MPI discovery and explicit ranks are not used:
+    launch with `torchrun` (or `minispeed run`).
+    """
+    if rank != -1 or world_size != -1:
+        raise ValueError(
+            "init_distributed(rank=..., world_size=...) is not supported: launch with torchrun, "
+            "which sets RANK and WORLD_SIZE"
+        )
+    if distributed_port is not None and "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(distributed_port)
+    timeout_s = 300.0 if timeout is None else float(getattr(timeout, "total_seconds", lambda: timeout)())
+    comm.init_distributed(backend=dist_backend, timeout_s=timeout_s, init_method=init_method)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add DeepSpeed's `--deepspeed` and `--deepspeed_config` flags to `parser`."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument(
+        "--deepspeed", default=False, action="store_true", help="Enable DeepSpeed (minispeed)"
+    )
+    group.add_argument("--deepspeed_config", default=None, type=str, help="ds_config.json path")
+    group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
+    group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
+    return parser
+
+
+def _config_from(args: Any, config: Any, config_params: Any) -> dict[str, Any]:
+    """DeepSpeed's precedence: `config`, else `config_params`, else `args.deepspeed_config`
+    (`args.deepscale_config`, its old name); two given is an error."""
+    if config is None:
+        config = config_params
+    from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if from_args is not None and config is not None:
+        raise ConfigError(
+            "",
+            "a config was given twice (args.deepspeed_config and initialize(config=...)); pass "
+            "only one of them",
+        )
+    config = config if config is not None else from_args
+    if config is None:
+        raise ConfigError(
+            "",
+            "initialize() needs a config: pass config= (a dict or a path) or args with "
+            "--deepspeed_config",
+        )
+    return load_ds_config(config)
+
+
+def initialize(
+    args: Any = None,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | Callable[..., Any] | None = None,
+    model_parameters: Iterable[Any] | None = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    distributed_port: int | None = None,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Callable[..., Any] | None = None,
+    config: str | os.PathLike | Mapping[str, Any] | None = None,
+    mesh_param: Any = None,
+    config_params: str | os.PathLike | Mapping[str, Any] | None = None,
+) -> tuple[Any, Any, Any, Any]:
+    """Build the engine: returns `(engine, optimizer, training_dataloader, lr_scheduler)`.
+
+    `optimizer` and `lr_scheduler` may be objects or callables (of the parameters, of the
+    optimizer), as DeepSpeed accepts; without them the config's `optimizer` / `scheduler`
+    sections are built by name. `training_data` (a dataset) gets a distributed loader of
+    `train_micro_batch_size_per_gpu` samples per rank. A `PipelineModule` yields a pipeline
+    engine (`train_batch` / `eval_batch`).
+    """
+    if model is None or not isinstance(model, nn.Module):
+        raise TypeError(f"initialize() needs model= (an nn.Module), got {type(model).__name__}")
+    if mpu is not None or mesh_param is not None:
+        raise ValueError(
+            "mpu= and mesh_param= are not supported: minispeed builds its process grid from the "
+            "config (pipeline stages x data parallel); remove them"
+        )
+    # 1. The whole config, checked locally on every rank before any collective.
+    ds = _config_from(args, config, config_params)
+    pipeline_module = _pipeline_module_type()
+    is_pipeline = pipeline_module is not None and isinstance(model, pipeline_module)
+    # 2. The process group.
+    if distributed_port is not None and "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(distributed_port)
+    comm.init_distributed()
+    world = comm.get_world_size()
+    if is_pipeline:
+        return _initialize_pipeline(model, optimizer, model_parameters, lr_scheduler, ds, training_data)
+    cfg = EngineConfig.from_ds_config(ds, data_parallel_size=world)
+    # 3. The optimizer.
+    params = list(model_parameters) if model_parameters is not None else list(model.parameters())
+    opt = _build_optimizer(optimizer, params, cfg)
+    # 4. ZeRO over the data-parallel group (stage 0 is plain data parallelism).
+    zero_opt = zero.shard(model, opt, config=cfg.zero, precision=cfg.precision) if opt else None
+    # 5. The scheduler, on the optimizer whose param groups hold the hyper-parameters.
+    scheduler = _build_scheduler(lr_scheduler, zero_opt, cfg)
+    loader = _dataloader(training_data, cfg, collate_fn)
+    # 6. The engine, with the profiler, comms logger and timers it reads from the config.
+    engine = Engine(model, zero_opt, cfg, scheduler, loader)
+    return engine, zero_opt, loader, scheduler
+
+
+def _build_optimizer(given: Any, params: list[Any], cfg: EngineConfig) -> Any:
+    if isinstance(given, torch.optim.Optimizer):
+        if cfg.optimizer is not None:
+            _log.warning(
+                "initialize(optimizer=%s) and the config's \"optimizer\" section were both given; "
+                "the optimizer object is used, as DeepSpeed does (remove the section to silence this)",
+                type(given).__name__,
+            )
+        return given
+    if given is not None:
+        if not callable(given):
+            raise TypeError(
+                f"optimizer= must be a torch.optim.Optimizer or a callable of the model "
+                f"parameters, got {type(given).__name__}"
+            )
+        return given(params)
+    if cfg.optimizer is None:
+        return None
+    from minispeed.engine.optim import build_optimizer
+
+    return build_optimizer(cfg.optimizer, params)
+
+
+def _build_scheduler(given: Any, zero_opt: Any, cfg: EngineConfig) -> Any:
+    if given is not None and hasattr(given, "step"):  # a scheduler object, already attached
+        return given
+    # The inner optimizer's param groups hold the hyper-parameters the step reads.
+    target = zero_opt.optimizer if zero_opt is not None else None
+    if given is not None:  # DeepSpeed's scheduler callable: it gets the optimizer
+        if not callable(given):
+            raise TypeError(
+                f"lr_scheduler= must be a scheduler or a callable of the optimizer, got "
+                f"{type(given).__name__}"
+            )
+        return given(target)
+    if cfg.scheduler is None:
+        return None
+    if target is None:
+        raise ConfigError("scheduler", "a scheduler needs an optimizer; add an optimizer section")
+    from minispeed.engine.lr_schedules import build_scheduler
+
+    return build_scheduler(cfg.scheduler, target)
+
+
+def _dataloader(dataset: Any, cfg: EngineConfig, collate_fn: Any) -> Any:
+    """DeepSpeed's loader: a `DistributedSampler` over the data-parallel ranks (shuffled with
+    seed 0), `train_micro_batch_size_per_gpu` samples per batch."""
+    if dataset is None:
+        return None
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    sampler = DistributedSampler(
+        dataset, num_replicas=cfg.data_parallel_size, rank=comm.get_rank()
+    )
+    return DataLoader(
+        dataset, batch_size=cfg.micro_batch_size, sampler=sampler, collate_fn=collate_fn
+    )
+
+
+def _pipeline_module_type() -> type | None:
+    try:
+        from minispeed.engine.pipe import PipelineModule
+    except ImportError:
+        return None
+    return PipelineModule
+
+
+def _initialize_pipeline(
+    model: Any, optimizer: Any, model_parameters: Any, lr_scheduler: Any, ds: dict, data: Any
+) -> tuple[Any, Any, Any, Any]:
+    from minispeed.engine.pipe_engine import PipelineEngine
+
+    params = list(model_parameters) if model_parameters is not None else list(model.parameters())
+    cfg_optimizer = ds.get("optimizer")
+    if optimizer is None and cfg_optimizer is not None:
+        from minispeed.engine.optim import build_optimizer
+
+        optimizer = build_optimizer(cfg_optimizer, params)
+    elif optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer(params)
+    if data is not None:
+        raise ValueError(
+            "training_data= with a PipelineModule is not supported: pass a data iterator to "
+            "engine.train_batch(data_iter)"
+        )
+    engine = PipelineEngine(model, optimizer, ds)
+    scheduler = lr_scheduler
+    if scheduler is not None and not hasattr(scheduler, "step"):
+        scheduler = scheduler(optimizer)
+    elif scheduler is None and ds.get("scheduler") is not None:
+        from minispeed.engine.lr_schedules import build_scheduler
+
+        scheduler = build_scheduler(ds["scheduler"], optimizer)
+    if scheduler is not None and hasattr(engine, "lr_scheduler"):
+        engine.lr_scheduler = scheduler
+    return engine, optimizer, None, scheduler

@@ -118,6 +118,7 @@ class ZeroOptimizer:
         self.loss_scaler = LossScaler(precision)
         self.global_step = 0
         self.micro_step = 0
+        self._grad_norm: torch.Tensor | None = None  # before clipping, at the last clipped step
         self._stepped_at = 0  # micro_step of the last boundary step() handled
 
         masters = strategy.master_params()
@@ -347,6 +348,7 @@ class ZeroOptimizer:
             travel = sq.to(comm.tensor_device(self.comm_group))  # the host under offload + NCCL
             comm.all_reduce(travel, group=self.comm_group)
             sq = travel.to(self._grad_device)
+        self._grad_norm = sq.sqrt()  # read lazily by global_grad_norm: no host sync here
         # torch.nn.utils.clip_grad_norm_'s rule, so that results match it.
         coef = torch.clamp(self.config.max_grad_norm / (sq.sqrt() + 1e-6), max=1.0)
         if swapped is not None:
@@ -354,6 +356,12 @@ class ZeroOptimizer:
             return
         for g in grads:
             g.mul_(coef.to(g.dtype))
+
+    @property
+    def global_grad_norm(self) -> float | None:
+        """The global L2 norm of the gradients before clipping, at the last step that clipped
+        (`max_grad_norm` > 0); `None` before then or without clipping."""
+        return None if self._grad_norm is None else float(self._grad_norm)
 
     def zero_grad(self) -> None:
         """Drop every accumulated gradient (`step` already does this after stepping).

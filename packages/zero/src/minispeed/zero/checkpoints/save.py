@@ -122,6 +122,7 @@ def save_checkpoint(
     *,
     client_state: dict[str, Any] | None = None,
     save_rng: bool = True,
+    save_latest: bool = True,
 ) -> Path:
     """Save `opt` (a `ZeroOptimizer`) and `model` under `save_dir/tag`.
 
@@ -138,6 +139,7 @@ def save_checkpoint(
     Errors: an exception on any rank (a full disk, a bad state) raises `CheckpointError` on every
     rank, naming the rank and its error (Note [a checkpoint fails on every rank]); the tag is
     then left unsealed, and `latest` keeps naming the previous complete tag.
+    `save_latest=False` leaves `latest` where it was (DeepSpeed's `save_latest`).
     """
     group = opt.comm_group
     rank, world_size = comm.get_rank(group), comm.get_world_size(group)
@@ -171,6 +173,8 @@ def save_checkpoint(
             _write_common_and_seal(
                 opt, model, root, tag, world_size, everyone, gathered, client_state, frozen, model16
             )
+            if save_latest:
+                atomic_write_text(root / LATEST_FILE, tag + "\n")
 
     together(group, what, seal)  # nobody returns before the tag is sealed and `latest` moved
     return tag_dir
@@ -257,8 +261,8 @@ def _write_common_and_seal(
     frozen: dict[str, torch.Tensor],
     model16: dict[str, torch.Tensor] | None,
 ) -> None:
-    """Rank 0: write `common.pt` (and the 16-bit model), then `metadata.json` (the seal), then
-    `latest`."""
+    """Rank 0: write `common.pt` (and the 16-bit model), then `metadata.json` (the seal); the
+    caller moves `latest` after it."""
     tag_dir = root / tag
     shapes: dict[str, tuple[int, ...]] = {}
     for e in everyone:
@@ -315,7 +319,6 @@ def _write_common_and_seal(
         model_16bit_file_bytes=model16_bytes,
     )
     atomic_write_text(tag_dir / METADATA_FILE, meta.to_json())
-    atomic_write_text(root / LATEST_FILE, tag + "\n")
 
 
 def _state_dict_keys(module: nn.Module, prefix: str = "") -> list[str]:

@@ -1,0 +1,151 @@
+"""Config primitives every package's config uses: one error type, one did-you-mean, one translator.
+
+A DeepSpeed `ds_config.json` is one nested dict whose sections belong to different packages. Each
+package turns **its own section** into a frozen dataclass (`ZeroConfig`, `PipelineConfig`, ...);
+the engine composes them. What must be the same everywhere is how a bad key is reported:
+
+```python
+from minispeed.core.config import ConfigError, check_keys
+check_keys({"stgae": 2}, known={"stage", "overlap_comm"}, path="zero_optimization")
+# ConfigError: zero_optimization.stgae: unknown key (did you mean 'stage'?); known keys: ...
+```
+
+- `ConfigError(ValueError)` carries `path`, the dotted key path (`"scheduler.params.warmup_num_steps"`),
+  so a caller (the engine, a schema tool, a test) can tell which key was wrong without parsing text.
+- `did_you_mean` suggests the nearest known key by edit distance (one edit for short keys, two from
+  eight characters on; swapped neighbours cost one).
+- `check_keys` refuses unknown keys, and keys DeepSpeed defines that minispeed does not implement
+  unless they hold DeepSpeed's default value (a config written out in full must still load).
+- `translate` renames DeepSpeed keys into our field names, once, at the boundary.
+
+Cost: one edit-distance computation per (unknown key, known key): O(len²) each, only on error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+__all__ = [
+    "ConfigError",
+    "check_keys",
+    "did_you_mean",
+    "edit_distance",
+    "join_path",
+    "translate",
+]
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; `path` names the key (dotted), the message names the fix."""
+
+    def __init__(self, path: str, message: str) -> None:
+        self.path = path
+        super().__init__(f"{path}: {message}" if path else message)
+
+
+def join_path(path: str, key: Any) -> str:
+    """`"a.b"` + `"c"` -> `"a.b.c"`; an empty `path` gives the key alone."""
+    return f"{path}.{key}" if path else str(key)
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Optimal-string-alignment distance: insertions, deletions, substitutions and swaps of two
+    adjacent characters cost 1 each (`"optimisation"` -> `"optimization"`: 1)."""
+    prev2: list[int] = []
+    prev = list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        cur = [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            cost = 0 if a[i - 1] == b[j - 1] else 1
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + cost)
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                cur[j] = min(cur[j], prev2[j - 2] + 1)
+        prev2, prev = prev, cur
+    return prev[len(b)]
+
+
+def is_close(key: str, known: str) -> bool:
+    """Within the tolerance for misspellings: 1 edit for short keys, 2 from 8 characters on
+    (case-insensitive)."""
+    limit = 2 if len(known) >= 8 else 1
+    return edit_distance(key.lower(), known.lower()) <= limit
+
+
+def did_you_mean(keys: Iterable[str], known: Iterable[str]) -> str:
+    """`" (did you mean 'x'?)"` for the first of `keys` close to one of `known`, else `""`."""
+    known = sorted(known)
+    for key in keys:
+        best = min(known, key=lambda k: edit_distance(str(key).lower(), k.lower()), default=None)
+        if best is not None and is_close(str(key), best):
+            return f" (did you mean {best!r} for {key!r}?)"
+    return ""
+
+
+def check_keys(
+    section: Mapping[str, Any],
+    known: Iterable[str],
+    path: str,
+    *,
+    unsupported: Mapping[str, str] | None = None,
+    defaults: Mapping[str, Any] | None = None,
+) -> None:
+    """Raise `ConfigError` for the first key of `section` that minispeed does not read.
+
+    - `known`: the keys read (their values are checked by the caller).
+    - `unsupported`: DeepSpeed keys minispeed does not implement, each with the reason; such a
+      key is accepted only when it holds its DeepSpeed default (`defaults[key]`), since a key
+      at its default changes nothing.
+    - anything else is unknown: the error suggests the nearest known key.
+    """
+    if not isinstance(section, Mapping):
+        raise ConfigError(path, f"must be a JSON object, got {type(section).__name__}")
+    known = set(known)
+    unsupported = unsupported or {}
+    defaults = defaults or {}
+    for key in section:
+        if key in known:
+            continue
+        where = join_path(path, key)
+        if key in unsupported:
+            if key in defaults and _same(section[key], defaults[key]):
+                continue
+            default = f" (its DeepSpeed default {defaults[key]!r} is accepted)" if key in defaults else ""
+            raise ConfigError(
+                where,
+                f"DeepSpeed's {key!r} is not supported by minispeed: {unsupported[key]}; remove "
+                f"it{default}",
+            )
+        hint = did_you_mean([key], known | set(unsupported))
+        raise ConfigError(
+            where, f"unknown key{hint}; known keys here: {', '.join(sorted(known)) or '(none)'}"
+        )
+
+
+def _same(value: Any, default: Any) -> bool:
+    """A value equals a default, recursively for objects (a section `{"enabled": false}` equals
+    the default section when each of its keys holds the default's value)."""
+    if isinstance(default, Mapping) and isinstance(value, Mapping):
+        return all(k in default and _same(v, default[k]) for k, v in value.items())
+    if isinstance(default, bool) or isinstance(value, bool):
+        return value is default
+    return value == default
+
+
+def translate(
+    section: Mapping[str, Any], names: Mapping[str, str], *, counts: Iterable[str] = ()
+) -> dict[str, Any]:
+    """`{ds_key: value}` -> `{our_field: value}` for the keys of `names` present in `section`.
+
+    DeepSpeed configs often write counts as floats (`"reduce_bucket_size": 5e8`): the DeepSpeed
+    keys in `counts` become ints when integral (a float like `1.5` is left for the field's own
+    type check to refuse)."""
+    counts = set(counts)
+    out: dict[str, Any] = {}
+    for ds_key, field in names.items():
+        if ds_key in section:
+            value = section[ds_key]
+            if ds_key in counts and isinstance(value, float) and value.is_integer():
+                value = int(value)
+            out[field] = value
+    return out

@@ -1,0 +1,334 @@
+"""`Engine`: DeepSpeed's training loop surface over a model sharded by `minispeed.zero`.
+
+```python
+engine, optimizer, _, scheduler = minispeed.engine.initialize(model=model, config="ds.json",
+                                                              model_parameters=model.parameters())
+for x, y in loader:
+    loss = engine(x, y)      # forward (inputs moved to the engine's device)
+    engine.backward(loss)    # scaled by the fp16 loss scale / gradient_accumulation_steps
+    engine.step()            # steps the optimizer and scheduler at accumulation boundaries
+```
+
+The engine only orders calls; each feature's knowledge lives in its package:
+`minispeed.zero.ZeroOptimizer` does accumulation, loss scaling, clipping and the sharded step;
+`minispeed.zero` saves and loads checkpoints; the profiler and the comms logger record.
+
+Counters follow DeepSpeed: `global_steps` counts accumulation boundaries (an fp16 overflow
+that skips its step still counts, and also counts in `skipped_steps`); `global_samples` adds
+`train_batch_size()` per boundary; the scheduler steps only when the optimizer really stepped.
+
+Cost over calling `zero.shard` directly: a few Python attribute reads per call, plus what the
+config turns on (timers synchronize the device three times per micro-step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import minispeed.comm as comm
+import minispeed.zero as zero
+from minispeed.core.accelerator import get_accelerator
+from minispeed.core.logging import get_logger
+from minispeed.engine.config import EngineConfig
+
+__all__ = ["Engine"]
+
+_log = get_logger("engine")
+
+# The keys the engine adds to a checkpoint's client_state (the user's own stays under "client").
+_ENGINE_STATE = "minispeed_engine"
+
+
+class Engine(nn.Module):
+    """A model, its `ZeroOptimizer` and its scheduler, stepped with DeepSpeed's semantics.
+
+    Built by `minispeed.engine.initialize`. `module` is the user's model (sharded in place by
+    `zero.shard`); `optimizer` the `ZeroOptimizer`; `lr_scheduler` the scheduler or `None`.
+    Being an `nn.Module`, `engine.parameters()` and `engine.state_dict()` (keys prefixed by
+    `module.`, as DeepSpeed's) work.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: zero.ZeroOptimizer | None,
+        config: EngineConfig,
+        lr_scheduler: Any = None,
+        training_dataloader: Any = None,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.training_dataloader = training_dataloader
+        self.config = config
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self.micro_steps = 0
+        self.device = get_accelerator().device()
+        self.timers: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+        self._stack = contextlib.ExitStack()  # the step being profiled, while it runs
+        self._profiling = False
+        self._step_started = time.perf_counter()
+        self.comms_logger: comm.CommsLogger | None = None
+        if config.comms_logger.get("enabled", False):
+            self.comms_logger = comm.CommsLogger()
+            self.comms_logger.__enter__()
+        self._step_profiler = None
+        if config.flops_profiler is not None and config.flops_profiler.enabled:
+            from minispeed.profiler import StepProfiler
+
+            self._step_profiler = StepProfiler(module, config.flops_profiler)
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's forward, with every tensor argument moved to the engine's device."""
+        if self._step_profiler is not None and not self._profiling:
+            # Opened at the step's first forward, closed (and reported) at its boundary.
+            self._stack.enter_context(self._step_profiler.step(self.global_steps))
+            self._profiling = True
+        with self._timed("forward"):
+            return self.module(*_to_device(args, self.device), **_to_device(kwargs, self.device))
+
+    def backward(self, loss: torch.Tensor, **_: Any) -> torch.Tensor:
+        """Backward of `loss` (scaled for fp16 and by `1 / gradient_accumulation_steps`)."""
+        opt = self._require_optimizer("backward")
+        with self._timed("backward"):
+            opt.backward(loss)
+        return loss
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the current micro-step (the next `step()`) ends an accumulation window."""
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    def step(self, lr_kwargs: Mapping[str, Any] | None = None) -> None:
+        """Call after every `backward`; acts at accumulation boundaries only."""
+        opt = self._require_optimizer("step")
+        boundary = self.is_gradient_accumulation_boundary()
+        with self._timed("step"):
+            stepped = opt.step()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        if stepped:
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+        else:
+            self.skipped_steps += 1  # fp16 overflow: DeepSpeed counts the step, skips the scheduler
+        self.global_steps += 1
+        self.global_samples += self.config.train_batch_size
+        self._stack.close()  # reports the profiled step, if this was it
+        self._profiling = False
+        if self.comms_logger is not None:
+            self.comms_logger.mark_step()
+        self._report()
+
+    def _require_optimizer(self, what: str) -> zero.ZeroOptimizer:
+        if self.optimizer is None:
+            raise RuntimeError(
+                f"engine.{what}() needs an optimizer: pass optimizer= to initialize() or give an "
+                f"\"optimizer\" section in the config"
+            )
+        return self.optimizer
+
+    @contextlib.contextmanager
+    def _timed(self, name: str) -> Any:
+        if not self.config.wall_clock_breakdown:
+            yield
+            return
+        acc = get_accelerator()
+        acc.synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            acc.synchronize()
+            self.timers[name] += time.perf_counter() - start
+
+    def _report(self) -> None:
+        every = self.config.steps_per_print
+        if not every or self.global_steps % every or comm.get_rank() != 0:
+            return
+        lr = ", ".join(f"{x:.6g}" for x in self.get_lr())
+        line = f"step={self.global_steps}, skipped={self.skipped_steps}, lr=[{lr}]"
+        elapsed = time.perf_counter() - self._step_started
+        line += f", {elapsed / every * 1e3:.1f} ms/step"
+        if self.config.wall_clock_breakdown:
+            parts = ", ".join(f"{k}={v / every * 1e3:.1f} ms" for k, v in self.timers.items())
+            line += f" ({parts})"
+            self.timers = dict.fromkeys(self.timers, 0.0)
+        self._step_started = time.perf_counter()
+        _log.info(line)
+
+    # -- what DeepSpeed's engine answers ----------------------------------------------------------
+    def train(self, mode: bool = True) -> Engine:
+        """Set the module's training mode (returns the engine)."""
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        """Set the module to evaluation mode (returns the engine)."""
+        return self.train(False)
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of each param group."""
+        opt = self.optimizer
+        groups = opt.param_groups if opt is not None and hasattr(opt, "param_groups") else []
+        if not groups and opt is not None:
+            groups = opt.optimizer.param_groups
+        return [float(g["lr"]) for g in groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """The L2 norm of all gradients before clipping at the last step, over every rank.
+
+        Computed when `gradient_clipping` > 0 (it costs one all-reduce under partitioned
+        gradients); `None` otherwise, and before the first step.
+        """
+        return None if self.optimizer is None else self.optimizer.global_grad_norm
+
+    def zero_optimization_stage(self) -> int:
+        """The ZeRO stage (0-3)."""
+        return self.config.zero.stage
+
+    def train_batch_size(self) -> int:
+        """Samples per optimizer step over all data-parallel ranks."""
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per rank per forward."""
+        return self.config.micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step."""
+        return self.config.gradient_accumulation_steps
+
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients (`step` already does at each boundary)."""
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def save_checkpoint(
+        self,
+        save_dir: str | os.PathLike,
+        tag: str | None = None,
+        client_state: Mapping[str, Any] | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """Save model, optimizer, scheduler and counters under `save_dir/tag` (collective).
+
+        `tag` defaults to `global_step<N>`. `client_state` comes back from `load_checkpoint`.
+        The files are `zero.save_checkpoint`'s: one per data-parallel rank, sealed by rank 0,
+        `latest` moved last (unless `save_latest=False`).
+        """
+        if exclude_frozen_parameters:
+            raise ValueError(
+                "exclude_frozen_parameters=True is not supported: frozen parameters are saved "
+                "whole by rank 0; leave it False"
+            )
+        opt = self._require_optimizer("save_checkpoint")
+        tag = tag if tag is not None else f"global_step{self.global_steps}"
+        state = {
+            _ENGINE_STATE: {
+                "global_steps": self.global_steps,
+                "global_samples": self.global_samples,
+                "skipped_steps": self.skipped_steps,
+                "micro_steps": self.micro_steps,
+                "lr_scheduler": _state_of(self.lr_scheduler),
+                "train_batch_size": self.config.train_batch_size,
+            },
+            "client": dict(client_state or {}),
+        }
+        zero.save_checkpoint(
+            opt, self.module, save_dir, str(tag), client_state=state, save_latest=save_latest
+        )
+        return True
+
+    def load_checkpoint(
+        self,
+        load_dir: str | os.PathLike,
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str | None, dict[str, Any] | None]:
+        """Restore what `save_checkpoint` wrote; returns `(path, client_state)`.
+
+        `tag=None` reads `load_dir/latest`; with no `latest` file this returns `(None, None)`
+        with a warning, as DeepSpeed does. Loads at any data-parallel size.
+        """
+        if not load_module_strict:
+            raise ValueError(
+                "load_module_strict=False is not supported: the checkpoint's parameter names must "
+                "match the model's (the first mismatch is named); leave it True"
+            )
+        opt = self._require_optimizer("load_checkpoint")
+        root = Path(load_dir)
+        if tag is None and not (root / "latest").is_file():
+            _log.warning("no 'latest' file in %s: nothing loaded; pass tag= to load a tag", root)
+            return None, None
+        only_module = load_module_only or not load_optimizer_states
+        saved = zero.load_checkpoint(
+            opt, self.module, root, tag, load_optimizer_states=not only_module
+        )
+        saved = dict(saved or {})
+        ours = saved.get(_ENGINE_STATE)
+        client = saved.get("client", saved) if ours is not None else saved
+        if ours is not None and not load_module_only:
+            self.global_steps = ours["global_steps"]
+            self.global_samples = ours["global_samples"]
+            self.skipped_steps = ours["skipped_steps"]
+            self.micro_steps = ours["micro_steps"]
+            if load_lr_scheduler_states and self.lr_scheduler is not None:
+                if ours["lr_scheduler"] is None:
+                    raise ValueError(
+                        "this checkpoint holds no scheduler state but the engine has a scheduler; "
+                        "pass load_lr_scheduler_states=False to keep the scheduler as built"
+                    )
+                self.lr_scheduler.load_state_dict(ours["lr_scheduler"])
+        name = tag if tag is not None else (root / "latest").read_text().strip()
+        return os.fspath(root / name), client
+
+    def save_16bit_model(
+        self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin"
+    ) -> bool:
+        """Write the model's weights in their training dtype as one `state_dict` file (rank 0)."""
+        opt = self._require_optimizer("save_16bit_model")
+        Path(save_dir).mkdir(parents=True, exist_ok=True)
+        zero.save_16bit_model(opt, self.module, save_dir, save_filename)
+        return True
+
+    def destroy(self) -> None:
+        """Stop the comms logger and release the model's hooks (the model stays usable)."""
+        self._stack.close()
+        if self.comms_logger is not None:
+            self.comms_logger.__exit__(None, None, None)
+        if self.optimizer is not None and not self.optimizer.closed:
+            self.optimizer.close()
+
+
+def _state_of(scheduler: Any) -> Any:
+    return scheduler.state_dict() if scheduler is not None and hasattr(scheduler, "state_dict") else None
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    """Move every tensor inside `value` (tuples, lists, dicts) to `device`."""
+    if isinstance(value, torch.Tensor):
+        return value if value.device == device else value.to(device)
+    if isinstance(value, tuple | list):
+        moved = [_to_device(v, device) for v in value]
+        return type(value)(moved) if not hasattr(value, "_fields") else type(value)(*moved)
+    if isinstance(value, dict):
+        return type(value)((k, _to_device(v, device)) for k, v in value.items())
+    return value

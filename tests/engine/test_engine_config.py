@@ -1,0 +1,143 @@
+"""The engine's ds_config: the batch triple as DeepSpeed derives it, every key checked, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from minispeed.core.config import ConfigError
+from minispeed.engine.config import EngineConfig, load_ds_config, resolve_batch
+
+
+@pytest.mark.parametrize(
+    ("given", "n", "expected"),
+    [
+        ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, 1, (32, 4, 8)),
+        ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, 2, (32, 4, 4)),
+        ({"train_batch_size": 32, "gradient_accumulation_steps": 2}, 2, (32, 8, 2)),
+        ({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}, 2, (24, 4, 3)),
+        ({"train_batch_size": 16}, 4, (16, 4, 1)),
+        ({"train_micro_batch_size_per_gpu": 2}, 4, (8, 2, 1)),
+        (
+            {
+                "train_batch_size": 24,
+                "train_micro_batch_size_per_gpu": 4,
+                "gradient_accumulation_steps": 3,
+            },
+            2,
+            (24, 4, 3),
+        ),
+        (
+            {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 4},
+            2,
+            (8, 4, 1),
+        ),
+    ],
+)
+def test_batch_triple_derives_like_deepspeed(given, n, expected) -> None:
+    assert resolve_batch(given, n) == expected
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        {"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2},
+        {"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4},  # 30 / 4 / 2 rounds down
+        {"gradient_accumulation_steps": 2},
+        {},
+        {"train_micro_batch_size_per_gpu": 0},
+        {"train_micro_batch_size_per_gpu": 2.5},
+    ],
+)
+def test_batch_triple_that_does_not_multiply_out_is_refused(given) -> None:
+    with pytest.raises(ConfigError) as e:
+        resolve_batch(given, 2)
+    assert e.value.path in ("train_batch_size", "train_micro_batch_size_per_gpu")
+
+
+def test_sections_reach_their_packages() -> None:
+    cfg = EngineConfig.from_ds_config(
+        {
+            "train_batch_size": 16,
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_clipping": 0.5,
+            "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e5},
+            "bf16": {"enabled": True},
+            "steps_per_print": 10,
+            "wall_clock_breakdown": True,
+            "comms_logger": {"enabled": True},
+        },
+        data_parallel_size=2,
+    )
+    assert cfg.gradient_accumulation_steps == 4
+    assert cfg.zero.stage == 2 and cfg.zero.gradient_accumulation_steps == 4
+    assert cfg.zero.max_grad_norm == 0.5 and cfg.zero.reduce_bucket_numel == 500_000
+    assert str(cfg.precision.param_dtype) == "torch.bfloat16"
+    assert cfg.steps_per_print == 10 and cfg.wall_clock_breakdown
+    assert cfg.comms_logger == {"enabled": True}
+
+
+@pytest.mark.parametrize(
+    ("ds", "path", "words"),
+    [
+        ({"zero_optimisation": {"stage": 1}}, "zero_optimisation", "did you mean 'zero_optimization'"),
+        ({"gradient_acumulation_steps": 2}, "gradient_acumulation_steps", "gradient_accumulation_steps"),
+        ({"tensorboard": {"enabled": True}}, "tensorboard", "not supported"),
+        ({"prescale_gradients": True}, "prescale_gradients", "not supported"),
+        ({"comms_logger": {"enabeld": True}}, "comms_logger.enabeld", "did you mean 'enabled'"),
+        ({"optimizer": {"type": "AdamW", "parms": {}}}, "optimizer.parms", "did you mean 'params'"),
+        ({"optimizer": {"params": {}}}, "optimizer.type", "by name"),
+        ({"zero_optimization": {"stgae": 2}}, "zero_optimization", "stgae"),
+        ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16/bf16", "at most one"),
+        ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel.autotp_size", "not built yet"),
+        ({"communication_data_type": "fp16"}, "communication_data_type", "grad_accum_dtype"),
+        (
+            {"activation_checkpointing": {"partition_activations": True}},
+            "activation_checkpointing.partition_activations",
+            "not supported",
+        ),
+    ],
+)
+def test_bad_keys_are_named(ds, path, words) -> None:
+    ds = {"train_micro_batch_size_per_gpu": 1, **ds}
+    with pytest.raises(ConfigError) as e:
+        EngineConfig.from_ds_config(ds)
+    assert e.value.path == path
+    assert words in str(e.value)
+
+
+def test_deepspeed_defaults_of_unsupported_keys_are_accepted() -> None:
+    """A config written out in full, with DeepSpeed's defaults for what we lack, loads."""
+    EngineConfig.from_ds_config(
+        {
+            "train_micro_batch_size_per_gpu": 1,
+            "prescale_gradients": False,
+            "gradient_predivide_factor": 1.0,
+            "tensorboard": {"enabled": False},
+            "wandb": {"enabled": False},
+            "memory_breakdown": False,
+            "tensor_parallel": {"autotp_size": 0},
+            "activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": False},
+            "checkpoint": {"use_node_local_storage": False},
+            "communication_data_type": "fp32",
+        }
+    )
+
+
+def test_config_that_is_not_json_names_line_and_column(tmp_path) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text('{\n  "train_batch_size": 8,\n  "zero_optimization": {"stage": 2,}\n}\n')
+    with pytest.raises(ConfigError, match=r"line 3, column 36"):
+        load_ds_config(path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_ds_config(tmp_path / "missing.json")
+    path.write_text(json.dumps([1, 2]))
+    with pytest.raises(ConfigError, match="JSON object"):
+        load_ds_config(path)
+
+
+def test_config_error_is_a_value_error_carrying_the_path() -> None:
+    with pytest.raises(ValueError) as e:
+        EngineConfig.from_ds_config({"train_micro_batch_size_per_gpu": 1, "steps_per_print": "10"})
+    assert isinstance(e.value, ConfigError) and e.value.path == "steps_per_print"
