@@ -42,7 +42,11 @@ def test_batch_triple_derives_like_deepspeed(given, n, expected) -> None:
 @pytest.mark.parametrize(
     "given",
     [
-        {"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2},
+        {
+            "train_batch_size": 30,
+            "train_micro_batch_size_per_gpu": 4,
+            "gradient_accumulation_steps": 2,
+        },
         {"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4},  # 30 / 4 / 2 rounds down
         {"gradient_accumulation_steps": 2},
         {},
@@ -81,8 +85,16 @@ def test_sections_reach_their_packages() -> None:
 @pytest.mark.parametrize(
     ("ds", "path", "words"),
     [
-        ({"zero_optimisation": {"stage": 1}}, "zero_optimisation", "did you mean 'zero_optimization'"),
-        ({"gradient_acumulation_steps": 2}, "gradient_acumulation_steps", "gradient_accumulation_steps"),
+        (
+            {"zero_optimisation": {"stage": 1}},
+            "zero_optimisation",
+            "did you mean 'zero_optimization'",
+        ),
+        (
+            {"gradient_acumulation_steps": 2},
+            "gradient_acumulation_steps",
+            "gradient_accumulation_steps",
+        ),
         ({"tensorboard": {"enabled": True}}, "tensorboard", "not supported"),
         ({"prescale_gradients": True}, "prescale_gradients", "not supported"),
         ({"comms_logger": {"enabeld": True}}, "comms_logger.enabeld", "did you mean 'enabled'"),
@@ -118,7 +130,10 @@ def test_deepspeed_defaults_of_unsupported_keys_are_accepted() -> None:
             "wandb": {"enabled": False},
             "memory_breakdown": False,
             "tensor_parallel": {"autotp_size": 0},
-            "activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": False},
+            "activation_checkpointing": {
+                "partition_activations": False,
+                "cpu_checkpointing": False,
+            },
             "checkpoint": {"use_node_local_storage": False},
             "communication_data_type": "fp32",
         }

@@ -73,7 +73,9 @@ def init_distributed(
         )
     if distributed_port is not None and "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(distributed_port)
-    timeout_s = 300.0 if timeout is None else float(getattr(timeout, "total_seconds", lambda: timeout)())
+    timeout_s = (
+        300.0 if timeout is None else float(getattr(timeout, "total_seconds", lambda: timeout)())
+    )
     comm.init_distributed(backend=dist_backend, timeout_s=timeout_s, init_method=init_method)
 
 
@@ -151,7 +153,9 @@ def initialize(
     comm.init_distributed()
     world = comm.get_world_size()
     if is_pipeline:
-        return _initialize_pipeline(model, optimizer, model_parameters, lr_scheduler, ds, training_data)
+        return _initialize_pipeline(
+            model, optimizer, model_parameters, lr_scheduler, ds, training_data
+        )
     cfg = EngineConfig.from_ds_config(ds, data_parallel_size=world)
     # 3. The optimizer.
     params = list(model_parameters) if model_parameters is not None else list(model.parameters())
@@ -170,7 +174,7 @@ def _build_optimizer(given: Any, params: list[Any], cfg: EngineConfig) -> Any:
     if isinstance(given, torch.optim.Optimizer):
         if cfg.optimizer is not None:
             _log.warning(
-                "initialize(optimizer=%s) and the config's \"optimizer\" section were both given; "
+                'initialize(optimizer=%s) and the config\'s "optimizer" section were both given; '
                 "the optimizer object is used, as DeepSpeed does (remove the section to silence this)",
                 type(given).__name__,
             )
@@ -217,9 +221,7 @@ def _dataloader(dataset: Any, cfg: EngineConfig, collate_fn: Any) -> Any:
         return None
     from torch.utils.data import DataLoader, DistributedSampler
 
-    sampler = DistributedSampler(
-        dataset, num_replicas=cfg.data_parallel_size, rank=comm.get_rank()
-    )
+    sampler = DistributedSampler(dataset, num_replicas=cfg.data_parallel_size, rank=comm.get_rank())
     return DataLoader(
         dataset, batch_size=cfg.micro_batch_size, sampler=sampler, collate_fn=collate_fn
     )

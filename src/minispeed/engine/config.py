@@ -171,7 +171,8 @@ def load_ds_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, A
         return dict(config)
     if not isinstance(config, str | os.PathLike):
         raise ConfigError(
-            "", f"config must be a dict or the path of a ds_config.json, got {type(config).__name__}"
+            "",
+            f"config must be a dict or the path of a ds_config.json, got {type(config).__name__}",
         )
     path = Path(config)
     if not path.is_file():
@@ -184,7 +185,9 @@ def load_ds_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, A
             "", f"{os.fspath(path)} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}"
         ) from None
     if not isinstance(parsed, dict):
-        raise ConfigError("", f"{os.fspath(path)} must hold a JSON object, got {type(parsed).__name__}")
+        raise ConfigError(
+            "", f"{os.fspath(path)} must hold a JSON object, got {type(parsed).__name__}"
+        )
     return parsed
 
 
@@ -195,7 +198,7 @@ def _batch_value(ds: Mapping[str, Any], key: str) -> int | None:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(key, f"must be a positive integer or \"auto\", got {value!r}")
+        raise ConfigError(key, f'must be a positive integer or "auto", got {value!r}')
     return value
 
 
@@ -243,7 +246,7 @@ def _check_type_section(ds: Mapping[str, Any], key: str) -> None:
         return
     check_keys(section, {"type", "params"}, key)
     if not isinstance(section.get("type"), str):
-        raise ConfigError(join_path(key, "type"), f"give the {key} type by name, e.g. \"AdamW\"")
+        raise ConfigError(join_path(key, "type"), f'give the {key} type by name, e.g. "AdamW"')
     if not isinstance(section.get("params", {}), Mapping):
         raise ConfigError(join_path(key, "params"), "must be a JSON object of keyword arguments")
 
@@ -292,9 +295,7 @@ class EngineConfig:
         return cls.from_ds_config(load_ds_config(config), data_parallel_size=data_parallel_size)
 
     @classmethod
-    def from_ds_config(
-        cls, ds: Mapping[str, Any], *, data_parallel_size: int = 1
-    ) -> EngineConfig:
+    def from_ds_config(cls, ds: Mapping[str, Any], *, data_parallel_size: int = 1) -> EngineConfig:
         """Check every key of `ds` and resolve it (see the module docstring)."""
         ds = dict(ds)
         check_keys(ds, READ, "", unsupported=UNSUPPORTED, defaults=DEFAULTS)

@@ -136,7 +136,7 @@ class Engine(nn.Module):
         if self.optimizer is None:
             raise RuntimeError(
                 f"engine.{what}() needs an optimizer: pass optimizer= to initialize() or give an "
-                f"\"optimizer\" section in the config"
+                f'"optimizer" section in the config'
             )
         return self.optimizer
 
@@ -319,7 +319,11 @@ class Engine(nn.Module):
 
 
 def _state_of(scheduler: Any) -> Any:
-    return scheduler.state_dict() if scheduler is not None and hasattr(scheduler, "state_dict") else None
+    return (
+        scheduler.state_dict()
+        if scheduler is not None and hasattr(scheduler, "state_dict")
+        else None
+    )
 
 
 def _to_device(value: Any, device: torch.device) -> Any:

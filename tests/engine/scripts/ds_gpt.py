@@ -71,8 +71,13 @@ def config(stage):
         "steps_per_print": 1000,
         "optimizer": {
             "type": "AdamW",
-            "params": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01,
-                       "torch_adam": True},
+            "params": {
+                "lr": 3e-3,
+                "betas": [0.9, 0.95],
+                "eps": 1e-8,
+                "weight_decay": 0.01,
+                "torch_adam": True,
+            },
         },
         "scheduler": {
             "type": "WarmupLR",
@@ -137,7 +142,7 @@ def main():
         after = train(engine, 3, 6, rank, world)
         lr_after = engine.get_lr()
         resumed = build(stage)
-        path, client = resumed.load_checkpoint(ckpt)
+        _path, client = resumed.load_checkpoint(ckpt)
         eval_loaded = evaluate(resumed, rank)
         after_loaded = train(resumed, 3, 6, rank, world)
         record = {

@@ -110,7 +110,9 @@ def check_keys(
         if key in unsupported:
             if key in defaults and _same(section[key], defaults[key]):
                 continue
-            default = f" (its DeepSpeed default {defaults[key]!r} is accepted)" if key in defaults else ""
+            default = (
+                f" (its DeepSpeed default {defaults[key]!r} is accepted)" if key in defaults else ""
+            )
             raise ConfigError(
                 where,
                 f"DeepSpeed's {key!r} is not supported by minispeed: {unsupported[key]}; remove "
