@@ -37,7 +37,7 @@ def _config(stage: int, **extra) -> dict:
 def _engine_run(rank: int, world_size: int, stage: int) -> dict:
     torch.manual_seed(0)
     model = GPT()
-    engine, opt, _, sched = deepspeed.initialize(
+    engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=0.01),
         lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, _lambda),
@@ -106,7 +106,7 @@ def _overflow_run(rank: int, world_size: int) -> dict:
     def blow_up(grad: torch.Tensor) -> torch.Tensor:
         return grad * float("inf") if not counted else grad
 
-    engine, _, _, sched = deepspeed.initialize(
+    engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5),
@@ -137,7 +137,7 @@ def _args_run(rank: int, world_size: int, path: str) -> dict:
     parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
     args = parser.parse_args(["--deepspeed", "--deepspeed_config", path])
     model = nn.Linear(4, 2)
-    engine, opt, loader, _ = deepspeed.initialize(
+    engine, _, loader, _ = deepspeed.initialize(
         args=args,
         model=model,
         model_parameters=model.parameters(),
