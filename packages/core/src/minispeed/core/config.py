@@ -23,6 +23,9 @@ Cost: one edit-distance computation per (unknown key, known key): O(len²) each,
 
 from __future__ import annotations
 
+import ast
+import inspect
+import textwrap
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -31,6 +34,7 @@ __all__ = [
     "check_keys",
     "did_you_mean",
     "edit_distance",
+    "field_docs",
     "join_path",
     "translate",
 ]
@@ -151,3 +155,22 @@ def translate(
                 value = int(value)
             out[field] = value
     return out
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of a dataclass (`field: int = 0` then `\"\"\"...\"\"\"`),
+    by field name: the one description that the API reference, the JSON Schema and the config
+    reference all show. Fields without one are left out."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs: dict[str, str] = {}
+    for node, after in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs

@@ -161,6 +161,12 @@ class ZeroConfig:
     """`None` (defaults), or a `minispeed.offload.AioConfig` (DeepSpeed top-level `aio`): how
     swap files are read and written when a device is `nvme`."""
 
+    @staticmethod
+    def ds_key_fields() -> dict[str, str]:
+        """Each `zero_optimization` key `from_ds_config` translates -> the field it sets
+        (offload sections excluded; they become `offload_optimizer` / `offload_param`)."""
+        return dict(_DS_KEYS)
+
     def bucket_numel(self, element_size: int) -> int:
         """Elements per gradient bucket as planned: `reduce_bucket_numel`, at most
         `BUCKET_CAP_BYTES` of `element_size`-byte elements (Note [bucket sizes are upper bounds])."""

@@ -344,6 +344,10 @@ class EngineConfig:
             profiler = _package(
                 "flops_profiler", FlopsProfilerConfig.from_ds_config, ds["flops_profiler"]
             )
+        if ds.get("pipeline") is not None:  # its keys; the pipeline engine reads the values
+            from minispeed.pipeline import PipelineConfig
+
+            _package("pipeline", PipelineConfig.from_ds_config, {"pipeline": ds["pipeline"]})
         steps_per_print = ds.get("steps_per_print")
         if steps_per_print is not None and (
             isinstance(steps_per_print, bool) or not isinstance(steps_per_print, int)

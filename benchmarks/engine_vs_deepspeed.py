@@ -1,0 +1,210 @@
+"""minispeed's engine against DeepSpeed 0.19.8 and against calling `zero.shard` directly.
+
+The loop is the DeepSpeed GPT script's (`tests/engine/scripts/ds_gpt.py`): `initialize` from one
+ds_config (AdamW with `torch_adam`, gradient accumulation 2, clipping 1.0), then
+`engine(x, y)` / `engine.backward(loss)` / `engine.step()`. Three contenders per ZeRO stage, on
+the same model, data and config, taking turns every round:
+
+| contender | what runs |
+|---|---|
+| `engine ZeRO-k` | `minispeed.engine.initialize` |
+| `shard ZeRO-k` | `minispeed.zero.shard` called directly (what the engine adds is the difference) |
+| `DeepSpeed ZeRO-k` | `deepspeed.initialize` (when `import deepspeed` works) |
+
+Before any ratio is printed, every contender's per-step losses must equal the others' (1e-4):
+a ratio between runs that train different things means nothing.
+
+Run it with 2 processes, in a venv that has both DeepSpeed and minispeed (DeepSpeed's venv with
+minispeed's sources on `PYTHONPATH` works):
+
+```bash
+DS_ACCELERATOR=cpu python -m torch.distributed.run --standalone --nproc_per_node 2 \
+    benchmarks/engine_vs_deepspeed.py --size small
+DS_ACCELERATOR=cpu python -m torch.distributed.run --standalone --nproc_per_node 2 \
+    benchmarks/engine_vs_deepspeed.py --size large     # ≥ 30M parameters
+```
+
+Goals (issue 20): engine ≤ 0.5× DeepSpeed's step at the small size, ≤ 1.0× at the large one, at
+every stage; engine ≤ 1.02× `zero.shard`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SIZES = {  # vocab, seq, width, heads, layers, micro-batch
+    "small": (64, 16, 32, 4, 2, 4),
+    "large": (4096, 64, 512, 8, 10, 2),
+}
+GAS = 2
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, seq: int, dim: int, heads: int, layers: int) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln(x))
+        return F.cross_entropy(logits.reshape(-1, self.vocab), targets.reshape(-1))
+
+
+def ds_config(stage: int, micro: int) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": GAS,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True},
+        },
+        "zero_optimization": {"stage": stage},
+    }
+
+
+class Contender:
+    """One way of running the loop: `step(batches)` runs one optimizer step, returns its loss."""
+
+    def __init__(self, name: str, size: str) -> None:
+        vocab, seq, dim, heads, layers, micro = SIZES[size]
+        torch.manual_seed(0)
+        model = GPT(vocab, seq, dim, heads, layers)
+        self.name, self.params = name, sum(p.numel() for p in model.parameters())
+        kind, stage = name.rsplit(" ZeRO-", 1)
+        cfg = ds_config(int(stage), micro)
+        if kind == "shard":
+            import minispeed.zero as zero
+
+            opt = zero.shard(
+                model,
+                torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01),
+                config=zero.ZeroConfig.from_ds_config(cfg),
+            )
+            self.forward, self.backward, self.opt_step = model, opt.backward, opt.step
+            return
+        if kind == "engine":
+            import minispeed.engine as deepspeed
+        else:
+            import deepspeed  # type: ignore[no-redef]
+        engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=cfg
+        )
+        self.forward, self.backward, self.opt_step = engine, engine.backward, engine.step
+
+    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        total = 0.0
+        for x, y in batches:
+            loss = self.forward(x, y)
+            self.backward(loss)
+            self.opt_step()
+            total += loss.item()
+        return total / len(batches)
+
+
+def batches_for(step: int, size: str, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    vocab, seq, *_, micro = SIZES[size]
+    out = []
+    for m in range(GAS):
+        g = torch.Generator().manual_seed(1000 * step + 10 * m + rank)
+        idx = torch.randint(0, vocab, (micro, seq + 1), generator=g)
+        out.append((idx[:, :-1], idx[:, 1:]))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="small")
+    parser.add_argument("--stages", default="0,1,2,3")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps-per-round", type=int, default=0, help="0: 20 small, 2 large")
+    parser.add_argument("--deepspeed", choices=("auto", "yes", "no"), default="auto")
+    args = parser.parse_args()
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import minispeed.comm as comm
+
+    comm.init_distributed()
+    rank = comm.get_rank()
+    kinds = ["engine", "shard"]
+    if args.deepspeed != "no":
+        try:
+            import deepspeed  # noqa: F401
+
+            kinds.append("DeepSpeed")
+        except ImportError:
+            if args.deepspeed == "yes":
+                raise
+    stages = [int(s) for s in args.stages.split(",")]
+    names = [f"{k} ZeRO-{s}" for s in stages for k in kinds]
+    contenders = {n: Contender(n, args.size) for n in names}
+    per_round = args.steps_per_round or (20 if args.size == "small" else 2)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    losses: dict[str, list[float]] = {n: [] for n in names}
+    step = 0
+    for r in range(args.rounds + 1):  # round 0 warms up
+        for n in names:
+            for k in range(per_round):
+                data = batches_for(r * per_round + k, args.size, rank)
+                comm.barrier()
+                t0 = time.perf_counter()
+                losses[n].append(contenders[n].step(data))
+                if r > 0:
+                    times[n].append(time.perf_counter() - t0)
+        step += per_round
+    # The slower rank's time decides a data-parallel step.
+    for n in names:
+        t = torch.tensor(times[n])
+        comm.all_reduce(t, op=comm.ReduceOp.MAX)
+        times[n] = t.tolist()
+    if rank != 0:
+        return
+    params = next(iter(contenders.values())).params
+    print(f"size {args.size}: {params / 1e6:.1f}M parameters, {per_round} steps x {args.rounds} rounds")
+    for s in stages:
+        group = [n for n in names if n.endswith(f"ZeRO-{s}")]
+        ref = losses[group[0]]
+        for n in group[1:]:
+            worst = max(abs(a - b) for a, b in zip(ref, losses[n], strict=True))
+            if not worst <= 1e-4 or not all(map(math.isfinite, losses[n])):
+                raise SystemExit(f"{n} trains something else than {group[0]}: loss differs by {worst}")
+        med = {n: statistics.median(times[n]) for n in group}
+        line = f"ZeRO-{s}: " + ", ".join(f"{n.split()[0]} {med[n] * 1e3:.1f} ms" for n in group)
+        line += f" | engine/shard {med[group[0]] / med[group[1]]:.3f}"
+        if len(group) > 2:
+            line += f" | engine/DeepSpeed {med[group[0]] / med[group[2]]:.3f}"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
