@@ -190,14 +190,18 @@ def main() -> None:
     if rank != 0:
         return
     params = next(iter(contenders.values())).params
-    print(f"size {args.size}: {params / 1e6:.1f}M parameters, {per_round} steps x {args.rounds} rounds")
+    print(
+        f"size {args.size}: {params / 1e6:.1f}M parameters, {per_round} steps x {args.rounds} rounds"
+    )
     for s in stages:
         group = [n for n in names if n.endswith(f"ZeRO-{s}")]
         ref = losses[group[0]]
         for n in group[1:]:
             worst = max(abs(a - b) for a, b in zip(ref, losses[n], strict=True))
             if not worst <= 1e-4 or not all(map(math.isfinite, losses[n])):
-                raise SystemExit(f"{n} trains something else than {group[0]}: loss differs by {worst}")
+                raise SystemExit(
+                    f"{n} trains something else than {group[0]}: loss differs by {worst}"
+                )
         med = {n: statistics.median(times[n]) for n in group}
         line = f"ZeRO-{s}: " + ", ".join(f"{n.split()[0]} {med[n] * 1e3:.1f} ms" for n in group)
         line += f" | engine/shard {med[group[0]] / med[group[1]]:.3f}"

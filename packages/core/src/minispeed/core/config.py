@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import itertools
 import textwrap
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -164,7 +165,7 @@ def field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
     docs: dict[str, str] = {}
-    for node, after in zip(body, body[1:]):
+    for node, after in itertools.pairwise(body):
         if (
             isinstance(node, ast.AnnAssign)
             and isinstance(node.target, ast.Name)
