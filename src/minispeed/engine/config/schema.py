@@ -15,6 +15,7 @@ the keys and leaves the values to that package.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 from minispeed.core.config import field_docs
@@ -193,13 +194,18 @@ def config_schema() -> dict[str, Any]:
     }
 
 
+def _json(default: Any) -> str:
+    """A default as it is written in the JSON file (`false`, not `False`); blank when none."""
+    return "" if default is None else f"`{json.dumps(default)}`"
+
+
 def _type_text(prop: dict[str, Any]) -> str:
     if "enum" in prop:
-        return " / ".join("null" if v is None else repr(v) for v in prop["enum"])
+        return " / ".join(json.dumps(v) for v in prop["enum"])
     if "const" in prop:
-        return repr(prop["const"])
+        return json.dumps(prop["const"])
     if "anyOf" in prop:
-        return "integer / 'auto'"
+        return 'integer / "auto"'
     kind = prop.get("type", "any")
     return " / ".join(kind) if isinstance(kind, list) else kind
 
@@ -221,7 +227,7 @@ def reference_markdown() -> str:
     for key, prop in schema["properties"].items():
         default = prop.get("default")
         lines.append(
-            f"| `{key}` | {_type_text(prop)} | {'' if default is None else f'`{default}`'} | "
+            f"| `{key}` | {_type_text(prop)} | {_json(default)} | "
             f"{prop.get('description', '')} |"
         )
         if prop.get("properties"):
@@ -232,7 +238,7 @@ def reference_markdown() -> str:
         for sub, sp in prop["properties"].items():
             default = sp.get("default")
             lines.append(
-                f"| `{sub}` | {_type_text(sp)} | {'' if default is None else f'`{default}`'} | "
+                f"| `{sub}` | {_type_text(sp)} | {_json(default)} | "
                 f"{sp.get('description', '')} |"
             )
     return "\n".join(lines) + "\n"
