@@ -179,7 +179,8 @@ def config_schema() -> dict[str, Any]:
     }
     unsupported = {
         key: {
-            "description": f"Not supported: {why}. Accepted at DeepSpeed's default only.",
+            "description": f"Not supported: {why}. "
+            + ("Accepted at DeepSpeed's default only." if key in cfg.DEFAULTS else "Refused."),
             **({"default": cfg.DEFAULTS[key]} if key in cfg.DEFAULTS else {}),
         }
         for key, why in sorted(cfg.UNSUPPORTED.items())
@@ -227,8 +228,7 @@ def reference_markdown() -> str:
     for key, prop in schema["properties"].items():
         default = prop.get("default")
         lines.append(
-            f"| `{key}` | {_type_text(prop)} | {_json(default)} | "
-            f"{prop.get('description', '')} |"
+            f"| `{key}` | {_type_text(prop)} | {_json(default)} | {prop.get('description', '')} |"
         )
         if prop.get("properties"):
             sections.append((key, prop))
@@ -238,7 +238,6 @@ def reference_markdown() -> str:
         for sub, sp in prop["properties"].items():
             default = sp.get("default")
             lines.append(
-                f"| `{sub}` | {_type_text(sp)} | {_json(default)} | "
-                f"{sp.get('description', '')} |"
+                f"| `{sub}` | {_type_text(sp)} | {_json(default)} | {sp.get('description', '')} |"
             )
     return "\n".join(lines) + "\n"
