@@ -112,6 +112,9 @@ CONTENDERS = [
 #: What any data-parallel ZeRO step must at least compute: see `build`. It does not train (its
 #: parameters never change), so it is left out of the loss comparison.
 FLOOR = "floor (no communication)"
+#: Most a contender's mean loss may differ from the first's at any step (fp32; reduction orders
+#: differ between systems) before the benchmark refuses to compare their times.
+LOSS_TOLERANCE = 1e-3
 DEEPSPEED_CONTENDERS = [f"DeepSpeed ZeRO-{k}" for k in range(4)]
 
 # --size presets: (n_layer, n_head, n_embd, block_size, micro_batch)
@@ -280,6 +283,10 @@ def build(name: str, args: argparse.Namespace, vocab: int) -> Trainer:
         ds_config = {
             "train_micro_batch_size_per_gpu": args.micro_batch,
             "gradient_accumulation_steps": 1,
+            # DeepSpeed 0.19.8 clips at 1.0 when the key is left out (GRADIENT_CLIPPING_DEFAULT);
+            # DDP, FSDP2 and our stages do not clip here, so DeepSpeed must not either, or it
+            # trains something else (it ended 1.48 in loss away at 33.9M parameters).
+            "gradient_clipping": 0.0,
             "zero_optimization": zero_section(args, stage, block_numel),
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 10**9,
@@ -550,6 +557,18 @@ def report(results: dict[int, dict], args: argparse.Namespace) -> dict[str, Any]
             f"{dloss:.2e}",
         )
     console.print(table)
+    # A ratio between runs that train different things means nothing: refuse to print one.
+    differ = {
+        n: d["max_abs_loss_diff"]
+        for n, d in summary["contenders"].items()
+        if n != FLOOR and not d["max_abs_loss_diff"] <= LOSS_TOLERANCE
+    }
+    if differ:
+        raise SystemExit(
+            f"contenders {sorted(differ)} end {max(differ.values()):.2e} in loss away from "
+            f"{names[0]!r} (tolerance {LOSS_TOLERANCE}): they do not train the same thing, so no "
+            f"ratio is reported; make their configurations agree"
+        )
     phases = Table(
         title="where the peak is: largest live bytes in each phase of the last measured step (rank 0)"
     )

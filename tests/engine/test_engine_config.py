@@ -156,3 +156,10 @@ def test_config_error_is_a_value_error_carrying_the_path() -> None:
     with pytest.raises(ValueError) as e:
         EngineConfig.from_ds_config({"train_micro_batch_size_per_gpu": 1, "steps_per_print": "10"})
     assert isinstance(e.value, ConfigError) and e.value.path == "steps_per_print"
+
+
+def test_gradient_clipping_defaults_to_deepspeeds_one() -> None:
+    """DeepSpeed 0.19.8 clips at 1.0 when the key is left out; 0 written out turns it off."""
+    assert EngineConfig.from_ds_config({"train_batch_size": 2}).zero.max_grad_norm == 1.0
+    off = EngineConfig.from_ds_config({"train_batch_size": 2, "gradient_clipping": 0.0})
+    assert off.zero.max_grad_norm == 0.0

@@ -37,6 +37,15 @@ from minispeed.zero import MixedPrecision, ZeroConfig
 __all__ = ["ConfigError", "EngineConfig", "load_ds_config", "resolve_batch"]
 
 
+# Note [DeepSpeed clips at 1.0 by default]
+# DeepSpeed 0.19.8 clips gradients to a global norm of 1.0 when `gradient_clipping` is left out
+# (runtime/constants.py: GRADIENT_CLIPPING_DEFAULT = 1.0). A script that ports by changing its
+# import must train the same thing, so the engine applies that default. (`ZeroConfig.from_ds_config`,
+# the package's own translation, leaves clipping off unless the key is given.) Found when every
+# DeepSpeed contender of benchmarks/zero_vs_torch.py ended 1.48 in loss away from DDP: the
+# gradients it stepped were the same ones times min(1, 1/‖g‖).
+DS_GRADIENT_CLIPPING_DEFAULT = 1.0
+
 # The top-level keys the engine (or a package it hands them to) reads.
 READ = {
     "train_batch_size",
@@ -328,8 +337,8 @@ class EngineConfig:
         # The packages' sections: their own checks, re-raised with the key path.
         zero_ds = {k: v for k, v in ds.items() if k in ("zero_optimization", "aio")}
         zero_ds["gradient_accumulation_steps"] = gas
-        if ds.get("gradient_clipping") is not None:
-            zero_ds["gradient_clipping"] = ds["gradient_clipping"]
+        # See Note [DeepSpeed clips at 1.0 by default].
+        zero_ds["gradient_clipping"] = ds.get("gradient_clipping", DS_GRADIENT_CLIPPING_DEFAULT)
         zero = _package("zero_optimization", ZeroConfig.from_ds_config, zero_ds)
         precision = _package(
             "fp16/bf16",
