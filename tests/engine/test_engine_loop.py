@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -200,3 +201,44 @@ def test_comms_logger_timers_and_steps_per_print() -> None:
     (line,) = [m for m in results[0]["log"] if m.startswith("step=2")]
     assert "forward=" in line and "backward=" in line and "lr=[0.1]" in line
     assert results[1]["log"] == []  # rank 0 prints
+
+
+def _profiled_run(rank: int, world_size: int, path: str) -> bool:
+    torch.manual_seed(0)
+    model = GPT()
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        config={
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 2,
+            "flops_profiler": {"enabled": rank == 0, "profile_step": 1, "output_file": path},
+        },
+    )
+    written_after = []
+    for step in range(3):
+        for micro in range(2):
+            x, y = batch(step, micro, rank, world_size)
+            engine.backward(engine(x, y))
+            engine.step()
+        written_after.append(Path(path).exists())
+    return written_after
+
+
+def test_flops_profiler_profiles_the_configured_step(tmp_path) -> None:
+    """`flops_profiler.profile_step: 1` profiles optimizer step 1 (counting from 0), both of its
+    micro-batches, and writes the report when that step ends."""
+    path = tmp_path / "profile.json"
+    results = run_distributed(_profiled_run, world_size=2, args=(str(path),), timeout_s=120)
+    assert results[0] == [False, True, True]
+    profile = json.loads(path.read_text())
+    # Both micro-batches of the step: twice one forward's matmul FLOPs (torch's own counter)
+    # plus the elementwise work torch's counter leaves out (softmax, norms, GELU: under 1/2).
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x, y = batch(0, 0, 0, 2)
+    with FlopCounterMode(display=False) as counter:
+        GPT()(x, y)
+    matmuls = counter.get_total_flops()
+    assert 2 * matmuls <= profile["forward"]["flops"] < 3 * matmuls
+    assert profile["backward"]["flops"] > profile["forward"]["flops"]
