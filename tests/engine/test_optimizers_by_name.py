@@ -160,6 +160,7 @@ def test_onebit_adam_gets_deepspeeds_freeze_step_default_and_the_group() -> None
         ({"type": "Lion", "params": {"set_grad_none": True, "fp32_optimizer_states": True}}, False),
         ({"type": "Lion", "params": {"fp32_optimizer_states": True}}, True),
         ({"type": "Adagrad", "params": {"amsgrad": False, "fp32_optimizer_states": True}}, True),
+        ({"type": "AdamW", "params": {}, "legacy_fusion": False}, False),
         (
             {
                 "type": "OneBitAdam",
@@ -210,6 +211,7 @@ def test_deepspeed_keys_at_their_defaults_are_accepted(section: dict, offload: b
         ({"type": "OneBitLamb", "params": {}}, True, "cannot be offloaded"),
         ({"type": "AdamW", "params": {"max_grad_norm": 1.0}}, False, "gradient_clipping"),
         ({"type": "AdamW", "param": {}}, False, "did you mean 'params'"),
+        ({"type": "AdamW", "legacy_fusion": True}, False, "legacy_fusion"),
     ],
 )
 def test_bad_optimizer_section_is_a_value_error_naming_the_fix(

@@ -171,7 +171,7 @@ class _Schedule:
             raise RuntimeError(
                 f"{type(self).__name__}.get_last_lr(): no learning rate set yet; call step() first"
             )
-        return self._last_lr
+        return list(self._last_lr)
 
     def state_dict(self) -> dict[str, int]:
         """`{"last_batch_iteration": it}`, DeepSpeed's format."""

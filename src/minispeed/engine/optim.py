@@ -260,6 +260,14 @@ def build_optimizer(
     over (`None`: every rank). Raises a ValueError naming an unknown type or param key, or a
     DeepSpeed key whose value minispeed does not implement.
     """
+    if isinstance(section, dict) and "legacy_fusion" in section:
+        # DeepSpeed's FP16_Optimizer switch for its legacy fused Adam path: only its default.
+        section = dict(section)
+        if section.pop("legacy_fusion") is not False:
+            raise ValueError(
+                "ds_config optimizer.legacy_fusion: only false (DeepSpeed's default) is supported: "
+                "minispeed has no legacy fused-Adam fp16 path; remove the key"
+            )
     kind, params = split_section(section, "optimizer")
     if "max_grad_norm" in params:
         raise ValueError(
