@@ -1,0 +1,62 @@
+"""Choosing a class by its ds_config name: the section's shape, the type, the param keys.
+
+The `"optimizer"` and `"scheduler"` sections share one shape, `{"type": NAME, "params": {...}}`,
+and one failure mode worth a clear error: a misspelled type or key would otherwise be a
+`TypeError` deep inside a constructor, or (for keys DeepSpeed pops and defaults) be ignored.
+Every error here is a `ValueError` naming the section, the key, a did-you-mean and the accepted
+names. Cost: one `difflib` comparison per (key, accepted name).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+__all__ = ["check_keys", "did_you_mean", "split_section"]
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """`" (did you mean 'x'?)"` for the closest of `choices`, case-insensitively, else `""`."""
+    by_lower = {c.lower(): c for c in choices}
+    close = difflib.get_close_matches(word.lower(), list(by_lower), n=1, cutoff=0.6)
+    return f" (did you mean {by_lower[close[0]]!r}?)" if close else ""
+
+
+def split_section(section: Any, name: str) -> tuple[str, dict[str, Any]]:
+    """`(type, params)` of a ds_config `name` section (`"optimizer"` or `"scheduler"`)."""
+    if not isinstance(section, Mapping):
+        raise ValueError(
+            f'ds_config {name!r} must be an object like {{"type": ..., "params": {{...}}}}, '
+            f"got {type(section).__name__}"
+        )
+    unknown = sorted(set(section) - {"type", "params"})
+    if unknown:
+        raise ValueError(
+            f"ds_config {name!r} has unknown key {unknown[0]!r}"
+            f"{did_you_mean(unknown[0], ['type', 'params'])}: it takes only 'type' and 'params'"
+        )
+    kind = section.get("type")
+    if not isinstance(kind, str) or not kind:
+        raise ValueError(f"ds_config {name!r} needs a 'type' string, got {kind!r}")
+    params = section.get("params", {})
+    if params is None:
+        params = {}
+    if not isinstance(params, Mapping):
+        raise ValueError(
+            f"ds_config {name}.params must be an object of keyword arguments, got "
+            f"{type(params).__name__}"
+        )
+    return kind, dict(params)
+
+
+def check_keys(where: str, params: Mapping[str, Any], accepted: Iterable[str]) -> None:
+    """Raise a ValueError for the first key of `params` not in `accepted` (`where` names the
+    section and type, e.g. `"scheduler WarmupLR"`)."""
+    accepted = sorted(accepted)
+    for key in params:
+        if key not in accepted:
+            raise ValueError(
+                f"{where}: unknown param {key!r}{did_you_mean(key, accepted)}; it accepts "
+                f"{', '.join(accepted)}"
+            )
