@@ -3,12 +3,14 @@
 What you see, in order:
 
 1. ``torchrun`` (``python -m torch.distributed.run``) starts 2 processes on this machine, gloo on
-   the CPU; each runs ``examples/train_gpt.py --config examples/configs/zero3.json``: the model's
-   parameters, gradients and AdamW state are split between the two ranks;
+   the CPU; each runs ``examples/train_gpt.py --config examples/configs/zero3.json``, which trains
+   through ``minispeed.engine.initialize`` (DeepSpeed's call): the model's parameters, gradients
+   and AdamW state are split between the two ranks;
 2. rank 0 shows a progress bar (loss, validation loss, tokens/s), then the memory ledger (model
    bytes per rank predicted by the ZeRO formulas vs measured) and the communication ledger (bytes
    per step predicted vs counted by the comms logger);
 3. every rank saves its shard of a checkpoint; rank 0 consolidates them into one fp32 state_dict;
+   the loss curve is written as ``loss_curve.png`` beside it;
 4. back in this process, with no ZeRO at all: the consolidated weights are loaded into a plain
    ``GPT``, checked against the validation loss measured during training, and asked to write.
 
@@ -117,6 +119,37 @@ def report(metrics: dict, wall_s: float, console: Console) -> None:
     )
 
 
+def plot_losses(metrics: dict, path: Path) -> Path:
+    """The train and validation loss curves as a PNG at `path` (temporary file, fsync, rename)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    steps, train = zip(*metrics["losses"], strict=True)
+    ax.plot(steps, train, label="train (mean over ranks)", linewidth=1)
+    vs, val = zip(*metrics["val_losses"], strict=True)
+    ax.plot(vs, val, "o-", label="validation", linewidth=1.5)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy loss")
+    ax.set_title(
+        f"GPT {metrics['num_params']:,} params, ZeRO-{metrics['stage']} on "
+        f"{metrics['world_size']} ranks"
+    )
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        fig.savefig(f, format="png")
+        f.flush()
+        os.fsync(f.fileno())
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
     """Train, report, load the consolidated checkpoint and generate."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -139,6 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     # The sampling below is a tiny model: one thread avoids oversubscribing a busy machine.
     torch.set_num_threads(1)
     report(metrics, time.perf_counter() - t0, console)
+    png = plot_losses(metrics, Path(args.out_dir) / "loss_curve.png")
+    console.print(f"loss curve: {png}", highlight=False)
 
     model, tokenizer = load_model(args.out_dir)
     val_now = consolidated_val_loss(model, metrics)

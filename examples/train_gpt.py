@@ -9,19 +9,22 @@ Launch it the way you would scale it (one process per rank; gloo on the CPU, ncc
 
 What a run does, in order:
 
-1. read the ds_config (``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``,
-   ``gradient_clipping``, ``optimizer``, ``scheduler``, ``zero_optimization``, ``fp16``/``bf16``;
-   any other top-level key is an error naming it), start the process group
-   (``comm.init_distributed``);
-2. build the model on every rank from the same seed and hand it to ``zero.shard`` with the user's
-   optimizer (stage 3 partitions the parameters there);
+1. start the process group (``comm.init_distributed``) and build the model on every rank from
+   the same seed;
+2. ``minispeed.engine.initialize(model=..., config=path)``, DeepSpeed's call: it reads and checks
+   the whole ds_config (the batch triple, ``optimizer`` and ``scheduler`` by name,
+   ``zero_optimization``, ``fp16``/``bf16``, ``gradient_clipping``, ``steps_per_print``; an
+   unknown key is an error naming it) and shards the model with ``zero.shard`` (stage 3
+   partitions the parameters there);
 3. train: each micro-step every rank takes its share of the same global batch
-   (``data.CharDataset.batch``), ``opt.backward(loss)``, ``opt.step()``; the collectives of the
-   training steps are recorded by a ``comm.CommsLogger`` (one logger step per optimizer step);
+   (``data.CharDataset.batch``), ``engine(x, y)``, ``engine.backward(loss)``, ``engine.step()``
+   (the scheduler steps with the optimizer); the collectives of the training steps are recorded
+   by a ``comm.CommsLogger`` (one logger step per optimizer step);
    the loss shown is the mean over ranks, all-reduced *outside* the logger so that it does not
    count as training traffic;
 4. print the memory and communication ledgers, predicted vs measured (``ledgers.py``);
-5. save a sharded checkpoint (every rank writes its fragments) and, on rank 0, consolidate it into
+5. save a sharded checkpoint (``engine.save_checkpoint``: every rank writes its fragments) and, on
+   rank 0, consolidate it into
    one fp32 ``state_dict`` file that ``sample.py`` loads into a plain ``GPT``;
 6. rank 0 writes ``metrics.json`` (loss curve, timings, ledgers) atomically.
 """
@@ -35,128 +38,23 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import minispeed.comm as comm
-import minispeed.zero as zero
+import minispeed.engine as deepspeed
 from minispeed.core.accelerator import get_accelerator
-from minispeed.zero.checkpoints import consolidate, save_checkpoint
+from minispeed.engine.config import EngineConfig, load_ds_config
+from minispeed.zero.checkpoints import consolidate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpt.py, data.py beside this file
 
 import ledgers
 from data import CORPUS_PATH, CharDataset
 from gpt import GPT, GPTConfig
-
-# Top-level ds_config keys this script understands (each is read below); anything else is an error.
-_TRAIN_KEYS = {
-    "train_micro_batch_size_per_gpu",
-    "train_batch_size",
-    "gradient_accumulation_steps",
-    "gradient_clipping",
-    "optimizer",
-    "scheduler",
-    "zero_optimization",
-    "fp16",
-    "bf16",
-    "data_types",
-    "steps_per_print",
-}
-_OPTIMIZERS = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """The training-loop settings of a ds_config, with the batch arithmetic checked."""
-
-    micro_batch: int
-    """Sequences per rank per micro-step (``train_micro_batch_size_per_gpu``)."""
-    grad_accum_steps: int
-    """Micro-steps per optimizer step (``gradient_accumulation_steps``)."""
-    world_size: int
-    """Data-parallel ranks."""
-    log_interval: int = 10
-    """Optimizer steps between log lines when no progress bar is shown (``steps_per_print``)."""
-
-    def __post_init__(self) -> None:
-        for name in ("micro_batch", "grad_accum_steps", "world_size", "log_interval"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-
-    @property
-    def global_batch(self) -> int:
-        """Sequences per optimizer step over all ranks: micro_batch · grad_accum_steps · N."""
-        return self.micro_batch * self.grad_accum_steps * self.world_size
-
-    @classmethod
-    def from_ds_config(cls, ds: dict[str, Any], world_size: int) -> TrainConfig:
-        """Read the batch keys; ``train_batch_size``, when given, must equal micro · accum · N."""
-        unknown = sorted(set(ds) - _TRAIN_KEYS)
-        if unknown:
-            raise ValueError(
-                f"unknown ds_config key(s) {unknown}; train_gpt.py understands {sorted(_TRAIN_KEYS)}"
-            )
-        cfg = cls(
-            micro_batch=int(ds.get("train_micro_batch_size_per_gpu", 16)),
-            grad_accum_steps=int(ds.get("gradient_accumulation_steps", 1)),
-            world_size=world_size,
-            log_interval=int(ds.get("steps_per_print", 10)),
-        )
-        if "train_batch_size" in ds and int(ds["train_batch_size"]) != cfg.global_batch:
-            raise ValueError(
-                f"train_batch_size={ds['train_batch_size']} but train_micro_batch_size_per_gpu "
-                f"({cfg.micro_batch}) x gradient_accumulation_steps ({cfg.grad_accum_steps}) x "
-                f"world size ({world_size}) = {cfg.global_batch}; fix one of them or drop train_batch_size"
-            )
-        return cfg
-
-
-def build_optimizer(ds: dict[str, Any], params) -> torch.optim.Optimizer:
-    """The torch optimizer of the ds_config's ``optimizer`` section (default AdamW, lr 2e-3)."""
-    section = ds.get("optimizer", {"type": "AdamW", "params": {"lr": 2e-3}})
-    kind = section.get("type", "AdamW")
-    if kind not in _OPTIMIZERS:
-        raise ValueError(
-            f"optimizer.type={kind!r} is not supported here; use one of {sorted(_OPTIMIZERS)}"
-        )
-    kwargs = dict(section.get("params", {}))
-    if "betas" in kwargs:
-        kwargs["betas"] = tuple(kwargs["betas"])
-    return _OPTIMIZERS[kind](params, **kwargs)
-
-
-def lr_at(step: int, ds: dict[str, Any], base_lr: float) -> float:
-    """Learning rate of optimizer step ``step`` (1-based) under the ds_config's ``scheduler``.
-
-    DeepSpeed's ``WarmupLR`` (from ``warmup_min_lr`` to ``warmup_max_lr`` over
-    ``warmup_num_steps``, then constant) and ``WarmupDecayLR`` (then linearly to 0 at
-    ``total_num_steps``); ``warmup_type`` "linear" or "log" (DeepSpeed's default). No scheduler:
-    the optimizer's own ``lr`` throughout.
-    """
-    section = ds.get("scheduler")
-    if section is None:
-        return base_lr
-    kind, params = section.get("type"), dict(section.get("params", {}))
-    if kind not in ("WarmupLR", "WarmupDecayLR"):
-        raise ValueError(
-            f"scheduler.type={kind!r} is not supported here; use WarmupLR or WarmupDecayLR"
-        )
-    lo, hi = params.get("warmup_min_lr", 0.0), params.get("warmup_max_lr", base_lr)
-    warm = max(1, int(params.get("warmup_num_steps", 1000)))
-    if step < warm:
-        if params.get("warmup_type", "log") == "linear":
-            frac = step / warm
-        else:  # "log": fast at first, like DeepSpeed's default
-            frac = math.log(step + 1) / math.log(warm + 1)
-        return lo + (hi - lo) * frac
-    if kind == "WarmupDecayLR":
-        total = int(params["total_num_steps"])
-        return hi * max(0.0, (total - step) / max(1, total - warm))
-    return hi
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -200,7 +98,7 @@ def mean_over_ranks(value: float) -> float:
 
 
 @torch.no_grad()
-def evaluate(model: GPT, dataset: CharDataset, args, tcfg: TrainConfig, rank: int) -> float:
+def evaluate(model: GPT, dataset: CharDataset, args, cfg: EngineConfig, rank: int) -> float:
     """Mean validation loss over ``eval_batches`` fixed global batches (same on every call)."""
     model.eval()
     total = 0.0
@@ -208,11 +106,11 @@ def evaluate(model: GPT, dataset: CharDataset, args, tcfg: TrainConfig, rank: in
         x, y = dataset.batch(
             "val",
             i,
-            tcfg.micro_batch * tcfg.world_size,
+            cfg.micro_batch_size * cfg.data_parallel_size,
             args.block_size,
             args.seed,
             rank,
-            tcfg.world_size,
+            cfg.data_parallel_size,
         )
         device = get_accelerator().device()
         _, loss = model(x.to(device), y.to(device))
@@ -289,14 +187,11 @@ class Reporter:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run one training job; returns rank 0's metrics (other ranks: an empty dict)."""
     args = parse_args(argv)
-    ds_config = json.loads(Path(args.config).read_text())
+    ds_config = load_ds_config(args.config)
     owns_group = not comm.is_initialized()  # under a test harness the group is not ours to end
     comm.init_distributed()
     rank, world = comm.get_rank(), comm.get_world_size()
     device = get_accelerator().device()
-    tcfg = TrainConfig.from_ds_config(ds_config, world)
-    zcfg = zero.ZeroConfig.from_ds_config(ds_config)
-    precision = zero.MixedPrecision.from_ds_config(ds_config)
     out_dir = Path(args.out_dir)
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -312,53 +207,61 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.manual_seed(args.seed)  # same initial weights on every rank
     model = GPT(gcfg).to(device)
     num_params = model.num_params()
-    report = Reporter(args.steps, tcfg.log_interval, enabled=rank == 0, bar=not args.no_progress)
+    # The ZeRO paper's figures need the full model: predicted before stage 3 partitions it.
+    resolved = EngineConfig.from_ds_config(ds_config, data_parallel_size=world)
+    paper_memory = ledgers.predict_memory(
+        model, resolved.zero, resolved.precision, ds_config, world
+    )
+
+    # DeepSpeed's call: the optimizer and scheduler come from the config by name.
+    engine, opt, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=ds_config
+    )
+    cfg = engine.config
+    zcfg, precision = cfg.zero, cfg.precision
+    report = Reporter(
+        args.steps, cfg.steps_per_print or 10, enabled=rank == 0, bar=not args.no_progress
+    )
     report.print(
         f"[bold]minispeed[/] GPT {num_params:,} parameters ({gcfg.n_layer} layers, width "
         f"{gcfg.n_embd}, vocab {gcfg.vocab_size}) | ZeRO stage {zcfg.stage} on {world} rank(s), "
-        f"{comm_backend()} | global batch {tcfg.global_batch} x {gcfg.block_size} tokens | "
+        f"{comm_backend()} | global batch {cfg.train_batch_size} x {gcfg.block_size} tokens | "
         f"params {str(precision.param_dtype).removeprefix('torch.')}"
     )
-    paper_memory = ledgers.predict_memory(model, zcfg, precision, ds_config, world)
-
-    optimizer = build_optimizer(ds_config, model.parameters())
-    base_lr = optimizer.param_groups[0]["lr"]
-    opt = zero.shard(model, optimizer, config=zcfg, precision=precision)
 
     log = comm.CommsLogger()
     losses: list[tuple[int, float]] = []
-    val_losses: list[tuple[int, float]] = [(0, evaluate(model, dataset, args, tcfg, rank))]
-    tokens_per_step = tcfg.global_batch * gcfg.block_size
+    val_losses: list[tuple[int, float]] = [(0, evaluate(model, dataset, args, cfg, rank))]
+    tokens_per_step = cfg.train_batch_size * gcfg.block_size
+    gas = cfg.gradient_accumulation_steps
     measured_memory: dict[str, Any] = {}
     step_times: list[float] = []
     t_start = time.perf_counter()
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
         step_loss = 0.0
-        for group in opt.optimizer.param_groups:  # the inner optimizer steps the masters
-            group["lr"] = lr_at(step, ds_config, base_lr)
         with log:  # only the training step's collectives are recorded
             if step > 1:
                 log.mark_step()
-            for micro in range(tcfg.grad_accum_steps):
+            for micro in range(gas):
                 x, y = dataset.batch(
                     "train",
-                    (step - 1) * tcfg.grad_accum_steps + micro,
-                    tcfg.micro_batch * world,
+                    (step - 1) * gas + micro,
+                    cfg.micro_batch_size * world,
                     gcfg.block_size,
                     args.seed,
                     rank,
                     world,
                 )
-                _, loss = model(x.to(device), y.to(device))
-                opt.backward(loss)
-                if step == min(2, args.steps) and micro == tcfg.grad_accum_steps - 1:
+                _, loss = engine(x, y)  # the engine moves the batch to its device
+                engine.backward(loss)
+                if step == min(2, args.steps) and micro == gas - 1:
                     # After the last backward of step 2, before its optimizer step: the optimizer
                     # state exists (created lazily by step 1) and so do the reduced gradients
                     # (the step clears them).
                     measured_memory = ledgers.measure_memory(opt, model)
-                opt.step()  # acts at the accumulation boundary only, then clears the gradients
-                step_loss += loss.item() / tcfg.grad_accum_steps
+                engine.step()  # acts at the accumulation boundary only (optimizer, scheduler)
+                step_loss += loss.item() / gas
         step_times.append(time.perf_counter() - t0)
         loss_mean = mean_over_ranks(step_loss)
         if not math.isfinite(loss_mean):
@@ -367,7 +270,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
         losses.append((step, loss_mean))
         if step % args.eval_interval == 0 or step == args.steps:
-            val_losses.append((step, evaluate(model, dataset, args, tcfg, rank)))
+            val_losses.append((step, evaluate(model, dataset, args, cfg, rank)))
         recent = step_times[-10:]
         report.update(step, loss_mean, val_losses[-1], tokens_per_step * len(recent) / sum(recent))
     train_s = time.perf_counter() - t_start
@@ -380,7 +283,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     checkpoint: dict[str, Any] = {}
     if not args.no_checkpoint:
-        checkpoint = save_and_consolidate(opt, model, out_dir, rank, report)
+        checkpoint = save_and_consolidate(engine, out_dir, rank, report)
 
     metrics: dict[str, Any] = {}
     if rank == 0:
@@ -392,16 +295,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "num_params": num_params,
             "model": asdict(gcfg),
             "tokenizer_chars": dataset.tokenizer.chars,
-            "global_batch": tcfg.global_batch,
-            "micro_batch": tcfg.micro_batch,
+            "global_batch": cfg.train_batch_size,
+            "micro_batch": cfg.micro_batch_size,
             "seed": args.seed,
             "eval_batches": args.eval_batches,
-            "eval_global_batch": tcfg.micro_batch * world,
+            "eval_global_batch": cfg.micro_batch_size * world,
             "steps": args.steps,
             "train_seconds": train_s,
             "mean_step_seconds": sum(step_times[1:]) / max(1, len(step_times) - 1),
             "losses": losses,
             "val_losses": val_losses,
+            "final_lr": engine.get_lr(),
             "memory_ledger": memory_rows,
             "comm_ledger": comm_rows,
             **checkpoint,
@@ -419,11 +323,12 @@ def comm_backend() -> str:
 
 
 def save_and_consolidate(
-    opt, model: GPT, out_dir: Path, rank: int, report: Reporter
+    engine: deepspeed.Engine, out_dir: Path, rank: int, report: Reporter
 ) -> dict[str, Any]:
     """Every rank writes its shard; rank 0 joins them into ``consolidated_fp32.pt``."""
     t0 = time.perf_counter()
-    tag_dir = save_checkpoint(opt, model, out_dir / "checkpoint")
+    engine.save_checkpoint(out_dir / "checkpoint")
+    tag_dir = out_dir / "checkpoint" / f"global_step{engine.global_steps}"
     comm.barrier()
     saved_s = time.perf_counter() - t0
     result: dict[str, Any] = {"checkpoint_dir": str(tag_dir), "save_seconds": saved_s}

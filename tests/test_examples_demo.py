@@ -82,12 +82,14 @@ def _plain_pytorch_losses(metrics: dict) -> list[float]:
     )
     warmup = ds_config["scheduler"]["params"]  # WarmupLR, linear, from 0
     assert warmup["warmup_type"] == "linear" and warmup["warmup_min_lr"] == 0
+    # DeepSpeed 0.19.8's WarmupLR (recorded in tests/engine/fixtures): optimizer steps 0 and 1
+    # both run at warmup_min_lr, step k at min + (max - min) * min(1, (k - 1) / warmup_num_steps).
     dataset = CharDataset.from_file()
     losses = []
     for step in range(metrics["steps"]):
         for group in opt.param_groups:
             group["lr"] = warmup["warmup_max_lr"] * min(
-                1.0, (step + 1) / warmup["warmup_num_steps"]
+                1.0, max(0, step - 1) / warmup["warmup_num_steps"]
             )
         x, y = dataset.batch(
             "train", step, metrics["global_batch"], metrics["model"]["block_size"], metrics["seed"]
@@ -135,6 +137,17 @@ def test_demo_ledgers_match_measurements(demo_run):
     full_fp32_adam = 16 * metrics["num_params"]  # params + grads + Adam moments, unsharded
     assert mem["measured rank 0"]["total"] < 0.6 * full_fp32_adam
     assert "communication ledger" in stdout and "memory ledger" in stdout
+
+
+@pytest.mark.timeout(400)
+def test_demo_writes_a_loss_curve_png(demo_run):
+    metrics, stdout = demo_run
+    png = Path(metrics["consolidated_file"]).parent / "loss_curve.png"
+    assert f"loss curve: {png}" in stdout
+    head = png.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+    assert (width, height) == (840, 480)
 
 
 @pytest.mark.timeout(400)
