@@ -3,24 +3,26 @@
 The `"optimizer"` and `"scheduler"` sections share one shape, `{"type": NAME, "params": {...}}`,
 and one failure mode worth a clear error: a misspelled type or key would otherwise be a
 `TypeError` deep inside a constructor, or (for keys DeepSpeed pops and defaults) be ignored.
-Every error here is a `ValueError` naming the section, the key, a did-you-mean and the accepted
-names. Cost: one `difflib` comparison per (key, accepted name).
+Every error here is a `ConfigError` (a `ValueError`) carrying the key path, naming the section,
+the key, the nearest accepted name (`minispeed.core.config.did_you_mean`) and the accepted names.
+Cost: one edit distance per (key, accepted name), on error only.
 """
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+from minispeed.core import config as core_config
+from minispeed.core.config import ConfigError
 
 __all__ = ["check_keys", "did_you_mean", "split_section"]
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
-    """`" (did you mean 'x'?)"` for the closest of `choices`, case-insensitively, else `""`."""
-    by_lower = {c.lower(): c for c in choices}
-    close = difflib.get_close_matches(word.lower(), list(by_lower), n=1, cutoff=0.6)
-    return f" (did you mean {by_lower[close[0]]!r}?)" if close else ""
+    """`" (did you mean 'x' for 'word'?)"` for the nearest of `choices` (case-insensitive edit
+    distance, core's rule), else `""`."""
+    return core_config.did_you_mean([word], choices)
 
 
 def split_section(section: Any, name: str) -> tuple[str, dict[str, Any]]:
@@ -51,12 +53,15 @@ def split_section(section: Any, name: str) -> tuple[str, dict[str, Any]]:
 
 
 def check_keys(where: str, params: Mapping[str, Any], accepted: Iterable[str]) -> None:
-    """Raise a ValueError for the first key of `params` not in `accepted` (`where` names the
-    section and type, e.g. `"scheduler WarmupLR"`)."""
+    """Raise a `ConfigError` for the first key of `params` not in `accepted`. `where` names the
+    section and type as `"ds_config <section> <type>"` (e.g. `"ds_config scheduler WarmupLR"`);
+    the error's path is `<section>.params.<key>`."""
     accepted = sorted(accepted)
+    section = where.split()[1] if where.startswith("ds_config ") else where
     for key in params:
         if key not in accepted:
-            raise ValueError(
+            raise ConfigError(
+                f"{section}.params.{key}",
                 f"{where}: unknown param {key!r}{did_you_mean(key, accepted)}; it accepts "
-                f"{', '.join(accepted)}"
+                f"{', '.join(accepted)}",
             )
