@@ -82,6 +82,8 @@ def load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor) -> torc
     probability of experts that already receive more than their share.
     """
     num_tokens, num_experts = probs.shape
+    if num_tokens == 0:
+        return probs.sum() * 0.0  # no tokens, no imbalance (a mean over none would be NaN)
     f = torch.bincount(first_choice, minlength=num_experts).to(probs.dtype) / max(num_tokens, 1)
     p = probs.mean(dim=0)
     return num_experts * (f * p).sum()
@@ -90,7 +92,7 @@ def load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor) -> torc
 def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
     """ST-MoE's z-loss `mean_s (logsumexp_e logits[s, e])²`: keeps logits small (bf16-safe)."""
     if logits.shape[0] == 0:
-        return logits.new_zeros(())
+        return logits.sum() * 0.0  # zero, and still part of the graph
     return torch.logsumexp(logits, dim=-1).square().mean()
 
 
@@ -111,8 +113,20 @@ class TopKGate(nn.Module):
         self.config = config
         self.wg = nn.Linear(hidden_size, config.num_experts, bias=False, dtype=torch.float32)
 
-    def forward(self, x: torch.Tensor) -> Routing:
-        """Route `x` (S, d). Noise and random token selection apply in training mode only."""
+    def capacity_for(self, num_tokens: int) -> int | None:
+        """C for `num_tokens` tokens in the current mode (None when not dropping)."""
+        cfg = self.config
+        if not cfg.drop_tokens:
+            return None
+        factor = cfg.capacity_factor if self.training else cfg.eval_capacity_factor
+        return costs.capacity(num_tokens, cfg.num_experts, cfg.top_k, factor, cfg.min_capacity)
+
+    def forward(self, x: torch.Tensor, capacity: int | None = None) -> Routing:
+        """Route `x` (S, d). Noise and random token selection apply in training mode only.
+
+        `capacity` overrides C (dropping only): the layer passes the maximum of its expert
+        group's capacities, so ranks holding different token counts share one buffer shape.
+        """
         cfg = self.config
         x = x.float()  # the router runs in fp32 whatever the model's dtype
         if self.training and cfg.noisy_gate_policy == "jitter":
@@ -127,10 +141,11 @@ class TopKGate(nn.Module):
                 min=torch.finfo(torch.float32).eps
             )
         num_tokens = x.shape[0]
+        if capacity is not None and not cfg.drop_tokens:
+            raise ValueError("TopKGate: capacity= needs drop_tokens=True (nothing is dropped)")
         position, expert_counts = self._rank_in_expert(expert_index)
         if cfg.drop_tokens:
-            factor = cfg.capacity_factor if self.training else cfg.eval_capacity_factor
-            cap = costs.capacity(num_tokens, cfg.num_experts, cfg.top_k, factor, cfg.min_capacity)
+            cap = self.capacity_for(num_tokens) if capacity is None else capacity
             kept = position < cap
         else:
             cap, kept = None, torch.ones_like(position, dtype=torch.bool)
