@@ -147,6 +147,11 @@ class InferenceGPT(nn.Module):
         self.head_weight = head_weight
 
     @property
+    def vocab_size(self) -> int:
+        """Token ids the embedding accepts: [0, vocab_size)."""
+        return self.wte.num_embeddings
+
+    @property
     def tp_size(self) -> int:
         """Ranks each block is split over (1: no tensor parallelism)."""
         return 1 if self.tp is None else self.tp.size

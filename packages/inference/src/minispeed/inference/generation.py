@@ -13,6 +13,7 @@ came from the cache or a full recomputation (they agree to fp32 rounding).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,7 @@ import torch
 from minispeed.core import ranges
 from minispeed.inference.fused_gpt import InferenceGPT
 
-__all__ = ["SamplingConfig", "generate", "sample_next"]
+__all__ = ["SamplingConfig", "generate", "prompt_error", "sample_next"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,29 @@ class SamplingConfig:
             raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p}")
+
+
+def prompt_error(prompt: list[int], vocab_size: int) -> str | None:
+    """Why `prompt` cannot be fed to a model of `vocab_size` tokens, or None if it can.
+
+    Checks it is non-empty and that every entry is an int in [0, vocab_size): an id outside the
+    vocabulary would otherwise surface as an `IndexError` deep inside the embedding.
+    """
+    if len(prompt) == 0:
+        return "empty prompt: give at least one token"
+    for at, token in enumerate(prompt):
+        try:
+            if isinstance(token, bool):
+                raise TypeError
+            token = operator.index(token)  # ints, numpy and 0-d integer tensors
+        except TypeError:
+            return f"token at position {at} is {token!r}, not an int: pass token ids"
+        if not 0 <= token < vocab_size:
+            return (
+                f"token id {token} at position {at} is outside the vocabulary [0, {vocab_size}): "
+                "check the tokenizer matches the model"
+            )
+    return None
 
 
 def sample_next(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator) -> int:
