@@ -84,6 +84,7 @@ class ContinuousBatcher:
         rid, self._next_id = self._next_id, self._next_id + 1
         bs = self.cache.block_size
         blocks = -(-(len(prompt) + cfg.max_new_tokens) // bs)
+        prompt = prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt  # 1-D ids
         req = _Request(rid, list(prompt), cfg, torch.Generator().manual_seed(cfg.seed), blocks,
                        RequestResult())  # fmt: skip
         self.results[rid] = req.result
