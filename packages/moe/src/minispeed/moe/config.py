@@ -56,9 +56,9 @@ class MoEConfig:
     """Experts each token is sent to, k (1: Switch, 2: GShard). DeepSpeed's `k`."""
     capacity_factor: float = 1.0
     """Training capacity: each expert takes at most C = ceil(k·S/E · factor) assignments of a
-    rank's S tokens (see `capacity`); > 0."""
+    rank's S tokens (see `capacity`); > 0. `math.inf`: no limit (C = S, nothing dropped)."""
     eval_capacity_factor: float = 1.0
-    """The same factor in eval mode (`module.eval()`); > 0."""
+    """The same factor in eval mode (`module.eval()`); > 0, or `math.inf`."""
     min_capacity: int = 4
     """C is at least this (small batches would otherwise drop most tokens); >= 0."""
     drop_tokens: bool = True
