@@ -126,3 +126,10 @@ def test_a_request_failing_inside_step_fails_alone_and_frees_its_blocks(engine):
     assert (
         batcher.cache.free_blocks == 8 and not batcher.cache.tables and batcher.reserved_blocks == 0
     )
+
+
+@pytest.mark.parametrize("arg", ["num_blocks", "kv_block_size", "max_batch"])
+def test_batcher_sizes_below_one_are_refused_by_name(engine, arg):
+    kwargs = {"num_blocks": 4, "kv_block_size": 4, "max_batch": 2, arg: 0}
+    with pytest.raises(ValueError, match=f"ContinuousBatcher: {arg} must be an int >= 1, got 0"):
+        ContinuousBatcher(engine, **kwargs)

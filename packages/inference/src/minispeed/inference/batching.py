@@ -61,8 +61,10 @@ class ContinuousBatcher:
     def __init__(
         self, model: InferenceGPT, num_blocks: int, kv_block_size: int = 16, max_batch: int = 16
     ) -> None:
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        for name, value in (("num_blocks", num_blocks), ("kv_block_size", kv_block_size),
+                            ("max_batch", max_batch)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ContinuousBatcher: {name} must be an int >= 1, got {value!r}")
         self.model, self.max_batch = model, max_batch
         self.cache = model.new_cache(num_blocks, kv_block_size)
         self.waiting: deque[_Request] = deque()
