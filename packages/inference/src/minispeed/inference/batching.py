@@ -78,7 +78,7 @@ class ContinuousBatcher:
         """KV blocks promised to live requests (their worst case); 0 when none is live."""
         return self._reserved
 
-    def submit(self, prompt: list[int], cfg: SamplingConfig) -> int:
+    def submit(self, prompt: list[int] | torch.Tensor, cfg: SamplingConfig) -> int:
         """Queue a request; returns its id (the key of `results`).
 
         A request that can never run gets its `error` here, `done=True`, and is not queued.

@@ -156,9 +156,10 @@ def generate(
     hold them raises before any work starts, as do token ids outside the vocabulary.
     """
     prompts = as_prompt_lists(prompts)
-    for name, value in (("kv_block_size", kv_block_size), ("kv_num_blocks", kv_num_blocks)):
-        if value is None and name == "kv_num_blocks":
-            continue
+    sizes = {"kv_block_size": kv_block_size}
+    if kv_num_blocks is not None:
+        sizes["kv_num_blocks"] = kv_num_blocks
+    for name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if not prompts:
