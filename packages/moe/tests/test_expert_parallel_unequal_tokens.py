@@ -4,7 +4,8 @@ With dropping on, each rank's capacity C follows its own token count S; the equa
 all-to-all needs one C on every rank of an expert group, so the layer takes the group's maximum
 (one all-reduce of one int64). On W = E_p = 2 with 12 and 5 tokens (and 12 and 0), the layer's
 output, its router losses and every gradient equal one process holding all experts that routes
-each rank's batch with that agreed capacity (the dense einsum formulation, fp32).
+each rank's batch with that agreed capacity (the dense einsum formulation, fp32). Without
+dropping (uneven splits) the same batches need no agreement and give the same equality.
 """
 
 from __future__ import annotations
@@ -20,16 +21,16 @@ from minispeed.moe import dispatch_einsum as de
 HIDDEN, NUM_EXPERTS = 8, 4
 
 
-def _config(ep: int) -> moe.MoEConfig:
+def _config(ep: int, drop: bool) -> moe.MoEConfig:
     return moe.MoEConfig(num_experts=NUM_EXPERTS, expert_parallel_degree=ep, top_k=2,
                          capacity_factor=0.5, min_capacity=1, random_token_selection=False,
-                         aux_loss_coef=0.1, z_loss_coef=0.01)  # fmt: skip
+                         drop_tokens=drop, aux_loss_coef=0.1, z_loss_coef=0.01)  # fmt: skip
 
 
-def _layer(ep: int, groups: moe.ExpertGroups | None = None) -> moe.MoE:
+def _layer(ep: int, drop: bool, groups: moe.ExpertGroups | None = None) -> moe.MoE:
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(HIDDEN, 16), nn.GELU(), nn.Linear(16, HIDDEN))
-    layer = moe.MoE(HIDDEN, mlp, _config(ep), groups)
+    layer = moe.MoE(HIDDEN, mlp, _config(ep, drop), groups)
     with torch.no_grad():
         layer.gate.wg.weight.copy_(torch.randn(NUM_EXPERTS, HIDDEN, generator=_gen(99)))
     return layer
@@ -43,8 +44,8 @@ def _batch(rank: int, tokens: list[int]) -> torch.Tensor:
     return torch.randn(tokens[rank], HIDDEN, generator=_gen(rank))
 
 
-def _run_rank(rank: int, world_size: int, tokens: list[int]) -> dict:
-    layer = _layer(world_size, moe.ExpertGroups(world_size))
+def _run_rank(rank: int, world_size: int, tokens: list[int], drop: bool) -> dict:
+    layer = _layer(world_size, drop, moe.ExpertGroups(world_size))
     x = _batch(rank, tokens).requires_grad_()
     out = layer(x)
     (out.square().sum() + layer.loss).backward()
@@ -54,12 +55,12 @@ def _run_rank(rank: int, world_size: int, tokens: list[int]) -> dict:
             "loss": layer.loss.detach(), "capacity": layer.last_routing.capacity, **grads}  # fmt: skip
 
 
-def _reference(tokens: list[int]) -> list[dict]:
+def _reference(tokens: list[int], drop: bool) -> list[dict]:
     """One process, all experts, each rank's batch routed with the largest rank's capacity."""
-    layer = _layer(1)
+    layer = _layer(1, drop)
     cfg = layer.config
     agreed = max(moe.capacity(s, NUM_EXPERTS, cfg.top_k, cfg.capacity_factor, cfg.min_capacity)
-                 for s in tokens)  # fmt: skip
+                 for s in tokens) if drop else None  # fmt: skip
     results = []
     for rank in range(len(tokens)):
         layer.zero_grad()
@@ -80,11 +81,13 @@ def _reference(tokens: list[int]) -> list[dict]:
     return results
 
 
+@pytest.mark.parametrize("drop", [True, False], ids=["drop", "nodrop"])
 @pytest.mark.parametrize("tokens", [[12, 5], [12, 0]])
-def test_unequal_token_counts_agree_on_capacity_and_match_one_process(tokens):
-    got = run_distributed(_run_rank, world_size=2, args=(tokens,), timeout_s=60)
-    want = _reference(tokens)
-    assert want[0]["capacity"] > moe.capacity(tokens[1], NUM_EXPERTS, 2, 0.5, 1)  # really unequal
+def test_unequal_token_counts_agree_on_capacity_and_match_one_process(tokens, drop):
+    got = run_distributed(_run_rank, world_size=2, args=(tokens, drop), timeout_s=60)
+    want = _reference(tokens, drop)
+    if drop:  # the ranks' own capacities really differ
+        assert want[0]["capacity"] > moe.capacity(tokens[1], NUM_EXPERTS, 2, 0.5, 1)
     for rank in range(2):
         assert got[rank]["capacity"] == want[rank]["capacity"]
         # Expert gradients: rank r holds experts 2r, 2r+1, summed over both ranks' tokens.
