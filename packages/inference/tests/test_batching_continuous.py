@@ -60,3 +60,76 @@ def test_a_bad_request_fails_alone(engine):
     assert "empty prompt" in results[empty].error
     assert results[good].error is None
     assert results[good].tokens == generate(engine, [[1, 2]], SamplingConfig(max_new_tokens=4))[0]
+
+
+def test_out_of_range_token_ids_fail_alone_at_submit(engine):
+    # vocab_size 29: 29 and -1 are no token; an IndexError in step() used to leave the request
+    # done=False, error=None and its KV block taken
+    batcher = ContinuousBatcher(engine, num_blocks=4, kv_block_size=4, max_batch=4)
+    good = batcher.submit([1, 2], SamplingConfig(max_new_tokens=4))
+    too_high = batcher.submit([3, 29, 4], SamplingConfig(max_new_tokens=2))
+    negative = batcher.submit([-1], SamplingConfig(max_new_tokens=2))
+    not_int = batcher.submit([1, 2.5], SamplingConfig(max_new_tokens=2))
+    also_good = batcher.submit([5], SamplingConfig(max_new_tokens=3, temperature=1.0, seed=4))
+    results = batcher.run()
+    assert "token id 29 at position 1 is outside the vocabulary [0, 29)" in results[too_high].error
+    assert "token id -1 at position 0 is outside the vocabulary" in results[negative].error
+    assert "position 1 is 2.5, not an int" in results[not_int].error
+    for rid in (too_high, negative, not_int):
+        assert results[rid].done and results[rid].tokens == []
+    want = generate(engine, [[1, 2]], SamplingConfig(max_new_tokens=4))[0]
+    assert results[good].error is None and results[good].tokens == want
+    alone = generate(engine, [[5]], SamplingConfig(max_new_tokens=3, temperature=1.0, seed=4))
+    assert results[also_good].tokens == alone[0]
+    assert batcher.cache.free_blocks == 4 and not batcher.cache.tables
+
+
+class _Poisoned:
+    """Wraps the engine: prefill of a prompt starting with 13, and any decode step that includes
+    sequence `poisoned_decode`, raise (a stand-in for any per-request failure inside step)."""
+
+    def __init__(self, engine, poisoned_decode: int) -> None:
+        self.engine, self.poisoned_decode = engine, poisoned_decode
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def prefill(self, idx, cache, seq_id):
+        if int(idx[0]) == 13:
+            cache.reserve(seq_id, len(idx))  # fail after taking blocks, as a real failure can
+            raise RuntimeError("prefill exploded")
+        return self.engine.prefill(idx, cache, seq_id)
+
+    def decode(self, tokens, cache, seq_ids):
+        if self.poisoned_decode in seq_ids:
+            cache.reserve(self.poisoned_decode, 1)
+            raise RuntimeError("decode exploded")
+        return self.engine.decode(tokens, cache, seq_ids)
+
+
+def test_a_request_failing_inside_step_fails_alone_and_frees_its_blocks(engine):
+    reqs = [
+        ([3, 1, 4], SamplingConfig(max_new_tokens=6)),
+        ([13, 2], SamplingConfig(max_new_tokens=3)),  # fails in prefill
+        ([2, 7, 1], SamplingConfig(max_new_tokens=5, temperature=0.9, seed=5)),  # fails in decode
+        ([8, 8], SamplingConfig(max_new_tokens=4, top_k=3, temperature=1.0, seed=1)),
+    ]
+    batcher = ContinuousBatcher(_Poisoned(engine, poisoned_decode=2), num_blocks=8,
+                                kv_block_size=4, max_batch=4)  # fmt: skip
+    ids = [batcher.submit(*r) for r in reqs]
+    results = batcher.run()
+    assert results[ids[1]].done and "prefill exploded" in results[ids[1]].error
+    assert results[ids[2]].done and "decode exploded" in results[ids[2]].error
+    for i in (0, 3):
+        assert results[ids[i]].error is None and results[ids[i]].done
+        assert results[ids[i]].tokens == generate(engine, [reqs[i][0]], reqs[i][1])[0]
+    assert (
+        batcher.cache.free_blocks == 8 and not batcher.cache.tables and batcher.reserved_blocks == 0
+    )
+
+
+@pytest.mark.parametrize("arg", ["num_blocks", "kv_block_size", "max_batch"])
+def test_batcher_sizes_below_one_are_refused_by_name(engine, arg):
+    kwargs = {"num_blocks": 4, "kv_block_size": 4, "max_batch": 2, arg: 0}
+    with pytest.raises(ValueError, match=f"ContinuousBatcher: {arg} must be an int >= 1, got 0"):
+        ContinuousBatcher(engine, **kwargs)

@@ -42,3 +42,15 @@ def test_gpt2_cached_generation_equals_recomputation(rel_close):
     assert generate(engine, prompts, cfg, kv_block_size=4) == generate(
         engine, prompts, cfg, use_cache=False
     )
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_kept_gpt2_blocks_stay_causal(attn, rel_close):
+    # Kept blocks got no attention mask: with eager attention they attended to future tokens.
+    model = _gpt2()
+    model.config._attn_implementation = attn
+    engine, report = init_inference(model, replace_with_kernel_inject=False)
+    assert report.replaced == () and "replace_with_kernel_inject=False" in report.kept[0]
+    idx = torch.randint(0, 53, (2, 17), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        rel_close(engine(idx), model(idx).logits)

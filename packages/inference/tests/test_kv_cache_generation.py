@@ -93,3 +93,35 @@ def test_pool_hands_out_and_takes_back_blocks():
     assert torch.equal(got_k, k) and torch.equal(got_v, -k)
     cache.free(0)
     assert cache.free_blocks == 3 and 0 not in cache.tables
+
+
+def test_prompts_as_a_tensor_of_ids_give_the_tokens_of_the_lists(engine):
+    # (B, T) input_ids, as Hugging Face users pass them; used to raise "Boolean value of Tensor"
+    _, inf = engine
+    cfg = SamplingConfig(max_new_tokens=5, temperature=1.0, seed=2)
+    ids = torch.tensor([[1, 5, 9], [4, 0, 6]])
+    want = generate(inf, ids.tolist(), cfg)
+    assert generate(inf, ids, cfg) == want
+    assert generate(inf, ids, cfg, use_cache=False) == want
+    assert generate(inf, list(ids), cfg) == want  # a list of 1-D tensors
+    with pytest.raises(ValueError, match=r"a \(B, T\) tensor of integer token ids.*shape \(3,\)"):
+        generate(inf, torch.tensor([1, 5, 9]), cfg)
+    with pytest.raises(ValueError, match="a flat list of token ids: wrap it"):
+        generate(inf, [1, 5, 9], cfg)
+
+
+def test_empty_batch_bad_ids_and_bad_block_size_are_handled(engine):
+    _, inf = engine
+    cfg = SamplingConfig(max_new_tokens=3)
+    assert (
+        generate(inf, [], cfg) == []
+        and generate(inf, torch.zeros(0, 4, dtype=torch.long), cfg) == []
+    )
+    with pytest.raises(ValueError, match="kv_block_size must be an int >= 1, got 0"):
+        generate(inf, [[1, 2]], cfg, kv_block_size=0)
+    with pytest.raises(ValueError, match="kv_num_blocks must be an int >= 1"):
+        generate(inf, [[1, 2]], cfg, kv_num_blocks=0)
+    with pytest.raises(
+        ValueError, match=r"prompt 1: token id 31 at position 0 is outside the vocabulary \[0, 31\)"
+    ):
+        generate(inf, [[1, 2], [31]], cfg)

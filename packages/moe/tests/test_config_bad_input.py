@@ -20,6 +20,10 @@ from minispeed.core.testing import run_distributed
         ({"num_experts": 0}, "num_experts must be an int >= 1"),
         ({"num_experts": 4, "min_capacity": -1}, "min_capacity"),
         ({"num_experts": 4, "noisy_gate_policy": "gumbel"}, "noisy_gate_policy must be one of"),
+        ({"num_experts": 4, "drop_order": "token"}, "drop_order must be one of"),
+        ({"num_experts": 4, "weights_over": "all"}, "weights_over must be one of"),
+        ({"num_experts": 4, "aux_loss_choices": 2}, "aux_loss_choices must be one of"),
+        ({"num_experts": 4, "drop_order": "probability"}, "set random_token_selection=False"),
     ],
 )
 def test_bad_config_is_refused(kwargs, match):
@@ -35,7 +39,7 @@ def test_from_ds_config_translates_deepspeed_keys():
             "k": 2,
             "capacity_factor": 1.25,
             "min_capacity": 2,
-            "noisy_gate_policy": "RSample",
+            "noisy_gate_policy": "Jitter",
             "drop_tokens": False,
             "use_rts": False,
             "use_residual": False,
@@ -47,10 +51,11 @@ def test_from_ds_config_translates_deepspeed_keys():
         top_k=2,
         capacity_factor=1.25,
         min_capacity=2,
-        noisy_gate_policy="rsample",
+        noisy_gate_policy="jitter",
         drop_tokens=False,
         random_token_selection=False,
         second_expert_sampling=True,  # DeepSpeed's default for top2_2nd_expert_sampling
+        weights_over="kept",  # DeepSpeed renormalizes over the surviving choices
     )
     assert (
         moe.MoEConfig.from_ds_config(
@@ -58,6 +63,16 @@ def test_from_ds_config_translates_deepspeed_keys():
         ).noisy_gate_policy
         is None
     )
+    # The options DeepSpeed's routine for a k ignores are off; k >= 3 ranks by probability.
+    top1 = moe.MoEConfig.from_ds_config({"num_experts": 4, "noisy_gate_policy": "RSample"})
+    assert (top1.noisy_gate_policy, top1.random_token_selection) == ("rsample", True)
+    assert not top1.second_expert_sampling
+    top3 = moe.MoEConfig.from_ds_config(
+        {"num_experts": 4, "k": 3, "noisy_gate_policy": "RSample", "use_rts": True}
+    )
+    assert top3.noisy_gate_policy is None and not top3.random_token_selection
+    assert not top3.second_expert_sampling
+    assert (top3.drop_order, top3.aux_loss_choices) == ("probability", "all")
     with pytest.raises(ValueError, match="unknown key 'experts'"):
         moe.MoEConfig.from_ds_config({"experts": 8})
     with pytest.raises(ValueError, match="use_residual=True is not supported"):

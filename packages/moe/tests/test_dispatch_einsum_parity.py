@@ -20,12 +20,17 @@ def _einsum_forward(layer: moe.MoE, x: torch.Tensor) -> torch.Tensor:
     return de.einsum_combine(y, de.combine_weights(r, mask)).reshape(x.shape)
 
 
+# DeepSpeed's rules (what from_ds_config picks for k >= 3) move the same rows differently.
+_DEEPSPEED_RULES = {"drop_order": "probability", "weights_over": "kept", "aux_loss_choices": "all"}
+
+
+@pytest.mark.parametrize("rules", [{}, _DEEPSPEED_RULES], ids=["gshard", "deepspeed"])
 @pytest.mark.parametrize("drop", [True, False])
 @pytest.mark.parametrize("top_k", [1, 2, 3])
-def test_permutation_equals_einsum_forward_and_backward(drop, top_k):
+def test_permutation_equals_einsum_forward_and_backward(drop, top_k, rules):
     torch.manual_seed(top_k)
     cfg = moe.MoEConfig(num_experts=4, top_k=top_k, capacity_factor=0.75, min_capacity=1,
-                        drop_tokens=drop, random_token_selection=False)  # fmt: skip
+                        drop_tokens=drop, random_token_selection=False, **rules)  # fmt: skip
     mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
     layer = moe.MoE(16, mlp, cfg)
     x = torch.randn(3, 10, 16, requires_grad=True)

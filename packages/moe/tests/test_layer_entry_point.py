@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 from torch import nn
 
@@ -50,3 +53,38 @@ def test_layer_keeps_the_input_dtype_and_marks_its_phases():
     assert out.dtype == torch.bfloat16  # the router runs in fp32, the rest in the model's dtype
     names = {e.name for e in prof.events()}
     assert {"moe.dispatch", "moe.experts", "moe.combine"} <= names
+
+
+def _layer(**kw) -> moe.MoE:
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    return moe.MoE(8, mlp, moe.MoEConfig(num_experts=4, top_k=2, z_loss_coef=0.01, **kw))
+
+
+@pytest.mark.parametrize("drop", [True, False])
+@pytest.mark.parametrize("shape", [(0, 8), (2, 0, 8)])
+def test_an_empty_batch_gives_an_empty_output_and_zero_gradients(shape, drop):
+    # Used to fail in backward (the combine's weight gradient reshaped 0 elements with -1).
+    layer = _layer(drop_tokens=drop)
+    x = torch.randn(shape, requires_grad=True)
+    out = layer(x)
+    assert out.shape == shape
+    (out.sum() + layer.loss).backward()
+    assert layer.loss.item() == 0.0
+    assert x.grad.shape == shape
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and not p.grad.any(), name
+
+
+@pytest.mark.parametrize("which", ["capacity_factor", "eval_capacity_factor"])
+def test_an_infinite_capacity_factor_means_no_limit(which):
+    # Used to pass validation and raise OverflowError (ceil of inf) in the forward.
+    x = torch.randn(3, 10, 8)
+    layer = _layer(**{which: math.inf}, min_capacity=0)
+    if which == "eval_capacity_factor":
+        layer.eval()
+    unlimited = _layer(drop_tokens=False).train(layer.training)
+    out = layer(x)
+    r = layer.last_routing
+    assert r.capacity == 30 and r.dropped_assignments == 0  # C = S: every assignment fits
+    torch.testing.assert_close(out, unlimited(x))

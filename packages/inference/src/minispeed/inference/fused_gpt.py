@@ -147,6 +147,11 @@ class InferenceGPT(nn.Module):
         self.head_weight = head_weight
 
     @property
+    def vocab_size(self) -> int:
+        """Token ids the embedding accepts: [0, vocab_size)."""
+        return self.wte.num_embeddings
+
+    @property
     def tp_size(self) -> int:
         """Ranks each block is split over (1: no tensor parallelism)."""
         return 1 if self.tp is None else self.tp.size
@@ -180,9 +185,11 @@ class InferenceGPT(nn.Module):
             elif attend is None:
                 x = block(x)
             else:
+                why = getattr(block, "why_kept", None)
                 raise RuntimeError(
-                    f"block {layer} ({type(block).__name__}) was not replaced by a fused block, so "
-                    "it cannot read a KV cache: generate with use_cache=False"
+                    f"block {layer} ({type(block).__name__}) was not replaced by a fused block"
+                    f"{f' ({why})' if why else ''}, so it cannot read a KV cache: generate with "
+                    "use_cache=False"
                 )
         if self.rms_final_norm:
             x, _ = kernels.rms_norm(x, self.ln_f.weight, self.ln_f.variance_epsilon)

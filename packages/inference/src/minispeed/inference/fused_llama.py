@@ -1,6 +1,6 @@
 """A Hugging Face LLaMA decoder layer rebuilt on the fused kernels (used by `LlamaPolicy`).
 
-Per layer, with positions p and rotary tables from `kernels.rotary_tables`:
+Per layer, with positions p and the model's rotary tables (`rotary_tables_of`):
 
 ```text
 a       = RMSNorm1(x)                                   kernels.rms_norm
@@ -27,7 +27,30 @@ from minispeed.inference import kernels
 from minispeed.inference.fused_gpt import Attend, _linear, _row_parallel
 from minispeed.inference.tensor_parallel import TPContext, column_shard
 
-__all__ = ["FusedLlamaBlock"]
+__all__ = ["STATIC_ROPE_TYPES", "FusedLlamaBlock", "rotary_tables_of"]
+
+# RoPE variants whose angles depend on the position only (not on the sequence length), so one
+# table serves every forward: transformers' "dynamic" NTK and "longrope" rescale with the length.
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rotary_tables_of(
+    rotary: nn.Module, max_positions: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(cos, sin)` fp32 `(max_positions, head_dim // 2)` of a transformers rotary module.
+
+    Its `inv_freq` already carries the variant's frequency scaling (linear, llama3, yarn) and
+    `attention_scaling` its magnitude (yarn's mscale; 1 otherwise), so
+    `cos[p, i] = attention_scaling · cos(p · inv_freq[i])` is what the layer applies. Angles in
+    float64, as `kernels.rotary_tables`. Only for `STATIC_ROPE_TYPES`.
+    """
+    inv_freq = rotary.inv_freq.detach().to(torch.float64).cpu()
+    if inv_freq.numel() * 2 != head_dim:
+        raise ValueError(f"rotary inv_freq has {inv_freq.numel()} entries, head_dim is {head_dim}")
+    scale = float(getattr(rotary, "attention_scaling", 1.0))
+    angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    device = rotary.inv_freq.device
+    return (angles.cos() * scale).float().to(device), (angles.sin() * scale).float().to(device)
 
 
 class FusedLlamaBlock(nn.Module):
@@ -40,8 +63,8 @@ class FusedLlamaBlock(nn.Module):
     is_fused = True
 
     def __init__(
-        self, layer: nn.Module, n_head: int, n_kv_head: int, rope_theta: float, max_positions: int,
-        int8: bool = False, tp: TPContext | None = None,
+        self, layer: nn.Module, n_head: int, n_kv_head: int,
+        rotary: tuple[torch.Tensor, torch.Tensor], int8: bool = False, tp: TPContext | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
         attn, mlp = layer.self_attn, layer.mlp
@@ -54,7 +77,7 @@ class FusedLlamaBlock(nn.Module):
         self.q, self.k, self.v, self.gate, self.up = (_linear(m, int8) for m in columns)
         self.o = _row_parallel(attn.o_proj, int8, tp)
         self.down = _row_parallel(mlp.down_proj, int8, tp)
-        cos, sin = kernels.rotary_tables(max_positions, self.head_dim, rope_theta)
+        cos, sin = rotary  # (max_positions, head_dim / 2) each
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 

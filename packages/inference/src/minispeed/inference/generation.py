@@ -13,6 +13,7 @@ came from the cache or a full recomputation (they agree to fp32 rounding).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,7 @@ import torch
 from minispeed.core import ranges
 from minispeed.inference.fused_gpt import InferenceGPT
 
-__all__ = ["SamplingConfig", "generate", "sample_next"]
+__all__ = ["SamplingConfig", "as_prompt_lists", "generate", "prompt_error", "sample_next"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,30 @@ class SamplingConfig:
             raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p}")
 
 
+def prompt_error(prompt: list[int], vocab_size: int | None) -> str | None:
+    """Why `prompt` cannot be fed to a model of `vocab_size` tokens, or None if it can.
+
+    Checks it is non-empty and that every entry is an int in [0, vocab_size) (any int when
+    `vocab_size` is None): an id outside the vocabulary would otherwise surface as an
+    `IndexError` deep inside the embedding.
+    """
+    if len(prompt) == 0:
+        return "empty prompt: give at least one token"
+    for at, token in enumerate(prompt):
+        try:
+            if isinstance(token, bool):
+                raise TypeError
+            token = operator.index(token)  # ints, numpy and 0-d integer tensors
+        except TypeError:
+            return f"token at position {at} is {token!r}, not an int: pass token ids"
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            return (
+                f"token id {token} at position {at} is outside the vocabulary [0, {vocab_size}): "
+                "check the tokenizer matches the model"
+            )
+    return None
+
+
 def sample_next(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator) -> int:
     """One token id from `logits` `(V,)` (see Note [sampling draws one uniform per token])."""
     if cfg.temperature == 0:
@@ -70,6 +95,44 @@ def sample_next(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Gene
     return int(torch.searchsorted(cdf, u, right=True).clamp(max=probs.numel() - 1))
 
 
+def as_prompt_lists(prompts: object) -> list[list[int]]:
+    """`prompts` as lists of token ids: a list of lists (or of 1-D tensors), or a `(B, T)`
+    integer tensor such as Hugging Face's `input_ids` (every row is a whole prompt: no padding).
+    """
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() != 2 or prompts.is_floating_point() or prompts.is_complex():
+            raise ValueError(
+                "prompts given as a tensor must be a (B, T) tensor of integer token ids (like "
+                f"input_ids), got shape {tuple(prompts.shape)} and {prompts.dtype}: for one "
+                "prompt pass ids[None]"
+            )
+        return prompts.tolist()
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(
+            f"prompts must be a list of prompts (lists of token ids) or a (B, T) tensor, got "
+            f"{type(prompts).__name__}"
+        )
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, torch.Tensor):
+            if p.dim() != 1:
+                raise ValueError(f"prompt {i} is a tensor of shape {tuple(p.shape)}: give 1-D ids")
+            p = p.tolist()
+        elif not isinstance(p, (list, tuple)):
+            raise ValueError(
+                f"prompt {i} is {p!r}, not a list of token ids: prompts look like a flat list of "
+                "token ids: wrap it, generate(model, [prompt], cfg)"
+            )
+        out.append(list(p))
+    return out
+
+
+def _vocab_size(model: torch.nn.Module) -> int | None:
+    if isinstance(model, InferenceGPT):
+        return model.vocab_size
+    return getattr(getattr(model, "cfg", None), "vocab_size", None)
+
+
 def _full_logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
     """Last-position logits `(V,)` from a full forward (InferenceGPT or the original GPT)."""
     out = model(torch.tensor([tokens]))
@@ -79,7 +142,7 @@ def _full_logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
 
 def generate(
     model: torch.nn.Module,
-    prompts: list[list[int]],
+    prompts: list[list[int]] | torch.Tensor,
     cfg: SamplingConfig,
     use_cache: bool = True,
     kv_block_size: int = 16,
@@ -87,13 +150,26 @@ def generate(
 ) -> list[list[int]]:
     """New tokens for each prompt. `use_cache=True` needs an `InferenceGPT` (see init_inference).
 
-    The cache pool defaults to exactly what the prompts and `max_new_tokens` need; a smaller
-    `kv_num_blocks` that cannot hold them raises before any work starts.
+    `prompts`: lists of token ids, or a `(B, T)` integer tensor (see `as_prompt_lists`); an
+    empty batch gives `[]`. Returns the new tokens only, as lists. The cache pool defaults to
+    exactly what the prompts and `max_new_tokens` need; a smaller `kv_num_blocks` that cannot
+    hold them raises before any work starts, as do token ids outside the vocabulary.
     """
+    prompts = as_prompt_lists(prompts)
+    sizes = {"kv_block_size": kv_block_size}
+    if kv_num_blocks is not None:
+        sizes["kv_num_blocks"] = kv_num_blocks
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if not prompts:
+        return []
     block_size = model.block_size if isinstance(model, InferenceGPT) else model.cfg.block_size
+    vocab_size = _vocab_size(model)
     for i, p in enumerate(prompts):
-        if not p:
-            raise ValueError(f"prompt {i} is empty: give at least one token")
+        error = prompt_error(p, vocab_size)
+        if error:
+            raise ValueError(f"prompt {i}: {error}")
         if len(p) + cfg.max_new_tokens > block_size:
             raise ValueError(
                 f"prompt {i} has {len(p)} tokens + max_new_tokens {cfg.max_new_tokens} > the "

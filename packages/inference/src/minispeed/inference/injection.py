@@ -3,8 +3,9 @@
 A policy knows one model family: whether a model is of it, whether a block is one it can fuse,
 and how to build the inference model: minispeed's own GPT (examples/gpt.py), Hugging Face's
 `GPT2LMHeadModel` and `LlamaForCausalLM`.
-Blocks a policy does not recognise are left as they are and listed in the report; the model
-still runs (full forward), but the KV-cache paths need every block fused.
+Blocks a policy cannot fuse are kept and listed in the report with the reason; the model still
+runs (full forward: Hugging Face layers get the causal mask and rotary tables their model would
+give them, see `kept_blocks.py`), but the KV-cache paths need every block fused.
 
 Module tree, before and after (GPT with L blocks):
 
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from minispeed.inference.fused_gpt import FusedGPTBlock, InferenceGPT
+from minispeed.inference.kept_blocks import KeptHFBlock
 from minispeed.inference.tensor_parallel import TPConfig, TPContext, check_divides, resolve
 
 __all__ = ["GPTPolicy", "InjectionReport", "init_inference"]
@@ -40,7 +42,7 @@ class InjectionReport:
     replaced: tuple[str, ...]
     """Qualified names of the blocks now fused (e.g. `blocks.0`)."""
     kept: tuple[str, ...]
-    """Qualified names and types of blocks no policy recognised, left unchanged."""
+    """Qualified names and types of the blocks left unfused, each with the reason."""
     dtype: torch.dtype
     tp_size: int = 1
     """Ranks each fused block is split over (kept blocks run whole on every rank)."""
@@ -50,7 +52,7 @@ class InjectionReport:
         tp = f", tensor-parallel over {self.tp_size} ranks" if self.tp_size > 1 else ""
         return (
             f"policy {self.policy} ({self.dtype}{tp}): replaced {len(self.replaced)} blocks; "
-            f"kept unrecognised: {kept}"
+            f"kept: {kept}"
         )
 
 
@@ -79,6 +81,16 @@ class GPTPolicy:
             and all(isinstance(m, nn.LayerNorm) and m.elementwise_affine for m in norms)
             and isinstance(getattr(attn, "n_head", None), int)
         )
+
+    @classmethod
+    def why_not_fused(cls, block: nn.Module, model: nn.Module) -> str | None:
+        if cls.matches_block(block):
+            return None
+        return "not the Block layout of examples/gpt.py (ln1, attn.qkv/proj, ln2, mlp.fc/proj)"
+
+    @staticmethod
+    def keep(block: nn.Module, model: nn.Module, why: str) -> nn.Module:
+        return block  # self-contained: causal attention, positions added before the blocks
 
     @staticmethod
     def blocks(model: nn.Module) -> nn.ModuleList:
@@ -126,19 +138,24 @@ class GPT2Policy:
         return type(model).__name__ == "GPT2LMHeadModel" and hasattr(model, "transformer")
 
     @staticmethod
-    def matches_block(block: nn.Module) -> bool:
-        if (
-            type(block).__name__ != "GPT2Block"
-            or getattr(block, "crossattention", None) is not None
-        ):
-            return False
+    def why_not_fused(block: nn.Module, model: nn.Module) -> str | None:
+        if type(block).__name__ != "GPT2Block":
+            return "not a GPT2Block"
         attn = block.attn
-        return (
-            getattr(attn, "scale_attn_weights", True)
-            and not getattr(attn, "scale_attn_by_inverse_layer_idx", False)
-            and not getattr(attn, "reorder_and_upcast_attn", False)
-            and type(block.mlp.act).__name__ in ("NewGELUActivation", "GELUActivation")
-        )
+        checks = [
+            (getattr(block, "crossattention", None) is not None, "cross-attention"),
+            (not getattr(attn, "scale_attn_weights", True), "scale_attn_weights=False"),
+            (getattr(attn, "scale_attn_by_inverse_layer_idx", False),
+             "scale_attn_by_inverse_layer_idx=True"),
+            (getattr(attn, "reorder_and_upcast_attn", False), "reorder_and_upcast_attn=True"),
+            (type(block.mlp.act).__name__ not in ("NewGELUActivation", "GELUActivation"),
+             f"activation {type(block.mlp.act).__name__} (the fused MLP has gelu and gelu_new)"),
+        ]  # fmt: skip
+        return next((why for bad, why in checks if bad), None)
+
+    @staticmethod
+    def keep(block: nn.Module, model: nn.Module, why: str) -> nn.Module:
+        return KeptHFBlock(block, why)
 
     @staticmethod
     def blocks(model: nn.Module) -> nn.ModuleList:
@@ -171,38 +188,50 @@ class GPT2Policy:
                             head_dim=c.n_embd // c.n_head, tp=tp)  # fmt: skip
 
 
-def _rope_theta(config) -> float:
-    params = getattr(config, "rope_parameters", None) or {}
-    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+def _rope_type(config) -> str:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return params.get("rope_type", params.get("type", "default"))
 
 
 class LlamaPolicy:
     """Hugging Face `LlamaForCausalLM`: RMSNorm, rotary positions, grouped-query attention, SwiGLU.
 
-    Only the default rotary embedding is recognised (no scaled RoPE variants), without biases on
-    the attention or MLP linears; see `minispeed.inference.fused_llama` for the fused layer.
+    Fused: layers without biases on the attention or MLP linears, with SiLU, and with a RoPE
+    whose angles depend on the position alone (default, linear, llama3, yarn: the tables come
+    from the model's own rotary module). Other layers are kept with the reason (see
+    `minispeed.inference.fused_llama` for the fused layer).
     """
 
     name = "hf-llama"
 
     @staticmethod
     def matches_model(model: nn.Module) -> bool:
-        if type(model).__name__ != "LlamaForCausalLM":
-            return False
-        c = model.config
-        params = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
-        return params.get("rope_type", params.get("type", "default")) == "default"
+        return type(model).__name__ == "LlamaForCausalLM" and hasattr(model, "model")
 
     @staticmethod
-    def matches_block(block: nn.Module) -> bool:
+    def why_not_fused(block: nn.Module, model: nn.Module) -> str | None:
+        from minispeed.inference.fused_llama import STATIC_ROPE_TYPES
+
         if type(block).__name__ != "LlamaDecoderLayer":
-            return False
+            return "not a LlamaDecoderLayer"
         attn, mlp = block.self_attn, block.mlp
-        linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
-                   mlp.gate_proj, mlp.up_proj, mlp.down_proj]  # fmt: skip
-        return all(isinstance(m, nn.Linear) and m.bias is None for m in linears) and (
-            type(mlp.act_fn).__name__ == "SiLUActivation" or isinstance(mlp.act_fn, nn.SiLU)
-        )
+        if any(m.bias is not None for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)):
+            return "attention linears have biases (attention_bias=True)"
+        if any(m.bias is not None for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+            return "MLP linears have biases (mlp_bias=True)"
+        if not (type(mlp.act_fn).__name__ == "SiLUActivation" or isinstance(mlp.act_fn, nn.SiLU)):
+            return f"activation {type(mlp.act_fn).__name__} (the fused MLP has SiLU)"
+        rope_type = _rope_type(model.config)
+        if rope_type not in STATIC_ROPE_TYPES:
+            return (
+                f"rope_type {rope_type!r} rescales with the sequence length, one rotary table "
+                f"cannot serve the KV cache (fused: {list(STATIC_ROPE_TYPES)})"
+            )
+        return None
+
+    @staticmethod
+    def keep(block: nn.Module, model: nn.Module, why: str) -> nn.Module:
+        return KeptHFBlock(block, why, rotary=model.model.rotary_emb)
 
     @staticmethod
     def blocks(model: nn.Module) -> nn.ModuleList:
@@ -219,11 +248,14 @@ class LlamaPolicy:
 
     @staticmethod
     def fuse(block: nn.Module, int8: bool, model: nn.Module, tp: TPContext | None) -> nn.Module:
-        from minispeed.inference.fused_llama import FusedLlamaBlock
+        from minispeed.inference.fused_llama import FusedLlamaBlock, rotary_tables_of
 
         c = model.config
-        return FusedLlamaBlock(block, c.num_attention_heads, c.num_key_value_heads,
-                               _rope_theta(c), c.max_position_embeddings, int8=int8, tp=tp)  # fmt: skip
+        rotary = rotary_tables_of(
+            model.model.rotary_emb, c.max_position_embeddings, block.self_attn.head_dim
+        )
+        return FusedLlamaBlock(block, c.num_attention_heads, c.num_key_value_heads, rotary,
+                               int8=int8, tp=tp)  # fmt: skip
 
     @staticmethod
     def build(model: nn.Module, blocks: list[nn.Module], tp: TPContext | None) -> InferenceGPT:
@@ -284,11 +316,16 @@ def init_inference(
     model.eval()
     blocks, replaced, kept = [], [], []
     for i, block in enumerate(policy.blocks(model)):
-        if replace_with_kernel_inject and policy.matches_block(block):
+        why = (
+            policy.why_not_fused(block, model)
+            if replace_with_kernel_inject
+            else "replace_with_kernel_inject=False"
+        )
+        if why is None:
             blocks.append(policy.fuse(block, dtype == torch.int8, model, tp))
             replaced.append(f"blocks.{i}")
         else:
-            blocks.append(block)
-            kept.append(f"blocks.{i} ({type(block).__name__})")
+            blocks.append(policy.keep(block, model, why))
+            kept.append(f"blocks.{i} ({type(block).__name__}: {why})")
     report = InjectionReport(policy.name, tuple(replaced), tuple(kept), dtype, tp_cfg.tp_size)
     return policy.build(model, blocks, tp).eval(), report

@@ -11,9 +11,12 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["NOISY_GATE_POLICIES", "MoEConfig"]
+__all__ = ["AUX_LOSS_CHOICES", "DROP_ORDERS", "NOISY_GATE_POLICIES", "WEIGHTS_OVER", "MoEConfig"]
 
 NOISY_GATE_POLICIES = (None, "jitter", "rsample")
+DROP_ORDERS = ("choice", "probability")
+WEIGHTS_OVER = ("chosen", "kept")
+AUX_LOSS_CHOICES = ("first", "all")
 
 
 # DeepSpeed's MoE argument -> our field.
@@ -53,9 +56,9 @@ class MoEConfig:
     """Experts each token is sent to, k (1: Switch, 2: GShard). DeepSpeed's `k`."""
     capacity_factor: float = 1.0
     """Training capacity: each expert takes at most C = ceil(k·S/E · factor) assignments of a
-    rank's S tokens (see `capacity`); > 0."""
+    rank's S tokens (see `capacity`); > 0. `math.inf`: no limit (C = S, nothing dropped)."""
     eval_capacity_factor: float = 1.0
-    """The same factor in eval mode (`module.eval()`); > 0."""
+    """The same factor in eval mode (`module.eval()`); > 0, or `math.inf`."""
     min_capacity: int = 4
     """C is at least this (small batches would otherwise drop most tokens); >= 0."""
     drop_tokens: bool = True
@@ -66,9 +69,23 @@ class MoEConfig:
     `"rsample"` picks the top-1 expert from logits + Gumbel noise (weights stay the clean
     softmax). None: no noise. DeepSpeed's `"Jitter"`, `"RSample"`."""
     random_token_selection: bool = True
-    """When dropping, which assignments an over-full expert keeps: True, a random order
-    (no bias toward early tokens); False, token order (first choices before second). Training
-    only; eval keeps token order. DeepSpeed's `use_rts`."""
+    """When dropping with `drop_order="choice"`, the order of tokens inside a choice: True, a
+    random order (no bias toward early tokens); False, token order. Training only; eval keeps
+    token order. DeepSpeed's `use_rts` (which acts at k = 1 only there)."""
+    drop_order: str = "choice"
+    """Which assignments an over-full expert keeps. `"choice"` (GShard): every token's first
+    choice before any second choice, tokens in order (or at random, see
+    `random_token_selection`) inside a choice. `"probability"`: the assignments with the highest
+    router probability (DeepSpeed's top-k gate for k >= 3); needs
+    `random_token_selection=False`."""
+    weights_over: str = "chosen"
+    """k > 1: the gate weights are the probabilities renormalized over a token's `"chosen"` k
+    experts (GShard: a dropped choice keeps its share, the token's output shrinks) or over its
+    `"kept"` ones (DeepSpeed: the surviving choices share weight 1)."""
+    aux_loss_choices: str = "first"
+    """Which choices count in the load-balancing loss: `"first"` (Switch/GShard: f_e is the
+    fraction of first choices) or `"all"` (DeepSpeed's top-k gate for k >= 3: f_e counts all k
+    choices and the loss is divided by k); see `load_balancing_loss`."""
     second_expert_sampling: bool = False
     """Training only, k > 1: choices after the first are picked from logits + Gumbel noise
     (exploration), not greedily. DeepSpeed's `top2_2nd_expert_sampling` (default True there)."""
@@ -111,6 +128,21 @@ class MoEConfig:
                 f"MoEConfig.noisy_gate_policy must be one of {list(NOISY_GATE_POLICIES)}, got "
                 f"{self.noisy_gate_policy!r}"
             )
+        for name, allowed in (
+            ("drop_order", DROP_ORDERS),
+            ("weights_over", WEIGHTS_OVER),
+            ("aux_loss_choices", AUX_LOSS_CHOICES),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"MoEConfig.{name} must be one of {list(allowed)}, got {getattr(self, name)!r}"
+                )
+        if self.drop_order == "probability" and self.random_token_selection:
+            raise ValueError(
+                "MoEConfig: drop_order='probability' ranks assignments by router probability, so "
+                "random_token_selection=True has nothing to act on; set "
+                "random_token_selection=False"
+            )
         for name in ("aux_loss_coef", "z_loss_coef"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"MoEConfig.{name} must be >= 0, got {getattr(self, name)!r}")
@@ -124,13 +156,24 @@ class MoEConfig:
     def from_ds_config(cls, section: Mapping[str, Any]) -> MoEConfig:
         """Translate DeepSpeed's MoE arguments (`deepspeed.moe.layer.MoE`) into a config.
 
-        `{"num_experts": 8, "ep_size": 2, "k": 2, "noisy_gate_policy": "RSample"}` ->
-        `MoEConfig(num_experts=8, expert_parallel_degree=2, top_k=2, noisy_gate_policy="rsample",
-        second_expert_sampling=True, ...)`. DeepSpeed's defaults apply to absent keys (note
-        `top2_2nd_expert_sampling` defaults to True there). Unknown keys, and `use_residual`,
-        `use_tutel`, `enable_expert_tensor_parallelism` set to True, raise naming the key.
+        `{"num_experts": 8, "ep_size": 2, "k": 1, "noisy_gate_policy": "RSample"}` ->
+        `MoEConfig(num_experts=8, expert_parallel_degree=2, top_k=1, noisy_gate_policy="rsample",
+        weights_over="kept", ...)`. DeepSpeed's defaults apply to absent keys. Unknown keys, and
+        `use_residual`, `use_tutel`, `enable_expert_tensor_parallelism` set to True, raise
+        naming the key.
+
+        DeepSpeed's gate has one routine per k, and the config follows each, so the layer routes
+        as DeepSpeed 0.19.8's `TopKGate` does (the `test_gate_deepspeed_parity` fixtures):
+
+        - the surviving choices share weight 1 (`weights_over="kept"`);
+        - `use_rts` acts at k = 1 only, `top2_2nd_expert_sampling` (default True) at k = 2 only,
+          `noisy_gate_policy="RSample"` at k = 1 only (`"Jitter"` at every k); elsewhere
+          DeepSpeed ignores them, and so they are off here;
+        - k >= 3: an over-full expert keeps its highest-probability assignments
+          (`drop_order="probability"`) and the aux loss counts all k choices
+          (`aux_loss_choices="all"`).
         """
-        kwargs: dict[str, Any] = {"second_expert_sampling": True}
+        kwargs: dict[str, Any] = {"weights_over": "kept"}
         for key, value in section.items():
             if key in _DS_UNSUPPORTED:
                 if value:
@@ -149,4 +192,12 @@ class MoEConfig:
             kwargs[_DS_KEYS[key]] = value
         if "num_experts" not in kwargs:
             raise ValueError("moe config: 'num_experts' is required (experts per MoE layer)")
+        k = kwargs.get("top_k", 1)
+        # Where DeepSpeed's routine for this k ignores an option, it is off here too.
+        kwargs["random_token_selection"] = k == 1 and kwargs.get("random_token_selection", True)
+        kwargs["second_expert_sampling"] = k == 2 and kwargs.get("second_expert_sampling", True)
+        if k != 1 and kwargs.get("noisy_gate_policy") == "rsample":
+            kwargs["noisy_gate_policy"] = None
+        if isinstance(k, int) and k >= 3:
+            kwargs.update(drop_order="probability", aux_loss_choices="all")
         return cls(**kwargs)

@@ -21,7 +21,10 @@ def capacity(
 
     k·S/E is an expert's fair share of the k·S assignments; f > 1 leaves head-room for
     imbalance; C never exceeds S because a token sends at most one assignment to an expert.
+    f = inf means no limit: C = S (nothing is dropped; the buffers keep the E·C layout).
     """
+    if math.isinf(factor):
+        return num_tokens
     fair = math.ceil(top_k * num_tokens / num_experts * factor)
     return min(num_tokens, max(fair, min_capacity))
 

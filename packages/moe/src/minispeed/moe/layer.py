@@ -12,7 +12,9 @@ moe.reduce_gradients(model, moe.groups_of(model))   # dense over W ranks, expert
 
 One forward on a rank with S tokens of width d (b bytes per element):
 
-1. **gate** (`gating.py`): top-k experts, weights, capacity, losses.
+1. **gate** (`gating.py`): top-k experts, weights, capacity, losses. When dropping across
+   ranks, C is the expert group's maximum (one all-reduce of one int64; see
+   Note [one capacity per expert group]), so ranks with different token counts can exchange.
 2. **dispatch** (`dispatch.py`, `permute.py`): gather the S·k kept assignments into a buffer
    grouped by expert: E·C rows when dropping across ranks (equal all-to-all splits), Σ kept
    otherwise (all experts local, or no dropping).
@@ -31,6 +33,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import minispeed.comm as comm
 from minispeed.core import ranges
 from minispeed.moe import permute as perm
 from minispeed.moe.config import MoEConfig
@@ -83,9 +86,10 @@ class MoE(nn.Module):
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"MoE: input width {x.shape[-1]} != hidden_size {self.hidden_size}")
         tokens = x.reshape(-1, self.hidden_size)  # (S, d)
-        routing = self.gate(tokens)
         # Padded E·C rows only where the equal-split all-to-all needs them; see dispatch.py.
-        padded = routing.capacity is not None and self.groups.distributed
+        padded = self.config.drop_tokens and self.groups.distributed
+        capacity = self._agreed_capacity(tokens) if padded else None
+        routing = self.gate(tokens, capacity=capacity)
         plan = plan_dispatch(routing, padded=padded)
         with ranges.range("moe.dispatch"):
             buf = perm.permute(tokens, plan.slot_token, plan.token_slot)  # (slots, d)
@@ -106,6 +110,26 @@ class MoE(nn.Module):
         cfg = self.config
         self.loss = cfg.aux_loss_coef * routing.aux_loss + cfg.z_loss_coef * routing.z_loss
         return out.reshape(x.shape).to(x.dtype)
+
+    def _agreed_capacity(self, tokens: torch.Tensor) -> int:
+        """The expert group's largest C: see Note [one capacity per expert group].
+
+        Cost: one all-reduce (MAX) of one int64 over the expert group per forward.
+        """
+        local = self.gate.capacity_for(tokens.shape[0])
+        assert local is not None
+        agreed = torch.tensor([local], dtype=torch.int64, device=tokens.device)
+        comm.all_reduce(agreed, op=comm.ReduceOp.MAX, group=self.groups.expert_group)
+        return int(agreed.item())
+
+
+# Note [one capacity per expert group]
+# When dropping, every rank sends E·C rows to the all-to-all and expects E·C back, with equal
+# splits; C follows the rank's token count S, so a short last batch on one rank would give
+# unequal buffers (gloo aborts the process). The layer takes the maximum C over the expert
+# group: the rank with fewer tokens keeps every assignment it would have kept with its own C
+# (positions below its C are below the maximum too) and more, and pads the rest with zero rows.
+# DeepSpeed agrees C this way only when not dropping.
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

@@ -216,7 +216,8 @@ class _Unpermute(torch.autograd.Function):
             grad_y = gather_rows(grad, slot_token, slot_weight)
         if ctx.needs_input_grad[1]:
             t, k = token_slot.shape
-            picked = gather_rows(y.detach(), token_slot.reshape(-1)).view(t, k, -1)  # (T, k, d)
+            picked = gather_rows(y.detach(), token_slot.reshape(-1))
+            picked = picked.view(t, k, y.shape[1])  # (T, k, d); explicit d: T may be 0
             grad_w = (picked * grad[:, None, :]).sum(-1).to(weight.dtype)
         return grad_y, grad_w, None, None
 
