@@ -15,15 +15,19 @@ How (Note [counting at the operator level]): a `TorchDispatchMode` sees every at
 the step runs — `F.linear` inside a `forward`, an attention kernel, an operator of autograd's
 backward, a recomputation under activation checkpointing — whether or not it was called through
 a module. The operator table (`ops.py`) prices it; the `ModuleTracker` (`tracker.py`) says which
-modules are running, and the cost is added to each of them once (so a module's count includes
-its children's, and a module called several times sums its calls). Nothing is patched: the mode
-and the hooks exist only inside the `with` block.
+modules own it — in forward the modules running, in backward the modules whose forward created
+the autograd node running (Note [backward belongs to the node's creator]) — and the cost is
+added to each of them once (so a module's count includes its children's, a module called
+several times sums its calls, and each module's rows are its own work: its exclusive shares
+plus the work outside every module add up to the total). Nothing is patched: the mode and the
+module hooks exist only inside the `with` block.
 
 Phases: an operator run by autograd's engine is **backward**; one run by a forward that
 re-executes inside a backward (activation checkpointing) is **recompute**, counted in backward
 too and also on its own. Everything else is **forward**.
 
-Cost of profiling: one Python call per operator (the mode) plus four hooks per module call;
+Cost of profiling: one Python call per operator (the mode), two hooks per module call (each
+walking the autograd nodes made since the last one) and two per autograd node in backward;
 `benchmarks/profiler_overhead.py` measures it against the same step unprofiled.
 """
 
@@ -66,7 +70,7 @@ class _CountingMode(TorchDispatchMode):
         if cost is None:
             self.profiler.unknown_ops[str(func)] += 1
         else:
-            self.profiler.on_op(str(func.overloadpacket), cost)
+            self.profiler.on_op(str(func.overloadpacket), cost, args)
             shape = matmul_shape(func, args, kwargs)
             if shape is not None:
                 self.profiler.matmul_shapes[shape] += 1
@@ -129,8 +133,9 @@ class FlopsProfiler:
             import torch._dynamo  # noqa: F401
 
     # ---- counting ----------------------------------------------------------------------------
-    def on_op(self, op_name: str, cost: Cost) -> None:
-        """Credit one priced operator to the current phase and every active module."""
+    def on_op(self, op_name: str, cost: Cost, args: tuple = ()) -> None:
+        """Credit one priced operator (called with `args`) to the current phase and to every
+        module owning it (Note [backward belongs to the node's creator])."""
         self.op_calls[op_name] += 1
         if cost.flops == 0:
             return
@@ -139,7 +144,7 @@ class FlopsProfiler:
             phases = ("backward", "recompute") if self.tracker.recomputing else ("backward",)
         else:
             phases = ("forward",)
-        names = self.tracker.active or {OUTSIDE}
+        names = set(self.tracker.owners_of_op(args)) or {OUTSIDE}
         for phase in phases:
             self.totals[phase] += cost
             for name in names:
