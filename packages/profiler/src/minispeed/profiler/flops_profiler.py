@@ -33,6 +33,7 @@ walking the autograd nodes made since the last one) and two per autograd node in
 
 from __future__ import annotations
 
+import enum
 import time
 from collections import Counter, defaultdict
 from typing import Any
@@ -46,10 +47,26 @@ from minispeed.profiler.ops import matmul_shape, op_cost
 from minispeed.profiler.report import ModuleProfile, Profile
 from minispeed.profiler.tracker import ModuleTracker, in_backward
 
-__all__ = ["FlopsProfiler"]
+__all__ = ["FlopsProfiler", "ProfilerState"]
 
 OUTSIDE = "(outside modules)"
 PHASES = ("forward", "backward", "recompute")
+
+
+class ProfilerState(enum.Enum):
+    """Where a `FlopsProfiler` is in its life; changed only by `_to_running` / `_to_stopped` /
+    `_to_idle`, which refuse a move from any other state with an error naming the fix.
+
+    | state | installed | counts |
+    |---|---|---|
+    | `IDLE` | nothing | empty: never started, or reset (`start_profile`, `end_profile`) |
+    | `RUNNING` | the dispatch mode and the module hooks: every operator is counted | growing |
+    | `STOPPED` | nothing | kept for `result()` and `get_total_*`; entering again adds to them |
+    """
+
+    IDLE = "idle"
+    RUNNING = "running"
+    STOPPED = "stopped"
 
 
 class _CountingMode(TorchDispatchMode):
@@ -112,21 +129,14 @@ class FlopsProfiler:
                 f"got {peak_flops_per_s!r}"
             )
         self.model = model
+        self._ignore: tuple[type, ...] = ()
         self.count_ops = count_ops
         self.peak_flops_per_s = peak_flops_per_s
-        accelerator = get_accelerator()
-        self.tracker = ModuleTracker(model, sync=accelerator.synchronize)
-        self._sync = accelerator.synchronize
-        # per module name, per phase: Cost
-        self.costs: dict[str, dict[str, Cost]] = defaultdict(lambda: dict.fromkeys(PHASES, Cost()))
-        self.totals: dict[str, Cost] = dict.fromkeys(PHASES, Cost())
-        self.op_totals: dict[str, Cost] = defaultdict(Cost)
-        self.op_calls: Counter[str] = Counter()
-        self.matmul_shapes: Counter[tuple[int, int, int, int]] = Counter()
-        self.unknown_ops: Counter[str] = Counter()
-        self.wall_s = 0.0
+        self._sync = get_accelerator().synchronize
+        self.state = ProfilerState.IDLE
         self._mode: _CountingMode | None = None
         self._t0 = 0.0
+        self.reset_profile()
         if count_ops:
             # A dispatch mode's first operator imports torch._dynamo (seconds): do it here, not
             # inside the first profiled module's latency.
@@ -151,7 +161,43 @@ class FlopsProfiler:
                 self.costs[name][phase] += cost
 
     # ---- lifetime ----------------------------------------------------------------------------
+    def _to_running(self) -> None:
+        if self.state is ProfilerState.RUNNING:
+            raise RuntimeError(
+                "this FlopsProfiler is already running: entering it again (a nested `with`, or "
+                "start_profile() twice) would count every operator twice. Stop it first (leave "
+                "the `with` block or call stop_profile()), or use a second FlopsProfiler"
+            )
+        self.state = ProfilerState.RUNNING
+
+    def _to_stopped(self) -> None:
+        if self.state is not ProfilerState.RUNNING:
+            raise RuntimeError(
+                f"this FlopsProfiler is not running (it is {self.state.value}): there is nothing "
+                "to stop. Start it first (`with profiler:` or start_profile())"
+            )
+        self.state = ProfilerState.STOPPED
+
+    def _to_idle(self) -> None:
+        if self.state is ProfilerState.RUNNING:
+            raise RuntimeError("stop this FlopsProfiler (stop_profile()) before resetting it")
+        self.state = ProfilerState.IDLE
+
+    def reset_profile(self) -> None:
+        """Forget every count (DeepSpeed's `reset_profile`); refused while running."""
+        self._to_idle()
+        self.tracker = ModuleTracker(self.model, sync=self._sync, ignore=self._ignore)
+        # per module name, per phase: Cost
+        self.costs: dict[str, dict[str, Cost]] = defaultdict(lambda: dict.fromkeys(PHASES, Cost()))
+        self.totals: dict[str, Cost] = dict.fromkeys(PHASES, Cost())
+        self.op_totals: dict[str, Cost] = defaultdict(Cost)
+        self.op_calls: Counter[str] = Counter()
+        self.matmul_shapes: Counter[tuple[int, int, int, int]] = Counter()
+        self.unknown_ops: Counter[str] = Counter()
+        self.wall_s = 0.0
+
     def __enter__(self) -> FlopsProfiler:
+        self._to_running()
         self.tracker.__enter__()
         if self.count_ops:
             self._mode = _CountingMode(self)
@@ -161,6 +207,7 @@ class FlopsProfiler:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._to_stopped()
         self._sync()
         self.wall_s += time.perf_counter() - self._t0
         try:

@@ -88,14 +88,21 @@ class ModuleTracker:
     """Names of the modules owning the work running now (`owners()`), with latencies.
 
     `names[module]` is the module's qualified name under `root` (`""` for the root, shown as
-    `model`); a module reachable under two names keeps the first. `sync` is called before each
-    time stamp (the accelerator's synchronize, so GPU latencies are real; a no-op on CPU).
+    `model`); a module reachable under two names keeps the first; modules of the `ignore`
+    types are not tracked. `sync` is called before each time stamp (the accelerator's
+    synchronize, so GPU latencies are real; a no-op on CPU).
     """
 
-    def __init__(self, root: nn.Module, sync: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        root: nn.Module,
+        sync: Callable[[], None] | None = None,
+        ignore: tuple[type, ...] = (),
+    ) -> None:
         self.names: dict[nn.Module, str] = {}
         for name, module in root.named_modules():
-            self.names.setdefault(module, name)
+            if not isinstance(module, ignore):  # an ignored type's work is its caller's
+                self.names.setdefault(module, name)
         self.sync = sync or (lambda: None)
         self.stack: list[str] = []  # forward (and recomputation) stack
         self.calls: dict[str, int] = defaultdict(int)
