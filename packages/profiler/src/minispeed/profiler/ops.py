@@ -4,8 +4,7 @@
 one it does not (the profiler lists those by name; it never guesses). An operator is known when
 
 1. it has a formula below (matrix products, convolutions, attention, recurrent layers,
-   normalization, softmax,
-   losses, reductions), or
+   normalization, softmax, losses, reductions), or
 2. it carries PyTorch's `pointwise` tag (1 FLOP per output element, see `formulas`), or
 3. it moves or creates data without arithmetic (views, copies, gathers, factories) or is a
    collective (`c10d`) or a profiler annotation: 0 FLOPs;
