@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from minispeed.core.accelerator import get_accelerator
 from minispeed.profiler.formulas import Cost
 from minispeed.profiler.ops import matmul_shape, op_cost
-from minispeed.profiler.report import ModuleProfile, Profile
+from minispeed.profiler.report import ModuleProfile, Profile, number_to_string
 from minispeed.profiler.tracker import ModuleTracker, in_backward
 
 __all__ = ["FlopsProfiler", "ProfilerState"]
@@ -216,6 +216,82 @@ class FlopsProfiler:
                 self._mode = None
         finally:
             self.tracker.__exit__(*exc)
+
+    # ---- DeepSpeed's lifecycle (`deepspeed.profiling.flops_profiler.FlopsProfiler`) ----------
+    def start_profile(self, ignore_list: list[type] | None = None) -> None:
+        """Forget earlier counts and start counting (DeepSpeed's `start_profile`). Modules of
+        the types in `ignore_list` get no row: their work is their caller's. Refused while
+        running (it would count every operator twice)."""
+        if self.state is ProfilerState.RUNNING:
+            self._to_running()  # raises, naming the fix
+        self._ignore = tuple(ignore_list or ())
+        self.reset_profile()
+        self.__enter__()
+
+    def stop_profile(self) -> None:
+        """Stop counting and keep the counts (DeepSpeed's `stop_profile`); refused when not
+        running, where DeepSpeed does nothing."""
+        self.__exit__(None, None, None)
+
+    def end_profile(self) -> None:
+        """Stop if running and forget everything (DeepSpeed's `end_profile`)."""
+        if self.state is ProfilerState.RUNNING:
+            self.stop_profile()
+        self._ignore = ()
+        self.reset_profile()
+
+    def get_total_flops(self, as_string: bool = False) -> int | str:
+        """The model's forward FLOPs, as DeepSpeed's `get_total_flops` (forward only, work
+        outside the model's `forward` not included); `result().flops` adds the backward."""
+        flops = self.result().root.forward.flops
+        return number_to_string(flops) if as_string else flops
+
+    def get_total_macs(self, as_string: bool = False) -> int | str:
+        """The model's forward MACs (DeepSpeed's `get_total_macs`)."""
+        macs = self.result().root.forward.macs
+        return number_to_string(macs) + "MACs" if as_string else macs
+
+    def get_total_duration(self, as_string: bool = False) -> float | str:
+        """The model's forward latency in seconds, summed over calls (DeepSpeed's
+        `get_total_duration`)."""
+        seconds = self.result().root.forward_s
+        return number_to_string(seconds) + "s" if as_string else seconds
+
+    def get_total_params(self, as_string: bool = False) -> int | str:
+        """The model's parameters held by this rank, tied ones once (DeepSpeed's
+        `get_total_params`)."""
+        params = sum({id(p): p.numel() for p in self.model.parameters()}.values())
+        return number_to_string(params).replace("G", "B").strip() if as_string else params
+
+    def print_model_profile(
+        self,
+        profile_step: int = 1,
+        module_depth: int = -1,
+        top_modules: int = 1,
+        detailed: bool = True,
+        output_file: str | None = None,
+    ) -> None:
+        """Print DeepSpeed's summary lines and the module table (`Profile.render`) to stdout,
+        or to `output_file`. Refused before anything was profiled."""
+        if self.state is ProfilerState.IDLE:
+            raise RuntimeError("nothing profiled yet: call start_profile() and run the model")
+        seconds = self.get_total_duration()
+        flops = self.get_total_flops()
+        lines = [
+            f"Flops profile at step {profile_step}:",
+            f"params per rank: {self.get_total_params(as_string=True)}",
+            f"fwd MACs per rank: {self.get_total_macs(as_string=True)}",
+            f"fwd flops per rank: {number_to_string(flops)}",
+            f"fwd latency: {number_to_string(seconds)}s",
+            f"fwd FLOPS per rank: {number_to_string(flops / seconds if seconds else 0)}FLOPS",
+            self.result().render(module_depth, top_modules, detailed),
+        ]
+        text = "\n".join(lines)
+        if output_file is None:
+            print(text)
+            return
+        with open(output_file, "w") as f:
+            f.write(text + "\n")
 
     # ---- results -----------------------------------------------------------------------------
     def result(self) -> Profile:

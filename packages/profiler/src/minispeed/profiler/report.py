@@ -17,7 +17,7 @@ from rich.table import Table
 
 from minispeed.profiler.formulas import Cost
 
-__all__ = ["ModuleProfile", "Profile", "human"]
+__all__ = ["ModuleProfile", "Profile", "human", "number_to_string"]
 
 
 def human(x: float, unit: str = "") -> str:
@@ -26,6 +26,17 @@ def human(x: float, unit: str = "") -> str:
         if abs(x) >= factor:
             return f"{x / factor:.3g} {prefix}{unit}"
     return f"{x:.3g} {unit}".rstrip()
+
+
+_DS_UNITS = {"T": 1e12, "G": 1e9, "M": 1e6, "K": 1e3, "": 1.0, "m": 1e-3, "u": 1e-6}
+
+
+def number_to_string(num: float, units: str | None = None, precision: int = 2) -> str:
+    """DeepSpeed's `number_to_string`: `124564` -> `"124.56 K"` (its `get_model_profile`
+    strings; `human` is ours)."""
+    if units is None:
+        units = next((u for u, f in _DS_UNITS.items() if num >= f or (u == "" and num == 0)), "u")
+    return f"{round(num / _DS_UNITS.get(units, 1.0), precision):g} {units}"
 
 
 @dataclass
