@@ -144,3 +144,42 @@ def test_a_block_called_several_times_is_charged_every_backward(times):
     assert r.module("block.0").calls == times
     assert r.module("head").backward.flops == 4 * B * C + 1 * B
     _exclusive_rows_sum_to_the_total(r)
+
+
+class _Marker:
+    """An object only the autograd graph holds (through a custom function's context)."""
+
+
+class _Keep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, marker):
+        ctx.marker = marker
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2, None
+
+
+def test_a_profiled_forward_frees_its_graph_like_an_unprofiled_one():
+    import gc
+    import weakref
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(C, C)
+
+        def forward(self, x, marker):
+            return self.lin(_Keep.apply(x, marker))
+
+    model = Model()
+    prof = FlopsProfiler(model)
+    marker = _Marker()
+    alive = weakref.ref(marker)
+    with prof:
+        y = model(torch.randn(B, C, requires_grad=True), marker)
+    del y, marker  # no backward: the graph, and what it saved, must go with its last tensor
+    gc.collect()
+    assert alive() is None  # the profiler keeps no node (its tags live in the nodes)
+    assert prof.result().module("lin").forward.macs == B * C * C

@@ -35,15 +35,19 @@ Every node hook also stamps the time, so each module gets a forward latency (sum
 calls) and a backward latency (the run time of the nodes it owns, summed).
 
 Cost: each autograd node is visited once by one walk and gets two hooks (one Python call each
-when backward runs it); the tags live until the tracker is entered again or `clear()`ed.
+when backward runs it) and a small tag in its own `metadata` dict, freed with the graph (the
+tracker keeps no reference to any node, so a profiled forward without backward frees its
+activations as usual).
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,6 +58,22 @@ __all__ = ["ModuleTracker", "in_backward"]
 Stack = tuple[str, ...]
 """Module names, outermost first: the forward stack at some moment."""
 OUTSIDE: Stack = ()
+_KEY = "minispeed.profiler"
+"""The key of our `_Tag` in an autograd node's `metadata` dict."""
+_SESSIONS = itertools.count()
+
+
+@dataclass(slots=True)
+class _Tag:
+    """What the tracker knows of one autograd node; kept in the node's own `metadata`, so it
+    lives and dies with the graph (the tracker holds no node)."""
+
+    session: int
+    creator: Stack | None = None
+    """The stack that created the node (None for a leaf's `AccumulateGrad`)."""
+    readers: Stack | None = None
+    """The innermost stack common to the nodes reading the node's output."""
+    hooked: bool = False
 
 
 def tensors_in(tree: Any) -> Iterator[torch.Tensor]:
@@ -112,14 +132,8 @@ class ModuleTracker:
         self._handles: list[Any] = []
         self._entered = False
         self._local = threading.local()  # per autograd thread: the node just run, its grads
-        self.clear()
-
-    def clear(self) -> None:
-        """Forget the tags of every autograd node seen so far (and the references to them)."""
-        self._creator: dict[Any, Stack] = {}  # autograd node -> the stack that created it
-        self._readers: dict[Any, Stack] = {}  # node -> innermost stack common to its readers
+        self._session = next(_SESSIONS)  # tags of other trackers (or earlier steps') are stale
         self._recompute_base: Stack = OUTSIDE
-        self._hooked_leaves: set[Any] = set()
 
     # ---- queries -----------------------------------------------------------------------------
     def owners(self) -> Stack:
@@ -128,82 +142,93 @@ class ModuleTracker:
             return tuple(self.stack)
         if self.stack:  # a forward re-run inside backward (Note [backward belongs to ...])
             return self._recompute_base + tuple(self.stack)
-        node = torch._C._current_autograd_node()
-        return self._owners_of(node) if node is not None else OUTSIDE
+        return self._owners(self._tag_of(torch._C._current_autograd_node()))
 
     def owners_of_op(self, args: tuple) -> Stack:
         """`owners()`, except for the engine's accumulation of a gradient the current node
         produced (an operand is that gradient): the innermost module reading the tensor."""
         if self.stack or not in_backward():
             return self.owners()
-        node = torch._C._current_autograd_node()
+        tag = self._tag_of(torch._C._current_autograd_node())
         done = getattr(self._local, "done", None)
-        if done is not None and done[0] is node:
+        if tag is not None and done is not None and done[0] is tag:
             for grad, target in done[1]:
                 if any(a is grad for a in args):
-                    return self._readers.get(target, OUTSIDE)
-        return self._owners_of(node) if node is not None else OUTSIDE
+                    return target.readers or OUTSIDE
+        return self._owners(tag)
 
     @property
     def recomputing(self) -> bool:
         """True while a forward runs inside a backward (activation checkpointing)."""
         return bool(self.stack) and in_backward()
 
-    def _owners_of(self, node: Any) -> Stack:
-        stack = self._creator.get(node)
-        return stack if stack is not None else self._readers.get(node, OUTSIDE)
+    @staticmethod
+    def _owners(tag: _Tag | None) -> Stack:
+        if tag is None:
+            return OUTSIDE
+        return tag.creator if tag.creator is not None else tag.readers or OUTSIDE
 
     # ---- tagging the graph -------------------------------------------------------------------
+    def _tag_of(self, node: Any) -> _Tag | None:
+        """This tracker's tag on autograd node `node` (None: untagged, or another's)."""
+        if node is None:
+            return None
+        tag = node.metadata.get(_KEY)
+        return tag if tag is not None and tag.session == self._session else None
+
+    def _tag_or_new(self, node: Any) -> _Tag:
+        tag = self._tag_of(node)
+        if tag is None:
+            tag = node.metadata[_KEY] = _Tag(self._session)
+        return tag
+
     def _tag(self, tree: Any, stack: Stack) -> None:
         """Tag every untagged node behind the tensors of `tree` with `stack`."""
         todo = [t.grad_fn for t in tensors_in(tree) if t.grad_fn is not None]
         while todo:
             node = todo.pop()
-            if node in self._creator:
+            tag = self._tag_or_new(node)
+            if tag.creator is not None:
                 continue
-            self._creator[node] = stack
-            node.register_prehook(self._node_start)
-            node.register_hook(self._node_done(node, stack))
-            for nxt, _ in node.next_functions:
+            tag.creator = stack
+            targets: list[tuple[int, _Tag]] = []  # (index of the edge, the tag of its node)
+            for i, (nxt, _) in enumerate(node.next_functions):
                 if nxt is None:
                     continue
-                self._readers[nxt] = _common(self._readers.get(nxt, stack), stack)
+                target = self._tag_or_new(nxt)
+                target.readers = stack if target.readers is None else _common(target.readers, stack)
+                targets.append((i, target))
                 if type(nxt).__name__ == "AccumulateGrad":
-                    if nxt not in self._hooked_leaves:
-                        self._hook_leaf(nxt)
-                elif nxt not in self._creator:
+                    if not target.hooked:  # outlives the graph; its readers decide its owner
+                        nxt.register_prehook(self._node_start)
+                        nxt.register_hook(self._leaf_done(target))
+                        target.hooked = True
+                elif target.creator is None:
                     todo.append(nxt)
-
-    def _hook_leaf(self, node: Any) -> None:
-        # A parameter's AccumulateGrad outlives the graph: its hooks stay with it, so they
-        # look the tracker up rather than capture one walk's state.
-        node.register_prehook(self._node_start)
-        node.register_hook(self._leaf_done(node))
-        self._hooked_leaves.add(node)
+            # The hooks hold tags, never nodes: a node holding a hook that holds the node
+            # would be a cycle through C++ that Python's collector cannot free.
+            node.register_prehook(self._node_start)
+            node.register_hook(self._node_done(tag, targets))
 
     def _node_start(self, grad_outputs: Any) -> None:
         if self._entered:
             self._local.t0 = self._now()
             self._local.done = None
 
-    def _node_done(self, node: Any, stack: Stack) -> Callable[..., None]:
+    def _node_done(self, tag: _Tag, targets: list[tuple[int, _Tag]]) -> Callable[..., None]:
         def hook(grad_inputs: tuple, grad_outputs: tuple) -> None:
             if not self._entered:
                 return
-            self._account(stack)
-            targets = [
-                (g, nxt)
-                for g, (nxt, _) in zip(grad_inputs, node.next_functions, strict=False)
-                if isinstance(g, torch.Tensor) and nxt is not None
-            ]
-            self._local.done = (node, targets)
+            self._account(tag.creator or OUTSIDE)
+            grads = [(grad_inputs[i], t) for i, t in targets if i < len(grad_inputs)]
+            self._local.done = (tag, [(g, t) for g, t in grads if isinstance(g, torch.Tensor)])
 
         return hook
 
-    def _leaf_done(self, node: Any) -> Callable[..., None]:
+    def _leaf_done(self, tag: _Tag) -> Callable[..., None]:
         def hook(grad_inputs: tuple, grad_outputs: tuple) -> None:
             if self._entered:
-                self._account(self._readers.get(node, OUTSIDE))
+                self._account(tag.readers or OUTSIDE)
 
         return hook
 
@@ -226,7 +251,7 @@ class ModuleTracker:
         if in_backward():
             if not self.stack:  # a recomputation starts: under the modules around the call
                 node = torch._C._current_autograd_node()
-                around = self._owners_of(node) if node is not None else OUTSIDE
+                around = self._owners(self._tag_of(node))
                 self._recompute_base = tuple(n for n in around if _is_ancestor(n, name))
         else:
             self.calls[name] += 1
@@ -262,6 +287,7 @@ class ModuleTracker:
 
     def __exit__(self, *exc: object) -> None:
         self._entered = False
+        self._local.done = None  # the last node's gradients
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
