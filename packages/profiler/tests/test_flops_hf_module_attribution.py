@@ -71,3 +71,25 @@ def test_gpt2_attention_and_mlp_are_each_charged_their_own_work():
             assert row.forward.flops == row.backward.flops == 0, drop
     _assert_alone(r, model, "lm_head", C)
     _exclusive_rows_sum_to_the_total(r)
+
+
+def test_get_model_profile_on_gpt2_with_kwargs_gives_the_analytic_forward():
+    from minispeed.profiler import formulas, get_model_profile
+
+    cfg = transformers.GPT2Config(
+        vocab_size=V, n_positions=T, n_embd=C, n_layer=L, n_head=H, attn_implementation="sdpa",
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    idx = torch.randint(0, V, (B, T))
+    flops, macs, params = get_model_profile(
+        model, kwargs={"input_ids": idx}, print_profile=False, as_string=False
+    )
+    analytic = formulas.gpt_forward(
+        batch=B, seq=T, n_layer=L, n_embd=C, n_head=H, vocab=V, loss=False, gelu_flops=8
+    )
+    assert macs == analytic.macs
+    assert abs(flops - analytic.flops) <= 1e-3 * analytic.flops
+    assert params == sum(p.numel() for p in model.parameters())  # the tied head once
+    assert model.training
