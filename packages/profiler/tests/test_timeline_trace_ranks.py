@@ -117,3 +117,25 @@ def test_what_counts_as_a_collective():
                  "pipeline.forward", "moe.experts", "aten::mm", "AddmmBackward0",
                  "autograd::engine::evaluate_function: AddmmBackward0"):  # fmt: skip
         assert not is_collective(name), name
+
+
+def test_gpu_streams_get_their_own_tracks_and_nccl_kernels_theirs(tmp_path):
+    def k(name, ts, dur, stream):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "pid": 0,
+                "tid": stream}  # fmt: skip
+
+    events = [
+        _x("aten::mm", 0, 10), _x("nccl:all_reduce", 20, 5),
+        k("sm90_xmma_gemm", 2, 6, 7), k("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 21, 30, 13),
+        k("elementwise_kernel", 40, 2, 7),
+    ]  # fmt: skip
+    path = tmp_path / "rank0.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    trace = merge_traces([path], tmp_path / "merged.json")
+    assert track_names(trace, 0) == [
+        "compute", "gpu stream 7", "nccl:all_reduce", "ncclDevKernel_AllReduce_Sum_f32_RING_LL",
+    ]  # fmt: skip
+    assert [e["name"] for e in events_on(trace, 0, "gpu stream 7")] == [
+        "sm90_xmma_gemm", "elementwise_kernel",
+    ]  # fmt: skip
+    assert overlapping_slices(trace) == []

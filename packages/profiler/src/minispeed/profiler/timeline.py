@@ -29,7 +29,8 @@ and the backend's worker threads (gloo runs the transfer itself on one or more, 
 - everything else is compute: **phase ranges** (`zero.backward`, `zero.step`,
   `pipeline.forward`, ...) stay on their thread's compute track with the matrix products they
   enclose, and only the collectives nested in them move out. The main thread's compute track
-  is `compute`, another thread's `compute [thread i]`.
+  is `compute`, another thread's `compute [thread i]`, a CUDA stream's (kernels, copies)
+  `gpu stream <id>`, with NCCL's kernels (`ncclDevKernel_*`) on a track of their own.
 
 A name produced on several threads (gloo's workers take turns) gets one track per thread,
 `gloo:all_reduce [thread i]` (i counts the threads of that rank, in order of first event), so
@@ -53,8 +54,11 @@ from minispeed.core.accelerator import get_accelerator
 
 __all__ = ["COLLECTIVE_PREFIXES", "is_collective", "merge_traces", "record_step", "traced_step"]
 
-COLLECTIVE_PREFIXES = ("comm.", "gloo:", "nccl:", "c10d::")
-"""Names of the communication calls themselves: minispeed.comm's ranges and the backends'."""
+COLLECTIVE_PREFIXES = ("comm.", "gloo:", "nccl:", "c10d::", "ncclKernel", "ncclDevKernel")
+"""Names of the communication calls themselves: minispeed.comm's ranges, the backends' calls
+and NCCL's GPU kernels."""
+GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
+"""Events a GPU ran: their "thread" is a CUDA stream, filed as `gpu stream <id>`."""
 TRANSFER_WORDS = ("gather", "scatter", "reduce", "all_to_all", "broadcast", "send", "recv",
                   "barrier")  # fmt: skip
 """A package range whose last dotted part holds one of these is a collective too."""
@@ -124,18 +128,23 @@ def _tracks_of_rank(events: list[dict[str, Any]]) -> Iterator[tuple[str, dict[st
         for e in events
         if e.get("ph") == "X" and "ts" in e and "dur" in e and e.get("cat") != "Trace"
     ]  # "Trace": the profiler's own span around the recording, not work
-    main_tid = min((e["tid"] for e in xs if e.get("tid") == e.get("pid")), default=None)
-    by_tid: dict[Any, list[dict[str, Any]]] = {}
+    # A thread is (pid, tid): a GPU's streams are (device, stream), which may reuse a number.
+    main = min(((e["pid"], e["tid"]) for e in xs if e.get("tid") == e.get("pid")), default=None)
+    by_thread: dict[Any, list[dict[str, Any]]] = {}
     for e in xs:
-        by_tid.setdefault(e["tid"], []).append(e)
-    if main_tid is None and by_tid:
-        main_tid = next(iter(by_tid))
+        by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    if main is None and by_thread:
+        main = next(iter(by_thread))
     # Order threads by their first event so "[thread i]" reads the same on every rank.
-    tids = sorted(by_tid, key=lambda t: (t != main_tid, min(float(e["ts"]) for e in by_tid[t])))
+    threads = sorted(
+        by_thread, key=lambda t: (t != main, min(float(e["ts"]) for e in by_thread[t]))
+    )
     filed: list[tuple[tuple[int, str], dict[str, Any]]] = []  # ((thread index, name), event)
-    for index, tid in enumerate(tids):
-        evs = sorted(by_tid[tid], key=lambda e: (_ns(e["ts"]), -_ns(e["dur"])))  # parents first
+    for index, thread in enumerate(threads):
+        evs = sorted(by_thread[thread], key=lambda e: (_ns(e["ts"]), -_ns(e["dur"])))  # parents 1st
         stack: list[tuple[int, str]] = []  # (end in ns, track name) of the enclosing events
+        on_gpu = all(e.get("cat") in GPU_CATEGORIES for e in evs)
+        base = f"gpu stream {thread[1]}" if on_gpu else "compute"
         for e in evs:
             start, end = _ns(e["ts"]), _ns(e["ts"]) + _ns(e["dur"])
             while stack and stack[-1][0] <= start:
@@ -143,8 +152,8 @@ def _tracks_of_rank(events: list[dict[str, Any]]) -> Iterator[tuple[str, dict[st
             if stack and end > stack[-1][0]:  # clock jitter: cut the child at its parent's end
                 end = stack[-1][0]
                 e = {**e, "dur": (end - start) / 1000}
-            outer = stack[-1][1] if stack else "compute"
-            track = e["name"] if outer == "compute" and is_collective(e["name"]) else outer
+            outer = stack[-1][1] if stack else base
+            track = e["name"] if outer == base and is_collective(e["name"]) else outer
             stack.append((end, track))
             filed.append(((index, track), e))
     threads_of: dict[str, set[int]] = {}
@@ -153,6 +162,8 @@ def _tracks_of_rank(events: list[dict[str, Any]]) -> Iterator[tuple[str, dict[st
     for (index, track), e in filed:
         if track == "compute":
             label = "compute" if index == 0 else f"compute [thread {index}]"
+        elif track.startswith("gpu stream "):
+            label = track
         else:
             label = track if len(threads_of[track]) == 1 else f"{track} [thread {index}]"
         yield label, e
