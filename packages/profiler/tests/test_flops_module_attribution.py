@@ -183,3 +183,42 @@ def test_a_profiled_forward_frees_its_graph_like_an_unprofiled_one():
     gc.collect()
     assert alive() is None  # the profiler keeps no node (its tags live in the nodes)
     assert prof.result().module("lin").forward.macs == B * C * C
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_checkpointed_blocks_own_their_recomputation_and_backward(use_reentrant):
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(C, C), nn.Linear(C, C)
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(x)))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block, self.head = Block(), nn.Linear(C, 1)
+
+        def forward(self, x):
+            return self.head(checkpoint(self.block, x, use_reentrant=use_reentrant))
+
+    torch.manual_seed(0)
+    model = Model()
+    x = torch.randn(B, C, requires_grad=True)
+    with set_checkpoint_early_stop(False), FlopsProfiler(model) as prof:
+        model(x).sum().backward()
+    r = prof.result()
+    linear_fwd = 2 * B * C * C + B * C
+    linear_bwd = 4 * B * C * C + B * C  # dX, dW, the bias gradient
+    for name in ("block.a", "block.b"):  # each linear ran twice forward and once backward
+        row = r.module(name)
+        assert row.forward.flops == row.recompute.flops == linear_fwd, name
+        assert row.backward.flops == linear_bwd + linear_fwd, name  # recompute inside backward
+    block = r.module("block")
+    tanh = B * C  # forward, and its backward (tanh_backward)
+    assert block.recompute.flops == 2 * linear_fwd + tanh
+    assert block.backward.flops == 2 * linear_bwd + tanh + block.recompute.flops
+    _exclusive_rows_sum_to_the_total(r)
