@@ -159,8 +159,9 @@ class Profile:
 
     def table(self, depth: int = -1, top_k: int = -1, detailed: bool = True) -> Table:
         """A rich table of the module tree, `depth` levels below the root (-1: all), keeping the
-        `top_k` children of each module with the most FLOPs (-1: all). `detailed=False` shows
-        the root and the totals only."""
+        `top_k` children of each module with the most FLOPs (-1: all), then the work run
+        outside every module when there is any (the root row plus it is the total).
+        `detailed=False` shows the root and the totals only."""
         total = self.flops or 1
         t = Table(title=self._title(), show_lines=False)
         for col in ("module", "type", "params", "fwd FLOPs", "bwd FLOPs", "MACs", "% FLOPs",
@@ -187,6 +188,13 @@ class Profile:
                 add(child, level + 1)
 
         add(self.root, 0)
+        outside = self.outside_forward + self.outside_backward
+        if outside.flops:  # so the rows add up to the title's total (a loss the caller computed)
+            t.add_row(
+                "(outside modules)", "", "", human(self.outside_forward.flops),
+                human(self.outside_backward.flops), human(outside.macs),
+                f"{100 * outside.flops / total:.1f}", "", "", "",
+            )  # fmt: skip
         return t
 
     def _title(self) -> str:
