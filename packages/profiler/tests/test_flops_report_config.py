@@ -87,3 +87,12 @@ def test_the_peak_can_be_the_calibrated_one_and_a_bad_peak_is_refused(tmp_path, 
     assert r.peak_flops_per_s == 5e9 and r.peak_fraction == pytest.approx(r.flops_per_s / 5e9)
     with pytest.raises(ValueError, match="positive FLOP/s"):
         FlopsProfiler(model, peak_flops_per_s=0)
+
+
+def test_the_table_shows_the_work_outside_the_model_so_rows_add_up():
+    model = _mlp()
+    r = _profile(model)  # the test's .sum() and its backward run outside the model
+    assert r.outside_forward.flops > 0
+    row = next(ln for ln in r.render().splitlines() if "(outside modules)" in ln)
+    assert f"{100 * (r.outside_forward.flops + r.outside_backward.flops) / r.flops:.1f}" in row
+    assert r.root.flops + r.outside_forward.flops + r.outside_backward.flops == r.flops

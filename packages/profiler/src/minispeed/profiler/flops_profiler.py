@@ -15,20 +15,25 @@ How (Note [counting at the operator level]): a `TorchDispatchMode` sees every at
 the step runs — `F.linear` inside a `forward`, an attention kernel, an operator of autograd's
 backward, a recomputation under activation checkpointing — whether or not it was called through
 a module. The operator table (`ops.py`) prices it; the `ModuleTracker` (`tracker.py`) says which
-modules are running, and the cost is added to each of them once (so a module's count includes
-its children's, and a module called several times sums its calls). Nothing is patched: the mode
-and the hooks exist only inside the `with` block.
+modules own it — in forward the modules running, in backward the modules whose forward created
+the autograd node running (Note [backward belongs to the node's creator]) — and the cost is
+added to each of them once (so a module's count includes its children's, a module called
+several times sums its calls, and each module's rows are its own work: its exclusive shares
+plus the work outside every module add up to the total). Nothing is patched: the mode and the
+module hooks exist only inside the `with` block.
 
 Phases: an operator run by autograd's engine is **backward**; one run by a forward that
 re-executes inside a backward (activation checkpointing) is **recompute**, counted in backward
 too and also on its own. Everything else is **forward**.
 
-Cost of profiling: one Python call per operator (the mode) plus four hooks per module call;
+Cost of profiling: one Python call per operator (the mode), two hooks per module call (each
+walking the autograd nodes made since the last one) and two per autograd node in backward;
 `benchmarks/profiler_overhead.py` measures it against the same step unprofiled.
 """
 
 from __future__ import annotations
 
+import enum
 import time
 from collections import Counter, defaultdict
 from typing import Any
@@ -39,13 +44,29 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from minispeed.core.accelerator import get_accelerator
 from minispeed.profiler.formulas import Cost
 from minispeed.profiler.ops import matmul_shape, op_cost
-from minispeed.profiler.report import ModuleProfile, Profile
+from minispeed.profiler.report import ModuleProfile, Profile, number_to_string
 from minispeed.profiler.tracker import ModuleTracker, in_backward
 
-__all__ = ["FlopsProfiler"]
+__all__ = ["FlopsProfiler", "ProfilerState"]
 
 OUTSIDE = "(outside modules)"
 PHASES = ("forward", "backward", "recompute")
+
+
+class ProfilerState(enum.Enum):
+    """Where a `FlopsProfiler` is in its life; changed only by `_to_running` / `_to_stopped` /
+    `_to_idle`, which refuse a move from any other state with an error naming the fix.
+
+    | state | installed | counts |
+    |---|---|---|
+    | `IDLE` | nothing | empty: never started, or reset (`start_profile`, `end_profile`) |
+    | `RUNNING` | the dispatch mode and the module hooks: every operator is counted | growing |
+    | `STOPPED` | nothing | kept for `result()` and `get_total_*`; entering again adds to them |
+    """
+
+    IDLE = "idle"
+    RUNNING = "running"
+    STOPPED = "stopped"
 
 
 class _CountingMode(TorchDispatchMode):
@@ -66,7 +87,7 @@ class _CountingMode(TorchDispatchMode):
         if cost is None:
             self.profiler.unknown_ops[str(func)] += 1
         else:
-            self.profiler.on_op(str(func.overloadpacket), cost)
+            self.profiler.on_op(str(func.overloadpacket), cost, args)
             shape = matmul_shape(func, args, kwargs)
             if shape is not None:
                 self.profiler.matmul_shapes[shape] += 1
@@ -108,29 +129,23 @@ class FlopsProfiler:
                 f"got {peak_flops_per_s!r}"
             )
         self.model = model
+        self._ignore: tuple[type, ...] = ()
         self.count_ops = count_ops
         self.peak_flops_per_s = peak_flops_per_s
-        accelerator = get_accelerator()
-        self.tracker = ModuleTracker(model, sync=accelerator.synchronize)
-        self._sync = accelerator.synchronize
-        # per module name, per phase: Cost
-        self.costs: dict[str, dict[str, Cost]] = defaultdict(lambda: dict.fromkeys(PHASES, Cost()))
-        self.totals: dict[str, Cost] = dict.fromkeys(PHASES, Cost())
-        self.op_totals: dict[str, Cost] = defaultdict(Cost)
-        self.op_calls: Counter[str] = Counter()
-        self.matmul_shapes: Counter[tuple[int, int, int, int]] = Counter()
-        self.unknown_ops: Counter[str] = Counter()
-        self.wall_s = 0.0
+        self._sync = get_accelerator().synchronize
+        self.state = ProfilerState.IDLE
         self._mode: _CountingMode | None = None
         self._t0 = 0.0
+        self.reset_profile()
         if count_ops:
             # A dispatch mode's first operator imports torch._dynamo (seconds): do it here, not
             # inside the first profiled module's latency.
             import torch._dynamo  # noqa: F401
 
     # ---- counting ----------------------------------------------------------------------------
-    def on_op(self, op_name: str, cost: Cost) -> None:
-        """Credit one priced operator to the current phase and every active module."""
+    def on_op(self, op_name: str, cost: Cost, args: tuple = ()) -> None:
+        """Credit one priced operator (called with `args`) to the current phase and to every
+        module owning it (Note [backward belongs to the node's creator])."""
         self.op_calls[op_name] += 1
         if cost.flops == 0:
             return
@@ -139,14 +154,50 @@ class FlopsProfiler:
             phases = ("backward", "recompute") if self.tracker.recomputing else ("backward",)
         else:
             phases = ("forward",)
-        names = self.tracker.active or {OUTSIDE}
+        names = set(self.tracker.owners_of_op(args)) or {OUTSIDE}
         for phase in phases:
             self.totals[phase] += cost
             for name in names:
                 self.costs[name][phase] += cost
 
     # ---- lifetime ----------------------------------------------------------------------------
+    def _to_running(self) -> None:
+        if self.state is ProfilerState.RUNNING:
+            raise RuntimeError(
+                "this FlopsProfiler is already running: entering it again (a nested `with`, or "
+                "start_profile() twice) would count every operator twice. Stop it first (leave "
+                "the `with` block or call stop_profile()), or use a second FlopsProfiler"
+            )
+        self.state = ProfilerState.RUNNING
+
+    def _to_stopped(self) -> None:
+        if self.state is not ProfilerState.RUNNING:
+            raise RuntimeError(
+                f"this FlopsProfiler is not running (it is {self.state.value}): there is nothing "
+                "to stop. Start it first (`with profiler:` or start_profile())"
+            )
+        self.state = ProfilerState.STOPPED
+
+    def _to_idle(self) -> None:
+        if self.state is ProfilerState.RUNNING:
+            raise RuntimeError("stop this FlopsProfiler (stop_profile()) before resetting it")
+        self.state = ProfilerState.IDLE
+
+    def reset_profile(self) -> None:
+        """Forget every count (DeepSpeed's `reset_profile`); refused while running."""
+        self._to_idle()
+        self.tracker = ModuleTracker(self.model, sync=self._sync, ignore=self._ignore)
+        # per module name, per phase: Cost
+        self.costs: dict[str, dict[str, Cost]] = defaultdict(lambda: dict.fromkeys(PHASES, Cost()))
+        self.totals: dict[str, Cost] = dict.fromkeys(PHASES, Cost())
+        self.op_totals: dict[str, Cost] = defaultdict(Cost)
+        self.op_calls: Counter[str] = Counter()
+        self.matmul_shapes: Counter[tuple[int, int, int, int]] = Counter()
+        self.unknown_ops: Counter[str] = Counter()
+        self.wall_s = 0.0
+
     def __enter__(self) -> FlopsProfiler:
+        self._to_running()
         self.tracker.__enter__()
         if self.count_ops:
             self._mode = _CountingMode(self)
@@ -156,6 +207,7 @@ class FlopsProfiler:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._to_stopped()
         self._sync()
         self.wall_s += time.perf_counter() - self._t0
         try:
@@ -164,6 +216,82 @@ class FlopsProfiler:
                 self._mode = None
         finally:
             self.tracker.__exit__(*exc)
+
+    # ---- DeepSpeed's lifecycle (`deepspeed.profiling.flops_profiler.FlopsProfiler`) ----------
+    def start_profile(self, ignore_list: list[type] | None = None) -> None:
+        """Forget earlier counts and start counting (DeepSpeed's `start_profile`). Modules of
+        the types in `ignore_list` get no row: their work is their caller's. Refused while
+        running (it would count every operator twice)."""
+        if self.state is ProfilerState.RUNNING:
+            self._to_running()  # raises, naming the fix
+        self._ignore = tuple(ignore_list or ())
+        self.reset_profile()
+        self.__enter__()
+
+    def stop_profile(self) -> None:
+        """Stop counting and keep the counts (DeepSpeed's `stop_profile`); refused when not
+        running, where DeepSpeed does nothing."""
+        self.__exit__(None, None, None)
+
+    def end_profile(self) -> None:
+        """Stop if running and forget everything (DeepSpeed's `end_profile`)."""
+        if self.state is ProfilerState.RUNNING:
+            self.stop_profile()
+        self._ignore = ()
+        self.reset_profile()
+
+    def get_total_flops(self, as_string: bool = False) -> int | str:
+        """The model's forward FLOPs, as DeepSpeed's `get_total_flops` (forward only, work
+        outside the model's `forward` not included); `result().flops` adds the backward."""
+        flops = self.result().root.forward.flops
+        return number_to_string(flops) if as_string else flops
+
+    def get_total_macs(self, as_string: bool = False) -> int | str:
+        """The model's forward MACs (DeepSpeed's `get_total_macs`)."""
+        macs = self.result().root.forward.macs
+        return number_to_string(macs) + "MACs" if as_string else macs
+
+    def get_total_duration(self, as_string: bool = False) -> float | str:
+        """The model's forward latency in seconds, summed over calls (DeepSpeed's
+        `get_total_duration`)."""
+        seconds = self.result().root.forward_s
+        return number_to_string(seconds) + "s" if as_string else seconds
+
+    def get_total_params(self, as_string: bool = False) -> int | str:
+        """The model's parameters held by this rank, tied ones once (DeepSpeed's
+        `get_total_params`)."""
+        params = sum({id(p): p.numel() for p in self.model.parameters()}.values())
+        return number_to_string(params).replace("G", "B").strip() if as_string else params
+
+    def print_model_profile(
+        self,
+        profile_step: int = 1,
+        module_depth: int = -1,
+        top_modules: int = 1,
+        detailed: bool = True,
+        output_file: str | None = None,
+    ) -> None:
+        """Print DeepSpeed's summary lines and the module table (`Profile.render`) to stdout,
+        or to `output_file`. Refused before anything was profiled."""
+        if self.state is ProfilerState.IDLE:
+            raise RuntimeError("nothing profiled yet: call start_profile() and run the model")
+        seconds = self.get_total_duration()
+        flops = self.get_total_flops()
+        lines = [
+            f"Flops profile at step {profile_step}:",
+            f"params per rank: {self.get_total_params(as_string=True)}",
+            f"fwd MACs per rank: {self.get_total_macs(as_string=True)}",
+            f"fwd flops per rank: {number_to_string(flops)}",
+            f"fwd latency: {number_to_string(seconds)}s",
+            f"fwd FLOPS per rank: {number_to_string(flops / seconds if seconds else 0)}FLOPS",
+            self.result().render(module_depth, top_modules, detailed),
+        ]
+        text = "\n".join(lines)
+        if output_file is None:
+            print(text)
+            return
+        with open(output_file, "w") as f:
+            f.write(text + "\n")
 
     # ---- results -----------------------------------------------------------------------------
     def result(self) -> Profile:

@@ -25,6 +25,9 @@ Conventions (Note [what a FLOP is here]):
   recomputed 6, softmax backward 4, scale backward 1). Causal attention (`is_causal=True`,
   top-left aligned as in PyTorch: query i sees keys j <= i) has `P = Σ_i min(i+1, S_k)`, which
   is `S(S+1)/2` for a square S × S, not `S²`.
+- Recurrent layers (RNN, LSTM, GRU; `rnn_layer`): the gate products of each step as matrix
+  products, and per hidden element and step the element-wise work of the cell as PyTorch's
+  own cell writes it (`RNN_POINTWISE`); the fused kernels (oneDNN, cuDNN) count the same.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ __all__ = [
     "gpt_forward",
     "layer_norm",
     "matmul",
+    "rnn_layer",
     "sdpa",
     "softmax",
 ]
@@ -55,6 +59,15 @@ LN_BWD = 9
 LN_AFFINE_BWD = 3
 SOFTMAX_FWD = 5
 SOFTMAX_BWD = 4
+RNN_GATES = {"rnn_relu": 1, "rnn_tanh": 1, "lstm": 4, "gru": 3}
+"""Gate pre-activations per hidden element: `G = RNN_GATES[kind]·H` rows of the weights."""
+RNN_POINTWISE = {"rnn_relu": 2, "rnn_tanh": 2, "lstm": 13, "gru": 10}
+"""Element-wise FLOPs per hidden element and step, biases aside (PyTorch's cells):
+RNN: add the two products, activation (2). LSTM: add the products (4), three sigmoids and a
+tanh on the gates (4), `c' = f·c + i·g` (3), `h' = o·tanh(c')` (2): 13. GRU: `r` and `z`, add
+and sigmoid (2 + 2), `n = tanh(x_n + r·h_n)` (3), `h' = n + z·(h − n)` (3): 10."""
+RNN_KINDS = {0: "rnn_relu", 1: "rnn_tanh", 2: "lstm", 3: "gru"}
+"""The `mode` argument of cuDNN's and oneDNN's RNN operators."""
 SDPA_FWD_OTHER = 1 + SOFTMAX_FWD  # scale, softmax
 SDPA_BWD_OTHER = SDPA_FWD_OTHER + SOFTMAX_BWD + 1  # recomputed scale and softmax, their backward
 
@@ -111,6 +124,38 @@ def layer_norm(numel: int, affine: bool, backward: bool = False) -> Cost:
 def softmax(numel: int, backward: bool = False) -> Cost:
     """Softmax or log-softmax over `numel` elements."""
     return Cost(numel * (SOFTMAX_BWD if backward else SOFTMAX_FWD))
+
+
+def rnn_layer(
+    kind: str,
+    tokens: int,
+    input_size: int,
+    hidden_size: int,
+    bias: bool,
+    proj_size: int = 0,
+    backward: bool = False,
+    weight_grads: bool = True,
+) -> Cost:
+    """One layer and direction of an RNN (`kind`: "rnn_tanh", "rnn_relu", "lstm", "gru") over
+    `tokens` = steps × batch, input I, hidden H, G = `RNN_GATES[kind]`·H gate rows, recurrent
+    width R = `proj_size` or H:
+
+    - forward: `tokens·G·(I + R)` MACs (the input and the recurrent products) plus
+      `tokens·H·proj_size` for an LSTM's projection; `tokens·RNN_POINTWISE[kind]·H` element-wise
+      FLOPs, `+ 2·tokens·G` for the two biases.
+    - backward: the data gradients (of the input and the recurrent state) have the forward's
+      MACs, the weight gradients as many again (`weight_grads=False`: cuDNN asked for data only);
+      the element-wise work counts 2 FLOPs per forward element-wise FLOP (a local derivative
+      and its product; the fused kernels' inner work is not observable, this is the convention).
+    """
+    gates = RNN_GATES[kind] * hidden_size
+    recurrent = proj_size or hidden_size
+    macs = tokens * gates * (input_size + recurrent) + tokens * hidden_size * proj_size
+    other = tokens * (RNN_POINTWISE[kind] * hidden_size + (2 * gates if bias else 0))
+    if not backward:
+        return Cost(2 * macs + other, macs)
+    macs = macs * (2 if weight_grads else 1)
+    return Cost(2 * macs + 2 * other, macs)
 
 
 def attention_pairs(s_q: int, s_k: int, causal: bool) -> int:

@@ -3,8 +3,8 @@
 `op_cost(func, args, kwargs, out)` answers a `Cost` for an operator it knows and `None` for
 one it does not (the profiler lists those by name; it never guesses). An operator is known when
 
-1. it has a formula below (matrix products, convolutions, attention, normalization, softmax,
-   losses, reductions), or
+1. it has a formula below (matrix products, convolutions, attention, recurrent layers,
+   normalization, softmax, losses, reductions), or
 2. it carries PyTorch's `pointwise` tag (1 FLOP per output element, see `formulas`), or
 3. it moves or creates data without arithmetic (views, copies, gathers, factories) or is a
    collective (`c10d`) or a profiler annotation: 0 FLOPs;
@@ -174,6 +174,60 @@ def _sdpa_fwd(a: dict, out: Any) -> Cost:
 @_register(*_SDPA_BWD)
 def _sdpa_bwd(a: dict, out: Any) -> Cost:
     return _sdpa_cost(a, backward=True)
+
+
+# ---- recurrent layers (Note [what a FLOP is here], `formulas.rnn_layer`) ---------------------
+
+
+@_register(aten.mkldnn_rnn_layer, aten.mkldnn_rnn_layer_backward)
+def _mkldnn_rnn(a: dict, out: Any) -> Cost:
+    # oneDNN's LSTM on CPU: one call per layer and direction; weight1 (backward) or weight0
+    # (forward) is W_ih (G, I).
+    backward = "grad_output" in a
+    w_ih = a["weight1"] if backward else a["weight0"]
+    x = a["input"]
+    return F.rnn_layer(
+        F.RNN_KINDS[a["mode"]], x.numel() // x.shape[-1], w_ih.shape[1], a["hidden_size"],
+        bias=bool(a["has_biases"]), backward=backward,
+    )  # fmt: skip
+
+
+@_register(aten._cudnn_rnn, aten._cudnn_rnn_backward)
+def _cudnn_rnn(a: dict, out: Any) -> Cost:
+    # cuDNN's RNN, LSTM and GRU: every layer and direction in one call; `weight` holds
+    # `weight_stride0` tensors per layer and direction: W_ih, W_hh[, b_ih, b_hh][, W_hr].
+    weights, per, x = a["weight"], a["weight_stride0"], a["input"]
+    backward = "output_mask" in a
+    kind, tokens = F.RNN_KINDS[a["mode"]], x.numel() // x.shape[-1]
+    cost = Cost()
+    for i in range(0, len(weights), per):
+        cost = cost + F.rnn_layer(
+            kind, tokens, weights[i].shape[1], a["hidden_size"], bias=per >= 4,
+            proj_size=a["proj_size"], backward=backward,
+            weight_grads=not backward or bool(a["output_mask"][3]),
+        )  # fmt: skip
+    return cost
+
+
+@_register(aten._thnn_fused_lstm_cell, aten._thnn_fused_gru_cell)
+def _fused_cell(a: dict, out: Any) -> Cost:
+    # The element-wise half of an LSTMCell/GRUCell on CUDA (its products are mm calls).
+    kind = "lstm" if "cx" in a else "gru"
+    gates = a["input_gates"]
+    hidden = gates.shape[-1] // F.RNN_GATES[kind]
+    tokens = gates.numel() // gates.shape[-1]
+    bias = a.get("input_bias") is not None
+    return Cost(tokens * (F.RNN_POINTWISE[kind] * hidden + (2 * gates.shape[-1] if bias else 0)))
+
+
+@_register(aten._thnn_fused_lstm_cell_backward_impl, aten._thnn_fused_gru_cell_backward)
+def _fused_cell_backward(a: dict, out: Any) -> Cost:
+    kind = "lstm" if "grad_cy" in a else "gru"
+    grad = a["grad_hy"] if a.get("grad_hy") is not None else a["grad_cy"]
+    hidden, tokens = grad.shape[-1], grad.numel() // grad.shape[-1]
+    gates = F.RNN_GATES[kind] * hidden
+    bias = 2 * tokens * gates if a["has_bias"] else 0
+    return Cost(2 * tokens * F.RNN_POINTWISE[kind] * hidden + bias)
 
 
 # ---- normalization, softmax, losses, reductions ----------------------------------------------

@@ -17,7 +17,7 @@ from rich.table import Table
 
 from minispeed.profiler.formulas import Cost
 
-__all__ = ["ModuleProfile", "Profile", "human"]
+__all__ = ["ModuleProfile", "Profile", "human", "number_to_string"]
 
 
 def human(x: float, unit: str = "") -> str:
@@ -26,6 +26,17 @@ def human(x: float, unit: str = "") -> str:
         if abs(x) >= factor:
             return f"{x / factor:.3g} {prefix}{unit}"
     return f"{x:.3g} {unit}".rstrip()
+
+
+_DS_UNITS = {"T": 1e12, "G": 1e9, "M": 1e6, "K": 1e3, "": 1.0, "m": 1e-3, "u": 1e-6}
+
+
+def number_to_string(num: float, units: str | None = None, precision: int = 2) -> str:
+    """DeepSpeed's `number_to_string`: `124564` -> `"124.56 K"` (its `get_model_profile`
+    strings; `human` is ours)."""
+    if units is None:
+        units = next((u for u, f in _DS_UNITS.items() if num >= f or (u == "" and num == 0)), "u")
+    return f"{round(num / _DS_UNITS.get(units, 1.0), precision):g} {units}"
 
 
 @dataclass
@@ -148,8 +159,9 @@ class Profile:
 
     def table(self, depth: int = -1, top_k: int = -1, detailed: bool = True) -> Table:
         """A rich table of the module tree, `depth` levels below the root (-1: all), keeping the
-        `top_k` children of each module with the most FLOPs (-1: all). `detailed=False` shows
-        the root and the totals only."""
+        `top_k` children of each module with the most FLOPs (-1: all), then the work run
+        outside every module when there is any (the root row plus it is the total).
+        `detailed=False` shows the root and the totals only."""
         total = self.flops or 1
         t = Table(title=self._title(), show_lines=False)
         for col in ("module", "type", "params", "fwd FLOPs", "bwd FLOPs", "MACs", "% FLOPs",
@@ -176,6 +188,13 @@ class Profile:
                 add(child, level + 1)
 
         add(self.root, 0)
+        outside = self.outside_forward + self.outside_backward
+        if outside.flops:  # so the rows add up to the title's total (a loss the caller computed)
+            t.add_row(
+                "(outside modules)", "", "", human(self.outside_forward.flops),
+                human(self.outside_backward.flops), human(outside.macs),
+                f"{100 * outside.flops / total:.1f}", "", "", "",
+            )  # fmt: skip
         return t
 
     def _title(self) -> str:

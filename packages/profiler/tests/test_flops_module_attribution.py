@@ -1,0 +1,224 @@
+"""Each module is charged its own work, forward and backward, once per call: siblings that share
+an input, modules that return their input, and a block called several times. Expectations
+come from each module counted alone (`FlopCounterMode` for the matrix products, the formulas
+written out here by hand for the rest), never from the profiler itself."""
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from minispeed.profiler import FlopsProfiler
+
+B, C = 4, 8
+
+
+def _alone_matmul_flops(module, *shapes):
+    """Forward and backward matmul FLOPs of `module` run alone (inputs needing gradients)."""
+    xs = [torch.randn(*s, requires_grad=True) for s in shapes]
+    with FlopCounterMode(display=False) as fc:
+        out = module(*xs)
+    fwd = fc.get_total_flops()
+    with FlopCounterMode(display=False) as fc:
+        out.sum().backward()
+    module.zero_grad(set_to_none=True)
+    return fwd, fc.get_total_flops()
+
+
+def _exclusive_rows_sum_to_the_total(r):
+    """Each module's own share (itself minus its children) plus the work outside every
+    module adds up to the step's total, in both phases."""
+
+    def own(m, phase):
+        return getattr(m, phase).flops - sum(getattr(c, phase).flops for c in m.children)
+
+    def walk(m):
+        yield m
+        for c in m.children:
+            yield from walk(c)
+
+    for phase, outside in (("forward", r.outside_forward), ("backward", r.outside_backward)):
+        rows = sum(own(m, phase) for m in walk(r.root))
+        assert rows + outside.flops == getattr(r, phase).flops, phase
+        assert all(own(m, phase) >= 0 for m in walk(r.root)), phase
+
+
+class SharedInput(nn.Module):
+    """Attention-style projections and a gated MLP: q, k, v (and gate, up) read the same x."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(C)
+        self.q, self.k, self.v = nn.Linear(C, C), nn.Linear(C, C), nn.Linear(C, C)
+        self.gate, self.up = nn.Linear(C, 2 * C, bias=False), nn.Linear(C, 2 * C, bias=False)
+        self.down = nn.Linear(2 * C, C, bias=False)
+
+    def forward(self, x):
+        h = self.ln(x)
+        a = self.q(h) * self.k(h) + self.v(h)  # (B, C)
+        return self.down(torch.relu(self.gate(a)) * self.up(a))
+
+
+def test_siblings_that_share_an_input_are_each_charged_their_own_backward():
+    torch.manual_seed(0)
+    model = SharedInput()
+    x = torch.randn(B, C, requires_grad=True)
+    with FlopsProfiler(model) as prof:
+        model(x).sum().backward()
+    r = prof.result()
+    for name, fan_in, fan_out, bias in (
+        ("q", C, C, True), ("k", C, C, True), ("v", C, C, True),
+        ("gate", C, 2 * C, False), ("up", C, 2 * C, False), ("down", 2 * C, C, False),
+    ):  # fmt: skip
+        row = r.module(name)
+        fwd, bwd = _alone_matmul_flops(getattr(model, name), (B, fan_in))
+        assert (2 * row.forward.macs, 2 * row.backward.macs) == (fwd, bwd), name
+        # By hand: forward 2·B·K·N (+ B·N bias); backward dX and dW, 4·B·K·N (+ B·N bias sum).
+        mkn = B * fan_in * fan_out
+        assert row.forward.flops == 2 * mkn + (B * fan_out if bias else 0), name
+        assert row.backward.flops == 4 * mkn + (B * fan_out if bias else 0), name
+    # The parent owns what it runs itself, the accumulation of h's three gradients included:
+    # LayerNorm backward aside, adding dh from q, k, v is 2·B·C.
+    ln = r.module("ln")
+    assert ln.backward.flops == B * C * (9 + 3)  # formulas.LN_BWD + LN_AFFINE_BWD, nothing else
+    _exclusive_rows_sum_to_the_total(r)
+
+
+@pytest.mark.parametrize("passthrough", [nn.Identity(), nn.Dropout(p=0.0)], ids=type)
+def test_a_module_returning_its_input_is_charged_nothing(passthrough):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(C, C), passthrough, nn.Linear(C, C), nn.Tanh())
+    model.train()
+    x = torch.randn(B, C, requires_grad=True)
+    with FlopsProfiler(model) as prof:
+        model(x).sum().backward()
+    r = prof.result()
+    assert r.module("1").forward.flops == r.module("1").backward.flops == 0
+    for name in ("0", "2"):
+        fwd, bwd = _alone_matmul_flops(model[int(name)], (B, C))
+        row = r.module(name)
+        assert (2 * row.forward.macs, 2 * row.backward.macs) == (fwd, bwd), name
+        assert row.backward.flops == 4 * B * C * C + B * C, name
+    assert r.module("3").backward.flops == B * C  # tanh_backward, one FLOP per element
+    _exclusive_rows_sum_to_the_total(r)
+
+
+class Repeated(nn.Module):
+    """ALBERT-style: one block applied `times` times in one forward."""
+
+    def __init__(self, times):
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(C, C), nn.Tanh())
+        self.head = nn.Linear(C, 1)
+        self.times = times
+
+    def forward(self, x):
+        for _ in range(self.times):
+            x = self.block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("times", [1, 3])
+def test_a_block_called_several_times_is_charged_every_backward(times):
+    torch.manual_seed(0)
+    model = Repeated(times)
+    x = torch.randn(B, C, requires_grad=True)
+    with FlopsProfiler(model) as prof:
+        model(x).sum().backward()
+    r = prof.result()
+    block = r.module("block")
+    assert block.calls == times
+
+    class Alone(nn.Module):  # the block's calls, counted alone by FlopCounterMode
+        def forward(self, x):
+            for _ in range(times):
+                x = model.block(x)
+            return x
+
+    fwd, bwd = _alone_matmul_flops(Alone(), (B, C))
+    assert (2 * block.forward.macs, 2 * block.backward.macs) == (fwd, bwd)
+    # By hand, per call: dX and dW 4·B·C², the bias gradient B·C, tanh's B·C; then the
+    # weight's and bias's gradients of the `times` calls are added together: (times-1)·(C²+C).
+    per_call = 4 * B * C * C + 2 * B * C
+    assert block.backward.flops == times * per_call + (times - 1) * (C * C + C)
+    assert r.module("block.0").calls == times
+    assert r.module("head").backward.flops == 4 * B * C + 1 * B
+    _exclusive_rows_sum_to_the_total(r)
+
+
+class _Marker:
+    """An object only the autograd graph holds (through a custom function's context)."""
+
+
+class _Keep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, marker):
+        ctx.marker = marker
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2, None
+
+
+def test_a_profiled_forward_frees_its_graph_like_an_unprofiled_one():
+    import gc
+    import weakref
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(C, C)
+
+        def forward(self, x, marker):
+            return self.lin(_Keep.apply(x, marker))
+
+    model = Model()
+    prof = FlopsProfiler(model)
+    marker = _Marker()
+    alive = weakref.ref(marker)
+    with prof:
+        y = model(torch.randn(B, C, requires_grad=True), marker)
+    del y, marker  # no backward: the graph, and what it saved, must go with its last tensor
+    gc.collect()
+    assert alive() is None  # the profiler keeps no node (its tags live in the nodes)
+    assert prof.result().module("lin").forward.macs == B * C * C
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_checkpointed_blocks_own_their_recomputation_and_backward(use_reentrant):
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(C, C), nn.Linear(C, C)
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(x)))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block, self.head = Block(), nn.Linear(C, 1)
+
+        def forward(self, x):
+            return self.head(checkpoint(self.block, x, use_reentrant=use_reentrant))
+
+    torch.manual_seed(0)
+    model = Model()
+    x = torch.randn(B, C, requires_grad=True)
+    with set_checkpoint_early_stop(False), FlopsProfiler(model) as prof:
+        model(x).sum().backward()
+    r = prof.result()
+    linear_fwd = 2 * B * C * C + B * C
+    linear_bwd = 4 * B * C * C + B * C  # dX, dW, the bias gradient
+    for name in ("block.a", "block.b"):  # each linear ran twice forward and once backward
+        row = r.module(name)
+        assert row.forward.flops == row.recompute.flops == linear_fwd, name
+        assert row.backward.flops == linear_bwd + linear_fwd, name  # recompute inside backward
+    block = r.module("block")
+    tanh = B * C  # forward, and its backward (tanh_backward)
+    assert block.recompute.flops == 2 * linear_fwd + tanh
+    assert block.backward.flops == 2 * linear_bwd + tanh + block.recompute.flops
+    _exclusive_rows_sum_to_the_total(r)
