@@ -55,6 +55,10 @@ def test_from_ds_config_translates_the_section_and_refuses_unknown_keys():
         FlopsProfilerConfig.from_ds_config({"enable": True})
     with pytest.raises(ValueError, match="recompute_fwd_factor"):
         FlopsProfilerConfig.from_ds_config({"recompute_fwd_factor": 1.0})
+    # DeepSpeed's default changes nothing: a config written out in full loads.
+    assert (
+        FlopsProfilerConfig.from_ds_config({"recompute_fwd_factor": 0.0}) == FlopsProfilerConfig()
+    )
     with pytest.raises(ValueError, match="top_modules"):
         FlopsProfilerConfig(top_modules=0)
 

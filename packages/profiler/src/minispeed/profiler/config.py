@@ -37,6 +37,8 @@ _REFUSED = {
     "recompute_fwd_factor": "minispeed measures recomputation under activation checkpointing "
     "instead of assuming a factor; remove the key",
 }
+# DeepSpeed's value of each refused key: at its default the key changes nothing, so it loads.
+_DS_DEFAULTS = {"recompute_fwd_factor": 0.0}
 
 
 @dataclass(frozen=True)
@@ -72,8 +74,11 @@ class FlopsProfilerConfig:
         """Translate DeepSpeed's `flops_profiler` section; unknown keys are errors."""
         section = dict(section or {})
         for key, why in _REFUSED.items():
-            if key in section:
-                raise ValueError(f"flops_profiler.{key} is not supported: {why}")
+            if key in section and section.pop(key) != _DS_DEFAULTS[key]:
+                raise ValueError(
+                    f"flops_profiler.{key} is not supported: {why} (DeepSpeed's default "
+                    f"{_DS_DEFAULTS[key]!r} is accepted)"
+                )
         unknown = sorted(set(section) - set(_DS_KEYS))
         if unknown:
             raise ValueError(
