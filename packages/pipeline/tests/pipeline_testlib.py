@@ -76,7 +76,17 @@ def masked_model(blocks: int = 4) -> list:
     ]
 
 
-MODELS = {"gpt": tiny_gpt, "masked": masked_model}
+def albert(blocks: int = 4) -> list:
+    """Embedding, ONE block applied `blocks` times (ALBERT-style: a single set of weights, used
+    by several layers of a stage and by several stages), output head."""
+    return [
+        LayerSpec(nn.Embedding, (VOCAB, WIDTH)),
+        *[TiedLayerSpec(Block, (WIDTH,), key="shared") for _ in range(blocks)],
+        LayerSpec(nn.Linear, (WIDTH, VOCAB)),
+    ]
+
+
+MODELS = {"gpt": tiny_gpt, "masked": masked_model, "albert": albert}
 
 
 def data(steps: int, batch: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -125,13 +135,14 @@ def train_pipeline(
     blocks: int = 4,
     lr: float = 0.05,
     model: str = "gpt",
+    method: str = "type:Block$",
 ) -> dict:
     """Train `steps` steps; each data-parallel replica takes its slice of the global batch."""
     module = pipeline.partition(
         MODELS[model](blocks),
         stages=stages,
         loss_fn=lm_loss,
-        method="type:Block$",
+        method=method,
         virtual_stages=virtual_stages,
         activation_checkpointing=checkpointing,
     )

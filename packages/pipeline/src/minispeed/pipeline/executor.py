@@ -16,8 +16,8 @@ the unsplit model on the same batch.
 State kept between instructions, per (micro-batch, chunk) key:
 `_inputs` (the chunk's input tuple, leaves that require grad when they came from another stage),
 `_outputs` (its output tuple, or the loss on the last virtual stage), `_out_grads` (received
-gradients of the outputs), `_in_grads` (gradients of the inputs, to send), `_weight_work` (what a
-zero-bubble weight pass needs). A key is "in flight" from its forward until the pass that frees it
+gradients of the outputs), `_in_grads` (gradients of the inputs, to send), `_segments` / `_weight_work` (what a
+zero-bubble weight pass needs, `split_backward.py`). A key is "in flight" from its forward until the pass that frees it
 (Backward, or BackwardWeight); `peak_in_flight` counts them: the activation memory of the schedule
 in micro-batches (asserted against `costs.in_flight_bound`).
 
@@ -41,7 +41,7 @@ import torch
 
 from minispeed.core import ranges
 from minispeed.pipeline import instructions as ins
-from minispeed.pipeline import sharded, status
+from minispeed.pipeline import sharded, split_backward, status
 from minispeed.pipeline.checker import check
 from minispeed.pipeline.module import PipelineModule
 from minispeed.pipeline.p2p import PipelineAbortedError, StageMessenger
@@ -173,7 +173,7 @@ class PipelineExecutor:
         self._micro_labels: list[Any] | None = None
         self._inputs: dict[Key, tuple] = {}
         self._outputs: dict[Key, tuple] = {}
-        self._layer_outputs: dict[Key, list] = {}
+        self._segments: dict[Key, list[split_backward.Segment]] = {}
         self._out_grads: dict[Key, tuple] = {}
         self._in_grads: dict[Key, tuple] = {}
         self._weight_work: dict[Key, list] = {}
@@ -310,7 +310,7 @@ class PipelineExecutor:
         start = time.perf_counter()
         with ranges.range("pipeline.forward"):
             keep: list | None = [] if self.schedule.splits_backward and self._trains else None
-            out = self.module.forward_chunk(i.chunk, arg, keep_layer_outputs=keep)
+            out = self.module.forward_chunk(i.chunk, arg, segments=keep)
             if self._is_last(i.chunk) and self.module.loss_fn is not None:
                 loss = (
                     self.module.loss_fn(out, self._labels.pop(i.micro_batch)) / self.micro_batches
@@ -321,7 +321,7 @@ class PipelineExecutor:
         if self._trains:
             self._outputs[key] = _as_tuple(out)
             if keep is not None:
-                self._layer_outputs[key] = keep
+                self._segments[key] = keep
             self._live += 1
             self.peak_in_flight = max(self.peak_in_flight, self._live)
         else:
@@ -357,46 +357,24 @@ class PipelineExecutor:
         self._live -= 1
 
     def _backward_input(self, i: ins.BackwardInput) -> None:
-        """Gradients of the chunk input and of every layer output, keeping the graph for W."""
+        """Gradients of the chunk input, keeping what W needs: see `split_backward.py`."""
         key = (i.micro_batch, i.chunk)
         outs, grads = self._output_pairs(key)
-        inputs = [t for t in self._inputs.pop(key) if t.requires_grad]
-        layers = self._layer_outputs.pop(key)
-        # each layer's output tensors that require grad, and that layer's parameters
-        layer_outs = [
-            [t for t in _as_tuple(o) if isinstance(t, torch.Tensor) and t.requires_grad]
-            for o, _ in layers
-        ]
-        flat = [t for group in layer_outs for t in group]
+        self._inputs.pop(key)
         start = time.perf_counter()
         with ranges.range("pipeline.backward_input"):
-            got = (
-                torch.autograd.grad(
-                    outs, inputs + flat, grads, retain_graph=True, allow_unused=True
-                )
-                if outs
-                else (None,) * (len(inputs) + len(flat))
-            )
+            in_grads, work = split_backward.backward_input(outs, grads, self._segments.pop(key))
         self.timeline.add("compute", i.label, start, time.perf_counter())
-        in_grads, rest = got[: len(inputs)], list(got[len(inputs) :])
-        self._in_grads[key] = tuple(
-            g if g is not None else torch.zeros_like(t) for g, t in zip(in_grads, inputs)
-        )
-        work = []
-        for (_, params), group in zip(layers, layer_outs):
-            gs = [rest.pop(0) for _ in group]
-            pairs = [(t, g) for t, g in zip(group, gs) if g is not None]
-            params = [q for q in params if q.requires_grad]
-            if params and pairs:
-                work.append(([t for t, _ in pairs], [g for _, g in pairs], params))
+        # the first segment's leaves are the chunk's inputs that require grad, in order
+        self._in_grads[key] = tuple(in_grads)
         self._weight_work[key] = work
 
     def _backward_weight(self, i: ins.BackwardWeight) -> None:
         key = (i.micro_batch, i.chunk)
         start = time.perf_counter()
         with ranges.range("pipeline.backward_weight"):
-            for outs, grads, params in self._weight_work.pop(key):
-                torch.autograd.backward(outs, grads, inputs=params, retain_graph=True)
+            params = [q for q in self.module.parameters() if q.requires_grad]
+            split_backward.backward_weight(self._weight_work.pop(key), params)
         self.timeline.add("compute", i.label, start, time.perf_counter())
         self._live -= 1
 

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 import minispeed.comm as comm
-from minispeed.pipeline import partitioning
+from minispeed.pipeline import partitioning, split_backward
 
 __all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec", "build_unsplit", "layer_boundaries"]
 
@@ -218,19 +218,35 @@ class PipelineModule(nn.Module):
             else:
                 yield ref, []
 
-    def forward_chunk(self, c: int, x: Any, keep_layer_outputs: list | None = None) -> Any:
-        """Run chunk `c` on `x`; append each layer's (output, parameters) to `keep_layer_outputs`
-        if given (the zero-bubble weight pass needs them)."""
+    def forward_chunk(
+        self, c: int, x: Any, segments: list[split_backward.Segment] | None = None
+    ) -> Any:
+        """Run chunk `c` on `x`. With `segments` (the zero-bubble split backward), cut the graph
+        at each layer's input and record the pieces there (see `split_backward.py`)."""
+        if segments is not None:
+            chunk = self.chunks[c]
+            names = [
+                f"{chunk.start + k} ({self._entry_name(chunk, e)})"
+                for k, e in enumerate(chunk.entries)
+            ]
+            layers = ((f, p, n) for (f, p), n in zip(self.chunk_layers(c), names))
+            return split_backward.forward_segmented(layers, x, segments)
         if self.activation_checkpointing and torch.is_grad_enabled():
             args = x if isinstance(x, tuple) else (x,)
             return torch.utils.checkpoint.checkpoint(
                 self._run_chunk, c, isinstance(x, tuple), *args, use_reentrant=False
             )
-        for layer, params in self.chunk_layers(c):
+        for layer, _ in self.chunk_layers(c):
             x = layer(x)
-            if keep_layer_outputs is not None:
-                keep_layer_outputs.append((x, params))
         return x
+
+    def _entry_name(self, chunk: _Chunk, entry: tuple[str, Any]) -> str:
+        kind, ref = entry
+        if kind == "layer":
+            return type(chunk.layers[ref]).__name__
+        if kind == "tied":
+            return f"tied {ref!r}"
+        return getattr(ref, "__name__", type(ref).__name__)
 
     def _run_chunk(self, c: int, was_tuple: bool, *args: Any) -> Any:
         x: Any = args if was_tuple else args[0]
