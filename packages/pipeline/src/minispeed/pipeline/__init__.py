@@ -129,7 +129,10 @@ def partition(
     `grid`, the world is laid out as a `("pipe", "data")` grid of `stages` × world/stages ranks
     (data-parallel neighbours adjacent). The layers are cut into `stages · virtual_stages` parts
     by `method` (see `partitioning.py`); this rank builds parts `stage, stage + P, ...` only.
-    Bytes kept per rank: its own layers' parameters plus each tied layer it uses.
+    Bytes kept per rank: its own layers' parameters plus each tied layer it uses. Bytes sent
+    once, at build: each stage's parameters broadcast from its replica of data rank 0 (so
+    replicas start equal whatever each rank's RNG holds), and each tied layer from its lowest
+    holding stage.
     """
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
         raise ValueError(f"stages must be an int >= 1, got {stages!r}")

@@ -12,7 +12,9 @@ module = pipeline.partition(layers, stages=4, loss_fn=F.cross_entropy, method="t
 Each layer takes one argument (the previous layer's output: a tensor or a tuple) and returns one.
 Layer i is built under `torch.manual_seed(seed + i)`, so a rank that builds layers 4..7 gets the
 same weights as `build_unsplit` does on one process: the unsplit model is the reference the
-tests compare with. A tied layer is built once per stage that holds it (under the seed of its
+tests compare with. Whatever the seed, the data-parallel replicas of a stage then take the
+parameters of the replica of data rank 0 (one broadcast per parameter, at build), so ranks whose
+RNGs differ (`seed=None`, DeepSpeed's `seed_layers: false`) still start equal. A tied layer is built once per stage that holds it (under the seed of its
 first occurrence); its copies start equal (broadcast from the lowest holding stage) and stay
 equal because their gradients are summed over the holders before every step
 (`reduce_tied_grads`), which is exactly the gradient of the one shared weight.
@@ -202,6 +204,7 @@ class PipelineModule(nn.Module):
                         chunk.entries.append(("fn", built))
             self.chunks.append(chunk)
         self._tie_groups = self._make_tie_groups(layers) if grid is not None else {}
+        self._sync_replicas()
         self._sync_tied_weights()
 
     # -- running ----------------------------------------------------------------------------------
@@ -276,6 +279,17 @@ class PipelineModule(nn.Module):
                 if d == my_data and self.stage in stages:
                     mine[key] = (group, ranks)
         return mine
+
+    def _sync_replicas(self) -> None:
+        """Every data-parallel replica of this stage takes the parameters of the replica of data
+        rank 0 (DeepSpeed's engine does the same at build): with `seed=None` each rank builds
+        from its own RNG, and ranks seeded differently would otherwise train apart silently.
+        Bytes sent once, at build: the stage's parameters (Ψ_stage · 4 in fp32) per broadcast."""
+        if self.grid is None or self.grid.size("data") == 1:
+            return
+        group, src = self.grid.group("data"), self.grid.group_ranks("data")[0]
+        for p in self.parameters():
+            comm.broadcast(p.data, src=src, group=group)
 
     def _sync_tied_weights(self) -> None:
         for key, (group, ranks) in sorted(self._tie_groups.items()):
