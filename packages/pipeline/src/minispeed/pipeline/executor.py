@@ -34,6 +34,7 @@ program (messages may be left unread between stages) the executor refuses furthe
 from __future__ import annotations
 
 import time
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -96,28 +97,32 @@ class PipelineExecutor:
         self.module, self.optimizer = module, optimizer
         self.check_finite_loss = check_finite_loss
         self.micro_batches = micro_batches
-        p, v = module.stages, module.virtual_stages
-        self.schedule = get_schedule(schedule)(micro_batches, p, v)
-        if module.activation_checkpointing and self.schedule.splits_backward:
-            raise ValueError(
-                f"{self.schedule.name} splits backward per layer and cannot run on a checkpointed "
-                "stage; turn activation_checkpointing off or use 1f1b"
-            )
-        self.eval_schedule = InferenceSchedule(micro_batches, p, v)
-        # an optimizer with its own backward() reduces over data-parallel ranks: see sharded.py
-        self._window = (
-            sharded.check_reducing_optimizer(optimizer, self.schedule, bool(module._tie_groups))
-            if sharded.reduces_gradients(optimizer)
-            else 0
-        )
-        # Note: checked before anything runs, on every rank alike (a bad schedule raises everywhere).
-        check(self.schedule)
-        check(self.eval_schedule)
         grid = module.grid
         if grid is None:
             raise ValueError(
                 "the PipelineModule has no process grid; build it with pipeline.partition"
             )
+        failure: Exception | None = None
+        try:
+            self._build_schedules(schedule)
+        except Exception as exc:  # raised on every rank by the agreement below
+            failure = exc
+        # Note: a check that fails on one rank only, or arguments that differ between ranks,
+        # would leave the other ranks waiting in their first receive: agree before any message.
+        name = schedule if isinstance(schedule, str) else getattr(schedule, "__name__", "?")
+        status.agree_at_build(
+            grid,
+            failure,
+            {
+                "micro_batches": micro_batches if isinstance(micro_batches, int) else -1,
+                "schedule": zlib.crc32(name.encode()),
+                "check_finite_loss": bool(check_finite_loss),
+                "whether the optimizer reduces gradients itself": sharded.reduces_gradients(
+                    optimizer
+                ),
+            },
+            "building the PipelineExecutor",
+        )
         self.pipe_ranks = grid.group_ranks("pipe")
         self.dp = grid.size("data")
         # this rank's slot in the status vector of the pipe × data plane (see status.py)
@@ -142,16 +147,41 @@ class PipelineExecutor:
             ins.RecvGrad: self._recv_grad,
         }
 
+    def _build_schedules(self, schedule: str | type[PipeSchedule]) -> None:
+        """The schedules and their checks: local, so they may fail on one rank (see __init__)."""
+        module, optimizer, p, v = (
+            self.module,
+            self.optimizer,
+            self.module.stages,
+            self.module.virtual_stages,
+        )
+        self.schedule = get_schedule(schedule)(self.micro_batches, p, v)
+        if module.activation_checkpointing and self.schedule.splits_backward:
+            raise ValueError(
+                f"{self.schedule.name} splits backward per layer and cannot run on a checkpointed "
+                "stage; turn activation_checkpointing off or use 1f1b"
+            )
+        self.eval_schedule = InferenceSchedule(self.micro_batches, p, v)
+        # an optimizer with its own backward() reduces over data-parallel ranks: see sharded.py
+        self._window = (
+            sharded.check_reducing_optimizer(optimizer, self.schedule, bool(module._tie_groups))
+            if sharded.reduces_gradients(optimizer)
+            else 0
+        )
+        check(self.schedule)
+        check(self.eval_schedule)
+
     # -- public API -------------------------------------------------------------------------------
     def train_batch(self, inputs: Any = None, labels: Any = None) -> float:
         """One optimizer step on (inputs, labels), split into M micro-batches; returns the batch's
         mean loss (averaged over data-parallel replicas) on every rank."""
+        start: Exception | None = None
         if self.optimizer is None:
-            raise ValueError("train_batch needs an optimizer; pass one to PipelineExecutor")
-        if self.module.loss_fn is None:
-            raise ValueError("train_batch needs a loss: pass loss_fn= to pipeline.partition")
+            start = ValueError("train_batch needs an optimizer; pass one to PipelineExecutor")
+        elif self.module.loss_fn is None:
+            start = ValueError("train_batch needs a loss: pass loss_fn= to pipeline.partition")
         self.module.train()
-        return self._run(self.schedule, inputs, labels)
+        return self._run(self.schedule, inputs, labels, start)
 
     def eval_batch(self, inputs: Any = None, labels: Any = None) -> float:
         """Forwards only (no grad, no step); returns the mean loss on every rank."""
@@ -160,7 +190,13 @@ class PipelineExecutor:
             return self._run(self.eval_schedule, inputs, labels)
 
     # -- the loop ---------------------------------------------------------------------------------
-    def _run(self, schedule: PipeSchedule, inputs: Any, labels: Any) -> float:
+    def _run(
+        self, schedule: PipeSchedule, inputs: Any, labels: Any, start: Exception | None = None
+    ) -> float:
+        """Run this stage's program. `start`: a check that failed before it (e.g. no optimizer),
+        on this rank perhaps alone: it takes the failure path from the first instruction (tell
+        the neighbours, join the collectives with stand-ins, raise at the agreement), so every
+        rank raises instead of the peers waiting in a receive (phase `start`)."""
         if self._broken is not None:
             raise PipelineAbortedError(
                 f"this executor stopped at an earlier failed batch ({self._broken}); messages of "
@@ -185,6 +221,9 @@ class PipelineExecutor:
         self._act_kind = "act" if self._trains else "act_eval"
         self.timeline = StageTimeline(self.module.stage)
         failure: tuple[str, Exception] | None = None
+        if start is not None:
+            failure = ("start", start)
+            self._abort_neighbours(start, deliver_s=0.0)
         for instr in schedule.program(self.module.stage):
             kind = type(instr)
             if kind is ins.OptimizerStep:

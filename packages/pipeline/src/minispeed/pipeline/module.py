@@ -27,6 +27,7 @@ partition are taken on the `meta` device).
 from __future__ import annotations
 
 import contextlib
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +36,7 @@ import torch
 from torch import nn
 
 import minispeed.comm as comm
-from minispeed.pipeline import partitioning, split_backward
+from minispeed.pipeline import partitioning, split_backward, status
 
 __all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec", "build_unsplit", "layer_boundaries"]
 
@@ -177,12 +178,46 @@ class PipelineModule(nn.Module):
             activation_checkpointing,
         )
         self.num_layers = len(layers)
-        self.boundaries = layer_boundaries(layers, stages * virtual_stages, method)
-        first = _first_index(layers)
+        self.boundaries: list[int] = []
         self.tied = nn.ModuleDict()
         self.tied_forward: dict[int, Callable | None] = {}
         self.chunks = nn.ModuleList()
-        for c in range(virtual_stages):
+        if grid is None:
+            self._build(layers, method, seed)
+        else:
+            # Note: cutting and building are local and may fail on one rank only (a layer's
+            # constructor, a bad method on one rank); the peers would wait in the first
+            # collective below. Every rank learns of it first and raises (status.py).
+            failure: Exception | None = None
+            try:
+                self._build(layers, method, seed)
+            except Exception as exc:
+                failure = exc
+            names = "|".join(
+                f"{s.name}:{s.key}" if isinstance(s, TiedLayerSpec) else _spec_name(s)
+                for s in layers
+            )
+            status.agree_at_build(
+                grid,
+                failure,
+                {
+                    "the number of layers": len(layers),
+                    "virtual_stages": virtual_stages,
+                    "the layer classes and tie keys (CRC-32)": zlib.crc32(names.encode()),
+                    "the partition boundaries (CRC-32)": zlib.crc32(str(self.boundaries).encode()),
+                },
+                "building the pipeline stages (pipeline.partition)",
+            )
+        self._tie_groups = self._make_tie_groups(layers) if grid is not None else {}
+        self._sync_replicas()
+        self._sync_tied_weights()
+
+    def _build(self, layers: Sequence[Any], method: str | Sequence[int], seed: int | None) -> None:
+        """Cut the layers and build this rank's chunks (local: no communication)."""
+        stages, stage = self.stages, self.stage
+        self.boundaries = layer_boundaries(layers, stages * self.virtual_stages, method)
+        first = _first_index(layers)
+        for c in range(self.virtual_stages):
             v = c * stages + stage
             lo, hi = self.boundaries[v], self.boundaries[v + 1]
             chunk = _Chunk(lo, [])
@@ -203,9 +238,6 @@ class PipelineModule(nn.Module):
                     else:
                         chunk.entries.append(("fn", built))
             self.chunks.append(chunk)
-        self._tie_groups = self._make_tie_groups(layers) if grid is not None else {}
-        self._sync_replicas()
-        self._sync_tied_weights()
 
     # -- running ----------------------------------------------------------------------------------
     def chunk_layers(self, c: int) -> Iterator[tuple[Callable[[Any], Any], list[nn.Parameter]]]:
@@ -316,6 +348,10 @@ class PipelineModule(nn.Module):
                         err = exc
                 comm.all_reduce(torch.zeros_like(p) if buf is None else buf, group=group)
         return err
+
+
+def _spec_name(spec: Any) -> str:
+    return spec.name if isinstance(spec, LayerSpec) else type(spec).__name__
 
 
 def _bind(fn: Callable, mod: nn.Module) -> Callable[[Any], Any]:
