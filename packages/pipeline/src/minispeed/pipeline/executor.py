@@ -357,6 +357,8 @@ class PipelineExecutor:
                 self._loss_sum += loss.detach()
                 out = loss
         self.timeline.add("compute", i.label, start, time.perf_counter())
+        if not self._is_last(i.chunk):
+            self._check_message(out, i.chunk)
         if self._trains:
             self._outputs[key] = _as_tuple(out)
             if keep is not None:
@@ -366,6 +368,23 @@ class PipelineExecutor:
         else:
             self._outputs[key] = _as_tuple(out)
             self._inputs.pop(key)
+
+    def _check_message(self, out: Any, chunk: int) -> None:
+        """A chunk's output travels to the next stage: a tensor or a flat tuple of tensors."""
+        if isinstance(out, torch.Tensor) or (
+            isinstance(out, tuple) and out and all(isinstance(t, torch.Tensor) for t in out)
+        ):
+            return
+        parts = out if isinstance(out, tuple) else (out,)
+        got = ", ".join(type(t).__name__ for t in parts) or "an empty tuple"
+        lo = self.module.chunks[chunk].start
+        hi = lo + len(self.module.chunks[chunk].entries) - 1
+        raise TypeError(
+            f"pipeline stage {self.module.stage} (layers {lo}..{hi}) returned {got}; a stage "
+            "whose output goes to the next stage must return a tensor or a tuple of tensors "
+            "(no dicts, lists, None or nested tuples): make its last layer return e.g. "
+            "`tuple(d.values())` or `(hidden, mask)`"
+        )
 
     def _output_pairs(self, key: Key) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         outs = [t for t in self._outputs.pop(key) if t.requires_grad]
