@@ -60,3 +60,8 @@ def test_unsplit_model_shares_tied_weights_and_seeds_each_layer():
         torch.testing.assert_close(a, b, msg=name)
     assert sum(1 for _ in model.parameters()) == 1 + 2 * 4  # one embedding, 2 blocks of 2 Linear
     assert isinstance(model.layers["1"], Block)
+
+
+def test_a_type_regex_that_matches_nothing_says_so():
+    with pytest.raises(pp.PartitionError, match=r"'type:Nope'.*matched no layer class.*'Block'"):
+        pp.layer_boundaries(tiny_gpt(blocks=2), 2, "type:Nope")

@@ -2,22 +2,24 @@
 
 ```python
 layers = [
-    TiedLayerSpec("embed", nn.Embedding, (vocab, d)),          # stage 0
+    TiedLayerSpec(nn.Embedding, (vocab, d), key="embed"),                    # stage 0
     *[LayerSpec(Block, (d,)) for _ in range(8)],
-    TiedLayerSpec("embed", nn.Embedding, (vocab, d), forward_fn=lm_head),  # last stage
+    TiedLayerSpec(nn.Embedding, (vocab, d), key="embed", forward_fn=lm_head),  # last stage
 ]
-module = pipeline.partition(layers, stages=4, loss_fn=F.cross_entropy, method="type:Block")
+module = pipeline.partition(layers, stages=2, loss_fn=F.cross_entropy, method="type:Block")
 ```
 
+(`lm_head(emb, h)` is e.g. `h @ emb.weight.T`; `test_module_docstring.py` runs this example.)
 Each layer takes one argument (the previous layer's output: a tensor or a tuple) and returns one.
 Layer i is built under `torch.manual_seed(seed + i)`, so a rank that builds layers 4..7 gets the
 same weights as `build_unsplit` does on one process: the unsplit model is the reference the
 tests compare with. Whatever the seed, the data-parallel replicas of a stage then take the
 parameters of the replica of data rank 0 (one broadcast per parameter, at build), so ranks whose
-RNGs differ (`seed=None`, DeepSpeed's `seed_layers: false`) still start equal. A tied layer is built once per stage that holds it (under the seed of its
-first occurrence); its copies start equal (broadcast from the lowest holding stage) and stay
-equal because their gradients are summed over the holders before every step
-(`reduce_tied_grads`), which is exactly the gradient of the one shared weight.
+RNGs differ (`seed=None`, DeepSpeed's `seed_layers: false`) still start equal. A tied layer is
+built once per stage that holds it (under the seed of its first occurrence); its copies start
+equal (broadcast from the lowest holding stage) and stay equal because their gradients are
+summed over the holders before every step (`reduce_tied_grads`), which is exactly the gradient
+of the one shared weight.
 
 Memory per rank: the parameters of its own layers only, plus one copy of each tied layer it
 holds; nothing of the other stages is ever allocated (parameter counts for the `parameters`
@@ -125,6 +127,12 @@ def layer_boundaries(layers: Sequence[Any], parts: int, method: str | Sequence[i
     if method.startswith("type:"):
         names = [s.name if isinstance(s, LayerSpec) else type(s).__name__ for s in layers]
         weights = partitioning.type_weights(names, method[len("type:") :])
+        if not any(weights):
+            raise partitioning.PartitionError(
+                f"partition method {method!r}: the regex matched no layer class (the classes "
+                f"are {sorted(set(names))}); fix the regex (it is searched case-insensitively in "
+                "each class name) or use 'parameters'"
+            )
         return partitioning.balanced_boundaries(weights, parts, require_weight=True)
     raise partitioning.PartitionError(
         f"unknown partition method {method!r}; use 'uniform', 'parameters', 'type:<regex>' or a "
