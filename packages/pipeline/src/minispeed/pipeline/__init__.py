@@ -47,7 +47,12 @@ from minispeed.pipeline.module import (
 )
 from minispeed.pipeline.p2p import PipelineAbortedError, PipelineShapeError
 from minispeed.pipeline.partitioning import PartitionError
-from minispeed.pipeline.printer import print_schedule, schedule_grid, schedule_table
+from minispeed.pipeline.printer import (
+    print_schedule,
+    schedule_grid,
+    schedule_table,
+    schedule_tables,
+)
 from minispeed.pipeline.schedules import (
     SCHEDULES,
     GPipe,
@@ -109,6 +114,7 @@ __all__ = [
     "print_schedule",
     "schedule_grid",
     "schedule_table",
+    "schedule_tables",
 ]
 
 
