@@ -55,6 +55,23 @@ class LayerSpec:
     kwargs: dict = field(default_factory=dict)
     """Keyword constructor arguments."""
 
+    def __post_init__(self) -> None:
+        # DeepSpeed's LayerSpec(typename, *args, **kwargs) and TiedLayerSpec(key, typename, ...)
+        # put the arguments loose: caught here, not as a TypeError deep inside build()
+        what = type(self).__name__
+        if isinstance(self.cls, str) or not callable(self.cls):
+            raise TypeError(
+                f"{what} takes the layer class (or factory) first, got {self.cls!r}; write "
+                f"{what}(nn.Embedding, (vocab, d){', key=...' if what != 'LayerSpec' else ''}) "
+                "(DeepSpeed's order, with the tie key first and loose arguments, differs)"
+            )
+        if not isinstance(self.args, tuple) or not isinstance(self.kwargs, dict):
+            raise TypeError(
+                f"{what}({self.name}, ...): the constructor arguments go in one tuple and the "
+                f"keyword arguments in one dict, e.g. {what}(nn.Linear, (d, d), {{'bias': False}}); "
+                f"got args={self.args!r}, kwargs={self.kwargs!r}"
+            )
+
     @property
     def name(self) -> str:
         """Class name, matched by the `type:<regex>` partition."""
@@ -77,8 +94,9 @@ class TiedLayerSpec(LayerSpec):
     """How this occurrence uses the tied module (default: call it)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.key:
-            raise ValueError("TiedLayerSpec needs a non-empty key naming the tie")
+            raise ValueError("TiedLayerSpec needs a non-empty key naming the tie: key='embed'")
 
 
 def _seeded(seed: int | None, index: int) -> contextlib.AbstractContextManager:
