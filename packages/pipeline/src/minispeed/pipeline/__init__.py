@@ -11,7 +11,7 @@ pipeline.print_schedule(pipeline.OneFOneB(micro_batches=4, stages=2))
 
 Reading order (see packages/pipeline/README.md): instructions → schedules → checker → printer →
 partitioning → module → p2p → executor → status → reduction → sharded →
-timeline → costs.
+split_backward → timeline → costs → config.
 """
 
 from collections.abc import Callable, Sequence
