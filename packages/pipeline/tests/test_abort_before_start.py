@@ -1,5 +1,6 @@
 """A check that fails on ONE rank before any message (no optimizer in `train_batch`, a layer
-whose constructor raises, an executor built with other arguments) raises on every rank of a
+whose constructor raises, a stage count the world does not divide, `partition` or an executor
+built with other arguments) raises on every rank of a
 2-stage × 2-replica grid within seconds: the failed rank its own error, the others a named
 error. Before, the failed rank raised alone and its peers waited in a receive (or the first
 collective) forever.
@@ -60,6 +61,14 @@ def _failures_before_start(rank, world_size):
         lambda: pp.partition(layers, stages=2, loss_fn=lm_loss, method=[0, 2, 4])
     )
 
+    # partition's own arguments on one rank: a stage count the world does not divide, another one
+    out["stages_3"] = _attempt(
+        lambda: pp.partition(tiny_gpt(2), stages=3 if rank == 3 else 2, loss_fn=lm_loss)
+    )
+    out["stages_4"] = _attempt(
+        lambda: pp.partition(tiny_gpt(2), stages=4 if rank == 3 else 2, loss_fn=lm_loss)
+    )
+
     # executor arguments that differ on one rank: a bad schedule, another micro-batch count
     module = pp.partition(tiny_gpt(2), stages=2, loss_fn=lm_loss, method="type:Block$")
     out["bad_schedule"] = _attempt(
@@ -93,6 +102,17 @@ def test_a_check_failing_on_one_rank_before_any_message_raises_on_every_rank():
         else:
             assert got["error"] == "PipelineAbortedError", (rank, got)
             assert f"{_named(2)}; {_named(3)} failed while building" in got["text"], got["text"]
+
+        got = res["stages_3"]
+        assert got is not None and got["s"] < BOUND_S, (rank, got)
+        if rank == 3:
+            assert got["error"] == "ValueError" and "not divisible by stages=3" in got["text"]
+        else:
+            assert got["error"] == "PipelineAbortedError", (rank, got)
+            assert "global rank 3 failed while checking pipeline.partition" in got["text"]
+        got = res["stages_4"]
+        assert got["error"] == "ValueError", (rank, got)
+        assert "disagree on stages" in got["text"] and "global rank 3: 4" in got["text"]
 
         got = res["bad_schedule"]
         if rank == 3:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import minispeed.comm as comm
-from minispeed.pipeline import costs
+from minispeed.pipeline import costs, status
 from minispeed.pipeline.checker import ScheduleError, Simulation, check
 from minispeed.pipeline.config import PipelineConfig
 from minispeed.pipeline.costs import bubble_fraction, in_flight_bound, p2p_bytes_sent_per_step
@@ -118,6 +118,16 @@ __all__ = [
 ]
 
 
+def _check_stages(stages: Any, world: int) -> None:
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"stages must be an int >= 1, got {stages!r}")
+    if world % stages:
+        raise ValueError(
+            f"world size {world} is not divisible by stages={stages}; use a stage count that "
+            "divides the number of processes (the rest is data parallelism)"
+        )
+
+
 def partition(
     layers: Sequence[Any],
     *,
@@ -140,18 +150,21 @@ def partition(
     replicas start equal whatever each rank's RNG holds), and each tied layer from its lowest
     holding stage.
     """
-    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
-        raise ValueError(f"stages must be an int >= 1, got {stages!r}")
     if grid is None:
+        # Note: checked on every rank before the grid's first collective; a check failing on one
+        # rank alone (say, a different `stages`) raises on all of them (status.agree_on_world)
+        failure: Exception | None = None
+        try:
+            _check_stages(stages, comm.get_world_size())
+        except Exception as exc:
+            failure = exc
+        status.agree_on_world(
+            failure,
+            {"stages": stages if isinstance(stages, int) else -1},
+            "checking pipeline.partition's arguments",
+        )
         world = comm.get_world_size()
-        if world % stages:
-            raise ValueError(
-                f"world size {world} is not divisible by stages={stages}; use a stage count that "
-                "divides the number of processes (the rest is data parallelism)"
-            )
         grid = comm.ProcessGrid(comm.ProcessTopology(("pipe", "data"), (stages, world // stages)))
-    if grid.size("pipe") != stages:
-        raise ValueError(f"grid has {grid.size('pipe')} pipeline stages but stages={stages}")
     return PipelineModule(
         layers,
         stages=stages,

@@ -193,10 +193,6 @@ class PipelineModule(nn.Module):
         grid: comm.ProcessGrid | None = None,
     ) -> None:
         super().__init__()
-        if not layers:
-            raise partitioning.PartitionError("the model has no layers; pass a list of LayerSpec")
-        if not 0 <= stage < stages:
-            raise ValueError(f"stage {stage} outside [0, {stages})")
         self.stages, self.stage, self.virtual_stages = stages, stage, virtual_stages
         self.loss_fn, self.grid, self.activation_checkpointing = (
             loss_fn,
@@ -227,6 +223,7 @@ class PipelineModule(nn.Module):
                 grid,
                 failure,
                 {
+                    "stages": stages if isinstance(stages, int) else -1,
                     "the number of layers": len(layers),
                     "virtual_stages": virtual_stages,
                     "the layer classes and tie keys (CRC-32)": zlib.crc32(names.encode()),
@@ -241,6 +238,14 @@ class PipelineModule(nn.Module):
     def _build(self, layers: Sequence[Any], method: str | Sequence[int], seed: int | None) -> None:
         """Cut the layers and build this rank's chunks (local: no communication)."""
         stages, stage = self.stages, self.stage
+        if not layers:
+            raise partitioning.PartitionError("the model has no layers; pass a list of LayerSpec")
+        if self.grid is not None and self.grid.size("pipe") != stages:
+            raise ValueError(
+                f"grid has {self.grid.size('pipe')} pipeline stages but stages={stages}"
+            )
+        if not 0 <= stage < stages:
+            raise ValueError(f"stage {stage} outside [0, {stages})")
         self.boundaries = layer_boundaries(layers, stages * self.virtual_stages, method)
         first = _first_index(layers)
         for c in range(self.virtual_stages):

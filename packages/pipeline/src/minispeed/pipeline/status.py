@@ -50,6 +50,7 @@ __all__ = [
     "NonFiniteLossError",
     "agree",
     "agree_at_build",
+    "agree_on_world",
     "describe",
     "raise_failure",
     "status_code",
@@ -145,28 +146,63 @@ def agree_at_build(
     2 all-reduces (over `pipe`, then `data`) of 8 · P · D · (1 + len(fields)) bytes."""
     pipes, datas = grid.size("pipe"), grid.size("data")
     slot = grid.rank_in("pipe") * datas + grid.rank_in("data")
-    buf = torch.zeros(pipes * datas, 1 + len(fields), dtype=torch.float64)
+    groups = [grid.group(axis) for axis in ("pipe", "data") if grid.size(axis) > 1]
+    rows = _exchange(pipes * datas, slot, groups, failure, fields, grid.group("pipe"))
+    _raise_on(rows, slot, failure, fields, what, lambda s: slot_name(grid, s))
+
+
+def agree_on_world(failure: Exception | None, fields: dict[str, float], what: str) -> None:
+    """`agree_at_build` over the whole world, for the checks made before a grid exists
+    (`pipeline.partition`'s own arguments). Cost, once: 1 all-reduce of 8 · W · (1 + len(fields))
+    bytes (none on one process)."""
+    world, me = comm.get_world_size(), comm.get_rank()
+    groups = [None] if world > 1 else []
+    rows = _exchange(world, me, groups, failure, fields, None)
+    _raise_on(rows, me, failure, fields, what, lambda r: f"global rank {r}")
+
+
+def _exchange(
+    n: int,
+    slot: int,
+    groups: list[Any],
+    failure: Exception | None,
+    fields: dict[str, float],
+    device_group: Any,
+) -> list[list[float]]:
+    """Every rank's row `[failed, *fields]`: each writes its own row of an n-row zero matrix and
+    the all-reduces (sums) over `groups` fill in the others."""
+    buf = torch.zeros(n, 1 + len(fields), dtype=torch.float64)
     buf[slot, 0] = 0.0 if failure is None else 1.0
     buf[slot, 1:] = torch.tensor([float(v) for v in fields.values()], dtype=torch.float64)
-    buf = buf.to(comm.tensor_device(grid.group("pipe")))
-    for axis, size in (("pipe", pipes), ("data", datas)):
-        if size > 1:
-            comm.all_reduce(buf, group=grid.group(axis))
-    rows = buf.cpu().tolist()
+    if groups:
+        buf = buf.to(comm.tensor_device(device_group))
+        for group in groups:
+            comm.all_reduce(buf, group=group)
+    return buf.cpu().tolist()
+
+
+def _raise_on(
+    rows: list[list[float]],
+    me: int,
+    failure: Exception | None,
+    fields: dict[str, float],
+    what: str,
+    name: Any,
+) -> None:
     if failure is not None:
         raise failure
-    failed = [slot_name(grid, s) for s, row in enumerate(rows) if row[0]]
+    failed = [name(s) for s, row in enumerate(rows) if row[0]]
     if failed:
         raise PipelineAbortedError(
-            f"{'; '.join(failed)} failed while {what} (see its error there); "
-            f"{slot_name(grid, slot)} stopped with it instead of waiting for it"
+            f"{'; '.join(failed)} failed while {what} (see its error there); {name(me)} stopped "
+            "with it instead of waiting for it"
         )
-    for j, name in enumerate(fields, start=1):
+    for j, field in enumerate(fields, start=1):
         values = {s: row[j] for s, row in enumerate(rows)}
         if len(set(values.values())) > 1:
-            listed = ", ".join(f"{slot_name(grid, s)}: {v:g}" for s, v in values.items())
+            listed = ", ".join(f"{name(s)}: {v:g}" for s, v in values.items())
             raise ValueError(
-                f"the ranks disagree on {name} while {what} ({listed}); every rank of the "
+                f"the ranks disagree on {field} while {what} ({listed}); every rank of the "
                 "pipeline must pass the same arguments"
             )
 
