@@ -138,12 +138,32 @@ def backward_input(
     segments[-1].outputs = outs
     work: list[tuple[list[torch.Tensor], list[torch.Tensor | None]]] = []
     out_grads: list[torch.Tensor | None] = list(grads)
-    for seg in reversed(segments):
+    for k, seg in enumerate(reversed(segments)):
         leaf_grads = _grads(seg.outputs, out_grads, seg.leaves)
-        if seg.outputs and seg.outputs is not seg.leaves:
+        # the tail (the loss, or the outputs themselves) rarely holds a parameter: keeping its
+        # graph for W would keep the loss's saved tensors (the log-softmax of the logits) alive
+        if k > 0 or _reaches_a_parameter(seg.outputs, seg.leaves):
             work.append((seg.outputs, out_grads))
         out_grads = list(leaf_grads)
     return out_grads, work
+
+
+def _reaches_a_parameter(outputs: list[torch.Tensor], leaves: list[torch.Tensor]) -> bool:
+    """Whether the graph from `outputs` back to `leaves` uses another leaf that requires grad
+    (a parameter). Walks the tail's few autograd nodes once per micro-batch."""
+    stop = {id(t) for t in leaves}
+    seen: set[int] = set()
+    todo = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)  # an AccumulateGrad: a leaf's gradient sink
+        if variable is not None and id(variable) not in stop:
+            return True
+        todo.extend(fn for fn, _ in node.next_functions)
+    return False
 
 
 def backward_weight(
