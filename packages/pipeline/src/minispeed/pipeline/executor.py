@@ -83,6 +83,10 @@ class PipelineExecutor:
     gradient_accumulation_steps=M·V), group=module.grid.group("data"))` (see `sharded.py`).
     `check_finite_loss`: raise `NonFiniteLossError` on every rank, before the step, when the
     batch's loss is NaN or infinite.
+
+    Collective: every rank of the grid builds its executor, with the same arguments. Building
+    ends with one agreement (`status.agree_at_build`: 2 all-reduces of 8 · P · D · 5 bytes), so a
+    bad argument on one rank, or arguments that differ between ranks, raise on every rank.
     """
 
     def __init__(
