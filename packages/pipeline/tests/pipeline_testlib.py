@@ -76,7 +76,17 @@ def masked_model(blocks: int = 4) -> list:
     ]
 
 
-MODELS = {"gpt": tiny_gpt, "masked": masked_model}
+def albert(blocks: int = 4) -> list:
+    """Embedding, ONE block applied `blocks` times (ALBERT-style: a single set of weights, used
+    by several layers of a stage and by several stages), output head."""
+    return [
+        LayerSpec(nn.Embedding, (VOCAB, WIDTH)),
+        *[TiedLayerSpec(Block, (WIDTH,), key="shared") for _ in range(blocks)],
+        LayerSpec(nn.Linear, (WIDTH, VOCAB)),
+    ]
+
+
+MODELS = {"gpt": tiny_gpt, "masked": masked_model, "albert": albert}
 
 
 def data(steps: int, batch: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -88,9 +98,14 @@ def data(steps: int, batch: int, seed: int = 0) -> list[tuple[torch.Tensor, torc
     return out
 
 
-def reference(layers: list, steps: int, batch: int, lr: float = 0.05) -> tuple[list[float], dict]:
-    """The unsplit model on one process: losses and final parameters by name."""
+def reference(
+    layers: list, steps: int, batch: int, lr: float = 0.05, start: dict | None = None
+) -> tuple[list[float], dict]:
+    """The unsplit model on one process: losses and final parameters by name (starting from the
+    parameters `start`, named as `build_unsplit`'s, when given)."""
     model = pipeline.build_unsplit(layers)
+    if start is not None:
+        model.load_state_dict(start)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
     for x, y in data(steps, batch):
@@ -125,16 +140,20 @@ def train_pipeline(
     blocks: int = 4,
     lr: float = 0.05,
     model: str = "gpt",
+    method: str = "type:Block$",
+    seed: int | None = 0,
 ) -> dict:
     """Train `steps` steps; each data-parallel replica takes its slice of the global batch."""
     module = pipeline.partition(
         MODELS[model](blocks),
         stages=stages,
         loss_fn=lm_loss,
-        method="type:Block$",
+        method=method,
         virtual_stages=virtual_stages,
         activation_checkpointing=checkpointing,
+        seed=seed,
     )
+    start = stage_params(module)
     ex = pipeline.PipelineExecutor(
         module,
         torch.optim.SGD(module.parameters(), lr=lr),
@@ -148,6 +167,7 @@ def train_pipeline(
         losses.append(ex.train_batch(x[d * per : (d + 1) * per], y[d * per : (d + 1) * per]))
     return {
         "losses": losses,
+        "start": start,
         "params": stage_params(module),
         "peak_in_flight": ex.peak_in_flight,
         "stage": module.stage,

@@ -14,11 +14,13 @@ def test_deepspeed_keys_translate():
     })  # fmt: skip
     assert cfg == PipelineConfig(stages=4, micro_batches=8, schedule="interleaved_1f1b",
                                  partition_method="parameters", virtual_stages=2,
-                                 activation_checkpointing=True, seed=0)  # fmt: skip
+                                 activation_checkpointing=True, seed=0,
+                                 micro_batch_size=4)  # fmt: skip
     assert cfg.partition_kwargs()["method"] == "parameters"
     assert cfg.executor_kwargs() == {"micro_batches": 8, "schedule": "interleaved_1f1b"}
-    assert PipelineConfig.from_ds_config({}) == PipelineConfig()
-    assert PipelineConfig.from_ds_config({"pipeline": {"seed_layers": False}}).seed is None
+    one = {"train_micro_batch_size_per_gpu": 1}
+    assert PipelineConfig.from_ds_config(one) == PipelineConfig(micro_batch_size=1)
+    assert PipelineConfig.from_ds_config({**one, "pipeline": {"seed_layers": False}}).seed is None
 
 
 @pytest.mark.parametrize(
@@ -35,4 +37,4 @@ def test_deepspeed_keys_translate():
 )
 def test_what_we_cannot_honour_is_refused(section, match):
     with pytest.raises(ValueError, match=match):
-        PipelineConfig.from_ds_config({"pipeline": section})
+        PipelineConfig.from_ds_config({"train_batch_size": 8, "pipeline": section})

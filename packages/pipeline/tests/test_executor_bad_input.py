@@ -69,3 +69,35 @@ def _partition_errors(rank, world_size):
 
 def test_more_stages_than_layers_and_empty_stages_raise_on_every_rank():
     run_distributed(_partition_errors, world_size=2, timeout_s=60)
+
+
+class DictBlock(torch.nn.Module):
+    """A Hugging Face habit: a block returning a dict."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return {"hidden_states": self.proj(x)}
+
+
+def _dict_output(rank, world_size):
+    layers = tiny_gpt(2)
+    layers[1] = pp.LayerSpec(DictBlock, (8,))
+    module = pp.partition(layers, stages=2, loss_fn=lm_loss, method=[0, 2, 4])
+    ex = pp.PipelineExecutor(module, torch.optim.SGD(module.parameters(), lr=0.1), micro_batches=2)
+    try:
+        ex.train_batch(*data(1, 4)[0])
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def test_a_stage_returning_a_dict_is_named_on_every_rank():
+    results = run_distributed(_dict_output, world_size=2, timeout_s=60)
+    name, text = results[0]
+    assert name == "TypeError"
+    assert "pipeline stage 0 (layers 0..1) returned dict" in text
+    assert "a tensor or a tuple of tensors" in text
+    assert results[1][0] == "PipelineAbortedError" and "stage 0" in results[1][1]

@@ -6,7 +6,7 @@ from pipeline_testlib import Block, tiny_gpt
 from torch import nn
 
 import minispeed.pipeline as pp
-from minispeed.pipeline import LayerSpec
+from minispeed.pipeline import LayerSpec, TiedLayerSpec
 
 
 def test_uniform_cut():
@@ -60,3 +60,16 @@ def test_unsplit_model_shares_tied_weights_and_seeds_each_layer():
         torch.testing.assert_close(a, b, msg=name)
     assert sum(1 for _ in model.parameters()) == 1 + 2 * 4  # one embedding, 2 blocks of 2 Linear
     assert isinstance(model.layers["1"], Block)
+
+
+def test_a_type_regex_that_matches_nothing_says_so():
+    with pytest.raises(pp.PartitionError, match=r"'type:Nope'.*matched no layer class.*'Block'"):
+        pp.layer_boundaries(tiny_gpt(blocks=2), 2, "type:Nope")
+
+
+def test_deepspeed_argument_order_in_layer_specs_is_refused_with_the_fix():
+    # DeepSpeed writes TiedLayerSpec("embed", nn.Embedding, vocab, d) and LayerSpec(nn.Linear, 8, 8)
+    with pytest.raises(TypeError, match=r"class \(or factory\) first.*key=\.\.\."):
+        TiedLayerSpec("embed", nn.Embedding, (16, 8))
+    with pytest.raises(TypeError, match=r"one tuple.*args=8"):
+        LayerSpec(nn.Linear, 8, 8)

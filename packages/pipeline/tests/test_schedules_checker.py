@@ -7,8 +7,11 @@ from minispeed.pipeline import (
     Backward,
     Forward,
     LoadMicroBatch,
+    OptimizerStep,
     RecvActivation,
     RecvGrad,
+    ReduceGrads,
+    ReduceTiedGrads,
     SendActivation,
     SendGrad,
 )
@@ -93,3 +96,31 @@ def test_bad_schedule_parameters_are_refused_with_the_fix():
         pp.OneFOneB(micro_batches=4, stages=2, virtual_stages=2)
     with pytest.raises(pp.ScheduleConfigError, match="unknown schedule"):
         pp.get_schedule("pipedream")
+
+
+def _without(program, *dropped):
+    return [i for i in program if i not in dropped]
+
+
+def test_a_stage_that_skips_a_collective_is_refused():
+    # stage 1 skips the tied-gradient reduction: stage 0 would wait in it forever
+    prog0, prog1 = pp.OneFOneB(micro_batches=2, stages=2).programs()
+    with pytest.raises(pp.ScheduleError, match=r"different collectives.*stage 0 at ReduceTied"):
+        pp.check(_Handwritten([prog0, _without(prog1, ReduceTiedGrads())]))
+    # stage 0 skips every collective and finishes: stage 1 waits at the first
+    epilogue = (ReduceTiedGrads(), ReduceGrads(), OptimizerStep())
+    with pytest.raises(
+        pp.ScheduleError,
+        match=r"deadlocks: stage 1 waits at ReduceTiedGrads.*\[0\] finished their program",
+    ):
+        pp.check(_Handwritten([_without(prog0, *epilogue), prog1]))
+
+
+def test_a_forward_without_its_load_is_refused():
+    prog0, prog1 = pp.OneFOneB(micro_batches=2, stages=2).programs()
+    with pytest.raises(pp.ScheduleError, match=r"stage 0.*Forward.*without LoadMicroBatch\(1, 0\)"):
+        pp.check(_Handwritten([_without(prog0, LoadMicroBatch(1)), prog1]))
+    with pytest.raises(pp.ScheduleError, match=r"stage 1.*without LoadMicroBatch\(0, 0\)"):
+        pp.check(_Handwritten([prog0, _without(prog1, LoadMicroBatch(0))]))
+    with pytest.raises(pp.ScheduleError, match="second time"):
+        pp.check(_Handwritten([[LoadMicroBatch(0), *prog0], prog1]))

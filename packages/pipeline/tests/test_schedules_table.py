@@ -117,3 +117,16 @@ def test_printer_draws_every_schedule():
         pp.InferenceSchedule(4, 2),
     ):
         assert "F3" in pp.print_schedule(s)
+
+
+def test_a_long_schedule_prints_every_label_whole_at_the_default_width():
+    # 4 stages × 8 micro-batches × 2 chunks: 57 time units of labels up to 4 characters, which
+    # rich used to shrink to "…" in every cell at width 200
+    schedule = pp.Interleaved1F1B(micro_batches=8, stages=4, virtual_stages=2)
+    text = pp.print_schedule(schedule)
+    assert "…" not in text
+    assert max(len(line) for line in text.splitlines()) <= 200
+    cells = [line.split("│")[2:-1] for line in text.splitlines() if line.startswith("│")]
+    printed = [c.strip() for row in cells for c in row]
+    grid = pp.schedule_grid(pp.check(schedule))
+    assert sorted(c or "·" for row in grid for c in row) == sorted(printed)

@@ -11,14 +11,14 @@ pipeline.print_schedule(pipeline.OneFOneB(micro_batches=4, stages=2))
 
 Reading order (see packages/pipeline/README.md): instructions → schedules → checker → printer →
 partitioning → module → p2p → executor → status → reduction → sharded →
-timeline → costs.
+split_backward → timeline → costs → config.
 """
 
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import minispeed.comm as comm
-from minispeed.pipeline import costs
+from minispeed.pipeline import costs, status
 from minispeed.pipeline.checker import ScheduleError, Simulation, check
 from minispeed.pipeline.config import PipelineConfig
 from minispeed.pipeline.costs import bubble_fraction, in_flight_bound, p2p_bytes_sent_per_step
@@ -47,7 +47,12 @@ from minispeed.pipeline.module import (
 )
 from minispeed.pipeline.p2p import PipelineAbortedError, PipelineShapeError
 from minispeed.pipeline.partitioning import PartitionError
-from minispeed.pipeline.printer import print_schedule, schedule_grid, schedule_table
+from minispeed.pipeline.printer import (
+    print_schedule,
+    schedule_grid,
+    schedule_table,
+    schedule_tables,
+)
 from minispeed.pipeline.schedules import (
     SCHEDULES,
     GPipe,
@@ -109,7 +114,18 @@ __all__ = [
     "print_schedule",
     "schedule_grid",
     "schedule_table",
+    "schedule_tables",
 ]
+
+
+def _check_stages(stages: Any, world: int) -> None:
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"stages must be an int >= 1, got {stages!r}")
+    if world % stages:
+        raise ValueError(
+            f"world size {world} is not divisible by stages={stages}; use a stage count that "
+            "divides the number of processes (the rest is data parallelism)"
+        )
 
 
 def partition(
@@ -129,20 +145,26 @@ def partition(
     `grid`, the world is laid out as a `("pipe", "data")` grid of `stages` × world/stages ranks
     (data-parallel neighbours adjacent). The layers are cut into `stages · virtual_stages` parts
     by `method` (see `partitioning.py`); this rank builds parts `stage, stage + P, ...` only.
-    Bytes kept per rank: its own layers' parameters plus each tied layer it uses.
+    Bytes kept per rank: its own layers' parameters plus each tied layer it uses. Bytes sent
+    once, at build: each stage's parameters broadcast from its replica of data rank 0 (so
+    replicas start equal whatever each rank's RNG holds), and each tied layer from its lowest
+    holding stage.
     """
-    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
-        raise ValueError(f"stages must be an int >= 1, got {stages!r}")
     if grid is None:
+        # Note: checked on every rank before the grid's first collective; a check failing on one
+        # rank alone (say, a different `stages`) raises on all of them (status.agree_on_world)
+        failure: Exception | None = None
+        try:
+            _check_stages(stages, comm.get_world_size())
+        except Exception as exc:
+            failure = exc
+        status.agree_on_world(
+            failure,
+            {"stages": stages if isinstance(stages, int) else -1},
+            "checking pipeline.partition's arguments",
+        )
         world = comm.get_world_size()
-        if world % stages:
-            raise ValueError(
-                f"world size {world} is not divisible by stages={stages}; use a stage count that "
-                "divides the number of processes (the rest is data parallelism)"
-            )
         grid = comm.ProcessGrid(comm.ProcessTopology(("pipe", "data"), (stages, world // stages)))
-    if grid.size("pipe") != stages:
-        raise ValueError(f"grid has {grid.size('pipe')} pipeline stages but stages={stages}")
     return PipelineModule(
         layers,
         stages=stages,

@@ -8,12 +8,20 @@
   it expects (same micro-batch, same kind, the chunk that follows or precedes it): messages between
   two ranks arrive in the order they were sent, so "in order" is the only order that works;
 - compute takes `cost[kind]` time units (forward 1, full backward 2, each backward half 1, by
-  default).
+  default);
+- a collective (`ReduceTiedGrads`, `ReduceGrads`, and the agreement before `OptimizerStep`)
+  waits until every stage reaches a collective, and all of them must be the same one: it is
+  modelled as a barrier of all stages, which is stricter than the executor needs where the real
+  group is smaller (the holders of a tie, the data-parallel replicas of one stage), so the
+  checker may refuse a schedule that would run, never accept one that hangs;
+- a `LoadMicroBatch` must come before the `Forward` of the same micro-batch and chunk, exactly
+  once, on the first and the last virtual stage (inputs there, labels here).
 
 It raises `ScheduleError` when a receive meets the wrong message, when every unfinished stage
-waits on a receive nobody will send (a deadlock, with each stage's blocked instruction named),
-when a message is never received, or when a stage's passes are out of order (a backward before
-its forward, a micro-batch run twice or never). On success it returns a `Simulation`: each
+waits on a receive nobody will send or on a collective a stage skips (a deadlock, with each
+stage's blocked instruction named), when stages meet at different collectives, when a message is
+never received, when a forward runs without its load, or when a stage's passes are out of order
+(a backward before its forward, a micro-batch run twice or never). On success it returns a `Simulation`: each
 stage's compute intervals, from which `printer.py` draws the time × stage table and `costs.py`'s
 bubble formula is checked.
 """
@@ -29,8 +37,12 @@ from minispeed.pipeline.instructions import (
     BackwardWeight,
     Forward,
     Instruction,
+    LoadMicroBatch,
+    OptimizerStep,
     RecvActivation,
     RecvGrad,
+    ReduceGrads,
+    ReduceTiedGrads,
     SendActivation,
     SendGrad,
 )
@@ -45,6 +57,10 @@ DEFAULT_COSTS: dict[type, float] = {
     BackwardWeight: 1.0,
 }
 """Time units per compute instruction: backward ≈ 2× forward, each zero-bubble half ≈ 1×."""
+
+
+COLLECTIVES = (ReduceTiedGrads, ReduceGrads, OptimizerStep)
+"""Instructions every stage joins (modelled as barriers of all stages)."""
 
 
 class ScheduleError(RuntimeError):
@@ -84,6 +100,20 @@ def check(schedule: PipeSchedule, costs: dict[type, float] | None = None) -> Sim
     state: list[dict[tuple[int, int], str]] = [{} for _ in range(p)]  # (mb, chunk) -> last pass
     live = [0] * p
     peak = [0] * p
+    loaded: list[set[tuple[int, int]]] = [set() for _ in range(p)]
+    last_virtual = schedule.num_virtual - 1
+
+    def needs_load(s: int, chunk: int) -> bool:
+        v = chunk * p + s
+        return v == 0 or v == last_virtual
+
+    def run_load(s: int, instr: LoadMicroBatch) -> None:
+        key = (instr.micro_batch, instr.chunk)
+        if key in loaded[s]:
+            raise fail(s, instr, "loads this micro-batch a second time")
+        if state[s].get(key) is not None:
+            raise fail(s, instr, f"runs after {state[s][key]}; the load must come before Forward")
+        loaded[s].add(key)
 
     def fail(stage: int, instr: Instruction, why: str) -> ScheduleError:
         return ScheduleError(f"{schedule!r}: stage {stage}, instruction {instr!r}: {why}")
@@ -99,6 +129,14 @@ def check(schedule: PipeSchedule, costs: dict[type, float] | None = None) -> Sim
         }[type(instr)]
         if before not in legal:
             raise fail(s, instr, f"runs after {before or 'nothing'}; it must follow {legal}")
+        if isinstance(instr, Forward) and needs_load(s, instr.chunk) and key not in loaded[s]:
+            raise fail(
+                s,
+                instr,
+                f"runs without LoadMicroBatch({instr.micro_batch}, {instr.chunk}) before it: the "
+                "first and the last virtual stage load each micro-batch (inputs there, labels "
+                "here) before its forward",
+            )
         state[s][key] = {Forward: "F", Backward: "B", BackwardInput: "b", BackwardWeight: "W"}[
             type(instr)
         ]
@@ -117,6 +155,8 @@ def check(schedule: PipeSchedule, costs: dict[type, float] | None = None) -> Sim
         for s in range(p):
             while pc[s] < len(programs[s]):
                 instr = programs[s][pc[s]]
+                if isinstance(instr, COLLECTIVES):
+                    break  # joined below, once every stage is at one
                 if isinstance(instr, (SendActivation, SendGrad)):
                     kind = "act" if isinstance(instr, SendActivation) else "grad"
                     channels.setdefault((s, instr.peer), deque()).append(
@@ -140,13 +180,33 @@ def check(schedule: PipeSchedule, costs: dict[type, float] | None = None) -> Sim
                             "sends and receives between two stages must happen in the same order",
                         )
                     clock[s] = max(clock[s], sent_at)
+                elif isinstance(instr, LoadMicroBatch):
+                    run_load(s, instr)
                 elif isinstance(instr, (Forward, Backward, BackwardInput, BackwardWeight)):
                     run_compute(s, instr)
                 pc[s] += 1
                 progress = True
+        if not progress and all(
+            pc[s] < len(programs[s]) and isinstance(programs[s][pc[s]], COLLECTIVES)
+            for s in range(p)
+        ):
+            at = [programs[s][pc[s]] for s in range(p)]
+            if len({type(i) for i in at}) > 1:
+                lines = "; ".join(f"stage {s} at {i!r}" for s, i in enumerate(at))
+                raise ScheduleError(
+                    f"{schedule!r}: the stages meet at different collectives ({lines}); every "
+                    "stage must issue the same collectives in the same order"
+                )
+            meet = max(clock)
+            for s in range(p):
+                clock[s], pc[s] = meet, pc[s] + 1
+            progress = True
     stuck = [s for s in range(p) if pc[s] < len(programs[s])]
     if stuck:
         lines = "; ".join(f"stage {s} waits at {programs[s][pc[s]]!r}" for s in stuck)
+        done = [s for s in range(p) if pc[s] == len(programs[s])]
+        if done:
+            lines += f"; stage(s) {done} finished their program without joining it"
         raise ScheduleError(f"{schedule!r} deadlocks: {lines}")
     leftover = {k: list(q) for k, q in channels.items() if q}
     if leftover:

@@ -10,7 +10,7 @@ DeepSpeed keys read (top level and the `"pipeline"` section), and what they beco
 
 | DeepSpeed | here |
 |---|---|
-| `gradient_accumulation_steps` | `micro_batches` (DeepSpeed's pipeline engine runs one micro-batch per accumulation step) |
+| `train_batch_size`, `train_micro_batch_size_per_gpu`, `gradient_accumulation_steps` | `micro_batches` = the accumulation steps (DeepSpeed's pipeline engine runs one micro-batch per accumulation step), `micro_batch_size`; DeepSpeed's rule (`batch_triple`): any two give the third through train = micro × accumulation × data-parallel size, one alone sets accumulation to 1, contradictions are errors |
 | `pipeline.stages` (an int; `"auto"` is refused) | `stages` |
 | `pipeline.partition` / `pipeline.partition_method` (`"best"` = `"parameters"`) | `partition_method` |
 | `pipeline.seed_layers` | `seed = 0` when true, `None` (torch's current RNG) when false |
@@ -18,6 +18,10 @@ DeepSpeed keys read (top level and the `"pipeline"` section), and what they beco
 | `pipeline.pipe_partitioned`, `pipeline.grad_partitioned` | refused when true: there is no tensor parallelism to split over |
 
 minispeed's own keys in the same section: `schedule`, `virtual_stages`. Unknown keys are errors.
+
+The data-parallel size in the batch rule is `data_parallel_size` when given, else the world size
+of `minispeed.comm` divided by `pipeline.stages` (as DeepSpeed's engine takes it from its process
+grid), or 1 before `init_distributed`.
 """
 
 from __future__ import annotations
@@ -25,9 +29,89 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import minispeed.comm as comm
 from minispeed.pipeline.schedules import SCHEDULES
 
-__all__ = ["PipelineConfig"]
+__all__ = ["PipelineConfig", "batch_triple"]
+
+_TRIPLE = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def batch_triple(
+    train_batch_size: int | None,
+    micro_batch_size: int | None,
+    accumulation_steps: int | None,
+    data_parallel_size: int,
+) -> tuple[int, int, int]:
+    """DeepSpeed's rule for (`train_batch_size`, `train_micro_batch_size_per_gpu`,
+    `gradient_accumulation_steps`) at data-parallel size N (`DeepSpeedConfig.
+    _set_batch_related_parameters` then `_batch_assertion`, DeepSpeed 0.19.8):
+
+    - all three given: used as given;
+    - two given: the third derived with floor division (train // micro // N; train // N // acc;
+      micro · acc · N);
+    - train alone: accumulation 1, micro = train // N; micro alone: accumulation 1,
+      train = micro · N; neither train nor micro: an error.
+
+    Then each must be ≥ 1 and train = micro · acc · N, or `ValueError` naming the keys (DeepSpeed
+    asserts the same)."""
+    given = dict(zip(_TRIPLE, (train_batch_size, micro_batch_size, accumulation_steps)))
+    for key, value in given.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f'{key} must be an int, got {value!r} ("auto" is not supported)')
+    train, micro, acc, n = (
+        train_batch_size,
+        micro_batch_size,
+        accumulation_steps,
+        data_parallel_size,
+    )
+    if train is not None and micro is not None and acc is None:
+        acc = train // micro // n if micro > 0 and n > 0 else 0
+    elif train is not None and acc is not None and micro is None:
+        micro = train // n // acc if acc > 0 and n > 0 else 0
+    elif micro is not None and acc is not None and train is None:
+        train = micro * acc * n
+    elif train is not None and micro is None and acc is None:
+        acc, micro = 1, train // n
+    elif micro is not None and train is None:
+        train, acc = micro * n, 1
+    elif train is None and micro is None:
+        raise ValueError(
+            "set train_batch_size or train_micro_batch_size_per_gpu (DeepSpeed needs one of them; "
+            "gradient_accumulation_steps alone does not fix the batch)"
+        )
+    assert train is not None and micro is not None and acc is not None
+    for key, value in zip(_TRIPLE, (train, micro, acc)):
+        if value < 1:
+            raise ValueError(
+                f"{key} comes out as {value} from {_show(given)} at data-parallel size {n}; "
+                "it must be >= 1: raise train_batch_size or lower the others"
+            )
+    if train != micro * acc * n:
+        raise ValueError(
+            f"train_batch_size={train} is not train_micro_batch_size_per_gpu={micro} × "
+            f"gradient_accumulation_steps={acc} × data-parallel size {n} (= {micro * acc * n}), "
+            f"from {_show(given)}: give two of the three keys, or three that agree"
+        )
+    return train, micro, acc
+
+
+def _data_parallel_size(stages: Any) -> int:
+    """World size / stages once `minispeed.comm` is initialized; 1 before (nothing to divide)."""
+    if not comm.is_initialized() or not isinstance(stages, int) or stages < 1:
+        return 1
+    world = comm.get_world_size()
+    if world % stages:
+        raise ValueError(
+            f"pipeline.stages={stages} does not divide the world size {world}; use a stage count "
+            "that divides it (the rest is data parallelism)"
+        )
+    return world // stages
+
+
+def _show(given: dict[str, int | None]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in given.items() if v is not None)
+
 
 _KNOWN = {
     "stages",
@@ -60,9 +144,22 @@ class PipelineConfig:
     """Recompute each chunk's forward during its backward (keeps only chunk inputs)."""
     seed: int | None = 0
     """Layer i is built under `torch.manual_seed(seed + i)`; None: no reseeding."""
+    micro_batch_size: int | None = None
+    """Samples per micro-batch on one replica (DeepSpeed's `train_micro_batch_size_per_gpu`):
+    each replica's `train_batch` takes `micro_batch_size · micro_batches` samples. None: not
+    fixed by this config (the executor splits whatever batch it is given)."""
+    data_parallel_size: int = 1
+    """Replicas N of each stage that the batch sizes above assume."""
+
+    @property
+    def train_batch_size(self) -> int | None:
+        """Samples per step over all replicas: micro_batch_size · micro_batches · N."""
+        if self.micro_batch_size is None:
+            return None
+        return self.micro_batch_size * self.micro_batches * self.data_parallel_size
 
     def __post_init__(self) -> None:
-        for name in ("stages", "micro_batches", "virtual_stages"):
+        for name in ("stages", "micro_batches", "virtual_stages", "data_parallel_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"PipelineConfig.{name} must be an int >= 1, got {v!r}")
@@ -91,8 +188,11 @@ class PipelineConfig:
         return {"micro_batches": self.micro_batches, "schedule": self.schedule}
 
     @classmethod
-    def from_ds_config(cls, ds_config: dict[str, Any]) -> PipelineConfig:
-        """Translate a whole DeepSpeed config dict (see the module docstring for the keys)."""
+    def from_ds_config(
+        cls, ds_config: dict[str, Any], data_parallel_size: int | None = None
+    ) -> PipelineConfig:
+        """Translate a whole DeepSpeed config dict (see the module docstring for the keys);
+        `data_parallel_size`: N in the batch rule (default: world size / `pipeline.stages`)."""
         if not isinstance(ds_config, dict):
             raise TypeError(f"ds_config must be a dict, got {type(ds_config).__name__}")
         section = dict(ds_config.get("pipeline") or {})
@@ -124,9 +224,16 @@ class PipelineConfig:
                     f"pipeline.{key}=true splits activations over tensor-parallel ranks, which "
                     "minispeed.pipeline does not have; set it to false or remove it"
                 )
+        if data_parallel_size is None:
+            data_parallel_size = _data_parallel_size(stages)
+        _, micro, acc = batch_triple(
+            *(ds_config.get(k) for k in _TRIPLE), data_parallel_size=data_parallel_size
+        )
         return cls(
             stages=stages,
-            micro_batches=ds_config.get("gradient_accumulation_steps", 1),
+            micro_batches=acc,
+            micro_batch_size=micro,
+            data_parallel_size=data_parallel_size,
             schedule=section.get("schedule", "1f1b"),
             partition_method=method,
             virtual_stages=section.get("virtual_stages", 1),

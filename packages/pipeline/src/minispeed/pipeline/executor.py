@@ -16,8 +16,8 @@ the unsplit model on the same batch.
 State kept between instructions, per (micro-batch, chunk) key:
 `_inputs` (the chunk's input tuple, leaves that require grad when they came from another stage),
 `_outputs` (its output tuple, or the loss on the last virtual stage), `_out_grads` (received
-gradients of the outputs), `_in_grads` (gradients of the inputs, to send), `_weight_work` (what a
-zero-bubble weight pass needs). A key is "in flight" from its forward until the pass that frees it
+gradients of the outputs), `_in_grads` (gradients of the inputs, to send), `_segments` / `_weight_work` (what a
+zero-bubble weight pass needs, `split_backward.py`). A key is "in flight" from its forward until the pass that frees it
 (Backward, or BackwardWeight); `peak_in_flight` counts them: the activation memory of the schedule
 in micro-batches (asserted against `costs.in_flight_bound`).
 
@@ -34,6 +34,7 @@ program (messages may be left unread between stages) the executor refuses furthe
 from __future__ import annotations
 
 import time
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -41,7 +42,7 @@ import torch
 
 from minispeed.core import ranges
 from minispeed.pipeline import instructions as ins
-from minispeed.pipeline import sharded, status
+from minispeed.pipeline import sharded, split_backward, status
 from minispeed.pipeline.checker import check
 from minispeed.pipeline.module import PipelineModule
 from minispeed.pipeline.p2p import PipelineAbortedError, StageMessenger
@@ -82,6 +83,10 @@ class PipelineExecutor:
     gradient_accumulation_steps=M·V), group=module.grid.group("data"))` (see `sharded.py`).
     `check_finite_loss`: raise `NonFiniteLossError` on every rank, before the step, when the
     batch's loss is NaN or infinite.
+
+    Collective: every rank of the grid builds its executor, with the same arguments. Building
+    ends with one agreement (`status.agree_at_build`: 2 all-reduces of 8 · P · D · 5 bytes), so a
+    bad argument on one rank, or arguments that differ between ranks, raise on every rank.
     """
 
     def __init__(
@@ -96,28 +101,32 @@ class PipelineExecutor:
         self.module, self.optimizer = module, optimizer
         self.check_finite_loss = check_finite_loss
         self.micro_batches = micro_batches
-        p, v = module.stages, module.virtual_stages
-        self.schedule = get_schedule(schedule)(micro_batches, p, v)
-        if module.activation_checkpointing and self.schedule.splits_backward:
-            raise ValueError(
-                f"{self.schedule.name} splits backward per layer and cannot run on a checkpointed "
-                "stage; turn activation_checkpointing off or use 1f1b"
-            )
-        self.eval_schedule = InferenceSchedule(micro_batches, p, v)
-        # an optimizer with its own backward() reduces over data-parallel ranks: see sharded.py
-        self._window = (
-            sharded.check_reducing_optimizer(optimizer, self.schedule, bool(module._tie_groups))
-            if sharded.reduces_gradients(optimizer)
-            else 0
-        )
-        # Note: checked before anything runs, on every rank alike (a bad schedule raises everywhere).
-        check(self.schedule)
-        check(self.eval_schedule)
         grid = module.grid
         if grid is None:
             raise ValueError(
                 "the PipelineModule has no process grid; build it with pipeline.partition"
             )
+        failure: Exception | None = None
+        try:
+            self._build_schedules(schedule)
+        except Exception as exc:  # raised on every rank by the agreement below
+            failure = exc
+        # Note: a check that fails on one rank only, or arguments that differ between ranks,
+        # would leave the other ranks waiting in their first receive: agree before any message.
+        name = schedule if isinstance(schedule, str) else getattr(schedule, "__name__", "?")
+        status.agree_at_build(
+            grid,
+            failure,
+            {
+                "micro_batches": micro_batches if isinstance(micro_batches, int) else -1,
+                "schedule": zlib.crc32(name.encode()),
+                "check_finite_loss": bool(check_finite_loss),
+                "whether the optimizer reduces gradients itself": sharded.reduces_gradients(
+                    optimizer
+                ),
+            },
+            "building the PipelineExecutor",
+        )
         self.pipe_ranks = grid.group_ranks("pipe")
         self.dp = grid.size("data")
         # this rank's slot in the status vector of the pipe × data plane (see status.py)
@@ -142,16 +151,41 @@ class PipelineExecutor:
             ins.RecvGrad: self._recv_grad,
         }
 
+    def _build_schedules(self, schedule: str | type[PipeSchedule]) -> None:
+        """The schedules and their checks: local, so they may fail on one rank (see __init__)."""
+        module, optimizer, p, v = (
+            self.module,
+            self.optimizer,
+            self.module.stages,
+            self.module.virtual_stages,
+        )
+        self.schedule = get_schedule(schedule)(self.micro_batches, p, v)
+        if module.activation_checkpointing and self.schedule.splits_backward:
+            raise ValueError(
+                f"{self.schedule.name} splits backward per layer and cannot run on a checkpointed "
+                "stage; turn activation_checkpointing off or use 1f1b"
+            )
+        self.eval_schedule = InferenceSchedule(self.micro_batches, p, v)
+        # an optimizer with its own backward() reduces over data-parallel ranks: see sharded.py
+        self._window = (
+            sharded.check_reducing_optimizer(optimizer, self.schedule, bool(module._tie_groups))
+            if sharded.reduces_gradients(optimizer)
+            else 0
+        )
+        check(self.schedule)
+        check(self.eval_schedule)
+
     # -- public API -------------------------------------------------------------------------------
     def train_batch(self, inputs: Any = None, labels: Any = None) -> float:
         """One optimizer step on (inputs, labels), split into M micro-batches; returns the batch's
         mean loss (averaged over data-parallel replicas) on every rank."""
+        start: Exception | None = None
         if self.optimizer is None:
-            raise ValueError("train_batch needs an optimizer; pass one to PipelineExecutor")
-        if self.module.loss_fn is None:
-            raise ValueError("train_batch needs a loss: pass loss_fn= to pipeline.partition")
+            start = ValueError("train_batch needs an optimizer; pass one to PipelineExecutor")
+        elif self.module.loss_fn is None:
+            start = ValueError("train_batch needs a loss: pass loss_fn= to pipeline.partition")
         self.module.train()
-        return self._run(self.schedule, inputs, labels)
+        return self._run(self.schedule, inputs, labels, start)
 
     def eval_batch(self, inputs: Any = None, labels: Any = None) -> float:
         """Forwards only (no grad, no step); returns the mean loss on every rank."""
@@ -160,7 +194,13 @@ class PipelineExecutor:
             return self._run(self.eval_schedule, inputs, labels)
 
     # -- the loop ---------------------------------------------------------------------------------
-    def _run(self, schedule: PipeSchedule, inputs: Any, labels: Any) -> float:
+    def _run(
+        self, schedule: PipeSchedule, inputs: Any, labels: Any, start: Exception | None = None
+    ) -> float:
+        """Run this stage's program. `start`: a check that failed before it (e.g. no optimizer),
+        on this rank perhaps alone: it takes the failure path from the first instruction (tell
+        the neighbours, join the collectives with stand-ins, raise at the agreement), so every
+        rank raises instead of the peers waiting in a receive (phase `start`)."""
         if self._broken is not None:
             raise PipelineAbortedError(
                 f"this executor stopped at an earlier failed batch ({self._broken}); messages of "
@@ -173,7 +213,7 @@ class PipelineExecutor:
         self._micro_labels: list[Any] | None = None
         self._inputs: dict[Key, tuple] = {}
         self._outputs: dict[Key, tuple] = {}
-        self._layer_outputs: dict[Key, list] = {}
+        self._segments: dict[Key, list[split_backward.Segment]] = {}
         self._out_grads: dict[Key, tuple] = {}
         self._in_grads: dict[Key, tuple] = {}
         self._weight_work: dict[Key, list] = {}
@@ -185,6 +225,9 @@ class PipelineExecutor:
         self._act_kind = "act" if self._trains else "act_eval"
         self.timeline = StageTimeline(self.module.stage)
         failure: tuple[str, Exception] | None = None
+        if start is not None:
+            failure = ("start", start)
+            self._abort_neighbours(start, deliver_s=0.0)
         for instr in schedule.program(self.module.stage):
             kind = type(instr)
             if kind is ins.OptimizerStep:
@@ -310,7 +353,7 @@ class PipelineExecutor:
         start = time.perf_counter()
         with ranges.range("pipeline.forward"):
             keep: list | None = [] if self.schedule.splits_backward and self._trains else None
-            out = self.module.forward_chunk(i.chunk, arg, keep_layer_outputs=keep)
+            out = self.module.forward_chunk(i.chunk, arg, segments=keep)
             if self._is_last(i.chunk) and self.module.loss_fn is not None:
                 loss = (
                     self.module.loss_fn(out, self._labels.pop(i.micro_batch)) / self.micro_batches
@@ -318,15 +361,34 @@ class PipelineExecutor:
                 self._loss_sum += loss.detach()
                 out = loss
         self.timeline.add("compute", i.label, start, time.perf_counter())
+        if not self._is_last(i.chunk):
+            self._check_message(out, i.chunk)
         if self._trains:
             self._outputs[key] = _as_tuple(out)
             if keep is not None:
-                self._layer_outputs[key] = keep
+                self._segments[key] = keep
             self._live += 1
             self.peak_in_flight = max(self.peak_in_flight, self._live)
         else:
             self._outputs[key] = _as_tuple(out)
             self._inputs.pop(key)
+
+    def _check_message(self, out: Any, chunk: int) -> None:
+        """A chunk's output travels to the next stage: a tensor or a flat tuple of tensors."""
+        if isinstance(out, torch.Tensor) or (
+            isinstance(out, tuple) and out and all(isinstance(t, torch.Tensor) for t in out)
+        ):
+            return
+        parts = out if isinstance(out, tuple) else (out,)
+        got = ", ".join(type(t).__name__ for t in parts) or "an empty tuple"
+        lo = self.module.chunks[chunk].start
+        hi = lo + len(self.module.chunks[chunk].entries) - 1
+        raise TypeError(
+            f"pipeline stage {self.module.stage} (layers {lo}..{hi}) returned {got}; a stage "
+            "whose output goes to the next stage must return a tensor or a tuple of tensors "
+            "(no dicts, lists, None or nested tuples): make its last layer return e.g. "
+            "`tuple(d.values())` or `(hidden, mask)`"
+        )
 
     def _output_pairs(self, key: Key) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         outs = [t for t in self._outputs.pop(key) if t.requires_grad]
@@ -357,46 +419,24 @@ class PipelineExecutor:
         self._live -= 1
 
     def _backward_input(self, i: ins.BackwardInput) -> None:
-        """Gradients of the chunk input and of every layer output, keeping the graph for W."""
+        """Gradients of the chunk input, keeping what W needs: see `split_backward.py`."""
         key = (i.micro_batch, i.chunk)
         outs, grads = self._output_pairs(key)
-        inputs = [t for t in self._inputs.pop(key) if t.requires_grad]
-        layers = self._layer_outputs.pop(key)
-        # each layer's output tensors that require grad, and that layer's parameters
-        layer_outs = [
-            [t for t in _as_tuple(o) if isinstance(t, torch.Tensor) and t.requires_grad]
-            for o, _ in layers
-        ]
-        flat = [t for group in layer_outs for t in group]
+        self._inputs.pop(key)
         start = time.perf_counter()
         with ranges.range("pipeline.backward_input"):
-            got = (
-                torch.autograd.grad(
-                    outs, inputs + flat, grads, retain_graph=True, allow_unused=True
-                )
-                if outs
-                else (None,) * (len(inputs) + len(flat))
-            )
+            in_grads, work = split_backward.backward_input(outs, grads, self._segments.pop(key))
         self.timeline.add("compute", i.label, start, time.perf_counter())
-        in_grads, rest = got[: len(inputs)], list(got[len(inputs) :])
-        self._in_grads[key] = tuple(
-            g if g is not None else torch.zeros_like(t) for g, t in zip(in_grads, inputs)
-        )
-        work = []
-        for (_, params), group in zip(layers, layer_outs):
-            gs = [rest.pop(0) for _ in group]
-            pairs = [(t, g) for t, g in zip(group, gs) if g is not None]
-            params = [q for q in params if q.requires_grad]
-            if params and pairs:
-                work.append(([t for t, _ in pairs], [g for _, g in pairs], params))
+        # the first segment's leaves are the chunk's inputs that require grad, in order
+        self._in_grads[key] = tuple(in_grads)
         self._weight_work[key] = work
 
     def _backward_weight(self, i: ins.BackwardWeight) -> None:
         key = (i.micro_batch, i.chunk)
         start = time.perf_counter()
         with ranges.range("pipeline.backward_weight"):
-            for outs, grads, params in self._weight_work.pop(key):
-                torch.autograd.backward(outs, grads, inputs=params, retain_graph=True)
+            params = [q for q in self.module.parameters() if q.requires_grad]
+            split_backward.backward_weight(self._weight_work.pop(key), params)
         self.timeline.add("compute", i.label, start, time.perf_counter())
         self._live -= 1
 

@@ -2,20 +2,24 @@
 
 ```python
 layers = [
-    TiedLayerSpec("embed", nn.Embedding, (vocab, d)),          # stage 0
+    TiedLayerSpec(nn.Embedding, (vocab, d), key="embed"),                    # stage 0
     *[LayerSpec(Block, (d,)) for _ in range(8)],
-    TiedLayerSpec("embed", nn.Embedding, (vocab, d), forward_fn=lm_head),  # last stage
+    TiedLayerSpec(nn.Embedding, (vocab, d), key="embed", forward_fn=lm_head),  # last stage
 ]
-module = pipeline.partition(layers, stages=4, loss_fn=F.cross_entropy, method="type:Block")
+module = pipeline.partition(layers, stages=2, loss_fn=F.cross_entropy, method="type:Block")
 ```
 
+(`lm_head(emb, h)` is e.g. `h @ emb.weight.T`; `test_module_docstring.py` runs this example.)
 Each layer takes one argument (the previous layer's output: a tensor or a tuple) and returns one.
 Layer i is built under `torch.manual_seed(seed + i)`, so a rank that builds layers 4..7 gets the
 same weights as `build_unsplit` does on one process: the unsplit model is the reference the
-tests compare with. A tied layer is built once per stage that holds it (under the seed of its
-first occurrence); its copies start equal (broadcast from the lowest holding stage) and stay
-equal because their gradients are summed over the holders before every step
-(`reduce_tied_grads`), which is exactly the gradient of the one shared weight.
+tests compare with. Whatever the seed, the data-parallel replicas of a stage then take the
+parameters of the replica of data rank 0 (one broadcast per parameter, at build), so ranks whose
+RNGs differ (`seed=None`, DeepSpeed's `seed_layers: false`) still start equal. A tied layer is
+built once per stage that holds it (under the seed of its first occurrence); its copies start
+equal (broadcast from the lowest holding stage) and stay equal because their gradients are
+summed over the holders before every step (`reduce_tied_grads`), which is exactly the gradient
+of the one shared weight.
 
 Memory per rank: the parameters of its own layers only, plus one copy of each tied layer it
 holds; nothing of the other stages is ever allocated (parameter counts for the `parameters`
@@ -25,6 +29,7 @@ partition are taken on the `meta` device).
 from __future__ import annotations
 
 import contextlib
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +38,7 @@ import torch
 from torch import nn
 
 import minispeed.comm as comm
-from minispeed.pipeline import partitioning
+from minispeed.pipeline import partitioning, split_backward, status
 
 __all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec", "build_unsplit", "layer_boundaries"]
 
@@ -49,6 +54,23 @@ class LayerSpec:
     """Positional constructor arguments."""
     kwargs: dict = field(default_factory=dict)
     """Keyword constructor arguments."""
+
+    def __post_init__(self) -> None:
+        # DeepSpeed's LayerSpec(typename, *args, **kwargs) and TiedLayerSpec(key, typename, ...)
+        # put the arguments loose: caught here, not as a TypeError deep inside build()
+        what = type(self).__name__
+        if isinstance(self.cls, str) or not callable(self.cls):
+            raise TypeError(
+                f"{what} takes the layer class (or factory) first, got {self.cls!r}; write "
+                f"{what}(nn.Embedding, (vocab, d){', key=...' if what != 'LayerSpec' else ''}) "
+                "(DeepSpeed's order, with the tie key first and loose arguments, differs)"
+            )
+        if not isinstance(self.args, tuple) or not isinstance(self.kwargs, dict):
+            raise TypeError(
+                f"{what}({self.name}, ...): the constructor arguments go in one tuple and the "
+                f"keyword arguments in one dict, e.g. {what}(nn.Linear, (d, d), {{'bias': False}}); "
+                f"got args={self.args!r}, kwargs={self.kwargs!r}"
+            )
 
     @property
     def name(self) -> str:
@@ -72,8 +94,9 @@ class TiedLayerSpec(LayerSpec):
     """How this occurrence uses the tied module (default: call it)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.key:
-            raise ValueError("TiedLayerSpec needs a non-empty key naming the tie")
+            raise ValueError("TiedLayerSpec needs a non-empty key naming the tie: key='embed'")
 
 
 def _seeded(seed: int | None, index: int) -> contextlib.AbstractContextManager:
@@ -122,6 +145,12 @@ def layer_boundaries(layers: Sequence[Any], parts: int, method: str | Sequence[i
     if method.startswith("type:"):
         names = [s.name if isinstance(s, LayerSpec) else type(s).__name__ for s in layers]
         weights = partitioning.type_weights(names, method[len("type:") :])
+        if not any(weights):
+            raise partitioning.PartitionError(
+                f"partition method {method!r}: the regex matched no layer class (the classes "
+                f"are {sorted(set(names))}); fix the regex (it is searched case-insensitively in "
+                "each class name) or use 'parameters'"
+            )
         return partitioning.balanced_boundaries(weights, parts, require_weight=True)
     raise partitioning.PartitionError(
         f"unknown partition method {method!r}; use 'uniform', 'parameters', 'type:<regex>' or a "
@@ -164,10 +193,6 @@ class PipelineModule(nn.Module):
         grid: comm.ProcessGrid | None = None,
     ) -> None:
         super().__init__()
-        if not layers:
-            raise partitioning.PartitionError("the model has no layers; pass a list of LayerSpec")
-        if not 0 <= stage < stages:
-            raise ValueError(f"stage {stage} outside [0, {stages})")
         self.stages, self.stage, self.virtual_stages = stages, stage, virtual_stages
         self.loss_fn, self.grid, self.activation_checkpointing = (
             loss_fn,
@@ -175,12 +200,55 @@ class PipelineModule(nn.Module):
             activation_checkpointing,
         )
         self.num_layers = len(layers)
-        self.boundaries = layer_boundaries(layers, stages * virtual_stages, method)
-        first = _first_index(layers)
+        self.boundaries: list[int] = []
         self.tied = nn.ModuleDict()
         self.tied_forward: dict[int, Callable | None] = {}
         self.chunks = nn.ModuleList()
-        for c in range(virtual_stages):
+        if grid is None:
+            self._build(layers, method, seed)
+        else:
+            # Note: cutting and building are local and may fail on one rank only (a layer's
+            # constructor, a bad method on one rank); the peers would wait in the first
+            # collective below. Every rank learns of it first and raises (status.py).
+            failure: Exception | None = None
+            try:
+                self._build(layers, method, seed)
+            except Exception as exc:
+                failure = exc
+            names = "|".join(
+                f"{s.name}:{s.key}" if isinstance(s, TiedLayerSpec) else _spec_name(s)
+                for s in layers
+            )
+            status.agree_at_build(
+                grid,
+                failure,
+                {
+                    "stages": stages if isinstance(stages, int) else -1,
+                    "the number of layers": len(layers),
+                    "virtual_stages": virtual_stages,
+                    "the layer classes and tie keys (CRC-32)": zlib.crc32(names.encode()),
+                    "the partition boundaries (CRC-32)": zlib.crc32(str(self.boundaries).encode()),
+                },
+                "building the pipeline stages (pipeline.partition)",
+            )
+        self._tie_groups = self._make_tie_groups(layers) if grid is not None else {}
+        self._sync_replicas()
+        self._sync_tied_weights()
+
+    def _build(self, layers: Sequence[Any], method: str | Sequence[int], seed: int | None) -> None:
+        """Cut the layers and build this rank's chunks (local: no communication)."""
+        stages, stage = self.stages, self.stage
+        if not layers:
+            raise partitioning.PartitionError("the model has no layers; pass a list of LayerSpec")
+        if self.grid is not None and self.grid.size("pipe") != stages:
+            raise ValueError(
+                f"grid has {self.grid.size('pipe')} pipeline stages but stages={stages}"
+            )
+        if not 0 <= stage < stages:
+            raise ValueError(f"stage {stage} outside [0, {stages})")
+        self.boundaries = layer_boundaries(layers, stages * self.virtual_stages, method)
+        first = _first_index(layers)
+        for c in range(self.virtual_stages):
             v = c * stages + stage
             lo, hi = self.boundaries[v], self.boundaries[v + 1]
             chunk = _Chunk(lo, [])
@@ -201,8 +269,6 @@ class PipelineModule(nn.Module):
                     else:
                         chunk.entries.append(("fn", built))
             self.chunks.append(chunk)
-        self._tie_groups = self._make_tie_groups(layers) if grid is not None else {}
-        self._sync_tied_weights()
 
     # -- running ----------------------------------------------------------------------------------
     def chunk_layers(self, c: int) -> Iterator[tuple[Callable[[Any], Any], list[nn.Parameter]]]:
@@ -218,19 +284,35 @@ class PipelineModule(nn.Module):
             else:
                 yield ref, []
 
-    def forward_chunk(self, c: int, x: Any, keep_layer_outputs: list | None = None) -> Any:
-        """Run chunk `c` on `x`; append each layer's (output, parameters) to `keep_layer_outputs`
-        if given (the zero-bubble weight pass needs them)."""
+    def forward_chunk(
+        self, c: int, x: Any, segments: list[split_backward.Segment] | None = None
+    ) -> Any:
+        """Run chunk `c` on `x`. With `segments` (the zero-bubble split backward), cut the graph
+        at each layer's input and record the pieces there (see `split_backward.py`)."""
+        if segments is not None:
+            chunk = self.chunks[c]
+            names = [
+                f"{chunk.start + k} ({self._entry_name(chunk, e)})"
+                for k, e in enumerate(chunk.entries)
+            ]
+            layers = ((f, p, n) for (f, p), n in zip(self.chunk_layers(c), names))
+            return split_backward.forward_segmented(layers, x, segments)
         if self.activation_checkpointing and torch.is_grad_enabled():
             args = x if isinstance(x, tuple) else (x,)
             return torch.utils.checkpoint.checkpoint(
                 self._run_chunk, c, isinstance(x, tuple), *args, use_reentrant=False
             )
-        for layer, params in self.chunk_layers(c):
+        for layer, _ in self.chunk_layers(c):
             x = layer(x)
-            if keep_layer_outputs is not None:
-                keep_layer_outputs.append((x, params))
         return x
+
+    def _entry_name(self, chunk: _Chunk, entry: tuple[str, Any]) -> str:
+        kind, ref = entry
+        if kind == "layer":
+            return type(chunk.layers[ref]).__name__
+        if kind == "tied":
+            return f"tied {ref!r}"
+        return getattr(ref, "__name__", type(ref).__name__)
 
     def _run_chunk(self, c: int, was_tuple: bool, *args: Any) -> Any:
         x: Any = args if was_tuple else args[0]
@@ -261,6 +343,17 @@ class PipelineModule(nn.Module):
                     mine[key] = (group, ranks)
         return mine
 
+    def _sync_replicas(self) -> None:
+        """Every data-parallel replica of this stage takes the parameters of the replica of data
+        rank 0 (DeepSpeed's engine does the same at build): with `seed=None` each rank builds
+        from its own RNG, and ranks seeded differently would otherwise train apart silently.
+        Bytes sent once, at build: the stage's parameters (Ψ_stage · 4 in fp32) per broadcast."""
+        if self.grid is None or self.grid.size("data") == 1:
+            return
+        group, src = self.grid.group("data"), self.grid.group_ranks("data")[0]
+        for p in self.parameters():
+            comm.broadcast(p.data, src=src, group=group)
+
     def _sync_tied_weights(self) -> None:
         for key, (group, ranks) in sorted(self._tie_groups.items()):
             for p in self.tied[key].parameters():
@@ -286,6 +379,10 @@ class PipelineModule(nn.Module):
                         err = exc
                 comm.all_reduce(torch.zeros_like(p) if buf is None else buf, group=group)
         return err
+
+
+def _spec_name(spec: Any) -> str:
+    return spec.name if isinstance(spec, LayerSpec) else type(spec).__name__
 
 
 def _bind(fn: Callable, mod: nn.Module) -> Callable[[Any], Any]:

@@ -49,13 +49,16 @@ __all__ = [
     "PHASE_OF",
     "NonFiniteLossError",
     "agree",
+    "agree_at_build",
+    "agree_on_world",
     "describe",
     "raise_failure",
     "status_code",
 ]
 
-PHASES = ("load", "forward", "backward", "send", "recv", "tied", "dp", "step")
-"""Where a rank can fail in a batch: its program's instructions, the two reductions, the step."""
+PHASES = ("start", "load", "forward", "backward", "send", "recv", "tied", "dp", "step")
+"""Where a rank can fail in a batch: the checks before its program (`start`: e.g. no optimizer),
+its program's instructions, the two reductions, the step."""
 
 PHASE_OF: dict[type, str] = {
     ins.LoadMicroBatch: "load",
@@ -73,7 +76,7 @@ PHASE_OF: dict[type, str] = {
 }
 """The phase each instruction class runs in."""
 
-PROGRAM_PHASES = frozenset(PHASES[:5])
+PROGRAM_PHASES = frozenset(PHASES[:6])
 """Failures here may leave point-to-point messages unread (see `PipelineExecutor`)."""
 
 
@@ -111,22 +114,97 @@ def agree(
 def describe(grid: Any, codes: list[int]) -> str:
     """The failed ranks, as a sentence: `stage 0 of replica 1 (global rank 1) failed in forward`.
     Ranks stopped by a neighbour are left out when some rank failed on its own."""
-    datas = grid.size("data")
     own = [(s, c) for s, c in enumerate(codes) if c and not decode(c)[1]]
     shown = own or [(s, c) for s, c in enumerate(codes) if c]
     parts = []
     for slot, code in shown:
-        stage, data = divmod(slot, datas)
-        coord = dict(grid.coord)
-        coord.update(pipe=stage, data=data)
-        rank = grid.ranks[grid.topology.get_rank(**coord)]
         phase, stopped = decode(code)
         what = "was stopped by a neighbour" if stopped else "failed"
-        parts.append(
-            f"pipeline stage {stage} of data-parallel replica {data} (global rank {rank}) {what} "
-            f"in {phase}"
-        )
+        parts.append(f"{slot_name(grid, slot)} {what} in {phase}")
     return "; ".join(parts)
+
+
+def slot_name(grid: Any, slot: int) -> str:
+    """`pipeline stage 1 of data-parallel replica 0 (global rank 2)` for slot `stage · D + data`."""
+    stage, data = divmod(slot, grid.size("data"))
+    coord = dict(grid.coord)
+    coord.update(pipe=stage, data=data)
+    rank = grid.ranks[grid.topology.get_rank(**coord)]
+    return f"pipeline stage {stage} of data-parallel replica {data} (global rank {rank})"
+
+
+def agree_at_build(
+    grid: Any, failure: Exception | None, fields: dict[str, float], what: str
+) -> None:
+    """Before the first collective of `what` (building a stage, an executor), every rank of the
+    pipe × data plane learns whether any rank's local checks failed and whether all ranks chose
+    the same `fields` (small integers: micro-batch count, schedule, layer cut...): if not, every
+    rank raises, never one rank alone while its peers wait in a receive or a collective.
+
+    A rank whose check failed raises its own error, the others `PipelineAbortedError` naming it;
+    fields that differ raise `ValueError` on every rank naming each rank's value. Cost, once:
+    2 all-reduces (over `pipe`, then `data`) of 8 · P · D · (1 + len(fields)) bytes."""
+    pipes, datas = grid.size("pipe"), grid.size("data")
+    slot = grid.rank_in("pipe") * datas + grid.rank_in("data")
+    groups = [grid.group(axis) for axis in ("pipe", "data") if grid.size(axis) > 1]
+    rows = _exchange(pipes * datas, slot, groups, failure, fields, grid.group("pipe"))
+    _raise_on(rows, slot, failure, fields, what, lambda s: slot_name(grid, s))
+
+
+def agree_on_world(failure: Exception | None, fields: dict[str, float], what: str) -> None:
+    """`agree_at_build` over the whole world, for the checks made before a grid exists
+    (`pipeline.partition`'s own arguments). Cost, once: 1 all-reduce of 8 · W · (1 + len(fields))
+    bytes (none on one process)."""
+    world, me = comm.get_world_size(), comm.get_rank()
+    groups = [None] if world > 1 else []
+    rows = _exchange(world, me, groups, failure, fields, None)
+    _raise_on(rows, me, failure, fields, what, lambda r: f"global rank {r}")
+
+
+def _exchange(
+    n: int,
+    slot: int,
+    groups: list[Any],
+    failure: Exception | None,
+    fields: dict[str, float],
+    device_group: Any,
+) -> list[list[float]]:
+    """Every rank's row `[failed, *fields]`: each writes its own row of an n-row zero matrix and
+    the all-reduces (sums) over `groups` fill in the others."""
+    buf = torch.zeros(n, 1 + len(fields), dtype=torch.float64)
+    buf[slot, 0] = 0.0 if failure is None else 1.0
+    buf[slot, 1:] = torch.tensor([float(v) for v in fields.values()], dtype=torch.float64)
+    if groups:
+        buf = buf.to(comm.tensor_device(device_group))
+        for group in groups:
+            comm.all_reduce(buf, group=group)
+    return buf.cpu().tolist()
+
+
+def _raise_on(
+    rows: list[list[float]],
+    me: int,
+    failure: Exception | None,
+    fields: dict[str, float],
+    what: str,
+    name: Any,
+) -> None:
+    if failure is not None:
+        raise failure
+    failed = [name(s) for s, row in enumerate(rows) if row[0]]
+    if failed:
+        raise PipelineAbortedError(
+            f"{'; '.join(failed)} failed while {what} (see its error there); {name(me)} stopped "
+            "with it instead of waiting for it"
+        )
+    for j, field in enumerate(fields, start=1):
+        values = {s: row[j] for s, row in enumerate(rows)}
+        if len(set(values.values())) > 1:
+            listed = ", ".join(f"{name(s)}: {v:g}" for s, v in values.items())
+            raise ValueError(
+                f"the ranks disagree on {field} while {what} ({listed}); every rank of the "
+                "pipeline must pass the same arguments"
+            )
 
 
 def raise_failure(
