@@ -18,12 +18,11 @@ import json
 import os
 from pathlib import Path
 
+import deepspeed
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-import deepspeed
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from torch import nn
 
 VOCAB, DIM, SEQ, MICRO, GAS, STEPS = 32, 16, 8, 2, 4, 6
 CONFIG = {

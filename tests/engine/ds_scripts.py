@@ -48,7 +48,9 @@ def _init_distributed(dist_backend: str | None = None, **_: Any) -> None:
         comm.init_distributed(backend=dist_backend or "gloo")
 
 
-def _initialize(model: Any = None, optimizer: Any = None, config: Any = None, lr_scheduler: Any = None, **_: Any) -> tuple:
+def _initialize(
+    model: Any = None, optimizer: Any = None, config: Any = None, lr_scheduler: Any = None, **_: Any
+) -> tuple:
     from minispeed.engine.pipe import PipelineModule
     from minispeed.engine.pipe_engine import PipelineEngine
 
@@ -59,7 +61,9 @@ def _initialize(model: Any = None, optimizer: Any = None, config: Any = None, lr
 
 def engine_namespace() -> types.SimpleNamespace:
     """`minispeed.engine`'s names, with stand-ins for the two it does not have yet."""
-    names = {k: getattr(minispeed.engine, k) for k in dir(minispeed.engine) if not k.startswith("__")}
+    names = {
+        k: getattr(minispeed.engine, k) for k in dir(minispeed.engine) if not k.startswith("__")
+    }
     names.setdefault("init_distributed", _init_distributed)
     names.setdefault("initialize", _initialize)
     return types.SimpleNamespace(**names)

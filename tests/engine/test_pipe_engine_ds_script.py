@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import ds_scripts  # noqa: E402
+import ds_scripts
 
-from minispeed.core.testing import run_distributed  # noqa: E402
+from minispeed.core.testing import run_distributed
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "pipe_two_stage.json"
 

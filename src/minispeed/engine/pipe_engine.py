@@ -270,7 +270,9 @@ class PipelineEngine:
         """One optimizer step over `gradient_accumulation_steps` micro-batches pulled from
         `data_iter` (or the iterator set before); returns the mean loss on every rank."""
         if not torch.is_grad_enabled():
-            raise RuntimeError("train_batch() requires gradients enabled. Use eval_batch() instead.")
+            raise RuntimeError(
+                "train_batch() requires gradients enabled. Use eval_batch() instead."
+            )
         if self.executor.optimizer is None:
             raise ValueError("train_batch needs an optimizer; build the engine with one")
         if data_iter is not None:

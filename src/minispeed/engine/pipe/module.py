@@ -40,7 +40,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch import nn
 
 import minispeed.comm as comm
 import minispeed.pipeline as pipeline
@@ -151,7 +150,10 @@ class PipelineModule(pipeline.PipelineModule):
                 raise NotImplementedError(
                     f"PipelineModule({name}=...) is not supported by minispeed; leave it unset"
                 )
-        if not isinstance(activation_checkpoint_interval, int) or activation_checkpoint_interval < 0:
+        if (
+            not isinstance(activation_checkpoint_interval, int)
+            or activation_checkpoint_interval < 0
+        ):
             raise ValueError(
                 f"activation_checkpoint_interval must be an int >= 0, got "
                 f"{activation_checkpoint_interval!r}"
@@ -196,8 +198,7 @@ class PipelineModule(pipeline.PipelineModule):
         spec = layers[last]
         if isinstance(spec, pipeline.TiedLayerSpec):
             earlier = any(
-                isinstance(x, pipeline.TiedLayerSpec) and x.key == spec.key
-                for x in layers[lo:last]
+                isinstance(x, pipeline.TiedLayerSpec) and x.key == spec.key for x in layers[lo:last]
             )
             if not earlier:
                 spec.build()
@@ -236,5 +237,3 @@ class PipelineModule(pipeline.PipelineModule):
     def forward(self, x: Any) -> Any:
         """Run this stage's layers on `x` (the previous stage's output, or the batch inputs)."""
         return self.forward_chunk(0, x)
-
-

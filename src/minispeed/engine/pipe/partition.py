@@ -88,7 +88,9 @@ def _layer_name(layer: Any) -> str | None:
     return getattr(layer, "__name__", None)
 
 
-def boundaries(layers: Sequence[Any], num_stages: int, method: str, build_for_real: bool) -> list[int]:
+def boundaries(
+    layers: Sequence[Any], num_stages: int, method: str, build_for_real: bool
+) -> list[int]:
     """DeepSpeed's cut of `layers` into `num_stages` parts by `method` (case-insensitive).
 
     `build_for_real`: count parameters by building each layer on the CPU, as DeepSpeed does
@@ -110,7 +112,9 @@ def boundaries(layers: Sequence[Any], num_stages: int, method: str, build_for_re
         try:
             rx = re.compile(pattern, re.IGNORECASE)
         except re.error as exc:
-            raise pipeline.PartitionError(f"partition_method {method!r}: bad regex ({exc})") from None
+            raise pipeline.PartitionError(
+                f"partition_method {method!r}: bad regex ({exc})"
+            ) from None
         weights = [1 if (n := _layer_name(x)) is not None and rx.search(n) else 0 for x in layers]
         if not any(weights):
             raise pipeline.PartitionError(
