@@ -16,6 +16,7 @@ runs this same file with its two import lines changed to minispeed's and compare
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import deepspeed
@@ -108,7 +109,39 @@ def main():
     }
 
 
-if __name__ == "__main__":
+PARTITION_CASES = [
+    ([1, 1, 1, 1, 1, 1, 1], 2),
+    ([1, 1, 1, 1, 1, 1, 1], 3),
+    ([512, 816, 816, 816, 816, 32, 512], 2),
+    ([512, 816, 816, 816, 816, 32, 512], 3),
+    ([0, 1, 1, 0, 1, 1, 0, 1, 0], 2),
+    ([0, 1, 1, 0, 1, 1, 0, 1, 0], 4),
+    ([5, 1, 1, 1, 1, 9, 2, 2], 3),
+    ([3, 3, 3], 3),
+]
+
+
+def record_partitions():
+    """DeepSpeed's partition arithmetic on a few weight lists (no processes needed):
+    `python scripts/record_ds_pipe.py --partitions` writes fixtures/pipe_partitions.json."""
+    from deepspeed.runtime.utils import partition_balanced, partition_uniform
+
+    cases = [
+        {
+            "weights": w,
+            "parts": k,
+            "balanced": [int(b) for b in partition_balanced(w, k)],
+            "uniform": [int(b) for b in partition_uniform(len(w), k)],
+        }
+        for w, k in PARTITION_CASES
+    ]
+    out = FIXTURE.with_name("pipe_partitions.json")
+    out.write_text(json.dumps({"deepspeed": deepspeed.__version__, "cases": cases}, indent=1))
+
+
+if __name__ == "__main__" and "--partitions" in sys.argv:
+    record_partitions()
+elif __name__ == "__main__":
     result = main()
     rank = int(os.environ["RANK"])
     out = Path(os.environ.get("FIXTURE_OUT", FIXTURE))
