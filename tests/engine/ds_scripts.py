@@ -25,6 +25,14 @@ PIPE_IMPORTS = {
     ),
 }
 
+MOE_IMPORTS = {
+    "import deepspeed\n": "import minispeed.engine as deepspeed\n",
+    "from deepspeed.moe.layer import MoE\n": "from minispeed.engine.moe.layer import MoE\n",
+    "from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer\n": (
+        "from minispeed.engine.moe.utils import split_params_into_different_moe_groups_for_optimizer\n"
+    ),
+}
+
 
 def load(script: str, imports: dict[str, str]) -> types.ModuleType:
     """The script `scripts/<script>` with its imports swapped, executed as a module."""
