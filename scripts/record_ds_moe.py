@@ -90,7 +90,7 @@ def main():
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(float(mean) / world)
-        aux.append(float(l_aux))
+        aux.append(float(l_aux.detach()))
         counts.append([int(c) for c in exp_counts])
     model.eval()
     with torch.no_grad():

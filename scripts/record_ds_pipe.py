@@ -1,7 +1,8 @@
 """A two-stage DeepSpeed pipeline script, kept as the reference for minispeed's pipeline adapters.
 
 Written against DeepSpeed's public API only: a tied embedding / output head (`TiedLayerSpec`
-with a `forward_fn`), `LayerSpec` blocks, `seed_layers=True`, an AdamW built by the script,
+with a `forward_fn`), `LayerSpec` blocks with dropout, `seed_layers=True` (which also reseeds
+before every layer's forward, so the dropout masks are DeepSpeed's to reproduce), an AdamW built by the script,
 gradient clipping, `train_batch` with a data iterator, `eval_batch` (also with
 `return_logits=True`). Recorded on DeepSpeed 0.19.8, 2 processes on the CPU:
 
@@ -46,9 +47,10 @@ class Block(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.up = nn.Linear(dim, 2 * dim)
         self.down = nn.Linear(2 * dim, dim)
+        self.drop = nn.Dropout(0.1)
 
     def forward(self, h):
-        return h + self.down(F.gelu(self.up(self.norm(h))))
+        return h + self.drop(self.down(F.gelu(self.up(self.norm(h)))))
 
 
 def head(embedding, h):

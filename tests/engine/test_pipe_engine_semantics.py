@@ -35,7 +35,8 @@ def _clipped_pipeline(rank, world_size, clip):
 
 
 def _unsplit_reference(script, clip):
-    """The same model on one process, each layer i built under torch.manual_seed(1234 + i)."""
+    """The same model on one process, each layer i built under torch.manual_seed(1234 + i) and
+    run under DeepSpeed's per-forward seed (its blocks have dropout)."""
     torch.manual_seed(1234)
     emb = nn.Embedding(script.VOCAB, script.DIM)
     blocks = []
@@ -48,14 +49,22 @@ def _unsplit_reference(script, clip):
     opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
     data = script.micro_batches(0, script.STEPS * script.GAS)
     losses = []
+    forwards = script.GAS  # the script evaluates GAS micro-batches before training
+
+    def seeded(i, layer, *args):  # DeepSpeed's seed_layers reseeding before each layer
+        torch.manual_seed(1234 * (forwards + 1) + i)
+        return layer(*args)
+
     for _ in range(script.STEPS):
         total = 0.0
         for _ in range(script.GAS):
             x, y = next(data)
-            h = emb(x)
-            for b in blocks:
-                h = b(h)
-            loss = script.lm_loss(script.head(emb, norm(h)), y) / script.GAS
+            forwards += 1
+            h = seeded(0, emb, x)
+            for i, b in enumerate(blocks, start=1):
+                h = seeded(i, b, h)
+            logits = seeded(6, script.head, emb, seeded(5, norm, h))
+            loss = script.lm_loss(logits, y) / script.GAS
             loss.backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(params, clip)

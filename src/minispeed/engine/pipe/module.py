@@ -15,7 +15,7 @@ What is DeepSpeed's here, and how:
 - **Partition**: DeepSpeed's own arithmetic (`partition.py`), passed to the package as explicit
   boundaries, so each stage holds the same layers as under DeepSpeed (`parts`).
 - **Seeds**: `seed_layers=True` builds layer i under `base_seed + i` on whichever stage owns it,
-  and leaves the global RNGs (torch, `random`, numpy) as DeepSpeed leaves them: seeded with
+  reseeds before each layer's forward as DeepSpeed does (`chunk_layers`), and leaves the global RNGs (torch, `random`, numpy) as DeepSpeed leaves them: seeded with
   `base_seed + i` of the stage's last layer, after building it (costs one extra build of that
   layer, freed at once). With `seed_layers=False` layers draw from the current RNG in DeepSpeed's
   order, including the `parameters` partition building every layer once to count its
@@ -36,10 +36,11 @@ parameter of the tied module (minispeed ties whole modules).
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
 import minispeed.comm as comm
 import minispeed.pipeline as pipeline
@@ -56,6 +57,14 @@ def _set_random_seed(seed: int) -> None:
     random.seed(seed)
     numpy.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def _reseeding(layer: Callable[[Any], Any], seed: int) -> Callable[[Any], Any]:
+    def call(x: Any) -> Any:
+        _set_random_seed(seed)
+        return layer(x)
+
+    return call
 
 
 def _topology(num_stages: int | None, topology: Any) -> comm.ProcessTopology:
@@ -185,6 +194,7 @@ class PipelineModule(pipeline.PipelineModule):
             for s in layers
             if isinstance(s, pipeline.TiedLayerSpec)
         }
+        self.micro_offset = 0  # forwards run by this stage (DeepSpeed's name)
         if seed_layers:
             self._leave_rng_as_deepspeed(layers)
 
@@ -204,6 +214,33 @@ class PipelineModule(pipeline.PipelineModule):
                 spec.build()
         elif isinstance(spec, pipeline.LayerSpec):
             spec.build()
+
+    # -- DeepSpeed's per-layer seeds in forward ---------------------------------------------------
+    def chunk_layers(self, c: int) -> Iterator[tuple[Callable[[Any], Any], list[nn.Parameter]]]:
+        """The package's layers of chunk `c`; with `seed_layers`, each reseeds the global RNGs
+        before it runs as DeepSpeed's forward does: `base_seed · (n + 1) + i` for layer i in this
+        stage's n-th forward (n counts every forward, training and evaluation). So layers that
+        draw random numbers (dropout) draw DeepSpeed's. Not with activation checkpointing (see
+        Note [no per-layer seeds under checkpointing])."""
+        layers = super().chunk_layers(c)
+        if not self.seed_layers or self.activation_checkpointing:
+            yield from layers
+            return
+        start = self.chunks[c].start
+        for offset, (layer, params) in enumerate(layers):
+            if offset == 0:  # the first layer starts a forward of this stage
+                self.micro_offset += 1
+            yield (
+                _reseeding(layer, self.base_seed * (self.micro_offset + 1) + start + offset),
+                params,
+            )
+
+    # Note [no per-layer seeds under checkpointing]
+    # The package recomputes a checkpointed stage in backward by calling chunk_layers again, long
+    # after later micro-batches moved the forward count on; reseeding there would draw other
+    # masks than the forward did and give wrong gradients. DeepSpeed captures the count in a
+    # closure per forward; the package offers no such hook, so with activation checkpointing the
+    # layers draw from the RNG as it runs (torch's checkpoint replays it in the recomputation).
 
     # -- DeepSpeed's names ------------------------------------------------------------------------
     @property
