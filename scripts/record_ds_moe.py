@@ -97,7 +97,20 @@ def main():
         x, y = batch(rank, 999)
         logits, _, _ = model(x)
         eval_loss = float(F.cross_entropy(logits.reshape(-1, CLASSES), y.reshape(-1)))
+    # the same helper with small groups: experts split every 600 elements, as DeepSpeed splits
+    small = split_params_into_different_moe_groups_for_optimizer(
+        [{"params": list(model.parameters()), "name": "small", "lr": 1e-3}], max_group_size=600
+    )
     return {
+        "small_groups": [
+            {
+                "name": g["name"],
+                "moe": g.get("moe", False),
+                "lr": g["lr"],
+                "numel": [p.numel() for p in g["params"]],
+            }
+            for g in small
+        ],
         "groups": [
             {
                 "name": g["name"],

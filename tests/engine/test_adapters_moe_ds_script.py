@@ -35,6 +35,7 @@ def test_param_groups_are_deepspeeds(runs):
     recorded = json.loads(FIXTURE.read_text())["ranks"]
     for got, want in zip(runs, recorded):
         assert got["groups"] == want["groups"]
+        assert got["small_groups"] == want["small_groups"]  # max_group_size splits
 
 
 def test_moe_script_matches_deepspeed_step_by_step(runs):
