@@ -111,6 +111,25 @@ def main():
     }
 
 
+def unseeded_build():
+    """The same layers without seed_layers, cut by parameter count: every rank seeds torch alike,
+    and the weights are whatever the global RNG gives in DeepSpeed's build order (its partition
+    builds every layer once to count parameters, then the stage builds its own)."""
+    torch.manual_seed(42)
+    layers = [
+        TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM),
+        *[LayerSpec(Block, DIM) for _ in range(4)],
+        LayerSpec(nn.LayerNorm, DIM),
+        TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM, forward_fn=head),
+    ]
+    model = PipelineModule(layers=layers, num_stages=2, loss_fn=lm_loss, seed_layers=False)
+    return {
+        "parts": [int(p) for p in model.parts],
+        "param_sums": sorted(float(p.detach().double().sum()) for p in model.parameters()),
+        "drawn_after_build": torch.rand(4).tolist(),
+    }
+
+
 PARTITION_CASES = [
     ([1, 1, 1, 1, 1, 1, 1], 2),
     ([1, 1, 1, 1, 1, 1, 1], 3),
@@ -145,6 +164,7 @@ if __name__ == "__main__" and "--partitions" in sys.argv:
     record_partitions()
 elif __name__ == "__main__":
     result = main()
+    result["unseeded"] = unseeded_build()
     rank = int(os.environ["RANK"])
     out = Path(os.environ.get("FIXTURE_OUT", FIXTURE))
     per_rank = out.with_suffix(f".rank{rank}.json")

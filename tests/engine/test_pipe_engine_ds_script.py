@@ -54,3 +54,16 @@ def test_seed_layers_leaves_the_global_rng_where_deepspeed_leaves_it(runs):
     recorded = json.loads(FIXTURE.read_text())["ranks"]
     for got, want in zip(runs, recorded):
         assert got["drawn_after_build"] == pytest.approx(want["drawn_after_build"], abs=0)
+
+
+def _run_unseeded(rank, world_size):
+    return ds_scripts.load("record_ds_pipe.py", ds_scripts.PIPE_IMPORTS).unseeded_build()
+
+
+def test_unseeded_layers_draw_deepspeeds_weights_from_the_global_rng():
+    recorded = json.loads(FIXTURE.read_text())["ranks"]
+    for got, want in zip(run_distributed(_run_unseeded, world_size=2), recorded):
+        want = want["unseeded"]
+        assert got["parts"] == want["parts"]  # DeepSpeed's parameter-balanced cut
+        assert got["param_sums"] == pytest.approx(want["param_sums"], rel=1e-6)
+        assert got["drawn_after_build"] == pytest.approx(want["drawn_after_build"], abs=0)
