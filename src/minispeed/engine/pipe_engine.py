@@ -251,6 +251,54 @@ class PipelineEngine:
         self.module.eval()
         return self
 
+    def zero_optimization_stage(self) -> int:
+        """The ZeRO stage (0 or 1)."""
+        return self.zero_stage
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's training state, for the engine's checkpoint files (one per stage and
+        data rank): the stage's parameters, the optimizer (its shard under ZeRO-1), the
+        scheduler, the step counters, and the grid and cut it belongs to. The tensors are
+        references (as torch's `state_dict`s are): save or copy them before training on."""
+        return {
+            "module": self.module.state_dict(),
+            "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
+            "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
+            "global_steps": self.global_steps,
+            "global_samples": self.global_samples,
+            "grid": self._grid_signature(),
+        }
+
+    def load_state_dict(
+        self,
+        state: dict[str, Any],
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+    ) -> None:
+        """Restore `state_dict()`'s output; raises, naming both, when it was saved by another
+        stage, another data rank, another stage count or another layer cut."""
+        if state.get("grid") != self._grid_signature():
+            raise ValueError(
+                f"this pipeline checkpoint was saved by {state.get('grid')} but this rank is "
+                f"{self._grid_signature()}; load the file of this stage and data rank, saved "
+                "with the same stages and partition"
+            )
+        self.module.load_state_dict(state["module"])
+        if load_optimizer_states and self.optimizer is not None and state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if load_lr_scheduler_states and self.lr_scheduler is not None and state["lr_scheduler"]:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.global_steps, self.global_samples = state["global_steps"], state["global_samples"]
+
+    def _grid_signature(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage_id,
+            "stages": self.num_stages,
+            "data_rank": self.grid.rank_in("data"),
+            "data_size": self.dp_world_size,
+            "parts": list(self.module.boundaries),
+        }
+
     def set_dataiterator(self, iterator: Iterator) -> None:
         """The iterator `train_batch()` reads when given none."""
         self.data_iterator = iterator
