@@ -117,3 +117,32 @@ def test_unseeded_replicas_start_equal_and_a_dry_iterator_fails_every_rank():
             torch.testing.assert_close(x, y, rtol=0, atol=0)
     assert "StopIteration" in res[0]["error"]
     assert "could not read its micro-batches" in res[2]["error"]
+
+
+def _loss_from_forward(rank, world_size):
+    import minispeed.engine.pipe as pipe
+    from minispeed.engine.pipe_engine import PipelineEngine
+
+    def mean_square(h):
+        return h.square().mean()
+
+    layers = [pipe.LayerSpec(nn.Linear, 4, 4) for _ in range(3)] + [mean_square]
+    model = pipe.PipelineModule(layers, num_stages=2, seed_layers=True, partition_method="uniform")
+    engine = PipelineEngine(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), {"train_batch_size": 2}
+    )
+    x = torch.arange(8.0).reshape(2, 4) / 8
+    loss = engine.train_batch(iter([(x, torch.zeros(2))]))
+    return float(loss), model.parts
+
+
+def test_without_loss_fn_the_last_output_is_the_loss():
+    h = torch.arange(8.0).reshape(2, 4) / 8
+    for i in range(3):
+        torch.manual_seed(1234 + i)
+        h = nn.Linear(4, 4)(h)
+    want = float(h.square().mean().detach())
+    # one micro-batch on two stages (DeepSpeed runs it; the engine picks GPipe for M < P)
+    for loss, parts in run_distributed(_loss_from_forward, world_size=2):
+        assert parts == [0, 2, 4]
+        assert loss == pytest.approx(want, rel=1e-6)

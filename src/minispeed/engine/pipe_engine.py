@@ -165,7 +165,11 @@ class PipelineEngine:
             )
         # pipe_partitioned / grad_partitioned split activations over tensor-parallel ranks;
         # without tensor parallelism DeepSpeed ignores them too (its default is true).
-        return str(section.get("schedule", "1f1b"))
+        if "schedule" in section:  # minispeed's key
+            return str(section["schedule"])
+        # DeepSpeed runs its 1F1B with fewer micro-batches than stages (it never reaches a steady
+        # state); the package's 1F1B refuses M < P, and GPipe is the same order of work there
+        return "1f1b" if self.micro_batches >= self.num_stages else "gpipe"
 
     def _refuse_unsupported(self, config: dict[str, Any]) -> None:
         for key in ("fp16", "bf16"):

@@ -23,6 +23,8 @@ What is DeepSpeed's here, and how:
   replicas are made equal by the engine's broadcast, as DeepSpeed's engine does.
 - **Tied layers**: built once per stage that holds them, equal across stages (broadcast from the
   lowest), gradients summed over the holders before each step.
+- **No `loss_fn`**: the last layer's output is the loss, as in DeepSpeed ("some models just
+  return loss from forward()"); the data iterator still yields `(inputs, labels)`.
 - **Activation checkpointing**: any `activation_checkpoint_interval > 0` recomputes the stage's
   whole forward in its backward (the package checkpoints whole stages); the numbers are the
   same as DeepSpeed's per-interval checkpoints, the activation memory is one stage input per
@@ -57,6 +59,11 @@ def _set_random_seed(seed: int) -> None:
     random.seed(seed)
     numpy.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def _output_is_the_loss(outputs: Any, labels: Any) -> Any:
+    """DeepSpeed without `loss_fn`: the last layer's output is the loss (labels are unused)."""
+    return outputs
 
 
 def _reseeding(layer: Callable[[Any], Any], seed: int) -> Callable[[Any], Any]:
@@ -180,7 +187,7 @@ class PipelineModule(pipeline.PipelineModule):
             layers,
             stages=stages,
             stage=grid.rank_in("pipe"),
-            loss_fn=loss_fn,
+            loss_fn=_output_is_the_loss if loss_fn is None else loss_fn,
             method=bounds,
             seed=base_seed if seed_layers else None,
             activation_checkpointing=activation_checkpoint_interval > 0,
