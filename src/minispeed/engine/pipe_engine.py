@@ -29,6 +29,9 @@ What the engine adds to the executor, each as DeepSpeed's pipeline engine does i
   Different from DeepSpeed 0.19.8 on purpose: its pipeline counts a parameter only where
   `mpu.get_model_parallel_rank() == 0`, and the pipeline grid's model-parallel rank is the
   stage id, so it clips every stage by the norm of stage 0's gradients alone.
+- **The schedule**: 1F1B, or GPipe when there are fewer micro-batches than stages (DeepSpeed
+  runs its 1F1B there; the package's needs M ≥ P; same work, same numbers); minispeed's
+  `pipeline.schedule` key picks another.
 - **The scheduler** steps after each optimizer step.
 - **ZeRO stage 1** (`zero_optimization.stage: 1`) shards the optimizer state over each stage's
   data-parallel group through `minispeed.zero.shard` (the executor then lets the optimizer
