@@ -1,0 +1,148 @@
+"""DeepSpeed's `deepspeed.checkpointing` import path: activation checkpointing over
+`minispeed.zero.checkpoint`.
+
+```python
+import minispeed.engine as deepspeed
+deepspeed.checkpointing.configure(None, checkpoint_in_cpu=True)
+h = deepspeed.checkpointing.checkpoint(block, h)       # keep h, recompute block in backward
+```
+
+`checkpoint(function, *args, **kwargs)` keeps the inputs only and recomputes `function` in
+backward, with the RNG replayed (dropout draws the same mask), as DeepSpeed's does. minispeed's is
+the non-reentrant form (saved-tensor hooks): gradients also reach parameters when no input
+requires grad (DeepSpeed's reentrant `checkpoint` then silently gives them none; its
+`non_reentrant_checkpoint` does not) and `torch.autograd.grad` works through it. Bytes kept per
+call until backward: the inputs' bytes (on the host with `checkpoint_in_cpu`); extra compute:
+one forward of `function`.
+
+`configure(mpu_, deepspeed_config=None, partition_activations=None,
+contiguous_checkpointing=None, num_checkpoints=None, checkpoint_in_cpu=None, synchronize=None,
+profile=None)` reads the same options, or the `activation_checkpointing` section of a ds_config
+(dict or JSON path): `cpu_checkpointing` / `checkpoint_in_cpu` keep the saved inputs on the
+host; `synchronize_checkpoint_boundary` / `synchronize` synchronizes the accelerator before and
+after each checkpointed forward; `partition_activations` is accepted only without model
+parallelism (there is nothing to partition over, as in DeepSpeed with one model-parallel rank);
+`contiguous_memory_optimization` and `profile` are refused; `number_checkpoints` only sizes the
+contiguous buffer, so it is accepted and unused.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from minispeed.core.accelerator import get_accelerator
+from minispeed.zero import checkpoint as _zero_checkpoint
+
+__all__ = ["checkpoint", "configure", "is_configured", "non_reentrant_checkpoint", "reset"]
+
+
+@dataclass
+class _Settings:
+    configured: bool = False
+    cpu_checkpointing: bool = False
+    synchronize: bool = False
+
+
+_SETTINGS = _Settings()
+
+_SECTION_KEYS = {
+    "partition_activations": "partition_activations",
+    "contiguous_memory_optimization": "contiguous_checkpointing",
+    "number_checkpoints": "num_checkpoints",
+    "cpu_checkpointing": "checkpoint_in_cpu",
+    "synchronize_checkpoint_boundary": "synchronize",
+    "profile": "profile",
+}
+
+
+def _section(deepspeed_config: Any) -> dict[str, Any]:
+    if isinstance(deepspeed_config, (str, Path)):
+        deepspeed_config = json.loads(Path(deepspeed_config).read_text())
+    if not isinstance(deepspeed_config, dict):
+        raise TypeError(
+            f"deepspeed_config must be a ds_config dict or a JSON path, got "
+            f"{type(deepspeed_config).__name__}"
+        )
+    section = dict(deepspeed_config.get("activation_checkpointing") or {})
+    unknown = sorted(set(section) - set(_SECTION_KEYS))
+    if unknown:
+        raise ValueError(
+            f"unknown activation_checkpointing key(s) {unknown}; known: {sorted(_SECTION_KEYS)}"
+        )
+    return {_SECTION_KEYS[k]: v for k, v in section.items()}
+
+
+def configure(
+    mpu_: Any,
+    deepspeed_config: Any = None,
+    partition_activations: bool | None = None,
+    contiguous_checkpointing: bool | None = None,
+    num_checkpoints: int | None = None,
+    checkpoint_in_cpu: bool | None = None,
+    synchronize: bool | None = None,
+    profile: bool | None = None,
+) -> None:
+    """Set how `checkpoint` keeps its inputs (see the module docstring). Arguments given here
+    override the config's section, as in DeepSpeed; unset ones return to the defaults."""
+    options: dict[str, Any] = _section(deepspeed_config) if deepspeed_config is not None else {}
+    given = {
+        "partition_activations": partition_activations,
+        "contiguous_checkpointing": contiguous_checkpointing,
+        "num_checkpoints": num_checkpoints,
+        "checkpoint_in_cpu": checkpoint_in_cpu,
+        "synchronize": synchronize,
+        "profile": profile,
+    }
+    options.update({k: v for k, v in given.items() if v is not None})
+    if options.get("contiguous_checkpointing"):
+        raise NotImplementedError(
+            "contiguous checkpointing (contiguous_memory_optimization) is not implemented: it "
+            "needs partitioned activations over tensor-parallel ranks; turn it off"
+        )
+    if options.get("profile"):
+        raise NotImplementedError(
+            "checkpointing profile=True is not implemented; use minispeed.profiler instead"
+        )
+    mp_size = 1 if mpu_ is None else int(mpu_.get_model_parallel_world_size())
+    if options.get("partition_activations") and mp_size > 1:
+        raise NotImplementedError(
+            "partition_activations over a model-parallel group is not implemented (minispeed "
+            "has no tensor-parallel training); turn it off"
+        )
+    _SETTINGS.configured = True
+    _SETTINGS.cpu_checkpointing = bool(options.get("checkpoint_in_cpu", False))
+    _SETTINGS.synchronize = bool(options.get("synchronize", False))
+
+
+def is_configured() -> bool:
+    """Whether `configure` was called (DeepSpeed's `is_configured`)."""
+    return _SETTINGS.configured
+
+
+def reset() -> None:
+    """DeepSpeed frees its contiguous buffers here; minispeed keeps none (no-op)."""
+
+
+def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`function(*args, **kwargs)`, keeping only the inputs for backward (module docstring)."""
+    if kwargs:
+        keys, count = tuple(kwargs), len(args)
+
+        def call(*all_args: Any) -> Any:
+            return function(*all_args[:count], **dict(zip(keys, all_args[count:])))
+
+        return checkpoint(call, *args, *kwargs.values())
+    if _SETTINGS.synchronize:
+        get_accelerator().synchronize()
+    out = _zero_checkpoint(function, *args, offload_to_cpu=_SETTINGS.cpu_checkpointing)
+    if _SETTINGS.synchronize:
+        get_accelerator().synchronize()
+    return out
+
+
+non_reentrant_checkpoint = checkpoint
+"""DeepSpeed's non-reentrant variant: minispeed's `checkpoint` already is one."""

@@ -1,0 +1,126 @@
+"""DeepSpeed's `deepspeed.zero` import path: `Init` and `GatheredParameters` over
+`minispeed.zero`'s stage-3 contexts.
+
+```python
+import minispeed.engine as deepspeed
+with deepspeed.zero.Init(config_dict_or_path=ds_config):      # each rank builds Ψ/N
+    model = GPT(cfg)
+with deepspeed.zero.GatheredParameters(model.head.weight, modifier_rank=0):
+    ...                                                          # full values; rank 0's edits kept
+```
+
+`Init` takes DeepSpeed's arguments and builds `minispeed.zero.Init(config, group, enabled)`:
+`data_parallel_group` is the group; `config_dict_or_path` / `config` (a ds_config dict or a
+JSON path) gives the `zero_optimization` section (read for `offload_param`, ZeRO-Infinity's
+NVMe shards); `remote_device` must agree with that section's `offload_param.device`.
+Parameters are built in the dtype the model creates them in (fp32), and `minispeed.zero.shard`
+casts them when the engine applies the config's precision: DeepSpeed casts them to the config's
+fp16/bf16 inside `Init` already, so its fp32 master weights start from rounded values where
+minispeed's start from the exact ones. `dtype` other than fp32 is therefore refused, as are
+`module=` (converting a built model), `mpu`, quantized weights, sequence-parallel and
+parameter-parallel groups, and a `param_swapper`. `mem_efficient_linear` and `pin_memory` are
+accepted and have no effect (memory for linears is already bounded by the gather hooks; pinning
+follows the offload config).
+
+`GatheredParameters(params, modifier_rank=None, fwd_module=None, enabled=True)` is
+`minispeed.zero.GatheredParameters`; `fwd_module` (registering external parameters) is refused.
+Costs: those of the package's contexts (one broadcast per parameter in `Init`; one all-gather
+on entry and, with a modifier, one broadcast on exit in `GatheredParameters`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import minispeed.zero as zero
+
+__all__ = ["GatheredParameters", "Init"]
+
+
+def _ds_config(config_dict_or_path: Any, config: Any) -> dict[str, Any] | None:
+    if config_dict_or_path is not None and config is not None:
+        raise ValueError("zero.Init: give config_dict_or_path or config, not both")
+    given = config_dict_or_path if config_dict_or_path is not None else config
+    if given is None or isinstance(given, dict):
+        return given
+    if isinstance(given, (str, Path)):
+        return json.loads(Path(given).read_text())
+    raise TypeError(f"zero.Init: config must be a dict or a JSON path, got {type(given).__name__}")
+
+
+class Init(zero.Init):
+    """DeepSpeed's `deepspeed.zero.Init` (see the module docstring for what is kept, refused,
+    and different). Collective: every rank of the group enters it and builds the same modules."""
+
+    def __init__(
+        self,
+        module: nn.Module | None = None,
+        data_parallel_group: Any = None,
+        mem_efficient_linear: bool = True,
+        remote_device: str | None = None,
+        pin_memory: bool = False,
+        config_dict_or_path: Any = None,
+        config: Any = None,
+        enabled: bool = True,
+        dtype: torch.dtype | None = None,
+        mpu: Any = None,
+        zero_param_parallel_group: Any = None,
+        zero_quantized_weights: bool = False,
+        zero_quantized_nontrainable_weights: bool = False,
+        sequence_data_parallel_group: Any = None,
+        param_swapper: Any = None,
+    ) -> None:
+        refused = {
+            "module": module is not None,
+            "mpu": mpu is not None,
+            "zero_param_parallel_group": zero_param_parallel_group is not None,
+            "zero_quantized_weights": bool(zero_quantized_weights),
+            "zero_quantized_nontrainable_weights": bool(zero_quantized_nontrainable_weights),
+            "sequence_data_parallel_group": sequence_data_parallel_group is not None,
+            "param_swapper": param_swapper is not None,
+            "dtype": dtype not in (None, torch.float32),
+        }
+        for name, bad in refused.items():
+            if bad:
+                raise NotImplementedError(
+                    f"zero.Init({name}=...) is not supported by minispeed (see "
+                    "docs/engine/deepspeed-paths.md); leave it at its default"
+                )
+        ds_config = _ds_config(config_dict_or_path, config)
+        zero_config = zero.ZeroConfig.from_ds_config(ds_config) if ds_config else None
+        offload = getattr(zero_config, "offload_param", None)
+        configured = None if offload is None else offload.device
+        if remote_device in ("none", None):
+            remote_device = None
+        if remote_device != configured and not (remote_device is None and configured is None):
+            raise ValueError(
+                f"zero.Init(remote_device={remote_device!r}) but the config's "
+                f"zero_optimization.offload_param.device is {configured!r}; make them agree "
+                "(minispeed places the shards as the config says)"
+            )
+        super().__init__(config=zero_config, group=data_parallel_group, enabled=enabled)
+
+
+class GatheredParameters(zero.GatheredParameters):
+    """DeepSpeed's `deepspeed.zero.GatheredParameters`: the full values of `params` inside the
+    context; with `modifier_rank`, that rank's changes kept on every rank. Collective."""
+
+    def __init__(
+        self,
+        params: nn.Parameter | Iterable[nn.Parameter],
+        modifier_rank: int | None = None,
+        fwd_module: nn.Module | None = None,
+        enabled: bool = True,
+    ) -> None:
+        if fwd_module is not None:
+            raise NotImplementedError(
+                "GatheredParameters(fwd_module=...) (registering external parameters) is not "
+                "supported by minispeed; leave it None"
+            )
+        super().__init__(params, modifier_rank=modifier_rank, enabled=enabled)

@@ -1,0 +1,62 @@
+"""`minispeed.engine.zero` (DeepSpeed's `deepspeed.zero`): `Init` with DeepSpeed's arguments
+partitions a model built with a different seed on each rank into the first rank's values,
+`GatheredParameters(modifier_rank=0)` keeps rank 0's change on every rank, and what is not
+implemented is refused by name before any collective."""
+
+import pytest
+import torch
+from torch import nn
+
+from minispeed.core.testing import run_distributed
+
+CONFIG = {"zero_optimization": {"stage": 3}}
+
+
+def _init_and_gather(rank, world_size):
+    import minispeed.engine.zero as zero
+
+    torch.manual_seed(rank)
+    with zero.Init(config_dict_or_path=CONFIG, remote_device="none"):
+        model = nn.Linear(6, 4)
+    held = [p.numel() for p in model.parameters()]
+    with zero.GatheredParameters(list(model.parameters())):
+        full = model.weight.detach().clone()
+    with zero.GatheredParameters(model.weight, modifier_rank=0):
+        if rank == 0:
+            model.weight.data.fill_(0.5)
+    with zero.GatheredParameters(model.weight):
+        kept = bool((model.weight == 0.5).all())
+    return {"held": held, "full": full, "kept": kept}
+
+
+def test_init_partitions_and_gathered_parameters_keeps_the_modifiers_change():
+    res = run_distributed(_init_and_gather, world_size=2, timeout_s=120)
+    torch.manual_seed(0)
+    want = nn.Linear(6, 4).weight.detach()
+    for r in res:
+        torch.testing.assert_close(r["full"], want, rtol=0, atol=0)  # rank 0's values
+        assert r["kept"]
+        assert sum(r["held"]) < 6 * 4 + 4  # a shard, not the whole layer
+
+
+@pytest.mark.parametrize(
+    "kwargs,word",
+    [
+        ({"dtype": torch.half}, "dtype"),
+        ({"module": nn.Linear(2, 2)}, "module"),
+        ({"zero_quantized_weights": True}, "zero_quantized_weights"),
+        ({"remote_device": "cpu", "config_dict_or_path": CONFIG}, "remote_device"),
+    ],
+)
+def test_init_refuses_what_is_not_implemented_by_name(kwargs, word):
+    import minispeed.engine.zero as zero
+
+    with pytest.raises((NotImplementedError, ValueError), match=word):
+        zero.Init(**kwargs)
+
+
+def test_gathered_parameters_refuses_fwd_module():
+    import minispeed.engine.zero as zero
+
+    with pytest.raises(NotImplementedError, match="fwd_module"):
+        zero.GatheredParameters([], fwd_module=nn.Linear(2, 2))
