@@ -112,9 +112,11 @@ def test_unseeded_replicas_start_equal_and_a_dry_iterator_fails_every_rank():
     assert [r["stage"] for r in res] == [0, 0, 1, 1]  # data-parallel neighbours adjacent
     assert all(r["micro"] == 2 for r in res)  # 8 = 2 × 2 accumulation × 2 replicas
     for a, b in ((0, 1), (2, 3)):
-        assert any(not torch.equal(x, y) for x, y in zip(res[a]["before"], res[b]["before"]))
-        for x, y in zip(res[a]["after"], res[b]["after"]):
-            torch.testing.assert_close(x, y, rtol=0, atol=0)
+        # Ranks seeded differently: the module's build already broadcast each stage's weights
+        # from its first replica (minispeed.pipeline.partition), and they stay equal.
+        for key in ("before", "after"):
+            for x, y in zip(res[a][key], res[b][key], strict=True):
+                torch.testing.assert_close(x, y, rtol=0, atol=0)
     assert "StopIteration" in res[0]["error"]
     assert "could not read its micro-batches" in res[2]["error"]
 

@@ -30,19 +30,26 @@ import torch
 from torch import nn
 
 import minispeed.comm as comm
-import minispeed.zero as zero
 from minispeed.core.config import ConfigError
 from minispeed.core.logging import get_logger
+from minispeed.engine import checkpointing, moe, pipe, zero
 from minispeed.engine.config import EngineConfig, load_ds_config
 from minispeed.engine.engine import Engine
+from minispeed.engine.inference import init_inference
+from minispeed.zero import shard
 
 __all__ = [
     "ConfigError",
     "Engine",
     "EngineConfig",
     "add_config_arguments",
+    "checkpointing",
     "init_distributed",
+    "init_inference",
     "initialize",
+    "moe",
+    "pipe",
+    "zero",
 ]
 
 _log = get_logger("engine")
@@ -145,8 +152,7 @@ def initialize(
         )
     # 1. The whole config, checked locally on every rank before any collective.
     ds = _config_from(args, config, config_params)
-    pipeline_module = _pipeline_module_type()
-    is_pipeline = pipeline_module is not None and isinstance(model, pipeline_module)
+    is_pipeline = isinstance(model, _pipeline_module_type())
     # 2. The process group.
     if distributed_port is not None and "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(distributed_port)
@@ -161,7 +167,7 @@ def initialize(
     params = list(model_parameters) if model_parameters is not None else list(model.parameters())
     opt = _build_optimizer(optimizer, params, cfg)
     # 4. ZeRO over the data-parallel group (stage 0 is plain data parallelism).
-    zero_opt = zero.shard(model, opt, config=cfg.zero, precision=cfg.precision) if opt else None
+    zero_opt = shard(model, opt, config=cfg.zero, precision=cfg.precision) if opt else None
     # 5. The scheduler, on the optimizer whose param groups hold the hyper-parameters.
     scheduler = _build_scheduler(lr_scheduler, zero_opt, cfg)
     loader = _dataloader(training_data, cfg, collate_fn)
@@ -196,8 +202,9 @@ def _build_optimizer(given: Any, params: list[Any], cfg: EngineConfig) -> Any:
 def _build_scheduler(given: Any, zero_opt: Any, cfg: EngineConfig) -> Any:
     if given is not None and hasattr(given, "step"):  # a scheduler object, already attached
         return given
-    # The inner optimizer's param groups hold the hyper-parameters the step reads.
-    target = zero_opt.optimizer if zero_opt is not None else None
+    # The inner optimizer's param groups hold the hyper-parameters the step reads (a pipeline
+    # engine's optimizer is the torch optimizer itself).
+    target = getattr(zero_opt, "optimizer", zero_opt)
     if given is not None:  # DeepSpeed's scheduler callable: it gets the optimizer
         if not callable(given):
             raise TypeError(
@@ -227,40 +234,36 @@ def _dataloader(dataset: Any, cfg: EngineConfig, collate_fn: Any) -> Any:
     )
 
 
-def _pipeline_module_type() -> type | None:
-    try:
-        from minispeed.engine.pipe import PipelineModule
-    except ImportError:
-        return None
+def _pipeline_module_type() -> type:
+    from minispeed.engine.pipe import PipelineModule
+
     return PipelineModule
 
 
 def _initialize_pipeline(
-    model: Any, optimizer: Any, model_parameters: Any, lr_scheduler: Any, ds: dict, data: Any
+    model: Any,
+    optimizer: Any,
+    model_parameters: Any,
+    lr_scheduler: Any,
+    ds: dict,
+    data: Any,
 ) -> tuple[Any, Any, Any, Any]:
+    """A `PipelineModule`: the pipeline engine over the module's (pipe, data) grid."""
     from minispeed.engine.pipe_engine import PipelineEngine
 
-    params = list(model_parameters) if model_parameters is not None else list(model.parameters())
-    cfg_optimizer = ds.get("optimizer")
-    if optimizer is None and cfg_optimizer is not None:
-        from minispeed.engine.optim import build_optimizer
-
-        optimizer = build_optimizer(cfg_optimizer, params)
-    elif optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        optimizer = optimizer(params)
     if data is not None:
         raise ValueError(
             "training_data= with a PipelineModule is not supported: pass a data iterator to "
             "engine.train_batch(data_iter)"
         )
-    engine = PipelineEngine(model, optimizer, ds)
-    scheduler = lr_scheduler
-    if scheduler is not None and not hasattr(scheduler, "step"):
-        scheduler = scheduler(optimizer)
-    elif scheduler is None and ds.get("scheduler") is not None:
-        from minispeed.engine.lr_schedules import build_scheduler
-
-        scheduler = build_scheduler(ds["scheduler"], optimizer)
-    if scheduler is not None and hasattr(engine, "lr_scheduler"):
-        engine.lr_scheduler = scheduler
-    return engine, optimizer, None, scheduler
+    # Every key checked as for any model, with the data-parallel size of the grid.
+    cfg = EngineConfig.from_ds_config(
+        ds, data_parallel_size=comm.get_world_size() // model.num_stages
+    )
+    params = list(model_parameters) if model_parameters is not None else list(model.parameters())
+    opt = _build_optimizer(optimizer, params, cfg)
+    scheduler = _build_scheduler(lr_scheduler, opt, cfg)
+    # See Note [DeepSpeed clips at 1.0 by default] in engine/config.
+    resolved = {**ds, "gradient_clipping": cfg.zero.max_grad_norm}
+    engine = PipelineEngine(model, opt, resolved, scheduler)
+    return engine, opt, None, scheduler

@@ -356,7 +356,16 @@ class EngineConfig:
         if ds.get("pipeline") is not None:  # its keys; the pipeline engine reads the values
             from minispeed.pipeline import PipelineConfig
 
-            _package("pipeline", PipelineConfig.from_ds_config, {"pipeline": ds["pipeline"]})
+            batch = {
+                "pipeline": ds["pipeline"],
+                "train_micro_batch_size_per_gpu": micro,
+                "gradient_accumulation_steps": gas,
+            }
+            _package(
+                "pipeline",
+                lambda d: PipelineConfig.from_ds_config(d, data_parallel_size=data_parallel_size),
+                batch,
+            )
         steps_per_print = ds.get("steps_per_print")
         if steps_per_print is not None and (
             isinstance(steps_per_print, bool) or not isinstance(steps_per_print, int)

@@ -162,8 +162,9 @@ class _DeepSpeedTop1Gate(moe.TopKGate):
         super().__init__(hidden_size, config)
         self.use_rts = use_rts
 
-    def forward(self, x: torch.Tensor) -> moe.Routing:
-        routing = super().forward(x)
+    def forward(self, x: torch.Tensor, capacity: int | None = None) -> moe.Routing:
+        # `capacity`: the expert group's agreed C (moe.MoE passes it when ranks may differ).
+        routing = super().forward(x, capacity=capacity)
         capacity = routing.capacity
         assert capacity is not None and self.config.top_k == 1
         first = routing.expert_index  # (S, 1)
