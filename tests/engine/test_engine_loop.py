@@ -242,3 +242,22 @@ def test_flops_profiler_profiles_the_configured_step(tmp_path) -> None:
     matmuls = counter.get_total_flops()
     assert 2 * matmuls <= profile["forward"]["flops"] < 3 * matmuls
     assert profile["backward"]["flops"] > profile["forward"]["flops"]
+
+
+def _checkpointing_run(rank: int, world_size: int) -> tuple[bool, bool, bool]:
+    from minispeed.engine import checkpointing
+
+    before = checkpointing.is_configured()
+    deepspeed.initialize(
+        model=nn.Linear(2, 2),
+        config={
+            "train_batch_size": 2,
+            "activation_checkpointing": {"cpu_checkpointing": True},
+        },
+    )
+    return before, checkpointing.is_configured(), checkpointing._SETTINGS.cpu_checkpointing
+
+
+def test_activation_checkpointing_section_configures_deepspeeds_checkpointing() -> None:
+    for before, after, cpu in run_distributed(_checkpointing_run, world_size=1, timeout_s=60):
+        assert (before, after, cpu) == (False, True, True)

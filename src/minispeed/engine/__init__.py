@@ -16,6 +16,10 @@ engine, optimizer, loader, scheduler = deepspeed.initialize(
 5. the scheduler: the one given, a callable of the optimizer, or the config's by name;
 6. the engine (`Engine`), with the profiler, comms logger and timers the config turns on.
 
+The `activation_checkpointing` section configures `minispeed.engine.checkpointing` (DeepSpeed's
+`deepspeed.checkpointing`) for model code that calls its `checkpoint`; a `PipelineModule` goes to
+the pipeline engine after step 2 (`pipe_engine.PipelineEngine`).
+
 Reading order: `config.py` (the ds_config) → `engine.py` (the loop) → this file (the order).
 """
 
@@ -158,6 +162,9 @@ def initialize(
         os.environ["MASTER_PORT"] = str(distributed_port)
     comm.init_distributed()
     world = comm.get_world_size()
+    if ds.get("activation_checkpointing") is not None:
+        # For model code that calls `deepspeed.checkpointing.checkpoint` (this path's adapter).
+        checkpointing.configure(None, deepspeed_config=ds)
     if is_pipeline:
         return _initialize_pipeline(
             model, optimizer, model_parameters, lr_scheduler, ds, training_data

@@ -144,17 +144,17 @@ DEFAULTS: dict[str, Any] = {
 }
 
 _COMMS_LOGGER = {"enabled", "verbose", "prof_all", "prof_ops", "debug"}
-_ACTIVATION = {
-    "cpu_checkpointing",
-    "number_checkpoints",
-    "synchronize_checkpoint_boundary",
-    "profile",
-}
+_ACTIVATION = {"cpu_checkpointing", "number_checkpoints", "synchronize_checkpoint_boundary"}
 _ACTIVATION_UNSUPPORTED = {
     "partition_activations": "activations are not split over tensor-parallel ranks (no TP yet)",
     "contiguous_memory_optimization": "checkpointed activations are ordinary tensors",
+    "profile": "time checkpointed regions with minispeed.profiler",
 }
-_ACTIVATION_DEFAULTS = {"partition_activations": False, "contiguous_memory_optimization": False}
+_ACTIVATION_DEFAULTS = {
+    "partition_activations": False,
+    "contiguous_memory_optimization": False,
+    "profile": False,
+}
 _CHECKPOINT: set[str] = set()
 _CHECKPOINT_UNSUPPORTED = {
     "tag_validation": "every rank saves under the tag its call names; tags are not compared",

@@ -103,7 +103,6 @@ _ACTIVATION = {
     "cpu_checkpointing": ("boolean", "Keep checkpointed inputs in host memory."),
     "number_checkpoints": (["integer", "null"], "Checkpoints per forward (null: every call)."),
     "synchronize_checkpoint_boundary": ("boolean", "Synchronize the device at each boundary."),
-    "profile": ("boolean", "Time the checkpointed forward and recomputation."),
 }
 _COMMS = {
     "enabled": ("boolean", "Record every collective into engine.comms_logger."),
