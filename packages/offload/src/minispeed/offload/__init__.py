@@ -28,7 +28,7 @@ from minispeed.offload.optimizers import CPUAdagrad, CPUAdam, CPUAdamW, CPULion
 from minispeed.offload.swapped import SwappedOptimizer
 from minispeed.offload.swapped_grads import SwappedGrads
 from minispeed.offload.swapped_masters import SwappedMastersOptimizer
-from minispeed.offload.swapper import SwapState, TensorSwapper
+from minispeed.offload.swapper import SwapState, TensorSwapper, check_free_space
 
 __all__ = [
     "AioConfig",
@@ -45,6 +45,7 @@ __all__ = [
     "SwappedMastersOptimizer",
     "SwappedOptimizer",
     "TensorSwapper",
+    "check_free_space",
     "direct_io_supported",
     "offload_optimizer",
 ]

@@ -90,7 +90,7 @@ def shard(
         # Lazy: minispeed.offload is an optional extra (Note [offload is imported lazily]).
         from minispeed.zero.offload_bridge import apply_offload
 
-        strategy, optimizer = apply_offload(strategy, optimizer, config)
+        strategy, optimizer = apply_offload(strategy, optimizer, config, group)
     _cast_rest(model, {p for ps in param_groups for p in ps}, precision.param_dtype, config.stage)
     _sharded_models.add(model)
     names = param_names(model)
@@ -126,6 +126,11 @@ def _check_inputs(
         raise TypeError(
             f"shard() needs a torch.optim.Optimizer, got {type(optimizer).__name__}; build one over "
             f"model.parameters(), e.g. torch.optim.AdamW(model.parameters(), lr=1e-3)"
+        )
+    if isinstance(optimizer, ZeroOptimizer):
+        raise TypeError(
+            "shard() got a ZeroOptimizer, which is already sharded; pass the model's own "
+            "torch.optim optimizer (a fresh one), or keep using this ZeroOptimizer"
         )
     if not isinstance(config, ZeroConfig):
         raise TypeError(

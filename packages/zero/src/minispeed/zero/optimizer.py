@@ -70,7 +70,19 @@ __all__ = ["ParamFragment", "ShardStrategy", "ZeroOptimizer", "param_names"]
 # implementation (the CPU default) already bounds temporaries by the largest tensor.
 
 
-class ZeroOptimizer:
+# Note [ZeroOptimizer is a torch.optim.Optimizer]
+# torch's LR schedulers accept only instances of torch.optim.Optimizer and then use three things
+# of it: `param_groups` (each group's `lr`, OneCycleLR also `betas`/`momentum`), `defaults`
+# (OneCycleLR checks for momentum there) and `step` (wrapped, to warn when the scheduler steps
+# first). DeepSpeed's ZeRO optimizer exposes `param_groups` the same way. So ZeroOptimizer
+# subclasses Optimizer *without* running its __init__: `param_groups`, `defaults` and `state` are
+# the inner optimizer's (whose groups are the user's own dicts, with or without offload: Note
+# [the user's param groups are the host optimizer's] in offload_bridge.py), and every inherited
+# method that would read attributes torch's __init__ sets is overridden here (state_dict,
+# load_state_dict, zero_grad, add_param_group, the hook registrations).
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
     """The user's optimizer, stepping this rank's fp32 masters, driven with DeepSpeed semantics.
 
     Built by `minispeed.zero.shard`. Call `backward` and `step` on every
@@ -88,8 +100,14 @@ class ZeroOptimizer:
     this rank's disjoint gradient shards, one fp32 all-reduce when gradients are partitioned),
     run the inner optimizer, publish masters into the model parameters, clear the gradients.
 
-    Attributes: `optimizer` (the inner torch.optim optimizer, now holding master tensors; attach
-    LR schedulers to it), `strategy`, `config`, `precision`, `loss_scaler`,
+    A `torch.optim.Optimizer` for LR schedulers (Note [ZeroOptimizer is a torch.optim.Optimizer]):
+    `param_groups` are the user's optimizer's groups, read at every step with or without
+    offload, so `torch.optim.lr_scheduler.OneCycleLR(opt, ...)` on this object or on the
+    optimizer passed to `zero.shard` changes the rates actually used. `state_dict` /
+    `load_state_dict` save and restore this rank's part (see `minispeed.zero.rank_state`).
+
+    Attributes: `optimizer` (the inner optimizer, now holding master tensors: the user's, or
+    offload's CPU optimizer over the user's param groups), `strategy`, `config`, `precision`, `loss_scaler`,
     `global_step` (optimizer steps taken, skipped ones excluded), `micro_step` (backward calls).
 
     Lifetime: dropping the model and this optimizer (`del opt, model`) frees everything (the
@@ -170,6 +188,58 @@ class ZeroOptimizer:
         sizes = [masters[g][i].numel() for g, i in order]
         self._sub_groups = cut_runs(order, sizes, config.sub_group_numel)
 
+    # -- torch.optim.Optimizer's surface (Note [ZeroOptimizer is a torch.optim.Optimizer]) ----
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """The inner optimizer's param groups: the user's dicts ("params" are this rank's masters).
+        Hyper-parameters written here (by a scheduler) apply from the next step."""
+        return self.optimizer.param_groups
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        """The inner optimizer's defaults (the user's hyper-parameters)."""
+        return self.optimizer.defaults
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        """The inner optimizer's per-master state (swapped optimizers: what is in memory)."""
+        return self.optimizer.state
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state: inner state and hyper-parameters, fp32 masters, loss
+        scale and counters (host copies: Ψ/N·(4 + K) bytes). Local; `load_state_dict` restores
+        it on the same rank of the same layout. To change world size or stage use
+        `zero.save_checkpoint` / `zero.load_checkpoint`."""
+        from minispeed.zero.rank_state import rank_state_dict
+
+        return rank_state_dict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned on this rank (collective: every rank calls it, the
+        masters are then published into the model as after a step)."""
+        from minispeed.zero.rank_state import load_rank_state_dict
+
+        self._check_open("load_state_dict")
+        load_rank_state_dict(self, state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused: the partition of every parameter is fixed by `zero.shard`."""
+        raise RuntimeError(
+            "ZeroOptimizer.add_param_group: the param groups are partitioned at zero.shard and "
+            "cannot grow; put every parameter in the optimizer before zero.shard (frozen ones too)"
+        )
+
+    def _no_hooks(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            "ZeroOptimizer does not run torch.optim hooks; register them on opt.optimizer (the "
+            "inner optimizer, called once per sub-group at each boundary step)"
+        )
+
+    register_step_pre_hook = register_step_post_hook = _no_hooks  # type: ignore[assignment]
+    register_state_dict_pre_hook = register_state_dict_post_hook = _no_hooks  # type: ignore[assignment]
+    register_load_state_dict_pre_hook = _no_hooks  # type: ignore[assignment]
+    register_load_state_dict_post_hook = _no_hooks  # type: ignore[assignment]
+
     # -- micro-step -------------------------------------------------------------------------------
     @property
     def at_boundary(self) -> bool:
@@ -209,13 +279,18 @@ class ZeroOptimizer:
         self._backward_since_step = True
 
     # -- step -------------------------------------------------------------------------------------
-    def step(self) -> bool:
+    def step(self, closure: None = None) -> bool:  # type: ignore[override]
         """Take the optimizer step if a window just ended; returns whether weights changed.
 
         Call it after every `backward` (it acts only at accumulation boundaries). A call
         with no `backward` since the previous one is an error: there is nothing to step.
+        `closure` (torch.optim's signature) must be None.
         """
         self._check_open("step")
+        if closure is not None:
+            raise ValueError(
+                "ZeroOptimizer.step takes no closure: run forward and opt.backward(loss) first"
+            )
         if not self._backward_since_step:
             raise RuntimeError(
                 f"step() with no backward() since the last step() (micro-step {self.micro_step}): "
@@ -355,8 +430,9 @@ class ZeroOptimizer:
         for g in grads:
             g.mul_(coef.to(g.dtype))
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every accumulated gradient (`step` already does this after stepping).
+        `set_to_none` is accepted for torch.optim's signature (gradients are always dropped).
 
         Refused in the middle of an accumulation window, where it would silently discard the
         micro-batches accumulated so far (the plain-PyTorch habit of calling `zero_grad()`
