@@ -133,3 +133,27 @@ def test_full_disk_during_shard_raises_offload_io_error_on_every_rank(tmp_path) 
         assert "zero.shard, writing the first masters" in res["error"], res["error"]
     assert results[0]["error"] == results[1]["error"]
     assert not any(tmp_path.iterdir()), "swap files left behind"
+
+
+def _bad_path_in_init(rank: int, world_size: int, root: str) -> str:
+    path = Path(root) / f"rank{rank}"
+    if rank == 0:
+        path.mkdir(exist_ok=True)
+    try:
+        with zero.Init(config=_config(3, str(path))):
+            make_model()
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def test_bad_nvme_path_on_one_rank_in_init_raises_on_every_rank(tmp_path) -> None:
+    """`zero.Init(config)` opens the parameters' swap directory at the first parameter, between
+    the broadcasts that partition the model: rank 1's missing path must not leave rank 0
+    waiting in the next broadcast (before: rank 1 raised out of the model's constructor)."""
+    errors = run_distributed(_bad_path_in_init, args=(str(tmp_path),), timeout_s=TIMEOUT_S)
+    for rank, error in enumerate(errors):
+        assert error.startswith("OffloadIOError: "), f"rank {rank}: {error!r}"
+        assert "failed on rank 1 of 2" in error and "end of zero.Init" in error, error
+        assert "offload_param.nvme_path=" in error and "does not exist" in error, error
+    assert errors[0] == errors[1]

@@ -289,13 +289,35 @@ def _adopt_built(sp: ShardedParam, keep_masters: bool) -> None:
             sp.residency.release(sp)
 
 
-def init_residency(home: NvmeShards | None, config: Any, sp: ShardedParam) -> NvmeShards:
+def init_residency(
+    home: NvmeShards | UnusableShards | None, config: Any, sp: ShardedParam
+) -> NvmeShards | UnusableShards:
     """zero.Init(config) with ``offload_param.device='nvme'``: write ``sp``'s new shard to a swap
     file at once and drop it, so the whole model never sits in memory. Returns the home (made
     on the first call; `Init` keeps it, and `offload_params` adopts it at `zero.shard`)."""
     if home is None:
-        home = NvmeShards(config.offload_param, config.aio, sp.shard.dtype, [])
-        home.residency = ShardResidency(home)
+        try:
+            home = NvmeShards(config.offload_param, config.aio, sp.shard.dtype, [])
+            home.residency = ShardResidency(home)
+        except OSError as error:  # nvme_path missing on this rank only, say: agreed at the end
+            home = UnusableShards(error)
     home.adopt(sp)  # a failed write is recorded; `Init`'s exit agrees on it
     sp.residency = home.residency
     return home
+
+
+class UnusableShards:
+    """zero.Init's shard home on a rank whose swap directory could not be set up (a per-rank
+    check, e.g. ``nvme_path`` missing there): the error is recorded, the shards stay in memory,
+    and `Init`'s exit agreement raises `OffloadIOError` on every rank (Note [a set-up check
+    fails on every rank] in setup_agreement.py), instead of this rank raising alone in the
+    middle of the model's construction while the others wait in its next broadcast."""
+
+    residency = None
+
+    def __init__(self, error: OSError) -> None:
+        self.io_failures = IOFailures()
+        self.io_failures.record("setting up offload_param's swap directory", error)
+
+    def adopt(self, sp: ShardedParam) -> None:
+        pass
