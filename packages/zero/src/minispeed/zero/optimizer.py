@@ -465,7 +465,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         flat parameter buffer, which costs nothing more than before). Stage 3: collective (every
         rank must call it), one all-gather of every released parameter, after which each rank
         holds the full parameters (Ψ·p bytes); the shards, masters and optimizer state are freed
-        with this object.
+        with this object. With offload to NVMe (any stage) the swap files are deleted here.
         """
         if self._closed:
             return
@@ -476,8 +476,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         try:
             self.strategy.close()  # ZeRO-Infinity: may raise OffloadIOError, on every rank
         finally:
-            if self._on_close is not None:
-                self._on_close()
+            try:  # offload_optimizer nvme: the swap files go now, not when collected
+                getattr(self.optimizer, "close", lambda: None)()
+            finally:
+                if self._on_close is not None:
+                    self._on_close()
 
     @property
     def closed(self) -> bool:
