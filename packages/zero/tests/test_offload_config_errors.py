@@ -145,4 +145,5 @@ def test_bad_values_fail_at_shard_on_every_rank(tmp_path) -> None:
         assert "offload_param.buffer_size=100" in got["buffer_size_too_small"]
         assert "raise offload_param.buffer_size to at least" in got["buffer_size_too_small"]
         assert "offload_optimizer.pin_memory" in got["pin_memory_impossible"]
-        assert "torch.optim.Adam or AdamW, got SGD" in got["not_adam"]
+        assert "torch.optim.Adam, AdamW or Adagrad" in got["not_adam"]
+        assert "got SGD" in got["not_adam"]

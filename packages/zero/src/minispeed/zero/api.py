@@ -149,7 +149,8 @@ def _check_inputs(
             "ZeroOptimizer that shard() returned, call its close() first, or build a new model"
         )
     _check_optimizer_kind(optimizer)
-    if any(len(s) for s in optimizer.state.values()):
+    # Adagrad makes its state (step 0) at construction: only a step count > 0 means "stepped".
+    if any(len(s) and float(s.get("step", 1)) != 0 for s in optimizer.state.values()):
         raise ValueError(
             "the optimizer already has state (it has stepped); pass a fresh optimizer to shard() "
             "and restore state with minispeed.zero.load_checkpoint"

@@ -9,7 +9,8 @@ lazily]). Three pieces, applied by `zero.shard` in this order:
 2. `HostMasters`: a `ShardStrategy` wrapper whose masters and master gradients are host
    tensors (aliases of the strategy's own where those already live on the CPU);
 3. `host_optimizer`: the user's Adam/AdamW stepped by offload's CPU Adam (`device: cpu`) or
-   its `SwappedOptimizer` (`device: nvme`) over those host masters, reading the user's own
+   its `SwappedOptimizer` (`device: nvme`), Adagrad by `CPUAdagrad` and Lion by `CPULion`
+   (`cpu`), over those host masters, reading the user's own
    param groups at every step (so LR schedulers keep working).
 
 Stage 3's `offload_param` lives in `minispeed.zero.stage3.offloaded` (shards in host memory or
@@ -234,53 +235,102 @@ class HostMasters(StrategyWrapper):
 # needs are added with `setdefault`, never overriding the user's. Every step reads them afresh.
 
 
+#: Lion has no torch.optim class: these class names (ours, DeepSpeed's, lion-pytorch's) are
+#: taken for Lion, with its param-group keys (lr, betas, weight_decay).
+LION_NAMES = ("CPULion", "Lion", "FusedLion", "DeepSpeedCPULion")
+
+
+def host_kind(user: torch.optim.Optimizer, offload: Any) -> str:
+    """Which CPU kernel steps ``user``'s groups: ``adam`` (torch Adam/AdamW, `CPUAdam`),
+    ``adagrad`` (torch Adagrad, `CPUAdagrad`) or ``lion`` (`CPULion`, `LION_NAMES`)."""
+    if isinstance(user, torch.optim.Adam | offload.CPUAdam):  # AdamW subclasses Adam
+        return "adam"
+    if isinstance(user, torch.optim.Adagrad | offload.CPUAdagrad):
+        return "adagrad"
+    if type(user).__name__ in LION_NAMES:
+        return "lion"
+    raise TypeError(
+        f"offload_optimizer runs a CPU kernel for Adam/AdamW, Adagrad or Lion, so the optimizer "
+        f"passed to zero.shard must be torch.optim.Adam, AdamW or Adagrad, or a Lion "
+        f"(minispeed.offload.CPULion), got {type(user).__name__}; use one of those or set "
+        f"offload_optimizer.device to 'none'"
+    )
+
+
+_FLAGS_OFF = {"adam": ("amsgrad", "maximize"), "adagrad": ("maximize",), "lion": ("maximize",)}
+_DEFAULT_KEYS = {
+    "adam": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0},
+    "adagrad": {
+        "lr": 1e-2,
+        "lr_decay": 0.0,
+        "weight_decay": 0.0,
+        "initial_accumulator_value": 0.0,
+        "eps": 1e-10,
+    },
+    "lion": {"lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": 0.0},
+}
+
+
 def host_optimizer(
     user: torch.optim.Optimizer,
     masters: list[list[torch.Tensor]],
     config: Any,
     swap_masters: bool = False,
 ) -> torch.optim.Optimizer:
-    """offload's CPU Adam (`cpu`) or `SwappedOptimizer` (`nvme`) over `masters`, stepping with
-    the hyper-parameters of `user`'s param groups, read at every step (the group dicts are
-    shared: Note [the user's param groups are the host optimizer's]). Adam and AdamW only.
+    """offload's CPU optimizer over `masters`, stepping with the hyper-parameters of `user`'s
+    param groups, read at every step (the group dicts are shared: Note [the user's param groups
+    are the host optimizer's]).
 
-    ``swap_masters`` (stage 3, ZeRO-Infinity): `SwappedMastersOptimizer`, whose masters are
-    meta handles and whose values, states and gradients live in its files."""
+    Adam/AdamW: `CPUAdam` (`cpu`) or `SwappedOptimizer` (`nvme`), in AdamW mode exactly when
+    the user's group says decoupled weight decay (torch AdamW, or `CPUAdam`'s ``adamw_mode``),
+    so offload steps what the un-offloaded run would. Adagrad: `CPUAdagrad`; Lion: `CPULion`
+    (`cpu` only: the swap files hold Adam's two states). ``swap_masters`` (stage 3,
+    ZeRO-Infinity): `SwappedMastersOptimizer`, whose masters are meta handles and whose values,
+    states and gradients live in its files."""
     offload = import_offload("zero_optimization.offload_optimizer")
-    if not isinstance(user, torch.optim.Adam | offload.CPUAdam):  # AdamW subclasses Adam
-        raise TypeError(
-            f"offload_optimizer runs the CPU Adam kernel, so the optimizer passed to "
-            f"zero.shard must be torch.optim.Adam or AdamW, got {type(user).__name__}; use "
-            f"Adam/AdamW or set offload_optimizer.device to 'none'"
+    kind = host_kind(user, offload)
+    cfg = config.offload_optimizer
+    if kind != "adam" and cfg.device == "nvme":
+        raise ValueError(
+            f"offload_optimizer.device='nvme' swaps Adam's states only; {type(user).__name__} "
+            f"is offloaded with device 'cpu' (its states in host memory), or use Adam/AdamW"
         )
     decoupled = isinstance(user, torch.optim.AdamW)
     for pg, ms in zip(user.param_groups, masters):
-        for flag in ("amsgrad", "maximize"):
+        for flag in _FLAGS_OFF[kind]:
             if pg.get(flag, False):
                 raise ValueError(
                     f"offload_optimizer: {type(user).__name__}({flag}=True) is not supported by "
-                    f"the CPU Adam kernel; construct it with {flag}=False"
+                    f"the CPU kernel; construct it with {flag}=False"
                 )
+        missing = [k for k in _DEFAULT_KEYS[kind] if k not in pg]
+        if missing:
+            raise ValueError(
+                f"offload_optimizer: {type(user).__name__}'s param groups lack {missing}, which "
+                f"the CPU {kind} kernel reads; build it with those hyper-parameters"
+            )
         pg["params"] = list(ms)
-        pg.setdefault("decoupled_weight_decay", decoupled)
+        if kind == "adam":
+            pg.setdefault("decoupled_weight_decay", decoupled)
+            pg.setdefault("bias_correction", True)
     d = user.defaults
-    hyper = {
-        "lr": d.get("lr", 1e-3),
-        "betas": tuple(d.get("betas", (0.9, 0.999))),
-        "eps": d.get("eps", 1e-8),
-        "weight_decay": d.get("weight_decay", 0.0),
-        "decoupled_weight_decay": d.get("decoupled_weight_decay", decoupled),
-    }
+    hyper = {k: d.get(k, v) for k, v in _DEFAULT_KEYS[kind].items()}
     groups = user.param_groups
-    cfg = config.offload_optimizer
-    if swap_masters:
-        inner = offload.SwappedMastersOptimizer(
-            groups, cfg, config.aio, sub_group_numel=config.sub_group_numel, **hyper
-        )
+    if kind == "adagrad":
+        inner = offload.CPUAdagrad(groups, **hyper)
+    elif kind == "lion":
+        inner = offload.CPULion(groups, **hyper)
     else:
-        inner = offload.offload_optimizer(
-            groups, cfg, config.aio, sub_group_numel=config.sub_group_numel, **hyper
-        )
+        hyper["betas"] = tuple(hyper["betas"])
+        hyper["decoupled_weight_decay"] = d.get("decoupled_weight_decay", decoupled)
+        if swap_masters:
+            inner = offload.SwappedMastersOptimizer(
+                groups, cfg, config.aio, sub_group_numel=config.sub_group_numel, **hyper
+            )
+        else:
+            inner = offload.offload_optimizer(
+                groups, cfg, config.aio, sub_group_numel=config.sub_group_numel, **hyper
+            )
     assert all(a is b for a, b in zip(inner.param_groups, user.param_groups))
     return inner
 

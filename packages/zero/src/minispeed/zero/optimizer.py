@@ -147,6 +147,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for pg, ms in zip(optimizer.param_groups, masters):
             pg["params"] = list(ms)  # hyper-parameters stay; the tensors become this rank's masters
         optimizer.state.clear()
+        if type(optimizer) is torch.optim.Adagrad:  # it makes its state at construction only
+            for pg in optimizer.param_groups:
+                for m in pg["params"]:
+                    optimizer.state[m] = {
+                        "step": torch.tensor(0.0),
+                        "sum": torch.full_like(m, pg["initial_accumulator_value"]),
+                    }
 
         # See Note [unused parameters]. Slot 0 carries this rank's fp16 overflow flag, or an
         # unfrozen parameter (Note [requires_grad is fixed at shard time]).
