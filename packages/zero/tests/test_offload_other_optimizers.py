@@ -1,5 +1,5 @@
 """Adagrad and Lion are offloaded through `zero.shard` too, equal to un-offloaded training
-(issue 24 §4): torch's Adagrad is stepped by offload's `CPUAdagrad`, a Lion (`CPULion`; torch
+(issue 24 §4), and Adam stays Adam (L2) although `CPUAdam` defaults to AdamW: torch's Adagrad is stepped by offload's `CPUAdagrad`, a Lion (`CPULion`; torch
 has no Lion class) by `CPULion`, each over the user's own param groups. 2 ranks, stages 2-3,
 `offload_optimizer: cpu`, TinyGPT losses vs single-process PyTorch (Lion's reference update is
 written out here in plain torch). Before, `zero.shard` refused both ("must be torch.optim.Adam
@@ -43,6 +43,8 @@ class ReferenceLion(torch.optim.Optimizer):
 
 
 def make_optimizer(kind: str, params, reference: bool) -> torch.optim.Optimizer:
+    if kind == "adam":  # L2 weight decay: CPUAdam's AdamW default must not leak in
+        return torch.optim.Adam(params, lr=1e-2, weight_decay=0.1)
     if kind == "adagrad":
         return torch.optim.Adagrad(params, **ADAGRAD)
     return (ReferenceLion if reference else offload.CPULion)(params, **LION)
@@ -86,15 +88,18 @@ def _train(rank: int, world_size: int, stage: int, kind: str, root: str) -> dict
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-@pytest.mark.parametrize("kind", ["adagrad", "lion"])
+@pytest.mark.parametrize("kind", ["adam", "adagrad", "lion"])
 def test_adagrad_and_lion_offload_equal_plain_training(kind: str, stage: int, tmp_path) -> None:
     per_rank = run_distributed(_train, args=(stage, kind, str(tmp_path)), timeout_s=180)
     assert isinstance(per_rank[0]["cpu"], tuple), per_rank[0]["cpu"]
     losses, inner = per_rank[0]["cpu"]
-    assert inner == {"adagrad": "CPUAdagrad", "lion": "CPULion"}[kind]
+    assert inner == {"adam": "CPUAdam", "adagrad": "CPUAdagrad", "lion": "CPULion"}[kind]
     ref = reference_losses(kind)
     assert ref[-1] < 0.97 * ref[0]  # it trains
     torch.testing.assert_close(losses, ref, rtol=1e-5, atol=0)
+    if kind == "adam":  # the swapped optimizers keep Adam's L2 mode too
+        torch.testing.assert_close(per_rank[0]["nvme"][0], ref, rtol=1e-5, atol=0)
+        return
     for res in per_rank:
         assert "swaps Adam's states only" in res["nvme"], res["nvme"]
         assert "device 'cpu'" in res["nvme"], res["nvme"]
