@@ -9,12 +9,14 @@ also cycles beta1). The losses must equal PyTorch's step by step.
 Before the fix, offload copied each group's hyper-parameters into offload's CPU Adam once, so a
 scheduler on the user's optimizer changed nothing (the losses drifted from the third step), and
 `ZeroOptimizer` was not a `torch.optim.Optimizer`, so schedulers refused it (TypeError).
-`state_dict` / `load_state_dict` then resume a run exactly, masters and schedule included.
+`state_dict` / `load_state_dict` then resume a run exactly, masters and schedule included. And
+torch's "lr_scheduler.step() before optimizer.step()" warning stays silent under offload.
 """
 
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -108,10 +110,14 @@ def _schedules(rank: int, world_size: int, stage: int, nvme_path: str) -> dict:
     out = {}
     for device in ("none", "cpu", "nvme"):
         for attach in ("user", "zero"):
-            losses, (_, opt, _) = train(
-                rank, world_size, ds_config(stage, device, nvme_path), attach
-            )
-            out[device, attach] = (losses, type(opt.optimizer).__name__)
+            config = ds_config(stage, device, nvme_path)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                losses, (_, opt, _) = train(rank, world_size, config, attach)
+            order = [
+                str(w.message) for w in caught if "before `optimizer.step()`" in str(w.message)
+            ]
+            out[device, attach] = (losses, type(opt.optimizer).__name__, order)
             opt.close()
     return out
 
@@ -125,8 +131,9 @@ def test_schedulers_change_the_rates_zero_steps_with(stage: int, tmp_path) -> No
         assert max(abs(a - b) / b for a, b in zip(ref, constant)) > 1e-3
     inner = {"none": "AdamW", "cpu": "CPUAdam"}
     inner["nvme"] = "SwappedMastersOptimizer" if stage == 3 else "SwappedOptimizer"
-    for (device, attach), (losses, kind) in per_rank[0].items():
+    for (device, attach), (losses, kind, order) in per_rank[0].items():
         assert kind == inner[device]  # the offload path really ran
+        assert not order, f"{device}, {attach}: torch warned that the optimizer never stepped"
         torch.testing.assert_close(
             losses, expected[attach], rtol=1e-5, atol=0, msg=f"{device}, {attach}"
         )

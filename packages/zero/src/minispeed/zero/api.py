@@ -86,6 +86,7 @@ def shard(
         strategy = PartitionedStrategy(model, config, precision, group, param_groups=param_groups)
     else:
         strategy = Stage3Strategy(model, config, precision, group, param_groups=param_groups)
+    user_optimizer = optimizer
     if config.offload_optimizer is not None or config.offload_param is not None:
         # Lazy: minispeed.offload is an optional extra (Note [offload is imported lazily]).
         from minispeed.zero.offload_bridge import apply_offload
@@ -104,6 +105,7 @@ def shard(
         names,
         group,
         on_close=functools.partial(_forget_model, weakref.ref(model)),
+        user_optimizer=user_optimizer,
     )
 
 

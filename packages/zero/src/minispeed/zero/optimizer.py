@@ -82,6 +82,14 @@ __all__ = ["ParamFragment", "ShardStrategy", "ZeroOptimizer", "param_names"]
 # load_state_dict, zero_grad, add_param_group, the hook registrations).
 
 
+# Note [a scheduler on the user's optimizer sees it step]
+# A torch LR scheduler wraps its optimizer's `step` to set `optimizer._opt_called`, and warns
+# ("lr_scheduler.step() before optimizer.step()") at its first step when the flag is missing.
+# Under offload the user's optimizer is never stepped itself (offload's CPU optimizer steps its
+# param groups), so every correct loop would get that warning: each real step sets the flag on
+# the user's optimizer, exactly as torch's wrapper would have.
+
+
 class ZeroOptimizer(torch.optim.Optimizer):
     """The user's optimizer, stepping this rank's fp32 masters, driven with DeepSpeed semantics.
 
@@ -127,6 +135,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         group: Any = None,
         *,
         on_close: Callable[[], None] | None = None,
+        user_optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.strategy = strategy
@@ -181,6 +190,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ]
         self._closed = False
         self._on_close = on_close  # zero.shard: lets the model be sharded again
+        # Offload steps a CPU optimizer over the user's groups: see Note [a scheduler on the
+        # user's optimizer sees it step].
+        self._user_optimizer = user_optimizer if user_optimizer is not optimizer else None
         self._fragments = strategy.fragments()
         keys = [(f.group, f.master_index) for f in self._fragments]
         if len(set(keys)) != len(keys) or any(f.master_offset for f in self._fragments):
@@ -388,6 +400,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             )
         self.strategy.publish_params()
         self.loss_scaler.update(overflow=False)
+        if (
+            self._user_optimizer is not None
+        ):  # Note [a scheduler on the user's optimizer sees it step]
+            self._user_optimizer._opt_called = True  # type: ignore[attr-defined]
         self.strategy.zero_grad()
         self.global_step += 1
         return True
