@@ -75,7 +75,7 @@ def test_bad_nvme_path_on_one_rank_raises_on_every_rank(tmp_path, stage: int, ki
     assert not list((tmp_path / "rank0").iterdir()), "rank 0 left its swap files behind"
 
 
-def _little_space_on_rank_1(rank: int, world_size: int, root: str) -> str:
+def _little_space_on_rank_1(rank: int, world_size: int, root: str, stage: int) -> str:
     import minispeed.offload.swapper as swapper
 
     real = swapper.shutil.disk_usage
@@ -86,17 +86,28 @@ def _little_space_on_rank_1(rank: int, world_size: int, root: str) -> str:
 
     swapper.shutil.disk_usage = small  # this worker process only; restored below
     try:
-        return _shard_and_step(rank, world_size, _config(2, root))
+        if stage == 2:
+            return _shard_and_step(rank, world_size, _config(2, root))
+        param = {"device": "nvme", "nvme_path": root, "buffer_size": 2000}  # parameters only
+        section = {"stage": 3, "stage3_param_persistence_threshold": 0, "offload_param": param}
+        config = zero.ZeroConfig.from_ds_config({"zero_optimization": section})
+        return _shard_and_step(rank, world_size, config)
     finally:
         swapper.shutil.disk_usage = real
 
 
-def test_too_little_free_space_on_one_rank_raises_on_every_rank(tmp_path) -> None:
-    errors = run_distributed(_little_space_on_rank_1, args=(str(tmp_path),), timeout_s=TIMEOUT_S)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_too_little_free_space_on_one_rank_raises_on_every_rank(tmp_path, stage: int) -> None:
+    """Checked before the first write: the optimizer's swap files (stage 2), the parameter
+    shards' (stage 3, `offload_param: nvme` alone, whose files are written at zero.shard)."""
+    errors = run_distributed(
+        _little_space_on_rank_1, args=(str(tmp_path), stage), timeout_s=TIMEOUT_S
+    )
     for rank, error in enumerate(errors):
         assert error.startswith("OffloadSetupError: "), f"rank {rank}: {error!r}"
         assert "failed on rank 1 of 2" in error and "65536 free" in error, error
         assert "point nvme_path at a larger disk" in error, error
+        assert ("offload_param" if stage == 3 else "offload_optimizer") in error, error
     assert errors[0] == errors[1]
 
 

@@ -141,10 +141,15 @@ class NvmeShards:
                 f"MixedPrecision.param_dtype (or build the model outside zero.Init)"
             )
 
+    def reserve(self, sp: ShardedParam) -> None:
+        """Register ``sp``'s swap file (nothing written yet), so that free space can be checked
+        for every file before the first write (`offload_params`)."""
+        if id(sp) not in self.files:
+            self._check(sp)
+            self.files[id(sp)] = self.swapper.register(f"param-{len(self.files)}", sp.shard_numel)
+
     def adopt(self, sp: ShardedParam) -> None:
-        self._check(sp)
-        st = self.swapper.register(f"param-{len(self.files)}", sp.shard_numel)
-        self.files[id(sp)] = st
+        self.reserve(sp)
         self.store(sp)
         sp.shard = sp.shard.new_empty(0)
 
@@ -274,6 +279,13 @@ def offload_params(strategy: Any, config: Any, keep_masters: bool = True) -> Par
     if cfg.device == "cpu" and on_cpu:
         return ParamOffloadStrategy(strategy, home, offloaded)  # host memory already: no move
     residency, host_residency = ShardResidency(home), ShardResidency(host)
+    if isinstance(home, NvmeShards):  # every new file's size against free space, before writing
+        for sp in sps:
+            if id(sp) not in in_cpu:
+                home.reserve(sp)
+        from minispeed.zero.offload_bridge import import_offload
+
+        import_offload("zero_optimization.offload_param").check_free_space([home.swapper])
     for sp in sps:
         if id(sp) in in_cpu and on_cpu:
             continue  # host memory already: the shard stays as stage 3 made it
