@@ -80,3 +80,39 @@ def test_bad_tensors_are_refused_before_any_io(tmp_path: Path) -> None:
         io.write(torch.zeros(4, 4).t(), tmp_path / "c.bin")
     with pytest.raises(ValueError, match="offset"):
         io.write(torch.zeros(4), tmp_path / "c.bin", offset=-1)
+
+
+def _probe_with_pwrite_failing(tmp_path: Path, err: int) -> tuple[bool, bool, bool]:
+    """direct_io_supported while pwrite fails with ``err``, then again once it works, and what
+    a fresh probe says: (during, after, fresh)."""
+    import minispeed.offload.aio as aio
+
+    real = aio.os.pwrite
+
+    def failing(fd, data, offset):
+        raise OSError(err, os.strerror(err))
+
+    aio.os.pwrite = failing
+    try:
+        during = aio.direct_io_supported(tmp_path)
+    finally:
+        aio.os.pwrite = real
+    after = aio.direct_io_supported(tmp_path)
+    fresh = aio._probe(tmp_path)[0]
+    aio._direct_probe.pop(str(tmp_path.resolve()), None)
+    return during, after, fresh
+
+
+def test_direct_io_probe_on_a_full_disk_is_not_cached(tmp_path: Path) -> None:
+    """A full disk says nothing about O_DIRECT: once space is back, the probe answers again."""
+    during, after, fresh = _probe_with_pwrite_failing(tmp_path, errno.ENOSPC)
+    assert during is False
+    assert after == fresh
+    if not fresh:
+        pytest.skip("this file system refuses O_DIRECT: the two answers cannot differ")
+
+
+def test_direct_io_refusal_is_cached(tmp_path: Path) -> None:
+    """EINVAL is the file system's answer: cached for the process."""
+    during, after, _ = _probe_with_pwrite_failing(tmp_path, errno.EINVAL)
+    assert during is False and after is False

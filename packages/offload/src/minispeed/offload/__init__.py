@@ -28,7 +28,7 @@ from minispeed.offload.optimizers import CPUAdagrad, CPUAdam, CPUAdamW, CPULion
 from minispeed.offload.swapped import SwappedOptimizer
 from minispeed.offload.swapped_grads import SwappedGrads
 from minispeed.offload.swapped_masters import SwappedMastersOptimizer
-from minispeed.offload.swapper import SwapState, TensorSwapper
+from minispeed.offload.swapper import SwapState, TensorSwapper, check_free_space
 
 __all__ = [
     "AioConfig",
@@ -45,6 +45,7 @@ __all__ = [
     "SwappedMastersOptimizer",
     "SwappedOptimizer",
     "TensorSwapper",
+    "check_free_space",
     "direct_io_supported",
     "offload_optimizer",
 ]
@@ -62,8 +63,9 @@ def offload_optimizer(
 
     ``device='cpu'``: `CPUAdam` (states in host memory, 8 B per parameter);
     ``device='nvme'``: `SwappedOptimizer` (states in files under ``nvme_path``, host memory
-    only for ``buffer_count`` partition buffers). ``adam_kwargs`` are torch.optim.Adam's (``lr``,
-    ``betas``, ``eps``, ``weight_decay``, ``decoupled_weight_decay``). Both support
+    only for ``buffer_count`` partition buffers). ``adam_kwargs`` are `CPUAdam`'s (``lr``,
+    ``betas``, ``eps``, ``weight_decay``, ``adamw_mode`` (default True: AdamW, as DeepSpeed's
+    ``DeepSpeedCPUAdam``), ``bias_correction``). Both support
     ``step(write_back=[...])`` to emit bf16/fp16 copies of the updated weights in the same pass.
     """
     if config.device == "cpu":

@@ -63,35 +63,53 @@ _FIXES = {
 }
 
 
+# Note [the O_DIRECT probe caches answers, not accidents]
+# The probe writes and reads one 4 KiB block with O_DIRECT. The file system's answer (it works;
+# EINVAL: this file system refuses O_DIRECT) holds for the life of the process and is cached.
+# A failure that says nothing about O_DIRECT (ENOSPC on a full disk, EDQUOT, EACCES, EIO...) is
+# answered "no" for this request only and probed again next time, so a disk that was full for
+# a moment does not lose O_DIRECT for the rest of the run.
+_REFUSALS = (errno.EINVAL, errno.EOPNOTSUPP)
+
+
 def direct_io_supported(directory: str | os.PathLike[str]) -> bool:
-    """Whether files in ``directory`` accept O_DIRECT reads and writes (probed once, cached)."""
+    """Whether files in ``directory`` accept O_DIRECT reads and writes (probed once, cached;
+    see Note [the O_DIRECT probe caches answers, not accidents])."""
     key = str(Path(directory).resolve())
     with _probe_lock:
-        if key not in _direct_probe:
-            _direct_probe[key] = _probe(Path(key))
-            _log.info(
-                "aio: %s %s",
-                key,
-                "supports O_DIRECT: aligned requests bypass the page cache"
-                if _direct_probe[key]
-                else "does not support O_DIRECT (e.g. tmpfs): buffered I/O through the page cache",
-            )
-        return _direct_probe[key]
+        if key in _direct_probe:
+            return _direct_probe[key]
+        supported, definitive = _probe(Path(key))
+        if not definitive:
+            return False
+        _direct_probe[key] = supported
+        _log.info(
+            "aio: %s %s",
+            key,
+            "supports O_DIRECT: aligned requests bypass the page cache"
+            if supported
+            else "does not support O_DIRECT (e.g. tmpfs): buffered I/O through the page cache",
+        )
+        return supported
 
 
-def _probe(directory: Path) -> bool:
-    if not hasattr(os, "O_DIRECT") or not directory.is_dir():
-        return False
+def _probe(directory: Path) -> tuple[bool, bool]:
+    """(O_DIRECT works, the answer is the file system's and may be cached)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False, True
+    if not directory.is_dir():
+        return False, False
     probe = directory / f".minispeed-direct-probe-{os.getpid()}-{threading.get_ident()}"
     buf = mmap.mmap(-1, ALIGN)  # page-aligned
     try:
         fd = os.open(probe, os.O_CREAT | os.O_RDWR | os.O_DIRECT, 0o600)
-    except OSError:
-        return False
+    except OSError as error:
+        return False, error.errno in _REFUSALS
     try:
-        return os.pwrite(fd, buf, 0) == ALIGN and os.preadv(fd, [buf], 0) == ALIGN
-    except OSError:
-        return False
+        ok = os.pwrite(fd, buf, 0) == ALIGN and os.preadv(fd, [buf], 0) == ALIGN
+        return ok, True
+    except OSError as error:
+        return False, error.errno in _REFUSALS
     finally:
         os.close(fd)
         probe.unlink(missing_ok=True)

@@ -68,9 +68,13 @@ def _as_dict(section: Any, name: str) -> dict[str, Any]:
 def _check_types(obj: Any, prefix: str) -> None:
     for f in fields(obj):
         value = getattr(obj, f.name)
-        expected = {"int": int, "bool": bool, "str": str, "str | None": (str, type(None))}[
-            str(f.type)
-        ]
+        expected = {
+            "int": int,
+            "bool": bool,
+            "str": str,
+            "str | None": (str, type(None)),
+            "int | None": (int, type(None)),
+        }[str(f.type)]
         if isinstance(value, bool) != (expected is bool) or not isinstance(value, expected):
             raise TypeError(f"{prefix}.{f.name} must be {f.type}, got {value!r}")
 
@@ -221,8 +225,11 @@ class OffloadParamConfig:
     #: Elements per buffer (``buffer_size``, which counts elements): at least the largest
     #: partition swapped at once.
     buffer_numel: int = 100_000_000
-    #: Parameter elements kept in host memory before further ones go to NVMe (``max_in_cpu``).
-    max_in_cpu_numel: int = 1_000_000_000
+    #: With ``device='nvme'``: parameter-shard elements per rank kept in host memory, the first
+    #: shards in order, whole shards only; the rest go to NVMe (``max_in_cpu``). ``None`` (the
+    #: key absent): every shard goes to NVMe. DeepSpeed's default is 1e9 (so a model under 1e9
+    #: elements per rank stays in CPU memory there); here only an explicit value keeps shards.
+    max_in_cpu_numel: int | None = None
     #: Page-lock the buffers (``pin_memory``), as in `OffloadOptimizerConfig`.
     pin_memory: bool = False
 
@@ -232,7 +239,7 @@ class OffloadParamConfig:
         for name, ds in (("buffer_count", "buffer_count"), ("buffer_numel", "buffer_size")):
             if getattr(self, name) < 1:
                 raise ValueError(f"offload_param.{ds} must be >= 1, got {getattr(self, name)}")
-        if self.max_in_cpu_numel < 0:
+        if self.max_in_cpu_numel is not None and self.max_in_cpu_numel < 0:
             raise ValueError(f"offload_param.max_in_cpu must be >= 0, got {self.max_in_cpu_numel}")
 
     @classmethod

@@ -146,6 +146,7 @@ def adam_step(
     eps: float,
     weight_decay: float,
     decoupled_weight_decay: bool,
+    bias_correction: bool = True,
     write_back: Sequence[torch.Tensor] | None = None,
     simd: int | None = None,
     grain: int | None = None,
@@ -153,7 +154,8 @@ def adam_step(
     """One Adam (``decoupled_weight_decay=False``: L2 added to the gradient) or AdamW step, in place.
 
     ``step`` is the step number after this update (1 on the first call): it sets the bias
-    corrections ``1 - beta1**step`` and ``1 - beta2**step``. Moves 28 B per element.
+    corrections ``1 - beta1**step`` and ``1 - beta2**step`` (both 1 with
+    ``bias_correction=False``, DeepSpeed's switch). Moves 28 B per element.
     """
     groups = (params, grads, exp_avgs, exp_avg_sqs)
     half = _check("adam_step", groups, ("params", "grads", "exp_avgs", "exp_avg_sqs"), write_back)
@@ -166,10 +168,10 @@ def adam_step(
         return reference.adam_step(
             params, grads, exp_avgs, exp_avg_sqs, step=step, lr=lr, beta1=beta1, beta2=beta2,
             eps=eps, weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay,
-            write_back=write_back,
+            bias_correction=bias_correction, write_back=write_back,
         )  # fmt: skip
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
+    bias_correction1 = 1 - beta1**step if bias_correction else 1.0
+    bias_correction2 = 1 - beta2**step if bias_correction else 1.0
     ptrs, counts = _pointers(groups, write_back)
     op.adam_step(
         ptrs,

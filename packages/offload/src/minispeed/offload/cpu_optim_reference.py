@@ -39,13 +39,15 @@ def adam_step(
     eps: float,
     weight_decay: float,
     decoupled_weight_decay: bool,
+    bias_correction: bool = True,
     write_back: Sequence[torch.Tensor] | None = None,
     simd: int | None = None,
     grain: int | None = None,
 ) -> None:
-    """One Adam (L2 weight decay) or AdamW (decoupled) step of every tensor, in place; ``step`` >= 1."""
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
+    """One Adam (L2 weight decay) or AdamW (decoupled) step of every tensor, in place; ``step`` >= 1.
+    ``bias_correction=False``: the raw moments (DeepSpeed's switch), both corrections 1."""
+    bias_correction1 = 1 - beta1**step if bias_correction else 1.0
+    bias_correction2 = 1 - beta2**step if bias_correction else 1.0
     step_size = lr / bias_correction1
     bias_correction2_sqrt = bias_correction2**0.5
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):

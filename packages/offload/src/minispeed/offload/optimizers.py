@@ -1,6 +1,8 @@
 """``torch.optim.Optimizer`` classes over the CPU kernels: CPUAdam, CPUAdamW, CPUAdagrad, CPULion.
 
-Drop-in replacements for ``torch.optim.Adam`` / ``AdamW`` / ``Adagrad`` on fp32 CPU parameters:
+Drop-in replacements for ``torch.optim.AdamW`` / ``Adam`` / ``Adagrad`` on fp32 CPU parameters
+(`CPUAdam` defaults to AdamW, as DeepSpeed's ``DeepSpeedCPUAdam`` does: ``adamw_mode=False``
+for Adam):
 the same constructor arguments, the same ``param_groups`` keys and the same ``state`` entries
 (``step`` as a 0-dim fp32 tensor, ``exp_avg``, ``exp_avg_sq``, ``sum``), so a ``state_dict`` saved
 by one loads into the other and training continues identically (see Note [bit-equal to
@@ -136,11 +138,19 @@ class _CPUOptimizer(torch.optim.Optimizer):
 
 
 class CPUAdam(_CPUOptimizer):
-    """Adam (``decoupled_weight_decay=False``: L2 added to the gradient) or AdamW, on the CPU.
+    """Adam or AdamW on the CPU, with DeepSpeed's `DeepSpeedCPUAdam` defaults.
 
-    Same arguments and ``state_dict`` as ``torch.optim.Adam``; ``amsgrad``, ``maximize``,
-    ``capturable``, ``differentiable`` and ``fused`` must stay off. ``simd`` picks a SIMD path
-    (0 scalar, 1 AVX2, 2 AVX-512; default the build's widest). 8 B of state per parameter.
+    **Default: AdamW** (``adamw_mode=True``: decoupled weight decay, ``p *= 1 - lr * wd``), as
+    `DeepSpeedCPUAdam` does; ``adamw_mode=False`` is Adam with L2 regularisation (``g += wd *
+    p``), like ``torch.optim.Adam``. torch's name for the same switch, ``decoupled_weight_decay``,
+    is accepted too (giving both, differently, is an error). ``bias_correction`` (default True,
+    as in torch and DeepSpeed) divides the moments by ``1 - beta**step``; False steps with the
+    raw moments. Both are stored per param group (``decoupled_weight_decay``,
+    ``bias_correction``), so a ``torch.optim.Adam`` checkpoint loads as Adam and an ``AdamW``
+    one as AdamW. Otherwise the same arguments and ``state_dict`` as ``torch.optim.Adam``;
+    ``amsgrad``, ``maximize``, ``capturable``, ``differentiable`` and ``fused`` must stay off.
+    ``simd`` picks a SIMD path (0 scalar, 1 AVX2, 2 AVX-512; default the build's widest).
+    8 B of state per parameter.
     """
 
     _name = "CPUAdam"
@@ -154,12 +164,14 @@ class CPUAdam(_CPUOptimizer):
         weight_decay: float = 0.0,
         amsgrad: bool = False,
         *,
+        adamw_mode: bool | None = None,
+        bias_correction: bool = True,
         foreach: bool | None = None,
         maximize: bool = False,
         capturable: bool = False,
         differentiable: bool = False,
         fused: bool | None = None,
-        decoupled_weight_decay: bool = False,
+        decoupled_weight_decay: bool | None = None,
         simd: int | None = None,
     ) -> None:
         _refuse(
@@ -175,6 +187,15 @@ class CPUAdam(_CPUOptimizer):
                 f"{type(self).__name__}: need lr, eps, weight_decay >= 0 and 0 <= betas < 1, got "
                 f"lr={lr}, eps={eps}, weight_decay={weight_decay}, betas={betas}"
             )
+        if (
+            None not in (adamw_mode, decoupled_weight_decay)
+            and adamw_mode != decoupled_weight_decay
+        ):
+            raise ValueError(
+                f"{type(self).__name__}(adamw_mode={adamw_mode}, decoupled_weight_decay="
+                f"{decoupled_weight_decay}): the two names mean the same switch; give one"
+            )
+        decoupled = next((v for v in (adamw_mode, decoupled_weight_decay) if v is not None), True)
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
@@ -186,7 +207,8 @@ class CPUAdam(_CPUOptimizer):
             capturable=False,
             differentiable=False,
             fused=None,
-            decoupled_weight_decay=decoupled_weight_decay,
+            decoupled_weight_decay=bool(decoupled),
+            bias_correction=bool(bias_correction),
         )
         super().__init__(params, defaults, simd)
 
@@ -253,6 +275,7 @@ def adam_step_by_count(
             eps=group["eps"],
             weight_decay=group["weight_decay"],
             decoupled_weight_decay=group.get("decoupled_weight_decay", False),
+            bias_correction=group.get("bias_correction", True),
             write_back=[write_back[i] for i in idx] if has_out else None,
             simd=simd,
         )

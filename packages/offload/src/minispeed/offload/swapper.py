@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import enum
+import errno
 import fcntl
 import os
 import shutil
@@ -32,7 +33,14 @@ from minispeed.core.logging import get_logger
 from minispeed.offload.aio import ALIGN, AsyncIO, IORequest
 from minispeed.offload.config import AioConfig
 
-__all__ = ["BufferPool", "SwapDir", "SwapState", "SwappedTensor", "TensorSwapper"]
+__all__ = [
+    "BufferPool",
+    "SwapDir",
+    "SwapState",
+    "SwappedTensor",
+    "TensorSwapper",
+    "check_free_space",
+]
 
 _log = get_logger("offload.swapper")
 _PREFIX = "minispeed-swap-"
@@ -436,3 +444,36 @@ class TensorSwapper:
             self.wait_all()
         finally:
             self.dir.close()
+
+
+def check_free_space(swappers: list[TensorSwapper]) -> None:
+    """Refuse swap files that cannot fit, before they are written (a full disk mid-training
+    costs the run; at set-up it costs nothing). Per file system: the bytes every registered
+    tensor's file will take (4 KiB-padded) minus what its file holds already, against the free
+    space ``shutil.disk_usage`` reports. Raises ``OSError(ENOSPC)`` naming the keys, the
+    directory, both numbers and the fix. Costs one ``stat`` per swap file."""
+    need: dict[int, tuple[Path, int, list[str]]] = {}
+    for sw in swappers:
+        itemsize = torch.empty((), dtype=sw.dtype).element_size()
+        more = 0
+        for st in sw.tensors.values():
+            size = -(-st.numel * itemsize // ALIGN) * ALIGN
+            try:
+                size -= st.path.stat().st_size
+            except FileNotFoundError:
+                pass
+            more += max(size, 0)
+        dev = os.stat(sw.dir.path).st_dev
+        path, total, keys = need.get(dev, (sw.dir.path.parent, 0, []))
+        need[dev] = (path, total + more, [*keys, sw.key])
+    for path, total, keys in need.values():
+        free = shutil.disk_usage(path).free
+        if total > free:
+            names = " and ".join(f"{k}.nvme_path" for k in dict.fromkeys(keys))
+            raise OSError(
+                errno.ENOSPC,
+                f"{names}={str(path)!r}: the swap files need {total} more bytes and the file "
+                f"system has {free} free: free space there, point nvme_path at a larger disk, "
+                f"or offload less (device 'cpu')",
+                str(path),
+            )

@@ -22,6 +22,7 @@ from minispeed.zero.config import ZeroConfig
 from minispeed.zero.memory import estimate, measure
 from minispeed.zero.optimizer import ParamFragment, ShardStrategy, ZeroOptimizer
 from minispeed.zero.precision import LossScaler, MixedPrecision
+from minispeed.zero.setup_agreement import OffloadSetupError
 from minispeed.zero.stage3 import GatheredParameters, Init, full_state_dict, set_leaf_module
 from minispeed.zero.stage3.io_failures import OffloadIOError
 
@@ -31,6 +32,7 @@ __all__ = [
     "LossScaler",
     "MixedPrecision",
     "OffloadIOError",
+    "OffloadSetupError",
     "ParamFragment",
     "ShardStrategy",
     "ZeroConfig",

@@ -86,11 +86,12 @@ def shard(
         strategy = PartitionedStrategy(model, config, precision, group, param_groups=param_groups)
     else:
         strategy = Stage3Strategy(model, config, precision, group, param_groups=param_groups)
+    user_optimizer = optimizer
     if config.offload_optimizer is not None or config.offload_param is not None:
         # Lazy: minispeed.offload is an optional extra (Note [offload is imported lazily]).
         from minispeed.zero.offload_bridge import apply_offload
 
-        strategy, optimizer = apply_offload(strategy, optimizer, config)
+        strategy, optimizer = apply_offload(strategy, optimizer, config, group)
     _cast_rest(model, {p for ps in param_groups for p in ps}, precision.param_dtype, config.stage)
     _sharded_models.add(model)
     names = param_names(model)
@@ -104,6 +105,7 @@ def shard(
         names,
         group,
         on_close=functools.partial(_forget_model, weakref.ref(model)),
+        user_optimizer=user_optimizer,
     )
 
 
@@ -127,6 +129,11 @@ def _check_inputs(
             f"shard() needs a torch.optim.Optimizer, got {type(optimizer).__name__}; build one over "
             f"model.parameters(), e.g. torch.optim.AdamW(model.parameters(), lr=1e-3)"
         )
+    if isinstance(optimizer, ZeroOptimizer):
+        raise TypeError(
+            "shard() got a ZeroOptimizer, which is already sharded; pass the model's own "
+            "torch.optim optimizer (a fresh one), or keep using this ZeroOptimizer"
+        )
     if not isinstance(config, ZeroConfig):
         raise TypeError(
             f"config must be a ZeroConfig (see ZeroConfig.from_ds_config), got {type(config).__name__}"
@@ -144,7 +151,8 @@ def _check_inputs(
             "ZeroOptimizer that shard() returned, call its close() first, or build a new model"
         )
     _check_optimizer_kind(optimizer)
-    if any(len(s) for s in optimizer.state.values()):
+    # Adagrad makes its state (step 0) at construction: only a step count > 0 means "stepped".
+    if any(len(s) and float(s.get("step", 1)) != 0 for s in optimizer.state.values()):
         raise ValueError(
             "the optimizer already has state (it has stepped); pass a fresh optimizer to shard() "
             "and restore state with minispeed.zero.load_checkpoint"

@@ -8,8 +8,10 @@ lazily]). Three pieces, applied by `zero.shard` in this order:
    `offload_param` and `aio` sections become offload's typed configs on `ZeroConfig`;
 2. `HostMasters`: a `ShardStrategy` wrapper whose masters and master gradients are host
    tensors (aliases of the strategy's own where those already live on the CPU);
-3. `host_optimizer`: the user's Adam/AdamW replaced by offload's CPU Adam (`device: cpu`) or
-   its `SwappedOptimizer` (`device: nvme`) over those host masters, same hyper-parameters.
+3. `host_optimizer`: the user's Adam/AdamW stepped by offload's CPU Adam (`device: cpu`) or
+   its `SwappedOptimizer` (`device: nvme`), Adagrad by `CPUAdagrad` and Lion by `CPULion`
+   (`cpu`), over those host masters, reading the user's own
+   param groups at every step (so LR schedulers keep working).
 
 Stage 3's `offload_param` lives in `minispeed.zero.stage3.offloaded` (shards in host memory or
 swap files, fetched before each all-gather). At stage 3, `offload_optimizer: nvme` is
@@ -221,51 +223,116 @@ class HostMasters(StrategyWrapper):
         self._inner.publish_params()
 
 
+# Note [the user's param groups are the host optimizer's]
+# With offload_optimizer the inner optimizer is offload's CPU one, not the user's. Its param
+# groups must still be the user's: a learning-rate scheduler attached to the user's optimizer
+# (or to the ZeroOptimizer, which exposes the same groups) rewrites `lr` (OneCycleLR also
+# `betas`) in those dicts every step, and checkpoints restore hyper-parameters into them. A copy
+# taken at zero.shard would freeze every hyper-parameter at its first value (issue 24 §1.0).
+# So the CPU optimizer is built over the user's group dicts themselves: torch.optim keeps each
+# dict it is given (`add_param_group` appends it), "params" becomes this rank's masters (as in
+# the un-offloaded case, where the user's optimizer steps the masters), and keys the CPU kernel
+# needs are added with `setdefault`, never overriding the user's. Every step reads them afresh.
+
+
+#: Lion has no torch.optim class: these class names (ours, DeepSpeed's, lion-pytorch's) are
+#: taken for Lion, with its param-group keys (lr, betas, weight_decay).
+LION_NAMES = ("CPULion", "Lion", "FusedLion", "DeepSpeedCPULion")
+
+
+def host_kind(user: torch.optim.Optimizer, offload: Any) -> str:
+    """Which CPU kernel steps ``user``'s groups: ``adam`` (torch Adam/AdamW, `CPUAdam`),
+    ``adagrad`` (torch Adagrad, `CPUAdagrad`) or ``lion`` (`CPULion`, `LION_NAMES`)."""
+    if isinstance(user, torch.optim.Adam | offload.CPUAdam):  # AdamW subclasses Adam
+        return "adam"
+    if isinstance(user, torch.optim.Adagrad | offload.CPUAdagrad):
+        return "adagrad"
+    if type(user).__name__ in LION_NAMES:
+        return "lion"
+    raise TypeError(
+        f"offload_optimizer runs a CPU kernel for Adam/AdamW, Adagrad or Lion, so the optimizer "
+        f"passed to zero.shard must be torch.optim.Adam, AdamW or Adagrad, or a Lion "
+        f"(minispeed.offload.CPULion), got {type(user).__name__}; use one of those or set "
+        f"offload_optimizer.device to 'none'"
+    )
+
+
+_FLAGS_OFF = {"adam": ("amsgrad", "maximize"), "adagrad": ("maximize",), "lion": ("maximize",)}
+_DEFAULT_KEYS = {
+    "adam": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0},
+    "adagrad": {
+        "lr": 1e-2,
+        "lr_decay": 0.0,
+        "weight_decay": 0.0,
+        "initial_accumulator_value": 0.0,
+        "eps": 1e-10,
+    },
+    "lion": {"lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": 0.0},
+}
+
+
 def host_optimizer(
     user: torch.optim.Optimizer,
     masters: list[list[torch.Tensor]],
     config: Any,
     swap_masters: bool = False,
 ) -> torch.optim.Optimizer:
-    """offload's CPU Adam (`cpu`) or `SwappedOptimizer` (`nvme`) over `masters`, with the
-    hyper-parameters of each of `user`'s param groups (Adam and AdamW only).
+    """offload's CPU optimizer over `masters`, stepping with the hyper-parameters of `user`'s
+    param groups, read at every step (the group dicts are shared: Note [the user's param groups
+    are the host optimizer's]).
 
-    ``swap_masters`` (stage 3, ZeRO-Infinity): `SwappedMastersOptimizer`, whose masters are
-    meta handles and whose values, states and gradients live in its files."""
+    Adam/AdamW: `CPUAdam` (`cpu`) or `SwappedOptimizer` (`nvme`), in AdamW mode exactly when
+    the user's group says decoupled weight decay (torch AdamW, or `CPUAdam`'s ``adamw_mode``),
+    so offload steps what the un-offloaded run would. Adagrad: `CPUAdagrad`; Lion: `CPULion`
+    (`cpu` only: the swap files hold Adam's two states). ``swap_masters`` (stage 3,
+    ZeRO-Infinity): `SwappedMastersOptimizer`, whose masters are meta handles and whose values,
+    states and gradients live in its files."""
     offload = import_offload("zero_optimization.offload_optimizer")
-    if not isinstance(user, torch.optim.Adam | offload.CPUAdam):  # AdamW subclasses Adam
-        raise TypeError(
-            f"offload_optimizer runs the CPU Adam kernel, so the optimizer passed to "
-            f"zero.shard must be torch.optim.Adam or AdamW, got {type(user).__name__}; use "
-            f"Adam/AdamW or set offload_optimizer.device to 'none'"
+    kind = host_kind(user, offload)
+    cfg = config.offload_optimizer
+    if kind != "adam" and cfg.device == "nvme":
+        raise ValueError(
+            f"offload_optimizer.device='nvme' swaps Adam's states only; {type(user).__name__} "
+            f"is offloaded with device 'cpu' (its states in host memory), or use Adam/AdamW"
         )
     decoupled = isinstance(user, torch.optim.AdamW)
-    groups = []
     for pg, ms in zip(user.param_groups, masters):
-        for flag in ("amsgrad", "maximize"):
+        for flag in _FLAGS_OFF[kind]:
             if pg.get(flag, False):
                 raise ValueError(
                     f"offload_optimizer: {type(user).__name__}({flag}=True) is not supported by "
-                    f"the CPU Adam kernel; construct it with {flag}=False"
+                    f"the CPU kernel; construct it with {flag}=False"
                 )
-        groups.append(
-            {
-                "params": list(ms),
-                "lr": pg["lr"],
-                "betas": tuple(pg["betas"]),
-                "eps": pg["eps"],
-                "weight_decay": pg["weight_decay"],
-                "decoupled_weight_decay": pg.get("decoupled_weight_decay", decoupled),
-            }
-        )
-    cfg = config.offload_optimizer
-    if swap_masters:
-        return offload.SwappedMastersOptimizer(
-            groups, cfg, config.aio, sub_group_numel=config.sub_group_numel
-        )
-    return offload.offload_optimizer(
-        groups, cfg, config.aio, sub_group_numel=config.sub_group_numel
-    )
+        missing = [k for k in _DEFAULT_KEYS[kind] if k not in pg]
+        if missing:
+            raise ValueError(
+                f"offload_optimizer: {type(user).__name__}'s param groups lack {missing}, which "
+                f"the CPU {kind} kernel reads; build it with those hyper-parameters"
+            )
+        pg["params"] = list(ms)
+        if kind == "adam":
+            pg.setdefault("decoupled_weight_decay", decoupled)
+            pg.setdefault("bias_correction", True)
+    d = user.defaults
+    hyper = {k: d.get(k, v) for k, v in _DEFAULT_KEYS[kind].items()}
+    groups = user.param_groups
+    if kind == "adagrad":
+        inner = offload.CPUAdagrad(groups, **hyper)
+    elif kind == "lion":
+        inner = offload.CPULion(groups, **hyper)
+    else:
+        hyper["betas"] = tuple(hyper["betas"])
+        hyper["decoupled_weight_decay"] = d.get("decoupled_weight_decay", decoupled)
+        if swap_masters:
+            inner = offload.SwappedMastersOptimizer(
+                groups, cfg, config.aio, sub_group_numel=config.sub_group_numel, **hyper
+            )
+        else:
+            inner = offload.offload_optimizer(
+                groups, cfg, config.aio, sub_group_numel=config.sub_group_numel, **hyper
+            )
+    assert all(a is b for a, b in zip(inner.param_groups, user.param_groups))
+    return inner
 
 
 def apply_optimizer_offload(
@@ -277,25 +344,71 @@ def apply_optimizer_offload(
 
 
 def apply_offload(
-    strategy: Any, optimizer: torch.optim.Optimizer, config: Any
+    strategy: Any, optimizer: torch.optim.Optimizer, config: Any, group: Any = None
 ) -> tuple[Any, torch.optim.Optimizer]:
     """`zero.shard`'s one hook: parameter offload (stage 3) first, then optimizer offload.
 
-    Runs on every rank; a bad `nvme_path`, a `buffer_size` below one partition or an impossible
-    `pin_memory` raises here, on every rank, naming the key and the fix.
+    Runs on every rank of `group`. The set-up is local (paths, free space, page-locked buffers,
+    the first writes) and ends in one agreement, so a bad `nvme_path`, too little free space, a
+    `buffer_size` below one partition or an impossible `pin_memory` on ANY rank raises
+    `OffloadSetupError` on EVERY rank, naming the rank, the key and the fix (Note [a set-up
+    check fails on every rank] in setup_agreement.py). Costs one 1-element all-reduce (two
+    under ZeRO-Infinity, whose first masters are agreed on too).
     """
+    from minispeed.zero.setup_agreement import agree_on_setup
+
     infinity = wants_masters_in_files(config)
-    if wants_param_offload(config):
-        from minispeed.zero.stage3.offloaded import offload_params
 
-        strategy = offload_params(strategy, config, keep_masters=not infinity)
+    def build() -> tuple[Any, torch.optim.Optimizer]:
+        built_strategy, built_optimizer = strategy, optimizer
+        if wants_param_offload(config):
+            from minispeed.zero.stage3.offloaded import offload_params
+
+            built_strategy = offload_params(built_strategy, config, keep_masters=not infinity)
+        if infinity:
+            from minispeed.zero.stage3.infinity import offload_masters
+
+            return offload_masters(built_strategy, built_optimizer, config)
+        if wants_optimizer_offload(config):
+            built_strategy, built_optimizer = apply_optimizer_offload(
+                built_strategy, built_optimizer, config
+            )
+        check_free_space(built_strategy, built_optimizer)
+        return built_strategy, built_optimizer
+
+    strategy, optimizer = agree_on_setup(
+        group, "zero.shard's offload set-up", build, discard=_delete_swap_files
+    )
     if infinity:
-        from minispeed.zero.stage3.infinity import offload_masters
+        from minispeed.zero.stage3.infinity import agree_on_first_masters
 
-        return offload_masters(strategy, optimizer, config)
-    if wants_optimizer_offload(config):
-        strategy, optimizer = apply_optimizer_offload(strategy, optimizer, config)
+        agree_on_first_masters(strategy)
     return strategy, optimizer
+
+
+def swappers_of(strategy: Any, optimizer: Any) -> list[Any]:
+    """Every `TensorSwapper` (swap directory) the offloaded strategy and optimizer write to."""
+    found = [
+        getattr(optimizer, "swapper", None),
+        getattr(getattr(optimizer, "grads", None), "swapper", None),
+        getattr(getattr(strategy, "param_home", None), "swapper", None),
+    ]
+    return [sw for sw in found if sw is not None]
+
+
+def check_free_space(strategy: Any, optimizer: Any) -> None:
+    """Every swap file of this rank fits in its file system's free space, or `OSError(ENOSPC)`
+    naming the key, the directory and the fix (`minispeed.offload.check_free_space`)."""
+    swappers = swappers_of(strategy, optimizer)
+    if swappers:
+        import_offload("zero_optimization.offload_*.nvme_path").check_free_space(swappers)
+
+
+def _delete_swap_files(built: tuple[Any, Any]) -> None:
+    """After a failed set-up on another rank: this rank's swap directories go at once."""
+    for swapper in swappers_of(*built):
+        swapper.abandon()
+        swapper.close()
 
 
 def wants_masters_in_files(config: Any) -> bool:

@@ -70,7 +70,27 @@ __all__ = ["ParamFragment", "ShardStrategy", "ZeroOptimizer", "param_names"]
 # implementation (the CPU default) already bounds temporaries by the largest tensor.
 
 
-class ZeroOptimizer:
+# Note [ZeroOptimizer is a torch.optim.Optimizer]
+# torch's LR schedulers accept only instances of torch.optim.Optimizer and then use three things
+# of it: `param_groups` (each group's `lr`, OneCycleLR also `betas`/`momentum`), `defaults`
+# (OneCycleLR checks for momentum there) and `step` (wrapped, to warn when the scheduler steps
+# first). DeepSpeed's ZeRO optimizer exposes `param_groups` the same way. So ZeroOptimizer
+# subclasses Optimizer *without* running its __init__: `param_groups`, `defaults` and `state` are
+# the inner optimizer's (whose groups are the user's own dicts, with or without offload: Note
+# [the user's param groups are the host optimizer's] in offload_bridge.py), and every inherited
+# method that would read attributes torch's __init__ sets is overridden here (state_dict,
+# load_state_dict, zero_grad, add_param_group, the hook registrations).
+
+
+# Note [a scheduler on the user's optimizer sees it step]
+# A torch LR scheduler wraps its optimizer's `step` to set `optimizer._opt_called`, and warns
+# ("lr_scheduler.step() before optimizer.step()") at its first step when the flag is missing.
+# Under offload the user's optimizer is never stepped itself (offload's CPU optimizer steps its
+# param groups), so every correct loop would get that warning: each real step sets the flag on
+# the user's optimizer, exactly as torch's wrapper would have.
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
     """The user's optimizer, stepping this rank's fp32 masters, driven with DeepSpeed semantics.
 
     Built by `minispeed.zero.shard`. Call `backward` and `step` on every
@@ -88,8 +108,14 @@ class ZeroOptimizer:
     this rank's disjoint gradient shards, one fp32 all-reduce when gradients are partitioned),
     run the inner optimizer, publish masters into the model parameters, clear the gradients.
 
-    Attributes: `optimizer` (the inner torch.optim optimizer, now holding master tensors; attach
-    LR schedulers to it), `strategy`, `config`, `precision`, `loss_scaler`,
+    A `torch.optim.Optimizer` for LR schedulers (Note [ZeroOptimizer is a torch.optim.Optimizer]):
+    `param_groups` are the user's optimizer's groups, read at every step with or without
+    offload, so `torch.optim.lr_scheduler.OneCycleLR(opt, ...)` on this object or on the
+    optimizer passed to `zero.shard` changes the rates actually used. `state_dict` /
+    `load_state_dict` save and restore this rank's part (see `minispeed.zero.rank_state`).
+
+    Attributes: `optimizer` (the inner optimizer, now holding master tensors: the user's, or
+    offload's CPU optimizer over the user's param groups), `strategy`, `config`, `precision`, `loss_scaler`,
     `global_step` (optimizer steps taken, skipped ones excluded), `micro_step` (backward calls).
 
     Lifetime: dropping the model and this optimizer (`del opt, model`) frees everything (the
@@ -109,6 +135,7 @@ class ZeroOptimizer:
         group: Any = None,
         *,
         on_close: Callable[[], None] | None = None,
+        user_optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.strategy = strategy
@@ -130,6 +157,13 @@ class ZeroOptimizer:
         for pg, ms in zip(optimizer.param_groups, masters):
             pg["params"] = list(ms)  # hyper-parameters stay; the tensors become this rank's masters
         optimizer.state.clear()
+        if type(optimizer) is torch.optim.Adagrad:  # it makes its state at construction only
+            for pg in optimizer.param_groups:
+                for m in pg["params"]:
+                    optimizer.state[m] = {
+                        "step": torch.tensor(0.0),
+                        "sum": torch.full_like(m, pg["initial_accumulator_value"]),
+                    }
 
         # See Note [unused parameters]. Slot 0 carries this rank's fp16 overflow flag, or an
         # unfrozen parameter (Note [requires_grad is fixed at shard time]).
@@ -157,6 +191,9 @@ class ZeroOptimizer:
         ]
         self._closed = False
         self._on_close = on_close  # zero.shard: lets the model be sharded again
+        # Offload steps a CPU optimizer over the user's groups: see Note [a scheduler on the
+        # user's optimizer sees it step].
+        self._user_optimizer = user_optimizer if user_optimizer is not optimizer else None
         self._fragments = strategy.fragments()
         keys = [(f.group, f.master_index) for f in self._fragments]
         if len(set(keys)) != len(keys) or any(f.master_offset for f in self._fragments):
@@ -170,6 +207,58 @@ class ZeroOptimizer:
         order = [(g, i) for g, ms in enumerate(masters) for i in range(len(ms))]
         sizes = [masters[g][i].numel() for g, i in order]
         self._sub_groups = cut_runs(order, sizes, config.sub_group_numel)
+
+    # -- torch.optim.Optimizer's surface (Note [ZeroOptimizer is a torch.optim.Optimizer]) ----
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """The inner optimizer's param groups: the user's dicts ("params" are this rank's masters).
+        Hyper-parameters written here (by a scheduler) apply from the next step."""
+        return self.optimizer.param_groups
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        """The inner optimizer's defaults (the user's hyper-parameters)."""
+        return self.optimizer.defaults
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        """The inner optimizer's per-master state (swapped optimizers: what is in memory)."""
+        return self.optimizer.state
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state: inner state and hyper-parameters, fp32 masters, loss
+        scale and counters (host copies: Ψ/N·(4 + K) bytes). Local; `load_state_dict` restores
+        it on the same rank of the same layout. To change world size or stage use
+        `zero.save_checkpoint` / `zero.load_checkpoint`."""
+        from minispeed.zero.rank_state import rank_state_dict
+
+        return rank_state_dict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned on this rank (collective: every rank calls it, the
+        masters are then published into the model as after a step)."""
+        from minispeed.zero.rank_state import load_rank_state_dict
+
+        self._check_open("load_state_dict")
+        load_rank_state_dict(self, state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused: the partition of every parameter is fixed by `zero.shard`."""
+        raise RuntimeError(
+            "ZeroOptimizer.add_param_group: the param groups are partitioned at zero.shard and "
+            "cannot grow; put every parameter in the optimizer before zero.shard (frozen ones too)"
+        )
+
+    def _no_hooks(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            "ZeroOptimizer does not run torch.optim hooks; register them on opt.optimizer (the "
+            "inner optimizer, called once per sub-group at each boundary step)"
+        )
+
+    register_step_pre_hook = register_step_post_hook = _no_hooks  # type: ignore[assignment]
+    register_state_dict_pre_hook = register_state_dict_post_hook = _no_hooks  # type: ignore[assignment]
+    register_load_state_dict_pre_hook = _no_hooks  # type: ignore[assignment]
+    register_load_state_dict_post_hook = _no_hooks  # type: ignore[assignment]
 
     # -- micro-step -------------------------------------------------------------------------------
     @property
@@ -210,13 +299,18 @@ class ZeroOptimizer:
         self._backward_since_step = True
 
     # -- step -------------------------------------------------------------------------------------
-    def step(self) -> bool:
+    def step(self, closure: None = None) -> bool:  # type: ignore[override]
         """Take the optimizer step if a window just ended; returns whether weights changed.
 
         Call it after every `backward` (it acts only at accumulation boundaries). A call
         with no `backward` since the previous one is an error: there is nothing to step.
+        `closure` (torch.optim's signature) must be None.
         """
         self._check_open("step")
+        if closure is not None:
+            raise ValueError(
+                "ZeroOptimizer.step takes no closure: run forward and opt.backward(loss) first"
+            )
         if not self._backward_since_step:
             raise RuntimeError(
                 f"step() with no backward() since the last step() (micro-step {self.micro_step}): "
@@ -307,6 +401,10 @@ class ZeroOptimizer:
             )
         self.strategy.publish_params()
         self.loss_scaler.update(overflow=False)
+        if (
+            self._user_optimizer is not None
+        ):  # Note [a scheduler on the user's optimizer sees it step]
+            self._user_optimizer._opt_called = True  # type: ignore[attr-defined]
         self.strategy.zero_grad()
         self.global_step += 1
         return True
@@ -363,8 +461,9 @@ class ZeroOptimizer:
         (`max_grad_norm` > 0); `None` before then or without clipping."""
         return None if self._grad_norm is None else float(self._grad_norm)
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every accumulated gradient (`step` already does this after stepping).
+        `set_to_none` is accepted for torch.optim's signature (gradients are always dropped).
 
         Refused in the middle of an accumulation window, where it would silently discard the
         micro-batches accumulated so far (the plain-PyTorch habit of calling `zero_grad()`
@@ -397,7 +496,7 @@ class ZeroOptimizer:
         flat parameter buffer, which costs nothing more than before). Stage 3: collective (every
         rank must call it), one all-gather of every released parameter, after which each rank
         holds the full parameters (Ψ·p bytes); the shards, masters and optimizer state are freed
-        with this object.
+        with this object. With offload to NVMe (any stage) the swap files are deleted here.
         """
         if self._closed:
             return
@@ -408,8 +507,11 @@ class ZeroOptimizer:
         try:
             self.strategy.close()  # ZeRO-Infinity: may raise OffloadIOError, on every rank
         finally:
-            if self._on_close is not None:
-                self._on_close()
+            try:  # offload_optimizer nvme: the swap files go now, not when collected
+                getattr(self.optimizer, "close", lambda: None)()
+            finally:
+                if self._on_close is not None:
+                    self._on_close()
 
     @property
     def closed(self) -> bool:

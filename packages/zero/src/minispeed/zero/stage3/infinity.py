@@ -43,16 +43,17 @@ end of each step (4 bytes), and one more fp32 slot in the step's agreement flags
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
 from minispeed.zero.contract import StrategyWrapper
-from minispeed.zero.offload_bridge import host_optimizer
+from minispeed.zero.offload_bridge import check_free_space, host_optimizer, swappers_of
 from minispeed.zero.stage3.io_failures import IOFailures
 from minispeed.zero.stage3.params import ParamState, ShardedParam, refresh_gathered
 
-__all__ = ["InfinityResidency", "InfinityStrategy", "offload_masters"]
+__all__ = ["InfinityResidency", "InfinityStrategy", "agree_on_first_masters", "offload_masters"]
 
 
 class InfinityResidency:
@@ -194,7 +195,10 @@ class InfinityStrategy(StrategyWrapper):
 def offload_masters(strategy: Any, user: torch.optim.Optimizer, config: Any) -> tuple[Any, Any]:
     """`zero.shard`'s hook for stage 3 with ``offload_optimizer.device='nvme'``: the masters
     (from the in-memory master, or read from the shard file) are written into the optimizer's
-    files and dropped from memory; returns the wrapped strategy and the optimizer."""
+    files and dropped from memory; returns the wrapped strategy and the optimizer.
+
+    Local: a failed write is recorded, not raised; `agree_on_first_masters` (collective) must
+    follow, after the set-up agreement (Note [a set-up check fails on every rank])."""
     if strategy.precision.uses_loss_scaling:
         raise ValueError(
             "offload_optimizer.device='nvme' at stage 3 keeps the gradients in swap files, where "
@@ -205,6 +209,7 @@ def offload_masters(strategy: Any, user: torch.optim.Optimizer, config: Any) -> 
     by_id = {id(h): sp for sp, h in handles.items()}
     masters = [[handles[strategy.sharded[p]] for p in ps] for ps in strategy.groups]
     optimizer = host_optimizer(user, masters, config, swap_masters=True)
+    check_free_space(strategy, optimizer)  # before the first write
 
     def first_value(handle: torch.Tensor) -> torch.Tensor:
         sp = by_id[id(handle)]
@@ -216,16 +221,25 @@ def offload_masters(strategy: Any, user: torch.optim.Optimizer, config: Any) -> 
         sp.residency.release(sp)
         return value
 
-    # One record of failed file I/O for the shard files and the optimizer's files; the first
-    # masters are written on every rank or the error is raised on every rank (one all-reduce).
+    # One record of failed file I/O for the shard files and the optimizer's files.
     io: IOFailures = getattr(strategy, "io_failures", None) or IOFailures()
     io.run(
         "writing the first masters into the optimizer's files",
         lambda: optimizer.fill_masters(first_value),
     )
-    try:
-        io.agree(strategy.group, "zero.shard, writing the first masters")
-    except BaseException:
-        optimizer.close()
-        raise
     return InfinityStrategy(strategy, optimizer, handles, io), optimizer
+
+
+def agree_on_first_masters(strategy: InfinityStrategy) -> None:
+    """Collective, at the end of `zero.shard`: the first masters were written on every rank, or
+    every rank raises `OffloadIOError` (one 1-element all-reduce). After a failure the swap
+    files are deleted; their own errors (the other writes in flight on a full disk) are not
+    raised in place of the agreed one."""
+    try:
+        strategy.io_failures.agree(strategy.group, "zero.shard, writing the first masters")
+    except BaseException:
+        for swapper in swappers_of(strategy, strategy.optimizer):  # the parameters' files too
+            swapper.abandon()
+            with contextlib.suppress(OSError):  # the files are removed even when this raises
+                swapper.close()
+        raise

@@ -141,10 +141,15 @@ class NvmeShards:
                 f"MixedPrecision.param_dtype (or build the model outside zero.Init)"
             )
 
+    def reserve(self, sp: ShardedParam) -> None:
+        """Register ``sp``'s swap file (nothing written yet), so that free space can be checked
+        for every file before the first write (`offload_params`)."""
+        if id(sp) not in self.files:
+            self._check(sp)
+            self.files[id(sp)] = self.swapper.register(f"param-{len(self.files)}", sp.shard_numel)
+
     def adopt(self, sp: ShardedParam) -> None:
-        self._check(sp)
-        st = self.swapper.register(f"param-{len(self.files)}", sp.shard_numel)
-        self.files[id(sp)] = st
+        self.reserve(sp)
         self.store(sp)
         sp.shard = sp.shard.new_empty(0)
 
@@ -243,45 +248,83 @@ def offload_params(strategy: Any, config: Any, keep_masters: bool = True) -> Par
     """Move every non-persistent shard of a `Stage3Strategy` to ``config.offload_param``'s
     device; returns the strategy wrapper that stores shards after each step.
 
+    With ``device='nvme'`` and ``max_in_cpu`` set, the first shards (in order, whole shards)
+    holding at most ``max_in_cpu`` elements stay in host memory, the rest go to files
+    (`in_cpu_budget`; DeepSpeed's ``max_in_cpu``).
+
     ``keep_masters=False`` (ZeRO-Infinity: the masters will live in the optimizer's files, see
     stage3/infinity.py): an fp32 parameter gets no in-memory master copy; its master is read
     from the shard file when the optimizer writes its own."""
     cfg = config.offload_param
     everything = strategy.sharded_params()
     sps = [sp for sp in everything if not sp.persistent]
+    in_cpu = in_cpu_budget(cfg, sps)
     dtype = strategy.precision.param_dtype
+    on_cpu = get_accelerator().name == "cpu"
+    host = HostShards(cfg.pin_memory and not on_cpu)  # in_cpu shards on an accelerator
     built = [sp for sp in everything if sp.residency is not None]  # in files since zero.Init
     if built:
         home = built[0].residency.home
         for sp in built:
-            _adopt_built(sp, keep_masters)
+            _adopt_built(sp, keep_masters, stay=id(sp) in in_cpu)
+            if id(sp) in in_cpu and not sp.persistent and not on_cpu:  # to host memory
+                host.adopt(sp)
+                sp.residency = ShardResidency(host)
         sps = [sp for sp in sps if sp.residency is None]
     elif cfg.device == "nvme":
-        home = NvmeShards(cfg, config.aio, dtype, sps)
+        home = NvmeShards(cfg, config.aio, dtype, [sp for sp in sps if id(sp) not in in_cpu])
     else:
-        home = HostShards(cfg.pin_memory and get_accelerator().name != "cpu")
-    on_cpu = get_accelerator().name == "cpu"
+        home = host
     offloaded = [sp for sp in built if sp.residency is not None]
     if cfg.device == "cpu" and on_cpu:
         return ParamOffloadStrategy(strategy, home, offloaded)  # host memory already: no move
-    residency = ShardResidency(home)
+    residency, host_residency = ShardResidency(home), ShardResidency(host)
+    if isinstance(home, NvmeShards):  # every new file's size against free space, before writing
+        for sp in sps:
+            if id(sp) not in in_cpu:
+                home.reserve(sp)
+        from minispeed.zero.offload_bridge import import_offload
+
+        import_offload("zero_optimization.offload_param").check_free_space([home.swapper])
     for sp in sps:
+        if id(sp) in in_cpu and on_cpu:
+            continue  # host memory already: the shard stays as stage 3 made it
         if sp.master is sp.shard:  # fp32: the master gets a storage of its own (or none)
             sp.master = sp.shard.clone() if keep_masters else None
-        home.adopt(sp)
-        sp.residency = residency
+        if id(sp) in in_cpu:
+            host.adopt(sp)
+            sp.residency = host_residency
+        else:
+            home.adopt(sp)
+            sp.residency = residency
         offloaded.append(sp)
     return ParamOffloadStrategy(strategy, home, offloaded)
 
 
-def _adopt_built(sp: ShardedParam, keep_masters: bool) -> None:
+def in_cpu_budget(cfg: Any, sps: list[ShardedParam]) -> set[int]:
+    """``id(sp)`` of the shards ``offload_param.max_in_cpu`` keeps in host memory with nvme:
+    the first ones, in order, whose elements add up to at most the budget (whole shards)."""
+    budget = cfg.max_in_cpu_numel if cfg.device == "nvme" else None
+    kept: set[int] = set()
+    used = 0
+    for sp in sps if budget else ():
+        if used + sp.shard_numel > budget:
+            break
+        kept.add(id(sp))
+        used += sp.shard_numel
+    return kept
+
+
+def _adopt_built(sp: ShardedParam, keep_masters: bool, stay: bool = False) -> None:
     """A shard that zero.Init already put in a swap file (see `init_residency`): a persistent
-    one comes back into memory for good; the master (fp32, when kept) is read from the file."""
-    if sp.persistent or keep_masters:
+    one (or one ``max_in_cpu`` keeps: ``stay``) comes back into memory for good; the master
+    (fp32, when kept) is read from the file."""
+    stay = stay or sp.persistent
+    if stay or keep_masters:
         sp.residency.fetch(sp)
         if keep_masters:
             sp.master = sp.shard.to(torch.float32, copy=True)
-        if sp.persistent:
+        if stay:
             sp.residency = None
             if not keep_masters:
                 sp.master = sp.shard
@@ -289,13 +332,35 @@ def _adopt_built(sp: ShardedParam, keep_masters: bool) -> None:
             sp.residency.release(sp)
 
 
-def init_residency(home: NvmeShards | None, config: Any, sp: ShardedParam) -> NvmeShards:
+def init_residency(
+    home: NvmeShards | UnusableShards | None, config: Any, sp: ShardedParam
+) -> NvmeShards | UnusableShards:
     """zero.Init(config) with ``offload_param.device='nvme'``: write ``sp``'s new shard to a swap
     file at once and drop it, so the whole model never sits in memory. Returns the home (made
     on the first call; `Init` keeps it, and `offload_params` adopts it at `zero.shard`)."""
     if home is None:
-        home = NvmeShards(config.offload_param, config.aio, sp.shard.dtype, [])
-        home.residency = ShardResidency(home)
+        try:
+            home = NvmeShards(config.offload_param, config.aio, sp.shard.dtype, [])
+            home.residency = ShardResidency(home)
+        except OSError as error:  # nvme_path missing on this rank only, say: agreed at the end
+            home = UnusableShards(error)
     home.adopt(sp)  # a failed write is recorded; `Init`'s exit agrees on it
     sp.residency = home.residency
     return home
+
+
+class UnusableShards:
+    """zero.Init's shard home on a rank whose swap directory could not be set up (a per-rank
+    check, e.g. ``nvme_path`` missing there): the error is recorded, the shards stay in memory,
+    and `Init`'s exit agreement raises `OffloadIOError` on every rank (Note [a set-up check
+    fails on every rank] in setup_agreement.py), instead of this rank raising alone in the
+    middle of the model's construction while the others wait in its next broadcast."""
+
+    residency = None
+
+    def __init__(self, error: OSError) -> None:
+        self.io_failures = IOFailures()
+        self.io_failures.record("setting up offload_param's swap directory", error)
+
+    def adopt(self, sp: ShardedParam) -> None:
+        pass
