@@ -36,6 +36,7 @@ __all__ = [
     "did_you_mean",
     "edit_distance",
     "field_docs",
+    "is_close",
     "join_path",
     "translate",
 ]

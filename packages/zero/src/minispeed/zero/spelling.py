@@ -16,6 +16,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from minispeed.core.config import did_you_mean, edit_distance
+from minispeed.core.config import is_close as _close
+
 __all__ = ["check_top_level_spelling", "did_you_mean", "edit_distance"]
 
 # Top-level keys DeepSpeed itself defines (any package's): never reported as misspellings, even
@@ -82,38 +85,6 @@ DEEPSPEED_TOP_LEVEL = frozenset(
         "use_node_local_storage",
     }
 )
-
-
-def edit_distance(a: str, b: str) -> int:
-    """Optimal-string-alignment distance: insertions, deletions, substitutions and swaps of two
-    adjacent characters cost 1 each (`"optimisation"` -> `"optimization"`: 1)."""
-    prev2: list[int] = []
-    prev = list(range(len(b) + 1))
-    for i in range(1, len(a) + 1):
-        cur = [i] + [0] * len(b)
-        for j in range(1, len(b) + 1):
-            cost = 0 if a[i - 1] == b[j - 1] else 1
-            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + cost)
-            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
-                cur[j] = min(cur[j], prev2[j - 2] + 1)
-        prev2, prev = prev, cur
-    return prev[len(b)]
-
-
-def _close(key: str, known: str) -> bool:
-    """Within the tolerance for misspellings: 1 edit for short keys, 2 from 8 characters on."""
-    limit = 2 if len(known) >= 8 else 1
-    return edit_distance(key.lower(), known.lower()) <= limit
-
-
-def did_you_mean(keys: Iterable[str], known: Iterable[str]) -> str:
-    """`" (did you mean 'x'?)"` for the first of `keys` close to one of `known`, else `""`."""
-    known = sorted(known)
-    for key in keys:
-        for k in known:
-            if _close(key, k):
-                return f" (did you mean {k!r} for {key!r}?)"
-    return ""
 
 
 def check_top_level_spelling(ds_config: dict[str, Any], sections: Iterable[str], who: str) -> None:
