@@ -79,7 +79,7 @@ def train_stage3(
         opt.backward(loss)
         opt.step()
         for sp in opt.strategy.sharded_params():
-            if not sp.persistent and (sp.state is not ParamState.SHARDED or sp.param.numel()):
+            if not sp.persistent and (sp.state is not ParamState.SHARDED or sp.param.data.numel()):
                 leftovers.add(sp.name)
     return losses, opt, leftovers
 

@@ -38,7 +38,7 @@ def _body(rank: int, world_size: int) -> dict:
     with ParamBytesProbe() as probe, Init():
         stack = Stack(WIDTH, LAYERS)
         probe.sample()
-    states = {p.numel() == 0 for p in stack.parameters()}
+    states = {p.data.numel() == 0 for p in stack.parameters()}
     torch.manual_seed(0)
     with ParamBytesProbe() as plain_probe:
         plain = Stack(WIDTH, LAYERS)

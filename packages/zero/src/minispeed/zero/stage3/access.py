@@ -32,11 +32,14 @@ intercept every use of a tensor, so we guard the paths a user actually takes:
 4. **`full_value(param)`**: the helper to read a parameter's value; raises outside
    forward and GatheredParameters.
 
-Not detectable: a reference obtained earlier and used later (``list(model.parameters())``, then
-``p.sum()``; ``w = lin.weight`` inside a GatheredParameters block, used after it), and functional
-calls outside any forward (``F.linear(x, lin.weight)`` in plain user code): ``p.data`` is then an
-empty tensor of shape ``(0,)``. ``parameters()`` / ``named_parameters()`` iterate the dict without
-``__getitem__`` and are never checked (the optimizer and zero.shard use them).
+5. **Any use of the parameter object itself** (a reference obtained earlier, ``p.norm()``,
+   ``p.shape``, ``F.linear(x, lin.weight)`` outside a forward): released.py, where each stage-3
+   parameter's class answers shape queries with the full shape and raises on value reads.
+
+``parameters()`` / ``named_parameters()`` iterate the dict without ``__getitem__`` and are never
+checked here (the optimizer and zero.shard use them); what they yield is guarded by point 5. Not
+detectable: views taken inside a GatheredParameters block (``v = lin.weight[0]``) and used after
+it, and ``p.data``, the storage stage 3 swaps (empty while released).
 """
 
 from __future__ import annotations

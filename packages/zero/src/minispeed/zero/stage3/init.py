@@ -31,6 +31,7 @@ import minispeed.comm as comm
 from minispeed.zero.stage3.access import InitWriteGuard, check_access, guard_module
 from minispeed.zero.stage3.io_failures import io_failures_of
 from minispeed.zero.stage3.params import REGISTRY, FetchUnit, ShardedParam, partition_param
+from minispeed.zero.stage3.released import guard_param
 
 __all__ = ["GatheredParameters", "Init", "full_state_dict", "is_leaf_module", "set_leaf_module"]
 
@@ -176,6 +177,7 @@ class Init:
         _, attr = self._created.pop(p, (module, "?"))
         # The qualified name is known only once the model is complete; zero.shard sets it.
         sp = partition_param(p, self.group, f"{type(module).__name__}.{attr}")
+        guard_param(p, sp)  # reads while released answer or raise (released.py)
         self.sharded.append(sp)
         if self._to_files:  # offload_param nvme: the shard goes to its swap file now
             from minispeed.zero.stage3.offloaded import init_residency
