@@ -103,7 +103,11 @@ def _modify(rank: int, model: nn.Module, opt) -> dict:
         state_dict_ok = all(v.numel() > 0 for v in sd.values())
     master_ok = bool((sp.master[: sp.owned_numel] == 0.5).all())
     return dict(
-        kept=kept, discarded=discarded, master=master_ok, released=w.data.numel() == 0, sd=state_dict_ok
+        kept=kept,
+        discarded=discarded,
+        master=master_ok,
+        released=w.data.numel() == 0,
+        sd=state_dict_ok,
     )
 
 
