@@ -35,7 +35,7 @@ from torch import nn
 from minispeed.zero.stage3.access import not_gathered_error
 from minispeed.zero.stage3.params import ParamState, ShardedParam
 
-__all__ = ["guard_param", "is_guarded", "unguard_param"]
+__all__ = ["guard_param", "is_guarded", "needs_values", "released_among", "unguard_param"]
 
 # Note [a released parameter answers or raises]
 # We cannot replace the nn.Parameter objects (the user's optimizer, autograd's AccumulateGrad
@@ -117,6 +117,33 @@ def _released_in(args: tuple, kwargs: dict | None) -> Any:
     if kwargs:
         return _released_in(tuple(kwargs.values()), None)
     return None
+
+
+def released_among(args: tuple, kwargs: dict | None) -> list[ShardedParam]:
+    """Every released stage-3 parameter among the arguments (and inside list/tuple arguments)."""
+    found: list[ShardedParam] = []
+    for a in (*args, *(kwargs or {}).values()):
+        for b in a if type(a) is list or type(a) is tuple else (a,):
+            sp = _SHARDED.get(id(b)) if type(b) in _GUARDED_TYPES else None
+            if sp is not None and sp.state is not _GATHERED and sp not in found:
+                found.append(sp)
+    return found
+
+
+_SHAPE_QUERIES = frozenset(
+    {"shape__get", "size", "numel", "nelement", "dim", "ndimension", "ndim__get", "__len__"}
+)
+
+
+def needs_values(func: Any) -> bool:
+    """Whether ``func`` on a released parameter needs its values (not a shape or metadata query,
+    not a setter). ``.data`` counts as a value read: ``p.data.normal_()`` writes the values."""
+    name = _func_name(func)
+    if name.endswith("__set") or name in _SHAPE_QUERIES or name in _DESCRIBE:
+        return False
+    if name == "data__get":
+        return True
+    return name not in _METADATA and name.removesuffix("__get") not in _METADATA
 
 
 def _shape_answer(name: str, sp: Any, args: tuple, kwargs: dict | None) -> tuple[bool, Any]:
