@@ -39,6 +39,30 @@ class Net(nn.Module):
         return (self.out(torch.tanh(self.inp(x))) * self.gain).pow(2).mean()
 
 
+class StaleRef(nn.Module):
+    """Its forward uses a weight through a reference kept in a list, never by attribute: inside
+    forward the guard fetches it (a demand fetch) instead of computing with an empty tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        self.kept = [self.lin.weight, self.lin.bias]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, *self.kept).pow(2).mean()
+
+
+def _stale_losses() -> tuple[float, float]:
+    x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    plain = StaleRef()
+    torch.manual_seed(0)
+    model = StaleRef()
+    cfg = zero.ZeroConfig(stage=3, stage3_param_persistence_threshold_numel=0)
+    zero.shard(model, torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
+    return model(x).item(), plain(x).item()
+
+
 def _error(fn: Callable[[], Any]) -> str:
     """The ParameterNotGatheredError's message, or a description of what came back instead."""
     try:
@@ -114,6 +138,7 @@ def _body(rank: int, world_size: int) -> dict:
     opt.step()
     out["shard"] = _reads(model)
     opt.strategy.close()  # a plain model again: plain class, full values, no errors
+    out["stale"] = _stale_losses()
     out["closed"] = dict(
         plain=type(model.inp.weight) is nn.Parameter, values=_values(model), shapes=_shapes(model)
     )
@@ -150,3 +175,5 @@ def test_released_parameters_answer_or_raise() -> None:
         assert res["shard"]["gathered"] == results[0]["shard"]["gathered"]
         assert res["closed"]["plain"] and res["closed"]["shapes"] == shapes
         assert res["closed"]["values"] == res["shard"]["gathered"]
+        stale, plain = res["stale"]
+        assert abs(stale - plain) <= 1e-6 * abs(plain), res["stale"]

@@ -131,7 +131,17 @@ def released_among(args: tuple, kwargs: dict | None) -> list[ShardedParam]:
 
 
 _SHAPE_QUERIES = frozenset(
-    {"shape__get", "size", "numel", "nelement", "dim", "ndimension", "ndim__get", "__len__"}
+    {
+        "shape__get",
+        "size",
+        "numel",
+        "nelement",
+        "dim",
+        "ndimension",
+        "ndim__get",
+        "nbytes__get",
+        "__len__",
+    }
 )
 
 
@@ -192,12 +202,14 @@ def _torch_function(cls: type, func: Any, types: Any, args: tuple = (), kwargs: 
             if answered:
                 return answer
             coordinator = sp.coordinator
-            if coordinator is not None and coordinator.in_forward:
-                coordinator.demand_fetch(sp, sp.name or "?")
-            else:
+            if coordinator is None or not coordinator.in_forward:
                 raise not_gathered_error(
-                    sp.name or "?", f"by {name}() outside a forward pass and GatheredParameters"
+                    sp.name or "?",
+                    f"by {name.removesuffix('__get')}() outside a forward pass and "
+                    f"GatheredParameters",
                 )
+            for other in released_among(args, kwargs):  # torch.cat([p, q]): fetch both
+                coordinator.demand_fetch(other, other.name or "?")
     if plain is not nn.Parameter:  # a user's subclass may check ``types``
         types = tuple(plain if t is cls else t for t in types)
     return plain.__torch_function__(func, types, args, kwargs or {})
