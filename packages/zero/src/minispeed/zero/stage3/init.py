@@ -98,6 +98,11 @@ class Init:
     Memory while building: ``Ψ/N`` of partitioned parameters plus the module not yet partitioned
     (Note [when Init partitions a module]). Communication: one broadcast per parameter, ``Ψ·p``
     bytes in all.
+
+    Code that reads or writes parameters after their module was partitioned (``self.apply(
+    init_fn)``, Hugging Face's ``post_init()``) sees full values: they are gathered on first
+    touch and written back from the first rank, one module at a time (init_writes.py; one
+    all-gather and one broadcast per module touched).
     """
 
     def __init__(self, config: Any = None, group: Any = None, enabled: bool = True) -> None:
