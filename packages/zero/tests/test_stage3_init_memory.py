@@ -192,8 +192,13 @@ def test_init_holds_its_share_for_every_construction_style() -> None:
     results = run_distributed(_storage_body, world_size=world_size, timeout_s=180)
     layer = (BIG * BIG + BIG) * 4
     psi = DEPTH * layer
+    # The peak sits 512 bytes under Ψ/N + one layer when the test runs alone (2,368,000 against
+    # 2,368,512); once, in a worker that had run 60 other tests first, a 1 KiB tensor that is no
+    # parameter's was alive at the peak too (not identified). Small tensors outside the
+    # parameters are allowed 2 KiB; a kept layer (263 KiB) or a shard (131 KiB) is far above.
+    slack = 2048
     for rank, res in enumerate(results):
         for style, got in res.items():
             largest = 2 * layer if style == "nested" else layer
             assert got["live"] == psi // world_size, (rank, style, got, psi // world_size)
-            assert got["peak"] <= psi // world_size + largest, (rank, style, got)
+            assert got["peak"] <= psi // world_size + largest + slack, (rank, style, got)
