@@ -14,6 +14,7 @@ from torch.nn.modules.module import (
     register_module_module_registration_hook,
     register_module_parameter_registration_hook,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
 from zero_testlib import make_batches, make_model, rank_slice
 
 import minispeed.comm as comm
@@ -79,7 +80,7 @@ def train_stage3(
         opt.backward(loss)
         opt.step()
         for sp in opt.strategy.sharded_params():
-            if not sp.persistent and (sp.state is not ParamState.SHARDED or sp.param.numel()):
+            if not sp.persistent and (sp.state is not ParamState.SHARDED or sp.param.data.numel()):
                 leftovers.add(sp.name)
     return losses, opt, leftovers
 
@@ -172,14 +173,48 @@ class ParamBytesProbe:
     def held(self) -> int:
         total = 0
         for p in self.params.values():
-            total += p.data.numel() * p.element_size()
             sp = REGISTRY.get(p)
-            if sp is not None:
-                total += sp.shard.numel() * sp.shard.element_size()
+            if sp is None:
+                total += p.data.numel() * p.element_size()
+            else:  # not p.data: inside zero.Init reading it gathers the parameter
+                total += sp.full_storage_nbytes + sp.shard.numel() * sp.shard.element_size()
         return total
 
     def sample(self) -> None:
         self.peak = max(self.peak, self.held())
+
+
+class StorageProbe(TorchDispatchMode):
+    """Bytes of every storage an op created that is still alive: now (`live`) and at its largest.
+
+    Samples after every op while active, so it sees what `ParamBytesProbe` cannot: a copy made
+    for a broadcast, a buffer some object kept, garbage not collected yet. Storages are held by
+    weak reference (the probe keeps nothing alive). Cost: one pass over the storages seen so far
+    per op; for small models only.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: dict[int, Any] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                self.refs[storage.data_ptr()] = storage._weak_ref()
+        self.peak = max(self.peak, self.live())
+        return out
+
+    def live(self) -> int:
+        total = 0
+        for ptr, ref in list(self.refs.items()):
+            if torch.UntypedStorage._expired(ref):
+                del self.refs[ptr]  # freed: never counted again
+            else:
+                total += torch.UntypedStorage._new_with_weak_ptr(ref).nbytes()
+        return total
 
 
 class LateInit(nn.Module):

@@ -15,9 +15,19 @@ exactly like single-process PyTorch.
 from __future__ import annotations
 
 import copy
+import gc
 
 import torch
-from stage3_testlib import GLOBAL_BATCH, LR, ParamBytesProbe, Stack, global_loss, reference_losses
+from stage3_testlib import (
+    GLOBAL_BATCH,
+    LR,
+    ParamBytesProbe,
+    Stack,
+    StorageProbe,
+    global_loss,
+    reference_losses,
+)
+from torch import nn
 from zero_testlib import TinyGPT, make_batches, rank_slice
 
 import minispeed.zero as zero
@@ -38,7 +48,7 @@ def _body(rank: int, world_size: int) -> dict:
     with ParamBytesProbe() as probe, Init():
         stack = Stack(WIDTH, LAYERS)
         probe.sample()
-    states = {p.numel() == 0 for p in stack.parameters()}
+    states = {p.data.numel() == 0 for p in stack.parameters()}
     torch.manual_seed(0)
     with ParamBytesProbe() as plain_probe:
         plain = Stack(WIDTH, LAYERS)
@@ -130,3 +140,65 @@ def test_init_peak_is_one_layer_for_every_container_style() -> None:
             assert got["same"], style
             assert got["peak"] <= psi / world_size + layer + padding, (style, got["peak"], psi)
             assert "copy.deepcopy" in got["copied"], (style, got["copied"])
+
+
+# -- issue 24 §1.6: 16 x Linear(256, 256), every construction style, every storage counted ------
+BIG, DEPTH = 256, 16
+
+
+def _make_linears() -> list[nn.Module]:
+    """Layers built in a helper function, all before any container sees them."""
+    return [nn.Linear(BIG, BIG) for _ in range(DEPTH)]
+
+
+class _Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(BIG, BIG)
+        self.b = nn.Linear(BIG, BIG)
+
+
+class _Nested(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Pair() for _ in range(DEPTH // 2))
+
+
+BUILDERS = {
+    "generator": lambda: nn.ModuleList(nn.Linear(BIG, BIG) for _ in range(DEPTH)),
+    "list": lambda: nn.ModuleList([nn.Linear(BIG, BIG) for _ in range(DEPTH)]),
+    "sequential": lambda: nn.Sequential(*[nn.Linear(BIG, BIG) for _ in range(DEPTH)]),
+    "helper": lambda: nn.ModuleList(_make_linears()),
+    "nested": _Nested,  # largest unit: a _Pair, two layers
+}
+
+
+def _storage_body(rank: int, world_size: int) -> dict:
+    out = {}
+    for style, build in BUILDERS.items():
+        gc.collect()
+        torch.manual_seed(0)
+        with StorageProbe() as probe, Init():
+            model = build()
+        out[style] = dict(live=probe.live(), peak=probe.peak)
+        del model
+    return out
+
+
+def test_init_holds_its_share_for_every_construction_style() -> None:
+    """After zero.Init each rank holds Ψ/N, and the peak stays within Ψ/N + the largest layer,
+    counting every storage any op created (StorageProbe), for five construction styles."""
+    world_size = 2
+    results = run_distributed(_storage_body, world_size=world_size, timeout_s=180)
+    layer = (BIG * BIG + BIG) * 4
+    psi = DEPTH * layer
+    # The peak sits 512 bytes under Ψ/N + one layer when the test runs alone (2,368,000 against
+    # 2,368,512); once, in a worker that had run 60 other tests first, a 1 KiB tensor that is no
+    # parameter's was alive at the peak too (not identified). Small tensors outside the
+    # parameters are allowed 2 KiB; a kept layer (263 KiB) or a shard (131 KiB) is far above.
+    slack = 2048
+    for rank, res in enumerate(results):
+        for style, got in res.items():
+            largest = 2 * layer if style == "nested" else layer
+            assert got["live"] == psi // world_size, (rank, style, got, psi // world_size)
+            assert got["peak"] <= psi // world_size + largest + slack, (rank, style, got)

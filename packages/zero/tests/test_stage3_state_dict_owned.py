@@ -62,7 +62,7 @@ def _body(rank: int, world_size: int) -> dict:
         still_equal=all(torch.equal(still_full[k], full[k]) for k in full),
         rank0_keys=len(rank0),
         doubled=all(torch.equal(doubled[k], 2 * gathered[k]) for k in gathered),
-        released=all(p.numel() == 0 for p in model.parameters()),
+        released=all(p.data.numel() == 0 for p in model.parameters()),
     )
 
 

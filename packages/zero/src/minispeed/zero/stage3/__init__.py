@@ -16,7 +16,8 @@ first four below:
    caught (`FetchOrderError`) instead of hanging;
 7. `init` — `Init` (build a model already partitioned), `GatheredParameters` (full values for
    user code), `full_state_dict`, `set_leaf_module` (fetch a subtree at once); `access` — why
-   reading a released parameter raises; `ledger` — bytes per step, as a formula;
+   reading a released parameter raises; `released` — what a released parameter answers (its
+   full shape) and which reads raise; `ledger` — bytes per step, as a formula;
 8. `zeropp` (qwZ, hpZ), `zeropp_grads` (qgZ) and `zeropp_ledger` — ZeRO++;
 9. ZeRO-Infinity (``offload_param`` / ``offload_optimizer`` on NVMe): `offloaded` (where shards
    live), `infinity` (masters, states and gradients in files), `io_failures` (a failed file

@@ -18,9 +18,9 @@ intercept every use of a tensor, so we guard the paths a user actually takes:
    - anywhere else: returns the parameter object. That is how user code names parameters for
      ``GatheredParameters(model.head.weight, ...)``, so it must not fail.
 
-2. **In-place writes during ``zero.Init``** (``nn.init.normal_(self.block.weight)`` after the block
-   was partitioned, e.g. ``self.apply(init_fn)`` at the end of a root ``__init__``): a
-   `InitWriteGuard` torch-function mode, active only inside the Init context, raises.
+2. **Reads and writes during ``zero.Init``** (``nn.init.normal_(self.block.weight)`` after the
+   block was partitioned, e.g. ``self.apply(init_fn)`` or Hugging Face's ``post_init`` at the end
+   of a root ``__init__``): gathered on first touch and written back (init_writes.py).
 
 3. **``state_dict()`` / ``load_state_dict()``** of a module with released parameters raise
    `ParameterNotGatheredError` naming the code that works (pre-hooks installed with the
@@ -32,11 +32,14 @@ intercept every use of a tensor, so we guard the paths a user actually takes:
 4. **`full_value(param)`**: the helper to read a parameter's value; raises outside
    forward and GatheredParameters.
 
-Not detectable: a reference obtained earlier and used later (``list(model.parameters())``, then
-``p.sum()``; ``w = lin.weight`` inside a GatheredParameters block, used after it), and functional
-calls outside any forward (``F.linear(x, lin.weight)`` in plain user code): ``p.data`` is then an
-empty tensor of shape ``(0,)``. ``parameters()`` / ``named_parameters()`` iterate the dict without
-``__getitem__`` and are never checked (the optimizer and zero.shard use them).
+5. **Any use of the parameter object itself** (a reference obtained earlier, ``p.norm()``,
+   ``p.shape``, ``F.linear(x, lin.weight)`` outside a forward): released.py, where each stage-3
+   parameter's class answers shape queries with the full shape and raises on value reads.
+
+``parameters()`` / ``named_parameters()`` iterate the dict without ``__getitem__`` and are never
+checked here (the optimizer and zero.shard use them); what they yield is guarded by point 5. Not
+detectable: views taken inside a GatheredParameters block (``v = lin.weight[0]``) and used after
+it, and ``p.data``, the storage stage 3 swaps (empty while released).
 """
 
 from __future__ import annotations
@@ -49,13 +52,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from minispeed.zero.stage3.params import REGISTRY, ParamState
 
 __all__ = [
     "GuardedParameterDict",
-    "InitWriteGuard",
     "ParameterNotGatheredError",
     "check_access",
     "full_value",
@@ -243,39 +244,3 @@ def _unhooked_forward_caller() -> str | None:
         return None
     owner = frame.f_locals.get("self")
     return type(owner).__name__ if isinstance(owner, nn.Module) else None
-
-
-class InitWriteGuard(TorchFunctionMode):
-    """Inside ``zero.Init``: an in-place op on a released stage-3 parameter raises.
-
-    Initialisers write in place (``normal_``, ``zero_``, ``copy_``...); on a released parameter
-    they would write into an empty tensor and do nothing, silently. Only in-place tensor methods
-    (name ends in ``_``) are checked; one dict lookup per tensor argument while Init is active.
-    ``before_factory`` runs before each tensor factory (``torch.empty``...): Init partitions the
-    modules finished so far before the next parameter's memory is allocated.
-    """
-
-    _METADATA = frozenset({"requires_grad_", "retain_grad", "share_memory_"})
-    _FACTORIES = frozenset({"empty", "zeros", "ones", "full", "rand", "randn", "tensor"})
-
-    def __init__(self, before_factory: Callable[[], None]) -> None:
-        super().__init__()
-        self.before_factory = before_factory
-
-    def __torch_function__(
-        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
-    ) -> Any:
-        name = getattr(func, "__name__", "")
-        if name in self._FACTORIES:
-            self.before_factory()
-        if name.endswith("_") and not name.startswith("__") and name not in self._METADATA:
-            for a in (*args[:1], *(kwargs or {}).values()):  # nn.init passes tensor=...
-                sp = REGISTRY.get(a) if isinstance(a, nn.Parameter) else None
-                if sp is not None and sp.state is not ParamState.GATHERED:
-                    raise not_gathered_error(
-                        sp.name,
-                        f"by {name}() inside zero.Init after it was partitioned (an initializer "
-                        f"running after its module was built, e.g. self.apply(init_fn) at the end "
-                        f"of __init__)",
-                    )
-        return func(*args, **(kwargs or {}))

@@ -28,9 +28,11 @@ from torch.nn.modules.module import (
 )
 
 import minispeed.comm as comm
-from minispeed.zero.stage3.access import InitWriteGuard, check_access, guard_module
+from minispeed.zero.stage3.access import check_access, guard_module
+from minispeed.zero.stage3.init_writes import InitAccess, WriteBack
 from minispeed.zero.stage3.io_failures import io_failures_of
 from minispeed.zero.stage3.params import REGISTRY, FetchUnit, ShardedParam, partition_param
+from minispeed.zero.stage3.released import guard_param
 
 __all__ = ["GatheredParameters", "Init", "full_state_dict", "is_leaf_module", "set_leaf_module"]
 
@@ -50,9 +52,20 @@ __all__ = ["GatheredParameters", "Init", "full_state_dict", "is_leaf_module", "s
 # and what remains is partitioned when the context exits. Peak: Ψ/N + one layer. Cost: one walk
 # of the call stack per registration and per tensor factory call, only inside the context.
 # Code that initialises parameters after they were partitioned (``self.apply(init_fn)`` at the
-# end of a root __init__) gets ParameterNotGatheredError naming GatheredParameters as the fix
-# (access.InitWriteGuard, a torch-function mode active only inside the context), and so does
-# ``copy.deepcopy`` of a module whose parameters are partitioned (access.GuardedParameterDict).
+# end of a root __init__, Hugging Face's post_init) gets their full values: gathered on first
+# touch, written back from the first rank (init_writes.InitAccess, a torch-function mode active
+# only inside the context; Note [writing back what Init's initialisers change]).
+# ``copy.deepcopy`` of a module whose parameters are partitioned raises
+# (access.GuardedParameterDict).
+
+# Note [what Init keeps after it exits]
+# Only the shards of the parameters it partitioned, in ``Init.sharded``, and only while the
+# parameter lives: a parameter replaced after it was partitioned (a head tied to the embedding
+# by post_init) leaves its shard behind otherwise, and one replaced before (still in
+# ``_created``) would have held its full value until the exit and then been partitioned for
+# nothing. The mode and the write-back object hold bound methods of the Init object (a
+# reference cycle): dropping them at exit lets the object, and what it holds, go when the user
+# drops it, not at the next garbage collection.
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
@@ -85,6 +98,11 @@ class Init:
     Memory while building: ``Ψ/N`` of partitioned parameters plus the module not yet partitioned
     (Note [when Init partitions a module]). Communication: one broadcast per parameter, ``Ψ·p``
     bytes in all.
+
+    Code that reads or writes parameters after their module was partitioned (``self.apply(
+    init_fn)``, Hugging Face's ``post_init()``) sees full values: they are gathered on first
+    touch and written back from the first rank, one module at a time (init_writes.py; one
+    all-gather and one broadcast per module touched).
     """
 
     def __init__(self, config: Any = None, group: Any = None, enabled: bool = True) -> None:
@@ -114,14 +132,16 @@ class Init:
             register_module_parameter_registration_hook(self._on_parameter),
             register_module_module_registration_hook(self._on_module),
         ]
-        self._write_guard = InitWriteGuard(before_factory=self._partition_finished)
-        self._write_guard.__enter__()
+        self._write_back = WriteBack(GatheredParameters)
+        self._mode = InitAccess(self._partition_finished, self._write_back.touch)
+        self._mode.__enter__()
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if not self.enabled:
             return
-        self._write_guard.__exit__(None, None, None)
+        self._mode.__exit__(None, None, None)
+        self._write_back.flush(exc_type)  # Note [writing back what Init's initialisers change]
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -130,6 +150,9 @@ class Init:
                 self._partition(module, p)
         self._created.clear()
         self._parent = weakref.WeakKeyDictionary()
+        # Note [what Init keeps after it exits]
+        self._mode = self._write_back = None
+        self.sharded = [sp for sp in self.sharded if sp._param() is not None]
         if exc_type is None and self._param_home is not None:
             # offload_param nvme: every shard file written, on every rank, or an error on every
             # rank (Note [an I/O failure fails every rank]): one 1-element all-reduce.
@@ -137,6 +160,12 @@ class Init:
             self._param_home.io_failures.agree(self.group, "the end of zero.Init, writing shards")
 
     def _on_parameter(self, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        # Called before the assignment: a parameter created here and now replaced (an output
+        # head's weight tied to the embedding's) is dropped, not partitioned, so its full
+        # value is freed now. Note [what Init keeps after it exits].
+        old = dict.get(module._parameters, name)
+        if old is not None and old is not param and self._created.get(old) == (module, name):
+            del self._created[old]
         self._partition_finished()
         if param is not None and param not in REGISTRY:
             self._created[param] = (module, name)
@@ -176,6 +205,9 @@ class Init:
         _, attr = self._created.pop(p, (module, "?"))
         # The qualified name is known only once the model is complete; zero.shard sets it.
         sp = partition_param(p, self.group, f"{type(module).__name__}.{attr}")
+        guard_param(p, sp)  # reads while released answer or raise (released.py)
+        if self._write_back is not None:  # None after exit
+            self._write_back.owner_of[sp] = id(module)
         self.sharded.append(sp)
         if self._to_files:  # offload_param nvme: the shard goes to its swap file now
             from minispeed.zero.stage3.offloaded import init_residency

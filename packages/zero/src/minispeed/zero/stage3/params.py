@@ -327,7 +327,14 @@ class ShardedParam:
             f"{self.name}: released while held ({self.holds}) or persistent"
         )
         self.param.data = self.shard.new_empty(0)
-        self._full.untyped_storage().resize_(0)
+        storage = self._full.untyped_storage()
+        if storage.resizable():
+            storage.resize_(0)
+        else:
+            # ``.numpy()`` of the gathered value (export code inside GatheredParameters) shares
+            # the storage and makes it fixed-size: the array keeps it; the next fetch allocates
+            # a new buffer (allocate_full).
+            self._full = None
         self.state = ParamState.SHARDED
 
     # -- data views -------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ from minispeed.zero.stage3.params import (
     partition_param,
     refresh_gathered,
 )
+from minispeed.zero.stage3.released import guard_param, unguard_param
 from minispeed.zero.stage3.trace import TraceCheck
 from minispeed.zero.stage3.zeropp import ZeroPP, check_zeropp, zeropp_enabled
 
@@ -91,6 +92,7 @@ class Stage3Strategy:
                     f"zero.shard uses a group of {self.world_size}; pass the same group to both"
                 )
             sp = sp or partition_param(p, group)
+            guard_param(p, sp)  # reads while released answer or raise (released.py)
             sp.name = name
             self.sharded[p] = sp
         self.trained = [self.sharded[p] for ps in self.groups for p in ps]
@@ -215,6 +217,7 @@ class Stage3Strategy:
         FetchUnit(-1, "close", "", list(self.sharded.values())).unshard()
         for sp in self.sharded.values():
             sp.to_plain()
+            unguard_param(sp.param)
             sp.coordinator = None
             REGISTRY.pop(sp.param, None)
         self.reducer.remove()

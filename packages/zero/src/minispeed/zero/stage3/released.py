@@ -1,0 +1,291 @@
+"""What a released stage-3 parameter answers when user code reads it: the truth, or an error.
+
+A released parameter's ``.data`` is an empty tensor (Note [why .data is swapped] in params.py).
+Read naively, it gives plausible wrong numbers: ``p.norm()`` is 0.0, ``p.shape`` is ``(0,)``,
+``p.detach().cpu().numpy()`` is empty, and logging or export code carries on. So every stage-3
+parameter's class is switched, while stage 3 owns it, to a subclass of its own class whose
+``__torch_function__`` looks at each use (Note [a released parameter answers or raises]):
+
+| use of a released parameter | answer |
+|---|---|
+| ``shape``, ``size()``, ``numel()``, ``nelement()``, ``dim()``, ``ndim``, ``len()``, ``nbytes`` | the full parameter's (as FSDP2's sharded parameters do) |
+| ``dtype``, ``device``, ``requires_grad``, ``grad``, ``is_leaf``, hooks, ``requires_grad_()`` ... | the parameter's own (they do not depend on its values) |
+| ``data``, ``untyped_storage()``, ``data_ptr()`` | this rank's storage, empty while released: what memory accounting needs |
+| ``repr(p)`` / ``str(p)`` | a description naming the parameter, its full shape, and that it is released |
+| any other op: ``norm()``, ``sum()``, ``item()``, ``p[0]``, ``detach()``, ``cpu()``, ``tolist()``, ``torch.add(p, 1)``, in-place writes ... | inside a forward run by the stage-3 hooks: fetched first (a demand fetch, as an attribute read is); elsewhere `ParameterNotGatheredError` naming the parameter and `GatheredParameters` |
+
+Inside ``GatheredParameters`` (or a module's forward and backward) every use passes through
+unchanged. ``p.data`` stays the low-level escape: it is the storage stage 3 swaps, empty while
+released, and is what the package itself reads and assigns.
+
+Cost: one Python ``__torch_function__`` call per torch op or attribute read that takes a stage-3
+parameter (a weak-dict lookup and an enum comparison when it is gathered). Autograd's backward
+runs in C++ and never calls it; measured below 1 % of a step at 33.9M parameters
+(benchmarks/zero_released_access.py, docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from minispeed.zero.stage3.access import not_gathered_error
+from minispeed.zero.stage3.params import ParamState, ShardedParam
+
+__all__ = ["guard_param", "is_guarded", "needs_values", "released_among", "unguard_param"]
+
+# Note [a released parameter answers or raises]
+# We cannot replace the nn.Parameter objects (the user's optimizer, autograd's AccumulateGrad
+# nodes and the module hold them), and patching nn.Parameter or torch functions globally would
+# tax every tensor of the program. A per-object class switch reaches exactly the stage-3
+# parameters: ``param.__class__`` becomes a subclass of its own class (made once per class) whose
+# ``__torch_function__`` sees every torch function, method and attribute getter called on it.
+# Its shape answers are exact without a collective (ShardedParam keeps the full shape). Values are
+# not: gathering them would be a collective, and a read made on one rank only (logging on rank 0)
+# would then hang the others, so a read outside forward raises instead. Nothing is set on the
+# parameter; `unguard_param` (Stage3Strategy.close) restores its class. The subclass's results are
+# plain tensors (torch functions run with subclass dispatch disabled, as nn.Parameter does).
+
+#: Getters and methods whose answer does not depend on the parameter's values, or that stage 3
+#: and autograd need on a released parameter: they run as for any parameter.
+_METADATA = frozenset(
+    {
+        "data",
+        "grad",
+        "requires_grad",
+        "dtype",
+        "device",
+        "is_leaf",
+        "grad_fn",
+        "layout",
+        "is_cuda",
+        "is_cpu",
+        "is_meta",
+        "is_sparse",
+        "is_quantized",
+        "is_nested",
+        "_backward_hooks",
+        "_post_accumulate_grad_hooks",
+        "_version",
+        "requires_grad_",
+        "retain_grad",
+        "register_hook",
+        "register_post_accumulate_grad_hook",
+        "element_size",
+        "is_floating_point",
+        "is_complex",
+        "get_device",
+        "itemsize",
+        # storage-level queries describe what this rank holds (0 bytes), not the values
+        "untyped_storage",
+        "data_ptr",
+        "storage_offset",
+        "is_contiguous",
+        "is_pinned",
+        "is_shared",
+    }
+)
+_DESCRIBE = frozenset({"__repr__", "__str__", "__format__"})
+
+
+def _func_name(func: Any) -> str:
+    """``norm`` for ``Tensor.norm``, ``shape`` for the getter ``Tensor.shape.__get__``."""
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__", "__delete__"):
+        owner = getattr(func, "__self__", None)
+        return name if owner is None else f"{getattr(owner, '__name__', '')}{name[:-2]}"
+    return name
+
+
+def _released_in(args: tuple, kwargs: dict | None) -> Any:
+    """The ShardedParam of the first released stage-3 parameter among the arguments (and inside
+    list or tuple arguments, ``torch.cat([p, q])``), or None."""
+    for a in args:
+        kind = type(a)
+        if kind is list or kind is tuple:
+            for b in a:
+                sp = _SHARDED.get(id(b)) if type(b) in _GUARDED_TYPES else None
+                if sp is not None and sp.state is not _GATHERED:
+                    return sp
+        elif kind in _GUARDED_TYPES:
+            sp = _SHARDED.get(id(a))
+            if sp is not None and sp.state is not _GATHERED:
+                return sp
+    if kwargs:
+        return _released_in(tuple(kwargs.values()), None)
+    return None
+
+
+def released_among(args: tuple, kwargs: dict | None) -> list[ShardedParam]:
+    """Every released stage-3 parameter among the arguments (and inside list/tuple arguments)."""
+    found: list[ShardedParam] = []
+    for a in (*args, *(kwargs or {}).values()):
+        for b in a if type(a) is list or type(a) is tuple else (a,):
+            sp = _SHARDED.get(id(b)) if type(b) in _GUARDED_TYPES else None
+            if sp is not None and sp.state is not _GATHERED and sp not in found:
+                found.append(sp)
+    return found
+
+
+_SHAPE_QUERIES = frozenset(
+    {
+        "shape__get",
+        "size",
+        "numel",
+        "nelement",
+        "dim",
+        "ndimension",
+        "ndim__get",
+        "nbytes__get",
+        "__len__",
+    }
+)
+
+
+def needs_values(func: Any) -> bool:
+    """Whether ``func`` on a released parameter needs its values (not a shape or metadata query,
+    not a setter). ``.data`` counts as a value read: ``p.data.normal_()`` writes the values."""
+    name = _func_name(func)
+    if name.endswith("__set") or name in _SHAPE_QUERIES or name in _DESCRIBE:
+        return False
+    if name == "data__get":
+        return True
+    return name not in _METADATA and name.removesuffix("__get") not in _METADATA
+
+
+def _shape_answer(name: str, sp: Any, args: tuple, kwargs: dict | None) -> tuple[bool, Any]:
+    """``(True, answer)`` for a shape query about the released ``args[0]``, else ``(False, None)``."""
+    if not args or type(args[0]) not in _GUARDED_TYPES or _SHARDED.get(id(args[0])) is not sp:
+        return False, None
+    shape = sp.shape
+    if name == "shape__get":
+        return True, shape
+    if name == "size":
+        dim = args[1] if len(args) > 1 else (kwargs or {}).get("dim")
+        return True, shape if dim is None else shape[dim]
+    if name in ("numel", "nelement"):
+        return True, sp.numel
+    if name == "nbytes__get":
+        return True, sp.numel * sp.shard.element_size()
+    if name in ("dim", "ndimension", "ndim__get"):
+        return True, len(shape)
+    if name == "__len__":
+        if not shape:
+            raise TypeError("len() of a 0-d tensor")
+        return True, shape[0]
+    return False, None
+
+
+def _describe(sp: Any) -> str:
+    return (
+        f"Parameter(released stage-3 parameter {sp.name or '?'!r}, shape={tuple(sp.shape)}, "
+        f"dtype={sp.shard.dtype}: only this rank's shard is present; read its values inside "
+        f"zero.GatheredParameters)"
+    )
+
+
+def _torch_function(cls: type, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+    """Every torch function, method and getter called on a guarded parameter passes here."""
+    plain = cls._stage3_plain_class
+    sp = _released_in(args, kwargs)
+    if sp is not None:
+        name = _func_name(func)
+        if name.endswith("__set") or name in _METADATA or name.removesuffix("__get") in _METADATA:
+            pass
+        elif name in _DESCRIBE:
+            return _describe(sp)
+        else:
+            answered, answer = _shape_answer(name, sp, args, kwargs)
+            if answered:
+                return answer
+            coordinator = sp.coordinator
+            if coordinator is None or not coordinator.in_forward:
+                raise not_gathered_error(
+                    sp.name or "?",
+                    f"by {name.removesuffix('__get')}() outside a forward pass and "
+                    f"GatheredParameters",
+                )
+            for other in released_among(args, kwargs):  # torch.cat([p, q]): fetch both
+                coordinator.demand_fetch(other, other.name or "?")
+    if plain is not nn.Parameter:  # a user's subclass may check ``types``
+        types = tuple(plain if t is cls else t for t in types)
+    return plain.__torch_function__(func, types, args, kwargs or {})
+
+
+_GATHERED = ParamState.GATHERED
+_GUARDED_CLASSES: dict[type, type] = {}  # plain class -> its guarded subclass
+# id(guarded parameter) -> its ShardedParam, with the finalizer that drops the entry when the
+# parameter dies. A plain dict: REGISTRY's weak lookup costs ~1 us per call, this one ~50 ns,
+# and the guard runs on every op that takes a parameter.
+_SHARDED: dict[int, ShardedParam] = {}
+_FINALIZERS: dict[int, weakref.finalize] = {}
+_GUARDED_TYPES: set[type] = set()  # the guarded subclasses, for a fast ``type(a) in`` test
+
+
+def _copy_guard(method: str) -> Any:
+    """``__deepcopy__`` / ``__reduce_ex__`` that refuse a released parameter: nn.Parameter's own
+    copy ``.data``, which would give an empty parameter silently."""
+
+    def guarded(self: Any, arg: Any) -> Any:
+        sp = _SHARDED.get(id(self))
+        if sp is not None and sp.state is not _GATHERED:
+            raise not_gathered_error(sp.name or "?", f"by {method}() (copy or pickle)")
+        return getattr(type(self)._stage3_plain_class, method)(self, arg)
+
+    guarded.__name__ = method
+    return guarded
+
+
+def _guarded_class(plain: type) -> type:
+    """The subclass of ``plain`` (nn.Parameter or a subclass of it) that stage 3 switches to."""
+    guarded = _GUARDED_CLASSES.get(plain)
+    if guarded is None:
+        guarded = type(
+            plain.__name__,  # repr, isinstance and type names stay the user's
+            (plain,),
+            {
+                "__torch_function__": classmethod(_torch_function),
+                "__deepcopy__": _copy_guard("__deepcopy__"),
+                "__reduce_ex__": _copy_guard("__reduce_ex__"),
+                "_stage3_plain_class": plain,
+                "__module__": plain.__module__,
+                "__qualname__": plain.__qualname__,
+            },
+        )
+        _GUARDED_CLASSES[plain] = guarded
+        _GUARDED_TYPES.add(guarded)
+    return guarded
+
+
+def is_guarded(param: torch.Tensor) -> bool:
+    """Whether ``param``'s class is the stage-3 guard of its own class."""
+    return type(param) in _GUARDED_TYPES
+
+
+def guard_param(param: nn.Parameter, sp: ShardedParam) -> None:
+    """Switch ``param``'s class to its guarded subclass (idempotent); ``sp`` partitions it."""
+    key = id(param)
+    _SHARDED[key] = sp
+    if key not in _FINALIZERS:
+        _FINALIZERS[key] = weakref.finalize(param, _forget, key)
+    if not is_guarded(param):
+        param.__class__ = _guarded_class(type(param))
+
+
+def unguard_param(param: nn.Parameter) -> None:
+    """Restore ``param``'s own class (Stage3Strategy.close, after it holds its full value)."""
+    key = id(param)
+    finalizer = _FINALIZERS.pop(key, None)
+    if finalizer is not None:
+        finalizer.detach()
+    _SHARDED.pop(key, None)
+    if is_guarded(param):
+        param.__class__ = type(param)._stage3_plain_class
+
+
+def _forget(key: int) -> None:
+    _SHARDED.pop(key, None)
+    _FINALIZERS.pop(key, None)
