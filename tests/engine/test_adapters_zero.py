@@ -18,7 +18,7 @@ def _init_and_gather(rank, world_size):
     torch.manual_seed(rank)
     with zero.Init(config_dict_or_path=CONFIG, remote_device="none"):
         model = nn.Linear(6, 4)
-    held = [p.numel() for p in model.parameters()]
+    held = [p.data.numel() for p in model.parameters()]  # p.numel() is the full shape
     with zero.GatheredParameters(list(model.parameters())):
         full = model.weight.detach().clone()
     with zero.GatheredParameters(model.weight, modifier_rank=0):
