@@ -200,5 +200,9 @@ def test_init_holds_its_share_for_every_construction_style() -> None:
     for rank, res in enumerate(results):
         for style, got in res.items():
             largest = 2 * layer if style == "nested" else layer
-            assert got["live"] == psi // world_size, (rank, style, got, psi // world_size)
+            # Live: exactly Ψ/N alone; in a pool worker that ran other tests a first-use cache
+            # of the comm layer (1 KiB, seen once on rank 1 under scripts/check_install.py) may
+            # be created here too. A leaked shard (131 KiB) or layer is far above the slack.
+            share = psi // world_size
+            assert share <= got["live"] <= share + slack, (rank, style, got, share)
             assert got["peak"] <= psi // world_size + largest + slack, (rank, style, got)
