@@ -120,7 +120,7 @@ def test_what_does_not_compose_is_refused_on_every_rank():
         assert "tied layers" in errors[0]
         assert "stage=2" in errors[1]
         assert "bf16" in errors[2]
-        assert "train_batch_size (5)" in errors[3]
+        assert "train_batch_size=5 is not" in errors[3]  # core.config.batch_triple
         assert "['bias']" in errors[4]
 
 

@@ -52,44 +52,13 @@ import torch
 
 import minispeed.comm as comm
 import minispeed.pipeline as pipeline
+from minispeed.engine.config import resolve_batch
 
-__all__ = ["PipelineEngine", "PipelineError", "batch_triple"]
+__all__ = ["PipelineEngine", "PipelineError"]
 
 
 class PipelineError(Exception):
     """A call a pipeline engine does not take (DeepSpeed's `PipelineError`)."""
-
-
-def batch_triple(config: dict[str, Any], dp: int) -> tuple[int, int, int]:
-    """`(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)` from a
-    ds_config with any two (or all three) given, by DeepSpeed's rules, `dp` the data-parallel
-    size; raises naming the keys when they do not multiply out."""
-    keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-    tbs, mbs, gas = (config.get(k) for k in keys)
-    for k, v in zip(keys, (tbs, mbs, gas)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ValueError(f"{k} must be an int >= 1, got {v!r}")
-    if tbs is not None and mbs is not None and gas is None:
-        gas = tbs // mbs // dp
-    elif tbs is not None and gas is not None and mbs is None:
-        mbs = tbs // dp // gas
-    elif mbs is not None and gas is not None and tbs is None:
-        tbs = mbs * gas * dp
-    elif tbs is not None and mbs is None and gas is None:
-        gas, mbs = 1, tbs // dp
-    elif mbs is not None and tbs is None and gas is None:
-        gas, tbs = 1, mbs * dp
-    elif tbs is None and mbs is None:
-        raise ValueError(
-            "the config needs train_batch_size or train_micro_batch_size_per_gpu (with "
-            "gradient_accumulation_steps, or both)"
-        )
-    if not (tbs and mbs and gas) or tbs != mbs * gas * dp:
-        raise ValueError(
-            f"train_batch_size ({tbs}) must equal train_micro_batch_size_per_gpu ({mbs}) × "
-            f"gradient_accumulation_steps ({gas}) × data-parallel size ({dp}); change one of them"
-        )
-    return tbs, mbs, gas
 
 
 class _StepHook:
@@ -137,7 +106,7 @@ class PipelineEngine:
         self.grid = module.grid
         self.num_stages, self.stage_id = module.stages, module.stage
         self.dp_world_size = self.grid.size("data")
-        tbs, mbs, gas = batch_triple(config, self.dp_world_size)
+        tbs, mbs, gas = resolve_batch(config, self.dp_world_size)
         self._train_batch_size, self._micro_batch_size, self.micro_batches = tbs, mbs, gas
         self._clip = float(config.get("gradient_clipping", 0.0) or 0.0)
         schedule = self._read_pipeline_section(config.get("pipeline") or {})

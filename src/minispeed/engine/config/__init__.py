@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from minispeed.core.config import ConfigError, check_keys, join_path
+from minispeed.core.config import BATCH_KEYS, ConfigError, batch_triple, check_keys, join_path
 from minispeed.zero import MixedPrecision, ZeroConfig
 
 __all__ = ["ConfigError", "EngineConfig", "load_ds_config", "resolve_batch"]
@@ -212,41 +212,9 @@ def _batch_value(ds: Mapping[str, Any], key: str) -> int | None:
 
 
 def resolve_batch(ds: Mapping[str, Any], data_parallel_size: int) -> tuple[int, int, int]:
-    """`(train_batch_size, micro_batch_size, gradient_accumulation_steps)` from a ds_config.
-
-    DeepSpeed's rule: any two given derive the third; one given sets accumulation to 1; all
-    three must satisfy `train = micro × accumulation × data_parallel_size`.
-    """
-    train = _batch_value(ds, "train_batch_size")
-    micro = _batch_value(ds, "train_micro_batch_size_per_gpu")
-    gas = _batch_value(ds, "gradient_accumulation_steps")
-    n = data_parallel_size
-    if train is not None and micro is not None and gas is None:
-        gas = train // micro // n
-    elif train is not None and gas is not None and micro is None:
-        micro = train // n // gas
-    elif micro is not None and gas is not None and train is None:
-        train = micro * gas * n
-    elif train is not None and micro is None and gas is None:
-        gas, micro = 1, train // n
-    elif micro is not None and train is None and gas is None:
-        gas, train = 1, micro * n
-    elif train is None and micro is None:
-        raise ConfigError(
-            "train_batch_size",
-            "give train_batch_size or train_micro_batch_size_per_gpu (or both): the batch size "
-            "cannot be derived from gradient_accumulation_steps alone",
-        )
-    assert train is not None and micro is not None and gas is not None
-    if micro < 1 or gas < 1 or train != micro * gas * n:
-        raise ConfigError(
-            "train_batch_size",
-            f"the batch triple does not multiply out: train_batch_size={ds.get('train_batch_size')!r}"
-            f" must equal train_micro_batch_size_per_gpu ({micro}) × gradient_accumulation_steps "
-            f"({gas}) × data-parallel size ({n}) = {micro * gas * n}; change one of the three (or "
-            f"give two and let the third be derived)",
-        )
-    return train, micro, gas
+    """`(train_batch_size, micro_batch_size, gradient_accumulation_steps)` from a ds_config by
+    DeepSpeed's rule (`minispeed.core.config.batch_triple`); `"auto"` counts as not given."""
+    return batch_triple(*(_batch_value(ds, key) for key in BATCH_KEYS), data_parallel_size)
 
 
 def _check_type_section(ds: Mapping[str, Any], key: str) -> None:

@@ -31,7 +31,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 __all__ = [
+    "BATCH_KEYS",
     "ConfigError",
+    "batch_triple",
     "check_keys",
     "did_you_mean",
     "edit_distance",
@@ -176,3 +178,74 @@ def field_docs(cls: type) -> dict[str, str]:
         ):
             docs[node.target.id] = " ".join(after.value.value.split())
     return docs
+
+
+# DeepSpeed's batch triple, in the order `batch_triple` takes and returns it.
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def batch_triple(
+    train_batch_size: int | None,
+    micro_batch_size: int | None,
+    accumulation_steps: int | None,
+    data_parallel_size: int,
+) -> tuple[int, int, int]:
+    """DeepSpeed's rule for (`train_batch_size`, `train_micro_batch_size_per_gpu`,
+    `gradient_accumulation_steps`) at data-parallel size N (`DeepSpeedConfig.
+    _set_batch_related_parameters` then `_batch_assertion`, DeepSpeed 0.19.8):
+
+    - all three given: used as given;
+    - two given: the third derived with floor division (train // micro // N; train // N // acc;
+      micro · acc · N);
+    - train alone: accumulation 1, micro = train // N; micro alone: accumulation 1,
+      train = micro · N; neither train nor micro: an error.
+
+    Then each must be ≥ 1 and train = micro · acc · N, or `ValueError` naming the keys (DeepSpeed
+    asserts the same); a `ConfigError` carries the key. The engine and the pipeline package
+    both decide the batch here."""
+    given = dict(zip(BATCH_KEYS, (train_batch_size, micro_batch_size, accumulation_steps)))
+    for key, value in given.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigError(key, f'must be an int, got {value!r} ("auto" is not supported here)')
+    train, micro, acc, n = (
+        train_batch_size,
+        micro_batch_size,
+        accumulation_steps,
+        data_parallel_size,
+    )
+    if train is not None and micro is not None and acc is None:
+        acc = train // micro // n if micro > 0 and n > 0 else 0
+    elif train is not None and acc is not None and micro is None:
+        micro = train // n // acc if acc > 0 and n > 0 else 0
+    elif micro is not None and acc is not None and train is None:
+        train = micro * acc * n
+    elif train is not None and micro is None and acc is None:
+        acc, micro = 1, train // n
+    elif micro is not None and train is None:
+        train, acc = micro * n, 1
+    elif train is None and micro is None:
+        raise ConfigError(
+            "train_batch_size",
+            "set train_batch_size or train_micro_batch_size_per_gpu (DeepSpeed needs one of them; "
+            "gradient_accumulation_steps alone does not fix the batch)",
+        )
+    assert train is not None and micro is not None and acc is not None
+    for key, value in zip(BATCH_KEYS, (train, micro, acc)):
+        if value < 1:
+            raise ConfigError(
+                key,
+                f"{key} comes out as {value} from {_show(given)} at data-parallel size {n}; "
+                "it must be >= 1: raise train_batch_size or lower the others",
+            )
+    if train != micro * acc * n:
+        raise ConfigError(
+            "train_batch_size",
+            f"train_batch_size={train} is not train_micro_batch_size_per_gpu={micro} × "
+            f"gradient_accumulation_steps={acc} × data-parallel size {n} (= {micro * acc * n}), "
+            f"from {_show(given)}: give two of the three keys, or three that agree",
+        )
+    return train, micro, acc
+
+
+def _show(given: dict[str, int | None]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in given.items() if v is not None)

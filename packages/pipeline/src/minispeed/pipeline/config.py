@@ -30,70 +30,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import minispeed.comm as comm
+from minispeed.core.config import BATCH_KEYS as _TRIPLE
+from minispeed.core.config import batch_triple
 from minispeed.pipeline.schedules import SCHEDULES
 
 __all__ = ["PipelineConfig", "batch_triple"]
-
-_TRIPLE = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-
-
-def batch_triple(
-    train_batch_size: int | None,
-    micro_batch_size: int | None,
-    accumulation_steps: int | None,
-    data_parallel_size: int,
-) -> tuple[int, int, int]:
-    """DeepSpeed's rule for (`train_batch_size`, `train_micro_batch_size_per_gpu`,
-    `gradient_accumulation_steps`) at data-parallel size N (`DeepSpeedConfig.
-    _set_batch_related_parameters` then `_batch_assertion`, DeepSpeed 0.19.8):
-
-    - all three given: used as given;
-    - two given: the third derived with floor division (train // micro // N; train // N // acc;
-      micro · acc · N);
-    - train alone: accumulation 1, micro = train // N; micro alone: accumulation 1,
-      train = micro · N; neither train nor micro: an error.
-
-    Then each must be ≥ 1 and train = micro · acc · N, or `ValueError` naming the keys (DeepSpeed
-    asserts the same)."""
-    given = dict(zip(_TRIPLE, (train_batch_size, micro_batch_size, accumulation_steps)))
-    for key, value in given.items():
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ValueError(f'{key} must be an int, got {value!r} ("auto" is not supported)')
-    train, micro, acc, n = (
-        train_batch_size,
-        micro_batch_size,
-        accumulation_steps,
-        data_parallel_size,
-    )
-    if train is not None and micro is not None and acc is None:
-        acc = train // micro // n if micro > 0 and n > 0 else 0
-    elif train is not None and acc is not None and micro is None:
-        micro = train // n // acc if acc > 0 and n > 0 else 0
-    elif micro is not None and acc is not None and train is None:
-        train = micro * acc * n
-    elif train is not None and micro is None and acc is None:
-        acc, micro = 1, train // n
-    elif micro is not None and train is None:
-        train, acc = micro * n, 1
-    elif train is None and micro is None:
-        raise ValueError(
-            "set train_batch_size or train_micro_batch_size_per_gpu (DeepSpeed needs one of them; "
-            "gradient_accumulation_steps alone does not fix the batch)"
-        )
-    assert train is not None and micro is not None and acc is not None
-    for key, value in zip(_TRIPLE, (train, micro, acc)):
-        if value < 1:
-            raise ValueError(
-                f"{key} comes out as {value} from {_show(given)} at data-parallel size {n}; "
-                "it must be >= 1: raise train_batch_size or lower the others"
-            )
-    if train != micro * acc * n:
-        raise ValueError(
-            f"train_batch_size={train} is not train_micro_batch_size_per_gpu={micro} × "
-            f"gradient_accumulation_steps={acc} × data-parallel size {n} (= {micro * acc * n}), "
-            f"from {_show(given)}: give two of the three keys, or three that agree"
-        )
-    return train, micro, acc
 
 
 def _data_parallel_size(stages: Any) -> int:
@@ -107,10 +48,6 @@ def _data_parallel_size(stages: Any) -> int:
             "that divides it (the rest is data parallelism)"
         )
     return world // stages
-
-
-def _show(given: dict[str, int | None]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in given.items() if v is not None)
 
 
 _KNOWN = {
