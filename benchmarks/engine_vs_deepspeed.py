@@ -190,9 +190,7 @@ def main() -> None:
     if rank != 0:
         return
     params = next(iter(contenders.values())).params
-    print(
-        f"size {args.size}: {params / 1e6:.1f}M parameters, {per_round} steps x {args.rounds} rounds"
-    )
+    print(f"size {args.size}: {params:,} parameters, {per_round} steps x {args.rounds} rounds")
     for s in stages:
         group = [n for n in names if n.endswith(f"ZeRO-{s}")]
         ref = losses[group[0]]
