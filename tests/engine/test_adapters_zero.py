@@ -60,3 +60,23 @@ def test_gathered_parameters_refuses_fwd_module():
 
     with pytest.raises(NotImplementedError, match="fwd_module"):
         zero.GatheredParameters([], fwd_module=nn.Linear(2, 2))
+
+
+def test_init_starts_the_process_group_as_deepspeeds_does():
+    """DeepSpeed's `zero.Init` calls `init_distributed()` itself: a script may build its model
+    under it before `initialize()`. One plain process (no torchrun) here."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch.distributed as dist, torch.nn as nn\n"
+        "import minispeed.engine as deepspeed\n"
+        "assert not dist.is_initialized()\n"
+        "with deepspeed.zero.Init(config_dict_or_path={'zero_optimization': {'stage': 3}}):\n"
+        "    model = nn.Linear(4, 4)\n"
+        "print(dist.is_initialized(), dist.get_world_size(), tuple(model.weight.shape))\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "True 1 (4, 4)"

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import minispeed.comm as comm
 import minispeed.zero as zero
 
 __all__ = ["GatheredParameters", "Init"]
@@ -104,6 +105,10 @@ class Init(zero.Init):
                 f"zero_optimization.offload_param.device is {configured!r}; make them agree "
                 "(minispeed places the shards as the config says)"
             )
+        if enabled and not comm.is_initialized():
+            # DeepSpeed's Init starts the process group itself (torchrun's environment, or one
+            # process), so scripts build models under it before calling initialize().
+            comm.init_distributed()
         super().__init__(config=zero_config, group=data_parallel_group, enabled=enabled)
 
 
