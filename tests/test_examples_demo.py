@@ -155,6 +155,7 @@ def test_demo_consolidated_checkpoint_generates(demo_run, tmp_path):
     metrics, stdout = demo_run
     assert Path(metrics["consolidated_file"]).exists()
     assert "match" in stdout and "MISMATCH" not in stdout  # val loss of the reloaded weights
+    assert "same text as the plain model" in stdout  # generation through init_inference
     sys.path.insert(0, str(EXAMPLES))
     try:
         from sample import generate_text, load_model
