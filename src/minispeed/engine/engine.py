@@ -38,6 +38,7 @@ import minispeed.zero as zero
 from minispeed.core.accelerator import get_accelerator
 from minispeed.core.logging import get_logger
 from minispeed.engine.config import EngineConfig
+from minispeed.zero.checkpoints.layout import LATEST_FILE, resolve_tag_dir
 
 __all__ = ["Engine"]
 
@@ -275,8 +276,10 @@ class Engine(nn.Module):
             )
         opt = self._require_optimizer("load_checkpoint")
         root = Path(load_dir)
-        if tag is None and not (root / "latest").is_file():
-            _log.warning("no 'latest' file in %s: nothing loaded; pass tag= to load a tag", root)
+        if tag is None and not (root / LATEST_FILE).is_file():
+            _log.warning(
+                "no '%s' file in %s: nothing loaded; pass tag= to load a tag", LATEST_FILE, root
+            )
             return None, None
         only_module = load_module_only or not load_optimizer_states
         saved = zero.load_checkpoint(
@@ -297,8 +300,7 @@ class Engine(nn.Module):
                         "pass load_lr_scheduler_states=False to keep the scheduler as built"
                     )
                 self.lr_scheduler.load_state_dict(ours["lr_scheduler"])
-        name = tag if tag is not None else (root / "latest").read_text().strip()
-        return os.fspath(root / name), client
+        return os.fspath(resolve_tag_dir(root, tag)), client
 
     def save_16bit_model(
         self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin"
