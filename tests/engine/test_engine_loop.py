@@ -162,19 +162,25 @@ def test_deepspeed_config_argument_and_training_data(tmp_path) -> None:
     assert [len(b) for b in results[0]["seen"]] == [3, 2]
 
 
-def _observers_run(rank: int, world_size: int) -> dict:
+def _sgd_engine(config: dict):
+    """The GPT from seed 0 under SGD(lr=0.1), built by `initialize` from `config`."""
     torch.manual_seed(0)
     model = GPT()
     engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        config={
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config
+    )
+    return engine
+
+
+def _observers_run(rank: int, world_size: int) -> dict:
+    engine = _sgd_engine(
+        {
             "train_micro_batch_size_per_gpu": 2,
             "zero_optimization": {"stage": 1},
             "comms_logger": {"enabled": True},
             "wall_clock_breakdown": True,
             "steps_per_print": 2,
-        },
+        }
     )
     records = []
     handler = logging.Handler()
@@ -204,16 +210,12 @@ def test_comms_logger_timers_and_steps_per_print() -> None:
 
 
 def _profiled_run(rank: int, world_size: int, path: str) -> bool:
-    torch.manual_seed(0)
-    model = GPT()
-    engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-        config={
+    engine = _sgd_engine(
+        {
             "train_micro_batch_size_per_gpu": 2,
             "gradient_accumulation_steps": 2,
             "flops_profiler": {"enabled": rank == 0, "profile_step": 1, "output_file": path},
-        },
+        }
     )
     written_after = []
     for step in range(3):
