@@ -84,9 +84,12 @@ def init_distributed(
         )
     if distributed_port is not None and "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(distributed_port)
-    timeout_s = (
-        300.0 if timeout is None else float(getattr(timeout, "total_seconds", lambda: timeout)())
-    )
+    if timeout is None:
+        timeout_s = 300.0
+    elif hasattr(timeout, "total_seconds"):  # DeepSpeed passes a datetime.timedelta
+        timeout_s = timeout.total_seconds()
+    else:
+        timeout_s = float(timeout)
     comm.init_distributed(backend=dist_backend, timeout_s=timeout_s, init_method=init_method)
 
 
@@ -158,9 +161,7 @@ def initialize(
     ds = _config_from(args, config, config_params)
     is_pipeline = isinstance(model, _pipeline_module_type())
     # 2. The process group.
-    if distributed_port is not None and "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(distributed_port)
-    comm.init_distributed()
+    init_distributed(distributed_port=distributed_port)
     world = comm.get_world_size()
     if ds.get("activation_checkpointing") is not None:
         # For model code that calls `deepspeed.checkpointing.checkpoint` (this path's adapter).
