@@ -191,6 +191,11 @@ class StorageProbe(TorchDispatchMode):
     for a broadcast, a buffer some object kept, garbage not collected yet. Storages are held by
     weak reference (the probe keeps nothing alive). Cost: one pass over the storages seen so far
     per op; for small models only.
+
+    Storages are keyed by identity (the StorageImpl), not by address: stage 3 frees a gathered
+    parameter's storage in place (`resize_(0)`) and re-allocates it at another address, so keying
+    by `data_ptr()` counted it twice whenever the allocator had not reused the old address yet —
+    a flake that depended on the allocator's history.
     """
 
     def __init__(self) -> None:
@@ -203,15 +208,15 @@ class StorageProbe(TorchDispatchMode):
         for t in out if isinstance(out, (list, tuple)) else (out,):
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
-                self.refs[storage.data_ptr()] = storage._weak_ref()
+                self.refs[storage._cdata] = storage._weak_ref()
         self.peak = max(self.peak, self.live())
         return out
 
     def live(self) -> int:
         total = 0
-        for ptr, ref in list(self.refs.items()):
+        for key, ref in list(self.refs.items()):
             if torch.UntypedStorage._expired(ref):
-                del self.refs[ptr]  # freed: never counted again
+                del self.refs[key]  # freed: never counted again
             else:
                 total += torch.UntypedStorage._new_with_weak_ptr(ref).nbytes()
         return total

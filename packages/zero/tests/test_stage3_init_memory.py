@@ -28,6 +28,7 @@ from stage3_testlib import (
     reference_losses,
 )
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 from zero_testlib import TinyGPT, make_batches, rank_slice
 
 import minispeed.zero as zero
@@ -206,3 +207,19 @@ def test_init_holds_its_share_for_every_construction_style() -> None:
             share = psi // world_size
             assert share <= got["live"] <= share + slack, (rank, style, got, share)
             assert got["peak"] <= psi // world_size + largest + slack, (rank, style, got)
+
+
+def test_storage_probe_counts_a_storage_reallocated_in_place_once() -> None:
+    """Stage 3 frees a gathered parameter in place (`resize_(0)`) and re-allocates the same
+    storage at a new address. The probe must count it once; keyed by address it counted it twice
+    whenever the old address was still free, which made the memory bounds above flaky."""
+    with StorageProbe() as probe:
+        x = torch.zeros(6464)
+        storage = x.untyped_storage()
+        storage.resize_(0)
+        with _disable_current_modes():  # hold the old address, as other allocations might
+            blocker = torch.empty(6464)
+        storage.resize_(6464 * 4)
+        x.add_(1)  # an op on the re-allocated storage
+    assert x.untyped_storage().data_ptr() != blocker.untyped_storage().data_ptr()
+    assert probe.live() == 6464 * 4
