@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from minispeed.core.config import ConfigError
-from minispeed.engine.config import EngineConfig, load_ds_config, resolve_batch
+from minispeed.core.config import DEEPSPEED_TOP_LEVEL, ConfigError
+from minispeed.engine.config import READ, UNSUPPORTED, EngineConfig, load_ds_config, resolve_batch
 
 
 @pytest.mark.parametrize(
@@ -100,7 +100,14 @@ def test_sections_reach_their_packages() -> None:
         ({"comms_logger": {"enabeld": True}}, "comms_logger.enabeld", "did you mean 'enabled'"),
         ({"optimizer": {"type": "AdamW", "parms": {}}}, "optimizer.parms", "did you mean 'params'"),
         ({"optimizer": {"params": {}}}, "optimizer.type", "by name"),
-        ({"zero_optimization": {"stgae": 2}}, "zero_optimization", "stgae"),
+        ({"zero_optimization": {"stgae": 2}}, "zero_optimization.stgae", "did you mean 'stage'"),
+        ({"fp16": {"enabled": True, "los_scale": 0}}, "fp16.los_scale", "'loss_scale'"),
+        ({"pipeline": {"stagez": 2}}, "pipeline.stagez", "did you mean 'stages'"),
+        (
+            {"zero_optimization": {"stage": 2, "offload_optimizer": {"pin_memroy": True}}},
+            "offload_optimizer.pin_memroy",
+            "did you mean 'pin_memory'",
+        ),
         ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16/bf16", "at most one"),
         ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel.autotp_size", "not built yet"),
         ({"communication_data_type": "fp16"}, "communication_data_type", "grad_accum_dtype"),
@@ -150,6 +157,13 @@ def test_config_that_is_not_json_names_line_and_column(tmp_path) -> None:
     path.write_text(json.dumps([1, 2]))
     with pytest.raises(ConfigError, match="JSON object"):
         load_ds_config(path)
+
+
+def test_every_deepspeed_top_level_key_is_read_or_refused_with_a_reason() -> None:
+    """The one catalogue of DeepSpeed's top-level keys (core) and the engine's tables agree, so
+    the migration page's list is complete: each key is either read or refused with its reason."""
+    assert DEEPSPEED_TOP_LEVEL - READ - UNSUPPORTED.keys() == set()
+    assert (READ | UNSUPPORTED.keys()) - DEEPSPEED_TOP_LEVEL == set()
 
 
 def test_config_error_is_a_value_error_carrying_the_path() -> None:

@@ -26,7 +26,7 @@ def test_deepspeed_keys_translate():
 @pytest.mark.parametrize(
     "section,match",
     [
-        ({"stagez": 2}, "unknown pipeline key"),
+        ({"stagez": 2}, r"pipeline.stagez: unknown key \(did you mean .stages."),
         ({"stages": "auto"}, "'auto' is not supported"),
         ({"activation_checkpoint_interval": 2}, "use 0 \\(off\\) or 1"),
         ({"pipe_partitioned": True}, "tensor-parallel"),

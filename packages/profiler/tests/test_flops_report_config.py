@@ -51,7 +51,9 @@ def test_from_ds_config_translates_the_section_and_refuses_unknown_keys():
          "detailed": False, "output_file": None}
     )  # fmt: skip
     assert (cfg.enabled, cfg.profile_step, cfg.module_depth, cfg.top_modules) == (True, 2, 1, 2)
-    with pytest.raises(ValueError, match="unknown flops_profiler key"):
+    with pytest.raises(
+        ValueError, match=r"flops_profiler.enable: unknown key .did you mean .enabled"
+    ):
         FlopsProfilerConfig.from_ds_config({"enable": True})
     with pytest.raises(ValueError, match="recompute_fwd_factor"):
         FlopsProfilerConfig.from_ds_config({"recompute_fwd_factor": 1.0})

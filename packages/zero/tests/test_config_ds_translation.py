@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from minispeed.core.config import ConfigError
 from minispeed.zero import ZeroConfig
 
 
@@ -76,8 +77,22 @@ def test_old_spelling_of_gather_on_save_is_accepted_but_not_contradicted() -> No
 
 
 def test_unknown_key_is_named() -> None:
-    with pytest.raises(ValueError, match=r"unknown zero_optimization key\(s\) \['reduce_bucket'\]"):
+    with pytest.raises(ConfigError, match=r"zero_optimization.reduce_bucket: unknown key") as err:
         ZeroConfig.from_ds_config({"zero_optimization": {"stage": 1, "reduce_bucket": 10}})
+    assert err.value.path == "zero_optimization.reduce_bucket"
+
+
+def test_zero_section_alone_equals_the_whole_config() -> None:
+    """The engine hands ZeRO its own section plus the three values it needs from elsewhere."""
+    section = {"stage": 2, "reduce_bucket_size": 5e7}
+    whole = {
+        "zero_optimization": section,
+        "gradient_accumulation_steps": 4.0,
+        "gradient_clipping": 1,
+    }
+    got = ZeroConfig.from_section(section, gradient_accumulation_steps=4, gradient_clipping=1.0)
+    assert got == ZeroConfig.from_ds_config(whole)
+    assert (got.reduce_bucket_numel, got.max_grad_norm) == (50_000_000, 1.0)
 
 
 @pytest.mark.parametrize(
@@ -85,7 +100,8 @@ def test_unknown_key_is_named() -> None:
     [
         (
             {"allgather_partitions": False},
-            "allgather_partitions=False is not supported.*set it to True",
+            "allgather_partitions: DeepSpeed's 'allgather_partitions' is not supported.*"
+            "default True",
         ),
         (
             {"offload_optimizer": {"device": "cpu"}},

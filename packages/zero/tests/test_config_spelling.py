@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from minispeed.core.config import edit_distance
 from minispeed.zero import MixedPrecision, ZeroConfig
-from minispeed.zero.spelling import edit_distance
 
 
 @pytest.mark.parametrize(

@@ -55,7 +55,7 @@ def test_bf16_accumulates_in_fp32_unless_told_otherwise() -> None:
         ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "enable at most one"),
         (
             {"fp16": {"enabled": True, "loss_scale_windw": 10}},
-            r"unknown fp16 key\(s\) \['loss_scale_windw'\]",
+            r"fp16.loss_scale_windw: unknown key \(did you mean 'loss_scale_window'",
         ),
         ({"data_types": {"grad_accum_dtype": "int8"}}, "use one of"),
         ({"data_types": {"grad_accum_dtype": "bf16"}}, "set grad_accum_dtype=torch.float32"),

@@ -302,16 +302,31 @@ class EngineConfig:
                 f"tensor parallelism in training is not built yet (got {tp['autotp_size']}); "
                 f"remove the key or set it to 1",
             )
-        # The packages' sections: their own checks, re-raised with the key path.
-        zero_ds = {k: v for k, v in ds.items() if k in ("zero_optimization", "aio")}
-        zero_ds["gradient_accumulation_steps"] = gas
-        # See Note [DeepSpeed clips at 1.0 by default].
-        zero_ds["gradient_clipping"] = ds.get("gradient_clipping", DS_GRADIENT_CLIPPING_DEFAULT)
-        zero = _package("zero_optimization", ZeroConfig.from_ds_config, zero_ds)
+        # Each package reads its own section; the few values it needs from elsewhere in the
+        # ds_config are handed over by name. Their ValueErrors are re-raised with the key path.
+        zero = _package(
+            "zero_optimization",
+            lambda section: ZeroConfig.from_section(
+                section,
+                gradient_accumulation_steps=gas,
+                # See Note [DeepSpeed clips at 1.0 by default].
+                gradient_clipping=ds.get("gradient_clipping", DS_GRADIENT_CLIPPING_DEFAULT),
+                aio=ds.get("aio"),
+            ),
+            ds.get("zero_optimization"),
+        )
+        if "bf16" in ds and "bfloat16" in ds:
+            raise ConfigError(
+                "bfloat16", "the old name of 'bf16', which is also set; keep only 'bf16'"
+            )
         precision = _package(
             "fp16/bf16",
-            MixedPrecision.from_ds_config,
-            {k: v for k, v in ds.items() if k in ("fp16", "bf16", "bfloat16", "data_types")},
+            lambda _: MixedPrecision.from_sections(
+                fp16=ds.get("fp16"),
+                bf16=ds.get("bf16", ds.get("bfloat16")),
+                data_types=ds.get("data_types"),
+            ),
+            None,
         )
         _check_communication_dtype(ds.get("communication_data_type"), precision)
         profiler = None
@@ -324,15 +339,15 @@ class EngineConfig:
         if ds.get("pipeline") is not None:  # its keys; the pipeline engine reads the values
             from minispeed.pipeline import PipelineConfig
 
-            batch = {
-                "pipeline": ds["pipeline"],
-                "train_micro_batch_size_per_gpu": micro,
-                "gradient_accumulation_steps": gas,
-            }
             _package(
                 "pipeline",
-                lambda d: PipelineConfig.from_ds_config(d, data_parallel_size=data_parallel_size),
-                batch,
+                lambda section: PipelineConfig.from_section(
+                    section,
+                    micro_batch_size=micro,
+                    gradient_accumulation_steps=gas,
+                    data_parallel_size=data_parallel_size,
+                ),
+                ds["pipeline"],
             )
         steps_per_print = ds.get("steps_per_print")
         if steps_per_print is not None and (

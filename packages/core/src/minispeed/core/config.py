@@ -17,6 +17,8 @@ check_keys({"stgae": 2}, known={"stage", "overlap_comm"}, path="zero_optimizatio
 - `check_keys` refuses unknown keys, and keys DeepSpeed defines that minispeed does not implement
   unless they hold DeepSpeed's default value (a config written out in full must still load).
 - `translate` renames DeepSpeed keys into our field names, once, at the boundary.
+- `DEEPSPEED_TOP_LEVEL` is the one catalogue of DeepSpeed's top-level keys (the engine reads or
+  refuses each of them; `check_top_level_spelling` never calls one of them a misspelling).
 
 Cost: one edit-distance computation per (unknown key, known key): O(len²) each, only on error.
 """
@@ -32,9 +34,11 @@ from typing import Any
 
 __all__ = [
     "BATCH_KEYS",
+    "DEEPSPEED_TOP_LEVEL",
     "ConfigError",
     "batch_triple",
     "check_keys",
+    "check_top_level_spelling",
     "did_you_mean",
     "edit_distance",
     "field_docs",
@@ -249,3 +253,89 @@ def batch_triple(
 
 def _show(given: dict[str, int | None]) -> str:
     return ", ".join(f"{k}={v}" for k, v in given.items() if v is not None)
+
+
+# Top-level keys DeepSpeed itself defines (any package's): never reported as misspellings, even
+# where one is close to another (`fp16` / `bf16`).
+DEEPSPEED_TOP_LEVEL: frozenset[str] = frozenset(
+    {
+        "train_batch_size",
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "optimizer",
+        "scheduler",
+        "fp16",
+        "bf16",
+        "bfloat16",
+        "amp",
+        "torch_autocast",
+        "data_types",
+        "zero_optimization",
+        "gradient_clipping",
+        "prescale_gradients",
+        "gradient_predivide_factor",
+        "communication_data_type",
+        "seq_parallel_communication_data_type",
+        "sparse_gradients",
+        "steps_per_print",
+        "wall_clock_breakdown",
+        "memory_breakdown",
+        "dump_state",
+        "flops_profiler",
+        "activation_checkpointing",
+        "aio",
+        "tensorboard",
+        "wandb",
+        "csv_monitor",
+        "comet",
+        "comms_logger",
+        "elasticity",
+        "pipeline",
+        "zero_allow_untested_optimizer",
+        "zero_force_ds_cpu_optimizer",
+        "sparse_attention",
+        "curriculum_learning",
+        "data_efficiency",
+        "compression_training",
+        "checkpoint",
+        "autotuning",
+        "moe",
+        "nebula",
+        "quantize_training",
+        "eigenvalue",
+        "progressive_layer_drop",
+        "hybrid_engine",
+        "weight_quantization",
+        "disable_allgather",
+        "timers",
+        "compile",
+        "tensor_parallel",
+        "use_data_before_expert_parallelism",
+        "graph_harvesting",
+        "mics_shard_size",
+        "mics_hierarchical_params_gather",
+        "load_universal_checkpoint",
+        "use_node_local_storage",
+    }
+)
+
+
+def check_top_level_spelling(ds_config: dict[str, Any], sections: Iterable[str], who: str) -> None:
+    """Raise `ConfigError` for a top-level key of `ds_config` that is a near miss of one of
+    `sections` (the keys `who` reads) and not itself a DeepSpeed key.
+
+    A package reading its sections out of a whole ds_config cannot refuse every key it does not
+    read (`"optimizer"` belongs to someone else), but it can refuse a key that is *almost* one of
+    its own: `"zero_optimisation"` would otherwise train at stage 0, silently."""
+    sections = set(sections)
+    for key in ds_config:
+        if not isinstance(key, str) or key in sections or key in DEEPSPEED_TOP_LEVEL:
+            continue
+        for known in sorted(sections):
+            if is_close(key, known):
+                raise ConfigError(
+                    key,
+                    f"not a DeepSpeed key; did you mean {known!r}? "
+                    f"{who} reads {known!r} and would otherwise ignore {key!r} silently: "
+                    f"rename it",
+                )

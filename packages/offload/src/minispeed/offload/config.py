@@ -16,9 +16,10 @@ Who reads what: `AioConfig` drives `minispeed.offload.aio.AsyncIO`;
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass, fields
 from typing import Any
+
+from minispeed.core.config import ConfigError, check_keys, did_you_mean, translate
 
 __all__ = ["AioConfig", "OffloadOptimizerConfig", "OffloadParamConfig"]
 
@@ -26,33 +27,17 @@ __all__ = ["AioConfig", "OffloadOptimizerConfig", "OffloadParamConfig"]
 def _translate(
     section: Any, name: str, keys: dict[str, str], fixed: dict[str, Any]
 ) -> dict[str, Any]:
-    """DeepSpeed keys -> our field names; unknown keys and unsupported fixed values are errors."""
-    if section is None:
-        section = {}
-    if not isinstance(section, dict):
-        raise TypeError(
-            f"{name} must be a dict (a ds_config section), got {type(section).__name__}"
-        )
-    known = sorted(keys.keys() | fixed.keys())
-    for key in section:
-        if key not in known:
-            close = difflib.get_close_matches(key, known, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ValueError(f"unknown {name} key {key!r}: {hint}the known keys are {known}")
-    for key, allowed in fixed.items():
-        if key in section and section[key] != allowed:
-            raise ValueError(
-                f"{name}.{key}={section[key]!r} is not supported by minispeed.offload; "
-                f"set it to {allowed!r} or remove it"
-            )
-    out = {}
-    for ds_key, ours in keys.items():
-        if ds_key in section:
-            value = section[ds_key]
-            if isinstance(value, float) and value.is_integer():
-                value = int(value)  # DeepSpeed configs write sizes as 1e8
-            out[ours] = value
-    return out
+    """DeepSpeed keys -> our field names (`minispeed.core.config`'s check and translation):
+    an unknown key is a `ConfigError` naming the nearest known key; a key in `fixed` is
+    accepted only at the one value minispeed.offload implements."""
+    check_keys(
+        section,
+        keys.keys(),
+        name,
+        unsupported={k: f"minispeed.offload implements only {v!r}" for k, v in fixed.items()},
+        defaults=fixed,
+    )
+    return translate(section, keys, counts=keys)
 
 
 def _as_dict(section: Any, name: str) -> dict[str, Any]:
@@ -145,9 +130,8 @@ _DEVICES = ("none", "cpu", "nvme")
 
 def _check_device(prefix: str, device: str, nvme_path: str | None) -> None:
     if device not in _DEVICES:
-        close = difflib.get_close_matches(str(device), _DEVICES, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"{prefix}.device={device!r}{hint}: use one of {list(_DEVICES)}")
+        hint = did_you_mean([str(device)], _DEVICES)
+        raise ConfigError(f"{prefix}.device", f"{device!r}{hint}: use one of {list(_DEVICES)}")
     if device == "nvme" and not nvme_path:
         raise ValueError(
             f"{prefix}.device='nvme' needs {prefix}.nvme_path: set it to a directory on a fast "

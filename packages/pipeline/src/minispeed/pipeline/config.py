@@ -31,7 +31,7 @@ from typing import Any
 
 import minispeed.comm as comm
 from minispeed.core.config import BATCH_KEYS as _TRIPLE
-from minispeed.core.config import batch_triple
+from minispeed.core.config import batch_triple, check_keys
 from minispeed.pipeline.schedules import SCHEDULES
 
 __all__ = ["PipelineConfig", "batch_triple"]
@@ -128,17 +128,36 @@ class PipelineConfig:
     def from_ds_config(
         cls, ds_config: dict[str, Any], data_parallel_size: int | None = None
     ) -> PipelineConfig:
-        """Translate a whole DeepSpeed config dict (see the module docstring for the keys);
+        """Translate a whole DeepSpeed config dict (see the module docstring for the keys):
+        picks the `pipeline` section and the batch keys and hands them to `from_section`;
         `data_parallel_size`: N in the batch rule (default: world size / `pipeline.stages`)."""
         if not isinstance(ds_config, dict):
             raise TypeError(f"ds_config must be a dict, got {type(ds_config).__name__}")
-        section = dict(ds_config.get("pipeline") or {})
-        unknown = sorted(set(section) - _KNOWN)
-        if unknown:
-            raise ValueError(
-                f"unknown pipeline key(s) {unknown}; minispeed.pipeline understands "
-                f"{sorted(_KNOWN)}: remove or rename them"
-            )
+        train, micro, acc = (ds_config.get(k) for k in _TRIPLE)
+        return cls.from_section(
+            ds_config.get("pipeline"),
+            train_batch_size=train,
+            micro_batch_size=micro,
+            gradient_accumulation_steps=acc,
+            data_parallel_size=data_parallel_size,
+        )
+
+    @classmethod
+    def from_section(
+        cls,
+        section: dict[str, Any] | None,
+        *,
+        train_batch_size: int | None = None,
+        micro_batch_size: int | None = None,
+        gradient_accumulation_steps: int | None = None,
+        data_parallel_size: int | None = None,
+    ) -> PipelineConfig:
+        """The pipeline's own section, `pipeline` (None: one stage), with the batch triple from
+        the top level (any two of the three, DeepSpeed's rule) and the data-parallel size N
+        (default: world size / `pipeline.stages`). An unknown key is a `ConfigError` with its
+        path and the nearest known key."""
+        section = {} if section is None else section
+        check_keys(section, _KNOWN, "pipeline")
         if "partition" in section and "partition_method" in section:
             raise ValueError("pipeline sets both partition and partition_method; keep one")
         stages = section.get("stages", 1)
@@ -164,7 +183,10 @@ class PipelineConfig:
         if data_parallel_size is None:
             data_parallel_size = _data_parallel_size(stages)
         _, micro, acc = batch_triple(
-            *(ds_config.get(k) for k in _TRIPLE), data_parallel_size=data_parallel_size
+            train_batch_size,
+            micro_batch_size,
+            gradient_accumulation_steps,
+            data_parallel_size=data_parallel_size,
         )
         return cls(
             stages=stages,

@@ -20,6 +20,7 @@ from typing import Any
 from rich.console import Console
 from torch import nn
 
+from minispeed.core.config import check_keys
 from minispeed.profiler.flops_profiler import FlopsProfiler
 from minispeed.profiler.report import Profile
 
@@ -73,17 +74,14 @@ class FlopsProfilerConfig:
     def from_ds_config(cls, section: Mapping[str, Any] | None) -> FlopsProfilerConfig:
         """Translate DeepSpeed's `flops_profiler` section; unknown keys are errors."""
         section = dict(section or {})
-        for key, why in _REFUSED.items():
-            if key in section and section.pop(key) != _DS_DEFAULTS[key]:
-                raise ValueError(
-                    f"flops_profiler.{key} is not supported: {why} (DeepSpeed's default "
-                    f"{_DS_DEFAULTS[key]!r} is accepted)"
-                )
-        unknown = sorted(set(section) - set(_DS_KEYS))
-        if unknown:
-            raise ValueError(
-                f"unknown flops_profiler key(s) {unknown}; supported: {sorted(_DS_KEYS)}"
-            )
+        check_keys(
+            section,
+            _DS_KEYS,
+            "flops_profiler",
+            unsupported=_REFUSED,
+            defaults={key: _DS_DEFAULTS[key] for key in _REFUSED},
+        )
+        section = {k: v for k, v in section.items() if k in _DS_KEYS}
         return cls(**{_DS_KEYS[k]: v for k, v in section.items()})
 
 

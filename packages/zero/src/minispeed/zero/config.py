@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from minispeed.zero.spelling import check_top_level_spelling, did_you_mean
+from minispeed.core.config import ConfigError, check_keys, check_top_level_spelling, translate
 
 __all__ = ["ZeroConfig"]
 
@@ -231,63 +231,83 @@ class ZeroConfig:
 
     @classmethod
     def from_ds_config(cls, ds_config: dict[str, Any]) -> ZeroConfig:
-        """Translate a DeepSpeed config dict (the whole ds_config.json) into a ZeroConfig.
+        """Translate a whole DeepSpeed config dict (ds_config.json) into a ZeroConfig.
 
-        Reads `ds_config["zero_optimization"]` (missing: stage 0) and the top-level
-        `gradient_accumulation_steps` and `gradient_clipping`; other top-level sections belong
-        to other packages and are ignored here. An unknown key inside `zero_optimization` is an
-        error naming it. A missing `overlap_comm` means on, except at stage 2 (DeepSpeed: on at
-        stage 3 only; see Note [overlap_comm's default]); written out, it is honoured.
+        Picks the sections ZeRO reads — `zero_optimization` (missing: stage 0), `aio` and the
+        top-level `gradient_accumulation_steps` and `gradient_clipping` — and hands them to
+        `from_section`. Other top-level sections belong to other packages and are ignored, but a
+        near miss of one of ZeRO's (`"zero_optimisation"`) is an error naming the key meant.
         """
         if not isinstance(ds_config, dict):
             raise TypeError(
                 f"ds_config must be a dict (the parsed ds_config.json), got {type(ds_config).__name__}"
             )
         check_top_level_spelling(ds_config, _DS_SECTIONS, "ZeroConfig.from_ds_config")
-        section = dict(ds_config.get("zero_optimization") or {})
-        known = _DS_KEYS.keys() | _DS_FIXED.keys() | _DS_ALIASES.keys() | _DS_OFFLOAD
-        unknown = sorted(set(section) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown zero_optimization key(s) {unknown}{did_you_mean(unknown, known)}; "
-                f"minispeed.zero understands {sorted(known)}: remove or rename them"
-            )
-        for key, allowed in _DS_FIXED.items():
-            if key in section and section[key] != allowed:
-                raise ValueError(
-                    f"zero_optimization.{key}={section[key]!r} is not supported by minispeed.zero; "
-                    f"set it to {allowed!r} or remove it"
-                )
+        return cls.from_section(
+            ds_config.get("zero_optimization"),
+            gradient_accumulation_steps=ds_config.get("gradient_accumulation_steps", 1),
+            gradient_clipping=ds_config.get("gradient_clipping", 0.0),
+            aio=ds_config.get("aio"),
+        )
+
+    @classmethod
+    def from_section(
+        cls,
+        section: dict[str, Any] | None,
+        *,
+        gradient_accumulation_steps: int = 1,
+        gradient_clipping: float = 0.0,
+        aio: dict[str, Any] | None = None,
+    ) -> ZeroConfig:
+        """ZeRO's own section, `zero_optimization` (None: stage 0), with the three values it
+        needs from elsewhere in the ds_config: the accumulation steps, the clipping norm
+        (DeepSpeed's `gradient_clipping`, 0 = off) and the `aio` section for NVMe offload.
+
+        An unknown key is a `ConfigError` with its path and the nearest known key; a DeepSpeed
+        key ZeRO implements at one value only (`allgather_partitions`, `round_robin_gradients`)
+        is accepted at that value. A missing `overlap_comm` means on, except at stage 2
+        (DeepSpeed: on at stage 3 only; see Note [overlap_comm's default]); written out, it is
+        honoured.
+        """
+        section = {} if section is None else section
+        check_keys(
+            section,
+            _DS_KEYS.keys() | _DS_ALIASES.keys() | _DS_OFFLOAD,
+            "zero_optimization",
+            unsupported={key: reason for key, (_, reason) in _DS_FIXED.items()},
+            defaults={key: value for key, (value, _) in _DS_FIXED.items()},
+        )
+        section = dict(section)
         offload = {key: section.pop(key) for key in _DS_OFFLOAD if key in section}
         for old, new in _DS_ALIASES.items():
             if old in section:
                 if new in section and section[new] != section[old]:
-                    raise ValueError(
-                        f"zero_optimization sets both {old} and {new}, differently; keep only {new}"
+                    raise ConfigError(
+                        f"zero_optimization.{old}",
+                        f"the old name of {new}, which is also set, differently; keep only {new}",
                     )
                 section[new] = section.pop(old)
 
-        kwargs: dict[str, Any] = {}
-        for ds_key, ours in _DS_KEYS.items():
-            if ds_key in section:
-                kwargs[ours] = _as_number(section[ds_key], ds_key)
+        kwargs = translate(section, _DS_KEYS, counts=_DS_KEYS)
         stage = kwargs.get("stage", 0)
         if "overlap_comm" not in kwargs:
             kwargs["overlap_comm"] = stage != 2  # Note [overlap_comm's default]
-        if "gradient_accumulation_steps" in ds_config:
-            kwargs["gradient_accumulation_steps"] = _as_number(
-                ds_config["gradient_accumulation_steps"], "gradient_accumulation_steps"
-            )
-        if "gradient_clipping" in ds_config:
-            kwargs["max_grad_norm"] = float(
-                _as_number(ds_config["gradient_clipping"], "gradient_clipping")
-            )
+        kwargs["gradient_accumulation_steps"] = _as_count(
+            gradient_accumulation_steps, "gradient_accumulation_steps"
+        )
+        if isinstance(gradient_clipping, bool) or not isinstance(gradient_clipping, (int, float)):
+            raise ConfigError("gradient_clipping", f"must be a number, got {gradient_clipping!r}")
+        kwargs["max_grad_norm"] = float(gradient_clipping)
         if any((s or {}).get("device") not in (None, "none") for s in offload.values()):
             from minispeed.zero.offload_bridge import check_offload_stage, offload_from_ds_config
 
             devices = [(offload.get(k) or {}).get("device") for k in _DS_OFFLOAD_ORDER]
             check_offload_stage(stage, *devices)  # before the import: a stage error needs none
-            kwargs.update(offload_from_ds_config(offload, ds_config.get("aio")))
+            kwargs.update(offload_from_ds_config(offload, aio))
+        elif offload:
+            from minispeed.zero.offload_bridge import check_idle_offload_sections
+
+            check_idle_offload_sections(offload)
         return cls(**kwargs)
 
 
@@ -319,11 +339,9 @@ def _check_zeropp_fields(cfg: ZeroConfig) -> None:
         )
 
 
-def _as_number(value: Any, key: str) -> Any:
-    """DeepSpeed configs often write sizes as floats (`5e8`); accept integral floats for ints."""
-    if isinstance(value, float) and value.is_integer() and key not in ("gradient_clipping",):
-        return int(value)
-    return value
+def _as_count(value: Any, key: str) -> Any:
+    """DeepSpeed configs often write counts as floats (`4.0`); accept integral floats."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 # The top-level ds_config keys ZeroConfig.from_ds_config reads.
@@ -348,9 +366,10 @@ _DS_KEYS = {
     "zero_quantized_gradients": "quantized_gradients",
 }
 # DeepSpeed keys we accept only at the one value we implement.
+# DeepSpeed keys we accept only at the one value we implement: (that value, why no other).
 _DS_FIXED = {
-    "allgather_partitions": True,  # False = a chain of broadcasts instead of an all-gather
-    "round_robin_gradients": False,
+    "allgather_partitions": (True, "parameters are all-gathered, never a chain of broadcasts"),
+    "round_robin_gradients": (False, "gradients are reduced in bucket order, not round-robin"),
 }
 # Older DeepSpeed spellings -> the current key.
 _DS_ALIASES = {

@@ -53,6 +53,7 @@ from minispeed.zero.contract import StrategyWrapper
 __all__ = [
     "OFFLOAD_INSTALL_HINT",
     "HostMasters",
+    "check_idle_offload_sections",
     "check_offload",
     "host_optimizer",
     "import_offload",
@@ -101,6 +102,25 @@ def offload_from_ds_config(sections: dict[str, Any], aio: Any) -> dict[str, Any]
         out[key] = cls.from_ds_config(sections[key])
     out["aio"] = offload.AioConfig.from_ds_config(aio)
     return out
+
+
+def check_idle_offload_sections(sections: dict[str, Any]) -> None:
+    """Offload sections whose device is `none` still get their keys checked, so a misspelled
+    key is an error even before the device is switched on; skipped when minispeed.offload is
+    not installed (nothing would read them)."""
+    if not any(set(s or {}) - {"device"} for s in sections.values()):
+        return
+    try:
+        import minispeed.offload as offload
+    except ImportError:
+        return
+    for key, section in sections.items():
+        cls = (
+            offload.OffloadOptimizerConfig
+            if key == "offload_optimizer"
+            else offload.OffloadParamConfig
+        )
+        cls.from_ds_config(section)
 
 
 def check_offload(config: Any) -> None:

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
+from minispeed.core.config import ConfigError, check_keys, check_top_level_spelling
 from minispeed.core.logging import get_logger
-from minispeed.zero.spelling import check_top_level_spelling, did_you_mean
 
 __all__ = ["LossScaler", "MixedPrecision"]
 
@@ -135,30 +135,36 @@ class MixedPrecision:
 
     @classmethod
     def from_ds_config(cls, ds_config: dict[str, Any]) -> MixedPrecision:
-        """Translate DeepSpeed's `fp16`, `bf16` and `data_types` sections (whole ds_config).
-
-        Both `fp16.enabled` and `bf16.enabled` true is a contradiction and an error; unknown
-        keys inside those sections are errors naming the key.
-        """
+        """Translate DeepSpeed's `fp16`, `bf16` (or its old name `bfloat16`) and `data_types`
+        sections out of a whole ds_config, through `from_sections`; a near miss of one of those
+        top-level names (`"fp_16"`) is an error naming the key meant."""
         check_top_level_spelling(ds_config, _SECTIONS, "MixedPrecision.from_ds_config")
         if "bf16" in ds_config and _BF16_OLD in ds_config:
-            raise ValueError(
-                f"ds_config has both 'bf16' and its old name {_BF16_OLD!r}; keep only 'bf16'"
+            raise ConfigError(
+                _BF16_OLD, "the old name of 'bf16', which is also set; keep only 'bf16'"
             )
-        fp16 = dict(ds_config.get("fp16") or {})
-        bf16 = dict(ds_config.get("bf16", ds_config.get(_BF16_OLD)) or {})
-        types = dict(ds_config.get("data_types") or {})
-        for name, section, allowed in (
-            ("fp16", fp16, _FP16_KEYS),
-            ("bf16", bf16, {"enabled"}),
-            ("data_types", types, {"grad_accum_dtype"}),
-        ):
-            unknown = sorted(set(section) - allowed)
-            if unknown:
-                raise ValueError(
-                    f"unknown {name} key(s) {unknown}{did_you_mean(unknown, allowed)}; "
-                    f"minispeed.zero understands {sorted(allowed)}"
-                )
+        return cls.from_sections(
+            fp16=ds_config.get("fp16"),
+            bf16=ds_config.get("bf16", ds_config.get(_BF16_OLD)),
+            data_types=ds_config.get("data_types"),
+        )
+
+    @classmethod
+    def from_sections(
+        cls,
+        fp16: dict[str, Any] | None = None,
+        bf16: dict[str, Any] | None = None,
+        data_types: dict[str, Any] | None = None,
+    ) -> MixedPrecision:
+        """Mixed precision's own sections: `fp16`, `bf16` and `data_types` (None: absent).
+
+        Both `fp16.enabled` and `bf16.enabled` true is a contradiction and an error; an unknown
+        key inside a section is a `ConfigError` with its path and the nearest known key.
+        """
+        fp16, bf16, types = fp16 or {}, bf16 or {}, data_types or {}
+        check_keys(fp16, _FP16_KEYS, "fp16")
+        check_keys(bf16, {"enabled"}, "bf16")
+        check_keys(types, {"grad_accum_dtype"}, "data_types")
         fp16_on, bf16_on = bool(fp16.get("enabled", False)), bool(bf16.get("enabled", False))
         if fp16_on and bf16_on:
             raise ValueError(

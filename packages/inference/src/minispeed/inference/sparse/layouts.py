@@ -41,6 +41,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from minispeed.core.config import ConfigError, check_keys
+
 __all__ = [
     "BSLongformerSparsityConfig",
     "BigBirdSparsityConfig",
@@ -168,12 +170,12 @@ class SparsityConfig:
                 f"sparse_attention mode {mode!r} is unknown; use one of {list(classes)}"
             )
         cls = classes[mode]
-        unknown = sorted(set(section) - set(cls.ds_keys))
-        if unknown:
-            raise ValueError(
-                f"sparse_attention keys {unknown} are not read by mode {mode!r}, which reads "
-                f"{sorted(cls.ds_keys)}: remove them or change the mode"
-            )
+        try:
+            check_keys(section, cls.ds_keys, "sparse_attention")
+        except ConfigError as e:
+            reason = str(e).removeprefix(f"{e.path}: ")
+            raise ConfigError(e.path, f"{reason} (for mode {mode!r}; or change the mode)") from None
+
         for key in ("local_window_blocks", "global_block_indices", "global_block_end_indices"):
             if section.get(key) is not None:
                 section[key] = tuple(section[key])
