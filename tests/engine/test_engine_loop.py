@@ -210,11 +210,12 @@ def test_comms_logger_timers_and_steps_per_print() -> None:
 
 
 def _profiled_run(rank: int, world_size: int, path: str) -> bool:
+    path = path.format(rank=rank)
     engine = _sgd_engine(
         {
             "train_micro_batch_size_per_gpu": 2,
             "gradient_accumulation_steps": 2,
-            "flops_profiler": {"enabled": rank == 0, "profile_step": 1, "output_file": path},
+            "flops_profiler": {"enabled": True, "profile_step": 1, "output_file": path},
         }
     )
     written_after = []
@@ -229,10 +230,12 @@ def _profiled_run(rank: int, world_size: int, path: str) -> bool:
 
 def test_flops_profiler_profiles_the_configured_step(tmp_path) -> None:
     """`flops_profiler.profile_step: 1` profiles optimizer step 1 (counting from 0), both of its
-    micro-batches, and writes the report when that step ends."""
-    path = tmp_path / "profile.json"
-    results = run_distributed(_profiled_run, world_size=2, args=(str(path),), timeout_s=120)
-    assert results[0] == [False, True, True]
+    micro-batches, and writes the report when that step ends, on rank 0 only (DeepSpeed's
+    engine profiles global rank 0 alone: one report, not one per rank)."""
+    template = str(tmp_path / "profile_{rank}.json")
+    results = run_distributed(_profiled_run, world_size=2, args=(template,), timeout_s=120)
+    assert results == [[False, True, True], [False, False, False]]
+    path = Path(template.format(rank=0))
     profile = json.loads(path.read_text())
     # Both micro-batches of the step: twice one forward's matmul FLOPs (torch's own counter)
     # plus the elementwise work torch's counter leaves out (softmax, norms, GELU: under 1/2).

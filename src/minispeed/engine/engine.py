@@ -85,7 +85,9 @@ class Engine(nn.Module):
             self.comms_logger = comm.CommsLogger()
             self.comms_logger.__enter__()
         self._step_profiler = None
-        if config.flops_profiler is not None and config.flops_profiler.enabled:
+        profile = config.flops_profiler is not None and config.flops_profiler.enabled
+        if profile and comm.get_rank() == 0:
+            # DeepSpeed profiles and reports on global rank 0 only: one report, not one per rank.
             from minispeed.profiler import StepProfiler
 
             self._step_profiler = StepProfiler(module, config.flops_profiler)
