@@ -28,8 +28,12 @@ Note [a scalar for a stage without a loss]
 What does not fit, refused when the executor is built (each with the fix):
 
 - ZB-H1: its backward is two passes (`b`, `W`); the optimizer's backward is one.
-- tied layers: their gradients are summed over stages by `ReduceTiedGrads` after the program,
-  but the optimizer reduces inside the last backward, before that sum.
+- tied layers, unless the optimizer sums them: their gradients are summed over stages by
+  `ReduceTiedGrads` after the program, but the optimizer reduces (and partitions) them inside
+  the last backward, before that sum. An optimizer whose `shared_params()` lists every tied
+  parameter sums them itself in its step (minispeed.zero's, built with
+  `model_parallel=zero.ModelParallel(shared=...)` from `module.tied_grad_groups()`: its Note
+  [summing a shared gradient after the reduction]); `ReduceTiedGrads` then does nothing.
 - G ≠ M·V: the optimizer must see one window per batch, one backward per micro-batch and chunk.
 
 And one that is not refused: the optimizer's reduce-scatter runs inside a stage's last backward,
@@ -53,18 +57,22 @@ def reduces_gradients(optimizer: Any) -> bool:
     return callable(getattr(optimizer, "backward", None))
 
 
-def check_reducing_optimizer(optimizer: Any, schedule: Any, has_ties: bool) -> int:
-    """Refuse what does not fit (module docstring); return G, the optimizer's window."""
+def check_reducing_optimizer(optimizer: Any, schedule: Any, tied: list[Any]) -> int:
+    """Refuse what does not fit (module docstring); return G, the optimizer's window.
+    `tied`: this stage's tied parameters shared with other stages."""
     if schedule.splits_backward:
         raise ValueError(
             f"{schedule.name} splits backward into two passes, which an optimizer with its own "
             "backward() (e.g. minispeed.zero's) cannot run; use 1f1b, gpipe or interleaved_1f1b"
         )
-    if has_ties:
+    summed = {id(p) for p in getattr(optimizer, "shared_params", list)()}
+    if any(id(p) not in summed for p in tied):
         raise ValueError(
             "tied layers are summed across stages after the backward passes, but an optimizer "
-            "with its own backward() reduces inside the last one, before that sum; untie the "
-            "layers or use a torch.optim optimizer"
+            "with its own backward() reduces inside the last one, before that sum; let the "
+            "optimizer sum them (zero.shard(..., model_parallel=zero.ModelParallel(shared="
+            "[(p, g) for p, g, _ in module.tied_grad_groups()]))), untie the layers or use a "
+            "torch.optim optimizer"
         )
     want = schedule.micro_batches * schedule.virtual_stages
     config = getattr(optimizer, "config", None)
