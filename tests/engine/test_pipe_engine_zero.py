@@ -12,6 +12,7 @@ from torch import nn
 from minispeed.core.testing import run_distributed
 
 STEPS, GAS, MICRO, SEQ, VOCAB, WIDTH, CLIP = 4, 2, 3, 5, 11, 6, 0.05
+TOL_16BIT = {"fp16": 1e-3, "bf16": 1e-2}  # measured: 1.4e-4 and 2.5e-3 at worst
 
 
 def _head(embed, h):  # (B, T, C) @ (C, V): the tied output projection
@@ -102,3 +103,82 @@ def test_zero_with_tied_layers_and_global_clipping_matches_one_process(zero_stag
         assert res["losses"] == pytest.approx(want_losses, rel=1e-5, abs=1e-6)
         # the whole model's norm on every stage, not the stage's own
         assert res["norms"] == pytest.approx(want_norms, rel=1e-5)
+
+
+def _train_16bit(rank, world_size, dtype):
+    import minispeed.engine.pipe as pipe
+    from minispeed.engine.pipe_engine import PipelineEngine
+
+    model = pipe.PipelineModule(
+        _layers(pipe), num_stages=2, loss_fn=_loss, seed_layers=True, partition_method="uniform"
+    )
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "gradient_clipping": CLIP,
+        "zero_optimization": {"stage": 2},
+        dtype: {"enabled": True, **({"initial_scale_power": 8} if dtype == "fp16" else {})},
+    }
+    engine = PipelineEngine(model, torch.optim.SGD(model.parameters(), lr=0.5), config)
+    data = iter(_micro_batches(model.grid.rank_in("data")))
+    losses = [float(engine.train_batch(data)) for _ in range(STEPS)]
+    return {
+        "losses": losses,
+        "steps": engine.optimizer.global_step,
+        "dtype": str(next(model.parameters()).dtype),
+    }
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_16bit_pipeline_follows_the_fp32_reference(dtype):
+    want_losses, _ = _reference()
+    for res in run_distributed(_train_16bit, world_size=4, args=(dtype,), timeout_s=180):
+        assert res["dtype"] == {"fp16": "torch.float16", "bf16": "torch.bfloat16"}[dtype]
+        assert res["steps"] == STEPS  # fp16: no step skipped, the loss scale is applied once
+        assert res["losses"] == pytest.approx(want_losses, rel=TOL_16BIT[dtype])
+
+
+class Spike(nn.Module):
+    """Adds `b · 1e5` (b = 0): the forward is unchanged, b's gradient is 1e5 times the sum of
+    the incoming ones, which overflows fp16 on this stage while the gradient passed back to the
+    previous stage stays small."""
+
+    def __init__(self):
+        super().__init__()
+        self.b = nn.Parameter(torch.zeros(WIDTH))
+
+    def forward(self, h):
+        return h + self.b * 1e5
+
+
+def _overflow_on_last_stage(rank, world_size):
+    import minispeed.engine.pipe as pipe
+    from minispeed.engine.pipe_engine import PipelineEngine
+
+    layers = _layers(pipe)
+    layers[4] = pipe.LayerSpec(Spike)  # on the last stage: (Linear, Spike, head)
+    model = pipe.PipelineModule(
+        layers, num_stages=2, loss_fn=_loss, seed_layers=True, partition_method="uniform"
+    )
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "zero_optimization": {"stage": 1},
+        "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1},
+    }
+    engine = PipelineEngine(model, torch.optim.SGD(model.parameters(), lr=0.5), config)
+    before = [p.detach().clone() for p in model.parameters()]
+    engine.train_batch(iter(_micro_batches(model.grid.rank_in("data"))))
+    return {
+        "stage": engine.stage_id,
+        "unchanged": all(torch.equal(p, q) for p, q in zip(model.parameters(), before)),
+        "steps": engine.optimizer.global_step,
+        "scale": engine.optimizer.loss_scaler.scale,
+    }
+
+
+def test_fp16_overflow_on_one_stage_skips_the_step_on_every_stage():
+    results = run_distributed(_overflow_on_last_stage, world_size=4, timeout_s=180)
+    assert sorted(r["stage"] for r in results) == [0, 0, 1, 1]
+    for res in results:
+        assert (res["unchanged"], res["steps"], res["scale"]) == (True, 0, 2.0**7)

@@ -47,6 +47,11 @@ What the engine adds to the executor, each as DeepSpeed's pipeline engine does i
   (data group, then its holders). DeepSpeed 0.19.8 refuses ZeRO-2 with pipelines. Stage 3 is
   refused: it gathers parameters around each layer's forward and backward, which a pipeline
   stage would have to do per micro-batch.
+- **fp16 / bf16** (`fp16.enabled`, `bf16.enabled`, `data_types`): the stages' parameters,
+  activations and the gradients sent between stages are 16-bit; ZeRO (stage 0 when the config
+  asks for none) keeps the fp32 masters and fp16's dynamic loss scale, the same on every rank
+  because the overflow verdict is the grid's. Inputs are passed as given (token ids need no
+  cast; DeepSpeed's pipeline does not cast them either).
 
 The loss returned by `train_batch` is the mean over the micro-batches and the data-parallel
 replicas, on every rank, as a 0-dim float32 tensor (DeepSpeed's `agg_train_loss`).
@@ -62,6 +67,7 @@ import torch
 
 import minispeed.comm as comm
 import minispeed.pipeline as pipeline
+import minispeed.zero as zero
 from minispeed.engine.config import resolve_batch
 
 __all__ = ["PipelineEngine", "PipelineError"]
@@ -122,10 +128,13 @@ class PipelineEngine:
         schedule = self._read_pipeline_section(config.get("pipeline") or {})
         self._refuse_unsupported(config)
         self.zero_stage = int((config.get("zero_optimization") or {}).get("stage", 0))
+        self.precision = zero.MixedPrecision.from_ds_config(config)
         self.device = next((p.device for p in module.parameters()), torch.device("cpu"))
         self._broadcast_model()
         self.client_optimizer = optimizer
-        self.optimizer = self._wrap_zero(optimizer, config) if self.zero_stage else optimizer
+        # 16-bit training needs ZeRO's masters and loss scale: its stage 0 when none is asked
+        wrap = self.zero_stage or self.precision.param_dtype != torch.float32
+        self.optimizer = self._wrap_zero(optimizer, config) if wrap else optimizer
         self.executor = pipeline.PipelineExecutor(
             module,
             None if optimizer is None else _StepHook(self, self.optimizer),
@@ -154,12 +163,6 @@ class PipelineEngine:
         return "1f1b" if self.micro_batches >= self.num_stages else "gpipe"
 
     def _refuse_unsupported(self, config: dict[str, Any]) -> None:
-        for key in ("fp16", "bf16"):
-            if (config.get(key) or {}).get("enabled", False):
-                raise NotImplementedError(
-                    f"{key}.enabled with a pipeline is not implemented in minispeed's "
-                    "PipelineEngine yet; train the pipeline in fp32 (remove the section)"
-                )
         stage = int((config.get("zero_optimization") or {}).get("stage", 0))
         if stage >= 3:
             raise NotImplementedError(
@@ -181,9 +184,9 @@ class PipelineEngine:
         """`zero.shard` over the data group, with the pipe axis as ZeRO's model-parallel axis
         (module docstring)."""
         if optimizer is None:
-            raise ValueError(f"zero_optimization.stage={self.zero_stage} needs an optimizer")
-        import minispeed.zero as zero
-
+            raise ValueError(
+                f"zero_optimization.stage={self.zero_stage} or 16-bit training needs an optimizer"
+            )
         zero_config = dataclasses.replace(
             zero.ZeroConfig.from_ds_config(config),
             gradient_accumulation_steps=self.micro_batches,
@@ -199,6 +202,7 @@ class PipelineEngine:
             self.module,
             optimizer,
             zero_config,
+            self.precision,
             group=self.grid.group("data"),
             model_parallel=model_parallel,
         )
@@ -231,7 +235,7 @@ class PipelineEngine:
     def get_global_grad_norm(self) -> float | None:
         """The gradient norm of the whole model (every stage) at the last step, when gradient
         clipping computed one."""
-        if self.zero_stage:
+        if self.optimizer is not self.client_optimizer:  # ZeRO's
             return self.optimizer.global_grad_norm
         return self._global_grad_norm
 
@@ -405,7 +409,7 @@ class PipelineEngine:
         return inputs, labels
 
     def _before_step(self) -> None:
-        if self._clip <= 0 or self.zero_stage:
+        if self._clip <= 0 or self.optimizer is not self.client_optimizer:  # ZeRO clips
             return
         # a tied copy above the lowest holding stage carries the same summed gradient: skip it
         copies = {id(p) for p, _, lowest in self.module.tied_grad_groups() if not lowest}

@@ -410,7 +410,8 @@ class PipelineExecutor:
         start = time.perf_counter()
         with ranges.range("pipeline.backward"):
             if self._window:
-                self.optimizer.backward(sharded.surrogate_loss(outs, grads, self._window))  # type: ignore[union-attr]
+                scale = sharded.loss_scale(self.optimizer)
+                self.optimizer.backward(sharded.surrogate_loss(outs, grads, self._window, scale))  # type: ignore[union-attr]
             elif outs:
                 torch.autograd.backward(outs, grads)  # type: ignore[arg-type]
         self.timeline.add("compute", i.label, start, time.perf_counter())

@@ -23,7 +23,10 @@ Note [a scalar for a stage without a loss]
     same vector-Jacobian product as `torch.autograd.backward(o, g)`. The executor already divides
     each micro-batch's loss by M, and g carries that division from the stages after, so the
     scalar is multiplied by G before the optimizer scales it by 1/G (exact for G a power of two,
-    one rounding otherwise).
+    one rounding otherwise). A loss scale S (fp16: the optimizer multiplies every backward's
+    scalar by S, read from `optimizer.loss_scaler.scale`) also travels in g already, so the
+    scalar of a stage without a loss is divided by S too, and computed in fp32: Σ o·g of fp16
+    tensors scaled by S would overflow fp16, though only its gradient matters.
 
 What does not fit, refused when the executor is built (each with the fix):
 
@@ -86,13 +89,20 @@ def check_reducing_optimizer(optimizer: Any, schedule: Any, tied: list[Any]) -> 
     return want
 
 
+def loss_scale(optimizer: Any) -> float:
+    """The factor the optimizer's `backward` multiplies the scalar by besides 1/G (fp16's loss
+    scale; 1 for an optimizer without one)."""
+    return float(getattr(getattr(optimizer, "loss_scaler", None), "scale", 1.0))
+
+
 def surrogate_loss(
-    outs: list[torch.Tensor], grads: list[torch.Tensor | None], window: int
+    outs: list[torch.Tensor], grads: list[torch.Tensor | None], window: int, scale: float = 1.0
 ) -> torch.Tensor:
-    """The scalar of Note [a scalar for a stage without a loss], times the window G."""
+    """The scalar of Note [a scalar for a stage without a loss], times the window G; the terms
+    of received gradients (which carry the loss scale `scale` already) divided by it."""
     total = None
     for o, g in zip(outs, grads):
-        term = o if g is None else (o * g.detach()).sum()
+        term = o if g is None else (o.float() * g.detach().float()).sum() / scale
         total = term if total is None else total + term
     if total is None:
         raise RuntimeError("no output of this stage requires grad: nothing to back-propagate")
