@@ -182,3 +182,35 @@ def test_fp16_overflow_on_one_stage_skips_the_step_on_every_stage():
     assert sorted(r["stage"] for r in results) == [0, 0, 1, 1]
     for res in results:
         assert (res["unchanged"], res["steps"], res["scale"]) == (True, 0, 2.0**7)
+
+
+def _through_initialize(rank, world_size):
+    import minispeed.engine as ms
+    import minispeed.engine.pipe as pipe
+
+    model = pipe.PipelineModule(
+        _layers(pipe), num_stages=2, loss_fn=_loss, seed_layers=True, partition_method="uniform"
+    )
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
+        "zero_optimization": {"stage": 2},
+        "bf16": {"enabled": True},
+    }
+    engine, optimizer, _, _ = ms.initialize(model=model, config=config)
+    engine.train_batch(iter(_micro_batches(0)))
+    return {
+        "stage": engine.zero_optimization_stage(),
+        "optimizer": type(optimizer).__name__,
+        "dtype": str(next(model.parameters()).dtype),
+        "norm": engine.get_global_grad_norm(),  # DeepSpeed's default clipping at 1.0
+    }
+
+
+def test_initialize_builds_the_pipeline_engine_with_zero_2_in_bf16():
+    results = run_distributed(_through_initialize, world_size=2, timeout_s=180)
+    for res in results:
+        assert res["stage"] == 2 and res["optimizer"] == "ZeroOptimizer"
+        assert res["dtype"] == "torch.bfloat16"
+    assert results[0]["norm"] == results[1]["norm"] > 0  # one norm for the whole model
