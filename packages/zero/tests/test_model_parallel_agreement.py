@@ -88,7 +88,7 @@ def _reference(tied: bool) -> dict:
             "norms": norms}  # fmt: skip
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2])
 @pytest.mark.parametrize("tied", [False, True])
 def test_norm_and_tied_grads_span_the_grid(stage: int, tied: bool) -> None:
     want = _reference(tied)
