@@ -145,3 +145,29 @@ def _foreign(rank: int, world_size: int) -> str:
 
 def test_a_parameter_zero_does_not_manage_is_refused() -> None:
     assert "not a parameter of the optimizer" in _foreign(0, 1)
+
+
+def _unfrozen_on_one_part(rank: int, world_size: int) -> str:
+    part, replica, data, other = _grid()
+    model = Part(part)
+    model.own.requires_grad_(False)  # frozen when shard() builds the hooks
+    opt = zero.shard(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        group=data,
+        model_parallel=zero.ModelParallel(groups=(other,)),
+    )
+    if part == 1:
+        model.own.requires_grad_(True)  # no hook, no buffer: the step must refuse it
+    opt.backward(model(_batches(0, replica)[0]))
+    try:
+        opt.step()
+    except RuntimeError as exc:
+        return str(exc)
+    return "stepped"
+
+
+def test_a_step_error_on_one_part_raises_on_every_rank() -> None:
+    got = run_distributed(_unfrozen_on_one_part, world_size=4)
+    assert all("'own' was frozen" in msg for msg in got[2:])  # the part that found it
+    assert all("failed on another rank" in msg for msg in got[:2])  # and the other part
