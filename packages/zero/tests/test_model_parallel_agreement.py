@@ -6,7 +6,8 @@ groups {0, 2} and {1, 3} (the other axis). Part 0 holds `a` and its copy of the 
 1 holds `b` and its copy of `w`; the whole model's loss is the sum of the parts' losses, so
 each part's gradient is the whole model's for its parameters, and `w`'s is the sum of both
 parts'. The reference is one process holding `a`, `b` and one `w`, clipped with
-`torch.nn.utils.clip_grad_norm_` over all three.
+`torch.nn.utils.clip_grad_norm_` over all three. Then: an fp16 overflow on one rank of one part
+skips the step on every rank, and a step error found on one part raises on every rank.
 """
 
 from __future__ import annotations

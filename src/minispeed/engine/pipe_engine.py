@@ -255,7 +255,7 @@ class PipelineEngine:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's training state, for the engine's checkpoint files (one per stage and
-        data rank): the stage's parameters, the optimizer (its shard under ZeRO-1), the
+        data rank): the stage's parameters, the optimizer (its shard under ZeRO-1/2), the
         scheduler, the step counters, and the grid and cut it belongs to. The tensors are
         references (as torch's `state_dict`s are): save or copy them before training on."""
         return {
