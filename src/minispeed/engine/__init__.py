@@ -274,4 +274,4 @@ def _initialize_pipeline(
     # See Note [DeepSpeed clips at 1.0 by default] in engine/config.
     resolved = {**ds, "gradient_clipping": cfg.zero.max_grad_norm}
     engine = PipelineEngine(model, opt, resolved, scheduler)
-    return engine, opt, None, scheduler
+    return engine, engine.optimizer, None, scheduler  # ZeRO's under zero_optimization or 16-bit

@@ -33,11 +33,25 @@ What the engine adds to the executor, each as DeepSpeed's pipeline engine does i
   runs its 1F1B there; the package's needs M ≥ P; same work, same numbers); minispeed's
   `pipeline.schedule` key picks another.
 - **The scheduler** steps after each optimizer step.
-- **ZeRO stage 1** (`zero_optimization.stage: 1`) shards the optimizer state over each stage's
-  data-parallel group through `minispeed.zero.shard` (the executor then lets the optimizer
-  reduce the gradients). Refused with tied layers and with gradient clipping (the package's
-  ZeRO clips by its data group's norm, one stage only), and stages 2 and 3 (DeepSpeed refuses
-  them with pipelines too).
+- **ZeRO stages 1 and 2** (`zero_optimization.stage`, the section's other keys as for any
+  model) shard the optimizer state (stage 2: and the gradients) over each stage's
+  data-parallel group through `minispeed.zero.shard`; the executor then lets the optimizer
+  reduce the gradients. The grid's pipe axis is handed to ZeRO as its model-parallel axis
+  (`zero.ModelParallel`), so the gradient norm for `gradient_clipping` is the whole model's
+  (summed over every stage, a tied parameter counted once, on its lowest stage), the fp16
+  overflow verdict is the grid's (an overflow on one stage skips the step on all), and the
+  gradients of tied layers are summed over their stages inside ZeRO's step, after its data
+  reduction (Note [summing a shared gradient after the reduction] in
+  `minispeed.zero.model_parallel`). Cost over ZeRO alone: two 4-byte all-reduces over the
+  pipe group per step, and per tied parameter of W elements two all-reduces of W·4 bytes
+  (data group, then its holders). DeepSpeed 0.19.8 refuses ZeRO-2 with pipelines. Stage 3 is
+  refused: it gathers parameters around each layer's forward and backward, which a pipeline
+  stage would have to do per micro-batch.
+- **fp16 / bf16** (`fp16.enabled`, `bf16.enabled`, `data_types`): the stages' parameters,
+  activations and the gradients sent between stages are 16-bit; ZeRO (stage 0 when the config
+  asks for none) keeps the fp32 masters and fp16's dynamic loss scale, the same on every rank
+  because the overflow verdict is the grid's. Inputs are passed as given (token ids need no
+  cast; DeepSpeed's pipeline does not cast them either).
 
 The loss returned by `train_batch` is the mean over the micro-batches and the data-parallel
 replicas, on every rank, as a 0-dim float32 tensor (DeepSpeed's `agg_train_loss`).
@@ -45,6 +59,7 @@ replicas, on every rank, as a 0-dim float32 tensor (DeepSpeed's `agg_train_loss`
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -52,6 +67,7 @@ import torch
 
 import minispeed.comm as comm
 import minispeed.pipeline as pipeline
+import minispeed.zero as zero
 from minispeed.engine.config import resolve_batch
 
 __all__ = ["PipelineEngine", "PipelineError"]
@@ -112,10 +128,13 @@ class PipelineEngine:
         schedule = self._read_pipeline_section(config.get("pipeline") or {})
         self._refuse_unsupported(config)
         self.zero_stage = int((config.get("zero_optimization") or {}).get("stage", 0))
+        self.precision = zero.MixedPrecision.from_ds_config(config)
         self.device = next((p.device for p in module.parameters()), torch.device("cpu"))
         self._broadcast_model()
         self.client_optimizer = optimizer
-        self.optimizer = self._wrap_zero(optimizer) if self.zero_stage == 1 else optimizer
+        # 16-bit training needs ZeRO's masters and loss scale: its stage 0 when none is asked
+        wrap = self.zero_stage or self.precision.param_dtype != torch.float32
+        self.optimizer = self._wrap_zero(optimizer, config) if wrap else optimizer
         self.executor = pipeline.PipelineExecutor(
             module,
             None if optimizer is None else _StepHook(self, self.optimizer),
@@ -144,22 +163,12 @@ class PipelineEngine:
         return "1f1b" if self.micro_batches >= self.num_stages else "gpipe"
 
     def _refuse_unsupported(self, config: dict[str, Any]) -> None:
-        for key in ("fp16", "bf16"):
-            if (config.get(key) or {}).get("enabled", False):
-                raise NotImplementedError(
-                    f"{key}.enabled with a pipeline is not implemented in minispeed's "
-                    "PipelineEngine yet; train the pipeline in fp32 (remove the section)"
-                )
         stage = int((config.get("zero_optimization") or {}).get("stage", 0))
-        if stage >= 2:
+        if stage >= 3:
             raise NotImplementedError(
-                f"zero_optimization.stage={stage} with a pipeline: use stage 0 or 1 (DeepSpeed "
-                "refuses stages 2 and 3 with pipelines too)"
-            )
-        if stage == 1 and self._clip > 0:
-            raise NotImplementedError(
-                "gradient_clipping with zero_optimization.stage=1 in a pipeline: minispeed.zero "
-                "clips by one stage's norm, DeepSpeed by all stages'; drop one of the two"
+                f"zero_optimization.stage={stage} with a pipeline: use stage 0, 1 or 2 (stage 3 "
+                "gathers each layer's parameters around its forward and backward, per "
+                "micro-batch in a pipeline; DeepSpeed refuses it with pipelines too)"
             )
 
     def _broadcast_model(self) -> None:
@@ -171,21 +180,31 @@ class PipelineEngine:
         for t in [*self.module.parameters(), *self.module.buffers()]:
             comm.broadcast(t.data, src=src, group=group)
 
-    def _wrap_zero(self, optimizer: Any) -> Any:
+    def _wrap_zero(self, optimizer: Any, config: dict[str, Any]) -> Any:
+        """`zero.shard` over the data group, with the pipe axis as ZeRO's model-parallel axis
+        (module docstring)."""
         if optimizer is None:
-            raise ValueError("zero_optimization.stage=1 needs an optimizer")
-        if self.module._tie_groups:
-            raise NotImplementedError(
-                "zero_optimization.stage=1 with tied layers across stages: minispeed.pipeline "
-                "sums tied gradients after the ZeRO optimizer has reduced them; use stage 0"
+            raise ValueError(
+                f"zero_optimization.stage={self.zero_stage} or 16-bit training needs an optimizer"
             )
-        import minispeed.zero as zero
-
+        zero_config = dataclasses.replace(
+            zero.ZeroConfig.from_ds_config(config),
+            gradient_accumulation_steps=self.micro_batches,
+            max_grad_norm=self._clip,
+        )
+        ties = self.module.tied_grad_groups()
+        model_parallel = zero.ModelParallel(
+            groups=(self.grid.group("pipe"),) if self.num_stages > 1 else (),
+            shared=tuple((p, group) for p, group, _ in ties),
+            counted_elsewhere=tuple(p for p, _, lowest in ties if not lowest),
+        )
         return zero.shard(
             self.module,
             optimizer,
-            zero.ZeroConfig(stage=1, gradient_accumulation_steps=self.micro_batches),
+            zero_config,
+            self.precision,
             group=self.grid.group("data"),
+            model_parallel=model_parallel,
         )
 
     # -- DeepSpeed's API --------------------------------------------------------------------------
@@ -214,7 +233,10 @@ class PipelineEngine:
         return [g["lr"] for g in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
-        """The gradient norm of the last step, when gradient clipping computed one."""
+        """The gradient norm of the whole model (every stage) at the last step, when gradient
+        clipping computed one."""
+        if self.optimizer is not self.client_optimizer:  # ZeRO's
+            return self.optimizer.global_grad_norm
         return self._global_grad_norm
 
     def train(self, mode: bool = True) -> PipelineEngine:
@@ -228,12 +250,12 @@ class PipelineEngine:
         return self
 
     def zero_optimization_stage(self) -> int:
-        """The ZeRO stage (0 or 1)."""
+        """The ZeRO stage (0, 1 or 2)."""
         return self.zero_stage
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's training state, for the engine's checkpoint files (one per stage and
-        data rank): the stage's parameters, the optimizer (its shard under ZeRO-1), the
+        data rank): the stage's parameters, the optimizer (its shard under ZeRO-1/2), the
         scheduler, the step counters, and the grid and cut it belongs to. The tensors are
         references (as torch's `state_dict`s are): save or copy them before training on."""
         return {
@@ -387,16 +409,10 @@ class PipelineEngine:
         return inputs, labels
 
     def _before_step(self) -> None:
-        if self._clip <= 0 or self.zero_stage:
+        if self._clip <= 0 or self.optimizer is not self.client_optimizer:  # ZeRO clips
             return
-        me = comm.get_rank()
         # a tied copy above the lowest holding stage carries the same summed gradient: skip it
-        copies = {
-            id(p)
-            for key, (_, ranks) in self.module._tie_groups.items()
-            if ranks[0] != me
-            for p in self.module.tied[key].parameters()
-        }
+        copies = {id(p) for p, _, lowest in self.module.tied_grad_groups() if not lowest}
         counted = [p for p in self.module.parameters() if id(p) not in copies]
         self._global_grad_norm = _clip_pipeline_grads(
             counted, list(self.module.parameters()), self._clip, self.grid.group("pipe")

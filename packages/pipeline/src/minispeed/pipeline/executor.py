@@ -168,7 +168,9 @@ class PipelineExecutor:
         self.eval_schedule = InferenceSchedule(self.micro_batches, p, v)
         # an optimizer with its own backward() reduces over data-parallel ranks: see sharded.py
         self._window = (
-            sharded.check_reducing_optimizer(optimizer, self.schedule, bool(module._tie_groups))
+            sharded.check_reducing_optimizer(
+                optimizer, self.schedule, [p for p, _, _ in module.tied_grad_groups()]
+            )
             if sharded.reduces_gradients(optimizer)
             else 0
         )
@@ -408,7 +410,8 @@ class PipelineExecutor:
         start = time.perf_counter()
         with ranges.range("pipeline.backward"):
             if self._window:
-                self.optimizer.backward(sharded.surrogate_loss(outs, grads, self._window))  # type: ignore[union-attr]
+                scale = sharded.loss_scale(self.optimizer)
+                self.optimizer.backward(sharded.surrogate_loss(outs, grads, self._window, scale))  # type: ignore[union-attr]
             elif outs:
                 torch.autograd.backward(outs, grads)  # type: ignore[arg-type]
         self.timeline.add("compute", i.label, start, time.perf_counter())
@@ -470,6 +473,8 @@ class PipelineExecutor:
         self._out_grads[(i.micro_batch, i.chunk)] = msg
 
     def _reduce_tied(self, stand_in: bool) -> Exception | None:
+        if self._window:  # the optimizer sums them in its step (checked: sharded.py)
+            return None
         with ranges.range("pipeline.reduce_tied"):
             return self.module.reduce_tied_grads(stand_in=stand_in)
 

@@ -380,6 +380,20 @@ class PipelineModule(nn.Module):
                 comm.all_reduce(torch.zeros_like(p) if buf is None else buf, group=group)
         return err
 
+    def tied_grad_groups(self) -> list[tuple[nn.Parameter, Any, bool]]:
+        """Each tied parameter this rank shares with other stages, as (this rank's copy, the
+        process group of its holders at this data index, whether this stage is the lowest
+        holder). For an optimizer that sums tied gradients itself instead of
+        `reduce_tied_grads` (`sharded.py`), e.g. `minispeed.zero.ModelParallel(shared=...)`,
+        and for a norm of the whole model that counts each tied parameter once (on its lowest
+        holder)."""
+        me = comm.get_rank()
+        return [
+            (p, group, ranks[0] == me)
+            for key, (group, ranks) in sorted(self._tie_groups.items())
+            for p in self.tied[key].parameters()
+        ]
+
 
 def _spec_name(spec: Any) -> str:
     return spec.name if isinstance(spec, LayerSpec) else type(spec).__name__

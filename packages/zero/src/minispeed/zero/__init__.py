@@ -20,6 +20,7 @@ from minispeed.zero.checkpoints import (
 )
 from minispeed.zero.config import ZeroConfig
 from minispeed.zero.memory import estimate, measure
+from minispeed.zero.model_parallel import ModelParallel, SharedGrad
 from minispeed.zero.optimizer import ParamFragment, ShardStrategy, ZeroOptimizer
 from minispeed.zero.precision import LossScaler, MixedPrecision
 from minispeed.zero.setup_agreement import OffloadSetupError
@@ -31,10 +32,12 @@ __all__ = [
     "Init",
     "LossScaler",
     "MixedPrecision",
+    "ModelParallel",
     "OffloadIOError",
     "OffloadSetupError",
     "ParamFragment",
     "ShardStrategy",
+    "SharedGrad",
     "ZeroConfig",
     "ZeroOptimizer",
     "checkpoint",

@@ -29,6 +29,7 @@ import minispeed.comm as comm
 from minispeed.core.accelerator import get_accelerator
 from minispeed.core.logging import get_logger
 from minispeed.zero.config import ZeroConfig
+from minispeed.zero.model_parallel import ModelParallel
 from minispeed.zero.optimizer import ShardStrategy, ZeroOptimizer, param_names
 from minispeed.zero.precision import MixedPrecision
 from minispeed.zero.stage0 import ReplicatedStrategy
@@ -64,6 +65,8 @@ def shard(
     config: ZeroConfig | None = None,
     precision: MixedPrecision | None = None,
     group: Any = None,
+    *,
+    model_parallel: ModelParallel | None = None,
 ) -> ZeroOptimizer:
     """Apply ZeRO `config.stage` to `model` (in place) and return the wrapping optimizer.
 
@@ -71,11 +74,23 @@ def shard(
     `model`; its param groups and hyper-parameters are kept. `group` is the data-parallel
     process group (`None`: all ranks); the process group must be initialized
     (`minispeed.comm.init_distributed()`; a single process works too).
+
+    `model_parallel`: under pipeline or tensor parallelism, the grid's other axes
+    (`zero.ModelParallel`): the gradient norm and the fp16 overflow decision are then reduced
+    over them too, and tied parameters' gradients summed over their holders, so clipping uses
+    the whole model's norm (see `minispeed.zero.model_parallel`; a few scalar all-reduces per
+    step). Collective like the rest: every rank of the grid passes its own groups.
     """
     config = config if config is not None else ZeroConfig()
     precision = precision if precision is not None else MixedPrecision()
     _check_inputs(model, optimizer, config, precision)
     param_groups = [list(pg["params"]) for pg in optimizer.param_groups]
+    if model_parallel is not None:  # before any hook is installed
+        if not isinstance(model_parallel, ModelParallel):
+            raise TypeError(
+                f"model_parallel must be a zero.ModelParallel, got {type(model_parallel).__name__}"
+            )
+        model_parallel.check([p for ps in param_groups for p in ps])
 
     if config.stage < 3:
         _broadcast_from_first_rank(param_groups, group)
@@ -92,6 +107,8 @@ def shard(
         from minispeed.zero.offload_bridge import apply_offload
 
         strategy, optimizer = apply_offload(strategy, optimizer, config, group)
+    if model_parallel is not None:
+        model_parallel.check_strategy(strategy)
     _cast_rest(model, {p for ps in param_groups for p in ps}, precision.param_dtype, config.stage)
     _sharded_models.add(model)
     names = param_names(model)
@@ -106,6 +123,7 @@ def shard(
         group,
         on_close=functools.partial(_forget_model, weakref.ref(model)),
         user_optimizer=user_optimizer,
+        model_parallel=model_parallel,
     )
 
 

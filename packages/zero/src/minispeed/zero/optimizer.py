@@ -28,6 +28,7 @@ from minispeed.core.logging import get_logger
 from minispeed.zero.config import ZeroConfig
 from minispeed.zero.contract import ParamFragment, ShardStrategy, param_names, weak_hook
 from minispeed.zero.flat import cut_runs
+from minispeed.zero.model_parallel import ModelParallel
 from minispeed.zero.precision import LossScaler, MixedPrecision
 
 __all__ = ["ParamFragment", "ShardStrategy", "ZeroOptimizer", "param_names"]
@@ -107,6 +108,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     overflow (lowering the scale; no weight touched), clip by the global norm (sum of squares over
     this rank's disjoint gradient shards, one fp32 all-reduce when gradients are partitioned),
     run the inner optimizer, publish masters into the model parameters, clear the gradients.
+    With `model_parallel` (`zero.ModelParallel`: the grid's other axes), the shared gradients
+    are summed first, the verdict is agreed and the norm summed over those axes too.
 
     A `torch.optim.Optimizer` for LR schedulers (Note [ZeroOptimizer is a torch.optim.Optimizer]):
     `param_groups` are the user's optimizer's groups, read at every step with or without
@@ -136,6 +139,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         *,
         on_close: Callable[[], None] | None = None,
         user_optimizer: torch.optim.Optimizer | None = None,
+        model_parallel: ModelParallel | None = None,
     ) -> None:
         self.optimizer = optimizer
         self.strategy = strategy
@@ -207,6 +211,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         order = [(g, i) for g, ms in enumerate(masters) for i in range(len(ms))]
         sizes = [masters[g][i].numel() for g, i in order]
         self._sub_groups = cut_runs(order, sizes, config.sub_group_numel)
+        # The grid's other axes: norm, verdict and shared gradients (model_parallel.py).
+        self.model_parallel = model_parallel
+        self._uncounted = (
+            set() if model_parallel is None else model_parallel.uncounted_indices(params)
+        )
+        self._fragment_of = {f.name: f for f in self._fragments}
 
     # -- torch.optim.Optimizer's surface (Note [ZeroOptimizer is a torch.optim.Optimizer]) ----
     @property
@@ -328,6 +338,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._stepped_at = self.micro_step
         grads_by_group = self.strategy.master_grads()
         grads = [g for gs in grads_by_group for g in gs]
+        if self.model_parallel is not None and self.model_parallel.shared:
+            self.model_parallel.sum_shared(
+                self._fragment_of,
+                self._names,
+                grads_by_group,
+                self.comm_group,
+                self.strategy.partitions_grads,
+            )
 
         if self.loss_scaler.scale != 1.0:
             inv_scale = 1.0 / self.loss_scaler.scale
@@ -355,12 +373,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
         comm.all_reduce(self._agreement, op=comm.ReduceOp.MAX, group=self.comm_group)
         flags = self._agreement.tolist()  # the one host sync of the step
         self._agreement.zero_()
+        overflow = flags[0] == 1
+        if self.model_parallel is not None:  # the verdict over the whole grid: model_parallel.py
+            failed = flags[0] >= 2 or (self._io is not None and bool(flags[-1]))
+            try:
+                overflow = self.model_parallel.agree_step(overflow, failed, self._agreement.device)
+            except RuntimeError:
+                self.strategy.zero_grad()
+                raise
         if self._io is not None and flags[-1]:  # nothing is stepped with a failed read's zeros
             self.strategy.zero_grad()
             self._io.raise_everywhere(
                 self.comm_group, f"step {self.global_step + 1}'s agreement, before any update"
             )
-        overflow = flags[0] == 1
         if flags[0] >= 2:
             self.strategy.zero_grad()
             name = self._names[self._params[int(flags[0]) - 2]]
@@ -440,12 +465,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         swapped = getattr(self.strategy, "swapped_grads", None)
         if swapped is not None:
             sq += swapped.square_sum()
-        for g in grads if swapped is None else ():
-            sq += g.float().pow(2).sum()
+        for k, g in enumerate(grads if swapped is None else ()):
+            if k not in self._uncounted:  # a copy counted on another model-parallel rank
+                sq += g.float().pow(2).sum()
         if self.strategy.partitions_grads:  # disjoint shards: the squares add up across ranks
             travel = sq.to(comm.tensor_device(self.comm_group))  # the host under offload + NCCL
             comm.all_reduce(travel, group=self.comm_group)
             sq = travel.to(self._grad_device)
+        if self.model_parallel is not None:  # the other axes' parts of the model
+            sq = self.model_parallel.sum_squares(sq)
         self._grad_norm = sq.sqrt()  # read lazily by global_grad_norm: no host sync here
         # torch.nn.utils.clip_grad_norm_'s rule, so that results match it.
         coef = torch.clamp(self.config.max_grad_norm / (sq.sqrt() + 1e-6), max=1.0)
@@ -454,6 +482,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return
         for g in grads:
             g.mul_(coef.to(g.dtype))
+
+    def shared_params(self) -> list[nn.Parameter]:
+        """The parameters whose gradient this optimizer sums over model-parallel ranks at each
+        step (`ModelParallel.shared`; a pipeline executor leaves their tie sum to it)."""
+        return [] if self.model_parallel is None else [s.param for s in self.model_parallel.shared]
 
     @property
     def global_grad_norm(self) -> float | None:
