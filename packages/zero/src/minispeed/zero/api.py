@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -31,6 +32,12 @@ from minispeed.core.logging import get_logger
 from minispeed.zero.config import ZeroConfig
 from minispeed.zero.optimizer import ShardStrategy, ZeroOptimizer, param_names
 from minispeed.zero.precision import MixedPrecision
+from minispeed.zero.replica_groups import (
+    ReplicaGroupedStrategy,
+    broadcast_within,
+    check_replica_groups,
+    make_stage_strategy,
+)
 from minispeed.zero.stage0 import ReplicatedStrategy
 from minispeed.zero.stage3 import Stage3Strategy
 from minispeed.zero.stage12 import PartitionedStrategy
@@ -64,6 +71,7 @@ def shard(
     config: ZeroConfig | None = None,
     precision: MixedPrecision | None = None,
     group: Any = None,
+    replica_groups: Sequence[Any] | None = None,
 ) -> ZeroOptimizer:
     """Apply ZeRO `config.stage` to `model` (in place) and return the wrapping optimizer.
 
@@ -71,18 +79,34 @@ def shard(
     `model`; its param groups and hyper-parameters are kept. `group` is the data-parallel
     process group (`None`: all ranks); the process group must be initialized
     (`minispeed.comm.init_distributed()`; a single process works too).
+
+    `replica_groups` (stages 0-2): one entry per optimizer param group, the process group of the
+    ranks holding copies of that group's parameters (`None`: `group`), e.g. the expert-data
+    group for MoE experts; that group's gradients are reduced and its state partitioned over it,
+    and divided by the size of `group` (Note [replica groups] in replica_groups.py).
     """
     config = config if config is not None else ZeroConfig()
     precision = precision if precision is not None else MixedPrecision()
     _check_inputs(model, optimizer, config, precision)
     param_groups = [list(pg["params"]) for pg in optimizer.param_groups]
 
-    if config.stage < 3:
-        _broadcast_from_first_rank(param_groups, group)
     strategy: ShardStrategy
-    if config.stage == 0:
+    if replica_groups is not None:  # See Note [replica groups]
+        check_replica_groups(replica_groups, len(param_groups), config)
+        broadcast_within(param_groups, replica_groups, group, _broadcast_from_first_rank)
+        kind = ReplicatedStrategy if config.stage == 0 else PartitionedStrategy
+        strategy = ReplicaGroupedStrategy(
+            make_stage_strategy(kind, model, config, precision),
+            param_groups,
+            replica_groups,
+            group,
+            config,
+        )
+    elif config.stage == 0:
+        _broadcast_from_first_rank(param_groups, group)
         strategy = ReplicatedStrategy(model, config, precision, group, param_groups=param_groups)
     elif config.stage in (1, 2):
+        _broadcast_from_first_rank(param_groups, group)
         strategy = PartitionedStrategy(model, config, precision, group, param_groups=param_groups)
     else:
         strategy = Stage3Strategy(model, config, precision, group, param_groups=param_groups)
