@@ -158,3 +158,41 @@ def test_expert_parallel_zero_trains_what_one_process_trains(against_torch, stag
         for ours, ref in got["norms"]:
             assert ref > 5 * CLIP  # clipping binds
             assert ours == pytest.approx(ref, rel=1e-5), (stage, rank)
+
+
+# -- 3. what is refused, on every rank, before any collective of zero.shard -----------------------
+def _refused(rank, world_size, case):
+    import torch
+
+    import minispeed.engine as deepspeed
+
+    script = ds_scripts.load("record_ds_moe_engine.py", ds_scripts.MOE_IMPORTS)
+    torch.manual_seed(7)
+    model = script.Net()
+    params = list(model.parameters())
+    stage = 2
+    if case == "mixed":  # experts and dense parameters in one group
+        params = [{"params": params, "name": "params"}]
+    else:
+        params = script.split_params_into_different_moe_groups_for_optimizer(
+            {"params": params, "name": "params"}
+        )
+        stage = 3
+    config = {**script.config(stage), "gradient_accumulation_steps": 1}
+    try:
+        deepspeed.initialize(model=model, model_parameters=params, config=config)
+    except (ValueError, NotImplementedError) as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize(
+    ("case", "words"),
+    [
+        ("mixed", "split_params_into_different_moe_groups_for_optimizer"),
+        ("stage3", "stages 0-2"),
+    ],
+)
+def test_moe_engine_refuses_what_it_cannot_reduce(case, words):
+    messages = run_distributed(_refused, world_size=2, args=(case,), timeout_s=120)
+    assert all(m is not None and words in m for m in messages), messages
