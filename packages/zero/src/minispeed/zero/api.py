@@ -210,6 +210,20 @@ def _check_optimizer_kind(optimizer: torch.optim.Optimizer) -> None:
     differentiates through the step (`differentiable=True`).
     """
     kind = type(optimizer)
+    from minispeed.comm.optim import CompressedMomentumOptimizer
+
+    if isinstance(optimizer, CompressedMomentumOptimizer):
+        # Found through initialize(): OneBitAdam stepped nothing at stage 0 (the masters do not
+        # require grad, and it steps only parameters that do) and, at stages 1-3, would average
+        # different ranks' shards together in its own all-reduce.
+        raise TypeError(
+            f"{kind.__name__} communicates inside step() (it averages its parameters' gradients "
+            f"and momenta over the ranks itself), so it cannot step zero's masters: at stage 0 "
+            f"it would step nothing, at stages 1-3 it would average different ranks' shards. "
+            f"1-bit optimizers with ZeRO are not implemented (issue 20 §4); use {kind.__name__} "
+            f"on the plain model (loss.backward(); opt.step() on every rank), or Adam/AdamW "
+            f"with zero"
+        )
     for name in _NOT_ELEMENTWISE:
         cls = getattr(torch.optim, name, None)
         if cls is not None and isinstance(optimizer, cls):
