@@ -161,7 +161,7 @@ def test_expert_parallel_zero_trains_what_one_process_trains(against_torch, stag
 
 
 # -- 3. what is refused, on every rank, before any collective of zero.shard -----------------------
-def _refused(rank, world_size, case):
+def _refused(rank, world_size, case, tmp):
     import torch
 
     import minispeed.engine as deepspeed
@@ -170,17 +170,18 @@ def _refused(rank, world_size, case):
     torch.manual_seed(7)
     model = script.Net()
     params = list(model.parameters())
-    stage = 2
+    stage = {"mixed": 2, "stage3": 3, "save16": 0}[case]
     if case == "mixed":  # experts and dense parameters in one group
         params = [{"params": params, "name": "params"}]
     else:
         params = script.split_params_into_different_moe_groups_for_optimizer(
             {"params": params, "name": "params"}
         )
-        stage = 3
     config = {**script.config(stage), "gradient_accumulation_steps": 1}
     try:
-        deepspeed.initialize(model=model, model_parameters=params, config=config)
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
+        if case == "save16":  # one file cannot hold every rank's experts
+            engine.save_16bit_model(tmp)
     except (ValueError, NotImplementedError) as e:
         return str(e)
     return None
@@ -191,8 +192,9 @@ def _refused(rank, world_size, case):
     [
         ("mixed", "split_params_into_different_moe_groups_for_optimizer"),
         ("stage3", "stages 0-2"),
+        ("save16", "rank 0's experts only"),
     ],
 )
-def test_moe_engine_refuses_what_it_cannot_reduce(case, words):
-    messages = run_distributed(_refused, world_size=2, args=(case,), timeout_s=120)
+def test_moe_engine_refuses_what_it_cannot_do(case, words, tmp_path):
+    messages = run_distributed(_refused, world_size=2, args=(case, str(tmp_path)), timeout_s=120)
     assert all(m is not None and words in m for m in messages), messages

@@ -25,6 +25,7 @@ import torch
 
 import minispeed.comm as comm
 from minispeed.engine.engine import Engine
+from minispeed.engine.moe.layer import MoE
 
 __all__ = ["MoEEngine"]
 
@@ -57,6 +58,20 @@ class MoEEngine(Engine):
         return super().save_checkpoint(
             save_dir, tag, client_state, save_latest, exclude_frozen_parameters
         )
+
+    def save_16bit_model(
+        self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin"
+    ) -> bool:
+        """Refused while experts are spread over ranks: one `state_dict` file would hold rank 0's
+        experts only, under local names that another rank's experts also use."""
+        spread = [m.ep_size for m in self.module.modules() if isinstance(m, MoE) and m.ep_size > 1]
+        if spread:
+            raise NotImplementedError(
+                f"save_16bit_model of a model whose MoE layers spread experts over ranks "
+                f"(ep_size={spread[0]}) is not implemented: its one file would hold rank 0's "
+                "experts only. Use save_checkpoint (every rank's experts), or ep_size=1"
+            )
+        return super().save_16bit_model(save_dir, save_filename)
 
     def load_checkpoint(
         self,
