@@ -12,7 +12,8 @@ engine, optimizer, loader, scheduler = deepspeed.initialize(
 1. read and check the whole config on every rank (no collective yet): `EngineConfig`;
 2. `init_distributed` (torchrun's environment, or a single process);
 3. the optimizer: the one given, a callable of the parameters, or the config's by name;
-4. `zero.shard` over the data-parallel group (stage, precision, offload, ZeRO++);
+4. `zero.shard` over the data-parallel group (stage, precision, offload, ZeRO++), the experts of
+   `MoE` layers over their expert-data group (`moe/compose.py`);
 5. the scheduler: the one given, a callable of the optimizer, or the config's by name;
 6. the engine (`Engine`), with the profiler, comms logger and timers the config turns on.
 
@@ -40,6 +41,8 @@ from minispeed.engine import checkpointing, moe, pipe, zero
 from minispeed.engine.config import EngineConfig, load_ds_config
 from minispeed.engine.engine import Engine
 from minispeed.engine.inference import init_inference
+from minispeed.engine.moe.compose import expert_replica_groups
+from minispeed.engine.moe.engine import MoEEngine
 from minispeed.zero import shard
 
 __all__ = [
@@ -174,13 +177,21 @@ def initialize(
     # 3. The optimizer.
     params = list(model_parameters) if model_parameters is not None else list(model.parameters())
     opt = _build_optimizer(optimizer, params, cfg)
-    # 4. ZeRO over the data-parallel group (stage 0 is plain data parallelism).
-    zero_opt = shard(model, opt, config=cfg.zero, precision=cfg.precision) if opt else None
+    # 4. ZeRO over the data-parallel group (stage 0 is plain data parallelism); MoE experts over
+    # their expert-data group, divided by the data-parallel size (moe/compose.py).
+    zero_opt, replica_groups = None, None
+    if opt is not None:
+        replica_groups = expert_replica_groups(model, opt.param_groups)
+        zero_opt = shard(
+            model, opt, config=cfg.zero, precision=cfg.precision, replica_groups=replica_groups
+        )
     # 5. The scheduler, on the optimizer whose param groups hold the hyper-parameters.
     scheduler = _build_scheduler(lr_scheduler, zero_opt, cfg)
     loader = _dataloader(training_data, cfg, collate_fn)
     # 6. The engine, with the profiler, comms logger and timers it reads from the config.
-    engine = Engine(model, zero_opt, cfg, scheduler, loader)
+    # (MoEEngine: Note [expert checkpoints until the layout names experts] in moe/engine.py.)
+    engine_class = Engine if replica_groups is None else MoEEngine
+    engine = engine_class(model, zero_opt, cfg, scheduler, loader)
     return engine, zero_opt, loader, scheduler
 
 

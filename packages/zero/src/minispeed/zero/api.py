@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -32,6 +33,12 @@ from minispeed.zero.config import ZeroConfig
 from minispeed.zero.model_parallel import ModelParallel
 from minispeed.zero.optimizer import ShardStrategy, ZeroOptimizer, param_names
 from minispeed.zero.precision import MixedPrecision
+from minispeed.zero.replica_groups import (
+    ReplicaGroupedStrategy,
+    broadcast_within,
+    check_replica_groups,
+    make_stage_strategy,
+)
 from minispeed.zero.stage0 import ReplicatedStrategy
 from minispeed.zero.stage3 import Stage3Strategy
 from minispeed.zero.stage12 import PartitionedStrategy
@@ -67,6 +74,7 @@ def shard(
     group: Any = None,
     *,
     model_parallel: ModelParallel | None = None,
+    replica_groups: Sequence[Any] | None = None,
 ) -> ZeroOptimizer:
     """Apply ZeRO `config.stage` to `model` (in place) and return the wrapping optimizer.
 
@@ -80,11 +88,22 @@ def shard(
     over them too, and tied parameters' gradients summed over their holders, so clipping uses
     the whole model's norm (see `minispeed.zero.model_parallel`; a few scalar all-reduces per
     step). Collective like the rest: every rank of the grid passes its own groups.
+
+    `replica_groups` (stages 0-2): one entry per optimizer param group, the process group of the
+    ranks holding copies of that group's parameters (`None`: `group`), e.g. the expert-data
+    group for MoE experts; that group's gradients are reduced and its state partitioned over it,
+    and divided by the size of `group` (Note [replica groups] in replica_groups.py).
     """
     config = config if config is not None else ZeroConfig()
     precision = precision if precision is not None else MixedPrecision()
     _check_inputs(model, optimizer, config, precision)
     param_groups = [list(pg["params"]) for pg in optimizer.param_groups]
+    if model_parallel is not None and replica_groups is not None:
+        raise NotImplementedError(
+            "zero.shard with both model_parallel (pipeline/tensor axes) and replica_groups (MoE "
+            "experts) is not supported yet: the clipping norm would count expert copies on one "
+            "axis only; use one of the two"
+        )
     if model_parallel is not None:  # before any hook is installed
         if not isinstance(model_parallel, ModelParallel):
             raise TypeError(
@@ -92,12 +111,23 @@ def shard(
             )
         model_parallel.check([p for ps in param_groups for p in ps])
 
-    if config.stage < 3:
-        _broadcast_from_first_rank(param_groups, group)
     strategy: ShardStrategy
-    if config.stage == 0:
+    if replica_groups is not None:  # See Note [replica groups]
+        check_replica_groups(replica_groups, len(param_groups), config)
+        broadcast_within(param_groups, replica_groups, group, _broadcast_from_first_rank)
+        kind = ReplicatedStrategy if config.stage == 0 else PartitionedStrategy
+        strategy = ReplicaGroupedStrategy(
+            make_stage_strategy(kind, model, config, precision),
+            param_groups,
+            replica_groups,
+            group,
+            config,
+        )
+    elif config.stage == 0:
+        _broadcast_from_first_rank(param_groups, group)
         strategy = ReplicatedStrategy(model, config, precision, group, param_groups=param_groups)
     elif config.stage in (1, 2):
+        _broadcast_from_first_rank(param_groups, group)
         strategy = PartitionedStrategy(model, config, precision, group, param_groups=param_groups)
     else:
         strategy = Stage3Strategy(model, config, precision, group, param_groups=param_groups)
@@ -204,6 +234,20 @@ def _check_optimizer_kind(optimizer: torch.optim.Optimizer) -> None:
     differentiates through the step (`differentiable=True`).
     """
     kind = type(optimizer)
+    from minispeed.comm.optim import CompressedMomentumOptimizer
+
+    if isinstance(optimizer, CompressedMomentumOptimizer):
+        # Found through initialize(): OneBitAdam stepped nothing at stage 0 (the masters do not
+        # require grad, and it steps only parameters that do) and, at stages 1-3, would average
+        # different ranks' shards together in its own all-reduce.
+        raise TypeError(
+            f"{kind.__name__} communicates inside step() (it averages its parameters' gradients "
+            f"and momenta over the ranks itself), so it cannot step zero's masters: at stage 0 "
+            f"it would step nothing, at stages 1-3 it would average different ranks' shards. "
+            f"1-bit optimizers with ZeRO are not implemented (issue 20 §4); use {kind.__name__} "
+            f"on the plain model (loss.backward(); opt.step() on every rank), or Adam/AdamW "
+            f"with zero"
+        )
     for name in _NOT_ELEMENTWISE:
         cls = getattr(torch.optim, name, None)
         if cls is not None and isinstance(optimizer, cls):

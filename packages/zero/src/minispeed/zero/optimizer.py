@@ -463,9 +463,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # ZeRO-Infinity (stage3/infinity.py): the gradients are in swap files; the sum of squares
         # was kept as they were written, and the coefficient is applied as they are read back.
         swapped = getattr(self.strategy, "swapped_grads", None)
+        # Param groups reduced over their own replica groups weigh their squares so that the
+        # sum over ranks counts every parameter once (Note [replica groups]).
+        weighted = getattr(self.strategy, "grad_square_sum", None)
         if swapped is not None:
             sq += swapped.square_sum()
-        for k, g in enumerate(grads if swapped is None else ()):
+        elif weighted is not None:
+            sq += weighted().to(sq.device)
+        for k, g in enumerate(grads if swapped is None and weighted is None else ()):
             if k not in self._uncounted:  # a copy counted on another model-parallel rank
                 sq += g.float().pow(2).sum()
         if self.strategy.partitions_grads:  # disjoint shards: the squares add up across ranks

@@ -97,12 +97,16 @@ class _BucketedGrads:
         names: dict[nn.Parameter, str],
         param_position: dict[nn.Parameter, int],
         group: Any = None,
+        grad_divisor: int | None = None,
     ) -> None:
         self.config = config
         self.layouts = list(layouts)
         self.comm_group = group
         self.world_size = comm.get_world_size(group)
         self.rank = comm.get_rank(group)
+        # The reduced sum is divided by this: the group's size, or the data-parallel size where
+        # the group is a replica group (Note [replica groups] in replica_groups.py).
+        self.grad_divisor = grad_divisor if grad_divisor is not None else self.world_size
         self.names = names
         self.grad_dtype = grad_dtype
         self.device = groups[0][0].device if groups and groups[0] else torch.device("cpu")
@@ -114,8 +118,8 @@ class _BucketedGrads:
         # Note [averaging on the way in]: the hook scales each gradient by 1/N as it writes it,
         # when no dtype cast is involved (x·1.0 is exact: a plain copy / add).
         param_dtype = groups[0][0].dtype if groups and groups[0] else grad_dtype
-        self._prescaled = param_dtype == grad_dtype and self.world_size > 1
-        self._write_scale = 1.0 / self.world_size if self._prescaled else 1.0
+        self._prescaled = param_dtype == grad_dtype and self.grad_divisor > 1
+        self._write_scale = 1.0 / self.grad_divisor if self._prescaled else 1.0
 
         # One fixed launch order for every rank: See Note [bucket launch order].
         order = [(g, bk) for g, lay in enumerate(layouts) for bk in lay.buckets]
@@ -225,7 +229,7 @@ class _BucketedGrads:
                 self._zero_missing(g, bk, self.flat_grads[g], 0)
         self._fresh = False
         if is_boundary:
-            inv_n = 1.0 / self.world_size
+            inv_n = 1.0 / self.grad_divisor
             # Already averaged when prescaled (Note [averaging on the way in]); else average in
             # fp32, since a 16-bit sum divided in 16 bits would round twice. `float()` is the
             # tensor itself when it is fp32 already, so that one is averaged in place.

@@ -40,7 +40,11 @@ __all__ = ["ReplicatedStrategy"]
 
 
 class ReplicatedStrategy:
-    """ZeRO stage 0: replicated parameters and optimizer state, bucketed gradient all-reduce."""
+    """ZeRO stage 0: replicated parameters and optimizer state, bucketed gradient all-reduce.
+
+    `grad_divisor`: what the reduced gradient sum is divided by (default: the size of `group`;
+    Note [replica groups] in replica_groups.py).
+    """
 
     partitions_grads = False  # every rank holds the full averaged gradient: the norm is local
 
@@ -52,6 +56,7 @@ class ReplicatedStrategy:
         group: Any = None,
         *,
         param_groups: Sequence[Sequence[nn.Parameter]],
+        grad_divisor: int | None = None,
     ) -> None:
         self.config = config
         self.precision = precision
@@ -89,6 +94,7 @@ class ReplicatedStrategy:
             self.names,
             position,
             group,
+            grad_divisor,
         )
 
     def master_params(self) -> list[list[torch.Tensor]]:

@@ -75,7 +75,11 @@ __all__ = ["PartitionedStrategy"]
 
 
 class PartitionedStrategy:
-    """ZeRO stage 1 (optimizer state partitioned) or 2 (+ gradients partitioned)."""
+    """ZeRO stage 1 (optimizer state partitioned) or 2 (+ gradients partitioned).
+
+    `grad_divisor`: what the reduced gradient sum is divided by (default: the size of `group`;
+    Note [replica groups] in replica_groups.py).
+    """
 
     partitions_grads = True  # master_grads() holds this rank's shard only: the norm needs a sum
 
@@ -87,6 +91,7 @@ class PartitionedStrategy:
         group: Any = None,
         *,
         param_groups: Sequence[Sequence[nn.Parameter]],
+        grad_divisor: int | None = None,
     ) -> None:
         if config.stage not in (1, 2):
             raise ValueError(f"PartitionedStrategy implements stages 1 and 2, not {config.stage}")
@@ -159,6 +164,7 @@ class PartitionedStrategy:
             self.names,
             position,
             group,
+            grad_divisor,
         )
 
     def master_params(self) -> list[list[torch.Tensor]]:

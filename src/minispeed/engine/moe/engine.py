@@ -1,0 +1,114 @@
+"""`MoEEngine`: the engine of a model with `MoE` layers, whose checkpoints keep every rank's experts.
+
+Note [expert checkpoints until the layout names experts]
+`zero.save_checkpoint` names every piece by its parameter's `named_parameters()` name and
+writes a piece held by several ranks once (stage 0: by the lowest rank). Expert parameters break
+that assumption: rank 0's `...local_experts.0.weight` is expert 0 and rank 1's is expert 2 (with
+E_p = 2), the same name for different tensors. So the zero files hold rank 0's experts only, and
+loading them would give every expert rank rank 0's experts. Until the checkpoint layout names
+expert pieces by their global expert index (issue 20 §4: files by pipeline stage, data rank and
+expert rank), this engine adds one file per rank to the tag, `moe_rank_state.rank<R>-of-<W>.pt`
+holding `ZeroOptimizer.state_dict()` (this rank's masters and optimizer state: Ψ/N·(4 + K)
+bytes for stages 1-2, Ψ·(4 + K) for stage 0), written before the zero files seal the tag, and
+restores it after `zero.load_checkpoint`: same world size, stage and expert-parallel degree only
+(another layout is refused by `ZeroOptimizer.load_state_dict`, naming the difference).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import minispeed.comm as comm
+from minispeed.engine.engine import Engine
+from minispeed.engine.moe.layer import MoE
+
+__all__ = ["MoEEngine"]
+
+
+def _rank_file(tag_dir: Path, group: Any) -> Path:
+    rank, world = comm.get_rank(group), comm.get_world_size(group)
+    return tag_dir / f"moe_rank_state.rank{rank}-of-{world}.pt"
+
+
+class MoEEngine(Engine):
+    """`Engine` whose checkpoints also hold each rank's own optimizer state (Note [expert
+    checkpoints until the layout names experts])."""
+
+    def save_checkpoint(
+        self,
+        save_dir: str | os.PathLike,
+        tag: str | None = None,
+        client_state: Mapping[str, Any] | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """`Engine.save_checkpoint`, plus this rank's `moe_rank_state` file (collective)."""
+        opt = self._require_optimizer("save_checkpoint")
+        tag = tag if tag is not None else f"global_step{self.global_steps}"
+        path = _rank_file(Path(save_dir) / str(tag), opt.comm_group)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        torch.save(opt.state_dict(), tmp)
+        os.replace(tmp, path)  # the zero files seal the tag after this
+        return super().save_checkpoint(
+            save_dir, tag, client_state, save_latest, exclude_frozen_parameters
+        )
+
+    def save_16bit_model(
+        self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin"
+    ) -> bool:
+        """Refused while experts are spread over ranks: one `state_dict` file would hold rank 0's
+        experts only, under local names that another rank's experts also use."""
+        spread = [m.ep_size for m in self.module.modules() if isinstance(m, MoE) and m.ep_size > 1]
+        if spread:
+            raise NotImplementedError(
+                f"save_16bit_model of a model whose MoE layers spread experts over ranks "
+                f"(ep_size={spread[0]}) is not implemented: its one file would hold rank 0's "
+                "experts only. Use save_checkpoint (every rank's experts), or ep_size=1"
+            )
+        return super().save_16bit_model(save_dir, save_filename)
+
+    def load_checkpoint(
+        self,
+        load_dir: str | os.PathLike,
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str | None, dict[str, Any] | None]:
+        """`Engine.load_checkpoint`, then this rank's experts (and, with the optimizer states,
+        its whole optimizer state) from its `moe_rank_state` file (collective)."""
+        path, client = super().load_checkpoint(
+            load_dir,
+            tag,
+            load_module_strict,
+            load_optimizer_states,
+            load_lr_scheduler_states,
+            load_module_only,
+        )
+        if path is None:
+            return path, client
+        opt = self._require_optimizer("load_checkpoint")
+        rank_file = _rank_file(Path(path), opt.comm_group)
+        if not rank_file.is_file():
+            raise FileNotFoundError(
+                f"{rank_file} is missing: a checkpoint of a model with MoE layers holds one "
+                "moe_rank_state file per rank (saved by MoEEngine.save_checkpoint at the same "
+                "world size); load it with the world size that saved it"
+            )
+        saved = torch.load(rank_file, map_location="cpu", weights_only=False)
+        if load_optimizer_states and not load_module_only:
+            opt.load_state_dict(saved)
+            return path, client
+        with torch.no_grad():  # the weights only: this rank's masters, then published
+            for pg, masters in zip(opt.param_groups, saved["masters"], strict=True):
+                for m, value in zip(pg["params"], masters, strict=True):
+                    m.copy_(value)
+        opt.strategy.publish_params()
+        return path, client
