@@ -11,6 +11,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from minispeed.core.config import check_keys
+
 __all__ = ["AUX_LOSS_CHOICES", "DROP_ORDERS", "NOISY_GATE_POLICIES", "WEIGHTS_OVER", "MoEConfig"]
 
 NOISY_GATE_POLICIES = (None, "jitter", "rsample")
@@ -173,20 +175,18 @@ class MoEConfig:
           (`drop_order="probability"`) and the aux loss counts all k choices
           (`aux_loss_choices="all"`).
         """
+        # DeepSpeed's unsupported switches are accepted at their default (off), refused when on.
+        check_keys(
+            section,
+            _DS_KEYS,
+            "moe",
+            unsupported=_DS_UNSUPPORTED,
+            defaults=dict.fromkeys(_DS_UNSUPPORTED, False),
+        )
         kwargs: dict[str, Any] = {"weights_over": "kept"}
         for key, value in section.items():
             if key in _DS_UNSUPPORTED:
-                if value:
-                    raise ValueError(
-                        f"moe config: {key}={value!r} is not supported ({_DS_UNSUPPORTED[key]});"
-                        f" remove the key or set it to false"
-                    )
                 continue
-            if key not in _DS_KEYS:
-                raise ValueError(
-                    f"moe config: unknown key {key!r}; known keys are "
-                    f"{sorted([*_DS_KEYS, *_DS_UNSUPPORTED])}"
-                )
             if key == "noisy_gate_policy":
                 value = None if value in (None, "None", "none") else str(value).lower()
             kwargs[_DS_KEYS[key]] = value
