@@ -30,9 +30,10 @@ What is DeepSpeed's here, and how:
   same as DeepSpeed's per-interval checkpoints, the activation memory is one stage input per
   micro-batch instead of one per interval.
 
-Refused, each by name: `seed_fn`, `activation_checkpoint_func`, `checkpointable_layers`, a
-topology with a third axis, and a tie across stages whose `tied_weight_attr` leaves out a
-parameter of the tied module (minispeed ties whole modules).
+Refused, each by name: `seed_fn`, `activation_checkpoint_func`, `checkpointable_layers` and a
+topology with a third axis. A tie shares the parameters `tied_weight_attr` names (DeepSpeed's
+default `"weight"`); the tied module's other parameters stay each stage copy's own, as in
+DeepSpeed (an embedding with position embeddings tied to the head by its token table).
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ from torch import nn
 import minispeed.comm as comm
 import minispeed.pipeline as pipeline
 from minispeed.engine.pipe import partition
-from minispeed.engine.pipe.specs import TiedLayerSpec
 
 __all__ = ["PipelineModule"]
 
@@ -107,33 +107,6 @@ def _topology(num_stages: int | None, topology: Any) -> comm.ProcessTopology:
     return comm.ProcessTopology(axes, dims)
 
 
-def _check_ties(layers: list[Any], bounds: list[int]) -> None:
-    """Refuse, before any collective, a cross-stage tie that DeepSpeed ties only in part."""
-    stages_of: dict[str, set[int]] = {}
-    spec_of: dict[str, TiedLayerSpec] = {}
-    for s in range(len(bounds) - 1):
-        for i in range(bounds[s], bounds[s + 1]):
-            spec = layers[i]
-            if isinstance(spec, pipeline.TiedLayerSpec):
-                stages_of.setdefault(spec.key, set()).add(s)
-                spec_of.setdefault(spec.key, spec)
-    for key, stages in sorted(stages_of.items()):
-        spec = spec_of[key]
-        attrs = getattr(spec, "tied_weight_attr", None)
-        if len(stages) < 2 or attrs is None:
-            continue
-        with torch.device("meta"):
-            names = {n for n, _ in spec.build().named_parameters()}
-        untied = sorted(names - set(attrs))
-        if untied:
-            raise NotImplementedError(
-                f"tied layer {key!r} crosses stages {sorted(stages)} with "
-                f"tied_weight_attr={attrs}, which leaves {untied} untied; minispeed ties every "
-                "parameter of a tied module: list them all in tied_weight_attr, or move the "
-                "untied parameters into a layer of their own"
-            )
-
-
 class PipelineModule(pipeline.PipelineModule):
     """DeepSpeed's `PipelineModule`: this rank's stage of `layers` (see the module docstring).
 
@@ -181,7 +154,6 @@ class PipelineModule(pipeline.PipelineModule):
             layers, stages, partition_method, build_for_real=not seed_layers
         )
         pipeline.partitioning.validate_boundaries(bounds, len(layers), stages)
-        _check_ties(layers, bounds)
         grid = comm.ProcessGrid(topo)
         super().__init__(
             layers,

@@ -61,10 +61,9 @@ class TiedLayerSpec(pipeline.TiedLayerSpec):
     signature). `forward_fn(module, x)` replaces `module(x)` where given (e.g. an output head
     reading the embedding's weight).
 
-    `tied_weight_attr` (a name or a list, dotted paths allowed) names the parameters DeepSpeed
-    ties across stages. minispeed.pipeline ties every parameter of the module, so a tie that
-    crosses stages must name them all: `PipelineModule` refuses one that leaves a parameter
-    out (see docs/engine/deepspeed-paths.md).
+    `tied_weight_attr` (a name or a list, dotted paths allowed) names the parameters the stages
+    holding a copy share (`minispeed.pipeline.TiedLayerSpec.tied_attrs`); the module's other
+    parameters stay each copy's own, as in DeepSpeed.
     """
 
     def __init__(
@@ -77,10 +76,10 @@ class TiedLayerSpec(pipeline.TiedLayerSpec):
         **module_kwargs: Any,
     ) -> None:
         _require_module_class(typename)
-        pipeline.TiedLayerSpec.__init__(
-            self, typename, module_args, dict(module_kwargs), key, forward_fn
-        )
         attrs = [tied_weight_attr] if isinstance(tied_weight_attr, str) else list(tied_weight_attr)
+        pipeline.TiedLayerSpec.__init__(
+            self, typename, module_args, dict(module_kwargs), key, forward_fn, tuple(attrs)
+        )
         object.__setattr__(self, "tied_weight_attr", attrs)  # frozen dataclass: see specs above
 
     typename = LayerSpec.typename

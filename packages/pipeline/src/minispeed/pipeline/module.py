@@ -92,6 +92,10 @@ class TiedLayerSpec(LayerSpec):
     """Name of the tie; specs with equal keys share one set of weights."""
     forward_fn: Callable[[nn.Module, Any], Any] | None = None
     """How this occurrence uses the tied module (default: call it)."""
+    tied_attrs: tuple[str, ...] | None = None
+    """The parameters the stages holding a copy share (dotted names, DeepSpeed's
+    `tied_weight_attr`); None: every parameter of the module. The others stay each copy's own:
+    an embedding module with position embeddings tied to the head by its token table only."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -231,6 +235,9 @@ class PipelineModule(nn.Module):
                 },
                 "building the pipeline stages (pipeline.partition)",
             )
+        self._tied_attrs = {
+            s.key: s.tied_attrs for s in reversed(layers) if isinstance(s, TiedLayerSpec)
+        }  # the first spec of each key wins, as for the module it builds
         self._tie_groups = self._make_tie_groups(layers) if grid is not None else {}
         self._sync_replicas()
         self._sync_tied_weights()
@@ -354,9 +361,26 @@ class PipelineModule(nn.Module):
         for p in self.parameters():
             comm.broadcast(p.data, src=src, group=group)
 
+    def _shared(self, key: str) -> list[nn.Parameter]:
+        """The parameters of tied module `key` that its holders share (`tied_attrs`)."""
+        module, names = self.tied[key], self._tied_attrs.get(key)
+        if names is None:
+            return list(module.parameters())
+        shared = []
+        for name in names:
+            try:
+                shared.append(module.get_parameter(name))
+            except AttributeError:
+                have = [n for n, _ in module.named_parameters()]
+                raise ValueError(
+                    f"tied layer {key!r}: tied_attrs names {name!r}, which "
+                    f"{type(module).__name__} does not have; its parameters are {have}"
+                ) from None
+        return shared
+
     def _sync_tied_weights(self) -> None:
         for key, (group, ranks) in sorted(self._tie_groups.items()):
-            for p in self.tied[key].parameters():
+            for p in self._shared(key):
                 comm.broadcast(p.data, src=ranks[0], group=group)
 
     def reduce_tied_grads(self, stand_in: bool = False) -> Exception | None:
@@ -368,7 +392,7 @@ class PipelineModule(nn.Module):
         holders are never left waiting; the error is returned, not raised (see the executor)."""
         err: Exception | None = None
         for key, (group, _) in sorted(self._tie_groups.items()):
-            for p in self.tied[key].parameters():
+            for p in self._shared(key):
                 buf = None
                 if not stand_in and err is None:
                     try:
@@ -391,7 +415,7 @@ class PipelineModule(nn.Module):
         return [
             (p, group, ranks[0] == me)
             for key, (group, ranks) in sorted(self._tie_groups.items())
-            for p in self.tied[key].parameters()
+            for p in self._shared(key)
         ]
 
 
