@@ -5,7 +5,7 @@ minispeed run --nproc_per_node 2 train.py --deepspeed_config ds.json   # see eng
 minispeed report [--config ds.json]      # environment and ops; the config the engine resolves
 minispeed config schema|reference        # the ds_config's JSON Schema, or its reference page
 minispeed consolidate CKPT_DIR OUT.pt    # a sharded checkpoint -> one fp32 state_dict
-minispeed estimate --params 7e9 --world-size 8 [--gpu-memory-gib 80]
+minispeed estimate --params 7e9 --gpus 8 --nodes 1 --gpu-mem 80 --cpu-mem 512
 minispeed trace ...                      # the profiler's Chrome trace of a step
 ```
 
@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+
+from minispeed.engine import sizing
 
 __all__ = ["main"]
 
@@ -116,9 +118,19 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--out", help="write to this file (atomically)")
     c.set_defaults(fn=_config)
 
+    e = sub.add_parser(
+        "estimate",
+        help="bytes per GPU and per node of each ZeRO stage and offload mode, and what fits",
+        description=(
+            "Model-state bytes per GPU and per node for each ZeRO stage and offload mode, in "
+            "DeepSpeed's own estimator figures; exit code 1 when no mode fits the sizes given."
+        ),
+    )
+    sizing.add_arguments(e)
+    e.set_defaults(fn=sizing.main)
+
     for name, module, prefix, what in (
         ("consolidate", "minispeed.zero.__main__", ["consolidate"], "sharded checkpoint -> fp32"),
-        ("estimate", "minispeed.zero.__main__", ["estimate"], "model-state bytes per ZeRO stage"),
         ("trace", "minispeed.profiler.__main__", ["trace"], "Chrome trace of a training step"),
     ):
         d = sub.add_parser(name, help=what, add_help=False)
@@ -131,11 +143,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The `minispeed` console script."""
     args = _parser().parse_args(argv)
     from minispeed.core.config import ConfigError
-    from minispeed.engine.launcher import LaunchError
+    from minispeed.engine.launcher import UsageError
 
     try:
         return args.fn(args)
-    except (LaunchError, ConfigError) as e:
+    except (UsageError, ConfigError) as e:
         print(f"minispeed {args.command}: {e}", file=sys.stderr)
         return 2
 

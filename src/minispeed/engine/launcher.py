@@ -31,10 +31,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Host", "HostfileError", "LaunchError", "read_hostfile", "run", "torchrun_argv"]
+__all__ = [
+    "Host",
+    "HostfileError",
+    "LaunchError",
+    "UsageError",
+    "read_hostfile",
+    "run",
+    "torchrun_argv",
+]
 
 
-class LaunchError(ValueError):
+class UsageError(ValueError):
+    """Bad `minispeed` command-line input, found before anything starts (exit code 2)."""
+
+
+class LaunchError(UsageError):
     """Bad launcher input, found before any process starts."""
 
 
