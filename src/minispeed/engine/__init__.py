@@ -40,6 +40,7 @@ from minispeed.engine import checkpointing, moe, pipe, zero
 from minispeed.engine.config import EngineConfig, load_ds_config
 from minispeed.engine.engine import Engine
 from minispeed.engine.inference import init_inference
+from minispeed.engine.trial import Trial
 from minispeed.zero import shard
 
 __all__ = [
@@ -160,6 +161,13 @@ def initialize(
     # 1. The whole config, checked locally on every rank before any collective.
     ds = _config_from(args, config, config_params)
     is_pipeline = isinstance(model, _pipeline_module_type())
+    trial = Trial.from_env()
+    if trial is not None:  # a `minispeed tune` trial: its config replaces the script's
+        if is_pipeline:
+            raise ConfigError(
+                "<trial>", "minispeed tune does not tune pipeline models; run it without a pipeline"
+            )
+        ds = load_ds_config(trial.config)
     # 2. The process group.
     init_distributed(distributed_port=distributed_port)
     world = comm.get_world_size()
@@ -180,7 +188,7 @@ def initialize(
     scheduler = _build_scheduler(lr_scheduler, zero_opt, cfg)
     loader = _dataloader(training_data, cfg, collate_fn)
     # 6. The engine, with the profiler, comms logger and timers it reads from the config.
-    engine = Engine(model, zero_opt, cfg, scheduler, loader)
+    engine = Engine(model, zero_opt, cfg, scheduler, loader, trial=trial)
     return engine, zero_opt, loader, scheduler
 
 
