@@ -110,14 +110,14 @@ def main(args: argparse.Namespace) -> int:
         psi_n = int(psi)
         table = Table(
             title=(
-                f"model states: Ψ = {psi_n:,} parameters, largest layer L = {int(largest or 0):,}; "
-                f"{args.nodes} node(s) x {args.gpus} GPU(s)"
-                + (f", {args.gpu_mem:g} GiB per GPU" if gpu_cap else "")
-                + (f", {args.cpu_mem:g} GiB CPU per node" if cpu_cap else "")
+                f"Ψ = {psi_n:,}, L = {int(largest or 0):,}; {args.nodes} node(s) x {args.gpus} "
+                "GPU(s)"
+                + (f", {args.gpu_mem:g} GiB/GPU" if gpu_cap else "")
+                + (f", {args.cpu_mem:g} GiB CPU/node" if cpu_cap else "")
             ),
             caption=(
-                "DeepSpeed's estimate_zero2/3 figures (stages 0-1 and NVMe: extended, see "
-                "docs/cli/estimate.md); activations come on top"
+                "model states in DeepSpeed's estimate_zero2/3 figures (stages 0-1, NVMe: "
+                "extended); activations come on top"
                 + ("; L unknown: give --largest-layer or --model" if not largest else "")
             ),
         )

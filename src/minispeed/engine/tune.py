@@ -263,10 +263,15 @@ def _phases(
     best: Callable[[], TrialResult | None], fixed_batch: bool
 ) -> Iterator[tuple[Candidate, str]]:
     """Phases 2-5, each from the best so far (read when the phase starts)."""
-    b = best()
-    if b is None:
-        return
-    c = b.candidate
+    if best() is None:
+        return  # nothing ran: no config to start from
+
+    def current() -> Candidate:
+        b = best()
+        assert b is not None  # only grows once a trial has been measured
+        return b.candidate
+
+    c = current()
     while True:  # 2. micro-batch, doubled while it helps
         if fixed_batch and c.grad_accum % 2:
             break
@@ -280,10 +285,10 @@ def _phases(
         if now is None or now.candidate != nxt:
             break
         c = nxt
-    c = best().candidate  # type: ignore[union-attr]
+    c = current()
     if not fixed_batch:  # 3. accumulation
         yield replace(c, grad_accum=c.grad_accum * 2), "accumulation"
-    c = best().candidate  # type: ignore[union-attr]
+    c = current()
     for factor in (4, 0.25):  # 4. buckets
         yield (
             replace(
@@ -293,7 +298,7 @@ def _phases(
             ),
             "buckets",
         )
-    c = best().candidate  # type: ignore[union-attr]
+    c = current()
     if c.stage >= 1:  # 5. offload
         yield replace(c, offload_optimizer=True), "offload"
 
