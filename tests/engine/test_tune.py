@@ -169,3 +169,16 @@ def test_tune_the_demo_gpt_on_this_machine(tmp_path) -> None:
     written = json.loads((tmp_path / "best_config.json").read_text())
     assert written["zero_optimization"]["stage"] == best["candidate"]["stage"]
     assert "fastest:" in proc.stdout
+
+
+@pytest.mark.timeout(200)
+def test_a_real_failed_trial_reports_the_errors_last_line(tmp_path) -> None:
+    from minispeed.engine.tune import run_trial
+
+    cfg = str(ROOT / "examples" / "configs" / "zero2.json")  # the script reads it too
+    runner = run_trial(str(DEMO), ["--config", cfg, "--no-progress"], 1, 3, 1)
+    bad = {**BASE, "zero_optimization": {"stage": 2, "reduce_bucket_sise": 10}}
+    result, error = runner(bad, tmp_path, 150)
+    assert result is None
+    assert error.startswith("exit code 1: minispeed.core.config.ConfigError:"), error
+    assert "reduce_bucket_sise" in error and "reduce_bucket_size" in error  # did-you-mean

@@ -43,7 +43,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from minispeed.engine.launcher import UsageError
+from minispeed.engine.launcher import UsageError, strip_log_prefix
 from minispeed.engine.trial import TRIAL_ENV, Trial
 
 __all__ = ["Candidate", "Outcome", "TrialResult", "TuneReport", "parse_budget", "tune"]
@@ -223,10 +223,10 @@ def tune(
         seen.add(c)
         left = settings.budget_seconds - (time.monotonic() - start)
         typical = _typical_wall(report)
-        if left <= 0 or (typical is not None and typical > left):
-            t = TrialResult(c, Outcome.SKIPPED, phase, reason=_skip_reason(left, typical))
-        elif (why := memory.rejects(c)) is not None:
+        if (why := memory.rejects(c)) is not None:  # the estimator's no stands on any budget
             t = TrialResult(c, Outcome.REJECTED, phase, reason=why)
+        elif left <= 0 or (typical is not None and typical > left):
+            t = TrialResult(c, Outcome.SKIPPED, phase, reason=_skip_reason(left, typical))
         else:
             t = _run_one(c, phase, settings, runner, left, len(report.trials))
             if t.outcome is Outcome.MEASURED:
@@ -399,7 +399,7 @@ def run_trial(
 
 def last_error_line(log: str) -> str:
     """The last `SomeError: message` line of a log (a traceback's last line), else its last line."""
-    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    lines = [strip_log_prefix(line).strip() for line in log.splitlines() if line.strip()]
     pattern = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b.*")
     for line in reversed(lines):
         if pattern.match(line):
