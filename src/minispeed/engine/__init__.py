@@ -9,7 +9,9 @@ engine, optimizer, loader, scheduler = deepspeed.initialize(
 
 `initialize` composes the packages in one fixed order (each step selected by the config):
 
-1. read and check the whole config on every rank (no collective yet): `EngineConfig`;
+1. read and check the whole config on every rank (no collective yet): `EngineConfig` (under
+   `minispeed tune`, `MINISPEED_TRIAL`'s config replaces the script's and the engine ends the
+   job after the trial's steps: `trial.py`);
 2. `init_distributed` (torchrun's environment, or a single process);
 3. the optimizer: the one given, a callable of the parameters, or the config's by name;
 4. `zero.shard` over the data-parallel group (stage, precision, offload, ZeRO++);

@@ -35,7 +35,7 @@ from torch import nn
 import minispeed.comm as comm
 from minispeed.core.accelerator import get_accelerator
 
-__all__ = ["TRIAL_ENV", "Trial", "TrialRecorder"]
+__all__ = ["TRIAL_ENV", "Trial", "TrialRecorder", "write_json_atomic"]
 
 #: The environment variable naming a trial's description file.
 TRIAL_ENV = "MINISPEED_TRIAL"
@@ -78,7 +78,7 @@ class Trial:
 
     def write(self, path: Path) -> None:
         """Write this trial's description file (the tuner's side)."""
-        _write_json_atomic(
+        write_json_atomic(
             path,
             {
                 "config": self.config,
@@ -122,7 +122,7 @@ class TrialRecorder:
         comm.all_reduce(mine, op=comm.ReduceOp.MAX)  # the slowest rank sets the pace
         step_s, peak = mine.tolist()
         if comm.get_rank() == 0:
-            _write_json_atomic(
+            write_json_atomic(
                 self.trial.result,
                 {
                     "step_seconds": step_s,
@@ -139,7 +139,8 @@ class TrialRecorder:
         raise SystemExit(0)  # the trial is over: the rest of the script is not the tuner's
 
 
-def _write_json_atomic(path: Path, obj: Any) -> None:
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write `obj` as JSON: a temporary file beside `path`, fsynced, renamed over it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:

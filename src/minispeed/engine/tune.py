@@ -351,11 +351,11 @@ def _run_one(
 
 
 def _write_outputs(report: TuneReport, out: Path) -> None:
-    from minispeed.engine.trial import _write_json_atomic
+    from minispeed.engine.trial import write_json_atomic
 
-    _write_json_atomic(out / "trials.json", report.as_json())
+    write_json_atomic(out / "trials.json", report.as_json())
     if report.best_config is not None:
-        _write_json_atomic(out / "best_config.json", report.best_config)
+        write_json_atomic(out / "best_config.json", report.best_config)
 
 
 def run_trial(
