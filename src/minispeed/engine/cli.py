@@ -5,13 +5,17 @@ minispeed run --nproc_per_node 2 train.py --deepspeed_config ds.json   # see eng
 minispeed report [--config ds.json]      # environment and ops; the config the engine resolves
 minispeed config schema|reference        # the ds_config's JSON Schema, or its reference page
 minispeed consolidate CKPT_DIR OUT.pt    # a sharded checkpoint -> one fp32 state_dict
-minispeed estimate --params 7e9 --gpus 8 --nodes 1 --gpu-mem 80 --cpu-mem 512
+minispeed estimate --params 7e9 --gpus 8 --nodes 1 --gpu-mem 80 --cpu-mem 512   # engine.sizing
+minispeed tune --budget 10m train.py --config ds.json   # engine.tune: short real trials
 minispeed trace ...                      # the profiler's Chrome trace of a step
 ```
 
-Each subcommand is the package's own entry point (`minispeed.core.report`, `minispeed.zero`'s
-`consolidate`/`estimate`, `minispeed.profiler`'s `trace`) behind one name; exit codes are 0 on
-success, 2 on bad input (with the reason on stderr), and a failed rank's own code for `run`.
+`consolidate` and `trace` are the packages' own command lines (`minispeed.zero`,
+`minispeed.profiler`) behind one name: every argument, `--help` too, passes through. Exit codes
+scripts can test: 0 on success; 2 on bad input, before anything starts (the reason and the fix
+on stderr); `run`: the first failed rank's own code; `estimate`: 1 when sizes were given and no
+stage or offload mode fits; `tune`: 1 when no trial succeeded; `consolidate`: 1 for an
+unreadable checkpoint. One page per subcommand: docs/cli/.
 """
 
 from __future__ import annotations
