@@ -82,6 +82,19 @@ def test_a_failing_rank_stops_the_job_and_is_named(tmp_path) -> None:
     assert "RuntimeError: rank 1 was told to fail" in summary  # its traceback, shown again
 
 
+def test_an_uncaught_chained_exception_is_shown_to_its_last_line(tmp_path) -> None:
+    """After init_process_group torch prefixes a rank's stderr with `[rank1]: `; the summary
+    still finds the traceback and follows its chained cause to the final exception."""
+    proc = _minispeed(
+        "run", "--nproc_per_node", "2", str(JOB), "--out", str(tmp_path), "--fail-rank", "1",
+        "--uncaught",
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    summary = proc.stdout[proc.stdout.index("minispeed run: rank 1") :]
+    assert "ValueError: the cause" in summary
+    assert summary.rstrip().endswith("RuntimeError: rank 1 raised"), summary
+
+
 def test_hostfile_gives_nodes_rank_slots_and_master(tmp_path) -> None:
     hosts = tmp_path / "hosts"
     hosts.write_text("# two nodes\nworker-0 slots=4\nworker-1 slots=2  # the small one\n")
@@ -134,3 +147,55 @@ def test_cli_bad_input_exits_2_with_the_reason(tmp_path) -> None:
     bad.write_text('{"train_batch_size": 8,}')
     proc = _minispeed("report", "--config", str(bad))
     assert proc.returncode == 2 and "line 1, column 24" in proc.stderr
+
+
+DEMO = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
+DEMO_ARGS = ["--steps", "3", "--no-progress", "--no-checkpoint", "--eval-batches", "1",
+             "--eval-interval", "1000"]  # fmt: skip
+
+
+@pytest.mark.timeout(400)
+def test_two_agents_train_the_demo_like_one_agent(tmp_path) -> None:
+    """Two nodes of one process each (two agents, one machine) give the losses one agent with
+    two processes gives: the same ranks, the same collectives, the same bits."""
+    cfg = str(DEMO.parent / "configs" / "zero2.json")
+    one = _minispeed("run", "--num_gpus", "2", str(DEMO), "--config", cfg, "--out-dir",
+                     str(tmp_path / "one"), *DEMO_ARGS, timeout=300)  # fmt: skip
+    assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-2000:]
+    port = str(_free_port())
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    agents = [
+        subprocess.Popen(
+            [
+                *MINISPEED,
+                "run",
+                "--num_nodes",
+                "2",
+                "--node_rank",
+                str(n),
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                port,
+                "--num_gpus",
+                "1",
+                str(DEMO),
+                "--config",
+                cfg,
+                "--out-dir",
+                str(tmp_path / "two"),
+                *DEMO_ARGS,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for n in (0, 1)
+    ]
+    outputs = [a.communicate(timeout=300)[0] for a in agents]
+    assert [a.returncode for a in agents] == [0, 0], outputs
+    want = json.loads((tmp_path / "one" / "metrics.json").read_text())
+    got = json.loads((tmp_path / "two" / "metrics.json").read_text())
+    assert got["world_size"] == want["world_size"] == 2
+    assert got["losses"] == want["losses"] and len(got["losses"]) == 3

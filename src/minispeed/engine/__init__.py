@@ -9,7 +9,9 @@ engine, optimizer, loader, scheduler = deepspeed.initialize(
 
 `initialize` composes the packages in one fixed order (each step selected by the config):
 
-1. read and check the whole config on every rank (no collective yet): `EngineConfig`;
+1. read and check the whole config on every rank (no collective yet): `EngineConfig` (under
+   `minispeed tune`, `MINISPEED_TRIAL`'s config replaces the script's and the engine ends the
+   job after the trial's steps: `trial.py`);
 2. `init_distributed` (torchrun's environment, or a single process);
 3. the optimizer: the one given, a callable of the parameters, or the config's by name;
 4. `zero.shard` over the data-parallel group (stage, precision, offload, ZeRO++), the experts of
@@ -43,6 +45,7 @@ from minispeed.engine.engine import Engine
 from minispeed.engine.inference import init_inference
 from minispeed.engine.moe.compose import expert_replica_groups
 from minispeed.engine.moe.engine import MoEEngine
+from minispeed.engine.trial import Trial
 from minispeed.zero import shard
 
 __all__ = [
@@ -163,6 +166,13 @@ def initialize(
     # 1. The whole config, checked locally on every rank before any collective.
     ds = _config_from(args, config, config_params)
     is_pipeline = isinstance(model, _pipeline_module_type())
+    trial = Trial.from_env()
+    if trial is not None:  # a `minispeed tune` trial: its config replaces the script's
+        if is_pipeline:
+            raise ConfigError(
+                "<trial>", "minispeed tune does not tune pipeline models; run it without a pipeline"
+            )
+        ds = load_ds_config(trial.config)
     # 2. The process group.
     init_distributed(distributed_port=distributed_port)
     world = comm.get_world_size()
@@ -191,7 +201,7 @@ def initialize(
     # 6. The engine, with the profiler, comms logger and timers it reads from the config.
     # (MoEEngine: Note [expert checkpoints until the layout names experts] in moe/engine.py.)
     engine_class = Engine if replica_groups is None else MoEEngine
-    engine = engine_class(model, zero_opt, cfg, scheduler, loader)
+    engine = engine_class(model, zero_opt, cfg, scheduler, loader, trial=trial)
     return engine, zero_opt, loader, scheduler
 
 

@@ -38,6 +38,7 @@ import minispeed.zero as zero
 from minispeed.core.accelerator import get_accelerator
 from minispeed.core.logging import get_logger
 from minispeed.engine.config import EngineConfig
+from minispeed.engine.trial import Trial, TrialRecorder
 from minispeed.zero.checkpoints.layout import LATEST_FILE, resolve_tag_dir
 
 __all__ = ["Engine"]
@@ -64,6 +65,7 @@ class Engine(nn.Module):
         config: EngineConfig,
         lr_scheduler: Any = None,
         training_dataloader: Any = None,
+        trial: Trial | None = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -84,6 +86,8 @@ class Engine(nn.Module):
         if config.comms_logger.get("enabled", False):
             self.comms_logger = comm.CommsLogger()
             self.comms_logger.__enter__()
+        # A `minispeed tune` trial: times the steps, then ends the job (engine/trial.py).
+        self._trial = None if trial is None else TrialRecorder(trial, module)
         self._step_profiler = None
         profile = config.flops_profiler is not None and config.flops_profiler.enabled
         if profile and comm.get_rank() == 0:
@@ -134,6 +138,8 @@ class Engine(nn.Module):
         if self.comms_logger is not None:
             self.comms_logger.mark_step()
         self._report()
+        if self._trial is not None:
+            self._trial.on_boundary(self.global_steps, self.config.train_batch_size)
 
     def _require_optimizer(self, what: str) -> zero.ZeroOptimizer:
         if self.optimizer is None:

@@ -19,22 +19,35 @@ rendezvous, so a job scales out with nothing of ours running beside it. What thi
 - **Checks before anything starts**: the script exists, counts are positive, the hostfile
   parses and names the hosts given, the master port is free on this machine (node 0).
 - **A failed rank stops the job**, and the error names the rank, its host, its exit code and
-  the first lines of its traceback (`torch.distributed.elastic`'s error record), then exits with
-  that rank's code.
+  its first traceback, through its chained causes to the final exception (read back from the
+  rank's stderr log, torch's `[rankN]: ` prefixes removed), then exits with that rank's code.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Host", "HostfileError", "LaunchError", "read_hostfile", "run", "torchrun_argv"]
+__all__ = [
+    "Host",
+    "HostfileError",
+    "LaunchError",
+    "UsageError",
+    "read_hostfile",
+    "run",
+    "torchrun_argv",
+]
 
 
-class LaunchError(ValueError):
+class UsageError(ValueError):
+    """Bad `minispeed` command-line input, found before anything starts (exit code 2)."""
+
+
+class LaunchError(UsageError):
     """Bad launcher input, found before any process starts."""
 
 
@@ -218,17 +231,41 @@ def run(a: LaunchArgs) -> int:
     return 0
 
 
-def _first_traceback(logs: Path, local_rank: int) -> list[str]:
-    """The first `Traceback ...` block in local rank `local_rank`'s stderr log (at most 30
-    lines), or `[]`."""
+#: What torch puts before a rank's stderr lines: `--tee`'s `[default0]:`, and `[rank0]: ` once
+#: the process group exists.
+_LOG_PREFIX = re.compile(r"^(\[default\d+\]:)?(\[rank\d+\]:\s?)?")
+
+#: The lines Python prints between the tracebacks of a chained exception.
+_CHAINED = (
+    "The above exception was the direct cause of the following exception:",
+    "During handling of the above exception, another exception occurred:",
+)
+
+
+def strip_log_prefix(line: str) -> str:
+    """`line` without torch's rank prefixes (`[default0]:[rank0]: `)."""
+    return _LOG_PREFIX.sub("", line, count=1)
+
+
+def _first_traceback(logs: Path, local_rank: int, max_lines: int = 40) -> list[str]:
+    """The first traceback in local rank `local_rank`'s stderr log, through its chained causes
+    to the final exception line (the middle elided past `max_lines`), or `[]`."""
     for path in sorted(logs.glob(f"**/{local_rank}/stderr.log")):
-        lines = path.read_text(errors="replace").splitlines()
+        lines = [strip_log_prefix(x) for x in path.read_text(errors="replace").splitlines()]
         start = next((i for i, line in enumerate(lines) if line.startswith("Traceback")), None)
-        if start is not None:
-            block = [lines[start]]
-            for line in lines[start + 1 : start + 30]:
-                block.append(line)
-                if line and not line.startswith(" "):  # the exception line ends the block
-                    break
-            return block
+        if start is None:
+            continue
+        end = len(lines) - 1
+        for i in range(start + 1, len(lines)):
+            line = lines[i]
+            if not line or line.startswith((" ", "Traceback")) or line in _CHAINED:
+                continue
+            following = next((x for x in lines[i + 1 :] if x.strip()), "")
+            if following not in _CHAINED:  # an exception line no chained traceback follows
+                end = i
+                break
+        block = lines[start : end + 1]
+        if len(block) > max_lines:
+            block = [*block[:5], "  ...", *block[-(max_lines - 6) :]]
+        return block
     return []

@@ -1,5 +1,7 @@
 """A tiny job for the launcher tests: every rank all-reduces its rank and writes what it saw;
-`--fail-rank R --code C` makes rank R exit with code C after printing a traceback."""
+`--fail-rank R --code C` makes rank R exit with code C after printing a traceback;
+`--fail-rank R --uncaught` makes it raise a chained exception that nobody catches (after the
+process group exists, so torch prefixes its stderr lines with `[rankR]: `)."""
 
 import argparse
 import json
@@ -13,9 +15,15 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
 parser.add_argument("--fail-rank", type=int, default=-1)
 parser.add_argument("--code", type=int, default=3)
+parser.add_argument("--uncaught", action="store_true")
 args = parser.parse_args()
 dist.init_process_group("gloo")
 rank = dist.get_rank()
+if rank == args.fail_rank and args.uncaught:
+    try:
+        raise ValueError("the cause")
+    except ValueError as e:
+        raise RuntimeError(f"rank {rank} raised") from e
 if rank == args.fail_rank:
     try:
         raise RuntimeError(f"rank {rank} was told to fail")

@@ -3,7 +3,8 @@
 Reading order: ``formulas.py`` (the ZeRO paper's formulas and minispeed's two named
 differences, written once), ``estimate.py`` (which stages fit: a table), ``measure.py`` (count
 what a live optimizer and model hold, beside the formula), ``offload.py`` (what offload moved to
-swap files and pools).
+swap files and pools), ``modes.py`` (DeepSpeed's per-GPU and per-node figures for every stage and
+offload mode, as `minispeed estimate` prints them).
 """
 
 from minispeed.zero.memory.estimate import MemoryEstimate, estimate
@@ -24,6 +25,7 @@ from minispeed.zero.memory.measure import (
     padding_allowance,
     predict,
 )
+from minispeed.zero.memory.modes import ModeEstimate, Offload, estimate_modes
 from minispeed.zero.memory.offload import (
     OffloadBytes,
     Placement,
@@ -36,10 +38,13 @@ __all__ = [
     "GiB",
     "MeasuredBytes",
     "MemoryEstimate",
+    "ModeEstimate",
     "ModelStateBytes",
+    "Offload",
     "OffloadBytes",
     "Placement",
     "estimate",
+    "estimate_modes",
     "hpz_secondary_bytes",
     "ledger_table",
     "measure",

@@ -1,0 +1,143 @@
+"""`minispeed estimate`: which ZeRO stage and offload mode fit a model on a cluster.
+
+```bash
+minispeed estimate --params 7e9 --gpus 8 --nodes 1 --gpu-mem 80 --cpu-mem 512
+minispeed estimate --model hf-config.json --gpus 8 --gpu-mem 80     # Ψ and L from the config
+```
+
+One row per (stage, offload mode, zero_init) with the model-state bytes per GPU, per node (the
+node's GPUs together, its CPU memory, its NVMe) and whether it fits, in DeepSpeed's own figures
+(`minispeed.zero.memory.modes`, equal to `estimate_zero2/3_model_states_mem_needs_*`). With
+`--model`, the Hugging Face config is built on the meta device (no memory, no weights) to count
+Ψ and the largest layer L as DeepSpeed's `_all_live` does; `transformers` is needed only then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from minispeed.engine.launcher import UsageError
+
+__all__ = ["add_arguments", "count_hf_config", "main"]
+
+GiB = 2**30
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The `estimate` flags (DeepSpeed's estimator arguments under CLI names)."""
+    p.add_argument("--params", type=float, help="parameter count Ψ, e.g. 7e9 (or --model)")
+    p.add_argument("--model", help="a Hugging Face config.json: Ψ and L counted from it")
+    p.add_argument(
+        "--largest-layer", type=float, help="parameters of the largest layer L (stage 3 gathers it)"
+    )
+    p.add_argument("--gpus", type=int, default=1, help="GPUs per node (DeepSpeed's num_gpus)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes (DeepSpeed's num_nodes)")
+    p.add_argument("--gpu-mem", type=float, help="GiB of memory per GPU, to say what fits")
+    p.add_argument("--cpu-mem", type=float, help="GiB of CPU memory per node, to say what fits")
+    p.add_argument(
+        "--buffer-factor", type=float, default=1.5, help="DeepSpeed's additional_buffer_factor"
+    )
+    p.add_argument("--json", action="store_true", help="print the rows as JSON instead")
+
+
+def count_hf_config(path: str | Path) -> tuple[int, int]:
+    """(Ψ, L) of the causal-LM a Hugging Face `config.json` describes, built on the meta device."""
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"--model {str(p)!r} does not exist; give a Hugging Face config.json")
+    try:
+        raw = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--model {str(p)!r} is not JSON: {e}") from None
+    if "model_type" not in raw:
+        raise UsageError(f"--model {str(p)!r} has no 'model_type'; give a Hugging Face config.json")
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from minispeed.zero.memory.modes import count_params
+
+    config = AutoConfig.for_model(**raw)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return count_params(model)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Print the table (or JSON); exit code 0, or 1 when no row fits the sizes given."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from minispeed.zero.memory.modes import estimate_modes
+
+    if (args.params is None) == (args.model is None):
+        raise UsageError("give the model size: --params N or --model config.json (one of them)")
+    for name in ("gpus", "nodes"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    for name in ("gpu_mem", "cpu_mem"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be > 0 GiB, got {value}")
+    if args.model is not None:
+        psi, largest = count_hf_config(args.model)
+        largest = largest if args.largest_layer is None else int(args.largest_layer)
+    else:
+        psi, largest = args.params, args.largest_layer
+    try:
+        rows = estimate_modes(
+            psi,
+            args.gpus,
+            args.nodes,
+            largest_layer_params=largest,
+            additional_buffer_factor=args.buffer_factor,
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    gpu_cap = None if args.gpu_mem is None else int(args.gpu_mem * GiB)
+    cpu_cap = None if args.cpu_mem is None else int(args.cpu_mem * GiB)
+    fits = [r.fits(gpu_cap, cpu_cap) for r in rows]
+    if args.json:
+        print(json.dumps([
+            {"stage": r.stage, "offload": r.offload.value, "zero_init": r.zero_init,
+             "gpu_bytes": r.gpu_bytes, "gpu_bytes_per_node": r.gpu_bytes * args.gpus,
+             "cpu_bytes_per_node": r.cpu_bytes_per_node,
+             "nvme_bytes_per_node": r.nvme_bytes_per_node, "fits": ok, "source": r.source}
+            for r, ok in zip(rows, fits, strict=True)
+        ], indent=1))  # fmt: skip
+    else:
+        psi_n = int(psi)
+        table = Table(
+            title=(
+                f"Ψ = {psi_n:,}, L = {int(largest or 0):,}; {args.nodes} node(s) x {args.gpus} "
+                "GPU(s)"
+                + (f", {args.gpu_mem:g} GiB/GPU" if gpu_cap else "")
+                + (f", {args.cpu_mem:g} GiB CPU/node" if cpu_cap else "")
+            ),
+            caption=(
+                "model states in DeepSpeed's estimate_zero2/3 figures (stages 0-1, NVMe: "
+                "extended); activations come on top"
+                + ("; L unknown: give --largest-layer or --model" if not largest else "")
+            ),
+        )
+        for col in ("stage", "offload", "zero_init", "per GPU", "GPUs per node", "CPU per node",
+                    "NVMe per node", "fits"):  # fmt: skip
+            table.add_column(col, justify="right" if "per" in col else "left")
+        for r, ok in zip(rows, fits, strict=True):
+            table.add_row(
+                str(r.stage),
+                r.offload.value,
+                "-" if r.zero_init is None else str(int(r.zero_init)),
+                _gib(r.gpu_bytes),
+                _gib(r.gpu_bytes * args.gpus),
+                _gib(r.cpu_bytes_per_node),
+                _gib(r.nvme_bytes_per_node) if r.nvme_bytes_per_node else "-",
+                "-" if ok is None else ("[green]yes[/]" if ok else "[red]no[/]"),
+            )
+        Console(width=max(Console().width, 120)).print(table)
+    return 1 if any(f is False for f in fits) and not any(fits) else 0
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:,.2f} GiB"
