@@ -44,7 +44,8 @@ def test_tutorial_command_trains_as_the_page_says(cmd: str) -> None:
     losses = [float(x) for x in _LOSS.findall(out)]
     assert len(losses) == steps, out
     assert losses[-1] < losses[0], out
-    assert "peak resident memory per rank" in out
+    if "tutorials/train.py" in cmd:
+        assert "peak resident memory per rank" in out
     if "--check" in cmd:
         worst = float(_CHECK.search(out)[1])
         bound = 2e-3 if "zeropp" in cmd else 1e-4  # ZeRO++ trains on quantized weights
