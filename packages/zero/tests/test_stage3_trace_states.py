@@ -1,6 +1,7 @@
 """The fetch trace's state machine (`TraceState`, trace.py): legal passes move it as documented,
 and an illegal transition (leaving a trace never followed, ending a pass never begun, an event
-outside a pass) raises at once instead of corrupting the recorded order.
+outside a pass) raises at once, before its cross-rank check, instead of corrupting the recorded
+order or issuing a collective the other ranks do not.
 
 Two ranks making the same calls, so every cross-rank check agrees and only the transitions are
 exercised (on one rank the check is off and a divergence raises `FetchOrderError` at once).
@@ -41,7 +42,11 @@ def _body(rank: int, world_size: int) -> dict:
     illegal["end a forward never begun"] = _raises(fresh.end_forward)
     illegal["end a backward never begun"] = _raises(fresh.end_backward)
     illegal["step before begin"] = _raises(fresh.step_forward, "pre", _UNITS[1], "a starts")
-    illegal["re-sync while recording"] = _raises(_recording_resync)
+    recording = _trace()
+    recording.begin_forward()
+    illegal["re-sync while recording"] = _raises(recording.resync, 0, 0, "runs b")
+    # Each raised before its cross-rank check: no collective a correct rank would not match.
+    checks_issued = fresh.stats.trace_checks + recording.stats.trace_checks
 
     trace, seen = _trace(), []
     seen.append(trace.forward_state)  # NEW
@@ -66,13 +71,8 @@ def _body(rank: int, world_size: int) -> dict:
         seen=[s.value for s in seen],
         upcoming=upcoming,
         off_trace=off_trace,
+        checks_issued=checks_issued,
     )
-
-
-def _recording_resync() -> None:
-    trace = _trace()
-    trace.begin_forward()
-    trace.resync(0, 0, "runs b")
 
 
 def test_trace_states_move_as_documented_and_illegal_transitions_raise() -> None:
@@ -89,6 +89,7 @@ def test_trace_states_move_as_documented_and_illegal_transitions_raise() -> None
     ]
     assert result["upcoming"] == [1]
     assert result["off_trace"] is False
+    assert result["checks_issued"] == 0
     assert len(result["illegal"]) == 7
     for what, message in result["illegal"].items():
         assert message.startswith("stage 3:"), (what, message)

@@ -183,19 +183,25 @@ class _Track:
         self.state = TraceState.FOLLOWING if self.events is not None else TraceState.RECORDING
         self.record = [] if self.state is TraceState.RECORDING else None
 
+    def expect(self, states: tuple[TraceState, ...], doing: str) -> None:
+        """Assert the state allows ``doing``: each transition asserts its source through this,
+        and `FetchTrace` calls it before a transition's cross-rank check, so an illegal move
+        raises before it issues a collective the other ranks might not."""
+        assert self.state in states, (
+            f"stage 3: {doing} while the {self.name} trace is {self.state.value}"
+        )
+
     def append(self, event: Any) -> None:
-        assert self.state in _IN_PASS, f"stage 3: {self.name} event while the trace is {self.state}"
+        self.expect(_IN_PASS, "a module event outside a pass")
         if self.state is TraceState.RECORDING:
             self.record.append(event)
 
     def leave(self) -> None:
-        assert self.state is TraceState.FOLLOWING, (
-            f"stage 3: leaving a {self.name} trace that is not followed ({self.state})"
-        )
+        self.expect((TraceState.FOLLOWING,), "leaving a trace not followed")
         self.state, self.events, self.record = TraceState.DIVERGED, None, None
 
     def end(self) -> None:
-        assert self.state in _IN_PASS, f"stage 3: a {self.name} pass ends while {self.state}"
+        self.expect(_IN_PASS, "ending a pass that did not begin")
         if self.state is TraceState.RECORDING:
             self.state, self.events, self.record = TraceState.RECORDED, self.record, None
 
@@ -255,6 +261,7 @@ class FetchTrace:
                     self.agree("forward", self.pos - 1, unit.fingerprint(kind), what)
                 return True
             return False
+        self._fwd.expect(_IN_PASS, "a module event outside a pass")
         if cross_check and self.check is not TraceCheck.OFF:
             self.agree("forward", self.pos, unit.fingerprint(kind), what)
         self._fwd.append((kind, unit.index))
@@ -279,6 +286,7 @@ class FetchTrace:
     def end_forward(self) -> None:
         """The one check of each forward (Note [the grad mode is part of the end-of-forward
         check]); keep what was recorded as the trace."""
+        self._fwd.expect(_IN_PASS, "ending a pass that did not begin")
         if self.check is not TraceCheck.OFF:
             grad = torch.is_grad_enabled()
             what = (
@@ -300,9 +308,7 @@ class FetchTrace:
         Then the coordinator replays the trace's collectives (``first``) with `replay` and calls
         `resync`. See Note [how divergence is caught].
         """
-        assert self.following, (
-            f"stage 3: diverged from a forward trace that is {self.forward_state}"
-        )
+        self._fwd.expect((TraceState.FOLLOWING,), "leaving a trace not followed")
         if self.check is TraceCheck.OFF:
             raise FetchOrderError(
                 f"stage 3: at forward position {self.pos} this rank {what}, but the trace recorded "
@@ -321,6 +327,7 @@ class FetchTrace:
     def resync(self, pos: int, fingerprint: int, what: str) -> None:
         """Meet the other ranks' check for position ``pos`` (raises unless all diverged alike);
         then drop the trace and go on unrecorded, with checks (FOLLOWING -> DIVERGED)."""
+        self._fwd.expect((TraceState.FOLLOWING,), "leaving a trace not followed")
         # Non-diverging ranks make this same call at the end of their forward (or, in EVERY
         # mode, at this very position).
         self.agree("forward", pos, fingerprint, what)
@@ -353,6 +360,7 @@ class FetchTrace:
             trace = self._bwd.events or []
             if self.pos >= len(trace) or trace[self.pos] != unit.index:
                 self._bwd.leave()
+        self._bwd.expect(_IN_PASS, "a module event outside a pass")
         if self.check is TraceCheck.EVERY:
             what = f"module {unit.label} starts its backward"
             self.agree("backward", self.pos, unit.fingerprint("bwd"), what)
