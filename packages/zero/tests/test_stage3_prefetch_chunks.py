@@ -1,5 +1,5 @@
 """A large prefetch travels as several all-gathers of whole units (Note [a prefetch travels in
-chunks], coordinator.py), so the next module waits only for the chunk that holds it.
+chunks], prefetch.py), so the next module waits only for the chunk that holds it.
 
 ``Stack`` is six linears of 272 elements each. The prefetch window is DeepSpeed's default (5e7
 elements: the whole model), so when the root starts (it owns no parameter) every unit is admitted
@@ -16,7 +16,6 @@ from torch import nn
 
 import minispeed.comm as comm
 import minispeed.zero as zero
-import minispeed.zero.stage3.coordinator as coordinator
 from minispeed.core.testing import run_distributed
 
 WIDTH, DEPTH, STEPS = 16, 6, 3
@@ -39,11 +38,11 @@ def _data() -> torch.Tensor:
 
 
 def _train(rank: int, world_size: int, chunk_numel: int) -> dict:
-    coordinator._GATHER_CHUNK_NUMEL = chunk_numel
     torch.manual_seed(0)
     model = Stack()
     cfg = zero.ZeroConfig(stage=3, stage3_param_persistence_threshold_numel=0)
     opt = zero.shard(model, torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
+    opt.strategy.coordinator.prefetcher.chunk_numel = chunk_numel
     n = 8 // world_size
     x = _data()[rank * n : (rank + 1) * n]
     losses, calls, nbytes = [], [], 0
@@ -64,13 +63,7 @@ def _train(rank: int, world_size: int, chunk_numel: int) -> dict:
 
 
 def _body(rank: int, world_size: int) -> dict:
-    default = coordinator._GATHER_CHUNK_NUMEL
-    try:
-        return dict(
-            one=_train(rank, world_size, 1 << 40), chunked=_train(rank, world_size, UNIT_NUMEL)
-        )
-    finally:  # the worker process serves later tests: every rank must chunk alike there
-        coordinator._GATHER_CHUNK_NUMEL = default
+    return dict(one=_train(rank, world_size, 1 << 40), chunked=_train(rank, world_size, UNIT_NUMEL))
 
 
 def _reference() -> list[float]:

@@ -8,13 +8,12 @@ the transitions (`unshard`, `wait`, `reshard`) and counts its users (`hold`, `un
 **Prefetch.** The first forward records the order of module starts and ends (the *trace*,
 trace.py); the first backward records the order of module backward starts. Later passes follow
 the trace: when M starts, the coordinator also issues async all-gathers for the units that come
-next (in chunks of whole units: Note [a prefetch travels in chunks]), as long as the parameters
-fetched ahead fit in ``stage3_prefetch_bucket_numel`` elements and the gathered total stays within
-``stage3_max_live_numel``; they are waited for only when their module starts, so the transfer
-overlaps M's compute. Parameters with at most
+next, as `Prefetcher` (prefetch.py) chooses them within the prefetch and live budgets; they are
+waited for only when their module starts, so the transfer overlaps M's compute. Parameters with
+at most
 ``stage3_param_persistence_threshold_numel`` elements are *persistent*: gathered once, never
 released (the strategy marks them), because fetching many tiny tensors costs more latency than
-their memory is worth. A unit needed again soon stays gathered (Note [reuse distance]).
+their memory is worth. A unit needed again soon stays gathered (the prefetcher's `keep`).
 
 **Divergence.** Collectives pair up by issue order, so ranks that run parameter-owning modules in
 different orders would hang. The trace (trace.py) checks the order across ranks and raises
@@ -36,42 +35,24 @@ from typing import Any
 from torch.autograd import Variable
 
 from minispeed.core.logging import get_logger
-from minispeed.zero.stage3.params import FetchUnit, ParamState, ShardedParam
+from minispeed.zero.stage3.params import FetchUnit, ShardedParam
+from minispeed.zero.stage3.prefetch import Prefetcher
 from minispeed.zero.stage3.trace import FetchOrderError, FetchTrace, TraceCheck
 
-__all__ = ["FetchCoordinator", "FetchStats"]
+__all__ = ["FetchCoordinator", "FetchPhase", "FetchStats"]
 
 _log = get_logger("zero")
 
-# Note [reuse distance]
-# A module called twice in one pass (a block applied twice, a weight shared by two modules) would
-# be fetched, released and fetched again. ``stage3_max_reuse_distance`` (parameter elements, as
-# DeepSpeed's key) keeps gathered those parameters of an ending unit that a unit starting later in
-# the same pass needs again, if fewer than that many parameter elements are needed in between:
-# the upcoming units' parameters are summed in trace order and the scan stops at the distance, as
-# DeepSpeed's coordinator counts. Only while following a trace: the decision is a function of
-# the trace position, so every rank makes it identically (a diverging rank replaying the trace
-# too). Only within one pass: the end of a forward releases everything, so parameters are not
-# carried from forward into backward (DeepSpeed does carry them; here a forward that no backward
-# follows, such as evaluation, holds nothing afterwards). Kept parameters stay in the live set
-# (``stage3_max_live_numel``) and go at their last use or at the end of the pass. Cost: the
-# unit's bytes held in between; saved: one all-gather of them per reuse.
 
+class FetchPhase(enum.Enum):
+    """Which pass the coordinator is in; changed only by its ``_to_*`` transitions.
 
-# Note [a prefetch travels in chunks]
-# What one prefetch admits (up to ``stage3_prefetch_bucket_numel`` elements: DeepSpeed's default,
-# 5e7, is a whole 34M-parameter model) used to travel in ONE coalesced all-gather. The next module
-# then waited for all of it: at the start of backward, the first block's backward waited until
-# every block had arrived (the issue's 0.23 s per step in the first backward node at 33.9M). Now
-# the admitted units are issued in trace order as several async all-gathers, cut at unit
-# boundaries once a chunk holds ``_GATHER_CHUNK_NUMEL`` elements, so the next module waits only
-# for the chunk holding it while the rest keeps coming. Same bytes, same live budget; more calls
-# only on models larger than one chunk per pass (a 33.9M GPT: one per transformer block, as
-# FSDP2 gathers), where a call's latency (~0.1 ms on gloo) is small against a chunk's transfer.
-_GATHER_CHUNK_NUMEL = 1 << 22  # 4M elements: 16 MiB in fp32
+    IDLE -> FORWARD (`begin_forward`) -> IDLE (`end_forward`); IDLE -> BACKWARD (first
+    `pre_backward`) -> IDLE (`end_backward`); any -> IDLE when a pass raised midway and the next
+    one starts (``_recover``). Modules run while IDLE (calls outside the root's forward) or during
+    BACKWARD (activation-checkpoint recomputation) fetch and release but do not step the trace.
+    """
 
-
-class _Phase(enum.Enum):
     IDLE = "idle"
     FORWARD = "forward"
     BACKWARD = "backward"
@@ -105,16 +86,30 @@ class FetchCoordinator:
         reuse_numel: int = 0,
     ) -> None:
         self.units = units
-        self.prefetch_numel = prefetch_numel
-        self.max_live_numel = max_live_numel
-        self.reuse_numel = reuse_numel
         self.stats = FetchStats()
         self.trace = FetchTrace(group, units, check, self.stats)
+        self.prefetcher = Prefetcher(prefetch_numel, max_live_numel, reuse_numel, self.stats)
         self.log_events = False
-        self.phase = _Phase.IDLE
+        self._phase = FetchPhase.IDLE
         self.stack: list[FetchUnit] = []  # units of the modules running forward, innermost last
-        self._live: dict[ShardedParam, None] = {}  # non-persistent params fetched by us
         self._bwd_held: Counter[FetchUnit] = Counter()
+
+    # -- the phase --------------------------------------------------------------------------------
+    @property
+    def phase(self) -> FetchPhase:
+        """The pass in progress (read-only: see `FetchPhase` for the transitions)."""
+        return self._phase
+
+    def _to_pass(self, phase: FetchPhase) -> None:
+        assert self._phase is FetchPhase.IDLE, f"stage 3: {phase.value} starts during {self.phase}"
+        self._phase = phase
+
+    def _to_idle(self, ending: FetchPhase | None) -> None:
+        """The pass ``ending`` ends; ``None``: a pass that raised midway, from any phase."""
+        assert ending is None or self._phase is ending, (
+            f"stage 3: {ending} ends during {self._phase}"
+        )
+        self._phase = FetchPhase.IDLE
 
     # -- forward ----------------------------------------------------------------------------------
     @property
@@ -124,35 +119,35 @@ class FetchCoordinator:
 
     def begin_forward(self) -> None:
         """The root module starts: follow the trace if there is one, else record it."""
-        if self.phase is not _Phase.IDLE or self.stack:
+        if self.phase is not FetchPhase.IDLE or self.stack:
             self._recover()
-        self.phase = _Phase.FORWARD
+        self._to_pass(FetchPhase.FORWARD)
         self.trace.begin_forward()
 
     def pre_forward(self, unit: FetchUnit) -> None:
         """Module ``unit`` starts its forward: its parameters must be gathered on return."""
-        if self.phase is _Phase.FORWARD:
+        if self.phase is FetchPhase.FORWARD:
             self._step("pre", unit, f"module {unit.label} starts its forward")
-        elif self.phase is _Phase.IDLE:
+        elif self.phase is FetchPhase.IDLE:
             self.trace.check_call(unit)
         self._acquire(unit)
         self.stack.append(unit)
-        if self.phase is _Phase.FORWARD:
+        if self.phase is FetchPhase.FORWARD:
             self._prefetch(self.trace.upcoming_forward(), unit)
 
     def post_forward(self, unit: FetchUnit) -> None:
         """Module ``unit`` finished its forward: release what nobody else holds."""
-        if self.phase is _Phase.FORWARD:
+        if self.phase is FetchPhase.FORWARD:
             self._step("post", unit, f"module {unit.label} ends its forward", cross_check=False)
         if self.stack and self.stack[-1] is unit:
             self.stack.pop()
         elif unit in self.stack:
             del self.stack[len(self.stack) - 1 - self.stack[::-1].index(unit)]
-        self._release(unit, self._reused_soon(unit, self.trace.upcoming_forward()))
+        self._release(unit, self.prefetcher.keep(unit, self.trace.upcoming_forward()))
 
     def end_forward(self) -> None:
         """The root module returned: verify the pass, release prefetched leftovers."""
-        if self.phase is not _Phase.FORWARD:
+        if self.phase is not FetchPhase.FORWARD:
             return
         if not self.trace.forward_complete():
             self._diverge(0, "reaches the end of its forward")
@@ -160,7 +155,7 @@ class FetchCoordinator:
         else:
             self.trace.end_forward()
         self._release_unclaimed()
-        self.phase = _Phase.IDLE
+        self._to_idle(FetchPhase.FORWARD)
 
     def demand_fetch(self, sp: ShardedParam, what: str) -> None:
         """A running module read a released parameter by attribute: fetch it, make it an external.
@@ -170,7 +165,7 @@ class FetchCoordinator:
         fetches; one there means control flow changed, and is treated as a divergence).
         """
         unit = self.stack[-1]
-        if self.phase is _Phase.FORWARD:
+        if self.phase is FetchPhase.FORWARD:
             what = f"reads {what} inside {unit.label}"
             if self.trace.following:
                 self._diverge(unit.fingerprint("get"), what)
@@ -184,7 +179,7 @@ class FetchCoordinator:
     # -- backward ---------------------------------------------------------------------------------
     def pre_backward(self, unit: FetchUnit) -> None:
         """Gradients reached ``unit``'s outputs: gather it again before its backward runs."""
-        if self.phase is not _Phase.BACKWARD:
+        if self.phase is not FetchPhase.BACKWARD:
             self._begin_backward()
         self.trace.step_backward(unit)
         self._acquire(unit)
@@ -196,21 +191,21 @@ class FetchCoordinator:
         if self._bwd_held[unit] <= 0:
             return
         self._bwd_held[unit] -= 1
-        self._release(unit, self._reused_soon(unit, self.trace.upcoming_backward()))
+        self._release(unit, self.prefetcher.keep(unit, self.trace.upcoming_backward()))
 
     def end_backward(self) -> None:
         """Autograd finished (queued callback): release everything fetched for backward."""
-        if self.phase is not _Phase.BACKWARD:
+        if self.phase is not FetchPhase.BACKWARD:
             return
         self._release_backward_holds()
         self._release_unclaimed()
         self.trace.end_backward()
-        self.phase = _Phase.IDLE
+        self._to_idle(FetchPhase.BACKWARD)
 
     def _begin_backward(self) -> None:
-        if self.phase is _Phase.FORWARD:  # the forward raised midway; start clean
+        if self.phase is FetchPhase.FORWARD:  # the forward raised midway; start clean
             self._recover()
-        self.phase = _Phase.BACKWARD
+        self._to_pass(FetchPhase.BACKWARD)
         self.trace.begin_backward()
         Variable._execution_engine.queue_callback(self.end_backward)
 
@@ -220,7 +215,7 @@ class FetchCoordinator:
         if unit.missing():
             self.stats.fetch_calls += 1
             self._note("fetch", unit.missing(), running)
-            self._track(unit.unshard())
+            self.prefetcher.track(unit.unshard())
         unit.wait()
 
     def _acquire(self, unit: FetchUnit) -> None:
@@ -237,72 +232,18 @@ class FetchCoordinator:
                 self._release(unit, set())
         self._bwd_held.clear()
 
-    def _reused_soon(self, unit: FetchUnit, upcoming: Iterable[FetchUnit]) -> set[ShardedParam]:
-        """``unit``'s parameters that a unit within ``reuse_numel`` elements needs again
-        (Note [reuse distance]); ``upcoming`` is empty unless a trace is followed."""
-        mine, keep, seen = set(unit.params), set(), 0
-        for later in upcoming:
-            if seen >= self.reuse_numel:
-                break
-            for sp in later.params:
-                if sp in mine:
-                    keep.add(sp)
-                seen += sp.padded_numel
-        return keep
-
     def _prefetch(self, upcoming: Iterable[FetchUnit], current: FetchUnit) -> None:
-        """Fetch ahead the next units that fit the prefetch and live budgets: async all-gathers
-        of whole units, in trace order, cut into chunks (Note [a prefetch travels in chunks]).
-
-        The window counts the upcoming units' parameters that no running module holds (already
-        in flight or not), so it slides: each module start tops it up by what was consumed.
-        """
-        ahead, seen, batch, batch_numel, chunks = 0, set(), [], 0, []
-        live = self._live_numel()
-        sharded = ParamState.SHARDED
-        for unit in upcoming:
-            # One pass over the unit's parameters: those no running module holds count against
-            # the window (fresh); the SHARDED among them are what a gather must fetch (missing).
-            numel, missing, extra = 0, [], 0
-            for sp in unit.params:
-                if sp.persistent or sp.holds or sp in seen:
-                    continue
-                seen.add(sp)
-                numel += sp.padded_numel
-                if sp.state is sharded:
-                    missing.append(sp)
-                    extra += sp.padded_numel
-            if ahead + numel > self.prefetch_numel:
-                break
-            if live + extra > self.max_live_numel:
-                self.stats.live_budget_stops += 1
-                break
-            ahead, live = ahead + numel, live + extra
-            batch, batch_numel = batch + missing, batch_numel + extra
-            if batch_numel >= _GATHER_CHUNK_NUMEL:
-                chunks.append(batch)  # Note [a prefetch travels in chunks]
-                batch, batch_numel = [], 0
-        for chunk in [*chunks, batch] if batch else chunks:
+        """Issue the prefetcher's chunks as async all-gathers (prefetch.py)."""
+        for chunk in self.prefetcher.chunks(upcoming):
             self.stats.prefetch_calls += 1
             self._note("prefetch", chunk, current)
-            self._track(FetchUnit(-1, "prefetch", "", chunk).unshard(async_op=True))
-
-    def _track(self, sps: list[ShardedParam]) -> None:
-        for sp in sps:
-            if not sp.persistent:
-                self._live[sp] = None
-        self.stats.peak_live_numel = max(self.stats.peak_live_numel, self._live_numel())
-
-    def _live_numel(self) -> int:
-        for sp in [sp for sp in self._live if sp.state is ParamState.SHARDED]:
-            del self._live[sp]
-        return sum(sp.padded_numel for sp in self._live)
+            self.prefetcher.track(FetchUnit(-1, "prefetch", "", chunk).unshard(async_op=True))
 
     def _release_unclaimed(self) -> None:
         """Release prefetched or kept parameters nobody claimed (the pass ended before their
         module ran again)."""
-        self._note("release", FetchUnit(-1, "", "", list(self._live)).reshard(), None)
-        self._live_numel()
+        self._note("release", FetchUnit(-1, "", "", self.prefetcher.live()).reshard(), None)
+        self.prefetcher.live_numel()
 
     def _note(self, what: str, sps: list[ShardedParam], unit: FetchUnit | None) -> None:
         """With ``log_events``: one line per fetch/prefetch/release, with gathered bytes."""
@@ -331,7 +272,7 @@ class FetchCoordinator:
                     self._acquire(unit)
                     self._prefetch(self.trace.upcoming_forward(), unit)
                 else:
-                    self._release(unit, self._reused_soon(unit, self.trace.upcoming_forward()))
+                    self._release(unit, self.prefetcher.keep(unit, self.trace.upcoming_forward()))
             self._release_unclaimed()
         try:
             self.trace.resync(pos, fingerprint, what)  # raises unless every rank diverged alike
@@ -353,4 +294,4 @@ class FetchCoordinator:
         self.stack.clear()
         self._release_backward_holds()
         self._release_unclaimed()
-        self.phase = _Phase.IDLE
+        self._to_idle(None)

@@ -20,7 +20,7 @@ holding ``1/N`` of the parameters. Padding adds fewer than N elements per parame
 non-persistent parameter belongs to a module that runs once in forward and whose outputs receive
 gradients (so it is fetched once per forward and once per backward; a module run twice is
 fetched twice unless ``stage3_max_reuse_distance`` keeps it: Note [reuse distance] in
-coordinator.py); the first forward of a run (trace recording: one check per module start, demand
+prefetch.py); the first forward of a run (trace recording: one check per module start, demand
 fetches of tied weights) costs more.
 With one rank a persistent parameter's shard is its whole (padded) value, so
 ``refresh_gathered`` copies it locally and no collective is issued (the formula counts 0).

@@ -32,7 +32,7 @@ from minispeed.core.accelerator import get_accelerator
 from minispeed.core.logging import get_logger
 from minispeed.zero.stage3.params import FetchUnit
 
-__all__ = ["FetchOrderError", "FetchTrace", "TraceCheck", "agree_across_ranks"]
+__all__ = ["FetchOrderError", "FetchTrace", "TraceCheck", "TraceState", "agree_across_ranks"]
 
 _log = get_logger("zero")
 
@@ -139,12 +139,84 @@ def agree_across_ranks(
     )
 
 
+class TraceState(enum.Enum):
+    """Where one direction's trace (the forward's or the backward's) stands.
+
+    | state | the pass | the trace kept |
+    |---|---|---|
+    | NEW | none ran yet | none |
+    | RECORDING | has no trace: each event is appended (and checked) | none yet |
+    | RECORDED | the recording pass ended | what it recorded: the next pass follows it |
+    | FOLLOWING | runs the trace: events must match it, upcoming units are known | the trace |
+    | DIVERGED | left the trace: events are checked, neither followed nor recorded | none: record again |
+
+    Transitions, each one method of `_Track` that asserts its source: `begin` (any -> RECORDING
+    or FOLLOWING: a pass that raised midway never ended), `leave` (FOLLOWING -> DIVERGED), `end`
+    (RECORDING -> RECORDED; FOLLOWING and DIVERGED stay). A state outlives its pass until the
+    next one begins: modules run between passes (activation-checkpoint recomputation during
+    backward, calls outside the root) still see the followed forward trace's upcoming units.
+    """
+
+    NEW = "new"
+    RECORDING = "recording"
+    RECORDED = "recorded"
+    FOLLOWING = "following"
+    DIVERGED = "diverged"
+
+
+_IN_PASS = (TraceState.RECORDING, TraceState.FOLLOWING, TraceState.DIVERGED)
+
+
+class _Track:
+    """One direction's trace: the recorded events, this pass's record, and the `TraceState`.
+
+    ``state``, ``events`` and ``record`` are written only here, in the transitions.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.state = TraceState.NEW
+        self.events: list[Any] | None = None  # the trace followed by the next pass
+        self.record: list[Any] | None = None  # what this pass appended (RECORDING only)
+
+    def begin(self) -> None:
+        self.state = TraceState.FOLLOWING if self.events is not None else TraceState.RECORDING
+        self.record = [] if self.state is TraceState.RECORDING else None
+
+    def expect(self, states: tuple[TraceState, ...], doing: str) -> None:
+        """Assert the state allows ``doing``: each transition asserts its source through this,
+        and `FetchTrace` calls it before a transition's cross-rank check, so an illegal move
+        raises before it issues a collective the other ranks might not."""
+        assert self.state in states, (
+            f"stage 3: {doing} while the {self.name} trace is {self.state.value}"
+        )
+
+    def append(self, event: Any) -> None:
+        self.expect(_IN_PASS, "a module event outside a pass")
+        if self.state is TraceState.RECORDING:
+            self.record.append(event)
+
+    def leave(self) -> None:
+        self.expect((TraceState.FOLLOWING,), "leaving a trace not followed")
+        self.state, self.events, self.record = TraceState.DIVERGED, None, None
+
+    def end(self) -> None:
+        self.expect(_IN_PASS, "ending a pass that did not begin")
+        if self.state is TraceState.RECORDING:
+            self.state, self.events, self.record = TraceState.RECORDED, self.record, None
+
+    def upcoming(self, pos: int) -> list[Any]:
+        """The followed trace's events from ``pos`` on (none unless FOLLOWING)."""
+        return (self.events or [])[pos:] if self.state is TraceState.FOLLOWING else []
+
+
 class FetchTrace:
     """The recorded module order of the forward and the backward, and the checks made on it.
 
     Forward events are ``("pre" | "post", unit index)``; backward events are unit indices in
-    backward-start order. ``pos`` is the position in the current pass. While ``following`` the
-    forward (or ``backward_following``) this rank runs a recorded trace; otherwise it records.
+    backward-start order. ``pos`` is the position in the current pass (shared by both
+    directions). Each direction is a `_Track` whose `TraceState` (``forward_state``,
+    ``backward_state``) says whether this rank records, follows or left its trace.
     The coordinator calls the ``step_*`` methods at each hook and handles a divergence (the
     collectives it replays are its business); the checks, the recording and the re-sync are here.
     """
@@ -154,40 +226,51 @@ class FetchTrace:
         self.units = units
         self.check = check if comm.get_world_size(group) > 1 else TraceCheck.OFF
         self.stats = stats  # FetchStats: trace_checks, retraces
-        self.forward: list[tuple[str, int]] | None = None
-        self.backward: list[int] | None = None
-        self.following = False
-        self.backward_following = False
-        self.record: list[Any] | None = None
+        self._fwd = _Track("forward")
+        self._bwd = _Track("backward")
         self.pos = 0
+
+    @property
+    def forward_state(self) -> TraceState:
+        """The forward trace's state (read-only; `TraceState` lists the transitions)."""
+        return self._fwd.state
+
+    @property
+    def backward_state(self) -> TraceState:
+        """The backward trace's state (read-only)."""
+        return self._bwd.state
+
+    @property
+    def following(self) -> bool:
+        """Whether this rank follows a recorded forward trace."""
+        return self._fwd.state is TraceState.FOLLOWING
 
     # -- forward ----------------------------------------------------------------------------------
     def begin_forward(self) -> None:
         """The root starts: follow the forward trace if there is one, else record it."""
         self.pos = 0
-        self.following = self.forward is not None
-        self.record = None if self.following else []
+        self._fwd.begin()
 
     def step_forward(self, kind: str, unit: FetchUnit, what: str, cross_check: bool = True) -> bool:
         """Advance by ``(kind, unit)``; False if this rank just left the trace it follows."""
         if self.following:
-            trace = self.forward or []
+            trace = self._fwd.events or []
             if self.pos < len(trace) and trace[self.pos] == (kind, unit.index):
                 self.pos += 1
                 if cross_check and self.check is TraceCheck.EVERY:
                     self.agree("forward", self.pos - 1, unit.fingerprint(kind), what)
                 return True
             return False
+        self._fwd.expect(_IN_PASS, "a module event outside a pass")
         if cross_check and self.check is not TraceCheck.OFF:
             self.agree("forward", self.pos, unit.fingerprint(kind), what)
-        if self.record is not None:
-            self.record.append((kind, unit.index))
+        self._fwd.append((kind, unit.index))
         self.pos += 1
         return True
 
     def upcoming_forward(self) -> Iterator[FetchUnit]:
         """The units that start after ``pos`` in the followed forward trace (nothing if none)."""
-        for kind, index in (self.forward or [])[self.pos :] if self.following else ():
+        for kind, index in self._fwd.upcoming(self.pos):
             if kind == "pre":
                 yield self.units[index]
 
@@ -198,11 +281,12 @@ class FetchTrace:
 
     def forward_complete(self) -> bool:
         """At the root's end: False if this rank follows a trace and has not reached its end."""
-        return not self.following or self.pos == len(self.forward or ())
+        return not self.following or self.pos == len(self._fwd.events or ())
 
     def end_forward(self) -> None:
         """The one check of each forward (Note [the grad mode is part of the end-of-forward
         check]); keep what was recorded as the trace."""
+        self._fwd.expect(_IN_PASS, "ending a pass that did not begin")
         if self.check is not TraceCheck.OFF:
             grad = torch.is_grad_enabled()
             what = (
@@ -214,17 +298,17 @@ class FetchTrace:
         self.finish_forward()
 
     def finish_forward(self) -> None:
-        """Keep the recorded forward (None after a re-sync: record again next time)."""
-        if not self.following:
-            self.forward = self.record
+        """Keep the recorded forward (none after a re-sync: record again next time)."""
+        self._fwd.end()
 
     # -- divergence -------------------------------------------------------------------------------
     def diverged(self, what: str) -> int:
-        """This rank left the trace at ``pos``: raise now (``off``) or return ``pos``.
+        """This rank left the trace it follows at ``pos``: raise now (``off``) or return ``pos``.
 
         Then the coordinator replays the trace's collectives (``first``) with `replay` and calls
         `resync`. See Note [how divergence is caught].
         """
+        self._fwd.expect((TraceState.FOLLOWING,), "leaving a trace not followed")
         if self.check is TraceCheck.OFF:
             raise FetchOrderError(
                 f"stage 3: at forward position {self.pos} this rank {what}, but the trace recorded "
@@ -236,13 +320,14 @@ class FetchTrace:
 
     def replay(self) -> Iterator[tuple[str, FetchUnit]]:
         """The rest of the followed forward trace, advancing ``pos`` as each event is taken."""
-        for kind, index in (self.forward or [])[self.pos :]:
+        for kind, index in self._fwd.upcoming(self.pos):
             self.pos += 1
             yield kind, self.units[index]
 
     def resync(self, pos: int, fingerprint: int, what: str) -> None:
         """Meet the other ranks' check for position ``pos`` (raises unless all diverged alike);
-        then drop the trace and record from here on, with checks."""
+        then drop the trace and go on unrecorded, with checks (FOLLOWING -> DIVERGED)."""
+        self._fwd.expect((TraceState.FOLLOWING,), "leaving a trace not followed")
         # Non-diverging ranks make this same call at the end of their forward (or, in EVERY
         # mode, at this very position).
         self.agree("forward", pos, fingerprint, what)
@@ -251,7 +336,7 @@ class FetchTrace:
         )
         self.stats.retraces += 1
         self.pos = pos
-        self.following, self.record, self.forward = False, None, None
+        self._fwd.leave()
 
     def check_call(self, unit: FetchUnit) -> None:
         """A module called outside the root's forward: no trace to follow, check each call.
@@ -266,34 +351,30 @@ class FetchTrace:
     def begin_backward(self) -> None:
         """Backward starts: follow the backward trace if there is one, else record it."""
         self.pos = 0
-        self.backward_following = self.backward is not None
-        self.record = None if self.backward_following else []
+        self._bwd.begin()
 
     def step_backward(self, unit: FetchUnit) -> None:
         """``unit`` starts its backward. Leaving the trace only stops prefetching: every rank
         leaves it at the same point (the backward order follows the checked forward)."""
-        if self.backward_following:
-            trace = self.backward or []
+        if self._bwd.state is TraceState.FOLLOWING:
+            trace = self._bwd.events or []
             if self.pos >= len(trace) or trace[self.pos] != unit.index:
-                self.backward_following, self.backward = False, None
+                self._bwd.leave()
+        self._bwd.expect(_IN_PASS, "a module event outside a pass")
         if self.check is TraceCheck.EVERY:
             what = f"module {unit.label} starts its backward"
             self.agree("backward", self.pos, unit.fingerprint("bwd"), what)
-        if self.record is not None:
-            self.record.append(unit.index)
+        self._bwd.append(unit.index)
         self.pos += 1
 
     def upcoming_backward(self) -> Iterator[FetchUnit]:
         """The units whose backward starts after ``pos`` in the followed backward trace."""
-        if self.backward_following:
-            for index in (self.backward or [])[self.pos :]:
-                yield self.units[index]
+        for index in self._bwd.upcoming(self.pos):
+            yield self.units[index]
 
     def end_backward(self) -> None:
         """Keep what was recorded as the backward trace."""
-        if self.record is not None:
-            self.backward = self.record
-        self.record = None
+        self._bwd.end()
 
     # -- the check --------------------------------------------------------------------------------
     def agree(self, phase: str, pos: int, fingerprint: int, what: str) -> None:
@@ -304,7 +385,7 @@ class FetchTrace:
 
     def describe(self, phase: str, pos: int) -> str:
         """What this rank ran at ``pos`` of the current forward (it followed its trace there)."""
-        events = self.forward if self.following else self.record
+        events = self._fwd.events if self.following else self._fwd.record
         if phase not in ("forward", "end") or not events or pos >= len(events):
             return "(nothing recorded at that position)"
         kind, index = events[pos]
