@@ -18,7 +18,9 @@ column / row layers, with the residual stream scattered at the first block and g
 `ln_f`).
 
 Per step (SGD, forward + backward + update), both contenders take turns for `--rounds` rounds;
-reported: median and best step time (max over ranks), peak bytes of tensors saved for backward
+reported: median and best step time (max over ranks), the median CPU time of a step (the
+process's own seconds, max over ranks: less sensitive than wall time to other programs on a
+shared machine, though it counts gloo's polling), peak bytes of tensors saved for backward
 (parameters excluded, counted through `torch.autograd.graph.saved_tensors_hooks`; DTensors by
 their local shard), and the losses of every step, which must agree to 1e-5 before anything is
 printed. Benchmarks may use torch.distributed directly for the torch baseline; minispeed's
@@ -209,16 +211,23 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: A
     ]
     losses: dict[str, list[float]] = {lib: [] for lib in models}
     times: dict[str, list[float]] = {lib: [] for lib in models}
+    cpu: dict[str, list[float]] = {lib: [] for lib in models}
     for i, tok in enumerate(batches):
         for lib in models:  # taking turns: a burst of load hits both alike
             m, opt, saved = state[lib]
             comm.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             losses[lib].append(_step(m, opt, saved, tok[:, :-1], tok[:, 1:]))
             if i > 0:
                 times[lib].append(time.perf_counter() - start)
+                cpu[lib].append(time.process_time() - start_cpu)
     out = {
-        lib: {"times": times[lib], "losses": losses[lib], "saved_peak": state[lib][2].peak}
+        lib: {
+            "times": times[lib],
+            "cpu": cpu[lib],
+            "losses": losses[lib],
+            "saved_peak": state[lib][2].peak,
+        }
         for lib in models
     }
     out["params"] = params
@@ -247,7 +256,9 @@ def report(results: dict[int, dict], args: argparse.Namespace) -> dict[str, Any]
         per_step = [
             max(r[lib]["times"][i] for r in ranks) for i in range(len(ranks[0][lib]["times"]))
         ]
+        cpu_step = [max(r[lib]["cpu"][i] for r in ranks) for i in range(len(per_step))]
         summary["rows"][lib] = {
+            "cpu_ms_median": 1e3 * statistics.median(cpu_step),
             "step_ms_median": 1e3 * statistics.median(per_step),
             "step_ms_best": 1e3 * min(per_step),
             "saved_peak_MiB": [r[lib]["saved_peak"] / 2**20 for r in ranks],
@@ -259,10 +270,12 @@ def report(results: dict[int, dict], args: argparse.Namespace) -> dict[str, Any]
     print(f"{sp} over 2 gloo ranks, {summary['params']:,} parameters, B={args.batch}, "
           f"T={args.seq}, {args.rounds} rounds, load {load:.1f}")  # fmt: skip
     print(
-        f"{'library':10} {'step ms median (best)':>22} {'saved MiB per rank':>20} {'params MiB per rank':>20}"
+        f"{'library':10} {'step ms median (best)':>22} {'CPU ms median':>14} "
+        f"{'saved MiB per rank':>20} {'params MiB per rank':>20}"
     )
     for lib, row in summary["rows"].items():
         print(f"{lib:10} {row['step_ms_median']:>13.1f} ({row['step_ms_best']:.1f}) "
+              f"{row['cpu_ms_median']:>14.1f} "
               f"{' / '.join(f'{v:.2f}' for v in row['saved_peak_MiB']):>20} "
               f"{' / '.join(f'{v:.1f}' for v in row['param_MiB']):>20}")  # fmt: skip
     r = summary["rows"]
