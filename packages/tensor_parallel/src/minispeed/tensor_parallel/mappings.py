@@ -170,7 +170,12 @@ def copy_to_parallel(x: torch.Tensor, tg: TensorGroup) -> torch.Tensor:
 
 
 def reduce_from_parallel(x: torch.Tensor, tg: TensorGroup) -> torch.Tensor:
-    """All-reduce (sum) forward, in place on `x` (2(n-1)/n · S on the wire); identity backward."""
+    """All-reduce (sum) forward, in place on `x` (2(n-1)/n · S on the wire); identity backward.
+
+    `x` is normally a fresh matmul output, summed where it lies; a leaf that requires grad (which
+    autograd forbids writing to) is copied first."""
+    if x.is_leaf and x.requires_grad:
+        x = x.clone()
     return _ReduceFromParallel.apply(x, tg)
 
 
