@@ -41,6 +41,14 @@ BAD_PLANS = {
         r"tied weight is shared by \['emb', 'head'\] but split differently.*'head' not split",
     ),
     "tied split differently": ({**GOOD, "head": tp.Row()}, r"'head' as Row"),
+    "wrong module type": (
+        {**GOOD, "proj": tp.Vocab()},
+        r"'proj' \(matched by 'proj'\): vocabulary parallelism takes an nn.Embedding, not Linear",
+    ),
+    "heads attribute": (
+        {**GOOD, "proj": tp.Heads(("n_head",))},
+        r"'proj' \(matched by 'proj'\): Heads divides the integer attribute 'n_head' by 2, but it is None",
+    ),
 }
 
 

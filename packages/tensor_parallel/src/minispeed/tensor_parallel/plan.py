@@ -7,8 +7,9 @@ whole, and every rank, running the same checks on the same model, raises the sam
 talking):
 
 1. the size divides every count of the plan (the error names the count and the sizes that fit);
-2. every pattern matches a module (the error names the pattern and the closest paths), and no
-   module is matched by two patterns;
+2. every pattern matches a module (the error names the pattern and the closest paths), no
+   module is matched by two patterns, and each module can take its style (its type; the size
+   divides the dimension cut; `Heads` names integer attributes the size divides);
 3. no module was parallelized before (a layer applied twice would be split twice);
 4. a weight shared by two modules (a tied embedding and output head) is split the same way in
    both: both planned, both cut along the vocabulary;
@@ -36,12 +37,14 @@ from minispeed.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    source_layout,
 )
 from minispeed.tensor_parallel.mappings import (
     copy_to_parallel,
     gather_from_sequence,
     scatter_to_sequence,
 )
+from minispeed.tensor_parallel.sharding import ShardSpec
 from minispeed.tensor_parallel.styles import (
     Column,
     HeadInput,
@@ -113,6 +116,39 @@ def _check_fresh(model: nn.Module, matched: dict[str, tuple[str, Style]]) -> Non
             )
 
 
+def _check_modules(model: nn.Module, matched: dict[str, tuple[str, Style]], n: int) -> None:
+    """Each module can take its style at this size: its type, the dimension it is cut along,
+    the attributes `Heads` divides. Checked for all before any module changes."""
+    for path, (pattern, style) in matched.items():
+        m = model.get_submodule(path)
+        where = f"tensor-parallel plan: {path!r} (matched by {pattern!r})"
+        if isinstance(style, Column | Row):
+            try:
+                weight, _, transposed = source_layout(m)
+            except TypeError as err:
+                raise ValueError(f"{where}: {err}") from None
+            if isinstance(style, Column):
+                dim = 1 if transposed else 0
+                ShardSpec(dim, style.parts).check(weight.shape[dim], n, f"{where} output features")
+            else:
+                dim = 0 if transposed else 1
+                ShardSpec(dim).check(weight.shape[dim], n, f"{where} input features")
+        elif isinstance(style, Vocab):
+            if not isinstance(m, nn.Embedding):
+                raise ValueError(
+                    f"{where}: vocabulary parallelism takes an nn.Embedding, not {type(m).__name__}"
+                )
+            ShardSpec(0).check(m.num_embeddings, n, f"{where} vocabulary")
+        elif isinstance(style, Heads):
+            for attr in style.attrs:
+                value = getattr(m, attr, None)
+                if not isinstance(value, int) or value % n:
+                    raise ValueError(
+                        f"{where}: Heads divides the integer attribute {attr!r} by {n}, but it is "
+                        f"{value!r}; name an attribute the attention reshapes by"
+                    )
+
+
 def _check_tied(model: nn.Module, matched: dict[str, tuple[str, Style]]) -> None:
     """A weight shared by modules must be cut the same way in each (vocab = column rows)."""
     owners: dict[int, list[str]] = {}
@@ -167,11 +203,8 @@ def _apply(model: nn.Module, path: str, style: Style, tg: TensorGroup, tied: dic
         _replace(model, path, new)
         return
     if isinstance(style, Heads):
-        for attr in style.attrs:
-            value = getattr(m, attr, None)
-            if not isinstance(value, int):
-                raise ValueError(f"Heads: module {path!r} has no integer attribute {attr!r}")
-            setattr(m, attr, value // tg.size)
+        for attr in style.attrs:  # checked by _check_modules
+            setattr(m, attr, getattr(m, attr) // tg.size)
     elif isinstance(style, ScatterSequence):
         m.register_forward_hook(lambda _m, _i, out: scatter_to_sequence(out, tg))
     elif isinstance(style, HeadInput):
@@ -201,6 +234,7 @@ def parallelize(model: nn.Module, plan: Plan, group: Any) -> nn.Module:
     check_divides(tg.size, plan.divides)
     matched = _match(model, plan)
     _check_fresh(model, matched)
+    _check_modules(model, matched, tg.size)
     _check_tied(model, matched)
     tied: dict[int, nn.Parameter] = {}
     for path, (_, style) in matched.items():
