@@ -79,13 +79,17 @@ class CausalSelfAttention(nn.Module):
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)  # each (B, T, C)
+        # Shapes are read from qkv's output, not from x: under tensor parallelism (see
+        # minispeed.tensor_parallel) qkv yields n_head/n heads, and under sequence parallelism x is
+        # a sequence shard while qkv's output covers the whole sequence.
+        qkv = self.qkv(x)  # (B, T, 3C)
+        B, T, _ = qkv.shape
+        q, k, v = qkv.chunk(3, dim=2)  # each (B, T, C)
         # (B, T, C) -> (B, n_head, T, head_dim): heads attend independently.
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, nh, T, hd)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
+        y = y.transpose(1, 2).reshape(B, T, -1)  # heads side by side again
         return F.dropout(self.proj(y), p, self.training)
 
 

@@ -53,7 +53,8 @@ def declared_closure(name: str, root: Path) -> list[str]:
             for ch in "<>=!~ ":
                 dep_name = dep_name.split(ch)[0]
             if dep_name.startswith(PREFIX):
-                visit(dep_name[len(PREFIX) :], (*stack, pkg))
+                # minispeed-tensor-parallel lives in packages/tensor_parallel (the import name)
+                visit(dep_name[len(PREFIX) :].replace("-", "_"), (*stack, pkg))
         order.append(pkg)
 
     visit(name, ())

@@ -38,9 +38,14 @@ Costs, with L blocks, width C, n ranks, fp32:
 - weight bytes per rank: each block's linears / n (plus the replicated norms, the row-parallel
   biases, the embeddings and the head); KV cache bytes per rank: 1/n of TP=1's.
 
-The group comes from `minispeed.comm` (an optional dependency: `pip install
-minispeed-inference[tp]`): a `ProcessGrid` with axes `("data", "tensor")` built over the world,
-or a group handle / `ProcessGrid` the caller passes as `tp_group`.
+The split itself is `minispeed.tensor_parallel`'s, the one training uses: the slices come from
+its `shard` (`ShardSpec(0, parts)` for the column layers, `ShardSpec(1)` for the row layers),
+the all-reduce from its `reduce_from_parallel`, the size check from its `check_divides`, and
+`TPContext` is its `TensorGroup`. What stays here is inference's own: the config, the group it
+builds when none is given, and module copies fit for the fused kernels (plain or int8 linears).
+
+The group: a `ProcessGrid` with axes `("data", "tensor")` built over the world, or a group
+handle / `ProcessGrid` the caller passes as `tp_group`.
 """
 
 from __future__ import annotations
@@ -50,6 +55,9 @@ from typing import Any
 
 import torch
 from torch import nn
+
+import minispeed.comm as comm
+import minispeed.tensor_parallel as tp
 
 __all__ = [
     "RowParallelLinear",
@@ -107,13 +115,8 @@ class TPConfig:
         return cls(tp_size=section.get("tp_size", 1), tp_group=section.get("tp_group"))
 
 
-@dataclass(frozen=True)
-class TPContext:
-    """This rank's place in the TP group: `rank` of `size`, and the group to all-reduce over."""
-
-    rank: int
-    size: int
-    group: Any = None
+TPContext = tp.TensorGroup
+"""This rank's place in the TP group: `rank` of `size`, and the group to all-reduce over."""
 
 
 def check_divides(tp_size: int, sizes: dict[str, int]) -> None:
@@ -121,15 +124,7 @@ def check_divides(tp_size: int, sizes: dict[str, int]) -> None:
 
     Called before any group is built: every rank reaches the same verdict without talking.
     """
-    bad = {name: v for name, v in sizes.items() if v % tp_size}
-    if bad:
-        name, value = next(iter(bad.items()))
-        ok = [d for d in range(1, value + 1) if all(v % d == 0 for v in sizes.values())]
-        raise ValueError(
-            f"tensor_parallel tp_size={tp_size} does not divide the model's {name} ({value})"
-            + "".join(f", nor its {k} ({v})" for k, v in list(bad.items())[1:])
-            + f": each rank must hold whole heads and an equal share; pick tp_size among {ok}"
-        )
+    tp.check_divides(tp_size, sizes, label="tensor_parallel tp_size")
 
 
 def resolve(cfg: TPConfig) -> TPContext | None:
@@ -137,12 +132,6 @@ def resolve(cfg: TPConfig) -> TPContext | None:
     n = cfg.tp_size
     if n == 1 and cfg.tp_group is None:
         return None
-    try:
-        import minispeed.comm as comm
-    except ImportError:
-        raise ImportError(
-            "tensor_parallel needs minispeed.comm: pip install minispeed-inference[tp]"
-        ) from None
     if not comm.is_initialized():
         raise RuntimeError(
             f"tensor_parallel tp_size={n} needs a process group: call "
@@ -178,56 +167,49 @@ def resolve(cfg: TPConfig) -> TPContext | None:
     return TPContext(rank, size, handle)
 
 
-def _param(t: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(t.contiguous(), requires_grad=False)
+def _frozen_linear(w: torch.Tensor, b: torch.Tensor | None) -> nn.Linear:
+    out = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device="meta")
+    out.weight = nn.Parameter(w, requires_grad=False)
+    if b is not None:
+        out.bias = nn.Parameter(b, requires_grad=False)
+    return out
 
 
-def column_shard(linear: nn.Linear, tp: TPContext, parts: int = 1) -> nn.Linear:
+def column_shard(linear: nn.Linear, tp_ctx: TPContext, parts: int = 1) -> nn.Linear:
     """This rank's output rows of `linear` (a copy): W `(N, K)` cut into `parts` equal parts
-    (GPT's fused qkv: 3), each cut in `tp.size`; chunk `tp.rank` of each, concatenated.
+    (GPT's fused qkv: 3), each cut in `tp_ctx.size`; chunk `tp_ctx.rank` of each, concatenated
+    (`minispeed.tensor_parallel.shard` with `ShardSpec(0, parts)`).
 
     Bytes kept: 4·N·K / n (+ 4·N / n of bias)."""
-
-    def pick(t: torch.Tensor) -> torch.Tensor:
-        return torch.cat([p.chunk(tp.size, 0)[tp.rank] for p in t.detach().chunk(parts, 0)])
-
-    w = pick(linear.weight)
-    out = nn.Linear(w.shape[1], w.shape[0], bias=linear.bias is not None, device="meta")
-    out.weight = _param(w)
-    if linear.bias is not None:
-        out.bias = _param(pick(linear.bias))
-    return out
+    spec, r, n = tp.ShardSpec(0, parts), tp_ctx.rank, tp_ctx.size
+    bias = None if linear.bias is None else tp.shard(linear.bias, spec, r, n)
+    return _frozen_linear(tp.shard(linear.weight, spec, r, n), bias)
 
 
-def row_shard(linear: nn.Linear, tp: TPContext) -> nn.Linear:
-    """This rank's input columns of `linear` (a copy), without the bias (`RowParallelLinear` adds
-    it once, after the all-reduce). Bytes kept: 4·N·K / n."""
-    w = linear.weight.detach().chunk(tp.size, 1)[tp.rank]
-    out = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
-    out.weight = _param(w)
-    return out
+def row_shard(linear: nn.Linear, tp_ctx: TPContext) -> nn.Linear:
+    """This rank's input columns of `linear` (a copy, `ShardSpec(1)`), without the bias
+    (`RowParallelLinear` adds it once, after the all-reduce). Bytes kept: 4·N·K / n."""
+    return _frozen_linear(tp.shard(linear.weight, tp.ShardSpec(1), tp_ctx.rank, tp_ctx.size), None)
 
 
 class RowParallelLinear(nn.Module):
-    """`all_reduce(local(x)) + bias`: the row-parallel half of a split, one all-reduce per call.
+    """`reduce_from_parallel(local(x)) + bias`: the row-parallel half of a split, one all-reduce
+    per call (the training `minispeed.tensor_parallel.RowParallelLinear`'s forward, around a local
+    product that may be int8).
 
     `local` is this rank's column slice (an `nn.Linear` or `Int8Linear`, bias-free): its output is
     a partial sum over the inputs this rank holds. Sends `2(n−1)/n · 4·M·N` bytes per rank for an
     `(M, N)` output.
     """
 
-    def __init__(self, local: nn.Module, bias: torch.Tensor | None, tp: TPContext) -> None:
+    def __init__(self, local: nn.Module, bias: torch.Tensor | None, tp_ctx: TPContext) -> None:
         super().__init__()
-        import minispeed.comm as comm
-
-        self._all_reduce = comm.all_reduce
         self.local = local
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
-        self.group = tp.group
+        self.tp = tp_ctx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.local(x)
-        self._all_reduce(y, group=self.group)
+        y = tp.reduce_from_parallel(self.local(x), self.tp)
         return y if self.bias is None else y.add_(self.bias)
 
 

@@ -1,0 +1,95 @@
+"""minispeed.tensor_parallel: Megatron-style tensor parallelism for training, with autograd.
+
+Reading order (see README.md):
+
+1. `group` — the tensor-parallel group a layer splits over (always the caller's).
+2. `mappings` — the conjugate communication functions (copy / reduce, gather / scatter, and
+   the sequence-parallel all-gather / reduce-scatter), as autograd functions over `minispeed.comm`.
+3. `sharding` — which slice of a weight each rank keeps, and gathering them back.
+4. `layers` — `ColumnParallelLinear`, `RowParallelLinear`, `VocabParallelEmbedding`.
+5. `cross_entropy` — the loss over vocabulary-split logits.
+6. `costs` — bytes per call of each layer, the formulas the tests assert.
+7. `styles`, `plan`, `plans` — `parallelize(model, plan, group)` and the ready plans.
+8. `memory` — activation bytes per rank, with and without sequence parallelism.
+
+```python
+import minispeed.tensor_parallel as tp
+
+tp.parallelize(model, tp.gpt_plan(model, sequence_parallel=True), group)
+logits, _ = model(idx)                                   # (B, T, V/n) on each rank
+loss = tp.vocab_parallel_cross_entropy(logits, targets, group)
+```
+"""
+
+from minispeed.tensor_parallel.costs import (
+    Collective,
+    column_collectives,
+    cross_entropy_collectives,
+    embedding_collectives,
+    row_collectives,
+)
+from minispeed.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from minispeed.tensor_parallel.group import TensorGroup
+from minispeed.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from minispeed.tensor_parallel.mappings import (
+    copy_to_parallel,
+    gather_from_parallel,
+    gather_from_sequence,
+    reduce_from_parallel,
+    reduce_scatter_to_sequence,
+    scatter_to_parallel,
+    scatter_to_sequence,
+)
+from minispeed.tensor_parallel.plan import Plan, check_divides, parallelize
+from minispeed.tensor_parallel.plans import gpt2_plan, gpt_plan, llama_plan
+from minispeed.tensor_parallel.sharding import ShardSpec, shard, unshard, unshard_module
+from minispeed.tensor_parallel.styles import (
+    Column,
+    HeadInput,
+    Heads,
+    Row,
+    ScatterSequence,
+    SequenceShard,
+    Vocab,
+)
+
+__all__ = [
+    "Collective",
+    "Column",
+    "ColumnParallelLinear",
+    "HeadInput",
+    "Heads",
+    "Plan",
+    "Row",
+    "RowParallelLinear",
+    "ScatterSequence",
+    "SequenceShard",
+    "ShardSpec",
+    "TensorGroup",
+    "Vocab",
+    "VocabParallelEmbedding",
+    "check_divides",
+    "column_collectives",
+    "copy_to_parallel",
+    "cross_entropy_collectives",
+    "embedding_collectives",
+    "gather_from_parallel",
+    "gather_from_sequence",
+    "gpt2_plan",
+    "gpt_plan",
+    "llama_plan",
+    "parallelize",
+    "reduce_from_parallel",
+    "reduce_scatter_to_sequence",
+    "row_collectives",
+    "scatter_to_parallel",
+    "scatter_to_sequence",
+    "shard",
+    "unshard",
+    "unshard_module",
+    "vocab_parallel_cross_entropy",
+]

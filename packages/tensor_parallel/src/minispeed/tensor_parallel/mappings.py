@@ -1,0 +1,208 @@
+"""The communication of tensor parallelism as autograd functions: each forward collective paired
+with its conjugate in backward.
+
+Megatron-LM's four regions, and sequence parallelism's three. `n` is the group size, `S` the
+bytes of the tensor named; "last dim" is the hidden (or head, or vocabulary) dimension the
+weights are split along, "sequence dim" is dim -2 of a `(..., T, C)` activation.
+
+| function | forward | backward |
+|---|---|---|
+| `copy_to_parallel` | identity | all-reduce of the gradient (S) |
+| `reduce_from_parallel` | all-reduce (S) | identity |
+| `gather_from_parallel` | all-gather along the last dim (S = gathered) | keep this rank's slice |
+| `scatter_to_parallel` | keep this rank's slice of the last dim | all-gather (S = gathered) |
+| `gather_from_sequence` | all-gather along the sequence dim (S = gathered) | reduce-scatter (S) |
+| `reduce_scatter_to_sequence` | reduce-scatter along the sequence dim (S = unreduced input) | all-gather (S) |
+| `scatter_to_sequence` | keep this rank's sequence slice | all-gather (S = gathered) |
+
+`copy` and `reduce` are conjugate: a column-parallel layer's input is copied (every rank reads the
+whole activation, so the gradients of the copies are summed in backward); a row-parallel layer's
+partial outputs are summed in forward (each rank's input gradient is then its own). Sequence
+parallelism replaces the all-reduce (2(n-1)/n · S on the wire) by a reduce-scatter plus an
+all-gather ((n-1)/n · S each): the same bytes, but the activations between them are 1/n.
+
+Every collective goes through `minispeed.comm`, so the comms logger records it. On a group of
+one rank these are identities and issue nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import minispeed.comm as comm
+from minispeed.tensor_parallel.group import TensorGroup
+
+__all__ = [
+    "SEQ_DIM",
+    "all_gather_along",
+    "copy_to_parallel",
+    "gather_from_parallel",
+    "gather_from_sequence",
+    "reduce_from_parallel",
+    "reduce_scatter_along",
+    "reduce_scatter_to_sequence",
+    "scatter_to_parallel",
+    "scatter_to_sequence",
+    "split_along",
+]
+
+SEQ_DIM = -2
+"""The sequence dim of activations: `(B, T, C)`, and `(T, C)` position embeddings alike."""
+
+
+# -- the raw collectives along one dimension (no autograd) --------------------------------------
+def all_gather_along(x: torch.Tensor, dim: int, tg: TensorGroup) -> torch.Tensor:
+    """Every rank's `x` concatenated along `dim` in rank order; one all-gather of n · |x| bytes."""
+    if tg.size == 1:
+        return x
+    x = x.contiguous()
+    out = torch.empty((tg.size, *x.shape), dtype=x.dtype, device=x.device)  # rank-major
+    comm.all_gather_into_tensor(out, x, group=tg.group)
+    return torch.cat(out.unbind(0), dim=dim)
+
+
+def reduce_scatter_along(x: torch.Tensor, dim: int, tg: TensorGroup) -> torch.Tensor:
+    """Chunk `rank` along `dim` of the sum of every rank's `x`; one reduce-scatter of |x| bytes."""
+    if tg.size == 1:
+        return x
+    if x.shape[dim] % tg.size:
+        raise ValueError(
+            f"reduce-scatter along dim {dim}: size {x.shape[dim]} is not divisible by the "
+            f"tensor-parallel size {tg.size}; pad the sequence to a multiple of {tg.size}"
+        )
+    chunks = torch.stack(x.chunk(tg.size, dim))  # (n, ...): chunk r is rank r's
+    out = torch.empty(chunks.shape[1:], dtype=x.dtype, device=x.device)
+    comm.reduce_scatter_tensor(out, chunks, group=tg.group)
+    return out
+
+
+def split_along(x: torch.Tensor, dim: int, tg: TensorGroup) -> torch.Tensor:
+    """This rank's chunk of `x` along `dim` (a copy); no communication."""
+    if tg.size == 1:
+        return x
+    if x.shape[dim] % tg.size:
+        raise ValueError(
+            f"splitting dim {dim} of size {x.shape[dim]} over {tg.size} tensor-parallel ranks: "
+            f"make it a multiple of {tg.size}"
+        )
+    return x.chunk(tg.size, dim)[tg.rank].contiguous()
+
+
+def _all_reduce(x: torch.Tensor, tg: TensorGroup) -> torch.Tensor:
+    if tg.size > 1:
+        comm.all_reduce(x, group=tg.group)
+    return x
+
+
+# -- the autograd pairs --------------------------------------------------------------------------
+class _CopyToParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tg: TensorGroup) -> torch.Tensor:
+        ctx.tg = tg
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduce(grad.contiguous().clone(), ctx.tg), None
+
+
+class _ReduceFromParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tg: TensorGroup) -> torch.Tensor:
+        # In place on a fresh matmul output (no autograd node saved it): no copy of S bytes.
+        ctx.mark_dirty(x)
+        return _all_reduce(x, tg)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _GatherFromParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tg: TensorGroup, dim: int) -> torch.Tensor:
+        ctx.tg, ctx.dim = tg, dim
+        return all_gather_along(x, dim, tg)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return split_along(grad, ctx.dim, ctx.tg), None, None
+
+
+class _ScatterToParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tg: TensorGroup, dim: int) -> torch.Tensor:
+        ctx.tg, ctx.dim = tg, dim
+        return split_along(x, dim, tg)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return all_gather_along(grad, ctx.dim, ctx.tg), None, None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tg: TensorGroup) -> torch.Tensor:
+        ctx.tg = tg
+        return all_gather_along(x, SEQ_DIM, tg)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return reduce_scatter_along(grad, SEQ_DIM, ctx.tg), None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tg: TensorGroup) -> torch.Tensor:
+        ctx.tg = tg
+        return reduce_scatter_along(x, SEQ_DIM, tg)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return all_gather_along(grad, SEQ_DIM, ctx.tg), None
+
+
+def copy_to_parallel(x: torch.Tensor, tg: TensorGroup) -> torch.Tensor:
+    """Identity forward; backward all-reduces the gradient (2(n-1)/n · S on the wire)."""
+    return _CopyToParallel.apply(x, tg)
+
+
+def reduce_from_parallel(x: torch.Tensor, tg: TensorGroup) -> torch.Tensor:
+    """All-reduce (sum) forward, in place on `x` (2(n-1)/n · S on the wire); identity backward.
+
+    `x` is normally a fresh matmul output, summed where it lies; a leaf that requires grad (which
+    autograd forbids writing to) is copied first."""
+    if x.is_leaf and x.requires_grad:
+        x = x.clone()
+    return _ReduceFromParallel.apply(x, tg)
+
+
+def gather_from_parallel(x: torch.Tensor, tg: TensorGroup, dim: int = -1) -> torch.Tensor:
+    """All-gather along `dim` forward ((n-1)/n · S, S the gathered bytes); backward keeps this
+    rank's slice of the gradient."""
+    return _GatherFromParallel.apply(x, tg, dim)
+
+
+def scatter_to_parallel(x: torch.Tensor, tg: TensorGroup, dim: int = -1) -> torch.Tensor:
+    """Keep this rank's slice along `dim` forward; backward all-gathers the gradient."""
+    return _ScatterToParallel.apply(x, tg, dim)
+
+
+def gather_from_sequence(x: torch.Tensor, tg: TensorGroup) -> torch.Tensor:
+    """All-gather the sequence shards forward; backward reduce-scatters the gradient (each rank's
+    consumer read the whole sequence, so the gradient of each shard is a sum over ranks)."""
+    return _GatherFromSequence.apply(x, tg)
+
+
+def reduce_scatter_to_sequence(x: torch.Tensor, tg: TensorGroup) -> torch.Tensor:
+    """Sum the partial outputs and keep this rank's sequence shard (reduce-scatter) forward;
+    backward all-gathers the gradient."""
+    return _ReduceScatterToSequence.apply(x, tg)
+
+
+def scatter_to_sequence(x: torch.Tensor, tg: TensorGroup) -> torch.Tensor:
+    """Keep this rank's sequence shard forward; backward all-gathers the gradient (replicated
+    inputs, such as position embeddings, then get the whole gradient on every rank)."""
+    return _ScatterToParallel.apply(x, tg, SEQ_DIM)

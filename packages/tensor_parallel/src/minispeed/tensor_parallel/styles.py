@@ -1,0 +1,87 @@
+"""What a plan can do to one module: the styles.
+
+A plan maps module paths to one style each. Three styles replace the module by a split layer
+(`Column`, `Row`, `Vocab`); the others leave it in place and change what flows through it:
+`Heads` divides the head counts an attention module reshapes by, `SequenceShard` marks a norm
+that runs on sequence shards, `HeadInput` prepares the input of an output head the model
+computes itself (a tied `F.linear(x, wte.weight)`), `ScatterSequence` cuts a replicated output
+(position embeddings) into this rank's sequence shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "Column",
+    "HeadInput",
+    "Heads",
+    "Row",
+    "ScatterSequence",
+    "SequenceShard",
+    "Style",
+    "Vocab",
+]
+
+
+@dataclass(frozen=True)
+class Column:
+    """Replace an `nn.Linear` / `Conv1D` by a `ColumnParallelLinear`."""
+
+    parts: int = 1
+    """Fused parts cut separately (3 for GPT's q/k/v in one weight)."""
+    gather_output: bool = False
+    """All-gather the output slices (for a head whose logits must be whole)."""
+    sequence_parallel: bool = False
+    """The input arrives as sequence shards (all-gathered inside, Megatron-SP)."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """Replace an `nn.Linear` / `Conv1D` by a `RowParallelLinear`."""
+
+    input_is_parallel: bool = True
+    """The input is already this rank's slice (a column layer's output)."""
+    sequence_parallel: bool = False
+    """Reduce-scatter the output to sequence shards instead of all-reducing it."""
+
+
+@dataclass(frozen=True)
+class Vocab:
+    """Replace an `nn.Embedding` by a `VocabParallelEmbedding`."""
+
+    sequence_parallel: bool = False
+    """Reduce-scatter the output to sequence shards instead of all-reducing it."""
+
+
+@dataclass(frozen=True)
+class Heads:
+    """Divide an attention module's integer attributes (head counts, split sizes) by n."""
+
+    attrs: tuple[str, ...]
+    """Attribute names, e.g. `("n_head",)`; each must exist and be divisible by n."""
+
+
+@dataclass(frozen=True)
+class SequenceShard:
+    """A module (a norm, a dropout) that runs on sequence shards under sequence parallelism: its
+    replicated parameters get partial gradients, summed by one all-reduce each in backward."""
+
+
+@dataclass(frozen=True)
+class HeadInput:
+    """The module's output feeds a vocabulary-parallel head that the model applies itself (GPT's
+    tied `F.linear(x, wte.weight)`): identity forward, all-reduce of the gradient in backward; with
+    `sequence_parallel`, its sequence shards are all-gathered (reduce-scatter in backward) and its
+    own parameters are treated as by `SequenceShard`."""
+
+    sequence_parallel: bool = False
+
+
+@dataclass(frozen=True)
+class ScatterSequence:
+    """The module's output is replicated and added to sequence shards (position embeddings): keep
+    this rank's sequence shard; backward all-gathers the gradient, so it is whole everywhere."""
+
+
+Style = Column | Row | Vocab | Heads | SequenceShard | HeadInput | ScatterSequence
