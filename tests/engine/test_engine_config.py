@@ -109,7 +109,11 @@ def test_sections_reach_their_packages() -> None:
             "did you mean 'pin_memory'",
         ),
         ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16/bf16", "at most one"),
-        ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel.autotp_size", "not built yet"),
+        (
+            {"tensor_parallel": {"autotp_size": 2}},
+            "tensor_parallel.autotp_size",
+            "does not compose tensor parallelism",
+        ),
         ({"communication_data_type": "fp16"}, "communication_data_type", "grad_accum_dtype"),
         (
             {"activation_checkpointing": {"partition_activations": True}},

@@ -93,7 +93,7 @@ UNSUPPORTED = {
     "eigenvalue": "no eigenvalue computation",
     "progressive_layer_drop": "no progressive layer drop",
     "hybrid_engine": "no RLHF hybrid engine",
-    "autotuning": "the autotuner is not built yet",
+    "autotuning": "DeepSpeed's autotuning section is not read; run `minispeed tune` instead",
     "nebula": "no Nebula checkpoint service",
     "quantize_training": "no quantization-aware training",
     "sparse_attention": "sparse attention is an inference feature here (minispeed.inference)",
@@ -299,8 +299,9 @@ class EngineConfig:
         if tp.get("autotp_size", 0) not in (0, 1):
             raise ConfigError(
                 "tensor_parallel.autotp_size",
-                f"tensor parallelism in training is not built yet (got {tp['autotp_size']}); "
-                f"remove the key or set it to 1",
+                f"the engine does not compose tensor parallelism with its data axis yet (got "
+                f"{tp['autotp_size']}); minispeed.tensor_parallel.parallelize splits a model over "
+                f"a process group you build; remove the key or set it to 1",
             )
         # Each package reads its own section; the few values it needs from elsewhere in the
         # ds_config are handed over by name. Their ValueErrors are re-raised with the key path.

@@ -173,7 +173,8 @@ def config_schema() -> dict[str, Any]:
         "zero_force_ds_cpu_optimizer": _prop("boolean", "Accepted; offload picks its CPU op."),
         "tensor_parallel": _obj(
             {"autotp_size": {"enum": [0, 1], "description": "Only 0 or 1 until TP training."}},
-            "Tensor parallelism (not built yet for training).",
+            "Tensor parallelism: `autotp_size` 0 or 1 only; the engine does not compose it yet "
+            "(minispeed.tensor_parallel.parallelize splits a model by hand).",
         ),
     }
     unsupported = {
