@@ -25,13 +25,15 @@ from typing import Any
 import torch
 
 import minispeed.comm as comm
-from minispeed.comm import handshake, validation
+from minispeed.comm.call import Call
 from minispeed.comm.compression.error_feedback import ErrorFeedback
 from minispeed.comm.compression.quantize import BlockQuantizer, QuantPacked
 
 __all__ = ["quantized_all_gather_into_tensor", "quantized_reduce_scatter_tensor"]
 
 _DEFAULT = BlockQuantizer()
+# What the checks raise; See Note [errors reach every rank] in handshake.py
+_REJECTS = (ValueError, TypeError)
 
 
 def _padded_rows(x: torch.Tensor, n: int, row_numel: int, padded_numel: int) -> torch.Tensor:
@@ -53,11 +55,9 @@ def quantized_all_gather_into_tensor(
     Like `minispeed.comm.all_gather_into_tensor` but lossy: each element is off by at most
     `max|block| / (2 qmax)` of its block. Returns `output`.
     """
-    name = "quantized_all_gather"
-    n = validation.check_group(name, group)
-    is_checked = handshake.checked(group)
-    shard = input.numel()
-    try:
+    call = Call("quantized_all_gather", group, rejects=_REJECTS)
+    n, shard = call.n, input.numel()
+    with call:
         if output.numel() != n * shard:
             raise ValueError(
                 f"output has {output.numel()} elements but {n} ranks x {shard} input elements = "
@@ -67,10 +67,7 @@ def quantized_all_gather_into_tensor(
             raise TypeError(
                 f"quantized all-gather needs float tensors, got {input.dtype}/{output.dtype}"
             )
-    except (ValueError, TypeError) as err:  # See Note [errors reach every rank] in handshake.py
-        raise handshake.reject(name, group, err, is_checked) from None
-    if is_checked:
-        handshake.compare(name, group, {"shape": tuple(input.shape), "quantizer": repr(quantizer)})
+    call.agree(lambda: {"shape": tuple(input.shape), "quantizer": repr(quantizer)})
     padded = quantizer.padded_numel(shard)
     message = quantizer.compress(_padded_rows(input, 1, shard, padded)).to_bytes()
     gathered = torch.empty(n * message.numel(), dtype=torch.uint8, device=input.device)
@@ -99,10 +96,9 @@ def quantized_reduce_scatter_tensor(
     error into its next call (then leave `quantizer` unset or pass the same one). Returns
     `output`.
     """
-    name = "quantized_reduce_scatter"
-    n = validation.check_group(name, group)
-    is_checked = handshake.checked(group)
-    try:
+    call = Call("quantized_reduce_scatter", group, rejects=_REJECTS)
+    n = call.n
+    with call:
         op = comm.ReduceOp.SUM if op is None else op
         if op not in (comm.ReduceOp.SUM, comm.ReduceOp.AVG):
             raise ValueError(f"quantized reduce-scatter supports ReduceOp.SUM and AVG, got {op}")
@@ -128,10 +124,7 @@ def quantized_reduce_scatter_tensor(
             raise TypeError(
                 f"quantized reduce-scatter needs float tensors, got {input.dtype}/{output.dtype}"
             )
-    except (ValueError, TypeError) as err:  # See Note [errors reach every rank] in handshake.py
-        raise handshake.reject(name, group, err, is_checked) from None
-    if is_checked:
-        handshake.compare(name, group, {"shape": tuple(input.shape), "quantizer": repr(quantizer)})
+    call.agree(lambda: {"shape": tuple(input.shape), "quantizer": repr(quantizer)})
     padded = quantizer.padded_numel(shard)
     rows = _padded_rows(input, n, shard, padded).view(-1)  # (n P,): part j = rows[j]
     packed = (
