@@ -12,7 +12,7 @@ return call.launch(issue, async_op, ...)           # range, timing, ledger recor
 ```
 
 `issue` is the backend call itself: `dist.all_reduce(...)`, or one of the flat collectives at
-the bottom of this file (`all_gather_flat`, `reduce_scatter_flat`, `all_to_all_flat`), which
+the bottom of this file (`all_gather_flat`, `reduce_scatter_flat`, `native_or_fallback`), which
 pick torch's name for the op (Note [flat collective names across torch versions]) and switch to
 a fallback when the backend lacks it (`api_compat`, read only for such a backend).
 
@@ -41,7 +41,7 @@ __all__ = [
     "CommWork",
     "Issued",
     "all_gather_flat",
-    "all_to_all_flat",
+    "native_or_fallback",
     "reduce_scatter_flat",
 ]
 
@@ -265,7 +265,7 @@ REDUCE_SCATTER_FLAT_NATIVE = (
 )
 
 
-def _native_or_fallback(
+def native_or_fallback(
     op: str, group: Any, native: Callable[[], Any], fallback: Callable[[], Issued]
 ) -> Issued:
     """Run `native`; if the backend says it lacks the op, remember that and run `fallback`
@@ -284,7 +284,7 @@ def all_gather_flat(
     output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool
 ) -> Issued:
     """Gather every rank's `input` into `output` (rank-major, n·m elements)."""
-    return _native_or_fallback(
+    return native_or_fallback(
         "all_gather",
         group,
         lambda: ALL_GATHER_FLAT_NATIVE(output, input, group=group, async_op=async_op),
@@ -310,31 +310,9 @@ def reduce_scatter_flat(
 
     if impl == "all_reduce+slice":
         return fallback()
-    return _native_or_fallback(
+    return native_or_fallback(
         "reduce_scatter",
         group,
         lambda: REDUCE_SCATTER_FLAT_NATIVE(output, input, op=op, group=group, async_op=async_op),
         fallback,
-    )
-
-
-def all_to_all_flat(
-    output: torch.Tensor,
-    input: torch.Tensor,
-    output_split_sizes: list[int] | None,
-    input_split_sizes: list[int] | None,
-    group: Any,
-    async_op: bool,
-) -> Issued:
-    """Exchange chunks along dim 0: chunk j of `input` goes to rank j; chunk i of `output`
-    comes from rank i (equal chunks when the split sizes are `None`)."""
-    return _native_or_fallback(
-        "all_to_all",
-        group,
-        lambda: dist.all_to_all_single(
-            output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
-        ),
-        lambda: api_compat.all_to_all_p2p(
-            output, input, output_split_sizes, input_split_sizes, group, async_op
-        ),
     )

@@ -40,7 +40,7 @@ from minispeed.comm.call import (
     CommWork,
     Issued,
     all_gather_flat,
-    all_to_all_flat,
+    native_or_fallback,
     reduce_scatter_flat,
 )
 from minispeed.comm.validation import CommInputError
@@ -257,8 +257,21 @@ def all_to_all_single(
         in_splits[me] * row if in_splits is not None else input.numel() // n
     ) * input.element_size()
     msg_bytes = input.numel() * input.element_size()
+
+    def issue() -> Issued:  # the p2p fallback where the backend lacks it (api_compat)
+        return native_or_fallback(
+            call.op,
+            group,
+            lambda: dist.all_to_all_single(
+                output, input, out_splits, in_splits, group=group, async_op=async_op
+            ),
+            lambda: api_compat.all_to_all_p2p(
+                output, input, out_splits, in_splits, group, async_op
+            ),
+        )
+
     return call.launch(
-        lambda: all_to_all_flat(output, input, out_splits, in_splits, group, async_op),
+        issue,
         async_op,
         input,
         input.numel(),

@@ -43,6 +43,23 @@ def _padded_rows(x: torch.Tensor, n: int, row_numel: int, padded_numel: int) -> 
     return rows
 
 
+def _check_sizes(
+    op: str, full: torch.Tensor, full_name: str, part: torch.Tensor, part_name: str, n: int
+) -> None:
+    """`full` holds the n ranks' parts (`n * part.numel()` elements); both are floating-point."""
+    if full.numel() != n * part.numel():
+        raise ValueError(
+            f"{full_name} has {full.numel()} elements but {n} ranks x {part.numel()} {part_name} "
+            f"elements = {n * part.numel()}; pass an {full_name} of n * {part_name}.numel() "
+            "elements"
+        )
+    if not (full.is_floating_point() and part.is_floating_point()):
+        raise TypeError(
+            f"quantized {op} needs float tensors, got {full_name} {full.dtype}, {part_name} "
+            f"{part.dtype}"
+        )
+
+
 def quantized_all_gather_into_tensor(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -58,15 +75,7 @@ def quantized_all_gather_into_tensor(
     call = Call("quantized_all_gather", group, rejects=_REJECTS)
     n, shard = call.n, input.numel()
     with call:
-        if output.numel() != n * shard:
-            raise ValueError(
-                f"output has {output.numel()} elements but {n} ranks x {shard} input elements = "
-                f"{n * shard}; allocate output with n * input.numel() elements"
-            )
-        if not (input.is_floating_point() and output.is_floating_point()):
-            raise TypeError(
-                f"quantized all-gather needs float tensors, got {input.dtype}/{output.dtype}"
-            )
+        _check_sizes("all-gather", output, "output", input, "input", n)
     call.agree(lambda: {"shape": tuple(input.shape), "quantizer": repr(quantizer)})
     padded = quantizer.padded_numel(shard)
     message = quantizer.compress(_padded_rows(input, 1, shard, padded)).to_bytes()
@@ -115,15 +124,7 @@ def quantized_reduce_scatter_tensor(
             quantizer = error_feedback.compressor
         quantizer = quantizer if quantizer is not None else _DEFAULT
         shard = output.numel()
-        if input.numel() != n * shard:
-            raise ValueError(
-                f"input has {input.numel()} elements but {n} ranks x {shard} output elements = "
-                f"{n * shard}; pass an input of n * output.numel() elements"
-            )
-        if not (input.is_floating_point() and output.is_floating_point()):
-            raise TypeError(
-                f"quantized reduce-scatter needs float tensors, got {input.dtype}/{output.dtype}"
-            )
+        _check_sizes("reduce-scatter", input, "input", output, "output", n)
     call.agree(lambda: {"shape": tuple(input.shape), "quantizer": repr(quantizer)})
     padded = quantizer.padded_numel(shard)
     rows = _padded_rows(input, n, shard, padded).view(-1)  # (n P,): part j = rows[j]
