@@ -87,13 +87,10 @@ class Call:
         self.n = n if ledger_group_size is None else ledger_group_size
         # depth 3: checked <- Call.__init__ <- the collective <- its caller, the call site
         self.checked = cross_check and handshake.checked(group, depth=3)
-        self.impl = "native"
-        self.compat_op: str | None = None
-        self.numel = self.msg_bytes = 0
-        self.dtype: torch.dtype | None = None
-        self.shapes: list[tuple[int, ...]] = []
-        self.wire: int | None = None
-        self.step: int | None = None  # the logger's step at issue, when a logger is active
+        self.impl = "native"  # or the fallback that ran, known at launch
+        # compat_op, dtype, msg_bytes, numel, shapes, wire: set by launch, which describes the
+        # message; step: the logger's step at issue, when a logger is active
+        self.step: int | None = None
 
     def __enter__(self) -> Call:
         return self
