@@ -135,3 +135,26 @@ def test_unknown_environment_value_names_the_choices():
         _bad_env_body, world_size=1, env={"MINISPEED_COMM_VALIDATE": "maybe"}, timeout_s=60
     )[0]
     assert "use 0 (off), first (the default) or 1 (every call)" in message
+
+
+def _second_site_body(rank: int, world_size: int, which: str) -> str:
+    """A matching call at one line, then a mismatched one at another: the second line is a new
+    call site (the caller's line, not a line inside the collective), so it is checked too."""
+    numel = 16 if rank == world_size - 1 else 8
+    if which == "quantized_all_gather":
+        qag = comm.compression.quantized_all_gather_into_tensor
+        qag(torch.empty(world_size * 8), torch.ones(8))  # first site: every rank agrees
+        with pytest.raises(comm.CommMismatchError) as info:
+            qag(torch.empty(world_size * numel), torch.ones(numel))  # second site
+    else:  # a fresh top-k all-reduce per call: its residual is sized on first use
+        comm.compression.TopkAllReduce()(torch.ones(8))
+        with pytest.raises(comm.CommMismatchError) as info:
+            comm.compression.TopkAllReduce()(torch.ones(numel))
+    comm.barrier()
+    return str(info.value)
+
+
+@pytest.mark.parametrize("which", ["quantized_all_gather", "topk"])
+def test_compressed_collectives_check_each_call_site_of_their_caller(which):
+    messages = run_distributed(_second_site_body, world_size=2, args=(which,), timeout_s=60)
+    assert len(set(messages)) == 1 and "ranks [1]" in messages[0]

@@ -5,13 +5,12 @@ Use it as `import minispeed.comm as comm`. Reading order (see README.md):
 1. `costs` — what each collective costs (message size, bus-bandwidth factor,
    bytes on the wire), written once.
 2. `groups` — start torch.distributed, ranks, sub-groups.
-3. `collectives` — the collectives, with checks before blocking;
-   `p2p` — send/recv; `objects` — Python objects;
-   `work` — how one call is issued, timed, logged and waited on.
+3. `collectives` — the collectives, each handed to one `call.Call` (checks, cross-rank check,
+   launch, ledger record); `p2p` — send/recv; `objects` — Python objects.
 4. `logger` — the comms logger (off by default).
 5. `validation` — errors and local checks; `handshake` — the cross-rank check (first call
    of each call site by default, every call in validation mode).
-6. `api_compat` — torch-version and backend differences, in one place.
+6. `api_compat` — what runs when a backend lacks a flat collective.
 7. `buckets` — the unbucketed loop, and `LaunchQueue`: buckets launched in one fixed order
    while backward runs, with a bounded window in flight.
 8. `topology` and `hierarchical` — process grids and
@@ -20,6 +19,7 @@ Use it as `import minispeed.comm as comm`. Reading order (see README.md):
 
 from minispeed.comm.api_compat import reduce_scatter_impl
 from minispeed.comm.buckets import InFlight, LaunchQueue, all_reduce_unbucketed
+from minispeed.comm.call import CommWork
 from minispeed.comm.collectives import (
     ReduceOp,
     all_gather_coalesced,
@@ -53,7 +53,6 @@ from minispeed.comm.validation import (
     CommTimeoutError,
     tensor_device,
 )
-from minispeed.comm.work import CommWork
 
 __all__ = [
     "CommBackendError",

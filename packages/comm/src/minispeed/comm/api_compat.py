@@ -1,12 +1,7 @@
-"""The one place that knows which torch.distributed functions exist and which a backend lacks.
+"""What comm does when a backend lacks a collective, or runs one worse than we can.
 
-**Note [flat collective names across torch versions]**
-
-torch 2.13 renamed the flat ("into one tensor") collectives: `all_gather_into_tensor` became
-`all_gather_single` and `reduce_scatter_tensor` became `reduce_scatter_single`; the old
-names still work but warn. The GPU machines carry torch 2.11, which has only the old names. We
-pick by feature (`hasattr`), never by version string, once at import, so no deprecation warning
-fires on 2.13 and nothing breaks on 2.11.
+The main path (the torch names, the native call) is in `minispeed.comm.call`; this module holds
+the fallbacks it switches to, which backends need them, and the notes on in-place use.
 
 **Note [backend fallbacks]**
 
@@ -65,18 +60,15 @@ import torch.distributed as dist
 
 __all__ = [
     "Issued",
-    "all_gather_flat",
-    "all_to_all_flat",
+    "WorkList",
+    "all_gather_list",
+    "all_to_all_p2p",
     "force_fallback",
-    "reduce_scatter_flat",
+    "impl_of",
+    "reduce_scatter_by_all_reduce",
     "reduce_scatter_impl",
+    "remember_missing",
 ]
-
-# Picked once, by feature. See Note [flat collective names across torch versions].
-_all_gather_flat_native = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat_native = (
-    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-)
 
 # (backend, op) pairs found missing at run time, plus those forced by tests.
 _MISSING: set[tuple[str, str]] = set()
@@ -156,79 +148,43 @@ def _backend(group: Any) -> str:
     return str(dist.get_backend(group))
 
 
-def _try_native(
-    op: str, group: Any, native: Callable[[], Any], fallback: Callable[[], Issued]
+def remember_missing(op: str, group: Any, err: RuntimeError) -> bool:
+    """Whether `err` says `group`'s backend lacks `op`; if so, remember it for the next calls."""
+    if not _UNSUPPORTED_RE.search(str(err)):
+        return False
+    _MISSING.add((_backend(group), op))
+    return True
+
+
+def reduce_scatter_by_all_reduce(
+    output: torch.Tensor, input: torch.Tensor, op: Any, group: Any, async_op: bool
 ) -> Issued:
-    """Run `native`; if the backend says it lacks the op, remember that and run `fallback`."""
-    if impl_of(op, group) != "native":
-        return fallback()
-    try:
-        return native(), None
-    except RuntimeError as err:
-        if not _UNSUPPORTED_RE.search(str(err)):
-            raise
-        _MISSING.add((_backend(group), op))
-        return fallback()
+    """Fallback `all_reduce+slice`: all-reduce a copy of the whole input, keep this rank's chunk.
 
-
-def reduce_scatter_flat(
-    output: torch.Tensor, input: torch.Tensor, op: Any, group: Any, async_op: bool, impl: str
-) -> Issued:
-    """Reduce `input` (n·m elements) over the group; this rank's m-element chunk lands in `output`.
-
-    Fallback `all_reduce+slice`: all-reduce a copy of the whole input, keep this rank's chunk.
     Correct for every reduce op; it sends 2(n-1)/n · S bytes instead of (n-1)/n · S and holds one
-    extra input-sized buffer while in flight. In place, where the backend's reduce-scatter is an
-    all-reduce anyway (`all_reduce_in_place`, Note [gloo's reduce-scatter is an all-reduce]), the
-    input itself is all-reduced: the same bytes, no buffer, no copy. `impl`: what
-    `reduce_scatter_impl` chose for this call (the caller logs it, so it is computed once).
+    extra input-sized buffer while in flight.
     """
-    if impl == "all_reduce_in_place":
-        return dist.all_reduce(input, op=op, group=group, async_op=async_op), None
+    full = input.detach().clone()  # the caller's input must stay unreduced
+    work = dist.all_reduce(full, op=op, group=group, async_op=async_op)
+    me = dist.get_rank(group)
+    m = output.numel()
 
-    def fallback() -> Issued:
-        full = input.detach().clone()  # the caller's input must stay unreduced
-        work = dist.all_reduce(full, op=op, group=group, async_op=async_op)
-        me = dist.get_rank(group)
-        m = output.numel()
+    def finish() -> None:
+        output.view(-1).copy_(full.view(-1)[me * m : (me + 1) * m])
 
-        def finish() -> None:
-            output.view(-1).copy_(full.view(-1)[me * m : (me + 1) * m])
-
-        return work, finish
-
-    if impl == "all_reduce+slice":
-        return fallback()
-    return _try_native(
-        "reduce_scatter",
-        group,
-        lambda: _reduce_scatter_flat_native(output, input, op=op, group=group, async_op=async_op),
-        fallback,
-    )
+    return work, finish
 
 
-def all_gather_flat(
+def all_gather_list(
     output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool
 ) -> Issued:
-    """Gather every rank's `input` into `output` (rank-major, n·m elements).
-
-    Fallback `all_gather_list`: the list form of all-gather writing into n views of `output`
-    (same bytes on the wire; the backend may copy once more).
-    """
-
-    def fallback() -> Issued:
-        chunks = list(output.view(-1).chunk(dist.get_world_size(group)))
-        return dist.all_gather(chunks, input.reshape(-1), group=group, async_op=async_op), None
-
-    return _try_native(
-        "all_gather",
-        group,
-        lambda: _all_gather_flat_native(output, input, group=group, async_op=async_op),
-        fallback,
-    )
+    """Fallback `all_gather_list`: the list form of all-gather writing into n views of `output`
+    (same bytes on the wire; the backend may copy once more)."""
+    chunks = list(output.view(-1).chunk(dist.get_world_size(group)))
+    return dist.all_gather(chunks, input.reshape(-1), group=group, async_op=async_op), None
 
 
-def all_to_all_flat(
+def all_to_all_p2p(
     output: torch.Tensor,
     input: torch.Tensor,
     output_split_sizes: list[int] | None,
@@ -236,41 +192,26 @@ def all_to_all_flat(
     group: Any,
     async_op: bool,
 ) -> Issued:
-    """Exchange chunks along dim 0: chunk j of `input` goes to rank j; chunk i of `output`
-    comes from rank i (equal chunks when the split sizes are `None`).
-
-    Fallback `p2p`: one batched isend/irecv per peer plus a local copy of this rank's own
-    chunk; the same bytes on the wire.
-    """
-
-    def fallback() -> Issued:
-        n = dist.get_world_size(group)
-        me = dist.get_rank(group)
-        ins = _split(input, input_split_sizes, n)
-        outs = _split(output, output_split_sizes, n)
-        ops = []
-        for peer in range(n):
-            if peer == me:
-                continue
-            peer_global = dist.get_global_rank(group, peer) if group is not None else peer
-            ops.append(dist.P2POp(dist.isend, ins[peer].contiguous(), peer_global, group))
-            ops.append(dist.P2POp(dist.irecv, outs[peer], peer_global, group))
-        outs[me].copy_(ins[me])
-        works = dist.batch_isend_irecv(ops) if ops else []
-        if not async_op:
-            for w in works:
-                w.wait()
-            return None, None
-        return _WorkList(works), None
-
-    return _try_native(
-        "all_to_all",
-        group,
-        lambda: dist.all_to_all_single(
-            output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
-        ),
-        fallback,
-    )
+    """Fallback `p2p`: one batched isend/irecv per peer plus a local copy of this rank's own
+    chunk; the same bytes on the wire."""
+    n = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    ins = _split(input, input_split_sizes, n)
+    outs = _split(output, output_split_sizes, n)
+    ops = []
+    for peer in range(n):
+        if peer == me:
+            continue
+        peer_global = dist.get_global_rank(group, peer) if group is not None else peer
+        ops.append(dist.P2POp(dist.isend, ins[peer].contiguous(), peer_global, group))
+        ops.append(dist.P2POp(dist.irecv, outs[peer], peer_global, group))
+    outs[me].copy_(ins[me])
+    works = dist.batch_isend_irecv(ops) if ops else []
+    if not async_op:
+        for w in works:
+            w.wait()
+        return None, None
+    return WorkList(works), None
 
 
 def _split(t: torch.Tensor, sizes: list[int] | None, n: int) -> list[torch.Tensor]:
@@ -279,7 +220,7 @@ def _split(t: torch.Tensor, sizes: list[int] | None, n: int) -> list[torch.Tenso
     return list(t.split([int(s) for s in sizes]))
 
 
-class _WorkList:
+class WorkList:
     """Several backend handles waited on as one."""
 
     def __init__(self, works: list[Any]) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from minispeed.comm import api_compat, collectives, costs, handshake
+from minispeed.comm import call, collectives, costs, handshake
 from minispeed.comm.logger import CommsLogger
 from minispeed.core import ranges
 
@@ -76,8 +76,8 @@ def _call(
     if variant == "torch":
         return {
             "all_reduce": lambda: dist.all_reduce(inp, group=g),
-            "all_gather": lambda: api_compat._all_gather_flat_native(out, inp, group=g),
-            "reduce_scatter": lambda: api_compat._reduce_scatter_flat_native(out, inp, group=g),
+            "all_gather": lambda: call.ALL_GATHER_FLAT_NATIVE(out, inp, group=g),
+            "reduce_scatter": lambda: call.REDUCE_SCATTER_FLAT_NATIVE(out, inp, group=g),
             "broadcast": lambda: dist.broadcast(inp, src, group=g),
             "all_to_all": lambda: dist.all_to_all_single(out, inp, group=g),
         }[op]

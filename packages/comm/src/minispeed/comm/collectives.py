@@ -1,6 +1,8 @@
 """Every collective minispeed issues, over torch.distributed (gloo on CPU, NCCL on GPU).
 
-Each function has the signature of its torch.distributed namesake and adds four things:
+Each function has the signature of its torch.distributed namesake and goes through one `Call`
+(`minispeed.comm.call`: this file and that one are the whole path from here to the backend),
+which adds four things:
 
 - **checks before blocking**: bad devices, dtypes, sizes, sparse tensors and group membership
   raise `CommInputError` on the calling rank before any rank waits (see
@@ -32,10 +34,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from minispeed.comm import api_compat, costs, handshake, validation
-from minispeed.comm.handshake import checked, reject
+from minispeed.comm import api_compat, costs, validation
+from minispeed.comm.call import (
+    Call,
+    CommWork,
+    Issued,
+    all_gather_flat,
+    native_or_fallback,
+    reduce_scatter_flat,
+)
 from minispeed.comm.validation import CommInputError
-from minispeed.comm.work import Call, CommWork, launch
 
 __all__ = [
     "CommWork",
@@ -60,21 +68,16 @@ def all_reduce(
 
     Sends 2(n-1)/n · S bytes per rank (ring: reduce-scatter then all-gather), S = tensor bytes.
     """
-    n = validation.check_group("all_reduce", group)
-    is_checked = checked(group)
-    try:
-        validation.check_tensors("all_reduce", group, tensor)
-    except CommInputError as err:
-        raise reject("all_reduce", group, err, is_checked) from None
-    if is_checked:
-        handshake.compare(
-            "all_reduce",
-            group,
-            {"shape": tuple(tensor.shape), "dtype": str(tensor.dtype), "op": str(op)},
-        )
-    call = Call("all_reduce", group, n, tensor, tensor.numel(), (tensor,))
-    return launch(
-        call, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op
+    call = Call("all_reduce", group)
+    with call:
+        validation.check_tensors(call.op, group, tensor)
+    call.agree(lambda: {"shape": tuple(tensor.shape), "dtype": str(tensor.dtype), "op": str(op)})
+    return call.launch(
+        lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op),
+        async_op,
+        tensor,
+        tensor.numel(),
+        (tensor,),
     )
 
 
@@ -94,42 +97,22 @@ def reduce_scatter_tensor(
     2(n-1)/n · S sent, and the logger records that `impl` with those wire bytes. In place, the
     other chunks of `input` are scratch afterwards (Note [in-place flat collectives]).
     """
-    name = "reduce_scatter"
-    n = validation.check_group(name, group)
-    is_checked = checked(group)
-    try:
-        validation.check_tensors(name, group, output, input)
-        validation.check_same_dtype(name, output, input)
-        validation.check_divisible(name, input.numel(), n)
-        validation.check_numel(
-            name,
-            "output",
-            output.numel(),
-            input.numel() // n,
-            "allocate output with input.numel() // group size elements",
-        )
-    except CommInputError as err:
-        raise reject(name, group, err, is_checked) from None
-    if is_checked:
-        handshake.compare(
-            name, group, {"shape": tuple(input.shape), "dtype": str(input.dtype), "op": str(op)}
-        )
-    call = Call(
-        name,
-        group,
-        n,
+    call = Call("reduce_scatter", group)
+    with call:
+        validation.check_tensors(call.op, group, output, input)
+        validation.check_same_dtype(call.op, output, input)
+        validation.check_divisible(call.op, input.numel(), call.n)
+        fix = "allocate output with input.numel() // group size elements"
+        validation.check_numel(call.op, "output", output.numel(), input.numel() // call.n, fix)
+    call.agree(lambda: {"shape": tuple(input.shape), "dtype": str(input.dtype), "op": str(op)})
+    impl = call.impl = api_compat.reduce_scatter_impl(group, output, input)
+    return call.launch(
+        lambda: reduce_scatter_flat(_flat(output), _flat(input), op, group, async_op, impl),
+        async_op,
         input,
         input.numel(),
         (output, input),
-        compat_op=name,
-    )
-    impl = call.impl = api_compat.reduce_scatter_impl(group, output, input)
-    return launch(
-        call,
-        lambda: api_compat.reduce_scatter_flat(
-            _flat(output), _flat(input), op, group, async_op, impl
-        ),
-        async_op,
+        compat_op=call.op,
     )
 
 
@@ -140,36 +123,20 @@ def all_gather_into_tensor(
 
     S = output bytes; sends (n-1)/n · S per rank (ring).
     """
-    name = "all_gather"
-    n = validation.check_group(name, group)
-    is_checked = checked(group)
-    try:
-        validation.check_tensors(name, group, output, input)
-        validation.check_same_dtype(name, output, input)
-        validation.check_numel(
-            name,
-            "output",
-            output.numel(),
-            n * input.numel(),
-            "allocate output with group size * input.numel() elements",
-        )
-    except CommInputError as err:
-        raise reject(name, group, err, is_checked) from None
-    if is_checked:
-        handshake.compare(name, group, {"shape": tuple(input.shape), "dtype": str(input.dtype)})
-    call = Call(
-        name,
-        group,
-        n,
+    call = Call("all_gather", group)
+    with call:
+        validation.check_tensors(call.op, group, output, input)
+        validation.check_same_dtype(call.op, output, input)
+        fix = "allocate output with group size * input.numel() elements"
+        validation.check_numel(call.op, "output", output.numel(), call.n * input.numel(), fix)
+    call.agree(lambda: {"shape": tuple(input.shape), "dtype": str(input.dtype)})
+    return call.launch(
+        lambda: all_gather_flat(_flat(output), _flat(input), group, async_op),
+        async_op,
         output,
         output.numel(),
         (output, input),
-        compat_op=name,
-    )
-    return launch(
-        call,
-        lambda: api_compat.all_gather_flat(_flat(output), _flat(input), group, async_op),
-        async_op,
+        compat_op=call.op,
     )
 
 
@@ -192,85 +159,40 @@ def all_gather_coalesced(
     arrived (in `wait()` for an async call), so an in-flight gather holds only its n · Σ numel
     buffer, not the outputs as well (ZeRO-3 prefetches this way). Its tensors are checked then.
     """
-    name = "all_gather_coalesced"
-    n = validation.check_group(name, group)
-    is_checked = checked(group)
+    call = Call("all_gather_coalesced", group)
     lazy = callable(outputs)
-
-    def check_outputs(outs: Sequence[torch.Tensor]) -> None:
-        if len(outs) != len(inputs):
-            raise CommInputError(
-                f"{name}: got {len(outs)} outputs for {len(inputs)} inputs; pass one output per "
-                "input"
-            )
-        validation.check_tensors(name, group, *outs, contiguous=False)
-        for i, (o, t) in enumerate(zip(outs, inputs)):
-            if o.dtype != dtype:
-                raise CommInputError(
-                    f"{name}: outputs[{i}] has dtype {o.dtype}, the inputs {dtype}; coalesce "
-                    "tensors of one dtype per call"
-                )
-            validation.check_numel(
-                name,
-                f"outputs[{i}]",
-                o.numel(),
-                n * t.numel(),
-                f"allocate outputs[{i}] with {n} * inputs[{i}].numel() elements",
-            )
-
-    try:
+    with call:
         if not inputs:
-            raise CommInputError(f"{name}: got no inputs; pass at least one tensor")
-        validation.check_tensors(name, group, *inputs, contiguous=False)
-        dtype = inputs[0].dtype
-        for i, t in enumerate(inputs):
-            if t.dtype != dtype:
-                raise CommInputError(
-                    f"{name}: inputs[{i}] has dtype {t.dtype}, the first {dtype}; coalesce "
-                    "tensors of one dtype per call"
-                )
+            raise CommInputError(f"{call.op}: got no inputs; pass at least one tensor")
+        validation.check_tensors(call.op, group, *inputs, contiguous=False)
+        validation.check_one_dtype(call.op, "inputs", inputs, inputs[0].dtype, "the first")
         if not lazy:  # lazy outputs are checked when they are made, in finish()
-            check_outputs(outputs)
-    except CommInputError as err:
-        raise reject(name, group, err, is_checked) from None
-    if is_checked:
-        handshake.compare(
-            name, group, {"shapes": [tuple(t.shape) for t in inputs], "dtype": str(dtype)}
-        )
-    sizes = [t.numel() for t in inputs]
+            _check_coalesced_outputs(call, outputs, inputs)
+    dtype = inputs[0].dtype
+    call.agree(lambda: {"shapes": [tuple(t.shape) for t in inputs], "dtype": str(dtype)})
+    n, sizes = call.n, [t.numel() for t in inputs]
     total = sum(sizes)
     flat_out = inputs[0].new_empty(n * total)  # 1D, rank-major: [rank0: in0|in1|..][rank1: ...]
     me = dist.get_rank(group)
     flat_in = flat_out[me * total : (me + 1) * total]  # this rank's chunk: gathered in place
     torch.cat([t.reshape(-1) for t in inputs], out=flat_in)
 
-    def finish() -> None:
-        outs = outputs
+    def finish() -> None:  # unpack: outputs[i] takes column block i of every rank's chunk
+        outs = outputs() if lazy else outputs
         if lazy:
-            outs = outputs()
-            check_outputs(outs)
-        by_rank = flat_out.view(n, total)
-        offset = 0
+            _check_coalesced_outputs(call, outs, inputs)
+        by_rank, offset = flat_out.view(n, total), 0
         for o, size in zip(outs, sizes):
             o.view(n, size).copy_(by_rank[:, offset : offset + size])
             offset += size
 
-    def issue() -> api_compat.Issued:
-        work, inner_finish = api_compat.all_gather_flat(flat_out, flat_in, group, async_op)
+    def issue() -> Issued:
+        work, inner_finish = all_gather_flat(flat_out, flat_in, group, async_op)
         if inner_finish is not None:
             raise AssertionError("the flat all-gather fallback needs no finishing step")
         return work, finish
 
-    call = Call(
-        name,
-        group,
-        n,
-        flat_out,
-        n * total,
-        inputs,
-        compat_op="all_gather",
-    )
-    return launch(call, issue, async_op)
+    return call.launch(issue, async_op, flat_out, n * total, inputs, compat_op="all_gather")
 
 
 def broadcast(
@@ -280,23 +202,19 @@ def broadcast(
 
     S = tensor bytes; the root sends S (pipelined chain or tree), the others forward or receive.
     """
-    n = validation.check_group("broadcast", group)
-    is_checked = checked(group)
-    try:
-        validation.check_tensors("broadcast", group, tensor)
-        validation.check_peer("broadcast", src, "src", group)
-    except CommInputError as err:
-        raise reject("broadcast", group, err, is_checked) from None
-    if is_checked:
-        handshake.compare(
-            "broadcast",
-            group,
-            {"shape": tuple(tensor.shape), "dtype": str(tensor.dtype), "src": src},
-        )
-    call = Call("broadcast", group, n, tensor, tensor.numel(), (tensor,))
-    call.wire = costs.wire_bytes("broadcast", call.msg_bytes, n, is_root=dist.get_rank() == src)
-    return launch(
-        call, lambda: dist.broadcast(tensor, src, group=group, async_op=async_op), async_op
+    call = Call("broadcast", group)
+    with call:
+        validation.check_tensors(call.op, group, tensor)
+        validation.check_peer(call.op, src, "src", group)
+    call.agree(lambda: {"shape": tuple(tensor.shape), "dtype": str(tensor.dtype), "src": src})
+    msg_bytes = tensor.numel() * tensor.element_size()
+    return call.launch(
+        lambda: dist.broadcast(tensor, src, group=group, async_op=async_op),
+        async_op,
+        tensor,
+        tensor.numel(),
+        (tensor,),
+        wire=costs.wire_bytes(call.op, msg_bytes, call.n, is_root=dist.get_rank() == src),
     )
 
 
@@ -313,78 +231,106 @@ def all_to_all_single(
 
     S = input bytes; sends S minus its own chunk (equal splits: (n-1)/n · S).
     """
-    name = "all_to_all"
-    n = validation.check_group(name, group)
-    is_checked = checked(group)
-    try:
-        validation.check_tensors(name, group, output, input)
-        validation.check_same_dtype(name, output, input)
+    call = Call("all_to_all", group)
+    n = call.n
+    with call:
+        validation.check_tensors(call.op, group, output, input)
+        validation.check_same_dtype(call.op, output, input)
         # a 0-dim tensor is one row of one element: See the module docstring on 1-D views
         input, output = (
             (input.view(1) if input.dim() == 0 else input),
             (output.view(1) if output.dim() == 0 else output),
         )
-        in_dim0, out_dim0 = input.shape[0], output.shape[0]
-        validation.check_splits(name, "input", input_split_sizes, in_dim0, n)
-        validation.check_splits(name, "output", output_split_sizes, out_dim0, n)
-        if input[:1].numel() != output[:1].numel() and in_dim0 and out_dim0:
-            raise CommInputError(
-                f"{name}: input rows have shape {tuple(input.shape[1:])}, output rows "
-                f"{tuple(output.shape[1:])}; they must match"
-            )
-        if (
-            input_split_sizes is None
-            and output_split_sizes is None
-            and input.numel() != output.numel()
-        ):
-            raise CommInputError(
-                f"{name}: equal splits need output.numel() == input.numel() "
-                f"({output.numel()} != {input.numel()}); pass split sizes"
-            )
-    except CommInputError as err:
-        raise reject(name, group, err, is_checked) from None
+        _check_all_to_all_rows(call, output, input, output_split_sizes, input_split_sizes)
     in_splits = None if input_split_sizes is None else [int(s) for s in input_split_sizes]
     out_splits = None if output_split_sizes is None else [int(s) for s in output_split_sizes]
+    in_dim0, out_dim0 = input.shape[0], output.shape[0]
+    call.agree(
+        lambda: {"dtype": str(input.dtype), "row": tuple(input.shape[1:])},
+        # every call in mode all: the split sizes must mirror each other
+        payload=lambda: (in_splits or [in_dim0 // n] * n, out_splits or [out_dim0 // n] * n),
+        check_payload=validation.check_all_to_all_splits,
+    )
     me = dist.get_rank(group)
-    if is_checked:
-        signature = {"dtype": str(input.dtype), "row": tuple(input.shape[1:])}
-        if handshake.validation_enabled():  # every call: the split sizes must mirror each other
-            handshake.compare(
-                name,
-                group,
-                signature,
-                payload=(in_splits or [in_dim0 // n] * n, out_splits or [out_dim0 // n] * n),
-                check_payload=validation.check_all_to_all_splits,
-            )
-        else:
-            handshake.compare(name, group, signature)
     row = input[:1].numel() if in_dim0 else 0
     own = (
         in_splits[me] * row if in_splits is not None else input.numel() // n
     ) * input.element_size()
-    call = Call(
-        name,
-        group,
-        n,
+    msg_bytes = input.numel() * input.element_size()
+
+    def issue() -> Issued:  # the p2p fallback where the backend lacks it (api_compat)
+        return native_or_fallback(
+            call.op,
+            group,
+            lambda: dist.all_to_all_single(
+                output, input, out_splits, in_splits, group=group, async_op=async_op
+            ),
+            lambda: api_compat.all_to_all_p2p(
+                output, input, out_splits, in_splits, group, async_op
+            ),
+        )
+
+    return call.launch(
+        issue,
+        async_op,
         input,
         input.numel(),
         (output, input),
-        compat_op=name,
-    )
-    call.wire = costs.wire_bytes(name, call.msg_bytes, n, own_chunk_bytes=own)
-    return launch(
-        call,
-        lambda: api_compat.all_to_all_flat(output, input, out_splits, in_splits, group, async_op),
-        async_op,
+        compat_op=call.op,
+        wire=costs.wire_bytes(call.op, msg_bytes, n, own_chunk_bytes=own),
     )
 
 
 def barrier(group: Any = None) -> None:
     """Block until every rank of the group reached this call."""
-    n = validation.check_group("barrier", group)
-    if checked(group):
-        handshake.compare("barrier", group, {})
-    launch(Call("barrier", group, n, None, 0, []), lambda: dist.barrier(group=group), False)
+    call = Call("barrier", group)
+    call.agree(dict)
+    call.launch(lambda: dist.barrier(group=group), False, None, 0, [])
+
+
+# -- local checks shared by the collectives above ----------------------------------------------
+def _check_coalesced_outputs(
+    call: Call, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
+) -> None:
+    """One output per input, of the inputs' dtype, with n times its elements."""
+    if len(outputs) != len(inputs):
+        raise CommInputError(
+            f"{call.op}: got {len(outputs)} outputs for {len(inputs)} inputs; pass one output "
+            "per input"
+        )
+    validation.check_tensors(call.op, call.group, *outputs, contiguous=False)
+    validation.check_one_dtype(call.op, "outputs", outputs, inputs[0].dtype, "the inputs")
+    for i, (o, t) in enumerate(zip(outputs, inputs)):
+        validation.check_numel(
+            call.op,
+            f"outputs[{i}]",
+            o.numel(),
+            call.n * t.numel(),
+            f"allocate outputs[{i}] with {call.n} * inputs[{i}].numel() elements",
+        )
+
+
+def _check_all_to_all_rows(
+    call: Call,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: Sequence[int] | None,
+    input_split_sizes: Sequence[int] | None,
+) -> None:
+    """Split sizes that fit the first dimensions, rows of one shape, equal sizes without splits."""
+    in_dim0, out_dim0 = input.shape[0], output.shape[0]
+    validation.check_splits(call.op, "input", input_split_sizes, in_dim0, call.n)
+    validation.check_splits(call.op, "output", output_split_sizes, out_dim0, call.n)
+    if input[:1].numel() != output[:1].numel() and in_dim0 and out_dim0:
+        raise CommInputError(
+            f"{call.op}: input rows have shape {tuple(input.shape[1:])}, output rows "
+            f"{tuple(output.shape[1:])}; they must match"
+        )
+    if input_split_sizes is None and output_split_sizes is None and input.numel() != output.numel():
+        raise CommInputError(
+            f"{call.op}: equal splits need output.numel() == input.numel() "
+            f"({output.numel()} != {input.numel()}); pass split sizes"
+        )
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:

@@ -13,14 +13,15 @@ import torch
 import torch.distributed as dist
 
 from minispeed.comm import api_compat, validation
+from minispeed.comm.call import Call, CommWork
 from minispeed.comm.validation import CommInputError
-from minispeed.comm.work import Call, CommWork, launch
 
 __all__ = ["P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send"]
 
 
 def _p2p(op: str, tensor: torch.Tensor, peer: int, group: Any, async_op: bool) -> CommWork | None:
-    validation.check_group(op, group)
+    # no group-wide call to compare; the ledger's group size: a message has two ends
+    call = Call(op, group, cross_check=False, ledger_group_size=2)
     validation.check_tensors(op, group, tensor)
     validation.check_peer(op, peer, "dst" if op == "send" else "src", group)
     fn = {
@@ -29,8 +30,9 @@ def _p2p(op: str, tensor: torch.Tensor, peer: int, group: Any, async_op: bool) -
         ("recv", False): dist.recv,
         ("recv", True): dist.irecv,
     }[(op, async_op)]
-    call = Call(op, group, 2, tensor, tensor.numel(), (tensor,))
-    return launch(call, lambda: fn(tensor, peer, group=group), async_op)
+    return call.launch(
+        lambda: fn(tensor, peer, group=group), async_op, tensor, tensor.numel(), (tensor,)
+    )
 
 
 def send(tensor: torch.Tensor, dst: int, group: Any = None) -> None:
@@ -98,7 +100,14 @@ def batch_isend_irecv(ops: Sequence[P2POp]) -> list[CommWork]:
         nbytes = p.tensor.numel() * p.tensor.element_size()
         sent, recvd = (sent + nbytes, recvd) if name == "send" else (sent, recvd + nbytes)
     first = ops[0].tensor
-    call = Call("batch_p2p", ops[0].group, 2, first, 0, [p.tensor for p in ops], wire=sent)
-    call.numel, call.msg_bytes = (sent + recvd) // first.element_size(), sent + recvd
-    work = launch(call, lambda: api_compat._WorkList(dist.batch_isend_irecv(torch_ops)), True)
+    call = Call("batch_p2p", ops[0].group, cross_check=False, ledger_group_size=2)
+    work = call.launch(
+        lambda: api_compat.WorkList(dist.batch_isend_irecv(torch_ops)),
+        True,
+        first,
+        (sent + recvd) // first.element_size(),
+        [p.tensor for p in ops],
+        wire=sent,
+        msg_bytes=sent + recvd,
+    )
     return [work]  # type: ignore[list-item]

@@ -169,6 +169,18 @@ def check_same_dtype(op: str, output: torch.Tensor, input: torch.Tensor) -> None
         )
 
 
+def check_one_dtype(
+    op: str, what: str, tensors: Sequence[torch.Tensor], dtype: torch.dtype, ref: str
+) -> None:
+    """Every tensor of `tensors` (named `what[i]`) has `dtype`, that of `ref` (for the message)."""
+    for i, t in enumerate(tensors):
+        if t.dtype != dtype:
+            raise CommInputError(
+                f"{op}: {what}[{i}] has dtype {t.dtype}, {ref} {dtype}; coalesce tensors of one "
+                "dtype per call"
+            )
+
+
 def check_numel(op: str, what: str, actual: int, expected: int, fix: str) -> None:
     """`actual == expected` or an error naming both and the fix."""
     if actual != expected:

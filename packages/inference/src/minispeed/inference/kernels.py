@@ -37,8 +37,7 @@ from minispeed.core.op_builder import (
     DISABLE_ENV,
     SIMD_ENV,
     OpBuilder,
-    load_or_fallback,
-    ops_disabled,
+    OpLoader,
 )
 from minispeed.inference import kernels_reference as reference
 
@@ -83,12 +82,11 @@ class InferenceCudaKernelsBuilder(OpBuilder):
     uses_openmp = False
 
 
-_BUILDER = InferenceKernelsBuilder()
-_CUDA_BUILDER = InferenceCudaKernelsBuilder()
+# The CPU op is loaded once per SIMD level: tests switch levels with MINISPEED_SIMD.
+_OPS = OpLoader(
+    {"cpu": InferenceKernelsBuilder(), "cuda": InferenceCudaKernelsBuilder()}, per_simd_level=True
+)
 _CUDA_BY_ENV: dict[str | None, ModuleType | None] = {}  # MINISPEED_DISABLE_OPS -> the CUDA op
-# SIMD level -> loaded module (or None after a failed build). Asking the builder fingerprints its
-# flags (about a millisecond): too slow per kernel call in a decode loop.
-_LOADED: dict[str, ModuleType | None] = {}
 # (MINISPEED_DISABLE_OPS, MINISPEED_SIMD) -> the op in force. See Note [op lookup per call].
 _BY_ENV: dict[tuple[str | None, str | None], ModuleType | None] = {}
 
@@ -123,13 +121,7 @@ def load_op() -> ModuleType | None:
     key = (os.environ.get(DISABLE_ENV), os.environ.get(SIMD_ENV))
     if key in _BY_ENV:
         return _BY_ENV[key]
-    if ops_disabled(_BUILDER.name):
-        _BY_ENV[key] = load_or_fallback(_BUILDER)  # None, after its one warning
-    else:
-        level = _BUILDER.simd_level().label
-        if level not in _LOADED:
-            _LOADED[level] = load_or_fallback(_BUILDER)
-        _BY_ENV[key] = _LOADED[level]
+    _BY_ENV[key] = _OPS.load("cpu")
     return _BY_ENV[key]
 
 
@@ -147,7 +139,7 @@ def load_cuda_op() -> ModuleType | None:
     the reference runs, after one warning)."""
     key = os.environ.get(DISABLE_ENV)
     if key not in _CUDA_BY_ENV:
-        _CUDA_BY_ENV[key] = load_or_fallback(_CUDA_BUILDER)
+        _CUDA_BY_ENV[key] = _OPS.load("cuda")
     return _CUDA_BY_ENV[key]
 
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from minispeed.core.accelerator import get_accelerator
-from minispeed.core.op_builder import OpBuilder, load_or_fallback, ops_disabled
+from minispeed.core.op_builder import OpBuilder, OpLoader
 from minispeed.moe import permute_reference as reference
 
 __all__ = [
@@ -69,9 +69,7 @@ class PermuteCudaBuilder(OpBuilder):
     uses_openmp = False
 
 
-_BUILDERS: dict[str, OpBuilder] = {"cpu": PermuteBuilder(), "cuda": PermuteCudaBuilder()}
-# device type -> loaded module or None; asking the builder fingerprints flags (about a ms).
-_LOADED: dict[str, ModuleType | None] = {}
+_OPS = OpLoader({"cpu": PermuteBuilder(), "cuda": PermuteCudaBuilder()})
 
 
 def load_op(device_type: str = "cpu") -> ModuleType | None:
@@ -80,14 +78,7 @@ def load_op(device_type: str = "cpu") -> ModuleType | None:
     Loaded once per process (the SIMD level in force at the first call wins);
     `MINISPEED_DISABLE_OPS` is read on every call.
     """
-    builder = _BUILDERS.get(device_type)
-    if builder is None:
-        return None
-    if ops_disabled(builder.name):
-        return load_or_fallback(builder)  # None, after its one warning
-    if device_type not in _LOADED:
-        _LOADED[device_type] = load_or_fallback(builder)
-    return _LOADED[device_type]
+    return _OPS.load(device_type)
 
 
 def _check_rows(name: str, src: torch.Tensor, index: torch.Tensor, extra: torch.Tensor | None):

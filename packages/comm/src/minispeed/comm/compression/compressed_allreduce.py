@@ -49,7 +49,8 @@ from typing import Any
 import torch
 
 import minispeed.comm as comm
-from minispeed.comm import handshake, validation
+from minispeed.comm import validation
+from minispeed.comm.call import Call
 from minispeed.comm.compression import ops, wire
 from minispeed.comm.compression.error_feedback import ErrorFeedback
 from minispeed.comm.compression.onebit import OnebitCompressor, SignPacked
@@ -57,6 +58,10 @@ from minispeed.comm.compression.topk import TopkCompressor, TopkPacked
 from minispeed.comm.validation import CommInputError
 
 __all__ = ["OnebitAllReduce", "TopkAllReduce"]
+
+
+# What a compressed all-reduce's checks raise; See Note [errors reach every rank] in handshake.py
+_REJECTS = (ValueError, TypeError)
 
 
 def _check_tensor(tensor: torch.Tensor, numel: int | None, what: str) -> None:
@@ -94,15 +99,11 @@ class OnebitAllReduce:
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         """Replace `tensor` by the compressed average over the group; returns it."""
-        name = type(self).__name__
-        n = validation.check_group(name, self.group)
-        is_checked = handshake.checked(self.group)
-        try:
-            _check_tensor(tensor, self.numel, name)
-        except (ValueError, TypeError) as err:  # See Note [errors reach every rank]
-            raise handshake.reject(name, self.group, err, is_checked) from None
-        if is_checked:
-            handshake.compare(name, self.group, {"numel": tensor.numel()})
+        call = Call(type(self).__name__, self.group, rejects=_REJECTS)
+        with call:
+            _check_tensor(tensor, self.numel, call.op)
+        call.agree(lambda: {"numel": tensor.numel()})
+        n = call.n
         if self.numel is None:
             self.numel = tensor.numel()
             self.chunk_numel = wire.onebit_chunk_numel(tensor.numel(), n)
@@ -165,17 +166,11 @@ class TopkAllReduce:
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         """Replace `tensor` by the average of every rank's top-k; returns it."""
-        name = type(self).__name__
-        n = validation.check_group(name, self.group)
-        is_checked = handshake.checked(self.group)
-        try:
-            _check_tensor(tensor, self.numel, name)
-        except (ValueError, TypeError) as err:  # See Note [errors reach every rank]
-            raise handshake.reject(name, self.group, err, is_checked) from None
-        if is_checked:
-            handshake.compare(
-                name, self.group, {"numel": tensor.numel(), "compressor": repr(self.compressor)}
-            )
+        call = Call(type(self).__name__, self.group, rejects=_REJECTS)
+        with call:
+            _check_tensor(tensor, self.numel, call.op)
+        call.agree(lambda: {"numel": tensor.numel(), "compressor": repr(self.compressor)})
+        name, n = call.op, call.n
         self.numel = tensor.numel()
         if tensor.numel() == 0:
             return tensor

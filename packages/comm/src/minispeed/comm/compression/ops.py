@@ -29,7 +29,7 @@ import torch
 
 from minispeed.comm.compression import reference
 from minispeed.core.accelerator import get_accelerator
-from minispeed.core.op_builder import OpBuilder, load_or_fallback, ops_disabled
+from minispeed.core.op_builder import OpBuilder, OpLoader
 
 __all__ = [
     "CompressionBuilder",
@@ -77,10 +77,7 @@ class CompressionCudaBuilder(OpBuilder):
     extra_nvcc_flags = ("-DMINISPEED_WITH_CUDA",)
 
 
-_BUILDERS: dict[str, OpBuilder] = {"cpu": CompressionBuilder(), "cuda": CompressionCudaBuilder()}
-# device type -> the loaded module, or None after a failed build. Asking the builder costs about
-# a millisecond (it fingerprints flags and looks up the compiler), too much per kernel call.
-_LOADED: dict[str, ModuleType | None] = {}
+_OPS = OpLoader({"cpu": CompressionBuilder(), "cuda": CompressionCudaBuilder()})
 
 
 def load_op(device_type: str = "cpu") -> ModuleType | None:
@@ -91,14 +88,30 @@ def load_op(device_type: str = "cpu") -> ModuleType | None:
     explicit SIMD level (`op.simd_levels()` lists those compiled in: 0 scalar, 1 AVX2,
     2 AVX-512); tests use it to compare every path with the reference.
     """
-    builder = _BUILDERS.get(device_type)
-    if builder is None:
-        return None
-    if ops_disabled(builder.name):
-        return load_or_fallback(builder)  # None, after its one warning
-    if device_type not in _LOADED:
-        _LOADED[device_type] = load_or_fallback(builder)
-    return _LOADED[device_type]
+    return _OPS.load(device_type)
+
+
+def _packed(
+    codes: torch.Tensor,
+    name: str,
+    code_bytes: int,
+    scales: torch.Tensor,
+    numel: int,
+    per_scale: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A packed message of `numel` elements, checked: `codes` uint8 of `code_bytes` bytes and
+    one scale per `per_scale` elements; returned flat and contiguous (scales as fp32)."""
+    if codes.dtype != torch.uint8 or codes.numel() != code_bytes:
+        raise ValueError(
+            f"{name} must be uint8 with {code_bytes} bytes for numel={numel}, got "
+            f"{codes.dtype} with {codes.numel()}"
+        )
+    if scales.numel() != -(-numel // per_scale):
+        raise ValueError(
+            f"scales must hold one value per {per_scale} elements, ceil({numel} / {per_scale}) "
+            f"= {-(-numel // per_scale)}, got {scales.numel()}"
+        )
+    return codes.reshape(-1).contiguous(), _flat_fp32(scales, "scales")
 
 
 def _flat_fp32(x: torch.Tensor, name: str = "x") -> torch.Tensor:
@@ -150,17 +163,7 @@ def sign_unpack(
 ) -> torch.Tensor:
     """fp32 `[numel]`: `-scale` where a bit is set, `+scale` elsewhere."""
     _check_positive(chunk_numel, "chunk_numel")
-    if bits.dtype != torch.uint8 or bits.numel() != -(-numel // 8):
-        raise ValueError(
-            f"bits must be uint8 with ceil(numel / 8) = {-(-numel // 8)} bytes, got "
-            f"{bits.dtype} with {bits.numel()}"
-        )
-    if scales.numel() != -(-numel // chunk_numel):
-        raise ValueError(
-            f"scales must hold ceil(numel / chunk_numel) = {-(-numel // chunk_numel)} values, "
-            f"got {scales.numel()}"
-        )
-    bits, scales = bits.reshape(-1).contiguous(), _flat_fp32(scales, "scales")
+    bits, scales = _packed(bits, "bits", -(-numel // 8), scales, numel, chunk_numel)
     op = load_op(bits.device.type)
     if op is None:
         return reference.sign_unpack(bits, scales, chunk_numel, numel)
@@ -196,17 +199,7 @@ def dequantize_blocks(
     """fp32 `[numel]` = `q * scale` of its block."""
     _check_quant(block_numel, bits)
     q_bytes = numel if bits == 8 else -(-numel // 2)
-    if q.dtype != torch.uint8 or q.numel() != q_bytes:
-        raise ValueError(
-            f"q must be uint8 with {q_bytes} bytes for numel={numel} at {bits} bits, got "
-            f"{q.dtype} with {q.numel()}"
-        )
-    if scales.numel() != -(-numel // block_numel):
-        raise ValueError(
-            f"scales must hold ceil(numel / block_numel) = {-(-numel // block_numel)} values, "
-            f"got {scales.numel()}"
-        )
-    q, scales = q.reshape(-1).contiguous(), _flat_fp32(scales, "scales")
+    q, scales = _packed(q, "q", q_bytes, scales, numel, block_numel)
     op = load_op(q.device.type)
     if op is None:
         return reference.dequantize_blocks(q, scales, block_numel, bits, numel)

@@ -25,13 +25,15 @@ from typing import Any
 import torch
 
 import minispeed.comm as comm
-from minispeed.comm import handshake, validation
+from minispeed.comm.call import Call
 from minispeed.comm.compression.error_feedback import ErrorFeedback
 from minispeed.comm.compression.quantize import BlockQuantizer, QuantPacked
 
 __all__ = ["quantized_all_gather_into_tensor", "quantized_reduce_scatter_tensor"]
 
 _DEFAULT = BlockQuantizer()
+# What the checks raise; See Note [errors reach every rank] in handshake.py
+_REJECTS = (ValueError, TypeError)
 
 
 def _padded_rows(x: torch.Tensor, n: int, row_numel: int, padded_numel: int) -> torch.Tensor:
@@ -39,6 +41,23 @@ def _padded_rows(x: torch.Tensor, n: int, row_numel: int, padded_numel: int) -> 
     rows = torch.zeros(n, padded_numel, dtype=torch.float32, device=x.device)
     rows[:, :row_numel] = x.detach().reshape(n, row_numel)
     return rows
+
+
+def _check_sizes(
+    op: str, full: torch.Tensor, full_name: str, part: torch.Tensor, part_name: str, n: int
+) -> None:
+    """`full` holds the n ranks' parts (`n * part.numel()` elements); both are floating-point."""
+    if full.numel() != n * part.numel():
+        raise ValueError(
+            f"{full_name} has {full.numel()} elements but {n} ranks x {part.numel()} {part_name} "
+            f"elements = {n * part.numel()}; pass an {full_name} of n * {part_name}.numel() "
+            "elements"
+        )
+    if not (full.is_floating_point() and part.is_floating_point()):
+        raise TypeError(
+            f"quantized {op} needs float tensors, got {full_name} {full.dtype}, {part_name} "
+            f"{part.dtype}"
+        )
 
 
 def quantized_all_gather_into_tensor(
@@ -53,24 +72,11 @@ def quantized_all_gather_into_tensor(
     Like `minispeed.comm.all_gather_into_tensor` but lossy: each element is off by at most
     `max|block| / (2 qmax)` of its block. Returns `output`.
     """
-    name = "quantized_all_gather"
-    n = validation.check_group(name, group)
-    is_checked = handshake.checked(group)
-    shard = input.numel()
-    try:
-        if output.numel() != n * shard:
-            raise ValueError(
-                f"output has {output.numel()} elements but {n} ranks x {shard} input elements = "
-                f"{n * shard}; allocate output with n * input.numel() elements"
-            )
-        if not (input.is_floating_point() and output.is_floating_point()):
-            raise TypeError(
-                f"quantized all-gather needs float tensors, got {input.dtype}/{output.dtype}"
-            )
-    except (ValueError, TypeError) as err:  # See Note [errors reach every rank] in handshake.py
-        raise handshake.reject(name, group, err, is_checked) from None
-    if is_checked:
-        handshake.compare(name, group, {"shape": tuple(input.shape), "quantizer": repr(quantizer)})
+    call = Call("quantized_all_gather", group, rejects=_REJECTS)
+    n, shard = call.n, input.numel()
+    with call:
+        _check_sizes("all-gather", output, "output", input, "input", n)
+    call.agree(lambda: {"shape": tuple(input.shape), "quantizer": repr(quantizer)})
     padded = quantizer.padded_numel(shard)
     message = quantizer.compress(_padded_rows(input, 1, shard, padded)).to_bytes()
     gathered = torch.empty(n * message.numel(), dtype=torch.uint8, device=input.device)
@@ -99,10 +105,9 @@ def quantized_reduce_scatter_tensor(
     error into its next call (then leave `quantizer` unset or pass the same one). Returns
     `output`.
     """
-    name = "quantized_reduce_scatter"
-    n = validation.check_group(name, group)
-    is_checked = handshake.checked(group)
-    try:
+    call = Call("quantized_reduce_scatter", group, rejects=_REJECTS)
+    n = call.n
+    with call:
         op = comm.ReduceOp.SUM if op is None else op
         if op not in (comm.ReduceOp.SUM, comm.ReduceOp.AVG):
             raise ValueError(f"quantized reduce-scatter supports ReduceOp.SUM and AVG, got {op}")
@@ -119,19 +124,8 @@ def quantized_reduce_scatter_tensor(
             quantizer = error_feedback.compressor
         quantizer = quantizer if quantizer is not None else _DEFAULT
         shard = output.numel()
-        if input.numel() != n * shard:
-            raise ValueError(
-                f"input has {input.numel()} elements but {n} ranks x {shard} output elements = "
-                f"{n * shard}; pass an input of n * output.numel() elements"
-            )
-        if not (input.is_floating_point() and output.is_floating_point()):
-            raise TypeError(
-                f"quantized reduce-scatter needs float tensors, got {input.dtype}/{output.dtype}"
-            )
-    except (ValueError, TypeError) as err:  # See Note [errors reach every rank] in handshake.py
-        raise handshake.reject(name, group, err, is_checked) from None
-    if is_checked:
-        handshake.compare(name, group, {"shape": tuple(input.shape), "quantizer": repr(quantizer)})
+        _check_sizes("reduce-scatter", input, "input", output, "output", n)
+    call.agree(lambda: {"shape": tuple(input.shape), "quantizer": repr(quantizer)})
     padded = quantizer.padded_numel(shard)
     rows = _padded_rows(input, n, shard, padded).view(-1)  # (n P,): part j = rows[j]
     packed = (

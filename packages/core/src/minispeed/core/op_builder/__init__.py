@@ -33,7 +33,12 @@ from minispeed.core.op_builder.builder import (
     OpBuildError,
 )
 from minispeed.core.op_builder.cache import CACHE_ENV, LOCK_TIMEOUT_ENV, op_cache_root
-from minispeed.core.op_builder.fallback import DISABLE_ENV, load_or_fallback, ops_disabled
+from minispeed.core.op_builder.fallback import (
+    DISABLE_ENV,
+    OpLoader,
+    load_or_fallback,
+    ops_disabled,
+)
 from minispeed.core.op_builder.registry import (
     ENTRY_POINT_GROUP,
     OpRegistry,
@@ -59,6 +64,7 @@ __all__ = [
     "LoadRecord",
     "OpBuildError",
     "OpBuilder",
+    "OpLoader",
     "OpRegistry",
     "SimdLevel",
     "cpu_simd_level",

@@ -8,12 +8,13 @@ failed build costs speed, never correctness. `MINISPEED_DISABLE_OPS` forces the 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from types import ModuleType
 
 from minispeed.core.logging import get_logger, warn_once
 from minispeed.core.op_builder.builder import OpBuilder, OpBuildError
 
-__all__ = ["DISABLE_ENV", "load_or_fallback", "ops_disabled"]
+__all__ = ["DISABLE_ENV", "OpLoader", "load_or_fallback", "ops_disabled"]
 
 DISABLE_ENV = "MINISPEED_DISABLE_OPS"
 _ALL = frozenset({"1", "all", "true", "yes", "on"})
@@ -51,3 +52,32 @@ def load_or_fallback(builder: OpBuilder) -> ModuleType | None:
         ):
             get_logger("op_builder").debug("op %r build details:\n%s", builder.name, err.details)
         return None
+
+
+class OpLoader:
+    """An op's builders by device type (`"cpu"`, `"cuda"`), each loaded once per process: what
+    a package's `load_op` returns.
+
+    Asking a builder costs about a millisecond (it fingerprints flags and looks up the
+    compiler), too much per kernel call, so the module (or `None` after a failed build) is
+    kept: per device type, and per SIMD level as well with `per_simd_level` (otherwise the
+    level in force at the first call wins). `MINISPEED_DISABLE_OPS` is read on every call.
+    """
+
+    def __init__(self, builders: Mapping[str, OpBuilder], *, per_simd_level: bool = False) -> None:
+        self.builders = dict(builders)
+        self.per_simd_level = per_simd_level
+        self._loaded: dict[tuple[str, str], ModuleType | None] = {}
+
+    def load(self, device_type: str = "cpu") -> ModuleType | None:
+        """The compiled op for `device_type`, or `None`: run the reference (no builder for that
+        device, the op disabled, or its build failed: warned once by `load_or_fallback`)."""
+        builder = self.builders.get(device_type)
+        if builder is None:
+            return None
+        if ops_disabled(builder.name):
+            return load_or_fallback(builder)  # None, after its one warning
+        key = (device_type, builder.simd_level().label if self.per_simd_level else "")
+        if key not in self._loaded:
+            self._loaded[key] = load_or_fallback(builder)
+        return self._loaded[key]
