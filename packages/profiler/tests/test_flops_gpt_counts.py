@@ -99,6 +99,9 @@ def test_activation_checkpointing_recomputation_is_counted_in_backward(gpt):
 
     # Without early stop, checkpointing recomputes each block's whole forward; with it (torch's
     # default) it stops once the saved tensors are back, and the profiler counts what really ran.
+    # Each backward starts without gradients: accumulating into an existing .grad adds one FLOP
+    # per parameter, which made the comparison depend on whether an earlier test had run one.
+    model.zero_grad(set_to_none=True)
     with torch.utils.checkpoint.set_checkpoint_early_stop(False), FlopsProfiler(wrapped) as prof:
         wrapped(idx).sum().backward()
     ckpt = prof.result()
@@ -109,6 +112,7 @@ def test_activation_checkpointing_recomputation_is_counted_in_backward(gpt):
         wrapped(idx).sum().backward()
     early = prof.result()
     assert 0 < early.recompute.flops < blocks_fwd.flops
+    model.zero_grad(set_to_none=True)
     with FlopsProfiler(model) as prof:
         logits, _ = model(idx)
         logits.sum().backward()
