@@ -32,11 +32,8 @@ What a run does, in order:
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import sys
-import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -47,6 +44,7 @@ import torch
 import minispeed.comm as comm
 import minispeed.engine as deepspeed
 from minispeed.core.accelerator import get_accelerator
+from minispeed.core.files import atomic_write_json
 from minispeed.engine.config import EngineConfig, load_ds_config
 from minispeed.zero.checkpoints import consolidate
 
@@ -77,17 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write ``obj`` as JSON to ``path``: temp file in the same folder, fsync, rename."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write ``obj`` as JSON to ``path``, whole or not at all (``minispeed.core.files``)."""
+    atomic_write_json(path, obj)
 
 
 def mean_over_ranks(value: float) -> float:

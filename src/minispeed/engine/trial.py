@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from torch import nn
 
 import minispeed.comm as comm
 from minispeed.core.accelerator import get_accelerator
+from minispeed.core.files import atomic_write_json
 
 __all__ = ["TRIAL_ENV", "Trial", "TrialRecorder", "write_json_atomic"]
 
@@ -140,15 +140,6 @@ class TrialRecorder:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write `obj` as JSON: a temporary file beside `path`, fsynced, renamed over it."""
+    """Write `obj` as JSON, whole or not at all (`minispeed.core.files`), creating the folder."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_json(path, obj)

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
+
+from minispeed.core.files import atomic_write
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,13 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None:
         sys.stdout.write(text)
         return 0
-    out = Path(args.out)
-    tmp = out.with_name(out.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out)
+    atomic_write(Path(args.out), text)
     return 0
 
 

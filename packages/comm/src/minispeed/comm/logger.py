@@ -29,14 +29,13 @@ latency includes any compute it overlapped with: an upper bound on the transfer 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import tempfile
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
 from minispeed.comm import costs
+from minispeed.core.files import atomic_write_json
 
 __all__ = ["CommRecord", "CommsLogger", "comms_logger"]
 
@@ -234,19 +233,7 @@ class CommsLogger:
 
     def to_json(self, path: str | os.PathLike) -> None:
         """Write `to_dict` to `path` atomically: temp file in the same folder, fsync, rename."""
-        path = os.fspath(path)
-        folder = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(prefix=".comms-", suffix=".json.tmp", dir=folder)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.to_dict(), f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        atomic_write_json(path, self.to_dict())
 
 
 def comms_logger() -> CommsLogger | None:

@@ -25,25 +25,12 @@ import torch
 from torch import nn
 
 import minispeed.comm as comm
+from minispeed.core.files import atomic_write
 from minispeed.moe.layer import MoE
 
 __all__ = ["CHECKPOINT_VERSION", "load_checkpoint", "save_checkpoint"]
 
 CHECKPOINT_VERSION = 1
-
-
-def _atomic_write(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the rename itself must survive a crash
-    finally:
-        os.close(fd)
 
 
 def _layer_paths(model: nn.Module) -> dict[str, MoE]:
@@ -80,7 +67,7 @@ def save_checkpoint(model: nn.Module, directory: str | os.PathLike) -> list[Path
     written: list[Path] = []
     if groups.rank == 0:
         path = directory / "dense.pt"
-        _atomic_write(path, lambda f: torch.save(_dense_state(model), f))
+        atomic_write(path, lambda f: torch.save(_dense_state(model), f))
         written.append(path)
     first_replica = groups.rank // groups.expert_parallel_degree == 0
     for name, layer in layers.items():
@@ -89,7 +76,7 @@ def save_checkpoint(model: nn.Module, directory: str | os.PathLike) -> list[Path
         for gid, expert in zip(layer.experts.global_ids, layer.experts.local_experts):
             state = {k: v.detach().cpu() for k, v in expert.state_dict().items()}
             path = _file(directory, name, gid)
-            _atomic_write(path, lambda f, s=state: torch.save(s, f))
+            atomic_write(path, lambda f, s=state: torch.save(s, f))
             written.append(path)
     if comm.is_initialized() and groups.world_size > 1:
         comm.barrier()  # every file is in place before meta.json says the save is complete
@@ -100,7 +87,7 @@ def save_checkpoint(model: nn.Module, directory: str | os.PathLike) -> list[Path
             "saved_expert_parallel_degree": groups.expert_parallel_degree,
             "saved_world_size": groups.world_size,
         }
-        _atomic_write(
+        atomic_write(
             directory / "meta.json", lambda f: f.write(json.dumps(meta, indent=1).encode())
         )
         written.append(directory / "meta.json")

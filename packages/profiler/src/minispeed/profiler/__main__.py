@@ -12,12 +12,11 @@ performance model needs and writes it where `perf_model.Machine.load()` finds it
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import tempfile
 from pathlib import Path
 
+from minispeed.core.files import atomic_write_json
 from minispeed.profiler.launch import launch
 from minispeed.profiler.perf_model import CALIBRATION_FILE
 from minispeed.profiler.timeline import TRACE_DIR_ENV, TRACE_STEP_ENV, merge_traces, track_names
@@ -48,12 +47,7 @@ def _calibrate(args: argparse.Namespace) -> None:
     machine = calibrate(nproc=args.nproc, links=not args.no_links)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    with open(tmp, "w") as f:  # a complete file or the old one, never half of one
-        f.write(json.dumps(machine.to_json(), indent=1))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out)
+    atomic_write_json(out, machine.to_json())  # a complete file or the old one
     for n, f in sorted(machine.matmul_flops_per_s.items()):
         print(f"matmul {n}x{n}: {f / 1e9:.1f} GFLOP/s")
     print(f"element-wise memory rate: {machine.stream_bytes_per_s / 1e9:.2f} GB/s")

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from minispeed.core.accelerator import get_accelerator
+from minispeed.core.files import atomic_write_json
 
 __all__ = ["COLLECTIVE_PREFIXES", "is_collective", "merge_traces", "record_step", "traced_step"]
 
@@ -189,12 +190,7 @@ def merge_traces(rank_files: Sequence[str | os.PathLike[str]], out: str | os.Pat
             merged.append(_meta("thread_name", rank, track_ids[track], name=track))
             merged.append(_meta("thread_sort_index", rank, track_ids[track], sort_index=i))
     trace = {"traceEvents": merged, "displayTimeUnit": "ms"}
-    tmp = f"{out}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(trace, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out)
+    atomic_write_json(out, trace, indent=None)
     return trace
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import importlib.util
-import json
 import os
 import sys
 import time
@@ -19,6 +18,7 @@ from types import ModuleType
 
 import torch
 
+from minispeed.core.files import atomic_write_json
 from minispeed.core.logging import get_logger
 
 __all__ = [
@@ -111,10 +111,5 @@ def file_lock(path: Path, op: str) -> Iterator[None]:
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:
-    """Write `payload` to `path` via a temp file, fsync and rename (never a torn file)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write `payload` to `path` whole or not at all (`minispeed.core.files`)."""
+    atomic_write_json(path, payload, indent=2)
