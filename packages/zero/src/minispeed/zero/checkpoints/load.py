@@ -217,7 +217,7 @@ def _read(
     load_states = load_optimizer_states and bool(meta.state_keys)
     same_world = meta.world_size == world_size
     rng = None
-    for shard in meta.shards:
+    for shard in meta.local_shards():  # node-local: the shards this storage holds
         if not any(any(True for _ in _overlaps(mine.get(n, ()), a, k)) for n, a, k in shard.pieces):
             continue  # none of our fragments is in this shard: do not even open it
         _copy_weights(tag_dir / shard.weights_file, meta.tag, mine, masters, filled)
@@ -245,6 +245,13 @@ def _read(
         ),
         None,
     )
+    if damage is not None and meta.node_local_ranks is not None:
+        raise CheckpointError(
+            f"{damage.split('; it is damaged')[0]}: the checkpoint was saved to node-local "
+            f"storage and this rank's directory holds the shards of ranks "
+            f"{list(meta.node_local_ranks)} of {meta.world_size} only. Load on the same world "
+            "size with the same ranks on each node, or copy every node's files into one directory"
+        )
     if damage is not None:
         raise CheckpointError(damage)
 
@@ -252,6 +259,7 @@ def _read(
         load_rng
         and same_world
         and rng is None
+        and meta.shards[rank] in meta.local_shards()
         and (tag_dir / meta.shards[rank].optim_file).is_file()
     ):
         own = tag_dir / meta.shards[rank].optim_file  # our own file, opened for the RNG only
