@@ -17,8 +17,8 @@ import torch
 from ds_gpt import GPT, batch
 
 import minispeed.engine as deepspeed
-from minispeed.engine.checkpoint_async import checkpointer_of
 from minispeed.core.testing import run_distributed
+from minispeed.engine.checkpoint_async import checkpointer_of
 from minispeed.zero.checkpoints.layout import load_shard, read_metadata
 
 
@@ -61,7 +61,8 @@ def _save_async_and_train_on(rank, world_size, path):
     _train(engine, range(2, 4), rank, world_size)  # changes every weight while files land
     after = _evaluate(engine)
     engine.save_checkpoint(path)  # waits for the first, then snapshots step 4
-    where, client = _engine(async_save=True).load_checkpoint(path, tag="global_step2")
+    checkpointer_of(engine).wait()  # (a test worker lives on: no exit to wait at)
+    _, client = _engine(async_save=True).load_checkpoint(path, tag="global_step2")
     return at_save, after, client
 
 
@@ -76,7 +77,7 @@ def test_async_save_writes_the_snapshot_taken_at_the_call(tmp_path) -> None:
     results = run_distributed(_save_async_and_train_on, world_size=2, args=(path,), timeout_s=180)
     at_save, after, client = results[0]
     assert at_save != pytest.approx(after, abs=1e-4) and client == {"k": 1}
-    # the second save landed at exit of the workers' save call chain: `latest` names it
+    # `latest` moved to the second save once it landed
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step4\n"
     for tag, want, steps in (("global_step2", at_save, 2), ("global_step4", after, 4)):
         (loaded,) = run_distributed(_load, world_size=1, args=(path, tag), timeout_s=120)
