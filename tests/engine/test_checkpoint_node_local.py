@@ -45,7 +45,7 @@ def test_two_nodes_without_a_shared_directory(tmp_path) -> None:
             stderr=subprocess.STDOUT,
             text=True,
             env=env,
-        )  # fmt: skip
+        )
         for node in (0, 1)
     ]
     outputs = [a.communicate(timeout=300)[0] for a in agents]
