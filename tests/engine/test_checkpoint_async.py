@@ -8,6 +8,8 @@ import multiprocessing as mp
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -168,3 +170,17 @@ def test_kill_9_at_random_moments_never_loses_latest(tmp_path) -> None:
         ]
         mid_save += bool(newer)  # a save was under way when the kill came
     assert mid_save >= TRIALS // 2, f"only {mid_save} of {TRIALS} kills hit a save in flight"
+
+
+def test_exit_waits_for_the_save_in_flight(tmp_path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    job = subprocess.run(
+        [sys.executable, async_save_job.__file__, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, "OMP_NUM_THREADS": "1"},
+    )
+    assert job.returncode == 0, job.stdout + job.stderr
+    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step1\n"
+    read_metadata(tmp_path / "ckpt" / "global_step1")  # sealed, every file at its size

@@ -58,3 +58,17 @@ def run(out: str, steps: int = 10_000) -> None:
             (out_dir / "ready").touch()
     ckpt_async.checkpointer_of(engine).wait()
     os._exit(0)
+
+
+def save_once_and_exit(out: str) -> None:
+    """One step, one asynchronous save, then a normal interpreter exit (no explicit wait)."""
+    engine = build()
+    engine.backward(engine(torch.randn(4, WIDTH)).square().mean())
+    engine.step()
+    engine.save_checkpoint(Path(out) / "ckpt")
+
+
+if __name__ == "__main__":
+    import sys
+
+    save_once_and_exit(sys.argv[1])
