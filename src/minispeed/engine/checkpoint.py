@@ -222,7 +222,8 @@ def read_grid(tag_dir: Path) -> dict[str, Any] | None:
     """`grid.json` of a tag directory, or None for a single-part tag saved without one."""
     path = tag_dir / GRID_FILE
     if not path.is_file():
-        if (tag_dir / METADATA_FILE).is_file() or not tag_dir.is_dir():
+        parts = tag_dir.glob("pipe*-of-*") if tag_dir.is_dir() else ()
+        if not any(p.is_dir() for p in parts):  # one part: zero names what is missing
             return None
         raise CheckpointError(
             f"checkpoint {tag_dir} is incomplete: {GRID_FILE} was never written, so the save of "
