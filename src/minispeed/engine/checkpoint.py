@@ -320,9 +320,9 @@ def start_save(
     def unseal() -> None:
         if world.is_leader:  # a crash from here on leaves this tag refused by name
             (tag_dir / GRID_FILE).unlink(missing_ok=True)
-            for name in (METADATA_FILE, PLAIN_FILE):
-                for path in tag_dir.glob(f"*/{name}"):
-                    path.unlink()
+            for name in (METADATA_FILE, PLAIN_FILE):  # each part's seal (Note [done markers])
+                for path in (tag_dir / name, *tag_dir.glob(f"*/{name}")):
+                    path.unlink(missing_ok=True)
 
     _, places = together(None, what, unseal, share=lambda _: part.place.part)
     parts = tuple(dict.fromkeys(places[r] for r in world.mine))

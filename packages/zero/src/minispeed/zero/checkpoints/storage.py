@@ -110,7 +110,7 @@ def _views(everyone: list[tuple[int, ...]]) -> str:
     for r, view in enumerate(everyone):
         by_view.setdefault(view, []).append(r)
     return "; ".join(
-        f"rank{'s' if len(rs) > 1 else ''} {rs if len(rs) > 1 else rs[0]} see the probes of "
-        f"ranks {list(view)}"
+        (f"ranks {rs} see" if len(rs) > 1 else f"rank {rs[0]} sees")
+        + f" the probes of ranks {list(view)}"
         for view, rs in by_view.items()
     )
