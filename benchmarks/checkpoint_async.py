@@ -132,6 +132,11 @@ def main() -> None:
         f"{results[0]['numel'] / 1e6:.1f}M parameters, ZeRO-1 on 2 processes, checkpoint "
         f"{size / 2**20:.0f} MiB per tag, window {args.window} steps, load average {load:.2f}"
     )
+    for i, row in enumerate(rows):
+        print(
+            f"round {i // 2} {row['mode']:>5}: window {row['base']:.2f} s without a save, "
+            f"{row['total']:.2f} s with one (the call blocked {row['blocked']:.2f} s)"
+        )
     print("| save | step (ms, median) | blocks the loop (s) | cost over the window (s) |")
     print("|---|---|---|---|")
     for mode in ("sync", "async"):

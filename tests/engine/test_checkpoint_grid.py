@@ -54,14 +54,17 @@ def _params(engine) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
 
 
-def _save_and_go_on(rank, world_size, zero_stage, path):
-    engine = _engine(zero_stage, stages=2)
+def _save_and_go_on(rank, world_size, zero_stage, path, async_save=False):
+    from minispeed.engine.checkpoint_async import checkpointer_of
+
+    engine = _engine(zero_stage, stages=2, config_extra={"checkpoint": {"async_save": async_save}})
     data = _data(engine.grid.rank_in("data"), 4)
     for step in range(2):
         engine.train_batch(iter(data[step * GAS : (step + 1) * GAS]))
     engine.save_checkpoint(path, client_state={"epoch": 3})
     saved, lr = _params(engine), engine.get_lr()
     after = [float(engine.train_batch(iter(data[s * GAS : (s + 1) * GAS]))) for s in (2, 3)]
+    checkpointer_of(engine).wait()  # async: training went on while it was written
     return {"stage": engine.stage_id, "params": saved, "after": after, "lr": lr}
 
 
@@ -78,10 +81,14 @@ def _load_and_go_on(rank, world_size, zero_stage, path, go_on: bool):
     return out
 
 
-@pytest.mark.parametrize("zero_stage", [0, 1])
-def test_pipe_by_data_saves_one_directory_and_resumes_identically(tmp_path, zero_stage) -> None:
+@pytest.mark.parametrize(("zero_stage", "async_save"), [(0, False), (1, False), (1, True)])
+def test_pipe_by_data_saves_one_directory_and_resumes_identically(
+    tmp_path, zero_stage, async_save
+) -> None:
     path = str(tmp_path / "ckpt")
-    saved = run_distributed(_save_and_go_on, world_size=4, args=(zero_stage, path), timeout_s=180)
+    saved = run_distributed(
+        _save_and_go_on, world_size=4, args=(zero_stage, path, async_save), timeout_s=180
+    )
     tag = tmp_path / "ckpt" / "global_step2"
     files = sorted(
         os.path.relpath(os.path.join(d, f), tag) for d, _, fs in os.walk(tag) for f in fs
@@ -117,6 +124,17 @@ def test_pipe_checkpoint_loads_at_another_data_parallel_size(tmp_path) -> None:
     for after in loaded:  # pipe 2 x data 1 now: ZeRO re-slices each stage's two shards
         torch.testing.assert_close(after["params"], by_stage[after["stage"]]["params"])
         assert after["lr"] == by_stage[after["stage"]]["lr"] and after["steps"] == 2
+    # An interrupted grid save: every stage sealed, grid.json never written. Refused by name.
+    (tmp_path / "ckpt" / "global_step2" / "grid.json").unlink()
+    for message in run_distributed(_load_fails, world_size=2, args=(path,), timeout_s=180):
+        assert "grid.json was never written" in message, message
+
+
+def _load_fails(rank, world_size, path):
+    engine = _engine(1, stages=2)
+    with pytest.raises(Exception) as e:
+        engine.load_checkpoint(path)
+    return str(e.value)
 
 
 def _load_other_grid(rank, world_size, path):
