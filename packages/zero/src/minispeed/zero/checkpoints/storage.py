@@ -100,7 +100,8 @@ def probe_storage(
             f"{what}: the checkpoint directory {directory} is not shared by all ranks "
             f"({_views(everyone)}), so no rank could load the whole checkpoint. Give every rank "
             "a directory on a shared file system, or set checkpoint.use_node_local_storage: "
-            "true (each node then keeps the files its own ranks need to load again)"
+            "true (zero.save_checkpoint(..., node_local=True)): each node then keeps the files "
+            "its own ranks need to load again"
         )
     return StorageGroups(groups, rank)
 
