@@ -184,3 +184,22 @@ def test_exit_waits_for_the_save_in_flight(tmp_path) -> None:
     assert job.returncode == 0, job.stdout + job.stderr
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step1\n"
     read_metadata(tmp_path / "ckpt" / "global_step1")  # sealed, every file at its size
+
+
+@pytest.mark.parametrize(
+    ("section", "words"),
+    [
+        ({"async_sav": True}, "async_save"),  # did-you-mean
+        ({"async_save": "yes"}, "must be true or false"),
+        ({"async_save": True, "use_node_local_storage": True}, "turn one of them off"),
+        ({"tag_validation": "Fail"}, "tags are not compared"),  # DeepSpeed's, default only
+    ],
+)
+def test_checkpoint_section_errors_name_the_key(section, words) -> None:
+    from minispeed.engine.config import ConfigError, EngineConfig
+
+    with pytest.raises(ConfigError) as e:
+        EngineConfig.from_ds_config({"train_batch_size": 1, "checkpoint": section})
+    assert words in str(e.value) and "checkpoint" in str(e.value), str(e.value)
+    ok = EngineConfig.from_ds_config({"train_batch_size": 1, "checkpoint": {"async_save": True}})
+    assert ok.checkpoint.async_save and not ok.checkpoint.use_node_local_storage
