@@ -114,6 +114,10 @@ def load_checkpoint(
     RNG states are restored only on the world size that saved them. Returns the saved
     ``client_state``.
 
+    A tag saved with `node_local=True` holds, in each directory, the shards of the ranks that
+    saw it (`metadata.json`'s `node_local_ranks`): only those are checked and read, so it loads
+    at the same world size with the same ranks per directory (anything else names the ranks).
+
     Errors: an incomplete tag (interrupted save), another format version, or a model whose
     parameter names/shapes differ from the checkpoint's (the first mismatch is named).
     """
