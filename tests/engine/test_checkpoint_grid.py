@@ -150,3 +150,21 @@ def test_checkpoint_of_another_pipeline_shape_is_refused_naming_both_grids(tmp_p
     for message in run_distributed(_load_other_grid, world_size=2, args=(path,), timeout_s=180):
         assert "pipe 2 x data 2 x expert 1" in message, message
         assert "pipe 1 x data 2 x expert 1" in message, message
+
+
+def test_part_names_carry_stage_and_expert_rank() -> None:
+    from types import SimpleNamespace
+
+    from minispeed.engine.checkpoint import GridPlace
+
+    coords = {"pipe": (1, 2), "data": (0, 2), "expert": (1, 2)}
+    grid = SimpleNamespace(
+        topology=SimpleNamespace(axes=("pipe", "data", "expert")),
+        rank_in=lambda axis: coords[axis][0],
+        size=lambda axis: coords[axis][1],
+    )
+    place = GridPlace.from_grid(grid)
+    assert place.part == "pipe01-of-02-expert01-of-02"
+    assert place.shape() == {"pipe": 2, "data": 2, "expert": 2}
+    assert GridPlace(stage=0, pipe=1, data_rank=1, data=4).part is None  # the tag itself
+    assert GridPlace(stage=1, pipe=3).part == "pipe01-of-03"
