@@ -8,6 +8,7 @@ import multiprocessing as mp
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -126,41 +127,57 @@ def _check_loadable(root: Path, tag: str) -> None:
     """Sealed, every file at its recorded size and readable, weights equal to the snapshot's."""
     tag_dir = root / "ckpt" / tag
     meta = read_metadata(tag_dir)
-    saved: dict[str, torch.Tensor] = {}
+    expect = torch.load(root / "expect" / f"{tag}.pt", weights_only=True)
+    saved = {name: torch.full((expect[name].numel(),), float("nan")) for name in expect}
     for shard in meta.shards:
         load_shard(tag_dir / shard.optim_file, tag, weights_only=True)
         packed = load_shard(tag_dir / shard.weights_file, tag, weights_only=True)
         offset = 0
-        for name, _, numel in packed["index"]:
-            saved[name] = packed["values"][offset : offset + numel]
+        for name, start, numel in packed["index"]:
+            saved[name][start : start + numel] = packed["values"][offset : offset + numel]
             offset += numel
-    expect = torch.load(root / "expect" / f"{tag}.pt", weights_only=True)
-    assert saved.keys() == expect.keys()
-    for name, values in saved.items():
+    for name, values in saved.items():  # every element present (no NaN left) and equal
         torch.testing.assert_close(values, expect[name].reshape(-1), rtol=0, atol=0)
 
 
-TRIALS = 20
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-def test_kill_9_at_random_moments_never_loses_latest(tmp_path) -> None:
+@pytest.mark.parametrize(("world_size", "trials"), [(1, 20), (2, 10)])
+def test_kill_9_at_random_moments_never_loses_latest(tmp_path, world_size, trials) -> None:
     ctx = mp.get_context("forkserver")
     # torch._dynamo: imported by the first optimizer built (6 s here); each fork inherits it
     ctx.set_forkserver_preload(["torch", "torch._dynamo", "minispeed.engine", "async_save_job"])
-    rng = random.Random(2026)
+    rng = random.Random(2026 + world_size)
     mid_save = 0
-    for trial in range(TRIALS):
+    for trial in range(trials):
         out = tmp_path / f"trial{trial}"
-        job = ctx.Process(target=async_save_job.run, args=(str(out),))
-        job.start()
+        port = _free_port()
+        jobs = [
+            ctx.Process(target=async_save_job.run, args=(str(out), 10_000, r, world_size, port))
+            for r in range(world_size)
+        ]
+        for job in jobs:
+            job.start()
         deadline = time.monotonic() + 60
         while not (out / "ready").exists():
-            assert job.is_alive() and time.monotonic() < deadline, f"trial {trial} never ready"
+            alive = all(job.is_alive() for job in jobs)
+            assert alive and time.monotonic() < deadline, f"trial {trial} never ready"
             time.sleep(0.005)
         time.sleep(rng.uniform(0.0, 0.4))
-        os.kill(job.pid, signal.SIGKILL)
-        job.join()
-        assert job.exitcode == -signal.SIGKILL
+        # The ranks die one after the other in a random order (one node first, then the job is
+        # torn down): a leader that sealed without a dead rank's files would be caught here.
+        for i, job in enumerate(rng.sample(jobs, len(jobs))):
+            if i:
+                time.sleep(rng.uniform(0.0, 0.3))
+            if job.is_alive():  # (a survivor may fail on its own: its peer reset the link)
+                job.kill()
+        for job in jobs:
+            job.join()
+        assert jobs[0].exitcode == -signal.SIGKILL or world_size > 1
         latest = (out / "ckpt" / "latest").read_text().strip()
         _check_loadable(out, latest)
         newer = [
@@ -169,7 +186,7 @@ def test_kill_9_at_random_moments_never_loses_latest(tmp_path) -> None:
             if d.is_dir() and _step_of(d.name) > _step_of(latest)
         ]
         mid_save += bool(newer)  # a save was under way when the kill came
-    assert mid_save >= TRIALS // 2, f"only {mid_save} of {TRIALS} kills hit a save in flight"
+    assert mid_save >= trials // 2, f"only {mid_save} of {trials} kills hit a save in flight"
 
 
 def test_exit_waits_for_the_save_in_flight(tmp_path) -> None:

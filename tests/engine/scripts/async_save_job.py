@@ -35,28 +35,45 @@ def build():
     return engine
 
 
-def run(out: str, steps: int = 10_000) -> None:
-    """Train, saving after every step; `out/ready` appears once the first save has landed."""
+def run(out: str, steps: int = 10_000, rank: int = 0, world_size: int = 1, port: int = 0) -> None:
+    """Train, saving after every step; `out/ready` appears once the first save has landed.
+
+    With `world_size` > 1 this is one rank of a job whose ranks meet at 127.0.0.1:`port`.
+    """
     import minispeed.engine.checkpoint_async as ckpt_async
     from minispeed.zero.checkpoints.layout import atomic_save
 
+    if world_size > 1:
+        os.environ.update(
+            RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )  # fmt: skip
     torch.set_num_threads(1)
     out_dir = Path(out)
     (out_dir / "expect").mkdir(parents=True, exist_ok=True)
     engine = build()
     x = torch.randn(4, WIDTH)
-    for step in range(1, steps + 1):
-        loss = engine(x).square().mean()
-        engine.backward(loss)
-        engine.step()
-        tag = f"global_step{engine.global_steps}"
-        weights = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
-        atomic_save(weights, out_dir / "expect" / f"{tag}.pt")
-        engine.save_checkpoint(out_dir / "ckpt", tag=tag)
-        if step == 1:
-            ckpt_async.checkpointer_of(engine).wait()
-            (out_dir / "ready").touch()
-    ckpt_async.checkpointer_of(engine).wait()
+    saver = ckpt_async.checkpointer_of(engine)
+    try:
+        for step in range(1, steps + 1):
+            loss = engine(x).square().mean()
+            engine.backward(loss)
+            engine.step()
+            tag = f"global_step{engine.global_steps}"
+            if rank == 0:  # ZeRO-1: every rank holds the whole model, the same on each
+                weights = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+                atomic_save(weights, out_dir / "expect" / f"{tag}.pt")
+            engine.save_checkpoint(out_dir / "ckpt", tag=tag)
+            if step == 1:
+                saver.wait()  # collective
+                if rank == 0:
+                    (out_dir / "ready").touch()
+        saver.wait()
+    except Exception:
+        # A peer died: what a normal interpreter exit would run (the atexit join of the save in
+        # flight), which a forked child's os._exit skips.
+        saver._at_exit()
+        os._exit(1)
     os._exit(0)
 
 
