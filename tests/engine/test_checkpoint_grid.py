@@ -116,22 +116,29 @@ def test_pipe_by_data_saves_one_directory_and_resumes_identically(
         assert after["where"].endswith("global_step2")
 
 
-def test_pipe_checkpoint_loads_at_another_data_parallel_size(tmp_path) -> None:
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_pipe_checkpoint_loads_at_another_data_parallel_size(tmp_path, zero_stage) -> None:
     path = str(tmp_path / "ckpt")
-    saved = run_distributed(_save_and_go_on, world_size=4, args=(1, path), timeout_s=180)
-    loaded = run_distributed(_load_and_go_on, world_size=2, args=(1, path, False), timeout_s=180)
+    saved = run_distributed(_save_and_go_on, world_size=4, args=(zero_stage, path), timeout_s=180)
+    loaded = run_distributed(
+        _load_and_go_on, world_size=2, args=(zero_stage, path, False), timeout_s=180
+    )
     by_stage = {s["stage"]: s for s in saved}
-    for after in loaded:  # pipe 2 x data 1 now: ZeRO re-slices each stage's two shards
+    for (
+        after
+    ) in loaded:  # pipe 2 x data 1 now: ZeRO re-slices each stage's shards (stage 0: a replica)
         torch.testing.assert_close(after["params"], by_stage[after["stage"]]["params"])
         assert after["lr"] == by_stage[after["stage"]]["lr"] and after["steps"] == 2
     # An interrupted grid save: every stage sealed, grid.json never written. Refused by name.
     (tmp_path / "ckpt" / "global_step2" / "grid.json").unlink()
-    for message in run_distributed(_load_fails, world_size=2, args=(path,), timeout_s=180):
+    for message in run_distributed(
+        _load_fails, world_size=2, args=(zero_stage, path), timeout_s=180
+    ):
         assert "grid.json was never written" in message, message
 
 
-def _load_fails(rank, world_size, path):
-    engine = _engine(1, stages=2)
+def _load_fails(rank, world_size, zero_stage, path):
+    engine = _engine(zero_stage, stages=2)
     with pytest.raises(Exception) as e:
         engine.load_checkpoint(path)
     return str(e.value)
