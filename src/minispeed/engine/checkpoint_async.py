@@ -27,6 +27,7 @@ a writer still waiting then for a dead rank's marker gives up, leaving `latest` 
 from __future__ import annotations
 
 import atexit
+import enum
 import os
 import threading
 import time
@@ -45,7 +46,7 @@ from minispeed.engine.checkpoint import (
 from minispeed.zero.checkpoints.agree import together
 from minispeed.zero.checkpoints.layout import CheckpointError
 
-__all__ = ["BackgroundSave", "Checkpointer", "checkpointer_of", "place_of"]
+__all__ = ["BackgroundSave", "Checkpointer", "SaveState", "checkpointer_of", "place_of"]
 
 _log = get_logger("engine")
 
@@ -54,12 +55,30 @@ EXIT_WAIT_S = 600.0
 _POLL_S = 0.01
 
 
+class SaveState(enum.Enum):
+    """Where a background save is; moved only by `BackgroundSave._move`, on its thread.
+
+    | state | what exists |
+    |---|---|
+    | WRITING | the host snapshot ((4 + K)·Ψ/N bytes) and this rank's files being written |
+    | SEALING | this rank's files durable, its done marker written; a leader waits to seal |
+    | DONE | the part and grid sealed where this rank leads, `latest` moved; nothing held |
+    | FAILED | an error kept for `Checkpointer.wait`, which raises it on every rank |
+    """
+
+    WRITING = "writing"
+    SEALING = "sealing"
+    DONE = "done"
+    FAILED = "failed"
+
+
 class BackgroundSave:
     """One `GridSave` written on a daemon thread (see Note [asynchronous save])."""
 
     def __init__(self, save: GridSave) -> None:
         self.save = save
-        self.files_done = threading.Event()  # this rank's files are written (or failed)
+        self.state = SaveState.WRITING
+        self.files_done = threading.Event()  # left WRITING (files durable, or failed)
         self.stop = threading.Event()  # give up waiting for the other ranks
         self.files_error: BaseException | None = None
         self.error: BaseException | None = None
@@ -71,14 +90,20 @@ class BackgroundSave:
         """Start writing."""
         self.thread.start()
 
+    def _move(self, allowed: tuple[SaveState, ...], to: SaveState) -> None:
+        assert self.state in allowed, f"background save: {self.state} -> {to}"
+        self.state = to
+
     def _run(self) -> None:
         save, pending = self.save, self.save.pending
         try:
             sizes = save.write_files()
             if pending is not None:
                 pending.write_done_marker(sizes)
+            self._move((SaveState.WRITING,), SaveState.SEALING)
         except BaseException as e:  # reported on every rank by Checkpointer.wait
             self.files_error = e
+            self._move((SaveState.WRITING,), SaveState.FAILED)
             return
         finally:
             self.files_done.set()
@@ -88,8 +113,11 @@ class BackgroundSave:
             if save.world.is_leader:
                 self._wait_for_parts()
                 save.seal_grid()
+            self._move((SaveState.SEALING,), SaveState.DONE)
         except BaseException as e:
             self.error = e
+            self._move((SaveState.SEALING,), SaveState.FAILED)
+        self.save.pending = self.save.plain = None  # the snapshot's host memory goes
 
     def _wait_for_parts(self) -> None:
         todo = set(self.save.parts)
@@ -150,6 +178,7 @@ class Checkpointer:
             job.thread.join()
             raise
         job.thread.join()  # every marker is there: the seals finish
+        assert job.state in (SaveState.DONE, SaveState.FAILED), job.state
         together(None, what, lambda: _reraise(job.error))
 
     def _at_exit(self) -> None:
