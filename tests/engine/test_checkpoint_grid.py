@@ -81,7 +81,9 @@ def _load_and_go_on(rank, world_size, zero_stage, path, go_on: bool):
     return out
 
 
-@pytest.mark.parametrize(("zero_stage", "async_save"), [(0, False), (1, False), (1, True)])
+@pytest.mark.parametrize(
+    ("zero_stage", "async_save"), [(0, False), (1, False), (0, True), (1, True)]
+)
 def test_pipe_by_data_saves_one_directory_and_resumes_identically(
     tmp_path, zero_stage, async_save
 ) -> None:
