@@ -9,7 +9,7 @@ from zero_testlib import make_batches, make_model, rank_slice
 
 import minispeed.comm as comm
 import minispeed.zero as zero
-import minispeed.zero.checkpoints.save as save_module
+import minispeed.zero.checkpoints.pending as save_module  # where the files are written
 from minispeed.core.testing import run_distributed
 from minispeed.zero.checkpoints import CheckpointError, load_checkpoint, save_checkpoint
 

@@ -34,12 +34,14 @@ import torch
 from torch import nn
 
 import minispeed.comm as comm
+import minispeed.engine.checkpoint as ckpt
+import minispeed.engine.checkpoint_async as ckpt_async
 import minispeed.zero as zero
 from minispeed.core.accelerator import get_accelerator
 from minispeed.core.logging import get_logger
 from minispeed.engine.config import EngineConfig
 from minispeed.engine.trial import Trial, TrialRecorder
-from minispeed.zero.checkpoints.layout import LATEST_FILE, resolve_tag_dir
+from minispeed.zero.checkpoints.layout import LATEST_FILE
 
 __all__ = ["Engine"]
 
@@ -237,8 +239,10 @@ class Engine(nn.Module):
         """Save model, optimizer, scheduler and counters under `save_dir/tag` (collective).
 
         `tag` defaults to `global_step<N>`. `client_state` comes back from `load_checkpoint`.
-        The files are `zero.save_checkpoint`'s: one per data-parallel rank, sealed by rank 0,
-        `latest` moved last (unless `save_latest=False`).
+        The files are `zero.save_checkpoint`'s, one per data-parallel rank, in one directory
+        per pipeline stage and expert rank (`minispeed.engine.checkpoint`); `latest` moves last
+        (unless `save_latest=False`). With `checkpoint.async_save` the files are written in
+        the background and this returns after the host copy (`checkpoint_async`).
         """
         if exclude_frozen_parameters:
             raise ValueError(
@@ -258,9 +262,8 @@ class Engine(nn.Module):
             },
             "client": dict(client_state or {}),
         }
-        zero.save_checkpoint(
-            opt, self.module, save_dir, str(tag), client_state=state, save_latest=save_latest
-        )
+        part = ckpt.Part(ckpt_async.place_of(self), self.module, opt, opt.comm_group, state)
+        ckpt_async.checkpointer_of(self).save(part, save_dir, str(tag), save_latest=save_latest)
         return True
 
     def load_checkpoint(
@@ -275,7 +278,8 @@ class Engine(nn.Module):
         """Restore what `save_checkpoint` wrote; returns `(path, client_state)`.
 
         `tag=None` reads `load_dir/latest`; with no `latest` file this returns `(None, None)`
-        with a warning, as DeepSpeed does. Loads at any data-parallel size.
+        with a warning, as DeepSpeed does. Loads at any data-parallel size; another pipeline or
+        expert-parallel size is refused naming both grids. Waits for an asynchronous save.
         """
         if not load_module_strict:
             raise ValueError(
@@ -283,6 +287,8 @@ class Engine(nn.Module):
                 "match the model's (the first mismatch is named); leave it True"
             )
         opt = self._require_optimizer("load_checkpoint")
+        saver = ckpt_async.checkpointer_of(self)
+        saver.wait()  # an asynchronous save in flight lands (and moves `latest`) first
         root = Path(load_dir)
         if tag is None and not (root / LATEST_FILE).is_file():
             _log.warning(
@@ -290,9 +296,8 @@ class Engine(nn.Module):
             )
             return None, None
         only_module = load_module_only or not load_optimizer_states
-        saved = zero.load_checkpoint(
-            opt, self.module, root, tag, load_optimizer_states=not only_module
-        )
+        part = ckpt.Part(ckpt_async.place_of(self), self.module, opt, opt.comm_group, {})
+        tag_dir, saved = saver.load(part, root, tag, load_optimizer_states=not only_module)
         saved = dict(saved or {})
         ours = saved.get(_ENGINE_STATE)
         client = saved.get("client", saved) if ours is not None else saved
@@ -308,7 +313,7 @@ class Engine(nn.Module):
                         "pass load_lr_scheduler_states=False to keep the scheduler as built"
                     )
                 self.lr_scheduler.load_state_dict(ours["lr_scheduler"])
-        return os.fspath(resolve_tag_dir(root, tag)), client
+        return os.fspath(tag_dir), client
 
     def save_16bit_model(
         self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin"

@@ -66,11 +66,16 @@ from typing import Any
 import torch
 
 import minispeed.comm as comm
+import minispeed.engine.checkpoint as ckpt
+import minispeed.engine.checkpoint_async as ckpt_async
 import minispeed.pipeline as pipeline
 import minispeed.zero as zero
 from minispeed.engine.config import resolve_batch
 
 __all__ = ["PipelineEngine", "PipelineError"]
+
+# What a zero checkpoint holds already of `state_dict()` (the rest travels as the engine's state).
+_ZERO_OWNED = ("module", "optimizer")
 
 
 class PipelineError(Exception):
@@ -296,6 +301,76 @@ class PipelineEngine:
             "data_size": self.dp_world_size,
             "parts": list(self.module.boundaries),
         }
+
+    def save_checkpoint(
+        self,
+        save_dir: ckpt.PathLike,
+        tag: str | None = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """Save every stage into one directory (collective over the grid), as DeepSpeed's.
+
+        Each stage is a part of the tag (`minispeed.engine.checkpoint`): under ZeRO-1 its data
+        group's zero files, one per data rank; without ZeRO its data rank 0 writes
+        `state_dict()` (the replicas are equal). `latest` moves when every stage is sealed.
+        """
+        if exclude_frozen_parameters:
+            raise ValueError("exclude_frozen_parameters=True is not supported; leave it False")
+        tag = tag if tag is not None else f"global_step{self.global_steps}"
+        client = dict(client_state or {})
+        if ckpt.is_sharded(self.optimizer):
+            counters = {k: v for k, v in self.state_dict().items() if k not in _ZERO_OWNED}
+            payload = {"engine": counters, "client": client}
+        else:
+            payload = {"engine": self.state_dict(), "client": client}
+        saver = ckpt_async.checkpointer_of(self)
+        saver.save(self._checkpoint_part(payload), save_dir, str(tag), save_latest=save_latest)
+        return True
+
+    def load_checkpoint(
+        self,
+        load_dir: ckpt.PathLike,
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str | None, dict[str, Any] | None]:
+        """Restore `save_checkpoint`'s files; returns `(path, client_state)` (DeepSpeed's).
+
+        Loads at another data-parallel size; another stage count or layer partition is refused
+        naming both grids. `tag=None` with no `latest` returns `(None, None)`.
+        """
+        if not load_module_strict:
+            raise ValueError("load_module_strict=False is not supported; leave it True")
+        saver = ckpt_async.checkpointer_of(self)
+        saver.wait()
+        if tag is None and not ckpt.has_latest(load_dir):
+            return None, None
+        states = load_optimizer_states and not load_module_only
+        tag_dir, saved = saver.load(
+            self._checkpoint_part({}), load_dir, tag, load_optimizer_states=states
+        )
+        state = dict(saved["engine"], grid=self._grid_signature())
+        if ckpt.is_sharded(self.optimizer):  # zero restored both: reload what it put there
+            state["module"], state["optimizer"] = self.module.state_dict(), None
+        if not load_module_only:
+            self.load_state_dict(state, states, load_lr_scheduler_states)
+        elif state["module"] is not None:
+            self.module.load_state_dict(state["module"])
+        return str(tag_dir), saved["client"]
+
+    def _checkpoint_part(self, payload: dict[str, Any]) -> Any:
+        return ckpt.Part(
+            ckpt_async.place_of(self),
+            self.module,
+            self.optimizer,
+            self.grid.group("data"),
+            payload,
+            partition=list(self.module.boundaries),
+        )
 
     def set_dataiterator(self, iterator: Iterator) -> None:
         """The iterator `train_batch()` reads when given none."""

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from minispeed.core.config import BATCH_KEYS, ConfigError, batch_triple, check_keys, join_path
+from minispeed.engine.checkpoint import CheckpointConfig
 from minispeed.zero import MixedPrecision, ZeroConfig
 
 __all__ = ["ConfigError", "EngineConfig", "load_ds_config", "resolve_batch"]
@@ -155,19 +156,6 @@ _ACTIVATION_DEFAULTS = {
     "contiguous_memory_optimization": False,
     "profile": False,
 }
-_CHECKPOINT: set[str] = set()
-_CHECKPOINT_UNSUPPORTED = {
-    "tag_validation": "every rank saves under the tag its call names; tags are not compared",
-    "use_node_local_storage": "every rank writes into one shared directory",
-    "load_universal": "checkpoints load at any data-parallel size already",
-    "parallel_write": "every rank writes its own shard files already",
-}
-_CHECKPOINT_DEFAULTS = {
-    "tag_validation": "Warn",
-    "use_node_local_storage": False,
-    "load_universal": False,
-    "parallel_write": {"pipeline_stage": False},
-}
 _TENSOR_PARALLEL_DEFAULTS = {"autotp_size": 0}
 
 
@@ -261,6 +249,8 @@ class EngineConfig:
     """`activation_checkpointing` (`cpu_checkpointing`, `number_checkpoints`, ...)."""
     pipeline: dict[str, Any] = field(default_factory=dict)
     """The `pipeline` section, read by the pipeline engine."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """The `checkpoint` section (`async_save`, `use_node_local_storage`)."""
     raw: dict[str, Any] = field(default_factory=dict)
     """The ds_config as given."""
 
@@ -287,13 +277,7 @@ class EngineConfig:
             unsupported=_ACTIVATION_UNSUPPORTED,
             defaults=_ACTIVATION_DEFAULTS,
         )
-        check_keys(
-            ds.get("checkpoint") or {},
-            _CHECKPOINT,
-            "checkpoint",
-            unsupported=_CHECKPOINT_UNSUPPORTED,
-            defaults=_CHECKPOINT_DEFAULTS,
-        )
+        checkpoint = _package("checkpoint", CheckpointConfig.from_ds_config, ds.get("checkpoint"))
         tp = ds.get("tensor_parallel") or {}
         check_keys(tp, {"autotp_size"}, "tensor_parallel")
         if tp.get("autotp_size", 0) not in (0, 1):
@@ -370,6 +354,7 @@ class EngineConfig:
             flops_profiler=profiler,
             activation_checkpointing=dict(ds.get("activation_checkpointing") or {}),
             pipeline=dict(ds.get("pipeline") or {}),
+            checkpoint=checkpoint,
             raw=ds,
         )
 

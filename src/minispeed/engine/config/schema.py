@@ -19,7 +19,9 @@ import json
 from typing import Any
 
 from minispeed.core.config import field_docs
+from minispeed.engine import checkpoint as checkpoint_keys
 from minispeed.engine import config as cfg
+from minispeed.engine.checkpoint import CheckpointConfig
 from minispeed.zero import ZeroConfig
 
 __all__ = ["config_schema", "reference_markdown"]
@@ -117,6 +119,17 @@ def _table(rows: dict[str, tuple[Any, str]]) -> dict[str, Any]:
     return {key: _prop(kind, text) for key, (kind, text) in rows.items()}
 
 
+def _checkpoint_section() -> dict[str, Any]:
+    docs = field_docs(CheckpointConfig)
+    props = {key: _prop("boolean", docs[key], False) for key in CheckpointConfig.KEYS}
+    for key, why in sorted(checkpoint_keys.UNSUPPORTED.items()):
+        props[key] = {
+            "description": f"Not supported: {why}. Accepted at DeepSpeed's default only.",
+            "default": checkpoint_keys.DEFAULTS[key],
+        }
+    return _obj(props, "Checkpoints (minispeed.engine.checkpoint).")
+
+
 def _typed(name: str) -> dict[str, Any]:
     return {
         "type": "object",
@@ -164,7 +177,7 @@ def config_schema() -> dict[str, Any]:
         "flops_profiler": _obj(_table(_FLOPS), "The FLOPs profiler (minispeed.profiler)."),
         "activation_checkpointing": _obj(_table(_ACTIVATION), "Activation checkpointing."),
         "pipeline": _obj(_table(_PIPELINE), "Pipeline parallelism (minispeed.pipeline)."),
-        "checkpoint": _obj({}, "Checkpoint options (see the unsupported keys).", closed=False),
+        "checkpoint": _checkpoint_section(),
         "communication_data_type": {
             "enum": ["fp32", "fp16", "bf16", None],
             "description": "Accepted when equal to data_types.grad_accum_dtype.",

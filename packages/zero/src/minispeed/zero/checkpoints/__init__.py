@@ -1,7 +1,9 @@
 """Sharded, parallelism-agnostic ZeRO checkpoints.
 
 Reading order: `layout.py` (the files, the atomic-write protocol, damage checks), `agree.py`
-(an error on one rank is an error on every rank), `save.py` (each rank writes its fragments),
+(an error on one rank is an error on every rank), `storage.py` (who shares the directory),
+`save.py` (the collective snapshot of each rank's fragments), `pending.py` (writing and sealing,
+locally: on a background thread if the caller likes),
 `load.py` (any world size or stage reads them back), `consolidate.py` (one fp32 state_dict,
 streaming), `model16.py` (one 16-bit state_dict, gathered: `save_16bit_model`).
 

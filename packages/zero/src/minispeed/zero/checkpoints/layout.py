@@ -15,7 +15,14 @@ CKPT_DIR/
                                          only: the model's 16-bit state_dict (model16.py)
     metadata.json                        rank 0, written last: the "complete" marker and index,
                                          with every file's size (Note [damaged files])
+    done.rank00000-of-00002.json         a background save only: rank 0's files are durable
+                                         (Note [done markers] in pending.py)
 ```
+
+With node-local storage (Note [who shares the checkpoint directory], storage.py) each storage
+holds the shards of its own ranks plus its own ``common.pt``, ``metadata.json`` and ``latest``;
+``metadata.json`` then names those ranks (``node_local_ranks``) and readers check their files
+only.
 
 The layout is *per parameter*: a fragment is named by the model's parameter name and the flat
 range ``[start, start + numel)`` of that parameter it covers, never by a rank's flat-buffer offset.
@@ -54,6 +61,7 @@ import torch
 
 __all__ = [
     "COMMON_FILE",
+    "DONE_GLOB",
     "FORMAT_VERSION",
     "LATEST_FILE",
     "METADATA_FILE",
@@ -65,6 +73,7 @@ __all__ = [
     "atomic_write_text",
     "check_sizes",
     "complete_tags",
+    "done_file",
     "iter_pieces",
     "load_shard",
     "optim_file",
@@ -94,6 +103,15 @@ class CheckpointError(RuntimeError):
 def weights_file(rank: int, world_size: int) -> str:
     """File name of ``rank``'s fp32 weight fragments."""
     return f"weights.rank{rank:05d}-of-{world_size:05d}.pt"
+
+
+#: The done markers of a background save (pending.py), for removal when a tag is unsealed.
+DONE_GLOB = "done.rank*-of-*.json"
+
+
+def done_file(rank: int, world_size: int) -> str:
+    """File name of ``rank``'s done marker (Note [done markers] in pending.py)."""
+    return f"done.rank{rank:05d}-of-{world_size:05d}.json"
 
 
 def optim_file(rank: int, world_size: int) -> str:
@@ -151,10 +169,20 @@ class CheckpointMetadata:
     common_file_bytes: int | None = None  # size of common.pt (None: not recorded)
     model_16bit_file: str | None = None  # the consolidated 16-bit state_dict, if one was written
     model_16bit_file_bytes: int | None = None
+    node_local_ranks: tuple[int, ...] | None = None  # node-local: the ranks whose shards are here
+
+    def local_shards(self) -> tuple[ShardRecord, ...]:
+        """The shard records whose files this directory holds (all, unless node-local)."""
+        if self.node_local_ranks is None:
+            return self.shards
+        return tuple(s for s in self.shards if s.rank in self.node_local_ranks)
 
     def to_json(self) -> str:
         """Deterministic JSON text."""
-        return json.dumps(asdict(self), indent=1)
+        raw = asdict(self)
+        if raw["node_local_ranks"] is None:  # a shared directory: the key readers before it knew
+            del raw["node_local_ranks"]
+        return json.dumps(raw, indent=1)
 
     @staticmethod
     def from_json(text: str) -> CheckpointMetadata:
@@ -178,6 +206,8 @@ class CheckpointMetadata:
         )
         for key in ("state_keys", "state_dict_keys", "buffer_names", "frozen_names"):
             raw[key] = tuple(raw[key])
+        if raw.get("node_local_ranks") is not None:
+            raw["node_local_ranks"] = tuple(raw["node_local_ranks"])
         return CheckpointMetadata(**raw)
 
 
@@ -331,7 +361,7 @@ def read_metadata(tag_dir: Path, *, need_optimizer_state: bool = True) -> Checkp
     meta = CheckpointMetadata.from_json(meta_path.read_text())
     absent = [
         name
-        for s in meta.shards
+        for s in meta.local_shards()
         for name in (s.weights_file, s.optim_file)[: 2 if need_optimizer_state else 1]
         if not (tag_dir / name).is_file()
     ]
@@ -348,7 +378,7 @@ def read_metadata(tag_dir: Path, *, need_optimizer_state: bool = True) -> Checkp
 def _expected_sizes(meta: CheckpointMetadata, *, need_optimizer_state: bool) -> dict[str, int]:
     """{file name: recorded size in bytes} for the files a reader opens (recorded ones only)."""
     sizes = {COMMON_FILE: meta.common_file_bytes}
-    for s in meta.shards:
+    for s in meta.local_shards():
         sizes[s.weights_file] = s.weights_file_bytes
         if need_optimizer_state:
             sizes[s.optim_file] = s.optim_file_bytes
@@ -408,7 +438,8 @@ def complete_tags(root: Path) -> list[str]:
             continue
         if meta.format_version != FORMAT_VERSION:
             continue
-        files = [COMMON_FILE, *(n for s in meta.shards for n in (s.weights_file, s.optim_file))]
+        shards = meta.local_shards()
+        files = [COMMON_FILE, *(n for s in shards for n in (s.weights_file, s.optim_file))]
         if all((tag_dir / n).is_file() for n in files) and not _size_damage(tag_dir, meta, True):
             found.append((meta.global_step, tag_dir.name))
     return [tag for _, tag in sorted(found, reverse=True)]

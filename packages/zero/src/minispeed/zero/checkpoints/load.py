@@ -114,6 +114,10 @@ def load_checkpoint(
     RNG states are restored only on the world size that saved them. Returns the saved
     ``client_state``.
 
+    A tag saved with `node_local=True` holds, in each directory, the shards of the ranks that
+    saw it (`metadata.json`'s `node_local_ranks`): only those are checked and read, so it loads
+    at the same world size with the same ranks per directory (anything else names the ranks).
+
     Errors: an incomplete tag (interrupted save), another format version, or a model whose
     parameter names/shapes differ from the checkpoint's (the first mismatch is named).
     """
@@ -217,7 +221,7 @@ def _read(
     load_states = load_optimizer_states and bool(meta.state_keys)
     same_world = meta.world_size == world_size
     rng = None
-    for shard in meta.shards:
+    for shard in meta.local_shards():  # node-local: the shards this storage holds
         if not any(any(True for _ in _overlaps(mine.get(n, ()), a, k)) for n, a, k in shard.pieces):
             continue  # none of our fragments is in this shard: do not even open it
         _copy_weights(tag_dir / shard.weights_file, meta.tag, mine, masters, filled)
@@ -245,6 +249,13 @@ def _read(
         ),
         None,
     )
+    if damage is not None and meta.node_local_ranks is not None:
+        raise CheckpointError(
+            f"{damage.split('; it is damaged')[0]}: the checkpoint was saved to node-local "
+            f"storage and this rank's directory holds the shards of ranks "
+            f"{list(meta.node_local_ranks)} of {meta.world_size} only. Load on the same world "
+            "size with the same ranks on each node, or copy every node's files into one directory"
+        )
     if damage is not None:
         raise CheckpointError(damage)
 
@@ -252,6 +263,7 @@ def _read(
         load_rng
         and same_world
         and rng is None
+        and meta.shards[rank] in meta.local_shards()
         and (tag_dir / meta.shards[rank].optim_file).is_file()
     ):
         own = tag_dir / meta.shards[rank].optim_file  # our own file, opened for the RNG only

@@ -8,7 +8,12 @@ What each rank writes (layout and atomicity: ``layout.py``, Note [atomic checkpo
 - ``optim.rankR-of-N.pt``: the inner optimizer's per-element state for the same pieces (Adam:
   8 bytes per element) and the rank's RNG states;
 - rank 0 also writes ``common.pt`` (hyper-parameters, the scalar state of each parameter such as
-  Adam's ``step``, loss scaler, step counters, model buffers) and, last, ``metadata.json``.
+  Adam's ``step``, loss scaler, step counters, model buffers) and, last, ``metadata.json``
+  (with node-local storage, the lowest rank of each storage does: storage.py).
+
+Two halves: `snapshot` (collective) copies all of it into host memory and unseals the tag;
+`PendingSave` (pending.py, local) writes the files and seals. `save_checkpoint` runs both on
+the caller's thread; an asynchronous saver runs the second on a background thread.
 
 Host memory while saving: one copy of this rank's fragments and of their optimizer state, i.e.
 (4 + K_state)·Ψ/N bytes for the partitioned stages (pieces are packed into one new tensor per file,
@@ -18,6 +23,7 @@ so ``torch.save`` never writes the whole flat storage a slice views).
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -31,38 +37,36 @@ from minispeed.core import ranges
 from minispeed.core.accelerator import get_accelerator
 from minispeed.zero.checkpoints.agree import together
 from minispeed.zero.checkpoints.layout import (
-    COMMON_FILE,
+    DONE_GLOB,
     FORMAT_VERSION,
-    LATEST_FILE,
     METADATA_FILE,
     CheckpointMetadata,
     ParamRecord,
-    ShardRecord,
-    atomic_save,
-    atomic_write_text,
-    optim_file,
     pack_pieces,
-    weights_file,
 )
 from minispeed.zero.checkpoints.model16 import (
     MODEL_16BIT_FILE,
     gather_16bit_state_dict,
     gather_full,
 )
+from minispeed.zero.checkpoints.pending import PendingSave
+from minispeed.zero.checkpoints.storage import StorageGroups, probe_storage
 
-__all__ = ["save_checkpoint"]
+__all__ = ["save_checkpoint", "snapshot"]
 
 
 def _owned_pieces(
-    all_fragments: list[list[tuple[str, int, int]]], rank: int
+    all_fragments: list[list[tuple[str, int, int]]], rank: int, peers: tuple[int, ...]
 ) -> list[tuple[str, int, int]]:
-    """This rank's (name, start, numel) ranges that no lower rank also holds.
+    """This rank's (name, start, numel) ranges that no lower rank of `peers` also holds.
 
     Stage 0 replicates every parameter, so without this every rank would write Ψ·4 bytes; with
     it rank 0 writes them once. Partitioned stages hold disjoint ranges and keep all of theirs.
+    `peers` are the ranks sharing this rank's directory (all, unless node-local): each storage
+    holds every piece its ranks need.
     """
     covered: dict[str, list[tuple[int, int]]] = {}
-    for lower in all_fragments[:rank]:
+    for lower in (all_fragments[r] for r in peers if r < rank):
         for name, start, numel in lower:
             covered.setdefault(name, []).append((start, start + numel))
     owned = []
@@ -123,6 +127,7 @@ def save_checkpoint(
     client_state: dict[str, Any] | None = None,
     save_rng: bool = True,
     save_latest: bool = True,
+    node_local: bool = False,
 ) -> Path:
     """Save `opt` (a `ZeroOptimizer`) and `model` under `save_dir/tag`.
 
@@ -136,10 +141,52 @@ def save_checkpoint(
     `ZeroConfig.stage3_gather_16bit_weights_on_model_save` the tag also holds the model's
     consolidated 16-bit state_dict (`pytorch_model.bin`, see `save_16bit_model`).
 
+    `node_local`: the ranks may see different directories at `save_dir` (each node its own
+    disk, DeepSpeed's `use_node_local_storage`): each storage gets its ranks' shards plus its
+    own `common.pt`, `metadata.json` and `latest`. Without it, a directory that not every rank
+    sees is refused on every rank before anything is written (Note [who shares the checkpoint
+    directory]).
+
     Errors: an exception on any rank (a full disk, a bad state) raises `CheckpointError` on every
     rank, naming the rank and its error (Note [a checkpoint fails on every rank]); the tag is
     then left unsealed, and `latest` keeps naming the previous complete tag.
     `save_latest=False` leaves `latest` where it was (DeepSpeed's `save_latest`).
+    """
+    pending = snapshot(
+        opt, model, save_dir, tag, client_state=client_state, save_rng=save_rng,
+        node_local=node_local,
+    )  # fmt: skip
+    # Local: every rank writes its shard files; the sizes go to every leader.
+    _, sizes = together(opt.comm_group, pending.what, pending.write_files, share=lambda s: s)
+
+    # Local to the leaders: common.pt, the 16-bit model, then metadata.json (the seal), `latest`.
+    def seal() -> None:
+        if pending.storage.is_leader:
+            pending.seal(sizes)
+            if save_latest:
+                pending.move_latest()
+
+    together(opt.comm_group, pending.what, seal)  # nobody returns before the tag is sealed
+    return pending.tag_dir
+
+
+@ranges.range("zero.checkpoint.snapshot")
+def snapshot(
+    opt: Any,
+    model: nn.Module,
+    save_dir: str | os.PathLike,
+    tag: str | None = None,
+    *,
+    client_state: dict[str, Any] | None = None,
+    save_rng: bool = True,
+    node_local: bool = False,
+) -> PendingSave:
+    """The collective half of `save_checkpoint`: a copy in host memory of everything the tag
+    will hold, and the tag unsealed; the files are then written by `PendingSave` alone (no
+    collective, so on a background thread if the caller likes).
+
+    After it returns, training may change the model and optimizer freely. Host memory: this
+    rank's (4 + K_state)·Ψ/N bytes, plus on the leaders `common.pt`'s contents.
     """
     group = opt.comm_group
     rank, world_size = comm.get_rank(group), comm.get_world_size(group)
@@ -148,40 +195,56 @@ def save_checkpoint(
     root = Path(save_dir)
     tag_dir = root / tag
 
-    # 1. Local: check the moment, name this rank's pieces, unseal the tag (rank 0).
-    _, everyone = together(group, what, lambda: _plan(opt, rank, tag_dir), share=lambda plan: plan)
-    owned = _owned_pieces([e["pieces"] for e in everyone], rank)
+    # 1. Who sees the directory (two agreements; nothing written but a probe file).
+    storage = probe_storage(group, rank, tag_dir, what, node_local=node_local)
+
+    # 2. Local: check the moment, name this rank's pieces, unseal the tag (the leaders).
+    _, everyone = together(
+        group, what, lambda: _plan(opt, storage, tag_dir), share=lambda plan: plan
+    )
+    pieces = [e["pieces"] for e in everyone]
+    peers = {r: g for g in storage.groups for r in g}
+    owned_by = [_owned_pieces(pieces, r, peers[r]) for r in range(world_size)]
     optimized = {name for e in everyone for name in e["shapes"]}
 
-    # 2. Collectives: the full values rank 0 writes whole (frozen parameters; the 16-bit model).
-    frozen = gather_full(model, lambda name: name not in optimized, keep=rank == 0)
+    # 3. Collectives: the full values the leaders write whole (frozen parameters; 16-bit model).
+    leader = storage.is_leader
+    frozen = gather_full(model, lambda name: name not in optimized, keep=leader)
     model16 = None
     if opt.config.stage3_gather_16bit_weights_on_model_save:
-        model16 = gather_16bit_state_dict(model, keep=rank == 0)
+        model16 = gather_16bit_state_dict(model, keep=leader)
 
-    # 3. Local: every rank writes its shard files.
-    _, gathered = together(
+    # 4. Local: copy this rank's pieces (and the leaders' common state) into host memory.
+    ((weights, states, rng), _), packs = together(
         group,
         what,
-        lambda: _write_shards(opt, owned, tag_dir, tag, rank, world_size, save_rng),
-        share=lambda shared: shared,
+        lambda: _pack(opt, owned_by[rank], save_rng),
+        share=lambda packed: packed[1]["scalars_and_keys"],
     )
+    pending = PendingSave(
+        what=what,
+        root=root,
+        tag=tag,
+        rank=rank,
+        world_size=world_size,
+        storage=storage,
+        header={"format_version": FORMAT_VERSION, "rank": rank, "world_size": world_size,
+                "tag": tag},
+        weights=weights,
+        states=states,
+        rng=rng,
+        owned=[tuple(o) for o in owned_by],
+    )  # fmt: skip
+    if leader:
+        pending.common, pending.meta = _common_and_meta(
+            opt, model, tag, world_size, everyone, packs, client_state, frozen, model16 is not None
+        )
+        pending.model16 = model16
+    return pending
 
-    # 4. Local to rank 0: common.pt, the 16-bit model, then metadata.json (the seal) and `latest`.
-    def seal() -> None:
-        if rank == 0:
-            _write_common_and_seal(
-                opt, model, root, tag, world_size, everyone, gathered, client_state, frozen, model16
-            )
-            if save_latest:
-                atomic_write_text(root / LATEST_FILE, tag + "\n")
 
-    together(group, what, seal)  # nobody returns before the tag is sealed and `latest` moved
-    return tag_dir
-
-
-def _plan(opt: Any, rank: int, tag_dir: Path) -> dict[str, Any]:
-    """This rank's pieces and parameter shapes (shared with every rank); rank 0 unseals the tag."""
+def _plan(opt: Any, storage: StorageGroups, tag_dir: Path) -> dict[str, Any]:
+    """This rank's pieces and parameter shapes (shared with every rank); leaders unseal the tag."""
     gas = opt.config.gradient_accumulation_steps
     if opt.micro_step % gas != 0 or opt.at_boundary:
         where = "inside" if opt.micro_step % gas != 0 else "at the end of"
@@ -192,26 +255,20 @@ def _plan(opt: Any, rank: int, tag_dir: Path) -> dict[str, Any]:
         )
     fragments = opt.fragments()
     # An existing tag is about to be overwritten: unseal it first, so that a crash part-way
-    # leaves an incomplete tag (refused by name) rather than a complete-looking mixture.
-    if rank == 0:
-        tag_dir.mkdir(parents=True, exist_ok=True)
+    # leaves an incomplete tag (refused by name) rather than a complete-looking mixture. Done
+    # markers of an earlier save of this tag go too (they would seal it early: pending.py).
+    if storage.is_leader:
         (tag_dir / METADATA_FILE).unlink(missing_ok=True)
+        for marker in tag_dir.glob(DONE_GLOB):
+            marker.unlink(missing_ok=True)
     return {
         "pieces": [(f.name, f.start, f.numel) for f in fragments if f.numel > 0],
         "shapes": {f.name: tuple(f.shape) for f in fragments},
     }
 
 
-def _write_shards(
-    opt: Any,
-    owned: list[tuple[str, int, int]],
-    tag_dir: Path,
-    tag: str,
-    rank: int,
-    world_size: int,
-    save_rng: bool,
-) -> dict[str, Any]:
-    """Write this rank's weights and optim files; returns what rank 0 needs to seal the tag."""
+def _pack(opt: Any, owned: list[tuple[str, int, int]], save_rng: bool) -> tuple[Any, dict]:
+    """This rank's weights and per-element optimizer state, packed into new host tensors."""
     by_name = {f.name: f for f in opt.fragments() if f.numel > 0}
     inner = opt.optimizer
     weights: list[tuple[str, int, torch.Tensor]] = []
@@ -232,38 +289,26 @@ def _write_shards(
                     (name, start, value.reshape(-1)[lo : lo + numel])
                 )
             if scalar:
-                scalars[(name, start)] = scalar  # rank 0 keeps one per parameter
-
-    wfile, ofile = weights_file(rank, world_size), optim_file(rank, world_size)
-    header = {"format_version": FORMAT_VERSION, "rank": rank, "world_size": world_size, "tag": tag}
-    packed = pack_pieces(weights)  # one fp32 copy of this rank's pieces: 4·Ψ/N bytes
-    # See Note [atomic checkpoint]; the weights file is where the crash test hook strikes.
-    wbytes = atomic_save({**header, **packed}, tag_dir / wfile, crash_point=True)
-    states = {key: pack_pieces(pieces) for key, pieces in moments.items()}
-    obytes = atomic_save(
-        {**header, "state": states, "rng": _rng_state() if save_rng else None}, tag_dir / ofile
-    )
-    record = ShardRecord(
-        rank, wfile, ofile, tuple(owned), packed["values"].numel() * 4, wbytes, obytes
-    )
-    return {"record": record, "scalars": scalars, "state_keys": sorted(moments)}
+                scalars[(name, start)] = scalar  # the leaders keep one per parameter
+        # pack_pieces copies (torch.cat into a new host tensor): a snapshot, Ψ/N·(4 + K) bytes.
+        packed = pack_pieces(weights)
+        states = {key: pack_pieces(pieces) for key, pieces in moments.items()}
+    shared = {"scalars_and_keys": {"scalars": scalars, "state_keys": sorted(moments)}}
+    return (packed, states, _rng_state() if save_rng else None), shared
 
 
-def _write_common_and_seal(
+def _common_and_meta(
     opt: Any,
     model: nn.Module,
-    root: Path,
     tag: str,
     world_size: int,
     everyone: list[dict[str, Any]],
-    gathered: list[dict[str, Any]],
+    packs: list[dict[str, Any]],
     client_state: dict[str, Any] | None,
     frozen: dict[str, torch.Tensor],
-    model16: dict[str, torch.Tensor] | None,
-) -> None:
-    """Rank 0: write `common.pt` (and the 16-bit model), then `metadata.json` (the seal); the
-    caller moves `latest` after it."""
-    tag_dir = root / tag
+    has_model16: bool,
+) -> tuple[dict[str, Any], CheckpointMetadata]:
+    """A leader's `common.pt` contents (copies) and the metadata without its shard records."""
     shapes: dict[str, tuple[int, ...]] = {}
     for e in everyone:
         shapes.update(e["shapes"])
@@ -280,27 +325,27 @@ def _write_common_and_seal(
     # piece may lack state where another has it: stage 0/3 skip a master no rank used.)
     scalars: dict[str, dict[str, Any]] = {}
     for (name, _), value in sorted(
-        ((k, v) for g in gathered for k, v in g["scalars"].items()), key=lambda kv: kv[0][1]
+        ((k, v) for g in packs for k, v in g["scalars"].items()), key=lambda kv: kv[0][1]
     ):
         scalars.setdefault(name, value)
     inner = opt.optimizer
-    hyper = [{k: v for k, v in pg.items() if k != "params"} for pg in inner.param_groups]
+    hyper = copy.deepcopy(
+        [{k: v for k, v in pg.items() if k != "params"} for pg in inner.param_groups]
+    )
     buffers = {name: b.detach().cpu().clone() for name, b in model.named_buffers()}
     common = {
         "format_version": FORMAT_VERSION,
         "param_groups": hyper,
         "scalar_state": scalars,
-        "loss_scaler": opt.loss_scaler.state_dict() if opt.loss_scaler is not None else None,
+        "loss_scaler": None
+        if opt.loss_scaler is None
+        else copy.deepcopy(opt.loss_scaler.state_dict()),
         "global_step": opt.global_step,
         "micro_step": opt.micro_step,
         "buffers": buffers,
         "frozen_params": frozen,
-        "client_state": client_state,
+        "client_state": copy.deepcopy(client_state),
     }
-    common_bytes = atomic_save(common, tag_dir / COMMON_FILE)
-    model16_bytes = None
-    if model16 is not None:
-        model16_bytes = atomic_save(model16, tag_dir / MODEL_16BIT_FILE)
     meta = CheckpointMetadata(
         format_version=FORMAT_VERSION,
         tag=tag,
@@ -308,17 +353,15 @@ def _write_common_and_seal(
         stage=opt.config.stage,
         global_step=opt.global_step,
         params=params,
-        shards=tuple(g["record"] for g in gathered),
+        shards=(),
         optimizer_class=type(inner).__name__,
-        state_keys=tuple(sorted({k for g in gathered for k in g["state_keys"]})),
+        state_keys=tuple(sorted({k for g in packs for k in g["state_keys"]})),
         state_dict_keys=tuple(_state_dict_keys(model)),
         buffer_names=tuple(buffers),
         frozen_names=tuple(frozen),
-        common_file_bytes=common_bytes,
-        model_16bit_file=MODEL_16BIT_FILE if model16 is not None else None,
-        model_16bit_file_bytes=model16_bytes,
+        model_16bit_file=MODEL_16BIT_FILE if has_model16 else None,
     )
-    atomic_write_text(tag_dir / METADATA_FILE, meta.to_json())
+    return common, meta
 
 
 def _state_dict_keys(module: nn.Module, prefix: str = "") -> list[str]:

@@ -1,0 +1,417 @@
+"""One checkpoint directory for the whole process grid (pipe × data × expert).
+
+```text
+CKPT_DIR/
+  latest                         "<tag>\\n", moved after grid.json (the grid's seal)
+  <tag>/
+    grid.json                    written last: the grid that saved it, its parts, its partition
+    pipe00-of-02/                one *part* per (pipeline stage, expert rank): a zero checkpoint
+      weights.rank00000-of-00002.pt   of that part's data-parallel group, files named by data rank
+      optim.rank00000-of-00002.pt     (minispeed.zero's layout: layout.py there)
+      common.pt  metadata.json
+    pipe01-of-02/ ...
+```
+
+A part is named `pipe{stage}-of-{P}`, with `-expert{e}-of-{E}` added when there are experts
+ranks; within it, files are named by data rank. With one part (P = E = 1) the part *is* the
+tag directory, so a data-parallel checkpoint stays a plain `minispeed.zero` checkpoint that
+`python -m minispeed.zero consolidate` reads. A part whose optimizer is not sharded (a pipeline
+without ZeRO) holds `model_states.pt`: the part's engine state, written by its data rank 0.
+
+**Loading** finds the tag (`latest` or `tag=`), reads `grid.json` (a tag without one was
+saved by a single-part engine) and refuses, naming both grids, a checkpoint whose pipeline
+stages, expert ranks or layer partition differ from the engine's: those cannot be resharded.
+Another data-parallel size loads (zero re-slices every parameter by name; unsharded parts are
+replicas).
+
+**The protocol** (Note [atomic checkpoint] in zero): every rank probes who shares the
+directory (Note [who shares the checkpoint directory]), the grid leaders unseal the tag, each
+part snapshots into host memory (`zero.checkpoints.save.snapshot`), writes its files, its
+leader seals the part, and only when every part is sealed does the grid leader write
+`grid.json`, then `latest`. With `checkpoint.async_save` the writing and sealing run on a
+background thread (checkpoint_async.py). With `checkpoint.use_node_local_storage` every
+storage gets its own ranks' files and its own `grid.json` and `latest`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import minispeed.comm as comm
+import minispeed.zero as zero
+from minispeed.core.config import ConfigError, check_keys
+from minispeed.zero.checkpoints.agree import together
+from minispeed.zero.checkpoints.layout import (
+    LATEST_FILE,
+    METADATA_FILE,
+    CheckpointError,
+    atomic_save,
+    atomic_write_text,
+    load_shard,
+)
+from minispeed.zero.checkpoints.save import snapshot
+from minispeed.zero.checkpoints.storage import StorageGroups, probe_storage
+
+__all__ = [
+    "GRID_FILE",
+    "PLAIN_FILE",
+    "CheckpointConfig",
+    "GridPlace",
+    "GridSave",
+    "Part",
+    "PathLike",
+    "find_tag",
+    "has_latest",
+    "is_sharded",
+    "load_part",
+    "part_dir",
+    "read_grid",
+    "save_now",
+    "start_save",
+]
+
+PathLike = str | os.PathLike
+GRID_FILE = "grid.json"
+PLAIN_FILE = "model_states.pt"
+GRID_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """The `checkpoint` section of the ds_config."""
+
+    async_save: bool = False
+    """minispeed's key: write the files on a background thread while training goes on (a
+    snapshot is copied to host memory first); the next save, `load_checkpoint` and the exit wait
+    for it, and `latest` moves only once every rank's files are durable."""
+    use_node_local_storage: bool = False
+    """DeepSpeed's key: the ranks of each node may see their own directory at the checkpoint
+    path; each node then keeps its ranks' files plus the common ones, and loads at the same
+    placement. Without it, a directory not every rank sees is refused at save time."""
+
+    KEYS = ("async_save", "use_node_local_storage")
+
+    @classmethod
+    def from_ds_config(cls, section: dict[str, Any] | None) -> CheckpointConfig:
+        """Read the `checkpoint` section (unknown keys are errors with a did-you-mean)."""
+        section = dict(section or {})
+        check_keys(section, set(cls.KEYS), "checkpoint", unsupported=UNSUPPORTED, defaults=DEFAULTS)
+        values = {}
+        for key in cls.KEYS:
+            value = section.get(key, False)
+            if not isinstance(value, bool):
+                raise ConfigError(f"checkpoint.{key}", f"must be true or false, got {value!r}")
+            values[key] = value
+        if values["async_save"] and values["use_node_local_storage"]:
+            raise ConfigError(
+                "checkpoint.async_save",
+                "async_save with use_node_local_storage is not supported: the background writers "
+                "agree that every rank's files are durable through the shared directory, which "
+                "node-local storage does not have; turn one of them off",
+            )
+        return cls(**values)
+
+
+# DeepSpeed's checkpoint keys minispeed does not implement, accepted at their defaults.
+UNSUPPORTED = {
+    "tag_validation": "every rank saves under the tag its call names; tags are not compared",
+    "load_universal": "checkpoints load at any data-parallel size already",
+    "parallel_write": "every rank writes its own shard files already",
+}
+DEFAULTS = {
+    "tag_validation": "Warn",
+    "load_universal": False,
+    "parallel_write": {"pipeline_stage": False},
+}
+
+
+@dataclass(frozen=True)
+class GridPlace:
+    """This rank's place in the grid, and the grid's shape."""
+
+    stage: int = 0
+    pipe: int = 1
+    data_rank: int = 0
+    data: int = 1
+    expert_rank: int = 0
+    expert: int = 1
+
+    @property
+    def part(self) -> str | None:
+        """This rank's part directory name (None: one part, the tag directory itself)."""
+        if self.pipe == 1 and self.expert == 1:
+            return None
+        name = f"pipe{self.stage:02d}-of-{self.pipe:02d}"
+        if self.expert > 1:
+            name += f"-expert{self.expert_rank:02d}-of-{self.expert:02d}"
+        return name
+
+    def shape(self) -> dict[str, int]:
+        """`{"pipe": P, "data": D, "expert": E}`."""
+        return {"pipe": self.pipe, "data": self.data, "expert": self.expert}
+
+    @staticmethod
+    def from_grid(grid: Any) -> GridPlace:
+        """From a `minispeed.comm.ProcessGrid` with some of the axes pipe, data, expert."""
+        axes = grid.topology.axes
+
+        def coord(axis: str) -> tuple[int, int]:
+            return (grid.rank_in(axis), grid.size(axis)) if axis in axes else (0, 1)
+
+        (s, p), (d, n), (e, x) = coord("pipe"), coord("data"), coord("expert")
+        return GridPlace(s, p, d, n, e, x)
+
+
+@dataclass
+class Part:
+    """What one rank saves: its module and optimizer, in its part of the grid.
+
+    `optimizer` a `ZeroOptimizer` (its files: zero's) or anything else (the part's data rank 0
+    writes `payload` whole: a replica's state). `payload` is the engine's state (counters,
+    scheduler, the client's state), carried in zero's `client_state` or in `model_states.pt`.
+    `partition`: the pipeline's layer boundaries, compared on load.
+    """
+
+    place: GridPlace
+    module: nn.Module
+    optimizer: Any
+    data_group: Any
+    payload: dict[str, Any]
+    partition: list[int] | None = None
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the part's files are a zero checkpoint."""
+        return is_sharded(self.optimizer)
+
+
+def is_sharded(optimizer: Any) -> bool:
+    """Whether `optimizer` saves as zero's files (a `ZeroOptimizer`)."""
+    return isinstance(optimizer, zero.ZeroOptimizer)
+
+
+def has_latest(load_dir: PathLike) -> bool:
+    """Whether `load_dir` has a `latest` file."""
+    return (Path(load_dir) / LATEST_FILE).is_file()
+
+
+def part_dir(tag_dir: Path, place: GridPlace) -> Path:
+    """The directory of `place`'s part inside a tag directory."""
+    return tag_dir if place.part is None else tag_dir / place.part
+
+
+def grid_record(part: Part, tag: str) -> dict[str, Any]:
+    """`grid.json`'s contents."""
+    return {
+        "format_version": GRID_FORMAT_VERSION,
+        "tag": tag,
+        "grid": part.place.shape(),
+        "sharded": part.sharded,
+        "partition": part.partition,
+    }
+
+
+def read_grid(tag_dir: Path) -> dict[str, Any] | None:
+    """`grid.json` of a tag directory, or None for a single-part tag saved without one."""
+    path = tag_dir / GRID_FILE
+    if not path.is_file():
+        parts = tag_dir.glob("pipe*-of-*") if tag_dir.is_dir() else ()
+        if not any(p.is_dir() for p in parts):  # one part: zero names what is missing
+            return None
+        raise CheckpointError(
+            f"checkpoint {tag_dir} is incomplete: {GRID_FILE} was never written, so the save of "
+            f"the grid was interrupted; load the tag '{LATEST_FILE}' names, or another tag"
+        )
+    return json.loads(path.read_text())
+
+
+def check_grid(saved: dict[str, Any] | None, part: Part, tag_dir: Path) -> None:
+    """Raise naming both grids when the checkpoint cannot load into this grid."""
+    mine = part.place.shape()
+    theirs = saved["grid"] if saved is not None else {"pipe": 1, "expert": 1}
+    if theirs["pipe"] != mine["pipe"] or theirs["expert"] != mine["expert"]:
+        raise CheckpointError(
+            f"checkpoint {tag_dir} was saved by a grid of {_grid_text(theirs)}, this engine runs "
+            f"{_grid_text(mine)}: pipeline stages and expert ranks cannot be resharded (data "
+            "parallelism can). Load it with the same pipeline stages and expert parallel size"
+        )
+    saved_partition = None if saved is None else saved.get("partition")
+    if saved_partition is not None and saved_partition != part.partition:
+        raise CheckpointError(
+            f"checkpoint {tag_dir} was saved with the layers cut at {saved_partition}, this "
+            f"pipeline cuts them at {part.partition}: build the PipelineModule with the same "
+            "partition_method (or partition) that saved it"
+        )
+    if saved is not None and saved.get("sharded") != part.sharded:
+        kinds = {True: "a ZeRO optimizer", False: "an unsharded optimizer"}
+        raise CheckpointError(
+            f"checkpoint {tag_dir} was saved with {kinds[bool(saved.get('sharded'))]}, this "
+            f"engine has {kinds[part.sharded]}; load it with the zero_optimization stage that "
+            "saved it (0 vs 1 on a pipeline)"
+        )
+
+
+def _grid_text(shape: dict[str, int]) -> str:
+    data = f" x data {shape['data']}" if "data" in shape else ""
+    return f"pipe {shape['pipe']}{data} x expert {shape['expert']}"
+
+
+# -- saving ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class GridSave:
+    """One save in progress: the snapshot of this rank's part and who writes what."""
+
+    root: Path
+    tag: str
+    part: Part
+    what: str
+    world: StorageGroups  # who shares the tag directory, over the world
+    pending: Any  # zero PendingSave (sharded parts) or None
+    plain: dict[str, Any] | None  # the unsharded part's payload copy, on its writers
+    save_latest: bool
+    parts: tuple[str | None, ...]  # the parts of the ranks sharing this rank's directory
+
+    @property
+    def tag_dir(self) -> Path:
+        """The tag directory."""
+        return self.root / self.tag
+
+    def write_files(self) -> tuple[int, int] | None:
+        """This rank's files (local): zero's shards, or the unsharded part's file."""
+        if self.pending is not None:
+            return self.pending.write_files()
+        if self.plain is not None:
+            path = part_dir(self.tag_dir, self.part.place) / PLAIN_FILE
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_save(self.plain, path)
+        return None
+
+    def part_sealed(self, place_part: str | None) -> bool:
+        """Whether a part's seal file is in this rank's tag directory."""
+        where = self.tag_dir if place_part is None else self.tag_dir / place_part
+        seal = METADATA_FILE if self.part.sharded else PLAIN_FILE
+        return (where / seal).is_file()
+
+    def seal_grid(self) -> None:
+        """Grid leader: grid.json, then `latest` (every part is sealed)."""
+        atomic_write_text(self.tag_dir / GRID_FILE, json.dumps(grid_record(self.part, self.tag)))
+        if self.save_latest:
+            atomic_write_text(self.root / LATEST_FILE, self.tag + "\n")
+
+
+def start_save(
+    part: Part, save_dir: str | os.PathLike, tag: str, *, save_latest: bool, node_local: bool
+) -> GridSave:
+    """The collective half of a grid save (every rank of the world): probe, unseal, snapshot."""
+    root, world_rank = Path(save_dir), comm.get_rank()
+    tag_dir = root / tag
+    what = f"save_checkpoint of tag {tag!r}"
+    world = probe_storage(None, world_rank, tag_dir, what, node_local=node_local)
+
+    def unseal() -> None:
+        if world.is_leader:  # a crash from here on leaves this tag refused by name
+            (tag_dir / GRID_FILE).unlink(missing_ok=True)
+            for name in (METADATA_FILE, PLAIN_FILE):  # each part's seal (Note [done markers])
+                for path in (tag_dir / name, *tag_dir.glob(f"*/{name}")):
+                    path.unlink(missing_ok=True)
+
+    _, places = together(None, what, unseal, share=lambda _: part.place.part)
+    parts = tuple(dict.fromkeys(places[r] for r in world.mine))
+    where = part_dir(tag_dir, part.place)
+    pending = plain = None
+    if part.sharded:
+        sub_root, sub_tag = (root, tag) if part.place.part is None else (tag_dir, part.place.part)
+        pending = snapshot(
+            part.optimizer, part.module, sub_root, sub_tag, client_state=part.payload,
+            node_local=node_local,
+        )  # fmt: skip
+    else:
+        data_rank = comm.get_rank(part.data_group)
+        storage = probe_storage(part.data_group, data_rank, where, what, node_local=node_local)
+        if storage.is_leader:
+            plain = _host_copy(part.payload)
+    return GridSave(root, tag, part, what, world, pending, plain, save_latest, parts)
+
+
+def save_now(save: GridSave) -> None:
+    """The local half, on the caller's thread, each phase agreed over the world."""
+    pending = save.pending
+    mine = save.part.place.part
+    _, sizes = together(
+        None,
+        save.what,
+        save.write_files,
+        share=lambda s: (mine, None if pending is None else pending.rank, s),
+    )
+
+    def seal_parts() -> None:
+        if pending is not None and pending.storage.is_leader:
+            by_rank = {r: s for p, r, s in sizes if p == mine}
+            pending.seal([by_rank[r] for r in range(pending.world_size)])
+
+    together(None, save.what, seal_parts)
+
+    def seal_grid() -> None:
+        if save.world.is_leader:
+            save.seal_grid()
+
+    together(None, save.what, seal_grid)
+
+
+def _host_copy(value: Any) -> Any:
+    """A copy of `value` whose tensors are new CPU tensors (a snapshot training cannot change)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return type(value)((k, _host_copy(v)) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return type(value)(_host_copy(v) for v in value)
+    return value
+
+
+# -- loading --------------------------------------------------------------------------------------
+
+
+def find_tag(load_dir: str | os.PathLike, tag: str | None) -> Path:
+    """The tag directory: `load_dir/tag`, or the one `latest` names."""
+    root = Path(load_dir)
+    if tag is not None:
+        return root / tag
+    return root / (root / LATEST_FILE).read_text().strip()
+
+
+def load_part(
+    part: Part, load_dir: str | os.PathLike, tag: str | None, *, load_optimizer_states: bool
+) -> tuple[Path, dict[str, Any] | None]:
+    """Load this rank's part (collective over the world); returns (tag dir, saved payload)."""
+    what = f"load_checkpoint from {os.fspath(load_dir)!r}" + (f" (tag {tag!r})" if tag else "")
+
+    def find() -> Path:
+        tag_dir = find_tag(load_dir, tag)
+        check_grid(read_grid(tag_dir), part, tag_dir)
+        return tag_dir
+
+    tag_dir, _ = together(None, what, find)
+    where = part_dir(tag_dir, part.place)
+    if part.sharded:
+        payload = zero.load_checkpoint(
+            part.optimizer,
+            part.module,
+            where.parent,
+            where.name,
+            load_optimizer_states=load_optimizer_states,
+        )
+        return tag_dir, payload
+    payload, _ = together(
+        None, what, lambda: load_shard(where / PLAIN_FILE, tag_dir.name, weights_only=False)
+    )
+    return tag_dir, payload
