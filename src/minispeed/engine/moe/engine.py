@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 import minispeed.comm as comm
+from minispeed.core.files import atomic_write
 from minispeed.engine.engine import Engine
 from minispeed.engine.moe.layer import MoE
 
@@ -52,9 +53,8 @@ class MoEEngine(Engine):
         tag = tag if tag is not None else f"global_step{self.global_steps}"
         path = _rank_file(Path(save_dir) / str(tag), opt.comm_group)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        torch.save(opt.state_dict(), tmp)
-        os.replace(tmp, path)  # the zero files seal the tag after this
+        state = opt.state_dict()
+        atomic_write(path, lambda f: torch.save(state, f))  # the zero files seal the tag after
         return super().save_checkpoint(
             save_dir, tag, client_state, save_latest, exclude_frozen_parameters
         )
