@@ -103,22 +103,16 @@ def _refusals(rank, world_size):
             PipelineEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
         except (NotImplementedError, ValueError) as exc:
             errors.append(str(exc))
-    try:  # DeepSpeed would tie only the weight and leave the two biases apart
-        pipe.PipelineModule(
-            [pipe.TiedLayerSpec("w", nn.Linear, 2, 2), pipe.TiedLayerSpec("w", nn.Linear, 2, 2)],
-            num_stages=2,
-        )
-    except NotImplementedError as exc:
-        errors.append(str(exc))
     return errors
 
 
 def test_what_does_not_compose_is_refused_on_every_rank():
     for errors in run_distributed(_refusals, world_size=2, timeout_s=120):
-        assert len(errors) == 3  # ZeRO 1-2, fp16, bf16 compose: test_pipe_engine_zero.py
+        # ZeRO 1-2, fp16, bf16 compose (test_pipe_engine_zero.py); so does a tie by the weight
+        # alone, as in DeepSpeed (packages/pipeline/tests/test_partial_tie.py)
+        assert len(errors) == 2
         assert "stage=3" in errors[0]
         assert "train_batch_size=5 is not" in errors[1]  # core.config.batch_triple
-        assert "['bias']" in errors[2]
 
 
 def _round_trip(rank, world_size):
