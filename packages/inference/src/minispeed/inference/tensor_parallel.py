@@ -58,6 +58,7 @@ from torch import nn
 
 import minispeed.comm as comm
 import minispeed.tensor_parallel as tp
+from minispeed.core.config import check_keys
 
 __all__ = [
     "RowParallelLinear",
@@ -104,12 +105,7 @@ class TPConfig:
                 f"tensor_parallel must be an int or a dict like {{'tp_size': 2}}, got "
                 f"{type(section).__name__}"
             )
-        unknown = sorted(set(section) - set(_KEYS))
-        if unknown:
-            raise ValueError(
-                f"tensor_parallel: unknown keys {unknown}; supported: {list(_KEYS)} "
-                "(e.g. {'tp_size': 2})"
-            )
+        check_keys(section, _KEYS, "tensor_parallel")
         if not section.get("enabled", True):
             return cls()
         return cls(tp_size=section.get("tp_size", 1), tp_group=section.get("tp_group"))
