@@ -300,18 +300,11 @@ class EngineConfig:
             ),
             ds.get("zero_optimization"),
         )
-        if "bf16" in ds and "bfloat16" in ds:
-            raise ConfigError(
-                "bfloat16", "the old name of 'bf16', which is also set; keep only 'bf16'"
-            )
+        # MixedPrecision owns the fp16/bf16/data_types sections and bf16's old name `bfloat16`.
         precision = _package(
             "fp16/bf16",
-            lambda _: MixedPrecision.from_sections(
-                fp16=ds.get("fp16"),
-                bf16=ds.get("bf16", ds.get("bfloat16")),
-                data_types=ds.get("data_types"),
-            ),
-            None,
+            MixedPrecision.from_ds_config,
+            {k: v for k, v in ds.items() if k in ("fp16", "bf16", "bfloat16", "data_types")},
         )
         _check_communication_dtype(ds.get("communication_data_type"), precision)
         profiler = None
