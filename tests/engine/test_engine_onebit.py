@@ -13,8 +13,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from onebit_reference import BETAS, EPS, LR, MICRO, WD, loss_of, make_model, micro_batch
-from onebit_reference import plain_adam, simulate
+from onebit_reference import (
+    BETAS,
+    EPS,
+    LR,
+    MICRO,
+    WD,
+    loss_of,
+    make_model,
+    micro_batch,
+    plain_adam,
+    simulate,
+)
 
 from minispeed.core.testing import run_distributed
 
@@ -161,9 +171,7 @@ def _refused(rank, world_size, kind, stage, extra):
     ],
 )
 def test_what_is_not_supported_is_refused_on_every_rank(kind, stage, extra, reason):
-    messages = run_distributed(
-        _refused, world_size=2, args=(kind, stage, extra, reason), timeout_s=60
-    )
+    messages = run_distributed(_refused, world_size=2, args=(kind, stage, extra), timeout_s=60)
     assert all(m is not None and reason in m for m in messages), messages
 
 
