@@ -31,7 +31,8 @@ class Net(torch.nn.Module):
         )
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.mse_loss(self.net(x), y)
+        dtype = self.net[0].weight.dtype  # 16-bit training: inputs in the model's dtype
+        return torch.nn.functional.mse_loss(self.net(x.to(dtype)).float(), y)
 
 
 def make_model(seed: int = 0) -> torch.nn.Module:

@@ -42,8 +42,13 @@ Clipping (`max_grad_norm`) after the freeze uses each rank's *local* gradient no
 DeepSpeed's 1-bit Adam did (the averaged gradient never exists); before it, the global norm as
 for Adam. Refused (named on every rank before any collective): stage 3 (parameters are gathered
 per layer, the full momentum update and error feedback would be per gathered layer), 1-bit LAMB
-(its trust ratio reads whole-tensor norms of shards), fp16/bf16 (see `check_onebit`), offload,
-MoE replica groups and model-parallel axes.
+(its trust ratio reads whole-tensor norms of shards), fp16/bf16 with weight decay at stages 1-2
+(see `check_onebit`), offload, MoE replica groups and model-parallel axes.
+
+fp16/bf16: the momentum, variance, masters and residuals stay fp32; gradients are unscaled and
+checked for overflow before they reach the momentum, and an overflowing step (agreed over the
+ranks) is skipped whole, so neither the momentum nor the residuals see an inf (Note [a NaN
+residual] in comm/compression/error_feedback.py).
 """
 
 from __future__ import annotations
@@ -92,12 +97,14 @@ def check_onebit(
             f"layer and never holds the full model, while 1-bit Adam's compressed phase updates "
             f"and all-reduces one full momentum vector; use stage 0, 1 or 2"
         )
-    if precision.param_dtype != torch.float32:
+    decays = any(pg.get("weight_decay", 0.0) for pg in optimizer.param_groups)
+    if precision.param_dtype != torch.float32 and config.stage != 0 and decays:
         raise ValueError(
-            f"{kind} with ZeRO and {precision.param_dtype} parameters is not supported: the "
-            f"compressed phase adds weight decay from the full-precision parameters on every "
-            f"rank, which stages 1-2 hold only as 16-bit copies (so stages would disagree); "
-            f"train in fp32 (remove the fp16/bf16 sections) or use Adam with mixed precision"
+            f"{kind} with ZeRO stage {config.stage}, {precision.param_dtype} parameters and "
+            f"weight_decay > 0 is not supported: the compressed phase adds weight_decay · p to "
+            f"every rank's full momentum, and at stages 1-2 a rank holds the fp32 masters of its "
+            f"shard only (the rest as 16-bit copies, so stages would disagree); use stage 0, "
+            f"fp32, or weight_decay 0"
         )
     if config.offload_optimizer is not None or config.offload_param is not None:
         raise ValueError(
@@ -245,6 +252,20 @@ class OnebitZeroOptimizer(ZeroOptimizer):
             state["exp_avg"] = m[where].view_as(master)
         self.momentum = m
 
+    def _full_value(self, g: int, i: int) -> torch.Tensor:
+        """Parameter i of group g, whole and in fp32: stage 0's master, or (stages 1-2, fp32 only:
+        `check_onebit`) the model parameter, which the all-gather made equal to the masters."""
+        if not self._inner_partitions():
+            return self.strategy.master_params()[g][i]
+        param = self._params[self._index[(g, i)]].detach()
+        if param.dtype != torch.float32:
+            raise RuntimeError(
+                f"weight_decay became > 0 in param group {g} after zero.shard with "
+                f"{param.dtype} parameters at stage {self.config.stage}: the compressed phase "
+                f"needs the fp32 parameter on every rank (check_onebit); keep weight_decay 0"
+            )
+        return param
+
     def _inner_partitions(self) -> bool:
         return bool(self.strategy.strategy.partitions_grads)
 
@@ -270,8 +291,7 @@ class OnebitZeroOptimizer(ZeroOptimizer):
             grad = grads[g][i]
             beta1 = groups[g]["betas"][0]
             if groups[g]["weight_decay"]:  # L2, as torch.optim.Adam: from the fp32 parameter
-                param = self._params[self._index[(g, i)]].detach()
-                grad = grad.add(param, alpha=groups[g]["weight_decay"])
+                grad = grad.add(self._full_value(g, i), alpha=groups[g]["weight_decay"])
             m[off : off + grad.numel()].view_as(grad).lerp_(grad, 1 - beta1)
         self.momentum_allreduce(m)
         t = self.global_step + 1
