@@ -232,3 +232,31 @@ def test_16bit_training_is_the_same_at_every_stage(section):
             assert r["skipped"] == ref["skipped"] and r["losses"] == runs[0][rank]["losses"]
             for a, b in zip(r["params"], ref["params"]):
                 torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"stage {stage}")
+
+
+def _wire(rank, world_size, stage):
+    import minispeed.comm as comm
+    import minispeed.engine as deepspeed
+
+    engine, _, _, _ = deepspeed.initialize(model=make_model(), config=_config(stage, 1, 0.0))
+    _run(engine, rank, 1, FREEZE + 1)  # warm-up, then one compressed step
+    with comm.CommsLogger() as log:
+        _run(engine, rank, 1, 1, first=FREEZE + 1)
+    engine.destroy()
+    return [(r.op, r.msg_bytes) for r in log.records]
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_compressed_step_sends_the_momentum_in_one_bit_and_no_gradient(stage):
+    from minispeed.comm.compression import wire
+
+    numel = sum(p.numel() for p in make_model().parameters())
+    calls = run_distributed(_wire, world_size=2, args=(stage,), timeout_s=60)[0]
+    agreement = [("all_reduce", 4 * (len(list(make_model().parameters())) + 1))]
+    onebit = wire.onebit_allreduce_calls(numel, 2)
+    rest = [c for c in calls if c not in onebit and c not in agreement]
+    assert [c for c in calls if c in onebit] == onebit, calls
+    if stage == 0:
+        assert rest == [], calls
+    else:  # the parameters' all-gather, fp32, padded to a multiple of 2
+        assert rest == [("all_gather", 4 * (numel + numel % 2))], calls
