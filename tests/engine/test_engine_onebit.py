@@ -260,3 +260,38 @@ def test_a_compressed_step_sends_the_momentum_in_one_bit_and_no_gradient(stage):
         assert rest == [], calls
     else:  # the parameters' all-gather, fp32, padded to a multiple of 2
         assert rest == [("all_gather", 4 * (numel + numel % 2))], calls
+
+
+def _save_compressed(rank, world_size, root):
+    import minispeed.engine as deepspeed
+
+    engine, opt, _, _ = deepspeed.initialize(model=make_model(), config=_config(2, 1, 1.0))
+    _run(engine, rank, 1, FREEZE + 2)
+    engine.save_checkpoint(root, tag="t")
+    out = {"momentum": opt.momentum.clone(), "params": _flat(engine.module)}
+    engine.destroy()
+    return out
+
+
+def _load_elsewhere(rank, world_size, root):
+    import minispeed.engine as deepspeed
+
+    engine, opt, _, _ = deepspeed.initialize(model=make_model(seed=1), config=_config(0, 1, 1.0))
+    engine.load_checkpoint(root, tag="t")
+    out = {
+        "momentum": opt.momentum.clone(),
+        "params": _flat(engine.module),
+        "phase": opt.phase.value,
+        "residuals": opt.momentum_allreduce.state_dict()["worker"],
+    }
+    _run(engine, rank, 1, 1, first=FREEZE + 2)  # and it trains on
+    engine.destroy()
+    return out
+
+
+def test_a_stage2_checkpoint_of_2_ranks_loads_into_stage0_on_1_rank(tmp_path):
+    saved = run_distributed(_save_compressed, world_size=2, args=(str(tmp_path),), timeout_s=60)
+    (loaded,) = run_distributed(_load_elsewhere, world_size=1, args=(str(tmp_path),), timeout_s=60)
+    assert loaded["phase"] == "compressed" and loaded["residuals"] is None  # they restart
+    torch.testing.assert_close(loaded["momentum"], saved[0]["momentum"], rtol=0, atol=0)
+    torch.testing.assert_close(loaded["params"], saved[0]["params"], rtol=0, atol=0)

@@ -12,7 +12,7 @@ kernels (tests compare the class and hyper-parameters with DeepSpeed's, recorded
 | `SGD`, any torch.optim name | that torch class | the same | the same, on the CPU masters |
 | `Adagrad` | `torch.optim.Adagrad` | the same | `DeepSpeedCPUAdagrad` / `offload.CPUAdagrad` |
 | `Lion` | `FusedLion` (CUDA) | `Lion` below (pure PyTorch) | `DeepSpeedCPULion` / `offload.CPULion` |
-| `OneBitAdam`, `OneBitLamb` | removed in 0.19.8 | `comm.optim.OnebitAdam` / `OnebitLamb` | refused (as DeepSpeed did) |
+| `OneBitAdam`, `OneBitLamb` | removed in 0.19.8 | `comm.optim.OnebitAdam` (run over ZeRO 0-2 by `zero.onebit`) / `OnebitLamb` (refused by `zero.shard`) | refused (as DeepSpeed did) |
 
 `m` (AdamW mode) is `type == "AdamW" or adam_w_mode`, and `adam_w_mode` defaults to **true**:
 `"Adam"` means AdamW unless `adam_w_mode: false`. Without `torch_adam`, `weight_decay` defaults

@@ -19,7 +19,9 @@
    each rank steps its own shard `p <- p - lr (m / (1-β1^t)) / (sqrt(v / (1-β2^t0)) + eps)`;
    stages 1-2 then all-gather the parameters as usual.
 
-The momentum vector holds the parameters that required grad at `shard()` time, group by group
+The user's `OnebitAdam` supplies the hyper-parameters (its param-group dicts, shared) and
+`freeze_step`; its own `group` is not used: the momentum is averaged over zero's data-parallel
+group. The momentum vector holds the parameters that required grad at `shard()` time, group by group
 in parameter order (a frozen parameter has `v = 0`, where compression noise would move it by
 `lr · noise / eps`). A parameter that got no gradient counts as a zero gradient (as in
 `OnebitAdam`): every rank's vector has the same layout.
