@@ -44,6 +44,7 @@ def _config(stage: int, accumulation: int, clip: float, **extra) -> dict:
                 "eps": EPS,
                 "weight_decay": WD,
                 "freeze_step": FREEZE,
+                "comm_backend_name": "compressed",  # DeepSpeed's CPU path: accepted
             },
         },
         "zero_optimization": {"stage": stage},
