@@ -296,3 +296,22 @@ def test_a_stage2_checkpoint_of_2_ranks_loads_into_stage0_on_1_rank(tmp_path):
     assert loaded["phase"] == "compressed" and loaded["residuals"] is None  # they restart
     torch.testing.assert_close(loaded["momentum"], saved[0]["momentum"], rtol=0, atol=0)
     torch.testing.assert_close(loaded["params"], saved[0]["params"], rtol=0, atol=0)
+
+
+def _load_without_states(rank, world_size, root):
+    import minispeed.engine as deepspeed
+
+    engine, _, _, _ = deepspeed.initialize(model=make_model(seed=1), config=_config(2, 1, 1.0))
+    try:
+        engine.load_checkpoint(root, tag="t", load_optimizer_states=False)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_a_compressed_checkpoint_without_its_optimizer_states_is_refused(tmp_path):
+    run_distributed(_save_compressed, world_size=2, args=(str(tmp_path),), timeout_s=60)
+    messages = run_distributed(
+        _load_without_states, world_size=2, args=(str(tmp_path),), timeout_s=60
+    )
+    assert all(m is not None and "load_optimizer_states=True" in m for m in messages), messages

@@ -315,12 +315,20 @@ class OnebitZeroOptimizer(ZeroOptimizer):
             return None
         return {"onebit_residuals": self.momentum_allreduce.state_dict()}
 
-    def after_load(self, extra: dict[str, Any] | None) -> None:
+    def after_load(self, extra: dict[str, Any] | None, *, states_loaded: bool = True) -> None:
         """After a checkpoint's state was loaded (collective): re-enter the phase the restored
         `global_step` implies, rebuild `m` from the restored `exp_avg` pieces, and restore the
         residuals when this rank saved them at this world size (else they restart at zero:
-        bounded corrections, Note [why error feedback bounds the accumulated error])."""
+        bounded corrections, Note [why error feedback bounds the accumulated error]).
+        Past the freeze the optimizer states must have been loaded: without the frozen `v`
+        every update would be `m / eps`."""
         compressed = self.global_step >= self.freeze_step
+        if compressed and not states_loaded:
+            raise ValueError(
+                f"this 1-bit Adam checkpoint is at step {self.global_step}, past freeze_step "
+                f"{self.freeze_step}: its frozen variance and momentum are optimizer state; load "
+                f"it with load_optimizer_states=True"
+            )
         if self.phase is OnebitPhase.COMPRESSED and not compressed:
             raise RuntimeError(
                 f"this optimizer is past its freeze step ({self.freeze_step}) and the checkpoint "

@@ -197,7 +197,7 @@ def load_checkpoint(
             return load_shard(own, meta.tag, mmap=True, weights_only=True).get("extra")
 
         extra, _ = together(group, what, read_extra)
-        after_load(extra)  # collective
+        after_load(extra, states_loaded=load_optimizer_states)  # collective
     return common["client_state"]
 
 
@@ -205,10 +205,10 @@ def load_checkpoint(
 # Some optimizer state belongs to a rank, not to any parameter fragment: 1-bit Adam's
 # error-feedback residuals (zero/onebit.py) are what this rank's compression lost, sized by the
 # world size. An optimizer that has such state defines `rank_extra_state()` (saved in its rank's
-# optim file under "extra") and `after_load(extra)`, called collectively at the end of a load
-# with that rank's saved value, or None where the world size changed (or the optimizer states
-# are not loaded), so it can rebuild what it derives from the loaded state and start the rest
-# afresh.
+# optim file under "extra") and `after_load(extra, states_loaded=...)`, called collectively at
+# the end of a load with that rank's saved value, or None where the world size changed (or the
+# optimizer states are not loaded), so it can rebuild what it derives from the loaded state and
+# start the rest afresh.
 
 
 def _read(
