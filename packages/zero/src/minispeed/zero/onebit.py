@@ -44,7 +44,8 @@ Clipping (`max_grad_norm`) after the freeze uses each rank's *local* gradient no
 DeepSpeed's 1-bit Adam did (the averaged gradient never exists); before it, the global norm as
 for Adam. Refused (named on every rank before any collective): stage 3 (parameters are gathered
 per layer, the full momentum update and error feedback would be per gathered layer), 1-bit LAMB
-(its trust ratio reads whole-tensor norms of shards), fp16/bf16 with weight decay at stages 1-2
+(its trust ratio reads whole-tensor norms that shards do not hold, and this path implements
+Adam's rule only), fp16/bf16 with weight decay at stages 1-2
 (see `check_onebit`), offload, MoE replica groups and model-parallel axes.
 
 fp16/bf16: the momentum, variance, masters and residuals stay fp32; gradients are unscaled and
@@ -89,9 +90,10 @@ def check_onebit(
         raise TypeError(
             f"{kind} with zero.shard is not supported: only 1-bit Adam is. 1-bit LAMB scales each "
             f"tensor's update by a trust ratio ||p|| / ||update|| of the whole tensor, which a "
-            f"rank holding a shard (stages 1-2) or stepping zero's masters (stage 0) does not "
-            f"compute; use {kind} on the plain model (loss.backward(); opt.step() on every rank), "
-            f"or OneBitAdam / Adam with zero"
+            f"rank holding a shard (stages 1-2) cannot compute without per-tensor all-reduces, "
+            f"and zero's 1-bit path (stage 0 included) implements Adam's rule only, not LAMB's "
+            f"frozen ratio and per-tensor scaling; use {kind} on the plain model "
+            f"(loss.backward(); opt.step() on every rank), or OneBitAdam / Adam with zero"
         )
     if config.stage == 3:
         raise ValueError(
