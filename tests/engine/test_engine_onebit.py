@@ -315,3 +315,24 @@ def test_a_compressed_checkpoint_without_its_optimizer_states_is_refused(tmp_pat
         _load_without_states, world_size=2, args=(str(tmp_path),), timeout_s=60
     )
     assert all(m is not None and "load_optimizer_states=True" in m for m in messages), messages
+
+
+def _freeze_later(rank, world_size, stage):
+    import minispeed.engine as deepspeed
+
+    engine, _, _, _ = deepspeed.initialize(model=make_model(), config=_config(stage, 1, 1.0))
+    _run(engine, rank, 1, FREEZE + 1)
+    bias = engine.module.net[2].bias
+    bias.requires_grad_(False)
+    before = bias.detach().clone()
+    _run(engine, rank, 1, 2, first=FREEZE + 1)
+    out = (torch.equal(bias.detach(), before), _flat(engine.module))
+    engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_parameter_frozen_in_the_compressed_phase_stays_put(stage):
+    ranks = run_distributed(_freeze_later, world_size=2, args=(stage,), timeout_s=60)
+    assert all(unchanged for unchanged, _ in ranks)
+    torch.testing.assert_close(ranks[0][1], ranks[1][1], rtol=0, atol=0)

@@ -23,8 +23,10 @@ The user's `OnebitAdam` supplies the hyper-parameters (its param-group dicts, sh
 `freeze_step`; its own `group` is not used: the momentum is averaged over zero's data-parallel
 group. The momentum vector holds the parameters that required grad at `shard()` time, group by group
 in parameter order (a frozen parameter has `v = 0`, where compression noise would move it by
-`lr · noise / eps`). A parameter that got no gradient counts as a zero gradient (as in
-`OnebitAdam`): every rank's vector has the same layout.
+`lr · noise / eps`). A parameter that got no gradient on a rank counts as a zero gradient there
+(as in `OnebitAdam`): every rank's vector has the same layout. One that got none on any rank
+this step (or was frozen since `shard()`) is not stepped, as zero skips it under Adam; its
+momentum still decays with the rest of the vector.
 
 Costs per rank (Ψ trainable elements, N ranks, Ψ' padded, C = 8 ceil(Ψ / 8N)):
 
@@ -223,16 +225,17 @@ class OnebitZeroOptimizer(ZeroOptimizer):
         self.strategy.go_local()
         self.phase = OnebitPhase.COMPRESSED
 
-    def _pieces(self) -> list[tuple[int, torch.Tensor, slice]]:
-        """(group, master, its elements' slice of `momentum`) for every non-empty trainable
-        fragment this rank holds."""
+    def _pieces(self) -> list[tuple[int, int, torch.Tensor, slice]]:
+        """(group, index, master, its elements' slice of `momentum`) for every non-empty
+        trainable fragment this rank holds."""
         masters = self.strategy.master_params()
         out = []
         for f in self._fragments:
             off = self._offset.get((f.group, f.master_index))
             if off is not None and f.numel > 0:
                 master = masters[f.group][f.master_index]
-                out.append((f.group, master, slice(off + f.start, off + f.start + f.numel)))
+                where = slice(off + f.start, off + f.start + f.numel)
+                out.append((f.group, f.master_index, master, where))
         return out
 
     @torch.no_grad()
@@ -241,7 +244,7 @@ class OnebitZeroOptimizer(ZeroOptimizer):
         device = self._grad_device
         m = torch.zeros(self._momentum_numel, dtype=torch.float32, device=device)
         pieces = self._pieces()
-        for _, master, where in pieces:
+        for _, _, master, where in pieces:
             state = self.optimizer.state.get(master)
             if state and "exp_avg" in state:
                 m[where].copy_(state["exp_avg"].reshape(-1))
@@ -249,7 +252,7 @@ class OnebitZeroOptimizer(ZeroOptimizer):
             travel = m.to(comm.tensor_device(self.comm_group))
             comm.all_reduce(travel, group=self.comm_group)
             m = travel.to(device)
-        for _, master, where in pieces:
+        for _, _, master, where in pieces:
             state = self.optimizer.state[master]  # a master no rank ever used: empty so far
             state.setdefault("step", torch.tensor(float(self.global_step)))
             state.setdefault("exp_avg_sq", torch.zeros_like(master))
@@ -282,10 +285,10 @@ class OnebitZeroOptimizer(ZeroOptimizer):
         if self.phase is OnebitPhase.WARMUP:
             super()._inner_step(masters, grads, skip)
             return
-        self._compressed_step(grads)
+        self._compressed_step(grads, skip)
 
     @torch.no_grad()
-    def _compressed_step(self, grads: list[list[torch.Tensor]]) -> None:
+    def _compressed_step(self, grads: list[list[torch.Tensor]], skip: set[tuple[int, int]]) -> None:
         """Fold local gradients into `m`, average it in 1 bit, step this rank's shard with the
         frozen `v` (the update of `OnebitAdam._compressed_update`, operation for operation)."""
         m = self.momentum
@@ -299,7 +302,9 @@ class OnebitZeroOptimizer(ZeroOptimizer):
             m[off : off + grad.numel()].view_as(grad).lerp_(grad, 1 - beta1)
         self.momentum_allreduce(m)
         t = self.global_step + 1
-        for g, master, _ in self._pieces():
+        for g, i, master, _ in self._pieces():
+            if (g, i) in skip:  # no rank's gradient (or frozen since shard()): not stepped
+                continue
             pg = groups[g]
             beta1, beta2 = pg["betas"]
             state = self.optimizer.state[master]
