@@ -12,7 +12,7 @@ kernels (tests compare the class and hyper-parameters with DeepSpeed's, recorded
 | `SGD`, any torch.optim name | that torch class | the same | the same, on the CPU masters |
 | `Adagrad` | `torch.optim.Adagrad` | the same | `DeepSpeedCPUAdagrad` / `offload.CPUAdagrad` |
 | `Lion` | `FusedLion` (CUDA) | `Lion` below (pure PyTorch) | `DeepSpeedCPULion` / `offload.CPULion` |
-| `OneBitAdam`, `OneBitLamb` | removed in 0.19.8 | `comm.optim.OnebitAdam` / `OnebitLamb` | refused (as DeepSpeed did) |
+| `OneBitAdam`, `OneBitLamb` | removed in 0.19.8 | `comm.optim.OnebitAdam` (run over ZeRO 0-2 by `zero.onebit`) / `OnebitLamb` (refused by `zero.shard`) | refused (as DeepSpeed did) |
 
 `m` (AdamW mode) is `type == "AdamW" or adam_w_mode`, and `adam_w_mode` defaults to **true**:
 `"Adam"` means AdamW unless `adam_w_mode: false`. Without `torch_adam`, `weight_decay` defaults
@@ -208,12 +208,10 @@ _ONEBIT_FIXED = {
     "eps_inside_sqrt": (False, "eps is added outside the square root"),
     "amsgrad": (False, "1-bit optimizers have no AMSGrad variant"),
     "cuda_aware": (False, "minispeed communicates through torch.distributed, not MPI"),
-    "comm_backend_name": (
-        "nccl",
-        "minispeed communicates through the process group's own "
-        "backend (NCCL or gloo); leave the key out",
-    ),
 }
+# DeepSpeed's 1-bit backends: "nccl" (GPUs) and "compressed" (its CPU/other-accelerator path) both
+# mean "through the process group" here; "mpi" (mpi4py + CuPy) has no counterpart.
+_ONEBIT_BACKENDS = ("nccl", "compressed")
 
 
 def _build_onebit(
@@ -228,9 +226,18 @@ def _build_onebit(
     from minispeed.comm.optim import OnebitAdam, OnebitLamb
 
     cls = OnebitAdam if kind.lower() == "onebitadam" else OnebitLamb
-    check_keys(where, params, (_accepted(cls) - {"group"}) | set(_ONEBIT_FIXED))
+    check_keys(
+        where, params, (_accepted(cls) - {"group"}) | set(_ONEBIT_FIXED) | {"comm_backend_name"}
+    )
     for key, (allowed, why) in _ONEBIT_FIXED.items():
         _require(where, params, key, allowed, why)
+    backend = params.pop("comm_backend_name", "nccl")
+    if backend not in _ONEBIT_BACKENDS:
+        raise ValueError(
+            f"{where}: 'comm_backend_name' must be one of {list(_ONEBIT_BACKENDS)} here, got "
+            f"{backend!r}: minispeed communicates through the process group's own backend (NCCL "
+            "or gloo); leave the key out"
+        )
     params.setdefault("freeze_step", 100000)  # DeepSpeed's default (ours is 100)
     return cls(model_parameters, **params, group=group)
 

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 import minispeed.comm as comm
+from minispeed.comm.optim import CompressedMomentumOptimizer
 from minispeed.core.accelerator import get_accelerator
 from minispeed.core.logging import get_logger
 from minispeed.zero.config import ZeroConfig
@@ -65,6 +66,13 @@ _ELEMENTWISE = (
 
 _sharded_models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
+# Note [1-bit Adam under zero]
+# A 1-bit optimizer averages gradients and momenta inside its own step(), so it cannot be zero's
+# inner optimizer as it is (at stage 0 it stepped nothing: the masters do not require grad; at
+# stages 1-2 it averaged different ranks' shards together). `onebit.py` runs its two phases
+# over the stage instead: Adam with ZeRO for the warm-up, then local gradients, a full momentum
+# averaged in 1 bit, and each rank stepping its shard.
+
 
 def shard(
     model: nn.Module,
@@ -97,6 +105,17 @@ def shard(
     config = config if config is not None else ZeroConfig()
     precision = precision if precision is not None else MixedPrecision()
     _check_inputs(model, optimizer, config, precision)
+    onebit = None  # 1-bit Adam: its own phases over the stage (Note [1-bit Adam under zero])
+    if isinstance(optimizer, CompressedMomentumOptimizer):
+        from minispeed.zero import onebit
+
+        onebit.check_onebit(
+            optimizer,
+            config,
+            precision,
+            model_parallel=model_parallel,
+            replica_groups=replica_groups,
+        )
     param_groups = [list(pg["params"]) for pg in optimizer.param_groups]
     if model_parallel is not None and replica_groups is not None:
         raise NotImplementedError(
@@ -143,6 +162,19 @@ def shard(
     _sharded_models.add(model)
     names = param_names(model)
     params = [p for ps in param_groups for p in ps]
+    if onebit is not None:
+        return onebit.OnebitZeroOptimizer(
+            onebit.warmup_adam(optimizer),
+            onebit.OnebitStrategy(strategy, model, group),
+            config,
+            precision,
+            params,
+            names,
+            group,
+            on_close=functools.partial(_forget_model, weakref.ref(model)),
+            user_optimizer=user_optimizer,
+            freeze_step=optimizer.freeze_step,
+        )
     return ZeroOptimizer(
         optimizer,
         strategy,
@@ -234,20 +266,8 @@ def _check_optimizer_kind(optimizer: torch.optim.Optimizer) -> None:
     differentiates through the step (`differentiable=True`).
     """
     kind = type(optimizer)
-    from minispeed.comm.optim import CompressedMomentumOptimizer
-
     if isinstance(optimizer, CompressedMomentumOptimizer):
-        # Found through initialize(): OneBitAdam stepped nothing at stage 0 (the masters do not
-        # require grad, and it steps only parameters that do) and, at stages 1-3, would average
-        # different ranks' shards together in its own all-reduce.
-        raise TypeError(
-            f"{kind.__name__} communicates inside step() (it averages its parameters' gradients "
-            f"and momenta over the ranks itself), so it cannot step zero's masters: at stage 0 "
-            f"it would step nothing, at stages 1-3 it would average different ranks' shards. "
-            f"1-bit optimizers with ZeRO are not implemented (issue 20 §4); use {kind.__name__} "
-            f"on the plain model (loss.backward(); opt.step() on every rank), or Adam/AdamW "
-            f"with zero"
-        )
+        return  # checked by onebit.check_onebit (Note [1-bit Adam under zero])
     for name in _NOT_ELEMENTWISE:
         cls = getattr(torch.optim, name, None)
         if cls is not None and isinstance(optimizer, cls):

@@ -97,6 +97,31 @@ class OnebitAllReduce:
         self.worker_feedback = self.server_feedback = None
         self._padded = None
 
+    def state_dict(self) -> dict[str, Any]:
+        """The residuals as host copies (`None` before the first call), with the tensor size and
+        chunk they belong to: `load_state_dict` restores them on the same rank and group size."""
+        worker, server = self.worker_feedback, self.server_feedback
+        return {
+            "numel": self.numel,
+            "chunk_numel": self.chunk_numel,
+            "worker": None if worker is None or worker.residual is None else worker.residual.cpu(),
+            "server": None if server is None or server.residual is None else server.residual.cpu(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
+        """Restore `state_dict`'s residuals (local) onto `device` (that of the tensors to come;
+        default: the CPU); a state without any starts afresh."""
+        self.reset()
+        if state.get("numel") is None:
+            return
+        self.numel, self.chunk_numel = int(state["numel"]), int(state["chunk_numel"])
+        compressor = OnebitCompressor(chunk_numel=self.chunk_numel)
+        self.worker_feedback = ErrorFeedback(compressor)
+        self.server_feedback = ErrorFeedback(compressor)
+        for feedback, key in ((self.worker_feedback, "worker"), (self.server_feedback, "server")):
+            saved = state[key]
+            feedback.restore(None if saved is None else saved.to(device or "cpu"))
+
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         """Replace `tensor` by the compressed average over the group; returns it."""
         call = Call(type(self).__name__, self.group, rejects=_REJECTS)

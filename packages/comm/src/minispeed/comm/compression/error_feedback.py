@@ -89,6 +89,11 @@ class ErrorFeedback:
         torch.sub(compensated, self.compressor.decompress(packed), out=self._residual)
         return packed
 
+    def restore(self, residual: torch.Tensor | None) -> None:
+        """Set the residual (e.g. from a checkpoint; `None`: none yet), on the device of the
+        tensors to come."""
+        self._residual = None if residual is None else residual.detach().reshape(-1).float()
+
     def reset(self) -> None:
         """Forget the residual (e.g. after loading a checkpoint, or when the tensor changes)."""
         self._residual = None

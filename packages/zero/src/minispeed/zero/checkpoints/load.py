@@ -187,7 +187,28 @@ def load_checkpoint(
     # masters -> model parameters (all-gather for stages 1-2).
     _restore_frozen(model, common, first_global_rank)
     opt.strategy.publish_params()
+    after_load = getattr(opt, "after_load", None)
+    if after_load is not None:  # See Note [a rank's extra state]
+        own = tag_dir / meta.shards[rank].optim_file if rank < len(meta.shards) else None
+
+        def read_extra() -> Any:
+            if not (load_optimizer_states and meta.world_size == world_size and own.is_file()):
+                return None
+            return load_shard(own, meta.tag, mmap=True, weights_only=True).get("extra")
+
+        extra, _ = together(group, what, read_extra)
+        after_load(extra, states_loaded=load_optimizer_states)  # collective
     return common["client_state"]
+
+
+# Note [a rank's extra state]
+# Some optimizer state belongs to a rank, not to any parameter fragment: 1-bit Adam's
+# error-feedback residuals (zero/onebit.py) are what this rank's compression lost, sized by the
+# world size. An optimizer that has such state defines `rank_extra_state()` (saved in its rank's
+# optim file under "extra") and `after_load(extra, states_loaded=...)`, called collectively at
+# the end of a load with that rank's saved value, or None where the world size changed (or the
+# optimizer states are not loaded), so it can rebuild what it derives from the loaded state and
+# start the rest afresh.
 
 
 def _read(

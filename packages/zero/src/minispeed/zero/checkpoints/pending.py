@@ -64,6 +64,7 @@ class PendingSave:
     weights: dict[str, Any]  # pack_pieces output: this rank's fp32 masters
     states: dict[str, dict[str, Any]]  # per optimizer state key, the same
     rng: Any
+    extra: Any  # the optimizer's rank_extra_state() (None for most): Note [a rank's extra state]
     owned: list[tuple[tuple[str, int, int], ...]]  # every rank's pieces, as written
     common: dict[str, Any] | None = None  # leaders: common.pt's contents
     meta: CheckpointMetadata | None = None  # leaders: the seal, without shard records
@@ -84,7 +85,8 @@ class PendingSave:
             {**self.header, **self.weights}, self.tag_dir / wfile, crash_point=True
         )
         obytes = atomic_save(
-            {**self.header, "state": self.states, "rng": self.rng}, self.tag_dir / ofile
+            {**self.header, "state": self.states, "rng": self.rng, "extra": self.extra},
+            self.tag_dir / ofile,
         )
         self.files_done.set()
         return wbytes, obytes

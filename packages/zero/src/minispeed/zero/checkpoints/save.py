@@ -215,7 +215,7 @@ def snapshot(
         model16 = gather_16bit_state_dict(model, keep=leader)
 
     # 4. Local: copy this rank's pieces (and the leaders' common state) into host memory.
-    ((weights, states, rng), _), packs = together(
+    ((weights, states, rng, extra), _), packs = together(
         group,
         what,
         lambda: _pack(opt, owned_by[rank], save_rng),
@@ -233,6 +233,7 @@ def snapshot(
         weights=weights,
         states=states,
         rng=rng,
+        extra=extra,
         owned=[tuple(o) for o in owned_by],
     )  # fmt: skip
     if leader:
@@ -294,7 +295,10 @@ def _pack(opt: Any, owned: list[tuple[str, int, int]], save_rng: bool) -> tuple[
         packed = pack_pieces(weights)
         states = {key: pack_pieces(pieces) for key, pieces in moments.items()}
     shared = {"scalars_and_keys": {"scalars": scalars, "state_keys": sorted(moments)}}
-    return (packed, states, _rng_state() if save_rng else None), shared
+    # State of this rank that is no fragment's (1-bit Adam's error-feedback residuals):
+    # Note [a rank's extra state] in load.py.
+    extra = getattr(opt, "rank_extra_state", lambda: None)()
+    return (packed, states, _rng_state() if save_rng else None, extra), shared
 
 
 def _common_and_meta(
