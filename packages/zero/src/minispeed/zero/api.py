@@ -162,20 +162,12 @@ def shard(
     _sharded_models.add(model)
     names = param_names(model)
     params = [p for ps in param_groups for p in ps]
+    kind, extra = ZeroOptimizer, {"model_parallel": model_parallel}
     if onebit is not None:
-        return onebit.OnebitZeroOptimizer(
-            onebit.warmup_adam(optimizer),
-            onebit.OnebitStrategy(strategy, model, group),
-            config,
-            precision,
-            params,
-            names,
-            group,
-            on_close=functools.partial(_forget_model, weakref.ref(model)),
-            user_optimizer=user_optimizer,
-            freeze_step=optimizer.freeze_step,
-        )
-    return ZeroOptimizer(
+        kind, extra = onebit.OnebitZeroOptimizer, {"freeze_step": optimizer.freeze_step}
+        optimizer = onebit.warmup_adam(optimizer)
+        strategy = onebit.OnebitStrategy(strategy, model, group)
+    return kind(
         optimizer,
         strategy,
         config,
@@ -185,7 +177,7 @@ def shard(
         group,
         on_close=functools.partial(_forget_model, weakref.ref(model)),
         user_optimizer=user_optimizer,
-        model_parallel=model_parallel,
+        **extra,
     )
 
 
