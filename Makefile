@@ -25,12 +25,17 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
+# The tests of these packages run once, in the stricter place: inside tests/test_install_independent.py,
+# each in a fresh venv holding only the package and its declared dependencies (zero with its
+# [offload] extra). A test there keeps this list and its own equal.
+ISOLATED := core zero[offload] offload
+
 test: $(STAMP) lint
-	$(PY) -m pytest packages tests
+	$(PY) -m pytest packages tests $(foreach p,$(ISOLATED),--ignore=packages/$(firstword $(subst [, ,$(p)))/tests)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 install-check: $(STAMP)
-	$(PY) scripts/check_install.py core zero offload
+	$(PY) scripts/check_install.py $(ISOLATED)
 
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site

@@ -15,7 +15,10 @@ script links the current interpreter's site-packages, minus every minispeed dist
 "third-party only" folder that the fresh venv sees through a ``.pth`` file. pip sees torch there
 and installs nothing more; the minispeed packages come only from this check's own install.
 
-Usage: ``python scripts/check_install.py core zero offload [-- extra pytest args]``
+An extra in brackets (``zero[offload]``) adds the minispeed packages that extra declares, so the
+tests of an optional composition run too; without it they skip.
+
+Usage: ``python scripts/check_install.py core zero[offload] offload [-- extra pytest args]``
 """
 
 from __future__ import annotations
@@ -35,8 +38,30 @@ REPO = Path(__file__).resolve().parent.parent
 PREFIX = "minispeed-"
 
 
-def declared_closure(name: str, root: Path) -> list[str]:
-    """``name`` and every minispeed package it depends on, transitively, dependencies first."""
+def _minispeed_deps(deps: list[str]) -> list[str]:
+    """The minispeed package folder names among requirement strings (``minispeed-tensor-parallel``
+    lives in ``packages/tensor_parallel``, its import name)."""
+    names = []
+    for dep in deps:
+        dep_name = dep.split(";")[0].split("[")[0].strip()
+        for ch in "<>=!~ ":
+            dep_name = dep_name.split(ch)[0]
+        if dep_name.startswith(PREFIX):
+            names.append(dep_name[len(PREFIX) :].replace("-", "_"))
+    return names
+
+
+def parse_spec(spec: str) -> tuple[str, list[str]]:
+    """``"zero[offload]"`` -> ``("zero", ["offload"])``: a package and the extras to install."""
+    name, _, rest = spec.partition("[")
+    extras = [e.strip() for e in rest.rstrip("]").split(",") if e.strip()]
+    return name, extras
+
+
+def declared_closure(spec: str, root: Path) -> list[str]:
+    """The package of ``spec`` (``name`` or ``name[extra,...]``), the minispeed packages its named
+    extras add, and every minispeed package those depend on, transitively, dependencies first."""
+    name, extras = parse_spec(spec)
     order: list[str] = []
 
     def visit(pkg: str, stack: tuple[str, ...]) -> None:
@@ -47,14 +72,16 @@ def declared_closure(name: str, root: Path) -> list[str]:
         pyproject = root / pkg / "pyproject.toml"
         if not pyproject.exists():
             raise SystemExit(f"no package {pkg!r}: {pyproject} does not exist")
-        deps = tomllib.loads(pyproject.read_text())["project"].get("dependencies", [])
-        for dep in deps:
-            dep_name = dep.split(";")[0].split("[")[0].strip()
-            for ch in "<>=!~ ":
-                dep_name = dep_name.split(ch)[0]
-            if dep_name.startswith(PREFIX):
-                # minispeed-tensor-parallel lives in packages/tensor_parallel (the import name)
-                visit(dep_name[len(PREFIX) :].replace("-", "_"), (*stack, pkg))
+        project = tomllib.loads(pyproject.read_text())["project"]
+        deps = list(project.get("dependencies", []))
+        if pkg == name:
+            optional = project.get("optional-dependencies", {})
+            for extra in extras:
+                if extra not in optional:
+                    raise SystemExit(f"{name} has no extra {extra!r}; it has {sorted(optional)}")
+                deps += optional[extra]
+        for dep in _minispeed_deps(deps):
+            visit(dep, (*stack, pkg))
         order.append(pkg)
 
     visit(name, ())
@@ -75,9 +102,11 @@ def third_party_site(dest: Path) -> Path:
     return dest
 
 
-def check(name: str, root: Path, workdir: Path, pytest_args: list[str]) -> bool:
-    """Install ``name`` and its declared closure from ``root`` into a fresh venv; run its tests."""
-    closure = declared_closure(name, root)
+def check(spec: str, root: Path, workdir: Path, pytest_args: list[str]) -> bool:
+    """Install ``spec``'s package and its declared closure from ``root`` into a fresh venv; run
+    the package's tests."""
+    closure = declared_closure(spec, root)
+    name, _ = parse_spec(spec)
     venv = workdir / f"venv-{name}"
     print(f"== {name}: installs {', '.join(closure)} (non-editable) into {venv}", flush=True)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
@@ -99,7 +128,7 @@ def check(name: str, root: Path, workdir: Path, pytest_args: list[str]) -> bool:
     )
     print(f"   installed in {time.perf_counter() - t0:.1f} s", flush=True)
     # Run from a scratch folder so nothing in the repo shadows the installed packages.
-    cmd = [py, "-m", "pytest", str(root / name / "tests"), "-q"]
+    cmd = [py, "-m", "pytest", str(root / name / "tests"), "-q", "-rfE"]
     cmd += ["-c", str(REPO / "pyproject.toml"), "--rootdir", str(REPO), *pytest_args]
     result = subprocess.run(cmd, cwd=workdir, env={**os.environ, "PYTHONNOUSERSITE": "1"})
     # pytest exit 5 = no tests collected: a package whose tests folder is still empty passes.
@@ -110,7 +139,9 @@ def check(name: str, root: Path, workdir: Path, pytest_args: list[str]) -> bool:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("packages", nargs="+", help="package names, e.g. core zero offload")
+    parser.add_argument(
+        "packages", nargs="+", help="package names, each with optional extras: core zero[offload]"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the venvs for inspection")
     parser.add_argument(
         "--packages-root", type=Path, default=REPO / "packages", help="the folder of packages"
