@@ -70,6 +70,7 @@ import minispeed.engine.checkpoint as ckpt
 import minispeed.engine.checkpoint_async as ckpt_async
 import minispeed.pipeline as pipeline
 import minispeed.zero as zero
+from minispeed.engine import tensor_plan
 from minispeed.engine.config import resolve_batch
 
 __all__ = ["PipelineEngine", "PipelineError"]
@@ -197,11 +198,8 @@ class PipelineEngine:
             gradient_accumulation_steps=self.micro_batches,
             max_grad_norm=self._clip,
         )
-        ties = self.module.tied_grad_groups()
-        model_parallel = zero.ModelParallel(
-            groups=(self.grid.group("pipe"),) if self.num_stages > 1 else (),
-            shared=tuple((p, group) for p, group, _ in ties),
-            counted_elsewhere=tuple(p for p, _, lowest in ties if not lowest),
+        model_parallel = tensor_plan.model_parallel(
+            self.module, self.grid, self.module.tied_grad_groups()
         )
         return zero.shard(
             self.module,
@@ -299,6 +297,10 @@ class PipelineEngine:
             "stages": self.num_stages,
             "data_rank": self.grid.rank_in("data"),
             "data_size": self.dp_world_size,
+            "tensor_rank": self.grid.rank_in("tensor")
+            if "tensor" in self.grid.topology.axes
+            else 0,
+            "tensor_size": self.grid.size("tensor") if "tensor" in self.grid.topology.axes else 1,
             "parts": list(self.module.boundaries),
         }
 
@@ -486,11 +488,14 @@ class PipelineEngine:
     def _before_step(self) -> None:
         if self._clip <= 0 or self.optimizer is not self.client_optimizer:  # ZeRO clips
             return
-        # a tied copy above the lowest holding stage carries the same summed gradient: skip it
-        copies = {id(p) for p, _, lowest in self.module.tied_grad_groups() if not lowest}
-        counted = [p for p in self.module.parameters() if id(p) not in copies]
+        # a tied copy above the lowest holding stage carries the same summed gradient, a
+        # parameter replicated over the tensor group the same values: count each once
+        ties = self.module.tied_grad_groups()
+        counted = tensor_plan.counted_params(self.module, self.grid, ties)
+        axes = self.grid.topology.axes
+        groups = [self.grid.group(a) for a in ("pipe", "tensor") if a in axes]
         self._global_grad_norm = _clip_pipeline_grads(
-            counted, list(self.module.parameters()), self._clip, self.grid.group("pipe")
+            counted, list(self.module.parameters()), self._clip, groups
         )
 
 
@@ -515,15 +520,16 @@ def _clip_pipeline_grads(
     counted: list[torch.nn.Parameter],
     params: list[torch.nn.Parameter],
     max_norm: float,
-    group: Any,
+    groups: list[Any],
 ) -> float:
-    """Clip `params`' gradients by the 2-norm of `counted`'s summed over the pipe `group`;
-    returns the norm."""
+    """Clip `params`' gradients by the 2-norm of `counted`'s summed over `groups` (pipe, then
+    tensor); returns the norm."""
     total = torch.zeros((), dtype=torch.float32)
     for p in counted:
         if p.grad is not None:
             total += p.grad.detach().float().norm(2).to(total.device) ** 2
-    comm.all_reduce(total, group=group)
+    for group in groups:
+        comm.all_reduce(total, group=group)
     norm = total.sqrt()
     clip_coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in params:

@@ -1,0 +1,143 @@
+"""The plain engine on a data × tensor grid (`tensor_parallel.autotp_size`): minispeed's GPT split
+by its ready plan over 2 tensor ranks, ZeRO-1/2 over 2 data replicas (4 gloo ranks), gradient
+accumulation and a clipping that bites, against one process in plain PyTorch on the same
+global batch: every replica's micro-batch losses for 10 steps to 1e-5, and the gradient norm
+the engine reports (split parameters' squares summed over the tensor group, replicated ones
+counted once) equal to the whole model's.
+
+Bad input on every rank, before any collective or with one agreement: a world the grid does
+not tile, a plan naming a missing module, a tied embedding split unlike its head."""
+
+from __future__ import annotations
+
+import pytest
+
+from minispeed.core.testing import run_distributed
+
+pytestmark = pytest.mark.timeout(300)
+
+STEPS, GAS, CLIP, LR = 10, 2, 0.05, 2.0
+
+
+def _config(zero_stage: int, tensor: int = 2) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": GAS,
+        "gradient_clipping": CLIP,
+        "optimizer": {"type": "SGD", "params": {"lr": LR}},
+        "zero_optimization": {"stage": zero_stage},
+        "tensor_parallel": {"autotp_size": tensor},
+    }
+
+
+def _train(rank, world_size, zero_stage):
+    import gpt_tp
+
+    import minispeed.engine as deepspeed
+    import minispeed.tensor_parallel as tp
+
+    model = gpt_tp.gpt(seed=rank)  # the tensor ranks' broadcast makes the seeds not matter
+    engine, _, _, _ = deepspeed.initialize(model=model, config=_config(zero_stage))
+    replica = engine.grid.rank_in("data")
+    data = gpt_tp.micro_batches(replica, STEPS * GAS)
+    losses, norms = [], []
+    for step in range(STEPS):
+        per = []
+        for m in range(GAS):
+            x, y = data[step * GAS + m]
+            logits, _ = engine(x)
+            loss = tp.vocab_parallel_cross_entropy(logits, y, engine.grid)
+            engine.backward(loss)
+            engine.step()
+            per.append(loss.item())
+        losses.append(per)
+        norms.append(engine.get_global_grad_norm())
+    return {
+        "replica": replica,
+        "tensor": engine.grid.rank_in("tensor"),
+        "losses": losses,
+        "norms": norms,
+        "qkv": tuple(engine.module.blocks[0].attn.qkv.weight.shape),
+    }
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_data_by_tensor_zero_trains_like_one_process(zero_stage):
+    import gpt_tp
+
+    want, want_norms = gpt_tp.reference(STEPS, 2, GAS, CLIP, LR)
+    assert min(want_norms) > 5 * CLIP  # the clipping bites at every step
+    runs = run_distributed(_train, world_size=4, args=(zero_stage,), timeout_s=240)
+    assert [(r["replica"], r["tensor"]) for r in runs] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for r in runs:
+        assert r["qkv"] == (3 * gpt_tp.C // 2, gpt_tp.C)  # each rank holds half the heads
+        mine = [x for step in want for x in step[r["replica"] * GAS : (r["replica"] + 1) * GAS]]
+        got = [x for step in r["losses"] for x in step]
+        assert got == pytest.approx(mine, rel=1e-5, abs=1e-6)
+        assert r["norms"] == pytest.approx(want_norms, rel=1e-5)
+
+
+def _bad(rank, world_size, case):
+    import gpt_tp
+
+    import minispeed.engine as deepspeed
+    import minispeed.tensor_parallel as tp
+    from minispeed.tensor_parallel.styles import Column, Row, Vocab
+
+    model = gpt_tp.gpt()
+    plan = None
+    config = _config(1)
+    if case == "grid":
+        config = _config(1, tensor=3)  # 3 does not divide 4 ranks
+    elif case == "missing":
+        plan = tp.Plan({"blocks.*.attn.qkv": Column(parts=3), "blocks.*.atn.proj": Row()})
+    elif case == "missing_on_one_rank":  # a callable plan that goes wrong on one rank only
+        plan = lambda m: tp.Plan(  # noqa: E731
+            {"wte": Vocab(), "blocks.*.mlp.fc" if rank != 3 else "blocks.*.mlp.fx": Column()}
+        )
+    elif case == "tied":  # split the embedding by vocabulary, leave its head (ln_f's) unsplit
+        model = _tied_head_model(gpt_tp)
+        plan = tp.Plan({"wte": Vocab()})
+    try:
+        deepspeed.initialize(model=model, config=config, tensor_parallel_plan=plan)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _tied_head_model(gpt_tp):
+    import torch
+    from torch import nn
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(gpt_tp.V, gpt_tp.C)
+            self.head = nn.Linear(gpt_tp.C, gpt_tp.V, bias=False)
+            self.head.weight = self.wte.weight
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.wte(x)))
+
+    return Tied()
+
+
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        (
+            "grid",
+            ["pipe 1 x tensor 3", "does not tile the world of 4", "autotp_size among [1, 2, 4]"],
+        ),
+        ("missing", ["'blocks.*.atn.proj' matches no module", "closest paths"]),
+        ("missing_on_one_rank", ["'blocks.*.mlp.fx' matches no module"]),
+        ("tied", ["tied weight is shared by ['wte', 'head']", "split differently"]),
+    ],
+)
+def test_bad_input_is_an_error_on_every_rank(case, words):
+    results = run_distributed(_bad, world_size=4, args=(case,), timeout_s=120)
+    for rank, message in enumerate(results):
+        for w in words:
+            assert w in message, message
+        if case == "missing_on_one_rank" and rank != 3:  # the others name the rank that failed
+            assert "the tensor-parallel plan failed on global rank 3" in message, message
