@@ -109,7 +109,7 @@ def build(world_size: int, zero_stage: int = 2, tensor: int = 2, stages: int = 2
     return engine
 
 
-def _train(rank, world_size):
+def _train(rank, world_size, root):
     import gpt_tp
 
     engine = build(world_size)
@@ -120,7 +120,14 @@ def _train(rank, world_size):
         losses.append(float(engine.train_batch(data)))
         norms.append(engine.get_global_grad_norm())
     coord = tuple(grid.rank_in(a) for a in ("pipe", "data", "tensor"))
-    return {"coord": coord, "losses": losses, "norms": norms}
+    # the checkpoint of the 3D grid, loaded at tensor 1 (2 pipe x 4 data, ZeRO-1)
+    evaluation = gpt_tp.micro_batches(99, GAS)  # the same on every replica
+    before = float(engine.eval_batch(iter(evaluation)))
+    engine.save_checkpoint(f"{root}/ckpt", tag="3d")
+    flat = build(world_size, zero_stage=1, tensor=1)
+    flat.load_checkpoint(f"{root}/ckpt", tag="3d")
+    after = float(flat.eval_batch(iter(evaluation)))
+    return {"coord": coord, "losses": losses, "norms": norms, "eval": (before, after)}
 
 
 def reference_model():
@@ -153,10 +160,11 @@ def reference():
     return losses, norms
 
 
-def test_pipe_data_tensor_trains_like_one_process():
+def test_pipe_data_tensor_trains_like_one_process(tmp_path):
+    """... and its checkpoint evaluates the same loaded at tensor size 1."""
     want, want_norms = reference()
     assert min(want_norms) > 5 * CLIP  # the clipping bites at every step
-    runs = run_distributed(_train, world_size=8, timeout_s=280)
+    runs = run_distributed(_train, world_size=8, args=(str(tmp_path),), timeout_s=280)
     # tensor fastest, then data, then pipe (Megatron's and DeepSpeed's order)
     assert [r["coord"] for r in runs] == [
         (p, d, t) for p in range(2) for d in range(2) for t in range(2)
@@ -164,3 +172,5 @@ def test_pipe_data_tensor_trains_like_one_process():
     for r in runs:
         assert r["losses"] == pytest.approx(want, rel=1e-5, abs=1e-6)
         assert r["norms"] == pytest.approx(want_norms, rel=1e-5)
+        before, after = r["eval"]
+        assert after == pytest.approx(before, rel=1e-6)

@@ -141,3 +141,78 @@ def test_bad_input_is_an_error_on_every_rank(case, words):
             assert w in message, message
         if case == "missing_on_one_rank" and rank != 3:  # the others name the rank that failed
             assert "the tensor-parallel plan failed on global rank 3" in message, message
+
+
+def _round_trip(rank, world_size, root):
+    import gpt_tp
+
+    import minispeed.comm as comm
+    import minispeed.engine as deepspeed
+    import minispeed.tensor_parallel as tp
+
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": CLIP,
+        "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
+    }
+    batches = gpt_tp.micro_batches(99, 3)  # the same evaluation batches on every rank
+
+    def engine_at(tensor, stage, n_layer=gpt_tp.L, seed=0):
+        ds = {**config, "zero_optimization": {"stage": stage}}
+        ds["tensor_parallel"] = {"autotp_size": tensor}
+        return deepspeed.initialize(model=gpt_tp.gpt(seed, n_layer), config=ds)[0]
+
+    def evaluate(engine):
+        return gpt_tp.evaluate(engine.module, batches, engine.grid)
+
+    out = {}
+    # saved at tensor 2 (2 data replicas, ZeRO-1), after two steps
+    e2 = engine_at(2, 1)
+    for x, y in gpt_tp.micro_batches(e2.grid.rank_in("data"), 2):
+        e2.backward(tp.vocab_parallel_cross_entropy(e2(x)[0], y, e2.grid))
+        e2.step()
+    out["t2"] = evaluate(e2)
+    e2.save_checkpoint(f"{root}/ckpt", tag="t2")
+    e2.destroy()
+    # loaded at tensor 1 (4 data replicas, ZeRO-2) into a model built from another seed
+    e1 = engine_at(1, 2, seed=7)
+    out["t1_before"] = evaluate(e1)
+    e1.load_checkpoint(f"{root}/ckpt", tag="t2")
+    out["t1"] = evaluate(e1)
+    out["t1_steps"] = e1.global_steps
+    e1.save_checkpoint(f"{root}/ckpt", tag="t1")
+    e1.destroy()
+    # and back to tensor 2
+    e2b = engine_at(2, 1, seed=9)
+    e2b.load_checkpoint(f"{root}/ckpt", tag="t1")
+    out["t2_again"] = evaluate(e2b)
+    e2b.destroy()
+    # another model (one block fewer): refused on every rank
+    other = engine_at(2, 1, n_layer=1)
+    try:
+        other.load_checkpoint(f"{root}/ckpt", tag="t2")
+        out["other"] = "no error"
+    except Exception as e:
+        out["other"] = f"{type(e).__name__}: {e}"
+    out["files"] = sorted(p.name for p in __import__("pathlib").Path(f"{root}/ckpt/t2").iterdir())
+    comm.barrier()
+    return out
+
+
+def test_checkpoint_loads_at_another_tensor_parallel_size(tmp_path):
+    """Saved at tensor 2 (ZeRO-1), loaded at tensor 1 (ZeRO-2, 4 replicas), saved, loaded at
+    tensor 2 again: the evaluation loss equal each time; another model refused on every rank."""
+    runs = run_distributed(_round_trip, world_size=4, args=(str(tmp_path),), timeout_s=240)
+    want = runs[0]["t2"]
+    for r in runs:
+        assert r["t1_before"] != pytest.approx(want, rel=1e-3)  # the load changes something
+        assert r["t2"] == pytest.approx(want, rel=1e-6)
+        assert r["t1"] == pytest.approx(want, rel=1e-6)  # 2 -> 1
+        assert r["t2_again"] == pytest.approx(want, rel=1e-6)  # 1 -> 2
+        assert r["t1_steps"] == 2
+        assert "'blocks.1." in r["other"] and "does not exist in the model" in r["other"]
+    assert runs[0]["files"] == [
+        "grid.json",
+        "pipe00-of-01-tensor00-of-02",
+        "pipe00-of-01-tensor01-of-02",
+    ]
