@@ -61,7 +61,7 @@ def _train(rank, world_size, zero_stage):
     }
 
 
-@pytest.mark.parametrize("zero_stage", [1, 2])
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
 def test_data_by_tensor_zero_trains_like_one_process(zero_stage):
     import gpt_tp
 
@@ -216,3 +216,36 @@ def test_checkpoint_loads_at_another_tensor_parallel_size(tmp_path):
         "pipe00-of-01-tensor00-of-02",
         "pipe00-of-01-tensor01-of-02",
     ]
+
+
+def _overflow_on_one_tensor_rank(rank, world_size):
+    import gpt_tp
+    import torch
+
+    import minispeed.engine as deepspeed
+    import minispeed.tensor_parallel as tp
+
+    model = gpt_tp.gpt()
+    # spike = 0 leaves the forward as it is; its gradient, 6e4 x the logits' (x the loss scale),
+    # overflows fp16 on tensor rank 1 only (a replicated parameter: no tensor reduction)
+    model.spike = torch.nn.Parameter(torch.zeros(1))
+    factor = 6e4 if rank % 2 == 1 else 0.0
+    model.register_forward_hook(lambda m, _, out: (out[0] + m.spike * factor, out[1]))
+    config = {**_config(1), "fp16": {"enabled": True, "initial_scale_power": 16}}
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config)
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    for x, y in gpt_tp.micro_batches(engine.grid.rank_in("data"), GAS):
+        engine.backward(tp.vocab_parallel_cross_entropy(engine(x)[0].float(), y, engine.grid))
+        engine.step()
+    return {
+        "unchanged": all(torch.equal(p, q) for p, q in zip(engine.module.parameters(), before)),
+        "skipped": engine.skipped_steps,
+        "scale": engine.optimizer.loss_scaler.scale,
+    }
+
+
+def test_fp16_overflow_on_one_tensor_rank_skips_the_step_on_every_rank():
+    """The verdict is agreed over the tensor axis too: without it, tensor rank 0 would step
+    while rank 1 skipped, and the slices of one layer would come from two different steps."""
+    for r in run_distributed(_overflow_on_one_tensor_rank, world_size=4, timeout_s=120):
+        assert (r["unchanged"], r["skipped"], r["scale"]) == (True, 1, 2.0**16)  # hysteresis 2
