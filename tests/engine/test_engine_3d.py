@@ -174,3 +174,52 @@ def test_pipe_data_tensor_trains_like_one_process(tmp_path):
         assert r["norms"] == pytest.approx(want_norms, rel=1e-5)
         before, after = r["eval"]
         assert after == pytest.approx(before, rel=1e-6)
+
+
+def _bad_pipeline(rank, world_size, case):
+    import minispeed.engine as deepspeed
+    import minispeed.engine.pipe as pipe
+    import minispeed.tensor_parallel as tp
+
+    topo = pipe.PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1)
+    given = plan()
+    if case == "topology":  # a (pipe, data) grid while the config asks for 2 tensor ranks
+        topo = pipe.PipeDataParallelTopology(num_pp=2, num_dp=2)
+    elif case == "missing":
+        given = tp.Plan({**given.styles, "chunks.*.layers.*.attn.qkvv": tp.Column()})
+    elif case == "tied":
+        whole = plan()
+
+        def given(stage):  # the tied embedding cut on stage 0 only
+            styles = dict(whole.styles)
+            if stage.stage != 0:
+                del styles["tied.embed.wte"]
+            return tp.Plan(styles, whole.divides)
+
+    model = pipe.PipelineModule(
+        layers(pipe), topology=topo, loss_fn=lambda out, y: out.sum(), partition_method="uniform"
+    )
+    try:
+        deepspeed.initialize(
+            model=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+            config=config(1, 2),
+            tensor_parallel_plan=given,
+        )
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("topology", ["asks for 2 tensor-parallel ranks", "PipeModelDataParallelTopology"]),
+        ("missing", ["'chunks.*.layers.*.attn.qkvv' matches no module on any pipeline stage"]),
+        ("tied", ["tied module 'tied.embed.wte' is VocabParallelEmbedding", "but Embedding"]),
+    ],
+)
+def test_bad_3d_input_is_an_error_on_every_rank(case, words):
+    for message in run_distributed(_bad_pipeline, world_size=4, args=(case,), timeout_s=120):
+        for w in words:
+            assert w in message, message

@@ -12,7 +12,10 @@ engine, optimizer, loader, scheduler = deepspeed.initialize(
 1. read and check the whole config on every rank (no collective yet): `EngineConfig` (under
    `minispeed tune`, `MINISPEED_TRIAL`'s config replaces the script's and the engine ends the
    job after the trial's steps: `trial.py`);
-2. `init_distributed` (torchrun's environment, or a single process);
+2. `init_distributed` (torchrun's environment, or a single process); the grid's shape (pipe ×
+   data × tensor, `grid.py`), checked before any collective; with
+   `tensor_parallel.autotp_size` > 1 the grid's groups and the tensor-parallel plan applied to
+   the model (or to each pipeline stage), agreed by every rank (`tensor_plan.py`);
 3. the optimizer: the one given, a callable of the parameters, or the config's by name;
 4. `zero.shard` over the data-parallel group (stage, precision, offload, ZeRO++), the experts of
    `MoE` layers over their expert-data group (`moe/compose.py`);

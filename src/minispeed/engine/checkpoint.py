@@ -1,4 +1,4 @@
-"""One checkpoint directory for the whole process grid (pipe × data × expert).
+"""One checkpoint directory for the whole process grid (pipe × data × tensor × expert).
 
 ```text
 CKPT_DIR/
@@ -12,8 +12,9 @@ CKPT_DIR/
     pipe01-of-02/ ...
 ```
 
-A part is named `pipe{stage}-of-{P}`, with `-expert{e}-of-{E}` added when there are experts
-ranks; within it, files are named by data rank. With one part (P = E = 1) the part *is* the
+A part is named `pipe{stage}-of-{P}`, with `-tensor{t}-of-{T}` added under tensor parallelism
+(its `client_state` then records each parameter's cut, for a load at another T:
+`tensor_resplit.py`) and `-expert{e}-of-{E}` when there are expert ranks; within it, files are named by data rank. With one part (P = E = 1) the part *is* the
 tag directory, so a data-parallel checkpoint stays a plain `minispeed.zero` checkpoint that
 `python -m minispeed.zero consolidate` reads. A part whose optimizer is not sharded (a pipeline
 without ZeRO) holds `model_states.pt`: the part's engine state, written by its data rank 0.
@@ -22,7 +23,7 @@ without ZeRO) holds `model_states.pt`: the part's engine state, written by its d
 saved by a single-part engine) and refuses, naming both grids, a checkpoint whose pipeline
 stages, expert ranks or layer partition differ from the engine's: those cannot be resharded.
 Another data-parallel size loads (zero re-slices every parameter by name; unsharded parts are
-replicas).
+replicas), and another tensor-parallel size when the parts are zero's (`tensor_resplit.py`).
 
 **The protocol** (Note [atomic checkpoint] in zero): every rank probes who shares the
 directory (Note [who shares the checkpoint directory]), the grid leaders unseal the tag, each

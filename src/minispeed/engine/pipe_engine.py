@@ -36,7 +36,8 @@ What the engine adds to the executor, each as DeepSpeed's pipeline engine does i
 - **ZeRO stages 1 and 2** (`zero_optimization.stage`, the section's other keys as for any
   model) shard the optimizer state (stage 2: and the gradients) over each stage's
   data-parallel group through `minispeed.zero.shard`; the executor then lets the optimizer
-  reduce the gradients. The grid's pipe axis is handed to ZeRO as its model-parallel axis
+  reduce the gradients. The grid's pipe axis (and tensor axis, on a 3D grid: see
+  `tensor_plan.model_parallel`) is handed to ZeRO as its model-parallel axes
   (`zero.ModelParallel`), so the gradient norm for `gradient_clipping` is the whole model's
   (summed over every stage, a tied parameter counted once, on its lowest stage), the fp16
   overflow verdict is the grid's (an overflow on one stage skips the step on all), and the
