@@ -138,19 +138,19 @@ def reference_model():
     return build_unsplit(layers(pipe), seed=1234)
 
 
-def reference():
+def reference(replicas: int = 2, steps: int = STEPS):
     import gpt_tp
 
     model = reference_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    data = [gpt_tp.micro_batches(r, STEPS * GAS) for r in range(2)]
+    data = [gpt_tp.micro_batches(r, steps * GAS) for r in range(replicas)]
     losses, norms = [], []
-    for step in range(STEPS):
+    for step in range(steps):
         total = 0.0
-        for r in range(2):
+        for r in range(replicas):
             for m in range(GAS):
                 x, y = data[r][step * GAS + m]
-                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / (2 * GAS)
+                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / (replicas * GAS)
                 loss.backward()
                 total += loss.item()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
@@ -223,3 +223,21 @@ def test_bad_3d_input_is_an_error_on_every_rank(case, words):
     for message in run_distributed(_bad_pipeline, world_size=4, args=(case,), timeout_s=120):
         for w in words:
             assert w in message, message
+
+
+def _train_unsharded(rank, world_size, steps):
+    import gpt_tp
+
+    engine = build(world_size, zero_stage=0)  # fp32 without ZeRO: the engine clips itself
+    data = iter(gpt_tp.micro_batches(0, steps * GAS))
+    losses = [float(engine.train_batch(data)) for _ in range(steps)]
+    return {"losses": losses, "norm": engine.get_global_grad_norm()}
+
+
+def test_pipe_by_tensor_without_zero_clips_by_the_whole_models_norm():
+    """pipe 2 x tensor 2 (4 ranks), the torch optimizer stepped by the pipeline engine, which
+    sums the squares over the pipe and tensor groups itself (replicated ones once)."""
+    want, want_norms = reference(replicas=1, steps=3)
+    for r in run_distributed(_train_unsharded, world_size=4, args=(3,), timeout_s=120):
+        assert r["losses"] == pytest.approx(want, rel=1e-5, abs=1e-6)
+        assert r["norm"] == pytest.approx(want_norms[-1], rel=1e-5)

@@ -151,6 +151,7 @@ class PipelineEngine:
         self.global_steps, self.global_samples = 0, 0
         self.data_iterator: Iterator | None = None
         self._global_grad_norm: float | None = None
+        self._counted: list[torch.nn.Parameter] | None = None  # see _before_step
         self.agg_train_loss: torch.Tensor | None = None
 
     # -- construction -----------------------------------------------------------------------------
@@ -491,12 +492,13 @@ class PipelineEngine:
             return
         # a tied copy above the lowest holding stage carries the same summed gradient, a
         # parameter replicated over the tensor group the same values: count each once
-        ties = self.module.tied_grad_groups()
-        counted = tensor_plan.counted_params(self.module, self.grid, ties)
+        if self._counted is None:  # fixed once the engine is built
+            ties = self.module.tied_grad_groups()
+            self._counted = tensor_plan.counted_params(self.module, self.grid, ties)
         axes = self.grid.topology.axes
         groups = [self.grid.group(a) for a in ("pipe", "tensor") if a in axes]
         self._global_grad_norm = _clip_pipeline_grads(
-            counted, list(self.module.parameters()), self._clip, groups
+            self._counted, list(self.module.parameters()), self._clip, groups
         )
 
 

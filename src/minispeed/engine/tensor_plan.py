@@ -134,7 +134,8 @@ def apply_plan(module: nn.Module, plan: PlanLike, grid: comm.ProcessGrid, *, per
 
 def _check_across_stages(outcomes: list[Any]) -> None:
     hits = {pat for _, matched, _, _ in outcomes for pat in matched}
-    missing = [pat for pat in outcomes[0][2] if pat not in hits]
+    asked = dict.fromkeys(pat for _, _, patterns, _ in outcomes for pat in patterns)
+    missing = [pat for pat in asked if pat not in hits]
     if missing:
         raise ValueError(
             f"tensor-parallel plan: {missing[0]!r} matches no module on any pipeline stage; "
