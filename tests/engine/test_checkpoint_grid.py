@@ -161,7 +161,7 @@ def test_checkpoint_of_another_pipeline_shape_is_refused_naming_both_grids(tmp_p
         assert "pipe 1 x data 2 x expert 1" in message, message
 
 
-def test_part_names_carry_stage_and_expert_rank() -> None:
+def test_part_names_carry_stage_tensor_and_expert_rank() -> None:
     from types import SimpleNamespace
 
     from minispeed.engine.checkpoint import GridPlace
@@ -174,6 +174,8 @@ def test_part_names_carry_stage_and_expert_rank() -> None:
     )
     place = GridPlace.from_grid(grid)
     assert place.part == "pipe01-of-02-expert01-of-02"
-    assert place.shape() == {"pipe": 2, "data": 2, "expert": 2}
+    assert place.shape() == {"pipe": 2, "data": 2, "expert": 2, "tensor": 1}
     assert GridPlace(stage=0, pipe=1, data_rank=1, data=4).part is None  # the tag itself
+    assert GridPlace(stage=1, pipe=2, tensor_rank=1, tensor=2).part == "pipe01-of-02-tensor01-of-02"
+    assert GridPlace(tensor_rank=0, tensor=2).part == "pipe00-of-01-tensor00-of-02"
     assert GridPlace(stage=1, pipe=3).part == "pipe01-of-03"

@@ -110,10 +110,11 @@ def test_sections_reach_their_packages() -> None:
         ),
         ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16/bf16", "at most one"),
         (
-            {"tensor_parallel": {"autotp_size": 2}},
+            {"tensor_parallel": {"autotp_size": -2}},
             "tensor_parallel.autotp_size",
-            "does not compose tensor parallelism",
+            "must be an integer >= 0",
         ),
+        ({"tensor_parallel": {"autotp_sise": 2}}, "tensor_parallel.autotp_sise", "'autotp_size'"),
         ({"communication_data_type": "fp16"}, "communication_data_type", "grad_accum_dtype"),
         (
             {"activation_checkpointing": {"partition_activations": True}},

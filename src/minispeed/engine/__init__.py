@@ -12,7 +12,10 @@ engine, optimizer, loader, scheduler = deepspeed.initialize(
 1. read and check the whole config on every rank (no collective yet): `EngineConfig` (under
    `minispeed tune`, `MINISPEED_TRIAL`'s config replaces the script's and the engine ends the
    job after the trial's steps: `trial.py`);
-2. `init_distributed` (torchrun's environment, or a single process);
+2. `init_distributed` (torchrun's environment, or a single process); the grid's shape (pipe ×
+   data × tensor, `grid.py`), checked before any collective; with
+   `tensor_parallel.autotp_size` > 1 the grid's groups and the tensor-parallel plan applied to
+   the model (or to each pipeline stage), agreed by every rank (`tensor_plan.py`);
 3. the optimizer: the one given, a callable of the parameters, or the config's by name;
 4. `zero.shard` over the data-parallel group (stage, precision, offload, ZeRO++), the experts of
    `MoE` layers over their expert-data group (`moe/compose.py`);
@@ -39,9 +42,10 @@ from torch import nn
 import minispeed.comm as comm
 from minispeed.core.config import ConfigError
 from minispeed.core.logging import get_logger
-from minispeed.engine import checkpointing, moe, pipe, zero
+from minispeed.engine import checkpointing, moe, pipe, tensor_plan, zero
 from minispeed.engine.config import EngineConfig, load_ds_config
 from minispeed.engine.engine import Engine
+from minispeed.engine.grid import build_grid, grid_shape, tensor_parallel_size
 from minispeed.engine.inference import init_inference
 from minispeed.engine.moe.compose import expert_replica_groups
 from minispeed.engine.moe.engine import MoEEngine
@@ -147,21 +151,29 @@ def initialize(
     config: str | os.PathLike | Mapping[str, Any] | None = None,
     mesh_param: Any = None,
     config_params: str | os.PathLike | Mapping[str, Any] | None = None,
+    tensor_parallel_plan: Any = None,
 ) -> tuple[Any, Any, Any, Any]:
     """Build the engine: returns `(engine, optimizer, training_dataloader, lr_scheduler)`.
 
     `optimizer` and `lr_scheduler` may be objects or callables (of the parameters, of the
     optimizer), as DeepSpeed accepts; without them the config's `optimizer` / `scheduler`
     sections are built by name. `training_data` (a dataset) gets a distributed loader of
-    `train_micro_batch_size_per_gpu` samples per rank. A `PipelineModule` yields a pipeline
-    engine (`train_batch` / `eval_batch`).
+    `train_micro_batch_size_per_gpu` samples per data-parallel rank. A `PipelineModule` yields
+    a pipeline engine (`train_batch` / `eval_batch`).
+
+    `tensor_parallel_plan` (minispeed's keyword, read when `tensor_parallel.autotp_size` > 1):
+    a `minispeed.tensor_parallel.Plan` or a callable of the module (of the stage, for a
+    pipeline) returning one; `None` picks a ready plan by the model's type (`tensor_plan.py`).
+    The split model's output head gives each tensor rank its vocabulary slice of the logits:
+    take the loss with `minispeed.tensor_parallel.vocab_parallel_cross_entropy(logits,
+    targets, engine.grid)`.
     """
     if model is None or not isinstance(model, nn.Module):
         raise TypeError(f"initialize() needs model= (an nn.Module), got {type(model).__name__}")
     if mpu is not None or mesh_param is not None:
         raise ValueError(
             "mpu= and mesh_param= are not supported: minispeed builds its process grid from the "
-            "config (pipeline stages x data parallel); remove them"
+            "config (pipeline stages x data x tensor_parallel.autotp_size); remove them"
         )
     # 1. The whole config, checked locally on every rank before any collective.
     ds = _config_from(args, config, config_params)
@@ -173,35 +185,62 @@ def initialize(
                 "<trial>", "minispeed tune does not tune pipeline models; run it without a pipeline"
             )
         ds = load_ds_config(trial.config)
-    # 2. The process group.
+    # 2. The process group, and the grid's shape (checked on every rank before any collective).
     init_distributed(distributed_port=distributed_port)
     world = comm.get_world_size()
+    tensor = tensor_parallel_size(ds)
+    stages = model.num_stages if is_pipeline else 1
+    shape = grid_shape(world, stages, tensor)
     if ds.get("activation_checkpointing") is not None:
         # For model code that calls `deepspeed.checkpointing.checkpoint` (this path's adapter).
         checkpointing.configure(None, deepspeed_config=ds)
     if is_pipeline:
         return _initialize_pipeline(
-            model, optimizer, model_parameters, lr_scheduler, ds, training_data
-        )
-    cfg = EngineConfig.from_ds_config(ds, data_parallel_size=world)
+            model, optimizer, model_parameters, lr_scheduler, ds, training_data,
+            shape, tensor_parallel_plan,
+        )  # fmt: skip
+    cfg = EngineConfig.from_ds_config(ds, data_parallel_size=shape["data"])
+    # The grid (data × tensor) and the tensor-parallel plan (tensor_plan.py), before the
+    # optimizer sees the parameters.
+    grid = None
+    if tensor > 1:
+        grid = build_grid(shape)
+        before = tensor_plan.names_by_id(model)
+        tensor_plan.apply_plan(model, tensor_parallel_plan, grid, per_stage=False)
+        optimizer = tensor_plan.rebind(optimizer, before, model)
+        if model_parameters is not None:
+            model_parameters = tensor_plan.rebind(list(model_parameters), before, model)
     # 3. The optimizer.
     params = list(model_parameters) if model_parameters is not None else list(model.parameters())
     opt = _build_optimizer(optimizer, params, cfg)
     # 4. ZeRO over the data-parallel group (stage 0 is plain data parallelism); MoE experts over
-    # their expert-data group, divided by the data-parallel size (moe/compose.py).
+    # their expert-data group, divided by the data-parallel size (moe/compose.py); the tensor
+    # axis as ZeRO's model-parallel axis (the norm and the fp16 verdict over the whole model).
     zero_opt, replica_groups = None, None
     if opt is not None:
         replica_groups = expert_replica_groups(model, opt.param_groups)
+        if grid is not None and replica_groups is not None:
+            raise NotImplementedError(
+                "tensor_parallel.autotp_size > 1 with MoE layers is not supported: the experts' "
+                "groups are built over the world, not inside the grid's data axis; use one of them"
+            )
+        parallel = {}
+        if grid is not None:
+            parallel = {
+                "group": grid.group("data"),
+                "model_parallel": tensor_plan.model_parallel(model, grid),
+            }
         zero_opt = shard(
-            model, opt, config=cfg.zero, precision=cfg.precision, replica_groups=replica_groups
-        )
+            model, opt, config=cfg.zero, precision=cfg.precision, replica_groups=replica_groups,
+            **parallel,
+        )  # fmt: skip
     # 5. The scheduler, on the optimizer whose param groups hold the hyper-parameters.
     scheduler = _build_scheduler(lr_scheduler, zero_opt, cfg)
-    loader = _dataloader(training_data, cfg, collate_fn)
+    loader = _dataloader(training_data, cfg, collate_fn, grid)
     # 6. The engine, with the profiler, comms logger and timers it reads from the config.
     # (MoEEngine: Note [expert checkpoints until the layout names experts] in moe/engine.py.)
     engine_class = Engine if replica_groups is None else MoEEngine
-    engine = engine_class(model, zero_opt, cfg, scheduler, loader, trial=trial)
+    engine = engine_class(model, zero_opt, cfg, scheduler, loader, trial=trial, grid=grid)
     return engine, zero_opt, loader, scheduler
 
 
@@ -250,14 +289,16 @@ def _build_scheduler(given: Any, zero_opt: Any, cfg: EngineConfig) -> Any:
     return build_scheduler(cfg.scheduler, target)
 
 
-def _dataloader(dataset: Any, cfg: EngineConfig, collate_fn: Any) -> Any:
+def _dataloader(dataset: Any, cfg: EngineConfig, collate_fn: Any, grid: Any = None) -> Any:
     """DeepSpeed's loader: a `DistributedSampler` over the data-parallel ranks (shuffled with
-    seed 0), `train_micro_batch_size_per_gpu` samples per batch."""
+    seed 0), `train_micro_batch_size_per_gpu` samples per batch; the tensor ranks of one
+    replica read the same samples."""
     if dataset is None:
         return None
     from torch.utils.data import DataLoader, DistributedSampler
 
-    sampler = DistributedSampler(dataset, num_replicas=cfg.data_parallel_size, rank=comm.get_rank())
+    rank = comm.get_rank() if grid is None else grid.rank_in("data")
+    sampler = DistributedSampler(dataset, num_replicas=cfg.data_parallel_size, rank=rank)
     return DataLoader(
         dataset, batch_size=cfg.micro_batch_size, sampler=sampler, collate_fn=collate_fn
     )
@@ -276,8 +317,11 @@ def _initialize_pipeline(
     lr_scheduler: Any,
     ds: dict,
     data: Any,
+    shape: dict[str, int],
+    plan: Any,
 ) -> tuple[Any, Any, Any, Any]:
-    """A `PipelineModule`: the pipeline engine over the module's (pipe, data) grid."""
+    """A `PipelineModule`: the pipeline engine over the module's (pipe, data[, tensor]) grid,
+    its stage cut by the tensor-parallel plan when `tensor_parallel.autotp_size` > 1."""
     from minispeed.engine.pipe_engine import PipelineEngine
 
     if data is not None:
@@ -285,10 +329,24 @@ def _initialize_pipeline(
             "training_data= with a PipelineModule is not supported: pass a data iterator to "
             "engine.train_batch(data_iter)"
         )
+    grid = model.grid
+    has = grid.size("tensor") if "tensor" in grid.topology.axes else 1
+    if has != shape["tensor"]:
+        raise ConfigError(
+            "tensor_parallel.autotp_size",
+            f"the config asks for {shape['tensor']} tensor-parallel ranks but the PipelineModule's "
+            f"grid has {has}: build it with topology=minispeed.engine.pipe."
+            f"PipeModelDataParallelTopology(num_pp={shape['pipe']}, num_mp={shape['tensor']}, "
+            f"num_dp={shape['data']}) (or set autotp_size to {has})",
+        )
     # Every key checked as for any model, with the data-parallel size of the grid.
-    cfg = EngineConfig.from_ds_config(
-        ds, data_parallel_size=comm.get_world_size() // model.num_stages
-    )
+    cfg = EngineConfig.from_ds_config(ds, data_parallel_size=shape["data"])
+    if shape["tensor"] > 1:  # the stage's layers cut by the plan, before the optimizer
+        before = tensor_plan.names_by_id(model)
+        tensor_plan.apply_plan(model, plan, grid, per_stage=True)
+        optimizer = tensor_plan.rebind(optimizer, before, model)
+        if model_parameters is not None:
+            model_parameters = tensor_plan.rebind(list(model_parameters), before, model)
     params = list(model_parameters) if model_parameters is not None else list(model.parameters())
     opt = _build_optimizer(optimizer, params, cfg)
     scheduler = _build_scheduler(lr_scheduler, opt, cfg)

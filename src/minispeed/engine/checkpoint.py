@@ -1,4 +1,4 @@
-"""One checkpoint directory for the whole process grid (pipe × data × expert).
+"""One checkpoint directory for the whole process grid (pipe × data × tensor × expert).
 
 ```text
 CKPT_DIR/
@@ -12,8 +12,9 @@ CKPT_DIR/
     pipe01-of-02/ ...
 ```
 
-A part is named `pipe{stage}-of-{P}`, with `-expert{e}-of-{E}` added when there are experts
-ranks; within it, files are named by data rank. With one part (P = E = 1) the part *is* the
+A part is named `pipe{stage}-of-{P}`, with `-tensor{t}-of-{T}` added under tensor parallelism
+(its `client_state` then records each parameter's cut, for a load at another T:
+`tensor_resplit.py`) and `-expert{e}-of-{E}` when there are expert ranks; within it, files are named by data rank. With one part (P = E = 1) the part *is* the
 tag directory, so a data-parallel checkpoint stays a plain `minispeed.zero` checkpoint that
 `python -m minispeed.zero consolidate` reads. A part whose optimizer is not sharded (a pipeline
 without ZeRO) holds `model_states.pt`: the part's engine state, written by its data rank 0.
@@ -22,7 +23,7 @@ without ZeRO) holds `model_states.pt`: the part's engine state, written by its d
 saved by a single-part engine) and refuses, naming both grids, a checkpoint whose pipeline
 stages, expert ranks or layer partition differ from the engine's: those cannot be resharded.
 Another data-parallel size loads (zero re-slices every parameter by name; unsharded parts are
-replicas).
+replicas), and another tensor-parallel size when the parts are zero's (`tensor_resplit.py`).
 
 **The protocol** (Note [atomic checkpoint] in zero): every rank probes who shares the
 directory (Note [who shares the checkpoint directory]), the grid leaders unseal the tag, each
@@ -81,6 +82,15 @@ PathLike = str | os.PathLike
 GRID_FILE = "grid.json"
 PLAIN_FILE = "model_states.pt"
 GRID_FORMAT_VERSION = 1
+# The key of a tensor-parallel part's client_state that records how each parameter is cut.
+TENSOR_SPECS = "minispeed_tensor_specs"
+
+
+def tensor_specs(module: nn.Module) -> dict[str, list[int]]:
+    """`{parameter name: [dim, parts]}` of every tensor-parallel slice in `module`."""
+    from minispeed.tensor_parallel.sharding import sharded_parameters
+
+    return {n: [s.dim, s.parts] for n, s in sharded_parameters(module).items()}
 
 
 @dataclass(frozen=True)
@@ -142,31 +152,38 @@ class GridPlace:
     data: int = 1
     expert_rank: int = 0
     expert: int = 1
+    tensor_rank: int = 0
+    tensor: int = 1
 
     @property
     def part(self) -> str | None:
         """This rank's part directory name (None: one part, the tag directory itself)."""
-        if self.pipe == 1 and self.expert == 1:
+        if self.pipe == 1 and self.expert == 1 and self.tensor == 1:
             return None
-        name = f"pipe{self.stage:02d}-of-{self.pipe:02d}"
-        if self.expert > 1:
-            name += f"-expert{self.expert_rank:02d}-of-{self.expert:02d}"
-        return name
+        return part_name(self.stage, self.pipe, self.tensor_rank, self.tensor) + (
+            f"-expert{self.expert_rank:02d}-of-{self.expert:02d}" if self.expert > 1 else ""
+        )
 
     def shape(self) -> dict[str, int]:
-        """`{"pipe": P, "data": D, "expert": E}`."""
-        return {"pipe": self.pipe, "data": self.data, "expert": self.expert}
+        """`{"pipe": P, "data": D, "expert": E, "tensor": T}`."""
+        return {"pipe": self.pipe, "data": self.data, "expert": self.expert, "tensor": self.tensor}
 
     @staticmethod
     def from_grid(grid: Any) -> GridPlace:
-        """From a `minispeed.comm.ProcessGrid` with some of the axes pipe, data, expert."""
+        """From a `minispeed.comm.ProcessGrid` with some of the axes pipe, data, expert, tensor."""
         axes = grid.topology.axes
 
         def coord(axis: str) -> tuple[int, int]:
             return (grid.rank_in(axis), grid.size(axis)) if axis in axes else (0, 1)
 
-        (s, p), (d, n), (e, x) = coord("pipe"), coord("data"), coord("expert")
-        return GridPlace(s, p, d, n, e, x)
+        (s, p), (d, n), (e, x), (t, m) = (coord(a) for a in ("pipe", "data", "expert", "tensor"))
+        return GridPlace(s, p, d, n, e, x, t, m)
+
+
+def part_name(stage: int, pipe: int, tensor_rank: int = 0, tensor: int = 1) -> str:
+    """`pipe{s}-of-{P}`, with `-tensor{t}-of-{T}` when the tensor axis has T > 1 ranks."""
+    name = f"pipe{stage:02d}-of-{pipe:02d}"
+    return name + (f"-tensor{tensor_rank:02d}-of-{tensor:02d}" if tensor > 1 else "")
 
 
 @dataclass
@@ -233,14 +250,16 @@ def read_grid(tag_dir: Path) -> dict[str, Any] | None:
 
 
 def check_grid(saved: dict[str, Any] | None, part: Part, tag_dir: Path) -> None:
-    """Raise naming both grids when the checkpoint cannot load into this grid."""
+    """Raise naming both grids when the checkpoint cannot load into this grid (another
+    tensor-parallel size loads when both sides are ZeRO-sharded: `tensor_resplit.py`)."""
     mine = part.place.shape()
-    theirs = saved["grid"] if saved is not None else {"pipe": 1, "expert": 1}
+    theirs = {"pipe": 1, "expert": 1, "tensor": 1, **(saved["grid"] if saved is not None else {})}
     if theirs["pipe"] != mine["pipe"] or theirs["expert"] != mine["expert"]:
         raise CheckpointError(
             f"checkpoint {tag_dir} was saved by a grid of {_grid_text(theirs)}, this engine runs "
             f"{_grid_text(mine)}: pipeline stages and expert ranks cannot be resharded (data "
-            "parallelism can). Load it with the same pipeline stages and expert parallel size"
+            "parallelism and tensor parallelism can). Load it with the same pipeline stages and "
+            "expert parallel size"
         )
     saved_partition = None if saved is None else saved.get("partition")
     if saved_partition is not None and saved_partition != part.partition:
@@ -256,11 +275,19 @@ def check_grid(saved: dict[str, Any] | None, part: Part, tag_dir: Path) -> None:
             f"engine has {kinds[part.sharded]}; load it with the zero_optimization stage that "
             "saved it (0 vs 1 on a pipeline)"
         )
+    if theirs["tensor"] != mine["tensor"] and not part.sharded:
+        raise CheckpointError(
+            f"checkpoint {tag_dir} was saved by a grid of {_grid_text(theirs)}, this engine runs "
+            f"{_grid_text(mine)}: another tensor-parallel size is re-split from ZeRO's "
+            "per-parameter files only; save and load with zero_optimization.stage >= 1, or load "
+            "at the same tensor_parallel.autotp_size"
+        )
 
 
 def _grid_text(shape: dict[str, int]) -> str:
     data = f" x data {shape['data']}" if "data" in shape else ""
-    return f"pipe {shape['pipe']}{data} x expert {shape['expert']}"
+    tensor = f" x tensor {shape['tensor']}" if shape.get("tensor", 1) > 1 else ""
+    return f"pipe {shape['pipe']}{data}{tensor} x expert {shape['expert']}"
 
 
 # -- saving ---------------------------------------------------------------------------------------
@@ -330,8 +357,11 @@ def start_save(
     pending = plain = None
     if part.sharded:
         sub_root, sub_tag = (root, tag) if part.place.part is None else (tag_dir, part.place.part)
+        payload = part.payload
+        if part.place.tensor > 1:  # how each parameter is cut, for a load at another size
+            payload = {**payload, TENSOR_SPECS: tensor_specs(part.module)}
         pending = snapshot(
-            part.optimizer, part.module, sub_root, sub_tag, client_state=part.payload,
+            part.optimizer, part.module, sub_root, sub_tag, client_state=payload,
             node_local=node_local,
         )  # fmt: skip
     else:
@@ -395,13 +425,22 @@ def load_part(
     """Load this rank's part (collective over the world); returns (tag dir, saved payload)."""
     what = f"load_checkpoint from {os.fspath(load_dir)!r}" + (f" (tag {tag!r})" if tag else "")
 
-    def find() -> Path:
+    def find() -> tuple[Path, int]:
         tag_dir = find_tag(load_dir, tag)
-        check_grid(read_grid(tag_dir), part, tag_dir)
-        return tag_dir
+        saved = read_grid(tag_dir)
+        check_grid(saved, part, tag_dir)
+        return tag_dir, 1 if saved is None else saved["grid"].get("tensor", 1)
 
-    tag_dir, _ = together(None, what, find)
+    (tag_dir, saved_tensor), _ = together(None, what, find)
     where = part_dir(tag_dir, part.place)
+    if part.sharded and saved_tensor != part.place.tensor:
+        # See tensor_resplit.py: this rank's slices, re-cut from the saved ones.
+        from minispeed.engine.tensor_resplit import load_resplit
+
+        payload = load_resplit(
+            part, tag_dir, saved_tensor, load_optimizer_states=load_optimizer_states, what=what
+        )
+        return tag_dir, payload
     if part.sharded:
         payload = zero.load_checkpoint(
             part.optimizer,

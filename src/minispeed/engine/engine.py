@@ -68,9 +68,14 @@ class Engine(nn.Module):
         lr_scheduler: Any = None,
         training_dataloader: Any = None,
         trial: Trial | None = None,
+        grid: comm.ProcessGrid | None = None,
     ) -> None:
         super().__init__()
         self.module = module
+        # The data × tensor grid under tensor parallelism (engine/grid.py), else None: the
+        # world is the data axis. Its "tensor" axis is the group the loss takes
+        # (`vocab_parallel_cross_entropy(logits, targets, engine.grid)`).
+        self.grid = grid
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.training_dataloader = training_dataloader
@@ -320,6 +325,12 @@ class Engine(nn.Module):
     ) -> bool:
         """Write the model's weights in their training dtype as one `state_dict` file (rank 0)."""
         opt = self._require_optimizer("save_16bit_model")
+        if self.grid is not None and "tensor" in self.grid.topology.axes:
+            raise NotImplementedError(
+                "save_16bit_model under tensor parallelism is not implemented: rank 0 holds its "
+                "slices only. Use save_checkpoint (it loads at any tensor-parallel size, 1 "
+                "included, then save_16bit_model from the unsplit engine)"
+            )
         Path(save_dir).mkdir(parents=True, exist_ok=True)
         zero.save_16bit_model(opt, self.module, save_dir, save_filename)
         return True

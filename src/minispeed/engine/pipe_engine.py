@@ -36,7 +36,8 @@ What the engine adds to the executor, each as DeepSpeed's pipeline engine does i
 - **ZeRO stages 1 and 2** (`zero_optimization.stage`, the section's other keys as for any
   model) shard the optimizer state (stage 2: and the gradients) over each stage's
   data-parallel group through `minispeed.zero.shard`; the executor then lets the optimizer
-  reduce the gradients. The grid's pipe axis is handed to ZeRO as its model-parallel axis
+  reduce the gradients. The grid's pipe axis (and tensor axis, on a 3D grid: see
+  `tensor_plan.model_parallel`) is handed to ZeRO as its model-parallel axes
   (`zero.ModelParallel`), so the gradient norm for `gradient_clipping` is the whole model's
   (summed over every stage, a tied parameter counted once, on its lowest stage), the fp16
   overflow verdict is the grid's (an overflow on one stage skips the step on all), and the
@@ -70,6 +71,7 @@ import minispeed.engine.checkpoint as ckpt
 import minispeed.engine.checkpoint_async as ckpt_async
 import minispeed.pipeline as pipeline
 import minispeed.zero as zero
+from minispeed.engine import tensor_plan
 from minispeed.engine.config import resolve_batch
 
 __all__ = ["PipelineEngine", "PipelineError"]
@@ -149,6 +151,7 @@ class PipelineEngine:
         self.global_steps, self.global_samples = 0, 0
         self.data_iterator: Iterator | None = None
         self._global_grad_norm: float | None = None
+        self._counted: list[torch.nn.Parameter] | None = None  # see _before_step
         self.agg_train_loss: torch.Tensor | None = None
 
     # -- construction -----------------------------------------------------------------------------
@@ -197,11 +200,8 @@ class PipelineEngine:
             gradient_accumulation_steps=self.micro_batches,
             max_grad_norm=self._clip,
         )
-        ties = self.module.tied_grad_groups()
-        model_parallel = zero.ModelParallel(
-            groups=(self.grid.group("pipe"),) if self.num_stages > 1 else (),
-            shared=tuple((p, group) for p, group, _ in ties),
-            counted_elsewhere=tuple(p for p, _, lowest in ties if not lowest),
+        model_parallel = tensor_plan.model_parallel(
+            self.module, self.grid, self.module.tied_grad_groups()
         )
         return zero.shard(
             self.module,
@@ -299,6 +299,10 @@ class PipelineEngine:
             "stages": self.num_stages,
             "data_rank": self.grid.rank_in("data"),
             "data_size": self.dp_world_size,
+            "tensor_rank": self.grid.rank_in("tensor")
+            if "tensor" in self.grid.topology.axes
+            else 0,
+            "tensor_size": self.grid.size("tensor") if "tensor" in self.grid.topology.axes else 1,
             "parts": list(self.module.boundaries),
         }
 
@@ -486,11 +490,15 @@ class PipelineEngine:
     def _before_step(self) -> None:
         if self._clip <= 0 or self.optimizer is not self.client_optimizer:  # ZeRO clips
             return
-        # a tied copy above the lowest holding stage carries the same summed gradient: skip it
-        copies = {id(p) for p, _, lowest in self.module.tied_grad_groups() if not lowest}
-        counted = [p for p in self.module.parameters() if id(p) not in copies]
+        # a tied copy above the lowest holding stage carries the same summed gradient, a
+        # parameter replicated over the tensor group the same values: count each once
+        if self._counted is None:  # fixed once the engine is built
+            ties = self.module.tied_grad_groups()
+            self._counted = tensor_plan.counted_params(self.module, self.grid, ties)
+        axes = self.grid.topology.axes
+        groups = [self.grid.group(a) for a in ("pipe", "tensor") if a in axes]
         self._global_grad_norm = _clip_pipeline_grads(
-            counted, list(self.module.parameters()), self._clip, self.grid.group("pipe")
+            self._counted, list(self.module.parameters()), self._clip, groups
         )
 
 
@@ -515,15 +523,16 @@ def _clip_pipeline_grads(
     counted: list[torch.nn.Parameter],
     params: list[torch.nn.Parameter],
     max_norm: float,
-    group: Any,
+    groups: list[Any],
 ) -> float:
-    """Clip `params`' gradients by the 2-norm of `counted`'s summed over the pipe `group`;
-    returns the norm."""
+    """Clip `params`' gradients by the 2-norm of `counted`'s summed over `groups` (pipe, then
+    tensor); returns the norm."""
     total = torch.zeros((), dtype=torch.float32)
     for p in counted:
         if p.grad is not None:
             total += p.grad.detach().float().norm(2).to(total.device) ** 2
-    comm.all_reduce(total, group=group)
+    for group in groups:
+        comm.all_reduce(total, group=group)
     norm = total.sqrt()
     clip_coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in params:

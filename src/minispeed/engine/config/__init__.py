@@ -33,6 +33,7 @@ from typing import Any
 
 from minispeed.core.config import BATCH_KEYS, ConfigError, batch_triple, check_keys, join_path
 from minispeed.engine.checkpoint import CheckpointConfig
+from minispeed.engine.grid import tensor_parallel_size
 from minispeed.zero import MixedPrecision, ZeroConfig
 
 __all__ = ["ConfigError", "EngineConfig", "load_ds_config", "resolve_batch"]
@@ -147,7 +148,7 @@ DEFAULTS: dict[str, Any] = {
 _COMMS_LOGGER = {"enabled", "verbose", "prof_all", "prof_ops", "debug"}
 _ACTIVATION = {"cpu_checkpointing", "number_checkpoints", "synchronize_checkpoint_boundary"}
 _ACTIVATION_UNSUPPORTED = {
-    "partition_activations": "activations are not split over tensor-parallel ranks (no TP yet)",
+    "partition_activations": "checkpointed activations are not split over tensor-parallel ranks",
     "contiguous_memory_optimization": "checkpointed activations are ordinary tensors",
     "profile": "time checkpointed regions with minispeed.profiler",
 }
@@ -156,7 +157,6 @@ _ACTIVATION_DEFAULTS = {
     "contiguous_memory_optimization": False,
     "profile": False,
 }
-_TENSOR_PARALLEL_DEFAULTS = {"autotp_size": 0}
 
 
 def load_ds_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
@@ -251,6 +251,9 @@ class EngineConfig:
     """The `pipeline` section, read by the pipeline engine."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """The `checkpoint` section (`async_save`, `use_node_local_storage`)."""
+    tensor_parallel_size: int = 1
+    """`tensor_parallel.autotp_size`: ranks that split each layer (the grid's tensor axis, T;
+    0 or absent: 1). The data-parallel size is then world / (pipeline stages · T)."""
     raw: dict[str, Any] = field(default_factory=dict)
     """The ds_config as given."""
 
@@ -278,15 +281,7 @@ class EngineConfig:
             defaults=_ACTIVATION_DEFAULTS,
         )
         checkpoint = _package("checkpoint", CheckpointConfig.from_ds_config, ds.get("checkpoint"))
-        tp = ds.get("tensor_parallel") or {}
-        check_keys(tp, {"autotp_size"}, "tensor_parallel")
-        if tp.get("autotp_size", 0) not in (0, 1):
-            raise ConfigError(
-                "tensor_parallel.autotp_size",
-                f"the engine does not compose tensor parallelism with its data axis yet (got "
-                f"{tp['autotp_size']}); minispeed.tensor_parallel.parallelize splits a model over "
-                f"a process group you build; remove the key or set it to 1",
-            )
+        tensor = tensor_parallel_size(ds)  # the grid's tensor axis (engine/grid.py)
         # Each package reads its own section; the few values it needs from elsewhere in the
         # ds_config are handed over by name. Their ValueErrors are re-raised with the key path.
         zero = _package(
@@ -348,6 +343,7 @@ class EngineConfig:
             activation_checkpointing=dict(ds.get("activation_checkpointing") or {}),
             pipeline=dict(ds.get("pipeline") or {}),
             checkpoint=checkpoint,
+            tensor_parallel_size=tensor,
             raw=ds,
         )
 

@@ -185,9 +185,17 @@ def config_schema() -> dict[str, Any]:
         "zero_allow_untested_optimizer": _prop("boolean", "Accepted; minispeed checks kinds."),
         "zero_force_ds_cpu_optimizer": _prop("boolean", "Accepted; offload picks its CPU op."),
         "tensor_parallel": _obj(
-            {"autotp_size": {"enum": [0, 1], "description": "Only 0 or 1 until TP training."}},
-            "Tensor parallelism: `autotp_size` 0 or 1 only; the engine does not compose it yet "
-            "(minispeed.tensor_parallel.parallelize splits a model by hand).",
+            {
+                "autotp_size": {
+                    "type": "integer",
+                    "minimum": 0,
+                    "description": "Tensor-parallel size T (0 or 1: off); world = pipe x data x T, "
+                    "tensor ranks adjacent. The plan is a ready one by model type or "
+                    "initialize(tensor_parallel_plan=...); not inferred as by DeepSpeed's AutoTP.",
+                }
+            },
+            "Tensor parallelism (minispeed.tensor_parallel) on the engine's pipe x data x tensor "
+            "grid: ZeRO over the data axis, clipping over all three (docs: 3D parallelism).",
         ),
     }
     unsupported = {

@@ -11,7 +11,10 @@ What is DeepSpeed's here, and how:
 - **Stages**: `num_stages` pipeline stages over a `("pipe", "data")` grid of the world
   (data-parallel neighbours adjacent, DeepSpeed's `PipeDataParallelTopology`), or the grid of a
   given `topology` (a `minispeed.comm.ProcessTopology`, or any object with DeepSpeed's
-  `get_axis_names()` / `get_dim(axis)`, over exactly the axes `pipe` and `data`).
+  `get_axis_names()` / `get_dim(axis)`, over the axes `pipe`, `data` and optionally a third,
+  `tensor` (DeepSpeed's `model`), varying fastest: `PipeModelDataParallelTopology`). The
+  stage's layers are built whole; `initialize` cuts them by the tensor-parallel plan
+  (`minispeed.engine.tensor_plan`).
 - **Partition**: DeepSpeed's own arithmetic (`partition.py`), passed to the package as explicit
   boundaries, so each stage holds the same layers as under DeepSpeed (`parts`).
 - **Seeds**: `seed_layers=True` builds layer i under `base_seed + i` on whichever stage owns it,
@@ -31,7 +34,7 @@ What is DeepSpeed's here, and how:
   micro-batch instead of one per interval.
 
 Refused, each by name: `seed_fn`, `activation_checkpoint_func`, `checkpointable_layers` and a
-topology with a third axis. A tie shares the parameters `tied_weight_attr` names (DeepSpeed's
+topology with other axes. A tie shares the parameters `tied_weight_attr` names (DeepSpeed's
 default `"weight"`); the tied module's other parameters stay each stage copy's own, as in
 DeepSpeed (an embedding with position embeddings tied to the head by its token table).
 """
@@ -97,10 +100,12 @@ def _topology(num_stages: int | None, topology: Any) -> comm.ProcessTopology:
             f"topology must be a minispeed.comm.ProcessTopology (axes pipe, data), got "
             f"{type(topology).__name__}"
         )
-    if tuple(axes) != ("pipe", "data"):
+    # DeepSpeed's PipeModelDataParallelTopology names the tensor axis "model"
+    axes = tuple("tensor" if a == "model" else a for a in axes)
+    if axes not in (("pipe", "data"), ("pipe", "data", "tensor")):
         raise NotImplementedError(
-            f"topology axes {list(axes)}: minispeed's PipelineModule runs on exactly "
-            "('pipe', 'data'); tensor parallelism (a 'model' axis) is not implemented"
+            f"topology axes {list(axes)}: minispeed's PipelineModule runs on ('pipe', 'data') "
+            "or ('pipe', 'data', 'tensor') (tensor fastest: PipeModelDataParallelTopology)"
         )
     if num_stages is not None and num_stages != dims[0]:
         raise ValueError(f"num_stages={num_stages} but the topology has {dims[0]} pipe stages")
@@ -242,7 +247,7 @@ class PipelineModule(pipeline.PipelineModule):
         return self.stages
 
     def topology(self) -> comm.ProcessTopology:
-        """The `("pipe", "data")` topology the stages run on."""
+        """The `("pipe", "data"[, "tensor"])` topology the stages run on."""
         assert self.grid is not None
         return self.grid.topology
 

@@ -29,6 +29,7 @@ partition are taken on the `meta` device).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -329,7 +330,7 @@ class PipelineModule(nn.Module):
 
     # -- tied layers ------------------------------------------------------------------------------
     def _make_tie_groups(self, layers: Sequence[Any]) -> dict[str, Any]:
-        """One process group per (tie key, data-parallel index) holding ≥ 2 stages. Created by
+        """One process group per (tie key, data-parallel [and tensor] index) holding ≥ 2 stages. Created by
         every rank in the same order (sorted keys, then data index), as new_group requires."""
         assert self.grid is not None
         holders: dict[str, set[int]] = {}
@@ -338,15 +339,19 @@ class PipelineModule(nn.Module):
                 if isinstance(layers[i], TiedLayerSpec):
                     holders.setdefault(layers[i].key, set()).add(v % self.stages)
         topo, mine = self.grid.topology, {}
-        my_data = self.grid.rank_in("data")
+        # one group per line along the pipe axis: every other coordinate (data, and tensor in
+        # a 3D grid, whose ranks each hold their own slice of the tied weight) fixed
+        others = [a for a in topo.axes if a != "pipe"]
+        here = {a: self.grid.rank_in(a) for a in others}
         for key in sorted(holders):
             stages = sorted(holders[key])
             if len(stages) < 2:
                 continue
-            for d in range(topo.dim("data")):
-                ranks = [self.grid.ranks[topo.get_rank(pipe=s, data=d)] for s in stages]
+            for coord in itertools.product(*(range(topo.dim(a)) for a in others)):
+                at = dict(zip(others, coord))
+                ranks = [self.grid.ranks[topo.get_rank(pipe=s, **at)] for s in stages]
                 group = comm.new_group(ranks)
-                if d == my_data and self.stage in stages:
+                if at == here and self.stage in stages:
                     mine[key] = (group, ranks)
         return mine
 

@@ -21,7 +21,7 @@ from torch import nn
 from minispeed.tensor_parallel.group import TensorGroup
 from minispeed.tensor_parallel.mappings import all_gather_along
 
-__all__ = ["ShardSpec", "shard", "sharded_parameters", "unshard", "unshard_module"]
+__all__ = ["ShardSpec", "join", "shard", "sharded_parameters", "unshard", "unshard_module"]
 
 
 @dataclass(frozen=True)
@@ -52,12 +52,22 @@ def shard(t: torch.Tensor, spec: ShardSpec, rank: int, n: int) -> torch.Tensor:
 def unshard(local: torch.Tensor, spec: ShardSpec, tg: TensorGroup) -> torch.Tensor:
     """The whole tensor from every rank's slice (collective: one all-gather of its bytes)."""
     gathered = all_gather_along(local.detach(), spec.dim, tg)  # slices in rank order
-    if spec.parts == 1 or tg.size == 1:
+    return _part_major(gathered, spec, tg.size)
+
+
+def join(slices: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
+    """The whole tensor from the slices of ranks 0..n-1, in order (local: the inverse of
+    `shard`; e.g. a checkpoint's slices re-cut for another tensor-parallel size)."""
+    return _part_major(torch.cat([t.detach() for t in slices], spec.dim), spec, len(slices))
+
+
+def _part_major(gathered: torch.Tensor, spec: ShardSpec, n: int) -> torch.Tensor:
+    if spec.parts == 1 or n == 1:
         return gathered
     # rank-major (rank, part, piece) -> part-major (part, rank, piece)
-    pieces = gathered.chunk(tg.size * spec.parts, spec.dim)
+    pieces = gathered.chunk(n * spec.parts, spec.dim)
     return torch.cat(
-        [pieces[r * spec.parts + p] for p in range(spec.parts) for r in range(tg.size)], spec.dim
+        [pieces[r * spec.parts + p] for p in range(spec.parts) for r in range(n)], spec.dim
     )
 
 

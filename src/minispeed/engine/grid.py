@@ -1,0 +1,77 @@
+"""The engine's process grid: pipe × data × tensor, built once from the config.
+
+```text
+rank = (pipe · D + data) · T + tensor        tensor fastest, then data, then pipe
+8 ranks, P = D = T = 2:
+rank:    0      1      2      3      4      5      6      7
+(p,d,t): (0,0,0)(0,0,1)(0,1,0)(0,1,1)(1,0,0)(1,0,1)(1,1,0)(1,1,1)
+tensor groups [0,1] [2,3] [4,5] [6,7]    data groups [0,2] [1,3] [4,6] [5,7]
+pipe groups   [0,4] [1,5] [2,6] [3,7]
+```
+
+Megatron-LM's and DeepSpeed's order (`PipeModelDataParallelTopology`: axes pipe, data, model):
+the tensor axis, whose all-reduces run inside every layer, on adjacent ranks (one node); the
+data axis, which talks once per step, next; pipeline stages, which exchange activations only,
+outermost. What each axis carries:
+
+| axis | collectives |
+|---|---|
+| tensor | the split layers' all-reduces (forward and backward, `minispeed.tensor_parallel.costs`), the vocabulary-parallel loss, the clipping norm's and fp16 verdict's scalar all-reduce |
+| data | ZeRO's gradient reduction and parameter all-gather (`minispeed.zero`), replicas' broadcast at build |
+| pipe | activations and their gradients (point to point), tied layers' gradient sums, the norm's and verdict's scalars |
+
+`tensor_parallel.autotp_size` (DeepSpeed's key) gives T; a `PipelineModule` gives P; D is what
+is left: `world / (P · T)`. A world size the grid does not tile is a `ConfigError` raised by
+`grid_shape` on every rank before any collective (every rank computes the same arithmetic).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import minispeed.comm as comm
+from minispeed.core.config import ConfigError, check_keys
+
+__all__ = ["AXES", "build_grid", "grid_shape", "tensor_parallel_size"]
+
+AXES = ("pipe", "data", "tensor")
+"""Outermost first; the last varies fastest (`minispeed.comm.ProcessTopology` is row-major)."""
+
+
+def tensor_parallel_size(ds: Mapping[str, Any]) -> int:
+    """T from the ds_config's `tensor_parallel.autotp_size` (absent, 0 or 1: no tensor
+    parallelism). Local; raises `ConfigError` naming the key for anything but an int >= 0."""
+    section = ds.get("tensor_parallel") or {}
+    if not isinstance(section, Mapping):
+        raise ConfigError("tensor_parallel", f"must be a JSON object, got {section!r}")
+    check_keys(section, {"autotp_size"}, "tensor_parallel")
+    size = section.get("autotp_size", 0)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ConfigError(
+            "tensor_parallel.autotp_size",
+            f"must be an integer >= 0 (the tensor-parallel size; 0 or 1: off), got {size!r}",
+        )
+    return max(size, 1)
+
+
+def grid_shape(world_size: int, pipe: int, tensor: int) -> dict[str, int]:
+    """`{"pipe": P, "data": D, "tensor": T}` with `D = world / (P · T)`; a `ConfigError` naming
+    the sizes and the ones that fit when `P · T` does not divide the world size. Local."""
+    if world_size % (pipe * tensor):
+        fits = [t for t in range(1, world_size + 1) if world_size % (pipe * t) == 0]
+        raise ConfigError(
+            "tensor_parallel.autotp_size",
+            f"the process grid pipe {pipe} x tensor {tensor} (x data) does not tile the world "
+            f"of {world_size} processes: pipe x data x tensor must equal the world size. With "
+            f"{pipe} pipeline stage(s), pick autotp_size among {fits}, or launch "
+            f"{pipe * tensor}·k processes",
+        )
+    return {"pipe": pipe, "data": world_size // (pipe * tensor), "tensor": tensor}
+
+
+def build_grid(shape: Mapping[str, int]) -> comm.ProcessGrid:
+    """The process groups of `shape` (collective: every rank of the world, same shape). The
+    pipe axis is left out when P = 1 (no singleton groups to create)."""
+    axes = [a for a in AXES if a != "pipe" or shape["pipe"] > 1]
+    return comm.ProcessGrid(comm.ProcessTopology(axes, [shape[a] for a in axes]))

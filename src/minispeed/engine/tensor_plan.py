@@ -1,0 +1,219 @@
+"""The tensor-parallel step of `initialize`: which plan, applied to what, agreed by every rank.
+
+Composition order (ARCHITECTURE.md): grid → pipeline partition → **this** → optimizer →
+`zero.shard` over the data axis. With `tensor_parallel.autotp_size` = T > 1:
+
+1. **The plan.** `initialize(..., tensor_parallel_plan=...)` (minispeed's keyword) takes a
+   `minispeed.tensor_parallel.Plan`, or a callable `(module) -> Plan` (for a `PipelineModule`
+   it gets this rank's stage). Without one, a ready plan is picked by the model's type:
+   `GPT2LMHeadModel` → `gpt2_plan`, `LlamaForCausalLM` → `llama_plan`, minispeed's GPT
+   (`examples/gpt.py`, a `GPT` with a `GPTConfig` as `cfg`) → `gpt_plan`; any other model (and
+   every `PipelineModule`, whose layer paths are the user's) needs a plan. DeepSpeed's AutoTP
+   infers the split from the layer types instead; minispeed splits only what a plan names.
+2. **One model to cut.** Every parameter and buffer is broadcast from the tensor group's first
+   rank before the cut, so the n slices come from one model whatever each rank's seed (Ψ·4
+   bytes once, over the tensor group).
+3. **The cut** (`minispeed.tensor_parallel.parallelize`), local. In a pipeline a pattern may
+   match nothing on one stage (a plan for the whole model, applied stage by stage) but must
+   match on some stage.
+4. **Agreement.** One `all_gather_object` over the world of each rank's outcome: a plan that
+   failed on any rank (a missing module, a size that does not divide, a tied weight split
+   unlike its head, a module split twice) raises on every rank, with that rank's message,
+   before the first collective of training; so does a pattern no stage matched, or a tied
+   module cut differently on two stages.
+
+The optimizer given to `initialize` was built over the unsplit parameters: `rebind` points its
+param groups at the slices, by parameter name (it must have no state yet).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+import minispeed.comm as comm
+import minispeed.tensor_parallel as tp
+import minispeed.zero as zero
+from minispeed.tensor_parallel.sharding import sharded_parameters
+
+__all__ = ["apply_plan", "model_parallel", "ready_plan", "rebind"]
+
+PlanLike = tp.Plan | Callable[[nn.Module], tp.Plan] | None
+
+
+def ready_plan(model: nn.Module) -> tp.Plan:
+    """The ready plan for `model`'s type, or a `ValueError` saying to pass one."""
+    kind = type(model).__name__
+    if kind == "GPT2LMHeadModel":
+        return tp.gpt2_plan(model)
+    if kind == "LlamaForCausalLM":
+        return tp.llama_plan(model)
+    if kind == "GPT" and type(getattr(model, "cfg", None)).__name__ == "GPTConfig":
+        return tp.gpt_plan(model)
+    raise ValueError(
+        f"tensor_parallel.autotp_size > 1 but minispeed has no ready plan for {kind}: pass "
+        "initialize(..., tensor_parallel_plan=minispeed.tensor_parallel.Plan({...})) naming "
+        "each module's style (ready plans: minispeed's GPT, GPT2LMHeadModel, LlamaForCausalLM)"
+    )
+
+
+def _resolve(module: nn.Module, plan: PlanLike, per_stage: bool) -> tp.Plan:
+    if plan is None:
+        if per_stage:
+            raise ValueError(
+                "a PipelineModule with tensor_parallel.autotp_size > 1 needs "
+                "initialize(..., tensor_parallel_plan=...): a Plan over the stage's paths "
+                "(e.g. 'chunks.*.layers.*.attn.qkv', 'tied.<key>') or a callable of the stage"
+            )
+        return ready_plan(module)
+    if isinstance(plan, tp.Plan):
+        return plan
+    if callable(plan):
+        made = plan(module)
+        if not isinstance(made, tp.Plan):
+            raise TypeError(
+                f"tensor_parallel_plan(module) must return a minispeed.tensor_parallel.Plan, "
+                f"got {type(made).__name__}"
+            )
+        return made
+    raise TypeError(
+        f"tensor_parallel_plan must be a minispeed.tensor_parallel.Plan or a callable of the "
+        f"module, got {type(plan).__name__}"
+    )
+
+
+def _on_this_stage(module: nn.Module, plan: tp.Plan) -> tuple[tp.Plan, list[str]]:
+    """The plan's patterns that match a module of this stage, and their names."""
+    import fnmatch
+
+    paths = [p for p, _ in module.named_modules() if p]
+    hit = [pat for pat in plan.styles if any(fnmatch.fnmatchcase(p, pat) for p in paths)]
+    return tp.Plan({pat: plan.styles[pat] for pat in hit}, plan.divides), hit
+
+
+def apply_plan(module: nn.Module, plan: PlanLike, grid: comm.ProcessGrid, *, per_stage: bool) -> None:  # fmt: skip
+    """Steps 2-4 of the module docstring (collective over the world)."""
+    group, ranks = grid.group("tensor"), grid.group_ranks("tensor")
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            comm.broadcast(t.data, src=ranks[0], group=group)
+    error: Exception | None = None
+    matched: list[str] = []
+    patterns: list[str] = []
+    tied: dict[str, str] = {}
+    try:
+        resolved = _resolve(module, plan, per_stage)
+        patterns = list(resolved.styles)
+        if per_stage:
+            resolved, matched = _on_this_stage(module, resolved)
+        tp.parallelize(module, resolved, grid)
+        if per_stage:  # how each tied module (a path on several stages) was cut here
+            tied = {
+                path: type(m).__name__ for path, m in module.named_modules() if path.startswith("tied.")
+            }  # fmt: skip
+    except Exception as exc:  # agreed below, then raised on every rank
+        error = exc
+    outcomes = comm.all_gather_object(
+        (None if error is None else f"{type(error).__name__}: {error}", matched, patterns, tied)
+    )
+    if error is not None:
+        raise error
+    failed = [(r, msg) for r, (msg, *_) in enumerate(outcomes) if msg]
+    if failed:
+        rank, msg = failed[0]
+        raise ValueError(
+            f"the tensor-parallel plan failed on global rank {rank} (of ranks "
+            f"{[r for r, _ in failed]}): {msg}"
+        )
+    if per_stage:
+        _check_across_stages(outcomes)
+
+
+def _check_across_stages(outcomes: list[Any]) -> None:
+    hits = {pat for _, matched, _, _ in outcomes for pat in matched}
+    asked = dict.fromkeys(pat for _, _, patterns, _ in outcomes for pat in patterns)
+    missing = [pat for pat in asked if pat not in hits]
+    if missing:
+        raise ValueError(
+            f"tensor-parallel plan: {missing[0]!r} matches no module on any pipeline stage; "
+            "stage paths look like 'chunks.0.layers.<layer index>.<submodule>' and "
+            "'tied.<key>' (print(engine.module) for this rank's)"
+        )
+    seen: dict[str, tuple[int, str]] = {}
+    for rank, (_, _, _, tied) in enumerate(outcomes):
+        for path, kind in tied.items():
+            first = seen.setdefault(path, (rank, kind))
+            if first[1] != kind:
+                raise ValueError(
+                    f"tensor-parallel plan: the tied module {path!r} is {first[1]} on global "
+                    f"rank {first[0]} but {kind} on global rank {rank}: a tied embedding must be "
+                    "split the same way on every stage that holds it (Vocab on each)"
+                )
+
+
+def names_by_id(module: nn.Module) -> dict[int, str]:
+    """`id(parameter) -> name` of `module`'s parameters (before the cut, for `rebind`)."""
+    return {id(p): n for n, p in module.named_parameters()}
+
+
+def rebind(given: Any, before: dict[int, str], module: nn.Module) -> Any:
+    """The optimizer (or parameter list / param-group dicts) given to `initialize`, pointed at
+    the cut module's parameters by name. An optimizer with state already is refused."""
+    after = dict(module.named_parameters())
+
+    def swap(p: Any) -> Any:
+        name = before.get(id(p))
+        return p if name is None or name not in after else after[name]
+
+    if isinstance(given, torch.optim.Optimizer):
+        if any(given.state.values()):
+            raise ValueError(
+                "the optimizer given to initialize() has state already; with tensor "
+                "parallelism the engine re-points it at the parameter slices, so build it fresh "
+                "(or pass a callable of the parameters, or the config's optimizer section)"
+            )
+        for group in given.param_groups:
+            group["params"] = [swap(p) for p in group["params"]]
+        return given
+    if given is None:
+        return None
+    out = []
+    for item in given:
+        if isinstance(item, dict):
+            out.append({**item, "params": [swap(p) for p in item["params"]]})
+        else:
+            out.append(swap(item))
+    return out
+
+
+def model_parallel(
+    module: nn.Module,
+    grid: comm.ProcessGrid,
+    ties: list[tuple[nn.Parameter, Any, bool]] = (),  # type: ignore[assignment]
+) -> zero.ModelParallel:
+    """`zero.ModelParallel` for a module on `grid`: the norm and fp16 verdict over the pipe axis
+    (when there is one) and the tensor axis; a tied parameter counted on its lowest stage, a
+    parameter replicated over the tensor group (norms, row biases) on tensor rank 0 only, a
+    split one on every tensor rank (its squares summed over the tensor group)."""
+    axes = grid.topology.axes
+    groups = tuple(grid.group(a) for a in ("pipe", "tensor") if a in axes and grid.size(a) > 1)
+    elsewhere = [p for p, _, lowest in ties if not lowest]
+    if "tensor" in axes and grid.rank_in("tensor") != 0:
+        split = {id(module.get_parameter(n)) for n in sharded_parameters(module)}
+        elsewhere += [p for p in module.parameters() if id(p) not in split]
+    unique = list({id(p): p for p in elsewhere}.values())
+    return zero.ModelParallel(
+        groups=groups,
+        shared=tuple((p, group) for p, group, _ in ties),
+        counted_elsewhere=tuple(unique),
+    )
+
+
+def counted_params(module: nn.Module, grid: Any, ties: list[Any]) -> list[nn.Parameter]:
+    """The parameters whose squares this rank adds to the whole model's gradient norm (for a
+    clipping done outside ZeRO): `model_parallel`'s rule."""
+    skip = {id(p) for p in model_parallel(module, grid, ties).counted_elsewhere}
+    return [p for p in module.parameters() if id(p) not in skip]
