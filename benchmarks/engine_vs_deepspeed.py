@@ -10,6 +10,7 @@ the same model, data and config, taking turns every round:
 | `engine ZeRO-k` | `minispeed.engine.initialize` |
 | `shard ZeRO-k` | `minispeed.zero.shard` called directly (what the engine adds is the difference) |
 | `DeepSpeed ZeRO-k` | `deepspeed.initialize` (when `import deepspeed` works) |
+| `DDP ZeRO-0` | PyTorch's `DistributedDataParallel` (`no_sync` inside the window, `clip_grad_norm_`, the same AdamW): stage 0 only, the floor that per-call overheads are measured against |
 
 Before any ratio is printed, every contender's per-step losses must equal the others' (1e-4):
 a ratio between runs that train different things means nothing.
@@ -31,10 +32,12 @@ every stage; engine ≤ 1.02× `zero.shard`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import statistics
 import time
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -104,6 +107,9 @@ class Contender:
         self.name, self.params = name, sum(p.numel() for p in model.parameters())
         kind, stage = name.rsplit(" ZeRO-", 1)
         cfg = ds_config(int(stage), micro)
+        if kind == "DDP":
+            self.step = self._ddp(model)  # type: ignore[method-assign]
+            return
         if kind == "shard":
             import minispeed.zero as zero
 
@@ -122,6 +128,29 @@ class Contender:
             model=model, model_parameters=model.parameters(), config=cfg
         )
         self.forward, self.backward, self.opt_step = engine, engine.backward, engine.step
+
+    @staticmethod
+    def _ddp(model: nn.Module) -> Any:
+        """Plain PyTorch data parallelism, the same loop: gradients reduced on the last
+        micro-batch of each window, clipped to 1.0, AdamW."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+
+        def step(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+            total = 0.0
+            for m, (x, y) in enumerate(batches):
+                with ddp.no_sync() if m < len(batches) - 1 else contextlib.nullcontext():
+                    loss = ddp(x, y)
+                    (loss / len(batches)).backward()
+                total += loss.item()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            return total / len(batches)
+
+        return step
 
     def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         total = 0.0
@@ -150,6 +179,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps-per-round", type=int, default=0, help="0: 20 small, 2 large")
     parser.add_argument("--deepspeed", choices=("auto", "yes", "no"), default="auto")
+    parser.add_argument(
+        "--no-ddp", dest="ddp", action="store_false", help="leave out the DDP floor at stage 0"
+    )
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import minispeed.comm as comm
@@ -167,9 +199,12 @@ def main() -> None:
                 raise
     stages = [int(s) for s in args.stages.split(",")]
     names = [f"{k} ZeRO-{s}" for s in stages for k in kinds]
+    if 0 in stages and args.ddp:
+        names.insert(names.index(f"{kinds[-1]} ZeRO-0") + 1, "DDP ZeRO-0")
     contenders = {n: Contender(n, args.size) for n in names}
     per_round = args.steps_per_round or (20 if args.size == "small" else 2)
     times: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}  # this process's CPU time per step
     losses: dict[str, list[float]] = {n: [] for n in names}
     step = 0
     for r in range(args.rounds + 1):  # round 0 warms up
@@ -177,16 +212,21 @@ def main() -> None:
             for k in range(per_round):
                 data = batches_for(r * per_round + k, args.size, rank)
                 comm.barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 losses[n].append(contenders[n].step(data))
                 if r > 0:
                     times[n].append(time.perf_counter() - t0)
+                    cpu[n].append(time.process_time() - c0)
         step += per_round
-    # The slower rank's time decides a data-parallel step.
+    # The slower rank's time decides a data-parallel step; CPU time is summed over the ranks
+    # (on a loaded machine it is the steadier measure of the work a step does).
     for n in names:
         t = torch.tensor(times[n])
         comm.all_reduce(t, op=comm.ReduceOp.MAX)
         times[n] = t.tolist()
+        c = torch.tensor(cpu[n])
+        comm.all_reduce(c)
+        cpu[n] = c.tolist()
     if rank != 0:
         return
     params = next(iter(contenders.values())).params
@@ -200,12 +240,15 @@ def main() -> None:
                 raise SystemExit(
                     f"{n} trains something else than {group[0]}: loss differs by {worst}"
                 )
-        med = {n: statistics.median(times[n]) for n in group}
-        line = f"ZeRO-{s}: " + ", ".join(f"{n.split()[0]} {med[n] * 1e3:.1f} ms" for n in group)
-        line += f" | engine/shard {med[group[0]] / med[group[1]]:.3f}"
-        if len(group) > 2:
-            line += f" | engine/DeepSpeed {med[group[0]] / med[group[2]]:.3f}"
-        print(line)
+        for label, samples in (("wall", times), ("cpu ", cpu)):
+            med = {n: statistics.median(samples[n]) for n in group}
+            line = f"ZeRO-{s} {label}: "
+            line += ", ".join(f"{n.split()[0]} {med[n] * 1e3:.1f} ms" for n in group)
+            line += f" | engine/shard {med[group[0]] / med[group[1]]:.3f}"
+            for other in group[2:]:
+                kind = other.split()[0]
+                line += f" | engine/{kind} {med[group[0]] / med[other]:.3f}"
+            print(line)
 
 
 if __name__ == "__main__":

@@ -110,12 +110,22 @@ class Engine(nn.Module):
             # Opened at the step's first forward, closed (and reported) at its boundary.
             self._stack.enter_context(self._step_profiler.step(self.global_steps))
             self._profiling = True
+        args = _to_device(args, self.device)
+        if kwargs:
+            kwargs = _to_device(kwargs, self.device)
+        if not self.config.wall_clock_breakdown:  # untimed: no context manager on the hot path
+            return self.module(*args, **kwargs)
         with self._timed("forward"):
-            return self.module(*_to_device(args, self.device), **_to_device(kwargs, self.device))
+            return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, **_: Any) -> torch.Tensor:
         """Backward of `loss` (scaled for fp16 and by `1 / gradient_accumulation_steps`)."""
-        opt = self._require_optimizer("backward")
+        opt = self.optimizer
+        if opt is None:
+            opt = self._require_optimizer("backward")  # raises
+        if not self.config.wall_clock_breakdown:
+            opt.backward(loss)
+            return loss
         with self._timed("backward"):
             opt.backward(loss)
         return loss
@@ -126,11 +136,19 @@ class Engine(nn.Module):
 
     def step(self, lr_kwargs: Mapping[str, Any] | None = None) -> None:
         """Call after every `backward`; acts at accumulation boundaries only."""
-        opt = self._require_optimizer("step")
+        opt = self.optimizer
+        if opt is None:
+            opt = self._require_optimizer("step")  # raises
         boundary = self.is_gradient_accumulation_boundary()
-        with self._timed("step"):
+        if not self.config.wall_clock_breakdown:
             stepped = opt.step()
-        self.micro_steps += 1
+        else:
+            with self._timed("step"):
+                stepped = opt.step()
+        # The counters are plain ints: bumped in the instance dict, past nn.Module.__setattr__
+        # (its parameter/buffer/module checks are ~17 builtin calls per assignment).
+        counters = self.__dict__
+        counters["micro_steps"] += 1
         if not boundary:
             return
         if stepped:
@@ -138,10 +156,11 @@ class Engine(nn.Module):
                 self.lr_scheduler.step(**(lr_kwargs or {}))
         else:
             self.skipped_steps += 1  # fp16 overflow: DeepSpeed counts the step, skips the scheduler
-        self.global_steps += 1
-        self.global_samples += self.config.train_batch_size
-        self._stack.close()  # reports the profiled step, if this was it
-        self._profiling = False
+        counters["global_steps"] += 1
+        counters["global_samples"] += self.config.train_batch_size
+        if self._profiling:  # this was the profiled step: closing the stack reports it
+            self._stack.close()
+            self._profiling = False
         if self.comms_logger is not None:
             self.comms_logger.mark_step()
         self._report()
@@ -353,10 +372,16 @@ def _state_of(scheduler: Any) -> Any:
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
-    """Move every tensor inside `value` (tuples, lists, dicts) to `device`."""
+    """Move every tensor inside `value` (tuples, lists, dicts) to `device`; `value` itself when
+    nothing in it moves (the usual call: tensors already there, checked without copying)."""
     if isinstance(value, torch.Tensor):
         return value if value.device == device else value.to(device)
     if isinstance(value, tuple | list):
+        for v in value:
+            if not (isinstance(v, torch.Tensor) and v.device == device):
+                break
+        else:
+            return value
         moved = [_to_device(v, device) for v in value]
         return type(value)(moved) if not hasattr(value, "_fields") else type(value)(*moved)
     if isinstance(value, dict):

@@ -157,7 +157,8 @@ class _BucketedGrads:
 
     # -- what a schedule defines -------------------------------------------------------------
     def _slot(self, g: int, i: int, k: int) -> tuple[torch.Tensor, bool]:
-        """(where parameter i of group g writes its gradient, whether it overwrites)."""
+        """(where parameter i of group g writes its gradient, shaped as the parameter; whether it
+        overwrites)."""
         raise NotImplementedError
 
     def _reducing_now(self) -> bool:
@@ -183,11 +184,13 @@ class _BucketedGrads:
                 f"activation checkpointing (use_reentrant=False) for shared parameters"
             )
         self._seen.add((g, i))
-        grad = p.grad.to_dense() if p.grad.is_sparse else p.grad  # nn.Embedding(sparse=True)
-        slot, overwrite = self._slot(g, i, k)
+        grad = p.grad
+        if grad.is_sparse:  # nn.Embedding(sparse=True)
+            grad = grad.to_dense()
+        slot, overwrite = self._slot(g, i, k)  # shaped as the parameter
         # Note [averaging on the way in]: one pass, scaled by 1/N (or 1.0) on the way.
         if overwrite:
-            torch.mul(grad, self._write_scale, out=slot.view(grad.shape))
+            torch.mul(grad, self._write_scale, out=slot)
         else:
             slot.add_(grad, alpha=self._write_scale)
         p.grad = None  # the bucket holds it now; free the autograd buffer
@@ -392,7 +395,8 @@ class BackwardScatterReducer(_BucketedGrads):
         bk = self._order[k][1]
         slot = self.layouts[g].slots[i]
         lo = slot.offset - bk.start
-        return self._bucket_staging(g, bk, k)[lo : lo + slot.numel], True  # fresh every micro-step
+        staging = self._bucket_staging(g, bk, k)
+        return staging[lo : lo + slot.numel].view(slot.shape), True  # fresh every micro-step
 
     def _reducing_now(self) -> bool:
         return True

@@ -85,6 +85,8 @@ class ReplicatedStrategy:
             )
             for ps in self.groups
         ]
+        # (the reduced flat tensors, per group per parameter views of them): master_grads().
+        self._grad_views: tuple[list[torch.Tensor], list[list[torch.Tensor]]] | None = None
         position = {p: k for k, p in enumerate(model.parameters())}
         self.reducer = AllReduceReducer(
             self.groups,
@@ -102,12 +104,18 @@ class ReplicatedStrategy:
         return self._masters
 
     def master_grads(self) -> list[list[torch.Tensor]]:
-        """Per group, views of the averaged fp32 flat gradient, one per parameter."""
-        flats = self.reducer.reduced()
-        return [
-            [flats[g][0][s.offset : s.offset + s.numel].view(s.shape) for s in lay.slots]
-            for g, lay in enumerate(self.layouts)
-        ]
+        """Per group, views of the averaged fp32 flat gradient, one per parameter.
+
+        The views are made once and kept while the reducer returns the same flat tensors (fp32
+        gradients, reduced in place): two tensor ops per parameter per step saved."""
+        flats = [ts[0] for ts in self.reducer.reduced()]
+        if self._grad_views is None or any(a is not b for a, b in zip(self._grad_views[0], flats)):
+            views = [
+                [flats[g][s.offset : s.offset + s.numel].view(s.shape) for s in lay.slots]
+                for g, lay in enumerate(self.layouts)
+            ]
+            self._grad_views = (flats, views)
+        return self._grad_views[1]
 
     def backward_done(self, is_boundary: bool) -> None:
         """Wait for (and average) the bucket all-reduces launched by the gradient hooks."""

@@ -154,6 +154,8 @@ class PartitionedStrategy:
                 masters.append(shard[at : at + numel])
             self._masters.append(masters)
 
+        # (the reduced shard tensors, per group per parameter views of them): master_grads().
+        self._grad_views: tuple[list[torch.Tensor], list[list[torch.Tensor]]] | None = None
         position = {p: k for k, p in enumerate(model.parameters())}
         reducer = BoundaryScatterReducer if config.stage == 1 else BackwardScatterReducer
         self.reducer = reducer(
@@ -175,10 +177,16 @@ class PartitionedStrategy:
         """Per group, per parameter: the fragment's slice of this rank's averaged fp32 gradient
         shard of its bucket (views: no copy)."""
         shards = self.reducer.reduced()
-        return [
-            [shards[g][b][at : at + numel] for b, at, _, numel in pieces]
-            for g, pieces in enumerate(self._pieces)
-        ]
+        flat = [t for ts in shards for t in ts]
+        # Kept while the reducer returns the same shard tensors (fp32 gradients, reduced in
+        # place): one tensor op per parameter per step saved.
+        if self._grad_views is None or any(a is not b for a, b in zip(self._grad_views[0], flat)):
+            views = [
+                [shards[g][b][at : at + numel] for b, at, _, numel in pieces]
+                for g, pieces in enumerate(self._pieces)
+            ]
+            self._grad_views = (flat, views)
+        return self._grad_views[1]
 
     def backward_done(self, is_boundary: bool) -> None:
         """Wait for the reduce-scatters launched by the hooks; average at the boundary."""
