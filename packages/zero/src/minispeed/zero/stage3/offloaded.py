@@ -14,7 +14,8 @@ With ``offload_param`` the shard lives elsewhere and is brought back only while 
   pool of ``buffer_count`` buffers of ``buffer_size`` elements before the all-gather.
 
 The lifecycle (the parameter's `Residency`, moved by its home, the `ShardHome` of
-stage3/residency.py that `HostShards` and `NvmeShards` implement; stage 3 calls the home
+stage3/residency.py that offload's `HostShards` and `NvmeShards` implement
+(minispeed.offload.shard_homes); stage 3 calls the home
 without asking whether offload is on):
 
 ```text
@@ -52,153 +53,18 @@ from typing import Any
 
 import torch
 
-from minispeed.core import ranges
 from minispeed.core.accelerator import get_accelerator
 from minispeed.zero.offload_bridge import import_offload
 from minispeed.zero.stage3.io_failures import IOFailures
 from minispeed.zero.stage3.params import ShardedParam
 from minispeed.zero.stage3.residency import Residency
 
-__all__ = ["HostShards", "NvmeShards", "UnusableShards", "init_residency", "offload_params"]
+__all__ = ["UnusableShards", "init_residency", "offload_params"]
 
 # The ZeRO-Infinity optimizer side (masters, states and gradient shards in swap files) is
-# `minispeed.zero.stage3.infinity`; this module holds the parameter side.
-
-
-class HostShards:
-    """``offload_param.device='cpu'`` on an accelerator: a host copy per shard, copied up per
-    fetch. A `ShardHome`."""
-
-    io_failures = None  # no file I/O
-
-    def __init__(self, pin_memory: bool) -> None:
-        self.pin = pin_memory
-        self.host: dict[int, torch.Tensor] = {}  # id(sp) -> host shard
-        self.bytes_read = 0
-        self.bytes_written = 0
-
-    def adopt(self, sp: ShardedParam) -> None:
-        """Copy ``sp``'s shard to host memory and drop it here (HERE -> AWAY)."""
-        h = torch.empty(sp.shard.shape, dtype=sp.shard.dtype, pin_memory=self.pin)
-        self.host[id(sp)] = h.copy_(sp.shard)
-        sp.to_away(self)
-
-    def fetch(self, sp: ShardedParam) -> None:
-        if sp.residency is Residency.AWAY:
-            with ranges.range("zero3.offload.fetch"):
-                host = self.host[id(sp)]
-                sp.to_fetched(host.to(get_accelerator().device(), non_blocking=True))
-            self.bytes_read += host.numel() * host.element_size()
-
-    def evict(self, sp: ShardedParam) -> None:
-        sp.to_away()
-
-    def write(self, sp: ShardedParam, values: torch.Tensor) -> None:
-        with ranges.range("zero3.offload.store"):
-            host = self.host[id(sp)]
-            host.copy_(values)
-        self.bytes_written += host.numel() * host.element_size()
-
-    def flush(self) -> None:
-        pass
-
-    def resident_bytes(self) -> int:
-        return sum(h.numel() * h.element_size() for h in self.host.values())
-
-    def close(self) -> None:
-        self.host.clear()
-
-
-class NvmeShards:
-    """``offload_param.device='nvme'``: one swap file per shard, read through the pool per fetch.
-    A `ShardHome`; a failed read or write is recorded in `io_failures` (a read gives zeros)."""
-
-    def __init__(self, config: Any, aio: Any, dtype: torch.dtype, shards: list[ShardedParam]):
-        offload = import_offload("zero_optimization.offload_param")
-        self.buffer_numel = config.buffer_numel
-        self.dtype = dtype
-        for sp in shards:
-            self._check(sp)
-        self.swapper = offload.TensorSwapper(
-            config.nvme_path,
-            buffer_count=config.buffer_count,
-            buffer_numel=config.buffer_numel,
-            dtype=dtype,
-            pin_memory=config.pin_memory,
-            aio=aio,
-            config_key="offload_param",
-        )
-        self.files: dict[int, Any] = {}
-        self.io_failures = IOFailures()  # Note [an I/O failure fails every rank]
-        self.io_failures.settlers.append(self.swapper.wait_all)
-
-    @property
-    def bytes_read(self) -> int:
-        return self.swapper.bytes_read
-
-    @property
-    def bytes_written(self) -> int:
-        return self.swapper.bytes_written
-
-    def _check(self, sp: ShardedParam) -> None:
-        if sp.shard_numel > self.buffer_numel:
-            raise ValueError(
-                f"offload_param.buffer_size={self.buffer_numel} elements is smaller than the "
-                f"shard of {sp.name!r} ({sp.shard_numel} elements per rank): raise "
-                f"offload_param.buffer_size to at least {sp.shard_numel}"
-            )
-        if sp.shard.dtype != self.dtype:
-            raise ValueError(
-                f"offload_param nvme: the shard of {sp.name!r} is {sp.shard.dtype}, its swap "
-                f"files hold {self.dtype}; under zero.Init(config) create every parameter in "
-                f"MixedPrecision.param_dtype (or build the model outside zero.Init)"
-            )
-
-    def reserve(self, sp: ShardedParam) -> None:
-        """Register ``sp``'s swap file (nothing written yet), so that free space can be checked
-        for every file before the first write (`offload_params`)."""
-        if id(sp) not in self.files:
-            self._check(sp)
-            self.files[id(sp)] = self.swapper.register(f"param-{len(self.files)}", sp.shard_numel)
-
-    def adopt(self, sp: ShardedParam) -> None:
-        """Write ``sp``'s shard to its file and drop it here (HERE -> AWAY)."""
-        self.reserve(sp)
-        self.write(sp, sp.shard)
-        sp.to_away(self)
-
-    def fetch(self, sp: ShardedParam) -> None:
-        if sp.residency is not Residency.AWAY:
-            return  # resident already (e.g. fetched for a write)
-        with ranges.range("zero3.offload.fetch"):
-            st = self.files[id(sp)]
-            shard = torch.zeros(sp.shard_numel, dtype=self.dtype, device=get_accelerator().device())
-            with self.io_failures.guard(f"reading the shard of {sp.name!r}"):  # zeros if it fails
-                self.swapper.wait_out(st)  # a write of this shard in flight: the file must be whole
-                self.swapper.swap_in(st)
-                shard.copy_(self.swapper.wait_in(st))
-                self.swapper.release(st)
-            sp.to_fetched(shard)
-
-    def evict(self, sp: ShardedParam) -> None:
-        sp.to_away()
-
-    def write(self, sp: ShardedParam, values: torch.Tensor) -> None:
-        with ranges.range("zero3.offload.store"):
-            st = self.files[id(sp)]
-            with self.io_failures.guard(f"writing the shard of {sp.name!r}"):
-                self.swapper.wait_out(st)
-                self.swapper.write(st, values.to("cpu"))
-
-    def flush(self) -> None:
-        """Finish the writes in flight: the shard files must be whole before a fetch."""
-        self.swapper.wait_all()
-
-    def resident_bytes(self) -> int:
-        return self.swapper.pool.nbytes
-
-    def close(self) -> None:
-        self.swapper.close()
+# `minispeed.zero.stage3.infinity`; this module holds the parameter side. The homes themselves
+# (host memory, swap files) are offload's: minispeed.offload.shard_homes implements the
+# `ShardHome` of stage3/residency.py.
 
 
 def offload_params(strategy: Any, config: Any, keep_masters: bool = True) -> None:
@@ -213,13 +79,14 @@ def offload_params(strategy: Any, config: Any, keep_masters: bool = True) -> Non
     ``keep_masters=False`` (ZeRO-Infinity: the masters will live in the optimizer's files, see
     stage3/infinity.py): an fp32 parameter gets no in-memory master copy; its master is read
     from the shard file when the optimizer writes its own."""
+    offload = import_offload("zero_optimization.offload_param")
     cfg = config.offload_param
     everything = strategy.sharded_params()
     sps = [sp for sp in everything if not sp.persistent]
     in_cpu = in_cpu_budget(cfg, sps)
     dtype = strategy.precision.param_dtype
     on_cpu = get_accelerator().name == "cpu"
-    host = HostShards(cfg.pin_memory and not on_cpu)  # in_cpu shards on an accelerator
+    host = offload.HostShards(cfg.pin_memory and not on_cpu)  # in_cpu shards on an accelerator
     built = [sp for sp in everything if sp.residency is Residency.AWAY]  # files since zero.Init
     if built:
         home = built[0].home
@@ -229,18 +96,19 @@ def offload_params(strategy: Any, config: Any, keep_masters: bool = True) -> Non
                 host.adopt(sp)
         sps = [sp for sp in sps if sp.residency is Residency.HERE]
     elif cfg.device == "nvme":
-        home = NvmeShards(cfg, config.aio, dtype, [sp for sp in sps if id(sp) not in in_cpu])
+        in_files = [sp for sp in sps if id(sp) not in in_cpu]
+        home = offload.NvmeShards(cfg, config.aio, dtype, in_files, IOFailures())
     else:
         home = host
     offloaded = [sp for sp in built if sp.residency is Residency.AWAY]
     if cfg.device == "cpu" and on_cpu:  # host memory already: no move
         strategy.offload_params(home, offloaded, home.io_failures)
         return
-    if isinstance(home, NvmeShards):  # every new file's size against free space, before writing
+    if isinstance(home, offload.NvmeShards):  # every new file's size against free space first
         for sp in sps:
             if id(sp) not in in_cpu:
                 home.reserve(sp)
-        import_offload("zero_optimization.offload_param").check_free_space([home.swapper])
+        offload.check_free_space([home.swapper])
     for sp in sps:
         if id(sp) in in_cpu and on_cpu:
             continue  # host memory already: the shard stays as stage 3 made it
@@ -282,15 +150,17 @@ def _adopt_built(sp: ShardedParam, keep_masters: bool, stay: bool = False) -> No
             sp.home.evict(sp)
 
 
-def init_residency(
-    home: NvmeShards | UnusableShards | None, config: Any, sp: ShardedParam
-) -> NvmeShards | UnusableShards:
+def init_residency(home: Any, config: Any, sp: ShardedParam) -> Any:
     """zero.Init(config) with ``offload_param.device='nvme'``: write ``sp``'s new shard to a swap
     file at once and drop it, so the whole model never sits in memory. Returns the home (made
-    on the first call; `Init` keeps it, and `offload_params` adopts it at `zero.shard`)."""
+    on the first call: offload's `NvmeShards`, or `UnusableShards` where the directory could not
+    be set up; `Init` keeps it, and `offload_params` adopts it at `zero.shard`)."""
     if home is None:
         try:
-            home = NvmeShards(config.offload_param, config.aio, sp.shard.dtype, [])
+            offload = import_offload("zero_optimization.offload_param")
+            home = offload.NvmeShards(
+                config.offload_param, config.aio, sp.shard.dtype, [], IOFailures()
+            )
         except OSError as error:  # nvme_path missing on this rank only, say: agreed at the end
             home = UnusableShards(error)
     home.adopt(sp)  # a failed write is recorded; `Init`'s exit agrees on it

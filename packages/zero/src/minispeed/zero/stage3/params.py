@@ -222,8 +222,13 @@ class ShardedParam:
 
     @property
     def residency(self) -> Residency:
-        """Where the shard is now (`Residency`: HERE, AWAY in its home, or FETCHED)."""
+        """Where the shard is now: HERE, AWAY in its home, or FETCHED (`Residency`)."""
         return self._residency
+
+    @property
+    def away(self) -> bool:
+        """Whether the shard's value is in its home only (`Residency.AWAY`; 0 bytes here)."""
+        return self._residency is Residency.AWAY
 
     @property
     def home(self) -> ShardHome:
@@ -311,13 +316,11 @@ class ShardedParam:
     def to_away(self, home: ShardHome | None = None) -> None:
         """The shard's value is in its home: drop it here (0 bytes). From HERE, adopted by
         ``home`` (which now holds the value), or from FETCHED (evicted; same home)."""
-        if self._residency is Residency.HERE:
-            assert home is not None and self._home is STAYS_HERE, f"{self.name}: to_away from HERE"
-            self._home = home
-        else:
-            assert self._residency is Residency.FETCHED and home in (None, self._home), (
-                f"{self.name}: to_away from {self._residency}"
-            )
+        was = self._residency
+        adopted = was is Residency.HERE and home is not None and self._home is STAYS_HERE
+        evicted = was is Residency.FETCHED and home in (None, self._home)
+        assert adopted or evicted, f"{self.name}: to_away from {was}"
+        self._home = home or self._home
         self.shard = self.shard.new_empty(0)
         self._residency = Residency.AWAY
 
@@ -335,8 +338,7 @@ class ShardedParam:
         self._residency = Residency.HERE
 
     def set_home(self, home: ShardHome) -> None:
-        """A new home that keeps the shard where the old one did (ZeRO-Infinity's, which also
-        writes a changed value into the master's file); the residency is unchanged."""
+        """A home over the old one (ZeRO-Infinity's: also writes the master); same residency."""
         self._home = home
 
     def load_full(self, values: torch.Tensor) -> None:
