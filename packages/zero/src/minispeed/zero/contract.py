@@ -173,7 +173,15 @@ class StrategyWrapper(ShardStrategy):
     def scale_grads(self, coef: float) -> bool:
         return self._inner.scale_grads(coef)
 
-    # Stage 3's own, read by tests, the ledgers and the memory report through the wrappers.
+    # The stage's own, read by tests, the ledgers and the memory report through the wrappers.
+    def bucket_numels(self) -> list[int]:
+        """Stages 0-2: elements of each gradient reduce call (`BucketedStrategy`)."""
+        return self.stage.bucket_numels()
+
+    def gather_numels(self) -> list[int]:
+        """Stages 1-2: output elements of each parameter all-gather call."""
+        return self.stage.gather_numels()
+
     def sharded_params(self) -> list[Any]:
         """Stage 3: every ShardedParam of the model (`Stage3Strategy.sharded_params`)."""
         return self.stage.sharded_params()
