@@ -23,7 +23,7 @@ import torch
 
 from minispeed.core import ranges
 from minispeed.core.accelerator import get_accelerator
-from minispeed.offload.swapper import TensorSwapper
+from minispeed.offload.swapper import SwapCounters, TensorSwapper
 
 __all__ = ["HostShards", "NvmeShards"]
 
@@ -74,7 +74,7 @@ class HostShards:
         self.host.clear()
 
 
-class NvmeShards:
+class NvmeShards(SwapCounters):
     """``offload_param.device='nvme'``: one swap file per shard, read through the pool per fetch.
 
     ``io_failures``: the caller's record of failed file I/O (an object with ``guard(what)``, a
@@ -102,14 +102,6 @@ class NvmeShards:
         self.files: dict[int, Any] = {}  # id(param) -> its SwappedTensor
         self.io_failures = io_failures
         self.io_failures.settlers.append(self.swapper.wait_all)
-
-    @property
-    def bytes_read(self) -> int:
-        return self.swapper.bytes_read
-
-    @property
-    def bytes_written(self) -> int:
-        return self.swapper.bytes_written
 
     def _check(self, sp: Any) -> None:
         if sp.shard_numel > self.buffer_numel:
