@@ -16,6 +16,9 @@ from zero_testlib import make_batches, make_model, rank_slice
 
 import minispeed.zero as zero
 from minispeed.core.testing import run_distributed
+from minispeed.zero.stage3.residency import Residency
+
+AWAY, HERE = Residency.AWAY, Residency.HERE
 
 pytest.importorskip("minispeed.offload")
 
@@ -43,8 +46,8 @@ def _run(rank: int, world_size: int, root: str, budget, under_init: bool) -> dic
         opt.step()
     sps = opt.strategy.sharded_params()
     files = opt.strategy.param_home.files
-    in_files = [sp.shard_numel for sp in sps if id(sp) in files and sp.residency is not None]
-    in_memory = [sp.shard_numel for sp in sps if sp.residency is None]
+    in_files = [sp.shard_numel for sp in sps if id(sp) in files and sp.residency is AWAY]
+    in_memory = [sp.shard_numel for sp in sps if sp.residency is HERE]
     opt.close()
     return dict(losses=losses, in_files=in_files, in_memory=in_memory)
 

@@ -10,6 +10,8 @@ Reading order:
 4. `.swapper`: tensors in swap files, a fixed pool of host buffers, stale-file cleanup;
 5. `.swapped`: ``SwappedOptimizer``, Adam with its states on NVMe, pipelined; then
    `.swapped_grads` and `.swapped_masters` (ZeRO-Infinity: masters and gradients on NVMe too);
+   `.shard_homes` (``HostShards``, ``NvmeShards``: where a released ZeRO-3 parameter shard
+   lives, the ``ShardHome`` interface minispeed.zero defines, implemented without importing it);
 6. `.config`: the ``offload_optimizer`` / ``offload_param`` / ``aio`` sections.
 
 The entry point an engine (or ``minispeed.zero``) calls is `offload_optimizer`.
@@ -25,6 +27,7 @@ import torch
 from minispeed.offload.aio import AsyncIO, IORequest, direct_io_supported
 from minispeed.offload.config import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
 from minispeed.offload.optimizers import CPUAdagrad, CPUAdam, CPUAdamW, CPULion
+from minispeed.offload.shard_homes import HostShards, NvmeShards
 from minispeed.offload.swapped import SwappedOptimizer
 from minispeed.offload.swapped_grads import SwappedGrads
 from minispeed.offload.swapped_masters import SwappedMastersOptimizer
@@ -37,7 +40,9 @@ __all__ = [
     "CPUAdam",
     "CPUAdamW",
     "CPULion",
+    "HostShards",
     "IORequest",
+    "NvmeShards",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
     "SwapState",

@@ -35,7 +35,7 @@ import torch
 from minispeed.core import ranges
 from minispeed.offload.aio import ALIGN
 from minispeed.offload.config import AioConfig
-from minispeed.offload.swapper import BufferPool, SwapState, TensorSwapper
+from minispeed.offload.swapper import BufferPool, SwapCounters, SwapState, TensorSwapper
 
 __all__ = ["SwappedGrads"]
 
@@ -46,7 +46,7 @@ def _padded(numel: int) -> int:
     return -(-numel // _PER_ALIGN) * _PER_ALIGN
 
 
-class SwappedGrads:
+class SwappedGrads(SwapCounters):
     """fp32 gradients in swap files, one per key; partitions of keys read back together."""
 
     def __init__(
@@ -104,14 +104,6 @@ class SwappedGrads:
     def swapped_bytes(self) -> int:
         """Gradient bytes that live in files instead of host memory: ``4 * Σ numel``."""
         return sum(4 * st.numel for st in self.files.values())
-
-    @property
-    def bytes_read(self) -> int:
-        return self.swapper.bytes_read
-
-    @property
-    def bytes_written(self) -> int:
-        return self.swapper.bytes_written
 
     # -- backward: gradients out ---------------------------------------------------------------
     @torch.no_grad()

@@ -35,6 +35,7 @@ from minispeed.offload.config import AioConfig
 
 __all__ = [
     "BufferPool",
+    "SwapCounters",
     "SwapDir",
     "SwapState",
     "SwappedTensor",
@@ -477,3 +478,18 @@ def check_free_space(swappers: list[TensorSwapper]) -> None:
                 f"or offload less (device 'cpu')",
                 str(path),
             )
+
+
+class SwapCounters:
+    """`bytes_read` / `bytes_written` of an object's ``swapper`` (a `TensorSwapper`), for the
+    classes that do their file I/O through one (`SwappedGrads`, `NvmeShards`)."""
+
+    swapper: TensorSwapper
+
+    @property
+    def bytes_read(self) -> int:
+        return self.swapper.bytes_read
+
+    @property
+    def bytes_written(self) -> int:
+        return self.swapper.bytes_written

@@ -32,6 +32,7 @@ from minispeed.core.accelerator import get_accelerator
 from minispeed.core.logging import get_logger
 from minispeed.zero.config import ZeroConfig
 from minispeed.zero.model_parallel import ModelParallel
+from minispeed.zero.offload_setup import apply_offload
 from minispeed.zero.optimizer import ShardStrategy, ZeroOptimizer, param_names
 from minispeed.zero.precision import MixedPrecision
 from minispeed.zero.replica_groups import (
@@ -152,9 +153,8 @@ def shard(
         strategy = Stage3Strategy(model, config, precision, group, param_groups=param_groups)
     user_optimizer = optimizer
     if config.offload_optimizer is not None or config.offload_param is not None:
-        # Lazy: minispeed.offload is an optional extra (Note [offload is imported lazily]).
-        from minispeed.zero.offload_bridge import apply_offload
-
+        # minispeed.offload is an optional extra, loaded only now (Note [offload is imported
+        # lazily] in offload_bridge.py).
         strategy, optimizer = apply_offload(strategy, optimizer, config, group)
     if model_parallel is not None:
         model_parallel.check_strategy(strategy)

@@ -8,8 +8,8 @@
 - `param_names`: one name per parameter (the first of a tied one), the name every message and
   checkpoint uses.
 - `weak_hook`: how a stage registers a parameter hook without keeping itself alive forever.
-- `StrategyWrapper`: a strategy that changes part of a stage's (where masters, gradients or
-  shards live: offload) and delegates the rest to it.
+- `StrategyWrapper`: a strategy that changes part of a stage's (where masters and gradients
+  live: offload) and hands the rest of the `ShardStrategy` methods to it, by name.
 
 Note [hooks hold their owner weakly]
 A hook registered on a parameter (``register_post_accumulate_grad_hook``) is stored by autograd
@@ -69,9 +69,17 @@ class ShardStrategy(Protocol):
     ``param_groups`` is ``list[list[nn.Parameter]]``: the model parameters of each of the user's
     optimizer param groups, in the user's order (validated: every one belongs to ``model``, none
     twice). ``master_params()`` and ``master_grads()`` are indexed the same way.
+
+    The stages subclass it to inherit the defaults of `io_failures`, `grad_square_sum` and
+    `scale_grads` (no file I/O; the optimizer computes and applies the clipping norm itself).
     """
 
     partitions_grads: bool  # master_grads() are disjoint shards (stages 1-3): the norm needs a sum
+    #: File I/O whose failures the step agrees on (`stage3.io_failures.IOFailures`: ZeRO-Infinity,
+    #: offload_param nvme), or None.
+    io_failures: Any = None
+    #: ``master_grads()`` are markers; the values are in swap files (ZeRO-Infinity).
+    grads_in_files: bool = False
 
     def master_params(self) -> list[list[torch.Tensor]]:
         """Per optimizer param group: the fp32 tensors this rank updates."""
@@ -103,22 +111,90 @@ class ShardStrategy(Protocol):
         """Finish in-flight communication and remove every hook this strategy put on the model."""
         ...
 
+    def grad_square_sum(self) -> torch.Tensor | None:
+        """This rank's Σ g² for the clipping norm when the strategy computes it itself (weighted
+        replica groups, gradients in swap files), else None: the optimizer sums `master_grads`."""
+        return None
 
-class StrategyWrapper:
-    """A `ShardStrategy` that wraps a stage's strategy: what it does not define is the wrapped
-    one's (`offload_bridge.HostMasters`, `stage3.offloaded.ParamOffloadStrategy`,
-    `stage3.infinity.InfinityStrategy`)."""
+    def scale_grads(self, coef: float) -> bool:
+        """Clip: scale the gradients by ``coef`` where the strategy keeps them itself (in swap
+        files, applied as they are read back) and return True; False: the optimizer scales
+        `master_grads` in place."""
+        return False
+
+
+class StrategyWrapper(ShardStrategy):
+    """A `ShardStrategy` over a stage's strategy (`offload_bridge.HostMasters`,
+    `stage3.infinity.InfinityStrategy`): every `ShardStrategy` member not overridden is the
+    wrapped one's, named here one by one (nothing else is delegated, so a misspelled attribute
+    is an AttributeError). `stage` is the innermost stage strategy, for what only it has."""
 
     def __init__(self, strategy: Any) -> None:
         self._inner = strategy
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+        self.partitions_grads = strategy.partitions_grads
+        self.io_failures = strategy.io_failures
+        self.grads_in_files = strategy.grads_in_files
 
     @property
     def strategy(self) -> Any:
-        """The wrapped stage strategy."""
+        """The wrapped strategy."""
         return self._inner
+
+    @property
+    def stage(self) -> Any:
+        """The stage strategy at the bottom of the wrappers (`Stage3Strategy`...)."""
+        inner = self._inner
+        return inner.stage if isinstance(inner, StrategyWrapper) else inner
+
+    def master_params(self) -> list[list[torch.Tensor]]:
+        return self._inner.master_params()
+
+    def master_grads(self) -> list[list[torch.Tensor]]:
+        return self._inner.master_grads()
+
+    def backward_done(self, is_boundary: bool) -> None:
+        self._inner.backward_done(is_boundary)
+
+    def publish_params(self) -> None:
+        self._inner.publish_params()
+
+    def zero_grad(self) -> None:
+        self._inner.zero_grad()
+
+    def fragments(self) -> list[ParamFragment]:
+        return self._inner.fragments()
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def grad_square_sum(self) -> torch.Tensor | None:
+        return self._inner.grad_square_sum()
+
+    def scale_grads(self, coef: float) -> bool:
+        return self._inner.scale_grads(coef)
+
+    # The stage's own, read by tests, the ledgers and the memory report through the wrappers.
+    def bucket_numels(self) -> list[int]:
+        """Stages 0-2: elements of each gradient reduce call (`BucketedStrategy`)."""
+        return self.stage.bucket_numels()
+
+    def gather_numels(self) -> list[int]:
+        """Stages 1-2: output elements of each parameter all-gather call."""
+        return self.stage.gather_numels()
+
+    def sharded_params(self) -> list[Any]:
+        """Stage 3: every ShardedParam of the model (`Stage3Strategy.sharded_params`)."""
+        return self.stage.sharded_params()
+
+    @property
+    def param_home(self) -> Any:
+        """Stage 3 with offload_param: where released shards live (`Stage3Strategy`)."""
+        return self.stage.param_home
+
+    @property
+    def offloaded(self) -> list[Any]:
+        """Stage 3 with offload_param: the parameters whose shards live there."""
+        return self.stage.offloaded
 
 
 def param_names(model: nn.Module) -> dict[nn.Parameter, str]:

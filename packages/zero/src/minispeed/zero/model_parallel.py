@@ -118,9 +118,7 @@ class ModelParallel:
 
     def check_strategy(self, strategy: Any) -> None:
         """Refuse a stage that never holds its gradients in memory."""
-        if (self.shared or self.counted_elsewhere) and getattr(
-            strategy, "swapped_grads", None
-        ) is not None:
+        if (self.shared or self.counted_elsewhere) and strategy.grads_in_files:
             raise NotImplementedError(
                 "ModelParallel.shared / counted_elsewhere with gradients in swap files "
                 "(offload_param to nvme): the gradients are never in memory at once; offload to "

@@ -13,11 +13,12 @@ lazily]). Three pieces, applied by `zero.shard` in this order:
    (`cpu`), over those host masters, reading the user's own
    param groups at every step (so LR schedulers keep working).
 
+`zero.shard` applies them through `minispeed.zero.offload_setup.apply_offload`.
 Stage 3's `offload_param` lives in `minispeed.zero.stage3.offloaded` (shards in host memory or
 swap files, fetched before each all-gather). At stage 3, `offload_optimizer: nvme` is
 ZeRO-Infinity's optimizer side, `minispeed.zero.stage3.infinity` (instead of steps 2-3 above):
 the fp32 masters live in the swap files with the Adam states and the gradient shards are
-written to files as they are reduced (`wants_masters_in_files`).
+written to files as they are reduced (`offload_setup.wants_masters_in_files`).
 
 Where each byte lives, per rank (Ψ parameters, N ranks, p bytes per 16-bit parameter; Adam):
 
@@ -161,16 +162,6 @@ def check_offload_stage(stage: int, optimizer_device: Any, param_device: Any) ->
             f"zero_optimization.offload_param.device={param_device!r} needs stage 3 (only stage "
             f"3 partitions the parameters); set stage 3, or use offload_optimizer at stage {stage}"
         )
-
-
-def wants_optimizer_offload(config: Any) -> bool:
-    opt = config.offload_optimizer
-    return opt is not None and opt.device != "none"
-
-
-def wants_param_offload(config: Any) -> bool:
-    par = config.offload_param
-    return par is not None and par.device != "none"
 
 
 # -- masters on the host ---------------------------------------------------------------------------
@@ -355,57 +346,6 @@ def host_optimizer(
     return inner
 
 
-def apply_optimizer_offload(
-    strategy: Any, optimizer: torch.optim.Optimizer, config: Any
-) -> tuple[Any, torch.optim.Optimizer]:
-    """`zero.shard`'s hook: the strategy with host masters, and the CPU optimizer over them."""
-    host = HostMasters(strategy, config.offload_optimizer.pin_memory)
-    return host, host_optimizer(optimizer, host.master_params(), config)
-
-
-def apply_offload(
-    strategy: Any, optimizer: torch.optim.Optimizer, config: Any, group: Any = None
-) -> tuple[Any, torch.optim.Optimizer]:
-    """`zero.shard`'s one hook: parameter offload (stage 3) first, then optimizer offload.
-
-    Runs on every rank of `group`. The set-up is local (paths, free space, page-locked buffers,
-    the first writes) and ends in one agreement, so a bad `nvme_path`, too little free space, a
-    `buffer_size` below one partition or an impossible `pin_memory` on ANY rank raises
-    `OffloadSetupError` on EVERY rank, naming the rank, the key and the fix (Note [a set-up
-    check fails on every rank] in setup_agreement.py). Costs one 1-element all-reduce (two
-    under ZeRO-Infinity, whose first masters are agreed on too).
-    """
-    from minispeed.zero.setup_agreement import agree_on_setup
-
-    infinity = wants_masters_in_files(config)
-
-    def build() -> tuple[Any, torch.optim.Optimizer]:
-        built_strategy, built_optimizer = strategy, optimizer
-        if wants_param_offload(config):
-            from minispeed.zero.stage3.offloaded import offload_params
-
-            built_strategy = offload_params(built_strategy, config, keep_masters=not infinity)
-        if infinity:
-            from minispeed.zero.stage3.infinity import offload_masters
-
-            return offload_masters(built_strategy, built_optimizer, config)
-        if wants_optimizer_offload(config):
-            built_strategy, built_optimizer = apply_optimizer_offload(
-                built_strategy, built_optimizer, config
-            )
-        check_free_space(built_strategy, built_optimizer)
-        return built_strategy, built_optimizer
-
-    strategy, optimizer = agree_on_setup(
-        group, "zero.shard's offload set-up", build, discard=_delete_swap_files
-    )
-    if infinity:
-        from minispeed.zero.stage3.infinity import agree_on_first_masters
-
-        agree_on_first_masters(strategy)
-    return strategy, optimizer
-
-
 def swappers_of(strategy: Any, optimizer: Any) -> list[Any]:
     """Every `TensorSwapper` (swap directory) the offloaded strategy and optimizer write to."""
     found = [
@@ -422,19 +362,3 @@ def check_free_space(strategy: Any, optimizer: Any) -> None:
     swappers = swappers_of(strategy, optimizer)
     if swappers:
         import_offload("zero_optimization.offload_*.nvme_path").check_free_space(swappers)
-
-
-def _delete_swap_files(built: tuple[Any, Any]) -> None:
-    """After a failed set-up on another rank: this rank's swap directories go at once."""
-    for swapper in swappers_of(*built):
-        swapper.abandon()
-        swapper.close()
-
-
-def wants_masters_in_files(config: Any) -> bool:
-    """Stage 3 with ``offload_optimizer.device='nvme'``: ZeRO-Infinity keeps the fp32 masters
-    and the gradient shards in swap files too (stage3/infinity.py). Stages 1-2 keep them in
-    host memory: there the masters of fp32 training are the model's own parameters and the
-    gradient partition is the reducer's flat buffer."""
-    opt = config.offload_optimizer
-    return config.stage == 3 and opt is not None and opt.device == "nvme"

@@ -175,7 +175,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._names = names
         # ZeRO-Infinity (files): the last slot says "file I/O failed on this rank since the
         # last step" (Note [an I/O failure fails every rank] in stage3/io_failures.py).
-        self._io = getattr(strategy, "io_failures", None)
+        self._io = strategy.io_failures
         # On the backend's device (NCCL: the GPU), even where offload keeps masters on the host.
         self._agreement = torch.zeros(
             len(self._params) + 1 + (self._io is not None),
@@ -460,17 +460,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _clip(self, grads: list[torch.Tensor]) -> None:
         """Scale gradients so that their global L2 norm is at most `max_grad_norm`."""
         sq = torch.zeros(1, dtype=torch.float32, device=self._grad_device)
-        # ZeRO-Infinity (stage3/infinity.py): the gradients are in swap files; the sum of squares
-        # was kept as they were written, and the coefficient is applied as they are read back.
-        swapped = getattr(self.strategy, "swapped_grads", None)
-        # Param groups reduced over their own replica groups weigh their squares so that the
-        # sum over ranks counts every parameter once (Note [replica groups]).
-        weighted = getattr(self.strategy, "grad_square_sum", None)
-        if swapped is not None:
-            sq += swapped.square_sum()
-        elif weighted is not None:
-            sq += weighted().to(sq.device)
-        for k, g in enumerate(grads if swapped is None and weighted is None else ()):
+        # The strategy's own sum where it knows better: ZeRO-Infinity's gradients are in swap
+        # files (the sum was kept as they were written); replica groups weigh their squares so
+        # that the sum over ranks counts every parameter once (Note [replica groups]).
+        own = self.strategy.grad_square_sum()
+        if own is not None:
+            sq += own.to(sq.device)
+        for k, g in enumerate(grads if own is None else ()):
             if k not in self._uncounted:  # a copy counted on another model-parallel rank
                 sq += g.float().pow(2).sum()
         if self.strategy.partitions_grads:  # disjoint shards: the squares add up across ranks
@@ -482,8 +478,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._grad_norm = sq.sqrt()  # read lazily by global_grad_norm: no host sync here
         # torch.nn.utils.clip_grad_norm_'s rule, so that results match it.
         coef = torch.clamp(self.config.max_grad_norm / (sq.sqrt() + 1e-6), max=1.0)
-        if swapped is not None:
-            swapped.set_scale(float(coef))
+        if self.strategy.scale_grads(float(coef)):  # applied as they are read back (Infinity)
             return
         for g in grads:
             g.mul_(coef.to(g.dtype))

@@ -47,7 +47,7 @@ from torch import nn
 
 import minispeed.comm as comm
 from minispeed.zero.config import ZeroConfig
-from minispeed.zero.contract import ParamFragment
+from minispeed.zero.contract import ParamFragment, ShardStrategy
 from minispeed.zero.precision import MixedPrecision
 
 __all__ = [
@@ -79,7 +79,7 @@ def check_replica_groups(
         )
 
 
-class ReplicaGroupedStrategy:
+class ReplicaGroupedStrategy(ShardStrategy):
     """One stage strategy per distinct replica group, seen as one (Note [replica groups]).
 
     `make(param_groups, group, grad_divisor)` builds the stage's strategy over a subset of the

@@ -24,10 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-import minispeed.comm as comm
+from minispeed.zero.bucketed import BucketedStrategy
 from minispeed.zero.config import ZeroConfig
-from minispeed.zero.contract import ParamFragment, param_names
-from minispeed.zero.flat import FlatLayout
+from minispeed.zero.contract import ParamFragment
 from minispeed.zero.precision import MixedPrecision
 from minispeed.zero.reducer import AllReduceReducer
 
@@ -39,7 +38,7 @@ __all__ = ["ReplicatedStrategy"]
 # to copy, and no second Ψ·4 bytes are spent. 16-bit parameters get a real fp32 copy.
 
 
-class ReplicatedStrategy:
+class ReplicatedStrategy(BucketedStrategy):
     """ZeRO stage 0: replicated parameters and optimizer state, bucketed gradient all-reduce.
 
     `grad_divisor`: what the reduced gradient sum is divided by (default: the size of `group`;
@@ -58,12 +57,7 @@ class ReplicatedStrategy:
         param_groups: Sequence[Sequence[nn.Parameter]],
         grad_divisor: int | None = None,
     ) -> None:
-        self.config = config
-        self.precision = precision
-        self.groups = [list(ps) for ps in param_groups]
-        self.names = param_names(model)
-        world_size = comm.get_world_size(group)
-
+        self._lay_out(model, config, precision, group, param_groups, pad=False)
         dtype = precision.param_dtype
         self._masters: list[list[torch.Tensor]] = []
         for ps in self.groups:
@@ -79,25 +73,9 @@ class ReplicatedStrategy:
                     masters.append(p.detach())  # See Note [fp32 stage 0 has no master copy]
             self._masters.append(masters)
 
-        self.layouts = [
-            FlatLayout(
-                ps, config.bucket_numel(precision.grad_accum_dtype.itemsize), world_size, pad=False
-            )
-            for ps in self.groups
-        ]
         # (the reduced flat tensors, per group per parameter views of them): master_grads().
         self._grad_views: tuple[list[torch.Tensor], list[list[torch.Tensor]]] | None = None
-        position = {p: k for k, p in enumerate(model.parameters())}
-        self.reducer = AllReduceReducer(
-            self.groups,
-            self.layouts,
-            config,
-            precision.grad_accum_dtype,
-            self.names,
-            position,
-            group,
-            grad_divisor,
-        )
+        self._reduce_with(AllReduceReducer, model, group, grad_divisor)
 
     def master_params(self) -> list[list[torch.Tensor]]:
         """Per group, one fp32 tensor per parameter, full size."""
@@ -117,10 +95,6 @@ class ReplicatedStrategy:
             self._grad_views = (flats, views)
         return self._grad_views[1]
 
-    def backward_done(self, is_boundary: bool) -> None:
-        """Wait for (and average) the bucket all-reduces launched by the gradient hooks."""
-        self.reducer.backward_done(is_boundary)
-
     @torch.no_grad()
     def publish_params(self) -> None:
         """Copy the stepped fp32 masters into the 16-bit parameters (nothing to do for fp32)."""
@@ -130,10 +104,6 @@ class ReplicatedStrategy:
             for p, m in zip(ps, masters):
                 p.copy_(m)
 
-    def zero_grad(self) -> None:
-        """Clear the accumulated gradients."""
-        self.reducer.zero_grad()
-
     def fragments(self) -> list[ParamFragment]:
         """Every parameter whole: rank-independent."""
         return [
@@ -141,15 +111,3 @@ class ReplicatedStrategy:
             for g, ps in enumerate(self.groups)
             for i, p in enumerate(ps)
         ]
-
-    def close(self) -> None:
-        """Wait for in-flight reductions and remove the gradient hooks (idempotent, local).
-
-        Afterwards the model's backward fills `param.grad` as in plain PyTorch. This
-        strategy must not be used again.
-        """
-        self.reducer.remove_hooks()
-
-    def bucket_numels(self) -> list[int]:
-        """Elements of each gradient all-reduce call, in launch order (for the ledger)."""
-        return self.reducer.bucket_numels()

@@ -39,9 +39,10 @@ import torch
 from torch import nn
 
 import minispeed.comm as comm
+from minispeed.zero.bucketed import BucketedStrategy
 from minispeed.zero.config import ZeroConfig
-from minispeed.zero.contract import ParamFragment, param_names
-from minispeed.zero.flat import Bucket, FlatLayout
+from minispeed.zero.contract import ParamFragment
+from minispeed.zero.flat import Bucket
 from minispeed.zero.precision import MixedPrecision
 from minispeed.zero.reducer import BackwardScatterReducer, BoundaryScatterReducer
 
@@ -74,11 +75,13 @@ __all__ = ["PartitionedStrategy"]
 # optimizer call per fragment instead of per bucket (stage 0 and 3 pay the same).
 
 
-class PartitionedStrategy:
+class PartitionedStrategy(BucketedStrategy):
     """ZeRO stage 1 (optimizer state partitioned) or 2 (+ gradients partitioned).
 
     `grad_divisor`: what the reduced gradient sum is divided by (default: the size of `group`;
-    Note [replica groups] in replica_groups.py).
+    Note [replica groups] in replica_groups.py). After `close()` the parameters stay views of
+    the flat buffers (Note [parameters are views of the flat buffer]): valid tensors of their
+    own shapes, sharing storage with nothing else the user sees.
     """
 
     partitions_grads = True  # master_grads() holds this rank's shard only: the norm needs a sum
@@ -95,22 +98,10 @@ class PartitionedStrategy:
     ) -> None:
         if config.stage not in (1, 2):
             raise ValueError(f"PartitionedStrategy implements stages 1 and 2, not {config.stage}")
-        self.config = config
-        self.precision = precision
+        self._lay_out(model, config, precision, group, param_groups, pad=True)
         self.comm_group = group
-        self.groups = [list(ps) for ps in param_groups]
-        self.names = param_names(model)
         self.world_size = comm.get_world_size(group)
         self.rank = comm.get_rank(group)
-        self.layouts = [
-            FlatLayout(
-                ps,
-                config.bucket_numel(precision.grad_accum_dtype.itemsize),
-                self.world_size,
-                pad=True,
-            )
-            for ps in self.groups
-        ]
 
         self.flat_params: list[torch.Tensor] = []  # [g]: 1-D, numel = layouts[g].numel, param dtype
         # [g]: 1-D fp32, numel = layouts[g].partition_numel; 16-bit parameters only (fp32: None).
@@ -156,18 +147,8 @@ class PartitionedStrategy:
 
         # (the reduced shard tensors, per group per parameter views of them): master_grads().
         self._grad_views: tuple[list[torch.Tensor], list[list[torch.Tensor]]] | None = None
-        position = {p: k for k, p in enumerate(model.parameters())}
         reducer = BoundaryScatterReducer if config.stage == 1 else BackwardScatterReducer
-        self.reducer = reducer(
-            self.groups,
-            self.layouts,
-            config,
-            precision.grad_accum_dtype,
-            self.names,
-            position,
-            group,
-            grad_divisor,
-        )
+        self._reduce_with(reducer, model, group, grad_divisor)
 
     def master_params(self) -> list[list[torch.Tensor]]:
         """Per group, one fp32 tensor per parameter: its fragment in this rank's partition."""
@@ -187,10 +168,6 @@ class PartitionedStrategy:
             ]
             self._grad_views = (flat, views)
         return self._grad_views[1]
-
-    def backward_done(self, is_boundary: bool) -> None:
-        """Wait for the reduce-scatters launched by the hooks; average at the boundary."""
-        self.reducer.backward_done(is_boundary)
 
     @torch.no_grad()
     def publish_params(self) -> None:
@@ -233,10 +210,6 @@ class PartitionedStrategy:
             issued.append((work, lambda tmp=tmp, cols=cols: grid[:, cols].copy_(tmp.view(n, -1))))
         return issued
 
-    def zero_grad(self) -> None:
-        """Clear the accumulated gradients and gradient partitions."""
-        self.reducer.zero_grad()
-
     def fragments(self) -> list[ParamFragment]:
         """The piece of each parameter inside this rank's partition (numel 0 where none); the
         master of parameter i of group g holds exactly that piece."""
@@ -245,20 +218,6 @@ class PartitionedStrategy:
             for g, (ps, pieces) in enumerate(zip(self.groups, self._pieces))
             for i, (p, (_, _, start, numel)) in enumerate(zip(ps, pieces))
         ]
-
-    def close(self) -> None:
-        """Wait for in-flight reductions and remove the gradient hooks (idempotent, local).
-
-        Afterwards the model's backward fills `param.grad` as in plain PyTorch. The parameters
-        stay views of the flat buffers (Note [parameters are views of the flat buffer]): valid
-        tensors of their own shapes, sharing storage with nothing else the user sees. This
-        strategy must not be used again.
-        """
-        self.reducer.remove_hooks()
-
-    def bucket_numels(self) -> list[int]:
-        """Padded elements of each gradient reduce call, in launch order (for the ledger)."""
-        return self.reducer.bucket_numels()
 
     def gather_numels(self) -> list[int]:
         """Output elements of each parameter all-gather call (for the ledger)."""

@@ -10,7 +10,9 @@ Reading order, outside-in (packages/zero/README.md lists the same). From ``zero.
    beside it `prefetch` — `Prefetcher`, what to fetch ahead within the prefetch and
    live-parameter budgets and what to keep for reuse (the reuse distance);
 4. `params` — `FetchUnit` (``unshard`` / ``wait`` / ``reshard``, the hold count) and one
-   partitioned parameter, `ShardedParam` with its state enum; the all-gather itself;
+   partitioned parameter, `ShardedParam` with its state enum; the all-gather itself
+   (`PlainGather`); beside it `residency` — where a released shard lives (`Residency`, and
+   `ShardHome`, the interface offload implements);
 5. `grads` — the gradient reduce-scatter into shards (from ``zero.shard``: api.py, strategy.py,
    grads.py);
 6. `trace` — the recorded module order (`TraceState`: recording, following, diverged), and how

@@ -62,10 +62,19 @@ from minispeed.zero.flat import cut_runs
 from minispeed.zero.reducer import weak_hook
 from minispeed.zero.stage3.params import ShardedParam
 
-__all__ = ["GradShardReducer"]
+__all__ = ["GradShardReducer", "keep_grad_shard"]
 
 # Reduce-scatters in flight before the next launch waits for the oldest: bounds staging memory.
 _MAX_IN_FLIGHT = 2
+
+
+def keep_grad_shard(sp: ShardedParam, mine: torch.Tensor) -> None:
+    """The reducer's default sink: keep this rank's averaged shard as ``sp.grad_shard`` (a view
+    at the window's first micro-step: Note [lazy gradient shards]; added to it after)."""
+    if sp.grad_shard is None:
+        sp.grad_shard = mine
+    else:
+        sp.grad_shard.add_(mine)
 
 
 class GradShardReducer:
@@ -94,9 +103,9 @@ class GradShardReducer:
         self.overlap = overlap
         # comm.reduce_scatter_tensor, or ZeRO++'s quantized two-hop one (stage3/zeropp_grads.py)
         self.reduce_scatter = reduce_scatter or comm.reduce_scatter_tensor
-        # ZeRO-Infinity (stage3/infinity.py): sink(sp, averaged_shard) takes each reduced shard
-        # (to a swap file) instead of it being kept as ``sp.grad_shard``.
-        self.sink: Any = None
+        # Where each reduced shard goes, sink(sp, averaged_shard): kept as ``sp.grad_shard``, or
+        # ZeRO-Infinity's (stage3/infinity.py), to a swap file. Chosen once, at zero.shard.
+        self.sink: Any = keep_grad_shard
         # A frozen parameter never gets a gradient and is never reduced.
         sps = [sp for sp in sps if sp.param.requires_grad]
         self._by_param: dict[nn.Parameter, ShardedParam] = {sp.param: sp for sp in sps}
@@ -173,13 +182,7 @@ class GradShardReducer:
         """
         out = staged[self.rank].mul(1.0 / self.world_size)
         for sp, col in offsets:
-            mine = out[col : col + sp.shard_numel]
-            if self.sink is not None:
-                self.sink(sp, mine)
-            elif sp.grad_shard is None:  # first micro-step of the window: keep the view
-                sp.grad_shard = mine
-            else:
-                sp.grad_shard.add_(mine)
+            self.sink(sp, out[col : col + sp.shard_numel])
 
     def flush(self) -> None:
         """Launch the buckets still incomplete (missing gradients as zeros), in plan order, and

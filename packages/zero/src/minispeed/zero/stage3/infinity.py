@@ -32,8 +32,8 @@ Disk traffic per step: read 12s + 4s, write 12s + p·s (new shards); per micro-s
 (plus 4s read from the second micro-step of a window). fp16 (loss scaling) is refused: the
 overflow check would have to read every gradient back before the step.
 
-`InfinityResidency` routes a value changed under `zero.GatheredParameters` into the master's
-file, so checkpoints, `full_state_dict` and `close()` see one truth.
+`InfinityHome` (each trained parameter's `ShardHome`, over the home its shard had) routes a
+value changed under `zero.GatheredParameters` into the master's file as well, so checkpoints, `full_state_dict` and `close()` see one truth.
 
 A failed read or write of any of these files is recorded on the failing rank, which goes on
 taking part in every collective; the step then raises `OffloadIOError` on every rank (Note [an
@@ -50,47 +50,48 @@ import torch
 
 from minispeed.zero.contract import StrategyWrapper
 from minispeed.zero.offload_bridge import check_free_space, host_optimizer, swappers_of
+from minispeed.zero.stage3.grads import keep_grad_shard
 from minispeed.zero.stage3.io_failures import IOFailures
 from minispeed.zero.stage3.params import ParamState, ShardedParam, refresh_gathered
+from minispeed.zero.stage3.residency import ShardHome
 
-__all__ = ["InfinityResidency", "InfinityStrategy", "agree_on_first_masters", "offload_masters"]
+__all__ = ["InfinityHome", "InfinityStrategy", "agree_on_first_masters", "offload_masters"]
 
 
-class InfinityResidency:
-    """``ShardedParam.residency`` under ZeRO-Infinity: the shard's own home (a swap file, or none
-    for an in-memory shard), plus: a stored shard is also written into the master's file."""
+class InfinityHome:
+    """A trained shard's `ShardHome` under ZeRO-Infinity: its own home (a swap file, host
+    memory, or `STAYS_HERE` for an in-memory shard) does the fetches and evictions; a new value
+    is also written into the master's file (one write of ``4s`` bytes)."""
 
     def __init__(
-        self,
-        optimizer: Any,
-        handles: dict[int, torch.Tensor],
-        inner: dict[int, Any],
-        io_failures: IOFailures,
-    ):
+        self, shard_home: ShardHome, optimizer: Any, handle: torch.Tensor, io: IOFailures
+    ) -> None:
+        self.shard_home = shard_home
         self.optimizer = optimizer
-        self.handles = handles  # id(sp) -> the optimizer's handle
-        self.inner = inner  # id(sp) -> the shard's own residency (offloaded shards only)
-        self.io_failures = io_failures
+        self.handle = handle  # the optimizer's handle of this parameter's master
+        self.io_failures = io
 
     def fetch(self, sp: ShardedParam) -> None:
-        if id(sp) in self.inner:
-            self.inner[id(sp)].fetch(sp)
+        self.shard_home.fetch(sp)
 
-    def release(self, sp: ShardedParam) -> None:
-        if id(sp) in self.inner:
-            self.inner[id(sp)].release(sp)
+    def evict(self, sp: ShardedParam) -> None:
+        self.shard_home.evict(sp)
 
-    def store(self, sp: ShardedParam) -> None:
-        if id(sp) in self.inner:
-            self.inner[id(sp)].store(sp)
-        if id(sp) in self.handles:
-            with self.io_failures.guard(f"writing the master of {sp.name!r}"):
-                self.optimizer.write_master(self.handles[id(sp)], sp.shard.float())
+    def write(self, sp: ShardedParam, values: torch.Tensor) -> None:
+        self.shard_home.write(sp, values)
+        with self.io_failures.guard(f"writing the master of {sp.name!r}"):
+            self.optimizer.write_master(self.handle, values.float())
+
+    def flush(self) -> None:
+        self.shard_home.flush()
+
+    def close(self) -> None:
+        self.shard_home.close()
 
 
 class InfinityStrategy(StrategyWrapper):
     """A stage-3 strategy (possibly with offloaded shards) whose masters and gradient shards
-    live in the optimizer's swap files. Everything else is delegated to the wrapped strategy."""
+    live in the optimizer's swap files. The other `ShardStrategy` methods are the stage's."""
 
     def __init__(
         self,
@@ -100,39 +101,39 @@ class InfinityStrategy(StrategyWrapper):
         io_failures: IOFailures,
     ):
         super().__init__(strategy)
+        self.grads_in_files = True
         self.optimizer = optimizer
-        self.swapped_grads = optimizer.grads  # ZeroOptimizer._clip reads the norm from here
+        self.swapped_grads = optimizer.grads  # the clipping norm is read from here
+        self.group = strategy.group
         self._handles = handles
         self._sp_of = {id(h): sp for sp, h in handles.items()}
         self._marks = {id(h): torch.empty_like(h) for h in handles.values()}  # meta: no bytes
         self._written: set[int] = set()  # id(sp) whose shard the last step wrote
-        self._homes = {id(sp): sp.residency.home for sp in handles if sp.residency is not None}
+        self._homes = {id(sp): sp.home for sp in handles}  # each shard's own home
         self._swapped_homes = list(
-            {id(h): h for h in self._homes.values() if hasattr(h, "swapper")}.values()
+            {id(h): h for h in self._homes.values() if h.io_failures is not None}.values()
         )
         optimizer.on_stepped = self._write_shard
         # One record of failed file I/O for the shard files and the optimizer's files.
         self.io_failures = io_failures
         self.io_failures.settlers.append(self.swapped_grads.swapper.wait_all)
-        residency = InfinityResidency(
-            optimizer,
-            {id(sp): h for sp, h in handles.items()},
-            {id(sp): sp.residency for sp in handles if sp.residency is not None},
-            self.io_failures,
-        )
-        for sp in handles:
-            sp.residency = residency
+        for sp, handle in handles.items():
+            sp.set_home(InfinityHome(sp.home, optimizer, handle, io_failures))
         strategy.reducer.sink = self._grad_out
 
     # -- ShardStrategy ------------------------------------------------------------------------------
     def master_params(self) -> list[list[torch.Tensor]]:
         """Per group, the optimizer's handles (meta tensors: the masters live in its files)."""
-        return [[self._handles[self.sharded[p]] for p in ps] for ps in self.groups]
+        stage = self.stage
+        return [[self._handles[stage.sharded[p]] for p in ps] for ps in stage.groups]
 
     def master_grads(self) -> list[list[torch.Tensor]]:
         """Per group, meta markers: setting one as a handle's ``.grad`` selects it for the step;
         the values are in `SwappedGrads`' files."""
-        return [[self._marks[id(self._handles[self.sharded[p]])] for p in ps] for ps in self.groups]
+        stage = self.stage
+        return [
+            [self._marks[id(self._handles[stage.sharded[p]])] for p in ps] for ps in stage.groups
+        ]
 
     def _grad_out(self, sp: ShardedParam, grad: torch.Tensor) -> None:
         # Called in backward, between collectives: a failure is recorded, never raised here.
@@ -143,16 +144,7 @@ class InfinityStrategy(StrategyWrapper):
     def _write_shard(self, handle: torch.Tensor, value: torch.Tensor) -> None:
         """The optimizer's ``on_stepped``: the new master becomes the parameter shard."""
         sp = self._sp_of[id(handle)]
-        home = self._homes.get(id(sp))
-        if home is None:  # the shard lives in memory (persistent, or no offload_param)
-            sp.shard.copy_(value)
-        elif hasattr(home, "swapper"):  # NvmeShards: straight from the buffer to the file
-            st = home.files[id(sp)]
-            home.swapper.wait_out(st)
-            home.swapper.write(st, value)
-        else:  # HostShards
-            home.host[id(sp)].copy_(value)
-            home.bytes_written += value.numel() * home.host[id(sp)].element_size()
+        self._homes[id(sp)].write(sp, value)  # a file: straight from the buffer
         self._written.add(id(sp))
 
     @torch.no_grad()
@@ -165,7 +157,8 @@ class InfinityStrategy(StrategyWrapper):
         `OffloadIOError`. Once this rank has failed, its local I/O here is skipped.
         """
         io = self.io_failures
-        todo = [self._handles[sp] for sp in self.trained if id(sp) not in self._written]
+        trained = self.stage.trained
+        todo = [self._handles[sp] for sp in trained if id(sp) not in self._written]
         self._written.clear()
         if todo:
             io.run(
@@ -174,9 +167,19 @@ class InfinityStrategy(StrategyWrapper):
             )
             self._written.clear()
         for home in self._swapped_homes:  # the shard files must be whole before a fetch
-            io.run("writing the parameter shards", home.swapper.wait_all)
-        refresh_gathered([sp for sp in self.trained if sp.state is ParamState.GATHERED])
+            io.run("writing the parameter shards", home.flush)
+        refresh_gathered([sp for sp in trained if sp.state is ParamState.GATHERED])
         io.agree(self.group, "the end of the optimizer step")
+
+    def grad_square_sum(self) -> torch.Tensor:
+        """Σ g², kept as the gradient shards were written (Note [the norm is kept as the
+        gradients are written] in offload/swapped_grads.py): nothing is read back for it."""
+        return torch.tensor(float(self.swapped_grads.square_sum()), dtype=torch.float32)
+
+    def scale_grads(self, coef: float) -> bool:
+        """The clipping coefficient is applied as the gradients are read back at the step."""
+        self.swapped_grads.set_scale(coef)
+        return True
 
     def zero_grad(self) -> None:
         """Drop the gradient shards: the files' contents are overwritten by the next window."""
@@ -188,7 +191,7 @@ class InfinityStrategy(StrategyWrapper):
         try:
             self._inner.close()  # with nvme shards: agrees on the reads of its gather
         finally:
-            self.strategy.reducer.sink = None
+            self.stage.reducer.sink = keep_grad_shard
             self.optimizer.close()
 
 
@@ -216,13 +219,13 @@ def offload_masters(strategy: Any, user: torch.optim.Optimizer, config: Any) -> 
         if sp.master is not None:  # the strategy's master (or the shard itself, fp32)
             value, sp.master = sp.master, None
             return value
-        sp.residency.fetch(sp)  # fp32 shard in a swap file: it is its own master
+        sp.home.fetch(sp)  # fp32 shard in a swap file: it is its own master
         value = sp.shard.float()
-        sp.residency.release(sp)
+        sp.home.evict(sp)
         return value
 
     # One record of failed file I/O for the shard files and the optimizer's files.
-    io: IOFailures = getattr(strategy, "io_failures", None) or IOFailures()
+    io: IOFailures = strategy.io_failures or IOFailures()
     io.run(
         "writing the first masters into the optimizer's files",
         lambda: optimizer.fill_masters(first_value),

@@ -30,7 +30,7 @@ from torch.nn.modules.module import (
 import minispeed.comm as comm
 from minispeed.zero.stage3.access import check_access, guard_module
 from minispeed.zero.stage3.init_writes import InitAccess, WriteBack
-from minispeed.zero.stage3.io_failures import io_failures_of
+from minispeed.zero.stage3.offloaded import init_residency
 from minispeed.zero.stage3.params import REGISTRY, FetchUnit, ShardedParam, partition_param
 from minispeed.zero.stage3.released import guard_param
 
@@ -210,8 +210,6 @@ class Init:
             self._write_back.owner_of[sp] = id(module)
         self.sharded.append(sp)
         if self._to_files:  # offload_param nvme: the shard goes to its swap file now
-            from minispeed.zero.stage3.offloaded import init_residency
-
             self._param_home = init_residency(self._param_home, self.config, sp)
         guard_module(module, check_access, type(module).__name__)
 
@@ -295,11 +293,7 @@ class GatheredParameters:
 def _io_failures(sps: list[ShardedParam]) -> Any:
     """The `IOFailures` of the first parameter whose shard lives in a file (None without any):
     a `GatheredParameters` over such parameters agrees on its reads (one 1-element all-reduce)."""
-    for sp in sps:
-        found = io_failures_of(sp.residency) if sp.residency is not None else None
-        if found is not None:
-            return found
-    return None
+    return next((sp.home.io_failures for sp in sps if sp.home.io_failures is not None), None)
 
 
 @torch.no_grad()

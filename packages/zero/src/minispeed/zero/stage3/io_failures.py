@@ -53,7 +53,7 @@ import torch
 import minispeed.comm as comm
 from minispeed.core.logging import get_logger
 
-__all__ = ["IOFailures", "OffloadIOError", "io_failures_of"]
+__all__ = ["IOFailures", "OffloadIOError"]
 
 _log = get_logger("zero.offload")
 _SHOWN = 3  # failures per rank spelled out in the message (the first is the cause)
@@ -148,12 +148,3 @@ def _message(where: str, gathered: list[tuple[int, list[str]]]) -> str:
         f"behind nvme_path (free space, permissions, swap files deleted or truncated under the "
         f"job), then restart the job and resume from the last checkpoint (zero.load_checkpoint)"
     )
-
-
-def io_failures_of(obj: Any) -> IOFailures | None:
-    """The `IOFailures` of a strategy, a parameter home or a `ShardedParam`'s residency (None
-    when it does no file I/O)."""
-    found = getattr(obj, "io_failures", None)
-    if found is None and getattr(obj, "home", None) is not None:
-        found = getattr(obj.home, "io_failures", None)
-    return found

@@ -13,13 +13,16 @@ With ``offload_param`` the shard lives elsewhere and is brought back only while 
 - ``device: nvme``: in one swap file per shard under ``nvme_path``; read through the swapper's
   pool of ``buffer_count`` buffers of ``buffer_size`` elements before the all-gather.
 
-The lifecycle (one `ShardResidency` per parameter, driven by three hooks in ``params.py``):
+The lifecycle (the parameter's `Residency`, moved by its home, the `ShardHome` of
+stage3/residency.py that offload's `HostShards` and `NvmeShards` implement
+(minispeed.offload.shard_homes); stage 3 calls the home
+without asking whether offload is on):
 
 ```text
-released          all_gather_params()  -> fetch: shard materialised (read s·p bytes)
-GATHERING         the collective reads the shard
-GATHERED          to_gathered()        -> release: shard dropped (no write: it is unchanged)
-step              publish_params       -> shard written from the master (write s·p bytes)
+released (AWAY)      all_gather_params()  -> home.fetch: shard materialised (read s·p bytes)
+GATHERING (FETCHED)  the collective reads the shard
+GATHERED (AWAY)      to_gathered()        -> home.evict: shard dropped (no write: unchanged)
+step                 publish_params       -> home.write: the new shard from the master (s·p)
 ```
 
 So a shard is resident only between the fetch and the end of its all-gather: the fetch happens
@@ -50,203 +53,24 @@ from typing import Any
 
 import torch
 
-from minispeed.core import ranges
 from minispeed.core.accelerator import get_accelerator
-from minispeed.zero.contract import StrategyWrapper
+from minispeed.zero.offload_bridge import import_offload
 from minispeed.zero.stage3.io_failures import IOFailures
 from minispeed.zero.stage3.params import ShardedParam
+from minispeed.zero.stage3.residency import Residency
 
-__all__ = ["HostShards", "NvmeShards", "ParamOffloadStrategy", "offload_params"]
+__all__ = ["UnusableShards", "init_residency", "offload_params"]
 
 # The ZeRO-Infinity optimizer side (masters, states and gradient shards in swap files) is
-# `minispeed.zero.stage3.infinity`; this module holds the parameter side.
+# `minispeed.zero.stage3.infinity`; this module holds the parameter side. The homes themselves
+# (host memory, swap files) are offload's: minispeed.offload.shard_homes implements the
+# `ShardHome` of stage3/residency.py.
 
 
-class HostShards:
-    """``offload_param.device='cpu'`` on an accelerator: a host copy per shard, copied up per fetch."""
-
-    def __init__(self, pin_memory: bool) -> None:
-        self.pin = pin_memory
-        self.host: dict[int, torch.Tensor] = {}  # id(sp) -> host shard
-        self.bytes_read = 0
-        self.bytes_written = 0
-
-    def adopt(self, sp: ShardedParam) -> None:
-        h = torch.empty(sp.shard.shape, dtype=sp.shard.dtype, pin_memory=self.pin)
-        self.host[id(sp)] = h.copy_(sp.shard)
-        sp.shard = sp.shard.new_empty(0)
-
-    def fetch(self, sp: ShardedParam) -> None:
-        if sp.shard.numel() == 0:
-            sp.shard = self.host[id(sp)].to(get_accelerator().device(), non_blocking=True)
-            self.bytes_read += sp.shard.numel() * sp.shard.element_size()
-
-    def store(self, sp: ShardedParam) -> None:
-        self.host[id(sp)].copy_(sp.shard)
-        self.bytes_written += sp.shard.numel() * sp.shard.element_size()
-
-    def release(self, sp: ShardedParam) -> None:
-        sp.shard = sp.shard.new_empty(0)
-
-    def resident_bytes(self) -> int:
-        return sum(h.numel() * h.element_size() for h in self.host.values())
-
-    def close(self) -> None:
-        self.host.clear()
-
-
-class NvmeShards:
-    """``offload_param.device='nvme'``: one swap file per shard, read through the pool per fetch."""
-
-    def __init__(self, config: Any, aio: Any, dtype: torch.dtype, shards: list[ShardedParam]):
-        from minispeed.zero.offload_bridge import import_offload
-
-        offload = import_offload("zero_optimization.offload_param")
-        self.buffer_numel = config.buffer_numel
-        self.dtype = dtype
-        for sp in shards:
-            self._check(sp)
-        self.swapper = offload.TensorSwapper(
-            config.nvme_path,
-            buffer_count=config.buffer_count,
-            buffer_numel=config.buffer_numel,
-            dtype=dtype,
-            pin_memory=config.pin_memory,
-            aio=aio,
-            config_key="offload_param",
-        )
-        self.files: dict[int, Any] = {}
-        self.io_failures = IOFailures()  # Note [an I/O failure fails every rank]
-        self.io_failures.settlers.append(self.swapper.wait_all)
-
-    @property
-    def bytes_read(self) -> int:
-        return self.swapper.bytes_read
-
-    @property
-    def bytes_written(self) -> int:
-        return self.swapper.bytes_written
-
-    def _check(self, sp: ShardedParam) -> None:
-        if sp.shard_numel > self.buffer_numel:
-            raise ValueError(
-                f"offload_param.buffer_size={self.buffer_numel} elements is smaller than the "
-                f"shard of {sp.name!r} ({sp.shard_numel} elements per rank): raise "
-                f"offload_param.buffer_size to at least {sp.shard_numel}"
-            )
-        if sp.shard.dtype != self.dtype:
-            raise ValueError(
-                f"offload_param nvme: the shard of {sp.name!r} is {sp.shard.dtype}, its swap "
-                f"files hold {self.dtype}; under zero.Init(config) create every parameter in "
-                f"MixedPrecision.param_dtype (or build the model outside zero.Init)"
-            )
-
-    def reserve(self, sp: ShardedParam) -> None:
-        """Register ``sp``'s swap file (nothing written yet), so that free space can be checked
-        for every file before the first write (`offload_params`)."""
-        if id(sp) not in self.files:
-            self._check(sp)
-            self.files[id(sp)] = self.swapper.register(f"param-{len(self.files)}", sp.shard_numel)
-
-    def adopt(self, sp: ShardedParam) -> None:
-        self.reserve(sp)
-        self.store(sp)
-        sp.shard = sp.shard.new_empty(0)
-
-    def fetch(self, sp: ShardedParam) -> None:
-        if sp.shard.numel():
-            return  # resident already (e.g. fetched for a write)
-        st = self.files[id(sp)]
-        shard = torch.zeros(sp.shard_numel, dtype=self.dtype, device=get_accelerator().device())
-        with self.io_failures.guard(f"reading the shard of {sp.name!r}"):  # zeros if it fails
-            self.swapper.wait_out(st)  # a write of this shard in flight: the file must be whole
-            self.swapper.swap_in(st)
-            shard.copy_(self.swapper.wait_in(st))
-            self.swapper.release(st)
-        sp.shard = shard
-
-    def store(self, sp: ShardedParam) -> None:
-        st = self.files[id(sp)]
-        with self.io_failures.guard(f"writing the shard of {sp.name!r}"):
-            self.swapper.wait_out(st)
-            self.swapper.write(st, sp.shard.to("cpu"))
-
-    def release(self, sp: ShardedParam) -> None:
-        sp.shard = sp.shard.new_empty(0)
-
-    def resident_bytes(self) -> int:
-        return self.swapper.pool.nbytes
-
-    def close(self) -> None:
-        self.swapper.close()
-
-
-class ShardResidency:
-    """What ``ShardedParam.residency`` points at: fetch / store / release one parameter's shard."""
-
-    def __init__(self, home: HostShards | NvmeShards) -> None:
-        self.home = home
-
-    def fetch(self, sp: ShardedParam) -> None:
-        with ranges.range("zero3.offload.fetch"):
-            self.home.fetch(sp)
-
-    def store(self, sp: ShardedParam) -> None:
-        with ranges.range("zero3.offload.store"):
-            self.home.store(sp)
-
-    def release(self, sp: ShardedParam) -> None:
-        self.home.release(sp)
-
-
-class ParamOffloadStrategy(StrategyWrapper):
-    """Stage 3 with offloaded shards: `publish_params` writes each stepped shard to its home.
-
-    Wraps a `Stage3Strategy`; everything else is delegated.
-    """
-
-    def __init__(self, strategy: Any, home: HostShards | NvmeShards, offloaded: list[ShardedParam]):
-        super().__init__(strategy)
-        self.param_home = home
-        self.offloaded = offloaded
-        # nvme: where file I/O failures are recorded (ZeroOptimizer's step agrees on them).
-        self.io_failures: IOFailures | None = getattr(home, "io_failures", None)
-
-    @torch.no_grad()
-    def publish_params(self) -> None:
-        """Materialise each offloaded trained shard, let stage 3 write the masters into it,
-        then store it (one write of ``s·p`` bytes each) and drop it again. With nvme, ends in
-        the step's I/O agreement (one 1-element all-reduce, `IOFailures.agree`)."""
-        trained = {id(sp) for sp in self._inner.trained}
-        mine = [sp for sp in self.offloaded if id(sp) in trained]
-        for sp in mine:
-            if sp.shard.numel() == 0:
-                sp.shard = torch.empty(
-                    sp.shard_numel, dtype=sp.shard.dtype, device=get_accelerator().device()
-                )
-        self._inner.publish_params()
-        for sp in mine:
-            sp.residency.store(sp)
-            sp.residency.release(sp)
-        if self.io_failures is not None:
-            self.io_failures.agree(self._inner.group, "the end of the optimizer step")
-
-    def close(self) -> None:
-        """Gather the model back (stage 3's close), then delete the shard files; with nvme, a
-        shard that could not be read makes every rank raise (one 1-element all-reduce)."""
-        try:
-            self._inner.close()
-            if self.io_failures is not None:
-                self.io_failures.agree(self._inner.group, "close(), gathering the model back")
-        finally:
-            for sp in self.offloaded:
-                sp.residency = None
-            self.param_home.close()
-
-
-def offload_params(strategy: Any, config: Any, keep_masters: bool = True) -> ParamOffloadStrategy:
+def offload_params(strategy: Any, config: Any, keep_masters: bool = True) -> None:
     """Move every non-persistent shard of a `Stage3Strategy` to ``config.offload_param``'s
-    device; returns the strategy wrapper that stores shards after each step.
+    device, and give the strategy its home (`Stage3Strategy.offload_params`), which stores
+    each new shard after every step.
 
     With ``device='nvme'`` and ``max_in_cpu`` set, the first shards (in order, whole shards)
     holding at most ``max_in_cpu`` elements stay in host memory, the rest go to files
@@ -255,50 +79,44 @@ def offload_params(strategy: Any, config: Any, keep_masters: bool = True) -> Par
     ``keep_masters=False`` (ZeRO-Infinity: the masters will live in the optimizer's files, see
     stage3/infinity.py): an fp32 parameter gets no in-memory master copy; its master is read
     from the shard file when the optimizer writes its own."""
+    offload = import_offload("zero_optimization.offload_param")
     cfg = config.offload_param
     everything = strategy.sharded_params()
     sps = [sp for sp in everything if not sp.persistent]
     in_cpu = in_cpu_budget(cfg, sps)
     dtype = strategy.precision.param_dtype
     on_cpu = get_accelerator().name == "cpu"
-    host = HostShards(cfg.pin_memory and not on_cpu)  # in_cpu shards on an accelerator
-    built = [sp for sp in everything if sp.residency is not None]  # in files since zero.Init
+    host = offload.HostShards(cfg.pin_memory and not on_cpu)  # in_cpu shards on an accelerator
+    built = [sp for sp in everything if sp.residency is Residency.AWAY]  # files since zero.Init
     if built:
-        home = built[0].residency.home
+        home = built[0].home
         for sp in built:
             _adopt_built(sp, keep_masters, stay=id(sp) in in_cpu)
             if id(sp) in in_cpu and not sp.persistent and not on_cpu:  # to host memory
                 host.adopt(sp)
-                sp.residency = ShardResidency(host)
-        sps = [sp for sp in sps if sp.residency is None]
+        sps = [sp for sp in sps if sp.residency is Residency.HERE]
     elif cfg.device == "nvme":
-        home = NvmeShards(cfg, config.aio, dtype, [sp for sp in sps if id(sp) not in in_cpu])
+        in_files = [sp for sp in sps if id(sp) not in in_cpu]
+        home = offload.NvmeShards(cfg, config.aio, dtype, in_files, IOFailures())
     else:
         home = host
-    offloaded = [sp for sp in built if sp.residency is not None]
-    if cfg.device == "cpu" and on_cpu:
-        return ParamOffloadStrategy(strategy, home, offloaded)  # host memory already: no move
-    residency, host_residency = ShardResidency(home), ShardResidency(host)
-    if isinstance(home, NvmeShards):  # every new file's size against free space, before writing
+    offloaded = [sp for sp in built if sp.residency is Residency.AWAY]
+    if cfg.device == "cpu" and on_cpu:  # host memory already: no move
+        strategy.offload_params(home, offloaded, home.io_failures)
+        return
+    if isinstance(home, offload.NvmeShards):  # every new file's size against free space first
         for sp in sps:
             if id(sp) not in in_cpu:
                 home.reserve(sp)
-        from minispeed.zero.offload_bridge import import_offload
-
-        import_offload("zero_optimization.offload_param").check_free_space([home.swapper])
+        offload.check_free_space([home.swapper])
     for sp in sps:
         if id(sp) in in_cpu and on_cpu:
             continue  # host memory already: the shard stays as stage 3 made it
         if sp.master is sp.shard:  # fp32: the master gets a storage of its own (or none)
             sp.master = sp.shard.clone() if keep_masters else None
-        if id(sp) in in_cpu:
-            host.adopt(sp)
-            sp.residency = host_residency
-        else:
-            home.adopt(sp)
-            sp.residency = residency
+        (host if id(sp) in in_cpu else home).adopt(sp)
         offloaded.append(sp)
-    return ParamOffloadStrategy(strategy, home, offloaded)
+    strategy.offload_params(home, offloaded, home.io_failures)
 
 
 def in_cpu_budget(cfg: Any, sps: list[ShardedParam]) -> set[int]:
@@ -321,31 +139,31 @@ def _adopt_built(sp: ShardedParam, keep_masters: bool, stay: bool = False) -> No
     (fp32, when kept) is read from the file."""
     stay = stay or sp.persistent
     if stay or keep_masters:
-        sp.residency.fetch(sp)
+        sp.home.fetch(sp)
         if keep_masters:
             sp.master = sp.shard.to(torch.float32, copy=True)
         if stay:
-            sp.residency = None
+            sp.to_here()
             if not keep_masters:
                 sp.master = sp.shard
         else:
-            sp.residency.release(sp)
+            sp.home.evict(sp)
 
 
-def init_residency(
-    home: NvmeShards | UnusableShards | None, config: Any, sp: ShardedParam
-) -> NvmeShards | UnusableShards:
+def init_residency(home: Any, config: Any, sp: ShardedParam) -> Any:
     """zero.Init(config) with ``offload_param.device='nvme'``: write ``sp``'s new shard to a swap
     file at once and drop it, so the whole model never sits in memory. Returns the home (made
-    on the first call; `Init` keeps it, and `offload_params` adopts it at `zero.shard`)."""
+    on the first call: offload's `NvmeShards`, or `UnusableShards` where the directory could not
+    be set up; `Init` keeps it, and `offload_params` adopts it at `zero.shard`)."""
     if home is None:
         try:
-            home = NvmeShards(config.offload_param, config.aio, sp.shard.dtype, [])
-            home.residency = ShardResidency(home)
+            offload = import_offload("zero_optimization.offload_param")
+            home = offload.NvmeShards(
+                config.offload_param, config.aio, sp.shard.dtype, [], IOFailures()
+            )
         except OSError as error:  # nvme_path missing on this rank only, say: agreed at the end
             home = UnusableShards(error)
     home.adopt(sp)  # a failed write is recorded; `Init`'s exit agrees on it
-    sp.residency = home.residency
     return home
 
 
@@ -355,8 +173,6 @@ class UnusableShards:
     and `Init`'s exit agreement raises `OffloadIOError` on every rank (Note [a set-up check
     fails on every rank] in setup_agreement.py), instead of this rank raising alone in the
     middle of the model's construction while the others wait in its next broadcast."""
-
-    residency = None
 
     def __init__(self, error: OSError) -> None:
         self.io_failures = IOFailures()

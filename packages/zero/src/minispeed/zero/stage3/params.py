@@ -53,8 +53,10 @@ import minispeed.comm as comm
 from minispeed.comm.validation import group_ranks
 from minispeed.core import ranges
 from minispeed.core.accelerator import get_accelerator
+from minispeed.zero.stage3.residency import STAYS_HERE, Residency, ShardHome
 
 __all__ = [
+    "PLAIN_GATHER",
     "REGISTRY",
     "FetchUnit",
     "ParamState",
@@ -185,12 +187,13 @@ class ShardedParam:
         # SHARDED. Note [why storage is resized, not replaced].
         self._full: torch.Tensor | None = None
         self._work: Any = None  # the in-flight all-gather, while GATHERING
-        # ZeRO++ (stage3/zeropp.py) gathers this parameter when set; held weakly as the coordinator.
-        self._zeropp: weakref.ref | None = None
-        # Where the shard lives while released, or None (always here): ZeRO-Infinity's
-        # offload_param (stage3/offloaded.py). Hooks: fetch in all_gather_params, release in
-        # to_gathered, fetch/store/release in load_full.
-        self.residency: Any = None
+        # Who gathers it: PLAIN_GATHER, or ZeRO++ (stage3/zeropp.py), held weakly as the
+        # coordinator; chosen once by the strategy (Note [optional features are chosen once]).
+        self._gatherer: weakref.ref | None = None
+        # Where the shard lives while released (residency.py); only the to_away / to_fetched /
+        # to_here / set_home methods below change these.
+        self._residency = Residency.HERE
+        self._home: ShardHome = STAYS_HERE
         param.data = shard.new_empty(0)  # born SHARDED (Note [why .data is swapped])
 
     @property
@@ -208,13 +211,29 @@ class ShardedParam:
         self._coordinator = None if coordinator is None else weakref.ref(coordinator)
 
     @property
-    def zeropp(self) -> Any:
-        """The `ZeroPP` that gathers this parameter (quantized / node-local), or None (plain)."""
-        return None if self._zeropp is None else self._zeropp()
+    def gatherer(self) -> Any:
+        """What all-gathers this parameter: `PLAIN_GATHER`, or the strategy's `ZeroPP`."""
+        gatherer = None if self._gatherer is None else self._gatherer()
+        return PLAIN_GATHER if gatherer is None else gatherer
 
-    @zeropp.setter
-    def zeropp(self, zeropp: Any) -> None:
-        self._zeropp = None if zeropp is None else weakref.ref(zeropp)
+    @gatherer.setter
+    def gatherer(self, gatherer: Any) -> None:
+        self._gatherer = None if gatherer is None else weakref.ref(gatherer)
+
+    @property
+    def residency(self) -> Residency:
+        """Where the shard is now: HERE, AWAY in its home, or FETCHED (`Residency`)."""
+        return self._residency
+
+    @property
+    def away(self) -> bool:
+        """Whether the shard's value is in its home only (`Residency.AWAY`; 0 bytes here)."""
+        return self._residency is Residency.AWAY
+
+    @property
+    def home(self) -> ShardHome:
+        """Where the shard lives while released: `STAYS_HERE`, or offload's home for it."""
+        return self._home
 
     @property
     def param(self) -> nn.Parameter:
@@ -280,8 +299,7 @@ class ShardedParam:
             )
         self.param.data = self._full[: self.numel].view(self.shape)
         self.state = ParamState.GATHERED
-        if self.residency is not None:  # the gathered buffer holds it now: drop the shard
-            self.residency.release(self)
+        self._home.evict(self)  # offload_param: the gathered buffer holds it now
 
     def _add_hold(self, delta: int) -> None:
         """Only for FetchUnit.hold / unhold: an unmatched release is a bug, never clamped."""
@@ -294,6 +312,35 @@ class ShardedParam:
         self.shard = shard
         self.param.data = shard.new_empty(0)
 
+    # -- residency transitions (stage3/residency.py; called by the parameter's home) ---------------
+    def to_away(self, home: ShardHome | None = None) -> None:
+        """The shard's value is in its home: drop it here (0 bytes). From HERE, adopted by
+        ``home`` (which now holds the value), or from FETCHED (evicted; same home)."""
+        was = self._residency
+        adopted = was is Residency.HERE and home is not None and self._home is STAYS_HERE
+        evicted = was is Residency.FETCHED and home in (None, self._home)
+        assert adopted or evicted, f"{self.name}: to_away from {was}"
+        self._home = home or self._home
+        self.shard = self.shard.new_empty(0)
+        self._residency = Residency.AWAY
+
+    def to_fetched(self, shard: torch.Tensor) -> None:
+        """AWAY -> FETCHED: ``shard`` (``shard_numel`` elements) holds the value read from home."""
+        assert self._residency is Residency.AWAY, f"{self.name}: to_fetched from {self._residency}"
+        assert shard.numel() == self.shard_numel, f"{self.name}: fetched {shard.numel()} elements"
+        self.shard = shard
+        self._residency = Residency.FETCHED
+
+    def to_here(self) -> None:
+        """FETCHED -> HERE: the shard stays in memory for good and has no home any more."""
+        assert self._residency is Residency.FETCHED, f"{self.name}: to_here from {self._residency}"
+        self._home = STAYS_HERE
+        self._residency = Residency.HERE
+
+    def set_home(self, home: ShardHome) -> None:
+        """A home over the old one (ZeRO-Infinity's: also writes the master); same residency."""
+        self._home = home
+
     def load_full(self, values: torch.Tensor) -> None:
         """While GATHERED: make ``values`` (``n`` elements) the parameter's value, here and in
         this rank's shard and master (GatheredParameters keeping a modifier's changes)."""
@@ -301,12 +348,10 @@ class ShardedParam:
         self._full[: self.numel].copy_(values)
         self.param.data = self._full[: self.numel].view(self.shape)  # user code may have swapped it
         mine = values.reshape(-1)[self.start : self.start + self.owned_numel]
-        if self.residency is not None:
-            self.residency.fetch(self)
+        self._home.fetch(self)
         self.shard[: self.owned_numel].copy_(mine)
-        if self.residency is not None:
-            self.residency.store(self)
-            self.residency.release(self)
+        self._home.write(self, self.shard)
+        self._home.evict(self)
         if self.master is not None and self.master is not self.shard:
             self.master[: self.owned_numel].copy_(mine)
 
@@ -406,32 +451,37 @@ def all_gather_params(sps: Sequence[ShardedParam], async_op: bool = False) -> An
     todo = [sp for sp in sps if sp.state is ParamState.SHARDED]
     if not todo:
         return None
-    for sp in todo:  # offload_param: bring the shard back first (stage3/offloaded.py)
-        if sp.residency is not None:
-            sp.residency.fetch(sp)
+    for sp in todo:  # offload_param: bring the shard back first (a no-op for STAYS_HERE)
+        sp.home.fetch(sp)
     with ranges.range("zero3.gather"):
-        return _all_gather(todo, async_op)
+        return todo[0].gatherer.all_gather(todo, async_op)
 
 
-def _all_gather(todo: list[ShardedParam], async_op: bool) -> Any:
-    zeropp = todo[0].zeropp
-    if zeropp is not None:  # ZeRO++: quantized and/or node-local gathers (stage3/zeropp.py)
-        return zeropp.all_gather(todo, async_op)
-    group = todo[0].group
-    # Into each parameter's own 1D buffer (N*s, rank-major): the storage autograd's saved views
-    # share (Note [why storage is resized, not replaced]). See Note [a prefetch holds one copy].
-    if len(todo) == 1:
-        full = todo[0].allocate_full()
-        work = comm.all_gather_into_tensor(full, todo[0].shard, group=group, async_op=async_op)
-    else:
-        work = comm.all_gather_coalesced(
-            lambda: [sp.allocate_full() for sp in todo],
-            [sp.shard for sp in todo],
-            group=group,
-            async_op=async_op,
-        )
-    mark_issued(todo, work, async_op)
-    return work
+class PlainGather:
+    """The world all-gather of a parameter's shards (ZeRO++'s `ZeroPP` is the other gatherer)."""
+
+    @staticmethod
+    def all_gather(todo: list[ShardedParam], async_op: bool) -> Any:
+        """One collective for ``todo`` (SHARDED, one group and dtype); marks them issued."""
+        group = todo[0].group
+        # Into each parameter's own 1D buffer (N*s, rank-major), whose storage autograd's saved
+        # views share. See Note [a prefetch holds one copy].
+        if len(todo) == 1:
+            full = todo[0].allocate_full()
+            work = comm.all_gather_into_tensor(full, todo[0].shard, group=group, async_op=async_op)
+        else:
+            work = comm.all_gather_coalesced(
+                lambda: [sp.allocate_full() for sp in todo],
+                [sp.shard for sp in todo],
+                group=group,
+                async_op=async_op,
+            )
+        mark_issued(todo, work, async_op)
+        return work
+
+
+#: The gatherer of every parameter without ZeRO++.
+PLAIN_GATHER = PlainGather()
 
 
 def mark_issued(todo: Sequence[ShardedParam], work: Any, async_op: bool) -> None:

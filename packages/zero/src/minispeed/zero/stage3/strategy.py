@@ -29,7 +29,7 @@ from torch import nn
 
 import minispeed.comm as comm
 from minispeed.zero.config import ZeroConfig
-from minispeed.zero.optimizer import ParamFragment
+from minispeed.zero.contract import ParamFragment, ShardStrategy
 from minispeed.zero.precision import MixedPrecision
 from minispeed.zero.stage3.access import check_access, guard_module, unguard_module
 from minispeed.zero.stage3.coordinator import FetchCoordinator
@@ -45,13 +45,23 @@ from minispeed.zero.stage3.params import (
     refresh_gathered,
 )
 from minispeed.zero.stage3.released import guard_param, unguard_param
+from minispeed.zero.stage3.residency import Residency, ShardHome
 from minispeed.zero.stage3.trace import TraceCheck
 from minispeed.zero.stage3.zeropp import ZeroPP, check_zeropp, zeropp_enabled
 
 __all__ = ["Stage3Strategy"]
 
+# Note [optional features are chosen once]
+# ZeRO++ and offload_param change how a parameter is gathered and where its released shard
+# lives, on the hottest path of stage 3 (every fetch and release of every module). Instead of
+# asking "is ZeRO++ on? is this shard offloaded?" there, each ShardedParam is given, once at
+# setup, the objects that do it: its `gatherer` (params.PLAIN_GATHER, or the strategy's ZeroPP)
+# and its `home` (residency.STAYS_HERE, or offload's home for it). The gather path calls them
+# unconditionally; a feature that is off costs one no-op call. ZeRO-Infinity's optimizer side
+# (masters and gradients in files) is a strategy of its own wrapping this one (infinity.py).
 
-class Stage3Strategy:
+
+class Stage3Strategy(ShardStrategy):
     """Parameters, gradients and optimizer state partitioned; parameters fetched per module."""
 
     partitions_grads = True  # each rank holds 1/N of the gradients: the norm needs an all-reduce
@@ -72,6 +82,11 @@ class Stage3Strategy:
         self.world_size = comm.get_world_size(group)
         self.rank = comm.get_rank(group)
         self.groups = [list(ps) for ps in param_groups]  # the optimizer's param groups
+        # offload_param (stage3/offloaded.py, through `offload_params`): where released shards
+        # live, the parameters that live there, and its record of failed file I/O.
+        self.param_home: ShardHome | None = None
+        self.offloaded: list[ShardedParam] = []
+        self.io_failures: Any = None
         node_size = 0  # ZeRO++ (stage3/zeropp.py): its errors come before any collective
         if zeropp_enabled(config):
             numels = [REGISTRY[p].numel if p in REGISTRY else p.numel() for p in model.parameters()]
@@ -99,7 +114,7 @@ class Stage3Strategy:
 
         # 2. masters and dtypes. See Note [fp32 stage 0 has no master copy] (stage0.py): same here.
         for sp in self.sharded.values():
-            if sp.residency is not None:  # in a swap file since zero.Init(config): offloaded.py
+            if sp.residency is Residency.AWAY:  # in a swap file since zero.Init(config)
                 if sp.shard.dtype != precision.param_dtype:
                     raise ValueError(
                         f"parameter {sp.name!r} was written to its swap file by zero.Init(config) "
@@ -179,12 +194,16 @@ class Stage3Strategy:
         """Write the stepped masters into the 16-bit shards; re-gather persistent parameters.
 
         Non-persistent parameters are released now and pick up the new shards at their next
-        fetch. Sends one all-gather of ``Σ_persistent N·s·p`` bytes.
+        fetch. Sends one all-gather of ``Σ_persistent N·s·p`` bytes. With offload_param each
+        new shard is written to its home (``s·p`` bytes); with nvme the step ends in the I/O
+        agreement (one 1-element all-reduce, `IOFailures.agree`).
         """
         for sp in self.trained:
             if sp.master is not sp.shard:
-                sp.shard.copy_(sp.master)
+                sp.home.write(sp, sp.master)
         refresh_gathered([sp for sp in self.trained if sp.state is ParamState.GATHERED])
+        if self.io_failures is not None:
+            self.io_failures.agree(self.group, "the end of the optimizer step")
 
     def zero_grad(self) -> None:
         """Drop the gradient shards (and any ``param.grad`` left by hand-written backward code)."""
@@ -202,6 +221,12 @@ class Stage3Strategy:
         return out
 
     # -- extras -------------------------------------------------------------------------------------
+    def offload_params(self, home: Any, offloaded: list[ShardedParam], io_failures: Any) -> None:
+        """offload_param, chosen once at ``zero.shard`` (stage3/offloaded.py): ``offloaded``
+        live in ``home`` (closed by `close`); ``io_failures`` (None without file I/O) is agreed
+        on at the end of each step and of `close`."""
+        self.param_home, self.offloaded, self.io_failures = home, offloaded, io_failures
+
     def sharded_params(self) -> list[ShardedParam]:
         """Every ShardedParam of the model, in ``named_parameters()`` order."""
         return list(self.sharded.values())
@@ -210,8 +235,19 @@ class Stage3Strategy:
         """Gather every parameter back into the model and remove all stage-3 hooks and guards.
 
         Afterwards the model is a plain nn.Module with full parameters (``Ψ·p`` bytes per rank)
-        and this strategy must not be used. Collective: one all-gather of all released parameters.
+        and this strategy must not be used. Collective: one all-gather of all released parameters;
+        with offload_param nvme, a shard that could not be read makes every rank raise (one
+        1-element all-reduce), and the shard files are deleted either way.
         """
+        try:
+            self._close()
+            if self.io_failures is not None:
+                self.io_failures.agree(self.group, "close(), gathering the model back")
+        finally:
+            if self.param_home is not None:
+                self.param_home.close()
+
+    def _close(self) -> None:
         self.reducer.wait_in_flight()
         self.coordinator.end_backward()
         FetchUnit(-1, "close", "", list(self.sharded.values())).unshard()

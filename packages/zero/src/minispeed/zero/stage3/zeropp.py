@@ -8,8 +8,8 @@ The world of N ranks is M nodes of k ranks, node-major (global rank = node·k + 
 ``hpz_partition_size`` must equal it. `NodeLayout` builds the two `ProcessGrid` axes: ``local``
 (the k ranks of my node) and ``node`` (the M ranks with my local index).
 
-**qwZ.** A parameter gather (`FetchUnit.unshard` -> params.py `_all_gather`, which hands the
-work to `ZeroPP.all_gather` when ZeRO++ is on) quantizes each member's shard (``s`` elements,
+**qwZ.** A parameter gather (`FetchUnit.unshard` -> params.py `all_gather_params`, which hands
+the work to the parameter's gatherer: `ZeroPP.all_gather` when ZeRO++ is on) quantizes each member's shard (``s`` elements,
 zero-padded to ``P = B·ceil(s/B)``) with comm's `BlockQuantizer` (int8, one fp32 scale per
 ``B = quant_block_numel`` elements), concatenates the members' messages into ONE uint8 message,
 all-gathers it over the world and dequantizes every rank's part into the member's full buffer.
@@ -241,7 +241,7 @@ class ZeroPP:
             self._handle = model.register_forward_pre_hook(invalidate, prepend=True)
         self._sharded = list(sharded)
         for sp in self._sharded:
-            sp.zeropp = self
+            sp.gatherer = self
 
     def remove(self) -> None:
         """Remove the forward hook and detach from the parameters (Stage3Strategy.close)."""
@@ -249,11 +249,11 @@ class ZeroPP:
             self._handle.remove()
             self._handle = None
         for sp in self._sharded:
-            sp.zeropp = None
+            sp.gatherer = None
 
     # -- gathers ------------------------------------------------------------------------------------
     def all_gather(self, todo: list[ShardedParam], async_op: bool) -> Any:
-        """params.py `_all_gather` with ZeRO++: the same contract (states set, handle returned)."""
+        """`PlainGather.all_gather` (params.py) with ZeRO++: the same contract (states set, handle returned)."""
         phase = self._phase(todo[0])
         if self.world_size == 1 or phase == "idle":  # exact: close(), GatheredParameters, saving
             work = self._plain(todo, async_op, keep=False)

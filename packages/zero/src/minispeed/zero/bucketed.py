@@ -1,0 +1,86 @@
+"""What stages 0, 1 and 2 share: parameters laid out in flat buckets, reduced by a reducer.
+
+`BucketedStrategy` is the base of `ReplicatedStrategy` (stage 0, stage0.py) and
+`PartitionedStrategy` (stages 1-2, stage12.py): each param group's parameters in one
+`FlatLayout` (flat.py) of buckets of ``bucket_numel`` elements, and one reducer (reducer.py)
+whose gradient hooks launch each bucket's all-reduce or reduce-scatter as its gradients are
+ready. The stages differ in what they keep (whole masters, or this rank's partition) and in
+how the reduced gradients reach the optimizer; the plumbing below is written once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+import minispeed.comm as comm
+from minispeed.zero.config import ZeroConfig
+from minispeed.zero.contract import ShardStrategy, param_names
+from minispeed.zero.flat import FlatLayout
+from minispeed.zero.precision import MixedPrecision
+
+__all__ = ["BucketedStrategy"]
+
+
+class BucketedStrategy(ShardStrategy):
+    """A `ShardStrategy` over flat buckets and a reducer (stages 0-2)."""
+
+    reducer: Any  # reducer.py: AllReduceReducer, BoundaryScatterReducer or BackwardScatterReducer
+
+    def _lay_out(
+        self,
+        model: nn.Module,
+        config: ZeroConfig,
+        precision: MixedPrecision,
+        group: Any,
+        param_groups: Sequence[Sequence[nn.Parameter]],
+        pad: bool,
+    ) -> None:
+        """Set `config`, `precision`, `groups` (the optimizer's param groups), `names` and one
+        `FlatLayout` per group (``pad``: every bucket padded to a multiple of the group size)."""
+        self.config = config
+        self.precision = precision
+        self.groups = [list(ps) for ps in param_groups]
+        self.names = param_names(model)
+        bucket_numel = config.bucket_numel(precision.grad_accum_dtype.itemsize)
+        world_size = comm.get_world_size(group)
+        self.layouts = [FlatLayout(ps, bucket_numel, world_size, pad=pad) for ps in self.groups]
+
+    def _reduce_with(
+        self, reducer: type, model: nn.Module, group: Any, grad_divisor: int | None
+    ) -> None:
+        """Build `reducer` over the layouts; it registers the gradient hooks."""
+        position = {p: k for k, p in enumerate(model.parameters())}
+        self.reducer = reducer(
+            self.groups,
+            self.layouts,
+            self.config,
+            self.precision.grad_accum_dtype,
+            self.names,
+            position,
+            group,
+            grad_divisor,
+        )
+
+    def backward_done(self, is_boundary: bool) -> None:
+        """Wait for the bucket reductions launched by the hooks; average at the boundary."""
+        self.reducer.backward_done(is_boundary)
+
+    def zero_grad(self) -> None:
+        """Clear the accumulated gradients (and gradient partitions)."""
+        self.reducer.zero_grad()
+
+    def close(self) -> None:
+        """Wait for in-flight reductions and remove the gradient hooks (idempotent, local).
+
+        Afterwards the model's backward fills `param.grad` as in plain PyTorch. This strategy
+        must not be used again.
+        """
+        self.reducer.remove_hooks()
+
+    def bucket_numels(self) -> list[int]:
+        """Elements of each gradient reduce call (padded at stages 1-2), in launch order (for
+        the ledger)."""
+        return self.reducer.bucket_numels()
