@@ -131,7 +131,6 @@ class StrategyWrapper(ShardStrategy):
 
     def __init__(self, strategy: Any) -> None:
         self._inner = strategy
-        self.partitions_grads = strategy.partitions_grads
         self.io_failures = strategy.io_failures
         self.grads_in_files = strategy.grads_in_files
 
@@ -139,6 +138,12 @@ class StrategyWrapper(ShardStrategy):
     def strategy(self) -> Any:
         """The wrapped strategy."""
         return self._inner
+
+    @property
+    def partitions_grads(self) -> bool:  # type: ignore[override]
+        """The wrapped strategy's (a subclass may change it while training: 1-bit Adam's local
+        phase)."""
+        return self._inner.partitions_grads
 
     @property
     def stage(self) -> Any:
