@@ -36,10 +36,10 @@ from typing import Any
 import torch
 from torch import nn
 
-import minispeed.comm as comm
+import minispeed.comm as _comm
 from minispeed.core.config import ConfigError
 from minispeed.core.logging import get_logger
-from minispeed.engine import checkpointing, moe, pipe, zero
+from minispeed.engine import checkpointing, comm, moe, pipe, zero
 from minispeed.engine.config import EngineConfig, load_ds_config
 from minispeed.engine.engine import Engine
 from minispeed.engine.inference import init_inference
@@ -54,6 +54,7 @@ __all__ = [
     "EngineConfig",
     "add_config_arguments",
     "checkpointing",
+    "comm",
     "init_distributed",
     "init_inference",
     "initialize",
@@ -63,6 +64,20 @@ __all__ = [
 ]
 
 _log = get_logger("engine")
+
+
+def _version() -> str:
+    # Scripts print or compare `deepspeed.__version__`; the import-swapped module answers with
+    # minispeed's own version (a source checkout without installed metadata says so).
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("minispeed")
+    except PackageNotFoundError:
+        return "0.0.0+source"
+
+
+__version__ = _version()
 
 
 def init_distributed(
@@ -96,7 +111,7 @@ def init_distributed(
         timeout_s = timeout.total_seconds()
     else:
         timeout_s = float(timeout)
-    comm.init_distributed(backend=dist_backend, timeout_s=timeout_s, init_method=init_method)
+    _comm.init_distributed(backend=dist_backend, timeout_s=timeout_s, init_method=init_method)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -175,7 +190,7 @@ def initialize(
         ds = load_ds_config(trial.config)
     # 2. The process group.
     init_distributed(distributed_port=distributed_port)
-    world = comm.get_world_size()
+    world = _comm.get_world_size()
     if ds.get("activation_checkpointing") is not None:
         # For model code that calls `deepspeed.checkpointing.checkpoint` (this path's adapter).
         checkpointing.configure(None, deepspeed_config=ds)
@@ -257,7 +272,9 @@ def _dataloader(dataset: Any, cfg: EngineConfig, collate_fn: Any) -> Any:
         return None
     from torch.utils.data import DataLoader, DistributedSampler
 
-    sampler = DistributedSampler(dataset, num_replicas=cfg.data_parallel_size, rank=comm.get_rank())
+    sampler = DistributedSampler(
+        dataset, num_replicas=cfg.data_parallel_size, rank=_comm.get_rank()
+    )
     return DataLoader(
         dataset, batch_size=cfg.micro_batch_size, sampler=sampler, collate_fn=collate_fn
     )
@@ -287,7 +304,7 @@ def _initialize_pipeline(
         )
     # Every key checked as for any model, with the data-parallel size of the grid.
     cfg = EngineConfig.from_ds_config(
-        ds, data_parallel_size=comm.get_world_size() // model.num_stages
+        ds, data_parallel_size=_comm.get_world_size() // model.num_stages
     )
     params = list(model_parameters) if model_parameters is not None else list(model.parameters())
     opt = _build_optimizer(optimizer, params, cfg)

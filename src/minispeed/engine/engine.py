@@ -79,6 +79,7 @@ class Engine(nn.Module):
         self.global_samples = 0
         self.skipped_steps = 0
         self.micro_steps = 0
+        self._step_applied = False  # whether the last boundary's optimizer step was taken
         self.device = get_accelerator().device()
         self.timers: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._stack = contextlib.ExitStack()  # the step being profiled, while it runs
@@ -128,6 +129,7 @@ class Engine(nn.Module):
         self.micro_steps += 1
         if not boundary:
             return
+        self._step_applied = bool(stepped)
         if stepped:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
@@ -189,6 +191,26 @@ class Engine(nn.Module):
     def eval(self) -> Engine:
         """Set the module to evaluation mode (returns the engine)."""
         return self.train(False)
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node (torchrun's `LOCAL_RANK`; 0 without a launcher)."""
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the world."""
+        return comm.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        """The number of processes in the world."""
+        return comm.get_world_size()
+
+    def was_step_applied(self) -> bool:
+        """Whether the last accumulation boundary stepped the optimizer (`False` after an fp16
+        overflow skipped it, and before the first boundary), as DeepSpeed's."""
+        return self._step_applied
 
     def get_lr(self) -> list[float]:
         """The learning rate of each param group."""
