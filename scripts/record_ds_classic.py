@@ -8,7 +8,9 @@ Written against DeepSpeed's public API only: `deepspeed.add_config_arguments(par
 WarmupDecayLR by name from the config file; 2 micro-batches per step with `engine.backward` /
 `engine.step` each micro-step and the model called with keyword arguments. Per boundary it
 records the loss, `get_lr()`, `get_global_grad_norm()`, `was_step_applied()` and
-`global_steps`; once, the engine's sizes, ranks, device and the loader's length.
+`global_steps`; once, the engine's sizes, ranks, device, its config queries (`fp16_enabled()`,
+`zero_optimization()`, `gradient_clipping()`, `get_mom()`, ...), the loader's length and what
+`save_fp16_model` writes.
 
 Recorded on DeepSpeed 0.19.8, 2 gloo processes on the CPU:
 
@@ -129,6 +131,13 @@ def main(argv=None):
         "gas": engine.gradient_accumulation_steps(),
         "train_batch_size": engine.train_batch_size(),
         "stage": engine.zero_optimization_stage(),
+        "zero_optimization": engine.zero_optimization(),
+        "fp16_enabled": engine.fp16_enabled(),
+        "bf16_enabled": engine.bfloat16_enabled(),
+        "gradient_clipping": engine.gradient_clipping(),
+        "wall_clock_breakdown": engine.wall_clock_breakdown(),
+        "dp_world_size": engine.dp_world_size,
+        "mom": [list(m) for m in engine.get_mom()],
         "loader_len": len(loader),
         "first_batch": {k: list(v.shape) for k, v in first.items()},
         "first_labels": first["labels"].tolist(),
@@ -163,6 +172,12 @@ def main(argv=None):
     with torch.no_grad():
         logits = engine(torch.ones(2, IN))
     record["eval_logits_shape"] = list(logits.shape)
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.barrier()  # every rank's directory exists before rank 0 writes into its own
+        engine.save_fp16_model(tmp, "model.bin")
+        saved = os.path.join(tmp, "model.bin")
+        record["fp16_model_keys"] = sorted(torch.load(saved)) if os.path.exists(saved) else None
+        dist.barrier()
     total = torch.tensor([record["steps"][-1]["loss"]])
     dist.all_reduce(total)
     record["loss_sum_over_ranks"] = total.item()

@@ -40,6 +40,7 @@ import minispeed.zero as zero
 from minispeed.core.accelerator import get_accelerator
 from minispeed.core.logging import get_logger
 from minispeed.engine.config import EngineConfig
+from minispeed.engine.queries import DeepSpeedQueries
 from minispeed.engine.trial import Trial, TrialRecorder
 from minispeed.zero.checkpoints.layout import LATEST_FILE
 
@@ -51,7 +52,7 @@ _log = get_logger("engine")
 _ENGINE_STATE = "minispeed_engine"
 
 
-class Engine(nn.Module):
+class Engine(DeepSpeedQueries, nn.Module):
     """A model, its `ZeroOptimizer` and its scheduler, stepped with DeepSpeed's semantics.
 
     Built by `minispeed.engine.initialize`. `module` is the user's model (sharded in place by
@@ -191,21 +192,6 @@ class Engine(nn.Module):
     def eval(self) -> Engine:
         """Set the module to evaluation mode (returns the engine)."""
         return self.train(False)
-
-    @property
-    def local_rank(self) -> int:
-        """This process's rank on its node (torchrun's `LOCAL_RANK`; 0 without a launcher)."""
-        return int(os.environ.get("LOCAL_RANK", 0))
-
-    @property
-    def global_rank(self) -> int:
-        """This process's rank in the world."""
-        return comm.get_rank()
-
-    @property
-    def world_size(self) -> int:
-        """The number of processes in the world."""
-        return comm.get_world_size()
 
     def was_step_applied(self) -> bool:
         """Whether the last accumulation boundary stepped the optimizer (`False` after an fp16
