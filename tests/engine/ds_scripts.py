@@ -41,6 +41,16 @@ RESUME_IMPORTS = {
     ),
 }
 
+LOOP_UTILS_IMPORTS = {
+    "import deepspeed\n": "import minispeed.engine as deepspeed\n",
+    "from deepspeed.runtime.lr_schedules import WarmupLR\n": (
+        "from minispeed.engine.runtime.lr_schedules import WarmupLR\n"
+    ),
+    "from deepspeed.utils import RepeatingLoader, log_dist\n": (
+        "from minispeed.engine.utils import RepeatingLoader, log_dist\n"
+    ),
+}
+
 PLAIN_IMPORTS = {"import deepspeed\n": "import minispeed.engine as deepspeed\n"}
 
 

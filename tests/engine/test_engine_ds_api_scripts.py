@@ -15,6 +15,8 @@ only their import lines changed, against what DeepSpeed 0.19.8 printed for them.
   `train_batch_size` with the micro-batch only (accumulation derived), bf16, ZeRO-2 with CPU
   offload and a torch optimizer (`zero_force_ds_cpu_optimizer: false`), WarmupCosineLR by name,
   clipping off, `save_16bit_model`.
+- `scripts/record_ds_loop_utils.py`: `deepspeed.runtime.lr_schedules.WarmupLR` built by the
+  script and passed as an object, `deepspeed.utils.RepeatingLoader` and `log_dist`, ZeRO-0.
 
 Each fixture holds every rank's record; every value must match (floats within 1e-5), except
 where a difference is documented in docs/engine/migration.md (named below).
@@ -58,12 +60,29 @@ def _zero3_init(rank, world_size):
         checkpointing._SETTINGS = checkpointing._Settings()
 
 
+def _loop_utils(rank, world_size):
+    return ds_scripts.load("record_ds_loop_utils.py", ds_scripts.LOOP_UTILS_IMPORTS).main()
+
+
+def test_loop_utils_script_matches_deepspeed():
+    runs = run_distributed(_loop_utils, world_size=2, timeout_s=240)
+    for ours, ref in zip(runs, _fixture("ds_loop_utils.json")["ranks"], strict=True):
+        ds_scripts.assert_matches(ours, ref)
+
+
 def _bf16_offload(rank, world_size, root):
     return ds_scripts.load("record_ds_bf16_offload.py", ds_scripts.PLAIN_IMPORTS).main(root)
 
 
 @pytest.mark.parametrize(
-    "name", ["ds_classic.json", "ds_resume.json", "ds_zero3_init.json", "ds_bf16_offload.json"]
+    "name",
+    [
+        "ds_classic.json",
+        "ds_resume.json",
+        "ds_zero3_init.json",
+        "ds_bf16_offload.json",
+        "ds_loop_utils.json",
+    ],
 )
 def test_fixtures_were_recorded_on_deepspeed_0_19_8(name):
     assert _fixture(name)["deepspeed"] == "0.19.8"
