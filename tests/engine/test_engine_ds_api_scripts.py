@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ds_scripts
@@ -144,3 +145,37 @@ def test_bf16_offload_script_matches_deepspeed_within_bf16(tmp_path):
         }
         for name, (_, total) in ours["saved"].items():
             assert abs(total - ref["saved"][name][1]) <= 0.1, name
+
+
+def _fp32_from_stage3(rank, world_size, root):
+    from torch import nn
+
+    import minispeed.engine as deepspeed
+    from minispeed.engine.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.1, "torch_adam": True}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    loss = engine(torch.randn(2, 5, generator=torch.Generator().manual_seed(rank))).square().sum()
+    engine.backward(loss)
+    engine.step()
+    engine.save_checkpoint(root, tag="t")
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        live = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return live, get_fp32_state_dict_from_zero_checkpoint(root)
+
+
+def test_zero_to_fp32_of_a_stage3_checkpoint_is_the_trained_model(tmp_path):
+    """Each rank holds half of every parameter; the consolidated dict holds them whole, equal to
+    the gathered live parameters after the step."""
+    runs = run_distributed(_fp32_from_stage3, world_size=2, args=(str(tmp_path),), timeout_s=120)
+    for live, consolidated in runs:
+        assert set(consolidated) == set(live)
+        for name, value in live.items():
+            assert consolidated[name].dtype == torch.float32
+            assert torch.equal(consolidated[name], value), name
