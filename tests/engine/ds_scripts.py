@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import types
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,6 +29,30 @@ MOE_IMPORTS = {
     ),
 }
 
+CLASSIC_IMPORTS = {
+    "import deepspeed\n": "import minispeed.engine as deepspeed\n",
+    "from deepspeed import comm as dist\n": "from minispeed.engine import comm as dist\n",
+}
+
+RESUME_IMPORTS = {
+    "import deepspeed\n": "import minispeed.engine as deepspeed\n",
+    "from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint\n": (
+        "from minispeed.engine.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint\n"
+    ),
+}
+
+LOOP_UTILS_IMPORTS = {
+    "import deepspeed\n": "import minispeed.engine as deepspeed\n",
+    "from deepspeed.runtime.lr_schedules import WarmupLR\n": (
+        "from minispeed.engine.runtime.lr_schedules import WarmupLR\n"
+    ),
+    "from deepspeed.utils import RepeatingLoader, log_dist\n": (
+        "from minispeed.engine.utils import RepeatingLoader, log_dist\n"
+    ),
+}
+
+PLAIN_IMPORTS = {"import deepspeed\n": "import minispeed.engine as deepspeed\n"}
+
 
 def load(script: str, imports: dict[str, str]) -> types.ModuleType:
     """The script `scripts/<script>` with its imports swapped, executed as a module."""
@@ -41,3 +66,22 @@ def load(script: str, imports: dict[str, str]) -> types.ModuleType:
     module.__file__ = str(path)
     exec(compile(source, str(path), "exec"), module.__dict__)
     return module
+
+
+def assert_matches(ours: Any, ref: Any, rel: float = 1e-5, path: str = "") -> None:
+    """`ours` equals DeepSpeed's record `ref` key by key: numbers where either is a float within
+    `rel` (relative, absolute near zero), everything else exactly; the failure names the path."""
+    if isinstance(ref, dict):
+        assert isinstance(ours, dict) and set(ours) == set(ref), (path, ours, ref)
+        for key in ref:
+            assert_matches(ours[key], ref[key], rel, f"{path}/{key}")
+    elif isinstance(ref, list):
+        assert isinstance(ours, list) and len(ours) == len(ref), (path, ours, ref)
+        for i, (a, b) in enumerate(zip(ours, ref, strict=True)):
+            assert_matches(a, b, rel, f"{path}[{i}]")
+    elif isinstance(ref, float) or isinstance(ours, float):
+        # A number (DeepSpeed's get_lr() gives int 0 where a schedule starts at 0).
+        assert not isinstance(ours, bool) and isinstance(ours, int | float), (path, ours, ref)
+        assert abs(ours - ref) <= rel * max(1.0, abs(ref)), (path, ours, ref)
+    else:
+        assert ours == ref and type(ours) is type(ref), (path, ours, ref)

@@ -316,3 +316,19 @@ def test_offloaded_adam_follows_the_same_rule_as_on_device(kind: str, adam_w_mod
             optimizer.step()
         finals.append(param.detach())
     torch.testing.assert_close(finals[1], finals[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("section", ["optimizer", "scheduler"])
+def test_an_auto_placeholder_in_params_names_its_key(section: str) -> None:
+    """HF Trainer-style configs used without the Trainer: DeepSpeed fails with a TypeError deep
+    in the constructor; here a ConfigError names the key."""
+    from minispeed.engine.lr_schedules import build_scheduler
+
+    w = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(ValueError, match=rf'{section}\.params\.lr.*"auto".*Hugging Face'):
+        if section == "optimizer":
+            build_optimizer({"type": "AdamW", "params": {"lr": "auto"}}, [w])
+        else:
+            build_scheduler(
+                {"type": "OneCycle", "params": {"lr": "auto"}}, torch.optim.SGD([w], lr=0.1)
+            )

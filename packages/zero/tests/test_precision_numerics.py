@@ -9,6 +9,7 @@ scale left in the gradients makes AdamW's first step differ by orders of magnitu
 
 from __future__ import annotations
 
+import pytest
 import torch
 from stage012_testlib import max_relative_error, micro_batches, reference_run, zero_run
 from zero_testlib import make_batches, make_model
@@ -128,3 +129,16 @@ def test_fp16_overflow_skips_step_and_halves_scale() -> None:
             )
             assert after == before / 2, (stage, before, after)
             assert recovered is True and steps == 2, stage
+
+
+@pytest.mark.parametrize("section", ["fp16", "bf16"])
+def test_enabled_auto_is_off_as_deepspeed_reads_it(section):
+    """`"enabled": "auto"` (a Hugging Face Trainer config used without the Trainer): DeepSpeed
+    0.19.8 trains in fp32 (`engine.fp16_enabled()` and `bfloat16_enabled()` are False, the
+    parameters stay fp32); a truthy string must not switch 16-bit training on."""
+    from minispeed.zero.precision import MixedPrecision
+
+    mp = MixedPrecision.from_sections(**{section: {"enabled": "auto"}})
+    assert mp.param_dtype == torch.float32
+    with pytest.raises(ValueError, match=rf"{section}\.enabled.*true or false"):
+        MixedPrecision.from_sections(**{section: {"enabled": "yes"}})

@@ -39,10 +39,10 @@ from typing import Any
 import torch
 from torch import nn
 
-import minispeed.comm as comm
+import minispeed.comm as _comm
 from minispeed.core.config import ConfigError
 from minispeed.core.logging import get_logger
-from minispeed.engine import checkpointing, moe, pipe, tensor_plan, zero
+from minispeed.engine import checkpointing, comm, moe, pipe, tensor_plan, zero
 from minispeed.engine.config import EngineConfig, load_ds_config
 from minispeed.engine.engine import Engine
 from minispeed.engine.grid import build_grid, grid_shape, tensor_parallel_size
@@ -58,6 +58,7 @@ __all__ = [
     "EngineConfig",
     "add_config_arguments",
     "checkpointing",
+    "comm",
     "init_distributed",
     "init_inference",
     "initialize",
@@ -67,6 +68,20 @@ __all__ = [
 ]
 
 _log = get_logger("engine")
+
+
+def _version() -> str:
+    # Scripts print or compare `deepspeed.__version__`; the import-swapped module answers with
+    # minispeed's own version (a source checkout without installed metadata says so).
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("minispeed")
+    except PackageNotFoundError:
+        return "0.0.0+source"
+
+
+__version__ = _version()
 
 
 def init_distributed(
@@ -100,7 +115,7 @@ def init_distributed(
         timeout_s = timeout.total_seconds()
     else:
         timeout_s = float(timeout)
-    comm.init_distributed(backend=dist_backend, timeout_s=timeout_s, init_method=init_method)
+    _comm.init_distributed(backend=dist_backend, timeout_s=timeout_s, init_method=init_method)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -187,7 +202,7 @@ def initialize(
         ds = load_ds_config(trial.config)
     # 2. The process group, and the grid's shape (checked on every rank before any collective).
     init_distributed(distributed_port=distributed_port)
-    world = comm.get_world_size()
+    world = _comm.get_world_size()
     tensor = tensor_parallel_size(ds)
     stages = model.num_stages if is_pipeline else 1
     shape = grid_shape(world, stages, tensor)
@@ -297,7 +312,7 @@ def _dataloader(dataset: Any, cfg: EngineConfig, collate_fn: Any, grid: Any = No
         return None
     from torch.utils.data import DataLoader, DistributedSampler
 
-    rank = comm.get_rank() if grid is None else grid.rank_in("data")
+    rank = _comm.get_rank() if grid is None else grid.rank_in("data")
     sampler = DistributedSampler(dataset, num_replicas=cfg.data_parallel_size, rank=rank)
     return DataLoader(
         dataset, batch_size=cfg.micro_batch_size, sampler=sampler, collate_fn=collate_fn

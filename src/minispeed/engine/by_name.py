@@ -49,6 +49,15 @@ def split_section(section: Any, name: str) -> tuple[str, dict[str, Any]]:
             f"ds_config {name}.params must be an object of keyword arguments, got "
             f"{type(params).__name__}"
         )
+    # Hugging Face's Trainer replaces "auto" before DeepSpeed sees the config (DeepSpeed itself
+    # then fails with a TypeError inside the constructor); name the key instead.
+    auto = sorted(k for k, v in params.items() if isinstance(v, str) and v == "auto")
+    if auto:
+        raise ConfigError(
+            f"{name}.params.{auto[0]}",
+            'is "auto", a placeholder the Hugging Face Trainer fills in; outside the Trainer '
+            'give its value (minispeed resolves "auto" only in the batch sizes)',
+        )
     return kind, dict(params)
 
 

@@ -40,6 +40,7 @@ import minispeed.zero as zero
 from minispeed.core.accelerator import get_accelerator
 from minispeed.core.logging import get_logger
 from minispeed.engine.config import EngineConfig
+from minispeed.engine.queries import DeepSpeedQueries
 from minispeed.engine.trial import Trial, TrialRecorder
 from minispeed.zero.checkpoints.layout import LATEST_FILE
 
@@ -51,7 +52,7 @@ _log = get_logger("engine")
 _ENGINE_STATE = "minispeed_engine"
 
 
-class Engine(nn.Module):
+class Engine(DeepSpeedQueries, nn.Module):
     """A model, its `ZeroOptimizer` and its scheduler, stepped with DeepSpeed's semantics.
 
     Built by `minispeed.engine.initialize`. `module` is the user's model (sharded in place by
@@ -84,6 +85,7 @@ class Engine(nn.Module):
         self.global_samples = 0
         self.skipped_steps = 0
         self.micro_steps = 0
+        self._step_applied = False  # whether the last boundary's optimizer step was taken
         self.device = get_accelerator().device()
         self.timers: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._stack = contextlib.ExitStack()  # the step being profiled, while it runs
@@ -151,6 +153,7 @@ class Engine(nn.Module):
         counters["micro_steps"] += 1
         if not boundary:
             return
+        self._step_applied = bool(stepped)
         if stepped:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
@@ -213,6 +216,11 @@ class Engine(nn.Module):
     def eval(self) -> Engine:
         """Set the module to evaluation mode (returns the engine)."""
         return self.train(False)
+
+    def was_step_applied(self) -> bool:
+        """Whether the last accumulation boundary stepped the optimizer (`False` after an fp16
+        overflow skipped it, and before the first boundary), as DeepSpeed's."""
+        return self._step_applied
 
     def get_lr(self) -> list[float]:
         """The learning rate of each param group."""

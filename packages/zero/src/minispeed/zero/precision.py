@@ -165,7 +165,7 @@ class MixedPrecision:
         check_keys(fp16, _FP16_KEYS, "fp16")
         check_keys(bf16, {"enabled"}, "bf16")
         check_keys(types, {"grad_accum_dtype"}, "data_types")
-        fp16_on, bf16_on = bool(fp16.get("enabled", False)), bool(bf16.get("enabled", False))
+        fp16_on, bf16_on = _enabled(fp16, "fp16"), _enabled(bf16, "bf16")
         if fp16_on and bf16_on:
             raise ValueError(
                 "both fp16.enabled and bf16.enabled are true; enable at most one of them"
@@ -301,3 +301,20 @@ class LossScaler:
 
 
 _log = get_logger("zero")
+
+
+def _enabled(section: dict[str, Any], name: str) -> bool:
+    """`section["enabled"]` as DeepSpeed 0.19.8 reads it: `"auto"` (the Hugging Face Trainer's
+    placeholder, left in a config used without the Trainer) is off there, so it is off here, with
+    a warning; any other non-boolean is an error."""
+    value = section.get("enabled", False)
+    if value == "auto":
+        _log.warning(
+            '%s.enabled is "auto" (a placeholder the Hugging Face Trainer fills in): read as '
+            "false, as DeepSpeed reads it; set true or false",
+            name,
+        )
+        return False
+    if not isinstance(value, bool | int):
+        raise ConfigError(f"{name}.enabled", f"must be true or false, got {value!r}")
+    return bool(value)

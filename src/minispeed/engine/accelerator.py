@@ -1,0 +1,80 @@
+"""DeepSpeed's `deepspeed.accelerator` import path: `get_accelerator()` with DeepSpeed's method
+names, over `minispeed.core.accelerator`.
+
+```python
+from minispeed.engine.accelerator import get_accelerator  # was: deepspeed.accelerator
+device = torch.device(get_accelerator().device_name(local_rank))   # "cuda:0", or "cpu"
+get_accelerator().manual_seed_all(1234)
+```
+
+DeepSpeed's accelerator names differ from core's (`device_name` / `current_device_name` /
+`communication_backend_name` / `current_device` where core has `device` /
+`communication_backend` / `current_device_index`); this wrapper answers DeepSpeed's names, as
+DeepSpeed 0.19.8's CPU accelerator does on the CPU (`device_name(i)` is `"cpu"` there), and
+passes every other attribute to core's accelerator. Costs: one Python call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from minispeed.core.accelerator import Accelerator
+from minispeed.core.accelerator import get_accelerator as _core_accelerator
+
+__all__ = ["DeepSpeedAccelerator", "get_accelerator"]
+
+
+class DeepSpeedAccelerator:
+    """DeepSpeed's accelerator interface over a core `Accelerator`."""
+
+    def __init__(self, accelerator: Accelerator) -> None:
+        self._acc = accelerator
+
+    def _on_cpu(self) -> bool:
+        return self._acc.device().type == "cpu"
+
+    def device_name(self, device_index: int | None = None) -> str:
+        """`"cpu"`, or `"cuda"` / `"cuda:<index>"` (DeepSpeed's strings)."""
+        kind = self._acc.device().type
+        return kind if device_index is None or kind == "cpu" else f"{kind}:{device_index}"
+
+    def current_device_name(self) -> str:
+        return self.device_name(None if self._on_cpu() else self._acc.current_device_index())
+
+    def current_device(self) -> int:
+        return self._acc.current_device_index()
+
+    def device(self, device_index: int | None = None) -> torch.device:
+        return self._acc.device(device_index)
+
+    def communication_backend_name(self) -> str:
+        return self._acc.communication_backend()
+
+    def is_synchronized_device(self) -> bool:
+        """True on the CPU, where kernels run eagerly (DeepSpeed's meaning)."""
+        return self._on_cpu()
+
+    def use_host_timers(self) -> bool:
+        return self._on_cpu()
+
+    def manual_seed(self, seed: int) -> None:
+        if self._on_cpu():
+            torch.manual_seed(seed)
+        else:
+            torch.cuda.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        if self._on_cpu():
+            torch.manual_seed(seed)
+        else:
+            torch.cuda.manual_seed_all(seed)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._acc, name)
+
+
+def get_accelerator() -> DeepSpeedAccelerator:
+    """The current accelerator (core's choice: CUDA when available, `MINISPEED_ACCELERATOR`)."""
+    return DeepSpeedAccelerator(_core_accelerator())

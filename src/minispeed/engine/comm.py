@@ -1,0 +1,208 @@
+"""DeepSpeed's `deepspeed.comm` import path: `torch.distributed`'s signatures over `minispeed.comm`.
+
+```python
+from minispeed.engine import comm as dist      # was: from deepspeed import comm as dist
+dist.all_reduce(loss)                           # in place, summed over the ranks
+gathered = [None] * dist.get_world_size()
+dist.all_gather_object(gathered, stats)         # torch's (output list, object) signature
+```
+
+DeepSpeed's module keeps `torch.distributed`'s signatures (an output list filled in place for
+`all_gather` / `all_gather_object`, `broadcast_object_list`), where `minispeed.comm` returns its
+results (`all_gather_object(obj) -> list`). This adapter keeps DeepSpeed's: the collectives
+`minispeed.comm` has with the same signature go through it (so the comms logger and the input
+checks see them), the rest through `torch.distributed`. `prof`, `log_name` and `debug` (DeepSpeed's
+per-call logging arguments) are accepted and unused: `comms_logger` in the config logs every
+collective. Cost: one Python call over the collective's.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as _dist
+
+import minispeed.comm as _comm
+from minispeed.comm import ReduceOp
+
+__all__ = [
+    "ReduceOp",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "destroy_process_group",
+    "gather",
+    "get_global_rank",
+    "get_local_rank",
+    "get_rank",
+    "get_world_group",
+    "get_world_size",
+    "init_distributed",
+    "is_available",
+    "is_initialized",
+    "new_group",
+    "reduce",
+    "reduce_scatter_tensor",
+    "scatter",
+]
+
+
+def init_distributed(dist_backend: str | None = None, **kwargs: Any) -> None:
+    """`deepspeed.comm.init_distributed`: the same as `minispeed.engine.init_distributed`."""
+    from minispeed.engine import init_distributed as _init
+
+    _init(dist_backend=dist_backend, **kwargs)
+
+
+def is_available() -> bool:
+    return _dist.is_available()
+
+
+def is_initialized() -> bool:
+    return _comm.is_initialized()
+
+
+def get_rank(group: Any = None) -> int:
+    return _comm.get_rank(group)
+
+
+def get_world_size(group: Any = None) -> int:
+    return _comm.get_world_size(group)
+
+
+def get_local_rank() -> int:
+    """This process's rank on its node (torchrun's `LOCAL_RANK`; 0 without a launcher)."""
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def get_global_rank(group: Any = None, group_rank: int = 0) -> int:
+    return group_rank if group is None else _dist.get_global_rank(group, group_rank)
+
+
+def get_world_group() -> Any:
+    return _dist.group.WORLD
+
+
+def new_group(ranks: list[int]) -> Any:
+    return _comm.new_group(ranks)
+
+
+def destroy_process_group(group: Any = None) -> None:
+    _comm.destroy_process_group(group)
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+    **_: Any,
+) -> Any:
+    return _comm.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def broadcast(
+    tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False, **_: Any
+) -> Any:
+    return _comm.broadcast(tensor, src, group=group, async_op=async_op)
+
+
+def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None, **_: Any) -> None:
+    _comm.barrier(group)
+
+
+def all_gather_into_tensor(
+    output_tensor: torch.Tensor, tensor: torch.Tensor, group: Any = None, async_op: bool = False
+) -> Any:
+    return _comm.all_gather_into_tensor(output_tensor, tensor, group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(
+    output_tensor: torch.Tensor,
+    tensor: torch.Tensor,
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+    **_: Any,
+) -> Any:
+    return _comm.reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op)
+
+
+def all_to_all_single(
+    output: torch.Tensor,
+    tensor: torch.Tensor,
+    output_split_sizes: Any = None,
+    input_split_sizes: Any = None,
+    group: Any = None,
+    async_op: bool = False,
+    **_: Any,
+) -> Any:
+    return _dist.all_to_all_single(
+        output, tensor, output_split_sizes, input_split_sizes, group=group, async_op=async_op
+    )
+
+
+def all_gather(
+    tensor_list: list[torch.Tensor],
+    tensor: torch.Tensor,
+    group: Any = None,
+    async_op: bool = False,
+    **_: Any,
+) -> Any:
+    return _dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+
+
+def all_gather_object(object_list: list[Any], obj: Any, group: Any = None, **_: Any) -> None:
+    """Fill `object_list` (one slot per rank) with every rank's `obj`, as torch's does."""
+    if len(object_list) != get_world_size(group):
+        raise ValueError(
+            f"all_gather_object: object_list has {len(object_list)} slots for a group of "
+            f"{get_world_size(group)} ranks; pass [None] * dist.get_world_size()"
+        )
+    object_list[:] = _comm.all_gather_object(obj, group=group)
+
+
+def broadcast_object_list(
+    object_list: list[Any], src: int, group: Any = None, device: Any = None, **_: Any
+) -> None:
+    _dist.broadcast_object_list(object_list, src, group=group, device=device)
+
+
+def reduce(
+    tensor: torch.Tensor,
+    dst: int,
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+    **_: Any,
+) -> Any:
+    return _dist.reduce(tensor, dst, op=op, group=group, async_op=async_op)
+
+
+def gather(
+    tensor: torch.Tensor,
+    gather_list: Any = None,
+    dst: int = 0,
+    group: Any = None,
+    async_op: bool = False,
+    **_: Any,
+) -> Any:
+    return _dist.gather(tensor, gather_list, dst, group=group, async_op=async_op)
+
+
+def scatter(
+    tensor: torch.Tensor,
+    scatter_list: Any = None,
+    src: int = 0,
+    group: Any = None,
+    async_op: bool = False,
+    **_: Any,
+) -> Any:
+    return _dist.scatter(tensor, scatter_list, src, group=group, async_op=async_op)

@@ -1,0 +1,2 @@
+"""DeepSpeed's `deepspeed.ops` import path: only `adam` (`FusedAdam`, `DeepSpeedCPUAdam`), the
+optimizers scripts construct themselves."""

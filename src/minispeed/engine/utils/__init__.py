@@ -1,0 +1,53 @@
+"""DeepSpeed's `deepspeed.utils` import path: the names scripts import from it.
+
+```python
+from minispeed.engine.utils import RepeatingLoader, log_dist, logger   # was: deepspeed.utils
+log_dist(f"step {step} loss {loss:.4f}", ranks=[0])
+data_iter = iter(RepeatingLoader(loader))       # endless, for pipeline train_batch
+```
+
+`log_dist(message, ranks=None, level=INFO)` logs `"[Rank r] message"` on the listed ranks
+(`[-1]`: every rank), as DeepSpeed's: with `ranks=None` it logs only before the process group
+exists. `logger` is minispeed's engine logger. `RepeatingLoader(loader)` restarts `loader` when it
+runs out. `zero_to_fp32` (a module) turns a sharded checkpoint into one fp32 state dict.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import minispeed.comm as comm
+from minispeed.core.logging import get_logger
+
+__all__ = ["RepeatingLoader", "log_dist", "logger"]
+
+logger = get_logger("engine")
+
+
+def log_dist(message: str, ranks: Sequence[int] | None = None, level: int = logging.INFO) -> None:
+    """Log `message` with a rank prefix on `ranks` (DeepSpeed's rule, module docstring)."""
+    initialized = comm.is_initialized()
+    rank = comm.get_rank() if initialized else -1
+    ranks = list(ranks or [])
+    if not initialized or (ranks and (ranks[0] == -1 or rank in ranks)):
+        logger.log(level, "[Rank %d] %s", rank, message)
+
+
+class RepeatingLoader:
+    """An endless iterator over `loader`, restarting it (a new epoch) when it runs out."""
+
+    def __init__(self, loader: Iterable[Any]) -> None:
+        self.loader = loader
+        self.data_iter = iter(loader)
+
+    def __iter__(self) -> RepeatingLoader:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self.data_iter)
+        except StopIteration:
+            self.data_iter = iter(self.loader)
+            return next(self.data_iter)
