@@ -16,8 +16,6 @@ which writes `tests/engine/fixtures/ds_loop_utils.json`.
 minispeed's and compares.
 """
 
-import json
-import os
 from pathlib import Path
 
 import deepspeed
@@ -64,25 +62,15 @@ def main():
 
 
 if __name__ == "__main__":
+    from ds_fixture import write_fixture  # scripts/ is on sys.path when run as a script
+
     deepspeed.init_distributed()
     result = main()
-    rank = dist.get_rank()
-    out = Path(os.environ.get("FIXTURE_OUT", FIXTURE))
-    out.with_suffix(f".rank{rank}.json").write_text(json.dumps(result))
-    dist.barrier()
-    if rank == 0:
-        ranks = [json.loads(out.with_suffix(f".rank{r}.json").read_text()) for r in range(2)]
-        out.write_text(
-            json.dumps(
-                {
-                    "deepspeed": deepspeed.__version__,
-                    "torch": torch.__version__,
-                    "command": "env -u PYTHONPATH DS_ACCELERATOR=cpu /work/dsvenv/bin/python -m "
-                    "torch.distributed.run --nproc_per_node 2 scripts/record_ds_loop_utils.py",
-                    "ranks": ranks,
-                },
-                indent=1,
-            )
-        )
-        for r in range(2):
-            out.with_suffix(f".rank{r}.json").unlink()
+    write_fixture(
+        result,
+        FIXTURE,
+        rank=dist.get_rank(),
+        world=dist.get_world_size(),
+        barrier=dist.barrier,
+        versions={"deepspeed": deepspeed.__version__, "torch": torch.__version__},
+    )

@@ -17,7 +17,6 @@ which writes `tests/engine/fixtures/moe_ep2_top1.json`. `tests/engine/test_adapt
 runs this same file with its import lines changed to minispeed's and compares.
 """
 
-import json
 import os
 from pathlib import Path
 
@@ -127,13 +126,14 @@ def main():
 
 
 if __name__ == "__main__":
+    from ds_fixture import write_fixture  # scripts/ is on sys.path when run as a script
+
     result = main()
-    rank = int(os.environ["RANK"])
-    out = Path(os.environ.get("FIXTURE_OUT", FIXTURE))
-    out.with_suffix(f".rank{rank}.json").write_text(json.dumps(result))
-    dist.barrier()
-    if rank == 0:
-        ranks = [json.loads(out.with_suffix(f".rank{r}.json").read_text()) for r in range(2)]
-        out.write_text(json.dumps({"deepspeed": deepspeed.__version__, "ranks": ranks}, indent=1))
-        for r in range(2):
-            out.with_suffix(f".rank{r}.json").unlink()
+    write_fixture(
+        result,
+        FIXTURE,
+        rank=int(os.environ["RANK"]),
+        world=int(os.environ["WORLD_SIZE"]),
+        barrier=dist.barrier,
+        versions={"deepspeed": deepspeed.__version__, "torch": torch.__version__},
+    )

@@ -21,9 +21,7 @@ which writes `tests/engine/fixtures/ds_resume.json`. `tests/engine/test_engine_d
 runs this same file with its import lines changed to minispeed's and compares.
 """
 
-import json
 import os
-import shutil
 from pathlib import Path
 
 import deepspeed
@@ -137,27 +135,17 @@ def main(ckpt_root):
 
 
 if __name__ == "__main__":
+    from ds_fixture import write_fixture  # scripts/ is on sys.path when run as a script
+
     deepspeed.init_distributed()
     root = Path(os.environ.get("CKPT_ROOT", "/tmp/record_ds_resume"))
     result = main(str(root))
-    rank = dist.get_rank()
-    out = Path(os.environ.get("FIXTURE_OUT", FIXTURE))
-    out.with_suffix(f".rank{rank}.json").write_text(json.dumps(result))
-    dist.barrier()
-    if rank == 0:
-        ranks = [json.loads(out.with_suffix(f".rank{r}.json").read_text()) for r in range(2)]
-        out.write_text(
-            json.dumps(
-                {
-                    "deepspeed": deepspeed.__version__,
-                    "torch": torch.__version__,
-                    "command": "env -u PYTHONPATH DS_ACCELERATOR=cpu /work/dsvenv/bin/python -m "
-                    "torch.distributed.run --nproc_per_node 2 scripts/record_ds_resume.py",
-                    "ranks": ranks,
-                },
-                indent=1,
-            )
-        )
-        for r in range(2):
-            out.with_suffix(f".rank{r}.json").unlink()
-        shutil.rmtree(root, ignore_errors=True)
+    write_fixture(
+        result,
+        FIXTURE,
+        rank=dist.get_rank(),
+        world=dist.get_world_size(),
+        barrier=dist.barrier,
+        versions={"deepspeed": deepspeed.__version__, "torch": torch.__version__},
+        scratch=root,
+    )

@@ -1,0 +1,58 @@
+"""The end of every `scripts/record_ds_*.py` run: each rank's result joined into one fixture.
+
+Each rank writes its result beside the fixture, rank 0 joins them after a barrier, writes the
+fixture atomically (temporary file, fsync, rename) with the versions and the command that
+recorded it, and removes the parts and the run's scratch folder. The recording scripts call
+`write_fixture` from their `__main__` block only: the tests execute the same scripts under
+another module name (`tests/engine/ds_scripts.py`), so this never runs there, and the scripts'
+bodies stay plain DeepSpeed code. `FIXTURE_OUT` in the environment writes elsewhere (to compare
+a new recording with the kept one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def write_fixture(
+    result: Any,
+    fixture: Path,
+    *,
+    rank: int,
+    world: int,
+    barrier: Callable[[], Any],
+    versions: dict[str, str],
+    scratch: Path | None = None,
+) -> None:
+    """Join every rank's `result` into `fixture` (or `$FIXTURE_OUT`) as `{**versions, "command":
+    ..., "ranks": [...]}`; collective (every rank calls it)."""
+    out = Path(os.environ.get("FIXTURE_OUT", fixture))
+
+    def part(r: int) -> Path:
+        return out.with_suffix(f".rank{r}.json")
+
+    part(rank).write_text(json.dumps(result))
+    barrier()
+    if rank != 0:
+        return
+    ranks = [json.loads(part(r).read_text()) for r in range(world)]
+    command = (
+        "env -u PYTHONPATH DS_ACCELERATOR=cpu /work/dsvenv/bin/python -m torch.distributed.run "
+        f"--nproc_per_node {world} scripts/{Path(sys.argv[0]).name}"
+    )
+    tmp = out.with_suffix(".json.tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps({**versions, "command": command, "ranks": ranks}, indent=1))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
+    for r in range(world):
+        part(r).unlink()
+    if scratch is not None:
+        shutil.rmtree(scratch, ignore_errors=True)
