@@ -10,9 +10,10 @@ how the reduced gradients reach the optimizer; the plumbing below is written onc
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 import minispeed.comm as comm
@@ -26,6 +27,9 @@ __all__ = ["BucketedStrategy"]
 
 class BucketedStrategy(ShardStrategy):
     """A `ShardStrategy` over flat buckets and a reducer (stages 0-2)."""
+
+    #: (the reduced tensors, per group per parameter views of them): `_views_of`'s cache.
+    _grad_views: tuple[list[torch.Tensor], list[list[torch.Tensor]]] | None = None
 
     reducer: Any  # reducer.py: AllReduceReducer, BoundaryScatterReducer or BackwardScatterReducer
 
@@ -47,6 +51,19 @@ class BucketedStrategy(ShardStrategy):
         bucket_numel = config.bucket_numel(precision.grad_accum_dtype.itemsize)
         world_size = comm.get_world_size(group)
         self.layouts = [FlatLayout(ps, bucket_numel, world_size, pad=pad) for ps in self.groups]
+
+    def _views_of(
+        self,
+        reduced: list[torch.Tensor],
+        make: Callable[[], list[list[torch.Tensor]]],
+    ) -> list[list[torch.Tensor]]:
+        """Per group per parameter views of the `reduced` tensors, made by `make` once and kept
+        while the reducer returns the same tensors (fp32 gradients, reduced in place): the views
+        `master_grads` hands out cost no tensor op per parameter per step."""
+        cached = self._grad_views
+        if cached is None or any(a is not b for a, b in zip(cached[0], reduced)):
+            self._grad_views = (reduced, make())
+        return self._grad_views[1]
 
     def _reduce_with(
         self, reducer: type, model: nn.Module, group: Any, grad_divisor: int | None

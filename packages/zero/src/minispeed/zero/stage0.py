@@ -73,8 +73,6 @@ class ReplicatedStrategy(BucketedStrategy):
                     masters.append(p.detach())  # See Note [fp32 stage 0 has no master copy]
             self._masters.append(masters)
 
-        # (the reduced flat tensors, per group per parameter views of them): master_grads().
-        self._grad_views: tuple[list[torch.Tensor], list[list[torch.Tensor]]] | None = None
         self._reduce_with(AllReduceReducer, model, group, grad_divisor)
 
     def master_params(self) -> list[list[torch.Tensor]]:
@@ -87,13 +85,13 @@ class ReplicatedStrategy(BucketedStrategy):
         The views are made once and kept while the reducer returns the same flat tensors (fp32
         gradients, reduced in place): two tensor ops per parameter per step saved."""
         flats = [ts[0] for ts in self.reducer.reduced()]
-        if self._grad_views is None or any(a is not b for a, b in zip(self._grad_views[0], flats)):
-            views = [
+        return self._views_of(
+            flats,
+            lambda: [
                 [flats[g][s.offset : s.offset + s.numel].view(s.shape) for s in lay.slots]
                 for g, lay in enumerate(self.layouts)
-            ]
-            self._grad_views = (flats, views)
-        return self._grad_views[1]
+            ],
+        )
 
     @torch.no_grad()
     def publish_params(self) -> None:

@@ -145,8 +145,6 @@ class PartitionedStrategy(BucketedStrategy):
                 masters.append(shard[at : at + numel])
             self._masters.append(masters)
 
-        # (the reduced shard tensors, per group per parameter views of them): master_grads().
-        self._grad_views: tuple[list[torch.Tensor], list[list[torch.Tensor]]] | None = None
         reducer = BoundaryScatterReducer if config.stage == 1 else BackwardScatterReducer
         self._reduce_with(reducer, model, group, grad_divisor)
 
@@ -158,16 +156,13 @@ class PartitionedStrategy(BucketedStrategy):
         """Per group, per parameter: the fragment's slice of this rank's averaged fp32 gradient
         shard of its bucket (views: no copy)."""
         shards = self.reducer.reduced()
-        flat = [t for ts in shards for t in ts]
-        # Kept while the reducer returns the same shard tensors (fp32 gradients, reduced in
-        # place): one tensor op per parameter per step saved.
-        if self._grad_views is None or any(a is not b for a, b in zip(self._grad_views[0], flat)):
-            views = [
+        return self._views_of(
+            [t for ts in shards for t in ts],
+            lambda: [
                 [shards[g][b][at : at + numel] for b, at, _, numel in pieces]
                 for g, pieces in enumerate(self._pieces)
-            ]
-            self._grad_views = (flat, views)
-        return self._grad_views[1]
+            ],
+        )
 
     @torch.no_grad()
     def publish_params(self) -> None:
