@@ -5,6 +5,9 @@ runs the collective, and compares. Sync and async forms, 2 and 4 ranks, uneven a
 coalesced all-gather of different-size tensors, point-to-point, objects, and the backend fallbacks.
 """
 
+import os
+import subprocess
+import sys
 import warnings
 from contextlib import nullcontext
 
@@ -276,3 +279,34 @@ def test_init_distributed_without_launcher_is_a_single_process_group(monkeypatch
     finally:
         comm.destroy_process_group()
     assert not comm.is_initialized()
+
+
+_EXIT_SCRIPT = """
+import atexit, sys
+import torch
+import torch.distributed as dist
+from minispeed import comm
+
+# Registered before init_distributed's hook, so it runs after it (atexit is last-in, first-out).
+atexit.register(lambda: print("group alive at exit:", dist.is_initialized(), flush=True))
+comm.init_distributed()
+t = torch.ones(2)
+comm.all_reduce(t)
+if sys.argv[1] == "raise":
+    raise RuntimeError("the script failed")
+"""
+
+
+@pytest.mark.parametrize("ending", ["clean", "raise"])
+def test_a_script_that_never_destroys_the_group_has_it_destroyed_at_a_clean_exit(tmp_path, ending):
+    """Note [destroy before finalization]: gloo's threads torn down during interpreter
+    finalization abort the process now and then, so a clean exit destroys the group first; an
+    exit by an uncaught exception leaves it (a peer's unfinished work could make it wait)."""
+    script = tmp_path / "script.py"
+    script.write_text(_EXIT_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    out = subprocess.run(
+        [sys.executable, str(script), ending], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.returncode == (0 if ending == "clean" else 1), out.stderr
+    assert f"group alive at exit: {ending == 'raise'}" in out.stdout, out.stdout + out.stderr

@@ -7,8 +7,10 @@ a whole process grid.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,7 +43,11 @@ def init_distributed(
     `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`. Without them (a plain
     `python script.py`) it starts a single-process group, so the same script runs unlaunched.
     On a GPU the process's device is set to `LOCAL_RANK`.
+
+    A script that never calls `destroy_process_group` (most DeepSpeed scripts) gets it called
+    for it when the interpreter exits cleanly: Note [destroy before finalization].
     """
+    _register_exit_teardown()  # also for a group the script started itself
     if dist.is_initialized():
         return
     acc = get_accelerator()
@@ -60,6 +66,36 @@ def init_distributed(
         _log.info("RANK/WORLD_SIZE not set: starting a single-process group (world size 1)")
         store = dist.HashStore()
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+
+
+# Note [destroy before finalization]
+# A process that exits with the default group alive leaves gloo's worker threads and their
+# finished work objects (which hold tensors) to be torn down during interpreter finalization.
+# Now and then that ends in `terminate called without an active exception` (SIGABRT) after a
+# run that trained correctly (torch's own issue #190489 shows it with a plain all_gather). So
+# the first `init_distributed` registers an exit hook that destroys the group while the
+# interpreter is still whole. Only on a clean exit: after an uncaught exception
+# (`sys.last_value` is set) a rank may hold work its dead peer will never complete, and
+# tearing the group down would wait for it; the process then exits as it would have.
+
+
+_exit_teardown_registered = False
+
+
+def _register_exit_teardown() -> None:
+    global _exit_teardown_registered
+    if not _exit_teardown_registered:
+        atexit.register(_destroy_at_exit)
+        _exit_teardown_registered = True
+
+
+def _destroy_at_exit() -> None:
+    if getattr(sys, "last_value", None) is not None or not is_initialized():
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception as err:  # exiting anyway: say so, never mask the exit status
+        _log.warning("destroying the process group at exit failed: %s", err)
 
 
 def is_initialized() -> bool:
