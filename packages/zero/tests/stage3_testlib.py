@@ -201,6 +201,7 @@ class StorageProbe(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.refs: dict[int, Any] = {}
+        self.made_by: dict[int, str] = {}  # which op made each storage, for failure messages
         self.peak = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -209,6 +210,7 @@ class StorageProbe(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
                 self.refs[storage._cdata] = storage._weak_ref()
+                self.made_by[storage._cdata] = f"{func} -> {tuple(t.shape)} {t.dtype}"
         self.peak = max(self.peak, self.live())
         return out
 
@@ -220,6 +222,18 @@ class StorageProbe(TorchDispatchMode):
             else:
                 total += torch.UntypedStorage._new_with_weak_ptr(ref).nbytes()
         return total
+
+    def alive(self, most: int = 12) -> list[str]:
+        """The `most` largest storages still alive, each with its bytes and the op that made
+        it: what a failed bound is holding."""
+        rows = []
+        for key, ref in list(self.refs.items()):
+            if torch.UntypedStorage._expired(ref):
+                continue
+            nbytes = torch.UntypedStorage._new_with_weak_ptr(ref).nbytes()
+            if nbytes:
+                rows.append((nbytes, f"{nbytes} B from {self.made_by[key]}"))
+        return [row for _, row in sorted(rows, reverse=True)[:most]]
 
 
 class LateInit(nn.Module):

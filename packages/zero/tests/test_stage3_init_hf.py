@@ -82,7 +82,7 @@ def _body(rank: int, world_size: int, kind: str) -> dict:
     with StorageProbe() as probe, Init():
         model, _, _ = _build(kind)
     gc.collect()  # garbage is not held: only what outlives a collection counts against the bound
-    built = dict(live=probe.live(), peak=probe.peak)
+    built = dict(live=probe.live(), peak=probe.peak, alive=probe.alive())
     torch.manual_seed(0)
     plain, _, _ = _build(kind)
     with GatheredParameters(list(model.parameters())):
