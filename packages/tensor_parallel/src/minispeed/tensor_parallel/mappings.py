@@ -67,12 +67,7 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, tg: TensorGroup) -> torch.Te
     """Chunk `rank` along `dim` of the sum of every rank's `x`; one reduce-scatter of |x| bytes."""
     if tg.size == 1:
         return x
-    if x.shape[dim] % tg.size:
-        raise ValueError(
-            f"reduce-scatter along dim {dim}: size {x.shape[dim]} is not divisible by the "
-            f"tensor-parallel size {tg.size}; pad the sequence to a multiple of {tg.size}"
-        )
-    chunks = torch.stack(x.chunk(tg.size, dim))  # (n, ...): chunk r is rank r's
+    chunks = torch.stack(_chunks(x, dim, tg, "reduce-scatter"))  # (n, ...): chunk r is rank r's
     out = torch.empty(chunks.shape[1:], dtype=x.dtype, device=x.device)
     comm.reduce_scatter_tensor(out, chunks, group=tg.group)
     return out
@@ -82,12 +77,17 @@ def split_along(x: torch.Tensor, dim: int, tg: TensorGroup) -> torch.Tensor:
     """This rank's chunk of `x` along `dim` (a copy); no communication."""
     if tg.size == 1:
         return x
+    return _chunks(x, dim, tg, "split")[tg.rank].contiguous()
+
+
+def _chunks(x: torch.Tensor, dim: int, tg: TensorGroup, what: str) -> tuple[torch.Tensor, ...]:
+    """`x` in `tg.size` equal views along `dim` (chunk r is rank r's); raises if it does not divide."""
     if x.shape[dim] % tg.size:
         raise ValueError(
-            f"splitting dim {dim} of size {x.shape[dim]} over {tg.size} tensor-parallel ranks: "
-            f"make it a multiple of {tg.size}"
+            f"{what} along dim {dim}: size {x.shape[dim]} is not divisible by the "
+            f"tensor-parallel size {tg.size}; pad it (e.g. the sequence) to a multiple of {tg.size}"
         )
-    return x.chunk(tg.size, dim)[tg.rank].contiguous()
+    return x.chunk(tg.size, dim)
 
 
 def _all_reduce(x: torch.Tensor, tg: TensorGroup) -> torch.Tensor:
