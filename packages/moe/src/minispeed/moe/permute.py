@@ -126,7 +126,7 @@ def gather_rows(
     op = _compiled(src)
     if op is None:
         return reference.gather_rows(src, index, scale)
-    return _launch(op, "gather_rows", src, index, scale, level)
+    return _launch(op, "gather_rows", src, index, scale, (), level)
 
 
 def combine_rows(
@@ -139,7 +139,7 @@ def combine_rows(
     op = _compiled(src)
     if op is None:
         return reference.combine_rows(src, index, weight)
-    return _launch(op, "combine_rows", src, index, weight, level)
+    return _launch(op, "combine_rows", src, index, weight, (index.shape[1],), level)
 
 
 def _launch(
@@ -148,17 +148,19 @@ def _launch(
     src: torch.Tensor,
     index: torch.Tensor,
     weights: torch.Tensor | None,
+    per_row: tuple[int, ...],
     level: int,
 ) -> torch.Tensor:
     """Run kernel `name` of `op` (CPU or CUDA): both kernels take `(src, src_rows, out, out_rows,
-    index, weights, *index.shape[1:], d)`, with one output row per row of `index` (N, or (T, k))."""
+    index, weights, *per_row, d)`, one output row per row of `index` (gather: `(N,)`, no
+    `per_row`; combine: `(T, k)`, `per_row = (k,)`)."""
     if index.dtype != torch.int64:
         raise TypeError(f"{name}: index must be int64, got {index.dtype}; call .long()")
     src_c = src.detach().contiguous()
     idx = index.contiguous()
     w = None if weights is None else weights.detach().to(torch.float32).contiguous()
     n, d = src.shape
-    rows, *per_row = idx.shape
+    rows = idx.shape[0]
     out = torch.empty(rows, d, dtype=src.dtype, device=src.device)
     kernel = getattr(op, name)
     if src.device.type == "cuda":
