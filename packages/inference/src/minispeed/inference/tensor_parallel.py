@@ -143,24 +143,16 @@ def resolve(cfg: TPConfig) -> TPContext | None:
             )
         grid = comm.ProcessGrid(comm.ProcessTopology(("data", "tensor"), (world // n, n)))
         return TPContext(grid.rank_in("tensor"), n, grid.group("tensor"))
-    if isinstance(group, comm.ProcessGrid):
-        axes = group.topology.axes
-        axis = "tensor" if "tensor" in axes else "model" if "model" in axes else None
-        if axis is None:
-            raise ValueError(
-                f"tensor_parallel tp_group is a ProcessGrid with axes {list(axes)}: it needs a "
-                "'tensor' (or 'model') axis"
-            )
-        rank, size, handle = group.rank_in(axis), group.size(axis), group.group(axis)
-    else:
-        rank, size, handle = comm.get_rank(group), comm.get_world_size(group), group
-        if rank < 0:
-            raise ValueError("tensor_parallel tp_group does not contain this rank")
-    if size != n:
+    try:
+        ctx = TPContext.of(group)  # a handle, a ProcessGrid (its tensor axis) or a TensorGroup
+    except ValueError as err:
+        raise ValueError(f"tensor_parallel tp_group: {err}") from None
+    if ctx.size != n:
         raise ValueError(
-            f"tensor_parallel tp_size={n} but the given tp_group has {size} ranks: make them equal"
+            f"tensor_parallel tp_size={n} but the given tp_group has {ctx.size} ranks: make them "
+            "equal"
         )
-    return TPContext(rank, size, handle)
+    return ctx
 
 
 def _frozen_linear(w: torch.Tensor, b: torch.Tensor | None) -> nn.Linear:

@@ -126,20 +126,7 @@ def gather_rows(
     op = _compiled(src)
     if op is None:
         return reference.gather_rows(src, index, scale)
-    if index.dtype != torch.int64:
-        raise TypeError(f"gather_rows: index must be int64, got {index.dtype}; call .long()")
-    src_c = src.detach().contiguous()
-    idx = index.contiguous()
-    sc = None if scale is None else scale.detach().to(torch.float32).contiguous()
-    out = torch.empty(idx.shape[0], src.shape[1], dtype=src.dtype, device=src.device)
-    n, d = src.shape
-    if src.device.type == "cuda":
-        _run_cuda(op.gather_rows, src_c, n, out, idx.shape[0], idx, _ptr(sc), d)
-    else:
-        level = op.simd_levels()[-1] if level < 0 else level
-        op.gather_rows(src_c.data_ptr(), n, out.data_ptr(), idx.shape[0], idx.data_ptr(),
-                       _ptr(sc), d, level)  # fmt: skip
-    return out
+    return _launch(op, "gather_rows", src, index, scale, (), level)
 
 
 def combine_rows(
@@ -152,20 +139,36 @@ def combine_rows(
     op = _compiled(src)
     if op is None:
         return reference.combine_rows(src, index, weight)
+    return _launch(op, "combine_rows", src, index, weight, (index.shape[1],), level)
+
+
+def _launch(
+    op: ModuleType,
+    name: str,
+    src: torch.Tensor,
+    index: torch.Tensor,
+    weights: torch.Tensor | None,
+    per_row: tuple[int, ...],
+    level: int,
+) -> torch.Tensor:
+    """Run kernel `name` of `op` (CPU or CUDA): both kernels take `(src, src_rows, out, out_rows,
+    index, weights, *per_row, d)`, one output row per row of `index` (gather: `(N,)`, no
+    `per_row`; combine: `(T, k)`, `per_row = (k,)`)."""
     if index.dtype != torch.int64:
-        raise TypeError(f"combine_rows: index must be int64, got {index.dtype}; call .long()")
+        raise TypeError(f"{name}: index must be int64, got {index.dtype}; call .long()")
     src_c = src.detach().contiguous()
     idx = index.contiguous()
-    w = None if weight is None else weight.detach().to(torch.float32).contiguous()
-    t, k = idx.shape
+    w = None if weights is None else weights.detach().to(torch.float32).contiguous()
     n, d = src.shape
-    out = torch.empty(t, d, dtype=src.dtype, device=src.device)
+    rows = idx.shape[0]
+    out = torch.empty(rows, d, dtype=src.dtype, device=src.device)
+    kernel = getattr(op, name)
     if src.device.type == "cuda":
-        _run_cuda(op.combine_rows, src_c, n, out, t, idx, _ptr(w), k, d)
+        _run_cuda(kernel, src_c, n, out, rows, idx, _ptr(w), *per_row, d)
     else:
         level = op.simd_levels()[-1] if level < 0 else level
-        op.combine_rows(src_c.data_ptr(), n, out.data_ptr(), t, idx.data_ptr(), _ptr(w), k, d,
-                        level)  # fmt: skip
+        kernel(src_c.data_ptr(), n, out.data_ptr(), rows, idx.data_ptr(), _ptr(w), *per_row, d,
+               level)  # fmt: skip
     return out
 
 

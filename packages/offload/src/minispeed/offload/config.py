@@ -50,6 +50,23 @@ def _as_dict(section: Any, name: str) -> dict[str, Any]:
     return dict(section)
 
 
+# The keys both offload sections (optimizer states and parameters) share, under the same names.
+_DEVICE_KEYS = {
+    "device": "device",
+    "nvme_path": "nvme_path",
+    "buffer_count": "buffer_count",
+    "pin_memory": "pin_memory",
+}
+
+
+def _device_section(section: Any, name: str) -> dict[str, Any]:
+    """An offload section as a fresh dict; `device: null` means the default (``none``)."""
+    section = _as_dict(section, name)
+    if section.get("device") is None:
+        section.pop("device", None)
+    return section
+
+
 def _check_types(obj: Any, prefix: str) -> None:
     for f in fields(obj):
         value = getattr(obj, f.name)
@@ -177,18 +194,13 @@ class OffloadOptimizerConfig:
     @classmethod
     def from_ds_config(cls, section: dict[str, Any] | None) -> OffloadOptimizerConfig:
         """From DeepSpeed's ``offload_optimizer`` section (``None``: device ``none``)."""
-        section = _as_dict(section, "offload_optimizer")
-        if section.get("device") is None:
-            section.pop("device", None)
+        section = _device_section(section, "offload_optimizer")
         if "pipeline" in section:  # DeepSpeed's older switch for both directions
             both = section.pop("pipeline")
             section.setdefault("pipeline_read", both)
             section.setdefault("pipeline_write", both)
         keys = {
-            "device": "device",
-            "nvme_path": "nvme_path",
-            "buffer_count": "buffer_count",
-            "pin_memory": "pin_memory",
+            **_DEVICE_KEYS,
             "pipeline_read": "pipeline_read",
             "pipeline_write": "pipeline_write",
         }
@@ -229,15 +241,6 @@ class OffloadParamConfig:
     @classmethod
     def from_ds_config(cls, section: dict[str, Any] | None) -> OffloadParamConfig:
         """From DeepSpeed's ``offload_param`` section (``None``: device ``none``)."""
-        section = _as_dict(section, "offload_param")
-        if section.get("device") is None:
-            section.pop("device", None)
-        keys = {
-            "device": "device",
-            "nvme_path": "nvme_path",
-            "buffer_count": "buffer_count",
-            "buffer_size": "buffer_numel",
-            "max_in_cpu": "max_in_cpu_numel",
-            "pin_memory": "pin_memory",
-        }
+        section = _device_section(section, "offload_param")
+        keys = {**_DEVICE_KEYS, "buffer_size": "buffer_numel", "max_in_cpu": "max_in_cpu_numel"}
         return cls(**_translate(section, "offload_param", keys, {}))

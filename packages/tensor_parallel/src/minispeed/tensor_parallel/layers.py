@@ -24,7 +24,7 @@ the unsplit model's, sliced; `shard_specs` says which dimension each parameter i
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Self
 
 import torch
 import torch.nn.functional as F
@@ -89,7 +89,31 @@ class _GatheredLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-class ColumnParallelLinear(nn.Module):
+class _ParallelLinear(nn.Module):
+    """What both parallel linears share: the group, this rank's slice of the weight (with its
+    `ShardSpec`), `from_module` and the repr."""
+
+    def _take_weight_slice(
+        self, weight: torch.Tensor, group: Any, transposed: bool, spec: ShardSpec, what: str
+    ) -> None:
+        self.tg = TensorGroup.of(group)
+        self.transposed = transposed
+        spec.check(weight.shape[spec.dim], self.tg.size, what)
+        self.weight = _parameter(shard(weight, spec, self.tg.rank, self.tg.size), weight)
+        self.shard_specs = {"weight": spec}
+
+    @classmethod
+    def from_module(cls, module: nn.Module, group: Any, **options: Any) -> Self:
+        """This rank's slice of an `nn.Linear` or `Conv1D` (copied; the original is untouched)."""
+        weight, bias, transposed = source_layout(module)
+        return cls(weight, bias, group, transposed=transposed, **options)  # type: ignore[call-arg]
+
+    def _repr(self, **flags: Any) -> str:
+        shown = ", ".join(f"{k}={v}" for k, v in flags.items())
+        return f"local weight {tuple(self.weight.shape)}, rank {self.tg.rank} of {self.tg.size}, {shown}"
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """`y_r = x W_rᵀ + b_r`: this rank's slice of the output features (see the module docstring).
 
     Weight `(N/n, K)` per rank (`(K, N/n)` when `transposed`), bias `(N/n,)`. `parts`: a fused
@@ -104,14 +128,13 @@ class ColumnParallelLinear(nn.Module):
         sequence_parallel: bool = False,
     ) -> None:  # fmt: skip
         super().__init__()
-        self.tg = TensorGroup.of(group)
-        self.transposed, self.parts = transposed, parts
-        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         out_dim = 1 if transposed else 0
         spec = ShardSpec(out_dim, parts)
-        spec.check(weight.shape[out_dim], self.tg.size, "ColumnParallelLinear output features")
-        self.weight = _parameter(shard(weight, spec, self.tg.rank, self.tg.size), weight)
-        self.shard_specs = {"weight": spec}
+        self._take_weight_slice(
+            weight, group, transposed, spec, "ColumnParallelLinear output features"
+        )
+        self.parts = parts
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         if bias is None:
             self.register_parameter("bias", None)
         else:
@@ -119,12 +142,6 @@ class ColumnParallelLinear(nn.Module):
                 shard(bias, ShardSpec(0, parts), self.tg.rank, self.tg.size), bias
             )
             self.shard_specs["bias"] = ShardSpec(0, parts)
-
-    @classmethod
-    def from_module(cls, module: nn.Module, group: Any, **options: Any) -> ColumnParallelLinear:
-        """This rank's slice of an `nn.Linear` or `Conv1D` (copied; the original is untouched)."""
-        weight, bias, transposed = source_layout(module)
-        return cls(weight, bias, group, transposed=transposed, **options)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight.t() if self.transposed else self.weight  # (N/n, K)
@@ -143,14 +160,14 @@ class ColumnParallelLinear(nn.Module):
         return torch.cat([pieces[r * p + q] for q in range(p) for r in range(n)], -1)
 
     def extra_repr(self) -> str:
-        return (
-            f"local weight {tuple(self.weight.shape)}, rank {self.tg.rank} of {self.tg.size}, "
-            f"parts={self.parts}, gather_output={self.gather_output}, "
-            f"sequence_parallel={self.sequence_parallel}"
+        return self._repr(
+            parts=self.parts,
+            gather_output=self.gather_output,
+            sequence_parallel=self.sequence_parallel,
         )
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """`y = Σ_r x_r W_rᵀ + b`: this rank's slice of the input features, partial sums all-reduced.
 
     Weight `(N, K/n)` per rank (`(K/n, N)` when `transposed`), bias `(N,)` whole. The input is
@@ -164,24 +181,15 @@ class RowParallelLinear(nn.Module):
         transposed: bool = False, input_is_parallel: bool = True, sequence_parallel: bool = False,
     ) -> None:  # fmt: skip
         super().__init__()
-        self.tg = TensorGroup.of(group)
-        self.transposed = transposed
-        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         in_dim = 0 if transposed else 1
-        spec = ShardSpec(in_dim)
-        spec.check(weight.shape[in_dim], self.tg.size, "RowParallelLinear input features")
-        self.weight = _parameter(shard(weight, spec, self.tg.rank, self.tg.size), weight)
-        self.shard_specs = {"weight": spec}
+        self._take_weight_slice(
+            weight, group, transposed, ShardSpec(in_dim), "RowParallelLinear input features"
+        )
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         if bias is None:
             self.register_parameter("bias", None)
         else:
             self.bias = _parameter(bias.detach().clone(), bias)
-
-    @classmethod
-    def from_module(cls, module: nn.Module, group: Any, **options: Any) -> RowParallelLinear:
-        """This rank's slice of an `nn.Linear` or `Conv1D` (copied; the original is untouched)."""
-        weight, bias, transposed = source_layout(module)
-        return cls(weight, bias, group, transposed=transposed, **options)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -197,10 +205,8 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + copy_to_parallel(self.bias, self.tg)
 
     def extra_repr(self) -> str:
-        return (
-            f"local weight {tuple(self.weight.shape)}, rank {self.tg.rank} of {self.tg.size}, "
-            f"input_is_parallel={self.input_is_parallel}, "
-            f"sequence_parallel={self.sequence_parallel}"
+        return self._repr(
+            input_is_parallel=self.input_is_parallel, sequence_parallel=self.sequence_parallel
         )
 
 

@@ -67,12 +67,7 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, tg: TensorGroup) -> torch.Te
     """Chunk `rank` along `dim` of the sum of every rank's `x`; one reduce-scatter of |x| bytes."""
     if tg.size == 1:
         return x
-    if x.shape[dim] % tg.size:
-        raise ValueError(
-            f"reduce-scatter along dim {dim}: size {x.shape[dim]} is not divisible by the "
-            f"tensor-parallel size {tg.size}; pad the sequence to a multiple of {tg.size}"
-        )
-    chunks = torch.stack(x.chunk(tg.size, dim))  # (n, ...): chunk r is rank r's
+    chunks = torch.stack(_chunks(x, dim, tg, "reduce-scatter"))  # (n, ...): chunk r is rank r's
     out = torch.empty(chunks.shape[1:], dtype=x.dtype, device=x.device)
     comm.reduce_scatter_tensor(out, chunks, group=tg.group)
     return out
@@ -82,12 +77,17 @@ def split_along(x: torch.Tensor, dim: int, tg: TensorGroup) -> torch.Tensor:
     """This rank's chunk of `x` along `dim` (a copy); no communication."""
     if tg.size == 1:
         return x
+    return _chunks(x, dim, tg, "split")[tg.rank].contiguous()
+
+
+def _chunks(x: torch.Tensor, dim: int, tg: TensorGroup, what: str) -> tuple[torch.Tensor, ...]:
+    """`x` in `tg.size` equal views along `dim` (chunk r is rank r's); raises if it does not divide."""
     if x.shape[dim] % tg.size:
         raise ValueError(
-            f"splitting dim {dim} of size {x.shape[dim]} over {tg.size} tensor-parallel ranks: "
-            f"make it a multiple of {tg.size}"
+            f"{what} along dim {dim}: size {x.shape[dim]} is not divisible by the "
+            f"tensor-parallel size {tg.size}; pad it (e.g. the sequence) to a multiple of {tg.size}"
         )
-    return x.chunk(tg.size, dim)[tg.rank].contiguous()
+    return x.chunk(tg.size, dim)
 
 
 def _all_reduce(x: torch.Tensor, tg: TensorGroup) -> torch.Tensor:
@@ -120,48 +120,20 @@ class _ReduceFromParallel(torch.autograd.Function):
         return grad, None
 
 
-class _GatherFromParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, tg: TensorGroup, dim: int) -> torch.Tensor:
-        ctx.tg, ctx.dim = tg, dim
-        return all_gather_along(x, dim, tg)
+class _Along(torch.autograd.Function):
+    """One autograd pair along a dim: `forward(x, dim, tg)` now, its conjugate on the gradient in
+    backward (the table in the module docstring; e.g. all-gather / split)."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return split_along(grad, ctx.dim, ctx.tg), None, None
-
-
-class _ScatterToParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, tg: TensorGroup, dim: int) -> torch.Tensor:
-        ctx.tg, ctx.dim = tg, dim
-        return split_along(x, dim, tg)
+    def forward(
+        ctx: Any, x: torch.Tensor, tg: TensorGroup, dim: int, forward: Any, conjugate: Any
+    ) -> torch.Tensor:
+        ctx.tg, ctx.dim, ctx.conjugate = tg, dim, conjugate
+        return forward(x, dim, tg)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return all_gather_along(grad, ctx.dim, ctx.tg), None, None
-
-
-class _GatherFromSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, tg: TensorGroup) -> torch.Tensor:
-        ctx.tg = tg
-        return all_gather_along(x, SEQ_DIM, tg)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return reduce_scatter_along(grad, SEQ_DIM, ctx.tg), None
-
-
-class _ReduceScatterToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, tg: TensorGroup) -> torch.Tensor:
-        ctx.tg = tg
-        return reduce_scatter_along(x, SEQ_DIM, tg)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return all_gather_along(grad, SEQ_DIM, ctx.tg), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return ctx.conjugate(grad, ctx.dim, ctx.tg), None, None, None, None
 
 
 def copy_to_parallel(x: torch.Tensor, tg: TensorGroup) -> torch.Tensor:
@@ -182,27 +154,27 @@ def reduce_from_parallel(x: torch.Tensor, tg: TensorGroup) -> torch.Tensor:
 def gather_from_parallel(x: torch.Tensor, tg: TensorGroup, dim: int = -1) -> torch.Tensor:
     """All-gather along `dim` forward ((n-1)/n · S, S the gathered bytes); backward keeps this
     rank's slice of the gradient."""
-    return _GatherFromParallel.apply(x, tg, dim)
+    return _Along.apply(x, tg, dim, all_gather_along, split_along)
 
 
 def scatter_to_parallel(x: torch.Tensor, tg: TensorGroup, dim: int = -1) -> torch.Tensor:
     """Keep this rank's slice along `dim` forward; backward all-gathers the gradient."""
-    return _ScatterToParallel.apply(x, tg, dim)
+    return _Along.apply(x, tg, dim, split_along, all_gather_along)
 
 
 def gather_from_sequence(x: torch.Tensor, tg: TensorGroup) -> torch.Tensor:
     """All-gather the sequence shards forward; backward reduce-scatters the gradient (each rank's
     consumer read the whole sequence, so the gradient of each shard is a sum over ranks)."""
-    return _GatherFromSequence.apply(x, tg)
+    return _Along.apply(x, tg, SEQ_DIM, all_gather_along, reduce_scatter_along)
 
 
 def reduce_scatter_to_sequence(x: torch.Tensor, tg: TensorGroup) -> torch.Tensor:
     """Sum the partial outputs and keep this rank's sequence shard (reduce-scatter) forward;
     backward all-gathers the gradient."""
-    return _ReduceScatterToSequence.apply(x, tg)
+    return _Along.apply(x, tg, SEQ_DIM, reduce_scatter_along, all_gather_along)
 
 
 def scatter_to_sequence(x: torch.Tensor, tg: TensorGroup) -> torch.Tensor:
     """Keep this rank's sequence shard forward; backward all-gathers the gradient (replicated
     inputs, such as position embeddings, then get the whole gradient on every rank)."""
-    return _ScatterToParallel.apply(x, tg, SEQ_DIM)
+    return _Along.apply(x, tg, SEQ_DIM, split_along, all_gather_along)

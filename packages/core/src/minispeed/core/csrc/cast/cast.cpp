@@ -28,6 +28,7 @@
 #endif
 
 #include "minispeed/simd.h"  // conversions and level macros shared by every op (core/csrc/include)
+#include "minispeed/threads.h"  // max_threads
 
 namespace {
 
@@ -149,14 +150,6 @@ void copy_segments(const std::vector<uintptr_t>& srcs, const std::vector<uintptr
   }
 }
 
-int max_threads() {
-#ifdef _OPENMP
-  return omp_get_max_threads();
-#else
-  return 1;
-#endif
-}
-
 const char* simd_level() { return minispeed::simd::compiled_simd_name(); }
 
 }  // namespace
@@ -174,5 +167,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("copy_segments", &copy_segments, "copy/convert many segments in one parallel loop",
         py::arg("srcs"), py::arg("dsts"), py::arg("counts"), py::arg("kinds"), no_gil);
   m.def("simd_level", &simd_level, "the SIMD level this binary was compiled for");
-  m.def("max_threads", &max_threads, "OpenMP threads a parallel loop may use now");
+  m.def("max_threads", &minispeed::max_threads, "OpenMP threads a parallel loop may use now");
 }

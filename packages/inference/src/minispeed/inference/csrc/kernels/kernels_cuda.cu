@@ -20,37 +20,42 @@ namespace {
 
 constexpr int kThreads = 256;
 
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+// The two reductions the kernels need, as an operation and its identity.
+struct Sum {
+  __device__ static float identity() { return 0.f; }
+  __device__ static float apply(float a, float b) { return a + b; }
+};
+struct Max {
+  __device__ static float identity() { return -INFINITY; }
+  __device__ static float apply(float a, float b) { return fmaxf(a, b); }
+};
+
+template <class Op>
+__device__ __forceinline__ float warp_reduce(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = Op::apply(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
 
-__device__ __forceinline__ float warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
-// Sum over the block; every thread gets the result. `shared` holds kThreads / 32 floats.
-__device__ float block_sum(float v, float* shared) {
+// Reduce over the block; every thread gets the result. `shared` holds kThreads / 32 floats.
+template <class Op>
+__device__ float block_reduce(float v, float* shared) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  v = warp_sum(v);
+  v = warp_reduce<Op>(v);
   __syncthreads();
   if (lane == 0) shared[warp] = v;
   __syncthreads();
-  v = (lane < static_cast<int>(blockDim.x / 32)) ? shared[lane] : 0.f;  // every warp reduces the same partials
-  v = warp_sum(v);
+  // every warp reduces the same partials
+  v = (lane < static_cast<int>(blockDim.x / 32)) ? shared[lane] : Op::identity();
+  v = warp_reduce<Op>(v);
   return __shfl_sync(0xffffffffu, v, 0);
 }
 
-__device__ float block_max(float v, float* shared) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  v = warp_max(v);
-  __syncthreads();
-  if (lane == 0) shared[warp] = v;
-  __syncthreads();
-  v = (lane < static_cast<int>(blockDim.x / 32)) ? shared[lane] : -INFINITY;
-  v = warp_max(v);
-  return __shfl_sync(0xffffffffu, v, 0);
+__device__ __forceinline__ float warp_sum(float v) { return warp_reduce<Sum>(v); }
+__device__ __forceinline__ float block_sum(float v, float* shared) {
+  return block_reduce<Sum>(v, shared);
+}
+__device__ __forceinline__ float block_max(float v, float* shared) {
+  return block_reduce<Max>(v, shared);
 }
 
 // h = x + residual; out = norm(h) * gamma (+ beta). rms == true: RMSNorm, else LayerNorm.

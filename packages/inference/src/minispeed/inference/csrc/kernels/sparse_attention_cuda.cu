@@ -51,21 +51,44 @@ __device__ __forceinline__ float row_dot(const float* r, const float* y, int64_t
   return warp_sum(acc);
 }
 
+// The query row this warp owns and its block row's kept key blocks: entries [first, last) of
+// `cols` (the CSR row of its head). Rows past the sequence (the last block's spare warps) return
+// row >= s.seq and do nothing.
+struct WarpRow {
+  int lane;
+  int64_t row, base;  // row in the sequence; base: the first row of this (batch, head)
+  int32_t first, last;
+};
+
+__device__ __forceinline__ WarpRow warp_row(const int32_t* row_ptr, const Shape& s) {
+  WarpRow w;
+  w.lane = threadIdx.x & 31;
+  w.row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  const int64_t bh = blockIdx.y;
+  w.base = bh * s.seq;
+  w.first = w.last = 0;
+  if (w.row < s.seq) {
+    const int64_t nb = s.seq / s.block, h = bh % s.heads, r = w.row / s.block;
+    const int32_t* rp = row_ptr + h * (nb + 1);
+    w.first = rp[r];
+    w.last = rp[r + 1];
+  }
+  return w;
+}
+
 __global__ void sparse_forward_kernel(const float* q, const float* k, const float* v,
                                       const int32_t* row_ptr, const int32_t* cols, float* out,
                                       float* lse, Shape s) {
-  const int lane = threadIdx.x & 31;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
-  const int64_t bh = blockIdx.y;
-  if (row >= s.seq) return;
-  const int64_t nb = s.seq / s.block, h = bh % s.heads, r = row / s.block, base = bh * s.seq;
-  const int32_t* rp = row_ptr + h * (nb + 1);
+  const WarpRow w = warp_row(row_ptr, s);
+  if (w.row >= s.seq) return;
+  const int lane = w.lane;
+  const int64_t row = w.row, base = w.base;
   float qr[kMaxPerLane], acc[kMaxPerLane];
   load_row(q + (base + row) * s.dim, s.dim, lane, qr);
 #pragma unroll
   for (int t = 0; t < kMaxPerLane; ++t) acc[t] = 0.f;
   float m = -INFINITY, l = 0.f;
-  for (int32_t e = rp[r]; e < rp[r + 1]; ++e) {
+  for (int32_t e = w.first; e < w.last; ++e) {
     const int64_t c = cols[e];
     const int64_t j_end = s.causal ? min((c + 1) * s.block, row + 1) : (c + 1) * s.block;
     for (int64_t j = c * s.block; j < j_end; ++j) {
@@ -96,12 +119,10 @@ __global__ void sparse_backward_kernel(const float* q, const float* k, const flo
                                        const float* out, const float* dout, const float* lse,
                                        const int32_t* row_ptr, const int32_t* cols, float* dq,
                                        float* dk, float* dv, Shape s) {
-  const int lane = threadIdx.x & 31;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
-  const int64_t bh = blockIdx.y;
-  if (row >= s.seq) return;
-  const int64_t nb = s.seq / s.block, h = bh % s.heads, r = row / s.block, base = bh * s.seq;
-  const int32_t* rp = row_ptr + h * (nb + 1);
+  const WarpRow w = warp_row(row_ptr, s);
+  if (w.row >= s.seq) return;
+  const int lane = w.lane;
+  const int64_t row = w.row, base = w.base;
   float qr[kMaxPerLane], dor[kMaxPerLane], dqr[kMaxPerLane];
   load_row(q + (base + row) * s.dim, s.dim, lane, qr);
   load_row(dout + (base + row) * s.dim, s.dim, lane, dor);
@@ -109,7 +130,7 @@ __global__ void sparse_backward_kernel(const float* q, const float* k, const flo
   for (int t = 0; t < kMaxPerLane; ++t) dqr[t] = 0.f;
   const float di = row_dot(dor, out + (base + row) * s.dim, s.dim, lane);
   const float li = lse[base + row];
-  for (int32_t e = rp[r]; e < rp[r + 1]; ++e) {
+  for (int32_t e = w.first; e < w.last; ++e) {
     const int64_t c = cols[e];
     const int64_t j_end = s.causal ? min((c + 1) * s.block, row + 1) : (c + 1) * s.block;
     for (int64_t j = c * s.block; j < j_end; ++j) {

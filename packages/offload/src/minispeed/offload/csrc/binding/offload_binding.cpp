@@ -18,6 +18,7 @@
 
 #include "aio/aio.h"
 #include "cpu_optim/cpu_optim.h"
+#include "minispeed/threads.h"  // max_threads (core/csrc/include)
 
 namespace py = pybind11;
 namespace mo = minispeed_offload;
@@ -52,14 +53,6 @@ std::vector<mo::Segment> segments(const std::vector<std::vector<uintptr_t>>& ptr
                    reinterpret_cast<uint16_t*>(ptrs[k][4]), counts[k]});
   }
   return out;
-}
-
-int max_threads() {
-#ifdef _OPENMP
-  return omp_get_max_threads();
-#else
-  return 1;
-#endif
 }
 
 }  // namespace
@@ -104,7 +97,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "Lion step over many tensors");
   m.def("simd_levels", &minispeed::simd::compiled_simd_levels,
         "SIMD levels compiled in: 0 scalar, 1 AVX2, 2 AVX-512");
-  m.def("max_threads", &max_threads, "OpenMP threads a parallel loop may use now");
+  m.def("max_threads", &minispeed::max_threads, "OpenMP threads a parallel loop may use now");
 
   py::class_<mo::AioEngine>(m, "AioEngine")
       .def(py::init<int, int64_t, bool>(), py::arg("threads"), py::arg("block_bytes"),
