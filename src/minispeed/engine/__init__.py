@@ -31,6 +31,7 @@ Reading order: `config.py` (the ds_config) → `engine.py` (the loop) → this f
 
 from __future__ import annotations
 
+import abc
 import argparse
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -49,13 +50,16 @@ from minispeed.engine.grid import build_grid, grid_shape, tensor_parallel_size
 from minispeed.engine.inference import init_inference
 from minispeed.engine.moe.compose import expert_replica_groups
 from minispeed.engine.moe.engine import MoEEngine
+from minispeed.engine.pipe_engine import PipelineEngine
 from minispeed.engine.trial import Trial
 from minispeed.zero import shard
 
 __all__ = [
     "ConfigError",
+    "DeepSpeedEngine",
     "Engine",
     "EngineConfig",
+    "PipelineEngine",
     "add_config_arguments",
     "checkpointing",
     "comm",
@@ -82,6 +86,16 @@ def _version() -> str:
 
 
 __version__ = _version()
+
+
+class DeepSpeedEngine(abc.ABC):  # noqa: B024 (a name to test against, nothing to implement)
+    """DeepSpeed's engine class name, for `isinstance(model, deepspeed.DeepSpeedEngine)`: true
+    of what `initialize` returns (`Engine`, `MoEEngine`, `PipelineEngine`, as DeepSpeed's
+    pipeline engine is a `DeepSpeedEngine`). Build engines with `initialize`, not with this."""
+
+
+DeepSpeedEngine.register(Engine)
+DeepSpeedEngine.register(PipelineEngine)
 
 
 def init_distributed(

@@ -47,6 +47,7 @@ __all__ = [
     "init_distributed",
     "is_available",
     "is_initialized",
+    "log_summary",
     "new_group",
     "reduce",
     "reduce_scatter_tensor",
@@ -206,3 +207,42 @@ def scatter(
     **_: Any,
 ) -> Any:
     return _dist.scatter(tensor, scatter_list, src, group=group, async_op=async_op)
+
+
+def log_summary(show_straggler: bool = False, return_dict: bool = False) -> dict | None:
+    """`deepspeed.comm.log_summary`: after a barrier, rank 0 prints the comms logger's table
+    (the config's `comms_logger` section turns it on); with `return_dict`, every rank returns
+    its own log in DeepSpeed's layout, `{"summary": {op: {msg_size_bytes: {"count",
+    "total_latency_ms", "avg_latency_ms", "tput_avg_gbps", "busbw_avg_gbps", "msg_size_bytes",
+    "msg_size_str"}}}, "straggler_analysis": None, "metadata": {...}}`. No logger: prints
+    nothing, returns None. Cost: one barrier."""
+    if show_straggler:
+        raise NotImplementedError(
+            "log_summary(show_straggler=True) is not implemented: each rank's comms log gives "
+            "its own latencies (return_dict=True); compare them across ranks yourself"
+        )
+    barrier()
+    logger = _comm.comms_logger()
+    if logger is None:
+        return None
+    if get_rank() == 0:
+        logger.summary()
+    if not return_dict:
+        return None
+    summary: dict[str, dict[int, dict[str, Any]]] = {}
+    for row in logger.aggregate():
+        latency_ms = row["mean_latency_s"] * 1e3
+        summary.setdefault(row["op"], {})[row["msg_bytes"]] = {
+            "count": row["count"],
+            "total_latency_ms": latency_ms * row["count"],
+            "avg_latency_ms": latency_ms,
+            "tput_avg_gbps": row["algbw"] * 8 / 1e9,
+            "busbw_avg_gbps": row["busbw"] * 8 / 1e9,
+            "msg_size_bytes": row["msg_bytes"],
+            "msg_size_str": f"{row['msg_bytes']} B",
+        }
+    return {
+        "summary": summary,
+        "straggler_analysis": None,
+        "metadata": {"world_size": get_world_size(), "rank": get_rank()},
+    }

@@ -10,6 +10,9 @@ data_iter = iter(RepeatingLoader(loader))       # endless, for pipeline train_ba
 (`[-1]`: every rank), as DeepSpeed's: with `ranks=None` it logs only before the process group
 exists. `logger` is minispeed's engine logger. `RepeatingLoader(loader)` restarts `loader` when it
 runs out. `zero_to_fp32` (a module) turns a sharded checkpoint into one fp32 state dict.
+`safe_get_full_grad`, `safe_get_full_fp32_param`, `safe_get_full_optimizer_state` and the rest
+of DeepSpeed's `safe_*` names (from `tensor_fragment`): one parameter's whole value from the
+sharded optimizer.
 """
 
 from __future__ import annotations
@@ -20,8 +23,30 @@ from typing import Any
 
 import minispeed.comm as comm
 from minispeed.core.logging import get_logger
+from minispeed.engine.utils.tensor_fragment import (
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_full_optimizer_state,
+    safe_get_local_fp32_param,
+    safe_get_local_grad,
+    safe_get_local_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_optimizer_state,
+)
 
-__all__ = ["RepeatingLoader", "log_dist", "logger"]
+__all__ = [
+    "RepeatingLoader",
+    "log_dist",
+    "logger",
+    "safe_get_full_fp32_param",
+    "safe_get_full_grad",
+    "safe_get_full_optimizer_state",
+    "safe_get_local_fp32_param",
+    "safe_get_local_grad",
+    "safe_get_local_optimizer_state",
+    "safe_set_full_fp32_param",
+    "safe_set_full_optimizer_state",
+]
 
 logger = get_logger("engine")
 

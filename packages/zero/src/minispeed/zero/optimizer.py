@@ -16,11 +16,13 @@ masters and gradient buffers belong to the strategy (see its module for their by
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 import minispeed.comm as comm
 from minispeed.core import ranges
@@ -31,7 +33,19 @@ from minispeed.zero.flat import cut_runs
 from minispeed.zero.model_parallel import ModelParallel
 from minispeed.zero.precision import LossScaler, MixedPrecision
 
-__all__ = ["ParamFragment", "ShardStrategy", "ZeroOptimizer", "param_names"]
+__all__ = ["ParamFragment", "ShardStrategy", "ZeroOptimizer", "optimizer_of", "param_names"]
+
+# Which open ZeroOptimizer steps each model parameter, held weakly on both sides (dropping the
+# model or the optimizer drops the entry): how `full_values` answers for a parameter alone.
+# (torch's WeakIdKeyDictionary: weakref.WeakKeyDictionary compares tensors with ==.)
+_STEPPED_BY: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def optimizer_of(param: nn.Parameter) -> ZeroOptimizer | None:
+    """The open `ZeroOptimizer` that steps `param`, or None (not sharded, or closed since)."""
+    ref = _STEPPED_BY.get(param)
+    opt = None if ref is None else ref()
+    return None if opt is None or opt.closed else opt
 
 
 # Note [unused parameters]
@@ -217,6 +231,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             set() if model_parallel is None else model_parallel.uncounted_indices(params)
         )
         self._fragment_of = {f.name: f for f in self._fragments}
+        me = weakref.ref(self)
+        for p in self._params:
+            _STEPPED_BY[p] = me
 
     # -- torch.optim.Optimizer's surface (Note [ZeroOptimizer is a torch.optim.Optimizer]) ----
     @property
@@ -514,6 +531,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def fragments(self) -> list[ParamFragment]:
         """Which pieces of which parameters this rank's masters hold (for checkpoints)."""
         return self._fragments
+
+    def fragment_of(self, param: nn.Parameter) -> ParamFragment | None:
+        """This rank's fragment of model parameter `param` (`numel` 0 where it holds none of
+        it), or None for a parameter this optimizer does not step (frozen, or not its model's)."""
+        name = self._names.get(param)
+        return None if name is None else self._fragment_of.get(name)
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:

@@ -100,11 +100,17 @@ class ReplicaGroupedStrategy(ShardStrategy):
         divisor = comm.get_world_size(group)
         # parts[j]: (global param-group indices, the strategy over them, its replica count).
         self.parts: list[tuple[list[int], Any, int]] = []
+        self._process_group: dict[int, Any] = {}  # param-group index -> its replica group
         for key, indices in _by_replica_group(replica_groups, group):
             strategy = make([param_groups[g] for g in indices], key, divisor)
             replicas = comm.get_world_size(key) if config.stage == 0 else 1
             self.parts.append((indices, strategy, replicas))
+            self._process_group.update(dict.fromkeys(indices, key))
         self.num_groups = len(param_groups)
+
+    def process_group_of(self, param_group: int) -> Any:
+        """The process group param group `param_group` is reduced and partitioned over."""
+        return self._process_group[param_group]
 
     def _by_group(self, per_part: Callable[[Any], list[Any]]) -> list[Any]:
         out: list[Any] = [None] * self.num_groups

@@ -1,0 +1,266 @@
+"""One parameter's whole fp32 value, gradient or optimizer state, from a sharded optimizer.
+
+Under ZeRO a rank holds only its fragment (`ParamFragment`) of each parameter's fp32 master, of
+its reduced gradient and of each per-element optimizer state (Adam's `exp_avg`, ...). These
+functions put one parameter's whole value together, or write one back, for code that inspects
+or edits training state: per-layer gradient norms, a weight surgery between steps, a debugging
+print. They are what DeepSpeed calls `safe_get_full_fp32_param`, `safe_get_full_grad`,
+`safe_get_full_optimizer_state`, ... (`minispeed.engine.utils` has those names).
+
+| function | gives | communication |
+|---|---|---|
+| `full_fp32_param(p)` | the fp32 master, `p`'s shape | one all-reduce of `4·n_p` bytes (stages 1-3) |
+| `full_grad(p)` | the reduced fp32 gradient | the same |
+| `full_optimizer_state(p, key)` | state `key`, `p`'s shape | the same |
+| `set_full_fp32_param(p, value)` | - | none; stage 3: one all-gather and one broadcast of `p` |
+| `set_full_optimizer_state(p, value, key)` | - | none |
+| `local_fp32_param(p)`, `local_grad(p)`, `local_optimizer_state(p, key)` | this rank's fragment, flat | none |
+
+`n_p` is the parameter's element count. Each rank writes its fragment into a zeroed fp32 buffer
+of `n_p` elements and one all-reduce (sum) over the parameter's process group completes it:
+`2(N-1)/N · 4·n_p` bytes sent per rank by a ring, `4·n_p` bytes kept for the result. At stage 0
+every rank holds whole masters and nothing is sent. The `full_*` getters are collective at
+stages 1-3: every rank of the group calls them for the same parameters in the same order. So
+do the setters, each rank passing the whole `value`: each copies its own fragment of it.
+
+When values exist: masters and states always; the gradient from the `backward` that ends an
+accumulation window until `step` (`full_grad` gives None at other times: stage 1 reduces only at
+the boundary and stage 2 holds a partial sum inside a window). Gradients are returned unscaled:
+under fp16 the loss scale is divided out (DeepSpeed returns them still scaled). Each function
+takes the optimizer from the parameter (`optimizer_of`), or `opt=` names it; a parameter no
+open `ZeroOptimizer` steps gives None from the getters and an error from the setters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+import minispeed.comm as comm
+from minispeed.comm.validation import group_ranks
+from minispeed.zero.contract import ParamFragment, StrategyWrapper
+from minispeed.zero.optimizer import ZeroOptimizer, optimizer_of
+from minispeed.zero.replica_groups import ReplicaGroupedStrategy
+from minispeed.zero.stage3.init import GatheredParameters
+
+__all__ = [
+    "full_fp32_param",
+    "full_grad",
+    "full_optimizer_state",
+    "local_fp32_param",
+    "local_grad",
+    "local_optimizer_state",
+    "set_full_fp32_param",
+    "set_full_optimizer_state",
+]
+
+
+def full_fp32_param(param: nn.Parameter, opt: ZeroOptimizer | None = None) -> torch.Tensor | None:
+    """The fp32 master of `param`, whole, in its shape (collective at stages 1-3)."""
+    found = _find(param, opt)
+    if found is None:
+        return None
+    opt, f = found
+    with _resident(opt):
+        return _assemble(opt, f, _master(opt, f))
+
+
+def full_grad(param: nn.Parameter, opt: ZeroOptimizer | None = None) -> torch.Tensor | None:
+    """The gradient of `param` reduced over the data-parallel ranks and averaged over the
+    window's micro-batches, fp32, unscaled, in its shape; None outside the time between the
+    window's last `backward` and `step` (collective at stages 1-3 either way)."""
+    found = _find(param, opt)
+    if found is None:
+        return None
+    opt, f = found
+    if opt.strategy.grads_in_files:
+        raise NotImplementedError(
+            "full_grad: the gradients are in swap files (ZeRO-Infinity, offload to nvme) and are "
+            "read back only inside step(); inspect them with offload_optimizer on the cpu instead"
+        )
+    if not opt.at_boundary:
+        return None
+    grad = opt.strategy.master_grads()[f.group][f.master_index]
+    whole = _assemble(opt, f, grad)
+    scale = opt.loss_scaler.scale
+    return whole if scale == 1.0 else whole.div_(scale)
+
+
+def full_optimizer_state(
+    param: nn.Parameter, key: str, opt: ZeroOptimizer | None = None
+) -> torch.Tensor | None:
+    """Per-element optimizer state `key` of `param` (`"exp_avg"`, `"exp_avg_sq"`,
+    `"momentum_buffer"`...), whole, in its shape; None before the first step made it."""
+    found = _find(param, opt)
+    if found is None:
+        return None
+    opt, f = found
+    with _resident(opt):
+        state = _state(opt, f, key)
+        return None if state is None else _assemble(opt, f, state)
+
+
+def set_full_fp32_param(
+    param: nn.Parameter, value: torch.Tensor, opt: ZeroOptimizer | None = None
+) -> None:
+    """Make `value` (`param`'s whole shape, the same on every rank) the parameter's value: the
+    model's parameter now (in its dtype) and this rank's fp32 master fragment. Every rank of
+    the group calls it: local at stages 0-2, collective at stage 3 (Note [a set value reaches
+    the model now])."""
+    opt, f = _found_for_write(param, opt, "set_full_fp32_param")
+    if tuple(value.shape) != tuple(f.shape):
+        raise ValueError(
+            f"{f.name}: value has shape {tuple(value.shape)}, expected {tuple(f.shape)}"
+        )
+    first = group_ranks(_group(opt, f))[0]
+    with torch.no_grad(), GatheredParameters(param, modifier_rank=first):
+        param.data.copy_(value)  # stages 0-2: the parameter itself; stage 3: gathered, kept
+    _write(f, _master(opt, f), value)  # the exact fp32 value (stage 3 kept the cast one)
+
+
+def set_full_optimizer_state(
+    param: nn.Parameter, value: torch.Tensor, key: str, opt: ZeroOptimizer | None = None
+) -> None:
+    """Write `value` (`param`'s whole shape) into this rank's fragment of optimizer state
+    `key`. Local."""
+    opt, f = _found_for_write(param, opt, "set_full_optimizer_state")
+    state = _state(opt, f, key)
+    if state is None:
+        raise RuntimeError(
+            f"set_full_optimizer_state: {f.name} has no optimizer state yet; take one step "
+            "first (the optimizer makes its state at its first step)"
+        )
+    _write(f, state, value)
+
+
+def local_fp32_param(param: nn.Parameter, opt: ZeroOptimizer | None = None) -> torch.Tensor | None:
+    """This rank's fragment of the fp32 master, flat (`fragment.numel` elements; may be 0)."""
+    found = _find(param, opt)
+    if found is None:
+        return None
+    opt, f = found
+    with _resident(opt):
+        return _master(opt, f)[: f.numel].clone()
+
+
+def local_grad(param: nn.Parameter, opt: ZeroOptimizer | None = None) -> torch.Tensor | None:
+    """This rank's fragment of the reduced fp32 gradient, flat and unscaled; None outside the
+    time between the window's last `backward` and `step`."""
+    found = _find(param, opt)
+    if found is None or not found[0].at_boundary or found[0].strategy.grads_in_files:
+        return None
+    opt, f = found
+    grad = opt.strategy.master_grads()[f.group][f.master_index].reshape(-1)[: f.numel]
+    return grad.float() / opt.loss_scaler.scale
+
+
+def local_optimizer_state(
+    param: nn.Parameter, key: str, opt: ZeroOptimizer | None = None
+) -> torch.Tensor | None:
+    """This rank's fragment of optimizer state `key`, flat; None before the first step."""
+    found = _find(param, opt)
+    if found is None:
+        return None
+    opt, f = found
+    with _resident(opt):
+        state = _state(opt, f, key)
+        return None if state is None else state[: f.numel].clone()
+
+
+# Note [a set value reaches the model now]
+# DeepSpeed's safe_set_full_fp32_param writes the fp32 master fragment only: the model's
+# parameter keeps its old value until the next step publishes the masters. Here that would be
+# worse than late: at stages 1-2 in fp32 a rank's master fragment is a view of the model's flat
+# parameter buffer, so the rank holding the fragment would see the new value at once and the
+# others not, and the replicas would disagree for a step. So the setter writes the whole
+# parameter on every rank (stages 0-2: the value is in every rank's hand; stage 3: through
+# GatheredParameters, which re-partitions it), then the exact fp32 master fragment. The next
+# forward uses the new value everywhere, as after an in-place edit in plain PyTorch.
+
+
+# -- the pieces ------------------------------------------------------------------------------------
+def _find(param: nn.Parameter, opt: ZeroOptimizer | None) -> tuple[ZeroOptimizer, Any] | None:
+    opt = opt if opt is not None else optimizer_of(param)
+    if opt is None:
+        return None
+    f = opt.fragment_of(param)
+    return None if f is None else (opt, f)
+
+
+def _found_for_write(
+    param: nn.Parameter, opt: ZeroOptimizer | None, what: str
+) -> tuple[ZeroOptimizer, ParamFragment]:
+    found = _find(param, opt)
+    if found is None:
+        raise ValueError(
+            f"{what}: this parameter is not stepped by an open ZeroOptimizer (frozen, not part "
+            "of a sharded model, or its optimizer was closed); nothing holds its fp32 master"
+        )
+    if hasattr(found[0].optimizer, "states_in_memory"):
+        raise NotImplementedError(
+            f"{what}: with offload_optimizer on nvme the masters and states live in swap files, "
+            "which this does not write; use offload_optimizer device 'cpu' for such edits"
+        )
+    return found
+
+
+def _resident(opt: ZeroOptimizer) -> Any:
+    """offload_optimizer nvme: masters and states read back from their swap files meanwhile."""
+    return getattr(opt.optimizer, "states_in_memory", contextlib.nullcontext)()
+
+
+def _master(opt: ZeroOptimizer, f: ParamFragment) -> torch.Tensor:
+    """The flat master tensor holding `f` (at offset 0: Note [one master per fragment])."""
+    return opt.optimizer.param_groups[f.group]["params"][f.master_index].detach().reshape(-1)
+
+
+def _state(opt: ZeroOptimizer, f: ParamFragment, key: str) -> torch.Tensor | None:
+    master = opt.optimizer.param_groups[f.group]["params"][f.master_index]
+    state = opt.optimizer.state.get(master, {})
+    if not state:
+        return None
+    value = state.get(key)
+    if not isinstance(value, torch.Tensor) or value.numel() != master.numel():
+        per_element = sorted(
+            k
+            for k, v in state.items()
+            if isinstance(v, torch.Tensor) and v.numel() == master.numel()
+        )
+        raise KeyError(
+            f"{f.name}: {type(opt.optimizer).__name__} keeps no per-element state {key!r}; "
+            f"it keeps {per_element}"
+        )
+    return value.detach().reshape(-1)
+
+
+def _group(opt: ZeroOptimizer, f: ParamFragment) -> Any:
+    """The process group `f`'s parameter is partitioned over (MoE experts: their own)."""
+    strategy = opt.strategy
+    while isinstance(strategy, StrategyWrapper):
+        strategy = strategy.strategy
+    if isinstance(strategy, ReplicaGroupedStrategy):
+        return strategy.process_group_of(f.group)
+    return opt.comm_group
+
+
+def _assemble(opt: ZeroOptimizer, f: ParamFragment, flat: torch.Tensor) -> torch.Tensor:
+    """The whole value from every rank's fragment: a copy at stage 0, else one all-reduce."""
+    if opt.config.stage == 0:
+        return flat[: f.numel].float().clone().reshape(f.shape)
+    group = _group(opt, f)
+    whole = torch.zeros(f.shape.numel(), dtype=torch.float32, device=comm.tensor_device(group))
+    whole[f.start : f.start + f.numel].copy_(flat.reshape(-1)[: f.numel])
+    comm.all_reduce(whole, group=group)
+    return whole.reshape(f.shape)
+
+
+@torch.no_grad()
+def _write(f: ParamFragment, flat: torch.Tensor, value: torch.Tensor) -> None:
+    if tuple(value.shape) != tuple(f.shape):
+        raise ValueError(
+            f"{f.name}: value has shape {tuple(value.shape)}, expected {tuple(f.shape)}"
+        )
+    flat[: f.numel].copy_(value.detach().reshape(-1)[f.start : f.start + f.numel])

@@ -1,0 +1,43 @@
+"""DeepSpeed's `deepspeed.utils.tensor_fragment` names: one parameter's whole fp32 value,
+gradient or optimizer state from the engine's sharded optimizer.
+
+```python
+from minispeed.engine.utils import safe_get_full_grad   # was: from deepspeed.utils import ...
+engine.backward(loss)
+for name, p in engine.module.named_parameters():        # every rank, same order: collective
+    g = safe_get_full_grad(p)                           # None except at a boundary
+```
+
+Each name calls `minispeed.zero.full_values` (costs and timing rules there): the `safe_get_*`
+getters are collective at ZeRO stages 1-3, the setters local. Where DeepSpeed allows the
+`safe_*_local_*` names only at stage 3, here they give this rank's fragment at any stage.
+Differences: `safe_get_full_grad` returns the gradient unscaled under fp16 (DeepSpeed: still
+multiplied by the loss scale), and None outside the time between a window's last backward and
+`step` (DeepSpeed: a partial or stale buffer at stages 1-2, the local gradient at stage 0).
+`safe_set_full_grad` / `safe_set_local_grad` are not provided: minispeed's gradients are reduced
+into buffers that the step consumes, and writing them is refused rather than half-supported.
+"""
+
+from __future__ import annotations
+
+from minispeed.zero import full_values as _fv
+
+safe_get_full_fp32_param = _fv.full_fp32_param
+safe_get_full_grad = _fv.full_grad
+safe_get_full_optimizer_state = _fv.full_optimizer_state
+safe_get_local_fp32_param = _fv.local_fp32_param
+safe_get_local_grad = _fv.local_grad
+safe_get_local_optimizer_state = _fv.local_optimizer_state
+safe_set_full_fp32_param = _fv.set_full_fp32_param
+safe_set_full_optimizer_state = _fv.set_full_optimizer_state
+
+__all__ = [
+    "safe_get_full_fp32_param",
+    "safe_get_full_grad",
+    "safe_get_full_optimizer_state",
+    "safe_get_local_fp32_param",
+    "safe_get_local_grad",
+    "safe_get_local_optimizer_state",
+    "safe_set_full_fp32_param",
+    "safe_set_full_optimizer_state",
+]
