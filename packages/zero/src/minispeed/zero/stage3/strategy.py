@@ -287,7 +287,7 @@ class Stage3Strategy(ShardStrategy):
             unguard_module(module)
 
 
-# -- gradients --------------------------------------------------------------------------------------
+# -- gradients -------------------------------------------------------------------------------------
 # Note [a fixed bucket plan]
 # Collectives are matched across ranks by the order they are issued, so every rank must cut its
 # gradients into the same buckets and launch them in the same order, even when a parameter gets a
@@ -296,18 +296,18 @@ class Stage3Strategy(ShardStrategy):
 # reversed (the order backward usually produces them); a bucket is launched when all of its
 # parameters have arrived and every bucket before it is launched, and the buckets still incomplete
 # when backward ends are launched then, a missing gradient counting as zeros. (Bucketing by arrival
-# order, as this module first did, sent reduce-scatters of different sizes in that case and gloo
+# order, as this reducer first did, sent reduce-scatters of different sizes in that case and gloo
 # aborted the process.) A parameter no rank used gets a zero gradient shard; the optimizer still
 # skips it (Note [unused parameters] in optimizer.py).
 
 # Note [lazy gradient shards]
 # The first micro-step of a window makes each ``grad_shard`` a view of the bucket's received row
 # (no copy, no zero-filled buffer waiting through forward); later micro-steps add into it.
-# ``zero_grad`` drops the shards (``grad_shard = None``), as ``optimizer.zero_grad(set_to_none=True)``
-# does, so between the step and the next backward, and through the whole forward, a rank holds no
-# gradient bytes at all. The shards (``Σ s·g`` bytes) are needed from the reduction of a
+# ``zero_grad`` drops the shards (``grad_shard = None``), as
+# ``optimizer.zero_grad(set_to_none=True)`` does, so between the step and the next backward, and
+# through the whole forward, a rank holds no gradient bytes at all. The shards (``Σ s·g`` bytes) are needed from the reduction of a
 # parameter's gradient until the optimizer step. Allocating them once and zeroing them after each
-# step (as this module first did) keeps them through the forward and the start of backward, which
+# step (as this reducer first did) keeps them through the forward and the start of backward, which
 # is exactly when activations peak: on the benchmark's GPT that was 6 MiB of a 70 MiB peak per rank
 # that FSDP2 does not pay (it also creates sharded gradients during backward). Now they appear
 # bucket by bucket as backward proceeds, while activations are being freed.
