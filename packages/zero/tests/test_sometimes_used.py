@@ -3,7 +3,7 @@
 Stages 0-2: its gradient buffer slot must read as zero where it got no gradient, although the
 buffers are no longer zero-filled after a step (Note [the first micro-step overwrites] in
 reducer.py). Stage 3: every rank must still issue the same reduce-scatters (Note [a fixed bucket
-plan] in stage3/grads.py; bucketing by arrival order aborted the process here).
+plan] in stage3/strategy.py; bucketing by arrival order aborted the process here).
 
 ``extra`` is used by micro-batch (step s, rank r, micro j) iff (s + r + j) % 3 == 0: every window
 uses it somewhere, but on a given rank it is sometimes missing from the first micro-step, which

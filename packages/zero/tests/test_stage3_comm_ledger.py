@@ -57,7 +57,7 @@ def _body(rank: int, world_size: int) -> dict:
 def test_stage3_bytes_per_step_match_the_formula(world_size: int) -> None:
     names_numels = [(n, p.numel()) for n, p in make_model().named_parameters()]
     numels = [n for _, n in names_numels]
-    # `unused` is reduce-scattered too, as zeros: Note [a fixed bucket plan] (stage3/grads.py).
+    # `unused` is reduce-scattered too, as zeros: Note [a fixed bucket plan] (stage3/strategy.py).
     want = stage3_step_bytes(
         numels, world_size, persistence_threshold_numel=THRESHOLD, param_bytes=4, grad_bytes=4
     )

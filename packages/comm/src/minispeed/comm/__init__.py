@@ -6,7 +6,8 @@ Use it as `import minispeed.comm as comm`. Reading order (see README.md):
    bytes on the wire), written once.
 2. `groups` — start torch.distributed, ranks, sub-groups.
 3. `collectives` — the collectives, each handed to one `call.Call` (checks, cross-rank check,
-   launch, ledger record); `p2p` — send/recv; `objects` — Python objects.
+   launch, ledger record); `all_to_all` — the all-to-all; `p2p` — send/recv; `objects` —
+   Python objects.
 4. `logger` — the comms logger (off by default).
 5. `validation` — errors and local checks; `handshake` — the cross-rank check (first call
    of each call site by default, every call in validation mode).
@@ -17,6 +18,7 @@ Use it as `import minispeed.comm as comm`. Reading order (see README.md):
    the two-level all-gather.
 """
 
+from minispeed.comm.all_to_all import all_to_all_single
 from minispeed.comm.api_compat import reduce_scatter_impl
 from minispeed.comm.buckets import InFlight, LaunchQueue, all_reduce_unbucketed
 from minispeed.comm.call import CommWork
@@ -25,7 +27,6 @@ from minispeed.comm.collectives import (
     all_gather_coalesced,
     all_gather_into_tensor,
     all_reduce,
-    all_to_all_single,
     barrier,
     broadcast,
     reduce_scatter_tensor,

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from minispeed.comm import call, collectives, costs, handshake
+from minispeed.comm import all_to_all, call, collectives, costs, handshake
 from minispeed.comm.logger import CommsLogger
 from minispeed.core import ranges
 
@@ -86,7 +86,7 @@ def _call(
         "all_gather": lambda: collectives.all_gather_into_tensor(out, inp, group=g),
         "reduce_scatter": lambda: collectives.reduce_scatter_tensor(out, inp, group=g),
         "broadcast": lambda: collectives.broadcast(inp, src, group=g),
-        "all_to_all": lambda: collectives.all_to_all_single(out, inp, group=g),
+        "all_to_all": lambda: all_to_all.all_to_all_single(out, inp, group=g),
     }[op]
 
 

@@ -30,20 +30,14 @@ import minispeed.comm as comm
 from minispeed.comm.optim import CompressedMomentumOptimizer
 from minispeed.core.accelerator import get_accelerator
 from minispeed.core.logging import get_logger
+from minispeed.zero.bucketed_setup import bucketed_strategy, check_onebit, onebit_parts
 from minispeed.zero.config import ZeroConfig
 from minispeed.zero.model_parallel import ModelParallel
 from minispeed.zero.offload_setup import apply_offload
 from minispeed.zero.optimizer import ShardStrategy, ZeroOptimizer, param_names
 from minispeed.zero.precision import MixedPrecision
-from minispeed.zero.replica_groups import (
-    ReplicaGroupedStrategy,
-    broadcast_within,
-    check_replica_groups,
-    make_stage_strategy,
-)
-from minispeed.zero.stage0 import ReplicatedStrategy
+from minispeed.zero.replica_groups import check_replica_groups
 from minispeed.zero.stage3 import Stage3Strategy
-from minispeed.zero.stage12 import PartitionedStrategy
 
 __all__ = ["shard"]
 
@@ -66,13 +60,6 @@ _ELEMENTWISE = (
 )
 
 _sharded_models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-
-# Note [1-bit Adam under zero]
-# A 1-bit optimizer averages gradients and momenta inside its own step(), so it cannot be zero's
-# inner optimizer as it is (at stage 0 it stepped nothing: the masters do not require grad; at
-# stages 1-2 it averaged different ranks' shards together). `onebit.py` runs its two phases
-# over the stage instead: Adam with ZeRO for the warm-up, then local gradients, a full momentum
-# averaged in 1 bit, and each rank stepping its shard.
 
 
 def shard(
@@ -106,11 +93,10 @@ def shard(
     config = config if config is not None else ZeroConfig()
     precision = precision if precision is not None else MixedPrecision()
     _check_inputs(model, optimizer, config, precision)
-    onebit = None  # 1-bit Adam: its own phases over the stage (Note [1-bit Adam under zero])
-    if isinstance(optimizer, CompressedMomentumOptimizer):
-        from minispeed.zero import onebit
-
-        onebit.check_onebit(
+    # 1-bit Adam runs its own phases over stages 0-2 (Note [1-bit Adam under zero])
+    onebit = isinstance(optimizer, CompressedMomentumOptimizer)
+    if onebit:
+        check_onebit(
             optimizer,
             config,
             precision,
@@ -118,39 +104,13 @@ def shard(
             replica_groups=replica_groups,
         )
     param_groups = [list(pg["params"]) for pg in optimizer.param_groups]
-    if model_parallel is not None and replica_groups is not None:
-        raise NotImplementedError(
-            "zero.shard with both model_parallel (pipeline/tensor axes) and replica_groups (MoE "
-            "experts) is not supported yet: the clipping norm would count expert copies on one "
-            "axis only; use one of the two"
-        )
-    if model_parallel is not None:  # before any hook is installed
-        if not isinstance(model_parallel, ModelParallel):
-            raise TypeError(
-                f"model_parallel must be a zero.ModelParallel, got {type(model_parallel).__name__}"
-            )
-        model_parallel.check([p for ps in param_groups for p in ps])
+    _check_grid(model_parallel, replica_groups, param_groups, config)
 
     strategy: ShardStrategy
-    if replica_groups is not None:  # See Note [replica groups]
-        check_replica_groups(replica_groups, len(param_groups), config)
-        broadcast_within(param_groups, replica_groups, group, _broadcast_from_first_rank)
-        kind = ReplicatedStrategy if config.stage == 0 else PartitionedStrategy
-        strategy = ReplicaGroupedStrategy(
-            make_stage_strategy(kind, model, config, precision),
-            param_groups,
-            replica_groups,
-            group,
-            config,
-        )
-    elif config.stage == 0:
-        _broadcast_from_first_rank(param_groups, group)
-        strategy = ReplicatedStrategy(model, config, precision, group, param_groups=param_groups)
-    elif config.stage in (1, 2):
-        _broadcast_from_first_rank(param_groups, group)
-        strategy = PartitionedStrategy(model, config, precision, group, param_groups=param_groups)
-    else:
+    if config.stage == 3:
         strategy = Stage3Strategy(model, config, precision, group, param_groups=param_groups)
+    else:  # the first rank's weights broadcast, replica groups: bucketed_setup.py
+        strategy = bucketed_strategy(model, config, precision, group, param_groups, replica_groups)
     user_optimizer = optimizer
     if config.offload_optimizer is not None or config.offload_param is not None:
         # minispeed.offload is an optional extra, loaded only now (Note [offload is imported
@@ -160,20 +120,16 @@ def shard(
         model_parallel.check_strategy(strategy)
     _cast_rest(model, {p for ps in param_groups for p in ps}, precision.param_dtype, config.stage)
     _sharded_models.add(model)
-    names = param_names(model)
-    params = [p for ps in param_groups for p in ps]
     kind, extra = ZeroOptimizer, {"model_parallel": model_parallel}
-    if onebit is not None:
-        kind, extra = onebit.OnebitZeroOptimizer, {"freeze_step": optimizer.freeze_step}
-        optimizer = onebit.warmup_adam(optimizer)
-        strategy = onebit.OnebitStrategy(strategy, model, group)
+    if onebit:
+        kind, extra, optimizer, strategy = onebit_parts(optimizer, strategy, model, group)
     return kind(
         optimizer,
         strategy,
         config,
         precision,
-        params,
-        names,
+        [p for ps in param_groups for p in ps],
+        param_names(model),
         group,
         on_close=functools.partial(_forget_model, weakref.ref(model)),
         user_optimizer=user_optimizer,
@@ -248,6 +204,29 @@ def _check_inputs(
         )
 
 
+def _check_grid(
+    model_parallel: ModelParallel | None,
+    replica_groups: Sequence[Any] | None,
+    param_groups: list[list[nn.Parameter]],
+    config: ZeroConfig,
+) -> None:
+    """The grid's other axes and the param groups' own process groups, before any hook."""
+    if model_parallel is not None and replica_groups is not None:
+        raise NotImplementedError(
+            "zero.shard with both model_parallel (pipeline/tensor axes) and replica_groups (MoE "
+            "experts) is not supported yet: the clipping norm would count expert copies on one "
+            "axis only; use one of the two"
+        )
+    if model_parallel is not None:
+        if not isinstance(model_parallel, ModelParallel):
+            raise TypeError(
+                f"model_parallel must be a zero.ModelParallel, got {type(model_parallel).__name__}"
+            )
+        model_parallel.check([p for ps in param_groups for p in ps])
+    if replica_groups is not None:  # See Note [replica groups]
+        check_replica_groups(replica_groups, len(param_groups), config)
+
+
 def _check_optimizer_kind(optimizer: torch.optim.Optimizer) -> None:
     """Refuse optimizers that cannot step a partition of a flat buffer, or take our loss scale.
 
@@ -259,7 +238,7 @@ def _check_optimizer_kind(optimizer: torch.optim.Optimizer) -> None:
     """
     kind = type(optimizer)
     if isinstance(optimizer, CompressedMomentumOptimizer):
-        return  # checked by onebit.check_onebit (Note [1-bit Adam under zero])
+        return  # checked by check_onebit (Note [1-bit Adam under zero] in bucketed_setup.py)
     for name in _NOT_ELEMENTWISE:
         cls = getattr(torch.optim, name, None)
         if cls is not None and isinstance(optimizer, cls):
@@ -280,28 +259,6 @@ def _check_optimizer_kind(optimizer: torch.optim.Optimizer) -> None:
             "element independently (results are wrong for stages 1-3 if it does not)",
             kind.__name__,
         )
-
-
-@torch.no_grad()
-def _broadcast_from_first_rank(param_groups: list[list[nn.Parameter]], group: Any) -> None:
-    """Make every rank start from the weights of the group's first rank (Ψ·bytes sent, once)."""
-    if comm.get_world_size(group) == 1:
-        return
-    # broadcast() takes a *global* source rank; find the global rank of group rank 0.
-    device = param_groups[0][0].device if param_groups and param_groups[0] else torch.device("cpu")
-    first = torch.tensor(
-        [float(comm.get_rank() if comm.get_rank(group) == 0 else -1)], device=device
-    )
-    comm.all_reduce(first, op=comm.ReduceOp.MAX, group=group)
-    src = int(first.item())
-    for ps in param_groups:
-        for p in ps:
-            if p.data.is_contiguous():
-                comm.broadcast(p.data, src=src, group=group)
-            else:  # collectives need contiguous memory
-                buf = p.data.contiguous()
-                comm.broadcast(buf, src=src, group=group)
-                p.data.copy_(buf)
 
 
 @torch.no_grad()

@@ -32,6 +32,27 @@ class BucketedStrategy(ShardStrategy):
     _grad_views: tuple[list[torch.Tensor], list[list[torch.Tensor]]] | None = None
 
     reducer: Any  # reducer.py: AllReduceReducer, BoundaryScatterReducer or BackwardScatterReducer
+    pad: bool  # every bucket padded to a multiple of the group size (stages 1-2: it is split)
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: ZeroConfig,
+        precision: MixedPrecision,
+        group: Any = None,
+        *,
+        param_groups: Sequence[Sequence[nn.Parameter]],
+        grad_divisor: int | None = None,
+    ) -> None:
+        """Lay the param groups out in flat buckets, then the stage's masters and reducer
+        (`_set_up`). `grad_divisor`: what the reduced gradient sum is divided by (default: the
+        size of `group`; Note [replica groups] in replica_groups.py)."""
+        self._lay_out(model, config, precision, group, param_groups)
+        self._set_up(model, group, grad_divisor)
+
+    def _set_up(self, model: nn.Module, group: Any, grad_divisor: int | None) -> None:
+        """The stage's masters and its reducer (`_reduce_with`), over `self.layouts`."""
+        raise NotImplementedError
 
     def _lay_out(
         self,
@@ -40,17 +61,18 @@ class BucketedStrategy(ShardStrategy):
         precision: MixedPrecision,
         group: Any,
         param_groups: Sequence[Sequence[nn.Parameter]],
-        pad: bool,
     ) -> None:
         """Set `config`, `precision`, `groups` (the optimizer's param groups), `names` and one
-        `FlatLayout` per group (``pad``: every bucket padded to a multiple of the group size)."""
+        `FlatLayout` per group (padded when `pad`)."""
         self.config = config
         self.precision = precision
         self.groups = [list(ps) for ps in param_groups]
         self.names = param_names(model)
         bucket_numel = config.bucket_numel(precision.grad_accum_dtype.itemsize)
         world_size = comm.get_world_size(group)
-        self.layouts = [FlatLayout(ps, bucket_numel, world_size, pad=pad) for ps in self.groups]
+        self.layouts = [
+            FlatLayout(ps, bucket_numel, world_size, pad=self.pad) for ps in self.groups
+        ]
 
     def _views_of(
         self,

@@ -75,7 +75,7 @@ class Bucket:
 def cut_runs(items: Sequence[Any], sizes: Sequence[int], limit: int) -> list[list[Any]]:
     """Cut `items` (in the given order) into consecutive runs of total size at most `limit`;
     an item larger than `limit` forms a run of its own. How gradient buckets are formed, here
-    and for stage 3 (`stage3/grads.py`)."""
+    and for stage 3 (`stage3/strategy.py`)."""
     runs: list[list[Any]] = []
     current: list[Any] = []
     total = 0

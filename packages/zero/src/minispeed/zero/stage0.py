@@ -18,16 +18,13 @@ rank on a ring (`ledger.stage_collectives`); nothing between accumulation bounda
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from minispeed.zero.bucketed import BucketedStrategy
-from minispeed.zero.config import ZeroConfig
 from minispeed.zero.contract import ParamFragment
-from minispeed.zero.precision import MixedPrecision
 from minispeed.zero.reducer import AllReduceReducer
 
 __all__ = ["ReplicatedStrategy"]
@@ -47,17 +44,11 @@ class ReplicatedStrategy(BucketedStrategy):
 
     partitions_grads = False  # every rank holds the full averaged gradient: the norm is local
 
-    def __init__(
-        self,
-        model: nn.Module,
-        config: ZeroConfig,
-        precision: MixedPrecision,
-        group: Any = None,
-        *,
-        param_groups: Sequence[Sequence[nn.Parameter]],
-        grad_divisor: int | None = None,
-    ) -> None:
-        self._lay_out(model, config, precision, group, param_groups, pad=False)
+    pad = False
+
+    def _set_up(self, model: nn.Module, group: Any, grad_divisor: int | None) -> None:
+        """Full fp32 masters (Note [fp32 stage 0 has no master copy]), the all-reduce reducer."""
+        precision = self.precision
         dtype = precision.param_dtype
         self._masters: list[list[torch.Tensor]] = []
         for ps in self.groups:

@@ -32,7 +32,6 @@ reduction is an all-reduce (twice the bytes). Exact per-call sums: `ledger.stage
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -40,10 +39,8 @@ from torch import nn
 
 import minispeed.comm as comm
 from minispeed.zero.bucketed import BucketedStrategy
-from minispeed.zero.config import ZeroConfig
 from minispeed.zero.contract import ParamFragment
 from minispeed.zero.flat import Bucket
-from minispeed.zero.precision import MixedPrecision
 from minispeed.zero.reducer import BackwardScatterReducer, BoundaryScatterReducer
 
 __all__ = ["PartitionedStrategy"]
@@ -86,19 +83,14 @@ class PartitionedStrategy(BucketedStrategy):
 
     partitions_grads = True  # master_grads() holds this rank's shard only: the norm needs a sum
 
-    def __init__(
-        self,
-        model: nn.Module,
-        config: ZeroConfig,
-        precision: MixedPrecision,
-        group: Any = None,
-        *,
-        param_groups: Sequence[Sequence[nn.Parameter]],
-        grad_divisor: int | None = None,
-    ) -> None:
+    pad = True
+
+    def _set_up(self, model: nn.Module, group: Any, grad_divisor: int | None) -> None:
+        """Flat parameter buffers, master fragments (Note [one master per fragment]), the
+        stage's reduce-scatter reducer."""
+        config, precision = self.config, self.precision
         if config.stage not in (1, 2):
             raise ValueError(f"PartitionedStrategy implements stages 1 and 2, not {config.stage}")
-        self._lay_out(model, config, precision, group, param_groups, pad=True)
         self.comm_group = group
         self.world_size = comm.get_world_size(group)
         self.rank = comm.get_rank(group)

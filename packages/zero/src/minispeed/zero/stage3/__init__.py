@@ -1,29 +1,29 @@
 """ZeRO stage 3: parameters partitioned across ranks and fetched module by module.
 
 Reading order, outside-in (packages/zero/README.md lists the same). From ``zero.shard``
-(api.py) to the all-gather is five files, the first four below:
+to the ``torch.distributed`` call is six files: api.py, the first three below, and comm's
+``collectives.py`` and ``call.py`` (packages/zero/README.md, "The stage-3 path", counts them):
 
 1. `strategy` — `Stage3Strategy`, what ``zero.shard`` builds (partitions, fp32 masters,
-   persistent parameters, fetch units, hooks, gradient reduction) and what the optimizer sees;
-2. `hooks` — the four moments (module pre/post forward, pre/post backward) and what each does;
-3. `coordinator` — which fetch unit to gather and release when, in which pass (`FetchPhase`);
-   beside it `prefetch` — `Prefetcher`, what to fetch ahead within the prefetch and
-   live-parameter budgets and what to keep for reuse (the reuse distance);
-4. `params` — `FetchUnit` (``unshard`` / ``wait`` / ``reshard``, the hold count) and one
+   persistent parameters, fetch units, hooks) and what the optimizer sees; and
+   `GradShardReducer`, the gradient reduce-scatter into fp32 shards;
+2. `coordinator` — the module hooks (the four moments: pre/post forward, pre/post backward)
+   and `FetchCoordinator`, which fetch unit to gather and release when, in which pass
+   (`FetchPhase`); beside it `prefetch` — `Prefetcher`, what to fetch ahead within the
+   prefetch and live-parameter budgets and what to keep for reuse (the reuse distance);
+3. `params` — `FetchUnit` (``unshard`` / ``wait`` / ``reshard``, the hold count) and one
    partitioned parameter, `ShardedParam` with its state enum; the all-gather itself
-   (`PlainGather`); beside it `residency` — where a released shard lives (`Residency`, and
-   `ShardHome`, the interface offload implements);
-5. `grads` — the gradient reduce-scatter into shards (from ``zero.shard``: api.py, strategy.py,
-   grads.py);
-6. `trace` — the recorded module order (`TraceState`: recording, following, diverged), and how
+   (`PlainGather`); beside it `residency` — where a released shard lives (`Residency`, its
+   transitions in `Resident`, and `ShardHome`, the interface offload implements);
+4. `trace` — the recorded module order (`TraceState`: recording, following, diverged), and how
    ranks that run modules in different orders are caught (`FetchOrderError`) instead of hanging;
-7. `init` — `Init` (build a model already partitioned), `GatheredParameters` (full values for
+5. `init` — `Init` (build a model already partitioned), `GatheredParameters` (full values for
    user code), `full_state_dict`, `set_leaf_module` (fetch a subtree at once); `init_writes` —
    initialisers run after `Init` partitioned a module; `access` — why reading a released
    parameter raises; `released` — what a released parameter answers (its full shape) and which
    reads raise; `ledger` — bytes per step, as a formula;
-8. `zeropp` (qwZ, hpZ), `zeropp_grads` (qgZ) and `zeropp_ledger` — ZeRO++;
-9. ZeRO-Infinity (``offload_param`` / ``offload_optimizer`` on NVMe): `offloaded` (where shards
+6. `zeropp` (qwZ, hpZ), `zeropp_grads` (qgZ) and `zeropp_ledger` — ZeRO++;
+7. ZeRO-Infinity (``offload_param`` / ``offload_optimizer`` on NVMe): `offloaded` (where shards
    live), `infinity` (masters, states and gradients in files), `io_failures` (a failed file
    read or write becomes `OffloadIOError` on every rank, never a wait).
 

@@ -1,49 +1,185 @@
-"""The fetch coordinator: which fetch units to gather and release when, within which budgets.
+"""Module hooks and the fetch coordinator: which fetch units to gather and release, and when.
 
-The hooks (hooks.py) tell the coordinator "module M starts / ends its forward" and "M's backward
-is about to run / has run". It answers by gathering M's `FetchUnit` (the parameters M owns, plus
-*externals* it was seen reading) and releasing it when nobody holds it any more; the unit does
-the transitions (`unshard`, `wait`, `reshard`) and counts its users (`hold`, `unhold`).
+For every module that owns parameters (its `FetchUnit`: the parameters it owns, plus
+*externals* it was seen reading; one unit per leaf module's whole subtree, see
+``set_leaf_module``) and for the root, four hooks, in the order they fire:
+
+| hook | calls | what happens |
+|---|---|---|
+| forward pre-hook | ``coordinator.pre_forward(unit)`` | all-gather (or wait for the prefetch) |
+| forward post-hook | ``coordinator.post_forward(unit)`` | release; a gradient hook on the outputs (-> pre-backward) |
+| pre-backward | ``coordinator.pre_backward(unit)`` | all-gather again: backward reads the parameters forward released |
+| post-backward | ``coordinator.post_backward(unit)`` | release once input gradients exist |
+
+**Pre-backward** is ``torch.autograd.graph.register_multi_grad_hook(outputs, mode="any")``: it
+fires once, when the first gradient for any output of the module is computed, i.e. before any of
+the module's own backward nodes run.
+
+**Post-backward** is an autograd function (`_PostBackward`) wrapped around the module's
+tensor *inputs* in the pre-hook: its backward runs after every gradient w.r.t. those inputs has
+been produced, i.e. after the module's backward. A module whose inputs need no gradient (the
+embedding reading token ids, the root) has no such point; its parameters are released by the
+coordinator's end-of-backward callback instead. (``register_full_backward_hook`` is no
+substitute: for such modules it fires *before* their backward, not after.) The root's pre/post
+hooks also open and close the forward pass (``begin_forward`` / ``end_forward``).
+
+The `FetchCoordinator` answers each moment: the unit does the transitions (`unshard`, `wait`,
+`reshard`, params.py) and counts its users (`hold`, `unhold`); the coordinator decides when.
 
 **Prefetch.** The first forward records the order of module starts and ends (the *trace*,
 trace.py); the first backward records the order of module backward starts. Later passes follow
 the trace: when M starts, the coordinator also issues async all-gathers for the units that come
 next, as `Prefetcher` (prefetch.py) chooses them within the prefetch and live budgets; they are
 waited for only when their module starts, so the transfer overlaps M's compute. Parameters with
-at most
-``stage3_param_persistence_threshold_numel`` elements are *persistent*: gathered once, never
-released (the strategy marks them), because fetching many tiny tensors costs more latency than
-their memory is worth. A unit needed again soon stays gathered (the prefetcher's `keep`).
+at most ``stage3_param_persistence_threshold_numel`` elements are *persistent*: gathered once,
+never released (the strategy marks them), because fetching many tiny tensors costs more latency
+than their memory is worth. A unit needed again soon stays gathered (the prefetcher's `keep`).
 
 **Divergence.** Collectives pair up by issue order, so ranks that run parameter-owning modules in
 different orders would hang. The trace (trace.py) checks the order across ranks and raises
 `FetchOrderError` on every rank (Note [how divergence is caught]); a rank that leaves a trace it
 was following replays the trace's collectives here first, so that nobody waits for it.
 
-Costs: a few Python calls per module per pass; the collectives are the units' (params.py) and
-the checks' (trace.py).
+Limit: the inputs a parameter-owning module receives are views made by ``_PostBackward``, and
+autograd forbids modifying such views in place; a module that writes into its own input
+(``x.mul_(...)`` on an argument) must clone it first. Modules without parameters get no hooks.
+
+Costs: a few Python calls per module per pass; no tensors are copied (``_PostBackward`` returns
+views of its inputs); the collectives are the units' (params.py) and the checks' (trace.py).
 """
 
 from __future__ import annotations
 
 import enum
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+from torch import nn
 from torch.autograd import Variable
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.hooks import RemovableHandle
 
 from minispeed.core.logging import get_logger
+from minispeed.zero.stage3.init import is_leaf_module
 from minispeed.zero.stage3.params import FetchUnit, ShardedParam
 from minispeed.zero.stage3.prefetch import Prefetcher
 from minispeed.zero.stage3.trace import FetchOrderError, FetchTrace, TraceCheck
 
-__all__ = ["FetchCoordinator", "FetchPhase", "FetchStats"]
+__all__ = ["FetchCoordinator", "FetchPhase", "FetchStats", "build_units", "install_module_hooks"]
 
 _log = get_logger("zero")
 
 
+# -- the module hooks ------------------------------------------------------------------------------
+def build_units(
+    model: nn.Module, sharded: dict[nn.Parameter, ShardedParam]
+) -> dict[nn.Module, FetchUnit]:
+    """One FetchUnit per module that owns parameters (whole subtree for leaf modules) + the root."""
+    units: dict[nn.Module, FetchUnit] = {}
+    inside_leaf: set[int] = set()
+    for name, module in model.named_modules():
+        if id(module) in inside_leaf:
+            continue
+        if is_leaf_module(module):
+            owned = list(module.parameters())
+            inside_leaf.update(id(m) for m in module.modules())
+        else:
+            owned = [p for p in dict.values(module._parameters) if p is not None]
+        params = list(dict.fromkeys(sharded[p] for p in owned))
+        if params or module is model:
+            units[module] = FetchUnit(len(units), name, type(module).__name__, params)
+    return units
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on the module's inputs whose backward reports "this module's backward is done"."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Callable[[], None], *tensors: torch.Tensor) -> tuple:
+        ctx.callback = callback
+        return tensors  # autograd returns them as views; see the module docstring (in-place)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        ctx.callback()
+        return (None, *grads)
+
+
+def _wrap_inputs(args: tuple, kwargs: dict, callback: Callable[[], None]) -> tuple[tuple, dict]:
+    """Route the inputs that require grad through one ``_PostBackward`` (identity kept: x, x -> y, y)."""
+    flat, spec = tree_flatten((args, kwargs))
+    unique: dict[int, int] = {}  # id(tensor) -> position among the wrapped tensors
+    tensors: list[torch.Tensor] = []
+    for x in flat:
+        if isinstance(x, torch.Tensor) and x.requires_grad and id(x) not in unique:
+            unique[id(x)] = len(tensors)
+            tensors.append(x)
+    if not tensors:
+        return args, kwargs
+    wrapped = _PostBackward.apply(callback, *tensors)
+    flat = [
+        wrapped[unique[id(x)]] if isinstance(x, torch.Tensor) and id(x) in unique else x
+        for x in flat
+    ]
+    new_args, new_kwargs = tree_unflatten(flat, spec)
+    return new_args, new_kwargs
+
+
+def install_module_hooks(
+    root: nn.Module, units: dict[nn.Module, FetchUnit], coordinator: FetchCoordinator
+) -> list[RemovableHandle]:
+    """Register the forward pre/post hooks on ``root`` and every module in ``units``."""
+    handles: list[RemovableHandle] = []
+    for module, unit in units.items():
+        is_root = module is root
+        handles.append(
+            module.register_forward_pre_hook(
+                _make_pre(unit, coordinator, is_root), with_kwargs=True
+            )
+        )
+        handles.append(
+            module.register_forward_hook(_make_post(unit, coordinator, is_root), with_kwargs=True)
+        )
+    return handles
+
+
+def _make_pre(unit: FetchUnit, coordinator: FetchCoordinator, is_root: bool) -> Callable:
+    def post_backward() -> None:
+        coordinator.post_backward(unit)
+
+    def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if is_root:
+            coordinator.begin_forward()
+        coordinator.pre_forward(unit)
+        if torch.is_grad_enabled():
+            return _wrap_inputs(args, kwargs, post_backward)
+        return args, kwargs
+
+    return pre_hook
+
+
+def _make_post(unit: FetchUnit, coordinator: FetchCoordinator, is_root: bool) -> Callable:
+    def pre_backward(_grad: torch.Tensor) -> None:
+        coordinator.pre_backward(unit)
+
+    def post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        coordinator.post_forward(unit)
+        if torch.is_grad_enabled():
+            flat, _ = tree_flatten(output)
+            needs_grad = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
+            if needs_grad:
+                register_multi_grad_hook(needs_grad, pre_backward, mode="any")
+        if is_root:
+            coordinator.end_forward()
+
+    return post_hook
+
+
+# -- the coordinator -------------------------------------------------------------------------------
 class FetchPhase(enum.Enum):
     """Which pass the coordinator is in; changed only by its ``_to_*`` transitions.
 

@@ -50,10 +50,10 @@ import torch
 
 from minispeed.zero.contract import StrategyWrapper
 from minispeed.zero.offload_bridge import check_free_space, host_optimizer, swappers_of
-from minispeed.zero.stage3.grads import keep_grad_shard
 from minispeed.zero.stage3.io_failures import IOFailures
 from minispeed.zero.stage3.params import ParamState, ShardedParam, refresh_gathered
 from minispeed.zero.stage3.residency import ShardHome
+from minispeed.zero.stage3.strategy import keep_grad_shard
 
 __all__ = ["InfinityHome", "InfinityStrategy", "agree_on_first_masters", "offload_masters"]
 

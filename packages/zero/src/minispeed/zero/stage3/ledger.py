@@ -75,7 +75,7 @@ def stage3_step_bytes(
     ``numels``: every unique parameter's element count (a tied parameter once). ``without_grad``:
     positions in ``numels`` of parameters that are not trained (frozen, or in no optimizer
     group): never reduce-scattered. A trained parameter that got no gradient is reduce-scattered
-    as zeros (Note [a fixed bucket plan] in grads.py), so it counts.
+    as zeros (Note [a fixed bucket plan] in strategy.py), so it counts.
     ``trace_check``: the coordinator's default ``first`` mode (one 3-int64 all-gather per forward).
     """
     skip = set(without_grad)

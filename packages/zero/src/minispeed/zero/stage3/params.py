@@ -30,7 +30,7 @@ Costs (p = bytes per element of the parameter dtype):
 
 - kept per rank, always: the shard, ``s·p`` bytes (plus the fp32 master ``4s`` that the strategy
   attaches; for fp32 parameters the master *is* the shard); from its gradient's reduction to the
-  optimizer step, the fp32 gradient shard ``4s`` (grads.py, Note [lazy gradient shards]);
+  optimizer step, the fp32 gradient shard ``4s`` (strategy.py, Note [lazy gradient shards]);
 - while gathered: the full buffer, ``N·s·p`` bytes; while released: 0 bytes, even if autograd still
   holds views of it (Note [why storage is resized, not replaced]);
 - one all-gather of a parameter: ``N·s·p`` bytes (message size; each rank sends ``(N-1)·s·p``);
@@ -53,7 +53,7 @@ import minispeed.comm as comm
 from minispeed.comm.validation import group_ranks
 from minispeed.core import ranges
 from minispeed.core.accelerator import get_accelerator
-from minispeed.zero.stage3.residency import STAYS_HERE, Residency, ShardHome
+from minispeed.zero.stage3.residency import Resident
 
 __all__ = [
     "PLAIN_GATHER",
@@ -76,8 +76,8 @@ __all__ = [
 # consequences the rest of the package handles:
 #   * autograd nodes that saved the parameter *itself* (e.g. ``x * weight`` saves ``weight``)
 #     read its ``.data`` when backward runs, so the parameter must be gathered again before its
-#     module's backward (hooks.py: pre-backward hooks), and stay gathered until its gradient has
-#     been accumulated (AccumulateGrad checks the gradient's layout against ``param``);
+#     module's backward (coordinator.py: pre-backward hooks), and stay gathered until its gradient
+#     has been accumulated (AccumulateGrad checks the gradient's layout against ``param``);
 #   * nodes that saved a *view* of it (``weight.t()`` inside ``F.linear``) hold the gathered
 #     buffer, not the parameter: swapping ``.data`` alone would leave every such buffer alive
 #     until backward, i.e. the whole model at the end of forward. See the next Note.
@@ -90,7 +90,7 @@ __all__ = [
 # autograd saved in forward: ``weight.t()``, ``weight`` reshaped...) shares that storage, so:
 #   * between forward and backward those saved views point at 0 bytes: a rank holds its shards
 #     plus what is gathered right now, never the whole model (the point of stage 3);
-#   * backward's pre-hook (hooks.py) re-gathers into the same storage before the module's
+#   * backward's pre-hook (coordinator.py) re-gathers into the same storage before the module's
 #     backward nodes run, so the views autograd reads see the full values again.
 # The price: reading a view while its storage is released is undefined (a crash, not an error
 # message), so every module whose backward reads a parameter must re-gather it first: the
@@ -148,7 +148,7 @@ class ParamState(enum.Enum):
     GATHERED = "gathered"
 
 
-class ShardedParam:
+class ShardedParam(Resident):
     """Everything stage 3 keeps for one ``nn.Parameter``: its shard, state, and owners.
 
     Attributes set by the strategy (``None`` until ``zero.shard`` runs): ``master`` (fp32,
@@ -190,10 +190,7 @@ class ShardedParam:
         # Who gathers it: PLAIN_GATHER, or ZeRO++ (stage3/zeropp.py), held weakly as the
         # coordinator; chosen once by the strategy (Note [optional features are chosen once]).
         self._gatherer: weakref.ref | None = None
-        # Where the shard lives while released (residency.py); only the to_away / to_fetched /
-        # to_here / set_home methods below change these.
-        self._residency = Residency.HERE
-        self._home: ShardHome = STAYS_HERE
+        Resident.__init__(self)  # where the shard lives while released: HERE, no home yet
         param.data = shard.new_empty(0)  # born SHARDED (Note [why .data is swapped])
 
     @property
@@ -219,21 +216,6 @@ class ShardedParam:
     @gatherer.setter
     def gatherer(self, gatherer: Any) -> None:
         self._gatherer = None if gatherer is None else weakref.ref(gatherer)
-
-    @property
-    def residency(self) -> Residency:
-        """Where the shard is now: HERE, AWAY in its home, or FETCHED (`Residency`)."""
-        return self._residency
-
-    @property
-    def away(self) -> bool:
-        """Whether the shard's value is in its home only (`Residency.AWAY`; 0 bytes here)."""
-        return self._residency is Residency.AWAY
-
-    @property
-    def home(self) -> ShardHome:
-        """Where the shard lives while released: `STAYS_HERE`, or offload's home for it."""
-        return self._home
 
     @property
     def param(self) -> nn.Parameter:
@@ -311,35 +293,6 @@ class ShardedParam:
         assert self.state is ParamState.SHARDED, f"{self.name}: set_shard while {self.state}"
         self.shard = shard
         self.param.data = shard.new_empty(0)
-
-    # -- residency transitions (stage3/residency.py; called by the parameter's home) ---------------
-    def to_away(self, home: ShardHome | None = None) -> None:
-        """The shard's value is in its home: drop it here (0 bytes). From HERE, adopted by
-        ``home`` (which now holds the value), or from FETCHED (evicted; same home)."""
-        was = self._residency
-        adopted = was is Residency.HERE and home is not None and self._home is STAYS_HERE
-        evicted = was is Residency.FETCHED and home in (None, self._home)
-        assert adopted or evicted, f"{self.name}: to_away from {was}"
-        self._home = home or self._home
-        self.shard = self.shard.new_empty(0)
-        self._residency = Residency.AWAY
-
-    def to_fetched(self, shard: torch.Tensor) -> None:
-        """AWAY -> FETCHED: ``shard`` (``shard_numel`` elements) holds the value read from home."""
-        assert self._residency is Residency.AWAY, f"{self.name}: to_fetched from {self._residency}"
-        assert shard.numel() == self.shard_numel, f"{self.name}: fetched {shard.numel()} elements"
-        self.shard = shard
-        self._residency = Residency.FETCHED
-
-    def to_here(self) -> None:
-        """FETCHED -> HERE: the shard stays in memory for good and has no home any more."""
-        assert self._residency is Residency.FETCHED, f"{self.name}: to_here from {self._residency}"
-        self._home = STAYS_HERE
-        self._residency = Residency.HERE
-
-    def set_home(self, home: ShardHome) -> None:
-        """A home over the old one (ZeRO-Infinity's: also writes the master); same residency."""
-        self._home = home
 
     def load_full(self, values: torch.Tensor) -> None:
         """While GATHERED: make ``values`` (``n`` elements) the parameter's value, here and in

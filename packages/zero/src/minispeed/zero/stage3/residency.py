@@ -23,7 +23,7 @@ import torch
 # The methods take a params.ShardedParam; not imported (params.py imports this module).
 ShardedParam = Any
 
-__all__ = ["STAYS_HERE", "Residency", "ShardHome", "StaysHere"]
+__all__ = ["STAYS_HERE", "Residency", "Resident", "ShardHome", "StaysHere"]
 
 
 class Residency(enum.Enum):
@@ -91,3 +91,62 @@ class StaysHere:
 
 #: Every `ShardedParam`'s home until offload gives it another.
 STAYS_HERE = StaysHere()
+
+
+class Resident:
+    """Where a `ShardedParam`'s shard lives: the `Residency` state and its home, and the only
+    methods that change them (`ShardedParam`'s base; the home calls `to_away` / `to_fetched` /
+    `to_here`, offload's set-up calls `set_home`). Orthogonal to `ParamState`: the gather path
+    only asks the home to ``fetch`` and ``evict`` (no-ops for `STAYS_HERE`)."""
+
+    name: str
+    shard: torch.Tensor
+    shard_numel: int
+
+    def __init__(self) -> None:
+        self._residency = Residency.HERE
+        self._home: ShardHome = STAYS_HERE
+
+    @property
+    def residency(self) -> Residency:
+        """Where the shard is now: HERE, AWAY in its home, or FETCHED (`Residency`)."""
+        return self._residency
+
+    @property
+    def away(self) -> bool:
+        """Whether the shard's value is in its home only (`Residency.AWAY`; 0 bytes here)."""
+        return self._residency is Residency.AWAY
+
+    @property
+    def home(self) -> ShardHome:
+        """Where the shard lives while released: `STAYS_HERE`, or offload's home for it."""
+        return self._home
+
+    # -- transitions (called by the parameter's home) ----------------------------------------------
+    def to_away(self, home: ShardHome | None = None) -> None:
+        """The shard's value is in its home: drop it here (0 bytes). From HERE, adopted by
+        ``home`` (which now holds the value), or from FETCHED (evicted; same home)."""
+        was = self._residency
+        adopted = was is Residency.HERE and home is not None and self._home is STAYS_HERE
+        evicted = was is Residency.FETCHED and home in (None, self._home)
+        assert adopted or evicted, f"{self.name}: to_away from {was}"
+        self._home = home or self._home
+        self.shard = self.shard.new_empty(0)
+        self._residency = Residency.AWAY
+
+    def to_fetched(self, shard: torch.Tensor) -> None:
+        """AWAY -> FETCHED: ``shard`` (``shard_numel`` elements) holds the value read from home."""
+        assert self._residency is Residency.AWAY, f"{self.name}: to_fetched from {self._residency}"
+        assert shard.numel() == self.shard_numel, f"{self.name}: fetched {shard.numel()} elements"
+        self.shard = shard
+        self._residency = Residency.FETCHED
+
+    def to_here(self) -> None:
+        """FETCHED -> HERE: the shard stays in memory for good and has no home any more."""
+        assert self._residency is Residency.FETCHED, f"{self.name}: to_here from {self._residency}"
+        self._home = STAYS_HERE
+        self._residency = Residency.HERE
+
+    def set_home(self, home: ShardHome) -> None:
+        """A home over the old one (ZeRO-Infinity's: also writes the master); same residency."""
+        self._home = home

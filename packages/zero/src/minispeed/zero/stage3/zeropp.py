@@ -31,7 +31,7 @@ parameter directly (node-local rank j holds chunk j): no byte crosses a node bou
 sending ``(k-1)·(N/k)·s·p`` bytes, all within the node. Secondary shards are invalidated at the
 start of every forward (the shards may have stepped).
 
-**qgZ.** The gradient reducer (grads.py) calls `ZeroPP.reduce_scatter` instead of
+**qgZ.** The gradient reducer (strategy.py) calls `ZeroPP.reduce_scatter` instead of
 ``comm.reduce_scatter_tensor``: see `zeropp_grads` for the two hops and their error.
 
 Only the coordinator's gathers inside a forward or backward pass are quantized or node-local.
