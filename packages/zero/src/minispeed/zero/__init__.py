@@ -10,6 +10,7 @@ opt.backward(model(x, y)); opt.step()
 Reading order: see packages/zero/README.md.
 """
 
+from minispeed.zero import full_values
 from minispeed.zero.activation import checkpoint
 from minispeed.zero.api import shard
 from minispeed.zero.checkpoints import (
@@ -44,6 +45,7 @@ __all__ = [
     "consolidate",
     "estimate",
     "full_state_dict",
+    "full_values",
     "load_checkpoint",
     "measure",
     "save_16bit_model",
