@@ -261,6 +261,7 @@ def initialize(
             }
         zero_opt = shard(
             model, opt, config=cfg.zero, precision=cfg.precision, replica_groups=replica_groups,
+            allow_untested_optimizer=bool(cfg.raw.get("zero_allow_untested_optimizer", False)),
             **parallel,
         )  # fmt: skip
     # 5. The scheduler, on the optimizer whose param groups hold the hyper-parameters.

@@ -68,6 +68,8 @@ class Lion(torch.optim.Optimizer):
     size; the update runs in fp32 for low-precision parameters.
     """
 
+    elementwise = True  # zero.shard may step a slice of each parameter (stages 1-3)
+
     def __init__(
         self,
         params: Iterable[Any],

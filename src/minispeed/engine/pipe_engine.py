@@ -210,6 +210,7 @@ class PipelineEngine:
             self.precision,
             group=self.grid.group("data"),
             model_parallel=model_parallel,
+            allow_untested_optimizer=bool(config.get("zero_allow_untested_optimizer", False)),
         )
 
     # -- DeepSpeed's API --------------------------------------------------------------------------

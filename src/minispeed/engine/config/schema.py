@@ -182,7 +182,10 @@ def config_schema() -> dict[str, Any]:
             "enum": ["fp32", "fp16", "bf16", None],
             "description": "Accepted when equal to data_types.grad_accum_dtype.",
         },
-        "zero_allow_untested_optimizer": _prop("boolean", "Accepted; minispeed checks kinds."),
+        "zero_allow_untested_optimizer": _prop(
+            "boolean",
+            "Accept an optimizer not known to be elementwise at ZeRO stages 1-3 (refused otherwise).",
+        ),
         "zero_force_ds_cpu_optimizer": _prop("boolean", "Accepted; offload picks its CPU op."),
         "tensor_parallel": _obj(
             {

@@ -57,6 +57,7 @@ class _CPUOptimizer(torch.optim.Optimizer):
     """Shared step loop: collect (param, grad, states) per group, one kernel call per group."""
 
     _name = ""
+    elementwise = True  # each element's update reads only its own state: ZeRO may step slices
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], simd: int | None) -> None:
         super().__init__(params, defaults)

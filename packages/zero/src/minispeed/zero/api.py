@@ -29,7 +29,6 @@ from torch import nn
 import minispeed.comm as comm
 from minispeed.comm.optim import CompressedMomentumOptimizer
 from minispeed.core.accelerator import get_accelerator
-from minispeed.core.logging import get_logger
 from minispeed.zero.bucketed_setup import bucketed_strategy, check_onebit, onebit_parts
 from minispeed.zero.config import ZeroConfig
 from minispeed.zero.model_parallel import ModelParallel
@@ -71,6 +70,7 @@ def shard(
     *,
     model_parallel: ModelParallel | None = None,
     replica_groups: Sequence[Any] | None = None,
+    allow_untested_optimizer: bool = False,
 ) -> ZeroOptimizer:
     """Apply ZeRO `config.stage` to `model` (in place) and return the wrapping optimizer.
 
@@ -89,10 +89,14 @@ def shard(
     ranks holding copies of that group's parameters (`None`: `group`), e.g. the expert-data
     group for MoE experts; that group's gradients are reduced and its state partitioned over it,
     and divided by the size of `group` (Note [replica groups] in replica_groups.py).
+
+    `allow_untested_optimizer`: at stages 1-3 an optimizer not known to update each element
+    independently is refused (Note [which optimizers can step a slice]); True accepts it, as
+    DeepSpeed's `"zero_allow_untested_optimizer": true` does.
     """
     config = config if config is not None else ZeroConfig()
     precision = precision if precision is not None else MixedPrecision()
-    _check_inputs(model, optimizer, config, precision)
+    _check_inputs(model, optimizer, config, precision, allow_untested_optimizer)
     # 1-bit Adam runs its own phases over stages 0-2 (Note [1-bit Adam under zero])
     onebit = isinstance(optimizer, CompressedMomentumOptimizer)
     if onebit:
@@ -149,6 +153,7 @@ def _check_inputs(
     optimizer: torch.optim.Optimizer,
     config: ZeroConfig,
     precision: MixedPrecision,
+    allow_untested_optimizer: bool,
 ) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"shard() needs the nn.Module to train, got {type(model).__name__}")
@@ -178,7 +183,9 @@ def _check_inputs(
             "this model was already passed to shard() and carries its gradient hooks; keep using the "
             "ZeroOptimizer that shard() returned, call its close() first, or build a new model"
         )
-    _check_optimizer_kind(optimizer)
+    _check_optimizer_kind(
+        optimizer, stepped_in_slices=config.stage > 0 and not allow_untested_optimizer
+    )
     # Adagrad makes its state (step 0) at construction: only a step count > 0 means "stepped".
     if any(len(s) and float(s.get("step", 1)) != 0 for s in optimizer.state.values()):
         raise ValueError(
@@ -227,7 +234,20 @@ def _check_grid(
         check_replica_groups(replica_groups, len(param_groups), config)
 
 
-def _check_optimizer_kind(optimizer: torch.optim.Optimizer) -> None:
+# Note [which optimizers can step a slice]
+# Stages 1-3 step each rank's slice of a parameter (its fragment), flattened. An update that
+# reads only its own element (SGD, the Adam family, Adagrad, Lion...) gives the same numbers on
+# a slice as on the whole tensor; one that reads others does not (LAMB's and LARS's per-tensor
+# trust ratio, Adafactor's factored moments, Shampoo's preconditioners, blockwise-quantized
+# states), and the difference is silent. So at stages 1-3 an optimizer must be known to be
+# elementwise: a subclass of one of torch's in `_ELEMENTWISE`, or a class that says so with
+# `elementwise = True` (minispeed's own CPU optimizers and Lion do). Anything else is refused
+# unless the caller vouches for it (`allow_untested_optimizer=True`; DeepSpeed's
+# `zero_allow_untested_optimizer`, which DeepSpeed also requires for such optimizers). Stage 0
+# steps whole parameters and accepts any optimizer but the ones named in `_NOT_ELEMENTWISE`.
+
+
+def _check_optimizer_kind(optimizer: torch.optim.Optimizer, stepped_in_slices: bool) -> None:
     """Refuse optimizers that cannot step a partition of a flat buffer, or take our loss scale.
 
     fp16: minispeed unscales the fp32 master gradients and skips overflowing steps *before* the
@@ -253,11 +273,16 @@ def _check_optimizer_kind(optimizer: torch.optim.Optimizer) -> None:
                 f"eagerly and applies the fp16 loss scale itself; construct it with {flag}=False"
             )
     known = tuple(c for c in (getattr(torch.optim, n, None) for n in _ELEMENTWISE) if c is not None)
-    if not isinstance(optimizer, known):
-        _log.warning(
-            "%s is not a known elementwise optimizer; minispeed.zero assumes it updates every "
-            "element independently (results are wrong for stages 1-3 if it does not)",
-            kind.__name__,
+    if stepped_in_slices and not (
+        isinstance(optimizer, known) or getattr(kind, "elementwise", False)
+    ):
+        raise TypeError(
+            f"{kind.__name__} is not known to update each element independently, and ZeRO stages "
+            f"1-3 step a slice of each parameter, which silently changes any update that reads "
+            f"other elements (a per-tensor norm, a factored moment): Note [which optimizers can "
+            f"step a slice]. If its update is elementwise, pass zero.shard(..., "
+            f'allow_untested_optimizer=True) (ds_config: "zero_allow_untested_optimizer": true) '
+            f"or set `elementwise = True` on the class; otherwise use stage 0"
         )
 
 
@@ -278,6 +303,3 @@ def _cast_rest(
     for p in model.parameters():
         if p not in managed and p.is_floating_point() and p.dtype != dtype:
             p.data = p.data.to(dtype)
-
-
-_log = get_logger("zero")

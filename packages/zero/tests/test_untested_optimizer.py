@@ -1,0 +1,106 @@
+"""Note [which optimizers can step a slice]: at stages 1-3 an optimizer not known to be
+elementwise is refused unless the caller vouches for it, because stepping a slice silently
+changes an update that reads other elements. Shown here with a per-tensor normalized SGD
+(`p -= lr · g / ||g||`, the shape of LAMB's and LARS's trust ratio) on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import minispeed.zero as zero
+from minispeed.core.testing import run_distributed
+
+
+class NormalizedSGD(torch.optim.Optimizer):
+    """p -= lr · g / ||g||, the norm over the whole tensor: not elementwise."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.sub_(group["lr"] * p.grad / p.grad.norm().clamp_min(1e-12))
+
+
+class PlainSGD(torch.optim.Optimizer):
+    """p -= lr · g, declared elementwise."""
+
+    elementwise = True
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.sub_(group["lr"] * p.grad)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def _data(rank: int) -> torch.Tensor:
+    return torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+
+
+def _train(model: nn.Module, opt, data: list[torch.Tensor], backward) -> list[float]:
+    """Three steps on the mean loss over `data`; each parameter's sum after them."""
+    for _ in range(3):
+        backward(sum(model(x).pow(2).mean() for x in data) / len(data))
+        opt.step()
+        opt.zero_grad()
+    return [float(p.detach().sum()) for p in model.parameters()]
+
+
+def _plain(kind: type) -> list[float]:
+    model = _model()
+    opt = kind(model.parameters(), lr=0.1)
+    return _train(model, opt, [_data(0), _data(1)], lambda loss: loss.backward())
+
+
+def _sharded(rank: int, world_size: int, kind: type, stage: int, allow: bool) -> object:
+    model = _model()
+    try:
+        opt = zero.shard(
+            model,
+            kind(model.parameters(), lr=0.1),
+            zero.ZeroConfig(stage=stage),
+            allow_untested_optimizer=allow,
+        )
+    except TypeError as err:
+        return str(err)
+    with opt:
+        return _train(model, opt, [_data(rank)], opt.backward)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_an_optimizer_not_known_elementwise_is_refused_at_stages_1_3(stage):
+    for msg in run_distributed(
+        _sharded, world_size=2, args=(NormalizedSGD, stage, False), timeout_s=120
+    ):
+        assert "NormalizedSGD is not known to update each element independently" in msg
+        assert "allow_untested_optimizer=True" in msg and "zero_allow_untested_optimizer" in msg
+
+
+def test_the_refusal_guards_a_real_difference_and_stage_0_has_none():
+    """Vouched for wrongly at stage 2, the per-tensor norm is taken over each slice and the
+    weights leave plain PyTorch's; at stage 0 (whole parameters) they match it."""
+    plain = _plain(NormalizedSGD)
+    forced = run_distributed(_sharded, world_size=2, args=(NormalizedSGD, 2, True), timeout_s=120)
+    assert forced[0] != pytest.approx(plain, rel=1e-4)
+    whole = run_distributed(_sharded, world_size=2, args=(NormalizedSGD, 0, False), timeout_s=120)
+    assert whole[0] == pytest.approx(plain, rel=1e-5)
+
+
+def test_a_class_that_declares_itself_elementwise_is_accepted():
+    got = run_distributed(_sharded, world_size=2, args=(PlainSGD, 2, False), timeout_s=120)
+    assert got[0] == pytest.approx(_plain(PlainSGD), rel=1e-5)
