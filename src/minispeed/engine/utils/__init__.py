@@ -23,30 +23,10 @@ from typing import Any
 
 import minispeed.comm as comm
 from minispeed.core.logging import get_logger
-from minispeed.engine.utils.tensor_fragment import (
-    safe_get_full_fp32_param,
-    safe_get_full_grad,
-    safe_get_full_optimizer_state,
-    safe_get_local_fp32_param,
-    safe_get_local_grad,
-    safe_get_local_optimizer_state,
-    safe_set_full_fp32_param,
-    safe_set_full_optimizer_state,
-)
+from minispeed.engine.utils import tensor_fragment
+from minispeed.engine.utils.tensor_fragment import *  # noqa: F403 (its __all__: the safe_* names)
 
-__all__ = [
-    "RepeatingLoader",
-    "log_dist",
-    "logger",
-    "safe_get_full_fp32_param",
-    "safe_get_full_grad",
-    "safe_get_full_optimizer_state",
-    "safe_get_local_fp32_param",
-    "safe_get_local_grad",
-    "safe_get_local_optimizer_state",
-    "safe_set_full_fp32_param",
-    "safe_set_full_optimizer_state",
-]
+__all__ = ["RepeatingLoader", "log_dist", "logger", *tensor_fragment.__all__]
 
 logger = get_logger("engine")
 

@@ -34,6 +34,7 @@ open `ZeroOptimizer` steps gives None from the getters and an error from the set
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,33 +61,14 @@ __all__ = [
 
 def full_fp32_param(param: nn.Parameter, opt: ZeroOptimizer | None = None) -> torch.Tensor | None:
     """The fp32 master of `param`, whole, in its shape (collective at stages 1-3)."""
-    found = _find(param, opt)
-    if found is None:
-        return None
-    opt, f = found
-    with _resident(opt):
-        return _assemble(opt, f, _master(opt, f))
+    return _read(param, opt, lambda o, f: _whole(o, f, _master(o, f)))
 
 
 def full_grad(param: nn.Parameter, opt: ZeroOptimizer | None = None) -> torch.Tensor | None:
     """The gradient of `param` reduced over the data-parallel ranks and averaged over the
     window's micro-batches, fp32, unscaled, in its shape; None outside the time between the
     window's last `backward` and `step` (collective at stages 1-3 either way)."""
-    found = _find(param, opt)
-    if found is None:
-        return None
-    opt, f = found
-    if opt.strategy.grads_in_files:
-        raise NotImplementedError(
-            "full_grad: the gradients are in swap files (ZeRO-Infinity, offload to nvme) and are "
-            "read back only inside step(); inspect them with offload_optimizer on the cpu instead"
-        )
-    if not opt.at_boundary:
-        return None
-    grad = opt.strategy.master_grads()[f.group][f.master_index]
-    whole = _assemble(opt, f, grad)
-    scale = opt.loss_scaler.scale
-    return whole if scale == 1.0 else whole.div_(scale)
+    return _read(param, opt, lambda o, f: _whole(o, f, _grad(o, f)))
 
 
 def full_optimizer_state(
@@ -94,13 +76,7 @@ def full_optimizer_state(
 ) -> torch.Tensor | None:
     """Per-element optimizer state `key` of `param` (`"exp_avg"`, `"exp_avg_sq"`,
     `"momentum_buffer"`...), whole, in its shape; None before the first step made it."""
-    found = _find(param, opt)
-    if found is None:
-        return None
-    opt, f = found
-    with _resident(opt):
-        state = _state(opt, f, key)
-        return None if state is None else _assemble(opt, f, state)
+    return _read(param, opt, lambda o, f: _whole(o, f, _state(o, f, key)))
 
 
 def set_full_fp32_param(
@@ -138,36 +114,20 @@ def set_full_optimizer_state(
 
 def local_fp32_param(param: nn.Parameter, opt: ZeroOptimizer | None = None) -> torch.Tensor | None:
     """This rank's fragment of the fp32 master, flat (`fragment.numel` elements; may be 0)."""
-    found = _find(param, opt)
-    if found is None:
-        return None
-    opt, f = found
-    with _resident(opt):
-        return _master(opt, f)[: f.numel].clone()
+    return _read(param, opt, lambda o, f: _mine(f, _master(o, f)))
 
 
 def local_grad(param: nn.Parameter, opt: ZeroOptimizer | None = None) -> torch.Tensor | None:
     """This rank's fragment of the reduced fp32 gradient, flat and unscaled; None outside the
     time between the window's last `backward` and `step`."""
-    found = _find(param, opt)
-    if found is None or not found[0].at_boundary or found[0].strategy.grads_in_files:
-        return None
-    opt, f = found
-    grad = opt.strategy.master_grads()[f.group][f.master_index].reshape(-1)[: f.numel]
-    return grad.float() / opt.loss_scaler.scale
+    return _read(param, opt, lambda o, f: _mine(f, _grad(o, f)))
 
 
 def local_optimizer_state(
     param: nn.Parameter, key: str, opt: ZeroOptimizer | None = None
 ) -> torch.Tensor | None:
     """This rank's fragment of optimizer state `key`, flat; None before the first step."""
-    found = _find(param, opt)
-    if found is None:
-        return None
-    opt, f = found
-    with _resident(opt):
-        state = _state(opt, f, key)
-        return None if state is None else state[: f.numel].clone()
+    return _read(param, opt, lambda o, f: _mine(f, _state(o, f, key)))
 
 
 # Note [a set value reaches the model now]
@@ -205,6 +165,38 @@ def _found_for_write(
             "which this does not write; use offload_optimizer device 'cpu' for such edits"
         )
     return found
+
+
+def _read(
+    param: nn.Parameter,
+    opt: ZeroOptimizer | None,
+    take: Callable[[ZeroOptimizer, ParamFragment], torch.Tensor | None],
+) -> torch.Tensor | None:
+    """`take(opt, fragment)` with masters and states resident; None for a parameter no open
+    optimizer steps."""
+    found = _find(param, opt)
+    if found is None:
+        return None
+    with _resident(found[0]):
+        return take(*found)
+
+
+def _grad(opt: ZeroOptimizer, f: ParamFragment) -> torch.Tensor | None:
+    """This rank's reduced gradient for `f`, flat fp32 and unscaled; None outside the window's
+    boundary (the only time a reduced gradient exists: before step(), after the last backward)."""
+    if opt.strategy.grads_in_files:
+        raise NotImplementedError(
+            f"{f.name}: the gradients are in swap files (ZeRO-Infinity, offload to nvme), read "
+            "back only inside step(); inspect them with offload_optimizer on the cpu instead"
+        )
+    if not opt.at_boundary:
+        return None
+    grad = opt.strategy.master_grads()[f.group][f.master_index].reshape(-1)[: f.numel].float()
+    return grad / opt.loss_scaler.scale
+
+
+def _mine(f: ParamFragment, flat: torch.Tensor | None) -> torch.Tensor | None:
+    return None if flat is None else flat[: f.numel].clone()
 
 
 def _resident(opt: ZeroOptimizer) -> Any:
@@ -246,8 +238,10 @@ def _group(opt: ZeroOptimizer, f: ParamFragment) -> Any:
     return opt.comm_group
 
 
-def _assemble(opt: ZeroOptimizer, f: ParamFragment, flat: torch.Tensor) -> torch.Tensor:
+def _whole(opt: ZeroOptimizer, f: ParamFragment, flat: torch.Tensor | None) -> torch.Tensor | None:
     """The whole value from every rank's fragment: a copy at stage 0, else one all-reduce."""
+    if flat is None:
+        return None
     if opt.config.stage == 0:
         return flat[: f.numel].float().clone().reshape(f.shape)
     group = _group(opt, f)
