@@ -44,7 +44,7 @@ from minispeed.core.config import ConfigError
 from minispeed.core.logging import get_logger
 from minispeed.engine import checkpointing, comm, moe, pipe, tensor_plan, zero
 from minispeed.engine.config import EngineConfig, load_ds_config
-from minispeed.engine.engine import Engine
+from minispeed.engine.engine import Engine, zero_config_for
 from minispeed.engine.grid import build_grid, grid_shape, tensor_parallel_size
 from minispeed.engine.inference import init_inference
 from minispeed.engine.moe.compose import expert_replica_groups
@@ -246,7 +246,8 @@ def initialize(
                 "model_parallel": tensor_plan.model_parallel(model, grid),
             }
         zero_opt = shard(
-            model, opt, config=cfg.zero, precision=cfg.precision, replica_groups=replica_groups,
+            model, opt, config=zero_config_for(cfg, opt), precision=cfg.precision,
+            replica_groups=replica_groups,
             **parallel,
         )  # fmt: skip
     # 5. The scheduler, on the optimizer whose param groups hold the hyper-parameters.
