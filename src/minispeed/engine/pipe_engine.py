@@ -61,6 +61,7 @@ replicas, on every rank, as a 0-dim float32 tensor (DeepSpeed's `agg_train_loss`
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -200,7 +201,9 @@ class PipelineEngine(CheckpointCalls):
         zero_config = dataclasses.replace(
             zero.ZeroConfig.from_ds_config(config),
             gradient_accumulation_steps=self.micro_batches,
-            max_grad_norm=self._clip,
+            # Wrapped or not is where DeepSpeed computes the norm without clipping: an infinite
+            # threshold computes it (Note [the norm without clipping] in engine.py).
+            max_grad_norm=self._clip or math.inf,
         )
         model_parallel = tensor_plan.model_parallel(
             self.module, self.grid, self.module.tied_grad_groups()
@@ -240,8 +243,8 @@ class PipelineEngine(CheckpointCalls):
         return [g["lr"] for g in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
-        """The gradient norm of the whole model (every stage) at the last step, when gradient
-        clipping computed one."""
+        """The gradient norm of the whole model (every stage) at the last step: under ZeRO or
+        16-bit at every step, as DeepSpeed's; else when gradient clipping computed one."""
         if self.optimizer is not self.client_optimizer:  # ZeRO's
             return self.optimizer.global_grad_norm
         return self._global_grad_norm
