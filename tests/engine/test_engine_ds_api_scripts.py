@@ -197,6 +197,7 @@ def test_engine_answers_match_deepspeed(tmp_path):
         first, *after = ours["norms"].pop(clipped)
         assert first is None and all(n > 0 for n in after)
         for case, norms in ref["norms"].items():
-            # 16-bit: the same norm to the rounding of a 16-bit gradient (bf16: 8 bits).
-            rel = 1e-5 if case.startswith("fp32") else 1e-2
+            # 16-bit: the same norm to a 16-bit gradient's rounding; bf16's also differs by the
+            # documented fp32 accumulation (migration.md). Seen: fp16 8e-5, bf16 2.9e-3.
+            rel = {"fp32": 1e-5, "fp16": 2e-4, "bf16": 5e-3}[case.split()[0]]
             ds_scripts.assert_matches(ours["norms"][case], norms, rel=rel, path=case)
