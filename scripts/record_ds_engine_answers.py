@@ -107,7 +107,7 @@ def main(root):
 
 
 if __name__ == "__main__":
-    from ds_fixture import write_fixture  # scripts/ is on sys.path when run as a script
+    from ds_fixture import record  # scripts/ is on sys.path when run as a script
 
     # DeepSpeed refuses fp16 on a CPU without mkldnn fp16 (this machine's); its fp16 path itself
     # runs on the CPU (torch has the half kernels), so the recording lets it through.
@@ -115,12 +115,4 @@ if __name__ == "__main__":
     deepspeed.init_distributed()
     root = Path(os.environ.get("CKPT_ROOT", "/tmp/record_ds_engine_answers"))
     result = main(str(root))
-    write_fixture(
-        result,
-        FIXTURE,
-        rank=dist.get_rank(),
-        world=dist.get_world_size(),
-        barrier=dist.barrier,
-        versions={"deepspeed": deepspeed.__version__, "torch": torch.__version__},
-        scratch=root,
-    )
+    record(result, FIXTURE, scratch=root)
