@@ -71,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-batches", type=int, default=4, help="global batches per validation")
     p.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
     p.add_argument("--no-checkpoint", action="store_true", help="skip saving and consolidating")
+    p.add_argument("--local_rank", type=int, default=-1, help="set by launchers; unused")
     return p.parse_args(argv)
 
 

@@ -3,7 +3,7 @@
 Each rank writes its result beside the fixture, rank 0 joins them after a barrier, writes the
 fixture atomically (temporary file, fsync, rename) with the versions and the command that
 recorded it, and removes the parts and the run's scratch folder. The recording scripts call
-`write_fixture` from their `__main__` block only: the tests execute the same scripts under
+`record` (`write_fixture` over DeepSpeed's process group) from their `__main__` block only: the tests execute the same scripts under
 another module name (`tests/engine/ds_scripts.py`), so this never runs there, and the scripts'
 bodies stay plain DeepSpeed code. `FIXTURE_OUT` in the environment writes elsewhere (to compare
 a new recording with the kept one).
@@ -56,3 +56,21 @@ def write_fixture(
         part(r).unlink()
     if scratch is not None:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def record(result: Any, fixture: Path, *, scratch: Path | None = None) -> None:
+    """`write_fixture` over DeepSpeed's process group (initialized by the script), recording
+    DeepSpeed's and torch's versions; collective."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    write_fixture(
+        result,
+        fixture,
+        rank=dist.get_rank(),
+        world=dist.get_world_size(),
+        barrier=dist.barrier,
+        versions={"deepspeed": deepspeed.__version__, "torch": torch.__version__},
+        scratch=scratch,
+    )

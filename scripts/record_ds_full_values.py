@@ -98,15 +98,8 @@ def main():
 
 
 if __name__ == "__main__":
-    from ds_fixture import write_fixture  # scripts/ is on sys.path when run as a script
+    from ds_fixture import record  # scripts/ is on sys.path when run as a script
 
     deepspeed.init_distributed()
     result = main()
-    write_fixture(
-        result,
-        FIXTURE,
-        rank=dist.get_rank(),
-        world=dist.get_world_size(),
-        barrier=dist.barrier,
-        versions={"deepspeed": deepspeed.__version__, "torch": torch.__version__},
-    )
+    record(result, FIXTURE)

@@ -17,7 +17,6 @@ which writes `tests/engine/fixtures/moe_ep2_top1.json`. `tests/engine/test_adapt
 runs this same file with its import lines changed to minispeed's and compares.
 """
 
-import os
 from pathlib import Path
 
 import deepspeed
@@ -126,14 +125,7 @@ def main():
 
 
 if __name__ == "__main__":
-    from ds_fixture import write_fixture  # scripts/ is on sys.path when run as a script
+    from ds_fixture import record  # scripts/ is on sys.path when run as a script
 
     result = main()
-    write_fixture(
-        result,
-        FIXTURE,
-        rank=int(os.environ["RANK"]),
-        world=int(os.environ["WORLD_SIZE"]),
-        barrier=dist.barrier,
-        versions={"deepspeed": deepspeed.__version__, "torch": torch.__version__},
-    )
+    record(result, FIXTURE)

@@ -143,16 +143,8 @@ def main(ckpt_root):
 
 
 if __name__ == "__main__":
-    from ds_fixture import write_fixture  # scripts/ is on sys.path when run as a script
+    from ds_fixture import record  # scripts/ is on sys.path when run as a script
 
     root = Path(os.environ.get("CKPT_ROOT", "/tmp/record_ds_moe_engine"))
     result = main(str(root))
-    write_fixture(
-        result,
-        FIXTURE,
-        rank=int(os.environ["RANK"]),
-        world=int(os.environ["WORLD_SIZE"]),
-        barrier=dist.barrier,
-        versions={"deepspeed": deepspeed.__version__, "torch": torch.__version__},
-        scratch=root,
-    )
+    record(result, FIXTURE, scratch=root)

@@ -135,17 +135,9 @@ def main(ckpt_root):
 
 
 if __name__ == "__main__":
-    from ds_fixture import write_fixture  # scripts/ is on sys.path when run as a script
+    from ds_fixture import record  # scripts/ is on sys.path when run as a script
 
     deepspeed.init_distributed()
     root = Path(os.environ.get("CKPT_ROOT", "/tmp/record_ds_resume"))
     result = main(str(root))
-    write_fixture(
-        result,
-        FIXTURE,
-        rank=dist.get_rank(),
-        world=dist.get_world_size(),
-        barrier=dist.barrier,
-        versions={"deepspeed": deepspeed.__version__, "torch": torch.__version__},
-        scratch=root,
-    )
+    record(result, FIXTURE, scratch=root)

@@ -71,7 +71,9 @@ def test_saved_on_two_ranks_loads_on_one(tmp_path, stage: int) -> None:
     assert loaded["eval"] == pytest.approx(saved["eval"], abs=1e-5)
     assert loaded["lr"] == pytest.approx(saved["lr"]) and saved["lr"] == pytest.approx([5e-3])
     assert loaded["steps"] == saved["steps"] == 3
-    assert loaded["where"].endswith("global_step3")  # `latest`, not the tag saved without it
+    # `latest`, not the tag saved without it; the file's name is DeepSpeed's (stage 3: by rank)
+    states = "zero_pp_rank_0_mp_rank_00" if stage == 3 else "mp_rank_00"
+    assert loaded["where"] == f"{path}/global_step3/{states}_model_states.pt"
     assert loaded["client"] == {"epoch": 7}
     module_eval, module_steps, module_lr = loaded["module_only"]
     assert module_eval == pytest.approx(saved["eval"], abs=1e-5)

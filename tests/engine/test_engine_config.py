@@ -166,9 +166,18 @@ def test_config_that_is_not_json_names_line_and_column(tmp_path) -> None:
 
 def test_every_deepspeed_top_level_key_is_read_or_refused_with_a_reason() -> None:
     """The one catalogue of DeepSpeed's top-level keys (core) and the engine's tables agree, so
-    the migration page's list is complete: each key is either read or refused with its reason."""
-    assert DEEPSPEED_TOP_LEVEL - READ - UNSUPPORTED.keys() == set()
-    assert (READ | UNSUPPORTED.keys()) - DEEPSPEED_TOP_LEVEL == set()
+    the migration page's list is complete: each key is either read or refused with its reason.
+    READ is core's catalogue less the refused keys, so a key added to core without a reason is
+    read here: the list below is the keys the engine really hands to its code."""
+    assert UNSUPPORTED.keys() <= DEEPSPEED_TOP_LEVEL
+    assert {
+        "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+        "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "data_types", "zero_optimization",
+        "gradient_clipping", "aio", "steps_per_print", "wall_clock_breakdown", "comms_logger",
+        "flops_profiler", "activation_checkpointing", "pipeline", "checkpoint",
+        "communication_data_type", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+        "tensor_parallel",
+    } == READ  # fmt: skip
 
 
 def test_config_error_is_a_value_error_carrying_the_path() -> None:

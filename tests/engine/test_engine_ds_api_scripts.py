@@ -17,6 +17,8 @@ only their import lines changed, against what DeepSpeed 0.19.8 printed for them.
   clipping off, `save_16bit_model`.
 - `scripts/record_ds_loop_utils.py`: `deepspeed.runtime.lr_schedules.WarmupLR` built by the
   script and passed as an object, `deepspeed.utils.RepeatingLoader` and `log_dist`, ZeRO-0.
+- `scripts/record_ds_engine_answers.py`: `get_global_grad_norm()` with `gradient_clipping` 0 for
+  fp32/bf16/fp16 at ZeRO 0-3, and the path `load_checkpoint` returns (also with no `latest`).
 
 Each fixture holds every rank's record; every value must match (floats within 1e-5), except
 where a difference is documented in docs/engine/migration.md (named below).
@@ -65,6 +67,10 @@ def _loop_utils(rank, world_size):
     return ds_scripts.load("record_ds_loop_utils.py", ds_scripts.LOOP_UTILS_IMPORTS).main()
 
 
+def _answers(rank, world_size, root):
+    return ds_scripts.load("record_ds_engine_answers.py", ds_scripts.PLAIN_IMPORTS).main(root)
+
+
 def test_loop_utils_script_matches_deepspeed():
     runs = run_distributed(_loop_utils, world_size=2, timeout_s=240)
     for ours, ref in zip(runs, _fixture("ds_loop_utils.json")["ranks"], strict=True):
@@ -83,6 +89,7 @@ def _bf16_offload(rank, world_size, root):
         "ds_zero3_init.json",
         "ds_bf16_offload.json",
         "ds_loop_utils.json",
+        "ds_engine_answers.json",
     ],
 )
 def test_fixtures_were_recorded_on_deepspeed_0_19_8(name):
@@ -100,11 +107,6 @@ def test_classic_script_matches_deepspeed():
 def test_resume_script_matches_deepspeed(tmp_path):
     runs = run_distributed(_resume, world_size=2, args=(str(tmp_path / "ckpt"),), timeout_s=240)
     for ours, ref in zip(runs, _fixture("ds_resume.json")["ranks"], strict=True):
-        # Documented difference (migration.md): load_checkpoint's path is the tag directory;
-        # DeepSpeed's is the model-states file inside it, which minispeed's layout does not have.
-        assert ref["load_path_tail"] == "mp_rank_00_model_states.pt"
-        assert ours.pop("load_path_tail") == "epoch1"
-        ref = {k: v for k, v in ref.items() if k != "load_path_tail"}
         ds_scripts.assert_matches(ours, ref)
         # The round trip itself: a loaded engine evaluates and trains on as the saved one.
         assert ours["resumed_eval"] == ours["eval_before"]
@@ -127,12 +129,12 @@ def test_zero_to_fp32_without_latest_names_the_tag_argument(tmp_path):
 def test_bf16_offload_script_matches_deepspeed_within_bf16(tmp_path):
     """Documented differences (migration.md): minispeed accumulates and reduces bf16 gradients
     in fp32 by default where DeepSpeed 0.19.8 uses bf16, so losses agree to bf16's precision
-    (the first two steps bit for bit, then within 1e-3); `get_global_grad_norm()` is None with
-    clipping off (DeepSpeed computes it always)."""
+    (the first two steps bit for bit, then within 1e-3); `get_global_grad_norm()`, computed with
+    clipping off as DeepSpeed does, within 1e-2."""
     runs = run_distributed(_bf16_offload, world_size=2, args=(str(tmp_path),), timeout_s=240)
     for ours, ref in zip(runs, _fixture("ds_bf16_offload.json")["ranks"], strict=True):
-        assert all(s["grad_norm"] is not None for s in ref["steps"])
-        assert all(s.pop("grad_norm") is None for s in ours["steps"])
+        norms = [s.pop("grad_norm") for s in ours["steps"]]
+        ds_scripts.assert_matches(norms, [s["grad_norm"] for s in ref["steps"]], rel=1e-2)
         ref_steps = [{k: v for k, v in s.items() if k != "grad_norm"} for s in ref["steps"]]
         ds_scripts.assert_matches(ours["steps"][:2], ref_steps[:2], rel=1e-7)
         ds_scripts.assert_matches(ours["steps"], ref_steps, rel=1e-3)
@@ -179,3 +181,23 @@ def test_zero_to_fp32_of_a_stage3_checkpoint_is_the_trained_model(tmp_path):
         for name, value in live.items():
             assert consolidated[name].dtype == torch.float32
             assert torch.equal(consolidated[name], value), name
+
+
+def test_engine_answers_match_deepspeed(tmp_path):
+    """`get_global_grad_norm()` is the norm at every ZeRO stage and 16-bit stage 0 with clipping
+    off (None for fp32 stage 0, where DeepSpeed steps the torch optimizer itself), and
+    `load_checkpoint` returns DeepSpeed's model-states path, `(None, None)` with no `latest`.
+    Documented difference (migration.md): fp32 stage 0 with clipping gives the norm it clipped
+    by, where DeepSpeed gives None."""
+    runs = run_distributed(_answers, world_size=2, args=(str(tmp_path),), timeout_s=300)
+    for ours, ref in zip(runs, _fixture("ds_engine_answers.json")["ranks"], strict=True):
+        ds_scripts.assert_matches(ours["load"], ref["load"])
+        clipped = "fp32 stage 0 clipping 1.0"
+        assert ref["norms"].pop(clipped) == [None, None, None]
+        first, *after = ours["norms"].pop(clipped)
+        assert first is None and all(n > 0 for n in after)
+        for case, norms in ref["norms"].items():
+            # 16-bit: the same norm to a 16-bit gradient's rounding; bf16's also differs by the
+            # documented fp32 accumulation (migration.md). Seen: fp16 8e-5, bf16 2.9e-3.
+            rel = {"fp32": 1e-5, "fp16": 2e-4, "bf16": 5e-3}[case.split()[0]]
+            ds_scripts.assert_matches(ours["norms"][case], norms, rel=rel, path=case)

@@ -266,3 +266,24 @@ def _checkpointing_run(rank: int, world_size: int) -> tuple[bool, bool, bool]:
 def test_activation_checkpointing_section_configures_deepspeeds_checkpointing() -> None:
     for before, after, cpu in run_distributed(_checkpointing_run, world_size=1, timeout_s=60):
         assert (before, after, cpu) == (False, True, True)
+
+
+def _not_callable(rank: int, world_size: int) -> list[str]:
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD"}}
+    errors = []
+    for given in ({"optimizer": 3}, {"lr_scheduler": "warmup"}):
+        model = torch.nn.Linear(2, 2)
+        try:
+            deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                 **given)  # fmt: skip
+        except TypeError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_optimizer_and_scheduler_arguments_that_are_not_callable_are_refused_by_name() -> None:
+    (errors,) = run_distributed(_not_callable, world_size=1, timeout_s=60)
+    assert errors == [
+        "optimizer= must be a torch.optim.Optimizer or a callable of the model parameters, got int",
+        "lr_scheduler= must be a scheduler or a callable of the optimizer, got str",
+    ]

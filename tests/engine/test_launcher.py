@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from minispeed.engine import local_rank_arg
 from minispeed.engine.launcher import HostfileError, LaunchArgs, LaunchError, torchrun_argv
 
 JOB = Path(__file__).resolve().parent / "scripts" / "allreduce_job.py"
@@ -38,6 +39,41 @@ def test_run_on_one_machine(tmp_path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(s["world"] == 2 and s["sum"] == 1.0 for s in seen)
+    # DeepSpeed's launcher: `--local_rank=N` before the script's own arguments, LOCAL_RANK set
+    for r, s in enumerate(seen):
+        assert s["argv"] == [f"--local_rank={r}", "--out", str(tmp_path)]
+        assert s["LOCAL_RANK"] == str(r)
+
+
+def test_no_local_rank_passes_the_arguments_as_given(tmp_path) -> None:
+    proc = _minispeed("run", "--no_local_rank", str(JOB), "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    seen = json.loads((tmp_path / "rank0.json").read_text())
+    assert seen["argv"] == ["--out", str(tmp_path)] and seen["LOCAL_RANK"] == "0"
+
+
+def test_a_script_without_local_rank_stops_with_argparses_error(tmp_path) -> None:
+    """As under DeepSpeed's launcher: the script must declare `--local_rank` (or the job runs
+    with `--no_local_rank`)."""
+    script = tmp_path / "strict.py"
+    script.write_text("import argparse\nargparse.ArgumentParser().parse_args()\n")
+    proc = _minispeed("run", str(script))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "unrecognized arguments: --local_rank=0" in proc.stdout + proc.stderr
+    assert _minispeed("run", "--no_local_rank", str(script)).returncode == 0
+
+
+def test_the_rank_command_puts_local_rank_between_the_script_and_its_arguments() -> None:
+    assert local_rank_arg.command(["train.py", "--x", "1"], "3")[2:] == [
+        "train.py", "--local_rank=3", "--x", "1"
+    ]  # fmt: skip
+    assert local_rank_arg.command(["-m", "pkg.train"], "0")[2:] == [
+        "-m", "pkg.train", "--local_rank=0"
+    ]  # fmt: skip
+    argv = torchrun_argv(LaunchArgs(script="pkg.train", module=True))
+    assert argv[-3:] == [local_rank_arg.__file__, "-m", "pkg.train"] and "--module" not in argv
+    plain = torchrun_argv(LaunchArgs(script="pkg.train", module=True, no_local_rank=True))
+    assert plain[-2:] == ["--module", "pkg.train"]
 
 
 def test_two_agents_act_as_two_nodes(tmp_path) -> None:

@@ -5,6 +5,8 @@ bites, against one process in plain PyTorch on the same global batch clipped by
 `get_global_grad_norm()` equal to the whole model's norm on every rank (every stage summed, the
 tied weight counted once)."""
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -45,7 +47,7 @@ def _micro_batches(replica):
     ]
 
 
-def _train(rank, world_size, zero_stage):
+def _train(rank, world_size, zero_stage, clip=CLIP):
     import minispeed.engine.pipe as pipe
     from minispeed.engine.pipe_engine import PipelineEngine
 
@@ -55,7 +57,7 @@ def _train(rank, world_size, zero_stage):
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": GAS,
-        "gradient_clipping": CLIP,
+        "gradient_clipping": clip,
         "zero_optimization": {"stage": zero_stage},
     }
     engine = PipelineEngine(model, torch.optim.SGD(model.parameters(), lr=0.5), config)
@@ -67,7 +69,7 @@ def _train(rank, world_size, zero_stage):
     return {"losses": losses, "norms": norms, "stage": engine.zero_optimization_stage()}
 
 
-def _reference():
+def _reference(clip=CLIP):
     torch.manual_seed(1234)
     embed = nn.Embedding(VOCAB, WIDTH)
     torch.manual_seed(1234 + 1)
@@ -87,7 +89,7 @@ def _reference():
                 loss = _loss(_head(embed, h), y) / (GAS * 2)
                 loss.backward()
                 total += loss.item()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(params, CLIP)))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip or math.inf)))
         opt.step()
         opt.zero_grad()
         losses.append(total)
@@ -114,6 +116,16 @@ def test_global_grad_norm_is_the_whole_models_on_every_stage(trained):
     _, runs = trained
     _, want_norms = _reference()
     for res in runs:  # not the stage's own norm: every stage summed, the tied weight once
+        assert res["norms"] == pytest.approx(want_norms, rel=1e-5)
+
+
+def test_global_grad_norm_without_clipping_is_computed_as_deepspeeds():
+    """DeepSpeed's ZeRO optimizer computes the norm at every step, clipping or not (Note [the
+    norm without clipping] in engine.py); so does the pipeline engine under ZeRO."""
+    runs = run_distributed(_train, world_size=4, args=(1, 0.0), timeout_s=180)
+    want_losses, want_norms = _reference(clip=0.0)
+    for res in runs:
+        assert res["losses"] == pytest.approx(want_losses, rel=1e-5, abs=1e-6)
         assert res["norms"] == pytest.approx(want_norms, rel=1e-5)
 
 

@@ -45,7 +45,7 @@ from minispeed.core.config import ConfigError
 from minispeed.core.logging import get_logger
 from minispeed.engine import checkpointing, comm, moe, pipe, tensor_plan, zero
 from minispeed.engine.config import EngineConfig, load_ds_config
-from minispeed.engine.engine import Engine
+from minispeed.engine.engine import Engine, zero_config_for
 from minispeed.engine.grid import build_grid, grid_shape, tensor_parallel_size
 from minispeed.engine.inference import init_inference
 from minispeed.engine.moe.compose import expert_replica_groups
@@ -234,11 +234,10 @@ def initialize(
     grid = None
     if tensor > 1:
         grid = build_grid(shape)
-        before = tensor_plan.names_by_id(model)
-        tensor_plan.apply_plan(model, tensor_parallel_plan, grid, per_stage=False)
-        optimizer = tensor_plan.rebind(optimizer, before, model)
-        if model_parameters is not None:
-            model_parameters = tensor_plan.rebind(list(model_parameters), before, model)
+        optimizer, model_parameters = tensor_plan.cut(
+            model, tensor_parallel_plan, grid, per_stage=False,
+            optimizer=optimizer, model_parameters=model_parameters,
+        )  # fmt: skip
     # 3. The optimizer.
     params = list(model_parameters) if model_parameters is not None else list(model.parameters())
     opt = _build_optimizer(optimizer, params, cfg)
@@ -260,7 +259,8 @@ def initialize(
                 "model_parallel": tensor_plan.model_parallel(model, grid),
             }
         zero_opt = shard(
-            model, opt, config=cfg.zero, precision=cfg.precision, replica_groups=replica_groups,
+            model, opt, config=zero_config_for(cfg, opt), precision=cfg.precision,
+            replica_groups=replica_groups,
             allow_untested_optimizer=bool(cfg.raw.get("zero_allow_untested_optimizer", False)),
             **parallel,
         )  # fmt: skip
@@ -284,17 +284,21 @@ def _build_optimizer(given: Any, params: list[Any], cfg: EngineConfig) -> Any:
             )
         return given
     if given is not None:
-        if not callable(given):
-            raise TypeError(
-                f"optimizer= must be a torch.optim.Optimizer or a callable of the model "
-                f"parameters, got {type(given).__name__}"
-            )
-        return given(params)
+        return _called(given, params, "optimizer= must be a torch.optim.Optimizer or a callable "
+                       "of the model parameters")  # fmt: skip
     if cfg.optimizer is None:
         return None
     from minispeed.engine.optim import build_optimizer
 
     return build_optimizer(cfg.optimizer, params)
+
+
+def _called(given: Any, argument: Any, accepts: str) -> Any:
+    """`given(argument)` for DeepSpeed's `optimizer=` / `lr_scheduler=` callables; a TypeError
+    saying what the keyword `accepts` when `given` is not callable."""
+    if not callable(given):
+        raise TypeError(f"{accepts}, got {type(given).__name__}")
+    return given(argument)
 
 
 def _build_scheduler(given: Any, zero_opt: Any, cfg: EngineConfig) -> Any:
@@ -304,12 +308,8 @@ def _build_scheduler(given: Any, zero_opt: Any, cfg: EngineConfig) -> Any:
     # engine's optimizer is the torch optimizer itself).
     target = getattr(zero_opt, "optimizer", zero_opt)
     if given is not None:  # DeepSpeed's scheduler callable: it gets the optimizer
-        if not callable(given):
-            raise TypeError(
-                f"lr_scheduler= must be a scheduler or a callable of the optimizer, got "
-                f"{type(given).__name__}"
-            )
-        return given(target)
+        return _called(given, target, "lr_scheduler= must be a scheduler or a callable of the "
+                       "optimizer")  # fmt: skip
     if cfg.scheduler is None:
         return None
     if target is None:
@@ -372,11 +372,14 @@ def _initialize_pipeline(
     # Every key checked as for any model, with the data-parallel size of the grid.
     cfg = EngineConfig.from_ds_config(ds, data_parallel_size=shape["data"])
     if shape["tensor"] > 1:  # the stage's layers cut by the plan, before the optimizer
-        before = tensor_plan.names_by_id(model)
-        tensor_plan.apply_plan(model, plan, grid, per_stage=True)
-        optimizer = tensor_plan.rebind(optimizer, before, model)
-        if model_parameters is not None:
-            model_parameters = tensor_plan.rebind(list(model_parameters), before, model)
+        optimizer, model_parameters = tensor_plan.cut(
+            model,
+            plan,
+            grid,
+            per_stage=True,
+            optimizer=optimizer,
+            model_parameters=model_parameters,
+        )
     params = list(model_parameters) if model_parameters is not None else list(model.parameters())
     opt = _build_optimizer(optimizer, params, cfg)
     scheduler = _build_scheduler(lr_scheduler, opt, cfg)

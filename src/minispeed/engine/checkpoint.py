@@ -19,7 +19,7 @@ tag directory, so a data-parallel checkpoint stays a plain `minispeed.zero` chec
 `python -m minispeed.zero consolidate` reads. A part whose optimizer is not sharded (a pipeline
 without ZeRO) holds `model_states.pt`: the part's engine state, written by its data rank 0.
 
-**Loading** finds the tag (`latest` or `tag=`), reads `grid.json` (a tag without one was
+**Loading** (`checkpoint_load.py`) finds the tag (`latest` or `tag=`), reads `grid.json` (a tag without one was
 saved by a single-part engine) and refuses, naming both grids, a checkpoint whose pipeline
 stages, expert ranks or layer partition differ from the engine's: those cannot be resharded.
 Another data-parallel size loads (zero re-slices every parameter by name; unsharded parts are
@@ -55,7 +55,6 @@ from minispeed.zero.checkpoints.layout import (
     CheckpointError,
     atomic_save,
     atomic_write_text,
-    load_shard,
 )
 from minispeed.zero.checkpoints.save import snapshot
 from minispeed.zero.checkpoints.storage import StorageGroups, probe_storage
@@ -71,7 +70,6 @@ __all__ = [
     "find_tag",
     "has_latest",
     "is_sharded",
-    "load_part",
     "part_dir",
     "read_grid",
     "save_now",
@@ -417,40 +415,3 @@ def find_tag(load_dir: str | os.PathLike, tag: str | None) -> Path:
     if tag is not None:
         return root / tag
     return root / (root / LATEST_FILE).read_text().strip()
-
-
-def load_part(
-    part: Part, load_dir: str | os.PathLike, tag: str | None, *, load_optimizer_states: bool
-) -> tuple[Path, dict[str, Any] | None]:
-    """Load this rank's part (collective over the world); returns (tag dir, saved payload)."""
-    what = f"load_checkpoint from {os.fspath(load_dir)!r}" + (f" (tag {tag!r})" if tag else "")
-
-    def find() -> tuple[Path, int]:
-        tag_dir = find_tag(load_dir, tag)
-        saved = read_grid(tag_dir)
-        check_grid(saved, part, tag_dir)
-        return tag_dir, 1 if saved is None else saved["grid"].get("tensor", 1)
-
-    (tag_dir, saved_tensor), _ = together(None, what, find)
-    where = part_dir(tag_dir, part.place)
-    if part.sharded and saved_tensor != part.place.tensor:
-        # See tensor_resplit.py: this rank's slices, re-cut from the saved ones.
-        from minispeed.engine.tensor_resplit import load_resplit
-
-        payload = load_resplit(
-            part, tag_dir, saved_tensor, load_optimizer_states=load_optimizer_states, what=what
-        )
-        return tag_dir, payload
-    if part.sharded:
-        payload = zero.load_checkpoint(
-            part.optimizer,
-            part.module,
-            where.parent,
-            where.name,
-            load_optimizer_states=load_optimizer_states,
-        )
-        return tag_dir, payload
-    payload, _ = together(
-        None, what, lambda: load_shard(where / PLAIN_FILE, tag_dir.name, weights_only=False)
-    )
-    return tag_dir, payload

@@ -39,10 +39,10 @@ from minispeed.engine.checkpoint import (
     GridPlace,
     GridSave,
     Part,
-    load_part,
     save_now,
     start_save,
 )
+from minispeed.engine.checkpoint_load import load_part
 from minispeed.zero.checkpoints.agree import together
 from minispeed.zero.checkpoints.layout import CheckpointError
 
@@ -159,7 +159,7 @@ class Checkpointer:
     def load(
         self, part: Part, load_dir: str | os.PathLike, tag: str | None, **kwargs: Any
     ) -> tuple[Any, Any]:
-        """`checkpoint.load_part`, after the save in flight has landed."""
+        """`checkpoint_load.load_part`, after the save in flight has landed."""
         self.wait()
         return load_part(part, load_dir, tag, **kwargs)
 

@@ -50,6 +50,7 @@ def _run(args: argparse.Namespace) -> int:
             include=args.include,
             exclude=args.exclude,
             module=args.module,
+            no_local_rank=args.no_local_rank,
         )
     )
 
@@ -210,6 +211,11 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--include", help="hosts to use, host1@host2 (with --hostfile)")
     r.add_argument("--exclude", help="hosts to leave out, host1@host2 (with --hostfile)")
     r.add_argument("--module", action="store_true", help="the script is a module (python -m)")
+    r.add_argument(
+        "--no_local_rank",
+        action="store_true",
+        help="do not pass --local_rank=N to the script (LOCAL_RANK is set anyway)",
+    )
     r.add_argument("script", nargs=argparse.REMAINDER, help="script and its arguments")
     r.set_defaults(fn=_run)
 

@@ -24,6 +24,8 @@ config turns on (timers synchronize the device three times per micro-step).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -39,12 +41,12 @@ import minispeed.engine.checkpoint_async as ckpt_async
 import minispeed.zero as zero
 from minispeed.core.accelerator import get_accelerator
 from minispeed.core.logging import get_logger
+from minispeed.engine.checkpoint_calls import CheckpointCalls, Restore
 from minispeed.engine.config import EngineConfig
 from minispeed.engine.queries import DeepSpeedQueries
 from minispeed.engine.trial import Trial, TrialRecorder
-from minispeed.zero.checkpoints.layout import LATEST_FILE
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "zero_config_for"]
 
 _log = get_logger("engine")
 
@@ -52,7 +54,7 @@ _log = get_logger("engine")
 _ENGINE_STATE = "minispeed_engine"
 
 
-class Engine(DeepSpeedQueries, nn.Module):
+class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
     """A model, its `ZeroOptimizer` and its scheduler, stepped with DeepSpeed's semantics.
 
     Built by `minispeed.engine.initialize`. `module` is the user's model (sharded in place by
@@ -233,8 +235,9 @@ class Engine(DeepSpeedQueries, nn.Module):
     def get_global_grad_norm(self) -> float | None:
         """The L2 norm of all gradients before clipping at the last step, over every rank.
 
-        Computed when `gradient_clipping` > 0 (it costs one all-reduce under partitioned
-        gradients); `None` otherwise, and before the first step.
+        As DeepSpeed's: computed at every step whether or not `gradient_clipping` is on, except
+        for fp32 at ZeRO stage 0 without clipping (DeepSpeed steps the torch optimizer itself
+        there, `None`); `None` before the first step. Note [the norm without clipping].
         """
         return None if self.optimizer is None else self.optimizer.global_grad_norm
 
@@ -259,30 +262,14 @@ class Engine(DeepSpeedQueries, nn.Module):
         if self.optimizer is not None:
             self.optimizer.zero_grad()
 
-    # -- checkpoints -------------------------------------------------------------------------------
-    def save_checkpoint(
-        self,
-        save_dir: str | os.PathLike,
-        tag: str | None = None,
-        client_state: Mapping[str, Any] | None = None,
-        save_latest: bool = True,
-        exclude_frozen_parameters: bool = False,
-    ) -> bool:
-        """Save model, optimizer, scheduler and counters under `save_dir/tag` (collective).
-
-        `tag` defaults to `global_step<N>`. `client_state` comes back from `load_checkpoint`.
-        The files are `zero.save_checkpoint`'s, one per data-parallel rank, in one directory
-        per pipeline stage and expert rank (`minispeed.engine.checkpoint`); `latest` moves last
-        (unless `save_latest=False`). With `checkpoint.async_save` the files are written in
-        the background and this returns after the host copy (`checkpoint_async`).
-        """
-        if exclude_frozen_parameters:
-            raise ValueError(
-                "exclude_frozen_parameters=True is not supported: frozen parameters are saved "
-                "whole by rank 0; leave it False"
-            )
+    # -- checkpoints (the calls: checkpoint_calls.py) ---------------------------------------------
+    def _save_part(
+        self, save_dir: str | os.PathLike, tag: str, client: dict[str, Any], save_latest: bool
+    ) -> None:
+        """The files are `zero.save_checkpoint`'s, one per data-parallel rank, in one directory
+        per pipeline stage and expert rank (`minispeed.engine.checkpoint`); the counters and the
+        scheduler travel in zero's client state."""
         opt = self._require_optimizer("save_checkpoint")
-        tag = tag if tag is not None else f"global_step{self.global_steps}"
         state = {
             _ENGINE_STATE: {
                 "global_steps": self.global_steps,
@@ -292,60 +279,35 @@ class Engine(DeepSpeedQueries, nn.Module):
                 "lr_scheduler": _state_of(self.lr_scheduler),
                 "train_batch_size": self.config.train_batch_size,
             },
-            "client": dict(client_state or {}),
+            "client": client,
         }
         part = ckpt.Part(ckpt_async.place_of(self), self.module, opt, opt.comm_group, state)
-        ckpt_async.checkpointer_of(self).save(part, save_dir, str(tag), save_latest=save_latest)
-        return True
+        ckpt_async.checkpointer_of(self).save(part, save_dir, tag, save_latest=save_latest)
 
-    def load_checkpoint(
-        self,
-        load_dir: str | os.PathLike,
-        tag: str | None = None,
-        load_module_strict: bool = True,
-        load_optimizer_states: bool = True,
-        load_lr_scheduler_states: bool = True,
-        load_module_only: bool = False,
-    ) -> tuple[str | None, dict[str, Any] | None]:
-        """Restore what `save_checkpoint` wrote; returns `(path, client_state)`.
-
-        `tag=None` reads `load_dir/latest`; with no `latest` file this returns `(None, None)`
-        with a warning, as DeepSpeed does. Loads at any data-parallel size; another pipeline or
-        expert-parallel size is refused naming both grids. Waits for an asynchronous save.
-        """
-        if not load_module_strict:
-            raise ValueError(
-                "load_module_strict=False is not supported: the checkpoint's parameter names must "
-                "match the model's (the first mismatch is named); leave it True"
-            )
+    def _load_part(
+        self, load_dir: str | os.PathLike, tag: str | None, restore: Restore
+    ) -> tuple[Path, dict[str, Any] | None]:
+        """Zero's files, then the counters and the scheduler as `restore` says."""
         opt = self._require_optimizer("load_checkpoint")
-        saver = ckpt_async.checkpointer_of(self)
-        saver.wait()  # an asynchronous save in flight lands (and moves `latest`) first
-        root = Path(load_dir)
-        if tag is None and not (root / LATEST_FILE).is_file():
-            _log.warning(
-                "no '%s' file in %s: nothing loaded; pass tag= to load a tag", LATEST_FILE, root
-            )
-            return None, None
-        only_module = load_module_only or not load_optimizer_states
         part = ckpt.Part(ckpt_async.place_of(self), self.module, opt, opt.comm_group, {})
-        tag_dir, saved = saver.load(part, root, tag, load_optimizer_states=not only_module)
+        saver = ckpt_async.checkpointer_of(self)
+        tag_dir, saved = saver.load(part, load_dir, tag, load_optimizer_states=restore.optimizer)
         saved = dict(saved or {})
         ours = saved.get(_ENGINE_STATE)
         client = saved.get("client", saved) if ours is not None else saved
-        if ours is not None and not load_module_only:
+        if ours is not None and restore.counters:
             self.global_steps = ours["global_steps"]
             self.global_samples = ours["global_samples"]
             self.skipped_steps = ours["skipped_steps"]
             self.micro_steps = ours["micro_steps"]
-            if load_lr_scheduler_states and self.lr_scheduler is not None:
+            if restore.scheduler and self.lr_scheduler is not None:
                 if ours["lr_scheduler"] is None:
                     raise ValueError(
                         "this checkpoint holds no scheduler state but the engine has a scheduler; "
                         "pass load_lr_scheduler_states=False to keep the scheduler as built"
                     )
                 self.lr_scheduler.load_state_dict(ours["lr_scheduler"])
-        return os.fspath(tag_dir), client
+        return Path(tag_dir), client
 
     def save_16bit_model(
         self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin"
@@ -369,6 +331,36 @@ class Engine(DeepSpeedQueries, nn.Module):
             self.comms_logger.__exit__(None, None, None)
         if self.optimizer is not None and not self.optimizer.closed:
             self.optimizer.close()
+
+
+# Note [the norm without clipping]
+# DeepSpeed 0.19.8's engine answers `get_global_grad_norm()` with its optimizer's
+# `_global_grad_norm` (runtime/engine.py:3518). Its ZeRO 1-2 optimizer computes it at every
+# step unless `zero_optimization.compute_grad_norm` is false (stage_1_and_2.py:3033-3071), as
+# do stage 3 (stage3.py:2897) and the 16-bit wrappers of stage 0 (bf16_optimizer.py:400,
+# fp16/fused_optimizer.py:340); fp32 at stage 0 steps the torch optimizer itself, which has
+# none, so the answer is `None` there even with clipping (recorded in
+# tests/engine/fixtures/ds_engine_answers.json); there minispeed gives the norm it clipped by,
+# and `None` without clipping. `ZeroOptimizer` computes the norm only to clip, so with
+# `gradient_clipping` 0 elsewhere the engine hands it an infinite threshold: the norm is
+# computed (a read of the gradients and, under partitioned gradients, one 4-byte all-reduce
+# per step) and the gradients are scaled by exactly min(1, inf / norm) = 1. A NaN or infinite
+# norm (bf16 / fp32 gradients that overflowed) then makes every gradient NaN, where DeepSpeed
+# steps with the overflowed ones as they are: a lost step either way. 1-bit Adam (no DeepSpeed
+# reference since 0.19) keeps its configuration.
+
+
+def zero_config_for(config: EngineConfig, optimizer: Any) -> zero.ZeroConfig:
+    """The `ZeroConfig` `initialize` shards with: `config.zero`, with an infinite clipping
+    threshold where clipping is off and DeepSpeed computes the norm anyway (Note [the norm
+    without clipping])."""
+    if (
+        config.zero.max_grad_norm > 0
+        or (config.zero.stage == 0 and config.precision.param_dtype == torch.float32)
+        or isinstance(optimizer, comm.optim.CompressedMomentumOptimizer)
+    ):
+        return config.zero
+    return dataclasses.replace(config.zero, max_grad_norm=math.inf)
 
 
 def _state_of(scheduler: Any) -> Any:

@@ -12,6 +12,10 @@ over: the processes are started, watched and torn down by torch's elastic agent 
 rendezvous, so a job scales out with nothing of ours running beside it. What this module adds:
 
 - **DeepSpeed's names**: `--num_gpus` is `--nproc_per_node`, `--num_nodes` is `--nnodes`.
+- **DeepSpeed's `--local_rank=N`**, passed to the script before its own arguments (torch sets
+  only `LOCAL_RANK`, which stays set), unless `--no_local_rank`: a script written for
+  DeepSpeed declares it (`parser.add_argument("--local_rank", type=int, default=-1)`), and
+  one that does not stops with argparse's error, as under DeepSpeed (`local_rank_arg.py`).
 - **A DeepSpeed hostfile** (`host slots=N` per line, `#` comments): with `--include` /
   `--exclude` (DeepSpeed's `host1@host2` lists) it gives the node count, this node's rank (its
   place in the list, found by host name or `--node_rank`), its process count (its slots) and the
@@ -142,6 +146,7 @@ class LaunchArgs:
     include: str | None = None
     exclude: str | None = None
     module: bool = False
+    no_local_rank: bool = False
 
 
 def torchrun_argv(a: LaunchArgs) -> list[str]:
@@ -196,9 +201,14 @@ def torchrun_argv(a: LaunchArgs) -> list[str]:
             f"--master_addr={addr or '127.0.0.1'}",
             f"--master_port={port}",
         ]
-    if a.module:
-        argv.append("--module")
-    return [*argv, a.script, *a.script_args]
+    if a.no_local_rank:
+        return [*argv, *(["--module"] if a.module else []), a.script, *a.script_args]
+    # Each rank's `--local_rank=N` is added by local_rank_arg.py, in the rank's own process.
+    module = ["-m"] if a.module else []
+    return [*argv, _LOCAL_RANK_ARG, *module, a.script, *a.script_args]
+
+
+_LOCAL_RANK_ARG = str(Path(__file__).with_name("local_rank_arg.py"))
 
 
 def run(a: LaunchArgs) -> int:

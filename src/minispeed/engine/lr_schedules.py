@@ -94,6 +94,12 @@ def _check_warmup_type(value: Any) -> WarmupType:
         ) from None
 
 
+def _warmup(num_steps: Any, kind: Any) -> tuple[int, WarmupType]:
+    """`warmup_num_steps` and `warmup_type`, checked: the warm-up length DeepSpeed uses,
+    `max(2, warmup_num_steps)` (a 1-step log warm-up would divide by log 1), and its type."""
+    return max(2, _check_int("warmup_num_steps", num_steps, minimum=1)), _check_warmup_type(kind)
+
+
 def _torch_optimizer(optimizer: Any) -> Any:
     """The object whose `param_groups` the schedule writes: the optimizer, or the optimizer a
     wrapper holds as `.optimizer` (as DeepSpeed accepts)."""
@@ -218,13 +224,11 @@ class WarmupLR(_Schedule):
         last_batch_iteration: int = -1,
     ) -> None:
         super().__init__(optimizer, last_batch_iteration)
-        _check_int("warmup_num_steps", warmup_num_steps, minimum=1)
+        self.warmup_num_steps, self.warmup_type = _warmup(warmup_num_steps, warmup_type)
         if warmup_max_lr is None:
             warmup_max_lr = [float(g["lr"]) for g in self.optimizer.param_groups]
         self.min_lrs = _per_group(self.optimizer, warmup_min_lr, "warmup_min_lr", minimum=0.0)
         self.max_lrs = _per_group(self.optimizer, warmup_max_lr, "warmup_max_lr", minimum=0.0)
-        self.warmup_num_steps = max(2, warmup_num_steps)
-        self.warmup_type = _check_warmup_type(warmup_type)
         if self.last_batch_iteration == -1:
             self._start()
 
@@ -312,12 +316,10 @@ class WarmupCosineLR(_Schedule):
         last_batch_iteration: int = -1,
     ) -> None:
         super().__init__(optimizer, last_batch_iteration)
-        _check_int("warmup_num_steps", warmup_num_steps, minimum=1)
+        self.warmup_num_steps, self.warmup_type = _warmup(warmup_num_steps, warmup_type)
         self.total_num_steps = _check_steps("total_num_steps", total_num_steps)
         self.warmup_min_ratio = _check_number("warmup_min_ratio", warmup_min_ratio, minimum=0.0)
         self.cos_min_ratio = _check_number("cos_min_ratio", cos_min_ratio, minimum=0.0)
-        self.warmup_num_steps = max(2, warmup_num_steps)
-        self.warmup_type = _check_warmup_type(warmup_type)
         self.org_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
         if self.last_batch_iteration == -1:
             self._start()

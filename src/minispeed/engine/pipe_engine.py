@@ -61,7 +61,9 @@ replicas, on every rank, as a 0-dim float32 tensor (DeepSpeed's `agg_train_loss`
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -72,6 +74,7 @@ import minispeed.engine.checkpoint_async as ckpt_async
 import minispeed.pipeline as pipeline
 import minispeed.zero as zero
 from minispeed.engine import tensor_plan
+from minispeed.engine.checkpoint_calls import CheckpointCalls, Restore
 from minispeed.engine.config import resolve_batch
 
 __all__ = ["PipelineEngine", "PipelineError"]
@@ -105,7 +108,7 @@ class _StepHook:
         self._optimizer.zero_grad(set_to_none=set_to_none)
 
 
-class PipelineEngine:
+class PipelineEngine(CheckpointCalls):
     """DeepSpeed's pipeline engine over `minispeed.pipeline` (see the module docstring).
 
     `module`: a `minispeed.engine.pipe.PipelineModule`. `optimizer`: a torch optimizer over
@@ -198,7 +201,9 @@ class PipelineEngine:
         zero_config = dataclasses.replace(
             zero.ZeroConfig.from_ds_config(config),
             gradient_accumulation_steps=self.micro_batches,
-            max_grad_norm=self._clip,
+            # Wrapped or not is where DeepSpeed computes the norm without clipping: an infinite
+            # threshold computes it (Note [the norm without clipping] in engine.py).
+            max_grad_norm=self._clip or math.inf,
         )
         model_parallel = tensor_plan.model_parallel(
             self.module, self.grid, self.module.tied_grad_groups()
@@ -239,8 +244,8 @@ class PipelineEngine:
         return [g["lr"] for g in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
-        """The gradient norm of the whole model (every stage) at the last step, when gradient
-        clipping computed one."""
+        """The gradient norm of the whole model (every stage) at the last step: under ZeRO or
+        16-bit at every step, as DeepSpeed's; else when gradient clipping computed one."""
         if self.optimizer is not self.client_optimizer:  # ZeRO's
             return self.optimizer.global_grad_norm
         return self._global_grad_norm
@@ -307,65 +312,41 @@ class PipelineEngine:
             "parts": list(self.module.boundaries),
         }
 
-    def save_checkpoint(
-        self,
-        save_dir: ckpt.PathLike,
-        tag: str | None = None,
-        client_state: dict[str, Any] | None = None,
-        save_latest: bool = True,
-        exclude_frozen_parameters: bool = False,
-    ) -> bool:
-        """Save every stage into one directory (collective over the grid), as DeepSpeed's.
+    # -- checkpoints (the calls: checkpoint_calls.py) ---------------------------------------------
+    def _save_part(
+        self, save_dir: ckpt.PathLike, tag: str, client: dict[str, Any], save_latest: bool
+    ) -> None:
+        """Every stage into one directory (collective over the grid), as DeepSpeed's.
 
         Each stage is a part of the tag (`minispeed.engine.checkpoint`): under ZeRO-1 its data
         group's zero files, one per data rank; without ZeRO its data rank 0 writes
         `state_dict()` (the replicas are equal). `latest` moves when every stage is sealed.
         """
-        if exclude_frozen_parameters:
-            raise ValueError("exclude_frozen_parameters=True is not supported; leave it False")
-        tag = tag if tag is not None else f"global_step{self.global_steps}"
-        client = dict(client_state or {})
         if ckpt.is_sharded(self.optimizer):
             counters = {k: v for k, v in self.state_dict().items() if k not in _ZERO_OWNED}
             payload = {"engine": counters, "client": client}
         else:
             payload = {"engine": self.state_dict(), "client": client}
         saver = ckpt_async.checkpointer_of(self)
-        saver.save(self._checkpoint_part(payload), save_dir, str(tag), save_latest=save_latest)
-        return True
+        saver.save(self._checkpoint_part(payload), save_dir, tag, save_latest=save_latest)
 
-    def load_checkpoint(
-        self,
-        load_dir: ckpt.PathLike,
-        tag: str | None = None,
-        load_module_strict: bool = True,
-        load_optimizer_states: bool = True,
-        load_lr_scheduler_states: bool = True,
-        load_module_only: bool = False,
-    ) -> tuple[str | None, dict[str, Any] | None]:
-        """Restore `save_checkpoint`'s files; returns `(path, client_state)` (DeepSpeed's).
-
-        Loads at another data-parallel size; another stage count or layer partition is refused
-        naming both grids. `tag=None` with no `latest` returns `(None, None)`.
-        """
-        if not load_module_strict:
-            raise ValueError("load_module_strict=False is not supported; leave it True")
+    def _load_part(
+        self, load_dir: ckpt.PathLike, tag: str | None, restore: Restore
+    ) -> tuple[Path, dict[str, Any] | None]:
+        """Every stage's part; another data-parallel size loads, another stage count or layer
+        partition is refused naming both grids."""
         saver = ckpt_async.checkpointer_of(self)
-        saver.wait()
-        if tag is None and not ckpt.has_latest(load_dir):
-            return None, None
-        states = load_optimizer_states and not load_module_only
         tag_dir, saved = saver.load(
-            self._checkpoint_part({}), load_dir, tag, load_optimizer_states=states
+            self._checkpoint_part({}), load_dir, tag, load_optimizer_states=restore.optimizer
         )
         state = dict(saved["engine"], grid=self._grid_signature())
         if ckpt.is_sharded(self.optimizer):  # zero restored both: reload what it put there
             state["module"], state["optimizer"] = self.module.state_dict(), None
-        if not load_module_only:
-            self.load_state_dict(state, states, load_lr_scheduler_states)
+        if restore.counters:
+            self.load_state_dict(state, restore.optimizer, restore.scheduler)
         elif state["module"] is not None:
             self.module.load_state_dict(state["module"])
-        return str(tag_dir), saved["client"]
+        return Path(tag_dir), saved["client"]
 
     def _checkpoint_part(self, payload: dict[str, Any]) -> Any:
         return ckpt.Part(

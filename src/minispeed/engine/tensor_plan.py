@@ -39,7 +39,7 @@ import minispeed.tensor_parallel as tp
 import minispeed.zero as zero
 from minispeed.tensor_parallel.sharding import sharded_parameters
 
-__all__ = ["apply_plan", "model_parallel", "ready_plan", "rebind"]
+__all__ = ["apply_plan", "cut", "model_parallel", "ready_plan", "rebind"]
 
 PlanLike = tp.Plan | Callable[[nn.Module], tp.Plan] | None
 
@@ -187,6 +187,25 @@ def rebind(given: Any, before: dict[int, str], module: nn.Module) -> Any:
         else:
             out.append(swap(item))
     return out
+
+
+def cut(
+    model: nn.Module,
+    plan: PlanLike,
+    grid: comm.ProcessGrid,
+    *,
+    per_stage: bool,
+    optimizer: Any,
+    model_parameters: Any,
+) -> tuple[Any, Any]:
+    """`apply_plan`, then `initialize`'s `optimizer` and `model_parameters` re-pointed at the
+    slices (`rebind`): the step before the optimizer is built, for any model or pipeline
+    stage. Returns `(optimizer, model_parameters)`."""
+    before = names_by_id(model)
+    apply_plan(model, plan, grid, per_stage=per_stage)
+    if model_parameters is not None:
+        model_parameters = rebind(list(model_parameters), before, model)
+    return rebind(optimizer, before, model), model_parameters
 
 
 def model_parallel(

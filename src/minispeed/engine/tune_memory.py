@@ -11,12 +11,8 @@ with `--params`), nothing is rejected.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from minispeed.engine.tune_candidate import Candidate
 from minispeed.zero.memory.modes import Offload, estimate_modes
-
-if TYPE_CHECKING:
-    from minispeed.engine.tune import Candidate
 
 __all__ = ["MemoryModel", "device_memory_bytes"]
 

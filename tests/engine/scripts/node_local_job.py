@@ -52,6 +52,7 @@ def files(root: Path) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--local_rank", type=int, default=-1)  # minispeed run passes it
     args = parser.parse_args()
     out = Path(args.out)
     rank, node = int(os.environ["RANK"]), int(os.environ["GROUP_RANK"])

@@ -31,7 +31,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from minispeed.core.config import BATCH_KEYS, ConfigError, batch_triple, check_keys, join_path
+from minispeed.core.config import (
+    BATCH_KEYS,
+    DEEPSPEED_TOP_LEVEL,
+    ConfigError,
+    batch_triple,
+    check_keys,
+    join_path,
+)
 from minispeed.engine.checkpoint import CheckpointConfig
 from minispeed.engine.grid import tensor_parallel_size
 from minispeed.zero import MixedPrecision, ZeroConfig
@@ -47,33 +54,6 @@ __all__ = ["ConfigError", "EngineConfig", "load_ds_config", "resolve_batch"]
 # DeepSpeed contender of benchmarks/zero_vs_torch.py ended 1.48 in loss away from DDP: the
 # gradients it stepped were the same ones times min(1, 1/‖g‖).
 DS_GRADIENT_CLIPPING_DEFAULT = 1.0
-
-# The top-level keys the engine (or a package it hands them to) reads.
-READ = {
-    "train_batch_size",
-    "train_micro_batch_size_per_gpu",
-    "gradient_accumulation_steps",
-    "optimizer",
-    "scheduler",
-    "fp16",
-    "bf16",
-    "bfloat16",
-    "data_types",
-    "zero_optimization",
-    "gradient_clipping",
-    "aio",
-    "steps_per_print",
-    "wall_clock_breakdown",
-    "comms_logger",
-    "flops_profiler",
-    "activation_checkpointing",
-    "pipeline",
-    "checkpoint",
-    "communication_data_type",
-    "zero_allow_untested_optimizer",
-    "zero_force_ds_cpu_optimizer",
-    "tensor_parallel",
-}
 
 # DeepSpeed keys minispeed does not implement, each with the reason; accepted at the default below.
 UNSUPPORTED = {
@@ -112,6 +92,9 @@ UNSUPPORTED = {
     "weight_quantization": "post-training int8 lives in minispeed.inference.quantize",
     "moe": "MoE is configured on the layer (minispeed.engine.moe.layer.MoE)",
 }
+# The top-level keys the engine (or a package it hands them to) reads: every DeepSpeed key
+# (core's list, shared with the packages' spelling checks) but the unsupported ones above.
+READ = DEEPSPEED_TOP_LEVEL - UNSUPPORTED.keys()
 # DeepSpeed's default for each unsupported key: a config holding these loads unchanged.
 DEFAULTS: dict[str, Any] = {
     "prescale_gradients": False,

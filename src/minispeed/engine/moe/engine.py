@@ -17,7 +17,6 @@ restores it after `zero.load_checkpoint`: same world size, stage and expert-para
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ import torch
 
 import minispeed.comm as comm
 from minispeed.core.files import atomic_write
+from minispeed.engine.checkpoint_calls import Restore
 from minispeed.engine.engine import Engine
 from minispeed.engine.moe.layer import MoE
 
@@ -40,24 +40,16 @@ class MoEEngine(Engine):
     """`Engine` whose checkpoints also hold each rank's own optimizer state (Note [expert
     checkpoints until the layout names experts])."""
 
-    def save_checkpoint(
-        self,
-        save_dir: str | os.PathLike,
-        tag: str | None = None,
-        client_state: Mapping[str, Any] | None = None,
-        save_latest: bool = True,
-        exclude_frozen_parameters: bool = False,
-    ) -> bool:
-        """`Engine.save_checkpoint`, plus this rank's `moe_rank_state` file (collective)."""
+    def _save_part(
+        self, save_dir: str | os.PathLike, tag: str, client: dict[str, Any], save_latest: bool
+    ) -> None:
+        """`Engine`'s files, plus this rank's `moe_rank_state` file (collective)."""
         opt = self._require_optimizer("save_checkpoint")
-        tag = tag if tag is not None else f"global_step{self.global_steps}"
-        path = _rank_file(Path(save_dir) / str(tag), opt.comm_group)
+        path = _rank_file(Path(save_dir) / tag, opt.comm_group)
         path.parent.mkdir(parents=True, exist_ok=True)
         state = opt.state_dict()
         atomic_write(path, lambda f: torch.save(state, f))  # the zero files seal the tag after
-        return super().save_checkpoint(
-            save_dir, tag, client_state, save_latest, exclude_frozen_parameters
-        )
+        super()._save_part(save_dir, tag, client, save_latest)
 
     def save_16bit_model(
         self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin"
@@ -73,29 +65,14 @@ class MoEEngine(Engine):
             )
         return super().save_16bit_model(save_dir, save_filename)
 
-    def load_checkpoint(
-        self,
-        load_dir: str | os.PathLike,
-        tag: str | None = None,
-        load_module_strict: bool = True,
-        load_optimizer_states: bool = True,
-        load_lr_scheduler_states: bool = True,
-        load_module_only: bool = False,
-    ) -> tuple[str | None, dict[str, Any] | None]:
-        """`Engine.load_checkpoint`, then this rank's experts (and, with the optimizer states,
-        its whole optimizer state) from its `moe_rank_state` file (collective)."""
-        path, client = super().load_checkpoint(
-            load_dir,
-            tag,
-            load_module_strict,
-            load_optimizer_states,
-            load_lr_scheduler_states,
-            load_module_only,
-        )
-        if path is None:
-            return path, client
+    def _load_part(
+        self, load_dir: str | os.PathLike, tag: str | None, restore: Restore
+    ) -> tuple[Path, dict[str, Any] | None]:
+        """`Engine`'s part, then this rank's experts (and, with the optimizer states, its whole
+        optimizer state) from its `moe_rank_state` file (collective)."""
+        path, client = super()._load_part(load_dir, tag, restore)
         opt = self._require_optimizer("load_checkpoint")
-        rank_file = _rank_file(Path(path), opt.comm_group)
+        rank_file = _rank_file(path, opt.comm_group)
         if not rank_file.is_file():
             raise FileNotFoundError(
                 f"{rank_file} is missing: a checkpoint of a model with MoE layers holds one "
@@ -103,7 +80,7 @@ class MoEEngine(Engine):
                 "world size); load it with the world size that saved it"
             )
         saved = torch.load(rank_file, map_location="cpu", weights_only=False)
-        if load_optimizer_states and not load_module_only:
+        if restore.optimizer:
             opt.load_state_dict(saved)
             return path, client
         with torch.no_grad():  # the weights only: this rank's masters, then published
