@@ -342,11 +342,10 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
 # none, so the answer is `None` there even with clipping (recorded in
 # tests/engine/fixtures/ds_engine_answers.json); there minispeed gives the norm it clipped by,
 # and `None` without clipping. `ZeroOptimizer` computes the norm only to clip, so with
-# `gradient_clipping` 0 elsewhere the engine hands it an infinite threshold: the norm is
-# computed (a read of the gradients and, under partitioned gradients, one 4-byte all-reduce
-# per step) and the gradients are scaled by exactly min(1, inf / norm) = 1. A NaN or infinite
-# norm (bf16 / fp32 gradients that overflowed) then makes every gradient NaN, where DeepSpeed
-# steps with the overflowed ones as they are: a lost step either way. 1-bit Adam (no DeepSpeed
+# `gradient_clipping` 0 elsewhere the engine hands it an infinite threshold, which
+# `ZeroOptimizer` reads as "the norm only": the norm is computed (a read of the gradients and,
+# under partitioned gradients, one 4-byte all-reduce per step) and the gradients are left as
+# they are, overflowed ones included, as DeepSpeed leaves them. 1-bit Adam (no DeepSpeed
 # reference since 0.19) keeps its configuration.
 
 

@@ -101,7 +101,8 @@ class ZeroConfig:
     """Micro-steps per optimizer step (DeepSpeed top-level `gradient_accumulation_steps`)."""
     max_grad_norm: float = 0.0
     """Clip gradients to this global L2 norm before the step; 0 disables (DeepSpeed top-level
-    `gradient_clipping`)."""
+    `gradient_clipping`); `math.inf` computes the norm (`ZeroOptimizer.global_grad_norm`) and
+    leaves the gradients as they are."""
     sub_group_numel: int = 1_000_000_000
     """Most master elements the inner optimizer steps in one call, every stage (DeepSpeed
     `sub_group_size`, which DeepSpeed reads for stage 3 only): bounds the step's temporaries to

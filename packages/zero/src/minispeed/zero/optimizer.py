@@ -16,6 +16,7 @@ masters and gradient buffers belong to the strategy (see its module for their by
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -475,7 +476,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     masters[g][i].grad = None
 
     def _clip(self, grads: list[torch.Tensor]) -> None:
-        """Scale gradients so that their global L2 norm is at most `max_grad_norm`."""
+        """Scale gradients so that their global L2 norm is at most `max_grad_norm` (`inf`: only
+        compute the norm)."""
         sq = torch.zeros(1, dtype=torch.float32, device=self._grad_device)
         # The strategy's own sum where it knows better: ZeRO-Infinity's gradients are in swap
         # files (the sum was kept as they were written); replica groups weigh their squares so
@@ -493,6 +495,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.model_parallel is not None:  # the other axes' parts of the model
             sq = self.model_parallel.sum_squares(sq)
         self._grad_norm = sq.sqrt()  # read lazily by global_grad_norm: no host sync here
+        if self.config.max_grad_norm == math.inf:  # the norm only: nothing to scale
+            return
         # torch.nn.utils.clip_grad_norm_'s rule, so that results match it.
         coef = torch.clamp(self.config.max_grad_norm / (sq.sqrt() + 1e-6), max=1.0)
         if self.strategy.scale_grads(float(coef)):  # applied as they are read back (Infinity)
@@ -508,7 +512,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @property
     def global_grad_norm(self) -> float | None:
         """The global L2 norm of the gradients before clipping, at the last step that clipped
-        (`max_grad_norm` > 0); `None` before then or without clipping."""
+        (`max_grad_norm` > 0, `math.inf` for the norm without clipping); `None` before then or
+        with `max_grad_norm` 0."""
         return None if self._grad_norm is None else float(self._grad_norm)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -1,9 +1,14 @@
-"""Note [which optimizers can step a slice]: at stages 1-3 an optimizer not known to be
-elementwise is refused unless the caller vouches for it, because stepping a slice silently
-changes an update that reads other elements. Shown here with a per-tensor normalized SGD
-(`p -= lr · g / ||g||`, the shape of LAMB's and LARS's trust ratio) on 2 gloo ranks."""
+"""Rules of the step, on 2 gloo ranks against plain PyTorch.
+
+- Note [which optimizers can step a slice]: at stages 1-3 an optimizer not known to be
+  elementwise is refused unless the caller vouches for it, because stepping a slice silently
+  changes an update that reads other elements. Shown with a per-tensor normalized SGD
+  (`p -= lr · g / ||g||`, the shape of LAMB's and LARS's trust ratio).
+- `max_grad_norm = inf`: the norm is computed and the gradients are left as they are."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -61,9 +66,9 @@ def _train(model: nn.Module, opt, data: list[torch.Tensor], backward) -> list[fl
     return [float(p.detach().sum()) for p in model.parameters()]
 
 
-def _plain(kind: type) -> list[float]:
+def _plain(kind: type, lr: float = 0.1) -> list[float]:
     model = _model()
-    opt = kind(model.parameters(), lr=0.1)
+    opt = kind(model.parameters(), lr=lr)
     return _train(model, opt, [_data(0), _data(1)], lambda loss: loss.backward())
 
 
@@ -104,3 +109,57 @@ def test_the_refusal_guards_a_real_difference_and_stage_0_has_none():
 def test_a_class_that_declares_itself_elementwise_is_accepted():
     got = run_distributed(_sharded, world_size=2, args=(PlainSGD, 2, False), timeout_s=120)
     assert got[0] == pytest.approx(_plain(PlainSGD), rel=1e-5)
+
+
+def _norm_only(rank: int, world_size: int, clip: float) -> tuple:
+    model = _model()
+    opt = zero.shard(
+        model,
+        torch.optim.SGD(model.parameters(), lr=10.0),  # large steps: a clip would show
+        zero.ZeroConfig(stage=2, max_grad_norm=clip),
+    )
+    with opt:
+        sums = _train(model, opt, [_data(rank)], opt.backward)
+        return sums, opt.global_grad_norm
+
+
+class _TwoParams(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.ones(3))
+        self.b = nn.Parameter(torch.arange(3.0))
+
+
+def _overflow(rank: int, world_size: int) -> tuple:
+    model = _TwoParams()
+    opt = zero.shard(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        zero.ZeroConfig(stage=2, max_grad_norm=math.inf),
+    )
+    with opt:
+        # a's gradient overflows fp32 (1e60); b's is 2b
+        opt.backward((model.a * 1e30).sum() * 1e30 + model.b.pow(2).sum())
+        opt.step()
+        return model.b.detach().tolist(), opt.global_grad_norm
+
+
+def test_the_norm_alone_leaves_an_overflowed_gradient_to_its_own_parameter():
+    """An infinite norm does not reach the other gradients (min(1, inf / inf) would be NaN):
+    b steps as plain SGD steps it, as DeepSpeed steps without clipping."""
+    for b, norm in run_distributed(_overflow, world_size=2, timeout_s=120):
+        assert norm == math.inf
+        assert b == pytest.approx([0.0, 0.8, 1.6])
+
+
+def test_an_infinite_clipping_threshold_gives_the_norm_and_leaves_the_gradients():
+    """ZeroConfig.max_grad_norm = inf (the engine's `gradient_clipping` 0 where DeepSpeed still
+    reports a norm): the norm of the last step, and the weights of no clipping at all."""
+    plain = _plain(torch.optim.SGD, lr=10.0)
+    for (sums, norm), (unclipped, none) in zip(
+        run_distributed(_norm_only, world_size=2, args=(math.inf,), timeout_s=120),
+        run_distributed(_norm_only, world_size=2, args=(0.0,), timeout_s=120),
+        strict=True,
+    ):
+        assert none is None and norm is not None and norm > 0
+        assert sums == unclipped == pytest.approx(plain, rel=1e-5)
