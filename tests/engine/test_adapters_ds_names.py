@@ -49,3 +49,50 @@ def test_engine_is_a_deepspeed_engine_and_log_summary_reports_the_log(logged):
         assert mine["count"] == 3 and mine["msg_size_bytes"] == 4
         assert mine["avg_latency_ms"] > 0 and mine["busbw_avg_gbps"] >= 0
         assert res["stats"]["metadata"]["world_size"] == 2
+
+
+def _every_collective(rank: int, world_size: int) -> dict:
+    import minispeed.comm as mcomm
+    from minispeed.engine import comm as dist
+
+    n = world_size
+    with mcomm.CommsLogger() as log:
+        out = [torch.empty(2) for _ in range(n)]
+        dist.all_gather(out, torch.full((2,), float(rank)))
+        later = [torch.empty(2) for _ in range(n)]
+        dist.all_gather(later, torch.full((2,), rank + 0.5), async_op=True).wait()
+        objs = [{"from": rank}, rank] if rank == 1 else [None, None]
+        dist.broadcast_object_list(objs, src=1)
+        swapped = torch.empty(n)
+        dist.all_to_all_single(swapped, torch.arange(n, dtype=torch.float32) + 10 * rank)
+        t = torch.ones(3) * (rank + 1)
+        dist.reduce(t, dst=0)
+        gathered = [torch.empty(1) for _ in range(n)] if rank == 0 else None
+        dist.gather(torch.tensor([float(rank)]), gathered, dst=0)
+        got = torch.empty(1)
+        dist.scatter(got, [torch.tensor([7.0 + j]) for j in range(n)] if rank == 0 else None, src=0)
+    return {
+        "all_gather": [o.tolist() for o in out],
+        "async": [o.tolist() for o in later],
+        "objs": objs,
+        "swapped": swapped.tolist(),
+        "reduced": t.tolist() if rank == 0 else None,
+        "gathered": [g.item() for g in gathered] if gathered else None,
+        "got": got.item(),
+        "ops": sorted({r.op for r in log.records}),
+    }
+
+
+def test_deepspeed_comm_collectives_go_through_minispeed_comm():
+    """Every collective of `deepspeed.comm` gives torch's values and reaches the comms log."""
+    for rank, res in enumerate(run_distributed(_every_collective, world_size=2, timeout_s=120)):
+        assert res["all_gather"] == [[0.0, 0.0], [1.0, 1.0]]
+        assert res["async"] == [[0.5, 0.5], [1.5, 1.5]]
+        assert res["objs"] == [{"from": 1}, 1]
+        assert res["swapped"] == [float(rank), 10.0 + rank]
+        assert res["got"] == 7.0 + rank
+        if rank == 0:
+            assert res["reduced"] == [3.0, 3.0, 3.0] and res["gathered"] == [0.0, 1.0]
+        assert res["ops"] == [
+            "all_gather", "all_to_all", "broadcast", "gather", "reduce", "scatter",
+        ]  # fmt: skip

@@ -9,11 +9,14 @@ dist.all_gather_object(gathered, stats)         # torch's (output list, object) 
 
 DeepSpeed's module keeps `torch.distributed`'s signatures (an output list filled in place for
 `all_gather` / `all_gather_object`, `broadcast_object_list`), where `minispeed.comm` returns its
-results (`all_gather_object(obj) -> list`). This adapter keeps DeepSpeed's: the collectives
-`minispeed.comm` has with the same signature go through it (so the comms logger and the input
-checks see them), the rest through `torch.distributed`. `prof`, `log_name` and `debug` (DeepSpeed's
-per-call logging arguments) are accepted and unused: `comms_logger` in the config logs every
-collective. Cost: one Python call over the collective's.
+results (`all_gather_object(obj) -> list`). This adapter keeps DeepSpeed's signatures and
+sends every collective through `minispeed.comm`, so the comms logger and the input checks see
+each one: the list form of `all_gather` as one flat `all_gather_into_tensor` copied out (one
+staging buffer of the gathered bytes), `broadcast_object_list` as one `broadcast_object`; only
+the queries (`is_available`, `get_global_rank`, `get_world_group`) read `torch.distributed`.
+`prof`, `log_name` and `debug` (DeepSpeed's per-call logging arguments) are accepted and
+unused: `comms_logger` in the config logs every collective. Cost: one Python call over the
+collective's.
 """
 
 from __future__ import annotations
@@ -145,7 +148,7 @@ def all_to_all_single(
     async_op: bool = False,
     **_: Any,
 ) -> Any:
-    return _dist.all_to_all_single(
+    return _comm.all_to_all_single(
         output, tensor, output_split_sizes, input_split_sizes, group=group, async_op=async_op
     )
 
@@ -157,7 +160,43 @@ def all_gather(
     async_op: bool = False,
     **_: Any,
 ) -> Any:
-    return _dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+    """torch's list form over `minispeed.comm.all_gather_into_tensor`: one flat all-gather,
+    then each rank's chunk copied into `tensor_list` (after `wait()` when `async_op`)."""
+    if len(tensor_list) != get_world_size(group) or any(
+        t.shape != tensor.shape or t.dtype != tensor.dtype for t in tensor_list
+    ):
+        raise ValueError(
+            f"all_gather: tensor_list needs one tensor per rank ({get_world_size(group)}), each "
+            f"shaped {tuple(tensor.shape)} {tensor.dtype} like the input"
+        )
+    flat = torch.empty((len(tensor_list), *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+    work = _comm.all_gather_into_tensor(flat, tensor.contiguous(), group=group, async_op=async_op)
+    if work is None:
+        _unstack(flat, tensor_list)
+        return None
+    return _AfterWait(work, lambda: _unstack(flat, tensor_list))
+
+
+def _unstack(flat: torch.Tensor, tensor_list: list[torch.Tensor]) -> None:
+    for out, chunk in zip(tensor_list, flat, strict=True):
+        out.copy_(chunk)
+
+
+class _AfterWait:
+    """An async handle whose `wait()` also runs `then` (copies out of a staging buffer)."""
+
+    def __init__(self, work: Any, then: Any) -> None:
+        self._work, self._then, self._done = work, then, False
+
+    def wait(self) -> bool:
+        self._work.wait()
+        if not self._done:
+            self._then()
+            self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done
 
 
 def all_gather_object(object_list: list[Any], obj: Any, group: Any = None, **_: Any) -> None:
@@ -173,7 +212,8 @@ def all_gather_object(object_list: list[Any], obj: Any, group: Any = None, **_: 
 def broadcast_object_list(
     object_list: list[Any], src: int, group: Any = None, device: Any = None, **_: Any
 ) -> None:
-    _dist.broadcast_object_list(object_list, src, group=group, device=device)
+    """Every entry of global rank `src`'s `object_list` into every rank's list, in place."""
+    object_list[:] = _comm.broadcast_object(list(object_list), src=src, group=group)
 
 
 def reduce(
@@ -184,7 +224,7 @@ def reduce(
     async_op: bool = False,
     **_: Any,
 ) -> Any:
-    return _dist.reduce(tensor, dst, op=op, group=group, async_op=async_op)
+    return _comm.reduce(tensor, dst, op=op, group=group, async_op=async_op)
 
 
 def gather(
@@ -195,7 +235,7 @@ def gather(
     async_op: bool = False,
     **_: Any,
 ) -> Any:
-    return _dist.gather(tensor, gather_list, dst, group=group, async_op=async_op)
+    return _comm.gather(tensor, gather_list, dst, group=group, async_op=async_op)
 
 
 def scatter(
@@ -206,7 +246,7 @@ def scatter(
     async_op: bool = False,
     **_: Any,
 ) -> Any:
-    return _dist.scatter(tensor, scatter_list, src, group=group, async_op=async_op)
+    return _comm.scatter(tensor, scatter_list, src, group=group, async_op=async_op)
 
 
 def log_summary(show_straggler: bool = False, return_dict: bool = False) -> dict | None:

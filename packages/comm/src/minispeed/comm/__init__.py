@@ -6,8 +6,8 @@ Use it as `import minispeed.comm as comm`. Reading order (see README.md):
    bytes on the wire), written once.
 2. `groups` — start torch.distributed, ranks, sub-groups.
 3. `collectives` — the collectives, each handed to one `call.Call` (checks, cross-rank check,
-   launch, ledger record); `all_to_all` — the all-to-all; `p2p` — send/recv; `objects` —
-   Python objects.
+   launch, ledger record); `all_to_all` — the all-to-all; `rooted` — reduce, gather, scatter;
+   `p2p` — send/recv; `objects` — Python objects.
 4. `logger` — the comms logger (off by default).
 5. `validation` — errors and local checks; `handshake` — the cross-rank check (first call
    of each call site by default, every call in validation mode).
@@ -45,6 +45,7 @@ from minispeed.comm.hierarchical import HierarchicalAllGather
 from minispeed.comm.logger import CommRecord, CommsLogger, comms_logger
 from minispeed.comm.objects import all_gather_object, broadcast_object
 from minispeed.comm.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
+from minispeed.comm.rooted import gather, reduce, scatter
 from minispeed.comm.topology import ProcessGrid, ProcessTopology
 from minispeed.comm.validation import (
     CommBackendError,
@@ -83,6 +84,7 @@ __all__ = [
     "broadcast_object",
     "comms_logger",
     "destroy_process_group",
+    "gather",
     "get_rank",
     "get_world_size",
     "init_distributed",
@@ -92,8 +94,10 @@ __all__ = [
     "isend",
     "new_group",
     "recv",
+    "reduce",
     "reduce_scatter_impl",
     "reduce_scatter_tensor",
+    "scatter",
     "send",
     "tensor_device",
     "validation_enabled",

@@ -13,6 +13,9 @@ in bytes and `n` the number of ranks in the group:
 | reduce_scatter | INPUT (full, unreduced) bytes | (n-1)/n | (n-1)/n · S   (ring) |
 | all_to_all | input bytes | (n-1)/n | input bytes - own chunk |
 | broadcast | tensor bytes | 1 | S on the root, 0 elsewhere |
+| reduce | tensor bytes | 1 | S off the root (a chain of partial sums), 0 on it |
+| gather | OUTPUT bytes (n chunks, on the root) | (n-1)/n | S/n off the root, 0 on it |
+| scatter | INPUT bytes (n chunks, on the root) | (n-1)/n | (n-1)/n · S on the root, 0 elsewhere |
 | send / recv | tensor bytes | 1 | S (send), 0 (recv) |
 | barrier | 0 | 0 | 0 |
 
@@ -44,13 +47,23 @@ OPS = (
     "reduce_scatter",
     "all_to_all",
     "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
     "send",
     "recv",
     "batch_p2p",
     "barrier",
 )
 
-_GATHER_LIKE = ("all_gather", "all_gather_coalesced", "reduce_scatter", "all_to_all")
+_GATHER_LIKE = (
+    "all_gather",
+    "all_gather_coalesced",
+    "reduce_scatter",
+    "all_to_all",
+    "gather",
+    "scatter",
+)
 
 
 def _check(op: str, n: int) -> None:
@@ -86,7 +99,8 @@ def wire_bytes(
 
     `msg_bytes` follows the convention of the module docstring. For `all_to_all` pass
     `own_chunk_bytes` (the split this rank keeps for itself) when splits are uneven; by default
-    the equal split `msg_bytes / n` is assumed. `is_root` matters only for `broadcast`.
+    the equal split `msg_bytes / n` is assumed. `is_root` matters for the rooted ops
+    (`broadcast`, `reduce`, `gather`, `scatter`).
     `impl` is the implementation that ran (`CommRecord.impl`): a reduce-scatter run as an
     all-reduce (`all_reduce+slice`, `all_reduce_in_place`; see `api_compat`) sends what the
     all-reduce sends. all_reduce rounds down when `2(n-1)·S` is not a multiple of `n` (ring
@@ -105,6 +119,12 @@ def wire_bytes(
         return msg_bytes - own
     if op == "broadcast":
         return msg_bytes if (is_root and n > 1) else 0
+    if op == "reduce":
+        return 0 if is_root else msg_bytes
+    if op == "gather":
+        return 0 if is_root else msg_bytes // n
+    if op == "scatter":
+        return (n - 1) * msg_bytes // n if is_root else 0
     if op in ("send", "batch_p2p"):
         return msg_bytes
     return 0  # recv, barrier
@@ -117,7 +137,7 @@ def ring_steps(op: str, n: int) -> int:
         return 2 * (n - 1)  # reduce-scatter phase, then all-gather phase
     if op in _GATHER_LIKE:
         return n - 1
-    if op == "broadcast":
+    if op in ("broadcast", "reduce"):
         return n - 1  # a pipelined chain; a tree would take ceil(log2 n)
     if op == "barrier":
         return 0
