@@ -37,8 +37,9 @@ OPTIMIZER_TYPES = ("Adam", "AdamW", "SGD", "Adagrad", "Lion", "OneBitAdam", "One
 
 # DeepSpeed types we do not build, with the reason and what to use instead.
 REFUSED_TYPES = {
-    "lamb": "DeepSpeed's FusedLamb is a CUDA kernel minispeed does not have; use 'OneBitLamb' "
-    "(LAMB with a full-precision warm-up) or 'AdamW'",
+    "lamb": "DeepSpeed's FusedLamb is a CUDA kernel minispeed does not have, and LAMB's "
+    "per-tensor trust ratio cannot step ZeRO's slices; use 'AdamW', or at ZeRO stage 0 pass a "
+    "LAMB instance as initialize(optimizer=...)",
     "muadam": "the mup package's MuAdam is not a minispeed dependency; pass a MuAdam instance as "
     "initialize(optimizer=...)",
     "muadamw": "the mup package's MuAdamW is not a minispeed dependency; pass a MuAdamW instance as "
