@@ -158,3 +158,25 @@ def test_cache_key_changes_with_sources_and_flags(tmp_path, monkeypatch):
     assert SimdTiny(simd=SimdLevel.SCALAR).cache_dir() != edited, (
         "a header beside the source counts"
     )
+
+
+def test_a_build_killed_half_way_does_not_hang_the_next_one(tmp_path, monkeypatch):
+    """Note [a build killed half-way]: torch's baton (`lock`) left in the build directory by a
+    killed builder made every later build wait forever; now it is removed and the op builds."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    root = _write_tiny(tmp_path / "csrc")
+    builder = _tiny_builder_cls(root)()
+    cache_dir = builder.cache_dir()
+    cache_dir.mkdir(parents=True)
+    (cache_dir / "lock").touch()  # what a builder killed between its start and its end leaves
+    env = {**os.environ, CACHE_ENV: str(tmp_path / "cache")}
+    out = subprocess.run(
+        [sys.executable, str(root / "load_tiny.py"), str(root)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,  # the old code waits here until killed
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1])["sum"] == 5
+    assert "left by a build that was killed half-way" in out.stderr

@@ -344,6 +344,7 @@ class OpBuilder:
         from torch.utils.cpp_extension import load as torch_jit_load
 
         _log.info("building op %r into %s (once; later loads use the cache)", self.name, cache_dir)
+        _drop_stale_baton(cache_dir, self.name)
         start = time.perf_counter()
         try:
             with _ninja_on_path():
@@ -407,3 +408,25 @@ def _ninja_on_path() -> Iterator[None]:
             os.environ["PATH"] = old
     else:
         yield
+
+
+# Note [a build killed half-way]
+# torch's `cpp_extension.load` guards a build directory with a baton: it creates a file named
+# `lock` there, builds, and deletes it; a second process finding the file waits, polling, until
+# it goes. A builder killed half-way (a rank killed at a test's timeout, Ctrl-C at the wrong
+# moment) never deletes it, and every later build of that op then waits forever: a hang at the
+# first call of the op, long after the cause. Our own lock is an `flock`, which the kernel
+# drops with the process, and `_build` runs only while holding it, so no other minispeed
+# process can be building here: a baton found now is stale, and is removed with a warning.
+
+
+def _drop_stale_baton(cache_dir: Path, op: str) -> None:
+    baton = cache_dir / "lock"
+    if baton.exists():
+        _log.warning(
+            "op %r: removing %s, left by a build that was killed half-way (Note [a build killed "
+            "half-way])",
+            op,
+            baton,
+        )
+        baton.unlink(missing_ok=True)
