@@ -239,28 +239,30 @@ def _wire(rank, world_size, stage):
     import minispeed.comm as comm
     import minispeed.engine as deepspeed
 
-    engine, _, _, _ = deepspeed.initialize(model=make_model(), config=_config(stage, 1, 0.0))
+    engine, opt, _, _ = deepspeed.initialize(model=make_model(), config=_config(stage, 1, 0.0))
     _run(engine, rank, 1, FREEZE + 1)  # warm-up, then one compressed step
     with comm.CommsLogger() as log:
         _run(engine, rank, 1, 1, first=FREEZE + 1)
+    gathers = opt.strategy.gather_numels() if stage > 0 else []
     engine.destroy()
-    return [(r.op, r.msg_bytes) for r in log.records]
+    return [(r.op, r.msg_bytes) for r in log.records], gathers
 
 
 @pytest.mark.parametrize("stage", [0, 2])
-def test_a_compressed_step_sends_the_momentum_in_one_bit_and_no_gradient(stage):
-    from minispeed.comm.compression import wire
+def test_a_compressed_step_sends_what_the_ledger_predicts(stage):
+    """The momentum in one bit and no gradient: zero.ledger's 1-bit step, call by call."""
+    from minispeed.zero import ledger
 
-    numel = sum(p.numel() for p in make_model().parameters())
-    calls = run_distributed(_wire, world_size=2, args=(stage,), timeout_s=60)[0]
-    agreement = [("all_reduce", 4 * (len(list(make_model().parameters())) + 1))]
-    onebit = wire.onebit_allreduce_calls(numel, 2)
-    rest = [c for c in calls if c not in onebit and c not in agreement]
-    assert [c for c in calls if c in onebit] == onebit, calls
-    if stage == 0:
-        assert rest == [], calls
-    else:  # the parameters' all-gather, fp32, padded to a multiple of 2
-        assert rest == [("all_gather", 4 * (numel + numel % 2))], calls
+    model = make_model()
+    numel = sum(p.numel() for p in model.parameters())
+    calls, gathers = run_distributed(_wire, world_size=2, args=(stage,), timeout_s=60)[0]
+    predicted = ledger.stage_collectives(
+        stage, 2, [], gathers, grad_bytes=4, param_bytes=4,
+        num_params=len(list(model.parameters())), onebit_numel=numel,
+    )  # fmt: skip
+    assert calls == [(c.op, c.msg_bytes) for c in predicted]
+    if stage > 0:  # the parameters' all-gather, fp32, padded to a multiple of 2
+        assert gathers == [numel + numel % 2]
 
 
 def _save_compressed(rank, world_size, root):

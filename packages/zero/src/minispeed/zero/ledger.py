@@ -24,6 +24,12 @@ With ``reduce_scatter=False`` the stage 1-2 reduction is an all-reduce of each p
 all-reduce (Note [gloo's reduce-scatter is an all-reduce] in comm's api_compat): pass
 ``reduce_scatter_impl=comm.reduce_scatter_impl(group)`` to price what the backend sends.
 
+1-bit Adam after its freeze (`onebit.py`) reduces no gradient: the full momentum of the Ψ_t
+trainable elements is averaged by one 1-bit all-reduce (an all_to_all and an all_gather of n
+messages of 4 + C/8 bytes, C = 8 ceil(Ψ_t / 8N): `comm.compression.wire`), 2(N-1)(4 + C/8)
+bytes, and clipping reads each rank's local norm (no all-reduce); stages 1-2 still all-gather
+the parameters. `stage_collectives(..., onebit_numel=Ψ_t)` lists that step.
+
 The per-call functions are exact (they add up `wire_bytes` over the
 calls the stages issue, including its integer rounding); `approx_wire_bytes_per_step` is
 the closed form for documentation and the estimator.
@@ -35,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from minispeed.comm import costs
+from minispeed.comm.compression.wire import onebit_allreduce_calls
 
 __all__ = ["Collective", "approx_wire_bytes_per_step", "stage_collectives", "wire_bytes_per_step"]
 
@@ -43,7 +50,7 @@ __all__ = ["Collective", "approx_wire_bytes_per_step", "stage_collectives", "wir
 class Collective:
     """One collective call as the comms logger records it (op name, message, group size)."""
 
-    op: str  # "all_reduce", "reduce_scatter" or "all_gather"
+    op: str  # "all_reduce", "reduce_scatter", "all_gather"; 1-bit Adam: also "all_to_all"
     numel: int  # elements of the message (all_gather: output; reduce_scatter: input)
     element_bytes: int
     world_size: int
@@ -72,12 +79,15 @@ def stage_collectives(
     reduce_scatter: bool = True,
     clip_norm: bool = False,
     reduce_scatter_impl: str = "native",
+    onebit_numel: int | None = None,
 ) -> list[Collective]:
     """Every collective one optimizer step of ``stage`` issues, in a fixed order.
 
     ``reduce_numels``: elements of each gradient bucket's reduction (stage 0 unpadded, stages 1-2
     padded; the strategies' ``bucket_numels()``); ``gather_numels``: output elements of each
     parameter all-gather (``PartitionedStrategy.gather_numels()``; ignored for stage 0).
+    ``onebit_numel``: a 1-bit Adam step after the freeze, whose momentum vector holds that many
+    elements (``reduce_numels`` and ``clip_norm`` then do not apply).
     """
     if stage not in (0, 1, 2):
         raise ValueError(
@@ -85,6 +95,12 @@ def stage_collectives(
         )
     n = world_size
     calls: list[Collective] = []
+    if onebit_numel is not None:
+        calls.append(Collective("all_reduce", num_params + 1, 4, n))  # overflow + unused flags
+        calls += [Collective(op, msg, 1, n) for op, msg in onebit_allreduce_calls(onebit_numel, n)]
+        if stage > 0:
+            calls += [Collective("all_gather", k, param_bytes, n) for k in gather_numels]
+        return calls
     if stage == 0:
         calls += [Collective("all_reduce", k, grad_bytes, n) for k in reduce_numels]
     else:
