@@ -18,34 +18,34 @@ import minispeed.zero as zero
 from minispeed.core.testing import run_distributed
 
 
-class NormalizedSGD(torch.optim.Optimizer):
-    """p -= lr · g / ||g||, the norm over the whole tensor: not elementwise."""
-
-    def __init__(self, params, lr: float) -> None:
-        super().__init__(params, {"lr": lr})
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.sub_(group["lr"] * p.grad / p.grad.norm().clamp_min(1e-12))
-
-
 class PlainSGD(torch.optim.Optimizer):
-    """p -= lr · g, declared elementwise."""
+    """p -= lr · direction(g); here direction(g) = g, declared elementwise."""
 
     elementwise = True
 
     def __init__(self, params, lr: float) -> None:
         super().__init__(params, {"lr": lr})
 
+    @staticmethod
+    def direction(g: torch.Tensor) -> torch.Tensor:
+        return g
+
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    p.sub_(group["lr"] * p.grad)
+                    p.sub_(group["lr"] * self.direction(p.grad))
+
+
+class NormalizedSGD(PlainSGD):
+    """p -= lr · g / ||g||, the norm over the whole tensor: not elementwise."""
+
+    elementwise = False
+
+    @staticmethod
+    def direction(g: torch.Tensor) -> torch.Tensor:
+        return g / g.norm().clamp_min(1e-12)
 
 
 def _model() -> nn.Module:

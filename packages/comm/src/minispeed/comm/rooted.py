@@ -67,22 +67,8 @@ def gather(
 ) -> CommWork | None:
     """Every rank's `tensor` into `gather_list` (one tensor per group rank, given on `dst`
     only) on global rank `dst`."""
-    call = Call("gather", group)
-    is_root = dist.get_rank() == dst
-    with call:
-        validation.check_tensors(call.op, group, tensor)
-        validation.check_peer(call.op, dst, "dst", group)
-        _check_list(call, tensor, gather_list, is_root, "gather_list", dst)
-    call.agree(lambda: {"shape": tuple(tensor.shape), "dtype": str(tensor.dtype), "dst": dst})
-    msg_bytes = call.n * tensor.numel() * tensor.element_size()
-    listed = list(gather_list) if is_root else None
-    return call.launch(
-        lambda: dist.gather(tensor, listed, dst, group=group, async_op=async_op),
-        async_op,
-        tensor,
-        call.n * tensor.numel(),
-        (tensor, *(listed or ())),
-        wire=costs.wire_bytes(call.op, msg_bytes, call.n, is_root=is_root),
+    return _to_or_from_list(
+        "gather", tensor, gather_list, "gather_list", dst, "dst", group, async_op, dist.gather
     )
 
 
@@ -94,17 +80,34 @@ def scatter(
     async_op: bool = False,
 ) -> CommWork | None:
     """Group rank j's `tensor` receives `scatter_list[j]` (given on global rank `src` only)."""
-    call = Call("scatter", group)
-    is_root = dist.get_rank() == src
+    return _to_or_from_list(
+        "scatter", tensor, scatter_list, "scatter_list", src, "src", group, async_op, dist.scatter
+    )
+
+
+def _to_or_from_list(
+    op: str,
+    tensor: torch.Tensor,
+    tensors: Sequence[torch.Tensor] | None,
+    list_name: str,
+    root: int,
+    root_name: str,
+    group: Any,
+    async_op: bool,
+    backend: Any,
+) -> CommWork | None:
+    """gather and scatter, mirror images: n chunks shaped like `tensor` meet at `root`'s list."""
+    call = Call(op, group)
+    is_root = dist.get_rank() == root
     with call:
         validation.check_tensors(call.op, group, tensor)
-        validation.check_peer(call.op, src, "src", group)
-        _check_list(call, tensor, scatter_list, is_root, "scatter_list", src)
-    call.agree(lambda: {"shape": tuple(tensor.shape), "dtype": str(tensor.dtype), "src": src})
+        validation.check_peer(call.op, root, root_name, group)
+        _check_list(call, tensor, tensors, is_root, list_name, root)
+    call.agree(lambda: {"shape": tuple(tensor.shape), "dtype": str(tensor.dtype), root_name: root})
     msg_bytes = call.n * tensor.numel() * tensor.element_size()
-    listed = list(scatter_list) if is_root else None
+    listed = list(tensors) if is_root else None
     return call.launch(
-        lambda: dist.scatter(tensor, listed, src, group=group, async_op=async_op),
+        lambda: backend(tensor, listed, root, group=group, async_op=async_op),
         async_op,
         tensor,
         call.n * tensor.numel(),
