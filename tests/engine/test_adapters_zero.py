@@ -80,3 +80,54 @@ def test_init_starts_the_process_group_as_deepspeeds_does():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "True 1 (4, 4)"
+
+
+class _ReadsTheEmbedding(nn.Module):
+    """A head that reads the embedding's weight in the parent's forward (an external parameter,
+    which DeepSpeed scripts declare with register_external_parameter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.mid = nn.Linear(16, 16)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.mid(self.emb(x)))
+        logits = torch.nn.functional.linear(h, self.emb.weight)
+        return torch.nn.functional.cross_entropy(logits.view(-1, 50), y.view(-1))
+
+
+def _external(rank, world_size, stage):
+    import minispeed.engine as deepspeed
+
+    torch.manual_seed(0)
+    model = _ReadsTheEmbedding()
+    deepspeed.zero.register_external_parameter(model, model.emb.weight)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config={
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        },
+    )
+    losses = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(10 * rank + step)
+        x, y = torch.randint(0, 50, (2, 5), generator=g), torch.randint(0, 50, (2, 5), generator=g)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    with pytest.raises(TypeError, match=r"must be an nn\.Parameter"):
+        deepspeed.zero.unregister_external_parameter(model, model.emb.weight.data)
+    engine.destroy()
+    return losses
+
+
+def test_a_registered_external_parameter_trains_at_stage_3_as_at_stage_0():
+    at3 = run_distributed(_external, world_size=2, args=(3,), timeout_s=120)
+    at0 = run_distributed(_external, world_size=2, args=(0,), timeout_s=120)
+    for ours, replicated in zip(at3, at0, strict=True):
+        assert ours == pytest.approx(replicated, rel=1e-6)

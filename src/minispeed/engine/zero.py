@@ -24,6 +24,10 @@ follows the offload config).
 
 `GatheredParameters(params, modifier_rank=None, fwd_module=None, enabled=True)` is
 `minispeed.zero.GatheredParameters`; `fwd_module` (registering external parameters) is refused.
+`register_external_parameter(module, parameter)` / `unregister_external_parameter` check their
+arguments and change nothing: minispeed's stage 3 finds a module's reads of another module's
+parameter itself (the first read by attribute of a released parameter fetches it and lists it
+with the reading module, `stage3/coordinator.py`), so scripts that register them run unchanged.
 Costs: those of the package's contexts (one broadcast per parameter in `Init`; one all-gather
 on entry and, with a modifier, one broadcast on exit in `GatheredParameters`).
 """
@@ -41,7 +45,12 @@ from torch import nn
 import minispeed.comm as comm
 import minispeed.zero as zero
 
-__all__ = ["GatheredParameters", "Init"]
+__all__ = [
+    "GatheredParameters",
+    "Init",
+    "register_external_parameter",
+    "unregister_external_parameter",
+]
 
 
 def _ds_config(config_dict_or_path: Any, config: Any) -> dict[str, Any] | None:
@@ -129,3 +138,24 @@ class GatheredParameters(zero.GatheredParameters):
                 "supported by minispeed; leave it None"
             )
         super().__init__(params, modifier_rank=modifier_rank, enabled=enabled)
+
+
+def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """DeepSpeed's declaration that `module`'s forward reads `parameter`, which another module
+    owns. Checked, otherwise nothing to do: stage 3 discovers such reads itself (module
+    docstring)."""
+    _check_external("register_external_parameter", module, parameter)
+
+
+def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """The inverse of `register_external_parameter`: checked, nothing to undo."""
+    _check_external("unregister_external_parameter", module, parameter)
+
+
+def _check_external(what: str, module: Any, parameter: Any) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{what}: module must be an nn.Module, got {type(module).__name__}")
+    if not isinstance(parameter, nn.Parameter):
+        raise TypeError(
+            f"{what}: parameter must be an nn.Parameter, got {type(parameter).__name__}"
+        )
