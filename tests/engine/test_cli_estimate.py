@@ -106,6 +106,50 @@ def test_live_model_counts_and_printout_equal_deepspeeds(case) -> None:
     assert z3 == _printed_figures(case["zero3_printed"])
 
 
+def _ds_text(printed: str) -> str:
+    """DeepSpeed's printout with the offload device as minispeed prints it (`cpu`: DeepSpeed
+    0.19.8 on Python 3.11+ prints the enum's repr there)."""
+    return printed.replace("OffloadDeviceEnum.cpu", "cpu")
+
+
+@pytest.mark.parametrize("case", FIXTURE["cold"][::3], ids=lambda c: f"{c['total_params']:.3g}")
+def test_deepspeeds_estimator_names_print_and_return_deepspeeds_figures(case, capsys) -> None:
+    """`minispeed.engine.runtime.zero.{stage_1_and_2,stage3}`: a notebook's import changed."""
+    from minispeed.engine.runtime.zero import stage3, stage_1_and_2
+
+    hw = (case["num_gpus_per_node"], case["num_nodes"])
+    f = case["additional_buffer_factor"]
+    psi, largest = case["total_params"], case["largest_layer_params"]
+    for offload, want in case["zero2"].items():
+        got = stage_1_and_2.estimate_zero2_model_states_mem_needs(psi, *hw, offload == "True", f)
+        assert list(got) == want
+    for key, want in case["zero3"].items():
+        opt, params, init = (k == "True" for k in key.split(","))
+        cpu, gpu, largest_bytes = stage3.estimate_zero3_model_states_mem_needs(
+            psi, largest, *hw, opt, params, init, f
+        )
+        assert [cpu, gpu] == want and largest_bytes == 4 * int(largest)
+    stage_1_and_2.estimate_zero2_model_states_mem_needs_all_cold(psi, *hw, f)
+    assert capsys.readouterr().out == _ds_text(case["zero2_printed"])
+    stage3.estimate_zero3_model_states_mem_needs_all_cold(psi, largest, *hw, f)
+    assert capsys.readouterr().out == _ds_text(case["zero3_printed"])
+
+
+@pytest.mark.parametrize("case", FIXTURE["live"], ids=lambda c: str(c["num_gpus_per_node"]))
+def test_deepspeeds_live_estimators_print_deepspeeds_table(case, capsys) -> None:
+    from minispeed.engine.runtime.zero import stage3, stage_1_and_2
+
+    model = build_model(case["model"])
+    stage_1_and_2.estimate_zero2_model_states_mem_needs_all_live(
+        model, case["num_gpus_per_node"], case["num_nodes"]
+    )
+    assert capsys.readouterr().out == _ds_text(case["zero2_printed"])
+    stage3.estimate_zero3_model_states_mem_needs_all_live(
+        model, case["num_gpus_per_node"], case["num_nodes"]
+    )
+    assert capsys.readouterr().out == _ds_text(case["zero3_printed"])
+
+
 TINY_GPT2 = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 500,
              "n_positions": 128}  # fmt: skip
 
