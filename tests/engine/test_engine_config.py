@@ -191,3 +191,12 @@ def test_gradient_clipping_defaults_to_deepspeeds_one() -> None:
     assert EngineConfig.from_ds_config({"train_batch_size": 2}).zero.max_grad_norm == 1.0
     off = EngineConfig.from_ds_config({"train_batch_size": 2, "gradient_clipping": 0.0})
     assert off.zero.max_grad_norm == 0.0
+
+
+def test_hugging_face_auto_batch_sizes_name_who_fills_them() -> None:
+    """A Trainer-style config handed to initialize() directly: "auto" is named as the cause."""
+    ds = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"}
+    with pytest.raises(ConfigError, match="filled in by Hugging Face's Trainer") as err:
+        resolve_batch({**ds, "gradient_accumulation_steps": "auto"}, 2)
+    assert err.value.path == "train_batch_size"
+    assert resolve_batch({**ds, "train_micro_batch_size_per_gpu": 4}, 2) == (8, 4, 1)

@@ -185,7 +185,14 @@ def _batch_value(ds: Mapping[str, Any], key: str) -> int | None:
 def resolve_batch(ds: Mapping[str, Any], data_parallel_size: int) -> tuple[int, int, int]:
     """`(train_batch_size, micro_batch_size, gradient_accumulation_steps)` from a ds_config by
     DeepSpeed's rule (`minispeed.core.config.batch_triple`); `"auto"` counts as not given."""
-    return batch_triple(*(_batch_value(ds, key) for key in BATCH_KEYS), data_parallel_size)
+    values = [_batch_value(ds, key) for key in BATCH_KEYS]
+    if values[0] is None and values[1] is None and "auto" in (ds.get(k) for k in BATCH_KEYS[:2]):
+        raise ConfigError(
+            "train_batch_size",
+            '"auto" batch sizes are filled in by Hugging Face\'s Trainer, not by initialize(): '
+            "give train_batch_size or train_micro_batch_size_per_gpu a number",
+        )
+    return batch_triple(*values, data_parallel_size)
 
 
 def _check_type_section(ds: Mapping[str, Any], key: str) -> None:
