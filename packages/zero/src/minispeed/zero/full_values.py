@@ -86,11 +86,7 @@ def set_full_fp32_param(
     model's parameter now (in its dtype) and this rank's fp32 master fragment. Every rank of
     the group calls it: local at stages 0-2, collective at stage 3 (Note [a set value reaches
     the model now])."""
-    opt, f = _found_for_write(param, opt, "set_full_fp32_param")
-    if tuple(value.shape) != tuple(f.shape):
-        raise ValueError(
-            f"{f.name}: value has shape {tuple(value.shape)}, expected {tuple(f.shape)}"
-        )
+    opt, f = _found_for_write(param, opt, value, "set_full_fp32_param")
     first = group_ranks(_group(opt, f))[0]
     with torch.no_grad(), GatheredParameters(param, modifier_rank=first):
         param.data.copy_(value)  # stages 0-2: the parameter itself; stage 3: gathered, kept
@@ -102,7 +98,7 @@ def set_full_optimizer_state(
 ) -> None:
     """Write `value` (`param`'s whole shape) into this rank's fragment of optimizer state
     `key`. Local."""
-    opt, f = _found_for_write(param, opt, "set_full_optimizer_state")
+    opt, f = _found_for_write(param, opt, value, "set_full_optimizer_state")
     state = _state(opt, f, key)
     if state is None:
         raise RuntimeError(
@@ -151,8 +147,9 @@ def _find(param: nn.Parameter, opt: ZeroOptimizer | None) -> tuple[ZeroOptimizer
 
 
 def _found_for_write(
-    param: nn.Parameter, opt: ZeroOptimizer | None, what: str
+    param: nn.Parameter, opt: ZeroOptimizer | None, value: torch.Tensor, what: str
 ) -> tuple[ZeroOptimizer, ParamFragment]:
+    """The optimizer and fragment a setter writes, after every check (before any collective)."""
     found = _find(param, opt)
     if found is None:
         raise ValueError(
@@ -163,6 +160,11 @@ def _found_for_write(
         raise NotImplementedError(
             f"{what}: with offload_optimizer on nvme the masters and states live in swap files, "
             "which this does not write; use offload_optimizer device 'cpu' for such edits"
+        )
+    f = found[1]
+    if tuple(value.shape) != tuple(f.shape):
+        raise ValueError(
+            f"{f.name}: value has shape {tuple(value.shape)}, expected {tuple(f.shape)}"
         )
     return found
 
@@ -204,13 +206,19 @@ def _resident(opt: ZeroOptimizer) -> Any:
     return getattr(opt.optimizer, "states_in_memory", contextlib.nullcontext)()
 
 
+def _master_of(opt: ZeroOptimizer, f: ParamFragment) -> torch.Tensor:
+    """The inner optimizer's master tensor holding `f` (at offset 0: Note [one master per
+    fragment]); its optimizer state is keyed by it."""
+    return opt.optimizer.param_groups[f.group]["params"][f.master_index]
+
+
 def _master(opt: ZeroOptimizer, f: ParamFragment) -> torch.Tensor:
-    """The flat master tensor holding `f` (at offset 0: Note [one master per fragment])."""
-    return opt.optimizer.param_groups[f.group]["params"][f.master_index].detach().reshape(-1)
+    """That master, flat."""
+    return _master_of(opt, f).detach().reshape(-1)
 
 
 def _state(opt: ZeroOptimizer, f: ParamFragment, key: str) -> torch.Tensor | None:
-    master = opt.optimizer.param_groups[f.group]["params"][f.master_index]
+    master = _master_of(opt, f)
     state = opt.optimizer.state.get(master, {})
     if not state:
         return None
@@ -253,8 +261,5 @@ def _whole(opt: ZeroOptimizer, f: ParamFragment, flat: torch.Tensor | None) -> t
 
 @torch.no_grad()
 def _write(f: ParamFragment, flat: torch.Tensor, value: torch.Tensor) -> None:
-    if tuple(value.shape) != tuple(f.shape):
-        raise ValueError(
-            f"{f.name}: value has shape {tuple(value.shape)}, expected {tuple(f.shape)}"
-        )
+    """This rank's fragment of `value` (shape checked by `_found_for_write`) into `flat`."""
     flat[: f.numel].copy_(value.detach().reshape(-1)[f.start : f.start + f.numel])
