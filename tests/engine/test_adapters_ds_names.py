@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -60,7 +62,10 @@ def _every_collective(rank: int, world_size: int) -> dict:
         out = [torch.empty(2) for _ in range(n)]
         dist.all_gather(out, torch.full((2,), float(rank)))
         later = [torch.empty(2) for _ in range(n)]
-        dist.all_gather(later, torch.full((2,), rank + 0.5), async_op=True).wait()
+        work = dist.all_gather(later, torch.full((2,), rank + 0.5), async_op=True)
+        while not work.is_completed():  # a script polling before it waits must not spin forever
+            time.sleep(0.001)
+        work.wait()
         objs = [{"from": rank}, rank] if rank == 1 else [None, None]
         dist.broadcast_object_list(objs, src=1)
         swapped = torch.empty(n)

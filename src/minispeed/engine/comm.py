@@ -196,7 +196,8 @@ class _AfterWait:
         return True
 
     def is_completed(self) -> bool:
-        return self._done
+        """Whether the gather finished (as `CommWork`: the list is filled only by `wait`)."""
+        return self._done or self._work.is_completed()
 
 
 def all_gather_object(object_list: list[Any], obj: Any, group: Any = None, **_: Any) -> None:
