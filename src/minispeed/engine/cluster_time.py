@@ -192,8 +192,9 @@ def _zeropp_comm(
                 latency_s=0.0, algbw=0.0, busbw=0.0,
                 wire_bytes=costs.wire_bytes(op, msg, len(ranks)), ranks=ranks,
             )  # fmt: skip
-            crossed += sum(cross_node_bytes(record, r, per_node) for r in ranks)
-    return w.micro_steps * seconds, w.micro_steps * crossed / nodes
+            # node 0's ranks: the layout is node-major, so every node sends the same
+            crossed += sum(cross_node_bytes(record, r, per_node) for r in ranks if r < per_node)
+    return w.micro_steps * seconds, w.micro_steps * crossed
 
 
 def predict_stages(
@@ -215,13 +216,17 @@ def predict_stages(
     flops = w.step_flops() / w.tp
     tp_link = cluster.link(w.tp, w.tp)
     tp_s = w.micro_steps * sum(tp_link.time_s(c.op, c.msg_bytes) for c in tp_collectives(w))
-    rows = []
-    for stage in stages:
-        pred = predict_step(
+
+    def step(stage: int) -> StepPrediction:
+        return predict_step(
             machine, flops_per_step=flops, num_params=psi, stage=stage, world_size=dp,
             grad_bytes=WIRE_BYTES, param_bytes=WIRE_BYTES, micro_steps=w.micro_steps,
             bucket_numel=BUCKET_NUMEL, overlap=overlap,
         )  # fmt: skip
+
+    rows = []
+    for stage in stages:
+        pred = step(stage)
         crossed = None
         if stage == 3 and nodes > 1:
             crossed = _zeropp_comm(cluster, w, nodes, dp, per_node, zeropp=False)[1]
@@ -230,12 +235,7 @@ def predict_stages(
     if zeropp:
         if nodes < 2:
             raise ValueError("--zeropp prices ZeRO++'s cross-node savings: give --nodes >= 2")
-        base = rows[-1].prediction if rows and rows[-1].stage == 3 else None
-        base = base or predict_step(
-            machine, flops_per_step=flops, num_params=psi, stage=3, world_size=dp,
-            grad_bytes=WIRE_BYTES, param_bytes=WIRE_BYTES, micro_steps=w.micro_steps,
-            bucket_numel=BUCKET_NUMEL, overlap=overlap,
-        )  # fmt: skip
+        base = rows[-1].prediction if rows and rows[-1].stage == 3 else step(3)
         seconds, crossed = _zeropp_comm(cluster, w, nodes, dp, per_node, zeropp=True)
         state = model_state_bytes(psi, dp, 3).total + hpz_secondary_bytes(
             [psi], dp, per_node, param_bytes=WIRE_BYTES, persistence_threshold_numel=0
