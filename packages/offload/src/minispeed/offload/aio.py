@@ -46,7 +46,15 @@ from minispeed.offload import aio_reference
 from minispeed.offload.config import AioConfig
 from minispeed.offload.ops import load_op
 
-__all__ = ["ALIGN", "HUGE_PAGE", "AsyncIO", "IORequest", "direct_io_supported", "io_buffer"]
+__all__ = [
+    "ALIGN",
+    "HUGE_PAGE",
+    "AsyncIO",
+    "IORequest",
+    "direct_io_supported",
+    "io_buffer",
+    "io_busy_seconds",
+]
 
 #: Alignment (bytes) of buffer address, size and offset for O_DIRECT: 4096 covers every sector
 #: size in use (512 B and 4 KiB).
@@ -86,6 +94,7 @@ def io_buffer(nbytes: int) -> torch.Tensor:
     except OSError:  # no THP in this kernel: 4 KiB pages, the same buffer otherwise
         pass
     return raw[start : start + padded]
+
 
 _log = get_logger("offload.aio")
 _direct_probe: dict[str, bool] = {}
@@ -154,6 +163,16 @@ def _probe(directory: Path) -> tuple[bool, bool]:
         os.close(fd)
         probe.unlink(missing_ok=True)
         buf.close()
+
+
+def io_busy_seconds() -> float:
+    """Seconds so far during which at least one request of any `AsyncIO` in this process was in
+    flight, overlapping requests counted once (Note [the I/O busy clock] in csrc/aio/aio.h).
+    Bytes moved over its growth between two points is the rate the disk gave this process while
+    it used it. The compiled engines and the reference engines keep one clock each; this is
+    their sum (a process uses one kind)."""
+    op = load_op()
+    return (op.io_busy_seconds() if op is not None else 0.0) + aio_reference.io_busy_seconds()
 
 
 class IORequest:
