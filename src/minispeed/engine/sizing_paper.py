@@ -66,6 +66,7 @@ def print_paper_table(num_params: int, degrees: list[int], as_json: bool) -> Non
     table = Table(
         title=f"ZeRO paper, Table 1: model states per device, Ψ = {num_params:,}, K = 12 (GB)",
         caption="(2 + 2 + K)Ψ split as each stage partitions it; the paper's rounding",
+        min_width=80,
     )
     table.add_column("DP", justify="right")
     for name in PAPER_STAGES.values():
