@@ -146,6 +146,9 @@ def test_a_cluster_file_equals_the_preset_with_the_same_values(tmp_path, capsys)
         (["--inter-gbps", "-1"], "inter_gbps must be a finite number > 0"),
         (["--peak-tflops", "inf"], "peak_tflops must be a finite number > 0"),
         (["--batch", "0"], "batch must be a whole number >= 1"),
+        (["--micro-batch", "0"], "micro_batch must be a whole number >= 1"),
+        (["--seq", "-5"], "seq must be a whole number >= 1"),
+        (["--intra-latency-us", "-1"], "intra_latency_us must be a finite number >= 0"),
         (["--tp", "3"], "--tp 3 must divide the 16 GPUs"),
         (["--overlap", "2"], "--overlap is a fraction in [0, 1]"),
         (["--stages", "4"], "--stages takes ZeRO stages 0-3"),
@@ -185,5 +188,7 @@ def test_largest_and_paper_bad_input_exit_2(capsys) -> None:
     assert _cli(capsys, "--largest", "--gpus", "16")[0] == 2
     code, _, err = _cli(capsys, "--largest", "--gpu-mem", "nan")
     assert code == 2 and "--gpu-mem must be a finite number > 0" in err
+    code, _, err = _cli(capsys, "--largest", "--gpu-mem", "32", "--buffer-factor", "-1")
+    assert code == 2 and "--buffer-factor must be a finite number > 0" in err
     code, _, err = _cli(capsys, "--paper", "--params", "7.5e9", "--dp", "0,4")
     assert code == 2 and "--dp degrees must be >= 1" in err

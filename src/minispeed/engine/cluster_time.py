@@ -315,7 +315,8 @@ def main(args: argparse.Namespace, num_params: int) -> int:
         cluster = _cluster(args)
         w = Workload(
             num_params=num_params, layers=args.layers, hidden=args.hidden, vocab=args.vocab,
-            seq=args.seq, batch=args.batch, micro_batch=args.micro_batch or args.batch,
+            seq=args.seq, batch=args.batch,
+            micro_batch=args.batch if args.micro_batch is None else args.micro_batch,
             tp=args.tp, checkpointing=args.checkpointing,
         )  # fmt: skip
         rows = predict_stages(

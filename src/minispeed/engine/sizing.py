@@ -226,6 +226,8 @@ def _largest(args: argparse.Namespace) -> int:
     if gpu_cap is None and cpu_cap is None and nvme_cap is None:
         raise UsageError("--largest needs the memories: --gpu-mem (and --cpu-mem, --nvme-mem)")
     layer = 0 if args.largest_layer is None else _whole(args.largest_layer, "--largest-layer")
+    if not 0 < args.buffer_factor < float("inf"):
+        raise UsageError(f"--buffer-factor must be a finite number > 0, got {args.buffer_factor}")
     try:
         found = largest_params(
             args.gpus, args.nodes, gpu_bytes=gpu_cap, cpu_bytes_per_node=cpu_cap,
