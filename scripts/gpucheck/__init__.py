@@ -38,7 +38,7 @@ class Spec:
 # still answers whether everything works.
 CHECKS: tuple[Spec, ...] = (
     Spec("env", "gpucheck.check_env:env", 60, 5),
-    Spec("build", "gpucheck.check_env:build", 300, 60),
+    Spec("build", "gpucheck.check_env:build", 300, 60, dry_budget_s=900),
     Spec("coverage", "gpucheck.check_env:coverage", 30, 2),
     Spec("op.cast", "gpucheck.check_ops:cast", 60, 5),
     Spec("op.compression", "gpucheck.check_ops:compression", 90, 5),

@@ -18,7 +18,7 @@ flash per score. At 4k also the public API (dense reference) for scale.
 
 from __future__ import annotations
 
-from gpucheck.harness import TOL, Ctx, Report, rel_err
+from gpucheck.harness import NO_GPU, TOL, Ctx, Report, rel_err
 
 
 def _layouts(H: int, block: int):
@@ -46,14 +46,26 @@ def _reference(q, k, v, layout, block, causal, scale, upstream):
     return out.detach(), lse, q64.grad, k64.grad, v64.grad
 
 
-def _kernels(ctx: Ctx):
+def _why_no_kernels(ctx: Ctx) -> str:
+    return NO_GPU if not ctx.gpu else "skipped: the kernels did not build or load (row above)"
+
+
+def _kernels(ctx: Ctx, report: Report):
+    """The kernels' launchers, or None (no GPU: skipped; a failed build or load: a failed row,
+    so the public API's rows are still measured)."""
+    if not ctx.gpu:
+        return None
     import torch
 
     from gpucheck import sparse_cuda
 
-    major, minor = torch.cuda.get_device_capability(ctx.device)
-    lib, _ = sparse_cuda.build_library(ctx.scratch, f"{major}{minor}")
-    return sparse_cuda.SparseAttentionCuda(lib)
+    try:
+        major, minor = torch.cuda.get_device_capability(ctx.device)
+        lib, _ = sparse_cuda.build_library(ctx.scratch, f"{major}{minor}")
+        return sparse_cuda.SparseAttentionCuda(lib)
+    except Exception as err:
+        report.fail("CUDA kernels build and load", f"{type(err).__name__}: {err}"[:300])
+        return None
 
 
 def correctness(ctx: Ctx, report: Report) -> None:
@@ -65,7 +77,7 @@ def correctness(ctx: Ctx, report: Report) -> None:
     B, H, T, D, block = ctx.pick((2, 4, 1024, 64, 64), (1, 2, 64, 8, 16))
     scale = D**-0.5
     gen = torch.Generator().manual_seed(5)
-    kern = _kernels(ctx) if ctx.gpu else None
+    kern = _kernels(ctx, report)
     for name, (cfg, causal) in _layouts(H, block).items():
         layout = cfg.make_layout(T)
         csr = BlockSparseLayout.from_layout(layout, block, causal=causal)
@@ -92,7 +104,7 @@ def correctness(ctx: Ctx, report: Report) -> None:
                     f"scores at T={T}): the CUDA kernels exist but have no binding"
                 )
         if kern is None:
-            report.skip(f"{name}: CUDA kernels (forward, lse, backward)")
+            report.skip(f"{name}: CUDA kernels (forward, lse, backward)", _why_no_kernels(ctx))
             continue
         dcsr = device_csr(csr, ctx.device)
         qd, kd, vd, upd = (t.to(ctx.device).contiguous() for t in (q, k, v, up))
@@ -122,7 +134,7 @@ def _scores(csr, B: int) -> int:
 
 def speed(ctx: Ctx, report: Report) -> None:
     B, H, D, block = ctx.pick((1, 16, 64, 64), (1, 2, 16, 16))
-    kern = _kernels(ctx) if ctx.gpu else None
+    kern = _kernels(ctx, report)
     for T in ctx.pick((4096, 16384), (128,)):
         _speed_at(ctx, report, kern, B, H, T, D, block)
         ctx.free()
@@ -158,7 +170,7 @@ def _speed_at(ctx: Ctx, report: Report, kern, B: int, H: int, T: int, D: int, bl
             report.info(f"{tag} {label} {what}", flash[label][i] / dense_scores * 1e9,
                         "ns/score")  # fmt: skip
     if kern is None:
-        report.skip(f"{tag} CUDA kernels per computed score")
+        report.skip(f"{tag} CUDA kernels per computed score", _why_no_kernels(ctx))
         t_api = ctx.timed(lambda: block_sparse_attention(q, k, v, csr), reps=3)
         report.info(f"{tag} public API forward (reference path)", t_api * 1e3, "ms")
         return
