@@ -21,12 +21,14 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from gpucheck import spec_of
 from gpucheck.harness import NO_GPU, REPO, Ctx, Report
 
 # Every op builder of every package: (op name, module, class). The registry finds them through
@@ -135,7 +137,21 @@ def env(ctx: Ctx, report: Report) -> None:
         )
 
 
-def _build_one(op: str, module: str, cls: str, env: dict[str, str]) -> dict:
+def _run_group(cmd: list[str], env: dict[str, str], timeout_s: float):
+    """`cmd` in its own process group: `(returncode, stdout, stderr)`, or `None` after killing
+    the whole group (the compilers it started too) at `timeout_s`."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return None
+    return proc.returncode, out, err
+
+
+def _build_one(op: str, module: str, cls: str, env: dict[str, str], timeout_s: float) -> dict:
     """Build (or load from the cache) one op in a fresh process; what happened, as a dict."""
     code = (
         "import json, sys\n"
@@ -151,21 +167,17 @@ def _build_one(op: str, module: str, cls: str, env: dict[str, str]) -> dict:
         "'nvcc_flags': marker.get('nvcc_flags', []), 'cache_dir': str(r.cache_dir)}))\n"
     )
     t0 = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=280
-    )
+    done = _run_group([sys.executable, "-c", code], env, timeout_s)
     wall = time.perf_counter() - t0
-    sys.stderr.write(
-        f"--- build {op} (exit {proc.returncode}, {wall:.1f} s)\n{proc.stderr[-4000:]}"
-    )
-    if proc.returncode != 0:
-        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    if done is None:
+        return {"error": f"not built within {timeout_s:.0f} s (killed)", "wall": wall}
+    rc, out, err = done
+    sys.stderr.write(f"--- build {op} (exit {rc}, {wall:.1f} s)\n{err[-4000:]}")
+    if rc != 0:
+        lines = [ln for ln in err.splitlines() if ln.strip()]
         reason = next((ln for ln in lines if "OpBuildError" in ln or "op '" in ln), None)
-        return {
-            "error": reason or (lines[-1] if lines else f"exit {proc.returncode}"),
-            "wall": wall,
-        }
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+        return {"error": reason or (lines[-1] if lines else f"exit {rc}"), "wall": wall}
+    result = json.loads(out.strip().splitlines()[-1])
     result["wall"] = wall
     return result
 
@@ -174,6 +186,9 @@ def build(ctx: Ctx, report: Report) -> None:
     from gpucheck import check_nvtx, sparse_cuda
 
     dry_build = os.environ.get(DRY_BUILD_ENV, "") not in ("", "0")
+    # every build ends (or is killed) inside the check's budget, so each op gets its own row
+    spec = spec_of("build")
+    timeout_s = (spec.dry_budget_s if ctx.dry_run else spec.budget_s) - 30
     env_vars = dict(os.environ)
     env_vars.pop("MINISPEED_DISABLE_OPS", None)
     jobs: dict[str, object] = {}
@@ -183,7 +198,7 @@ def build(ctx: Ctx, report: Report) -> None:
                 continue
             if ctx.dry_run and not dry_build:
                 continue
-            jobs[op] = pool.submit(_build_one, op, module, cls, env_vars)
+            jobs[op] = pool.submit(_build_one, op, module, cls, env_vars, timeout_s)
         arch = None
         if ctx.gpu:
             import torch

@@ -121,35 +121,49 @@ def _flops_per_step(cfg, params: int, batch: int, seq: int) -> float:
     return 6 * params * batch * seq + 12 * cfg.n_layer * cfg.n_embd * batch * seq * seq
 
 
-def gpt1b(ctx: Ctx, report: Report) -> None:
+def _bf16_case(ctx: Ctx, layers: int, width: int, heads: int, batch: int):
+    """A GPT of vocabulary 50304 and context 1024 (tiny in the dry run) and one batch of ids."""
+    G = gpt_module()
+    cfg = ctx.pick(G.GPTConfig(vocab_size=50304, block_size=1024, n_layer=layers, n_head=heads,
+                               n_embd=width),
+                   G.GPTConfig(vocab_size=97, block_size=32, n_layer=2, n_head=2, n_embd=32))  # fmt: skip
+    batch, seq = ctx.pick((batch, 1024), (2, 32))
+    ((x, y),) = _batches(ctx, cfg.vocab_size, 1, batch, seq)
+    return cfg, x, y
+
+
+def _bf16_sharded(ctx: Ctx, cfg, config, x, y):
+    """The model with bf16 parameters (fp32 masters) under `config`, and one training step."""
     import torch
 
+    import minispeed.zero as zero
+
+    model = _model(ctx, cfg)
+    opt = zero.shard(model, torch.optim.AdamW(model.parameters(), lr=1e-4), config=config,
+                     precision=zero.MixedPrecision(param_dtype=torch.bfloat16))  # fmt: skip
+
+    def step() -> None:
+        _, loss = model(x, y)
+        opt.backward(loss)
+        opt.step()
+
+    return model, opt, step
+
+
+def gpt1b(ctx: Ctx, report: Report) -> None:
     import minispeed.zero as zero
     from minispeed.zero.memory import predict
 
     _init_comm()
-    G = gpt_module()
-    cfg = ctx.pick(G.GPTConfig(vocab_size=50304, block_size=1024, n_layer=18, n_head=16,
-                               n_embd=2048),
-                   G.GPTConfig(vocab_size=97, block_size=32, n_layer=2, n_head=2, n_embd=32))  # fmt: skip
-    batch, seq = ctx.pick((8, 1024), (2, 32))
+    cfg, x, y = _bf16_case(ctx, layers=18, width=2048, heads=16, batch=8)
+    batch, seq = x.shape
     rate = ctx.matmul_flops
     report.info("bf16 matmul rate (this run)", rate / 1e12, "TFLOP/s",
                 note=ctx.pick("8192³, random data", "dry run: 512³ fp32 on the CPU"))  # fmt: skip
-    ((x, y),) = _batches(ctx, cfg.vocab_size, 1, batch, seq)
-    precision = zero.MixedPrecision(param_dtype=torch.bfloat16)
     for stage in (0, 3):
         ctx.free()
-        model = _model(ctx, cfg)
+        model, opt, step = _bf16_sharded(ctx, cfg, zero.ZeroConfig(stage=stage), x, y)
         params = sum(p.numel() for p in model.parameters())
-        opt = zero.shard(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
-                         config=zero.ZeroConfig(stage=stage), precision=precision)  # fmt: skip
-
-        def step(model=model, opt=opt):
-            _, loss = model(x, y)
-            opt.backward(loss)
-            opt.step()
-
         seconds = ctx.wall(step, reps=5, warmup=2)
         mfu = _flops_per_step(cfg, params, batch, seq) / seconds / rate
         tag = f"ZeRO-{stage} ({params / 1e9:.2f}B, {batch}×{seq})"
@@ -160,7 +174,7 @@ def gpt1b(ctx: Ctx, report: Report) -> None:
             report.info(f"{tag}: MFU", 100 * mfu, "%")
         # the ledger: every model state alive (after a backward), the activations freed
         ctx.acc.reset_peak_memory_stats()
-        _, loss = model(x, y)
+        loss = model(x, y)[1]  # the logits (B·T·V bf16) are dropped before the reading
         opt.backward(loss)
         ctx.sync()
         live = ctx.acc.memory_allocated()
@@ -191,39 +205,23 @@ def _copy_rate(ctx: Ctx, numel: int, pinned: bool) -> float:
 
 
 def offload_speed(ctx: Ctx, report: Report) -> None:
-    import torch
-
     import minispeed.zero as zero
     from minispeed.offload import OffloadOptimizerConfig
 
     _init_comm()
-    G = gpt_module()
-    cfg = ctx.pick(G.GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=16,
-                               n_embd=1024),
-                   G.GPTConfig(vocab_size=97, block_size=32, n_layer=2, n_head=2, n_embd=32))  # fmt: skip
-    batch, seq = ctx.pick((4, 1024), (2, 32))
-    ((x, y),) = _batches(ctx, cfg.vocab_size, 1, batch, seq)
-    precision = zero.MixedPrecision(param_dtype=torch.bfloat16)
+    cfg, x, y = _bf16_case(ctx, layers=12, width=1024, heads=16, batch=4)
     times = {}
     for pinned in (True, False):
         ctx.free()
-        model = _model(ctx, cfg)
-        params = sum(p.numel() for p in model.parameters())
         host = OffloadOptimizerConfig(device="cpu", pin_memory=pinned)
-        opt = zero.shard(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
-                         config=zero.ZeroConfig(stage=2, offload_optimizer=host),
-                         precision=precision)  # fmt: skip
+        config = zero.ZeroConfig(stage=2, offload_optimizer=host)
+        model, opt, step = _bf16_sharded(ctx, cfg, config, x, y)
+        params = sum(p.numel() for p in model.parameters())
         masters = [m for ms in opt.strategy.master_params() for m in ms]
         is_pinned = all(m.is_pinned() for m in masters)
         if ctx.gpu:
             report.check(f"pin_memory={pinned}: host masters pinned as asked",
                          0 if is_pinned == pinned else 1, 0, unit="")  # fmt: skip
-
-        def step(model=model, opt=opt):
-            _, loss = model(x, y)
-            opt.backward(loss)
-            opt.step()
-
         times[pinned] = ctx.wall(step, reps=3, warmup=1)
         report.info(f"ZeRO-2 offload ({params / 1e6:.0f}M), pin_memory={pinned}: step",
                     times[pinned] * 1e3, "ms")  # fmt: skip
