@@ -61,15 +61,31 @@ def _src_paths() -> list[str]:
     return [str(REPO / "src"), *sorted(str(p) for p in REPO.glob("packages/*/src"))]
 
 
+def _commit() -> str | None:
+    """The checkout's commit, when it is a git checkout (a device machine's copy may not be)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
+                             capture_output=True, timeout=10)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None
+
+
 def worker_env(dry_run: bool) -> tuple[dict[str, str], str]:
     """The workers' environment, and how minispeed is found (installed, or src/ on the path)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     paths = [str(SCRIPTS)]
-    if importlib.util.find_spec("minispeed.core") is None:
+    try:
+        spec = importlib.util.find_spec("minispeed.core")
+    except ModuleNotFoundError:  # no "minispeed" namespace at all (the device image)
+        spec = None
+    if spec is None:
         paths += _src_paths()
         how = "src/ of every package on PYTHONPATH (no install)"
     else:
-        how = f"installed ({Path(importlib.util.find_spec('minispeed.core').origin).parent})"
+        how = f"installed ({Path(spec.origin).parent})"
     env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     if dry_run:
         env["MINISPEED_ACCELERATOR"] = "cpu"
@@ -237,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         "started": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "budget_s": args.budget_s,
         "minispeed": how,
+        "commit": _commit(),
         "python": sys.version.split()[0],
         "load_avg": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "checks_known": [s.name for s in CHECKS + FAULT_CHECKS],

@@ -30,7 +30,7 @@ class Spec:
     target: str  # "module:function" under scripts/gpucheck, called as fn(ctx, report)
     budget_s: float  # on a GPU: killed (status timeout) past this
     need_s: float  # not started when less than this is left of the run's budget
-    dry_budget_s: float = 60.0  # the same limit in a dry run (CPU, tiny sizes)
+    dry_budget_s: float = 180.0  # the same limit in a dry run (CPU, tiny sizes; a loaded CI box)
     needs_torch: bool = True  # False only for the harness's own fault checks
 
 

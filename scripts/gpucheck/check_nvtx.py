@@ -54,6 +54,8 @@ with profiler.range("check.step"):
 get_accelerator().synchronize()
 torch_binding = getattr(ranges._push, "__module__", "") == "torch.cuda.nvtx"
 binding = "torch.cuda.nvtx" if torch_binding else "the nvtx package"
+if not profiler.nvtx_enabled():
+    binding = "none: neither the nvtx package nor an NVTX-enabled torch"
 print(json.dumps({{"enabled": profiler.nvtx_enabled(), "binding": binding,
                    "loss": float(loss)}}))
 """
@@ -125,6 +127,9 @@ def nvtx(ctx: Ctx, report: Report) -> None:
     child = json.loads(proc.stdout.strip().splitlines()[-1])
     report.facts["child"] = child
     report.info("ranges pushed through", child["binding"] or "?", note=f"on {ctx.device.type}")
+    if not child["enabled"]:
+        report.fail("NVTX on in the traced step", child["binding"])
+        return
     if not capture.exists():
         report.fail("capture file written", "the tool was not loaded (no capture file)")
         return
