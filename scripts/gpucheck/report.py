@@ -116,9 +116,9 @@ def summary(results: dict[str, dict[str, Any]], order: list[str]) -> str:
         worst = next((r for r in res.get("rows", []) if r["ok"] is False), None)
         detail = res.get("error", "").splitlines()[0] if res.get("error") else ""
         if worst is not None and not detail:
-            detail = (
-                f"{worst['what']}: {format_value(worst['value'], worst['unit'])} ({_limit(worst)})"
-            )
+            value = format_value(worst["value"], worst["unit"])
+            why = _limit(worst) or worst["note"]
+            detail = f"{worst['what']}: {value} ({why})"
         lines.append(
             f"  {name:24} {res['status']:10} {res.get('seconds', 0):6.1f} s  {detail[:110]}"
         )
