@@ -54,7 +54,7 @@ from torch.utils.hooks import RemovableHandle
 
 import minispeed.comm as comm
 from minispeed.comm import api_compat
-from minispeed.comm.compression import BlockQuantizer, QuantPacked
+from minispeed.comm.compression import BlockQuantizer, ScaledCodes
 from minispeed.core import ranges
 from minispeed.zero.config import ZeroConfig
 from minispeed.zero.stage3.params import ShardedParam, mark_issued
@@ -340,7 +340,7 @@ class ZeroPP:
         def finish() -> None:
             rows = gathered.view(self.world_size, -1)  # row r: rank r's messages
             for sp, start, nbytes, padded in layout:
-                packed = QuantPacked.from_rows(
+                packed = ScaledCodes.from_rows(
                     rows[:, start : start + nbytes], padded, q.bits, q.block_numel
                 )
                 values = q.decompress(packed).view(self.world_size, padded)[:, : sp.shard_numel]
