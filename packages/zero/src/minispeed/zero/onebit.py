@@ -61,7 +61,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 import minispeed.comm as comm
 from minispeed.comm.compression import OnebitAllReduce
@@ -74,7 +73,6 @@ from minispeed.comm.optim import (
 from minispeed.comm.optim.onebit_adam import adam_update_, fold_gradient_
 from minispeed.zero.config import ZeroConfig
 from minispeed.zero.contract import StrategyWrapper
-from minispeed.zero.local_reducer import LocalReducer
 from minispeed.zero.optimizer import ZeroOptimizer
 from minispeed.zero.precision import MixedPrecision
 
@@ -151,42 +149,36 @@ class OnebitStrategy(StrategyWrapper):
     False, so `ZeroOptimizer` unscales, checks and clips the local gradient without a sum.
     """
 
-    def __init__(self, strategy: Any, model: nn.Module, group: Any) -> None:
+    def __init__(self, strategy: Any, group: Any) -> None:
         super().__init__(strategy)
-        self._position = {p: k for k, p in enumerate(model.parameters())}
         self._group = group
-        self._local: LocalReducer | None = None
+        self._local = False
 
     @property
     def partitions_grads(self) -> bool:  # type: ignore[override]
         """The stage's value before the freeze; False after (local gradients, local norm)."""
-        return self._inner.partitions_grads if self._local is None else False
+        return self._inner.partitions_grads and not self._local
+
+    @property
+    def stage_partitions(self) -> bool:
+        """Whether the stage partitions its masters and gradients (stages 1-2), freeze or not."""
+        return self._inner.partitions_grads
 
     def master_grads(self) -> list[list[torch.Tensor]]:
         """The stage's reduced gradients (warm-up), or the local ones (parameter-shaped)."""
-        if self._local is None:
+        if not self._local:
             return self._inner.master_grads()
-        return self._local.local_grads()
+        return self._inner.reducer.local_grads()
 
     def go_local(self) -> None:
-        """Replace the stage's reducer by a `LocalReducer` (between steps: no window open)."""
-        assert self._local is None, "go_local called twice"
-        inner = self._inner
-        inner.reducer.remove_hooks()
-        self._local = LocalReducer(
-            inner.groups,
-            inner.config,
-            inner.precision.grad_accum_dtype,
-            inner.names,
-            self._position,
-            self._group,
-        )
-        inner.reducer = self._local  # backward_done, zero_grad and close now reach it
+        """The stage keeps local gradients from now on (its `go_local`: between steps, once)."""
+        self._inner.go_local(self._group)  # backward_done, zero_grad and close reach the new one
+        self._local = True
 
     @property
     def is_local(self) -> bool:
         """Whether `go_local` ran."""
-        return self._local is not None
+        return self._local
 
 
 class OnebitZeroOptimizer(ZeroOptimizer):
@@ -288,7 +280,7 @@ class OnebitZeroOptimizer(ZeroOptimizer):
         return param
 
     def _inner_partitions(self) -> bool:
-        return bool(self.strategy.strategy.partitions_grads)
+        return bool(self.strategy.stage_partitions)
 
     def _inner_step(
         self,

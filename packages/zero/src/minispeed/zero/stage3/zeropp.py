@@ -241,7 +241,7 @@ class ZeroPP:
             self._handle = model.register_forward_pre_hook(invalidate, prepend=True)
         self._sharded = list(sharded)
         for sp in self._sharded:
-            sp.gatherer = self
+            sp.set_gatherer(self)
 
     def remove(self) -> None:
         """Remove the forward hook and detach from the parameters (Stage3Strategy.close)."""
@@ -249,7 +249,7 @@ class ZeroPP:
             self._handle.remove()
             self._handle = None
         for sp in self._sharded:
-            sp.gatherer = None
+            sp.set_gatherer(None)
 
     # -- gathers ------------------------------------------------------------------------------------
     def all_gather(self, todo: list[ShardedParam], async_op: bool) -> Any:
