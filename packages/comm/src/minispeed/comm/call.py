@@ -278,9 +278,26 @@ def native_or_fallback(
 
 
 def all_gather_flat(
-    output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool
+    output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool, impl: str
 ) -> Issued:
-    """Gather every rank's `input` into `output` (rank-major, n·m elements)."""
+    """Gather every rank's `input` into `output` (rank-major, n·m elements).
+
+    `impl`: what `api_compat.all_gather_impl` chose (the caller logs it). `broadcasts` (Note
+    [gloo's all-gather is broadcasts] in api_compat.py): chunk j of `output` from rank j.
+    """
+    if impl == "broadcasts":
+        ranks = validation.group_ranks(group)
+        chunks = output.view(len(ranks), -1)
+        mine = chunks[dist.get_rank(group)]
+        if mine.data_ptr() != input.data_ptr():
+            mine.copy_(input)
+        work = api_compat.WorkList(
+            [dist.broadcast(c, src, group=group, async_op=True) for c, src in zip(chunks, ranks)]
+        )
+        if not async_op:
+            work.wait()
+            return None, None
+        return work, None
     return native_or_fallback(
         "all_gather",
         group,
