@@ -81,6 +81,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 from data import CharDataset  # noqa: E402
 from zerobench.contenders import CONTENDERS, DEEPSPEED_CONTENDERS, SIZES, deepspeed_available  # noqa: E402
 from zerobench.heap import peak_memory  # noqa: E402
+from zerobench.limit import COLLECTIVES  # noqa: E402
 from zerobench.report import report  # noqa: E402
 from zerobench.rounds import profile_steps, time_contenders  # noqa: E402
 
@@ -105,7 +106,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -
         "memory": {},
     }
     for name in names:
-        result["memory"][name] = peak_memory(args, name, dataset, rank, world)
+        if name not in COLLECTIVES:  # no model of their own: their buffers are a few messages
+            result["memory"][name] = peak_memory(args, name, dataset, rank, world)
     result["profiles"] = {n: profile_steps(args, n, dataset, rank, world) for n in args.profile}
     queue.put((rank, result))
     dist.barrier()
