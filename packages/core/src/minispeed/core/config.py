@@ -1,4 +1,4 @@
-"""Config primitives every package's config uses: one error type, one did-you-mean, one translator.
+"""Config primitives every package's config uses: one error type, one did-you-mean, one key checker.
 
 A DeepSpeed `ds_config.json` is one nested dict whose sections belong to different packages. Each
 package turns **its own section** into a frozen dataclass (`ZeroConfig`, `PipelineConfig`, ...);
@@ -10,13 +10,16 @@ check_keys({"stgae": 2}, known={"stage", "overlap_comm"}, path="zero_optimizatio
 # ConfigError: zero_optimization.stgae: unknown key (did you mean 'stage'?); known keys: ...
 ```
 
-- `ConfigError(ValueError)` carries `path`, the dotted key path (`"scheduler.params.warmup_num_steps"`),
-  so a caller (the engine, a schema tool, a test) can tell which key was wrong without parsing text.
+- `ConfigError(ValueError)` carries `path`, the dotted key path as the user wrote it
+  (`"scheduler.params.warmup_num_steps"`), so a caller (the engine, a schema tool, a test) can
+  tell which key was wrong without parsing text; it survives pickling (a worker's error reaches
+  its parent whole).
 - `did_you_mean` suggests the nearest known key by edit distance (one edit for short keys, two from
   eight characters on; swapped neighbours cost one).
 - `check_keys` refuses unknown keys, and keys DeepSpeed defines that minispeed does not implement
   unless they hold DeepSpeed's default value (a config written out in full must still load).
-- `translate` renames DeepSpeed keys into our field names, once, at the boundary.
+- `field_error` is the error a config dataclass raises for one of its fields; the section
+  reader (`minispeed.core.sections`, the config pattern) renames it after the key the user wrote.
 - `DEEPSPEED_TOP_LEVEL` is the one catalogue of DeepSpeed's top-level keys (the engine reads or
   refuses each of them; `check_top_level_spelling` never calls one of them a misspelling).
 
@@ -36,12 +39,14 @@ __all__ = [
     "BATCH_KEYS",
     "DEEPSPEED_TOP_LEVEL",
     "ConfigError",
+    "ConfigTypeError",
     "batch_triple",
     "check_keys",
     "check_top_level_spelling",
     "did_you_mean",
     "edit_distance",
     "field_docs",
+    "field_error",
     "is_close",
     "join_path",
     "translate",
@@ -49,11 +54,40 @@ __all__ = [
 
 
 class ConfigError(ValueError):
-    """A config value is wrong; `path` names the key (dotted), the message names the fix."""
+    """A config value is wrong: `path` names the key (dotted, as the user wrote it: `"fp16.loss_scale"`),
+    `reason` says what is wrong and the fix; `str()` is `"<path>: <reason>"`.
 
-    def __init__(self, path: str, message: str) -> None:
+    `field` is set when a dataclass's own check raised it (`field_error`): the field whose value
+    is wrong, so the section reader can rename the error after the DeepSpeed key the user wrote
+    (`minispeed.core.sections`). Pickles with all three (an error raised on a worker process
+    reaches its parent whole)."""
+
+    def __init__(self, path: str, reason: str, *, field: str | None = None) -> None:
         self.path = path
-        super().__init__(f"{path}: {message}" if path else message)
+        self.reason = reason
+        self.field = field
+        super().__init__(f"{path}: {reason}" if path else reason)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # BaseException pickles `self.args` (the one formatted message) as the constructor's
+        # arguments, which a two-argument constructor cannot take back.
+        return (_rebuild, (type(self), self.path, self.reason, self.field), self.__dict__)
+
+
+def _rebuild(cls: type, path: str, reason: str, field: str | None) -> ConfigError:
+    return cls(path, reason, field=field)
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A config value of the wrong type (a `ConfigError` and a `TypeError`)."""
+
+
+def field_error(owner: Any, field: str, reason: str, *, kind: type = ConfigError) -> ConfigError:
+    """The error a config dataclass's `__post_init__` raises for its own `field`:
+    `"ZeroConfig.stage: must be 0, 1, 2 or 3, got 5"`. Built from a ds_config, the section
+    reader renames it `"zero_optimization.stage: must be ... (ZeroConfig.stage)"`."""
+    name = owner.__name__ if isinstance(owner, type) else type(owner).__name__
+    return kind(f"{name}.{field}", reason, field=field)
 
 
 def join_path(path: str, key: Any) -> str:
@@ -101,6 +135,7 @@ def check_keys(
     *,
     unsupported: Mapping[str, str] | None = None,
     defaults: Mapping[str, Any] | None = None,
+    known_as: str = "known keys here",
 ) -> None:
     """Raise `ConfigError` for the first key of `section` that minispeed does not read.
 
@@ -108,7 +143,8 @@ def check_keys(
     - `unsupported`: DeepSpeed keys minispeed does not implement, each with the reason; such a
       key is accepted only when it holds its DeepSpeed default (`defaults[key]`), since a key
       at its default changes nothing.
-    - anything else is unknown: the error suggests the nearest known key.
+    - anything else is unknown: the error suggests the nearest known key and lists the known
+      ones (after `known_as`).
     """
     if not isinstance(section, Mapping):
         raise ConfigError(path, f"must be a JSON object, got {type(section).__name__}")
@@ -132,7 +168,7 @@ def check_keys(
             )
         hint = did_you_mean([key], known | set(unsupported))
         raise ConfigError(
-            where, f"unknown key{hint}; known keys here: {', '.join(sorted(known)) or '(none)'}"
+            where, f"unknown key{hint}; {known_as}: {', '.join(sorted(known)) or '(none)'}"
         )
 
 
