@@ -217,18 +217,21 @@ def initialize(
     # 2. The process group, and the grid's shape (checked on every rank before any collective).
     init_distributed(distributed_port=distributed_port)
     world = _comm.get_world_size()
-    tensor = tensor_parallel_size(ds)
+    tensor = tensor_parallel_size(ds)  # before EngineConfig: its data-parallel size needs T
     stages = model.num_stages if is_pipeline else 1
     shape = grid_shape(world, stages, tensor)
-    if ds.get("activation_checkpointing") is not None:
+    # Every key checked, with the grid's data-parallel size (and a pipeline's stage count).
+    cfg = EngineConfig.from_ds_config(
+        ds, data_parallel_size=shape["data"], pipeline_stages=stages if is_pipeline else None
+    )
+    if cfg.activation_checkpointing is not None:
         # For model code that calls `deepspeed.checkpointing.checkpoint` (this path's adapter).
-        checkpointing.configure(None, deepspeed_config=ds)
+        checkpointing.apply(cfg.activation_checkpointing)
     if is_pipeline:
         return _initialize_pipeline(
-            model, optimizer, model_parameters, lr_scheduler, ds, training_data,
+            model, optimizer, model_parameters, lr_scheduler, cfg, training_data,
             shape, tensor_parallel_plan,
         )  # fmt: skip
-    cfg = EngineConfig.from_ds_config(ds, data_parallel_size=shape["data"])
     # The grid (data × tensor) and the tensor-parallel plan (tensor_plan.py), before the
     # optimizer sees the parameters.
     grid = None
@@ -261,7 +264,7 @@ def initialize(
         zero_opt = shard(
             model, opt, config=zero_config_for(cfg, opt), precision=cfg.precision,
             replica_groups=replica_groups,
-            allow_untested_optimizer=bool(cfg.raw.get("zero_allow_untested_optimizer", False)),
+            allow_untested_optimizer=cfg.zero_allow_untested_optimizer,
             **parallel,
         )  # fmt: skip
     # 5. The scheduler, on the optimizer whose param groups hold the hyper-parameters.
@@ -345,7 +348,7 @@ def _initialize_pipeline(
     optimizer: Any,
     model_parameters: Any,
     lr_scheduler: Any,
-    ds: dict,
+    cfg: EngineConfig,
     data: Any,
     shape: dict[str, int],
     plan: Any,
@@ -369,8 +372,6 @@ def _initialize_pipeline(
             f"PipeModelDataParallelTopology(num_pp={shape['pipe']}, num_mp={shape['tensor']}, "
             f"num_dp={shape['data']}) (or set autotp_size to {has})",
         )
-    # Every key checked as for any model, with the data-parallel size of the grid.
-    cfg = EngineConfig.from_ds_config(ds, data_parallel_size=shape["data"])
     if shape["tensor"] > 1:  # the stage's layers cut by the plan, before the optimizer
         optimizer, model_parameters = tensor_plan.cut(
             model,
@@ -383,7 +384,5 @@ def _initialize_pipeline(
     params = list(model_parameters) if model_parameters is not None else list(model.parameters())
     opt = _build_optimizer(optimizer, params, cfg)
     scheduler = _build_scheduler(lr_scheduler, opt, cfg)
-    # See Note [DeepSpeed clips at 1.0 by default] in engine/config.
-    resolved = {**ds, "gradient_clipping": cfg.zero.max_grad_norm}
-    engine = PipelineEngine(model, opt, resolved, scheduler)
+    engine = PipelineEngine(model, opt, cfg, scheduler)
     return engine, engine.optimizer, None, scheduler  # ZeRO's under zero_optimization or 16-bit

@@ -3,7 +3,7 @@
 
 ```python
 model = PipelineModule(layers, num_stages=2, loss_fn=loss_fn, seed_layers=True)
-engine = PipelineEngine(model, torch.optim.AdamW(model.parameters()), ds_config)
+engine = PipelineEngine(model, torch.optim.AdamW(model.parameters()), ds_config)  # or an EngineConfig
 loss = engine.train_batch(iter(loader))   # pulls gradient_accumulation_steps micro-batches
 ```
 
@@ -75,7 +75,7 @@ import minispeed.pipeline as pipeline
 import minispeed.zero as zero
 from minispeed.engine import tensor_plan
 from minispeed.engine.checkpoint_calls import CheckpointCalls, Restore
-from minispeed.engine.config import resolve_batch
+from minispeed.engine.config import EngineConfig
 
 __all__ = ["PipelineEngine", "PipelineError"]
 
@@ -112,33 +112,54 @@ class PipelineEngine(CheckpointCalls):
     """DeepSpeed's pipeline engine over `minispeed.pipeline` (see the module docstring).
 
     `module`: a `minispeed.engine.pipe.PipelineModule`. `optimizer`: a torch optimizer over
-    `module.parameters()` (or None: `eval_batch` only). `config`: the whole ds_config dict.
-    Collective: every rank of the grid builds it with the same config.
+    `module.parameters()` (or None: `eval_batch` only). `config`: the `EngineConfig`
+    `initialize` resolved, or a whole ds_config dict (resolved here with the module's grid;
+    `gradient_clipping` left out is then 0, off, as before DeepSpeed's default reached the
+    engine: `initialize` applies that default). Collective: every rank of the grid builds it
+    with the same config.
     """
 
     def __init__(
-        self, module: Any, optimizer: Any, config: dict[str, Any], lr_scheduler: Any = None
+        self,
+        module: Any,
+        optimizer: Any,
+        config: EngineConfig | dict[str, Any],
+        lr_scheduler: Any = None,
     ) -> None:
         if not isinstance(module, pipeline.PipelineModule) or module.grid is None:
             raise TypeError(
                 "PipelineEngine needs a minispeed.engine.pipe.PipelineModule, got "
                 f"{type(module).__name__}"
             )
-        if not isinstance(config, dict):
-            raise TypeError(f"config must be the ds_config dict, got {type(config).__name__}")
+        if isinstance(config, dict):
+            config = EngineConfig.from_ds_config(
+                {"gradient_clipping": 0.0, **config},
+                data_parallel_size=module.grid.size("data"),
+                pipeline_stages=module.stages,
+            )
+        if not isinstance(config, EngineConfig):
+            raise TypeError(
+                f"config must be an EngineConfig or the ds_config dict, got {type(config).__name__}"
+            )
         if module.virtual_stages != 1:
             raise ValueError("PipelineEngine runs one chunk per stage (virtual_stages=1)")
         self.module, self.lr_scheduler, self.config = module, lr_scheduler, config
         self.grid = module.grid
         self.num_stages, self.stage_id = module.stages, module.stage
         self.dp_world_size = self.grid.size("data")
-        tbs, mbs, gas = resolve_batch(config, self.dp_world_size)
+        tbs, mbs, gas = (
+            config.train_batch_size,
+            config.micro_batch_size,
+            config.gradient_accumulation_steps,
+        )
         self._train_batch_size, self._micro_batch_size, self.micro_batches = tbs, mbs, gas
-        self._clip = float(config.get("gradient_clipping", 0.0) or 0.0)
-        schedule = self._read_pipeline_section(config.get("pipeline") or {})
+        self._clip = config.zero.max_grad_norm
+        # The `pipeline` section as EngineConfig read it, with the module's stage count.
+        assert config.pipeline is not None and config.pipeline.stages == self.num_stages
+        schedule = config.pipeline.schedule
         self._refuse_unsupported(config)
-        self.zero_stage = int((config.get("zero_optimization") or {}).get("stage", 0))
-        self.precision = zero.MixedPrecision.from_ds_config(config)
+        self.zero_stage = config.zero.stage
+        self.precision = config.precision
         self.device = next((p.device for p in module.parameters()), torch.device("cpu"))
         self._broadcast_model()
         self.client_optimizer = optimizer
@@ -158,23 +179,8 @@ class PipelineEngine(CheckpointCalls):
         self.agg_train_loss: torch.Tensor | None = None
 
     # -- construction -----------------------------------------------------------------------------
-    def _read_pipeline_section(self, section: dict[str, Any]) -> str:
-        stages = section.get("stages", "auto")
-        if stages != "auto" and stages != self.num_stages:
-            raise ValueError(
-                f"pipeline.stages={stages!r} but the PipelineModule has {self.num_stages} "
-                "stages; make them equal or set 'auto'"
-            )
-        # pipe_partitioned / grad_partitioned split activations over tensor-parallel ranks;
-        # without tensor parallelism DeepSpeed ignores them too (its default is true).
-        if "schedule" in section:  # minispeed's key
-            return str(section["schedule"])
-        # DeepSpeed runs its 1F1B with fewer micro-batches than stages (it never reaches a steady
-        # state); the package's 1F1B refuses M < P, and GPipe is the same order of work there
-        return "1f1b" if self.micro_batches >= self.num_stages else "gpipe"
-
-    def _refuse_unsupported(self, config: dict[str, Any]) -> None:
-        stage = int((config.get("zero_optimization") or {}).get("stage", 0))
+    def _refuse_unsupported(self, config: EngineConfig) -> None:
+        stage = config.zero.stage
         if stage >= 3:
             raise NotImplementedError(
                 f"zero_optimization.stage={stage} with a pipeline: use stage 0, 1 or 2 (stage 3 "
@@ -191,7 +197,7 @@ class PipelineEngine(CheckpointCalls):
         for t in [*self.module.parameters(), *self.module.buffers()]:
             comm.broadcast(t.data, src=src, group=group)
 
-    def _wrap_zero(self, optimizer: Any, config: dict[str, Any]) -> Any:
+    def _wrap_zero(self, optimizer: Any, config: EngineConfig) -> Any:
         """`zero.shard` over the data group, with the pipe axis as ZeRO's model-parallel axis
         (module docstring)."""
         if optimizer is None:
@@ -199,7 +205,7 @@ class PipelineEngine(CheckpointCalls):
                 f"zero_optimization.stage={self.zero_stage} or 16-bit training needs an optimizer"
             )
         zero_config = dataclasses.replace(
-            zero.ZeroConfig.from_ds_config(config),
+            config.zero,
             gradient_accumulation_steps=self.micro_batches,
             # Wrapped or not is where DeepSpeed computes the norm without clipping: an infinite
             # threshold computes it (Note [the norm without clipping] in engine.py).
@@ -215,7 +221,7 @@ class PipelineEngine(CheckpointCalls):
             self.precision,
             group=self.grid.group("data"),
             model_parallel=model_parallel,
-            allow_untested_optimizer=bool(config.get("zero_allow_untested_optimizer", False)),
+            allow_untested_optimizer=config.zero_allow_untested_optimizer,
         )
 
     # -- DeepSpeed's API --------------------------------------------------------------------------

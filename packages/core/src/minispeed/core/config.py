@@ -28,10 +28,6 @@ Cost: one edit-distance computation per (unknown key, known key): O(len²) each,
 
 from __future__ import annotations
 
-import ast
-import inspect
-import itertools
-import textwrap
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -45,11 +41,9 @@ __all__ = [
     "check_top_level_spelling",
     "did_you_mean",
     "edit_distance",
-    "field_docs",
     "field_error",
     "is_close",
     "join_path",
-    "translate",
 ]
 
 
@@ -141,8 +135,8 @@ def check_keys(
 
     - `known`: the keys read (their values are checked by the caller).
     - `unsupported`: DeepSpeed keys minispeed does not implement, each with the reason; such a
-      key is accepted only when it holds its DeepSpeed default (`defaults[key]`), since a key
-      at its default changes nothing.
+      key is accepted only when it holds the one value minispeed implements (`defaults[key]`,
+      usually DeepSpeed's default), since a key at that value changes nothing.
     - anything else is unknown: the error suggests the nearest known key and lists the known
       ones (after `known_as`).
     """
@@ -158,9 +152,7 @@ def check_keys(
         if key in unsupported:
             if key in defaults and _same(section[key], defaults[key]):
                 continue
-            default = (
-                f" (its DeepSpeed default {defaults[key]!r} is accepted)" if key in defaults else ""
-            )
+            default = f" ({defaults[key]!r} is accepted)" if key in defaults else ""
             raise ConfigError(
                 where,
                 f"DeepSpeed's {key!r} is not supported by minispeed: {unsupported[key]}; remove "
@@ -180,44 +172,6 @@ def _same(value: Any, default: Any) -> bool:
     if isinstance(default, bool) or isinstance(value, bool):
         return value is default
     return value == default
-
-
-def translate(
-    section: Mapping[str, Any], names: Mapping[str, str], *, counts: Iterable[str] = ()
-) -> dict[str, Any]:
-    """`{ds_key: value}` -> `{our_field: value}` for the keys of `names` present in `section`.
-
-    DeepSpeed configs often write counts as floats (`"reduce_bucket_size": 5e8`): the DeepSpeed
-    keys in `counts` become ints when integral (a float like `1.5` is left for the field's own
-    type check to refuse)."""
-    counts = set(counts)
-    out: dict[str, Any] = {}
-    for ds_key, field in names.items():
-        if ds_key in section:
-            value = section[ds_key]
-            if ds_key in counts and isinstance(value, float) and value.is_integer():
-                value = int(value)
-            out[field] = value
-    return out
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring written under each field of a dataclass (`field: int = 0` then `\"\"\"...\"\"\"`),
-    by field name: the one description that the API reference, the JSON Schema and the config
-    reference all show. Fields without one are left out."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-    docs: dict[str, str] = {}
-    for node, after in itertools.pairwise(body):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-            and isinstance(after.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(after.value.value.split())
-    return docs
 
 
 # DeepSpeed's batch triple, in the order `batch_triple` takes and returns it.

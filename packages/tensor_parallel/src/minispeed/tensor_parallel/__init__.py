@@ -11,6 +11,7 @@ Reading order (see README.md):
 6. `costs` — bytes per call of each layer, the formulas the tests assert.
 7. `styles`, `plan`, `plans` — `parallelize(model, plan, group)` and the ready plans.
 8. `memory` — activation bytes per rank, with and without sequence parallelism.
+9. `config` — `TensorParallelConfig`, DeepSpeed's `tensor_parallel` section (the grid's T).
 
 ```python
 import minispeed.tensor_parallel as tp
@@ -21,6 +22,7 @@ loss = tp.vocab_parallel_cross_entropy(logits, targets, group)
 ```
 """
 
+from minispeed.tensor_parallel.config import TensorParallelConfig
 from minispeed.tensor_parallel.costs import (
     Collective,
     column_collectives,
@@ -70,6 +72,7 @@ __all__ = [
     "SequenceShard",
     "ShardSpec",
     "TensorGroup",
+    "TensorParallelConfig",
     "Vocab",
     "VocabParallelEmbedding",
     "check_divides",
