@@ -14,23 +14,23 @@ CKPT_DIR/
 
 A part is named `pipe{stage}-of-{P}`, with `-tensor{t}-of-{T}` added under tensor parallelism
 (its `client_state` then records each parameter's cut, for a load at another T:
-`tensor_resplit.py`) and `-expert{e}-of-{E}` when there are expert ranks; within it, files are named by data rank. With one part (P = E = 1) the part *is* the
+`resplit.py`) and `-expert{e}-of-{E}` when there are expert ranks; within it, files are named by data rank. With one part (P = E = 1) the part *is* the
 tag directory, so a data-parallel checkpoint stays a plain `minispeed.zero` checkpoint that
 `python -m minispeed.zero consolidate` reads. A part whose optimizer is not sharded (a pipeline
 without ZeRO) holds `model_states.pt`: the part's engine state, written by its data rank 0.
 
-**Loading** (`checkpoint_load.py`) finds the tag (`latest` or `tag=`), reads `grid.json` (a tag without one was
+**Loading** (`load.py`) finds the tag (`latest` or `tag=`), reads `grid.json` (a tag without one was
 saved by a single-part engine) and refuses, naming both grids, a checkpoint whose pipeline
 stages, expert ranks or layer partition differ from the engine's: those cannot be resharded.
 Another data-parallel size loads (zero re-slices every parameter by name; unsharded parts are
-replicas), and another tensor-parallel size when the parts are zero's (`tensor_resplit.py`).
+replicas), and another tensor-parallel size when the parts are zero's (`resplit.py`).
 
 **The protocol** (Note [atomic checkpoint] in zero): every rank probes who shares the
 directory (Note [who shares the checkpoint directory]), the grid leaders unseal the tag, each
-part snapshots into host memory (`zero.checkpoints.save.snapshot`), writes its files, its
+part snapshots into host memory (`zero.checkpoints.snapshot`), writes its files, its
 leader seals the part, and only when every part is sealed does the grid leader write
 `grid.json`, then `latest`. With `checkpoint.async_save` the writing and sealing run on a
-background thread (checkpoint_async.py). With `checkpoint.use_node_local_storage` every
+background thread (background.py). With `checkpoint.use_node_local_storage` every
 storage gets its own ranks' files and its own `grid.json` and `latest`.
 """
 
@@ -48,16 +48,17 @@ from torch import nn
 import minispeed.comm as comm
 import minispeed.zero as zero
 from minispeed.core.config import ConfigError, check_keys
-from minispeed.zero.checkpoints.agree import together
-from minispeed.zero.checkpoints.layout import (
+from minispeed.zero.checkpoints import (
     LATEST_FILE,
     METADATA_FILE,
     CheckpointError,
+    StorageGroups,
     atomic_save,
     atomic_write_text,
+    probe_storage,
+    snapshot,
+    together,
 )
-from minispeed.zero.checkpoints.save import snapshot
-from minispeed.zero.checkpoints.storage import StorageGroups, probe_storage
 
 __all__ = [
     "GRID_FILE",
@@ -249,7 +250,7 @@ def read_grid(tag_dir: Path) -> dict[str, Any] | None:
 
 def check_grid(saved: dict[str, Any] | None, part: Part, tag_dir: Path) -> None:
     """Raise naming both grids when the checkpoint cannot load into this grid (another
-    tensor-parallel size loads when both sides are ZeRO-sharded: `tensor_resplit.py`)."""
+    tensor-parallel size loads when both sides are ZeRO-sharded: `resplit.py`)."""
     mine = part.place.shape()
     theirs = {"pipe": 1, "expert": 1, "tensor": 1, **(saved["grid"] if saved is not None else {})}
     if theirs["pipe"] != mine["pipe"] or theirs["expert"] != mine["expert"]:

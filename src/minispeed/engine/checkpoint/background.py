@@ -34,7 +34,7 @@ import time
 from typing import Any
 
 from minispeed.core.logging import get_logger
-from minispeed.engine.checkpoint import (
+from minispeed.engine.checkpoint.grid import (
     CheckpointConfig,
     GridPlace,
     GridSave,
@@ -42,9 +42,8 @@ from minispeed.engine.checkpoint import (
     save_now,
     start_save,
 )
-from minispeed.engine.checkpoint_load import load_part
-from minispeed.zero.checkpoints.agree import together
-from minispeed.zero.checkpoints.layout import CheckpointError
+from minispeed.engine.checkpoint.load import load_part
+from minispeed.zero.checkpoints import CheckpointError, together
 
 __all__ = ["BackgroundSave", "Checkpointer", "SaveState", "checkpointer_of", "place_of"]
 
@@ -159,7 +158,7 @@ class Checkpointer:
     def load(
         self, part: Part, load_dir: str | os.PathLike, tag: str | None, **kwargs: Any
     ) -> tuple[Any, Any]:
-        """`checkpoint_load.load_part`, after the save in flight has landed."""
+        """`load.load_part`, after the save in flight has landed."""
         self.wait()
         return load_part(part, load_dir, tag, **kwargs)
 
