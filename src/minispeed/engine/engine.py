@@ -325,7 +325,7 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
         """This rank's part of the grid's checkpoint (`checkpoint/grid.py`)."""
         opt = self._require_optimizer("save_checkpoint")
         place = ckpt_async.place_of(self)
-        return ckpt.Part(place, self.module, opt, opt.comm_group, payload, self._partition())
+        return ckpt.Part(place, self.module, opt, payload, self._partition())
 
     def _partition(self) -> list[int] | None:
         """The layer boundaries a checkpoint must be loaded with (a pipeline's; None here)."""

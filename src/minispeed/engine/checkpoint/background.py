@@ -96,9 +96,7 @@ class BackgroundSave:
     def _run(self) -> None:
         save, pending = self.save, self.save.pending
         try:
-            sizes = save.write_files()
-            if pending is not None:
-                pending.write_done_marker(sizes)
+            pending.write_done_marker(save.write_files())
             self._move((SaveState.WRITING,), SaveState.SEALING)
         except BaseException as e:  # reported on every rank by Checkpointer.wait
             self.files_error = e
@@ -107,7 +105,7 @@ class BackgroundSave:
         finally:
             self.files_done.set()
         try:
-            if pending is not None and pending.storage.is_leader:
+            if pending.storage.is_leader:
                 pending.seal(pending.wait_for_markers(self.stop))
             if save.world.is_leader:
                 self._wait_for_parts()
@@ -116,7 +114,7 @@ class BackgroundSave:
         except BaseException as e:
             self.error = e
             self._move((SaveState.SEALING,), SaveState.FAILED)
-        self.save.pending = self.save.plain = None  # the snapshot's host memory goes
+        self.save.pending = None  # the snapshot's host memory goes
 
     def _wait_for_parts(self) -> None:
         todo = set(self.save.parts)
