@@ -178,3 +178,17 @@ def test_part_names_carry_stage_tensor_and_expert_rank() -> None:
     assert GridPlace(stage=1, pipe=2, tensor_rank=1, tensor=2).part == "pipe01-of-02-tensor01-of-02"
     assert GridPlace(tensor_rank=0, tensor=2).part == "pipe00-of-01-tensor00-of-02"
     assert GridPlace(stage=1, pipe=3).part == "pipe01-of-03"
+
+
+def test_a_pipeline_checkpoint_saved_without_zero_by_an_older_engine_is_refused(tmp_path) -> None:
+    """Before the pipeline engine became the engine, a pipeline without ZeRO saved one
+    model_states.pt per stage (`"sharded": false` in grid.json); every engine now saves ZeRO's
+    files, and such a tag is refused by name instead of failing inside zero's loader."""
+    from minispeed.engine.checkpoint.grid import GridPlace, Part, check_grid
+    from minispeed.zero.checkpoints import CheckpointError
+
+    part = Part(GridPlace(stage=0, pipe=2), nn.Linear(2, 2), None, {}, partition=[0, 2, 4])
+    saved = {"grid": {"pipe": 2, "data": 1, "expert": 1}, "sharded": False, "partition": [0, 2, 4]}
+    with pytest.raises(CheckpointError, match="saved without ZeRO by an older minispeed"):
+        check_grid(saved, part, tmp_path)
+    check_grid({**saved, "sharded": True}, part, tmp_path)  # today's tags load
