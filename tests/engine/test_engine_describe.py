@@ -18,6 +18,8 @@ from torch import nn
 
 from minispeed.core.testing import run_distributed
 
+# torch's hook dicts on a module and their names in the record (`_forward_pre_hooks`:
+# `forward_pre`); the `_with_kwargs` / `_always_called` dicts are flags of those, not hooks.
 HOOK_DICTS = {
     "forward_pre": "_forward_pre_hooks",
     "forward": "_forward_hooks",
@@ -31,22 +33,25 @@ HOOK_DICTS = {
 
 
 def _hooks_now(model: nn.Module) -> dict[str, Counter]:
-    """Every hook on `model`, read from torch's dicts (independently of the engine's record)."""
+    """Every hook on `model`, read from torch's own dicts here, not through the engine."""
     out: dict[str, Counter] = {}
     for path, m in model.named_modules():
-        c = Counter({k: len(getattr(m, a)) for k, a in HOOK_DICTS.items() if getattr(m, a)})
-        if c:
-            out[path] = c
+        counts = Counter()
+        for kind, attribute in HOOK_DICTS.items():
+            if getattr(m, attribute):
+                counts[kind] = len(getattr(m, attribute))
+        if counts:
+            out[path] = counts
     for name, p in model.named_parameters():
-        c = Counter()
+        counts = Counter()
         if p._post_accumulate_grad_hooks:
-            c["post_accumulate_grad"] = len(p._post_accumulate_grad_hooks)
+            counts["post_accumulate_grad"] = len(p._post_accumulate_grad_hooks)
         if p._backward_hooks:
-            c["grad"] = len(p._backward_hooks)
-        if type(p) is not nn.Parameter:
-            c["attribute_guard"] = 1
-        if c:
-            out[name] = c
+            counts["grad"] = len(p._backward_hooks)
+        if type(p) is not nn.Parameter:  # ZeRO-3 guards a released parameter's attributes
+            counts["attribute_guard"] = 1
+        if counts:
+            out[name] = counts
     return out
 
 

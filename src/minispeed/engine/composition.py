@@ -41,28 +41,23 @@ __all__ = [
     "placements",
 ]
 
-# nn.Module's hook dicts, by the name a reader knows them by.
-_MODULE_HOOKS = {
-    "forward_pre": "_forward_pre_hooks",
-    "forward": "_forward_hooks",
-    "backward_pre": "_backward_pre_hooks",
-    "backward": "_backward_hooks",
-    "state_dict_pre": "_state_dict_pre_hooks",
-    "state_dict": "_state_dict_hooks",
-    "load_state_dict_pre": "_load_state_dict_pre_hooks",
-    "load_state_dict_post": "_load_state_dict_post_hooks",
-}
-
 
 def hooks_of(model: nn.Module) -> dict[str, Counter[str]]:
     """`{module path or parameter name: Counter(hook kind)}` of the hooks on `model` now: each
-    module's hook dicts, each parameter's gradient hooks (`post_accumulate_grad`, `grad`) and
-    `attribute_guard` when its class is not `nn.Parameter`'s own (ZeRO-3's released guard).
-    The root module's path is `""`; a parameter is named as in `named_parameters()`."""
+    module's hook dicts (`_forward_pre_hooks` counts as `forward_pre`, and so on for every
+    `_*_hooks` dict torch keeps), each parameter's gradient hooks (`post_accumulate_grad`,
+    `grad`) and `attribute_guard` when its class is not `nn.Parameter`'s own (ZeRO-3's
+    released guard). The root module's path is `""`; a parameter is named as in
+    `named_parameters()`."""
     found: dict[str, Counter[str]] = {}
     for path, module in model.named_modules():
-        kinds = Counter({k: len(getattr(module, a, None) or ()) for k, a in _MODULE_HOOKS.items()})
-        kinds = +kinds  # drop the zeros
+        kinds = Counter(
+            {
+                name[1:].removesuffix("_hooks"): len(hooks)
+                for name, hooks in vars(module).items()
+                if name.endswith("_hooks") and isinstance(hooks, dict) and hooks
+            }
+        )
         if kinds:
             found[path] = kinds
     for name, p in model.named_parameters():
@@ -73,7 +68,7 @@ def hooks_of(model: nn.Module) -> dict[str, Counter[str]]:
                 "attribute_guard": int(type(p) not in (nn.Parameter, torch.Tensor)),
             }
         )
-        kinds = +kinds
+        kinds = +kinds  # drop the zeros
         if kinds:
             found[name] = kinds
     return found
