@@ -19,9 +19,9 @@ import pytest
 
 from minispeed.core.config import ConfigError
 from minispeed.core.sections import is_alias, is_unsupported, section_rows
+from minispeed.engine.cli.resolved import resolved_rows
 from minispeed.engine.config import READ, UNSUPPORTED, EngineConfig
 from minispeed.engine.config.schema import config_schema, reference_markdown
-from minispeed.engine.resolved import resolved_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = config_schema()

@@ -45,7 +45,7 @@ from minispeed.comm import CommsLoggerConfig
 from minispeed.core.config import BATCH_KEYS, ConfigError, batch_triple
 from minispeed.core.sections import Section, build, ds_keys, key, translate_section
 from minispeed.engine.by_name import OptimizerSection, SchedulerSection
-from minispeed.engine.checkpoint import CheckpointConfig
+from minispeed.engine.checkpoint.grid import CheckpointConfig
 from minispeed.offload import AioConfig
 from minispeed.pipeline import PipelineConfig
 from minispeed.profiler.config import FlopsProfilerConfig

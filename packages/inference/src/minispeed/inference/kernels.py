@@ -317,7 +317,7 @@ def decode_attention(
     `validate=False` skips the checks (dtypes, shapes, id ranges: three reductions that each read
     the tables) for a caller that made the inputs itself and checked them once per decode step,
     as `InferenceGPT.decode` does for its L layers; `block_tables` and `seq_lens` must then already
-    be contiguous int32 CPU tensors and `q` a contiguous fp32 one.
+    be contiguous int32 tensors on the caches' device and `q` a contiguous fp32 one.
     """
     if validate:
         q = _fp32(q, "q")

@@ -18,7 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
-from minispeed.engine.launcher import UsageError
+from minispeed.engine.cli.launcher import UsageError
 
 __all__ = ["add_arguments", "count_hf_config", "main"]
 
