@@ -197,7 +197,7 @@ def build(name: str, args: argparse.Namespace, vocab: int) -> Trainer:
 
         stage = int(name.removeprefix("ZeRO-"))
         section = zero_section(args, stage, block_numel)
-        cfg = zero.ZeroConfig.from_ds_config({"zero_optimization": section})
+        cfg = zero.ZeroConfig.from_section(section)
         zopt = zero.shard(model, _adamw(model.parameters()), config=cfg)
 
         # zopt.step() also clears the gradients, as zero_grad(set_to_none=True) does for torch.

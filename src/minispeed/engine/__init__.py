@@ -190,9 +190,13 @@ def initialize(
     # 2. The process group, and the grid's shape (checked on every rank before any collective);
     # a pipeline brings its own grid (pipe × data [× tensor]).
     init_distributed(distributed_port=distributed_port)
-    tensor = tensor_parallel_size(ds)
+    tensor = tensor_parallel_size(ds)  # before EngineConfig: its data-parallel size needs T
     shape = grid_shape(minispeed.comm.get_world_size(), model.stages if is_pipeline else 1, tensor)
-    cfg = EngineConfig.from_ds_config(ds, data_parallel_size=shape["data"])
+    # Every key checked, with the grid's data-parallel size (and a pipeline's stage count, which
+    # the `pipeline` section's "auto" stages means).
+    cfg = EngineConfig.from_ds_config(
+        ds, data_parallel_size=shape["data"], pipeline_stages=model.stages if is_pipeline else None
+    )
     record_config(composition, cfg, "trial" if trial is not None else "ds_config")
     has_experts = bool(minispeed.moe.moe_layers(model))
     if is_pipeline:
@@ -208,9 +212,9 @@ def initialize(
             optimizer=optimizer, model_parameters=model_parameters,
         )  # fmt: skip
     # 4. Activation checkpointing, for model code that calls `deepspeed.checkpointing.checkpoint`.
-    if ds.get("activation_checkpointing") is not None:
+    if cfg.activation_checkpointing is not None:
         with composition.step("activation checkpointing", keys=("activation_checkpointing",)) as s:
-            checkpointing.configure(None, deepspeed_config=ds)
+            checkpointing.apply(cfg.activation_checkpointing)
             s.did("deepspeed.checkpointing.checkpoint configured (for model code that calls it)")
     # A `minispeed tune` trial's recorder counts the model before anything is partitioned.
     recorder = None if trial is None else TrialRecorder(trial, model)

@@ -34,7 +34,8 @@ from torch import nn
 
 import minispeed.comm as comm
 import minispeed.zero as zero
-from minispeed.core.config import ConfigError, check_keys
+from minispeed.core.config import ConfigError
+from minispeed.tensor_parallel import TensorParallelConfig
 from minispeed.tensor_parallel.sharding import sharded_parameters
 
 __all__ = ["AXES", "build_grid", "grid_shape", "model_parallel", "tensor_parallel_size"]
@@ -44,19 +45,11 @@ AXES = ("pipe", "data", "tensor")
 
 
 def tensor_parallel_size(ds: Mapping[str, Any]) -> int:
-    """T from the ds_config's `tensor_parallel.autotp_size` (absent, 0 or 1: no tensor
-    parallelism). Local; raises `ConfigError` naming the key for anything but an int >= 0."""
-    section = ds.get("tensor_parallel") or {}
-    if not isinstance(section, Mapping):
-        raise ConfigError("tensor_parallel", f"must be a JSON object, got {section!r}")
-    check_keys(section, {"autotp_size"}, "tensor_parallel")
-    size = section.get("autotp_size", 0)
-    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-        raise ConfigError(
-            "tensor_parallel.autotp_size",
-            f"must be an integer >= 0 (the tensor-parallel size; 0 or 1: off), got {size!r}",
-        )
-    return max(size, 1)
+    """T from the ds_config's `tensor_parallel` section (`TensorParallelConfig`, the rule
+    `EngineConfig` reads it with: `autotp_size` absent, 0 or 1 is no tensor parallelism), read
+    before `EngineConfig` because the data-parallel size it needs depends on T. Local; raises
+    `ConfigError` naming the key."""
+    return TensorParallelConfig.from_section(ds.get("tensor_parallel")).size
 
 
 def grid_shape(world_size: int, pipe: int, tensor: int) -> dict[str, int]:
