@@ -126,7 +126,7 @@ def shard(
     _sharded_models.add(model)
     kind, extra = ZeroOptimizer, {"model_parallel": model_parallel}
     if onebit:
-        kind, extra, optimizer, strategy = onebit_parts(optimizer, strategy, model, group)
+        kind, extra, optimizer, strategy = onebit_parts(optimizer, strategy, group)
     return kind(
         optimizer,
         strategy,

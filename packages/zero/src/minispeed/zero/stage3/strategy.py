@@ -70,7 +70,7 @@ from minispeed.zero.stage3.residency import Residency, ShardHome
 from minispeed.zero.stage3.trace import TraceCheck
 from minispeed.zero.stage3.zeropp import ZeroPP, check_zeropp, zeropp_enabled
 
-__all__ = ["GradShardReducer", "Stage3Strategy", "keep_grad_shard"]
+__all__ = ["GradShardReducer", "Stage3Strategy"]
 
 # Note [optional features are chosen once]
 # ZeRO++ and offload_param change how a parameter is gathered and where its released shard
@@ -143,7 +143,7 @@ class Stage3Strategy(ShardStrategy):
                         f"{precision.param_dtype}: create the model in that dtype, or build it "
                         f"with zero.Init() (no config) and let zero.shard offload it"
                     )
-                sp.master = None  # read from the file by offload_params / offload_masters
+                sp.set_master(None)  # read from the file by offload_params / offload_masters
                 continue
             if precision.needs_master_copy:
                 master = sp.shard.to(torch.float32, copy=True)
@@ -151,7 +151,7 @@ class Stage3Strategy(ShardStrategy):
             else:
                 sp.set_shard(sp.shard.to(torch.float32))
                 master = sp.shard
-            sp.master = master if sp in self.trained else None
+            sp.set_master(master if sp in self.trained else None)
 
         # 3. persistent parameters: gathered once, kept.
         threshold = config.stage3_param_persistence_threshold_numel
@@ -301,9 +301,9 @@ class Stage3Strategy(ShardStrategy):
 # skips it (Note [unused parameters] in optimizer.py).
 
 # Note [lazy gradient shards]
-# The first micro-step of a window makes each ``grad_shard`` a view of the bucket's received row
+# The first micro-step of a window makes each gradient shard a view of the bucket's received row
 # (no copy, no zero-filled buffer waiting through forward); later micro-steps add into it.
-# ``zero_grad`` drops the shards (``grad_shard = None``), as
+# ``zero_grad`` drops the shards, as
 # ``optimizer.zero_grad(set_to_none=True)`` does, so between the step and the next backward, and
 # through the whole forward, a rank holds no gradient bytes at all. The shards (``Σ s·g`` bytes) are needed from the reduction of a
 # parameter's gradient until the optimizer step. Allocating them once and zeroing them after each
@@ -314,15 +314,6 @@ class Stage3Strategy(ShardStrategy):
 
 # Reduce-scatters in flight before the next launch waits for the oldest: bounds staging memory.
 _MAX_IN_FLIGHT = 2
-
-
-def keep_grad_shard(sp: ShardedParam, mine: torch.Tensor) -> None:
-    """The reducer's default sink: keep this rank's averaged shard as ``sp.grad_shard`` (a view
-    at the window's first micro-step: Note [lazy gradient shards]; added to it after)."""
-    if sp.grad_shard is None:
-        sp.grad_shard = mine
-    else:
-        sp.grad_shard.add_(mine)
 
 
 class GradShardReducer:
@@ -351,14 +342,15 @@ class GradShardReducer:
         self.overlap = overlap
         # comm.reduce_scatter_tensor, or ZeRO++'s quantized two-hop one (stage3/zeropp_grads.py)
         self.reduce_scatter = reduce_scatter or comm.reduce_scatter_tensor
-        # Where each reduced shard goes, sink(sp, averaged_shard): kept as ``sp.grad_shard``, or
-        # ZeRO-Infinity's (stage3/infinity.py), to a swap file. Chosen once, at zero.shard.
-        self.sink: Any = keep_grad_shard
+        # Where each reduced shard goes, sink(sp, averaged_shard): `_keep` here, or ZeRO-Infinity's
+        # (stage3/infinity.py), to a swap file. Chosen once, at zero.shard (`redirect`).
+        self._sink: Any = self._keep
+        # This rank's gradient shard of each parameter, from the first reduction of a window to
+        # `zero_grad` (Note [lazy gradient shards]); written only by `_keep` and `grad_of`.
+        self._grads: dict[ShardedParam, torch.Tensor] = {}
         # A frozen parameter never gets a gradient and is never reduced.
         sps = [sp for sp in sps if sp.param.requires_grad]
         self._by_param: dict[nn.Parameter, ShardedParam] = {sp.param: sp for sp in sps}
-        for sp in sps:
-            sp.grad_shard = None  # created by the first reduction: Note [lazy gradient shards]
         # Note [a fixed bucket plan]: registration order reversed, cut at bucket_numel elements.
         rank_of = position or {sp: k for k, sp in enumerate(sps)}
         backwards = sorted(sps, key=lambda sp: -rank_of[sp])
@@ -430,7 +422,22 @@ class GradShardReducer:
         """
         out = staged[self.rank].mul(1.0 / self.world_size)
         for sp, col in offsets:
-            self.sink(sp, out[col : col + sp.shard_numel])
+            self._sink(sp, out[col : col + sp.shard_numel])
+
+    def _keep(self, sp: ShardedParam, mine: torch.Tensor) -> None:
+        """The default sink: keep this rank's averaged shard (a view at the window's first
+        micro-step: Note [lazy gradient shards]; added to it after)."""
+        held = self._grads.get(sp)
+        if held is None:
+            self._grads[sp] = mine
+        else:
+            held.add_(mine)
+
+    def redirect(self, sink: Any) -> None:
+        """Send each reduced shard to ``sink(sp, shard)`` instead of keeping it (ZeRO-Infinity's
+        gradient files, set up once), or (``None``, at close) keep them again."""
+        assert (sink is None) == (self._sink != self._keep), f"redirect to {sink} over {self._sink}"
+        self._sink = self._keep if sink is None else sink
 
     def flush(self) -> None:
         """Launch the buckets still incomplete (missing gradients as zeros), in plan order, and
@@ -444,16 +451,21 @@ class GradShardReducer:
 
     def zero_grad(self) -> None:
         """Drop every gradient shard (start of an accumulation window): frees ``Σ s·g`` bytes."""
-        for sp in self._by_param.values():
-            sp.grad_shard = None
+        self._grads.clear()
 
     def grad_of(self, sp: ShardedParam) -> torch.Tensor:
         """``sp``'s averaged gradient shard; zeros (allocated now) if it received none."""
-        if sp.grad_shard is None:
-            sp.grad_shard = torch.zeros(
+        held = self._grads.get(sp)
+        if held is None:
+            held = self._grads[sp] = torch.zeros(
                 sp.shard_numel, dtype=self.grad_dtype, device=sp.shard.device
             )
-        return sp.grad_shard
+        return held
+
+    def grad_shard(self, sp: ShardedParam) -> torch.Tensor | None:
+        """``sp``'s gradient shard held now, or None (none reduced in this window yet, or sent
+        to a file); nothing is allocated."""
+        return self._grads.get(sp)
 
     def remove(self) -> None:
         """Remove the gradient hooks (idempotent)."""
