@@ -17,7 +17,8 @@ engine, optimizer, loader, scheduler = deepspeed.initialize(
    `tensor_parallel.autotp_size` > 1 the grid's groups and the tensor-parallel plan applied to
    the model (or to each pipeline stage), agreed by every rank (`tensor_plan.py`);
 3. the optimizer: the one given, a callable of the parameters, or the config's by name;
-4. `zero.shard` over the data-parallel group (stage, precision, offload, ZeRO++), the experts of
+4. `zero.shard` over the data-parallel group (stage, precision, offload, ZeRO++; MiCS over the
+   grid's shard and replica groups), the experts of
    `MoE` layers over their expert-data group (`moe/compose.py`);
 5. the scheduler: the one given, a callable of the optimizer, or the config's by name;
 6. the engine (`Engine`), with the profiler, comms logger and timers the config turns on.
@@ -46,7 +47,13 @@ from minispeed.core.logging import get_logger
 from minispeed.engine import checkpointing, comm, moe, pipe, tensor_plan, zero
 from minispeed.engine.config import EngineConfig, load_ds_config
 from minispeed.engine.engine import Engine, zero_config_for
-from minispeed.engine.grid import build_grid, grid_shape, tensor_parallel_size
+from minispeed.engine.grid import (
+    build_grid,
+    check_mics_size,
+    grid_shape,
+    mics_groups,
+    tensor_parallel_size,
+)
 from minispeed.engine.inference import init_inference
 from minispeed.engine.moe.compose import expert_replica_groups
 from minispeed.engine.moe.engine import MoEEngine
@@ -229,6 +236,7 @@ def initialize(
             shape, tensor_parallel_plan,
         )  # fmt: skip
     cfg = EngineConfig.from_ds_config(ds, data_parallel_size=shape["data"])
+    check_mics_size(shape, cfg.zero.mics_shard_size)
     # The grid (data × tensor) and the tensor-parallel plan (tensor_plan.py), before the
     # optimizer sees the parameters.
     grid = None
@@ -253,6 +261,10 @@ def initialize(
                 "groups are built over the world, not inside the grid's data axis; use one of them"
             )
         parallel = {}
+        if cfg.zero.mics_shard_size > 0 and cfg.zero.stage == 3:  # MiCS's groups, from the grid
+            parallel["mics_groups"] = mics_groups(
+                shape, cfg.zero.mics_shard_size, cfg.zero.mics_hierarchical_params_gather
+            )
         if grid is not None:
             parallel = {
                 "group": grid.group("data"),
@@ -371,6 +383,7 @@ def _initialize_pipeline(
         )
     # Every key checked as for any model, with the data-parallel size of the grid.
     cfg = EngineConfig.from_ds_config(ds, data_parallel_size=shape["data"])
+    check_mics_size(shape, cfg.zero.mics_shard_size)
     if shape["tensor"] > 1:  # the stage's layers cut by the plan, before the optimizer
         optimizer, model_parameters = tensor_plan.cut(
             model,

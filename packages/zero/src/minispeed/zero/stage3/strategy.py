@@ -95,7 +95,9 @@ class Stage3Strategy(ShardStrategy):
         group: Any = None,
         *,
         param_groups: Sequence[Sequence[nn.Parameter]],
+        reduce_scatter: Any = None,
     ) -> None:
+        # reduce_scatter: the gradient collective when not comm's (MiCS's two hops: mics.py).
         self.model = model
         self.config = config
         self.precision = precision
@@ -193,7 +195,7 @@ class Stage3Strategy(ShardStrategy):
             position=position,
             reduce_scatter=self.zeropp.reduce_scatter
             if self.zeropp and self.zeropp.grads
-            else None,
+            else reduce_scatter,
         )
 
     # -- ShardStrategy ------------------------------------------------------------------------------
