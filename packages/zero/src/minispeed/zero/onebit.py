@@ -69,6 +69,7 @@ from minispeed.comm.optim import (
     OnebitAdam,
     OnebitPhase,
     OnebitSchedule,
+    OnebitScheduled,
 )
 from minispeed.comm.optim.onebit_adam import adam_update_, fold_gradient_
 from minispeed.zero.config import ZeroConfig
@@ -181,7 +182,7 @@ class OnebitStrategy(StrategyWrapper):
         return self._local
 
 
-class OnebitZeroOptimizer(ZeroOptimizer):
+class OnebitZeroOptimizer(OnebitScheduled, ZeroOptimizer):
     """`ZeroOptimizer` driving 1-bit Adam's phases (module docstring). Built by `zero.shard`.
 
     `schedule` (the `OnebitSchedule` owning `phase`, with `freeze_step`), `momentum` (the full
@@ -209,16 +210,6 @@ class OnebitZeroOptimizer(ZeroOptimizer):
         self._momentum_numel = numel
 
     # -- the phases (owned by `schedule`) -------------------------------------------------------
-    @property
-    def phase(self) -> OnebitPhase:
-        """WARMUP or COMPRESSED (`OnebitSchedule`)."""
-        return self.schedule.phase
-
-    @property
-    def freeze_step(self) -> int:
-        """Warm-up optimizer steps (Adam with ZeRO) before the freeze."""
-        return self.schedule.freeze_step
-
     def _boundary_step(self) -> bool:
         stepped = super()._boundary_step()
         if stepped and self.schedule.ends_warmup(self.global_step):

@@ -9,6 +9,7 @@ from minispeed.comm.optim.compressed_momentum import (
     CompressedMomentumOptimizer,
     OnebitPhase,
     OnebitSchedule,
+    OnebitScheduled,
 )
 from minispeed.comm.optim.onebit_adam import OnebitAdam
 from minispeed.comm.optim.onebit_lamb import OnebitLamb
@@ -19,4 +20,5 @@ __all__ = [
     "OnebitLamb",
     "OnebitPhase",
     "OnebitSchedule",
+    "OnebitScheduled",
 ]

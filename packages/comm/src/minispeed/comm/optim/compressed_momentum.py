@@ -34,7 +34,7 @@ import torch
 import minispeed.comm as comm
 from minispeed.comm.compression import OnebitAllReduce
 
-__all__ = ["CompressedMomentumOptimizer", "OnebitPhase", "OnebitSchedule"]
+__all__ = ["CompressedMomentumOptimizer", "OnebitPhase", "OnebitSchedule", "OnebitScheduled"]
 
 
 class OnebitPhase(enum.Enum):
@@ -91,6 +91,23 @@ class OnebitSchedule:
         self._phase = OnebitPhase.WARMUP
 
 
+class OnebitScheduled:
+    """What a 1-bit optimizer shows of its `OnebitSchedule` (``self.schedule``): the phase and
+    the freeze step, read-only. The base of both 1-bit optimizers (here and zero's)."""
+
+    schedule: OnebitSchedule
+
+    @property
+    def phase(self) -> OnebitPhase:
+        """WARMUP or COMPRESSED (`OnebitSchedule`)."""
+        return self.schedule.phase
+
+    @property
+    def freeze_step(self) -> int:
+        """Warm-up steps (optimizer steps taken in full precision) before the freeze."""
+        return self.schedule.freeze_step
+
+
 def check_adam_hyperparameters(
     lr: float, betas: tuple[float, float], eps: float, weight_decay: float
 ) -> None:
@@ -105,7 +122,7 @@ def check_adam_hyperparameters(
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
 
 
-class CompressedMomentumOptimizer(torch.optim.Optimizer):
+class CompressedMomentumOptimizer(OnebitScheduled, torch.optim.Optimizer):
     """Base class: phases, the flat gradient/momentum collectives, checkpoint handling.
 
     Subclasses implement `_warmup_update` (gradients already averaged) and
@@ -125,17 +142,6 @@ class CompressedMomentumOptimizer(torch.optim.Optimizer):
         self.group = group
         self.steps_taken = 0
         self.momentum_allreduce = OnebitAllReduce(group=group)
-
-    # -- the phase (owned by `schedule`) ---------------------------------------------------------
-    @property
-    def phase(self) -> OnebitPhase:
-        """WARMUP or COMPRESSED (`OnebitSchedule`)."""
-        return self.schedule.phase
-
-    @property
-    def freeze_step(self) -> int:
-        """Warm-up steps in full precision."""
-        return self.schedule.freeze_step
 
     def _freeze(self) -> None:
         """Hook at the end of warm-up (e.g. record coefficients). Default: nothing."""

@@ -46,7 +46,7 @@ messages, k rings side by side.
 Set-up, in `zero.shard` (api.py), for ``ZeroConfig.mics_shard_size = S``: `check_mics` (local, on
 every rank, before any collective: S divides N, what does not compose is refused by name), the
 groups (`MicsGroups`, built once, by the engine's grid or here), every rank started from the
-first rank's weights (`start_equal`), `Stage3Strategy` over the shard group with the two-hop
+first rank's weights (`start_equal`), stage 3 (`assemble`) over the shard group with the two-hop
 reduce-scatter (`TwoHopReduceScatter`) as its gradient reducer's collective, offload as usual,
 and `MicsStrategy` around it (the clipping norm counts each shard once). Nothing on the plain
 stage-3 path asks whether MiCS is on: it is the group and the collective chosen here (Note
@@ -67,6 +67,7 @@ from minispeed.comm.validation import group_ranks
 from minispeed.core import ranges
 from minispeed.zero.config import ZeroConfig
 from minispeed.zero.contract import StrategyWrapper
+from minispeed.zero.stage3.assemble import assemble
 from minispeed.zero.stage3.params import REGISTRY, ShardedParam, mark_issued
 from minispeed.zero.stage3.strategy import Stage3Strategy
 from minispeed.zero.stage3.zeropp import node_size_from_env
@@ -400,7 +401,7 @@ def mics_stage3(
         )
     start_equal(model, groups)
     reduce_scatter = TwoHopReduceScatter(groups) if groups.replicas > 1 else None
-    strategy = Stage3Strategy(
+    strategy = assemble(
         model,
         config,
         precision,

@@ -1,15 +1,9 @@
 """Stage3Strategy: ZeRO stage 3 as the optimizer sees it, and its gradient reduce-scatter.
 
-``zero.shard(model, optimizer, ZeroConfig(stage=3))`` builds one. Construction, in order:
-
-1. partition every parameter (or adopt the shards ``zero.Init`` already made): ShardedParam;
-2. mixed precision: an fp32 master shard per parameter (the shard itself for fp32), the shard
-   cast to ``param_dtype``;
-3. persistent parameters (``numel <= stage3_param_persistence_threshold_numel``) gathered for good;
-4. fetch units (one per module owning parameters; a whole subtree for a leaf module), the
-   coordinator, the module hooks (coordinator.py) and the attribute guards;
-5. ZeRO++ when configured (zeropp.py): quantized / node-local gathers, quantized gradients;
-6. gradient hooks: reduce-scatter into fp32 gradient shards (`GradShardReducer`, below).
+``zero.shard(model, optimizer, ZeroConfig(stage=3))`` builds one with `assemble`
+(stage3/assemble.py: partitions, masters, persistent parameters, fetch units, hooks, ZeRO++,
+this reducer, in that order). What runs at every step is here: the optimizer's view of the
+shards (`master_params`, `master_grads`, `publish_params`) and `GradShardReducer`.
 
 Per rank (Ψ parameters, N ranks, p/g bytes per parameter/gradient element, K = 8 for Adam's
 state): ``Ψ/N·(p + 4 + g + K)`` kept (padding: < 1 element per parameter per rank; ``4`` is the
@@ -42,7 +36,6 @@ one reduce-scatter message of ``Σ N·s·g`` over the trained parameters.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -55,20 +48,17 @@ from minispeed.zero.config import ZeroConfig
 from minispeed.zero.contract import ParamFragment, ShardStrategy, weak_hook
 from minispeed.zero.flat import cut_runs
 from minispeed.zero.precision import MixedPrecision
-from minispeed.zero.stage3.access import check_access, guard_module, unguard_module
-from minispeed.zero.stage3.coordinator import FetchCoordinator, build_units, install_module_hooks
+from minispeed.zero.stage3.access import unguard_module
+from minispeed.zero.stage3.coordinator import FetchCoordinator
 from minispeed.zero.stage3.params import (
     REGISTRY,
     FetchUnit,
     ParamState,
     ShardedParam,
-    partition_param,
     refresh_gathered,
 )
-from minispeed.zero.stage3.released import guard_param, unguard_param
-from minispeed.zero.stage3.residency import Residency, ShardHome
-from minispeed.zero.stage3.trace import TraceCheck
-from minispeed.zero.stage3.zeropp import ZeroPP, check_zeropp, zeropp_enabled
+from minispeed.zero.stage3.released import unguard_param
+from minispeed.zero.stage3.residency import ShardHome
 
 __all__ = ["GradShardReducer", "Stage3Strategy"]
 
@@ -83,7 +73,10 @@ __all__ = ["GradShardReducer", "Stage3Strategy"]
 
 
 class Stage3Strategy(ShardStrategy):
-    """Parameters, gradients and optimizer state partitioned; parameters fetched per module."""
+    """Parameters, gradients and optimizer state partitioned; parameters fetched per module.
+
+    Built by `assemble` (stage3/assemble.py: the set-up, in order), which hands it the parts.
+    """
 
     partitions_grads = True  # each rank holds 1/N of the gradients: the norm needs an all-reduce
 
@@ -92,111 +85,29 @@ class Stage3Strategy(ShardStrategy):
         model: nn.Module,
         config: ZeroConfig,
         precision: MixedPrecision,
-        group: Any = None,
+        group: Any,
         *,
-        param_groups: Sequence[Sequence[nn.Parameter]],
-        reduce_scatter: Any = None,
+        groups: list[list[nn.Parameter]],
+        sharded: dict[nn.Parameter, ShardedParam],
+        persistent: list[ShardedParam],
+        units: dict[nn.Module, FetchUnit],
+        coordinator: FetchCoordinator,
+        module_hooks: list[Any],
+        zeropp: Any,
+        reducer: GradShardReducer,
     ) -> None:
-        # reduce_scatter: the gradient collective when not comm's (MiCS's two hops: mics.py).
-        self.model = model
-        self.config = config
-        self.precision = precision
-        self.group = group
-        self.world_size = comm.get_world_size(group)
-        self.rank = comm.get_rank(group)
-        self.groups = [list(ps) for ps in param_groups]  # the optimizer's param groups
+        self.model, self.config, self.precision, self.group = model, config, precision, group
+        self.groups = groups  # the optimizer's param groups
+        self.sharded = sharded  # every parameter's ShardedParam, in named_parameters() order
+        self.trained = [sharded[p] for ps in groups for p in ps]
+        self.persistent = persistent
+        self.units, self.coordinator, self._handles = units, coordinator, module_hooks
+        self.zeropp, self.reducer = zeropp, reducer  # ZeroPP or None; GradShardReducer
         # offload_param (stage3/offloaded.py, through `offload_params`): where released shards
         # live, the parameters that live there, and its record of failed file I/O.
         self.param_home: ShardHome | None = None
         self.offloaded: list[ShardedParam] = []
         self.io_failures: Any = None
-        node_size = 0  # ZeRO++ (stage3/zeropp.py): its errors come before any collective
-        if zeropp_enabled(config):
-            numels = [REGISTRY[p].numel if p in REGISTRY else p.numel() for p in model.parameters()]
-            node_size = check_zeropp(config, group, numels, precision.param_dtype.itemsize)
-
-        # 1. one ShardedParam per unique parameter (named_parameters() lists a tied one once).
-        self.sharded: dict[nn.Parameter, ShardedParam] = {}
-        for name, p in model.named_parameters():
-            sp = REGISTRY.get(p)
-            if sp is not None and sp.coordinator is not None:
-                raise RuntimeError(
-                    f"parameter {name!r} is already managed by another stage-3 strategy; call its "
-                    f"close() before sharding the model again"
-                )
-            if sp is not None and sp.world_size != self.world_size:
-                raise ValueError(
-                    f"parameter {name!r} was partitioned by zero.Init over {sp.world_size} ranks but "
-                    f"zero.shard uses a group of {self.world_size}; pass the same group to both"
-                )
-            sp = sp or partition_param(p, group)
-            guard_param(p, sp)  # reads while released answer or raise (released.py)
-            sp.name = name
-            self.sharded[p] = sp
-        self.trained = [self.sharded[p] for ps in self.groups for p in ps]
-
-        # 2. masters and dtypes. See Note [fp32 stage 0 has no master copy] (stage0.py): same here.
-        for sp in self.sharded.values():
-            if sp.residency is Residency.AWAY:  # in a swap file since zero.Init(config)
-                if sp.shard.dtype != precision.param_dtype:
-                    raise ValueError(
-                        f"parameter {sp.name!r} was written to its swap file by zero.Init(config) "
-                        f"as {sp.shard.dtype}, but MixedPrecision.param_dtype is "
-                        f"{precision.param_dtype}: create the model in that dtype, or build it "
-                        f"with zero.Init() (no config) and let zero.shard offload it"
-                    )
-                sp.set_master(None)  # read from the file by offload_params / offload_masters
-                continue
-            if precision.needs_master_copy:
-                master = sp.shard.to(torch.float32, copy=True)
-                sp.set_shard(sp.shard.to(precision.param_dtype))
-            else:
-                sp.set_shard(sp.shard.to(torch.float32))
-                master = sp.shard
-            sp.set_master(master if sp in self.trained else None)
-
-        # 3. persistent parameters: gathered once, kept.
-        threshold = config.stage3_param_persistence_threshold_numel
-        self.persistent = [sp for sp in self.sharded.values() if sp.numel <= threshold]
-        for sp in self.persistent:
-            sp.persistent = True
-        FetchUnit(-1, "persistent", "", self.persistent).unshard()
-
-        # 4. fetch units, coordinator, hooks, guards.
-        self.units = build_units(model, self.sharded)
-        self.coordinator = FetchCoordinator(
-            group,
-            list(self.units.values()),
-            prefetch_numel=config.stage3_prefetch_bucket_numel,
-            max_live_numel=config.stage3_max_live_numel,
-            check=TraceCheck.from_config(config),
-            reuse_numel=config.stage3_max_reuse_distance_numel,
-        )
-        for sp in self.sharded.values():
-            sp.coordinator = self.coordinator
-        self._handles = install_module_hooks(model, self.units, self.coordinator)
-        for name, module in model.named_modules():
-            if dict.__len__(module._parameters):
-                guard_module(module, check_access, name or type(module).__name__)
-
-        # 5. ZeRO++ (optional): quantized / node-local gathers, quantized gradients.
-        self.zeropp = (
-            ZeroPP(config, list(self.sharded.values()), node_size, model) if node_size else None
-        )
-
-        # 6. gradients.
-        position = {self.sharded[p]: k for k, p in enumerate(model.parameters())}
-        self.reducer = GradShardReducer(
-            self.trained,
-            group,
-            bucket_numel=config.bucket_numel(precision.grad_accum_dtype.itemsize),
-            grad_dtype=precision.grad_accum_dtype,
-            overlap=config.overlap_comm,
-            position=position,
-            reduce_scatter=self.zeropp.reduce_scatter
-            if self.zeropp and self.zeropp.grads
-            else reduce_scatter,
-        )
 
     # -- ShardStrategy ------------------------------------------------------------------------------
     def master_params(self) -> list[list[torch.Tensor]]:
