@@ -18,7 +18,7 @@ def _cfg(**kw) -> zero.ZeroConfig:
 def test_fields_alone_are_checked_in_the_config():
     with pytest.raises(ValueError, match="mics_shard_size=2 shards stage 3's parameters"):
         zero.ZeroConfig(stage=2, mics_shard_size=2)
-    with pytest.raises(ValueError, match="-1 \\(off\\) or a group size >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"-1 \(off\) or a group size >= 1, got 0"):
         zero.ZeroConfig(stage=3, mics_shard_size=0)
     with pytest.raises(ValueError, match="mics_shard_size is off"):
         zero.ZeroConfig(stage=3, mics_hierarchical_params_gather=True)
@@ -27,7 +27,7 @@ def test_fields_alone_are_checked_in_the_config():
 
 
 def test_what_does_not_compose_is_refused_by_name(monkeypatch):
-    with pytest.raises(ValueError, match="does not divide the data-parallel size 4.*\\[1, 2, 4\\]"):
+    with pytest.raises(ValueError, match=r"does not divide the data-parallel size 4.*\[1, 2, 4\]"):
         check_mics(zero.ZeroConfig(stage=3, mics_shard_size=3), 4)
     with pytest.raises(ValueError, match="zero_hpz_partition_size with mics_shard_size"):
         check_mics(_cfg(hpz_partition_size=2), 4)
@@ -42,9 +42,7 @@ def test_what_does_not_compose_is_refused_by_name(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="spanning several whole nodes"):
         check_mics(_cfg(mics_hierarchical_params_gather=True), 4)  # S = node: nothing to split
-    check_mics(
-        zero.ZeroConfig(stage=3, mics_shard_size=4, mics_hierarchical_params_gather=True), 4
-    )
+    check_mics(zero.ZeroConfig(stage=3, mics_shard_size=4, mics_hierarchical_params_gather=True), 4)
 
 
 def test_estimate_rows_hold_psi_over_s_per_gpu():
