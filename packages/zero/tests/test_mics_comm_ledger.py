@@ -6,6 +6,8 @@ per node), ``world``. Expected per micro-step: plain ZeRO-3 gathers and reduce-s
 world; hpZ moves backward's gather into the node; MiCS keeps every gather and reduce-scatter in
 the node and sends only the gradients' all-reduce across (`mics_step_bytes`). Memory: each rank
 holds Ψ/S of the model states, not Ψ/N (`zero.memory.predict` against `zero.memory.measure`).
+`mics_hierarchical_params_gather` with one shard group over both nodes (S = 4) gathers in two
+levels, inside each node then across, and trains exactly as plain ZeRO-3.
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ KINDS = {
     "ZeRO-3": (False, False, False),
     "hpZ": (False, True, False),
     "MiCS": (False, False, False),
+    "MiCS S=4, hierarchical": (False, False, False),  # one group of both nodes: two-level gathers
+}
+EXTRA = {
+    "MiCS": {"mics_shard_size": NODE_SIZE},
+    "MiCS S=4, hierarchical": {"mics_shard_size": 4, "mics_hierarchical_params_gather": True},
 }
 
 
@@ -35,11 +42,13 @@ def _body(rank: int, world_size: int) -> dict:
     emulate_nodes()
     out = {}
     for kind, combo in KINDS.items():
-        extra = {"mics_shard_size": NODE_SIZE} if kind == "MiCS" else {}
-        model, opt = build(combo, **extra)
+        model, opt = build(combo, **EXTRA.get(kind, {}))
         batches = [rank_slice(b, rank, world_size) for b in make_batches(3, GLOBAL_BATCH)]
+        losses = []
         for batch in batches[:2]:  # step 1 records the trace; step 2 is steady
-            opt.backward(model(*batch))
+            loss = model(*batch)
+            losses.append(loss.item())
+            opt.backward(loss)
             opt.step()
         with comm.CommsLogger() as fwd:
             loss = model(*batches[2])
@@ -53,6 +62,7 @@ def _body(rank: int, world_size: int) -> dict:
             "backward": bytes_by_axis(bwd.records, NODE_SIZE),
             "cross": sum(cross_node_bytes(r, rank, NODE_SIZE) for r in records),
             "memory": (held, predict(opt), padding_allowance(opt)),
+            "losses": [*losses, loss.item()],
         }
         opt.close()
     return out
@@ -74,7 +84,16 @@ def test_mics_bytes_per_axis_match_the_formula_against_zero3_and_hpz():
             numels, NODE_SIZE, WORLD // NODE_SIZE, bucket_columns=[shards(NODE_SIZE)], **common
         ),
     }
+    # The two-level gather (S = 4 = both nodes, R = 1): forward's gathers as one intra-node
+    # all-gather (k·Σs·p) and one across nodes (N·Σs·p) per fetch, the same values as ZeRO-3.
+    s4 = [-(-n // WORLD) for n in numels if n > THRESHOLD]
+    hierarchical = {
+        ("all_gather", "intra"): sum(NODE_SIZE * s * 4 for s in s4),
+        ("all_gather", "inter"): sum(WORLD * s * 4 for s in s4),
+    }
     for rank, result in enumerate(measured):
+        assert result["MiCS S=4, hierarchical"]["forward"] == hierarchical, (rank, result)
+        assert result["MiCS S=4, hierarchical"]["losses"] == result["ZeRO-3"]["losses"]
         for kind, w in want.items():
             assert result[kind]["forward"] == w.forward, (rank, kind, result[kind], w)
             assert result[kind]["backward"] == w.backward, (rank, kind, result[kind], w)
@@ -85,7 +104,7 @@ def test_mics_bytes_per_axis_match_the_formula_against_zero3_and_hpz():
         ("reduce_scatter", "intra"),
         ("all_reduce", "inter"),
     }
-    crossing = {kind: sum(r[kind]["cross"] for r in measured) for kind in KINDS}
+    crossing = {kind: sum(r[kind]["cross"] for r in measured) for kind in want}
     assert crossing["MiCS"] < crossing["hpZ"] < crossing["ZeRO-3"], crossing
     # A replica group of 2 spans both nodes: each rank's all-reduce ring sends 2(R-1)/R·c·g, all
     # of it across (ring of 2: the successor is always on the other node).
