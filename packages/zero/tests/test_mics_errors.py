@@ -31,10 +31,7 @@ def test_what_does_not_compose_is_refused_by_name(monkeypatch):
         check_mics(zero.ZeroConfig(stage=3, mics_shard_size=3), 4)
     with pytest.raises(ValueError, match="zero_hpz_partition_size with mics_shard_size"):
         check_mics(_cfg(hpz_partition_size=2), 4)
-    with pytest.raises(ValueError, match="zero_quantized_weights / zero_quantized_gradients"):
-        check_mics(_cfg(quantized_weights=True), 4)
-    with pytest.raises(ValueError, match="zero_quantized_weights / zero_quantized_gradients"):
-        check_mics(_cfg(quantized_gradients=True), 4)
+    check_mics(_cfg(quantized_weights=True, quantized_gradients=True), 4)  # they compose
     with pytest.raises(ValueError, match="replica_groups"):
         check_mics(_cfg(), 4, replica_groups=[None])
     with pytest.raises(ValueError, match="model_parallel"):

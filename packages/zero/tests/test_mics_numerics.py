@@ -4,7 +4,8 @@ One distributed run covers: 6 optimizer steps of TinyGPT (tied embeddings, a par
 twice, an unused one) with gradient accumulation 2 and clipping, every parameter partitioned over
 its shard group of 2 (not over 4), the same shard held by both replicas; a checkpoint saved at
 S = 2 loads into plain ZeRO-3 (over all 4 ranks), S = 1 and back at S = 2 with the same
-masters; a shard size that does not divide the world is refused on every rank.
+masters; ZeRO++'s quantized weights and gradients inside the shard groups train within ZeRO++'s
+tolerance (2 % per step); a shard size that does not divide the world is refused on every rank.
 """
 
 from __future__ import annotations
@@ -81,6 +82,18 @@ def _body(rank: int, world_size: int, tmp: str) -> dict:
             model, opt, rank, world_size, make_batches(ACCUM, GLOBAL_BATCH, seed=9)
         )
         opt.close()
+    # qwZ + qgZ inside the shard groups: uint8 gathers on the group, gradients quantized in
+    # hop 1 only; within ZeRO++'s tolerance of the exact run.
+    model, opt = _build(2, quantized_weights=True, quantized_gradients=True, quant_block_numel=64)
+    batches = make_batches(STEPS * ACCUM, GLOBAL_BATCH)
+    with comm.CommsLogger() as log:
+        out["quantized"] = _train(model, opt, rank, world_size, batches)
+    out["quantized_ops"] = {
+        (r.op, r.dtype, len(r.ranks))
+        for r in log.records
+        if r.op.startswith(("all_gather", "all_to"))
+    }
+    opt.close()
     # A shard size that does not divide the 4 ranks: refused on every rank, before a collective.
     try:
         _build(3)
@@ -98,6 +111,15 @@ def test_mics_trains_like_pytorch_and_its_checkpoints_load_at_any_shard_size(tmp
         assert r["replicas_equal"]
         assert r["reloaded"] == {-1: True, 1: True, 2: True}
         assert "mics_shard_size=3 does not divide the data-parallel size 4" in r["refused"]
+        for a, b in zip(r["quantized"], reference):
+            assert abs(a - b) <= 0.02 * b, (a, b)
+        ops = r["quantized_ops"]  # (op, dtype, group size): quantized, inside a shard group
+        assert any(
+            op.startswith("all_gather") and d == "torch.uint8" and n == 2 for op, d, n in ops
+        )
+        assert any(
+            op.startswith("all_to_all") and d == "torch.uint8" and n == 2 for op, d, n in ops
+        )
     nexts = results[0]["next"]
     torch.testing.assert_close(nexts[1], nexts[-1], rtol=0, atol=1e-5)
     torch.testing.assert_close(nexts[2], nexts[-1], rtol=0, atol=1e-5)

@@ -43,6 +43,12 @@ the node size k, ``LOCAL_WORLD_SIZE``) gathers in two levels, inside each node t
 (`comm.HierarchicalAllGather`): the same bytes, but the slow hops run between k-times-larger
 messages, k rings side by side.
 
+ZeRO++ inside the groups: ``zero_quantized_weights`` quantizes the shard group's gathers (the
+`ZeroPP` gatherer over whichever group stage 3 runs on); ``zero_quantized_gradients`` makes hop
+1 comm's one-hop quantized reduce-scatter (`TwoHopReduceScatter`), hop 2 exact. Refused by name
+(`check_mics`): hpZ (MiCS's gathers are node-local already), replica groups, model parallelism.
+Offload (``offload_param``, ``offload_optimizer``) moves the S-way partitions unchanged.
+
 Set-up, in `zero.shard` (api.py), for ``ZeroConfig.mics_shard_size = S``: `check_mics` (local, on
 every rank, before any collective: S divides N, what does not compose is refused by name), the
 groups (`MicsGroups`, built once, by the engine's grid or here), every rank started from the
@@ -55,6 +61,7 @@ stage-3 path asks whether MiCS is on: it is the group and the collective chosen 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +70,7 @@ import torch
 from torch import nn
 
 import minispeed.comm as comm
+from minispeed.comm.compression import BlockQuantizer, quantized_reduce_scatter_tensor
 from minispeed.comm.validation import group_ranks
 from minispeed.core import ranges
 from minispeed.zero.config import ZeroConfig
@@ -126,12 +134,6 @@ def check_mics(
             "mics_shard_size with model_parallel (tensor or pipeline axes) is not implemented: "
             "the tied-gradient sums and the norm over those axes are untested under MiCS; drop "
             "tensor_parallel.autotp_size, or mics_shard_size"
-        )
-    if config.quantized_weights or config.quantized_gradients:
-        raise ValueError(
-            "mics_shard_size with zero_quantized_weights / zero_quantized_gradients: qwZ and "
-            "qgZ lay out nodes over the whole world, not inside a shard group; turn them off, "
-            "or drop mics_shard_size"
         )
     if config.mics_hierarchical_params_gather:
         k = node_size_from_env(data_size)
@@ -261,15 +263,29 @@ class TwoHopReduceScatter:
     """The stage-3 reducer's collective under MiCS (``GradShardReducer(reduce_scatter=...)``):
     reduce-scatter over the shard group (``S·c·g`` bytes, message), then the all-reduce of my
     row over the replica group (``c·g``), divided by R. The reducer divides by S: the result
-    is the mean over all N ranks."""
+    is the mean over all N ranks.
 
-    def __init__(self, groups: MicsGroups) -> None:
+    ``quantizer`` (qgZ, ``zero_quantized_gradients``): hop 1 is comm's one-hop quantized
+    reduce-scatter inside the shard group (an all-to-all of ``q_b(S·P(c))`` bytes, one node: no
+    second hop to save, unlike ZeRO++'s two-hop qgZ over the world), synchronous; hop 2, across
+    the groups, stays exact: the one rounding is hop 1's, per element at most
+    ``Σ_r max|block of g_r| / (2·qmax)`` (comm/compression/quantize.py)."""
+
+    def __init__(self, groups: MicsGroups, quantizer: BlockQuantizer | None = None) -> None:
         self.replica_group = groups.replica_group
         self.replicas = groups.replicas
+        self.quantizer = quantizer
 
     def __call__(
         self, output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False
     ) -> Any:
+        if self.quantizer is not None:
+            with ranges.range("zero3.mics_qgz_reduce_scatter"):
+                quantized_reduce_scatter_tensor(
+                    output, input, quantizer=self.quantizer, group=group
+                )
+            self._across(output)
+            return None
         work = comm.reduce_scatter_tensor(output, input, group=group, async_op=async_op)
         if work is None:
             self._across(output)
@@ -277,6 +293,8 @@ class TwoHopReduceScatter:
         return _ThenAcross(work, lambda: self._across(output))
 
     def _across(self, row: torch.Tensor) -> None:
+        if self.replicas == 1:  # S = N (qgZ only): nothing across
+            return
         with ranges.range("zero3.mics_all_reduce"):
             comm.all_reduce(row, group=self.replica_group)
         row.div_(self.replicas)
@@ -400,10 +418,15 @@ def mics_stage3(
             f"data-parallel group has {data_size}; build them over the same data-parallel lines"
         )
     start_equal(model, groups)
-    reduce_scatter = TwoHopReduceScatter(groups) if groups.replicas > 1 else None
+    quantizer = None  # qgZ: hop 1 quantized here, not ZeRO++'s two hops over the world
+    if config.quantized_gradients:
+        quantizer = BlockQuantizer(config.quantized_gradient_bits, config.quant_block_numel)
+    reduce_scatter = None
+    if groups.replicas > 1 or quantizer is not None:
+        reduce_scatter = TwoHopReduceScatter(groups, quantizer)
     strategy = assemble(
         model,
-        config,
+        dataclasses.replace(config, quantized_gradients=False),
         precision,
         groups.shard_group,
         param_groups=param_groups,
