@@ -12,7 +12,7 @@ Pairs (each of ours against the torch mechanism it re-implements):
 DeepSpeed joins when it is installed (`DS_BUILD_OPS=0 pip install --no-build-isolation
 deepspeed`; it runs with `DS_ACCELERATOR=cpu` on the same gloo group) or when `--deepspeed` asks
 for it. minispeed and DeepSpeed are configured by the same `zero_optimization` dict
-(`--keys`): ours through `ZeroConfig.from_ds_config`, DeepSpeed through `deepspeed.initialize`.
+(`--keys`): ours through `ZeroConfig.from_section`, DeepSpeed through `deepspeed.initialize`.
 The torch baselines keep their own defaults (DDP's 25 MiB buckets, FSDP2 per block).
 
 Sizes (`--size`): `small` (3.2M parameters, context 64, micro-batch 8: per-call overheads

@@ -221,7 +221,7 @@ def build(name: str, args: argparse.Namespace, vocab: int) -> Trainer:
         section = zero_section(args, stage, block_numel)
         if name == "MiCS":
             section["mics_shard_size"] = args.mics_shard_size
-        cfg = zero.ZeroConfig.from_ds_config({"zero_optimization": section})
+        cfg = zero.ZeroConfig.from_section(section)
         zopt = zero.shard(model, _adamw(model.parameters()), config=cfg)
 
         # zopt.step() also clears the gradients, as zero_grad(set_to_none=True) does for torch.

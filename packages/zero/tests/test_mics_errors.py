@@ -23,7 +23,7 @@ def test_fields_alone_are_checked_in_the_config():
     with pytest.raises(ValueError, match="mics_shard_size is off"):
         zero.ZeroConfig(stage=3, mics_hierarchical_params_gather=True)
     ds = {"zero_optimization": {"stage": 3, "mics_shard_size": 4}}
-    assert zero.ZeroConfig.from_ds_config(ds).mics_shard_size == 4
+    assert zero.ZeroConfig.from_section(ds["zero_optimization"]).mics_shard_size == 4
 
 
 def test_what_does_not_compose_is_refused_by_name(monkeypatch):

@@ -26,7 +26,7 @@ def _body(rank: int, world_size: int, nvme_path: str) -> dict:
     }.items():  # fmt: skip
         model = make_model()
         ds = {"zero_optimization": {"stage": 3, "mics_shard_size": 2, **section}}
-        cfg = zero.ZeroConfig.from_ds_config(ds)
+        cfg = zero.ZeroConfig.from_section(ds["zero_optimization"])
         opt = zero.shard(model, torch.optim.AdamW(model.parameters(), lr=LR), config=cfg)
         losses = []
         for batch in make_batches(STEPS, GLOBAL_BATCH):

@@ -37,8 +37,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from torch import nn
+
 import minispeed.comm as comm
-from minispeed.core.config import ConfigError, check_keys
+import minispeed.zero as zero
+from minispeed.core.config import ConfigError
+from minispeed.tensor_parallel import TensorParallelConfig
+from minispeed.tensor_parallel.sharding import sharded_parameters
 
 __all__ = [
     "AXES",
@@ -46,6 +51,7 @@ __all__ = [
     "check_mics_size",
     "grid_shape",
     "mics_groups",
+    "model_parallel",
     "tensor_parallel_size",
 ]
 
@@ -54,19 +60,11 @@ AXES = ("pipe", "data", "tensor")
 
 
 def tensor_parallel_size(ds: Mapping[str, Any]) -> int:
-    """T from the ds_config's `tensor_parallel.autotp_size` (absent, 0 or 1: no tensor
-    parallelism). Local; raises `ConfigError` naming the key for anything but an int >= 0."""
-    section = ds.get("tensor_parallel") or {}
-    if not isinstance(section, Mapping):
-        raise ConfigError("tensor_parallel", f"must be a JSON object, got {section!r}")
-    check_keys(section, {"autotp_size"}, "tensor_parallel")
-    size = section.get("autotp_size", 0)
-    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-        raise ConfigError(
-            "tensor_parallel.autotp_size",
-            f"must be an integer >= 0 (the tensor-parallel size; 0 or 1: off), got {size!r}",
-        )
-    return max(size, 1)
+    """T from the ds_config's `tensor_parallel` section (`TensorParallelConfig`, the rule
+    `EngineConfig` reads it with: `autotp_size` absent, 0 or 1 is no tensor parallelism), read
+    before `EngineConfig` because the data-parallel size it needs depends on T. Local; raises
+    `ConfigError` naming the key."""
+    return TensorParallelConfig.from_section(ds.get("tensor_parallel")).size
 
 
 def grid_shape(world_size: int, pipe: int, tensor: int) -> dict[str, int]:
@@ -101,8 +99,8 @@ def check_mics_size(shape: Mapping[str, int], shard_size: int) -> None:
         fits = [s for s in range(1, data + 1) if data % s == 0]
         raise ConfigError(
             "zero_optimization.mics_shard_size",
-            f"{shard_size} does not divide the data-parallel size {data} (world {data * shape['pipe'] * shape['tensor']} "
-            f"= pipe {shape['pipe']} x data {data} x tensor {shape['tensor']}): MiCS cuts the data "
+            f"{shard_size} does not divide the data-parallel size {data} (pipe {shape['pipe']} x "
+            f"data {data} x tensor {shape['tensor']}): MiCS cuts the data "
             f"ranks into groups of S; pick S among {fits} (usually the ranks of one node), or -1",
         )
     if shape["tensor"] > 1 or shape["pipe"] > 1:
@@ -114,12 +112,36 @@ def check_mics_size(shape: Mapping[str, int], shard_size: int) -> None:
         )
 
 
-def mics_groups(shape: Mapping[str, int], shard_size: int, hierarchical: bool = False) -> Any:
-    """The MiCS groups of every data line of the grid `shape` (collective: every rank of the
-    world, once, after `check_mics_size`). `hierarchical`: also the two-level gathers
-    (`zero_optimization.mics_hierarchical_params_gather`)."""
-    from minispeed.zero import MicsGroups
+def mics_groups(grid: comm.ProcessGrid | None, shard_size: int, hierarchical: bool = False) -> Any:
+    """The MiCS groups of every data line of `grid` (None: the world is one data line).
+    Collective: every rank of the world, once, after `check_mics_size`. `hierarchical`: also
+    the two-level gathers (`zero_optimization.mics_hierarchical_params_gather`)."""
+    if grid is None:
+        return zero.MicsGroups.build(shard_size, hierarchical=hierarchical)
+    lines = [[grid.ranks[r] for r in line] for line in grid.topology.axis_groups("data")]
+    return zero.MicsGroups.build(
+        shard_size, lines, data_group=grid.group("data"), hierarchical=hierarchical
+    )
 
-    axes = [a for a in AXES if a != "pipe" or shape["pipe"] > 1]
-    topology = comm.ProcessTopology(axes, [shape[a] for a in axes])
-    return MicsGroups.build(shard_size, topology.axis_groups("data"), hierarchical=hierarchical)
+
+def model_parallel(
+    module: nn.Module,
+    grid: comm.ProcessGrid,
+    ties: list[tuple[nn.Parameter, Any, bool]] = (),  # type: ignore[assignment]
+) -> zero.ModelParallel:
+    """`zero.ModelParallel` for a module on `grid`: the norm and fp16 verdict over the pipe axis
+    (when there is one) and the tensor axis; a tied parameter counted on its lowest stage, a
+    parameter replicated over the tensor group (norms, row biases) on tensor rank 0 only, a
+    split one on every tensor rank (its squares summed over the tensor group)."""
+    axes = grid.topology.axes
+    groups = tuple(grid.group(a) for a in ("pipe", "tensor") if a in axes and grid.size(a) > 1)
+    elsewhere = [p for p, _, lowest in ties if not lowest]
+    if "tensor" in axes and grid.rank_in("tensor") != 0:
+        split = {id(module.get_parameter(n)) for n in sharded_parameters(module)}
+        elsewhere += [p for p in module.parameters() if id(p) not in split]
+    unique = list({id(p): p for p in elsewhere}.values())
+    return zero.ModelParallel(
+        groups=groups,
+        shared=tuple((p, group) for p, group, _ in ties),
+        counted_elsewhere=tuple(unique),
+    )

@@ -209,7 +209,7 @@ def _check_inputs(
         )
     if not isinstance(config, ZeroConfig):
         raise TypeError(
-            f"config must be a ZeroConfig (see ZeroConfig.from_ds_config), got {type(config).__name__}"
+            f"config must be a ZeroConfig (see ZeroConfig.from_section), got {type(config).__name__}"
         )
     if not isinstance(precision, MixedPrecision):
         raise TypeError(f"precision must be a MixedPrecision, got {type(precision).__name__}")
