@@ -157,12 +157,17 @@ def build(name: str, args: argparse.Namespace, vocab: int) -> Trainer:
             opt.zero_grad(set_to_none=True)
 
         return Trainer(name, lambda x, y: ddp(x, y)[1], torch.Tensor.backward, ddp_step, (ddp, opt))
-    if name == "torch FSDP2":
+    if name in ("torch FSDP2", "torch FSDP2 HSDP"):
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        mesh = None  # FSDP2 over every rank; HSDP: a (world/S) x S replicate × shard mesh
+        if name == "torch FSDP2 HSDP":
+            world, s = dist.get_world_size(), args.mics_shard_size
+            mesh = init_device_mesh("cpu", (world // s, s), mesh_dim_names=("replicate", "shard"))
         for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         opt = _adamw(model.parameters())
 
         def fsdp_step() -> None:
@@ -171,24 +176,6 @@ def build(name: str, args: argparse.Namespace, vocab: int) -> Trainer:
 
         return Trainer(
             name, lambda x, y: model(x, y)[1], torch.Tensor.backward, fsdp_step, (model, opt)
-        )
-    if name == "torch FSDP2 HSDP":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        world, s = dist.get_world_size(), args.mics_shard_size
-        mesh = init_device_mesh("cpu", (world // s, s), mesh_dim_names=("replicate", "shard"))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        opt = _adamw(model.parameters())
-
-        def hsdp_step() -> None:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        return Trainer(
-            name, lambda x, y: model(x, y)[1], torch.Tensor.backward, hsdp_step, (model, opt)
         )
     if name == FLOOR:
         # The compute every rank of a ZeRO step must do, with no communication and no
