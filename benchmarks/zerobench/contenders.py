@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT / "examples"))  # examples/gpt.py and data.py
 
 from gpt import GPT, GPTConfig  # noqa: E402
 
-from zerobench.limit import COLLECTIVES, collectives_trainer  # noqa: E402
+from zerobench.limit import LIMITS, limit_trainer  # noqa: E402
 
 # (ours, its torch counterpart); the order is also the order of the table.
 PAIRS = [
@@ -40,7 +40,7 @@ CONTENDERS = [
     "torch FSDP2",
     "ZeRO-3",
     "floor (no communication)",
-    *COLLECTIVES,
+    *LIMITS,
 ]
 #: What any data-parallel ZeRO step must at least compute: see `build`. It does not train (its
 #: parameters never change), so it is left out of the loss comparison.
@@ -49,6 +49,10 @@ FLOOR = "floor (no communication)"
 #: differ between systems) before the benchmark refuses to compare their times.
 LOSS_TOLERANCE = 1e-3
 DEEPSPEED_CONTENDERS = [f"DeepSpeed ZeRO-{k}" for k in range(4)]
+#: `--mics-shard-size S` (world a multiple of S): MiCS against FSDP2's HSDP on the same
+#: replicate × shard mesh, and against plain ZeRO-3 and FSDP2 over every rank.
+MICS_CONTENDERS = ["torch FSDP2", "ZeRO-3", "torch FSDP2 HSDP", "MiCS"]
+PAIRS_MICS = [("MiCS", "torch FSDP2 HSDP"), ("MiCS", "ZeRO-3")]
 
 # --size presets: (n_layer, n_head, n_embd, block_size, micro_batch). `tiny` is
 # engine_vs_deepspeed.py's small model (30K parameters there, 27.6K over this corpus's 53 symbols).
@@ -57,8 +61,8 @@ SIZES = {"tiny": (2, 4, 32, 16, 4), "small": (4, 4, 256, 64, 8), "large": (8, 8,
 
 def trains(name: str) -> bool:
     """Whether `name` trains the model (its losses are compared): not the floor, whose
-    parameters never change, nor a stage's collectives run alone."""
-    return name != FLOOR and name not in COLLECTIVES
+    parameters never change, nor what a stage's limit adds to it (`zerobench/limit.py`)."""
+    return name != FLOOR and name not in LIMITS
 
 
 def deepspeed_available() -> bool:
@@ -143,12 +147,17 @@ def zero_section(args: argparse.Namespace, stage: int, block_numel: int) -> dict
     return section
 
 
-def _zero(stage: int, args: argparse.Namespace, model: GPT, block_numel: int) -> tuple[Any, Any]:
-    """(minispeed's ZeRO-`stage` optimizer over `model`, its ZeroConfig)."""
+def _zero(
+    stage: int, args: argparse.Namespace, model: GPT, block_numel: int, mics: bool = False
+) -> tuple[Any, Any]:
+    """(minispeed's ZeRO-`stage` optimizer over `model`, its ZeroConfig); `mics`: stage 3 sharded
+    inside groups of `args.mics_shard_size`."""
     import minispeed.zero as zero
 
     section = zero_section(args, stage, block_numel)
-    cfg = zero.ZeroConfig.from_ds_config({"zero_optimization": section})
+    if mics:
+        section["mics_shard_size"] = args.mics_shard_size
+    cfg = zero.ZeroConfig.from_section(section)
     return zero.shard(model, _adamw(model.parameters()), config=cfg), cfg
 
 
@@ -172,12 +181,17 @@ def build(name: str, args: argparse.Namespace, vocab: int) -> Trainer:
             opt.zero_grad(set_to_none=True)
 
         return Trainer(name, lambda x, y: ddp(x, y)[1], torch.Tensor.backward, ddp_step, (ddp, opt))
-    if name == "torch FSDP2":
+    if name in ("torch FSDP2", "torch FSDP2 HSDP"):
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        mesh = None  # FSDP2 over every rank; HSDP: a (world/S) x S replicate × shard mesh
+        if name == "torch FSDP2 HSDP":
+            world, s = dist.get_world_size(), args.mics_shard_size
+            mesh = init_device_mesh("cpu", (world // s, s), mesh_dim_names=("replicate", "shard"))
         for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         opt = _adamw(model.parameters())
 
         def fsdp_step() -> None:
@@ -211,16 +225,17 @@ def build(name: str, args: argparse.Namespace, vocab: int) -> Trainer:
             name, lambda x, y: model(x, y)[1], torch.Tensor.backward, floor_step, (model, shards)
         )
     block_numel = sum(p.numel() for p in model.blocks[0].parameters())
-    if name in COLLECTIVES:
-        stage = COLLECTIVES.index(name)
+    if name in LIMITS:
+        stage = LIMITS.index(name)
 
         def build_zero() -> tuple[GPT, Any, Any]:
             fresh = _model(args, vocab)
             return fresh, *_zero(stage, args, fresh, block_numel)
 
-        return collectives_trainer(stage, args, build_zero, vocab)
-    if name.startswith("ZeRO-"):
-        zopt, _ = _zero(int(name.removeprefix("ZeRO-")), args, model, block_numel)
+        return limit_trainer(stage, args, build_zero, vocab)
+    if name.startswith("ZeRO-") or name == "MiCS":
+        stage = 3 if name == "MiCS" else int(name.removeprefix("ZeRO-"))
+        zopt, _ = _zero(stage, args, model, block_numel, mics=name == "MiCS")
         # zopt.step() also clears the gradients, as zero_grad(set_to_none=True) does for torch.
         return Trainer(name, lambda x, y: model(x, y)[1], zopt.backward, zopt.step, (model, zopt))
     if name.startswith("DeepSpeed ZeRO-"):

@@ -2,10 +2,12 @@
 
 On 2 CPU cores a collective's reductions and copies run on the same cores as forward and
 backward, so overlapping communication with compute hides latency, not work: the least a stage
-can take is the floor (forward, backward, AdamW over this rank's shards; `contenders.FLOOR`) plus
-its collectives run alone. `collectives_trainer` builds the second half as a contender of its own
-(`ZeRO-k collectives`): every call one optimizer step of stage k issues, at the sizes and on the
-group the ledger says, straight to torch.distributed, synchronously and back to back. The report adds
+can take is the floor (forward, backward, AdamW over this rank's 1/N of every parameter;
+`contenders.FLOOR`) plus its collectives run alone. `limit_trainer` builds the rest as a
+contender of its own (`ZeRO-k limit - floor`): every call one optimizer step of stage k issues,
+at the sizes and on the group the ledger says, straight to torch.distributed, synchronously and
+back to back; for stage 0, which steps every parameter on every rank, also AdamW over the other
+(N-1)/N of each parameter, so that floor + it computes what the stage computes. The report adds
 its time to the floor's, round by round: that sum is the stage's limit.
 
 Where the list comes from: stage k is built over the benchmark's model and config, stepped twice
@@ -26,13 +28,13 @@ from dataclasses import dataclass
 
 import torch
 
-#: Contender names: `collectives_name(k)` for k in 0..3.
-COLLECTIVES = [f"ZeRO-{k} collectives" for k in range(4)]
+#: Contender names: `limit_name(k)` for k in 0..3.
+LIMITS = [f"ZeRO-{k} limit - floor" for k in range(4)]
 
 
-def collectives_name(stage: int) -> str:
-    """The contender that runs stage `stage`'s collectives alone."""
-    return COLLECTIVES[stage]
+def limit_name(stage: int) -> str:
+    """The contender that runs what stage `stage`'s limit adds to the floor."""
+    return LIMITS[stage]
 
 
 @dataclass(frozen=True)
@@ -50,8 +52,11 @@ _DTYPES = {"torch.float32": torch.float32, "torch.int64": torch.int64}
 _GATHERS = ("all_gather", "all_gather_coalesced")
 
 
-def step_calls(stage: int, build_zero: Callable, batches: list, world: int) -> list[Call]:
-    """The collectives of one steady optimizer step of stage `stage`, checked against the ledger.
+def step_calls(
+    stage: int, build_zero: Callable, batches: list, world: int
+) -> tuple[list[Call], list[int]]:
+    """The collectives of one steady optimizer step of stage `stage`, checked against the ledger,
+    and the model's parameter sizes.
 
     `build_zero()` returns (model, zero optimizer, config); `batches`: three (x, y) pairs.
     """
@@ -70,7 +75,8 @@ def step_calls(stage: int, build_zero: Callable, batches: list, world: int) -> l
     records = log.records
     if any(r.group_size != world for r in records):
         raise SystemExit(f"ZeRO-{stage} issued a collective on a sub-group; the limit assumes one")
-    num_params = sum(1 for _ in model.parameters())
+    numels = [p.numel() for p in model.parameters()]
+    num_params = len(numels)
     if stage < 3:
         strategy = zopt.strategy
         want = ledger.stage_collectives(
@@ -88,10 +94,10 @@ def step_calls(stage: int, build_zero: Callable, batches: list, world: int) -> l
         got = sorted((r.op, r.numel, r.msg_bytes) for r in records)
         if got != sorted((c.op, c.numel, c.msg_bytes) for c in want):
             raise SystemExit(f"ZeRO-{stage}'s logged collectives differ from zero.ledger's list")
-        return [Call(c.op, c.numel, torch.float32, c.impl) for c in want]
+        return [Call(c.op, c.numel, torch.float32, c.impl) for c in want], numels
     # Stage 3: bytes per kind against the stage-3 ledger.
     want3 = stage3_step_bytes(
-        [p.numel() for p in model.parameters()],
+        numels,
         world,
         persistence_threshold_numel=cfg.stage3_param_persistence_threshold_numel,
         param_bytes=4,
@@ -128,7 +134,7 @@ def step_calls(stage: int, build_zero: Callable, batches: list, world: int) -> l
     dist.all_gather_object(lists, calls)
     if any(sorted(map(repr, other)) != sorted(map(repr, calls)) for other in lists):
         raise SystemExit("ZeRO-3's ranks logged different collectives in one step")
-    return lists[0]
+    return lists[0], numels
 
 
 def replay(calls: list[Call], group=None) -> Callable[[], None]:
@@ -178,12 +184,14 @@ def replay(calls: list[Call], group=None) -> Callable[[], None]:
     return run
 
 
-def collectives_trainer(stage: int, args: argparse.Namespace, build_zero: Callable, vocab: int):
-    """The `ZeRO-k collectives` contender: forward and backward do nothing, the optimizer step
-    issues the step's collectives (`step_calls`). Its loss is 0 (it trains nothing)."""
+def limit_trainer(stage: int, args: argparse.Namespace, build_zero: Callable, vocab: int):
+    """The `ZeRO-k limit - floor` contender: forward and backward do nothing, the optimizer step
+    issues the step's collectives (`step_calls`), then, for stage 0, AdamW over the (N-1)/N of
+    each parameter the floor leaves out (zero gradients, as the floor's). Its loss is 0 (it
+    trains nothing)."""
     import torch.distributed as dist
 
-    from zerobench.contenders import Trainer
+    from zerobench.contenders import Trainer, _adamw
 
     g = torch.Generator().manual_seed(args.seed + dist.get_rank())
     batches = [
@@ -193,12 +201,21 @@ def collectives_trainer(stage: int, args: argparse.Namespace, build_zero: Callab
         )
         for _ in range(3)
     ]
-    calls = step_calls(stage, build_zero, batches, dist.get_world_size())
+    world = dist.get_world_size()
+    calls, numels = step_calls(stage, build_zero, batches, world)
+    communicate = replay(calls)
+    step = communicate
+    rest = []
+    if stage == 0:  # the floor steps ceil(numel / N) of each parameter; stage 0 all of it
+        rest = [torch.zeros(n - -(-n // world), requires_grad=True) for n in numels]
+        rest = [r for r in rest if r.numel()]
+        for r in rest:
+            r.grad = torch.zeros_like(r)
+        replicated = _adamw(rest)
+
+        def step() -> None:
+            communicate()
+            replicated.step()
+
     zero = torch.zeros(())
-    return Trainer(
-        collectives_name(stage),
-        lambda x, y: zero,
-        lambda loss: None,
-        replay(calls),
-        calls,
-    )
+    return Trainer(limit_name(stage), lambda x, y: zero, lambda loss: None, step, (calls, rest))
