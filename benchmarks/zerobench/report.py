@@ -273,8 +273,8 @@ def _phase_times(console: Any, timing: dict[str, dict[str, Any]], names: list[st
     slower rank per phase), wall and CPU, and each phase's difference from the floor's."""
     from rich.table import Table
 
-    table = Table(title="where the time goes: median seconds per phase (slower rank), wall | CPU")
-    cols = ("contender", "forward", "backward", "optimizer step", "sum", "above floor (f/b/s)")
+    table = Table(title="where the time goes: median ms per phase (slower rank), wall | CPU")
+    cols = ("contender", "forward", "backward", "optimizer step", "sum", "above floor, wall | CPU")
     for col in cols:
         table.add_column(col, justify="left" if col == "contender" else "right")
     floor = timing[FLOOR]["median_phase_s"] if FLOOR in names else None
@@ -284,11 +284,14 @@ def _phase_times(console: Any, timing: dict[str, dict[str, Any]], names: list[st
         out[name] = ph
         above = "-"
         if floor is not None and trains(name):
-            above = " / ".join(f"{ph[i] - floor[i]:+.3f}" for i in range(3))
+            above = " | ".join(
+                "/".join(f"{(ph[i] - floor[i]) * 1e3:+.1f}" for i in k)
+                for k in ((0, 1, 2), (3, 4, 5))
+            )
         table.add_row(
             name,
-            *(f"{ph[i]:.3f} | {ph[i + 3]:.3f}" for i in range(3)),
-            f"{sum(ph[:3]):.3f} | {sum(ph[3:]):.3f}",
+            *(f"{ph[i] * 1e3:.1f} | {ph[i + 3] * 1e3:.1f}" for i in range(3)),
+            f"{sum(ph[:3]) * 1e3:.1f} | {sum(ph[3:]) * 1e3:.1f}",
             above,
         )
     console.print(table)
