@@ -166,6 +166,8 @@ def block_sparse_attention(
             f"{heads} heads and {seq} tokens: build it with make_layout({seq}) and num_heads={heads}"
         )
     scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
+    if not scale > 0:  # the op takes each row's max before scaling: see sparse_attention.cpp
+        raise ValueError(f"scale must be > 0 (it multiplies q·kᵀ before the softmax), got {scale}")
     on_cpu = all(t.device.type == "cpu" for t in (q, k, v))
     if on_cpu and any(t.dtype != torch.float32 for t in (q, k, v)):
         raise TypeError(

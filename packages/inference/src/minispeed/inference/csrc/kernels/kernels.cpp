@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "minispeed/simd.h"  // dot, axpy, hsum256, MINISPEED_HAS_* (core/csrc/include)
+#include "vec.h"             // exp_nonpos (see Note [vector exp])
 
 namespace {
 
@@ -35,6 +36,9 @@ inline T* ptr(uintptr_t p) {
 }
 
 using minispeed::simd::axpy;
+#if defined(MINISPEED_HAS_AVX2)
+using minispeed_inference::exp_nonpos;
+#endif
 using minispeed::simd::dot;
 #if defined(MINISPEED_HAS_AVX2)
 using minispeed::simd::hsum256;
@@ -144,29 +148,13 @@ inline void scale_affine(const float* h, float shift, float inv, const float* g,
 
 // Note [vector erf]: erf has no vector intrinsic, so the SIMD paths use Abramowitz & Stegun 7.1.26,
 //   erf(x) = sign(x) · (1 − (a1 t + a2 t² + a3 t³ + a4 t⁴ + a5 t⁵) · exp(−x²)),  t = 1 / (1 + p|x|),
-// absolute error ≤ 1.5e-7, with exp(−x²) from a Cephes-style polynomial (range reduction to
-// 2^n · e^r, |r| ≤ ln2/2, relative error ~1e-7). GeLU then differs from the exact-erf reference by
+// absolute error ≤ 1.5e-7, with exp(−x²) from vec.h's exp_nonpos (see Note [vector exp]: relative
+// error ~1e-7). GeLU then differs from the exact-erf reference by
 // at most 0.5 · |v| · 2e-7. The scalar path and every tail use std::erf.
 constexpr float kErfP = 0.3275911f, kErfA1 = 0.254829592f, kErfA2 = -0.284496736f,
                 kErfA3 = 1.421413741f, kErfA4 = -1.453152027f, kErfA5 = 1.061405429f;
-constexpr float kExpC[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
-                            4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 
 #if defined(MINISPEED_HAS_AVX512)
-inline __m512 exp_nonpos(__m512 x) {  // e^x for x <= 0 (clamped at -87: e^-87 ~ 1.6e-38)
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(kExpC[0]);
-  for (int c = 1; c < 6; ++c) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpC[c]));
-  const __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  const __m512i e = _mm512_slli_epi32(
-      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
-
 inline __m512 erf_vec(__m512 x) {
   const __m512 sign = _mm512_castsi512_ps(
       _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x80000000)));
@@ -198,20 +186,6 @@ inline __m512 tanh_vec(__m512 x) {
       _mm512_or_si512(_mm512_castps_si512(y), _mm512_castps_si512(sign)));
 }
 #elif defined(MINISPEED_HAS_AVX2)
-inline __m256 exp_nonpos(__m256 x) {  // e^x for x <= 0 (clamped at -87: e^-87 ~ 1.6e-38)
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(kExpC[0]);
-  for (int c = 1; c < 6; ++c) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpC[c]));
-  const __m256 y = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
 inline __m256 erf_vec(__m256 x) {
   const __m256 sign = _mm256_and_ps(x, _mm256_set1_ps(-0.f));
   const __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.f), x);

@@ -30,7 +30,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "minispeed/simd.h"  // MINISPEED_HAS_* (core/csrc/include)
+#include "vec.h"  // Vec
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -40,41 +40,7 @@ namespace minispeed_linear {
 
 constexpr int kMaxRows = 8;  // M handled in one pass over the weight
 
-// One vector register of fp32 lanes at the build's level: the kernels below are written once.
-#if defined(MINISPEED_HAS_AVX512)
-struct Vec {
-  static constexpr int kWidth = 16;
-  __m512 v;
-  static Vec zero() { return {_mm512_setzero_ps()}; }
-  static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
-  static Vec splat(float a) { return {_mm512_set1_ps(a)}; }
-  void store(float* p) const { _mm512_storeu_ps(p, v); }
-  void fma(Vec a, Vec b) { v = _mm512_fmadd_ps(a.v, b.v, v); }  // this += a * b
-  float sum() const { return _mm512_reduce_add_ps(v); }
-};
-#elif defined(MINISPEED_HAS_AVX2)
-struct Vec {
-  static constexpr int kWidth = 8;
-  __m256 v;
-  static Vec zero() { return {_mm256_setzero_ps()}; }
-  static Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
-  static Vec splat(float a) { return {_mm256_set1_ps(a)}; }
-  void store(float* p) const { _mm256_storeu_ps(p, v); }
-  void fma(Vec a, Vec b) { v = _mm256_fmadd_ps(a.v, b.v, v); }
-  float sum() const { return minispeed::simd::hsum256(v); }
-};
-#else
-struct Vec {
-  static constexpr int kWidth = 1;
-  float v;
-  static Vec zero() { return {0.f}; }
-  static Vec load(const float* p) { return {*p}; }
-  static Vec splat(float a) { return {a}; }
-  void store(float* p) const { *p = v; }
-  void fma(Vec a, Vec b) { v += a.v * b.v; }
-  float sum() const { return v; }
-};
-#endif
+using minispeed_inference::Vec;  // one register of fp32 lanes at the build's level (vec.h)
 constexpr int kW = Vec::kWidth;
 
 // Note [prefetch the next block]: both kernels walk the weight in blocks (nk: NR rows side by
