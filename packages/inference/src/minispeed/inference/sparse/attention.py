@@ -117,7 +117,7 @@ class BlockSparseAttentionFunction(torch.autograd.Function):
         if dout.dtype != torch.float32:
             dout = dout.float()
         B, H, T, D = q.shape
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # written whole
         with ranges.range("inference.sparse_attention.backward"):
             ctx.op.sparse_attention_backward(
                 q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(),

@@ -37,7 +37,6 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <memory>
 #include <vector>
 
 #include "vec.h"  // Vec (see Note [vector exp])
@@ -206,6 +205,19 @@ inline bool worth_threads(const Problem& p, const int32_t* row_ptr) {
   return p.batch * nnz * p.block * p.block * p.dim >= (int64_t{1} << 20);
 }
 
+// Note [workspaces kept between calls]: Kᵀ, Vᵀ (4 B H T D bytes each) and each thread's tile
+// buffers live in buffers owned by the thread and kept between calls (grown to the largest call,
+// never shrunk), so a call maps and faults in no fresh pages for them: with glibc's mmap threshold
+// at 64 KiB (benchmarks/inference_sparse_attention.py sets it, to measure peaks) that cost as much
+// as the tiles themselves for a sliding-window layout at 2k tokens. The bytes stay resident
+// after the call, in the calling thread (Kᵀ, Vᵀ) and in each OpenMP thread (2 b² + T floats).
+template <int Slot>
+float* workspace(int64_t floats) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < floats) buffer.resize(floats);
+  return buffer.data();
+}
+
 // Raw scores of query block r against key block c: s = Q_r K_cᵀ (unscaled: the softmax applies
 // the scale inside its exp), the future set to -inf on a causal diagonal tile (and not computed,
 // see Part). kt is this head's Kᵀ by key block (NB, D, b); s is (b, b), row-major.
@@ -240,11 +252,10 @@ void transpose_blocks(const Problem& p, const float* k, float* out) {
 // One (batch, head, query block) of the forward: online softmax over the kept tiles, in order.
 void forward_row_block(const Problem& p, int64_t bh, int64_t r, const float* q, const float* kt,
                        const float* v, const int32_t* row_ptr, const int32_t* cols, float* out,
-                       float* lse, std::vector<float>& work) {
+                       float* lse) {
   const int64_t h = bh % p.heads, nb = p.nblocks(), D = p.dim, b = p.block, T = p.seq;
   const int32_t* rp = row_ptr + h * (nb + 1);
-  work.resize(b * b + 3 * b);
-  float* s = work.data();  // (b, b) scores, then probabilities
+  float* s = workspace<2>(b * b + 3 * b);  // (b, b) scores, then probabilities
   float* m = s + b * b;    // running max per query (of the raw scores: the scale is > 0)
   float* l = m + b;        // running sum per query
   float* alpha = l + b;    // how much each row's partial output shrinks at this tile
@@ -289,38 +300,39 @@ void sparse_attention_forward(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t r
   const int64_t nb = p.nblocks(), pairs = batch * heads, tasks = pairs * nb;
   const bool big = tasks > 1 && worth_threads(p, ptr<const int32_t>(row_ptr));
   // Kᵀ per head (see Note [tiles as small matrix products]); every element is written below.
-  const std::unique_ptr<float[]> kt(new float[pairs * seq * dim]);
+  float* kt = workspace<0>(pairs * seq * dim);  // See Note [workspaces kept between calls].
 #pragma omp parallel if (big)
   {
 #pragma omp for schedule(static)
     for (int64_t bh = 0; bh < pairs; ++bh)
-      transpose_blocks(p, ptr<const float>(k) + bh * seq * dim, kt.get() + bh * seq * dim);
-    std::vector<float> work;
+      transpose_blocks(p, ptr<const float>(k) + bh * seq * dim, kt + bh * seq * dim);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < tasks; ++t) {
       const int64_t bh = t / nb;
-      forward_row_block(p, bh, t % nb, ptr<const float>(q), kt.get() + bh * seq * dim,
+      forward_row_block(p, bh, t % nb, ptr<const float>(q), kt + bh * seq * dim,
                         ptr<const float>(v), ptr<const int32_t>(row_ptr), ptr<const int32_t>(cols),
-                        ptr<float>(out), ptr<float>(lse), work);
+                        ptr<float>(out), ptr<float>(lse));
     }
   }
 }
 
 // One (batch, head) of the backward: see Note [no scores kept between forward and backward].
-// dq, dk, dv must be zero on entry. kt, vt are this head's Kᵀ and Vᵀ by key block (NB, D, b).
+// dq, dk, dv are written whole (no need to zero them: each block's first product stores, later
+// ones add; key blocks no query keeps get zeros). kt, vt: this head's Kᵀ, Vᵀ by key block (NB, D, b).
 void backward_head(const Problem& p, int64_t bh, const float* q, const float* k, const float* kt,
                    const float* v, const float* vt, const float* out, const float* dout,
                    const float* lse, const int32_t* row_ptr, const int32_t* cols, float* dq,
-                   float* dk, float* dv, std::vector<float>& work) {
+                   float* dk, float* dv) {
   const int64_t h = bh % p.heads, nb = p.nblocks(), D = p.dim, b = p.block, T = p.seq;
   const int32_t* rp = row_ptr + h * (nb + 1);
   const int64_t base = bh * T * D;
   q += base, k += base, v += base, out += base, dout += base;
   dq += base, dk += base, dv += base, lse += bh * T;
-  work.resize(2 * b * b + T);
-  float* pr = work.data();    // (b, b): probabilities of one tile
-  float* ds = pr + b * b;     // (b, b): dP, then dS
-  float* di = ds + b * b;     // (T,): dout_i . out_i
+  float* pr = workspace<2>(2 * b * b + T + nb);  // (b, b): probabilities of one tile
+  float* ds = pr + b * b;                          // (b, b): dP, then dS
+  float* di = ds + b * b;                          // (T,): dout_i . out_i
+  float* written = di + T;  // (NB,): 1 once key block c's dk and dv hold a first product
+  std::fill(written, written + nb, 0.f);
   for (int64_t i = 0; i < T; ++i) di[i] = minispeed::simd::dot(dout + i * D, out + i * D, D);
   for (int64_t r = 0; r < nb; ++r) {
     const float* q_r = q + r * b * D;
@@ -338,7 +350,9 @@ void backward_head(const Problem& p, int64_t bh, const float* q, const float* k,
       }
       const Part lower = diag ? Part::kLowerInner : Part::kFull;
       const Part upper = diag ? Part::kUpperInner : Part::kFull;
-      gemm(b, D, b, {pr, 1, b}, do_r, D, dv + c * b * D, D, true, upper);  // dV_c += Pᵀ dO_r
+      const bool add_kv = written[c] != 0.f, add_q = e != rp[r];
+      written[c] = 1.f;
+      gemm(b, D, b, {pr, 1, b}, do_r, D, dv + c * b * D, D, add_kv, upper);  // dV_c += Pᵀ dO_r
       gemm(b, b, D, {do_r, D, 1}, vt + c * D * b, b, ds, b, false,
            diag ? Part::kLowerCols : Part::kFull);  // dP = dO_r V_cᵀ
       for (int64_t i = 0; i < b; ++i) {  // dS = P (dP - Di) scale; 0 where P is masked
@@ -352,8 +366,14 @@ void backward_head(const Problem& p, int64_t bh, const float* q, const float* k,
         for (; j < end; ++j) dsi[j] = pi[j] * (dsi[j] - di[r * b + i]) * p.scale;
         std::fill(dsi + end, dsi + b, 0.f);
       }
-      gemm(b, D, b, {ds, b, 1}, k + c * b * D, D, dq + r * b * D, D, true, lower);  // dQ_r += dS K_c
-      gemm(b, D, b, {ds, 1, b}, q_r, D, dk + c * b * D, D, true, upper);  // dK_c += dSᵀ Q_r
+      gemm(b, D, b, {ds, b, 1}, k + c * b * D, D, dq + r * b * D, D, add_q, lower);  // dQ_r += dS K_c
+      gemm(b, D, b, {ds, 1, b}, q_r, D, dk + c * b * D, D, add_kv, upper);  // dK_c += dSᵀ Q_r
+    }
+  }
+  for (int64_t c = 0; c < nb; ++c) {  // keys no query of this head sees: zero gradient
+    if (written[c] == 0.f) {
+      std::fill(dk + c * b * D, dk + (c + 1) * b * D, 0.f);
+      std::fill(dv + c * b * D, dv + (c + 1) * b * D, 0.f);
     }
   }
 }
@@ -368,20 +388,16 @@ void sparse_attention_backward(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t 
   const int64_t pairs = batch * heads, hd = seq * dim;
   const bool big = pairs > 1 && worth_threads(p, ptr<const int32_t>(row_ptr));
   // Kᵀ and Vᵀ per head (see Note [tiles as small matrix products]), written before they are read.
-  const std::unique_ptr<float[]> kt(new float[pairs * hd]), vt(new float[pairs * hd]);
-#pragma omp parallel if (big)
-  {
-    std::vector<float> work;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t bh = 0; bh < pairs; ++bh) {
-      transpose_blocks(p, ptr<const float>(k) + bh * hd, kt.get() + bh * hd);
-      transpose_blocks(p, ptr<const float>(v) + bh * hd, vt.get() + bh * hd);
-      backward_head(p, bh, ptr<const float>(q), ptr<const float>(k), kt.get() + bh * hd,
-                    ptr<const float>(v), vt.get() + bh * hd, ptr<const float>(out),
-                    ptr<const float>(dout), ptr<const float>(lse), ptr<const int32_t>(row_ptr),
-                    ptr<const int32_t>(cols), ptr<float>(dq), ptr<float>(dk), ptr<float>(dv),
-                    work);
-    }
+  float* kt = workspace<0>(pairs * hd);  // See Note [workspaces kept between calls].
+  float* vt = workspace<1>(pairs * hd);
+#pragma omp parallel for schedule(dynamic, 1) if (big)
+  for (int64_t bh = 0; bh < pairs; ++bh) {
+    transpose_blocks(p, ptr<const float>(k) + bh * hd, kt + bh * hd);
+    transpose_blocks(p, ptr<const float>(v) + bh * hd, vt + bh * hd);
+    backward_head(p, bh, ptr<const float>(q), ptr<const float>(k), kt + bh * hd,
+                  ptr<const float>(v), vt + bh * hd, ptr<const float>(out),
+                  ptr<const float>(dout), ptr<const float>(lse), ptr<const int32_t>(row_ptr),
+                  ptr<const int32_t>(cols), ptr<float>(dq), ptr<float>(dk), ptr<float>(dv));
   }
 }
 
@@ -392,5 +408,5 @@ void register_sparse_attention(pybind11::module_& m) {
   m.def("sparse_attention_forward", &minispeed_sparse::sparse_attention_forward,
         "block-sparse attention forward (raw pointers; see minispeed.inference.sparse.attention)");
   m.def("sparse_attention_backward", &minispeed_sparse::sparse_attention_backward,
-        "block-sparse attention backward (dq, dk, dv zeroed by the caller)");
+        "block-sparse attention backward (writes dq, dk, dv whole)");
 }
