@@ -166,7 +166,7 @@ def _print_peaks(seq: int, args) -> None:
         def fwd_bwd(fn=fn):
             torch.autograd.grad(fn(q, k, v), (q, k, v), torch.ones_like(q))
 
-        fwd_bwd()  # warm-up: the op's workspace (kept between calls) is already resident
+        fwd_bwd()  # warm-up
         result[name] = _peak_rss_mib(fwd_bwd)
     print(json.dumps(result))
 
@@ -203,9 +203,6 @@ def bench(seq: int, args) -> list[str]:
             f"| {per_score[0]} / {per_score[1]} |"
         )
     rows.append(f"| {seq} | (the mask itself) | | | | {mask.numel() / 2**20:.0f} | | | |")
-    workspace = 2 * q.numel() * q.element_size()  # Kᵀ and Vᵀ, resident before a peak is read
-    rows.append(f"| {seq} | (the op's workspace, kept between calls) | | | | "
-                f"{workspace / 2**20:.0f} | | | |")  # fmt: skip
     return rows
 
 

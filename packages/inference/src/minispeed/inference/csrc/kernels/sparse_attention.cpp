@@ -9,15 +9,17 @@
 // mask; the tests compare both, values and gradients.
 //
 // Note [tiles as small matrix products]: a kept tile pairs b queries with b keys, and every step
-// of attention over it is a (b x b x D) matrix product: S = Q Kᵀ, O += P V forward, and backward
-// dV += Pᵀ dO, dP = dO Vᵀ, dQ += dS K, dK += dSᵀ Q. One register-blocked kernel (`gemm`) does
+// of attention over it is a (b x b x D) matrix product. One register-blocked kernel (`gemm`) does
 // them all: it keeps an MR x (NV vectors) block of the product in registers and, per step p of
 // the shared dimension, multiplies NV vectors of one row of B by MR broadcast elements of A (one
 // fused multiply-add each), so a score costs 2 D / width multiply-adds per product, as in a BLAS
 // micro-kernel, instead of a dot product reduced across lanes per score. A is read through two
-// strides, so Pᵀ and dSᵀ need no copy; B must be contiguous along the output's columns, so the
-// products over keys (S and dP) read Kᵀ and Vᵀ, transposed once per call per head, key block by
-// key block (T D floats each, against the density · T² D work).
+// strides, so any transpose of it is free; B must be contiguous along the output's columns. So
+// the tile is held transposed, keys by queries: Sᵀ = K_c Q_rᵀ, and backward dPᵀ = V_c dO_rᵀ, read
+// Q_rᵀ and dO_rᵀ (D x b), transposed once per query block into a thread's buffer and reused by
+// every tile of the row; O += P V, dV += Pᵀ dO, dQ += dS K and dK += dSᵀ Q then read Sᵀ-shaped
+// tiles as A. The softmax runs down the tile's columns, a vector of queries at a time (a running
+// max and sum per lane, no reduction across lanes). No transpose of K or V, no buffer of T.
 //
 // Note [no scores kept between forward and backward]: the forward keeps only the per-query
 // log-sum-exp lse = max + log(sum exp(s - max)), computed online tile by tile (the running max m
@@ -59,11 +61,13 @@ struct Strided {
   float at(int64_t r, int64_t p) const { return data[r * row + p * step]; }
 };
 
-// Which part of a causal diagonal tile's product is needed: query i sees keys j <= i there, so
-// kLowerCols: only C[r][n] with n <= r (S = Q Kᵀ, dP = dO Vᵀ); kLowerInner: A(r, p) = 0 for p > r
-// (P V, dS K); kUpperInner: A(r, p) = 0 for p < r (Pᵀ dO, dSᵀ Q). Skipping the rest halves a
-// diagonal tile's work. Rows, columns and the inner index all count from the tile's corner.
-enum class Part { kFull, kLowerCols, kLowerInner, kUpperInner };
+// Which part of a causal diagonal tile's product is needed: key j is visible to query i there
+// only for j <= i. With the tile held keys by queries (see Note [tiles as small matrix products]):
+// kUpperCols: only C[r][n] with n >= r (Sᵀ, dPᵀ: row = key, column = query); kLowerInner:
+// A(r, p) = 0 for p > r (P V and dS K: row = query, inner = key); kUpperInner: A(r, p) = 0 for
+// p < r (Pᵀ dO and dSᵀ Q: row = key, inner = query). Skipping the rest halves a diagonal tile's
+// work. Rows, columns and the inner index all count from the tile's corner.
+enum class Part { kFull, kUpperCols, kLowerInner, kUpperInner };
 
 // C[r, 0 .. NV·width) (+)= sum_{p0 <= p < p1} A(r, p) B[p, 0 .. NV·width) for MR rows; see Note
 // [tiles as small matrix products]. B rows are ldb apart, C rows ldc apart.
@@ -85,7 +89,7 @@ void tile(int64_t p0, int64_t p1, Strided a, const float* b, int64_t ldb, float*
     for (int j = 0; j < NV; ++j) acc[r][j].store(c + r * ldc + j * kW);
 }
 
-// tile<rows, NV> for the 1 .. kMaxRows rows a strip's last group may have.
+// tile<rows, NV> for the 1 .. kMaxRows rows a group may have.
 constexpr int kMaxRows = Vec::kWidth == 8 ? 3 : 6;  // registers: see gemm
 template <int NV>
 void tile_rows(int64_t rows, int64_t p0, int64_t p1, Strided a, const float* b, int64_t ldb,
@@ -102,12 +106,15 @@ void tile_rows(int64_t rows, int64_t p0, int64_t p1, Strided a, const float* b, 
   }
 }
 
-// The inner range [p0, p1) rows [m, m + rows) need, and whether columns from n on are needed.
-inline bool needed(Part part, int64_t m, int64_t rows, int64_t n, int64_t P, int64_t* p0,
-                   int64_t* p1) {
-  *p0 = part == Part::kUpperInner ? m : 0;
-  *p1 = part == Part::kLowerInner ? std::min(P, m + rows) : P;
-  return !(part == Part::kLowerCols && n > m + rows - 1);
+// tile_rows<nv> for nv = 1 .. 4 vectors chosen at run time.
+void tile_vectors(int64_t nv, int64_t rows, int64_t p0, int64_t p1, Strided a, const float* b,
+                  int64_t ldb, float* c, int64_t ldc, bool add) {
+  switch (nv) {
+    case 1: return tile_rows<1>(rows, p0, p1, a, b, ldb, c, ldc, add);
+    case 2: return tile_rows<2>(rows, p0, p1, a, b, ldb, c, ldc, add);
+    case 3: return tile_rows<3>(rows, p0, p1, a, b, ldb, c, ldc, add);
+    case 4: return tile_rows<4>(rows, p0, p1, a, b, ldb, c, ldc, add);
+  }
 }
 
 // C (M x N) = A (M x P) B (P x N), or C += with add; only `part` of it (see Part). Registers:
@@ -115,78 +122,37 @@ inline bool needed(Part part, int64_t m, int64_t rows, int64_t n, int64_t P, int
 // AVX2 has 16, hence 3 x 4 there). Entries a Part skips are left as they were.
 void gemm(int64_t M, int64_t N, int64_t P, Strided a, const float* b, int64_t ldb, float* c,
           int64_t ldc, bool add, Part part = Part::kFull) {
-  int64_t n = 0, p0, p1;
-  for (; n + 4 * kW <= N; n += 4 * kW)
-    for (int64_t m = 0; m < M; m += kMaxRows) {
-      const int64_t rows = std::min<int64_t>(kMaxRows, M - m);
-      if (!needed(part, m, rows, n, P, &p0, &p1)) continue;
-      // kLowerCols: only the vectors holding columns up to the group's last row
-      const int64_t nv = part == Part::kLowerCols ? std::min<int64_t>(4, (m + rows - n + kW - 1) / kW) : 4;
-      const Strided ag{a.data + m * a.row, a.row, a.step};
-      float* cg = c + m * ldc + n;
-      switch (nv) {
-        case 1: tile_rows<1>(rows, p0, p1, ag, b + n, ldb, cg, ldc, add); break;
-        case 2: tile_rows<2>(rows, p0, p1, ag, b + n, ldb, cg, ldc, add); break;
-        case 3: tile_rows<3>(rows, p0, p1, ag, b + n, ldb, cg, ldc, add); break;
-        default: tile_rows<4>(rows, p0, p1, ag, b + n, ldb, cg, ldc, add);
+  const int64_t nvec = N / kW;
+  for (int64_t m = 0; m < M; m += kMaxRows) {
+    const int64_t rows = std::min<int64_t>(kMaxRows, M - m);
+    const int64_t p0 = part == Part::kUpperInner ? m : 0;
+    const int64_t p1 = part == Part::kLowerInner ? std::min(P, m + rows) : P;
+    // kUpperCols: the group's columns start at its first row, so whole vectors before it go
+    int64_t v = part == Part::kUpperCols ? std::min(nvec, m / kW) : 0;
+    const Strided ag{a.data + m * a.row, a.row, a.step};
+    for (; v < nvec; v += 4) {
+      const int64_t nv = std::min<int64_t>(4, nvec - v);
+      tile_vectors(nv, rows, p0, p1, ag, b + v * kW, ldb, c + m * ldc + v * kW, ldc, add);
+    }
+    for (int64_t r = m; r < m + rows; ++r) {  // the last < width columns, one at a time
+      for (int64_t n = nvec * kW; n < N; ++n) {
+        if (part == Part::kUpperCols && n < r) continue;
+        const int64_t q0 = part == Part::kUpperInner ? r : 0;
+        const int64_t q1 = part == Part::kLowerInner ? std::min(P, r + 1) : P;
+        float s = add ? c[r * ldc + n] : 0.f;
+        for (int64_t p = q0; p < q1; ++p) s += a.at(r, p) * b[p * ldb + n];
+        c[r * ldc + n] = s;
       }
-    }
-  for (; n + kW <= N; n += kW)
-    for (int64_t m = 0; m < M; m += kMaxRows) {
-      const int64_t rows = std::min<int64_t>(kMaxRows, M - m);
-      if (needed(part, m, rows, n, P, &p0, &p1))
-        tile_rows<1>(rows, p0, p1, {a.data + m * a.row, a.row, a.step}, b + n, ldb,
-                     c + m * ldc + n, ldc, add);
-    }
-  for (; n < N; ++n) {  // the last < width columns, one at a time
-    for (int64_t m = 0; m < M; ++m) {
-      if (!needed(part, m, 1, n, P, &p0, &p1)) continue;
-      float s = add ? c[m * ldc + n] : 0.f;
-      for (int64_t p = p0; p < p1; ++p) s += a.at(m, p) * b[p * ldb + n];
-      c[m * ldc + n] = s;
     }
   }
 }
 
-// y[i] *= alpha, x[i] - shift, sums and maxima over rows of a tile, vectorized with scalar tails.
+// y[i] *= alpha (vectorized, scalar tail).
 inline void scale_row(float* y, float alpha, int64_t n) {
   int64_t i = 0;
   const Vec a = Vec::splat(alpha);
   for (; i + kW <= n; i += kW) (Vec::load(y + i) * a).store(y + i);
   for (; i < n; ++i) y[i] *= alpha;
-}
-
-inline float row_max(const float* x, int64_t n) {
-  float mx = kNegInf;
-  int64_t i = 0;
-  if (n >= kW) {
-    Vec m = Vec::load(x);
-    for (i = kW; i + kW <= n; i += kW) m = Vec::max(m, Vec::load(x + i));
-    mx = m.hmax();
-  }
-  for (; i < n; ++i) mx = std::max(mx, x[i]);
-  return mx;
-}
-
-// x[i] = exp((x[i] - shift) · scale) in place (x[i] <= shift; -inf gives 0); returns the sum.
-inline float exp_shifted(float* x, float shift, float scale, int64_t n) {
-  int64_t i = 0;
-  float total = 0.f;
-  if (n >= kW) {
-    const Vec s = Vec::splat(shift), sc = Vec::splat(scale);
-    Vec acc = Vec::zero();
-    for (; i + kW <= n; i += kW) {
-      const Vec e = ((Vec::load(x + i) - s) * sc).exp();
-      e.store(x + i);
-      acc = acc + e;
-    }
-    total = acc.sum();
-  }
-  for (; i < n; ++i) {
-    x[i] = std::exp((x[i] - shift) * scale);
-    total += x[i];
-  }
-  return total;
 }
 
 struct Problem {
@@ -205,85 +171,102 @@ inline bool worth_threads(const Problem& p, const int32_t* row_ptr) {
   return p.batch * nnz * p.block * p.block * p.dim >= (int64_t{1} << 20);
 }
 
-// Note [workspaces kept between calls]: Kᵀ, Vᵀ (4 B H T D bytes each) and each thread's tile
-// buffers live in buffers owned by the thread and kept between calls (grown to the largest call,
-// never shrunk), so a call maps and faults in no fresh pages for them: with glibc's mmap threshold
-// at 64 KiB (benchmarks/inference_sparse_attention.py sets it, to measure peaks) that cost as much
-// as the tiles themselves for a sliding-window layout at 2k tokens. The bytes stay resident
-// after the call, in the calling thread (Kᵀ, Vᵀ) and in each OpenMP thread (2 b² + T floats).
-template <int Slot>
-float* workspace(int64_t floats) {
+// A thread's tile buffers, kept between calls (grown to the largest call, never shrunk: 4 b² +
+// 2 b D + 4 b floats), so a call maps no fresh pages for them.
+float* thread_buffer(int64_t floats) {
   thread_local std::vector<float> buffer;
   if (static_cast<int64_t>(buffer.size()) < floats) buffer.resize(floats);
   return buffer.data();
 }
 
-// Raw scores of query block r against key block c: s = Q_r K_cᵀ (unscaled: the softmax applies
-// the scale inside its exp), the future set to -inf on a causal diagonal tile (and not computed,
-// see Part). kt is this head's Kᵀ by key block (NB, D, b); s is (b, b), row-major.
 bool diagonal(const Problem& p, int64_t r, int64_t c) { return p.causal && r == c; }
 
-void tile_scores(const Problem& p, const float* q, const float* kt, int64_t r, int64_t c,
-                 float* s) {
+// x (b rows of D, row-major) into xt (D rows of b): a width x width block at a time (vec.h).
+void transpose_rows(const float* x, float* xt, int64_t b, int64_t D) {
+  const int64_t bv = b / kW * kW, dv = D / kW * kW;
+  for (int64_t t = 0; t < bv; t += kW)
+    for (int64_t d = 0; d < dv; d += kW)
+      minispeed_inference::transpose_block(x + t * D + d, D, xt + d * b + t, b);
+  for (int64_t t = 0; t < b; ++t)  // the edges: the last < width columns, then rows
+    for (int64_t d = (t < bv ? dv : 0); d < D; ++d) xt[d * b + t] = x[t * D + d];
+}
+
+// Raw scores of key block c against query block r, keys by queries: st = K_c Q_rᵀ (unscaled: the
+// softmax applies the scale inside its exp), a key after its query set to -inf on a causal
+// diagonal tile (and not computed, see Part). k is this head's (T, D); qt_r is Q_rᵀ (D, b).
+void tile_scores(const Problem& p, const float* k, const float* qt_r, int64_t r, int64_t c,
+                 float* st) {
   const int64_t b = p.block, D = p.dim;
   const bool diag = diagonal(p, r, c);
-  gemm(b, b, D, {q + r * b * D, D, 1}, kt + c * D * b, b, s, b, false,
-       diag ? Part::kLowerCols : Part::kFull);
+  gemm(b, b, D, {k + c * b * D, D, 1}, qt_r, b, st, b, false,
+       diag ? Part::kUpperCols : Part::kFull);
   if (diag)
-    for (int64_t i = 0; i < b; ++i) std::fill(s + i * b + i + 1, s + (i + 1) * b, kNegInf);
+    for (int64_t j = 1; j < b; ++j) std::fill(st + j * b, st + j * b + j, kNegInf);
 }
 
-// Kᵀ of one head by key block: out (NB, D, b) from k (T, D), block c's Kᵀ a contiguous (D, b)
-// matrix, so a tile's product reads it with rows b floats apart (rows T apart would put every
-// row of a power-of-two T in the same L1 sets). A width x width block at a time (vec.h).
-void transpose_blocks(const Problem& p, const float* k, float* out) {
-  const int64_t b = p.block, D = p.dim, bv = b / kW * kW, dv = D / kW * kW;
-  for (int64_t c = 0; c < p.nblocks(); ++c) {
-    const float* kc = k + c * b * D;
-    float* oc = out + c * D * b;
-    for (int64_t t = 0; t < bv; t += kW)
-      for (int64_t d = 0; d < dv; d += kW)
-        minispeed_inference::transpose_block(kc + t * D + d, D, oc + d * b + t, b);
-    for (int64_t t = 0; t < b; ++t)  // the edges: the last < width columns, then rows
-      for (int64_t d = (t < bv ? dv : 0); d < D; ++d) oc[d * b + t] = kc[t * D + d];
+// Queries [i, i + n) of the online softmax over one Sᵀ tile (b keys down, queries across; n is
+// the vector width, or 1 for the scalar tail): raise the running max m, rescale the running sum
+// l and the output rows by exp((m_old - m_new) scale), and turn the scores into probabilities.
+// m starts at the lowest finite float, so an all-masked column gives exp(-inf) = 0, never NaN.
+template <typename V>
+void softmax_columns(float* st, int64_t b, int64_t i, float* m, float* l, float* alpha,
+                     float scale) {
+  V mx = V::load(m + i);
+  for (int64_t j = 0; j < b; ++j) mx = V::max(mx, V::load(st + j * b + i));
+  const V sc = V::splat(scale);
+  ((V::load(m + i) - mx) * sc).exp().store(alpha + i);
+  V sum = V::zero();
+  for (int64_t j = 0; j < b; ++j) {
+    const V e = ((V::load(st + j * b + i) - mx) * sc).exp();
+    e.store(st + j * b + i);
+    sum = sum + e;
   }
+  (V::load(l + i) * V::load(alpha + i) + sum).store(l + i);
+  mx.store(m + i);
 }
+
+// The scalar lane type for the tails of softmax_columns (the same operations on one float).
+struct Lane {
+  float v;
+  static Lane zero() { return {0.f}; }
+  static Lane load(const float* p) { return {*p}; }
+  static Lane splat(float a) { return {a}; }
+  void store(float* p) const { *p = v; }
+  Lane operator*(Lane o) const { return {v * o.v}; }
+  Lane operator-(Lane o) const { return {v - o.v}; }
+  Lane operator+(Lane o) const { return {v + o.v}; }
+  static Lane max(Lane a, Lane b) { return {a.v > b.v ? a.v : b.v}; }
+  Lane exp() const { return {std::exp(v)}; }
+};
 
 // One (batch, head, query block) of the forward: online softmax over the kept tiles, in order.
-void forward_row_block(const Problem& p, int64_t bh, int64_t r, const float* q, const float* kt,
+void forward_row_block(const Problem& p, int64_t bh, int64_t r, const float* q, const float* k,
                        const float* v, const int32_t* row_ptr, const int32_t* cols, float* out,
                        float* lse) {
   const int64_t h = bh % p.heads, nb = p.nblocks(), D = p.dim, b = p.block, T = p.seq;
   const int32_t* rp = row_ptr + h * (nb + 1);
-  float* s = workspace<2>(b * b + 3 * b);  // (b, b) scores, then probabilities
-  float* m = s + b * b;    // running max per query (of the raw scores: the scale is > 0)
-  float* l = m + b;        // running sum per query
-  float* alpha = l + b;    // how much each row's partial output shrinks at this tile
-  std::fill(m, m + b, kNegInf);
+  float* st = thread_buffer(b * b + D * b + 3 * b);  // (b, b): Sᵀ, then Pᵀ
+  float* qt = st + b * b;                             // (D, b): Q_rᵀ
+  float* m = qt + D * b;                              // running max per query (raw scores)
+  float* l = m + b;                                   // running sum per query
+  float* alpha = l + b;                               // this tile's rescale per query
+  std::fill(m, m + b, std::numeric_limits<float>::lowest());
   std::fill(l, l + b, 0.f);
+  q += bh * T * D, k += bh * T * D, v += bh * T * D;
+  transpose_rows(q + r * b * D, qt, b, D);
   float* o = out + (bh * T + r * b) * D;  // (b, D): this task's rows of out
-  const float* qh = q + bh * T * D;
+  const int64_t bv = b / kW * kW;
   for (int64_t e = rp[r]; e < rp[r + 1]; ++e) {
     const int64_t c = cols[e];
     const bool first = e == rp[r];  // o holds nothing yet: it is written, not rescaled
-    tile_scores(p, qh, kt, r, c, s);
-    for (int64_t i = 0; i < b; ++i) {
-      const float mx = std::max(m[i], row_max(s + i * b, b));
-      alpha[i] = m[i] - mx;  // exponentiated below, all rows at once
-      m[i] = mx;
-    }
-    exp_shifted(alpha, 0.f, p.scale, b);  // exp((m_old - m_new) scale): 0 where m_old = -inf
-    for (int64_t i = 0; i < b; ++i) {
-      float* si = s + i * b;
-      if (m[i] == kNegInf) {  // nothing visible yet for this query: no weight, nothing to rescale
-        std::fill(si, si + b, 0.f);
-        continue;
-      }
-      l[i] = l[i] * alpha[i] + exp_shifted(si, m[i], p.scale, b);
-      if (!first && alpha[i] != 1.f) scale_row(o + i * D, alpha[i], D);
-    }
+    tile_scores(p, k, qt, r, c, st);
+    for (int64_t i = 0; i < bv; i += kW) softmax_columns<Vec>(st, b, i, m, l, alpha, p.scale);
+    for (int64_t i = bv; i < b; ++i) softmax_columns<Lane>(st, b, i, m, l, alpha, p.scale);
+    if (!first)
+      for (int64_t i = 0; i < b; ++i)
+        if (alpha[i] != 1.f) scale_row(o + i * D, alpha[i], D);
     const Part part = diagonal(p, r, c) ? Part::kLowerInner : Part::kFull;
-    gemm(b, D, b, {s, b, 1}, v + (bh * T + c * b) * D, D, o, D, !first, part);  // O (+)= P V_c
+    gemm(b, D, b, {st, 1, b}, v + c * b * D, D, o, D, !first, part);  // O (+)= P V_c
   }
   for (int64_t i = 0; i < b; ++i) {
     scale_row(o + i * D, 1.f / l[i], D);
@@ -297,77 +280,73 @@ void sparse_attention_forward(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t r
                               double scale) {
   pybind11::gil_scoped_release nogil;
   const Problem p{batch, heads, seq, dim, block, causal, static_cast<float>(scale)};
-  const int64_t nb = p.nblocks(), pairs = batch * heads, tasks = pairs * nb;
+  const int64_t nb = p.nblocks(), tasks = batch * heads * nb;
   const bool big = tasks > 1 && worth_threads(p, ptr<const int32_t>(row_ptr));
-  // Kᵀ per head (see Note [tiles as small matrix products]); every element is written below.
-  float* kt = workspace<0>(pairs * seq * dim);  // See Note [workspaces kept between calls].
-#pragma omp parallel if (big)
-  {
-#pragma omp for schedule(static)
-    for (int64_t bh = 0; bh < pairs; ++bh)
-      transpose_blocks(p, ptr<const float>(k) + bh * seq * dim, kt + bh * seq * dim);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < tasks; ++t) {
-      const int64_t bh = t / nb;
-      forward_row_block(p, bh, t % nb, ptr<const float>(q), kt + bh * seq * dim,
-                        ptr<const float>(v), ptr<const int32_t>(row_ptr), ptr<const int32_t>(cols),
-                        ptr<float>(out), ptr<float>(lse));
-    }
+#pragma omp parallel for schedule(dynamic, 1) if (big)
+  for (int64_t t = 0; t < tasks; ++t) {
+    forward_row_block(p, t / nb, t % nb, ptr<const float>(q), ptr<const float>(k),
+                      ptr<const float>(v), ptr<const int32_t>(row_ptr), ptr<const int32_t>(cols),
+                      ptr<float>(out), ptr<float>(lse));
   }
 }
 
 // One (batch, head) of the backward: see Note [no scores kept between forward and backward].
 // dq, dk, dv are written whole (no need to zero them: each block's first product stores, later
-// ones add; key blocks no query keeps get zeros). kt, vt: this head's Kᵀ, Vᵀ by key block (NB, D, b).
-void backward_head(const Problem& p, int64_t bh, const float* q, const float* k, const float* kt,
-                   const float* v, const float* vt, const float* out, const float* dout,
-                   const float* lse, const int32_t* row_ptr, const int32_t* cols, float* dq,
-                   float* dk, float* dv) {
+// ones add; key blocks no query keeps get zeros).
+void backward_head(const Problem& p, int64_t bh, const float* q, const float* k, const float* v,
+                   const float* out, const float* dout, const float* lse, const int32_t* row_ptr,
+                   const int32_t* cols, float* dq, float* dk, float* dv) {
   const int64_t h = bh % p.heads, nb = p.nblocks(), D = p.dim, b = p.block, T = p.seq;
   const int32_t* rp = row_ptr + h * (nb + 1);
-  const int64_t base = bh * T * D;
+  const int64_t base = bh * T * D, bv = b / kW * kW;
   q += base, k += base, v += base, out += base, dout += base;
   dq += base, dk += base, dv += base, lse += bh * T;
-  float* pr = workspace<2>(2 * b * b + T + nb);  // (b, b): probabilities of one tile
-  float* ds = pr + b * b;                          // (b, b): dP, then dS
-  float* di = ds + b * b;                          // (T,): dout_i . out_i
-  float* written = di + T;  // (NB,): 1 once key block c's dk and dv hold a first product
+  float* pt = thread_buffer(2 * b * b + 2 * D * b + b + nb);  // (b, b): Pᵀ of one tile
+  float* ds = pt + b * b;                                      // (b, b): dPᵀ, then dSᵀ
+  float* qt = ds + b * b;                                      // (D, b): Q_rᵀ
+  float* dot = qt + D * b;                                     // (D, b): dO_rᵀ
+  float* di = dot + D * b;                                     // (b,): dout_i . out_i
+  float* written = di + b;  // (NB,): 1 once key block c's dk and dv hold a first product
   std::fill(written, written + nb, 0.f);
-  for (int64_t i = 0; i < T; ++i) di[i] = minispeed::simd::dot(dout + i * D, out + i * D, D);
+  const Vec sc = Vec::splat(p.scale);
   for (int64_t r = 0; r < nb; ++r) {
     const float* q_r = q + r * b * D;
     const float* do_r = dout + r * b * D;
+    transpose_rows(q_r, qt, b, D);
+    transpose_rows(do_r, dot, b, D);
+    for (int64_t i = 0; i < b; ++i)
+      di[i] = minispeed::simd::dot(do_r + i * D, out + (r * b + i) * D, D);
     for (int64_t e = rp[r]; e < rp[r + 1]; ++e) {
       const int64_t c = cols[e];
       const bool diag = diagonal(p, r, c);
-      tile_scores(p, q, kt, r, c, pr);
-      for (int64_t i = 0; i < b; ++i) {  // P = exp(scale · s - lse)
-        const Vec sc = Vec::splat(p.scale), li = Vec::splat(lse[r * b + i]);
-        float* pi = pr + i * b;
-        int64_t j = 0;
-        for (; j + kW <= b; j += kW) (Vec::load(pi + j) * sc - li).exp().store(pi + j);
-        for (; j < b; ++j) pi[j] = std::exp(pi[j] * p.scale - lse[r * b + i]);
+      tile_scores(p, k, qt, r, c, pt);
+      for (int64_t j = 0; j < b; ++j) {  // Pᵀ = exp(scale · sᵀ - lse), lse along the columns
+        float* pj = pt + j * b;
+        int64_t i = 0;
+        for (; i < bv; i += kW)
+          (Vec::load(pj + i) * sc - Vec::load(lse + r * b + i)).exp().store(pj + i);
+        for (; i < b; ++i) pj[i] = std::exp(pj[i] * p.scale - lse[r * b + i]);
       }
       const Part lower = diag ? Part::kLowerInner : Part::kFull;
       const Part upper = diag ? Part::kUpperInner : Part::kFull;
       const bool add_kv = written[c] != 0.f, add_q = e != rp[r];
       written[c] = 1.f;
-      gemm(b, D, b, {pr, 1, b}, do_r, D, dv + c * b * D, D, add_kv, upper);  // dV_c += Pᵀ dO_r
-      gemm(b, b, D, {do_r, D, 1}, vt + c * D * b, b, ds, b, false,
-           diag ? Part::kLowerCols : Part::kFull);  // dP = dO_r V_cᵀ
-      for (int64_t i = 0; i < b; ++i) {  // dS = P (dP - Di) scale; 0 where P is masked
-        const Vec d = Vec::splat(di[r * b + i]), sc = Vec::splat(p.scale);
-        float* dsi = ds + i * b;
-        const float* pi = pr + i * b;
-        const int64_t end = diag ? i + 1 : b;  // dP past the diagonal was not computed
-        int64_t j = 0;
-        for (; j + kW <= end; j += kW)
-          (Vec::load(pi + j) * (Vec::load(dsi + j) - d) * sc).store(dsi + j);
-        for (; j < end; ++j) dsi[j] = pi[j] * (dsi[j] - di[r * b + i]) * p.scale;
-        std::fill(dsi + end, dsi + b, 0.f);
+      gemm(b, D, b, {pt, b, 1}, do_r, D, dv + c * b * D, D, add_kv, upper);  // dV_c += Pᵀ dO_r
+      gemm(b, b, D, {v + c * b * D, D, 1}, dot, b, ds, b, false,
+           diag ? Part::kUpperCols : Part::kFull);  // dPᵀ = V_c dO_rᵀ
+      for (int64_t j = 0; j < b; ++j) {  // dSᵀ = Pᵀ (dPᵀ - D) scale; 0 where a key is masked
+        float* dj = ds + j * b;
+        const float* pj = pt + j * b;
+        const int64_t start = diag ? j : 0;  // dPᵀ before the diagonal was not computed
+        std::fill(dj, dj + start, 0.f);
+        int64_t i = start;
+        for (; i < b && i % kW; ++i) dj[i] = pj[i] * (dj[i] - di[i]) * p.scale;
+        for (; i + kW <= b; i += kW)
+          (Vec::load(pj + i) * (Vec::load(dj + i) - Vec::load(di + i)) * sc).store(dj + i);
+        for (; i < b; ++i) dj[i] = pj[i] * (dj[i] - di[i]) * p.scale;
       }
-      gemm(b, D, b, {ds, b, 1}, k + c * b * D, D, dq + r * b * D, D, add_q, lower);  // dQ_r += dS K_c
-      gemm(b, D, b, {ds, 1, b}, q_r, D, dk + c * b * D, D, add_kv, upper);  // dK_c += dSᵀ Q_r
+      gemm(b, D, b, {ds, 1, b}, k + c * b * D, D, dq + r * b * D, D, add_q, lower);  // dQ_r += dS K_c
+      gemm(b, D, b, {ds, b, 1}, q_r, D, dk + c * b * D, D, add_kv, upper);  // dK_c += dSᵀ Q_r
     }
   }
   for (int64_t c = 0; c < nb; ++c) {  // keys no query of this head sees: zero gradient
@@ -385,19 +364,14 @@ void sparse_attention_backward(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t 
                                double scale) {
   pybind11::gil_scoped_release nogil;
   const Problem p{batch, heads, seq, dim, block, causal, static_cast<float>(scale)};
-  const int64_t pairs = batch * heads, hd = seq * dim;
+  const int64_t pairs = batch * heads;
   const bool big = pairs > 1 && worth_threads(p, ptr<const int32_t>(row_ptr));
-  // Kᵀ and Vᵀ per head (see Note [tiles as small matrix products]), written before they are read.
-  float* kt = workspace<0>(pairs * hd);  // See Note [workspaces kept between calls].
-  float* vt = workspace<1>(pairs * hd);
 #pragma omp parallel for schedule(dynamic, 1) if (big)
   for (int64_t bh = 0; bh < pairs; ++bh) {
-    transpose_blocks(p, ptr<const float>(k) + bh * hd, kt + bh * hd);
-    transpose_blocks(p, ptr<const float>(v) + bh * hd, vt + bh * hd);
-    backward_head(p, bh, ptr<const float>(q), ptr<const float>(k), kt + bh * hd,
-                  ptr<const float>(v), vt + bh * hd, ptr<const float>(out),
-                  ptr<const float>(dout), ptr<const float>(lse), ptr<const int32_t>(row_ptr),
-                  ptr<const int32_t>(cols), ptr<float>(dq), ptr<float>(dk), ptr<float>(dv));
+    backward_head(p, bh, ptr<const float>(q), ptr<const float>(k), ptr<const float>(v),
+                  ptr<const float>(out), ptr<const float>(dout), ptr<const float>(lse),
+                  ptr<const int32_t>(row_ptr), ptr<const int32_t>(cols), ptr<float>(dq),
+                  ptr<float>(dk), ptr<float>(dv));
   }
 }
 
