@@ -1,12 +1,12 @@
 """ZeRO stage 3: parameters partitioned across ranks and fetched module by module.
 
-Reading order, outside-in (packages/zero/README.md lists the same). From ``zero.shard``
-to the ``torch.distributed`` call is six files: api.py, the first three below, and comm's
-``collectives.py`` and ``call.py`` (packages/zero/README.md, "The stage-3 path", counts them):
+Reading order, outside-in (packages/zero/README.md lists the same; its "The stage-3 path"
+lists, as a test traces them, the files one step runs from the optimizer to the collectives):
 
-1. `strategy` — `Stage3Strategy`, what ``zero.shard`` builds (partitions, fp32 masters,
-   persistent parameters, fetch units, hooks) and what the optimizer sees; and
-   `GradShardReducer`, the gradient reduce-scatter into fp32 shards;
+1. `assemble` — what ``zero.shard`` builds, once, in order (partitions, fp32 masters,
+   persistent parameters, fetch units, hooks, ZeRO++, the reducer); `strategy` —
+   `Stage3Strategy`, what the optimizer sees at every step, and `GradShardReducer`, the
+   gradient reduce-scatter into fp32 shards;
 2. `coordinator` — the module hooks (the four moments: pre/post forward, pre/post backward)
    and `FetchCoordinator`, which fetch unit to gather and release when, in which pass
    (`FetchPhase`); beside it `prefetch` — `Prefetcher`, what to fetch ahead within the
@@ -22,7 +22,8 @@ to the ``torch.distributed`` call is six files: api.py, the first three below, a
    initialisers run after `Init` partitioned a module; `access` — why reading a released
    parameter raises; `released` — what a released parameter answers (its full shape) and which
    reads raise; `ledger` — bytes per step, as a formula;
-6. `zeropp` (qwZ, hpZ), `zeropp_grads` (qgZ) and `zeropp_ledger` — ZeRO++;
+6. `zeropp` (qwZ, hpZ), `zeropp_grads` (qgZ) and `zeropp_ledger` — ZeRO++ (and MiCS's bytes per
+   axis); `mics` — MiCS: stage 3 over shard groups, replicated across them;
 7. ZeRO-Infinity (``offload_param`` / ``offload_optimizer`` on NVMe): `offloaded` (where shards
    live), `infinity` (masters, states and gradients in files), `io_failures` (a failed file
    read or write becomes `OffloadIOError` on every rank, never a wait).
@@ -48,6 +49,7 @@ from minispeed.zero.stage3.zeropp_ledger import (
     axis_of,
     bytes_by_axis,
     cross_node_bytes,
+    mics_step_bytes,
     zeropp_step_bytes,
 )
 
@@ -70,6 +72,7 @@ __all__ = [
     "cross_node_bytes",
     "full_state_dict",
     "is_leaf_module",
+    "mics_step_bytes",
     "set_leaf_module",
     "stage3_step_bytes",
     "zeropp_step_bytes",

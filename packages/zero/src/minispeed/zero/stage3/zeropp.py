@@ -54,7 +54,7 @@ from torch.utils.hooks import RemovableHandle
 
 import minispeed.comm as comm
 from minispeed.comm import api_compat
-from minispeed.comm.compression import BlockQuantizer, QuantPacked
+from minispeed.comm.compression import BlockQuantizer, ScaledCodes
 from minispeed.core import ranges
 from minispeed.zero.config import ZeroConfig
 from minispeed.zero.stage3.params import ShardedParam, mark_issued
@@ -103,6 +103,11 @@ def check_zeropp(config: ZeroConfig, group: Any, numels: Sequence[int], param_by
     tiny all-to-all on every rank and raises on every rank alike.
     """
     world = comm.get_world_size(group)
+    nodes = config.hpz_partition_size > 1 or config.quantized_gradients  # a NodeLayout's
+    if not nodes:  # qwZ alone quantizes the gather of whatever group stage 3 runs on
+        if config.quantized_weights:
+            _check_block_pays(config, world, numels, param_bytes)
+        return node_size_from_env(world)
     if world != comm.get_world_size():
         raise ValueError(
             f"ZeRO++ (zero_quantized_weights / zero_hpz_partition_size / zero_quantized_gradients) "
@@ -210,9 +215,10 @@ class ZeroPP:
         node_size: int,
         model: nn.Module,
     ) -> None:
-        self.world_size = comm.get_world_size()
-        self.rank = comm.get_rank()
-        self.layout = NodeLayout(node_size) if self.world_size > 1 else None
+        # The group stage 3 runs on: the world, or MiCS's shard group (qwZ alone: mics.py).
+        self.world_size = comm.get_world_size(sharded[0].group if sharded else None)
+        nodes = config.hpz_partition_size > 1 or config.quantized_gradients
+        self.layout = NodeLayout(node_size) if self.world_size > 1 and nodes else None
         self.weights = (
             BlockQuantizer(8, config.quant_block_numel) if config.quantized_weights else None
         )
@@ -241,7 +247,7 @@ class ZeroPP:
             self._handle = model.register_forward_pre_hook(invalidate, prepend=True)
         self._sharded = list(sharded)
         for sp in self._sharded:
-            sp.gatherer = self
+            sp.set_gatherer(self)
 
     def remove(self) -> None:
         """Remove the forward hook and detach from the parameters (Stage3Strategy.close)."""
@@ -249,7 +255,7 @@ class ZeroPP:
             self._handle.remove()
             self._handle = None
         for sp in self._sharded:
-            sp.gatherer = None
+            sp.set_gatherer(None)
 
     # -- gathers ------------------------------------------------------------------------------------
     def all_gather(self, todo: list[ShardedParam], async_op: bool) -> Any:
@@ -340,7 +346,7 @@ class ZeroPP:
         def finish() -> None:
             rows = gathered.view(self.world_size, -1)  # row r: rank r's messages
             for sp, start, nbytes, padded in layout:
-                packed = QuantPacked.from_rows(
+                packed = ScaledCodes.from_rows(
                     rows[:, start : start + nbytes], padded, q.bits, q.block_numel
                 )
                 values = q.decompress(packed).view(self.world_size, padded)[:, : sp.shard_numel]
