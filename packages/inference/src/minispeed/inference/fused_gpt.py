@@ -122,7 +122,10 @@ class FusedGPTBlock(nn.Module):
 # once: the block tables and lengths (int32, checked once by `kernels.check_decode_inputs`, so the
 # L `decode_attention` calls pass validate=False and skip three reductions each), and the flat
 # cache slots the new K and V go to (one `index_copy_` per layer instead of indexing with
-# (block, offset) pairs). benchmarks/inference_decode.py reports the effect (docs: before/after).
+# (block, offset) pairs). The positions are checked against block_size once per forward (`_run`),
+# so the rotary layers skip their own range check (two reductions each). At 124M parameters the
+# linears dominate instead: see Note [reading the weights once at full bandwidth] in
+# csrc/kernels/linear.cpp. benchmarks/inference_decode.py reports both (docs: before/after).
 
 
 class InferenceGPT(nn.Module):
@@ -186,6 +189,11 @@ class InferenceGPT(nn.Module):
         # device here, once per forward (a no-op when they are already there).
         device = self.wte.weight.device
         idx, positions = idx.to(device), positions.to(device)
+        if positions.numel() and int(positions.max()) >= self.block_size:  # Note [decode step plan]
+            raise ValueError(
+                f"position {int(positions.max())} is past the model's {self.block_size} positions: "
+                "generate fewer tokens or start a new sequence"
+            )
         with kernels.pinned_op():  # the op is looked up once per forward, not per kernel call
             return self._run_blocks(idx, positions, attend)
 

@@ -268,9 +268,18 @@ def masked_softmax(
 
 
 def rotary_embedding(
-    x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    validate: bool = True,
 ) -> torch.Tensor:
-    """Rotate-half rotary embedding of `x` `(T, H, D)` at `positions` `(T,)` (int64)."""
+    """Rotate-half rotary embedding of `x` `(T, H, D)` at `positions` `(T,)` (int64).
+
+    `validate=False` skips the range check of `positions` (two reductions, each read back to the
+    host) for a caller that checked them once per forward, as `InferenceGPT` does for its L
+    layers; they must then lie in `[0, cos.shape[0])`.
+    """
     x, cos, sin = _fp32(x, "x"), _fp32(cos, "cos"), _fp32(sin, "sin")
     if x.dim() != 3 or x.shape[-1] % 2:
         raise ValueError(f"x must be (T, H, D) with even D, got {tuple(x.shape)}")
@@ -283,7 +292,7 @@ def rotary_embedding(
     positions = positions.detach().to(torch.int64).contiguous()
     if positions.shape != (T,):
         raise ValueError(f"positions must be ({T},), got {tuple(positions.shape)}")
-    if T and (int(positions.min()) < 0 or int(positions.max()) >= cos.shape[0]):
+    if validate and T and (int(positions.min()) < 0 or int(positions.max()) >= cos.shape[0]):
         raise ValueError(
             f"positions must lie in [0, {cos.shape[0]}), got [{int(positions.min())}, "
             f"{int(positions.max())}]: build longer tables"
