@@ -101,7 +101,10 @@ def _built_under_init(rank: int, world_size: int) -> dict:
         model = LateInitGPT()
     out["init_shards"] = {sp.world_size for sp in init.sharded}
     out["init_weights"] = zero.full_state_dict(model)
-    opt = zero.shard(model, torch.optim.AdamW(model.parameters(), lr=LR), config=cfg)
+    grid = zero.MicsGroups.build(2)  # as the engine's grid builds them: the same ranks
+    opt = zero.shard(
+        model, torch.optim.AdamW(model.parameters(), lr=LR), config=cfg, mics_groups=grid
+    )
     out["groups_reused"] = opt.strategy.groups is init.mics_groups
     out["init_losses"] = _train(model, opt, rank, world_size, batches)
     opt.close()
@@ -110,6 +113,15 @@ def _built_under_init(rank: int, world_size: int) -> dict:
     opt = zero.shard(model, torch.optim.AdamW(model.parameters(), lr=LR), config=cfg)
     out["losses"] = _train(model, opt, rank, world_size, batches)
     opt.close()
+    # Init and shard must agree on MiCS: refused by name, on every rank, before a collective.
+    out["refused"] = []
+    for init_size, shard_size in [(2, -1), (2, 4), (-1, 2)]:
+        with zero.Init(config=_config(init_size)):
+            model = nn.Linear(4, 4)
+        try:
+            zero.shard(model, torch.optim.SGD(model.parameters(), lr=LR), _config(shard_size))
+        except ValueError as exc:
+            out["refused"].append(str(exc))
     return out
 
 
@@ -153,3 +165,14 @@ def test_a_value_changed_on_one_rank_reaches_every_replica_as_under_plain_zero3(
         for name, value in reference.items():
             torch.testing.assert_close(init["init_weights"][name], value, rtol=0, atol=0)
         torch.testing.assert_close(init["init_losses"], init["losses"], rtol=0, atol=0)
+        assert len(init["refused"]) == 3, init["refused"]
+        for message in (init["refused"][0], init["refused"][2]):
+            assert "partitioned by zero.Init over" in message, message
+            assert "same ZeroConfig (mics_shard_size)" in message, message
+        assert "MiCS shard groups of 2 ranks" in init["refused"][1], init["refused"][1]
+
+    # The checkpoint saved under MiCS consolidates offline into the weights it was saved from.
+    consolidated = tmp_path / "mics.pt"
+    zero.consolidate(tmp_path, consolidated, tag="s2")
+    for name, value in torch.load(consolidated).items():
+        torch.testing.assert_close(value, results[0]["mics"]["weights"][name], rtol=0, atol=0)
