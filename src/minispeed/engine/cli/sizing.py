@@ -20,7 +20,7 @@ import json
 import math
 from pathlib import Path
 
-from minispeed.engine import cluster_time, sizing_paper
+from minispeed.engine.cli import cluster_time, sizing_paper
 from minispeed.engine.cli.launcher import UsageError
 
 __all__ = ["add_arguments", "count_hf_config", "main"]
