@@ -18,9 +18,9 @@ shard group [0 1] only: ranks 2 and 3 failed with it as source, and zero.Init ig
 from __future__ import annotations
 
 import torch
-from stage3_testlib import GLOBAL_BATCH, LR, global_loss
+from stage3_testlib import GLOBAL_BATCH, LR, train_losses
 from torch import nn
-from zero_testlib import TinyGPT, make_batches, make_model, rank_slice
+from zero_testlib import TinyGPT, make_batches, make_model
 
 import minispeed.zero as zero
 from minispeed.core.testing import run_distributed
@@ -41,21 +41,11 @@ def _build(shard_size: int, seed: int):
     return model, opt
 
 
-def _train(model, opt, rank: int, world_size: int, batches) -> list[float]:
-    losses = []
-    for batch in batches:
-        loss = model(*rank_slice(batch, rank, world_size))
-        losses.append(global_loss(loss, world_size))
-        opt.backward(loss)
-        opt.step()
-    return losses
-
-
 def _edits(rank: int, world_size: int, tmp: str, shard_size: int) -> dict:
     batches = make_batches(2, GLOBAL_BATCH)
     out: dict = {}
     model, opt = _build(shard_size, seed=0)
-    out["losses"] = _train(model, opt, rank, world_size, batches[:1])
+    out["losses"] = train_losses(model, opt, rank, world_size, batches[:1])
     weight = model.wte.weight
     with torch.no_grad(), zero.GatheredParameters(weight, modifier_rank=0):
         if rank == 0:
@@ -66,13 +56,13 @@ def _edits(rank: int, world_size: int, tmp: str, shard_size: int) -> dict:
     out["set"] = full_values.full_fp32_param(target)
     out["weights"] = zero.full_state_dict(model)
     zero.save_checkpoint(opt, model, tmp, tag=f"s{shard_size}")
-    out["losses"] += _train(model, opt, rank, world_size, batches[1:])
+    out["losses"] += train_losses(model, opt, rank, world_size, batches[1:])
     opt.close()
 
     model, opt = _build(shard_size, seed=7)  # other values, the frozen embedding's included
     zero.load_checkpoint(opt, model, tmp, tag=f"s{shard_size}")
     out["loaded"] = zero.full_state_dict(model, rank0_only=True)
-    out["resumed"] = _train(model, opt, rank, world_size, batches[1:])
+    out["resumed"] = train_losses(model, opt, rank, world_size, batches[1:])
     out["shards"] = {sp.world_size for sp in opt.strategy.sharded_params()}
     opt.close()
     return out
@@ -106,12 +96,12 @@ def _built_under_init(rank: int, world_size: int) -> dict:
         model, torch.optim.AdamW(model.parameters(), lr=LR), config=cfg, mics_groups=grid
     )
     out["groups_reused"] = opt.strategy.groups is init.mics_groups
-    out["init_losses"] = _train(model, opt, rank, world_size, batches)
+    out["init_losses"] = train_losses(model, opt, rank, world_size, batches)
     opt.close()
     torch.manual_seed(100 + rank)
     model = LateInitGPT()  # built whole: partitioned by zero.shard from the first rank
     opt = zero.shard(model, torch.optim.AdamW(model.parameters(), lr=LR), config=cfg)
-    out["losses"] = _train(model, opt, rank, world_size, batches)
+    out["losses"] = train_losses(model, opt, rank, world_size, batches)
     opt.close()
     # Init and shard must agree on MiCS: refused by name, on every rank, before a collective.
     out["refused"] = []
