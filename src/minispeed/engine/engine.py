@@ -111,7 +111,7 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
         self._step_started = time.perf_counter()
         self.comms_logger: comm.CommsLogger | None = None
         if config.comms_logger.enabled:
-            self.comms_logger = comm.CommsLogger()
+            self.comms_logger = comm.CommsLogger.from_config(config.comms_logger)
             self.comms_logger.__enter__()
         # Told of every boundary (a `minispeed tune` trial's recorder: engine/tune/trial.py).
         self._observers = tuple(observers)
