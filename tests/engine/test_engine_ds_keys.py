@@ -13,6 +13,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from minispeed.core.sections import is_alias, is_unsupported
 from minispeed.engine.config.schema import config_schema
 
@@ -21,7 +23,6 @@ RECORDED = json.loads(FIXTURE.read_text())
 DS: dict[str, dict[str, Any]] = RECORDED["keys"]
 SCHEMA = config_schema()
 
-_STAGE3_NAME = "the pydantic field name of a stage3_* key we read under its stage3_ name (DeepSpeed takes both spellings)"  # fmt: skip
 _NO_ALL_REDUCE_FETCH = "stage-3 parameters are fetched by all-gather only"
 _FP32_MASTERS = "our masters (and the optimizer states) stay fp32 under fp16 and bf16"
 
@@ -62,11 +63,6 @@ NOT_OURS: dict[str, str] = {
     "tensor_parallel.tp_overlap_comm": "the tensor-parallel all-reduces are not overlapped",
     "tensor_parallel.vocab_parallel_ce_backend": "no vocabulary-parallel cross-entropy",
     "tensor_parallel.vocab_parallel_lm_head": "no vocabulary-parallel cross-entropy",
-    "zero_optimization.max_live_parameters": _STAGE3_NAME,
-    "zero_optimization.max_reuse_distance": _STAGE3_NAME,
-    "zero_optimization.param_persistence_threshold": _STAGE3_NAME,
-    "zero_optimization.prefetch_bucket_size": _STAGE3_NAME,
-    "zero_optimization.gather_16bit_weights_on_model_save": _STAGE3_NAME,
     "zero_optimization.allgather_sequential": _NO_ALL_REDUCE_FETCH,
     "zero_optimization.stage3_allgather_sequential": _NO_ALL_REDUCE_FETCH,
     "zero_optimization.use_all_reduce_for_fetch_params": _NO_ALL_REDUCE_FETCH,
@@ -229,3 +225,25 @@ def test_where_both_read_a_key_the_defaults_are_deepspeeds_unless_listed() -> No
     assert shared["steps_per_print"] is None and DS["steps_per_print"]["default"] is None
     assert shared["zero_force_ds_cpu_optimizer"] is True
     assert shared["gradient_clipping"] == DS["gradient_clipping"]["default"] == 1.0
+
+
+def test_the_stage3_keys_are_read_under_deepspeeds_field_names_too() -> None:
+    """DeepSpeed's ZeRO model takes `max_live_parameters` for `stage3_max_live_parameters` (its
+    field name and its alias): both set the same field here, and both at once must agree."""
+    from minispeed.core.config import ConfigError
+    from minispeed.zero import ZeroConfig
+
+    pairs = {
+        "prefetch_bucket_size": ("stage3_prefetch_bucket_size", 1234),
+        "param_persistence_threshold": ("stage3_param_persistence_threshold", 1234),
+        "max_live_parameters": ("stage3_max_live_parameters", 1234),
+        "max_reuse_distance": ("stage3_max_reuse_distance", 1234),
+        "gather_16bit_weights_on_model_save": ("stage3_gather_16bit_weights_on_model_save", True),
+    }
+    for field_name, (stage3_name, value) in pairs.items():
+        assert DS[f"zero_optimization.{field_name}"]["reader"].endswith(f".{field_name}")
+        by_field = ZeroConfig.from_section({"stage": 3, field_name: value})
+        assert by_field == ZeroConfig.from_section({"stage": 3, stage3_name: value}), field_name
+        assert by_field != ZeroConfig.from_section({"stage": 3}), field_name
+        with pytest.raises(ConfigError, match="another name of"):
+            ZeroConfig.from_section({"stage": 3, field_name: value, stage3_name: not value})
