@@ -56,21 +56,8 @@ class Call:
     call, kept by its `CommWork`, holds shapes only, never a buffer.
     """
 
-    __slots__ = (
-        "checked",
-        "compat_op",
-        "dtype",
-        "group",
-        "impl",
-        "msg_bytes",
-        "n",
-        "numel",
-        "op",
-        "rejects",
-        "shapes",
-        "step",
-        "wire",
-    )
+    __slots__ = ("caller", "checked", "compat_op", "dtype", "group", "impl", "msg_bytes", "n")
+    __slots__ += ("numel", "op", "rejects", "shapes", "step", "wire")
 
     def __init__(
         self,
@@ -89,8 +76,10 @@ class Call:
         self.checked = cross_check and handshake.checked(group, depth=3)
         self.impl = "native"  # or the fallback that ran, known at launch
         # compat_op, dtype, msg_bytes, numel, shapes, wire: set by launch, which describes the
-        # message; step: the logger's step at issue, when a logger is active
+        # message; step (and caller, when asked for): the logger's step at issue, when a logger
+        # records this call
         self.step: int | None = None
+        self.caller = ""
 
     def __enter__(self) -> Call:
         return self
@@ -149,9 +138,13 @@ class Call:
         self.msg_bytes = msg_bytes
         self.shapes = [tuple(x.shape) for x in tensors]
         log = logger._ACTIVE  # See Note [logger off is one global read]
+        if log is not None and log.ops is not None and self.op not in log.ops:
+            log = None  # an op the logger does not record runs as with none (prof_ops)
         t0 = 0.0
         if log is not None:
             self.step = log.step  # the step of issue, also for an async call logged at wait()
+            if log.callers:  # launch <- the collective <- ... <- the first frame outside comm
+                self.caller = logger.caller_name(skip=1)
             get_accelerator().synchronize()
             t0 = time.perf_counter()
         try:
@@ -193,6 +186,7 @@ class Call:
             step=self.step,
             impl=self.impl,
             ranks=tuple(validation.group_ranks(self.group)),
+            caller=self.caller,
         )
 
     def error(self, err: BaseException) -> validation.CommError:
@@ -288,16 +282,13 @@ def all_gather_flat(
     if impl == "broadcasts":
         ranks = validation.group_ranks(group)
         chunks = output.view(len(ranks), -1)
-        mine = chunks[dist.get_rank(group)]
-        if mine.data_ptr() != input.data_ptr():
-            mine.copy_(input)
-        work = api_compat.WorkList(
-            [dist.broadcast(c, src, group=group, async_op=True) for c, src in zip(chunks, ranks)]
-        )
-        if not async_op:
-            work.wait()
-            return None, None
-        return work, None
+        if chunks[dist.get_rank(group)].data_ptr() != input.data_ptr():
+            chunks[dist.get_rank(group)].copy_(input)
+        works = [
+            dist.broadcast(c, src, group=group, async_op=True) for c, src in zip(chunks, ranks)
+        ]
+        work = api_compat.WorkList(works)
+        return work if async_op or not work.wait() else None, None  # wait() is True
     return native_or_fallback(
         "all_gather",
         group,
