@@ -168,9 +168,7 @@ def _build_adam(
 
     from minispeed.offload import CPUAdam
 
-    # `adamw_mode` where CPUAdam takes DeepSpeed's name, else torch's `decoupled_weight_decay`.
-    mode_key = "adamw_mode" if "adamw_mode" in _accepted(CPUAdam) else "decoupled_weight_decay"
-    return CPUAdam(model_parameters, **params, **{mode_key: decoupled})
+    return CPUAdam(model_parameters, **params, decoupled_weight_decay=decoupled)
 
 
 def _build_lion(params: dict[str, Any], model_parameters: Any, offload: bool) -> Any:
