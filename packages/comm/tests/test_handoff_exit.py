@@ -17,6 +17,7 @@ import minispeed.comm as comm
 from minispeed.comm import handoff
 from minispeed.core.testing import distributed_test
 
+
 def _held_by_others(t: torch.Tensor) -> bool:
     return t._use_count() != 1  # 1: the caller's own tensor object alone
 
