@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 from minispeed.engine.launcher import UsageError
@@ -23,6 +24,14 @@ from minispeed.engine.launcher import UsageError
 __all__ = ["add_arguments", "count_hf_config", "main"]
 
 GiB = 2**30
+
+
+_FLAGS = {
+    "a parameter count": "--params",
+    "largest_layer_params": "--largest-layer",
+    "additional_buffer_factor": "--buffer-factor",
+}
+"""`estimate_modes`'s names in its errors -> the flags they came from."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -78,11 +87,13 @@ def main(args: argparse.Namespace) -> int:
             raise UsageError(f"--{name} must be >= 1, got {getattr(args, name)}")
     for name in ("gpu_mem", "cpu_mem"):
         value = getattr(args, name)
-        if value is not None and value <= 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be > 0 GiB, got {value}")
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise UsageError(
+                f"--{name.replace('_', '-')} must be a finite number > 0 GiB, got {value}"
+            )
     if args.model is not None:
         psi, largest = count_hf_config(args.model)
-        largest = largest if args.largest_layer is None else int(args.largest_layer)
+        largest = largest if args.largest_layer is None else args.largest_layer
     else:
         psi, largest = args.params, args.largest_layer
     try:
@@ -93,8 +104,11 @@ def main(args: argparse.Namespace) -> int:
             largest_layer_params=largest,
             additional_buffer_factor=args.buffer_factor,
         )
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    except ValueError as e:  # the estimator's argument names, as this command's flags
+        message = str(e)
+        for arg, flag in _FLAGS.items():
+            message = message.replace(arg, flag)
+        raise UsageError(message) from None
     gpu_cap = None if args.gpu_mem is None else int(args.gpu_mem * GiB)
     cpu_cap = None if args.cpu_mem is None else int(args.cpu_mem * GiB)
     fits = [r.fits(gpu_cap, cpu_cap) for r in rows]
