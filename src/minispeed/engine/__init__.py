@@ -238,9 +238,14 @@ def initialize(
             model, tensor_parallel_plan, grid, per_stage=False,
             optimizer=optimizer, model_parameters=model_parameters,
         )  # fmt: skip
-    # 3. The optimizer.
+    # 3. The optimizer (under tensor parallelism an error on one rank raised on every rank).
     params = list(model_parameters) if model_parameters is not None else list(model.parameters())
-    opt = _build_optimizer(optimizer, params, cfg)
+    if grid is None:
+        opt = _build_optimizer(optimizer, params, cfg)
+    else:
+        opt = tensor_plan.agreed(
+            lambda: tensor_plan.checked(_build_optimizer(optimizer, params, cfg), model, grid)
+        )
     # 4. ZeRO over the data-parallel group (stage 0 is plain data parallelism); MoE experts over
     # their expert-data group, divided by the data-parallel size (moe/compose.py); the tensor
     # axis as ZeRO's model-parallel axis (the norm and the fp16 verdict over the whole model).
