@@ -11,27 +11,30 @@ kernels (tests compare the class and hyper-parameters with DeepSpeed's, recorded
 | ... `torch_adam: true` | `torch.optim.AdamW` if m else `Adam` | the same | the same |
 | `SGD`, any torch.optim name | that torch class | the same | the same, on the CPU masters |
 | `Adagrad` | `torch.optim.Adagrad` | the same | `DeepSpeedCPUAdagrad` / `offload.CPUAdagrad` |
-| `Lion` | `FusedLion` (CUDA) | `Lion` below (pure PyTorch) | `DeepSpeedCPULion` / `offload.CPULion` |
+| `Lion` | `FusedLion` (CUDA) | `offload.Lion` (pure PyTorch) | `DeepSpeedCPULion` / `offload.CPULion` |
 | `OneBitAdam`, `OneBitLamb` | removed in 0.19.8 | `comm.optim.OnebitAdam` (run over ZeRO 0-2 by `zero.onebit`) / `OnebitLamb` (refused by `zero.shard`) | refused (as DeepSpeed did) |
 
 `m` (AdamW mode) is `type == "AdamW" or adam_w_mode`, and `adam_w_mode` defaults to **true**:
 `"Adam"` means AdamW unless `adam_w_mode: false`. Without `torch_adam`, `weight_decay` defaults
 to 0 (FusedAdam's default, not torch AdamW's 0.01). Every param key DeepSpeed accepts for a type
 is either passed on or refused by name (e.g. `bias_correction: false`: torch's Adam always
-corrects); unknown keys and types are ValueErrors with a did-you-mean.
+corrects); unknown keys and types are ValueErrors with a did-you-mean. Every error is a
+`ConfigError` at the key as written (`optimizer.params.lr`), the constructor's own checks included
+(`by_name.construct`).
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from minispeed.engine.by_name import check_keys, did_you_mean, split_section
+from minispeed.core.config import ConfigError
+from minispeed.engine.by_name import OptimizerSection, check_params, construct, did_you_mean
 
-__all__ = ["OPTIMIZER_TYPES", "Lion", "build_optimizer"]
+__all__ = ["OPTIMIZER_TYPES", "build_optimizer"]
 
 OPTIMIZER_TYPES = ("Adam", "AdamW", "SGD", "Adagrad", "Lion", "OneBitAdam", "OneBitLamb")
 
@@ -51,76 +54,22 @@ REFUSED_TYPES = {
 }
 
 
-class Lion(torch.optim.Optimizer):
-    """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), elementwise.
-
-    Per parameter, with gradient g and momentum m (`state["exp_avg"]`, as `offload.CPULion`):
-
-    ```text
-    c <- b1 m + (1 - b1) g
-    p <- p (1 - lr wd) - lr sign(c)
-    m <- b2 m + (1 - b2) g
-    ```
-
-    DeepSpeed's FusedLion and CPU Lion (same defaults: lr 1e-3, betas (0.9, 0.999), wd 0).
-    One difference, where `c` is exactly 0 (a parameter whose gradient and momentum are both 0):
-    DeepSpeed moves it by `+lr` (CUDA) or `-lr` (CPU, `-copysign(lr, +0)`); here `sign(0) = 0`
-    leaves it where it is, as the paper does. 4 B of state per parameter (fp32) or its dtype's
-    size; the update runs in fp32 for low-precision parameters.
-    """
-
-    elementwise = True  # zero.shard may step a slice of each parameter (stages 1-3)
-
-    def __init__(
-        self,
-        params: Iterable[Any],
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        weight_decay: float = 0.0,
-    ) -> None:
-        if not lr >= 0.0 or not weight_decay >= 0.0:
-            raise ValueError(f"Lion: need lr >= 0 and weight_decay >= 0, got {lr}, {weight_decay}")
-        if len(betas) != 2 or not all(0.0 <= b <= 1.0 for b in betas):
-            raise ValueError(f"Lion: betas must be two values in [0, 1], got {betas}")
-        super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay})
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One Lion update of every parameter that has a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            lr, decay = group["lr"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("Lion does not support sparse gradients; use dense ones")
-                state = self.state[p]
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                exp_avg = state["exp_avg"]
-                master = p if p.dtype == torch.float32 else p.float()
-                grad, m = p.grad.to(master.dtype), exp_avg.to(master.dtype)
-                direction = m.mul(beta1).add_(grad, alpha=1 - beta1).sign_()
-                if decay > 0:
-                    master.mul_(1 - lr * decay)
-                master.add_(direction, alpha=-lr)
-                m.mul_(beta2).add_(grad, alpha=1 - beta2)
-                if master is not p:
-                    p.copy_(master)
-                if m is not exp_avg:
-                    exp_avg.copy_(m)
-        return loss
+_PATH = "optimizer"
 
 
-def _require(where: str, params: dict[str, Any], key: str, allowed: Any, why: str) -> None:
+def _require(kind: str, params: dict[str, Any], key: str, allowed: Any, why: str) -> None:
     """Refuse `params[key]` unless it equals `allowed` (DeepSpeed's default we implement)."""
-    if key in params and params.pop(key) != allowed:
-        raise ValueError(f"{where}: {key!r} must be {allowed!r} here: {why}")
+    if key in params:
+        value = params.pop(key)
+        if value != allowed:
+            raise ConfigError(
+                f"{_PATH}.params.{key}",
+                f"{value!r}: {kind}'s {key!r} must be {allowed!r} here: {why}",
+            )
+
+
+def _check(kind: str, params: dict[str, Any], accepted: Any) -> None:
+    check_params(params, accepted, _PATH, repr(kind))
 
 
 def _accepted(cls: type, *extra: str) -> set[str]:
@@ -135,72 +84,71 @@ _FP32_STATES = "minispeed keeps optimizer states in fp32 (bf16 states are not im
 def _build_adam(
     kind: str, params: dict[str, Any], model_parameters: Any, offload: bool
 ) -> torch.optim.Optimizer:
-    where = f"ds_config optimizer {kind}"
     adam_w_mode = params.pop("adam_w_mode", True)
     torch_adam = params.pop("torch_adam", False)
     for key, value in (("adam_w_mode", adam_w_mode), ("torch_adam", torch_adam)):
         if not isinstance(value, bool):
-            raise ValueError(f"{where}: {key!r} must be true or false, got {value!r}")
+            raise ConfigError(
+                f"{_PATH}.params.{key}", f"{kind}'s {key!r} must be true or false, got {value!r}"
+            )
     decoupled = kind.lower() == "adamw" or adam_w_mode  # DeepSpeed's: "Adam" is AdamW by default
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
     own = {"adam_w_mode", "torch_adam", "fp32_optimizer_states"}
     if torch_adam:
         # DeepSpeed hands the remaining params to torch as they are (torch's defaults apply).
-        check_keys(where + " (torch_adam)", params, _accepted(cls) | own)
-        _require(where, params, "fp32_optimizer_states", True, _FP32_STATES)
-        return cls(model_parameters, **params)
+        _check(f"{kind} (torch_adam)", params, _accepted(cls) | own)
+        _require(kind, params, "fp32_optimizer_states", True, _FP32_STATES)
+        return construct(cls, model_parameters, params, _PATH)
 
     fused = {"lr", "betas", "eps", "weight_decay", "bias_correction", "amsgrad"} | own
-    check_keys(where, params, fused if offload else fused | {"set_grad_none"})
-    _require(where, params, "fp32_optimizer_states", True, _FP32_STATES)
-    _require(where, params, "bias_correction", True, "torch's Adam always corrects the bias")
+    _check(kind, params, fused if offload else fused | {"set_grad_none"})
+    _require(kind, params, "fp32_optimizer_states", True, _FP32_STATES)
+    _require(kind, params, "bias_correction", True, "torch's Adam always corrects the bias")
     _require(
-        where,
+        kind,
         params,
         "amsgrad",
         False,
         "DeepSpeed's FusedAdam and CPU Adam have no AMSGrad; set torch_adam: true for torch's",
     )
-    _require(where, params, "set_grad_none", True, "zero_grad() always sets gradients to None")
+    _require(kind, params, "set_grad_none", True, "zero_grad() always sets gradients to None")
     params.setdefault("weight_decay", 0.0)  # FusedAdam's and CPU Adam's default, not AdamW's
     if not offload:
-        return cls(model_parameters, **params)
+        return construct(cls, model_parameters, params, _PATH)
 
     from minispeed.offload import CPUAdam
 
-    return CPUAdam(model_parameters, **params, decoupled_weight_decay=decoupled)
+    return construct(
+        CPUAdam, model_parameters, {**params, "decoupled_weight_decay": decoupled}, _PATH
+    )
 
 
 def _build_lion(params: dict[str, Any], model_parameters: Any, offload: bool) -> Any:
-    where = "ds_config optimizer Lion"
-    check_keys(
-        where,
+    _check(
+        "Lion",
         params,
         {"lr", "betas", "weight_decay", "fp32_optimizer_states"}
         | (set() if offload else {"set_grad_none"}),
     )
-    _require(where, params, "fp32_optimizer_states", True, _FP32_STATES)
-    _require(where, params, "set_grad_none", True, "zero_grad() always sets gradients to None")
+    _require("Lion", params, "fp32_optimizer_states", True, _FP32_STATES)
+    _require("Lion", params, "set_grad_none", True, "zero_grad() always sets gradients to None")
     hyper = {"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.0, **params}  # DeepSpeed's
-    if not offload:
-        return Lion(model_parameters, **hyper)
-    from minispeed.offload import CPULion
+    from minispeed.offload import CPULion, Lion
 
-    return CPULion(model_parameters, **hyper)
+    return construct(CPULion if offload else Lion, model_parameters, hyper, _PATH)
 
 
 def _build_adagrad(params: dict[str, Any], model_parameters: Any, offload: bool) -> Any:
-    where = "ds_config optimizer Adagrad"
     if not offload:
-        check_keys(where, params, _accepted(torch.optim.Adagrad))
-        return torch.optim.Adagrad(model_parameters, **params)
+        _check("Adagrad", params, _accepted(torch.optim.Adagrad))
+        return construct(torch.optim.Adagrad, model_parameters, params, _PATH)
     from minispeed.offload import CPUAdagrad
 
     # DeepSpeedCPUAdagrad's keys; CPUAdagrad also takes torch's (lr_decay, ...), so accept those.
-    check_keys(where, params, _accepted(CPUAdagrad, "amsgrad", "fp32_optimizer_states") - {"simd"})
-    _require(where, params, "amsgrad", False, "Adagrad has no AMSGrad variant")
-    _require(where, params, "fp32_optimizer_states", True, _FP32_STATES)
-    return CPUAdagrad(model_parameters, **params)
+    _check("Adagrad", params, _accepted(CPUAdagrad, "amsgrad", "fp32_optimizer_states") - {"simd"})
+    _require("Adagrad", params, "amsgrad", False, "Adagrad has no AMSGrad variant")
+    _require("Adagrad", params, "fp32_optimizer_states", True, _FP32_STATES)
+    return construct(CPUAdagrad, model_parameters, params, _PATH)
 
 
 # Keys of DeepSpeed's (removed) 1-bit optimizers that set something minispeed does one way only.
@@ -218,29 +166,28 @@ _ONEBIT_BACKENDS = ("nccl", "compressed")
 def _build_onebit(
     kind: str, params: dict[str, Any], model_parameters: Any, offload: bool, group: Any
 ) -> torch.optim.Optimizer:
-    where = f"ds_config optimizer {kind}"
     if offload:
-        raise ValueError(
-            f"{where}: a 1-bit optimizer cannot be offloaded (DeepSpeed could not either); remove "
-            "zero_optimization.offload_optimizer or use 'Adam'"
+        raise ConfigError(
+            f"{_PATH}.type",
+            f"{kind!r}: a 1-bit optimizer cannot be offloaded (DeepSpeed could not either); "
+            "remove zero_optimization.offload_optimizer or use 'Adam'",
         )
     from minispeed.comm.optim import OnebitAdam, OnebitLamb
 
     cls = OnebitAdam if kind.lower() == "onebitadam" else OnebitLamb
-    check_keys(
-        where, params, (_accepted(cls) - {"group"}) | set(_ONEBIT_FIXED) | {"comm_backend_name"}
-    )
+    _check(kind, params, (_accepted(cls) - {"group"}) | set(_ONEBIT_FIXED) | {"comm_backend_name"})
     for key, (allowed, why) in _ONEBIT_FIXED.items():
-        _require(where, params, key, allowed, why)
+        _require(kind, params, key, allowed, why)
     backend = params.pop("comm_backend_name", "nccl")
     if backend not in _ONEBIT_BACKENDS:
-        raise ValueError(
-            f"{where}: 'comm_backend_name' must be one of {list(_ONEBIT_BACKENDS)} here, got "
+        raise ConfigError(
+            f"{_PATH}.params.comm_backend_name",
+            f"{kind}'s 'comm_backend_name' must be one of {list(_ONEBIT_BACKENDS)} here, got "
             f"{backend!r}: minispeed communicates through the process group's own backend (NCCL "
-            "or gloo); leave the key out"
+            "or gloo); leave the key out",
         )
     params.setdefault("freeze_step", 100000)  # DeepSpeed's default (ours is 100)
-    return cls(model_parameters, **params, group=group)
+    return construct(cls, model_parameters, {**params, "group": group}, _PATH)
 
 
 def _torch_optimizer_class(kind: str) -> type | None:
@@ -254,7 +201,7 @@ def _torch_optimizer_class(kind: str) -> type | None:
 
 
 def build_optimizer(
-    section: dict[str, Any],
+    section: OptimizerSection | dict[str, Any],
     model_parameters: Iterable[Any],
     *,
     offload: bool = False,
@@ -265,22 +212,17 @@ def build_optimizer(
     `model_parameters`: parameters or param-group dicts, as DeepSpeed accepts. `offload`: the
     optimizer steps fp32 master copies on the CPU (ZeRO-Offload): offload's CPU classes where
     DeepSpeed uses its own. `process_group`: the data-parallel group 1-bit optimizers average
-    over (`None`: every rank). Raises a ValueError naming an unknown type or param key, or a
-    DeepSpeed key whose value minispeed does not implement.
+    over (`None`: every rank). Raises a `ConfigError` naming an unknown type or param key, a
+    DeepSpeed key whose value minispeed does not implement, or a value the class refuses.
     """
-    if isinstance(section, dict) and "legacy_fusion" in section:
-        # DeepSpeed's FP16_Optimizer switch for its legacy fused Adam path: only its default.
-        section = dict(section)
-        if section.pop("legacy_fusion") is not False:
-            raise ValueError(
-                "ds_config optimizer.legacy_fusion: only false (DeepSpeed's default) is supported: "
-                "minispeed has no legacy fused-Adam fp16 path; remove the key"
-            )
-    kind, params = split_section(section, "optimizer")
+    if not isinstance(section, OptimizerSection):
+        section = OptimizerSection.from_section(section)
+    kind, params = section.type, dict(section.params)
     if "max_grad_norm" in params:
-        raise ValueError(
-            f"ds_config optimizer {kind}: 'max_grad_norm' is not an optimizer param (as in "
-            "DeepSpeed); set the top-level 'gradient_clipping' instead"
+        raise ConfigError(
+            f"{_PATH}.params.max_grad_norm",
+            f"'max_grad_norm' is not a param of {kind!r} (as in DeepSpeed); set the top-level "
+            "'gradient_clipping' instead",
         )
     lower = kind.lower()
     if lower in ("adam", "adamw"):
@@ -292,16 +234,15 @@ def build_optimizer(
     if lower in ("onebitadam", "onebitlamb"):
         return _build_onebit(kind, params, model_parameters, offload, process_group)
     if lower in REFUSED_TYPES:
-        raise ValueError(
-            f"ds_config optimizer type {kind!r} is not supported: {REFUSED_TYPES[lower]}"
-        )
+        raise ConfigError(f"{_PATH}.type", f"{kind!r} is not supported: {REFUSED_TYPES[lower]}")
     cls = _torch_optimizer_class(kind)
     if cls is None:
-        raise ValueError(
-            f"ds_config optimizer type {kind!r} is unknown{did_you_mean(kind, OPTIMIZER_TYPES)}; "
-            f"supported: {', '.join(OPTIMIZER_TYPES)}, or a torch.optim class name"
+        raise ConfigError(
+            f"{_PATH}.type",
+            f"{kind!r} is unknown{did_you_mean(kind, OPTIMIZER_TYPES)}; supported: "
+            f"{', '.join(OPTIMIZER_TYPES)}, or a torch.optim class name",
         )
     # SGD and the rest of torch.optim: DeepSpeed passes the params to the class as they are, and
     # keeps it when offloading (it then steps the CPU masters).
-    check_keys(f"ds_config optimizer {kind}", params, _accepted(cls))
-    return cls(model_parameters, **params)
+    _check(kind, params, _accepted(cls))
+    return construct(cls, model_parameters, params, _PATH)

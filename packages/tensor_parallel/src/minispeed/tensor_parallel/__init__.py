@@ -9,8 +9,11 @@ Reading order (see README.md):
 4. `layers` — `ColumnParallelLinear`, `RowParallelLinear`, `VocabParallelEmbedding`.
 5. `cross_entropy` — the loss over vocabulary-split logits.
 6. `costs` — bytes per call of each layer, the formulas the tests assert.
-7. `styles`, `plan`, `plans` — `parallelize(model, plan, group)` and the ready plans.
+7. `styles`, `plan`, `plans` — `parallelize(model, plan, group)` and the ready plans;
+   `agreed` — a plan chosen and applied on every rank of a grid, agreed by all of them (the
+   engine's tensor-parallel step).
 8. `memory` — activation bytes per rank, with and without sequence parallelism.
+9. `config` — `TensorParallelConfig`, DeepSpeed's `tensor_parallel` section (the grid's T).
 
 ```python
 import minispeed.tensor_parallel as tp
@@ -21,6 +24,14 @@ loss = tp.vocab_parallel_cross_entropy(logits, targets, group)
 ```
 """
 
+from minispeed.tensor_parallel.agreed import (
+    agreed,
+    apply_plan,
+    parallelize_everywhere,
+    ready_plan,
+    rebind,
+)
+from minispeed.tensor_parallel.config import TensorParallelConfig
 from minispeed.tensor_parallel.costs import (
     Collective,
     column_collectives,
@@ -70,8 +81,11 @@ __all__ = [
     "SequenceShard",
     "ShardSpec",
     "TensorGroup",
+    "TensorParallelConfig",
     "Vocab",
     "VocabParallelEmbedding",
+    "agreed",
+    "apply_plan",
     "check_divides",
     "column_collectives",
     "copy_to_parallel",
@@ -83,6 +97,9 @@ __all__ = [
     "gpt_plan",
     "llama_plan",
     "parallelize",
+    "parallelize_everywhere",
+    "ready_plan",
+    "rebind",
     "reduce_from_parallel",
     "reduce_scatter_to_sequence",
     "row_collectives",

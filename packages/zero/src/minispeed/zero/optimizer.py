@@ -241,6 +241,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._check_open("load_state_dict")
         load_rank_state_dict(self, state_dict)
 
+    def load_masters(self, state_dict: dict[str, Any]) -> None:
+        """Only the fp32 masters of what `state_dict` returned on this rank, published into the
+        model; the inner optimizer's state, the loss scale and the counters stay as they are
+        (a checkpoint loaded without its optimizer states). Collective, as `load_state_dict`."""
+        from minispeed.zero.rank_state import load_rank_masters
+
+        self._check_open("load_masters")
+        load_rank_masters(self, state_dict)
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Refused: the partition of every parameter is fixed by `zero.shard`."""
         raise RuntimeError(
