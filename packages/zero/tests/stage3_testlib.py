@@ -238,8 +238,9 @@ class StorageProbe(TorchDispatchMode):
 
 class AllocatorTrace:
     """Every allocation and free of the CPU allocator inside the block, from the allocator's own
-    event stream (`torch.profiler` with `profile_memory=True`): the bytes still held at the end
-    (`net`) and the most held at once (`peak`), counted from the block's start.
+    event stream (`torch.profiler` with `profile_memory=True`): of the blocks allocated inside,
+    the bytes still held at the end (`net`) and the most held at once (`peak`). A free of a block
+    allocated before the block (an earlier test's tensor dying now) is not counted.
 
     The cyclic garbage collector is off inside (`gc.disable()`), so garbage held by reference
     cycles counts as held, as it is until a collection happens to run. Only this thread's
@@ -267,17 +268,25 @@ class AllocatorTrace:
     def __exit__(self, *exc: object) -> None:
         import gc
 
+        from torch._C._profiler import _EventType
+
         self._prof.__exit__(*exc)
         if self._gc_was_enabled:
             gc.enable()
-        events = sorted(
-            (e.start_ns(), e.nbytes())
-            for e in self._prof.profiler.kineto_results.events()
-            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-        )
+        todo, allocations = list(self._prof.profiler.kineto_results.experimental_event_tree()), []
+        while todo:
+            node = todo.pop()
+            todo.extend(node.children)
+            if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+                allocations.append((node.start_time_ns, node.extra_fields))
+        held: dict[int, int] = {}  # pointer -> bytes, of the blocks allocated inside
         self.net = self.peak = 0
-        for _, nbytes in events:
-            self.net += nbytes
+        for _, event in sorted(allocations, key=lambda a: a[0]):
+            if event.alloc_size > 0:
+                held[event.ptr] = event.alloc_size
+                self.net += event.alloc_size
+            elif event.ptr in held:
+                self.net -= held.pop(event.ptr)
             self.peak = max(self.peak, self.net)
         self._prof = None
 
