@@ -7,7 +7,8 @@ An abort at exit (`terminate called without an active exception`, SIGABRT, exit 
 run that trained correctly is intermittent and more frequent on a loaded machine, so one run
 proves nothing: this script repeats each case, with `--load` busy processes competing for the
 cores, and prints per case how many runs ended cleanly, how many aborted and how many failed
-otherwise. It exits 1 when any run did not end cleanly. The cases:
+otherwise (a line as each round of the cases ends; Ctrl-C stops it and prints the counts of
+the runs finished, those in flight ending uncounted). It exits 1 when any run did not end cleanly. The cases:
 
 - `zero1`, `zero3`: a ZeRO step (`zero.shard`, stage 1 or 3) on 2 ranks started as torchrun
   would (`RANK`, `WORLD_SIZE`, ...), whose script calls `opt.close()` and
@@ -208,20 +209,26 @@ def main() -> int:
     counts: dict[str, Counter] = {c: Counter() for c in cases}
     start = time.monotonic()
     jobs = [(i, case) for i in range(args.runs) for case in cases]
+    pool = ThreadPoolExecutor(args.parallel)
+    stopped = ""
     try:
-        with ThreadPoolExecutor(args.parallel) as pool:
-            done = pool.map(lambda job: (*job, *run_case(job[1], args.steps, args.timeout)), jobs)
-            for i, case, outcome, text in done:
-                counts[case][outcome] += 1
-                if outcome != "ok":
-                    print(f"run {i} {case}: {outcome}", flush=True)
-                    if args.keep:
-                        (args.keep / f"{case}_{i}.log").write_text(text)
+        done = pool.map(lambda job: (*job, *run_case(job[1], args.steps, args.timeout)), jobs)
+        for k, (i, case, outcome, text) in enumerate(done, 1):
+            counts[case][outcome] += 1
+            if outcome != "ok":
+                print(f"run {i} {case}: {outcome}", flush=True)
+                if args.keep:
+                    (args.keep / f"{case}_{i}.log").write_text(text)
+            if k % len(cases) == 0:
+                print(f"{k // len(cases)} of {args.runs} rounds done", flush=True)
+    except KeyboardInterrupt:  # the counts so far; the runs in flight end, none starts
+        stopped = " (interrupted: the runs finished so far)"
     finally:
+        pool.shutdown(wait=True, cancel_futures=True)
         for p in load:
             p.kill()
-    print(f"{args.runs} runs per case, load {args.load}, {time.monotonic() - start:.0f} s, "
-          f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip
+    print(f"{args.runs} runs per case{stopped}, load {args.load}, "
+          f"{time.monotonic() - start:.0f} s, load average {os.getloadavg()[0]:.1f}")  # fmt: skip
     bad = 0
     for case, c in counts.items():
         bad += sum(n for o, n in c.items() if o != "ok")
