@@ -162,9 +162,8 @@ class Call:
                 self.caller = logger.caller_name(skip=1)
             get_accelerator().synchronize()
             t0 = time.perf_counter()
-        loan = (
-            Loan()
-        )  # `issue` hands the backend `lend(t)`: Note [the backend lets go before we do]
+        # `issue` hands the backend `lend(t)`: Note [the backend lets go before we do]
+        loan = Loan()
         try:
             with loan, ranges.range(_RANGE_NAMES.get(self.op) or _range_name(self.op)):
                 issued = issue()
