@@ -306,7 +306,8 @@ def all_gather_flat(
         if chunks[dist.get_rank(group)].data_ptr() != input.data_ptr():
             chunks[dist.get_rank(group)].copy_(input)
         works = [
-            dist.broadcast(c, src, group=group, async_op=True) for c, src in zip(chunks, ranks)
+            dist.broadcast(lend(c), src, group=group, async_op=True)
+            for c, src in zip(chunks, ranks)
         ]
         work = api_compat.WorkList(works)
         return work if async_op or not work.wait() else None, None  # wait() is True
