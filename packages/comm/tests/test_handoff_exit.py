@@ -19,10 +19,7 @@ from minispeed.core.testing import distributed_test
 
 
 def _held_by_others(t: torch.Tensor) -> bool:
-    """Whether anything but the caller's tensor object holds `t` or its memory: the backend
-    holding `t` itself, or a view of it (gloo's all-gather runs as broadcasts of `t`'s chunks)."""
-    storage = torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-    return t._use_count() != 1 or storage != 2  # 2: t's own and this call's storage object
+    return t._use_count() != 1  # 1: the caller's own tensor object alone
 
 
 @distributed_test(world_size=2)
@@ -48,3 +45,56 @@ def test_no_collective_returns_while_the_backend_holds_its_tensors(rank, world_s
         assert not handoff._unsettled, i  # a CPU op's loan is settled when it returns
     bad = [(op, a) for op, a, h in held if h]
     assert not bad, f"{len(bad)} of {len(held)} calls returned while gloo held a tensor: {bad[:4]}"
+
+
+_BACKEND_CALLS = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor")
+_BACKEND_CALLS += ("reduce_scatter_tensor", "all_to_all_single")
+
+
+@distributed_test(world_size=2)
+def test_every_tensor_handed_to_the_backend_is_lent(rank, world_size):
+    """Each tensor a collective hands torch.distributed is an alias the open `Loan` keeps (what
+    the settling above relies on), on every path: gloo's all-gather as broadcasts, its
+    reduce-scatter as an all-reduce, the fallbacks. A view made on the way and handed over
+    bare is one the worker could drop last at exit."""
+    import torch.distributed as dist
+
+    from minispeed.comm import call as call_module
+
+    bare = []
+
+    def watch(name, real):
+        def call(*args, **kwargs):
+            loan = getattr(handoff._local, "open", None)
+            lent = {id(a) for a in loan.aliases} if loan is not None else set()
+            given = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+            given += [t for x in args if isinstance(x, list) for t in x]
+            bare.extend(name for t in given if id(t) not in lent)
+            return real(*args, **kwargs)
+
+        return call
+
+    patched = [(dist, name) for name in _BACKEND_CALLS]
+    patched += [
+        (call_module, "ALL_GATHER_FLAT_NATIVE"),
+        (call_module, "REDUCE_SCATTER_FLAT_NATIVE"),
+    ]
+    saved = [getattr(owner, name) for owner, name in patched]
+    for (owner, name), real in zip(patched, saved):
+        setattr(owner, name, watch(name, real))
+    try:
+        for async_op in (False, True):
+            works = [
+                comm.all_reduce(torch.ones(8), async_op=async_op),
+                comm.broadcast(torch.ones(8), 0, async_op=async_op),
+                comm.all_gather_into_tensor(torch.empty(16), torch.ones(8), async_op=async_op),
+                comm.reduce_scatter_tensor(torch.empty(4), torch.ones(8), async_op=async_op),
+                comm.all_to_all_single(torch.empty(8), torch.ones(8), async_op=async_op),
+            ]
+            for work in works:
+                if work is not None:
+                    work.wait()
+    finally:
+        for (owner, name), real in zip(patched, saved):
+            setattr(owner, name, real)
+    assert not bare, f"handed to the backend without a loan: {sorted(set(bare))}"

@@ -151,7 +151,8 @@ class Call:
         # `issue` hands the backend `lend(t)`: Note [the backend lets go before we do]
         loan = Loan()
         try:
-            with loan, ranges.range(_RANGE_NAMES.get(self.op) or _range_name(self.op)):
+            name = _RANGE_NAMES.get(self.op) or _RANGE_NAMES.setdefault(self.op, f"comm.{self.op}")
+            with loan, ranges.range(name):
                 issued = issue()
         except RuntimeError as err:
             loan.settle(block=False)  # a failed op: the backend may hold them until torn down
@@ -161,16 +162,9 @@ class Call:
         work, finish = issued if isinstance(issued, tuple) else (issued, None)
         if compat_op is not None and self.impl == "native":  # unless the op chose it already
             self.impl = api_compat.impl_of(compat_op, self.group)
-        if async_op:
-            return CommWork(work, self, finish, log, t0, loan)
-        del issued, work
-        if finish is not None:
-            finish()
-        loan.settle()
-        if log is not None:
-            get_accelerator().synchronize()
-            self.record(log, time.perf_counter() - t0)
-        return None
+        handle = CommWork(work if async_op else None, self, finish, log, t0, loan, async_op)
+        del issued, work  # (a synchronous call has finished: recv's return value is a rank)
+        return handle if async_op or not handle.wait() else None  # wait() returns True
 
     def wire_bytes(self) -> int:
         """Bytes this rank sent: given explicitly, or the ring formula of the implementation used."""
@@ -208,7 +202,7 @@ class CommWork:
     tensors (Note [the backend lets go before we do] in handoff.py). Waiting twice is harmless.
     """
 
-    __slots__ = ("_call", "_done", "_finish", "_loan", "_log", "_t0", "_work")
+    __slots__ = ("_async", "_call", "_done", "_finish", "_loan", "_log", "_t0", "_work")
 
     def __init__(
         self,
@@ -218,10 +212,11 @@ class CommWork:
         log: Any,
         t0: float,
         loan: Loan,
+        async_op: bool = True,
     ) -> None:
         self._work, self._call, self._finish, self._log, self._t0 = work, call, finish, log, t0
         self._loan: Loan | None = loan
-        self._done = False
+        self._done, self._async = False, async_op
 
     def wait(self) -> bool:
         """Block until the op completed (on a GPU: until the current stream is ordered after it)."""
@@ -247,7 +242,7 @@ class CommWork:
             self._loan = None
         if self._log is not None:
             get_accelerator().synchronize()
-            self._call.record(self._log, time.perf_counter() - self._t0, async_op=True)
+            self._call.record(self._log, time.perf_counter() - self._t0, async_op=self._async)
         return True
 
     def is_completed(self) -> bool:
@@ -256,12 +251,7 @@ class CommWork:
 
 
 # op -> "comm.<op>", made once per op so a call builds no string
-_RANGE_NAMES: dict[str, str] = {}
-
-
-def _range_name(op: str) -> str:
-    name = _RANGE_NAMES[op] = f"comm.{op}"
-    return name
+_RANGE_NAMES: dict[str, str] = {}  # "comm.<op>", made once per op
 
 
 # -- the flat collectives: torch's name for each, and the switch to a fallback ------------------
