@@ -31,7 +31,6 @@ Reading order: `config.py` (the ds_config) → `engine.py` (the loop) → this f
 
 from __future__ import annotations
 
-import abc
 import argparse
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -43,31 +42,60 @@ from torch import nn
 import minispeed.comm as _comm
 from minispeed.core.config import ConfigError
 from minispeed.core.logging import get_logger
-from minispeed.engine import checkpointing, comm, moe, pipe, tensor_plan, zero
+from minispeed.engine import (
+    accelerator,
+    checkpointing,
+    comm,
+    moe,
+    ops,
+    pipe,
+    runtime,
+    tensor_plan,
+    utils,
+    zero,
+)
+from minispeed.engine.accelerator import get_accelerator
 from minispeed.engine.config import EngineConfig, load_ds_config
 from minispeed.engine.engine import Engine, zero_config_for
 from minispeed.engine.grid import build_grid, grid_shape, tensor_parallel_size
 from minispeed.engine.inference import init_inference
 from minispeed.engine.moe.compose import expert_replica_groups
 from minispeed.engine.moe.engine import MoEEngine
+from minispeed.engine.pipe import PipelineModule
 from minispeed.engine.pipe_engine import PipelineEngine
+from minispeed.engine.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+from minispeed.engine.runtime.engine import DeepSpeedEngine
+from minispeed.engine.runtime.tensor_parallel import tp_model_init
 from minispeed.engine.trial import Trial
+from minispeed.engine.utils import OnDevice, log_dist, logger
 from minispeed.zero import shard
 
 __all__ = [
     "ConfigError",
+    "DeepSpeedConfig",
+    "DeepSpeedConfigError",
     "DeepSpeedEngine",
     "Engine",
     "EngineConfig",
+    "OnDevice",
     "PipelineEngine",
+    "PipelineModule",
+    "accelerator",
     "add_config_arguments",
     "checkpointing",
     "comm",
+    "get_accelerator",
     "init_distributed",
     "init_inference",
     "initialize",
+    "log_dist",
+    "logger",
     "moe",
+    "ops",
     "pipe",
+    "runtime",
+    "tp_model_init",
+    "utils",
     "zero",
 ]
 
@@ -88,16 +116,6 @@ def _version() -> str:
 __version__ = _version()
 
 
-class DeepSpeedEngine(abc.ABC):  # noqa: B024 (a name to test against, nothing to implement)
-    """DeepSpeed's engine class name, for `isinstance(model, deepspeed.DeepSpeedEngine)`: true
-    of what `initialize` returns (`Engine`, `MoEEngine`, `PipelineEngine`, as DeepSpeed's
-    pipeline engine is a `DeepSpeedEngine`). Build engines with `initialize`, not with this."""
-
-
-DeepSpeedEngine.register(Engine)
-DeepSpeedEngine.register(PipelineEngine)
-
-
 def init_distributed(
     dist_backend: str | None = None,
     auto_mpi_discovery: bool = True,
@@ -110,17 +128,13 @@ def init_distributed(
     rank: int = -1,
     world_size: int = -1,
 ) -> None:
-    """Start the default process group from torchrun's environment (DeepSpeed's signature).
+    """Start the default process group (DeepSpeed's signature): from torchrun's environment,
+    or from an explicit rendezvous (`init_method="file://..."` or `"tcp://..."` with `rank`
+    and `world_size`, as torch's `init_process_group` takes them).
 
     `dist_backend=None` picks the accelerator's (gloo on CPU, nccl on GPU); without torchrun's
-    variables a single-process group starts. MPI discovery and explicit ranks are not used:
-    launch with `torchrun` (or `minispeed run`).
+    variables or an explicit rank a single-process group starts. MPI discovery is not used.
     """
-    if rank != -1 or world_size != -1:
-        raise ValueError(
-            "init_distributed(rank=..., world_size=...) is not supported: launch with torchrun, "
-            "which sets RANK and WORLD_SIZE"
-        )
     if distributed_port is not None and "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(distributed_port)
     if timeout is None:
@@ -129,7 +143,13 @@ def init_distributed(
         timeout_s = timeout.total_seconds()
     else:
         timeout_s = float(timeout)
-    _comm.init_distributed(backend=dist_backend, timeout_s=timeout_s, init_method=init_method)
+    _comm.init_distributed(
+        backend=dist_backend,
+        timeout_s=timeout_s,
+        init_method=init_method,
+        rank=None if rank == -1 else rank,
+        world_size=None if world_size == -1 else world_size,
+    )
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -352,8 +372,6 @@ def _initialize_pipeline(
 ) -> tuple[Any, Any, Any, Any]:
     """A `PipelineModule`: the pipeline engine over the module's (pipe, data[, tensor]) grid,
     its stage cut by the tensor-parallel plan when `tensor_parallel.autotp_size` > 1."""
-    from minispeed.engine.pipe_engine import PipelineEngine
-
     if data is not None:
         raise ValueError(
             "training_data= with a PipelineModule is not supported: pass a data iterator to "

@@ -104,14 +104,32 @@ class CheckpointConfig:
     path; each node then keeps its ranks' files plus the common ones, and loads at the same
     placement. Without it, a directory not every rank sees is refused at save time."""
 
+    tag_validation: str = "WARN"
+    """DeepSpeed's key: whether `save_checkpoint` checks that every rank names the same tag
+    (one gather of the tags): `"WARN"` (the default) logs a warning when they differ, `"FAIL"`
+    raises on every rank, `"IGNORE"` does not check. Case-insensitive, as DeepSpeed's."""
+
     KEYS = ("async_save", "use_node_local_storage")
+    TAG_VALIDATION_MODES = ("WARN", "FAIL", "IGNORE")
 
     @classmethod
     def from_ds_config(cls, section: dict[str, Any] | None) -> CheckpointConfig:
         """Read the `checkpoint` section (unknown keys are errors with a did-you-mean)."""
         section = dict(section or {})
-        check_keys(section, set(cls.KEYS), "checkpoint", unsupported=UNSUPPORTED, defaults=DEFAULTS)
-        values = {}
+        check_keys(
+            section,
+            {*cls.KEYS, "tag_validation"},
+            "checkpoint",
+            unsupported=UNSUPPORTED,
+            defaults=DEFAULTS,
+        )
+        mode = section.get("tag_validation", "Warn")
+        if not isinstance(mode, str) or mode.upper() not in cls.TAG_VALIDATION_MODES:
+            raise ConfigError(
+                "checkpoint.tag_validation",
+                f"must be one of {', '.join(cls.TAG_VALIDATION_MODES)} (any case), got {mode!r}",
+            )
+        values: dict[str, Any] = {"tag_validation": mode.upper()}
         for key in cls.KEYS:
             value = section.get(key, False)
             if not isinstance(value, bool):
@@ -129,12 +147,10 @@ class CheckpointConfig:
 
 # DeepSpeed's checkpoint keys minispeed does not implement, accepted at their defaults.
 UNSUPPORTED = {
-    "tag_validation": "every rank saves under the tag its call names; tags are not compared",
     "load_universal": "checkpoints load at any data-parallel size already",
     "parallel_write": "every rank writes its own shard files already",
 }
 DEFAULTS = {
-    "tag_validation": "Warn",
     "load_universal": False,
     "parallel_write": {"pipeline_stage": False},
 }

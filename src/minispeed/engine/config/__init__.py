@@ -25,6 +25,7 @@ before the first collective, so a bad config never hangs a job.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -247,6 +248,11 @@ class EngineConfig:
     raw: dict[str, Any] = field(default_factory=dict)
     """The ds_config as given."""
 
+    def get(self, key: str, default: Any = None) -> Any:
+        """The top-level ds_config entry `key` as given: DeepSpeed's `engine.config` is that
+        dict, and clients read it (`engine.config.get("zero_optimization", {})`)."""
+        return self.raw.get(key, default)
+
     @classmethod
     def load(
         cls, config: str | os.PathLike | Mapping[str, Any], *, data_parallel_size: int = 1
@@ -313,10 +319,15 @@ class EngineConfig:
                 ds["pipeline"],
             )
         steps_per_print = ds.get("steps_per_print")
+        if steps_per_print == math.inf:  # accelerate's "never" (DeepSpeed reads it as a modulus)
+            steps_per_print = None
         if steps_per_print is not None and (
             isinstance(steps_per_print, bool) or not isinstance(steps_per_print, int)
         ):
-            raise ConfigError("steps_per_print", f"must be an integer, got {steps_per_print!r}")
+            raise ConfigError(
+                "steps_per_print",
+                f"must be an integer (or infinity: never), got {steps_per_print!r}",
+            )
         return cls(
             train_batch_size=train,
             micro_batch_size=micro,

@@ -122,6 +122,11 @@ def _table(rows: dict[str, tuple[Any, str]]) -> dict[str, Any]:
 def _checkpoint_section() -> dict[str, Any]:
     docs = field_docs(CheckpointConfig)
     props = {key: _prop("boolean", docs[key], False) for key in CheckpointConfig.KEYS}
+    props["tag_validation"] = {
+        "type": "string",
+        "description": docs["tag_validation"],
+        "default": "Warn",
+    }
     for key, why in sorted(checkpoint_keys.UNSUPPORTED.items()):
         props[key] = {
             "description": f"Not supported: {why}. Accepted at DeepSpeed's default only.",
