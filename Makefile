@@ -9,7 +9,7 @@ PACKAGES := core comm zero offload pipeline moe tensor_parallel inference profil
 STAMP   := $(VENV)/.minispeed-installed
 PYPROJECTS := pyproject.toml $(foreach p,$(PACKAGES),packages/$(p)/pyproject.toml) packages/deepspeed_compat/pyproject.toml
 
-.PHONY: demo test lint docs docs-serve bench install-check clean
+.PHONY: demo test lint docs docs-serve bench install-check gpu-check clean
 
 # packages/deepspeed_compat is minispeed under DeepSpeed's name (docs/engine/deepspeed-compat.md),
 # for the Trainer and accelerate tests; it never goes where DeepSpeed fixtures are recorded.
@@ -50,5 +50,14 @@ docs-serve: $(STAMP)
 bench: $(STAMP)
 	for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
+# The GPU check (docs/benchmarks.md, "GPU check"): every CUDA path on the GPU found, in under 8
+# minutes; without a GPU, the same script's dry run on the CPU. It runs with .venv's python when
+# that exists, else with python3 as found (a device machine's own, with CUDA torch): it never
+# creates the venv nor installs anything. Results under $OUT, else ./gpu-check-out.
+GPU_PY := $(if $(wildcard $(PY)),$(PY),python3)
+
+gpu-check:
+	$(GPU_PY) scripts/gpu_check.py $(GPU_CHECK_ARGS)
+
 clean:
-	rm -rf $(VENV) site .minispeed
+	rm -rf $(VENV) site .minispeed gpu-check-out

@@ -22,7 +22,10 @@ grads and Adam's two states) against this machine's RAM, the peak resident set (
 fraction of RAM, and per step: forward+backward and optimizer-step seconds, the bytes the three
 swappers read and wrote, the seconds spent blocked on reads and on writes (the I/O the pipelines
 did not hide), the time the traffic would take at the disk's ``dd`` rate measured in the same
-run (``oflag=direct`` write, ``iflag=direct`` read of ``--dd-mib`` MiB), and the rest (compute).
+run (``oflag=direct`` write, ``iflag=direct`` read of ``--dd-mib`` MiB), the seconds with any
+swap I/O in flight (`minispeed.offload.io_busy_seconds`) and the share of those spent at ``dd``'s
+rate (the traffic at ``dd``'s rate over them), and the rest (compute). ``--pages 4k`` puts the
+swap buffers on torch's 4 KiB pages, as before Note [I/O buffers on huge pages] (aio.py).
 """
 
 from __future__ import annotations
@@ -48,9 +51,18 @@ def peak():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
 
-target, steps, nvme, dtype, width, layers, vocab, batch, block, lr = sys.argv[1:11]
+target, steps, nvme, dtype, width, layers, vocab, batch, block, lr, pages = sys.argv[1:12]
 target, steps, width, layers = int(target), int(steps), int(width), int(layers)
 vocab, batch, block = int(vocab), int(batch), int(block)
+if pages == "4k":  # the swap buffers before Note [I/O buffers on huge pages]: torch's 4 KiB pages
+    import minispeed.offload.aio as aio_mod, minispeed.offload.swapper as swapper_mod
+    def small_pages(nbytes):
+        padded = -(-nbytes // 4096) * 4096
+        raw = torch.empty(padded + 4096, dtype=torch.uint8)
+        start = (-raw.data_ptr()) % 4096
+        return raw[start : start + padded]
+    aio_mod.io_buffer = swapper_mod.io_buffer = small_pages
+from minispeed.offload import io_busy_seconds
 torch.manual_seed(0)
 comm.init_distributed()
 if not layers:
@@ -115,7 +127,8 @@ swappers = [opt.strategy.param_home.swapper, opt.optimizer.swapper, opt.optimize
 
 def io():
     return [sum(s.bytes_read for s in swappers), sum(s.bytes_written for s in swappers),
-            sum(s.wait_s["read"] for s in swappers), sum(s.wait_s["write"] for s in swappers)]
+            sum(s.wait_s["read"] for s in swappers), sum(s.wait_s["write"] for s in swappers),
+            io_busy_seconds()]
 
 losses, rows = [], []
 for _ in range(steps):
@@ -130,7 +143,8 @@ for _ in range(steps):
     losses.append(loss.item())
     rows.append({"seconds": seconds, "fwd_bwd": middle - start, "step": seconds - (middle - start),
                  "read": after[0] - before[0], "written": after[1] - before[1],
-                 "read_wait": after[2] - before[2], "write_wait": after[3] - before[3]})
+                 "read_wait": after[2] - before[2], "write_wait": after[3] - before[3],
+                 "io_busy": after[4] - before[4]})
 print(json.dumps({"params": params, "layers": layers, "width": width, "losses": losses,
                   "steps": rows, "peak": peak(), "build_s": built, "setup_s": setup,
                   "resident": opt.optimizer.resident_state_bytes()}))
@@ -187,13 +201,17 @@ def main() -> None:
     parser.add_argument("--dd-mib", type=int, default=256, help="MiB for the dd probe")
     parser.add_argument("--json", default="", help="also write the raw results here")
     parser.add_argument(
+        "--pages", default="huge", choices=["huge", "4k"],
+        help="swap buffers on huge pages (the swapper's own) or on torch's 4 KiB pages (before)",
+    )  # fmt: skip
+    parser.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16"],
         help="parameter dtype (bf16 matmuls are slow on CPUs without AVX-512 BF16)",
     )  # fmt: skip
     args = parser.parse_args()
     write_rate, read_rate = dd_rates(args.dir, args.dd_mib)
     argv = [_size(args.params), args.steps, args.dir, args.dtype, args.width, args.layers,
-            args.vocab, args.batch, args.block, args.lr]  # fmt: skip
+            args.vocab, args.batch, args.block, args.lr, args.pages]  # fmt: skip
     start = time.perf_counter()
     out = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(WORKER), *map(str, argv)],
@@ -220,7 +238,7 @@ def main() -> None:
     print(f"dd direct I/O on {args.dir}: write {write_rate / 1e6:.0f} MB/s, "
           f"read {read_rate / 1e6:.0f} MB/s")  # fmt: skip
     print("step  loss      time(s)  fwd+bwd  step  read(GB)  written(GB)  blocked on read/write(s)"
-          "  I/O at dd rate(s)  rest=compute(s)")  # fmt: skip
+          "  I/O at dd rate(s)  I/O busy(s)  dd rate / busy  rest=compute(s)")  # fmt: skip
     for k, (loss, s) in enumerate(zip(r["losses"], r["steps"], strict=True)):
         io = s["read"] / read_rate + s["written"] / write_rate
         blocked = s["read_wait"] + s["write_wait"]
@@ -228,13 +246,16 @@ def main() -> None:
             f"{k:>4}  {loss:<8.4f}  {s['seconds']:>7.1f}  {s['fwd_bwd']:>7.1f}  {s['step']:>4.0f}"
             f"  {s['read'] / 1e9:>8.2f}  {s['written'] / 1e9:>11.2f}"
             f"  {s['read_wait']:>12.1f} / {s['write_wait']:<9.1f}  {io:>17.1f}"
+            f"  {s['io_busy']:>11.1f}  {100 * io / s['io_busy']:>13.0f}%"
             f"  {s['seconds'] - blocked:>15.1f}"
         )
     last = r["steps"][-1]
     moved = (last["read"] + last["written"]) / last["seconds"]
     floor = last["read"] / read_rate + last["written"] / write_rate
     print(f"last step: {moved / 1e6:.0f} MB/s moved on average; the I/O alone at dd rate takes "
-          f"{floor:.1f} s = {100 * floor / last['seconds']:.0f}% of the step")  # fmt: skip
+          f"{floor:.1f} s = {100 * floor / last['seconds']:.0f}% of the step and "
+          f"{100 * floor / last['io_busy']:.0f}% of the {last['io_busy']:.1f} s with I/O in "
+          "flight (the I/O time spent at dd's rate)")  # fmt: skip
     falling = r["losses"][-1] < r["losses"][0]
     print(f"loss {'falls' if falling else 'does NOT fall'}: {r['losses'][0]:.4f} -> "
           f"{r['losses'][-1]:.4f}")  # fmt: skip

@@ -35,6 +35,8 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
+from minispeed.core.files import atomic_write
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
@@ -142,13 +144,8 @@ def plot_losses(metrics: dict, path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        fig.savefig(f, format="png")
-        f.flush()
-        os.fsync(f.fileno())
+    atomic_write(path, lambda f: fig.savefig(f, format="png"))
     plt.close(fig)
-    os.replace(tmp, path)
     return path
 
 

@@ -13,8 +13,7 @@ from minispeed.comm.compression import (
     BlockQuantizer,
     ErrorFeedback,
     OnebitCompressor,
-    QuantPacked,
-    SignPacked,
+    ScaledCodes,
     TopkCompressor,
     TopkPacked,
     wire,
@@ -76,12 +75,10 @@ def test_packed_bytes_match_the_formula_and_round_trip(name):
     packed = compressor.compress(x)
     assert packed.to_bytes().numel() == packed.nbytes == compressor.packed_nbytes(640)
     buf = packed.to_bytes()
-    if isinstance(packed, SignPacked):
-        again = SignPacked.from_rows(buf[None], 640, packed.chunk_numel)
-    elif isinstance(packed, TopkPacked):
+    if isinstance(packed, TopkPacked):
         again = TopkPacked.from_bytes(buf, 640)
     else:
-        again = QuantPacked.from_rows(buf[None], 640, packed.bits, packed.block_numel)
+        again = ScaledCodes.from_rows(buf[None], 640, packed.code_bits, packed.group_numel)
     assert torch.equal(compressor.decompress(again), compressor.decompress(packed))
 
 

@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -175,6 +177,37 @@ def test_state_dict_round_trip_keeps_phase_and_moments(cls):
             assert torch.equal(opt.state[p_old][key], fresh.state[p_new][key])
     with pytest.raises(ValueError, match="not saved by a 1-bit optimizer"):
         fresh.load_state_dict(torch.optim.Adam(model.parameters()).state_dict())
+
+
+@pytest.mark.parametrize("cls", [OnebitAdam, OnebitLamb])
+def test_a_warmup_checkpoint_rewinds_a_compressed_optimizer_to_warmup(cls):
+    # The schedule's one backward move: the loaded optimizer then steps as a fresh one loaded
+    # with the same checkpoint (its gradients averaged in fp32 again, v no longer frozen).
+    x, y = _dataset()
+    models = [_model(), _model()]
+    opts = [cls(m.parameters(), lr=LR, freeze_step=3) for m in models]
+
+    def step(model, opt) -> None:
+        opt.zero_grad()
+        F.mse_loss(model(x[:16]), y[:16]).backward()
+        opt.step()
+
+    step(models[0], opts[0])
+    early = copy.deepcopy(opts[0].state_dict())  # step 1 of 3: warm-up (state is by reference)
+    weights = {k: v.clone() for k, v in models[0].state_dict().items()}
+    for _ in range(4):
+        step(models[0], opts[0])
+    assert opts[0].phase is OnebitPhase.COMPRESSED
+    for model, opt in zip(models, opts):
+        model.load_state_dict(weights)
+        opt.load_state_dict(copy.deepcopy(early))  # load_state_dict keeps the tensors given
+        assert opt.phase is OnebitPhase.WARMUP and opt.steps_taken == 1
+    for _ in range(3):
+        for model, opt in zip(models, opts):
+            step(model, opt)
+    assert all(opt.phase is OnebitPhase.COMPRESSED for opt in opts)
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(a, b)
 
 
 def test_bad_hyper_parameters_name_the_fix():

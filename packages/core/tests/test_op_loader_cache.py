@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import types
 
+import torch
+
 from minispeed.core.op_builder import DISABLE_ENV, SIMD_ENV, OpLoader, SimdLevel
 
 
@@ -58,3 +60,19 @@ def test_per_simd_level_keeps_one_module_per_level(monkeypatch):
     assert avx2[1] is scalar[1] and first_wins.loads == 1  # the level at the first call wins
     monkeypatch.setenv(SIMD_ENV, "scalar")
     assert loaders[0].load() is scalar[0] and per_level.loads == 2
+
+
+def test_cast_asks_its_builder_once_not_on_every_call(monkeypatch):
+    # Asking a builder costs ~0.3 ms (flags fingerprinted, compiler found): once per process.
+    from minispeed.core.ops import cast
+
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    asked = []
+    real_load = cast.CastBuilder.load
+    monkeypatch.setattr(cast.CastBuilder, "load", lambda self: asked.append(1) or real_load(self))
+    monkeypatch.setattr(cast, "_OPS", OpLoader(cast._OPS.builders, per_simd_level=True))
+    x = torch.randn(64)
+    for _ in range(3):
+        cast.unflatten(cast.flatten([x], dtype=torch.bfloat16), [x.clone()])
+        cast.bf16_to_float(cast.float_to_bf16(x))
+    assert len(asked) == 1

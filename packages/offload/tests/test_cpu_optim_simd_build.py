@@ -46,3 +46,20 @@ def test_kernel_source_compiles_at_every_simd_level(level: SimdLevel, tmp_path: 
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert out.stat().st_size > 0
+
+
+def test_the_optimizer_asks_its_builder_once_not_on_every_step(monkeypatch) -> None:
+    # Asking a builder costs ~0.3 ms (flags fingerprinted, compiler found): once per process.
+    from minispeed.core.op_builder import OpLoader
+    from minispeed.offload import CPUAdam, ops
+
+    asked = []
+    real_load = OffloadBuilder.load
+    monkeypatch.setattr(OffloadBuilder, "load", lambda self: asked.append(1) or real_load(self))
+    monkeypatch.setattr(ops, "_OPS", OpLoader(ops._OPS.builders, per_simd_level=True))
+    p = torch.nn.Parameter(torch.randn(32))
+    opt = CPUAdam([p], lr=1e-3)
+    for _ in range(3):
+        p.grad = torch.randn(32)
+        opt.step()
+    assert len(asked) <= 1  # 0 where the op cannot be built: the reference runs

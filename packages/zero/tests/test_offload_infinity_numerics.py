@@ -5,8 +5,8 @@ clipping (the norm kept as the gradients are written), and with 2 accumulation m
 (read-add-write of the gradient files).
 
 After every step no master and no gradient shard is held in memory: the optimizer's parameters
-are meta handles, every `ShardedParam.master` / `grad_shard` is None, and the gradient and
-partition files hold exactly 4 and 12 bytes per shard element.
+are meta handles, every `ShardedParam.master` and every gradient shard of the reducer is None,
+and the gradient and partition files hold exactly 4 and 12 bytes per shard element.
 Needs the `[offload]` extra; skipped without it.
 """
 
@@ -69,15 +69,16 @@ def _train(rank: int, world_size: int, nvme_path: str) -> dict:
         opt = zero.shard(model, torch.optim.AdamW(model.parameters(), lr=LR), config=cfg)
         inner = opt.optimizer
         sps = opt.strategy.sharded_params()
+        grad_shard = opt.strategy.stage.reducer.grad_shard
         losses, held = [], 0
         for batch in make_batches(STEPS * accum, GLOBAL_BATCH):
             loss = model(*rank_slice(batch, rank, world_size))
             losses.append(global_loss(loss, world_size))
             opt.backward(loss)
             # between backward and the step: the gradient shards are already in their files
-            held += sum(sp.grad_shard is not None or sp.master is not None for sp in sps)
+            held += sum(grad_shard(sp) is not None or sp.master is not None for sp in sps)
             opt.step()
-            held += sum(sp.grad_shard is not None or sp.master is not None for sp in sps)
+            held += sum(grad_shard(sp) is not None or sp.master is not None for sp in sps)
         grads = inner.grads
         elements = sum(sp.shard_numel for sp in sps)
         out[case] = dict(

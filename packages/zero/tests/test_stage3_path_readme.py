@@ -1,24 +1,151 @@
-"""The README's record of the stage-3 path stays true (issue 21: ≤ 6 files from `zero.shard` to
-the `torch.distributed` call, recorded with their sizes).
+"""The README's "The stage-3 path" is measured, not chosen: one default stage-3 step, traced.
 
-`packages/zero/README.md`, section "The stage-3 path", lists each file a reader opens with its
-line count and the total. These tests fail as soon as a listed file is moved, grows or shrinks
-without the table following, and when the README's reading order of `stage3/` and the one in
-`stage3/__init__.py`'s docstring disagree.
+On 2 gloo ranks, `zero.shard(model, AdamW, ZeroConfig(stage=3))` (every default: fp32, overlap,
+the persistence threshold, the trace check) over four `Linear(320, 320)` layers, whose weights
+(102,400 elements) are above the persistence threshold, so they are gathered and released every
+step while the biases persist. Then the first step (forward, backward, `step`) runs under
+`sys.setprofile`. At every call into one of torch.distributed's collectives the files of our
+frames on the stack, between the step's entry and that call, are recorded: **the path**. Every
+other file of ours that the step runs (checks, bookkeeping, guards, called and returned before
+a collective) is **beside the path**. `zero.shard` itself is traced the same way: the files on
+the stack at its collectives (the broadcasts of partitioning, the persistent parameters' gather)
+are **the set-up**. `packages/zero/README.md` lists the three sets in three tables, each file
+with its code lines counted by `ast` (docstrings, comments and blank lines excluded), and a
+total. These tests fail when a table and the trace disagree (a file moved, added, removed, grown
+or shrunk), and when the path grows past issue 31's bound of 2,000 code lines.
 """
 
 from __future__ import annotations
 
+import ast
+import io
 import pathlib
 import re
+import sys
+import threading
+import tokenize
+from typing import Any
 
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import minispeed.zero as zero
 import minispeed.zero.stage3 as stage3
+from minispeed.core.testing import run_distributed
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]  # the monorepo: packages/zero/tests/ -> root
 README = ROOT / "packages" / "zero" / "README.md"
+PATH_BOUND = 2_000  # issue 31: code lines on the traced path
 
-_ROW = re.compile(r"^\| (\d+) \| `([^`]+)` \| ([\d,]+) \|", re.M)
-_TOTAL = re.compile(r"^\| \| total \| ([\d,]+) \|", re.M)
+# torch.distributed's collectives (distributed_c10d.py): what puts bytes on the wire.
+COLLECTIVES = frozenset(
+    [
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_coalesced",
+        "all_reduce_coalesced",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "broadcast",
+        "reduce",
+        "gather",
+        "scatter",
+        "all_to_all",
+        "all_to_all_single",
+        "send",
+        "recv",
+        "isend",
+        "irecv",
+        "batch_isend_irecv",
+        "barrier",
+        "monitored_barrier",
+        "all_gather_object",
+        "broadcast_object_list",
+        "gather_object",
+        "scatter_object_list",
+    ]
+)
+
+
+def code_lines(path: pathlib.Path) -> int:
+    """Lines holding code: a token other than a comment, with docstrings (every string
+    statement) and blank lines excluded."""
+    source = path.read_text()
+    docs = set()
+    for node in ast.walk(ast.parse(source)):
+        value = node.value if isinstance(node, ast.Expr) else None
+        if isinstance(value, ast.Constant) and isinstance(value.value, str):
+            docs.update(range(node.lineno, node.end_lineno + 1))
+    layout = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT}
+    layout |= {tokenize.ENCODING, tokenize.ENDMARKER}
+    lines: set[int] = set()
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type not in layout:
+            lines.update(range(tok.start[0], tok.end[0] + 1))
+    return len(lines - docs)
+
+
+def _ours(filename: str) -> str | None:
+    """The repository path of one of our packages' source files (not a test), else None."""
+    path = pathlib.Path(filename).resolve()
+    if not path.is_relative_to(ROOT / "packages") or "src" not in path.parts:
+        return None
+    return str(path.relative_to(ROOT))
+
+
+def _traced_step(rank: int, world_size: int) -> tuple[list[str], list[str], list[str]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(320, 320), nn.Tanh()) for _ in range(4)))
+    x = torch.randn(4, 320, generator=torch.Generator().manual_seed(rank))
+    top = sys._getframe()
+    set_up: dict[str, None] = {}
+    on_path: dict[str, None] = {}
+    executed: dict[str, None] = {}
+
+    def profile(frame, event: str, arg) -> None:
+        if event != "call":
+            return
+        name = frame.f_code.co_filename
+        if name.endswith("distributed_c10d.py") and frame.f_code.co_name in COLLECTIVES:
+            f = frame
+            while f is not None and f is not top:
+                mine = _ours(f.f_code.co_filename)
+                if mine:
+                    on_path[mine] = None
+                f = f.f_back
+        elif "minispeed" in name:
+            mine = _ours(name)
+            if mine:
+                executed[mine] = None
+
+    def traced(run) -> Any:
+        sys.setprofile(profile)
+        threading.setprofile(profile)
+        try:
+            return run()
+        finally:
+            sys.setprofile(None)
+            threading.setprofile(None)
+
+    config = zero.ZeroConfig(stage=3)
+    opt = traced(lambda: zero.shard(model, torch.optim.AdamW(model.parameters()), config=config))
+    set_up.update(on_path)
+    on_path.clear()
+    executed.clear()
+    traced(lambda: (opt.backward(model(x).pow(2).mean()), opt.step()))
+    assert dist.is_initialized()
+    return list(on_path), [f for f in executed if f not in on_path], list(set_up)
+
+
+@pytest.fixture(scope="module")
+def traced() -> tuple[set[str], set[str], set[str]]:
+    ranks = run_distributed(_traced_step, world_size=2, timeout_s=120)
+    path = {f for on_path, _, _ in ranks for f in on_path}
+    beside = {f for _, executed, _ in ranks for f in executed} - path
+    return path, beside, {f for _, _, set_up in ranks for f in set_up}
 
 
 def _section(title: str) -> str:
@@ -28,30 +155,56 @@ def _section(title: str) -> str:
     return text[start : end if end >= 0 else len(text)]
 
 
-def _wc_l(path: pathlib.Path) -> int:
-    """What `wc -l` prints: the number of newline characters."""
-    return path.read_bytes().count(b"\n")
-
-
-def test_stage3_path_lists_existing_files_with_their_wc_line_counts() -> None:
-    rows = _ROW.findall(_section("The stage-3 path"))
-    assert rows, "README: the stage-3 path table has no rows"
-    assert [int(step) for step, _, _ in rows] == list(range(1, len(rows) + 1))
-    for _, path, stated in rows:
-        file = ROOT / path
-        assert file.is_file(), f"README's stage-3 path lists {path}, which does not exist"
-        assert int(stated.replace(",", "")) == _wc_l(file), (
-            f"README's stage-3 path says {path} has {stated} lines, wc -l says {_wc_l(file)}: "
-            f"update the table in packages/zero/README.md"
-        )
-
-
-def test_stage3_path_total_is_the_sum_and_within_six_files() -> None:
+def _table(heading: str) -> tuple[dict[str, int], int]:
+    """{file: stated code lines} and the stated total of the table under `heading`."""
     section = _section("The stage-3 path")
-    rows = _ROW.findall(section)
-    (total,) = _TOTAL.findall(section)
-    assert int(total.replace(",", "")) == sum(int(n.replace(",", "")) for _, _, n in rows)
-    assert len(rows) <= 6, f"issue 21: at most 6 files on the stage-3 path, the table lists {rows}"
+    start = section.index(heading)
+    end = section.find("\n### ", start + 1)
+    table = section[start : end if end >= 0 else len(section)]
+    rows = re.findall(r"^\|(?: \d+ \|)? `([^`]+)` \| ([\d,]+) \|", table, re.M)
+    (total,) = re.findall(r"^\|(?: \|)? total \| ([\d,]+) \|", table, re.M)
+    return {f: int(n.replace(",", "")) for f, n in rows}, int(total.replace(",", ""))
+
+
+def _check(table: dict[str, int], total: int, traced_files: set[str], what: str) -> None:
+    assert set(table) == traced_files, (
+        f"packages/zero/README.md, {what}: the trace has {sorted(traced_files - set(table))} "
+        f"that the table lacks, the table has {sorted(set(table) - traced_files)} that the "
+        f"trace lacks"
+    )
+    counted = {f: code_lines(ROOT / f) for f in traced_files}
+    assert table == counted, (
+        f"packages/zero/README.md, {what}: code lines stated {table}, counted {counted}"
+    )
+    assert total == sum(counted.values()), f"{what}: the total is {sum(counted.values())}"
+
+
+def test_the_path_table_is_the_traced_path_with_its_code_lines(traced) -> None:
+    path, _, _ = traced
+    table, total = _table("### The path")
+    _check(table, total, path, "the path")
+    assert total <= PATH_BOUND, f"issue 31: at most {PATH_BOUND} code lines on the path, {total}"
+
+
+def test_the_beside_table_is_every_other_file_the_step_runs(traced) -> None:
+    _, beside, _ = traced
+    table, total = _table("### Beside the path")
+    _check(table, total, beside, "beside the path")
+
+
+def test_the_set_up_table_is_zero_shards_own_path(traced) -> None:
+    _, _, set_up = traced
+    table, total = _table("### The set-up")
+    _check(table, total, set_up, "the set-up")
+
+
+def test_code_lines_leave_out_docstrings_comments_and_blank_lines(tmp_path) -> None:
+    f = tmp_path / "m.py"
+    f.write_text(
+        '"""Doc\n\nstring."""\n\n# a comment\nx = (1,\n     2)  # trailing\n\n\ndef g():\n'
+        '    """Doc."""\n    return """not a\n    docstring"""\n'
+    )
+    assert code_lines(f) == 5  # x = (1, / 2) / def g(): / return """not a / docstring"""
 
 
 def test_readme_reading_order_of_stage3_matches_its_init_docstring() -> None:

@@ -48,13 +48,13 @@ from torch import nn
 import minispeed.comm as comm
 import minispeed.zero as zero
 from minispeed.core.config import ConfigError, check_keys
+from minispeed.core.files import atomic_write
 from minispeed.zero.checkpoints.agree import together
 from minispeed.zero.checkpoints.layout import (
     LATEST_FILE,
     METADATA_FILE,
     CheckpointError,
     atomic_save,
-    atomic_write_text,
 )
 from minispeed.zero.checkpoints.save import snapshot
 from minispeed.zero.checkpoints.storage import StorageGroups, probe_storage
@@ -344,9 +344,9 @@ class GridSave:
 
     def seal_grid(self) -> None:
         """Grid leader: grid.json, then `latest` (every part is sealed)."""
-        atomic_write_text(self.tag_dir / GRID_FILE, json.dumps(grid_record(self.part, self.tag)))
+        atomic_write(self.tag_dir / GRID_FILE, json.dumps(grid_record(self.part, self.tag)))
         if self.save_latest:
-            atomic_write_text(self.root / LATEST_FILE, self.tag + "\n")
+            atomic_write(self.root / LATEST_FILE, self.tag + "\n")
 
 
 def start_save(

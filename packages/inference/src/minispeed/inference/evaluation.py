@@ -44,6 +44,7 @@ def perplexity(
             x[row, :n], y[row, :n] = tokens[s : s + n], tokens[s + 1 : s + 1 + n]
         out = model(x)
         logits = out[0] if isinstance(out, tuple) else out
-        nll += float(F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum"))
+        targets = y.flatten().to(logits.device)
+        nll += float(F.cross_entropy(logits.flatten(0, 1).float(), targets, reduction="sum"))
         count += sum(lengths)
     return math.exp(nll / count)

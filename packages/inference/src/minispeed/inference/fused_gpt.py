@@ -170,6 +170,10 @@ class InferenceGPT(nn.Module):
     def _run(
         self, idx: torch.Tensor, positions: torch.Tensor, attend: Attend | None
     ) -> torch.Tensor:
+        # Token ids and positions built on the host (generate, the batcher) go to the weights'
+        # device here, once per forward (a no-op when they are already there).
+        device = self.wte.weight.device
+        idx, positions = idx.to(device), positions.to(device)
         with kernels.pinned_op():  # the op is looked up once per forward, not per kernel call
             return self._run_blocks(idx, positions, attend)
 
@@ -251,7 +255,7 @@ class InferenceGPT(nn.Module):
         shape = (B, self.n_head, self.head_dim)
         tables, seq_lens = kernels.check_decode_inputs(
             shape, cache.k[0], cache.v[0], cache.block_tables(seq_ids),
-            torch.tensor(positions, dtype=torch.int32) + 1,
+            torch.tensor(positions, dtype=torch.int32, device=cache.k[0].device) + 1,
         )  # fmt: skip
         slots = cache.next_slots(seq_ids)
 

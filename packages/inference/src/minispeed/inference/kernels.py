@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -34,8 +33,6 @@ from types import ModuleType
 import torch
 
 from minispeed.core.op_builder import (
-    DISABLE_ENV,
-    SIMD_ENV,
     OpBuilder,
     OpLoader,
 )
@@ -86,20 +83,17 @@ class InferenceCudaKernelsBuilder(OpBuilder):
 _OPS = OpLoader(
     {"cpu": InferenceKernelsBuilder(), "cuda": InferenceCudaKernelsBuilder()}, per_simd_level=True
 )
-_CUDA_BY_ENV: dict[str | None, ModuleType | None] = {}  # MINISPEED_DISABLE_OPS -> the CUDA op
-# (MINISPEED_DISABLE_OPS, MINISPEED_SIMD) -> the op in force. See Note [op lookup per call].
-_BY_ENV: dict[tuple[str | None, str | None], ModuleType | None] = {}
 
 _UNSET = object()
 _PINNED: object = _UNSET  # set inside `pinned_op()`: the op every call uses, env unread
 
 # Note [op lookup per call]
 # A decode step calls ~10 kernels per block, so the op lookup sits on the per-token path.
-# Resolving the SIMD level and the disable list parses the environment and the CPU flags (tens
-# of µs). Outside a model forward the answer is cached under the raw values of the two variables
-# (two os.environ reads), so tests that switch levels with monkeypatch.setenv still get the
-# right op. Inside `pinned_op()` (InferenceGPT wraps each forward, prefill and decode step in
-# it) the op is resolved once on entry and every kernel call reads one module global.
+# Outside a model forward `OpLoader` answers it from its cache under the raw values of
+# MINISPEED_DISABLE_OPS and MINISPEED_SIMD (two os.environ reads), so tests that switch
+# levels with monkeypatch.setenv still get the right op. Inside `pinned_op()` (InferenceGPT wraps
+# each forward, prefill and decode step in it) the op is resolved once on entry and every kernel
+# call reads one module global.
 
 
 @contextlib.contextmanager
@@ -118,11 +112,7 @@ def load_op() -> ModuleType | None:
     """The compiled CPU op for the SIMD level in force (`MINISPEED_SIMD`), or `None`: the reference."""
     if _PINNED is not _UNSET:
         return _PINNED  # type: ignore[return-value]
-    key = (os.environ.get(DISABLE_ENV), os.environ.get(SIMD_ENV))
-    if key in _BY_ENV:
-        return _BY_ENV[key]
-    _BY_ENV[key] = _OPS.load("cpu")
-    return _BY_ENV[key]
+    return _OPS.load("cpu")
 
 
 def _fp32(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -137,10 +127,7 @@ def _fp32(t: torch.Tensor, name: str) -> torch.Tensor:
 def load_cuda_op() -> ModuleType | None:
     """The compiled CUDA op (`inference_kernels_cuda`), or `None` (no GPU, no nvcc, or disabled:
     the reference runs, after one warning)."""
-    key = os.environ.get(DISABLE_ENV)
-    if key not in _CUDA_BY_ENV:
-        _CUDA_BY_ENV[key] = _OPS.load("cuda")
-    return _CUDA_BY_ENV[key]
+    return _OPS.load("cuda")
 
 
 def _op(*tensors: torch.Tensor | None) -> tuple[ModuleType | None, tuple[int, ...]]:
@@ -317,7 +304,7 @@ def decode_attention(
     `validate=False` skips the checks (dtypes, shapes, id ranges: three reductions that each read
     the tables) for a caller that made the inputs itself and checked them once per decode step,
     as `InferenceGPT.decode` does for its L layers; `block_tables` and `seq_lens` must then already
-    be contiguous int32 CPU tensors and `q` a contiguous fp32 one.
+    be contiguous int32 tensors on the caches' device and `q` a contiguous fp32 one.
     """
     if validate:
         q = _fp32(q, "q")

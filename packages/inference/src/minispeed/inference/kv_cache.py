@@ -99,7 +99,8 @@ class PagedKVCache:
         layer's `write_next`."""
         bs = self.block_size
         return torch.tensor(
-            [self.tables[s][self.lengths[s] // bs] * bs + self.lengths[s] % bs for s in seq_ids]
+            [self.tables[s][self.lengths[s] // bs] * bs + self.lengths[s] % bs for s in seq_ids],
+            device=self.k[0].device,
         )
 
     def write_next(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -124,12 +125,13 @@ class PagedKVCache:
         ]
 
     def block_tables(self, seq_ids: list[int]) -> torch.Tensor:
-        """`(B, max_blocks)` int32 block ids, rows padded with 0 (never read past `lengths`)."""
+        """`(B, max_blocks)` int32 block ids, rows padded with 0 (never read past `lengths`), on
+        the cache's device (filled on the host, copied once)."""
         width = max((len(self.tables[s]) for s in seq_ids), default=0)
         out = torch.zeros(len(seq_ids), max(width, 1), dtype=torch.int32)
         for row, s in enumerate(seq_ids):
             out[row, : len(self.tables[s])] = torch.tensor(self.tables[s], dtype=torch.int32)
-        return out
+        return out.to(self.k[0].device)
 
     def free(self, seq_id: int) -> None:
         """Return `seq_id`'s blocks to the pool and forget it."""

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from minispeed.offload.aio import AsyncIO, IORequest, direct_io_supported
+from minispeed.offload.aio import AsyncIO, IORequest, direct_io_supported, io_busy_seconds
 from minispeed.offload.config import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
 from minispeed.offload.optimizers import CPUAdagrad, CPUAdam, CPUAdamW, CPULion
 from minispeed.offload.shard_homes import HostShards, NvmeShards
@@ -52,6 +52,7 @@ __all__ = [
     "TensorSwapper",
     "check_free_space",
     "direct_io_supported",
+    "io_busy_seconds",
     "offload_optimizer",
 ]
 

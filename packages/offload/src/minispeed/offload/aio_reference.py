@@ -11,12 +11,50 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-__all__ = ["SHORT_READ", "ReferenceEngine"]
+__all__ = ["SHORT_READ", "ReferenceEngine", "io_busy_seconds"]
 
 #: err of a read that reached the end of the file first (the C++ kShortRead code).
 SHORT_READ = -1
+
+
+class _BusyClock:
+    """Note [the I/O busy clock] in csrc/aio/aio.h, for this module's engines: seconds with at
+    least one request in flight (here from open to its last block; the reference's fsync runs in
+    ``wait``, outside the clock)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._since = 0.0
+        self._busy_s = 0.0
+
+    def begin(self) -> None:
+        with self._lock:
+            if self._in_flight == 0:
+                self._since = time.perf_counter()
+            self._in_flight += 1
+
+    def end(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._busy_s += time.perf_counter() - self._since
+
+    def seconds(self) -> float:
+        with self._lock:
+            open_s = time.perf_counter() - self._since if self._in_flight else 0.0
+            return self._busy_s + open_s
+
+
+_CLOCK = _BusyClock()
+
+
+def io_busy_seconds() -> float:
+    """Seconds with at least one reference-engine request in flight, in this process."""
+    return _CLOCK.seconds()
 
 
 class ReferenceEngine:
@@ -53,11 +91,25 @@ class ReferenceEngine:
             self._requests[rid] = (-1, [], err.errno or errno.EIO, False)
             return rid
         step = nbytes if self._single else self._block
+        _CLOCK.begin()
         futures = [
             self._pool.submit(self._run, fd, buffer[b : b + step], offset + b, write)
             for b in range(0, nbytes, step)
         ]
         self._requests[rid] = (fd, futures, 0, fsync_after)
+        left = [len(futures)]  # blocks still running; the last one ends the request's clock
+
+        def block_done(_: Future) -> None:
+            with self._lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                _CLOCK.end()
+
+        for f in futures:
+            f.add_done_callback(block_done)
+        if not futures:
+            _CLOCK.end()
         return rid
 
     def _run(self, fd: int, view: memoryview, at: int, write: bool) -> tuple[int, int, str]:

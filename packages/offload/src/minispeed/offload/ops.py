@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import ModuleType
 
-from minispeed.core.op_builder import OpBuilder, load_or_fallback
+from minispeed.core.op_builder import OpBuilder, OpLoader
 
 __all__ = ["OffloadBuilder", "load_op"]
 
@@ -40,9 +40,9 @@ class OffloadBuilder(OpBuilder):
     extra_ld_flags = ("-pthread",)
 
 
-_BUILDER = OffloadBuilder()
+_OPS = OpLoader({"cpu": OffloadBuilder()}, per_simd_level=True)  # MINISPEED_SIMD: a build each
 
 
 def load_op() -> ModuleType | None:
     """The compiled op, or ``None`` to use the references (warned once per process)."""
-    return load_or_fallback(_BUILDER)
+    return _OPS.load("cpu")

@@ -30,7 +30,7 @@ import torch
 from minispeed.core import ranges
 from minispeed.core.accelerator import get_accelerator
 from minispeed.core.logging import get_logger
-from minispeed.offload.aio import ALIGN, AsyncIO, IORequest
+from minispeed.offload.aio import ALIGN, AsyncIO, IORequest, io_buffer
 from minispeed.offload.config import AioConfig
 
 __all__ = [
@@ -169,7 +169,8 @@ def _mlock(t: torch.Tensor, key: str) -> None:
 
 
 class BufferPool:
-    """``count`` host buffers of ``numel`` elements, 4 KiB-aligned for O_DIRECT, pinned if asked.
+    """``count`` host buffers of ``numel`` elements, 4 KiB-aligned for O_DIRECT (on huge pages
+    where offered: `io_buffer`), pinned if asked.
 
     Pinned means page-locked: with a GPU, torch's pinned allocator (needed for asynchronous
     copies to the device); on a CPU-only machine, ``mlock`` (the pages never go to swap).
@@ -187,10 +188,10 @@ class BufferPool:
         for _ in range(count):
             if pin and accel.name != "cpu":
                 raw = torch.empty(padded + ALIGN, dtype=torch.uint8, pin_memory=True)
-            else:
-                raw = torch.empty(padded + ALIGN, dtype=torch.uint8)
-            start = (-raw.data_ptr()) % ALIGN
-            buf = raw[start : start + padded].view(dtype)
+                start = (-raw.data_ptr()) % ALIGN
+                buf = raw[start : start + padded].view(dtype)
+            else:  # huge pages where offered: Note [I/O buffers on huge pages] in aio.py
+                buf = io_buffer(padded).view(dtype)
             if pin and accel.name == "cpu":
                 _mlock(buf, key)
             self.buffers.append(buf)

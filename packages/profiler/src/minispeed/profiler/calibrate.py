@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from minispeed.core.files import atomic_write_json
 from minispeed.profiler.launch import launch
 from minispeed.profiler.perf_model import LinkCost, Machine
 
@@ -321,8 +322,7 @@ def _probe(out_path: str, sizes: Sequence[int]) -> None:
     comm.init_distributed()
     machine = measure_in_group(comm, sizes)
     if comm.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(machine.to_json(), f)
+        atomic_write_json(out_path, machine.to_json(), indent=None)
     comm.destroy_process_group()
 
 

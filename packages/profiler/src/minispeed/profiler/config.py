@@ -21,6 +21,7 @@ from rich.console import Console
 from torch import nn
 
 from minispeed.core.config import check_keys
+from minispeed.core.files import atomic_write
 from minispeed.profiler.flops_profiler import FlopsProfiler
 from minispeed.profiler.report import Profile
 
@@ -119,5 +120,4 @@ class StepProfiler:
         if path is None:
             Console().print(profile.table(c.module_depth, c.top_modules, c.detailed))
             return
-        with open(path, "w") as f:
-            f.write(profile.render(c.module_depth, c.top_modules, c.detailed))
+        atomic_write(path, profile.render(c.module_depth, c.top_modules, c.detailed))

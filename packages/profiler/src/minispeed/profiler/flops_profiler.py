@@ -42,6 +42,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from minispeed.core.accelerator import get_accelerator
+from minispeed.core.files import atomic_write
 from minispeed.profiler.formulas import Cost
 from minispeed.profiler.ops import matmul_shape, op_cost
 from minispeed.profiler.report import ModuleProfile, Profile, number_to_string
@@ -290,8 +291,7 @@ class FlopsProfiler:
         if output_file is None:
             print(text)
             return
-        with open(output_file, "w") as f:
-            f.write(text + "\n")
+        atomic_write(output_file, text + "\n")
 
     # ---- results -----------------------------------------------------------------------------
     def result(self) -> Profile:

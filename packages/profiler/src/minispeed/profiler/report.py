@@ -8,13 +8,13 @@ modules appears under both but once in their common parent and in the total.
 from __future__ import annotations
 
 import io
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
+from minispeed.core.files import atomic_write_json
 from minispeed.profiler.formulas import Cost
 
 __all__ = ["ModuleProfile", "Profile", "human", "number_to_string"]
@@ -154,8 +154,7 @@ class Profile:
 
     def write_json(self, path: str) -> None:
         """Write `to_json()` to `path`."""
-        with open(path, "w") as f:
-            json.dump(self.to_json(), f, indent=1)
+        atomic_write_json(path, self.to_json(), indent=1)
 
     def table(self, depth: int = -1, top_k: int = -1, detailed: bool = True) -> Table:
         """A rich table of the module tree, `depth` levels below the root (-1: all), keeping the

@@ -45,13 +45,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from minispeed.core.accelerator import get_accelerator
-from minispeed.core.files import atomic_write_json
+from minispeed.core.files import atomic_replace, atomic_write_json
 
 __all__ = ["COLLECTIVE_PREFIXES", "is_collective", "merge_traces", "record_step", "traced_step"]
 
@@ -86,10 +85,8 @@ def record_step(out_dir: str | os.PathLike[str], rank: int | None = None) -> Ite
     out.mkdir(parents=True, exist_ok=True)
     with profile(activities=activities) as prof:
         yield
-    fd, tmp = tempfile.mkstemp(dir=out, suffix=".json.tmp")
-    os.close(fd)
-    prof.export_chrome_trace(tmp)
-    os.replace(tmp, out / f"rank{rank}.json")
+    with atomic_replace(out / f"rank{rank}.json") as tmp:
+        prof.export_chrome_trace(str(tmp))
 
 
 @contextlib.contextmanager

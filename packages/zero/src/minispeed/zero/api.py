@@ -29,6 +29,7 @@ from torch import nn
 import minispeed.comm as comm
 from minispeed.comm.optim import CompressedMomentumOptimizer
 from minispeed.core.accelerator import get_accelerator
+from minispeed.zero import full_values
 from minispeed.zero.bucketed_setup import bucketed_strategy, check_onebit, onebit_parts
 from minispeed.zero.config import ZeroConfig
 from minispeed.zero.model_parallel import ModelParallel
@@ -36,7 +37,7 @@ from minispeed.zero.offload_setup import apply_offload
 from minispeed.zero.optimizer import ShardStrategy, ZeroOptimizer, param_names
 from minispeed.zero.precision import MixedPrecision
 from minispeed.zero.replica_groups import check_replica_groups
-from minispeed.zero.stage3 import Stage3Strategy
+from minispeed.zero.stage3.assemble import assemble as assemble_stage3
 
 __all__ = ["shard"]
 
@@ -112,7 +113,7 @@ def shard(
 
     strategy: ShardStrategy
     if config.stage == 3:
-        strategy = Stage3Strategy(model, config, precision, group, param_groups=param_groups)
+        strategy = assemble_stage3(model, config, precision, group, param_groups=param_groups)
     else:  # the first rank's weights broadcast, replica groups: bucketed_setup.py
         strategy = bucketed_strategy(model, config, precision, group, param_groups, replica_groups)
     user_optimizer = optimizer
@@ -126,19 +127,44 @@ def shard(
     _sharded_models.add(model)
     kind, extra = ZeroOptimizer, {"model_parallel": model_parallel}
     if onebit:
-        kind, extra, optimizer, strategy = onebit_parts(optimizer, strategy, model, group)
-    return kind(
+        kind, extra, optimizer, strategy = onebit_parts(optimizer, strategy, group)
+    params = [p for ps in param_groups for p in ps]
+    _step_masters(optimizer, strategy.master_params())
+    opt = kind(
         optimizer,
         strategy,
         config,
         precision,
-        [p for ps in param_groups for p in ps],
+        params,
         param_names(model),
         group,
         on_close=functools.partial(_forget_model, weakref.ref(model)),
         user_optimizer=user_optimizer,
         **extra,
     )
+    full_values.record_stepper(opt, params)  # safe_get_full_*(param) finds opt from param
+    return opt
+
+
+def _step_masters(optimizer: torch.optim.Optimizer, masters: list[list[torch.Tensor]]) -> None:
+    """Make `optimizer` step this rank's fp32 masters: each param group's tensors become its
+    masters (its hyper-parameters stay), with no state yet (Adagrad's made again, as its
+    constructor makes it)."""
+    if len(masters) != len(optimizer.param_groups):
+        raise RuntimeError(
+            f"strategy returned masters for {len(masters)} param groups, the optimizer has "
+            f"{len(optimizer.param_groups)}"
+        )
+    for pg, ms in zip(optimizer.param_groups, masters):
+        pg["params"] = list(ms)
+    optimizer.state.clear()
+    if type(optimizer) is torch.optim.Adagrad:  # it makes its state at construction only
+        for pg in optimizer.param_groups:
+            for m in pg["params"]:
+                optimizer.state[m] = {
+                    "step": torch.tensor(0.0),
+                    "sum": torch.full_like(m, pg["initial_accumulator_value"]),
+                }
 
 
 def _forget_model(model_ref: weakref.ref[nn.Module]) -> None:

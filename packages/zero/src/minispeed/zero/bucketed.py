@@ -20,6 +20,7 @@ import minispeed.comm as comm
 from minispeed.zero.config import ZeroConfig
 from minispeed.zero.contract import ShardStrategy, param_names
 from minispeed.zero.flat import FlatLayout
+from minispeed.zero.local_reducer import LocalReducer
 from minispeed.zero.precision import MixedPrecision
 
 __all__ = ["BucketedStrategy"]
@@ -31,7 +32,9 @@ class BucketedStrategy(ShardStrategy):
     #: (the reduced tensors, per group per parameter views of them): `_views_of`'s cache.
     _grad_views: tuple[list[torch.Tensor], list[list[torch.Tensor]]] | None = None
 
-    reducer: Any  # reducer.py: AllReduceReducer, BoundaryScatterReducer or BackwardScatterReducer
+    # reducer.py's AllReduceReducer, BoundaryScatterReducer or BackwardScatterReducer; after
+    # `go_local`, a LocalReducer. Written only by `_reduce_with` and `go_local`.
+    _reducer: Any
     pad: bool  # every bucket padded to a multiple of the group size (stages 1-2: it is split)
 
     def __init__(
@@ -91,16 +94,37 @@ class BucketedStrategy(ShardStrategy):
         self, reducer: type, model: nn.Module, group: Any, grad_divisor: int | None
     ) -> None:
         """Build `reducer` over the layouts; it registers the gradient hooks."""
-        position = {p: k for k, p in enumerate(model.parameters())}
-        self.reducer = reducer(
+        self._position = {p: k for k, p in enumerate(model.parameters())}
+        self._reducer = reducer(
             self.groups,
             self.layouts,
             self.config,
             self.precision.grad_accum_dtype,
             self.names,
-            position,
+            self._position,
             group,
             grad_divisor,
+        )
+
+    @property
+    def reducer(self) -> Any:
+        """The gradient schedule: the stage's (reducer.py), or `LocalReducer` after `go_local`."""
+        return self._reducer
+
+    def go_local(self, group: Any) -> None:
+        """1-bit Adam's freeze (onebit.py): from now on each rank keeps its own gradient. The
+        stage's reducer (its hooks removed) gives way to a `LocalReducer` over the same param
+        groups, whose average is over nothing (`group` only names the ranks). Once, between
+        steps."""
+        assert not isinstance(self._reducer, LocalReducer), "go_local called twice"
+        self._reducer.remove_hooks()
+        self._reducer = LocalReducer(
+            self.groups,
+            self.config,
+            self.precision.grad_accum_dtype,
+            self.names,
+            self._position,
+            group,
         )
 
     def backward_begins(self, is_boundary: bool) -> None:

@@ -86,7 +86,7 @@ def check_onebit(
 
 
 def onebit_parts(
-    optimizer: Any, strategy: ShardStrategy, model: nn.Module, group: Any
+    optimizer: Any, strategy: ShardStrategy, group: Any
 ) -> tuple[type[ZeroOptimizer], dict[str, Any], torch.optim.Optimizer, ShardStrategy]:
     """What `zero.shard` wraps for a 1-bit optimizer: (optimizer class, its extra arguments,
     the warm-up's inner Adam, the stage wrapped to go local at the freeze)."""
@@ -96,7 +96,7 @@ def onebit_parts(
         onebit.OnebitZeroOptimizer,
         {"freeze_step": optimizer.freeze_step},
         onebit.warmup_adam(optimizer),
-        onebit.OnebitStrategy(strategy, model, group),
+        onebit.OnebitStrategy(strategy, group),
     )
 
 

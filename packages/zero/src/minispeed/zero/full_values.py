@@ -34,16 +34,18 @@ open `ZeroOptimizer` steps gives None from the getters and an error from the set
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 import minispeed.comm as comm
 from minispeed.comm.validation import group_ranks
 from minispeed.zero.contract import ParamFragment, StrategyWrapper
-from minispeed.zero.optimizer import ZeroOptimizer, optimizer_of
+from minispeed.zero.optimizer import ZeroOptimizer
 from minispeed.zero.replica_groups import ReplicaGroupedStrategy
 from minispeed.zero.stage3.init import GatheredParameters
 
@@ -54,6 +56,7 @@ __all__ = [
     "local_fp32_param",
     "local_grad",
     "local_optimizer_state",
+    "record_stepper",
     "set_full_fp32_param",
     "set_full_optimizer_state",
 ]
@@ -124,6 +127,26 @@ def local_optimizer_state(
 ) -> torch.Tensor | None:
     """This rank's fragment of optimizer state `key`, flat; None before the first step."""
     return _read(param, opt, lambda o, f: _mine(f, _state(o, f, key)))
+
+
+# Which open ZeroOptimizer steps each model parameter, held weakly on both sides (dropping the
+# model or the optimizer drops the entry): how the functions here answer for a parameter alone.
+# (torch's WeakIdKeyDictionary: weakref.WeakKeyDictionary compares tensors with ==.)
+_STEPPED_BY: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def record_stepper(opt: ZeroOptimizer, params: list[nn.Parameter]) -> None:
+    """`zero.shard`: `opt` steps `params` (what `optimizer_of` answers for each)."""
+    me = weakref.ref(opt)
+    for p in params:
+        _STEPPED_BY[p] = me
+
+
+def optimizer_of(param: nn.Parameter) -> ZeroOptimizer | None:
+    """The open `ZeroOptimizer` that steps `param`, or None (not sharded, or closed since)."""
+    ref = _STEPPED_BY.get(param)
+    opt = None if ref is None else ref()
+    return None if opt is None or opt.closed else opt
 
 
 # Note [a set value reaches the model now]

@@ -61,14 +61,19 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 import minispeed.comm as comm
 from minispeed.comm.compression import OnebitAllReduce
-from minispeed.comm.optim import CompressedMomentumOptimizer, OnebitAdam, OnebitPhase
+from minispeed.comm.optim import (
+    CompressedMomentumOptimizer,
+    OnebitAdam,
+    OnebitPhase,
+    OnebitSchedule,
+    OnebitScheduled,
+)
+from minispeed.comm.optim.onebit_adam import adam_update_, fold_gradient_
 from minispeed.zero.config import ZeroConfig
 from minispeed.zero.contract import StrategyWrapper
-from minispeed.zero.local_reducer import LocalReducer
 from minispeed.zero.optimizer import ZeroOptimizer
 from minispeed.zero.precision import MixedPrecision
 
@@ -145,57 +150,50 @@ class OnebitStrategy(StrategyWrapper):
     False, so `ZeroOptimizer` unscales, checks and clips the local gradient without a sum.
     """
 
-    def __init__(self, strategy: Any, model: nn.Module, group: Any) -> None:
+    def __init__(self, strategy: Any, group: Any) -> None:
         super().__init__(strategy)
-        self._position = {p: k for k, p in enumerate(model.parameters())}
         self._group = group
-        self._local: LocalReducer | None = None
+        self._local = False
 
     @property
     def partitions_grads(self) -> bool:  # type: ignore[override]
         """The stage's value before the freeze; False after (local gradients, local norm)."""
-        return self._inner.partitions_grads if self._local is None else False
+        return self._inner.partitions_grads and not self._local
+
+    @property
+    def stage_partitions(self) -> bool:
+        """Whether the stage partitions its masters and gradients (stages 1-2), freeze or not."""
+        return self._inner.partitions_grads
 
     def master_grads(self) -> list[list[torch.Tensor]]:
         """The stage's reduced gradients (warm-up), or the local ones (parameter-shaped)."""
-        if self._local is None:
+        if not self._local:
             return self._inner.master_grads()
-        return self._local.local_grads()
+        return self._inner.reducer.local_grads()
 
     def go_local(self) -> None:
-        """Replace the stage's reducer by a `LocalReducer` (between steps: no window open)."""
-        assert self._local is None, "go_local called twice"
-        inner = self._inner
-        inner.reducer.remove_hooks()
-        self._local = LocalReducer(
-            inner.groups,
-            inner.config,
-            inner.precision.grad_accum_dtype,
-            inner.names,
-            self._position,
-            self._group,
-        )
-        inner.reducer = self._local  # backward_done, zero_grad and close now reach it
+        """The stage keeps local gradients from now on (its `go_local`: between steps, once)."""
+        self._inner.go_local(self._group)  # backward_done, zero_grad and close reach the new one
+        self._local = True
 
     @property
     def is_local(self) -> bool:
         """Whether `go_local` ran."""
-        return self._local is not None
+        return self._local
 
 
-class OnebitZeroOptimizer(ZeroOptimizer):
+class OnebitZeroOptimizer(OnebitScheduled, ZeroOptimizer):
     """`ZeroOptimizer` driving 1-bit Adam's phases (module docstring). Built by `zero.shard`.
 
-    `phase` (`OnebitPhase`), `freeze_step`, `momentum` (the full fp32 momentum vector after the
-    freeze, else None) and `momentum_allreduce` (its `OnebitAllReduce`, holding the residuals)
-    are the 1-bit state; `global_step` counts the optimizer steps taken (skipped fp16 steps
+    `schedule` (the `OnebitSchedule` owning `phase`, with `freeze_step`), `momentum` (the full
+    fp32 momentum vector after the freeze, else None) and `momentum_allreduce` (its
+    `OnebitAllReduce`, holding the residuals) are the 1-bit state; `global_step` counts the optimizer steps taken (skipped fp16 steps
     excluded), as `OnebitAdam.steps_taken` does.
     """
 
     def __init__(self, *args: Any, freeze_step: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.freeze_step = freeze_step
-        self.phase = OnebitPhase.WARMUP
+        self.schedule = OnebitSchedule(freeze_step)
         self.momentum: torch.Tensor | None = None
         self.momentum_allreduce = OnebitAllReduce(group=self.comm_group)
         # Offset in `momentum` of every parameter trainable at shard() time, by (group, index).
@@ -211,19 +209,18 @@ class OnebitZeroOptimizer(ZeroOptimizer):
                 k += 1
         self._momentum_numel = numel
 
-    # -- the phases ----------------------------------------------------------------------------
+    # -- the phases (owned by `schedule`) -------------------------------------------------------
     def _boundary_step(self) -> bool:
         stepped = super()._boundary_step()
-        if stepped and self.phase is OnebitPhase.WARMUP and self.global_step >= self.freeze_step:
-            self._to_compressed()
+        if stepped and self.schedule.ends_warmup(self.global_step):
+            self._freeze()
         return stepped
 
-    def _to_compressed(self) -> None:
+    def _freeze(self) -> None:
         """The freeze (collective at stages 1-2): assemble `m`, stop reducing gradients."""
-        assert self.phase is OnebitPhase.WARMUP, f"cannot enter COMPRESSED from {self.phase}"
         self._assemble_momentum()
         self.strategy.go_local()
-        self.phase = OnebitPhase.COMPRESSED
+        self.schedule.to_compressed()
 
     def _pieces(self) -> list[tuple[int, int, torch.Tensor, slice]]:
         """(group, index, master, its elements' slice of `momentum`) for every non-empty
@@ -274,7 +271,7 @@ class OnebitZeroOptimizer(ZeroOptimizer):
         return param
 
     def _inner_partitions(self) -> bool:
-        return bool(self.strategy.strategy.partitions_grads)
+        return bool(self.strategy.stage_partitions)
 
     def _inner_step(
         self,
@@ -290,27 +287,24 @@ class OnebitZeroOptimizer(ZeroOptimizer):
     @torch.no_grad()
     def _compressed_step(self, grads: list[list[torch.Tensor]], skip: set[tuple[int, int]]) -> None:
         """Fold local gradients into `m`, average it in 1 bit, step this rank's shard with the
-        frozen `v` (the update of `OnebitAdam._compressed_update`, operation for operation)."""
+        frozen `v`: `OnebitAdam`'s compressed update (`fold_gradient_`, `adam_update_`) over the
+        full momentum and this rank's fp32 masters."""
         m = self.momentum
         assert m is not None
         groups = self.optimizer.param_groups
         for (g, i), off in self._offset.items():
             grad = grads[g][i]
-            beta1 = groups[g]["betas"][0]
-            if groups[g]["weight_decay"]:  # L2, as torch.optim.Adam: from the fp32 parameter
-                grad = grad.add(self._full_value(g, i), alpha=groups[g]["weight_decay"])
-            m[off : off + grad.numel()].view_as(grad).lerp_(grad, 1 - beta1)
+            piece = m[off : off + grad.numel()].view_as(grad)
+            fold_gradient_(piece, grad, groups[g], lambda g=g, i=i: self._full_value(g, i))
         self.momentum_allreduce(m)
         t = self.global_step + 1
         for g, i, master, _ in self._pieces():
             if (g, i) in skip:  # no rank's gradient (or frozen since shard()): not stepped
                 continue
-            pg = groups[g]
-            beta1, beta2 = pg["betas"]
             state = self.optimizer.state[master]
-            bc2_sqrt = (1 - beta2**self.freeze_step) ** 0.5  # frozen with v
-            denom = (state["exp_avg_sq"].sqrt() / bc2_sqrt).add_(pg["eps"])
-            master.addcdiv_(state["exp_avg"], denom, value=-pg["lr"] / (1 - beta1**t))
+            adam_update_(
+                master, state["exp_avg"], state["exp_avg_sq"], groups[g], t, self.freeze_step
+            )
             state["step"] += 1
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -346,7 +340,7 @@ class OnebitZeroOptimizer(ZeroOptimizer):
         if not compressed:
             return
         if self.phase is OnebitPhase.WARMUP:
-            self._to_compressed()
+            self._freeze()
         else:
             self._assemble_momentum()
         saved = (extra or {}).get("onebit_residuals")

@@ -17,13 +17,11 @@ masters and gradient buffers belong to the strategy (see its module for their by
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 import minispeed.comm as comm
 from minispeed.core import ranges
@@ -34,19 +32,7 @@ from minispeed.zero.flat import cut_runs
 from minispeed.zero.model_parallel import ModelParallel
 from minispeed.zero.precision import LossScaler, MixedPrecision
 
-__all__ = ["ParamFragment", "ShardStrategy", "ZeroOptimizer", "optimizer_of", "param_names"]
-
-# Which open ZeroOptimizer steps each model parameter, held weakly on both sides (dropping the
-# model or the optimizer drops the entry): how `full_values` answers for a parameter alone.
-# (torch's WeakIdKeyDictionary: weakref.WeakKeyDictionary compares tensors with ==.)
-_STEPPED_BY: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def optimizer_of(param: nn.Parameter) -> ZeroOptimizer | None:
-    """The open `ZeroOptimizer` that steps `param`, or None (not sharded, or closed since)."""
-    ref = _STEPPED_BY.get(param)
-    opt = None if ref is None else ref()
-    return None if opt is None or opt.closed else opt
+__all__ = ["ParamFragment", "ShardStrategy", "ZeroOptimizer", "param_names"]
 
 
 # Note [unused parameters]
@@ -173,22 +159,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._window = 0  # backward calls in the current accumulation window
         self._window_ended = False  # the last backward ended it; step() has not handled it yet
 
-        masters = strategy.master_params()
-        if len(masters) != len(optimizer.param_groups):
-            raise RuntimeError(
-                f"strategy returned masters for {len(masters)} param groups, the optimizer has "
-                f"{len(optimizer.param_groups)}"
-            )
-        for pg, ms in zip(optimizer.param_groups, masters):
-            pg["params"] = list(ms)  # hyper-parameters stay; the tensors become this rank's masters
-        optimizer.state.clear()
-        if type(optimizer) is torch.optim.Adagrad:  # it makes its state at construction only
-            for pg in optimizer.param_groups:
-                for m in pg["params"]:
-                    optimizer.state[m] = {
-                        "step": torch.tensor(0.0),
-                        "sum": torch.full_like(m, pg["initial_accumulator_value"]),
-                    }
+        masters = strategy.master_params()  # `optimizer` steps them (api.py: _step_masters)
 
         # See Note [unused parameters]. Slot 0 carries this rank's fp16 overflow flag, or an
         # unfrozen parameter (Note [requires_grad is fixed at shard time]).
@@ -229,18 +200,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
             )
         self._skip_key = {f.name: (f.group, f.master_index) for f in self._fragments}
         # See Note [optimizer sub-groups]: runs of (group, index) of at most sub_group_numel.
+        # Offload's swapped optimizers cut their own partitions and pipeline the reads across
+        # them (Note [the swap pipeline] in offload/swapped.py): one run, one call, for all.
         order = [(g, i) for g, ms in enumerate(masters) for i in range(len(ms))]
         sizes = [masters[g][i].numel() for g, i in order]
-        self._sub_groups = cut_runs(order, sizes, config.sub_group_numel)
+        own_runs = getattr(optimizer, "partitions", None) is not None
+        self._sub_groups = [order] if own_runs else cut_runs(order, sizes, config.sub_group_numel)
         # The grid's other axes: norm, verdict and shared gradients (model_parallel.py).
         self.model_parallel = model_parallel
         self._uncounted = (
             set() if model_parallel is None else model_parallel.uncounted_indices(params)
         )
         self._fragment_of = {f.name: f for f in self._fragments}
-        me = weakref.ref(self)
-        for p in self._params:
-            _STEPPED_BY[p] = me
 
     # -- torch.optim.Optimizer's surface (Note [ZeroOptimizer is a torch.optim.Optimizer]) ----
     @property
@@ -304,12 +275,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def window_micro_steps(self) -> int:
         """Backward calls since the last boundary step (0 between windows)."""
         return self._window
-
-    def _restore_micro_step(self, micro_step: int) -> None:
-        """Set the counter from a checkpoint, which is saved between windows (no window open)."""
-        self.micro_step = micro_step
-        self._window = 0
-        self._window_ended = False
 
     def _mark_used(self, p: nn.Parameter) -> None:
         # A set, not `_agreement[slot] = 1`: a tensor write per parameter per backward costs a
@@ -394,15 +359,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self.strategy.partitions_grads,
             )
 
-        if self.loss_scaler.scale != 1.0:
-            inv_scale = 1.0 / self.loss_scaler.scale
-            for g in grads:
-                g.mul_(inv_scale)
-        if self.precision.uses_loss_scaling:
-            bad = torch.zeros(1, dtype=torch.float32, device=self._grad_device)
-            for g in grads:  # on the gradients' device: no host sync per tensor
-                torch.maximum(bad, (~torch.isfinite(g)).any().float(), out=bad)
-            self._agreement[:1].copy_(bad)
+        overflow = self.loss_scaler.unscale(grads, self._grad_device)  # fp16 only: a flag
+        if overflow is not None:
+            self._agreement[:1].copy_(overflow)
         unfrozen = [
             k
             for k, (p, was) in enumerate(zip(self._params, self._trainable_at_shard))
@@ -489,12 +448,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     ) -> None:
         """Run the inner optimizer once per sub-group (Note [optimizer sub-groups]); a master in
         `skip` keeps `.grad = None`, so torch.optim leaves it and its state untouched."""
-        runs = self._sub_groups
-        if getattr(self.optimizer, "partitions", None) is not None:
-            # offload's swapped optimizers cut their own partitions and pipeline the reads
-            # across them (Note [the swap pipeline] in offload/swapped.py): one call for all.
-            runs = [[gi for run in runs for gi in run]]
-        for run in runs:
+        for run in self._sub_groups:
             for g, i in run:
                 if (g, i) not in skip:
                     masters[g][i].grad = grads[g][i]

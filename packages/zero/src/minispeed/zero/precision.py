@@ -234,6 +234,21 @@ class LossScaler:
         self.hysteresis_left = precision.hysteresis
         self.overflows = 0  # total skipped steps, for logs
 
+    def unscale(self, grads: list[torch.Tensor], device: torch.device) -> torch.Tensor | None:
+        """Divide `grads` by the scale, in place; return this rank's overflow flag (1 element,
+        fp32, on `device`: 1 where any gradient holds an inf or a NaN) when the loss is scaled,
+        else None (fp32 and bf16: the scale is 1, nothing is read)."""
+        if self.scale != 1.0:
+            inv_scale = 1.0 / self.scale
+            for g in grads:
+                g.mul_(inv_scale)
+        if not self.precision.uses_loss_scaling:
+            return None
+        bad = torch.zeros(1, dtype=torch.float32, device=device)
+        for g in grads:  # on the gradients' device: no host sync per tensor
+            torch.maximum(bad, (~torch.isfinite(g)).any().float(), out=bad)
+        return bad
+
     def update(self, overflow: bool) -> None:
         """Record one optimizer step's outcome and adjust the scale.
 

@@ -16,10 +16,10 @@ Optimizers that use them: `minispeed.comm.optim` (`OnebitAdam`, `OnebitLamb`).
 """
 
 from minispeed.comm.compression.compressed_allreduce import OnebitAllReduce, TopkAllReduce
-from minispeed.comm.compression.compressor import Compressor, Packed
+from minispeed.comm.compression.compressor import Compressor, Packed, ScaledCodes
 from minispeed.comm.compression.error_feedback import ErrorFeedback
-from minispeed.comm.compression.onebit import OnebitCompressor, SignPacked
-from minispeed.comm.compression.quantize import BlockQuantizer, QuantPacked
+from minispeed.comm.compression.onebit import OnebitCompressor
+from minispeed.comm.compression.quantize import BlockQuantizer
 from minispeed.comm.compression.quantized_collectives import (
     quantized_all_gather_into_tensor,
     quantized_reduce_scatter_tensor,
@@ -33,8 +33,7 @@ __all__ = [
     "OnebitAllReduce",
     "OnebitCompressor",
     "Packed",
-    "QuantPacked",
-    "SignPacked",
+    "ScaledCodes",
     "TopkAllReduce",
     "TopkCompressor",
     "TopkPacked",

@@ -52,8 +52,9 @@ import minispeed.comm as comm
 from minispeed.comm import validation
 from minispeed.comm.call import Call
 from minispeed.comm.compression import ops, wire
+from minispeed.comm.compression.compressor import ScaledCodes
 from minispeed.comm.compression.error_feedback import ErrorFeedback
-from minispeed.comm.compression.onebit import OnebitCompressor, SignPacked
+from minispeed.comm.compression.onebit import OnebitCompressor
 from minispeed.comm.compression.topk import TopkCompressor, TopkPacked
 from minispeed.comm.validation import CommInputError
 
@@ -149,7 +150,7 @@ class OnebitAllReduce:
         comm.all_to_all_single(from_workers, to_servers, group=self.group)
 
         # Server: row i is worker i's copy of my chunk; average, compress once more.
-        received = SignPacked.from_rows(from_workers, chunk, chunk)
+        received = ScaledCodes.from_rows(from_workers, chunk, 1, chunk)
         mean_chunk = self.server_feedback.compressor.decompress(received).view(n, chunk).mean(0)
         reply = self.server_feedback.compress(mean_chunk).to_bytes()  # (4 + C/8,) uint8
 
@@ -157,7 +158,7 @@ class OnebitAllReduce:
         gathered = torch.empty(n * reply.numel(), dtype=torch.uint8, device=tensor.device)
         comm.all_gather_into_tensor(gathered, reply, group=self.group)
         result = self.server_feedback.compressor.decompress(
-            SignPacked.from_rows(gathered.view(n, -1), chunk, chunk)
+            ScaledCodes.from_rows(gathered.view(n, -1), chunk, 1, chunk)
         )
         tensor.copy_(result[: tensor.numel()].view_as(tensor))
         return tensor

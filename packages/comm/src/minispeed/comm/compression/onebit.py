@@ -30,58 +30,9 @@ import dataclasses
 import torch
 
 from minispeed.comm.compression import ops
-from minispeed.comm.compression.compressor import as_bytes, bytes_as
+from minispeed.comm.compression.compressor import ScaledCodes
 
-__all__ = ["OnebitCompressor", "SignPacked"]
-
-
-@dataclasses.dataclass(frozen=True)
-class SignPacked:
-    """Signs and chunk scales of `numel` elements (see Note [packed bytes layout])."""
-
-    scales: torch.Tensor  # fp32 [ceil(numel / chunk_numel)]
-    bits: torch.Tensor  # uint8 [ceil(numel / 8)], element i in bit i % 8 of byte i // 8
-    numel: int
-    chunk_numel: int
-
-    @property
-    def nbytes(self) -> int:
-        """`4 * len(scales) + len(bits)`."""
-        return 4 * self.scales.numel() + self.bits.numel()
-
-    def to_bytes(self) -> torch.Tensor:
-        """One message: scales' bytes, then the bits."""
-        return self.to_rows(1).view(-1)
-
-    def to_rows(self, n: int) -> torch.Tensor:
-        """`(n, bytes_per_row)` uint8: one message per consecutive `numel / n` elements.
-
-        Rows must not share a byte or a scale: for `n > 1` the row length must be a multiple
-        of 8 and of `chunk_numel`.
-        """
-        row = self.numel // n if n else 0
-        if n < 1 or row * n != self.numel or (n > 1 and (row % 8 or row % self.chunk_numel)):
-            raise ValueError(
-                f"cannot split {self.numel} sign-compressed elements (chunk {self.chunk_numel}) "
-                f"into {n} rows: each row needs a whole number of bytes and of chunks"
-            )
-        scale_bytes = as_bytes(self.scales).view(n, -1)  # (n, 4 * chunks per row)
-        return torch.cat([scale_bytes, self.bits.view(n, -1)], dim=1)
-
-    @classmethod
-    def from_rows(cls, rows: torch.Tensor, row_numel: int, chunk_numel: int) -> SignPacked:
-        """Inverse of `to_rows`: `rows` is `(n, bytes_per_row)` uint8."""
-        n = rows.shape[0]
-        scales_per_row = -(-row_numel // chunk_numel)
-        expected = 4 * scales_per_row + -(-row_numel // 8)
-        if rows.dim() != 2 or rows.dtype != torch.uint8 or rows.shape[1] != expected:
-            raise ValueError(
-                f"expected (n, {expected}) uint8 rows for {row_numel} elements per row with "
-                f"chunk {chunk_numel}, got {tuple(rows.shape)} {rows.dtype}"
-            )
-        scales = bytes_as(rows[:, : 4 * scales_per_row].reshape(-1), torch.float32)
-        bits = rows[:, 4 * scales_per_row :].reshape(-1)
-        return cls(scales, bits, n * row_numel, chunk_numel)
+__all__ = ["OnebitCompressor"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,16 +56,17 @@ class OnebitCompressor:
         """The chunk length used for a vector of `numel` elements."""
         return self.chunk_numel if self.chunk_numel is not None else max(numel, 1)
 
-    def compress(self, x: torch.Tensor) -> SignPacked:
-        """Sign bits and chunk scales of `x` (flattened, as fp32)."""
+    def compress(self, x: torch.Tensor) -> ScaledCodes:
+        """Sign bits (element i in bit i % 8 of byte i // 8) and chunk scales of `x` (flattened,
+        as fp32): 1-bit codes, one scale per chunk."""
         chunk = self.chunk_for(x.numel())
         bits, scales = ops.sign_pack(x, chunk)
-        return SignPacked(scales, bits, x.numel(), chunk)
+        return ScaledCodes(scales, bits, x.numel(), 1, chunk)
 
-    def decompress(self, packed: SignPacked) -> torch.Tensor:
+    def decompress(self, packed: ScaledCodes) -> torch.Tensor:
         """fp32 `[numel]`: `±scale` per element."""
-        return ops.sign_unpack(packed.bits, packed.scales, packed.chunk_numel, packed.numel)
+        return ops.sign_unpack(packed.codes, packed.scales, packed.group_numel, packed.numel)
 
     def packed_nbytes(self, numel: int) -> int:
         """`ceil(numel / 8) + 4 ceil(numel / chunk)`."""
-        return -(-numel // 8) + 4 * -(-numel // self.chunk_for(numel))
+        return ScaledCodes.nbytes_for(numel, 1, self.chunk_for(numel))

@@ -28,6 +28,7 @@ from types import ModuleType
 import torch
 
 from minispeed.comm.compression import reference
+from minispeed.comm.compression.compressor import code_bytes
 from minispeed.core.accelerator import get_accelerator
 from minispeed.core.op_builder import OpBuilder, OpLoader
 
@@ -94,16 +95,16 @@ def load_op(device_type: str = "cpu") -> ModuleType | None:
 def _packed(
     codes: torch.Tensor,
     name: str,
-    code_bytes: int,
+    nbytes: int,
     scales: torch.Tensor,
     numel: int,
     per_scale: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A packed message of `numel` elements, checked: `codes` uint8 of `code_bytes` bytes and
+    """A packed message of `numel` elements, checked: `codes` uint8 of `nbytes` bytes and
     one scale per `per_scale` elements; returned flat and contiguous (scales as fp32)."""
-    if codes.dtype != torch.uint8 or codes.numel() != code_bytes:
+    if codes.dtype != torch.uint8 or codes.numel() != nbytes:
         raise ValueError(
-            f"{name} must be uint8 with {code_bytes} bytes for numel={numel}, got "
+            f"{name} must be uint8 with {nbytes} bytes for numel={numel}, got "
             f"{codes.dtype} with {codes.numel()}"
         )
     if scales.numel() != -(-numel // per_scale):
@@ -163,7 +164,7 @@ def sign_unpack(
 ) -> torch.Tensor:
     """fp32 `[numel]`: `-scale` where a bit is set, `+scale` elsewhere."""
     _check_positive(chunk_numel, "chunk_numel")
-    bits, scales = _packed(bits, "bits", -(-numel // 8), scales, numel, chunk_numel)
+    bits, scales = _packed(bits, "bits", code_bytes(numel, 1), scales, numel, chunk_numel)
     op = load_op(bits.device.type)
     if op is None:
         return reference.sign_unpack(bits, scales, chunk_numel, numel)
@@ -198,8 +199,7 @@ def dequantize_blocks(
 ) -> torch.Tensor:
     """fp32 `[numel]` = `q * scale` of its block."""
     _check_quant(block_numel, bits)
-    q_bytes = numel if bits == 8 else -(-numel // 2)
-    q, scales = _packed(q, "q", q_bytes, scales, numel, block_numel)
+    q, scales = _packed(q, "q", code_bytes(numel, bits), scales, numel, block_numel)
     op = load_op(q.device.type)
     if op is None:
         return reference.dequantize_blocks(q, scales, block_numel, bits, numel)

@@ -27,61 +27,9 @@ import dataclasses
 import torch
 
 from minispeed.comm.compression import ops
-from minispeed.comm.compression.compressor import as_bytes, bytes_as
+from minispeed.comm.compression.compressor import ScaledCodes
 
-__all__ = ["BlockQuantizer", "QuantPacked"]
-
-
-@dataclasses.dataclass(frozen=True)
-class QuantPacked:
-    """Codes and block scales of `numel` elements (see Note [packed bytes layout])."""
-
-    scales: torch.Tensor  # fp32 [ceil(numel / block_numel)]
-    q: torch.Tensor  # uint8 [numel] (int8) or [ceil(numel / 2)] (int4 nibble pairs)
-    numel: int
-    bits: int
-    block_numel: int
-
-    @property
-    def nbytes(self) -> int:
-        """`4 * len(scales) + len(q)`."""
-        return 4 * self.scales.numel() + self.q.numel()
-
-    def to_bytes(self) -> torch.Tensor:
-        """One message: scales' bytes, then the codes."""
-        return self.to_rows(1).view(-1)
-
-    def to_rows(self, n: int) -> torch.Tensor:
-        """`(n, bytes_per_row)` uint8, one message per consecutive `numel / n` elements.
-
-        For `n > 1` the row length must be a multiple of `block_numel` (so no block and no
-        int4 byte is shared by two rows).
-        """
-        row = self.numel // n if n else 0
-        if n < 1 or row * n != self.numel or (n > 1 and row % self.block_numel):
-            raise ValueError(
-                f"cannot split {self.numel} quantized elements (block {self.block_numel}) into "
-                f"{n} rows: pad each row to a multiple of block_numel first"
-            )
-        return torch.cat([as_bytes(self.scales).view(n, -1), self.q.view(n, -1)], dim=1)
-
-    @classmethod
-    def from_rows(
-        cls, rows: torch.Tensor, row_numel: int, bits: int, block_numel: int
-    ) -> QuantPacked:
-        """Inverse of `to_rows`."""
-        n = rows.shape[0]
-        scales_per_row = -(-row_numel // block_numel)
-        code_bytes = row_numel if bits == 8 else -(-row_numel // 2)
-        expected = 4 * scales_per_row + code_bytes
-        if rows.dim() != 2 or rows.dtype != torch.uint8 or rows.shape[1] != expected:
-            raise ValueError(
-                f"expected (n, {expected}) uint8 rows for {row_numel} int{bits} elements per row "
-                f"with block {block_numel}, got {tuple(rows.shape)} {rows.dtype}"
-            )
-        scales = bytes_as(rows[:, : 4 * scales_per_row].reshape(-1), torch.float32)
-        q = rows[:, 4 * scales_per_row :].reshape(-1)
-        return cls(scales, q, n * row_numel, bits, block_numel)
+__all__ = ["BlockQuantizer"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,18 +65,18 @@ class BlockQuantizer:
         """`numel` rounded up to whole blocks (how collectives pad each rank's part)."""
         return -(-numel // self.block_numel) * self.block_numel
 
-    def compress(self, x: torch.Tensor) -> QuantPacked:
-        """Codes and block scales of `x` (flattened, as fp32)."""
+    def compress(self, x: torch.Tensor) -> ScaledCodes:
+        """Codes (int8: one byte each; int4: two per byte) and block scales of `x` (flattened,
+        as fp32)."""
         q, scales = ops.quantize_blocks(x, self.block_numel, self.bits)
-        return QuantPacked(scales, q, x.numel(), self.bits, self.block_numel)
+        return ScaledCodes(scales, q, x.numel(), self.bits, self.block_numel)
 
-    def decompress(self, packed: QuantPacked) -> torch.Tensor:
+    def decompress(self, packed: ScaledCodes) -> torch.Tensor:
         """fp32 `[numel]`: code times its block's scale."""
         return ops.dequantize_blocks(
-            packed.q, packed.scales, packed.block_numel, packed.bits, packed.numel
+            packed.codes, packed.scales, packed.group_numel, packed.code_bits, packed.numel
         )
 
     def packed_nbytes(self, numel: int) -> int:
         """`ceil(numel bits / 8) + 4 ceil(numel / block_numel)`."""
-        code_bytes = numel if self.bits == 8 else -(-numel // 2)
-        return code_bytes + 4 * -(-numel // self.block_numel)
+        return ScaledCodes.nbytes_for(numel, self.bits, self.block_numel)

@@ -26,8 +26,9 @@ import torch
 
 import minispeed.comm as comm
 from minispeed.comm.call import Call
+from minispeed.comm.compression.compressor import ScaledCodes
 from minispeed.comm.compression.error_feedback import ErrorFeedback
-from minispeed.comm.compression.quantize import BlockQuantizer, QuantPacked
+from minispeed.comm.compression.quantize import BlockQuantizer
 
 __all__ = ["quantized_all_gather_into_tensor", "quantized_reduce_scatter_tensor"]
 
@@ -81,7 +82,7 @@ def quantized_all_gather_into_tensor(
     message = quantizer.compress(_padded_rows(input, 1, shard, padded)).to_bytes()
     gathered = torch.empty(n * message.numel(), dtype=torch.uint8, device=input.device)
     comm.all_gather_into_tensor(gathered, message, group=group)
-    packed = QuantPacked.from_rows(
+    packed = ScaledCodes.from_rows(
         gathered.view(n, -1), padded, quantizer.bits, quantizer.block_numel
     )
     values = quantizer.decompress(packed).view(n, padded)[:, :shard]  # (n, S)
@@ -134,7 +135,7 @@ def quantized_reduce_scatter_tensor(
     to_ranks = packed.to_rows(n)  # (n, q) uint8: row j goes to rank j
     from_ranks = torch.empty_like(to_ranks)
     comm.all_to_all_single(from_ranks, to_ranks, group=group)
-    received = QuantPacked.from_rows(from_ranks, padded, quantizer.bits, quantizer.block_numel)
+    received = ScaledCodes.from_rows(from_ranks, padded, quantizer.bits, quantizer.block_numel)
     parts = quantizer.decompress(received).view(n, padded)[:, :shard]  # (n, S): sender i's part
     total = parts.sum(dim=0)
     if op == comm.ReduceOp.AVG:

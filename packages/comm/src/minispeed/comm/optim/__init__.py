@@ -5,8 +5,20 @@ then `onebit_adam` and `onebit_lamb` (each one update rule per phase).
 Use them *instead of* DDP: they average gradients (warm-up) or momenta (compressed) themselves.
 """
 
-from minispeed.comm.optim.compressed_momentum import CompressedMomentumOptimizer, OnebitPhase
+from minispeed.comm.optim.compressed_momentum import (
+    CompressedMomentumOptimizer,
+    OnebitPhase,
+    OnebitSchedule,
+    OnebitScheduled,
+)
 from minispeed.comm.optim.onebit_adam import OnebitAdam
 from minispeed.comm.optim.onebit_lamb import OnebitLamb
 
-__all__ = ["CompressedMomentumOptimizer", "OnebitAdam", "OnebitLamb", "OnebitPhase"]
+__all__ = [
+    "CompressedMomentumOptimizer",
+    "OnebitAdam",
+    "OnebitLamb",
+    "OnebitPhase",
+    "OnebitSchedule",
+    "OnebitScheduled",
+]

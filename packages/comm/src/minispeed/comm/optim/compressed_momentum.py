@@ -34,19 +34,78 @@ import torch
 import minispeed.comm as comm
 from minispeed.comm.compression import OnebitAllReduce
 
-__all__ = ["CompressedMomentumOptimizer", "OnebitPhase"]
+__all__ = ["CompressedMomentumOptimizer", "OnebitPhase", "OnebitSchedule", "OnebitScheduled"]
 
 
 class OnebitPhase(enum.Enum):
-    """Where a 1-bit optimizer is in its schedule (module docstring).
+    """Where a 1-bit optimizer is in its schedule (module docstring). A state of `OnebitSchedule`,
+    changed only by its asserting `to_compressed` / `to_warmup`.
 
     WARMUP: fp32 gradient all-reduce; state per parameter: `exp_avg`, `exp_avg_sq` (4 B each
     per element). COMPRESSED: 1-bit momentum all-reduce; the same state, `exp_avg_sq` frozen,
     plus the all-reduce's residuals (≈ 4 B per element).
+
+    Transitions: WARMUP -> COMPRESSED after `freeze_step` steps (the optimizer runs its freeze
+    first), COMPRESSED -> WARMUP only when a checkpoint from before the freeze is loaded into a
+    plain 1-bit optimizer (zero's refuses it: its gradient reduction cannot be switched back on).
     """
 
     WARMUP = "warmup"
     COMPRESSED = "compressed"
+
+
+class OnebitSchedule:
+    """The one owner of a 1-bit optimizer's `OnebitPhase`: warm-up for `freeze_step` steps, then
+    compressed. Both 1-bit optimizers hold one (`CompressedMomentumOptimizer` here, zero's
+    `OnebitZeroOptimizer` for 1-bit Adam under ZeRO), ask it whether a step ends the warm-up,
+    and move it only through `to_compressed` / `to_warmup`, which assert the legal source phase.
+    """
+
+    def __init__(self, freeze_step: int) -> None:
+        if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
+            raise ValueError(
+                f"freeze_step must be a positive int (warm-up steps in full precision), got "
+                f"{freeze_step!r}"
+            )
+        self.freeze_step = freeze_step
+        self._phase = OnebitPhase.WARMUP
+
+    @property
+    def phase(self) -> OnebitPhase:
+        """WARMUP or COMPRESSED (read-only: see `OnebitPhase` for the transitions)."""
+        return self._phase
+
+    def ends_warmup(self, steps_taken: int) -> bool:
+        """Whether the optimizer, having taken `steps_taken` steps, must freeze now."""
+        return self._phase is OnebitPhase.WARMUP and steps_taken >= self.freeze_step
+
+    def to_compressed(self) -> None:
+        """WARMUP -> COMPRESSED, after the optimizer's freeze."""
+        assert self._phase is OnebitPhase.WARMUP, f"cannot enter COMPRESSED from {self._phase}"
+        self._phase = OnebitPhase.COMPRESSED
+
+    def to_warmup(self) -> None:
+        """COMPRESSED -> WARMUP: a checkpoint from before the freeze was loaded (plain 1-bit
+        optimizers only: their gradient all-reduce resumes)."""
+        assert self._phase is OnebitPhase.COMPRESSED, f"cannot rewind to WARMUP from {self._phase}"
+        self._phase = OnebitPhase.WARMUP
+
+
+class OnebitScheduled:
+    """What a 1-bit optimizer shows of its `OnebitSchedule` (``self.schedule``): the phase and
+    the freeze step, read-only. The base of both 1-bit optimizers (here and zero's)."""
+
+    schedule: OnebitSchedule
+
+    @property
+    def phase(self) -> OnebitPhase:
+        """WARMUP or COMPRESSED (`OnebitSchedule`)."""
+        return self.schedule.phase
+
+    @property
+    def freeze_step(self) -> int:
+        """Warm-up steps (optimizer steps taken in full precision) before the freeze."""
+        return self.schedule.freeze_step
 
 
 def check_adam_hyperparameters(
@@ -63,7 +122,7 @@ def check_adam_hyperparameters(
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
 
 
-class CompressedMomentumOptimizer(torch.optim.Optimizer):
+class CompressedMomentumOptimizer(OnebitScheduled, torch.optim.Optimizer):
     """Base class: phases, the flat gradient/momentum collectives, checkpoint handling.
 
     Subclasses implement `_warmup_update` (gradients already averaged) and
@@ -78,23 +137,11 @@ class CompressedMomentumOptimizer(torch.optim.Optimizer):
         freeze_step: int,
         group: Any = None,
     ) -> None:
-        if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
-            raise ValueError(
-                f"freeze_step must be a positive int (warm-up steps in full precision), got "
-                f"{freeze_step!r}"
-            )
+        self.schedule = OnebitSchedule(freeze_step)  # checked before anything is built
         super().__init__(params, defaults)
-        self.freeze_step = freeze_step
         self.group = group
-        self.phase = OnebitPhase.WARMUP
         self.steps_taken = 0
         self.momentum_allreduce = OnebitAllReduce(group=group)
-
-    # -- phase transitions ----------------------------------------------------------------------
-    def _to_compressed(self) -> None:
-        assert self.phase is OnebitPhase.WARMUP, f"cannot enter COMPRESSED from {self.phase}"
-        self._freeze()
-        self.phase = OnebitPhase.COMPRESSED
 
     def _freeze(self) -> None:
         """Hook at the end of warm-up (e.g. record coefficients). Default: nothing."""
@@ -152,8 +199,9 @@ class CompressedMomentumOptimizer(torch.optim.Optimizer):
         self.steps_taken += 1
         if self.phase is OnebitPhase.WARMUP:
             self._warmup_update(self.steps_taken)
-            if self.steps_taken >= self.freeze_step:
-                self._to_compressed()
+            if self.schedule.ends_warmup(self.steps_taken):
+                self._freeze()
+                self.schedule.to_compressed()
         else:
             self._compressed_update(self.steps_taken)
         return loss
@@ -172,9 +220,10 @@ class CompressedMomentumOptimizer(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore state and the phase. The 1-bit residuals restart at zero: they are bounded
-        corrections (Note [why error feedback bounds the accumulated error]), and their size
-        depends on the world size, which may differ after a restart.
+        """Restore state and the phase the restored step count implies (a checkpoint from before
+        the freeze rewinds a compressed optimizer to warm-up). The 1-bit residuals restart at
+        zero: they are bounded corrections (Note [why error feedback bounds the accumulated
+        error]), and their size depends on the world size, which may differ after a restart.
         """
         state_dict = dict(state_dict)
         extra = state_dict.pop("onebit", None)
@@ -185,7 +234,11 @@ class CompressedMomentumOptimizer(torch.optim.Optimizer):
             )
         super().load_state_dict(state_dict)
         self.steps_taken = int(extra["steps_taken"])
-        self.phase = OnebitPhase.WARMUP
-        if self.steps_taken >= self.freeze_step:
-            self._to_compressed()
+        if self.steps_taken < self.freeze_step:
+            if self.phase is OnebitPhase.COMPRESSED:
+                self.schedule.to_warmup()
+        else:
+            self._freeze()  # idempotent: the values the checkpoint saved are kept
+            if self.phase is OnebitPhase.WARMUP:
+                self.schedule.to_compressed()
         self.momentum_allreduce.reset()

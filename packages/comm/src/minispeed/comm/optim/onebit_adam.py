@@ -25,7 +25,7 @@ error-feedback residuals once compressed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -35,7 +35,43 @@ from minispeed.comm.optim.compressed_momentum import (
     check_adam_hyperparameters,
 )
 
-__all__ = ["OnebitAdam"]
+__all__ = ["OnebitAdam", "adam_update_", "fold_gradient_"]
+
+
+def fold_gradient_(
+    exp_avg: torch.Tensor,
+    grad: torch.Tensor,
+    group: dict[str, Any],
+    param_fp32: Callable[[], torch.Tensor],
+) -> torch.Tensor:
+    """`m <- β1 m + (1-β1)(g + wd·p)` in place (L2 as `torch.optim.Adam`; `param_fp32()` is
+    read only when `weight_decay > 0`); returns `m`. The compressed phase's momentum update,
+    here and in zero's 1-bit Adam (`minispeed.zero.onebit`)."""
+    if group["weight_decay"]:
+        grad = grad.add(param_fp32(), alpha=group["weight_decay"])
+    return exp_avg.lerp_(grad, 1 - group["betas"][0])
+
+
+def adam_update_(
+    p: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    group: dict[str, Any],
+    step: int,
+    variance_step: int,
+) -> None:
+    """`p <- p - lr · (m / (1-β1^step)) / (sqrt(v / (1-β2^variance_step)) + eps)`, in the
+    operation order of `torch.optim.Adam` (single-tensor path), so warm-up matches it. Warm-up:
+    `variance_step = step`; compressed: `variance_step = freeze_step` (v frozen with its bias
+    correction). A 16-bit `p` is updated through an fp32 copy. Used here and by zero's 1-bit
+    Adam, which steps its fp32 master shards with it."""
+    beta1, beta2 = group["betas"]
+    denom = (exp_avg_sq.sqrt() / (1 - beta2**variance_step) ** 0.5).add_(group["eps"])
+    value = -group["lr"] / (1 - beta1**step)
+    if p.dtype == torch.float32:
+        p.addcdiv_(exp_avg, denom, value=value)
+    else:
+        p.copy_(p.float().addcdiv_(exp_avg, denom, value=value))
 
 
 class OnebitAdam(CompressedMomentumOptimizer):
@@ -67,16 +103,6 @@ class OnebitAdam(CompressedMomentumOptimizer):
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
         return state
 
-    @staticmethod
-    def _apply(
-        p: torch.Tensor, exp_avg: torch.Tensor, denom: torch.Tensor, lr: float, bc1: float
-    ) -> None:
-        # The operation order of torch.optim.Adam (single-tensor path), so warm-up matches it.
-        if p.dtype == torch.float32:
-            p.addcdiv_(exp_avg, denom, value=-lr / bc1)
-        else:
-            p.copy_(p.float().addcdiv_(exp_avg, denom, value=-lr / bc1))
-
     def _warmup_update(self, step: int) -> None:
         pairs = self._trainable()
         grads = self._averaged_grads([p for _, p in pairs])
@@ -87,23 +113,15 @@ class OnebitAdam(CompressedMomentumOptimizer):
                 grad = grad.add(p.float(), alpha=group["weight_decay"])
             state["exp_avg"].lerp_(grad, 1 - beta1)
             state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            bc2_sqrt = (1 - beta2**step) ** 0.5
-            denom = (state["exp_avg_sq"].sqrt() / bc2_sqrt).add_(group["eps"])
-            self._apply(p, state["exp_avg"], denom, group["lr"], 1 - beta1**step)
+            adam_update_(p, state["exp_avg"], state["exp_avg_sq"], group, step, step)
 
     def _compressed_update(self, step: int) -> None:
         pairs = self._trainable()
-        momenta = []
-        for group, p in pairs:
-            beta1, _ = group["betas"]
-            grad = self._grad_of(p)
-            if group["weight_decay"]:
-                grad = grad.add(p.float(), alpha=group["weight_decay"])
-            momenta.append(self._state(p)["exp_avg"].lerp_(grad, 1 - beta1))
+        momenta = [
+            fold_gradient_(self._state(p)["exp_avg"], self._grad_of(p), group, p.float)
+            for group, p in pairs
+        ]
         self._average_momenta(momenta)
         for group, p in pairs:
-            beta1, beta2 = group["betas"]
             state = self._state(p)
-            bc2_sqrt = (1 - beta2**self.freeze_step) ** 0.5  # frozen with v
-            denom = (state["exp_avg_sq"].sqrt() / bc2_sqrt).add_(group["eps"])
-            self._apply(p, state["exp_avg"], denom, group["lr"], 1 - beta1**step)
+            adam_update_(p, state["exp_avg"], state["exp_avg_sq"], group, step, self.freeze_step)

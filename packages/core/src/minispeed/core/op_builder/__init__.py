@@ -2,21 +2,23 @@
 
 Reading order: `.simd` (which vector ISA), `.toolchain` (compiler, ninja, nvcc, GPU
 archs), `.cache` (where builds live, the cross-process lock), `.builder` (`OpBuilder`:
-sources, flags, is_compatible, load), `.fallback` (`load_or_fallback`: one warning, then the reference), `.registry` (entry points
+sources, flags, is_compatible, load), `.fallback` (`OpLoader`: each op loaded once per process; `load_or_fallback`: one warning, then
+the reference), `.registry` (entry points
 `minispeed.ops` so the report lists every installed op).
 
 Declaring an op in any package:
 
 ```python
 from pathlib import Path
-from minispeed.core.op_builder import OpBuilder, load_or_fallback
+from minispeed.core.op_builder import OpBuilder, OpLoader
 
 class QuantizeBuilder(OpBuilder):
     name = "quantize"
     csrc_root = Path(__file__).parent / "csrc"
     sources = ("quantize/quantize.cpp",)
 
-op = load_or_fallback(QuantizeBuilder())   # module, or None -> call the reference
+_OPS = OpLoader({"cpu": QuantizeBuilder()})
+op = _OPS.load("cpu")   # module, or None -> call the reference; loaded once per process
 ```
 
 Shared C++ helpers (the SIMD level enum, bf16/fp16 conversions, dot/axpy) live once in core's

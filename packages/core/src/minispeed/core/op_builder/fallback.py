@@ -13,6 +13,7 @@ from types import ModuleType
 
 from minispeed.core.logging import get_logger, warn_once
 from minispeed.core.op_builder.builder import OpBuilder, OpBuildError
+from minispeed.core.op_builder.simd import SIMD_ENV
 
 __all__ = ["DISABLE_ENV", "OpLoader", "load_or_fallback", "ops_disabled"]
 
@@ -55,29 +56,29 @@ def load_or_fallback(builder: OpBuilder) -> ModuleType | None:
 
 
 class OpLoader:
-    """An op's builders by device type (`"cpu"`, `"cuda"`), each loaded once per process: what
-    a package's `load_op` returns.
+    """An op's builders by device type (`"cpu"`, `"cuda"`), each loaded once per process: the
+    one way a package finds its compiled op (its `load_op` returns `OpLoader.load`).
 
-    Asking a builder costs about a millisecond (it fingerprints flags and looks up the
-    compiler), too much per kernel call, so the module (or `None` after a failed build) is
-    kept: per device type, and per SIMD level as well with `per_simd_level` (otherwise the
-    level in force at the first call wins). `MINISPEED_DISABLE_OPS` is read on every call.
+    Asking a builder costs a quarter of a millisecond or more (it fingerprints flags and finds the
+    compiler), too much per kernel call, so the module (or `None` after a failed build) is kept
+    under the device type and the raw value of `MINISPEED_DISABLE_OPS` (and of `MINISPEED_SIMD`
+    with `per_simd_level`; otherwise the level in force at the first call wins): a call that
+    finds it costs two environment reads and a dict lookup (25-45x less than asking the builder:
+    benchmarks/op_lookup.py), and a test that switches either variable with
+    `monkeypatch.setenv` still gets the op in force.
     """
 
     def __init__(self, builders: Mapping[str, OpBuilder], *, per_simd_level: bool = False) -> None:
         self.builders = dict(builders)
         self.per_simd_level = per_simd_level
-        self._loaded: dict[tuple[str, str], ModuleType | None] = {}
+        self._loaded: dict[tuple[str, str | None, str | None], ModuleType | None] = {}
 
     def load(self, device_type: str = "cpu") -> ModuleType | None:
         """The compiled op for `device_type`, or `None`: run the reference (no builder for that
         device, the op disabled, or its build failed: warned once by `load_or_fallback`)."""
-        builder = self.builders.get(device_type)
-        if builder is None:
-            return None
-        if ops_disabled(builder.name):
-            return load_or_fallback(builder)  # None, after its one warning
-        key = (device_type, builder.simd_level().label if self.per_simd_level else "")
+        simd = os.environ.get(SIMD_ENV) if self.per_simd_level else None
+        key = (device_type, os.environ.get(DISABLE_ENV), simd)
         if key not in self._loaded:
-            self._loaded[key] = load_or_fallback(builder)
+            builder = self.builders.get(device_type)
+            self._loaded[key] = None if builder is None else load_or_fallback(builder)
         return self._loaded[key]

@@ -25,7 +25,7 @@ from types import ModuleType
 import torch
 
 from minispeed.core.accelerator import get_accelerator
-from minispeed.core.op_builder import OpBuilder, load_or_fallback
+from minispeed.core.op_builder import OpBuilder, OpLoader
 from minispeed.core.ops import cast_reference as reference
 
 __all__ = [
@@ -59,7 +59,8 @@ class CastCudaBuilder(OpBuilder):
     uses_openmp = False
 
 
-_BUILDERS: dict[str, OpBuilder] = {"cpu": CastBuilder(), "cuda": CastCudaBuilder()}
+# Per SIMD level: MINISPEED_SIMD=scalar selects a build of its own (tests compare the paths).
+_OPS = OpLoader({"cpu": CastBuilder(), "cuda": CastCudaBuilder()}, per_simd_level=True)
 
 # Values of the C++ enum CopyKind in csrc/cast/cast.cpp.
 _KIND_BYTES, _KIND_F32_TO_BF16, _KIND_BF16_TO_F32 = 0, 1, 2
@@ -67,8 +68,7 @@ _KIND_BYTES, _KIND_F32_TO_BF16, _KIND_BF16_TO_F32 = 0, 1, 2
 
 def _op_for(device: torch.device) -> ModuleType | None:
     """The compiled op for `device`, or `None` to run the reference (warned once by the loader)."""
-    builder = _BUILDERS.get(device.type)
-    return load_or_fallback(builder) if builder is not None else None
+    return _OPS.load(device.type)
 
 
 def _byte_range(t: torch.Tensor) -> tuple[int, int]:

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from minispeed.core.files import atomic_replace
 from minispeed.zero.checkpoints.layout import (
     COMMON_FILE,
     CheckpointError,
@@ -185,33 +186,32 @@ def consolidate(
     tag_dir = resolve_tag_dir(checkpoint_dir, tag)
     meta = read_metadata(tag_dir, need_optimizer_state=False)  # weights only: moments never read
     out = Path(out_file)
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    _write_skeleton(tmp, meta, _whole_specs(tag_dir))
-    offsets, entries = _record_offsets(tmp)
+    with atomic_replace(out) as tmp:  # a failure anywhere leaves no temporary file behind
+        _write_skeleton(tmp, meta, _whole_specs(tag_dir))
+        offsets, entries = _record_offsets(tmp)
 
-    def place(name: str) -> int:
-        key, element_offset = entries[name]
-        return offsets[key] + 4 * element_offset
+        def place(name: str) -> int:
+            key, element_offset = entries[name]
+            return offsets[key] + 4 * element_offset
 
-    written: dict[str, int] = dict.fromkeys((p.name for p in meta.params), 0)
-    fd = os.open(tmp, os.O_WRONLY)
-    try:
-        # Each file is mapped inside one helper call, so its mapping dies when the call returns.
-        common_bytes = _write_whole(fd, tag_dir, lambda name: offsets[entries[name][0]], entries)
-        peak = common_bytes
-        for shard in meta.shards:
-            peak = max(peak, _write_shard(fd, tag_dir / shard.weights_file, place, written))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    incomplete = [p.name for p in meta.params if written[p.name] != p.numel]
-    if incomplete:
-        os.unlink(tmp)
-        raise CheckpointError(
-            f"checkpoint {tag_dir}: the shards do not cover parameter {incomplete[0]!r} "
-            f"({written[incomplete[0]]} of its elements written); it is damaged: re-save it"
-        )
-    os.replace(tmp, out)
+        written: dict[str, int] = dict.fromkeys((p.name for p in meta.params), 0)
+        fd = os.open(tmp, os.O_WRONLY)
+        try:
+            # Each file is mapped inside one helper call, so its mapping dies when it returns.
+            common_bytes = _write_whole(
+                fd, tag_dir, lambda name: offsets[entries[name][0]], entries
+            )
+            peak = common_bytes
+            for shard in meta.shards:
+                peak = max(peak, _write_shard(fd, tag_dir / shard.weights_file, place, written))
+        finally:
+            os.close(fd)
+        incomplete = [p.name for p in meta.params if written[p.name] != p.numel]
+        if incomplete:
+            raise CheckpointError(
+                f"checkpoint {tag_dir}: the shards do not cover parameter {incomplete[0]!r} "
+                f"({written[incomplete[0]]} of its elements written); it is damaged: re-save it"
+            )
     return ConsolidationReport(
         out_file=out,
         num_params=sum(p.numel for p in meta.params),

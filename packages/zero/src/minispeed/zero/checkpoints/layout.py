@@ -30,8 +30,11 @@ So any world size or ZeRO stage can find the bytes of any parameter (``load.py``
 that wants weights only never opens an ``optim`` file (``consolidate.py``).
 
 Note [atomic checkpoint]
-Every file is written to ``<name>.tmp-<pid>``, flushed, fsynced and renamed over its final name,
-and the directory is fsynced, so a reader sees either no file or a whole one. The tag becomes
+Every file is written to a temporary name beside it, flushed, fsynced and renamed over its final
+name, and the directory is fsynced, so a reader sees either no file or a whole one; a write that
+fails removes its temporary file (`minispeed.core.files.atomic_write`, for every file of a
+checkpoint: small text files such as ``metadata.json`` and ``latest`` are written with it
+directly). The tag becomes
 *complete* only when rank 0 writes ``metadata.json``, which it does after every rank's shards
 are on disk (the gather of their shard records is the barrier). ``latest`` moves to the tag
 after that. A crash anywhere before leaves ``latest`` on the previous complete tag, and the
@@ -52,12 +55,14 @@ import io
 import json
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from minispeed.core.files import atomic_write
 
 __all__ = [
     "COMMON_FILE",
@@ -70,7 +75,6 @@ __all__ = [
     "ParamRecord",
     "ShardRecord",
     "atomic_save",
-    "atomic_write_text",
     "check_sizes",
     "complete_tags",
     "done_file",
@@ -237,27 +241,6 @@ def iter_pieces(packed: dict[str, Any]) -> Iterator[tuple[str, int, torch.Tensor
 # -- atomic writes (Note [atomic checkpoint]) --------------------------------------------------
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, write: Callable[[io.BufferedWriter], None]) -> int:
-    """Write through ``write(f)`` to a temp file, fsync, rename over ``path``; returns bytes."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-        size = f.tell()
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-    return size
-
-
 class _DieMidWrite(io.RawIOBase):
     """A file wrapper that flushes what it has and kills the process halfway through a write."""
 
@@ -288,12 +271,7 @@ def atomic_save(obj: Any, path: Path, *, crash_point: bool = False) -> int:
         crash = crash_point and os.environ.get(CRASH_RANK_ENV) == os.environ.get("RANK", "0")
         torch.save(obj, _DieMidWrite(f) if crash else f)
 
-    return _atomic_write(path, write)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write a small text file atomically (``metadata.json``, ``latest``)."""
-    _atomic_write(path, lambda f: f.write(text.encode()))
+    return atomic_write(path, write)
 
 
 # -- reading ------------------------------------------------------------------------------------

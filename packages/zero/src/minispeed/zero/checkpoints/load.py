@@ -175,8 +175,7 @@ def load_checkpoint(
             if opt.loss_scaler is not None and common["loss_scaler"] is not None:
                 opt.loss_scaler.load_state_dict(common["loss_scaler"])
             opt.global_step = common["global_step"]
-            # Saved at a boundary whose step was taken (save.py): no window open.
-            opt._restore_micro_step(common["micro_step"])
+            opt.micro_step = common["micro_step"]  # saved between windows (save.py)
             _restore_buffers(model, common)
             if rng is not None:
                 _restore_rng(rng)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from minispeed.core.files import atomic_write
 from minispeed.zero.checkpoints.layout import (
     COMMON_FILE,
     LATEST_FILE,
@@ -33,7 +34,6 @@ from minispeed.zero.checkpoints.layout import (
     CheckpointMetadata,
     ShardRecord,
     atomic_save,
-    atomic_write_text,
     done_file,
     optim_file,
     weights_file,
@@ -94,7 +94,7 @@ class PendingSave:
     def write_done_marker(self, sizes: tuple[int, int]) -> None:
         """Tell the leader, through the directory, that this rank's files are durable."""
         text = json.dumps({"weights_file_bytes": sizes[0], "optim_file_bytes": sizes[1]})
-        atomic_write_text(self.tag_dir / done_file(self.rank, self.world_size), text)
+        atomic_write(self.tag_dir / done_file(self.rank, self.world_size), text)
 
     def wait_for_markers(self, stop: threading.Event | None = None) -> list[tuple[int, int] | None]:
         """Leader: every rank's sizes once the markers of its storage's ranks are all there
@@ -147,8 +147,8 @@ class PendingSave:
             model_16bit_file_bytes=model16_bytes,
             node_local_ranks=None if self.storage.shared else self.storage.mine,
         )
-        atomic_write_text(self.tag_dir / METADATA_FILE, meta.to_json())
+        atomic_write(self.tag_dir / METADATA_FILE, meta.to_json())
 
     def move_latest(self) -> None:
         """Leader: point `latest` at this tag (after `seal`)."""
-        atomic_write_text(self.root / LATEST_FILE, self.tag + "\n")
+        atomic_write(self.root / LATEST_FILE, self.tag + "\n")

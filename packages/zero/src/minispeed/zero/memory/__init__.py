@@ -25,7 +25,7 @@ from minispeed.zero.memory.measure import (
     padding_allowance,
     predict,
 )
-from minispeed.zero.memory.modes import ModeEstimate, Offload, estimate_modes
+from minispeed.zero.memory.modes import ModeEstimate, Offload, estimate_modes, largest_params
 from minispeed.zero.memory.offload import (
     OffloadBytes,
     Placement,
@@ -46,6 +46,7 @@ __all__ = [
     "estimate",
     "estimate_modes",
     "hpz_secondary_bytes",
+    "largest_params",
     "ledger_table",
     "measure",
     "measure_offload",

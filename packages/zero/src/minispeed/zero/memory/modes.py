@@ -36,7 +36,7 @@ from enum import Enum
 
 from torch import nn
 
-__all__ = ["ModeEstimate", "Offload", "count_params", "estimate_modes"]
+__all__ = ["ModeEstimate", "Offload", "count_params", "estimate_modes", "largest_params"]
 
 
 class Offload(Enum):
@@ -74,13 +74,22 @@ class ModeEstimate:
     #: Which estimator the figures come from (DeepSpeed's function, or how they extend it).
     source: str
 
-    def fits(self, gpu_bytes: int | None, cpu_bytes_per_node: int | None) -> bool | None:
-        """Whether both figures fit the given memories (None: neither size given)."""
-        if gpu_bytes is None and cpu_bytes_per_node is None:
-            return None
-        return (gpu_bytes is None or self.gpu_bytes <= gpu_bytes) and (
-            cpu_bytes_per_node is None or self.cpu_bytes_per_node <= cpu_bytes_per_node
+    def fits(
+        self,
+        gpu_bytes: int | None,
+        cpu_bytes_per_node: int | None,
+        nvme_bytes_per_node: int | None = None,
+    ) -> bool | None:
+        """Whether the figures fit the given memories (None: no size given); a size left out
+        is not checked."""
+        limits = (
+            (gpu_bytes, self.gpu_bytes),
+            (cpu_bytes_per_node, self.cpu_bytes_per_node),
+            (nvme_bytes_per_node, self.nvme_bytes_per_node),
         )
+        if all(cap is None for cap, _ in limits):
+            return None
+        return all(cap is None or need <= cap for cap, need in limits)
 
 
 def count_params(model: nn.Module) -> tuple[int, int]:
@@ -181,3 +190,55 @@ def estimate_modes(
         base, _ = _zero3(psi, largest, n, nodes, False, False, True, f)
         rows.append(ModeEstimate(3, offload, True, gpu, base, cpu, nvme))
     return rows
+
+
+def largest_params(
+    gpus_per_node: int,
+    num_nodes: int,
+    *,
+    gpu_bytes: int | None,
+    cpu_bytes_per_node: int | None = None,
+    nvme_bytes_per_node: int | None = None,
+    largest_layer_params: int = 0,
+    additional_buffer_factor: float = 1.5,
+) -> list[tuple[ModeEstimate, int | None]]:
+    """The inverse of `estimate_modes`: for each of its rows, the largest Ψ whose row fits the
+    memories given (0 when even Ψ = L does not; None when no size given limits it, e.g. the
+    GPU's 4L of stage 3 with everything offloaded and no CPU size), with the row at that Ψ.
+
+    Every figure of a row grows with Ψ (L fixed), so a bisection over whole Ψ finds the boundary
+    exactly: `estimate_modes(Ψ)` fits and `estimate_modes(Ψ + 1)` does not. Cost: about 60 calls
+    of `estimate_modes` per row (arithmetic only).
+    """
+    if gpu_bytes is None and cpu_bytes_per_node is None and nvme_bytes_per_node is None:
+        raise ValueError("largest_params needs at least one memory size (GPU, CPU or NVMe)")
+    floor = int(largest_layer_params)
+
+    def rows(psi: int) -> list[ModeEstimate]:
+        return estimate_modes(
+            psi,
+            gpus_per_node,
+            num_nodes,
+            largest_layer_params=floor,
+            additional_buffer_factor=additional_buffer_factor,
+        )
+
+    def fits(psi: int, i: int) -> bool:
+        return bool(rows(psi)[i].fits(gpu_bytes, cpu_bytes_per_node, nvme_bytes_per_node))
+
+    out = []
+    for i, row in enumerate(rows(floor)):
+        if not fits(floor, i):
+            out.append((row, 0))
+            continue
+        lo, hi = floor, max(2 * floor, 1 << 20)
+        while hi <= 1 << 60 and fits(hi, i):
+            lo, hi = hi, 2 * hi
+        if hi > 1 << 60:
+            out.append((row, None))
+            continue
+        while hi - lo > 1:  # fits(lo), not fits(hi)
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid, i) else (lo, mid)
+        out.append((rows(lo)[i], lo))
+    return out

@@ -1,12 +1,12 @@
 """ZeRO stage 3: parameters partitioned across ranks and fetched module by module.
 
-Reading order, outside-in (packages/zero/README.md lists the same). From ``zero.shard``
-to the ``torch.distributed`` call is six files: api.py, the first three below, and comm's
-``collectives.py`` and ``call.py`` (packages/zero/README.md, "The stage-3 path", counts them):
+Reading order, outside-in (packages/zero/README.md lists the same; its "The stage-3 path"
+lists, as a test traces them, the files one step runs from the optimizer to the collectives):
 
-1. `strategy` — `Stage3Strategy`, what ``zero.shard`` builds (partitions, fp32 masters,
-   persistent parameters, fetch units, hooks) and what the optimizer sees; and
-   `GradShardReducer`, the gradient reduce-scatter into fp32 shards;
+1. `assemble` — what ``zero.shard`` builds, once, in order (partitions, fp32 masters,
+   persistent parameters, fetch units, hooks, ZeRO++, the reducer); `strategy` —
+   `Stage3Strategy`, what the optimizer sees at every step, and `GradShardReducer`, the
+   gradient reduce-scatter into fp32 shards;
 2. `coordinator` — the module hooks (the four moments: pre/post forward, pre/post backward)
    and `FetchCoordinator`, which fetch unit to gather and release when, in which pass
    (`FetchPhase`); beside it `prefetch` — `Prefetcher`, what to fetch ahead within the

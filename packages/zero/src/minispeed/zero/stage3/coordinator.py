@@ -2,7 +2,7 @@
 
 For every module that owns parameters (its `FetchUnit`: the parameters it owns, plus
 *externals* it was seen reading; one unit per leaf module's whole subtree, see
-``set_leaf_module``) and for the root, four hooks, in the order they fire:
+``set_leaf_module``; built by assemble.py's `build_units`) and for the root, four hooks, in the order they fire:
 
 | hook | calls | what happens |
 |---|---|---|
@@ -64,37 +64,16 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from minispeed.core.logging import get_logger
-from minispeed.zero.stage3.init import is_leaf_module
 from minispeed.zero.stage3.params import FetchUnit, ShardedParam
 from minispeed.zero.stage3.prefetch import Prefetcher
 from minispeed.zero.stage3.trace import FetchOrderError, FetchTrace, TraceCheck
 
-__all__ = ["FetchCoordinator", "FetchPhase", "FetchStats", "build_units", "install_module_hooks"]
+__all__ = ["FetchCoordinator", "FetchPhase", "FetchStats", "install_module_hooks"]
 
 _log = get_logger("zero")
 
 
 # -- the module hooks ------------------------------------------------------------------------------
-def build_units(
-    model: nn.Module, sharded: dict[nn.Parameter, ShardedParam]
-) -> dict[nn.Module, FetchUnit]:
-    """One FetchUnit per module that owns parameters (whole subtree for leaf modules) + the root."""
-    units: dict[nn.Module, FetchUnit] = {}
-    inside_leaf: set[int] = set()
-    for name, module in model.named_modules():
-        if id(module) in inside_leaf:
-            continue
-        if is_leaf_module(module):
-            owned = list(module.parameters())
-            inside_leaf.update(id(m) for m in module.modules())
-        else:
-            owned = [p for p in dict.values(module._parameters) if p is not None]
-        params = list(dict.fromkeys(sharded[p] for p in owned))
-        if params or module is model:
-            units[module] = FetchUnit(len(units), name, type(module).__name__, params)
-    return units
-
-
 class _PostBackward(torch.autograd.Function):
     """Identity on the module's inputs whose backward reports "this module's backward is done"."""
 

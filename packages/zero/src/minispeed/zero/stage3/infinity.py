@@ -12,7 +12,7 @@ on the optimizer's side (DeepSpeed's ZeRO-Infinity does the same):
   ``[master | exp_avg | exp_avg_sq]`` in one swap file (12 B per element); the optimizer's
   "parameters" are meta *handles* (shape only, no bytes), one per trained shard;
 - **gradient shards**: the reducer hands each reduced shard to `SwappedGrads` as its bucket
-  lands (``GradShardReducer.sink``), which writes it out at once (read-add-write from the second
+  lands (``GradShardReducer.redirect``), which writes it out at once (read-add-write from the second
   micro-step of an accumulation window) and keeps ``Σ g²`` for clipping (Note [the norm is kept
   as the gradients are written] in offload/swapped_grads.py);
 - **the step**: partition by partition, master + states + gradients read, stepped, written
@@ -53,7 +53,6 @@ from minispeed.zero.offload_bridge import check_free_space, host_optimizer, swap
 from minispeed.zero.stage3.io_failures import IOFailures
 from minispeed.zero.stage3.params import ParamState, ShardedParam, refresh_gathered
 from minispeed.zero.stage3.residency import ShardHome
-from minispeed.zero.stage3.strategy import keep_grad_shard
 
 __all__ = ["InfinityHome", "InfinityStrategy", "agree_on_first_masters", "offload_masters"]
 
@@ -119,7 +118,7 @@ class InfinityStrategy(StrategyWrapper):
         self.io_failures.settlers.append(self.swapped_grads.swapper.wait_all)
         for sp, handle in handles.items():
             sp.set_home(InfinityHome(sp.home, optimizer, handle, io_failures))
-        strategy.reducer.sink = self._grad_out
+        strategy.reducer.redirect(self._grad_out)
 
     # -- ShardStrategy ------------------------------------------------------------------------------
     def master_params(self) -> list[list[torch.Tensor]]:
@@ -191,7 +190,7 @@ class InfinityStrategy(StrategyWrapper):
         try:
             self._inner.close()  # with nvme shards: agrees on the reads of its gather
         finally:
-            self.stage.reducer.sink = keep_grad_shard
+            self.stage.reducer.redirect(None)
             self.optimizer.close()
 
 
@@ -217,8 +216,7 @@ def offload_masters(strategy: Any, user: torch.optim.Optimizer, config: Any) -> 
     def first_value(handle: torch.Tensor) -> torch.Tensor:
         sp = by_id[id(handle)]
         if sp.master is not None:  # the strategy's master (or the shard itself, fp32)
-            value, sp.master = sp.master, None
-            return value
+            return sp.take_master()
         sp.home.fetch(sp)  # fp32 shard in a swap file: it is its own master
         value = sp.shard.float()
         sp.home.evict(sp)

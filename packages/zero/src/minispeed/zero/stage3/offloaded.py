@@ -113,7 +113,7 @@ def offload_params(strategy: Any, config: Any, keep_masters: bool = True) -> Non
         if id(sp) in in_cpu and on_cpu:
             continue  # host memory already: the shard stays as stage 3 made it
         if sp.master is sp.shard:  # fp32: the master gets a storage of its own (or none)
-            sp.master = sp.shard.clone() if keep_masters else None
+            sp.set_master(sp.shard.clone() if keep_masters else None)
         (host if id(sp) in in_cpu else home).adopt(sp)
         offloaded.append(sp)
     strategy.offload_params(home, offloaded, home.io_failures)
@@ -141,11 +141,11 @@ def _adopt_built(sp: ShardedParam, keep_masters: bool, stay: bool = False) -> No
     if stay or keep_masters:
         sp.home.fetch(sp)
         if keep_masters:
-            sp.master = sp.shard.to(torch.float32, copy=True)
+            sp.set_master(sp.shard.to(torch.float32, copy=True))
         if stay:
             sp.to_here()
             if not keep_masters:
-                sp.master = sp.shard
+                sp.set_master(sp.shard)
         else:
             sp.home.evict(sp)
 

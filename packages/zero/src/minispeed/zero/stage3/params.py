@@ -151,10 +151,10 @@ class ParamState(enum.Enum):
 class ShardedParam(Resident):
     """Everything stage 3 keeps for one ``nn.Parameter``: its shard, state, and owners.
 
-    Attributes set by the strategy (``None`` until ``zero.shard`` runs): ``master`` (fp32,
-    ``s`` elements; the very ``shard`` tensor for fp32 training), ``grad_shard`` (``s`` elements of
-    ``grad_accum_dtype``, ``None`` until its gradient is first reduced in a window),
-    ``coordinator`` (the FetchCoordinator that fetches it in forward).
+    Set by the strategy (``None`` until ``zero.shard`` runs): ``master`` (fp32, ``s`` elements;
+    the very ``shard`` tensor for fp32 training; written only through `set_master` /
+    `take_master`), ``coordinator`` (the FetchCoordinator that fetches it in forward), and
+    ``gatherer`` (`set_gatherer`). Its gradient shard is the reducer's (strategy.py).
     ``holds`` counts the fetch units that need it gathered now (running modules,
     GatheredParameters contexts), changed only by `FetchUnit.hold` / `FetchUnit.unhold`; it is
     released only when that count is 0 and it is not ``persistent``.
@@ -176,8 +176,7 @@ class ShardedParam(Resident):
         # reads it for every upcoming parameter at every module start.
         self.padded_numel = self.world_size * self.shard_numel
         self.shard = shard  # 1D, numel = shard_numel, param dtype; padding elements are 0
-        self.master: torch.Tensor | None = None
-        self.grad_shard: torch.Tensor | None = None
+        self._master: torch.Tensor | None = None  # written only by set_master / take_master
         # Weak: Note [ShardedParam holds its coordinator weakly].
         self._coordinator: weakref.ref | None = None
         self.persistent = False
@@ -213,9 +212,32 @@ class ShardedParam(Resident):
         gatherer = None if self._gatherer is None else self._gatherer()
         return PLAIN_GATHER if gatherer is None else gatherer
 
-    @gatherer.setter
-    def gatherer(self, gatherer: Any) -> None:
+    def set_gatherer(self, gatherer: Any) -> None:
+        """ZeRO++ (`ZeroPP`) gathers this parameter from now on, or (``None``) `PLAIN_GATHER`
+        again: one or the other, switched at set-up or close, never during a gather."""
+        assert (gatherer is None) != (self._gatherer is None) and self.state is not (
+            ParamState.GATHERING
+        ), f"{self.name}: gatherer {gatherer} over {self._gatherer} while {self.state}"
         self._gatherer = None if gatherer is None else weakref.ref(gatherer)
+
+    @property
+    def master(self) -> torch.Tensor | None:
+        """The fp32 master shard (``s`` elements; the very ``shard`` for fp32 training), or
+        ``None``: not trained here, or kept elsewhere (read from a swap file, ZeRO-Infinity's
+        optimizer files)."""
+        return self._master
+
+    def set_master(self, master: torch.Tensor | None) -> None:
+        """The strategy's set-up (and offload's): ``master`` is the fp32 master shard from now on."""
+        assert master is None or (
+            master.dtype == torch.float32 and master.numel() == self.shard_numel
+        ), f"{self.name}: a master of {master.numel()} {master.dtype} elements"
+        self._master = master
+
+    def take_master(self) -> torch.Tensor | None:
+        """Hand the master over (ZeRO-Infinity writes it to its files): returns it, keeps none."""
+        master, self._master = self._master, None
+        return master
 
     @property
     def param(self) -> nn.Parameter:
@@ -305,8 +327,8 @@ class ShardedParam(Resident):
         self.shard[: self.owned_numel].copy_(mine)
         self._home.write(self, self.shard)
         self._home.evict(self)
-        if self.master is not None and self.master is not self.shard:
-            self.master[: self.owned_numel].copy_(mine)
+        if self._master is not None and self._master is not self.shard:
+            self._master[: self.owned_numel].copy_(mine)
 
     def to_plain(self) -> None:
         """While GATHERED: hand the parameter back to PyTorch with its own copy of the full value

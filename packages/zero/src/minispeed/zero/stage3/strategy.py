@@ -1,15 +1,9 @@
 """Stage3Strategy: ZeRO stage 3 as the optimizer sees it, and its gradient reduce-scatter.
 
-``zero.shard(model, optimizer, ZeroConfig(stage=3))`` builds one. Construction, in order:
-
-1. partition every parameter (or adopt the shards ``zero.Init`` already made): ShardedParam;
-2. mixed precision: an fp32 master shard per parameter (the shard itself for fp32), the shard
-   cast to ``param_dtype``;
-3. persistent parameters (``numel <= stage3_param_persistence_threshold_numel``) gathered for good;
-4. fetch units (one per module owning parameters; a whole subtree for a leaf module), the
-   coordinator, the module hooks (coordinator.py) and the attribute guards;
-5. ZeRO++ when configured (zeropp.py): quantized / node-local gathers, quantized gradients;
-6. gradient hooks: reduce-scatter into fp32 gradient shards (`GradShardReducer`, below).
+``zero.shard(model, optimizer, ZeroConfig(stage=3))`` builds one with `assemble`
+(stage3/assemble.py: partitions, masters, persistent parameters, fetch units, hooks, ZeRO++,
+this reducer, in that order). What runs at every step is here: the optimizer's view of the
+shards (`master_params`, `master_grads`, `publish_params`) and `GradShardReducer`.
 
 Per rank (Ψ parameters, N ranks, p/g bytes per parameter/gradient element, K = 8 for Adam's
 state): ``Ψ/N·(p + 4 + g + K)`` kept (padding: < 1 element per parameter per rank; ``4`` is the
@@ -42,7 +36,6 @@ one reduce-scatter message of ``Σ N·s·g`` over the trained parameters.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -55,22 +48,19 @@ from minispeed.zero.config import ZeroConfig
 from minispeed.zero.contract import ParamFragment, ShardStrategy, weak_hook
 from minispeed.zero.flat import cut_runs
 from minispeed.zero.precision import MixedPrecision
-from minispeed.zero.stage3.access import check_access, guard_module, unguard_module
-from minispeed.zero.stage3.coordinator import FetchCoordinator, build_units, install_module_hooks
+from minispeed.zero.stage3.access import unguard_module
+from minispeed.zero.stage3.coordinator import FetchCoordinator
 from minispeed.zero.stage3.params import (
     REGISTRY,
     FetchUnit,
     ParamState,
     ShardedParam,
-    partition_param,
     refresh_gathered,
 )
-from minispeed.zero.stage3.released import guard_param, unguard_param
-from minispeed.zero.stage3.residency import Residency, ShardHome
-from minispeed.zero.stage3.trace import TraceCheck
-from minispeed.zero.stage3.zeropp import ZeroPP, check_zeropp, zeropp_enabled
+from minispeed.zero.stage3.released import unguard_param
+from minispeed.zero.stage3.residency import ShardHome
 
-__all__ = ["GradShardReducer", "Stage3Strategy", "keep_grad_shard"]
+__all__ = ["GradShardReducer", "Stage3Strategy"]
 
 # Note [optional features are chosen once]
 # ZeRO++ and offload_param change how a parameter is gathered and where its released shard
@@ -83,7 +73,10 @@ __all__ = ["GradShardReducer", "Stage3Strategy", "keep_grad_shard"]
 
 
 class Stage3Strategy(ShardStrategy):
-    """Parameters, gradients and optimizer state partitioned; parameters fetched per module."""
+    """Parameters, gradients and optimizer state partitioned; parameters fetched per module.
+
+    Built by `assemble` (stage3/assemble.py: the set-up, in order), which hands it the parts.
+    """
 
     partitions_grads = True  # each rank holds 1/N of the gradients: the norm needs an all-reduce
 
@@ -92,109 +85,29 @@ class Stage3Strategy(ShardStrategy):
         model: nn.Module,
         config: ZeroConfig,
         precision: MixedPrecision,
-        group: Any = None,
+        group: Any,
         *,
-        param_groups: Sequence[Sequence[nn.Parameter]],
+        groups: list[list[nn.Parameter]],
+        sharded: dict[nn.Parameter, ShardedParam],
+        persistent: list[ShardedParam],
+        units: dict[nn.Module, FetchUnit],
+        coordinator: FetchCoordinator,
+        module_hooks: list[Any],
+        zeropp: Any,
+        reducer: GradShardReducer,
     ) -> None:
-        self.model = model
-        self.config = config
-        self.precision = precision
-        self.group = group
-        self.world_size = comm.get_world_size(group)
-        self.rank = comm.get_rank(group)
-        self.groups = [list(ps) for ps in param_groups]  # the optimizer's param groups
+        self.model, self.config, self.precision, self.group = model, config, precision, group
+        self.groups = groups  # the optimizer's param groups
+        self.sharded = sharded  # every parameter's ShardedParam, in named_parameters() order
+        self.trained = [sharded[p] for ps in groups for p in ps]
+        self.persistent = persistent
+        self.units, self.coordinator, self._handles = units, coordinator, module_hooks
+        self.zeropp, self.reducer = zeropp, reducer  # ZeroPP or None; GradShardReducer
         # offload_param (stage3/offloaded.py, through `offload_params`): where released shards
         # live, the parameters that live there, and its record of failed file I/O.
         self.param_home: ShardHome | None = None
         self.offloaded: list[ShardedParam] = []
         self.io_failures: Any = None
-        node_size = 0  # ZeRO++ (stage3/zeropp.py): its errors come before any collective
-        if zeropp_enabled(config):
-            numels = [REGISTRY[p].numel if p in REGISTRY else p.numel() for p in model.parameters()]
-            node_size = check_zeropp(config, group, numels, precision.param_dtype.itemsize)
-
-        # 1. one ShardedParam per unique parameter (named_parameters() lists a tied one once).
-        self.sharded: dict[nn.Parameter, ShardedParam] = {}
-        for name, p in model.named_parameters():
-            sp = REGISTRY.get(p)
-            if sp is not None and sp.coordinator is not None:
-                raise RuntimeError(
-                    f"parameter {name!r} is already managed by another stage-3 strategy; call its "
-                    f"close() before sharding the model again"
-                )
-            if sp is not None and sp.world_size != self.world_size:
-                raise ValueError(
-                    f"parameter {name!r} was partitioned by zero.Init over {sp.world_size} ranks but "
-                    f"zero.shard uses a group of {self.world_size}; pass the same group to both"
-                )
-            sp = sp or partition_param(p, group)
-            guard_param(p, sp)  # reads while released answer or raise (released.py)
-            sp.name = name
-            self.sharded[p] = sp
-        self.trained = [self.sharded[p] for ps in self.groups for p in ps]
-
-        # 2. masters and dtypes. See Note [fp32 stage 0 has no master copy] (stage0.py): same here.
-        for sp in self.sharded.values():
-            if sp.residency is Residency.AWAY:  # in a swap file since zero.Init(config)
-                if sp.shard.dtype != precision.param_dtype:
-                    raise ValueError(
-                        f"parameter {sp.name!r} was written to its swap file by zero.Init(config) "
-                        f"as {sp.shard.dtype}, but MixedPrecision.param_dtype is "
-                        f"{precision.param_dtype}: create the model in that dtype, or build it "
-                        f"with zero.Init() (no config) and let zero.shard offload it"
-                    )
-                sp.master = None  # read from the file by offload_params / offload_masters
-                continue
-            if precision.needs_master_copy:
-                master = sp.shard.to(torch.float32, copy=True)
-                sp.set_shard(sp.shard.to(precision.param_dtype))
-            else:
-                sp.set_shard(sp.shard.to(torch.float32))
-                master = sp.shard
-            sp.master = master if sp in self.trained else None
-
-        # 3. persistent parameters: gathered once, kept.
-        threshold = config.stage3_param_persistence_threshold_numel
-        self.persistent = [sp for sp in self.sharded.values() if sp.numel <= threshold]
-        for sp in self.persistent:
-            sp.persistent = True
-        FetchUnit(-1, "persistent", "", self.persistent).unshard()
-
-        # 4. fetch units, coordinator, hooks, guards.
-        self.units = build_units(model, self.sharded)
-        self.coordinator = FetchCoordinator(
-            group,
-            list(self.units.values()),
-            prefetch_numel=config.stage3_prefetch_bucket_numel,
-            max_live_numel=config.stage3_max_live_numel,
-            check=TraceCheck.from_config(config),
-            reuse_numel=config.stage3_max_reuse_distance_numel,
-        )
-        for sp in self.sharded.values():
-            sp.coordinator = self.coordinator
-        self._handles = install_module_hooks(model, self.units, self.coordinator)
-        for name, module in model.named_modules():
-            if dict.__len__(module._parameters):
-                guard_module(module, check_access, name or type(module).__name__)
-
-        # 5. ZeRO++ (optional): quantized / node-local gathers, quantized gradients.
-        self.zeropp = (
-            ZeroPP(config, list(self.sharded.values()), node_size, model) if node_size else None
-        )
-
-        # 6. gradients.
-        position = {self.sharded[p]: k for k, p in enumerate(model.parameters())}
-        self.reducer = GradShardReducer(
-            self.trained,
-            group,
-            bucket_numel=config.bucket_numel(precision.grad_accum_dtype.itemsize),
-            grad_dtype=precision.grad_accum_dtype,
-            overlap=config.overlap_comm,
-            position=position,
-            reduce_scatter=self.zeropp.reduce_scatter
-            if self.zeropp and self.zeropp.grads
-            else None,
-        )
 
     # -- ShardStrategy ------------------------------------------------------------------------------
     def master_params(self) -> list[list[torch.Tensor]]:
@@ -304,9 +217,9 @@ class Stage3Strategy(ShardStrategy):
 # skips it (Note [unused parameters] in optimizer.py).
 
 # Note [lazy gradient shards]
-# The first micro-step of a window makes each ``grad_shard`` a view of the bucket's received row
+# The first micro-step of a window makes each gradient shard a view of the bucket's received row
 # (no copy, no zero-filled buffer waiting through forward); later micro-steps add into it.
-# ``zero_grad`` drops the shards (``grad_shard = None``), as
+# ``zero_grad`` drops the shards, as
 # ``optimizer.zero_grad(set_to_none=True)`` does, so between the step and the next backward, and
 # through the whole forward, a rank holds no gradient bytes at all. The shards (``Σ s·g`` bytes) are needed from the reduction of a
 # parameter's gradient until the optimizer step. Allocating them once and zeroing them after each
@@ -317,15 +230,6 @@ class Stage3Strategy(ShardStrategy):
 
 # Reduce-scatters in flight before the next launch waits for the oldest: bounds staging memory.
 _MAX_IN_FLIGHT = 2
-
-
-def keep_grad_shard(sp: ShardedParam, mine: torch.Tensor) -> None:
-    """The reducer's default sink: keep this rank's averaged shard as ``sp.grad_shard`` (a view
-    at the window's first micro-step: Note [lazy gradient shards]; added to it after)."""
-    if sp.grad_shard is None:
-        sp.grad_shard = mine
-    else:
-        sp.grad_shard.add_(mine)
 
 
 class GradShardReducer:
@@ -354,14 +258,15 @@ class GradShardReducer:
         self.overlap = overlap
         # comm.reduce_scatter_tensor, or ZeRO++'s quantized two-hop one (stage3/zeropp_grads.py)
         self.reduce_scatter = reduce_scatter or comm.reduce_scatter_tensor
-        # Where each reduced shard goes, sink(sp, averaged_shard): kept as ``sp.grad_shard``, or
-        # ZeRO-Infinity's (stage3/infinity.py), to a swap file. Chosen once, at zero.shard.
-        self.sink: Any = keep_grad_shard
+        # Where each reduced shard goes, sink(sp, averaged_shard): `_keep` here, or ZeRO-Infinity's
+        # (stage3/infinity.py), to a swap file. Chosen once, at zero.shard (`redirect`).
+        self._sink: Any = self._keep
+        # This rank's gradient shard of each parameter, from the first reduction of a window to
+        # `zero_grad` (Note [lazy gradient shards]); written only by `_keep` and `grad_of`.
+        self._grads: dict[ShardedParam, torch.Tensor] = {}
         # A frozen parameter never gets a gradient and is never reduced.
         sps = [sp for sp in sps if sp.param.requires_grad]
         self._by_param: dict[nn.Parameter, ShardedParam] = {sp.param: sp for sp in sps}
-        for sp in sps:
-            sp.grad_shard = None  # created by the first reduction: Note [lazy gradient shards]
         # Note [a fixed bucket plan]: registration order reversed, cut at bucket_numel elements.
         rank_of = position or {sp: k for k, sp in enumerate(sps)}
         backwards = sorted(sps, key=lambda sp: -rank_of[sp])
@@ -433,7 +338,22 @@ class GradShardReducer:
         """
         out = staged[self.rank].mul(1.0 / self.world_size)
         for sp, col in offsets:
-            self.sink(sp, out[col : col + sp.shard_numel])
+            self._sink(sp, out[col : col + sp.shard_numel])
+
+    def _keep(self, sp: ShardedParam, mine: torch.Tensor) -> None:
+        """The default sink: keep this rank's averaged shard (a view at the window's first
+        micro-step: Note [lazy gradient shards]; added to it after)."""
+        held = self._grads.get(sp)
+        if held is None:
+            self._grads[sp] = mine
+        else:
+            held.add_(mine)
+
+    def redirect(self, sink: Any) -> None:
+        """Send each reduced shard to ``sink(sp, shard)`` instead of keeping it (ZeRO-Infinity's
+        gradient files, set up once), or (``None``, at close) keep them again."""
+        assert (sink is None) == (self._sink != self._keep), f"redirect to {sink} over {self._sink}"
+        self._sink = self._keep if sink is None else sink
 
     def flush(self) -> None:
         """Launch the buckets still incomplete (missing gradients as zeros), in plan order, and
@@ -447,16 +367,21 @@ class GradShardReducer:
 
     def zero_grad(self) -> None:
         """Drop every gradient shard (start of an accumulation window): frees ``Σ s·g`` bytes."""
-        for sp in self._by_param.values():
-            sp.grad_shard = None
+        self._grads.clear()
 
     def grad_of(self, sp: ShardedParam) -> torch.Tensor:
         """``sp``'s averaged gradient shard; zeros (allocated now) if it received none."""
-        if sp.grad_shard is None:
-            sp.grad_shard = torch.zeros(
+        held = self._grads.get(sp)
+        if held is None:
+            held = self._grads[sp] = torch.zeros(
                 sp.shard_numel, dtype=self.grad_dtype, device=sp.shard.device
             )
-        return sp.grad_shard
+        return held
+
+    def grad_shard(self, sp: ShardedParam) -> torch.Tensor | None:
+        """``sp``'s gradient shard held now, or None (none reduced in this window yet, or sent
+        to a file); nothing is allocated."""
+        return self._grads.get(sp)
 
     def remove(self) -> None:
         """Remove the gradient hooks (idempotent)."""

@@ -378,10 +378,10 @@ class FetchTrace:
 
     # -- the check --------------------------------------------------------------------------------
     def agree(self, phase: str, pos: int, fingerprint: int, what: str) -> None:
-        """Cross-rank check of this point of the pass (`agree_across_ranks`)."""
-        if comm.get_world_size(self.group) > 1:
-            self.stats.trace_checks += 1
-            agree_across_ranks(self.group, phase, pos, fingerprint, what, self.describe)
+        """Cross-rank check of this point of the pass (`agree_across_ranks`; never with one rank,
+        whose check is OFF from the start)."""
+        self.stats.trace_checks += 1
+        agree_across_ranks(self.group, phase, pos, fingerprint, what, self.describe)
 
     def describe(self, phase: str, pos: int) -> str:
         """What this rank ran at ``pos`` of the current forward (it followed its trace there)."""

@@ -54,7 +54,7 @@ from torch.utils.hooks import RemovableHandle
 
 import minispeed.comm as comm
 from minispeed.comm import api_compat
-from minispeed.comm.compression import BlockQuantizer, QuantPacked
+from minispeed.comm.compression import BlockQuantizer, ScaledCodes
 from minispeed.core import ranges
 from minispeed.zero.config import ZeroConfig
 from minispeed.zero.stage3.params import ShardedParam, mark_issued
@@ -241,7 +241,7 @@ class ZeroPP:
             self._handle = model.register_forward_pre_hook(invalidate, prepend=True)
         self._sharded = list(sharded)
         for sp in self._sharded:
-            sp.gatherer = self
+            sp.set_gatherer(self)
 
     def remove(self) -> None:
         """Remove the forward hook and detach from the parameters (Stage3Strategy.close)."""
@@ -249,7 +249,7 @@ class ZeroPP:
             self._handle.remove()
             self._handle = None
         for sp in self._sharded:
-            sp.gatherer = None
+            sp.set_gatherer(None)
 
     # -- gathers ------------------------------------------------------------------------------------
     def all_gather(self, todo: list[ShardedParam], async_op: bool) -> Any:
@@ -340,7 +340,7 @@ class ZeroPP:
         def finish() -> None:
             rows = gathered.view(self.world_size, -1)  # row r: rank r's messages
             for sp, start, nbytes, padded in layout:
-                packed = QuantPacked.from_rows(
+                packed = ScaledCodes.from_rows(
                     rows[:, start : start + nbytes], padded, q.bits, q.block_numel
                 )
                 values = q.decompress(packed).view(self.world_size, padded)[:, : sp.shard_numel]

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 import minispeed.comm as comm
-from minispeed.comm.compression import BlockQuantizer, QuantPacked
+from minispeed.comm.compression import BlockQuantizer, ScaledCodes
 
 __all__ = ["hierarchical_quantized_reduce_scatter"]
 
@@ -54,7 +54,7 @@ def _exchange(rows: torch.Tensor, quantizer: BlockQuantizer, group: Any) -> torc
     to_ranks = quantizer.compress(rows.reshape(-1)).to_rows(n)  # (n, q(m)) uint8
     from_ranks = torch.empty_like(to_ranks)
     comm.all_to_all_single(from_ranks, to_ranks, group=group)
-    received = QuantPacked.from_rows(from_ranks, m, quantizer.bits, quantizer.block_numel)
+    received = ScaledCodes.from_rows(from_ranks, m, quantizer.bits, quantizer.block_numel)
     return quantizer.decompress(received).view(n, m)
 
 

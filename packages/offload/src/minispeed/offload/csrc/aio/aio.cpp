@@ -8,9 +8,48 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 
 namespace minispeed_offload {
+
+namespace {
+
+// Note [the I/O busy clock]: one clock for the process, every engine's requests on it.
+struct BusyClock {
+  std::mutex mutex;
+  int64_t in_flight = 0;
+  std::chrono::steady_clock::time_point since;
+  double busy_s = 0;
+
+  void begin() {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (in_flight++ == 0) since = std::chrono::steady_clock::now();
+  }
+  void end() {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (--in_flight == 0) {
+      busy_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
+    }
+  }
+  double seconds() {
+    std::lock_guard<std::mutex> lock(mutex);
+    const double open =
+        in_flight > 0
+            ? std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count()
+            : 0.0;
+    return busy_s + open;
+  }
+};
+
+BusyClock& busy_clock() {
+  static BusyClock clock;
+  return clock;
+}
+
+}  // namespace
+
+double io_busy_seconds() { return busy_clock().seconds(); }
 
 AioEngine::AioEngine(int threads, int64_t block_bytes, bool single_submit)
     : block_bytes_(std::max<int64_t>(block_bytes, 4096)), single_submit_(single_submit) {
@@ -52,6 +91,7 @@ int64_t AioEngine::submit(const std::string& path, uintptr_t buffer, int64_t nby
     request->done = true;
     return id;
   }
+  busy_clock().begin();  // ended in finish_block, once per request
   if (nbytes == 0) {
     lock.unlock();
     finish_block(request, 0, 0, "");
@@ -132,6 +172,7 @@ void AioEngine::finish_block(const std::shared_ptr<Request>& request, int64_t by
     request->result = {0, errno, std::string("fsync: ") + std::strerror(errno)};
   }
   ::close(request->fd);
+  busy_clock().end();
   {
     std::lock_guard<std::mutex> lock(mutex_);
     request->result.bytes = request->bytes_done;

@@ -31,6 +31,14 @@ namespace minispeed_offload {
 // Error codes beyond errno (negative, so they never collide with one).
 constexpr int kShortRead = -1;  // the file ended before the request did
 
+// Note [the I/O busy clock]
+// Seconds during which at least one request of any AioEngine in this process was in flight,
+// from its submit (the file opened) to its completion (last block done, fsync and close
+// included): the time the process kept the disk working for it, overlapping requests counted
+// once. `bytes moved / io_busy_seconds()` is the rate the process got from the disk while it
+// used it, whatever it computed meanwhile; a benchmark compares it with `dd`'s.
+double io_busy_seconds();
+
 struct IoResult {
   int64_t bytes = 0;  // bytes transferred (all of the request when err == 0)
   int err = 0;        // 0, an errno, or kShortRead

@@ -118,5 +118,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("id"), "block until request id completes: (bytes, err, message)")
       .def("pending", &mo::AioEngine::pending, no_gil)
       .def_property_readonly("threads", &mo::AioEngine::threads);
+  m.def("io_busy_seconds", &mo::io_busy_seconds, no_gil,
+        "seconds with at least one request of any engine in flight (Note [the I/O busy clock])");
   m.attr("SHORT_READ") = mo::kShortRead;
 }
