@@ -57,7 +57,7 @@ def _steps(engine, x, n: int) -> float:
 
 def _body(rank, world_size, layers, width, window, rounds, root):
     import minispeed.comm as comm
-    from minispeed.engine.checkpoint_async import checkpointer_of
+    from minispeed.engine.checkpoint.background import checkpointer_of
 
     torch.set_num_threads(1)
     engines = {mode: _engine(layers, width, mode == "async") for mode in ("sync", "async")}

@@ -9,9 +9,12 @@ What you see, in order:
 2. rank 0 shows a progress bar (loss, validation loss, tokens/s), then the memory ledger (model
    bytes per rank predicted by the ZeRO formulas vs measured) and the communication ledger (bytes
    per step predicted vs counted by the comms logger);
-3. every rank saves its shard of a checkpoint; rank 0 consolidates them into one fp32 state_dict;
+3. ``engine.describe()`` of rank 0: what ``initialize`` did to the model, step by step (the grid,
+   the optimizer and the keys that chose it, the hooks ZeRO-3 installed and on which modules,
+   each parameter's piece on this rank);
+4. every rank saves its shard of a checkpoint; rank 0 consolidates them into one fp32 state_dict;
    the loss curve is written as ``loss_curve.png`` beside it;
-4. back in this process, with no ZeRO at all: the consolidated weights are loaded into a plain
+5. back in this process, with no ZeRO at all: the consolidated weights are loaded into a plain
    ``GPT``, checked against the validation loss measured during training, and asked to write;
    ``minispeed.engine.init_inference`` (DeepSpeed's call) fuses its blocks and decodes with a KV
    cache, and its greedy text must equal the plain model's.
@@ -168,6 +171,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     launch(args, console)
     metrics = json.loads((Path(args.out_dir) / "metrics.json").read_text())
+    # What initialize did to the model (engine.describe(), rank 0): the steps as they ran.
+    console.print(
+        Panel(metrics["describe"], title="engine.describe()", border_style="cyan"),
+        highlight=False,
+        markup=False,
+    )
     # The sampling below is a tiny model: one thread avoids oversubscribing a busy machine.
     torch.set_num_threads(1)
     report(metrics, time.perf_counter() - t0, console)

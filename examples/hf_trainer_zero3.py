@@ -5,7 +5,7 @@ ZeRO-3 with the optimizer and the parameters offloaded to the CPU, 2 processes, 
 pip install packages/deepspeed_compat     # the `deepspeed` the Trainer looks for (minispeed)
 python -m torch.distributed.run --nproc_per_node 2 examples/hf_trainer_zero3.py
 python -m torch.distributed.run --nproc_per_node 2 examples/hf_trainer_zero3.py \
-    --deepspeed examples/configs/zero3_offload_template.json
+    --deepspeed examples/hf_zero3_offload_template.json
 ```
 
 Without `--deepspeed` the script hands the Trainer its own ds_config (ZeRO-3, offload to the
@@ -15,7 +15,8 @@ a config with random weights (no download) after the `TrainingArguments`, so und
 rank holds only its shard from the start (`zero.Init`, driven by `HfDeepSpeedConfig`). The data
 is synthetic counting sequences, which a few steps already learn.
 
-After training, each rank prints the model-state bytes it holds, measured on the engine's
+After training, each rank prints the model-state bytes it held inside the second accumulation
+window (parameters, gradient shards and optimizer state all present), measured on the engine's
 optimizer (`minispeed.zero.memory.measure`), against minispeed's formula for this stage and
 these dtypes (`minispeed.zero.memory.predict`) and against `minispeed estimate`'s figures for the
 same mode (DeepSpeed's estimator, `minispeed.zero.memory.estimate_modes`).
@@ -29,7 +30,13 @@ import os
 import torch
 import torch.distributed as dist
 from accelerate import PartialState
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
 
 import minispeed.zero.memory as memory
 
@@ -76,10 +83,25 @@ def counting_rows(n: int, seed: int) -> list[dict]:
     return rows
 
 
+class MeasureInWindow(TrainerCallback):
+    """Measures the engine's model states after the first micro-step of the second window: the
+    optimizer state exists (Adam creates it at the first step) and so do the gradient shards
+    (the next step consumes and frees them)."""
+
+    def __init__(self) -> None:
+        self.trainer: Trainer | None = None
+        self.measured: memory.MeasuredBytes | None = None
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        if self.measured is None and state.global_step >= 1:
+            engine = self.trainer.model_wrapped
+            self.measured = memory.measure(engine.optimizer, engine.module)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--deepspeed", default=None, help="a ds_config JSON (default: CONFIG)")
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", default="/tmp/hf_trainer_zero3")
     cli = parser.parse_args()
     # accelerate leaves the backend unset on a CPU-only host and counts one process; start its
@@ -90,7 +112,7 @@ def main() -> None:
         output_dir=cli.out,
         deepspeed=cli.deepspeed or CONFIG,
         per_device_train_batch_size=1,
-        gradient_accumulation_steps=1,
+        gradient_accumulation_steps=2,
         max_steps=cli.steps,
         learning_rate=2e-3,
         warmup_steps=1,
@@ -103,10 +125,12 @@ def main() -> None:
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM._from_config(LLAMA)  # under ZeRO-3: built partitioned
-    trainer = Trainer(model=model, args=args, train_dataset=counting_rows(64, 1))
+    probe = MeasureInWindow()
+    trainer = Trainer(model=model, args=args, train_dataset=counting_rows(64, 1), callbacks=[probe])
+    probe.trainer = trainer
     trainer.train()
     engine = trainer.model_wrapped  # the minispeed engine the Trainer drove
-    measured = memory.measure(engine.optimizer, engine.module)
+    measured = probe.measured
     formula = memory.predict(engine.optimizer)
     world = dist.get_world_size()
     row = next(

@@ -207,6 +207,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     engine, opt, _, _ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=ds_config
     )
+    described = engine.describe()  # the steps initialize ran, as they ran (rank 0's is kept)
     cfg = engine.config
     zcfg, precision = cfg.zero, cfg.precision
     report = Reporter(
@@ -298,6 +299,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "final_lr": engine.get_lr(),
             "memory_ledger": memory_rows,
             "comm_ledger": comm_rows,
+            "describe": described,  # what initialize did to the model, on rank 0
             **checkpoint,
         }
         write_json_atomic(out_dir / "metrics.json", metrics)

@@ -137,6 +137,9 @@ def test_demo_ledgers_match_measurements(demo_run):
     full_fp32_adam = 16 * metrics["num_params"]  # params + grads + Adam moments, unsharded
     assert mem["measured rank 0"]["total"] < 0.6 * full_fp32_adam
     assert "communication ledger" in stdout and "memory ledger" in stdout
+    # engine.describe(): the steps initialize ran, ZeRO-3's hooks and each parameter's piece
+    assert "What minispeed.engine.initialize did" in stdout and "4. zero.shard" in stdout
+    assert "stage 3 over a data-parallel group of 2 ranks" in metrics["describe"]
 
 
 @pytest.mark.timeout(400)

@@ -21,7 +21,7 @@ from ds_gpt import GPT, batch
 
 import minispeed.engine as deepspeed
 from minispeed.core.testing import run_distributed
-from minispeed.engine.checkpoint_async import checkpointer_of
+from minispeed.engine.checkpoint.background import checkpointer_of
 from minispeed.zero.checkpoints.layout import load_shard, read_metadata
 
 

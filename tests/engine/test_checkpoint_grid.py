@@ -55,7 +55,7 @@ def _params(engine) -> dict[str, torch.Tensor]:
 
 
 def _save_and_go_on(rank, world_size, zero_stage, path, async_save=False):
-    from minispeed.engine.checkpoint_async import checkpointer_of
+    from minispeed.engine.checkpoint.background import checkpointer_of
 
     engine = _engine(zero_stage, stages=2, config_extra={"checkpoint": {"async_save": async_save}})
     data = _data(engine.grid.rank_in("data"), 4)
@@ -95,16 +95,13 @@ def test_pipe_by_data_saves_one_directory_and_resumes_identically(
     files = sorted(
         os.path.relpath(os.path.join(d, f), tag) for d, _, fs in os.walk(tag) for f in fs
     )
-    if zero_stage == 1:  # every stage's zero files, named by stage (directory) and data rank
-        for stage in range(2):
-            for data_rank in range(2):
-                assert f"pipe{stage:02d}-of-02/weights.rank{data_rank:05d}-of-00002.pt" in files
-            assert f"pipe{stage:02d}-of-02/metadata.json" in files
-    else:  # the replicas are equal: one file per stage
-        assert [f for f in files if f.endswith("model_states.pt")] == [
-            "pipe00-of-02/model_states.pt",
-            "pipe01-of-02/model_states.pt",
-        ]
+    # every stage's zero files, named by stage (directory) and data rank: a pipeline's engine is
+    # the same engine as any model's, with ZeRO's optimizer (stage 0 when the config asks none)
+    for stage in range(2):
+        for data_rank in range(2):
+            assert f"pipe{stage:02d}-of-02/weights.rank{data_rank:05d}-of-00002.pt" in files
+        assert f"pipe{stage:02d}-of-02/metadata.json" in files
+    assert not [f for f in files if f.endswith("model_states.pt")]
     assert "grid.json" in files and (tmp_path / "ckpt" / "latest").read_text() == "global_step2\n"
 
     loaded = run_distributed(
@@ -166,7 +163,7 @@ def test_checkpoint_of_another_pipeline_shape_is_refused_naming_both_grids(tmp_p
 def test_part_names_carry_stage_tensor_and_expert_rank() -> None:
     from types import SimpleNamespace
 
-    from minispeed.engine.checkpoint import GridPlace
+    from minispeed.engine.checkpoint.grid import GridPlace
 
     coords = {"pipe": (1, 2), "data": (0, 2), "expert": (1, 2)}
     grid = SimpleNamespace(
@@ -181,3 +178,17 @@ def test_part_names_carry_stage_tensor_and_expert_rank() -> None:
     assert GridPlace(stage=1, pipe=2, tensor_rank=1, tensor=2).part == "pipe01-of-02-tensor01-of-02"
     assert GridPlace(tensor_rank=0, tensor=2).part == "pipe00-of-01-tensor00-of-02"
     assert GridPlace(stage=1, pipe=3).part == "pipe01-of-03"
+
+
+def test_a_pipeline_checkpoint_saved_without_zero_by_an_older_engine_is_refused(tmp_path) -> None:
+    """Before the pipeline engine became the engine, a pipeline without ZeRO saved one
+    model_states.pt per stage (`"sharded": false` in grid.json); every engine now saves ZeRO's
+    files, and such a tag is refused by name instead of failing inside zero's loader."""
+    from minispeed.engine.checkpoint.grid import GridPlace, Part, check_grid
+    from minispeed.zero.checkpoints import CheckpointError
+
+    part = Part(GridPlace(stage=0, pipe=2), nn.Linear(2, 2), None, {}, partition=[0, 2, 4])
+    saved = {"grid": {"pipe": 2, "data": 1, "expert": 1}, "sharded": False, "partition": [0, 2, 4]}
+    with pytest.raises(CheckpointError, match="saved without ZeRO by an older minispeed"):
+        check_grid(saved, part, tmp_path)
+    check_grid({**saved, "sharded": True}, part, tmp_path)  # today's tags load

@@ -166,7 +166,7 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
 def test_hf_config_is_counted_like_the_live_model(tmp_path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from minispeed.engine.sizing import count_hf_config
+    from minispeed.engine.cli.sizing import count_hf_config
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(TINY_GPT2))

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
+from minispeed.engine.cli.resolved import resolved_rows
 from minispeed.engine.config import EngineConfig
 from minispeed.engine.config.schema import config_schema
-from minispeed.engine.resolved import resolved_rows
 
 DS = {
     "train_batch_size": "auto",

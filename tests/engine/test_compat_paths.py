@@ -138,7 +138,7 @@ def test_refused_utils_names_say_what_to_use(name: str) -> None:
 
 
 def test_zero3_template_is_accepted_once_the_trainer_fills_it() -> None:
-    """examples/configs/zero3_offload_template.json (docs/engine/trainer-tutorial.md), filled
+    """examples/hf_zero3_offload_template.json (docs/engine/trainer-tutorial.md), filled
     by transformers' own code as the Trainer fills it, is a config the engine accepts whole."""
     from types import SimpleNamespace
 
@@ -158,7 +158,7 @@ def test_zero3_template_is_accepted_once_the_trainer_fills_it() -> None:
     )  # fmt: skip
     model = SimpleNamespace(config=SimpleNamespace(hidden_size=768))
     try:
-        hf = HfTrainerDeepSpeedConfig(str(ROOT / "examples/configs/zero3_offload_template.json"))
+        hf = HfTrainerDeepSpeedConfig(str(ROOT / "examples/hf_zero3_offload_template.json"))
         hf.trainer_config_process(args)
         hf.trainer_config_finalize(args, model, num_training_steps=100)
         config = EngineConfig.from_ds_config(hf.config, data_parallel_size=2)

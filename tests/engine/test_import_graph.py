@@ -1,72 +1,73 @@
-"""No import cycle among minispeed.engine's modules, counting imports inside functions and under
-`TYPE_CHECKING` too.
+"""No import cycle anywhere in minispeed (every package and the engine, package faces included),
+and the engine's core never imports a DeepSpeed adapter.
 
-ARCHITECTURE.md: "Cycles are bugs." A cycle hidden by an import inside a function still makes
-each module need the other to be read (`tune` -> `tune_memory` -> `tune` was the engine's). The
-graph is read from the source with `ast`: an edge for every `import minispeed.engine.x` /
-`from minispeed.engine.x import y` anywhere in a module, to the longest module name it names
-(an import of an enclosing package's ``__init__`` is not counted: that is how a package
-re-exports its parts). `graphlib` finds a cycle and names it.
+docs/architecture.md: "No cycle" and "the core never imports them". A cycle hidden by an import
+inside a function still makes each module need the other to be read (`tune` -> `tune_memory`
+-> `tune` was the engine's), and so does a module that uses its own package's face while the
+face imports it (`engine/comm.py` -> `minispeed.engine` -> `engine/comm.py` was). What counts as
+an edge: `minispeed.core.import_graph`.
 """
 
 from __future__ import annotations
 
-import ast
-import graphlib
 import importlib.util
 from pathlib import Path
 
-# The package's folder, found without running its __init__ (which imports torch and more).
-ROOT = Path(importlib.util.find_spec("minispeed.engine").submodule_search_locations[0])
+from minispeed.core.import_graph import find_cycle, import_graph
+from minispeed.engine.deepspeed_paths import ADAPTERS as DEEPSPEED_PATHS
+
+ENGINE = "minispeed.engine"
+# DeepSpeed's import paths: adapters over the packages (docs/engine/deepspeed-paths.md), the
+# engine's top-level modules and subpackages that `minispeed.engine.deepspeed_paths` maps.
+ADAPTERS = tuple(sorted({t.split(".")[2] for t in DEEPSPEED_PATHS.values() if t != ENGINE}))
+# What the engine's face re-exports of them: DeepSpeed's module attributes and functions
+# (`deepspeed.comm`, `deepspeed.zero.Init`, `deepspeed.init_inference`, ...).
+FACE_MAY_IMPORT = set(DEEPSPEED_PATHS.values()) - {ENGINE}
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
-    return ".".join(("minispeed", "engine", *(parts[:-1] if parts[-1] == "__init__" else parts)))
+def _packages() -> list[str]:
+    """Every distribution's package in the minispeed namespace, the engine's included."""
+    spec = importlib.util.find_spec("minispeed")
+    assert spec is not None and spec.submodule_search_locations
+    names = {
+        f"minispeed.{p.name}"
+        for root in spec.submodule_search_locations
+        for p in Path(root).iterdir()
+        if (p / "__init__.py").is_file()
+    }
+    return sorted(names)
 
 
-def _imported(tree: ast.AST) -> set[str]:
-    names: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-            names.update(f"{node.module}.{a.name}" for a in node.names)
-    return {n for n in names if n == "minispeed.engine" or n.startswith("minispeed.engine.")}
+def _is_adapter(module: str) -> bool:
+    return any(module == f"{ENGINE}.{a}" or module.startswith(f"{ENGINE}.{a}.") for a in ADAPTERS)
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Each engine module and the engine modules it imports."""
-    files = {_module_name(f): f for f in ROOT.rglob("*.py")}
-
-    def owner(name: str) -> str:  # `from minispeed.engine.x import y`: y may be a name in x
-        while name not in files:
-            name = name.rpartition(".")[0]
-        return name
-
-    graph = {}
-    for module, path in files.items():
-        targets = {owner(n) for n in _imported(ast.parse(path.read_text()))}
-        graph[module] = {t for t in targets if t != module and not module.startswith(t + ".")}
-    return graph
+def test_no_import_cycle_in_any_package_or_the_engine() -> None:
+    packages = _packages()
+    assert {"minispeed.core", "minispeed.zero", ENGINE} <= set(packages)
+    graph = import_graph(packages)
+    assert "minispeed.engine.tune.search" in graph and "minispeed.comm.call" in graph
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-def test_engine_modules_import_no_cycle() -> None:
-    graph = import_graph()
-    assert "minispeed.engine.tune" in graph and "minispeed.engine.moe.engine" in graph
-    try:
-        graphlib.TopologicalSorter(graph).prepare()
-    except graphlib.CycleError as e:
-        raise AssertionError("import cycle: " + " -> ".join(reversed(e.args[1]))) from None
+def test_the_engine_core_imports_no_adapter() -> None:
+    graph = import_graph([ENGINE])
+    wrong = {
+        module: sorted(t for t in targets if _is_adapter(t))
+        for module, targets in graph.items()
+        if not _is_adapter(module) and module != ENGINE
+    }
+    wrong = {m: t for m, t in wrong.items() if t}
+    assert not wrong, f"core modules importing DeepSpeed adapters: {wrong}"
+    face = {t for t in graph[ENGINE] if _is_adapter(t)}
+    assert face <= FACE_MAY_IMPORT, sorted(face - FACE_MAY_IMPORT)
+    back = sorted(m for m, targets in graph.items() if _is_adapter(m) and ENGINE in targets)
+    assert not back, f"adapters importing the engine's face: {back}"
 
 
-def test_a_cycle_is_found() -> None:
-    """The check itself: a cycle through a function-level import is reported."""
-    graph = import_graph()
-    graph["minispeed.engine.sizing"].add("minispeed.engine.cli")  # cli imports sizing
-    try:
-        graphlib.TopologicalSorter(graph).prepare()
-    except graphlib.CycleError:
-        return
-    raise AssertionError("the cycle cli -> sizing -> cli was not found")
+def test_a_cycle_through_a_face_is_found() -> None:
+    """The check itself: an adapter importing the engine's face closes a cycle."""
+    graph = import_graph([ENGINE])
+    graph[f"{ENGINE}.comm"].add(ENGINE)
+    assert find_cycle(graph) is not None

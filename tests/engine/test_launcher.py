@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from minispeed.engine import local_rank_arg
-from minispeed.engine.launcher import HostfileError, LaunchArgs, LaunchError, torchrun_argv
+from minispeed.engine.cli import local_rank_arg
+from minispeed.engine.cli.launcher import HostfileError, LaunchArgs, LaunchError, torchrun_argv
 
 JOB = Path(__file__).resolve().parent / "scripts" / "allreduce_job.py"
 MINISPEED = [sys.executable, "-m", "minispeed.engine.cli"]

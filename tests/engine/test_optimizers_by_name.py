@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from minispeed.comm.optim import OnebitAdam, OnebitLamb
-from minispeed.engine.optim import Lion, build_optimizer
-from minispeed.offload import CPUAdagrad, CPUAdam, CPULion
+from minispeed.engine.optim import build_optimizer
+from minispeed.offload import CPUAdagrad, CPUAdam, CPULion, Lion
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "ds_optimizers.json").read_text())
 CASES = {case["name"]: case for case in FIXTURE["cases"]}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from minispeed.engine.launcher import UsageError
+from minispeed.engine.cli.launcher import UsageError
 from minispeed.engine.tune import (
     Candidate,
     Outcome,

@@ -300,7 +300,7 @@ def _cluster(args: argparse.Namespace) -> Cluster:
 
 def main(args: argparse.Namespace, num_params: int) -> int:
     """Print the `--time` table (or JSON); exit code 0 (2 on bad input, via UsageError)."""
-    from minispeed.engine.launcher import UsageError
+    from minispeed.engine.cli.launcher import UsageError
 
     try:
         if args.layers is None or args.hidden is None or args.batch is None:

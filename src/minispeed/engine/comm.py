@@ -60,7 +60,7 @@ __all__ = [
 
 def init_distributed(dist_backend: str | None = None, **kwargs: Any) -> None:
     """`deepspeed.comm.init_distributed`: the same as `minispeed.engine.init_distributed`."""
-    from minispeed.engine import init_distributed as _init
+    from minispeed.engine.distributed import init_distributed as _init
 
     _init(dist_backend=dist_backend, **kwargs)
 

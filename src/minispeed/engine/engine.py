@@ -1,4 +1,5 @@
-"""`Engine`: DeepSpeed's training loop surface over a model sharded by `minispeed.zero`.
+"""`Engine`: DeepSpeed's training loop surface over a model sharded by `minispeed.zero`, or over a
+pipeline executor (`pipe_engine.PipelineEngine`, the same engine with `train_batch`).
 
 ```python
 engine, optimizer, _, scheduler = minispeed.engine.initialize(model=model, config="ds.json",
@@ -16,6 +17,9 @@ The engine only orders calls; each feature's knowledge lives in its package:
 Counters follow DeepSpeed: `global_steps` counts accumulation boundaries (an fp16 overflow
 that skips its step still counts, and also counts in `skipped_steps`); `global_samples` adds
 `train_batch_size()` per boundary; the scheduler steps only when the optimizer really stepped.
+What happens at a boundary (`_end_of_step`: counters, scheduler, the profiled step's report, the
+comms logger's step, `steps_per_print`'s line, the step observers) is the same for a pipeline's
+`train_batch`.
 
 Cost over calling `zero.shard` directly: a few Python attribute reads per call, plus what the
 config turns on (timers synchronize the device three times per micro-step).
@@ -28,30 +32,39 @@ import dataclasses
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 import minispeed.comm as comm
-import minispeed.engine.checkpoint as ckpt
-import minispeed.engine.checkpoint_async as ckpt_async
+import minispeed.engine.checkpoint.background as ckpt_async
+import minispeed.engine.checkpoint.grid as ckpt
 import minispeed.zero as zero
 from minispeed.core.accelerator import get_accelerator
 from minispeed.core.logging import get_logger
-from minispeed.engine.checkpoint_calls import CheckpointCalls, Restore
+from minispeed.engine.checkpoint.calls import CheckpointCalls, Restore
+from minispeed.engine.composition import Composition
 from minispeed.engine.config import EngineConfig
 from minispeed.engine.queries import DeepSpeedQueries
-from minispeed.engine.trial import Trial, TrialRecorder
 
-__all__ = ["Engine", "zero_config_for"]
+__all__ = ["Engine", "StepObserver", "zero_config_for"]
 
 _log = get_logger("engine")
 
 # The keys the engine adds to a checkpoint's client_state (the user's own stays under "client").
 _ENGINE_STATE = "minispeed_engine"
+
+
+class StepObserver(Protocol):
+    """Told of every accumulation boundary, after the optimizer step and the counters (e.g.
+    `minispeed tune`'s `TrialRecorder`, which `initialize` hands the engine: the engine itself
+    knows no trial)."""
+
+    def on_boundary(self, engine: Engine) -> None:
+        """Called by `Engine.step` at each accumulation boundary."""
 
 
 class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
@@ -60,7 +73,7 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
     Built by `minispeed.engine.initialize`. `module` is the user's model (sharded in place by
     `zero.shard`); `optimizer` the `ZeroOptimizer`; `lr_scheduler` the scheduler or `None`.
     Being an `nn.Module`, `engine.parameters()` and `engine.state_dict()` (keys prefixed by
-    `module.`, as DeepSpeed's) work.
+    `module.`, as DeepSpeed's) work. `describe()` tells what `initialize` did to the model.
     """
 
     def __init__(
@@ -70,15 +83,18 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
         config: EngineConfig,
         lr_scheduler: Any = None,
         training_dataloader: Any = None,
-        trial: Trial | None = None,
+        observers: Sequence[StepObserver] = (),
         grid: comm.ProcessGrid | None = None,
+        composition: Composition | None = None,
     ) -> None:
         super().__init__()
         self.module = module
-        # The data × tensor grid under tensor parallelism (engine/grid.py), else None: the
-        # world is the data axis. Its "tensor" axis is the group the loss takes
+        # The data × tensor grid under tensor parallelism (engine/grid.py), a pipeline's own grid,
+        # else None: the world is the data axis. Its "tensor" axis is the group the loss takes
         # (`vocab_parallel_cross_entropy(logits, targets, engine.grid)`).
         self.grid = grid
+        # What initialize did, step by step, as it ran (composition.py; `describe()`).
+        self.composition = composition if composition is not None else Composition()
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.training_dataloader = training_dataloader
@@ -100,8 +116,8 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
         if config.comms_logger.get("enabled", False):
             self.comms_logger = comm.CommsLogger()
             self.comms_logger.__enter__()
-        # A `minispeed tune` trial: times the steps, then ends the job (engine/trial.py).
-        self._trial = None if trial is None else TrialRecorder(trial, module)
+        # Told of every boundary (a `minispeed tune` trial's recorder: engine/tune/trial.py).
+        self._observers = tuple(observers)
         self._step_profiler = None
         profile = config.flops_profiler is not None and config.flops_profiler.enabled
         if profile and comm.get_rank() == 0:
@@ -114,9 +130,7 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The module's forward, with every tensor argument moved to the engine's device."""
         if self._step_profiler is not None and not self._profiling:
-            # Opened at the step's first forward, closed (and reported) at its boundary.
-            self._stack.enter_context(self._step_profiler.step(self.global_steps))
-            self._profiling = True
+            self._start_profile()
         args = _to_device(args, self.device)
         if kwargs:
             kwargs = _to_device(kwargs, self.device)
@@ -141,7 +155,7 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
                 "hooks take each parameter's gradient once per backward; call "
                 "engine.backward(loss)"
             )
-        kwargs = {"ends_window": self._boundary, "divide_by_window": scale_wrt_gas}
+        kwargs = {"ends": self._boundary, "divided": not scale_wrt_gas}
         if not self.config.wall_clock_breakdown:
             opt.backward(loss, **kwargs)
         else:
@@ -210,14 +224,29 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
         # (its parameter/buffer/module checks are ~17 builtin calls per assignment).
         counters = self.__dict__
         counters["micro_steps"] += 1
-        if not boundary:
-            return
-        self._step_applied = bool(stepped)
+        if boundary:
+            self._end_of_step(bool(stepped), lr_kwargs)
+
+    def _start_profile(self) -> None:
+        """Open the step profiler's context for this step (it profiles only the configured one):
+        at the step's first forward, or when a pipeline's `train_batch` starts."""
+        assert self._step_profiler is not None
+        self._stack.enter_context(self._step_profiler.step(self.global_steps))
+        self._profiling = True
+
+    def _end_of_step(self, stepped: bool, lr_kwargs: Mapping[str, Any] | None = None) -> None:
+        """An accumulation boundary, after the optimizer's step (`stepped`: it was applied; False
+        after an fp16 overflow): the scheduler, the counters, the profiled step's report, the
+        comms logger's step mark, `steps_per_print`'s line and the step observers."""
+        counters = self.__dict__  # plain values, past nn.Module.__setattr__ (see step)
+        counters["_step_applied"] = stepped
         if stepped:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
         else:
-            self.skipped_steps += 1  # fp16 overflow: DeepSpeed counts the step, skips the scheduler
+            counters["skipped_steps"] += (
+                1  # fp16 overflow: DeepSpeed counts the step, skips the scheduler
+            )
         counters["global_steps"] += 1
         counters["global_samples"] += self.config.train_batch_size
         if self._profiling:  # this was the profiled step: closing the stack reports it
@@ -226,8 +255,8 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
         if self.comms_logger is not None:
             self.comms_logger.mark_step()
         self._report()
-        if self._trial is not None:
-            self._trial.on_boundary(self.global_steps, self.config.train_batch_size)
+        for observer in self._observers:
+            observer.on_boundary(self)
 
     def _require_optimizer(self, what: str) -> zero.ZeroOptimizer:
         if self.optimizer is None:
@@ -319,14 +348,21 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
         if self.optimizer is not None:
             self.optimizer.zero_grad()
 
-    # -- checkpoints (the calls: checkpoint_calls.py) ---------------------------------------------
+    def describe(self) -> str:
+        """What `initialize` did to the model, step by step as it ran: the grid and its groups,
+        the modules split or replaced, the hooks each step installed and on which modules, the
+        parameters partitioned (bytes per rank), the optimizer and scheduler and the keys that
+        chose them, what is offloaded where (composition.py). This rank's view."""
+        return self.composition.text()
+
+    # -- checkpoints (the calls: checkpoint/calls.py) ---------------------------------------------
     def _save_part(
         self, save_dir: str | os.PathLike, tag: str, client: dict[str, Any], save_latest: bool
     ) -> None:
         """The files are `zero.save_checkpoint`'s, one per data-parallel rank, in one directory
         per pipeline stage and expert rank (`minispeed.engine.checkpoint`); the counters and the
         scheduler travel in zero's client state."""
-        opt = self._require_optimizer("save_checkpoint")
+        self._require_optimizer("save_checkpoint")
         state = {
             _ENGINE_STATE: {
                 "global_steps": self.global_steps,
@@ -338,17 +374,29 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
             },
             "client": client,
         }
-        part = ckpt.Part(ckpt_async.place_of(self), self.module, opt, opt.comm_group, state)
-        ckpt_async.checkpointer_of(self).save(part, save_dir, tag, save_latest=save_latest)
+        ckpt_async.checkpointer_of(self).save(
+            self._part(state), save_dir, tag, save_latest=save_latest
+        )
+
+    def _part(self, payload: dict[str, Any]) -> ckpt.Part:
+        """This rank's part of the grid's checkpoint (`checkpoint/grid.py`)."""
+        opt = self._require_optimizer("save_checkpoint")
+        place = ckpt_async.place_of(self)
+        return ckpt.Part(place, self.module, opt, payload, self._partition())
+
+    def _partition(self) -> list[int] | None:
+        """The layer boundaries a checkpoint must be loaded with (a pipeline's; None here)."""
+        return None
 
     def _load_part(
         self, load_dir: str | os.PathLike, tag: str | None, restore: Restore
     ) -> tuple[Path, dict[str, Any] | None]:
         """Zero's files, then the counters and the scheduler as `restore` says."""
-        opt = self._require_optimizer("load_checkpoint")
-        part = ckpt.Part(ckpt_async.place_of(self), self.module, opt, opt.comm_group, {})
+        self._require_optimizer("load_checkpoint")
         saver = ckpt_async.checkpointer_of(self)
-        tag_dir, saved = saver.load(part, load_dir, tag, load_optimizer_states=restore.optimizer)
+        tag_dir, saved = saver.load(
+            self._part({}), load_dir, tag, load_optimizer_states=restore.optimizer
+        )
         saved = dict(saved or {})
         ours = saved.get(_ENGINE_STATE)
         client = saved.get("client", saved) if ours is not None else saved
@@ -371,11 +419,12 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
     ) -> bool:
         """Write the model's weights in their training dtype as one `state_dict` file (rank 0)."""
         opt = self._require_optimizer("save_16bit_model")
-        if self.grid is not None and "tensor" in self.grid.topology.axes:
+        axes = () if self.grid is None else self.grid.topology.axes
+        if "tensor" in axes or "pipe" in axes:
             raise NotImplementedError(
-                "save_16bit_model under tensor parallelism is not implemented: rank 0 holds its "
-                "slices only. Use save_checkpoint (it loads at any tensor-parallel size, 1 "
-                "included, then save_16bit_model from the unsplit engine)"
+                "save_16bit_model under tensor or pipeline parallelism is not implemented: rank "
+                "0 holds its slices (its stage) only. Use save_checkpoint (it loads at any "
+                "tensor-parallel size, 1 included, then save_16bit_model from the unsplit engine)"
             )
         Path(save_dir).mkdir(parents=True, exist_ok=True)
         zero.save_16bit_model(opt, self.module, save_dir, save_filename)

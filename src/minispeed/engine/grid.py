@@ -30,10 +30,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import minispeed.comm as comm
-from minispeed.core.config import ConfigError, check_keys
+from torch import nn
 
-__all__ = ["AXES", "build_grid", "grid_shape", "tensor_parallel_size"]
+import minispeed.comm as comm
+import minispeed.zero as zero
+from minispeed.core.config import ConfigError, check_keys
+from minispeed.tensor_parallel.sharding import sharded_parameters
+
+__all__ = ["AXES", "build_grid", "grid_shape", "model_parallel", "tensor_parallel_size"]
 
 AXES = ("pipe", "data", "tensor")
 """Outermost first; the last varies fastest (`minispeed.comm.ProcessTopology` is row-major)."""
@@ -75,3 +79,26 @@ def build_grid(shape: Mapping[str, int]) -> comm.ProcessGrid:
     pipe axis is left out when P = 1 (no singleton groups to create)."""
     axes = [a for a in AXES if a != "pipe" or shape["pipe"] > 1]
     return comm.ProcessGrid(comm.ProcessTopology(axes, [shape[a] for a in axes]))
+
+
+def model_parallel(
+    module: nn.Module,
+    grid: comm.ProcessGrid,
+    ties: list[tuple[nn.Parameter, Any, bool]] = (),  # type: ignore[assignment]
+) -> zero.ModelParallel:
+    """`zero.ModelParallel` for a module on `grid`: the norm and fp16 verdict over the pipe axis
+    (when there is one) and the tensor axis; a tied parameter counted on its lowest stage, a
+    parameter replicated over the tensor group (norms, row biases) on tensor rank 0 only, a
+    split one on every tensor rank (its squares summed over the tensor group)."""
+    axes = grid.topology.axes
+    groups = tuple(grid.group(a) for a in ("pipe", "tensor") if a in axes and grid.size(a) > 1)
+    elsewhere = [p for p, _, lowest in ties if not lowest]
+    if "tensor" in axes and grid.rank_in("tensor") != 0:
+        split = {id(module.get_parameter(n)) for n in sharded_parameters(module)}
+        elsewhere += [p for p in module.parameters() if id(p) not in split]
+    unique = list({id(p): p for p in elsewhere}.values())
+    return zero.ModelParallel(
+        groups=groups,
+        shared=tuple((p, group) for p, group, _ in ties),
+        counted_elsewhere=tuple(unique),
+    )

@@ -11,7 +11,7 @@ kernels (tests compare the class and hyper-parameters with DeepSpeed's, recorded
 | ... `torch_adam: true` | `torch.optim.AdamW` if m else `Adam` | the same | the same |
 | `SGD`, any torch.optim name | that torch class | the same | the same, on the CPU masters |
 | `Adagrad` | `torch.optim.Adagrad` | the same | `DeepSpeedCPUAdagrad` / `offload.CPUAdagrad` |
-| `Lion` | `FusedLion` (CUDA) | `Lion` below (pure PyTorch) | `DeepSpeedCPULion` / `offload.CPULion` |
+| `Lion` | `FusedLion` (CUDA) | `offload.Lion` (pure PyTorch) | `DeepSpeedCPULion` / `offload.CPULion` |
 | `OneBitAdam`, `OneBitLamb` | removed in 0.19.8 | `comm.optim.OnebitAdam` (run over ZeRO 0-2 by `zero.onebit`) / `OnebitLamb` (refused by `zero.shard`) | refused (as DeepSpeed did) |
 
 `m` (AdamW mode) is `type == "AdamW" or adam_w_mode`, and `adam_w_mode` defaults to **true**:
@@ -24,14 +24,14 @@ corrects); unknown keys and types are ValueErrors with a did-you-mean.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from minispeed.engine.by_name import check_keys, did_you_mean, split_section
 
-__all__ = ["OPTIMIZER_TYPES", "Lion", "build_optimizer"]
+__all__ = ["OPTIMIZER_TYPES", "build_optimizer"]
 
 OPTIMIZER_TYPES = ("Adam", "AdamW", "SGD", "Adagrad", "Lion", "OneBitAdam", "OneBitLamb")
 
@@ -49,72 +49,6 @@ REFUSED_TYPES = {
     "muon": "Muon (with its auxiliary Adam) is not implemented in minispeed; use 'AdamW'",
     "zerooneadam": "0/1 Adam was removed from DeepSpeed and is not in minispeed; use 'OneBitAdam'",
 }
-
-
-class Lion(torch.optim.Optimizer):
-    """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), elementwise.
-
-    Per parameter, with gradient g and momentum m (`state["exp_avg"]`, as `offload.CPULion`):
-
-    ```text
-    c <- b1 m + (1 - b1) g
-    p <- p (1 - lr wd) - lr sign(c)
-    m <- b2 m + (1 - b2) g
-    ```
-
-    DeepSpeed's FusedLion and CPU Lion (same defaults: lr 1e-3, betas (0.9, 0.999), wd 0).
-    One difference, where `c` is exactly 0 (a parameter whose gradient and momentum are both 0):
-    DeepSpeed moves it by `+lr` (CUDA) or `-lr` (CPU, `-copysign(lr, +0)`); here `sign(0) = 0`
-    leaves it where it is, as the paper does. 4 B of state per parameter (fp32) or its dtype's
-    size; the update runs in fp32 for low-precision parameters.
-    """
-
-    elementwise = True  # zero.shard may step a slice of each parameter (stages 1-3)
-
-    def __init__(
-        self,
-        params: Iterable[Any],
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        weight_decay: float = 0.0,
-    ) -> None:
-        if not lr >= 0.0 or not weight_decay >= 0.0:
-            raise ValueError(f"Lion: need lr >= 0 and weight_decay >= 0, got {lr}, {weight_decay}")
-        if len(betas) != 2 or not all(0.0 <= b <= 1.0 for b in betas):
-            raise ValueError(f"Lion: betas must be two values in [0, 1], got {betas}")
-        super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay})
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One Lion update of every parameter that has a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            lr, decay = group["lr"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("Lion does not support sparse gradients; use dense ones")
-                state = self.state[p]
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                exp_avg = state["exp_avg"]
-                master = p if p.dtype == torch.float32 else p.float()
-                grad, m = p.grad.to(master.dtype), exp_avg.to(master.dtype)
-                direction = m.mul(beta1).add_(grad, alpha=1 - beta1).sign_()
-                if decay > 0:
-                    master.mul_(1 - lr * decay)
-                master.add_(direction, alpha=-lr)
-                m.mul_(beta2).add_(grad, alpha=1 - beta2)
-                if master is not p:
-                    p.copy_(master)
-                if m is not exp_avg:
-                    exp_avg.copy_(m)
-        return loss
 
 
 def _require(where: str, params: dict[str, Any], key: str, allowed: Any, why: str) -> None:
@@ -184,11 +118,9 @@ def _build_lion(params: dict[str, Any], model_parameters: Any, offload: bool) ->
     _require(where, params, "fp32_optimizer_states", True, _FP32_STATES)
     _require(where, params, "set_grad_none", True, "zero_grad() always sets gradients to None")
     hyper = {"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.0, **params}  # DeepSpeed's
-    if not offload:
-        return Lion(model_parameters, **hyper)
-    from minispeed.offload import CPULion
+    from minispeed.offload import CPULion, Lion
 
-    return CPULion(model_parameters, **hyper)
+    return (CPULion if offload else Lion)(model_parameters, **hyper)
 
 
 def _build_adagrad(params: dict[str, Any], model_parameters: Any, offload: bool) -> Any:

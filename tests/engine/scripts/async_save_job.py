@@ -40,7 +40,7 @@ def run(out: str, steps: int = 10_000, rank: int = 0, world_size: int = 1, port:
 
     With `world_size` > 1 this is one rank of a job whose ranks meet at 127.0.0.1:`port`.
     """
-    import minispeed.engine.checkpoint_async as ckpt_async
+    import minispeed.engine.checkpoint.background as ckpt_async
     from minispeed.zero.checkpoints.layout import atomic_save
 
     if world_size > 1:

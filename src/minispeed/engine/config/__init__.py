@@ -40,7 +40,7 @@ from minispeed.core.config import (
     check_keys,
     join_path,
 )
-from minispeed.engine.checkpoint import CheckpointConfig
+from minispeed.engine.checkpoint.grid import CheckpointConfig
 from minispeed.engine.grid import tensor_parallel_size
 from minispeed.zero import MixedPrecision, ZeroConfig
 

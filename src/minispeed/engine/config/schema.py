@@ -19,9 +19,9 @@ import json
 from typing import Any
 
 from minispeed.core.config import field_docs
-from minispeed.engine import checkpoint as checkpoint_keys
 from minispeed.engine import config as cfg
-from minispeed.engine.checkpoint import CheckpointConfig
+from minispeed.engine.checkpoint import grid as checkpoint_keys
+from minispeed.engine.checkpoint.grid import CheckpointConfig
 from minispeed.zero import ZeroConfig
 
 __all__ = ["config_schema", "reference_markdown"]

@@ -14,7 +14,7 @@ What is DeepSpeed's here, and how:
   `get_axis_names()` / `get_dim(axis)`, over the axes `pipe`, `data` and optionally a third,
   `tensor` (DeepSpeed's `model`), varying fastest: `PipeModelDataParallelTopology`). The
   stage's layers are built whole; `initialize` cuts them by the tensor-parallel plan
-  (`minispeed.engine.tensor_plan`).
+  (`minispeed.tensor_parallel.parallelize_everywhere`).
 - **Partition**: DeepSpeed's own arithmetic (`partition.py`), passed to the package as explicit
   boundaries, so each stage holds the same layers as under DeepSpeed (`parts`).
 - **Seeds**: `seed_layers=True` builds layer i under `base_seed + i` on whichever stage owns it,

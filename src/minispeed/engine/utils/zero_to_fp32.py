@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 import minispeed.zero as zero
-from minispeed.engine.checkpoint import find_tag, read_grid
+from minispeed.engine.checkpoint.grid import find_tag, read_grid
 
 __all__ = [
     "convert_zero_checkpoint_to_fp32_state_dict",

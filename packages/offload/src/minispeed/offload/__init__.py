@@ -4,7 +4,8 @@ Reading order:
 
 1. `.cpu_optim_reference` then `.cpu_optim` (and ``csrc/cpu_optim``): the optimizer
    steps, pure PyTorch beside the AVX-512/AVX2/scalar C++ kernels;
-2. `.optimizers`: ``CPUAdam``, ``CPUAdamW``, ``CPUAdagrad``, ``CPULion`` as torch.optim classes;
+2. `.optimizers`: ``CPUAdam``, ``CPUAdamW``, ``CPUAdagrad``, ``CPULion`` as torch.optim classes
+   (and ``Lion``, the Lion reference as a torch.optim class for any device);
 3. `.aio` (and ``csrc/aio``, `.aio_reference`): reading/writing tensors at file offsets,
    asynchronously, on a thread pool;
 4. `.swapper`: tensors in swap files, a fixed pool of host buffers, stale-file cleanup;
@@ -26,7 +27,7 @@ import torch
 
 from minispeed.offload.aio import AsyncIO, IORequest, direct_io_supported, io_busy_seconds
 from minispeed.offload.config import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
-from minispeed.offload.optimizers import CPUAdagrad, CPUAdam, CPUAdamW, CPULion
+from minispeed.offload.optimizers import CPUAdagrad, CPUAdam, CPUAdamW, CPULion, Lion
 from minispeed.offload.shard_homes import HostShards, NvmeShards
 from minispeed.offload.swapped import SwappedOptimizer
 from minispeed.offload.swapped_grads import SwappedGrads
@@ -42,6 +43,7 @@ __all__ = [
     "CPULion",
     "HostShards",
     "IORequest",
+    "Lion",
     "NvmeShards",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",

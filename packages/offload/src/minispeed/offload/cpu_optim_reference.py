@@ -105,7 +105,7 @@ def lion_step(
 ) -> None:
     """One Lion step: ``p -= lr * (sign(b1 m + (1 - b1) g) + wd p)``; ``m = b2 m + (1 - b2) g``."""
     for p, g, m in zip(params, grads, exp_avgs):
-        update = m * beta1 + g * (1 - beta1)
+        update = m.mul(beta1).add_(g, alpha=1 - beta1)  # what minispeed.offload.Lion steps by
         p.mul_(1 - lr * weight_decay)
         p.add_(update.sign_(), alpha=-lr)
         m.mul_(beta2).add_(g, alpha=1 - beta2)

@@ -24,7 +24,7 @@ import torch
 from minispeed.core import ranges
 from minispeed.offload import cpu_optim
 
-__all__ = ["CPUAdagrad", "CPUAdam", "CPUAdamW", "CPULion"]
+__all__ = ["CPUAdagrad", "CPUAdam", "CPUAdamW", "CPULion", "Lion"]
 
 
 def _refuse(cls: str, **flags: Any) -> None:
@@ -440,3 +440,69 @@ class CPULion(_CPUOptimizer):
             write_back=write_back,
             simd=self._simd,
         )
+
+
+class Lion(torch.optim.Optimizer):
+    """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms") on any device,
+    elementwise: `CPULion`'s pure-PyTorch reference as a `torch.optim` class, so the update rule
+    is written once (`cpu_optim_reference.lion_step`) and both step the same numbers.
+
+    Per parameter, with gradient g and momentum m (`state["exp_avg"]`, as `CPULion`):
+
+    ```text
+    c <- b1 m + (1 - b1) g
+    p <- p (1 - lr wd) - lr sign(c)
+    m <- b2 m + (1 - b2) g
+    ```
+
+    DeepSpeed's FusedLion and CPU Lion (same defaults: lr 1e-3, betas (0.9, 0.999), wd 0).
+    One difference, where `c` is exactly 0 (a parameter whose gradient and momentum are both 0):
+    DeepSpeed moves it by `+lr` (CUDA) or `-lr` (CPU, `-copysign(lr, +0)`); here `sign(0) = 0`
+    leaves it where it is, as the paper does. 4 B of state per parameter (fp32) or its dtype's
+    size; the update runs in fp32 for low-precision parameters.
+    """
+
+    elementwise = True  # zero.shard may step a slice of each parameter (stages 1-3)
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        weight_decay: float = 0.0,
+    ) -> None:
+        if not lr >= 0.0 or not weight_decay >= 0.0:
+            raise ValueError(f"Lion: need lr >= 0 and weight_decay >= 0, got {lr}, {weight_decay}")
+        if len(betas) != 2 or not all(0.0 <= b <= 1.0 for b in betas):
+            raise ValueError(f"Lion: betas must be two values in [0, 1], got {betas}")
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One Lion update of every parameter that has a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            lr, decay = group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("Lion does not support sparse gradients; use dense ones")
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                exp_avg = state["exp_avg"]
+                master = p if p.dtype == torch.float32 else p.float()
+                grad, m = p.grad.to(master.dtype), exp_avg.to(master.dtype)
+                cpu_optim.reference.lion_step(
+                    [master], [grad], [m], lr=lr, beta1=beta1, beta2=beta2, weight_decay=decay
+                )
+                if master is not p:
+                    p.copy_(master)
+                if m is not exp_avg:
+                    exp_avg.copy_(m)
+        return loss

@@ -3,7 +3,7 @@
 
 `minispeed.zero` defines the small interface its stage 3 needs from such a place,
 ``ShardHome`` (zero/stage3/residency.py: `fetch`, `evict`, `write`, `flush`, `close`,
-`io_failures`), and these classes implement it. They import nothing of zero (ARCHITECTURE.md:
+`io_failures`), and these classes implement it. They import nothing of zero (docs/architecture.md:
 offload is usable alone, zero uses it as an optional extra): the *parameter* they are given is
 any object with ``name``, ``shard`` (1-D tensor), ``shard_numel``, ``away`` (its value is in the
 home only) and the moves ``to_away(home)`` (adopted), ``to_away()`` (evicted) and

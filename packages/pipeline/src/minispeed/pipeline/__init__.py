@@ -10,7 +10,7 @@ pipeline.print_schedule(pipeline.OneFOneB(micro_batches=4, stages=2))
 ```
 
 Reading order (see packages/pipeline/README.md): instructions → schedules → checker → printer →
-partitioning → module → p2p → executor → status → reduction → sharded →
+partitioning → module → p2p → executor → intake → status → reduction → sharded →
 split_backward → timeline → costs → config.
 """
 
@@ -38,6 +38,7 @@ from minispeed.pipeline.instructions import (
     SendActivation,
     SendGrad,
 )
+from minispeed.pipeline.intake import pull_batch
 from minispeed.pipeline.module import (
     LayerSpec,
     PipelineModule,
@@ -112,6 +113,7 @@ __all__ = [
     "partition",
     "pipeline_bubble",
     "print_schedule",
+    "pull_batch",
     "schedule_grid",
     "schedule_table",
     "schedule_tables",

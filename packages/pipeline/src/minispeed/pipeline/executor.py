@@ -139,6 +139,11 @@ class PipelineExecutor:
         )
         self.timeline = StageTimeline(module.stage)
         self.peak_in_flight = 0
+        self._keep_outputs, self._kept_output = False, None  # see eval_batch(return_outputs)
+        # What the last batch's optimizer step returned (minispeed.zero's: False when an fp16
+        # overflow skipped it) and how long it took, for the engine's counters and timers.
+        self.step_result: Any = None
+        self.step_seconds = 0.0
         self._dispatch: dict[type, Callable[[Any], None]] = {
             ins.LoadMicroBatch: self._load,
             ins.Forward: self._forward,
@@ -189,11 +194,22 @@ class PipelineExecutor:
         self.module.train()
         return self._run(self.schedule, inputs, labels, start)
 
-    def eval_batch(self, inputs: Any = None, labels: Any = None) -> float:
-        """Forwards only (no grad, no step); returns the mean loss on every rank."""
+    def eval_batch(
+        self, inputs: Any = None, labels: Any = None, *, return_outputs: bool = False
+    ) -> float | tuple[float, Any]:
+        """Forwards only (no grad, no step); returns the mean loss on every rank. With
+        `return_outputs`, `(loss, outputs)`: the last micro-batch's model output (before the
+        loss) on the last stage, None elsewhere (DeepSpeed's `eval_batch(return_logits=True)`);
+        it costs keeping that one output until the batch ends."""
         self.module.eval()
-        with torch.no_grad():
-            return self._run(self.eval_schedule, inputs, labels)
+        self._keep_outputs = return_outputs
+        self._kept_output = None
+        try:
+            with torch.no_grad():
+                loss = self._run(self.eval_schedule, inputs, labels)
+            return (loss, self._kept_output) if return_outputs else loss
+        finally:
+            self._keep_outputs, self._kept_output = False, None
 
     # -- the loop ---------------------------------------------------------------------------------
     def _run(
@@ -356,6 +372,8 @@ class PipelineExecutor:
         with ranges.range("pipeline.forward"):
             keep: list | None = [] if self.schedule.splits_backward and self._trains else None
             out = self.module.forward_chunk(i.chunk, arg, segments=keep)
+            if self._keep_outputs and self._is_last(i.chunk):  # the last micro-batch's stays
+                self._kept_output = out
             if self._is_last(i.chunk) and self.module.loss_fn is not None:
                 loss = (
                     self.module.loss_fn(out, self._labels.pop(i.micro_batch)) / self.micro_batches
@@ -485,7 +503,9 @@ class PipelineExecutor:
 
     def _step(self) -> None:
         assert self.optimizer is not None
+        start = time.perf_counter()
         with ranges.range("pipeline.step"):
-            self.optimizer.step()
+            self.step_result = self.optimizer.step()
             if not self._window:  # one with its own backward() clears them in its step
                 self.optimizer.zero_grad(set_to_none=True)
+        self.step_seconds = time.perf_counter() - start

@@ -356,15 +356,16 @@ class PipelineModule(nn.Module):
         return mine
 
     def _sync_replicas(self) -> None:
-        """Every data-parallel replica of this stage takes the parameters of the replica of data
-        rank 0 (DeepSpeed's engine does the same at build): with `seed=None` each rank builds
-        from its own RNG, and ranks seeded differently would otherwise train apart silently.
-        Bytes sent once, at build: the stage's parameters (Ψ_stage · 4 in fp32) per broadcast."""
+        """Every data-parallel replica of this stage takes the parameters and buffers of the
+        replica of data rank 0 (DeepSpeed's engine does the same at build): with `seed=None`
+        each rank builds from its own RNG, and ranks seeded differently would otherwise train
+        apart silently. Bytes sent once, at build: the stage's parameters and buffers
+        (Ψ_stage · 4 in fp32), one broadcast each."""
         if self.grid is None or self.grid.size("data") == 1:
             return
         group, src = self.grid.group("data"), self.grid.group_ranks("data")[0]
-        for p in self.parameters():
-            comm.broadcast(p.data, src=src, group=group)
+        for t in [*self.parameters(), *self.buffers()]:
+            comm.broadcast(t.data, src=src, group=group)
 
     def _shared(self, key: str) -> list[nn.Parameter]:
         """The parameters of tied module `key` that its holders share (`tied_attrs`)."""

@@ -45,6 +45,12 @@ class StageTimeline:
         """Seconds of compute."""
         return sum(i.end - i.start for i in self.intervals if i.kind == "compute")
 
+    def forward_s(self) -> float:
+        """Seconds of forward compute (the `F` passes; the rest of `busy_s` is backward)."""
+        return sum(
+            i.end - i.start for i in self.intervals if i.kind == "compute" and i.label[0] == "F"
+        )
+
     def wait_s(self) -> float:
         """Seconds blocked in receives."""
         return sum(i.end - i.start for i in self.intervals if i.kind == "wait")

@@ -9,7 +9,9 @@ Reading order (see README.md):
 4. `layers` — `ColumnParallelLinear`, `RowParallelLinear`, `VocabParallelEmbedding`.
 5. `cross_entropy` — the loss over vocabulary-split logits.
 6. `costs` — bytes per call of each layer, the formulas the tests assert.
-7. `styles`, `plan`, `plans` — `parallelize(model, plan, group)` and the ready plans.
+7. `styles`, `plan`, `plans` — `parallelize(model, plan, group)` and the ready plans;
+   `agreed` — a plan chosen and applied on every rank of a grid, agreed by all of them (the
+   engine's tensor-parallel step).
 8. `memory` — activation bytes per rank, with and without sequence parallelism.
 
 ```python
@@ -21,6 +23,12 @@ loss = tp.vocab_parallel_cross_entropy(logits, targets, group)
 ```
 """
 
+from minispeed.tensor_parallel.agreed import (
+    apply_plan,
+    parallelize_everywhere,
+    ready_plan,
+    rebind,
+)
 from minispeed.tensor_parallel.costs import (
     Collective,
     column_collectives,
@@ -72,6 +80,7 @@ __all__ = [
     "TensorGroup",
     "Vocab",
     "VocabParallelEmbedding",
+    "apply_plan",
     "check_divides",
     "column_collectives",
     "copy_to_parallel",
@@ -83,6 +92,9 @@ __all__ = [
     "gpt_plan",
     "llama_plan",
     "parallelize",
+    "parallelize_everywhere",
+    "ready_plan",
+    "rebind",
     "reduce_from_parallel",
     "reduce_scatter_to_sequence",
     "row_collectives",

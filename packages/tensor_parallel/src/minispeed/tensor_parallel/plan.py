@@ -16,7 +16,7 @@ talking):
 5. then each module is replaced (column, row, vocab) or given its hooks; tied weights end up
    sharing one slice.
 
-The composition order (ARCHITECTURE.md): pipeline partition, then this, then the optimizer and
+The composition order (docs/architecture.md): pipeline partition, then this, then the optimizer and
 `zero.shard` over the data axis: the optimizer sees the slices.
 """
 

@@ -64,7 +64,7 @@ __all__ = [
 OFFLOAD_INSTALL_HINT = "pip install packages/zero[offload]"
 
 # Note [offload is imported lazily]
-# ARCHITECTURE.md: zero <- offload is an optional extra of zero. `import minispeed.zero` must
+# docs/architecture.md: zero <- offload is an optional extra of zero. `import minispeed.zero` must
 # work without minispeed-offload installed, so offload is imported only here, and only when a
 # config names a device other than 'none': from `ZeroConfig.from_ds_config` (to build its typed
 # sections) and `zero.shard` (to build the CPU optimizer and swappers). Without the package the

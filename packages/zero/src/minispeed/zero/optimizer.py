@@ -123,7 +123,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     `global_step` (optimizer steps taken, skipped ones excluded), `micro_step` (backward calls).
 
     A window ends after `gradient_accumulation_steps` backward calls, or where the caller says
-    (`backward(loss, ends_window=...)`: DeepSpeed's `set_gradient_accumulation_boundary`, which
+    (`backward(loss, ends=...)`: DeepSpeed's `set_gradient_accumulation_boundary`, which
     accelerate uses to end the last window of an epoch early); every micro-batch's loss is
     divided by `gradient_accumulation_steps` either way, as DeepSpeed divides it.
 
@@ -247,6 +247,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._check_open("load_state_dict")
         load_rank_state_dict(self, state_dict)
 
+    def load_masters(self, state_dict: dict[str, Any]) -> None:
+        """Only the fp32 masters of what `state_dict` returned on this rank, published into the
+        model; the inner optimizer's state, the loss scale and the counters stay as they are
+        (a checkpoint loaded without its optimizer states). Collective, as `load_state_dict`."""
+        from minispeed.zero.rank_state import load_rank_masters
+
+        self._check_open("load_masters")
+        load_rank_masters(self, state_dict)
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Refused: the partition of every parameter is fixed by `zero.shard`."""
         raise RuntimeError(
@@ -282,18 +291,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._used.add(p)
 
     def backward(
-        self,
-        loss: torch.Tensor,
-        *,
-        ends_window: bool | None = None,
-        divide_by_window: bool = True,
+        self, loss: torch.Tensor, *, ends: bool | None = None, divided: bool = False
     ) -> None:
         """Backward of `loss` scaled by `loss_scale / gradient_accumulation_steps`.
 
-        `ends_window`: whether this micro-step ends the accumulation window (`None`: when it is
-        the window's `gradient_accumulation_steps`-th). `divide_by_window=False`: the caller
-        divided the loss already (the Trainer normalizes by the window's tokens), so it is
-        scaled by `loss_scale` only (DeepSpeed's `scale_wrt_gas=False`)."""
+        `ends`: whether this micro-step ends the accumulation window (`None`: when it is the
+        window's `gradient_accumulation_steps`-th). `divided=True`: the caller divided the loss
+        already (the Trainer normalizes by the window's tokens), so it is scaled by
+        `loss_scale` only (DeepSpeed's `scale_wrt_gas=False`)."""
         self._check_open("backward")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError(
@@ -307,8 +312,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 f"after every backward (it acts only at accumulation boundaries)"
             )
         gas = self.config.gradient_accumulation_steps
-        is_boundary = self._window + 1 == gas if ends_window is None else bool(ends_window)
-        factor = self.loss_scaler.scale / gas if divide_by_window else self.loss_scaler.scale
+        is_boundary = self._window + 1 == gas if ends is None else bool(ends)
+        factor = self.loss_scaler.scale if divided else self.loss_scaler.scale / gas
         self.strategy.backward_begins(is_boundary)
         with ranges.range("zero.backward"):
             # In fp32, so that an fp16 loss times 2**16 does not overflow before backward starts.

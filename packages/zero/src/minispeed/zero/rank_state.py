@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["load_rank_state_dict", "rank_state_dict"]
+__all__ = ["load_rank_masters", "load_rank_state_dict", "rank_state_dict"]
 
 _FORMAT = "minispeed.zero.rank_state/1"
 
@@ -79,28 +79,11 @@ def load_rank_state_dict(opt: Any, saved: dict[str, Any]) -> None:
     stage 3). A state from another layout is refused, naming both and the fix. The param-group
     dicts keep their identity (a scheduler, and under offload the user's optimizer, hold them).
     """
-    if not isinstance(saved, dict) or saved.get("format") != _FORMAT:
-        raise ValueError(
-            "ZeroOptimizer.load_state_dict expects what ZeroOptimizer.state_dict() returned on "
-            f"this rank (format {_FORMAT!r}); for a zero.save_checkpoint directory use "
-            "zero.load_checkpoint"
-        )
-    here = _layout(opt)
-    if saved["layout"] != here:
-        diff = [k for k in here if saved["layout"].get(k) != here[k]]
-        raise ValueError(
-            f"ZeroOptimizer.load_state_dict: the state was taken with a different {diff} "
-            f"(saved stage {saved['layout']['stage']}, rank {saved['layout']['rank']} of "
-            f"{saved['layout']['world_size']}; here stage {here['stage']}, rank {here['rank']} of "
-            f"{here['world_size']}); load each rank's own state into the same model and config, "
-            "or use zero.save_checkpoint / zero.load_checkpoint to change the layout"
-        )
+    _check_layout(opt, saved, "load_state_dict")
     inner = opt.optimizer
     groups = list(inner.param_groups)  # the dicts themselves: torch's load replaces them
     with _masters_in_memory(inner):
-        for pg, ms in zip(inner.param_groups, saved["masters"], strict=True):
-            for m, value in zip(pg["params"], ms, strict=True):
-                m.copy_(value)
+        _copy_masters(inner, saved)
         if getattr(inner, "masters_in_files", False):
             torch.optim.Optimizer.load_state_dict(inner, saved["inner"])
         else:
@@ -115,3 +98,38 @@ def load_rank_state_dict(opt: Any, saved: dict[str, Any]) -> None:
     opt.micro_step = saved["micro_step"]
     opt.strategy.zero_grad()
     opt.strategy.publish_params()
+
+
+def load_rank_masters(opt: Any, saved: dict[str, Any]) -> None:
+    """Only the fp32 masters of `rank_state_dict`'s output into ``opt``, then published into the
+    model (collective, as `load_rank_state_dict`); the optimizer state, loss scale and counters
+    stay as they are. Same layout check."""
+    _check_layout(opt, saved, "load_masters")
+    with torch.no_grad(), _masters_in_memory(opt.optimizer):
+        _copy_masters(opt.optimizer, saved)
+    opt.strategy.publish_params()
+
+
+def _check_layout(opt: Any, saved: Any, call: str) -> None:
+    if not isinstance(saved, dict) or saved.get("format") != _FORMAT:
+        raise ValueError(
+            f"ZeroOptimizer.{call} expects what ZeroOptimizer.state_dict() returned on "
+            f"this rank (format {_FORMAT!r}); for a zero.save_checkpoint directory use "
+            "zero.load_checkpoint"
+        )
+    here = _layout(opt)
+    if saved["layout"] != here:
+        diff = [k for k in here if saved["layout"].get(k) != here[k]]
+        raise ValueError(
+            f"ZeroOptimizer.{call}: the state was taken with a different {diff} "
+            f"(saved stage {saved['layout']['stage']}, rank {saved['layout']['rank']} of "
+            f"{saved['layout']['world_size']}; here stage {here['stage']}, rank {here['rank']} of "
+            f"{here['world_size']}); load each rank's own state into the same model and config, "
+            "or use zero.save_checkpoint / zero.load_checkpoint to change the layout"
+        )
+
+
+def _copy_masters(inner: Any, saved: dict[str, Any]) -> None:
+    for pg, ms in zip(inner.param_groups, saved["masters"], strict=True):
+        for m, value in zip(pg["params"], ms, strict=True):
+            m.copy_(value)

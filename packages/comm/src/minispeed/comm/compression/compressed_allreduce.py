@@ -48,8 +48,7 @@ from typing import Any
 
 import torch
 
-import minispeed.comm as comm
-from minispeed.comm import validation
+from minispeed.comm import all_to_all, collectives, validation
 from minispeed.comm.call import Call
 from minispeed.comm.compression import ops, wire
 from minispeed.comm.compression.compressor import ScaledCodes
@@ -147,7 +146,7 @@ class OnebitAllReduce:
         self._padded[: tensor.numel()] = tensor.detach().reshape(-1)  # the tail stays 0
         to_servers = self.worker_feedback.compress(self._padded).to_rows(n)  # (n, 4 + C/8) uint8
         from_workers = torch.empty_like(to_servers)
-        comm.all_to_all_single(from_workers, to_servers, group=self.group)
+        all_to_all.all_to_all_single(from_workers, to_servers, group=self.group)
 
         # Server: row i is worker i's copy of my chunk; average, compress once more.
         received = ScaledCodes.from_rows(from_workers, chunk, 1, chunk)
@@ -156,7 +155,7 @@ class OnebitAllReduce:
 
         # Everyone: gather every server's chunk and unpack all of them in one call.
         gathered = torch.empty(n * reply.numel(), dtype=torch.uint8, device=tensor.device)
-        comm.all_gather_into_tensor(gathered, reply, group=self.group)
+        collectives.all_gather_into_tensor(gathered, reply, group=self.group)
         result = self.server_feedback.compressor.decompress(
             ScaledCodes.from_rows(gathered.view(n, -1), chunk, 1, chunk)
         )
@@ -208,7 +207,7 @@ class TopkAllReduce:
             message = torch.full((8 * k,), 0xFF, dtype=torch.uint8, device=tensor.device)
             failure = err
         gathered = torch.empty(n * message.numel(), dtype=torch.uint8, device=tensor.device)
-        comm.all_gather_into_tensor(gathered, message, group=self.group)
+        collectives.all_gather_into_tensor(gathered, message, group=self.group)
         if failure is not None:
             raise failure
         first_index = gathered.view(n, -1)[:, 4 * k : 4 * k + 4]  # (n, 4): each sender's indices[0]

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-import minispeed.comm as comm
+from minispeed.comm import all_to_all, collectives
 from minispeed.comm.call import Call
 from minispeed.comm.compression.compressor import ScaledCodes
 from minispeed.comm.compression.error_feedback import ErrorFeedback
@@ -81,7 +81,7 @@ def quantized_all_gather_into_tensor(
     padded = quantizer.padded_numel(shard)
     message = quantizer.compress(_padded_rows(input, 1, shard, padded)).to_bytes()
     gathered = torch.empty(n * message.numel(), dtype=torch.uint8, device=input.device)
-    comm.all_gather_into_tensor(gathered, message, group=group)
+    collectives.all_gather_into_tensor(gathered, message, group=group)
     packed = ScaledCodes.from_rows(
         gathered.view(n, -1), padded, quantizer.bits, quantizer.block_numel
     )
@@ -109,8 +109,8 @@ def quantized_reduce_scatter_tensor(
     call = Call("quantized_reduce_scatter", group, rejects=_REJECTS)
     n = call.n
     with call:
-        op = comm.ReduceOp.SUM if op is None else op
-        if op not in (comm.ReduceOp.SUM, comm.ReduceOp.AVG):
+        op = collectives.ReduceOp.SUM if op is None else op
+        if op not in (collectives.ReduceOp.SUM, collectives.ReduceOp.AVG):
             raise ValueError(f"quantized reduce-scatter supports ReduceOp.SUM and AVG, got {op}")
         if error_feedback is not None:
             if not isinstance(error_feedback.compressor, BlockQuantizer):
@@ -134,11 +134,11 @@ def quantized_reduce_scatter_tensor(
     )
     to_ranks = packed.to_rows(n)  # (n, q) uint8: row j goes to rank j
     from_ranks = torch.empty_like(to_ranks)
-    comm.all_to_all_single(from_ranks, to_ranks, group=group)
+    all_to_all.all_to_all_single(from_ranks, to_ranks, group=group)
     received = ScaledCodes.from_rows(from_ranks, padded, quantizer.bits, quantizer.block_numel)
     parts = quantizer.decompress(received).view(n, padded)[:, :shard]  # (n, S): sender i's part
     total = parts.sum(dim=0)
-    if op == comm.ReduceOp.AVG:
+    if op == collectives.ReduceOp.AVG:
         total.div_(n)
     output.copy_(total.view(output.shape))
     return output

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-import minispeed.comm as comm
+from minispeed.comm import collectives, groups
 from minispeed.comm.compression import OnebitAllReduce
 
 __all__ = ["CompressedMomentumOptimizer", "OnebitPhase", "OnebitSchedule", "OnebitScheduled"]
@@ -166,9 +166,9 @@ class CompressedMomentumOptimizer(OnebitScheduled, torch.optim.Optimizer):
         if not grads:
             return []
         flat = torch.cat([g.reshape(-1) for g in grads])
-        if comm.is_initialized():
-            comm.all_reduce(flat, group=self.group)
-            flat.div_(comm.get_world_size(self.group))
+        if groups.is_initialized():
+            collectives.all_reduce(flat, group=self.group)
+            flat.div_(groups.get_world_size(self.group))
         return [chunk.view_as(g) for chunk, g in zip(flat.split([g.numel() for g in grads]), grads)]
 
     def _average_momenta(
@@ -183,7 +183,7 @@ class CompressedMomentumOptimizer(OnebitScheduled, torch.optim.Optimizer):
             return
         scales = scales or [1.0] * len(momenta)
         flat = torch.cat([m.reshape(-1) * s for m, s in zip(momenta, scales)])
-        if comm.is_initialized():
+        if groups.is_initialized():
             self.momentum_allreduce(flat)
         for m, chunk, s in zip(momenta, flat.split([m.numel() for m in momenta]), scales):
             m.copy_(chunk.view_as(m) / s)

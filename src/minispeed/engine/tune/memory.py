@@ -11,7 +11,7 @@ with `--params`), nothing is rejected.
 
 from __future__ import annotations
 
-from minispeed.engine.tune_candidate import Candidate
+from minispeed.engine.tune.candidate import Candidate
 from minispeed.zero.memory.modes import Offload, estimate_modes
 
 __all__ = ["MemoryModel", "device_memory_bytes"]

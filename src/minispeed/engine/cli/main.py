@@ -1,12 +1,12 @@
 """The `minispeed` command: one entry point for launching, checking and inspecting.
 
 ```bash
-minispeed run --nproc_per_node 2 train.py --deepspeed_config ds.json   # see engine.launcher
+minispeed run --nproc_per_node 2 train.py --deepspeed_config ds.json   # see cli/launcher.py
 minispeed report [--config ds.json]      # environment and ops; the config the engine resolves
 minispeed config schema|reference        # the ds_config's JSON Schema, or its reference page
 minispeed consolidate CKPT_DIR OUT.pt    # a sharded checkpoint -> one fp32 state_dict
-minispeed estimate --params 7e9 --gpus 8 --nodes 1 --gpu-mem 80 --cpu-mem 512   # engine.sizing
-minispeed tune --budget 10m train.py --config ds.json   # engine.tune: short real trials
+minispeed estimate --params 7e9 --gpus 8 --nodes 1 --gpu-mem 80 --cpu-mem 512   # cli/sizing.py
+minispeed tune --budget 10m train.py --config ds.json   # engine/tune: short real trials
 minispeed trace ...                      # the profiler's Chrome trace of a step
 ```
 
@@ -25,14 +25,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from minispeed.engine import sizing
-from minispeed.engine.launcher import UsageError
+from minispeed.engine.cli import sizing
+from minispeed.engine.cli.launcher import UsageError
 
 __all__ = ["main"]
 
 
 def _run(args: argparse.Namespace) -> int:
-    from minispeed.engine.launcher import LaunchArgs, run
+    from minispeed.engine.cli.launcher import LaunchArgs, run
 
     if not args.script:
         raise SystemExit("minispeed run: give the training script to launch")
@@ -62,8 +62,8 @@ def _report(args: argparse.Namespace) -> int:
         return report_main([])
     from rich.console import Console
 
+    from minispeed.engine.cli.resolved import resolved_table
     from minispeed.engine.config import EngineConfig
-    from minispeed.engine.resolved import resolved_table
 
     # Resolved first: a bad config is an error (exit code 2) before the long environment report.
     cfg = EngineConfig.load(args.config, data_parallel_size=args.world_size)
@@ -105,10 +105,16 @@ def _script_config(script_args: Sequence[str]) -> str:
 def _tune(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from minispeed.engine.cli.launcher import LaunchArgs, torchrun_argv
     from minispeed.engine.config import EngineConfig, load_ds_config
-    from minispeed.engine.launcher import LaunchArgs, torchrun_argv
-    from minispeed.engine.tune import TrialResult, TuneSettings, parse_budget, run_trial, tune
-    from minispeed.engine.tune_memory import device_memory_bytes
+    from minispeed.engine.tune.memory import device_memory_bytes
+    from minispeed.engine.tune.search import (
+        TrialResult,
+        TuneSettings,
+        parse_budget,
+        run_trial,
+        tune,
+    )
 
     late = argparse.ArgumentParser(add_help=False)
     _tune_options(late, suppress=True)
@@ -266,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _delegate(module, prefix)(argparse.Namespace(rest=argv[1:]))
     args = _parser().parse_args(argv)
     from minispeed.core.config import ConfigError
-    from minispeed.engine.launcher import UsageError
+    from minispeed.engine.cli.launcher import UsageError
 
     try:
         return args.fn(args)

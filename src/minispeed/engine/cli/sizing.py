@@ -20,7 +20,7 @@ import math
 from pathlib import Path
 
 from minispeed.engine import cluster_time, sizing_paper
-from minispeed.engine.launcher import UsageError
+from minispeed.engine.cli.launcher import UsageError
 
 __all__ = ["add_arguments", "count_hf_config", "main"]
 

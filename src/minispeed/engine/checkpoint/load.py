@@ -1,9 +1,9 @@
-"""Loading a grid checkpoint (`checkpoint.py`'s layout) into this rank's part.
+"""Loading a grid checkpoint (`grid.py`'s layout) into this rank's part.
 
 Find the tag (`latest` or `tag=`), read `grid.json` and refuse a grid that cannot load
-(`check_grid`), then hand the part to `zero.load_checkpoint`, to `tensor_resplit.py` when the
-tensor-parallel size changed, or read the unsharded part's `model_states.pt`. Every step is
-agreed over the world (Note [a checkpoint fails on every rank]). Apart from `checkpoint.py`
+(`check_grid`), then hand the part to `zero.load_checkpoint`, or to `resplit.py` when the
+tensor-parallel size changed. Every step is
+agreed over the world (Note [a checkpoint fails on every rank]). Apart from `grid.py`
 because the re-split builds on the layout that module defines.
 """
 
@@ -14,17 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import minispeed.zero as zero
-from minispeed.engine.checkpoint import (
-    PLAIN_FILE,
+from minispeed.engine.checkpoint.grid import (
     Part,
     check_grid,
     find_tag,
     part_dir,
     read_grid,
 )
-from minispeed.engine.tensor_resplit import load_resplit
-from minispeed.zero.checkpoints.agree import together
-from minispeed.zero.checkpoints.layout import load_shard
+from minispeed.engine.checkpoint.resplit import load_resplit
+from minispeed.zero.checkpoints import together
 
 __all__ = ["load_part"]
 
@@ -43,22 +41,17 @@ def load_part(
 
     (tag_dir, saved_tensor), _ = together(None, what, find)
     where = part_dir(tag_dir, part.place)
-    if part.sharded and saved_tensor != part.place.tensor:
-        # See tensor_resplit.py: this rank's slices, re-cut from the saved ones.
+    if saved_tensor != part.place.tensor:
+        # See resplit.py: this rank's slices, re-cut from the saved ones.
         payload = load_resplit(
             part, tag_dir, saved_tensor, load_optimizer_states=load_optimizer_states, what=what
         )
         return tag_dir, payload
-    if part.sharded:
-        payload = zero.load_checkpoint(
-            part.optimizer,
-            part.module,
-            where.parent,
-            where.name,
-            load_optimizer_states=load_optimizer_states,
-        )
-        return tag_dir, payload
-    payload, _ = together(
-        None, what, lambda: load_shard(where / PLAIN_FILE, tag_dir.name, weights_only=False)
+    payload = zero.load_checkpoint(
+        part.optimizer,
+        part.module,
+        where.parent,
+        where.name,
+        load_optimizer_states=load_optimizer_states,
     )
     return tag_dir, payload

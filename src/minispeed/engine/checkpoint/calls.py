@@ -11,7 +11,7 @@ file its `_load_checkpoint` opens first): `<tag dir>/mp_rank_<m>_model_states.pt
 `zero_pp_rank_<d>_mp_rank_<m>_model_states.pt` at ZeRO stage 3, with `m` the rank among the
 pipeline × tensor ranks of this data rank (`mp_rank_00` without them) and `d` the data rank.
 Scripts compare it with None, log it, or take its directory (the tag directory); minispeed's
-layout (`checkpoint.py`) has no file of that name, so opening it is the one thing that does
+layout (`grid.py`) has no file of that name, so opening it is the one thing that does
 not work as under DeepSpeed.
 """
 
@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import minispeed.comm as comm
-import minispeed.engine.checkpoint as ckpt
-import minispeed.engine.checkpoint_async as ckpt_async
+import minispeed.engine.checkpoint.background as ckpt_async
+import minispeed.engine.checkpoint.grid as ckpt
 from minispeed.core.logging import get_logger
-from minispeed.zero.checkpoints.layout import LATEST_FILE
+from minispeed.zero.checkpoints import LATEST_FILE
 
 __all__ = ["CheckpointCalls", "Restore", "ds_states_name"]
 
@@ -84,7 +84,7 @@ class CheckpointCalls:
         `save_dir` None or empty is a `ValueError`, as DeepSpeed's.
         `latest` moves last, once every rank's files are durable (unless `save_latest=False`).
         With `checkpoint.async_save` the files are written in the background and this returns
-        after the host copy (`checkpoint_async`).
+        after the host copy (`background.py`).
         """
         if exclude_frozen_parameters:
             raise ValueError(

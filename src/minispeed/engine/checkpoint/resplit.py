@@ -36,10 +36,9 @@ from typing import Any
 import torch
 
 import minispeed.zero as zero
-from minispeed.engine.checkpoint import TENSOR_SPECS, Part, part_dir, tensor_specs
+from minispeed.engine.checkpoint.grid import TENSOR_SPECS, Part, part_dir, tensor_specs
 from minispeed.tensor_parallel.sharding import ShardSpec, join, shard
-from minispeed.zero.checkpoints.agree import together
-from minispeed.zero.checkpoints.layout import (
+from minispeed.zero.checkpoints import (
     COMMON_FILE,
     METADATA_FILE,
     CheckpointError,
@@ -51,6 +50,7 @@ from minispeed.zero.checkpoints.layout import (
     optim_file,
     pack_pieces,
     read_metadata,
+    together,
     weights_file,
 )
 

@@ -34,7 +34,7 @@ import time
 from typing import Any
 
 from minispeed.core.logging import get_logger
-from minispeed.engine.checkpoint import (
+from minispeed.engine.checkpoint.grid import (
     CheckpointConfig,
     GridPlace,
     GridSave,
@@ -42,9 +42,8 @@ from minispeed.engine.checkpoint import (
     save_now,
     start_save,
 )
-from minispeed.engine.checkpoint_load import load_part
-from minispeed.zero.checkpoints.agree import together
-from minispeed.zero.checkpoints.layout import CheckpointError
+from minispeed.engine.checkpoint.load import load_part
+from minispeed.zero.checkpoints import CheckpointError, together
 
 __all__ = ["BackgroundSave", "Checkpointer", "SaveState", "checkpointer_of", "place_of"]
 
@@ -97,9 +96,7 @@ class BackgroundSave:
     def _run(self) -> None:
         save, pending = self.save, self.save.pending
         try:
-            sizes = save.write_files()
-            if pending is not None:
-                pending.write_done_marker(sizes)
+            pending.write_done_marker(save.write_files())
             self._move((SaveState.WRITING,), SaveState.SEALING)
         except BaseException as e:  # reported on every rank by Checkpointer.wait
             self.files_error = e
@@ -108,7 +105,7 @@ class BackgroundSave:
         finally:
             self.files_done.set()
         try:
-            if pending is not None and pending.storage.is_leader:
+            if pending.storage.is_leader:
                 pending.seal(pending.wait_for_markers(self.stop))
             if save.world.is_leader:
                 self._wait_for_parts()
@@ -117,7 +114,7 @@ class BackgroundSave:
         except BaseException as e:
             self.error = e
             self._move((SaveState.SEALING,), SaveState.FAILED)
-        self.save.pending = self.save.plain = None  # the snapshot's host memory goes
+        self.save.pending = None  # the snapshot's host memory goes
 
     def _wait_for_parts(self) -> None:
         todo = set(self.save.parts)
@@ -159,7 +156,7 @@ class Checkpointer:
     def load(
         self, part: Part, load_dir: str | os.PathLike, tag: str | None, **kwargs: Any
     ) -> tuple[Any, Any]:
-        """`checkpoint_load.load_part`, after the save in flight has landed."""
+        """`load.load_part`, after the save in flight has landed."""
         self.wait()
         return load_part(part, load_dir, tag, **kwargs)
 

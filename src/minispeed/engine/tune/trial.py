@@ -101,8 +101,10 @@ class TrialRecorder:
         )
         self._timed_from: float | None = None
 
-    def on_boundary(self, global_steps: int, train_batch_size: int) -> None:
-        """Called by `Engine.step` at each accumulation boundary, after the optimizer step."""
+    def on_boundary(self, engine: Any) -> None:
+        """Called by `Engine.step` at each accumulation boundary, after the optimizer step (the
+        engine's `StepObserver` protocol)."""
+        global_steps, train_batch_size = engine.global_steps, engine.train_batch_size()
         if global_steps == self.trial.warmup_steps:
             get_accelerator().synchronize()
             self._timed_from = time.perf_counter()

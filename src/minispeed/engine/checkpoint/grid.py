@@ -14,23 +14,23 @@ CKPT_DIR/
 
 A part is named `pipe{stage}-of-{P}`, with `-tensor{t}-of-{T}` added under tensor parallelism
 (its `client_state` then records each parameter's cut, for a load at another T:
-`tensor_resplit.py`) and `-expert{e}-of-{E}` when there are expert ranks; within it, files are named by data rank. With one part (P = E = 1) the part *is* the
+`resplit.py`) and `-expert{e}-of-{E}` when there are expert ranks; within it, files are named by data rank. With one part (P = E = 1) the part *is* the
 tag directory, so a data-parallel checkpoint stays a plain `minispeed.zero` checkpoint that
-`python -m minispeed.zero consolidate` reads. A part whose optimizer is not sharded (a pipeline
-without ZeRO) holds `model_states.pt`: the part's engine state, written by its data rank 0.
+`python -m minispeed.zero consolidate` reads. Every part is a zero checkpoint: every engine,
+a pipeline's included, steps a `ZeroOptimizer` (stage 0 when the config asks for no ZeRO).
 
-**Loading** (`checkpoint_load.py`) finds the tag (`latest` or `tag=`), reads `grid.json` (a tag without one was
+**Loading** (`load.py`) finds the tag (`latest` or `tag=`), reads `grid.json` (a tag without one was
 saved by a single-part engine) and refuses, naming both grids, a checkpoint whose pipeline
 stages, expert ranks or layer partition differ from the engine's: those cannot be resharded.
-Another data-parallel size loads (zero re-slices every parameter by name; unsharded parts are
-replicas), and another tensor-parallel size when the parts are zero's (`tensor_resplit.py`).
+Another data-parallel size loads (zero re-slices every parameter by name), and another
+tensor-parallel size (`resplit.py`).
 
 **The protocol** (Note [atomic checkpoint] in zero): every rank probes who shares the
 directory (Note [who shares the checkpoint directory]), the grid leaders unseal the tag, each
-part snapshots into host memory (`zero.checkpoints.save.snapshot`), writes its files, its
+part snapshots into host memory (`zero.checkpoints.snapshot`), writes its files, its
 leader seals the part, and only when every part is sealed does the grid leader write
 `grid.json`, then `latest`. With `checkpoint.async_save` the writing and sealing run on a
-background thread (checkpoint_async.py). With `checkpoint.use_node_local_storage` every
+background thread (background.py). With `checkpoint.use_node_local_storage` every
 storage gets its own ranks' files and its own `grid.json` and `latest`.
 """
 
@@ -42,26 +42,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 import minispeed.comm as comm
 import minispeed.zero as zero
 from minispeed.core.config import ConfigError, check_keys
 from minispeed.core.files import atomic_write
-from minispeed.zero.checkpoints.agree import together
-from minispeed.zero.checkpoints.layout import (
+from minispeed.zero.checkpoints import (
     LATEST_FILE,
     METADATA_FILE,
     CheckpointError,
-    atomic_save,
+    StorageGroups,
+    probe_storage,
+    snapshot,
+    together,
 )
-from minispeed.zero.checkpoints.save import snapshot
-from minispeed.zero.checkpoints.storage import StorageGroups, probe_storage
 
 __all__ = [
     "GRID_FILE",
-    "PLAIN_FILE",
     "CheckpointConfig",
     "GridPlace",
     "GridSave",
@@ -69,7 +67,6 @@ __all__ = [
     "PathLike",
     "find_tag",
     "has_latest",
-    "is_sharded",
     "part_dir",
     "read_grid",
     "save_now",
@@ -78,7 +75,6 @@ __all__ = [
 
 PathLike = str | os.PathLike
 GRID_FILE = "grid.json"
-PLAIN_FILE = "model_states.pt"
 GRID_FORMAT_VERSION = 1
 # The key of a tensor-parallel part's client_state that records how each parameter is cut.
 TENSOR_SPECS = "minispeed_tensor_specs"
@@ -202,30 +198,17 @@ def part_name(stage: int, pipe: int, tensor_rank: int = 0, tensor: int = 1) -> s
 
 @dataclass
 class Part:
-    """What one rank saves: its module and optimizer, in its part of the grid.
-
-    `optimizer` a `ZeroOptimizer` (its files: zero's) or anything else (the part's data rank 0
-    writes `payload` whole: a replica's state). `payload` is the engine's state (counters,
-    scheduler, the client's state), carried in zero's `client_state` or in `model_states.pt`.
-    `partition`: the pipeline's layer boundaries, compared on load.
+    """What one rank saves: its module and its `ZeroOptimizer` (the part's files are zero's), in
+    its part of the grid. `payload` is the engine's state (counters, scheduler, the client's
+    state), carried in zero's `client_state`. `partition`: the pipeline's layer boundaries,
+    compared on load.
     """
 
     place: GridPlace
     module: nn.Module
-    optimizer: Any
-    data_group: Any
+    optimizer: zero.ZeroOptimizer
     payload: dict[str, Any]
     partition: list[int] | None = None
-
-    @property
-    def sharded(self) -> bool:
-        """Whether the part's files are a zero checkpoint."""
-        return is_sharded(self.optimizer)
-
-
-def is_sharded(optimizer: Any) -> bool:
-    """Whether `optimizer` saves as zero's files (a `ZeroOptimizer`)."""
-    return isinstance(optimizer, zero.ZeroOptimizer)
 
 
 def has_latest(load_dir: PathLike) -> bool:
@@ -244,7 +227,7 @@ def grid_record(part: Part, tag: str) -> dict[str, Any]:
         "format_version": GRID_FORMAT_VERSION,
         "tag": tag,
         "grid": part.place.shape(),
-        "sharded": part.sharded,
+        "sharded": True,  # every part is a zero checkpoint (an older format had others)
         "partition": part.partition,
     }
 
@@ -265,7 +248,7 @@ def read_grid(tag_dir: Path) -> dict[str, Any] | None:
 
 def check_grid(saved: dict[str, Any] | None, part: Part, tag_dir: Path) -> None:
     """Raise naming both grids when the checkpoint cannot load into this grid (another
-    tensor-parallel size loads when both sides are ZeRO-sharded: `tensor_resplit.py`)."""
+    tensor-parallel size loads when both sides are ZeRO-sharded: `resplit.py`)."""
     mine = part.place.shape()
     theirs = {"pipe": 1, "expert": 1, "tensor": 1, **(saved["grid"] if saved is not None else {})}
     if theirs["pipe"] != mine["pipe"] or theirs["expert"] != mine["expert"]:
@@ -282,19 +265,11 @@ def check_grid(saved: dict[str, Any] | None, part: Part, tag_dir: Path) -> None:
             f"pipeline cuts them at {part.partition}: build the PipelineModule with the same "
             "partition_method (or partition) that saved it"
         )
-    if saved is not None and saved.get("sharded") != part.sharded:
-        kinds = {True: "a ZeRO optimizer", False: "an unsharded optimizer"}
+    if saved is not None and not saved.get("sharded", True):
         raise CheckpointError(
-            f"checkpoint {tag_dir} was saved with {kinds[bool(saved.get('sharded'))]}, this "
-            f"engine has {kinds[part.sharded]}; load it with the zero_optimization stage that "
-            "saved it (0 vs 1 on a pipeline)"
-        )
-    if theirs["tensor"] != mine["tensor"] and not part.sharded:
-        raise CheckpointError(
-            f"checkpoint {tag_dir} was saved by a grid of {_grid_text(theirs)}, this engine runs "
-            f"{_grid_text(mine)}: another tensor-parallel size is re-split from ZeRO's "
-            "per-parameter files only; save and load with zero_optimization.stage >= 1, or load "
-            "at the same tensor_parallel.autotp_size"
+            f"checkpoint {tag_dir} holds a pipeline saved without ZeRO by an older minispeed "
+            "(model_states.pt per stage), which this engine does not read: every engine now "
+            "saves ZeRO's files; load it with the minispeed that saved it"
         )
 
 
@@ -316,8 +291,7 @@ class GridSave:
     part: Part
     what: str
     world: StorageGroups  # who shares the tag directory, over the world
-    pending: Any  # zero PendingSave (sharded parts) or None
-    plain: dict[str, Any] | None  # the unsharded part's payload copy, on its writers
+    pending: Any  # zero's PendingSave: this rank's snapshot, until its files are written
     save_latest: bool
     parts: tuple[str | None, ...]  # the parts of the ranks sharing this rank's directory
 
@@ -326,21 +300,14 @@ class GridSave:
         """The tag directory."""
         return self.root / self.tag
 
-    def write_files(self) -> tuple[int, int] | None:
-        """This rank's files (local): zero's shards, or the unsharded part's file."""
-        if self.pending is not None:
-            return self.pending.write_files()
-        if self.plain is not None:
-            path = part_dir(self.tag_dir, self.part.place) / PLAIN_FILE
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_save(self.plain, path)
-        return None
+    def write_files(self) -> tuple[int, int]:
+        """This rank's files (local): zero's shards."""
+        return self.pending.write_files()
 
     def part_sealed(self, place_part: str | None) -> bool:
         """Whether a part's seal file is in this rank's tag directory."""
         where = self.tag_dir if place_part is None else self.tag_dir / place_part
-        seal = METADATA_FILE if self.part.sharded else PLAIN_FILE
-        return (where / seal).is_file()
+        return (where / METADATA_FILE).is_file()
 
     def seal_grid(self) -> None:
         """Grid leader: grid.json, then `latest` (every part is sealed)."""
@@ -361,44 +328,30 @@ def start_save(
     def unseal() -> None:
         if world.is_leader:  # a crash from here on leaves this tag refused by name
             (tag_dir / GRID_FILE).unlink(missing_ok=True)
-            for name in (METADATA_FILE, PLAIN_FILE):  # each part's seal (Note [done markers])
-                for path in (tag_dir / name, *tag_dir.glob(f"*/{name}")):
-                    path.unlink(missing_ok=True)
+            for path in (tag_dir / METADATA_FILE, *tag_dir.glob(f"*/{METADATA_FILE}")):
+                path.unlink(missing_ok=True)  # each part's seal (Note [done markers])
 
     _, places = together(None, what, unseal, share=lambda _: part.place.part)
     parts = tuple(dict.fromkeys(places[r] for r in world.mine))
-    where = part_dir(tag_dir, part.place)
-    pending = plain = None
-    if part.sharded:
-        sub_root, sub_tag = (root, tag) if part.place.part is None else (tag_dir, part.place.part)
-        payload = part.payload
-        if part.place.tensor > 1:  # how each parameter is cut, for a load at another size
-            payload = {**payload, TENSOR_SPECS: tensor_specs(part.module)}
-        pending = snapshot(
-            part.optimizer, part.module, sub_root, sub_tag, client_state=payload,
-            node_local=node_local,
-        )  # fmt: skip
-    else:
-        data_rank = comm.get_rank(part.data_group)
-        storage = probe_storage(part.data_group, data_rank, where, what, node_local=node_local)
-        if storage.is_leader:
-            plain = _host_copy(part.payload)
-    return GridSave(root, tag, part, what, world, pending, plain, save_latest, parts)
+    sub_root, sub_tag = (root, tag) if part.place.part is None else (tag_dir, part.place.part)
+    payload = part.payload
+    if part.place.tensor > 1:  # how each parameter is cut, for a load at another size
+        payload = {**payload, TENSOR_SPECS: tensor_specs(part.module)}
+    pending = snapshot(
+        part.optimizer, part.module, sub_root, sub_tag, client_state=payload,
+        node_local=node_local,
+    )  # fmt: skip
+    return GridSave(root, tag, part, what, world, pending, save_latest, parts)
 
 
 def save_now(save: GridSave) -> None:
     """The local half, on the caller's thread, each phase agreed over the world."""
     pending = save.pending
     mine = save.part.place.part
-    _, sizes = together(
-        None,
-        save.what,
-        save.write_files,
-        share=lambda s: (mine, None if pending is None else pending.rank, s),
-    )
+    _, sizes = together(None, save.what, save.write_files, share=lambda s: (mine, pending.rank, s))
 
     def seal_parts() -> None:
-        if pending is not None and pending.storage.is_leader:
+        if pending.storage.is_leader:
             by_rank = {r: s for p, r, s in sizes if p == mine}
             pending.seal([by_rank[r] for r in range(pending.world_size)])
 
@@ -409,17 +362,6 @@ def save_now(save: GridSave) -> None:
             save.seal_grid()
 
     together(None, save.what, seal_grid)
-
-
-def _host_copy(value: Any) -> Any:
-    """A copy of `value` whose tensors are new CPU tensors (a snapshot training cannot change)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return type(value)((k, _host_copy(v)) for k, v in value.items())
-    if isinstance(value, list | tuple):
-        return type(value)(_host_copy(v) for v in value)
-    return value
 
 
 # -- loading --------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
-"""The tensor-parallel step of `initialize`: which plan, applied to what, agreed by every rank.
+"""A plan applied on every rank of a grid: which plan, applied to what, agreed by every rank.
 
-Composition order (ARCHITECTURE.md): grid → pipeline partition → **this** → optimizer →
-`zero.shard` over the data axis. With `tensor_parallel.autotp_size` = T > 1:
+The tensor-parallel step of `minispeed.engine.initialize` (docs/architecture.md: grid →
+pipeline partition → **this** → optimizer → `zero.shard` over the data axis), usable without the
+engine: `parallelize_everywhere(model, plan, grid, per_stage=False, optimizer=opt,
+model_parameters=None)`. With a tensor axis of T > 1 ranks:
 
 1. **The plan.** `initialize(..., tensor_parallel_plan=...)` (minispeed's keyword) takes a
    `minispeed.tensor_parallel.Plan`, or a callable `(module) -> Plan` (for a `PipelineModule`
@@ -24,6 +26,7 @@ Composition order (ARCHITECTURE.md): grid → pipeline partition → **this** �
 
 The optimizer given to `initialize` was built over the unsplit parameters: `rebind` points its
 param groups at the slices, by parameter name (it must have no state yet).
+`parallelize_everywhere` runs steps 1-4 and the rebinding.
 """
 
 from __future__ import annotations
@@ -35,24 +38,23 @@ import torch
 from torch import nn
 
 import minispeed.comm as comm
-import minispeed.tensor_parallel as tp
-import minispeed.zero as zero
-from minispeed.tensor_parallel.sharding import sharded_parameters
+from minispeed.tensor_parallel import plans as ready
+from minispeed.tensor_parallel.plan import Plan, parallelize
 
-__all__ = ["apply_plan", "cut", "model_parallel", "ready_plan", "rebind"]
+__all__ = ["PlanLike", "apply_plan", "parallelize_everywhere", "ready_plan", "rebind"]
 
-PlanLike = tp.Plan | Callable[[nn.Module], tp.Plan] | None
+PlanLike = Plan | Callable[[nn.Module], Plan] | None
 
 
-def ready_plan(model: nn.Module) -> tp.Plan:
+def ready_plan(model: nn.Module) -> Plan:
     """The ready plan for `model`'s type, or a `ValueError` saying to pass one."""
     kind = type(model).__name__
     if kind == "GPT2LMHeadModel":
-        return tp.gpt2_plan(model)
+        return ready.gpt2_plan(model)
     if kind == "LlamaForCausalLM":
-        return tp.llama_plan(model)
+        return ready.llama_plan(model)
     if kind == "GPT" and type(getattr(model, "cfg", None)).__name__ == "GPTConfig":
-        return tp.gpt_plan(model)
+        return ready.gpt_plan(model)
     raise ValueError(
         f"tensor_parallel.autotp_size > 1 but minispeed has no ready plan for {kind}: pass "
         "initialize(..., tensor_parallel_plan=minispeed.tensor_parallel.Plan({...})) naming "
@@ -60,7 +62,7 @@ def ready_plan(model: nn.Module) -> tp.Plan:
     )
 
 
-def _resolve(module: nn.Module, plan: PlanLike, per_stage: bool) -> tp.Plan:
+def _resolve(module: nn.Module, plan: PlanLike, per_stage: bool) -> Plan:
     if plan is None:
         if per_stage:
             raise ValueError(
@@ -69,11 +71,11 @@ def _resolve(module: nn.Module, plan: PlanLike, per_stage: bool) -> tp.Plan:
                 "(e.g. 'chunks.*.layers.*.attn.qkv', 'tied.<key>') or a callable of the stage"
             )
         return ready_plan(module)
-    if isinstance(plan, tp.Plan):
+    if isinstance(plan, Plan):
         return plan
     if callable(plan):
         made = plan(module)
-        if not isinstance(made, tp.Plan):
+        if not isinstance(made, Plan):
             raise TypeError(
                 f"tensor_parallel_plan(module) must return a minispeed.tensor_parallel.Plan, "
                 f"got {type(made).__name__}"
@@ -85,13 +87,13 @@ def _resolve(module: nn.Module, plan: PlanLike, per_stage: bool) -> tp.Plan:
     )
 
 
-def _on_this_stage(module: nn.Module, plan: tp.Plan) -> tuple[tp.Plan, list[str]]:
+def _on_this_stage(module: nn.Module, plan: Plan) -> tuple[Plan, list[str]]:
     """The plan's patterns that match a module of this stage, and their names."""
     import fnmatch
 
     paths = [p for p, _ in module.named_modules() if p]
     hit = [pat for pat in plan.styles if any(fnmatch.fnmatchcase(p, pat) for p in paths)]
-    return tp.Plan({pat: plan.styles[pat] for pat in hit}, plan.divides), hit
+    return Plan({pat: plan.styles[pat] for pat in hit}, plan.divides), hit
 
 
 def apply_plan(module: nn.Module, plan: PlanLike, grid: comm.ProcessGrid, *, per_stage: bool) -> None:  # fmt: skip
@@ -109,7 +111,7 @@ def apply_plan(module: nn.Module, plan: PlanLike, grid: comm.ProcessGrid, *, per
         patterns = list(resolved.styles)
         if per_stage:
             resolved, matched = _on_this_stage(module, resolved)
-        tp.parallelize(module, resolved, grid)
+        parallelize(module, resolved, grid)
         if per_stage:  # how each tied module (a path on several stages) was cut here
             tied = {
                 path: type(m).__name__ for path, m in module.named_modules() if path.startswith("tied.")
@@ -189,7 +191,7 @@ def rebind(given: Any, before: dict[int, str], module: nn.Module) -> Any:
     return out
 
 
-def cut(
+def parallelize_everywhere(
     model: nn.Module,
     plan: PlanLike,
     grid: comm.ProcessGrid,
@@ -206,33 +208,3 @@ def cut(
     if model_parameters is not None:
         model_parameters = rebind(list(model_parameters), before, model)
     return rebind(optimizer, before, model), model_parameters
-
-
-def model_parallel(
-    module: nn.Module,
-    grid: comm.ProcessGrid,
-    ties: list[tuple[nn.Parameter, Any, bool]] = (),  # type: ignore[assignment]
-) -> zero.ModelParallel:
-    """`zero.ModelParallel` for a module on `grid`: the norm and fp16 verdict over the pipe axis
-    (when there is one) and the tensor axis; a tied parameter counted on its lowest stage, a
-    parameter replicated over the tensor group (norms, row biases) on tensor rank 0 only, a
-    split one on every tensor rank (its squares summed over the tensor group)."""
-    axes = grid.topology.axes
-    groups = tuple(grid.group(a) for a in ("pipe", "tensor") if a in axes and grid.size(a) > 1)
-    elsewhere = [p for p, _, lowest in ties if not lowest]
-    if "tensor" in axes and grid.rank_in("tensor") != 0:
-        split = {id(module.get_parameter(n)) for n in sharded_parameters(module)}
-        elsewhere += [p for p in module.parameters() if id(p) not in split]
-    unique = list({id(p): p for p in elsewhere}.values())
-    return zero.ModelParallel(
-        groups=groups,
-        shared=tuple((p, group) for p, group, _ in ties),
-        counted_elsewhere=tuple(unique),
-    )
-
-
-def counted_params(module: nn.Module, grid: Any, ties: list[Any]) -> list[nn.Parameter]:
-    """The parameters whose squares this rank adds to the whole model's gradient norm (for a
-    clipping done outside ZeRO): `model_parallel`'s rule."""
-    skip = {id(p) for p in model_parallel(module, grid, ties).counted_elsewhere}
-    return [p for p in module.parameters() if id(p) not in skip]

@@ -1,4 +1,19 @@
-"""`MoEEngine`: the engine of a model with `MoE` layers, whose checkpoints keep every rank's experts.
+"""The engine's MoE steps: which process group each optimizer param group is reduced over, and
+`MoEEngine`, whose checkpoints keep every rank's experts.
+
+DeepSpeed's engine reduces a parameter marked `allreduce=False` (an expert) over the
+expert-data group of its `group_name`, divided by the data-parallel size, and its ZeRO-1/2
+optimizer partitions a param group marked `moe=True` over that expert-data group. minispeed
+recognises experts by the package's type: the parameters of each `minispeed.moe.MoE` layer's
+experts (`layer.experts`; DeepSpeed's adapter `minispeed.engine.moe.layer.MoE` holds one such
+layer), reduced over that layer's `groups.expert_data_group`. `expert_replica_groups` gives
+`zero.shard` one replica group per param group (Note [replica groups] in minispeed.zero's
+replica_groups.py): the expert-data group of the param group's experts, or `None` (the data
+group) for dense parameters.
+
+Checked locally on every rank before any collective: a param group mixing experts with dense
+parameters (or experts of different expert-parallel degrees) cannot be reduced over one group,
+and is an error naming the fix, as DeepSpeed asserts under ZeRO.
 
 Note [expert checkpoints until the layout names experts]
 `zero.save_checkpoint` names every piece by its parameter's `named_parameters()` name and
@@ -17,22 +32,58 @@ restores it after `zero.load_checkpoint`: same world size, stage and expert-para
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
-import minispeed.comm as comm
+import minispeed.comm
+import minispeed.moe
 from minispeed.core.files import atomic_write
-from minispeed.engine.checkpoint_calls import Restore
+from minispeed.engine.checkpoint.calls import Restore
 from minispeed.engine.engine import Engine
-from minispeed.engine.moe.layer import MoE
 
-__all__ = ["MoEEngine"]
+__all__ = ["MoEEngine", "expert_replica_groups"]
+
+
+def expert_replica_groups(
+    model: nn.Module, param_groups: Sequence[dict[str, Any]]
+) -> list[Any] | None:
+    """Per param group, the expert-data process group of its experts (`None`: dense); `None`
+    overall when the model has no `minispeed.moe.MoE` layer."""
+    layers = minispeed.moe.moe_layers(model)
+    if not layers:
+        return None
+    # Layers of one expert-parallel degree have equal expert-data groups (the same ranks): the
+    # first one serves. Each expert parameter maps to its layer's degree.
+    by_degree: dict[int, Any] = {}
+    degree_of: dict[int, int] = {}
+    for layer in layers:
+        degree = layer.groups.expert_parallel_degree
+        by_degree.setdefault(degree, layer.groups.expert_data_group)
+        for p in layer.experts.parameters():
+            degree_of[id(p)] = degree
+    replica_groups: list[Any] = []
+    for g, group in enumerate(param_groups):
+        kinds = {degree_of.get(id(p)) for p in group["params"]}
+        if len(kinds) > 1:
+            named = sorted("dense" if k is None else f"experts of ep_size {k}" for k in kinds)
+            raise ValueError(
+                f"optimizer param group {g} holds parameters of {named}: expert parameters are "
+                "reduced over their expert-data group and dense ones over the data group, so "
+                "each group must hold one kind. Build the groups with minispeed.moe."
+                "dense_parameters / expert_parameters, or with DeepSpeed's minispeed.engine.moe."
+                "utils.split_params_into_different_moe_groups_for_optimizer (as DeepSpeed requires)"
+            )
+        degree = next(iter(kinds), None)
+        replica_groups.append(None if degree is None else by_degree[degree])
+    return replica_groups
 
 
 def _rank_file(tag_dir: Path, group: Any) -> Path:
-    rank, world = comm.get_rank(group), comm.get_world_size(group)
+    rank, world = minispeed.comm.get_rank(group), minispeed.comm.get_world_size(group)
     return tag_dir / f"moe_rank_state.rank{rank}-of-{world}.pt"
 
 
@@ -56,7 +107,11 @@ class MoEEngine(Engine):
     ) -> bool:
         """Refused while experts are spread over ranks: one `state_dict` file would hold rank 0's
         experts only, under local names that another rank's experts also use."""
-        spread = [m.ep_size for m in self.module.modules() if isinstance(m, MoE) and m.ep_size > 1]
+        spread = [
+            m.groups.expert_parallel_degree
+            for m in minispeed.moe.moe_layers(self.module)
+            if m.groups.expert_parallel_degree > 1
+        ]
         if spread:
             raise NotImplementedError(
                 f"save_16bit_model of a model whose MoE layers spread experts over ranks "
@@ -83,9 +138,5 @@ class MoEEngine(Engine):
         if restore.optimizer:
             opt.load_state_dict(saved)
             return path, client
-        with torch.no_grad():  # the weights only: this rank's masters, then published
-            for pg, masters in zip(opt.param_groups, saved["masters"], strict=True):
-                for m, value in zip(pg["params"], masters, strict=True):
-                    m.copy_(value)
-        opt.strategy.publish_params()
+        opt.load_masters(saved)  # the weights only: this rank's masters, then published
         return path, client

@@ -19,7 +19,7 @@ micro-batch does more work per step. Before each trial the estimator
 (`minispeed.zero.memory.modes`, DeepSpeed's figures) adds the model states of the candidate's
 stage and offload mode to the activation bytes per sample measured so far; a candidate over the
 per-device memory is rejected without running. A trial is a real job: `minispeed run` with
-`MINISPEED_TRIAL` set, which the engine reads (`engine/trial.py`): the trial's config replaces
+`MINISPEED_TRIAL` set, which the engine reads (`tune/trial.py`): the trial's config replaces
 the script's, a few steps are timed, and the job ends. When a trial would not finish inside the
 budget it is skipped. Outputs, in `--out`: `best_config.json` (the fastest config, a whole
 ds_config), `trials.json` (every trial: its config changes and its measured step time and peak
@@ -42,10 +42,10 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from minispeed.engine.launcher import UsageError, strip_log_prefix
-from minispeed.engine.trial import TRIAL_ENV, Trial
-from minispeed.engine.tune_candidate import Candidate
-from minispeed.engine.tune_memory import MemoryModel
+from minispeed.engine.cli.launcher import UsageError, strip_log_prefix
+from minispeed.engine.tune.candidate import Candidate
+from minispeed.engine.tune.memory import MemoryModel
+from minispeed.engine.tune.trial import TRIAL_ENV, Trial
 
 __all__ = ["Candidate", "Outcome", "TrialResult", "TuneReport", "parse_budget", "tune"]
 
@@ -307,7 +307,7 @@ def _run_one(
 
 
 def _write_outputs(report: TuneReport, out: Path) -> None:
-    from minispeed.engine.trial import write_json_atomic
+    from minispeed.engine.tune.trial import write_json_atomic
 
     write_json_atomic(out / "trials.json", report.as_json())
     if report.best_config is not None:

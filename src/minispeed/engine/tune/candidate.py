@@ -1,7 +1,7 @@
 """One point of `minispeed tune`'s search: the knobs a trial sets on top of the script's config.
 
-Shared by the search (`tune.py`), which walks from candidate to candidate, and the memory check
-(`tune_memory.py`), which predicts a candidate's peak bytes before it runs.
+Shared by the search (`search.py`), which walks from candidate to candidate, and the memory check
+(`memory.py`), which predicts a candidate's peak bytes before it runs.
 """
 
 from __future__ import annotations
