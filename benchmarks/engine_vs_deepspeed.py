@@ -112,11 +112,12 @@ class Contender:
             return
         if kind == "shard":
             import minispeed.zero as zero
+            from minispeed.engine import EngineConfig
 
             opt = zero.shard(
                 model,
                 torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01),
-                config=zero.ZeroConfig.from_ds_config(cfg),
+                config=EngineConfig.from_ds_config(cfg).zero,  # what the engine shards with
             )
             self.forward, self.backward, self.opt_step = model, opt.backward, opt.step
             return

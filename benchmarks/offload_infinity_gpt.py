@@ -111,7 +111,7 @@ section = {
                           "pipeline_read": True, "pipeline_write": True},
 }
 aio = {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 2}
-config = zero.ZeroConfig.from_ds_config({"zero_optimization": section, "aio": aio})
+config = zero.ZeroConfig.from_section(section, aio=aio)
 start = time.perf_counter()
 with zero.Init(config=config) as init:  # each shard goes to its swap file as it is made
     model = GPT()

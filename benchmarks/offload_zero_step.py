@@ -51,7 +51,7 @@ if mode == "cpu":
 elif mode == "nvme":
     section["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme, "buffer_count": 3,
                                     "pipeline_read": True, "pipeline_write": True}
-cfg = zero.ZeroConfig.from_ds_config({"zero_optimization": section})
+cfg = zero.ZeroConfig.from_section(section)
 opt = zero.shard(model, torch.optim.AdamW(model.parameters(), lr=1e-4), config=cfg)
 x = torch.randn(16, width)
 

@@ -10,8 +10,8 @@ import pytest
 
 from minispeed.comm import costs
 from minispeed.engine.cli import main
-from minispeed.engine.cluster_time import Workload, predict_stages
-from minispeed.engine.clusters import Cluster
+from minispeed.engine.cli.cluster_time import Workload, predict_stages
+from minispeed.engine.cli.clusters import Cluster
 from minispeed.zero.memory.modes import estimate_modes, largest_params
 
 # Rajbhandari et al., SC20, Table 1: GB per device, mixed-precision Adam (K = 12), columns

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from minispeed.core.sections import is_alias, is_unsupported
 from minispeed.engine.cli.resolved import resolved_rows
 from minispeed.engine.config import EngineConfig
 from minispeed.engine.config.schema import config_schema
@@ -49,11 +50,26 @@ def test_every_key_the_engine_reads_is_listed() -> None:
     listed = {k.split(".")[0] for k in _rows(DS)}
     read = {
         k for k, v in config_schema()["properties"].items()
-        if not v.get("description", "").startswith("Not supported")
+        if not is_unsupported(v) and not is_alias(v)
     }  # fmt: skip
     assert read <= listed
-    zero = set(config_schema()["properties"]["zero_optimization"]["properties"])
-    assert {f"zero_optimization.{k}" for k in zero} <= set(_rows(DS))
+    zero = config_schema()["properties"]["zero_optimization"]["properties"]
+    flat = {
+        k
+        for k, v in zero.items()
+        if not v.get("properties") and not is_unsupported(v) and not is_alias(v)
+    }
+    assert {f"zero_optimization.{k}" for k in flat} <= set(_rows(DS))
+
+
+def test_a_key_three_levels_deep_keeps_its_parents() -> None:
+    """Issue 32.7: `zero_optimization.offload_optimizer.device`, not `offload_optimizer.device`;
+    every key of the nested section is listed, given or not."""
+    rows = _rows({**DS, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    assert rows["zero_optimization.offload_optimizer.device"] == ("cpu", "given")
+    assert rows["zero_optimization.offload_optimizer.buffer_count"] == (4, "default")
+    assert rows["zero_optimization.offload_param.device"] == ("none", "default")
+    assert not any(k.startswith("offload_optimizer") for k in rows)
 
 
 def _cli(*argv: str) -> subprocess.CompletedProcess:

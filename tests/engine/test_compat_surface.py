@@ -13,7 +13,8 @@ ranks: each answers with DeepSpeed's meaning (or refuses by name, on every rank)
   every rank shares, naming it: DeepSpeed would write one per rank); another value is a config
   error;
 - `get_accelerator().device_count()` is the number of processes on the node on the CPU;
-- `save_checkpoint(None)` / `save_checkpoint("")` are `ValueError`s and write nothing.
+- `save_checkpoint(None)` / `save_checkpoint("")` are `ValueError`s and write nothing;
+- `unwrap_model_for_generation` holds a ZeRO-3 model gathered inside, released after.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def _engine(stage: int, **extra):
         "gradient_accumulation_steps": 2,
         "gradient_clipping": 0.0,
         "optimizer": {"type": "SGD", "params": {"lr": LR}},
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         **extra,
     }
     engine, *_ = deepspeed.initialize(
@@ -110,7 +111,21 @@ def _loop(rank: int, world_size: int, root: str) -> dict:
     out["tags"] = {mode: _tags(mode, root, f"rank{rank}") for mode in ("FAIL", "Warn", "ignore")}
     out["same_tag"] = _tags("FAIL", root, "same")
     out["bad_mode"] = _error(lambda: _engine(1, checkpoint={"tag_validation": "Strict"}))
+    out["generation"] = _generation()
     return out
+
+
+def _generation() -> list[bool]:
+    """`unwrap_model_for_generation`: the whole ZeRO-3 model gathered inside, released after."""
+    from minispeed.engine.runtime.zero import unwrap_model_for_generation
+
+    engine = _engine(3)  # persistence threshold 0 below: every parameter is partitioned
+    engine.module.weight.numel()  # a shape query: full size even while released
+    before = engine.module.weight.data.numel() == 0
+    with unwrap_model_for_generation(engine) as model:
+        inside = all(p.data.numel() == p.numel() for p in model.parameters())
+    after = engine.module.weight.data.numel() == 0
+    return [before, inside, after]
 
 
 def _unscaled(x: torch.Tensor) -> list[float]:
@@ -160,4 +175,5 @@ def test_loop_and_checkpoint_calls_answer_as_deepspeed(tmp_path, monkeypatch) ->
         )
         assert res["same_tag"] == ["", False]
         assert "checkpoint.tag_validation" in res["bad_mode"] and "Strict" in res["bad_mode"]
+        assert res["generation"] == [True, True, True]
     assert not (tmp_path / "latest").exists()

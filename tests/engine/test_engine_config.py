@@ -79,7 +79,7 @@ def test_sections_reach_their_packages() -> None:
     assert cfg.zero.max_grad_norm == 0.5 and cfg.zero.reduce_bucket_numel == 500_000
     assert str(cfg.precision.param_dtype) == "torch.bfloat16"
     assert cfg.steps_per_print == 10 and cfg.wall_clock_breakdown
-    assert cfg.comms_logger == {"enabled": True}
+    assert cfg.comms_logger.enabled and not cfg.flops_profiler.enabled
 
 
 @pytest.mark.parametrize(
@@ -103,12 +103,17 @@ def test_sections_reach_their_packages() -> None:
         ({"zero_optimization": {"stgae": 2}}, "zero_optimization.stgae", "did you mean 'stage'"),
         ({"fp16": {"enabled": True, "los_scale": 0}}, "fp16.los_scale", "'loss_scale'"),
         ({"pipeline": {"stagez": 2}}, "pipeline.stagez", "did you mean 'stages'"),
-        (
+        (  # a key three levels deep keeps its parents (issue 32 point 7)
             {"zero_optimization": {"stage": 2, "offload_optimizer": {"pin_memroy": True}}},
-            "offload_optimizer.pin_memroy",
+            "zero_optimization.offload_optimizer.pin_memroy",
             "did you mean 'pin_memory'",
         ),
-        ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16/bf16", "at most one"),
+        (
+            {"zero_optimization": {"stage": 2, "offload_optimizer": {"devise": "cpu"}}},
+            "zero_optimization.offload_optimizer.devise",
+            "did you mean 'device'",
+        ),
+        ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "bf16.enabled", "at most one"),
         (
             {"tensor_parallel": {"autotp_size": -2}},
             "tensor_parallel.autotp_size",
@@ -116,11 +121,20 @@ def test_sections_reach_their_packages() -> None:
         ),
         ({"tensor_parallel": {"autotp_sise": 2}}, "tensor_parallel.autotp_sise", "'autotp_size'"),
         ({"communication_data_type": "fp16"}, "communication_data_type", "grad_accum_dtype"),
-        (
-            {"activation_checkpointing": {"partition_activations": True}},
+        (  # nothing to partition over without tensor parallelism; refused with it
+            {
+                "activation_checkpointing": {"partition_activations": True},
+                "tensor_parallel": {"autotp_size": 2},
+            },
             "activation_checkpointing.partition_activations",
+            "2 model-parallel ranks",
+        ),
+        (
+            {"activation_checkpointing": {"contiguous_memory_optimization": True}},
+            "activation_checkpointing.contiguous_memory_optimization",
             "not supported",
         ),
+        ({"pipeline": {"stages": "auto"}}, "pipeline.stages", "PipelineModule"),
     ],
 )
 def test_bad_keys_are_named(ds, path, words) -> None:
@@ -184,6 +198,20 @@ def test_config_error_is_a_value_error_carrying_the_path() -> None:
     with pytest.raises(ValueError) as e:
         EngineConfig.from_ds_config({"train_micro_batch_size_per_gpu": 1, "steps_per_print": "10"})
     assert isinstance(e.value, ConfigError) and e.value.path == "steps_per_print"
+
+
+def test_the_pipeline_section_is_read_once_with_one_rule() -> None:
+    """`stages` left out or "auto" is the PipelineModule's count; an int must equal it (the rule
+    `EngineConfig` and the pipeline engine share; "auto" was once accepted by one and refused
+    by the other)."""
+    ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4}
+    for section in ({}, {"stages": "auto"}, {"stages": 2}):
+        cfg = EngineConfig.from_ds_config({**ds, "pipeline": section}, pipeline_stages=2)
+        assert (cfg.pipeline.stages, cfg.pipeline.schedule) == (2, "1f1b")
+    assert EngineConfig.from_ds_config(ds, pipeline_stages=8).pipeline.schedule == "gpipe"
+    with pytest.raises(ConfigError, match=r"^pipeline.stages: 3 but the PipelineModule has 2"):
+        EngineConfig.from_ds_config({**ds, "pipeline": {"stages": 3}}, pipeline_stages=2)
+    assert EngineConfig.from_ds_config(ds).pipeline is None  # no section, no pipeline
 
 
 def test_gradient_clipping_defaults_to_deepspeeds_one() -> None:

@@ -69,7 +69,8 @@ def _overhead_run(rank: int, world_size: int, stage: int) -> float:
             engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
             forward, backward, step = engine, engine.backward, engine.step
         else:
-            sharded = zero.shard(model, opt, config=zero.ZeroConfig.from_ds_config(cfg))
+            zero_config = deepspeed.EngineConfig.from_ds_config(cfg).zero  # the engine's
+            sharded = zero.shard(model, opt, config=zero_config)
             forward, backward, step = model, sharded.backward, sharded.step
 
         calls = (forward, backward, step, rank, world_size)

@@ -83,30 +83,35 @@ def test_variable_windows_and_global_ranges():
     assert layout[:, 5:7].all() and layout[5:7, :].all()
 
 
-def test_from_ds_config_translates_deepspeed_keys():
-    cfg = SparsityConfig.from_ds_config(
+def test_from_section_translates_deepspeed_keys():
+    cfg = SparsityConfig.from_section(
         {"mode": "fixed", "block": 32, "different_layout_per_head": True, "num_local_blocks": 8,
          "num_global_blocks": 2, "attention": "unidirectional", "num_different_global_patterns": 2},
         num_heads=6,
     )  # fmt: skip
     assert cfg == FixedSparsityConfig(6, 32, True, 8, 2, "unidirectional", False, 2)
-    bsl = SparsityConfig.from_ds_config(
-        {"mode": "bslongformer", "num_sliding_window_blocks": 5, "global_block_indices": [0, 4]}, 2
+    bsl = SparsityConfig.from_section(
+        {"mode": "bslongformer", "num_sliding_window_blocks": 5, "global_block_indices": [0, 4]},
+        num_heads=2,
     )
     assert bsl == BSLongformerSparsityConfig(
         2, num_sliding_window_blocks=5, global_block_indices=(0, 4)
     )
-    assert isinstance(SparsityConfig.from_ds_config({"mode": "dense"}, 1), DenseSparsityConfig)
-    assert isinstance(SparsityConfig.from_ds_config({"mode": "bigbird"}, 1), BigBirdSparsityConfig)
     assert isinstance(
-        SparsityConfig.from_ds_config({"mode": "variable"}, 1), VariableSparsityConfig
+        SparsityConfig.from_section({"mode": "dense"}, num_heads=1), DenseSparsityConfig
+    )
+    assert isinstance(
+        SparsityConfig.from_section({"mode": "bigbird"}, num_heads=1), BigBirdSparsityConfig
+    )
+    assert isinstance(
+        SparsityConfig.from_section({"mode": "variable"}, num_heads=1), VariableSparsityConfig
     )
     with pytest.raises(
         ValueError, match=r"sparse_attention.num_random_blocks: unknown key.*mode 'fixed'"
     ):
-        SparsityConfig.from_ds_config({"mode": "fixed", "num_random_blocks": 1}, 2)
-    with pytest.raises(ValueError, match="mode 'sparse' is unknown"):
-        SparsityConfig.from_ds_config({"mode": "sparse"}, 2)
+        SparsityConfig.from_section({"mode": "fixed", "num_random_blocks": 1}, num_heads=2)
+    with pytest.raises(ValueError, match=r"^sparse_attention.mode: 'sparse' is unknown"):
+        SparsityConfig.from_section({"mode": "sparse"}, num_heads=2)
 
 
 def test_bad_configs_and_lengths_raise_with_the_fix():

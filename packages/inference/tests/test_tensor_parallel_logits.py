@@ -150,9 +150,9 @@ def test_tp_size_that_does_not_fit_is_a_clear_error():
         init_inference(_gpt(), tensor_parallel={"tp_sise": 2})
     with pytest.raises(RuntimeError, match="init_distributed"):  # no process group here
         init_inference(_gpt(), tensor_parallel=2)
-    with pytest.raises(ValueError, match="tp_size must be an int >= 1"):
-        TPConfig.from_ds_config({"tp_size": 0})
-    assert TPConfig.from_ds_config({"enabled": False, "tp_size": 4}).tp_size == 1
+    with pytest.raises(ValueError, match=r"^tensor_parallel.tp_size: must be an int >= 1"):
+        TPConfig.from_section({"tp_size": 0})
+    assert TPConfig.from_section({"enabled": False, "tp_size": 4}).tp_size == 1
 
 
 def test_llama_kv_heads_that_tp_does_not_divide_are_named():

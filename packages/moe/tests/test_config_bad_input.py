@@ -14,15 +14,21 @@ from minispeed.core.testing import run_distributed
     [
         ({"num_experts": 6, "expert_parallel_degree": 4}, "not divisible by expert_parallel"),
         ({"num_experts": 4, "top_k": 5}, "top_k=5 exceeds num_experts=4"),
-        ({"num_experts": 4, "capacity_factor": 0.0}, "capacity_factor must be > 0"),
-        ({"num_experts": 4, "capacity_factor": -1.0}, "capacity_factor must be > 0"),
-        ({"num_experts": 4, "eval_capacity_factor": 0}, "eval_capacity_factor must be > 0"),
-        ({"num_experts": 0}, "num_experts must be an int >= 1"),
+        ({"num_experts": 4, "capacity_factor": 0.0}, "MoEConfig.capacity_factor: must be > 0"),
+        ({"num_experts": 4, "capacity_factor": -1.0}, "MoEConfig.capacity_factor: must be > 0"),
+        (
+            {"num_experts": 4, "eval_capacity_factor": 0},
+            "MoEConfig.eval_capacity_factor: must be > 0",
+        ),
+        ({"num_experts": 0}, "MoEConfig.num_experts: must be an int >= 1"),
         ({"num_experts": 4, "min_capacity": -1}, "min_capacity"),
-        ({"num_experts": 4, "noisy_gate_policy": "gumbel"}, "noisy_gate_policy must be one of"),
-        ({"num_experts": 4, "drop_order": "token"}, "drop_order must be one of"),
-        ({"num_experts": 4, "weights_over": "all"}, "weights_over must be one of"),
-        ({"num_experts": 4, "aux_loss_choices": 2}, "aux_loss_choices must be one of"),
+        (
+            {"num_experts": 4, "noisy_gate_policy": "gumbel"},
+            "MoEConfig.noisy_gate_policy: must be one of",
+        ),
+        ({"num_experts": 4, "drop_order": "token"}, "MoEConfig.drop_order: must be one of"),
+        ({"num_experts": 4, "weights_over": "all"}, "MoEConfig.weights_over: must be one of"),
+        ({"num_experts": 4, "aux_loss_choices": 2}, "MoEConfig.aux_loss_choices: must be one of"),
         ({"num_experts": 4, "drop_order": "probability"}, "set random_token_selection=False"),
     ],
 )
@@ -31,8 +37,8 @@ def test_bad_config_is_refused(kwargs, match):
         moe.MoEConfig(**kwargs)
 
 
-def test_from_ds_config_translates_deepspeed_keys():
-    cfg = moe.MoEConfig.from_ds_config(
+def test_from_section_translates_deepspeed_keys():
+    cfg = moe.MoEConfig.from_section(
         {
             "num_experts": 8,
             "ep_size": 2,
@@ -58,27 +64,27 @@ def test_from_ds_config_translates_deepspeed_keys():
         weights_over="kept",  # DeepSpeed renormalizes over the surviving choices
     )
     assert (
-        moe.MoEConfig.from_ds_config(
+        moe.MoEConfig.from_section(
             {"num_experts": 2, "noisy_gate_policy": "None"}
         ).noisy_gate_policy
         is None
     )
     # The options DeepSpeed's routine for a k ignores are off; k >= 3 ranks by probability.
-    top1 = moe.MoEConfig.from_ds_config({"num_experts": 4, "noisy_gate_policy": "RSample"})
+    top1 = moe.MoEConfig.from_section({"num_experts": 4, "noisy_gate_policy": "RSample"})
     assert (top1.noisy_gate_policy, top1.random_token_selection) == ("rsample", True)
     assert not top1.second_expert_sampling
-    top3 = moe.MoEConfig.from_ds_config(
+    top3 = moe.MoEConfig.from_section(
         {"num_experts": 4, "k": 3, "noisy_gate_policy": "RSample", "use_rts": True}
     )
     assert top3.noisy_gate_policy is None and not top3.random_token_selection
     assert not top3.second_expert_sampling
     assert (top3.drop_order, top3.aux_loss_choices) == ("probability", "all")
     with pytest.raises(ValueError, match=r"moe\.experts: unknown key"):
-        moe.MoEConfig.from_ds_config({"experts": 8})
+        moe.MoEConfig.from_section({"experts": 8})
     with pytest.raises(ValueError, match=r"moe\.use_residual: DeepSpeed's 'use_residual' is not"):
-        moe.MoEConfig.from_ds_config({"num_experts": 8, "use_residual": True})
-    with pytest.raises(ValueError, match="'num_experts' is required"):
-        moe.MoEConfig.from_ds_config({"k": 1})
+        moe.MoEConfig.from_section({"num_experts": 8, "use_residual": True})
+    with pytest.raises(ValueError, match=r"^moe.num_experts: required"):
+        moe.MoEConfig.from_section({"k": 1})
 
 
 def test_expert_parallel_without_a_process_group_is_refused():

@@ -20,7 +20,7 @@ def _einsum_forward(layer: moe.MoE, x: torch.Tensor) -> torch.Tensor:
     return de.einsum_combine(y, de.combine_weights(r, mask)).reshape(x.shape)
 
 
-# DeepSpeed's rules (what from_ds_config picks for k >= 3) move the same rows differently.
+# DeepSpeed's rules (what from_section picks for k >= 3) move the same rows differently.
 _DEEPSPEED_RULES = {"drop_order": "probability", "weights_over": "kept", "aux_loss_choices": "all"}
 
 

@@ -3,7 +3,7 @@
 `fixtures/deepspeed_gating.json` holds DeepSpeed's outputs for 80 cases (E = 4, 6; S = 7, 13;
 k = 1..4; dropping with two capacity factors, a binding `min_capacity`, train and eval; not
 dropping), recorded by `fixtures/record_deepspeed_gating.py`. For each, the gate from
-`MoEConfig.from_ds_config` of the same arguments must give the same weight per (token,
+`MoEConfig.from_section` of the same arguments must give the same weight per (token,
 expert) after dropping, the same kept assignments, expert counts and aux loss, and the same
 gradients of the aux loss and of the weights with respect to the logits (fp32, 1e-5).
 The one exception, documented: at k = 1 without random token selection DeepSpeed keeps
@@ -36,7 +36,7 @@ def _name(case: dict) -> str:
 
 
 def _gate(case: dict) -> moe.TopKGate:
-    cfg = moe.MoEConfig.from_ds_config({
+    cfg = moe.MoEConfig.from_section({
         "num_experts": case["num_experts"],
         "k": case["k"],
         "capacity_factor": case["capacity_factor"],
@@ -66,7 +66,7 @@ def _dense(routing: moe.Routing) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("case", _CASES, ids=[_name(c) for c in _CASES])
-def test_gate_from_ds_config_matches_deepspeed(case):
+def test_gate_from_section_matches_deepspeed(case):
     gate = _gate(case)
     x = torch.tensor(case["logits"]).requires_grad_()
     r = gate(x)

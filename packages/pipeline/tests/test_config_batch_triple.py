@@ -1,4 +1,4 @@
-"""`PipelineConfig.from_ds_config` applies DeepSpeed's batch rule: any two of train_batch_size,
+"""`PipelineConfig.from_section` applies DeepSpeed's batch rule: any two of train_batch_size,
 train_micro_batch_size_per_gpu and gradient_accumulation_steps give the third, one alone sets
 accumulation to 1, contradictions are errors naming the keys. Expected values recorded from
 DeepSpeed 0.19.8's `DeepSpeedConfig` (`ds_reference_batch_triple.py`)."""
@@ -8,6 +8,14 @@ import pytest
 from minispeed.pipeline import PipelineConfig
 
 T, MB, GA = "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
+_ARGS = {T: "train_batch_size", MB: "micro_batch_size", GA: "gradient_accumulation_steps"}
+
+
+def _config(ds_config: dict, data_parallel_size: int | None = None) -> PipelineConfig:
+    """The batch keys of a ds_config handed to `from_section` as the engine hands them."""
+    batch = {_ARGS[k]: v for k, v in ds_config.items()}
+    return PipelineConfig.from_section(None, data_parallel_size=data_parallel_size, **batch)
+
 
 # (ds_config, data-parallel size, DeepSpeed's (train, micro, accumulation) or "error")
 DEEPSPEED = [
@@ -30,22 +38,22 @@ DEEPSPEED = [
 def test_the_batch_triple_follows_deepspeed(ds_config, dp, expected):
     if expected == "error":
         with pytest.raises(ValueError, match="train_batch_size"):
-            PipelineConfig.from_ds_config(ds_config, data_parallel_size=dp)
+            _config(ds_config, data_parallel_size=dp)
         return
-    cfg = PipelineConfig.from_ds_config(ds_config, data_parallel_size=dp)
+    cfg = _config(ds_config, data_parallel_size=dp)
     assert (cfg.train_batch_size, cfg.micro_batch_size, cfg.micro_batches) == expected
     assert cfg.executor_kwargs()["micro_batches"] == expected[2]
 
 
 def test_contradictions_name_the_keys_and_the_numbers():
     with pytest.raises(ValueError, match=r"train_batch_size=32 is not .*=4 × .*=2 × .* size 2"):
-        PipelineConfig.from_ds_config({T: 32, MB: 4, GA: 2}, data_parallel_size=2)
+        _config({T: 32, MB: 4, GA: 2}, data_parallel_size=2)
     with pytest.raises(ValueError, match=r"gradient_accumulation_steps comes out as 0"):
-        PipelineConfig.from_ds_config({T: 2, MB: 4})
+        _config({T: 2, MB: 4})
     with pytest.raises(ValueError, match=r"must be an int.*auto"):
-        PipelineConfig.from_ds_config({T: "auto", MB: 4})
+        _config({T: "auto", MB: 4})
 
 
 def test_the_data_parallel_size_defaults_to_the_world_over_the_stages():
     # one process, no process group: N = 1
-    assert PipelineConfig.from_ds_config({T: 32, MB: 4}).micro_batches == 8
+    assert _config({T: 32, MB: 4}).micro_batches == 8

@@ -45,8 +45,8 @@ def test_json_has_the_tree_the_totals_and_the_peak_fraction():
     assert data["modules"]["params"] == sum(p.numel() for p in _mlp().parameters())
 
 
-def test_from_ds_config_translates_the_section_and_refuses_unknown_keys():
-    cfg = FlopsProfilerConfig.from_ds_config(
+def test_from_section_translates_the_section_and_refuses_unknown_keys():
+    cfg = FlopsProfilerConfig.from_section(
         {"enabled": True, "profile_step": 2, "module_depth": 1, "top_modules": 2,
          "detailed": False, "output_file": None}
     )  # fmt: skip
@@ -54,13 +54,11 @@ def test_from_ds_config_translates_the_section_and_refuses_unknown_keys():
     with pytest.raises(
         ValueError, match=r"flops_profiler.enable: unknown key .did you mean .enabled"
     ):
-        FlopsProfilerConfig.from_ds_config({"enable": True})
+        FlopsProfilerConfig.from_section({"enable": True})
     with pytest.raises(ValueError, match="recompute_fwd_factor"):
-        FlopsProfilerConfig.from_ds_config({"recompute_fwd_factor": 1.0})
+        FlopsProfilerConfig.from_section({"recompute_fwd_factor": 1.0})
     # DeepSpeed's default changes nothing: a config written out in full loads.
-    assert (
-        FlopsProfilerConfig.from_ds_config({"recompute_fwd_factor": 0.0}) == FlopsProfilerConfig()
-    )
+    assert FlopsProfilerConfig.from_section({"recompute_fwd_factor": 0.0}) == FlopsProfilerConfig()
     with pytest.raises(ValueError, match="top_modules"):
         FlopsProfilerConfig(top_modules=0)
 

@@ -258,15 +258,13 @@ def infinity_config(nvme_path: str, accum: int = 1) -> zero.ZeroConfig:
     """ZeRO-Infinity on the tiny test model: parameters, masters and Adam states in swap files
     under `nvme_path`, a few parameters persistent in memory, sub-groups of 3000 elements."""
     nvme = {"device": "nvme", "nvme_path": nvme_path}
-    return zero.ZeroConfig.from_ds_config(
+    return zero.ZeroConfig.from_section(
         {
-            "zero_optimization": {
-                "stage": 3,
-                "stage3_param_persistence_threshold": 30,  # a few persistent (in memory) too
-                "sub_group_size": 3000,
-                "offload_param": {**nvme, "buffer_count": 2, "buffer_size": 2000},
-                "offload_optimizer": {**nvme, "buffer_count": 2, "pipeline_read": True},
-            },
-            "gradient_accumulation_steps": accum,
-        }
+            "stage": 3,
+            "stage3_param_persistence_threshold": 30,  # a few persistent (in memory) too
+            "sub_group_size": 3000,
+            "offload_param": {**nvme, "buffer_count": 2, "buffer_size": 2000},
+            "offload_optimizer": {**nvme, "buffer_count": 2, "pipeline_read": True},
+        },
+        gradient_accumulation_steps=accum,
     )

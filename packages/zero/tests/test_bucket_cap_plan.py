@@ -32,7 +32,7 @@ def _train(rank: int, world_size: int, stage: int, cap: int) -> dict:
     model = nn.Sequential(
         *(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(DEPTH))
     )
-    cfg = zero.ZeroConfig.from_ds_config({"zero_optimization": {"stage": stage}})
+    cfg = zero.ZeroConfig.from_section({"stage": stage})
     assert cfg.reduce_bucket_numel == 500_000_000  # DeepSpeed's default bound
     opt = zero.shard(model, torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
     n = 8 // world_size

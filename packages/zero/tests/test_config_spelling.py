@@ -1,4 +1,6 @@
-"""A misspelled ds_config section or key fails with a did-you-mean instead of being ignored.
+"""A misspelled ds_config section or key fails with a did-you-mean instead of being ignored, in the
+packages' deprecated whole-config readers too (the engine's `EngineConfig` checks every top-level
+key itself: tests/engine/test_engine_config.py).
 
 Before: ``{"zero_optimisation": {"stage": 2}}`` trained at stage 0 and
 ``"gradient_acumulation_steps"`` left accumulation at 1, silently (issue 14, item 8).
@@ -24,7 +26,7 @@ from minispeed.zero import MixedPrecision, ZeroConfig
     ],
 )
 def test_zero_config_names_the_key_it_meant(ds, meant) -> None:
-    with pytest.raises(ValueError, match=f"did you mean '{meant}'"):
+    with pytest.raises(ValueError, match=f"did you mean '{meant}'"), pytest.deprecated_call():
         ZeroConfig.from_ds_config(ds)
 
 
@@ -38,7 +40,7 @@ def test_zero_config_names_the_key_it_meant(ds, meant) -> None:
     ],
 )
 def test_mixed_precision_names_the_key_it_meant(ds, meant) -> None:
-    with pytest.raises(ValueError, match=f"did you mean '{meant}'"):
+    with pytest.raises(ValueError, match=f"did you mean '{meant}'"), pytest.deprecated_call():
         MixedPrecision.from_ds_config(ds)
 
 
@@ -52,17 +54,18 @@ def test_other_packages_sections_and_far_keys_pass() -> None:
         "zero_optimization": {"stage": 2},
         "gradient_accumulation_steps": 2,
     }
-    assert ZeroConfig.from_ds_config(ds) == ZeroConfig(
-        stage=2, gradient_accumulation_steps=2, overlap_comm=False
-    )
-    assert MixedPrecision.from_ds_config(ds).param_dtype == torch.bfloat16
+    with pytest.deprecated_call():
+        assert ZeroConfig.from_ds_config(ds) == ZeroConfig(
+            stage=2, gradient_accumulation_steps=2, overlap_comm=False
+        )
+        assert MixedPrecision.from_ds_config(ds).param_dtype == torch.bfloat16
 
 
 def test_old_bf16_section_name_is_read() -> None:
-    assert MixedPrecision.from_ds_config({"bfloat16": {"enabled": True}}).param_dtype == (
-        torch.bfloat16
-    )
-    with pytest.raises(ValueError, match="keep only 'bf16'"):
+    with pytest.deprecated_call():
+        old = MixedPrecision.from_ds_config({"bfloat16": {"enabled": True}})
+    assert old.param_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="keep only 'bf16'"), pytest.deprecated_call():
         MixedPrecision.from_ds_config({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}})
 
 

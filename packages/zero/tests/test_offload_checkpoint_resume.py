@@ -33,7 +33,7 @@ def _build(stage: int, seed: int, opt_device: str, nvme: str, param_device: str 
         section["stage3_param_persistence_threshold"] = 0
     model = make_model(seed)
     inner = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    config = zero.ZeroConfig.from_ds_config({"zero_optimization": section})
+    config = zero.ZeroConfig.from_section(section)
     return model, zero.shard(model, inner, config=config)
 
 

@@ -20,7 +20,7 @@ pytest.importorskip("minispeed.offload")
 def _close(rank: int, world_size: int, stage: int, root: str) -> tuple[int, int]:
     nvme = {"device": "nvme", "nvme_path": root, "buffer_count": 2}
     section = {"stage": stage, "offload_optimizer": nvme}
-    config = zero.ZeroConfig.from_ds_config({"zero_optimization": section})
+    config = zero.ZeroConfig.from_section(section)
     model = make_model()
     opt = zero.shard(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config=config)
     opt.backward(model(*rank_slice(make_batches(1, 8)[0], rank, world_size)))

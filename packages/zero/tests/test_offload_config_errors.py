@@ -1,4 +1,4 @@
-"""The offload sections through `ZeroConfig.from_ds_config` and `zero.shard`: translated with
+"""The offload sections through `ZeroConfig.from_section` and `zero.shard`: translated with
 DeepSpeed's keys when minispeed-offload is installed, an error naming the install command when it
 is not, and bad values refused at `shard()` on every rank with the key and the fix.
 """
@@ -20,26 +20,24 @@ offload = pytest.importorskip("minispeed.offload")
 
 
 def test_sections_are_translated_with_deepspeed_keys(tmp_path) -> None:
-    cfg = zero.ZeroConfig.from_ds_config(
+    cfg = zero.ZeroConfig.from_section(
         {
-            "zero_optimization": {
-                "stage": 3,
-                "offload_optimizer": {
-                    "device": "nvme",
-                    "nvme_path": str(tmp_path),
-                    "buffer_count": 3,
-                    "pin_memory": False,
-                    "pipeline": True,
-                },
-                "offload_param": {
-                    "device": "cpu",
-                    "buffer_size": 1e6,
-                    "max_in_cpu": 2e6,
-                    "buffer_count": 4,
-                },
+            "stage": 3,
+            "offload_optimizer": {
+                "device": "nvme",
+                "nvme_path": str(tmp_path),
+                "buffer_count": 3,
+                "pin_memory": False,
+                "pipeline": True,
             },
-            "aio": {"block_size": 262144, "queue_depth": 16, "thread_count": 2},
-        }
+            "offload_param": {
+                "device": "cpu",
+                "buffer_size": 1e6,
+                "max_in_cpu": 2e6,
+                "buffer_count": 4,
+            },
+        },
+        aio={"block_size": 262144, "queue_depth": 16, "thread_count": 2},
     )
     assert cfg.offload_optimizer == offload.OffloadOptimizerConfig(
         device="nvme",
@@ -59,38 +57,44 @@ def test_sections_are_translated_with_deepspeed_keys(tmp_path) -> None:
     [
         (
             {"stage": 2, "offload_param": {"device": "cpu"}},
-            "offload_param.device='cpu' needs stage 3",
+            "^zero_optimization.offload_param.device: 'cpu' needs stage 3",
         ),
         (
             {"stage": 2, "offload_optimizer": {"device": "nvme"}},
-            "needs offload_optimizer.nvme_path",
+            "^zero_optimization.offload_optimizer.nvme_path: must be given with device 'nvme'",
         ),
-        ({"stage": 2, "offload_optimizer": {"device": "gpu"}}, "use one of"),
-        ({"stage": 2, "offload_optimizer": {"device": "cpu", "buffer_cnt": 2}}, "buffer_count"),
+        (
+            {"stage": 2, "offload_optimizer": {"device": "gpu"}},
+            "^zero_optimization.offload_optimizer.device: 'gpu'.*use one of",
+        ),
+        (
+            {"stage": 2, "offload_optimizer": {"device": "cpu", "buffer_cnt": 2}},
+            "^zero_optimization.offload_optimizer.buffer_cnt: .*buffer_count",
+        ),
+        (  # a key three levels deep keeps its parents, even with the device off
+            {"stage": 2, "offload_optimizer": {"devise": "cpu"}},
+            "^zero_optimization.offload_optimizer.devise: unknown key .did you mean 'device'",
+        ),
     ],
 )
 def test_bad_sections_name_the_key(section, match) -> None:
     with pytest.raises((ValueError, TypeError), match=match):
-        zero.ZeroConfig.from_ds_config({"zero_optimization": section})
+        zero.ZeroConfig.from_section(section)
 
 
 def test_without_the_offload_package_the_error_names_the_extra(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "minispeed.offload", None)  # import now raises ImportError
     with pytest.raises(ImportError, match=r"pip install packages/zero\[offload\]"):
-        zero.ZeroConfig.from_ds_config(
-            {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
-        )
+        zero.ZeroConfig.from_section({"stage": 2, "offload_optimizer": {"device": "cpu"}})
     # device 'none' never needs the package
-    cfg = zero.ZeroConfig.from_ds_config(
-        {"zero_optimization": {"stage": 2, "offload_param": {"device": "none"}}}
-    )
+    cfg = zero.ZeroConfig.from_section({"stage": 2, "offload_param": {"device": "none"}})
     assert cfg.offload_param is None
 
 
 def test_zero_does_not_import_offload_unless_asked() -> None:
     code = (
         "import sys, minispeed.zero as z;"
-        "z.ZeroConfig.from_ds_config({'zero_optimization': {'stage': 3}});"
+        "z.ZeroConfig.from_section({'stage': 3});"
         "assert 'minispeed.offload' not in sys.modules, 'imported eagerly'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -125,7 +129,7 @@ def _shard_errors(rank: int, world_size: int, root: str) -> dict[str, str]:
     try:
         for name, section in cases.items():
             model = make_model()
-            cfg = zero.ZeroConfig.from_ds_config({"zero_optimization": section})
+            cfg = zero.ZeroConfig.from_section(section)
             kind = torch.optim.SGD if name == "not_adam" else torch.optim.AdamW
             try:
                 zero.shard(model, kind(model.parameters(), lr=0.1), config=cfg)

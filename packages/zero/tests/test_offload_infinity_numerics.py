@@ -48,12 +48,8 @@ def _config(nvme_path: str, param: str, accum: int, clip: float) -> zero.ZeroCon
     }
     if param == "nvme":
         section["offload_param"] = {**nvme, "buffer_count": 2, "buffer_size": 2000}
-    return zero.ZeroConfig.from_ds_config(
-        {
-            "zero_optimization": section,
-            "gradient_accumulation_steps": accum,
-            "gradient_clipping": clip,
-        }
+    return zero.ZeroConfig.from_section(
+        section, gradient_accumulation_steps=accum, max_grad_norm=clip
     )
 
 

@@ -53,7 +53,7 @@ model = torch.nn.Sequential(*[torch.nn.Linear(512, 512, bias=False) for _ in ran
 section = {"stage": 1, "sub_group_size": 1 << 18}
 if mode == "nvme":
     section["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme, "buffer_count": 2}
-cfg = zero.ZeroConfig.from_ds_config({"zero_optimization": section})
+cfg = zero.ZeroConfig.from_section(section)
 opt = zero.shard(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config=cfg)
 x = torch.randn(8, 512)
 opt.backward(model(x).square().mean())  # warm up: ops loaded, I/O threads started, buffers cut

@@ -67,7 +67,7 @@ def _train(rank: int, world_size: int, stage: int, kind: str, root: str) -> dict
     out: dict = {}
     for device in ("cpu", "nvme"):
         section = {"stage": stage, "offload_optimizer": {"device": device, "nvme_path": root}}
-        config = zero.ZeroConfig.from_ds_config({"zero_optimization": section})
+        config = zero.ZeroConfig.from_section(section)
         model = make_model()
         try:
             opt = zero.shard(model, make_optimizer(kind, model.parameters(), False), config=config)

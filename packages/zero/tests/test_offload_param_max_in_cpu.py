@@ -31,7 +31,7 @@ def _run(rank: int, world_size: int, root: str, budget, under_init: bool) -> dic
     if budget is not None:
         param["max_in_cpu"] = budget
     section = {"stage": 3, "stage3_param_persistence_threshold": 0, "offload_param": param}
-    config = zero.ZeroConfig.from_ds_config({"zero_optimization": section})
+    config = zero.ZeroConfig.from_section(section)
     if under_init:
         with zero.Init(config=config):
             model = make_model()

@@ -38,7 +38,7 @@ def _run(rank: int, world_size: int, root: str) -> dict:
         "offload_param": {"device": "nvme", "nvme_path": root, "buffer_size": 4000},
         "offload_optimizer": {"device": "cpu"},
     }
-    config = zero.ZeroConfig.from_ds_config({"zero_optimization": section})
+    config = zero.ZeroConfig.from_section(section)
     model = make_model()
     opt = zero.shard(model, torch.optim.AdamW(model.parameters(), lr=LR), config=config)
     stage = opt.strategy.stage

@@ -34,7 +34,7 @@ def _config(stage: int, path: str) -> zero.ZeroConfig:
     section: dict = {"stage": stage, "sub_group_size": 3000, "offload_optimizer": nvme}
     if stage == 3:  # ZeRO-Infinity
         section["offload_param"] = {**nvme, "buffer_size": 2000}
-    return zero.ZeroConfig.from_ds_config({"zero_optimization": section})
+    return zero.ZeroConfig.from_section(section)
 
 
 def _shard_and_step(rank: int, world_size: int, config: zero.ZeroConfig) -> str:
@@ -90,7 +90,7 @@ def _little_space_on_rank_1(rank: int, world_size: int, root: str, stage: int) -
             return _shard_and_step(rank, world_size, _config(2, root))
         param = {"device": "nvme", "nvme_path": root, "buffer_size": 2000}  # parameters only
         section = {"stage": 3, "stage3_param_persistence_threshold": 0, "offload_param": param}
-        config = zero.ZeroConfig.from_ds_config({"zero_optimization": section})
+        config = zero.ZeroConfig.from_section(section)
         return _shard_and_step(rank, world_size, config)
     finally:
         swapper.shutil.disk_usage = real

@@ -54,7 +54,7 @@ def _runs(rank: int, world_size: int, stage: int, nvme_path: str, out: list):
         # The third run keeps separate host masters and gradient copies, as on a GPU: gradients
         # copied down after the reduction, masters copied up before the all-gather.
         bridge.ALWAYS_COPY = k == 2
-        config = zero.ZeroConfig.from_ds_config(ds)
+        config = zero.ZeroConfig.from_section(ds["zero_optimization"], aio=ds.get("aio"))
         losses, _, opt = zero_run(rank, world_size, "adamw", config)
         inner = opt.optimizer
         swapped = isinstance(inner, offload.SwappedOptimizer)

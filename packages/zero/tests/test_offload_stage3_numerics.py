@@ -58,7 +58,7 @@ def _train(rank: int, world_size: int, nvme_path: str) -> dict:
     out = {}
     for case, ds in ds_configs(nvme_path).items():
         model = make_model()
-        cfg = zero.ZeroConfig.from_ds_config(ds)
+        cfg = zero.ZeroConfig.from_section(ds["zero_optimization"], aio=ds.get("aio"))
         opt = zero.shard(model, torch.optim.AdamW(model.parameters(), lr=LR), config=cfg)
         losses, resident_after_step = [], 0
         for batch in make_batches(STEPS, GLOBAL_BATCH):
@@ -93,7 +93,7 @@ def _bf16(rank: int, world_size: int, nvme_path: str) -> dict:
         opt = zero.shard(
             model,
             torch.optim.AdamW(model.parameters(), lr=LR),
-            config=zero.ZeroConfig.from_ds_config({"zero_optimization": section}),
+            config=zero.ZeroConfig.from_section(section),
             precision=zero.MixedPrecision(param_dtype=torch.bfloat16),
         )
         losses = []

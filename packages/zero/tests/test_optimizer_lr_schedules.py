@@ -81,7 +81,7 @@ def ds_config(stage: int, device: str, nvme_path: str) -> zero.ZeroConfig:
             )
     elif device == "cpu":
         section.update(offload_optimizer={"device": "cpu"})
-    return zero.ZeroConfig.from_ds_config({"zero_optimization": section})
+    return zero.ZeroConfig.from_section(section)
 
 
 def train(rank, world_size, config, attach: str, steps=range(STEPS), opt_and_sched=None):

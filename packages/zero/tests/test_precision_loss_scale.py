@@ -12,8 +12,13 @@ from minispeed.core.testing import run_distributed
 from minispeed.zero import LossScaler, MixedPrecision
 
 
+def _precision(ds: dict) -> MixedPrecision:
+    """The three precision sections of a ds_config, as the engine hands them over."""
+    return MixedPrecision.from_sections(ds.get("fp16"), ds.get("bf16"), ds.get("data_types"))
+
+
 def test_fp16_section_translates() -> None:
-    prec = MixedPrecision.from_ds_config(
+    prec = _precision(
         {
             "fp16": {
                 "enabled": True,
@@ -39,32 +44,41 @@ def test_fp16_section_translates() -> None:
 
 
 def test_bf16_accumulates_in_fp32_unless_told_otherwise() -> None:
-    assert (
-        MixedPrecision.from_ds_config({"bf16": {"enabled": True}}).grad_accum_dtype == torch.float32
-    )
-    prec = MixedPrecision.from_ds_config(
-        {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}}
-    )
+    assert _precision({"bf16": {"enabled": True}}).grad_accum_dtype == torch.float32
+    prec = _precision({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bf16"}})
     assert prec.grad_accum_dtype == torch.bfloat16
-    assert MixedPrecision.from_ds_config({}).param_dtype == torch.float32
+    assert _precision({}).param_dtype == torch.float32
 
 
 @pytest.mark.parametrize(
     "ds, match",
     [
-        ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "enable at most one"),
+        ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "^bf16.enabled: .*at most one"),
         (
             {"fp16": {"enabled": True, "loss_scale_windw": 10}},
             r"fp16.loss_scale_windw: unknown key \(did you mean 'loss_scale_window'",
         ),
-        ({"data_types": {"grad_accum_dtype": "int8"}}, "use one of"),
-        ({"data_types": {"grad_accum_dtype": "bf16"}}, "set grad_accum_dtype=torch.float32"),
-        ({"fp16": {"enabled": True, "hysteresis": 0}}, "hysteresis must be >= 1"),
+        (
+            {"data_types": {"grad_accum_dtype": "int8"}},
+            "^data_types.grad_accum_dtype: .*use one of",
+        ),
+        (
+            {"data_types": {"grad_accum_dtype": "bf16"}},
+            "^data_types.grad_accum_dtype: .*set grad_accum_dtype=torch.float32",
+        ),
+        (
+            {"fp16": {"enabled": True, "hysteresis": 0}},
+            r"^fp16.hysteresis: must be >= 1 .*\(MixedPrecision.hysteresis\)",
+        ),
+        (
+            {"fp16": {"enabled": True, "loss_scale": -2}},
+            r"^fp16.loss_scale: must be > 0 .*got -2.0 \(MixedPrecision.static_loss_scale\)",
+        ),
     ],
 )
 def test_bad_precision_config(ds, match) -> None:
     with pytest.raises(ValueError, match=match):
-        MixedPrecision.from_ds_config(ds)
+        _precision(ds)
 
 
 def test_static_scale_only_for_fp16() -> None:
@@ -121,7 +135,7 @@ def test_overflow_at_the_minimum_scale_raises_by_default() -> None:
     assert scaler.scale == 2
     with pytest.raises(FloatingPointError, match="raise_error_at_min_scale=False"):
         scaler.update(overflow=True)  # already at the minimum
-    assert MixedPrecision.from_ds_config(
+    assert _precision(
         {"fp16": {"enabled": True, "raise_error_at_min_scale": False}}
     ) == MixedPrecision(param_dtype=torch.float16, raise_error_at_min_scale=False)
 

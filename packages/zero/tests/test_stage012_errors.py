@@ -165,7 +165,11 @@ def test_shard_without_a_process_group() -> None:
 
 
 def test_bucket_of_zero_elements() -> None:
-    with pytest.raises(ValueError, match="reduce_bucket_numel must be >= 1"):
+    with pytest.raises(ValueError, match=r"^ZeroConfig.reduce_bucket_numel: must be >= 1"):
         zero.ZeroConfig(reduce_bucket_numel=0)
-    with pytest.raises(ValueError, match="reduce_bucket_numel must be >= 1"):
-        zero.ZeroConfig.from_ds_config({"zero_optimization": {"reduce_bucket_size": 0}})
+    with pytest.raises(
+        ValueError,
+        match=r"^zero_optimization.reduce_bucket_size: must be >= 1, got 0.*"
+        r"\(ZeroConfig.reduce_bucket_numel\)",
+    ):
+        zero.ZeroConfig.from_section({"reduce_bucket_size": 0})

@@ -32,14 +32,12 @@ def test_zeropp_config_errors_name_the_key_and_the_fix(kwargs, words):
 
 
 def test_zeropp_keys_translate_from_deepspeed():
-    cfg = zero.ZeroConfig.from_ds_config(
+    cfg = zero.ZeroConfig.from_section(
         {
-            "zero_optimization": {
-                "stage": 3,
-                "zero_quantized_weights": True,
-                "zero_hpz_partition_size": 8,
-                "zero_quantized_gradients": True,
-            }
+            "stage": 3,
+            "zero_quantized_weights": True,
+            "zero_hpz_partition_size": 8,
+            "zero_quantized_gradients": True,
         }
     )
     assert (cfg.quantized_weights, cfg.hpz_partition_size, cfg.quantized_gradients) == (

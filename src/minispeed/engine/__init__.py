@@ -22,7 +22,8 @@ functions are `steps.py`'s, each recording what it did for `engine.describe()`):
 4. the `activation_checkpointing` section configures `minispeed.engine.checkpointing`
    (DeepSpeed's `deepspeed.checkpointing`) for model code that calls its `checkpoint`;
 5. the optimizer: the one given, a callable of the parameters, or the config's by name;
-6. `zero.shard` over the data-parallel group (stage, precision, offload, ZeRO++), the experts of
+6. `zero.shard` over the data-parallel group (stage, precision, offload, ZeRO++; MiCS over the
+   grid's shard and replica groups), the experts of
    `minispeed.moe.MoE` layers over their expert-data group (`experts.py`), the grid's other
    axes as ZeRO's model-parallel axes;
 7. the scheduler: the one given, a callable of the optimizer, or the config's by name;
@@ -58,7 +59,7 @@ from minispeed.engine.config import EngineConfig, load_ds_config
 from minispeed.engine.distributed import add_config_arguments, init_distributed
 from minispeed.engine.engine import Engine
 from minispeed.engine.experts import MoEEngine, expert_replica_groups
-from minispeed.engine.grid import build_grid, grid_shape, tensor_parallel_size
+from minispeed.engine.grid import build_grid, check_mics_size, grid_shape, tensor_parallel_size
 from minispeed.engine.pipe_engine import PipelineEngine
 from minispeed.engine.steps import record_config, record_grid
 from minispeed.engine.tune.trial import Trial, TrialRecorder
@@ -190,10 +191,15 @@ def initialize(
     # 2. The process group, and the grid's shape (checked on every rank before any collective);
     # a pipeline brings its own grid (pipe × data [× tensor]).
     init_distributed(distributed_port=distributed_port)
-    tensor = tensor_parallel_size(ds)
+    tensor = tensor_parallel_size(ds)  # before EngineConfig: its data-parallel size needs T
     shape = grid_shape(minispeed.comm.get_world_size(), model.stages if is_pipeline else 1, tensor)
-    cfg = EngineConfig.from_ds_config(ds, data_parallel_size=shape["data"])
+    # Every key checked, with the grid's data-parallel size (and a pipeline's stage count, which
+    # the `pipeline` section's "auto" stages means).
+    cfg = EngineConfig.from_ds_config(
+        ds, data_parallel_size=shape["data"], pipeline_stages=model.stages if is_pipeline else None
+    )
     record_config(composition, cfg, "trial" if trial is not None else "ds_config")
+    check_mics_size(shape, cfg.zero.mics_shard_size)  # MiCS's S against the data axis
     has_experts = bool(minispeed.moe.moe_layers(model))
     if is_pipeline:
         steps.check_pipeline(model, cfg, has_experts)
@@ -208,9 +214,9 @@ def initialize(
             optimizer=optimizer, model_parameters=model_parameters,
         )  # fmt: skip
     # 4. Activation checkpointing, for model code that calls `deepspeed.checkpointing.checkpoint`.
-    if ds.get("activation_checkpointing") is not None:
+    if cfg.activation_checkpointing is not None:
         with composition.step("activation checkpointing", keys=("activation_checkpointing",)) as s:
-            checkpointing.configure(None, deepspeed_config=ds)
+            checkpointing.apply(cfg.activation_checkpointing)
             s.did("deepspeed.checkpointing.checkpoint configured (for model code that calls it)")
     # A `minispeed tune` trial's recorder counts the model before anything is partitioned.
     recorder = None if trial is None else TrialRecorder(trial, model)

@@ -28,6 +28,7 @@ contiguous buffer, so it is accepted and unused.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,9 +36,17 @@ from pathlib import Path
 from typing import Any
 
 from minispeed.core.accelerator import get_accelerator
+from minispeed.zero import ActivationCheckpointingConfig
 from minispeed.zero import checkpoint as _zero_checkpoint
 
-__all__ = ["checkpoint", "configure", "is_configured", "non_reentrant_checkpoint", "reset"]
+__all__ = [
+    "apply",
+    "checkpoint",
+    "configure",
+    "is_configured",
+    "non_reentrant_checkpoint",
+    "reset",
+]
 
 
 @dataclass
@@ -49,17 +58,10 @@ class _Settings:
 
 _SETTINGS = _Settings()
 
-_SECTION_KEYS = {
-    "partition_activations": "partition_activations",
-    "contiguous_memory_optimization": "contiguous_checkpointing",
-    "number_checkpoints": "num_checkpoints",
-    "cpu_checkpointing": "checkpoint_in_cpu",
-    "synchronize_checkpoint_boundary": "synchronize",
-    "profile": "profile",
-}
 
-
-def _section(deepspeed_config: Any) -> dict[str, Any]:
+def _section(deepspeed_config: Any) -> ActivationCheckpointingConfig:
+    """The `activation_checkpointing` section of a ds_config (dict or JSON path), read by its
+    class (`minispeed.zero.ActivationCheckpointingConfig`, the engine's too)."""
     if isinstance(deepspeed_config, (str, Path)):
         deepspeed_config = json.loads(Path(deepspeed_config).read_text())
     if not isinstance(deepspeed_config, dict):
@@ -67,13 +69,9 @@ def _section(deepspeed_config: Any) -> dict[str, Any]:
             f"deepspeed_config must be a ds_config dict or a JSON path, got "
             f"{type(deepspeed_config).__name__}"
         )
-    section = dict(deepspeed_config.get("activation_checkpointing") or {})
-    unknown = sorted(set(section) - set(_SECTION_KEYS))
-    if unknown:
-        raise ValueError(
-            f"unknown activation_checkpointing key(s) {unknown}; known: {sorted(_SECTION_KEYS)}"
-        )
-    return {_SECTION_KEYS[k]: v for k, v in section.items()}
+    return ActivationCheckpointingConfig.from_section(
+        deepspeed_config.get("activation_checkpointing")
+    )
 
 
 def configure(
@@ -88,34 +86,41 @@ def configure(
 ) -> None:
     """Set how `checkpoint` keeps its inputs (see the module docstring). Arguments given here
     override the config's section, as in DeepSpeed; unset ones return to the defaults."""
-    options: dict[str, Any] = _section(deepspeed_config) if deepspeed_config is not None else {}
-    given = {
-        "partition_activations": partition_activations,
-        "contiguous_checkpointing": contiguous_checkpointing,
-        "num_checkpoints": num_checkpoints,
-        "checkpoint_in_cpu": checkpoint_in_cpu,
-        "synchronize": synchronize,
-        "profile": profile,
-    }
-    options.update({k: v for k, v in given.items() if v is not None})
-    if options.get("contiguous_checkpointing"):
+    if contiguous_checkpointing:
         raise NotImplementedError(
             "contiguous checkpointing (contiguous_memory_optimization) is not implemented: it "
             "needs partitioned activations over tensor-parallel ranks; turn it off"
         )
-    if options.get("profile"):
+    if profile:
         raise NotImplementedError(
             "checkpointing profile=True is not implemented; use minispeed.profiler instead"
         )
+    section = (
+        _section(deepspeed_config)
+        if deepspeed_config is not None
+        else ActivationCheckpointingConfig()
+    )
+    given = {
+        "partition_activations": partition_activations,
+        "num_checkpoints": num_checkpoints,
+        "offload_to_cpu": checkpoint_in_cpu,
+        "synchronize": synchronize,
+    }
+    section = dataclasses.replace(section, **{k: v for k, v in given.items() if v is not None})
     mp_size = 1 if mpu_ is None else int(mpu_.get_model_parallel_world_size())
-    if options.get("partition_activations") and mp_size > 1:
-        raise NotImplementedError(
-            "partition_activations over a model-parallel group is not implemented (minispeed "
-            "has no tensor-parallel training); turn it off"
-        )
+    try:
+        section.check_model_parallel(mp_size, path="partition_activations")
+    except ValueError as e:
+        raise NotImplementedError(str(e)) from None
+    apply(section)
+
+
+def apply(section: ActivationCheckpointingConfig) -> None:
+    """Use `section`'s settings for every later `checkpoint` (what `configure` and the engine's
+    `initialize` call)."""
     _SETTINGS.configured = True
-    _SETTINGS.cpu_checkpointing = bool(options.get("checkpoint_in_cpu", False))
-    _SETTINGS.synchronize = bool(options.get("synchronize", False))
+    _SETTINGS.cpu_checkpointing = section.offload_to_cpu
+    _SETTINGS.synchronize = section.synchronize
 
 
 def is_configured() -> bool:

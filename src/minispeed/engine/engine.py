@@ -113,13 +113,13 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
         self._profiling = False
         self._step_started = time.perf_counter()
         self.comms_logger: comm.CommsLogger | None = None
-        if config.comms_logger.get("enabled", False):
+        if config.comms_logger.enabled:
             self.comms_logger = comm.CommsLogger()
             self.comms_logger.__enter__()
         # Told of every boundary (a `minispeed tune` trial's recorder: engine/tune/trial.py).
         self._observers = tuple(observers)
         self._step_profiler = None
-        profile = config.flops_profiler is not None and config.flops_profiler.enabled
+        profile = config.flops_profiler.enabled
         if profile and comm.get_rank() == 0:
             # DeepSpeed profiles and reports on global rank 0 only: one report, not one per rank.
             from minispeed.profiler import StepProfiler

@@ -22,7 +22,6 @@ its default value and refused, by name, at any other.
 
 from __future__ import annotations
 
-import difflib
 import json
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ import torch
 from torch import nn
 
 import minispeed.inference as inference
+from minispeed.core.config import check_keys
 
 __all__ = ["init_inference"]
 
@@ -100,13 +100,7 @@ def _options(config: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
             f"init_inference: config must be a dict or a JSON path, got {type(config).__name__}"
         )
     merged = {**config, **kwargs}
-    unknown = sorted(set(merged) - _KNOWN)
-    if unknown:
-        hints = {k: difflib.get_close_matches(k, sorted(_KNOWN), n=1) for k in unknown}
-        said = ", ".join(
-            f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in hints.items()
-        )
-        raise ValueError(f"init_inference: unknown option(s) {said}")
+    check_keys(merged, _KNOWN, "init_inference")  # core's checker: a did-you-mean, the known
     for key, default in _DEFAULTS.items():
         value = merged.get(key, default)
         if hasattr(value, "value"):  # an enum given by DeepSpeed's own type

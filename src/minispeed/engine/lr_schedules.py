@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from minispeed.engine.by_name import check_keys, did_you_mean, split_section
+from minispeed.core.config import ConfigError
+from minispeed.engine.by_name import SchedulerSection, check_params, construct, did_you_mean
 
 __all__ = [
     "SCHEDULES",
@@ -536,31 +537,37 @@ SCHEDULES: dict[str, type[_Schedule]] = {
 }
 
 
-def build_scheduler(section: dict[str, Any], optimizer: Any) -> Any:
+def build_scheduler(section: SchedulerSection | dict[str, Any], optimizer: Any) -> Any:
     """The schedule of a ds_config `"scheduler"` section, built over `optimizer`.
 
     `type` is one of `SCHEDULES` (case-sensitive, as DeepSpeed's) or, as DeepSpeed allows, the
     name of a `torch.optim.lr_scheduler` class; `params` are its keyword arguments. A misspelled
-    type or param, a missing required param or a bad value is a ValueError naming it.
+    type or param, a missing required param or a bad value is a `ConfigError` at the key as
+    written (`scheduler.params.warmup_num_steps`).
     """
-    kind, params = split_section(section, "scheduler")
+    if not isinstance(section, SchedulerSection):
+        section = SchedulerSection.from_section(section)
+    kind, params = section.type, dict(section.params)
     cls = SCHEDULES.get(kind)
     if cls is None:
         cls = getattr(torch.optim.lr_scheduler, kind, None)
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.lr_scheduler.LRScheduler)):
             known = sorted(SCHEDULES)
-            raise ValueError(
-                f"ds_config scheduler type {kind!r} is unknown{did_you_mean(kind, known)}; "
-                f"supported: {', '.join(known)}, or a torch.optim.lr_scheduler class name"
+            raise ConfigError(
+                "scheduler.type",
+                f"{kind!r} is unknown{did_you_mean(kind, known)}; supported: "
+                f"{', '.join(known)}, or a torch.optim.lr_scheduler class name",
             )
     signature = inspect.signature(cls.__init__)
     names = [p for p in signature.parameters if p not in ("self", "optimizer")]
-    check_keys(f"ds_config scheduler {kind}", params, names)
+    check_params(params, names, "scheduler", repr(kind))
     missing = [
         p.name
         for p in signature.parameters.values()
         if p.name in names and p.default is inspect.Parameter.empty and p.name not in params
     ]
     if missing:
-        raise ValueError(f"ds_config scheduler {kind} needs param {missing[0]!r} in 'params'")
-    return cls(optimizer, **params)
+        raise ConfigError(
+            f"scheduler.params.{missing[0]}", f"{kind} needs param {missing[0]!r} in 'params'"
+        )
+    return construct(cls, optimizer, params, "scheduler")

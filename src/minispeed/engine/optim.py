@@ -18,7 +18,9 @@ kernels (tests compare the class and hyper-parameters with DeepSpeed's, recorded
 `"Adam"` means AdamW unless `adam_w_mode: false`. Without `torch_adam`, `weight_decay` defaults
 to 0 (FusedAdam's default, not torch AdamW's 0.01). Every param key DeepSpeed accepts for a type
 is either passed on or refused by name (e.g. `bias_correction: false`: torch's Adam always
-corrects); unknown keys and types are ValueErrors with a did-you-mean.
+corrects); unknown keys and types are ValueErrors with a did-you-mean. Every error is a
+`ConfigError` at the key as written (`optimizer.params.lr`), the constructor's own checks included
+(`by_name.construct`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from typing import Any
 
 import torch
 
-from minispeed.engine.by_name import check_keys, did_you_mean, split_section
+from minispeed.core.config import ConfigError
+from minispeed.engine.by_name import OptimizerSection, check_params, construct, did_you_mean
 
 __all__ = ["OPTIMIZER_TYPES", "build_optimizer"]
 
@@ -51,10 +54,22 @@ REFUSED_TYPES = {
 }
 
 
-def _require(where: str, params: dict[str, Any], key: str, allowed: Any, why: str) -> None:
+_PATH = "optimizer"
+
+
+def _require(kind: str, params: dict[str, Any], key: str, allowed: Any, why: str) -> None:
     """Refuse `params[key]` unless it equals `allowed` (DeepSpeed's default we implement)."""
-    if key in params and params.pop(key) != allowed:
-        raise ValueError(f"{where}: {key!r} must be {allowed!r} here: {why}")
+    if key in params:
+        value = params.pop(key)
+        if value != allowed:
+            raise ConfigError(
+                f"{_PATH}.params.{key}",
+                f"{value!r}: {kind}'s {key!r} must be {allowed!r} here: {why}",
+            )
+
+
+def _check(kind: str, params: dict[str, Any], accepted: Any) -> None:
+    check_params(params, accepted, _PATH, repr(kind))
 
 
 def _accepted(cls: type, *extra: str) -> set[str]:
@@ -69,72 +84,71 @@ _FP32_STATES = "minispeed keeps optimizer states in fp32 (bf16 states are not im
 def _build_adam(
     kind: str, params: dict[str, Any], model_parameters: Any, offload: bool
 ) -> torch.optim.Optimizer:
-    where = f"ds_config optimizer {kind}"
     adam_w_mode = params.pop("adam_w_mode", True)
     torch_adam = params.pop("torch_adam", False)
     for key, value in (("adam_w_mode", adam_w_mode), ("torch_adam", torch_adam)):
         if not isinstance(value, bool):
-            raise ValueError(f"{where}: {key!r} must be true or false, got {value!r}")
+            raise ConfigError(
+                f"{_PATH}.params.{key}", f"{kind}'s {key!r} must be true or false, got {value!r}"
+            )
     decoupled = kind.lower() == "adamw" or adam_w_mode  # DeepSpeed's: "Adam" is AdamW by default
     cls = torch.optim.AdamW if decoupled else torch.optim.Adam
     own = {"adam_w_mode", "torch_adam", "fp32_optimizer_states"}
     if torch_adam:
         # DeepSpeed hands the remaining params to torch as they are (torch's defaults apply).
-        check_keys(where + " (torch_adam)", params, _accepted(cls) | own)
-        _require(where, params, "fp32_optimizer_states", True, _FP32_STATES)
-        return cls(model_parameters, **params)
+        _check(f"{kind} (torch_adam)", params, _accepted(cls) | own)
+        _require(kind, params, "fp32_optimizer_states", True, _FP32_STATES)
+        return construct(cls, model_parameters, params, _PATH)
 
     fused = {"lr", "betas", "eps", "weight_decay", "bias_correction", "amsgrad"} | own
-    check_keys(where, params, fused if offload else fused | {"set_grad_none"})
-    _require(where, params, "fp32_optimizer_states", True, _FP32_STATES)
-    _require(where, params, "bias_correction", True, "torch's Adam always corrects the bias")
+    _check(kind, params, fused if offload else fused | {"set_grad_none"})
+    _require(kind, params, "fp32_optimizer_states", True, _FP32_STATES)
+    _require(kind, params, "bias_correction", True, "torch's Adam always corrects the bias")
     _require(
-        where,
+        kind,
         params,
         "amsgrad",
         False,
         "DeepSpeed's FusedAdam and CPU Adam have no AMSGrad; set torch_adam: true for torch's",
     )
-    _require(where, params, "set_grad_none", True, "zero_grad() always sets gradients to None")
+    _require(kind, params, "set_grad_none", True, "zero_grad() always sets gradients to None")
     params.setdefault("weight_decay", 0.0)  # FusedAdam's and CPU Adam's default, not AdamW's
     if not offload:
-        return cls(model_parameters, **params)
+        return construct(cls, model_parameters, params, _PATH)
 
     from minispeed.offload import CPUAdam
 
     # `adamw_mode` where CPUAdam takes DeepSpeed's name, else torch's `decoupled_weight_decay`.
     mode_key = "adamw_mode" if "adamw_mode" in _accepted(CPUAdam) else "decoupled_weight_decay"
-    return CPUAdam(model_parameters, **params, **{mode_key: decoupled})
+    return construct(CPUAdam, model_parameters, {**params, mode_key: decoupled}, _PATH)
 
 
 def _build_lion(params: dict[str, Any], model_parameters: Any, offload: bool) -> Any:
-    where = "ds_config optimizer Lion"
-    check_keys(
-        where,
+    _check(
+        "Lion",
         params,
         {"lr", "betas", "weight_decay", "fp32_optimizer_states"}
         | (set() if offload else {"set_grad_none"}),
     )
-    _require(where, params, "fp32_optimizer_states", True, _FP32_STATES)
-    _require(where, params, "set_grad_none", True, "zero_grad() always sets gradients to None")
+    _require("Lion", params, "fp32_optimizer_states", True, _FP32_STATES)
+    _require("Lion", params, "set_grad_none", True, "zero_grad() always sets gradients to None")
     hyper = {"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.0, **params}  # DeepSpeed's
     from minispeed.offload import CPULion, Lion
 
-    return (CPULion if offload else Lion)(model_parameters, **hyper)
+    return construct(CPULion if offload else Lion, model_parameters, hyper, _PATH)
 
 
 def _build_adagrad(params: dict[str, Any], model_parameters: Any, offload: bool) -> Any:
-    where = "ds_config optimizer Adagrad"
     if not offload:
-        check_keys(where, params, _accepted(torch.optim.Adagrad))
-        return torch.optim.Adagrad(model_parameters, **params)
+        _check("Adagrad", params, _accepted(torch.optim.Adagrad))
+        return construct(torch.optim.Adagrad, model_parameters, params, _PATH)
     from minispeed.offload import CPUAdagrad
 
     # DeepSpeedCPUAdagrad's keys; CPUAdagrad also takes torch's (lr_decay, ...), so accept those.
-    check_keys(where, params, _accepted(CPUAdagrad, "amsgrad", "fp32_optimizer_states") - {"simd"})
-    _require(where, params, "amsgrad", False, "Adagrad has no AMSGrad variant")
-    _require(where, params, "fp32_optimizer_states", True, _FP32_STATES)
-    return CPUAdagrad(model_parameters, **params)
+    _check("Adagrad", params, _accepted(CPUAdagrad, "amsgrad", "fp32_optimizer_states") - {"simd"})
+    _require("Adagrad", params, "amsgrad", False, "Adagrad has no AMSGrad variant")
+    _require("Adagrad", params, "fp32_optimizer_states", True, _FP32_STATES)
+    return construct(CPUAdagrad, model_parameters, params, _PATH)
 
 
 # Keys of DeepSpeed's (removed) 1-bit optimizers that set something minispeed does one way only.
@@ -152,29 +166,28 @@ _ONEBIT_BACKENDS = ("nccl", "compressed")
 def _build_onebit(
     kind: str, params: dict[str, Any], model_parameters: Any, offload: bool, group: Any
 ) -> torch.optim.Optimizer:
-    where = f"ds_config optimizer {kind}"
     if offload:
-        raise ValueError(
-            f"{where}: a 1-bit optimizer cannot be offloaded (DeepSpeed could not either); remove "
-            "zero_optimization.offload_optimizer or use 'Adam'"
+        raise ConfigError(
+            f"{_PATH}.type",
+            f"{kind!r}: a 1-bit optimizer cannot be offloaded (DeepSpeed could not either); "
+            "remove zero_optimization.offload_optimizer or use 'Adam'",
         )
     from minispeed.comm.optim import OnebitAdam, OnebitLamb
 
     cls = OnebitAdam if kind.lower() == "onebitadam" else OnebitLamb
-    check_keys(
-        where, params, (_accepted(cls) - {"group"}) | set(_ONEBIT_FIXED) | {"comm_backend_name"}
-    )
+    _check(kind, params, (_accepted(cls) - {"group"}) | set(_ONEBIT_FIXED) | {"comm_backend_name"})
     for key, (allowed, why) in _ONEBIT_FIXED.items():
-        _require(where, params, key, allowed, why)
+        _require(kind, params, key, allowed, why)
     backend = params.pop("comm_backend_name", "nccl")
     if backend not in _ONEBIT_BACKENDS:
-        raise ValueError(
-            f"{where}: 'comm_backend_name' must be one of {list(_ONEBIT_BACKENDS)} here, got "
+        raise ConfigError(
+            f"{_PATH}.params.comm_backend_name",
+            f"{kind}'s 'comm_backend_name' must be one of {list(_ONEBIT_BACKENDS)} here, got "
             f"{backend!r}: minispeed communicates through the process group's own backend (NCCL "
-            "or gloo); leave the key out"
+            "or gloo); leave the key out",
         )
     params.setdefault("freeze_step", 100000)  # DeepSpeed's default (ours is 100)
-    return cls(model_parameters, **params, group=group)
+    return construct(cls, model_parameters, {**params, "group": group}, _PATH)
 
 
 def _torch_optimizer_class(kind: str) -> type | None:
@@ -188,7 +201,7 @@ def _torch_optimizer_class(kind: str) -> type | None:
 
 
 def build_optimizer(
-    section: dict[str, Any],
+    section: OptimizerSection | dict[str, Any],
     model_parameters: Iterable[Any],
     *,
     offload: bool = False,
@@ -199,22 +212,17 @@ def build_optimizer(
     `model_parameters`: parameters or param-group dicts, as DeepSpeed accepts. `offload`: the
     optimizer steps fp32 master copies on the CPU (ZeRO-Offload): offload's CPU classes where
     DeepSpeed uses its own. `process_group`: the data-parallel group 1-bit optimizers average
-    over (`None`: every rank). Raises a ValueError naming an unknown type or param key, or a
-    DeepSpeed key whose value minispeed does not implement.
+    over (`None`: every rank). Raises a `ConfigError` naming an unknown type or param key, a
+    DeepSpeed key whose value minispeed does not implement, or a value the class refuses.
     """
-    if isinstance(section, dict) and "legacy_fusion" in section:
-        # DeepSpeed's FP16_Optimizer switch for its legacy fused Adam path: only its default.
-        section = dict(section)
-        if section.pop("legacy_fusion") is not False:
-            raise ValueError(
-                "ds_config optimizer.legacy_fusion: only false (DeepSpeed's default) is supported: "
-                "minispeed has no legacy fused-Adam fp16 path; remove the key"
-            )
-    kind, params = split_section(section, "optimizer")
+    if not isinstance(section, OptimizerSection):
+        section = OptimizerSection.from_section(section)
+    kind, params = section.type, dict(section.params)
     if "max_grad_norm" in params:
-        raise ValueError(
-            f"ds_config optimizer {kind}: 'max_grad_norm' is not an optimizer param (as in "
-            "DeepSpeed); set the top-level 'gradient_clipping' instead"
+        raise ConfigError(
+            f"{_PATH}.params.max_grad_norm",
+            f"'max_grad_norm' is not a param of {kind!r} (as in DeepSpeed); set the top-level "
+            "'gradient_clipping' instead",
         )
     lower = kind.lower()
     if lower in ("adam", "adamw"):
@@ -226,16 +234,15 @@ def build_optimizer(
     if lower in ("onebitadam", "onebitlamb"):
         return _build_onebit(kind, params, model_parameters, offload, process_group)
     if lower in REFUSED_TYPES:
-        raise ValueError(
-            f"ds_config optimizer type {kind!r} is not supported: {REFUSED_TYPES[lower]}"
-        )
+        raise ConfigError(f"{_PATH}.type", f"{kind!r} is not supported: {REFUSED_TYPES[lower]}")
     cls = _torch_optimizer_class(kind)
     if cls is None:
-        raise ValueError(
-            f"ds_config optimizer type {kind!r} is unknown{did_you_mean(kind, OPTIMIZER_TYPES)}; "
-            f"supported: {', '.join(OPTIMIZER_TYPES)}, or a torch.optim class name"
+        raise ConfigError(
+            f"{_PATH}.type",
+            f"{kind!r} is unknown{did_you_mean(kind, OPTIMIZER_TYPES)}; supported: "
+            f"{', '.join(OPTIMIZER_TYPES)}, or a torch.optim class name",
         )
     # SGD and the rest of torch.optim: DeepSpeed passes the params to the class as they are, and
     # keeps it when offloading (it then steps the CPU masters).
-    check_keys(f"ds_config optimizer {kind}", params, _accepted(cls))
-    return cls(model_parameters, **params)
+    _check(kind, params, _accepted(cls))
+    return construct(cls, model_parameters, params, _PATH)

@@ -226,7 +226,9 @@ def _compose(
     # Built directly, the engine clips only when `gradient_clipping` is given (initialize
     # applies DeepSpeed's default of 1.0: Note [DeepSpeed clips at 1.0 by default]).
     ds = {"gradient_clipping": 0.0, **ds}
-    cfg = EngineConfig.from_ds_config(ds, data_parallel_size=grid.size("data"))
+    cfg = EngineConfig.from_ds_config(
+        ds, data_parallel_size=grid.size("data"), pipeline_stages=module.stages
+    )
     steps.record_config(composition, cfg, "PipelineEngine(config=...)")
     axes = grid.topology.axes
     shape = {a: grid.size(a) if a in axes else 1 for a in ("pipe", "data", "tensor")}

@@ -25,7 +25,7 @@ from minispeed.core.logging import get_logger
 from minispeed.engine.composition import Composition, placements
 from minispeed.engine.config import EngineConfig
 from minispeed.engine.engine import zero_config_for
-from minispeed.engine.grid import model_parallel
+from minispeed.engine.grid import mics_groups, model_parallel
 from minispeed.tensor_parallel.sharding import sharded_parameters
 
 __all__ = [
@@ -51,8 +51,8 @@ def record_config(composition: Composition, cfg: EngineConfig, source: str) -> N
             f"{cfg.data_parallel_size}; checked on every rank before any collective"
         )
         on = [_precision_key(cfg)] if _precision_key(cfg) else []
-        on += ["flops_profiler"] if cfg.flops_profiler is not None else []
-        on += ["comms_logger"] if cfg.comms_logger.get("enabled", False) else []
+        on += ["flops_profiler"] if cfg.flops_profiler.enabled else []
+        on += ["comms_logger"] if cfg.comms_logger.enabled else []
         on += ["wall_clock_breakdown"] if cfg.wall_clock_breakdown else []
         on += ["steps_per_print"] if cfg.steps_per_print else []
         if on:
@@ -182,11 +182,16 @@ def shard(
             "group": grid.group("data"),
             "model_parallel": model_parallel(model, grid, ties or []),
         }
+    if zero_config.stage == 3 and zero_config.mics_shard_size > 0:  # built once, from the grid
+        keys.append("zero_optimization.mics_shard_size")
+        parallel["mics_groups"] = mics_groups(
+            grid, zero_config.mics_shard_size, zero_config.mics_hierarchical_params_gather
+        )
     with composition.step("zero.shard", model, keys=keys) as step:
         opt = zero.shard(
             model, opt, config=zero_config, precision=cfg.precision,
             replica_groups=replica_groups,
-            allow_untested_optimizer=bool(cfg.raw.get("zero_allow_untested_optimizer", False)),
+            allow_untested_optimizer=cfg.zero_allow_untested_optimizer,
             **parallel,
         )  # fmt: skip
         data = comm.get_world_size(opt.comm_group)
@@ -209,6 +214,12 @@ def shard(
             step.did(f"norm and fp16 verdict summed over the model-parallel axes {axes}")
             if ties:
                 step.did(f"{len(ties)} tied parameters summed over their stages at each step")
+        if "mics_groups" in parallel:
+            mics = parallel["mics_groups"]
+            step.did(
+                f"MiCS: partitioned inside shard groups of {mics.shard_size} ranks, replicated "
+                f"over {mics.replicas} groups (gradients all-reduced across them)"
+            )
         if replica_groups is not None:
             experts = sum(g is not None for g in replica_groups)
             step.did(f"{experts} param groups of MoE experts reduced over their expert-data group")
@@ -315,21 +326,11 @@ def pipeline_executor(
 
 
 def _schedule(module: pipeline.PipelineModule, cfg: EngineConfig) -> str:
-    """The schedule the `pipeline` section asks for: its `schedule` (minispeed's key), else 1F1B,
-    or GPipe when there are fewer micro-batches than stages (DeepSpeed runs its 1F1B there; the
-    package's needs M ≥ P; same work, same numbers)."""
-    section = cfg.pipeline
-    stages = section.get("stages", "auto")
-    if stages != "auto" and stages != module.stages:
-        raise ValueError(
-            f"pipeline.stages={stages!r} but the PipelineModule has {module.stages} "
-            "stages; make them equal or set 'auto'"
-        )
-    # pipe_partitioned / grad_partitioned split activations over tensor-parallel ranks;
-    # without tensor parallelism DeepSpeed ignores them too (its default is true).
-    if "schedule" in section:
-        return str(section["schedule"])
-    return "1f1b" if cfg.gradient_accumulation_steps >= module.stages else "gpipe"
+    """The schedule the `pipeline` section asks for, as `EngineConfig` read it with the module's
+    stage count (`PipelineConfig.from_section`: `schedule`, minispeed's key, else 1F1B, or GPipe
+    when there are fewer micro-batches than stages; `stages` must be "auto" or the module's)."""
+    assert cfg.pipeline is not None and cfg.pipeline.stages == module.stages
+    return cfg.pipeline.schedule
 
 
 def check_pipeline(module: pipeline.PipelineModule, cfg: EngineConfig, has_experts: bool) -> None:

@@ -114,7 +114,13 @@ class Init(zero.Init):
                     "docs/engine/deepspeed-paths.md); leave it at its default"
                 )
         ds_config = _without_auto(_ds_config(config_dict_or_path, config))
-        zero_config = zero.ZeroConfig.from_ds_config(ds_config) if ds_config else None
+        zero_config = (
+            zero.ZeroConfig.from_section(
+                ds_config.get("zero_optimization"), aio=ds_config.get("aio")
+            )
+            if ds_config
+            else None
+        )
         offload = getattr(zero_config, "offload_param", None)
         configured = None if offload is None else offload.device
         # None / "none" (DeepSpeed's defaults) follow the config, as DeepSpeed's config

@@ -201,15 +201,7 @@ def checkpointer_of(engine: Any) -> Checkpointer:
     """The engine's `Checkpointer`, built on first use from its config's `checkpoint` section."""
     saver = engine.__dict__.get("_checkpointer")
     if saver is None:
-        config = engine.config
-        section = (
-            config.get("checkpoint")
-            if isinstance(config, dict)
-            else getattr(config, "checkpoint", None)
-        )
-        if not isinstance(section, CheckpointConfig):
-            section = CheckpointConfig.from_ds_config(section)
-        saver = Checkpointer(section)
+        saver = Checkpointer(engine.config.checkpoint)  # an EngineConfig's CheckpointConfig
         engine.__dict__["_checkpointer"] = saver
     return saver
 

@@ -104,7 +104,7 @@ class CheckpointCalls:
     def _validate_tag(self, tag: str) -> None:
         """`checkpoint.tag_validation`: every rank must name the same tag (DeepSpeed's check;
         one gather of the tags, on every rank, so `"FAIL"` raises on every rank)."""
-        mode = ckpt_async.checkpointer_of(self).config.tag_validation
+        mode = ckpt_async.checkpointer_of(self).config.tag_validation.upper()
         if mode == "IGNORE":
             return
         tags = comm.all_gather_object(tag)

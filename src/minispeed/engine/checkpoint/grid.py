@@ -40,14 +40,15 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import nn
 
 import minispeed.comm as comm
 import minispeed.zero as zero
-from minispeed.core.config import ConfigError, check_keys
+from minispeed.core.config import field_error
 from minispeed.core.files import atomic_write
+from minispeed.core.sections import Section, key
 from minispeed.zero.checkpoints import (
     LATEST_FILE,
     METADATA_FILE,
@@ -87,69 +88,53 @@ def tensor_specs(module: nn.Module) -> dict[str, list[int]]:
     return {n: [s.dim, s.parts] for n, s in sharded_parameters(module).items()}
 
 
-@dataclass(frozen=True)
-class CheckpointConfig:
-    """The `checkpoint` section of the ds_config."""
+_TAG_MODES = ("WARN", "FAIL", "IGNORE")
 
-    async_save: bool = False
+
+@dataclass(frozen=True)
+class CheckpointConfig(Section):
+    """Checkpoints (DeepSpeed section `checkpoint`; minispeed.engine.checkpoint)."""
+
+    ds_path: ClassVar[str] = "checkpoint"
+    # DeepSpeed's checkpoint keys minispeed does not implement, accepted at their defaults.
+    ds_unsupported: ClassVar[dict[str, str]] = {
+        "load_universal": "checkpoints load at any data-parallel size already",
+        "parallel_write": "every rank writes its own shard files already",
+    }
+    ds_defaults: ClassVar[dict[str, Any]] = {
+        "load_universal": False,
+        "parallel_write": {"pipeline_stage": False},
+    }
+
+    async_save: bool = key("async_save", False)
     """minispeed's key: write the files on a background thread while training goes on (a
     snapshot is copied to host memory first); the next save, `load_checkpoint` and the exit wait
     for it, and `latest` moves only once every rank's files are durable."""
-    use_node_local_storage: bool = False
+    use_node_local_storage: bool = key("use_node_local_storage", False)
     """DeepSpeed's key: the ranks of each node may see their own directory at the checkpoint
     path; each node then keeps its ranks' files plus the common ones, and loads at the same
     placement. Without it, a directory not every rank sees is refused at save time."""
-
-    tag_validation: str = "WARN"
+    tag_validation: str = key("tag_validation", "Warn")
     """DeepSpeed's key: whether `save_checkpoint` checks that every rank names the same tag
-    (one gather of the tags): `"WARN"` (the default) logs a warning when they differ, `"FAIL"`
-    raises on every rank, `"IGNORE"` does not check. Case-insensitive, as DeepSpeed's."""
+    (one gather of the tags): `"Warn"` (the default) logs a warning when they differ, `"Fail"`
+    raises on every rank, `"Ignore"` does not check. Case-insensitive, as DeepSpeed's."""
 
-    KEYS = ("async_save", "use_node_local_storage")
-    TAG_VALIDATION_MODES = ("WARN", "FAIL", "IGNORE")
-
-    @classmethod
-    def from_ds_config(cls, section: dict[str, Any] | None) -> CheckpointConfig:
-        """Read the `checkpoint` section (unknown keys are errors with a did-you-mean)."""
-        section = dict(section or {})
-        check_keys(
-            section,
-            {*cls.KEYS, "tag_validation"},
-            "checkpoint",
-            unsupported=UNSUPPORTED,
-            defaults=DEFAULTS,
-        )
-        mode = section.get("tag_validation", "Warn")
-        if not isinstance(mode, str) or mode.upper() not in cls.TAG_VALIDATION_MODES:
-            raise ConfigError(
-                "checkpoint.tag_validation",
-                f"must be one of {', '.join(cls.TAG_VALIDATION_MODES)} (any case), got {mode!r}",
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.tag_validation.upper() not in _TAG_MODES:
+            raise field_error(
+                self,
+                "tag_validation",
+                f"must be one of {', '.join(_TAG_MODES)} (any case), got {self.tag_validation!r}",
             )
-        values: dict[str, Any] = {"tag_validation": mode.upper()}
-        for key in cls.KEYS:
-            value = section.get(key, False)
-            if not isinstance(value, bool):
-                raise ConfigError(f"checkpoint.{key}", f"must be true or false, got {value!r}")
-            values[key] = value
-        if values["async_save"] and values["use_node_local_storage"]:
-            raise ConfigError(
-                "checkpoint.async_save",
+        if self.async_save and self.use_node_local_storage:
+            raise field_error(
+                self,
+                "async_save",
                 "async_save with use_node_local_storage is not supported: the background writers "
                 "agree that every rank's files are durable through the shared directory, which "
                 "node-local storage does not have; turn one of them off",
             )
-        return cls(**values)
-
-
-# DeepSpeed's checkpoint keys minispeed does not implement, accepted at their defaults.
-UNSUPPORTED = {
-    "load_universal": "checkpoints load at any data-parallel size already",
-    "parallel_write": "every rank writes its own shard files already",
-}
-DEFAULTS = {
-    "load_universal": False,
-    "parallel_write": {"pipeline_stage": False},
-}
 
 
 @dataclass(frozen=True)

@@ -2,24 +2,34 @@
 
 ```python
 cfg = EngineConfig.load("ds_config.json", data_parallel_size=comm.get_world_size())
-cfg.zero          # minispeed.zero.ZeroConfig (zero_optimization, gradient_clipping, accumulation)
-cfg.precision     # minispeed.zero.MixedPrecision (fp16 / bf16 / data_types)
+cfg.zero          # minispeed.zero.ZeroConfig (zero_optimization, with its offload sections)
+cfg.precision     # minispeed.zero.MixedPrecision (from cfg.fp16 / cfg.bf16 / cfg.data_types)
 cfg.train_batch_size, cfg.micro_batch_size, cfg.gradient_accumulation_steps
 ```
+
+`EngineConfig` is the top level of the config pattern (docs/architecture.md, "The config
+pattern"; `minispeed.core.sections`): each of its fields declares the top-level key it reads,
+and each section is the typed dataclass of the package that owns it (`ZeroConfig`,
+`PipelineConfig`, `FlopsProfilerConfig`, `CommsLoggerConfig`, ...), read by that class's
+`from_section` at its key path. Past `EngineConfig` the engine reads typed fields only; `raw`
+(the dict as given) is kept for `minispeed report --config`, which shows what was written.
 
 What this module owns, and nothing more:
 
 - **the batch triple** `train_batch_size = micro × accumulation × data-parallel size`, with
   DeepSpeed's derivation when one or two are given (`"auto"` counts as not given) and an error
   naming all three when they do not multiply out;
-- **the top-level keys**: each is read here or by a package (`zero_optimization` by
-  `ZeroConfig.from_ds_config`, `fp16`/`bf16` by `MixedPrecision.from_ds_config`, `flops_profiler`
-  by the profiler, `pipeline` by the pipeline package, `optimizer`/`scheduler` by
-  `engine.optim`/`engine.lr_schedules`); a DeepSpeed key minispeed does not implement is refused by
-  name unless it holds DeepSpeed's default; anything else is an unknown key with a did-you-mean.
+- **the top-level keys**: each is a field here (a value, or a package's section); a DeepSpeed
+  key minispeed does not implement is refused by name unless it holds DeepSpeed's default;
+  anything else is an unknown key with a did-you-mean;
+- **what one section needs from another**: ZeRO gets the accumulation steps, the clipping norm
+  and `aio`; the pipeline gets the batch and the stage count; `communication_data_type` must
+  be the gradients' dtype; `activation_checkpointing.partition_activations` needs no tensor
+  parallelism.
 
 Every check is local (no collective): each rank parses the same file and fails the same way
-before the first collective, so a bad config never hangs a job.
+before the first collective, so a bad config never hangs a job. Every error starts with the key
+path as written (`zero_optimization.offload_optimizer.buffer_count`), then the value and the fix.
 """
 
 from __future__ import annotations
@@ -30,19 +40,25 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from minispeed.core.config import (
-    BATCH_KEYS,
-    DEEPSPEED_TOP_LEVEL,
-    ConfigError,
-    batch_triple,
-    check_keys,
-    join_path,
-)
+from minispeed.comm import CommsLoggerConfig
+from minispeed.core.config import BATCH_KEYS, ConfigError, batch_triple
+from minispeed.core.sections import Section, build, ds_keys, key, translate_section
+from minispeed.engine.by_name import OptimizerSection, SchedulerSection
 from minispeed.engine.checkpoint.grid import CheckpointConfig
-from minispeed.engine.grid import tensor_parallel_size
-from minispeed.zero import MixedPrecision, ZeroConfig
+from minispeed.offload import AioConfig
+from minispeed.pipeline import PipelineConfig
+from minispeed.profiler.config import FlopsProfilerConfig
+from minispeed.tensor_parallel import TensorParallelConfig
+from minispeed.zero import (
+    ActivationCheckpointingConfig,
+    Bf16Config,
+    DataTypesConfig,
+    Fp16Config,
+    MixedPrecision,
+    ZeroConfig,
+)
 
 __all__ = ["ConfigError", "EngineConfig", "load_ds_config", "resolve_batch"]
 
@@ -50,8 +66,9 @@ __all__ = ["ConfigError", "EngineConfig", "load_ds_config", "resolve_batch"]
 # Note [DeepSpeed clips at 1.0 by default]
 # DeepSpeed 0.19.8 clips gradients to a global norm of 1.0 when `gradient_clipping` is left out
 # (runtime/constants.py: GRADIENT_CLIPPING_DEFAULT = 1.0). A script that ports by changing its
-# import must train the same thing, so the engine applies that default. (`ZeroConfig.from_ds_config`,
-# the package's own translation, leaves clipping off unless the key is given.) Found when every
+# import must train the same thing, so the engine applies that default (EngineConfig's
+# `gradient_clipping` field, which the reference page shows). (`ZeroConfig`, the package's own
+# config, leaves clipping off unless the caller gives `max_grad_norm`.) Found when every
 # DeepSpeed contender of benchmarks/zero_vs_torch.py ended 1.48 in loss away from DDP: the
 # gradients it stepped were the same ones times min(1, 1/‖g‖).
 DS_GRADIENT_CLIPPING_DEFAULT = 1.0
@@ -83,8 +100,8 @@ UNSUPPORTED = {
     "disable_allgather": "stages 1-2 always all-gather the updated parameters",
     "use_data_before_expert_parallelism": "expert groups are built inside the data axis",
     "graph_harvesting": "no CUDA graphs",
-    "mics_shard_size": "no MiCS sharding; use ZeRO-3 (optionally with hpZ)",
-    "mics_hierarchical_params_gather": "no MiCS sharding; use ZeRO-3 (optionally with hpZ)",
+    "mics_shard_size": "it belongs in zero_optimization (DeepSpeed's place for it)",
+    "mics_hierarchical_params_gather": "it belongs in zero_optimization (DeepSpeed's place for it)",
     "load_universal_checkpoint": "checkpoints load at any data-parallel size already",
     "use_node_local_storage": "give checkpoint.use_node_local_storage instead",
     "seq_parallel_communication_data_type": "no sequence parallelism in training",
@@ -93,9 +110,6 @@ UNSUPPORTED = {
     "weight_quantization": "post-training int8 lives in minispeed.inference.quantize",
     "moe": "MoE is configured on the layer (minispeed.engine.moe.layer.MoE)",
 }
-# The top-level keys the engine (or a package it hands them to) reads: every DeepSpeed key
-# (core's list, shared with the packages' spelling checks) but the unsupported ones above.
-READ = DEEPSPEED_TOP_LEVEL - UNSUPPORTED.keys()
 # DeepSpeed's default for each unsupported key: a config holding these loads unchanged.
 DEFAULTS: dict[str, Any] = {
     "prescale_gradients": False,
@@ -127,19 +141,6 @@ DEFAULTS: dict[str, Any] = {
     "use_node_local_storage": False,
     "seq_parallel_communication_data_type": "fp32",
     "compile": {"disable": False, "backend": "inductor", "kwargs": {}},
-}
-
-_COMMS_LOGGER = {"enabled", "verbose", "prof_all", "prof_ops", "debug"}
-_ACTIVATION = {"cpu_checkpointing", "number_checkpoints", "synchronize_checkpoint_boundary"}
-_ACTIVATION_UNSUPPORTED = {
-    "partition_activations": "checkpointed activations are not split over tensor-parallel ranks",
-    "contiguous_memory_optimization": "checkpointed activations are ordinary tensors",
-    "profile": "time checkpointed regions with minispeed.profiler",
-}
-_ACTIVATION_DEFAULTS = {
-    "partition_activations": False,
-    "contiguous_memory_optimization": False,
-    "profile": False,
 }
 
 
@@ -196,171 +197,205 @@ def resolve_batch(ds: Mapping[str, Any], data_parallel_size: int) -> tuple[int, 
     return batch_triple(*values, data_parallel_size)
 
 
-def _check_type_section(ds: Mapping[str, Any], key: str) -> None:
-    section = ds.get(key)
-    if section is None:
-        return
-    check_keys(section, {"type", "params"}, key)
-    if not isinstance(section.get("type"), str):
-        raise ConfigError(join_path(key, "type"), f'give the {key} type by name, e.g. "AdamW"')
-    if not isinstance(section.get("params", {}), Mapping):
-        raise ConfigError(join_path(key, "params"), "must be a JSON object of keyword arguments")
+def _clipping(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(
+            f"must be a number (the largest global gradient norm; 0: off), got {value!r}"
+        )
+    if value < 0:
+        raise ValueError(
+            f"must be >= 0, got {value}: the largest global L2 norm of the gradients (0 turns "
+            "clipping off)"
+        )
+    return float(value)
+
+
+def _every(value: Any) -> int | None:
+    """`steps_per_print`: a positive count; 0, a negative count, null or infinity (accelerate's
+    "never", which DeepSpeed reads as a modulus): never."""
+    if value is None or value == math.inf:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"must be an integer (optimizer steps between prints), got {value!r}")
+    return value if value > 0 else None
+
+
+_BATCH = {"anyOf": [{"type": "integer", "minimum": 1}, {"const": "auto"}]}
+_DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class EngineConfig(Section):
     """The resolved ds_config: the batch triple, each package's typed section, the engine's own
     settings. Built by `EngineConfig.from_ds_config`; `raw` keeps the dict as given."""
 
-    train_batch_size: int
-    """Samples per optimizer step over all data-parallel ranks (`train_batch_size`)."""
-    micro_batch_size: int
-    """Samples per rank per forward (`train_micro_batch_size_per_gpu`)."""
-    gradient_accumulation_steps: int
-    """Micro-batches per optimizer step (`gradient_accumulation_steps`)."""
+    ds_unsupported: ClassVar[dict[str, str]] = UNSUPPORTED
+    ds_defaults: ClassVar[dict[str, Any]] = DEFAULTS
+
+    train_batch_size: int = key("train_batch_size", schema=_BATCH)
+    """Samples per optimizer step over all data-parallel ranks."""
+    micro_batch_size: int = key("train_micro_batch_size_per_gpu", schema=_BATCH)
+    """Samples per rank per forward."""
+    gradient_accumulation_steps: int = key("gradient_accumulation_steps", schema=_BATCH)
+    """Micro-batches per optimizer step."""
     data_parallel_size: int
-    """Ranks that split each batch (the world size over pipeline stages)."""
-    zero: ZeroConfig
-    """`zero_optimization`, `gradient_clipping`, the accumulation steps and offload sections."""
+    """Ranks that split each batch (the world size over pipeline stages and tensor ranks)."""
+    zero: ZeroConfig = key("zero_optimization", section=ZeroConfig)
+    """ZeRO: which stage, its buckets, offload and ZeRO++ (minispeed.zero)."""
     precision: MixedPrecision
-    """`fp16` / `bf16` / `data_types`."""
-    optimizer: dict[str, Any] | None = None
-    """The `optimizer` section (`{"type", "params"}`), built by `engine.optim`."""
-    scheduler: dict[str, Any] | None = None
-    """The `scheduler` section, built by `engine.lr_schedules`."""
-    steps_per_print: int | None = None
-    """Print loss, learning rate and step time on rank 0 every this many optimizer steps."""
-    wall_clock_breakdown: bool = False
+    """The dtypes, from `fp16` / `bf16` / `data_types` (`MixedPrecision.from_sections`)."""
+    fp16: Fp16Config = key("fp16", default_factory=Fp16Config, section=Fp16Config)
+    """fp16 mixed precision with a dynamic loss scale (minispeed.zero.MixedPrecision)."""
+    bf16: Bf16Config = key(
+        "bf16", default_factory=Bf16Config, aliases=("bfloat16",), section=Bf16Config
+    )
+    """bf16 mixed precision (minispeed.zero.MixedPrecision)."""
+    data_types: DataTypesConfig = key(
+        "data_types", default_factory=DataTypesConfig, section=DataTypesConfig
+    )
+    """Data types: the gradients' accumulation and reduction dtype."""
+    # See Note [DeepSpeed clips at 1.0 by default].
+    gradient_clipping: float = key(
+        "gradient_clipping", DS_GRADIENT_CLIPPING_DEFAULT, read=_clipping
+    )
+    """Clip the gradients to this global L2 norm before each step (DeepSpeed's default, 1.0,
+    when left out); 0: off. Handed to ZeRO as `ZeroConfig.max_grad_norm`."""
+    optimizer: OptimizerSection | None = key("optimizer", None, section=OptimizerSection)
+    """The optimizer by name (`{"type", "params"}`), built by `engine.optim`."""
+    scheduler: SchedulerSection | None = key("scheduler", None, section=SchedulerSection)
+    """The learning-rate schedule by name, built by `engine.lr_schedules`."""
+    steps_per_print: int | None = key("steps_per_print", None, read=_every)
+    """Print loss, learning rate and step time on rank 0 every this many optimizer steps
+    (null, 0 or less: never)."""
+    wall_clock_breakdown: bool = key("wall_clock_breakdown", False)
     """Time forward, backward and step (the engine's timers) and print them with the loss."""
-    comms_logger: dict[str, Any] = field(default_factory=dict)
-    """`comms_logger`: `enabled` records every collective into `engine.comms_logger`."""
-    flops_profiler: Any = None
-    """`minispeed.profiler.FlopsProfilerConfig` when the section is present."""
-    activation_checkpointing: dict[str, Any] = field(default_factory=dict)
-    """`activation_checkpointing` (`cpu_checkpointing`, `number_checkpoints`, ...)."""
-    pipeline: dict[str, Any] = field(default_factory=dict)
-    """The `pipeline` section, read by the pipeline engine."""
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    """The `checkpoint` section (`async_save`, `use_node_local_storage`)."""
-    tensor_parallel_size: int = 1
-    """`tensor_parallel.autotp_size`: ranks that split each layer (the grid's tensor axis, T;
-    0 or absent: 1). The data-parallel size is then world / (pipeline stages · T)."""
+    comms_logger: CommsLoggerConfig = key(
+        "comms_logger", default_factory=CommsLoggerConfig, section=CommsLoggerConfig
+    )
+    """The comms logger (minispeed.comm)."""
+    flops_profiler: FlopsProfilerConfig = key(
+        "flops_profiler", default_factory=FlopsProfilerConfig, section=FlopsProfilerConfig
+    )
+    """The FLOPs profiler (minispeed.profiler)."""
+    activation_checkpointing: ActivationCheckpointingConfig | None = key(
+        "activation_checkpointing", None, section=ActivationCheckpointingConfig
+    )
+    """Activation checkpointing for model code that calls `deepspeed.checkpointing.checkpoint`
+    (minispeed.zero.checkpoint); None when the section is left out (then `initialize` leaves
+    `deepspeed.checkpointing.configure`'s settings as they are)."""
+    pipeline: PipelineConfig | None = key("pipeline", None, section=PipelineConfig)
+    """Pipeline parallelism (minispeed.pipeline): given, or the PipelineModule's; None when
+    neither."""
+    checkpoint: CheckpointConfig = key(
+        "checkpoint", default_factory=CheckpointConfig, section=CheckpointConfig
+    )
+    """Checkpoints (minispeed.engine.checkpoint)."""
+    tensor_parallel: TensorParallelConfig = key(
+        "tensor_parallel", default_factory=TensorParallelConfig, section=TensorParallelConfig
+    )
+    """Tensor parallelism (minispeed.tensor_parallel) on the engine's pipe x data x tensor grid:
+    ZeRO over the data axis, clipping over all three (docs: 3D parallelism)."""
+    aio: AioConfig = key("aio", default_factory=AioConfig, section=AioConfig)
+    """Asynchronous I/O for NVMe offload (minispeed.offload)."""
+    communication_data_type: str | None = key(
+        "communication_data_type", None, schema={"enum": ["fp32", "fp16", "bf16", None]}
+    )
+    """Accepted when equal to `data_types.grad_accum_dtype`: gradients travel in it here."""
+    zero_allow_untested_optimizer: bool = key("zero_allow_untested_optimizer", False)
+    """Accept an optimizer not known to be elementwise at ZeRO stages 1-3 (refused otherwise)."""
+    zero_force_ds_cpu_optimizer: bool = key("zero_force_ds_cpu_optimizer", True)
+    """Accepted and unused: offload always steps with its own CPU optimizer."""
     raw: dict[str, Any] = field(default_factory=dict)
-    """The ds_config as given."""
+    """The ds_config as given (read by `minispeed report --config`, and by `get`)."""
 
     def get(self, key: str, default: Any = None) -> Any:
         """The top-level ds_config entry `key` as given: DeepSpeed's `engine.config` is that
-        dict, and clients read it (`engine.config.get("zero_optimization", {})`)."""
+        dict, and clients read it (`engine.config.get("zero_optimization", {})`); the engine
+        itself reads the typed fields."""
         return self.raw.get(key, default)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """T, the grid's tensor axis (`tensor_parallel.autotp_size`; 0 or absent: 1)."""
+        return self.tensor_parallel.size
 
     @classmethod
     def load(
-        cls, config: str | os.PathLike | Mapping[str, Any], *, data_parallel_size: int = 1
+        cls,
+        config: str | os.PathLike | Mapping[str, Any],
+        *,
+        data_parallel_size: int = 1,
+        pipeline_stages: int | None = None,
     ) -> EngineConfig:
         """`from_ds_config(load_ds_config(config), ...)`: a path or a dict."""
-        return cls.from_ds_config(load_ds_config(config), data_parallel_size=data_parallel_size)
+        return cls.from_ds_config(
+            load_ds_config(config),
+            data_parallel_size=data_parallel_size,
+            pipeline_stages=pipeline_stages,
+        )
 
     @classmethod
-    def from_ds_config(cls, ds: Mapping[str, Any], *, data_parallel_size: int = 1) -> EngineConfig:
-        """Check every key of `ds` and resolve it (see the module docstring)."""
+    def from_ds_config(
+        cls,
+        ds: Mapping[str, Any],
+        *,
+        data_parallel_size: int = 1,
+        pipeline_stages: int | None = None,
+    ) -> EngineConfig:
+        """Check every key of `ds` and resolve it (see the module docstring).
+        `pipeline_stages`: the PipelineModule's stage count, for a pipeline model (the
+        `pipeline` section is then read with it, `"auto"` meaning it)."""
         ds = dict(ds)
-        check_keys(ds, READ, "", unsupported=UNSUPPORTED, defaults=DEFAULTS)
+        # Each package reads its own section (`from_section`); the two that need values from
+        # elsewhere in the ds_config are read below, with them.
+        with_context = (*BATCH_KEYS, "zero_optimization", "pipeline")
+        kwargs = translate_section(cls, {k: v for k, v in ds.items() if k not in with_context}, "")
         train, micro, gas = resolve_batch(ds, data_parallel_size)
-        for key in ("optimizer", "scheduler"):
-            _check_type_section(ds, key)
-        check_keys(ds.get("comms_logger") or {}, _COMMS_LOGGER, "comms_logger")
-        check_keys(
-            ds.get("activation_checkpointing") or {},
-            _ACTIVATION,
-            "activation_checkpointing",
-            unsupported=_ACTIVATION_UNSUPPORTED,
-            defaults=_ACTIVATION_DEFAULTS,
-        )
-        checkpoint = _package("checkpoint", CheckpointConfig.from_ds_config, ds.get("checkpoint"))
-        tensor = tensor_parallel_size(ds)  # the grid's tensor axis (engine/grid.py)
-        # Each package reads its own section; the few values it needs from elsewhere in the
-        # ds_config are handed over by name. Their ValueErrors are re-raised with the key path.
-        zero = _package(
-            "zero_optimization",
-            lambda section: ZeroConfig.from_section(
-                section,
-                gradient_accumulation_steps=gas,
-                # See Note [DeepSpeed clips at 1.0 by default].
-                gradient_clipping=ds.get("gradient_clipping", DS_GRADIENT_CLIPPING_DEFAULT),
-                aio=ds.get("aio"),
-            ),
+        aio = kwargs.setdefault("aio", AioConfig())
+        kwargs["zero"] = ZeroConfig.from_section(
             ds.get("zero_optimization"),
+            gradient_accumulation_steps=gas,
+            # See Note [DeepSpeed clips at 1.0 by default].
+            max_grad_norm=kwargs.get("gradient_clipping", DS_GRADIENT_CLIPPING_DEFAULT),
+            aio=aio,
         )
-        # MixedPrecision owns the fp16/bf16/data_types sections and bf16's old name `bfloat16`.
-        precision = _package(
-            "fp16/bf16",
-            MixedPrecision.from_ds_config,
-            {k: v for k, v in ds.items() if k in ("fp16", "bf16", "bfloat16", "data_types")},
+        kwargs["precision"] = MixedPrecision.from_sections(
+            kwargs.get("fp16"), kwargs.get("bf16"), kwargs.get("data_types")
         )
-        _check_communication_dtype(ds.get("communication_data_type"), precision)
-        profiler = None
-        if ds.get("flops_profiler") is not None:
-            from minispeed.profiler.config import FlopsProfilerConfig
-
-            profiler = _package(
-                "flops_profiler", FlopsProfilerConfig.from_ds_config, ds["flops_profiler"]
+        _check_communication_dtype(kwargs.get("communication_data_type"), kwargs["precision"])
+        tensor = kwargs.get("tensor_parallel", TensorParallelConfig())
+        if kwargs.get("activation_checkpointing") is not None:
+            kwargs["activation_checkpointing"].check_model_parallel(tensor.size)
+        if ds.get("pipeline") is not None or pipeline_stages is not None:
+            kwargs["pipeline"] = PipelineConfig.from_section(
+                ds.get("pipeline"),
+                micro_batch_size=micro,
+                gradient_accumulation_steps=gas,
+                data_parallel_size=data_parallel_size,
+                known_stages=pipeline_stages,
             )
-        if ds.get("pipeline") is not None:  # its keys; the pipeline engine reads the values
-            from minispeed.pipeline import PipelineConfig
-
-            _package(
-                "pipeline",
-                lambda section: PipelineConfig.from_section(
-                    section,
-                    micro_batch_size=micro,
-                    gradient_accumulation_steps=gas,
-                    data_parallel_size=data_parallel_size,
-                ),
-                ds["pipeline"],
-            )
-        steps_per_print = ds.get("steps_per_print")
-        if steps_per_print == math.inf:  # accelerate's "never" (DeepSpeed reads it as a modulus)
-            steps_per_print = None
-        if steps_per_print is not None and (
-            isinstance(steps_per_print, bool) or not isinstance(steps_per_print, int)
-        ):
-            raise ConfigError(
-                "steps_per_print",
-                f"must be an integer (or infinity: never), got {steps_per_print!r}",
-            )
-        return cls(
+        kwargs.update(
             train_batch_size=train,
             micro_batch_size=micro,
             gradient_accumulation_steps=gas,
             data_parallel_size=data_parallel_size,
-            zero=zero,
-            precision=precision,
-            optimizer=ds.get("optimizer"),
-            scheduler=ds.get("scheduler"),
-            steps_per_print=steps_per_print if steps_per_print and steps_per_print > 0 else None,
-            wall_clock_breakdown=bool(ds.get("wall_clock_breakdown", False)),
-            comms_logger=dict(ds.get("comms_logger") or {}),
-            flops_profiler=profiler,
-            activation_checkpointing=dict(ds.get("activation_checkpointing") or {}),
-            pipeline=dict(ds.get("pipeline") or {}),
-            checkpoint=checkpoint,
-            tensor_parallel_size=tensor,
             raw=ds,
         )
+        return build(cls, "", kwargs, ds)
 
 
-def _package(path: str, build: Any, section: Any) -> Any:
-    """Run a package's `from_ds_config`, turning its ValueError/TypeError into a ConfigError
-    that keeps the package's message (which names the key) and adds the section."""
-    try:
-        return build(section)
-    except ConfigError:
-        raise
-    except (ValueError, TypeError) as e:
-        raise ConfigError(path, str(e)) from e
+def top_level_keys() -> frozenset[str]:
+    """Every top-level key `EngineConfig` reads (aliases included)."""
+    names = set()
+    for name, (_, k) in ds_keys(EngineConfig).items():
+        names |= {name, *k.aliases}
+    return frozenset(names)
 
 
-_DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+# The top-level keys the engine (or a package it hands them to) reads: EngineConfig's fields.
+READ = top_level_keys()
 
 
 def _check_communication_dtype(value: Any, precision: MixedPrecision) -> None:

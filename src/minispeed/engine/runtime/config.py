@@ -94,22 +94,22 @@ class DeepSpeedConfig:
     @property
     def optimizer_name(self) -> str | None:
         section = self._engine_config.optimizer
-        return None if section is None else section["type"].lower()
+        return None if section is None else section.type.lower()
 
     @property
     def optimizer_params(self) -> dict[str, Any] | None:
         section = self._engine_config.optimizer
-        return None if section is None else dict(section.get("params", {}))
+        return None if section is None else dict(section.params)
 
     @property
     def scheduler_name(self) -> str | None:
         section = self._engine_config.scheduler
-        return None if section is None else section["type"]
+        return None if section is None else section.type
 
     @property
     def scheduler_params(self) -> dict[str, Any] | None:
         section = self._engine_config.scheduler
-        return None if section is None else dict(section.get("params", {}))
+        return None if section is None else dict(section.params)
 
     @property
     def steps_per_print(self) -> int | None:

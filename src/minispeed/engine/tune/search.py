@@ -263,14 +263,13 @@ def _base_candidate(cfg: dict[str, Any]) -> Candidate:
     from minispeed.engine.config import EngineConfig
 
     resolved = EngineConfig.from_ds_config(cfg, data_parallel_size=1)
-    zero = cfg.get("zero_optimization") or {}
     return Candidate(
         stage=resolved.zero.stage,
         micro_batch=resolved.micro_batch_size,
         grad_accum=resolved.gradient_accumulation_steps,
-        reduce_bucket=int(zero.get("reduce_bucket_size", 500_000_000)),
-        allgather_bucket=int(zero.get("allgather_bucket_size", 500_000_000)),
-        offload_optimizer=(zero.get("offload_optimizer") or {}).get("device", "none") != "none",
+        reduce_bucket=resolved.zero.reduce_bucket_numel,
+        allgather_bucket=resolved.zero.allgather_bucket_numel,
+        offload_optimizer=resolved.zero.offload_optimizer is not None,
     )
 
 

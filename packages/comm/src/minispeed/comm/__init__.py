@@ -42,7 +42,7 @@ from minispeed.comm.groups import (
 )
 from minispeed.comm.handshake import validation_enabled, validation_mode
 from minispeed.comm.hierarchical import HierarchicalAllGather
-from minispeed.comm.logger import CommRecord, CommsLogger, comms_logger
+from minispeed.comm.logger import CommRecord, CommsLogger, CommsLoggerConfig, comms_logger
 from minispeed.comm.objects import all_gather_object, broadcast_object
 from minispeed.comm.p2p import P2POp, batch_isend_irecv, irecv, isend, recv, send
 from minispeed.comm.rooted import gather, reduce, scatter
@@ -65,6 +65,7 @@ __all__ = [
     "CommTimeoutError",
     "CommWork",
     "CommsLogger",
+    "CommsLoggerConfig",
     "HierarchicalAllGather",
     "InFlight",
     "LaunchQueue",

@@ -32,12 +32,13 @@ import dataclasses
 import os
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from minispeed.comm import costs
 from minispeed.core.files import atomic_write_json
+from minispeed.core.sections import Section, key
 
-__all__ = ["CommRecord", "CommsLogger", "comms_logger"]
+__all__ = ["CommRecord", "CommsLogger", "CommsLoggerConfig", "comms_logger"]
 
 # The one global the hot path reads. See Note [logger off is one global read].
 _ACTIVE: CommsLogger | None = None
@@ -46,6 +47,30 @@ _ACTIVE: CommsLogger | None = None
 # Collectives sit on the critical path of every training step. With logging off, each call pays
 # a single module-global load and an `is None` test; nothing is allocated, no clock is read and
 # the accelerator is never synchronized.
+
+
+@dataclass(frozen=True)
+class CommsLoggerConfig(Section):
+    """The comms logger in an engine (DeepSpeed section `comms_logger`): `enabled` records every
+    collective of the run into the engine's `CommsLogger`. DeepSpeed's printing options are
+    accepted so its configs load; the log itself always holds every call (read it, or its
+    `summary()`)."""
+
+    ds_path: ClassVar[str] = "comms_logger"
+
+    enabled: bool = key("enabled", False)
+    """Record every collective into `engine.comms_logger`."""
+    verbose: bool = key("verbose", False)
+    """DeepSpeed's: print each collective as it runs. Accepted; minispeed prints nothing per
+    call."""
+    prof_all: bool = key("prof_all", True)
+    """DeepSpeed's: profile every collective. Accepted; minispeed always records every call."""
+    prof_ops: list[str] = key("prof_ops", default_factory=list)
+    """DeepSpeed's: the collectives to profile when `prof_all` is false. Accepted; minispeed
+    records every call whatever it lists."""
+    debug: bool = key("debug", False)
+    """DeepSpeed's: name each collective's caller. Accepted; minispeed's records carry no
+    caller."""
 
 
 @dataclass(frozen=True)

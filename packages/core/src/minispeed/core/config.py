@@ -1,4 +1,4 @@
-"""Config primitives every package's config uses: one error type, one did-you-mean, one translator.
+"""Config primitives every package's config uses: one error type, one did-you-mean, one key checker.
 
 A DeepSpeed `ds_config.json` is one nested dict whose sections belong to different packages. Each
 package turns **its own section** into a frozen dataclass (`ZeroConfig`, `PipelineConfig`, ...);
@@ -10,13 +10,16 @@ check_keys({"stgae": 2}, known={"stage", "overlap_comm"}, path="zero_optimizatio
 # ConfigError: zero_optimization.stgae: unknown key (did you mean 'stage'?); known keys: ...
 ```
 
-- `ConfigError(ValueError)` carries `path`, the dotted key path (`"scheduler.params.warmup_num_steps"`),
-  so a caller (the engine, a schema tool, a test) can tell which key was wrong without parsing text.
+- `ConfigError(ValueError)` carries `path`, the dotted key path as the user wrote it
+  (`"scheduler.params.warmup_num_steps"`), so a caller (the engine, a schema tool, a test) can
+  tell which key was wrong without parsing text; it survives pickling (a worker's error reaches
+  its parent whole).
 - `did_you_mean` suggests the nearest known key by edit distance (one edit for short keys, two from
   eight characters on; swapped neighbours cost one).
 - `check_keys` refuses unknown keys, and keys DeepSpeed defines that minispeed does not implement
   unless they hold DeepSpeed's default value (a config written out in full must still load).
-- `translate` renames DeepSpeed keys into our field names, once, at the boundary.
+- `field_error` is the error a config dataclass raises for one of its fields; the section
+  reader (`minispeed.core.sections`, the config pattern) renames it after the key the user wrote.
 - `DEEPSPEED_TOP_LEVEL` is the one catalogue of DeepSpeed's top-level keys (the engine reads or
   refuses each of them; `check_top_level_spelling` never calls one of them a misspelling).
 
@@ -25,10 +28,6 @@ Cost: one edit-distance computation per (unknown key, known key): O(len²) each,
 
 from __future__ import annotations
 
-import ast
-import inspect
-import itertools
-import textwrap
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -36,24 +35,53 @@ __all__ = [
     "BATCH_KEYS",
     "DEEPSPEED_TOP_LEVEL",
     "ConfigError",
+    "ConfigTypeError",
     "batch_triple",
     "check_keys",
     "check_top_level_spelling",
     "did_you_mean",
     "edit_distance",
-    "field_docs",
+    "field_error",
     "is_close",
     "join_path",
-    "translate",
 ]
 
 
 class ConfigError(ValueError):
-    """A config value is wrong; `path` names the key (dotted), the message names the fix."""
+    """A config value is wrong: `path` names the key (dotted, as the user wrote it: `"fp16.loss_scale"`),
+    `reason` says what is wrong and the fix; `str()` is `"<path>: <reason>"`.
 
-    def __init__(self, path: str, message: str) -> None:
+    `field` is set when a dataclass's own check raised it (`field_error`): the field whose value
+    is wrong, so the section reader can rename the error after the DeepSpeed key the user wrote
+    (`minispeed.core.sections`). Pickles with all three (an error raised on a worker process
+    reaches its parent whole)."""
+
+    def __init__(self, path: str, reason: str, *, field: str | None = None) -> None:
         self.path = path
-        super().__init__(f"{path}: {message}" if path else message)
+        self.reason = reason
+        self.field = field
+        super().__init__(f"{path}: {reason}" if path else reason)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # BaseException pickles `self.args` (the one formatted message) as the constructor's
+        # arguments, which a two-argument constructor cannot take back.
+        return (_rebuild, (type(self), self.path, self.reason, self.field), self.__dict__)
+
+
+def _rebuild(cls: type, path: str, reason: str, field: str | None) -> ConfigError:
+    return cls(path, reason, field=field)
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A config value of the wrong type (a `ConfigError` and a `TypeError`)."""
+
+
+def field_error(owner: Any, field: str, reason: str, *, kind: type = ConfigError) -> ConfigError:
+    """The error a config dataclass's `__post_init__` raises for its own `field`:
+    `"ZeroConfig.stage: must be 0, 1, 2 or 3, got 5"`. Built from a ds_config, the section
+    reader renames it `"zero_optimization.stage: must be ... (ZeroConfig.stage)"`."""
+    name = owner.__name__ if isinstance(owner, type) else type(owner).__name__
+    return kind(f"{name}.{field}", reason, field=field)
 
 
 def join_path(path: str, key: Any) -> str:
@@ -101,14 +129,16 @@ def check_keys(
     *,
     unsupported: Mapping[str, str] | None = None,
     defaults: Mapping[str, Any] | None = None,
+    known_as: str = "known keys here",
 ) -> None:
     """Raise `ConfigError` for the first key of `section` that minispeed does not read.
 
     - `known`: the keys read (their values are checked by the caller).
     - `unsupported`: DeepSpeed keys minispeed does not implement, each with the reason; such a
-      key is accepted only when it holds its DeepSpeed default (`defaults[key]`), since a key
-      at its default changes nothing.
-    - anything else is unknown: the error suggests the nearest known key.
+      key is accepted only when it holds the one value minispeed implements (`defaults[key]`,
+      usually DeepSpeed's default), since a key at that value changes nothing.
+    - anything else is unknown: the error suggests the nearest known key and lists the known
+      ones (after `known_as`).
     """
     if not isinstance(section, Mapping):
         raise ConfigError(path, f"must be a JSON object, got {type(section).__name__}")
@@ -122,9 +152,7 @@ def check_keys(
         if key in unsupported:
             if key in defaults and _same(section[key], defaults[key]):
                 continue
-            default = (
-                f" (its DeepSpeed default {defaults[key]!r} is accepted)" if key in defaults else ""
-            )
+            default = f" ({defaults[key]!r} is accepted)" if key in defaults else ""
             raise ConfigError(
                 where,
                 f"DeepSpeed's {key!r} is not supported by minispeed: {unsupported[key]}; remove "
@@ -132,7 +160,7 @@ def check_keys(
             )
         hint = did_you_mean([key], known | set(unsupported))
         raise ConfigError(
-            where, f"unknown key{hint}; known keys here: {', '.join(sorted(known)) or '(none)'}"
+            where, f"unknown key{hint}; {known_as}: {', '.join(sorted(known)) or '(none)'}"
         )
 
 
@@ -144,44 +172,6 @@ def _same(value: Any, default: Any) -> bool:
     if isinstance(default, bool) or isinstance(value, bool):
         return value is default
     return value == default
-
-
-def translate(
-    section: Mapping[str, Any], names: Mapping[str, str], *, counts: Iterable[str] = ()
-) -> dict[str, Any]:
-    """`{ds_key: value}` -> `{our_field: value}` for the keys of `names` present in `section`.
-
-    DeepSpeed configs often write counts as floats (`"reduce_bucket_size": 5e8`): the DeepSpeed
-    keys in `counts` become ints when integral (a float like `1.5` is left for the field's own
-    type check to refuse)."""
-    counts = set(counts)
-    out: dict[str, Any] = {}
-    for ds_key, field in names.items():
-        if ds_key in section:
-            value = section[ds_key]
-            if ds_key in counts and isinstance(value, float) and value.is_integer():
-                value = int(value)
-            out[field] = value
-    return out
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring written under each field of a dataclass (`field: int = 0` then `\"\"\"...\"\"\"`),
-    by field name: the one description that the API reference, the JSON Schema and the config
-    reference all show. Fields without one are left out."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-    docs: dict[str, str] = {}
-    for node, after in itertools.pairwise(body):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-            and isinstance(after.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(after.value.value.split())
-    return docs
 
 
 # DeepSpeed's batch triple, in the order `batch_triple` takes and returns it.

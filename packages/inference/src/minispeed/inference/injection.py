@@ -305,7 +305,12 @@ def init_inference(
         )
     if any(p.dtype != torch.float32 for p in model.parameters()):
         raise TypeError("init_inference expects an fp32 model: call model.float() first")
-    tp_cfg = TPConfig.from_ds_config(tensor_parallel)
+    if tensor_parallel is None or isinstance(tensor_parallel, TPConfig):
+        tp_cfg = tensor_parallel or TPConfig()
+    elif isinstance(tensor_parallel, int) and not isinstance(tensor_parallel, bool):
+        tp_cfg = TPConfig(tp_size=tensor_parallel)
+    else:
+        tp_cfg = TPConfig.from_section(tensor_parallel)
     if tp_cfg.tp_size > 1 and not replace_with_kernel_inject:
         raise ValueError(
             "tensor_parallel needs the fused blocks: pass replace_with_kernel_inject=True "

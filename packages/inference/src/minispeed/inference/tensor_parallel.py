@@ -50,15 +50,17 @@ handle / `ProcessGrid` the caller passes as `tp_group`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 import minispeed.comm as comm
 import minispeed.tensor_parallel as tp
-from minispeed.core.config import check_keys
+from minispeed.core.config import field_error
+from minispeed.core.sections import Section, key, read_section
 
 __all__ = [
     "RowParallelLinear",
@@ -71,44 +73,46 @@ __all__ = [
     "row_shard",
 ]
 
-_KEYS = ("enabled", "tp_size", "tp_group")
-
 
 @dataclass(frozen=True)
-class TPConfig:
-    """`init_inference(tensor_parallel=...)`: DeepSpeed's `tensor_parallel` section, or an int."""
+class TPConfig(Section):
+    """`init_inference(tensor_parallel=...)`: DeepSpeed's inference `tensor_parallel` section
+    (`init_inference` also takes the TP size as an int, or a `TPConfig`)."""
 
-    tp_size: int = 1
+    ds_path: ClassVar[str] = "tensor_parallel"
+    ds_extra: ClassVar[dict[str, Any]] = {
+        "enabled": {
+            "type": "boolean",
+            "default": True,
+            "description": "False: no tensor parallelism, whatever tp_size says.",
+        }
+    }
+
+    tp_size: int = key("tp_size", 1)
     """Ranks that split each block (1: no tensor parallelism)."""
-    tp_group: Any = None
+    tp_group: Any = key("tp_group", None)
     """None: a `("data", "tensor")` `ProcessGrid` over the world is built (collective: every rank
     calls `init_inference`); or a process group from `minispeed.comm.new_group`, or a `ProcessGrid`
     with a `"tensor"` (or `"model"`) axis."""
 
     def __post_init__(self) -> None:
-        n = self.tp_size
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"tensor_parallel tp_size must be an int >= 1, got {n!r}")
+        super().__post_init__()
+        if self.tp_size < 1:
+            raise field_error(self, "tp_size", f"must be an int >= 1, got {self.tp_size!r}")
 
     @classmethod
-    def from_ds_config(cls, section: Any) -> TPConfig:
-        """From `None`, an int (the TP size), a `TPConfig`, or a dict with DeepSpeed's keys
-        `tp_size`, `enabled` (False means tp_size 1) and `tp_group`; other keys are errors."""
-        if section is None:
-            return cls()
-        if isinstance(section, cls):
-            return section
-        if isinstance(section, int) and not isinstance(section, bool):
-            return cls(tp_size=section)
-        if not isinstance(section, dict):
-            raise TypeError(
-                f"tensor_parallel must be an int or a dict like {{'tp_size': 2}}, got "
-                f"{type(section).__name__}"
-            )
-        check_keys(section, _KEYS, "tensor_parallel")
-        if not section.get("enabled", True):
-            return cls()
-        return cls(tp_size=section.get("tp_size", 1), tp_group=section.get("tp_group"))
+    def from_section(
+        cls, section: Mapping[str, Any] | None = None, *, path: str | None = None
+    ) -> TPConfig:
+        """From DeepSpeed's keys `tp_size`, `enabled` (false means tp_size 1) and `tp_group`;
+        other keys are errors naming the nearest known one."""
+        path = cls.ds_path if path is None else path
+        if isinstance(section, Mapping) and "enabled" in section:
+            section = dict(section)
+            if not section.pop("enabled"):
+                section.pop("tp_size", None)
+                section.pop("tp_group", None)
+        return read_section(cls, section, path)
 
 
 TPContext = tp.TensorGroup

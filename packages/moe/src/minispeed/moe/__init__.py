@@ -2,7 +2,7 @@
 
 Reading order (see README.md):
 
-1. `config` — `MoEConfig` and `from_ds_config` (DeepSpeed's MoE arguments).
+1. `config` — `MoEConfig` and `from_section` (DeepSpeed's MoE arguments).
 2. `costs` — capacity and all-to-all bytes, written once.
 3. `gating` — `TopKGate` and the `Routing` it returns (counts, drops, aux loss, z-loss).
 4. `dispatch_einsum` — the dense one-hot formulation (the readable reference).

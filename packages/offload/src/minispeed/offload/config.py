@@ -1,11 +1,11 @@
 """Offload configuration: ``offload_optimizer``, ``offload_param`` and ``aio``, with DeepSpeed's keys.
 
-Three frozen dataclasses, each built directly or from its ds_config section with
-``from_ds_config(section)`` (the section's dict, e.g. ``ds["zero_optimization"]["offload_optimizer"]``
-or ``ds["aio"]``). Our field names carry their units (``buffer_numel`` counts elements, as
-DeepSpeed's ``buffer_size`` does); DeepSpeed's keys are translated once, here. An unknown key is an
-error that names it and the closest known key; a value we cannot honour is an error that names
-the key and the fix.
+Three frozen dataclasses (the config pattern, `minispeed.core.sections`), each built directly or
+from its ds_config section with ``from_section(section)`` (the section's dict, e.g.
+``ds["zero_optimization"]["offload_optimizer"]`` or ``ds["aio"]``). Our field names carry their
+units (``buffer_numel`` counts elements, as DeepSpeed's ``buffer_size`` does); each field names the
+DeepSpeed key it reads. An unknown key is an error that names it and the closest known key; a
+value we cannot honour is an error that names the key as written and the fix.
 
 Who reads what: `AioConfig` drives `minispeed.offload.aio.AsyncIO`;
 `OffloadOptimizerConfig` drives `minispeed.offload.swapped.SwappedOptimizer` (and, through
@@ -16,73 +16,18 @@ Who reads what: `AioConfig` drives `minispeed.offload.aio.AsyncIO`;
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
-from minispeed.core.config import ConfigError, check_keys, did_you_mean, translate
+from minispeed.core.config import ConfigTypeError, did_you_mean, field_error
+from minispeed.core.sections import Section, key, read_section
 
 __all__ = ["AioConfig", "OffloadOptimizerConfig", "OffloadParamConfig"]
 
 
-def _translate(
-    section: Any, name: str, keys: dict[str, str], fixed: dict[str, Any]
-) -> dict[str, Any]:
-    """DeepSpeed keys -> our field names (`minispeed.core.config`'s check and translation):
-    an unknown key is a `ConfigError` naming the nearest known key; a key in `fixed` is
-    accepted only at the one value minispeed.offload implements."""
-    check_keys(
-        section,
-        keys.keys(),
-        name,
-        unsupported={k: f"minispeed.offload implements only {v!r}" for k, v in fixed.items()},
-        defaults=fixed,
-    )
-    return translate(section, keys, counts=keys)
-
-
-def _as_dict(section: Any, name: str) -> dict[str, Any]:
-    if section is None:
-        return {}
-    if not isinstance(section, dict):
-        raise TypeError(
-            f"{name} must be a dict (a ds_config section), got {type(section).__name__}"
-        )
-    return dict(section)
-
-
-# The keys both offload sections (optimizer states and parameters) share, under the same names.
-_DEVICE_KEYS = {
-    "device": "device",
-    "nvme_path": "nvme_path",
-    "buffer_count": "buffer_count",
-    "pin_memory": "pin_memory",
-}
-
-
-def _device_section(section: Any, name: str) -> dict[str, Any]:
-    """An offload section as a fresh dict; `device: null` means the default (``none``)."""
-    section = _as_dict(section, name)
-    if section.get("device") is None:
-        section.pop("device", None)
-    return section
-
-
-def _check_types(obj: Any, prefix: str) -> None:
-    for f in fields(obj):
-        value = getattr(obj, f.name)
-        expected = {
-            "int": int,
-            "bool": bool,
-            "str": str,
-            "str | None": (str, type(None)),
-            "int | None": (int, type(None)),
-        }[str(f.type)]
-        if isinstance(value, bool) != (expected is bool) or not isinstance(value, expected):
-            raise TypeError(f"{prefix}.{f.name} must be {f.type}, got {value!r}")
-
-
 @dataclass(frozen=True)
-class AioConfig:
+class AioConfig(Section):
     """How the async I/O engine reads and writes swap files (DeepSpeed section ``aio``).
 
     The portable back end runs blocking pread/pwrite calls on worker threads, so the I/Os in
@@ -91,156 +36,165 @@ class AioConfig:
     submitting ``queue_depth`` requests.
     """
 
-    #: Bytes per pread/pwrite call (``block_size``). Larger blocks: fewer calls; smaller: more
-    #: parallelism per request. 1 MiB is DeepSpeed's default.
-    block_bytes: int = 1 << 20
-    #: I/Os each thread keeps in flight (``queue_depth``).
-    queue_depth: int = 8
-    #: Submitting threads (``thread_count``; newer DeepSpeed calls it ``intra_op_parallelism``).
-    thread_count: int = 1
-    #: Run each request's blocks one after another on one worker (``single_submit``): one I/O in
-    #: flight per request instead of up to the worker count.
-    single_submit: bool = False
-    #: Return from ``submit`` at once and complete in the background (``overlap_events``). False:
-    #: every submit waits for its own completion (no overlap of I/O with compute).
-    overlap_events: bool = True
+    ds_path: ClassVar[str] = "aio"
+    ds_unsupported: ClassVar[dict[str, str]] = {
+        "use_gds": "minispeed.offload implements only False"
+    }
+    ds_defaults: ClassVar[dict[str, Any]] = {"use_gds": False}
+
+    block_bytes: int = key("block_size", 1 << 20)
+    """Bytes per pread/pwrite call (DeepSpeed `block_size`), a multiple of 4096. Larger blocks:
+    fewer calls; smaller: more parallelism per request. 1 MiB is DeepSpeed's default."""
+    queue_depth: int = key("queue_depth", 8)
+    """I/Os each thread keeps in flight (`queue_depth`)."""
+    thread_count: int = key("thread_count", 1, aliases=("intra_op_parallelism",))
+    """Submitting threads (`thread_count`; newer DeepSpeed calls it `intra_op_parallelism`)."""
+    single_submit: bool = key("single_submit", False)
+    """Run each request's blocks one after another on one worker (`single_submit`): one I/O in
+    flight per request instead of up to the worker count."""
+    overlap_events: bool = key("overlap_events", True)
+    """Return from `submit` at once and complete in the background (`overlap_events`). False:
+    every submit waits for its own completion (no overlap of I/O with compute)."""
 
     def __post_init__(self) -> None:
-        _check_types(self, "AioConfig")
+        super().__post_init__()
         if self.block_bytes < 4096 or self.block_bytes % 4096:
-            raise ValueError(
-                f"aio.block_size={self.block_bytes} must be a positive multiple of 4096 "
-                "(O_DIRECT needs blocks aligned to the device's sector); e.g. 1048576"
+            raise field_error(
+                self,
+                "block_bytes",
+                f"must be a positive multiple of 4096 (O_DIRECT needs blocks aligned to the "
+                f"device's sector), got {self.block_bytes}; e.g. 1048576",
             )
         for name in ("queue_depth", "thread_count"):
             if getattr(self, name) < 1:
-                raise ValueError(f"aio.{name} must be >= 1, got {getattr(self, name)}")
+                raise field_error(self, name, f"must be >= 1, got {getattr(self, name)}")
 
     @property
     def workers(self) -> int:
         """Worker threads of the portable back end: ``thread_count * queue_depth``."""
         return self.thread_count * self.queue_depth
 
-    @classmethod
-    def from_ds_config(cls, section: dict[str, Any] | None) -> AioConfig:
-        """From DeepSpeed's ``aio`` section (``None`` or ``{}``: the defaults)."""
-        section = _as_dict(section, "aio")
-        if "intra_op_parallelism" in section:
-            alias = section.pop("intra_op_parallelism")
-            if "thread_count" in section and section["thread_count"] != alias:
-                raise ValueError(
-                    "aio sets both thread_count and intra_op_parallelism, differently; keep one"
-                )
-            section["thread_count"] = alias
-        keys = {
-            "block_size": "block_bytes",
-            "queue_depth": "queue_depth",
-            "thread_count": "thread_count",
-            "single_submit": "single_submit",
-            "overlap_events": "overlap_events",
-        }
-        return cls(**_translate(section, "aio", keys, {"use_gds": False}))
-
 
 _DEVICES = ("none", "cpu", "nvme")
 
 
-def _check_device(prefix: str, device: str, nvme_path: str | None) -> None:
-    if device not in _DEVICES:
-        hint = did_you_mean([str(device)], _DEVICES)
-        raise ConfigError(f"{prefix}.device", f"{device!r}{hint}: use one of {list(_DEVICES)}")
-    if device == "nvme" and not nvme_path:
-        raise ValueError(
-            f"{prefix}.device='nvme' needs {prefix}.nvme_path: set it to a directory on a fast "
-            "local disk (swap files are created under it)"
+def _device(value: Any) -> Any:
+    """`device: null` means the default, ``none``."""
+    return "none" if value is None else value
+
+
+def _check_device(obj: Any) -> None:
+    if obj.device not in _DEVICES:
+        hint = did_you_mean([str(obj.device)], _DEVICES)
+        raise field_error(obj, "device", f"{obj.device!r}{hint}: use one of {list(_DEVICES)}")
+    if obj.device == "nvme" and not obj.nvme_path:
+        raise field_error(
+            obj,
+            "nvme_path",
+            "must be given with device 'nvme': a directory on a fast local disk (swap files "
+            "are created under it)",
         )
 
 
 @dataclass(frozen=True)
-class OffloadOptimizerConfig:
+class OffloadOptimizerConfig(Section):
     """Where optimizer states live (DeepSpeed ``zero_optimization.offload_optimizer``).
 
     ``cpu``: fp32 masters and states in host memory, stepped by the CPU optimizer.
     ``nvme``: the same, with the states swapped to files under ``nvme_path`` between steps.
     """
 
-    #: ``none``, ``cpu`` or ``nvme`` (``device``).
-    device: str = "none"
-    #: Directory for swap files when ``device='nvme'`` (``nvme_path``).
-    nvme_path: str | None = None
-    #: Host buffers for swapped partitions (``buffer_count``); >= 2 to prefetch while stepping.
-    buffer_count: int = 4
-    #: Page-lock the host buffers (``pin_memory``): needed for async copies to a GPU; on a CPU-only
-    #: machine they are locked with mlock (never paged out), which fails without the privilege.
-    pin_memory: bool = False
-    #: Read the next partition's states while this one is stepped (``pipeline_read``).
-    pipeline_read: bool = False
-    #: Write a stepped partition's states back while the next one is stepped (``pipeline_write``).
-    pipeline_write: bool = False
+    ds_path: ClassVar[str] = "zero_optimization.offload_optimizer"
+    ds_unsupported: ClassVar[dict[str, str]] = {
+        "fast_init": "minispeed.offload implements only False",
+        "ratio": "minispeed.offload implements only 1.0",
+    }
+    ds_defaults: ClassVar[dict[str, Any]] = {"fast_init": False, "ratio": 1.0}
+    ds_extra: ClassVar[dict[str, Any]] = {
+        "pipeline": {
+            "type": "boolean",
+            "description": "DeepSpeed's older switch for both pipeline_read and pipeline_write "
+            "(each written out wins).",
+        }
+    }
+
+    device: str = key("device", "none", read=_device, schema={"enum": list(_DEVICES)})
+    """Where the states live: ``none``, ``cpu`` or ``nvme``."""
+    nvme_path: str | None = key("nvme_path", None)
+    """Directory for swap files when ``device='nvme'``."""
+    buffer_count: int = key("buffer_count", 4)
+    """Host buffers for swapped partitions; >= 2 to prefetch while stepping."""
+    pin_memory: bool = key("pin_memory", False)
+    """Page-lock the host buffers: needed for async copies to a GPU; on a CPU-only machine they
+    are locked with mlock (never paged out), which fails without the privilege."""
+    pipeline_read: bool = key("pipeline_read", False)
+    """Read the next partition's states while this one is stepped."""
+    pipeline_write: bool = key("pipeline_write", False)
+    """Write a stepped partition's states back while the next one is stepped."""
 
     def __post_init__(self) -> None:
-        _check_types(self, "offload_optimizer")
-        _check_device("offload_optimizer", self.device, self.nvme_path)
+        super().__post_init__()
+        _check_device(self)
         if self.buffer_count < 1:
-            raise ValueError(
-                f"offload_optimizer.buffer_count must be >= 1, got {self.buffer_count}"
-            )
+            raise field_error(self, "buffer_count", f"must be >= 1, got {self.buffer_count}")
         if (self.pipeline_read or self.pipeline_write) and self.buffer_count < 2:
-            raise ValueError(
-                f"offload_optimizer.buffer_count={self.buffer_count} leaves no buffer to prefetch "
-                "into: use buffer_count >= 2 with pipeline_read/pipeline_write (4 is the default)"
+            raise field_error(
+                self,
+                "buffer_count",
+                f"{self.buffer_count} leaves no buffer to prefetch into: use buffer_count >= 2 "
+                "with pipeline_read/pipeline_write (4 is the default)",
             )
 
     @classmethod
-    def from_ds_config(cls, section: dict[str, Any] | None) -> OffloadOptimizerConfig:
-        """From DeepSpeed's ``offload_optimizer`` section (``None``: device ``none``)."""
-        section = _device_section(section, "offload_optimizer")
-        if "pipeline" in section:  # DeepSpeed's older switch for both directions
+    def from_section(
+        cls, section: Mapping[str, Any] | None = None, *, path: str | None = None, **context: Any
+    ) -> OffloadOptimizerConfig:
+        """From DeepSpeed's ``offload_optimizer`` section (None: device ``none``); its older
+        ``pipeline`` key sets both directions unless they are written out."""
+        path = cls.ds_path if path is None else path
+        if isinstance(section, Mapping) and "pipeline" in section:
+            section = dict(section)
             both = section.pop("pipeline")
+            if not isinstance(both, bool):
+                raise ConfigTypeError(
+                    f"{path}.pipeline",
+                    f"must be true or false, got {both!r} ({type(both).__name__})",
+                )
             section.setdefault("pipeline_read", both)
             section.setdefault("pipeline_write", both)
-        keys = {
-            **_DEVICE_KEYS,
-            "pipeline_read": "pipeline_read",
-            "pipeline_write": "pipeline_write",
-        }
-        fixed = {"fast_init": False, "ratio": 1.0}
-        return cls(**_translate(section, "offload_optimizer", keys, fixed))
+        return read_section(cls, section, path, **context)
 
 
 @dataclass(frozen=True)
-class OffloadParamConfig:
+class OffloadParamConfig(Section):
     """Where ZeRO-3 parameter partitions live (DeepSpeed ``zero_optimization.offload_param``)."""
 
-    #: ``none``, ``cpu`` or ``nvme`` (``device``).
-    device: str = "none"
-    #: Directory for swap files when ``device='nvme'`` (``nvme_path``).
-    nvme_path: str | None = None
-    #: Host buffers for swapped-in parameter partitions (``buffer_count``).
-    buffer_count: int = 5
-    #: Elements per buffer (``buffer_size``, which counts elements): at least the largest
-    #: partition swapped at once.
-    buffer_numel: int = 100_000_000
-    #: With ``device='nvme'``: parameter-shard elements per rank kept in host memory, the first
-    #: shards in order, whole shards only; the rest go to NVMe (``max_in_cpu``). ``None`` (the
-    #: key absent): every shard goes to NVMe. DeepSpeed's default is 1e9 (so a model under 1e9
-    #: elements per rank stays in CPU memory there); here only an explicit value keeps shards.
-    max_in_cpu_numel: int | None = None
-    #: Page-lock the buffers (``pin_memory``), as in `OffloadOptimizerConfig`.
-    pin_memory: bool = False
+    ds_path: ClassVar[str] = "zero_optimization.offload_param"
+
+    device: str = key("device", "none", read=_device, schema={"enum": list(_DEVICES)})
+    """Where the shards live: ``none``, ``cpu`` or ``nvme``."""
+    nvme_path: str | None = key("nvme_path", None)
+    """Directory for swap files when ``device='nvme'``."""
+    buffer_count: int = key("buffer_count", 5)
+    """Host buffers for swapped-in parameter partitions."""
+    buffer_numel: int = key("buffer_size", 100_000_000)
+    """Elements per buffer (DeepSpeed `buffer_size`, which counts elements): at least the
+    largest partition swapped at once."""
+    max_in_cpu_numel: int | None = key("max_in_cpu", None)
+    """With ``device='nvme'``: parameter-shard elements per rank kept in host memory, the first
+    shards in order, whole shards only; the rest go to NVMe (DeepSpeed `max_in_cpu`). Left out:
+    every shard goes to NVMe. DeepSpeed's default is 1e9 (so a model under 1e9 elements per rank
+    stays in CPU memory there); here only an explicit value keeps shards."""
+    pin_memory: bool = key("pin_memory", False)
+    """Page-lock the buffers, as in `OffloadOptimizerConfig`."""
 
     def __post_init__(self) -> None:
-        _check_types(self, "offload_param")
-        _check_device("offload_param", self.device, self.nvme_path)
-        for name, ds in (("buffer_count", "buffer_count"), ("buffer_numel", "buffer_size")):
+        super().__post_init__()
+        _check_device(self)
+        for name in ("buffer_count", "buffer_numel"):
             if getattr(self, name) < 1:
-                raise ValueError(f"offload_param.{ds} must be >= 1, got {getattr(self, name)}")
+                raise field_error(self, name, f"must be >= 1, got {getattr(self, name)}")
         if self.max_in_cpu_numel is not None and self.max_in_cpu_numel < 0:
-            raise ValueError(f"offload_param.max_in_cpu must be >= 0, got {self.max_in_cpu_numel}")
-
-    @classmethod
-    def from_ds_config(cls, section: dict[str, Any] | None) -> OffloadParamConfig:
-        """From DeepSpeed's ``offload_param`` section (``None``: device ``none``)."""
-        section = _device_section(section, "offload_param")
-        keys = {**_DEVICE_KEYS, "buffer_size": "buffer_numel", "max_in_cpu": "max_in_cpu_numel"}
-        return cls(**_translate(section, "offload_param", keys, {}))
+            raise field_error(
+                self, "max_in_cpu_numel", f"must be >= 0, got {self.max_in_cpu_numel}"
+            )

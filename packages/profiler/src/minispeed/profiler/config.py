@@ -2,7 +2,7 @@
 point an engine calls around each step.
 
 ```python
-cfg = profiler.FlopsProfilerConfig.from_ds_config(ds_config["flops_profiler"])
+cfg = profiler.FlopsProfilerConfig.from_section(ds_config["flops_profiler"])
 steps = profiler.StepProfiler(model, cfg)
 for step, batch in enumerate(batches):
     with steps.step(step):  # profiles only step == cfg.profile_step
@@ -13,77 +13,57 @@ for step, batch in enumerate(batches):
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from rich.console import Console
 from torch import nn
 
-from minispeed.core.config import check_keys
+from minispeed.core.config import field_error
 from minispeed.core.files import atomic_write
+from minispeed.core.sections import Section, key
 from minispeed.profiler.flops_profiler import FlopsProfiler
 from minispeed.profiler.report import Profile
 
 __all__ = ["FlopsProfilerConfig", "StepProfiler"]
 
-_DS_KEYS = {
-    "enabled": "enabled",
-    "profile_step": "profile_step",
-    "module_depth": "module_depth",
-    "top_modules": "top_modules",
-    "detailed": "detailed",
-    "output_file": "output_file",
-}
-_REFUSED = {
-    "recompute_fwd_factor": "minispeed measures recomputation under activation checkpointing "
-    "instead of assuming a factor; remove the key",
-}
-# DeepSpeed's value of each refused key: at its default the key changes nothing, so it loads.
-_DS_DEFAULTS = {"recompute_fwd_factor": 0.0}
-
 
 @dataclass(frozen=True)
-class FlopsProfilerConfig:
-    """When and how to profile one step."""
+class FlopsProfilerConfig(Section):
+    """When and how to profile one step (DeepSpeed section `flops_profiler`; build it directly
+    or with `from_section`)."""
 
-    enabled: bool = False
+    ds_path: ClassVar[str] = "flops_profiler"
+    ds_unsupported: ClassVar[dict[str, str]] = {
+        "recompute_fwd_factor": "minispeed measures recomputation under activation "
+        "checkpointing instead of assuming a factor; remove the key",
+    }
+    # At DeepSpeed's default the refused key changes nothing, so it loads.
+    ds_defaults: ClassVar[dict[str, Any]] = {"recompute_fwd_factor": 0.0}
+
+    enabled: bool = key("enabled", False)
     """Profile at all."""
-    profile_step: int = 1
+    profile_step: int = key("profile_step", 1)
     """Which step (0-based, as the engine counts) to profile; step 0 is often a warm-up."""
-    module_depth: int = -1
+    module_depth: int = key("module_depth", -1)
     """Levels of the module tree printed below the model (-1: all)."""
-    top_modules: int = 1
+    top_modules: int = key("top_modules", 1)
     """Children printed per module, those with the most FLOPs first (-1: all)."""
-    detailed: bool = True
+    detailed: bool = key("detailed", True)
     """Print the module tree; False prints the totals line only."""
-    output_file: str | None = None
+    output_file: str | None = key("output_file", None)
     """Where to write the profile: `*.json` gets `Profile.to_json()`, anything else the table
     as text; None prints it to the terminal."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.profile_step < 0:
-            raise ValueError(f"flops_profiler.profile_step must be >= 0, got {self.profile_step}")
+            raise field_error(self, "profile_step", f"must be >= 0, got {self.profile_step}")
         for name in ("module_depth", "top_modules"):
             value = getattr(self, name)
             if value < -1 or (value == 0 and name == "top_modules"):
-                raise ValueError(
-                    f"flops_profiler.{name} must be -1 (all) or a positive count, got {value}"
-                )
-
-    @classmethod
-    def from_ds_config(cls, section: Mapping[str, Any] | None) -> FlopsProfilerConfig:
-        """Translate DeepSpeed's `flops_profiler` section; unknown keys are errors."""
-        section = dict(section or {})
-        check_keys(
-            section,
-            _DS_KEYS,
-            "flops_profiler",
-            unsupported=_REFUSED,
-            defaults={key: _DS_DEFAULTS[key] for key in _REFUSED},
-        )
-        section = {k: v for k, v in section.items() if k in _DS_KEYS}
-        return cls(**{_DS_KEYS[k]: v for k, v in section.items()})
+                raise field_error(self, name, f"must be -1 (all) or a positive count, got {value}")
 
 
 class StepProfiler:

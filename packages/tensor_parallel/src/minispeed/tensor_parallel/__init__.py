@@ -13,6 +13,7 @@ Reading order (see README.md):
    `agreed` — a plan chosen and applied on every rank of a grid, agreed by all of them (the
    engine's tensor-parallel step).
 8. `memory` — activation bytes per rank, with and without sequence parallelism.
+9. `config` — `TensorParallelConfig`, DeepSpeed's `tensor_parallel` section (the grid's T).
 
 ```python
 import minispeed.tensor_parallel as tp
@@ -29,6 +30,7 @@ from minispeed.tensor_parallel.agreed import (
     ready_plan,
     rebind,
 )
+from minispeed.tensor_parallel.config import TensorParallelConfig
 from minispeed.tensor_parallel.costs import (
     Collective,
     column_collectives,
@@ -78,6 +80,7 @@ __all__ = [
     "SequenceShard",
     "ShardSpec",
     "TensorGroup",
+    "TensorParallelConfig",
     "Vocab",
     "VocabParallelEmbedding",
     "apply_plan",

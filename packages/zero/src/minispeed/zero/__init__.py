@@ -11,7 +11,7 @@ Reading order: see packages/zero/README.md.
 """
 
 from minispeed.zero import full_values
-from minispeed.zero.activation import checkpoint
+from minispeed.zero.activation import ActivationCheckpointingConfig, checkpoint
 from minispeed.zero.api import shard
 from minispeed.zero.checkpoints import (
     consolidate,
@@ -23,15 +23,27 @@ from minispeed.zero.config import ZeroConfig
 from minispeed.zero.memory import estimate, measure
 from minispeed.zero.model_parallel import ModelParallel, SharedGrad
 from minispeed.zero.optimizer import ParamFragment, ShardStrategy, ZeroOptimizer
-from minispeed.zero.precision import LossScaler, MixedPrecision
+from minispeed.zero.precision import (
+    Bf16Config,
+    DataTypesConfig,
+    Fp16Config,
+    LossScaler,
+    MixedPrecision,
+)
 from minispeed.zero.setup_agreement import OffloadSetupError
 from minispeed.zero.stage3 import GatheredParameters, Init, full_state_dict, set_leaf_module
 from minispeed.zero.stage3.io_failures import OffloadIOError
+from minispeed.zero.stage3.mics import MicsGroups
 
 __all__ = [
+    "ActivationCheckpointingConfig",
+    "Bf16Config",
+    "DataTypesConfig",
+    "Fp16Config",
     "GatheredParameters",
     "Init",
     "LossScaler",
+    "MicsGroups",
     "MixedPrecision",
     "ModelParallel",
     "OffloadIOError",

@@ -39,13 +39,55 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from minispeed.core.accelerator import get_accelerator
+from minispeed.core.config import ConfigError, join_path
+from minispeed.core.sections import Section, key
 
-__all__ = ["checkpoint"]
+__all__ = ["ActivationCheckpointingConfig", "checkpoint"]
+
+
+@dataclass(frozen=True)
+class ActivationCheckpointingConfig(Section):
+    """How `checkpoint` keeps a block's inputs (DeepSpeed section `activation_checkpointing`,
+    which DeepSpeed's `deepspeed.checkpointing.configure` reads; minispeed's adapter of that
+    path, `minispeed.engine.checkpointing`, reads it through this class)."""
+
+    ds_path: ClassVar[str] = "activation_checkpointing"
+    ds_unsupported: ClassVar[dict[str, str]] = {
+        "contiguous_memory_optimization": "checkpointed activations are ordinary tensors (it "
+        "needs partitioned activations over tensor-parallel ranks)",
+        "profile": "time checkpointed regions with minispeed.profiler",
+    }
+    ds_defaults: ClassVar[dict[str, Any]] = {
+        "contiguous_memory_optimization": False,
+        "profile": False,
+    }
+
+    partition_activations: bool = key("partition_activations", False)
+    """Split the kept inputs over the model-parallel ranks. minispeed keeps them whole, so true
+    is accepted only without model parallelism (one rank: nothing to split, as in DeepSpeed) and
+    refused over a tensor-parallel group (`check_model_parallel`)."""
+    offload_to_cpu: bool = key("cpu_checkpointing", False)
+    """Keep the checkpointed inputs in host memory (`checkpoint(..., offload_to_cpu=True)`)."""
+    num_checkpoints: int | None = key("number_checkpoints", None)
+    """Checkpoints per forward: DeepSpeed sizes its contiguous buffer with it; minispeed has no
+    such buffer, so it is accepted and unused (null: every call)."""
+    synchronize: bool = key("synchronize_checkpoint_boundary", False)
+    """Synchronize the accelerator before and after each checkpointed forward."""
+
+    def check_model_parallel(self, size: int, path: str | None = None) -> None:
+        """Refuse `partition_activations` over `size` > 1 model-parallel ranks (a
+        `ConfigError` naming the key)."""
+        if self.partition_activations and size > 1:
+            raise ConfigError(
+                join_path(self.ds_path if path is None else path, "partition_activations"),
+                f"true splits the checkpointed inputs over the {size} model-parallel ranks, "
+                "which minispeed does not implement (it keeps them whole); set it to false",
+            )
 
 
 @dataclass

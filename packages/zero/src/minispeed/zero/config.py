@@ -2,8 +2,9 @@
 
 Our field names carry their units (`reduce_bucket_numel` counts elements, not bytes); the
 DeepSpeed `zero_optimization` keys are translated into them once, in
-`ZeroConfig.from_ds_config`, so a user keeps their ds_config.json and our code keeps clear
-names. Unknown keys and contradictory values are errors that name the key and the fix.
+`ZeroConfig.from_section` (each field names the DeepSpeed key it reads: the config pattern,
+`minispeed.core.sections`), so a user keeps their ds_config.json and our code keeps clear
+names. Unknown keys and contradictory values are errors that name the key as written and the fix.
 
 What each stage keeps per rank (Ψ parameters, N data-parallel ranks, mixed-precision Adam: 2 bytes
 per 16-bit parameter, 2 per 16-bit gradient, K = 12 for the fp32 master, momentum and variance):
@@ -21,15 +22,21 @@ per 16-bit parameter, 2 per 16-bit gradient, K = 12 for the fp32 master, momentu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
-from minispeed.core.config import ConfigError, check_keys, check_top_level_spelling, translate
+from minispeed.core.config import check_top_level_spelling, field_error
+from minispeed.core.sections import Section, build, key, translate_section
 
 __all__ = ["ZeroConfig"]
 
 # DeepSpeed's default bucket size for reduce_bucket_size / allgather_bucket_size: 5e8 elements.
 _DS_BUCKET_DEFAULT = 500_000_000
+# The offload sections' classes, in minispeed.offload (imported only when a section is given).
+_OFFLOAD_OPTIMIZER = "minispeed.offload.config:OffloadOptimizerConfig"
+_OFFLOAD_PARAM = "minispeed.offload.config:OffloadParamConfig"
 
 # Note [bucket sizes are upper bounds]
 # `reduce_bucket_numel` bounds a gradient bucket; the plan cuts buckets of at most
@@ -60,40 +67,55 @@ BUCKET_CAP_BYTES = 25 * 2**20
 
 
 @dataclass(frozen=True)
-class ZeroConfig:
-    """Typed ZeRO configuration (build it directly or with `from_ds_config`).
+class ZeroConfig(Section):
+    """ZeRO: which stage, its buckets, offload and ZeRO++ (DeepSpeed `zero_optimization`).
 
-    Validation happens in `__post_init__`; every error says which field is wrong and how to fix
-    it. Buffers sized from the bucket fields are capped at the model size, so the large DeepSpeed
-    defaults cost nothing on a small model.
+    Build it directly or with `from_section`. Validation happens in `__post_init__`; every error
+    says which field is wrong and how to fix it. Buffers sized from the bucket fields are capped
+    at the model size, so the large DeepSpeed defaults cost nothing on a small model.
     """
 
-    stage: int = 0
+    ds_path: ClassVar[str] = "zero_optimization"
+    # DeepSpeed keys ZeRO implements at one value only: accepted at that value (its default).
+    ds_unsupported: ClassVar[dict[str, str]] = {
+        "allgather_partitions": "parameters are all-gathered, never a chain of broadcasts",
+        "round_robin_gradients": "gradients are reduced in bucket order, not round-robin",
+    }
+    ds_defaults: ClassVar[dict[str, Any]] = {
+        "allgather_partitions": True,
+        "round_robin_gradients": False,
+    }
+
+    stage: int = key("stage", 0, schema={"enum": [0, 1, 2, 3]})
     """0 = plain data parallel (bucketed all-reduce), 1 = + optimizer states partitioned, 2 = +
     gradients partitioned, 3 = + parameters partitioned (DeepSpeed `stage`)."""
-    reduce_bucket_numel: int = _DS_BUCKET_DEFAULT
+    reduce_bucket_numel: int = key("reduce_bucket_size", _DS_BUCKET_DEFAULT)
     """Most elements per gradient-reduction bucket (DeepSpeed `reduce_bucket_size`, which counts
     elements too). Smaller buckets overlap more with backward; larger ones make fewer calls. An
     upper bound: buckets are cut at 25 MiB at most (`bucket_numel`, Note [bucket sizes are upper
     bounds])."""
-    allgather_bucket_numel: int = _DS_BUCKET_DEFAULT
+    allgather_bucket_numel: int = key("allgather_bucket_size", _DS_BUCKET_DEFAULT)
     """Elements per parameter all-gather call after the step, stages 1-2 (DeepSpeed
     `allgather_bucket_size`)."""
-    overlap_comm: bool = True
+    overlap_comm: bool = key(
+        "overlap_comm",
+        True,
+        derived="Left out: on, except at stage 2 (Note [overlap_comm's default]).",
+    )
     """Launch gradient collectives asynchronously from the gradient hooks so they run while
     backward continues (DeepSpeed `overlap_comm`). False: each bucket is reduced synchronously
     in its hook."""
-    contiguous_gradients: bool = True
+    contiguous_gradients: bool = key("contiguous_gradients", True)
     """DeepSpeed `contiguous_gradients`: copy each gradient, as autograd produces it, into a
     contiguous buffer (and free `param.grad`), so that one collective reduces a bucket and
     backward leaves no scattered gradient tensors. minispeed always does this (stages 0-2: views
     of one flat buffer per param group; stage 3: one buffer per bucket): it is how buckets are
     reduced. `False` is refused, since it cannot be honoured."""
-    reduce_scatter: bool = True
+    reduce_scatter: bool = key("reduce_scatter", True)
     """Stages 1-2: average gradients with reduce-scatter (each rank receives only its partition).
     False: all-reduce each bucket and keep this rank's part (twice the bytes; DeepSpeed
     `reduce_scatter`)."""
-    ignore_unused_parameters: bool = True
+    ignore_unused_parameters: bool = key("ignore_unused_parameters", True)
     """Tolerate parameters that get no gradient on any rank in an accumulation window (they are
     left untouched by the step, as torch.optim does for `grad is None`). False: raise instead
     (DeepSpeed `ignore_unused_parameters`)."""
@@ -103,24 +125,30 @@ class ZeroConfig:
     """Clip gradients to this global L2 norm before the step; 0 disables (DeepSpeed top-level
     `gradient_clipping`); `math.inf` computes the norm (`ZeroOptimizer.global_grad_norm`) and
     leaves the gradients as they are."""
-    sub_group_numel: int = 1_000_000_000
+    sub_group_numel: int = key("sub_group_size", 1_000_000_000)
     """Most master elements the inner optimizer steps in one call, every stage (DeepSpeed
     `sub_group_size`, which DeepSpeed reads for stage 3 only): bounds the step's temporaries to
     about max(sub_group_numel, largest fragment)·4 bytes per temporary instead of Ψ/N·4, at one
     `optimizer.step()` call per sub-group. See Note [optimizer sub-groups] in optimizer.py."""
 
     # -- stage 3 (read by minispeed.zero.stage3) ------------------------------------------------
-    stage3_prefetch_bucket_numel: int = 50_000_000
+    stage3_prefetch_bucket_numel: int = key("stage3_prefetch_bucket_size", 50_000_000)
     """Elements fetched ahead of use by the stage-3 prefetcher (`stage3_prefetch_bucket_size`)."""
-    stage3_param_persistence_threshold_numel: int = 100_000
+    stage3_param_persistence_threshold_numel: int = key(
+        "stage3_param_persistence_threshold", 100_000
+    )
     """Parameters with at most this many elements stay gathered on every rank
     (`stage3_param_persistence_threshold`)."""
-    stage3_max_live_numel: int = 1_000_000_000
+    stage3_max_live_numel: int = key("stage3_max_live_parameters", 1_000_000_000)
     """Upper bound on gathered parameter elements alive at once (`stage3_max_live_parameters`)."""
-    stage3_max_reuse_distance_numel: int = 1_000_000_000
+    stage3_max_reuse_distance_numel: int = key("stage3_max_reuse_distance", 1_000_000_000)
     """Keep a gathered parameter if it is used again within this many parameter elements
     (`stage3_max_reuse_distance`)."""
-    stage3_gather_16bit_weights_on_model_save: bool = False
+    stage3_gather_16bit_weights_on_model_save: bool = key(
+        "stage3_gather_16bit_weights_on_model_save",
+        False,
+        aliases=("stage3_gather_fp16_weights_on_model_save",),
+    )
     """Gather full 16-bit weights when the model is saved
     (`stage3_gather_16bit_weights_on_model_save`)."""
     stage3_trace_check: str = "first"
@@ -131,14 +159,14 @@ class ZeroConfig:
     variable `MINISPEED_ZERO3_TRACE_CHECK` overrides it for one run."""
 
     # -- ZeRO++ (stage 3 only; read by minispeed.zero.stage3.zeropp) -----------------------------
-    quantized_weights: bool = False
+    quantized_weights: bool = key("zero_quantized_weights", False)
     """qwZ: stage 3's parameter all-gathers send int8 block-quantized shards; the fp32/bf16
     masters stay exact, the gathered copy is dequantized (DeepSpeed `zero_quantized_weights`)."""
-    hpz_partition_size: int = 1
+    hpz_partition_size: int = key("zero_hpz_partition_size", 1)
     """hpZ: keep a secondary copy of each parameter split over this many ranks of one node, so
     backward's all-gather stays inside the node; 1 = off. Must equal the node size
     (`LOCAL_WORLD_SIZE`) and divide the world (DeepSpeed `zero_hpz_partition_size`)."""
-    quantized_gradients: bool = False
+    quantized_gradients: bool = key("zero_quantized_gradients", False)
     """qgZ: gradients reduce-scattered in int8 (or `quantized_gradient_bits=4`) through a
     two-hop all-to-all, inside each node then across nodes (DeepSpeed
     `zero_quantized_gradients`)."""
@@ -148,13 +176,25 @@ class ZeroConfig:
     quantized_gradient_bits: int = 8
     """qgZ: 8 (int8) or 4 (int4) bits per gradient element on the wire (our own setting)."""
 
+    # -- MiCS (stage 3 only; read by minispeed.zero.stage3.mics) -----------------------------------
+    mics_shard_size: int = key("mics_shard_size", -1)
+    """MiCS: partition parameters, gradients and optimizer states over groups of this many
+    data-parallel ranks (typically one node) and replicate them across the groups; gradients
+    are reduce-scattered inside a group, then all-reduced across groups. -1 = off (plain ZeRO-3
+    over every rank). Must divide the data-parallel size (DeepSpeed `mics_shard_size`, which
+    DeepSpeed 0.19.8 removed; minispeed keeps its meaning)."""
+    mics_hierarchical_params_gather: bool = key("mics_hierarchical_params_gather", False)
+    """MiCS: gather parameters in two levels, inside each node then across nodes, when a shard
+    group spans several nodes (`mics_shard_size` a multiple of `LOCAL_WORLD_SIZE`; DeepSpeed
+    `mics_hierarchical_params_gather`)."""
+
     # -- offload (needs minispeed-offload: `pip install packages/zero[offload]`) ----------------
-    offload_optimizer: Any = None
+    offload_optimizer: Any = key("offload_optimizer", None, section=_OFFLOAD_OPTIMIZER)
     """`None`, or a `minispeed.offload.OffloadOptimizerConfig` with device `cpu` or `nvme`
     (DeepSpeed `offload_optimizer`): fp32 masters and optimizer states on the host, stepped
     by the CPU Adam; with `nvme` the states live in swap files. Stages 1-3. See
     `minispeed.zero.offload_bridge`."""
-    offload_param: Any = None
+    offload_param: Any = key("offload_param", None, section=_OFFLOAD_PARAM)
     """`None`, or a `minispeed.offload.OffloadParamConfig` with device `cpu` or `nvme`
     (DeepSpeed `offload_param`, ZeRO-Infinity): stage 3's parameter shards live off the
     accelerator (host memory or swap files) and are fetched before each all-gather. Stage 3."""
@@ -162,41 +202,22 @@ class ZeroConfig:
     """`None` (defaults), or a `minispeed.offload.AioConfig` (DeepSpeed top-level `aio`): how
     swap files are read and written when a device is `nvme`."""
 
-    @staticmethod
-    def ds_key_fields() -> dict[str, str]:
-        """Each `zero_optimization` key `from_ds_config` translates -> the field it sets
-        (offload sections excluded; they become `offload_optimizer` / `offload_param`)."""
-        return dict(_DS_KEYS)
-
     def bucket_numel(self, element_size: int) -> int:
         """Elements per gradient bucket as planned: `reduce_bucket_numel`, at most
         `BUCKET_CAP_BYTES` of `element_size`-byte elements (Note [bucket sizes are upper bounds])."""
         return max(1, min(self.reduce_bucket_numel, BUCKET_CAP_BYTES // element_size))
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            expected = {
-                "int": int,
-                "bool": bool,
-                "float": (int, float),
-                "str": str,
-                "Any": object,  # offload sections: checked by check_offload below
-            }[str(f.type)]
-            # bool is an int subclass: refuse True where a number is meant, and 1 where a flag is.
-            if isinstance(value, bool) != (expected is bool) or not isinstance(value, expected):
-                raise TypeError(
-                    f"ZeroConfig.{f.name} must be {f.type}, got {value!r} "
-                    f"({type(value).__name__}); pass a {f.type}"
-                )
+        super().__post_init__()
         if self.stage not in (0, 1, 2, 3):
-            raise ValueError(f"ZeroConfig.stage must be 0, 1, 2 or 3, got {self.stage}")
+            raise field_error(self, "stage", f"must be 0, 1, 2 or 3, got {self.stage}")
         if not self.contiguous_gradients:
-            raise ValueError(
-                "ZeroConfig.contiguous_gradients=False (DeepSpeed contiguous_gradients) is not "
-                "supported: minispeed always copies gradients into contiguous bucket buffers as "
-                "backward produces them, since each bucket is reduced by one collective over that "
-                "buffer; set it to True or remove the key"
+            raise field_error(
+                self,
+                "contiguous_gradients",
+                "False is not supported: minispeed always copies gradients into contiguous "
+                "bucket buffers as backward produces them, since each bucket is reduced by one "
+                "collective over that buffer; set it to True or remove the key",
             )
         for name in (
             "reduce_bucket_numel",
@@ -207,23 +228,30 @@ class ZeroConfig:
             "sub_group_numel",
         ):
             if getattr(self, name) < 1:
-                raise ValueError(
-                    f"ZeroConfig.{name} must be >= 1, got {getattr(self, name)}; "
-                    f"a bucket holds at least one element (use a positive count, e.g. 500_000_000)"
+                raise field_error(
+                    self,
+                    name,
+                    f"must be >= 1, got {getattr(self, name)}; a bucket holds at least one "
+                    f"element (use a positive count, e.g. 500_000_000)",
                 )
         for name in ("stage3_param_persistence_threshold_numel", "stage3_max_reuse_distance_numel"):
             if getattr(self, name) < 0:
-                raise ValueError(f"ZeroConfig.{name} must be >= 0, got {getattr(self, name)}")
+                raise field_error(self, name, f"must be >= 0, got {getattr(self, name)}")
         if self.stage3_trace_check not in ("off", "first", "every"):
-            raise ValueError(
-                f"ZeroConfig.stage3_trace_check must be 'first' (default), 'every' (debug) or "
-                f"'off', got {self.stage3_trace_check!r}"
+            raise field_error(
+                self,
+                "stage3_trace_check",
+                f"must be 'first' (default), 'every' (debug) or 'off', got "
+                f"{self.stage3_trace_check!r}",
             )
         if self.max_grad_norm < 0:
-            raise ValueError(
-                f"ZeroConfig.max_grad_norm must be >= 0 (0 disables clipping), got {self.max_grad_norm}"
+            raise field_error(
+                self,
+                "max_grad_norm",
+                f"must be >= 0 (0 disables clipping), got {self.max_grad_norm}",
             )
         _check_zeropp_fields(self)
+        _check_mics_fields(self)
         if self.offload_optimizer is not None or self.offload_param is not None:
             # Lazy: no offload import unless a section asks for it.
             from minispeed.zero.offload_bridge import check_offload
@@ -232,149 +260,145 @@ class ZeroConfig:
 
     @classmethod
     def from_ds_config(cls, ds_config: dict[str, Any]) -> ZeroConfig:
-        """Translate a whole DeepSpeed config dict (ds_config.json) into a ZeroConfig.
-
-        Picks the sections ZeRO reads — `zero_optimization` (missing: stage 0), `aio` and the
-        top-level `gradient_accumulation_steps` and `gradient_clipping` — and hands them to
-        `from_section`. Other top-level sections belong to other packages and are ignored, but a
-        near miss of one of ZeRO's (`"zero_optimisation"`) is an error naming the key meant.
-        """
+        """Deprecated (use `from_section`, or the engine's `EngineConfig`): ZeRO's sections
+        picked out of a whole ds_config: `zero_optimization` (missing: stage 0), `aio` and the
+        top-level `gradient_accumulation_steps` and `gradient_clipping` (missing: 0, off). A near
+        miss of one of those top-level names (`"zero_optimisation"`) is an error naming the key
+        meant."""
+        warnings.warn(
+            "ZeroConfig.from_ds_config is deprecated: use ZeroConfig.from_section("
+            "ds_config['zero_optimization'], gradient_accumulation_steps=..., max_grad_norm=...)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         if not isinstance(ds_config, dict):
             raise TypeError(
                 f"ds_config must be a dict (the parsed ds_config.json), got {type(ds_config).__name__}"
             )
         check_top_level_spelling(ds_config, _DS_SECTIONS, "ZeroConfig.from_ds_config")
+        gas = ds_config.get("gradient_accumulation_steps", 1)
         return cls.from_section(
             ds_config.get("zero_optimization"),
-            gradient_accumulation_steps=ds_config.get("gradient_accumulation_steps", 1),
-            gradient_clipping=ds_config.get("gradient_clipping", 0.0),
+            gradient_accumulation_steps=int(gas) if isinstance(gas, float) else gas,
+            max_grad_norm=ds_config.get("gradient_clipping", 0.0),
             aio=ds_config.get("aio"),
         )
 
     @classmethod
     def from_section(
         cls,
-        section: dict[str, Any] | None,
+        section: Mapping[str, Any] | None = None,
         *,
+        path: str | None = None,
         gradient_accumulation_steps: int = 1,
-        gradient_clipping: float = 0.0,
-        aio: dict[str, Any] | None = None,
+        max_grad_norm: float = 0.0,
+        aio: Any = None,
     ) -> ZeroConfig:
         """ZeRO's own section, `zero_optimization` (None: stage 0), with the three values it
         needs from elsewhere in the ds_config: the accumulation steps, the clipping norm
-        (DeepSpeed's `gradient_clipping`, 0 = off) and the `aio` section for NVMe offload.
+        (DeepSpeed's top-level `gradient_clipping`, 0 = off) and the top-level `aio` section
+        (a dict or a `minispeed.offload.AioConfig`) for NVMe offload.
 
         An unknown key is a `ConfigError` with its path and the nearest known key; a DeepSpeed
         key ZeRO implements at one value only (`allgather_partitions`, `round_robin_gradients`)
         is accepted at that value. A missing `overlap_comm` means on, except at stage 2
         (DeepSpeed: on at stage 3 only; see Note [overlap_comm's default]); written out, it is
-        honoured.
+        honoured. An offload section whose device is `none` becomes None; its keys are still
+        checked where minispeed-offload is installed (Note [offload is imported lazily]).
         """
-        section = {} if section is None else section
-        check_keys(
-            section,
-            _DS_KEYS.keys() | _DS_ALIASES.keys() | _DS_OFFLOAD,
-            "zero_optimization",
-            unsupported={key: reason for key, (_, reason) in _DS_FIXED.items()},
-            defaults={key: value for key, (value, _) in _DS_FIXED.items()},
-        )
-        section = dict(section)
-        offload = {key: section.pop(key) for key in _DS_OFFLOAD if key in section}
-        for old, new in _DS_ALIASES.items():
-            if old in section:
-                if new in section and section[new] != section[old]:
-                    raise ConfigError(
-                        f"zero_optimization.{old}",
-                        f"the old name of {new}, which is also set, differently; keep only {new}",
-                    )
-                section[new] = section.pop(old)
+        from minispeed.zero.offload_bridge import check_offload_stage, offload_sections
 
-        kwargs = translate(section, _DS_KEYS, counts=_DS_KEYS)
+        path = cls.ds_path if path is None else path
+        section = offload_sections(section, path)  # before any import of offload
+        kwargs = translate_section(cls, section, path)
         stage = kwargs.get("stage", 0)
         if "overlap_comm" not in kwargs:
             kwargs["overlap_comm"] = stage != 2  # Note [overlap_comm's default]
-        kwargs["gradient_accumulation_steps"] = _as_count(
-            gradient_accumulation_steps, "gradient_accumulation_steps"
+        devices = []
+        for name in _OFFLOAD_KEYS:
+            offload = kwargs.get(name)
+            if offload is not None and offload.device == "none":
+                kwargs[name] = offload = None
+            devices.append(None if offload is None else offload.device)
+        check_offload_stage(stage, *devices, path=path)
+        if any(devices):
+            from minispeed.zero.offload_bridge import import_offload
+
+            aio_class = import_offload("aio").AioConfig
+            kwargs["aio"] = aio if isinstance(aio, aio_class) else aio_class.from_section(aio)
+        kwargs.update(
+            gradient_accumulation_steps=gradient_accumulation_steps, max_grad_norm=max_grad_norm
         )
-        if isinstance(gradient_clipping, bool) or not isinstance(gradient_clipping, (int, float)):
-            raise ConfigError("gradient_clipping", f"must be a number, got {gradient_clipping!r}")
-        kwargs["max_grad_norm"] = float(gradient_clipping)
-        if any((s or {}).get("device") not in (None, "none") for s in offload.values()):
-            from minispeed.zero.offload_bridge import check_offload_stage, offload_from_ds_config
-
-            devices = [(offload.get(k) or {}).get("device") for k in _DS_OFFLOAD_ORDER]
-            check_offload_stage(stage, *devices)  # before the import: a stage error needs none
-            kwargs.update(offload_from_ds_config(offload, aio))
-        elif offload:
-            from minispeed.zero.offload_bridge import check_idle_offload_sections
-
-            check_idle_offload_sections(offload)
-        return cls(**kwargs)
+        return build(cls, path, kwargs, section)
 
 
 def _check_zeropp_fields(cfg: ZeroConfig) -> None:
     """The ZeRO++ fields alone; what depends on the world and the model is checked at shard()
     (stage3/zeropp.py)."""
-    on = cfg.quantized_weights or cfg.quantized_gradients or cfg.hpz_partition_size != 1
+    on = [
+        name
+        for name, value in (
+            ("quantized_weights", cfg.quantized_weights),
+            ("quantized_gradients", cfg.quantized_gradients),
+            ("hpz_partition_size", cfg.hpz_partition_size != 1),
+        )
+        if value
+    ]
     if on and cfg.stage != 3:
-        raise ValueError(
+        raise field_error(
+            cfg,
+            on[0],
             f"ZeRO++ (zero_quantized_weights / zero_hpz_partition_size / zero_quantized_gradients) "
             f"partitions stage 3's parameter and gradient traffic, but stage={cfg.stage}; set "
-            f"stage to 3 or remove the ZeRO++ keys"
+            f"stage to 3 or remove the ZeRO++ keys",
         )
     if cfg.hpz_partition_size < 1:
-        raise ValueError(
-            f"ZeroConfig.hpz_partition_size (zero_hpz_partition_size) must be >= 1 (1 = off), got "
-            f"{cfg.hpz_partition_size}; use the number of ranks per node"
+        raise field_error(
+            cfg,
+            "hpz_partition_size",
+            f"must be >= 1 (1 = off; DeepSpeed zero_hpz_partition_size), got "
+            f"{cfg.hpz_partition_size}; use the number of ranks per node",
         )
     b = cfg.quant_block_numel
     if b < 8 or b & (b - 1):
-        raise ValueError(
-            f"ZeroConfig.quant_block_numel (the block of zero_quantized_weights / "
-            f"zero_quantized_gradients) must be a power of two >= 8, got {b}: other sizes split "
-            f"rows of power-of-two hidden sizes unevenly; use 256 (the default) or 64"
+        raise field_error(
+            cfg,
+            "quant_block_numel",
+            f"must be a power of two >= 8 (the block of zero_quantized_weights / "
+            f"zero_quantized_gradients), got {b}: other sizes split rows of power-of-two hidden "
+            f"sizes unevenly; use 256 (the default) or 64",
         )
     if cfg.quantized_gradient_bits not in (8, 4):
-        raise ValueError(
-            f"ZeroConfig.quantized_gradient_bits must be 8 or 4, got {cfg.quantized_gradient_bits}"
+        raise field_error(
+            cfg, "quantized_gradient_bits", f"must be 8 or 4, got {cfg.quantized_gradient_bits}"
         )
 
 
-def _as_count(value: Any, key: str) -> Any:
-    """DeepSpeed configs often write counts as floats (`4.0`); accept integral floats."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
+def _check_mics_fields(cfg: ZeroConfig) -> None:
+    """The MiCS fields alone; what depends on the world is checked at shard() (stage3/mics.py)."""
+    s = cfg.mics_shard_size
+    if s == 0 or s < -1:
+        raise field_error(
+            cfg,
+            "mics_shard_size",
+            f"must be -1 (off) or a group size >= 1, got {s}; use the number of ranks per node",
+        )
+    if s > 0 and cfg.stage != 3:
+        raise field_error(
+            cfg,
+            "mics_shard_size",
+            f"mics_shard_size={s} shards stage 3's parameters inside groups, but stage="
+            f"{cfg.stage}; set stage to 3 or remove mics_shard_size",
+        )
+    if cfg.mics_hierarchical_params_gather and s < 1:
+        raise field_error(
+            cfg,
+            "mics_hierarchical_params_gather",
+            "gathers inside MiCS shard groups, but mics_shard_size is off; set "
+            "mics_shard_size, or remove the key",
+        )
 
 
+_OFFLOAD_KEYS = ("offload_optimizer", "offload_param")  # check_offload_stage's argument order
 # The top-level ds_config keys ZeroConfig.from_ds_config reads.
 _DS_SECTIONS = {"zero_optimization", "gradient_accumulation_steps", "gradient_clipping", "aio"}
-# DeepSpeed key -> our field. Each translation happens here and nowhere else.
-_DS_KEYS = {
-    "stage": "stage",
-    "reduce_bucket_size": "reduce_bucket_numel",
-    "allgather_bucket_size": "allgather_bucket_numel",
-    "overlap_comm": "overlap_comm",
-    "contiguous_gradients": "contiguous_gradients",
-    "reduce_scatter": "reduce_scatter",
-    "ignore_unused_parameters": "ignore_unused_parameters",
-    "stage3_prefetch_bucket_size": "stage3_prefetch_bucket_numel",
-    "stage3_param_persistence_threshold": "stage3_param_persistence_threshold_numel",
-    "stage3_max_live_parameters": "stage3_max_live_numel",
-    "stage3_max_reuse_distance": "stage3_max_reuse_distance_numel",
-    "stage3_gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
-    "sub_group_size": "sub_group_numel",
-    "zero_quantized_weights": "quantized_weights",
-    "zero_hpz_partition_size": "hpz_partition_size",
-    "zero_quantized_gradients": "quantized_gradients",
-}
-# DeepSpeed keys we accept only at the one value we implement.
-# DeepSpeed keys we accept only at the one value we implement: (that value, why no other).
-_DS_FIXED = {
-    "allgather_partitions": (True, "parameters are all-gathered, never a chain of broadcasts"),
-    "round_robin_gradients": (False, "gradients are reduced in bucket order, not round-robin"),
-}
-# Older DeepSpeed spellings -> the current key.
-_DS_ALIASES = {
-    "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
-}
-_DS_OFFLOAD = {"offload_param", "offload_optimizer"}
-_DS_OFFLOAD_ORDER = ("offload_optimizer", "offload_param")  # check_offload_stage's arguments

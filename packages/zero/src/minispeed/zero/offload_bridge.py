@@ -4,8 +4,9 @@
 imports it until a config asks for a device other than `none` (Note [offload is imported
 lazily]). Three pieces, applied by `zero.shard` in this order:
 
-1. `offload_from_ds_config` / `check_offload`: DeepSpeed's `offload_optimizer`,
-   `offload_param` and `aio` sections become offload's typed configs on `ZeroConfig`;
+1. `offload_sections` / `check_offload`: DeepSpeed's `offload_optimizer`, `offload_param`
+   and `aio` sections become offload's typed configs on `ZeroConfig` (read by offload's own
+   classes, `ZeroConfig.from_section`);
 2. `HostMasters`: a `ShardStrategy` wrapper whose masters and master gradients are host
    tensors (aliases of the strategy's own where those already live on the CPU);
 3. `host_optimizer`: the user's Adam/AdamW stepped by offload's CPU Adam (`device: cpu`) or
@@ -43,22 +44,24 @@ only the optimizer (CPU Adam) and where the states live (memory or files) change
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from minispeed.core import ranges
 from minispeed.core.accelerator import get_accelerator
+from minispeed.core.config import ConfigError, join_path
 from minispeed.zero.contract import StrategyWrapper
 
 __all__ = [
     "OFFLOAD_INSTALL_HINT",
     "HostMasters",
-    "check_idle_offload_sections",
     "check_offload",
+    "check_offload_stage",
     "host_optimizer",
     "import_offload",
-    "offload_from_ds_config",
+    "offload_sections",
 ]
 
 OFFLOAD_INSTALL_HINT = "pip install packages/zero[offload]"
@@ -66,9 +69,10 @@ OFFLOAD_INSTALL_HINT = "pip install packages/zero[offload]"
 # Note [offload is imported lazily]
 # docs/architecture.md: zero <- offload is an optional extra of zero. `import minispeed.zero` must
 # work without minispeed-offload installed, so offload is imported only here, and only when a
-# config names a device other than 'none': from `ZeroConfig.from_ds_config` (to build its typed
+# config names a device other than 'none': from `ZeroConfig.from_section` (to build its typed
 # sections) and `zero.shard` (to build the CPU optimizer and swappers). Without the package the
-# ImportError becomes an error naming the section that asked for it and the install command.
+# ImportError becomes an error naming the section that asked for it and the install command;
+# sections whose device is 'none' are then left unread (nothing would read them).
 
 
 def import_offload(asked_by: str) -> Any:
@@ -83,45 +87,33 @@ def import_offload(asked_by: str) -> Any:
         ) from exc
 
 
-def offload_from_ds_config(sections: dict[str, Any], aio: Any) -> dict[str, Any]:
-    """`ZeroConfig` keyword arguments from the `offload_*` sections and the top-level `aio`.
-
-    A section whose device is `none` (or missing) becomes `None`; the others are translated by
-    offload's own `from_ds_config` (unknown keys and bad values are errors there, naming them).
-    """
-    asked = [k for k, s in sections.items() if (s or {}).get("device") not in (None, "none")]
-    offload = import_offload(
-        f"zero_optimization.{asked[0]}.device={sections[asked[0]]['device']!r}"
-    )
-    out: dict[str, Any] = {}
-    for key in asked:
-        cls = (
-            offload.OffloadOptimizerConfig
-            if key == "offload_optimizer"
-            else offload.OffloadParamConfig
-        )
-        out[key] = cls.from_ds_config(sections[key])
-    out["aio"] = offload.AioConfig.from_ds_config(aio)
-    return out
+_KEYS = ("offload_optimizer", "offload_param")
 
 
-def check_idle_offload_sections(sections: dict[str, Any]) -> None:
-    """Offload sections whose device is `none` still get their keys checked, so a misspelled
-    key is an error even before the device is switched on; skipped when minispeed.offload is
-    not installed (nothing would read them)."""
-    if not any(set(s or {}) - {"device"} for s in sections.values()):
-        return
+def _device(section: Any) -> Any:
+    return section.get("device") if isinstance(section, Mapping) else None
+
+
+def offload_sections(section: Any, path: str) -> Any:
+    """A `zero_optimization` section ready for `ZeroConfig`'s reader: as given where
+    minispeed.offload is installed (its classes read the offload sections); without it, the
+    offload sections asking for no device are dropped, and one asking for a device is an
+    `ImportError` naming it and the install command (after the stage check, which needs no
+    package)."""
+    if not isinstance(section, Mapping) or not any(k in section for k in _KEYS):
+        return section
     try:
-        import minispeed.offload as offload
+        importlib.import_module("minispeed.offload")
+        return section
     except ImportError:
-        return
-    for key, section in sections.items():
-        cls = (
-            offload.OffloadOptimizerConfig
-            if key == "offload_optimizer"
-            else offload.OffloadParamConfig
-        )
-        cls.from_ds_config(section)
+        pass
+    devices = [_device(section.get(k)) for k in _KEYS]
+    asked = [(k, d) for k, d in zip(_KEYS, devices) if d not in (None, "none")]
+    if asked:
+        check_offload_stage(section.get("stage", 0), *devices, path=path)
+        name, device = asked[0]
+        import_offload(f"{join_path(path, name)}.device={device!r}")
+    return {k: v for k, v in section.items() if k not in _KEYS}
 
 
 def check_offload(config: Any) -> None:
@@ -130,37 +122,42 @@ def check_offload(config: Any) -> None:
     for key, cls in (
         ("offload_optimizer", offload.OffloadOptimizerConfig),
         ("offload_param", offload.OffloadParamConfig),
+        ("aio", offload.AioConfig),
     ):
         value = getattr(config, key)
         if value is not None and not isinstance(value, cls):
-            raise TypeError(
-                f"ZeroConfig.{key} must be a minispeed.offload.{cls.__name__} (or None), got "
-                f"{type(value).__name__}; build it with {cls.__name__}.from_ds_config(section)"
+            raise ConfigError(
+                f"ZeroConfig.{key}",
+                f"must be a minispeed.offload.{cls.__name__} (or None), got "
+                f"{type(value).__name__}; build it with {cls.__name__}.from_section(section)",
+                field=key,
             )
-    if config.aio is not None and not isinstance(config.aio, offload.AioConfig):
-        raise TypeError(
-            f"ZeroConfig.aio must be a minispeed.offload.AioConfig (or None), got "
-            f"{type(config.aio).__name__}"
-        )
     opt, par = config.offload_optimizer, config.offload_param
     check_offload_stage(
-        config.stage, None if opt is None else opt.device, None if par is None else par.device
+        config.stage,
+        None if opt is None else opt.device,
+        None if par is None else par.device,
+        path="ZeroConfig",
     )
 
 
-def check_offload_stage(stage: int, optimizer_device: Any, param_device: Any) -> None:
-    """Refuse an offload device the stage cannot honour. Needs no offload package, so a stage
-    error is reported as such even where minispeed-offload is not installed."""
+def check_offload_stage(
+    stage: int, optimizer_device: Any, param_device: Any, *, path: str = "zero_optimization"
+) -> None:
+    """Refuse an offload device the stage cannot honour, naming `<path>.offload_*.device`.
+    Needs no offload package, so a stage error is reported as such even where
+    minispeed-offload is not installed."""
     if optimizer_device not in (None, "none") and stage == 0:
-        raise ValueError(
-            f"zero_optimization.offload_optimizer.device={optimizer_device!r} needs stage 1, 2 "
-            "or 3 (the optimizer states must be partitioned to be offloaded); set stage >= 1 or "
-            "device 'none'"
+        raise ConfigError(
+            f"{path}.offload_optimizer.device",
+            f"{optimizer_device!r} needs stage 1, 2 or 3 (the optimizer states must be "
+            "partitioned to be offloaded); set stage >= 1 or device 'none'",
         )
     if param_device not in (None, "none") and stage != 3:
-        raise ValueError(
-            f"zero_optimization.offload_param.device={param_device!r} needs stage 3 (only stage "
-            f"3 partitions the parameters); set stage 3, or use offload_optimizer at stage {stage}"
+        raise ConfigError(
+            f"{path}.offload_param.device",
+            f"{param_device!r} needs stage 3 (only stage 3 partitions the parameters); set stage "
+            f"3, or use offload_optimizer at stage {stage}",
         )
 
 

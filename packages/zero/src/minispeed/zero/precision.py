@@ -18,15 +18,18 @@ The loss scaler keeps a few Python numbers.
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from minispeed.core.config import ConfigError, check_keys, check_top_level_spelling
+from minispeed.core.config import ConfigError, check_top_level_spelling, field_error
 from minispeed.core.logging import get_logger
+from minispeed.core.sections import Section, ds_keys, key
 
-__all__ = ["LossScaler", "MixedPrecision"]
+__all__ = ["Bf16Config", "DataTypesConfig", "Fp16Config", "LossScaler", "MixedPrecision"]
 
 # The top-level ds_config sections MixedPrecision.from_ds_config reads.
 _SECTIONS = {"fp16", "bf16", "bfloat16", "data_types"}
@@ -38,18 +41,88 @@ _DTYPE_ALIASES = {
     "half": "fp16",
     "bfloat16": "bf16",
 }
-_FP16_KEYS = {
-    "enabled",
-    "loss_scale",
-    "initial_scale_power",
-    "loss_scale_window",
-    "hysteresis",
-    "consecutive_hysteresis",
-    "min_loss_scale",
-    "raise_error_at_min_scale",
-}
 # DeepSpeed still reads its old name of the bf16 section.
 _BF16_OLD = "bfloat16"
+
+
+def _switch(section: str) -> Any:
+    """`enabled` as DeepSpeed 0.19.8 reads it: `"auto"` (the Hugging Face Trainer's placeholder,
+    left in a config used without the Trainer) is off there, so it is off here, with a warning;
+    0 and 1 are false and true; any other non-boolean is an error."""
+
+    def read(value: Any) -> bool:
+        if value == "auto":
+            _log.warning(
+                '%s.enabled is "auto" (a placeholder the Hugging Face Trainer fills in): read as '
+                "false, as DeepSpeed reads it; set true or false",
+                section,
+            )
+            return False
+        if not isinstance(value, bool | int):
+            raise TypeError(f"must be true or false, got {value!r}")
+        return bool(value)
+
+    return read
+
+
+def _dtype_name(value: Any) -> str | None:
+    """`"float16"`, `"half"`, ... -> `"fp16"` (None stays None: the default)."""
+    if value is None:
+        return None
+    text = _DTYPE_ALIASES.get(str(value).lower(), str(value).lower())
+    if text not in _DTYPES:
+        raise ValueError(f"{value!r} is not a dtype we know; use one of {sorted(_DTYPES)}")
+    return text
+
+
+@dataclass(frozen=True)
+class Fp16Config(Section):
+    """fp16 mixed precision with a dynamic loss scale (DeepSpeed section `fp16`; its keys are
+    read only when `enabled`)."""
+
+    ds_path: ClassVar[str] = "fp16"
+
+    enabled: bool = key("enabled", False, read=_switch("fp16"))
+    """Train in fp16: 16-bit parameters, fp32 masters, a loss scale."""
+    loss_scale: float = key("loss_scale", 0.0)
+    """0: scale dynamically; > 0: this static scale (`MixedPrecision.static_loss_scale`)."""
+    initial_scale_power: int = key("initial_scale_power", 16)
+    """The dynamic scale starts at `2 ** initial_scale_power`."""
+    loss_scale_window: int = key("loss_scale_window", 1000)
+    """Clean steps before the dynamic scale doubles."""
+    hysteresis: int = key("hysteresis", 2)
+    """Overflows tolerated before the scale is lowered (1 = lower at the first)."""
+    consecutive_hysteresis: bool = key("consecutive_hysteresis", False)
+    """Refill the hysteresis budget after every clean step (else after a raise)."""
+    min_loss_scale: float = key("min_loss_scale", 1.0)
+    """The dynamic scale never goes below this."""
+    raise_error_at_min_scale: bool = key("raise_error_at_min_scale", True)
+    """An overflow while the scale is already at `min_loss_scale` raises `FloatingPointError`
+    (DeepSpeed's default: such a run usually skips every step from then on); false: log a
+    warning, skip the step and go on."""
+
+
+@dataclass(frozen=True)
+class Bf16Config(Section):
+    """bf16 mixed precision (DeepSpeed section `bf16`, or its old name `bfloat16`)."""
+
+    ds_path: ClassVar[str] = "bf16"
+
+    enabled: bool = key("enabled", False, read=_switch("bf16"))
+    """Train in bf16: 16-bit parameters, fp32 masters, no loss scale."""
+
+
+@dataclass(frozen=True)
+class DataTypesConfig(Section):
+    """Data types (DeepSpeed section `data_types`)."""
+
+    ds_path: ClassVar[str] = "data_types"
+
+    grad_accum_dtype: str | None = key(
+        "grad_accum_dtype", None, read=_dtype_name, schema={"enum": ["fp32", "fp16", "bf16", None]}
+    )
+    """The dtype gradients are accumulated across micro-steps and reduced in (`fp32`, `fp16`,
+    `bf16`); left out: fp32 (`MixedPrecision.grad_accum_dtype`)."""
 
 
 @dataclass(frozen=True)
@@ -88,39 +161,53 @@ class MixedPrecision:
     `fp16.raise_error_at_min_scale` (DeepSpeed's `DynamicLossScaler` argument of that name)."""
 
     def __post_init__(self) -> None:
-        if self.param_dtype not in _DTYPES.values():
-            raise ValueError(
-                f"MixedPrecision.param_dtype must be torch.float32, torch.bfloat16 or torch.float16, "
-                f"got {self.param_dtype}"
-            )
-        if self.grad_accum_dtype not in _DTYPES.values():
-            raise ValueError(
-                f"MixedPrecision.grad_accum_dtype must be torch.float32, torch.bfloat16 or "
-                f"torch.float16, got {self.grad_accum_dtype}"
-            )
+        for name in ("param_dtype", "grad_accum_dtype"):
+            if getattr(self, name) not in _DTYPES.values():
+                raise field_error(
+                    self,
+                    name,
+                    f"must be torch.float32, torch.bfloat16 or torch.float16, got "
+                    f"{getattr(self, name)}",
+                )
         if self.param_dtype == torch.float32 and self.grad_accum_dtype != torch.float32:
-            raise ValueError(
-                f"fp32 parameters produce fp32 gradients; accumulating them in {self.grad_accum_dtype} "
-                f"only loses precision: set grad_accum_dtype=torch.float32"
+            raise field_error(
+                self,
+                "grad_accum_dtype",
+                f"fp32 parameters produce fp32 gradients; accumulating them in "
+                f"{self.grad_accum_dtype} only loses precision: set grad_accum_dtype=torch.float32 "
+                "(data_types.grad_accum_dtype: fp32), or train in bf16/fp16",
             )
         if self.static_loss_scale is not None and self.param_dtype != torch.float16:
-            raise ValueError(
-                "static_loss_scale only applies to fp16; remove it or set param_dtype=torch.float16"
+            raise field_error(
+                self,
+                "static_loss_scale",
+                "static_loss_scale only applies to fp16; remove it or set "
+                "param_dtype=torch.float16",
             )
         if self.static_loss_scale is not None and not self.static_loss_scale > 0:
-            raise ValueError(f"static_loss_scale must be > 0, got {self.static_loss_scale}")
+            raise field_error(
+                self,
+                "static_loss_scale",
+                f"must be > 0 (fp16.loss_scale 0 scales dynamically), got {self.static_loss_scale}",
+            )
         if self.loss_scale_window < 1:
-            raise ValueError(f"loss_scale_window must be >= 1 step, got {self.loss_scale_window}")
+            raise field_error(
+                self, "loss_scale_window", f"must be >= 1 step, got {self.loss_scale_window}"
+            )
         if self.hysteresis < 1:
-            raise ValueError(
-                f"hysteresis must be >= 1 (1 = lower the scale at the first overflow), got {self.hysteresis}"
+            raise field_error(
+                self,
+                "hysteresis",
+                f"must be >= 1 (1 = lower the scale at the first overflow), got {self.hysteresis}",
             )
         if not self.min_loss_scale > 0:
-            raise ValueError(f"min_loss_scale must be > 0, got {self.min_loss_scale}")
+            raise field_error(self, "min_loss_scale", f"must be > 0, got {self.min_loss_scale}")
         if 2.0**self.initial_scale_power < self.min_loss_scale:
-            raise ValueError(
-                f"initial scale 2**{self.initial_scale_power} is below min_loss_scale={self.min_loss_scale}; "
-                f"raise initial_scale_power or lower min_loss_scale"
+            raise field_error(
+                self,
+                "initial_scale_power",
+                f"initial scale 2**{self.initial_scale_power} is below min_loss_scale="
+                f"{self.min_loss_scale}; raise initial_scale_power or lower min_loss_scale",
             )
 
     @property
@@ -135,9 +222,16 @@ class MixedPrecision:
 
     @classmethod
     def from_ds_config(cls, ds_config: dict[str, Any]) -> MixedPrecision:
-        """Translate DeepSpeed's `fp16`, `bf16` (or its old name `bfloat16`) and `data_types`
-        sections out of a whole ds_config, through `from_sections`; a near miss of one of those
-        top-level names (`"fp_16"`) is an error naming the key meant."""
+        """Deprecated (use `from_sections`, or the engine's `EngineConfig`): DeepSpeed's `fp16`,
+        `bf16` (or its old name `bfloat16`) and `data_types` sections picked out of a whole
+        ds_config; a near miss of one of those top-level names (`"fp_16"`) is an error naming
+        the key meant."""
+        warnings.warn(
+            "MixedPrecision.from_ds_config is deprecated: use MixedPrecision.from_sections(fp16=..., "
+            "bf16=..., data_types=...)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         check_top_level_spelling(ds_config, _SECTIONS, "MixedPrecision.from_ds_config")
         if "bf16" in ds_config and _BF16_OLD in ds_config:
             raise ConfigError(
@@ -152,52 +246,61 @@ class MixedPrecision:
     @classmethod
     def from_sections(
         cls,
-        fp16: dict[str, Any] | None = None,
-        bf16: dict[str, Any] | None = None,
-        data_types: dict[str, Any] | None = None,
+        fp16: Fp16Config | Mapping[str, Any] | None = None,
+        bf16: Bf16Config | Mapping[str, Any] | None = None,
+        data_types: DataTypesConfig | Mapping[str, Any] | None = None,
     ) -> MixedPrecision:
-        """Mixed precision's own sections: `fp16`, `bf16` and `data_types` (None: absent).
+        """Mixed precision from its three ds_config sections, `fp16`, `bf16` and `data_types`
+        (each a section object, its dict, or None: absent). fp16's keys are read only when it
+        is enabled.
 
-        Both `fp16.enabled` and `bf16.enabled` true is a contradiction and an error; an unknown
-        key inside a section is a `ConfigError` with its path and the nearest known key.
+        Both `fp16.enabled` and `bf16.enabled` true is a contradiction and an error; a bad key
+        or value is a `ConfigError` naming the key as written (`fp16.loss_scale`), the value and
+        the fix, with this class's field in parentheses.
         """
-        fp16, bf16, types = fp16 or {}, bf16 or {}, data_types or {}
-        check_keys(fp16, _FP16_KEYS, "fp16")
-        check_keys(bf16, {"enabled"}, "bf16")
-        check_keys(types, {"grad_accum_dtype"}, "data_types")
-        fp16_on, bf16_on = _enabled(fp16, "fp16"), _enabled(bf16, "bf16")
-        if fp16_on and bf16_on:
-            raise ValueError(
-                "both fp16.enabled and bf16.enabled are true; enable at most one of them"
+        fp16 = fp16 if isinstance(fp16, Fp16Config) else Fp16Config.from_section(fp16)
+        bf16 = bf16 if isinstance(bf16, Bf16Config) else Bf16Config.from_section(bf16)
+        if not isinstance(data_types, DataTypesConfig):
+            data_types = DataTypesConfig.from_section(data_types)
+        if fp16.enabled and bf16.enabled:
+            raise ConfigError(
+                "bf16.enabled",
+                "true, and so is fp16.enabled; enable at most one of fp16 and bf16",
             )
-        param_dtype = torch.float16 if fp16_on else torch.bfloat16 if bf16_on else torch.float32
+        param_dtype = (
+            torch.float16 if fp16.enabled else torch.bfloat16 if bf16.enabled else torch.float32
+        )
         kwargs: dict[str, Any] = {"param_dtype": param_dtype}
-        if types.get("grad_accum_dtype") is not None:
-            kwargs["grad_accum_dtype"] = _parse_dtype(
-                types["grad_accum_dtype"], "data_types.grad_accum_dtype"
+        if data_types.grad_accum_dtype is not None:
+            kwargs["grad_accum_dtype"] = _DTYPES[data_types.grad_accum_dtype]
+        if fp16.enabled:
+            kwargs.update(
+                static_loss_scale=None if fp16.loss_scale == 0 else float(fp16.loss_scale),
+                initial_scale_power=fp16.initial_scale_power,
+                loss_scale_window=fp16.loss_scale_window,
+                hysteresis=fp16.hysteresis,
+                consecutive_hysteresis=fp16.consecutive_hysteresis,
+                min_loss_scale=float(fp16.min_loss_scale),
+                raise_error_at_min_scale=fp16.raise_error_at_min_scale,
             )
-        if fp16_on:
-            scale = fp16.get("loss_scale", 0)
-            kwargs["static_loss_scale"] = None if scale == 0 else float(scale)
-            for key in ("initial_scale_power", "loss_scale_window", "hysteresis"):
-                if key in fp16:
-                    kwargs[key] = int(fp16[key])
-            if "consecutive_hysteresis" in fp16:
-                kwargs["consecutive_hysteresis"] = bool(fp16["consecutive_hysteresis"])
-            if "min_loss_scale" in fp16:
-                kwargs["min_loss_scale"] = float(fp16["min_loss_scale"])
-            if "raise_error_at_min_scale" in fp16:
-                kwargs["raise_error_at_min_scale"] = bool(fp16["raise_error_at_min_scale"])
-        return cls(**kwargs)
+        try:
+            return cls(**kwargs)
+        except ConfigError as e:
+            where = _key_path(e.field)
+            if where is None or e.path != f"MixedPrecision.{e.field}":
+                raise
+            raise ConfigError(where, f"{e.reason} ({e.path})", field=e.field) from None
 
 
-def _parse_dtype(name: Any, key: str) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    text = _DTYPE_ALIASES.get(str(name).lower(), str(name).lower())
-    if text not in _DTYPES:
-        raise ValueError(f"{key}={name!r} is not a dtype we know; use one of {sorted(_DTYPES)}")
-    return _DTYPES[text]
+def _key_path(field: str | None) -> str | None:
+    """The ds_config key a `MixedPrecision` field is read from (`static_loss_scale` ->
+    `fp16.loss_scale`)."""
+    if field == "grad_accum_dtype":
+        return "data_types.grad_accum_dtype"
+    if field == "static_loss_scale":
+        return "fp16.loss_scale"
+    fp16 = {f.name: name for name, (f, _) in ds_keys(Fp16Config).items()}
+    return f"fp16.{fp16[field]}" if field in fp16 else None
 
 
 class LossScaler:
@@ -316,20 +419,3 @@ class LossScaler:
 
 
 _log = get_logger("zero")
-
-
-def _enabled(section: dict[str, Any], name: str) -> bool:
-    """`section["enabled"]` as DeepSpeed 0.19.8 reads it: `"auto"` (the Hugging Face Trainer's
-    placeholder, left in a config used without the Trainer) is off there, so it is off here, with
-    a warning; any other non-boolean is an error."""
-    value = section.get("enabled", False)
-    if value == "auto":
-        _log.warning(
-            '%s.enabled is "auto" (a placeholder the Hugging Face Trainer fills in): read as '
-            "false, as DeepSpeed reads it; set true or false",
-            name,
-        )
-        return False
-    if not isinstance(value, bool | int):
-        raise ConfigError(f"{name}.enabled", f"must be true or false, got {value!r}")
-    return bool(value)

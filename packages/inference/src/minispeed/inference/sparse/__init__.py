@@ -1,6 +1,6 @@
 """Block-sparse attention (DeepSpeed's `sparse_attention`): layouts, the op, the module.
 
-Reading order: `.layouts` (which tiles each head keeps; `SparsityConfig.from_ds_config`),
+Reading order: `.layouts` (which tiles each head keeps; `SparsityConfig.from_section`),
 `.reference` (dense attention under the expanded mask: the specification), `.attention` (the
 CSR layout, the C++ op's autograd function and the dispatch), `.module` (`SparseSelfAttention`).
 

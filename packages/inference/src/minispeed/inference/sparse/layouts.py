@@ -6,7 +6,7 @@ A layout is a bool tensor `(H, NB, NB)` with `NB = T / block`: `layout[h, r, c]`
 score memory are `density × dense`, with `density = layout.sum() / (H · NB²)`.
 
 The configs mirror DeepSpeed's `sparse_attention` section (same class names and keys, read by
-`SparsityConfig.from_ds_config(section, num_heads)`); the drawings use `#` for a kept block:
+`SparsityConfig.from_section(section, num_heads=H)`); the drawings use `#` for a kept block:
 
 ```text
 fixed (local 4, global 1)  bigbird (window 3, 1 random, 1 global)  bslongformer (window 3, global [0])
@@ -41,7 +41,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from minispeed.core.config import ConfigError, check_keys
+from minispeed.core.config import ConfigError, join_path
+from minispeed.core.sections import Section, key, read_section
 
 __all__ = [
     "BSLongformerSparsityConfig",
@@ -57,6 +58,11 @@ __all__ = [
 ]
 
 _DIRECTIONS = ("unidirectional", "bidirectional")
+
+
+def _blocks(value: Any) -> tuple[int, ...] | None:
+    """A JSON list of block indices as a tuple (None stays None)."""
+    return None if value is None else tuple(value)
 
 
 def check_layout(layout: torch.Tensor, *, causal: bool = False) -> None:
@@ -94,7 +100,7 @@ def draw_layout(layout: torch.Tensor, head: int = 0) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class SparsityConfig:
+class SparsityConfig(Section):
     """What every layout shares. Subclasses fill `_fill_head`; `make_layout` does the rest.
 
     `make_layout(seq_len)` costs `O(H · NB²)` bool ops, once per sequence length (the module
@@ -103,16 +109,16 @@ class SparsityConfig:
 
     num_heads: int
     """Attention heads H (DeepSpeed passes it from the model, not the config section)."""
-    block: int = 16
+    block: int = key("block", 16)
     """Tokens per block (DeepSpeed key `block`): the layout's granularity."""
-    different_layout_per_head: bool = False
+    different_layout_per_head: bool = key("different_layout_per_head", False)
     """Draw each head's random/global choices separately (else every head copies head 0's)."""
 
     mode: ClassVar[str] = ""
-    #: The DeepSpeed keys (besides `mode`) this config reads, mapped to field names.
-    ds_keys: ClassVar[tuple[str, ...]] = ("block", "different_layout_per_head")
+    ds_path: ClassVar[str] = "sparse_attention"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.num_heads < 1 or self.block < 1:
             raise ValueError(
                 f"num_heads and block must be >= 1, got {self.num_heads} and {self.block}"
@@ -156,30 +162,35 @@ class SparsityConfig:
     def _generator(self, head: int) -> torch.Generator:
         return torch.Generator().manual_seed(getattr(self, "seed", 0) * 1_000_003 + head)
 
-    @staticmethod
-    def from_ds_config(section: Mapping[str, Any], num_heads: int) -> SparsityConfig:
-        """Translate DeepSpeed's `sparse_attention` section (`mode` picks the class).
+    @classmethod
+    def from_section(
+        cls,
+        section: Mapping[str, Any] | None = None,
+        *,
+        path: str | None = None,
+        num_heads: int,
+    ) -> SparsityConfig:
+        """DeepSpeed's `sparse_attention` section (`mode` picks the class; left out: `fixed`),
+        with the head count H, which DeepSpeed takes from the model.
 
         Keys not read by the chosen mode are refused with the list of those it reads.
         """
-        section = dict(section)
+        path = cls.ds_path if path is None else path
+        section = dict(section or {})
         mode = section.pop("mode", "fixed")
         classes = {c.mode: c for c in _CONFIGS}
         if mode not in classes:
-            raise ValueError(
-                f"sparse_attention mode {mode!r} is unknown; use one of {list(classes)}"
+            raise ConfigError(
+                join_path(path, "mode"), f"{mode!r} is unknown; use one of {list(classes)}"
             )
-        cls = classes[mode]
         try:
-            check_keys(section, cls.ds_keys, "sparse_attention")
+            return read_section(classes[mode], section, path, num_heads=num_heads)
         except ConfigError as e:
-            reason = str(e).removeprefix(f"{e.path}: ")
-            raise ConfigError(e.path, f"{reason} (for mode {mode!r}; or change the mode)") from None
-
-        for key in ("local_window_blocks", "global_block_indices", "global_block_end_indices"):
-            if section.get(key) is not None:
-                section[key] = tuple(section[key])
-        return cls(num_heads=num_heads, **section)
+            if "unknown key" not in e.reason:
+                raise
+            raise ConfigError(
+                e.path, f"{e.reason} (for mode {mode!r}; or change the mode)"
+            ) from None
 
 
 def _fill_window(grid: torch.Tensor, start: int, end: int, causal: bool) -> None:
@@ -231,26 +242,18 @@ class FixedSparsityConfig(SparsityConfig):
     Sequences with Sparse Transformers"): density ≈ `L/NB + G/L` for window L, G global blocks.
     """
 
-    num_local_blocks: int = 4
+    num_local_blocks: int = key("num_local_blocks", 4)
     """Blocks per local window (windows tile the sequence, they do not slide)."""
-    num_global_blocks: int = 1
+    num_global_blocks: int = key("num_global_blocks", 1)
     """Blocks at the end of each window that every query sees; must divide `num_local_blocks`."""
-    attention: str = "bidirectional"
+    attention: str = key("attention", "bidirectional")
     """`"unidirectional"` (causal) or `"bidirectional"`."""
-    horizontal_global_attention: bool = False
+    horizontal_global_attention: bool = key("horizontal_global_attention", False)
     """Global blocks' queries also see everything (bidirectional only)."""
-    num_different_global_patterns: int = 1
+    num_different_global_patterns: int = key("num_different_global_patterns", 1)
     """Heads cycle over this many global positions within a window (needs per-head layouts)."""
 
     mode: ClassVar[str] = "fixed"
-    ds_keys: ClassVar[tuple[str, ...]] = (
-        *SparsityConfig.ds_keys,
-        "num_local_blocks",
-        "num_global_blocks",
-        "attention",
-        "horizontal_global_attention",
-        "num_different_global_patterns",
-    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -281,32 +284,24 @@ class FixedSparsityConfig(SparsityConfig):
 class VariableSparsityConfig(SparsityConfig):
     """Local windows of varying sizes, chosen global blocks, and random blocks."""
 
-    num_random_blocks: int = 0
+    num_random_blocks: int = key("num_random_blocks", 0)
     """Random key blocks per query block (causal: drawn among the blocks up to the diagonal)."""
-    local_window_blocks: tuple[int, ...] = (4,)
+    local_window_blocks: tuple[int, ...] = key("local_window_blocks", (4,), read=_blocks)
     """Sizes of the first windows; the last size repeats to the end of the sequence."""
-    global_block_indices: tuple[int, ...] = (0,)
+    global_block_indices: tuple[int, ...] = key("global_block_indices", (0,), read=_blocks)
     """Global key blocks (or the starts of global ranges, with `global_block_end_indices`)."""
-    global_block_end_indices: tuple[int, ...] | None = None
+    global_block_end_indices: tuple[int, ...] | None = key(
+        "global_block_end_indices", None, read=_blocks
+    )
     """Exclusive ends of the global ranges, one per start; `None`: single blocks."""
-    attention: str = "bidirectional"
+    attention: str = key("attention", "bidirectional")
     """`"unidirectional"` (causal) or `"bidirectional"`."""
-    horizontal_global_attention: bool = False
+    horizontal_global_attention: bool = key("horizontal_global_attention", False)
     """Global blocks' queries also see everything (bidirectional only)."""
-    seed: int = 0
+    seed: int = key("seed", 0)
     """Seed of the random blocks (not a DeepSpeed key: DeepSpeed draws from Python's `random`)."""
 
     mode: ClassVar[str] = "variable"
-    ds_keys: ClassVar[tuple[str, ...]] = (
-        *SparsityConfig.ds_keys,
-        "num_random_blocks",
-        "local_window_blocks",
-        "global_block_indices",
-        "global_block_end_indices",
-        "attention",
-        "horizontal_global_attention",
-        "seed",
-    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -362,26 +357,18 @@ class BigBirdSparsityConfig(SparsityConfig):
     """BigBird: a sliding window, random blocks, and the first `num_global_blocks` as global
     rows and columns. Density ≈ `(W + R + 2G) / NB` for window W, R random, G global blocks."""
 
-    num_random_blocks: int = 1
+    num_random_blocks: int = key("num_random_blocks", 1)
     """Random key blocks per query block."""
-    num_sliding_window_blocks: int = 3
+    num_sliding_window_blocks: int = key("num_sliding_window_blocks", 3)
     """Width of the window centred on the diagonal, in blocks."""
-    num_global_blocks: int = 1
+    num_global_blocks: int = key("num_global_blocks", 1)
     """The first blocks: seen by all queries, and seeing all keys."""
-    attention: str = "bidirectional"
+    attention: str = key("attention", "bidirectional")
     """`"unidirectional"` (causal) or `"bidirectional"`."""
-    seed: int = 0
+    seed: int = key("seed", 0)
     """Seed of the random blocks (not a DeepSpeed key)."""
 
     mode: ClassVar[str] = "bigbird"
-    ds_keys: ClassVar[tuple[str, ...]] = (
-        *SparsityConfig.ds_keys,
-        "num_random_blocks",
-        "num_sliding_window_blocks",
-        "num_global_blocks",
-        "attention",
-        "seed",
-    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -407,23 +394,18 @@ class BigBirdSparsityConfig(SparsityConfig):
 class BSLongformerSparsityConfig(SparsityConfig):
     """Block-sparse Longformer: a sliding window plus global blocks that see and are seen by all."""
 
-    num_sliding_window_blocks: int = 3
+    num_sliding_window_blocks: int = key("num_sliding_window_blocks", 3)
     """Width of the window centred on the diagonal, in blocks."""
-    global_block_indices: tuple[int, ...] = (0,)
+    global_block_indices: tuple[int, ...] = key("global_block_indices", (0,), read=_blocks)
     """Global blocks (or range starts, with `global_block_end_indices`)."""
-    global_block_end_indices: tuple[int, ...] | None = None
+    global_block_end_indices: tuple[int, ...] | None = key(
+        "global_block_end_indices", None, read=_blocks
+    )
     """Exclusive ends of the global ranges; `None`: single blocks."""
-    attention: str = "bidirectional"
+    attention: str = key("attention", "bidirectional")
     """`"unidirectional"` (causal) or `"bidirectional"`."""
 
     mode: ClassVar[str] = "bslongformer"
-    ds_keys: ClassVar[tuple[str, ...]] = (
-        *SparsityConfig.ds_keys,
-        "num_sliding_window_blocks",
-        "global_block_indices",
-        "global_block_end_indices",
-        "attention",
-    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -447,17 +429,12 @@ class BSLongformerSparsityConfig(SparsityConfig):
 class LocalSlidingWindowSparsityConfig(SparsityConfig):
     """Only a sliding window (causal by default): density ≈ `W / NB`."""
 
-    num_sliding_window_blocks: int = 3
+    num_sliding_window_blocks: int = key("num_sliding_window_blocks", 3)
     """Width of the window, in blocks (causal: the diagonal and `W // 2` blocks before it)."""
-    attention: str = "unidirectional"
+    attention: str = key("attention", "unidirectional")
     """`"unidirectional"` (causal) or `"bidirectional"`."""
 
     mode: ClassVar[str] = "local"
-    ds_keys: ClassVar[tuple[str, ...]] = (
-        *SparsityConfig.ds_keys,
-        "num_sliding_window_blocks",
-        "attention",
-    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -9,9 +9,10 @@ streaming), `model16.py` (one 16-bit state_dict, gathered: `save_16bit_model`).
 
 **The public face** below is what a protocol built over these files may use (the engine's
 grid checkpoints, `minispeed.engine.checkpoint`, one zero checkpoint per part of its grid): the
-calls above, the file names and records of `layout.py`, its atomic writes, `together` (an
-error on one rank is an error on every rank), `probe_storage` and `snapshot` (the collective
-half of a save, whose `PendingSave` writes and seals). The modules' other names are private.
+calls above, the file names and records of `layout.py` and its atomic `torch.save`
+(`atomic_save`; other files go through `minispeed.core.files`), `together` (an error on one
+rank is an error on every rank), `probe_storage` and `snapshot` (the collective half of a save,
+whose `PendingSave` writes and seals). The modules' other names are private.
 
 (The package is `checkpoints`, plural: `zero.checkpoint` is activation checkpointing, and a
 submodule of that name would replace the function on the package when imported.)

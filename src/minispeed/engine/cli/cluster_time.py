@@ -33,7 +33,7 @@ import json
 from dataclasses import asdict, dataclass, replace
 
 from minispeed.comm import CommRecord, costs
-from minispeed.engine.clusters import Cluster, Link, preset_names
+from minispeed.engine.cli.clusters import Cluster, Link, preset_names
 from minispeed.profiler import formulas
 from minispeed.profiler.perf_model import StepPrediction, predict_step
 from minispeed.tensor_parallel import costs as tp_costs

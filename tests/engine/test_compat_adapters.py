@@ -1,0 +1,108 @@
+"""The DeepSpeed names added for scripts written against DeepSpeed's documented surface answer with
+DeepSpeed's meaning (no processes: each is a local call).
+
+`DeepSpeedConfig` resolves a config as `initialize` does; `move_to_device` moves nested tensors
+(in place where the criterion says); `clone_tensors_for_torch_save` copies each tensor out of
+its storage; `OnDevice` builds on the meta device in the dtype asked; `set_z3_leaf_modules`
+finds modules by class or class name and refuses a name it cannot find; DeepSpeed's schedule
+name constants are the classes' names; `get_accelerator().device_count()` is the node's process
+count on the CPU.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch import nn
+
+
+def test_deepspeed_config_answers_deepspeeds_attribute_names() -> None:
+    from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+
+    class Mpu:
+        def get_data_parallel_world_size(self) -> int:
+            return 4
+
+    cfg = DeepSpeedConfig(
+        {
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 3,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 2},
+            "bf16": {"enabled": True},
+        },
+        mpu=Mpu(),
+    )
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu) == (24, 2)
+    assert cfg.gradient_accumulation_steps == 3 and cfg.zero_optimization_stage == 2
+    assert cfg.zero_enabled and cfg.bfloat16_enabled and not cfg.fp16_enabled
+    assert cfg.optimizer_name == "adamw" and cfg.optimizer_params == {"lr": 1e-3}
+    assert cfg.gradient_clipping == 1.0  # DeepSpeed's default when left out
+    with pytest.raises(DeepSpeedConfigError, match=r"zero_optimization\.stage"):
+        DeepSpeedConfig({"train_batch_size": 1, "zero_optimization": {"stage": 5}})
+
+
+def test_move_to_device_and_clone_for_save_keep_the_structure() -> None:
+    from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+    from deepspeed.runtime.utils import move_to_device
+
+    base = torch.arange(6.0)
+    item = collections.OrderedDict(a=base[:2], b=[base[2:4], (base[4:], 7)])
+    saved = clone_tensors_for_torch_save(item)
+    assert type(saved) is collections.OrderedDict and saved["b"][1][1] == 7
+    assert all(t.untyped_storage().nbytes() == 8 for t in (saved["a"], saved["b"][0]))
+    base.zero_()
+    assert saved["b"][1][0].tolist() == [4.0, 5.0]  # copies, not views of `base`
+
+    t = torch.ones(2)
+    moved = move_to_device({"x": [t]}, "cpu", criterion_func=lambda x: True)
+    assert moved["x"][0] is t  # in place where the criterion holds, as DeepSpeed's
+
+
+def test_on_device_builds_on_meta_in_the_dtype_asked() -> None:
+    from deepspeed import OnDevice
+
+    with OnDevice(dtype=torch.float16, device="meta"):
+        layer = nn.Linear(4, 4)
+    assert layer.weight.device.type == "meta" and layer.weight.dtype == torch.float16
+    assert torch.get_default_dtype() == torch.float32  # restored
+    assert nn.Linear(2, 2).weight.device.type == "cpu"
+
+
+def test_set_z3_leaf_modules_by_class_or_name() -> None:
+    from deepspeed.utils import get_z3_leaf_modules, set_z3_leaf_modules, z3_leaf_module
+
+    class Experts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Linear(2, 2)
+
+    model = nn.Sequential(Experts(), nn.Linear(2, 2), Experts())
+    assert set_z3_leaf_modules(model, ["Experts"]) == [model[0], model[2]]
+    assert get_z3_leaf_modules(model) == [model[0], model[2]] and z3_leaf_module(model[0])
+    with pytest.raises(ValueError, match="no module of"):
+        set_z3_leaf_modules(model, [nn.Conv2d])
+    assert set_z3_leaf_modules(model, [nn.Conv2d], raise_if_not_found=False) == []
+
+
+def test_schedule_names_and_the_cpu_device_count(monkeypatch) -> None:
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime import lr_schedules
+
+    assert [
+        c.__name__
+        for c in (
+            lr_schedules.LRRangeTest,
+            lr_schedules.OneCycle,
+            lr_schedules.WarmupLR,
+            lr_schedules.WarmupDecayLR,
+            lr_schedules.WarmupCosineLR,
+        )
+    ] == lr_schedules.VALID_LR_SCHEDULES
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert get_accelerator().device_count() == 3
+    monkeypatch.setenv("LOCAL_SIZE", "4")  # DeepSpeed's own launcher's variable wins
+    assert get_accelerator().device_count() == 4
