@@ -88,6 +88,18 @@ def tensor_specs(module: nn.Module) -> dict[str, list[int]]:
     return {n: [s.dim, s.parts] for n, s in sharded_parameters(module).items()}
 
 
+TAG_VALIDATION_MODES = ("WARN", "FAIL", "IGNORE")
+
+
+def _tag_mode(value: Any) -> str:
+    """`checkpoint.tag_validation`: one of `TAG_VALIDATION_MODES`, in any case (DeepSpeed's)."""
+    if not isinstance(value, str) or value.upper() not in TAG_VALIDATION_MODES:
+        raise ValueError(
+            f"must be one of {', '.join(TAG_VALIDATION_MODES)} (any case), got {value!r}"
+        )
+    return value.upper()
+
+
 @dataclass(frozen=True)
 class CheckpointConfig(Section):
     """Checkpoints (DeepSpeed section `checkpoint`; minispeed.engine.checkpoint)."""
@@ -95,12 +107,10 @@ class CheckpointConfig(Section):
     ds_path: ClassVar[str] = "checkpoint"
     # DeepSpeed's checkpoint keys minispeed does not implement, accepted at their defaults.
     ds_unsupported: ClassVar[dict[str, str]] = {
-        "tag_validation": "every rank saves under the tag its call names; tags are not compared",
         "load_universal": "checkpoints load at any data-parallel size already",
         "parallel_write": "every rank writes its own shard files already",
     }
     ds_defaults: ClassVar[dict[str, Any]] = {
-        "tag_validation": "Warn",
         "load_universal": False,
         "parallel_write": {"pipeline_stage": False},
     }
@@ -113,6 +123,11 @@ class CheckpointConfig(Section):
     """DeepSpeed's key: the ranks of each node may see their own directory at the checkpoint
     path; each node then keeps its ranks' files plus the common ones, and loads at the same
     placement. Without it, a directory not every rank sees is refused at save time."""
+
+    tag_validation: str = key("tag_validation", "WARN", read=_tag_mode)
+    """DeepSpeed's key: whether `save_checkpoint` checks that every rank names the same tag
+    (one gather of the tags): `"WARN"` (the default) logs a warning when they differ, `"FAIL"`
+    raises on every rank, `"IGNORE"` does not check. Case-insensitive, as DeepSpeed's."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -35,6 +35,7 @@ path as written (`zero_optimization.offload_optimizer.buffer_count`), then the v
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -210,13 +211,17 @@ def _clipping(value: Any) -> float:
 
 
 def _every(value: Any) -> int | None:
-    """`steps_per_print`: a positive count; 0, a negative count or null: never."""
-    if value is None:
+    """`steps_per_print`: a positive count; 0, a negative count, null or infinity (accelerate's
+    "never", which DeepSpeed reads as a modulus): never."""
+    if value is None or value == math.inf:
         return None
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"must be an integer (optimizer steps between prints), got {value!r}")
+        raise TypeError(
+            f"must be an integer (optimizer steps between prints, or infinity: never), got "
+            f"{value!r}"
+        )
     return value if value > 0 else None
 
 
@@ -312,6 +317,11 @@ class EngineConfig(Section):
     def tensor_parallel_size(self) -> int:
         """T, the grid's tensor axis (`tensor_parallel.autotp_size`; 0 or absent: 1)."""
         return self.tensor_parallel.size
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The top-level ds_config entry `key` as given: DeepSpeed's `engine.config` is that
+        dict, and clients read it (`engine.config.get("zero_optimization", {})`)."""
+        return self.raw.get(key, default)
 
     @classmethod
     def load(

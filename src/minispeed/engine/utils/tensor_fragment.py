@@ -14,8 +14,11 @@ getters are collective at ZeRO stages 1-3, the setters local. Where DeepSpeed al
 Differences: `safe_get_full_grad` returns the gradient unscaled under fp16 (DeepSpeed: still
 multiplied by the loss scale), and None outside the time between a window's last backward and
 `step` (DeepSpeed: a partial or stale buffer at stages 1-2, the local gradient at stage 0).
-`safe_set_full_grad` / `safe_set_local_grad` are not provided: minispeed's gradients are reduced
-into buffers that the step consumes, and writing them is refused rather than half-supported.
+`safe_set_full_grad` / `safe_set_local_grad` / `safe_update_full_grad_vectorized` are not
+provided: minispeed's gradients are reduced into buffers that the step consumes, and writing them
+is refused rather than half-supported; nor are `safe_set_local_fp32_param` /
+`safe_set_local_optimizer_state` (a write of one rank's fragment alone). Importing any of them
+raises an `ImportError` naming what to use instead.
 """
 
 from __future__ import annotations
@@ -30,6 +33,31 @@ safe_get_local_grad = _fv.local_grad
 safe_get_local_optimizer_state = _fv.local_optimizer_state
 safe_set_full_fp32_param = _fv.set_full_fp32_param
 safe_set_full_optimizer_state = _fv.set_full_optimizer_state
+
+_NOT_PROVIDED = {
+    "safe_set_full_grad": "minispeed's reduced gradients live in the buffers the step consumes",
+    "safe_set_local_grad": "minispeed's reduced gradients live in the buffers the step consumes",
+    "safe_update_full_grad_vectorized": (
+        "minispeed's reduced gradients live in the buffers the step consumes"
+    ),
+    "safe_set_local_fp32_param": "a write of one rank's fragment alone is not provided",
+    "safe_set_local_optimizer_state": "a write of one rank's fragment alone is not provided",
+}
+_INSTEAD = (
+    "change the loss (or scale it) to change gradients, and set whole values with "
+    "safe_set_full_fp32_param / safe_set_full_optimizer_state (collective)"
+)
+
+
+def __getattr__(name: str) -> object:
+    if name in _NOT_PROVIDED:
+        raise ImportError(
+            f"deepspeed.utils.{name} is not provided by minispeed ({_NOT_PROVIDED[name]}); "
+            f"{_INSTEAD}",
+            name=name,
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "safe_get_full_fp32_param",

@@ -122,6 +122,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
     offload's CPU optimizer over the user's param groups), `strategy`, `config`, `precision`, `loss_scaler`,
     `global_step` (optimizer steps taken, skipped ones excluded), `micro_step` (backward calls).
 
+    A window ends after `gradient_accumulation_steps` backward calls, or where the caller says
+    (`backward(loss, ends_window=...)`: DeepSpeed's `set_gradient_accumulation_boundary`, which
+    accelerate uses to end the last window of an epoch early); every micro-batch's loss is
+    divided by `gradient_accumulation_steps` either way, as DeepSpeed divides it.
+
     Lifetime: dropping the model and this optimizer (`del opt, model`) frees everything (the
     hooks hold it weakly: Note [hooks hold their owner weakly] in contract.py). `close`
     hands the model back as a plain `nn.Module` while keeping it; `with zero.shard(...) as opt:`
@@ -151,7 +156,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.global_step = 0
         self.micro_step = 0
         self._grad_norm: torch.Tensor | None = None  # before clipping, at the last clipped step
-        self._stepped_at = 0  # micro_step of the last boundary step() handled
+        self._window = 0  # backward calls in the current accumulation window
+        self._window_ended = False  # the last backward ended it; step() has not handled it yet
 
         masters = strategy.master_params()  # `optimizer` steps them (api.py: _step_masters)
 
@@ -272,18 +278,31 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @property
     def at_boundary(self) -> bool:
         """Whether the last backward completed an accumulation window (`step` will act)."""
-        return (
-            self.micro_step > self._stepped_at
-            and self.micro_step % self.config.gradient_accumulation_steps == 0
-        )
+        return self._window_ended
+
+    @property
+    def window_micro_steps(self) -> int:
+        """Backward calls since the last boundary step (0 between windows)."""
+        return self._window
 
     def _mark_used(self, p: nn.Parameter) -> None:
         # A set, not `_agreement[slot] = 1`: a tensor write per parameter per backward costs a
         # dispatcher round trip each; the flags are written into the tensor once, in step().
         self._used.add(p)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of `loss` scaled by `loss_scale / gradient_accumulation_steps`."""
+    def backward(
+        self,
+        loss: torch.Tensor,
+        *,
+        ends_window: bool | None = None,
+        divide_by_window: bool = True,
+    ) -> None:
+        """Backward of `loss` scaled by `loss_scale / gradient_accumulation_steps`.
+
+        `ends_window`: whether this micro-step ends the accumulation window (`None`: when it is
+        the window's `gradient_accumulation_steps`-th). `divide_by_window=False`: the caller
+        divided the loss already (the Trainer normalizes by the window's tokens), so it is
+        scaled by `loss_scale` only (DeepSpeed's `scale_wrt_gas=False`)."""
         self._check_open("backward")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError(
@@ -297,13 +316,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 f"after every backward (it acts only at accumulation boundaries)"
             )
         gas = self.config.gradient_accumulation_steps
-        is_boundary = (self.micro_step + 1) % gas == 0
-        factor = self.loss_scaler.scale / gas
+        is_boundary = self._window + 1 == gas if ends_window is None else bool(ends_window)
+        factor = self.loss_scaler.scale / gas if divide_by_window else self.loss_scaler.scale
+        self.strategy.backward_begins(is_boundary)
         with ranges.range("zero.backward"):
             # In fp32, so that an fp16 loss times 2**16 does not overflow before backward starts.
             (loss.float() * factor if factor != 1.0 else loss).backward()
             self.strategy.backward_done(is_boundary)
         self.micro_step += 1
+        self._window += 1
+        self._window_ended = is_boundary
         self._backward_since_step = True
 
     # -- step -------------------------------------------------------------------------------------
@@ -333,7 +355,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return self._boundary_step()
 
     def _boundary_step(self) -> bool:
-        self._stepped_at = self.micro_step
+        self._window = 0
+        self._window_ended = False
         grads_by_group = self.strategy.master_grads()
         grads = [g for gs in grads_by_group for g in gs]
         if self.model_parallel is not None and self.model_parallel.shared:
@@ -494,9 +517,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         before every backward).
         """
         gas = self.config.gradient_accumulation_steps
-        if self.micro_step % gas != 0:
+        if self._window != 0:
             raise RuntimeError(
-                f"zero_grad() after micro-step {self.micro_step % gas} of {gas} would discard the "
+                f"zero_grad() after micro-step {self._window} of {gas} would discard the "
                 f"gradients accumulated in this window; call it only after step() (which already "
                 f"clears them), or drop the call"
             )

@@ -96,7 +96,6 @@ def load_rank_state_dict(opt: Any, saved: dict[str, Any]) -> None:
     opt.loss_scaler.load_state_dict(saved["loss_scaler"])
     opt.global_step = saved["global_step"]
     opt.micro_step = saved["micro_step"]
-    opt._stepped_at = opt.micro_step
     opt.strategy.zero_grad()
     opt.strategy.publish_params()
 
