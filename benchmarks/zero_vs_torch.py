@@ -55,7 +55,14 @@ python benchmarks/zero_vs_torch.py                 # the numbers in docs/benchma
 python benchmarks/zero_vs_torch.py --json out.json # plus machine-readable results
 python benchmarks/zero_vs_torch.py --profile ZeRO-3 --profile "torch FSDP2"  # where time goes
 python benchmarks/zero_vs_torch.py --size large --keys deepspeed --rounds 6  # 33.9M, DS defaults
+python benchmarks/zero_vs_torch.py --world-size 4 --mics-shard-size 2 \
+    --contenders "torch FSDP2 HSDP" MiCS "torch FSDP2" ZeRO-3     # MiCS vs HSDP, 2 x 2
 ``
+
+`--mics-shard-size S` adds MiCS (`ZeroConfig(stage=3, mics_shard_size=S)`) and FSDP2's HSDP
+(`fully_shard` per block and on the root over a `(world/S) x S` replicate × shard
+`DeviceMesh`), paired with each other: the same layout, parameters gathered inside groups of
+S, gradients reduce-scattered inside them and all-reduced across.
 
 Benchmarks may use `torch.distributed` directly for the torch baselines; minispeed's contenders
 go through `minispeed.comm` like any user.
@@ -79,7 +86,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 from data import CharDataset  # noqa: E402
-from zerobench.contenders import CONTENDERS, DEEPSPEED_CONTENDERS, SIZES, deepspeed_available  # noqa: E402
+from zerobench.contenders import (  # noqa: E402
+    CONTENDERS,
+    DEEPSPEED_CONTENDERS,
+    MICS_CONTENDERS,
+    SIZES,
+    deepspeed_available,
+)
 from zerobench.heap import peak_memory  # noqa: E402
 from zerobench.report import report  # noqa: E402
 from zerobench.rounds import profile_steps, time_contenders  # noqa: E402
@@ -164,6 +177,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument(
         "--prefetch-numel", type=int, default=0, help="ZeRO-3 prefetch elements (0: one block)"
     )
+    p.add_argument(
+        "--mics-shard-size",
+        type=int,
+        default=0,
+        help="MiCS against FSDP2 HSDP on a (world/S) x S mesh (needs --world-size a multiple of S)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--contenders", nargs="*", default=None, help=f"subset of {CONTENDERS}")
     p.add_argument(
@@ -178,6 +197,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if getattr(args, key) is None:
             setattr(args, key, value)
     known = list(CONTENDERS)
+    if args.mics_shard_size:
+        if args.mics_shard_size < 1 or args.world_size % args.mics_shard_size:
+            p.error(f"--mics-shard-size must divide --world-size {args.world_size}")
+        known += [n for n in MICS_CONTENDERS if n not in known]
     if args.deepspeed == "yes" or (args.deepspeed == "auto" and deepspeed_available()):
         if not deepspeed_available():
             p.error(

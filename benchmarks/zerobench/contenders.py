@@ -46,6 +46,10 @@ FLOOR = "floor (no communication)"
 #: differ between systems) before the benchmark refuses to compare their times.
 LOSS_TOLERANCE = 1e-3
 DEEPSPEED_CONTENDERS = [f"DeepSpeed ZeRO-{k}" for k in range(4)]
+#: `--mics-shard-size S` (world a multiple of S): MiCS against FSDP2's HSDP on the same
+#: replicate × shard mesh, and against plain ZeRO-3 and FSDP2 over every rank.
+MICS_CONTENDERS = ["torch FSDP2", "ZeRO-3", "torch FSDP2 HSDP", "MiCS"]
+PAIRS_MICS = [("MiCS", "torch FSDP2 HSDP"), ("MiCS", "ZeRO-3")]
 
 # --size presets: (n_layer, n_head, n_embd, block_size, micro_batch)
 SIZES = {"small": (4, 4, 256, 64, 8), "large": (8, 8, 592, 256, 4)}
@@ -153,12 +157,17 @@ def build(name: str, args: argparse.Namespace, vocab: int) -> Trainer:
             opt.zero_grad(set_to_none=True)
 
         return Trainer(name, lambda x, y: ddp(x, y)[1], torch.Tensor.backward, ddp_step, (ddp, opt))
-    if name == "torch FSDP2":
+    if name in ("torch FSDP2", "torch FSDP2 HSDP"):
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        mesh = None  # FSDP2 over every rank; HSDP: a (world/S) x S replicate × shard mesh
+        if name == "torch FSDP2 HSDP":
+            world, s = dist.get_world_size(), args.mics_shard_size
+            mesh = init_device_mesh("cpu", (world // s, s), mesh_dim_names=("replicate", "shard"))
         for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         opt = _adamw(model.parameters())
 
         def fsdp_step() -> None:
@@ -192,11 +201,13 @@ def build(name: str, args: argparse.Namespace, vocab: int) -> Trainer:
             name, lambda x, y: model(x, y)[1], torch.Tensor.backward, floor_step, (model, shards)
         )
     block_numel = sum(p.numel() for p in model.blocks[0].parameters())
-    if name.startswith("ZeRO-"):
+    if name.startswith("ZeRO-") or name == "MiCS":
         import minispeed.zero as zero
 
-        stage = int(name.removeprefix("ZeRO-"))
+        stage = 3 if name == "MiCS" else int(name.removeprefix("ZeRO-"))
         section = zero_section(args, stage, block_numel)
+        if name == "MiCS":
+            section["mics_shard_size"] = args.mics_shard_size
         cfg = zero.ZeroConfig.from_section(section)
         zopt = zero.shard(model, _adamw(model.parameters()), config=cfg)
 

@@ -22,7 +22,8 @@ functions are `steps.py`'s, each recording what it did for `engine.describe()`):
 4. the `activation_checkpointing` section configures `minispeed.engine.checkpointing`
    (DeepSpeed's `deepspeed.checkpointing`) for model code that calls its `checkpoint`;
 5. the optimizer: the one given, a callable of the parameters, or the config's by name;
-6. `zero.shard` over the data-parallel group (stage, precision, offload, ZeRO++), the experts of
+6. `zero.shard` over the data-parallel group (stage, precision, offload, ZeRO++; MiCS over the
+   grid's shard and replica groups), the experts of
    `minispeed.moe.MoE` layers over their expert-data group (`experts.py`), the grid's other
    axes as ZeRO's model-parallel axes;
 7. the scheduler: the one given, a callable of the optimizer, or the config's by name;
@@ -58,7 +59,7 @@ from minispeed.engine.config import EngineConfig, load_ds_config
 from minispeed.engine.distributed import add_config_arguments, init_distributed
 from minispeed.engine.engine import Engine
 from minispeed.engine.experts import MoEEngine, expert_replica_groups
-from minispeed.engine.grid import build_grid, grid_shape, tensor_parallel_size
+from minispeed.engine.grid import build_grid, check_mics_size, grid_shape, tensor_parallel_size
 from minispeed.engine.pipe_engine import PipelineEngine
 from minispeed.engine.steps import record_config, record_grid
 from minispeed.engine.tune.trial import Trial, TrialRecorder
@@ -203,6 +204,7 @@ def initialize(
         ds, data_parallel_size=shape["data"], pipeline_stages=model.stages if is_pipeline else None
     )
     record_config(composition, cfg, "trial" if trial is not None else "ds_config")
+    check_mics_size(shape, cfg.zero.mics_shard_size)  # MiCS's S against the data axis
     has_experts = bool(minispeed.moe.moe_layers(model))
     if is_pipeline:
         steps.check_pipeline(model, cfg, has_experts)

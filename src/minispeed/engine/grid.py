@@ -23,6 +23,13 @@ outermost. What each axis carries:
 `tensor_parallel.autotp_size` (DeepSpeed's key) gives T; a `PipelineModule` gives P; D is what
 is left: `world / (P · T)`. A world size the grid does not tile is a `ConfigError` raised by
 `grid_shape` on every rank before any collective (every rank computes the same arithmetic).
+
+MiCS (`zero_optimization.mics_shard_size` = S) cuts each data line into D/S shard groups of S
+consecutive data ranks (parameters partitioned inside one, replicated across them) and D/S-rank
+replica groups (`mics_groups`; `minispeed.zero.MicsGroups`): S must divide D (`check_mics_size`).
+```text
+4 ranks, D = 4, S = 2:   data [0,1,2,3]   shard groups [0,1] [2,3]   replica groups [0,2] [1,3]
+```
 """
 
 from __future__ import annotations
@@ -38,7 +45,15 @@ from minispeed.core.config import ConfigError
 from minispeed.tensor_parallel import TensorParallelConfig
 from minispeed.tensor_parallel.sharding import sharded_parameters
 
-__all__ = ["AXES", "build_grid", "grid_shape", "model_parallel", "tensor_parallel_size"]
+__all__ = [
+    "AXES",
+    "build_grid",
+    "check_mics_size",
+    "grid_shape",
+    "mics_groups",
+    "model_parallel",
+    "tensor_parallel_size",
+]
 
 AXES = ("pipe", "data", "tensor")
 """Outermost first; the last varies fastest (`minispeed.comm.ProcessTopology` is row-major)."""
@@ -72,6 +87,41 @@ def build_grid(shape: Mapping[str, int]) -> comm.ProcessGrid:
     pipe axis is left out when P = 1 (no singleton groups to create)."""
     axes = [a for a in AXES if a != "pipe" or shape["pipe"] > 1]
     return comm.ProcessGrid(comm.ProcessTopology(axes, [shape[a] for a in axes]))
+
+
+def check_mics_size(shape: Mapping[str, int], shard_size: int) -> None:
+    """MiCS's shard size against the grid: S must divide the data axis, and the other axes are
+    not composed with it yet. Local: a `ConfigError` on every rank before any collective."""
+    if shard_size < 1:
+        return
+    data = shape["data"]
+    if data % shard_size:
+        fits = [s for s in range(1, data + 1) if data % s == 0]
+        raise ConfigError(
+            "zero_optimization.mics_shard_size",
+            f"{shard_size} does not divide the data-parallel size {data} (pipe {shape['pipe']} x "
+            f"data {data} x tensor {shape['tensor']}): MiCS cuts the data "
+            f"ranks into groups of S; pick S among {fits} (usually the ranks of one node), or -1",
+        )
+    if shape["tensor"] > 1 or shape["pipe"] > 1:
+        raise ConfigError(
+            "zero_optimization.mics_shard_size",
+            "MiCS with tensor or pipeline parallelism is not implemented (the norm and tied "
+            "gradients over those axes are untested under it); drop tensor_parallel.autotp_size "
+            "or the pipeline, or mics_shard_size",
+        )
+
+
+def mics_groups(grid: comm.ProcessGrid | None, shard_size: int, hierarchical: bool = False) -> Any:
+    """The MiCS groups of every data line of `grid` (None: the world is one data line).
+    Collective: every rank of the world, once, after `check_mics_size`. `hierarchical`: also
+    the two-level gathers (`zero_optimization.mics_hierarchical_params_gather`)."""
+    if grid is None:
+        return zero.MicsGroups.build(shard_size, hierarchical=hierarchical)
+    lines = [[grid.ranks[r] for r in line] for line in grid.topology.axis_groups("data")]
+    return zero.MicsGroups.build(
+        shard_size, lines, data_group=grid.group("data"), hierarchical=hierarchical
+    )
 
 
 def model_parallel(

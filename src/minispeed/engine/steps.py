@@ -25,7 +25,7 @@ from minispeed.core.logging import get_logger
 from minispeed.engine.composition import Composition, placements
 from minispeed.engine.config import EngineConfig
 from minispeed.engine.engine import zero_config_for
-from minispeed.engine.grid import model_parallel
+from minispeed.engine.grid import mics_groups, model_parallel
 from minispeed.tensor_parallel.sharding import sharded_parameters
 
 __all__ = [
@@ -182,6 +182,11 @@ def shard(
             "group": grid.group("data"),
             "model_parallel": model_parallel(model, grid, ties or []),
         }
+    if zero_config.stage == 3 and zero_config.mics_shard_size > 0:  # built once, from the grid
+        keys.append("zero_optimization.mics_shard_size")
+        parallel["mics_groups"] = mics_groups(
+            grid, zero_config.mics_shard_size, zero_config.mics_hierarchical_params_gather
+        )
     with composition.step("zero.shard", model, keys=keys) as step:
         opt = zero.shard(
             model, opt, config=zero_config, precision=cfg.precision,
@@ -209,6 +214,12 @@ def shard(
             step.did(f"norm and fp16 verdict summed over the model-parallel axes {axes}")
             if ties:
                 step.did(f"{len(ties)} tied parameters summed over their stages at each step")
+        if "mics_groups" in parallel:
+            mics = parallel["mics_groups"]
+            step.did(
+                f"MiCS: partitioned inside shard groups of {mics.shard_size} ranks, replicated "
+                f"over {mics.replicas} groups (gradients all-reduced across them)"
+            )
         if replica_groups is not None:
             experts = sum(g is not None for g in replica_groups)
             step.did(f"{experts} param groups of MoE experts reduced over their expert-data group")

@@ -3,6 +3,7 @@
 ```bash
 minispeed estimate --params 7e9 --gpus 8 --nodes 1 --gpu-mem 80 --cpu-mem 512
 minispeed estimate --model hf-config.json --gpus 8 --gpu-mem 80     # Ψ and L from the config
+minispeed estimate --params 7e9 --gpus 8 --nodes 4 --mics-shard-size 8  # + MiCS over one node
 ```
 
 One row per (stage, offload mode, zero_init) with the model-state bytes per GPU, per node (the
@@ -40,6 +41,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-mem", type=float, help="GiB of CPU memory per node, to say what fits")
     p.add_argument(
         "--buffer-factor", type=float, default=1.5, help="DeepSpeed's additional_buffer_factor"
+    )
+    p.add_argument(
+        "--mics-shard-size",
+        type=int,
+        help="also the stage-3 rows under MiCS with shard groups of S GPUs (whole nodes)",
     )
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead")
     p.add_argument("--nvme-mem", type=float, help="GiB of NVMe per node, to say what fits")
@@ -108,6 +114,7 @@ def main(args: argparse.Namespace) -> int:
             args.nodes,
             largest_layer_params=largest,
             additional_buffer_factor=args.buffer_factor,
+            mics_shard_size=args.mics_shard_size,
         )
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -118,7 +125,8 @@ def main(args: argparse.Namespace) -> int:
             {"stage": r.stage, "offload": r.offload.value, "zero_init": r.zero_init,
              "gpu_bytes": r.gpu_bytes, "gpu_bytes_per_node": r.gpu_bytes * args.gpus,
              "cpu_bytes_per_node": r.cpu_bytes_per_node,
-             "nvme_bytes_per_node": r.nvme_bytes_per_node, "fits": ok, "source": r.source}
+             "nvme_bytes_per_node": r.nvme_bytes_per_node, "fits": ok, "source": r.source,
+             "mics_shard_size": r.mics_shard_size}
             for r, ok in zip(rows, fits, strict=True)
         ], indent=1))  # fmt: skip
     else:
@@ -141,7 +149,7 @@ def main(args: argparse.Namespace) -> int:
             table.add_column(col, justify="right" if "per" in col else "left")
         for r, ok in zip(rows, fits, strict=True):
             table.add_row(
-                str(r.stage),
+                str(r.stage) if r.mics_shard_size is None else f"3 MiCS S={r.mics_shard_size}",
                 r.offload.value,
                 "-" if r.zero_init is None else str(int(r.zero_init)),
                 _gib(r.gpu_bytes),

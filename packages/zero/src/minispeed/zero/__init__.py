@@ -33,6 +33,7 @@ from minispeed.zero.precision import (
 from minispeed.zero.setup_agreement import OffloadSetupError
 from minispeed.zero.stage3 import GatheredParameters, Init, full_state_dict, set_leaf_module
 from minispeed.zero.stage3.io_failures import OffloadIOError
+from minispeed.zero.stage3.mics import MicsGroups
 
 __all__ = [
     "ActivationCheckpointingConfig",
@@ -42,6 +43,7 @@ __all__ = [
     "GatheredParameters",
     "Init",
     "LossScaler",
+    "MicsGroups",
     "MixedPrecision",
     "ModelParallel",
     "OffloadIOError",

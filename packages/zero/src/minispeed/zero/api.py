@@ -38,6 +38,7 @@ from minispeed.zero.optimizer import ShardStrategy, ZeroOptimizer, param_names
 from minispeed.zero.precision import MixedPrecision
 from minispeed.zero.replica_groups import check_replica_groups
 from minispeed.zero.stage3.assemble import assemble as assemble_stage3
+from minispeed.zero.stage3.mics import MicsGroups, MicsStrategy, mics_enabled, mics_stage3
 
 __all__ = ["shard"]
 
@@ -71,6 +72,7 @@ def shard(
     *,
     model_parallel: ModelParallel | None = None,
     replica_groups: Sequence[Any] | None = None,
+    mics_groups: MicsGroups | None = None,
     allow_untested_optimizer: bool = False,
 ) -> ZeroOptimizer:
     """Apply ZeRO `config.stage` to `model` (in place) and return the wrapping optimizer.
@@ -90,6 +92,10 @@ def shard(
     ranks holding copies of that group's parameters (`None`: `group`), e.g. the expert-data
     group for MoE experts; that group's gradients are reduced and its state partitioned over it,
     and divided by the size of `group` (Note [replica groups] in replica_groups.py).
+
+    `mics_groups` (stage 3 with `ZeroConfig.mics_shard_size`): the shard and replica groups
+    (`zero.MicsGroups.build`), when the caller's grid built them; `None` builds them over
+    `group`, which must then be the world (stage3/mics.py).
 
     `allow_untested_optimizer`: at stages 1-3 an optimizer not known to update each element
     independently is refused (Note [which optimizers can step a slice]); True accepts it, as
@@ -112,7 +118,13 @@ def shard(
     _check_grid(model_parallel, replica_groups, param_groups, config)
 
     strategy: ShardStrategy
-    if config.stage == 3:
+    mics = None
+    if config.stage == 3 and mics_enabled(config):  # over shard groups: stage3/mics.py
+        strategy, mics = mics_stage3(
+            model, config, precision, group, param_groups, groups=mics_groups,
+            replica_groups=replica_groups, model_parallel=model_parallel,
+        )  # fmt: skip
+    elif config.stage == 3:
         strategy = assemble_stage3(model, config, precision, group, param_groups=param_groups)
     else:  # the first rank's weights broadcast, replica groups: bucketed_setup.py
         strategy = bucketed_strategy(model, config, precision, group, param_groups, replica_groups)
@@ -121,6 +133,8 @@ def shard(
         # minispeed.offload is an optional extra, loaded only now (Note [offload is imported
         # lazily] in offload_bridge.py).
         strategy, optimizer = apply_offload(strategy, optimizer, config, group)
+    if mics is not None:  # the optimizer over all N ranks, each shard counted once
+        strategy = MicsStrategy(strategy, mics)
     if model_parallel is not None:
         model_parallel.check_strategy(strategy)
     _cast_rest(model, {p for ps in param_groups for p in ps}, precision.param_dtype, config.stage)

@@ -176,6 +176,18 @@ class ZeroConfig(Section):
     quantized_gradient_bits: int = 8
     """qgZ: 8 (int8) or 4 (int4) bits per gradient element on the wire (our own setting)."""
 
+    # -- MiCS (stage 3 only; read by minispeed.zero.stage3.mics) -----------------------------------
+    mics_shard_size: int = key("mics_shard_size", -1)
+    """MiCS: partition parameters, gradients and optimizer states over groups of this many
+    data-parallel ranks (typically one node) and replicate them across the groups; gradients
+    are reduce-scattered inside a group, then all-reduced across groups. -1 = off (plain ZeRO-3
+    over every rank). Must divide the data-parallel size (DeepSpeed `mics_shard_size`, which
+    DeepSpeed 0.19.8 removed; minispeed keeps its meaning)."""
+    mics_hierarchical_params_gather: bool = key("mics_hierarchical_params_gather", False)
+    """MiCS: gather parameters in two levels, inside each node then across nodes, when a shard
+    group spans several nodes (`mics_shard_size` a multiple of `LOCAL_WORLD_SIZE`; DeepSpeed
+    `mics_hierarchical_params_gather`)."""
+
     # -- offload (needs minispeed-offload: `pip install packages/zero[offload]`) ----------------
     offload_optimizer: Any = key("offload_optimizer", None, section=_OFFLOAD_OPTIMIZER)
     """`None`, or a `minispeed.offload.OffloadOptimizerConfig` with device `cpu` or `nvme`
@@ -239,6 +251,7 @@ class ZeroConfig(Section):
                 f"must be >= 0 (0 disables clipping), got {self.max_grad_norm}",
             )
         _check_zeropp_fields(self)
+        _check_mics_fields(self)
         if self.offload_optimizer is not None or self.offload_param is not None:
             # Lazy: no offload import unless a section asks for it.
             from minispeed.zero.offload_bridge import check_offload
@@ -358,6 +371,31 @@ def _check_zeropp_fields(cfg: ZeroConfig) -> None:
     if cfg.quantized_gradient_bits not in (8, 4):
         raise field_error(
             cfg, "quantized_gradient_bits", f"must be 8 or 4, got {cfg.quantized_gradient_bits}"
+        )
+
+
+def _check_mics_fields(cfg: ZeroConfig) -> None:
+    """The MiCS fields alone; what depends on the world is checked at shard() (stage3/mics.py)."""
+    s = cfg.mics_shard_size
+    if s == 0 or s < -1:
+        raise field_error(
+            cfg,
+            "mics_shard_size",
+            f"must be -1 (off) or a group size >= 1, got {s}; use the number of ranks per node",
+        )
+    if s > 0 and cfg.stage != 3:
+        raise field_error(
+            cfg,
+            "mics_shard_size",
+            f"mics_shard_size={s} shards stage 3's parameters inside groups, but stage="
+            f"{cfg.stage}; set stage to 3 or remove mics_shard_size",
+        )
+    if cfg.mics_hierarchical_params_gather and s < 1:
+        raise field_error(
+            cfg,
+            "mics_hierarchical_params_gather",
+            "gathers inside MiCS shard groups, but mics_shard_size is off; set "
+            "mics_shard_size, or remove the key",
         )
 
 

@@ -48,6 +48,7 @@ from minispeed.zero.contract import ParamFragment, StrategyWrapper
 from minispeed.zero.optimizer import ZeroOptimizer
 from minispeed.zero.replica_groups import ReplicaGroupedStrategy
 from minispeed.zero.stage3.init import GatheredParameters
+from minispeed.zero.stage3.strategy import Stage3Strategy
 
 __all__ = [
     "full_fp32_param",
@@ -266,6 +267,8 @@ def _group(opt: ZeroOptimizer, f: ParamFragment) -> Any:
         strategy = strategy.strategy
     if isinstance(strategy, ReplicaGroupedStrategy):
         return strategy.process_group_of(f.group)
+    if isinstance(strategy, Stage3Strategy):  # its own group: MiCS's shard group (mics.py)
+        return strategy.group
     return opt.comm_group
 
 

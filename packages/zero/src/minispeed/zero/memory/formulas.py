@@ -16,6 +16,9 @@ From the ZeRO paper (Rajbhandari et al., 2020, §3 and §5). Notation:
 | 1 | optimizer states | p·Ψ + g·Ψ + K·Ψ/N (4Ψ + 12Ψ/N) |
 | 2 | + gradients | p·Ψ + g·Ψ/N + K·Ψ/N (2Ψ + 14Ψ/N) |
 | 3 | + parameters | p·Ψ/N + g·Ψ/N + K·Ψ/N (16Ψ/N) |
+| 3, MiCS | the same, inside shard groups of S ranks, replicated N/S times | p·Ψ/S + g·Ψ/S + K·Ψ/S (16Ψ/S) |
+
+(MiCS, stage3/mics.py: every function here takes S in place of N, `world_size=S`.)
 
 A partitioned tensor of ``n`` elements is padded to a multiple of N, so each rank holds
 ``ceil(n / N)`` elements; `padding_elements` bounds the slack. Stage 3 keeps parameters

@@ -200,7 +200,7 @@ def predict(opt: Any) -> ModelStateBytes:
         persistent = sum(n for n in numels.values() if n <= threshold)
     got = minispeed_state_bytes(
         sum(numels.values()),
-        _world_size(opt),
+        _partition_size(opt),
         stage,
         param_bytes=opt.precision.param_dtype.itemsize,
         grad_bytes=opt.precision.grad_accum_dtype.itemsize,
@@ -227,10 +227,17 @@ def padding_allowance(opt: Any) -> ModelStateBytes:
     (Each padded split adds < N elements to a whole buffer and < 1 to a rank's share; a stage-3
     persistent parameter has both a padded shard and a padded whole copy.)
     """
-    n = len(_optimized_shapes(opt)) * _world_size(opt)
+    n = len(_optimized_shapes(opt)) * _partition_size(opt)
     p, g = opt.precision.param_dtype.itemsize, opt.precision.grad_accum_dtype.itemsize
     k = optimizer_bytes_per_param(opt.optimizer)
-    return ModelStateBytes(opt.config.stage, _world_size(opt), n * p, n * g, n * k)
+    return ModelStateBytes(opt.config.stage, _partition_size(opt), n * p, n * g, n * k)
+
+
+def _partition_size(opt: Any) -> int:
+    """Ranks each model state is cut over: the data-parallel N, or MiCS's shard size S
+    (stage3/mics.py: Ψ/S per rank, not Ψ/N)."""
+    mics = opt.config.mics_shard_size
+    return mics if opt.config.stage == 3 and mics > 0 else _world_size(opt)
 
 
 def _world_size(opt: Any) -> int:

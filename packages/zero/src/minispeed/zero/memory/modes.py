@@ -73,6 +73,8 @@ class ModeEstimate:
     nvme_bytes_per_node: int
     #: Which estimator the figures come from (DeepSpeed's function, or how they extend it).
     source: str
+    #: MiCS (stage 3 inside shard groups of this many GPUs, replicated across them), or None.
+    mics_shard_size: int | None = None
 
     def fits(
         self,
@@ -137,12 +139,16 @@ def estimate_modes(
     *,
     largest_layer_params: int | None = None,
     additional_buffer_factor: float = 1.5,
+    mics_shard_size: int | None = None,
 ) -> list[ModeEstimate]:
     """Every (stage, offload mode) row of the module docstring's table, in DeepSpeed's figures.
 
     `model_or_num_params`: a live `nn.Module` (Ψ and L counted as `count_params` does, which is
     DeepSpeed's `_all_live`) or Ψ (DeepSpeed's `_all_cold`; L defaults to 0, as a count alone
     cannot tell it). Example: `estimate_modes(7e9, gpus_per_node=8, largest_layer_params=131e6)`.
+    `mics_shard_size` (S, whole nodes: a multiple of `gpus_per_node` dividing every GPU): also
+    the stage-3 rows under MiCS, DeepSpeed's stage-3 arithmetic over S GPUs (S/n nodes) instead
+    of all of them: each shard group holds a whole replica, so per GPU it is Ψ/S, not Ψ/N.
     """
     if isinstance(model_or_num_params, nn.Module):
         psi, largest = count_params(model_or_num_params)
@@ -189,6 +195,20 @@ def estimate_modes(
         cpu, gpu = _zero3(psi, largest, n, nodes, True, params, True, f)
         base, _ = _zero3(psi, largest, n, nodes, False, False, True, f)
         rows.append(ModeEstimate(3, offload, True, gpu, base, cpu, nvme))
+    if mics_shard_size is not None:
+        if mics_shard_size % n or (total_gpus % mics_shard_size):
+            raise ValueError(
+                f"mics_shard_size {mics_shard_size} must be whole nodes of {n} GPUs and divide "
+                f"the {total_gpus} GPUs; use a multiple of {n} that divides {total_gpus}"
+            )
+        mics = "minispeed: MiCS, estimate_zero3_model_states_mem_needs over the S GPUs of a group"
+        for offload, opt, params in (
+            (Offload.NONE, False, False),
+            (Offload.OPTIMIZER_CPU, True, False),
+            (Offload.PARAMS_CPU, True, True),
+        ):
+            cpu, gpu = _zero3(psi, largest, n, mics_shard_size // n, opt, params, True, f)
+            rows.append(ModeEstimate(3, offload, True, gpu, cpu, 0, mics, mics_shard_size))
     return rows
 
 

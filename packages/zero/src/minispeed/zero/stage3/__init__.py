@@ -22,7 +22,8 @@ lists, as a test traces them, the files one step runs from the optimizer to the 
    initialisers run after `Init` partitioned a module; `access` — why reading a released
    parameter raises; `released` — what a released parameter answers (its full shape) and which
    reads raise; `ledger` — bytes per step, as a formula;
-6. `zeropp` (qwZ, hpZ), `zeropp_grads` (qgZ) and `zeropp_ledger` — ZeRO++;
+6. `zeropp` (qwZ, hpZ), `zeropp_grads` (qgZ) and `zeropp_ledger` — ZeRO++ (and MiCS's bytes per
+   axis); `mics` — MiCS: stage 3 over shard groups, replicated across them;
 7. ZeRO-Infinity (``offload_param`` / ``offload_optimizer`` on NVMe): `offloaded` (where shards
    live), `infinity` (masters, states and gradients in files), `io_failures` (a failed file
    read or write becomes `OffloadIOError` on every rank, never a wait).
@@ -48,6 +49,7 @@ from minispeed.zero.stage3.zeropp_ledger import (
     axis_of,
     bytes_by_axis,
     cross_node_bytes,
+    mics_step_bytes,
     zeropp_step_bytes,
 )
 
@@ -70,6 +72,7 @@ __all__ = [
     "cross_node_bytes",
     "full_state_dict",
     "is_leaf_module",
+    "mics_step_bytes",
     "set_leaf_module",
     "stage3_step_bytes",
     "zeropp_step_bytes",

@@ -48,8 +48,10 @@ def assemble(
     group: Any = None,
     *,
     param_groups: Sequence[Sequence[nn.Parameter]],
+    reduce_scatter: Any = None,
 ) -> Stage3Strategy:
     """Stage 3 over ``model`` for an optimizer with ``param_groups`` (module docstring, in order).
+    ``reduce_scatter``: the gradient collective when not comm's (MiCS's two hops, mics.py).
 
     Collective: every rank of ``group`` builds the same model and calls it.
     """
@@ -135,7 +137,7 @@ def assemble(
         grad_dtype=precision.grad_accum_dtype,
         overlap=config.overlap_comm,
         position={sharded[p]: k for k, p in enumerate(model.parameters())},
-        reduce_scatter=zeropp.reduce_scatter if zeropp and zeropp.grads else None,
+        reduce_scatter=zeropp.reduce_scatter if zeropp and zeropp.grads else reduce_scatter,
     )
     return Stage3Strategy(
         model,

@@ -103,6 +103,11 @@ def check_zeropp(config: ZeroConfig, group: Any, numels: Sequence[int], param_by
     tiny all-to-all on every rank and raises on every rank alike.
     """
     world = comm.get_world_size(group)
+    nodes = config.hpz_partition_size > 1 or config.quantized_gradients  # a NodeLayout's
+    if not nodes:  # qwZ alone quantizes the gather of whatever group stage 3 runs on
+        if config.quantized_weights:
+            _check_block_pays(config, world, numels, param_bytes)
+        return node_size_from_env(world)
     if world != comm.get_world_size():
         raise ValueError(
             f"ZeRO++ (zero_quantized_weights / zero_hpz_partition_size / zero_quantized_gradients) "
@@ -210,9 +215,10 @@ class ZeroPP:
         node_size: int,
         model: nn.Module,
     ) -> None:
-        self.world_size = comm.get_world_size()
-        self.rank = comm.get_rank()
-        self.layout = NodeLayout(node_size) if self.world_size > 1 else None
+        # The group stage 3 runs on: the world, or MiCS's shard group (qwZ alone: mics.py).
+        self.world_size = comm.get_world_size(sharded[0].group if sharded else None)
+        nodes = config.hpz_partition_size > 1 or config.quantized_gradients
+        self.layout = NodeLayout(node_size) if self.world_size > 1 and nodes else None
         self.weights = (
             BlockQuantizer(8, config.quant_block_numel) if config.quantized_weights else None
         )

@@ -30,7 +30,14 @@ from dataclasses import dataclass
 from minispeed.comm import CommRecord
 from minispeed.comm.compression import BlockQuantizer
 
-__all__ = ["ZeroPPStepBytes", "axis_of", "bytes_by_axis", "cross_node_bytes", "zeropp_step_bytes"]
+__all__ = [
+    "ZeroPPStepBytes",
+    "axis_of",
+    "bytes_by_axis",
+    "cross_node_bytes",
+    "mics_step_bytes",
+    "zeropp_step_bytes",
+]
 
 
 def axis_of(ranks: Sequence[int], node_size: int) -> str:
@@ -106,6 +113,31 @@ def zeropp_step_bytes(
         reduce[("reduce_scatter", "world")] = sum(n * c * grad_bytes for c in bucket_columns)
     backward = {bwd_gather[:2]: bwd_gather[2], **reduce}
     return ZeroPPStepBytes(forward={fwd_gather[:2]: fwd_gather[2]}, backward=backward)
+
+
+def mics_step_bytes(
+    numels: Sequence[int],
+    shard_size: int,
+    replicas: int,
+    *,
+    persistence_threshold_numel: int,
+    param_bytes: int,
+    grad_bytes: int,
+    bucket_columns: Sequence[int],
+) -> ZeroPPStepBytes:
+    """MiCS (stage3/mics.py) on the same axes, with the shard group as the node (``node_size``
+    = S in `axis_of`): parameter all-gathers ``S·s·p`` per parameter, ``s = ceil(n/S)``, on the
+    shard group (``intra``) in forward and again in backward; per gradient bucket of c columns
+    (``Σ s`` of its parameters), a reduce-scatter ``S·c·g`` on the shard group, then (R > 1) an
+    all-reduce ``c·g`` on the replica group (``inter``). Trace check and persistent re-gather
+    excluded, as in `zeropp_step_bytes`."""
+    s_of = [-(-x // shard_size) for x in numels if x > persistence_threshold_numel]
+    gather = {("all_gather", "intra"): sum(shard_size * s * param_bytes for s in s_of)}
+    backward = dict(gather)
+    backward[("reduce_scatter", "intra")] = sum(shard_size * c * grad_bytes for c in bucket_columns)
+    if replicas > 1:
+        backward[("all_reduce", "inter")] = sum(c * grad_bytes for c in bucket_columns)
+    return ZeroPPStepBytes(forward=gather, backward=backward)
 
 
 def _op_kind(op: str) -> str:
