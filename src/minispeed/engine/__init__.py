@@ -63,12 +63,23 @@ from minispeed.engine.grid import build_grid, check_mics_size, grid_shape, tenso
 from minispeed.engine.pipe_engine import PipelineEngine
 from minispeed.engine.steps import record_config, record_grid
 from minispeed.engine.tune.trial import Trial, TrialRecorder
+from minispeed.engine.version import __version__ as __version__
 
-# DeepSpeed's module attributes and functions (`deepspeed.comm`, `deepspeed.zero.Init`,
-# `deepspeed.init_inference`, ...): adapters over the packages, re-exported here only.
-from minispeed.engine import accelerator, checkpointing, comm, git_version_info  # isort: skip
-from minispeed.engine import moe, ops  # isort: skip
-from minispeed.engine import pipe, runtime, utils, zero  # isort: skip
+# DeepSpeed's module attributes and names (`deepspeed.comm`, `deepspeed.zero.Init`,
+# `deepspeed.init_inference`, `deepspeed.DeepSpeedEngine`, ...): adapters over the packages,
+# re-exported here only.
+from minispeed.engine import (  # isort: skip
+    accelerator,
+    checkpointing,
+    comm,
+    git_version_info,
+    moe,
+    ops,
+    pipe,
+    runtime,
+    utils,
+    zero,
+)
 from minispeed.engine.accelerator import get_accelerator  # isort: skip
 from minispeed.engine.inference import init_inference  # isort: skip
 from minispeed.engine.pipe import PipelineModule  # isort: skip
@@ -92,6 +103,7 @@ __all__ = [
     "checkpointing",
     "comm",
     "get_accelerator",
+    "git_version_info",
     "init_distributed",
     "init_inference",
     "initialize",
@@ -105,11 +117,6 @@ __all__ = [
     "utils",
     "zero",
 ]
-
-
-# Scripts print or compare `deepspeed.__version__`; the import-swapped module answers with
-# minispeed's own version (the `deepspeed` distribution with `git_version_info.version`).
-__version__ = git_version_info.minispeed_version
 
 
 def _config_from(args: Any, config: Any, config_params: Any) -> dict[str, Any]:

@@ -4,21 +4,12 @@
 no build commit). `minispeed_version` is minispeed's own (a source checkout without installed
 metadata says so), the engine's `__version__`."""
 
-from importlib.metadata import PackageNotFoundError
-from importlib.metadata import version as _installed
+from minispeed.engine.version import __version__ as minispeed_version
 
 __all__ = ["DEEPSPEED_API", "git_branch", "git_hash", "minispeed_version", "version"]
 
 
-def _minispeed_version() -> str:
-    try:
-        return _installed("minispeed")
-    except PackageNotFoundError:
-        return "0.0.0+source"
-
-
 DEEPSPEED_API = "0.19.8"
-minispeed_version = _minispeed_version()
 version = f"{DEEPSPEED_API}+minispeed.{minispeed_version}"
 git_hash = None
 git_branch = None

@@ -88,7 +88,7 @@ def tensor_specs(module: nn.Module) -> dict[str, list[int]]:
     return {n: [s.dim, s.parts] for n, s in sharded_parameters(module).items()}
 
 
-_TAG_MODES = ("WARN", "FAIL", "IGNORE")
+TAG_VALIDATION_MODES = ("WARN", "FAIL", "IGNORE")
 
 
 @dataclass(frozen=True)
@@ -114,18 +114,22 @@ class CheckpointConfig(Section):
     """DeepSpeed's key: the ranks of each node may see their own directory at the checkpoint
     path; each node then keeps its ranks' files plus the common ones, and loads at the same
     placement. Without it, a directory not every rank sees is refused at save time."""
-    tag_validation: str = key("tag_validation", "Warn")
+    tag_validation: str = key("tag_validation", "WARN")
     """DeepSpeed's key: whether `save_checkpoint` checks that every rank names the same tag
-    (one gather of the tags): `"Warn"` (the default) logs a warning when they differ, `"Fail"`
-    raises on every rank, `"Ignore"` does not check. Case-insensitive, as DeepSpeed's."""
+    (one gather of the tags): `"WARN"` (the default) logs a warning when they differ, `"FAIL"`
+    raises on every rank, `"IGNORE"` does not check. Case-insensitive, as DeepSpeed's."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.tag_validation.upper() not in _TAG_MODES:
+        if (
+            not isinstance(self.tag_validation, str)
+            or self.tag_validation.upper() not in TAG_VALIDATION_MODES
+        ):
             raise field_error(
                 self,
                 "tag_validation",
-                f"must be one of {', '.join(_TAG_MODES)} (any case), got {self.tag_validation!r}",
+                f"must be one of {', '.join(TAG_VALIDATION_MODES)} (any case), "
+                f"got {self.tag_validation!r}",
             )
         if self.async_save and self.use_node_local_storage:
             raise field_error(

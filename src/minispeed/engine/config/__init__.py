@@ -218,7 +218,10 @@ def _every(value: Any) -> int | None:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"must be an integer (optimizer steps between prints), got {value!r}")
+        raise TypeError(
+            f"must be an integer (optimizer steps between prints, or infinity: never), got "
+            f"{value!r}"
+        )
     return value if value > 0 else None
 
 

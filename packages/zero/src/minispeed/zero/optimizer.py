@@ -239,22 +239,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         return rank_state_dict(self)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any], *, masters_only: bool = False) -> None:
         """Restore what `state_dict` returned on this rank (collective: every rank calls it, the
-        masters are then published into the model as after a step)."""
+        masters are then published into the model as after a step). `masters_only`: the fp32
+        masters alone; the inner optimizer's state, the loss scale and the counters stay as
+        they are (a checkpoint loaded without its optimizer states)."""
         from minispeed.zero.rank_state import load_rank_state_dict
 
         self._check_open("load_state_dict")
-        load_rank_state_dict(self, state_dict)
-
-    def load_masters(self, state_dict: dict[str, Any]) -> None:
-        """Only the fp32 masters of what `state_dict` returned on this rank, published into the
-        model; the inner optimizer's state, the loss scale and the counters stay as they are
-        (a checkpoint loaded without its optimizer states). Collective, as `load_state_dict`."""
-        from minispeed.zero.rank_state import load_rank_masters
-
-        self._check_open("load_masters")
-        load_rank_masters(self, state_dict)
+        load_rank_state_dict(self, state_dict, masters_only=masters_only)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Refused: the partition of every parameter is fixed by `zero.shard`."""
