@@ -89,11 +89,20 @@ def code_lines(path: pathlib.Path) -> int:
 
 
 def _ours(filename: str) -> str | None:
-    """The repository path of one of our packages' source files (not a test), else None."""
-    path = pathlib.Path(filename).resolve()
-    if not path.is_relative_to(ROOT / "packages") or "src" not in path.parts:
+    """The repository path of one of our packages' source files (not a test), else None.
+
+    Editable installs run the files under `packages/<name>/src/`; a plain install (the
+    install-alone check) runs copies under `site-packages/minispeed/<name>/`, which map back
+    to the same repository path."""
+    parts = pathlib.Path(filename).resolve().parts
+    if "minispeed" not in parts:
         return None
-    return str(path.relative_to(ROOT))
+    at = len(parts) - 1 - parts[::-1].index("minispeed")
+    if at + 2 >= len(parts) or "tests" in parts[at:]:
+        return None
+    package = parts[at + 1]
+    path = ROOT / "packages" / package / "src" / pathlib.Path(*parts[at:])
+    return str(path.relative_to(ROOT)) if path.is_file() else None
 
 
 def _traced_step(rank: int, world_size: int) -> tuple[list[str], list[str], list[str]]:
