@@ -6,16 +6,24 @@ DeepSpeed's meaning (no processes: each is a local call).
 its storage; `OnDevice` builds on the meta device in the dtype asked; `set_z3_leaf_modules`
 finds modules by class or class name and refuses a name it cannot find; DeepSpeed's schedule
 name constants are the classes' names; `get_accelerator().device_count()` is the node's process
-count on the CPU.
+count on the CPU; `runtime.zero.config.DeepSpeedZeroConfig` answers each field as DeepSpeed
+0.19.8 does (`fixtures/ds_zero_config.json`, `scripts/record_ds_zero_config.py`), minispeed's
+three documented defaults aside.
 """
 
 from __future__ import annotations
 
 import collections
+import json
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+
+ZERO_CONFIG = json.loads(
+    (Path(__file__).resolve().parent / "fixtures/ds_zero_config.json").read_text()
+)
 
 
 def test_deepspeed_config_answers_deepspeeds_attribute_names() -> None:
@@ -106,3 +114,57 @@ def test_schedule_names_and_the_cpu_device_count(monkeypatch) -> None:
     assert get_accelerator().device_count() == 3
     monkeypatch.setenv("LOCAL_SIZE", "4")  # DeepSpeed's own launcher's variable wins
     assert get_accelerator().device_count() == 4
+
+
+def _minispeeds_defaults(section: dict, theirs: dict) -> dict:
+    """DeepSpeed's fields with minispeed's three defaults that differ on purpose, where the
+    section leaves the key out (runtime/zero/config.py and offload_config.py say why)."""
+    expected = dict(theirs)
+    stage = section.get("stage", 0)
+    expected["overlap_comm"] = section.get("overlap_comm", stage != 2)
+    for name in ("offload_param", "offload_optimizer"):
+        if theirs[name] is not None:
+            given = section[name]
+            expected[name] = {**theirs[name], "pin_memory": given.get("pin_memory", False)}
+            if "max_in_cpu" in theirs[name]:
+                expected[name]["max_in_cpu"] = given.get("max_in_cpu")
+    return expected
+
+
+@pytest.mark.parametrize("case", ZERO_CONFIG["cases"], ids=lambda c: json.dumps(c["section"]))
+def test_zero_config_model_answers_deepspeeds_fields(case: dict) -> None:
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    ours = DeepSpeedZeroConfig(**case["section"])
+    expected = _minispeeds_defaults(case["section"], case["fields"])
+    compared = {}
+    for name, value in expected.items():
+        if name not in ours._fields:
+            continue
+        got = getattr(ours, name)
+        if isinstance(value, dict):  # an offload model: compare the fields both have
+            got = {k: getattr(got, k) for k in value if k in got._fields}
+            value = {k: value[k] for k in got}
+        compared[name] = (got, value)
+    assert {k: g for k, (g, _) in compared.items()} == {k: v for k, (_, v) in compared.items()}
+    # Every field minispeed answers is one of DeepSpeed's, MiCS's keys aside (DeepSpeed reads
+    # them from the section outside this model).
+    assert set(ours._fields) - set(compared) == {
+        "mics_shard_size",
+        "mics_hierarchical_params_gather",
+    }
+
+
+def test_zero_config_enums_and_unread_fields() -> None:
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig, ZeroStageEnum
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+
+    assert list(ZeroStageEnum.__members__) == ZERO_CONFIG["stage_names"]
+    assert {m.name: m.value for m in ZeroStageEnum} == ZERO_CONFIG["stages"]
+    assert {m.name: m.value for m in OffloadDeviceEnum} == ZERO_CONFIG["devices"]
+    cfg = DeepSpeedZeroConfig(stage=3, offload_param={"device": "cpu"})
+    assert cfg.stage == ZeroStageEnum.weights and cfg.offload_param.device == OffloadDeviceEnum.cpu
+    with pytest.raises(AttributeError, match="minispeed does not read this DeepSpeed field"):
+        cfg.compute_grad_norm  # noqa: B018
+    with pytest.raises(ValueError, match=r"zero_optimization\.stage3_prefetch_bucket_sise"):
+        DeepSpeedZeroConfig(stage3_prefetch_bucket_sise=1)

@@ -63,6 +63,8 @@ ADAPTERS: dict[str, str] = {
     "deepspeed.runtime.tensor_parallel": f"{_E}.runtime.tensor_parallel",
     "deepspeed.runtime.utils": f"{_E}.runtime.utils",
     "deepspeed.runtime.zero": f"{_E}.runtime.zero",
+    "deepspeed.runtime.zero.config": f"{_E}.runtime.zero.config",
+    "deepspeed.runtime.zero.offload_config": f"{_E}.runtime.zero.offload_config",
     "deepspeed.runtime.zero.partition_parameters": f"{_E}.runtime.zero.partition_parameters",
     "deepspeed.runtime.zero.stage3": f"{_E}.runtime.zero.stage3",
     "deepspeed.runtime.zero.stage_1_and_2": f"{_E}.runtime.zero.stage_1_and_2",
@@ -136,14 +138,6 @@ REFUSED: dict[str, str] = {
         "DeepSpeed-Ulysses sequence parallelism; train without sp_size > 1"
     ),
     "deepspeed.runtime.swap_tensor": f"DeepSpeed's swappers; use {_OFFLOAD}",
-    "deepspeed.runtime.zero.config": (
-        "DeepSpeed's pydantic config models; minispeed's zero_optimization section is "
-        "minispeed.zero.ZeroConfig.from_section(section) (docs/engine/config-reference.md)"
-    ),
-    "deepspeed.runtime.zero.offload_config": (
-        "DeepSpeed's offload config models; use minispeed.zero.ZeroConfig.from_section(section), "
-        "whose offload_param / offload_optimizer fields hold them"
-    ),
     "deepspeed.runtime.zero.tiling": (
         "TiledLinear; stage 3 gathers one module at a time already: use a ModuleList of smaller "
         "linears in place of a huge one"

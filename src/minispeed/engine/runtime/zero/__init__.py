@@ -13,11 +13,19 @@ six estimator names over `minispeed.zero.memory.estimate_modes`, which reproduce
 figures byte for byte (recorded from DeepSpeed 0.19.8 in tests/engine/fixtures/ds_estimates.json).
 The printers print DeepSpeed's table line for line with one difference: the offload device reads
 `cpu`, where DeepSpeed 0.19.8 on Python 3.11+ prints the enum's repr, `OffloadDeviceEnum.cpu`.
-`stage3.unwrap_model_for_generation` gathers a whole model for generation.
+`stage3.unwrap_model_for_generation` gathers a whole model for generation. `config` and
+`offload_config` hold DeepSpeed's config models (`DeepSpeedZeroConfig`, `ZeroStageEnum`,
+`OffloadDeviceEnum`, ...) over the packages' sections.
 Cost: arithmetic, or one walk over a live model's parameters.
 """
 
-from minispeed.engine.runtime.zero import partition_parameters, stage3, stage_1_and_2
+from minispeed.engine.runtime.zero import (
+    config,
+    offload_config,
+    partition_parameters,
+    stage3,
+    stage_1_and_2,
+)
 from minispeed.engine.runtime.zero.partition_parameters import (
     GatheredParameters,
     Init,
@@ -31,6 +39,8 @@ __all__ = [
     "GatheredParameters",
     "Init",
     "ZeroParamStatus",
+    "config",
+    "offload_config",
     "partition_parameters",
     "register_external_parameter",
     "stage3",
