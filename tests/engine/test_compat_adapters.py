@@ -8,7 +8,9 @@ finds modules by class or class name and refuses a name it cannot find; DeepSpee
 name constants are the classes' names; `get_accelerator().device_count()` is the node's process
 count on the CPU; `runtime.zero.config.DeepSpeedZeroConfig` answers each field as DeepSpeed
 0.19.8 does (`fixtures/ds_zero_config.json`, `scripts/record_ds_zero_config.py`), minispeed's
-three documented defaults aside.
+three documented defaults aside; `moe.sharded_moe`'s gating functions return DeepSpeed 0.19.8's
+tensors for the same logits and seed (`fixtures/ds_sharded_moe.json`,
+`scripts/record_ds_sharded_moe.py`), top-1's random token selection included.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ import pytest
 import torch
 from torch import nn
 
-ZERO_CONFIG = json.loads(
-    (Path(__file__).resolve().parent / "fixtures/ds_zero_config.json").read_text()
-)
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+ZERO_CONFIG = json.loads((FIXTURES / "ds_zero_config.json").read_text())
+SHARDED_MOE = json.loads((FIXTURES / "ds_sharded_moe.json").read_text())
 
 
 def test_deepspeed_config_answers_deepspeeds_attribute_names() -> None:
@@ -168,3 +170,33 @@ def test_zero_config_enums_and_unread_fields() -> None:
         cfg.compute_grad_norm  # noqa: B018
     with pytest.raises(ValueError, match=r"zero_optimization\.stage3_prefetch_bucket_sise"):
         DeepSpeedZeroConfig(stage3_prefetch_bucket_sise=1)
+
+
+@pytest.mark.parametrize(
+    "case", SHARDED_MOE["cases"], ids=lambda c: f"{c['function']}-{c['seed']}-{c['kwargs']}"
+)
+def test_gating_functions_return_deepspeeds_tensors(case: dict) -> None:
+    from deepspeed.moe import sharded_moe
+
+    logits = torch.tensor(case["logits"], requires_grad=True)
+    torch.manual_seed(case["seed"])  # top-1's random token selection draws from it, as there
+    gate = getattr(sharded_moe, case["function"])
+    l_aux, combine, dispatch, counts = gate(logits, *case["args"], **case["kwargs"])
+    assert l_aux.item() == pytest.approx(case["l_aux"], rel=1e-6)
+    torch.testing.assert_close(combine, torch.tensor(case["combine_weights"]), rtol=1e-6, atol=1e-7)
+    assert case["dispatch_equals_combine"] and torch.equal(dispatch, combine.bool())
+    assert counts.tolist() == case["exp_counts"] and counts.dtype == torch.int64
+    (l_aux + combine.sum()).backward()  # differentiable in the logits, as DeepSpeed's
+    assert logits.grad is not None and logits.grad.abs().sum() > 0
+
+
+def test_gating_refusals_name_what_to_use() -> None:
+    from deepspeed.moe import sharded_moe
+
+    logits = torch.randn(8, 4)
+    with pytest.raises(ImportError, match=r"minispeed\.moe\.TopKGate"):
+        from deepspeed.moe.sharded_moe import TopKGate  # noqa: F401
+    with pytest.raises(NotImplementedError, match="used_token"):
+        sharded_moe.top1gating(logits, 1.0, 1, used_token=torch.ones(8))
+    with pytest.raises(NotImplementedError, match="drop_policy='probs'"):
+        sharded_moe.topkgating(logits, 2, 1.0, 1, drop_policy="position")

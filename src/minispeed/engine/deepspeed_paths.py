@@ -39,6 +39,7 @@ ADAPTERS: dict[str, str] = {
     "deepspeed.launcher.runner": f"{_E}.ds_launcher",
     "deepspeed.moe": f"{_E}.moe",
     "deepspeed.moe.layer": f"{_E}.moe.layer",
+    "deepspeed.moe.sharded_moe": f"{_E}.moe.sharded_moe",
     "deepspeed.moe.utils": f"{_E}.moe.utils",
     "deepspeed.ops": f"{_E}.ops",
     "deepspeed.ops.adagrad": f"{_E}.ops.adagrad",
@@ -96,11 +97,6 @@ REFUSED: dict[str, str] = {
     "deepspeed.module_inject": (
         "kernel injection by DeepSpeed's policies; use init_inference(model, "
         "replace_with_kernel_inject=True), which applies minispeed.inference's policies"
-    ),
-    "deepspeed.moe.sharded_moe": (
-        "DeepSpeed's gating functions (top1gating, top2gating, TopKGate returning combine and "
-        "dispatch tensors); use minispeed.moe.TopKGate (it returns a Routing) or "
-        "deepspeed.moe.layer.MoE"
     ),
     "deepspeed.monitor": (
         "DeepSpeed's TensorBoard/W&B/CSV monitors; use your own logging of engine.get_lr() and "

@@ -8,7 +8,7 @@ import minispeed.engine.moe as _adapter
 from minispeed.engine.moe import *  # noqa: F403
 from minispeed.engine.moe import __all__  # noqa: F401
 
-for _child in ('layer', 'utils'):
+for _child in ('layer', 'sharded_moe', 'utils'):
     _importlib.import_module(f"{__name__}.{_child}")
 
 

@@ -1,7 +1,13 @@
-"""`deepspeed.moe.sharded_moe`: not provided by minispeed; importing it raises, naming what to use.
+"""`deepspeed.moe.sharded_moe`: minispeed's `minispeed.engine.moe.sharded_moe` under DeepSpeed's name.
 
 Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_compat.py`; do not edit."""
 
-from minispeed.engine.deepspeed_paths import refuse
+import importlib as _importlib
 
-refuse(__name__)
+import minispeed.engine.moe.sharded_moe as _adapter
+from minispeed.engine.moe.sharded_moe import *  # noqa: F403
+from minispeed.engine.moe.sharded_moe import __all__  # noqa: F401
+
+
+def __getattr__(name):
+    return getattr(_adapter, name)
