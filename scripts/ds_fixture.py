@@ -40,6 +40,18 @@ def require_deepspeed() -> str:
     return version
 
 
+def write_json(result: Any, fixture: Path, indent: int | None = 1) -> None:
+    """`result` as JSON at `fixture` (or `$FIXTURE_OUT`): a temporary file, fsync, rename, so a
+    fixture is never half-written. For a recorder of one process (no process group)."""
+    out = Path(os.environ.get("FIXTURE_OUT", fixture))
+    tmp = out.with_suffix(".json.tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(result, indent=indent))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
+
+
 def write_fixture(
     result: Any,
     fixture: Path,
@@ -66,12 +78,7 @@ def write_fixture(
         "env -u PYTHONPATH DS_ACCELERATOR=cpu /work/dsvenv/bin/python -m torch.distributed.run "
         f"--nproc_per_node {world} scripts/{Path(sys.argv[0]).name}"
     )
-    tmp = out.with_suffix(".json.tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps({**versions, "command": command, "ranks": ranks}, indent=1))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out)
+    write_json({**versions, "command": command, "ranks": ranks}, out)
     for r in range(world):
         part(r).unlink()
     if scratch is not None:

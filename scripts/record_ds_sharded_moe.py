@@ -13,7 +13,6 @@ random token selection draws from it). `tests/engine/test_compat_adapters.py` ch
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -62,18 +61,13 @@ def main() -> None:
         "scripts/record_ds_sharded_moe.py",
         "cases": cases,
     }
-    tmp = FIXTURE.with_suffix(".json.tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(result))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, FIXTURE)
+    write_json(result, FIXTURE, indent=None)
     print(f"wrote {FIXTURE}: {len(cases)} cases")
 
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from ds_fixture import require_deepspeed
+    from ds_fixture import require_deepspeed, write_json
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")

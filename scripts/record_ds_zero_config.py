@@ -14,8 +14,6 @@ field name (enums as their values, offload sections as dicts of their fields), a
 from __future__ import annotations
 
 import enum
-import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -67,17 +65,12 @@ def main() -> None:
         "devices": {m.name: m.value for m in OffloadDeviceEnum},
         "cases": cases,
     }
-    tmp = FIXTURE.with_suffix(".json.tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(result, indent=1))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, FIXTURE)
+    write_json(result, FIXTURE, indent=1)
     print(f"wrote {FIXTURE}: {len(cases)} sections")
 
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from ds_fixture import require_deepspeed
+    from ds_fixture import require_deepspeed, write_json
 
     main()
