@@ -1,4 +1,4 @@
-"""`deepspeed.ops.adam`: minispeed's `minispeed.engine.ops.adam` under DeepSpeed's name.
+"""`deepspeed.ops.adam.cpu_adam`: minispeed's `minispeed.engine.ops.adam` under DeepSpeed's name.
 
 Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_compat.py`; do not edit."""
 

@@ -1,4 +1,4 @@
-"""`deepspeed.ops.adagrad`: minispeed's `minispeed.engine.ops.adagrad` under DeepSpeed's name.
+"""`deepspeed.ops.adagrad.cpu_adagrad`: minispeed's `minispeed.engine.ops.adagrad` under DeepSpeed's name.
 
 Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_compat.py`; do not edit."""
 

@@ -8,6 +8,9 @@ import minispeed.engine.ops.lion as _adapter
 from minispeed.engine.ops.lion import *  # noqa: F403
 from minispeed.engine.ops.lion import __all__  # noqa: F401
 
+for _child in ('cpu_lion',):
+    _importlib.import_module(f"{__name__}.{_child}")
+
 
 def __getattr__(name):
     return getattr(_adapter, name)
