@@ -114,16 +114,7 @@ def test_no_fixture_was_recorded_on_minispeed() -> None:
             assert "+minispeed" not in recorded, path
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "safe_set_full_grad",
-        "safe_set_local_fp32_param",
-        "safe_set_local_grad",
-        "safe_set_local_optimizer_state",
-        "safe_update_full_grad_vectorized",
-    ],
-)
+@pytest.mark.parametrize("name", ["safe_set_local_fp32_param"])
 def test_refused_utils_names_say_what_to_use(name: str) -> None:
     for module in ("deepspeed.utils", "minispeed.engine.utils"):
         with pytest.raises(
