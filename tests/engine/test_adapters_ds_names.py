@@ -12,7 +12,7 @@ from torch import nn
 from minispeed.core.testing import run_distributed
 
 
-def _body(rank: int, world_size: int, logged: bool) -> dict:
+def _body(rank: int, world_size: int, logged: bool | str) -> dict:
     import minispeed.engine as deepspeed
     from minispeed.engine import comm as dist
 
@@ -20,7 +20,7 @@ def _body(rank: int, world_size: int, logged: bool) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-        "comms_logger": {"enabled": logged},
+        "comms_logger": {"enabled": bool(logged), "debug": logged == "debug"},
     }
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=config
@@ -38,7 +38,7 @@ def _body(rank: int, world_size: int, logged: bool) -> dict:
     return {"is_engine": isinstance(engine, deepspeed.DeepSpeedEngine), "stats": stats}
 
 
-@pytest.mark.parametrize("logged", [True, False])
+@pytest.mark.parametrize("logged", [True, False, "debug"])
 def test_engine_is_a_deepspeed_engine_and_log_summary_reports_the_log(logged):
     for res in run_distributed(_body, world_size=2, args=(logged,), timeout_s=180):
         assert res["is_engine"]
@@ -46,8 +46,9 @@ def test_engine_is_a_deepspeed_engine_and_log_summary_reports_the_log(logged):
             assert res["stats"] is None  # no comms_logger section: nothing recorded
             continue
         ops = res["stats"]["summary"]
-        # the script's three 4-byte all-reduces, in DeepSpeed's layout
-        mine = ops["all_reduce"][4]
+        # the script's three 4-byte all-reduces, in DeepSpeed's layout; with `debug`, under
+        # DeepSpeed's record name naming the script's function (not the adapter's)
+        mine = ops["all_reduce | [Caller Func: _body]" if logged == "debug" else "all_reduce"][4]
         assert mine["count"] == 3 and mine["msg_size_bytes"] == 4
         assert mine["avg_latency_ms"] > 0 and mine["busbw_avg_gbps"] >= 0
         assert res["stats"]["metadata"]["world_size"] == 2

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from ds_gpt import GPT, batch
+from torch import nn
 
 import minispeed.engine as deepspeed
 from minispeed.core.testing import run_distributed
@@ -22,9 +23,11 @@ def _rows(nvme: str) -> dict[str, dict]:
         "stage2 offload cpu": {
             **base,
             "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+            "zero_force_ds_cpu_optimizer": False,  # offload steps the torch AdamW below
         },
         "stage3 offload nvme": {
             **base,
+            "zero_force_ds_cpu_optimizer": False,
             "zero_optimization": {
                 "stage": 3,
                 "offload_optimizer": {"device": "nvme", "nvme_path": nvme},
@@ -101,3 +104,41 @@ def test_offload_sections_are_checked_before_any_collective(bad: str) -> None:
         if bad == "nvme_missing"
         else "zero_optimization.offload_param.device"
     )
+
+
+def _client_optimizer_run(rank: int, world_size: int) -> dict[str, str]:
+    from minispeed.core.config import ConfigError
+    from minispeed.engine.ops.adam import DeepSpeedCPUAdam
+
+    offload = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    rows = {
+        "torch AdamW": ({}, torch.optim.AdamW),
+        "torch AdamW, forcing off": ({"zero_force_ds_cpu_optimizer": False}, torch.optim.AdamW),
+        "DeepSpeedCPUAdam": ({}, DeepSpeedCPUAdam),
+    }
+    out = {}
+    for name, (extra, make) in rows.items():
+        model = nn.Linear(4, 4)
+        config = {"train_batch_size": 2, "zero_optimization": offload, **extra}
+        try:
+            engine, _, _, _ = deepspeed.initialize(
+                model=model, optimizer=make(model.parameters(), lr=0.1), config=config
+            )
+        except ConfigError as e:
+            out[name] = f"{e.path}: {e.reason}"
+            continue
+        engine.backward(engine(torch.ones(2, 4)).sum())
+        engine.step()
+        out[name] = type(engine.optimizer.optimizer).__name__
+        engine.destroy()
+    return out
+
+
+def test_offload_refuses_a_client_torch_optimizer_unless_zero_force_ds_cpu_optimizer_is_false():
+    """DeepSpeed's `zero_force_ds_cpu_optimizer` (true by default): under ZeRO-Offload an
+    optimizer the script passes must be a CPU optimizer; false lets offload step torch's."""
+    (out,) = run_distributed(_client_optimizer_run, world_size=1, timeout_s=120)
+    refused = out["torch AdamW"]
+    assert refused.startswith("zero_force_ds_cpu_optimizer: true (DeepSpeed's default) refuses")
+    assert "AdamW" in refused and "set zero_force_ds_cpu_optimizer to false" in refused
+    assert out["torch AdamW, forcing off"] != refused and out["DeepSpeedCPUAdam"] != refused

@@ -206,6 +206,8 @@ def test_comms_logger_timers_and_steps_per_print() -> None:
     assert {0, 1} <= results[0]["steps"]  # one logger step per optimizer step
     (line,) = [m for m in results[0]["log"] if m.startswith("step=2")]
     assert "forward=" in line and "backward=" in line and "lr=[0.1]" in line
+    # DeepSpeed's progress and throughput lines: momenta, samples/s, memory
+    assert "mom=[0]" in line and "samples/s" in line and "GiB (peak" in line, line
     assert results[1]["log"] == []  # rank 0 prints
 
 

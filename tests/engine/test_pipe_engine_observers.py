@@ -73,6 +73,7 @@ def test_comms_logger_timers_and_steps_per_print_with_a_pipeline() -> None:
         assert r["steps"] == [0, 1]  # one logger step per train_batch
     (line,) = [m for m in results[0]["log"] if m.startswith("step=2")]
     assert "forward=" in line and "backward=" in line and "step=" in line and "lr=[0.1]" in line
+    assert "loss=" in line and "samples/s" in line, line  # DeepSpeed's pipeline line: the loss
     assert results[1]["log"] == []  # rank 0 prints
 
 

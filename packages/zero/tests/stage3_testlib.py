@@ -56,6 +56,18 @@ def global_loss(loss: torch.Tensor, world_size: int) -> float:
     return t.item() / world_size
 
 
+def train_losses(model: nn.Module, opt: Any, rank: int, world_size: int, batches) -> list[float]:
+    """Train `model` through the sharded `opt` on this rank's slice of each global batch, one
+    optimizer step per batch; the global loss of each (collective)."""
+    losses = []
+    for batch in batches:
+        loss = model(*rank_slice(batch, rank, world_size))
+        losses.append(global_loss(loss, world_size))
+        opt.backward(loss)
+        opt.step()
+    return losses
+
+
 def train_stage3(
     rank: int,
     world_size: int,

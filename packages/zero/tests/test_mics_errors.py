@@ -8,7 +8,7 @@ import pytest
 import minispeed.zero as zero
 from minispeed.zero.memory import estimate_modes
 from minispeed.zero.memory.modes import Offload
-from minispeed.zero.stage3.mics import check_mics
+from minispeed.zero.stage3.mics_groups import check_mics
 
 
 def _cfg(**kw) -> zero.ZeroConfig:

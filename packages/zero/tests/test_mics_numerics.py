@@ -13,8 +13,8 @@ from __future__ import annotations
 import functools
 
 import torch
-from stage3_testlib import GLOBAL_BATCH, LR, global_loss, reference_losses
-from zero_testlib import make_batches, make_model, rank_slice
+from stage3_testlib import GLOBAL_BATCH, LR, reference_losses, train_losses
+from zero_testlib import make_batches, make_model
 
 import minispeed.comm as comm
 import minispeed.zero as zero
@@ -41,16 +41,6 @@ def _build(shard_size: int, **extra):
     return model, zero.shard(model, torch.optim.AdamW(model.parameters(), lr=LR), config=cfg)
 
 
-def _train(model, opt, rank: int, world_size: int, batches) -> list[float]:
-    losses = []
-    for batch in batches:
-        loss = model(*rank_slice(batch, rank, world_size))
-        losses.append(global_loss(loss, world_size))
-        opt.backward(loss)
-        opt.step()
-    return losses
-
-
 def _weights(model) -> dict[str, torch.Tensor]:
     """fp32 training: the gathered parameters are the fp32 masters."""
     return zero.full_state_dict(model)
@@ -61,7 +51,9 @@ def _body(rank: int, world_size: int, tmp: str) -> dict:
     model, opt = _build(2)
     strategy = opt.strategy.stage
     out["shard_world"] = {sp.world_size for sp in strategy.sharded_params()}
-    out["losses"] = _train(model, opt, rank, world_size, make_batches(STEPS * ACCUM, GLOBAL_BATCH))
+    out["losses"] = train_losses(
+        model, opt, rank, world_size, make_batches(STEPS * ACCUM, GLOBAL_BATCH)
+    )
     # Replicas hold the same shard: rank r and r + 2 agree element for element.
     mine = torch.cat([sp.master for sp in strategy.trained])
     other = mine.clone()
@@ -78,7 +70,7 @@ def _body(rank: int, world_size: int, tmp: str) -> dict:
         zero.load_checkpoint(opt, model, tmp, tag="s2")
         got = _weights(model)
         out["reloaded"][s] = all(torch.equal(got[k], saved[k]) for k in saved)
-        out.setdefault("next", {})[s] = _train(
+        out.setdefault("next", {})[s] = train_losses(
             model, opt, rank, world_size, make_batches(ACCUM, GLOBAL_BATCH, seed=9)
         )
         opt.close()
@@ -87,7 +79,7 @@ def _body(rank: int, world_size: int, tmp: str) -> dict:
     model, opt = _build(2, quantized_weights=True, quantized_gradients=True, quant_block_numel=64)
     batches = make_batches(STEPS * ACCUM, GLOBAL_BATCH)
     with comm.CommsLogger() as log:
-        out["quantized"] = _train(model, opt, rank, world_size, batches)
+        out["quantized"] = train_losses(model, opt, rank, world_size, batches)
     out["quantized_ops"] = {
         (r.op, r.dtype, len(r.ranks))
         for r in log.records

@@ -15,7 +15,7 @@ each one: the list form of `all_gather` as one flat `all_gather_into_tensor` cop
 staging buffer of the gathered bytes), `broadcast_object_list` as one `broadcast_object`; only
 the queries (`is_available`, `get_global_rank`, `get_world_group`) read `torch.distributed`.
 `prof`, `log_name` and `debug` (DeepSpeed's per-call logging arguments) are accepted and
-unused: `comms_logger` in the config logs every collective. Cost: one Python call over the
+unused: the config's `comms_logger` section chooses what is logged, for every call alike. Cost: one Python call over the
 collective's.
 """
 
@@ -29,6 +29,9 @@ import torch.distributed as _dist
 
 import minispeed.comm as _comm
 from minispeed.comm import ReduceOp
+from minispeed.comm.logger import pass_through
+
+pass_through(__name__)  # comms_logger.debug names the script's function, not this adapter's
 
 __all__ = [
     "ReduceOp",
@@ -273,7 +276,9 @@ def log_summary(show_straggler: bool = False, return_dict: bool = False) -> dict
     summary: dict[str, dict[int, dict[str, Any]]] = {}
     for row in logger.aggregate():
         latency_ms = row["mean_latency_s"] * 1e3
-        summary.setdefault(row["op"], {})[row["msg_bytes"]] = {
+        # DeepSpeed's record name: the op, and its caller under `comms_logger.debug`
+        name = f"{row['op']} | [Caller Func: {row['caller']}]" if row["caller"] else row["op"]
+        summary.setdefault(name, {})[row["msg_bytes"]] = {
             "count": row["count"],
             "total_latency_ms": latency_ms * row["count"],
             "avg_latency_ms": latency_ms,

@@ -53,6 +53,9 @@ from minispeed.engine.queries import DeepSpeedQueries
 __all__ = ["Engine", "StepObserver", "zero_config_for"]
 
 _log = get_logger("engine")
+# steps_per_print's running average of samples/s starts after this many steps (DeepSpeed's
+# ThroughputTimer(start_step=2): the first steps build buffers and warm caches up).
+_WARM_UP_STEPS = 2
 
 # The keys the engine adds to a checkpoint's client_state (the user's own stays under "client").
 _ENGINE_STATE = "minispeed_engine"
@@ -112,9 +115,10 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
         self._stack = contextlib.ExitStack()  # the step being profiled, while it runs
         self._profiling = False
         self._step_started = time.perf_counter()
+        self._warm_since: float | None = None  # steps_per_print's running average starts here
         self.comms_logger: comm.CommsLogger | None = None
         if config.comms_logger.enabled:
-            self.comms_logger = comm.CommsLogger()
+            self.comms_logger = comm.CommsLogger.from_config(config.comms_logger)
             self.comms_logger.__enter__()
         # Told of every boundary (a `minispeed tune` trial's recorder: engine/tune/trial.py).
         self._observers = tuple(observers)
@@ -234,10 +238,16 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
         self._stack.enter_context(self._step_profiler.step(self.global_steps))
         self._profiling = True
 
-    def _end_of_step(self, stepped: bool, lr_kwargs: Mapping[str, Any] | None = None) -> None:
+    def _end_of_step(
+        self,
+        stepped: bool,
+        lr_kwargs: Mapping[str, Any] | None = None,
+        loss: float | None = None,
+    ) -> None:
         """An accumulation boundary, after the optimizer's step (`stepped`: it was applied; False
         after an fp16 overflow): the scheduler, the counters, the profiled step's report, the
-        comms logger's step mark, `steps_per_print`'s line and the step observers."""
+        comms logger's step mark, `steps_per_print`'s line (with the step's `loss`, when the
+        engine knows it: a pipeline's) and the step observers."""
         counters = self.__dict__  # plain values, past nn.Module.__setattr__ (see step)
         counters["_step_applied"] = stepped
         if stepped:
@@ -254,7 +264,7 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
             self._profiling = False
         if self.comms_logger is not None:
             self.comms_logger.mark_step()
-        self._report()
+        self._report(loss)
         for observer in self._observers:
             observer.on_boundary(self)
 
@@ -280,14 +290,40 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
             acc.synchronize()
             self.timers[name] += time.perf_counter() - start
 
-    def _report(self) -> None:
+    def _report(self, loss: float | None) -> None:
+        """`steps_per_print`: every that many optimizer steps, one line on rank 0 with what
+        DeepSpeed 0.19.8 prints then (its `_report_progress` and `ThroughputTimer` lines, and a
+        pipeline's loss line): the step, skipped steps, learning rates, momenta, the loss (a
+        pipeline's), the fp16 loss scale, samples per second over the last steps and on
+        average since step 2 (DeepSpeed's timer skips the first two as warm-up), time per step
+        and the accelerator's memory (CPU: the process's resident set), then the timers under
+        `wall_clock_breakdown`."""
+        now = time.perf_counter()
+        if self.global_steps == _WARM_UP_STEPS:
+            self._warm_since = now
         every = self.config.steps_per_print
         if not every or self.global_steps % every or comm.get_rank() != 0:
             return
         lr = ", ".join(f"{x:.6g}" for x in self.get_lr())
         line = f"step={self.global_steps}, skipped={self.skipped_steps}, lr=[{lr}]"
-        elapsed = time.perf_counter() - self._step_started
+        line += f", mom={self.get_mom()}"
+        if loss is not None:
+            line += f", loss={loss:.4f}"
+        scaler = getattr(self.optimizer, "loss_scaler", None)
+        if self.config.precision.param_dtype == torch.float16 and scaler is not None:
+            line += f", loss_scale={scaler.scale:g}"
+        elapsed = now - self._step_started
+        batch = self.config.train_batch_size
+        line += f", {batch * every / elapsed:.1f} samples/s"
+        if self._warm_since is not None and self.global_steps > _WARM_UP_STEPS:
+            warm = (self.global_steps - _WARM_UP_STEPS) * batch / (now - self._warm_since)
+            line += f" (running avg {warm:.1f})"
         line += f", {elapsed / every * 1e3:.1f} ms/step"
+        acc = get_accelerator()
+        line += (
+            f", memory {acc.memory_allocated() / 2**30:.2f} GiB "
+            f"(peak {acc.max_memory_allocated() / 2**30:.2f} GiB)"
+        )
         if self.config.wall_clock_breakdown:
             parts = ", ".join(f"{k}={v / every * 1e3:.1f} ms" for k, v in self.timers.items())
             line += f" ({parts})"
@@ -317,6 +353,15 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
         if not groups and opt is not None:
             groups = opt.optimizer.param_groups
         return [float(g["lr"]) for g in groups]
+
+    def get_mom(self) -> list[Any]:
+        """The momentum of each param group: Adam's `betas`, else SGD's `momentum` (DeepSpeed's
+        `get_mom`; None for a group with neither)."""
+        opt = self.optimizer
+        groups = opt.param_groups if opt is not None and hasattr(opt, "param_groups") else []
+        if not groups and opt is not None:
+            groups = opt.optimizer.param_groups
+        return [g.get("betas", g.get("momentum")) for g in groups]
 
     def get_global_grad_norm(self) -> float | None:
         """The L2 norm of all gradients before clipping at the last step, over every rank.

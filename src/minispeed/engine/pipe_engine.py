@@ -177,7 +177,7 @@ class PipelineEngine(Engine):
             self.timers["step"] += self.executor.step_seconds
         self.micro_steps += self.micro_batches
         self.agg_train_loss = torch.tensor(loss, dtype=torch.float32)
-        self._end_of_step(self.executor.step_result is not False)
+        self._end_of_step(self.executor.step_result is not False, loss=loss)
         return self.agg_train_loss
 
     def eval_batch(

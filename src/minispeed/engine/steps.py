@@ -113,6 +113,8 @@ def build_optimizer(
         if opt is None:
             step.did("none: no optimizer given and no optimizer section (forward only)")
             return None
+        if given is not None:
+            _check_host_optimizer(opt, cfg)
         if isinstance(given, torch.optim.Optimizer):
             step.keys = ("initialize(optimizer=...)",)
         elif given is not None:
@@ -127,6 +129,31 @@ def build_optimizer(
             f"{len(opt.param_groups)} param groups, {numel:,} elements"
         )
         return opt
+
+
+def _check_host_optimizer(opt: Any, cfg: EngineConfig) -> None:
+    """`zero_force_ds_cpu_optimizer`, as DeepSpeed 0.19.8's (true by default): with the
+    optimizer offloaded (`offload_optimizer.device` cpu or nvme), an optimizer the script passes
+    must be offload's `CPUAdam` (or a subclass: `CPUAdamW`, DeepSpeed's `DeepSpeedCPUAdam`) or
+    `CPULion`, as DeepSpeed accepts only its `DeepSpeedCPUAdam` and `DeepSpeedCPULion` (its CPU
+    Adagrad is refused too); false lets offload step a torch Adam, AdamW or Adagrad with its CPU kernels
+    (`zero.offload_bridge.host_optimizer`). Checked on every rank, before any collective."""
+    where = cfg.zero.offload_optimizer
+    if where is None or where.device == "none" or not cfg.zero_force_ds_cpu_optimizer:
+        return
+    from minispeed import offload
+
+    if isinstance(opt, offload.CPUAdam | offload.CPULion):
+        return
+    raise ConfigError(
+        "zero_force_ds_cpu_optimizer",
+        f"true (DeepSpeed's default) refuses the optimizer passed to initialize(), "
+        f"{type(opt).__name__}, under zero_optimization.offload_optimizer.device "
+        f"{where.device!r}: pass minispeed.offload.CPUAdam or CPULion (DeepSpeed's "
+        f'DeepSpeedCPUAdam), name the optimizer in the config\'s "optimizer" section, or set '
+        f"zero_force_ds_cpu_optimizer to false to have offload step {type(opt).__name__} with "
+        f"its CPU kernel",
+    )
 
 
 def _optimizer(given: Any, params: list[Any], cfg: EngineConfig) -> Any:

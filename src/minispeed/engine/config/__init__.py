@@ -309,7 +309,10 @@ class EngineConfig(Section):
     zero_allow_untested_optimizer: bool = key("zero_allow_untested_optimizer", False)
     """Accept an optimizer not known to be elementwise at ZeRO stages 1-3 (refused otherwise)."""
     zero_force_ds_cpu_optimizer: bool = key("zero_force_ds_cpu_optimizer", True)
-    """Accepted and unused: offload always steps with its own CPU optimizer."""
+    """With `zero_optimization.offload_optimizer` on, refuse an optimizer passed to
+    `initialize` unless it is offload's `CPUAdam` (DeepSpeed's `DeepSpeedCPUAdam`) or
+    `CPULion`, as DeepSpeed does; false: offload steps a torch Adam, AdamW or Adagrad with its
+    CPU kernel, with that optimizer's settings."""
     raw: dict[str, Any] = field(default_factory=dict)
     """The ds_config as given (read by `minispeed report --config`, and by `get`)."""
 

@@ -51,6 +51,9 @@ class Candidate:
             zero.pop("reduce_scatter", None)
         if self.offload_optimizer:
             zero["offload_optimizer"] = {"device": "cpu"}
+            # the script's own optimizer (a torch Adam/AdamW) is then stepped by offload's CPU
+            # kernel, unless the user's config says otherwise
+            cfg.setdefault("zero_force_ds_cpu_optimizer", False)
         else:
             zero.pop("offload_optimizer", None)
         return cfg

@@ -57,6 +57,7 @@ class Call:
     """
 
     __slots__ = (
+        "caller",
         "checked",
         "compat_op",
         "dtype",
@@ -89,8 +90,10 @@ class Call:
         self.checked = cross_check and handshake.checked(group, depth=3)
         self.impl = "native"  # or the fallback that ran, known at launch
         # compat_op, dtype, msg_bytes, numel, shapes, wire: set by launch, which describes the
-        # message; step: the logger's step at issue, when a logger is active
+        # message; step (and caller, when asked for): the logger's step at issue, when a logger
+        # records this call
         self.step: int | None = None
+        self.caller = ""
 
     def __enter__(self) -> Call:
         return self
@@ -149,9 +152,13 @@ class Call:
         self.msg_bytes = msg_bytes
         self.shapes = [tuple(x.shape) for x in tensors]
         log = logger._ACTIVE  # See Note [logger off is one global read]
+        if log is not None and log.ops is not None and self.op not in log.ops:
+            log = None  # an op the logger does not record runs as with none (prof_ops)
         t0 = 0.0
         if log is not None:
             self.step = log.step  # the step of issue, also for an async call logged at wait()
+            if log.callers:  # launch <- the collective <- ... <- the first frame outside comm
+                self.caller = logger.caller_name(skip=1)
             get_accelerator().synchronize()
             t0 = time.perf_counter()
         try:
@@ -193,6 +200,7 @@ class Call:
             step=self.step,
             impl=self.impl,
             ranks=tuple(validation.group_ranks(self.group)),
+            caller=self.caller,
         )
 
     def error(self, err: BaseException) -> validation.CommError:

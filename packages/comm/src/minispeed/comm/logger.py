@@ -11,6 +11,12 @@ log.summary()                # rich table: per op and message size
 log.to_json("comms.json")    # machine-readable; temp file, fsync, rename
 ```
 
+What it records and prints is chosen when it is made (DeepSpeed's `comms_logger` keys, read by
+`CommsLoggerConfig` and handed over by `CommsLogger.from_config`): `ops` records only the named
+collectives (`prof_all: false` with `prof_ops`); the others run untimed, as with no logger.
+`verbose` prints each record on rank 0 as it is added (`verbose`); `callers` records the function
+that called each collective (`debug`), and the summary splits by it.
+
 What one `CommRecord` holds: the op name, element count and dtype of the message, its size
 `msg_bytes` (nccl-tests convention, see `minispeed.comm.costs`), the group size, the latency,
 the algorithmic bandwidth `algbw = msg_bytes / latency` and bus bandwidth `busbw = algbw · factor`
@@ -30,15 +36,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from minispeed.comm import costs
+from minispeed.core.config import did_you_mean
 from minispeed.core.files import atomic_write_json
+from minispeed.core.logging import log_rank0
 from minispeed.core.sections import Section, key
 
-__all__ = ["CommRecord", "CommsLogger", "CommsLoggerConfig", "comms_logger"]
+__all__ = ["CommRecord", "CommsLogger", "CommsLoggerConfig", "comms_logger", "pass_through"]
 
 # The one global the hot path reads. See Note [logger off is one global read].
 _ACTIVE: CommsLogger | None = None
@@ -49,28 +59,63 @@ _ACTIVE: CommsLogger | None = None
 # the accelerator is never synchronized.
 
 
+# DeepSpeed's names for the collectives (its `deepspeed.comm` functions, the names its `prof_ops`
+# lists) that differ from ours (`costs.OPS`): the tensor form of a call and its list form are one
+# op here, and so are its point-to-point variants.
+DEEPSPEED_OP_NAMES = {
+    "all_gather_into_tensor": "all_gather",
+    "allgather_fn": "all_gather",
+    "all_gather_object": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_fn": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+    "inference_all_reduce": "all_reduce",
+    "broadcast_object_list": "broadcast",
+    "isend": "send",
+    "irecv": "recv",
+    "batch_isend_irecv": "batch_p2p",
+}
+
+
+def _op_names(value: Any) -> tuple[str, ...]:
+    """`prof_ops`: op names, ours (`costs.OPS`) or DeepSpeed's (`DEEPSPEED_OP_NAMES`), as ours."""
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+        raise TypeError(f"must be a list of collective names, got {value!r}")
+    known = set(costs.OPS) | set(DEEPSPEED_OP_NAMES)
+    for name in value:
+        if name not in known:
+            raise ValueError(
+                f"{name!r} is not a collective{did_you_mean([name], known)}; use one of "
+                f"{', '.join(costs.OPS)} (or DeepSpeed's name of one: "
+                f"{', '.join(sorted(DEEPSPEED_OP_NAMES))})"
+            )
+    return tuple(dict.fromkeys(DEEPSPEED_OP_NAMES.get(v, v) for v in value))
+
+
 @dataclass(frozen=True)
 class CommsLoggerConfig(Section):
-    """The comms logger in an engine (DeepSpeed section `comms_logger`): `enabled` records every
-    collective of the run into the engine's `CommsLogger`. DeepSpeed's printing options are
-    accepted so its configs load; the log itself always holds every call (read it, or its
-    `summary()`)."""
+    """The comms logger in an engine (DeepSpeed section `comms_logger`): `enabled` records the
+    run's collectives into the engine's `CommsLogger` (`CommsLogger.from_config`), every one or
+    those named, printing each as it goes if asked."""
 
     ds_path: ClassVar[str] = "comms_logger"
 
     enabled: bool = key("enabled", False)
-    """Record every collective into `engine.comms_logger`."""
+    """Record collectives into `engine.comms_logger`. (DeepSpeed 0.19.8 turns its logger on
+    whenever the section is present, even with `enabled: false`; here `false` means off.)"""
     verbose: bool = key("verbose", False)
-    """DeepSpeed's: print each collective as it runs. Accepted; minispeed prints nothing per
-    call."""
-    prof_all: bool = key("prof_all", True)
-    """DeepSpeed's: profile every collective. Accepted; minispeed always records every call."""
-    prof_ops: list[str] = key("prof_ops", default_factory=list)
-    """DeepSpeed's: the collectives to profile when `prof_all` is false. Accepted; minispeed
-    records every call whatever it lists."""
-    debug: bool = key("debug", False)
-    """DeepSpeed's: name each collective's caller. Accepted; minispeed's records carry no
-    caller."""
+    """Print each recorded collective on rank 0 as it completes: op, latency, message size,
+    algbw and busbw in Gbit/s (DeepSpeed's line)."""
+    all_ops: bool = key("prof_all", True)
+    """Record every collective; false: only the ones `prof_ops` names (DeepSpeed `prof_all`)."""
+    ops: tuple[str, ...] = key("prof_ops", (), read=_op_names, schema={"type": "array"})
+    """The collectives recorded when `prof_all` is false, by name: ours (`all_reduce`,
+    `all_gather`, `reduce_scatter`, `all_to_all`, `broadcast`, `send`, ...) or DeepSpeed's
+    (`all_gather_into_tensor`, `reduce_scatter_tensor`, `all_to_all_single`, ...). The others
+    run untimed (DeepSpeed `prof_ops`)."""
+    callers: bool = key("debug", False)
+    """Record the function that called each collective (`CommRecord.caller`, the first frame
+    outside `minispeed.comm`); the summary then has one row per caller (DeepSpeed `debug`)."""
 
 
 @dataclass(frozen=True)
@@ -104,16 +149,50 @@ class CommRecord:
     ranks: tuple[int, ...] = ()
     """Global ranks of the group the call ran on (`()` when unknown): tells which links a call
     used, e.g. whether it crossed a node boundary (`minispeed.zero.stage3.zeropp_ledger`)."""
+    caller: str = ""
+    """The function that issued the call (its qualified name), when the logger records callers
+    (`CommsLogger(callers=True)`); `""` otherwise."""
 
 
 class CommsLogger:
-    """Records every collective issued while it is active (a context manager; nests)."""
+    """Records the collectives issued while it is active (a context manager; nests).
 
-    def __init__(self) -> None:
+    `ops`: the op names recorded (`costs.OPS`); None, every op. A call of another op runs as
+    with no logger (untimed, unsynchronized). `verbose`: log each record on rank 0 as it is
+    added. `callers`: record the calling function of each call (a walk up the stack per call).
+    """
+
+    def __init__(
+        self,
+        *,
+        ops: Collection[str] | None = None,
+        verbose: bool = False,
+        callers: bool = False,
+    ) -> None:
+        if ops is not None:
+            unknown = sorted(set(ops) - set(costs.OPS))
+            if unknown:
+                raise ValueError(f"unknown collectives {unknown}; use names from {costs.OPS}")
+        self.ops: frozenset[str] | None = None if ops is None else frozenset(ops)
+        self.verbose = verbose
+        self.callers = callers
         self.records: list[CommRecord] = []
         self.step = 0
         self._previous: CommsLogger | None = None
         self._entered = False
+
+    @classmethod
+    def from_config(cls, config: CommsLoggerConfig) -> CommsLogger:
+        """The logger a `comms_logger` section asks for (its `enabled` is the caller's to read)."""
+        return cls(
+            ops=None if config.all_ops else config.ops,
+            verbose=config.verbose,
+            callers=config.callers,
+        )
+
+    def records_op(self, op: str) -> bool:
+        """Whether calls of `op` are recorded."""
+        return self.ops is None or op in self.ops
 
     # -- activation -----------------------------------------------------------------------------
     def __enter__(self) -> CommsLogger:
@@ -147,8 +226,10 @@ class CommsLogger:
         step: int | None = None,
         impl: str = "native",
         ranks: tuple[int, ...] = (),
+        caller: str = "",
     ) -> CommRecord:
-        """Append one record, deriving algbw and busbw from the latency."""
+        """Append one record, deriving algbw and busbw from the latency (and print it on rank
+        0 when `verbose`)."""
         algbw = msg_bytes / latency_s if latency_s > 0 else 0.0
         busbw = algbw * costs.bus_bandwidth_factor(op, group_size)
         rec = CommRecord(
@@ -165,8 +246,11 @@ class CommsLogger:
             step=self.step if step is None else step,
             impl=impl,
             ranks=ranks,
+            caller=caller,
         )
         self.records.append(rec)
+        if self.verbose:
+            log_rank0(_line(rec))
         return rec
 
     # -- queries --------------------------------------------------------------------------------
@@ -197,17 +281,19 @@ class CommsLogger:
 
     # -- reports --------------------------------------------------------------------------------
     def aggregate(self) -> list[dict[str, Any]]:
-        """One row per (op, msg_bytes, dtype, group_size): count, bytes and mean latency/bandwidth."""
+        """One row per (op, caller, msg_bytes, dtype, group_size): count, bytes and mean
+        latency/bandwidth (`caller` is `""` unless callers are recorded)."""
         groups: dict[tuple, list[CommRecord]] = defaultdict(list)
         for r in self.records:
-            groups[(r.op, r.msg_bytes, r.dtype, r.group_size)].append(r)
+            groups[(r.op, r.caller, r.msg_bytes, r.dtype, r.group_size)].append(r)
         rows = []
-        for (op, msg, dtype, n), recs in sorted(groups.items(), key=lambda kv: kv[0][:2]):
+        for (op, caller, msg, dtype, n), recs in sorted(groups.items(), key=lambda kv: kv[0][:3]):
             lat = sum(r.latency_s for r in recs) / len(recs)
             algbw = msg / lat if lat > 0 else 0.0
             rows.append(
                 {
                     "op": op,
+                    "caller": caller,
                     "msg_bytes": msg,
                     "dtype": dtype,
                     "group_size": n,
@@ -231,7 +317,7 @@ class CommsLogger:
             table.add_column(col, justify="left" if col in ("op", "dtype") else "right")
         for row in self.aggregate():
             table.add_row(
-                row["op"],
+                f"{row['op']} ({row['caller']})" if row["caller"] else row["op"],
                 _fmt_bytes(row["msg_bytes"]),
                 row["dtype"].removeprefix("torch."),
                 str(row["group_size"]),
@@ -264,6 +350,40 @@ class CommsLogger:
 def comms_logger() -> CommsLogger | None:
     """The logger that is recording now, or `None` when logging is off."""
     return _ACTIVE
+
+
+# Modules outside comm whose functions only hand collectives on to it (DeepSpeed's
+# `deepspeed.comm` adapter): a caller is looked for above them too.
+_PASS_THROUGH: set[str] = set()
+
+
+def pass_through(module: str) -> None:
+    """Declare `module` (a `__name__`) an adapter that only forwards collectives to comm, so
+    `CommRecord.caller` names its caller rather than its own function."""
+    _PASS_THROUGH.add(module)
+
+
+def caller_name(skip: int = 1) -> str:
+    """The qualified name of the function that called into `minispeed.comm`: the first frame,
+    from `skip` frames above this one, whose module is neither part of comm nor declared
+    `pass_through` (`"Reducer.flush"`). Cost: one step up the stack per frame skipped."""
+    frame = sys._getframe(skip + 1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not module.startswith("minispeed.comm") and module not in _PASS_THROUGH:
+            return frame.f_code.co_qualname
+        frame = frame.f_back
+    return ""
+
+
+def _line(r: CommRecord) -> str:
+    """DeepSpeed's verbose line for one record (bandwidths in Gbit/s)."""
+    caller = f" | caller: {r.caller}" if r.caller else ""
+    return (
+        f"comm op: {r.op}{caller} | time (ms): {r.latency_s * 1e3:.2f} | msg size: "
+        f"{_fmt_bytes(r.msg_bytes)} | algbw (Gbps): {r.algbw * 8 / 1e9:.2f} | busbw (Gbps): "
+        f"{r.busbw * 8 / 1e9:.2f}"
+    )
 
 
 def _fmt_bytes(n: float) -> str:

@@ -33,7 +33,7 @@ from minispeed.zero.precision import (
 from minispeed.zero.setup_agreement import OffloadSetupError
 from minispeed.zero.stage3 import GatheredParameters, Init, full_state_dict, set_leaf_module
 from minispeed.zero.stage3.io_failures import OffloadIOError
-from minispeed.zero.stage3.mics import MicsGroups
+from minispeed.zero.stage3.mics_groups import MicsGroups
 
 __all__ = [
     "ActivationCheckpointingConfig",

@@ -38,7 +38,8 @@ from minispeed.zero.optimizer import ShardStrategy, ZeroOptimizer, param_names
 from minispeed.zero.precision import MixedPrecision
 from minispeed.zero.replica_groups import check_replica_groups
 from minispeed.zero.stage3.assemble import assemble as assemble_stage3
-from minispeed.zero.stage3.mics import MicsGroups, MicsStrategy, mics_enabled, mics_stage3
+from minispeed.zero.stage3.mics import MicsStrategy, mics_stage3
+from minispeed.zero.stage3.mics_groups import MicsGroups, mics_enabled
 
 __all__ = ["shard"]
 
@@ -94,8 +95,9 @@ def shard(
     and divided by the size of `group` (Note [replica groups] in replica_groups.py).
 
     `mics_groups` (stage 3 with `ZeroConfig.mics_shard_size`): the shard and replica groups
-    (`zero.MicsGroups.build`), when the caller's grid built them; `None` builds them over
-    `group`, which must then be the world (stage3/mics.py).
+    (`zero.MicsGroups.build`), when the caller's grid built them; `None` takes those `zero.Init`
+    partitioned the model over, or builds them over `group`, which must then be the world
+    (stage3/mics.py).
 
     `allow_untested_optimizer`: at stages 1-3 an optimizer not known to update each element
     independently is refused (Note [which optimizers can step a slice]); True accepts it, as

@@ -132,22 +132,32 @@ class ZeroConfig(Section):
     `optimizer.step()` call per sub-group. See Note [optimizer sub-groups] in optimizer.py."""
 
     # -- stage 3 (read by minispeed.zero.stage3) ------------------------------------------------
-    stage3_prefetch_bucket_numel: int = key("stage3_prefetch_bucket_size", 50_000_000)
+    # Each stage3_* key also under its DeepSpeed pydantic field name (DeepSpeed takes both).
+    stage3_prefetch_bucket_numel: int = key(
+        "stage3_prefetch_bucket_size", 50_000_000, aliases=("prefetch_bucket_size",)
+    )
     """Elements fetched ahead of use by the stage-3 prefetcher (`stage3_prefetch_bucket_size`)."""
     stage3_param_persistence_threshold_numel: int = key(
-        "stage3_param_persistence_threshold", 100_000
+        "stage3_param_persistence_threshold", 100_000, aliases=("param_persistence_threshold",)
     )
     """Parameters with at most this many elements stay gathered on every rank
     (`stage3_param_persistence_threshold`)."""
-    stage3_max_live_numel: int = key("stage3_max_live_parameters", 1_000_000_000)
+    stage3_max_live_numel: int = key(
+        "stage3_max_live_parameters", 1_000_000_000, aliases=("max_live_parameters",)
+    )
     """Upper bound on gathered parameter elements alive at once (`stage3_max_live_parameters`)."""
-    stage3_max_reuse_distance_numel: int = key("stage3_max_reuse_distance", 1_000_000_000)
+    stage3_max_reuse_distance_numel: int = key(
+        "stage3_max_reuse_distance", 1_000_000_000, aliases=("max_reuse_distance",)
+    )
     """Keep a gathered parameter if it is used again within this many parameter elements
     (`stage3_max_reuse_distance`)."""
     stage3_gather_16bit_weights_on_model_save: bool = key(
         "stage3_gather_16bit_weights_on_model_save",
         False,
-        aliases=("stage3_gather_fp16_weights_on_model_save",),
+        aliases=(
+            "stage3_gather_fp16_weights_on_model_save",
+            "gather_16bit_weights_on_model_save",
+        ),
     )
     """Gather full 16-bit weights when the model is saved
     (`stage3_gather_16bit_weights_on_model_save`)."""

@@ -53,6 +53,7 @@ from minispeed.zero.contract import ParamFragment, StrategyWrapper
 from minispeed.zero.optimizer import ZeroOptimizer
 from minispeed.zero.replica_groups import ReplicaGroupedStrategy
 from minispeed.zero.stage3.init import GatheredParameters
+from minispeed.zero.stage3.params import REGISTRY
 from minispeed.zero.stage3.strategy import Stage3Strategy
 
 __all__ = [
@@ -99,7 +100,8 @@ def set_full_fp32_param(
     the group calls it: local at stages 0-2, collective at stage 3 (Note [a set value reaches
     the model now])."""
     opt, f = _found_for_write(param, opt, value, "set_full_fp32_param")
-    first = group_ranks(_group(opt, f))[0]
+    sp = REGISTRY.get(param)  # stage 3: every holder takes the first's value (MiCS: replicas too)
+    first = None if sp is None else group_ranks(sp.data_group)[0]
     with torch.no_grad(), GatheredParameters(param, modifier_rank=first):
         param.data.copy_(value)  # stages 0-2: the parameter itself; stage 3: gathered, kept
     _write(f, _master(opt, f), value)  # the exact fp32 value (stage 3 kept the cast one)
@@ -356,8 +358,8 @@ def _group(opt: ZeroOptimizer, f: ParamFragment) -> Any:
         strategy = strategy.strategy
     if isinstance(strategy, ReplicaGroupedStrategy):
         return strategy.process_group_of(f.group)
-    if isinstance(strategy, Stage3Strategy):  # its own group: MiCS's shard group (mics.py)
-        return strategy.group
+    if isinstance(strategy, Stage3Strategy):  # its own group: MiCS's shard group (mics.py),
+        return strategy.group  # whose S fragments make the whole value; replicas hold the same
     return opt.comm_group
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 import minispeed.comm as comm
 from minispeed.core import ranges
@@ -155,9 +155,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.loss_scaler = LossScaler(precision)
         self.global_step = 0
         self.micro_step = 0
-        self._grad_norm: torch.Tensor | None = None  # before clipping, at the last clipped step
-        self._window = 0  # backward calls in the current accumulation window
-        self._window_ended = False  # the last backward ended it; step() has not handled it yet
+        self._grad_norm: Tensor | None = None  # before clipping, at the last clipped step
+        # Backward calls in the current accumulation window; whether the last one ended it
+        # (and step() has not handled it yet).
+        self._window, self._window_ended = 0, False
 
         masters = strategy.master_params()  # `optimizer` steps them (api.py: _step_masters)
 
@@ -283,9 +284,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # dispatcher round trip each; the flags are written into the tensor once, in step().
         self._used.add(p)
 
-    def backward(
-        self, loss: torch.Tensor, *, ends: bool | None = None, divided: bool = False
-    ) -> None:
+    def backward(self, loss: Tensor, *, ends: bool | None = None, divided: bool = False) -> None:
         """Backward of `loss` scaled by `loss_scale / gradient_accumulation_steps`.
 
         `ends`: whether this micro-step ends the accumulation window (`None`: when it is the
@@ -293,7 +292,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         already (the Trainer normalizes by the window's tokens), so it is scaled by
         `loss_scale` only (DeepSpeed's `scale_wrt_gas=False`)."""
         self._check_open("backward")
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+        if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError(
                 "ZeroOptimizer.backward expects the scalar loss of this micro-batch (a 1-element "
                 "tensor that requires grad); reduce it with .mean() or .sum() first"
@@ -313,8 +312,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             (loss.float() * factor if factor != 1.0 else loss).backward()
             self.strategy.backward_done(is_boundary)
         self.micro_step += 1
-        self._window += 1
-        self._window_ended = is_boundary
+        self._window, self._window_ended = self._window + 1, is_boundary
         self._backward_since_step = True
 
     # -- step -------------------------------------------------------------------------------------
@@ -344,8 +342,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return self._boundary_step()
 
     def _boundary_step(self) -> bool:
-        self._window = 0
-        self._window_ended = False
+        self._window, self._window_ended = 0, False
         grads_by_group = self.strategy.master_grads()
         grads = [g for gs in grads_by_group for g in gs]
         if self.model_parallel is not None and self.model_parallel.shared:
@@ -440,8 +437,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _inner_step(
         self,
-        masters: list[list[torch.Tensor]],
-        grads: list[list[torch.Tensor]],
+        masters: list[list[Tensor]],
+        grads: list[list[Tensor]],
         skip: set[tuple[int, int]],
     ) -> None:
         """Run the inner optimizer once per sub-group (Note [optimizer sub-groups]); a master in
@@ -456,7 +453,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 for g, i in run:
                     masters[g][i].grad = None
 
-    def _clip(self, grads: list[torch.Tensor]) -> None:
+    def _clip(self, grads: list[Tensor]) -> None:
         """Scale gradients so that their global L2 norm is at most `max_grad_norm` (`inf`: only
         compute the norm)."""
         sq = torch.zeros(1, dtype=torch.float32, device=self._grad_device)
@@ -505,12 +502,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         micro-batches accumulated so far (the plain-PyTorch habit of calling `zero_grad()`
         before every backward).
         """
-        gas = self.config.gradient_accumulation_steps
         if self._window != 0:
             raise RuntimeError(
-                f"zero_grad() after micro-step {self._window} of {gas} would discard the "
-                f"gradients accumulated in this window; call it only after step() (which already "
-                f"clears them), or drop the call"
+                f"zero_grad() after micro-step {self._window} of an accumulation window would "
+                f"discard the gradients accumulated in it; call it only after step() (which "
+                f"already clears them), or drop the call"
             )
         self.strategy.zero_grad()
 
@@ -583,7 +579,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         )
 
 
-def _device_of(masters: list[list[torch.Tensor]]) -> torch.device:
+def _device_of(masters: list[list[Tensor]]) -> torch.device:
     for ms in masters:
         for m in ms:
             if m.device.type != "meta":  # ZeRO-Infinity's masters are meta handles

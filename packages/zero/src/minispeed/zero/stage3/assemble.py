@@ -49,9 +49,11 @@ def assemble(
     *,
     param_groups: Sequence[Sequence[nn.Parameter]],
     reduce_scatter: Any = None,
+    mics: Any = None,
 ) -> Stage3Strategy:
     """Stage 3 over ``model`` for an optimizer with ``param_groups`` (module docstring, in order).
-    ``reduce_scatter``: the gradient collective when not comm's (MiCS's two hops, mics.py).
+    ``reduce_scatter``: the gradient collective when not comm's; ``mics``: the `MicsGroups` whose
+    shard group ``group`` is (MiCS's two hops and groups, mics.py).
 
     Collective: every rank of ``group`` builds the same model and calls it.
     """
@@ -71,12 +73,14 @@ def assemble(
                 f"parameter {name!r} is already managed by another stage-3 strategy; call its "
                 f"close() before sharding the model again"
             )
-        if sp is not None and sp.world_size != world_size:
+        if sp is not None and (sp.world_size != world_size or sp.mics is not mics):
             raise ValueError(
-                f"parameter {name!r} was partitioned by zero.Init over {sp.world_size} ranks but "
-                f"zero.shard uses a group of {world_size}; pass the same group to both"
+                f"parameter {name!r} was partitioned by zero.Init over {sp.world_size} ranks "
+                f"({'no' if sp.mics is None else 'a'} MiCS shard group) but zero.shard uses "
+                f"{world_size} ({'no' if mics is None else 'a'} MiCS shard group); pass the same "
+                f"group and the same ZeroConfig (mics_shard_size) to both"
             )
-        sp = sp or partition_param(p, group)
+        sp = sp or partition_param(p, group, mics=mics)
         guard_param(p, sp)  # reads while released answer or raise (released.py)
         sp.name = name
         sharded[p] = sp
@@ -144,6 +148,7 @@ def assemble(
         config,
         precision,
         group,
+        data_group=group if mics is None else mics.data_group,
         groups=groups,
         sharded=sharded,
         persistent=persistent,

@@ -103,7 +103,7 @@ class InfinityStrategy(StrategyWrapper):
         self.grads_in_files = True
         self.optimizer = optimizer
         self.swapped_grads = optimizer.grads  # the clipping norm is read from here
-        self.group = strategy.group
+        self.data_group = strategy.data_group  # the I/O agreements' ranks (MiCS: every replica)
         self._handles = handles
         self._sp_of = {id(h): sp for sp, h in handles.items()}
         self._marks = {id(h): torch.empty_like(h) for h in handles.values()}  # meta: no bytes
@@ -168,7 +168,7 @@ class InfinityStrategy(StrategyWrapper):
         for home in self._swapped_homes:  # the shard files must be whole before a fetch
             io.run("writing the parameter shards", home.flush)
         refresh_gathered([sp for sp in trained if sp.state is ParamState.GATHERED])
-        io.agree(self.group, "the end of the optimizer step")
+        io.agree(self.data_group, "the end of the optimizer step")
 
     def grad_square_sum(self) -> torch.Tensor:
         """Σ g², kept as the gradient shards were written (Note [the norm is kept as the
@@ -237,7 +237,7 @@ def agree_on_first_masters(strategy: InfinityStrategy) -> None:
     files are deleted; their own errors (the other writes in flight on a full disk) are not
     raised in place of the agreed one."""
     try:
-        strategy.io_failures.agree(strategy.group, "zero.shard, writing the first masters")
+        strategy.io_failures.agree(strategy.data_group, "zero.shard, writing the first masters")
     except BaseException:
         for swapper in swappers_of(strategy, strategy.optimizer):  # the parameters' files too
             swapper.abandon()

@@ -30,6 +30,7 @@ from torch.nn.modules.module import (
 import minispeed.comm as comm
 from minispeed.zero.stage3.access import check_access, guard_module
 from minispeed.zero.stage3.init_writes import InitAccess, WriteBack
+from minispeed.zero.stage3.mics_groups import MicsGroups, check_mics, mics_enabled, resolve_groups
 from minispeed.zero.stage3.offloaded import init_residency
 from minispeed.zero.stage3.params import REGISTRY, FetchUnit, ShardedParam, partition_param
 from minispeed.zero.stage3.released import guard_param
@@ -103,12 +104,26 @@ class Init:
     init_fn)``, Hugging Face's ``post_init()``) sees full values: they are gathered on first
     touch and written back from the first rank, one module at a time (init_writes.py; one
     all-gather and one broadcast per module touched).
+
+    MiCS (``config.mics_shard_size = S``): each parameter is partitioned over this rank's shard
+    group of S ranks, as ``zero.shard`` will train it, from the first rank of ``group`` (every
+    replica equal): ``Ψ/S`` per rank. The groups are ``mics_groups`` (`zero.MicsGroups`, when
+    ``group`` is not the world), else built on entry (collective over the world);
+    `mics_groups` keeps them and ``zero.shard`` finds them on the parameters.
     """
 
-    def __init__(self, config: Any = None, group: Any = None, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        config: Any = None,
+        group: Any = None,
+        enabled: bool = True,
+        *,
+        mics_groups: MicsGroups | None = None,
+    ) -> None:
         self.config = config
-        self.group = group
+        self.group = group  # the data-parallel group: the broadcasts' and agreements' ranks
         self.enabled = enabled
+        self.mics_groups = mics_groups  # MiCS: built on entry when None
         self.sharded: list[ShardedParam] = []
         self._created: dict[nn.Parameter, tuple[nn.Module, str]] = {}  # -> (module, attribute)
         self._parent: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # non-containers
@@ -128,6 +143,9 @@ class Init:
                 "zero.Init partitions parameters across ranks, but torch.distributed is not "
                 "initialized: call minispeed.comm.init_distributed() before entering zero.Init"
             )
+        if self.config is not None and mics_enabled(self.config):  # before any collective
+            check_mics(self.config, comm.get_world_size(self.group))
+            self.mics_groups = resolve_groups(self.config, self.group, self.mics_groups)
         self._handles = [
             register_module_parameter_registration_hook(self._on_parameter),
             register_module_module_registration_hook(self._on_module),
@@ -204,7 +222,9 @@ class Init:
             return
         _, attr = self._created.pop(p, (module, "?"))
         # The qualified name is known only once the model is complete; zero.shard sets it.
-        sp = partition_param(p, self.group, f"{type(module).__name__}.{attr}")
+        mics = self.mics_groups
+        group = self.group if mics is None else mics.shard_group
+        sp = partition_param(p, group, f"{type(module).__name__}.{attr}", mics)
         guard_param(p, sp)  # reads while released answer or raise (released.py)
         if self._write_back is not None:  # None after exit
             self._write_back.owner_of[sp] = id(module)
@@ -226,10 +246,13 @@ class GatheredParameters:
 
     With ``modifier_rank=None`` changes are discarded at exit (read-only use). Parameters that are
     not partitioned by stage 3 are left alone, so the same code runs with and without stage 3.
-    ``modifier_rank`` is a global rank, like ``src`` in ``torch.distributed.broadcast``.
+    ``modifier_rank`` is a global rank, like ``src`` in ``torch.distributed.broadcast``, among
+    the parameters' holders (``ShardedParam.data_group``: under MiCS every replica of the shard
+    group, which all receive the change).
 
     Costs: one all-gather of the released parameters on entry (``Σ N·s·p`` bytes message); with a
-    modifier, one broadcast of ``Σ n·p`` bytes on exit; ``Σ N·s·p`` bytes held inside.
+    modifier, one broadcast of ``Σ n·p`` bytes on exit, over the holders; ``Σ N·s·p`` bytes held
+    inside.
     """
 
     def __init__(
@@ -249,7 +272,7 @@ class GatheredParameters:
                 seen[sp] = None
         self.sharded = list(seen)
         self._unit = FetchUnit(-1, "GatheredParameters", "", self.sharded)
-        if len({id(sp.group) for sp in self.sharded}) > 1:
+        if len({(id(sp.group), id(sp.mics)) for sp in self.sharded}) > 1:
             raise ValueError(
                 "GatheredParameters got parameters partitioned over different process groups; "
                 "enter one context per group"
@@ -262,7 +285,7 @@ class GatheredParameters:
             io = _io_failures(self.sharded)
             if io is not None:  # offload_param nvme: no rank may look at a failed read's zeros
                 try:
-                    io.agree(self.sharded[0].group, "GatheredParameters, reading shards")
+                    io.agree(self.sharded[0].data_group, "GatheredParameters, reading shards")
                 except BaseException:
                     self._unit.unhold()
                     self._unit.reshard()
@@ -281,9 +304,10 @@ class GatheredParameters:
 
     @torch.no_grad()
     def _keep_changes(self) -> None:
-        """Broadcast the modifier's full values, then every rank re-partitions them."""
+        """Broadcast the modifier's full values to every holder (MiCS: every replica, not only
+        the modifier's shard group), then each re-partitions them."""
         values = torch.cat([sp.param.data.reshape(-1).to(sp.shard.dtype) for sp in self.sharded])
-        comm.broadcast(values, src=self.modifier_rank, group=self.sharded[0].group)
+        comm.broadcast(values, src=self.modifier_rank, group=self.sharded[0].data_group)
         offset = 0
         for sp in self.sharded:
             sp.load_full(values[offset : offset + sp.numel])
@@ -309,13 +333,14 @@ def full_state_dict(model: nn.Module, rank0_only: bool = False) -> dict[str, tor
     ``_save_to_state_dict``).
 
     Collective: every rank of the group must call it. With ``rank0_only=True`` only the group's
-    first rank keeps the copies and the others get ``{}``.
+    first rank keeps the copies and the others get ``{}`` (MiCS: the data-parallel group's
+    first rank, not each shard group's).
 
     Costs: one all-gather per module owning parameters (``Σ N·s·p`` bytes message in all); held:
     the copies (``Ψ·p`` bytes on each rank that keeps them) plus one module's gathered parameters.
     """
     sps = [REGISTRY[p] for p in model.parameters() if p in REGISTRY]
-    group = sps[0].group if sps else None
+    group = sps[0].data_group if sps else None
     keep = not rank0_only or not comm.is_initialized() or comm.get_rank(group) == 0
     out: dict[str, Any] = {}
     for prefix, module in model.named_modules(remove_duplicate=False):

@@ -57,7 +57,8 @@ class WriteBack:
         owners = {self.owner_of.get(sp, id(sp)) for sp in sps}
         if self._open and not owners <= self._owners:
             self.flush()
-        ctx = self._gathered([sp.param for sp in sps], modifier_rank=group_ranks(sps[0].group)[0])
+        first = group_ranks(sps[0].data_group)[0]  # every holder takes its values (MiCS: replicas)
+        ctx = self._gathered([sp.param for sp in sps], modifier_rank=first)
         ctx.__enter__()
         self._open.append(ctx)
         self._owners |= owners

@@ -51,19 +51,22 @@ Offload (``offload_param``, ``offload_optimizer``) moves the S-way partitions un
 
 Set-up, in `zero.shard` (api.py), for ``ZeroConfig.mics_shard_size = S``: `check_mics` (local, on
 every rank, before any collective: S divides N, what does not compose is refused by name), the
-groups (`MicsGroups`, built once, by the engine's grid or here), every rank started from the
-first rank's weights (`start_equal`), stage 3 (`assemble`) over the shard group with the two-hop
-reduce-scatter (`TwoHopReduceScatter`) as its gradient reducer's collective, offload as usual,
-and `MicsStrategy` around it (the clipping norm counts each shard once). Nothing on the plain
-stage-3 path asks whether MiCS is on: it is the group and the collective chosen here (Note
-[optional features are chosen once] in strategy.py).
+groups (`MicsGroups`, mics_groups.py: built once, by the engine's grid, by `zero.Init`, or
+here), stage 3 (`assemble`) over the shard group with the two-hop reduce-scatter
+(`TwoHopReduceScatter`) as its gradient reducer's collective, offload as usual, and
+`MicsStrategy` around it (the clipping norm counts each shard once). Every rank starts from the
+first rank's weights: partitioning broadcasts over the whole data-parallel group (Note
+[partitioning starts from the first rank's values] in params.py). Nothing on the plain stage-3
+path asks whether MiCS is on: it is the groups and the collective chosen here (Note [optional
+features are chosen once] in strategy.py); each `ShardedParam` keeps its groups, so whatever
+changes a value (`GatheredParameters`' modifier, a checkpoint's frozen parameters,
+`set_full_fp32_param`, `zero.Init`'s initialisers) sends it to every replica, and ZeRO-Infinity's
+I/O agreements run over the data-parallel group (`Stage3Strategy.data_group`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -71,166 +74,15 @@ from torch import nn
 
 import minispeed.comm as comm
 from minispeed.comm.compression import BlockQuantizer, quantized_reduce_scatter_tensor
-from minispeed.comm.validation import group_ranks
 from minispeed.core import ranges
 from minispeed.zero.config import ZeroConfig
 from minispeed.zero.contract import StrategyWrapper
 from minispeed.zero.stage3.assemble import assemble
+from minispeed.zero.stage3.mics_groups import MicsGroups, check_mics, resolve_groups
 from minispeed.zero.stage3.params import REGISTRY, ShardedParam, mark_issued
 from minispeed.zero.stage3.strategy import Stage3Strategy
-from minispeed.zero.stage3.zeropp import node_size_from_env
 
-__all__ = [
-    "HierarchicalGather",
-    "MicsGroups",
-    "MicsStrategy",
-    "TwoHopReduceScatter",
-    "check_mics",
-    "mics_enabled",
-    "mics_stage3",
-    "start_equal",
-]
-
-
-def mics_enabled(config: ZeroConfig) -> bool:
-    """Whether ``config`` asks for MiCS (``mics_shard_size`` >= 1)."""
-    return config.mics_shard_size > 0
-
-
-# -- errors at shard(), before any collective ------------------------------------------------------
-def check_mics(
-    config: ZeroConfig,
-    data_size: int,
-    *,
-    replica_groups: Any = None,
-    model_parallel: Any = None,
-) -> None:
-    """Refuse a MiCS set-up that cannot work, naming the fix. Local: every rank computes the same
-    answer from the same config and sizes, so a bad S raises on every rank before any collective.
-    """
-    s = config.mics_shard_size
-    if data_size % s:
-        divisors = [d for d in range(1, data_size + 1) if data_size % d == 0]
-        raise ValueError(
-            f"zero_optimization.mics_shard_size={s} does not divide the data-parallel size "
-            f"{data_size}: MiCS cuts the data-parallel ranks into groups of S; pick S among "
-            f"{divisors} (usually the ranks of one node), or -1 to turn MiCS off"
-        )
-    if config.hpz_partition_size > 1:
-        raise ValueError(
-            "zero_hpz_partition_size with mics_shard_size: MiCS already keeps every parameter "
-            "all-gather inside its shard group, so hpZ's node-local secondary partition has "
-            "nothing left to save (and would hold a second copy); set zero_hpz_partition_size "
-            "to 1, or drop mics_shard_size for hpZ over plain ZeRO-3"
-        )
-    if replica_groups is not None:
-        raise ValueError(
-            "mics_shard_size with replica_groups (MoE experts' expert-data groups): MiCS "
-            "partitions over its shard groups and replicates over its replica groups, which "
-            "cannot also follow the experts' groups; use one of the two"
-        )
-    if model_parallel is not None:
-        raise ValueError(
-            "mics_shard_size with model_parallel (tensor or pipeline axes) is not implemented: "
-            "the tied-gradient sums and the norm over those axes are untested under MiCS; drop "
-            "tensor_parallel.autotp_size, or mics_shard_size"
-        )
-    if config.mics_hierarchical_params_gather:
-        k = node_size_from_env(data_size)
-        if s % k or s == k or k == 1:
-            raise ValueError(
-                f"mics_hierarchical_params_gather with a shard group of {s} ranks and nodes of "
-                f"{k} (LOCAL_WORLD_SIZE): a two-level gather needs a shard group spanning "
-                f"several whole nodes (S a multiple of the node size, larger than it); set it to "
-                f"false, or mics_shard_size to a multiple of {k}"
-            )
-
-
-# -- the groups --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class MicsGroups:
-    """This rank's MiCS groups: S ranks sharing the partitions, R ranks holding the same shard.
-
-    Built once (`build`, collective over the world), by the engine's grid or by `zero.shard`.
-    """
-
-    shard_size: int
-    """S: ranks of a shard group (the partitions are cut S ways)."""
-    replicas: int
-    """R = N/S: shard groups, i.e. copies of each shard."""
-    data_group: Any
-    """The N data-parallel ranks (None: the world): agreement and the norm run over it."""
-    shard_group: Any
-    """My S ranks: parameters gathered and gradients reduce-scattered over it."""
-    replica_group: Any
-    """My R ranks, one per shard group, each holding my shard: gradients all-reduced over it."""
-    shard_ranks: tuple[int, ...]
-    """Global ranks of my shard group, in order."""
-    hierarchical: Any = None
-    """`comm.HierarchicalAllGather` over my shard group (``mics_hierarchical_params_gather``)."""
-
-    @classmethod
-    def build(
-        cls,
-        shard_size: int,
-        data_lines: Sequence[Sequence[int]] | None = None,
-        *,
-        data_group: Any = None,
-        hierarchical: bool = False,
-    ) -> MicsGroups:
-        """Every rank's groups: each data-parallel line (global ranks; default: the world) cut
-        into consecutive runs of ``shard_size``. Collective over the WORLD: every rank calls it
-        with the same lines, in the same order (process groups are created on every rank).
-        ``hierarchical``: also a two-level all-gather inside each shard group, nodes of
-        ``LOCAL_WORLD_SIZE`` ranks (``mics_hierarchical_params_gather``)."""
-        me = comm.get_rank()
-        lines = [list(range(comm.get_world_size()))] if data_lines is None else data_lines
-        node_size = node_size_from_env(comm.get_world_size()) if hierarchical else 0
-        mine: tuple[Any, ...] | None = None
-        for line in lines:
-            replicas = len(line) // shard_size
-            topo = comm.ProcessTopology(("replica", "shard"), (replicas, shard_size))
-            grid = comm.ProcessGrid(topo, ranks=line)  # collective: every line on every rank
-            hierarchical = {}
-            for start in range(0, len(line), shard_size):  # one two-level gather per shard group
-                ranks = list(line[start : start + shard_size])
-                if node_size:
-                    hierarchical[tuple(ranks)] = comm.HierarchicalAllGather(node_size, ranks)
-            if me in line:
-                shard_ranks = tuple(grid.group_ranks("shard"))
-                mine = (
-                    replicas,
-                    grid.group("shard"),
-                    grid.group("replica"),
-                    shard_ranks,
-                    hierarchical.get(shard_ranks),
-                )
-        if mine is None:
-            raise ValueError(f"rank {me} is in none of the data-parallel lines {lines}")
-        replicas, shard_group, replica_group, shard_ranks, hierarchical = mine
-        return cls(
-            shard_size, replicas, data_group, shard_group, replica_group, shard_ranks, hierarchical
-        )
-
-
-# -- the start ----------------------------------------------------------------------------------------
-@torch.no_grad()
-def start_equal(model: nn.Module, groups: MicsGroups) -> None:
-    """Make every replica start from its replica group's first rank (in shard group 0), before
-    stage 3 partitions each parameter from its shard group's first rank (Note [partitioning
-    starts from the first rank's values] in params.py): together, every rank holds rank 0's
-    weights. A parameter `zero.Init` already partitioned (over the shard group) sends its shard.
-    Collective over the replica group: Ψ·p bytes once (Ψ/S·p for Init's shards)."""
-    if groups.replicas == 1:
-        return
-    src = group_ranks(groups.replica_group)[0]
-    for p in dict.fromkeys(model.parameters()):  # a tied parameter once
-        sp = REGISTRY.get(p)
-        tensor = p.data if sp is None else sp.shard
-        buf = tensor if tensor.is_contiguous() else tensor.contiguous()
-        comm.broadcast(buf, src=src, group=groups.replica_group)
-        if buf is not tensor:
-            tensor.copy_(buf)
+__all__ = ["HierarchicalGather", "MicsStrategy", "TwoHopReduceScatter", "mics_stage3"]
 
 
 # -- gradients: the two hops -----------------------------------------------------------------------
@@ -395,29 +247,15 @@ def mics_stage3(
     model_parallel: Any,
 ) -> tuple[Stage3Strategy, MicsGroups]:
     """`zero.shard`'s stage 3 under MiCS: the checks (local, before any collective), the groups
-    (``groups``, or built here over ``group``, which must then be the world), the replicas
-    started equal, and `Stage3Strategy` over the shard group with the two hops. Collective."""
-    data_size = comm.get_world_size(group)
-    check_mics(config, data_size, replica_groups=replica_groups, model_parallel=model_parallel)
-    if groups is None:
-        if data_size != comm.get_world_size():
-            raise ValueError(
-                f"zero.shard over a data-parallel group of {data_size} of "
-                f"{comm.get_world_size()} ranks with mics_shard_size: build the groups over every "
-                f"data-parallel line with zero.MicsGroups.build(S, lines, data_group=group) and "
-                f"pass them as zero.shard(..., mics_groups=...) (the engine's grid does)"
-            )
-        groups = MicsGroups.build(
-            config.mics_shard_size,
-            data_group=group,
-            hierarchical=config.mics_hierarchical_params_gather,
-        )
-    elif groups.shard_size * groups.replicas != data_size:
-        raise ValueError(
-            f"mics_groups cover {groups.shard_size} x {groups.replicas} ranks, but the "
-            f"data-parallel group has {data_size}; build them over the same data-parallel lines"
-        )
-    start_equal(model, groups)
+    (`resolve_groups`: zero.Init's, ``groups``, or built here over ``group``, which must then be
+    the world), and `Stage3Strategy` over the shard group with the two hops. Collective."""
+    check_mics(
+        config, comm.get_world_size(group), replica_groups=replica_groups,
+        model_parallel=model_parallel,
+    )  # fmt: skip
+    built = (REGISTRY.get(p) for p in model.parameters())  # zero.Init's partitions, if any
+    found = next((sp.mics for sp in built if sp is not None and sp.mics is not None), None)
+    groups = resolve_groups(config, group, groups, found)
     quantizer = None  # qgZ: hop 1 quantized here, not ZeRO++'s two hops over the world
     if config.quantized_gradients:
         quantizer = BlockQuantizer(config.quantized_gradient_bits, config.quant_block_numel)
@@ -431,5 +269,6 @@ def mics_stage3(
         groups.shard_group,
         param_groups=param_groups,
         reduce_scatter=reduce_scatter,
+        mics=groups,
     )
     return strategy, groups

@@ -161,14 +161,20 @@ class ShardedParam(Resident):
     """
 
     def __init__(
-        self, param: nn.Parameter, shard: torch.Tensor, group: Any, name: str = ""
+        self, param: nn.Parameter, shard: torch.Tensor, group: Any, name: str = "", mics: Any = None
     ) -> None:
         # Weak: REGISTRY's values must not keep its (weak) keys alive, or no model is ever freed.
         self._param = weakref.ref(param)
         self.name = name  # qualified name; set by zero.shard (Init does not know it yet)
         self.shape = param.shape  # the full shape (param.shape is (0,) while released)
         self.numel = param.numel()
-        self.group = group
+        self.group = group  # the ranks this parameter is partitioned over
+        # MiCS (stage3/mics_groups.py): `group` is a shard group and each of its shards is held
+        # by the ranks of a replica group too (`MicsGroups`); None for plain ZeRO-3.
+        self.mics = mics
+        # Every rank holding this parameter: `group`, and under MiCS its replicas too (the
+        # data-parallel group). A changed value must reach all of them (`GatheredParameters`).
+        self.data_group = group if mics is None else mics.data_group
         self.world_size = comm.get_world_size(group)
         self.rank = comm.get_rank(group)
         self.shard_numel = -(-self.numel // self.world_size)  # ceil(n / N)
@@ -387,15 +393,21 @@ class ShardedParam(Resident):
 # by rank, a common habit for data order) the model would be stitched from N initialisations,
 # silently. Stages 0-2 broadcast the first rank's parameters in zero.shard; stage 3 does it here,
 # per parameter, just before cutting: zero.shard and zero.Init alike. Cost: one broadcast of
-# ``n·p`` bytes per parameter, once (Ψ·p in all); none with one rank.
+# ``n·p`` bytes per parameter, once (Ψ·p in all); none with one rank. Under MiCS the broadcast
+# spans the whole data-parallel group, not only the shard group, from its first rank: a shard
+# group cut from another group's values would train a different model than its replicas.
 
 
-def partition_param(param: nn.Parameter, group: Any, name: str = "") -> ShardedParam:
-    """Take the group's first rank's value of ``param``, keep our shard of it, release the rest.
+def partition_param(
+    param: nn.Parameter, group: Any, name: str = "", mics: Any = None
+) -> ShardedParam:
+    """Take the first holder's value of ``param``, keep our shard of it, release the rest.
 
     Collective (one broadcast of ``n·p`` bytes, Note [partitioning starts from the first rank's
-    values]): every rank of the group partitions the same parameters in the same order. Memory:
-    after this call the rank holds ``ceil(n/N)`` elements of ``param`` instead of ``n``.
+    values]) over the holders: ``group``, or with ``mics`` (`MicsGroups`, ``group`` its shard
+    group) the whole data-parallel group, so every replica starts equal. Every rank of it
+    partitions the same parameters in the same order. Memory: after this call the rank holds
+    ``ceil(n/N)`` elements of ``param`` instead of ``n``.
     """
     if param in REGISTRY:
         return REGISTRY[param]
@@ -404,13 +416,14 @@ def partition_param(param: nn.Parameter, group: Any, name: str = "") -> ShardedP
     s = -(-n // world)
     start = comm.get_rank(group) * s
     flat = param.detach().reshape(-1)
-    if world > 1:
+    holders = group if mics is None else mics.data_group  # MiCS: every replica, the same values
+    if comm.get_world_size(holders) > 1:
         flat = flat.contiguous()  # a copy only if the parameter is not contiguous
-        comm.broadcast(flat, src=group_ranks(group)[0], group=group)
+        comm.broadcast(flat, src=group_ranks(holders)[0], group=holders)
     shard = torch.zeros(s, dtype=param.dtype, device=device)
     owned = max(0, min(s, n - start))
     shard[:owned].copy_(flat[start : start + owned])
-    sp = ShardedParam(param, shard, group, name)
+    sp = ShardedParam(param, shard, group, name, mics)
     REGISTRY[param] = sp
     return sp
 

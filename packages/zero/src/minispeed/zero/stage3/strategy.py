@@ -87,6 +87,7 @@ class Stage3Strategy(ShardStrategy):
         precision: MixedPrecision,
         group: Any,
         *,
+        data_group: Any,
         groups: list[list[nn.Parameter]],
         sharded: dict[nn.Parameter, ShardedParam],
         persistent: list[ShardedParam],
@@ -97,6 +98,10 @@ class Stage3Strategy(ShardStrategy):
         reducer: GradShardReducer,
     ) -> None:
         self.model, self.config, self.precision, self.group = model, config, precision, group
+        # Every rank holding these shards: `group`, or under MiCS its replicas too (mics.py).
+        # The I/O agreements run over it: a shard group raising alone would leave its
+        # replicas waiting in the next all-reduce across.
+        self.data_group = data_group
         self.groups = groups  # the optimizer's param groups
         self.sharded = sharded  # every parameter's ShardedParam, in named_parameters() order
         self.trained = [sharded[p] for ps in groups for p in ps]
@@ -140,7 +145,7 @@ class Stage3Strategy(ShardStrategy):
                 sp.home.write(sp, sp.master)
         refresh_gathered([sp for sp in self.trained if sp.state is ParamState.GATHERED])
         if self.io_failures is not None:
-            self.io_failures.agree(self.group, "the end of the optimizer step")
+            self.io_failures.agree(self.data_group, "the end of the optimizer step")
 
     def zero_grad(self) -> None:
         """Drop the gradient shards (and any ``param.grad`` left by hand-written backward code)."""
@@ -179,7 +184,7 @@ class Stage3Strategy(ShardStrategy):
         try:
             self._close()
             if self.io_failures is not None:
-                self.io_failures.agree(self.group, "close(), gathering the model back")
+                self.io_failures.agree(self.data_group, "close(), gathering the model back")
         finally:
             if self.param_home is not None:
                 self.param_home.close()
