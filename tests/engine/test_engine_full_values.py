@@ -151,21 +151,27 @@ def test_bf16_gradients_and_masters_come_back_in_fp32():
     assert got[0] == got[1]
 
 
-def _bf16_body(rank: int, world_size: int) -> list:
+def _adamw(model: nn.Module, zero: dict, **config) -> object:
+    """The engine of `model`'s trainable parameters under AdamW (lr 0.01) and ZeRO `zero`."""
     import minispeed.engine as deepspeed
-    from minispeed.engine.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
 
-    model = _model()
     engine, _, _, _ = deepspeed.initialize(
         model=model,
-        model_parameters=model.parameters(),
+        model_parameters=[p for p in model.parameters() if p.requires_grad],
         config={
             "train_micro_batch_size_per_gpu": MICRO,
             "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
-            "zero_optimization": {"stage": 2},
-            "bf16": {"enabled": True},
+            "zero_optimization": zero,
+            **config,
         },
     )
+    return engine
+
+
+def _bf16_body(rank: int, world_size: int) -> list:
+    from minispeed.engine.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+
+    engine = _adamw(_model(), {"stage": 2}, bf16={"enabled": True})
     head = engine.module[2].weight
     value = torch.linspace(-1, 1, CLASSES * DIM).reshape(CLASSES, DIM) / 3
     safe_set_full_fp32_param(head, value)
@@ -177,7 +183,6 @@ def _bf16_body(rank: int, world_size: int) -> list:
 
 
 def _bad_input(rank: int, world_size: int) -> list[str]:
-    import minispeed.engine as deepspeed
     from minispeed.engine.utils import (
         safe_get_full_fp32_param,
         safe_get_full_optimizer_state,
@@ -187,15 +192,7 @@ def _bad_input(rank: int, world_size: int) -> list[str]:
 
     model = _model()
     model[0].bias.requires_grad_(False)
-    engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        model_parameters=[p for p in model.parameters() if p.requires_grad],
-        config={
-            "train_micro_batch_size_per_gpu": MICRO,
-            "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
-            "zero_optimization": {"stage": 2},
-        },
-    )
+    engine = _adamw(model, {"stage": 2})
     head = engine.module[2].weight
     errors = []
     assert safe_get_full_fp32_param(model[0].bias) is None  # frozen: no master
@@ -221,16 +218,7 @@ def _bad_input(rank: int, world_size: int) -> list[str]:
 
     bridge.ALWAYS_COPY = True  # the host copies a GPU's offload makes, on the CPU
     try:
-        model = _model()
-        engine, _, _, _ = deepspeed.initialize(
-            model=model,
-            model_parameters=model.parameters(),
-            config={
-                "train_micro_batch_size_per_gpu": MICRO,
-                "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
-                "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
-            },
-        )
+        engine = _adamw(_model(), {"stage": 2, "offload_optimizer": {"device": "cpu"}})
     finally:
         bridge.ALWAYS_COPY = False  # the worker process serves later tests too
     engine.backward(F.cross_entropy(engine(x), y))
