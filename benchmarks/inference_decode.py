@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -91,62 +92,119 @@ MATMUL_OPS = ("aten::addmm", "aten::mm", "aten::matmul", "aten::linear", "aten::
               "aten::transpose", "aten::expand", "aten::as_strided", "aten::_unsafe_view")  # fmt: skip
 
 
-def _hf_gpt2(size: str, positions: int):
+def hf_model(family: str, size: str, positions: int):
+    """A Hugging Face model from a config, random weights (seed 0), built locally: no download.
+
+    `124M`: GPT-2's own size (`GPT2Config()`: 12 layers, width 768, vocabulary 50257, tied
+    head), and a LLaMA of about the same count (12 layers, width 768, 12 heads over 4 KV heads,
+    SwiGLU width 2048, vocabulary 32000, its own head). `small` and `30M`: the sizes of the GPT rows.
+    """
     import transformers
 
-    layers, heads, width, vocab = {"small": (4, 4, 128, 256), "30M": (8, 8, 512, 32768)}[size]
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(
-        vocab_size=vocab, n_positions=positions, n_embd=width, n_layer=layers, n_head=heads,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None,
-        pad_token_id=0,
+    none = dict(bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    if family == "gpt2":
+        layers, heads, width, vocab = {
+            "small": (4, 4, 128, 256), "30M": (8, 8, 512, 32768), "124M": (12, 12, 768, 50257),
+        }[size]  # fmt: skip
+        cfg = transformers.GPT2Config(
+            vocab_size=vocab, n_positions=positions, n_embd=width, n_layer=layers, n_head=heads,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **none,
+        )  # fmt: skip
+        return transformers.GPT2LMHeadModel(cfg).eval()
+    layers, heads, width, vocab = {
+        "small": (4, 4, 128, 256), "30M": (8, 8, 512, 32768), "124M": (12, 12, 768, 32000),
+    }[size]  # fmt: skip
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=width, intermediate_size=width * 8 // 3 // 64 * 64,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads // 3 or 1,
+        max_position_embeddings=positions, tie_word_embeddings=False, **none,
     )  # fmt: skip
-    return transformers.GPT2LMHeadModel(cfg).eval()
+    return transformers.LlamaForCausalLM(cfg).eval()
 
 
-def bench_hf(size: str, batch: int, prompt_len: int, new: int, rounds: int) -> list[str]:
-    """The same HF GPT-2 model and prompts: transformers' generate (its own KV cache), eager
-    recomputation (a full forward per token), and init_inference + generate."""
-    model = _hf_gpt2(size, prompt_len + new)
+def streamed_weight_bytes(model) -> int:
+    """Bytes of the weights one decode step reads in full: every parameter but the embedding
+    tables, of which a step gathers a row per sequence (GPT-2's tied `wte` is read whole, as the
+    head)."""
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    gathered = [model.get_input_embeddings().weight] if not tied else []
+    if hasattr(model, "transformer"):  # GPT-2's learned positions
+        gathered.append(model.transformer.wpe.weight)
+    skip = {id(p) for p in gathered}
+    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
+
+
+def copy_bandwidth(buffers: tuple[torch.Tensor, torch.Tensor]) -> float:
+    """Bytes per second of one `dst.copy_(src)`, counted as STREAM counts a copy: read + written."""
+    src, dst = buffers
+    start = time.perf_counter()
+    dst.copy_(src)
+    return 2 * src.numel() * src.element_size() / (time.perf_counter() - start)
+
+
+def bench_vs_transformers(
+    family: str, size: str, batch: int, threads: int, prompt_len: int, new: int, rounds: int
+) -> str:
+    """One row: the same Hugging Face model and prompts decoded by transformers' `generate`
+    (greedy, its KV cache) and by `init_inference` + `generate`, against the bandwidth floor.
+
+    A decode step's time is `(t(new + 1 tokens) - t(1 token)) / new` for each contender (the
+    prefill and first token cancel). The floor reads the streamed weights once per step at the
+    copy bandwidth of this run: `batch / (weight bytes / bandwidth)` tokens/s. Rounds interleave
+    transformers, injected and a copy of a weight-sized buffer, so load from other jobs hits all
+    three alike; the cells are medians over the rounds, the ratio's spread is its min-max.
+    """
+    torch.set_num_threads(threads)
+    model = hf_model(family, size, prompt_len + new + 1)
     engine, report = init_inference(model)
-    assert report.policy == "hf-gpt2" and not report.kept
+    assert not report.kept, report
     vocab = model.config.vocab_size
     prompts = torch.randint(
         0, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(2)
     )
-    plist = prompts.tolist()
     mask = torch.ones_like(prompts)
 
-    def hf():
+    def hf(n: int) -> list[list[int]]:
         with torch.no_grad():
-            out = model.generate(prompts, attention_mask=mask, max_new_tokens=new,
-                                 min_new_tokens=new, do_sample=False)  # fmt: skip
+            out = model.generate(prompts, attention_mask=mask, max_new_tokens=n,
+                                 min_new_tokens=n, do_sample=False)  # fmt: skip
         return out[:, prompt_len:].tolist()
 
-    def eager():
-        idx = prompts
-        with torch.no_grad():
-            for _ in range(new):
-                logits = model(idx, attention_mask=torch.ones_like(idx)).logits
-                idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-        return idx[:, prompt_len:].tolist()
+    def injected(n: int) -> list[list[int]]:
+        return generate(engine, prompts, SamplingConfig(max_new_tokens=n))
 
-    def injected():
-        return generate(engine, plist, SamplingConfig(max_new_tokens=new))
+    got, want = injected(new + 1), hf(new + 1)
+    assert got == want, f"{family} {size} batch {batch}: injected and transformers tokens differ"
+    weight_bytes = streamed_weight_bytes(model)
+    buffers = (torch.randn(weight_bytes // 4), torch.empty(weight_bytes // 4))
+    copy_bandwidth(buffers)  # first touch of dst
 
-    got = injected()
-    assert got == hf() == eager(), "injected, transformers and eager greedy tokens differ"
-    t_hf, t_eager, t_inj = (best_time(f, rounds) for f in (hf, eager, injected))
-    tokens = batch * new
+    def step_seconds(gen) -> float:
+        start = time.perf_counter()
+        gen(1)
+        first = time.perf_counter() - start
+        start = time.perf_counter()
+        gen(new + 1)
+        return (time.perf_counter() - start - first) / new
+
+    steps: dict[str, list[float]] = {"hf": [], "injected": [], "bw": []}
+    for r in range(rounds):
+        order = [("hf", hf), ("injected", injected)][:: 1 if r % 2 == 0 else -1]
+        for name, gen in order:
+            steps[name].append(step_seconds(gen))
+        steps["bw"].append(copy_bandwidth(buffers))
+    med = {k: statistics.median(v) for k, v in steps.items()}
+    ratios = [h / i for h, i in zip(steps["hf"], steps["injected"])]
+    floor_step = weight_bytes / med["bw"]
     params = sum(p.numel() for p in model.parameters()) / 1e6
-
-    def cell(t: float) -> str:  # tokens/s, and ms per generated position (one decode step)
-        return f"{tokens / t:.0f} / {t / new * 1e3:.1f}"
-
-    return [
-        f"| HF GPT-2 {size} ({params:.1f}M) | {batch} | {cell(t_eager)} | {cell(t_hf)} | "
-        f"{cell(t_inj)} | {t_eager / t_inj:.2f}× | {t_hf / t_inj:.2f}× |"
-    ]
+    return (
+        f"| HF {family} {size} ({params:.0f}M, {weight_bytes / 2**20:.0f} MiB streamed) | {batch} "
+        f"| {threads} | {med['bw'] / 1e9:.1f} | {batch / floor_step:.1f} "
+        f"| {batch / med['hf']:.1f} | {batch / med['injected']:.1f} "
+        f"| {statistics.median(ratios):.2f}× [{min(ratios):.2f}–{max(ratios):.2f}] "
+        f"| {floor_step / med['injected']:.2f} | {os.getloadavg()[0]:.1f} |"
+    )
 
 
 def profile_decode(gpt, prompt_len: int, new: int) -> list[str]:
@@ -286,6 +344,14 @@ def main(argv: list[str] | None = None) -> int:
         help="skip the transformers rows (they need pip install packages/inference[hf])",
     )  # fmt: skip
     parser.add_argument("--only", choices=("decode", "hf", "profile"), help="run one section")
+    parser.add_argument("--families", nargs="+", default=["gpt2", "llama"], choices=("gpt2", "llama"),
+                        help="Hugging Face families of the hf section")  # fmt: skip
+    parser.add_argument("--hf-sizes", nargs="+", default=["124M"], choices=("small", "30M", "124M"),
+                        help="model sizes of the hf section (--quick: small)")  # fmt: skip
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8],
+                        help="batch sizes of the hf section")  # fmt: skip
+    parser.add_argument("--threads-list", nargs="+", type=int, default=[1, 2],
+                        help="thread counts of the hf section (each row sets its own)")  # fmt: skip
     parser.add_argument(
         "--threads", type=int, default=1,
         help="torch and OpenMP threads for every variant (default 1: on a machine shared with "
@@ -313,15 +379,24 @@ def main(argv: list[str] | None = None) -> int:
                 ):
                     print(row, flush=True)
     if args.hf and wanted("hf"):
-        print("\nThe same HF GPT-2 model (random config, built locally) and prompts; each cell is "
-              "tokens/s / ms per decode step:")  # fmt: skip
-        print("\n| model | batch | eager | transformers generate | injected | injected / eager | "
-              "injected / transformers |")  # fmt: skip
-        print("|---|---|---|---|---|---|---|")
-        for size in sizes:
-            for batch in (1, 16):
-                for row in bench_hf(size, batch, args.prompt_len, args.new_tokens, args.rounds):
-                    print(row, flush=True)
+        print("\nThe same Hugging Face model (random config, built locally) and prompts, decoded by "
+              "transformers' generate and by init_inference + generate (same greedy tokens: "
+              "checked), against the floor (the streamed weights read once per step at the copy "
+              f"bandwidth measured in the same rounds); medians of {args.rounds} interleaved "
+              "rounds, tokens/s:")  # fmt: skip
+        print(
+            "\n| model | batch | threads | copy GB/s | floor tok/s | transformers tok/s | "
+            "injected tok/s | injected / transformers [min–max] | injected / floor | load |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for family in args.families:
+            for size in ("small",) if args.quick else args.hf_sizes:
+                for threads in args.threads_list:
+                    for batch in args.batches:
+                        row = bench_vs_transformers(family, size, batch, threads,
+                                                    args.prompt_len, args.new_tokens, args.rounds)  # fmt: skip
+                        print(row, flush=True)
+        torch.set_num_threads(args.threads)
     if wanted("profile"):
         print("\nWhere a batch-1 decode of the small GPT spends its time (torch.profiler):")
         print("\n| part | ms | share |")

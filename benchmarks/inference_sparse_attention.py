@@ -2,7 +2,7 @@
 
 Run from the repository root:
 
-    .venv/bin/python benchmarks/inference_sparse_attention.py                 # T = 1k, 2k, 4k, 8k
+    .venv/bin/python benchmarks/inference_sparse_attention.py --threads 1     # T = 4k and 16k
     .venv/bin/python benchmarks/inference_sparse_attention.py --seq-lens 1024 # one quick point
 
 For each sequence length T, on the same q, k, v `(batch, heads, T, dim)` fp32 CPU tensors:
@@ -14,24 +14,30 @@ For each sequence length T, on the same q, k, v `(batch, heads, T, dim)` fp32 CP
 - one row per layout: the C++ block-sparse op (`block_sparse_attention`), with its density
   (kept tiles / all tiles).
 
-Columns: forward time (`fwd`, no grad), forward + backward time (`fwd+bwd`), and the peak
-resident memory the fwd+bwd call adds above what the inputs already hold (`peak MiB`: Linux
-VmHWM after resetting it through /proc/self/clear_refs; the script re-runs itself with
+Columns: forward time (`fwd`, no grad), forward + backward time (`fwd+bwd`), each the median of
+`--rounds` rounds in which every contender takes its turn (order reversed every other round), and
+the peak resident memory the fwd+bwd call adds above what the inputs already hold (`peak MiB`:
+Linux VmHWM after resetting it through /proc/self/clear_refs, in a child process started with
 `MALLOC_MMAP_THRESHOLD_=65536`, so every buffer of 64 KiB or more is mapped on allocation and
-returned on free instead of being recycled inside the heap). Times are the best of `--rounds`.
-Ratios (`x`) are the dense baseline's time over the op's, from the same run: over `sdpa+mask`
-and over the unmasked SDPA of the same direction.
+returned on free instead of being recycled inside the heap; the times come from this process,
+with the allocator as users run it). Ratios (`x`) are the dense baseline's time over the op's,
+from the same run: over `sdpa+mask` and over the unmasked SDPA of the same direction. The last
+column divides the op's time per computed score (`computed_scores`) by the same-direction SDPA's,
+per round: its median and [min–max].
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import statistics
+import subprocess
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
-from timing import best_time
 
 from minispeed.inference.sparse import (
     BigBirdSparsityConfig,
@@ -77,23 +83,50 @@ def _peak_rss_mib(fn) -> float:
     return (status("VmHWM:") - base) / 1024
 
 
-def _measure(attend, q, k, v, rounds: int) -> tuple[float, float, float]:
-    """(fwd seconds, fwd+bwd seconds, peak MiB of fwd+bwd) of `attend(q, k, v)`."""
+def computed_scores(csr: BlockSparseLayout | None, seq: int, heads: int, causal: bool) -> int:
+    """(query, key) pairs whose score attention computes, per batch element: every kept tile's
+    `b²`, `b (b + 1) / 2` on a causal diagonal tile; dense (`csr` None): `H T²`, causal
+    `H T (T + 1) / 2`."""
+    if csr is None:
+        return heads * (seq * (seq + 1) // 2 if causal else seq * seq)
+    b = csr.block
+    kept = torch.tril(csr.layout) if causal else csr.layout
+    diagonal = int(kept.diagonal(dim1=1, dim2=2).sum()) if causal else 0
+    return (int(kept.sum()) - diagonal) * b * b + diagonal * b * (b + 1) // 2
+
+
+def _ratio_cell(ratios: list[float]) -> str:
+    """The median of per-round ratios and their spread: `1.23 [1.10–1.40]`."""
+    return f"{statistics.median(ratios):.2f} [{min(ratios):.2f}–{max(ratios):.2f}]"
+
+
+def _rounds(contenders: dict, q, k, v, rounds: int) -> dict[str, tuple[list[float], list[float]]]:
+    """`{name: (fwd seconds per round, fwd+bwd seconds per round)}`, the contenders taking turns
+    in every round (order reversed every other round) after one warm-up call each."""
     grad_out = torch.randn_like(q)
 
-    def fwd():
+    def fwd(attend):
         with torch.no_grad():
             attend(q, k, v)
 
-    def fwd_bwd():
+    def fwd_bwd(attend):
         torch.autograd.grad(attend(q, k, v), (q, k, v), grad_out)
 
-    fwd_bwd()  # warm-up (and the op's layout/threads)
-    peak = _peak_rss_mib(fwd_bwd)
-    return best_time(fwd, rounds), best_time(fwd_bwd, rounds), peak
+    times = {name: ([], []) for name in contenders}
+    for attend in contenders.values():
+        fwd_bwd(attend)  # warm-up (and the op's layout/threads)
+    for r in range(rounds):
+        names = list(contenders)[:: 1 if r % 2 == 0 else -1]
+        for name in names:
+            for run, out in ((fwd, times[name][0]), (fwd_bwd, times[name][1])):
+                start = time.perf_counter()
+                run(contenders[name])
+                out.append(time.perf_counter() - start)
+    return times
 
 
-def bench(seq: int, args) -> list[str]:
+def _setup(seq: int, args):
+    """The inputs, the layouts' CSRs, the BigBird mask and every contender, for one T."""
     gen = torch.Generator().manual_seed(seq)
     shape = (args.batch, args.heads, seq, args.dim)
     q, k, v = (torch.randn(shape, generator=gen).requires_grad_() for _ in range(3))
@@ -103,62 +136,108 @@ def bench(seq: int, args) -> list[str]:
         for name, cfg in layouts.items()
     }
     mask = expand_layout(csrs["bigbird (w3 r1 g1)"].layout, args.block)  # (H, T, T) bool
-    base = {
-        "sdpa+mask": _measure(
-            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), q, k, v,
-            args.rounds,
-        ),
-        "sdpa": _measure(F.scaled_dot_product_attention, q, k, v, args.rounds),
-        "sdpa-causal": _measure(
-            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v,
-            args.rounds,
-        ),
-    }  # fmt: skip
-    rows = []
-    for name, (fw, fb, peak) in base.items():
-        rows.append(
-            f"| {seq} | {name} | 1.000 | {fw * 1e3:.1f} | {fb * 1e3:.1f} | {peak:.0f} | - | - |"
+    contenders = {
+        "sdpa": F.scaled_dot_product_attention,
+        "sdpa-causal": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+    }
+    if seq <= args.mask_max_seq:  # its (H, T, T) scores and probabilities: 8 H T² bytes
+        contenders["sdpa+mask"] = lambda q, k, v: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask
         )
     for name, csr in csrs.items():
-        fw, fb, peak = _measure(
-            lambda q, k, v, csr=csr: block_sparse_attention(q, k, v, csr), q, k, v, args.rounds
+        contenders[name] = lambda q, k, v, csr=csr: block_sparse_attention(q, k, v, csr)
+    return (q, k, v), csrs, mask, contenders
+
+
+def peaks(seq: int, args) -> dict[str, float]:
+    """Each contender's fwd+bwd peak MiB, measured in a child process started with
+    `MALLOC_MMAP_THRESHOLD_=65536` (see the module docstring), after one warm-up call each."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    argv = [sys.executable, __file__, *sys.argv[1:], "--peaks-for", str(seq)]
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _print_peaks(seq: int, args) -> None:
+    (q, k, v), _, _, contenders = _setup(seq, args)
+    result = {}
+    for name, fn in contenders.items():
+
+        def fwd_bwd(fn=fn):
+            torch.autograd.grad(fn(q, k, v), (q, k, v), torch.ones_like(q))
+
+        fwd_bwd()  # warm-up
+        result[name] = _peak_rss_mib(fwd_bwd)
+    print(json.dumps(result))
+
+
+def bench(seq: int, args) -> list[str]:
+    (q, k, v), csrs, mask, contenders = _setup(seq, args)
+    times = _rounds(contenders, q, k, v, args.rounds)
+    peak = peaks(seq, args)
+    med = {name: (statistics.median(f), statistics.median(fb)) for name, (f, fb) in times.items()}
+    rows = []
+    for name in ("sdpa+mask", "sdpa", "sdpa-causal"):
+        if name in med:
+            fw, fb = med[name]
+            rows.append(f"| {seq} | {name} | 1.000 | {fw * 1e3:.1f} | {fb * 1e3:.1f} "
+                        f"| {peak[name]:.0f} | - | - | - |")  # fmt: skip
+    for name, csr in csrs.items():
+        plain = "sdpa-causal" if csr.causal else "sdpa"
+        dense = computed_scores(None, seq, args.heads, csr.causal)
+        ours = computed_scores(csr, seq, args.heads, csr.causal)
+
+        per_score = [
+            _ratio_cell([(o / ours) / (d / dense) for o, d in zip(times[name][i], times[plain][i])])
+            for i in (0, 1)
+        ]  # op time per score over SDPA's, each round; fwd, then fwd+bwd
+        fw, fb = med[name]
+        masked = (
+            f"{med['sdpa+mask'][0] / fw:.2f} / {med['sdpa+mask'][1] / fb:.2f}"
+            if "sdpa+mask" in med
+            else "-"
         )
-        plain = base["sdpa-causal" if csr.causal else "sdpa"]
         rows.append(
-            f"| {seq} | {name} | {csr.density:.3f} | {fw * 1e3:.1f} | {fb * 1e3:.1f} | {peak:.0f} "
-            f"| {base['sdpa+mask'][0] / fw:.2f} / {base['sdpa+mask'][1] / fb:.2f} "
-            f"| {plain[0] / fw:.2f} / {plain[1] / fb:.2f} |"
+            f"| {seq} | {name} | {csr.density:.3f} | {fw * 1e3:.1f} | {fb * 1e3:.1f} "
+            f"| {peak[name]:.0f} | {masked} | {med[plain][0] / fw:.2f} / {med[plain][1] / fb:.2f} "
+            f"| {per_score[0]} / {per_score[1]} |"
         )
-    mask_mib = mask.numel() / 2**20
-    rows.append(f"| {seq} | (the mask itself) | | | | {mask_mib:.0f} | | |")
+    rows.append(f"| {seq} | (the mask itself) | | | | {mask.numel() / 2**20:.0f} | | | |")
     return rows
 
 
 def main() -> None:
-    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:  # see the module docstring: honest peaks
-        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=2)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--block", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                        help="torch and OpenMP threads for every contender")  # fmt: skip
+    parser.add_argument("--mask-max-seq", type=int, default=8192,
+                        help="longest T timed with SDPA under the layout's mask (8 H T² bytes)")  # fmt: skip
+    parser.add_argument("--peaks-for", type=int, help=argparse.SUPPRESS)  # the child of peaks()
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.peaks_for is not None:
+        _print_peaks(args.peaks_for, args)
+        return
     if _load_sparse_op() is None:
         raise SystemExit("the inference_kernels op could not be built: see minispeed.core.report")
     load = os.getloadavg()[0]
     print(
         f"batch {args.batch}, heads {args.heads}, head dim {args.dim}, block {args.block}, "
-        f"fp32, torch threads {torch.get_num_threads()}, load average {load:.1f} on "
-        f"{os.cpu_count()} CPUs"
+        f"fp32, torch threads {torch.get_num_threads()}, {args.rounds} interleaved rounds "
+        f"(medians), load average {load:.1f} on {os.cpu_count()} CPUs"
     )
     print(
         "| T | attention | density | fwd ms | fwd+bwd ms | peak MiB (fwd+bwd) "
-        "| x over sdpa+mask (fwd / fwd+bwd) | x over sdpa, same direction (fwd / fwd+bwd) |"
+        "| x over sdpa+mask (fwd / fwd+bwd) | x over sdpa, same direction (fwd / fwd+bwd) "
+        "| time per computed score / sdpa's (fwd / fwd+bwd) [min–max] |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for seq in args.seq_lens:
         for row in bench(seq, args):
             print(row, flush=True)

@@ -52,6 +52,16 @@ def test_llama_cached_generation_equals_recomputation():
         )
 
 
+def test_llama_decoding_past_its_positions_is_a_clear_error():
+    # The rotary kernel no longer checks positions per layer (Note [decode step plan]).
+    engine, _ = init_inference(_llama())
+    cache = engine.new_cache(num_blocks=11, block_size=4)
+    cache.add_sequence(0)  # 44 slots > 40 positions
+    engine.prefill(torch.ones(40, dtype=torch.long), cache, 0)
+    with pytest.raises(ValueError, match="position 40 is past the model's 40 positions"):
+        engine.decode(torch.ones(1, dtype=torch.long), cache, [0])
+
+
 def test_llama_int8_weights_are_smaller_and_logits_stay_close():
     from minispeed.inference import weight_bytes
 

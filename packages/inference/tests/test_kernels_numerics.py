@@ -48,10 +48,45 @@ def test_rms_norm_with_residual_matches_reference(shape, rel_close):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_bias_gelu_matches_reference(shape, rel_close):
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_bias_gelu_matches_reference(shape, approximate, rel_close):
     g = torch.Generator().manual_seed(shape[0])
     x, b = torch.randn(shape, generator=g) * 4, torch.randn(shape[-1], generator=g)
-    rel_close(kernels.bias_gelu(x, b), reference.bias_gelu(x, b))
+    want = torch.nn.functional.gelu(x + b, approximate=approximate)
+    rel_close(reference.bias_gelu(x, b, approximate), want)
+    rel_close(kernels.bias_gelu(x, b, approximate), want)
+
+
+# (rows, N, K): a decode row, odd widths (vector tails in N and K), the most rows in one pass.
+LINEAR_CASES = [(1, 7, 9), (2, 37, 19), (3, 130, 33), (5, 200, 64), (8, 257, 130), (8, 64, 2)]
+
+
+@pytest.mark.parametrize("rows,N,K", LINEAR_CASES)
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_reads_either_weight_layout_and_equals_f_linear(rows, N, K, layout, with_bias,
+                                                               rel_close):  # fmt: skip
+    g = torch.Generator().manual_seed(rows * N + K)
+    x = torch.randn(rows, 1, K, generator=g)  # (B, T=1, K): a decode step's activations
+    w = torch.randn(N, K, generator=g)
+    if layout == "kn":  # Hugging Face's Conv1D storage (K, N), seen as its transpose
+        w = w.t().contiguous().t()
+        assert w.stride() == (1, N)
+    b = torch.randn(N, generator=g) if with_bias else None
+    got = kernels.linear(x, w, b)
+    assert got.shape == (rows, 1, N)
+    rel_close(got, torch.nn.functional.linear(x, w, b))
+
+
+def test_linear_beyond_its_rows_or_layouts_is_torch_exactly():
+    g = torch.Generator().manual_seed(0)
+    op_rows = kernels.load_op().linear_max_rows
+    w, b = torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
+    many = torch.randn(op_rows + 1, 24, generator=g)  # a prefill: torch's GEMM
+    assert torch.equal(kernels.linear(many, w, b), torch.nn.functional.linear(many, w, b))
+    strided = torch.randn(40, 48, generator=g)[:, ::2]  # neither layout the op reads
+    x = torch.randn(1, 24, generator=g)
+    assert torch.equal(kernels.linear(x, strided), torch.nn.functional.linear(x, strided))
 
 
 @pytest.mark.parametrize("shape", [(3, 5, 9), (2, 3, 33, 33), (1, 1)])

@@ -1,5 +1,5 @@
-"""The scalar path (MINISPEED_SIMD=scalar, its own build) equals the reference; AVX-512 and the
-CUDA binding compile.
+"""The scalar and AVX2 paths (MINISPEED_SIMD=scalar / avx2, one build each) equal the reference;
+AVX-512 and the CUDA binding compile.
 
 This machine's widest runnable level is covered by test_kernels_numerics.py. AVX-512 cannot run
 on a CPU without it (SIGILL), so where it is missing we only check that the source compiles with
@@ -27,20 +27,23 @@ from minispeed.inference.quantize import quantize_per_channel
 pytestmark = pytest.mark.timeout(400)
 
 
-@pytest.fixture
-def scalar_op(monkeypatch):
-    monkeypatch.setenv(SIMD_ENV, "scalar")
+@pytest.fixture(params=["scalar", "avx2"])
+def lower_op(request, monkeypatch):
+    """The op built for a level below this machine's widest (which test_kernels_numerics.py runs)."""
+    monkeypatch.setenv(SIMD_ENV, request.param)
     ok, why = InferenceKernelsBuilder().is_compatible()
     if not ok:
-        pytest.skip(f"inference_kernels cannot be built here: {why}")
+        pytest.skip(f"inference_kernels cannot be built at {request.param} here: {why}")
+    if cpu_simd_level() == SimdLevel[request.param.upper()]:
+        pytest.skip(f"{request.param} is this CPU's widest level: test_kernels_numerics.py runs it")
     op = kernels.load_op()
     if op is None:
-        pytest.skip("the scalar build failed; see python -m minispeed.core.report")
-    assert op.simd_level() == "scalar"
+        pytest.skip(f"the {request.param} build failed; see python -m minispeed.core.report")
+    assert op.simd_level() == request.param
     return op
 
 
-def test_scalar_path_matches_reference(scalar_op, rel_close):
+def test_lower_simd_levels_match_reference(lower_op, rel_close):
     g = torch.Generator().manual_seed(0)
     x, r = torch.randn(5, 37, generator=g), torch.randn(5, 37, generator=g)
     w, b = torch.randn(37, generator=g), torch.randn(37, generator=g)
@@ -68,6 +71,12 @@ def test_scalar_path_matches_reference(scalar_op, rel_close):
     )
     wq, s = quantize_per_channel(torch.randn(11, 37, generator=g))
     rel_close(kernels.int8_linear(x, wq, s, None), reference.int8_linear(x, wq, s, None))
+    rel_close(kernels.bias_gelu(x, b, "tanh"), reference.bias_gelu(x, b, "tanh"))
+    w, bl = torch.randn(41, 37, generator=g), torch.randn(41, generator=g)
+    for weight in (w, w.t().contiguous().t()):  # nn.Linear's layout, then Conv1D's
+        for rows in (1, 3, 8):
+            xs = torch.randn(rows, 37, generator=g)
+            rel_close(kernels.linear(xs, weight, bl), reference.linear(xs, weight, bl))
 
 
 def test_avx512_path_compiles():
@@ -100,7 +109,7 @@ def test_cuda_binding_compiles_and_binds_every_kernel():
         re.findall(r'm\.def\("(\w+)"', InferenceKernelsBuilder().source_paths()[0].read_text())
     )
     cuda_defs = set(re.findall(r'm\.def\("(\w+)"', binding.read_text()))
-    assert cuda_defs == cpu_defs - {"simd_level"}
+    assert cuda_defs == cpu_defs - {"simd_level", "bias_gelu_tanh"}  # tanh GeLU: CPU only
     nvcc, cxx = find_nvcc(), cxx_compiler()
     if nvcc is None or cxx is None:
         pytest.skip("nvcc or a C++ compiler not found")

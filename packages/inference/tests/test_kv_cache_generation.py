@@ -76,6 +76,17 @@ def test_prompt_longer_than_the_cache_or_the_model_is_a_clear_error(engine):
         generate(inf, [[1] * 38], SamplingConfig(max_new_tokens=3))
 
 
+def test_decoding_past_the_models_positions_is_a_clear_error(engine):
+    # Used to fail inside the position embedding (IndexError); the LLaMA kernels skip their own
+    # range check since it moved here (Note [decode step plan]), so this check guards them too.
+    _, inf = engine
+    cache = inf.new_cache(num_blocks=11, block_size=4)
+    cache.add_sequence(0)  # room for 44 > the model's 40 positions
+    inf.prefill(torch.ones(40, dtype=torch.long), cache, 0)
+    with pytest.raises(ValueError, match="position 40 is past the model's 40 positions"):
+        inf.decode(torch.ones(1, dtype=torch.long), cache, [0])
+
+
 def test_pool_hands_out_and_takes_back_blocks():
     cache = PagedKVCache(n_layer=1, n_head=2, head_dim=4, num_blocks=3, block_size=4)
     assert kv_cache_bytes(1, 3, 4, 2, 4) == sum(t.numel() * 4 for t in cache.k + cache.v)

@@ -1,7 +1,7 @@
 """The block-sparse attention op equals dense attention under the same mask, values and grads.
 
-Every layout mode, causal and not, odd head counts and head dims, sequence lengths that are
-multiples of the block; fp32 within 1e-5 (relative to the largest value). This runs the widest
+Every layout mode, causal and not, odd head counts and head dims, blocks from 8 to 80 tokens,
+sequence lengths that are multiples of the block; fp32 within 1e-5 (relative to the largest value). This runs the widest
 SIMD level the CPU has; test_sparse_simd_paths.py runs the scalar build.
 """
 
@@ -57,7 +57,10 @@ def _grads(out, inputs, seed):
 
 @pytest.mark.parametrize("direction", ["bidirectional", "unidirectional"])
 @pytest.mark.parametrize(
-    ("batch", "heads", "seq", "dim", "block"), [(2, 3, 48, 19, 8), (1, 5, 64, 33, 16)]
+    ("batch", "heads", "seq", "dim", "block"),
+    # odd dims and small blocks (every vector tail), then blocks and dims of 64 and 80 (the
+    # widest register tiles of the op's matrix products, and their edges)
+    [(2, 3, 48, 19, 8), (1, 5, 64, 33, 16), (1, 2, 256, 64, 64), (1, 1, 240, 70, 80)],
 )
 def test_every_layout_matches_dense_attention_under_its_mask(
     op, rel_close, direction, batch, heads, seq, dim, block
@@ -124,6 +127,9 @@ def test_bad_inputs_raise_with_the_fix():
         block_sparse_attention(y, y, y, layout, 16)
     with pytest.raises(ValueError, match="pass block="):
         block_sparse_attention(x, x, x, layout)
+    with pytest.raises(ValueError, match=r"scale must be > 0"):
+        y = torch.randn(1, 2, 64, 8)
+        block_sparse_attention(y, y, y, layout, 16, scale=-0.5)
 
 
 def test_with_the_op_disabled_the_reference_runs_and_trains(monkeypatch, rel_close):

@@ -1,8 +1,8 @@
-"""The sparse attention op's scalar build (MINISPEED_SIMD=scalar) equals the reference, values
-and gradients; its AVX-512 path compiles where the CPU cannot run it.
+"""The sparse attention op's scalar and AVX2 builds (MINISPEED_SIMD=scalar / avx2) equal the
+reference, values and gradients; its AVX-512 path compiles where the CPU cannot run it.
 
-The scalar build is the same inference_kernels variant test_kernels_simd_paths.py builds (one
-cached build serves both files).
+These builds are the same inference_kernels variants test_kernels_simd_paths.py builds (one
+cached build per level serves both files).
 """
 
 from __future__ import annotations
@@ -27,23 +27,31 @@ from minispeed.inference.sparse import (
 pytestmark = pytest.mark.timeout(400)
 
 
-def test_scalar_path_matches_reference(monkeypatch, rel_close):
-    monkeypatch.setenv(SIMD_ENV, "scalar")
+@pytest.mark.parametrize("level", ["scalar", "avx2"])
+@pytest.mark.parametrize(("seq", "dim", "block"), [(40, 13, 8), (128, 40, 32)])
+def test_lower_simd_levels_match_reference(monkeypatch, rel_close, level, seq, dim, block):
+    """Each level below the CPU's widest (the widest runs in test_sparse_attention_numerics.py);
+    the second shape fills AVX2's widest register tiles (4 vectors of 8) and their edges."""
+    monkeypatch.setenv(SIMD_ENV, level)
     ok, why = InferenceKernelsBuilder().is_compatible()
     if not ok:
-        pytest.skip(f"inference_kernels cannot be built here: {why}")
+        pytest.skip(f"inference_kernels cannot be built at {level} here: {why}")
+    if cpu_simd_level() == SimdLevel[level.upper()]:
+        pytest.skip(
+            f"{level} is this CPU's widest level: test_sparse_attention_numerics.py runs it"
+        )
     op = kernels.load_op()
     if op is None:
-        pytest.skip("the scalar build failed; see python -m minispeed.core.report")
-    assert op.simd_level() == "scalar"
+        pytest.skip(f"the {level} build failed; see python -m minispeed.core.report")
+    assert op.simd_level() == level
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 3, 40, 13, generator=gen, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(2, 3, seq, dim, generator=gen, requires_grad=True) for _ in range(3))
     for attention in ("bidirectional", "unidirectional"):
-        cfg = BigBirdSparsityConfig(3, block=8, num_random_blocks=1, attention=attention)
-        layout = cfg.make_layout(40)
-        got = block_sparse_attention(q, k, v, layout, 8, causal=cfg.causal)
+        cfg = BigBirdSparsityConfig(3, block=block, num_random_blocks=1, attention=attention)
+        layout = cfg.make_layout(seq)
+        got = block_sparse_attention(q, k, v, layout, block, causal=cfg.causal)
         assert "BlockSparseAttention" in type(got.grad_fn).__name__
-        want = sparse_attention_reference(q, k, v, layout, 8, causal=cfg.causal)
+        want = sparse_attention_reference(q, k, v, layout, block, causal=cfg.causal)
         rel_close(got, want)
         dout = torch.randn(got.shape, generator=gen)
         for a, b in zip(

@@ -35,24 +35,37 @@ from minispeed.inference.tensor_parallel import (
     row_shard,
 )
 
-__all__ = ["FusedGPTBlock", "InferenceGPT"]
+__all__ = ["FusedGPTBlock", "InferenceGPT", "StreamingLinear"]
 
 # attend(layer, q, k, v) -> y, all (B, T, C): the mode-specific attention of one block.
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+class StreamingLinear(nn.Linear):
+    """An `nn.Linear` over another linear's weight and bias (the same Parameters: no copy) whose
+    forward is `kernels.linear`: at decode's few rows it reads the weight once at the memory's
+    bandwidth (see Note [reading the weights once at full bandwidth] in csrc/kernels/linear.cpp);
+    at more rows it is `F.linear`."""
+
+    def __init__(self, linear: nn.Linear, keep_bias: bool = True) -> None:
+        super().__init__(linear.in_features, linear.out_features, bias=False, device="meta")
+        self.weight = linear.weight
+        if keep_bias:
+            self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x, self.weight, self.bias)
+
+
 def _linear(linear: nn.Linear, int8: bool, keep_bias: bool = True) -> nn.Module:
-    """`linear` itself (weights shared), or an `Int8Linear` copy; `keep_bias=False` drops the bias."""
+    """A `StreamingLinear` sharing `linear`'s weights, or an `Int8Linear` copy; `keep_bias=False`
+    drops the bias."""
     if int8:
         q = Int8Linear(linear)
         if not keep_bias:
             q.bias = None
         return q
-    if keep_bias:
-        return linear
-    bare = nn.Linear(linear.in_features, linear.out_features, bias=False)
-    bare.weight = linear.weight  # the same Parameter: no copy
-    return bare
+    return StreamingLinear(linear, keep_bias)
 
 
 def _row_parallel(linear: nn.Linear, int8: bool, tp: TPContext | None) -> nn.Module:
@@ -77,7 +90,7 @@ class FusedGPTBlock(nn.Module):
         tp: TPContext | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
-        self.tanh_gelu = tanh_gelu  # GPT-2's "gelu_new": no fused kernel, torch's tanh GeLU
+        self.gelu_approximate = "tanh" if tanh_gelu else "none"  # tanh: GPT-2's "gelu_new"
         n = 1 if tp is None else tp.size
         self.n_head = block.attn.n_head // n  # heads of this rank
         self.ln1, self.ln2 = block.ln1, block.ln2  # weights read by kernels.layer_norm
@@ -99,9 +112,8 @@ class FusedGPTBlock(nn.Module):
         n2, h = kernels.layer_norm(
             self.attn_proj(y), self.ln2.weight, self.ln2.bias, self.ln2.eps, residual=x
         )
-        if self.tanh_gelu:
-            return h + self.mlp_proj(F.gelu(self.fc(n2) + self.fc_bias, approximate="tanh"))
-        return h + self.mlp_proj(kernels.bias_gelu(self.fc(n2), self.fc_bias))
+        act = kernels.bias_gelu(self.fc(n2), self.fc_bias, self.gelu_approximate)
+        return h + self.mlp_proj(act)
 
 
 # Note [decode step plan]
@@ -110,7 +122,10 @@ class FusedGPTBlock(nn.Module):
 # once: the block tables and lengths (int32, checked once by `kernels.check_decode_inputs`, so the
 # L `decode_attention` calls pass validate=False and skip three reductions each), and the flat
 # cache slots the new K and V go to (one `index_copy_` per layer instead of indexing with
-# (block, offset) pairs). benchmarks/inference_decode.py reports the effect (docs: before/after).
+# (block, offset) pairs). The positions are checked against block_size once per forward (`_run`),
+# so the rotary layers skip their own range check (two reductions each). At 124M parameters the
+# linears dominate instead: see Note [reading the weights once at full bandwidth] in
+# csrc/kernels/linear.cpp. benchmarks/inference_decode.py reports both (docs: before/after).
 
 
 class InferenceGPT(nn.Module):
@@ -174,6 +189,11 @@ class InferenceGPT(nn.Module):
         # device here, once per forward (a no-op when they are already there).
         device = self.wte.weight.device
         idx, positions = idx.to(device), positions.to(device)
+        if positions.numel() and int(positions.max()) >= self.block_size:  # Note [decode step plan]
+            raise ValueError(
+                f"position {int(positions.max())} is past the model's {self.block_size} positions: "
+                "generate fewer tokens or start a new sequence"
+            )
         with kernels.pinned_op():  # the op is looked up once per forward, not per kernel call
             return self._run_blocks(idx, positions, attend)
 
@@ -200,7 +220,7 @@ class InferenceGPT(nn.Module):
         else:
             x, _ = kernels.layer_norm(x, self.ln_f.weight, self.ln_f.bias, self.ln_f.eps)
         head = self.wte.weight if self.head_weight is None else self.head_weight
-        return F.linear(x, head)  # (B, T, V)
+        return kernels.linear(x, head)  # (B, T, V)
 
     def _full_attention(self, layer: int, q, k, v) -> torch.Tensor:
         B, T, C = q.shape

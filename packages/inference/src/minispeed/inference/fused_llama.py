@@ -84,9 +84,12 @@ class FusedLlamaBlock(nn.Module):
     def _rope(self, t: torch.Tensor, heads: int, positions: torch.Tensor) -> torch.Tensor:
         B, T, _ = t.shape
         flat = t.reshape(B * T, heads, self.head_dim)
-        return kernels.rotary_embedding(flat, positions.reshape(-1), self.cos, self.sin).view(
-            B, T, -1
+        # InferenceGPT checked the positions against its max_positions (the tables' length)
+        # once for this forward: see Note [decode step plan] in fused_gpt.py.
+        rotated = kernels.rotary_embedding(
+            flat, positions.reshape(-1), self.cos, self.sin, validate=False
         )
+        return rotated.view(B, T, -1)
 
     def _repeat_kv(self, t: torch.Tensor) -> torch.Tensor:  # (B, T, KV·D) -> (B, T, H·D)
         B, T, _ = t.shape

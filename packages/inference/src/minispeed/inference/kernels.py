@@ -17,7 +17,8 @@ Every kernel takes fp32 only (bf16/fp16 inference is not in this cut): another d
 
 Costs (fp32, per call): `layer_norm`/`rms_norm` on (R, C): read 2RC (RC without residual) + 2C,
 write 2RC floats; `bias_gelu`: read RC + C, write RC; `masked_softmax`: read RC (+ RC mask
-bytes), write RC; `rotary_embedding` (T, H, D): read THD + TD, write THD; `decode_attention`:
+bytes), write RC; `linear` (M, K) x (N, K), M <= 8: 2MNK FLOPs, 4NK weight bytes read once;
+`rotary_embedding` (T, H, D): read THD + TD, write THD; `decode_attention`:
 4·L·D FLOPs and 2·L·D floats of cache read per (sequence, head); `int8_linear` (M, K) x (N, K):
 2MNK FLOPs, N·K weight bytes read (a quarter of fp32's).
 """
@@ -46,6 +47,7 @@ __all__ = [
     "decode_attention",
     "int8_linear",
     "layer_norm",
+    "linear",
     "load_cuda_op",
     "load_op",
     "masked_softmax",
@@ -65,7 +67,7 @@ class InferenceKernelsBuilder(OpBuilder):
 
     name = "inference_kernels"
     csrc_root = _CSRC
-    sources = ("kernels/kernels.cpp", "kernels/sparse_attention.cpp")
+    sources = ("kernels/kernels.cpp", "kernels/sparse_attention.cpp", "kernels/linear.cpp")
 
 
 class InferenceCudaKernelsBuilder(OpBuilder):
@@ -214,17 +216,25 @@ def rms_norm(
     return _norm("rms", x, weight, None, eps, residual)
 
 
-def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`gelu(x + bias)` (erf GeLU) in one pass."""
+def bias_gelu(
+    x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "none"
+) -> torch.Tensor:
+    """`gelu(x + bias)` in one pass: the erf GeLU, or with `approximate="tanh"` the tanh one
+    (`F.gelu`'s argument; GPT-2's `gelu_new`; the CUDA op has only the erf form, so a CUDA tensor
+    with "tanh" runs the reference)."""
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f'approximate must be "none" or "tanh" (as F.gelu), got {approximate!r}')
     x = _fp32(x, "x")
     bias = None if bias is None else _fp32(bias, "bias")
     C = x.shape[-1]
     _check_vec(bias, C, "bias")
     op, stream = _op(x, bias)
-    if op is None:
-        return reference.bias_gelu(x, bias)
+    tanh = approximate == "tanh"
+    if op is None or (tanh and stream):
+        return reference.bias_gelu(x, bias, approximate)
     out = torch.empty_like(x)
-    op.bias_gelu(x.data_ptr(), _p(bias), out.data_ptr(), x.numel() // C if C else 0, C, *stream)
+    kernel = op.bias_gelu_tanh if tanh else op.bias_gelu
+    kernel(x.data_ptr(), _p(bias), out.data_ptr(), x.numel() // C if C else 0, C, *stream)
     return out
 
 
@@ -258,9 +268,18 @@ def masked_softmax(
 
 
 def rotary_embedding(
-    x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    validate: bool = True,
 ) -> torch.Tensor:
-    """Rotate-half rotary embedding of `x` `(T, H, D)` at `positions` `(T,)` (int64)."""
+    """Rotate-half rotary embedding of `x` `(T, H, D)` at `positions` `(T,)` (int64).
+
+    `validate=False` skips the range check of `positions` (two reductions, each read back to the
+    host) for a caller that checked them once per forward, as `InferenceGPT` does for its L
+    layers; they must then lie in `[0, cos.shape[0])`.
+    """
     x, cos, sin = _fp32(x, "x"), _fp32(cos, "cos"), _fp32(sin, "sin")
     if x.dim() != 3 or x.shape[-1] % 2:
         raise ValueError(f"x must be (T, H, D) with even D, got {tuple(x.shape)}")
@@ -273,7 +292,7 @@ def rotary_embedding(
     positions = positions.detach().to(torch.int64).contiguous()
     if positions.shape != (T,):
         raise ValueError(f"positions must be ({T},), got {tuple(positions.shape)}")
-    if T and (int(positions.min()) < 0 or int(positions.max()) >= cos.shape[0]):
+    if validate and T and (int(positions.min()) < 0 or int(positions.max()) >= cos.shape[0]):
         raise ValueError(
             f"positions must lie in [0, {cos.shape[0]}), got [{int(positions.min())}, "
             f"{int(positions.max())}]: build longer tables"
@@ -389,4 +408,44 @@ def int8_linear(
     out = torch.empty(*x.shape[:-1], N, dtype=torch.float32, device=x.device)
     op.int8_linear(x.data_ptr(), weight_q.data_ptr(), scales.data_ptr(), _p(bias), out.data_ptr(),
                    M, N, K, *stream)  # fmt: skip
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, reading the weight once when `x` has few rows (decode).
+
+    `x` `(..., K)` with at most `op.linear_max_rows` (8) rows `M = x.numel() / K`, `weight`
+    `(N, K)` fp32 on the CPU either contiguous (`nn.Linear`) or a transposed view of a contiguous
+    `(K, N)` tensor (Hugging Face's `Conv1D` weight as injection shares it): the C++ op (see
+    Note [reading the weights once at full bandwidth] in csrc/kernels/linear.cpp). Anything else
+    (more rows: a prefill, compute-bound, where torch's GEMM wins; another layout, dtype or
+    device): `F.linear` itself, the reference. Costs: 2MNK FLOPs, 4NK + 4MK + 4MN bytes moved.
+    """
+    K = weight.shape[-1]
+    rows = x.numel() // K if K else 0
+    op = load_op() if x.device.type == "cpu" else None
+    if (
+        op is None
+        or not 0 < rows <= op.linear_max_rows
+        or x.dtype != torch.float32
+        or weight.dtype != torch.float32
+        or weight.dim() != 2
+        or x.shape[-1] != K
+        or weight.device.type != "cpu"
+        or (bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu"))
+    ):
+        return reference.linear(x, weight, bias)
+    N = weight.shape[0]
+    if weight.is_contiguous():
+        kn = False
+    elif weight.stride() == (1, N):  # the (K, N) storage of a transposed view
+        kn = True
+    else:
+        return reference.linear(x, weight, bias)
+    if bias is not None:
+        _check_vec(bias, N, "bias")
+        bias = bias.detach().contiguous()
+    x = x.detach().contiguous()
+    out = torch.empty(*x.shape[:-1], N, dtype=torch.float32)
+    op.linear(x.data_ptr(), weight.data_ptr(), _p(bias), out.data_ptr(), rows, N, K, kn)
     return out

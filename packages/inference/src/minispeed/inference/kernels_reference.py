@@ -21,6 +21,7 @@ __all__ = [
     "decode_attention",
     "int8_linear",
     "layer_norm",
+    "linear",
     "masked_softmax",
     "rms_norm",
     "rotary_embedding",
@@ -55,9 +56,12 @@ def rms_norm(
     return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight, h
 
 
-def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`gelu(x + bias)` with the exact (erf) GeLU, as `torch.nn.functional.gelu` computes it."""
-    return F.gelu(x if bias is None else x + bias)
+def bias_gelu(
+    x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "none"
+) -> torch.Tensor:
+    """`gelu(x + bias)` as `torch.nn.functional.gelu` computes it: the exact (erf) GeLU, or the
+    tanh approximation with `approximate="tanh"`."""
+    return F.gelu(x if bias is None else x + bias, approximate=approximate)
 
 
 def masked_softmax(
@@ -142,3 +146,12 @@ def int8_linear(
     The naive version dequantizes the whole weight to fp32 first (4 N K bytes of temporaries).
     """
     return F.linear(x, weight_q.float() * scales[:, None], bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weightᵀ + bias` for `x` `(..., K)` and `weight` `(N, K)`: `torch.nn.functional.linear`.
+
+    The compiled twin reads the weight once for up to 8 rows of `x` (a decode step); the
+    reference is torch's own GEMM.
+    """
+    return F.linear(x, weight, bias)

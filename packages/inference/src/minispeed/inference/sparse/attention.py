@@ -117,7 +117,7 @@ class BlockSparseAttentionFunction(torch.autograd.Function):
         if dout.dtype != torch.float32:
             dout = dout.float()
         B, H, T, D = q.shape
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # written whole
         with ranges.range("inference.sparse_attention.backward"):
             ctx.op.sparse_attention_backward(
                 q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(),
@@ -166,6 +166,8 @@ def block_sparse_attention(
             f"{heads} heads and {seq} tokens: build it with make_layout({seq}) and num_heads={heads}"
         )
     scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
+    if not scale > 0:  # the op takes each row's max before scaling: see sparse_attention.cpp
+        raise ValueError(f"scale must be > 0 (it multiplies q·kᵀ before the softmax), got {scale}")
     on_cpu = all(t.device.type == "cpu" for t in (q, k, v))
     if on_cpu and any(t.dtype != torch.float32 for t in (q, k, v)):
         raise TypeError(

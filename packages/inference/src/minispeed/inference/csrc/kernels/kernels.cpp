@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "minispeed/simd.h"  // dot, axpy, hsum256, MINISPEED_HAS_* (core/csrc/include)
+#include "vec.h"             // exp_nonpos (see Note [vector exp])
 
 namespace {
 
@@ -35,6 +36,9 @@ inline T* ptr(uintptr_t p) {
 }
 
 using minispeed::simd::axpy;
+#if defined(MINISPEED_HAS_AVX2)
+using minispeed_inference::exp_nonpos;
+#endif
 using minispeed::simd::dot;
 #if defined(MINISPEED_HAS_AVX2)
 using minispeed::simd::hsum256;
@@ -144,29 +148,13 @@ inline void scale_affine(const float* h, float shift, float inv, const float* g,
 
 // Note [vector erf]: erf has no vector intrinsic, so the SIMD paths use Abramowitz & Stegun 7.1.26,
 //   erf(x) = sign(x) · (1 − (a1 t + a2 t² + a3 t³ + a4 t⁴ + a5 t⁵) · exp(−x²)),  t = 1 / (1 + p|x|),
-// absolute error ≤ 1.5e-7, with exp(−x²) from a Cephes-style polynomial (range reduction to
-// 2^n · e^r, |r| ≤ ln2/2, relative error ~1e-7). GeLU then differs from the exact-erf reference by
+// absolute error ≤ 1.5e-7, with exp(−x²) from vec.h's exp_nonpos (see Note [vector exp]: relative
+// error ~1e-7). GeLU then differs from the exact-erf reference by
 // at most 0.5 · |v| · 2e-7. The scalar path and every tail use std::erf.
 constexpr float kErfP = 0.3275911f, kErfA1 = 0.254829592f, kErfA2 = -0.284496736f,
                 kErfA3 = 1.421413741f, kErfA4 = -1.453152027f, kErfA5 = 1.061405429f;
-constexpr float kExpC[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
-                            4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 
 #if defined(MINISPEED_HAS_AVX512)
-inline __m512 exp_nonpos(__m512 x) {  // e^x for x <= 0 (clamped at -87: e^-87 ~ 1.6e-38)
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(kExpC[0]);
-  for (int c = 1; c < 6; ++c) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpC[c]));
-  const __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  const __m512i e = _mm512_slli_epi32(
-      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
-
 inline __m512 erf_vec(__m512 x) {
   const __m512 sign = _mm512_castsi512_ps(
       _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x80000000)));
@@ -184,21 +172,20 @@ inline __m512 erf_vec(__m512 x) {
   return _mm512_castsi512_ps(
       _mm512_or_si512(_mm512_castps_si512(y), _mm512_castps_si512(sign)));
 }
-#elif defined(MINISPEED_HAS_AVX2)
-inline __m256 exp_nonpos(__m256 x) {  // e^x for x <= 0 (clamped at -87: e^-87 ~ 1.6e-38)
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(kExpC[0]);
-  for (int c = 1; c < 6; ++c) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpC[c]));
-  const __m256 y = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
 
+// tanh(x) = sign(x) · (1 − e) / (1 + e) with e = exp(−2|x|) <= 1 (see Note [vector erf]).
+inline __m512 tanh_vec(__m512 x) {
+  const __m512 sign = _mm512_castsi512_ps(
+      _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x80000000)));
+  const __m512 a = _mm512_castsi512_ps(
+      _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FFFFFFF)));
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 e = exp_nonpos(_mm512_mul_ps(a, _mm512_set1_ps(-2.f)));
+  const __m512 y = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+  return _mm512_castsi512_ps(
+      _mm512_or_si512(_mm512_castps_si512(y), _mm512_castps_si512(sign)));
+}
+#elif defined(MINISPEED_HAS_AVX2)
 inline __m256 erf_vec(__m256 x) {
   const __m256 sign = _mm256_and_ps(x, _mm256_set1_ps(-0.f));
   const __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.f), x);
@@ -212,6 +199,14 @@ inline __m256 erf_vec(__m256 x) {
   poly = _mm256_mul_ps(poly, t);
   const __m256 y = _mm256_fnmadd_ps(poly, exp_nonpos(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(a, a))), one);
   return _mm256_or_ps(y, sign);
+}
+
+inline __m256 tanh_vec(__m256 x) {  // as the AVX-512 form
+  const __m256 sign = _mm256_and_ps(x, _mm256_set1_ps(-0.f));
+  const __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.f), x);
+  const __m256 one = _mm256_set1_ps(1.f);
+  const __m256 e = exp_nonpos(_mm256_mul_ps(a, _mm256_set1_ps(-2.f)));
+  return _mm256_or_ps(_mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e)), sign);
 }
 #endif
 
@@ -249,15 +244,25 @@ inline float exp_row_sum(float* v, int64_t n) {
   return total;
 }
 
-// o[i] = gelu(x[i] + b[i]) (b may be null); see Note [vector erf].
+// o[i] = gelu(x[i] + b[i]) (b may be null); see Note [vector erf]. Exact (erf) GeLU, or with
+// Tanh the tanh approximation (GPT-2's "gelu_new"): 0.5 v (1 + tanh(sqrt(2/pi) (v + 0.044715 v³))).
+template <bool Tanh>
 inline void gelu_row(const float* x, const float* b, float* o, int64_t n) {
   constexpr float kInvSqrt2 = 0.70710678118654752440f;
+  constexpr float kSqrt2OverPi = 0.79788456080286535588f, kCubic = 0.044715f;
   int64_t i = 0;
 #if defined(MINISPEED_HAS_AVX512)
   for (; i + 16 <= n; i += 16) {
     __m512 v = _mm512_loadu_ps(x + i);
     if (b) v = _mm512_add_ps(v, _mm512_loadu_ps(b + i));
-    const __m512 e = erf_vec(_mm512_mul_ps(v, _mm512_set1_ps(kInvSqrt2)));
+    __m512 e;
+    if (Tanh) {
+      const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(v, v), v);
+      e = tanh_vec(_mm512_mul_ps(_mm512_set1_ps(kSqrt2OverPi),
+                                 _mm512_fmadd_ps(_mm512_set1_ps(kCubic), cube, v)));
+    } else {
+      e = erf_vec(_mm512_mul_ps(v, _mm512_set1_ps(kInvSqrt2)));
+    }
     _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), v),
                                           _mm512_add_ps(_mm512_set1_ps(1.f), e)));
   }
@@ -265,14 +270,23 @@ inline void gelu_row(const float* x, const float* b, float* o, int64_t n) {
   for (; i + 8 <= n; i += 8) {
     __m256 v = _mm256_loadu_ps(x + i);
     if (b) v = _mm256_add_ps(v, _mm256_loadu_ps(b + i));
-    const __m256 e = erf_vec(_mm256_mul_ps(v, _mm256_set1_ps(kInvSqrt2)));
+    __m256 e;
+    if (Tanh) {
+      const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(v, v), v);
+      e = tanh_vec(_mm256_mul_ps(_mm256_set1_ps(kSqrt2OverPi),
+                                 _mm256_fmadd_ps(_mm256_set1_ps(kCubic), cube, v)));
+    } else {
+      e = erf_vec(_mm256_mul_ps(v, _mm256_set1_ps(kInvSqrt2)));
+    }
     _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), v),
                                           _mm256_add_ps(_mm256_set1_ps(1.f), e)));
   }
 #endif
   for (; i < n; ++i) {
     const float v = b ? x[i] + b[i] : x[i];
-    o[i] = 0.5f * v * (1.f + std::erf(v * kInvSqrt2));
+    const float e = Tanh ? std::tanh(kSqrt2OverPi * (v + kCubic * v * v * v))
+                         : std::erf(v * kInvSqrt2);
+    o[i] = 0.5f * v * (1.f + e);
   }
 }
 
@@ -323,8 +337,17 @@ void rms_norm(uintptr_t x, uintptr_t residual, uintptr_t gamma, uintptr_t out, u
 void bias_gelu(uintptr_t x, uintptr_t bias, uintptr_t out, int64_t rows, int64_t cols) {
   pybind11::gil_scoped_release nogil;
   parallel_rows(rows, cols * 8, [&](int64_t r) {
-    gelu_row(ptr<const float>(x) + r * cols, bias ? ptr<const float>(bias) : nullptr,
-             ptr<float>(out) + r * cols, cols);
+    gelu_row<false>(ptr<const float>(x) + r * cols, bias ? ptr<const float>(bias) : nullptr,
+                    ptr<float>(out) + r * cols, cols);
+  });
+}
+
+// The same with the tanh GeLU (F.gelu(approximate="tanh"), GPT-2's gelu_new); CPU only.
+void bias_gelu_tanh(uintptr_t x, uintptr_t bias, uintptr_t out, int64_t rows, int64_t cols) {
+  pybind11::gil_scoped_release nogil;
+  parallel_rows(rows, cols * 8, [&](int64_t r) {
+    gelu_row<true>(ptr<const float>(x) + r * cols, bias ? ptr<const float>(bias) : nullptr,
+                   ptr<float>(out) + r * cols, cols);
   });
 }
 
@@ -402,17 +425,24 @@ void decode_attention(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr
       std::fill(o, o + dim, 0.f);
       if (len <= 0) continue;
       scores.resize(len);
+      // Block by block: positions t0 .. t0 + n of one block are consecutive rows of the pool.
+      auto at = [&](const float* cache, int64_t blk) {
+        return cache + static_cast<int64_t>(table[blk]) * block_size * row + h * dim;
+      };
       float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-        scores[t] = dot(qv, ptr<const float>(k_cache) + slot * row + h * dim, dim) * sc;
-        mx = std::max(mx, scores[t]);
+      for (int64_t blk = 0, t0 = 0; t0 < len; ++blk, t0 += block_size) {
+        const float* kb = at(ptr<const float>(k_cache), blk);
+        for (int64_t j = 0, n = std::min(block_size, len - t0); j < n; ++j) {
+          scores[t0 + j] = dot(qv, kb + j * row, dim) * sc;
+          mx = std::max(mx, scores[t0 + j]);
+        }
       }
       for (int64_t t = 0; t < len; ++t) scores[t] -= mx;
       const float inv = 1.f / exp_row_sum(scores.data(), len);
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-        axpy(scores[t] * inv, ptr<const float>(v_cache) + slot * row + h * dim, o, dim);
+      for (int64_t blk = 0, t0 = 0; t0 < len; ++blk, t0 += block_size) {
+        const float* vb = at(ptr<const float>(v_cache), blk);
+        for (int64_t j = 0, n = std::min(block_size, len - t0); j < n; ++j)
+          axpy(scores[t0 + j] * inv, vb + j * row, o, dim);
       }
     }
   }
@@ -441,6 +471,7 @@ std::string simd_level() { return minispeed::simd::compiled_simd_name(); }
 }  // namespace
 
 void register_sparse_attention(pybind11::module_& m);  // sparse_attention.cpp
+void register_linear(pybind11::module_& m);             // linear.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "minispeed.inference fused CPU kernels (fp32; raw pointers, checked by the wrapper)";
@@ -448,9 +479,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_norm", &layer_norm);
   m.def("rms_norm", &rms_norm);
   m.def("bias_gelu", &bias_gelu);
+  m.def("bias_gelu_tanh", &bias_gelu_tanh);
   m.def("masked_softmax", &masked_softmax);
   m.def("rotary", &rotary);
   m.def("decode_attention", &decode_attention);
   m.def("int8_linear", &int8_linear);
   register_sparse_attention(m);
+  register_linear(m);
 }

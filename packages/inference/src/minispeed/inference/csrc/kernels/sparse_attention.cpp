@@ -4,21 +4,34 @@
 // Shapes: q, k, v, out, dout, dq, dk, dv are (B, H, T, D) contiguous; lse is (B, H, T). The
 // layout arrives as per-head CSR over blocks: row_ptr (H, NB + 1) int32 offsets into cols (int32
 // key-block ids, sorted per row). Only kept blocks are touched, so work and reads are
-// density x dense: 4 T^2 D density FLOPs per (batch, head) forward, about twice that backward.
+// density x dense: 4 T^2 D density FLOPs per (batch, head) forward, 2.5 times that backward.
 // The reference (minispeed/inference/sparse/reference.py) is dense attention under the expanded
 // mask; the tests compare both, values and gradients.
 //
+// Note [tiles as small matrix products]: a kept tile pairs b queries with b keys, and every step
+// of attention over it is a (b x b x D) matrix product. One register-blocked kernel (`gemm`) does
+// them all: it keeps an MR x (NV vectors) block of the product in registers and, per step p of
+// the shared dimension, multiplies NV vectors of one row of B by MR broadcast elements of A (one
+// fused multiply-add each), so a score costs 2 D / width multiply-adds per product, as in a BLAS
+// micro-kernel, instead of a dot product reduced across lanes per score. A is read through two
+// strides, so any transpose of it is free; B must be contiguous along the output's columns. So
+// the tile is held transposed, keys by queries: Sᵀ = K_c Q_rᵀ, and backward dPᵀ = V_c dO_rᵀ, read
+// Q_rᵀ and dO_rᵀ (D x b), transposed once per query block into a thread's buffer and reused by
+// every tile of the row; O += P V, dV += Pᵀ dO, dQ += dS K and dK += dSᵀ Q then read Sᵀ-shaped
+// tiles as A. The softmax runs down the tile's columns, a vector of queries at a time (a running
+// max and sum per lane, no reduction across lanes). No transpose of K or V, no buffer of T.
+//
 // Note [no scores kept between forward and backward]: the forward keeps only the per-query
-// log-sum-exp lse = max + log(sum exp(s - max)); the backward recomputes each kept score s and
-// p = exp(s - lse) from q and k (as flash attention does), so no (T x T) buffer ever exists.
-// Backward, with Di = dout_i . out_i:  dv_j += p dout_i;  ds = p (dout_i . v_j - Di);
-// dq_i += scale ds k_j;  dk_j += scale ds q_i.
+// log-sum-exp lse = max + log(sum exp(s - max)), computed online tile by tile (the running max m
+// and sum l rescale the partial output when a later tile raises the max, as flash attention does);
+// the backward recomputes each kept tile's scores and p = exp(s - lse) from q and k, so no (T x T)
+// buffer ever exists. Backward, with Di = dout_i . out_i: ds = p (dp - Di) scale.
 //
 // Threads: OpenMP over (batch, head, query block) forward and over (batch, head) backward, where
 // every task owns its own slices of dk and dv (no atomics, no races); see Note [threads only for
-// real work]. SIMD: dot and axpy from minispeed/simd.h (shared with kernels.cpp), chosen by the
-// -DMINISPEED_SIMD_* define. See Note [raw pointers, no torch headers] in kernels.cpp: the Python
-// wrapper (minispeed/inference/sparse/attention.py) checks every shape before passing a pointer.
+// real work]. SIMD: vec.h's Vec and exp (see Note [vector exp]), one level per build. See Note [raw
+// pointers, no torch headers] in kernels.cpp: the Python wrapper
+// (minispeed/inference/sparse/attention.py) checks every shape before passing a pointer.
 
 #include <pybind11/pybind11.h>
 
@@ -28,21 +41,118 @@
 #include <limits>
 #include <vector>
 
-#include "minispeed/simd.h"  // dot, axpy (core/csrc/include)
+#include "vec.h"  // Vec (see Note [vector exp])
 
 namespace minispeed_sparse {
+
+using minispeed_inference::Vec;
+constexpr int kW = Vec::kWidth;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 template <typename T>
 inline T* ptr(uintptr_t p) {
   return reinterpret_cast<T*>(p);
 }
 
-using minispeed::simd::axpy;
-using minispeed::simd::dot;
+// A matrix read through two strides: element (r, p) is at data[r * row + p * step].
+struct Strided {
+  const float* data;
+  int64_t row, step;
+  float at(int64_t r, int64_t p) const { return data[r * row + p * step]; }
+};
 
-// y[i] *= alpha
-inline void scal(float alpha, float* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] *= alpha;
+// Which part of a causal diagonal tile's product is needed: key j is visible to query i there
+// only for j <= i. With the tile held keys by queries (see Note [tiles as small matrix products]):
+// kUpperCols: only C[r][n] with n >= r (Sᵀ, dPᵀ: row = key, column = query); kLowerInner:
+// A(r, p) = 0 for p > r (P V and dS K: row = query, inner = key); kUpperInner: A(r, p) = 0 for
+// p < r (Pᵀ dO and dSᵀ Q: row = key, inner = query). Skipping the rest halves a diagonal tile's
+// work. Rows, columns and the inner index all count from the tile's corner.
+enum class Part { kFull, kUpperCols, kLowerInner, kUpperInner };
+
+// C[r, 0 .. NV·width) (+)= sum_{p0 <= p < p1} A(r, p) B[p, 0 .. NV·width) for MR rows; see Note
+// [tiles as small matrix products]. B rows are ldb apart, C rows ldc apart.
+template <int MR, int NV>
+void tile(int64_t p0, int64_t p1, Strided a, const float* b, int64_t ldb, float* c, int64_t ldc,
+          bool add) {
+  Vec acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NV; ++j) acc[r][j] = add ? Vec::load(c + r * ldc + j * kW) : Vec::zero();
+  for (int64_t p = p0; p < p1; ++p) {
+    Vec bv[NV];
+    for (int j = 0; j < NV; ++j) bv[j] = Vec::load(b + p * ldb + j * kW);
+    for (int r = 0; r < MR; ++r) {
+      const Vec ar = Vec::splat(a.at(r, p));
+      for (int j = 0; j < NV; ++j) acc[r][j].fma(ar, bv[j]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NV; ++j) acc[r][j].store(c + r * ldc + j * kW);
+}
+
+// tile<rows, NV> for the 1 .. kMaxRows rows a group may have.
+constexpr int kMaxRows = Vec::kWidth == 8 ? 3 : 6;  // registers: see gemm
+template <int NV>
+void tile_rows(int64_t rows, int64_t p0, int64_t p1, Strided a, const float* b, int64_t ldb,
+               float* c, int64_t ldc, bool add) {
+  switch (rows) {
+    case 1: return tile<1, NV>(p0, p1, a, b, ldb, c, ldc, add);
+    case 2: return tile<2, NV>(p0, p1, a, b, ldb, c, ldc, add);
+    case 3: return tile<3, NV>(p0, p1, a, b, ldb, c, ldc, add);
+#if !defined(MINISPEED_HAS_AVX2) || defined(MINISPEED_HAS_AVX512)
+    case 4: return tile<4, NV>(p0, p1, a, b, ldb, c, ldc, add);
+    case 5: return tile<5, NV>(p0, p1, a, b, ldb, c, ldc, add);
+    case 6: return tile<6, NV>(p0, p1, a, b, ldb, c, ldc, add);
+#endif
+  }
+}
+
+// tile_rows<nv> for nv = 1 .. 4 vectors chosen at run time.
+void tile_vectors(int64_t nv, int64_t rows, int64_t p0, int64_t p1, Strided a, const float* b,
+                  int64_t ldb, float* c, int64_t ldc, bool add) {
+  switch (nv) {
+    case 1: return tile_rows<1>(rows, p0, p1, a, b, ldb, c, ldc, add);
+    case 2: return tile_rows<2>(rows, p0, p1, a, b, ldb, c, ldc, add);
+    case 3: return tile_rows<3>(rows, p0, p1, a, b, ldb, c, ldc, add);
+    case 4: return tile_rows<4>(rows, p0, p1, a, b, ldb, c, ldc, add);
+  }
+}
+
+// C (M x N) = A (M x P) B (P x N), or C += with add; only `part` of it (see Part). Registers:
+// kMaxRows · NV accumulators, NV vectors of B and one broadcast (29 of AVX-512's 32 at 6 x 4;
+// AVX2 has 16, hence 3 x 4 there). Entries a Part skips are left as they were.
+void gemm(int64_t M, int64_t N, int64_t P, Strided a, const float* b, int64_t ldb, float* c,
+          int64_t ldc, bool add, Part part = Part::kFull) {
+  const int64_t nvec = N / kW;
+  for (int64_t m = 0; m < M; m += kMaxRows) {
+    const int64_t rows = std::min<int64_t>(kMaxRows, M - m);
+    const int64_t p0 = part == Part::kUpperInner ? m : 0;
+    const int64_t p1 = part == Part::kLowerInner ? std::min(P, m + rows) : P;
+    // kUpperCols: the group's columns start at its first row, so whole vectors before it go
+    int64_t v = part == Part::kUpperCols ? std::min(nvec, m / kW) : 0;
+    const Strided ag{a.data + m * a.row, a.row, a.step};
+    for (; v < nvec; v += 4) {
+      const int64_t nv = std::min<int64_t>(4, nvec - v);
+      tile_vectors(nv, rows, p0, p1, ag, b + v * kW, ldb, c + m * ldc + v * kW, ldc, add);
+    }
+    for (int64_t r = m; r < m + rows; ++r) {  // the last < width columns, one at a time
+      for (int64_t n = nvec * kW; n < N; ++n) {
+        if (part == Part::kUpperCols && n < r) continue;
+        const int64_t q0 = part == Part::kUpperInner ? r : 0;
+        const int64_t q1 = part == Part::kLowerInner ? std::min(P, r + 1) : P;
+        float s = add ? c[r * ldc + n] : 0.f;
+        for (int64_t p = q0; p < q1; ++p) s += a.at(r, p) * b[p * ldb + n];
+        c[r * ldc + n] = s;
+      }
+    }
+  }
+}
+
+// y[i] *= alpha (vectorized, scalar tail).
+inline void scale_row(float* y, float alpha, int64_t n) {
+  int64_t i = 0;
+  const Vec a = Vec::splat(alpha);
+  for (; i + kW <= n; i += kW) (Vec::load(y + i) * a).store(y + i);
+  for (; i < n; ++i) y[i] *= alpha;
 }
 
 struct Problem {
@@ -61,43 +171,106 @@ inline bool worth_threads(const Problem& p, const int32_t* row_ptr) {
   return p.batch * nnz * p.block * p.block * p.dim >= (int64_t{1} << 20);
 }
 
-// One (batch, head, query block) of the forward: scores of the kept keys, softmax, weighted sum.
+// A thread's tile buffers, kept between calls (grown to the largest call, never shrunk: 4 b² +
+// 2 b D + 4 b floats), so a call maps no fresh pages for them.
+float* thread_buffer(int64_t floats) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < floats) buffer.resize(floats);
+  return buffer.data();
+}
+
+bool diagonal(const Problem& p, int64_t r, int64_t c) { return p.causal && r == c; }
+
+// x (b rows of D, row-major) into xt (D rows of b): a width x width block at a time (vec.h).
+void transpose_rows(const float* x, float* xt, int64_t b, int64_t D) {
+  const int64_t bv = b / kW * kW, dv = D / kW * kW;
+  for (int64_t t = 0; t < bv; t += kW)
+    for (int64_t d = 0; d < dv; d += kW)
+      minispeed_inference::transpose_block(x + t * D + d, D, xt + d * b + t, b);
+  for (int64_t t = 0; t < b; ++t)  // the edges: the last < width columns, then rows
+    for (int64_t d = (t < bv ? dv : 0); d < D; ++d) xt[d * b + t] = x[t * D + d];
+}
+
+// Raw scores of key block c against query block r, keys by queries: st = K_c Q_rᵀ (unscaled: the
+// softmax applies the scale inside its exp), a key after its query set to -inf on a causal
+// diagonal tile (and not computed, see Part). k is this head's (T, D); qt_r is Q_rᵀ (D, b).
+void tile_scores(const Problem& p, const float* k, const float* qt_r, int64_t r, int64_t c,
+                 float* st) {
+  const int64_t b = p.block, D = p.dim;
+  const bool diag = diagonal(p, r, c);
+  gemm(b, b, D, {k + c * b * D, D, 1}, qt_r, b, st, b, false,
+       diag ? Part::kUpperCols : Part::kFull);
+  if (diag)
+    for (int64_t j = 1; j < b; ++j) std::fill(st + j * b, st + j * b + j, kNegInf);
+}
+
+// Queries [i, i + n) of the online softmax over one Sᵀ tile (b keys down, queries across; n is
+// the vector width, or 1 for the scalar tail): raise the running max m, rescale the running sum
+// l and the output rows by exp((m_old - m_new) scale), and turn the scores into probabilities.
+// m starts at the lowest finite float, so an all-masked column gives exp(-inf) = 0, never NaN.
+template <typename V>
+void softmax_columns(float* st, int64_t b, int64_t i, float* m, float* l, float* alpha,
+                     float scale) {
+  V mx = V::load(m + i);
+  for (int64_t j = 0; j < b; ++j) mx = V::max(mx, V::load(st + j * b + i));
+  const V sc = V::splat(scale);
+  ((V::load(m + i) - mx) * sc).exp().store(alpha + i);
+  V sum = V::zero();
+  for (int64_t j = 0; j < b; ++j) {
+    const V e = ((V::load(st + j * b + i) - mx) * sc).exp();
+    e.store(st + j * b + i);
+    sum = sum + e;
+  }
+  (V::load(l + i) * V::load(alpha + i) + sum).store(l + i);
+  mx.store(m + i);
+}
+
+// The scalar lane type for the tails of softmax_columns (the same operations on one float).
+struct Lane {
+  float v;
+  static Lane zero() { return {0.f}; }
+  static Lane load(const float* p) { return {*p}; }
+  static Lane splat(float a) { return {a}; }
+  void store(float* p) const { *p = v; }
+  Lane operator*(Lane o) const { return {v * o.v}; }
+  Lane operator-(Lane o) const { return {v - o.v}; }
+  Lane operator+(Lane o) const { return {v + o.v}; }
+  static Lane max(Lane a, Lane b) { return {a.v > b.v ? a.v : b.v}; }
+  Lane exp() const { return {std::exp(v)}; }
+};
+
+// One (batch, head, query block) of the forward: online softmax over the kept tiles, in order.
 void forward_row_block(const Problem& p, int64_t bh, int64_t r, const float* q, const float* k,
                        const float* v, const int32_t* row_ptr, const int32_t* cols, float* out,
-                       float* lse, std::vector<float>& scores) {
-  const int64_t h = bh % p.heads, nb = p.nblocks(), D = p.dim, B = p.block;
+                       float* lse) {
+  const int64_t h = bh % p.heads, nb = p.nblocks(), D = p.dim, b = p.block, T = p.seq;
   const int32_t* rp = row_ptr + h * (nb + 1);
-  const int64_t first = rp[r], last = rp[r + 1];
-  scores.resize((last - first) * B);
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  for (int64_t i = r * B; i < (r + 1) * B; ++i) {
-    const float* qi = q + (bh * p.seq + i) * D;
-    float mx = neg_inf;
-    int64_t n = 0;
-    for (int64_t e = first; e < last; ++e) {
-      const int64_t c = cols[e];
-      for (int64_t j = c * B; j < (c + 1) * B; ++j, ++n) {
-        const float s = (p.causal && j > i) ? neg_inf : dot(qi, k + (bh * p.seq + j) * D, D) * p.scale;
-        scores[n] = s;
-        mx = std::max(mx, s);
-      }
-    }
-    float sum = 0.f;
-    for (int64_t t = 0; t < n; ++t) {
-      scores[t] = std::exp(scores[t] - mx);  // exp(-inf) = 0 for masked keys
-      sum += scores[t];
-    }
-    float* o = out + (bh * p.seq + i) * D;
-    std::fill(o, o + D, 0.f);
-    n = 0;
-    for (int64_t e = first; e < last; ++e) {
-      const int64_t c = cols[e];
-      for (int64_t j = c * B; j < (c + 1) * B; ++j, ++n) {
-        if (scores[n] != 0.f) axpy(scores[n], v + (bh * p.seq + j) * D, o, D);
-      }
-    }
-    scal(1.f / sum, o, D);
-    lse[bh * p.seq + i] = mx + std::log(sum);
+  float* st = thread_buffer(b * b + D * b + 3 * b);  // (b, b): Sᵀ, then Pᵀ
+  float* qt = st + b * b;                             // (D, b): Q_rᵀ
+  float* m = qt + D * b;                              // running max per query (raw scores)
+  float* l = m + b;                                   // running sum per query
+  float* alpha = l + b;                               // this tile's rescale per query
+  std::fill(m, m + b, std::numeric_limits<float>::lowest());
+  std::fill(l, l + b, 0.f);
+  q += bh * T * D, k += bh * T * D, v += bh * T * D;
+  transpose_rows(q + r * b * D, qt, b, D);
+  float* o = out + (bh * T + r * b) * D;  // (b, D): this task's rows of out
+  const int64_t bv = b / kW * kW;
+  for (int64_t e = rp[r]; e < rp[r + 1]; ++e) {
+    const int64_t c = cols[e];
+    const bool first = e == rp[r];  // o holds nothing yet: it is written, not rescaled
+    tile_scores(p, k, qt, r, c, st);
+    for (int64_t i = 0; i < bv; i += kW) softmax_columns<Vec>(st, b, i, m, l, alpha, p.scale);
+    for (int64_t i = bv; i < b; ++i) softmax_columns<Lane>(st, b, i, m, l, alpha, p.scale);
+    if (!first)
+      for (int64_t i = 0; i < b; ++i)
+        if (alpha[i] != 1.f) scale_row(o + i * D, alpha[i], D);
+    const Part part = diagonal(p, r, c) ? Part::kLowerInner : Part::kFull;
+    gemm(b, D, b, {st, 1, b}, v + c * b * D, D, o, D, !first, part);  // O (+)= P V_c
+  }
+  for (int64_t i = 0; i < b; ++i) {
+    scale_row(o + i * D, 1.f / l[i], D);
+    lse[bh * T + r * b + i] = m[i] * p.scale + std::log(l[i]);
   }
 }
 
@@ -109,46 +282,77 @@ void sparse_attention_forward(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t r
   const Problem p{batch, heads, seq, dim, block, causal, static_cast<float>(scale)};
   const int64_t nb = p.nblocks(), tasks = batch * heads * nb;
   const bool big = tasks > 1 && worth_threads(p, ptr<const int32_t>(row_ptr));
-#pragma omp parallel if (big)
-  {
-    std::vector<float> scores;
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < tasks; ++t) {
-      forward_row_block(p, t / nb, t % nb, ptr<const float>(q), ptr<const float>(k),
-                        ptr<const float>(v), ptr<const int32_t>(row_ptr), ptr<const int32_t>(cols),
-                        ptr<float>(out), ptr<float>(lse), scores);
-    }
+#pragma omp parallel for schedule(dynamic, 1) if (big)
+  for (int64_t t = 0; t < tasks; ++t) {
+    forward_row_block(p, t / nb, t % nb, ptr<const float>(q), ptr<const float>(k),
+                      ptr<const float>(v), ptr<const int32_t>(row_ptr), ptr<const int32_t>(cols),
+                      ptr<float>(out), ptr<float>(lse));
   }
 }
 
 // One (batch, head) of the backward: see Note [no scores kept between forward and backward].
-// dq, dk, dv must be zero on entry.
+// dq, dk, dv are written whole (no need to zero them: each block's first product stores, later
+// ones add; key blocks no query keeps get zeros).
 void backward_head(const Problem& p, int64_t bh, const float* q, const float* k, const float* v,
                    const float* out, const float* dout, const float* lse, const int32_t* row_ptr,
                    const int32_t* cols, float* dq, float* dk, float* dv) {
-  const int64_t h = bh % p.heads, nb = p.nblocks(), D = p.dim, B = p.block;
+  const int64_t h = bh % p.heads, nb = p.nblocks(), D = p.dim, b = p.block, T = p.seq;
   const int32_t* rp = row_ptr + h * (nb + 1);
-  const int64_t base = bh * p.seq;
+  const int64_t base = bh * T * D, bv = b / kW * kW;
+  q += base, k += base, v += base, out += base, dout += base;
+  dq += base, dk += base, dv += base, lse += bh * T;
+  float* pt = thread_buffer(2 * b * b + 2 * D * b + b + nb);  // (b, b): Pᵀ of one tile
+  float* ds = pt + b * b;                                      // (b, b): dPᵀ, then dSᵀ
+  float* qt = ds + b * b;                                      // (D, b): Q_rᵀ
+  float* dot = qt + D * b;                                     // (D, b): dO_rᵀ
+  float* di = dot + D * b;                                     // (b,): dout_i . out_i
+  float* written = di + b;  // (NB,): 1 once key block c's dk and dv hold a first product
+  std::fill(written, written + nb, 0.f);
+  const Vec sc = Vec::splat(p.scale);
   for (int64_t r = 0; r < nb; ++r) {
-    for (int64_t i = r * B; i < (r + 1) * B; ++i) {
-      const float* qi = q + (base + i) * D;
-      const float* doi = dout + (base + i) * D;
-      float* dqi = dq + (base + i) * D;
-      const float di = dot(doi, out + (base + i) * D, D);
-      const float li = lse[base + i];
-      for (int64_t e = rp[r]; e < rp[r + 1]; ++e) {
-        const int64_t c = cols[e];
-        const int64_t j_end = p.causal ? std::min((c + 1) * B, i + 1) : (c + 1) * B;
-        for (int64_t j = c * B; j < j_end; ++j) {
-          const float* kj = k + (base + j) * D;
-          const float* vj = v + (base + j) * D;
-          const float pij = std::exp(dot(qi, kj, D) * p.scale - li);
-          axpy(pij, doi, dv + (base + j) * D, D);
-          const float ds = pij * (dot(doi, vj, D) - di) * p.scale;
-          axpy(ds, kj, dqi, D);
-          axpy(ds, qi, dk + (base + j) * D, D);
-        }
+    const float* q_r = q + r * b * D;
+    const float* do_r = dout + r * b * D;
+    transpose_rows(q_r, qt, b, D);
+    transpose_rows(do_r, dot, b, D);
+    for (int64_t i = 0; i < b; ++i)
+      di[i] = minispeed::simd::dot(do_r + i * D, out + (r * b + i) * D, D);
+    for (int64_t e = rp[r]; e < rp[r + 1]; ++e) {
+      const int64_t c = cols[e];
+      const bool diag = diagonal(p, r, c);
+      tile_scores(p, k, qt, r, c, pt);
+      for (int64_t j = 0; j < b; ++j) {  // Pᵀ = exp(scale · sᵀ - lse), lse along the columns
+        float* pj = pt + j * b;
+        int64_t i = 0;
+        for (; i < bv; i += kW)
+          (Vec::load(pj + i) * sc - Vec::load(lse + r * b + i)).exp().store(pj + i);
+        for (; i < b; ++i) pj[i] = std::exp(pj[i] * p.scale - lse[r * b + i]);
       }
+      const Part lower = diag ? Part::kLowerInner : Part::kFull;
+      const Part upper = diag ? Part::kUpperInner : Part::kFull;
+      const bool add_kv = written[c] != 0.f, add_q = e != rp[r];
+      written[c] = 1.f;
+      gemm(b, D, b, {pt, b, 1}, do_r, D, dv + c * b * D, D, add_kv, upper);  // dV_c += Pᵀ dO_r
+      gemm(b, b, D, {v + c * b * D, D, 1}, dot, b, ds, b, false,
+           diag ? Part::kUpperCols : Part::kFull);  // dPᵀ = V_c dO_rᵀ
+      for (int64_t j = 0; j < b; ++j) {  // dSᵀ = Pᵀ (dPᵀ - D) scale; 0 where a key is masked
+        float* dj = ds + j * b;
+        const float* pj = pt + j * b;
+        const int64_t start = diag ? j : 0;  // dPᵀ before the diagonal was not computed
+        std::fill(dj, dj + start, 0.f);
+        int64_t i = start;
+        for (; i < b && i % kW; ++i) dj[i] = pj[i] * (dj[i] - di[i]) * p.scale;
+        for (; i + kW <= b; i += kW)
+          (Vec::load(pj + i) * (Vec::load(dj + i) - Vec::load(di + i)) * sc).store(dj + i);
+        for (; i < b; ++i) dj[i] = pj[i] * (dj[i] - di[i]) * p.scale;
+      }
+      gemm(b, D, b, {ds, 1, b}, k + c * b * D, D, dq + r * b * D, D, add_q, lower);  // dQ_r += dS K_c
+      gemm(b, D, b, {ds, b, 1}, q_r, D, dk + c * b * D, D, add_kv, upper);  // dK_c += dSᵀ Q_r
+    }
+  }
+  for (int64_t c = 0; c < nb; ++c) {  // keys no query of this head sees: zero gradient
+    if (written[c] == 0.f) {
+      std::fill(dk + c * b * D, dk + (c + 1) * b * D, 0.f);
+      std::fill(dv + c * b * D, dv + (c + 1) * b * D, 0.f);
     }
   }
 }
@@ -162,7 +366,7 @@ void sparse_attention_backward(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t 
   const Problem p{batch, heads, seq, dim, block, causal, static_cast<float>(scale)};
   const int64_t pairs = batch * heads;
   const bool big = pairs > 1 && worth_threads(p, ptr<const int32_t>(row_ptr));
-#pragma omp parallel for schedule(static) if (big)
+#pragma omp parallel for schedule(dynamic, 1) if (big)
   for (int64_t bh = 0; bh < pairs; ++bh) {
     backward_head(p, bh, ptr<const float>(q), ptr<const float>(k), ptr<const float>(v),
                   ptr<const float>(out), ptr<const float>(dout), ptr<const float>(lse),
@@ -178,5 +382,5 @@ void register_sparse_attention(pybind11::module_& m) {
   m.def("sparse_attention_forward", &minispeed_sparse::sparse_attention_forward,
         "block-sparse attention forward (raw pointers; see minispeed.inference.sparse.attention)");
   m.def("sparse_attention_backward", &minispeed_sparse::sparse_attention_backward,
-        "block-sparse attention backward (dq, dk, dv zeroed by the caller)");
+        "block-sparse attention backward (writes dq, dk, dv whole)");
 }
