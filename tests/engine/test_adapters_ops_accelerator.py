@@ -63,11 +63,17 @@ def test_fused_adam_is_adamw_or_l2_adam():
     assert not torch.equal(_losses(FusedAdam, adam_w_mode=False), _losses(torch.optim.AdamW))
 
 
-def test_cpu_adam_is_offloads_cpu_adam():
+def test_cpu_adam_keeps_deepspeeds_adamw_default():
+    """DeepSpeed 0.19.8's `DeepSpeedCPUAdam(adamw_mode=True)` default stays with DeepSpeed's
+    name, while offload's `CPUAdam`, named after torch's class, defaults to torch's Adam."""
     assert issubclass(DeepSpeedCPUAdam, CPUAdam)
-    torch.testing.assert_close(
-        _losses(DeepSpeedCPUAdam), _losses(CPUAdam, adamw_mode=True), rtol=0, atol=0
-    )
+    adamw = _losses(CPUAdam, decoupled_weight_decay=True)
+    torch.testing.assert_close(_losses(DeepSpeedCPUAdam), adamw, rtol=0, atol=0)
+    torch.testing.assert_close(_losses(torch.optim.AdamW), adamw, rtol=1e-5, atol=1e-6)
+    adam = _losses(CPUAdam)
+    torch.testing.assert_close(_losses(DeepSpeedCPUAdam, adamw_mode=False), adam, rtol=0, atol=0)
+    torch.testing.assert_close(_losses(torch.optim.Adam), adam, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(adam, adamw)
 
 
 @pytest.mark.parametrize(

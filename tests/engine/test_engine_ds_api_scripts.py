@@ -27,6 +27,7 @@ where a difference is documented in docs/engine/migration.md (named below).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -111,6 +112,15 @@ def test_resume_script_matches_deepspeed(tmp_path):
         # The round trip itself: a loaded engine evaluates and trains on as the saved one.
         assert ours["resumed_eval"] == ours["eval_before"]
         assert ours["resumed_after"] == ours["after"]
+    # DeepSpeed's zero_to_fp32 over a shard overwritten with garbage of its size (issue 32 §7):
+    # an error naming the file as damaged, as `load_checkpoint` and `consolidate` give.
+    from minispeed.engine.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from minispeed.zero.checkpoints import CheckpointError
+
+    shard = sorted((tmp_path / "ckpt").rglob("weights.rank*.pt"))[-1]
+    shard.write_bytes(os.urandom(shard.stat().st_size))
+    with pytest.raises(CheckpointError, match=rf"checkpoint file {shard} .* is damaged"):
+        get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt", tag=shard.parent.name)
 
 
 def test_zero3_init_script_matches_deepspeed():

@@ -249,3 +249,83 @@ def test_fp16_overflow_on_one_tensor_rank_skips_the_step_on_every_rank():
     while rank 1 skipped, and the slices of one layer would come from two different steps."""
     for r in run_distributed(_overflow_on_one_tensor_rank, world_size=4, timeout_s=120):
         assert (r["unchanged"], r["skipped"], r["scale"]) == (True, 1, 2.0**16)  # hysteresis 2
+
+
+def _hf_gpt2(seed: int = 0):
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(
+        vocab_size=48, n_positions=16, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _hf_train(rank, world_size, given):
+    import torch
+
+    import minispeed.engine as deepspeed
+    import minispeed.tensor_parallel as tp
+
+    model = _hf_gpt2()
+    config = {**_config(0), "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    if given == "generator":  # DeepSpeed's usual call
+        kwargs = {"model_parameters": model.parameters()}
+    elif given == "groups":  # param-group dicts whose params are generators too
+        kwargs = {"model_parameters": [{"params": model.parameters(), "weight_decay": 0.0}]}
+    else:
+        kwargs = {}
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config, **kwargs)
+    g = torch.Generator().manual_seed(5)
+    losses = []
+    for _ in range(3):
+        idx = torch.randint(0, 48, (2, 13), generator=g)
+        for _ in range(GAS):
+            logits = engine(input_ids=idx[:, :-1]).logits
+            loss = tp.vocab_parallel_cross_entropy(logits, idx[:, 1:], engine.grid)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    return losses
+
+
+def test_hf_gpt2_trains_the_same_with_deepspeeds_model_parameters():
+    """`initialize(model=m, model_parameters=m.parameters(), config={..., "tensor_parallel":
+    {"autotp_size": 2}})`, DeepSpeed's usual call, on 2 ranks: the generator is read before the
+    cut and its unsplit parameters mapped to their slices by name, as an optimizer's are, so it
+    trains exactly as without `model_parameters` (issue 32 §6). Before, the generator was read
+    after the cut and the id-keyed mapping mixed up slices: rank 1 raised in zero.shard while
+    rank 0 went on into the next collective."""
+    pytest.importorskip("transformers")
+    want = run_distributed(_hf_train, world_size=2, args=("none",), timeout_s=240)
+    assert want[0] == want[1]  # one model split over the tensor pair: one loss
+    for given in ("generator", "groups"):
+        got = run_distributed(_hf_train, world_size=2, args=(given,), timeout_s=240)
+        assert got == want, given
+
+
+def _hf_bad_setup(rank, world_size):
+    import minispeed.engine as deepspeed
+
+    model = _hf_gpt2()
+    config = {**_config(1), "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    # The final norm left out of the optimizer: only tensor rank 1, which leaves replicated
+    # parameters out of its share of the norm, notices (zero.ModelParallel.check).
+    params = [p for n, p in model.named_parameters() if not n.startswith("transformer.ln_f")]
+    try:
+        deepspeed.initialize(model=model, model_parameters=params, config=config)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_a_setup_error_on_one_tensor_rank_is_raised_on_both():
+    """A set-up error under tensor parallelism found on one rank only is agreed and raised on
+    every rank, within seconds, instead of the other rank waiting in its next collective."""
+    pytest.importorskip("transformers")
+    for rank, message in enumerate(run_distributed(_hf_bad_setup, world_size=2, timeout_s=120)):
+        assert "not a parameter of the optimizer passed to zero.shard" in message, (rank, message)
+        if rank == 0:
+            assert "failed on global rank 1" in message, message

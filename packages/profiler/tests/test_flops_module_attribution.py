@@ -1,5 +1,6 @@
 """Each module is charged its own work, forward and backward, once per call: siblings that share
-an input, modules that return their input, and a block called several times. Expectations
+an input, modules that return their input, a block called several times (its calls, and the
+adds that combine them charged to its caller: Note [who adds up a gradient] in tracker.py). Expectations
 come from each module counted alone (`FlopCounterMode` for the matrix products, the formulas
 written out here by hand for the rest), never from the profiler itself."""
 
@@ -137,12 +138,54 @@ def test_a_block_called_several_times_is_charged_every_backward(times):
 
     fwd, bwd = _alone_matmul_flops(Alone(), (B, C))
     assert (2 * block.forward.macs, 2 * block.backward.macs) == (fwd, bwd)
-    # By hand, per call: dX and dW 4·B·C², the bias gradient B·C, tanh's B·C; then the
-    # weight's and bias's gradients of the `times` calls are added together: (times-1)·(C²+C).
+    # By hand, per call: dX and dW 4·B·C², the bias gradient B·C, tanh's B·C. The block is
+    # charged its calls, each what one call costs; adding the weight's and bias's gradients of
+    # the `times` calls together, (times-1)·(C²+C), is the caller's (Note [who adds up a
+    # gradient] in tracker.py), here the model's own share.
     per_call = 4 * B * C * C + 2 * B * C
-    assert block.backward.flops == times * per_call + (times - 1) * (C * C + C)
+    assert block.backward.flops == times * per_call
+    head = r.module("head")
+    assert head.backward.flops == 4 * B * C + 1 * B
+    assert r.root.backward.flops - block.backward.flops - head.backward.flops == (times - 1) * (
+        C * C + C
+    )
     assert r.module("block.0").calls == times
-    assert r.module("head").backward.flops == 4 * B * C + 1 * B
+    _exclusive_rows_sum_to_the_total(r)
+
+
+class Calls(nn.Module):
+    """`lin` (no bias) called `times` times: in a chain, or each call on the same input `x`."""
+
+    def __init__(self, times: int, form: str):
+        super().__init__()
+        self.lin, self.times, self.form = nn.Linear(C, C, bias=False), times, form
+
+    def forward(self, x):
+        if self.form == "chain":
+            for _ in range(self.times):
+                x = self.lin(x)
+            return x
+        return sum(self.lin(x) for _ in range(self.times))  # x handed to every call
+
+
+@pytest.mark.parametrize("form", ["chain", "same_input"])
+@pytest.mark.parametrize("times", [1, 2, 3])
+def test_a_module_called_n_times_is_charged_n_calls_and_its_caller_the_sums(times, form):
+    """The rule of Note [who adds up a gradient], on issue 32's `Linear` called 1, 2, 3 times:
+    the module's backward is `times` × one call's (dX and dW: 2 · 2·B·C²), never the adds that
+    combine its calls; those are its caller's: (times-1)·C² for its weight's gradients, and
+    (times-1)·B·C more when every call reads the same input x (x's gradients)."""
+    torch.manual_seed(0)
+    model = Calls(times, form)
+    x = torch.randn(B, C, requires_grad=True)
+    with FlopsProfiler(model) as prof:
+        model(x).sum().backward()
+    r = prof.result()
+    lin = r.module("lin")
+    assert lin.calls == times
+    assert lin.backward.flops == times * 2 * (2 * B * C * C)
+    caller_adds = (times - 1) * C * C + (times - 1) * B * C * (form == "same_input")
+    assert r.root.backward.flops - lin.backward.flops == caller_adds
     _exclusive_rows_sum_to_the_total(r)
 
 

@@ -77,8 +77,9 @@ def test_command_line_consolidates_and_reports_failures(saved, capsys):
     from minispeed.zero.__main__ import main
 
     path, expected = saved
-    assert main(["consolidate", str(path / "ckpt"), str(path / "cli.pt")]) == 0
-    state = torch.load(path / "cli.pt", weights_only=True)
+    out = path / "made" / "here" / "cli.pt"  # a missing folder is created, as mkdir -p
+    assert main(["consolidate", str(path / "ckpt"), str(out)]) == 0
+    state = torch.load(out, weights_only=True)
     torch.testing.assert_close(state["wte.weight"], expected["wte.weight"], rtol=0, atol=0)
     assert "held at most" in capsys.readouterr().out
     assert main(["consolidate", str(path / "ckpt"), str(path / "x.pt"), "--tag", "nope"]) == 1

@@ -96,3 +96,29 @@ def _load_tag_body(rank: int, world_size: int, path: str, tag: str) -> int:
     model, opt = build(stage=2, seed=4)
     load_checkpoint(opt, model, path, tag=tag)
     return opt.global_step
+
+
+def test_a_shard_overwritten_with_garbage_of_its_size_is_named_as_damaged(saved, tmp_path, capsys):
+    """The size check cannot see it; the one loader of checkpoint files (`load_shard`) names it
+    in `load_checkpoint` (on every rank), `consolidate` and its command alike (issue 32 §7)."""
+    import shutil
+
+    from minispeed.zero.__main__ import main
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(saved / "global_step1", copy / "global_step1")
+    (copy / "latest").write_text("global_step1")
+    damaged = copy / "global_step1" / SHARD
+    damaged.write_bytes(os.urandom(damaged.stat().st_size))
+    messages = run_distributed(_load_body, world_size=2, args=(str(copy),), timeout_s=120)
+    for message in messages:  # every rank raises, naming the file
+        assert f"checkpoint file {damaged} of tag 'global_step1' is damaged" in message, message
+    with pytest.raises(CheckpointError, match=rf"{SHARD} of tag 'global_step1' is damaged"):
+        consolidate(copy, tmp_path / "out.pt")
+    assert main(["consolidate", str(copy), str(tmp_path / "cli.pt")]) == 1
+    out = capsys.readouterr().out.replace("\n", "")
+    assert SHARD in out and "is damaged" in out and "Traceback" not in out
+    common = copy / "global_step1" / "common.pt"  # unpickled, not mapped: another error type
+    common.write_bytes(os.urandom(common.stat().st_size))
+    with pytest.raises(CheckpointError, match=r"common\.pt of tag 'global_step1' is damaged"):
+        consolidate(copy, tmp_path / "out.pt")

@@ -1,5 +1,5 @@
 """Adagrad and Lion are offloaded through `zero.shard` too, equal to un-offloaded training
-(issue 24 §4), and Adam stays Adam (L2) although `CPUAdam` defaults to AdamW: torch's Adagrad is stepped by offload's `CPUAdagrad`, a Lion (`CPULion`; torch
+(issue 24 §4), and Adam stays Adam (L2): torch's Adagrad is stepped by offload's `CPUAdagrad`, a Lion (`CPULion`; torch
 has no Lion class) by `CPULion`, each over the user's own param groups. 2 ranks, stages 2-3,
 `offload_optimizer: cpu`, TinyGPT losses vs single-process PyTorch (Lion's reference update is
 written out here in plain torch). Before, `zero.shard` refused both ("must be torch.optim.Adam
@@ -43,7 +43,7 @@ class ReferenceLion(torch.optim.Optimizer):
 
 
 def make_optimizer(kind: str, params, reference: bool) -> torch.optim.Optimizer:
-    if kind == "adam":  # L2 weight decay: CPUAdam's AdamW default must not leak in
+    if kind == "adam":  # L2 weight decay: the user's Adam must not be stepped as AdamW
         return torch.optim.Adam(params, lr=1e-2, weight_decay=0.1)
     if kind == "adagrad":
         return torch.optim.Adagrad(params, **ADAGRAD)

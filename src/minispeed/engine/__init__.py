@@ -52,6 +52,7 @@ from torch import nn
 import minispeed.comm
 import minispeed.moe
 import minispeed.pipeline
+import minispeed.tensor_parallel
 from minispeed.core.config import ConfigError
 from minispeed.engine import steps
 from minispeed.engine.composition import Composition
@@ -59,7 +60,13 @@ from minispeed.engine.config import EngineConfig, load_ds_config
 from minispeed.engine.distributed import add_config_arguments, init_distributed
 from minispeed.engine.engine import Engine
 from minispeed.engine.experts import MoEEngine, expert_replica_groups
-from minispeed.engine.grid import build_grid, check_mics_size, grid_shape, tensor_parallel_size
+from minispeed.engine.grid import (
+    build_grid,
+    check_mics_size,
+    check_optimizer,
+    grid_shape,
+    tensor_parallel_size,
+)
 from minispeed.engine.pipe_engine import PipelineEngine
 from minispeed.engine.steps import record_config, record_grid
 from minispeed.engine.tune.trial import Trial, TrialRecorder
@@ -227,9 +234,18 @@ def initialize(
             s.did("deepspeed.checkpointing.checkpoint configured (for model code that calls it)")
     # A `minispeed tune` trial's recorder counts the model before anything is partitioned.
     recorder = None if trial is None else TrialRecorder(trial, model)
-    # 5. The optimizer.
+    # 5. The optimizer; on a grid, an error on one rank is raised on every rank, before ZeRO's
+    # first collective (minispeed.tensor_parallel.agreed).
     params = list(model_parameters) if model_parameters is not None else list(model.parameters())
-    opt = steps.build_optimizer(composition, optimizer, params, cfg)
+    if grid is None:
+        opt = steps.build_optimizer(composition, optimizer, params, cfg)
+    else:
+        ties = model.tied_grad_groups() if is_pipeline else None
+        opt = minispeed.tensor_parallel.agreed(
+            lambda: check_optimizer(
+                steps.build_optimizer(composition, optimizer, params, cfg), model, grid, ties
+            )
+        )
     # 6. ZeRO over the data-parallel group (stage 0 is plain data parallelism; precision and
     # offload inside it); MoE experts over their expert-data group (experts.py); the grid's
     # other axes as ZeRO's model-parallel axes (the norm and the fp16 verdict over the whole

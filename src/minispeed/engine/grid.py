@@ -49,6 +49,7 @@ __all__ = [
     "AXES",
     "build_grid",
     "check_mics_size",
+    "check_optimizer",
     "grid_shape",
     "mics_groups",
     "model_parallel",
@@ -122,6 +123,21 @@ def mics_groups(grid: comm.ProcessGrid | None, shard_size: int, hierarchical: bo
     return zero.MicsGroups.build(
         shard_size, lines, data_group=grid.group("data"), hierarchical=hierarchical
     )
+
+
+def check_optimizer(
+    optimizer: Any,
+    module: nn.Module,
+    grid: comm.ProcessGrid,
+    ties: list[tuple[nn.Parameter, Any, bool]] | None = None,
+) -> Any:
+    """`optimizer`, once `model_parallel`'s parameters are found among its own: the check
+    `zero.shard` makes on each rank alone, made before it so that `initialize` can raise it on
+    every rank (`minispeed.tensor_parallel.agreed`)."""
+    if optimizer is not None:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        model_parallel(module, grid, ties or []).check(params)
+    return optimizer
 
 
 def model_parallel(

@@ -118,9 +118,9 @@ def _build_adam(
 
     from minispeed.offload import CPUAdam
 
-    # `adamw_mode` where CPUAdam takes DeepSpeed's name, else torch's `decoupled_weight_decay`.
-    mode_key = "adamw_mode" if "adamw_mode" in _accepted(CPUAdam) else "decoupled_weight_decay"
-    return construct(CPUAdam, model_parameters, {**params, mode_key: decoupled}, _PATH)
+    return construct(
+        CPUAdam, model_parameters, {**params, "decoupled_weight_decay": decoupled}, _PATH
+    )
 
 
 def _build_lion(params: dict[str, Any], model_parameters: Any, offload: bool) -> Any:

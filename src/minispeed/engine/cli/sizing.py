@@ -28,6 +28,14 @@ __all__ = ["add_arguments", "count_hf_config", "main"]
 GiB = 2**30
 
 
+_FLAGS = {
+    "a parameter count": "--params",
+    "largest_layer_params": "--largest-layer",
+    "additional_buffer_factor": "--buffer-factor",
+}
+"""`estimate_modes`'s names in its errors -> the flags they came from."""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The `estimate` flags (DeepSpeed's estimator arguments under CLI names)."""
     p.add_argument("--params", type=float, help="parameter count Ψ, e.g. 7e9 (or --model)")
@@ -95,16 +103,10 @@ def main(args: argparse.Namespace) -> int:
     if args.paper or args.time:
         return _published(args)
     args.gpus = 1 if args.gpus is None else args.gpus
-    for name in ("gpus", "nodes"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name} must be >= 1, got {getattr(args, name)}")
-    for name in ("gpu_mem", "cpu_mem"):
-        value = getattr(args, name)
-        if value is not None and value <= 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be > 0 GiB, got {value}")
+    _check_sizes(args)
     if args.model is not None:
         psi, largest = count_hf_config(args.model)
-        largest = largest if args.largest_layer is None else int(args.largest_layer)
+        largest = largest if args.largest_layer is None else args.largest_layer
     else:
         psi, largest = args.params, args.largest_layer
     try:
@@ -116,8 +118,11 @@ def main(args: argparse.Namespace) -> int:
             additional_buffer_factor=args.buffer_factor,
             mics_shard_size=args.mics_shard_size,
         )
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    except ValueError as e:  # the estimator's argument names, as this command's flags
+        message = str(e)
+        for arg, flag in _FLAGS.items():
+            message = message.replace(arg, flag)
+        raise UsageError(message) from None
     gpu_cap, cpu_cap, nvme_cap = _caps(args)
     fits = [r.fits(gpu_cap, cpu_cap, nvme_cap) for r in rows]
     if args.json:

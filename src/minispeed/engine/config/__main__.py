@@ -6,9 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-from minispeed.core.files import atomic_write
+from minispeed.core.files import atomic_write, make_parent
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,7 +15,9 @@ def main(argv: list[str] | None = None) -> int:
     ds_config, or the config reference page rendered from it."""
     parser = argparse.ArgumentParser(prog="python -m minispeed.engine.config")
     parser.add_argument("what", choices=("schema", "reference"))
-    parser.add_argument("--out", help="write to this file (atomically) instead of stdout")
+    parser.add_argument(
+        "--out", help="write to this file (atomically; its folder is created) instead of stdout"
+    )
     args = parser.parse_args(argv)
     from minispeed.engine.config.schema import config_schema, reference_markdown
 
@@ -28,7 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None:
         sys.stdout.write(text)
         return 0
-    atomic_write(Path(args.out), text)
+    try:
+        atomic_write(make_parent(args.out), text)
+    except OSError as e:
+        print(f"{parser.prog} {args.what}: --out: {e.strerror or e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -60,7 +60,9 @@ class FusedAdam(torch.optim.Adam):
 
 
 class DeepSpeedCPUAdam(CPUAdam):
-    """DeepSpeed's `DeepSpeedCPUAdam`: `minispeed.offload.CPUAdam` with DeepSpeed's signature."""
+    """DeepSpeed's `DeepSpeedCPUAdam`: `minispeed.offload.CPUAdam` with DeepSpeed's signature
+    and default, AdamW (`adamw_mode=True`: decoupled weight decay) unless `adamw_mode=False`
+    (where `CPUAdam`, named after `torch.optim.Adam`, defaults to Adam's L2 decay)."""
 
     def __init__(
         self,
@@ -84,6 +86,6 @@ class DeepSpeedCPUAdam(CPUAdam):
             betas=betas,
             eps=eps,
             weight_decay=weight_decay,
-            adamw_mode=adamw_mode,
+            decoupled_weight_decay=adamw_mode,
             bias_correction=bias_correction,
         )

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from minispeed.comm import api_compat, costs, validation
 from minispeed.comm.call import Call, CommWork, Issued, native_or_fallback
+from minispeed.comm.handoff import lend
 from minispeed.comm.validation import CommInputError
 
 __all__ = ["all_to_all_single"]
@@ -69,7 +70,7 @@ def all_to_all_single(
             call.op,
             group,
             lambda: dist.all_to_all_single(
-                output, input, out_splits, in_splits, group=group, async_op=async_op
+                lend(output), lend(input), out_splits, in_splits, group=group, async_op=async_op
             ),
             lambda: api_compat.all_to_all_p2p(
                 output, input, out_splits, in_splits, group, async_op

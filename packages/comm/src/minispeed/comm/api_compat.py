@@ -58,6 +58,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from minispeed.comm.handoff import lend
+
 __all__ = [
     "Issued",
     "WorkList",
@@ -165,7 +167,7 @@ def reduce_scatter_by_all_reduce(
     extra input-sized buffer while in flight.
     """
     full = input.detach().clone()  # the caller's input must stay unreduced
-    work = dist.all_reduce(full, op=op, group=group, async_op=async_op)
+    work = dist.all_reduce(lend(full), op=op, group=group, async_op=async_op)
     me = dist.get_rank(group)
     m = output.numel()
 
@@ -181,7 +183,12 @@ def all_gather_list(
     """Fallback `all_gather_list`: the list form of all-gather writing into n views of `output`
     (same bytes on the wire; the backend may copy once more)."""
     chunks = list(output.view(-1).chunk(dist.get_world_size(group)))
-    return dist.all_gather(chunks, input.reshape(-1), group=group, async_op=async_op), None
+    return (
+        dist.all_gather(
+            [lend(c) for c in chunks], lend(input.reshape(-1)), group=group, async_op=async_op
+        ),
+        None,
+    )
 
 
 def all_to_all_p2p(
@@ -203,8 +210,8 @@ def all_to_all_p2p(
         if peer == me:
             continue
         peer_global = dist.get_global_rank(group, peer) if group is not None else peer
-        ops.append(dist.P2POp(dist.isend, ins[peer].contiguous(), peer_global, group))
-        ops.append(dist.P2POp(dist.irecv, outs[peer], peer_global, group))
+        ops.append(dist.P2POp(dist.isend, lend(ins[peer].contiguous()), peer_global, group))
+        ops.append(dist.P2POp(dist.irecv, lend(outs[peer]), peer_global, group))
     outs[me].copy_(ins[me])
     works = dist.batch_isend_irecv(ops) if ops else []
     if not async_op:

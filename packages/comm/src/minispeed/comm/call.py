@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from minispeed.comm import api_compat, costs, handshake, logger, validation
 from minispeed.comm.api_compat import Issued
+from minispeed.comm.handoff import Loan, lend
 from minispeed.comm.validation import CommInputError
 from minispeed.core import ranges
 from minispeed.core.accelerator import get_accelerator
@@ -161,10 +162,13 @@ class Call:
                 self.caller = logger.caller_name(skip=1)
             get_accelerator().synchronize()
             t0 = time.perf_counter()
+        # `issue` hands the backend `lend(t)`: Note [the backend lets go before we do]
+        loan = Loan()
         try:
-            with ranges.range(_RANGE_NAMES.get(self.op) or _range_name(self.op)):
+            with loan, ranges.range(_RANGE_NAMES.get(self.op) or _range_name(self.op)):
                 issued = issue()
         except RuntimeError as err:
+            loan.settle(block=False)  # a failed op: the backend may hold them until torn down
             if isinstance(err, validation.CommError):
                 raise
             raise self.error(err) from err
@@ -172,9 +176,11 @@ class Call:
         if compat_op is not None and self.impl == "native":  # unless the op chose it already
             self.impl = api_compat.impl_of(compat_op, self.group)
         if async_op:
-            return CommWork(work, self, finish, log, t0)
+            return CommWork(work, self, finish, log, t0, loan)
+        del issued, work
         if finish is not None:
             finish()
+        loan.settle()
         if log is not None:
             get_accelerator().synchronize()
             self.record(log, time.perf_counter() - t0)
@@ -212,15 +218,23 @@ class CommWork:
     """Handle of an async collective: `wait()` finishes it, copies results out, logs its latency.
 
     Wraps the backend's Work. Coalesced and fallback ops finish their output copies in `wait()`,
-    so read outputs only after it returns. Waiting twice is harmless.
+    so read outputs only after it returns; once it has, the backend holds none of the op's
+    tensors (Note [the backend lets go before we do] in handoff.py). Waiting twice is harmless.
     """
 
-    __slots__ = ("_call", "_done", "_finish", "_log", "_t0", "_work")
+    __slots__ = ("_call", "_done", "_finish", "_loan", "_log", "_t0", "_work")
 
     def __init__(
-        self, work: Any, call: Call, finish: Callable[[], None] | None, log: Any, t0: float
+        self,
+        work: Any,
+        call: Call,
+        finish: Callable[[], None] | None,
+        log: Any,
+        t0: float,
+        loan: Loan,
     ) -> None:
         self._work, self._call, self._finish, self._log, self._t0 = work, call, finish, log, t0
+        self._loan: Loan | None = loan
         self._done = False
 
     def wait(self) -> bool:
@@ -231,13 +245,20 @@ class CommWork:
             if self._work is not None:
                 self._work.wait()
         except RuntimeError as err:
+            if self._loan is not None:  # a failed op: the backend may hold them until torn down
+                self._loan.settle(block=False)
+                self._loan = None
             raise self._call.error(err) from err
         if self._finish is not None:
             self._finish()
         self._done = True
         # Drop the backend's Work and the finishing step: both reference the op's buffers (a
-        # coalesced all-gather's n·Σ temporary), which a handle kept after wait() must not pin.
+        # coalesced all-gather's n·Σ temporary), which a handle kept after wait() must not pin;
+        # then the loan, once the backend's worker has let go of them too.
         self._work = self._finish = None
+        if self._loan is not None:
+            self._loan.settle()
+            self._loan = None
         if self._log is not None:
             get_accelerator().synchronize()
             self._call.record(self._log, time.perf_counter() - self._t0, async_op=True)
@@ -292,7 +313,7 @@ def all_gather_flat(
     return native_or_fallback(
         "all_gather",
         group,
-        lambda: ALL_GATHER_FLAT_NATIVE(output, input, group=group, async_op=async_op),
+        lambda: ALL_GATHER_FLAT_NATIVE(lend(output), lend(input), group=group, async_op=async_op),
         lambda: api_compat.all_gather_list(output, input, group, async_op),
     )
 
@@ -308,7 +329,7 @@ def reduce_scatter_flat(
     input itself is all-reduced: the same bytes, no buffer, no copy.
     """
     if impl == "all_reduce_in_place":
-        return dist.all_reduce(input, op=op, group=group, async_op=async_op), None
+        return dist.all_reduce(lend(input), op=op, group=group, async_op=async_op), None
 
     def fallback() -> Issued:
         return api_compat.reduce_scatter_by_all_reduce(output, input, op, group, async_op)
@@ -318,6 +339,8 @@ def reduce_scatter_flat(
     return native_or_fallback(
         "reduce_scatter",
         group,
-        lambda: REDUCE_SCATTER_FLAT_NATIVE(output, input, op=op, group=group, async_op=async_op),
+        lambda: REDUCE_SCATTER_FLAT_NATIVE(
+            lend(output), lend(input), op=op, group=group, async_op=async_op
+        ),
         fallback,
     )

@@ -44,6 +44,7 @@ from minispeed.comm.call import (
     all_gather_flat,
     reduce_scatter_flat,
 )
+from minispeed.comm.handoff import lend
 from minispeed.comm.validation import CommInputError
 
 __all__ = [
@@ -73,7 +74,7 @@ def all_reduce(
         validation.check_tensors(call.op, group, tensor)
     call.agree(lambda: {"shape": tuple(tensor.shape), "dtype": str(tensor.dtype), "op": str(op)})
     return call.launch(
-        lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op),
+        lambda: dist.all_reduce(lend(tensor), op=op, group=group, async_op=async_op),
         async_op,
         tensor,
         tensor.numel(),
@@ -209,7 +210,7 @@ def broadcast(
     call.agree(lambda: {"shape": tuple(tensor.shape), "dtype": str(tensor.dtype), "src": src})
     msg_bytes = tensor.numel() * tensor.element_size()
     return call.launch(
-        lambda: dist.broadcast(tensor, src, group=group, async_op=async_op),
+        lambda: dist.broadcast(lend(tensor), src, group=group, async_op=async_op),
         async_op,
         tensor,
         tensor.numel(),

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from minispeed.comm import validation
+from minispeed.comm import handoff, validation
 from minispeed.comm.validation import CommInputError
 from minispeed.core.accelerator import get_accelerator
 from minispeed.core.logging import get_logger
@@ -90,14 +90,17 @@ def init_distributed(
 
 
 # Note [destroy before finalization]
-# A process that exits with the default group alive leaves gloo's worker threads and their
-# finished work objects (which hold tensors) to be torn down during interpreter finalization.
-# Now and then that ends in `terminate called without an active exception` (SIGABRT) after a
-# run that trained correctly (torch's own issue #190489 shows it with a plain all_gather). So
-# the first `init_distributed` registers an exit hook that destroys the group while the
-# interpreter is still whole. Only on a clean exit: after an uncaught exception
-# (`sys.last_value` is set) a rank may hold work its dead peer will never complete, and
-# tearing the group down would wait for it; the process then exits as it would have.
+# A process that exits with the default group alive leaves gloo's worker threads to be torn
+# down during interpreter finalization, so the first `init_distributed` registers an exit hook
+# that settles every collective's loan (`handoff.settle_all`) and destroys the group while the
+# interpreter is still whole. What made the exit abort (`terminate called without an active
+# exception`) was a worker thread releasing a tensor's Python object after finalization began;
+# since every collective returns only when the backend has let go of its tensors (Note [the
+# backend lets go before we do] in handoff.py), none is left to release, also for a group that
+# outlives its destruction because an object still holds it. Only on a clean exit: after an
+# uncaught exception (`sys.last_value` is set) a rank may hold work its dead peer will never
+# complete, and tearing the group down would wait for it; the process then exits as it would
+# have.
 
 
 _exit_teardown_registered = False
@@ -114,6 +117,7 @@ def _destroy_at_exit() -> None:
     if getattr(sys, "last_value", None) is not None or not is_initialized():
         return
     try:
+        handoff.settle_all()
         dist.destroy_process_group()
     except Exception as err:  # exiting anyway: say so, never mask the exit status
         _log.warning("destroying the process group at exit failed: %s", err)
@@ -125,7 +129,9 @@ def is_initialized() -> bool:
 
 
 def destroy_process_group(group: Any = None) -> None:
-    """Tear down `group` (everything when `None`)."""
+    """Tear down `group` (everything when `None`), once the backend has let go of every
+    collective's tensors (`handoff.settle_all`)."""
+    handoff.settle_all()
     dist.destroy_process_group(group)
 
 

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from minispeed.comm import validation
+from minispeed.comm.handoff import Loan, lend
 from minispeed.comm.validation import VALIDATE_ENV, CommInputError
 
 __all__ = [
@@ -166,10 +167,14 @@ def compare(
         )
         n = dist.get_world_size(group)
         table = torch.empty(2 * n, dtype=torch.int64, device=mine.device)
+        loan = Loan()  # Note [the backend lets go before we do] in handoff.py
         try:  # the list form: every backend has it (a 16-byte exchange needs no fast path)
-            dist.all_gather(list(table.view(n, 2)), mine, group=group)
+            with loan:
+                dist.all_gather([lend(row) for row in table.view(n, 2)], lend(mine), group=group)
         except RuntimeError as err:  # a peer that never comes: name the call it was waiting for
+            loan.settle(block=False)
             raise _named(err, op, group, signature) from err
+        loan.settle()
         rows = table.view(n, 2).cpu()
         if bool((rows[:, 0] == 0).all()) and bool((rows[:, 1] == rows[0, 1]).all()):
             return

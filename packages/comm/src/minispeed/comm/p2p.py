@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from minispeed.comm import api_compat, validation
 from minispeed.comm.call import Call, CommWork
+from minispeed.comm.handoff import lend
 from minispeed.comm.validation import CommInputError
 
 __all__ = ["P2POp", "batch_isend_irecv", "irecv", "isend", "recv", "send"]
@@ -31,7 +32,7 @@ def _p2p(op: str, tensor: torch.Tensor, peer: int, group: Any, async_op: bool) -
         ("recv", True): dist.irecv,
     }[(op, async_op)]
     return call.launch(
-        lambda: fn(tensor, peer, group=group), async_op, tensor, tensor.numel(), (tensor,)
+        lambda: fn(lend(tensor), peer, group=group), async_op, tensor, tensor.numel(), (tensor,)
     )
 
 
@@ -96,13 +97,17 @@ def batch_isend_irecv(ops: Sequence[P2POp]) -> list[CommWork]:
         validation.check_group(name, p.group)
         validation.check_tensors(name, p.group, p.tensor)
         validation.check_peer(name, p.peer, "peer", p.group)
-        torch_ops.append(dist.P2POp(fn, p.tensor, p.peer, p.group, p.tag))
+        torch_ops.append((fn, p))
         nbytes = p.tensor.numel() * p.tensor.element_size()
         sent, recvd = (sent + nbytes, recvd) if name == "send" else (sent, recvd + nbytes)
     first = ops[0].tensor
     call = Call("batch_p2p", ops[0].group, cross_check=False, ledger_group_size=2)
     work = call.launch(
-        lambda: api_compat.WorkList(dist.batch_isend_irecv(torch_ops)),
+        lambda: api_compat.WorkList(
+            dist.batch_isend_irecv(
+                [dist.P2POp(fn, lend(p.tensor), p.peer, p.group, p.tag) for fn, p in torch_ops]
+            )
+        ),
         True,
         first,
         (sent + recvd) // first.element_size(),

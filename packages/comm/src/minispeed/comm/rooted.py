@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from minispeed.comm import costs, validation
 from minispeed.comm.call import Call, CommWork
+from minispeed.comm.handoff import lend
 from minispeed.comm.validation import CommInputError
 
 __all__ = ["gather", "reduce", "scatter"]
@@ -49,7 +50,7 @@ def reduce(
     )
     msg_bytes = tensor.numel() * tensor.element_size()
     return call.launch(
-        lambda: dist.reduce(tensor, dst, op=op, group=group, async_op=async_op),
+        lambda: dist.reduce(lend(tensor), dst, op=op, group=group, async_op=async_op),
         async_op,
         tensor,
         tensor.numel(),
@@ -106,8 +107,13 @@ def _to_or_from_list(
     call.agree(lambda: {"shape": tuple(tensor.shape), "dtype": str(tensor.dtype), root_name: root})
     msg_bytes = call.n * tensor.numel() * tensor.element_size()
     listed = list(tensors) if is_root else None
+
+    def issue() -> Any:
+        lent = None if listed is None else [lend(t) for t in listed]
+        return backend(lend(tensor), lent, root, group=group, async_op=async_op)
+
     return call.launch(
-        lambda: backend(tensor, listed, root, group=group, async_op=async_op),
+        issue,
         async_op,
         tensor,
         call.n * tensor.numel(),

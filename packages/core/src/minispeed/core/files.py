@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-__all__ = ["atomic_replace", "atomic_write", "atomic_write_json", "fsync_dir"]
+__all__ = ["atomic_replace", "atomic_write", "atomic_write_json", "fsync_dir", "make_parent"]
 
 
 def fsync_dir(folder: str | os.PathLike) -> None:
@@ -41,6 +41,22 @@ def fsync_dir(folder: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def make_parent(path: str | os.PathLike) -> Path:
+    """Create the folder `path` goes in, with its missing parents (as `mkdir -p`): what a command
+    does with its output path (`--out`, `OUT.pt`). Returns `path`; a folder that cannot be made
+    (a parent is a file, no permission) is an `OSError` naming it and why."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        blocker = next((p for p in (path.parent, *path.parent.parents) if p.exists()), None)
+        why = f"{blocker} is a file" if blocker and not blocker.is_dir() else e.strerror or e
+        raise OSError(
+            e.errno, f"cannot create the folder {path.parent} for {path}: {why}"
+        ) from None
+    return path
 
 
 def _fresh_temporary(path: Path) -> Path:

@@ -72,8 +72,8 @@ def offload_optimizer(
     ``device='cpu'``: `CPUAdam` (states in host memory, 8 B per parameter);
     ``device='nvme'``: `SwappedOptimizer` (states in files under ``nvme_path``, host memory
     only for ``buffer_count`` partition buffers). ``adam_kwargs`` are `CPUAdam`'s (``lr``,
-    ``betas``, ``eps``, ``weight_decay``, ``adamw_mode`` (default True: AdamW, as DeepSpeed's
-    ``DeepSpeedCPUAdam``), ``bias_correction``). Both support
+    ``betas``, ``eps``, ``weight_decay``, ``decoupled_weight_decay`` (default False: Adam, as
+    ``torch.optim.Adam``; True for AdamW), ``bias_correction``). Both support
     ``step(write_back=[...])`` to emit bf16/fp16 copies of the updated weights in the same pass.
     """
     if config.device == "cpu":

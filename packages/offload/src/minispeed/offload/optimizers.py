@@ -1,8 +1,10 @@
 """``torch.optim.Optimizer`` classes over the CPU kernels: CPUAdam, CPUAdamW, CPUAdagrad, CPULion.
 
-Drop-in replacements for ``torch.optim.AdamW`` / ``Adam`` / ``Adagrad`` on fp32 CPU parameters
-(`CPUAdam` defaults to AdamW, as DeepSpeed's ``DeepSpeedCPUAdam`` does: ``adamw_mode=False``
-for Adam):
+Drop-in replacements for ``torch.optim.Adam`` / ``AdamW`` / ``Adagrad`` on fp32 CPU parameters,
+each behaving like the torch class it is named after, defaults included: `CPUAdam` is
+``torch.optim.Adam`` (L2 weight decay unless ``decoupled_weight_decay=True``), `CPUAdamW` is
+``torch.optim.AdamW``. DeepSpeed's ``DeepSpeedCPUAdam`` (AdamW unless ``adamw_mode=False``)
+keeps DeepSpeed's default under DeepSpeed's name, in ``minispeed.engine.ops.adam``. They take
 the same constructor arguments, the same ``param_groups`` keys and the same ``state`` entries
 (``step`` as a 0-dim fp32 tensor, ``exp_avg``, ``exp_avg_sq``, ``sum``), so a ``state_dict`` saved
 by one loads into the other and training continues identically (see Note [bit-equal to
@@ -139,19 +141,19 @@ class _CPUOptimizer(torch.optim.Optimizer):
 
 
 class CPUAdam(_CPUOptimizer):
-    """Adam or AdamW on the CPU, with DeepSpeed's `DeepSpeedCPUAdam` defaults.
+    """`torch.optim.Adam` on the CPU: the same arguments, defaults and ``state_dict``.
 
-    **Default: AdamW** (``adamw_mode=True``: decoupled weight decay, ``p *= 1 - lr * wd``), as
-    `DeepSpeedCPUAdam` does; ``adamw_mode=False`` is Adam with L2 regularisation (``g += wd *
-    p``), like ``torch.optim.Adam``. torch's name for the same switch, ``decoupled_weight_decay``,
-    is accepted too (giving both, differently, is an error). ``bias_correction`` (default True,
-    as in torch and DeepSpeed) divides the moments by ``1 - beta**step``; False steps with the
-    raw moments. Both are stored per param group (``decoupled_weight_decay``,
-    ``bias_correction``), so a ``torch.optim.Adam`` checkpoint loads as Adam and an ``AdamW``
-    one as AdamW. Otherwise the same arguments and ``state_dict`` as ``torch.optim.Adam``;
-    ``amsgrad``, ``maximize``, ``capturable``, ``differentiable`` and ``fused`` must stay off.
-    ``simd`` picks a SIMD path (0 scalar, 1 AVX2, 2 AVX-512; default the build's widest).
-    8 B of state per parameter.
+    **Default: Adam with L2 regularisation** (``g += wd * p``), as ``torch.optim.Adam``, so a
+    script that swaps ``torch.optim.Adam`` for `CPUAdam` trains the same model;
+    ``decoupled_weight_decay=True`` (torch's switch) is AdamW (``p *= 1 - lr * wd``), which
+    `CPUAdamW` makes the default. (DeepSpeed's ``DeepSpeedCPUAdam`` defaults to AdamW; its
+    adapter in ``minispeed.engine.ops.adam`` keeps that default under that name.)
+    ``bias_correction`` (default True, as in torch and DeepSpeed) divides the moments by
+    ``1 - beta**step``; False steps with the raw moments. Both are stored per param group
+    (``decoupled_weight_decay``, ``bias_correction``), so a ``torch.optim.Adam`` checkpoint
+    loads as Adam and an ``AdamW`` one as AdamW. ``amsgrad``, ``maximize``, ``capturable``,
+    ``differentiable`` and ``fused`` must stay off. ``simd`` picks a SIMD path (0 scalar,
+    1 AVX2, 2 AVX-512; default the build's widest). 8 B of state per parameter.
     """
 
     state_tensors_per_param = 2  # exp_avg, exp_avg_sq
@@ -167,14 +169,13 @@ class CPUAdam(_CPUOptimizer):
         weight_decay: float = 0.0,
         amsgrad: bool = False,
         *,
-        adamw_mode: bool | None = None,
         bias_correction: bool = True,
         foreach: bool | None = None,
         maximize: bool = False,
         capturable: bool = False,
         differentiable: bool = False,
         fused: bool | None = None,
-        decoupled_weight_decay: bool | None = None,
+        decoupled_weight_decay: bool = False,
         simd: int | None = None,
     ) -> None:
         _refuse(
@@ -190,15 +191,6 @@ class CPUAdam(_CPUOptimizer):
                 f"{type(self).__name__}: need lr, eps, weight_decay >= 0 and 0 <= betas < 1, got "
                 f"lr={lr}, eps={eps}, weight_decay={weight_decay}, betas={betas}"
             )
-        if (
-            None not in (adamw_mode, decoupled_weight_decay)
-            and adamw_mode != decoupled_weight_decay
-        ):
-            raise ValueError(
-                f"{type(self).__name__}(adamw_mode={adamw_mode}, decoupled_weight_decay="
-                f"{decoupled_weight_decay}): the two names mean the same switch; give one"
-            )
-        decoupled = next((v for v in (adamw_mode, decoupled_weight_decay) if v is not None), True)
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
@@ -210,7 +202,7 @@ class CPUAdam(_CPUOptimizer):
             capturable=False,
             differentiable=False,
             fused=None,
-            decoupled_weight_decay=bool(decoupled),
+            decoupled_weight_decay=bool(decoupled_weight_decay),
             bias_correction=bool(bias_correction),
         )
         super().__init__(params, defaults, simd)

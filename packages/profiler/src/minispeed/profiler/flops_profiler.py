@@ -22,6 +22,13 @@ several times sums its calls, and each module's rows are its own work: its exclu
 plus the work outside every module add up to the total). Nothing is patched: the mode and the
 module hooks exist only inside the `with` block.
 
+Which element-wise work backward counts, and to whom: every operator autograd runs, the
+gradient formulas' to the module whose forward created the node; the adds that sum the k
+gradients of a tensor read k times (k - 1 adds of its size), and a parameter's add into an
+existing `.grad`, to the innermost module call enclosing every read (Note [who adds up a
+gradient] in `tracker.py`). A module called n times is charged n times one call; the adds that
+combine its calls (its weight's n gradients, an input handed to every call) are its caller's.
+
 Phases: an operator run by autograd's engine is **backward**; one run by a forward that
 re-executes inside a backward (activation checkpointing) is **recompute**, counted in backward
 too and also on its own. Everything else is **forward**.

@@ -23,13 +23,26 @@ creates none and owns nothing; a block called three times made three sets of nod
 of work have no creating node:
 
 - a parameter's (or leaf input's) `AccumulateGrad`, and the engine's adding up of the
-  gradients of one tensor that several nodes read: both belong to the innermost module common
-  to all the tensor's readers (the `q, k, v` projections' parent adds their three input
-  gradients; a block called three times adds its weight's three gradients). The adds of the
-  engine are recognized by their operand, the gradient the node just produced (a post-hook
-  on each tagged node hands it over).
+  gradients of one tensor that several nodes read: both belong to the innermost module *call*
+  common to all the tensor's readers (Note [who adds up a gradient]). The adds of the engine
+  are recognized by their operand, the gradient the node just produced (a post-hook on each
+  tagged node hands it over).
 - nodes no boundary walk reached (work done outside every module, such as a loss computed by
   the caller; or a tensor a module keeps as an attribute instead of returning it): outside.
+
+Note [who adds up a gradient]: a tensor read k times gets k gradients, which autograd's engine
+sums with k - 1 adds of the tensor's size (elementwise, counted like any add); its
+`AccumulateGrad` then adds the sum into `.grad` when one exists (gradient accumulation, another
+add of its size). Those adds go to the innermost module *call* enclosing every read, each call
+being its own (a stack holds one `_Call` per call, compared by identity). So a module's count
+is the sum of its calls' counts: a `Linear` called three times is charged exactly three times
+what one call costs, and the adds that combine its calls go to the caller that made them: its
+weight's three gradients (2 × out·in: 2,048 FLOPs for a `Linear(32, 32)`), and the two
+gradients of an input handed to it twice (`lin(lin(x)) + lin(x)`: one add of x's size). Reads
+within one call stay that call's: a block's residual input read twice (`x + attn(ln(x))`), a
+weight used twice in one forward; the `q, k, v` projections' input, read by three calls,
+is summed by their parent. `test_flops_module_attribution.py` checks a module called 1, 2 and
+3 times.
 
 Every node hook also stamps the time, so each module gets a forward latency (summed over its
 calls) and a backward latency (the run time of the nodes it owns, summed).
@@ -56,7 +69,8 @@ from torch import nn
 __all__ = ["ModuleTracker", "in_backward"]
 
 Stack = tuple[str, ...]
-"""Module names, outermost first: the forward stack at some moment."""
+"""Module names, outermost first: the forward stack at some moment (each entry the `_Call` of
+one module call: Note [who adds up a gradient])."""
 OUTSIDE: Stack = ()
 _KEY = "minispeed.profiler"
 """The key of our `_Tag` in an autograd node's `metadata` dict."""
@@ -93,9 +107,17 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+class _Call(str):
+    """One call of a module: its name (a `str`, equal to any other call's of that module) made
+    once per call, so that stacks can be compared call by call (`_common`, by identity)."""
+
+    __slots__ = ()
+
+
 def _common(a: Stack, b: Stack) -> Stack:
+    """The innermost module call enclosing both stacks (Note [who adds up a gradient])."""
     n = 0
-    while n < len(a) and n < len(b) and a[n] == b[n]:
+    while n < len(a) and n < len(b) and a[n] is b[n]:
         n += 1
     return a[:n]
 
@@ -257,7 +279,7 @@ class ModuleTracker:
             self.calls[name] += 1
         if torch.is_grad_enabled():  # what the caller made so far is the caller's
             self._tag((args, kwargs), self.owners())
-        self.stack.append(name)
+        self.stack.append(_Call(name))
         self._fwd_start[name].append(self._now())
 
     def _post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:

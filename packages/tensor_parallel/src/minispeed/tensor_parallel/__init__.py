@@ -25,6 +25,7 @@ loss = tp.vocab_parallel_cross_entropy(logits, targets, group)
 """
 
 from minispeed.tensor_parallel.agreed import (
+    agreed,
     apply_plan,
     parallelize_everywhere,
     ready_plan,
@@ -83,6 +84,7 @@ __all__ = [
     "TensorParallelConfig",
     "Vocab",
     "VocabParallelEmbedding",
+    "agreed",
     "apply_plan",
     "check_divides",
     "column_collectives",

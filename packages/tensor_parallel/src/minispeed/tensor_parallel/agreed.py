@@ -25,8 +25,13 @@ model_parameters=None)`. With a tensor axis of T > 1 ranks:
    module cut differently on two stages.
 
 The optimizer given to `initialize` was built over the unsplit parameters: `rebind` points its
-param groups at the slices, by parameter name (it must have no state yet).
-`parallelize_everywhere` runs steps 1-4 and the rebinding.
+param groups at the slices, by parameter name (it must have no state yet); `model_parameters`
+alike, read before the cut (DeepSpeed's usual `model.parameters()` is a generator, which read
+after the cut would yield the slices, and an `id` of a parameter freed by the cut may be
+reused). `parallelize_everywhere` runs steps 1-4 and the rebinding. What the caller sets up on
+each rank alone after the cut (the optimizer, the model-parallel check of its parameters) is
+agreed the same way (`agreed`): an error on one rank is raised on every rank before the next
+collective.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ import minispeed.comm as comm
 from minispeed.tensor_parallel import plans as ready
 from minispeed.tensor_parallel.plan import Plan, parallelize
 
-__all__ = ["PlanLike", "apply_plan", "parallelize_everywhere", "ready_plan", "rebind"]
+__all__ = ["PlanLike", "agreed", "apply_plan", "parallelize_everywhere", "ready_plan", "rebind"]
 
 PlanLike = Plan | Callable[[nn.Module], Plan] | None
 
@@ -118,8 +123,16 @@ def apply_plan(module: nn.Module, plan: PlanLike, grid: comm.ProcessGrid, *, per
             }  # fmt: skip
     except Exception as exc:  # agreed below, then raised on every rank
         error = exc
+    outcomes = _agree(error, "the tensor-parallel plan", matched, patterns, tied)
+    if per_stage:
+        _check_across_stages(outcomes)
+
+
+def _agree(error: Exception | None, what: str, *extra: Any) -> list[Any]:
+    """Every rank's `(error message, *extra)` (one `all_gather_object` over the world); `error`
+    raised here, or, where another rank failed, an error naming that rank and its message."""
     outcomes = comm.all_gather_object(
-        (None if error is None else f"{type(error).__name__}: {error}", matched, patterns, tied)
+        (None if error is None else f"{type(error).__name__}: {error}", *extra)
     )
     if error is not None:
         raise error
@@ -127,11 +140,22 @@ def apply_plan(module: nn.Module, plan: PlanLike, grid: comm.ProcessGrid, *, per
     if failed:
         rank, msg = failed[0]
         raise ValueError(
-            f"the tensor-parallel plan failed on global rank {rank} (of ranks "
-            f"{[r for r, _ in failed]}): {msg}"
+            f"{what} failed on global rank {rank} (of ranks {[r for r, _ in failed]}): {msg}"
         )
-    if per_stage:
-        _check_across_stages(outcomes)
+    return outcomes
+
+
+def agreed(step: Callable[[], Any], what: str = "the set-up under tensor parallelism") -> Any:
+    """`step()`, a local part of a set-up (no collective), on every rank; an error on any rank
+    is raised on every rank (one `all_gather_object` over the world), so no rank goes on into
+    a collective its peers never reach."""
+    error, result = None, None
+    try:
+        result = step()
+    except Exception as exc:  # agreed, then raised on every rank
+        error = exc
+    _agree(error, what)
+    return result
 
 
 def _check_across_stages(outcomes: list[Any]) -> None:
@@ -204,7 +228,10 @@ def parallelize_everywhere(
     slices (`rebind`): the step before the optimizer is built, for any model or pipeline
     stage. Returns `(optimizer, model_parameters)`."""
     before = names_by_id(model)
+    if model_parameters is not None:  # read now: a generator read after the cut gives slices
+        model_parameters = [
+            {**x, "params": list(x["params"])} if isinstance(x, dict) else x
+            for x in model_parameters
+        ]
     apply_plan(model, plan, grid, per_stage=per_stage)
-    if model_parameters is not None:
-        model_parameters = rebind(list(model_parameters), before, model)
-    return rebind(optimizer, before, model), model_parameters
+    return rebind(optimizer, before, model), rebind(model_parameters, before, model)

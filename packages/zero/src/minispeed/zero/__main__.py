@@ -15,8 +15,14 @@ from rich.console import Console
 
 
 def _consolidate(args: argparse.Namespace, console: Console) -> int:
+    from minispeed.core.files import make_parent
     from minispeed.zero.checkpoints import CheckpointError, consolidate
 
+    try:
+        make_parent(args.out_file)
+    except OSError as e:
+        console.print(f"[red]error:[/] {e.strerror or e}")
+        return 2
     try:
         report = consolidate(args.checkpoint_dir, args.out_file, tag=args.tag)
     except CheckpointError as e:
@@ -56,7 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         "consolidate", help="sharded checkpoint -> one fp32 state_dict file (streaming)"
     )
     c.add_argument("checkpoint_dir", help="directory given to save_checkpoint (or a tag directory)")
-    c.add_argument("out_file", help="output .pt file (torch.load gives the model's state_dict)")
+    c.add_argument(
+        "out_file",
+        help="output .pt file (torch.load gives the model's state_dict); its folder is created",
+    )
     c.add_argument("--tag", default=None, help="tag to consolidate (default: the one in 'latest')")
 
     e = sub.add_parser("estimate", help="per-GPU model-state bytes of each ZeRO stage")

@@ -290,7 +290,7 @@ def host_optimizer(
     are the host optimizer's]).
 
     Adam/AdamW: `CPUAdam` (`cpu`) or `SwappedOptimizer` (`nvme`), in AdamW mode exactly when
-    the user's group says decoupled weight decay (torch AdamW, or `CPUAdam`'s ``adamw_mode``),
+    the user's group says decoupled weight decay (torch AdamW, or ``decoupled_weight_decay=True``),
     so offload steps what the un-offloaded run would. Adagrad: `CPUAdagrad`; Lion: `CPULion`
     (`cpu` only: the swap files hold Adam's two states). ``swap_masters`` (stage 3,
     ZeRO-Infinity): `SwappedMastersOptimizer`, whose masters are meta handles and whose values,

@@ -47,6 +47,7 @@ from minispeed.zero.checkpoints.layout import (
     CheckpointError,
     CheckpointMetadata,
     iter_pieces,
+    load_shard,
     read_metadata,
     resolve_tag_dir,
 )
@@ -147,7 +148,9 @@ def _pwrite(fd: int, tensor: torch.Tensor, offset: int) -> None:
 def _load_whole(tag_dir: Path) -> dict[str, torch.Tensor]:
     """Rank 0's whole buffers and frozen parameters from ``common.pt`` (mapped, not read)."""
     # weights_only=False: common.pt also carries the caller's client_state (trusted files only).
-    common = torch.load(tag_dir / COMMON_FILE, map_location="cpu", mmap=True, weights_only=False)
+    common = load_shard(
+        tag_dir / COMMON_FILE, tag_dir.name, map_location="cpu", mmap=True, weights_only=False
+    )
     return {**common["buffers"], **common["frozen_params"]}
 
 
@@ -166,7 +169,7 @@ def _write_whole(fd: int, tag_dir: Path, place, entries) -> int:
 
 def _write_shard(fd: int, path: Path, place, written: dict[str, int]) -> int:
     """pwrite every piece of one weights shard to its place; returns the bytes it held."""
-    saved = torch.load(path, mmap=True, weights_only=True)
+    saved = load_shard(path, path.parent.name, mmap=True, weights_only=True)
     for name, start, values in iter_pieces(saved):
         _pwrite(fd, values, place(name) + 4 * start)  # fp32: 4 bytes per element
         written[name] += values.numel()

@@ -44,7 +44,9 @@ Note [damaged files]
 A file can still be damaged after the tag was sealed (a copy cut short, a disk that lost
 blocks). ``metadata.json`` records the size in bytes of every file of the tag, so a reader checks
 them with one ``stat`` each before opening anything (`check_sizes`), and a file that
-``torch.load`` cannot read anyway is reported by `load_shard`. Either error names the file,
+``torch.load`` cannot read anyway (one overwritten with bytes of the same size) is reported by
+`load_shard`, through which every reader opens the tag's files (loading, consolidating,
+the engine's ``zero_to_fp32``). Either error names the file,
 the tag, the damage, and the newest other tag of the directory that passes the same checks
 (`complete_tags`), so the user knows what they can resume from.
 """
@@ -54,6 +56,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
 import re
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -391,10 +394,13 @@ def check_sizes(tag_dir: Path, meta: CheckpointMetadata, *, need_optimizer_state
 
 
 def load_shard(path: Path, tag: str, **kwargs: Any) -> Any:
-    """``torch.load(path, **kwargs)``, or an error naming the file, the tag and the damage."""
+    """``torch.load(path, **kwargs)``, or an error naming the file, the tag and the damage: the
+    one place a checkpoint file is opened (loading, consolidating, DeepSpeed's
+    ``zero_to_fp32``). A file of the right size that is not what was saved (overwritten, bytes
+    flipped) fails here: torch refuses it as a zip archive, a pickle or an mmap-able file."""
     try:
         return torch.load(path, **kwargs)
-    except (RuntimeError, OSError, EOFError, ValueError) as e:
+    except (RuntimeError, OSError, EOFError, ValueError, pickle.UnpicklingError) as e:
         raise CheckpointError(
             f"checkpoint file {path} of tag {tag!r} is damaged: torch.load cannot read it "
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "

@@ -31,6 +31,7 @@ live model's parameters.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
 
@@ -132,6 +133,14 @@ def _zero3(
     return int(cpu), int(gpu)
 
 
+def _whole(what: str, value: int | float) -> int:
+    """`value` as an int, or a ValueError naming `what` when it is not a finite whole number >= 0
+    (`inf`, `nan`, `-5`, `1.5` from a command line)."""
+    if not math.isfinite(value) or value != int(value) or value < 0:
+        raise ValueError(f"{what} must be a finite whole number >= 0, got {value}")
+    return int(value)
+
+
 def estimate_modes(
     model_or_num_params: nn.Module | int | float,
     gpus_per_node: int = 1,
@@ -154,17 +163,19 @@ def estimate_modes(
         psi, largest = count_params(model_or_num_params)
         largest = largest if largest_layer_params is None else int(largest_layer_params)
     else:
-        if float(model_or_num_params) != int(model_or_num_params) or model_or_num_params < 0:
-            raise ValueError(
-                f"a parameter count must be a whole number >= 0, got {model_or_num_params}"
-            )
-        psi, largest = int(model_or_num_params), int(largest_layer_params or 0)
+        psi = _whole("a parameter count", model_or_num_params)
+        largest = _whole("largest_layer_params", largest_layer_params or 0)
     if gpus_per_node < 1 or num_nodes < 1:
         raise ValueError(
             f"need gpus_per_node >= 1 and num_nodes >= 1, got {gpus_per_node} and {num_nodes}"
         )
     if not 0 <= largest <= psi:
         raise ValueError(f"need 0 <= largest_layer_params ({largest}) <= the parameters ({psi})")
+    if not (math.isfinite(additional_buffer_factor) and additional_buffer_factor >= 1):
+        raise ValueError(
+            "additional_buffer_factor scales the CPU bytes up (DeepSpeed's default 1.5): it must "
+            f"be a finite number >= 1, got {additional_buffer_factor}"
+        )
     n, nodes, f = gpus_per_node, num_nodes, additional_buffer_factor
     total_gpus = n * nodes
     load = int(psi * 4 * n * f)  # every process loads the fp32 model on its host

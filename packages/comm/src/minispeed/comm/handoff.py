@@ -1,0 +1,151 @@
+"""Tensors lent to the backend, and their return: a collective returns (or its `wait()` does)
+only once the backend has let go of every tensor it was handed.
+
+```python
+with Loan() as loan:                       # Call.launch opens one around each backend call
+    work = dist.all_reduce(lend(t), async_op=True)
+work.wait(); del work
+loan.settle()                              # the backend holds nothing of ours from here on
+```
+
+Note [the backend lets go before we do]
+torch.distributed's gloo backend runs each collective on a worker thread, in a work object that
+holds the op's tensors. The thread marks the op complete, which wakes `wait()` (or the
+synchronous call) on the caller's thread, and only then drops the work. In a 2-rank loop of
+2,000 small all-reduces here, about half of the calls, synchronous or not, returned before the
+worker had dropped it (`scripts/stress_exit.py` holds the harness of the failure below). When
+the caller has meanwhile dropped its own reference to a tensor, the worker's drop is the last
+one, and since torch keeps a tensor's Python object alive while C++ still holds the tensor,
+that drop releases a Python object: it takes the GIL. While the interpreter runs that is a GIL
+hand-off. Once the interpreter finalizes (a script's last collective, then exit, on a loaded
+machine where the worker is scheduled late), a thread taking the GIL is made to exit
+(`pthread_exit`), and the unwinding, stopped by torch's `noexcept` tensor destructor, ends in
+`terminate called without an active exception`: SIGABRT after a run that trained correctly
+(issue 32; a SIGABRT handler's backtrace showed `ProcessGroupGloo::runLoop` ->
+`TensorImpl::~TensorImpl` -> `decref_pyobject` -> `PyEval_AcquireThread` -> `pthread_exit`).
+Destroying the process group does not stop its worker threads while any object still holds the
+group (an engine, an optimizer, a script's global): they live until the group is freed, at
+interpreter finalization at the latest.
+
+So each tensor handed to the backend is a private alias (`lend(t)`: `t.detach()`, the same
+storage, a tensor object nobody else holds) kept by the call's `Loan`, and a loan is settled
+once its op is complete: `settle()` waits, the GIL released, until each alias's C++ use count is
+1 (ours alone: the backend has let go), then drops the aliases on this thread. A collective
+that returned, or a `wait()` that did, leaves the backend holding nothing of the caller's, so
+a buffer is freed when its owner frees it (not when a worker thread gets round to it), and no
+worker has a Python object left to release during finalization. Where `wait()` does not mean
+the backend is done (a GPU backend, where it only orders streams), the loan waits, unblocking,
+among the `unsettled` ones: each later settle drops those returned by then, and
+`comm.destroy_process_group` and the exit hook settle them all (`settle_all`).
+
+Cost: one `detach` per tensor handed over (a tensor object, about a microsecond) and one
+use-count read per alias; a wait (sleeps of 10 µs to 1 ms) only while the worker thread has
+not yet let go.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from minispeed.core.logging import get_logger
+
+__all__ = ["Loan", "lend", "settle_all"]
+
+_log = get_logger("comm")
+_local = threading.local()  # .open: the Loan of the backend call running on this thread
+_unsettled: list[Loan] = []  # loans the backend may still hold (GPU ops, waits given up on)
+SETTLE_TIMEOUT_S = 60.0
+"""How long `settle` waits for a worker thread to let go before leaving the loan unsettled
+(with a warning): a worker scheduled late takes milliseconds; a minute means something else
+holds the backend's work."""
+
+
+class Loan:
+    """The tensors one backend call was handed (as aliases), until the backend let go of them.
+
+    Entered around the call (`lend` adds to the innermost open loan of this thread); settled
+    after the op completed. Holds aliases only: their storage is the caller's.
+    """
+
+    __slots__ = ("_outer", "aliases")
+
+    def __init__(self) -> None:
+        self.aliases: list[torch.Tensor] = []
+        self._outer: Loan | None = None
+
+    def __enter__(self) -> Loan:
+        self._outer = getattr(_local, "open", None)
+        _local.open = self
+        return self
+
+    def __exit__(self, *exc: object) -> bool:
+        _local.open, self._outer = self._outer, None
+        return False
+
+    def returned(self) -> bool:
+        """Whether the backend has let go of every alias (each one's use count is ours alone)."""
+        return all(a._use_count() == 1 for a in self.aliases)
+
+    def settle(self, block: bool | None = None) -> None:
+        """Drop the aliases once the backend let go of them (Note [the backend lets go before
+        we do]). `block=None`: wait when every alias is a CPU tensor (the op is complete when
+        its `wait()` returns, so the worker's drop is imminent), else leave the loan unsettled
+        for a later settle. Call it only after the op completed."""
+        _sweep()
+        if not self.aliases or self.returned():
+            self.aliases.clear()
+            return
+        if block is None:
+            block = all(a.device.type == "cpu" for a in self.aliases)
+        if block and _wait_returned(self, SETTLE_TIMEOUT_S):
+            self.aliases.clear()
+            return
+        if block:
+            _log.warning(
+                "the backend still holds a collective's tensors %.0f s after the op completed; "
+                "keeping them until destroy_process_group", SETTLE_TIMEOUT_S,
+            )  # fmt: skip
+        _unsettled.append(self)
+
+
+def lend(t: torch.Tensor) -> torch.Tensor:
+    """`t` as the backend should be handed it: a private alias (same storage) that the open
+    `Loan` keeps until the backend let go of it."""
+    loan = getattr(_local, "open", None)
+    if loan is None:
+        raise RuntimeError("comm.handoff.lend called outside a Loan: open one around the call")
+    alias = t.detach()
+    loan.aliases.append(alias)
+    return alias
+
+
+def settle_all(timeout_s: float = SETTLE_TIMEOUT_S) -> None:
+    """Wait (up to `timeout_s` in all) until the backend let go of every unsettled loan, and drop
+    them: before a process group is destroyed and at exit."""
+    deadline = time.monotonic() + timeout_s
+    while _unsettled:
+        loan = _unsettled[-1]
+        if not _wait_returned(loan, deadline - time.monotonic()):
+            _log.warning("the backend still holds %d collectives' tensors", len(_unsettled))
+            return
+        _unsettled.pop()
+
+
+def _sweep() -> None:
+    """Drop the unsettled loans the backend has let go of by now (no waiting)."""
+    if _unsettled:
+        _unsettled[:] = [loan for loan in _unsettled if not loan.returned()]
+
+
+def _wait_returned(loan: Loan, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    pause = 1e-5
+    while not loan.returned():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(pause)  # releases the GIL: the worker may need it for its own drops
+        pause = min(2 * pause, 1e-3)
+    return True
