@@ -48,6 +48,15 @@ Why not `torch.profiler(profile_memory=True)`: its allocation events are recorde
 and frees that happen on gloo's threads are missed, so live bytes drift upward by whole
 buffers at random (we saw +6 to +18 MiB on some ranks), unequally between contenders.
 
+**The limit of each stage** (issue 34): the floor (forward, backward, AdamW over this rank's
+1/N of each parameter, no communication) plus `ZeRO-k limit - floor`: the stage's own
+collectives, logged from a real step and checked against `zero.ledger` (stages 0-2, call for
+call) or `stage3_step_bytes` (stage 3, bytes per kind), replayed straight to torch.distributed
+back to back, plus for stage 0 AdamW over the rest of each parameter (it steps all of it on every
+rank). On 2 cores the collectives' reductions run on the cores compute needs, so floor + them,
+summed round by round, is the least a stage can take; the report's step / limit table and the
+phase table (forward, backward, optimizer step; wall and CPU) say how far each stage is and where.
+
 Run:
 
 ``bash
@@ -94,6 +103,7 @@ from zerobench.contenders import (  # noqa: E402
     deepspeed_available,
 )
 from zerobench.heap import peak_memory  # noqa: E402
+from zerobench.limit import LIMITS  # noqa: E402
 from zerobench.report import report  # noqa: E402
 from zerobench.rounds import profile_steps, time_contenders  # noqa: E402
 
@@ -118,7 +128,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -
         "memory": {},
     }
     for name in names:
-        result["memory"][name] = peak_memory(args, name, dataset, rank, world)
+        if name not in LIMITS:  # no model of their own: their buffers are a few messages
+            result["memory"][name] = peak_memory(args, name, dataset, rank, world)
     result["profiles"] = {n: profile_steps(args, n, dataset, rank, world) for n in args.profile}
     queue.put((rank, result))
     dist.barrier()

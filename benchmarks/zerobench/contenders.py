@@ -19,6 +19,8 @@ sys.path.insert(0, str(ROOT / "examples"))  # examples/gpt.py and data.py
 
 from gpt import GPT, GPTConfig  # noqa: E402
 
+from zerobench.limit import LIMITS, limit_trainer  # noqa: E402
+
 # (ours, its torch counterpart); the order is also the order of the table.
 PAIRS = [
     ("ZeRO-0", "torch DDP"),
@@ -38,6 +40,7 @@ CONTENDERS = [
     "torch FSDP2",
     "ZeRO-3",
     "floor (no communication)",
+    *LIMITS,
 ]
 #: What any data-parallel ZeRO step must at least compute: see `build`. It does not train (its
 #: parameters never change), so it is left out of the loss comparison.
@@ -51,8 +54,15 @@ DEEPSPEED_CONTENDERS = [f"DeepSpeed ZeRO-{k}" for k in range(4)]
 MICS_CONTENDERS = ["torch FSDP2", "ZeRO-3", "torch FSDP2 HSDP", "MiCS"]
 PAIRS_MICS = [("MiCS", "torch FSDP2 HSDP"), ("MiCS", "ZeRO-3")]
 
-# --size presets: (n_layer, n_head, n_embd, block_size, micro_batch)
-SIZES = {"small": (4, 4, 256, 64, 8), "large": (8, 8, 592, 256, 4)}
+# --size presets: (n_layer, n_head, n_embd, block_size, micro_batch). `tiny` is
+# engine_vs_deepspeed.py's small model (30K parameters there, 27.6K over this corpus's 53 symbols).
+SIZES = {"tiny": (2, 4, 32, 16, 4), "small": (4, 4, 256, 64, 8), "large": (8, 8, 592, 256, 4)}
+
+
+def trains(name: str) -> bool:
+    """Whether `name` trains the model (its losses are compared): not the floor, whose
+    parameters never change, nor what a stage's limit adds to it (`zerobench/limit.py`)."""
+    return name != FLOOR and name not in LIMITS
 
 
 def deepspeed_available() -> bool:
@@ -137,6 +147,20 @@ def zero_section(args: argparse.Namespace, stage: int, block_numel: int) -> dict
     return section
 
 
+def _zero(
+    stage: int, args: argparse.Namespace, model: GPT, block_numel: int, mics: bool = False
+) -> tuple[Any, Any]:
+    """(minispeed's ZeRO-`stage` optimizer over `model`, its ZeroConfig); `mics`: stage 3 sharded
+    inside groups of `args.mics_shard_size`."""
+    import minispeed.zero as zero
+
+    section = zero_section(args, stage, block_numel)
+    if mics:
+        section["mics_shard_size"] = args.mics_shard_size
+    cfg = zero.ZeroConfig.from_section(section)
+    return zero.shard(model, _adamw(model.parameters()), config=cfg), cfg
+
+
 def build(name: str, args: argparse.Namespace, vocab: int) -> Trainer:
     """A fresh contender `name` over a model built from `args.seed`."""
     model = _model(args, vocab)
@@ -201,16 +225,17 @@ def build(name: str, args: argparse.Namespace, vocab: int) -> Trainer:
             name, lambda x, y: model(x, y)[1], torch.Tensor.backward, floor_step, (model, shards)
         )
     block_numel = sum(p.numel() for p in model.blocks[0].parameters())
+    if name in LIMITS:
+        stage = LIMITS.index(name)
+
+        def build_zero() -> tuple[GPT, Any, Any]:
+            fresh = _model(args, vocab)
+            return fresh, *_zero(stage, args, fresh, block_numel)
+
+        return limit_trainer(stage, args, build_zero, vocab)
     if name.startswith("ZeRO-") or name == "MiCS":
-        import minispeed.zero as zero
-
         stage = 3 if name == "MiCS" else int(name.removeprefix("ZeRO-"))
-        section = zero_section(args, stage, block_numel)
-        if name == "MiCS":
-            section["mics_shard_size"] = args.mics_shard_size
-        cfg = zero.ZeroConfig.from_section(section)
-        zopt = zero.shard(model, _adamw(model.parameters()), config=cfg)
-
+        zopt, _ = _zero(stage, args, model, block_numel, mics=name == "MiCS")
         # zopt.step() also clears the gradients, as zero_grad(set_to_none=True) does for torch.
         return Trainer(name, lambda x, y: model(x, y)[1], zopt.backward, zopt.step, (model, zopt))
     if name.startswith("DeepSpeed ZeRO-"):

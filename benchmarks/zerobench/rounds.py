@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import statistics
 import time
@@ -35,30 +36,40 @@ def time_contenders(args, names, dataset, rank, world) -> dict[str, dict[str, An
     cpu_times: dict[str, list[float]] = {n: [] for n in names}
     faults: dict[str, list[float]] = {n: [] for n in names}
     losses: dict[str, list[float]] = {n: [] for n in names}
+    # Per step, (wall, CPU) seconds of each phase: forward, backward, optimizer step.
+    phases: dict[str, list[list[float]]] = {n: [] for n in names}
     cursor = dict.fromkeys(names, 0)
 
     def run(name: str, k: int, record: bool) -> None:
+        trainer = trainers[name]
         for _ in range(k):
             x, y = batches[cursor[name]]
             cursor[name] += 1
             dist.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
             f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            loss = trainers[name].step(x, y)
-            dt, dc = time.perf_counter() - t0, time.process_time() - c0
+            t0, c0 = time.perf_counter(), time.process_time()
+            loss = trainer.forward(x, y)
+            t1, c1 = time.perf_counter(), time.process_time()
+            trainer.backward(loss)
+            t2, c2 = time.perf_counter(), time.process_time()
+            trainer.optimizer_step()
+            t3, c3 = time.perf_counter(), time.process_time()
             df = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
-            losses[name].append(loss)
+            losses[name].append(loss.item())
             if record:
-                times[name].append(dt)
-                cpu_times[name].append(dc)
+                times[name].append(t3 - t0)
+                cpu_times[name].append(c3 - c0)
                 faults[name].append(df)
+                phases[name].append([t1 - t0, t2 - t1, t3 - t2, c1 - c0, c2 - c1, c3 - c2])
 
     for name in names:
         run(name, args.warmup, record=False)
+    loads = []  # the 1-minute load average at the start of each round
     for _ in range(args.rounds):
+        loads.append(os.getloadavg()[0])
         for name in names:
             run(name, args.steps_per_round, record=True)
-    out = {}
+    out: dict[str, Any] = {"load_per_round": loads}
     for name in names:
         t = torch.tensor(times[name], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step ends when its slower rank ends
@@ -66,17 +77,23 @@ def time_contenders(args, names, dataset, rank, world) -> dict[str, dict[str, An
         dist.all_reduce(c, op=dist.ReduceOp.MAX)
         f = torch.tensor(faults[name], dtype=torch.float64)
         dist.all_reduce(f, op=dist.ReduceOp.MAX)
+        ph = torch.tensor(phases[name], dtype=torch.float64)
+        dist.all_reduce(ph, op=dist.ReduceOp.MAX)  # each phase: its slower rank
         lo = torch.tensor(losses[name], dtype=torch.float64)
         dist.all_reduce(lo)
         k = args.steps_per_round
         per_round = [statistics.median(t[r * k : (r + 1) * k].tolist()) for r in range(args.rounds)]
+        cpu_round = [statistics.median(c[r * k : (r + 1) * k].tolist()) for r in range(args.rounds)]
         out[name] = {
             "median_step_s": statistics.median(t.tolist()),
             "round_median_step_s": per_round,
             "median_cpu_s": statistics.median(c.tolist()),
+            "round_median_cpu_s": cpu_round,
             # Minor page faults: memory the kernel handed over (zeroed) during the step; each
             # fresh allocation above glibc's mmap threshold costs one per 4 KiB page.
             "median_page_faults": statistics.median(f.tolist()),
+            # forward, backward, optimizer step: wall then CPU seconds, median over timed steps
+            "median_phase_s": [statistics.median(col) for col in ph.T.tolist()],
             "mean_losses": (lo / world).tolist(),
         }
     return out

@@ -249,6 +249,47 @@ def test_gloo_reduce_scatter_runs_as_the_all_reduce_it_is():
     assert results == [[("all_reduce+slice", wire), ("all_reduce_in_place", wire)]] * n
 
 
+def _gloo_all_gather_body(rank: int, world_size: int) -> list:
+    m = 3
+    # the world, and a group whose ranks are not its members' global ranks (broadcast's src is)
+    groups = [None, comm.new_group([1, 3])]
+    with comm.CommsLogger() as log:
+        for group in groups:
+            if not comm.is_member(group):
+                continue
+            members = [0, 1, 2, 3] if group is None else [1, 3]
+            n, me = len(members), members.index(rank)
+            expected = torch.cat([_data(r, m) for r in members])
+            for async_op in (False, True):
+                full = torch.zeros(n * m)
+                _finish(
+                    comm.all_gather_into_tensor(full, _data(rank, m), group, async_op), async_op
+                )
+                assert_close(full, expected)  # out of place
+                full = torch.zeros(n * m)
+                full[me * m : (me + 1) * m] = _data(rank, m)
+                chunk = full[me * m : (me + 1) * m]
+                _finish(comm.all_gather_into_tensor(full, chunk, group, async_op), async_op)
+                assert_close(full, expected)  # in place
+            outs = [torch.zeros(n * 2), torch.zeros(n * m)]
+            comm.all_gather_coalesced(outs, [_data(rank, 2), _data(rank, m)], group)
+            assert_close(outs[1], expected)
+    return [(r.op, r.impl, r.group_size, r.msg_bytes, r.wire_bytes) for r in log.records]
+
+
+def test_gloo_all_gather_runs_as_broadcasts():
+    """gloo's flat all-gather costs several times the CPU of broadcasting the same bytes (Note
+    [gloo's all-gather is broadcasts]): comm runs it as one broadcast per rank, on the world and
+    on a sub-group, in place and not, sync and async, coalesced too, and logs the ring's bytes."""
+    results = run_distributed(_gloo_all_gather_body, world_size=4, timeout_s=120)
+    for rank, records in enumerate(results):
+        flat = [("all_gather", "broadcasts", 4, 4 * 3 * 4, 3 * 3 * 4)] * 4
+        coalesced = [("all_gather_coalesced", "broadcasts", 4, 4 * 5 * 4, 3 * 5 * 4)]
+        pair = [("all_gather", "broadcasts", 2, 2 * 3 * 4, 3 * 4)] * 4
+        pair += [("all_gather_coalesced", "broadcasts", 2, 2 * 5 * 4, 5 * 4)]
+        assert records == flat + coalesced + (pair if rank in (1, 3) else []), rank
+
+
 def _no_deprecation_body(rank: int, world_size: int) -> list[str]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

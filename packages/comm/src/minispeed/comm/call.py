@@ -57,22 +57,8 @@ class Call:
     call, kept by its `CommWork`, holds shapes only, never a buffer.
     """
 
-    __slots__ = (
-        "caller",
-        "checked",
-        "compat_op",
-        "dtype",
-        "group",
-        "impl",
-        "msg_bytes",
-        "n",
-        "numel",
-        "op",
-        "rejects",
-        "shapes",
-        "step",
-        "wire",
-    )
+    __slots__ = ("caller", "checked", "compat_op", "dtype", "group", "impl", "msg_bytes", "n")
+    __slots__ += ("numel", "op", "rejects", "shapes", "step", "wire")
 
     def __init__(
         self,
@@ -307,9 +293,24 @@ def native_or_fallback(
 
 
 def all_gather_flat(
-    output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool
+    output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool, impl: str
 ) -> Issued:
-    """Gather every rank's `input` into `output` (rank-major, n·m elements)."""
+    """Gather every rank's `input` into `output` (rank-major, n·m elements).
+
+    `impl`: what `api_compat.all_gather_impl` chose (the caller logs it). `broadcasts` (Note
+    [gloo's all-gather is broadcasts] in api_compat.py): chunk j of `output` from rank j.
+    """
+    if impl == "broadcasts":
+        ranks = validation.group_ranks(group)
+        chunks = output.view(len(ranks), -1)
+        if chunks[dist.get_rank(group)].data_ptr() != input.data_ptr():
+            chunks[dist.get_rank(group)].copy_(input)
+        works = [
+            dist.broadcast(lend(c), src, group=group, async_op=True)
+            for c, src in zip(chunks, ranks)
+        ]
+        work = api_compat.WorkList(works)
+        return work if async_op or not work.wait() else None, None  # wait() is True
     return native_or_fallback(
         "all_gather",
         group,

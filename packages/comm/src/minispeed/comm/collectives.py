@@ -122,7 +122,8 @@ def all_gather_into_tensor(
 ) -> CommWork | None:
     """Gather every rank's `input` (m elements) into `output` (n · m, rank-major).
 
-    S = output bytes; sends (n-1)/n · S per rank (ring).
+    S = output bytes; sends (n-1)/n · S per rank (ring). On gloo it runs as n broadcasts (the
+    same bytes; Note [gloo's all-gather is broadcasts] in api_compat): the record's `impl`.
     """
     call = Call("all_gather", group)
     with call:
@@ -131,8 +132,9 @@ def all_gather_into_tensor(
         fix = "allocate output with group size * input.numel() elements"
         validation.check_numel(call.op, "output", output.numel(), call.n * input.numel(), fix)
     call.agree(lambda: {"shape": tuple(input.shape), "dtype": str(input.dtype)})
+    impl = call.impl = api_compat.all_gather_impl(group)
     return call.launch(
-        lambda: all_gather_flat(_flat(output), _flat(input), group, async_op),
+        lambda: all_gather_flat(_flat(output), _flat(input), group, async_op, impl),
         async_op,
         output,
         output.numel(),
@@ -187,8 +189,10 @@ def all_gather_coalesced(
             o.view(n, size).copy_(by_rank[:, offset : offset + size])
             offset += size
 
+    impl = call.impl = api_compat.all_gather_impl(group)
+
     def issue() -> Issued:
-        work, inner_finish = all_gather_flat(flat_out, flat_in, group, async_op)
+        work, inner_finish = all_gather_flat(flat_out, flat_in, group, async_op, impl)
         if inner_finish is not None:
             raise AssertionError("the flat all-gather fallback needs no finishing step")
         return work, finish

@@ -1,6 +1,6 @@
 """Module hooks and the fetch coordinator: which fetch units to gather and release, and when.
 
-For every module that owns parameters (its `FetchUnit`: the parameters it owns, plus
+For every module that owns a non-persistent parameter (its `FetchUnit`: the parameters it owns, plus
 *externals* it was seen reading; one unit per leaf module's whole subtree, see
 ``set_leaf_module``; built by assemble.py's `build_units`) and for the root, four hooks, in the order they fire:
 
