@@ -7,14 +7,17 @@ PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip
 PACKAGES := core comm zero offload pipeline moe tensor_parallel inference profiler
 STAMP   := $(VENV)/.minispeed-installed
-PYPROJECTS := pyproject.toml $(foreach p,$(PACKAGES),packages/$(p)/pyproject.toml)
+PYPROJECTS := pyproject.toml $(foreach p,$(PACKAGES),packages/$(p)/pyproject.toml) packages/deepspeed_compat/pyproject.toml
 
 .PHONY: demo test lint docs docs-serve bench install-check gpu-check clean
 
+# packages/deepspeed_compat is minispeed under DeepSpeed's name (docs/engine/deepspeed-compat.md),
+# for the Trainer and accelerate tests; it never goes where DeepSpeed fixtures are recorded.
 $(STAMP): $(PYPROJECTS)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
 	$(PIP) install $(foreach p,$(PACKAGES),-e packages/$(p)[dev]) -e ".[dev]"
+	$(PIP) install --no-deps -e packages/deepspeed_compat
 	$(PY) -c "import torch; print('minispeed venv ready with torch', torch.__version__)"
 	touch $@
 

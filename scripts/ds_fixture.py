@@ -6,7 +6,8 @@ recorded it, and removes the parts and the run's scratch folder. The recording s
 `record` (`write_fixture` over DeepSpeed's process group) from their `__main__` block only: the tests execute the same scripts under
 another module name (`tests/engine/ds_scripts.py`), so this never runs there, and the scripts'
 bodies stay plain DeepSpeed code. `FIXTURE_OUT` in the environment writes elsewhere (to compare
-a new recording with the kept one).
+a new recording with the kept one). Importing this module refuses a `deepspeed` that is
+minispeed under DeepSpeed's name (`require_deepspeed`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,37 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+
+def require_deepspeed() -> str:
+    """DeepSpeed's version, once checked to be DeepSpeed's own.
+
+    A `deepspeed` whose version carries `+minispeed` is minispeed under DeepSpeed's name
+    (packages/deepspeed_compat): a fixture recorded with it would compare minispeed with itself
+    and pass whatever minispeed does. Every recorder calls this first (importing this module
+    does), so recording in a venv that holds it fails before anything runs."""
+    import deepspeed
+
+    version = deepspeed.__version__
+    if "+minispeed" in version:
+        raise RuntimeError(
+            f"this `deepspeed` is minispeed ({version}, packages/deepspeed_compat), not DeepSpeed: "
+            "record fixtures with DeepSpeed's own venv (env -u PYTHONPATH DS_ACCELERATOR=cpu "
+            "/work/dsvenv/bin/python ...), never with the one holding deepspeed_compat"
+        )
+    return version
+
+
+def write_json(result: Any, fixture: Path, indent: int | None = 1) -> None:
+    """`result` as JSON at `fixture` (or `$FIXTURE_OUT`): a temporary file, fsync, rename, so a
+    fixture is never half-written. For a recorder of one process (no process group)."""
+    out = Path(os.environ.get("FIXTURE_OUT", fixture))
+    tmp = out.with_suffix(".json.tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(result, indent=indent))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
 
 
 def write_fixture(
@@ -46,12 +78,7 @@ def write_fixture(
         "env -u PYTHONPATH DS_ACCELERATOR=cpu /work/dsvenv/bin/python -m torch.distributed.run "
         f"--nproc_per_node {world} scripts/{Path(sys.argv[0]).name}"
     )
-    tmp = out.with_suffix(".json.tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps({**versions, "command": command, "ranks": ranks}, indent=1))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out)
+    write_json({**versions, "command": command, "ranks": ranks}, out)
     for r in range(world):
         part(r).unlink()
     if scratch is not None:
@@ -61,7 +88,6 @@ def write_fixture(
 def record(result: Any, fixture: Path, *, scratch: Path | None = None) -> None:
     """`write_fixture` over DeepSpeed's process group (initialized by the script), recording
     DeepSpeed's and torch's versions; collective."""
-    import deepspeed
     import torch
     import torch.distributed as dist
 
@@ -71,6 +97,9 @@ def record(result: Any, fixture: Path, *, scratch: Path | None = None) -> None:
         rank=dist.get_rank(),
         world=dist.get_world_size(),
         barrier=dist.barrier,
-        versions={"deepspeed": deepspeed.__version__, "torch": torch.__version__},
+        versions={"deepspeed": require_deepspeed(), "torch": torch.__version__},
         scratch=scratch,
     )
+
+
+require_deepspeed()  # importing this module in a recorder checks first (see the function)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -116,4 +117,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from ds_fixture import require_deepspeed
+
+    require_deepspeed()  # refuses minispeed under DeepSpeed's name
     main()

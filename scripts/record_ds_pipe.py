@@ -160,6 +160,11 @@ def record_partitions():
     out.write_text(json.dumps({"deepspeed": deepspeed.__version__, "cases": cases}, indent=1))
 
 
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from ds_fixture import require_deepspeed
+
+    require_deepspeed()  # refuses minispeed under DeepSpeed's name
 if __name__ == "__main__" and "--partitions" in sys.argv:
     record_partitions()
 elif __name__ == "__main__":

@@ -22,6 +22,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -529,4 +530,8 @@ def main() -> None:
 if __name__ == "__main__":
     if os.environ.get("PYTHONPATH"):
         raise SystemExit("run with `env -u PYTHONPATH`: minispeed must not be importable here")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from ds_fixture import require_deepspeed
+
+    require_deepspeed()  # refuses minispeed under DeepSpeed's name
     main()

@@ -8,6 +8,10 @@ its `main()`.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import types
 from pathlib import Path
 from typing import Any
@@ -85,3 +89,28 @@ def assert_matches(ours: Any, ref: Any, rel: float = 1e-5, path: str = "") -> No
         assert abs(ours - ref) <= rel * max(1.0, abs(ref)), (path, ours, ref)
     else:
         assert ours == ref and type(ours) is type(ref), (path, ours, ref)
+
+
+RUNNER = Path(__file__).resolve().parent / "scripts" / "run_recorder.py"
+
+
+def run_recorder(
+    scripts: list[str], out: Path, *, launcher: list[str] | None = None, timeout: float = 900
+) -> list[dict[str, Any]]:
+    """Run each `scripts/<script>`'s `main` unchanged, one after the other, on 2 processes
+    (torchrun, or `launcher`: the command that starts the runner, e.g. `accelerate launch
+    --config_file ...`) with this venv's `deepspeed` (minispeed's deepspeed_compat); per rank,
+    in rank order, `{script: its result}`."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    start = launcher or [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                         "--nproc_per_node=2"]  # fmt: skip
+    proc = subprocess.run(
+        [*start, str(RUNNER), *scripts, str(out)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]

@@ -210,7 +210,7 @@ def test_exit_waits_for_the_save_in_flight(tmp_path) -> None:
         ({"async_sav": True}, "async_save"),  # did-you-mean
         ({"async_save": "yes"}, "must be true or false"),
         ({"async_save": True, "use_node_local_storage": True}, "turn one of them off"),
-        ({"tag_validation": "Fail"}, "tags are not compared"),  # DeepSpeed's, default only
+        ({"tag_validation": "Strict"}, "must be one of WARN, FAIL, IGNORE"),  # DeepSpeed's modes
     ],
 )
 def test_checkpoint_section_errors_name_the_key(section, words) -> None:

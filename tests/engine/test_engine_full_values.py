@@ -7,7 +7,10 @@
   set.
 - What a set does next (Note [a set value reaches the model now] in zero/full_values.py): a
   halved head weight and a zeroed Adam moment, set between steps, give the losses plain PyTorch
-  gives with the same in-place edits on its own model and optimizer, at every stage.
+  gives with the same in-place edits on its own model and optimizer, at every stage; so do
+  gradients set between the last backward and the step (`safe_set_full_grad`,
+  `safe_set_local_grad` on every rank, `safe_update_full_grad_vectorized`) and a doubled second
+  moment written fragment by fragment (`safe_set_local_optimizer_state`).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ def test_full_values_script_matches_deepspeed():
         ds_scripts.assert_matches(ours, ref, rel=2e-5)  # values kept to 6 significant digits
 
 
-IN, DIM, CLASSES, MICRO, STEPS, EDIT_AFTER = 5, 8, 3, 4, 4, 1
+IN, DIM, CLASSES, MICRO, STEPS, EDIT_AFTER = 5, 8, 3, 4, 5, 1
 
 
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,8 +65,14 @@ def _edited_training(rank: int, world_size: int, stage: int) -> list[float]:
     from minispeed.engine.utils import (
         safe_get_full_fp32_param,
         safe_get_full_grad,
+        safe_get_local_grad,
+        safe_get_local_optimizer_state,
         safe_set_full_fp32_param,
+        safe_set_full_grad,
         safe_set_full_optimizer_state,
+        safe_set_local_grad,
+        safe_set_local_optimizer_state,
+        safe_update_full_grad_vectorized,
     )
 
     config = {
@@ -82,6 +91,12 @@ def _edited_training(rank: int, world_size: int, stage: int) -> list[float]:
         x, y = _batch(rank, step)
         loss = F.cross_entropy(engine(x), y)
         engine.backward(loss)
+        if step == EDIT_AFTER + 1:  # gradients, before the step's clipping sees them
+            safe_set_full_grad(head, safe_get_full_grad(head) * 0.5)
+            bias = engine.module[2].bias
+            safe_set_local_grad(bias, torch.zeros_like(safe_get_local_grad(bias)))
+        if step == EDIT_AFTER + 2:
+            safe_update_full_grad_vectorized([engine.module[0].weight], lambda g, p: g * 3)
         norms.append(float(safe_get_full_grad(head).norm()))
         engine.step()
         assert safe_get_full_grad(head) is None  # after step(): no reduced gradient exists
@@ -89,6 +104,8 @@ def _edited_training(rank: int, world_size: int, stage: int) -> list[float]:
         if step == EDIT_AFTER:
             safe_set_full_fp32_param(head, safe_get_full_fp32_param(head) * 0.5)
             safe_set_full_optimizer_state(head, torch.zeros(CLASSES, DIM), "exp_avg")
+            second = safe_get_local_optimizer_state(head, "exp_avg_sq")
+            safe_set_local_optimizer_state(head, second * 2, "exp_avg_sq")
     engine.destroy()
     return losses + norms
 
@@ -104,6 +121,11 @@ def _plain(world_size: int) -> list[float]:
             loss = F.cross_entropy(model(x), y)
             (loss / world_size).backward()
             losses[rank][step] = loss.item()
+        if step == EDIT_AFTER + 1:
+            model[2].weight.grad.mul_(0.5)
+            model[2].bias.grad.zero_()
+        if step == EDIT_AFTER + 2:
+            model[0].weight.grad.mul_(3)
         norms.append(float(model[2].weight.grad.norm()))
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -111,6 +133,7 @@ def _plain(world_size: int) -> list[float]:
             with torch.no_grad():
                 model[2].weight.mul_(0.5)
             opt.state[model[2].weight]["exp_avg"].zero_()
+            opt.state[model[2].weight]["exp_avg_sq"].mul_(2)
     return [ls + norms for ls in losses]
 
 
@@ -128,21 +151,27 @@ def test_bf16_gradients_and_masters_come_back_in_fp32():
     assert got[0] == got[1]
 
 
-def _bf16_body(rank: int, world_size: int) -> list:
+def _adamw(model: nn.Module, zero: dict, **config) -> object:
+    """The engine of `model`'s trainable parameters under AdamW (lr 0.01) and ZeRO `zero`."""
     import minispeed.engine as deepspeed
-    from minispeed.engine.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
 
-    model = _model()
     engine, _, _, _ = deepspeed.initialize(
         model=model,
-        model_parameters=model.parameters(),
+        model_parameters=[p for p in model.parameters() if p.requires_grad],
         config={
             "train_micro_batch_size_per_gpu": MICRO,
             "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
-            "zero_optimization": {"stage": 2},
-            "bf16": {"enabled": True},
+            "zero_optimization": zero,
+            **config,
         },
     )
+    return engine
+
+
+def _bf16_body(rank: int, world_size: int) -> list:
+    from minispeed.engine.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+
+    engine = _adamw(_model(), {"stage": 2}, bf16={"enabled": True})
     head = engine.module[2].weight
     value = torch.linspace(-1, 1, CLASSES * DIM).reshape(CLASSES, DIM) / 3
     safe_set_full_fp32_param(head, value)
@@ -154,24 +183,16 @@ def _bf16_body(rank: int, world_size: int) -> list:
 
 
 def _bad_input(rank: int, world_size: int) -> list[str]:
-    import minispeed.engine as deepspeed
     from minispeed.engine.utils import (
         safe_get_full_fp32_param,
         safe_get_full_optimizer_state,
         safe_set_full_fp32_param,
+        safe_set_full_grad,
     )
 
     model = _model()
     model[0].bias.requires_grad_(False)
-    engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        model_parameters=[p for p in model.parameters() if p.requires_grad],
-        config={
-            "train_micro_batch_size_per_gpu": MICRO,
-            "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
-            "zero_optimization": {"stage": 2},
-        },
-    )
+    engine = _adamw(model, {"stage": 2})
     head = engine.module[2].weight
     errors = []
     assert safe_get_full_fp32_param(model[0].bias) is None  # frozen: no master
@@ -183,6 +204,9 @@ def _bad_input(rank: int, world_size: int) -> list[str]:
         with pytest.raises(ValueError) as err:
             call()
         errors.append(str(err.value))
+    with pytest.raises(RuntimeError) as err:  # no reduced gradient before backward
+        safe_set_full_grad(head, torch.zeros(CLASSES, DIM))
+    errors.append(str(err.value))
     x, y = _batch(rank, 0)
     engine.backward(F.cross_entropy(engine(x), y))
     engine.step()
@@ -190,11 +214,25 @@ def _bad_input(rank: int, world_size: int) -> list[str]:
         safe_get_full_optimizer_state(head, "momentum_buffer")
     errors.append(str(err.value))
     engine.destroy()
+    import minispeed.zero.offload_bridge as bridge
+
+    bridge.ALWAYS_COPY = True  # the host copies a GPU's offload makes, on the CPU
+    try:
+        engine = _adamw(_model(), {"stage": 2, "offload_optimizer": {"device": "cpu"}})
+    finally:
+        bridge.ALWAYS_COPY = False  # the worker process serves later tests too
+    engine.backward(F.cross_entropy(engine(x), y))
+    with pytest.raises(NotImplementedError) as err:  # the step reads a host copy
+        safe_set_full_grad(engine.module[2].weight, torch.zeros(CLASSES, DIM))
+    errors.append(str(err.value))
+    engine.destroy()
     return errors
 
 
 def test_bad_input_names_the_problem():
-    frozen, shape, key = run_distributed(_bad_input, world_size=2, timeout_s=240)[0]
+    frozen, shape, early, key, offload = run_distributed(_bad_input, world_size=2, timeout_s=240)[0]
     assert "not stepped by an open ZeroOptimizer" in frozen
     assert "expected (3, 8)" in shape and "(8, 3)" in shape
+    assert "no reduced gradient now" in early and "before step()" in early
     assert "'momentum_buffer'" in key and "exp_avg" in key
+    assert "offload_optimizer" in offload and "would be lost" in offload

@@ -229,6 +229,8 @@ def test_example_configs_fit_the_schema() -> None:
     for path in sorted((ROOT / "examples" / "configs").glob("*.json")):
         ds = json.loads(path.read_text())
         assert _unknown(SCHEMA, ds) == [], path
+        if path.stem.endswith("_template"):  # "auto" values the Trainer fills in first
+            continue  # (tests/engine/test_compat_paths.py fills and loads it)
         EngineConfig.from_ds_config(ds, data_parallel_size=2)
 
 

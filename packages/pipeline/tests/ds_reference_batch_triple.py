@@ -8,7 +8,9 @@ its grid).
 """
 
 import json
+import sys
 import tempfile
+from pathlib import Path
 
 import deepspeed.runtime.config as dsc
 import torch.distributed as tdist
@@ -61,4 +63,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
+    from ds_fixture import require_deepspeed
+
+    require_deepspeed()  # refuses minispeed under DeepSpeed's name
     main()

@@ -5,7 +5,7 @@ One distributed run (2 ranks) checks:
 - the ShardedParam state machine: padding layout, gather/release, transitions that refuse a wrong
   source state;
 - using a released parameter where we can see it (the ``full_value`` helper, ``module.forward(x)``
-  called directly, ``state_dict()``) raises an error that names GatheredParameters; an
+  called directly, saving a ``state_dict()``) raises an error that names GatheredParameters; an
   initializer running inside zero.Init after the module was partitioned keeps its writes, with
   and without GatheredParameters;
 - GatheredParameters(modifier_rank=1) keeps rank 1's change on every rank, in the shards *and* the
@@ -15,6 +15,8 @@ One distributed run (2 ranks) checks:
 """
 
 from __future__ import annotations
+
+import io
 
 import torch
 from stage3_testlib import LateInit, MoENet
@@ -69,7 +71,7 @@ def _access_errors(model: nn.Module) -> dict:
     return dict(
         read_helper=_error_of(lambda: full_value(lin.weight)),
         direct_forward=_error_of(lambda: lin.forward(torch.randn(2, 24))),
-        state_dict=_error_of(model.state_dict),
+        state_dict=_error_of(lambda: torch.save(model.state_dict(), io.BytesIO())),
     )
 
 

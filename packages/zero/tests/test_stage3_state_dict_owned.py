@@ -7,12 +7,16 @@ run (2 ranks) checks:
 
 - the tensors of a ``state_dict()`` taken inside ``GatheredParameters`` still hold the gathered
   values after the block (the crash scenario, verbatim);
-- ``state_dict()`` / ``load_state_dict()`` outside the block raise ``ParameterNotGatheredError``,
+- ``state_dict()`` outside the block has every key, with the released parameters as placeholders
+  (full shapes) that refuse to be saved (``torch.save`` raises ``ParameterNotGatheredError``);
+  ``load_state_dict()`` outside the block raises ``ParameterNotGatheredError``,
   and the code the message names (``zero.full_state_dict``, the block with ``modifier_rank``)
   works: the same values as the block, on every rank or on rank 0 only.
 """
 
 from __future__ import annotations
+
+import io
 
 import torch
 from zero_testlib import make_batches, make_model, rank_slice
@@ -44,7 +48,9 @@ def _body(rank: int, world_size: int) -> dict:
     # The parameters are released now; the state dict's tensors must still be readable.
     after_exit = all(torch.equal(sd[k], gathered[k]) for k in gathered)
 
-    outside = _error_of(model.state_dict)
+    placeholders = model.state_dict()
+    shapes = {k: tuple(v.shape) for k, v in placeholders.items()}
+    outside = _error_of(lambda: torch.save(placeholders, io.BytesIO()))
     load_outside = _error_of(lambda: model.load_state_dict(gathered))
     full = zero.full_state_dict(model)
     rank0 = zero.full_state_dict(model, rank0_only=True)
@@ -58,6 +64,8 @@ def _body(rank: int, world_size: int) -> dict:
         load_outside=load_outside,
         full_keys=list(full),
         keys=list(gathered),
+        placeholder_keys=list(placeholders),
+        shapes_equal=shapes == {k: tuple(v.shape) for k, v in gathered.items()},
         full_equal=all(torch.equal(full[k], gathered[k]) for k in gathered),
         still_equal=all(torch.equal(still_full[k], full[k]) for k in full),
         rank0_keys=len(rank0),
@@ -76,5 +84,6 @@ def test_state_dict_tensors_outlive_gathered_parameters() -> None:
         assert res["load_outside"].startswith("ParameterNotGatheredError"), res["load_outside"]
         assert "modifier_rank=0" in res["load_outside"], res["load_outside"]
         assert res["keys"] == names and res["full_keys"] == names
+        assert res["placeholder_keys"] == names and res["shapes_equal"]
         assert res["full_equal"] and res["still_equal"] and res["doubled"] and res["released"]
         assert res["rank0_keys"] == (len(names) if rank == 0 else 0)

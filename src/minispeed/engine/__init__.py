@@ -42,7 +42,6 @@ Reading order: `config/` (the ds_config) → `engine.py` (the loop) → `steps.p
 
 from __future__ import annotations
 
-import abc
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -71,52 +70,60 @@ from minispeed.engine.grid import (
 from minispeed.engine.pipe_engine import PipelineEngine
 from minispeed.engine.steps import record_config, record_grid
 from minispeed.engine.tune.trial import Trial, TrialRecorder
+from minispeed.engine.version import __version__ as __version__
 
-# DeepSpeed's module attributes and functions (`deepspeed.comm`, `deepspeed.zero.Init`,
-# `deepspeed.init_inference`, ...): adapters over the packages, re-exported here only.
-from minispeed.engine import checkpointing, comm, moe, pipe, zero  # isort: skip
+# DeepSpeed's module attributes and names (`deepspeed.comm`, `deepspeed.zero.Init`,
+# `deepspeed.init_inference`, `deepspeed.DeepSpeedEngine`, ...): adapters over the packages,
+# re-exported here only.
+from minispeed.engine import (  # isort: skip
+    accelerator,
+    checkpointing,
+    comm,
+    git_version_info,
+    moe,
+    ops,
+    pipe,
+    runtime,
+    utils,
+    zero,
+)
+from minispeed.engine.accelerator import get_accelerator  # isort: skip
 from minispeed.engine.inference import init_inference  # isort: skip
+from minispeed.engine.pipe import PipelineModule  # isort: skip
+from minispeed.engine.runtime.config import DeepSpeedConfig, DeepSpeedConfigError  # isort: skip
+from minispeed.engine.runtime.engine import DeepSpeedEngine  # isort: skip
+from minispeed.engine.runtime.tensor_parallel import tp_model_init  # isort: skip
+from minispeed.engine.utils import OnDevice, log_dist, logger  # isort: skip
 
 __all__ = [
     "ConfigError",
+    "DeepSpeedConfig",
+    "DeepSpeedConfigError",
     "DeepSpeedEngine",
     "Engine",
     "EngineConfig",
+    "OnDevice",
     "PipelineEngine",
+    "PipelineModule",
+    "accelerator",
     "add_config_arguments",
     "checkpointing",
     "comm",
+    "get_accelerator",
+    "git_version_info",
     "init_distributed",
     "init_inference",
     "initialize",
+    "log_dist",
+    "logger",
     "moe",
+    "ops",
     "pipe",
+    "runtime",
+    "tp_model_init",
+    "utils",
     "zero",
 ]
-
-
-def _version() -> str:
-    # Scripts print or compare `deepspeed.__version__`; the import-swapped module answers with
-    # minispeed's own version (a source checkout without installed metadata says so).
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("minispeed")
-    except PackageNotFoundError:
-        return "0.0.0+source"
-
-
-__version__ = _version()
-
-
-class DeepSpeedEngine(abc.ABC):  # noqa: B024 (a name to test against, nothing to implement)
-    """DeepSpeed's engine class name, for `isinstance(model, deepspeed.DeepSpeedEngine)`: true
-    of what `initialize` returns (`Engine`, `MoEEngine`, `PipelineEngine`, as DeepSpeed's
-    pipeline engine is a `DeepSpeedEngine`). Build engines with `initialize`, not with this."""
-
-
-DeepSpeedEngine.register(Engine)
-DeepSpeedEngine.register(PipelineEngine)
 
 
 def _config_from(args: Any, config: Any, config_params: Any) -> dict[str, Any]:

@@ -11,11 +11,17 @@ DeepSpeed's accelerator names differ from core's (`device_name` / `current_devic
 `communication_backend_name` / `current_device` where core has `device` /
 `communication_backend` / `current_device_index`); this wrapper answers DeepSpeed's names, as
 DeepSpeed 0.19.8's CPU accelerator does on the CPU (`device_name(i)` is `"cpu"` there), and
-passes every other attribute to core's accelerator. Costs: one Python call.
+passes every other attribute to core's accelerator. On the CPU, `device_count()` is the number
+of processes on this node, as DeepSpeed's CPU accelerator answers under its own launcher
+(`LOCAL_SIZE`), so a DeepSpeed-style `world_size <= device_count()` guard holds: minispeed reads
+`LOCAL_SIZE`, then torchrun's `LOCAL_WORLD_SIZE`, else 1 (DeepSpeed, without `LOCAL_SIZE`,
+counts the NUMA nodes). `is_current_accelerator_supported()` is true of every device minispeed
+runs on. Costs: one Python call.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -23,7 +29,7 @@ import torch
 from minispeed.core.accelerator import Accelerator
 from minispeed.core.accelerator import get_accelerator as _core_accelerator
 
-__all__ = ["DeepSpeedAccelerator", "get_accelerator"]
+__all__ = ["DeepSpeedAccelerator", "get_accelerator", "is_current_accelerator_supported"]
 
 
 class DeepSpeedAccelerator:
@@ -42,6 +48,12 @@ class DeepSpeedAccelerator:
 
     def current_device_name(self) -> str:
         return self.device_name(None if self._on_cpu() else self._acc.current_device_index())
+
+    def device_count(self) -> int:
+        """The devices of this node; on the CPU, the processes of this node (module docstring)."""
+        if not self._on_cpu():
+            return self._acc.device_count()
+        return int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
 
     def current_device(self) -> int:
         return self._acc.current_device_index()
@@ -78,3 +90,8 @@ class DeepSpeedAccelerator:
 def get_accelerator() -> DeepSpeedAccelerator:
     """The current accelerator (core's choice: CUDA when available, `MINISPEED_ACCELERATOR`)."""
     return DeepSpeedAccelerator(_core_accelerator())
+
+
+def is_current_accelerator_supported() -> bool:
+    """Whether the current device is one minispeed runs on: always, since core chose it."""
+    return get_accelerator()._acc.is_available()

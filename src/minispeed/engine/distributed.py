@@ -29,17 +29,13 @@ def init_distributed(
     rank: int = -1,
     world_size: int = -1,
 ) -> None:
-    """Start the default process group from torchrun's environment (DeepSpeed's signature).
+    """Start the default process group (DeepSpeed's signature): from torchrun's environment,
+    or from an explicit rendezvous (`init_method="file://..."` or `"tcp://..."` with `rank`
+    and `world_size`, as torch's `init_process_group` takes them).
 
     `dist_backend=None` picks the accelerator's (gloo on CPU, nccl on GPU); without torchrun's
-    variables a single-process group starts. MPI discovery and explicit ranks are not used:
-    launch with `torchrun` (or `minispeed run`).
+    variables or an explicit rank a single-process group starts. MPI discovery is not used.
     """
-    if rank != -1 or world_size != -1:
-        raise ValueError(
-            "init_distributed(rank=..., world_size=...) is not supported: launch with torchrun, "
-            "which sets RANK and WORLD_SIZE"
-        )
     if distributed_port is not None and "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(distributed_port)
     if timeout is None:
@@ -49,7 +45,11 @@ def init_distributed(
     else:
         timeout_s = float(timeout)
     minispeed.comm.init_distributed(
-        backend=dist_backend, timeout_s=timeout_s, init_method=init_method
+        backend=dist_backend,
+        timeout_s=timeout_s,
+        init_method=init_method,
+        rank=None if rank == -1 else rank,
+        world_size=None if world_size == -1 else world_size,
     )
 
 

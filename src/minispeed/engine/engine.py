@@ -107,6 +107,9 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
         self.skipped_steps = 0
         self.micro_steps = 0
         self._step_applied = False  # whether the last boundary's optimizer step was taken
+        # set_gradient_accumulation_boundary's value (None: every gradient_accumulation_steps).
+        self._boundary: bool | None = None
+        self._no_sync = False  # inside no_sync()
         self.device = get_accelerator().device()
         self.timers: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._stack = contextlib.ExitStack()  # the step being profiled, while it runs
@@ -140,28 +143,82 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
         with self._timed("forward"):
             return self.module(*args, **kwargs)
 
-    def backward(self, loss: torch.Tensor, **_: Any) -> torch.Tensor:
-        """Backward of `loss` (scaled for fp16 and by `1 / gradient_accumulation_steps`)."""
+    def backward(
+        self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
+    ) -> torch.Tensor:
+        """Backward of `loss`, scaled for fp16 and (unless `scale_wrt_gas=False`: the caller
+        divided it, as the Trainer does) by `1 / gradient_accumulation_steps`; returns the loss
+        so divided, as DeepSpeed's. `retain_graph=True` is refused (the optimizer's hooks
+        consume each gradient once)."""
         opt = self.optimizer
         if opt is None:
             opt = self._require_optimizer("backward")  # raises
+        if retain_graph:
+            raise NotImplementedError(
+                "engine.backward(retain_graph=True) is not supported by minispeed: its gradient "
+                "hooks take each parameter's gradient once per backward; call "
+                "engine.backward(loss)"
+            )
+        kwargs = {"ends": self._boundary, "divided": not scale_wrt_gas}
         if not self.config.wall_clock_breakdown:
-            opt.backward(loss)
-            return loss
-        with self._timed("backward"):
-            opt.backward(loss)
-        return loss
+            opt.backward(loss, **kwargs)
+        else:
+            with self._timed("backward"):
+                opt.backward(loss, **kwargs)
+        # DeepSpeed's return value: the loss as its backward ran on it (after the graph is freed).
+        return loss / self.config.gradient_accumulation_steps if scale_wrt_gas else loss
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """Whether the current micro-step (the next `step()`) ends an accumulation window."""
+        """Whether the current micro-step (the next `step()`) ends an accumulation window: the
+        value `set_gradient_accumulation_boundary` set, else every
+        `gradient_accumulation_steps`-th micro-step."""
+        if self._boundary is not None:
+            return self._boundary
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Say whether the coming micro-steps end their accumulation window (DeepSpeed's
+        override, which accelerate sets before every backward: it ends an epoch's last, short
+        window early). Holds until set again; the loss is still divided by
+        `gradient_accumulation_steps`, as DeepSpeed divides it."""
+        if not isinstance(is_boundary, bool):
+            raise TypeError(
+                f"set_gradient_accumulation_boundary takes a bool, got {type(is_boundary).__name__}"
+            )
+        self._boundary = is_boundary
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Any:
+        """DeepSpeed's context for micro-steps whose gradients are not reduced yet: stages 0 and
+        1 reduce only at a window's end already, so it checks and changes nothing; stages 2 and 3
+        reduce every micro-step's gradients into partitions, which DeepSpeed refuses too, and so
+        does `step()` inside it."""
+        stage = self.config.zero.stage
+        if stage >= 2:
+            raise RuntimeError(
+                f"engine.no_sync() cannot be used at ZeRO stage {stage}: its gradients are "
+                "partitioned as they are reduced, every micro-step (DeepSpeed refuses it too); "
+                "use gradient_accumulation_steps instead"
+            )
+        if self._no_sync:
+            raise RuntimeError("engine.no_sync() is already active: it cannot be nested")
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
 
     def step(self, lr_kwargs: Mapping[str, Any] | None = None) -> None:
         """Call after every `backward`; acts at accumulation boundaries only."""
         opt = self.optimizer
         if opt is None:
             opt = self._require_optimizer("step")  # raises
-        boundary = self.is_gradient_accumulation_boundary()
+        if self._no_sync:
+            raise RuntimeError(
+                "engine.step() inside engine.no_sync(): leave the context first (DeepSpeed "
+                "refuses it too)"
+            )
+        boundary = opt.at_boundary
         if not self.config.wall_clock_breakdown:
             stepped = opt.step()
         else:
@@ -417,6 +474,47 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
         Path(save_dir).mkdir(parents=True, exist_ok=True)
         zero.save_16bit_model(opt, self.module, save_dir, save_filename)
         return True
+
+    def _zero3_consolidated_16bit_state_dict(
+        self, exclude_frozen_parameters: bool = False
+    ) -> dict[str, torch.Tensor] | None:
+        """The model's `state_dict` with whole parameters in their training dtype, on global rank
+        0 (None elsewhere), as DeepSpeed's (accelerate and the Trainer call it for `save_model`
+        under ZeRO-3); `exclude_frozen_parameters` leaves out those without `requires_grad`.
+        Collective: `zero.full_state_dict` (one all-gather per module at stage 3). Needs
+        `stage3_gather_16bit_weights_on_model_save` at stage 3, as DeepSpeed."""
+        if self.config.zero.stage == 3 and not self.zero_gather_16bit_weights_on_model_save():
+            raise ValueError(
+                "_zero3_consolidated_16bit_state_dict gathers the whole model on rank 0; set "
+                "zero_optimization.stage3_gather_16bit_weights_on_model_save to true (or save a "
+                "sharded checkpoint with save_checkpoint and consolidate it)"
+            )
+        state = zero.full_state_dict(self.module, rank0_only=True)
+        if comm.get_rank() != 0:
+            return None
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        return state
+
+    def _consolidated_16bit_state_dict(self, **_: Any) -> Any:
+        """DeepSpeed's gather of a tensor-parallel model (accelerate calls it for `save_model`
+        under `tensor_parallel.autotp_size` > 1): refused, as `save_16bit_model` is there."""
+        raise NotImplementedError(
+            "a 16-bit state dict of a tensor-parallel model is not gathered by minispeed: use "
+            "save_checkpoint (it loads at any tensor-parallel size, 1 included) and "
+            "`minispeed consolidate`"
+        )
+
+    def compile(self, backend: Any = None, compile_kwargs: Any = None, **_: Any) -> None:
+        """DeepSpeed's `engine.compile` (accelerate calls it when a dynamo backend is set):
+        refused rather than compiling the engine's own forward, which `nn.Module.compile` would
+        do around the ZeRO hooks."""
+        raise NotImplementedError(
+            "engine.compile() is not supported by minispeed: its ZeRO hooks run in eager mode; "
+            "turn torch.compile off (TrainingArguments(torch_compile=False), or no dynamo backend "
+            "in accelerate's config)"
+        )
 
     def destroy(self) -> None:
         """Stop the comms logger and release the model's hooks (the model stays usable)."""

@@ -138,5 +138,5 @@ class MoEEngine(Engine):
         if restore.optimizer:
             opt.load_state_dict(saved)
             return path, client
-        opt.load_masters(saved)  # the weights only: this rank's masters, then published
+        opt.load_state_dict(saved, masters_only=True)  # this rank's masters, published
         return path, client

@@ -61,6 +61,11 @@ class DeepSpeedQueries:
     def wall_clock_breakdown(self) -> bool:
         return self.config.wall_clock_breakdown
 
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """Whether the config lets a ZeRO-3 model be gathered whole on saving
+        (`stage3_gather_16bit_weights_on_model_save`)."""
+        return bool(self.config.zero.stage3_gather_16bit_weights_on_model_save)
+
     def get_mom(self) -> list[Any]:
         """Each param group's `betas` (Adam-like) or `momentum` (SGD-like), as DeepSpeed's."""
         groups = [] if self.optimizer is None else self.optimizer.param_groups

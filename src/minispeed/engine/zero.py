@@ -12,7 +12,9 @@ with deepspeed.zero.GatheredParameters(model.head.weight, modifier_rank=0):
 `Init` takes DeepSpeed's arguments and builds `minispeed.zero.Init(config, group, enabled)`:
 `data_parallel_group` is the group; `config_dict_or_path` / `config` (a ds_config dict or a
 JSON path) gives the `zero_optimization` section (read for `offload_param`, ZeRO-Infinity's
-NVMe shards); `remote_device` must agree with that section's `offload_param.device`.
+NVMe shards; entries still `"auto"`, a Hugging Face config not yet filled in, are left out);
+`remote_device`, when it names a device, must agree with that section's `offload_param.device`
+(left at `None` it follows the config, as under DeepSpeed).
 Parameters are built in the dtype the model creates them in (fp32), and `minispeed.zero.shard`
 casts them when the engine applies the config's precision: DeepSpeed casts them to the config's
 fp16/bf16 inside `Init` already, so its fp32 master weights start from rounded values where
@@ -64,6 +66,15 @@ def _ds_config(config_dict_or_path: Any, config: Any) -> dict[str, Any] | None:
     raise TypeError(f"zero.Init: config must be a dict or a JSON path, got {type(given).__name__}")
 
 
+def _without_auto(config: Any) -> Any:
+    """`config` without the entries whose value is `"auto"`: a Hugging Face config's
+    placeholders, which the Trainer fills in only when training starts, after the model was
+    built under `Init` (and which `Init` does not read)."""
+    if not isinstance(config, dict):
+        return config
+    return {k: _without_auto(v) for k, v in config.items() if v != "auto"}
+
+
 class Init(zero.Init):
     """DeepSpeed's `deepspeed.zero.Init` (see the module docstring for what is kept, refused,
     and different). Collective: every rank of the group enters it and builds the same modules."""
@@ -102,7 +113,7 @@ class Init(zero.Init):
                     f"zero.Init({name}=...) is not supported by minispeed (see "
                     "docs/engine/deepspeed-paths.md); leave it at its default"
                 )
-        ds_config = _ds_config(config_dict_or_path, config)
+        ds_config = _without_auto(_ds_config(config_dict_or_path, config))
         zero_config = (
             zero.ZeroConfig.from_section(
                 ds_config.get("zero_optimization"), aio=ds_config.get("aio")
@@ -112,9 +123,9 @@ class Init(zero.Init):
         )
         offload = getattr(zero_config, "offload_param", None)
         configured = None if offload is None else offload.device
-        if remote_device in ("none", None):
-            remote_device = None
-        if remote_device != configured and not (remote_device is None and configured is None):
+        # None / "none" (DeepSpeed's defaults) follow the config, as DeepSpeed's config
+        # overrides the argument; a device named here must be the config's.
+        if remote_device not in ("none", None) and remote_device != configured:
             raise ValueError(
                 f"zero.Init(remote_device={remote_device!r}) but the config's "
                 f"zero_optimization.offload_param.device is {configured!r}; make them agree "

@@ -23,6 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 
 if os.environ.get("USE_DEEPSPEED") == "1":
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
+    from ds_fixture import require_deepspeed
+
+    require_deepspeed()  # refuses minispeed under DeepSpeed's name
     import deepspeed
 else:
     import minispeed.engine as deepspeed

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import minispeed.comm as comm
 import minispeed.engine.checkpoint.background as ckpt_async
 import minispeed.engine.checkpoint.grid as ckpt
 from minispeed.core.logging import get_logger
@@ -78,7 +79,9 @@ class CheckpointCalls:
     ) -> bool:
         """Save model, optimizer, scheduler and counters under `save_dir/tag` (collective).
 
-        `tag` defaults to `global_step<N>`. `client_state` comes back from `load_checkpoint`.
+        `tag` defaults to `global_step<N>`; every rank must name the same one, checked as
+        `checkpoint.tag_validation` says. `client_state` comes back from `load_checkpoint`.
+        `save_dir` None or empty is a `ValueError`, as DeepSpeed's.
         `latest` moves last, once every rank's files are durable (unless `save_latest=False`).
         With `checkpoint.async_save` the files are written in the background and this returns
         after the host copy (`background.py`).
@@ -88,9 +91,33 @@ class CheckpointCalls:
                 "exclude_frozen_parameters=True is not supported: frozen parameters are saved "
                 "whole by rank 0; leave it False"
             )
+        if save_dir is None or not os.fspath(save_dir):
+            raise ValueError(
+                f"save_checkpoint(save_dir={save_dir!r}): give the directory to save into (it "
+                "is created if missing), as DeepSpeed requires"
+            )
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
+        self._validate_tag(tag)
         self._save_part(save_dir, tag, dict(client_state or {}), save_latest)
         return True
+
+    def _validate_tag(self, tag: str) -> None:
+        """`checkpoint.tag_validation`: every rank must name the same tag (DeepSpeed's check;
+        one gather of the tags, on every rank, so `"FAIL"` raises on every rank)."""
+        mode = ckpt_async.checkpointer_of(self).config.tag_validation.upper()
+        if mode == "IGNORE":
+            return
+        tags = comm.all_gather_object(tag)
+        if len(set(tags)) == 1:
+            return
+        message = (
+            f"save_checkpoint: the ranks name different tags ({tags}, by rank); a tag holding "
+            "rank-specific text cannot be loaded at another world size. Pass the same tag on "
+            "every rank (checkpoint.tag_validation is " + mode + ")"
+        )
+        if mode == "FAIL":
+            raise ValueError(message)
+        _log.warning(message)
 
     def load_checkpoint(
         self,

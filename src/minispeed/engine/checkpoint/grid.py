@@ -88,6 +88,9 @@ def tensor_specs(module: nn.Module) -> dict[str, list[int]]:
     return {n: [s.dim, s.parts] for n, s in sharded_parameters(module).items()}
 
 
+TAG_VALIDATION_MODES = ("WARN", "FAIL", "IGNORE")
+
+
 @dataclass(frozen=True)
 class CheckpointConfig(Section):
     """Checkpoints (DeepSpeed section `checkpoint`; minispeed.engine.checkpoint)."""
@@ -95,12 +98,10 @@ class CheckpointConfig(Section):
     ds_path: ClassVar[str] = "checkpoint"
     # DeepSpeed's checkpoint keys minispeed does not implement, accepted at their defaults.
     ds_unsupported: ClassVar[dict[str, str]] = {
-        "tag_validation": "every rank saves under the tag its call names; tags are not compared",
         "load_universal": "checkpoints load at any data-parallel size already",
         "parallel_write": "every rank writes its own shard files already",
     }
     ds_defaults: ClassVar[dict[str, Any]] = {
-        "tag_validation": "Warn",
         "load_universal": False,
         "parallel_write": {"pipeline_stage": False},
     }
@@ -113,9 +114,23 @@ class CheckpointConfig(Section):
     """DeepSpeed's key: the ranks of each node may see their own directory at the checkpoint
     path; each node then keeps its ranks' files plus the common ones, and loads at the same
     placement. Without it, a directory not every rank sees is refused at save time."""
+    tag_validation: str = key("tag_validation", "WARN")
+    """DeepSpeed's key: whether `save_checkpoint` checks that every rank names the same tag
+    (one gather of the tags): `"WARN"` (the default) logs a warning when they differ, `"FAIL"`
+    raises on every rank, `"IGNORE"` does not check. Case-insensitive, as DeepSpeed's."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if (
+            not isinstance(self.tag_validation, str)
+            or self.tag_validation.upper() not in TAG_VALIDATION_MODES
+        ):
+            raise field_error(
+                self,
+                "tag_validation",
+                f"must be one of {', '.join(TAG_VALIDATION_MODES)} (any case), "
+                f"got {self.tag_validation!r}",
+            )
         if self.async_save and self.use_node_local_storage:
             raise field_error(
                 self,

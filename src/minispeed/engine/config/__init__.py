@@ -35,6 +35,7 @@ path as written (`zero_optimization.offload_optimizer.buffer_count`), then the v
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -210,13 +211,17 @@ def _clipping(value: Any) -> float:
 
 
 def _every(value: Any) -> int | None:
-    """`steps_per_print`: a positive count; 0, a negative count or null: never."""
-    if value is None:
+    """`steps_per_print`: a positive count; 0, a negative count, null or infinity (accelerate's
+    "never", which DeepSpeed reads as a modulus): never."""
+    if value is None or value == math.inf:
         return None
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"must be an integer (optimizer steps between prints), got {value!r}")
+        raise TypeError(
+            f"must be an integer (optimizer steps between prints, or infinity: never), got "
+            f"{value!r}"
+        )
     return value if value > 0 else None
 
 
@@ -309,7 +314,13 @@ class EngineConfig(Section):
     `CPULion`, as DeepSpeed does; false: offload steps a torch Adam, AdamW or Adagrad with its
     CPU kernel, with that optimizer's settings."""
     raw: dict[str, Any] = field(default_factory=dict)
-    """The ds_config as given (read by `minispeed report --config` only)."""
+    """The ds_config as given (read by `minispeed report --config`, and by `get`)."""
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The top-level ds_config entry `key` as given: DeepSpeed's `engine.config` is that
+        dict, and clients read it (`engine.config.get("zero_optimization", {})`); the engine
+        itself reads the typed fields."""
+        return self.raw.get(key, default)
 
     @property
     def tensor_parallel_size(self) -> int:

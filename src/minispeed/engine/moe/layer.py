@@ -155,8 +155,7 @@ class MoE(nn.Module):
 
 class _DeepSpeedTop1Gate(moe.TopKGate):
     """minispeed's router with DeepSpeed's choice of the assignments an over-full expert keeps
-    (top-1 with dropping; `deepspeed.moe.sharded_moe.top1gating`). Extra cost per forward: an
-    (S, E) one-hot mask, its top-C over tokens and a cumulative sum, O(S·E)."""
+    (top-1 with dropping; `keep_as_deepspeed_top1`)."""
 
     def __init__(self, hidden_size: int, config: moe.MoEConfig, use_rts: bool) -> None:
         super().__init__(hidden_size, config)
@@ -165,23 +164,37 @@ class _DeepSpeedTop1Gate(moe.TopKGate):
     def forward(self, x: torch.Tensor, capacity: int | None = None) -> moe.Routing:
         # `capacity`: the expert group's agreed C (moe.MoE passes it when ranks may differ).
         routing = super().forward(x, capacity=capacity)
-        capacity = routing.capacity
-        assert capacity is not None and self.config.top_k == 1
-        first = routing.expert_index  # (S, 1)
-        mask = nn.functional.one_hot(first[:, 0], self.config.num_experts)  # (S, E) int64
-        num_tokens = mask.shape[0]
-        if num_tokens < self.config.min_capacity:
-            raise ValueError(
-                f"MoE: {num_tokens} tokens but min_capacity={self.config.min_capacity}; set "
-                "min_capacity=0 or feed more tokens (DeepSpeed asserts the same)"
-            )
-        ranked = mask
-        if self.use_rts:  # DeepSpeed draws this noise from the global RNG, in eval mode too
-            zero, one = torch.tensor(0.0, device=x.device), torch.tensor(1.0, device=x.device)
-            ranked = mask * torch.distributions.uniform.Uniform(zero, one).rsample(mask.shape)
-        top = torch.topk(ranked, k=min(capacity, num_tokens), dim=0)[1]  # (C, E)
-        mask = mask * torch.zeros_like(mask).scatter_(0, top, 1)
-        kept = mask.sum(dim=1, keepdim=True).bool()  # (S, 1)
-        slot_in_expert = (torch.cumsum(mask, dim=0) - 1).gather(1, first)  # (S, 1)
-        position = torch.where(kept, slot_in_expert, capacity + routing.position)
-        return dataclasses.replace(routing, kept=kept, position=position, kept_counts=mask.sum(0))
+        assert routing.capacity is not None and self.config.top_k == 1
+        return keep_as_deepspeed_top1(
+            routing, routing.capacity, self.use_rts, self.config.min_capacity
+        )
+
+
+def keep_as_deepspeed_top1(
+    routing: moe.Routing, capacity: int, use_rts: bool, min_capacity: int
+) -> moe.Routing:
+    """`routing` (top-1) with DeepSpeed's choice of the assignments each expert keeps
+    (`deepspeed.moe.sharded_moe.top1gating`): `torch.topk` over the (S, E) one-hot mask, times
+    U(0, 1) noise drawn from the global RNG with `use_rts`, at most `capacity` per expert; a
+    kept assignment's position is its rank among the expert's kept tokens in token order.
+    Cost: an (S, E) one-hot mask, its top-C over tokens and a cumulative sum, O(S·E)."""
+    first = routing.expert_index  # (S, 1)
+    num_experts = routing.probs.shape[1]
+    mask = nn.functional.one_hot(first[:, 0], num_experts)  # (S, E) int64
+    num_tokens = mask.shape[0]
+    if num_tokens < min_capacity:
+        raise ValueError(
+            f"MoE: {num_tokens} tokens but min_capacity={min_capacity}; set "
+            "min_capacity=0 or feed more tokens (DeepSpeed asserts the same)"
+        )
+    ranked = mask
+    if use_rts:  # DeepSpeed draws this noise from the global RNG, in eval mode too
+        device = routing.logits.device
+        zero, one = torch.tensor(0.0, device=device), torch.tensor(1.0, device=device)
+        ranked = mask * torch.distributions.uniform.Uniform(zero, one).rsample(mask.shape)
+    top = torch.topk(ranked, k=min(capacity, num_tokens), dim=0)[1]  # (C, E)
+    mask = mask * torch.zeros_like(mask).scatter_(0, top, 1)
+    kept = mask.sum(dim=1, keepdim=True).bool()  # (S, 1)
+    slot_in_expert = (torch.cumsum(mask, dim=0) - 1).gather(1, first)  # (S, 1)
+    position = torch.where(kept, slot_in_expert, capacity + routing.position)
+    return dataclasses.replace(routing, kept=kept, position=position, kept_counts=mask.sum(0))

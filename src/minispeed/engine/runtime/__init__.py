@@ -1,3 +1,28 @@
-"""DeepSpeed's `deepspeed.runtime` import path: `lr_schedules`, whose classes scripts construct
-themselves (`from deepspeed.runtime.lr_schedules import WarmupLR`), and `zero`'s memory
-estimators (`from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_live`)."""
+"""`deepspeed.runtime`: the engine's class and config (`engine`, `config`), the schedules
+(`lr_schedules`), ZeRO (`zero`), the pipeline's long paths (`pipe`), activation checkpointing's
+(`activation_checkpointing`), `tensor_parallel.tp_model_init` and the helpers scripts import
+(`utils`)."""
+
+from minispeed.engine.runtime import (
+    activation_checkpointing,
+    config,
+    dataloader,
+    engine,
+    lr_schedules,
+    pipe,
+    tensor_parallel,
+    utils,
+    zero,
+)
+
+__all__ = [
+    "activation_checkpointing",
+    "config",
+    "dataloader",
+    "engine",
+    "lr_schedules",
+    "pipe",
+    "tensor_parallel",
+    "utils",
+    "zero",
+]

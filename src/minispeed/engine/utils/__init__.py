@@ -12,7 +12,9 @@ exists. `logger` is minispeed's engine logger. `RepeatingLoader(loader)` restart
 runs out. `zero_to_fp32` (a module) turns a sharded checkpoint into one fp32 state dict.
 `safe_get_full_grad`, `safe_get_full_fp32_param`, `safe_get_full_optimizer_state` and the rest
 of DeepSpeed's `safe_*` names (from `tensor_fragment`): one parameter's whole value from the
-sharded optimizer.
+sharded optimizer. `groups` answers DeepSpeed's process-group queries, `set_z3_leaf_modules`
+marks stage-3 leaves (`z3_leaf_module.py`), `OnDevice` builds modules on a device
+(`init_on_device.py`).
 """
 
 from __future__ import annotations
@@ -23,10 +25,27 @@ from typing import Any
 
 import minispeed.comm as comm
 from minispeed.core.logging import get_logger
-from minispeed.engine.utils import tensor_fragment
+from minispeed.engine.utils import groups, tensor_fragment, zero_to_fp32
+from minispeed.engine.utils.init_on_device import OnDevice
 from minispeed.engine.utils.tensor_fragment import *  # noqa: F403 (its __all__: the safe_* names)
+from minispeed.engine.utils.z3_leaf_module import (
+    get_z3_leaf_modules,
+    set_z3_leaf_modules,
+    z3_leaf_module,
+)
 
-__all__ = ["RepeatingLoader", "log_dist", "logger", *tensor_fragment.__all__]
+__all__ = [
+    "OnDevice",
+    "RepeatingLoader",
+    "get_z3_leaf_modules",
+    "groups",
+    "log_dist",
+    "logger",
+    "set_z3_leaf_modules",
+    "z3_leaf_module",
+    "zero_to_fp32",
+    *tensor_fragment.__all__,
+]
 
 logger = get_logger("engine")
 
@@ -56,3 +75,8 @@ class RepeatingLoader:
         except StopIteration:
             self.data_iter = iter(self.loader)
             return next(self.data_iter)
+
+
+def __getattr__(name: str) -> object:
+    # The safe_* names minispeed does not provide raise an ImportError naming what to use.
+    return getattr(tensor_fragment, name)

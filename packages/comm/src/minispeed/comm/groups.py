@@ -35,14 +35,20 @@ _log = get_logger("comm")
 
 
 def init_distributed(
-    backend: str | None = None, timeout_s: float = 300.0, init_method: str | None = None
+    backend: str | None = None,
+    timeout_s: float = 300.0,
+    init_method: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
 ) -> None:
     """Initialize the default process group from torchrun's environment; no-op if already done.
 
     `backend=None` asks the accelerator (gloo on CPU, nccl on GPU). Reads `RANK`,
     `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`. Without them (a plain
     `python script.py`) it starts a single-process group, so the same script runs unlaunched.
-    On a GPU the process's device is set to `LOCAL_RANK`.
+    On a GPU the process's device is set to `LOCAL_RANK`. An explicit rendezvous gives `rank`
+    and `world_size` (both, with `0 <= rank < world_size`) and `init_method` (torch's:
+    `"file:///shared/path"`, `"tcp://host:port"`; `"env://"` reads `MASTER_ADDR`/`MASTER_PORT`).
 
     A script that never calls `destroy_process_group` (most DeepSpeed scripts) gets it called
     for it when the interpreter exits cleanly: Note [destroy before finalization].
@@ -53,7 +59,22 @@ def init_distributed(
     acc = get_accelerator()
     backend = backend or acc.communication_backend()
     timeout = datetime.timedelta(seconds=timeout_s)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if rank is not None or world_size is not None:
+        if rank is None or world_size is None or not 0 <= rank < world_size:
+            raise CommInputError(
+                f"init_distributed(rank={rank}, world_size={world_size}): give both, with "
+                "0 <= rank < world_size (or neither, to read torchrun's RANK/WORLD_SIZE)"
+            )
+        if acc.name != "cpu":
+            acc.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        dist.init_process_group(
+            backend,
+            init_method=init_method or "env://",
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+        )
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if acc.name != "cpu":
             acc.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, init_method=init_method or "env://", timeout=timeout)

@@ -141,10 +141,16 @@ class TopKGate(nn.Module):
         if self.training and cfg.noisy_gate_policy == "jitter":
             x = x * torch.empty_like(x).uniform_(1.0 - JITTER_EPS, 1.0 + JITTER_EPS)
         # fp32 even when the model was cast to bf16: the softmax and the top-k need the bits.
-        logits = nn.functional.linear(x, self.wg.weight.float())  # (S, E)
+        return self.route(nn.functional.linear(x, self.wg.weight.float()), capacity)
+
+    def route(self, logits: torch.Tensor, capacity: int | None = None) -> Routing:
+        """Route from the router's (S, E) fp32 `logits` (what `forward` computes from `x`): the
+        choice, the capacity and the weights, with `config`'s rules (noise and random token
+        selection in training mode only)."""
+        cfg = self.config
         probs = torch.softmax(logits, dim=-1)
         expert_index = self._choose(logits.detach())  # (S, k)
-        num_tokens = x.shape[0]
+        num_tokens = logits.shape[0]
         if capacity is not None and not cfg.drop_tokens:
             raise ValueError("TopKGate: capacity= needs drop_tokens=True (nothing is dropped)")
         position, expert_counts = self._rank_in_expert(expert_index, probs.detach())

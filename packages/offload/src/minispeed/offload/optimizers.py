@@ -156,6 +156,8 @@ class CPUAdam(_CPUOptimizer):
     1 AVX2, 2 AVX-512; default the build's widest). 8 B of state per parameter.
     """
 
+    state_tensors_per_param = 2  # exp_avg, exp_avg_sq
+
     _name = "CPUAdam"
 
     def __init__(
@@ -319,6 +321,7 @@ class CPUAdagrad(_CPUOptimizer):
     """
 
     _name = "CPUAdagrad"
+    state_tensors_per_param = 1  # sum
 
     def __init__(
         self,
@@ -393,6 +396,8 @@ class CPULion(_CPUOptimizer):
     ``p -= lr * (sign(b1 m + (1 - b1) g) + weight_decay * p)``, then ``m = b2 m + (1 - b2) g``.
     torch.optim has no Lion; the state is ``exp_avg`` as in the common PyTorch implementations.
     """
+
+    state_tensors_per_param = 1  # exp_avg
 
     _name = "CPULion"
 

@@ -127,6 +127,10 @@ class BucketedStrategy(ShardStrategy):
             group,
         )
 
+    def backward_begins(self, is_boundary: bool) -> None:
+        """Tell the hooks whether this backward ends the window (they reduce then)."""
+        self.reducer.backward_begins(is_boundary)
+
     def backward_done(self, is_boundary: bool) -> None:
         """Wait for the bucket reductions launched by the hooks; average at the boundary."""
         self.reducer.backward_done(is_boundary)

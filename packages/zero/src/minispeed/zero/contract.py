@@ -89,6 +89,11 @@ class ShardStrategy(Protocol):
         """Same shapes as ``master_params``, fp32, averaged over ranks at the boundary."""
         ...
 
+    def backward_begins(self, is_boundary: bool) -> None:
+        """Before each micro-step's backward: whether it ends the accumulation window (a
+        schedule that reduces only at the window's end decides it here, in the hooks)."""
+        ...
+
     def backward_done(self, is_boundary: bool) -> None:
         """After each micro-step's backward: finish in-flight reductions."""
         ...
@@ -156,6 +161,9 @@ class StrategyWrapper(ShardStrategy):
 
     def master_grads(self) -> list[list[torch.Tensor]]:
         return self._inner.master_grads()
+
+    def backward_begins(self, is_boundary: bool) -> None:
+        self._inner.backward_begins(is_boundary)
 
     def backward_done(self, is_boundary: bool) -> None:
         self._inner.backward_done(is_boundary)

@@ -14,7 +14,9 @@ print. They are what DeepSpeed calls `safe_get_full_fp32_param`, `safe_get_full_
 | `full_optimizer_state(p, key)` | state `key`, `p`'s shape | the same |
 | `set_full_fp32_param(p, value)` | - | none; stage 3: one all-gather and one broadcast of `p` |
 | `set_full_optimizer_state(p, value, key)` | - | none |
+| `set_full_grad(p, value)` | - | none |
 | `local_fp32_param(p)`, `local_grad(p)`, `local_optimizer_state(p, key)` | this rank's fragment, flat | none |
+| `set_local_grad(p, value)`, `set_local_optimizer_state(p, value, key)` | - | none |
 
 `n_p` is the parameter's element count. Each rank writes its fragment into a zeroed fp32 buffer
 of `n_p` elements and one all-reduce (sum) over the parameter's process group completes it:
@@ -25,7 +27,10 @@ do the setters, each rank passing the whole `value`: each copies its own fragmen
 
 When values exist: masters and states always; the gradient from the `backward` that ends an
 accumulation window until `step` (`full_grad` gives None at other times: stage 1 reduces only at
-the boundary and stage 2 holds a partial sum inside a window). Gradients are returned unscaled:
+the boundary and stage 2 holds a partial sum inside a window), which is also the only time
+`set_full_grad` / `set_local_grad` may change what `step` applies (its clipping and overflow
+check then see the value set). A gradient set is refused where the step reads a copy
+(`offload_optimizer`: the device's gradients are copied to the host inside `step`). Gradients are returned unscaled:
 under fp16 the loss scale is divided out (DeepSpeed returns them still scaled). Each function
 takes the optimizer from the parameter (`optimizer_of`), or `opt=` names it; a parameter no
 open `ZeroOptimizer` steps gives None from the getters and an error from the setters.
@@ -60,7 +65,10 @@ __all__ = [
     "local_optimizer_state",
     "record_stepper",
     "set_full_fp32_param",
+    "set_full_grad",
     "set_full_optimizer_state",
+    "set_local_grad",
+    "set_local_optimizer_state",
 ]
 
 
@@ -105,13 +113,36 @@ def set_full_optimizer_state(
     """Write `value` (`param`'s whole shape) into this rank's fragment of optimizer state
     `key`. Local."""
     opt, f = _found_for_write(param, opt, value, "set_full_optimizer_state")
-    state = _state(opt, f, key)
-    if state is None:
-        raise RuntimeError(
-            f"set_full_optimizer_state: {f.name} has no optimizer state yet; take one step "
-            "first (the optimizer makes its state at its first step)"
-        )
-    _write(f, state, value)
+    _write(f, _state_for_write(opt, f, key, "set_full_optimizer_state"), value)
+
+
+def set_full_grad(
+    param: nn.Parameter, value: torch.Tensor, opt: ZeroOptimizer | None = None
+) -> None:
+    """Make `value` (`param`'s whole shape, unscaled, the same on every rank) the reduced
+    gradient the coming `step` applies: this rank's fragment of it, times the loss scale.
+    Between the window's last `backward` and `step` only. Local."""
+    opt, f = _found_for_write(param, opt, value, "set_full_grad")
+    _set_grad(opt, f, value.detach().reshape(-1)[f.start : f.start + f.numel], "set_full_grad")
+
+
+def set_local_grad(
+    param: nn.Parameter, value: torch.Tensor, opt: ZeroOptimizer | None = None
+) -> None:
+    """Make `value` (this rank's fragment, flat, as `local_grad` gives it, unscaled) this rank's
+    part of the reduced gradient the coming `step` applies; when every rank does it, the whole.
+    Between the window's last `backward` and `step` only. Local."""
+    opt, f = _found_for_write(param, opt, value, "set_local_grad", local=True)
+    _set_grad(opt, f, value.detach().reshape(-1), "set_local_grad")
+
+
+def set_local_optimizer_state(
+    param: nn.Parameter, value: torch.Tensor, key: str, opt: ZeroOptimizer | None = None
+) -> None:
+    """Write `value` (this rank's fragment, flat, as `local_optimizer_state` gives it) into
+    this rank's fragment of optimizer state `key`. Local."""
+    opt, f = _found_for_write(param, opt, value, "set_local_optimizer_state", local=True)
+    _write_fragment(f, _state_for_write(opt, f, key, "set_local_optimizer_state"), value)
 
 
 def local_fp32_param(param: nn.Parameter, opt: ZeroOptimizer | None = None) -> torch.Tensor | None:
@@ -173,9 +204,14 @@ def _find(param: nn.Parameter, opt: ZeroOptimizer | None) -> tuple[ZeroOptimizer
 
 
 def _found_for_write(
-    param: nn.Parameter, opt: ZeroOptimizer | None, value: torch.Tensor, what: str
+    param: nn.Parameter,
+    opt: ZeroOptimizer | None,
+    value: torch.Tensor,
+    what: str,
+    local: bool = False,
 ) -> tuple[ZeroOptimizer, ParamFragment]:
-    """The optimizer and fragment a setter writes, after every check (before any collective)."""
+    """The optimizer and fragment a setter writes, after every check (before any collective);
+    `local`: `value` is this rank's fragment, flat."""
     found = _find(param, opt)
     if found is None:
         raise ValueError(
@@ -188,7 +224,12 @@ def _found_for_write(
             "which this does not write; use offload_optimizer device 'cpu' for such edits"
         )
     f = found[1]
-    if tuple(value.shape) != tuple(f.shape):
+    if local and value.numel() != f.numel:
+        raise ValueError(
+            f"{f.name}: value has {value.numel()} elements, this rank's fragment {f.numel} "
+            "(a local value is the fragment local_* gives, flat)"
+        )
+    if not local and tuple(value.shape) != tuple(f.shape):
         raise ValueError(
             f"{f.name}: value has shape {tuple(value.shape)}, expected {tuple(f.shape)}"
         )
@@ -212,6 +253,12 @@ def _read(
 def _grad(opt: ZeroOptimizer, f: ParamFragment) -> torch.Tensor | None:
     """This rank's reduced gradient for `f`, flat fp32 and unscaled; None outside the window's
     boundary (the only time a reduced gradient exists: before step(), after the last backward)."""
+    buffer = _grad_buffer(opt, f)
+    return None if buffer is None else buffer[: f.numel].float() / opt.loss_scaler.scale
+
+
+def _grad_buffer(opt: ZeroOptimizer, f: ParamFragment) -> torch.Tensor | None:
+    """The flat, scaled reduced gradient `step` reads for `f` (None outside the boundary)."""
     if opt.strategy.grads_in_files:
         raise NotImplementedError(
             f"{f.name}: the gradients are in swap files (ZeRO-Infinity, offload to nvme), read "
@@ -219,8 +266,40 @@ def _grad(opt: ZeroOptimizer, f: ParamFragment) -> torch.Tensor | None:
         )
     if not opt.at_boundary:
         return None
-    grad = opt.strategy.master_grads()[f.group][f.master_index].reshape(-1)[: f.numel].float()
-    return grad / opt.loss_scaler.scale
+    return opt.strategy.master_grads()[f.group][f.master_index].reshape(-1)
+
+
+@torch.no_grad()
+def _set_grad(opt: ZeroOptimizer, f: ParamFragment, mine: torch.Tensor, what: str) -> None:
+    """`mine` (this rank's fragment, unscaled) into the gradient `step` reads; refused on
+    every rank where `step` reads a copy made inside it."""
+    if _step_reads_a_copy(opt):
+        raise NotImplementedError(
+            f"{what}: {f.name}'s gradient is copied for the step (offload_optimizer), so a value "
+            "set here would be lost; change the loss instead, or set it without offload"
+        )
+    buffer = _grad_buffer(opt, f)
+    if buffer is None:
+        raise RuntimeError(
+            f"{what}: {f.name} has no reduced gradient now; call it after the backward that ends "
+            "the accumulation window and before step()"
+        )
+    scaled = mine.to(buffer.dtype) * opt.loss_scaler.scale
+    buffer[: f.numel].copy_(scaled)
+    again = _grad_buffer(opt, f)  # the buffer `step` reads holds it (no other copy is made)
+    assert again is not None and torch.equal(again[: f.numel], scaled), f.name
+
+
+def _step_reads_a_copy(opt: ZeroOptimizer) -> bool:
+    """Whether `step` reads a host copy of the reduced gradients (offload's `HostMasters` when
+    the masters are not the strategy's own), which it makes again inside `step`."""
+    strategy = opt.strategy
+    while True:
+        if getattr(strategy, "aliased", True) is False:
+            return True
+        if not isinstance(strategy, StrategyWrapper):
+            return False
+        strategy = strategy.strategy
 
 
 def _mine(f: ParamFragment, flat: torch.Tensor | None) -> torch.Tensor | None:
@@ -241,6 +320,16 @@ def _master_of(opt: ZeroOptimizer, f: ParamFragment) -> torch.Tensor:
 def _master(opt: ZeroOptimizer, f: ParamFragment) -> torch.Tensor:
     """That master, flat."""
     return _master_of(opt, f).detach().reshape(-1)
+
+
+def _state_for_write(opt: ZeroOptimizer, f: ParamFragment, key: str, what: str) -> torch.Tensor:
+    state = _state(opt, f, key)
+    if state is None:
+        raise RuntimeError(
+            f"{what}: {f.name} has no optimizer state yet; take one step first (the optimizer "
+            "makes its state at its first step)"
+        )
+    return state
 
 
 def _state(opt: ZeroOptimizer, f: ParamFragment, key: str) -> torch.Tensor | None:
@@ -290,4 +379,10 @@ def _whole(opt: ZeroOptimizer, f: ParamFragment, flat: torch.Tensor | None) -> t
 @torch.no_grad()
 def _write(f: ParamFragment, flat: torch.Tensor, value: torch.Tensor) -> None:
     """This rank's fragment of `value` (shape checked by `_found_for_write`) into `flat`."""
-    flat[: f.numel].copy_(value.detach().reshape(-1)[f.start : f.start + f.numel])
+    _write_fragment(f, flat, value.detach().reshape(-1)[f.start : f.start + f.numel])
+
+
+@torch.no_grad()
+def _write_fragment(f: ParamFragment, flat: torch.Tensor, mine: torch.Tensor) -> None:
+    """This rank's fragment `mine` (flat, `f.numel` elements) into `flat`."""
+    flat[: f.numel].copy_(mine.detach().reshape(-1))

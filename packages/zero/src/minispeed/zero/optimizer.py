@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 import minispeed.comm as comm
 from minispeed.core import ranges
@@ -122,6 +122,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
     offload's CPU optimizer over the user's param groups), `strategy`, `config`, `precision`, `loss_scaler`,
     `global_step` (optimizer steps taken, skipped ones excluded), `micro_step` (backward calls).
 
+    A window ends after `gradient_accumulation_steps` backward calls, or where the caller says
+    (`backward(loss, ends=...)`: DeepSpeed's `set_gradient_accumulation_boundary`, which
+    accelerate uses to end the last window of an epoch early); every micro-batch's loss is
+    divided by `gradient_accumulation_steps` either way, as DeepSpeed divides it.
+
     Lifetime: dropping the model and this optimizer (`del opt, model`) frees everything (the
     hooks hold it weakly: Note [hooks hold their owner weakly] in contract.py). `close`
     hands the model back as a plain `nn.Module` while keeping it; `with zero.shard(...) as opt:`
@@ -150,8 +155,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.loss_scaler = LossScaler(precision)
         self.global_step = 0
         self.micro_step = 0
-        self._grad_norm: torch.Tensor | None = None  # before clipping, at the last clipped step
-        self._stepped_at = 0  # micro_step of the last boundary step() handled
+        self._grad_norm: Tensor | None = None  # before clipping, at the last clipped step
+        # Backward calls in the current accumulation window; whether the last one ended it
+        # (and step() has not handled it yet).
+        self._window, self._window_ended = 0, False
 
         masters = strategy.master_params()  # `optimizer` steps them (api.py: _step_masters)
 
@@ -233,22 +240,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         return rank_state_dict(self)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any], *, masters_only: bool = False) -> None:
         """Restore what `state_dict` returned on this rank (collective: every rank calls it, the
-        masters are then published into the model as after a step)."""
+        masters are then published into the model as after a step). `masters_only`: the fp32
+        masters alone; the inner optimizer's state, the loss scale and the counters stay as
+        they are (a checkpoint loaded without its optimizer states)."""
         from minispeed.zero.rank_state import load_rank_state_dict
 
         self._check_open("load_state_dict")
-        load_rank_state_dict(self, state_dict)
-
-    def load_masters(self, state_dict: dict[str, Any]) -> None:
-        """Only the fp32 masters of what `state_dict` returned on this rank, published into the
-        model; the inner optimizer's state, the loss scale and the counters stay as they are
-        (a checkpoint loaded without its optimizer states). Collective, as `load_state_dict`."""
-        from minispeed.zero.rank_state import load_rank_masters
-
-        self._check_open("load_masters")
-        load_rank_masters(self, state_dict)
+        load_rank_state_dict(self, state_dict, masters_only=masters_only)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Refused: the partition of every parameter is fixed by `zero.shard`."""
@@ -272,20 +272,27 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @property
     def at_boundary(self) -> bool:
         """Whether the last backward completed an accumulation window (`step` will act)."""
-        return (
-            self.micro_step > self._stepped_at
-            and self.micro_step % self.config.gradient_accumulation_steps == 0
-        )
+        return self._window_ended
+
+    @property
+    def window_micro_steps(self) -> int:
+        """Backward calls since the last boundary step (0 between windows)."""
+        return self._window
 
     def _mark_used(self, p: nn.Parameter) -> None:
         # A set, not `_agreement[slot] = 1`: a tensor write per parameter per backward costs a
         # dispatcher round trip each; the flags are written into the tensor once, in step().
         self._used.add(p)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of `loss` scaled by `loss_scale / gradient_accumulation_steps`."""
+    def backward(self, loss: Tensor, *, ends: bool | None = None, divided: bool = False) -> None:
+        """Backward of `loss` scaled by `loss_scale / gradient_accumulation_steps`.
+
+        `ends`: whether this micro-step ends the accumulation window (`None`: when it is the
+        window's `gradient_accumulation_steps`-th). `divided=True`: the caller divided the loss
+        already (the Trainer normalizes by the window's tokens), so it is scaled by
+        `loss_scale` only (DeepSpeed's `scale_wrt_gas=False`)."""
         self._check_open("backward")
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+        if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError(
                 "ZeroOptimizer.backward expects the scalar loss of this micro-batch (a 1-element "
                 "tensor that requires grad); reduce it with .mean() or .sum() first"
@@ -297,13 +304,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 f"after every backward (it acts only at accumulation boundaries)"
             )
         gas = self.config.gradient_accumulation_steps
-        is_boundary = (self.micro_step + 1) % gas == 0
-        factor = self.loss_scaler.scale / gas
+        is_boundary = self._window + 1 == gas if ends is None else bool(ends)
+        factor = self.loss_scaler.scale if divided else self.loss_scaler.scale / gas
+        self.strategy.backward_begins(is_boundary)
         with ranges.range("zero.backward"):
             # In fp32, so that an fp16 loss times 2**16 does not overflow before backward starts.
             (loss.float() * factor if factor != 1.0 else loss).backward()
             self.strategy.backward_done(is_boundary)
         self.micro_step += 1
+        self._window, self._window_ended = self._window + 1, is_boundary
         self._backward_since_step = True
 
     # -- step -------------------------------------------------------------------------------------
@@ -333,7 +342,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return self._boundary_step()
 
     def _boundary_step(self) -> bool:
-        self._stepped_at = self.micro_step
+        self._window, self._window_ended = 0, False
         grads_by_group = self.strategy.master_grads()
         grads = [g for gs in grads_by_group for g in gs]
         if self.model_parallel is not None and self.model_parallel.shared:
@@ -428,8 +437,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _inner_step(
         self,
-        masters: list[list[torch.Tensor]],
-        grads: list[list[torch.Tensor]],
+        masters: list[list[Tensor]],
+        grads: list[list[Tensor]],
         skip: set[tuple[int, int]],
     ) -> None:
         """Run the inner optimizer once per sub-group (Note [optimizer sub-groups]); a master in
@@ -444,7 +453,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 for g, i in run:
                     masters[g][i].grad = None
 
-    def _clip(self, grads: list[torch.Tensor]) -> None:
+    def _clip(self, grads: list[Tensor]) -> None:
         """Scale gradients so that their global L2 norm is at most `max_grad_norm` (`inf`: only
         compute the norm)."""
         sq = torch.zeros(1, dtype=torch.float32, device=self._grad_device)
@@ -493,12 +502,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         micro-batches accumulated so far (the plain-PyTorch habit of calling `zero_grad()`
         before every backward).
         """
-        gas = self.config.gradient_accumulation_steps
-        if self.micro_step % gas != 0:
+        if self._window != 0:
             raise RuntimeError(
-                f"zero_grad() after micro-step {self.micro_step % gas} of {gas} would discard the "
-                f"gradients accumulated in this window; call it only after step() (which already "
-                f"clears them), or drop the call"
+                f"zero_grad() after micro-step {self._window} of an accumulation window would "
+                f"discard the gradients accumulated in it; call it only after step() (which "
+                f"already clears them), or drop the call"
             )
         self.strategy.zero_grad()
 
@@ -571,7 +579,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         )
 
 
-def _device_of(masters: list[list[torch.Tensor]]) -> torch.device:
+def _device_of(masters: list[list[Tensor]]) -> torch.device:
     for ms in masters:
         for m in ms:
             if m.device.type != "meta":  # ZeRO-Infinity's masters are meta handles

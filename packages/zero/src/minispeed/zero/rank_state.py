@@ -72,13 +72,17 @@ def rank_state_dict(opt: Any) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def load_rank_state_dict(opt: Any, saved: dict[str, Any]) -> None:
-    """Restore `rank_state_dict`'s output into ``opt``, then publish the masters into the model.
+def load_rank_state_dict(opt: Any, saved: dict[str, Any], *, masters_only: bool = False) -> None:
+    """Restore `rank_state_dict`'s output into ``opt``, then publish the masters into the model
+    (`masters_only`: the masters alone, as `load_rank_masters`).
 
     Collective (the publish: an all-gather at stages 1-2, the shard writes and agreement of
     stage 3). A state from another layout is refused, naming both and the fix. The param-group
     dicts keep their identity (a scheduler, and under offload the user's optimizer, hold them).
     """
+    if masters_only:
+        load_rank_masters(opt, saved)
+        return
     _check_layout(opt, saved, "load_state_dict")
     inner = opt.optimizer
     groups = list(inner.param_groups)  # the dicts themselves: torch's load replaces them
@@ -96,7 +100,6 @@ def load_rank_state_dict(opt: Any, saved: dict[str, Any]) -> None:
     opt.loss_scaler.load_state_dict(saved["loss_scaler"])
     opt.global_step = saved["global_step"]
     opt.micro_step = saved["micro_step"]
-    opt._stepped_at = opt.micro_step
     opt.strategy.zero_grad()
     opt.strategy.publish_params()
 
@@ -105,7 +108,7 @@ def load_rank_masters(opt: Any, saved: dict[str, Any]) -> None:
     """Only the fp32 masters of `rank_state_dict`'s output into ``opt``, then published into the
     model (collective, as `load_rank_state_dict`); the optimizer state, loss scale and counters
     stay as they are. Same layout check."""
-    _check_layout(opt, saved, "load_masters")
+    _check_layout(opt, saved, "load_state_dict")
     with torch.no_grad(), _masters_in_memory(opt.optimizer):
         _copy_masters(opt.optimizer, saved)
     opt.strategy.publish_params()

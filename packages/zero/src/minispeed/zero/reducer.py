@@ -147,6 +147,9 @@ class _BucketedGrads:
         }
         self._seen: set[tuple[int, int]] = set()
         self._micro_step = 0
+        # Whether the backward now running ends the accumulation window, as the optimizer said
+        # (`backward_begins`); None: not said, counted from `gradient_accumulation_steps`.
+        self._ends_window: bool | None = None
         # A frozen parameter (requires_grad=False) never gets a gradient: it counts as unused.
         self._handles = [
             p.register_post_accumulate_grad_hook(weak_hook(self._on_grad))
@@ -215,15 +218,25 @@ class _BucketedGrads:
         return slice(lo, lo + bk.shard_numel)
 
     # -- called by the strategy -------------------------------------------------------------
+    def _window_ends(self) -> bool:
+        """Whether the backward now running ends the accumulation window."""
+        if self._ends_window is not None:
+            return self._ends_window
+        return (self._micro_step + 1) % self.config.gradient_accumulation_steps == 0
+
+    def backward_begins(self, is_boundary: bool) -> None:
+        """The optimizer says whether the coming backward ends the window."""
+        self._ends_window = is_boundary
+
     @ranges.range("zero.grads.finish")
     def backward_done(self, is_boundary: bool) -> None:
         """Launch what is left (missing grads count as zeros), wait for everything, average."""
-        expected = (self._micro_step + 1) % self.config.gradient_accumulation_steps == 0
+        expected = self._window_ends()
         if is_boundary != expected:
             raise RuntimeError(
                 f"micro-step {self._micro_step}: the optimizer says is_boundary={is_boundary} but "
-                f"gradient_accumulation_steps={self.config.gradient_accumulation_steps} says {expected}; "
-                f"drive every micro-step through ZeroOptimizer.backward(loss)"
+                f"the hooks were told {expected}; drive every micro-step through "
+                f"ZeroOptimizer.backward(loss)"
             )
         if self._reducing_now():
             self._queue.flush()
@@ -241,6 +254,7 @@ class _BucketedGrads:
                 for ts in self._results()
             ]
         self._micro_step += 1
+        self._ends_window = None
         self._reset()
 
     def _reset(self) -> None:
@@ -307,7 +321,7 @@ class _FlatBufferGrads(_BucketedGrads):
         return self._views[(g, i)], self._fresh  # Note [the first micro-step overwrites]
 
     def _reducing_now(self) -> bool:
-        return (self._micro_step + 1) % self.config.gradient_accumulation_steps == 0
+        return self._window_ends()
 
 
 class AllReduceReducer(_FlatBufferGrads):

@@ -138,6 +138,11 @@ class ReplicaGroupedStrategy(ShardStrategy):
                     total = sq if total is None else total + sq
         return total.reshape(1) if total is not None else torch.zeros(1)
 
+    def backward_begins(self, is_boundary: bool) -> None:
+        """Each replica group's strategy learns whether this backward ends the window."""
+        for _, strategy, _ in self.parts:
+            strategy.backward_begins(is_boundary)
+
     def backward_done(self, is_boundary: bool) -> None:
         """Each replica group's reductions (each in its own launch order)."""
         for _, strategy, _ in self.parts:

@@ -1,18 +1,35 @@
-"""DeepSpeed's ZeRO-3 memory estimators (`deepspeed.runtime.zero.stage3`), over
-`minispeed.zero.memory.estimate_modes`; the package docstring says what differs."""
+"""`deepspeed.runtime.zero.stage3`: DeepSpeed's ZeRO-3 memory estimators, over
+`minispeed.zero.memory.estimate_modes` (the package docstring says what differs), and
+`unwrap_model_for_generation(model)`, a context holding every parameter of a ZeRO-3 model (an
+engine or its module) gathered, so `generate()` fetches nothing per token
+(`minispeed.zero.GatheredParameters` over them all: one all-gather on entry, Σ N·s·p bytes held
+inside, nothing kept on exit)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from torch import nn
 
 from minispeed.engine.runtime.zero.stage_1_and_2 import _header, _line
+from minispeed.engine.zero import GatheredParameters
 from minispeed.zero.memory.modes import Offload, count_params, estimate_modes
 
 __all__ = [
     "estimate_zero3_model_states_mem_needs",
     "estimate_zero3_model_states_mem_needs_all_cold",
     "estimate_zero3_model_states_mem_needs_all_live",
+    "unwrap_model_for_generation",
 ]
+
+
+@contextmanager
+def unwrap_model_for_generation(model: nn.Module) -> Iterator[nn.Module]:
+    """`model` with all its parameters gathered inside the context (module docstring);
+    collective."""
+    with GatheredParameters(list(model.parameters())):
+        yield model
 
 
 def estimate_zero3_model_states_mem_needs(

@@ -87,6 +87,11 @@ class OpBuildError(RuntimeError):
         message = f"op {op!r}: {reason}"
         super().__init__(f"{message}\n{details}" if details else message)
 
+    def __reduce__(self) -> tuple[type, tuple[str, str, str], dict]:
+        # Pickled with the constructor's arguments (an error raised in a worker process reaches
+        # its parent through pickle; `args` holds only the joined message), then its attributes.
+        return type(self), (self.op, self.reason, self.details), self.__dict__
+
 
 @dataclasses.dataclass(frozen=True)
 class LoadRecord:

@@ -175,8 +175,7 @@ def load_checkpoint(
             if opt.loss_scaler is not None and common["loss_scaler"] is not None:
                 opt.loss_scaler.load_state_dict(common["loss_scaler"])
             opt.global_step = common["global_step"]
-            opt.micro_step = common["micro_step"]
-            opt._stepped_at = opt.micro_step  # saved at a boundary whose step was taken (save.py)
+            opt.micro_step = common["micro_step"]  # saved between windows (save.py)
             _restore_buffers(model, common)
             if rng is not None:
                 _restore_rng(rng)

@@ -247,8 +247,8 @@ def snapshot(
 def _plan(opt: Any, storage: StorageGroups, tag_dir: Path) -> dict[str, Any]:
     """This rank's pieces and parameter shapes (shared with every rank); leaders unseal the tag."""
     gas = opt.config.gradient_accumulation_steps
-    if opt.micro_step % gas != 0 or opt.at_boundary:
-        where = "inside" if opt.micro_step % gas != 0 else "at the end of"
+    if opt.window_micro_steps != 0:
+        where = "at the end of" if opt.at_boundary else "inside"
         raise RuntimeError(
             f"save_checkpoint at micro-step {opt.micro_step} is {where} a gradient accumulation "
             f"window of {gas} micro-steps whose step was not taken; its gradients would be lost. "

@@ -148,11 +148,16 @@ def optimizer_bytes_per_param(optimizer: torch.optim.Optimizer | type) -> int:
 
     Adam/AdamW: + exp_avg + exp_avg_sq (8; + max_exp_avg_sq with amsgrad). SGD: + momentum_buffer
     when momentum > 0. Adagrad: + sum. RMSprop: + square_avg (+ momentum_buffer, + grad_avg when
-    centered). Read from the first param group's hyper-parameters when given an instance.
+    centered). Read from the first param group's hyper-parameters when given an instance. A class
+    that is none of these may say how many fp32 state tensors of a parameter's size it keeps
+    (`state_tensors_per_param`, as offload's CPU optimizers do).
     """
     cls = optimizer if isinstance(optimizer, type) else type(optimizer)
     group = {} if isinstance(optimizer, type) else optimizer.param_groups[0]
-    if issubclass(cls, (torch.optim.Adam, torch.optim.AdamW)):
+    declared = getattr(cls, "state_tensors_per_param", None)
+    if declared is not None:
+        state = int(declared)
+    elif issubclass(cls, (torch.optim.Adam, torch.optim.AdamW)):
         state = 3 if group.get("amsgrad", False) else 2
     elif issubclass(cls, torch.optim.SGD):
         state = 1 if group.get("momentum", 0) else 0

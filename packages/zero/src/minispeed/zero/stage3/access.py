@@ -22,12 +22,14 @@ intercept every use of a tensor, so we guard the paths a user actually takes:
    block was partitioned, e.g. ``self.apply(init_fn)`` or Hugging Face's ``post_init`` at the end
    of a root ``__init__``): gathered on first touch and written back (init_writes.py).
 
-3. **``state_dict()`` / ``load_state_dict()``** of a module with released parameters raise
-   `ParameterNotGatheredError` naming the code that works (pre-hooks installed with the
-   guard). Inside ``GatheredParameters`` ``state_dict()`` returns *copies* of the stage-3
-   parameters (a post-hook), because a view would lose its memory when the block exits
-   (Note [why storage is resized, not replaced]); ``zero.full_state_dict(model)`` does the same
-   without a block.
+3. **``state_dict()`` / ``load_state_dict()``**: outside ``GatheredParameters``,
+   ``state_dict()`` holds each released stage-3 parameter itself as a placeholder (its keys,
+   shapes and dtypes are right; saving or reading its values raises: Note [a released parameter
+   in a state_dict] in released.py), and ``load_state_dict()`` raises `ParameterNotGatheredError`
+   naming the code that works (a pre-hook installed with the guard). Inside
+   ``GatheredParameters`` ``state_dict()`` returns *copies* of the stage-3 parameters (a
+   post-hook), because a view would lose its memory when the block exits (Note [why storage is
+   resized, not replaced]); ``zero.full_state_dict(model)`` does the same without a block.
 
 4. **`full_value(param)`**: the helper to read a parameter's value; raises outside
    forward and GatheredParameters.
@@ -122,7 +124,6 @@ def guard_module(
     guarded = GuardedParameterDict(params, guard, owner_name)
     module.__dict__["_parameters"] = guarded
     guarded.handles = [
-        module.register_state_dict_pre_hook(_refuse_state_dict),
         module.register_state_dict_post_hook(_own_state_dict),
         module.register_load_state_dict_pre_hook(_refuse_load_state_dict),
     ]
@@ -147,19 +148,6 @@ def _released_param(module: nn.Module) -> str | None:
     return None
 
 
-def _refuse_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-    name = _released_param(module)
-    if name is not None:
-        raise not_gathered_error(
-            name,
-            "by state_dict() outside GatheredParameters",
-            fix="Use `sd = zero.full_state_dict(model)` (full tensors of your own, on every rank; "
-            "rank0_only=True keeps them on rank 0 only), or call state_dict() inside `with "
-            "zero.GatheredParameters(model.parameters()):` (it returns copies there, valid after "
-            "the block); zero.save_checkpoint saves the shards without gathering",
-        )
-
-
 def _refuse_load_state_dict(module: nn.Module, state_dict: Any, prefix: str, *rest: Any) -> None:
     name = _released_param(module)
     if name is not None:
@@ -179,7 +167,8 @@ def _own_state_dict(module: nn.Module, state_dict: dict, prefix: str, metadata: 
     parameter is released (Note [why storage is resized, not replaced]): read after
     GatheredParameters exits, it would crash the process. Costs: one copy, ``n·p`` bytes, per
     stage-3 parameter of the state dict. ``keep_vars=True`` entries are the parameters
-    themselves and are left alone.
+    themselves and are left alone, as are released placeholders (Note [a released parameter in
+    a state_dict] in released.py).
     """
     for name, p in dict.items(module._parameters):
         key = prefix + name

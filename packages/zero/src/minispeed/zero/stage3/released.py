@@ -12,7 +12,8 @@ parameter's class is switched, while stage 3 owns it, to a subclass of its own c
 | ``dtype``, ``device``, ``requires_grad``, ``grad``, ``is_leaf``, hooks, ``requires_grad_()`` ... | the parameter's own (they do not depend on its values) |
 | ``data``, ``untyped_storage()``, ``data_ptr()`` | this rank's storage, empty while released: what memory accounting needs |
 | ``repr(p)`` / ``str(p)`` | a description naming the parameter, its full shape, and that it is released |
-| any other op: ``norm()``, ``sum()``, ``item()``, ``p[0]``, ``detach()``, ``cpu()``, ``tolist()``, ``torch.add(p, 1)``, in-place writes ... | inside a forward run by the stage-3 hooks: fetched first (a demand fetch, as an attribute read is); elsewhere `ParameterNotGatheredError` naming the parameter and `GatheredParameters` |
+| ``detach()`` | the released parameter itself: a placeholder that answers as this table says (Note [a released parameter in a state_dict]) |
+| any other op: ``norm()``, ``sum()``, ``item()``, ``p[0]``, ``cpu()``, ``tolist()``, ``torch.add(p, 1)``, pickling, in-place writes ... | inside a forward run by the stage-3 hooks: fetched first (a demand fetch, as an attribute read is); elsewhere `ParameterNotGatheredError` naming the parameter and `GatheredParameters` |
 
 Inside ``GatheredParameters`` (or a module's forward and backward) every use passes through
 unchanged. ``p.data`` stays the low-level escape: it is the storage stage 3 swaps, empty while
@@ -48,6 +49,15 @@ __all__ = ["guard_param", "is_guarded", "needs_values", "released_among", "ungua
 # would then hang the others, so a read outside forward raises instead. Nothing is set on the
 # parameter; `unguard_param` (Stage3Strategy.close) restores its class. The subclass's results are
 # plain tensors (torch functions run with subclass dispatch disabled, as nn.Parameter does).
+
+# Note [a released parameter in a state_dict]
+# ``module.state_dict()`` stores ``param.detach()`` for each parameter. Outside GatheredParameters
+# a released parameter's detach() returns the parameter itself, so the state dict has every key,
+# with placeholders that answer shape, dtype and device exactly and raise on any use of their
+# values (``torch.save`` pickles them: it raises; safetensors and ``load_state_dict`` fail on
+# them). Code that only needs the keys or shapes of a model built under ``zero.Init`` (Hugging
+# Face's ``from_pretrained`` asks for ``model.state_dict().keys()``) works; code that would save
+# or compare the values fails loudly, as before, instead of reading an empty tensor.
 
 #: Getters and methods whose answer does not depend on the parameter's values, or that stage 3
 #: and autograd need on a released parameter: they run as for any parameter.
@@ -197,6 +207,9 @@ def _torch_function(cls: type, func: Any, types: Any, args: tuple = (), kwargs: 
             pass
         elif name in _DESCRIBE:
             return _describe(sp)
+        elif name == "detach" and args and _SHARDED.get(id(args[0])) is sp:
+            # Note [a released parameter in a state_dict]: the placeholder itself.
+            return args[0]
         else:
             answered, answer = _shape_answer(name, sp, args, kwargs)
             if answered:
@@ -232,7 +245,15 @@ def _copy_guard(method: str) -> Any:
     def guarded(self: Any, arg: Any) -> Any:
         sp = _SHARDED.get(id(self))
         if sp is not None and sp.state is not _GATHERED:
-            raise not_gathered_error(sp.name or "?", f"by {method}() (copy or pickle)")
+            raise not_gathered_error(
+                sp.name or "?",
+                f"by {method}() (copy or pickle: torch.save of a state_dict taken outside "
+                "GatheredParameters holds it as a placeholder)",
+                fix="To save a model, use `sd = zero.full_state_dict(model)` (full tensors of "
+                "your own, on every rank; rank0_only=True keeps them on rank 0 only), or call "
+                "state_dict() inside `with zero.GatheredParameters(model.parameters()):` (it "
+                "returns copies there); zero.save_checkpoint saves the shards without gathering",
+            )
         return getattr(type(self)._stage3_plain_class, method)(self, arg)
 
     guarded.__name__ = method

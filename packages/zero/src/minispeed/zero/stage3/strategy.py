@@ -123,6 +123,9 @@ class Stage3Strategy(ShardStrategy):
         """Per group, the fp32 gradient shards, averaged over ranks (valid after backward_done)."""
         return [[self.reducer.grad_of(self.sharded[p]) for p in ps] for ps in self.groups]
 
+    def backward_begins(self, is_boundary: bool) -> None:
+        """Nothing to decide: stage 3 reduce-scatters every micro-step's gradients."""
+
     def backward_done(self, is_boundary: bool) -> None:
         """Wait for the gradient reduce-scatters; make sure nothing gathered for backward remains."""
         self.reducer.flush()

@@ -1,0 +1,17 @@
+"""`deepspeed`: minispeed's `minispeed.engine` under DeepSpeed's name.
+
+Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_compat.py`; do not edit."""
+
+import importlib as _importlib
+
+import minispeed.engine as _adapter
+from minispeed.engine import *  # noqa: F403
+from minispeed.engine import __all__  # noqa: F401
+from minispeed.engine.git_version_info import version as __version__
+
+for _child in ('accelerator', 'checkpoint', 'checkpointing', 'comm', 'git_version_info', 'inference', 'launcher', 'moe', 'ops', 'pipe', 'profiling', 'runtime', 'utils', 'zero'):
+    _importlib.import_module(f"{__name__}.{_child}")
+
+
+def __getattr__(name):
+    return getattr(_adapter, name)

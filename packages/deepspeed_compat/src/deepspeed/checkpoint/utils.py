@@ -1,0 +1,13 @@
+"""`deepspeed.checkpoint.utils`: minispeed's `minispeed.engine.ds_checkpoint` under DeepSpeed's name.
+
+Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_compat.py`; do not edit."""
+
+import importlib as _importlib
+
+import minispeed.engine.ds_checkpoint as _adapter
+from minispeed.engine.ds_checkpoint import *  # noqa: F403
+from minispeed.engine.ds_checkpoint import __all__  # noqa: F401
+
+
+def __getattr__(name):
+    return getattr(_adapter, name)

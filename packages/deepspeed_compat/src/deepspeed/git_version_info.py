@@ -1,0 +1,13 @@
+"""`deepspeed.git_version_info`: minispeed's `minispeed.engine.git_version_info` under DeepSpeed's name.
+
+Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_compat.py`; do not edit."""
+
+import importlib as _importlib
+
+import minispeed.engine.git_version_info as _adapter
+from minispeed.engine.git_version_info import *  # noqa: F403
+from minispeed.engine.git_version_info import __all__  # noqa: F401
+
+
+def __getattr__(name):
+    return getattr(_adapter, name)

@@ -1,0 +1,13 @@
+"""`deepspeed.inference`: minispeed's `minispeed.engine.inference` under DeepSpeed's name.
+
+Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_compat.py`; do not edit."""
+
+import importlib as _importlib
+
+import minispeed.engine.inference as _adapter
+from minispeed.engine.inference import *  # noqa: F403
+from minispeed.engine.inference import __all__  # noqa: F401
+
+
+def __getattr__(name):
+    return getattr(_adapter, name)

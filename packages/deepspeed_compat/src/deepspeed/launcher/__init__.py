@@ -1,0 +1,16 @@
+"""`deepspeed.launcher`: minispeed's `minispeed.engine.ds_launcher` under DeepSpeed's name.
+
+Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_compat.py`; do not edit."""
+
+import importlib as _importlib
+
+import minispeed.engine.ds_launcher as _adapter
+from minispeed.engine.ds_launcher import *  # noqa: F403
+from minispeed.engine.ds_launcher import __all__  # noqa: F401
+
+for _child in ('runner',):
+    _importlib.import_module(f"{__name__}.{_child}")
+
+
+def __getattr__(name):
+    return getattr(_adapter, name)

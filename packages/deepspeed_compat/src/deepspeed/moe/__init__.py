@@ -1,0 +1,16 @@
+"""`deepspeed.moe`: minispeed's `minispeed.engine.moe` under DeepSpeed's name.
+
+Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_compat.py`; do not edit."""
+
+import importlib as _importlib
+
+import minispeed.engine.moe as _adapter
+from minispeed.engine.moe import *  # noqa: F403
+from minispeed.engine.moe import __all__  # noqa: F401
+
+for _child in ('layer', 'sharded_moe', 'utils'):
+    _importlib.import_module(f"{__name__}.{_child}")
+
+
+def __getattr__(name):
+    return getattr(_adapter, name)

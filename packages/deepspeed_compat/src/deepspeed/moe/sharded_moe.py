@@ -1,0 +1,13 @@
+"""`deepspeed.moe.sharded_moe`: minispeed's `minispeed.engine.moe.sharded_moe` under DeepSpeed's name.
+
+Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_compat.py`; do not edit."""
+
+import importlib as _importlib
+
+import minispeed.engine.moe.sharded_moe as _adapter
+from minispeed.engine.moe.sharded_moe import *  # noqa: F403
+from minispeed.engine.moe.sharded_moe import __all__  # noqa: F401
+
+
+def __getattr__(name):
+    return getattr(_adapter, name)

@@ -1,0 +1,16 @@
+"""`deepspeed.ops`: minispeed's `minispeed.engine.ops` under DeepSpeed's name.
+
+Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_compat.py`; do not edit."""
+
+import importlib as _importlib
+
+import minispeed.engine.ops as _adapter
+from minispeed.engine.ops import *  # noqa: F403
+from minispeed.engine.ops import __all__  # noqa: F401
+
+for _child in ('adagrad', 'adam', 'lion'):
+    _importlib.import_module(f"{__name__}.{_child}")
+
+
+def __getattr__(name):
+    return getattr(_adapter, name)

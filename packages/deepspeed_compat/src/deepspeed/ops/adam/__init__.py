@@ -1,0 +1,16 @@
+"""`deepspeed.ops.adam`: minispeed's `minispeed.engine.ops.adam` under DeepSpeed's name.
+
+Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_compat.py`; do not edit."""
+
+import importlib as _importlib
+
+import minispeed.engine.ops.adam as _adapter
+from minispeed.engine.ops.adam import *  # noqa: F403
+from minispeed.engine.ops.adam import __all__  # noqa: F401
+
+for _child in ('cpu_adam', 'fused_adam'):
+    _importlib.import_module(f"{__name__}.{_child}")
+
+
+def __getattr__(name):
+    return getattr(_adapter, name)

@@ -1,0 +1,13 @@
+"""`deepspeed.ops.adam.cpu_adam`: minispeed's `minispeed.engine.ops.adam` under DeepSpeed's name.
+
+Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_compat.py`; do not edit."""
+
+import importlib as _importlib
+
+import minispeed.engine.ops.adam as _adapter
+from minispeed.engine.ops.adam import *  # noqa: F403
+from minispeed.engine.ops.adam import __all__  # noqa: F401
+
+
+def __getattr__(name):
+    return getattr(_adapter, name)

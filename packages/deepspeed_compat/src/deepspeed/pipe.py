@@ -1,0 +1,13 @@
+"""`deepspeed.pipe`: minispeed's `minispeed.engine.pipe` under DeepSpeed's name.
+
+Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_compat.py`; do not edit."""
+
+import importlib as _importlib
+
+import minispeed.engine.pipe as _adapter
+from minispeed.engine.pipe import *  # noqa: F403
+from minispeed.engine.pipe import __all__  # noqa: F401
+
+
+def __getattr__(name):
+    return getattr(_adapter, name)

@@ -1,0 +1,16 @@
+"""`deepspeed.runtime.activation_checkpointing`: minispeed's `minispeed.engine.runtime.activation_checkpointing` under DeepSpeed's name.
+
+Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_compat.py`; do not edit."""
+
+import importlib as _importlib
+
+import minispeed.engine.runtime.activation_checkpointing as _adapter
+from minispeed.engine.runtime.activation_checkpointing import *  # noqa: F403
+from minispeed.engine.runtime.activation_checkpointing import __all__  # noqa: F401
+
+for _child in ('checkpointing',):
+    _importlib.import_module(f"{__name__}.{_child}")
+
+
+def __getattr__(name):
+    return getattr(_adapter, name)

@@ -1,0 +1,13 @@
+"""`deepspeed.runtime.activation_checkpointing.checkpointing`: minispeed's `minispeed.engine.runtime.activation_checkpointing.checkpointing` under DeepSpeed's name.
+
+Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_compat.py`; do not edit."""
+
+import importlib as _importlib
+
+import minispeed.engine.runtime.activation_checkpointing.checkpointing as _adapter
+from minispeed.engine.runtime.activation_checkpointing.checkpointing import *  # noqa: F403
+from minispeed.engine.runtime.activation_checkpointing.checkpointing import __all__  # noqa: F401
+
+
+def __getattr__(name):
+    return getattr(_adapter, name)

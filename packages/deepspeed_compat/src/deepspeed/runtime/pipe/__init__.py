@@ -1,0 +1,16 @@
+"""`deepspeed.runtime.pipe`: minispeed's `minispeed.engine.runtime.pipe` under DeepSpeed's name.
+
+Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_compat.py`; do not edit."""
+
+import importlib as _importlib
+
+import minispeed.engine.runtime.pipe as _adapter
+from minispeed.engine.runtime.pipe import *  # noqa: F403
+from minispeed.engine.runtime.pipe import __all__  # noqa: F401
+
+for _child in ('engine', 'module', 'topology'):
+    _importlib.import_module(f"{__name__}.{_child}")
+
+
+def __getattr__(name):
+    return getattr(_adapter, name)

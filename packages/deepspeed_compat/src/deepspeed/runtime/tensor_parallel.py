@@ -1,0 +1,13 @@
+"""`deepspeed.runtime.tensor_parallel`: minispeed's `minispeed.engine.runtime.tensor_parallel` under DeepSpeed's name.
+
+Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_compat.py`; do not edit."""
+
+import importlib as _importlib
+
+import minispeed.engine.runtime.tensor_parallel as _adapter
+from minispeed.engine.runtime.tensor_parallel import *  # noqa: F403
+from minispeed.engine.runtime.tensor_parallel import __all__  # noqa: F401
+
+
+def __getattr__(name):
+    return getattr(_adapter, name)

@@ -1,0 +1,13 @@
+"""`deepspeed.runtime.zero.offload_config`: minispeed's `minispeed.engine.runtime.zero.offload_config` under DeepSpeed's name.
+
+Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_compat.py`; do not edit."""
+
+import importlib as _importlib
+
+import minispeed.engine.runtime.zero.offload_config as _adapter
+from minispeed.engine.runtime.zero.offload_config import *  # noqa: F403
+from minispeed.engine.runtime.zero.offload_config import __all__  # noqa: F401
+
+
+def __getattr__(name):
+    return getattr(_adapter, name)

@@ -1,0 +1,13 @@
+"""`deepspeed.utils.tensor_fragment`: minispeed's `minispeed.engine.utils.tensor_fragment` under DeepSpeed's name.
+
+Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_compat.py`; do not edit."""
+
+import importlib as _importlib
+
+import minispeed.engine.utils.tensor_fragment as _adapter
+from minispeed.engine.utils.tensor_fragment import *  # noqa: F403
+from minispeed.engine.utils.tensor_fragment import __all__  # noqa: F401
+
+
+def __getattr__(name):
+    return getattr(_adapter, name)

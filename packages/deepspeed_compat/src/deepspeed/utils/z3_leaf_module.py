@@ -1,0 +1,13 @@
+"""`deepspeed.utils.z3_leaf_module`: minispeed's `minispeed.engine.utils.z3_leaf_module` under DeepSpeed's name.
+
+Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_compat.py`; do not edit."""
+
+import importlib as _importlib
+
+import minispeed.engine.utils.z3_leaf_module as _adapter
+from minispeed.engine.utils.z3_leaf_module import *  # noqa: F403
+from minispeed.engine.utils.z3_leaf_module import __all__  # noqa: F401
+
+
+def __getattr__(name):
+    return getattr(_adapter, name)

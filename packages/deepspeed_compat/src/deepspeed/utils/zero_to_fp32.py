@@ -1,0 +1,13 @@
+"""`deepspeed.utils.zero_to_fp32`: minispeed's `minispeed.engine.utils.zero_to_fp32` under DeepSpeed's name.
+
+Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_compat.py`; do not edit."""
+
+import importlib as _importlib
+
+import minispeed.engine.utils.zero_to_fp32 as _adapter
+from minispeed.engine.utils.zero_to_fp32 import *  # noqa: F403
+from minispeed.engine.utils.zero_to_fp32 import __all__  # noqa: F401
+
+
+def __getattr__(name):
+    return getattr(_adapter, name)

@@ -1,0 +1,13 @@
+"""`deepspeed.zero`: minispeed's `minispeed.engine.zero` under DeepSpeed's name.
+
+Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_compat.py`; do not edit."""
+
+import importlib as _importlib
+
+import minispeed.engine.zero as _adapter
+from minispeed.engine.zero import *  # noqa: F403
+from minispeed.engine.zero import __all__  # noqa: F401
+
+
+def __getattr__(name):
+    return getattr(_adapter, name)

@@ -1,0 +1,59 @@
+"""`deepspeed.runtime.zero.partition_parameters`: stage 3's construction and gathering contexts
+(`Init`, `GatheredParameters`, `register_external_parameter`, from `minispeed.engine.zero`),
+`ZeroParamStatus`, and the names transformers reaches into while it builds a model.
+
+`ZeroParamStatus` is DeepSpeed's enum of where a partitioned parameter's full value is
+(`AVAILABLE` = minispeed's `ParamState.GATHERED`, `NOT_AVAILABLE` = `SHARDED`, `INFLIGHT` =
+`GATHERING`); minispeed keeps that state on its own `ShardedParam`, never as a `ds_status`
+attribute patched onto the `nn.Parameter`, so code that reads `param.ds_status` (or
+`ds_numel`, `ds_shape`) finds none: transformers' parameter count logs 0 under ZeRO-3 for that
+reason, and nothing else changes.
+
+DeepSpeed's `Init` wraps torch's tensor constructors to build parameters in the config's dtype;
+transformers swaps that wrapper (`zero_wrapper_for_fp_tensor_constructor`) around `from_pretrained`
+to keep `torch.arange`'s dtype. minispeed's `Init` builds in the model's own dtype and wraps no
+constructor, so the wrapper here is the identity and `_orig_torch_arange` is torch's
+`arange`: the swap is accepted and changes nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from minispeed.engine.zero import (
+    GatheredParameters,
+    Init,
+    register_external_parameter,
+    unregister_external_parameter,
+)
+
+__all__ = [
+    "GatheredParameters",
+    "Init",
+    "ZeroParamStatus",
+    "register_external_parameter",
+    "unregister_external_parameter",
+    "zero_wrapper_for_fp_tensor_constructor",
+]
+
+_orig_torch_arange = torch.arange
+
+
+class ZeroParamStatus(enum.Enum):
+    """Where a ZeRO-3 parameter's full value is (DeepSpeed's names and values)."""
+
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
+
+
+def zero_wrapper_for_fp_tensor_constructor(
+    fn: Callable[..., Any], target_fp_dtype: torch.dtype, target_device: Any = None
+) -> Callable[..., Any]:
+    """DeepSpeed's constructor wrapper: `fn` itself, since minispeed's `Init` casts nothing
+    (module docstring)."""
+    return fn

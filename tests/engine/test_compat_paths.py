@@ -1,0 +1,154 @@
+"""The `deepspeed` distribution (packages/deepspeed_compat): what transformers and accelerate look
+for, the table of DeepSpeed's paths it is generated from, and that it never stands in for
+DeepSpeed where DeepSpeed's reference values are recorded.
+
+- the distribution is named `deepspeed`, versioned `0.19.8+minispeed.<minispeed's version>`,
+  and transformers' and accelerate's `is_deepspeed_available()` say yes;
+- its tree is exactly what `scripts/sync_deepspeed_compat.py` generates from
+  `minispeed.engine.deepspeed_paths` (no drift either way);
+- every adapter path imports and resolves as an attribute from `deepspeed`, and its names are
+  the engine module's very objects (class identity; no engine module loaded a second time under
+  a `deepspeed` name); every refused path raises an `ImportError` naming what to use;
+- `scripts/ds_fixture.py` and a recorder refuse to run against it, and no kept fixture says it
+  was recorded on it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+from importlib.metadata import metadata, version
+from pathlib import Path
+
+import pytest
+
+import minispeed.engine as engine
+from minispeed.engine.deepspeed_paths import ADAPTERS, REFUSED
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+import sync_deepspeed_compat  # noqa: E402
+
+
+def test_distribution_is_deepspeed_by_name_and_minispeed_by_version() -> None:
+    import deepspeed
+    from accelerate.utils import is_deepspeed_available as accelerate_sees
+    from transformers.integrations.deepspeed import is_deepspeed_available as transformers_sees
+
+    expected = f"0.19.8+minispeed.{version('minispeed')}"
+    assert version("deepspeed") == expected == deepspeed.__version__
+    assert deepspeed.git_version_info.version == expected
+    assert metadata("deepspeed")["Name"] == "deepspeed"
+    assert transformers_sees() and accelerate_sees()
+
+
+def test_tree_is_the_table() -> None:
+    assert sync_deepspeed_compat.differences() == []
+
+
+@pytest.mark.parametrize("path", sorted(ADAPTERS))
+def test_adapter_path_is_the_engine_module(path: str) -> None:
+    import deepspeed
+
+    module = importlib.import_module(path)
+    by_attribute = deepspeed
+    for part in path.split(".")[1:]:
+        by_attribute = getattr(by_attribute, part)
+    if by_attribute is not module:  # as in DeepSpeed, a function named as its module wins
+        parent, _, name = path.rpartition(".")
+        assert by_attribute is getattr(importlib.import_module(ADAPTERS[parent]), name), path
+    target = importlib.import_module(ADAPTERS[path])
+    for name in target.__all__:
+        ours, theirs = getattr(module, name), getattr(target, name)
+        if isinstance(theirs, type(engine)):  # a child module: its deepspeed counterpart
+            assert ours.__name__ == f"{path}.{name}", (path, name)
+        else:
+            assert ours is theirs, (path, name)
+
+
+def test_classes_keep_their_identity_and_no_module_loads_twice() -> None:
+    import deepspeed
+    import deepspeed.runtime.engine
+    import deepspeed.runtime.zero.partition_parameters as pp
+
+    assert deepspeed.runtime.engine.DeepSpeedEngine is engine.DeepSpeedEngine
+    assert deepspeed.zero.Init is engine.zero.Init is pp.Init
+    assert deepspeed.runtime.zero.GatheredParameters is engine.zero.GatheredParameters
+    assert deepspeed.initialize is engine.initialize
+    assert pp._orig_torch_arange is engine.runtime.zero.partition_parameters._orig_torch_arange
+    src = Path(engine.__file__).parent
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if file and Path(file).is_relative_to(src):
+            assert name.startswith("minispeed.engine"), (name, file)
+
+
+@pytest.mark.parametrize("path", sorted(REFUSED))
+def test_refused_path_names_what_to_use(path: str) -> None:
+    with pytest.raises(ImportError, match="is not provided by minispeed") as err:
+        importlib.import_module(path)
+    assert path in str(err.value) and REFUSED[path] in str(err.value)
+    assert any(w in REFUSED[path] for w in ("use ", "minispeed", "train ", "feed ", "call ")), path
+
+
+def test_recording_against_minispeed_is_refused() -> None:
+    """A recorder's own run fails before anything is recorded (it imports `ds_fixture` first,
+    which refuses this `deepspeed`): a fixture recorded on minispeed would compare minispeed
+    with itself."""
+    recorder = subprocess.run(
+        [sys.executable, "scripts/record_ds_estimates.py"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert recorder.returncode != 0 and "is minispeed" in recorder.stderr, recorder.stderr[-2000:]
+    assert "record fixtures with DeepSpeed's own venv" in recorder.stderr
+
+
+def test_no_fixture_was_recorded_on_minispeed() -> None:
+    fixtures = [*ROOT.glob("tests/**/fixtures/*.json"), *ROOT.glob("packages/*/tests/**/*.json")]
+    assert len(fixtures) > 15
+    for path in fixtures:
+        data = json.loads(path.read_text())
+        if isinstance(data, dict):
+            recorded = str(data.get("deepspeed", "")) + str(data.get("recorded_with", ""))
+            assert "+minispeed" not in recorded, path
+
+
+@pytest.mark.parametrize("name", ["safe_set_local_fp32_param"])
+def test_refused_utils_names_say_what_to_use(name: str) -> None:
+    for module in ("deepspeed.utils", "minispeed.engine.utils"):
+        with pytest.raises(
+            ImportError, match=r"not provided by minispeed.*safe_set_full_fp32_param"
+        ):
+            exec(f"from {module} import {name}", {})
+
+
+def test_zero3_template_is_accepted_once_the_trainer_fills_it() -> None:
+    """examples/hf_zero3_offload_template.json (docs/engine/trainer-tutorial.md), filled
+    by transformers' own code as the Trainer fills it, is a config the engine accepts whole."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.deepspeed import (
+        HfTrainerDeepSpeedConfig,
+        unset_hf_deepspeed_config,
+    )
+
+    from minispeed.engine.config import EngineConfig
+
+    args = SimpleNamespace(
+        world_size=2, per_device_train_batch_size=2, gradient_accumulation_steps=4,
+        max_grad_norm=1.0, learning_rate=1e-3, adam_beta1=0.9, adam_beta2=0.999,
+        adam_epsilon=1e-8, weight_decay=0.01, save_on_each_node=False, fp16=False,
+        fp16_full_eval=False, bf16=False, bf16_full_eval=False,
+        get_warmup_steps=lambda total: 10,
+    )  # fmt: skip
+    model = SimpleNamespace(config=SimpleNamespace(hidden_size=768))
+    try:
+        hf = HfTrainerDeepSpeedConfig(str(ROOT / "examples/hf_zero3_offload_template.json"))
+        hf.trainer_config_process(args)
+        hf.trainer_config_finalize(args, model, num_training_steps=100)
+        config = EngineConfig.from_ds_config(hf.config, data_parallel_size=2)
+    finally:
+        unset_hf_deepspeed_config()  # transformers keeps it globally: ZeRO-3 for every model
+    assert config.train_batch_size == 16 and config.zero.stage == 3
+    assert config.zero.offload_param.device == "cpu" == config.zero.offload_optimizer.device
