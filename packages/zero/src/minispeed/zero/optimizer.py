@@ -184,7 +184,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # parameter (a tensor's `__hash__` is a Python call); a tensor write per gradient would
         # cost a dispatcher round trip each. Copied into `_agreement` once, in step().
         self._used = bytearray(len(self._params))
-        self._unused = bytes(len(self._params))  # what `_used` is reset to
         self._hooks = [
             p.register_post_accumulate_grad_hook(_used_marker(self._used, k))
             for k, p in enumerate(self._params)
@@ -371,10 +370,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ]
         if unfrozen:  # See Note [requires_grad is fixed at shard time]
             self._agreement[0] = float(unfrozen[-1] + 2)
-        if any(self._used):  # slots 1..n: 1.0 where used (the others are 0 since the last step)
-            used = torch.frombuffer(self._used, dtype=torch.uint8)
-            self._agreement[1 : 1 + len(self._used)].copy_(used)
-            self._used[:] = self._unused
+        used = torch.tensor(self._used, dtype=torch.uint8)  # slots 1..n: 1.0 where used
+        self._agreement[1 : 1 + len(self._used)].copy_(used)
+        self._used[:] = bytes(len(self._used))
         if self._io is not None:  # writes still in flight must land (or fail) before the vote
             self._io.settle()
             self._agreement[-1] = float(self._io.failed)
@@ -486,11 +484,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         coef = torch.clamp(self.config.max_grad_norm / (sq.sqrt() + 1e-6), max=1.0)
         if self.strategy.scale_grads(float(coef)):  # applied as they are read back (Infinity)
             return
-        if all(g.dtype == coef.dtype for g in grads):  # one call for all: the same products
-            torch._foreach_mul_(grads, coef.reshape(()))
-            return
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
+        if grads:  # one call for all: the products of g.mul_ on each
+            torch._foreach_mul_(grads, [coef.to(g.dtype) for g in grads])
 
     def shared_params(self) -> list[nn.Parameter]:
         """The parameters whose gradient this optimizer sums over model-parallel ranks at each
