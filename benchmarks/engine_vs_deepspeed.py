@@ -363,7 +363,9 @@ def main() -> None:
     losses: dict[str, list[float]] = {n: [] for n in names}
     step = 0
     for r in range(args.rounds + 1):  # round 0 warms up
-        for n in names:
+        # Each round starts with the next contender: none always runs first (after another
+        # stage's contenders, on a colder cache) or always last.
+        for n in names[r % len(names) :] + names[: r % len(names)]:
             for k in range(per_round):
                 data = batches_for(r * per_round + k, args.size, rank)
                 comm.barrier()
