@@ -26,16 +26,26 @@ DS_ACCELERATOR=cpu python -m torch.distributed.run --standalone --nproc_per_node
 ```
 
 Goals (issue 20): engine ≤ 0.5× DeepSpeed's step at the small size, ≤ 1.0× at the large one, at
-every stage; engine ≤ 1.02× `zero.shard`.
+every stage; engine ≤ 1.02× `zero.shard`. Issue 34 point 5: at 30K parameters the engine's CPU
+time per step ≤ 1.03× `zero.shard`'s at every stage and ZeRO-0's ≤ 1.05× DDP's.
+
+`--calls` counts instead of timing: every Python call (`sys.setprofile`'s `call` events) and
+every builtin call (`c_call`) each contender makes on rank 0 over `--steps-per-round` steps after
+one warm-up round, per micro-step, grouped by where the call goes (the package of the function
+called; a builtin by the package of its caller, marked `[builtin]`). Counts do not depend on
+the machine's load, so the table is the same on every run; it prints each contender's groups,
+then what the engine adds over `zero.shard` and ZeRO-0 over DDP, function by function.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import math
 import os
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -108,7 +118,7 @@ class Contender:
         kind, stage = name.rsplit(" ZeRO-", 1)
         cfg = ds_config(int(stage), micro)
         if kind == "DDP":
-            self.step = self._ddp(model)  # type: ignore[method-assign]
+            self._step = self._ddp(model)  # type: ignore[method-assign]
             return
         if kind == "shard":
             import minispeed.zero as zero
@@ -125,10 +135,17 @@ class Contender:
             import minispeed.engine as deepspeed
         else:
             import deepspeed  # type: ignore[no-redef]
+        linear = F.linear
         engine, *_ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=cfg
         )
         self.forward, self.backward, self.opt_step = engine, engine.backward, engine.step
+        if F.linear is not linear:
+            # DeepSpeed's ZeRO-3 replaces torch.nn.functional.linear for the whole process
+            # ("This will persist unless manually reset"): every contender built after it
+            # would run DeepSpeed's linear (+9 Python calls per nn.Linear forward). Each
+            # contender runs with the linear it was built with: DeepSpeed's only in its step.
+            self.linear, F.linear = F.linear, linear
 
     @staticmethod
     def _ddp(model: nn.Module) -> Any:
@@ -153,7 +170,18 @@ class Contender:
 
         return step
 
+    linear: Any = None  # the F.linear this contender's steps run with (None: torch's own)
+
     def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        if self.linear is None:
+            return self._step(batches)
+        torch_linear, F.linear = F.linear, self.linear
+        try:
+            return self._step(batches)
+        finally:
+            F.linear = torch_linear
+
+    def _step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         total = 0.0
         for x, y in batches:
             loss = self.forward(x, y)
@@ -173,6 +201,124 @@ def batches_for(step: int, size: str, rank: int) -> list[tuple[torch.Tensor, tor
     return out
 
 
+def _round_ratio_range(
+    samples: dict[str, list[float]], a: str, b: str, per_round: int
+) -> tuple[float, float]:
+    """The spread of a / b: lowest and highest ratio of the two contenders' per-round medians
+    (they ran back to back in each round)."""
+    rounds = len(samples[a]) // per_round
+    ratios = [
+        statistics.median(samples[a][r * per_round : (r + 1) * per_round])
+        / statistics.median(samples[b][r * per_round : (r + 1) * per_round])
+        for r in range(rounds)
+    ]
+    return min(ratios), max(ratios)
+
+
+# Where a call goes, by the path of the function's file: the first matching fragment names it.
+_GROUPS = (
+    ("/minispeed/engine/", "engine"),
+    ("/minispeed/zero/", "zero"),
+    ("/minispeed/comm/", "comm"),
+    ("/minispeed/core/", "core"),
+    ("/minispeed/", "minispeed (other)"),
+    ("/deepspeed/", "deepspeed"),
+    ("/torch/nn/parallel/", "torch.nn.parallel"),
+    ("/torch/nn/", "torch.nn"),
+    ("/torch/optim/", "torch.optim"),
+    ("/torch/distributed/", "torch.distributed"),
+    ("/torch/autograd/", "torch.autograd"),
+    ("/torch/utils/", "torch.utils"),
+    ("/torch/", "torch (other)"),
+    ("engine_vs_deepspeed.py", "benchmark loop"),
+)
+
+
+def _group(filename: str) -> str:
+    path = filename.replace(os.sep, "/")
+    return next((g for part, g in _GROUPS if part in path), "python (stdlib)")
+
+
+def count_calls(run: Any) -> collections.Counter[tuple[str, str]]:
+    """Every call `run()` makes, as {(group, function): count}: Python functions by the group
+    of their own file, builtins (`[builtin] name`) by the group of the function calling them."""
+    counts: collections.Counter[tuple[str, str]] = collections.Counter()
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            code = frame.f_code
+            counts[_group(code.co_filename), code.co_qualname] += 1
+        elif event == "c_call":
+            name = getattr(arg, "__qualname__", None) or getattr(arg, "__name__", repr(arg))
+            counts[_group(frame.f_code.co_filename), f"[builtin] {name}"] += 1
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return counts
+
+
+def _by_group(counts: collections.Counter[tuple[str, str]]) -> collections.Counter[str]:
+    out: collections.Counter[str] = collections.Counter()
+    for (group, _), n in counts.items():
+        out[group] += n
+    return out
+
+
+def _print_diff(title: str, a: collections.Counter, b: collections.Counter, per: int) -> None:
+    """What `a` makes more (or fewer) than `b`, per micro-step: by group, then by function."""
+    ga, gb = _by_group(a), _by_group(b)
+    total = (sum(a.values()) - sum(b.values())) / per
+    print(f"  {title}: {total:+.1f} calls per micro-step")
+    for g in sorted(set(ga) | set(gb), key=lambda g: -abs(ga[g] - gb[g])):
+        if ga[g] != gb[g]:
+            print(f"    {g:<22} {(ga[g] - gb[g]) / per:+8.1f}")
+    rows = [(k, a[k] - b[k]) for k in set(a) | set(b) if a[k] != b[k]]
+    rows.sort(key=lambda r: (-abs(r[1]), r[0]))
+    for (group, name), d in rows[:40]:
+        print(f"      {d / per:+7.1f}  {group:<20} {name}")
+    if len(rows) > 40:
+        rest = sum(d for _, d in rows[40:]) / per
+        print(f"      {rest:+7.1f}  ({len(rows) - 40} more functions)")
+
+
+def calls_report(
+    contenders: dict[str, Contender], names: list[str], stages: list[int], size: str, steps: int
+) -> None:
+    """`--calls`: count each contender's calls over `steps` steps on this rank, after a warm-up
+    step (lazy state: the optimizer's, autograd's); print per micro-step (rank 0)."""
+    import minispeed.comm as comm
+
+    rank, per = comm.get_rank(), steps * GAS
+    counts = {}
+    for n in names:
+        contenders[n].step(batches_for(0, size, rank))
+        comm.barrier()
+        counts[n] = count_calls(
+            lambda n=n: [contenders[n].step(batches_for(1 + k, size, rank)) for k in range(steps)]
+        )
+    if rank != 0:
+        return
+    params = next(iter(contenders.values())).params
+    print(f"size {size}: {params:,} parameters; calls per micro-step on rank 0 ({per} counted)")
+    for s in stages:
+        group = [n for n in names if n.endswith(f"ZeRO-{s}")]
+        groups = sorted({g for n in group for g in _by_group(counts[n])})
+        print(
+            f"ZeRO-{s}: "
+            + ", ".join(f"{n.split()[0]} {sum(counts[n].values()) / per:.1f}" for n in group)
+        )
+        print(f"  {'group':<22}" + "".join(f"{n.split()[0]:>11}" for n in group))
+        for g in groups:
+            print(f"  {g:<22}" + "".join(f"{_by_group(counts[n])[g] / per:>11.1f}" for n in group))
+        _print_diff(f"engine - shard, ZeRO-{s}", counts[group[0]], counts[group[1]], per)
+        if s == 0 and "DDP ZeRO-0" in counts:
+            for n in group[:2]:
+                _print_diff(f"{n} - DDP", counts[n], counts["DDP ZeRO-0"], per)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="small")
@@ -182,6 +328,11 @@ def main() -> None:
     parser.add_argument("--deepspeed", choices=("auto", "yes", "no"), default="auto")
     parser.add_argument(
         "--no-ddp", dest="ddp", action="store_false", help="leave out the DDP floor at stage 0"
+    )
+    parser.add_argument(
+        "--calls",
+        action="store_true",
+        help="count every contender's Python and builtin calls per micro-step instead of timing",
     )
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -204,12 +355,17 @@ def main() -> None:
         names.insert(names.index(f"{kinds[-1]} ZeRO-0") + 1, "DDP ZeRO-0")
     contenders = {n: Contender(n, args.size) for n in names}
     per_round = args.steps_per_round or (20 if args.size == "small" else 2)
+    if args.calls:
+        calls_report(contenders, names, stages, args.size, per_round)
+        return
     times: dict[str, list[float]] = {n: [] for n in names}
     cpu: dict[str, list[float]] = {n: [] for n in names}  # this process's CPU time per step
     losses: dict[str, list[float]] = {n: [] for n in names}
     step = 0
     for r in range(args.rounds + 1):  # round 0 warms up
-        for n in names:
+        # Each round starts with the next contender: none always runs first (after another
+        # stage's contenders, on a colder cache) or always last.
+        for n in names[r % len(names) :] + names[: r % len(names)]:
             for k in range(per_round):
                 data = batches_for(r * per_round + k, args.size, rank)
                 comm.barrier()
@@ -245,10 +401,12 @@ def main() -> None:
             med = {n: statistics.median(samples[n]) for n in group}
             line = f"ZeRO-{s} {label}: "
             line += ", ".join(f"{n.split()[0]} {med[n] * 1e3:.1f} ms" for n in group)
-            line += f" | engine/shard {med[group[0]] / med[group[1]]:.3f}"
-            for other in group[2:]:
-                kind = other.split()[0]
-                line += f" | engine/{kind} {med[group[0]] / med[other]:.3f}"
+            pairs = [(group[0], n) for n in group[1:]]
+            if s == 0 and "DDP ZeRO-0" in group:
+                pairs.append((group[1], "DDP ZeRO-0"))
+            for a, b in pairs:
+                line += f" | {a.split()[0]}/{b.split()[0]} {med[a] / med[b]:.3f}"
+                line += " ({:.2f}-{:.2f})".format(*_round_ratio_range(samples, a, b, per_round))
             print(line)
 
 

@@ -159,12 +159,11 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
                 "hooks take each parameter's gradient once per backward; call "
                 "engine.backward(loss)"
             )
-        kwargs = {"ends": self._boundary, "divided": not scale_wrt_gas}
-        if not self.config.wall_clock_breakdown:
-            opt.backward(loss, **kwargs)
+        if not self.config.wall_clock_breakdown:  # no dict of arguments built per call
+            opt.backward(loss, ends=self._boundary, divided=not scale_wrt_gas)
         else:
             with self._timed("backward"):
-                opt.backward(loss, **kwargs)
+                opt.backward(loss, ends=self._boundary, divided=not scale_wrt_gas)
         # DeepSpeed's return value: the loss as its backward ran on it (after the graph is freed).
         return loss / self.config.gradient_accumulation_steps if scale_wrt_gas else loss
 

@@ -102,7 +102,9 @@ class LaunchQueue:
     def arrived(self, bucket: int, *, launch: bool = True) -> None:
         """One member of `bucket` arrived; with `launch`, issue every bucket now ready in order."""
         self.pending[bucket] -= 1
-        if launch:
+        # launch_ready's own test, here: most arrivals complete no bucket, and a call per
+        # gradient is what a small model's micro-step is made of.
+        if launch and self.next < len(self._members) and self.pending[self.next] <= 0:
             self.launch_ready()
 
     def launch_ready(self, force: bool = False) -> None:

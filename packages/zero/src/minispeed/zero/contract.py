@@ -215,16 +215,21 @@ def param_names(model: nn.Module) -> dict[nn.Parameter, str]:
     return {p: name for name, p in model.named_parameters()}
 
 
-def weak_hook(method: Callable[[nn.Parameter], None]) -> Callable[[nn.Parameter], None]:
-    """A parameter hook calling the bound ``method`` while its object is alive, a no-op after.
+def weak_hook(method: Callable[..., None], *args: Any) -> Callable[[nn.Parameter], None]:
+    """A parameter hook calling the bound ``method(param, *args)`` while its object is alive, a
+    no-op after.
 
-    See Note [hooks hold their owner weakly]. Costs one weak-reference lookup per call.
+    See Note [hooks hold their owner weakly]. Costs one weak-reference lookup per call and no
+    Python call besides `method` itself (`weakref.WeakMethod`'s lookup is a Python method;
+    this one is a plain reference to the object and its function). `args` are bound once
+    (e.g. where the parameter's gradient goes), so the hook needs no lookup keyed by the
+    parameter, whose `__hash__` is a Python call too.
     """
-    ref = weakref.WeakMethod(method)
+    ref, func = weakref.ref(method.__self__), method.__func__  # type: ignore[attr-defined]
 
     def hook(param: nn.Parameter) -> None:
-        bound = ref()
-        if bound is not None:
-            bound(param)
+        owner = ref()
+        if owner is not None:
+            func(owner, param, *args)
 
     return hook

@@ -27,7 +27,7 @@ import minispeed.comm as comm
 from minispeed.core import ranges
 from minispeed.core.logging import get_logger
 from minispeed.zero.config import ZeroConfig
-from minispeed.zero.contract import ParamFragment, ShardStrategy, param_names, weak_hook
+from minispeed.zero.contract import ParamFragment, ShardStrategy, param_names
 from minispeed.zero.flat import cut_runs
 from minispeed.zero.model_parallel import ModelParallel
 from minispeed.zero.precision import LossScaler, MixedPrecision
@@ -177,13 +177,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         )
         # Where the master gradients live: the overflow flag and the norm are summed there.
         self._grad_device = _device_of(masters)
-        self._slot = {p: k + 1 for k, p in enumerate(self._params)}
         self._trainable_at_shard = [p.requires_grad for p in self._params]
         self._backward_since_step = False
-        self._used: set[nn.Parameter] = set()  # got a gradient on this rank in this window
+        # _used[k] = 1: parameter k got a gradient on this rank in this window. Bytes written by
+        # a hook holding only this buffer (no owner, so no cycle: Note [hooks hold their owner
+        # weakly] in contract.py): one Python call per gradient, no lookup keyed by the
+        # parameter (a tensor's `__hash__` is a Python call); a tensor write per gradient would
+        # cost a dispatcher round trip each. Copied into `_agreement` once, in step().
+        self._used = bytearray(len(self._params))
         self._hooks = [
-            p.register_post_accumulate_grad_hook(weak_hook(self._mark_used))
-            for p in self._params
+            p.register_post_accumulate_grad_hook(_used_marker(self._used, k))
+            for k, p in enumerate(self._params)
             if p.requires_grad
         ]
         self._closed = False
@@ -279,11 +283,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Backward calls since the last boundary step (0 between windows)."""
         return self._window
 
-    def _mark_used(self, p: nn.Parameter) -> None:
-        # A set, not `_agreement[slot] = 1`: a tensor write per parameter per backward costs a
-        # dispatcher round trip each; the flags are written into the tensor once, in step().
-        self._used.add(p)
-
     def backward(self, loss: Tensor, *, ends: bool | None = None, divided: bool = False) -> None:
         """Backward of `loss` scaled by `loss_scale / gradient_accumulation_steps`.
 
@@ -364,10 +363,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ]
         if unfrozen:  # See Note [requires_grad is fixed at shard time]
             self._agreement[0] = float(unfrozen[-1] + 2)
-        if self._used:
-            used = torch.tensor([self._slot[p] for p in self._used])
-            self._agreement.index_fill_(0, used.to(self._agreement.device), 1.0)
-            self._used.clear()
+        used = torch.tensor(self._used, dtype=torch.uint8)  # slots 1..n: 1.0 where used
+        self._agreement[1 : 1 + len(self._used)].copy_(used)
+        self._used[:] = bytes(len(self._used))
         if self._io is not None:  # writes still in flight must land (or fail) before the vote
             self._io.settle()
             self._agreement[-1] = float(self._io.failed)
@@ -397,7 +395,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 f"zero.save_checkpoint, opt.close(), zero.shard(model, new_optimizer, ...), "
                 f"zero.load_checkpoint"
             )
-        unused = [p for p in self._params if flags[self._slot[p]] == 0]
+        unused = [p for p, f in zip(self._params, flags[1 : 1 + len(self._params)]) if f == 0]
 
         if overflow:
             # Skip: no master, no state and no parameter is touched. See LossScaler.
@@ -465,7 +463,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             sq += own.to(sq.device)
         for k, g in enumerate(grads if own is None else ()):
             if k not in self._uncounted:  # a copy counted on another model-parallel rank
-                sq += g.float().pow(2).sum()
+                sq += (g if g.dtype == torch.float32 else g.float()).pow(2).sum()
         if self.strategy.partitions_grads:  # disjoint shards: the squares add up across ranks
             travel = sq.to(comm.tensor_device(self.comm_group))  # the host under offload + NCCL
             comm.all_reduce(travel, group=self.comm_group)
@@ -479,8 +477,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         coef = torch.clamp(self.config.max_grad_norm / (sq.sqrt() + 1e-6), max=1.0)
         if self.strategy.scale_grads(float(coef)):  # applied as they are read back (Infinity)
             return
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
+        if grads:  # one call for all: the products of g.mul_ on each
+            torch._foreach_mul_(grads, [coef.to(g.dtype) for g in grads])
 
     def shared_params(self) -> list[nn.Parameter]:
         """The parameters whose gradient this optimizer sums over model-parallel ranks at each
@@ -577,6 +575,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             f"ZeroOptimizer(stage={self.config.stage}, inner={type(self.optimizer).__name__}, "
             f"dtype={self.precision.param_dtype}, global_step={self.global_step}, {self.loss_scaler})"
         )
+
+
+def _used_marker(used: bytearray, k: int) -> Callable[[nn.Parameter], None]:
+    """The hook that marks parameter `k` used in this window (`ZeroOptimizer._used`)."""
+
+    def mark(_param: nn.Parameter) -> None:
+        used[k] = 1
+
+    return mark
 
 
 def _device_of(masters: list[list[Tensor]]) -> torch.device:

@@ -139,22 +139,24 @@ class _BucketedGrads:
             lambda k: launch()(k),
             self.max_in_flight,
         )
-        # Per parameter: (group, index in group, launch index of its bucket). The hook's fast path.
-        self._where = {
-            p: (g, i, launch_index[(g, layouts[g].bucket_of_param[i])])
-            for g, ps in enumerate(groups)
-            for i, p in enumerate(ps)
-        }
-        self._seen: set[tuple[int, int]] = set()
+        # _seen[g][i] = 1: parameter i of group g got its gradient in this backward.
+        self._seen = [bytearray(len(ps)) for ps in groups]
         self._micro_step = 0
         # Whether the backward now running ends the accumulation window, as the optimizer said
         # (`backward_begins`); None: not said, counted from `gradient_accumulation_steps`.
         self._ends_window: bool | None = None
+        # `_reducing_now()` for the backward now running, decided once per backward (it changes
+        # only in `backward_begins` and `backward_done`), not once per gradient.
+        self._launching = self._reducing_now()
         # A frozen parameter (requires_grad=False) never gets a gradient: it counts as unused.
+        # Each hook is bound to (group, index in group, launch index of its bucket): no lookup
+        # keyed by the parameter on the hook's path.
         self._handles = [
-            p.register_post_accumulate_grad_hook(weak_hook(self._on_grad))
-            for ps in groups
-            for p in ps
+            p.register_post_accumulate_grad_hook(
+                weak_hook(self._on_grad, g, i, launch_index[(g, layouts[g].bucket_of_param[i])])
+            )
+            for g, ps in enumerate(groups)
+            for i, p in enumerate(ps)
             if p.requires_grad
         ]
 
@@ -177,16 +179,16 @@ class _BucketedGrads:
         raise NotImplementedError
 
     # -- the hook ----------------------------------------------------------------------------
-    def _on_grad(self, p: nn.Parameter) -> None:
-        g, i, k = self._where[p]
-        if (g, i) in self._seen:
+    def _on_grad(self, p: nn.Parameter, g: int, i: int, k: int) -> None:
+        seen = self._seen[g]
+        if seen[i]:
             raise RuntimeError(
                 f"parameter {self.names[p]!r} received a second gradient in one backward (its bucket "
                 f"may already be reduced). Call backward once per micro-step through "
                 f"ZeroOptimizer.backward(loss) (sum several losses first), and use non-reentrant "
                 f"activation checkpointing (use_reentrant=False) for shared parameters"
             )
-        self._seen.add((g, i))
+        seen[i] = 1
         grad = p.grad
         if grad.is_sparse:  # nn.Embedding(sparse=True)
             grad = grad.to_dense()
@@ -197,7 +199,7 @@ class _BucketedGrads:
         else:
             slot.add_(grad, alpha=self._write_scale)
         p.grad = None  # the bucket holds it now; free the autograd buffer
-        self._queue.arrived(k, launch=self._reducing_now())
+        self._queue.arrived(k, launch=self._launching)
 
     def _launch_index(self, k: int) -> InFlight:
         g, bk = self._order[k]
@@ -206,9 +208,9 @@ class _BucketedGrads:
     def _zero_missing(self, g: int, bk: Bucket, buffer: torch.Tensor, base: int) -> None:
         """Zero the slots, in `buffer` (whose element 0 is flat element `base`), of the bucket's
         parameters that got no gradient in this backward."""
-        lay = self.layouts[g]
+        lay, seen = self.layouts[g], self._seen[g]
         for i in bk.param_indices:
-            if (g, i) not in self._seen:
+            if not seen[i]:
                 slot = lay.slots[i]
                 buffer[slot.offset - base : slot.offset - base + slot.numel].zero_()
 
@@ -227,6 +229,7 @@ class _BucketedGrads:
     def backward_begins(self, is_boundary: bool) -> None:
         """The optimizer says whether the coming backward ends the window."""
         self._ends_window = is_boundary
+        self._launching = self._reducing_now()
 
     @ranges.range("zero.grads.finish")
     def backward_done(self, is_boundary: bool) -> None:
@@ -259,7 +262,9 @@ class _BucketedGrads:
 
     def _reset(self) -> None:
         self._queue.reset()
-        self._seen.clear()
+        for seen in self._seen:
+            seen[:] = bytes(len(seen))
+        self._launching = self._reducing_now()  # for a backward not begun by the optimizer
 
     def reduced(self) -> list[list[torch.Tensor]]:
         """Per group, the averaged fp32 gradient: `[full flat]` (stage 0) or this rank's shard
@@ -409,7 +414,9 @@ class BackwardScatterReducer(_BucketedGrads):
         bk = self._order[k][1]
         slot = self.layouts[g].slots[i]
         lo = slot.offset - bk.start
-        staging = self._bucket_staging(g, bk, k)
+        staging = self._staging.get(k)  # the bucket's first gradient makes it
+        if staging is None:
+            staging = self._bucket_staging(g, bk, k)
         return staging[lo : lo + slot.numel].view(slot.shape), True  # fresh every micro-step
 
     def _reducing_now(self) -> bool:
