@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from minispeed.comm import all_to_all, call, collectives, costs, handshake
+from minispeed.comm import all_to_all, call, collectives, costs, handshake, validation
 from minispeed.comm.logger import CommsLogger
 from minispeed.core import ranges
 
@@ -195,7 +195,7 @@ def measure_checks(numel: int = 256, iters: int = 300, rounds: int = 5) -> dict[
     signature = (("dtype", str(t.dtype)), ("op", "ReduceOp.SUM"), ("shape", tuple(t.shape)))
 
     def objects() -> None:  # the previous validation mode: pickled signatures, every call
-        handshake.compare_in_full("all_reduce", None, signature)
+        validation.compare_in_full("all_reduce", None, signature)
         collectives.all_reduce(t)
 
     def site() -> None:  # one call site for every round: checked once, on the first call

@@ -16,8 +16,8 @@ in one of three modes (`MINISPEED_COMM_VALIDATE` in the environment, or
 rank rejected its own arguments) and a CRC-32 of `(op, signature)`, where the signature holds
 what must agree across ranks (shape, dtype, reduce op, root). Equal fingerprints and no failed
 rank: the real collective runs. Otherwise every rank sees the same gathered table, so every rank
-takes the slow path together: an object all-gather of the full signatures and error texts, then
-the same `CommMismatchError` on every rank (or, where a rank rejected its arguments, a
+takes the slow path together (`validation.compare_in_full`, beside the error it builds): an
+object all-gather of the full signatures and error texts, then the same `CommMismatchError` on every rank (or, where a rank rejected its arguments, a
 `CommInputError` on its peers quoting that rank's error). This traffic is diagnostic, not the
 program's: it goes straight to torch.distributed and the comms logger never records it.
 
@@ -59,7 +59,6 @@ __all__ = [
     "VALIDATE_ENV",
     "checked",
     "compare",
-    "compare_in_full",
     "reject",
     "validation_enabled",
     "validation_level",
@@ -173,13 +172,13 @@ def compare(
                 dist.all_gather([lend(row) for row in table.view(n, 2)], lend(mine), group=group)
         except RuntimeError as err:  # a peer that never comes: name the call it was waiting for
             loan.settle(block=False)
-            raise _named(err, op, group, signature) from err
+            raise validation.named_backend_error(err, op, group, signature) from err
         loan.settle()
         rows = table.view(n, 2).cpu()
         if bool((rows[:, 0] == 0).all()) and bool((rows[:, 1] == rows[0, 1]).all()):
             return
     # The slow path: every rank got here together (same table), so the object exchange matches.
-    compare_in_full(op, group, sig, error, payload, check_payload)
+    validation.compare_in_full(op, group, sig, error, payload, check_payload)
 
 
 # Note [errors reach every rank]
@@ -197,47 +196,3 @@ def reject(op: str, group: Any, error: Exception, is_checked: bool) -> Exception
     if is_checked:
         compare(op, group, {}, error=error)  # returns on this rank; its peers raise
     return error
-
-
-def compare_in_full(
-    op: str,
-    group: Any,
-    sig: tuple,
-    error: BaseException | None = None,
-    payload: Any = None,
-    check_payload: Callable[[str, list[int], list[Any]], None] | None = None,
-) -> None:
-    """The slow path: all-gather every rank's `(op, signature, payload, error text)` as pickled
-    objects and raise the same error on every rank (or return when all agree).
-
-    Costs a length all-gather, a payload all-gather and n unpicklings; before the fingerprint,
-    validation mode paid this on every call.
-    """
-    n = dist.get_world_size(group)
-    everything: list[Any] = [None] * n
-    text = None if error is None else f"{type(error).__name__}: {error}"
-    try:
-        dist.all_gather_object(everything, (op, sig, payload, text), group=group)
-    except RuntimeError as err:
-        raise _named(err, op, group, dict(sig)) from err
-    ranks = validation.group_ranks(group)
-    failed = [(ranks[i], g[3]) for i, g in enumerate(everything) if g[3] is not None]
-    if failed:
-        if error is not None:
-            return  # the caller raises its own error
-        lines = "\n".join(f"  rank {r}: {t}" for r, t in failed)
-        raise CommInputError(
-            f"{op}: rank(s) {[r for r, _ in failed]} rejected their arguments, so no rank of "
-            f"group {ranks} runs this call:\n{lines}\nFix the input on those ranks."
-        )
-    gathered = [(g[0], g[1]) for g in everything]
-    if all(g == gathered[0] for g in gathered):
-        if check_payload is not None:
-            check_payload(op, ranks, [g[2] for g in everything])
-        return
-    raise validation.mismatch_error(gathered, ranks)
-
-
-def _named(err: BaseException, op: str, group: Any, signature: dict[str, Any]) -> Exception:
-    shapes = [signature["shape"]] if "shape" in signature else signature.get("shapes", [])
-    return validation.wrap_backend_error(err, op, group, shapes, signature.get("dtype"))

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -296,3 +296,51 @@ def wrap_backend_error(
             f"ranks. Backend said: {err}"
         )
     return CommBackendError(f"{where} failed: {err}")
+
+
+# -- the cross-rank check's slow path (handshake.compare: fingerprints differ) --------------------
+def compare_in_full(
+    op: str,
+    group: Any,
+    sig: tuple,
+    error: BaseException | None = None,
+    payload: Any = None,
+    check_payload: Callable[[str, list[int], list[Any]], None] | None = None,
+) -> None:
+    """The slow path: all-gather every rank's `(op, signature, payload, error text)` as pickled
+    objects and raise the same error on every rank (or return when all agree).
+
+    Costs a length all-gather, a payload all-gather and n unpicklings; before the fingerprint,
+    validation mode paid this on every call.
+    """
+    n = dist.get_world_size(group)
+    everything: list[Any] = [None] * n
+    text = None if error is None else f"{type(error).__name__}: {error}"
+    try:
+        dist.all_gather_object(everything, (op, sig, payload, text), group=group)
+    except RuntimeError as err:
+        raise named_backend_error(err, op, group, dict(sig)) from err
+    ranks = group_ranks(group)
+    failed = [(ranks[i], g[3]) for i, g in enumerate(everything) if g[3] is not None]
+    if failed:
+        if error is not None:
+            return  # the caller raises its own error
+        lines = "\n".join(f"  rank {r}: {t}" for r, t in failed)
+        raise CommInputError(
+            f"{op}: rank(s) {[r for r, _ in failed]} rejected their arguments, so no rank of "
+            f"group {ranks} runs this call:\n{lines}\nFix the input on those ranks."
+        )
+    gathered = [(g[0], g[1]) for g in everything]
+    if all(g == gathered[0] for g in gathered):
+        if check_payload is not None:
+            check_payload(op, ranks, [g[2] for g in everything])
+        return
+    raise mismatch_error(gathered, ranks)
+
+
+def named_backend_error(
+    err: BaseException, op: str, group: Any, signature: dict[str, Any]
+) -> Exception:
+    """`err` from the backend during a cross-rank check, naming the call it was checking."""
+    shapes = [signature["shape"]] if "shape" in signature else signature.get("shapes", [])
+    return wrap_backend_error(err, op, group, shapes, signature.get("dtype"))
