@@ -14,7 +14,11 @@ One module per table entry (a package, `<name>/__init__.py`, where another entry
   other attribute over to the engine module (a private name a client reaches for is the
   engine's same object);
 - a refused module calls `minispeed.engine.deepspeed_paths.refuse`, which raises the
-  `ImportError` naming what to use instead.
+  `ImportError` naming what to use instead. The refused modules are the table's `REFUSED` and,
+  for every public module of DeepSpeed 0.19.8 no adapter answers
+  (`tests/engine/fixtures/ds_modules.json`, recorded by `scripts/record_ds_modules.py`), its
+  first component that is not an adapter (`deepspeed_paths.refused_modules`): one module
+  refuses itself and everything below it, so no refused module has children of its own.
 
 The root also takes `__version__` from `minispeed.engine.git_version_info` (the distribution's
 version). tests/engine/test_compat_paths.py runs `--check`.
@@ -22,22 +26,27 @@ version). tests/engine/test_compat_paths.py runs `--check`.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TREE = ROOT / "packages" / "deepspeed_compat" / "src"
+PUBLIC = ROOT / "tests" / "engine" / "fixtures" / "ds_modules.json"
 HEADER = (
     "Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_compat.py`; "
     "do not edit."
 )
 
 
-def _table() -> tuple[dict[str, str], dict[str, str]]:
+def _table() -> tuple[dict[str, str], list[str], list[str]]:
+    """The adapters, the refused modules (see the module's docstring), and which of DeepSpeed's
+    public modules are packages."""
     sys.path.insert(0, str(ROOT / "src"))
-    from minispeed.engine.deepspeed_paths import ADAPTERS, REFUSED
+    from minispeed.engine.deepspeed_paths import ADAPTERS, refused_modules
 
-    return ADAPTERS, REFUSED
+    public = json.loads(PUBLIC.read_text())
+    return ADAPTERS, refused_modules(public["modules"]), public["packages"]
 
 
 def _children(name: str, names: list[str]) -> list[str]:
@@ -97,7 +106,7 @@ def _shadowed(target: str, children: list[str]) -> list[str]:
     ]
 
 
-def _refused(name: str) -> str:
+def _refused(name: str, package: bool) -> str:
     return "\n".join(
         [
             f'"""`{name}`: not provided by minispeed; importing it raises, naming what to use.',
@@ -106,7 +115,7 @@ def _refused(name: str) -> str:
             "",
             "from minispeed.engine.deepspeed_paths import refuse",
             "",
-            "refuse(__name__)",
+            f"refuse(__name__{', package=True' if package else ''})",
             "",
         ]
     )
@@ -114,7 +123,7 @@ def _refused(name: str) -> str:
 
 def render() -> dict[Path, str]:
     """Every file of the tree, by its path under `packages/deepspeed_compat/src`."""
-    adapters, refused = _table()
+    adapters, refused, packages = _table()
     names = sorted([*adapters, *refused])
     files = {}
     for name in names:
@@ -122,7 +131,7 @@ def render() -> dict[Path, str]:
             kids = [c for c in _children(name, names) if f"{name}.{c}" in adapters]
             files[_path(name, names)] = _adapter(name, adapters[name], kids)
         else:
-            files[_path(name, names)] = _refused(name)
+            files[_path(name, names)] = _refused(name, name in packages)
     return files
 
 

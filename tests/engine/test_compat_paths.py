@@ -9,6 +9,9 @@ DeepSpeed where DeepSpeed's reference values are recorded.
 - every adapter path imports and resolves as an attribute from `deepspeed`, and its names are
   the engine module's very objects (class identity; no engine module loaded a second time under
   a `deepspeed` name); every refused path raises an `ImportError` naming what to use;
+- every public module of DeepSpeed 0.19.8 (`fixtures/ds_modules.json`, recorded by
+  `scripts/record_ds_modules.py`) imports as an adapter, or raises an `ImportError` naming it
+  (or the refused package it lies in) and what to use instead;
 - `scripts/ds_fixture.py` and a recorder refuse to run against it, and no kept fixture says it
   was recorded on it.
 """
@@ -25,9 +28,11 @@ from pathlib import Path
 import pytest
 
 import minispeed.engine as engine
-from minispeed.engine.deepspeed_paths import ADAPTERS, REFUSED
+from minispeed.engine.deepspeed_paths import ADAPTERS, HINTS, REFUSED, why
 
 ROOT = Path(__file__).resolve().parents[2]
+PUBLIC = json.loads((ROOT / "tests/engine/fixtures/ds_modules.json").read_text())
+REPLACEMENT = ("use ", "set ", "minispeed", "train ", "feed ", "call ")
 sys.path.insert(0, str(ROOT / "scripts"))
 import sync_deepspeed_compat  # noqa: E402
 
@@ -90,7 +95,35 @@ def test_refused_path_names_what_to_use(path: str) -> None:
     with pytest.raises(ImportError, match="is not provided by minispeed") as err:
         importlib.import_module(path)
     assert path in str(err.value) and REFUSED[path] in str(err.value)
-    assert any(w in REFUSED[path] for w in ("use ", "minispeed", "train ", "feed ", "call ")), path
+    assert any(w in REFUSED[path] for w in REPLACEMENT), path
+
+
+def test_every_public_deepspeed_module_imports_or_names_what_to_use() -> None:
+    """A script written against DeepSpeed 0.19.8 may import any of its public modules: each
+    one is an adapter, or its import raises an `ImportError` that names it (or the refused
+    package it lies in, saying so) and what to use instead; never a bare "No module named"."""
+    assert PUBLIC["deepspeed"] == "0.19.8" and len(PUBLIC["modules"]) > 200
+    wrong = []
+    for path in PUBLIC["modules"]:
+        try:
+            importlib.import_module(path)
+        except ImportError as err:
+            message, refused = str(err), err.name or ""
+            inside = path.startswith(refused + ".") and "nor is any module below it" in message
+            if not (
+                (refused == path or inside)
+                and message.startswith(f"{refused} is not provided by minispeed")
+                and message.endswith(why(refused))
+                and any(w in why(refused) for w in REPLACEMENT)
+            ):
+                wrong.append(f"{path}: {message}")
+        else:
+            if path not in ADAPTERS:
+                wrong.append(f"{path}: imports, but is no adapter of the table")
+    assert not wrong, "\n".join(wrong)
+    public = set(PUBLIC["modules"])
+    for prefix in HINTS:  # a hint for a path DeepSpeed does not have helps no one
+        assert prefix in public, prefix
 
 
 def test_recording_against_minispeed_is_refused() -> None:

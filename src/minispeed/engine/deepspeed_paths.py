@@ -1,38 +1,49 @@
 """DeepSpeed's module paths and where each lands in minispeed: the one table of them.
 
 ```python
-from minispeed.engine.deepspeed_paths import ADAPTERS, REFUSED
+from minispeed.engine.deepspeed_paths import ADAPTERS, REFUSED, why
 ADAPTERS["deepspeed.runtime.lr_schedules"]     # "minispeed.engine.runtime.lr_schedules"
 REFUSED["deepspeed.autotuning"]                 # why not, and what to use instead
+why("deepspeed.runtime.bf16_optimizer")        # "BF16_Optimizer; set `bf16: {enabled: true}` ..."
 ```
 
 `ADAPTERS` maps each DeepSpeed module a script or library may import to the engine module that
 answers for it: the same path under `minispeed.engine` wherever the name is free, `ds_<name>`
 where the engine's own module holds DeepSpeed's name (`checkpoint`, `launcher`). `REFUSED` maps
-the DeepSpeed modules minispeed does not provide to the reason and the replacement.
+the DeepSpeed modules minispeed does not provide to the reason and the replacement. Every other
+public module of DeepSpeed 0.19.8 (tests/engine/fixtures/ds_modules.json, recorded by
+scripts/record_ds_modules.py) is refused too (`refused_modules`), with the replacement `HINTS`
+names for its longest listed prefix, or `DEFAULT_HINT` (`why`).
 
 The `deepspeed` distribution (`packages/deepspeed_compat`) is generated from this table by
 `scripts/sync_deepspeed_compat.py`: one module per entry, each adapter module re-exporting its
 engine module's names (the same objects, nothing loaded twice) and each refused one raising
 `ImportError` with the message below (`refuse`). tests/engine/test_compat_paths.py checks that
 the distribution's tree is exactly what the table generates, that every path imports and
-resolves as an attribute from `deepspeed`, and that each refusal names its replacement.
+resolves as an attribute from `deepspeed`, and that each refusal names its replacement, for
+every recorded public module of DeepSpeed.
 Nothing in the engine imports this module.
 """
 
 from __future__ import annotations
 
-__all__ = ["ADAPTERS", "REFUSED", "refuse"]
+from collections.abc import Iterable
+
+__all__ = ["ADAPTERS", "DEFAULT_HINT", "HINTS", "REFUSED", "refuse", "refused_modules", "why"]
 
 _E = "minispeed.engine"
 
 ADAPTERS: dict[str, str] = {
     "deepspeed": _E,
     "deepspeed.accelerator": f"{_E}.accelerator",
+    "deepspeed.accelerator.abstract_accelerator": f"{_E}.accelerator",
+    "deepspeed.accelerator.real_accelerator": f"{_E}.accelerator",
     "deepspeed.checkpoint": f"{_E}.ds_checkpoint",
     "deepspeed.checkpoint.utils": f"{_E}.ds_checkpoint",
     "deepspeed.checkpointing": f"{_E}.checkpointing",
     "deepspeed.comm": f"{_E}.comm",
+    "deepspeed.comm.comm": f"{_E}.comm",
+    "deepspeed.comm.reduce_op": f"{_E}.comm",
     "deepspeed.git_version_info": f"{_E}.git_version_info",
     "deepspeed.inference": f"{_E}.inference",
     "deepspeed.launcher": f"{_E}.ds_launcher",
@@ -52,6 +63,7 @@ ADAPTERS: dict[str, str] = {
     "deepspeed.pipe": f"{_E}.pipe",
     "deepspeed.profiling": f"{_E}.profiling",
     "deepspeed.profiling.flops_profiler": f"{_E}.profiling.flops_profiler",
+    "deepspeed.profiling.flops_profiler.profiler": f"{_E}.profiling.flops_profiler",
     "deepspeed.runtime": f"{_E}.runtime",
     "deepspeed.runtime.activation_checkpointing": f"{_E}.runtime.activation_checkpointing",
     "deepspeed.runtime.activation_checkpointing.checkpointing": (
@@ -122,7 +134,7 @@ REFUSED: dict[str, str] = {
     ),
     "deepspeed.ops.transformer": (
         "DeepSpeedTransformerLayer (fused training kernels); use your model's layers, and "
-        "init_inference for fused inference kernels"
+        "init_inference (minispeed.inference) for fused inference kernels"
     ),
     "deepspeed.runtime.checkpoint_engine": (
         "pluggable checkpoint engines; use checkpoint.async_save in the config for background "
@@ -142,11 +154,122 @@ REFUSED: dict[str, str] = {
         "TiledLinear; stage 3 gathers one module at a time already: use a ModuleList of smaller "
         "linears in place of a huge one"
     ),
+    "deepspeed.runtime.zero.mics": (
+        "MiCS_Init (gone from DeepSpeed 0.19.8 too); set zero_optimization.mics_shard_size in the "
+        "config (docs/engine/config-reference.md)"
+    ),
     "deepspeed.sequence": "DeepSpeed-Ulysses sequence parallelism; train without sp_size > 1",
 }
 
+_INFERENCE = "init_inference(model, config) and minispeed.inference (docs/packages/inference.md)"
+_ZERO = "deepspeed.zero / deepspeed.runtime.zero (minispeed.zero, docs/packages/zero-stage3.md)"
 
-def refuse(path: str) -> None:
+# What to use instead of DeepSpeed's other public modules (scripts/record_ds_modules.py lists
+# them): the longest prefix of a path names its replacement, `DEFAULT_HINT` the rest.
+HINTS: dict[str, str] = {
+    "deepspeed.accelerator": (
+        "DeepSpeed's accelerator back ends; use deepspeed.accelerator.get_accelerator(), which "
+        "answers for the device torch runs on"
+    ),
+    "deepspeed.checkpoint": (
+        "DeepSpeed's checkpoint reshaping and universal checkpoints; minispeed's checkpoints "
+        "load at any world size, and `minispeed consolidate` writes one state dict "
+        "(docs/engine/checkpoints.md)"
+    ),
+    "deepspeed.comm": "DeepSpeed's communication back ends; use deepspeed.comm (over torch.distributed)",
+    "deepspeed.datastates": "DataStates checkpointing; use checkpoint.async_save in the config",
+    "deepspeed.inference": f"DeepSpeed's inference engine internals; use {_INFERENCE}",
+    "deepspeed.inference.v2": f"DeepSpeed-FastGen (inference v2); use {_INFERENCE}",
+    "deepspeed.launcher": (
+        "DeepSpeed's launcher internals; launch with `minispeed run` or torchrun "
+        "(deepspeed.launcher.runner keeps DEEPSPEED_ENVIRONMENT_NAME)"
+    ),
+    "deepspeed.moe": "DeepSpeed's MoE internals; use deepspeed.moe.layer.MoE (minispeed.moe)",
+    "deepspeed.ops": (
+        "DeepSpeed's CUDA ops; minispeed's ops and their PyTorch references are listed by "
+        "`minispeed report`"
+    ),
+    "deepspeed.ops.adam": "use deepspeed.ops.adam (FusedAdam, DeepSpeedCPUAdam)",
+    "deepspeed.ops.lion": "use deepspeed.ops.lion (DeepSpeedCPULion)",
+    "deepspeed.profiling": (
+        "the flops profiler's config; use the `flops_profiler` config section, "
+        "deepspeed.profiling.flops_profiler, or minispeed.profiler"
+    ),
+    "deepspeed.runtime.activation_checkpointing": (
+        "use the `activation_checkpointing` config section and "
+        "deepspeed.runtime.activation_checkpointing.checkpointing (deepspeed.checkpointing)"
+    ),
+    "deepspeed.runtime.bf16_optimizer": (
+        "BF16_Optimizer; set `bf16: {enabled: true}` in the config (ZeRO keeps the fp32 masters)"
+    ),
+    "deepspeed.runtime.comm": "DeepSpeed's coalesced collectives; use deepspeed.comm",
+    "deepspeed.runtime.constants": "DeepSpeed's config key names; use deepspeed.runtime.config",
+    "deepspeed.runtime.compiler": "DeepSpeed's compile wrapper; call torch.compile on your model",
+    "deepspeed.runtime.config_utils": "DeepSpeed's config models; use deepspeed.runtime.config",
+    "deepspeed.runtime.model_checkpointing": (
+        "DeepSpeed's checkpoint writers; use engine.save_checkpoint (docs/engine/checkpoints.md)"
+    ),
+    "deepspeed.runtime.pipe": (
+        "DeepSpeed's pipeline schedules and p2p; use deepspeed.runtime.pipe.engine and "
+        "minispeed.pipeline's schedules (docs/packages/pipeline.md)"
+    ),
+    "deepspeed.runtime.precision_config": "use the config's fp16 / bf16 sections",
+    "deepspeed.runtime.state_dict_factory": (
+        "DeepSpeed's Megatron checkpoint loaders; use engine.load_checkpoint"
+    ),
+    "deepspeed.runtime.superoffload": f"SuperOffload; use offload_optimizer: cpu, {_OFFLOAD}",
+    "deepspeed.runtime.tensor_parallel": (
+        "DeepSpeed's AutoTP internals; use minispeed.tensor_parallel "
+        "(docs/packages/tensor_parallel.md)"
+    ),
+    "deepspeed.runtime.torch_autocast": "use the config's fp16 / bf16 sections",
+    "deepspeed.runtime.zenflow": f"ZenFlow; use offload_optimizer: cpu, {_OFFLOAD}",
+    "deepspeed.runtime.zero": f"ZeRO's internals; use {_ZERO}",
+    "deepspeed.utils": "DeepSpeed's utilities; use deepspeed.utils (minispeed.engine.utils)",
+    "deepspeed.utils.comms_logging": "use the `comms_logger` config section",
+    "deepspeed.utils.logging": "use deepspeed.utils.logger and deepspeed.utils.log_dist",
+    "deepspeed.utils.timer": (
+        "DeepSpeed's timers; set `wall_clock_breakdown: true` in the config (the engine reports "
+        "forward, backward and step times)"
+    ),
+}
+
+DEFAULT_HINT = (
+    "DeepSpeed's own machinery, with no counterpart in minispeed; see docs/engine/migration.md "
+    "for what to use"
+)
+
+
+def why(path: str) -> str:
+    """Why `path` is not provided and what to use instead: its `REFUSED` entry, else the hint
+    of its longest prefix in `HINTS`, else `DEFAULT_HINT`."""
+    if path in REFUSED:
+        return REFUSED[path]
+    parts = path.split(".")
+    for end in range(len(parts), 0, -1):
+        if ".".join(parts[:end]) in HINTS:
+            return HINTS[".".join(parts[:end])]
+    return DEFAULT_HINT
+
+
+def refused_modules(public: Iterable[str]) -> list[str]:
+    """The modules the distribution refuses: `REFUSED`, and for each of DeepSpeed's `public`
+    paths that no adapter answers, its first component that is not an adapter (one module
+    refuses itself and everything below it: importing `deepspeed.compile.backend` runs
+    `deepspeed.compile` first, whose error names it)."""
+    out = set(REFUSED)
+    for path in public:
+        parts = path.split(".")
+        prefixes = [".".join(parts[:end]) for end in range(1, len(parts) + 1)]
+        first = next((p for p in prefixes if p not in ADAPTERS), None)
+        if first is not None and not any(p in REFUSED for p in prefixes):
+            out.add(first)
+    return sorted(out)
+
+
+def refuse(path: str, package: bool = False) -> None:
     """Raise the `ImportError` of a refused DeepSpeed module (the distribution's refused modules
-    call this when imported)."""
-    raise ImportError(f"{path} is not provided by minispeed: {REFUSED[path]}", name=path)
+    call this when imported). For a DeepSpeed `package` it names the modules below it too: they
+    cannot import without it, so this is their error as well."""
+    below = " (nor is any module below it)" if package else ""
+    raise ImportError(f"{path} is not provided by minispeed{below}: {why(path)}", name=path)

@@ -4,4 +4,4 @@ Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_com
 
 from minispeed.engine.deepspeed_paths import refuse
 
-refuse(__name__)
+refuse(__name__, package=True)

@@ -1,4 +1,4 @@
-"""`deepspeed.profiling.flops_profiler`: minispeed's `minispeed.engine.profiling.flops_profiler` under DeepSpeed's name.
+"""`deepspeed.profiling.flops_profiler.profiler`: minispeed's `minispeed.engine.profiling.flops_profiler` under DeepSpeed's name.
 
 Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_compat.py`; do not edit."""
 

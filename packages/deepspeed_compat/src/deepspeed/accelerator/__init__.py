@@ -8,6 +8,9 @@ import minispeed.engine.accelerator as _adapter
 from minispeed.engine.accelerator import *  # noqa: F403
 from minispeed.engine.accelerator import __all__  # noqa: F401
 
+for _child in ('abstract_accelerator', 'real_accelerator'):
+    _importlib.import_module(f"{__name__}.{_child}")
+
 
 def __getattr__(name):
     return getattr(_adapter, name)

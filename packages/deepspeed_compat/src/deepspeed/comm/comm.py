@@ -1,4 +1,4 @@
-"""`deepspeed.comm`: minispeed's `minispeed.engine.comm` under DeepSpeed's name.
+"""`deepspeed.comm.comm`: minispeed's `minispeed.engine.comm` under DeepSpeed's name.
 
 Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_compat.py`; do not edit."""
 

@@ -1,0 +1,13 @@
+"""`deepspeed.accelerator.abstract_accelerator`: minispeed's `minispeed.engine.accelerator` under DeepSpeed's name.
+
+Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_compat.py`; do not edit."""
+
+import importlib as _importlib
+
+import minispeed.engine.accelerator as _adapter
+from minispeed.engine.accelerator import *  # noqa: F403
+from minispeed.engine.accelerator import __all__  # noqa: F401
+
+
+def __getattr__(name):
+    return getattr(_adapter, name)

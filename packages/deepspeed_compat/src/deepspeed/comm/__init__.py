@@ -1,0 +1,16 @@
+"""`deepspeed.comm`: minispeed's `minispeed.engine.comm` under DeepSpeed's name.
+
+Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_compat.py`; do not edit."""
+
+import importlib as _importlib
+
+import minispeed.engine.comm as _adapter
+from minispeed.engine.comm import *  # noqa: F403
+from minispeed.engine.comm import __all__  # noqa: F401
+
+for _child in ('comm', 'reduce_op'):
+    _importlib.import_module(f"{__name__}.{_child}")
+
+
+def __getattr__(name):
+    return getattr(_adapter, name)

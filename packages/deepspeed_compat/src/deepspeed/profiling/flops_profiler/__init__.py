@@ -1,0 +1,16 @@
+"""`deepspeed.profiling.flops_profiler`: minispeed's `minispeed.engine.profiling.flops_profiler` under DeepSpeed's name.
+
+Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_compat.py`; do not edit."""
+
+import importlib as _importlib
+
+import minispeed.engine.profiling.flops_profiler as _adapter
+from minispeed.engine.profiling.flops_profiler import *  # noqa: F403
+from minispeed.engine.profiling.flops_profiler import __all__  # noqa: F401
+
+for _child in ('profiler',):
+    _importlib.import_module(f"{__name__}.{_child}")
+
+
+def __getattr__(name):
+    return getattr(_adapter, name)
