@@ -502,9 +502,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """
         if self._window != 0:
             raise RuntimeError(
-                f"zero_grad() after micro-step {self._window} of an accumulation window would "
-                f"discard the gradients accumulated in it; call it only after step() (which "
-                f"already clears them), or drop the call"
+                f"zero_grad() after micro-step {self._window} of "
+                f"{self.config.gradient_accumulation_steps} would discard the gradients "
+                f"accumulated in this window; call it only after step() (which already clears "
+                f"them), or drop the call"
             )
         self.strategy.zero_grad()
 
