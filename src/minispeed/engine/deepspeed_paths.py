@@ -91,6 +91,7 @@ ADAPTERS: dict[str, str] = {
     "deepspeed.utils.tensor_fragment": f"{_E}.utils.tensor_fragment",
     "deepspeed.utils.z3_leaf_module": f"{_E}.utils.z3_leaf_module",
     "deepspeed.utils.zero_to_fp32": f"{_E}.utils.zero_to_fp32",
+    "deepspeed.utils.zero_to_torch": f"{_E}.utils.zero_to_torch",
     "deepspeed.zero": f"{_E}.zero",
 }
 
