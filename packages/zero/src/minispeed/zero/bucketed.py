@@ -147,6 +147,26 @@ class BucketedStrategy(ShardStrategy):
         """
         self.reducer.remove_hooks()
 
+    def carry_flags(self, params: Sequence[nn.Parameter]) -> bool:
+        """Whether the optimizer's per-parameter flags (one per element of `params`, which must
+        be the param groups' parameters in order) now travel in the last gradient bucket's
+        all-reduce (stage 0: Note [the flags ride with the last bucket] in reducer.py)."""
+        carry = getattr(self.reducer, "carry_flags", None)
+        ours = [p for ps in self.groups for p in ps]
+        if (
+            carry is None
+            or len(ours) != len(params)
+            or any(a is not b for a, b in zip(ours, params))
+        ):
+            return False
+        return carry(self.groups)
+
+    def carried_flags(self) -> torch.Tensor | None:
+        """The flags summed over the ranks with this window's last bucket, or None when they did
+        not travel with it (the reducer replaced: 1-bit Adam's local phase)."""
+        carried = getattr(self.reducer, "carried_flags", None)
+        return None if carried is None else carried()
+
     def bucket_numels(self) -> list[int]:
         """Elements of each gradient reduce call (padded at stages 1-2), in launch order (for
         the ledger)."""

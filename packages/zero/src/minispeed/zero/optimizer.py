@@ -185,11 +185,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # parameter (a tensor's `__hash__` is a Python call); a tensor write per gradient would
         # cost a dispatcher round trip each. Copied into `_agreement` once, in step().
         self._used = bytearray(len(self._params))
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(_used_marker(self._used, k))
-            for k, p in enumerate(self._params)
-            if p.requires_grad
-        ]
         self._closed = False
         self._on_close = on_close  # zero.shard: lets the model be sharded again
         # Offload steps a CPU optimizer over the user's groups: see Note [a scheduler on the
@@ -217,6 +212,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
             set() if model_parallel is None else model_parallel.uncounted_indices(params)
         )
         self._fragment_of = {f.name: f for f in self._fragments}
+        # Whether the flags travel with the last gradient bucket instead of in an all-reduce of
+        # their own: stage 0 with no loss scaling (no overflow verdict to agree on), no swap
+        # files and no other grid axes (Note [the flags ride with the last bucket] in
+        # reducer.py). Every rank decides alike (from the config and the layout).
+        carry = getattr(strategy, "carry_flags", None)
+        self.flags_in_bucket = (
+            carry is not None
+            and not precision.uses_loss_scaling
+            and self._io is None
+            and model_parallel is None
+            and carry(self._params)
+        )
+        # Carried flags are marked by the reducer's own hooks: no marker hook of ours then.
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(_used_marker(self._used, k))
+            for k, p in enumerate(self._params)
+            if p.requires_grad and not self.flags_in_bucket
+        ]
 
     # -- torch.optim.Optimizer's surface (Note [ZeroOptimizer is a torch.optim.Optimizer]) ----
     @property
@@ -354,25 +367,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
             )
 
         overflow = self.loss_scaler.unscale(grads, self._grad_device)  # fp16 only: a flag
-        if overflow is not None:
-            self._agreement[:1].copy_(overflow)
-        unfrozen = [
-            k
-            for k, (p, was) in enumerate(zip(self._params, self._trainable_at_shard))
-            if p.requires_grad and not was
-        ]
-        if unfrozen:  # See Note [requires_grad is fixed at shard time]
-            self._agreement[0] = float(unfrozen[-1] + 2)
-        used = torch.tensor(self._used, dtype=torch.uint8)  # slots 1..n: 1.0 where used
-        self._agreement[1 : 1 + len(self._used)].copy_(used)
-        self._used[:] = bytes(len(self._used))
-        if self._io is not None:  # writes still in flight must land (or fail) before the vote
-            self._io.settle()
-            self._agreement[-1] = float(self._io.failed)
-        comm.all_reduce(self._agreement, op=comm.ReduceOp.MAX, group=self.comm_group)
-        flags = self._agreement.tolist()  # the one host sync of the step
-        self._agreement.zero_()
+        if self.flags_in_bucket:  # summed with the gradients: no collective of their own
+            carried = self.strategy.carried_flags()
+            if carried is None:
+                raise RuntimeError(
+                    "ZeroOptimizer: the window's last gradient bucket was not reduced with the "
+                    "flags (Note [the flags ride with the last bucket] in reducer.py); drive every "
+                    "micro-step through ZeroOptimizer.backward(loss)"
+                )
+            flags = self._unfold(carried.tolist())  # the one host sync of the step
+        else:
+            flags = self._agree(overflow)
         overflow = flags[0] == 1
+
         if self.model_parallel is not None:  # the verdict over the whole grid: model_parallel.py
             failed = flags[0] >= 2 or (self._io is not None and bool(flags[-1]))
             try:
@@ -432,6 +439,38 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.strategy.zero_grad()
         self.global_step += 1
         return True
+
+    def _agree(self, overflow: Tensor | None) -> list[float]:
+        """The step's flags agreed in one all-reduce (MAX) of their own: [overflow or 2 + the
+        last unfrozen parameter, then 1.0 per parameter used on some rank] (+ I/O failure)."""
+        if overflow is not None:
+            self._agreement[:1].copy_(overflow)
+        unfrozen = [
+            k
+            for k, (p, was) in enumerate(zip(self._params, self._trainable_at_shard))
+            if p.requires_grad and not was
+        ]
+        if unfrozen:  # See Note [requires_grad is fixed at shard time]
+            self._agreement[0] = float(unfrozen[-1] + 2)
+        used = torch.tensor(self._used, dtype=torch.uint8)  # slots 1..n: 1.0 where used
+        self._agreement[1 : 1 + len(self._used)].copy_(used)
+        self._used[:] = bytes(len(self._used))
+        if self._io is not None:  # writes still in flight must land (or fail) before the vote
+            self._io.settle()
+            self._agreement[-1] = float(self._io.failed)
+        comm.all_reduce(self._agreement, op=comm.ReduceOp.MAX, group=self.comm_group)
+        flags = self._agreement.tolist()  # the one host sync of the step
+        self._agreement.zero_()
+        return flags
+
+    def _unfold(self, summed: list[float]) -> list[float]:
+        """The flags that travelled with the gradients (one sum per parameter: used on some rank,
+        or, for one frozen at shard, requires grad now on some rank) in `_agree`'s layout."""
+        self._used[:] = bytes(len(self._used))
+        trainable = self._trainable_at_shard
+        unfrozen = [k for k, (f, t) in enumerate(zip(summed, trainable)) if f > 0 and not t]
+        first = float(unfrozen[-1] + 2) if unfrozen else 0.0
+        return [first] + [1.0 if f > 0 and t else 0.0 for f, t in zip(summed, trainable)]
 
     def _inner_step(
         self,
