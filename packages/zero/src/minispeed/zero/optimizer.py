@@ -500,9 +500,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         own = self.strategy.grad_square_sum()
         if own is not None:
             sq += own.to(sq.device)
-        for k, g in enumerate(grads if own is None else ()):
-            if k not in self._uncounted:  # a copy counted on another model-parallel rank
-                sq += (g if g.dtype == torch.float32 else g.float()).pow(2).sum()
+        counted = [  # a copy counted on another model-parallel rank is left out
+            g if g.dtype == torch.float32 else g.float()
+            for k, g in enumerate(grads if own is None else ())
+            if k not in self._uncounted
+        ]
+        for run in cut_runs(counted, [g.numel() for g in counted], _SQUARES_NUMEL):
+            # One dispatch squares a run (the products of g.pow(2), bit for bit); the sums
+            # and their order are the per-tensor loop's, so the norm keeps its last bits.
+            for s in torch._foreach_mul(run, run):
+                sq += s.sum()
         if self.strategy.partitions_grads:  # disjoint shards: the squares add up across ranks
             travel = sq.to(comm.tensor_device(self.comm_group))  # the host under offload + NCCL
             comm.all_reduce(travel, group=self.comm_group)
@@ -624,6 +631,11 @@ def _used_marker(used: bytearray, k: int) -> Callable[[nn.Parameter], None]:
         used[k] = 1
 
     return mark
+
+
+# Elements squared by one `_foreach_mul` in `_clip`: the temporaries it holds at once are at most
+# max(this, the largest gradient) · 4 bytes, as the per-tensor loop's were the largest one's.
+_SQUARES_NUMEL = 1 << 16
 
 
 def _device_of(masters: list[list[Tensor]]) -> torch.device:
