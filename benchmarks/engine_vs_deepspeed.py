@@ -324,7 +324,7 @@ def calls_report(
 def profile_report(
     contenders: dict[str, Contender], names: list[str], size: str, steps: int, top: int
 ) -> None:
-    """`--profile`: where each contender's time goes on this rank, by cProfile over `steps`
+    """`--profile`: where each contender's CPU time goes on this rank, by cProfile over `steps`
     steps after a warm-up step: its own time (`tottime`) per micro-step in µs, by the groups of
     `--calls` (a builtin, torch ops included, by the group of its caller), then the `top`
     functions. cProfile's hook inflates Python-heavy code, so read shares, not the total; the
@@ -344,7 +344,7 @@ def profile_report(
             contenders[n].step(batches_for(1 + k, size, rank))
         cpu = (time.process_time() - c0) / per
         comm.barrier()
-        prof = cProfile.Profile()
+        prof = cProfile.Profile(time.process_time)  # CPU time: waits for the peer cost none
         prof.enable()
         for k in range(steps):
             contenders[n].step(batches_for(1 + k, size, rank))
