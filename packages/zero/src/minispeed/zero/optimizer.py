@@ -42,7 +42,9 @@ __all__ = ["ParamFragment", "ShardStrategy", "ZeroOptimizer", "param_names"]
 # gradient on *any* rank during the accumulation window. Every rank sets a flag per parameter in
 # a post-accumulate-grad hook, and the flags are all-reduced (MAX) once per optimizer step, in the
 # same tiny call that agrees on fp16 overflow: (num_params + 1) fp32 elements (PyTorch DDP does
-# the same with `find_unused_parameters`). The reductions themselves treat a missing gradient
+# the same with `find_unused_parameters`). At stage 0 with no loss scaling they need no call of
+# their own: they are summed in the last gradient bucket's all-reduce (Note [the flags ride with
+# the last bucket] in reducer.py; `flags_in_bucket`). The reductions themselves treat a missing gradient
 # as zeros (the buckets must be reduced on every rank either way). Every strategy gives each
 # parameter fragment a master tensor of its own (stage12.py: Note [one master per fragment]), so
 # for a parameter no rank used the master's `.grad` is set to None and the inner optimizer
@@ -105,7 +107,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     ```
 
     What one `step` does at a boundary: unscale (fp16), agree on overflow and unused
-    parameters across ranks (one all-reduce of num_params + 1 fp32 elements), skip the step on
+    parameters across ranks (one all-reduce of num_params + 1 fp32 elements; at stage 0 with no
+    loss scaling none: the flags were summed with the last gradient bucket), skip the step on
     overflow (lowering the scale; no weight touched), clip by the global norm (sum of squares over
     this rank's disjoint gradient shards, one fp32 all-reduce when gradients are partitioned),
     run the inner optimizer, publish masters into the model parameters, clear the gradients.
@@ -120,7 +123,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     Attributes: `optimizer` (the inner optimizer, now holding master tensors: the user's, or
     offload's CPU optimizer over the user's param groups), `strategy`, `config`, `precision`, `loss_scaler`,
-    `global_step` (optimizer steps taken, skipped ones excluded), `micro_step` (backward calls).
+    `global_step` (optimizer steps taken, skipped ones excluded), `micro_step` (backward calls),
+    `flags_in_bucket` (whether the step's flags travel in the last gradient bucket: the ledger's
+    `stage_collectives(..., flags_in_bucket=...)`).
 
     A window ends after `gradient_accumulation_steps` backward calls, or where the caller says
     (`backward(loss, ends=...)`: DeepSpeed's `set_gradient_accumulation_boundary`, which
@@ -212,18 +217,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             set() if model_parallel is None else model_parallel.uncounted_indices(params)
         )
         self._fragment_of = {f.name: f for f in self._fragments}
-        # Whether the flags travel with the last gradient bucket instead of in an all-reduce of
-        # their own: stage 0 with no loss scaling (no overflow verdict to agree on), no swap
-        # files and no other grid axes (Note [the flags ride with the last bucket] in
+        # The flags in the last gradient bucket, not an all-reduce of their own (stage 0 with no
+        # loss scaling and no other grid axis: Note [the flags ride with the last bucket] in
         # reducer.py). Every rank decides alike (from the config and the layout).
         carry = getattr(strategy, "carry_flags", None)
-        self.flags_in_bucket = (
-            carry is not None
-            and not precision.uses_loss_scaling
-            and self._io is None
-            and model_parallel is None
-            and carry(self._params)
-        )
+        self.flags_in_bucket = bool(model_parallel is None and carry and carry(self._params))
         # Carried flags are marked by the reducer's own hooks: no marker hook of ours then.
         self._hooks = [
             p.register_post_accumulate_grad_hook(_used_marker(self._used, k))
@@ -368,14 +366,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         overflow = self.loss_scaler.unscale(grads, self._grad_device)  # fp16 only: a flag
         if self.flags_in_bucket:  # summed with the gradients: no collective of their own
-            carried = self.strategy.carried_flags()
-            if carried is None:
-                raise RuntimeError(
-                    "ZeroOptimizer: the window's last gradient bucket was not reduced with the "
-                    "flags (Note [the flags ride with the last bucket] in reducer.py); drive every "
-                    "micro-step through ZeroOptimizer.backward(loss)"
-                )
-            flags = self._unfold(carried.tolist())  # the one host sync of the step
+            flags = self.strategy.carried_flags(self._trainable_at_shard)
         else:
             flags = self._agree(overflow)
         overflow = flags[0] == 1
@@ -462,15 +453,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         flags = self._agreement.tolist()  # the one host sync of the step
         self._agreement.zero_()
         return flags
-
-    def _unfold(self, summed: list[float]) -> list[float]:
-        """The flags that travelled with the gradients (one sum per parameter: used on some rank,
-        or, for one frozen at shard, requires grad now on some rank) in `_agree`'s layout."""
-        self._used[:] = bytes(len(self._used))
-        trainable = self._trainable_at_shard
-        unfrozen = [k for k, (f, t) in enumerate(zip(summed, trainable)) if f > 0 and not t]
-        first = float(unfrozen[-1] + 2) if unfrozen else 0.0
-        return [first] + [1.0 if f > 0 and t else 0.0 for f, t in zip(summed, trainable)]
 
     def _inner_step(
         self,
