@@ -116,3 +116,29 @@ def test_engine_generate_is_transformers_generate(which):
             model(padded, attention_mask=mask).logits,
         )
     assert engine.module is model and engine.config is model.config
+
+
+def test_a_transformers_pipeline_runs_on_the_engine(monkeypatch):
+    """DeepSpeed's tutorial: `generator.model = deepspeed.init_inference(generator.model, ...)`;
+    the pipeline's greedy calls then run on the fused model and give the same text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, pipeline
+
+    import minispeed.inference.hf_generation as hf_generation
+
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(100)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=words, unk_token="w0", pad_token="w0", eos_token="w2", bos_token="w1"
+    )
+    generator = pipeline(
+        "text-generation", model=_hf_models()[0], tokenizer=tokenizer, device="cpu"
+    )
+    prompts = ["w5 w6 w7", "w9 w10"]
+    want = generator(prompts, max_new_tokens=6, do_sample=False)
+    generator.model = init_inference(generator.model, replace_with_kernel_inject=True)
+    plans = []
+    plan = hf_generation._plan
+    monkeypatch.setattr(hf_generation, "_plan", lambda *a: plans.append(plan(*a)) or plans[-1])
+    assert generator(prompts, max_new_tokens=6, do_sample=False) == want
+    assert plans and not any(isinstance(p, str) for p in plans)  # the fused path ran
