@@ -136,7 +136,9 @@ class ZeroConfig(Section):
     stage3_prefetch_bucket_numel: int = key(
         "stage3_prefetch_bucket_size", 50_000_000, aliases=("prefetch_bucket_size",)
     )
-    """Elements fetched ahead of use by the stage-3 prefetcher (`stage3_prefetch_bucket_size`)."""
+    """Most elements fetched ahead of use by the stage-3 prefetcher (`stage3_prefetch_bucket_size`);
+    at most one 4M-element chunk is ahead at a time whatever this says (Note [a prefetch stays one
+    chunk ahead] in stage3/prefetch.py)."""
     stage3_param_persistence_threshold_numel: int = key(
         "stage3_param_persistence_threshold", 100_000, aliases=("param_persistence_threshold",)
     )
