@@ -48,7 +48,7 @@ import minispeed.comm as comm
 import minispeed.zero as zero
 from minispeed.core.config import field_error
 from minispeed.core.files import atomic_write
-from minispeed.core.sections import Section, key
+from minispeed.core.sections import Section, Unsupported, ds_only, key
 from minispeed.zero.checkpoints import (
     LATEST_FILE,
     METADATA_FILE,
@@ -97,13 +97,11 @@ class CheckpointConfig(Section):
 
     ds_path: ClassVar[str] = "checkpoint"
     # DeepSpeed's checkpoint keys minispeed does not implement, accepted at their defaults.
-    ds_unsupported: ClassVar[dict[str, str]] = {
-        "load_universal": "checkpoints load at any data-parallel size already",
-        "parallel_write": "every rank writes its own shard files already",
-    }
-    ds_defaults: ClassVar[dict[str, Any]] = {
-        "load_universal": False,
-        "parallel_write": {"pipeline_stage": False},
+    ds_unsupported: ClassVar[dict[str, Unsupported]] = {
+        "load_universal": ds_only(False, "checkpoints load at any data-parallel size already"),
+        "parallel_write": ds_only(
+            {"pipeline_stage": False}, "every rank writes its own shard files already"
+        ),
     }
 
     async_save: bool = key("async_save", False)

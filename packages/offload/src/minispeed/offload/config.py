@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from minispeed.core.config import ConfigTypeError, did_you_mean, field_error
-from minispeed.core.sections import Section, key, read_section
+from minispeed.core.sections import Section, Unsupported, ds_only, key, read_section
 
 __all__ = ["AioConfig", "OffloadOptimizerConfig", "OffloadParamConfig"]
 
@@ -37,10 +37,9 @@ class AioConfig(Section):
     """
 
     ds_path: ClassVar[str] = "aio"
-    ds_unsupported: ClassVar[dict[str, str]] = {
-        "use_gds": "minispeed.offload implements only False"
+    ds_unsupported: ClassVar[dict[str, Unsupported]] = {
+        "use_gds": ds_only(False, "no GPUDirect Storage: NVMe reads and writes pass host memory")
     }
-    ds_defaults: ClassVar[dict[str, Any]] = {"use_gds": False}
 
     block_bytes: int = key("block_size", 1 << 20)
     """Bytes per pread/pwrite call (DeepSpeed `block_size`), a multiple of 4096. Larger blocks:
@@ -105,11 +104,12 @@ class OffloadOptimizerConfig(Section):
     """
 
     ds_path: ClassVar[str] = "zero_optimization.offload_optimizer"
-    ds_unsupported: ClassVar[dict[str, str]] = {
-        "fast_init": "minispeed.offload implements only False",
-        "ratio": "minispeed.offload implements only 1.0",
+    ds_unsupported: ClassVar[dict[str, Unsupported]] = {
+        "fast_init": ds_only(
+            False, "DeepSpeed's fast NVMe optimizer set-up; the states are swapped out one way"
+        ),
+        "ratio": ds_only(1.0, "the whole optimizer step is offloaded, not a share of it"),
     }
-    ds_defaults: ClassVar[dict[str, Any]] = {"fast_init": False, "ratio": 1.0}
     ds_extra: ClassVar[dict[str, Any]] = {
         "pipeline": {
             "type": "boolean",

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from minispeed.core.config import check_top_level_spelling, field_error
-from minispeed.core.sections import Section, build, key, translate_section
+from minispeed.core.sections import Section, Unsupported, build, ds_only, key, translate_section
 
 __all__ = ["ZeroConfig"]
 
@@ -77,13 +77,13 @@ class ZeroConfig(Section):
 
     ds_path: ClassVar[str] = "zero_optimization"
     # DeepSpeed keys ZeRO implements at one value only: accepted at that value (its default).
-    ds_unsupported: ClassVar[dict[str, str]] = {
-        "allgather_partitions": "parameters are all-gathered, never a chain of broadcasts",
-        "round_robin_gradients": "gradients are reduced in bucket order, not round-robin",
-    }
-    ds_defaults: ClassVar[dict[str, Any]] = {
-        "allgather_partitions": True,
-        "round_robin_gradients": False,
+    ds_unsupported: ClassVar[dict[str, Unsupported]] = {
+        "allgather_partitions": ds_only(
+            True, "parameters are all-gathered, never a chain of broadcasts"
+        ),
+        "round_robin_gradients": ds_only(
+            False, "gradients are reduced in bucket order, not round-robin"
+        ),
     }
 
     stage: int = key("stage", 0, schema={"enum": [0, 1, 2, 3]})
