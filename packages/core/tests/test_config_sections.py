@@ -79,7 +79,7 @@ def test_errors_name_the_key_as_written_with_the_field_after() -> None:
         Outer.from_section({"legacy": True})
     assert str(err.value) == (
         "outer.legacy: DeepSpeed's 'legacy' is not supported by minispeed: not here; use flag; "
-        "remove it (False is accepted)"
+        "remove it (false is accepted)"
     )
     for value in (None, False, {}):  # refused at every value
         with pytest.raises(

@@ -102,6 +102,12 @@ class CheckpointConfig(Section):
         "parallel_write": ds_only(
             {"pipeline_stage": False}, "every rank writes its own shard files already"
         ),
+        "checkpoint_serialization": ds_only(
+            True, "one checkpoint format: torch.save's zip files, written atomically"
+        ),
+        "writer": ds_only(
+            None, "DeepSpeed's fast checkpoint writers; use async_save to write in the background"
+        ),
     }
 
     async_save: bool = key("async_save", False)

@@ -159,6 +159,32 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "timers": ds_refused("wall_clock_breakdown turns the engine's timers on"),
     "weight_quantization": ds_refused("post-training int8 lives in minispeed.inference.quantize"),
     "moe": ds_refused("MoE is configured on the layer (minispeed.engine.moe.layer.MoE)"),
+    "datastates_ckpt": ds_only(
+        False, "DataStates-LLM's asynchronous checkpoint engine; use checkpoint.async_save"
+    ),
+    "data_parallel_size": ds_only(
+        None, "the data-parallel size is the world over pipeline stages and tensor ranks"
+    ),
+    "sequence_parallel_size": ds_only(None, "no Ulysses sequence parallelism"),
+    "dataloader_drop_last": ds_only(
+        False, "no deepspeed_io data loader: build the DataLoader (drop_last) in the script"
+    ),
+    "disable_python_gc": ds_only(False, "the engine never drives Python's garbage collector"),
+    "gradient_allreduce_op": ds_only(
+        "mean", "gradients are averaged over the data-parallel ranks, DeepSpeed's default"
+    ),
+    "log_level": ds_only(
+        None, "the engine logs through the minispeed logger; set its level with logging"
+    ),
+    "managed_gradient_accumulation": ds_only(
+        True, "the engine always owns the accumulation boundary"
+    ),
+    "vocabulary_size": ds_only(None, "DeepSpeed reads it only for a tensor-core alignment warning"),
+    "expert_parallel": ds_only(
+        None,
+        "DeepSpeed's AutoEP (experts found in a model by pattern); use the MoE layer "
+        "(minispeed.engine.moe.layer.MoE)",
+    ),
 }
 
 

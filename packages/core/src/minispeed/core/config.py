@@ -30,6 +30,7 @@ Cost: one edit-distance computation per (unknown key, known key): O(len²) each,
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -182,7 +183,8 @@ def check_keys(
             entry = unsupported[key]
             if not entry.refused and _same(section[key], entry.accepted):
                 continue
-            accepted = "" if entry.refused else f" ({entry.accepted!r} is accepted)"
+            shown = "" if entry.refused else json.dumps(entry.accepted, default=repr)
+            accepted = f" ({shown} is accepted)" if shown else ""
             raise ConfigError(
                 where,
                 f"DeepSpeed's {key!r} is not supported by minispeed: {entry.why}; remove "
