@@ -198,8 +198,6 @@ def test_features_deepspeed_removed_are_refused_by_name_unless_kept() -> None:
     assert set(KEPT_REMOVED) <= set(removed)
     for path in removed:
         want = "read" if path in KEPT_REMOVED else "refused"
-        if path == "zero_optimization.zeropp_loco_param":  # a ZeRO++ knob never ours: unknown
-            want = None
         assert _ours(path) == want, (path, _ours(path), removed[path])
 
 

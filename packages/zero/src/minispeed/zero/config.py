@@ -148,6 +148,10 @@ class ZeroConfig(Section):
         "zero_quantized_nontrainable_weights": ds_only(
             False, "frozen weights stay unquantized; use zero_quantized_weights for all"
         ),
+        "zeropp_loco_param": ds_refused(
+            "LoCo's error feedback for ZeRO++'s quantized gradients (DeepSpeed 0.19.8 removed "
+            "it too); use zero_quantized_gradients without it"
+        ),
         "zenflow": ds_only(
             None, "DeepSpeed's ZenFlow (stale-gradient CPU updates); use offload_optimizer"
         ),
