@@ -90,7 +90,9 @@ class OptimizerSection(ByName):
     ds_path: ClassVar[str] = "optimizer"
     example: ClassVar[str] = "AdamW"
     ds_unsupported: ClassVar[dict[str, Unsupported]] = {
-        "legacy_fusion": ds_only(False, "minispeed has no legacy fused-Adam fp16 path"),
+        "legacy_fusion": ds_only(
+            False, "minispeed has no legacy fused-Adam fp16 path (DeepSpeed's null means false)"
+        ),
     }
 
 

@@ -44,6 +44,7 @@ __all__ = ["ZeroConfig"]
 _ALL_GATHER_ONLY = "stage-3 parameters are fetched by one all-gather each, never otherwise"
 _PERSISTENCE = "one persistence rule, per parameter: use param_persistence_threshold"
 _GRANULARITY = "fetch units are modules as written, never merged"
+_DEPRECATED = "deprecated by DeepSpeed (false, like its default null, means off)"
 
 # DeepSpeed's default bucket size for reduce_bucket_size / allgather_bucket_size: 5e8 elements.
 _DS_BUCKET_DEFAULT = 500_000_000
@@ -110,14 +111,10 @@ class ZeroConfig(Section):
             "or minispeed.zero.set_leaf_module"
         ),
         # DeepSpeed's default is null; false, which old configs write, means the same there.
-        "cpu_offload": ds_only(
-            False, "deprecated by DeepSpeed; use offload_optimizer: {device: cpu}"
-        ),
-        "cpu_offload_param": ds_only(
-            False, "deprecated by DeepSpeed; use offload_param: {device: cpu}"
-        ),
+        "cpu_offload": ds_only(False, f"{_DEPRECATED}; use offload_optimizer: {{device: cpu}}"),
+        "cpu_offload_param": ds_only(False, f"{_DEPRECATED}; use offload_param: {{device: cpu}}"),
         "cpu_offload_use_pin_memory": ds_only(
-            False, "deprecated by DeepSpeed; use offload_optimizer / offload_param pin_memory"
+            False, f"{_DEPRECATED}; use offload_optimizer / offload_param pin_memory"
         ),
         "legacy_stage1": ds_only(False, "DeepSpeed's old stage-1 code path; use stage: 1"),
         "elastic_checkpoint": ds_only(

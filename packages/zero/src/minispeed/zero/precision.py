@@ -119,12 +119,11 @@ class Bf16Config(Section):
     ds_unsupported: ClassVar[dict[str, Unsupported]] = {
         "bf16_master_weights_and_grads": ds_only(False, _FP32_MASTERS),
         "bf16_optimizer_states": ds_only(False, _FP32_MASTERS),
-        # DeepSpeed's default, true, skips a step whose bf16 gradients hold inf/nan; only the
-        # value that says what minispeed does is accepted.
         "check_grad_overflow": ds_only(
             False,
-            "bf16 has no loss scale here, so no overflow check (a non-finite gradient norm is "
-            "stepped as is; clip with gradient_clipping)",
+            "bf16 has no loss scale here, so no overflow check: a step is never skipped "
+            "(DeepSpeed's default, true, skips one whose gradients hold inf or nan); only false, "
+            "which says so, is accepted",
         ),
         "immediate_grad_update": ds_only(
             False, "gradients are accumulated into the reduce buckets, one path"
@@ -143,10 +142,11 @@ class DataTypesConfig(Section):
     ds_unsupported: ClassVar[dict[str, Unsupported]] = {
         "param_dtype": ds_only(None, "the parameters' dtype comes from fp16 / bf16"),
         "buffer_dtype": ds_only(None, "the buffers' dtype comes from fp16 / bf16"),
-        # DeepSpeed's default, "auto", keeps a Hugging Face model's `_keep_in_fp32_modules` in
-        # fp32 under ZeRO-3; minispeed keeps none, which `[]` says.
         "keep_in_fp32_modules": ds_only(
-            [], "no per-module fp32 exceptions: every parameter takes the fp16 / bf16 dtype"
+            [],
+            "no per-module fp32 exceptions: every parameter takes the fp16 / bf16 dtype "
+            "(DeepSpeed's default, \"auto\", keeps a Hugging Face model's "
+            "_keep_in_fp32_modules in fp32 under ZeRO-3); only [], which says so, is accepted",
         ),
     }
 
