@@ -106,5 +106,12 @@ def test_the_schema_holds_every_key_nested_and_closed() -> None:
         "description": "Elements counted.",
         "default": 4,
     }
+
+    @dataclass(frozen=True)
+    class Clash(Outer):
+        ds_unsupported: ClassVar[dict[str, Unsupported]] = {"flag": ds_only(False, "x")}
+
+    with pytest.raises(TypeError, match=r"Clash\.ds_unsupported lists 'flag', a key it reads"):
+        section_schema(Clash)  # a field took the key over: one declaration per key
     rows = section_rows(Outer, Outer.from_section({"inner": {}}), {"inner": {}}, "outer")
     assert ("outer.inner.count", 4, "default") in rows and ("outer.flag", False, "default") in rows

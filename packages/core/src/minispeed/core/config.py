@@ -183,8 +183,8 @@ def check_keys(
             entry = unsupported[key]
             if not entry.refused and _same(section[key], entry.accepted):
                 continue
-            shown = "" if entry.refused else json.dumps(entry.accepted, default=repr)
-            accepted = f" ({shown} is accepted)" if shown else ""
+            shown = json.dumps(entry.accepted, default=repr)  # as the JSON file writes it
+            accepted = "" if entry.refused else f" ({shown} is accepted)"
             raise ConfigError(
                 where,
                 f"DeepSpeed's {key!r} is not supported by minispeed: {entry.why}; remove "

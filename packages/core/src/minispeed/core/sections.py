@@ -34,9 +34,9 @@ DeepSpeed keys a section does not implement sit in one class variable, `ds_unsup
 `ds_only(value, why)` (accepted at that value only, DeepSpeed's default, where it changes
 nothing) or `ds_refused(why)` (refused at every value); `why` says what to use instead. The
 reader refuses them by name (`check_keys`), the schema lists them with the value accepted as
-their default, and the adapters of DeepSpeed's config models report that value. A key that sets no one field (offload's `pipeline`, which sets both
-`pipeline_read` and `pipeline_write`) is declared in `ds_extra` (key -> its JSON Schema) and
-read by the class's own `from_section`.
+their default, and the adapters of DeepSpeed's config models report that value. A key that
+sets no one field (offload's `pipeline`, which sets both `pipeline_read` and `pipeline_write`)
+is declared in `ds_extra` (key -> its JSON Schema) and read by the class's own `from_section`.
 
 Cost: one pass over the fields per section read; the docstrings are parsed (`ast`) only for
 the schema.
@@ -445,6 +445,8 @@ def section_schema(cls: type, description: str | None = None) -> dict[str, Any]:
     for name, prop in (getattr(cls, "ds_extra", None) or {}).items():
         props[name] = dict(prop)
     for name, entry in sorted(unsupported_keys(cls).items()):
+        if name in props:  # a field took the key over: its entry here would never be read
+            raise TypeError(f"{cls.__name__}.ds_unsupported lists {name!r}, a key it reads")
         accepted = "Refused." if entry.refused else "Accepted only at the default shown."
         props[name] = {"description": f"Not supported: {entry.why}. {accepted}"}
         if not entry.refused:
