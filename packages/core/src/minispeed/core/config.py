@@ -338,6 +338,16 @@ DEEPSPEED_TOP_LEVEL: frozenset[str] = frozenset(
         "mics_hierarchical_params_gather",
         "load_universal_checkpoint",
         "use_node_local_storage",
+        "datastates_ckpt",
+        "data_parallel_size",
+        "sequence_parallel_size",
+        "dataloader_drop_last",
+        "disable_python_gc",
+        "gradient_allreduce_op",
+        "log_level",
+        "managed_gradient_accumulation",
+        "vocabulary_size",
+        "expert_parallel",
     }
 )
 
