@@ -204,3 +204,24 @@ def test_gating_refusals_name_what_to_use() -> None:
         sharded_moe.top1gating(logits, 1.0, 1, used_token=torch.ones(8))
     with pytest.raises(NotImplementedError, match="drop_policy='probs'"):
         sharded_moe.topkgating(logits, 2, 1.0, 1, drop_policy="position")
+
+
+def test_utils_logging_is_the_engine_logger_with_deepspeeds_rank_rule(capsys) -> None:
+    """Lightning's DeepSpeedStrategy sets `deepspeed.utils.logging.logger`'s level in its
+    constructor; before the adapter that name was Python's `logging` module (no `logger`)."""
+    import logging
+
+    from minispeed.engine import utils
+    from minispeed.engine.utils import logging as ds_logging
+
+    assert utils.logging is ds_logging and ds_logging.logger is utils.logger
+    ds_logging.logger.setLevel(logging.WARNING)
+    assert not ds_logging.should_log_le("info") and ds_logging.should_log_le("error")
+    ds_logging.set_log_level_from_string("INFO")
+    assert ds_logging.get_current_level() == logging.INFO
+    with pytest.raises(ValueError, match="log level 'loud' is not one of debug, info"):
+        ds_logging.set_log_level_from_string("loud")
+    # No process group: every process logs, "[Rank -1]" as DeepSpeed prints it.
+    assert ds_logging.get_dist_msg("hello", ranks=[0]) == "[Rank -1] hello"
+    ds_logging.print_dist("hi")
+    assert capsys.readouterr().out == "[Rank -1] hi\n"

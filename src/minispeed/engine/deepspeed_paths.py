@@ -100,9 +100,11 @@ ADAPTERS: dict[str, str] = {
     "deepspeed.utils": f"{_E}.utils",
     "deepspeed.utils.groups": f"{_E}.utils.groups",
     "deepspeed.utils.init_on_device": f"{_E}.utils.init_on_device",
+    "deepspeed.utils.logging": f"{_E}.utils.logging",
     "deepspeed.utils.tensor_fragment": f"{_E}.utils.tensor_fragment",
     "deepspeed.utils.z3_leaf_module": f"{_E}.utils.z3_leaf_module",
     "deepspeed.utils.zero_to_fp32": f"{_E}.utils.zero_to_fp32",
+    "deepspeed.utils.zero_to_torch": f"{_E}.utils.zero_to_torch",
     "deepspeed.zero": f"{_E}.zero",
 }
 
@@ -239,7 +241,6 @@ HINTS: dict[str, str] = {
     "deepspeed.runtime.zero": f"ZeRO's internals; use {_ZERO}",
     "deepspeed.utils": "DeepSpeed's utilities; use deepspeed.utils (minispeed.engine.utils)",
     "deepspeed.utils.comms_logging": "use the `comms_logger` config section",
-    "deepspeed.utils.logging": "use deepspeed.utils.logger and deepspeed.utils.log_dist",
     "deepspeed.utils.timer": (
         "DeepSpeed's timers; set `wall_clock_breakdown: true` in the config (the engine reports "
         "forward, backward and step times)"

@@ -9,7 +9,7 @@ from minispeed.engine.deepspeed_paths import adapted_attribute as _adapted_attri
 from minispeed.engine.utils import *  # noqa: F403
 from minispeed.engine.utils import __all__  # noqa: F401
 
-for _child in ('groups', 'init_on_device', 'tensor_fragment', 'z3_leaf_module', 'zero_to_fp32'):
+for _child in ('groups', 'init_on_device', 'logging', 'tensor_fragment', 'z3_leaf_module', 'zero_to_fp32', 'zero_to_torch'):
     _importlib.import_module(f"{__name__}.{_child}")
 from minispeed.engine.utils import z3_leaf_module  # noqa: E402
 
