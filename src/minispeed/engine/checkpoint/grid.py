@@ -49,7 +49,7 @@ import minispeed.comm as comm
 import minispeed.zero as zero
 from minispeed.core.config import field_error
 from minispeed.core.files import atomic_write
-from minispeed.core.sections import Section, key
+from minispeed.core.sections import Section, Unsupported, ds_only, key
 from minispeed.zero.checkpoints import (
     LATEST_FILE,
     METADATA_FILE,
@@ -124,13 +124,17 @@ class CheckpointConfig(Section):
 
     ds_path: ClassVar[str] = "checkpoint"
     # DeepSpeed's checkpoint keys minispeed does not implement, accepted at their defaults.
-    ds_unsupported: ClassVar[dict[str, str]] = {
-        "load_universal": "checkpoints load at any data-parallel size already",
-        "parallel_write": "every rank writes its own shard files already",
-    }
-    ds_defaults: ClassVar[dict[str, Any]] = {
-        "load_universal": False,
-        "parallel_write": {"pipeline_stage": False},
+    ds_unsupported: ClassVar[dict[str, Unsupported]] = {
+        "load_universal": ds_only(False, "checkpoints load at any data-parallel size already"),
+        "parallel_write": ds_only(
+            {"pipeline_stage": False}, "every rank writes its own shard files already"
+        ),
+        "checkpoint_serialization": ds_only(
+            True, "one checkpoint format: torch.save's zip files, written atomically"
+        ),
+        "writer": ds_only(
+            None, "DeepSpeed's fast checkpoint writers; use async_save to write in the background"
+        ),
     }
 
     async_save: bool = key("async_save", False)

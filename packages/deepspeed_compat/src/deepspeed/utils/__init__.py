@@ -5,6 +5,7 @@ Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_com
 import importlib as _importlib
 
 import minispeed.engine.utils as _adapter
+from minispeed.engine.deepspeed_paths import adapted_attribute as _adapted_attribute
 from minispeed.engine.utils import *  # noqa: F403
 from minispeed.engine.utils import __all__  # noqa: F401
 
@@ -14,4 +15,4 @@ from minispeed.engine.utils import z3_leaf_module  # noqa: E402
 
 
 def __getattr__(name):
-    return getattr(_adapter, name)
+    return _adapted_attribute(__name__, _adapter, name)
