@@ -73,6 +73,7 @@ import torch
 import torch.distributed as dist
 
 from minispeed.comm.handoff import lend
+from minispeed.comm.validation import group_facts
 
 __all__ = [
     "Issued",
@@ -176,7 +177,7 @@ _FALLBACK_NAMES = {
 
 
 def _backend(group: Any) -> str:
-    return str(dist.get_backend(group))
+    return group_facts("backend", group).backend  # learned once per group
 
 
 def remember_missing(op: str, group: Any, err: RuntimeError) -> bool:

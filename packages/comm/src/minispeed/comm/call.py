@@ -57,8 +57,8 @@ class Call:
     call, kept by its `CommWork`, holds shapes only, never a buffer.
     """
 
-    __slots__ = ("caller", "checked", "compat_op", "dtype", "group", "impl", "msg_bytes", "n")
-    __slots__ += ("numel", "op", "rejects", "shapes", "step", "wire")
+    __slots__ = ("caller", "checked", "compat_op", "dtype", "facts", "group", "impl", "msg_bytes")
+    __slots__ += ("n", "numel", "op", "rejects", "shapes", "step", "wire")
 
     def __init__(
         self,
@@ -70,17 +70,23 @@ class Call:
         ledger_group_size: int | None = None,
     ) -> None:
         self.op, self.group, self.rejects = op, group, rejects
-        n = validation.check_group(op, group)
+        # the group check, and the group's size, rank, ranks and backend, known after its first
+        # call (Note [a group's facts, once] in validation.py)
+        self.facts = facts = validation.group_facts(op, group)
         # the group size of the record: a point-to-point message has two ends, whatever the group
-        self.n = n if ledger_group_size is None else ledger_group_size
+        self.n = facts.n if ledger_group_size is None else ledger_group_size
         # depth 3: checked <- Call.__init__ <- the collective <- its caller, the call site
         self.checked = cross_check and handshake.checked(group, depth=3)
         self.impl = "native"  # or the fallback that ran, known at launch
-        # compat_op, dtype, msg_bytes, numel, shapes, wire: set by launch, which describes the
-        # message; step (and caller, when asked for): the logger's step at issue, when a logger
-        # records this call
+        # compat_op, dtype, msg_bytes, numel, shapes, wire: set by `describe`, when a logger
+        # records this call, it is async, or it failed; step (and caller, when asked for): the
+        # logger's step at issue, when a logger records this call
         self.step: int | None = None
         self.caller = ""
+
+    def check_tensors(self, *tensors: torch.Tensor, contiguous: bool = True) -> None:
+        """`validation.check_tensors` on this call's group, whose facts it holds."""
+        validation.check_tensor_list(self.op, self.facts, tensors, contiguous)
 
     def __enter__(self) -> Call:
         return self
@@ -131,16 +137,17 @@ class Call:
         `compat_op`: the flat op whose fallback, if the backend lacks it, the record names.
         The range covers the issue (the whole call when synchronous); with no profiler or NVTX
         tool listening it costs a few attribute reads (see `minispeed.core.ranges`).
+
+        A synchronous call with no logger recording it describes its message only if it fails
+        (the error names the shapes), and completes here without a `CommWork`: the same steps
+        as `CommWork.wait` (`complete`), minus the backend's wait, which the backend did.
         """
-        self.numel, self.compat_op, self.wire = msg_numel, compat_op, wire
-        self.dtype = t.dtype if t is not None else None
-        if msg_bytes is None:
-            msg_bytes = msg_numel * (t.element_size() if t is not None else 0)
-        self.msg_bytes = msg_bytes
-        self.shapes = [tuple(x.shape) for x in tensors]
         log = logger._ACTIVE  # See Note [logger off is one global read]
         if log is not None and log.ops is not None and self.op not in log.ops:
             log = None  # an op the logger does not record runs as with none (prof_ops)
+        described = log is not None or async_op
+        if described:  # kept by the handle or the record: shapes only, never a buffer
+            self.describe(t, msg_numel, tensors, compat_op, wire, msg_bytes)
         t0 = 0.0
         if log is not None:
             self.step = log.step  # the step of issue, also for an async call logged at wait()
@@ -158,13 +165,45 @@ class Call:
             loan.settle(block=False)  # a failed op: the backend may hold them until torn down
             if isinstance(err, validation.CommError):
                 raise
+            if not described:
+                self.describe(t, msg_numel, tensors, compat_op, wire, msg_bytes)
             raise self.error(err) from err
         work, finish = issued if isinstance(issued, tuple) else (issued, None)
         if compat_op is not None and self.impl == "native":  # unless the op chose it already
             self.impl = api_compat.impl_of(compat_op, self.group)
-        handle = CommWork(work if async_op else None, self, finish, log, t0, loan, async_op)
-        del issued, work  # (a synchronous call has finished: recv's return value is a rank)
-        return handle if async_op or not handle.wait() else None  # wait() returns True
+        if async_op:
+            return CommWork(work, self, finish, log, t0, loan)
+        del issued, work  # the op has finished (recv's return value is a rank, not a Work)
+        if finish is not None:
+            finish()
+        self.complete(loan, log, t0, False)
+        return None
+
+    def describe(
+        self,
+        t: torch.Tensor | None,
+        msg_numel: int,
+        tensors: Sequence[torch.Tensor],
+        compat_op: str | None,
+        wire: int | None,
+        msg_bytes: int | None,
+    ) -> None:
+        """Keep what the record and an error message say of the message (see `launch`)."""
+        self.numel, self.compat_op, self.wire = msg_numel, compat_op, wire
+        self.dtype = t.dtype if t is not None else None
+        if msg_bytes is None:
+            msg_bytes = msg_numel * (t.element_size() if t is not None else 0)
+        self.msg_bytes = msg_bytes
+        self.shapes = [tuple(x.shape) for x in tensors]
+
+    def complete(self, loan: Loan | None, log: Any, t0: float, async_op: bool) -> None:
+        """Once the op completed and its results are out: settle the loan (the backend let go of
+        the op's tensors), then append the record when `log` is set."""
+        if loan is not None:
+            loan.settle()
+        if log is not None:
+            get_accelerator().synchronize()
+            self.record(log, time.perf_counter() - t0, async_op=async_op)
 
     def wire_bytes(self) -> int:
         """Bytes this rank sent: given explicitly, or the ring formula of the implementation used."""
@@ -185,7 +224,7 @@ class Call:
             async_op=async_op,
             step=self.step,
             impl=self.impl,
-            ranks=tuple(validation.group_ranks(self.group)),
+            ranks=self.facts.ranks,
             caller=self.caller,
         )
 
@@ -202,7 +241,7 @@ class CommWork:
     tensors (Note [the backend lets go before we do] in handoff.py). Waiting twice is harmless.
     """
 
-    __slots__ = ("_async", "_call", "_done", "_finish", "_loan", "_log", "_t0", "_work")
+    __slots__ = ("_call", "_done", "_finish", "_loan", "_log", "_t0", "_work")
 
     def __init__(
         self,
@@ -212,11 +251,10 @@ class CommWork:
         log: Any,
         t0: float,
         loan: Loan,
-        async_op: bool = True,
     ) -> None:
         self._work, self._call, self._finish, self._log, self._t0 = work, call, finish, log, t0
         self._loan: Loan | None = loan
-        self._done, self._async = False, async_op
+        self._done = False
 
     def wait(self) -> bool:
         """Block until the op completed (on a GPU: until the current stream is ordered after it)."""
@@ -236,13 +274,9 @@ class CommWork:
         # Drop the backend's Work and the finishing step: both reference the op's buffers (a
         # coalesced all-gather's n·Σ temporary), which a handle kept after wait() must not pin;
         # then the loan, once the backend's worker has let go of them too.
-        self._work = self._finish = None
-        if self._loan is not None:
-            self._loan.settle()
-            self._loan = None
-        if self._log is not None:
-            get_accelerator().synchronize()
-            self._call.record(self._log, time.perf_counter() - self._t0, async_op=self._async)
+        loan = self._loan
+        self._work = self._finish = self._loan = None
+        self._call.complete(loan, self._log, self._t0, True)
         return True
 
     def is_completed(self) -> bool:
@@ -291,13 +325,13 @@ def all_gather_flat(
     [gloo's all-gather is broadcasts] in api_compat.py): chunk j of `output` from rank j.
     """
     if impl == "broadcasts":
-        ranks = validation.group_ranks(group)
-        chunks = output.view(len(ranks), -1)
-        if chunks[dist.get_rank(group)].data_ptr() != input.data_ptr():
-            chunks[dist.get_rank(group)].copy_(input)
+        facts = validation.group_facts("all_gather", group)
+        chunks = output.view(facts.n, -1).unbind(0)
+        if chunks[facts.rank].data_ptr() != input.data_ptr():
+            chunks[facts.rank].copy_(input)
         works = [
             dist.broadcast(lend(c), src, group=group, async_op=True)
-            for c, src in zip(chunks, ranks)
+            for c, src in zip(chunks, facts.ranks)
         ]
         work = api_compat.WorkList(works)
         return work if async_op or not work.wait() else None, None  # wait() is True

@@ -71,7 +71,7 @@ def all_reduce(
     """
     call = Call("all_reduce", group)
     with call:
-        validation.check_tensors(call.op, group, tensor)
+        call.check_tensors(tensor)
     call.agree(lambda: {"shape": tuple(tensor.shape), "dtype": str(tensor.dtype), "op": str(op)})
     return call.launch(
         lambda: dist.all_reduce(lend(tensor), op=op, group=group, async_op=async_op),
@@ -100,7 +100,7 @@ def reduce_scatter_tensor(
     """
     call = Call("reduce_scatter", group)
     with call:
-        validation.check_tensors(call.op, group, output, input)
+        call.check_tensors(output, input)
         validation.check_same_dtype(call.op, output, input)
         validation.check_divisible(call.op, input.numel(), call.n)
         fix = "allocate output with input.numel() // group size elements"
@@ -127,7 +127,7 @@ def all_gather_into_tensor(
     """
     call = Call("all_gather", group)
     with call:
-        validation.check_tensors(call.op, group, output, input)
+        call.check_tensors(output, input)
         validation.check_same_dtype(call.op, output, input)
         fix = "allocate output with group size * input.numel() elements"
         validation.check_numel(call.op, "output", output.numel(), call.n * input.numel(), fix)
@@ -167,7 +167,7 @@ def all_gather_coalesced(
     with call:
         if not inputs:
             raise CommInputError(f"{call.op}: got no inputs; pass at least one tensor")
-        validation.check_tensors(call.op, group, *inputs, contiguous=False)
+        call.check_tensors(*inputs, contiguous=False)
         validation.check_one_dtype(call.op, "inputs", inputs, inputs[0].dtype, "the first")
         if not lazy:  # lazy outputs are checked when they are made, in finish()
             _check_coalesced_outputs(call, outputs, inputs)
@@ -209,7 +209,7 @@ def broadcast(
     """
     call = Call("broadcast", group)
     with call:
-        validation.check_tensors(call.op, group, tensor)
+        call.check_tensors(tensor)
         validation.check_peer(call.op, src, "src", group)
     call.agree(lambda: {"shape": tuple(tensor.shape), "dtype": str(tensor.dtype), "src": src})
     msg_bytes = tensor.numel() * tensor.element_size()
@@ -240,7 +240,7 @@ def _check_coalesced_outputs(
             f"{call.op}: got {len(outputs)} outputs for {len(inputs)} inputs; pass one output "
             "per input"
         )
-    validation.check_tensors(call.op, call.group, *outputs, contiguous=False)
+    call.check_tensors(*outputs, contiguous=False)
     validation.check_one_dtype(call.op, "outputs", outputs, inputs[0].dtype, "the inputs")
     for i, (o, t) in enumerate(zip(outputs, inputs)):
         validation.check_numel(

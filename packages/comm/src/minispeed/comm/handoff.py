@@ -39,12 +39,24 @@ among the `unsettled` ones: each later settle drops those returned by then, and
 `comm.destroy_process_group` and the exit hook settle them all (`settle_all`).
 
 Cost: one `detach` per tensor handed over (a tensor object, about a microsecond) and one
-use-count read per alias; a wait (sleeps of 10 µs to 1 ms) only while the worker thread has
-not yet let go.
+use-count read per alias; a wait only while the worker thread has not yet let go (Note [waiting
+for the worker: yield, not sleep]).
+
+Note [waiting for the worker: yield, not sleep]
+The worker's drop comes a few microseconds after it woke the caller, unless it was preempted in
+between, which on a loaded machine happens to a fifth to a third of small calls and then lasts
+until the scheduler runs it again. The wait used to sleep (10 µs, doubling to 1 ms): on 2 gloo
+ranks at load 6-8, a 1,024-element all-reduce plus that wait then took 4-8x the wall time and
+3-4x the CPU time of the bare all-reduce (`benchmarks/comm_call_overhead.py`; the waits
+themselves averaged 45 µs: the sleeping slowed the *next* calls), while yielding the processor
+instead (`os.sched_yield`, the GIL released) costs the same as not waiting at all. So the wait
+yields for up to `YIELD_S`, then sleeps in growing pauses (a worker that slow is not about to
+finish, and a loop of yields would spin on an idle machine).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -61,6 +73,10 @@ SETTLE_TIMEOUT_S = 60.0
 """How long `settle` waits for a worker thread to let go before leaving the loan unsettled
 (with a warning): a worker scheduled late takes milliseconds; a minute means something else
 holds the backend's work."""
+YIELD_S = 2e-3
+"""How long `settle` yields the processor to a worker that has not let go yet before it sleeps
+(Note [waiting for the worker: yield, not sleep])."""
+_yield = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 
 
 class Loan:
@@ -94,9 +110,14 @@ class Loan:
         we do]). `block=None`: wait when every alias is a CPU tensor (the op is complete when
         its `wait()` returns, so the worker's drop is imminent), else leave the loan unsettled
         for a later settle. Call it only after the op completed."""
-        _sweep()
-        if not self.aliases or self.returned():
-            self.aliases.clear()
+        if _unsettled:
+            _sweep()
+        aliases = self.aliases
+        for a in aliases:  # `returned()`, inlined: this runs once per collective
+            if a._use_count() != 1:
+                break
+        else:
+            aliases.clear()
             return
         if block is None:
             block = all(a.device.type == "cpu" for a in self.aliases)
@@ -141,11 +162,18 @@ def _sweep() -> None:
 
 
 def _wait_returned(loan: Loan, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
+    """Wait until the backend let go of `loan`'s aliases: yield, then sleep (Note [waiting for
+    the worker: yield, not sleep]); False after `timeout_s`."""
+    now = time.monotonic()
+    deadline, yield_until = now + timeout_s, now + min(YIELD_S, timeout_s)
     pause = 1e-5
     while not loan.returned():
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             return False
-        time.sleep(pause)  # releases the GIL: the worker may need it for its own drops
-        pause = min(2 * pause, 1e-3)
+        if now < yield_until:
+            _yield()  # releases the GIL: the worker may need it for its own drops
+        else:
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
     return True

@@ -76,11 +76,71 @@ def check_group(op: str, group: Any) -> int:
     torch returns silently (with a warning) when a non-member calls a collective, leaving the
     caller's buffers untouched: a silent wrong answer that we turn into an error.
     """
-    if not dist.is_initialized():
-        raise CommInputError(
-            f"{op}: torch.distributed is not initialized; call comm.init_distributed() first "
-            "(or launch with torchrun)"
+    return group_facts(op, group).n
+
+
+# Note [a group's facts, once]
+# Every collective needs a few facts about its group: its size (which also says whether this
+# rank is a member), its rank in it, its global ranks and what devices its backend moves. Each
+# is a torch.distributed call of one to two microseconds (`dist.get_world_size` alone makes six
+# Python calls), which on a small message is a fifth of the collective. A group's facts cannot
+# change while it exists, so they are learned on its first call and kept in `_FACTS`, keyed by
+# the group object's id and checked against a weak reference to it (a group freed and another
+# made at the same address is learned anew; the cache keeps no group alive). The world is the
+# exception: `None` means whatever default group exists now, and a process may destroy it and
+# make another (a reused test worker does), so every lookup reads `dist.group.WORLD` (two
+# attribute reads) and the cache starts over when it is another object. A non-member group is
+# never cached: its error is raised on every call, as before.
+
+
+class GroupFacts:
+    """What every call on one process group needs to know about it (Note [a group's facts,
+    once]): `n` its size, `rank` this process's rank in it, `ranks` its global ranks (group rank
+    order), `devices` the device types its backend moves, `backend` the backend's name."""
+
+    __slots__ = ("backend", "devices", "n", "rank", "ranks", "ref")
+
+    def __init__(self, group: Any, n: int) -> None:
+        self.n = n
+        self.rank = dist.get_rank(group)
+        self.ranks = (
+            tuple(range(n)) if group is None else tuple(dist.get_process_group_ranks(group))
         )
+        self.backend = str(dist.get_backend(group))
+        lowered = self.backend.lower()
+        found = []
+        if "gloo" in lowered or "mpi" in lowered:
+            found.append("cpu")
+        if "nccl" in lowered:
+            found.append("cuda")
+        self.devices: tuple[str, ...] = tuple(found) or ("cpu", "cuda")
+        self.ref = None if group is None else weakref.ref(group)
+
+
+_FACTS: dict[int | None, GroupFacts] = {}  # id(group), None for the world -> its facts
+_FACTS_WORLD: list[Any] = [None]  # the default group they were learned under
+
+
+def group_facts(op: str, group: Any) -> GroupFacts:
+    """The facts of `group` (the world for `None`), learned on its first call; raises as
+    `check_group` describes when torch.distributed is off or this rank is not a member."""
+    world = dist.group.WORLD
+    if world is not _FACTS_WORLD[0] or world is None:
+        if world is None:
+            raise CommInputError(
+                f"{op}: torch.distributed is not initialized; call comm.init_distributed() "
+                "first (or launch with torchrun)"
+            )
+        _FACTS.clear()  # a new world: groups of the old one are gone with it
+        _FACTS_WORLD[0] = world
+    if group is None:
+        facts = _FACTS.get(None)
+        if facts is not None:
+            return facts
+    else:
+        facts = _FACTS.get(id(group))
+        if facts is not None and facts.ref() is group:
+            return facts
     n = dist.get_world_size(group)
     if n < 1:
         raise CommInputError(
@@ -88,26 +148,13 @@ def check_group(op: str, group: Any) -> int:
             "the group may call collectives on it (check the ranks passed to comm.new_group, or "
             "guard the call with comm.is_member(group))"
         )
-    return n
-
-
-# device types each process group moves, per group object (weak: dies with the group)
-_DEVICE_KINDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    facts = _FACTS[None if group is None else id(group)] = GroupFacts(group, n)
+    return facts
 
 
 def backend_devices(group: Any) -> tuple[str, ...]:
     """Device types the group's backend moves (`("cpu",)` for gloo), looked up once per group."""
-    pg = dist.group.WORLD if group is None else group
-    kinds = _DEVICE_KINDS.get(pg)
-    if kinds is None:
-        backend = str(dist.get_backend(group)).lower()
-        found = []
-        if "gloo" in backend or "mpi" in backend:
-            found.append("cpu")
-        if "nccl" in backend:
-            found.append("cuda")
-        kinds = _DEVICE_KINDS[pg] = tuple(found) or ("cpu", "cuda")
-    return kinds
+    return group_facts("backend_devices", group).devices
 
 
 def tensor_device(group: Any = None) -> torch.device:
@@ -127,14 +174,21 @@ def tensor_device(group: Any = None) -> torch.device:
 
 def check_tensors(op: str, group: Any, *tensors: torch.Tensor, contiguous: bool = True) -> None:
     """Each tensor is a dense Tensor on a device the group's backend can move, and contiguous."""
-    allowed = backend_devices(group)
+    check_tensor_list(op, group_facts(op, group), tensors, contiguous)
+
+
+def check_tensor_list(
+    op: str, facts: GroupFacts, tensors: Sequence[torch.Tensor], contiguous: bool = True
+) -> None:
+    """`check_tensors` for a group whose facts the caller holds (`Call.check_tensors`)."""
+    allowed = facts.devices
     first: torch.device | None = None
     for t in tensors:
         if not isinstance(t, torch.Tensor):
             raise CommInputError(f"{op}: expected a torch.Tensor, got {type(t).__name__}")
         device = t.device
         if device.type not in allowed:
-            backend = dist.get_backend(group)
+            backend = facts.backend
             fix = "move it with .cpu()" if allowed == ("cpu",) else "move it to the GPU"
             raise CommInputError(
                 f"{op}: tensor of shape {tuple(t.shape)} is on {t.device}, but the group's backend "
