@@ -58,7 +58,7 @@ class Call:
     """
 
     __slots__ = ("caller", "checked", "compat_op", "dtype", "facts", "group", "impl", "msg_bytes")
-    __slots__ += ("n", "numel", "op", "rejects", "shapes", "step", "wire")
+    __slots__ += ("n", "numel", "op", "rejects", "root", "shapes", "step", "wire")
 
     def __init__(
         self,
@@ -127,13 +127,15 @@ class Call:
         compat_op: str | None = None,
         wire: int | None = None,
         msg_bytes: int | None = None,
+        root: int | None = None,
     ) -> CommWork | None:
         """Run `issue` (the backend call) inside the range `comm.<op>`, timed and logged when a
         logger is active; backend errors come back naming this call.
 
         `t` and `msg_numel` give the message of the ledger (`msg_numel` elements of `t`'s
         dtype, unless `msg_bytes` says otherwise); `tensors` are every buffer, for an error
-        message. `wire`: bytes sent, when not the ring formula of `costs.wire_bytes`.
+        message. `wire`: bytes sent, when not the ring formula of `costs.wire_bytes`; `root`:
+        the global rank of a rooted op's root, whose formula differs (priced at record time).
         `compat_op`: the flat op whose fallback, if the backend lacks it, the record names.
         The range covers the issue (the whole call when synchronous); with no profiler or NVTX
         tool listening it costs a few attribute reads (see `minispeed.core.ranges`).
@@ -147,7 +149,7 @@ class Call:
             log = None  # an op the logger does not record runs as with none (prof_ops)
         described = log is not None or async_op
         if described:  # kept by the handle or the record: shapes only, never a buffer
-            self.describe(t, msg_numel, tensors, compat_op, wire, msg_bytes)
+            self.describe(t, msg_numel, tensors, compat_op, wire, msg_bytes, root)
         t0 = 0.0
         if log is not None:
             self.step = log.step  # the step of issue, also for an async call logged at wait()
@@ -166,7 +168,7 @@ class Call:
             if isinstance(err, validation.CommError):
                 raise
             if not described:
-                self.describe(t, msg_numel, tensors, compat_op, wire, msg_bytes)
+                self.describe(t, msg_numel, tensors, compat_op, wire, msg_bytes, root)
             raise self.error(err) from err
         work, finish = issued if isinstance(issued, tuple) else (issued, None)
         if compat_op is not None and self.impl == "native":  # unless the op chose it already
@@ -187,9 +189,10 @@ class Call:
         compat_op: str | None,
         wire: int | None,
         msg_bytes: int | None,
+        root: int | None = None,
     ) -> None:
         """Keep what the record and an error message say of the message (see `launch`)."""
-        self.numel, self.compat_op, self.wire = msg_numel, compat_op, wire
+        self.numel, self.compat_op, self.wire, self.root = msg_numel, compat_op, wire, root
         self.dtype = t.dtype if t is not None else None
         if msg_bytes is None:
             msg_bytes = msg_numel * (t.element_size() if t is not None else 0)
@@ -209,6 +212,9 @@ class Call:
         """Bytes this rank sent: given explicitly, or the ring formula of the implementation used."""
         if self.wire is not None:
             return self.wire
+        if self.root is not None:  # a rooted op: the root's share differs
+            is_root = self.facts.ranks[self.facts.rank] == self.root
+            return costs.wire_bytes(self.op, self.msg_bytes, self.n, is_root=is_root)
         return costs.wire_bytes(self.op, self.msg_bytes, self.n, impl=self.impl)
 
     def record(self, log: Any, latency_s: float, async_op: bool = False) -> None:

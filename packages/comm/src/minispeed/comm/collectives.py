@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from minispeed.comm import api_compat, costs, validation
+from minispeed.comm import api_compat, validation
 from minispeed.comm.call import (
     Call,
     CommWork,
@@ -176,7 +176,7 @@ def all_gather_coalesced(
     n, sizes = call.n, [t.numel() for t in inputs]
     total = sum(sizes)
     flat_out = inputs[0].new_empty(n * total)  # 1D, rank-major: [rank0: in0|in1|..][rank1: ...]
-    me = dist.get_rank(group)
+    me = call.facts.rank
     flat_in = flat_out[me * total : (me + 1) * total]  # this rank's chunk: gathered in place
     torch.cat([t.reshape(-1) for t in inputs], out=flat_in)
 
@@ -212,14 +212,13 @@ def broadcast(
         call.check_tensors(tensor)
         validation.check_peer(call.op, src, "src", group)
     call.agree(lambda: {"shape": tuple(tensor.shape), "dtype": str(tensor.dtype), "src": src})
-    msg_bytes = tensor.numel() * tensor.element_size()
     return call.launch(
         lambda: dist.broadcast(lend(tensor), src, group=group, async_op=async_op),
         async_op,
         tensor,
         tensor.numel(),
         (tensor,),
-        wire=costs.wire_bytes(call.op, msg_bytes, call.n, is_root=dist.get_rank() == src),
+        root=src,
     )
 
 

@@ -272,13 +272,14 @@ def check_splits(op: str, what: str, splits: Sequence[int] | None, dim0: int, n:
 
 def check_peer(op: str, peer: int, name: str, group: Any) -> None:
     """`peer` is a global rank in `group` (and not this rank for point-to-point)."""
-    ranks = group_ranks(group)
+    facts = group_facts(op, group)
+    ranks = list(facts.ranks)
     if peer not in ranks:
         raise CommInputError(
             f"{op}: {name}={peer} is not a global rank of the group (ranks {ranks}); pass a global "
             "rank that belongs to the group"
         )
-    if op in ("send", "recv", "isend", "irecv") and peer == dist.get_rank():
+    if op in ("send", "recv", "isend", "irecv") and peer == ranks[facts.rank]:
         raise CommInputError(f"{op}: {name}={peer} is this rank; a rank cannot message itself")
 
 
