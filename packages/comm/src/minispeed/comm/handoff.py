@@ -46,12 +46,13 @@ Note [waiting for the worker: yield, not sleep]
 The worker's drop comes a few microseconds after it woke the caller, unless it was preempted in
 between, which on a loaded machine happens to a fifth to a third of small calls and then lasts
 until the scheduler runs it again. The wait used to sleep (10 µs, doubling to 1 ms): on 2 gloo
-ranks at load 6-8, a 1,024-element all-reduce plus that wait then took 4-8x the wall time and
-3-4x the CPU time of the bare all-reduce (`benchmarks/comm_call_overhead.py`; the waits
-themselves averaged 45 µs: the sleeping slowed the *next* calls), while yielding the processor
-instead (`os.sched_yield`, the GIL released) costs the same as not waiting at all. So the wait
-yields for up to `YIELD_S`, then sleeps in growing pauses (a worker that slow is not about to
-finish, and a loop of yields would spin on an idle machine).
+ranks at load 6-9, a 1,024-element all-reduce plus that wait then took 4-8x the wall time and
+3-4x the CPU time of the bare all-reduce (the waits themselves averaged 45 µs: a caller that
+had slept made its next calls slow), and comm's small collectives cost 1.3-7x torch's CPU time
+(`benchmarks/comm_call_overhead.py`). Yielding the processor instead (`os.sched_yield`, the GIL
+released) costs what not waiting at all costs. So the wait yields for up to `YIELD_S`, then
+sleeps in growing pauses (a worker that slow is not about to finish, and a loop of yields
+would spin on an idle machine).
 """
 
 from __future__ import annotations
