@@ -23,7 +23,8 @@ returned on free instead of being recycled inside the heap; the times come from 
 with the allocator as users run it). Ratios (`x`) are the dense baseline's time over the op's,
 from the same run: over `sdpa+mask` and over the unmasked SDPA of the same direction. The last
 column divides the op's time per computed score (`computed_scores`) by the same-direction SDPA's,
-per round: its median and [min–max].
+per round, forward, backward (a round's fwd+bwd less its forward) and both: its median and
+[min–max].
 """
 
 from __future__ import annotations
@@ -93,6 +94,11 @@ def computed_scores(csr: BlockSparseLayout | None, seq: int, heads: int, causal:
     kept = torch.tril(csr.layout) if causal else csr.layout
     diagonal = int(kept.diagonal(dim1=1, dim2=2).sum()) if causal else 0
     return (int(kept.sum()) - diagonal) * b * b + diagonal * b * (b + 1) // 2
+
+
+def _backward(rounds: tuple[list[float], list[float]]) -> list[float]:
+    """Backward seconds per round: the round's fwd+bwd less its forward (timed apart, no grad)."""
+    return [fb - f for f, fb in zip(*rounds)]
 
 
 def _ratio_cell(ratios: list[float]) -> str:
@@ -187,10 +193,12 @@ def bench(seq: int, args) -> list[str]:
         dense = computed_scores(None, seq, args.heads, csr.causal)
         ours = computed_scores(csr, seq, args.heads, csr.causal)
 
+        ours_rounds = (times[name][0], _backward(times[name]), times[name][1])
+        dense_rounds = (times[plain][0], _backward(times[plain]), times[plain][1])
         per_score = [
-            _ratio_cell([(o / ours) / (d / dense) for o, d in zip(times[name][i], times[plain][i])])
-            for i in (0, 1)
-        ]  # op time per score over SDPA's, each round; fwd, then fwd+bwd
+            _ratio_cell([(o / ours) / (d / dense) for o, d in zip(mine, base)])
+            for mine, base in zip(ours_rounds, dense_rounds)
+        ]  # op time per score over SDPA's, each round; fwd, bwd, fwd+bwd
         fw, fb = med[name]
         masked = (
             f"{med['sdpa+mask'][0] / fw:.2f} / {med['sdpa+mask'][1] / fb:.2f}"
@@ -200,7 +208,7 @@ def bench(seq: int, args) -> list[str]:
         rows.append(
             f"| {seq} | {name} | {csr.density:.3f} | {fw * 1e3:.1f} | {fb * 1e3:.1f} "
             f"| {peak[name]:.0f} | {masked} | {med[plain][0] / fw:.2f} / {med[plain][1] / fb:.2f} "
-            f"| {per_score[0]} / {per_score[1]} |"
+            f"| {per_score[0]} / {per_score[1]} / {per_score[2]} |"
         )
     rows.append(f"| {seq} | (the mask itself) | | | | {mask.numel() / 2**20:.0f} | | | |")
     return rows
@@ -235,7 +243,7 @@ def main() -> None:
     print(
         "| T | attention | density | fwd ms | fwd+bwd ms | peak MiB (fwd+bwd) "
         "| x over sdpa+mask (fwd / fwd+bwd) | x over sdpa, same direction (fwd / fwd+bwd) "
-        "| time per computed score / sdpa's (fwd / fwd+bwd) [min–max] |"
+        "| time per computed score / sdpa's (fwd / bwd / fwd+bwd) [min–max] |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for seq in args.seq_lens:

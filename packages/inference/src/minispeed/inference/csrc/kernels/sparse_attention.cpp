@@ -27,6 +27,12 @@
 // the backward recomputes each kept tile's scores and p = exp(s - lse) from q and k, so no (T x T)
 // buffer ever exists. Backward, with Di = dout_i . out_i: ds = p (dp - Di) scale.
 //
+// Note [internal linkage, so the kernels inline]: every function here sits in an anonymous
+// namespace. With external linkage, a shared library's function may be interposed at load time,
+// so -fPIC code called each small kernel (tile_vectors, diagonal, ...) through the PLT and passed
+// its strided operands on the stack, uninlined: 12-16% of the op's time sat in gemm's own
+// frame (perf). Only register_sparse_attention, below, is seen from outside.
+//
 // Threads: OpenMP over (batch, head, query block) forward and over (batch, head) backward, where
 // every task owns its own slices of dk and dv (no atomics, no races); see Note [threads only for
 // real work]. SIMD: vec.h's Vec and exp (see Note [vector exp]), one level per build. See Note [raw
@@ -128,6 +134,7 @@ void tile_vectors(int64_t nv, int64_t rows, int64_t p0, int64_t p1, Strided a, c
 // a few 64-byte lines into L2 after each group of rows a product finishes, so the requests are
 // spread over the tile's work instead of filling the line-fill buffers at once. A prefetch is a
 // hint, never a fault; where the next task runs on another thread it is wasted, not wrong.
+constexpr int64_t kAheadLines = 24;  // lines asked for after each group of rows of a product
 class Ahead {
  public:
   // Queue `floats` floats at x (nullptr: nothing) for reading, or for writing with `write`.
@@ -150,7 +157,7 @@ class Ahead {
   void finish() { step(std::numeric_limits<int64_t>::max()); }
 
  private:
-  static constexpr int kMax = 8;
+  static constexpr int kMax = 8;  // ranges: the backward's next row queues eight
   static constexpr int64_t kLineBytes = 64;
   struct Range {
     const char* p;
@@ -161,7 +168,7 @@ class Ahead {
   int n_ = 0, i_ = 0;
   int64_t off_ = 0;
 };
-constexpr int64_t kAheadLines = 24;  // lines asked for after each group of rows of a product
+
 
 // C (M x N) = A (M x P) B (P x N), or C += with add; only `part` of it (see Part). Registers:
 // kMaxRows · NV accumulators, NV vectors of B and one broadcast (29 of AVX-512's 32 at 6 x 4;
@@ -255,19 +262,22 @@ void tile_scores(const Problem& p, const float* k, const float* qt_r, int64_t r,
 // the vector width, or 1 for the scalar tail): raise the running max m, rescale the running sum
 // l and the output rows by exp((m_old - m_new) scale), and turn the scores into probabilities.
 // m starts at the lowest finite float, so an all-masked column gives exp(-inf) = 0, never NaN.
+// Keys [keys, b) are after every query of the group (a causal diagonal tile): their
+// probabilities are 0, stored without an exp (P V reads some of them, see Part::kLowerInner).
 template <typename V>
-void softmax_columns(float* st, int64_t b, int64_t i, float* m, float* l, float* alpha,
-                     float scale) {
+void softmax_columns(float* st, int64_t b, int64_t keys, int64_t i, float* m, float* l,
+                     float* alpha, float scale) {
   V mx = V::load(m + i);
-  for (int64_t j = 0; j < b; ++j) mx = V::max(mx, V::load(st + j * b + i));
+  for (int64_t j = 0; j < keys; ++j) mx = V::max(mx, V::load(st + j * b + i));
   const V sc = V::splat(scale);
   ((V::load(m + i) - mx) * sc).exp().store(alpha + i);
   V sum = V::zero();
-  for (int64_t j = 0; j < b; ++j) {
+  for (int64_t j = 0; j < keys; ++j) {
     const V e = ((V::load(st + j * b + i) - mx) * sc).exp();
     e.store(st + j * b + i);
     sum = sum + e;
   }
+  for (int64_t j = keys; j < b; ++j) V::zero().store(st + j * b + i);
   (V::load(l + i) * V::load(alpha + i) + sum).store(l + i);
   mx.store(m + i);
 }
@@ -339,12 +349,15 @@ void forward_row_block(const Problem& p, int64_t t, const float* q, const float*
     Ahead ahead;
     ahead_forward(p, t, e, q0, k0, v0, row_ptr, cols, out0, ahead);
     tile_scores(p, k, qt, r, c, st, &ahead);
-    for (int64_t i = 0; i < bv; i += kW) softmax_columns<Vec>(st, b, i, m, l, alpha, p.scale);
-    for (int64_t i = bv; i < b; ++i) softmax_columns<Lane>(st, b, i, m, l, alpha, p.scale);
+    const bool diag = diagonal(p, r, c);  // keys after a query group's last: see softmax_columns
+    for (int64_t i = 0; i < bv; i += kW)
+      softmax_columns<Vec>(st, b, diag ? std::min(b, i + kW) : b, i, m, l, alpha, p.scale);
+    for (int64_t i = bv; i < b; ++i)
+      softmax_columns<Lane>(st, b, diag ? i + 1 : b, i, m, l, alpha, p.scale);
     if (!first)
       for (int64_t i = 0; i < b; ++i)
         if (alpha[i] != 1.f) scale_row(o + i * D, alpha[i], D);
-    const Part part = diagonal(p, r, c) ? Part::kLowerInner : Part::kFull;
+    const Part part = diag ? Part::kLowerInner : Part::kFull;
     gemm(b, D, b, {st, 1, b}, v + c * b * D, D, o, D, !first, part, &ahead);  // O (+)= P V_c
     ahead.finish();
   }
@@ -414,7 +427,9 @@ void backward_head(const Problem& p, int64_t bh, const float* q, const float* k,
       tile_scores(p, k, qt, r, c, pt, &ahead);
       for (int64_t j = 0; j < b; ++j) {  // Pᵀ = exp(scale · sᵀ - lse), lse along the columns
         float* pj = pt + j * b;
-        int64_t i = 0;
+        // on a diagonal tile, queries before key j's vector see nothing of it: 0 without an exp
+        int64_t i = diag ? std::min(j / kW * kW, bv) : 0;
+        std::fill(pj, pj + i, 0.f);
         for (; i < bv; i += kW)
           (Vec::load(pj + i) * sc - Vec::load(lse + r * b + i)).exp().store(pj + i);
         for (; i < b; ++i) pj[i] = std::exp(pj[i] * p.scale - lse[r * b + i]);
