@@ -35,6 +35,8 @@ one warm-up round, per micro-step, grouped by where the call goes (the package o
 called; a builtin by the package of its caller, marked `[builtin]`). Counts do not depend on
 the machine's load, so the table is the same on every run; it prints each contender's groups,
 then what the engine adds over `zero.shard` and ZeRO-0 over DDP, function by function.
+`--profile TOP` times instead of counting: cProfile's own time per micro-step, by the same
+groups, and the TOP functions, each contender on rank 0 (`profile_report`).
 """
 
 from __future__ import annotations
@@ -319,6 +321,57 @@ def calls_report(
                 _print_diff(f"{n} - DDP", counts[n], counts["DDP ZeRO-0"], per)
 
 
+def profile_report(
+    contenders: dict[str, Contender], names: list[str], size: str, steps: int, top: int
+) -> None:
+    """`--profile`: where each contender's CPU time goes on this rank, by cProfile over `steps`
+    steps after a warm-up step: its own time (`tottime`) per micro-step in µs, by the groups of
+    `--calls` (a builtin, torch ops included, by the group of its caller), then the `top`
+    functions. cProfile's hook inflates Python-heavy code, so read shares, not the total; the
+    CPU time of the same steps without the profiler is printed beside it."""
+    import cProfile
+    import pstats
+
+    import minispeed.comm as comm
+
+    rank, per = comm.get_rank(), steps * GAS
+    tables = {}
+    for n in names:
+        contenders[n].step(batches_for(0, size, rank))
+        comm.barrier()
+        c0 = time.process_time()
+        for k in range(steps):
+            contenders[n].step(batches_for(1 + k, size, rank))
+        cpu = (time.process_time() - c0) / per
+        comm.barrier()
+        prof = cProfile.Profile(time.process_time)  # CPU time: waits for the peer cost none
+        prof.enable()
+        for k in range(steps):
+            contenders[n].step(batches_for(1 + k, size, rank))
+        prof.disable()
+        tables[n] = (cpu, pstats.Stats(prof).stats)  # type: ignore[attr-defined]
+    if rank != 0:
+        return
+    print(f"size {size}: own time per micro-step on rank 0, µs (cProfile, {per} micro-steps)")
+    for n, (cpu, stats) in tables.items():
+        groups: collections.Counter[str] = collections.Counter()
+        rows = []
+        for (filename, line, func), (_, ncalls, tottime, _, callers) in stats.items():
+            if filename == "~":  # a builtin: charged to the group of its (first) caller
+                caller = next(iter(callers), ("~", 0, ""))[0]
+                group, name = _group(caller) + " [builtin]", func
+            else:
+                group, name = _group(filename), f"{os.path.basename(filename)}:{line}({func})"
+            groups[group] += tottime
+            rows.append((tottime, ncalls, group, name))
+        total = sum(groups.values())
+        print(f"{n}: {total / per * 1e6:.0f} µs profiled, {cpu * 1e6:.0f} µs CPU unprofiled")
+        for g, t in groups.most_common():
+            print(f"  {g:<32} {t / per * 1e6:8.1f}  {t / total:6.1%}")
+        for t, calls, g, name in sorted(rows, reverse=True)[:top]:
+            print(f"    {t / per * 1e6:8.1f} µs {calls / per:7.1f} calls  {g:<26} {name[:70]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="small")
@@ -333,6 +386,13 @@ def main() -> None:
         "--calls",
         action="store_true",
         help="count every contender's Python and builtin calls per micro-step instead of timing",
+    )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="TOP",
+        help="profile each contender (cProfile, rank 0): own time by group and the TOP functions",
     )
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -357,6 +417,9 @@ def main() -> None:
     per_round = args.steps_per_round or (20 if args.size == "small" else 2)
     if args.calls:
         calls_report(contenders, names, stages, args.size, per_round)
+        return
+    if args.profile:
+        profile_report(contenders, names, args.size, per_round, args.profile)
         return
     times: dict[str, list[float]] = {n: [] for n in names}
     cpu: dict[str, list[float]] = {n: [] for n in names}  # this process's CPU time per step

@@ -205,8 +205,10 @@ def main(argv: list[str] | None = None) -> None:
     engine = deepspeed.init_inference(
         load_model(args.out_dir)[0], dtype=torch.float32, replace_with_kernel_inject=True
     )
-    new = generate(
-        engine, [tokenizer.encode(prompt)], SamplingConfig(max_new_tokens=budget, temperature=0.0)
+    new = generate(  # engine.fused: the fused model DeepSpeed's engine wraps
+        engine.fused,
+        [tokenizer.encode(prompt)],
+        SamplingConfig(max_new_tokens=budget, temperature=0.0),
     )[0]
     injected = prompt + tokenizer.decode(new)
     plain = generate_text(model, tokenizer, prompt, max_new_tokens=budget, temperature=0.0)

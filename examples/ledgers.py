@@ -122,6 +122,7 @@ def _predicted_calls(
             gradient_accumulation_steps=zcfg.gradient_accumulation_steps,
             reduce_scatter=zcfg.reduce_scatter,
             clip_norm=zcfg.max_grad_norm > 0,
+            flags_in_bucket=opt.flags_in_bucket,
         )
         for c in calls:
             per_op[c.op] += c.msg_bytes

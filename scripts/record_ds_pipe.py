@@ -4,7 +4,8 @@ Written against DeepSpeed's public API only: a tied embedding / output head (`Ti
 with a `forward_fn`), `LayerSpec` blocks with dropout, `seed_layers=True` (which also reseeds
 before every layer's forward, so the dropout masks are DeepSpeed's to reproduce), an AdamW built by the script,
 gradient clipping, `train_batch` with a data iterator, `eval_batch` (also with
-`return_logits=True`). Recorded on DeepSpeed 0.19.8, 2 processes on the CPU:
+`return_logits=True`, `compute_loss=False`, `reduce_output=None`, `bcast_loss=False` and
+`num_micro_batches`). Recorded on DeepSpeed 0.19.8, 2 processes on the CPU:
 
 ```bash
 env -u PYTHONPATH DS_ACCELERATOR=cpu /work/dsvenv/bin/python -m torch.distributed.run \
@@ -36,6 +37,10 @@ CONFIG = {
     "gradient_clipping": 10.0,
     "steps_per_print": 10**6,
 }
+# The micro-batches main() evaluates before training: seed_layers reseeds by the count of
+# forwards so far, so a reference that replays the training needs it (5 evaluations of GAS
+# micro-batches and one of 2).
+FORWARDS_BEFORE_TRAINING = 5 * GAS + 2
 FIXTURE = Path(__file__).resolve().parents[1] / "tests/engine/fixtures/pipe_two_stage.json"
 
 
@@ -93,6 +98,19 @@ def main():
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=CONFIG)
 
     eval_data = list(micro_batches(1, GAS))
+    # eval_batch's other forms, before training: DeepSpeed 0.19.8 raises on compute_loss=False
+    # after a train_batch (its running total loss keeps the training loss's shape).
+    forms = {
+        "outputs_each": _summary(
+            engine.eval_batch(iter(eval_data), compute_loss=False, reduce_output=None)
+        ),
+        "outputs_avg": _summary(engine.eval_batch(iter(eval_data), compute_loss=False)),
+        "loss_last_stage_only": _summary(engine.eval_batch(iter(eval_data), bcast_loss=False)),
+        "loss_two_micro_batches": _summary(engine.eval_batch(iter(eval_data), num_micro_batches=2)),
+        "losses_each": _summary(
+            engine.eval_batch(iter(eval_data), reduce_output=None, bcast_loss=False)
+        ),
+    }
     eval_before = float(engine.eval_batch(iter(eval_data)))
     train_iter = micro_batches(0, STEPS * GAS)
     losses = [float(engine.train_batch(train_iter)) for _ in range(STEPS)]
@@ -108,7 +126,19 @@ def main():
         "last_stage": engine.is_last_stage(),
         "logits_sum": None if logits is None else float(logits.double().sum()),
         "logits_shape": None if logits is None else list(logits.shape),
+        "eval_forms": forms,
     }
+
+
+def _summary(value):
+    """An eval_batch result as JSON: None, a list, or a tensor's [shape, sum] (a one-element
+    tensor's shape as "scalar": DeepSpeed broadcasts the loss as shape [1])."""
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return [_summary(v) for v in value]
+    shape = "scalar" if value.numel() == 1 else list(value.shape)
+    return [shape, float(value.double().sum())]
 
 
 def unseeded_build():

@@ -12,7 +12,8 @@ One module per table entry (a package, `<name>/__init__.py`, where another entry
   resolves as an attribute after `import deepspeed`, and is the `deepspeed` module, not the
   engine's one the star import bound to that name), and a module `__getattr__` that hands any
   other attribute over to the engine module (a private name a client reaches for is the
-  engine's same object);
+  engine's same object) and, for a name the engine module lacks, raises naming the module, the
+  name and the migration page (`deepspeed_paths.adapted_attribute`);
 - a refused module calls `minispeed.engine.deepspeed_paths.refuse`, which raises the
   `ImportError` naming what to use instead. The refused modules are the table's `REFUSED` and,
   for every public module of DeepSpeed 0.19.8 no adapter answers
@@ -69,6 +70,7 @@ def _adapter(name: str, target: str, children: list[str]) -> str:
         "import importlib as _importlib",
         "",
         f"import {target} as _adapter",
+        "from minispeed.engine.deepspeed_paths import adapted_attribute as _adapted_attribute",
         f"from {target} import *  # noqa: F403",
         f"from {target} import __all__  # noqa: F401",
     ]
@@ -87,7 +89,7 @@ def _adapter(name: str, target: str, children: list[str]) -> str:
         "",
         "",
         "def __getattr__(name):",
-        "    return getattr(_adapter, name)",
+        "    return _adapted_attribute(__name__, _adapter, name)",
         "",
     ]
     return "\n".join(lines)

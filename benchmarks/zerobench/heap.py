@@ -7,6 +7,7 @@ import ctypes
 import gc
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -61,18 +62,38 @@ class HeapPeak(TorchDispatchMode):
     per-thread and miss those frees).
     """
 
-    def __init__(self, in_use: Callable[[], int]) -> None:
+    def __init__(self, in_use: Callable[[], int], gathered: Callable[[], int]) -> None:
         super().__init__()
         self.in_use = in_use
+        self.gathered = gathered
         self.phase = "forward"
         self.peaks: dict[str, int] = {}
+        # Per phase, at its peak: (the op just run, bytes of whole parameters registered then).
+        self.at_peak: dict[str, tuple[str, int]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         now = self.in_use()
         if now > self.peaks.get(self.phase, 0):
             self.peaks[self.phase] = now
+            self.at_peak[self.phase] = (func.__name__, self.gathered())
         return out
+
+
+def gathered_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the storages behind the model's parameters that are whole right now: a stage-3
+    parameter while gathered (released ones have 0-element ``.data``; persistent ones count), an
+    FSDP2 block while unsharded (its parameters are then plain tensors sharing one all-gather
+    buffer, counted once); not sharded DTensors, nor a gather in flight that no module holds yet."""
+    from torch.distributed.tensor import DTensor
+
+    storages = {}
+    for p in model.parameters():
+        if isinstance(p, DTensor) or p.numel() == 0:
+            continue
+        st = p.untyped_storage()
+        storages[st.data_ptr()] = st.nbytes()
+    return sum(storages.values())
 
 
 def peak_memory(args, name: str, dataset, rank: int, world: int) -> dict[str, int]:
@@ -86,7 +107,9 @@ def peak_memory(args, name: str, dataset, rank: int, world: int) -> dict[str, in
     gc.collect()
     built = in_use() - base
     peak = built
-    with HeapPeak(in_use) as sampler:
+    model = trainer.keep[0] if isinstance(trainer.keep, tuple) else None
+    gathered = (lambda: gathered_bytes(model)) if isinstance(model, torch.nn.Module) else lambda: 0
+    with HeapPeak(in_use, gathered) as sampler:
         for x, y in batches:
             sampler.peaks.clear()  # after the loop: the last step's peaks, phase by phase
             sampler.phase = "forward"
@@ -99,6 +122,9 @@ def peak_memory(args, name: str, dataset, rank: int, world: int) -> dict[str, in
     out = {"peak_bytes": peak, "before_first_step_bytes": built}
     for phase in PHASES:
         out[f"last_step_{phase}_peak_bytes"] = sampler.peaks.get(phase, base) - base
+        op, whole = sampler.at_peak.get(phase, ("", 0))
+        out[f"last_step_{phase}_peak_op"] = op
+        out[f"last_step_{phase}_peak_whole_param_bytes"] = whole
     del trainer, loss
     gc.collect()
     out["end_bytes"] = in_use() - base  # what the contender failed to give back (should be ~0)

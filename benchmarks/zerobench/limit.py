@@ -90,6 +90,7 @@ def step_calls(
             reduce_scatter=cfg.reduce_scatter,
             clip_norm=cfg.max_grad_norm > 0,
             reduce_scatter_impl=comm.reduce_scatter_impl(),
+            flags_in_bucket=zopt.flags_in_bucket,
         )
         got = sorted((r.op, r.numel, r.msg_bytes) for r in records)
         if got != sorted((c.op, c.numel, c.msg_bytes) for c in want):

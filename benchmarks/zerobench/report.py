@@ -110,7 +110,7 @@ def report(results: dict[int, dict], args: argparse.Namespace) -> dict[str, Any]
     phases = Table(
         title="where the peak is: largest live bytes in each phase of the last measured step (rank 0)"
     )
-    for col in ("contender", "before step", *PHASES):
+    for col in ("contender", "before step", *PHASES, "whole params at the f/b/s peaks"):
         phases.add_column(col, justify="left" if col == "contender" else "right")
     for name in names:
         if name not in results[0]["memory"]:
@@ -119,7 +119,15 @@ def report(results: dict[int, dict], args: argparse.Namespace) -> dict[str, Any]
         phases.add_row(
             name,
             f"{m['before_first_step_bytes'] / 2**20:.2f} MiB",
-            *(f"{m[f'last_step_{ph}_peak_bytes'] / 2**20:.2f} MiB" for ph in PHASES),
+            *(
+                f"{m[f'last_step_{ph}_peak_bytes'] / 2**20:.2f} MiB"
+                f" ({m.get(f'last_step_{ph}_peak_op', '')})"
+                for ph in PHASES
+            ),
+            "/".join(
+                f"{m.get(f'last_step_{ph}_peak_whole_param_bytes', 0) / 2**20:.1f}" for ph in PHASES
+            )
+            + " MiB",
         )
     console.print(phases)
     pairs = Table(title="ours / torch (same run; < 1 is better for us)")

@@ -120,8 +120,12 @@ def test_schedule_names_and_the_cpu_device_count(monkeypatch) -> None:
 
 def _minispeeds_defaults(section: dict, theirs: dict) -> dict:
     """DeepSpeed's fields with minispeed's three defaults that differ on purpose, where the
-    section leaves the key out (runtime/zero/config.py and offload_config.py say why)."""
+    section leaves the key out (runtime/zero/config.py and offload_config.py say why), and the
+    deprecated `cpu_offload` keys at false, the one value minispeed accepts (DeepSpeed's null
+    means the same: zero/config.py)."""
     expected = dict(theirs)
+    for name in ("cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory"):
+        expected[name] = section.get(name, False)
     stage = section.get("stage", 0)
     expected["overlap_comm"] = section.get("overlap_comm", stage != 2)
     for name in ("offload_param", "offload_optimizer"):
@@ -167,7 +171,7 @@ def test_zero_config_enums_and_unread_fields() -> None:
     cfg = DeepSpeedZeroConfig(stage=3, offload_param={"device": "cpu"})
     assert cfg.stage == ZeroStageEnum.weights and cfg.offload_param.device == OffloadDeviceEnum.cpu
     with pytest.raises(AttributeError, match="minispeed does not read this DeepSpeed field"):
-        cfg.compute_grad_norm  # noqa: B018
+        cfg.leaf_module  # noqa: B018  (refused by name: set in code)
     with pytest.raises(ValueError, match=r"zero_optimization\.stage3_prefetch_bucket_sise"):
         DeepSpeedZeroConfig(stage3_prefetch_bucket_sise=1)
 
@@ -200,3 +204,24 @@ def test_gating_refusals_name_what_to_use() -> None:
         sharded_moe.top1gating(logits, 1.0, 1, used_token=torch.ones(8))
     with pytest.raises(NotImplementedError, match="drop_policy='probs'"):
         sharded_moe.topkgating(logits, 2, 1.0, 1, drop_policy="position")
+
+
+def test_utils_logging_is_the_engine_logger_with_deepspeeds_rank_rule(capsys) -> None:
+    """Lightning's DeepSpeedStrategy sets `deepspeed.utils.logging.logger`'s level in its
+    constructor; before the adapter that name was Python's `logging` module (no `logger`)."""
+    import logging
+
+    from minispeed.engine import utils
+    from minispeed.engine.utils import logging as ds_logging
+
+    assert utils.logging is ds_logging and ds_logging.logger is utils.logger
+    ds_logging.logger.setLevel(logging.WARNING)
+    assert not ds_logging.should_log_le("info") and ds_logging.should_log_le("error")
+    ds_logging.set_log_level_from_string("INFO")
+    assert ds_logging.get_current_level() == logging.INFO
+    with pytest.raises(ValueError, match="log level 'loud' is not one of debug, info"):
+        ds_logging.set_log_level_from_string("loud")
+    # No process group: every process logs, "[Rank -1]" as DeepSpeed prints it.
+    assert ds_logging.get_dist_msg("hello", ranks=[0]) == "[Rank -1] hello"
+    ds_logging.print_dist("hi")
+    assert capsys.readouterr().out == "[Rank -1] hi\n"

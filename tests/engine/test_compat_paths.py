@@ -8,7 +8,9 @@ DeepSpeed where DeepSpeed's reference values are recorded.
   `minispeed.engine.deepspeed_paths` (no drift either way);
 - every adapter path imports and resolves as an attribute from `deepspeed`, and its names are
   the engine module's very objects (class identity; no engine module loaded a second time under
-  a `deepspeed` name); every refused path raises an `ImportError` naming what to use;
+  a `deepspeed` name); every refused path raises an `ImportError` naming what to use, and so
+  does a from-import of a name an adapter lacks (naming the module, the name and the migration
+  page), while `hasattr` still answers False;
 - every public module of DeepSpeed 0.19.8 (`fixtures/ds_modules.json`, recorded by
   `scripts/record_ds_modules.py`) imports as an adapter, or raises an `ImportError` naming it
   (or the refused package it lies in) and what to use instead;
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import subprocess
 import sys
 from importlib.metadata import metadata, version
@@ -146,6 +149,26 @@ def test_no_fixture_was_recorded_on_minispeed() -> None:
         if isinstance(data, dict):
             recorded = str(data.get("deepspeed", "")) + str(data.get("recorded_with", ""))
             assert "+minispeed" not in recorded, path
+
+
+def test_a_name_an_adapter_lacks_is_refused_naming_module_name_and_page() -> None:
+    """`from deepspeed.runtime.zero.stage3 import Name` where minispeed has no `Name`: the
+    ImportError names the module, the name and where to look, not Python's bare "cannot import
+    name"; `hasattr` and `getattr(..., default)` still answer as for any missing attribute."""
+    import deepspeed.runtime.zero.stage3 as stage3
+
+    for module in ("deepspeed", "deepspeed.runtime.zero", "deepspeed.runtime.zero.stage3"):
+        with pytest.raises(ImportError) as err:
+            exec(f"from {module} import SomethingWeDontHave", {})
+        assert re.fullmatch(
+            rf"{re.escape(module)}\.SomethingWeDontHave is not provided by minispeed \(.*, which "
+            r"has no 'SomethingWeDontHave'\); see docs/engine/migration.md for what to use instead",
+            str(err.value),
+        ), str(err.value)
+    assert not hasattr(stage3, "SomethingWeDontHave")
+    assert getattr(stage3, "SomethingWeDontHave", None) is None
+    with pytest.raises(AttributeError, match=r"not provided by minispeed.*migration\.md"):
+        stage3.SomethingWeDontHave  # noqa: B018
 
 
 @pytest.mark.parametrize("name", ["safe_set_local_fp32_param"])

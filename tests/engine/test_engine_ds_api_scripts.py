@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -191,6 +192,48 @@ def test_zero_to_fp32_of_a_stage3_checkpoint_is_the_trained_model(tmp_path):
         for name, value in live.items():
             assert consolidated[name].dtype == torch.float32
             assert torch.equal(consolidated[name], value), name
+    # DeepSpeed's commands in the checkpoint folder, as its users run them: the fp32 file, and
+    # bf16 safetensors shards of at most 100 bytes with Hugging Face's index.
+    live = runs[0][0]
+    for script, out, extra in (
+        ("zero_to_fp32.py", "fp32", []),
+        ("zero_to_torch.py", "bf16", ["--dtype", "bf16", "--max_shard_size", "100B",
+                                      "--safe_serialization"]),
+    ):  # fmt: skip
+        subprocess.run(
+            [sys.executable, script, ".", out, *extra], cwd=tmp_path, check=True, timeout=120
+        )
+    fp32 = torch.load(tmp_path / "fp32" / "pytorch_model.bin", weights_only=True)
+    assert fp32.keys() == live.keys() and all(torch.equal(fp32[n], live[n]) for n in live)
+    from safetensors.torch import load_file
+
+    index = json.loads((tmp_path / "bf16" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    bf16 = {}
+    for file in files:
+        assert (tmp_path / "bf16" / file).stat().st_size < 100 + 1024  # header included
+        bf16 |= load_file(tmp_path / "bf16" / file)
+    assert bf16.keys() == live.keys()
+    for name, value in live.items():
+        assert bf16[name].dtype == torch.bfloat16
+        assert torch.equal(bf16[name], value.to(torch.bfloat16)), name
+    # The folder's script imports as a module too (scripts put the folder on sys.path).
+    probe = "import zero_to_fp32; print(zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint)"
+    subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, check=True, timeout=60)
+
+
+def test_zero_to_fp32_refuses_bad_dtype_and_shard_size_by_name(tmp_path):
+    from minispeed.engine.utils import zero_to_fp32
+
+    with pytest.raises(ValueError, match="unsupported output dtype 'int8': choose one of bf16"):
+        zero_to_fp32.convert_zero_checkpoint_to_state_dict(tmp_path, tmp_path, dtype="int8")
+    with pytest.raises(ValueError, match=r"max_shard_size='5 gigs'.*'500MiB'"):
+        zero_to_fp32.convert_zero_checkpoint_to_state_dict(
+            tmp_path, tmp_path, max_shard_size="5 gigs"
+        )
+    assert zero_to_fp32.shard_bytes("5GB") == 5 * 10**9
+    assert zero_to_fp32.shard_bytes("500MiB") == 500 * 2**20
 
 
 def test_engine_answers_match_deepspeed(tmp_path):

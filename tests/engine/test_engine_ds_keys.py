@@ -1,8 +1,9 @@
 """Our config's keys against DeepSpeed 0.19.8's, checked from outside: every key DeepSpeed reads
 (`tests/engine/fixtures/ds_config_keys.json`, recorded from DeepSpeed itself by
-`scripts/record_ds_config_keys.py`) is one our schema lists (read, or refused by name), or is
-listed below with the reason we leave it out; every key we read is DeepSpeed's or listed as our
-own; and where both read a key, both apply the same default unless listed. A key DeepSpeed adds,
+`scripts/record_ds_config_keys.py`) is one our schema lists: read, or refused by name with the
+reason and what to use instead (accepted at DeepSpeed's default where that changes nothing),
+never an unknown key; every key we read is DeepSpeed's or listed as our own; and where both read
+a key, both apply the same default unless listed (and the reference page says why). A key DeepSpeed adds,
 or one we add, fails here until it is read or listed: the differences stay written down.
 """
 
@@ -23,74 +24,28 @@ RECORDED = json.loads(FIXTURE.read_text())
 DS: dict[str, dict[str, Any]] = RECORDED["keys"]
 SCHEMA = config_schema()
 
-_NO_ALL_REDUCE_FETCH = "stage-3 parameters are fetched by all-gather only"
-_FP32_MASTERS = "our masters (and the optimizer states) stay fp32 under fp16 and bf16"
+# Keys we refuse by name but accept at one value that is not DeepSpeed 0.19.8's default (the
+# value that says what minispeed does), and why.
+ACCEPTED_DIFFER: dict[str, str] = {
+    "bf16.check_grad_overflow": "DeepSpeed skips a bf16 step with inf/nan gradients; we have no "
+    "such check, so only false is accepted",
+    "data_types.keep_in_fp32_modules": "DeepSpeed's \"auto\" keeps a model's "
+    "_keep_in_fp32_modules in fp32; we keep none, which [] says",
+    "zero_optimization.cpu_offload": "DeepSpeed's null; false (what old configs write) means the "
+    "same there",
+    "zero_optimization.cpu_offload_param": "as cpu_offload",
+    "zero_optimization.cpu_offload_use_pin_memory": "as cpu_offload",
+    "optimizer.legacy_fusion": "DeepSpeed reads it with .get (null) and means false; false is "
+    "what configs write",
+}
 
-# DeepSpeed 0.19.8 keys that we neither read nor refuse by name (an unknown key to us: refused
-# with the keys the section accepts), a key or a whole section, and why.
-NOT_OURS: dict[str, str] = {
-    "bf16.bf16_master_weights_and_grads": _FP32_MASTERS,
-    "bf16.bf16_optimizer_states": _FP32_MASTERS,
-    "bf16.check_grad_overflow": "bf16 has no loss scale here, so no overflow check",
-    "bf16.immediate_grad_update": "gradients are accumulated into the reduce buckets, one path",
-    "fp16.fp16_master_weights_and_grads": _FP32_MASTERS,
-    "fp16.auto_cast": "the model's inputs are the script's: no automatic cast to fp16",
-    "checkpoint.checkpoint_serialization": "one checkpoint format (torch.save, written atomically)",
-    "checkpoint.writer": "DeepSpeed's fast checkpoint writers; ours: torch.save, atomically",
-    "datastates_ckpt": "DataStates-LLM's asynchronous checkpoint engine",
-    "data_parallel_size": "read by deepspeed.initialize for its device mesh; ours is the grid's",
-    "sequence_parallel_size": "no Ulysses sequence parallelism",
-    "data_types.param_dtype": "the dtypes come from fp16 / bf16; data_types sets the gradients'",
-    "data_types.buffer_dtype": "the dtypes come from fp16 / bf16; data_types sets the gradients'",
-    "data_types.keep_in_fp32_modules": "no per-module fp32 exceptions",
-    "dataloader_drop_last": "no deepspeed_io data loader: the script builds its own",
-    "disable_python_gc": "the engine never drives Python's garbage collector",
-    "gradient_allreduce_op": "gradients are averaged over the data-parallel ranks (its default)",
-    "log_level": "the engine logs through the minispeed logger; set its level there",
-    "managed_gradient_accumulation": "the engine always owns the accumulation boundary",
-    "vocabulary_size": "only read by DeepSpeed for a tensor-core alignment warning",
-    "expert_parallel": "DeepSpeed's AutoEP (experts found in a model by pattern); ours: moe.MoE",
-    "pipeline.use_reentrant": "the pipeline's activation checkpointing uses torch's non-reentrant",
-    "tensor_parallel.dtype": "AutoTP's inference keys: we read autotp_size for training",
-    "tensor_parallel.injection_policy_tuple": "AutoTP's inference keys: we read autotp_size",
-    "tensor_parallel.keep_module_on_host": "AutoTP's inference keys: we read autotp_size",
-    "tensor_parallel.kernel_inject": "AutoTP's inference keys: we read autotp_size",
-    "tensor_parallel.replace_with_kernel_inject": "AutoTP's inference keys: we read autotp_size",
-    "tensor_parallel.preset_model": "our tensor-parallel plan is found from the model",
-    "tensor_parallel.partition_config": "our tensor-parallel plan is found from the model",
-    "tensor_parallel.tensor_parallel": "AutoTP's nested inference section",
-    "tensor_parallel.tp": "AutoTP's nested inference section",
-    "tensor_parallel.tp_overlap_comm": "the tensor-parallel all-reduces are not overlapped",
-    "tensor_parallel.vocab_parallel_ce_backend": "no vocabulary-parallel cross-entropy",
-    "tensor_parallel.vocab_parallel_lm_head": "no vocabulary-parallel cross-entropy",
-    "zero_optimization.allgather_sequential": _NO_ALL_REDUCE_FETCH,
-    "zero_optimization.stage3_allgather_sequential": _NO_ALL_REDUCE_FETCH,
-    "zero_optimization.use_all_reduce_for_fetch_params": _NO_ALL_REDUCE_FETCH,
-    "zero_optimization.stage3_use_all_reduce_for_fetch_params": _NO_ALL_REDUCE_FETCH,
-    "zero_optimization.model_persistence_threshold": "one persistence rule, per parameter",
-    "zero_optimization.stage3_model_persistence_threshold": "one persistence rule, per parameter",
-    "zero_optimization.module_granularity_threshold": "fetch units are modules, not merged",
-    "zero_optimization.stage3_module_granularity_threshold": "fetch units are modules",
-    "zero_optimization.leaf_module": "leaf modules are set in code (zero.set_leaf_module)",
-    "zero_optimization.cpu_offload": "deprecated by DeepSpeed for offload_optimizer",
-    "zero_optimization.cpu_offload_param": "deprecated by DeepSpeed for offload_param",
-    "zero_optimization.cpu_offload_use_pin_memory": "deprecated by DeepSpeed for pin_memory",
-    "zero_optimization.legacy_stage1": "DeepSpeed's old stage-1 code path",
-    "zero_optimization.elastic_checkpoint": "ignored by DeepSpeed's ZeRO itself",
-    "zero_optimization.load_from_fp32_weights": "a checkpoint always loads its fp32 masters",
-    "zero_optimization.compute_grad_norm": "the norm is computed when clipping or asked for",
-    "zero_optimization.enable_sanity_checks": "the checks that matter always run",
-    "zero_optimization.log_trace_cache_warnings": "a changed module order is an error or re-traced",
-    "zero_optimization.override_module_apply": "zero.Init always gathers for module.apply",
-    "zero_optimization.parameter_alignment": "partitions are cut at elements, no alignment pad",
-    "zero_optimization.pipeline_loading_checkpoint": "no ZeRO-3 pipeline-module loading path",
-    "zero_optimization.memory_efficient_linear": "no replacement of torch's linear",
-    "zero_optimization.save_muon_momentum_buffer_in_memory": "no Muon optimizer",
-    "zero_optimization.use_multi_rank_bucket_allreduce": "one reduce path per stage",
-    "zero_optimization.zero_quantized_nontrainable_weights": "frozen weights stay unquantized",
-    "zero_optimization.zenflow": "DeepSpeed's ZenFlow (stale-gradient CPU updates)",
-    "zero_optimization.offload_optimizer.super_offload": "DeepSpeed's SuperOffload (GH200)",
-    "zero_optimization.offload_optimizer.cpuadam_cores_perc": "SuperOffload's core share",
+# DeepSpeed 0.19.8 keys refused by name at every value: no value of them means what we do.
+REFUSED_ALWAYS: dict[str, str] = {
+    "tensor_parallel.dtype": "DeepSpeed's default is a torch dtype, no JSON value",
+    "zero_optimization.leaf_module": "its default names MoE classes DeepSpeed keeps whole; ours "
+    "are set in code",
+    "timers": "DeepSpeed's throughput timers; wall_clock_breakdown turns ours on",
+    "weight_quantization": "post-training int8 lives in minispeed.inference.quantize",
 }
 
 # Keys we read that DeepSpeed 0.19.8 does not, and why.
@@ -119,8 +74,6 @@ DEFAULTS_DIFFER: dict[str, str] = {
     "zero_optimization.offload_param.max_in_cpu": "null: every shard to NVMe unless a count is "
     "given (DeepSpeed keeps the first 1e9 elements in host memory)",
     "pipeline.seed_layers": "ours seeds layer i with i by default; DeepSpeed leaves torch's RNG",
-    "pipeline.pipe_partitioned": "no tensor parallelism inside the pipeline: only false accepted",
-    "pipeline.grad_partitioned": "no tensor parallelism inside the pipeline: only false accepted",
 }
 
 
@@ -173,9 +126,57 @@ def _schema_keys(prop: dict[str, Any], path: str = "") -> list[str]:
     return out
 
 
-def test_every_deepspeed_key_is_read_refused_by_name_or_listed_as_not_ours() -> None:
-    unlisted = [p for p in DS if _ours(p) is None and not _listed(p, NOT_OURS)]
-    assert unlisted == [], f"DeepSpeed 0.19.8 keys we neither read nor list in NOT_OURS: {unlisted}"
+def test_every_deepspeed_key_is_read_or_refused_by_name() -> None:
+    """A genuine DeepSpeed 0.19.8 config never meets "unknown key": each key it may hold is read
+    or refused naming why and what to use instead."""
+    unknown = [p for p in DS if _ours(p) is None]
+    assert unknown == [], f"DeepSpeed 0.19.8 keys we neither read nor refuse by name: {unknown}"
+
+
+def _refusal(path: str) -> dict[str, Any] | None:
+    """The schema entry of `path` when it is refused by name itself (None for a key inside a
+    refused section: the section is refused or accepted whole)."""
+    props, node = SCHEMA["properties"], {}
+    for key in _canonical(path).split("."):
+        if key not in props or is_unsupported(node):
+            return None
+        node = props[key]
+        props = node.get("properties", {})
+    return node if is_unsupported(node) else None
+
+
+def test_a_key_refused_by_name_is_accepted_at_deepspeeds_default_unless_listed() -> None:
+    """Where a DeepSpeed key holds its default (DeepSpeed's own full config, the Trainer's), the
+    config loads: the value accepted is DeepSpeed's, or listed with why it is not; refused at
+    every value only where DeepSpeed's default is no JSON value minispeed can mean."""
+    refusals = {p: _refusal(p) for p in DS if p not in RECORDED["removed"]}
+    refusals = {p: r for p, r in refusals.items() if r is not None}
+    assert len(refusals) > 80
+    differ = {}
+    for path, refusal in refusals.items():
+        ours, theirs = refusal.get("default", "refused"), DS[path]["default"]
+        # A section left out or written empty, DeepSpeed's default, is accepted whole.
+        empty = DS[path]["kind"] == "section" and theirs in (None, {}) and isinstance(ours, dict)
+        if ours != theirs and not empty:
+            differ[_canonical(path)] = (ours, theirs)
+    assert sorted(differ) == sorted([*ACCEPTED_DIFFER, *REFUSED_ALWAYS]), differ
+
+
+def test_a_key_refused_by_name_says_why_and_what_to_use() -> None:
+    from minispeed.core.config import ConfigError
+    from minispeed.engine.config import EngineConfig
+
+    config = {"train_batch_size": 2, "zero_optimization": {"leaf_module": {"classes": ["X"]}}}
+    with pytest.raises(ConfigError) as err:
+        EngineConfig.from_ds_config(config, data_parallel_size=1)
+    assert str(err.value) == (
+        "zero_optimization.leaf_module: DeepSpeed's 'leaf_module' is not supported by "
+        "minispeed: leaf modules are set in code: deepspeed.utils.set_z3_leaf_modules(model, "
+        "classes) or minispeed.zero.set_leaf_module; remove it"
+    )
+    config = {"train_batch_size": 2, "sequence_parallel_size": 2}
+    with pytest.raises(ConfigError, match=r"^sequence_parallel_size: .*Ulysses.*null is accepted"):
+        EngineConfig.from_ds_config(config, data_parallel_size=1)
 
 
 def test_every_key_we_read_is_deepspeeds_or_listed_as_ours() -> None:
@@ -186,9 +187,8 @@ def test_every_key_we_read_is_deepspeeds_or_listed_as_ours() -> None:
 def test_the_listed_differences_are_still_differences() -> None:
     """A list entry that stopped being a difference (we read the key now, DeepSpeed dropped it)
     fails here, so the lists stay exact."""
-    for path in NOT_OURS:
-        assert path in DS, f"NOT_OURS: {path} is no DeepSpeed 0.19.8 key"
-        assert _ours(path) is None, f"NOT_OURS: we take {path} now ({_ours(path)})"
+    for path in ACCEPTED_DIFFER:
+        assert path in DS and _ours(path) == "refused", path
     for path in DEFAULTS_DIFFER:
         assert path in DS and _ours(path) == "read", path
 
@@ -198,8 +198,6 @@ def test_features_deepspeed_removed_are_refused_by_name_unless_kept() -> None:
     assert set(KEPT_REMOVED) <= set(removed)
     for path in removed:
         want = "read" if path in KEPT_REMOVED else "refused"
-        if path == "zero_optimization.zeropp_loco_param":  # a ZeRO++ knob never ours: unknown
-            want = None
         assert _ours(path) == want, (path, _ours(path), removed[path])
 
 
@@ -222,6 +220,11 @@ def test_where_both_read_a_key_the_defaults_are_deepspeeds_unless_listed() -> No
     shared = {p: v for p, v in _defaults(SCHEMA).items() if p in DS and DS[p]["kind"] == "key"}
     differ = {p: (v, DS[p]["default"]) for p, v in shared.items() if v != DS[p]["default"]}
     assert sorted(differ) == sorted(DEFAULTS_DIFFER), differ
+    for path in DEFAULTS_DIFFER:  # the reference page says so, and why
+        node: dict[str, Any] = {"properties": SCHEMA["properties"]}
+        for key in path.split("."):
+            node = node["properties"][key]
+        assert "DeepSpeed's default is" in node["description"], path
     assert shared["steps_per_print"] is None and DS["steps_per_print"]["default"] is None
     assert shared["zero_force_ds_cpu_optimizer"] is True
     assert shared["gradient_clipping"] == DS["gradient_clipping"]["default"] == 1.0

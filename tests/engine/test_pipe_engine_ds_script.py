@@ -67,3 +67,29 @@ def test_unseeded_layers_draw_deepspeeds_weights_from_the_global_rng():
         assert got["parts"] == want["parts"]  # DeepSpeed's parameter-balanced cut
         assert got["param_sums"] == pytest.approx(want["param_sums"], rel=1e-6)
         assert got["drawn_after_build"] == pytest.approx(want["drawn_after_build"], abs=0)
+
+
+def test_eval_batch_forms_match_deepspeed(runs):
+    """`compute_loss=False` (the model's outputs), `reduce_output=None` (per micro-batch),
+    `bcast_loss=False` (the last stage only) and `num_micro_batches`: the same values on the same
+    ranks, None where DeepSpeed returns None."""
+    recorded = json.loads(FIXTURE.read_text())["ranks"]
+    for rank, (got, want) in enumerate(zip(runs, recorded)):
+        assert set(got["eval_forms"]) == set(want["eval_forms"])
+        for form, value in want["eval_forms"].items():
+            shapes, sums = _flat(got["eval_forms"][form])
+            assert (shapes, sums) == (_flat(value)[0], pytest.approx(_flat(value)[1], rel=1e-5)), (
+                rank,
+                form,
+            )
+
+
+def _flat(summary):
+    """A recorded eval_batch summary (None, a list of them, or [shape, sum]) as (the shapes,
+    the sums) in order."""
+    if summary is None:
+        return ["None"], []
+    if isinstance(summary[1], float):
+        return [str(summary[0])], [summary[1]]
+    parts = [_flat(s) for s in summary]
+    return [x for p in parts for x in p[0]], [x for p in parts for x in p[1]]

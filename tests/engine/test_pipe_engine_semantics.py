@@ -49,7 +49,7 @@ def _unsplit_reference(script, clip):
     opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
     data = script.micro_batches(0, script.STEPS * script.GAS)
     losses = []
-    forwards = script.GAS  # the script evaluates GAS micro-batches before training
+    forwards = script.FORWARDS_BEFORE_TRAINING  # the script's evaluations before training
 
     def seeded(i, layer, *args):  # DeepSpeed's seed_layers reseeding before each layer
         torch.manual_seed(1234 * (forwards + 1) + i)

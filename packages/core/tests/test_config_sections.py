@@ -11,7 +11,15 @@ from typing import ClassVar
 import pytest
 
 from minispeed.core.config import ConfigError, ConfigTypeError, field_error
-from minispeed.core.sections import Section, key, section_rows, section_schema
+from minispeed.core.sections import (
+    Section,
+    Unsupported,
+    ds_only,
+    ds_refused,
+    key,
+    section_rows,
+    section_schema,
+)
 
 
 def test_config_error_survives_pickling() -> None:
@@ -48,8 +56,10 @@ class Outer(Section):
     """An outer section."""
 
     ds_path: ClassVar[str] = "outer"
-    ds_unsupported: ClassVar[dict[str, str]] = {"legacy": "not here"}
-    ds_defaults: ClassVar[dict[str, object]] = {"legacy": False}
+    ds_unsupported: ClassVar[dict[str, Unsupported]] = {
+        "legacy": ds_only(False, "not here; use flag"),
+        "gone": ds_refused("never here; use inner"),
+    }
 
     flag: bool = key("flag", False, aliases=("old_flag",))
     """A switch."""
@@ -65,8 +75,17 @@ def test_errors_name_the_key_as_written_with_the_field_after() -> None:
         Outer.from_section({"old_flag": 1})
     with pytest.raises(ConfigError, match=r"^outer.inner.cuont: unknown key .*'count'"):
         Outer.from_section({"inner": {"cuont": 2}})
-    with pytest.raises(ConfigError, match=r"^outer.legacy: .*not supported"):
+    with pytest.raises(ConfigError) as err:
         Outer.from_section({"legacy": True})
+    assert str(err.value) == (
+        "outer.legacy: DeepSpeed's 'legacy' is not supported by minispeed: not here; use flag; "
+        "remove it (false is accepted)"
+    )
+    for value in (None, False, {}):  # refused at every value
+        with pytest.raises(
+            ConfigError, match=r"^outer.gone: .*not supported.*use inner; remove it$"
+        ):
+            Outer.from_section({"gone": value})
     assert Outer.from_section({"legacy": False, "inner": {"count": 5e0}}).inner == Inner(5)
     with pytest.raises(ConfigError, match=r"^Inner.count_numel: must be >= 1"):
         Inner(0)  # built directly: our field's name
@@ -77,7 +96,9 @@ def test_errors_name_the_key_as_written_with_the_field_after() -> None:
 def test_the_schema_holds_every_key_nested_and_closed() -> None:
     schema = section_schema(Outer)
     assert schema["additionalProperties"] is False
-    assert set(schema["properties"]) == {"flag", "old_flag", "inner", "legacy"}
+    assert set(schema["properties"]) == {"flag", "old_flag", "inner", "legacy", "gone"}
+    assert schema["properties"]["legacy"]["default"] is False  # the one value accepted
+    assert "default" not in schema["properties"]["gone"]
     inner = schema["properties"]["inner"]
     assert inner["additionalProperties"] is False
     assert inner["properties"]["count"] == {
@@ -85,5 +106,12 @@ def test_the_schema_holds_every_key_nested_and_closed() -> None:
         "description": "Elements counted.",
         "default": 4,
     }
+
+    @dataclass(frozen=True)
+    class Clash(Outer):
+        ds_unsupported: ClassVar[dict[str, Unsupported]] = {"flag": ds_only(False, "x")}
+
+    with pytest.raises(TypeError, match=r"Clash\.ds_unsupported lists 'flag', a key it reads"):
+        section_schema(Clash)  # a field took the key over: one declaration per key
     rows = section_rows(Outer, Outer.from_section({"inner": {}}), {"inner": {}}, "outer")
     assert ("outer.inner.count", 4, "default") in rows and ("outer.flag", False, "default") in rows

@@ -55,7 +55,6 @@ def test_stages_follow_one_rule():
             {"activation_checkpoint_interval": 2},
             "^pipeline.activation_checkpoint_interval: .*use 0 \\(off\\) or 1",
         ),
-        ({"pipe_partitioned": True}, "^pipeline.pipe_partitioned: .*tensor-parallel"),
         (
             {"partition": "uniform", "partition_method": "parameters"},
             "^pipeline.partition: .*keep only",

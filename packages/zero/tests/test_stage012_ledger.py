@@ -72,6 +72,7 @@ def _logged_step(rank: int, world_size: int):
             reduce_scatter=config.reduce_scatter,
             clip_norm=True,
             reduce_scatter_impl=comm.reduce_scatter_impl(),  # gloo: an all-reduce
+            flags_in_bucket=opt.flags_in_bucket,
         )
         reducer = strategy.reducer
         # Stages 0-1 keep full flat gradient buffers, stage 2 a partition: each reducer has its own.
@@ -112,6 +113,9 @@ def _logged_step(rank: int, world_size: int):
                 kept=kept,
                 padded=[lay.numel for lay in strategy.layouts],
                 flag_numels=(sum(1 for _ in model.parameters()) + 1, 1),
+                # flags carried in stage 0's last bucket (Note [the flags ride with the last
+                # bucket] in reducer.py): elements of that message that are not gradients
+                carried=sum(1 for _ in model.parameters()) if opt.flags_in_bucket else 0,
             )
         )
     return out
@@ -134,6 +138,16 @@ def test_bytes_sent_per_step_match_ledger_exactly(logged) -> None:
                 assert r["wire"] == pytest.approx(r["approx"], rel=0.02), r["config"]
 
 
+def test_stage0_flags_ride_with_the_last_bucket(logged) -> None:
+    """Stage 0 without loss scaling issues one all-reduce per gradient bucket and nothing else:
+    the used flags are summed in the last bucket's message, not agreed in a call of their own."""
+    _, per_rank = logged
+    for rank_result in per_rank:
+        r = next(r for r in rank_result if r["config"] == {"stage": 0})
+        assert r["carried"] > 0
+        assert [op for op, *_ in r["records"]] == ["all_reduce"] * r["buckets"]
+
+
 def test_stage0_to_2_send_about_two_psi(logged) -> None:
     """All-reduce = reduce-scatter + all-gather: stage 0 and stage 1 move the same elements."""
     world_size, per_rank = logged
@@ -142,6 +156,7 @@ def test_stage0_to_2_send_about_two_psi(logged) -> None:
         key: sum(
             n for op, n, _, _ in r["records"] if not (op == "all_reduce" and n in r["flag_numels"])
         )
+        - r["carried"]
         for key, r in by_config.items()
     }
     stage0 = elements[str({"stage": 0})]  # all-reduce of Ψ (counted once: it moves 2(N-1)/N·Ψ)

@@ -1,10 +1,13 @@
-"""A large prefetch travels as several all-gathers of whole units (Note [a prefetch travels in
-chunks], prefetch.py), so the next module waits only for the chunk that holds it.
+"""A prefetch gathers at most one chunk ahead of the running modules, whatever the budget
+(Note [a prefetch stays one chunk ahead], prefetch.py): the next module waits only for its own
+gather, and the backward's first module does not start with the whole model gathered on top of
+the forward's activations.
 
-``Stack`` is six linears of 272 elements each. The prefetch window is DeepSpeed's default (5e7
-elements: the whole model), so when the root starts (it owns no parameter) every unit is admitted
-at once. With the chunk size above the model, that is one all-gather; with a chunk of one unit,
-one per unit.
+``Stack`` is six linears of 272 elements each. The prefetch budget is DeepSpeed's default (5e7
+elements: the whole model). With the chunk above the model, when the root starts (it owns no
+parameter) every unit is admitted at once: one all-gather per pass, the whole model gathered at
+once. With a chunk of one unit, each module start gathers the next unit: one all-gather per unit,
+and never more than the running unit and the next gathered.
 Either way the steady-state steps gather the same bytes and train to the same losses as
 single-process PyTorch.
 """
@@ -59,7 +62,8 @@ def _train(rank: int, world_size: int, chunk_numel: int) -> dict:
             gathers = [r for r in gathers if r.dtype != "torch.int64"]  # not the order check
             calls.append(len(gathers))
             nbytes += sum(r.msg_bytes for r in gathers)
-    return dict(losses=losses, calls=calls, bytes=nbytes)
+    live = opt.strategy.coordinator.stats.peak_live_numel
+    return dict(losses=losses, calls=calls, bytes=nbytes, live=live)
 
 
 def _body(rank: int, world_size: int) -> dict:
@@ -80,15 +84,19 @@ def _reference() -> list[float]:
     return losses
 
 
-def test_prefetch_is_cut_into_unit_chunks_with_same_bytes_and_losses() -> None:
+def test_prefetch_stays_one_chunk_ahead_with_same_bytes_and_losses() -> None:
     results = run_distributed(_body, world_size=2, timeout_s=120)
     ref = _reference()
     for res in results:
         one, chunked = res["one"], res["chunked"]
-        # Per pass, the root (which owns no parameter) starts first and admits all DEPTH units:
-        # one all-gather, or DEPTH (one per unit); forward and backward alike.
+        # Per pass, the root (which owns no parameter) starts first: with the chunk above the
+        # model it admits all DEPTH units in one all-gather; with a chunk of one unit each module
+        # start gathers the next: DEPTH calls. Forward and backward alike.
         assert one["calls"] == [2] * (STEPS - 1)
         assert chunked["calls"] == [2 * DEPTH] * (STEPS - 1)
+        # Gathered at once: the whole model, or the running unit and the one ahead.
+        assert one["live"] == DEPTH * UNIT_NUMEL
+        assert chunked["live"] == 2 * UNIT_NUMEL
         assert chunked["bytes"] == one["bytes"] == (STEPS - 1) * 2 * DEPTH * UNIT_NUMEL * 4
         assert chunked["losses"] == one["losses"]
         for a, b in zip(chunked["losses"], ref):

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 from minispeed.core import config as core_config
 from minispeed.core.config import ConfigError, check_keys, join_path
-from minispeed.core.sections import Section, build, key, translate_section
+from minispeed.core.sections import Section, Unsupported, build, ds_only, key, translate_section
 
 __all__ = [
     "ByName",
@@ -89,10 +89,11 @@ class OptimizerSection(ByName):
 
     ds_path: ClassVar[str] = "optimizer"
     example: ClassVar[str] = "AdamW"
-    ds_unsupported: ClassVar[dict[str, str]] = {
-        "legacy_fusion": "minispeed has no legacy fused-Adam fp16 path",
+    ds_unsupported: ClassVar[dict[str, Unsupported]] = {
+        "legacy_fusion": ds_only(
+            False, "minispeed has no legacy fused-Adam fp16 path (DeepSpeed's null means false)"
+        ),
     }
-    ds_defaults: ClassVar[dict[str, Any]] = {"legacy_fusion": False}
 
 
 @dataclass(frozen=True)

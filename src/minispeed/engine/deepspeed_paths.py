@@ -27,9 +27,21 @@ Nothing in the engine imports this module.
 
 from __future__ import annotations
 
+import dis
+import sys
 from collections.abc import Iterable
+from types import FrameType, ModuleType
 
-__all__ = ["ADAPTERS", "DEFAULT_HINT", "HINTS", "REFUSED", "refuse", "refused_modules", "why"]
+__all__ = [
+    "ADAPTERS",
+    "DEFAULT_HINT",
+    "HINTS",
+    "REFUSED",
+    "adapted_attribute",
+    "refuse",
+    "refused_modules",
+    "why",
+]
 
 _E = "minispeed.engine"
 
@@ -88,9 +100,11 @@ ADAPTERS: dict[str, str] = {
     "deepspeed.utils": f"{_E}.utils",
     "deepspeed.utils.groups": f"{_E}.utils.groups",
     "deepspeed.utils.init_on_device": f"{_E}.utils.init_on_device",
+    "deepspeed.utils.logging": f"{_E}.utils.logging",
     "deepspeed.utils.tensor_fragment": f"{_E}.utils.tensor_fragment",
     "deepspeed.utils.z3_leaf_module": f"{_E}.utils.z3_leaf_module",
     "deepspeed.utils.zero_to_fp32": f"{_E}.utils.zero_to_fp32",
+    "deepspeed.utils.zero_to_torch": f"{_E}.utils.zero_to_torch",
     "deepspeed.zero": f"{_E}.zero",
 }
 
@@ -227,7 +241,6 @@ HINTS: dict[str, str] = {
     "deepspeed.runtime.zero": f"ZeRO's internals; use {_ZERO}",
     "deepspeed.utils": "DeepSpeed's utilities; use deepspeed.utils (minispeed.engine.utils)",
     "deepspeed.utils.comms_logging": "use the `comms_logger` config section",
-    "deepspeed.utils.logging": "use deepspeed.utils.logger and deepspeed.utils.log_dist",
     "deepspeed.utils.timer": (
         "DeepSpeed's timers; set `wall_clock_breakdown: true` in the config (the engine reports "
         "forward, backward and step times)"
@@ -273,3 +286,45 @@ def refuse(path: str, package: bool = False) -> None:
     cannot import without it, so this is their error as well."""
     below = " (nor is any module below it)" if package else ""
     raise ImportError(f"{path} is not provided by minispeed{below}: {why(path)}", name=path)
+
+
+# Note [a missing name's ImportError]
+# `from deepspeed.runtime.zero.stage3 import Name` where the adapter has no `Name`: Python calls
+# the module's `__getattr__`, and if that raises AttributeError it discards the message and
+# raises its own "cannot import name 'Name' from ...", which says nothing of minispeed. An
+# ImportError raised by `__getattr__` reaches the user as written, but raised for every missing
+# attribute it would break `hasattr(module, name)` and `getattr(module, name, default)`, which
+# libraries use to probe DeepSpeed's features (they expect AttributeError). So the adapter looks
+# at the instruction its caller is running: IMPORT_FROM (a `from ... import` statement) gets the
+# ImportError, anything else the AttributeError, both with the same message. Reading the
+# caller's instruction is CPython's frame API; where it says nothing, the AttributeError is
+# raised (the same text on attribute access; Python's plain message on a from-import).
+_IMPORT_FROM = dis.opmap.get("IMPORT_FROM")
+
+
+def _importing_from(frame: FrameType | None) -> bool:
+    """Whether `frame` is running a `from ... import` (Note [a missing name's ImportError])."""
+    if frame is None or _IMPORT_FROM is None:
+        return False
+    code = frame.f_code.co_code
+    return 0 <= frame.f_lasti < len(code) and code[frame.f_lasti] == _IMPORT_FROM
+
+
+def adapted_attribute(path: str, target: ModuleType, name: str) -> object:
+    """An adapter module's `__getattr__` (the distribution's modules call it): `name` from the
+    engine module `target` (a private name a client reaches for is the engine's same object);
+    a name neither has raises naming the DeepSpeed module `path`, the name and the migration
+    page, as an ImportError under `from path import name` and an AttributeError otherwise
+    (Note [a missing name's ImportError])."""
+    try:
+        return getattr(target, name)
+    except AttributeError:
+        if name.startswith("__"):  # Python's own probes (`__path__`, `__wrapped__`): no message
+            raise
+    message = (
+        f"{path}.{name} is not provided by minispeed ({path} is minispeed's {target.__name__}, "
+        f"which has no {name!r}); see docs/engine/migration.md for what to use instead"
+    )
+    if _importing_from(sys._getframe(2)):  # 0: here, 1: the adapter's __getattr__
+        raise ImportError(message, name=path, path=getattr(target, "__file__", None))
+    raise AttributeError(message, name=name, obj=target)

@@ -13,6 +13,14 @@ logits = engine(tokens)
 n, "tp_group": g}`) and the deprecated `mp_size`. The report of what was replaced is kept on
 `engine.injection_report`.
 
+The engine is DeepSpeed's `InferenceEngine` in shape: `engine.module` is the model as given,
+`engine(tokens)` the fused model's logits (a transformers model's output class around them when
+the model is one), and `engine.generate(...)` transformers' `generate` call: greedy decoding
+runs on the fused model and its KV cache, any other call on the model's own `generate`
+(`minispeed.inference.hf_generate`). Other attributes (`config`, `generation_config`,
+`device`, ...) are the model's, so a transformers `pipeline` whose `.model` is replaced by the
+engine, as in DeepSpeed's tutorial, keeps working.
+
 Different from DeepSpeed: without `dtype`, minispeed runs fp32 (DeepSpeed's default is fp16;
 minispeed has no fp16/bf16 inference kernels, so an explicit fp16/bf16 is refused), and a model
 that no injection policy recognises (GPT-2, LLaMA and minispeed's GPT are recognised) is refused
@@ -32,7 +40,7 @@ from torch import nn
 import minispeed.inference as inference
 from minispeed.core.config import check_keys
 
-__all__ = ["init_inference"]
+__all__ = ["InferenceEngine", "init_inference"]
 
 _DTYPES = {
     "fp32": torch.float32,
@@ -113,7 +121,75 @@ def _options(config: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     return {_ALIASES.get(k, k): v for k, v in merged.items() if k not in _DEFAULTS}
 
 
-def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> nn.Module:
+class InferenceEngine(nn.Module):
+    """DeepSpeed's inference engine over minispeed's fused model (see the module docstring).
+
+    Holds no weights of its own: `fused` shares them with `module` (fp32) or keeps their int8
+    copies; the cost is `minispeed.inference.init_inference`'s."""
+
+    def __init__(self, module: nn.Module, fused: nn.Module, report: Any) -> None:
+        super().__init__()
+        self.module = module
+        self.fused = fused
+        self.injection_report = report
+        self._hf = _is_transformers_model(module)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """The fused model's logits for token ids; for a transformers model, in its output
+        class (`.logits`). Arguments the fused model does not take (an attention mask with
+        zeros, `labels`, `past_key_values`, ...) run the model itself."""
+        if not self._hf:
+            return self.fused(*inputs, **kwargs)
+        ids = inputs[0] if inputs else kwargs.get("input_ids")
+        rest = {k: v for k, v in kwargs.items() if k != "input_ids"}
+        mask = rest.pop("attention_mask", None)
+        plain = mask is None or bool(torch.as_tensor(mask).bool().all())
+        for name, harmless in _HARMLESS.items():  # what the fused logits answer as asked
+            if name in rest and (rest[name] is None or rest[name] in harmless):
+                del rest[name]
+        if len(inputs) <= 1 and plain and isinstance(ids, torch.Tensor) and not rest:
+            from transformers.modeling_outputs import CausalLMOutputWithPast
+
+            return CausalLMOutputWithPast(logits=self.fused(ids))
+        return self.module(*inputs, **kwargs)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """transformers' `generate(input_ids, ...)` (see the module docstring); a model that is
+        not a transformers model uses `minispeed.inference.generate`."""
+        if not self._hf:
+            raise TypeError(
+                f"engine.generate is transformers' generate, and {type(self.module).__name__} "
+                "is not a transformers model: use minispeed.inference.generate(engine.fused, "
+                "prompts, SamplingConfig(...))"
+            )
+        return inference.hf_generate(self.fused, self.module, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = super().__getattr__("module")
+            fused = super().__getattr__("fused")
+            for owner in (module, fused):
+                if hasattr(owner, name):
+                    return getattr(owner, name)
+            raise
+
+
+# forward's keyword arguments the fused logits satisfy at these values
+_HARMLESS: dict[str, tuple[bool, ...]] = {
+    "return_dict": (True,),
+    "use_cache": (True, False),
+    "output_attentions": (False,),
+    "output_hidden_states": (False,),
+}
+
+
+def _is_transformers_model(model: nn.Module) -> bool:
+    return any(c.__module__.startswith("transformers.") for c in type(model).__mro__)
+
+
+def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> InferenceEngine:
     """The inference engine for `model` (DeepSpeed's call; see the module docstring).
 
     Collective when `tensor_parallel.tp_size > 1` (every rank of the group calls it).
@@ -137,11 +213,10 @@ def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> nn.Mo
                 "init_inference: give tensor_parallel or the deprecated mp_size, not both"
             )
         tp = {"tp_size": mp_size}
-    engine, report = inference.init_inference(
+    fused, report = inference.init_inference(
         model,
         dtype=dtype,
         replace_with_kernel_inject=bool(options.get("replace_with_kernel_inject", False)),
         tensor_parallel=tp or None,
     )
-    engine.injection_report = report
-    return engine
+    return InferenceEngine(model, fused, report)

@@ -64,6 +64,7 @@ from typing import Any
 
 import torch
 
+import minispeed.comm as comm
 import minispeed.pipeline as pipeline
 from minispeed.engine import steps
 from minispeed.engine.composition import Composition
@@ -189,25 +190,47 @@ class PipelineEngine(Engine):
         bcast_loss: bool = True,
         num_micro_batches: int | None = None,
     ) -> Any:
-        """Forward `gradient_accumulation_steps` micro-batches without gradients; returns the
-        mean loss on every rank, and with `return_logits` also the last micro-batch's model
-        output on the last stage (None elsewhere), as DeepSpeed does."""
-        if not compute_loss or reduce_output != "avg" or not bcast_loss:
-            raise NotImplementedError(
-                "eval_batch supports compute_loss=True, reduce_output='avg', bcast_loss=True "
-                "(DeepSpeed's defaults) only"
+        """Forward `num_micro_batches` (default `gradient_accumulation_steps`) micro-batches
+        from `data_iter` without gradients, as DeepSpeed's:
+
+        - default: the mean loss, on every rank (`bcast_loss=False`: on the last stage, None
+          elsewhere);
+        - `compute_loss=False`: the model's outputs instead of losses (the loss function is not
+          called), on the last stage only;
+        - `reduce_output="avg"` averages over the micro-batches and the data-parallel replicas
+          (one all-reduce of the output's size among the last stage's replicas); `None` returns
+          the list of per-micro-batch values on the last stage;
+        - `return_logits`: `(value, outputs)`, the last micro-batch's model output on the last
+          stage (None elsewhere).
+        """
+        if reduce_output not in ("avg", None):
+            raise ValueError(
+                f"eval_batch(reduce_output={reduce_output!r}): DeepSpeed's reductions are 'avg' "
+                "and None (the per-micro-batch values)"
             )
-        if num_micro_batches not in (None, self.micro_batches):
-            raise NotImplementedError(
-                f"eval_batch(num_micro_batches={num_micro_batches}): minispeed evaluates "
-                f"gradient_accumulation_steps={self.micro_batches} micro-batches; leave it unset"
-            )
+        n = self.micro_batches if num_micro_batches is None else num_micro_batches
         self.module.eval()
-        inputs, labels = pipeline.pull_batch(data_iter, self.micro_batches, self.module)
-        if not return_logits:
-            return torch.tensor(self.executor.eval_batch(inputs, labels), dtype=torch.float32)
-        loss, outputs = self.executor.eval_batch(inputs, labels, return_outputs=True)
-        return torch.tensor(loss, dtype=torch.float32), outputs
+        inputs, labels = pipeline.pull_batch(data_iter, n, self.module)
+        ex = self.executor
+        last = self.module.stage == self.module.stages - 1
+        if compute_loss and reduce_output == "avg":
+            loss, outputs = ex.eval_batch(inputs, labels, return_outputs=True, micro_batches=n)
+            value = torch.tensor(loss, dtype=torch.float32) if bcast_loss or last else None
+        else:
+            each = ex.eval_outputs(inputs, labels, compute_loss=compute_loss, micro_batches=n)
+            outputs = each[-1] if return_logits and each is not None else None
+            value = each if reduce_output is None or each is None else self._average(each)
+        return (value, outputs if last else None) if return_logits else value
+
+    def _average(self, each: list[Any]) -> Any:
+        """The mean over micro-batches, then over the last stage's data-parallel replicas."""
+        first = each[0]
+        if isinstance(first, torch.Tensor):
+            group = self.module.grid.group("data")
+            mean = sum(each) / (len(each) * comm.get_world_size(group))
+            comm.all_reduce(mean, group=group)
+            return mean
+        return type(first)(self._average([e[k] for e in each]) for k in range(len(first)))
 
     def _partition(self) -> list[int] | None:
         """The layer cut a checkpoint of this pipeline must be loaded with."""

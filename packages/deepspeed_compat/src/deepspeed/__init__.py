@@ -5,6 +5,7 @@ Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_com
 import importlib as _importlib
 
 import minispeed.engine as _adapter
+from minispeed.engine.deepspeed_paths import adapted_attribute as _adapted_attribute
 from minispeed.engine import *  # noqa: F403
 from minispeed.engine import __all__  # noqa: F401
 from minispeed.engine.git_version_info import version as __version__
@@ -14,4 +15,4 @@ for _child in ('accelerator', 'checkpoint', 'checkpointing', 'comm', 'git_versio
 
 
 def __getattr__(name):
-    return getattr(_adapter, name)
+    return _adapted_attribute(__name__, _adapter, name)

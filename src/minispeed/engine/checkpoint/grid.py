@@ -3,6 +3,7 @@
 ```text
 CKPT_DIR/
   latest                         "<tag>\\n", moved after grid.json (the grid's seal)
+  zero_to_fp32.py zero_to_torch.py   DeepSpeed's converter commands (RECOVERY_SCRIPTS)
   <tag>/
     grid.json                    written last: the grid that saved it, its parts, its partition
     pipe00-of-02/                one *part* per (pipeline stage, expert rank): a zero checkpoint
@@ -48,7 +49,7 @@ import minispeed.comm as comm
 import minispeed.zero as zero
 from minispeed.core.config import field_error
 from minispeed.core.files import atomic_write
-from minispeed.core.sections import Section, key
+from minispeed.core.sections import Section, Unsupported, ds_only, key
 from minispeed.zero.checkpoints import (
     LATEST_FILE,
     METADATA_FILE,
@@ -77,6 +78,32 @@ __all__ = [
 PathLike = str | os.PathLike
 GRID_FILE = "grid.json"
 GRID_FORMAT_VERSION = 1
+# The commands DeepSpeed writes beside its tag folders, written here by the grid leader with
+# `latest`: `python zero_to_fp32.py . OUT/` turns the checkpoint into PyTorch weights; each is a
+# few lines that run minispeed's module of the same name (importable from the folder too, as
+# scripts that put the checkpoint folder on sys.path do).
+RECOVERY_SCRIPTS = ("zero_to_fp32", "zero_to_torch")
+_RECOVERY = """#!/usr/bin/env python
+# Written by minispeed's save_checkpoint, as DeepSpeed writes its own script of this name:
+#     python {name}.py CHECKPOINT_DIR OUTPUT_DIR{dtype} [-t TAG] [--max_shard_size 5GB]
+# with the Python that has minispeed installed. The code: minispeed.engine.utils.{name}.
+from minispeed.engine.utils.{name} import *  # noqa: F403
+from minispeed.engine.utils.{name} import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+"""
+
+
+def write_recovery_scripts(root: Path) -> None:
+    """`RECOVERY_SCRIPTS` into `root`, each atomically and executable."""
+    for name in RECOVERY_SCRIPTS:
+        path = root / f"{name}.py"
+        dtype = " --dtype bf16" if name == "zero_to_torch" else ""
+        atomic_write(path, _RECOVERY.format(name=name, dtype=dtype))
+        path.chmod(0o755)
+
+
 # The key of a tensor-parallel part's client_state that records how each parameter is cut.
 TENSOR_SPECS = "minispeed_tensor_specs"
 
@@ -97,13 +124,17 @@ class CheckpointConfig(Section):
 
     ds_path: ClassVar[str] = "checkpoint"
     # DeepSpeed's checkpoint keys minispeed does not implement, accepted at their defaults.
-    ds_unsupported: ClassVar[dict[str, str]] = {
-        "load_universal": "checkpoints load at any data-parallel size already",
-        "parallel_write": "every rank writes its own shard files already",
-    }
-    ds_defaults: ClassVar[dict[str, Any]] = {
-        "load_universal": False,
-        "parallel_write": {"pipeline_stage": False},
+    ds_unsupported: ClassVar[dict[str, Unsupported]] = {
+        "load_universal": ds_only(False, "checkpoints load at any data-parallel size already"),
+        "parallel_write": ds_only(
+            {"pipeline_stage": False}, "every rank writes its own shard files already"
+        ),
+        "checkpoint_serialization": ds_only(
+            True, "one checkpoint format: torch.save's zip files, written atomically"
+        ),
+        "writer": ds_only(
+            None, "DeepSpeed's fast checkpoint writers; use async_save to write in the background"
+        ),
     }
 
     async_save: bool = key("async_save", False)
@@ -301,6 +332,7 @@ class GridSave:
     def seal_grid(self) -> None:
         """Grid leader: grid.json, then `latest` (every part is sealed)."""
         atomic_write(self.tag_dir / GRID_FILE, json.dumps(grid_record(self.part, self.tag)))
+        write_recovery_scripts(self.root)
         if self.save_latest:
             atomic_write(self.root / LATEST_FILE, self.tag + "\n")
 

@@ -44,7 +44,16 @@ from typing import Any, ClassVar
 
 from minispeed.comm import CommsLoggerConfig
 from minispeed.core.config import BATCH_KEYS, ConfigError, batch_triple
-from minispeed.core.sections import Section, build, ds_keys, key, translate_section
+from minispeed.core.sections import (
+    Section,
+    Unsupported,
+    build,
+    ds_keys,
+    ds_only,
+    ds_refused,
+    key,
+    translate_section,
+)
 from minispeed.engine.by_name import OptimizerSection, SchedulerSection
 from minispeed.engine.checkpoint.grid import CheckpointConfig
 from minispeed.offload import AioConfig
@@ -73,74 +82,109 @@ __all__ = ["ConfigError", "EngineConfig", "load_ds_config", "resolve_batch"]
 # gradients it stepped were the same ones times min(1, 1/‖g‖).
 DS_GRADIENT_CLIPPING_DEFAULT = 1.0
 
-# DeepSpeed keys minispeed does not implement, each with the reason; accepted at the default below.
-UNSUPPORTED = {
-    "prescale_gradients": "gradients are averaged once, after reduction (divide by N)",
-    "gradient_predivide_factor": "gradients are averaged once, after reduction (divide by N)",
-    "sparse_gradients": "embedding gradients are reduced dense",
-    "memory_breakdown": "use minispeed.zero.measure(opt, model) for the bytes held per rank",
-    "dump_state": "print the resolved config with `python -m minispeed.engine.config report`",
-    "amp": "use bf16 or fp16 (minispeed.zero.MixedPrecision) instead of NVIDIA Apex AMP",
-    "torch_autocast": "use bf16 or fp16 (minispeed.zero.MixedPrecision)",
-    "tensorboard": "no monitor backends; read the engine's per-step losses and timers",
-    "wandb": "no monitor backends; read the engine's per-step losses and timers",
-    "csv_monitor": "no monitor backends; read the engine's per-step losses and timers",
-    "comet": "no monitor backends; read the engine's per-step losses and timers",
-    "elasticity": "no elastic batch sizes; torchrun restarts whole jobs",
-    "curriculum_learning": "no curriculum learning",
-    "data_efficiency": "no data-efficiency library",
-    "compression_training": "no compression training",
-    "eigenvalue": "no eigenvalue computation",
-    "progressive_layer_drop": "no progressive layer drop",
-    "hybrid_engine": "no RLHF hybrid engine",
-    "autotuning": "DeepSpeed's autotuning section is not read; run `minispeed tune` instead",
-    "nebula": "no Nebula checkpoint service",
-    "quantize_training": "no quantization-aware training",
-    "sparse_attention": "sparse attention is an inference feature here (minispeed.inference)",
-    "disable_allgather": "stages 1-2 always all-gather the updated parameters",
-    "use_data_before_expert_parallelism": "expert groups are built inside the data axis",
-    "graph_harvesting": "no CUDA graphs",
-    "mics_shard_size": "it belongs in zero_optimization (DeepSpeed's place for it)",
-    "mics_hierarchical_params_gather": "it belongs in zero_optimization (DeepSpeed's place for it)",
-    "load_universal_checkpoint": "checkpoints load at any data-parallel size already",
-    "use_node_local_storage": "give checkpoint.use_node_local_storage instead",
-    "seq_parallel_communication_data_type": "no sequence parallelism in training",
-    "compile": "call torch.compile on the model yourself",
-    "timers": "wall_clock_breakdown turns the engine's timers on",
-    "weight_quantization": "post-training int8 lives in minispeed.inference.quantize",
-    "moe": "MoE is configured on the layer (minispeed.engine.moe.layer.MoE)",
-}
-# DeepSpeed's default for each unsupported key: a config holding these loads unchanged.
-DEFAULTS: dict[str, Any] = {
-    "prescale_gradients": False,
-    "gradient_predivide_factor": 1.0,
-    "sparse_gradients": False,
-    "memory_breakdown": False,
-    "dump_state": False,
-    "amp": {"enabled": False},
-    "torch_autocast": {"enabled": False},
-    "tensorboard": {"enabled": False, "output_path": "", "job_name": "DeepSpeedJobName"},
-    "wandb": {"enabled": False, "group": None, "team": None, "project": "deepspeed"},
-    "csv_monitor": {"enabled": False, "output_path": "", "job_name": "DeepSpeedJobName"},
-    "comet": {"enabled": False},
-    "elasticity": {"enabled": False},
-    "curriculum_learning": {"enabled": False},
-    "data_efficiency": {"enabled": False},
-    "eigenvalue": {"enabled": False},
-    "progressive_layer_drop": {"enabled": False},
-    "hybrid_engine": {"enabled": False},
-    "autotuning": {"enabled": False},
-    "nebula": {"enabled": False},
-    "quantize_training": {"enabled": False},
-    "disable_allgather": False,
-    "use_data_before_expert_parallelism": False,
-    "graph_harvesting": False,
-    "mics_shard_size": -1,
-    "mics_hierarchical_params_gather": False,
-    "load_universal_checkpoint": False,
-    "use_node_local_storage": False,
-    "seq_parallel_communication_data_type": "fp32",
-    "compile": {"disable": False, "backend": "inductor", "kwargs": {}},
+# DeepSpeed's top-level keys minispeed does not implement: accepted at DeepSpeed's default only
+# (a config holding it loads unchanged), or refused at every value; each says what to use.
+UNSUPPORTED: dict[str, Unsupported] = {
+    "prescale_gradients": ds_only(
+        False, "gradients are averaged once, after reduction (divide by N)"
+    ),
+    "gradient_predivide_factor": ds_only(
+        1.0, "gradients are averaged once, after reduction (divide by N)"
+    ),
+    "sparse_gradients": ds_only(False, "embedding gradients are reduced dense"),
+    "memory_breakdown": ds_only(
+        False, "use minispeed.zero.measure(opt, model) for the bytes held per rank"
+    ),
+    "dump_state": ds_only(
+        False, "print the resolved config with `python -m minispeed.engine.config report`"
+    ),
+    "amp": ds_only(
+        {"enabled": False},
+        "use bf16 or fp16 (minispeed.zero.MixedPrecision) instead of NVIDIA Apex AMP",
+    ),
+    "torch_autocast": ds_only(
+        {"enabled": False}, "use bf16 or fp16 (minispeed.zero.MixedPrecision)"
+    ),
+    "tensorboard": ds_only(
+        {"enabled": False, "output_path": "", "job_name": "DeepSpeedJobName"},
+        "no monitor backends; read the engine's per-step losses and timers",
+    ),
+    "wandb": ds_only(
+        {"enabled": False, "group": None, "team": None, "project": "deepspeed"},
+        "no monitor backends; read the engine's per-step losses and timers",
+    ),
+    "csv_monitor": ds_only(
+        {"enabled": False, "output_path": "", "job_name": "DeepSpeedJobName"},
+        "no monitor backends; read the engine's per-step losses and timers",
+    ),
+    "comet": ds_only(
+        {"enabled": False}, "no monitor backends; read the engine's per-step losses and timers"
+    ),
+    "elasticity": ds_only(
+        {"enabled": False}, "no elastic batch sizes; torchrun restarts whole jobs"
+    ),
+    "curriculum_learning": ds_only({"enabled": False}, "no curriculum learning"),
+    "data_efficiency": ds_only({"enabled": False}, "no data-efficiency library"),
+    "compression_training": ds_refused("no compression training"),
+    "eigenvalue": ds_only({"enabled": False}, "no eigenvalue computation"),
+    "progressive_layer_drop": ds_only({"enabled": False}, "no progressive layer drop"),
+    "hybrid_engine": ds_only({"enabled": False}, "no RLHF hybrid engine"),
+    "autotuning": ds_only(
+        {"enabled": False},
+        "DeepSpeed's autotuning section is not read; run `minispeed tune` instead",
+    ),
+    "nebula": ds_only({"enabled": False}, "no Nebula checkpoint service"),
+    "quantize_training": ds_only({"enabled": False}, "no quantization-aware training"),
+    "sparse_attention": ds_refused(
+        "sparse attention is an inference feature here (minispeed.inference)"
+    ),
+    "disable_allgather": ds_only(False, "stages 1-2 always all-gather the updated parameters"),
+    "use_data_before_expert_parallelism": ds_only(
+        False, "expert groups are built inside the data axis"
+    ),
+    "graph_harvesting": ds_only(False, "no CUDA graphs"),
+    "mics_shard_size": ds_only(-1, "it belongs in zero_optimization (DeepSpeed's place for it)"),
+    "mics_hierarchical_params_gather": ds_only(
+        False, "it belongs in zero_optimization (DeepSpeed's place for it)"
+    ),
+    "load_universal_checkpoint": ds_only(
+        False, "checkpoints load at any data-parallel size already"
+    ),
+    "use_node_local_storage": ds_only(False, "give checkpoint.use_node_local_storage instead"),
+    "seq_parallel_communication_data_type": ds_only("fp32", "no sequence parallelism in training"),
+    "compile": ds_only(
+        {"disable": False, "backend": "inductor", "kwargs": {}},
+        "call torch.compile on the model yourself",
+    ),
+    "timers": ds_refused("wall_clock_breakdown turns the engine's timers on"),
+    "weight_quantization": ds_refused("post-training int8 lives in minispeed.inference.quantize"),
+    "moe": ds_refused("MoE is configured on the layer (minispeed.engine.moe.layer.MoE)"),
+    "datastates_ckpt": ds_only(
+        False, "DataStates-LLM's asynchronous checkpoint engine; use checkpoint.async_save"
+    ),
+    "data_parallel_size": ds_only(
+        None, "the data-parallel size is the world over pipeline stages and tensor ranks"
+    ),
+    "sequence_parallel_size": ds_only(None, "no Ulysses sequence parallelism"),
+    "dataloader_drop_last": ds_only(
+        False, "no deepspeed_io data loader: build the DataLoader (drop_last) in the script"
+    ),
+    "disable_python_gc": ds_only(False, "the engine never drives Python's garbage collector"),
+    "gradient_allreduce_op": ds_only(
+        "mean", "gradients are averaged over the data-parallel ranks, DeepSpeed's default"
+    ),
+    "log_level": ds_only(
+        None, "the engine logs through the minispeed logger; set its level with logging"
+    ),
+    "managed_gradient_accumulation": ds_only(
+        True, "the engine always owns the accumulation boundary"
+    ),
+    "vocabulary_size": ds_only(None, "DeepSpeed reads it only for a tensor-core alignment warning"),
+    "expert_parallel": ds_only(
+        None,
+        "DeepSpeed's AutoEP (experts found in a model by pattern); use the MoE layer "
+        "(minispeed.engine.moe.layer.MoE)",
+    ),
 }
 
 
@@ -234,8 +278,7 @@ class EngineConfig(Section):
     """The resolved ds_config: the batch triple, each package's typed section, the engine's own
     settings. Built by `EngineConfig.from_ds_config`; `raw` keeps the dict as given."""
 
-    ds_unsupported: ClassVar[dict[str, str]] = UNSUPPORTED
-    ds_defaults: ClassVar[dict[str, Any]] = DEFAULTS
+    ds_unsupported: ClassVar[dict[str, Unsupported]] = UNSUPPORTED
 
     train_batch_size: int = key("train_batch_size", schema=_BATCH)
     """Samples per optimizer step over all data-parallel ranks."""

@@ -9,7 +9,7 @@ data_iter = iter(RepeatingLoader(loader))       # endless, for pipeline train_ba
 `log_dist(message, ranks=None, level=INFO)` logs `"[Rank r] message"` on the listed ranks
 (`[-1]`: every rank), as DeepSpeed's: with `ranks=None` it logs only before the process group
 exists. `logger` is minispeed's engine logger. `RepeatingLoader(loader)` restarts `loader` when it
-runs out. `zero_to_fp32` (a module) turns a sharded checkpoint into one fp32 state dict.
+runs out. `logging` (a module) holds the logger and DeepSpeed's other log calls. `zero_to_fp32` (a module) turns a sharded checkpoint into one fp32 state dict.
 `safe_get_full_grad`, `safe_get_full_fp32_param`, `safe_get_full_optimizer_state` and the rest
 of DeepSpeed's `safe_*` names (from `tensor_fragment`): one parameter's whole value from the
 sharded optimizer. `groups` answers DeepSpeed's process-group queries, `set_z3_leaf_modules`
@@ -19,14 +19,12 @@ marks stage-3 leaves (`z3_leaf_module.py`), `OnDevice` builds modules on a devic
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
-import minispeed.comm as comm
-from minispeed.core.logging import get_logger
-from minispeed.engine.utils import groups, tensor_fragment, zero_to_fp32
+from minispeed.engine.utils import groups, logging, tensor_fragment, zero_to_fp32
 from minispeed.engine.utils.init_on_device import OnDevice
+from minispeed.engine.utils.logging import log_dist, logger
 from minispeed.engine.utils.tensor_fragment import *  # noqa: F403 (its __all__: the safe_* names)
 from minispeed.engine.utils.z3_leaf_module import (
     get_z3_leaf_modules,
@@ -41,22 +39,12 @@ __all__ = [
     "groups",
     "log_dist",
     "logger",
+    "logging",
     "set_z3_leaf_modules",
     "z3_leaf_module",
     "zero_to_fp32",
     *tensor_fragment.__all__,
 ]
-
-logger = get_logger("engine")
-
-
-def log_dist(message: str, ranks: Sequence[int] | None = None, level: int = logging.INFO) -> None:
-    """Log `message` with a rank prefix on `ranks` (DeepSpeed's rule, module docstring)."""
-    initialized = comm.is_initialized()
-    rank = comm.get_rank() if initialized else -1
-    ranks = list(ranks or [])
-    if not initialized or (ranks and (ranks[0] == -1 or rank in ranks)):
-        logger.log(level, "[Rank %d] %s", rank, message)
 
 
 class RepeatingLoader:

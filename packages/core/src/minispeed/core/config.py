@@ -17,7 +17,8 @@ check_keys({"stgae": 2}, known={"stage", "overlap_comm"}, path="zero_optimizatio
 - `did_you_mean` suggests the nearest known key by edit distance (one edit for short keys, two from
   eight characters on; swapped neighbours cost one).
 - `check_keys` refuses unknown keys, and keys DeepSpeed defines that minispeed does not implement
-  unless they hold DeepSpeed's default value (a config written out in full must still load).
+  (`Unsupported`: why, and the one value accepted, DeepSpeed's default, so a config written out
+  in full still loads) unless they hold that value.
 - `field_error` is the error a config dataclass raises for one of its fields; the section
   reader (`minispeed.core.sections`, the config pattern) renames it after the key the user wrote.
 - `DEEPSPEED_TOP_LEVEL` is the one catalogue of DeepSpeed's top-level keys (the engine reads or
@@ -28,6 +29,8 @@ Cost: one edit-distance computation per (unknown key, known key): O(len²) each,
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -36,6 +39,7 @@ __all__ = [
     "DEEPSPEED_TOP_LEVEL",
     "ConfigError",
     "ConfigTypeError",
+    "Unsupported",
     "batch_triple",
     "check_keys",
     "check_top_level_spelling",
@@ -122,21 +126,48 @@ def did_you_mean(keys: Iterable[str], known: Iterable[str]) -> str:
     return ""
 
 
+class _Refused:
+    """`Unsupported.accepted` of a key refused at every value."""
+
+    def __repr__(self) -> str:
+        return "REFUSED"
+
+
+REFUSED: Any = _Refused()
+
+
+@dataclasses.dataclass(frozen=True)
+class Unsupported:
+    """A DeepSpeed key a section does not implement, declared once (the section's
+    `ds_unsupported`, `minispeed.core.sections`): why, with what to use instead, and the one
+    value accepted (DeepSpeed's default, at which the key changes nothing; `REFUSED`: none)."""
+
+    why: str
+    """Why minispeed does not implement it, and what to use instead."""
+    accepted: Any = REFUSED
+    """The one value a config may hold for it, shown as its default; `REFUSED`: no value."""
+
+    @property
+    def refused(self) -> bool:
+        """Whether no value is accepted."""
+        return self.accepted is REFUSED
+
+
 def check_keys(
     section: Mapping[str, Any],
     known: Iterable[str],
     path: str,
     *,
-    unsupported: Mapping[str, str] | None = None,
-    defaults: Mapping[str, Any] | None = None,
+    unsupported: Mapping[str, Unsupported] | None = None,
     known_as: str = "known keys here",
 ) -> None:
     """Raise `ConfigError` for the first key of `section` that minispeed does not read.
 
     - `known`: the keys read (their values are checked by the caller).
-    - `unsupported`: DeepSpeed keys minispeed does not implement, each with the reason; such a
-      key is accepted only when it holds the one value minispeed implements (`defaults[key]`,
-      usually DeepSpeed's default), since a key at that value changes nothing.
+    - `unsupported`: DeepSpeed keys minispeed does not implement (`Unsupported`); such a key is
+      accepted only when it holds the one value minispeed implements (`accepted`, usually
+      DeepSpeed's default), since a key at that value changes nothing; else the error says why
+      and what to use instead.
     - anything else is unknown: the error suggests the nearest known key and lists the known
       ones (after `known_as`).
     """
@@ -144,19 +175,20 @@ def check_keys(
         raise ConfigError(path, f"must be a JSON object, got {type(section).__name__}")
     known = set(known)
     unsupported = unsupported or {}
-    defaults = defaults or {}
     for key in section:
         if key in known:
             continue
         where = join_path(path, key)
         if key in unsupported:
-            if key in defaults and _same(section[key], defaults[key]):
+            entry = unsupported[key]
+            if not entry.refused and _same(section[key], entry.accepted):
                 continue
-            default = f" ({defaults[key]!r} is accepted)" if key in defaults else ""
+            shown = json.dumps(entry.accepted, default=repr)  # as the JSON file writes it
+            accepted = "" if entry.refused else f" ({shown} is accepted)"
             raise ConfigError(
                 where,
-                f"DeepSpeed's {key!r} is not supported by minispeed: {unsupported[key]}; remove "
-                f"it{default}",
+                f"DeepSpeed's {key!r} is not supported by minispeed: {entry.why}; remove "
+                f"it{accepted}",
             )
         hint = did_you_mean([key], known | set(unsupported))
         raise ConfigError(
@@ -306,6 +338,16 @@ DEEPSPEED_TOP_LEVEL: frozenset[str] = frozenset(
         "mics_hierarchical_params_gather",
         "load_universal_checkpoint",
         "use_node_local_storage",
+        "datastates_ckpt",
+        "data_parallel_size",
+        "sequence_parallel_size",
+        "dataloader_drop_last",
+        "disable_python_gc",
+        "gradient_allreduce_op",
+        "log_level",
+        "managed_gradient_accumulation",
+        "vocabulary_size",
+        "expert_parallel",
     }
 )
 

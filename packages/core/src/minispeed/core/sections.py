@@ -30,11 +30,13 @@ Everything else comes from those fields, so adding a key is one field in one fil
 - **`minispeed report --config`** (`section_rows`): each key's value and whether it was given,
   left at its default, or derived.
 
-DeepSpeed keys a section does not implement sit in two class variables, `ds_unsupported`
-(key -> why) and `ds_defaults` (key -> DeepSpeed's default, the one value accepted), as
-`check_keys` takes them. A key that sets no one field (offload's `pipeline`, which sets both
-`pipeline_read` and `pipeline_write`) is declared in `ds_extra` (key -> its JSON Schema) and
-read by the class's own `from_section`.
+DeepSpeed keys a section does not implement sit in one class variable, `ds_unsupported`: key ->
+`ds_only(value, why)` (accepted at that value only, DeepSpeed's default, where it changes
+nothing) or `ds_refused(why)` (refused at every value); `why` says what to use instead. The
+reader refuses them by name (`check_keys`), the schema lists them with the value accepted as
+their default, and the adapters of DeepSpeed's config models report that value. A key that
+sets no one field (offload's `pipeline`, which sets both `pipeline_read` and `pipeline_write`)
+is declared in `ds_extra` (key -> its JSON Schema) and read by the class's own `from_section`.
 
 Cost: one pass over the fields per section read; the docstrings are parsed (`ast`) only for
 the schema.
@@ -53,15 +55,25 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-from minispeed.core.config import ConfigError, ConfigTypeError, check_keys, field_error, join_path
+from minispeed.core.config import (
+    ConfigError,
+    ConfigTypeError,
+    Unsupported,
+    check_keys,
+    field_error,
+    join_path,
+)
 
 __all__ = [
     "Key",
     "Section",
+    "Unsupported",
     "build",
     "check_type",
     "check_types",
     "ds_keys",
+    "ds_only",
+    "ds_refused",
     "field_docs",
     "is_alias",
     "is_unsupported",
@@ -71,6 +83,7 @@ __all__ = [
     "section_rows",
     "section_schema",
     "translate_section",
+    "unsupported_keys",
 ]
 
 _META = "minispeed.ds_key"
@@ -114,6 +127,23 @@ def key(
     return dataclasses.field(
         default=default, default_factory=default_factory, metadata={_META: meta}
     )
+
+
+def ds_only(value: Any, why: str) -> Unsupported:
+    """A DeepSpeed key a section does not implement, accepted at `value` only (DeepSpeed's
+    default, where the key changes nothing); `why`: the reason and what to use instead."""
+    return Unsupported(why, value)
+
+
+def ds_refused(why: str) -> Unsupported:
+    """A DeepSpeed key a section does not implement, refused at every value (no value of it
+    means what minispeed does); `why`: the reason and what to use instead."""
+    return Unsupported(why)
+
+
+def unsupported_keys(cls: type) -> Mapping[str, Unsupported]:
+    """`{DeepSpeed key: Unsupported}` of a section class (its `ds_unsupported`; none: empty)."""
+    return getattr(cls, "ds_unsupported", None) or _EMPTY
 
 
 def ds_keys(cls: type) -> dict[str, tuple[dataclasses.Field, Key]]:
@@ -232,8 +262,7 @@ def translate_section(cls: type, section: Any, path: str) -> dict[str, Any]:
         section,
         keys.keys() | aliases.keys() | extra.keys(),
         path,
-        unsupported=getattr(cls, "ds_unsupported", None),
-        defaults=getattr(cls, "ds_defaults", None),
+        unsupported=unsupported_keys(cls),
     )
     values = dict(section)
     for old, new in aliases.items():
@@ -415,13 +444,13 @@ def section_schema(cls: type, description: str | None = None) -> dict[str, Any]:
             props[alias] = {**props[name], "description": f"Another name of `{name}`."}
     for name, prop in (getattr(cls, "ds_extra", None) or {}).items():
         props[name] = dict(prop)
-    unsupported = getattr(cls, "ds_unsupported", None) or {}
-    defaults = getattr(cls, "ds_defaults", None) or {}
-    for name, why in sorted(unsupported.items()):
-        accepted = "Accepted at DeepSpeed's default only." if name in defaults else "Refused."
-        props[name] = {"description": f"Not supported: {why}. {accepted}"}
-        if name in defaults:
-            props[name]["default"] = defaults[name]
+    for name, entry in sorted(unsupported_keys(cls).items()):
+        if name in props:  # a field took the key over: its entry here would never be read
+            raise TypeError(f"{cls.__name__}.ds_unsupported lists {name!r}, a key it reads")
+        accepted = "Refused." if entry.refused else "Accepted only at the default shown."
+        props[name] = {"description": f"Not supported: {entry.why}. {accepted}"}
+        if not entry.refused:
+            props[name]["default"] = entry.accepted
     return {
         "type": "object",
         "description": description or _class_doc(cls),

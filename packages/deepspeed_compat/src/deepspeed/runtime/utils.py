@@ -5,9 +5,10 @@ Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_com
 import importlib as _importlib
 
 import minispeed.engine.runtime.utils as _adapter
+from minispeed.engine.deepspeed_paths import adapted_attribute as _adapted_attribute
 from minispeed.engine.runtime.utils import *  # noqa: F403
 from minispeed.engine.runtime.utils import __all__  # noqa: F401
 
 
 def __getattr__(name):
-    return getattr(_adapter, name)
+    return _adapted_attribute(__name__, _adapter, name)

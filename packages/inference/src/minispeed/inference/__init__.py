@@ -3,7 +3,7 @@
 Reading order: `.kernels_reference` (what each kernel computes) and `.kernels` (the
 compiled op and its dispatch); `.kv_cache` (blocks, pool, block tables); `.fused_gpt`
 (the fused block and the prefill/decode forward); `.injection` (`init_inference`);
-`.generation` (sampling and the generate loop); `.batching` (continuous batching); `.quantize` (int8 weights); `.tensor_parallel`
+`.generation` (sampling and the generate loop); `.hf_generation` (transformers' `generate` call on the fused model); `.batching` (continuous batching); `.quantize` (int8 weights); `.tensor_parallel`
 (the Megatron split of each block over a TP group).
 
 ```python
@@ -19,6 +19,7 @@ from minispeed.inference.batching import ContinuousBatcher, RequestResult
 from minispeed.inference.evaluation import perplexity
 from minispeed.inference.fused_gpt import FusedGPTBlock, InferenceGPT
 from minispeed.inference.generation import SamplingConfig, generate, sample_next
+from minispeed.inference.hf_generation import fused_refusal, hf_generate
 from minispeed.inference.injection import GPTPolicy, InjectionReport, init_inference
 from minispeed.inference.kv_cache import CacheFullError, PagedKVCache, kv_cache_bytes
 from minispeed.inference.quantize import Int8Linear, quantize_per_channel, weight_bytes
@@ -40,7 +41,9 @@ __all__ = [
     "SparsityConfig",
     "TPConfig",
     "allreduce_cost",
+    "fused_refusal",
     "generate",
+    "hf_generate",
     "init_inference",
     "kv_cache_bytes",
     "perplexity",

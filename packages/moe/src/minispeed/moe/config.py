@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from minispeed.core.config import ConfigError, field_error, join_path
-from minispeed.core.sections import Section, build, key, translate_section
+from minispeed.core.sections import Section, Unsupported, build, ds_only, key, translate_section
 
 __all__ = ["AUX_LOSS_CHOICES", "DROP_ORDERS", "NOISY_GATE_POLICIES", "WEIGHTS_OVER", "MoEConfig"]
 
@@ -34,12 +34,13 @@ class MoEConfig(Section):
 
     ds_path: ClassVar[str] = "moe"
     # Keys DeepSpeed accepts whose features minispeed does not have: refused unless off.
-    ds_unsupported: ClassVar[dict[str, str]] = {
-        "use_residual": "Residual MoE (PR-MoE) is not implemented",
-        "use_tutel": "Tutel kernels are not used; the permutation op plays their part",
-        "enable_expert_tensor_parallelism": "experts are not tensor-parallel here",
+    ds_unsupported: ClassVar[dict[str, Unsupported]] = {
+        "use_residual": ds_only(False, "Residual MoE (PR-MoE) is not implemented"),
+        "use_tutel": ds_only(
+            False, "Tutel kernels are not used; the permutation op plays their part"
+        ),
+        "enable_expert_tensor_parallelism": ds_only(False, "experts are not tensor-parallel here"),
     }
-    ds_defaults: ClassVar[dict[str, Any]] = dict.fromkeys(ds_unsupported, False)
 
     num_experts: int = key("num_experts")
     """Experts per layer, E (all ranks together)."""

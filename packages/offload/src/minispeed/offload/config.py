@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from minispeed.core.config import ConfigTypeError, did_you_mean, field_error
-from minispeed.core.sections import Section, key, read_section
+from minispeed.core.sections import Section, Unsupported, ds_only, key, read_section
 
 __all__ = ["AioConfig", "OffloadOptimizerConfig", "OffloadParamConfig"]
 
@@ -37,10 +37,9 @@ class AioConfig(Section):
     """
 
     ds_path: ClassVar[str] = "aio"
-    ds_unsupported: ClassVar[dict[str, str]] = {
-        "use_gds": "minispeed.offload implements only False"
+    ds_unsupported: ClassVar[dict[str, Unsupported]] = {
+        "use_gds": ds_only(False, "no GPUDirect Storage: NVMe reads and writes pass host memory")
     }
-    ds_defaults: ClassVar[dict[str, Any]] = {"use_gds": False}
 
     block_bytes: int = key("block_size", 1 << 20)
     """Bytes per pread/pwrite call (DeepSpeed `block_size`), a multiple of 4096. Larger blocks:
@@ -105,11 +104,16 @@ class OffloadOptimizerConfig(Section):
     """
 
     ds_path: ClassVar[str] = "zero_optimization.offload_optimizer"
-    ds_unsupported: ClassVar[dict[str, str]] = {
-        "fast_init": "minispeed.offload implements only False",
-        "ratio": "minispeed.offload implements only 1.0",
+    ds_unsupported: ClassVar[dict[str, Unsupported]] = {
+        "fast_init": ds_only(
+            False, "DeepSpeed's fast NVMe optimizer set-up; the states are swapped out one way"
+        ),
+        "ratio": ds_only(1.0, "the whole optimizer step is offloaded, not a share of it"),
+        "super_offload": ds_only(False, "DeepSpeed's SuperOffload (GH200); use device: cpu"),
+        "cpuadam_cores_perc": ds_only(
+            0.8, "SuperOffload's core share; minispeed's CPU Adam uses torch's threads"
+        ),
     }
-    ds_defaults: ClassVar[dict[str, Any]] = {"fast_init": False, "ratio": 1.0}
     ds_extra: ClassVar[dict[str, Any]] = {
         "pipeline": {
             "type": "boolean",
@@ -126,7 +130,9 @@ class OffloadOptimizerConfig(Section):
     """Host buffers for swapped partitions; >= 2 to prefetch while stepping."""
     pin_memory: bool = key("pin_memory", False)
     """Page-lock the host buffers: needed for async copies to a GPU; on a CPU-only machine they
-    are locked with mlock (never paged out), which fails without the privilege."""
+    are locked with mlock (never paged out), which fails without the privilege. DeepSpeed's
+    default is true; here false, so that a config leaving it out runs on a host without that
+    privilege (give true on a GPU host for overlapped copies)."""
     pipeline_read: bool = key("pipeline_read", False)
     """Read the next partition's states while this one is stepped."""
     pipeline_write: bool = key("pipeline_write", False)
@@ -184,9 +190,11 @@ class OffloadParamConfig(Section):
     """With ``device='nvme'``: parameter-shard elements per rank kept in host memory, the first
     shards in order, whole shards only; the rest go to NVMe (DeepSpeed `max_in_cpu`). Left out:
     every shard goes to NVMe. DeepSpeed's default is 1e9 (so a model under 1e9 elements per rank
-    stays in CPU memory there); here only an explicit value keeps shards."""
+    stays in CPU memory there, and `device: nvme` writes nothing); here only an explicit value
+    keeps shards, so `device: nvme` means NVMe (write 1e9 for DeepSpeed's placement)."""
     pin_memory: bool = key("pin_memory", False)
-    """Page-lock the buffers, as in `OffloadOptimizerConfig`."""
+    """Page-lock the buffers, as in `OffloadOptimizerConfig` (DeepSpeed's default is true; here
+    false, for the same reason)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -16,7 +16,7 @@ DeepSpeed keys read (top level and the `"pipeline"` section), and what they beco
 | `pipeline.partition` / `pipeline.partition_method` (`"best"` = `"parameters"`) | `partition_method` |
 | `pipeline.seed_layers` | `seed = 0` when true, `None` (torch's current RNG) when false |
 | `pipeline.activation_checkpoint_interval` (0 or 1 only) | `activation_checkpointing` |
-| `pipeline.pipe_partitioned`, `pipeline.grad_partitioned` | refused when true: there is no tensor parallelism to split over |
+| `pipeline.pipe_partitioned`, `pipeline.grad_partitioned` | accepted either way (DeepSpeed's default, true, included); tensors go between stages whole |
 
 minispeed's own keys in the same section: `schedule` (left out: 1F1B, or GPipe when M < P),
 `virtual_stages`. Unknown keys are errors. Each field names the key it reads (the config
@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 import minispeed.comm as comm
 from minispeed.core.config import BATCH_KEYS as _TRIPLE
 from minispeed.core.config import ConfigError, batch_triple, field_error, join_path
-from minispeed.core.sections import Section, build, key, translate_section
+from minispeed.core.sections import Section, Unsupported, build, ds_only, key, translate_section
 from minispeed.pipeline.schedules import SCHEDULES
 
 __all__ = ["PipelineConfig", "batch_triple"]
@@ -81,6 +81,11 @@ class PipelineConfig(Section):
     """How to cut and run a pipeline (DeepSpeed section `pipeline`; validated on construction)."""
 
     ds_path: ClassVar[str] = "pipeline"
+    ds_unsupported: ClassVar[dict[str, Unsupported]] = {
+        "use_reentrant": ds_only(
+            None, "the pipeline's activation checkpointing uses torch's non-reentrant form"
+        ),
+    }
 
     stages: int = key(
         "stages",
@@ -118,13 +123,17 @@ class PipelineConfig(Section):
         "seed_layers", 0, read=_seed, schema={"type": "boolean", "default": True}
     )
     """Layer i is built under `torch.manual_seed(seed + i)`; None: no reseeding (DeepSpeed
-    `seed_layers`: true gives seed 0, false None)."""
-    pipe_partitioned: bool = key("pipe_partitioned", False)
-    """DeepSpeed's: split the activations sent between stages over tensor-parallel ranks.
-    minispeed.pipeline sends them whole, so only false is accepted."""
-    grad_partitioned: bool = key("grad_partitioned", False)
-    """DeepSpeed's: split the gradients sent between stages over tensor-parallel ranks; only
-    false is accepted, as for `pipe_partitioned`."""
+    `seed_layers`: true gives seed 0, false None). DeepSpeed's default is false; here true, so a
+    stage's layers get the weights the same model built whole on one process gets
+    (`build_unsplit`, the reference tests compare with), whatever the RNG did before; write
+    false for torch's RNG as is (data-parallel replicas still start equal: see the module)."""
+    pipe_partitioned: bool = key("pipe_partitioned", True)
+    """DeepSpeed's (default true): under tensor parallelism, send the activations between
+    stages split over the tensor ranks and all-gather them on arrival. minispeed.pipeline sends
+    them whole either way: the same values, T times the bytes of DeepSpeed's split send."""
+    grad_partitioned: bool = key("grad_partitioned", True)
+    """DeepSpeed's (default true): the same split for the gradients sent back between stages;
+    sent whole here either way, as for `pipe_partitioned`."""
     micro_batch_size: int | None = None
     """Samples per micro-batch on one replica (DeepSpeed's `train_micro_batch_size_per_gpu`):
     each replica's `train_batch` takes `micro_batch_size · micro_batches` samples. None: not
@@ -158,14 +167,6 @@ class PipelineConfig(Section):
                 "partition_method",
                 f"{m!r}; use 'uniform', 'parameters' or 'type:<regex>'",
             )
-        for name in ("pipe_partitioned", "grad_partitioned"):
-            if getattr(self, name):
-                raise field_error(
-                    self,
-                    name,
-                    "true splits activations over tensor-parallel ranks, which "
-                    "minispeed.pipeline does not have; set it to false or remove it",
-                )
 
     def partition_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `pipeline.partition`."""

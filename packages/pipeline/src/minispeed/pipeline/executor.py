@@ -59,6 +59,15 @@ def _as_tuple(x: Any) -> tuple:
     return x if isinstance(x, tuple) else (x,)
 
 
+def _detached(x: Any) -> Any:
+    """`x` with every tensor in it (nested tuples and lists) detached."""
+    if isinstance(x, torch.Tensor):
+        return x.detach()
+    if isinstance(x, (tuple, list)):
+        return type(x)(_detached(v) for v in x)
+    return x
+
+
 def _split(x: Any, m: int, what: str) -> list[Any]:
     """Split a tensor (or tuple of tensors) into m micro-batches along dim 0."""
     if isinstance(x, tuple):
@@ -140,6 +149,9 @@ class PipelineExecutor:
         self.timeline = StageTimeline(module.stage)
         self.peak_in_flight = 0
         self._keep_outputs, self._kept_output = False, None  # see eval_batch(return_outputs)
+        self._kept_output_of_last_eval: Any = None
+        self._each: list[Any] | None = None  # see eval_outputs
+        self._compute_loss = True
         # What the last batch's optimizer step returned (minispeed.zero's: False when an fp16
         # overflow skipped it) and how long it took, for the engine's counters and timers.
         self.step_result: Any = None
@@ -195,21 +207,66 @@ class PipelineExecutor:
         return self._run(self.schedule, inputs, labels, start)
 
     def eval_batch(
-        self, inputs: Any = None, labels: Any = None, *, return_outputs: bool = False
+        self,
+        inputs: Any = None,
+        labels: Any = None,
+        *,
+        return_outputs: bool = False,
+        micro_batches: int | None = None,
     ) -> float | tuple[float, Any]:
         """Forwards only (no grad, no step); returns the mean loss on every rank. With
         `return_outputs`, `(loss, outputs)`: the last micro-batch's model output (before the
         loss) on the last stage, None elsewhere (DeepSpeed's `eval_batch(return_logits=True)`);
-        it costs keeping that one output until the batch ends."""
+        it costs keeping that one output until the batch ends. `micro_batches` splits this batch
+        into that many instead of the executor's M (every rank must pass the same)."""
+        loss, _ = self._eval(inputs, labels, micro_batches, keep_last=return_outputs)
+        return (loss, self._kept_output_of_last_eval) if return_outputs else loss
+
+    def eval_outputs(
+        self,
+        inputs: Any = None,
+        labels: Any = None,
+        *,
+        compute_loss: bool = True,
+        micro_batches: int | None = None,
+    ) -> list[Any] | None:
+        """Forwards only; on the last stage each micro-batch's loss (`compute_loss`, not divided
+        by M) or the model's output (`compute_loss=False`: the loss function is not called), in
+        micro-batch order, detached; None on the other stages. Costs keeping all M outputs until
+        the batch ends (DeepSpeed's `eval_batch(reduce_output=None)` / `compute_loss=False`)."""
+        _, each = self._eval(inputs, labels, micro_batches, each=True, compute_loss=compute_loss)
+        return each if self._is_last(self.module.virtual_stages - 1) else None
+
+    def _eval(
+        self,
+        inputs: Any,
+        labels: Any,
+        micro_batches: int | None,
+        *,
+        keep_last: bool = False,
+        each: bool = False,
+        compute_loss: bool = True,
+    ) -> tuple[float, list[Any] | None]:
         self.module.eval()
-        self._keep_outputs = return_outputs
-        self._kept_output = None
+        m = self.micro_batches if micro_batches is None else micro_batches
+        schedule = self.eval_schedule
+        if m != self.micro_batches:
+            if not isinstance(m, int) or m < 1:
+                raise ValueError(f"eval micro_batches must be a positive int, got {m!r}")
+            schedule = InferenceSchedule(m, self.module.stages, self.module.virtual_stages)
+            check(schedule)
+        saved, self.micro_batches = self.micro_batches, m
+        self._keep_outputs, self._kept_output = keep_last, None
+        self._each, self._compute_loss = ([] if each else None), compute_loss
         try:
             with torch.no_grad():
-                loss = self._run(self.eval_schedule, inputs, labels)
-            return (loss, self._kept_output) if return_outputs else loss
+                loss = self._run(schedule, inputs, labels)
+            self._kept_output_of_last_eval = self._kept_output
+            return loss, self._each
         finally:
+            self.micro_batches = saved
             self._keep_outputs, self._kept_output = False, None
+            self._each, self._compute_loss = None, True
 
     # -- the loop ---------------------------------------------------------------------------------
     def _run(
@@ -374,12 +431,15 @@ class PipelineExecutor:
             out = self.module.forward_chunk(i.chunk, arg, segments=keep)
             if self._keep_outputs and self._is_last(i.chunk):  # the last micro-batch's stays
                 self._kept_output = out
-            if self._is_last(i.chunk) and self.module.loss_fn is not None:
-                loss = (
-                    self.module.loss_fn(out, self._labels.pop(i.micro_batch)) / self.micro_batches
-                )
+            if self._is_last(i.chunk) and self.module.loss_fn is not None and self._compute_loss:
+                raw = self.module.loss_fn(out, self._labels.pop(i.micro_batch))
+                loss = raw / self.micro_batches
                 self._loss_sum += loss.detach()
                 out = loss
+                if self._each is not None:
+                    self._each.append(raw.detach())
+            elif self._each is not None and self._is_last(i.chunk):
+                self._each.append(_detached(out))
         self.timeline.add("compute", i.label, start, time.perf_counter())
         if not self._is_last(i.chunk):
             self._check_message(out, i.chunk)

@@ -15,14 +15,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from rich.console import Console
 from torch import nn
 
 from minispeed.core.config import field_error
 from minispeed.core.files import atomic_write
-from minispeed.core.sections import Section, key
+from minispeed.core.sections import Section, Unsupported, ds_only, key
 from minispeed.profiler.flops_profiler import FlopsProfiler
 from minispeed.profiler.report import Profile
 
@@ -35,12 +35,14 @@ class FlopsProfilerConfig(Section):
     or with `from_section`)."""
 
     ds_path: ClassVar[str] = "flops_profiler"
-    ds_unsupported: ClassVar[dict[str, str]] = {
-        "recompute_fwd_factor": "minispeed measures recomputation under activation "
-        "checkpointing instead of assuming a factor; remove the key",
+    # At DeepSpeed's default the key changes nothing, so it loads.
+    ds_unsupported: ClassVar[dict[str, Unsupported]] = {
+        "recompute_fwd_factor": ds_only(
+            0.0,
+            "minispeed measures recomputation under activation checkpointing instead of "
+            "assuming a factor",
+        ),
     }
-    # At DeepSpeed's default the refused key changes nothing, so it loads.
-    ds_defaults: ClassVar[dict[str, Any]] = {"recompute_fwd_factor": 0.0}
 
     enabled: bool = key("enabled", False)
     """Profile at all."""

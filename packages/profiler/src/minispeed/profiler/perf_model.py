@@ -54,8 +54,8 @@ profiler depends on minispeed.core only):
 
 Calls: gradients go in buckets of `bucket_numel` elements (one call each); stage 3 gathers in
 `stage3_gather_calls` calls per pass: with minispeed.zero's prefetcher, the first module's
-blocking gather plus the prefetch of everything else, in chunks of about 4M elements, when the
-model fits in the prefetch budget, else about one call per module with parameters.
+blocking gather plus one prefetch of everything else when the model fits in the prefetch window
+(the budget, at most a 4M-element chunk), else about one call per module with parameters.
 
 `overlap` (0 by default) is the fraction of communication hidden behind compute; on a CPU
 with gloo the transfer and the arithmetic share cores, so little is hidden.
@@ -263,14 +263,14 @@ def stage3_gather_calls(
 ) -> int:
     """All-gather calls of one stage-3 pass (forward, or backward) under minispeed.zero's
     prefetcher with a budget of `prefetch_numel` elements: the first of `units` modules with
-    parameters gathers blocking, then the prefetch admits every later unit that fits and issues
-    them in chunks of whole units of about `chunk_numel` elements (zero's Note [a prefetch travels
-    in chunks]: 4M elements); when the model does not fit the window slides and about every unit
+    parameters gathers blocking; the prefetch gathers ahead at most `min(prefetch_numel,
+    chunk_numel)` elements (zero's Note [a prefetch stays one chunk ahead]: 4M elements), so a
+    model that fits is one more call, and otherwise the window slides and about every unit
     starts a top-up call."""
     if units <= 1:
         return units
-    if num_params <= prefetch_numel:
-        return 1 + min(units - 1, max(1, -(-num_params // chunk_numel)))
+    if num_params <= min(prefetch_numel, chunk_numel):
+        return 2
     return units
 
 

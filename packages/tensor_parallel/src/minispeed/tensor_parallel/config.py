@@ -13,9 +13,20 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from minispeed.core.config import field_error
-from minispeed.core.sections import Section, key
+from minispeed.core.sections import Section, Unsupported, ds_only, ds_refused, key
 
 __all__ = ["TensorParallelConfig"]
+
+
+_AUTOTP = "AutoTP's inference keys; minispeed reads autotp_size for training"
+_PLAN = (
+    "the plan is a ready one by model type or initialize(tensor_parallel_plan=...), not "
+    "configured by keys"
+)
+_VOCAB = (
+    "the head's vocabulary is split by the ready plans; compute the loss with "
+    "minispeed.tensor_parallel.vocab_parallel_cross_entropy"
+)
 
 
 @dataclass(frozen=True)
@@ -25,6 +36,20 @@ class TensorParallelConfig(Section):
     or `initialize(tensor_parallel_plan=...)`; not inferred as by DeepSpeed's AutoTP."""
 
     ds_path: ClassVar[str] = "tensor_parallel"
+    ds_unsupported: ClassVar[dict[str, Unsupported]] = {
+        "dtype": ds_refused("AutoTP's inference dtype; the training dtypes come from fp16 / bf16"),
+        "injection_policy_tuple": ds_only(None, _AUTOTP),
+        "keep_module_on_host": ds_only(False, _AUTOTP),
+        "kernel_inject": ds_only(False, _AUTOTP),
+        "replace_with_kernel_inject": ds_only(False, _AUTOTP),
+        "preset_model": ds_only(None, _PLAN),
+        "partition_config": ds_only(None, _PLAN),
+        "tensor_parallel": ds_only({}, "AutoTP's nested inference section; use autotp_size"),
+        "tp": ds_only({}, "AutoTP's nested inference section; use autotp_size"),
+        "tp_overlap_comm": ds_only(False, "the tensor-parallel all-reduces are not overlapped"),
+        "vocab_parallel_ce_backend": ds_only("torch", _VOCAB),
+        "vocab_parallel_lm_head": ds_only(None, _VOCAB),
+    }
 
     autotp_size: int = key("autotp_size", 0)
     """Tensor-parallel size T (0 or 1: off); world = pipe x data x T, tensor ranks adjacent."""

@@ -45,7 +45,7 @@ import torch
 
 from minispeed.core.accelerator import get_accelerator
 from minispeed.core.config import ConfigError, join_path
-from minispeed.core.sections import Section, key
+from minispeed.core.sections import Section, Unsupported, ds_only, key
 
 __all__ = ["ActivationCheckpointingConfig", "checkpoint"]
 
@@ -57,14 +57,13 @@ class ActivationCheckpointingConfig(Section):
     path, `minispeed.engine.checkpointing`, reads it through this class)."""
 
     ds_path: ClassVar[str] = "activation_checkpointing"
-    ds_unsupported: ClassVar[dict[str, str]] = {
-        "contiguous_memory_optimization": "checkpointed activations are ordinary tensors (it "
-        "needs partitioned activations over tensor-parallel ranks)",
-        "profile": "time checkpointed regions with minispeed.profiler",
-    }
-    ds_defaults: ClassVar[dict[str, Any]] = {
-        "contiguous_memory_optimization": False,
-        "profile": False,
+    ds_unsupported: ClassVar[dict[str, Unsupported]] = {
+        "contiguous_memory_optimization": ds_only(
+            False,
+            "checkpointed activations are ordinary tensors (it needs partitioned activations "
+            "over tensor-parallel ranks)",
+        ),
+        "profile": ds_only(False, "time checkpointed regions with minispeed.profiler"),
     }
 
     partition_activations: bool = key("partition_activations", False)

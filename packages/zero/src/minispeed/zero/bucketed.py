@@ -147,6 +147,33 @@ class BucketedStrategy(ShardStrategy):
         """
         self.reducer.remove_hooks()
 
+    def carry_flags(self, params: Sequence[nn.Parameter]) -> bool:
+        """Whether the optimizer's per-parameter flags (one per element of `params`, which must
+        be the param groups' parameters in order) now travel in the last gradient bucket's
+        all-reduce (stage 0 with no loss scaling: Note [the flags ride with the last bucket] in
+        reducer.py). The same answer on every rank: it depends on the config and layout only."""
+        carry = getattr(self.reducer, "carry_flags", None)
+        ours = [p for ps in self.groups for p in ps]
+        if carry is None or self.precision.uses_loss_scaling or len(ours) != len(params):
+            return False
+        return all(a is b for a, b in zip(ours, params)) and carry(self.groups)
+
+    def carried_flags(self, trainable: Sequence[bool]) -> list[float]:
+        """The flags summed with this window's last bucket, in `ZeroOptimizer._agree`'s layout:
+        [2 + the last parameter frozen at `shard()` (`trainable[k]` False) that requires grad
+        now on some rank, else 0; then 1.0 per parameter some rank used]."""
+        summed = self.reducer.carried_flags()
+        if summed is None:
+            raise RuntimeError(
+                "the window's last gradient bucket was not reduced with the flags (Note [the "
+                "flags ride with the last bucket] in reducer.py); drive every micro-step through "
+                "ZeroOptimizer.backward(loss)"
+            )
+        summed = summed.tolist()  # the one host sync of the step
+        unfrozen = [k for k, (f, t) in enumerate(zip(summed, trainable)) if f > 0 and not t]
+        first = float(unfrozen[-1] + 2) if unfrozen else 0.0
+        return [first] + [1.0 if f > 0 and t else 0.0 for f, t in zip(summed, trainable)]
+
     def bucket_numels(self) -> list[int]:
         """Elements of each gradient reduce call (padded at stages 1-2), in launch order (for
         the ledger)."""

@@ -22,15 +22,29 @@ per 16-bit parameter, 2 per 16-bit gradient, K = 12 for the fp32 master, momentu
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from minispeed.core.config import check_top_level_spelling, field_error
-from minispeed.core.sections import Section, build, key, translate_section
+from minispeed.core.sections import (
+    Section,
+    Unsupported,
+    build,
+    ds_only,
+    ds_refused,
+    key,
+    translate_section,
+)
 
 __all__ = ["ZeroConfig"]
+
+_ALL_GATHER_ONLY = "stage-3 parameters are fetched by one all-gather each, never otherwise"
+_PERSISTENCE = "one persistence rule, per parameter: use param_persistence_threshold"
+_GRANULARITY = "fetch units are modules as written, never merged"
+_DEPRECATED = "deprecated by DeepSpeed (false, like its default null, means off)"
 
 # DeepSpeed's default bucket size for reduce_bucket_size / allgather_bucket_size: 5e8 elements.
 _DS_BUCKET_DEFAULT = 500_000_000
@@ -77,13 +91,67 @@ class ZeroConfig(Section):
 
     ds_path: ClassVar[str] = "zero_optimization"
     # DeepSpeed keys ZeRO implements at one value only: accepted at that value (its default).
-    ds_unsupported: ClassVar[dict[str, str]] = {
-        "allgather_partitions": "parameters are all-gathered, never a chain of broadcasts",
-        "round_robin_gradients": "gradients are reduced in bucket order, not round-robin",
-    }
-    ds_defaults: ClassVar[dict[str, Any]] = {
-        "allgather_partitions": True,
-        "round_robin_gradients": False,
+    ds_unsupported: ClassVar[dict[str, Unsupported]] = {
+        "allgather_partitions": ds_only(
+            True, "parameters are all-gathered, never a chain of broadcasts"
+        ),
+        "round_robin_gradients": ds_only(
+            False, "gradients are reduced in bucket order, not round-robin"
+        ),
+        "allgather_sequential": ds_only(False, _ALL_GATHER_ONLY),
+        "stage3_allgather_sequential": ds_only(False, _ALL_GATHER_ONLY),
+        "use_all_reduce_for_fetch_params": ds_only(False, _ALL_GATHER_ONLY),
+        "stage3_use_all_reduce_for_fetch_params": ds_only(False, _ALL_GATHER_ONLY),
+        "model_persistence_threshold": ds_only(sys.maxsize, _PERSISTENCE),
+        "stage3_model_persistence_threshold": ds_only(sys.maxsize, _PERSISTENCE),
+        "module_granularity_threshold": ds_only(0, _GRANULARITY),
+        "stage3_module_granularity_threshold": ds_only(0, _GRANULARITY),
+        "leaf_module": ds_refused(
+            "leaf modules are set in code: deepspeed.utils.set_z3_leaf_modules(model, classes) "
+            "or minispeed.zero.set_leaf_module"
+        ),
+        # DeepSpeed's default is null; false, which old configs write, means the same there.
+        "cpu_offload": ds_only(False, f"{_DEPRECATED}; use offload_optimizer: {{device: cpu}}"),
+        "cpu_offload_param": ds_only(False, f"{_DEPRECATED}; use offload_param: {{device: cpu}}"),
+        "cpu_offload_use_pin_memory": ds_only(
+            False, f"{_DEPRECATED}; use offload_optimizer / offload_param pin_memory"
+        ),
+        "legacy_stage1": ds_only(False, "DeepSpeed's old stage-1 code path; use stage: 1"),
+        "elastic_checkpoint": ds_only(
+            False, "ignored by DeepSpeed's ZeRO itself; checkpoints load at any world size"
+        ),
+        "load_from_fp32_weights": ds_only(
+            True, "a checkpoint always loads its fp32 masters (the 16-bit weights follow)"
+        ),
+        "compute_grad_norm": ds_only(
+            True, "the norm is computed when clipping or asked for (engine.get_global_grad_norm)"
+        ),
+        "enable_sanity_checks": ds_only(False, "the checks that matter always run"),
+        "log_trace_cache_warnings": ds_only(
+            False, "a changed module order is re-traced or raises, never only logged"
+        ),
+        "override_module_apply": ds_only(True, "zero.Init always gathers for module.apply"),
+        "parameter_alignment": ds_only(
+            False, "partitions are cut at elements, with no alignment padding"
+        ),
+        "pipeline_loading_checkpoint": ds_only(
+            False, "no ZeRO-3 pipeline-module loading path; use engine.load_checkpoint"
+        ),
+        "memory_efficient_linear": ds_only(
+            True, "torch's linear is kept (DeepSpeed's saves activation memory, same values)"
+        ),
+        "save_muon_momentum_buffer_in_memory": ds_only(False, "no Muon optimizer"),
+        "use_multi_rank_bucket_allreduce": ds_only(True, "one reduce path per stage"),
+        "zero_quantized_nontrainable_weights": ds_only(
+            False, "frozen weights stay unquantized; use zero_quantized_weights for all"
+        ),
+        "zeropp_loco_param": ds_refused(
+            "LoCo's error feedback for ZeRO++'s quantized gradients (DeepSpeed 0.19.8 removed "
+            "it too); use zero_quantized_gradients without it"
+        ),
+        "zenflow": ds_only(
+            None, "DeepSpeed's ZenFlow (stale-gradient CPU updates); use offload_optimizer"
+        ),
     }
 
     stage: int = key("stage", 0, schema={"enum": [0, 1, 2, 3]})
@@ -136,7 +204,9 @@ class ZeroConfig(Section):
     stage3_prefetch_bucket_numel: int = key(
         "stage3_prefetch_bucket_size", 50_000_000, aliases=("prefetch_bucket_size",)
     )
-    """Elements fetched ahead of use by the stage-3 prefetcher (`stage3_prefetch_bucket_size`)."""
+    """Most elements fetched ahead of use by the stage-3 prefetcher (`stage3_prefetch_bucket_size`);
+    at most one 4M-element chunk is ahead at a time whatever this says (Note [a prefetch stays one
+    chunk ahead] in stage3/prefetch.py)."""
     stage3_param_persistence_threshold_numel: int = key(
         "stage3_param_persistence_threshold", 100_000, aliases=("param_persistence_threshold",)
     )

@@ -13,7 +13,11 @@ parameter tensors. Per rank, ring algorithms (``minispeed.comm.costs``):
 
 plus, every stage, one all-reduce of m + 1 fp32 flags (overflow and unused parameters, see
 Note [unused parameters] in optimizer.py): 2(N-1)/N · 4(m+1), and with clipping on a stage that
-partitions gradients (1-3) one fp32 all-reduce of the squared norm: 2(N-1)/N · 4.
+partitions gradients (1-3) one fp32 all-reduce of the squared norm: 2(N-1)/N · 4. At stage 0
+without loss scaling (`ZeroOptimizer.flags_in_bucket`) the m flags travel in the last
+gradient bucket's all-reduce instead (Note [the flags ride with the last bucket] in reducer.py):
+that bucket's message is m fp32 elements longer (the strategy's ``bucket_numels()`` says so) and
+the flags' own call is gone (``flags_in_bucket=True``).
 
 Why "≈ 2Ψ" for all three: an all-reduce *is* a reduce-scatter followed by an all-gather, so
 stage 0 sends 2(N-1)/N·Ψ elements as one call and stages 1-2 send the same two halves as two
@@ -80,6 +84,7 @@ def stage_collectives(
     clip_norm: bool = False,
     reduce_scatter_impl: str = "native",
     onebit_numel: int | None = None,
+    flags_in_bucket: bool = False,
 ) -> list[Collective]:
     """Every collective one optimizer step of ``stage`` issues, in a fixed order.
 
@@ -87,8 +92,12 @@ def stage_collectives(
     padded; the strategies' ``bucket_numels()``); ``gather_numels``: output elements of each
     parameter all-gather (``PartitionedStrategy.gather_numels()``; ignored for stage 0).
     ``onebit_numel``: a 1-bit Adam step after the freeze, whose momentum vector holds that many
-    elements (``reduce_numels`` and ``clip_norm`` then do not apply).
+    elements (``reduce_numels`` and ``clip_norm`` then do not apply). ``flags_in_bucket``:
+    the optimizer's flags rode in the last bucket (`ZeroOptimizer.flags_in_bucket`; stage 0,
+    whose ``reduce_numels`` then count them), so they have no call of their own.
     """
+    if flags_in_bucket and (stage != 0 or onebit_numel is not None):
+        raise ValueError("flags_in_bucket: only stage 0's gradient all-reduce carries the flags")
     if stage not in (0, 1, 2):
         raise ValueError(
             f"stage_collectives covers stages 0-2 (stage 3's ledger is in stage3/), got {stage}"
@@ -111,7 +120,8 @@ def stage_collectives(
             for _ in range(times)
             for k in reduce_numels
         ]
-    calls.append(Collective("all_reduce", num_params + 1, 4, n))  # overflow + unused flags
+    if not flags_in_bucket:
+        calls.append(Collective("all_reduce", num_params + 1, 4, n))  # overflow + unused flags
     if clip_norm and stage > 0:
         calls.append(Collective("all_reduce", 1, 4, n))  # squared global norm
     if stage > 0:

@@ -42,7 +42,9 @@ __all__ = ["ParamFragment", "ShardStrategy", "ZeroOptimizer", "param_names"]
 # gradient on *any* rank during the accumulation window. Every rank sets a flag per parameter in
 # a post-accumulate-grad hook, and the flags are all-reduced (MAX) once per optimizer step, in the
 # same tiny call that agrees on fp16 overflow: (num_params + 1) fp32 elements (PyTorch DDP does
-# the same with `find_unused_parameters`). The reductions themselves treat a missing gradient
+# the same with `find_unused_parameters`). At stage 0 with no loss scaling they need no call of
+# their own: they are summed in the last gradient bucket's all-reduce (Note [the flags ride with
+# the last bucket] in reducer.py; `flags_in_bucket`). The reductions themselves treat a missing gradient
 # as zeros (the buckets must be reduced on every rank either way). Every strategy gives each
 # parameter fragment a master tensor of its own (stage12.py: Note [one master per fragment]), so
 # for a parameter no rank used the master's `.grad` is set to None and the inner optimizer
@@ -105,7 +107,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     ```
 
     What one `step` does at a boundary: unscale (fp16), agree on overflow and unused
-    parameters across ranks (one all-reduce of num_params + 1 fp32 elements), skip the step on
+    parameters across ranks (one all-reduce of num_params + 1 fp32 elements; at stage 0 with no
+    loss scaling none: the flags were summed with the last gradient bucket), skip the step on
     overflow (lowering the scale; no weight touched), clip by the global norm (sum of squares over
     this rank's disjoint gradient shards, one fp32 all-reduce when gradients are partitioned),
     run the inner optimizer, publish masters into the model parameters, clear the gradients.
@@ -120,7 +123,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     Attributes: `optimizer` (the inner optimizer, now holding master tensors: the user's, or
     offload's CPU optimizer over the user's param groups), `strategy`, `config`, `precision`, `loss_scaler`,
-    `global_step` (optimizer steps taken, skipped ones excluded), `micro_step` (backward calls).
+    `global_step` (optimizer steps taken, skipped ones excluded), `micro_step` (backward calls),
+    `flags_in_bucket` (whether the step's flags travel in the last gradient bucket: the ledger's
+    `stage_collectives(..., flags_in_bucket=...)`).
 
     A window ends after `gradient_accumulation_steps` backward calls, or where the caller says
     (`backward(loss, ends=...)`: DeepSpeed's `set_gradient_accumulation_boundary`, which
@@ -185,11 +190,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # parameter (a tensor's `__hash__` is a Python call); a tensor write per gradient would
         # cost a dispatcher round trip each. Copied into `_agreement` once, in step().
         self._used = bytearray(len(self._params))
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(_used_marker(self._used, k))
-            for k, p in enumerate(self._params)
-            if p.requires_grad
-        ]
         self._closed = False
         self._on_close = on_close  # zero.shard: lets the model be sharded again
         # Offload steps a CPU optimizer over the user's groups: see Note [a scheduler on the
@@ -217,6 +217,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
             set() if model_parallel is None else model_parallel.uncounted_indices(params)
         )
         self._fragment_of = {f.name: f for f in self._fragments}
+        # The flags in the last gradient bucket, not an all-reduce of their own (stage 0 with no
+        # loss scaling and no other grid axis: Note [the flags ride with the last bucket] in
+        # reducer.py). Every rank decides alike (from the config and the layout).
+        carry = getattr(strategy, "carry_flags", None)
+        self.flags_in_bucket = bool(model_parallel is None and carry and carry(self._params))
+        # Carried flags are marked by the reducer's own hooks: no marker hook of ours then.
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(_used_marker(self._used, k))
+            for k, p in enumerate(self._params)
+            if p.requires_grad and not self.flags_in_bucket
+        ]
 
     # -- torch.optim.Optimizer's surface (Note [ZeroOptimizer is a torch.optim.Optimizer]) ----
     @property
@@ -354,25 +365,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             )
 
         overflow = self.loss_scaler.unscale(grads, self._grad_device)  # fp16 only: a flag
-        if overflow is not None:
-            self._agreement[:1].copy_(overflow)
-        unfrozen = [
-            k
-            for k, (p, was) in enumerate(zip(self._params, self._trainable_at_shard))
-            if p.requires_grad and not was
-        ]
-        if unfrozen:  # See Note [requires_grad is fixed at shard time]
-            self._agreement[0] = float(unfrozen[-1] + 2)
-        used = torch.tensor(self._used, dtype=torch.uint8)  # slots 1..n: 1.0 where used
-        self._agreement[1 : 1 + len(self._used)].copy_(used)
-        self._used[:] = bytes(len(self._used))
-        if self._io is not None:  # writes still in flight must land (or fail) before the vote
-            self._io.settle()
-            self._agreement[-1] = float(self._io.failed)
-        comm.all_reduce(self._agreement, op=comm.ReduceOp.MAX, group=self.comm_group)
-        flags = self._agreement.tolist()  # the one host sync of the step
-        self._agreement.zero_()
+        if self.flags_in_bucket:  # summed with the gradients: no collective of their own
+            flags = self.strategy.carried_flags(self._trainable_at_shard)
+        else:
+            flags = self._agree(overflow)
         overflow = flags[0] == 1
+
         if self.model_parallel is not None:  # the verdict over the whole grid: model_parallel.py
             failed = flags[0] >= 2 or (self._io is not None and bool(flags[-1]))
             try:
@@ -433,6 +431,29 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.global_step += 1
         return True
 
+    def _agree(self, overflow: Tensor | None) -> list[float]:
+        """The step's flags agreed in one all-reduce (MAX) of their own: [overflow or 2 + the
+        last unfrozen parameter, then 1.0 per parameter used on some rank] (+ I/O failure)."""
+        if overflow is not None:
+            self._agreement[:1].copy_(overflow)
+        unfrozen = [
+            k
+            for k, (p, was) in enumerate(zip(self._params, self._trainable_at_shard))
+            if p.requires_grad and not was
+        ]
+        if unfrozen:  # See Note [requires_grad is fixed at shard time]
+            self._agreement[0] = float(unfrozen[-1] + 2)
+        used = torch.tensor(self._used, dtype=torch.uint8)  # slots 1..n: 1.0 where used
+        self._agreement[1 : 1 + len(self._used)].copy_(used)
+        self._used[:] = bytes(len(self._used))
+        if self._io is not None:  # writes still in flight must land (or fail) before the vote
+            self._io.settle()
+            self._agreement[-1] = float(self._io.failed)
+        comm.all_reduce(self._agreement, op=comm.ReduceOp.MAX, group=self.comm_group)
+        flags = self._agreement.tolist()  # the one host sync of the step
+        self._agreement.zero_()
+        return flags
+
     def _inner_step(
         self,
         masters: list[list[Tensor]],
@@ -461,9 +482,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         own = self.strategy.grad_square_sum()
         if own is not None:
             sq += own.to(sq.device)
-        for k, g in enumerate(grads if own is None else ()):
-            if k not in self._uncounted:  # a copy counted on another model-parallel rank
-                sq += (g if g.dtype == torch.float32 else g.float()).pow(2).sum()
+        counted = [  # a copy counted on another model-parallel rank is left out
+            g if g.dtype == torch.float32 else g.float()
+            for k, g in enumerate(grads if own is None else ())
+            if k not in self._uncounted
+        ]
+        for run in cut_runs(counted, [g.numel() for g in counted], _SQUARES_NUMEL):
+            # One dispatch squares a run (the products of g.pow(2), bit for bit); the sums
+            # and their order are the per-tensor loop's, so the norm keeps its last bits.
+            for s in torch._foreach_mul(run, run):
+                sq += s.sum()
         if self.strategy.partitions_grads:  # disjoint shards: the squares add up across ranks
             travel = sq.to(comm.tensor_device(self.comm_group))  # the host under offload + NCCL
             comm.all_reduce(travel, group=self.comm_group)
@@ -585,6 +613,11 @@ def _used_marker(used: bytearray, k: int) -> Callable[[nn.Parameter], None]:
         used[k] = 1
 
     return mark
+
+
+# Elements squared by one `_foreach_mul` in `_clip`: the temporaries it holds at once are at most
+# max(this, the largest gradient) · 4 bytes, as the per-tensor loop's were the largest one's.
+_SQUARES_NUMEL = 1 << 16
 
 
 def _device_of(masters: list[list[Tensor]]) -> torch.device:

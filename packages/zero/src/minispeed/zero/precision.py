@@ -27,7 +27,7 @@ import torch
 
 from minispeed.core.config import ConfigError, check_top_level_spelling, field_error
 from minispeed.core.logging import get_logger
-from minispeed.core.sections import Section, ds_keys, key
+from minispeed.core.sections import Section, Unsupported, ds_keys, ds_only, key
 
 __all__ = ["Bf16Config", "DataTypesConfig", "Fp16Config", "LossScaler", "MixedPrecision"]
 
@@ -75,12 +75,21 @@ def _dtype_name(value: Any) -> str | None:
     return text
 
 
+_FP32_MASTERS = "our masters (and the optimizer states) stay fp32 under fp16 and bf16"
+
+
 @dataclass(frozen=True)
 class Fp16Config(Section):
     """fp16 mixed precision with a dynamic loss scale (DeepSpeed section `fp16`; its keys are
     read only when `enabled`)."""
 
     ds_path: ClassVar[str] = "fp16"
+    ds_unsupported: ClassVar[dict[str, Unsupported]] = {
+        "fp16_master_weights_and_grads": ds_only(False, _FP32_MASTERS),
+        "auto_cast": ds_only(
+            False, "the model's inputs are the script's: cast them to fp16 yourself if needed"
+        ),
+    }
 
     enabled: bool = key("enabled", False, read=_switch("fp16"))
     """Train in fp16: 16-bit parameters, fp32 masters, a loss scale."""
@@ -107,6 +116,19 @@ class Bf16Config(Section):
     """bf16 mixed precision (DeepSpeed section `bf16`, or its old name `bfloat16`)."""
 
     ds_path: ClassVar[str] = "bf16"
+    ds_unsupported: ClassVar[dict[str, Unsupported]] = {
+        "bf16_master_weights_and_grads": ds_only(False, _FP32_MASTERS),
+        "bf16_optimizer_states": ds_only(False, _FP32_MASTERS),
+        "check_grad_overflow": ds_only(
+            False,
+            "bf16 has no loss scale here, so no overflow check: a step is never skipped "
+            "(DeepSpeed's default, true, skips one whose gradients hold inf or nan); only false, "
+            "which says so, is accepted",
+        ),
+        "immediate_grad_update": ds_only(
+            False, "gradients are accumulated into the reduce buckets, one path"
+        ),
+    }
 
     enabled: bool = key("enabled", False, read=_switch("bf16"))
     """Train in bf16: 16-bit parameters, fp32 masters, no loss scale."""
@@ -117,6 +139,16 @@ class DataTypesConfig(Section):
     """Data types (DeepSpeed section `data_types`)."""
 
     ds_path: ClassVar[str] = "data_types"
+    ds_unsupported: ClassVar[dict[str, Unsupported]] = {
+        "param_dtype": ds_only(None, "the parameters' dtype comes from fp16 / bf16"),
+        "buffer_dtype": ds_only(None, "the buffers' dtype comes from fp16 / bf16"),
+        "keep_in_fp32_modules": ds_only(
+            [],
+            "no per-module fp32 exceptions: every parameter takes the fp16 / bf16 dtype "
+            "(DeepSpeed's default, \"auto\", keeps a Hugging Face model's "
+            "_keep_in_fp32_modules in fp32 under ZeRO-3); only [], which says so, is accepted",
+        ),
+    }
 
     grad_accum_dtype: str | None = key(
         "grad_accum_dtype", None, read=_dtype_name, schema={"enum": ["fp32", "fp16", "bf16", None]}

@@ -13,7 +13,9 @@ bytes per parameter, 8 for Adam):
   gradient accumulation, the textbook 2Ψ + 2Ψ + 12Ψ with `grad_accum_dtype=param_dtype`)
 
 Bytes sent per optimizer step: one all-reduce of the Ψ gradient elements, 2(N-1)/N · Ψ · g per
-rank on a ring (`ledger.stage_collectives`); nothing between accumulation boundaries.
+rank on a ring (`ledger.stage_collectives`); nothing between accumulation boundaries. With no loss
+scaling the optimizer's m per-parameter flags ride in the last bucket (m·4 bytes more in it, one
+collective fewer: Note [the flags ride with the last bucket] in reducer.py).
 """
 
 from __future__ import annotations

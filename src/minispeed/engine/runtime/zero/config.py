@@ -52,7 +52,8 @@ class ZeroStageEnum(int, enum.Enum):
     max_stage = 3
 
 
-# DeepSpeed's field names for the keys it reads under a `stage3_` alias.
+# DeepSpeed's field names for the keys it reads under a `stage3_` alias (the last four are
+# keys minispeed accepts at DeepSpeed's default only).
 _RENAMED = {
     f"stage3_{name}": name
     for name in (
@@ -61,6 +62,10 @@ _RENAMED = {
         "max_live_parameters",
         "max_reuse_distance",
         "gather_16bit_weights_on_model_save",
+        "allgather_sequential",
+        "use_all_reduce_for_fetch_params",
+        "model_persistence_threshold",
+        "module_granularity_threshold",
     )
 }
 _KEY_OF = {field: key for key, field in _RENAMED.items()}

@@ -24,7 +24,7 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
-from minispeed.core.sections import ds_keys
+from minispeed.core.sections import ds_keys, unsupported_keys
 
 __all__ = [
     "DeepSpeedZeroOffloadOptimizerConfig",
@@ -45,13 +45,14 @@ class OffloadDeviceEnum(enum.StrEnum):
 def ds_fields(section: Any, renamed: Mapping[str, str] | None = None) -> dict[str, Any]:
     """`{DeepSpeed field name: value}` of a minispeed section object: every key it reads (by
     `renamed`'s name where DeepSpeed's field is not the key), then the keys it accepts at
-    DeepSpeed's default only (`ds_defaults`)."""
+    DeepSpeed's default only (their `ds_only` value)."""
     renamed = renamed or {}
     out = {
         renamed.get(k, k): getattr(section, f.name) for k, (f, _) in ds_keys(type(section)).items()
     }
-    for k, value in getattr(type(section), "ds_defaults", {}).items():
-        out.setdefault(renamed.get(k, k), value)
+    for k, entry in unsupported_keys(type(section)).items():
+        if not entry.refused:
+            out.setdefault(renamed.get(k, k), entry.accepted)
     return out
 
 

@@ -5,6 +5,7 @@ Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_com
 import importlib as _importlib
 
 import minispeed.engine.ops.lion as _adapter
+from minispeed.engine.deepspeed_paths import adapted_attribute as _adapted_attribute
 from minispeed.engine.ops.lion import *  # noqa: F403
 from minispeed.engine.ops.lion import __all__  # noqa: F401
 
@@ -13,4 +14,4 @@ for _child in ('cpu_lion',):
 
 
 def __getattr__(name):
-    return getattr(_adapter, name)
+    return _adapted_attribute(__name__, _adapter, name)

@@ -5,6 +5,7 @@ Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_com
 import importlib as _importlib
 
 import minispeed.engine.runtime.zero as _adapter
+from minispeed.engine.deepspeed_paths import adapted_attribute as _adapted_attribute
 from minispeed.engine.runtime.zero import *  # noqa: F403
 from minispeed.engine.runtime.zero import __all__  # noqa: F401
 
@@ -13,4 +14,4 @@ for _child in ('config', 'offload_config', 'partition_parameters', 'stage3', 'st
 
 
 def __getattr__(name):
-    return getattr(_adapter, name)
+    return _adapted_attribute(__name__, _adapter, name)

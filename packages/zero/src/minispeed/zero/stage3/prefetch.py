@@ -37,16 +37,20 @@ __all__ = ["Prefetcher"]
 # unit's bytes held in between; saved: one all-gather of them per reuse.
 
 
-# Note [a prefetch travels in chunks]
-# What one prefetch admits (up to ``stage3_prefetch_bucket_numel`` elements: DeepSpeed's default,
-# 5e7, is a whole 34M-parameter model) used to travel in ONE coalesced all-gather. The next module
-# then waited for all of it: at the start of backward, the first block's backward waited until
-# every block had arrived (the issue's 0.23 s per step in the first backward node at 33.9M). Now
-# the admitted units are issued in trace order as several async all-gathers, cut at unit
-# boundaries once a chunk holds ``chunk_numel`` elements, so the next module waits only for the
-# chunk holding it while the rest keeps coming. Same bytes, same live budget; more calls only on
-# models larger than one chunk per pass (a 33.9M GPT: one per transformer block, as FSDP2
-# gathers), where a call's latency (~0.1 ms on gloo) is small against a chunk's transfer.
+# Note [a prefetch stays one chunk ahead]
+# What is gathered ahead of the running modules fits ``stage3_prefetch_bucket_numel`` elements
+# and one chunk, ``chunk_numel`` (4M elements: 16 MiB in fp32), whichever is smaller; it travels
+# as one async all-gather, issued at a module start, and the window slides: each later module
+# start tops it up by what was claimed since. DeepSpeed's default budget, 5e7 elements, is a whole
+# 34M-parameter model. Admitted at once as one all-gather, the first backward module waited for
+# the whole model (0.23 s per step at 33.9M); cut into chunks all issued at once, nobody waited,
+# but the first module of backward started with every block gathered or in flight on top of the
+# forward's activations, the moment they peak: 129 MiB more than one chunk at 33.9M, a
+# steady-state peak 1.18x FSDP2's (benchmarks/zero_vs_torch.py, docs/benchmarks.md). On gloo a
+# chunk's transfer takes milliseconds against a block's compute of a second, so one chunk ahead
+# hides the transfer as well as the whole model ahead did. Cost: with a budget above the chunk,
+# about one all-gather per module with parameters (a ~0.1 ms call each on gloo) instead of one per
+# chunk; bytes are the same.
 _GATHER_CHUNK_NUMEL = 1 << 22  # 4M elements: 16 MiB in fp32
 
 
@@ -54,8 +58,8 @@ class Prefetcher:
     """Fetch-ahead and reuse decisions within the prefetch, live and reuse budgets.
 
     ``stats`` is the coordinator's `FetchStats` (``peak_live_numel``, ``live_budget_stops``).
-    ``chunk_numel`` is where a prefetch is cut into separate all-gathers (Note [a prefetch
-    travels in chunks]); a plain attribute, so a test can make chunks small.
+    ``chunk_numel`` caps what is gathered ahead below the prefetch budget (Note [a prefetch
+    stays one chunk ahead]); a plain attribute, so a test can make chunks small.
     """
 
     def __init__(
@@ -88,13 +92,15 @@ class Prefetcher:
 
     # -- the decisions ----------------------------------------------------------------------------
     def chunks(self, upcoming: Iterable[FetchUnit]) -> list[list[ShardedParam]]:
-        """What to gather ahead: the next units that fit the prefetch and live budgets, whole
-        units in trace order, cut into chunks (Note [a prefetch travels in chunks]).
+        """What to gather ahead: the next units that fit the prefetch window (the budget, at most
+        one chunk: Note [a prefetch stays one chunk ahead]) and the live budget, whole units in
+        trace order; one all-gather's parameters, or none.
 
         The window counts the upcoming units' parameters that no running module holds (already
         in flight or not), so it slides: each module start tops it up by what was consumed.
         """
-        ahead, seen, batch, batch_numel, chunks = 0, set(), [], 0, []
+        window = min(self.prefetch_numel, self.chunk_numel)
+        ahead, seen, batch = 0, set(), []
         live = self.live_numel()
         sharded = ParamState.SHARDED
         for unit in upcoming:
@@ -109,17 +115,14 @@ class Prefetcher:
                 if sp.state is sharded:
                     missing.append(sp)
                     extra += sp.padded_numel
-            if ahead + numel > self.prefetch_numel:
+            if ahead + numel > window:
                 break
             if live + extra > self.max_live_numel:
                 self.stats.live_budget_stops += 1
                 break
             ahead, live = ahead + numel, live + extra
-            batch, batch_numel = batch + missing, batch_numel + extra
-            if batch_numel >= self.chunk_numel:
-                chunks.append(batch)  # Note [a prefetch travels in chunks]
-                batch, batch_numel = [], 0
-        return [*chunks, batch] if batch else chunks
+            batch += missing
+        return [batch] if batch else []
 
     def keep(self, unit: FetchUnit, upcoming: Iterable[FetchUnit]) -> set[ShardedParam]:
         """``unit``'s parameters that a unit within ``reuse_numel`` elements needs again

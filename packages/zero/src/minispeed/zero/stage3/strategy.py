@@ -10,7 +10,8 @@ state): ``Ψ/N·(p + 4 + g + K)`` kept (padding: < 1 element per parameter per r
 master, absent for fp32 where master and shard are one tensor; ``g`` is held from backward to the
 step only: Note [lazy gradient shards]), plus persistent parameters whole
 (``Ψ_pers·p``) and what is gathered at the moment (bounded by the largest unit plus the prefetch
-window, within ``stage3_max_live_numel``). Bytes sent per micro-step: see ledger.py.
+window, at most one 4M-element chunk: Note [a prefetch stays one chunk ahead] in prefetch.py;
+within ``stage3_max_live_numel``). Bytes sent per micro-step: see ledger.py.
 
 **Gradients.** A parameter's full gradient exists only briefly: autograd accumulates it into
 ``param.grad`` (full shape, parameter dtype) while the parameter is gathered for backward; a
