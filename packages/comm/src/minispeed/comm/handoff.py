@@ -120,6 +120,10 @@ class Loan:
         else:
             aliases.clear()
             return
+        self._wait(block)
+
+    def _wait(self, block: bool | None) -> None:
+        """`settle` once the backend has not let go at the first look."""
         if block is None:
             block = all(a.device.type == "cpu" for a in self.aliases)
         if block and _wait_returned(self, SETTLE_TIMEOUT_S):
