@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import minispeed.comm as comm
+from minispeed.comm import handshake
 from minispeed.core.testing import run_distributed
 
 # (description, call, expected message fragment). Each is called by rank 0 alone.
@@ -250,6 +251,31 @@ def test_timeout_names_op_shapes_and_group():
     for text in messages:
         assert text.startswith("all_reduce on rank 0 over group ranks [0, 1] (shapes [(5, 2)]")
         assert "MINISPEED_COMM_VALIDATE=1" in text
+
+
+def _ring_timeout_body(rank: int, world_size: int) -> list[str]:
+    messages = []
+    for async_op in (False, True):
+        group = comm.new_group([0, 1], timeout_s=1.5)
+        if rank == 0:  # rank 1 never joins this reduce-scatter (gloo: comm's ring over p2p)
+            buf = torch.ones(2 * 3)
+            # no cross-rank check: the ring's own point-to-point messages are what times out
+            with handshake.validation_mode("off"), pytest.raises(comm.CommTimeoutError) as info:
+                work = comm.reduce_scatter_tensor(buf[:3], buf, group=group, async_op=async_op)
+                if work is not None:
+                    work.wait()
+            messages.append(str(info.value))
+        comm.barrier()  # the world group is still healthy
+    return messages
+
+
+def test_ring_reduce_scatter_timeout_names_op_and_shapes():
+    messages = run_distributed(_ring_timeout_body, world_size=2, timeout_s=120)[0]
+    assert len(messages) == 2
+    for text in messages:
+        assert text.startswith(
+            "reduce_scatter on rank 0 over group ranks [0, 1] (shapes [(3,), (6,)]"
+        ), text
 
 
 def _coalesced_timeout_body(rank: int, world_size: int) -> str:

@@ -121,21 +121,45 @@ def impl_of(op: str, group: Any) -> str:
 
 
 #: Backends whose reduce-scatter is an all-reduce of a copy (Note [gloo's reduce-scatter is an
-#: all-reduce]): comm runs it as an all-reduce itself.
-_REDUCE_SCATTER_BY_ALL_REDUCE = frozenset({"gloo"})
+#: all-reduce]): comm runs a SUM as its own ring over point-to-point messages (`ring_p2p`, Note
+#: [ring reduce-scatter over p2p] in ring.py), other ops as an all-reduce.
+_REDUCE_SCATTER_BY_RING = frozenset({"gloo"})
+_RS_OVERRIDE: list[str] = []  # set by `reduce_scatter_as`, for benchmarks and tests
+
+
+@contextlib.contextmanager
+def reduce_scatter_as(impl: str) -> Iterator[None]:
+    """Run gloo's SUM reduce-scatters as `impl` inside the block: `"ring_p2p"` (the default
+    choice) or the all-reduce forms (`"all_reduce"`: `all_reduce_in_place` in place, else
+    `all_reduce+slice`), main's choice before the ring. For benchmarks comparing the two."""
+    if impl not in ("ring_p2p", "all_reduce"):
+        raise ValueError(
+            f"reduce_scatter_as: unknown impl {impl!r}; use 'ring_p2p' or 'all_reduce'"
+        )
+    _RS_OVERRIDE.append(impl)
+    try:
+        yield
+    finally:
+        _RS_OVERRIDE.pop()
 
 
 def reduce_scatter_impl(
-    group: Any = None, output: torch.Tensor | None = None, input: torch.Tensor | None = None
+    group: Any = None,
+    output: torch.Tensor | None = None,
+    input: torch.Tensor | None = None,
+    op: Any = dist.ReduceOp.SUM,
 ) -> str:
-    """The implementation a reduce-scatter gets on `group`'s backend: `"native"`,
-    `"all_reduce+slice"`, or, for an in-place call (`output` is this rank's chunk of `input`),
-    `"all_reduce_in_place"`. The two all-reduce forms send 2(n-1)/n · S bytes per rank."""
-    if (
-        impl_of("reduce_scatter", group) == "native"
-        and _backend(group) not in _REDUCE_SCATTER_BY_ALL_REDUCE
-    ):
-        return "native"
+    """The implementation a reduce-scatter gets on `group`'s backend: `"native"`; on gloo, for
+    SUM, `"ring_p2p"` ((n-1)/n · S bytes per rank, like a native one); else, where the backend
+    lacks it or its own is an all-reduce, `"all_reduce+slice"` or, for an in-place call (`output`
+    is this rank's chunk of `input`), `"all_reduce_in_place"`: 2(n-1)/n · S bytes per rank."""
+    fallback = impl_of("reduce_scatter", group) != "native"
+    if not fallback:
+        backend = _backend(group)
+        if backend not in _REDUCE_SCATTER_BY_RING:
+            return "native"
+        if op == dist.ReduceOp.SUM and (not _RS_OVERRIDE or _RS_OVERRIDE[-1] == "ring_p2p"):
+            return "ring_p2p"
     if output is not None and input is not None and _is_own_chunk(output, input, group):
         return "all_reduce_in_place"
     return "all_reduce+slice"

@@ -106,7 +106,7 @@ def reduce_scatter_tensor(
         fix = "allocate output with input.numel() // group size elements"
         validation.check_numel(call.op, "output", output.numel(), input.numel() // call.n, fix)
     call.agree(lambda: {"shape": tuple(input.shape), "dtype": str(input.dtype), "op": str(op)})
-    impl = call.impl = api_compat.reduce_scatter_impl(group, output, input)
+    impl = call.impl = api_compat.reduce_scatter_impl(group, output, input, op)
     return call.launch(
         lambda: reduce_scatter_flat(_flat(output), _flat(input), op, group, async_op, impl),
         async_op,
