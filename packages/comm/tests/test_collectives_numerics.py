@@ -254,7 +254,7 @@ def _gloo_reduce_scatter_body(rank: int, world_size: int) -> list:
     return [records, exact]
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, 4])
 def test_gloo_reduce_scatter_runs_as_a_ring(n):
     """gloo's reduce-scatter is an all-reduce of a clone (Note [gloo's reduce-scatter is an
     all-reduce]): comm runs a SUM as its own ring over p2p ((n-1)/n · S sent, Note [ring
@@ -304,7 +304,7 @@ def _ring_in_flight_body(rank: int, world_size: int) -> None:
             assert_close(b[me * m : (me + 1) * m], everyone.sum(0)[me * m : (me + 1) * m])
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, 4])
 def test_ring_reduce_scatters_in_flight_at_once(n):
     run_distributed(_ring_in_flight_body, world_size=n)
 

@@ -45,7 +45,7 @@ __all__ = [
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 IN_PLACE = "reduce_scatter_in_place"
 """`measure`'s extra row: a reduce-scatter whose output is this rank's chunk of its input, as ZeRO
-calls it (on gloo comm runs it as an all-reduce of the input: Note [gloo's reduce-scatter is an
+calls it (on gloo comm runs it as its ring over p2p: Note [gloo's reduce-scatter is an
 all-reduce] in api_compat)."""
 VARIANTS = ("torch", "comm", "comm+log")
 CHECK_VARIANTS = ("off", "first", "all", "objects")

@@ -91,12 +91,14 @@ def reduce_scatter_tensor(
 ) -> CommWork | None:
     """Reduce `input` (n · m elements) over the group; rank r receives chunk r into `output` (m).
 
-    S = input bytes; sends (n-1)/n · S per rank. On a backend without reduce-scatter, and on
-    gloo, whose reduce-scatter is an all-reduce of a copy, it runs as an all-reduce instead:
+    S = input bytes; sends (n-1)/n · S per rank. On gloo, whose own reduce-scatter is an
+    all-reduce of a copy, a SUM runs as comm's ring over point-to-point messages (`ring_p2p`,
+    (n-1)/n · S sent, one S/n scratch; Note [ring reduce-scatter over p2p] in ring.py). On a
+    backend without reduce-scatter, and on gloo for other ops, it runs as an all-reduce:
     `all_reduce+slice`, or `all_reduce_in_place` when `output` is this rank's chunk of `input`
     (Notes [backend fallbacks], [gloo's reduce-scatter is an all-reduce] in api_compat):
-    2(n-1)/n · S sent, and the logger records that `impl` with those wire bytes. In place, the
-    other chunks of `input` are scratch afterwards (Note [in-place flat collectives]).
+    2(n-1)/n · S sent. The logger records the `impl` with its wire bytes. In place, the other
+    chunks of `input` are scratch afterwards (Note [in-place flat collectives]).
     """
     call = Call("reduce_scatter", group)
     with call:
