@@ -19,7 +19,8 @@ On Hugging Face's GPT-2 (a random config built locally; needs the `hf` extra, `-
 it), the same three-way comparison against `transformers`' own `generate` (greedy, its KV
 cache): `eager` there is a full forward of the HF model per token. Then a `torch.profiler`
 breakdown of one batch-1 generate of the small GPT: matmuls, the fused kernels, cache writes,
-sampling, and the Python around them.
+sampling, and the Python around them; and of one decode step of the injected 124M Hugging Face
+models at each `--batches` size (each kernel timed around its call).
 
 Each time is the best of `--rounds`. Ratios are over eager in the same run; every variant runs
 with the same `--threads` (torch's intra-op pool and the op's OpenMP loops share one libgomp).
@@ -220,7 +221,8 @@ def profile_decode(gpt, prompt_len: int, new: int) -> list[str]:
     engine, _ = init_inference(gpt.GPT(cfg).eval())
     prompt = [torch.randint(0, 256, (prompt_len,)).tolist()]
     scfg = SamplingConfig(max_new_tokens=new)
-    names = ("layer_norm", "bias_gelu", "decode_attention", "rms_norm", "rotary_embedding")
+    names = ("layer_norm", "bias_gelu", "decode_attention", "rms_norm", "rotary_embedding",
+             "linear")  # fmt: skip
     originals = {n: getattr(kernels, n) for n in names}
 
     def traced(name, fn):
@@ -251,8 +253,8 @@ def profile_decode(gpt, prompt_len: int, new: int) -> list[str]:
         return sum(rows[k].self_cpu_time_total for k in keys if k in rows)
 
     parts = {
-        "matmuls (aten::linear → addmm/mm, incl. the tied head)": self_(MATMUL_OPS),
-        "fused kernels (Python checks + C++), kernel.*": total("kernel."),
+        "matmuls left to torch (aten::linear → addmm/mm)": self_(MATMUL_OPS),
+        "fused kernels incl. kernels.linear (checks + C++), kernel.*": total("kernel."),
         "sampling (argmax, list out)": total("inference.sample"),
         "KV-cache writes (index_copy_)": self_(("aten::index_copy_",)),
         "embeddings (aten::embedding)": self_(("aten::embedding", "aten::index_select")),
@@ -262,6 +264,83 @@ def profile_decode(gpt, prompt_len: int, new: int) -> list[str]:
     out.append(f"| everything else (Python: module calls, generate loop, tensor glue) | "
                f"{rest / 1e3:.1f} | {100 * rest / wall_us:.0f} % |")  # fmt: skip
     out.append(f"| **total** ({new} tokens, batch 1) | {wall * 1e3:.1f} | 100 % |")
+    return out
+
+
+def profile_hf_step(family: str, batch: int, prompt_len: int, new: int) -> list[str]:
+    """Where one decode step of the injected 124M HF model goes, at `batch` sequences.
+
+    Each kernel wrapper (and the cache's `write_next`) is timed by `perf_counter` around its call
+    for this run only, and a step is `(t(new + 1 tokens) - t(1 token)) / new` as in the
+    transformers rows. torch.profiler is not used here: its per-op bookkeeping made the small
+    kernels of a batch-8 step look 5-10× longer than they run (a layer norm of 8 × 768: 0.5 ms
+    profiled, 0.06 ms timed).
+    """
+    from minispeed.inference import kv_cache
+
+    model = hf_model(family, "124M", prompt_len + new + 1)
+    engine, _ = init_inference(model)
+    prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_len),
+                            generator=torch.Generator().manual_seed(2))  # fmt: skip
+    head_rows = model.config.vocab_size
+    spent: dict[str, float] = {}
+
+    def timed(name, fn):
+        def run(*args, **kwargs):
+            part = name
+            if name == "linear":
+                part = "head" if args[1].shape[0] == head_rows else "linear"
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            spent[part] = spent.get(part, 0.0) + time.perf_counter() - start
+            return out
+
+        return run
+
+    names = ("linear", "decode_attention", "layer_norm", "rms_norm", "bias_gelu",
+             "rotary_embedding", "argmax")  # fmt: skip
+    originals = {n: getattr(kernels, n) for n in names}
+    write_next = kv_cache.PagedKVCache.write_next
+
+    def run(n: int) -> tuple[float, dict[str, float]]:
+        spent.clear()
+        start = time.perf_counter()
+        generate(engine, prompts, SamplingConfig(max_new_tokens=n))
+        return time.perf_counter() - start, dict(spent)
+
+    try:
+        for n, fn in originals.items():
+            setattr(kernels, n, timed(n, fn))
+        kv_cache.PagedKVCache.write_next = timed("cache", write_next)
+        run(new + 1)  # warm-up
+        (w1, s1), (w2, s2) = run(1), run(new + 1)
+    finally:
+        for n, fn in originals.items():
+            setattr(kernels, n, fn)
+        kv_cache.PagedKVCache.write_next = write_next
+    step = (w2 - w1) / new
+    per = {k: (v - s1.get(k, 0.0)) / new for k, v in s2.items()}
+    labels = {
+        "linear": "block linears (kernels.linear, weights read once)",
+        "head": "output head (kernels.linear over the vocabulary)",
+        "decode_attention": "paged decode attention",
+        "cache": "KV-cache appends (index_copy_)",
+        "layer_norm": "norms (add + LayerNorm / RMSNorm)",
+        "rms_norm": "norms (add + LayerNorm / RMSNorm)",
+        "bias_gelu": "bias + GeLU",
+        "rotary_embedding": "rotary",
+        "argmax": "greedy argmax (kernels.argmax)",
+    }
+    parts: dict[str, float] = {}
+    for k, v in per.items():
+        parts[labels[k]] = parts.get(labels[k], 0.0) + v
+    out = [f"| {family} 124M, batch {batch} | {k} | {v * 1e3:.2f} | {100 * v / step:.0f} % |"
+           for k, v in sorted(parts.items(), key=lambda kv: -kv[1])]  # fmt: skip
+    rest = step - sum(parts.values())
+    out.append(f"| {family} 124M, batch {batch} | everything else (Python per layer, residual adds, "
+               f"SiLU·up, embeddings, tables) | {rest * 1e3:.2f} | {100 * rest / step:.0f} % |")  # fmt: skip
+    out.append(f"| {family} 124M, batch {batch} | **step** (load {os.getloadavg()[0]:.1f}) | "
+               f"{step * 1e3:.2f} | 100 % |")  # fmt: skip
     return out
 
 
@@ -403,6 +482,15 @@ def main(argv: list[str] | None = None) -> int:
         print("|---|---|---|")
         for row in profile_decode(gpt, args.prompt_len, args.new_tokens):
             print(row, flush=True)
+        if args.hf and not args.quick:
+            print("\nWhere a decode step of the injected 124M Hugging Face models goes (each kernel "
+                  "timed around its call; ms per step):")  # fmt: skip
+            print("\n| model | part | ms | share |")
+            print("|---|---|---|---|")
+            for family in args.families:
+                for batch in args.batches:
+                    for row in profile_hf_step(family, batch, args.prompt_len, args.new_tokens):
+                        print(row, flush=True)
     if args.only is not None:
         return 0
     print("\n| workload | one after another tok/s | continuous batching tok/s | ratio |")

@@ -14,6 +14,10 @@ For each sequence length T, on the same q, k, v `(batch, heads, T, dim)` fp32 CP
 - one row per layout: the C++ block-sparse op (`block_sparse_attention`), with its density
   (kept tiles / all tiles).
 
+`--clock cpu` times with the process's CPU time instead of wall time: on a machine other jobs
+load, wall time counts the turns the scheduler gives them, CPU time only this process's work
+(with `--threads 1` that is the op's or SDPA's own).
+
 Columns: forward time (`fwd`, no grad), forward + backward time (`fwd+bwd`), each the median of
 `--rounds` rounds in which every contender takes its turn (order reversed every other round), and
 the peak resident memory the fwd+bwd call adds above what the inputs already hold (`peak MiB`:
@@ -23,7 +27,8 @@ returned on free instead of being recycled inside the heap; the times come from 
 with the allocator as users run it). Ratios (`x`) are the dense baseline's time over the op's,
 from the same run: over `sdpa+mask` and over the unmasked SDPA of the same direction. The last
 column divides the op's time per computed score (`computed_scores`) by the same-direction SDPA's,
-per round: its median and [min–max].
+per round, forward, backward (a round's fwd+bwd less its forward) and both: its median and
+[min–max].
 """
 
 from __future__ import annotations
@@ -95,14 +100,22 @@ def computed_scores(csr: BlockSparseLayout | None, seq: int, heads: int, causal:
     return (int(kept.sum()) - diagonal) * b * b + diagonal * b * (b + 1) // 2
 
 
+def _backward(rounds: tuple[list[float], list[float]]) -> list[float]:
+    """Backward seconds per round: the round's fwd+bwd less its forward (timed apart, no grad)."""
+    return [fb - f for f, fb in zip(*rounds)]
+
+
 def _ratio_cell(ratios: list[float]) -> str:
     """The median of per-round ratios and their spread: `1.23 [1.10–1.40]`."""
     return f"{statistics.median(ratios):.2f} [{min(ratios):.2f}–{max(ratios):.2f}]"
 
 
-def _rounds(contenders: dict, q, k, v, rounds: int) -> dict[str, tuple[list[float], list[float]]]:
+def _rounds(
+    contenders: dict, q, k, v, rounds: int, clock=time.perf_counter
+) -> dict[str, tuple[list[float], list[float]]]:
     """`{name: (fwd seconds per round, fwd+bwd seconds per round)}`, the contenders taking turns
-    in every round (order reversed every other round) after one warm-up call each."""
+    in every round (order reversed every other round) after one warm-up call each; `clock` is
+    wall time, or `time.process_time` (CPU time of every thread of this process)."""
     grad_out = torch.randn_like(q)
 
     def fwd(attend):
@@ -119,9 +132,9 @@ def _rounds(contenders: dict, q, k, v, rounds: int) -> dict[str, tuple[list[floa
         names = list(contenders)[:: 1 if r % 2 == 0 else -1]
         for name in names:
             for run, out in ((fwd, times[name][0]), (fwd_bwd, times[name][1])):
-                start = time.perf_counter()
+                start = clock()
                 run(contenders[name])
-                out.append(time.perf_counter() - start)
+                out.append(clock() - start)
     return times
 
 
@@ -173,7 +186,8 @@ def _print_peaks(seq: int, args) -> None:
 
 def bench(seq: int, args) -> list[str]:
     (q, k, v), csrs, mask, contenders = _setup(seq, args)
-    times = _rounds(contenders, q, k, v, args.rounds)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    times = _rounds(contenders, q, k, v, args.rounds, clock)
     peak = peaks(seq, args)
     med = {name: (statistics.median(f), statistics.median(fb)) for name, (f, fb) in times.items()}
     rows = []
@@ -187,10 +201,12 @@ def bench(seq: int, args) -> list[str]:
         dense = computed_scores(None, seq, args.heads, csr.causal)
         ours = computed_scores(csr, seq, args.heads, csr.causal)
 
+        ours_rounds = (times[name][0], _backward(times[name]), times[name][1])
+        dense_rounds = (times[plain][0], _backward(times[plain]), times[plain][1])
         per_score = [
-            _ratio_cell([(o / ours) / (d / dense) for o, d in zip(times[name][i], times[plain][i])])
-            for i in (0, 1)
-        ]  # op time per score over SDPA's, each round; fwd, then fwd+bwd
+            _ratio_cell([(o / ours) / (d / dense) for o, d in zip(mine, base)])
+            for mine, base in zip(ours_rounds, dense_rounds)
+        ]  # op time per score over SDPA's, each round; fwd, bwd, fwd+bwd
         fw, fb = med[name]
         masked = (
             f"{med['sdpa+mask'][0] / fw:.2f} / {med['sdpa+mask'][1] / fb:.2f}"
@@ -200,7 +216,7 @@ def bench(seq: int, args) -> list[str]:
         rows.append(
             f"| {seq} | {name} | {csr.density:.3f} | {fw * 1e3:.1f} | {fb * 1e3:.1f} "
             f"| {peak[name]:.0f} | {masked} | {med[plain][0] / fw:.2f} / {med[plain][1] / fb:.2f} "
-            f"| {per_score[0]} / {per_score[1]} |"
+            f"| {per_score[0]} / {per_score[1]} / {per_score[2]} |"
         )
     rows.append(f"| {seq} | (the mask itself) | | | | {mask.numel() / 2**20:.0f} | | | |")
     return rows
@@ -216,6 +232,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="torch and OpenMP threads for every contender")  # fmt: skip
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: this process's CPU time, steadier than wall time on a loaded "
+                        "machine (every thread counted; with --threads 1, the work itself)")  # fmt: skip
     parser.add_argument("--mask-max-seq", type=int, default=8192,
                         help="longest T timed with SDPA under the layout's mask (8 H T² bytes)")  # fmt: skip
     parser.add_argument("--peaks-for", type=int, help=argparse.SUPPRESS)  # the child of peaks()
@@ -230,12 +249,12 @@ def main() -> None:
     print(
         f"batch {args.batch}, heads {args.heads}, head dim {args.dim}, block {args.block}, "
         f"fp32, torch threads {torch.get_num_threads()}, {args.rounds} interleaved rounds "
-        f"(medians), load average {load:.1f} on {os.cpu_count()} CPUs"
+        f"(medians, {args.clock} time), load average {load:.1f} on {os.cpu_count()} CPUs"
     )
     print(
         "| T | attention | density | fwd ms | fwd+bwd ms | peak MiB (fwd+bwd) "
         "| x over sdpa+mask (fwd / fwd+bwd) | x over sdpa, same direction (fwd / fwd+bwd) "
-        "| time per computed score / sdpa's (fwd / fwd+bwd) [min–max] |"
+        "| time per computed score / sdpa's (fwd / bwd / fwd+bwd) [min–max] |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for seq in args.seq_lens:

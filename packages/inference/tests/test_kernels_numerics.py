@@ -153,6 +153,21 @@ def test_int8_linear_matches_reference_and_the_quantization_bound(M, N, K, rel_c
     assert torch.all(err <= bound * (1 + 1e-4) + 1e-5)
 
 
+def test_argmax_is_torchs_on_ties_infinities_and_nans():
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 50257, generator=g)
+    x[1, [9, 4000, 50256]] = 40.0  # ties: the first index
+    x[2, :] = -float("inf")  # all -inf: index 0
+    x[3, [77, 3]] = float("nan")  # NaN is the largest: the first NaN
+    x[4, 0] = float("nan")
+    x[5, [10, 20]] = float("inf")
+    assert torch.equal(kernels.argmax(x), x.argmax(-1))
+    assert torch.equal(kernels.argmax(x[:, :1]), torch.zeros(6, dtype=torch.int64))
+    y = torch.randn(2, 3, 257, generator=g)  # leading dims kept, a vector-unfriendly width
+    assert torch.equal(kernels.argmax(y), reference.argmax(y))
+    assert kernels.argmax(x[0]).shape == ()
+
+
 def test_unsupported_dtype_is_a_clear_error():
     x = torch.randn(2, 8, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match=r"float32.*\.float\(\)"):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from minispeed.core import ranges
+from minispeed.inference import kernels
 from minispeed.inference.fused_gpt import InferenceGPT
 
 __all__ = ["SamplingConfig", "as_prompt_lists", "generate", "prompt_error", "sample_next"]
@@ -79,7 +80,7 @@ def prompt_error(prompt: list[int], vocab_size: int | None) -> str | None:
 def sample_next(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator) -> int:
     """One token id from `logits` `(V,)` (see Note [sampling draws one uniform per token])."""
     if cfg.temperature == 0:
-        return int(logits.argmax())
+        return int(kernels.argmax(logits))
     logits = logits.float() / cfg.temperature
     if cfg.top_k is not None:
         kth = torch.topk(logits, min(cfg.top_k, logits.numel())).values[-1]
@@ -228,7 +229,7 @@ def _generate_cached(model, prompts, cfg, gens, outputs, num_blocks, kv_block_si
             logits = model.decode(torch.tensor([outputs[i][-1] for i in live]), cache, live)
         with ranges.range("inference.sample"):
             if cfg.temperature == 0:  # greedy: one argmax for the batch, one list out
-                for i, token in zip(live, logits.argmax(dim=-1).tolist()):
+                for i, token in zip(live, kernels.argmax(logits).tolist()):
                     outputs[i].append(token)
             else:
                 for row, i in enumerate(live):

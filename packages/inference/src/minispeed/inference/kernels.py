@@ -20,7 +20,7 @@ write 2RC floats; `bias_gelu`: read RC + C, write RC; `masked_softmax`: read RC 
 bytes), write RC; `linear` (M, K) x (N, K), M <= 8: 2MNK FLOPs, 4NK weight bytes read once;
 `rotary_embedding` (T, H, D): read THD + TD, write THD; `decode_attention`:
 4·L·D FLOPs and 2·L·D floats of cache read per (sequence, head); `int8_linear` (M, K) x (N, K):
-2MNK FLOPs, N·K weight bytes read (a quarter of fp32's).
+2MNK FLOPs, N·K weight bytes read (a quarter of fp32's); `argmax` (R, V): read RV floats.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from minispeed.inference import kernels_reference as reference
 __all__ = [
     "InferenceCudaKernelsBuilder",
     "InferenceKernelsBuilder",
+    "argmax",
     "bias_gelu",
     "check_decode_inputs",
     "decode_attention",
@@ -448,4 +449,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x = x.detach().contiguous()
     out = torch.empty(*x.shape[:-1], N, dtype=torch.float32)
     op.linear(x.data_ptr(), weight.data_ptr(), _p(bias), out.data_ptr(), rows, N, K, kn)
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(-1)` for fp32 `x` `(..., V)` on the CPU, one pass per row (see Note [greedy argmax]
+    in csrc/kernels/kernels.cpp): greedy decoding's pick over the vocabulary. Same answer as
+    torch's (first index on ties, first NaN if any); other dtypes and devices, or an empty last
+    dimension (which torch rejects), run the reference."""
+    op = load_op() if x.device.type == "cpu" else None
+    V = x.shape[-1] if x.dim() else 0
+    if op is None or x.dtype != torch.float32 or V == 0:
+        return reference.argmax(x)
+    x = x.detach().contiguous()
+    out = torch.empty(x.shape[:-1], dtype=torch.int64)
+    op.argmax_rows(x.data_ptr(), out.data_ptr(), x.numel() // V, V)
     return out

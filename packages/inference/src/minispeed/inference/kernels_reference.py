@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "argmax",
     "bias_gelu",
     "decode_attention",
     "int8_linear",
@@ -155,3 +156,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     reference is torch's own GEMM.
     """
     return F.linear(x, weight, bias)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Index of the largest entry of each row of `x` `(..., V)`, int64 `(...)`: `x.argmax(-1)`
+    (the first one on ties, the first NaN if any: torch's rule). Greedy decoding's pick."""
+    return x.argmax(dim=-1)

@@ -27,6 +27,12 @@
 // the backward recomputes each kept tile's scores and p = exp(s - lse) from q and k, so no (T x T)
 // buffer ever exists. Backward, with Di = dout_i . out_i: ds = p (dp - Di) scale.
 //
+// Note [internal linkage, so the kernels inline]: every function here sits in an anonymous
+// namespace. With external linkage, a shared library's function may be interposed at load time,
+// so -fPIC code called each small kernel (tile_vectors, diagonal, ...) through the PLT and passed
+// its strided operands on the stack, uninlined: 12-16% of the op's time sat in gemm's own
+// frame (perf). Only register_sparse_attention, below, is seen from outside.
+//
 // Threads: OpenMP over (batch, head, query block) forward and over (batch, head) backward, where
 // every task owns its own slices of dk and dv (no atomics, no races); see Note [threads only for
 // real work]. SIMD: vec.h's Vec and exp (see Note [vector exp]), one level per build. See Note [raw
@@ -44,6 +50,7 @@
 #include "vec.h"  // Vec (see Note [vector exp])
 
 namespace minispeed_sparse {
+namespace {  // internal linkage: see Note [internal linkage, so the kernels inline]
 
 using minispeed_inference::Vec;
 constexpr int kW = Vec::kWidth;
@@ -117,11 +124,57 @@ void tile_vectors(int64_t nv, int64_t rows, int64_t p0, int64_t p1, Strided a, c
   }
 }
 
+// Note [prefetch the next tile]: a layout with few tiles per query block (a sliding window keeps
+// two) reads every Q_r, K_c, V_c and O_r once per call, 16 KiB each at b = D = 64, and the
+// hardware prefetcher, which follows a stream only after it has seen it advance (and starts
+// again at every 4 KiB page), left the products waiting on memory: one kept tile per query block
+// cost 1.7-2x a tile of a dense layout per score (the same layout fits in L2 at T = 1k and kept
+// most of the gap, so it is latency, not bandwidth). So while it multiplies one tile, the op asks
+// for the blocks of the next one (the next query block's rows when this is the row's last tile),
+// a few 64-byte lines into L2 after each group of rows a product finishes, so the requests are
+// spread over the tile's work instead of filling the line-fill buffers at once. A prefetch is a
+// hint, never a fault; where the next task runs on another thread it is wasted, not wrong.
+constexpr int64_t kAheadLines = 24;  // lines asked for after each group of rows of a product
+class Ahead {
+ public:
+  // Queue `floats` floats at x (nullptr: nothing) for reading, or for writing with `write`.
+  void add(const float* x, int64_t floats, bool write = false) {
+    if (x != nullptr && floats > 0 && n_ < kMax)
+      ranges_[n_++] = {reinterpret_cast<const char*>(x), floats * 4, write};
+  }
+  // Ask for the next `lines` queued lines.
+  void step(int64_t lines) {
+    for (; lines > 0 && i_ < n_; --lines) {
+      const Range& r = ranges_[i_];
+      if (r.write)
+        __builtin_prefetch(r.p + off_, 1, 2);
+      else
+        __builtin_prefetch(r.p + off_, 0, 2);
+      off_ += kLineBytes;
+      if (off_ >= r.bytes) ++i_, off_ = 0;
+    }
+  }
+  void finish() { step(std::numeric_limits<int64_t>::max()); }
+
+ private:
+  static constexpr int kMax = 8;  // ranges: the backward's next row queues eight
+  static constexpr int64_t kLineBytes = 64;
+  struct Range {
+    const char* p;
+    int64_t bytes;
+    bool write;
+  };
+  Range ranges_[kMax];
+  int n_ = 0, i_ = 0;
+  int64_t off_ = 0;
+};
+
+
 // C (M x N) = A (M x P) B (P x N), or C += with add; only `part` of it (see Part). Registers:
 // kMaxRows · NV accumulators, NV vectors of B and one broadcast (29 of AVX-512's 32 at 6 x 4;
 // AVX2 has 16, hence 3 x 4 there). Entries a Part skips are left as they were.
 void gemm(int64_t M, int64_t N, int64_t P, Strided a, const float* b, int64_t ldb, float* c,
-          int64_t ldc, bool add, Part part = Part::kFull) {
+          int64_t ldc, bool add, Part part = Part::kFull, Ahead* ahead = nullptr) {
   const int64_t nvec = N / kW;
   for (int64_t m = 0; m < M; m += kMaxRows) {
     const int64_t rows = std::min<int64_t>(kMaxRows, M - m);
@@ -144,6 +197,7 @@ void gemm(int64_t M, int64_t N, int64_t P, Strided a, const float* b, int64_t ld
         c[r * ldc + n] = s;
       }
     }
+    if (ahead != nullptr) ahead->step(kAheadLines);  // See Note [prefetch the next tile].
   }
 }
 
@@ -195,11 +249,11 @@ void transpose_rows(const float* x, float* xt, int64_t b, int64_t D) {
 // softmax applies the scale inside its exp), a key after its query set to -inf on a causal
 // diagonal tile (and not computed, see Part). k is this head's (T, D); qt_r is Q_rᵀ (D, b).
 void tile_scores(const Problem& p, const float* k, const float* qt_r, int64_t r, int64_t c,
-                 float* st) {
+                 float* st, Ahead* ahead) {
   const int64_t b = p.block, D = p.dim;
   const bool diag = diagonal(p, r, c);
   gemm(b, b, D, {k + c * b * D, D, 1}, qt_r, b, st, b, false,
-       diag ? Part::kUpperCols : Part::kFull);
+       diag ? Part::kUpperCols : Part::kFull, ahead);
   if (diag)
     for (int64_t j = 1; j < b; ++j) std::fill(st + j * b, st + j * b + j, kNegInf);
 }
@@ -208,19 +262,22 @@ void tile_scores(const Problem& p, const float* k, const float* qt_r, int64_t r,
 // the vector width, or 1 for the scalar tail): raise the running max m, rescale the running sum
 // l and the output rows by exp((m_old - m_new) scale), and turn the scores into probabilities.
 // m starts at the lowest finite float, so an all-masked column gives exp(-inf) = 0, never NaN.
+// Keys [keys, b) are after every query of the group (a causal diagonal tile): their
+// probabilities are 0, stored without an exp (P V reads some of them, see Part::kLowerInner).
 template <typename V>
-void softmax_columns(float* st, int64_t b, int64_t i, float* m, float* l, float* alpha,
-                     float scale) {
+void softmax_columns(float* st, int64_t b, int64_t keys, int64_t i, float* m, float* l,
+                     float* alpha, float scale) {
   V mx = V::load(m + i);
-  for (int64_t j = 0; j < b; ++j) mx = V::max(mx, V::load(st + j * b + i));
+  for (int64_t j = 0; j < keys; ++j) mx = V::max(mx, V::load(st + j * b + i));
   const V sc = V::splat(scale);
   ((V::load(m + i) - mx) * sc).exp().store(alpha + i);
   V sum = V::zero();
-  for (int64_t j = 0; j < b; ++j) {
+  for (int64_t j = 0; j < keys; ++j) {
     const V e = ((V::load(st + j * b + i) - mx) * sc).exp();
     e.store(st + j * b + i);
     sum = sum + e;
   }
+  for (int64_t j = keys; j < b; ++j) V::zero().store(st + j * b + i);
   (V::load(l + i) * V::load(alpha + i) + sum).store(l + i);
   mx.store(m + i);
 }
@@ -239,11 +296,41 @@ struct Lane {
   Lane exp() const { return {std::exp(v)}; }
 };
 
-// One (batch, head, query block) of the forward: online softmax over the kept tiles, in order.
-void forward_row_block(const Problem& p, int64_t bh, int64_t r, const float* q, const float* k,
+// Task t = (bh, r)'s blocks of x (B, H, T, D): query block r's rows, or key block c's rows.
+inline int64_t row_offset(const Problem& p, int64_t bh, int64_t block) {
+  return (bh * p.seq + block * p.block) * p.dim;
+}
+
+// Queue the next tile's K and V, or, after row r's last tile, the next task's (bh, r + 1, or the
+// next head's row 0) Q and O rows and the K and V of its first tile. See Note [prefetch the next
+// tile].
+void ahead_forward(const Problem& p, int64_t t, int64_t e, const float* q, const float* k,
+                   const float* v, const int32_t* row_ptr, const int32_t* cols, float* out,
+                   Ahead& ahead) {
+  const int64_t nb = p.nblocks(), n = p.block * p.dim;
+  int64_t bh = t / nb, r = t % nb;
+  if (e + 1 == row_ptr[(bh % p.heads) * (nb + 1) + r + 1]) {  // the row's last tile
+    if (++t == p.batch * p.heads * nb) return;
+    bh = t / nb, r = t % nb;
+    ahead.add(q + row_offset(p, bh, r), n);
+    ahead.add(out + row_offset(p, bh, r), n, true);
+    e = row_ptr[(bh % p.heads) * (nb + 1) + r];
+  } else {
+    ++e;
+  }
+  ahead.add(k + row_offset(p, bh, cols[e]), n);
+  ahead.add(v + row_offset(p, bh, cols[e]), n);
+}
+
+// One (batch, head, query block) t = bh · NB + r of the forward: online softmax over the kept
+// tiles, in order.
+void forward_row_block(const Problem& p, int64_t t, const float* q, const float* k,
                        const float* v, const int32_t* row_ptr, const int32_t* cols, float* out,
                        float* lse) {
-  const int64_t h = bh % p.heads, nb = p.nblocks(), D = p.dim, b = p.block, T = p.seq;
+  const int64_t nb = p.nblocks(), bh = t / nb, r = t % nb, h = bh % p.heads;
+  const int64_t D = p.dim, b = p.block, T = p.seq;
+  const float *q0 = q, *k0 = k, *v0 = v;
+  float* out0 = out;
   const int32_t* rp = row_ptr + h * (nb + 1);
   float* st = thread_buffer(b * b + D * b + 3 * b);  // (b, b): Sᵀ, then Pᵀ
   float* qt = st + b * b;                             // (D, b): Q_rᵀ
@@ -259,14 +346,20 @@ void forward_row_block(const Problem& p, int64_t bh, int64_t r, const float* q, 
   for (int64_t e = rp[r]; e < rp[r + 1]; ++e) {
     const int64_t c = cols[e];
     const bool first = e == rp[r];  // o holds nothing yet: it is written, not rescaled
-    tile_scores(p, k, qt, r, c, st);
-    for (int64_t i = 0; i < bv; i += kW) softmax_columns<Vec>(st, b, i, m, l, alpha, p.scale);
-    for (int64_t i = bv; i < b; ++i) softmax_columns<Lane>(st, b, i, m, l, alpha, p.scale);
+    Ahead ahead;
+    ahead_forward(p, t, e, q0, k0, v0, row_ptr, cols, out0, ahead);
+    tile_scores(p, k, qt, r, c, st, &ahead);
+    const bool diag = diagonal(p, r, c);  // keys after a query group's last: see softmax_columns
+    for (int64_t i = 0; i < bv; i += kW)
+      softmax_columns<Vec>(st, b, diag ? std::min(b, i + kW) : b, i, m, l, alpha, p.scale);
+    for (int64_t i = bv; i < b; ++i)
+      softmax_columns<Lane>(st, b, diag ? i + 1 : b, i, m, l, alpha, p.scale);
     if (!first)
       for (int64_t i = 0; i < b; ++i)
         if (alpha[i] != 1.f) scale_row(o + i * D, alpha[i], D);
-    const Part part = diagonal(p, r, c) ? Part::kLowerInner : Part::kFull;
-    gemm(b, D, b, {st, 1, b}, v + c * b * D, D, o, D, !first, part);  // O (+)= P V_c
+    const Part part = diag ? Part::kLowerInner : Part::kFull;
+    gemm(b, D, b, {st, 1, b}, v + c * b * D, D, o, D, !first, part, &ahead);  // O (+)= P V_c
+    ahead.finish();
   }
   for (int64_t i = 0; i < b; ++i) {
     scale_row(o + i * D, 1.f / l[i], D);
@@ -284,7 +377,7 @@ void sparse_attention_forward(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t r
   const bool big = tasks > 1 && worth_threads(p, ptr<const int32_t>(row_ptr));
 #pragma omp parallel for schedule(dynamic, 1) if (big)
   for (int64_t t = 0; t < tasks; ++t) {
-    forward_row_block(p, t / nb, t % nb, ptr<const float>(q), ptr<const float>(k),
+    forward_row_block(p, t, ptr<const float>(q), ptr<const float>(k),
                       ptr<const float>(v), ptr<const int32_t>(row_ptr), ptr<const int32_t>(cols),
                       ptr<float>(out), ptr<float>(lse));
   }
@@ -319,10 +412,24 @@ void backward_head(const Problem& p, int64_t bh, const float* q, const float* k,
     for (int64_t e = rp[r]; e < rp[r + 1]; ++e) {
       const int64_t c = cols[e];
       const bool diag = diagonal(p, r, c);
-      tile_scores(p, k, qt, r, c, pt);
+      Ahead ahead;  // the next tile's blocks: see Note [prefetch the next tile]
+      int64_t rn = r, en = e + 1;
+      if (en == rp[r + 1] && ++rn < nb) {  // the row's last tile: the next row's too
+        en = rp[rn];
+        for (const float* x : {q, dout, out}) ahead.add(x + rn * b * D, b * D);
+        ahead.add(dq + rn * b * D, b * D, true);
+      }
+      if (rn < nb) {
+        const int64_t cn = cols[en] * b * D;
+        ahead.add(k + cn, b * D), ahead.add(v + cn, b * D);
+        ahead.add(dk + cn, b * D, true), ahead.add(dv + cn, b * D, true);
+      }
+      tile_scores(p, k, qt, r, c, pt, &ahead);
       for (int64_t j = 0; j < b; ++j) {  // Pᵀ = exp(scale · sᵀ - lse), lse along the columns
         float* pj = pt + j * b;
-        int64_t i = 0;
+        // on a diagonal tile, queries before key j's vector see nothing of it: 0 without an exp
+        int64_t i = diag ? std::min(j / kW * kW, bv) : 0;
+        std::fill(pj, pj + i, 0.f);
         for (; i < bv; i += kW)
           (Vec::load(pj + i) * sc - Vec::load(lse + r * b + i)).exp().store(pj + i);
         for (; i < b; ++i) pj[i] = std::exp(pj[i] * p.scale - lse[r * b + i]);
@@ -331,9 +438,10 @@ void backward_head(const Problem& p, int64_t bh, const float* q, const float* k,
       const Part upper = diag ? Part::kUpperInner : Part::kFull;
       const bool add_kv = written[c] != 0.f, add_q = e != rp[r];
       written[c] = 1.f;
-      gemm(b, D, b, {pt, b, 1}, do_r, D, dv + c * b * D, D, add_kv, upper);  // dV_c += Pᵀ dO_r
+      gemm(b, D, b, {pt, b, 1}, do_r, D, dv + c * b * D, D, add_kv, upper,
+           &ahead);  // dV_c += Pᵀ dO_r
       gemm(b, b, D, {v + c * b * D, D, 1}, dot, b, ds, b, false,
-           diag ? Part::kUpperCols : Part::kFull);  // dPᵀ = V_c dO_rᵀ
+           diag ? Part::kUpperCols : Part::kFull, &ahead);  // dPᵀ = V_c dO_rᵀ
       for (int64_t j = 0; j < b; ++j) {  // dSᵀ = Pᵀ (dPᵀ - D) scale; 0 where a key is masked
         float* dj = ds + j * b;
         const float* pj = pt + j * b;
@@ -345,8 +453,11 @@ void backward_head(const Problem& p, int64_t bh, const float* q, const float* k,
           (Vec::load(pj + i) * (Vec::load(dj + i) - Vec::load(di + i)) * sc).store(dj + i);
         for (; i < b; ++i) dj[i] = pj[i] * (dj[i] - di[i]) * p.scale;
       }
-      gemm(b, D, b, {ds, 1, b}, k + c * b * D, D, dq + r * b * D, D, add_q, lower);  // dQ_r += dS K_c
-      gemm(b, D, b, {ds, b, 1}, q_r, D, dk + c * b * D, D, add_kv, upper);  // dK_c += dSᵀ Q_r
+      gemm(b, D, b, {ds, 1, b}, k + c * b * D, D, dq + r * b * D, D, add_q, lower,
+           &ahead);  // dQ_r += dS K_c
+      gemm(b, D, b, {ds, b, 1}, q_r, D, dk + c * b * D, D, add_kv, upper,
+           &ahead);  // dK_c += dSᵀ Q_r
+      ahead.finish();
     }
   }
   for (int64_t c = 0; c < nb; ++c) {  // keys no query of this head sees: zero gradient
@@ -375,6 +486,7 @@ void sparse_attention_backward(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t 
   }
 }
 
+}  // namespace
 }  // namespace minispeed_sparse
 
 // Called from kernels.cpp's PYBIND11_MODULE: the one module of the inference_kernels extension.
