@@ -31,7 +31,9 @@ from minispeed.comm import benchmark
 from minispeed.core.testing import run_distributed, shutdown_pool
 
 
-def _body(rank: int, world_size: int, ops: tuple, sizes: tuple, rounds: int) -> dict:
+def _body(rank: int, world_size: int, ops: tuple, sizes: tuple, rounds: int, rs: tuple) -> dict:
+    if rs:  # only the reduce-scatter implementations
+        return {"rs": benchmark.measure_reduce_scatter_impls(sizes=rs, rounds=rounds)}
     return {
         "checks": benchmark.measure_checks(rounds=rounds),
         "dispatch": benchmark.measure_dispatch(
@@ -49,6 +51,25 @@ def _fmt_size(n: int) -> str:
     return f"{n:g} TiB"
 
 
+def _print_rs(rows: list[dict], n: int) -> None:
+    table = Table(title=f"in-place reduce-scatter on gloo, {n} processes, fp32 (per call)")
+    cols = ["size", *(f"{k} {v}" for k in ("wall", "CPU") for v in benchmark.RS_IMPLS)]
+    for col in [*cols, "ring/all_reduce wall", "ring/all_reduce CPU"]:
+        table.add_column(col, justify="right", no_wrap=True)
+    for r in rows:
+        table.add_row(
+            _fmt_size(r["msg_bytes"]),
+            *(
+                f"{r[f'{k}_s[{v}]'] * 1e3:.2f} ms"
+                for k in ("wall", "cpu")
+                for v in benchmark.RS_IMPLS
+            ),
+            f"{r['wall_s[ring_p2p]'] / r['wall_s[all_reduce]']:.2f}",
+            f"{r['cpu_s[ring_p2p]'] / r['cpu_s[all_reduce]']:.2f}",
+        )
+    Console(width=200).print(table)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
@@ -59,16 +80,27 @@ def main(argv: list[str] | None = None) -> int:
         help="message sizes in fp32 elements (default: 1 KiB, 16 KiB, 256 KiB, 4 MiB); "
         "none (--sizes) skips the bandwidth table",
     )  # fmt: skip
+    parser.add_argument(
+        "--rs-impls", nargs="+", type=float, metavar="MiB", default=[],
+        help="instead of the tables below, time an in-place fp32 reduce-scatter (ZeRO's call) of "
+        "these sizes in MiB under each implementation on gloo: torch's, comm's all-reduce of the "
+        "input, comm's ring over point-to-point (wall and CPU time)",
+    )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", help="also write the rows to this JSON file (atomically)")
     args = parser.parse_args(argv)
+    rs = tuple(int(mib * (1 << 20)) // 4 for mib in args.rs_impls)
 
     result = run_distributed(
         _body,
         world_size=args.world_size,
-        args=(tuple(args.ops), tuple(args.sizes), args.rounds),
+        args=(tuple(args.ops), tuple(args.sizes), args.rounds, rs),
         timeout_s=600,
     )[0]
+    if rs:
+        shutdown_pool()
+        _print_rs(result["rs"], args.world_size)
+        return 0
     rows, dispatch, checks = result["rows"], result["dispatch"], result["checks"]
     shutdown_pool()
 

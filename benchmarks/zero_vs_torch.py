@@ -119,18 +119,20 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -
     os.environ.setdefault("MINISPEED_ACCELERATOR", "cpu")
     torch.set_num_threads(args.threads)
     import minispeed.comm as comm
+    from minispeed.comm.api_compat import reduce_scatter_as
 
     comm.init_distributed(backend="gloo")
     dataset = CharDataset.from_file()
     names = args.contenders
-    result: dict[str, Any] = {
-        "timing": time_contenders(args, names, dataset, rank, world),
-        "memory": {},
-    }
-    for name in names:
-        if name not in LIMITS:  # no model of their own: their buffers are a few messages
-            result["memory"][name] = peak_memory(args, name, dataset, rank, world)
-    result["profiles"] = {n: profile_steps(args, n, dataset, rank, world) for n in args.profile}
+    with reduce_scatter_as(args.reduce_scatter):
+        result: dict[str, Any] = {
+            "timing": time_contenders(args, names, dataset, rank, world),
+            "memory": {},
+        }
+        for name in names:
+            if name not in LIMITS:  # no model of their own: their buffers are a few messages
+                result["memory"][name] = peak_memory(args, name, dataset, rank, world)
+        result["profiles"] = {n: profile_steps(args, n, dataset, rank, world) for n in args.profile}
     queue.put((rank, result))
     dist.barrier()
     dist.destroy_process_group()
@@ -193,6 +195,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         type=int,
         default=0,
         help="MiCS against FSDP2 HSDP on a (world/S) x S mesh (needs --world-size a multiple of S)",
+    )
+    p.add_argument(
+        "--reduce-scatter",
+        choices=("ring_p2p", "all_reduce"),
+        default="ring_p2p",
+        help="how minispeed runs gloo's reduce-scatters: comm's ring over p2p (the default), or "
+        "as the all-reduce it ran before (minispeed.comm.api_compat.reduce_scatter_as)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--contenders", nargs="*", default=None, help=f"subset of {CONTENDERS}")

@@ -148,7 +148,8 @@ def _predicted_calls(
 
 
 def _impl(op: str) -> str:
-    """How comm runs `op` here: on gloo a reduce-scatter is an all-reduce, and sends as much."""
+    """How comm runs `op` here (a reduce-scatter on gloo: comm's ring, or for ops other than
+    SUM an all-reduce, which sends twice the ring's bytes)."""
     return comm.reduce_scatter_impl() if op == "reduce_scatter" else "native"
 
 

@@ -144,12 +144,15 @@ def replay(calls: list[Call], group=None) -> Callable[[], None]:
 
     Not through minispeed.comm: its per-call checks and records are minispeed's overhead, which
     the limit must not contain. A reduce-scatter runs as the backend runs it for the stage
-    (`impl`; on gloo an in-place all-reduce: Note [gloo's reduce-scatter is an all-reduce] in
-    comm's api_compat.py), an all-gather as comm runs it (on gloo one broadcast per rank)."""
+    (`impl`; on gloo comm's ring over point-to-point, Note [ring reduce-scatter over p2p] in
+    comm's ring.py, or with `--reduce-scatter all_reduce` an in-place all-reduce), an all-gather
+    as comm runs it (on gloo one broadcast per rank)."""
     import torch.distributed as dist
 
     from minispeed.comm.api_compat import all_gather_impl
     from minispeed.comm.call import ALL_GATHER_FLAT_NATIVE, REDUCE_SCATTER_FLAT_NATIVE
+    from minispeed.comm.handoff import Loan
+    from minispeed.comm.ring import reduce_scatter_ring
     from minispeed.comm.validation import group_ranks
 
     n = dist.get_world_size(group)
@@ -170,6 +173,10 @@ def replay(calls: list[Call], group=None) -> Callable[[], None]:
             mine = whole[me * m : (me + 1) * m]  # in place, as the stages run them
             if c.op == "all_reduce" or c.impl.startswith("all_reduce"):
                 dist.all_reduce(whole, group=group)
+            elif c.impl == "ring_p2p":  # comm's ring, without comm's per-call checks and records
+                with Loan() as loan:
+                    reduce_scatter_ring(mine, whole, group, False)
+                loan.settle()
             elif c.op == "reduce_scatter":
                 REDUCE_SCATTER_FLAT_NATIVE(mine, whole, group=group)
             elif gather_by_broadcasts:

@@ -8,11 +8,13 @@ test_handshake_mismatch.py covers the default checks and errors that reach every
 """
 
 import re
+from contextlib import nullcontext
 
 import pytest
 import torch
 
 import minispeed.comm as comm
+from minispeed.comm import handshake
 from minispeed.core.testing import run_distributed
 
 # (description, call, expected message fragment). Each is called by rank 0 alone.
@@ -230,13 +232,20 @@ def test_validation_from_environment_variable():
     assert "all_gather: ranks [1]" in messages[0]
 
 
-def _timeout_body(rank: int, world_size: int) -> list[str]:
+def _timeout_body(rank: int, world_size: int, op: str) -> list[str]:
     messages = []
     for async_op in (False, True):
         group = comm.new_group([0, 1], timeout_s=1.5)
-        if rank == 0:  # rank 1 never joins this all_reduce
-            with pytest.raises(comm.CommTimeoutError) as info:
-                work = comm.all_reduce(torch.ones(5, 2), group=group, async_op=async_op)
+        if rank == 0:  # rank 1 never joins this collective
+            buf = torch.ones(5, 2) if op == "all_reduce" else torch.ones(2 * 3)
+            # reduce_scatter: no cross-rank check, so the messages of comm's ring over p2p (gloo)
+            # are what times out
+            mode = nullcontext() if op == "all_reduce" else handshake.validation_mode("off")
+            with mode, pytest.raises(comm.CommTimeoutError) as info:
+                if op == "all_reduce":
+                    work = comm.all_reduce(buf, group=group, async_op=async_op)
+                else:
+                    work = comm.reduce_scatter_tensor(buf[:3], buf, group=group, async_op=async_op)
                 if work is not None:
                     work.wait()
             messages.append(str(info.value))
@@ -244,11 +253,14 @@ def _timeout_body(rank: int, world_size: int) -> list[str]:
     return messages
 
 
-def test_timeout_names_op_shapes_and_group():
-    messages = run_distributed(_timeout_body, world_size=2, timeout_s=120)[0]
+@pytest.mark.parametrize(
+    "op, shapes", [("all_reduce", "[(5, 2)]"), ("reduce_scatter", "[(3,), (6,)]")]
+)
+def test_timeout_names_op_shapes_and_group(op, shapes):
+    messages = run_distributed(_timeout_body, world_size=2, args=(op,), timeout_s=120)[0]
     assert len(messages) == 2
     for text in messages:
-        assert text.startswith("all_reduce on rank 0 over group ranks [0, 1] (shapes [(5, 2)]")
+        assert text.startswith(f"{op} on rank 0 over group ranks [0, 1] (shapes {shapes}"), text
         assert "MINISPEED_COMM_VALIDATE=1" in text
 
 

@@ -228,25 +228,85 @@ def _gloo_reduce_scatter_body(rank: int, world_size: int) -> list:
     n, m = world_size, 5
     full = [_data(r, n * m) for r in range(n)]
     expected = torch.stack(full).sum(0)[rank * m : (rank + 1) * m]
-    with comm.CommsLogger() as log:
-        inp = full[rank].clone()
-        out = torch.empty(m)
-        comm.reduce_scatter_tensor(out, inp)  # out of place: the input is the caller's
-        assert_close(out, expected)
-        assert_close(inp, full[rank])
-        buf = full[rank].clone()
-        comm.reduce_scatter_tensor(buf[rank * m : (rank + 1) * m], buf)  # in place
-        assert_close(buf[rank * m : (rank + 1) * m], expected)
-    return [(r.impl, r.wire_bytes) for r in log.records]
+    got, records = {}, {}
+    for impl in ("ring_p2p", "all_reduce"):
+        with comm.CommsLogger() as log, api_compat.reduce_scatter_as(impl):
+            inp = full[rank].clone()
+            out = torch.empty(m)
+            comm.reduce_scatter_tensor(out, inp)  # out of place: the input is the caller's
+            assert_close(out, expected)
+            assert torch.equal(inp, full[rank])
+            buf = full[rank].clone()
+            comm.reduce_scatter_tensor(buf[rank * m : (rank + 1) * m], buf)  # in place
+            assert_close(buf[rank * m : (rank + 1) * m], expected)
+            got[impl] = (out, buf[rank * m : (rank + 1) * m])
+            maxed = full[rank].clone()  # not a SUM: the ring does not run it
+            comm.reduce_scatter_tensor(
+                maxed[rank * m : (rank + 1) * m], maxed, op=comm.ReduceOp.MAX
+            )
+            assert_close(
+                maxed[rank * m : (rank + 1) * m],
+                torch.stack(full).amax(0)[rank * m : (rank + 1) * m],
+            )
+        records[impl] = [(r.impl, r.wire_bytes) for r in log.records]
+    # with 2 ranks the ring's one addition is the all-reduce's: bit-equal
+    exact = all(torch.equal(a, b) for a, b in zip(got["ring_p2p"], got["all_reduce"]))
+    return [records, exact]
 
 
-def test_gloo_reduce_scatter_runs_as_the_all_reduce_it_is():
+@pytest.mark.parametrize("n", [2, 4])
+def test_gloo_reduce_scatter_runs_as_a_ring(n):
     """gloo's reduce-scatter is an all-reduce of a clone (Note [gloo's reduce-scatter is an
-    all-reduce]): comm runs it itself, in place without the clone, and logs the all-reduce's bytes."""
-    n = 2
+    all-reduce]): comm runs a SUM as its own ring over p2p ((n-1)/n · S sent, Note [ring
+    reduce-scatter over p2p]); other ops, and `reduce_scatter_as("all_reduce")`, as the all-reduce
+    of main before it (in place without the clone), each logged with the bytes it sends."""
     results = run_distributed(_gloo_reduce_scatter_body, world_size=n)
-    wire = 2 * (n - 1) * (5 * n * 4) // n
-    assert results == [[("all_reduce+slice", wire), ("all_reduce_in_place", wire)]] * n
+    s = 5 * n * 4
+    ring, all_reduce = (n - 1) * s // n, 2 * (n - 1) * s // n
+    by_all_reduce = [("all_reduce+slice", all_reduce), ("all_reduce_in_place", all_reduce)]
+    expected = {
+        "ring_p2p": [("ring_p2p", ring)] * 2 + [("all_reduce_in_place", all_reduce)],
+        "all_reduce": [*by_all_reduce, ("all_reduce_in_place", all_reduce)],
+    }
+    assert [r[0] for r in results] == [expected] * n
+    if n == 2:
+        assert all(r[1] for r in results)
+
+
+def _ring_in_flight_body(rank: int, world_size: int) -> None:
+    """Several async ring reduce-scatters in flight at once (ZeRO overlaps its buckets), of
+    different sizes and dtypes, waited out of order, with an all-reduce between them; and on a
+    group whose ranks are not its members' global ranks."""
+    n = world_size
+    groups = [None, comm.new_group([0, n - 1])]
+    for group in groups:
+        if not comm.is_member(group):
+            continue
+        g = 2 if group is not None else n
+        me = comm.get_rank(group)
+        members = list(range(n)) if group is None else [0, n - 1]
+        sizes, dtypes = (7, 1, 3), (torch.float32, torch.bfloat16, torch.float64)
+        bufs = [
+            _data(rank + 10 * i, g * m, dtype=dt) for i, (m, dt) in enumerate(zip(sizes, dtypes))
+        ]
+        works = [
+            comm.reduce_scatter_tensor(b[me * m : (me + 1) * m], b, group=group, async_op=True)
+            for b, m in zip(bufs, sizes)
+        ]
+        between = torch.full((4,), float(rank))
+        comm.all_reduce(between, group=group)
+        for w in reversed(works):
+            assert w.wait()
+            assert w.is_completed()
+        assert torch.equal(between, torch.full((4,), float(sum(members))))
+        for i, (b, m, dt) in enumerate(zip(bufs, sizes, dtypes)):
+            everyone = torch.stack([_data(r + 10 * i, g * m, dtype=dt) for r in members])
+            assert_close(b[me * m : (me + 1) * m], everyone.sum(0)[me * m : (me + 1) * m])
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_ring_reduce_scatters_in_flight_at_once(n):
+    run_distributed(_ring_in_flight_body, world_size=n)
 
 
 def _gloo_all_gather_body(rank: int, world_size: int) -> list:

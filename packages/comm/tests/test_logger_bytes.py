@@ -56,9 +56,9 @@ def test_logged_bytes_of_a_known_sequence(world_size):
         expected = [
             ("all_reduce", 400, 2 * (n - 1) * 400 // n, n, 0, False),
             ("all_reduce", 20, 2 * (n - 1) * 20 // n, n, 0, False),
-            # gloo's reduce-scatter is an all-reduce of a copy: it sends what an all-reduce
-            # sends (Note [gloo's reduce-scatter is an all-reduce])
-            ("reduce_scatter", 32 * n, 2 * (n - 1) * 32, n, 0, False),
+            # on gloo comm runs it as its own ring over p2p, which sends a ring's (n-1)/n · S
+            # (Note [ring reduce-scatter over p2p]), not gloo's all-reduce's twice that
+            ("reduce_scatter", 32 * n, (n - 1) * 32, n, 0, False),
             ("all_gather", 48 * n, (n - 1) * 48, n, 0, False),
             ("broadcast", 100, 100 if rank == 0 else 0, n, 1, False),
             ("all_to_all", 16 * n, (n - 1) * 16, n, 1, False),

@@ -71,7 +71,7 @@ def _logged_step(rank: int, world_size: int):
             gradient_accumulation_steps=ACCUMULATION,
             reduce_scatter=config.reduce_scatter,
             clip_norm=True,
-            reduce_scatter_impl=comm.reduce_scatter_impl(),  # gloo: an all-reduce
+            reduce_scatter_impl=comm.reduce_scatter_impl(),  # gloo: comm's ring (ring_p2p)
             flags_in_bucket=opt.flags_in_bucket,
         )
         reducer = strategy.reducer

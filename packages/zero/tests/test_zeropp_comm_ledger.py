@@ -102,7 +102,7 @@ def test_zeropp_cuts_bytes_across_the_node_boundary(measured):
     assert together < min(alone.values())
     # plain: the world ring leaves a node at 2 of its 4 links: 2 of 4 ranks send everything across
     want = _want((False, False, False)).total()
-    # (the gradients' reduce-scatter priced as comm runs it: an all-reduce on gloo)
+    # (the gradients' reduce-scatter priced as comm runs it: on gloo comm's ring over p2p)
     impl = measured[0]["reduce_scatter_impl"]
     per_rank_wire = sum(
         costs.wire_bytes(op, b, WORLD, impl=impl if op == "reduce_scatter" else "native")

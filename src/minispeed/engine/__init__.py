@@ -250,7 +250,7 @@ def initialize(
     # offload inside it); MoE experts over their expert-data group (experts.py); the grid's
     # other axes as ZeRO's model-parallel axes (the norm and the fp16 verdict over the whole
     # model, tied gradients summed over their stages).
-    zero_opt, replica_groups = None, None
+    zero_opt, replica_groups, forward_only = None, None, None
     if opt is not None:
         replica_groups = expert_replica_groups(model, opt.param_groups)
         if grid is not None and replica_groups is not None:
@@ -261,6 +261,12 @@ def initialize(
         ties = model.tied_grad_groups() if is_pipeline else None
         zero_opt = steps.shard(
             composition, model, opt, cfg, grid=grid, replica_groups=replica_groups, ties=ties
+        )
+    elif cfg.zero.stage == 3 and not is_pipeline:
+        # Note [stage 3 without an optimizer]: DeepSpeed's ZeRO-Inference. The model is
+        # partitioned and its parameters fetched per module as under training; nothing steps.
+        forward_only = steps.shard(
+            composition, model, torch.optim.SGD(params, lr=0.0), cfg, grid=grid
         )
     # 7. The scheduler, on the optimizer whose param groups hold the hyper-parameters.
     scheduler = steps.build_scheduler(composition, lr_scheduler, zero_opt, cfg)
@@ -281,7 +287,22 @@ def initialize(
         model, zero_opt, cfg, scheduler, loader, observers=observers, grid=grid,
         composition=composition,
     )  # fmt: skip
+    engine.forward_only_zero = forward_only  # kept alive with the engine; destroy() closes it
     return engine, zero_opt, loader, scheduler
+
+
+# Note [stage 3 without an optimizer]
+# `deepspeed.initialize(model=model, config=...)` with ZeRO stage 3 and no optimizer is how
+# DeepSpeed runs ZeRO-Inference (transformers' docs: `engine.module.generate(...)` on a model
+# too large for one device): DeepSpeed builds its parameter-offload half of stage 3, which
+# partitions the model and gathers each module's parameters around its forward. A model built
+# under `zero.Init` (what `from_pretrained` does under HfDeepSpeedConfig) holds only shards and
+# cannot run without it. minispeed gets the same by sharding with an SGD of learning rate 0 that
+# is never stepped: the engine still has no optimizer (`engine.optimizer` is None, and
+# `backward` / `step` are refused as with any engine built without one), the ZeroOptimizer is
+# `engine.forward_only_zero`. Cost: stage 3's per-rank model state of a model that does not
+# train, Ψ/N parameter shards (plus their fp32 masters when the parameters are 16-bit), and one
+# all-gather of each module's parameters per forward.
 
 
 def _check_pipeline_grid(grid: Any, shape: dict[str, int]) -> None:

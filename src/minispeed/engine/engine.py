@@ -99,6 +99,9 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
         # What initialize did, step by step, as it ran (composition.py; `describe()`).
         self.composition = composition if composition is not None else Composition()
         self.optimizer = optimizer
+        # stage 3 built without an optimizer: the forward-only sharding (Note [stage 3 without
+        # an optimizer] in minispeed/engine/__init__.py)
+        self.forward_only_zero: zero.ZeroOptimizer | None = None
         self.lr_scheduler = lr_scheduler
         self.training_dataloader = training_dataloader
         self.config = config
@@ -520,8 +523,9 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
         self._stack.close()
         if self.comms_logger is not None:
             self.comms_logger.__exit__(None, None, None)
-        if self.optimizer is not None and not self.optimizer.closed:
-            self.optimizer.close()
+        for opt in (self.optimizer, self.forward_only_zero):
+            if opt is not None and not opt.closed:
+                opt.close()
 
 
 # Note [the norm without clipping]

@@ -25,9 +25,9 @@ The flat collectives may run in place: for reduce-scatter the output may be this
 the input (`input[r·m : (r+1)·m]`), for all-gather the input may be this rank's chunk of the
 output. NCCL documents both; gloo (the CPU backend) gives the same results, and so do both
 fallbacks above (the list all-gather copies the input onto itself). After an in-place
-reduce-scatter the *other* chunks of the input are scratch: unchanged on NCCL, reduced too where
-the reduce-scatter is an all-reduce (Note [gloo's reduce-scatter is an all-reduce]); a caller
-must not read them. `test_in_place_flat_collectives` checks every combination. ZeRO uses it to
+reduce-scatter the *other* chunks of the input are scratch: unchanged on NCCL, partial sums after
+comm's ring (Note [ring reduce-scatter over p2p] in ring.py), reduced too where the reduce-scatter
+is an all-reduce (Note [gloo's reduce-scatter is an all-reduce]); a caller must not read them. `test_in_place_flat_collectives` checks every combination. ZeRO uses it to
 keep no separate output buffer: stages 1-3 reduce-scatter gradient buckets in place, and
 `all_gather_coalesced` packs its inputs straight into the output.
 
@@ -39,13 +39,23 @@ clones the whole input, all-reduces the clone, and copies this rank's chunk out 
 puts 2(n-1)/n · S bytes on the wire, not (n-1)/n · S, and costs a fresh input-sized buffer plus
 two copies per call. comm therefore runs it itself on such a backend, and logs what it runs:
 
-- out of place: `all_reduce+slice`, the same clone, all-reduce and copy that gloo would do;
-- in place (output = this rank's chunk of the input): `all_reduce_in_place`, an all-reduce of the
-  input itself. No clone, no copy: on 2 gloo ranks a 25 MiB bucket took 27 ms this way against
-  40 ms through torch's reduce-scatter (`benchmarks/comm_collectives.py` measures both).
+- a SUM (what ZeRO reduces): `ring_p2p`, comm's own ring over point-to-point messages (Note
+  [ring reduce-scatter over p2p] in ring.py): (n-1)/n · S on the wire, one S/n scratch, no
+  clone; in place or not. Measured on 2 gloo ranks, in place, CPU time per call (all threads,
+  mean over ranks) against the all-reduce below: 0.62x at 1 MiB, 0.57x at 4 MiB, 0.81x at 16
+  MiB, 0.98x at 64 MiB; on 4 ranks 1.01x, 0.86x, 0.70x, 0.59x (`benchmarks/comm_collectives.py
+  --rs-impls 1 4 16 64`, docs/benchmarks.md). With 2 ranks its one addition per element is the
+  all-reduce's, so results are bit-equal; with more, each chunk is summed in ring order, which
+  may differ from gloo's all-reduce in the last bits.
+- any other op, or inside `reduce_scatter_as("all_reduce")` (how comm ran every reduce-scatter
+  on gloo before the ring): out of place `all_reduce+slice`, the same clone, all-reduce and copy
+  that gloo would do; in place (output = this rank's chunk of the input) `all_reduce_in_place`,
+  an all-reduce of the input itself. No clone, no copy: on 2 gloo ranks a 25 MiB bucket took
+  27 ms this way against 40 ms through torch's reduce-scatter. Both log the all-reduce's wire
+  bytes, which is what the backend sends.
 
-Both log the all-reduce's wire bytes, which is what the backend sends. `reduce_scatter_impl`
-names the implementation a group gets, so ledgers (zero's `stage_collectives`) price it alike.
+`reduce_scatter_impl` names the implementation a group gets, so ledgers (zero's
+`stage_collectives`) price it alike.
 
 **Note [gloo's all-gather is broadcasts]**
 
@@ -122,21 +132,45 @@ def impl_of(op: str, group: Any) -> str:
 
 
 #: Backends whose reduce-scatter is an all-reduce of a copy (Note [gloo's reduce-scatter is an
-#: all-reduce]): comm runs it as an all-reduce itself.
-_REDUCE_SCATTER_BY_ALL_REDUCE = frozenset({"gloo"})
+#: all-reduce]): comm runs a SUM as its own ring over point-to-point messages (`ring_p2p`, Note
+#: [ring reduce-scatter over p2p] in ring.py), other ops as an all-reduce.
+_REDUCE_SCATTER_BY_RING = frozenset({"gloo"})
+_RS_OVERRIDE: list[str] = []  # set by `reduce_scatter_as`, for benchmarks and tests
+
+
+@contextlib.contextmanager
+def reduce_scatter_as(impl: str) -> Iterator[None]:
+    """Run gloo's SUM reduce-scatters as `impl` inside the block: `"ring_p2p"` (the default
+    choice) or the all-reduce forms (`"all_reduce"`: `all_reduce_in_place` in place, else
+    `all_reduce+slice`), main's choice before the ring. For benchmarks comparing the two."""
+    if impl not in ("ring_p2p", "all_reduce"):
+        raise ValueError(
+            f"reduce_scatter_as: unknown impl {impl!r}; use 'ring_p2p' or 'all_reduce'"
+        )
+    _RS_OVERRIDE.append(impl)
+    try:
+        yield
+    finally:
+        _RS_OVERRIDE.pop()
 
 
 def reduce_scatter_impl(
-    group: Any = None, output: torch.Tensor | None = None, input: torch.Tensor | None = None
+    group: Any = None,
+    output: torch.Tensor | None = None,
+    input: torch.Tensor | None = None,
+    op: Any = dist.ReduceOp.SUM,
 ) -> str:
-    """The implementation a reduce-scatter gets on `group`'s backend: `"native"`,
-    `"all_reduce+slice"`, or, for an in-place call (`output` is this rank's chunk of `input`),
-    `"all_reduce_in_place"`. The two all-reduce forms send 2(n-1)/n · S bytes per rank."""
-    if (
-        impl_of("reduce_scatter", group) == "native"
-        and _backend(group) not in _REDUCE_SCATTER_BY_ALL_REDUCE
-    ):
-        return "native"
+    """The implementation a reduce-scatter gets on `group`'s backend: `"native"`; on gloo, for
+    SUM, `"ring_p2p"` ((n-1)/n · S bytes per rank, like a native one); else, where the backend
+    lacks it or its own is an all-reduce, `"all_reduce+slice"` or, for an in-place call (`output`
+    is this rank's chunk of `input`), `"all_reduce_in_place"`: 2(n-1)/n · S bytes per rank."""
+    fallback = impl_of("reduce_scatter", group) != "native"
+    if not fallback:
+        backend = _backend(group)
+        if backend not in _REDUCE_SCATTER_BY_RING:
+            return "native"
+        if op == dist.ReduceOp.SUM and (not _RS_OVERRIDE or _RS_OVERRIDE[-1] == "ring_p2p"):
+            return "ring_p2p"
     if output is not None and input is not None and _is_own_chunk(output, input, group):
         return "all_reduce_in_place"
     return "all_reduce+slice"

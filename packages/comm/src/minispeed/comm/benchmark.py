@@ -19,6 +19,7 @@ the difference to torch is our overhead in microseconds.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from minispeed.comm import all_to_all, call, collectives, costs, handshake, validation
+from minispeed.comm import all_to_all, api_compat, call, collectives, costs, handshake, validation
 from minispeed.comm.logger import CommsLogger
 from minispeed.core import ranges
 
@@ -38,12 +39,13 @@ __all__ = [
     "measure",
     "measure_checks",
     "measure_dispatch",
+    "measure_reduce_scatter_impls",
 ]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 IN_PLACE = "reduce_scatter_in_place"
 """`measure`'s extra row: a reduce-scatter whose output is this rank's chunk of its input, as ZeRO
-calls it (on gloo comm runs it as an all-reduce of the input: Note [gloo's reduce-scatter is an
+calls it (on gloo comm runs it as its ring over p2p: Note [gloo's reduce-scatter is an
 all-reduce] in api_compat)."""
 VARIANTS = ("torch", "comm", "comm+log")
 CHECK_VARIANTS = ("off", "first", "all", "objects")
@@ -227,3 +229,67 @@ def measure_checks(numel: int = 256, iters: int = 300, rounds: int = 5) -> dict[
         **{f"ratio[{v}/off]": best[v] / best["off"] for v in CHECK_VARIANTS},
         "range_us": min(samples) * 1e6,
     }
+
+
+RS_IMPLS = ("torch", "all_reduce", "ring_p2p")
+"""`measure_reduce_scatter_impls`' contenders for an in-place reduce-scatter on gloo: torch's own
+(`reduce_scatter_single`: an all-reduce of a clone), comm's all-reduce of the input
+(`all_reduce_in_place`, main's choice before the ring) and comm's ring (`ring_p2p`)."""
+
+
+def measure_reduce_scatter_impls(
+    sizes: tuple[int, ...] = (1 << 18, 1 << 20, 1 << 22, 1 << 24),
+    rounds: int = 5,
+    target_s: float = 0.2,
+) -> list[dict[str, Any]]:
+    """One row per message size (fp32 elements): seconds per in-place reduce-scatter (ZeRO's
+    call) of each `RS_IMPLS` contender, wall (slowest rank's mean) and CPU time (process time
+    of every thread, the backend's too, mean over ranks), best of `rounds` interleaved rounds."""
+    n = dist.get_world_size()
+    rows = []
+    for size in sizes:
+        inp, out, msg_bytes = _buffers(IN_PLACE, size, n)
+        m = out.numel()
+        run = functools.partial(_reduce_scatter_as, inp=inp, out=out)
+
+        for v in RS_IMPLS:  # warm-up
+            run(v)
+        probe = _time_round(functools.partial(run, "torch"), 2, None)
+        iters = max(3, min(100, int(target_s / max(probe, 1e-6))))
+        wall: dict[str, float] = {}
+        cpu: dict[str, float] = {}
+        for _ in range(rounds):
+            for v in RS_IMPLS:
+                dist.barrier()
+                c0, t0 = time.process_time(), time.perf_counter()
+                for _ in range(iters):
+                    run(v)
+                got = torch.tensor(
+                    [(time.perf_counter() - t0) / iters, (time.process_time() - c0) / iters],
+                    dtype=torch.float64,
+                )
+                w = got[:1].clone()
+                dist.all_reduce(w, op=dist.ReduceOp.MAX)
+                dist.all_reduce(got)  # cpu: summed over ranks
+                wall[v] = min(wall.get(v, float("inf")), float(w))
+                cpu[v] = min(cpu.get(v, float("inf")), float(got[1]) / n)
+        rows.append(
+            {
+                "msg_bytes": msg_bytes,
+                "world_size": n,
+                "chunk_numel": m,
+                "iters": iters,
+                **{f"wall_s[{v}]": wall[v] for v in RS_IMPLS},
+                **{f"cpu_s[{v}]": cpu[v] for v in RS_IMPLS},
+            }
+        )
+    return rows
+
+
+def _reduce_scatter_as(v: str, inp: torch.Tensor, out: torch.Tensor) -> None:
+    """One reduce-scatter of `inp` into `out` by `RS_IMPLS`' contender `v`."""
+    if v == "torch":
+        call.REDUCE_SCATTER_FLAT_NATIVE(out, inp)
+        return
+    with api_compat.reduce_scatter_as(v):
+        collectives.reduce_scatter_tensor(out, inp)

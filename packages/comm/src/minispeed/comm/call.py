@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from minispeed.comm import api_compat, costs, handshake, logger, validation
+from minispeed.comm import api_compat, costs, handshake, logger, ring, validation
 from minispeed.comm.api_compat import Issued
 from minispeed.comm.handoff import Loan, lend
 from minispeed.comm.validation import CommInputError
@@ -359,10 +359,13 @@ def reduce_scatter_flat(
     """Reduce `input` (n·m elements) over the group; this rank's m-element chunk lands in `output`.
 
     `impl`: what `api_compat.reduce_scatter_impl` chose for this call (the caller logs it, so it
-    is computed once). In place, where the backend's reduce-scatter is an all-reduce anyway
-    (`all_reduce_in_place`, Note [gloo's reduce-scatter is an all-reduce] in api_compat.py), the
-    input itself is all-reduced: the same bytes, no buffer, no copy.
+    is computed once). `ring_p2p`: comm's own ring over point-to-point messages (ring.py). In
+    place, where the backend's reduce-scatter is an all-reduce anyway (`all_reduce_in_place`,
+    Note [gloo's reduce-scatter is an all-reduce] in api_compat.py), the input itself is
+    all-reduced: the same bytes, no buffer, no copy.
     """
+    if impl == "ring_p2p":  # Note [ring reduce-scatter over p2p] in ring.py
+        return ring.reduce_scatter_ring(output, input, group, async_op)
     if impl == "all_reduce_in_place":
         return dist.all_reduce(lend(input), op=op, group=group, async_op=async_op), None
 

@@ -91,12 +91,14 @@ def reduce_scatter_tensor(
 ) -> CommWork | None:
     """Reduce `input` (n · m elements) over the group; rank r receives chunk r into `output` (m).
 
-    S = input bytes; sends (n-1)/n · S per rank. On a backend without reduce-scatter, and on
-    gloo, whose reduce-scatter is an all-reduce of a copy, it runs as an all-reduce instead:
+    S = input bytes; sends (n-1)/n · S per rank. On gloo, whose own reduce-scatter is an
+    all-reduce of a copy, a SUM runs as comm's ring over point-to-point messages (`ring_p2p`,
+    (n-1)/n · S sent, one S/n scratch; Note [ring reduce-scatter over p2p] in ring.py). On a
+    backend without reduce-scatter, and on gloo for other ops, it runs as an all-reduce:
     `all_reduce+slice`, or `all_reduce_in_place` when `output` is this rank's chunk of `input`
     (Notes [backend fallbacks], [gloo's reduce-scatter is an all-reduce] in api_compat):
-    2(n-1)/n · S sent, and the logger records that `impl` with those wire bytes. In place, the
-    other chunks of `input` are scratch afterwards (Note [in-place flat collectives]).
+    2(n-1)/n · S sent. The logger records the `impl` with its wire bytes. In place, the other
+    chunks of `input` are scratch afterwards (Note [in-place flat collectives]).
     """
     call = Call("reduce_scatter", group)
     with call:
@@ -106,7 +108,7 @@ def reduce_scatter_tensor(
         fix = "allocate output with input.numel() // group size elements"
         validation.check_numel(call.op, "output", output.numel(), input.numel() // call.n, fix)
     call.agree(lambda: {"shape": tuple(input.shape), "dtype": str(input.dtype), "op": str(op)})
-    impl = call.impl = api_compat.reduce_scatter_impl(group, output, input)
+    impl = call.impl = api_compat.reduce_scatter_impl(group, output, input, op)
     return call.launch(
         lambda: reduce_scatter_flat(_flat(output), _flat(input), op, group, async_op, impl),
         async_op,

@@ -24,9 +24,11 @@ stage 0 sends 2(N-1)/N·Ψ elements as one call and stages 1-2 send the same two
 calls, the all-gather moving updated parameters instead of summed gradients.
 
 With ``reduce_scatter=False`` the stage 1-2 reduction is an all-reduce of each padded bucket:
-2(N-1)/N · Ψ'·g instead of (N-1)/N · Ψ'·g. So it is on gloo, whose reduce-scatter *is* an
-all-reduce (Note [gloo's reduce-scatter is an all-reduce] in comm's api_compat): pass
-``reduce_scatter_impl=comm.reduce_scatter_impl(group)`` to price what the backend sends.
+2(N-1)/N · Ψ'·g instead of (N-1)/N · Ψ'·g. So it is where comm runs a reduce-scatter as an
+all-reduce (a backend without one; gloo for ops other than SUM: Note [gloo's reduce-scatter is an
+all-reduce] in comm's api_compat); on gloo a SUM runs as comm's ring (``ring_p2p``), at the
+reduce-scatter's price. Pass ``reduce_scatter_impl=comm.reduce_scatter_impl(group)`` to price
+what the backend sends.
 
 1-bit Adam after its freeze (`onebit.py`) reduces no gradient: the full momentum of the Ψ_t
 trainable elements is averaged by one 1-bit all-reduce (an all_to_all and an all_gather of n
@@ -144,7 +146,8 @@ def approx_wire_bytes_per_step(
     reduce_scatter_impl: str = "native",
 ) -> float:
     """Closed form for the dominant terms (no padding, no flags): see the module table. With a
-    `reduce_scatter_impl` that is an all-reduce (gloo), each reduce-scatter term doubles.
+    `reduce_scatter_impl` that is an all-reduce (`all_reduce+slice`, `all_reduce_in_place`), each
+    reduce-scatter term doubles.
 
     Stage 3 (for comparison; stage 3's own module is authoritative): reduce-scatter per
     micro-step plus a parameter all-gather in forward and again in backward:

@@ -1,0 +1,58 @@
+"""ZeRO-Inference as transformers documents it: `deepspeed.initialize(model=..., config=...)` at
+stage 3 with no optimizer, then `engine.module.generate(...)`. The model comes from
+`from_pretrained` under `HfDeepSpeedConfig`, so it is built under `zero.Init` and holds only
+shards. On 2 ranks the generated tokens equal the unsharded model's own `generate`, each rank
+keeps only its shards, and the engine refuses to step (Note [stage 3 without an optimizer])."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minispeed.core.testing import run_distributed
+
+transformers = pytest.importorskip("transformers")
+
+CONFIG = {
+    "train_micro_batch_size_per_gpu": 1,
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+}
+
+
+def _generate(rank: int, world_size: int, path: str) -> dict:
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    import minispeed.engine as deepspeed
+
+    keep = HfDeepSpeedConfig(CONFIG)  # noqa: F841 (transformers reads it through a weak reference)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    shards_only = all(p.data.numel() == 0 for p in model.parameters())
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, config=CONFIG)
+    engine.module.eval()
+    prompt = torch.tensor([[5, 17, 42, 8, 99][: 3 + rank]])  # ranks generate different prompts
+    with torch.no_grad():
+        tokens = engine.module.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    try:
+        engine.step()
+        refused = None
+    except RuntimeError as e:
+        refused = str(e)
+    still_sharded = all(p.data.numel() == 0 for p in model.parameters())
+    return dict(prompt=prompt, tokens=tokens, shards_only=shards_only, optimizer=optimizer,
+                refused=refused, still_sharded=still_sharded)  # fmt: skip
+
+
+def test_zero3_without_an_optimizer_generates_as_the_whole_model(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)  # a GPT-2 whose head is tied to the embedding, as transformers ties it
+    config = GPT2Config(vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=4)
+    whole = GPT2LMHeadModel(config).eval()
+    whole.save_pretrained(tmp_path)
+    for res in run_distributed(_generate, world_size=2, args=(str(tmp_path),), timeout_s=180):
+        with torch.no_grad():
+            want = whole.generate(res["prompt"], max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert torch.equal(res["tokens"], want)
+        assert res["shards_only"] and res["still_sharded"]
+        assert res["optimizer"] is None and "needs an optimizer" in res["refused"]
