@@ -19,7 +19,7 @@ a fallback when the backend lacks it (`api_compat`, read only for such a backend
 Cost when no logger is active and the call is not cross-checked: one dict lookup for the
 group's facts (size, rank, ranks, backend: Note [a group's facts, once] in validation.py), one
 for the call site (see `handshake.checked`), one range, one loan, a handful of slot writes; a
-synchronous call makes no `CommWork` and keeps no description of its message unless it fails.
+synchronous call makes no `CommWork`.
 23 Python calls in minispeed for a synchronous all-reduce (29 before the facts were kept; torch's
 own `dist.all_reduce` makes 11), counted by `tests/test_call_overhead.py`. A cross-checked call
 adds one all-gather of 16 bytes per rank (`handshake.compare`).
@@ -62,7 +62,7 @@ class Call:
     """
 
     __slots__ = ("caller", "checked", "compat_op", "dtype", "facts", "group", "impl", "msg_bytes")
-    __slots__ += ("n", "numel", "op", "rejects", "root", "shapes", "step", "wire")
+    __slots__ += ("n", "numel", "op", "rejects", "shapes", "step", "wire")
 
     def __init__(
         self,
@@ -82,15 +82,11 @@ class Call:
         # depth 3: checked <- Call.__init__ <- the collective <- its caller, the call site
         self.checked = cross_check and handshake.checked(group, depth=3)
         self.impl = "native"  # or the fallback that ran, known at launch
-        # compat_op, dtype, msg_bytes, numel, shapes, wire: set by `describe`, when a logger
-        # records this call, it is async, or it failed; step (and caller, when asked for): the
-        # logger's step at issue, when a logger records this call
+        # compat_op, dtype, msg_bytes, numel, shapes, wire: set by launch, which describes the
+        # message; step (and caller, when asked for): the logger's step at issue, when a logger
+        # records this call
         self.step: int | None = None
         self.caller = ""
-
-    def check_tensors(self, *tensors: torch.Tensor, contiguous: bool = True) -> None:
-        """`validation.check_tensors` on this call's group, whose facts it holds."""
-        validation.check_tensor_list(self.op, self.facts, tensors, contiguous)
 
     def __enter__(self) -> Call:
         return self
@@ -131,29 +127,29 @@ class Call:
         compat_op: str | None = None,
         wire: int | None = None,
         msg_bytes: int | None = None,
-        root: int | None = None,
     ) -> CommWork | None:
         """Run `issue` (the backend call) inside the range `comm.<op>`, timed and logged when a
         logger is active; backend errors come back naming this call.
 
         `t` and `msg_numel` give the message of the ledger (`msg_numel` elements of `t`'s
         dtype, unless `msg_bytes` says otherwise); `tensors` are every buffer, for an error
-        message. `wire`: bytes sent, when not the ring formula of `costs.wire_bytes`; `root`:
-        the global rank of a rooted op's root, whose formula differs (priced at record time).
+        message. `wire`: bytes sent, when not the ring formula of `costs.wire_bytes`.
         `compat_op`: the flat op whose fallback, if the backend lacks it, the record names.
         The range covers the issue (the whole call when synchronous); with no profiler or NVTX
         tool listening it costs a few attribute reads (see `minispeed.core.ranges`).
 
-        A synchronous call with no logger recording it describes its message only if it fails
-        (the error names the shapes), and completes here without a `CommWork`: the same steps
-        as `CommWork.wait` (`complete`), minus the backend's wait, which the backend did.
+        A synchronous call completes here without a `CommWork`: the same steps as
+        `CommWork.wait` (`complete`), minus the backend's wait, which the backend did.
         """
         log = logger._ACTIVE  # See Note [logger off is one global read]
         if log is not None and log.ops is not None and self.op not in log.ops:
             log = None  # an op the logger does not record runs as with none (prof_ops)
-        described = log is not None or async_op
-        if described:  # kept by the handle or the record: shapes only, never a buffer
-            self.describe(t, msg_numel, tensors, compat_op, wire, msg_bytes, root)
+        self.numel, self.compat_op, self.wire = msg_numel, compat_op, wire
+        self.dtype = t.dtype if t is not None else None
+        if msg_bytes is None:
+            msg_bytes = msg_numel * (t.element_size() if t is not None else 0)
+        self.msg_bytes = msg_bytes
+        self.shapes = [tuple(x.shape) for x in tensors]  # kept by the handle: never a buffer
         t0 = 0.0
         if log is not None:
             self.step = log.step  # the step of issue, also for an async call logged at wait()
@@ -171,37 +167,15 @@ class Call:
             loan.settle(block=False)  # a failed op: the backend may hold them until torn down
             if isinstance(err, validation.CommError):
                 raise
-            if not described:
-                self.describe(t, msg_numel, tensors, compat_op, wire, msg_bytes, root)
             raise self.error(err) from err
         work, finish = issued if isinstance(issued, tuple) else (issued, None)
         if compat_op is not None and self.impl == "native":  # unless the op chose it already
             self.impl = api_compat.impl_of(compat_op, self.group)
         if async_op:
             return CommWork(work, self, finish, log, t0, loan)
-        del issued, work  # the op has finished (recv's return value is a rank, not a Work)
-        if finish is not None:
+        if finish is not None:  # the op has finished (recv's return value is a rank, not a Work)
             finish()
-        self.complete(loan, log, t0, False)
-        return None
-
-    def describe(
-        self,
-        t: torch.Tensor | None,
-        msg_numel: int,
-        tensors: Sequence[torch.Tensor],
-        compat_op: str | None,
-        wire: int | None,
-        msg_bytes: int | None,
-        root: int | None = None,
-    ) -> None:
-        """Keep what the record and an error message say of the message (see `launch`)."""
-        self.numel, self.compat_op, self.wire, self.root = msg_numel, compat_op, wire, root
-        self.dtype = t.dtype if t is not None else None
-        if msg_bytes is None:
-            msg_bytes = msg_numel * (t.element_size() if t is not None else 0)
-        self.msg_bytes = msg_bytes
-        self.shapes = [tuple(x.shape) for x in tensors]
+        self.complete(loan, log, t0, False)  # and returns None
 
     def complete(self, loan: Loan | None, log: Any, t0: float, async_op: bool) -> None:
         """Once the op completed and its results are out: settle the loan (the backend let go of
@@ -216,9 +190,6 @@ class Call:
         """Bytes this rank sent: given explicitly, or the ring formula of the implementation used."""
         if self.wire is not None:
             return self.wire
-        if self.root is not None:  # a rooted op: the root's share differs
-            is_root = self.facts.ranks[self.facts.rank] == self.root
-            return costs.wire_bytes(self.op, self.msg_bytes, self.n, is_root=is_root)
         return costs.wire_bytes(self.op, self.msg_bytes, self.n, impl=self.impl)
 
     def record(self, log: Any, latency_s: float, async_op: bool = False) -> None:
@@ -263,8 +234,7 @@ class CommWork:
         loan: Loan,
     ) -> None:
         self._work, self._call, self._finish, self._log, self._t0 = work, call, finish, log, t0
-        self._loan: Loan | None = loan
-        self._done = False
+        self._loan, self._done = loan, False  # the loan: None once settled or given up
 
     def wait(self) -> bool:
         """Block until the op completed (on a GPU: until the current stream is ordered after it)."""

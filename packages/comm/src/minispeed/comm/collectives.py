@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from minispeed.comm import api_compat, validation
+from minispeed.comm import api_compat, costs, validation
 from minispeed.comm.call import (
     Call,
     CommWork,
@@ -71,7 +71,7 @@ def all_reduce(
     """
     call = Call("all_reduce", group)
     with call:
-        call.check_tensors(tensor)
+        validation.check_tensor_list(call.op, call.facts, (tensor,))
     call.agree(lambda: {"shape": tuple(tensor.shape), "dtype": str(tensor.dtype), "op": str(op)})
     return call.launch(
         lambda: dist.all_reduce(lend(tensor), op=op, group=group, async_op=async_op),
@@ -102,7 +102,7 @@ def reduce_scatter_tensor(
     """
     call = Call("reduce_scatter", group)
     with call:
-        call.check_tensors(output, input)
+        validation.check_tensor_list(call.op, call.facts, (output, input))
         validation.check_same_dtype(call.op, output, input)
         validation.check_divisible(call.op, input.numel(), call.n)
         fix = "allocate output with input.numel() // group size elements"
@@ -129,7 +129,7 @@ def all_gather_into_tensor(
     """
     call = Call("all_gather", group)
     with call:
-        call.check_tensors(output, input)
+        validation.check_tensor_list(call.op, call.facts, (output, input))
         validation.check_same_dtype(call.op, output, input)
         fix = "allocate output with group size * input.numel() elements"
         validation.check_numel(call.op, "output", output.numel(), call.n * input.numel(), fix)
@@ -169,7 +169,7 @@ def all_gather_coalesced(
     with call:
         if not inputs:
             raise CommInputError(f"{call.op}: got no inputs; pass at least one tensor")
-        call.check_tensors(*inputs, contiguous=False)
+        validation.check_tensor_list(call.op, call.facts, inputs, False)
         validation.check_one_dtype(call.op, "inputs", inputs, inputs[0].dtype, "the first")
         if not lazy:  # lazy outputs are checked when they are made, in finish()
             _check_coalesced_outputs(call, outputs, inputs)
@@ -178,8 +178,8 @@ def all_gather_coalesced(
     n, sizes = call.n, [t.numel() for t in inputs]
     total = sum(sizes)
     flat_out = inputs[0].new_empty(n * total)  # 1D, rank-major: [rank0: in0|in1|..][rank1: ...]
-    me = call.facts.rank
-    flat_in = flat_out[me * total : (me + 1) * total]  # this rank's chunk: gathered in place
+    me = call.facts.rank  # this rank's chunk (below) is gathered in place
+    flat_in = flat_out[me * total : (me + 1) * total]
     torch.cat([t.reshape(-1) for t in inputs], out=flat_in)
 
     def finish() -> None:  # unpack: outputs[i] takes column block i of every rank's chunk
@@ -211,7 +211,7 @@ def broadcast(
     """
     call = Call("broadcast", group)
     with call:
-        call.check_tensors(tensor)
+        validation.check_tensor_list(call.op, call.facts, (tensor,))
         validation.check_peer(call.op, src, "src", group)
     call.agree(lambda: {"shape": tuple(tensor.shape), "dtype": str(tensor.dtype), "src": src})
     return call.launch(
@@ -220,7 +220,7 @@ def broadcast(
         tensor,
         tensor.numel(),
         (tensor,),
-        root=src,
+        wire=costs.wire_bytes(call.op, tensor.nbytes, call.n, is_root=call.facts.me == src),
     )
 
 
@@ -241,7 +241,7 @@ def _check_coalesced_outputs(
             f"{call.op}: got {len(outputs)} outputs for {len(inputs)} inputs; pass one output "
             "per input"
         )
-    call.check_tensors(*outputs, contiguous=False)
+    validation.check_tensor_list(call.op, call.facts, outputs, False)
     validation.check_one_dtype(call.op, "outputs", outputs, inputs[0].dtype, "the inputs")
     for i, (o, t) in enumerate(zip(outputs, inputs)):
         validation.check_numel(

@@ -96,9 +96,10 @@ def check_group(op: str, group: Any) -> int:
 class GroupFacts:
     """What every call on one process group needs to know about it (Note [a group's facts,
     once]): `n` its size, `rank` this process's rank in it, `ranks` its global ranks (group rank
-    order), `devices` the device types its backend moves, `backend` the backend's name."""
+    order), `me` this process's global rank, `devices` the device types its backend moves,
+    `backend` the backend's name."""
 
-    __slots__ = ("backend", "devices", "n", "rank", "ranks", "ref")
+    __slots__ = ("backend", "devices", "me", "n", "rank", "ranks", "ref")
 
     def __init__(self, group: Any, n: int) -> None:
         self.n = n
@@ -106,6 +107,7 @@ class GroupFacts:
         self.ranks = (
             tuple(range(n)) if group is None else tuple(dist.get_process_group_ranks(group))
         )
+        self.me = self.ranks[self.rank]
         self.backend = str(dist.get_backend(group))
         lowered = self.backend.lower()
         found = []
@@ -279,7 +281,7 @@ def check_peer(op: str, peer: int, name: str, group: Any) -> None:
             f"{op}: {name}={peer} is not a global rank of the group (ranks {ranks}); pass a global "
             "rank that belongs to the group"
         )
-    if op in ("send", "recv", "isend", "irecv") and peer == ranks[facts.rank]:
+    if op in ("send", "recv", "isend", "irecv") and peer == facts.me:
         raise CommInputError(f"{op}: {name}={peer} is this rank; a rank cannot message itself")
 
 
