@@ -456,7 +456,8 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(-1)` for fp32 `x` `(..., V)` on the CPU, one pass per row (see Note [greedy argmax]
     in csrc/kernels/kernels.cpp): greedy decoding's pick over the vocabulary. Same answer as
     torch's (first index on ties, first NaN if any); other dtypes and devices, or an empty last
-    dimension (which torch rejects), run the reference."""
+    dimension (which torch rejects), run the reference. CPU only: on a GPU torch's argmax is one
+    kernel already, so the CUDA op has no counterpart."""
     op = load_op() if x.device.type == "cpu" else None
     V = x.shape[-1] if x.dim() else 0
     if op is None or x.dtype != torch.float32 or V == 0:
