@@ -13,9 +13,13 @@ from minispeed.core.testing import run_distributed
 
 transformers = pytest.importorskip("transformers")
 
-CONFIG = {
+CONFIG = {  # a training config reused: its offload_optimizer has nothing to offload here
     "train_micro_batch_size_per_gpu": 1,
-    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    "zero_optimization": {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 0,
+        "offload_optimizer": {"device": "cpu"},
+    },
 }
 
 

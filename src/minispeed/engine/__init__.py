@@ -42,6 +42,7 @@ Reading order: `config/` (the ds_config) → `engine.py` (the loop) → `steps.p
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -265,8 +266,14 @@ def initialize(
     elif cfg.zero.stage == 3 and not is_pipeline:
         # Note [stage 3 without an optimizer]: DeepSpeed's ZeRO-Inference. The model is
         # partitioned and its parameters fetched per module as under training; nothing steps.
+        # No optimizer state to offload: a training config's offload_optimizer is left out, as
+        # DeepSpeed's parameter-offload half of stage 3 leaves it (offload_param still applies).
+        forward_cfg = cfg
+        if cfg.zero.offload_optimizer is not None:
+            zero_cfg = dataclasses.replace(cfg.zero, offload_optimizer=None)
+            forward_cfg = dataclasses.replace(cfg, zero=zero_cfg)
         forward_only = steps.shard(
-            composition, model, torch.optim.SGD(params, lr=0.0), cfg, grid=grid
+            composition, model, torch.optim.SGD(params, lr=0.0), forward_cfg, grid=grid
         )
     # 7. The scheduler, on the optimizer whose param groups hold the hyper-parameters.
     scheduler = steps.build_scheduler(composition, lr_scheduler, zero_opt, cfg)
@@ -300,7 +307,8 @@ def initialize(
 # cannot run without it. minispeed gets the same by sharding with an SGD of learning rate 0 that
 # is never stepped: the engine still has no optimizer (`engine.optimizer` is None, and
 # `backward` / `step` are refused as with any engine built without one), the ZeroOptimizer is
-# `engine.forward_only_zero`. Cost: stage 3's per-rank model state of a model that does not
+# `engine.forward_only_zero`. A training config's `offload_optimizer` is left out (no optimizer state);
+# `offload_param` applies. Cost: stage 3's per-rank model state of a model that does not
 # train, Ψ/N parameter shards (plus their fp32 masters when the parameters are 16-bit), and one
 # all-gather of each module's parameters per forward.
 
