@@ -154,13 +154,18 @@ def shard_bytes(size: str | int | None) -> int | None:
     return int(found.group(1)) * _UNITS[found.group(2)]
 
 
+def _out_bytes(t: torch.Tensor, itemsize: int) -> int:
+    """`t`'s bytes in the output: floating-point tensors at `itemsize`, others as they are."""
+    return t.numel() * (itemsize if t.is_floating_point() else t.element_size())
+
+
 def _shards(state: dict[str, torch.Tensor], limit: int | None, itemsize: int) -> list[list[str]]:
     """Cut the names, in order, into runs of at most `limit` bytes (a tensor larger than the
     limit gets a shard of its own)."""
     runs: list[list[str]] = [[]]
     used = 0
     for name, t in state.items():
-        size = t.numel() * (itemsize if t.is_floating_point() else t.element_size())
+        size = _out_bytes(t, itemsize)
         if limit is not None and runs[-1] and used + size > limit:
             runs.append([])
             used = 0
@@ -231,10 +236,7 @@ def convert_zero_checkpoint_to_state_dict(
         if len(runs) > 1:
             index = {
                 "metadata": {
-                    "total_size": sum(
-                        t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size())
-                        for t in state.values()
-                    )
+                    "total_size": sum(_out_bytes(t, dtype.itemsize) for t in state.values())
                 },
                 "weight_map": {n: f for f, run in zip(names, runs, strict=True) for n in run},
             }

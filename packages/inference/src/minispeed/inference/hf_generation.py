@@ -50,14 +50,18 @@ _MUST_BE = {
 
 
 def _plan(
-    fused: nn.Module, hf_model: nn.Module, input_ids: Any, kwargs: dict[str, Any]
-) -> str | tuple[list[list[int]], int, tuple[int, ...], int | None]:
-    """Why the call cannot run fused (a str), or (prompts, max_new_tokens, eos ids, pad id)."""
+    fused: nn.Module, hf_model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> str | tuple[torch.Tensor, list[list[int]], int, tuple[int, ...], int | None]:
+    """Why the call `generate(*args, **kwargs)` cannot run fused (a str), or (input_ids, prompts,
+    max_new_tokens, eos ids, pad id)."""
+    kwargs = dict(kwargs)
+    input_ids = args[0] if args else kwargs.pop("input_ids", None)
+    if len(args) > 1:
+        return "positional arguments after input_ids"
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         return "input_ids is not a (B, T) tensor"
     if input_ids.is_floating_point() or input_ids.numel() == 0:
         return "input_ids holds no token ids"
-    kwargs = dict(kwargs)
     mask = kwargs.pop("attention_mask", None)
     base = kwargs.pop("generation_config", None) or getattr(hf_model, "generation_config", None)
     if base is None:
@@ -96,16 +100,13 @@ def _plan(
             return "a row of attention_mask is all zeros"
     if max(len(p) for p in prompts) + max(new, 0) > getattr(fused, "block_size", 0):
         return "the prompt plus max_new_tokens is longer than the model's positions"
-    return prompts, max(new, 0), eos, pad
+    return input_ids, prompts, max(new, 0), eos, pad
 
 
 def fused_refusal(fused: nn.Module, hf_model: nn.Module, *args: Any, **kwargs: Any) -> str | None:
     """Why `hf_generate` would hand this call to transformers' own `generate` (None: it runs on
     the fused model)."""
-    input_ids = args[0] if args else kwargs.pop("input_ids", None)
-    if len(args) > 1:
-        return "positional arguments after input_ids"
-    plan = _plan(fused, hf_model, input_ids, kwargs)
+    plan = _plan(fused, hf_model, args, kwargs)
     return plan if isinstance(plan, str) else None
 
 
@@ -113,13 +114,10 @@ def hf_generate(fused: nn.Module, hf_model: nn.Module, *args: Any, **kwargs: Any
     """`hf_model.generate(*args, **kwargs)`'s result, computed on `fused` (an `InferenceGPT`
     built from `hf_model` by `init_inference`) when `fused_refusal` finds nothing against it,
     else by `hf_model.generate` itself (see the module docstring)."""
-    rest = dict(kwargs)
-    input_ids = args[0] if args else rest.pop("input_ids", None)
-    plan = "positional arguments after input_ids" if len(args) > 1 else None
-    plan = plan or _plan(fused, hf_model, input_ids, rest)
+    plan = _plan(fused, hf_model, args, kwargs)
     if isinstance(plan, str):
         return hf_model.generate(*args, **kwargs)
-    prompts, max_new, eos, pad = plan
+    input_ids, prompts, max_new, eos, pad = plan
     if max_new == 0:
         return input_ids
     with torch.no_grad():
