@@ -104,7 +104,7 @@ def test_a_ds_config_offload_the_stage_cannot_honour_is_ignored_with_a_warning(
         assert any(m.startswith(line) for m in warned), (line, warned)
     if blocked:
         return
-    with pytest.raises(ValueError, match="offload_param.device: 'cpu' needs stage 3"):
+    with pytest.raises(ValueError, match=r"offload_param\.device: 'cpu' needs stage 3"):
         zero.ZeroConfig(stage=2, offload_param=offload.OffloadParamConfig(device="cpu"))
 
 
