@@ -31,7 +31,8 @@ persistent elements; `memory.formulas.forward_only_state_bytes`, which `zero.mea
 
 plus what is gathered at the moment (the running module's parameters and the prefetch window,
 ``stage3_max_live_numel``), as under training. Bytes sent per forward: one all-gather of every
-non-persistent parameter, ``Σ N·ceil(n/N)·p`` (message; stage3/ledger.py), and nothing else.
+non-persistent parameter, ``Σ N·ceil(n/N)·p`` (message; stage3/ledger.py), and the trace's
+cross-rank check (a few bytes per pass, trace.py); no reduce-scatter ever.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class ForwardOnly:
     counts them, `zero.memory.predict` gives the formula's).
     """
 
-    optimizer = None  # no optimizer: zero.measure and the engine read this
+    optimizer = None  # no optimizer (zero.measure and zero.memory.predict read this)
 
     def __init__(
         self,
