@@ -45,6 +45,7 @@ from torch import nn
 
 from minispeed.zero.config import ZeroConfig
 from minispeed.zero.contract import StrategyWrapper, weak_hook
+from minispeed.zero.lifetime import Detachable
 from minispeed.zero.precision import MixedPrecision
 from minispeed.zero.stage3.params import ShardedParam
 
@@ -65,7 +66,7 @@ __all__ = ["ForwardOnly", "check_forward_only", "model_precision"]
 # module again for its backward.
 
 
-class ForwardOnly:
+class ForwardOnly(Detachable):
     """What ``zero.shard(model, None, config)`` returns: stage 3's shards, no optimizer side.
 
     Holds the `Stage3Strategy` (``strategy``; `MicsStrategy` under MiCS) and its hooks on the
@@ -131,36 +132,17 @@ class ForwardOnly:
             f"inputs only, set requires_grad_(False) on the parameters"
         )
 
-    # -- lifetime ---------------------------------------------------------------------------------
+    # -- lifetime (lifetime.py) ------------------------------------------------------------------
     def close(self) -> None:
         """Gather every parameter back into the model and remove every hook (idempotent).
 
         Collective: one all-gather of every released parameter, after which each rank holds
         the full parameters (``Ψ·p`` bytes); with offload_param nvme the swap files go.
         """
-        if self._closed:
-            return
-        self._closed = True
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        try:
-            self.strategy.close()
-        finally:
-            if self._on_close is not None:
-                self._on_close()
+        Detachable.close(self)
 
-    @property
-    def closed(self) -> bool:
-        """Whether `close` ran (the model is plain PyTorch again)."""
-        return self._closed
-
-    def __enter__(self) -> ForwardOnly:
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:  # after an error other ranks may never reach the collective close
-            self.close()
+    def _detach(self) -> None:
+        self.strategy.close()
 
     def __repr__(self) -> str:
         return (
