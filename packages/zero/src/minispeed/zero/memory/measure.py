@@ -137,7 +137,8 @@ def _column_by_name(path: str) -> str | None:
 
 
 def measure(opt: Any, model: nn.Module) -> MeasuredBytes:
-    """Count the bytes ``opt`` (a ZeroOptimizer) and ``model`` hold on this rank, by column.
+    """Count the bytes ``opt`` (a ZeroOptimizer, or a ForwardOnly) and ``model`` hold on this
+    rank, by column.
 
     Measure at a step boundary (after ``opt.step()`` returned True) to compare with
     `predict`: between micro-steps stage 2 also holds its in-flight staging buckets.
