@@ -263,7 +263,7 @@ def initialize(
     # 7. The scheduler, on the optimizer whose param groups hold the hyper-parameters.
     scheduler = steps.build_scheduler(composition, lr_scheduler, zero_opt, cfg)
     loader = steps.dataloader(
-        composition, training_data, cfg, collate_fn, grid, pipeline=is_pipeline
+        composition, training_data, cfg, collate_fn, grid, for_pipeline=is_pipeline
     )
     # 8. The engine, with the profiler, comms logger and timers it reads from the config; a
     # pipeline's drives its stage's executor. (MoEEngine: Note [expert checkpoints until the
