@@ -101,7 +101,7 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
         self.optimizer = optimizer
         # stage 3 built without an optimizer: the forward-only sharding (Note [stage 3 without
         # an optimizer] in minispeed/engine/__init__.py)
-        self.forward_only_zero: zero.ZeroOptimizer | None = None
+        self.forward_only_zero: zero.ForwardOnly | None = None
         self.lr_scheduler = lr_scheduler
         self.training_dataloader = training_dataloader
         self.config = config
