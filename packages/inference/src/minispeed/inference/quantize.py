@@ -29,7 +29,9 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     w = weight.detach().float()
     absmax = w.abs().amax(dim=1)
     scales = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
-    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    # contiguous: a transposed view (Hugging Face's Conv1D weight) would otherwise give q the
+    # view's strides, and the kernel would copy the whole weight on every call
+    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
     return q, scales
 
 
