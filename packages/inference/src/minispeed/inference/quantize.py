@@ -21,6 +21,8 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     """`(q int8 (N, K), scales fp32 (N,))` with `weight ≈ q · scales[:, None]` (absmax per row).
 
     An all-zero row gets scale 1 (any scale represents it exactly), never a division by zero.
+    `q` is contiguous whatever `weight`'s strides (a Conv1D weight's transposed view included),
+    so the kernel reads it in place.
     """
     if weight.dim() != 2 or not weight.is_floating_point():
         raise ValueError(
