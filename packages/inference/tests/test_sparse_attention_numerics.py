@@ -58,9 +58,17 @@ def _grads(out, inputs, seed):
 @pytest.mark.parametrize("direction", ["bidirectional", "unidirectional"])
 @pytest.mark.parametrize(
     ("batch", "heads", "seq", "dim", "block"),
-    # odd dims and small blocks (every vector tail), then blocks and dims of 64 and 80 (the
-    # widest register tiles of the op's matrix products, and their edges)
-    [(2, 3, 48, 19, 8), (1, 5, 64, 33, 16), (1, 2, 256, 64, 64), (1, 1, 240, 70, 80)],
+    # odd dims and small blocks (every vector tail), blocks of 40 and 48 (the softmax's groups
+    # of two and three vectors at AVX-512), then blocks and dims of 64 and 80 (the widest
+    # register tiles of the op's matrix products, and their edges)
+    [
+        (2, 3, 48, 19, 8),
+        (1, 5, 64, 33, 16),
+        (1, 2, 120, 24, 40),
+        (1, 1, 144, 40, 48),
+        (1, 2, 256, 64, 64),
+        (1, 1, 240, 70, 80),
+    ],
 )
 def test_every_layout_matches_dense_attention_under_its_mask(
     op, rel_close, direction, batch, heads, seq, dim, block
