@@ -65,8 +65,10 @@ gradients), a micro-step of ~4 ms, those were ~5 % of zero's CPU over PyTorch DD
 reducer is C++ (docs/benchmarks.md). The cost: the gradients stay in `param.grad` until backward
 ends, at most one bucket's elements in the parameters' dtype more at the peak (DDP keeps a full
 second copy too), and a parameter used twice in one backward (reentrant checkpointing) has its two
-gradients summed by autograd, as in plain PyTorch, where the hooks refuse it. Larger models keep
-the per-gradient hooks and their overlap.
+gradients summed by autograd, as in plain PyTorch, where the hooks refuse it. A gradient already
+in `param.grad` when `backward_begins` runs came from a backward outside `ZeroOptimizer.backward`
+and is refused (one `.grad` read per parameter per micro-step). Larger models keep the
+per-gradient hooks and their overlap.
 
 Note [the flags ride with the last bucket]
 At every optimizer step the ranks must agree on which parameters got a gradient on any rank
@@ -295,6 +297,14 @@ class _BucketedGrads:
 
     def backward_begins(self, is_boundary: bool) -> None:
         """The optimizer says whether the coming backward ends the window."""
+        for p, _, _, _ in self._collected:  # Note [a model in one bucket has no gradient hooks]
+            if p.grad is not None:
+                raise RuntimeError(
+                    f"parameter {self.names[p]!r} holds a gradient before ZeroOptimizer.backward: "
+                    f"a backward ran outside it (a plain loss.backward()), whose gradients would "
+                    f"be added to this micro-step's. Drive every micro-step through "
+                    f"ZeroOptimizer.backward(loss), and leave param.grad to it"
+                )
         self._ends_window = is_boundary
         self._launching = self._reducing_now()
 
