@@ -22,7 +22,9 @@ Bytes kept per rank (g = bytes per `grad_accum_dtype` element, Ψ parameters, N 
 stages 0 and 1: Ψ·g (full flat gradients; stage 1's reduced partition is this rank's shard of
 each bucket, in place); stage 2: Ψ·g/N plus at most `_MAX_IN_FLIGHT` + (buckets being filled)
 staging buckets of `ZeroConfig.bucket_numel` elements (`reduce_bucket_numel`, at most 25 MiB).
-Bytes sent: see `ledger.py`.
+A model within one bucket (no hooks) also holds its gradients in `param.grad` until backward
+ends: Ψ·p more at that peak (p = bytes per parameter element), Ψ ≤ `bucket_numel`. Bytes sent:
+see `ledger.py`.
 
 Note [the first micro-step overwrites]
 The gradient buffers are not zero-filled after a step. The first backward of an accumulation
@@ -61,8 +63,9 @@ dispatches (copy then ×1/N on a window's first micro-step, `add_(alpha=1/N)` af
 and sums of the hook's `torch.mul` / `add_`, bit for bit) and `param.grad` is freed, then the
 buckets launch in order as before. Per gradient that is a loop iteration instead of a hook call
 from autograd's C++ and five Python calls with one dispatch each: at 30K parameters (29
-gradients), a micro-step of ~4 ms, those were ~5 % of zero's CPU over PyTorch DDP's, whose
-reducer is C++ (docs/benchmarks.md). The cost: the gradients stay in `param.grad` until backward
+gradients, a micro-step of ~3.5 ms of CPU) the engine's ZeRO-0 step went from 1.13× PyTorch
+DDP's CPU time to 1.03× (medians of nine alternating runs; DDP's reducer is C++:
+docs/benchmarks.md). The cost: the gradients stay in `param.grad` until backward
 ends, at most one bucket's elements in the parameters' dtype more at the peak (DDP keeps a full
 second copy too), and a parameter used twice in one backward (reentrant checkpointing) has its two
 gradients summed by autograd, as in plain PyTorch, where the hooks refuse it. A gradient already
