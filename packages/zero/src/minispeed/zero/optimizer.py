@@ -506,10 +506,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.strategy.scale_grads(float(coef)):  # applied as they are read back (Infinity)
             return
         if grads:  # one call for all: the products of g.mul_ on each
-            if all(g.dtype == coef.dtype for g in grads):  # one scalar tensor, no cast per grad
-                torch._foreach_mul_(grads, coef.reshape(()))
-            else:
-                torch._foreach_mul_(grads, [coef.to(g.dtype) for g in grads])
+            torch._foreach_mul_(grads, [coef.to(g.dtype) for g in grads])
 
     def shared_params(self) -> list[nn.Parameter]:
         """The parameters whose gradient this optimizer sums over model-parallel ranks at each
