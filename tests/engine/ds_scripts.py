@@ -57,6 +57,13 @@ LOOP_UTILS_IMPORTS = {
 
 PLAIN_IMPORTS = {"import deepspeed\n": "import minispeed.engine as deepspeed\n"}
 
+FROZEN_RESUME_IMPORTS = {
+    "import deepspeed\n": "import minispeed.engine as deepspeed\n",
+    "from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint\n": (
+        "from minispeed.engine.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint\n"
+    ),
+}
+
 CHAT_IMPORTS = {
     "import deepspeed\n": "import minispeed.engine as deepspeed\n",
     "from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam\n": (

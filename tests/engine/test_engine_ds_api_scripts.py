@@ -94,6 +94,7 @@ def _bf16_offload(rank, world_size, root):
         "ds_engine_answers.json",
         "ds_chat.json",
         "ds_engine_queries.json",
+        "ds_frozen_resume.json",
     ],
 )
 def test_fixtures_were_recorded_on_deepspeed_0_19_8(name):
@@ -154,6 +155,22 @@ def test_engine_config_queries_answer_as_deepspeeds():
         assert ref["stage1_bf16_offload"]["get_data_types"] == ["torch.bfloat16"] * 2
         ref["stage1_bf16_offload"]["get_data_types"][1] = "torch.float32"
         ds_scripts.assert_matches(ours, ref)
+
+
+def _frozen_resume(rank, world_size):
+    return ds_scripts.load("record_ds_frozen_resume.py", ds_scripts.FROZEN_RESUME_IMPORTS).main()
+
+
+def test_a_checkpoint_without_the_frozen_base_resumes_as_deepspeeds():
+    """`save_checkpoint(exclude_frozen_parameters=True)` then `load_checkpoint(
+    load_module_strict=False)` into a fresh engine: the resumed steps equal the uninterrupted
+    ones and DeepSpeed's, at ZeRO 2 and 3; a strict load is refused; the fp32 consolidation
+    holds the adapters only."""
+    runs = run_distributed(_frozen_resume, world_size=2, timeout_s=300)
+    for ours, ref in zip(runs, _fixture("ds_frozen_resume.json")["ranks"], strict=True):
+        ds_scripts.assert_matches(ours, ref)
+        for stage in ours.values():
+            assert stage["resumed"] == stage["uninterrupted"]
 
 
 def test_zero3_init_script_matches_deepspeed():

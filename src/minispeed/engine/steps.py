@@ -36,6 +36,7 @@ __all__ = [
     "record_config",
     "record_grid",
     "shard",
+    "shard_forward_only",
     "tensor_parallel_plan",
 ]
 
@@ -258,6 +259,42 @@ def shard(
         step.did(f"bytes held on this rank now: {_memory_text(memory)}")
         step.params = placements(model, opt)
     return opt
+
+
+def shard_forward_only(
+    composition: Composition, model: nn.Module, cfg: EngineConfig, *, grid: Any = None
+) -> zero.ForwardOnly:
+    """Step 6 without an optimizer at stage 3 (DeepSpeed's ZeRO-Inference): ``zero.shard(model,
+    None)`` over the data axis, the parameter shards alone in the config's dtype (Note [stage 3
+    without an optimizer] in minispeed/engine/__init__.py). Collective over the data group."""
+    # No optimizer state to offload: a training config's offload_optimizer is left out, as
+    # DeepSpeed's parameter-offload half of stage 3 leaves it (offload_param still applies).
+    zero_config = dataclasses.replace(cfg.zero, offload_optimizer=None)
+    keys = ["zero_optimization.stage"]
+    keys += [_precision_key(cfg)] if _precision_key(cfg) else []
+    keys += ["zero_optimization.offload_param"] if zero_config.offload_param is not None else []
+    parallel: dict[str, Any] = {}
+    if grid is not None:
+        parallel["group"] = grid.group("data")
+    if zero_config.mics_shard_size > 0:
+        keys.append("zero_optimization.mics_shard_size")
+        parallel["mics_groups"] = mics_groups(
+            grid, zero_config.mics_shard_size, zero_config.mics_hierarchical_params_gather
+        )
+    with composition.step("zero.shard (no optimizer)", model, keys=keys) as step:
+        shards = zero.shard(model, None, config=zero_config, precision=cfg.precision, **parallel)
+        data = comm.get_world_size(shards.comm_group)
+        step.did(
+            f"stage 3 without an optimizer over a data-parallel group of {data} ranks: parameter "
+            f"shards in {_dtype(cfg.precision.param_dtype)} only (no fp32 masters, no gradients)"
+        )
+        if cfg.zero.offload_optimizer is not None:
+            step.did("offload_optimizer left out: there is no optimizer state")
+        if zero_config.offload_param is not None:
+            step.did(f"offload_param: {_offload_text(zero_config.offload_param)}")
+        memory = zero.measure(shards, model)
+        step.did(f"bytes held on this rank now: {_memory_text(memory)}")
+    return shards
 
 
 def _precision_key(cfg: EngineConfig) -> str | None:
