@@ -57,6 +57,16 @@ LOOP_UTILS_IMPORTS = {
 
 PLAIN_IMPORTS = {"import deepspeed\n": "import minispeed.engine as deepspeed\n"}
 
+CHAT_IMPORTS = {
+    "import deepspeed\n": "import minispeed.engine as deepspeed\n",
+    "from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam\n": (
+        "from minispeed.engine.ops.adam import DeepSpeedCPUAdam, FusedAdam\n"
+    ),
+    "from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus\n": (
+        "from minispeed.engine.runtime.zero.partition_parameters import ZeroParamStatus\n"
+    ),
+}
+
 
 def load(script: str, imports: dict[str, str]) -> types.ModuleType:
     """The script `scripts/<script>` with its imports swapped, executed as a module."""

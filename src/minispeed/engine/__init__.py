@@ -198,11 +198,6 @@ def initialize(
                 "<trial>", "minispeed tune does not tune pipeline models; run it without a pipeline"
             )
         ds = load_ds_config(trial.config)
-    if is_pipeline and training_data is not None:
-        raise ValueError(
-            "training_data= with a PipelineModule is not supported: pass a data iterator to "
-            "engine.train_batch(data_iter)"
-        )
     # 2. The process group, and the grid's shape (checked on every rank before any collective);
     # a pipeline brings its own grid (pipe × data [× tensor]).
     init_distributed(distributed_port=distributed_port)
@@ -277,7 +272,9 @@ def initialize(
         )
     # 7. The scheduler, on the optimizer whose param groups hold the hyper-parameters.
     scheduler = steps.build_scheduler(composition, lr_scheduler, zero_opt, cfg)
-    loader = steps.dataloader(composition, training_data, cfg, collate_fn, grid)
+    loader = steps.dataloader(
+        composition, training_data, cfg, collate_fn, grid, for_pipeline=is_pipeline
+    )
     # 8. The engine, with the profiler, comms logger and timers it reads from the config; a
     # pipeline's drives its stage's executor. (MoEEngine: Note [expert checkpoints until the
     # layout names experts] in experts.py.)
@@ -288,7 +285,9 @@ def initialize(
             model, zero_opt, cfg, scheduler, executor=executor, observers=observers,
             composition=composition,
         )  # fmt: skip
-        return engine, zero_opt, None, scheduler
+        if loader is not None:
+            engine.set_dataloader(loader)
+        return engine, zero_opt, loader, scheduler
     engine_class = Engine if replica_groups is None else MoEEngine
     engine = engine_class(
         model, zero_opt, cfg, scheduler, loader, observers=observers, grid=grid,

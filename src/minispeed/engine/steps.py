@@ -313,25 +313,36 @@ def _scheduler(given: Any, zero_opt: Any, cfg: EngineConfig) -> Any:
 
 
 def dataloader(
-    composition: Composition, dataset: Any, cfg: EngineConfig, collate_fn: Any, grid: Any = None
+    composition: Composition,
+    dataset: Any,
+    cfg: EngineConfig,
+    collate_fn: Any,
+    grid: Any = None,
+    *,
+    for_pipeline: bool = False,
 ) -> Any:
     """DeepSpeed's loader: a `DistributedSampler` over the data-parallel ranks (shuffled with
     seed 0), `train_micro_batch_size_per_gpu` samples per batch; the tensor ranks of one
-    replica read the same samples."""
+    replica read the same samples. A pipeline's (`for_pipeline=True`, DeepSpeed's `PipelineEngine`)
+    reads the samples in order and repeats endlessly (`RepeatingLoader`): `train_batch()` given
+    no iterator reads it."""
     if dataset is None:
         return None
     from torch.utils.data import DataLoader, DistributedSampler
 
     rank = comm.get_rank() if grid is None else grid.rank_in("data")
     with composition.step("data loader", keys=("initialize(training_data=...)",)) as step:
-        sampler = DistributedSampler(dataset, num_replicas=cfg.data_parallel_size, rank=rank)
+        sampler = DistributedSampler(
+            dataset, num_replicas=cfg.data_parallel_size, rank=rank, shuffle=not for_pipeline
+        )
         step.did(
             f"{cfg.micro_batch_size} samples per batch, data-parallel rank {rank} of "
-            f"{cfg.data_parallel_size}"
+            f"{cfg.data_parallel_size}" + (", in order, repeating" if for_pipeline else "")
         )
-        return DataLoader(
+        loader = DataLoader(
             dataset, batch_size=cfg.micro_batch_size, sampler=sampler, collate_fn=collate_fn
         )
+        return pipeline.RepeatingLoader(loader) if for_pipeline else loader
 
 
 def pipeline_executor(
