@@ -1,20 +1,20 @@
 """Under activation checkpointing, stage 3's backward gathers each parameter once, as without it.
 
 Note [recomputation keeps its unit] (stage3/coordinator.py): a block's forward run again inside
-backward (non-reentrant ``torch.utils.checkpoint``) gathers its modules' parameters, and they stay
-gathered for those modules' backward, which follows. Released at the end of the recomputed
-forward, as a forward releases them, they were gathered again by the backward: more all-gather
-bytes per step than ``stage3_step_bytes`` states. On 2 gloo ranks, four checkpointed blocks of
-two ``Linear(320, 320)`` (weights above the persistence threshold), step 3: the backward's
-all-gather bytes equal the forward's and the ledger's, and the step equals the same model trained
-without checkpointing, bit for bit.
+backward (non-reentrant ``torch.utils.checkpoint``, early stopping off) gathers its modules'
+parameters, and they stay gathered for those modules' backward, which follows. Released at the
+end of the recomputed forward, as a forward releases them, they were gathered again by the
+backward: more all-gather bytes per step than ``stage3_step_bytes`` states. On 2 gloo ranks,
+four checkpointed blocks of two ``Linear(320, 320)`` (weights above the persistence threshold),
+step 3: the backward's all-gather bytes equal the forward's and the ledger's, and the losses
+equal the same model's trained without checkpointing, bit for bit.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import minispeed.comm as comm
 import minispeed.zero as zero
@@ -31,8 +31,9 @@ class _Block(nn.Module):
         self.body = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.recompute:
-            return x + checkpoint(self.body, x, use_reentrant=False)
+        if self.recompute:  # the whole block recomputed, as zero.checkpoint does
+            with set_checkpoint_early_stop(False):
+                return x + checkpoint(self.body, x, use_reentrant=False)
         return x + self.body(x)
 
 

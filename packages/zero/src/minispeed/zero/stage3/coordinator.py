@@ -170,6 +170,10 @@ def _make_post(unit: FetchUnit, coordinator: FetchCoordinator, is_root: bool) ->
 # post-backward as usual, or at the end of backward (the live set's release) if its backward never
 # runs. Cost: the recomputed block's parameters held from its recomputation to each module's
 # backward (one block of gathered parameters, as FSDP2 holds), against a gather of each.
+# Limit: torch's non-reentrant checkpoint stops a recomputation early by default, inside the
+# forward of the module that saves the last tensor needed; that forward never ends here, and the
+# next forward's recovery releases its unit (a warning). ``zero.checkpoint`` recomputes whole
+# blocks, as ``torch.utils.checkpoint.set_checkpoint_early_stop(False)`` makes torch's do.
 class FetchPhase(enum.Enum):
     """Which pass the coordinator is in; changed only by its ``_to_*`` transitions.
 
