@@ -57,6 +57,23 @@ LOOP_UTILS_IMPORTS = {
 
 PLAIN_IMPORTS = {"import deepspeed\n": "import minispeed.engine as deepspeed\n"}
 
+FROZEN_RESUME_IMPORTS = {
+    "import deepspeed\n": "import minispeed.engine as deepspeed\n",
+    "from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint\n": (
+        "from minispeed.engine.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint\n"
+    ),
+}
+
+CHAT_IMPORTS = {
+    "import deepspeed\n": "import minispeed.engine as deepspeed\n",
+    "from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam\n": (
+        "from minispeed.engine.ops.adam import DeepSpeedCPUAdam, FusedAdam\n"
+    ),
+    "from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus\n": (
+        "from minispeed.engine.runtime.zero.partition_parameters import ZeroParamStatus\n"
+    ),
+}
+
 
 def load(script: str, imports: dict[str, str]) -> types.ModuleType:
     """The script `scripts/<script>` with its imports swapped, executed as a module."""

@@ -92,6 +92,9 @@ def _bf16_offload(rank, world_size, root):
         "ds_bf16_offload.json",
         "ds_loop_utils.json",
         "ds_engine_answers.json",
+        "ds_chat.json",
+        "ds_engine_queries.json",
+        "ds_frozen_resume.json",
     ],
 )
 def test_fixtures_were_recorded_on_deepspeed_0_19_8(name):
@@ -122,6 +125,52 @@ def test_resume_script_matches_deepspeed(tmp_path):
     shard.write_bytes(os.urandom(shard.stat().st_size))
     with pytest.raises(CheckpointError, match=rf"checkpoint file {shard} .* is damaged"):
         get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt", tag=shard.parent.name)
+
+
+def _chat(rank, world_size):
+    return ds_scripts.load("record_ds_chat.py", ds_scripts.CHAT_IMPORTS).main()
+
+
+def test_deepspeed_chat_sft_step_matches_deepspeed():
+    """DeepSpeed-Chat's config (offload sections the stage cannot honour, switched-off sections
+    with their keys filled in, `memory_efficient_linear: false`), FusedAdam / DeepSpeedCPUAdam
+    with transformers' schedule, and its ZeRO-3 gather for saving: losses, learning rates and
+    every gathered parameter's sum, at stage 2 with offload and stage 3 with and without."""
+    runs = run_distributed(_chat, world_size=2, timeout_s=300)
+    for ours, ref in zip(runs, _fixture("ds_chat.json")["ranks"], strict=True):
+        ds_scripts.assert_matches(ours, ref)
+
+
+def _queries(rank, world_size):
+    return ds_scripts.load("record_ds_engine_queries.py", ds_scripts.PLAIN_IMPORTS).main()
+
+
+def test_engine_config_queries_answer_as_deepspeeds():
+    """`engine.get_batch_info()`, `zero_cpu_offload()`, `dynamic_loss_scale_args()` and the
+    rest of the script's list, for three configs, each as DeepSpeed's engine answers; but
+    under bf16 gradients accumulate in fp32 here unless data_types.grad_accum_dtype asks for
+    bf16 (minispeed.zero.precision), where DeepSpeed's follow the parameters."""
+    runs = run_distributed(_queries, world_size=2, timeout_s=240)
+    for ours, ref in zip(runs, _fixture("ds_engine_queries.json")["ranks"], strict=True):
+        assert ref["stage1_bf16_offload"]["get_data_types"] == ["torch.bfloat16"] * 2
+        ref["stage1_bf16_offload"]["get_data_types"][1] = "torch.float32"
+        ds_scripts.assert_matches(ours, ref)
+
+
+def _frozen_resume(rank, world_size):
+    return ds_scripts.load("record_ds_frozen_resume.py", ds_scripts.FROZEN_RESUME_IMPORTS).main()
+
+
+def test_a_checkpoint_without_the_frozen_base_resumes_as_deepspeeds():
+    """`save_checkpoint(exclude_frozen_parameters=True)` then `load_checkpoint(
+    load_module_strict=False)` into a fresh engine: the resumed steps equal the uninterrupted
+    ones and DeepSpeed's, at ZeRO 2 and 3; a strict load is refused; the fp32 consolidation
+    holds the adapters only."""
+    runs = run_distributed(_frozen_resume, world_size=2, timeout_s=300)
+    for ours, ref in zip(runs, _fixture("ds_frozen_resume.json")["ranks"], strict=True):
+        ds_scripts.assert_matches(ours, ref)
+        for stage in ours.values():
+            assert stage["resumed"] == stage["uninterrupted"]
 
 
 def test_zero3_init_script_matches_deepspeed():

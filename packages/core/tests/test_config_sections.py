@@ -59,6 +59,8 @@ class Outer(Section):
     ds_unsupported: ClassVar[dict[str, Unsupported]] = {
         "legacy": ds_only(False, "not here; use flag"),
         "gone": ds_refused("never here; use inner"),
+        "either": ds_only(1, "one or two only", also=(2,)),
+        "monitor": ds_only({"enabled": False, "path": ""}, "no monitor"),
     }
 
     flag: bool = key("flag", False, aliases=("old_flag",))
@@ -93,10 +95,23 @@ def test_errors_name_the_key_as_written_with_the_field_after() -> None:
         Inner(True)  # a flag is not a count
 
 
+def test_a_key_accepted_at_several_values_and_a_switched_off_section() -> None:
+    assert Outer.from_section({"either": 2, "monitor": {"enabled": False, "path": "/runs"}})
+    assert Outer.from_section({"monitor": {"path": "/runs"}})  # off by default: read by nobody
+    with pytest.raises(ConfigError) as err:
+        Outer.from_section({"either": 3})
+    assert str(err.value).endswith("remove it (1 or 2 are accepted)")
+    with pytest.raises(ConfigError, match=r"^outer.monitor: .*no monitor"):
+        Outer.from_section({"monitor": {"enabled": True, "path": "/runs"}})
+    assert "or 2" in section_schema(Outer)["properties"]["either"]["description"]
+
+
 def test_the_schema_holds_every_key_nested_and_closed() -> None:
     schema = section_schema(Outer)
     assert schema["additionalProperties"] is False
-    assert set(schema["properties"]) == {"flag", "old_flag", "inner", "legacy", "gone"}
+    assert set(schema["properties"]) == {
+        "flag", "old_flag", "inner", "legacy", "gone", "either", "monitor"
+    }  # fmt: skip
     assert schema["properties"]["legacy"]["default"] is False  # the one value accepted
     assert "default" not in schema["properties"]["gone"]
     inner = schema["properties"]["inner"]

@@ -56,10 +56,6 @@ def test_sections_are_translated_with_deepspeed_keys(tmp_path) -> None:
     "section,match",
     [
         (
-            {"stage": 2, "offload_param": {"device": "cpu"}},
-            "^zero_optimization.offload_param.device: 'cpu' needs stage 3",
-        ),
-        (
             {"stage": 2, "offload_optimizer": {"device": "nvme"}},
             "^zero_optimization.offload_optimizer.nvme_path: must be given with device 'nvme'",
         ),
@@ -80,6 +76,36 @@ def test_sections_are_translated_with_deepspeed_keys(tmp_path) -> None:
 def test_bad_sections_name_the_key(section, match) -> None:
     with pytest.raises((ValueError, TypeError), match=match):
         zero.ZeroConfig.from_section(section)
+
+
+@pytest.mark.parametrize("blocked", [False, True], ids=["offload", "no-offload-package"])
+def test_a_ds_config_offload_the_stage_cannot_honour_is_ignored_with_a_warning(
+    blocked, monkeypatch, caplog
+) -> None:
+    """As DeepSpeed ignores them (DeepSpeed-Chat asks for both at every stage); the same
+    section built in code is refused."""
+    if blocked:
+        monkeypatch.setitem(sys.modules, "minispeed.offload", None)
+    from minispeed.core.logging import get_logger
+
+    monkeypatch.setattr(get_logger(), "propagate", True)  # let caplog see minispeed's records
+    both = {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
+    at_zero = zero.ZeroConfig.from_section({"stage": 0, **both}, path=f"z{blocked}")
+    # at stage 2 the optimizer's is honoured (it needs the package, which the next test covers)
+    at_two = zero.ZeroConfig.from_section(
+        {"stage": 2, **(both if not blocked else {"offload_param": both["offload_param"]})},
+        path=f"z{blocked}",
+    )
+    assert (at_zero.offload_optimizer, at_zero.offload_param, at_two.offload_param) == (None,) * 3
+    assert (at_two.offload_optimizer is None) == blocked
+    warned = [r.getMessage() for r in caplog.records]
+    for key, stage in (("offload_optimizer", 0), ("offload_param", 0), ("offload_param", 2)):
+        line = f"z{blocked}.{key}.device: 'cpu' is ignored at stage {stage}, as DeepSpeed"
+        assert any(m.startswith(line) for m in warned), (line, warned)
+    if blocked:
+        return
+    with pytest.raises(ValueError, match=r"offload_param\.device: 'cpu' needs stage 3"):
+        zero.ZeroConfig(stage=2, offload_param=offload.OffloadParamConfig(device="cpu"))
 
 
 def test_without_the_offload_package_the_error_names_the_extra(monkeypatch) -> None:

@@ -42,7 +42,6 @@ Reading order: `config/` (the ds_config) → `engine.py` (the loop) → `steps.p
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -198,11 +197,6 @@ def initialize(
                 "<trial>", "minispeed tune does not tune pipeline models; run it without a pipeline"
             )
         ds = load_ds_config(trial.config)
-    if is_pipeline and training_data is not None:
-        raise ValueError(
-            "training_data= with a PipelineModule is not supported: pass a data iterator to "
-            "engine.train_batch(data_iter)"
-        )
     # 2. The process group, and the grid's shape (checked on every rank before any collective);
     # a pipeline brings its own grid (pipe × data [× tensor]).
     init_distributed(distributed_port=distributed_port)
@@ -264,20 +258,13 @@ def initialize(
             composition, model, opt, cfg, grid=grid, replica_groups=replica_groups, ties=ties
         )
     elif cfg.zero.stage == 3 and not is_pipeline:
-        # Note [stage 3 without an optimizer]: DeepSpeed's ZeRO-Inference. The model is
-        # partitioned and its parameters fetched per module as under training; nothing steps.
-        # No optimizer state to offload: a training config's offload_optimizer is left out, as
-        # DeepSpeed's parameter-offload half of stage 3 leaves it (offload_param still applies).
-        forward_cfg = cfg
-        if cfg.zero.offload_optimizer is not None:
-            zero_cfg = dataclasses.replace(cfg.zero, offload_optimizer=None)
-            forward_cfg = dataclasses.replace(cfg, zero=zero_cfg)
-        forward_only = steps.shard(
-            composition, model, torch.optim.SGD(params, lr=0.0), forward_cfg, grid=grid
-        )
+        # Note [stage 3 without an optimizer]: DeepSpeed's ZeRO-Inference.
+        forward_only = steps.shard_forward_only(composition, model, cfg, grid=grid)
     # 7. The scheduler, on the optimizer whose param groups hold the hyper-parameters.
     scheduler = steps.build_scheduler(composition, lr_scheduler, zero_opt, cfg)
-    loader = steps.dataloader(composition, training_data, cfg, collate_fn, grid)
+    loader = steps.dataloader(
+        composition, training_data, cfg, collate_fn, grid, for_pipeline=is_pipeline
+    )
     # 8. The engine, with the profiler, comms logger and timers it reads from the config; a
     # pipeline's drives its stage's executor. (MoEEngine: Note [expert checkpoints until the
     # layout names experts] in experts.py.)
@@ -288,7 +275,9 @@ def initialize(
             model, zero_opt, cfg, scheduler, executor=executor, observers=observers,
             composition=composition,
         )  # fmt: skip
-        return engine, zero_opt, None, scheduler
+        if loader is not None:
+            engine.set_dataloader(loader)
+        return engine, zero_opt, loader, scheduler
     engine_class = Engine if replica_groups is None else MoEEngine
     engine = engine_class(
         model, zero_opt, cfg, scheduler, loader, observers=observers, grid=grid,
@@ -304,13 +293,13 @@ def initialize(
 # too large for one device): DeepSpeed builds its parameter-offload half of stage 3, which
 # partitions the model and gathers each module's parameters around its forward. A model built
 # under `zero.Init` (what `from_pretrained` does under HfDeepSpeedConfig) holds only shards and
-# cannot run without it. minispeed gets the same by sharding with an SGD of learning rate 0 that
-# is never stepped: the engine still has no optimizer (`engine.optimizer` is None, and
-# `backward` / `step` are refused as with any engine built without one), the ZeroOptimizer is
-# `engine.forward_only_zero`. A training config's `offload_optimizer` is left out (no optimizer state);
-# `offload_param` applies. Cost: stage 3's per-rank model state of a model that does not
-# train, Ψ/N parameter shards (plus their fp32 masters when the parameters are 16-bit), and one
-# all-gather of each module's parameters per forward.
+# cannot run without it. minispeed gets the same from `zero.shard(model, None, ...)`
+# (`steps.shard_forward_only`; the zero package's stage3/forward_only.py): the engine has no
+# optimizer (`engine.optimizer` is None, and `backward` / `step` are refused as with any engine
+# built without one), the shards are `engine.forward_only_zero`. A training config's
+# `offload_optimizer` is left out (no optimizer state); `offload_param` applies. Cost per rank:
+# the parameter shards alone, p·Ψ/N bytes (2Ψ/N in bf16/fp16; no fp32 master, no gradient),
+# and one all-gather of each module's parameters per forward.
 
 
 def _check_pipeline_grid(grid: Any, shape: dict[str, int]) -> None:

@@ -101,7 +101,7 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
         self.optimizer = optimizer
         # stage 3 built without an optimizer: the forward-only sharding (Note [stage 3 without
         # an optimizer] in minispeed/engine/__init__.py)
-        self.forward_only_zero: zero.ZeroOptimizer | None = None
+        self.forward_only_zero: zero.ForwardOnly | None = None
         self.lr_scheduler = lr_scheduler
         self.training_dataloader = training_dataloader
         self.config = config
@@ -404,7 +404,12 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
 
     # -- checkpoints (the calls: checkpoint/calls.py) ---------------------------------------------
     def _save_part(
-        self, save_dir: str | os.PathLike, tag: str, client: dict[str, Any], save_latest: bool
+        self,
+        save_dir: str | os.PathLike,
+        tag: str,
+        client: dict[str, Any],
+        save_latest: bool,
+        exclude_frozen: bool = False,
     ) -> None:
         """The files are `zero.save_checkpoint`'s, one per data-parallel rank, in one directory
         per pipeline stage and expert rank (`minispeed.engine.checkpoint`); the counters and the
@@ -422,14 +427,14 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
             "client": client,
         }
         ckpt_async.checkpointer_of(self).save(
-            self._part(state), save_dir, tag, save_latest=save_latest
+            self._part(state, exclude_frozen), save_dir, tag, save_latest=save_latest
         )
 
-    def _part(self, payload: dict[str, Any]) -> ckpt.Part:
+    def _part(self, payload: dict[str, Any], exclude_frozen: bool = False) -> ckpt.Part:
         """This rank's part of the grid's checkpoint (`checkpoint/grid.py`)."""
         opt = self._require_optimizer("save_checkpoint")
         place = ckpt_async.place_of(self)
-        return ckpt.Part(place, self.module, opt, payload, self._partition())
+        return ckpt.Part(place, self.module, opt, payload, self._partition(), exclude_frozen)
 
     def _partition(self) -> list[int] | None:
         """The layer boundaries a checkpoint must be loaded with (a pipeline's; None here)."""
@@ -442,8 +447,9 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
         self._require_optimizer("load_checkpoint")
         saver = ckpt_async.checkpointer_of(self)
         tag_dir, saved = saver.load(
-            self._part({}), load_dir, tag, load_optimizer_states=restore.optimizer
-        )
+            self._part({}), load_dir, tag, load_optimizer_states=restore.optimizer,
+            strict=restore.strict,
+        )  # fmt: skip
         saved = dict(saved or {})
         ours = saved.get(_ENGINE_STATE)
         client = saved.get("client", saved) if ours is not None else saved

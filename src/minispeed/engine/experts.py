@@ -92,7 +92,12 @@ class MoEEngine(Engine):
     checkpoints until the layout names experts])."""
 
     def _save_part(
-        self, save_dir: str | os.PathLike, tag: str, client: dict[str, Any], save_latest: bool
+        self,
+        save_dir: str | os.PathLike,
+        tag: str,
+        client: dict[str, Any],
+        save_latest: bool,
+        exclude_frozen: bool = False,
     ) -> None:
         """`Engine`'s files, plus this rank's `moe_rank_state` file (collective)."""
         opt = self._require_optimizer("save_checkpoint")
@@ -100,7 +105,7 @@ class MoEEngine(Engine):
         path.parent.mkdir(parents=True, exist_ok=True)
         state = opt.state_dict()
         atomic_write(path, lambda f: torch.save(state, f))  # the zero files seal the tag after
-        super()._save_part(save_dir, tag, client, save_latest)
+        super()._save_part(save_dir, tag, client, save_latest, exclude_frozen)
 
     def save_16bit_model(
         self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin"

@@ -23,7 +23,10 @@ engine does it:
 - **Pulling the data** (`minispeed.pipeline.pull_batch`): `data_iter` yields `(inputs,
   labels)` per micro-batch; the first stage reads the inputs, the last the labels, the others
   nothing (each stage iterates its own `data_iter`, as under DeepSpeed); all ranks agree that
-  every stage got its data before the schedule starts.
+  every stage got its data before the schedule starts. `initialize(training_data=dataset)`
+  instead gives the engine its own loader (in order over the data-parallel replicas,
+  repeating), which `train_batch()` reads when given no iterator; `set_batch_fn(fn)` maps each
+  micro-batch a stage reads.
 - **Equal replicas**: the module's build broadcasts each stage's parameters and buffers from
   its first data-parallel replica (DeepSpeed's `_broadcast_model`).
 - **Gradient clipping** (`gradient_clipping`) is ZeRO's, over `zero.ModelParallel`: by the
@@ -59,7 +62,7 @@ replicas, on every rank, as a 0-dim float32 tensor (DeepSpeed's `agg_train_loss`
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -116,6 +119,7 @@ class PipelineEngine(Engine):
         )  # fmt: skip
         self.executor = executor
         self.data_iterator: Iterator | None = None
+        self.batch_fn: Callable[[Any], Any] | None = None
         self.agg_train_loss: torch.Tensor | None = None
 
     # -- DeepSpeed's pipeline API -----------------------------------------------------------------
@@ -146,6 +150,25 @@ class PipelineEngine(Engine):
         """The iterator `train_batch()` reads when given none."""
         self.data_iterator = iterator
 
+    def set_dataloader(self, loader: Iterable) -> None:
+        """The loader `train_batch()` reads when given no iterator (`initialize(training_data=)`
+        sets its own): an iterator over it, on the first and last stages, which read data."""
+        self.training_dataloader = loader
+        if self.is_first_stage() or self.is_last_stage():
+            self.data_iterator = iter(loader)
+
+    def set_batch_fn(self, fn: Callable[[Any], Any]) -> None:
+        """`fn(micro_batch)` replaces each micro-batch the first and last stages read, in
+        `train_batch` and `eval_batch` (DeepSpeed's post-processing hook, e.g. to broadcast a
+        batch or build the masks)."""
+        self.batch_fn = fn
+
+    def _pull(self, data_iter: Iterator | None, micro_batches: int) -> tuple[Any, Any]:
+        """The step's inputs and labels from `data_iter`, each micro-batch through `batch_fn`."""
+        if data_iter is not None and self.batch_fn is not None:
+            data_iter = map(self.batch_fn, data_iter)
+        return pipeline.pull_batch(data_iter, micro_batches, self.module)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise PipelineError("Only train_batch() is accessible in pipeline mode.")
 
@@ -169,7 +192,7 @@ class PipelineEngine(Engine):
         if self._step_profiler is not None:
             self._start_profile()
         self.module.train()
-        inputs, labels = pipeline.pull_batch(self.data_iterator, self.micro_batches, self.module)
+        inputs, labels = self._pull(self.data_iterator, self.micro_batches)
         loss = self.executor.train_batch(inputs, labels)
         if self.config.wall_clock_breakdown:
             timeline = self.executor.timeline
@@ -210,7 +233,7 @@ class PipelineEngine(Engine):
             )
         n = self.micro_batches if num_micro_batches is None else num_micro_batches
         self.module.eval()
-        inputs, labels = pipeline.pull_batch(data_iter, n, self.module)
+        inputs, labels = self._pull(data_iter, n)
         ex = self.executor
         last = self.module.stage == self.module.stages - 1
         if compute_loss and reduce_output == "avg":

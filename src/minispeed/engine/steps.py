@@ -36,6 +36,7 @@ __all__ = [
     "record_config",
     "record_grid",
     "shard",
+    "shard_forward_only",
     "tensor_parallel_plan",
 ]
 
@@ -260,6 +261,42 @@ def shard(
     return opt
 
 
+def shard_forward_only(
+    composition: Composition, model: nn.Module, cfg: EngineConfig, *, grid: Any = None
+) -> zero.ForwardOnly:
+    """Step 6 without an optimizer at stage 3 (DeepSpeed's ZeRO-Inference): ``zero.shard(model,
+    None)`` over the data axis, the parameter shards alone in the config's dtype (Note [stage 3
+    without an optimizer] in minispeed/engine/__init__.py). Collective over the data group."""
+    # No optimizer state to offload: a training config's offload_optimizer is left out, as
+    # DeepSpeed's parameter-offload half of stage 3 leaves it (offload_param still applies).
+    zero_config = dataclasses.replace(cfg.zero, offload_optimizer=None)
+    keys = ["zero_optimization.stage"]
+    keys += [_precision_key(cfg)] if _precision_key(cfg) else []
+    keys += ["zero_optimization.offload_param"] if zero_config.offload_param is not None else []
+    parallel: dict[str, Any] = {}
+    if grid is not None:
+        parallel["group"] = grid.group("data")
+    if zero_config.mics_shard_size > 0:
+        keys.append("zero_optimization.mics_shard_size")
+        parallel["mics_groups"] = mics_groups(
+            grid, zero_config.mics_shard_size, zero_config.mics_hierarchical_params_gather
+        )
+    with composition.step("zero.shard (no optimizer)", model, keys=keys) as step:
+        shards = zero.shard(model, None, config=zero_config, precision=cfg.precision, **parallel)
+        data = comm.get_world_size(shards.comm_group)
+        step.did(
+            f"stage 3 without an optimizer over a data-parallel group of {data} ranks: parameter "
+            f"shards in {_dtype(cfg.precision.param_dtype)} only (no fp32 masters, no gradients)"
+        )
+        if cfg.zero.offload_optimizer is not None:
+            step.did("offload_optimizer left out: there is no optimizer state")
+        if zero_config.offload_param is not None:
+            step.did(f"offload_param: {_offload_text(zero_config.offload_param)}")
+        memory = zero.measure(shards, model)
+        step.did(f"bytes held on this rank now: {_memory_text(memory)}")
+    return shards
+
+
 def _precision_key(cfg: EngineConfig) -> str | None:
     """The section that chose 16-bit training, if any."""
     return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(cfg.precision.param_dtype)
@@ -313,25 +350,36 @@ def _scheduler(given: Any, zero_opt: Any, cfg: EngineConfig) -> Any:
 
 
 def dataloader(
-    composition: Composition, dataset: Any, cfg: EngineConfig, collate_fn: Any, grid: Any = None
+    composition: Composition,
+    dataset: Any,
+    cfg: EngineConfig,
+    collate_fn: Any,
+    grid: Any = None,
+    *,
+    for_pipeline: bool = False,
 ) -> Any:
     """DeepSpeed's loader: a `DistributedSampler` over the data-parallel ranks (shuffled with
     seed 0), `train_micro_batch_size_per_gpu` samples per batch; the tensor ranks of one
-    replica read the same samples."""
+    replica read the same samples. A pipeline's (`for_pipeline=True`, DeepSpeed's `PipelineEngine`)
+    reads the samples in order and repeats endlessly (`RepeatingLoader`): `train_batch()` given
+    no iterator reads it."""
     if dataset is None:
         return None
     from torch.utils.data import DataLoader, DistributedSampler
 
     rank = comm.get_rank() if grid is None else grid.rank_in("data")
     with composition.step("data loader", keys=("initialize(training_data=...)",)) as step:
-        sampler = DistributedSampler(dataset, num_replicas=cfg.data_parallel_size, rank=rank)
+        sampler = DistributedSampler(
+            dataset, num_replicas=cfg.data_parallel_size, rank=rank, shuffle=not for_pipeline
+        )
         step.did(
             f"{cfg.micro_batch_size} samples per batch, data-parallel rank {rank} of "
-            f"{cfg.data_parallel_size}"
+            f"{cfg.data_parallel_size}" + (", in order, repeating" if for_pipeline else "")
         )
-        return DataLoader(
+        loader = DataLoader(
             dataset, batch_size=cfg.micro_batch_size, sampler=sampler, collate_fn=collate_fn
         )
+        return pipeline.RepeatingLoader(loader) if for_pipeline else loader
 
 
 def pipeline_executor(

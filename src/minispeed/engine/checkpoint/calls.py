@@ -49,6 +49,7 @@ class Restore:
     optimizer: bool  # the optimizer states: load_optimizer_states and not load_module_only
     scheduler: bool  # the scheduler's state: load_lr_scheduler_states and not load_module_only
     counters: bool  # the step and sample counters: not load_module_only
+    strict: bool = True  # load_module_strict: False lets the frozen parameters differ
 
 
 class CheckpointCalls:
@@ -58,7 +59,12 @@ class CheckpointCalls:
     global_steps: int
 
     def _save_part(
-        self, save_dir: str | os.PathLike, tag: str, client: dict[str, Any], save_latest: bool
+        self,
+        save_dir: str | os.PathLike,
+        tag: str,
+        client: dict[str, Any],
+        save_latest: bool,
+        exclude_frozen: bool = False,
     ) -> None:
         """Save this rank's part under `save_dir/tag` (collective)."""
         raise NotImplementedError
@@ -85,12 +91,10 @@ class CheckpointCalls:
         `latest` moves last, once every rank's files are durable (unless `save_latest=False`).
         With `checkpoint.async_save` the files are written in the background and this returns
         after the host copy (`background.py`).
+        `exclude_frozen_parameters=True` leaves the parameters without `requires_grad` out (a
+        LoRA's frozen base model, as the Trainer saves a PEFT model); such a tag loads with
+        `load_module_strict=False`, the model keeping its own frozen values.
         """
-        if exclude_frozen_parameters:
-            raise ValueError(
-                "exclude_frozen_parameters=True is not supported: frozen parameters are saved "
-                "whole by rank 0; leave it False"
-            )
         if save_dir is None or not os.fspath(save_dir):
             raise ValueError(
                 f"save_checkpoint(save_dir={save_dir!r}): give the directory to save into (it "
@@ -98,7 +102,9 @@ class CheckpointCalls:
             )
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
         self._validate_tag(tag)
-        self._save_part(save_dir, tag, dict(client_state or {}), save_latest)
+        self._save_part(
+            save_dir, tag, dict(client_state or {}), save_latest, exclude_frozen_parameters
+        )
         return True
 
     def _validate_tag(self, tag: str) -> None:
@@ -134,12 +140,10 @@ class CheckpointCalls:
         with no `latest` file this returns `(None, None)` with a warning, as DeepSpeed does.
         Loads at any data-parallel size; another pipeline or expert-parallel size is refused
         naming both grids. Waits for an asynchronous save in flight first.
+        `load_module_strict=False` lets the frozen parameters differ from the checkpoint's:
+        those it lacks keep the model's values, those the model lacks are skipped (trainable
+        ones must still match, since their optimizer state is loaded with them).
         """
-        if not load_module_strict:
-            raise ValueError(
-                "load_module_strict=False is not supported: the checkpoint's parameter names must "
-                "match the model's (the first mismatch is named); leave it True"
-            )
         ckpt_async.checkpointer_of(self).wait()  # a save in flight lands (and moves `latest`)
         if tag is None and not ckpt.has_latest(load_dir):
             _log.warning(
@@ -152,6 +156,7 @@ class CheckpointCalls:
             optimizer=load_optimizer_states and not load_module_only,
             scheduler=load_lr_scheduler_states and not load_module_only,
             counters=not load_module_only,
+            strict=load_module_strict,
         )
         tag_dir, client = self._load_part(load_dir, tag, restore)
         place = ckpt_async.place_of(self)

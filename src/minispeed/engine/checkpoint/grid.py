@@ -221,7 +221,8 @@ class Part:
     """What one rank saves: its module and its `ZeroOptimizer` (the part's files are zero's), in
     its part of the grid. `payload` is the engine's state (counters, scheduler, the client's
     state), carried in zero's `client_state`. `partition`: the pipeline's layer boundaries,
-    compared on load.
+    compared on load. `exclude_frozen`: leave the frozen parameters out of the files
+    (`save_checkpoint(exclude_frozen_parameters=True)`).
     """
 
     place: GridPlace
@@ -229,6 +230,7 @@ class Part:
     optimizer: zero.ZeroOptimizer
     payload: dict[str, Any]
     partition: list[int] | None = None
+    exclude_frozen: bool = False
 
 
 def has_latest(load_dir: PathLike) -> bool:
@@ -360,7 +362,7 @@ def start_save(
         payload = {**payload, TENSOR_SPECS: tensor_specs(part.module)}
     pending = snapshot(
         part.optimizer, part.module, sub_root, sub_tag, client_state=payload,
-        node_local=node_local,
+        node_local=node_local, exclude_frozen=part.exclude_frozen,
     )  # fmt: skip
     return GridSave(root, tag, part, what, world, pending, save_latest, parts)
 

@@ -28,9 +28,15 @@ __all__ = ["load_part"]
 
 
 def load_part(
-    part: Part, load_dir: str | os.PathLike, tag: str | None, *, load_optimizer_states: bool
+    part: Part,
+    load_dir: str | os.PathLike,
+    tag: str | None,
+    *,
+    load_optimizer_states: bool,
+    strict: bool = True,
 ) -> tuple[Path, dict[str, Any] | None]:
-    """Load this rank's part (collective over the world); returns (tag dir, saved payload)."""
+    """Load this rank's part (collective over the world); returns (tag dir, saved payload).
+    `strict=False`: frozen parameters may differ (zero's `load_checkpoint`)."""
     what = f"load_checkpoint from {os.fspath(load_dir)!r}" + (f" (tag {tag!r})" if tag else "")
 
     def find() -> tuple[Path, int]:
@@ -44,8 +50,9 @@ def load_part(
     if saved_tensor != part.place.tensor:
         # See resplit.py: this rank's slices, re-cut from the saved ones.
         payload = load_resplit(
-            part, tag_dir, saved_tensor, load_optimizer_states=load_optimizer_states, what=what
-        )
+            part, tag_dir, saved_tensor, load_optimizer_states=load_optimizer_states, what=what,
+            strict=strict,
+        )  # fmt: skip
         return tag_dir, payload
     payload = zero.load_checkpoint(
         part.optimizer,
@@ -53,5 +60,6 @@ def load_part(
         where.parent,
         where.name,
         load_optimizer_states=load_optimizer_states,
+        strict=strict,
     )
     return tag_dir, payload

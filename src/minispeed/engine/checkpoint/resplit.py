@@ -60,7 +60,13 @@ _TAG = "resplit"
 
 
 def load_resplit(
-    part: Part, tag_dir: Path, saved_tensor: int, *, load_optimizer_states: bool, what: str
+    part: Part,
+    tag_dir: Path,
+    saved_tensor: int,
+    *,
+    load_optimizer_states: bool,
+    what: str,
+    strict: bool = True,
 ) -> dict[str, Any] | None:
     """This rank's part of `tag_dir`, saved at `saved_tensor` tensor ranks, re-cut for this
     rank's place (module docstring). Collective over the world; returns the saved payload."""
@@ -74,6 +80,7 @@ def load_resplit(
             work,
             _TAG,
             load_optimizer_states=load_optimizer_states,
+            strict=strict,
         )
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -19,9 +19,6 @@ marks stage-3 leaves (`z3_leaf_module.py`), `OnDevice` builds modules on a devic
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
-
 from minispeed.engine.utils import groups, logging, tensor_fragment, zero_to_fp32
 from minispeed.engine.utils.init_on_device import OnDevice
 from minispeed.engine.utils.logging import log_dist, logger
@@ -31,6 +28,7 @@ from minispeed.engine.utils.z3_leaf_module import (
     set_z3_leaf_modules,
     z3_leaf_module,
 )
+from minispeed.pipeline import RepeatingLoader
 
 __all__ = [
     "OnDevice",
@@ -45,24 +43,6 @@ __all__ = [
     "zero_to_fp32",
     *tensor_fragment.__all__,
 ]
-
-
-class RepeatingLoader:
-    """An endless iterator over `loader`, restarting it (a new epoch) when it runs out."""
-
-    def __init__(self, loader: Iterable[Any]) -> None:
-        self.loader = loader
-        self.data_iter = iter(loader)
-
-    def __iter__(self) -> RepeatingLoader:
-        return self
-
-    def __next__(self) -> Any:
-        try:
-            return next(self.data_iter)
-        except StopIteration:
-            self.data_iter = iter(self.loader)
-            return next(self.data_iter)
 
 
 def __getattr__(name: str) -> object:

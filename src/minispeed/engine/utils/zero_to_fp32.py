@@ -98,18 +98,13 @@ def get_fp32_state_dict_from_zero_checkpoint(
 ) -> dict[str, torch.Tensor]:
     """The model's `state_dict` with fp32 parameters, from the checkpoint `save_checkpoint`
     wrote under `checkpoint_dir` (`tag` defaults to `latest`). Read by the calling process only
-    (no collective)."""
+    (no collective). `exclude_frozen_parameters` leaves the frozen parameters out."""
     if lazy_mode:
         raise ValueError("lazy_mode=True is not supported: the whole fp32 state dict is returned")
-    if exclude_frozen_parameters:
-        raise ValueError(
-            "exclude_frozen_parameters=True is not supported: the checkpoint keeps frozen "
-            "parameters; drop them from the returned dict"
-        )
     tag_dir = _tag_dir(checkpoint_dir, tag)
     with tempfile.TemporaryDirectory(dir=tag_dir.parent) as tmp:
         out = Path(tmp) / "fp32.pt"
-        zero.consolidate(tag_dir, out)
+        zero.consolidate(tag_dir, out, exclude_frozen=exclude_frozen_parameters)
         state = torch.load(out, map_location="cpu", weights_only=True)
     return state
 
@@ -189,11 +184,10 @@ def convert_zero_checkpoint_to_state_dict(
     One file, `pytorch_model.bin` (`model.safetensors` with `safe_serialization`), when the
     weights fit in `max_shard_size`; else `pytorch_model-00001-of-0000N.bin` and so on, plus
     `pytorch_model.bin.index.json` mapping each name to its file. Every file is written to a
-    temporary name, fsynced and renamed, so a failure leaves no half-written output."""
+    temporary name, fsynced and renamed, so a failure leaves no half-written output.
+    `exclude_frozen_parameters` leaves the frozen parameters out."""
     dtype = _output_dtype(dtype)
     limit = shard_bytes(max_shard_size)
-    if exclude_frozen_parameters:
-        raise ValueError("exclude_frozen_parameters=True is not supported; leave it False")
     if safe_serialization:
         try:
             from safetensors.torch import save_file
@@ -208,7 +202,7 @@ def convert_zero_checkpoint_to_state_dict(
     written: list[Path] = []
     with tempfile.TemporaryDirectory(dir=out) as tmp:
         whole = Path(tmp) / "fp32.pt"
-        zero.consolidate(tag_dir, whole)
+        zero.consolidate(tag_dir, whole, exclude_frozen=exclude_frozen_parameters)
         state = torch.load(whole, map_location="cpu", weights_only=True, mmap=True)
         runs = _shards(state, limit, dtype.itemsize)
         if len(runs) == 1 and dtype == torch.float32 and not safe_serialization:
@@ -260,7 +254,9 @@ def _parser(dtype_required: bool) -> argparse.ArgumentParser:
     p.add_argument("--max_shard_size", default="5GB", help="largest file, e.g. 5GB or 500MB")
     p.add_argument("--safe_serialization", action="store_true", help="write .safetensors")
     p.add_argument("-t", "--tag", default=None, help="the tag folder (default: `latest`)")
-    p.add_argument("--exclude_frozen_parameters", action="store_true", help="not supported")
+    p.add_argument(
+        "--exclude_frozen_parameters", action="store_true", help="leave the frozen parameters out"
+    )
     p.add_argument("-d", "--debug", action="store_true", help="accepted, no effect")
     return p
 

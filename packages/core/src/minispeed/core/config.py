@@ -146,6 +146,9 @@ class Unsupported:
     """Why minispeed does not implement it, and what to use instead."""
     accepted: Any = REFUSED
     """The one value a config may hold for it, shown as its default; `REFUSED`: no value."""
+    also: tuple[Any, ...] = ()
+    """Other values accepted, each meaning what minispeed does (`memory_efficient_linear:
+    false` asks for torch's linear, which is minispeed's)."""
 
     @property
     def refused(self) -> bool:
@@ -181,10 +184,13 @@ def check_keys(
         where = join_path(path, key)
         if key in unsupported:
             entry = unsupported[key]
-            if not entry.refused and _same(section[key], entry.accepted):
+            values = () if entry.refused else (entry.accepted, *entry.also)
+            if any(_same(section[key], v) for v in values):
                 continue
-            shown = json.dumps(entry.accepted, default=repr)  # as the JSON file writes it
-            accepted = "" if entry.refused else f" ({shown} is accepted)"
+            shown = " or ".join(json.dumps(v, default=repr) for v in values)  # as JSON writes it
+            accepted = (
+                "" if entry.refused else f" ({shown} {'are' if entry.also else 'is'} accepted)"
+            )
             raise ConfigError(
                 where,
                 f"DeepSpeed's {key!r} is not supported by minispeed: {entry.why}; remove "
@@ -198,8 +204,13 @@ def check_keys(
 
 def _same(value: Any, default: Any) -> bool:
     """A value equals a default, recursively for objects (a section `{"enabled": false}` equals
-    the default section when each of its keys holds the default's value)."""
+    the default section when each of its keys holds the default's value). A section that is off
+    by default and off in `value` (`"enabled"` false or absent) equals it whatever its other keys
+    hold: DeepSpeed reads none of them then (a `tensorboard` section with its `output_path`
+    filled in, switched off)."""
     if isinstance(default, Mapping) and isinstance(value, Mapping):
+        if default.get("enabled") is False and value.get("enabled", False) is False:
+            return True
         return all(k in default and _same(v, default[k]) for k, v in value.items())
     if isinstance(default, bool) or isinstance(value, bool):
         return value is default

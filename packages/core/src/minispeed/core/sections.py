@@ -129,10 +129,11 @@ def key(
     )
 
 
-def ds_only(value: Any, why: str) -> Unsupported:
+def ds_only(value: Any, why: str, *, also: tuple[Any, ...] = ()) -> Unsupported:
     """A DeepSpeed key a section does not implement, accepted at `value` only (DeepSpeed's
-    default, where the key changes nothing); `why`: the reason and what to use instead."""
-    return Unsupported(why, value)
+    default, where the key changes nothing) and at the values `also` names (each meaning what
+    minispeed does); `why`: the reason and what to use instead."""
+    return Unsupported(why, value, tuple(also))
 
 
 def ds_refused(why: str) -> Unsupported:
@@ -447,7 +448,13 @@ def section_schema(cls: type, description: str | None = None) -> dict[str, Any]:
     for name, entry in sorted(unsupported_keys(cls).items()):
         if name in props:  # a field took the key over: its entry here would never be read
             raise TypeError(f"{cls.__name__}.ds_unsupported lists {name!r}, a key it reads")
-        accepted = "Refused." if entry.refused else "Accepted only at the default shown."
+        accepted = (
+            "Refused."
+            if entry.refused
+            else "Accepted only at the default shown"
+            + "".join(f" or {json.dumps(v)}" for v in entry.also)
+            + "."
+        )
         props[name] = {"description": f"Not supported: {entry.why}. {accepted}"}
         if not entry.refused:
             props[name]["default"] = entry.accepted

@@ -38,7 +38,7 @@ from minispeed.pipeline.instructions import (
     SendActivation,
     SendGrad,
 )
-from minispeed.pipeline.intake import pull_batch
+from minispeed.pipeline.intake import RepeatingLoader, pull_batch
 from minispeed.pipeline.module import (
     LayerSpec,
     PipelineModule,
@@ -94,6 +94,7 @@ __all__ = [
     "RecvGrad",
     "ReduceGrads",
     "ReduceTiedGrads",
+    "RepeatingLoader",
     "ScheduleConfigError",
     "ScheduleError",
     "SendActivation",

@@ -21,7 +21,7 @@ the step's inputs and labels, and the all-reduce.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -30,7 +30,7 @@ import minispeed.comm as comm
 from minispeed.pipeline.module import PipelineModule
 from minispeed.pipeline.p2p import PipelineAbortedError
 
-__all__ = ["pull_batch"]
+__all__ = ["RepeatingLoader", "pull_batch"]
 
 
 def pull_batch(
@@ -89,3 +89,22 @@ def _concat(parts: list[Any], what: str, device: torch.device) -> Any:
             "every micro-batch of a step to have the same size (train_micro_batch_size_per_gpu)"
         )
     return torch.cat([p.to(device) for p in parts], dim=0)
+
+
+class RepeatingLoader:
+    """An endless iterator over `loader`, restarting it (a new epoch) when it runs out: what a
+    pipeline's `data_iter` usually is, since each step pulls M micro-batches whatever the epoch."""
+
+    def __init__(self, loader: Iterable[Any]) -> None:
+        self.loader = loader
+        self.data_iter = iter(loader)
+
+    def __iter__(self) -> RepeatingLoader:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self.data_iter)
+        except StopIteration:
+            self.data_iter = iter(self.loader)
+            return next(self.data_iter)

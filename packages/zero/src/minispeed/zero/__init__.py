@@ -32,6 +32,7 @@ from minispeed.zero.precision import (
 )
 from minispeed.zero.setup_agreement import OffloadSetupError
 from minispeed.zero.stage3 import GatheredParameters, Init, full_state_dict, set_leaf_module
+from minispeed.zero.stage3.forward_only import ForwardOnly
 from minispeed.zero.stage3.io_failures import OffloadIOError
 from minispeed.zero.stage3.mics_groups import MicsGroups
 
@@ -39,6 +40,7 @@ __all__ = [
     "ActivationCheckpointingConfig",
     "Bf16Config",
     "DataTypesConfig",
+    "ForwardOnly",
     "Fp16Config",
     "GatheredParameters",
     "Init",

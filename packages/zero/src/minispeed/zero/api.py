@@ -14,6 +14,10 @@ rank 0's parameters so every rank starts equal (stages 0-2; Ψ·4 bytes once); b
 `ShardStrategy` (which casts the parameters to `param_dtype`, lays out flat buffers and
 installs gradient hooks on `model` in place); cast the model's remaining floating-point
 buffers; and wrap the user's optimizer in a `ZeroOptimizer` stepping fp32 masters.
+
+Without an optimizer (``zero.shard(model, None, ZeroConfig(stage=3))``, ZeRO-Inference) stage 3
+is built over no trained parameters and returned as a `ForwardOnly`: the parameter shards and
+their gathers, no masters, no gradients (stage3/forward_only.py).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from minispeed.zero.optimizer import ShardStrategy, ZeroOptimizer, param_names
 from minispeed.zero.precision import MixedPrecision
 from minispeed.zero.replica_groups import check_replica_groups
 from minispeed.zero.stage3.assemble import assemble as assemble_stage3
+from minispeed.zero.stage3.forward_only import ForwardOnly, check_forward_only, model_precision
 from minispeed.zero.stage3.mics import MicsStrategy, mics_stage3
 from minispeed.zero.stage3.mics_groups import MicsGroups, mics_enabled
 
@@ -66,7 +71,7 @@ _sharded_models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 def shard(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     config: ZeroConfig | None = None,
     precision: MixedPrecision | None = None,
     group: Any = None,
@@ -75,11 +80,14 @@ def shard(
     replica_groups: Sequence[Any] | None = None,
     mics_groups: MicsGroups | None = None,
     allow_untested_optimizer: bool = False,
-) -> ZeroOptimizer:
+) -> ZeroOptimizer | ForwardOnly:
     """Apply ZeRO `config.stage` to `model` (in place) and return the wrapping optimizer.
 
     `optimizer` must be a fresh torch.optim optimizer (no state yet) over parameters of
-    `model`; its param groups and hyper-parameters are kept. `group` is the data-parallel
+    `model`; its param groups and hyper-parameters are kept. `None` (stage 3 only): forward
+    only, ZeRO-Inference; returns a `ForwardOnly` keeping each rank's parameter shards in
+    `precision.param_dtype` (default: the model's own dtype) and nothing else, ``p·Ψ/N``
+    bytes (stage3/forward_only.py). `group` is the data-parallel
     process group (`None`: all ranks); the process group must be initialized
     (`minispeed.comm.init_distributed()`; a single process works too).
 
@@ -104,8 +112,11 @@ def shard(
     DeepSpeed's `"zero_allow_untested_optimizer": true` does.
     """
     config = config if config is not None else ZeroConfig()
-    precision = precision if precision is not None else MixedPrecision()
+    if precision is None:  # forward only: the model's own dtype (a 16-bit one is not widened)
+        precision = MixedPrecision() if optimizer is not None else model_precision(model)
     _check_inputs(model, optimizer, config, precision, allow_untested_optimizer)
+    if optimizer is None:  # Note [stage 3 without an optimizer] (stage3/forward_only.py)
+        check_forward_only(config, model_parallel=model_parallel, replica_groups=replica_groups)
     # 1-bit Adam runs its own phases over stages 0-2 (Note [1-bit Adam under zero])
     onebit = isinstance(optimizer, CompressedMomentumOptimizer)
     if onebit:
@@ -116,7 +127,8 @@ def shard(
             model_parallel=model_parallel,
             replica_groups=replica_groups,
         )
-    param_groups = [list(pg["params"]) for pg in optimizer.param_groups]
+    given = optimizer.param_groups if optimizer is not None else []  # forward only: none
+    param_groups = [list(pg["params"]) for pg in given]
     _check_grid(model_parallel, replica_groups, param_groups, config)
 
     strategy: ShardStrategy
@@ -141,6 +153,9 @@ def shard(
         model_parallel.check_strategy(strategy)
     _cast_rest(model, {p for ps in param_groups for p in ps}, precision.param_dtype, config.stage)
     _sharded_models.add(model)
+    on_close = functools.partial(_forget_model, weakref.ref(model))
+    if optimizer is None:
+        return ForwardOnly(strategy, config, precision, group, on_close=on_close)
     kind, extra = ZeroOptimizer, {"model_parallel": model_parallel}
     if onebit:
         kind, extra, optimizer, strategy = onebit_parts(optimizer, strategy, group)
@@ -154,7 +169,7 @@ def shard(
         params,
         param_names(model),
         group,
-        on_close=functools.partial(_forget_model, weakref.ref(model)),
+        on_close=on_close,
         user_optimizer=user_optimizer,
         **extra,
     )
@@ -192,14 +207,15 @@ def _forget_model(model_ref: weakref.ref[nn.Module]) -> None:
 
 def _check_inputs(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     config: ZeroConfig,
     precision: MixedPrecision,
     allow_untested_optimizer: bool,
 ) -> None:
+    """Every input checked, locally, before any collective; `optimizer` None: forward only."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"shard() needs the nn.Module to train, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"shard() needs a torch.optim.Optimizer, got {type(optimizer).__name__}; build one over "
             f"model.parameters(), e.g. torch.optim.AdamW(model.parameters(), lr=1e-3)"
@@ -225,9 +241,23 @@ def _check_inputs(
             "this model was already passed to shard() and carries its gradient hooks; keep using the "
             "ZeroOptimizer that shard() returned, call its close() first, or build a new model"
         )
-    _check_optimizer_kind(
-        optimizer, stepped_in_slices=config.stage > 0 and not allow_untested_optimizer
-    )
+    if optimizer is not None:
+        _check_optimizer_of(model, optimizer, config.stage > 0 and not allow_untested_optimizer)
+    if precision.param_dtype == torch.bfloat16 and not get_accelerator().is_bf16_supported():
+        raise RuntimeError(
+            "this accelerator has no bf16 support; use param_dtype=torch.float16 or float32"
+        )
+    if precision.param_dtype == torch.float16 and not get_accelerator().is_fp16_supported():
+        raise RuntimeError(
+            "this accelerator has no fp16 support; use param_dtype=torch.bfloat16 or float32"
+        )
+
+
+def _check_optimizer_of(
+    model: nn.Module, optimizer: torch.optim.Optimizer, stepped_in_slices: bool
+) -> None:
+    """A fresh optimizer of a kind ZeRO can step, over parameters of `model`."""
+    _check_optimizer_kind(optimizer, stepped_in_slices=stepped_in_slices)
     # Adagrad makes its state (step 0) at construction: only a step count > 0 means "stepped".
     if any(len(s) and float(s.get("step", 1)) != 0 for s in optimizer.state.values()):
         raise ValueError(
@@ -243,14 +273,6 @@ def _check_inputs(
                     f"parameter of the model passed to shard(); build the optimizer from that "
                     f"model's parameters (model.parameters())"
                 )
-    if precision.param_dtype == torch.bfloat16 and not get_accelerator().is_bf16_supported():
-        raise RuntimeError(
-            "this accelerator has no bf16 support; use param_dtype=torch.float16 or float32"
-        )
-    if precision.param_dtype == torch.float16 and not get_accelerator().is_fp16_supported():
-        raise RuntimeError(
-            "this accelerator has no fp16 support; use param_dtype=torch.bfloat16 or float32"
-        )
 
 
 def _check_grid(

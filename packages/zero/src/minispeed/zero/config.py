@@ -138,7 +138,9 @@ class ZeroConfig(Section):
             False, "no ZeRO-3 pipeline-module loading path; use engine.load_checkpoint"
         ),
         "memory_efficient_linear": ds_only(
-            True, "torch's linear is kept (DeepSpeed's saves activation memory, same values)"
+            True,
+            "torch's linear is kept (DeepSpeed's saves activation memory, same values)",
+            also=(False,),  # DeepSpeed's switch to torch's linear: minispeed's already
         ),
         "save_muon_momentum_buffer_in_memory": ds_only(False, "no Muon optimizer"),
         "use_multi_rank_bucket_allreduce": ds_only(True, "one reduce path per stage"),
@@ -386,7 +388,7 @@ class ZeroConfig(Section):
         honoured. An offload section whose device is `none` becomes None; its keys are still
         checked where minispeed-offload is installed (Note [offload is imported lazily]).
         """
-        from minispeed.zero.offload_bridge import check_offload_stage, offload_sections
+        from minispeed.zero.offload_bridge import ignore_offload_misfits, offload_sections
 
         path = cls.ds_path if path is None else path
         section = offload_sections(section, path)  # before any import of offload
@@ -400,7 +402,10 @@ class ZeroConfig(Section):
             if offload is not None and offload.device == "none":
                 kwargs[name] = offload = None
             devices.append(None if offload is None else offload.device)
-        check_offload_stage(stage, *devices, path=path)
+        devices = ignore_offload_misfits(stage, devices, path=path)
+        for name, device in zip(_OFFLOAD_KEYS, devices, strict=True):
+            if device is None:
+                kwargs[name] = None
         if any(devices):
             from minispeed.zero.offload_bridge import import_offload
 
@@ -479,6 +484,6 @@ def _check_mics_fields(cfg: ZeroConfig) -> None:
         )
 
 
-_OFFLOAD_KEYS = ("offload_optimizer", "offload_param")  # check_offload_stage's argument order
+_OFFLOAD_KEYS = ("offload_optimizer", "offload_param")  # offload_misfits' argument order
 # The top-level ds_config keys ZeroConfig.from_ds_config reads.
 _DS_SECTIONS = {"zero_optimization", "gradient_accumulation_steps", "gradient_clipping", "aio"}

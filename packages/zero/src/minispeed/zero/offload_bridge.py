@@ -52,6 +52,7 @@ import torch
 from minispeed.core import ranges
 from minispeed.core.accelerator import get_accelerator
 from minispeed.core.config import ConfigError, join_path
+from minispeed.core.logging import get_logger, warn_once
 from minispeed.zero.contract import StrategyWrapper
 
 __all__ = [
@@ -88,6 +89,7 @@ def import_offload(asked_by: str) -> Any:
 
 
 _KEYS = ("offload_optimizer", "offload_param")
+_log = get_logger("zero.offload")
 
 
 def _device(section: Any) -> Any:
@@ -108,9 +110,9 @@ def offload_sections(section: Any, path: str) -> Any:
     except ImportError:
         pass
     devices = [_device(section.get(k)) for k in _KEYS]
+    devices = ignore_offload_misfits(section.get("stage", 0), devices, path=path)
     asked = [(k, d) for k, d in zip(_KEYS, devices) if d not in (None, "none")]
     if asked:
-        check_offload_stage(section.get("stage", 0), *devices, path=path)
         name, device = asked[0]
         import_offload(f"{join_path(path, name)}.device={device!r}")
     return {k: v for k, v in section.items() if k not in _KEYS}
@@ -141,24 +143,52 @@ def check_offload(config: Any) -> None:
     )
 
 
+# Why a stage cannot honour an offload device, and the fix a config built in code is told.
+_MISFIT = {
+    "offload_optimizer": (
+        "needs stage 1, 2 or 3 (the optimizer states must be partitioned to be offloaded)",
+        "set stage >= 1 or device 'none'",
+    ),
+    "offload_param": (
+        "needs stage 3 (only stage 3 partitions the parameters)",
+        "set stage 3, or use offload_optimizer at stage {stage}",
+    ),
+}
+
+
+def offload_misfits(stage: int, optimizer_device: Any, param_device: Any) -> list[tuple[str, Any]]:
+    """`(key, device)` for each offload device the stage cannot honour: the optimizer's at
+    stage 0 (nothing partitioned to offload), the parameters' below stage 3."""
+    asked = zip(_KEYS, (optimizer_device, param_device), strict=True)
+    lowest = {"offload_optimizer": 1, "offload_param": 3}
+    return [(k, d) for k, d in asked if d not in (None, "none") and stage < lowest[k]]
+
+
 def check_offload_stage(
     stage: int, optimizer_device: Any, param_device: Any, *, path: str = "zero_optimization"
 ) -> None:
-    """Refuse an offload device the stage cannot honour, naming `<path>.offload_*.device`.
-    Needs no offload package, so a stage error is reported as such even where
-    minispeed-offload is not installed."""
-    if optimizer_device not in (None, "none") and stage == 0:
-        raise ConfigError(
-            f"{path}.offload_optimizer.device",
-            f"{optimizer_device!r} needs stage 1, 2 or 3 (the optimizer states must be "
-            "partitioned to be offloaded); set stage >= 1 or device 'none'",
+    """Refuse an offload device the stage cannot honour, naming `<path>.offload_*.device`
+    (a `ZeroConfig` built in code). Needs no offload package, so a stage error is reported as
+    such even where minispeed-offload is not installed."""
+    for key, device in offload_misfits(stage, optimizer_device, param_device):
+        reason, fix = _MISFIT[key]
+        raise ConfigError(f"{path}.{key}.device", f"{device!r} {reason}; {fix.format(stage=stage)}")
+
+
+def ignore_offload_misfits(stage: int, devices: list[Any], *, path: str) -> list[Any]:
+    """`devices` (`offload_optimizer`'s, `offload_param`'s, as a ds_config asks) with those the
+    stage cannot honour dropped to None, each with a warning naming the key: DeepSpeed ignores
+    them (DeepSpeed-Chat's configs ask for `offload_param` at every stage), and so does a
+    ds_config read here, where the same section built in code is refused (`check_offload_stage`)."""
+    out = list(devices)
+    for key, device in offload_misfits(stage, *devices):
+        warn_once(
+            f"{path}.{key}.device: {device!r} is ignored at stage {stage}, as DeepSpeed ignores "
+            f"it: it {_MISFIT[key][0]}; remove it, or raise the stage",
+            _log,
         )
-    if param_device not in (None, "none") and stage != 3:
-        raise ConfigError(
-            f"{path}.offload_param.device",
-            f"{param_device!r} needs stage 3 (only stage 3 partitions the parameters); set stage "
-            f"3, or use offload_optimizer at stage {stage}",
-        )
+        out[_KEYS.index(key)] = None
+    return out
 
 
 # -- masters on the host ---------------------------------------------------------------------------

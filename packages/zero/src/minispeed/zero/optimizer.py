@@ -29,6 +29,7 @@ from minispeed.core.logging import get_logger
 from minispeed.zero.config import ZeroConfig
 from minispeed.zero.contract import ParamFragment, ShardStrategy, param_names
 from minispeed.zero.flat import cut_runs
+from minispeed.zero.lifetime import Detachable
 from minispeed.zero.model_parallel import ModelParallel
 from minispeed.zero.precision import LossScaler, MixedPrecision
 
@@ -94,7 +95,7 @@ __all__ = ["ParamFragment", "ShardStrategy", "ZeroOptimizer", "param_names"]
 # the user's optimizer, exactly as torch's wrapper would have.
 
 
-class ZeroOptimizer(torch.optim.Optimizer):
+class ZeroOptimizer(torch.optim.Optimizer, Detachable):
     """The user's optimizer, stepping this rank's fp32 masters, driven with DeepSpeed semantics.
 
     Built by `minispeed.zero.shard`. Call `backward` and `step` on every
@@ -563,34 +564,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         holds the full parameters (Ψ·p bytes); the shards, masters and optimizer state are freed
         with this object. With offload to NVMe (any stage) the swap files are deleted here.
         """
-        if self._closed:
-            return
-        self._closed = True
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        Detachable.close(self)
+
+    def _detach(self) -> None:
         try:
             self.strategy.close()  # ZeRO-Infinity: may raise OffloadIOError, on every rank
-        finally:
-            try:  # offload_optimizer nvme: the swap files go now, not when collected
-                getattr(self.optimizer, "close", lambda: None)()
-            finally:
-                if self._on_close is not None:
-                    self._on_close()
-
-    @property
-    def closed(self) -> bool:
-        """Whether `close` ran (the model is plain PyTorch again)."""
-        return self._closed
-
-    def __enter__(self) -> ZeroOptimizer:
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        # After an error, other ranks may not reach a collective close(): skip it. The hooks are
-        # weak, so dropping the objects still frees everything.
-        if exc_type is None:
-            self.close()
+        finally:  # offload_optimizer nvme: the swap files go now, not when collected
+            getattr(self.optimizer, "close", lambda: None)()
 
     def _check_open(self, what: str) -> None:
         if self._closed:

@@ -32,6 +32,7 @@ one record in the output, as they would with ``torch.save(model.state_dict())``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import struct
@@ -177,7 +178,11 @@ def _write_shard(fd: int, path: Path, place, written: dict[str, int]) -> int:
 
 
 def consolidate(
-    checkpoint_dir: str | os.PathLike, out_file: str | os.PathLike, tag: str | None = None
+    checkpoint_dir: str | os.PathLike,
+    out_file: str | os.PathLike,
+    tag: str | None = None,
+    *,
+    exclude_frozen: bool = False,
 ) -> ConsolidationReport:
     """Write the fp32 ``state_dict`` of a sharded checkpoint to ``out_file`` (streaming).
 
@@ -185,9 +190,15 @@ def consolidate(
     ``latest``) or a tag directory. The output loads with ``torch.load`` into
     ``model.load_state_dict``. Refuses an incomplete checkpoint, naming the missing shards.
     Command line: ``python -m minispeed.zero consolidate CKPT_DIR OUT.pt``.
+    ``exclude_frozen``: leave the frozen parameters out (those a tag saved with
+    ``exclude_frozen`` lacks are never in it).
     """
     tag_dir = resolve_tag_dir(checkpoint_dir, tag)
     meta = read_metadata(tag_dir, need_optimizer_state=False)  # weights only: moments never read
+    if exclude_frozen:
+        frozen = set(meta.frozen_names)
+        keys = tuple(k for k in meta.state_dict_keys if k not in frozen)
+        meta = dataclasses.replace(meta, state_dict_keys=keys, frozen_names=())
     out = Path(out_file)
     with atomic_replace(out) as tmp:  # a failure anywhere leaves no temporary file behind
         _write_skeleton(tmp, meta, _whole_specs(tag_dir))

@@ -177,6 +177,7 @@ class CheckpointMetadata:
     model_16bit_file: str | None = None  # the consolidated 16-bit state_dict, if one was written
     model_16bit_file_bytes: int | None = None
     node_local_ranks: tuple[int, ...] | None = None  # node-local: the ranks whose shards are here
+    excluded_frozen_names: tuple[str, ...] = ()  # frozen parameters left out (exclude_frozen)
 
     def local_shards(self) -> tuple[ShardRecord, ...]:
         """The shard records whose files this directory holds (all, unless node-local)."""
@@ -189,6 +190,8 @@ class CheckpointMetadata:
         raw = asdict(self)
         if raw["node_local_ranks"] is None:  # a shared directory: the key readers before it knew
             del raw["node_local_ranks"]
+        if not raw["excluded_frozen_names"]:  # likewise: written only when some were left out
+            del raw["excluded_frozen_names"]
         return json.dumps(raw, indent=1)
 
     @staticmethod
@@ -213,6 +216,7 @@ class CheckpointMetadata:
         )
         for key in ("state_keys", "state_dict_keys", "buffer_names", "frozen_names"):
             raw[key] = tuple(raw[key])
+        raw["excluded_frozen_names"] = tuple(raw.get("excluded_frozen_names", ()))
         if raw.get("node_local_ranks") is not None:
             raw["node_local_ranks"] = tuple(raw["node_local_ranks"])
         return CheckpointMetadata(**raw)

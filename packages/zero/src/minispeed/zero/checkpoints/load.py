@@ -42,9 +42,14 @@ __all__ = ["load_checkpoint"]
 
 
 def _check_model_matches(
-    model: nn.Module, opt_shapes: dict[str, tuple[int, ...]], meta: CheckpointMetadata
+    model: nn.Module,
+    opt_shapes: dict[str, tuple[int, ...]],
+    meta: CheckpointMetadata,
+    strict: bool = True,
 ) -> None:
-    """Same parameter names and shapes as the checkpoint, or an error naming the first mismatch."""
+    """Same parameter names and shapes as the checkpoint, or an error naming the first mismatch.
+    `strict=False` lets the frozen parameters differ: the model's missing from the checkpoint
+    keep their values, the checkpoint's missing from the model are skipped."""
     saved = {p.name: p.shape for p in meta.params}
     canonical = {alias: p.name for p in meta.params for alias in p.aliases}
     frozen = set(meta.frozen_names)
@@ -66,14 +71,20 @@ def _check_model_matches(
                     "configuration that saved the checkpoint"
                 )
             seen.add(key)
-        elif name not in frozen:
+        elif name not in frozen and strict:
+            if name in meta.excluded_frozen_names:
+                raise CheckpointError(
+                    f"frozen parameter {name!r} was left out of this checkpoint (saved with "
+                    "exclude_frozen_parameters=True); load it with load_module_strict=False "
+                    "(zero's strict=False) to keep the model's own frozen values"
+                )
             raise CheckpointError(
                 f"model parameter {name!r} is neither optimized nor saved as frozen in the "
                 "checkpoint; load into the model architecture that saved it"
             )
     names = {name for name, _ in model.named_parameters()}
     lost = [n for n in meta.frozen_names if n not in names]
-    if lost:
+    if lost and strict:
         raise CheckpointError(
             f"checkpoint frozen parameter {lost[0]!r} does not exist in the model ({len(lost)} "
             "frozen parameters are unmatched); load into the model architecture that saved it"
@@ -105,6 +116,7 @@ def load_checkpoint(
     *,
     load_optimizer_states: bool = True,
     load_rng: bool = True,
+    strict: bool = True,
 ) -> dict[str, Any] | None:
     """Restore a checkpoint written by `save_checkpoint` into ``opt``/``model``.
 
@@ -120,6 +132,8 @@ def load_checkpoint(
 
     Errors: an incomplete tag (interrupted save), another format version, or a model whose
     parameter names/shapes differ from the checkpoint's (the first mismatch is named).
+    `strict=False` (DeepSpeed's `load_module_strict=False`) tolerates frozen parameters that
+    differ: those the checkpoint lacks (saved with `exclude_frozen`) keep the model's values.
     """
     group = opt.comm_group
     rank, world_size = comm.get_rank(group), comm.get_world_size(group)
@@ -148,10 +162,9 @@ def load_checkpoint(
     in_files = getattr(inner, "masters_in_files", False)
     with inner.states_in_memory() if in_files else nullcontext():
         # 2. Local: fill this rank's masters and optimizer state from the shards that hold them.
-        (common, mine, masters, state_filled, rng), _ = together(
-            group,
-            what,
-            lambda: _read(
+        def check_and_read() -> Any:
+            _check_model_matches(model, shapes, meta, strict)
+            return _read(
                 opt,
                 model,
                 tag_dir,
@@ -162,8 +175,9 @@ def load_checkpoint(
                 world_size,
                 load_rng,
                 load_optimizer_states,
-            ),
-        )
+            )
+
+        (common, mine, masters, state_filled, rng), _ = together(group, what, check_and_read)
 
         # 3. Local: scalars, hyper-parameters, counters, buffers.
         def restore() -> None:
@@ -214,8 +228,8 @@ def _read(
     opt, model, tag_dir, meta, fragments, shapes, rank, world_size, load_rng, load_optimizer_states
 ):
     """Phase 2 of `load_checkpoint`: open exactly the shards whose pieces meet this rank's
-    fragments (mapped: only the pages copied are read) and copy the overlaps in."""
-    _check_model_matches(model, shapes, meta)
+    fragments (mapped: only the pages copied are read) and copy the overlaps in (the model
+    checked against the checkpoint first)."""
     canonical = {alias: p.name for p in meta.params for alias in p.aliases}
     # Our fragments by the checkpoint's name of their parameter.
     mine: dict[str, list[Any]] = defaultdict(list)
@@ -387,7 +401,7 @@ def _restore_frozen(model: nn.Module, common: dict[str, Any], src: int) -> None:
     """Frozen (non-optimized) parameters, saved whole by rank 0. Collective under stage 3: the
     values are written inside `GatheredParameters` and re-partitioned from global rank `src`."""
     params = dict(model.named_parameters())
-    frozen = [params[name] for name in common["frozen_params"]]
-    with torch.no_grad(), GatheredParameters(frozen, modifier_rank=src):
-        for name, value in common["frozen_params"].items():
+    saved = {n: v for n, v in common["frozen_params"].items() if n in params}  # strict: all
+    with torch.no_grad(), GatheredParameters([params[n] for n in saved], modifier_rank=src):
+        for name, value in saved.items():
             params[name].data.copy_(value)

@@ -128,6 +128,7 @@ def save_checkpoint(
     save_rng: bool = True,
     save_latest: bool = True,
     node_local: bool = False,
+    exclude_frozen: bool = False,
 ) -> Path:
     """Save `opt` (a `ZeroOptimizer`) and `model` under `save_dir/tag`.
 
@@ -137,7 +138,9 @@ def save_checkpoint(
     accumulation boundary (after `opt.step()` stepped, or before any backward).
 
     Parameters outside the optimizer (frozen ones) are saved whole by rank 0; under stage 3 they
-    are gathered for it first (one all-gather of their shards). With
+    are gathered for it first (one all-gather of their shards); `exclude_frozen` leaves them out
+    (DeepSpeed's `exclude_frozen_parameters`: a LoRA's checkpoint holds its adapters, not the
+    frozen base model), and the tag then loads only with `strict=False`. With
     `ZeroConfig.stage3_gather_16bit_weights_on_model_save` the tag also holds the model's
     consolidated 16-bit state_dict (`pytorch_model.bin`, see `save_16bit_model`).
 
@@ -154,7 +157,7 @@ def save_checkpoint(
     """
     pending = snapshot(
         opt, model, save_dir, tag, client_state=client_state, save_rng=save_rng,
-        node_local=node_local,
+        node_local=node_local, exclude_frozen=exclude_frozen,
     )  # fmt: skip
     # Local: every rank writes its shard files; the sizes go to every leader.
     _, sizes = together(opt.comm_group, pending.what, pending.write_files, share=lambda s: s)
@@ -180,6 +183,7 @@ def snapshot(
     client_state: dict[str, Any] | None = None,
     save_rng: bool = True,
     node_local: bool = False,
+    exclude_frozen: bool = False,
 ) -> PendingSave:
     """The collective half of `save_checkpoint`: a copy in host memory of everything the tag
     will hold, and the tag unsealed; the files are then written by `PendingSave` alone (no
@@ -209,7 +213,9 @@ def snapshot(
 
     # 3. Collectives: the full values the leaders write whole (frozen parameters; 16-bit model).
     leader = storage.is_leader
-    frozen = gather_full(model, lambda name: name not in optimized, keep=leader)
+    outside = [name for name, _ in model.named_parameters() if name not in optimized]
+    excluded = tuple(outside) if exclude_frozen else ()
+    frozen = {} if exclude_frozen else gather_full(model, lambda n: n not in optimized, keep=leader)
     model16 = None
     if opt.config.stage3_gather_16bit_weights_on_model_save:
         model16 = gather_16bit_state_dict(model, keep=leader)
@@ -238,8 +244,9 @@ def snapshot(
     )  # fmt: skip
     if leader:
         pending.common, pending.meta = _common_and_meta(
-            opt, model, tag, world_size, everyone, packs, client_state, frozen, model16 is not None
-        )
+            opt, model, tag, world_size, everyone, packs, client_state, frozen,
+            model16 is not None, excluded,
+        )  # fmt: skip
         pending.model16 = model16
     return pending
 
@@ -311,6 +318,7 @@ def _common_and_meta(
     client_state: dict[str, Any] | None,
     frozen: dict[str, torch.Tensor],
     has_model16: bool,
+    excluded: tuple[str, ...] = (),
 ) -> tuple[dict[str, Any], CheckpointMetadata]:
     """A leader's `common.pt` contents (copies) and the metadata without its shard records."""
     shapes: dict[str, tuple[int, ...]] = {}
@@ -360,10 +368,11 @@ def _common_and_meta(
         shards=(),
         optimizer_class=type(inner).__name__,
         state_keys=tuple(sorted({k for g in packs for k in g["state_keys"]})),
-        state_dict_keys=tuple(_state_dict_keys(model)),
+        state_dict_keys=tuple(k for k in _state_dict_keys(model) if k not in excluded),
         buffer_names=tuple(buffers),
         frozen_names=tuple(frozen),
         model_16bit_file=MODEL_16BIT_FILE if has_model16 else None,
+        excluded_frozen_names=excluded,
     )
     return common, meta
 

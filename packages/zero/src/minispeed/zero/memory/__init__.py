@@ -11,6 +11,7 @@ from minispeed.zero.memory.estimate import MemoryEstimate, estimate
 from minispeed.zero.memory.formulas import (
     GiB,
     ModelStateBytes,
+    forward_only_state_bytes,
     hpz_secondary_bytes,
     minispeed_state_bytes,
     model_state_bytes,
@@ -45,6 +46,7 @@ __all__ = [
     "Placement",
     "estimate",
     "estimate_modes",
+    "forward_only_state_bytes",
     "hpz_secondary_bytes",
     "largest_params",
     "ledger_table",

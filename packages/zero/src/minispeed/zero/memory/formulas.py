@@ -17,6 +17,7 @@ From the ZeRO paper (Rajbhandari et al., 2020, §3 and §5). Notation:
 | 2 | + gradients | p·Ψ + g·Ψ/N + K·Ψ/N (2Ψ + 14Ψ/N) |
 | 3 | + parameters | p·Ψ/N + g·Ψ/N + K·Ψ/N (16Ψ/N) |
 | 3, MiCS | the same, inside shard groups of S ranks, replicated N/S times | p·Ψ/S + g·Ψ/S + K·Ψ/S (16Ψ/S) |
+| 3, no optimizer | parameters; nothing else exists | p·Ψ/N (16-bit: 2Ψ/N; `forward_only_state_bytes`) |
 
 (MiCS, stage3/mics.py: every function here takes S in place of N, `world_size=S`.)
 
@@ -49,6 +50,7 @@ __all__ = [
     "MASTER_BYTES",
     "GiB",
     "ModelStateBytes",
+    "forward_only_state_bytes",
     "hpz_secondary_bytes",
     "minispeed_state_bytes",
     "model_state_bytes",
@@ -182,12 +184,14 @@ def minispeed_state_bytes(
     grad_bytes: int,
     state_bytes: int,
     persistent_params: int = 0,
+    trainable_params: int | None = None,
 ) -> ModelStateBytes:
     """What minispeed's stage ``stage`` keeps per rank: `model_state_bytes` plus the two
     differences listed in this module's docstring.
 
     ``state_bytes`` = S, the inner optimizer's per-element state (K - 4); ``num_params`` counts the
-    optimized parameters; ``persistent_params``: stage-3 elements kept whole on every rank.
+    optimized parameters; ``persistent_params``: stage-3 elements kept whole on every rank;
+    ``trainable_params``: elements with a master, gradient and state (default: all of them).
     """
     master_aliased = param_bytes == 4  # difference 1
     paper = model_state_bytes(
@@ -198,11 +202,32 @@ def minispeed_state_bytes(
         grad_bytes=grad_bytes,
         optimizer_bytes=state_bytes + (0 if master_aliased else MASTER_BYTES),
         persistent_params=persistent_params if stage == 3 else 0,
+        trainable_params=trainable_params,
     )
     params = paper.params
     if stage == 3:  # difference 2
         params += param_bytes * partition_numel(persistent_params, world_size)
     return ModelStateBytes(stage, world_size, params, paper.grads, paper.optimizer)
+
+
+def forward_only_state_bytes(
+    num_params: int, world_size: int, *, param_bytes: int, persistent_params: int = 0
+) -> ModelStateBytes:
+    """Stage 3 without an optimizer (``zero.shard(model, None, ...)``, ZeRO-Inference;
+    stage3/forward_only.py), per rank: the parameter shards and nothing else,
+    ``p·ceil((Ψ - Ψ_pers)/N) + p·Ψ_pers·(1 + 1/N)`` bytes, i.e. ``p·Ψ/N`` (``2Ψ/N`` for a
+    16-bit model) without persistent parameters: no fp32 master (``4Ψ/N``), no gradient, no
+    optimizer state. `minispeed_state_bytes` with nothing trainable."""
+    return minispeed_state_bytes(
+        num_params,
+        world_size,
+        3,
+        param_bytes=param_bytes,
+        grad_bytes=0,
+        state_bytes=0,
+        persistent_params=persistent_params,
+        trainable_params=0,
+    )
 
 
 def hpz_secondary_bytes(

@@ -18,6 +18,10 @@ Columns, claimed in this order:
    *is* the parameter or its shard counts as a parameter: formulas.py, difference 1);
 5. ``other``: the rest (scalar optimizer state, model buffers, flags).
 
+``opt`` may also be stage 3 without an optimizer (`zero.shard(model, None, ...)`'s
+`ForwardOnly`, whose ``optimizer`` is None): its columns but ``params`` are then 0, and
+`predict` is `formulas.forward_only_state_bytes`.
+
 `predict` is `formulas.minispeed_state_bytes` for the same optimizer, and
 `padding_allowance` the most that padding can add to each column; the tests assert
 ``|measured - predicted| <= allowance`` for every stage.
@@ -37,6 +41,7 @@ from torch import nn
 from minispeed.zero.memory.formulas import (
     MASTER_BYTES,
     ModelStateBytes,
+    forward_only_state_bytes,
     hpz_secondary_bytes,
     minispeed_state_bytes,
     optimizer_bytes_per_param,
@@ -132,13 +137,14 @@ def _column_by_name(path: str) -> str | None:
 
 
 def measure(opt: Any, model: nn.Module) -> MeasuredBytes:
-    """Count the bytes ``opt`` (a ZeroOptimizer) and ``model`` hold on this rank, by column.
+    """Count the bytes ``opt`` (a ZeroOptimizer, or a ForwardOnly) and ``model`` hold on this
+    rank, by column.
 
     Measure at a step boundary (after ``opt.step()`` returned True) to compare with
     `predict`: between micro-steps stage 2 also holds its in-flight staging buckets.
     """
     counter = _Counter()
-    inner = opt.optimizer
+    groups, state = _param_groups_and_state(opt.optimizer)
     names = {id(p): n for n, p in model.named_parameters()}
     found: list[tuple[str, torch.Tensor]] = []
     seen: set[int] = set()
@@ -147,9 +153,9 @@ def measure(opt: Any, model: nn.Module) -> MeasuredBytes:
     _walk(rest, "opt", lambda path, t: found.append((path, t)), seen)
 
     # 1. per-element optimizer state
-    for g, pg in enumerate(inner.param_groups):
+    for g, pg in enumerate(groups):
         for i, master in enumerate(pg["params"]):
-            for key, value in inner.state.get(master, {}).items():
+            for key, value in state.get(master, {}).items():
                 if isinstance(value, torch.Tensor) and value.numel() == master.numel():
                     counter.add(value, "optimizer_states", f"optimizer.state[{g}][{i}].{key}")
     # 2. the model's parameters and gradients
@@ -163,13 +169,13 @@ def measure(opt: Any, model: nn.Module) -> MeasuredBytes:
         if column is not None:
             counter.add(t, column, path)
     # 4. masters that are not also a parameter or its shard (See formulas.py, difference 1)
-    for g, pg in enumerate(inner.param_groups):
+    for g, pg in enumerate(groups):
         for i, master in enumerate(pg["params"]):
             counter.add(master, "master", f"optimizer.param_groups[{g}].params[{i}]")
     # 5. everything else: scalar optimizer state, model buffers, flags
-    for g, pg in enumerate(inner.param_groups):
+    for g, pg in enumerate(groups):
         for i, master in enumerate(pg["params"]):
-            for key, value in inner.state.get(master, {}).items():
+            for key, value in state.get(master, {}).items():
                 if isinstance(value, torch.Tensor):
                     counter.add(value, "other", f"optimizer.state[{g}][{i}].{key}")
     for name, b in model.named_buffers():
@@ -179,8 +185,16 @@ def measure(opt: Any, model: nn.Module) -> MeasuredBytes:
     return MeasuredBytes(**counter.columns, where=counter.where)
 
 
+def _param_groups_and_state(inner: Any) -> tuple[list[dict], dict]:
+    """The inner optimizer's param groups and state; none for stage 3 without an optimizer."""
+    return ([], {}) if inner is None else (inner.param_groups, inner.state)
+
+
 def _optimized_shapes(opt: Any) -> dict[str, int]:
-    """Element count of each optimized parameter, by name (from the fragments: stage-3 safe)."""
+    """Element count of each optimized parameter, by name (from the fragments: stage-3 safe);
+    without an optimizer, of every parameter stage 3 keeps shards of."""
+    if opt.optimizer is None:
+        return {sp.name: sp.numel for sp in opt.strategy.sharded_params()}
     numels = {}
     for f in opt.fragments():
         n = 1
@@ -198,6 +212,13 @@ def predict(opt: Any) -> ModelStateBytes:
     if stage == 3:
         threshold = opt.config.stage3_param_persistence_threshold_numel
         persistent = sum(n for n in numels.values() if n <= threshold)
+    if opt.optimizer is None:  # stage 3 without an optimizer: the shards alone
+        return forward_only_state_bytes(
+            sum(numels.values()),
+            _partition_size(opt),
+            param_bytes=opt.precision.param_dtype.itemsize,
+            persistent_params=persistent,
+        )
     got = minispeed_state_bytes(
         sum(numels.values()),
         _partition_size(opt),
@@ -229,6 +250,8 @@ def padding_allowance(opt: Any) -> ModelStateBytes:
     """
     n = len(_optimized_shapes(opt)) * _partition_size(opt)
     p, g = opt.precision.param_dtype.itemsize, opt.precision.grad_accum_dtype.itemsize
+    if opt.optimizer is None:  # stage 3 without an optimizer: no gradient, master or state
+        return ModelStateBytes(opt.config.stage, _partition_size(opt), n * p, 0, 0)
     k = optimizer_bytes_per_param(opt.optimizer)
     return ModelStateBytes(opt.config.stage, _partition_size(opt), n * p, n * g, n * k)
 

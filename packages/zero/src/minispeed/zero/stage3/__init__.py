@@ -6,7 +6,9 @@ lists, as a test traces them, the files one step runs from the optimizer to the 
 1. `assemble` — what ``zero.shard`` builds, once, in order (partitions, fp32 masters,
    persistent parameters, fetch units, hooks, ZeRO++, the reducer); `strategy` —
    `Stage3Strategy`, what the optimizer sees at every step, and `GradShardReducer`, the
-   gradient reduce-scatter into fp32 shards;
+   gradient reduce-scatter into fp32 shards; `forward_only` — `ForwardOnly`, what
+   ``zero.shard(model, None)`` returns (ZeRO-Inference): the same build over no trained
+   parameters, so the shards alone (no masters, no gradients);
 2. `coordinator` — the module hooks (the four moments: pre/post forward, pre/post backward)
    and `FetchCoordinator`, which fetch unit to gather and release when, in which pass
    (`FetchPhase`); beside it `prefetch` — `Prefetcher`, what to fetch ahead within the

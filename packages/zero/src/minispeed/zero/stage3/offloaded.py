@@ -90,8 +90,9 @@ def offload_params(strategy: Any, config: Any, keep_masters: bool = True) -> Non
     built = [sp for sp in everything if sp.residency is Residency.AWAY]  # files since zero.Init
     if built:
         home = built[0].home
+        trained = set(map(id, strategy.trained))  # a master only for what the optimizer steps
         for sp in built:
-            _adopt_built(sp, keep_masters, stay=id(sp) in in_cpu)
+            _adopt_built(sp, keep_masters, stay=id(sp) in in_cpu, trained=id(sp) in trained)
             if id(sp) in in_cpu and not sp.persistent and not on_cpu:  # to host memory
                 host.adopt(sp)
         sps = [sp for sp in sps if sp.residency is Residency.HERE]
@@ -133,18 +134,22 @@ def in_cpu_budget(cfg: Any, sps: list[ShardedParam]) -> set[int]:
     return kept
 
 
-def _adopt_built(sp: ShardedParam, keep_masters: bool, stay: bool = False) -> None:
+def _adopt_built(
+    sp: ShardedParam, keep_masters: bool, stay: bool = False, trained: bool = True
+) -> None:
     """A shard that zero.Init already put in a swap file (see `init_residency`): a persistent
     one (or one ``max_in_cpu`` keeps: ``stay``) comes back into memory for good; the master
-    (fp32, when kept) is read from the file."""
+    (fp32, when kept) is read from the file. A parameter the optimizer does not step
+    (``trained`` False: frozen, or stage 3 without an optimizer) gets no master."""
     stay = stay or sp.persistent
-    if stay or keep_masters:
+    master = keep_masters and trained
+    if stay or master:
         sp.home.fetch(sp)
-        if keep_masters:
+        if master:
             sp.set_master(sp.shard.to(torch.float32, copy=True))
         if stay:
             sp.to_here()
-            if not keep_masters:
+            if not keep_masters and trained:
                 sp.set_master(sp.shard)
         else:
             sp.home.evict(sp)
