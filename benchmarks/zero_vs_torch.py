@@ -69,7 +69,8 @@ python benchmarks/zero_vs_torch.py --world-size 4 --mics-shard-size 2 \
 ``
 
 `--checkpoint`: activation checkpointing on every contender alike, the floor included: each
-transformer block's forward runs under `torch.utils.checkpoint` (non-reentrant), set on the block
+transformer block's forward runs under `torch.utils.checkpoint` (non-reentrant, early stopping
+off: the whole block is recomputed), set on the block
 before FSDP2, DDP or ZeRO wraps the model. Activations then are the blocks' inputs plus one block's
 at a time, so parameters, gradients and optimizer state weigh more in the peak; every step runs
 each block's forward twice.

@@ -236,14 +236,15 @@ class Stage3Strategy(ShardStrategy):
 
 # Note [a large gradient travels alone]
 # A bucket of several gradients is reduce-scattered from one (N, cols) buffer, so each gradient
-# is copied into it (``torch.cat``) and the buffer is fresh memory every backward: Ψ·g bytes
-# written per step, and on CPU a page fault per 4 KiB of them. A gradient of at least
-# ``_ALONE_NUMEL`` elements forms a bucket of its own instead, reduced in place in the very
+# is copied into it (``torch.cat``), a new buffer every backward: Ψ·g bytes written per step (on
+# CPU also a page fault per 4 KiB when the allocator hands out fresh pages). A gradient of at
+# least ``_ALONE_NUMEL`` elements forms a bucket of its own instead, reduced in place in the very
 # tensor autograd produced (its ``(N, s)`` view; a copy only when padding or a cast is needed).
-# Cost: one collective per large gradient instead of a share of one (about 0.1 ms of Python and
-# backend per call on gloo), against a copy of ``4·n`` bytes (1 MiB and up here): at 33.9M
-# parameters 34 reduce-scatters per step instead of 6, and 135 MB fewer copied (docs/
-# benchmarks.md). Still at most ``reduce_bucket_numel`` elements per message.
+# Cost: one collective per large gradient instead of a share of one (comm adds 30-45 µs of CPU to
+# torch's own call on gloo), against a copy of ``g·n`` bytes, 1 MiB and up: at 33.9M parameters
+# 34 reduce-scatters per step instead of 6, 135 MB fewer copied, 24-25 ms of CPU a step (about
+# 1%; docs/benchmarks.md, "Stage 3: large gradients alone"). Still at most
+# ``reduce_bucket_numel`` elements per message.
 _ALONE_NUMEL = 1 << 18
 
 # Reduce-scatters in flight before the next launch waits for the oldest: bounds staging memory.
