@@ -42,6 +42,7 @@ from timing import best_time
 from minispeed.inference import ContinuousBatcher, SamplingConfig, generate, init_inference, kernels
 from minispeed.inference.kernels import reference
 from minispeed.inference.quantize import quantize_per_channel
+from minispeed.inference.quantize import weight_bytes as linear_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -145,10 +146,16 @@ def copy_bandwidth(buffers: tuple[torch.Tensor, torch.Tensor]) -> float:
 
 
 def bench_vs_transformers(
-    family: str, size: str, batch: int, threads: int, prompt_len: int, new: int, rounds: int
-) -> str:
+    family: str, size: str, batch: int, threads: int, prompt_len: int, new: int, rounds: int,
+    int8: bool = False,
+) -> str:  # fmt: skip
     """One row: the same Hugging Face model and prompts decoded by transformers' `generate`
     (greedy, its KV cache) and by `init_inference` + `generate`, against the bandwidth floor.
+
+    `int8`: a third contender, `init_inference(model, dtype=torch.int8)` (the block linears'
+    weights as int8 copies), whose tokens are checked against the same int8 engine on the
+    reference kernels (int8 changes the numerics, so not against transformers); its floor reads
+    the streamed weights with the block linears at int8 bytes.
 
     A decode step's time is `(t(new + 1 tokens) - t(1 token)) / new` for each contender (the
     prefill and first token cancel). The floor reads the streamed weights once per step at the
@@ -178,6 +185,22 @@ def bench_vs_transformers(
     got, want = injected(new + 1), hf(new + 1)
     assert got == want, f"{family} {size} batch {batch}: injected and transformers tokens differ"
     weight_bytes = streamed_weight_bytes(model)
+    contenders = [("hf", hf), ("injected", injected)]
+    if int8:
+        engine8, _ = init_inference(model, dtype=torch.int8)
+
+        def injected8(n: int) -> list[list[int]]:
+            return generate(engine8, prompts, SamplingConfig(max_new_tokens=n))
+
+        got = injected8(new + 1)
+        os.environ["MINISPEED_DISABLE_OPS"] = "inference_kernels"
+        try:
+            want = injected8(new + 1)
+        finally:
+            del os.environ["MINISPEED_DISABLE_OPS"]
+        assert got == want, f"{family} {size} batch {batch}: int8 op and reference tokens differ"
+        contenders.append(("int8", injected8))
+        bytes8 = weight_bytes - linear_bytes(engine.blocks) + linear_bytes(engine8.blocks)
     buffers = (torch.randn(weight_bytes // 4), torch.empty(weight_bytes // 4))
     copy_bandwidth(buffers)  # first touch of dst
 
@@ -189,9 +212,10 @@ def bench_vs_transformers(
         gen(new + 1)
         return (time.perf_counter() - start - first) / new
 
-    steps: dict[str, list[float]] = {"hf": [], "injected": [], "bw": []}
+    steps: dict[str, list[float]] = {name: [] for name, _ in contenders}
+    steps["bw"] = []
     for r in range(rounds):
-        order = [("hf", hf), ("injected", injected)][:: 1 if r % 2 == 0 else -1]
+        order = contenders[:: 1 if r % 2 == 0 else -1]
         for name, gen in order:
             steps[name].append(step_seconds(gen))
         steps["bw"].append(copy_bandwidth(buffers))
@@ -199,6 +223,18 @@ def bench_vs_transformers(
     ratios = [h / i for h, i in zip(steps["hf"], steps["injected"])]
     floor_step = weight_bytes / med["bw"]
     params = sum(p.numel() for p in model.parameters()) / 1e6
+    if int8:
+        floor8 = bytes8 / med["bw"]
+        ratios8 = [f / i for f, i in zip(steps["injected"], steps["int8"])]
+        return (
+            f"| HF {family} {size} ({params:.0f}M; {weight_bytes / 2**20:.0f} → "
+            f"{bytes8 / 2**20:.0f} MiB streamed) | {batch} | {threads} | {med['bw'] / 1e9:.1f} "
+            f"| {batch / floor8:.1f} | {batch / med['hf']:.1f} | {batch / med['injected']:.1f} "
+            f"| {batch / med['int8']:.1f} "
+            f"| {statistics.median(ratios8):.2f}× [{min(ratios8):.2f}–{max(ratios8):.2f}] "
+            f"| {med['hf'] / med['int8']:.2f}× | {floor8 / med['int8']:.2f} "
+            f"| {os.getloadavg()[0]:.1f} |"
+        )
     return (
         f"| HF {family} {size} ({params:.0f}M, {weight_bytes / 2**20:.0f} MiB streamed) | {batch} "
         f"| {threads} | {med['bw'] / 1e9:.1f} | {batch / floor_step:.1f} "
@@ -431,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="batch sizes of the hf section")  # fmt: skip
     parser.add_argument("--threads-list", nargs="+", type=int, default=[1, 2],
                         help="thread counts of the hf section (each row sets its own)")  # fmt: skip
+    parser.add_argument("--int8", action="store_true",
+                        help="hf section: add init_inference(dtype=torch.int8) to every row")  # fmt: skip
     parser.add_argument(
         "--threads", type=int, default=1,
         help="torch and OpenMP threads for every variant (default 1: on a machine shared with "
@@ -463,17 +501,23 @@ def main(argv: list[str] | None = None) -> int:
               "checked), against the floor (the streamed weights read once per step at the copy "
               f"bandwidth measured in the same rounds); medians of {args.rounds} interleaved "
               "rounds, tokens/s:")  # fmt: skip
-        print(
-            "\n| model | batch | threads | copy GB/s | floor tok/s | transformers tok/s | "
-            "injected tok/s | injected / transformers [min–max] | injected / floor | load |"
-        )
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        if args.int8:
+            print("\n| model | batch | threads | copy GB/s | int8 floor tok/s | transformers tok/s "
+                  "| injected fp32 tok/s | injected int8 tok/s | fp32 / int8 step [min–max] "
+                  "| int8 / transformers | int8 / int8 floor | load |")  # fmt: skip
+            print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        else:
+            print(
+                "\n| model | batch | threads | copy GB/s | floor tok/s | transformers tok/s | "
+                "injected tok/s | injected / transformers [min–max] | injected / floor | load |"
+            )
+            print("|---|---|---|---|---|---|---|---|---|---|")
         for family in args.families:
             for size in ("small",) if args.quick else args.hf_sizes:
                 for threads in args.threads_list:
                     for batch in args.batches:
-                        row = bench_vs_transformers(family, size, batch, threads,
-                                                    args.prompt_len, args.new_tokens, args.rounds)  # fmt: skip
+                        row = bench_vs_transformers(family, size, batch, threads, args.prompt_len,
+                                                    args.new_tokens, args.rounds, args.int8)  # fmt: skip
                         print(row, flush=True)
         torch.set_num_threads(args.threads)
     if wanted("profile"):

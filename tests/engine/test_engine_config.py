@@ -178,6 +178,21 @@ def test_config_that_is_not_json_names_line_and_column(tmp_path) -> None:
         load_ds_config(path)
 
 
+def test_a_key_given_twice_is_refused_by_its_path(tmp_path) -> None:
+    """JSON parsers keep the last of two equal keys silently; DeepSpeed refuses them."""
+    path = tmp_path / "ds.json"
+    path.write_text('{"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}')
+    assert load_ds_config(path)["zero_optimization"]["stage"] == 1
+    path.write_text('{"zero_optimization": {"stage": 1, "stage": 3}}')
+    with pytest.raises(
+        ConfigError, match=r"^zero_optimization.stage: is given 2 times .*\(1, then 3\)"
+    ):
+        load_ds_config(path)
+    path.write_text('{"a": [{"b": {"c": 1, "c": 1}}]}')
+    with pytest.raises(ConfigError, match=r"^a\[0\].b.c: is given 2 times"):
+        load_ds_config(path)
+
+
 def test_every_deepspeed_top_level_key_is_read_or_refused_with_a_reason() -> None:
     """The one catalogue of DeepSpeed's top-level keys (core) and the engine's tables agree, so
     the migration page's list is complete: each key is either read or refused with its reason.

@@ -45,6 +45,26 @@ def test_run_on_one_machine(tmp_path) -> None:
         assert s["LOCAL_RANK"] == str(r)
 
 
+def test_deepspeeds_commands_run_minispeeds(tmp_path) -> None:
+    """The `deepspeed` distribution installs DeepSpeed's `deepspeed` launcher and `ds_report`."""
+    from importlib import metadata
+
+    try:
+        scripts = {e.name: e.value for e in metadata.distribution("deepspeed").entry_points}
+    except metadata.PackageNotFoundError:
+        pytest.skip("packages/deepspeed_compat is not installed")
+    assert scripts["deepspeed"] == "minispeed.engine.cli.main:deepspeed_main"
+    assert scripts["ds_report"] == "minispeed.engine.cli.main:ds_report_main"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run(
+        [Path(sys.executable).parent / "deepspeed", "--num_gpus=2", str(JOB), "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=180, env={**env, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [s["argv"][0] for s in seen] == ["--local_rank=0", "--local_rank=1"]
+
+
 def test_no_local_rank_passes_the_arguments_as_given(tmp_path) -> None:
     proc = _minispeed("run", "--no_local_rank", str(JOB), "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr

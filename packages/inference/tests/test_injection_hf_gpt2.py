@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from minispeed.inference import SamplingConfig, generate, init_inference
+from minispeed.inference.quantize import quantize_per_channel
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(300)
@@ -42,6 +43,20 @@ def test_gpt2_cached_generation_equals_recomputation(rel_close):
     assert generate(engine, prompts, cfg, kv_block_size=4) == generate(
         engine, prompts, cfg, use_cache=False
     )
+
+
+def test_gpt2_int8_holds_conv1d_weights_as_rows_and_decodes_as_the_reference(monkeypatch):
+    # Conv1D stores W transposed; the int8 copy must be (N, K) contiguous, or the kernel's wrapper
+    # copied the whole weight on every call (GPT-2 int8 decode ran at 0.4x transformers for it).
+    model = _gpt2()
+    engine, _ = init_inference(model, dtype=torch.int8)
+    conv = model.transformer.h[1].mlp.c_fc
+    q = engine.blocks[1].fc.weight_q
+    assert q.is_contiguous() and torch.equal(q, quantize_per_channel(conv.weight.t())[0])
+    prompts, cfg = [[1, 2, 3, 4, 5], [9]], SamplingConfig(max_new_tokens=8)
+    got = generate(engine, prompts, cfg, kv_block_size=4)
+    monkeypatch.setenv("MINISPEED_DISABLE_OPS", "inference_kernels")
+    assert got == generate(engine, prompts, cfg, kv_block_size=4)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

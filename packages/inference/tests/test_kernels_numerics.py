@@ -153,6 +153,19 @@ def test_int8_linear_matches_reference_and_the_quantization_bound(M, N, K, rel_c
     assert torch.all(err <= bound * (1 + 1e-4) + 1e-5)
 
 
+def test_int8_linear_reads_every_row_count_and_channel_tail_alike(rel_close):
+    # The kernel has one register-blocked form per row count 1-8 (a prefill runs in chunks of 8),
+    # output channels in thread tasks of 64 (300 = 4 tasks + a tail of 44) and a K tail (260 is
+    # not a multiple of 16); the weight (78,000 bytes) is large enough for threads.
+    g = torch.Generator().manual_seed(11)
+    q, s = quantize_per_channel(torch.randn(300, 260, generator=g))
+    b, x = torch.randn(300, generator=g), torch.randn(19, 260, generator=g)
+    full = kernels.int8_linear(x, q, s, b)
+    rel_close(full, reference.int8_linear(x, q, s, b))
+    for rows in range(1, 9):  # a row's output does not depend on how many rows share the call
+        assert torch.equal(kernels.int8_linear(x[:rows], q, s, b), full[:rows]), rows
+
+
 def test_argmax_is_torchs_on_ties_infinities_and_nans():
     g = torch.Generator().manual_seed(7)
     x = torch.randn(6, 50257, generator=g)

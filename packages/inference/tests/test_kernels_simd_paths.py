@@ -69,8 +69,10 @@ def test_lower_simd_levels_match_reference(lower_op, rel_close):
         kernels.decode_attention(q, k, v, tables, lens),
         reference.decode_attention(q, k, v, tables, lens),
     )
-    wq, s = quantize_per_channel(torch.randn(11, 37, generator=g))
-    rel_close(kernels.int8_linear(x, wq, s, None), reference.int8_linear(x, wq, s, None))
+    wq, s = quantize_per_channel(torch.randn(131, 37, generator=g))
+    for rows in (1, 3, 8, 19):  # each register blocking, and a prefill's chunks of 8
+        xs = torch.randn(rows, 37, generator=g)
+        rel_close(kernels.int8_linear(xs, wq, s, None), reference.int8_linear(xs, wq, s, None))
     rel_close(kernels.bias_gelu(x, b, "tanh"), reference.bias_gelu(x, b, "tanh"))
     w, bl = torch.randn(41, 37, generator=g), torch.randn(41, generator=g)
     for weight in (w, w.t().contiguous().t()):  # nn.Linear's layout, then Conv1D's

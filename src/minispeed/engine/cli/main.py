@@ -281,5 +281,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def deepspeed_main() -> int:
+    """DeepSpeed's `deepspeed` launcher command, which the `deepspeed` distribution
+    (packages/deepspeed_compat) installs: `minispeed run` with the same arguments
+    (`deepspeed --num_gpus 2 train.py --deepspeed --deepspeed_config ds.json`)."""
+    return main(["run", *sys.argv[1:]])
+
+
+def ds_report_main() -> int:
+    """DeepSpeed's `ds_report` command: `minispeed report`."""
+    return main(["report", *sys.argv[1:]])
+
+
 if __name__ == "__main__":
     sys.exit(main())

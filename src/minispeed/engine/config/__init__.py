@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from minispeed.comm import CommsLoggerConfig
-from minispeed.core.config import BATCH_KEYS, ConfigError, batch_triple
+from minispeed.core.config import BATCH_KEYS, ConfigError, batch_triple, join_path
 from minispeed.core.sections import (
     Section,
     Unsupported,
@@ -191,7 +191,9 @@ UNSUPPORTED: dict[str, Unsupported] = {
 def load_ds_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
     """A ds_config as a dict: `config` is a dict already, or the path of a JSON file.
 
-    A file that is not JSON is a `ConfigError` naming the file, line and column.
+    A file that is not JSON is a `ConfigError` naming the file, line and column; a key given
+    twice in one object (JSON's parsers keep the last silently) names the key's path and both
+    values, as DeepSpeed refuses duplicate keys too.
     """
     if isinstance(config, Mapping):
         return dict(config)
@@ -205,7 +207,7 @@ def load_ds_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, A
         raise ConfigError("", f"config file {os.fspath(path)!r} does not exist")
     text = path.read_text()
     try:
-        parsed = json.loads(text)
+        parsed = json.loads(text, object_pairs_hook=_JsonObject)
     except json.JSONDecodeError as e:
         raise ConfigError(
             "", f"{os.fspath(path)} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}"
@@ -214,7 +216,38 @@ def load_ds_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, A
         raise ConfigError(
             "", f"{os.fspath(path)} must hold a JSON object, got {type(parsed).__name__}"
         )
-    return parsed
+    _refuse_duplicates(parsed, "", path)
+    return json.loads(text)  # plain dicts (the check's objects stay here)
+
+
+class _JsonObject(dict):
+    """A JSON object as parsed, remembering the keys given more than once (with every value)."""
+
+    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
+        super().__init__(pairs)
+        seen: dict[str, list[Any]] = {}
+        for name, value in pairs:
+            seen.setdefault(name, []).append(value)
+        self.duplicates = {k: v for k, v in seen.items() if len(v) > 1}
+
+
+def _refuse_duplicates(node: Any, where: str, path: Path) -> None:
+    """The first key given twice in one object of the parsed file, by its path."""
+    if isinstance(node, list):
+        for i, item in enumerate(node):
+            _refuse_duplicates(item, f"{where}[{i}]", path)
+        return
+    if not isinstance(node, _JsonObject):
+        return
+    for name, values in node.duplicates.items():
+        shown = ", then ".join(json.dumps(v) for v in values)
+        raise ConfigError(
+            join_path(where, name),
+            f"is given {len(values)} times in {os.fspath(path)} ({shown}); JSON would keep the "
+            "last one silently: keep the one you mean",
+        )
+    for name, value in node.items():
+        _refuse_duplicates(value, join_path(where, name), path)
 
 
 def _batch_value(ds: Mapping[str, Any], key: str) -> int | None:

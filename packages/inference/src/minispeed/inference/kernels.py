@@ -20,7 +20,8 @@ write 2RC floats; `bias_gelu`: read RC + C, write RC; `masked_softmax`: read RC 
 bytes), write RC; `linear` (M, K) x (N, K), M <= 8: 2MNK FLOPs, 4NK weight bytes read once;
 `rotary_embedding` (T, H, D): read THD + TD, write THD; `decode_attention`:
 4·L·D FLOPs and 2·L·D floats of cache read per (sequence, head); `int8_linear` (M, K) x (N, K):
-2MNK FLOPs, N·K weight bytes read (a quarter of fp32's); `argmax` (R, V): read RV floats.
+2MNK FLOPs, N·K weight bytes (a quarter of fp32's) read from memory once per call, for every M
+(Note [int8 linear: each weight byte read once for every row]); `argmax` (R, V): read RV floats.
 """
 
 from __future__ import annotations
@@ -387,7 +388,12 @@ def int8_linear(
     scales: torch.Tensor,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`x (..., K) @ (weight_q (N, K) int8 · scales (N,))ᵀ + bias`, dequantized inside the kernel."""
+    """`x (..., K) @ (weight_q (N, K) int8 · scales (N,))ᵀ + bias`, dequantized inside the kernel.
+
+    The weight is read once per call whatever the row count (see Note [int8 linear: each weight
+    byte read once for every row] in csrc/kernels/kernels.cpp). A non-contiguous `weight_q` is
+    copied on every call: hold it contiguous, as `quantize_per_channel` returns it.
+    """
     x = _fp32(x, "x")
     if weight_q.dtype != torch.int8 or weight_q.dim() != 2:
         raise TypeError(

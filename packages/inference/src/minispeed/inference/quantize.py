@@ -21,6 +21,8 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     """`(q int8 (N, K), scales fp32 (N,))` with `weight ≈ q · scales[:, None]` (absmax per row).
 
     An all-zero row gets scale 1 (any scale represents it exactly), never a division by zero.
+    `q` is contiguous whatever `weight`'s strides (a Conv1D weight's transposed view included),
+    so the kernel reads it in place.
     """
     if weight.dim() != 2 or not weight.is_floating_point():
         raise ValueError(
@@ -29,7 +31,9 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     w = weight.detach().float()
     absmax = w.abs().amax(dim=1)
     scales = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
-    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    # contiguous: a transposed view (Hugging Face's Conv1D weight) would otherwise give q the
+    # view's strides, and the kernel would copy the whole weight on every call
+    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
     return q, scales
 
 

@@ -5,9 +5,10 @@
 // linear with per-output-channel scales. Each has a pure-PyTorch reference with the same
 // contract in minispeed/inference/kernels_reference.py; the tests compare the two.
 //
-// SIMD: the vector helpers (dot and axpy from minispeed/simd.h; sum, sum of squares and int8 dot
-// below) are chosen at compile time by the define the builder passes (-DMINISPEED_SIMD_AVX512 /
-// _AVX2 / _SCALAR), as in core's cast op; every helper ends in the same scalar tail loop.
+// SIMD: the vector helpers (dot and axpy from minispeed/simd.h; sum, sum of squares and the int8
+// widening load below) are chosen at compile time by the define the builder passes
+// (-DMINISPEED_SIMD_AVX512 / _AVX2 / _SCALAR), as in core's cast op; every helper ends in the
+// same scalar tail loop.
 // Threads: OpenMP over rows (or over output channels / (sequence, head) pairs), GIL released
 // around every kernel.
 //
@@ -43,29 +44,6 @@ using minispeed::simd::dot;
 #if defined(MINISPEED_HAS_AVX2)
 using minispeed::simd::hsum256;
 #endif
-
-// sum_i x[i] * float(w[i]): the int8 weight is widened to fp32 in registers, never in memory.
-inline float dot_i8(const float* x, const int8_t* w, int64_t n) {
-  int64_t i = 0;
-  float acc = 0.f;
-#if defined(MINISPEED_HAS_AVX512)
-  __m512 v = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i));
-    v = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), v);
-  }
-  acc = _mm512_reduce_add_ps(v);
-#elif defined(MINISPEED_HAS_AVX2)
-  __m256 v = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) {
-    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + i));
-    v = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), v);
-  }
-  acc = hsum256(v);
-#endif
-  for (; i < n; ++i) acc += x[i] * static_cast<float>(w[i]);
-  return acc;
-}
 
 // h = x + r (r may be null), written to h; returns sum(h).
 inline float add_into(const float* x, const float* r, float* h, int64_t n) {
@@ -448,20 +426,119 @@ void decode_attention(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr
   }
 }
 
-// y (M, N) = x (M, K) @ (w_q (N, K) * scales (N, 1))^T + bias: the scale is applied once per
-// output after the int8 dot product, so the weight is never dequantized in memory. Reads
-// N K bytes of weight (a quarter of fp32's 4 N K) per call; threads split the output channels.
+// ---- int8 weight-only linear ----------------------------------------------------------------
+//
+// Note [int8 linear: each weight byte read once for every row]
+// y (M, N) = x (M, K) @ (w_q (N, K) int8 * scales (N, 1))^T + bias. A decode step has M = batch
+// rows (often 1) and is bound by reading the weight, N K bytes here against fp32's 4 N K, so the
+// kernel must read each weight byte once per call, not once per row, and widen it to fp32 in
+// registers only (never dequantize in memory). As linear.cpp's nk kernel (Note [reading the
+// weights once at full bandwidth] there), it walks NR output channels side by side and keeps the
+// NR x M partial sums in vector registers: each 16 (AVX-512) or 8 (AVX2) weights are loaded and
+// widened int8 -> int32 -> fp32 once (two instructions) and feed M fused multiply-adds. The
+// scale is applied once per output, after the reduction. M > 8 (a prefill) runs in chunks of 8
+// rows over each 64-channel task, whose weight (64 K bytes) then comes from L2, not memory.
+//
+// Numerics: an output is width partial sums over k (one fused multiply-add each), reduced once,
+// plus the scalar tail, times its scale, plus its bias: the same order for every M, NR and thread
+// count (a prefill row and a decode row of the same input agree bit for bit); it agrees with the
+// reference (F.linear over the dequantized weight) to fp32 rounding.
+// Threads: tasks of 64 output channels (a y row's cache lines never shared), static schedule, and
+// only for weights of 2^16 bytes or more (Note [threads only when the weight is large] in
+// linear.cpp).
+
+using minispeed_inference::Vec;  // one register of fp32 lanes at the build's level (vec.h)
+
+// kWidth int8 weights widened to one register of fp32.
+inline Vec load_i8(const int8_t* p) {
+#if defined(MINISPEED_HAS_AVX512)
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))};
+#elif defined(MINISPEED_HAS_AVX2)
+  const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))};
+#else
+  return {static_cast<float>(*p)};
+#endif
+}
+
+constexpr int kInt8MaxRows = 8;   // rows of x per pass over the weight
+constexpr int kInt8Task = 64;     // output channels per thread task
+constexpr int kInt8Regs = Vec::kWidth == 8 ? 16 : 32;  // vector registers (AVX2: 16)
+constexpr int64_t kInt8PrefetchBytes = 16384;  // how far ahead of the reads the prefetches run
+
+// Channels side by side for M rows: NR · M accumulators + NR weights + one input fit in the
+// registers with two to spare; at most 8 (M = 1 read 0.7-0.8 of the copy bandwidth with 4 rows
+// side by side, 0.8-0.95 with 8: more independent streams and sum chains in flight).
+constexpr int int8_channels(int m) {
+  return std::max(1, std::min(8, (kInt8Regs - 3) / (m + 1)));
+}
+
+// y[m, n .. n + NR) for M rows, from NR consecutive weight rows.
+template <int M, int NR>
+inline void int8_block(const float* x, const int8_t* w, const float* scales, const float* bias,
+                       float* y, int64_t N, int64_t K, int64_t n) {
+  constexpr int kW = Vec::kWidth;
+  const int64_t kv = K / kW * kW;  // the vector part of K; the rest is the scalar tail
+  Vec acc[NR][M];
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = Vec::zero();
+  for (int64_t k = 0; k < kv; k += kW) {
+    // The block's NR rows are one contiguous run of NR K bytes, so each row prefetching the line
+    // kInt8PrefetchBytes past its own read covers every line once, that far ahead (see Note
+    // [prefetch the next block] in linear.cpp; past the end of the weight it is a mere hint).
+    if (k % 64 == 0)
+      for (int r = 0; r < NR; ++r)
+        __builtin_prefetch(w + (n + r) * K + k + kInt8PrefetchBytes, 0, 2);
+    Vec wv[NR];
+    for (int r = 0; r < NR; ++r) wv[r] = load_i8(w + (n + r) * K + k);
+    for (int m = 0; m < M; ++m) {
+      const Vec xv = Vec::load(x + m * K + k);
+      for (int r = 0; r < NR; ++r) acc[r][m].fma(wv[r], xv);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    const int8_t* wr = w + (n + r) * K;
+    const float s = scales[n + r], b = bias ? bias[n + r] : 0.f;
+    for (int m = 0; m < M; ++m) {
+      float a = acc[r][m].sum();
+      for (int64_t k = kv; k < K; ++k) a += x[m * K + k] * static_cast<float>(wr[k]);
+      y[m * N + n + r] = a * s + b;
+    }
+  }
+}
+
+// Channels [n0, n1) of y for M rows.
+template <int M>
+void int8_rows(const float* x, const int8_t* w, const float* scales, const float* bias, float* y,
+               int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  constexpr int NR = int8_channels(M);
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) int8_block<M, NR>(x, w, scales, bias, y, N, K, n);
+  for (; n < n1; ++n) int8_block<M, 1>(x, w, scales, bias, y, N, K, n);
+}
+
+using Int8RowsFn = void (*)(const float*, const int8_t*, const float*, const float*, float*,
+                            int64_t, int64_t, int64_t, int64_t);
+const Int8RowsFn kInt8Rows[kInt8MaxRows] = {int8_rows<1>, int8_rows<2>, int8_rows<3>,
+                                            int8_rows<4>, int8_rows<5>, int8_rows<6>,
+                                            int8_rows<7>, int8_rows<8>};
+
+// See Note [int8 linear: each weight byte read once for every row]. 2 M N K FLOPs; reads N K
+// weight bytes once (a quarter of fp32's 4 N K) plus 4 N scales, 4 M K input bytes per task.
 void int8_linear(uintptr_t x, uintptr_t w_q, uintptr_t scales, uintptr_t bias, uintptr_t out,
                  int64_t m, int64_t n, int64_t k) {
   pybind11::gil_scoped_release nogil;
-  const bool big = n > 1 && m * n * k >= (1 << 15);
+  const int64_t tasks = (n + kInt8Task - 1) / kInt8Task;
+  const bool big = tasks > 1 && n * k >= (int64_t{1} << 16);
 #pragma omp parallel for schedule(static) if (big)
-  for (int64_t j = 0; j < n; ++j) {
-    const int8_t* w = ptr<const int8_t>(w_q) + j * k;
-    const float s = ptr<const float>(scales)[j];
-    const float b = bias ? ptr<const float>(bias)[j] : 0.f;
-    for (int64_t i = 0; i < m; ++i) {
-      ptr<float>(out)[i * n + j] = dot_i8(ptr<const float>(x) + i * k, w, k) * s + b;
+  for (int64_t t = 0; t < tasks; ++t) {
+    const int64_t n0 = t * kInt8Task, n1 = std::min(n, n0 + kInt8Task);
+    for (int64_t m0 = 0; m0 < m; m0 += kInt8MaxRows) {
+      const int64_t rows = std::min<int64_t>(kInt8MaxRows, m - m0);
+      kInt8Rows[rows - 1](ptr<const float>(x) + m0 * k, ptr<const int8_t>(w_q),
+                          ptr<const float>(scales), bias ? ptr<const float>(bias) : nullptr,
+                          ptr<float>(out) + m0 * n, n, k, n0, n1);
     }
   }
 }
