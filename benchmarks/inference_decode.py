@@ -137,17 +137,18 @@ def streamed_weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
 
 
-def copy_bandwidth(buffers: tuple[torch.Tensor, torch.Tensor]) -> float:
+def copy_bandwidth(buffers: tuple[torch.Tensor, torch.Tensor], clock=time.perf_counter) -> float:
     """Bytes per second of one `dst.copy_(src)`, counted as STREAM counts a copy: read + written."""
     src, dst = buffers
-    start = time.perf_counter()
+    start = clock()
     dst.copy_(src)
-    return 2 * src.numel() * src.element_size() / (time.perf_counter() - start)
+    return 2 * src.numel() * src.element_size() / (clock() - start)
 
 
 def bench_vs_transformers(
     family: str, size: str, batch: int, threads: int, prompt_len: int, new: int, rounds: int,
     int8: bool = False,
+    clock=time.perf_counter,
 ) -> str:  # fmt: skip
     """One row: the same Hugging Face model and prompts decoded by transformers' `generate`
     (greedy, its KV cache) and by `init_inference` + `generate`, against the bandwidth floor.
@@ -162,6 +163,8 @@ def bench_vs_transformers(
     copy bandwidth of this run: `batch / (weight bytes / bandwidth)` tokens/s. Rounds interleave
     transformers, injected and a copy of a weight-sized buffer, so load from other jobs hits all
     three alike; the cells are medians over the rounds, the ratio's spread is its min-max.
+    `clock`: wall time, or `time.process_time` (`--clock cpu`: the CPU time of every thread of
+    the process, so turns other jobs take on the cores are not counted).
     """
     torch.set_num_threads(threads)
     model = hf_model(family, size, prompt_len + new + 1)
@@ -205,12 +208,12 @@ def bench_vs_transformers(
     copy_bandwidth(buffers)  # first touch of dst
 
     def step_seconds(gen) -> float:
-        start = time.perf_counter()
+        start = clock()
         gen(1)
-        first = time.perf_counter() - start
-        start = time.perf_counter()
+        first = clock() - start
+        start = clock()
         gen(new + 1)
-        return (time.perf_counter() - start - first) / new
+        return (clock() - start - first) / new
 
     steps: dict[str, list[float]] = {name: [] for name, _ in contenders}
     steps["bw"] = []
@@ -218,7 +221,7 @@ def bench_vs_transformers(
         order = contenders[:: 1 if r % 2 == 0 else -1]
         for name, gen in order:
             steps[name].append(step_seconds(gen))
-        steps["bw"].append(copy_bandwidth(buffers))
+        steps["bw"].append(copy_bandwidth(buffers, clock))
     med = {k: statistics.median(v) for k, v in steps.items()}
     ratios = [h / i for h, i in zip(steps["hf"], steps["injected"])]
     floor_step = weight_bytes / med["bw"]
@@ -303,10 +306,12 @@ def profile_decode(gpt, prompt_len: int, new: int) -> list[str]:
     return out
 
 
-def profile_hf_step(family: str, batch: int, prompt_len: int, new: int) -> list[str]:
+def profile_hf_step(
+    family: str, batch: int, prompt_len: int, new: int, clock=time.perf_counter
+) -> list[str]:
     """Where one decode step of the injected 124M HF model goes, at `batch` sequences.
 
-    Each kernel wrapper (and the cache's `write_next`) is timed by `perf_counter` around its call
+    Each kernel wrapper (and the cache's `write_next`) is timed by `clock` around its call
     for this run only, and a step is `(t(new + 1 tokens) - t(1 token)) / new` as in the
     transformers rows. torch.profiler is not used here: its per-op bookkeeping made the small
     kernels of a batch-8 step look 5-10× longer than they run (a layer norm of 8 × 768: 0.5 ms
@@ -326,23 +331,23 @@ def profile_hf_step(family: str, batch: int, prompt_len: int, new: int) -> list[
             part = name
             if name == "linear":
                 part = "head" if args[1].shape[0] == head_rows else "linear"
-            start = time.perf_counter()
+            start = clock()
             out = fn(*args, **kwargs)
-            spent[part] = spent.get(part, 0.0) + time.perf_counter() - start
+            spent[part] = spent.get(part, 0.0) + clock() - start
             return out
 
         return run
 
-    names = ("linear", "decode_attention", "layer_norm", "rms_norm", "bias_gelu",
-             "rotary_embedding", "argmax")  # fmt: skip
+    names = ("linear", "linear_many", "swiglu", "decode_attention", "layer_norm", "rms_norm",
+             "bias_gelu", "rotary_embedding", "argmax")  # fmt: skip
     originals = {n: getattr(kernels, n) for n in names}
     write_next = kv_cache.PagedKVCache.write_next
 
     def run(n: int) -> tuple[float, dict[str, float]]:
         spent.clear()
-        start = time.perf_counter()
+        start = clock()
         generate(engine, prompts, SamplingConfig(max_new_tokens=n))
-        return time.perf_counter() - start, dict(spent)
+        return clock() - start, dict(spent)
 
     try:
         for n, fn in originals.items():
@@ -357,7 +362,9 @@ def profile_hf_step(family: str, batch: int, prompt_len: int, new: int) -> list[
     step = (w2 - w1) / new
     per = {k: (v - s1.get(k, 0.0)) / new for k, v in s2.items()}
     labels = {
-        "linear": "block linears (kernels.linear, weights read once)",
+        "linear": "block linears (kernels.linear, linear_many, swiglu: weights read once)",
+        "linear_many": "block linears (kernels.linear, linear_many, swiglu: weights read once)",
+        "swiglu": "block linears (kernels.linear, linear_many, swiglu: weights read once)",
         "head": "output head (kernels.linear over the vocabulary)",
         "decode_attention": "paged decode attention",
         "cache": "KV-cache appends (index_copy_)",
@@ -474,7 +481,13 @@ def main(argv: list[str] | None = None) -> int:
         help="torch and OpenMP threads for every variant (default 1: on a machine shared with "
         "other jobs, spinning OpenMP threads made every variant 5-10x slower at 2)",
     )  # fmt: skip
+    parser.add_argument(
+        "--clock", choices=("wall", "cpu"), default="wall",
+        help="time the hf and profile sections by wall time or by the process's CPU time (cpu: "
+        "other jobs' turns on the cores are not counted)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     op = kernels.load_op()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
@@ -500,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
               "transformers' generate and by init_inference + generate (same greedy tokens: "
               "checked), against the floor (the streamed weights read once per step at the copy "
               f"bandwidth measured in the same rounds); medians of {args.rounds} interleaved "
-              "rounds, tokens/s:")  # fmt: skip
+              f"rounds, {args.clock} time, tokens/s:")  # fmt: skip
         if args.int8:
             print("\n| model | batch | threads | copy GB/s | int8 floor tok/s | transformers tok/s "
                   "| injected fp32 tok/s | injected int8 tok/s | fp32 / int8 step [min–max] "
@@ -517,7 +530,8 @@ def main(argv: list[str] | None = None) -> int:
                 for threads in args.threads_list:
                     for batch in args.batches:
                         row = bench_vs_transformers(family, size, batch, threads, args.prompt_len,
-                                                    args.new_tokens, args.rounds, args.int8)  # fmt: skip
+                                                    args.new_tokens, args.rounds, args.int8,
+                                                    clock)  # fmt: skip
                         print(row, flush=True)
         torch.set_num_threads(args.threads)
     if wanted("profile"):
@@ -533,7 +547,8 @@ def main(argv: list[str] | None = None) -> int:
             print("|---|---|---|---|")
             for family in args.families:
                 for batch in args.batches:
-                    for row in profile_hf_step(family, batch, args.prompt_len, args.new_tokens):
+                    for row in profile_hf_step(family, batch, args.prompt_len, args.new_tokens,
+                                               clock):  # fmt: skip
                         print(row, flush=True)
     if args.only is not None:
         return 0

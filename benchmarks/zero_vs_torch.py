@@ -68,6 +68,13 @@ python benchmarks/zero_vs_torch.py --world-size 4 --mics-shard-size 2 \
     --contenders "torch FSDP2 HSDP" MiCS "torch FSDP2" ZeRO-3     # MiCS vs HSDP, 2 x 2
 ``
 
+`--checkpoint`: activation checkpointing on every contender alike, the floor included: each
+transformer block's forward runs under `torch.utils.checkpoint` (non-reentrant, early stopping
+off: the whole block is recomputed), set on the block
+before FSDP2, DDP or ZeRO wraps the model. Activations then are the blocks' inputs plus one block's
+at a time, so parameters, gradients and optimizer state weigh more in the peak; every step runs
+each block's forward twice.
+
 `--mics-shard-size S` adds MiCS (`ZeroConfig(stage=3, mics_shard_size=S)`) and FSDP2's HSDP
 (`fully_shard` per block and on the root over a `(world/S) x S` replicate × shard
 `DeviceMesh`), paired with each other: the same layout, parameters gathered inside groups of
@@ -202,6 +209,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default="ring_p2p",
         help="how minispeed runs gloo's reduce-scatters: comm's ring over p2p (the default), or "
         "as the all-reduce it ran before (minispeed.comm.api_compat.reduce_scatter_as)",
+    )
+    p.add_argument(
+        "--checkpoint",
+        action="store_true",
+        help="every contender (the floor too) runs each transformer block under "
+        "torch.utils.checkpoint, non-reentrant: one block's activations at a time, its forward twice",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--contenders", nargs="*", default=None, help=f"subset of {CONTENDERS}")

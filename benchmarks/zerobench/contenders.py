@@ -95,7 +95,7 @@ class Trainer:
 
 def _model(args: argparse.Namespace, vocab: int) -> GPT:
     torch.manual_seed(args.seed)
-    return GPT(
+    model = GPT(
         GPTConfig(
             vocab_size=vocab,
             block_size=args.block_size,
@@ -104,6 +104,29 @@ def _model(args: argparse.Namespace, vocab: int) -> GPT:
             n_embd=args.n_embd,
         )
     )
+    if getattr(args, "checkpoint", False):
+        for block in model.blocks:
+            _checkpoint_block(block)
+    return model
+
+
+def _checkpoint_block(block: torch.nn.Module) -> None:
+    """`--checkpoint`: `block`'s forward runs under `torch.utils.checkpoint` (non-reentrant), for
+    every contender alike: the block keeps only its input for backward and runs its forward again
+    there. Set on the instance before any system wraps the model, so FSDP2's `fully_shard` hooks and
+    ours fire around the checkpointed call, and the recomputation runs inside the block. Early
+    stopping is off: the whole block is recomputed (as `zero.checkpoint` does); torch's default
+    stops the recomputation inside a module's forward once the tensors asked for exist, and that
+    module's forward hooks never see it end (ZeRO-3 then warns, recovers and gathers again)."""
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    inner = block.forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        with set_checkpoint_early_stop(False):
+            return checkpoint(inner, x, use_reentrant=False)
+
+    block.forward = forward
 
 
 def _adamw(params) -> torch.optim.AdamW:

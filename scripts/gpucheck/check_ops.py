@@ -267,14 +267,15 @@ def inference(ctx: Ctx, report: Report) -> None:
                          R.rotary_embedding(q.double(), pos, cos.double(), sin.double())),
                  TOL["fp32"])  # fmt: skip
 
-    cases = ctx.pick(
-        [(8, 32, 128, 16, 64, ""),
-         (2, 8, 128, 16, 1024, ", tables address 16k positions: 64 KiB of scores > 48 KiB")],
-        [(3, 2, 8, 4, 3, "")],
+    cases = ctx.pick(  # (B, H, KV, D, block size, max blocks, label); KV < H: grouped-query
+        [(8, 32, 32, 128, 16, 64, ""),
+         (2, 8, 8, 128, 16, 1024, ", tables address 16k positions: 64 KiB of scores > 48 KiB"),
+         (8, 32, 8, 128, 16, 64, ", 32 query heads over 8 cached (grouped-query)")],
+        [(3, 2, 2, 8, 4, 3, ""), (3, 4, 2, 8, 4, 3, ", grouped-query")],
     )  # fmt: skip
-    for B, H, D, bs, max_blocks, label in cases:
+    for B, H, KV, D, bs, max_blocks, label in cases:
         num_blocks = B * max_blocks
-        kc, vc = rnd(num_blocks, bs, H, D), rnd(num_blocks, bs, H, D)
+        kc, vc = rnd(num_blocks, bs, KV, D), rnd(num_blocks, bs, KV, D)
         tables = torch.randperm(num_blocks, generator=gen).view(B, max_blocks)
         lens = torch.randint(1, max_blocks * bs + 1, (B,), generator=gen)
         lens[0] = max_blocks * bs
@@ -289,7 +290,7 @@ def inference(ctx: Ctx, report: Report) -> None:
             continue
         want = R.decode_attention(qd.double(), kc.double(), vc.double(), tables, lens)
         report.check(f"decode_attention{label}", rel_err(got, want), TOL["fp32"],
-                     note=f"B {B}, H {H}, D {D}, up to {max_blocks * bs} positions")  # fmt: skip
+                     note=f"B {B}, H {H}, KV {KV}, D {D}, up to {max_blocks * bs} positions")  # fmt: skip
 
     M, N, Kd = ctx.pick((64, 4096, 4096), (3, 8, 16))
     wq = torch.randint(-127, 128, (N, Kd), dtype=torch.int8, generator=gen)

@@ -53,7 +53,7 @@ def test_residual_moe_mixes_the_dense_expert():
     [
         ({"use_tutel": True}, "use_tutel"),
         ({"enable_expert_tensor_parallelism": True}, "enable_expert_tensor_parallelism"),
-        ({"k": 3}, "k=3"),
+        ({"k": 5}, "k=5"),
         ({"noisy_gate_policy": "jitter"}, "noisy_gate_policy"),
     ],
 )

@@ -87,7 +87,7 @@ def test_every_section_trains_what_fp32_trains(tmp_path) -> None:
         assert r["stage3 offload nvme"]["stage"] == 3
 
 
-@pytest.mark.parametrize("bad", ["nvme_missing", "stage1_param_offload"])
+@pytest.mark.parametrize("bad", ["nvme_missing", "nvme_path_type"])
 def test_offload_sections_are_checked_before_any_collective(bad: str) -> None:
     from minispeed.core.config import ConfigError
     from minispeed.engine.config import EngineConfig
@@ -95,15 +95,23 @@ def test_offload_sections_are_checked_before_any_collective(bad: str) -> None:
     section = (
         {"stage": 2, "offload_optimizer": {"device": "nvme"}}
         if bad == "nvme_missing"
-        else {"stage": 1, "offload_param": {"device": "cpu"}}
+        else {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": 7}}
     )
     with pytest.raises(ConfigError) as e:
         EngineConfig.from_ds_config({"train_batch_size": 2, "zero_optimization": section})
     assert e.value.path == (  # the key to fix, as written
         "zero_optimization.offload_optimizer.nvme_path"
         if bad == "nvme_missing"
-        else "zero_optimization.offload_param.device"
+        else "zero_optimization.offload_param.nvme_path"
     )
+
+
+def test_an_offload_the_stage_cannot_honour_is_dropped_as_deepspeed_drops_it() -> None:
+    from minispeed.engine.config import EngineConfig
+
+    section = {"stage": 1, "offload_param": {"device": "cpu"}}
+    cfg = EngineConfig.from_ds_config({"train_batch_size": 2, "zero_optimization": section})
+    assert cfg.zero.offload_param is None
 
 
 def _client_optimizer_run(rank: int, world_size: int) -> dict[str, str]:

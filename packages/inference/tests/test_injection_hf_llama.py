@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from minispeed.inference import SamplingConfig, generate, init_inference
+from minispeed.inference.kv_cache import kv_cache_bytes
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(300)
@@ -50,6 +51,14 @@ def test_llama_cached_generation_equals_recomputation():
         assert generate(engine, prompts, cfg, kv_block_size=4) == generate(
             engine, prompts, cfg, use_cache=False
         )
+
+
+def test_llama_cache_holds_each_kv_head_once():
+    # 4 query heads over 2 K/V heads of 8 dims, 2 layers: the cache is half a repeated one.
+    engine, _ = init_inference(_llama())
+    cache = engine.new_cache(num_blocks=3, block_size=4)
+    assert cache.k[0].shape == cache.v[1].shape == (3, 4, 2, 8)
+    assert sum(t.numel() * 4 for t in cache.k + cache.v) == kv_cache_bytes(2, 3, 4, 2, 8)
 
 
 def test_llama_decoding_past_its_positions_is_a_clear_error():

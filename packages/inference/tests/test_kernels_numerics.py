@@ -89,6 +89,28 @@ def test_linear_beyond_its_rows_or_layouts_is_torch_exactly():
     assert torch.equal(kernels.linear(x, strided), torch.nn.functional.linear(x, strided))
 
 
+@pytest.mark.parametrize("rows,N,K", LINEAR_CASES)
+def test_linear_many_is_each_weights_linear_and_swiglu_its_reference(rows, N, K, rel_close):
+    g = torch.Generator().manual_seed(rows * N + K + 1)
+    x = torch.randn(rows, 1, K, generator=g)
+    ws = [torch.randn(N + i, K, generator=g) for i in range(3)]  # q, k, v: different widths
+    bs = [None, torch.randn(N + 1, generator=g), None]
+    for got, w, b in zip(kernels.linear_many(x, ws, bs), ws, bs, strict=True):
+        assert torch.equal(got, kernels.linear(x, w, b))  # same sums, one call
+        rel_close(got, torch.nn.functional.linear(x, w, b))
+    gate, up, bias = ws[0], torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+    rel_close(kernels.swiglu(x, gate, up, bias, None), reference.swiglu(x, gate, up, bias, None))
+
+
+def test_linear_many_and_swiglu_beyond_decode_rows_are_their_references_exactly():
+    g = torch.Generator().manual_seed(3)
+    many = torch.randn(kernels.load_op().linear_max_rows + 1, 24, generator=g)
+    gate, up = torch.randn(40, 24, generator=g), torch.randn(40, 24, generator=g)
+    assert torch.equal(kernels.swiglu(many, gate, up), reference.swiglu(many, gate, up))
+    got = kernels.linear_many(many, [gate, up])
+    assert all(torch.equal(a, b) for a, b in zip(got, reference.linear_many(many, [gate, up])))
+
+
 @pytest.mark.parametrize("shape", [(3, 5, 9), (2, 3, 33, 33), (1, 1)])
 def test_masked_softmax_matches_reference_and_zeroes_fully_masked_rows(shape, rel_close):
     g = torch.Generator().manual_seed(sum(shape))
@@ -114,12 +136,18 @@ def test_rotary_embedding_matches_reference(T, H, D, rel_close):
     )
 
 
-@pytest.mark.parametrize("B,H,D,block_size", [(1, 1, 8, 4), (3, 4, 17, 5), (5, 2, 64, 16)])
-def test_decode_attention_matches_reference_over_scattered_blocks(B, H, D, block_size, rel_close):
+# (B, H query heads, KV cached heads, D, block_size): multi-head (KV = H) and grouped-query.
+DECODE_CASES = [(1, 1, 1, 8, 4), (3, 4, 4, 17, 5), (5, 2, 2, 64, 16), (3, 6, 2, 17, 5),
+                (2, 4, 1, 64, 16)]  # fmt: skip
+
+
+@pytest.mark.parametrize("B,H,KV,D,block_size", DECODE_CASES)
+def test_decode_attention_matches_reference_over_scattered_blocks(B, H, KV, D, block_size,
+                                                                  rel_close):  # fmt: skip
     g = torch.Generator().manual_seed(B * H * D)
     num_blocks, max_blocks = 3 * B + 4, 3
-    k = torch.randn(num_blocks, block_size, H, D, generator=g)
-    v = torch.randn(num_blocks, block_size, H, D, generator=g)
+    k = torch.randn(num_blocks, block_size, KV, D, generator=g)
+    v = torch.randn(num_blocks, block_size, KV, D, generator=g)
     q = torch.randn(B, H, D, generator=g)
     tables = torch.randperm(num_blocks, generator=g)[: B * max_blocks].view(B, max_blocks)
     lens = torch.randint(1, max_blocks * block_size + 1, (B,), generator=g)
@@ -134,9 +162,15 @@ def test_decode_attention_matches_reference_over_scattered_blocks(B, H, D, block
         v[tables[0, t // block_size], t % block_size],
     )
     dense = torch.nn.functional.scaled_dot_product_attention(
-        q[0][:, None], kd.transpose(0, 1), vd.transpose(0, 1)
+        q[0][:, None], kd.transpose(0, 1), vd.transpose(0, 1), enable_gqa=True
     )[:, 0]
     rel_close(got[0], dense)
+
+
+def test_decode_attention_names_query_heads_that_do_not_group_over_the_cache():
+    q, cache = torch.randn(1, 5, 8), torch.randn(2, 4, 2, 8)  # 5 query heads over 2 cached
+    with pytest.raises(ValueError, match="5 query heads a multiple of KV"):
+        kernels.decode_attention(q, cache, cache, torch.zeros(1, 1), torch.tensor([1]))
 
 
 @pytest.mark.parametrize("M,N,K", [(1, 7, 9), (3, 33, 65), (16, 40, 257)])

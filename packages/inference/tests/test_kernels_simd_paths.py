@@ -79,6 +79,15 @@ def test_lower_simd_levels_match_reference(lower_op, rel_close):
         for rows in (1, 3, 8):
             xs = torch.randn(rows, 37, generator=g)
             rel_close(kernels.linear(xs, weight, bl), reference.linear(xs, weight, bl))
+    up = torch.randn(41, 37, generator=g)
+    for rows in (1, 3, 8):  # the SwiGLU pair, then grouped-query decode (3 heads over 1 cached)
+        xs = torch.randn(rows, 37, generator=g)
+        rel_close(kernels.swiglu(xs, w, up, bl), reference.swiglu(xs, w, up, bl))
+    k1, v1 = k[:, :, :1].contiguous(), v[:, :, :1].contiguous()
+    rel_close(
+        kernels.decode_attention(q, k1, v1, tables, lens),
+        reference.decode_attention(q, k1, v1, tables, lens),
+    )
 
 
 def test_avx512_path_compiles():

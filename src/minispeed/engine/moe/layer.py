@@ -20,8 +20,11 @@ The same arguments, defaults and outputs as DeepSpeed 0.19.8:
   `_DeepSpeedTop1Gate`: `torch.topk` over the (S, E) one-hot mask, times U(0, 1) noise drawn from
   the global RNG with `use_rts` (in eval mode too, as in DeepSpeed). Without noise the ties of
   the 0/1 mask are broken by `torch.topk`'s implementation, not by token order, so minispeed's
-  own rule (token order) keeps other tokens; the adapter keeps DeepSpeed's. Top-2 uses the
-  package's rule (see docs/engine/deepspeed-paths.md).
+  own rule (token order) keeps other tokens; the adapter keeps DeepSpeed's. At k ≥ 2 the
+  package's gate runs with DeepSpeed's rules (`deepspeed_rules`: the weights
+  renormalized over the kept choices, no random token order, RSample ignored as DeepSpeed's
+  top-2 and top-k gates ignore it; at k = 2 the second choice sampled in eval mode too, at
+  k > 2 the most probable assignments kept).
 - The expert-parallel groups are made when the layer is built (DeepSpeed's engine makes them in
   `set_deepspeed_parallelism()`, a no-op here): construction is collective when `ep_size > 1`,
   and each layer holds its own groups (one communicator per group per layer).
@@ -35,6 +38,7 @@ other than 1 or 2 (DeepSpeed's own limit), `set_deepspeed_parallelism(True)`.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 from torch import nn
@@ -84,10 +88,8 @@ class MoE(nn.Module):
                 "MoE(enable_expert_tensor_parallelism=True): minispeed has no tensor "
                 "parallelism for experts; leave it False"
             )
-        if k not in (1, 2):
-            raise ValueError(
-                f"MoE(k={k}): only top-1 and top-2 gating are supported (as in DeepSpeed)"
-            )
+        if not isinstance(k, int) or k < 1 or k > num_experts:
+            raise ValueError(f"MoE(k={k!r}): k experts per token must be 1..num_experts")
         if noisy_gate_policy not in _POLICIES:
             raise ValueError(
                 f"MoE(noisy_gate_policy={noisy_gate_policy!r}): use None, 'Jitter' or 'RSample'"
@@ -97,23 +99,29 @@ class MoE(nn.Module):
         self.ep_size, self.num_experts = ep_size, num_experts
         self.num_local_experts = num_experts // ep_size if ep_size else 0
         self.expert_group_name = f"ep_size_{ep_size}"
+        if k == 1:  # top-1 dropping selects as DeepSpeed does in _DeepSpeedTop1Gate
+            rules = dict(top_k=1, random_token_selection=use_rts and not drop_tokens)
+        else:  # DeepSpeed's top2gating / topkgating: no RSample noise, no random token order
+            rules = deepspeed_rules(k, top2_2nd_expert_sampling=top2_2nd_expert_sampling)
+        policy = _POLICIES[noisy_gate_policy]
         config = moe.MoEConfig(
             num_experts=num_experts,
             expert_parallel_degree=ep_size,
-            top_k=k,
             capacity_factor=capacity_factor,
             eval_capacity_factor=eval_capacity_factor,
             min_capacity=min_capacity,
             drop_tokens=drop_tokens,
-            noisy_gate_policy=_POLICIES[noisy_gate_policy],
-            # top-1 dropping selects as DeepSpeed does in _DeepSpeedTop1Gate, with its own noise
-            random_token_selection=use_rts and not (k == 1 and drop_tokens),
-            second_expert_sampling=top2_2nd_expert_sampling,
+            noisy_gate_policy=policy if k == 1 or policy == "jitter" else None,
+            **rules,
         )
         self.deepspeed_moe = moe.MoE(hidden_size, expert, config, moe.ExpertGroups(ep_size))
-        if k == 1 and drop_tokens:
-            with torch.random.fork_rng(devices=[]):  # the router already drew DeepSpeed's init
+        gate = None
+        with torch.random.fork_rng(devices=[]):  # the router already drew DeepSpeed's init
+            if k == 1 and drop_tokens:
                 gate = _DeepSpeedTop1Gate(hidden_size, config, use_rts)
+            elif k == 2 and top2_2nd_expert_sampling:
+                gate = _DeepSpeedTop2Gate(hidden_size, config)
+        if gate is not None:
             gate.load_state_dict(self.deepspeed_moe.gate.state_dict())
             self.deepspeed_moe.gate = gate
         # DeepSpeed's experts are deep copies of `expert`: undo the package's per-expert init.
@@ -168,6 +176,46 @@ class _DeepSpeedTop1Gate(moe.TopKGate):
         return keep_as_deepspeed_top1(
             routing, routing.capacity, self.use_rts, self.config.min_capacity
         )
+
+
+def deepspeed_rules(
+    k: int, *, top2_2nd_expert_sampling: bool = True, drop_policy: str = "probs"
+) -> dict[str, Any]:
+    """`MoEConfig`'s routing rules (k > 1) under which minispeed.moe's gate routes as the gate
+    DeepSpeed's layer calls at top-`k`: `top2gating` (k = 2: first choices before second ones in token order, no random
+    token selection, the weights renormalized over the kept choices, the auxiliary loss over
+    first choices, the second choice sampled with Gumbel noise) or `topkgating` (k > 2: the most
+    probable assignments kept with `drop_policy="probs"`, the loss over all k choices, no
+    sampling). The functional gates here and the `MoE` layer use the same rules."""
+    if k == 2:
+        return dict(
+            top_k=2,
+            drop_order="choice",
+            weights_over="kept",
+            aux_loss_choices="first",
+            random_token_selection=False,
+            second_expert_sampling=top2_2nd_expert_sampling,
+        )
+    return dict(
+        top_k=k,
+        drop_order="probability" if drop_policy == "probs" else "choice",
+        weights_over="kept",
+        aux_loss_choices="all",
+        random_token_selection=False,
+        second_expert_sampling=False,
+    )
+
+
+class _DeepSpeedTop2Gate(moe.TopKGate):
+    """minispeed's router sampling the second choice in eval mode too, as DeepSpeed's
+    `top2gating` does (it has no training flag: Gumbel noise from the global RNG always)."""
+
+    def _choose(self, logits: torch.Tensor) -> torch.Tensor:
+        training, self.training = self.training, True  # only the sampling reads it here
+        try:
+            return super()._choose(logits)
+        finally:
+            self.training = training
 
 
 def keep_as_deepspeed_top1(

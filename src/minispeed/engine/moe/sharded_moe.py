@@ -36,7 +36,7 @@ import torch
 
 import minispeed.comm as comm
 import minispeed.moe as moe
-from minispeed.engine.moe.layer import keep_as_deepspeed_top1
+from minispeed.engine.moe.layer import deepspeed_rules, keep_as_deepspeed_top1
 from minispeed.moe.dispatch_einsum import combine_weights, dispatch_mask
 
 __all__ = ["top1gating", "top2gating", "topkgating"]
@@ -132,14 +132,7 @@ def top2gating(
     """DeepSpeed's top-2 gating (module docstring)."""
     _refuse(sparse_routes, "top2gating(sparse_routes=True)", "use the dense tensors")
     num_tokens, num_experts = logits.shape
-    config = dict(
-        top_k=2,
-        drop_order="choice",
-        weights_over="kept",
-        aux_loss_choices="first",
-        random_token_selection=False,
-        second_expert_sampling=top2_2nd_expert_sampling,
-    )
+    config = deepspeed_rules(2, top2_2nd_expert_sampling=top2_2nd_expert_sampling)
     if drop_tokens:
         capacity = _capacity(num_tokens, num_experts, capacity_factor * 2, min_capacity)
         return _gated(_route(logits, capacity, drop_tokens=True, **config), capacity)
@@ -168,14 +161,7 @@ def topkgating(
         "use drop_policy='probs', or minispeed.moe's drop_order='choice'",
     )
     num_tokens, num_experts = logits.shape
-    config = dict(
-        top_k=k,
-        drop_order="probability" if drop_policy == "probs" else "choice",
-        weights_over="kept",
-        aux_loss_choices="all",
-        random_token_selection=False,
-        second_expert_sampling=False,
-    )
+    config = {**deepspeed_rules(3, drop_policy=drop_policy), "top_k": k}  # topk's, at any k
     if drop_tokens:
         capacity = _capacity(num_tokens, num_experts, capacity_factor * k, min_capacity)
         routing = _route(logits, min(capacity, num_tokens), drop_tokens=True, **config)

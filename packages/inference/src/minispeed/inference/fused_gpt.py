@@ -147,10 +147,15 @@ class InferenceGPT(nn.Module):
         rms_final_norm: bool = False,
         head_dim: int | None = None,
         tp: TPContext | None = None,
+        n_kv_head: int | None = None,
     ) -> None:
         super().__init__()
-        # n_head: the heads this rank attends over and caches (H / tp_size under TP).
+        # n_head: the query heads this rank attends over (H / tp_size under TP); n_kv_head: the
+        # K/V heads it caches (grouped-query attention, LLaMA; n_head when None).
         self.tp = tp
+        self.n_kv_head = n_head if n_kv_head is None else n_kv_head
+        if self.n_kv_head < 1 or n_head % self.n_kv_head:
+            raise ValueError(f"n_head {n_head} must be a multiple of n_kv_head {self.n_kv_head}")
         # Positions: learned (wpe, GPT) or rotary inside the blocks (wpe None, LLaMA).
         self.block_size = wpe.num_embeddings if wpe is not None else int(max_positions)
         self.rms_final_norm = rms_final_norm  # LLaMA's final RMSNorm, else LayerNorm
@@ -172,15 +177,15 @@ class InferenceGPT(nn.Module):
         return 1 if self.tp is None else self.tp.size
 
     def new_cache(self, num_blocks: int, block_size: int = 16) -> PagedKVCache:
-        """An empty paged KV cache shaped for this model."""
+        """An empty paged KV cache shaped for this model (its `n_kv_head` K/V heads)."""
         return PagedKVCache(
-            len(self.blocks), self.n_head, self.head_dim, num_blocks, block_size,
+            len(self.blocks), self.n_kv_head, self.head_dim, num_blocks, block_size,
             dtype=self.wte.weight.dtype, device=self.wte.weight.device,
         )  # fmt: skip
 
-    def _heads(self, t: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, H, T, D)
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:  # (B, T, n·D) -> (B, n, T, D), n heads
         B, T, _ = t.shape
-        return t.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        return t.view(B, T, -1, self.head_dim).transpose(1, 2)
 
     def _run(
         self, idx: torch.Tensor, positions: torch.Tensor, attend: Attend | None
@@ -225,8 +230,9 @@ class InferenceGPT(nn.Module):
     def _full_attention(self, layer: int, q, k, v) -> torch.Tensor:
         B, T, C = q.shape
         y = F.scaled_dot_product_attention(
-            self._heads(q), self._heads(k), self._heads(v), is_causal=True
-        )
+            self._heads(q), self._heads(k), self._heads(v), is_causal=True,
+            enable_gqa=self.n_kv_head != self.n_head,
+        )  # fmt: skip
         return y.transpose(1, 2).reshape(B, T, C)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -255,7 +261,7 @@ class InferenceGPT(nn.Module):
             cache.reserve(s, T)
 
         def attend(layer, q, k, v):
-            kh, vh = self._heads(k).transpose(1, 2), self._heads(v).transpose(1, 2)  # (B, T, H, D)
+            kh, vh = self._heads(k).transpose(1, 2), self._heads(v).transpose(1, 2)  # (B, T, KV, D)
             for row, s in enumerate(seq_ids):
                 cache.write(layer, s, kh[row], vh[row])
             return self._full_attention(layer, q, k, v)
@@ -272,7 +278,7 @@ class InferenceGPT(nn.Module):
         for s in seq_ids:
             cache.reserve(s, 1)
         # Once per step, shared by every layer (Note [decode step plan]): tables, lengths, slots.
-        shape = (B, self.n_head, self.head_dim)
+        shape, kv_shape = (B, self.n_head, self.head_dim), (B, self.n_kv_head, self.head_dim)
         tables, seq_lens = kernels.check_decode_inputs(
             shape, cache.k[0], cache.v[0], cache.block_tables(seq_ids),
             torch.tensor(positions, dtype=torch.int32, device=cache.k[0].device) + 1,
@@ -281,7 +287,7 @@ class InferenceGPT(nn.Module):
 
         def attend(layer, q, k, v):
             k_cache, v_cache = cache.k[layer], cache.v[layer]
-            cache.write_next(layer, slots, k.reshape(shape), v.reshape(shape))
+            cache.write_next(layer, slots, k.reshape(kv_shape), v.reshape(kv_shape))
             y = kernels.decode_attention(
                 q.reshape(shape).contiguous(), k_cache, v_cache, tables, seq_lens, validate=False
             )

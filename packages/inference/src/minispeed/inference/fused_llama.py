@@ -4,17 +4,21 @@ Per layer, with positions p and the model's rotary tables (`rotary_tables_of`):
 
 ```text
 a       = RMSNorm1(x)                                   kernels.rms_norm
-q, k, v = q_proj(a), k_proj(a), v_proj(a)               (B, T, H·D), (B, T, KV·D) twice
+q, k, v = q_proj(a), k_proj(a), v_proj(a)               kernels.linear_many: one call, three outputs
 q, k    = RoPE(q, p), RoPE(k, p)                        kernels.rotary_embedding
-k, v    = each KV head repeated H / KV times            grouped-query attention, see below
 y       = attention(q, k, v)                            SDPA, or paged decode attention
 n2, h   = RMSNorm2(o_proj(y) + x), h = o_proj(y) + x    kernels.rms_norm(residual=x)
-out     = h + down(silu(gate(n2)) · up(n2))
+out     = h + down(silu(gate(n2)) · up(n2))             kernels.swiglu: gate and up in one pass
 ```
 
-Grouped-query attention: the paged cache and decode kernel take one K/V head per query head, so
-K and V are repeated to H heads before they are cached: the cache holds H / KV times the bytes a
-GQA-aware cache would (a known cost of this cut).
+q, k, v (and gate, up) keep their own weight tensors, shared with the Hugging Face layer: one
+C++ call reads them in turn, so nothing is concatenated or copied (see Note [several weights,
+one pass over x] in csrc/kernels/linear.cpp). With int8 weights they are separate calls.
+
+Grouped-query attention: K and V keep their KV heads. The paged cache stores each K/V head once
+(`InferenceGPT.n_kv_head`: `8 · L · KV · D` bytes per cached token, H / KV times less than
+repeating them per query head), the decode kernel has query head h read cached head
+`h // (H / KV)`, and the full and prefill forwards call SDPA with `enable_gqa`.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minispeed.inference import kernels
-from minispeed.inference.fused_gpt import Attend, _linear, _row_parallel
+from minispeed.inference.fused_gpt import Attend, StreamingLinear, _linear, _row_parallel
 from minispeed.inference.tensor_parallel import TPContext, column_shard
 
 __all__ = ["STATIC_ROPE_TYPES", "FusedLlamaBlock", "rotary_tables_of"]
@@ -75,6 +79,9 @@ class FusedLlamaBlock(nn.Module):
         if tp is not None:
             columns = [column_shard(m, tp) for m in columns]
         self.q, self.k, self.v, self.gate, self.up = (_linear(m, int8) for m in columns)
+        # fp32 weights: q/k/v in one kernels.linear_many call, gate/up in one kernels.swiglu.
+        self.streaming = not int8 and all(isinstance(m, StreamingLinear) for m in
+                                          (self.q, self.k, self.v, self.gate, self.up))  # fmt: skip
         self.o = _row_parallel(attn.o_proj, int8, tp)
         self.down = _row_parallel(mlp.down_proj, int8, tp)
         cos, sin = rotary  # (max_positions, head_dim / 2) each
@@ -91,12 +98,18 @@ class FusedLlamaBlock(nn.Module):
         )
         return rotated.view(B, T, -1)
 
-    def _repeat_kv(self, t: torch.Tensor) -> torch.Tensor:  # (B, T, KV·D) -> (B, T, H·D)
-        B, T, _ = t.shape
-        t = t.view(B, T, self.n_kv_head, 1, self.head_dim)
-        return t.expand(B, T, self.n_kv_head, self.n_head // self.n_kv_head, self.head_dim).reshape(
-            B, T, -1
-        )
+    def _qkv(self, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.streaming:
+            ms = (self.q, self.k, self.v)
+            return kernels.linear_many(a, [m.weight for m in ms], [m.bias for m in ms])
+        return self.q(a), self.k(a), self.v(a)
+
+    def _mlp_in(self, n2: torch.Tensor) -> torch.Tensor:  # silu(gate(n2)) · up(n2)
+        if self.streaming:
+            return kernels.swiglu(
+                n2, self.gate.weight, self.up.weight, self.gate.bias, self.up.bias
+            )
+        return F.silu(self.gate(n2)) * self.up(n2)
 
     def forward(
         self, x: torch.Tensor, layer: int, attend: Attend, positions: torch.Tensor
@@ -104,9 +117,7 @@ class FusedLlamaBlock(nn.Module):
         B, T, _ = x.shape
         pos = positions.expand(B, T)  # (T,) in full and prefill, (B, 1) in decode -> (B, T)
         a, _ = kernels.rms_norm(x, self.ln1.weight, self.ln1.variance_epsilon)
-        q = self._rope(self.q(a), self.n_head, pos)
-        k = self._repeat_kv(self._rope(self.k(a), self.n_kv_head, pos))
-        v = self._repeat_kv(self.v(a))
-        y = attend(layer, q, k, v)
+        q, k, v = self._qkv(a)
+        y = attend(layer, self._rope(q, self.n_head, pos), self._rope(k, self.n_kv_head, pos), v)
         n2, h = kernels.rms_norm(self.o(y), self.ln2.weight, self.ln2.variance_epsilon, residual=x)
-        return h + self.down(F.silu(self.gate(n2)) * self.up(n2))
+        return h + self.down(self._mlp_in(n2))

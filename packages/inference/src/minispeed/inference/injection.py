@@ -267,7 +267,7 @@ class LlamaPolicy:
             head_weight=None if tied else model.lm_head.weight,
             max_positions=c.max_position_embeddings, rms_final_norm=True,
             head_dim=blocks[0].head_dim if blocks and hasattr(blocks[0], "head_dim") else None,
-            tp=tp,
+            tp=tp, n_kv_head=c.num_key_value_heads // n,
         )  # fmt: skip
 
 

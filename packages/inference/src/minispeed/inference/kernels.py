@@ -17,7 +17,8 @@ Every kernel takes fp32 only (bf16/fp16 inference is not in this cut): another d
 
 Costs (fp32, per call): `layer_norm`/`rms_norm` on (R, C): read 2RC (RC without residual) + 2C,
 write 2RC floats; `bias_gelu`: read RC + C, write RC; `masked_softmax`: read RC (+ RC mask
-bytes), write RC; `linear` (M, K) x (N, K), M <= 8: 2MNK FLOPs, 4NK weight bytes read once;
+bytes), write RC; `linear` (M, K) x (N, K), M <= 8: 2MNK FLOPs, 4NK weight bytes read once (`linear_many`:
+the same per weight, one call; `swiglu`: two (N, K) weights, 4MNK FLOPs, 8NK bytes, writes MN);
 `rotary_embedding` (T, H, D): read THD + TD, write THD; `decode_attention`:
 4·L·D FLOPs and 2·L·D floats of cache read per (sequence, head); `int8_linear` (M, K) x (N, K):
 2MNK FLOPs, N·K weight bytes (a quarter of fp32's) read from memory once per call, for every M
@@ -50,6 +51,7 @@ __all__ = [
     "int8_linear",
     "layer_norm",
     "linear",
+    "linear_many",
     "load_cuda_op",
     "load_op",
     "masked_softmax",
@@ -58,6 +60,7 @@ __all__ = [
     "rms_norm",
     "rotary_embedding",
     "rotary_tables",
+    "swiglu",
 ]
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
@@ -319,8 +322,10 @@ def decode_attention(
 ) -> torch.Tensor:
     """One query token per sequence over its paged KV cache (see Note [paged decode attention]).
 
-    `q` `(B, H, D)`; caches `(num_blocks, block_size, H, D)`; `block_tables` `(B, max_blocks)`
-    int32 block ids; `seq_lens` `(B,)` valid positions per sequence.
+    `q` `(B, H, D)`; caches `(num_blocks, block_size, KV, D)` with `H` a multiple of `KV`
+    (grouped-query attention: query head h reads cached head `h // (H // KV)`; `KV = H` is
+    multi-head attention); `block_tables` `(B, max_blocks)` int32 block ids; `seq_lens` `(B,)`
+    valid positions per sequence.
 
     `validate=False` skips the checks (dtypes, shapes, id ranges: three reductions that each read
     the tables) for a caller that made the inputs itself and checked them once per decode step,
@@ -340,7 +345,7 @@ def decode_attention(
     out = torch.empty_like(q)
     op.decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                         block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
-                        B, H, D, k_cache.shape[1], block_tables.shape[1], scale,
+                        B, H, k_cache.shape[2], D, k_cache.shape[1], block_tables.shape[1], scale,
                         *stream)  # fmt: skip
     return out
 
@@ -362,10 +367,12 @@ def check_decode_inputs(
         )
     B, H, D = q_shape
     NB, BS = k_cache.shape[:2]
-    if k_cache.shape != (NB, BS, H, D) or v_cache.shape != k_cache.shape:
+    KV = k_cache.shape[2] if k_cache.dim() == 4 else -1
+    if k_cache.shape != (NB, BS, KV, D) or v_cache.shape != k_cache.shape or KV < 1 or H % KV:
         raise ValueError(
-            f"caches must be (num_blocks, block_size, {H}, {D}) for q {tuple(q_shape)}, got "
-            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+            f"caches must be (num_blocks, block_size, KV, {D}) with {H} query heads a multiple "
+            f"of KV for q {tuple(q_shape)}, got {tuple(k_cache.shape)} and "
+            f"{tuple(v_cache.shape)}"
         )
     block_tables = block_tables.detach().to(torch.int32).contiguous()
     seq_lens = seq_lens.detach().to(torch.int32).contiguous()
@@ -418,6 +425,32 @@ def int8_linear(
     return out
 
 
+def _streaming_op(
+    x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, ...]
+) -> ModuleType | None:
+    """The CPU op when `kernels.linear`'s C++ path takes `x` with every weight and bias (fp32 CPU
+    tensors, at most `linear_max_rows` rows of `x`, 2-D weights of `x`'s width), else `None`."""
+    K = x.shape[-1] if x.dim() else 0
+    rows = x.numel() // K if K else 0
+    op = load_op() if x.device.type == "cpu" else None
+    if op is None or not 0 < rows <= op.linear_max_rows or x.dtype != torch.float32:
+        return None
+    for w in weights:
+        if w.dtype != torch.float32 or w.dim() != 2 or w.shape[-1] != K or w.device.type != "cpu":
+            return None
+    for b in biases:
+        if b is not None and (b.dtype != torch.float32 or b.device.type != "cpu"):
+            return None
+    return op
+
+
+def _bias_of(bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    if bias is None:
+        return None
+    _check_vec(bias, n, "bias")
+    return bias.detach().contiguous()
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, reading the weight once when `x` has few rows (decode).
 
@@ -428,33 +461,68 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (more rows: a prefill, compute-bound, where torch's GEMM wins; another layout, dtype or
     device): `F.linear` itself, the reference. Costs: 2MNK FLOPs, 4NK + 4MK + 4MN bytes moved.
     """
-    K = weight.shape[-1]
-    rows = x.numel() // K if K else 0
-    op = load_op() if x.device.type == "cpu" else None
-    if (
-        op is None
-        or not 0 < rows <= op.linear_max_rows
-        or x.dtype != torch.float32
-        or weight.dtype != torch.float32
-        or weight.dim() != 2
-        or x.shape[-1] != K
-        or weight.device.type != "cpu"
-        or (bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu"))
-    ):
+    op = _streaming_op(x, (weight,), (bias,))
+    if op is None:
         return reference.linear(x, weight, bias)
-    N = weight.shape[0]
+    N, K = weight.shape
     if weight.is_contiguous():
         kn = False
     elif weight.stride() == (1, N):  # the (K, N) storage of a transposed view
         kn = True
     else:
         return reference.linear(x, weight, bias)
-    if bias is not None:
-        _check_vec(bias, N, "bias")
-        bias = bias.detach().contiguous()
+    bias = _bias_of(bias, N)
     x = x.detach().contiguous()
     out = torch.empty(*x.shape[:-1], N, dtype=torch.float32)
-    op.linear(x.data_ptr(), weight.data_ptr(), _p(bias), out.data_ptr(), rows, N, K, kn)
+    op.linear(x.data_ptr(), weight.data_ptr(), _p(bias), out.data_ptr(), x.numel() // K, N, K, kn)
+    return out
+
+
+def linear_many(
+    x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None
+) -> tuple[torch.Tensor, ...]:
+    """`F.linear(x, w_i, b_i)` for each of several `(N_i, K)` weights over one `x`, in one C++
+    call when `kernels.linear` would stream each (decode rows, contiguous `nn.Linear` weights):
+    LLaMA's q, k and v (see Note [several weights, one pass over x] in csrc/kernels/linear.cpp).
+    Otherwise one `reference.linear_many`. Costs: those of the separate `linear` calls,
+    `2 M K Σ N_i` FLOPs and `4 K Σ N_i` weight bytes read once, in one call's overhead."""
+    biases = [None] * len(weights) if biases is None else list(biases)
+    if len(biases) != len(weights):
+        raise ValueError(f"{len(weights)} weights but {len(biases)} biases")
+    op = _streaming_op(x, tuple(weights), tuple(biases))
+    if op is None or not all(w.is_contiguous() for w in weights):
+        return reference.linear_many(x, weights, biases)
+    biases = [_bias_of(b, w.shape[0]) for w, b in zip(weights, biases)]
+    x = x.detach().contiguous()
+    outs = tuple(torch.empty(*x.shape[:-1], w.shape[0], dtype=torch.float32) for w in weights)
+    op.linear_many(x.data_ptr(), [w.data_ptr() for w in weights], [_p(b) for b in biases],
+                   [o.data_ptr() for o in outs], [w.shape[0] for w in weights],
+                   x.numel() // x.shape[-1], x.shape[-1])  # fmt: skip
+    return outs
+
+
+def swiglu(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    gate_bias: torch.Tensor | None = None,
+    up_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`silu(F.linear(x, gate, gate_bias)) · F.linear(x, up, up_bias)`, LLaMA's MLP before its
+    down projection, in one pass over both `(N, K)` weights at decode's few rows: row n of the
+    gate and of the up are read side by side and the product written at once (see Note [several
+    weights, one pass over x] in csrc/kernels/linear.cpp); otherwise `reference.swiglu`. Costs:
+    `4 M N K` FLOPs, `8 N K` weight bytes read once, `4 M N` bytes written (the gate and up
+    activations, `8 M N` bytes, are never stored)."""
+    op = _streaming_op(x, (gate, up), (gate_bias, up_bias))
+    if op is None or gate.shape != up.shape or not (gate.is_contiguous() and up.is_contiguous()):
+        return reference.swiglu(x, gate, up, gate_bias, up_bias)
+    N, K = gate.shape
+    gate_bias, up_bias = _bias_of(gate_bias, N), _bias_of(up_bias, N)
+    x = x.detach().contiguous()
+    out = torch.empty(*x.shape[:-1], N, dtype=torch.float32)
+    op.swiglu(x.data_ptr(), gate.data_ptr(), up.data_ptr(), _p(gate_bias), _p(up_bias),
+              out.data_ptr(), x.numel() // K, N, K)  # fmt: skip
     return out
 
 

@@ -23,10 +23,12 @@ __all__ = [
     "int8_linear",
     "layer_norm",
     "linear",
+    "linear_many",
     "masked_softmax",
     "rms_norm",
     "rotary_embedding",
     "rotary_tables",
+    "swiglu",
 ]
 
 
@@ -114,12 +116,15 @@ def decode_attention(
 ) -> torch.Tensor:
     """One query token per sequence over its paged cache: `(B, H, D)` out for `q` `(B, H, D)`.
 
-    `k_cache`, `v_cache` are `(num_blocks, block_size, H, D)`; sequence b's position t is in
-    block `block_tables[b, t // block_size]` at slot `t % block_size`; `seq_lens[b]` positions
-    are valid. The naive version: gather each sequence's keys and values into a dense
-    `(L, H, D)` tensor, then ordinary attention. `scale` defaults to `1/sqrt(D)`.
+    `k_cache`, `v_cache` are `(num_blocks, block_size, KV, D)`, `H` a multiple of `KV` (query
+    head h reads cached head `h // (H // KV)`: grouped-query attention); sequence b's position t
+    is in block `block_tables[b, t // block_size]` at slot `t % block_size`; `seq_lens[b]`
+    positions are valid. The naive version: gather each sequence's keys and values into a dense
+    `(L, KV, D)` tensor, repeat each head `H // KV` times, then ordinary attention. `scale`
+    defaults to `1/sqrt(D)`.
     """
-    B, _, D = q.shape
+    B, H, D = q.shape
+    group = H // k_cache.shape[2]
     block_size = k_cache.shape[1]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     out = torch.zeros_like(q)
@@ -129,8 +134,8 @@ def decode_attention(
             continue
         t = torch.arange(n)
         blocks = block_tables[b, t // block_size].long()
-        k = k_cache[blocks, t % block_size]  # (L, H, D)
-        v = v_cache[blocks, t % block_size]
+        k = k_cache[blocks, t % block_size].repeat_interleave(group, dim=1)  # (L, H, D)
+        v = v_cache[blocks, t % block_size].repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[b], k) * scale
         out[b] = torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), v)
     return out
@@ -156,6 +161,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     reference is torch's own GEMM.
     """
     return F.linear(x, weight, bias)
+
+
+def linear_many(
+    x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None
+) -> tuple[torch.Tensor, ...]:
+    """`F.linear(x, w_i, b_i)` for each weight (LLaMA's q, k, v over one input), one GEMM each."""
+    biases = [None] * len(weights) if biases is None else biases
+    return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
+
+
+def swiglu(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    gate_bias: torch.Tensor | None = None,
+    up_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`silu(x @ gateᵀ + gate_bias) · (x @ upᵀ + up_bias)`: LLaMA's MLP before its down
+    projection (transformers' `LlamaMLP`), two GEMMs and two elementwise passes."""
+    return F.silu(F.linear(x, gate, gate_bias)) * F.linear(x, up, up_bias)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

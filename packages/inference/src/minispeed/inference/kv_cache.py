@@ -1,14 +1,16 @@
 """A paged KV cache: fixed-size blocks from one pool, and a block table per sequence.
 
-Each layer holds two tensors, `k` and `v`, of shape `(num_blocks, block_size, H, D)`. A sequence
+Each layer holds two tensors, `k` and `v`, of shape `(num_blocks, block_size, H, D)`, H the K/V
+heads a layer caches (the model's `n_kv_head`: under grouped-query attention, LLaMA's
+`num_key_value_heads`, fewer than its query heads; each is stored once). A sequence
 owns a list of block ids (its block table); its position t lives in block `table[t // block_size]`
 at slot `t % block_size`. Blocks are taken from a free list as a sequence grows and returned when
 it finishes, so sequences of different lengths share one pool without reserving their maximum
 length up front (the waste is under one block per sequence).
 
 Memory (fp32): `2 · n_layer · num_blocks · block_size · H · D · 4` bytes, i.e.
-`8 · n_layer · C` bytes per cached token for width `C = H · D`
-(see `kv_cache_bytes`).
+`8 · n_layer · H · D` bytes per cached token (the model's width C for multi-head attention,
+`C · KV / n_head` under grouped-query attention; see `kv_cache_bytes`).
 """
 
 from __future__ import annotations

@@ -106,7 +106,11 @@ def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _gumbel_like(t: torch.Tensor) -> torch.Tensor:
-    u = torch.rand_like(t).clamp_(min=1e-20, max=1.0 - 1e-7)
+    """Gumbel(0, 1) noise shaped like `t`: -log(-log u), u uniform on [tiny, 1 - eps), computed
+    as torch's `Gumbel(0, 1).rsample` computes it, so a draw from the same RNG state is the
+    same noise (DeepSpeed's gates draw theirs that way)."""
+    info = torch.finfo(t.dtype)
+    u = info.tiny + torch.rand_like(t) * (1.0 - info.eps)
     return -torch.log(-torch.log(u))
 
 

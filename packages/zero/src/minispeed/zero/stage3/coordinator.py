@@ -159,13 +159,29 @@ def _make_post(unit: FetchUnit, coordinator: FetchCoordinator, is_root: bool) ->
 
 
 # -- the coordinator -------------------------------------------------------------------------------
+# Note [recomputation keeps its unit]
+# Under activation checkpointing (non-reentrant ``torch.utils.checkpoint``, ``zero.checkpoint``) a
+# block's forward runs again inside backward, when the block's backward first needs what it saved;
+# the modules' backward follows at once, while the gradients flow through the block. Released at
+# the end of its recomputed forward, as a forward releases it, a unit was gathered again by its
+# pre-backward moments later: one all-gather more per module per step (25% more backward gather
+# bytes in the test, tests/test_stage3_checkpoint_gathers.py), synchronous, unless the prefetch
+# had it in flight. So a unit that ends a forward during BACKWARD stays gathered, and goes at its
+# post-backward as usual, or at the end of backward (the live set's release) if its backward never
+# runs. Cost: the recomputed block's parameters held from its recomputation to each module's
+# backward (one block of gathered parameters, as FSDP2 holds), against a gather of each.
+# Limit: torch's non-reentrant checkpoint stops a recomputation early by default, inside the
+# forward of the module that saves the last tensor needed; that forward never ends here, and the
+# next forward's recovery releases its unit (a warning). ``zero.checkpoint`` recomputes whole
+# blocks, as ``torch.utils.checkpoint.set_checkpoint_early_stop(False)`` makes torch's do.
 class FetchPhase(enum.Enum):
     """Which pass the coordinator is in; changed only by its ``_to_*`` transitions.
 
     IDLE -> FORWARD (`begin_forward`) -> IDLE (`end_forward`); IDLE -> BACKWARD (first
     `pre_backward`) -> IDLE (`end_backward`); any -> IDLE when a pass raised midway and the next
     one starts (``_recover``). Modules run while IDLE (calls outside the root's forward) or during
-    BACKWARD (activation-checkpoint recomputation) fetch and release but do not step the trace.
+    BACKWARD (activation-checkpoint recomputation) fetch but do not step the trace; in BACKWARD
+    they keep their parameters for their backward (Note [recomputation keeps its unit]).
     """
 
     IDLE = "idle"
@@ -258,7 +274,9 @@ class FetchCoordinator:
             self.stack.pop()
         elif unit in self.stack:
             del self.stack[len(self.stack) - 1 - self.stack[::-1].index(unit)]
-        self._release(unit, self.prefetcher.keep(unit, self.trace.upcoming_forward()))
+        # A forward inside backward is a recomputation (Note [recomputation keeps its unit]).
+        keep = set(unit.params) if self.phase is FetchPhase.BACKWARD else None
+        self._release(unit, keep or self.prefetcher.keep(unit, self.trace.upcoming_forward()))
 
     def end_forward(self) -> None:
         """The root module returned: verify the pass, release prefetched leftovers."""

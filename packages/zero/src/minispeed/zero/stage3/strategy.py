@@ -234,6 +234,19 @@ class Stage3Strategy(ShardStrategy):
 # that FSDP2 does not pay (it also creates sharded gradients during backward). Now they appear
 # bucket by bucket as backward proceeds, while activations are being freed.
 
+# Note [a large gradient travels alone]
+# A bucket of several gradients is reduce-scattered from one (N, cols) buffer, so each gradient
+# is copied into it (``torch.cat``), a new buffer every backward: Ψ·g bytes written per step (on
+# CPU also a page fault per 4 KiB when the allocator hands out fresh pages). A gradient of at
+# least ``_ALONE_NUMEL`` elements forms a bucket of its own instead, reduced in place in the very
+# tensor autograd produced (its ``(N, s)`` view; a copy only when padding or a cast is needed).
+# Cost: one collective per large gradient instead of a share of one (comm adds 30-45 µs of CPU to
+# torch's own call on gloo), against a copy of ``g·n`` bytes, 1 MiB and up: at 33.9M parameters
+# 34 reduce-scatters per step instead of 6, 135 MB fewer copied, 24-25 ms of CPU a step (about
+# 1%; docs/benchmarks.md, "Stage 3: large gradients alone"). Still at most
+# ``reduce_bucket_numel`` elements per message.
+_ALONE_NUMEL = 1 << 18
+
 # Reduce-scatters in flight before the next launch waits for the oldest: bounds staging memory.
 _MAX_IN_FLIGHT = 2
 
@@ -277,6 +290,8 @@ class GradShardReducer:
         rank_of = position or {sp: k for k, sp in enumerate(sps)}
         backwards = sorted(sps, key=lambda sp: -rank_of[sp])
         sizes = [self.world_size * sp.shard_numel for sp in backwards]  # reduce-scatter input
+        # A large gradient forms a bucket of its own: Note [a large gradient travels alone].
+        sizes = [max(n, bucket_numel) if n >= _ALONE_NUMEL else n for n in sizes]
         self._plan: list[list[ShardedParam]] = cut_runs(backwards, sizes, bucket_numel)
         self._bucket_of = {sp: b for b, run in enumerate(self._plan) for sp in run}
         # [b]: the (N, s) gradients of bucket b that arrived in this backward, until its launch.
@@ -322,9 +337,7 @@ class GradShardReducer:
             col += sp.shard_numel
             got = arrived.pop(sp, None)
             if got is None:  # no gradient on this rank: zeros (Note [a fixed bucket plan])
-                got = torch.zeros(
-                    self.world_size, sp.shard_numel, dtype=self.grad_dtype, device=sp.shard.device
-                )
+                got = sp.shard.new_zeros(self.world_size, sp.shard_numel, dtype=self.grad_dtype)
             rows.append(got)
         staged = torch.cat(rows, dim=1) if len(rows) > 1 else rows[0].contiguous()  # (N, cols)
         del rows  # the full gradients are freed now (unless staged is one of them, uncopied)
@@ -379,9 +392,7 @@ class GradShardReducer:
         """``sp``'s averaged gradient shard; zeros (allocated now) if it received none."""
         held = self._grads.get(sp)
         if held is None:
-            held = self._grads[sp] = torch.zeros(
-                sp.shard_numel, dtype=self.grad_dtype, device=sp.shard.device
-            )
+            held = self._grads[sp] = sp.shard.new_zeros(sp.shard_numel, dtype=self.grad_dtype)
         return held
 
     def grad_shard(self, sp: ShardedParam) -> torch.Tensor | None:

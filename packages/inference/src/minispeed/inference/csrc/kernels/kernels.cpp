@@ -379,15 +379,20 @@ void rotary(uintptr_t x, uintptr_t cos_t, uintptr_t sin_t, uintptr_t positions, 
 
 // Note [paged decode attention]: one new query token per sequence attends over the L cached
 // positions of its sequence. Position t lives in block block_table[t / block_size] at slot
-// t % block_size; caches are (num_blocks, block_size, heads, D). Per (sequence, head):
+// t % block_size; caches are (num_blocks, block_size, kv_heads, D). Per (sequence, head):
 // L dot products of D (scores), one softmax, L axpys of D: 4 L D FLOPs, reading 2 L D floats of
 // cache, which is why decode is memory-bound. Threads split the (sequence, head) pairs.
+// Grouped-query attention (LLaMA's num_key_value_heads): the heads / kv_heads query heads of a
+// group read one cached K/V head, h / (heads / kv_heads), so the cache holds each K/V head once
+// (kv_heads = heads: ordinary multi-head attention).
 void decode_attention(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t block_tables,
-                      uintptr_t seq_lens, uintptr_t out, int64_t batch, int64_t heads, int64_t dim,
-                      int64_t block_size, int64_t max_blocks, double scale) {
+                      uintptr_t seq_lens, uintptr_t out, int64_t batch, int64_t heads,
+                      int64_t kv_heads, int64_t dim, int64_t block_size, int64_t max_blocks,
+                      double scale) {
   pybind11::gil_scoped_release nogil;
   const float sc = static_cast<float>(scale);
-  const int64_t row = heads * dim;  // floats per cached position
+  const int64_t row = kv_heads * dim;  // floats per cached position
+  const int64_t group = heads / kv_heads;  // query heads per cached K/V head
   const int64_t pairs = batch * heads;
   const bool big = pairs > 1 && pairs * dim * 64 >= (1 << 14);
 #pragma omp parallel if (big)
@@ -395,7 +400,7 @@ void decode_attention(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr
     std::vector<float> scores;
 #pragma omp for schedule(static)
     for (int64_t bh = 0; bh < pairs; ++bh) {
-      const int64_t b = bh / heads, h = bh % heads;
+      const int64_t b = bh / heads, h = bh % heads / group;  // h: the cached head
       const int64_t len = ptr<const int32_t>(seq_lens)[b];
       const int32_t* table = ptr<const int32_t>(block_tables) + b * max_blocks;
       const float* qv = ptr<const float>(q) + bh * dim;

@@ -140,14 +140,16 @@ __global__ void rotary_kernel(const float* x, const float* cos_t, const float* s
 
 // One block per (sequence, head); scores for the L cached positions live in dynamic shared memory
 // (L floats), then each thread owns output dims d = threadIdx.x, threadIdx.x + blockDim.x, ...
+// Query head h reads cached K/V head h / (heads / kv_heads) (grouped-query attention; see Note
+// [paged decode attention] in kernels.cpp).
 __global__ void decode_attention_kernel(const float* q, const float* k_cache, const float* v_cache,
                                         const int32_t* block_tables, const int32_t* seq_lens,
-                                        float* out, int64_t heads, int64_t dim, int64_t block_size,
-                                        int64_t max_blocks, float scale) {
+                                        float* out, int64_t heads, int64_t kv_heads, int64_t dim,
+                                        int64_t block_size, int64_t max_blocks, float scale) {
   extern __shared__ float scores[];
   __shared__ float shared[kThreads / 32];
-  const int64_t bh = blockIdx.x, b = bh / heads, h = bh % heads;
-  const int64_t len = seq_lens[b], row = heads * dim;
+  const int64_t bh = blockIdx.x, b = bh / heads, h = bh % heads / (heads / kv_heads);
+  const int64_t len = seq_lens[b], row = kv_heads * dim;
   const int32_t* table = block_tables + b * max_blocks;
   const float* qv = q + bh * dim;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -247,14 +249,15 @@ cudaError_t minispeed_inference_rotary(const float* x, const float* cos_t, const
 cudaError_t minispeed_inference_decode_attention(const float* q, const float* k_cache,
                                                  const float* v_cache, const int32_t* block_tables,
                                                  const int32_t* seq_lens, float* out, int64_t batch,
-                                                 int64_t heads, int64_t dim, int64_t block_size,
-                                                 int64_t max_blocks, int64_t max_len, float scale,
+                                                 int64_t heads, int64_t kv_heads, int64_t dim,
+                                                 int64_t block_size, int64_t max_blocks,
+                                                 int64_t max_len, float scale,
                                                  cudaStream_t stream) {
   if (batch * heads > 0) {
     const size_t smem = static_cast<size_t>(max_len > 0 ? max_len : 1) * sizeof(float);
     decode_attention_kernel<<<static_cast<unsigned>(batch * heads), kThreads, smem, stream>>>(
-        q, k_cache, v_cache, block_tables, seq_lens, out, heads, dim, block_size, max_blocks,
-        scale);
+        q, k_cache, v_cache, block_tables, seq_lens, out, heads, kv_heads, dim, block_size,
+        max_blocks, scale);
   }
   return cudaGetLastError();
 }

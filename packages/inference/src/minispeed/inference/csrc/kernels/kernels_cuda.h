@@ -29,13 +29,14 @@ cudaError_t minispeed_inference_rotary(const float* x, const float* cos_t, const
                                        const int64_t* positions, float* out, int64_t tokens,
                                        int64_t heads, int64_t dim, cudaStream_t stream);
 
-// One query per (sequence, head) over the paged cache; max_len >= every seq_len (sizes the
-// shared-memory score buffer: max_len floats per block).
+// One query per (sequence, head) over the paged cache of kv_heads K/V heads (heads a multiple);
+// max_len >= every seq_len (sizes the shared-memory score buffer: max_len floats per block).
 cudaError_t minispeed_inference_decode_attention(const float* q, const float* k_cache,
                                                  const float* v_cache, const int32_t* block_tables,
                                                  const int32_t* seq_lens, float* out, int64_t batch,
-                                                 int64_t heads, int64_t dim, int64_t block_size,
-                                                 int64_t max_blocks, int64_t max_len, float scale,
+                                                 int64_t heads, int64_t kv_heads, int64_t dim,
+                                                 int64_t block_size, int64_t max_blocks,
+                                                 int64_t max_len, float scale,
                                                  cudaStream_t stream);
 
 // out (m, n) = x (m, k) @ (w_q (n, k) int8 * scales (n,))^T + bias (bias may be null).

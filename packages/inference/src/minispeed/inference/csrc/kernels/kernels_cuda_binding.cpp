@@ -73,13 +73,14 @@ void rotary(uintptr_t x, uintptr_t cos_t, uintptr_t sin_t, uintptr_t positions, 
 // max_len is bounded by max_blocks * block_size (what the tables can address), so the CPU
 // signature suffices: the shared-memory buffer is sized for the longest addressable sequence.
 void decode_attention(uintptr_t q, uintptr_t k_cache, uintptr_t v_cache, uintptr_t block_tables,
-                      uintptr_t seq_lens, uintptr_t out, int64_t batch, int64_t heads, int64_t dim,
-                      int64_t block_size, int64_t max_blocks, double scale, uintptr_t stream) {
+                      uintptr_t seq_lens, uintptr_t out, int64_t batch, int64_t heads,
+                      int64_t kv_heads, int64_t dim, int64_t block_size, int64_t max_blocks,
+                      double scale, uintptr_t stream) {
   check(minispeed_inference_decode_attention(
             ptr<const float>(q), ptr<const float>(k_cache), ptr<const float>(v_cache),
             ptr<const int32_t>(block_tables), ptr<const int32_t>(seq_lens), ptr<float>(out), batch,
-            heads, dim, block_size, max_blocks, block_size * max_blocks, static_cast<float>(scale),
-            as_stream(stream)),
+            heads, kv_heads, dim, block_size, max_blocks, block_size * max_blocks,
+            static_cast<float>(scale), as_stream(stream)),
         "decode_attention");
 }
 
