@@ -142,3 +142,27 @@ def test_a_transformers_pipeline_runs_on_the_engine(monkeypatch):
     monkeypatch.setattr(hf_generation, "_plan", lambda *a: plans.append(plan(*a)) or plans[-1])
     assert generator(prompts, max_new_tokens=6, do_sample=False) == want
     assert plans and not any(isinstance(p, str) for p in plans)  # the fused path ran
+
+
+def test_a_model_without_a_policy_runs_as_written(caplog, monkeypatch):
+    """As DeepSpeed runs a model it has no injection policy for (an OPT here): the engine's
+    logits and `generate` are the model's own, with a warning naming it; int8 is refused."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from minispeed.core.logging import get_logger
+
+    monkeypatch.setattr(get_logger(), "propagate", True)  # let caplog see minispeed's records
+    torch.manual_seed(0)
+    model = OPTForCausalLM(
+        OPTConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, ffn_dim=32,
+                  num_attention_heads=2, max_position_embeddings=32, word_embed_proj_dim=16)
+    ).eval()  # fmt: skip
+    engine = init_inference(model, dtype=torch.float32, replace_with_kernel_inject=True)
+    assert any("OPTForCausalLM" in r.getMessage() for r in caplog.records)
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(engine(ids).logits, model(ids).logits, rtol=0, atol=0)
+        want = model.generate(ids, max_new_tokens=3, do_sample=False)
+        torch.testing.assert_close(engine.generate(ids, max_new_tokens=3, do_sample=False), want)
+    with pytest.raises(ValueError, match="no injection policy recognises OPTForCausalLM"):
+        init_inference(model, dtype=torch.int8)

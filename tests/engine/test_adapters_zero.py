@@ -131,3 +131,16 @@ def test_a_registered_external_parameter_trains_at_stage_3_as_at_stage_0():
     at0 = run_distributed(_external, world_size=2, args=(0,), timeout_s=120)
     for ours, replicated in zip(at3, at0, strict=True):
         assert ours == pytest.approx(replicated, rel=1e-6)
+
+
+def test_deepspeeds_top_level_names_of_zero3_and_inference_are_the_adapters():
+    """`deepspeed.zero.ZeroParamStatus` / `ZeroParamType` (what a save loop compares `ds_status`
+    with) and `deepspeed.InferenceEngine` (what clients check `isinstance` against)."""
+    import minispeed.engine as deepspeed
+    from minispeed.engine.inference import InferenceEngine
+    from minispeed.engine.runtime.zero import partition_parameters
+
+    assert deepspeed.zero.ZeroParamStatus is partition_parameters.ZeroParamStatus
+    assert deepspeed.zero.ZeroParamType is partition_parameters.ZeroParamType
+    assert [s.name for s in deepspeed.zero.ZeroParamType] == ["NORMAL", "PARTITIONED", "REMOTE"]
+    assert deepspeed.InferenceEngine is InferenceEngine

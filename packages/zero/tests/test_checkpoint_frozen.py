@@ -61,3 +61,44 @@ def test_a_frozen_parameter_is_saved_and_loaded_at_every_stage(tmp_path):
             assert not torch.equal(before, expected), stage  # the fresh model started elsewhere
             torch.testing.assert_close(loaded, expected, rtol=0, atol=0, msg=f"stage {stage}")
             assert resumed == uninterrupted, stage
+
+
+def _excluded_body(rank: int, world_size: int, path: str) -> dict[int, tuple]:
+    """`exclude_frozen`: the tag holds no frozen value; a strict load names the argument, a
+    `strict=False` one keeps the loading model's own frozen value and resumes the training."""
+    from minispeed.zero.checkpoints import CheckpointError
+
+    out = {}
+    for stage in (1, 3):
+        where = f"{path}/stage{stage}"
+        model, opt = build_frozen(stage, seed=0)
+        train(model, opt, rank, world_size, range(0, 1))
+        save_checkpoint(opt, model, where, exclude_frozen=True)
+        uninterrupted = train(model, opt, rank, world_size, range(1, 2))
+
+        strict_model, strict_opt = build_frozen(stage, seed=0)
+        try:
+            load_checkpoint(strict_opt, strict_model, where)
+            refused = ""
+        except CheckpointError as e:
+            refused = str(e)
+        model2, opt2 = build_frozen(stage, seed=0)  # the frozen value as the saving run built it
+        load_checkpoint(opt2, model2, where, strict=False)
+        out[stage] = (refused, uninterrupted, train(model2, opt2, rank, world_size, range(1, 2)))
+    return out
+
+
+def test_a_tag_without_the_frozen_parameters_loads_only_when_not_strict(tmp_path):
+    runs = run_distributed(_excluded_body, world_size=2, args=(str(tmp_path),), timeout_s=120)
+    for per_stage in runs:
+        for stage, (refused, uninterrupted, resumed) in per_stage.items():
+            assert "exclude_frozen_parameters=True" in refused, (stage, refused)
+            assert "'wpe.weight'" in refused and "load_module_strict=False" in refused
+            assert resumed == uninterrupted, stage
+    for stage in (1, 3):
+        tag = next((tmp_path / f"stage{stage}").glob("global_step*"))
+        from minispeed.zero.checkpoints import consolidate
+
+        consolidate(tag, tmp_path / f"fp32_{stage}.pt")
+        state = torch.load(tmp_path / f"fp32_{stage}.pt", weights_only=True)
+        assert "wpe.weight" not in state and "wte.weight" in state

@@ -88,7 +88,7 @@ from minispeed.engine import (  # isort: skip
     zero,
 )
 from minispeed.engine.accelerator import get_accelerator  # isort: skip
-from minispeed.engine.inference import init_inference  # isort: skip
+from minispeed.engine.inference import InferenceEngine, init_inference  # isort: skip
 from minispeed.engine.pipe import PipelineModule  # isort: skip
 from minispeed.engine.runtime.config import DeepSpeedConfig, DeepSpeedConfigError  # isort: skip
 from minispeed.engine.runtime.engine import DeepSpeedEngine  # isort: skip
@@ -102,6 +102,7 @@ __all__ = [
     "DeepSpeedEngine",
     "Engine",
     "EngineConfig",
+    "InferenceEngine",
     "OnDevice",
     "PipelineEngine",
     "PipelineModule",

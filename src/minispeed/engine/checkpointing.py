@@ -22,8 +22,9 @@ profile=None)` reads the same options, or the `activation_checkpointing` section
 host; `synchronize_checkpoint_boundary` / `synchronize` synchronizes the accelerator before and
 after each checkpointed forward; `partition_activations` is accepted only without model
 parallelism (there is nothing to partition over, as in DeepSpeed with one model-parallel rank);
-`contiguous_memory_optimization` and `profile` are refused; `number_checkpoints` only sizes the
-contiguous buffer, so it is accepted and unused.
+`contiguous_memory_optimization` / `contiguous_checkpointing` (a buffer layout for partitioned
+activations) and `number_checkpoints` (that buffer's size) are accepted and change nothing here;
+`profile` is refused.
 """
 
 from __future__ import annotations
@@ -86,11 +87,8 @@ def configure(
 ) -> None:
     """Set how `checkpoint` keeps its inputs (see the module docstring). Arguments given here
     override the config's section, as in DeepSpeed; unset ones return to the defaults."""
-    if contiguous_checkpointing:
-        raise NotImplementedError(
-            "contiguous checkpointing (contiguous_memory_optimization) is not implemented: it "
-            "needs partitioned activations over tensor-parallel ranks; turn it off"
-        )
+    # contiguous_checkpointing: a buffer layout for partitioned activations, which minispeed
+    # keeps as ordinary tensors; either value runs the same (the section's key likewise).
     if profile:
         raise NotImplementedError(
             "checkpointing profile=True is not implemented; use minispeed.profiler instead"

@@ -21,11 +21,14 @@ runs on the fused model and its KV cache, any other call on the model's own `gen
 `device`, ...) are the model's, so a transformers `pipeline` whose `.model` is replaced by the
 engine, as in DeepSpeed's tutorial, keeps working.
 
+A model that no injection policy recognises (GPT-2, LLaMA and minispeed's GPT are recognised)
+runs as written, as under DeepSpeed when it has no policy for it: `engine(...)` is the model's
+forward and `engine.generate` its own `generate`, with a warning naming the model (int8 or
+tensor parallelism cannot be given to such a model and are refused).
+
 Different from DeepSpeed: without `dtype`, minispeed runs fp32 (DeepSpeed's default is fp16;
-minispeed has no fp16/bf16 inference kernels, so an explicit fp16/bf16 is refused), and a model
-that no injection policy recognises (GPT-2, LLaMA and minispeed's GPT are recognised) is refused
-even with `replace_with_kernel_inject=False`. Every other DeepSpeed inference key is accepted at
-its default value and refused, by name, at any other.
+minispeed has no fp16/bf16 inference kernels, so an explicit fp16/bf16 is refused). Every other
+DeepSpeed inference key is accepted at its default value and refused, by name, at any other.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from torch import nn
 
 import minispeed.inference as inference
 from minispeed.core.config import check_keys
+from minispeed.core.logging import get_logger
 
 __all__ = ["InferenceEngine", "init_inference"]
 
@@ -121,13 +125,16 @@ def _options(config: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     return {_ALIASES.get(k, k): v for k, v in merged.items() if k not in _DEFAULTS}
 
 
+_log = get_logger("engine")
+
+
 class InferenceEngine(nn.Module):
     """DeepSpeed's inference engine over minispeed's fused model (see the module docstring).
 
     Holds no weights of its own: `fused` shares them with `module` (fp32) or keeps their int8
     copies; the cost is `minispeed.inference.init_inference`'s."""
 
-    def __init__(self, module: nn.Module, fused: nn.Module, report: Any) -> None:
+    def __init__(self, module: nn.Module, fused: nn.Module | None, report: Any) -> None:
         super().__init__()
         self.module = module
         self.fused = fused
@@ -137,7 +144,10 @@ class InferenceEngine(nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """The fused model's logits for token ids; for a transformers model, in its output
         class (`.logits`). Arguments the fused model does not take (an attention mask with
-        zeros, `labels`, `past_key_values`, ...) run the model itself."""
+        zeros, `labels`, `past_key_values`, ...) run the model itself, as does a model nothing
+        was fused for (`fused` None)."""
+        if self.fused is None:
+            return self.module(*inputs, **kwargs)
         if not self._hf:
             return self.fused(*inputs, **kwargs)
         ids = inputs[0] if inputs else kwargs.get("input_ids")
@@ -156,6 +166,8 @@ class InferenceEngine(nn.Module):
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """transformers' `generate(input_ids, ...)` (see the module docstring); a model that is
         not a transformers model uses `minispeed.inference.generate`."""
+        if self.fused is None and hasattr(self.module, "generate"):
+            return self.module.generate(*args, **kwargs)
         if not self._hf:
             raise TypeError(
                 f"engine.generate is transformers' generate, and {type(self.module).__name__} "
@@ -213,6 +225,13 @@ def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> Infer
                 "init_inference: give tensor_parallel or the deprecated mp_size, not both"
             )
         tp = {"tp_size": mp_size}
+    if not inference.is_recognised(model) and dtype == torch.float32 and not tp:
+        _log.warning(
+            "init_inference: no injection policy recognises %s (minispeed fuses GPT-2, LLaMA "
+            "and its own GPT): it runs as written, without fused kernels",
+            type(model).__name__,
+        )
+        return InferenceEngine(model, None, None)
     fused, report = inference.init_inference(
         model,
         dtype=dtype,

@@ -36,6 +36,7 @@ on entry and, with a modifier, one broadcast on exit in `GatheredParameters`).
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -50,9 +51,28 @@ import minispeed.zero as zero
 __all__ = [
     "GatheredParameters",
     "Init",
+    "ZeroParamStatus",
+    "ZeroParamType",
     "register_external_parameter",
     "unregister_external_parameter",
 ]
+
+
+class ZeroParamStatus(enum.Enum):
+    """Where a ZeRO-3 parameter's full value is (DeepSpeed's names and values)."""
+
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
+
+
+class ZeroParamType(enum.Enum):
+    """How a parameter is held (DeepSpeed's names and values): minispeed's ZeRO-3 parameters
+    are `PARTITIONED`."""
+
+    NORMAL = 1
+    PARTITIONED = 2
+    REMOTE = 3
 
 
 def _ds_config(config_dict_or_path: Any, config: Any) -> dict[str, Any] | None:

@@ -20,7 +20,7 @@ from minispeed.inference.evaluation import perplexity
 from minispeed.inference.fused_gpt import FusedGPTBlock, InferenceGPT
 from minispeed.inference.generation import SamplingConfig, generate, sample_next
 from minispeed.inference.hf_generation import fused_refusal, hf_generate
-from minispeed.inference.injection import GPTPolicy, InjectionReport, init_inference
+from minispeed.inference.injection import GPTPolicy, InjectionReport, init_inference, is_recognised
 from minispeed.inference.kv_cache import CacheFullError, PagedKVCache, kv_cache_bytes
 from minispeed.inference.quantize import Int8Linear, quantize_per_channel, weight_bytes
 from minispeed.inference.sparse import SparseSelfAttention, SparsityConfig
@@ -45,6 +45,7 @@ __all__ = [
     "generate",
     "hf_generate",
     "init_inference",
+    "is_recognised",
     "kv_cache_bytes",
     "perplexity",
     "quantize_per_channel",

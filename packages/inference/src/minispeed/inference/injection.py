@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,7 +32,7 @@ from minispeed.inference.fused_gpt import FusedGPTBlock, InferenceGPT
 from minispeed.inference.kept_blocks import KeptHFBlock
 from minispeed.inference.tensor_parallel import TPConfig, TPContext, check_divides, resolve
 
-__all__ = ["GPTPolicy", "InjectionReport", "init_inference"]
+__all__ = ["GPTPolicy", "InjectionReport", "init_inference", "is_recognised"]
 
 
 @dataclass(frozen=True)
@@ -274,6 +275,15 @@ class LlamaPolicy:
 POLICIES = (GPTPolicy, GPT2Policy, LlamaPolicy)
 
 
+def _policy_for(model: nn.Module) -> Any:
+    return next((p for p in POLICIES if p.matches_model(model)), None)
+
+
+def is_recognised(model: nn.Module) -> bool:
+    """Whether an injection policy recognises `model` (`init_inference` can fuse it)."""
+    return _policy_for(model) is not None
+
+
 def init_inference(
     model: nn.Module,
     dtype: torch.dtype = torch.float32,
@@ -296,7 +306,7 @@ def init_inference(
             f"init_inference supports dtype=torch.float32 or torch.int8 (weight-only), got {dtype}: "
             "bf16/fp16 kernels are not implemented"
         )
-    policy = next((p for p in POLICIES if p.matches_model(model)), None)
+    policy = _policy_for(model)
     if policy is None:
         raise ValueError(
             f"no injection policy recognises {type(model).__name__}; known: "

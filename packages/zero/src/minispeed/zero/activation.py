@@ -60,8 +60,9 @@ class ActivationCheckpointingConfig(Section):
     ds_unsupported: ClassVar[dict[str, Unsupported]] = {
         "contiguous_memory_optimization": ds_only(
             False,
-            "checkpointed activations are ordinary tensors (it needs partitioned activations "
-            "over tensor-parallel ranks)",
+            "it lays partitioned activations out in one buffer; minispeed's checkpointed inputs "
+            "are ordinary tensors, so either value gives the same numbers and memory",
+            also=(True,),  # Megatron-DeepSpeed's configs turn it on with partition_activations
         ),
         "profile": ds_only(False, "time checkpointed regions with minispeed.profiler"),
     }

@@ -18,7 +18,6 @@ constructor, so the wrapper here is the identity and `_orig_torch_arange` is tor
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +26,8 @@ import torch
 from minispeed.engine.zero import (
     GatheredParameters,
     Init,
+    ZeroParamStatus,
+    ZeroParamType,
     register_external_parameter,
     unregister_external_parameter,
 )
@@ -35,20 +36,13 @@ __all__ = [
     "GatheredParameters",
     "Init",
     "ZeroParamStatus",
+    "ZeroParamType",
     "register_external_parameter",
     "unregister_external_parameter",
     "zero_wrapper_for_fp_tensor_constructor",
 ]
 
 _orig_torch_arange = torch.arange
-
-
-class ZeroParamStatus(enum.Enum):
-    """Where a ZeRO-3 parameter's full value is (DeepSpeed's names and values)."""
-
-    AVAILABLE = 1
-    NOT_AVAILABLE = 2
-    INFLIGHT = 3
 
 
 def zero_wrapper_for_fp_tensor_constructor(
