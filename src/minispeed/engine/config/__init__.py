@@ -207,7 +207,7 @@ def load_ds_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, A
         raise ConfigError("", f"config file {os.fspath(path)!r} does not exist")
     text = path.read_text()
     try:
-        parsed = json.loads(text, object_pairs_hook=_JsonObject)
+        parsed = json.loads(text, object_pairs_hook=_json_object)
     except json.JSONDecodeError as e:
         raise ConfigError(
             "", f"{os.fspath(path)} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}"
@@ -217,11 +217,11 @@ def load_ds_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, A
             "", f"{os.fspath(path)} must hold a JSON object, got {type(parsed).__name__}"
         )
     _refuse_duplicates(parsed, "", path)
-    return json.loads(text)  # plain dicts (the check's objects stay here)
+    return parsed  # plain dicts: an object with a key given twice was refused
 
 
-class _JsonObject(dict):
-    """A JSON object as parsed, remembering the keys given more than once (with every value)."""
+class _Duplicated(dict):
+    """A JSON object that gives some key more than once, with every value of those keys."""
 
     def __init__(self, pairs: list[tuple[str, Any]]) -> None:
         super().__init__(pairs)
@@ -231,15 +231,21 @@ class _JsonObject(dict):
         self.duplicates = {k: v for k, v in seen.items() if len(v) > 1}
 
 
+def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A parsed JSON object: a plain dict, or a `_Duplicated` when a key repeats."""
+    plain = dict(pairs)
+    return plain if len(plain) == len(pairs) else _Duplicated(pairs)
+
+
 def _refuse_duplicates(node: Any, where: str, path: Path) -> None:
     """The first key given twice in one object of the parsed file, by its path."""
     if isinstance(node, list):
         for i, item in enumerate(node):
             _refuse_duplicates(item, f"{where}[{i}]", path)
         return
-    if not isinstance(node, _JsonObject):
+    if not isinstance(node, dict):
         return
-    for name, values in node.duplicates.items():
+    for name, values in getattr(node, "duplicates", {}).items():
         shown = ", then ".join(json.dumps(v) for v in values)
         raise ConfigError(
             join_path(where, name),

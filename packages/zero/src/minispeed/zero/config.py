@@ -396,13 +396,11 @@ class ZeroConfig(Section):
         stage = kwargs.get("stage", 0)
         if "overlap_comm" not in kwargs:
             kwargs["overlap_comm"] = stage != 2  # Note [overlap_comm's default]
-        devices = []
-        for name in _OFFLOAD_KEYS:
-            offload = kwargs.get(name)
-            if offload is not None and offload.device == "none":
-                kwargs[name] = offload = None
-            devices.append(None if offload is None else offload.device)
-        devices = ignore_offload_misfits(stage, devices, path=path)
+        # A device `none`, or one the stage cannot honour (dropped with a warning), is None.
+        asked = [getattr(kwargs.get(name), "device", None) for name in _OFFLOAD_KEYS]
+        devices = ignore_offload_misfits(
+            stage, [d if d != "none" else None for d in asked], path=path
+        )
         for name, device in zip(_OFFLOAD_KEYS, devices, strict=True):
             if device is None:
                 kwargs[name] = None

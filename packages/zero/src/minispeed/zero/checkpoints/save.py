@@ -213,9 +213,11 @@ def snapshot(
 
     # 3. Collectives: the full values the leaders write whole (frozen parameters; 16-bit model).
     leader = storage.is_leader
-    outside = [name for name, _ in model.named_parameters() if name not in optimized]
-    excluded = tuple(outside) if exclude_frozen else ()
-    frozen = {} if exclude_frozen else gather_full(model, lambda n: n not in optimized, keep=leader)
+    if exclude_frozen:  # named in the metadata, their values not gathered
+        excluded = tuple(name for name, _ in model.named_parameters() if name not in optimized)
+        frozen: dict[str, torch.Tensor] = {}
+    else:
+        excluded, frozen = (), gather_full(model, lambda name: name not in optimized, keep=leader)
     model16 = None
     if opt.config.stage3_gather_16bit_weights_on_model_save:
         model16 = gather_16bit_state_dict(model, keep=leader)
