@@ -11,10 +11,11 @@ n2, h   = LayerNorm2(proj(y) + x), and h = proj(y) + x    kernels.layer_norm(res
 out     = h + mlp_proj(gelu(fc(n2) + fc_bias))            kernels.bias_gelu
 ```
 
-`InferenceGPT` runs the embeddings, the blocks and the tied head in three modes: a full forward
+`InferenceGPT` runs the embeddings, the blocks and the head (tied or its own) in three modes: a full forward
 (no cache: every position recomputed), a prefill of one sequence that writes its K and V into a
 `minispeed.inference.kv_cache.PagedKVCache`, and a decode step of one new token for each
 of B sequences that reads the cache (see Note [paged decode attention] in csrc/kernels/kernels.cpp).
+With `int8=True` the token table and the head are `Int8Embedding`s (see Note [int8 vocabulary]).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from torch import nn
 
 from minispeed.inference import kernels
 from minispeed.inference.kv_cache import PagedKVCache
-from minispeed.inference.quantize import Int8Linear
+from minispeed.inference.quantize import Int8Embedding, Int8Linear
 from minispeed.inference.tensor_parallel import (
     RowParallelLinear,
     TPContext,
@@ -128,6 +129,18 @@ class FusedGPTBlock(nn.Module):
 # csrc/kernels/linear.cpp. benchmarks/inference_decode.py reports both (docs: before/after).
 
 
+# Note [int8 vocabulary]
+# With int8 weights the block linears are a quarter of their fp32 bytes, and the vocabulary
+# tables become most of what a step reads: GPT-2's tied 50257 × 768 head alone is 154 MB, two
+# thirds of its int8 step. `InferenceGPT(int8=True)` holds the token table as an `Int8Embedding`
+# (one scale per token row): the lookup dequantizes the B gathered rows, and a tied head is
+# `kernels.int8_linear` over the same int8 bytes, so the table is kept once at V·C + 4·V bytes
+# and no fp32 copy is referenced. An untied head (LLaMA's lm_head) gets its own `Int8Embedding`.
+# Per step at batch B the head reads V·C + 4·V bytes instead of 4·V·C; each logit moves by at
+# most (s_v / 2)·Σ|x| (Note in quantize.py), so greedy tokens can part from fp32's where two
+# logits are that close. Learned positions (wpe, P × C, gathered) stay fp32.
+
+
 class InferenceGPT(nn.Module):
     """minispeed's GPT for inference: fused blocks where a policy matched, originals elsewhere.
 
@@ -148,6 +161,7 @@ class InferenceGPT(nn.Module):
         head_dim: int | None = None,
         tp: TPContext | None = None,
         n_kv_head: int | None = None,
+        int8: bool = False,
     ) -> None:
         super().__init__()
         # n_head: the query heads this rank attends over (H / tp_size under TP); n_kv_head: the
@@ -161,10 +175,17 @@ class InferenceGPT(nn.Module):
         self.rms_final_norm = rms_final_norm  # LLaMA's final RMSNorm, else LayerNorm
         self.n_head, self.n_embd = n_head, wte.embedding_dim
         self.head_dim = wte.embedding_dim // n_head if head_dim is None else head_dim
-        self.wte, self.wpe, self.ln_f = wte, wpe, ln_f
+        self.wpe, self.ln_f = wpe, ln_f
         self.blocks = nn.ModuleList(blocks)
         # The output head's (V, C) weight; None: tied to wte (minispeed's GPT, GPT-2).
         self.head_weight = head_weight
+        # int8 (Note [int8 vocabulary]): wte an Int8Embedding, head_q the head as int8 (wte
+        # itself when tied); the fp32 tables are not referenced.
+        self.wte: nn.Module = Int8Embedding(wte) if int8 else wte
+        self.head_q: Int8Embedding | None = None
+        if int8:
+            self.head_q = self.wte if head_weight is None else Int8Embedding(head_weight)
+            self.head_weight = None
 
     @property
     def vocab_size(self) -> int:
@@ -180,8 +201,13 @@ class InferenceGPT(nn.Module):
         """An empty paged KV cache shaped for this model (its `n_kv_head` K/V heads)."""
         return PagedKVCache(
             len(self.blocks), self.n_kv_head, self.head_dim, num_blocks, block_size,
-            dtype=self.wte.weight.dtype, device=self.wte.weight.device,
+            dtype=torch.float32, device=self.device,
         )  # fmt: skip
+
+    @property
+    def device(self) -> torch.device:
+        """Where the token table (fp32 or int8) lives: inputs are moved there."""
+        return (self.wte.weight_q if self.head_q is not None else self.wte.weight).device
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:  # (B, T, n·D) -> (B, n, T, D), n heads
         B, T, _ = t.shape
@@ -192,8 +218,7 @@ class InferenceGPT(nn.Module):
     ) -> torch.Tensor:
         # Token ids and positions built on the host (generate, the batcher) go to the weights'
         # device here, once per forward (a no-op when they are already there).
-        device = self.wte.weight.device
-        idx, positions = idx.to(device), positions.to(device)
+        idx, positions = idx.to(self.device), positions.to(self.device)
         if positions.numel() and int(positions.max()) >= self.block_size:  # Note [decode step plan]
             raise ValueError(
                 f"position {int(positions.max())} is past the model's {self.block_size} positions: "
@@ -224,6 +249,8 @@ class InferenceGPT(nn.Module):
             x, _ = kernels.rms_norm(x, self.ln_f.weight, self.ln_f.variance_epsilon)
         else:
             x, _ = kernels.layer_norm(x, self.ln_f.weight, self.ln_f.bias, self.ln_f.eps)
+        if self.head_q is not None:  # Note [int8 vocabulary]
+            return self.head_q.logits(x)  # (B, T, V)
         head = self.wte.weight if self.head_weight is None else self.head_weight
         return kernels.linear(x, head)  # (B, T, V)
 

@@ -16,6 +16,7 @@ GPT                                  InferenceGPT
 │   ├─ ln1, attn(qkv, proj)          │   ├─ ln1, qkv, attn_proj  (same weights; int8 copies)
 │   └─ ln2, mlp(fc, proj)            │   └─ ln2, fc (no bias), fc_bias, mlp_proj
 └─ ln_f                              └─ ln_f
+                                     int8: wte an Int8Embedding (int8 rows), also the tied head
 ```
 """
 
@@ -107,11 +108,13 @@ class GPTPolicy:
         return FusedGPTBlock(block, int8=int8, tp=tp)
 
     @staticmethod
-    def build(model: nn.Module, blocks: list[nn.Module], tp: TPContext | None) -> InferenceGPT:
+    def build(
+        model: nn.Module, blocks: list[nn.Module], tp: TPContext | None, int8: bool
+    ) -> InferenceGPT:
         c = model.cfg
         n = 1 if tp is None else tp.size
         return InferenceGPT(model.wte, model.wpe, blocks, model.ln_f, c.n_head // n,
-                            head_dim=c.n_embd // c.n_head, tp=tp)  # fmt: skip
+                            head_dim=c.n_embd // c.n_head, tp=tp, int8=int8)  # fmt: skip
 
 
 def _conv1d_as_linear(conv: nn.Module) -> nn.Linear:
@@ -180,13 +183,15 @@ class GPT2Policy:
         return FusedGPTBlock(view, int8=int8, tanh_gelu=tanh, tp=tp)
 
     @staticmethod
-    def build(model: nn.Module, blocks: list[nn.Module], tp: TPContext | None) -> InferenceGPT:
+    def build(
+        model: nn.Module, blocks: list[nn.Module], tp: TPContext | None, int8: bool
+    ) -> InferenceGPT:
         t, c = model.transformer, model.config
         tied = model.lm_head.weight is t.wte.weight
         head = None if tied else model.lm_head.weight
         n = 1 if tp is None else tp.size
         return InferenceGPT(t.wte, t.wpe, blocks, t.ln_f, c.n_head // n, head_weight=head,
-                            head_dim=c.n_embd // c.n_head, tp=tp)  # fmt: skip
+                            head_dim=c.n_embd // c.n_head, tp=tp, int8=int8)  # fmt: skip
 
 
 def _rope_type(config) -> str:
@@ -259,7 +264,9 @@ class LlamaPolicy:
                                int8=int8, tp=tp)  # fmt: skip
 
     @staticmethod
-    def build(model: nn.Module, blocks: list[nn.Module], tp: TPContext | None) -> InferenceGPT:
+    def build(
+        model: nn.Module, blocks: list[nn.Module], tp: TPContext | None, int8: bool
+    ) -> InferenceGPT:
         m, c = model.model, model.config
         tied = model.lm_head.weight is m.embed_tokens.weight
         n = 1 if tp is None else tp.size
@@ -268,7 +275,7 @@ class LlamaPolicy:
             head_weight=None if tied else model.lm_head.weight,
             max_positions=c.max_position_embeddings, rms_final_norm=True,
             head_dim=blocks[0].head_dim if blocks and hasattr(blocks[0], "head_dim") else None,
-            tp=tp, n_kv_head=c.num_key_value_heads // n,
+            tp=tp, n_kv_head=c.num_key_value_heads // n, int8=int8,
         )  # fmt: skip
 
 
@@ -293,7 +300,9 @@ def init_inference(
     """The inference form of `model` and a report of what changed. The model is put in eval mode.
 
     `dtype`: `torch.float32` (weights shared with `model`, no copy) or `torch.int8` (weight-only:
-    each block's four linears become `Int8Linear`, ≈ 4× fewer weight bytes; activations stay fp32).
+    each fused block's linears become `Int8Linear`, and the token embedding and output head
+    `Int8Embedding`s, one copy when tied: ≈ 4× fewer weight bytes, see Note [int8 vocabulary] in
+    fused_gpt.py; activations, norms, biases and learned positions stay fp32).
     `replace_with_kernel_inject=False` keeps every block as it is (eager, no KV cache).
     `tensor_parallel`: DeepSpeed's section (`{"tp_size": 2}`, optionally `"tp_group"`) or an int:
     each fused block is split over that many ranks (see `minispeed.inference.tensor_parallel`;
@@ -343,4 +352,4 @@ def init_inference(
             blocks.append(policy.keep(block, model, why))
             kept.append(f"blocks.{i} ({type(block).__name__}: {why})")
     report = InjectionReport(policy.name, tuple(replaced), tuple(kept), dtype, tp_cfg.tp_size)
-    return policy.build(model, blocks, tp).eval(), report
+    return policy.build(model, blocks, tp, dtype == torch.int8).eval(), report
