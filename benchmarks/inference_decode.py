@@ -137,6 +137,23 @@ def streamed_weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)
 
 
+def int8_streamed_bytes(model, fp32_bytes: int, engine, engine8) -> int:
+    """`streamed_weight_bytes` of the int8 engine: the block linears at `N·K + 4·N` bytes and the
+    output head at `V·C + 4·V` (Note [int8 vocabulary] in fused_gpt.py) instead of fp32's."""
+    head8 = engine8.head_q
+    return (
+        fp32_bytes
+        - linear_bytes(engine.blocks) + linear_bytes(engine8.blocks)
+        - 4 * model.get_output_embeddings().weight.numel()
+        + head8.weight_q.numel() + 4 * head8.scales.numel()
+    )  # fmt: skip
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens `a` and `b` share before they first differ."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def copy_bandwidth(buffers: tuple[torch.Tensor, torch.Tensor], clock=time.perf_counter) -> float:
     """Bytes per second of one `dst.copy_(src)`, counted as STREAM counts a copy: read + written."""
     src, dst = buffers
@@ -154,9 +171,11 @@ def bench_vs_transformers(
     (greedy, its KV cache) and by `init_inference` + `generate`, against the bandwidth floor.
 
     `int8`: a third contender, `init_inference(model, dtype=torch.int8)` (the block linears'
-    weights as int8 copies), whose tokens are checked against the same int8 engine on the
-    reference kernels (int8 changes the numerics, so not against transformers); its floor reads
-    the streamed weights with the block linears at int8 bytes.
+    weights, the token embedding and the output head as int8 copies), whose tokens are checked
+    against the same int8 engine on the reference kernels (int8 changes the numerics, so not
+    against transformers); the row reports how many of its tokens equal fp32's before the first
+    difference in each sequence (summed over the batch). Its floor reads the streamed weights
+    with the block linears and the head at int8 bytes (`int8_streamed_bytes`).
 
     A decode step's time is `(t(new + 1 tokens) - t(1 token)) / new` for each contender (the
     prefill and first token cancel). The floor reads the streamed weights once per step at the
@@ -203,7 +222,8 @@ def bench_vs_transformers(
             del os.environ["MINISPEED_DISABLE_OPS"]
         assert got == want, f"{family} {size} batch {batch}: int8 op and reference tokens differ"
         contenders.append(("int8", injected8))
-        bytes8 = weight_bytes - linear_bytes(engine.blocks) + linear_bytes(engine8.blocks)
+        bytes8 = int8_streamed_bytes(model, weight_bytes, engine, engine8)
+        agree = sum(_common_prefix(a, b) for a, b in zip(got, injected(new + 1)))
     buffers = (torch.randn(weight_bytes // 4), torch.empty(weight_bytes // 4))
     copy_bandwidth(buffers)  # first touch of dst
 
@@ -233,7 +253,7 @@ def bench_vs_transformers(
             f"| HF {family} {size} ({params:.0f}M; {weight_bytes / 2**20:.0f} → "
             f"{bytes8 / 2**20:.0f} MiB streamed) | {batch} | {threads} | {med['bw'] / 1e9:.1f} "
             f"| {batch / floor8:.1f} | {batch / med['hf']:.1f} | {batch / med['injected']:.1f} "
-            f"| {batch / med['int8']:.1f} "
+            f"| {batch / med['int8']:.1f} | {agree}/{batch * (new + 1)} "
             f"| {statistics.median(ratios8):.2f}× [{min(ratios8):.2f}–{max(ratios8):.2f}] "
             f"| {med['hf'] / med['int8']:.2f}× | {floor8 / med['int8']:.2f} "
             f"| {os.getloadavg()[0]:.1f} |"
@@ -516,9 +536,10 @@ def main(argv: list[str] | None = None) -> int:
               f"rounds, {args.clock} time, tokens/s:")  # fmt: skip
         if args.int8:
             print("\n| model | batch | threads | copy GB/s | int8 floor tok/s | transformers tok/s "
-                  "| injected fp32 tok/s | injected int8 tok/s | fp32 / int8 step [min–max] "
-                  "| int8 / transformers | int8 / int8 floor | load |")  # fmt: skip
-            print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+                  "| injected fp32 tok/s | injected int8 tok/s | int8 = fp32 tokens "
+                  "| fp32 / int8 step [min–max] | int8 / transformers | int8 / int8 floor "
+                  "| load |")  # fmt: skip
+            print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         else:
             print(
                 "\n| model | batch | threads | copy GB/s | floor tok/s | transformers tok/s | "
