@@ -327,9 +327,11 @@ def profile_decode(gpt, prompt_len: int, new: int) -> list[str]:
 
 
 def profile_hf_step(
-    family: str, batch: int, prompt_len: int, new: int, clock=time.perf_counter
-) -> list[str]:
-    """Where one decode step of the injected 124M HF model goes, at `batch` sequences.
+    family: str, batch: int, prompt_len: int, new: int, clock=time.perf_counter,
+    dtype: torch.dtype = torch.float32,
+) -> list[str]:  # fmt: skip
+    """Where one decode step of the injected 124M HF model goes, at `batch` sequences (`dtype`:
+    `init_inference`'s, fp32 or int8).
 
     Each kernel wrapper (and the cache's `write_next`) is timed by `clock` around its call
     for this run only, and a step is `(t(new + 1 tokens) - t(1 token)) / new` as in the
@@ -340,7 +342,7 @@ def profile_hf_step(
     from minispeed.inference import kv_cache
 
     model = hf_model(family, "124M", prompt_len + new + 1)
-    engine, _ = init_inference(model)
+    engine, _ = init_inference(model, dtype=dtype)
     prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_len),
                             generator=torch.Generator().manual_seed(2))  # fmt: skip
     head_rows = model.config.vocab_size
@@ -349,7 +351,7 @@ def profile_hf_step(
     def timed(name, fn):
         def run(*args, **kwargs):
             part = name
-            if name == "linear":
+            if name in ("linear", "int8_linear"):
                 part = "head" if args[1].shape[0] == head_rows else "linear"
             start = clock()
             out = fn(*args, **kwargs)
@@ -359,7 +361,7 @@ def profile_hf_step(
         return run
 
     names = ("linear", "linear_many", "swiglu", "decode_attention", "layer_norm", "rms_norm",
-             "bias_gelu", "rotary_embedding", "argmax")  # fmt: skip
+             "bias_gelu", "rotary_embedding", "argmax", "int8_linear")  # fmt: skip
     originals = {n: getattr(kernels, n) for n in names}
     write_next = kv_cache.PagedKVCache.write_next
 
@@ -382,10 +384,10 @@ def profile_hf_step(
     step = (w2 - w1) / new
     per = {k: (v - s1.get(k, 0.0)) / new for k, v in s2.items()}
     labels = {
-        "linear": "block linears (kernels.linear, linear_many, swiglu: weights read once)",
-        "linear_many": "block linears (kernels.linear, linear_many, swiglu: weights read once)",
-        "swiglu": "block linears (kernels.linear, linear_many, swiglu: weights read once)",
-        "head": "output head (kernels.linear over the vocabulary)",
+        "linear": "block linears (kernels.linear, linear_many, swiglu, int8_linear: weights read once)",
+        "linear_many": "block linears (kernels.linear, linear_many, swiglu, int8_linear: weights read once)",
+        "swiglu": "block linears (kernels.linear, linear_many, swiglu, int8_linear: weights read once)",
+        "head": "output head (kernels.linear or int8_linear over the vocabulary)",
         "decode_attention": "paged decode attention",
         "cache": "KV-cache appends (index_copy_)",
         "layer_norm": "norms (add + LayerNorm / RMSNorm)",
@@ -397,12 +399,13 @@ def profile_hf_step(
     parts: dict[str, float] = {}
     for k, v in per.items():
         parts[labels[k]] = parts.get(labels[k], 0.0) + v
-    out = [f"| {family} 124M, batch {batch} | {k} | {v * 1e3:.2f} | {100 * v / step:.0f} % |"
+    name = f"{family} 124M{' int8' if dtype == torch.int8 else ''}, batch {batch}"
+    out = [f"| {name} | {k} | {v * 1e3:.2f} | {100 * v / step:.0f} % |"
            for k, v in sorted(parts.items(), key=lambda kv: -kv[1])]  # fmt: skip
     rest = step - sum(parts.values())
-    out.append(f"| {family} 124M, batch {batch} | everything else (Python per layer, residual adds, "
+    out.append(f"| {name} | everything else (Python per layer, residual adds, "
                f"SiLU·up, embeddings, tables) | {rest * 1e3:.2f} | {100 * rest / step:.0f} % |")  # fmt: skip
-    out.append(f"| {family} 124M, batch {batch} | **step** (load {os.getloadavg()[0]:.1f}) | "
+    out.append(f"| {name} | **step** (load {os.getloadavg()[0]:.1f}) | "
                f"{step * 1e3:.2f} | 100 % |")  # fmt: skip
     return out
 
@@ -495,7 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads-list", nargs="+", type=int, default=[1, 2],
                         help="thread counts of the hf section (each row sets its own)")  # fmt: skip
     parser.add_argument("--int8", action="store_true",
-                        help="hf section: add init_inference(dtype=torch.int8) to every row")  # fmt: skip
+                        help="hf section: add init_inference(dtype=torch.int8) to every row; "
+                        "profile section: profile the int8 engine")  # fmt: skip
     parser.add_argument(
         "--threads", type=int, default=1,
         help="torch and OpenMP threads for every variant (default 1: on a machine shared with "
@@ -508,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     args = parser.parse_args(argv)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    dtype = torch.int8 if args.int8 else torch.float32
     torch.set_num_threads(args.threads)
     op = kernels.load_op()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
@@ -569,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
             for family in args.families:
                 for batch in args.batches:
                     for row in profile_hf_step(family, batch, args.prompt_len, args.new_tokens,
-                                               clock):  # fmt: skip
+                                               clock, dtype):  # fmt: skip
                         print(row, flush=True)
     if args.only is not None:
         return 0

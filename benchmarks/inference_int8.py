@@ -12,8 +12,9 @@ one process with the demo's optimizer settings (AdamW lr 6e-3, betas 0.9/0.99, w
 0.01, 20 linear warm-up steps, gradient clipping 1.0, 32 windows per step): the same
 examples ZeRO-3 on 2 ranks sees, without the sharding.
 
-Reported: bytes of the blocks' linear weights (what `dtype=torch.int8` quantizes), bytes of the
-whole model (embeddings, norms and biases stay fp32), and the perplexity of the corpus' held-out
+Reported: bytes of the blocks' linear weights, bytes of the whole model (`held_bytes`: with
+`dtype=torch.int8` the token embedding and tied head are int8 rows too; norms, biases and
+learned positions stay fp32), and the perplexity of the corpus' held-out
 10 % (`minispeed.inference.perplexity`, 64-token windows) for the fp32 and the int8 model.
 A second row gives the memory of a 42M-parameter GPT (random weights: no perplexity).
 """
@@ -28,6 +29,7 @@ from pathlib import Path
 import torch
 
 from minispeed.inference import init_inference, perplexity, weight_bytes
+from minispeed.inference.quantize import held_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))
@@ -66,13 +68,9 @@ def load_run(run_dir: str) -> tuple[GPT, CharDataset]:
     return model, CharDataset((REPO / "examples/data/corpus.txt").read_text(), tok)
 
 
-def model_bytes(module: torch.nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
-
-
 def memory_row(name: str, model: GPT, engine) -> str:
     wb32, wb8 = weight_bytes(model.blocks), weight_bytes(engine.blocks)
-    mb32, mb8 = model_bytes(model), model_bytes(engine)
+    mb32, mb8 = held_bytes(model), held_bytes(engine)
     return (f"| {name} ({model.num_params() / 1e6:.2f}M) | {wb32 / 2**20:.2f} | {wb8 / 2**20:.2f} | "
             f"{wb32 / wb8:.2f}× | {mb32 / 2**20:.2f} | {mb8 / 2**20:.2f} | {mb32 / mb8:.2f}× |")  # fmt: skip
 

@@ -206,7 +206,7 @@ def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> Infer
 
     Collective when `tensor_parallel.tp_size > 1` (every rank of the group calls it).
     Costs: those of `minispeed.inference.init_inference` (fp32 shares the model's weights;
-    int8 stores about a quarter of the block weights' bytes).
+    int8 stores about a quarter of the block weights', embedding's and head's bytes).
     """
     options = _options(config, kwargs)
     dtype = options.get("dtype", torch.float32)
