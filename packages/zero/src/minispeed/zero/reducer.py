@@ -54,9 +54,10 @@ are launched by `backward_done` with zeros for the missing parameters, again in 
 
 Note [a model in one bucket has no gradient hooks]
 When all the managed gradients together fit in one bucket's elements (`ZeroConfig.bucket_numel`,
-summed over the param groups' layouts), there is no communication to overlap with backward: the
-hooks would launch the bucket(s) at the last gradient anyway, just before backward ends. So no
-hook is registered. Autograd leaves each gradient in `param.grad` as plain PyTorch does, and
+summed over the param groups' layouts; the rule is `core.gradient_buckets.hooks_each_gradient`,
+which the profiler's step-time model prices the hooks by), there is no communication to overlap
+with backward: the hooks would launch the bucket(s) at the last gradient anyway, just before
+backward ends. So no hook is registered. Autograd leaves each gradient in `param.grad` as plain PyTorch does, and
 `backward_done` collects them (`_collect`): a parameter whose `.grad` is set got a gradient in
 this backward (the used mark), the gradients are written into their slots in two foreach
 dispatches (copy then ×1/N on a window's first micro-step, `add_(alpha=1/N)` after: the products
@@ -101,6 +102,7 @@ from torch import nn
 import minispeed.comm as comm
 from minispeed.comm.buckets import InFlight, LaunchQueue
 from minispeed.core import ranges
+from minispeed.core.gradient_buckets import hooks_each_gradient
 from minispeed.zero.config import ZeroConfig
 from minispeed.zero.contract import weak_hook
 from minispeed.zero.flat import Bucket, FlatLayout
@@ -198,7 +200,8 @@ class _BucketedGrads:
             if p.requires_grad
         ]
         # See Note [a model in one bucket has no gradient hooks].
-        one_bucket = sum(lay.numel for lay in layouts) <= config.bucket_numel(grad_dtype.itemsize)
+        numel = sum(lay.numel for lay in layouts)
+        one_bucket = not hooks_each_gradient(numel, config.bucket_numel(grad_dtype.itemsize))
         self._collected = managed if one_bucket else []
         self._handles = [
             p.register_post_accumulate_grad_hook(weak_hook(self._on_grad, g, i, k))
