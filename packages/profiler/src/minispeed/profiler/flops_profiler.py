@@ -62,7 +62,14 @@ from minispeed.core.accelerator import get_accelerator
 from minispeed.core.files import atomic_write
 from minispeed.profiler.formulas import Cost
 from minispeed.profiler.ops import matmul_shape, op_cost
-from minispeed.profiler.report import ModuleProfile, Profile, number_to_string
+from minispeed.profiler.report import (
+    ModuleProfile,
+    Profile,
+    duration_to_string,
+    macs_to_string,
+    number_to_string,
+    params_to_string,
+)
 from minispeed.profiler.tracker import ModuleTracker, in_backward
 
 __all__ = ["FlopsProfiler", "ProfilerState"]
@@ -282,19 +289,19 @@ class FlopsProfiler:
     def get_total_macs(self, as_string: bool = False) -> int | str:
         """The model's forward MACs (DeepSpeed's `get_total_macs`)."""
         macs = self.result().root.forward.macs
-        return number_to_string(macs) + "MACs" if as_string else macs
+        return macs_to_string(macs) if as_string else macs
 
     def get_total_duration(self, as_string: bool = False) -> float | str:
         """The model's forward latency in seconds, summed over calls (DeepSpeed's
         `get_total_duration`)."""
         seconds = self.result().root.forward_s
-        return number_to_string(seconds) + "s" if as_string else seconds
+        return duration_to_string(seconds) if as_string else seconds
 
     def get_total_params(self, as_string: bool = False) -> int | str:
         """The model's parameters held by this rank, tied ones once (DeepSpeed's
         `get_total_params`)."""
         params = sum({id(p): p.numel() for p in self.model.parameters()}.values())
-        return number_to_string(params).replace("G", "B").strip() if as_string else params
+        return params_to_string(params) if as_string else params
 
     def print_model_profile(
         self,
