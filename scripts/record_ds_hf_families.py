@@ -6,7 +6,9 @@ model is written once with `save_pretrained` (random weights from a fixed seed) 
 (`HfDeepSpeedConfig`, `zero.Init`) and transformers loads the checkpoint into the shards:
 
 - `T5ForConditionalGeneration`: encoder-decoder, the token embedding shared by encoder, decoder
-  and head (one parameter used three times per step);
+  and head (one parameter used three times per step), grown by `resize_token_embeddings` after
+  loading, as when a tokenizer gains tokens (the new rows drawn around the old rows' mean,
+  inside `zero.GatheredParameters`);
 - `BertForMaskedLM`: masked-LM head whose decoder weight is tied to the word embedding;
 - `MixtralForCausalLM`: top-2 mixture of experts whose experts are fused 3-D parameters
   (transformers 5 loads them group by group, a module's parameters in separate state dicts),
@@ -125,6 +127,8 @@ def one_family(family, scratch):
         accelerator_config={"use_configured_state": True},
     )
     model = cls.from_pretrained(init)  # under ZeRO-3: built partitioned, loaded into the shards
+    if family == "t5":
+        model.resize_token_embeddings(VOCAB + 8)
     trainer = hf.Trainer(
         model=model, args=args, train_dataset=rows(family, 16, 1), eval_dataset=rows(family, 8, 2)
     )
