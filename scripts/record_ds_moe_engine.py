@@ -7,7 +7,8 @@ drop_tokens=True, use_rts=False)` between two dense layers; the optimizer's grou
 0.01 · l_aux; `engine.backward` / `engine.step` with 2 micro-batches per step, at ZeRO stages 0
 and 2. After 5 steps it evaluates, saves a checkpoint, builds a fresh model and engine, loads the
 checkpoint and evaluates again (DeepSpeed's evaluations before and after are equal), then trains
-2 more steps from the loaded state.
+2 more steps from the loaded state. Last, 3 steps at stage 2 with `model.parameters()` as given,
+not split: DeepSpeed splits them itself for the optimizer it builds from the config.
 
 `gradient_clipping` is set to 0.0 (off) on purpose: DeepSpeed clips at 1.0 when the key is left
 out, and with expert parallelism its norm is not the global norm of the gradients (stage 0
@@ -85,14 +86,14 @@ def batch(rank, step, micro):
     return x, (x.sum(-1) > 0).long() + 2 * (x[..., 0] > 1).long()
 
 
-def build(stage):
+def build(stage, split=True):
     torch.manual_seed(7)
     model = Net()
     groups = split_params_into_different_moe_groups_for_optimizer(
         {"params": list(model.parameters()), "name": "params"}
     )
     engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=groups, config=config(stage)
+        model=model, model_parameters=groups if split else model.parameters(), config=config(stage)
     )
     return engine
 
@@ -139,6 +140,13 @@ def main(ckpt_root):
             "after_loaded": train(resumed, rank, STEPS, MORE),
         }
         del engine, resumed
+    # The parameters as the model gives them, not split: DeepSpeed splits them itself for the
+    # optimizer it builds from the config (dense, then the experts' group).
+    engine = build(2, split=False)
+    runs["unsplit_stage2"] = {
+        "losses": train(engine, dist.get_rank(), 0, 3),
+        "groups": [g["name"] for g in engine.optimizer.param_groups],
+    }
     return runs
 
 

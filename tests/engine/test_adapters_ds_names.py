@@ -102,3 +102,91 @@ def test_deepspeed_comm_collectives_go_through_minispeed_comm():
         assert res["ops"] == [
             "all_gather", "all_to_all", "broadcast", "gather", "reduce", "scatter",
         ]  # fmt: skip
+
+
+def _list_forms_and_p2p(rank: int, world_size: int) -> dict:
+    """The same calls through `deepspeed.comm` and through torch.distributed, same data."""
+    import torch.distributed as tdist
+
+    from minispeed.engine import comm as dist
+
+    n, peer = world_size, 1 - rank
+    g = torch.Generator().manual_seed(rank)
+    ins = [torch.randn(j + 2, generator=g) for j in range(n)]  # uneven sizes per destination
+    # all_to_all: input j goes to rank j; rank j's arrives in output j (sized as it sends it)
+    outs = {k: [torch.empty(rank + 2) for _ in range(n)] for k in ("ours", "torch")}
+    dist.all_to_all(outs["ours"], ins)
+    for j in range(n):  # gloo has no list all_to_all: torch's own meaning, pairwise
+        if j == rank:
+            outs["torch"][j].copy_(ins[j])
+    for work in tdist.batch_isend_irecv(
+        [
+            tdist.P2POp(tdist.isend, ins[peer], peer),
+            tdist.P2POp(tdist.irecv, outs["torch"][peer], peer),
+        ]
+    ):
+        work.wait()
+    # reduce_scatter (list form), async
+    parts = [torch.randn(3, generator=g) for _ in range(n)]
+    ours_rs, torch_rs = torch.empty(3), torch.empty(3)
+    dist.reduce_scatter(ours_rs, parts, async_op=True).wait()
+    summed = torch.cat(parts)
+    tdist.all_reduce(summed)
+    torch_rs.copy_(summed.view(n, 3)[rank])
+    # all_reduce_coalesced: several tensors, one call, in place
+    coalesced = [torch.randn(2, 2, generator=g), torch.randn(5, generator=g)]
+    expected = [t.clone() for t in coalesced]
+    for t in expected:
+        tdist.all_reduce(t)
+    dist.all_reduce_coalesced(coalesced)
+    # point to point: blocking pair ordered by rank, then a batch that would deadlock blocking
+    sent = torch.full((4,), float(rank))
+    got = torch.empty(4)
+    if rank == 0:
+        dist.send(sent, 1)
+        src = dist.recv(got, 1)
+    else:
+        src = dist.recv(got, 0)
+        dist.send(sent, 0)
+    swapped = torch.empty(4)
+    for work in dist.batch_isend_irecv(
+        [dist.P2POp(dist.isend, sent + 10, peer), dist.P2POp(dist.irecv, swapped, peer)]
+    ):
+        work.wait()
+    async_got = torch.empty(1)
+    pending = dist.irecv(async_got, peer) if rank == 0 else dist.isend(torch.ones(1), peer)
+    pending.wait()
+    dist.monitored_barrier(wait_all_ranks=True)
+    errors = []
+    for call in (lambda: dist.recv(got, None), lambda: dist.send(sent, peer, tag=3)):
+        try:
+            call()
+        except ValueError as e:
+            errors.append(str(e))
+    return {
+        "a2a": [[o.tolist() for o in outs[k]] for k in ("ours", "torch")],
+        "rs": (ours_rs.tolist(), torch_rs.tolist()),
+        "coalesced": ([t.tolist() for t in coalesced], [t.tolist() for t in expected]),
+        "p2p": (got.tolist(), src, swapped.tolist()),
+        "errors": errors,
+        "launcher": (dist.get_world_rank_from_launcher(), dist.get_world_size_from_launcher()),
+        "async_got": async_got.item() if rank == 0 else None,
+    }
+
+
+def test_deepspeed_comm_list_forms_and_point_to_point_match_torch():
+    """DeepSpeed's remaining torch-shaped calls (`all_to_all` and `reduce_scatter` on lists,
+    `all_reduce_coalesced`, send/recv and their batch) give torch.distributed's values; a
+    receive from any rank or a tagged message is refused naming the fix."""
+    for rank, res in enumerate(run_distributed(_list_forms_and_p2p, world_size=2, timeout_s=120)):
+        assert res["a2a"][0] == res["a2a"][1]
+        assert res["rs"][0] == pytest.approx(res["rs"][1])
+        assert res["coalesced"][0] == res["coalesced"][1]
+        got, src, swapped = res["p2p"]
+        assert got == [float(1 - rank)] * 4 and src == 1 - rank
+        assert swapped == [11.0 - rank] * 4
+        assert "pass the sending rank as src" in res["errors"][0]
+        assert "leave tag at 0" in res["errors"][1]
+        assert res["launcher"] == (rank, 2)
+        assert res["async_got"] == (1.0 if rank == 0 else None)
+        assert res["async_got"] == (1.0 if rank == 0 else None)

@@ -65,3 +65,29 @@ def test_what_minispeed_lacks_is_refused_by_name(kwargs, word):
 def test_groups_need_a_name():
     with pytest.raises(KeyError, match="name"):
         split_params_into_different_moe_groups_for_optimizer({"params": []})
+
+
+def test_deepspeeds_moe_utils_find_and_split_the_experts():
+    from minispeed.engine.moe import utils
+
+    torch.manual_seed(0)
+    layer = MoE(8, _expert(), num_experts=2)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), layer)
+    assert utils.has_moe_layers(model) == (True, 2)
+    assert utils.has_moe_layers(torch.nn.Linear(2, 2)) == (False, 0)
+    params = list(model.parameters())
+    shared, expert = utils.split_params_into_shared_and_expert_params(params)
+    assert {id(p) for p in expert} == {id(p) for p in layer.deepspeed_moe.experts.parameters()}
+    assert len(shared) + len(expert) == len(params) and all(
+        not utils.is_moe_param(p) for p in shared
+    )
+    model(torch.randn(4, 8))[0].sum().backward()
+    shared_g, expert_g = utils.split_params_grads_into_shared_and_expert_params(params)
+    assert [g.data_ptr() for g in expert_g] == [p.grad.data_ptr() for p in expert]
+    assert len(shared_g) == sum(p.grad is not None for p in shared)
+    # a list of parameters -> "dense-params" plus the experts' group; groups already split stay
+    groups = utils.configure_moe_param_groups(params)
+    assert [g["name"] for g in groups] == ["dense-params", "ep_size_1"]
+    assert utils.configure_moe_param_groups(groups) is groups
+    with pytest.raises(TypeError, match="parameter or a parameter group"):
+        utils.configure_moe_param_groups(["weights"])

@@ -14,6 +14,7 @@ import minispeed.engine as deepspeed
 from minispeed.core.testing import run_distributed
 from minispeed.engine.accelerator import get_accelerator
 from minispeed.engine.ops.adam import DeepSpeedCPUAdam, FusedAdam
+from minispeed.engine.runtime.base_optimizer import DeepSpeedOptimizer
 from minispeed.offload import CPUAdam
 
 # DeepSpeed 0.19.8's CPU accelerator, recorded with
@@ -103,6 +104,8 @@ def _engine_losses(rank, world_size, given):
             "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True},
         }
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    # how Lightning finds the engine's optimizer among a user's state (its load_checkpoint)
+    assert isinstance(engine.optimizer, DeepSpeedOptimizer)
     g = torch.Generator().manual_seed(rank)
     losses = []
     for _ in range(3):

@@ -225,3 +225,25 @@ def test_utils_logging_is_the_engine_logger_with_deepspeeds_rank_rule(capsys) ->
     assert ds_logging.get_dist_msg("hello", ranks=[0]) == "[Rank -1] hello"
     ds_logging.print_dist("hi")
     assert capsys.readouterr().out == "[Rank -1] hi\n"
+
+
+def test_profiler_strings_are_deepspeeds() -> None:
+    """`deepspeed.profiling.flops_profiler`'s report strings, recorded from DeepSpeed 0.19.8
+    (scripts/record_ds_profiler_strings.py), for numbers from micro to peta."""
+    import importlib.util
+
+    import minispeed.engine.profiling.flops_profiler as profiler
+
+    path = Path(__file__).resolve().parents[2] / "scripts/record_ds_profiler_strings.py"
+    spec = importlib.util.spec_from_file_location("_profiler_strings", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    recorded = json.loads((FIXTURES / "ds_profiler_strings.json").read_text())["strings"]
+    for name in script.NAMES:
+        f = getattr(profiler, name)
+        mine = [f(n) for n in script.NUMBERS] + [f(1.5e9, units="M"), f(1234, precision=0)]
+        assert mine == recorded[name], name
+    assert (
+        profiler.params_to_string(1.5e9, units="B")
+        == recorded["params_to_string(1.5e9, units='B')"]
+    )

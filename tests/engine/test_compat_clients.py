@@ -9,12 +9,16 @@ runs two recorders unchanged, one after the other in the same processes:
   at ZeRO-2 and ZeRO-3, offload none and cpu: per-step losses, learning rates and gradient
   norms, `evaluate()`, `save_model()` reloaded in a plain process, and a second Trainer resumed
   from the step-3 checkpoint;
+- `scripts/record_ds_hf_families.py`: T5 (one embedding shared three ways), BERT's masked-LM
+  head (tied decoder) and Mixtral (fused 3-D experts, loaded group by group) through the Trainer
+  at ZeRO-3, each loaded with `from_pretrained` into the shards: per-step losses and
+  `evaluate()`;
 - `scripts/record_ds_accelerate.py`: accelerate's loop (`DummyOptim` / `DummyScheduler`,
   `accumulate`, `clip_grad_norm_`, `save_state` / `load_state`), at ZeRO-2 with the plugin from
   `accelerate launch`'s config and at ZeRO-3 with the plugin in code.
 
 Every number is compared with DeepSpeed's record (`fixtures/ds_trainer.json`,
-`fixtures/ds_accelerate.json`) within 2e-4 relative; a resumed run must repeat minispeed's own
+`fixtures/ds_hf_families.json`, `fixtures/ds_accelerate.json`) within 2e-4 relative; a resumed run must repeat minispeed's own
 uninterrupted steps exactly.
 """
 
@@ -32,6 +36,7 @@ import ds_scripts
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 TRAINER = json.loads((FIXTURES / "ds_trainer.json").read_text())
 ACCELERATE = json.loads((FIXTURES / "ds_accelerate.json").read_text())
+FAMILIES = json.loads((FIXTURES / "ds_hf_families.json").read_text())
 REL = 2e-4
 LAUNCH = [
     sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch",
@@ -42,7 +47,7 @@ LAUNCH = [
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("compat_clients")
-    scripts = ["record_ds_trainer.py", "record_ds_accelerate.py"]
+    scripts = ["record_ds_trainer.py", "record_ds_hf_families.py", "record_ds_accelerate.py"]
     return ds_scripts.run_recorder(scripts, out, launcher=LAUNCH)
 
 
@@ -76,3 +81,11 @@ def test_accelerate_loop_matches_deepspeed(runs: list[dict], run: str) -> None:
         _steps_match(ours["steps"], theirs["steps"], f"rank {rank} {run}")
         _steps_match(ours["resumed_steps"], theirs["resumed_steps"], f"rank {rank} {run} resumed")
         assert ours["resumed_steps"] == ours["steps"][-2:], (rank, run)
+
+
+@pytest.mark.parametrize("family", ["t5", "bert", "mixtral"])
+def test_model_families_load_partitioned_and_train_as_deepspeed(runs: list[dict], family: str):
+    for rank, (mine, ref) in enumerate(zip(runs, FAMILIES["ranks"], strict=True)):
+        ours, theirs = mine["record_ds_hf_families.py"][family], ref[family]
+        assert ours["losses"] == pytest.approx(theirs["losses"], rel=REL), (rank, family)
+        assert ours["eval_loss"] == pytest.approx(theirs["eval_loss"], rel=REL), (rank, family)

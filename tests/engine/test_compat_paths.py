@@ -173,11 +173,29 @@ def test_a_name_an_adapter_lacks_is_refused_naming_module_name_and_page() -> Non
 
 @pytest.mark.parametrize("name", ["safe_set_local_fp32_param"])
 def test_refused_utils_names_say_what_to_use(name: str) -> None:
+    """A name an engine module declines says why under `from ... import`, and is a plain missing
+    attribute to `hasattr` and `getattr(..., default)`, which libraries use to probe DeepSpeed's
+    features (an ImportError would escape them)."""
+    import importlib
+
     for module in ("deepspeed.utils", "minispeed.engine.utils"):
         with pytest.raises(
             ImportError, match=r"not provided by minispeed.*safe_set_full_fp32_param"
         ):
             exec(f"from {module} import {name}", {})
+        imported = importlib.import_module(module)
+        assert not hasattr(imported, name)
+        assert getattr(imported, name, None) is None
+        with pytest.raises(AttributeError, match=r"not provided by minispeed.*safe_set_full"):
+            getattr(imported, name)
+
+
+def test_declined_moe_names_are_missing_attributes_with_their_reason() -> None:
+    import deepspeed.moe.sharded_moe as sharded_moe
+
+    assert getattr(sharded_moe, "TopKGate", None) is None
+    with pytest.raises(ImportError, match=r"sharded_moe\.MOELayer is not provided.*layer\.MoE"):
+        exec("from deepspeed.moe.sharded_moe import MOELayer", {})
 
 
 def test_zero3_template_is_accepted_once_the_trainer_fills_it() -> None:

@@ -54,6 +54,16 @@ def test_moe_engine_script_matches_deepspeed(runs, stage):
         assert abs(got["eval_before"] - want["eval_before"]) <= 1e-4, rank
 
 
+def test_unsplit_parameters_get_deepspeeds_expert_groups(runs):
+    """`model_parameters=model.parameters()` with an MoE layer and the optimizer built from the
+    config: the engine splits the experts into their own group as DeepSpeed does, and trains
+    to its losses."""
+    for rank, (got, want) in enumerate(zip(runs, FIXTURE["ranks"])):
+        got, want = got["unsplit_stage2"], want["unsplit_stage2"]
+        assert got["groups"] == want["groups"] == ["dense-params", "ep_size_2"]
+        assert got["losses"] == pytest.approx(want["losses"], abs=1e-4), rank
+
+
 @pytest.mark.parametrize("stage", (0, 2))
 def test_moe_engine_evaluation_survives_a_checkpoint(runs, stage):
     """Each rank's experts differ (E_p = 2): the loaded engine must get its own experts back,
@@ -171,15 +181,20 @@ def _refused(rank, world_size, case, tmp):
     model = script.Net()
     params = list(model.parameters())
     stage = {"mixed": 2, "stage3": 3, "save16": 0}[case]
-    if case == "mixed":  # experts and dense parameters in one group
-        params = [{"params": params, "name": "params"}]
+    optimizer = None
+    if case == "mixed":  # the script's own optimizer, experts and dense parameters in one group
+        optimizer = torch.optim.AdamW([{"params": params, "name": "params"}], lr=1e-3)
     else:
         params = script.split_params_into_different_moe_groups_for_optimizer(
             {"params": params, "name": "params"}
         )
     config = {**script.config(stage), "gradient_accumulation_steps": 1}
+    if optimizer is not None:
+        del config["optimizer"]
     try:
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=params, optimizer=optimizer, config=config
+        )
         if case == "save16":  # one file cannot hold every rank's experts
             engine.save_16bit_model(tmp)
     except (ValueError, NotImplementedError) as e:

@@ -212,6 +212,11 @@ def test_deepspeed_keys_at_their_defaults_are_accepted(section: dict, offload: b
         ({"type": "AdamW", "params": {"max_grad_norm": 1.0}}, False, "gradient_clipping"),
         ({"type": "AdamW", "param": {}}, False, "did you mean 'params'"),
         ({"type": "AdamW", "legacy_fusion": True}, False, "legacy_fusion"),
+        ({"type": "AdamW", "params": {"betas": [0.9]}}, False, "params.betas: must be two"),
+        ({"type": "Adam", "params": {"betas": [0.9]}}, True, "params.betas: must be two"),
+        ({"type": "AdamW", "params": {"lr": "3e-4"}}, False, "params.lr: must be a number"),
+        ({"type": "SGD", "params": {"lr": 0.1, "momentum": "0.9"}}, False, "momentum: must be"),
+        ({"type": "Lion", "params": {"weight_decay": "0.1"}}, False, "weight_decay: must be"),
     ],
 )
 def test_bad_optimizer_section_is_a_value_error_naming_the_fix(

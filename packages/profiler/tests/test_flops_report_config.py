@@ -76,6 +76,30 @@ def test_step_profiler_profiles_only_the_configured_step_and_writes_json(tmp_pat
     assert json.loads(out.read_text())["modules"]["calls"] == 1
 
 
+def test_a_profiled_step_counts_the_models_forward_not_the_loops_own_work(tmp_path):
+    """Note [the model's forward]: the optimizer's step and the caller's loss run in forward,
+    outside the model; the step's forward total is the model's (DeepSpeed's engine profile), the
+    whole backward is still counted. A plain `FlopsProfiler` keeps counting them."""
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    out = str(tmp_path / "profile.json")
+    steps = StepProfiler(model, FlopsProfilerConfig(enabled=True, profile_step=0, output_file=out))
+    x = torch.randn(4, 8)
+    with steps.step(0):
+        model(x).sum().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+    r = steps.profile
+    assert r.outside_forward.flops == 0 and r.forward == r.root.forward
+    model.zero_grad()  # no .grad to add into: the same backward as the step's
+    alone = _profile(model)  # forward and backward only
+    assert r.forward == alone.root.forward and r.backward == alone.backward
+    with FlopsProfiler(model) as prof:
+        model(x).sum().backward()
+        opt.step()
+    assert prof.result().outside_forward.flops > alone.outside_forward.flops  # + the step's
+
+
 def test_the_peak_can_be_the_calibrated_one_and_a_bad_peak_is_refused(tmp_path, monkeypatch):
     from minispeed.profiler import perf_model
 

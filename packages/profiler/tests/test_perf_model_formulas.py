@@ -84,6 +84,18 @@ def test_prediction_is_flops_over_throughput_plus_alpha_beta_per_call():
     assert pred_t.optimizer_s == pytest.approx(PSI / 2 * 3e-9 + 28 * 2e-4)
     assert pred_t.hooks_s == pytest.approx(3 * 28 * 5e-5)
     assert pred_t.step_s == pytest.approx(pred.step_s + 28 * 2e-4 + 3 * 28 * 5e-5, rel=1e-3)
+    # ...where zero registers them: none at stages 0-2 for gradients within one bucket (they
+    # are collected from param.grad once backward ends), every one at stage 3.
+    hooks = dict(num_params=PSI, num_tensors=28, world_size=2, micro_steps=3, bucket_numel=PSI)
+    for stage in (0, 1, 2):
+        assert predict_step(per_tensor, flops_per_step=2e10, stage=stage, **hooks).hooks_s == 0
+    assert predict_step(per_tensor, flops_per_step=2e10, stage=3, **hooks).hooks_s == (
+        pytest.approx(3 * 28 * 5e-5)
+    )
+    one_more = dict(hooks, bucket_numel=PSI - 1)  # two buckets: every gradient hooked
+    assert predict_step(per_tensor, flops_per_step=2e10, stage=0, **one_more).hooks_s == (
+        pytest.approx(3 * 28 * 5e-5)
+    )
     # Stage 3's fixed cost per module with parameters, per micro-step; no other stage pays it.
     units = dict(num_params=PSI, stage3_units=17, stage3_unit_s=1e-3, world_size=2, micro_steps=3)
     with_units = predict_step(per_tensor, flops_per_step=2e10, stage=3, **units)

@@ -96,10 +96,16 @@ def _modify(rank: int, model: nn.Module, opt) -> dict:
             w.data.fill_(7.0)
     with GatheredParameters(w):
         discarded = bool((w == 0.5).all())
+    # a module's absent bias in the list (transformers' resize_token_embeddings passes it)
+    with GatheredParameters([w, None], modifier_rank=0):
+        if rank == 0:
+            w.data.add_(1.0)
+    with GatheredParameters([None, w]):
+        discarded = discarded and bool((w == 1.5).all())
     with GatheredParameters(list(model.parameters())):
         sd = model.state_dict()
         state_dict_ok = all(v.numel() > 0 for v in sd.values())
-    master_ok = bool((sp.master[: sp.owned_numel] == 0.5).all())
+    master_ok = bool((sp.master[: sp.owned_numel] == 1.5).all())  # both modifications reached it
     return dict(
         kept=kept,
         discarded=discarded,
@@ -146,7 +152,7 @@ def _body(rank: int, world_size: int) -> dict:
     w = model.blocks[1].mlp[2].weight
     out["closed"] = (
         tuple(w.shape) == (24, 96)
-        and bool((w == 0.5).all())
+        and bool((w == 1.5).all())
         and type(model.blocks[1].mlp[2]._parameters) is dict
         and all(v.numel() > 0 for v in model.state_dict().values())
     )

@@ -58,7 +58,27 @@ def _body(rank: int, world_size: int) -> dict:
     with GatheredParameters(list(model.parameters()), modifier_rank=0):
         model.load_state_dict({k: v * 2 for k, v in gathered.items()})
     doubled = zero.full_state_dict(model)
+    # A state dict holding part of a module's parameters (transformers loads a checkpoint group
+    # by group) needs only that part gathered; a key whose parameter is released is refused.
+    name, lin = next(
+        (n, m)
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and m.bias is not None
+    )
+    weight = gathered[f"{name}.weight"]
+    with GatheredParameters([lin.weight], modifier_rank=0):
+        lin.load_state_dict({"weight": -weight}, strict=False)
+    after_partial = zero.full_state_dict(model)
+    with GatheredParameters([lin.weight], modifier_rank=0):
+        bias_released = _error_of(
+            lambda: lin.load_state_dict(
+                {"bias": torch.zeros_like(gathered[f"{name}.bias"])}, strict=False
+            )
+        )
     return dict(
+        partial_loaded=torch.equal(after_partial[f"{name}.weight"], -weight),
+        partial_kept_bias=torch.equal(after_partial[f"{name}.bias"], doubled[f"{name}.bias"]),
+        bias_released=bias_released,
         after_exit=after_exit,
         outside=outside,
         load_outside=load_outside,
@@ -87,3 +107,5 @@ def test_state_dict_tensors_outlive_gathered_parameters() -> None:
         assert res["placeholder_keys"] == names and res["shapes_equal"]
         assert res["full_equal"] and res["still_equal"] and res["doubled"] and res["released"]
         assert res["rank0_keys"] == (len(names) if rank == 0 else 0)
+        assert res["partial_loaded"] and res["partial_kept_bias"]
+        assert res["bias_released"].startswith("ParameterNotGatheredError"), res["bias_released"]

@@ -209,7 +209,9 @@ def initialize(
         ds, data_parallel_size=shape["data"], pipeline_stages=model.stages if is_pipeline else None
     )
     record_config(composition, cfg, "trial" if trial is not None else "ds_config")
-    check_mics_size(shape, cfg.zero.mics_shard_size)  # MiCS's S against the data axis
+    # MiCS's S against the data axis (and, to train, against the other axes)
+    trains = optimizer is not None or cfg.optimizer is not None or is_pipeline
+    check_mics_size(shape, cfg.zero.mics_shard_size, trains=trains)
     has_experts = bool(minispeed.moe.moe_layers(model))
     if is_pipeline:
         steps.check_pipeline(model, cfg, has_experts)

@@ -34,30 +34,46 @@ from minispeed.comm.logger import pass_through
 pass_through(__name__)  # comms_logger.debug names the script's function, not this adapter's
 
 __all__ = [
+    "P2POp",
     "ReduceOp",
     "all_gather",
     "all_gather_into_tensor",
     "all_gather_object",
     "all_reduce",
+    "all_reduce_coalesced",
+    "all_to_all",
     "all_to_all_single",
     "barrier",
+    "batch_isend_irecv",
     "broadcast",
     "broadcast_object_list",
     "destroy_process_group",
     "gather",
     "get_global_rank",
     "get_local_rank",
+    "get_local_rank_from_launcher",
     "get_rank",
     "get_world_group",
+    "get_world_rank_from_launcher",
     "get_world_size",
+    "get_world_size_from_launcher",
+    "has_all_gather_into_tensor",
+    "has_reduce_scatter_tensor",
+    "inference_all_reduce",
     "init_distributed",
+    "irecv",
     "is_available",
     "is_initialized",
+    "isend",
     "log_summary",
+    "monitored_barrier",
     "new_group",
+    "recv",
     "reduce",
+    "reduce_scatter",
     "reduce_scatter_tensor",
     "scatter",
+    "send",
 ]
 
 
@@ -89,6 +105,31 @@ def get_local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0))
 
 
+def get_local_rank_from_launcher() -> int:
+    """The launcher's `LOCAL_RANK` (0 without one)."""
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def get_world_rank_from_launcher() -> int:
+    """The launcher's `RANK` (0 without one)."""
+    return int(os.environ.get("RANK", 0))
+
+
+def get_world_size_from_launcher() -> int:
+    """The launcher's `WORLD_SIZE` (1 without one)."""
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def has_all_gather_into_tensor() -> bool:
+    """Always True: `minispeed.comm` provides it on every torch it supports."""
+    return True
+
+
+def has_reduce_scatter_tensor() -> bool:
+    """Always True: `minispeed.comm` provides it on every torch it supports."""
+    return True
+
+
 def get_global_rank(group: Any = None, group_rank: int = 0) -> int:
     return group_rank if group is None else _dist.get_global_rank(group, group_rank)
 
@@ -115,6 +156,44 @@ def all_reduce(
     return _comm.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
+def inference_all_reduce(
+    tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, **_: Any
+) -> Any:
+    """DeepSpeed's all-reduce for inference's tensor-parallel layers: `all_reduce`, blocking."""
+    return _comm.all_reduce(tensor, op=op, group=group)
+
+
+def all_reduce_coalesced(
+    tensors: list[torch.Tensor],
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+    **_: Any,
+) -> Any:
+    """Every tensor of `tensors` all-reduced in place by ONE collective: they are copied into
+    one flat buffer (their summed bytes, all of one dtype), reduced, and copied back (after
+    `wait()` when `async_op`)."""
+    if not tensors or len({t.dtype for t in tensors}) != 1:
+        raise ValueError(
+            "all_reduce_coalesced: pass a non-empty list of tensors of one dtype (got "
+            f"{sorted({str(t.dtype) for t in tensors})}); call it once per dtype"
+        )
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    work = _comm.all_reduce(flat, op=op, group=group, async_op=async_op)
+    copy_back = lambda: _unflatten(flat, tensors)  # noqa: E731
+    if work is None:
+        copy_back()
+        return None
+    return _AfterWait(work, copy_back)
+
+
+def _unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    start = 0
+    for t in tensors:
+        t.copy_(flat[start : start + t.numel()].view_as(t))
+        start += t.numel()
+
+
 def broadcast(
     tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False, **_: Any
 ) -> Any:
@@ -123,6 +202,77 @@ def broadcast(
 
 def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None, **_: Any) -> None:
     _comm.barrier(group)
+
+
+def monitored_barrier(
+    group: Any = None, timeout: Any = None, wait_all_ranks: bool = False, **_: Any
+) -> None:
+    """`barrier`: minispeed's collectives already name the ranks that did not arrive when the
+    comm timeout passes (`minispeed.comm.CommTimeoutError`), so `timeout` and `wait_all_ranks`
+    add nothing and are accepted unused."""
+    _comm.barrier(group)
+
+
+def _no_tag(op: str, tag: int) -> None:
+    if tag != 0:
+        raise ValueError(
+            f"{op}(tag={tag}): minispeed's point-to-point calls match messages by order, not by "
+            "tag; leave tag at 0 and send in the order they are received"
+        )
+
+
+def _peer(op: str, peer: int | None, name: str) -> int:
+    if peer is None:
+        raise ValueError(
+            f"{op}({name}=None): a receive from any rank is not supported; pass the sending "
+            f"rank as {name}"
+        )
+    return peer
+
+
+def send(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0, **_: Any) -> None:
+    """Send `tensor` to global rank `dst` (minispeed.comm.send: S bytes sent)."""
+    _no_tag("send", tag)
+    _comm.send(tensor, dst, group=group)
+
+
+def recv(
+    tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0, **_: Any
+) -> int:
+    """Receive into `tensor` from global rank `src`; returns `src`, as torch's does."""
+    _no_tag("recv", tag)
+    src = _peer("recv", src, "src")
+    _comm.recv(tensor, src, group=group)
+    return src
+
+
+def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0, **_: Any) -> Any:
+    """Async `send`: returns the handle to `wait()` on."""
+    _no_tag("isend", tag)
+    return _comm.isend(tensor, dst, group=group)
+
+
+def irecv(
+    tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0, **_: Any
+) -> Any:
+    """Async `recv`: returns the handle to `wait()` on."""
+    _no_tag("irecv", tag)
+    return _comm.irecv(tensor, _peer("irecv", src, "src"), group=group)
+
+
+def P2POp(  # DeepSpeed's and torch's name, a class there
+    op: Any, tensor: torch.Tensor, peer: int, group: Any = None, tag: int = 0
+) -> _comm.P2POp:
+    """One send or receive for `batch_isend_irecv`: `op` is this module's `isend`/`irecv`
+    (or `minispeed.comm`'s, or torch's)."""
+    _no_tag("P2POp", tag)
+    return _comm.P2POp({isend: _comm.isend, irecv: _comm.irecv}.get(op, op), tensor, peer, group)
+
+
+def batch_isend_irecv(p2p_op_list: list[Any], **_: Any) -> list[Any]:
+    """Issue the sends and receives together (pairs that would deadlock one by one do not);
+    returns the handles to `wait()` on."""
+    return _comm.batch_isend_irecv(p2p_op_list)
 
 
 def all_gather_into_tensor(
@@ -140,6 +290,68 @@ def reduce_scatter_tensor(
     **_: Any,
 ) -> Any:
     return _comm.reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op)
+
+
+def all_to_all(
+    output_tensor_list: list[torch.Tensor],
+    input_tensor_list: list[torch.Tensor],
+    group: Any = None,
+    async_op: bool = False,
+    **_: Any,
+) -> Any:
+    """torch's list form: `input_tensor_list[j]` goes to rank j, rank j's arrives in
+    `output_tensor_list[j]`. One `all_to_all_single` over flat copies (one staging buffer each
+    way, the lists' summed bytes), split by the tensors' sizes; the outputs are filled after
+    `wait()` when `async_op`."""
+    n = get_world_size(group)
+    if len(input_tensor_list) != n or len(output_tensor_list) != n:
+        raise ValueError(
+            f"all_to_all: pass one input and one output tensor per rank ({n}); got "
+            f"{len(input_tensor_list)} inputs and {len(output_tensor_list)} outputs"
+        )
+    dtype = input_tensor_list[0].dtype
+    if any(t.dtype != dtype for t in [*input_tensor_list, *output_tensor_list]):
+        raise ValueError("all_to_all: every input and output tensor must have one dtype")
+    flat_in = torch.cat([t.reshape(-1) for t in input_tensor_list])
+    flat_out = torch.empty(
+        sum(t.numel() for t in output_tensor_list), dtype=dtype, device=flat_in.device
+    )
+    work = _comm.all_to_all_single(
+        flat_out,
+        flat_in,
+        [t.numel() for t in output_tensor_list],
+        [t.numel() for t in input_tensor_list],
+        group=group,
+        async_op=async_op,
+    )
+    copy_out = lambda: _unflatten(flat_out, output_tensor_list)  # noqa: E731
+    if work is None:
+        copy_out()
+        return None
+    return _AfterWait(work, copy_out)
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    input_list: list[torch.Tensor],
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+    **_: Any,
+) -> Any:
+    """torch's list form: `output` gets the reduction over the ranks of their
+    `input_list[rank]`. One `reduce_scatter_tensor` over a flat copy of the list (one staging
+    buffer of its bytes)."""
+    n = get_world_size(group)
+    if len(input_list) != n or any(
+        t.shape != output.shape or t.dtype != output.dtype for t in input_list
+    ):
+        raise ValueError(
+            f"reduce_scatter: input_list needs one tensor per rank ({n}), each shaped "
+            f"{tuple(output.shape)} {output.dtype} like the output"
+        )
+    flat = torch.cat([t.reshape(-1) for t in input_list])
+    return _comm.reduce_scatter_tensor(output, flat, op=op, group=group, async_op=async_op)
 
 
 def all_to_all_single(

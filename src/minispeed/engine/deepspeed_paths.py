@@ -27,10 +27,10 @@ Nothing in the engine imports this module.
 
 from __future__ import annotations
 
-import dis
-import sys
 from collections.abc import Iterable
-from types import FrameType, ModuleType
+from types import ModuleType
+
+from minispeed.engine.missing import NotProvided, decline
 
 __all__ = [
     "ADAPTERS",
@@ -81,6 +81,7 @@ ADAPTERS: dict[str, str] = {
     "deepspeed.runtime.activation_checkpointing.checkpointing": (
         f"{_E}.runtime.activation_checkpointing.checkpointing"
     ),
+    "deepspeed.runtime.base_optimizer": f"{_E}.runtime.base_optimizer",
     "deepspeed.runtime.config": f"{_E}.runtime.config",
     "deepspeed.runtime.dataloader": f"{_E}.runtime.dataloader",
     "deepspeed.runtime.engine": f"{_E}.runtime.engine",
@@ -288,43 +289,22 @@ def refuse(path: str, package: bool = False) -> None:
     raise ImportError(f"{path} is not provided by minispeed{below}: {why(path)}", name=path)
 
 
-# Note [a missing name's ImportError]
-# `from deepspeed.runtime.zero.stage3 import Name` where the adapter has no `Name`: Python calls
-# the module's `__getattr__`, and if that raises AttributeError it discards the message and
-# raises its own "cannot import name 'Name' from ...", which says nothing of minispeed. An
-# ImportError raised by `__getattr__` reaches the user as written, but raised for every missing
-# attribute it would break `hasattr(module, name)` and `getattr(module, name, default)`, which
-# libraries use to probe DeepSpeed's features (they expect AttributeError). So the adapter looks
-# at the instruction its caller is running: IMPORT_FROM (a `from ... import` statement) gets the
-# ImportError, anything else the AttributeError, both with the same message. Reading the
-# caller's instruction is CPython's frame API; where it says nothing, the AttributeError is
-# raised (the same text on attribute access; Python's plain message on a from-import).
-_IMPORT_FROM = dis.opmap.get("IMPORT_FROM")
-
-
-def _importing_from(frame: FrameType | None) -> bool:
-    """Whether `frame` is running a `from ... import` (Note [a missing name's ImportError])."""
-    if frame is None or _IMPORT_FROM is None:
-        return False
-    code = frame.f_code.co_code
-    return 0 <= frame.f_lasti < len(code) and code[frame.f_lasti] == _IMPORT_FROM
-
-
 def adapted_attribute(path: str, target: ModuleType, name: str) -> object:
     """An adapter module's `__getattr__` (the distribution's modules call it): `name` from the
     engine module `target` (a private name a client reaches for is the engine's same object);
     a name neither has raises naming the DeepSpeed module `path`, the name and the migration
     page, as an ImportError under `from path import name` and an AttributeError otherwise
-    (Note [a missing name's ImportError])."""
+    (`minispeed.engine.missing`); a name the engine module declines keeps its own message."""
     try:
         return getattr(target, name)
+    except NotProvided as declined:  # the engine module declines it, saying why
+        message = str(declined)
     except AttributeError:
         if name.startswith("__"):  # Python's own probes (`__path__`, `__wrapped__`): no message
             raise
-    message = (
-        f"{path}.{name} is not provided by minispeed ({path} is minispeed's {target.__name__}, "
-        f"which has no {name!r}); see docs/engine/migration.md for what to use instead"
-    )
-    if _importing_from(sys._getframe(2)):  # 0: here, 1: the adapter's __getattr__
-        raise ImportError(message, name=path, path=getattr(target, "__file__", None))
-    raise AttributeError(message, name=name, obj=target)
+        message = (
+            f"{path}.{name} is not provided by minispeed ({path} is minispeed's "
+            f"{target.__name__}, which has no {name!r}); see docs/engine/migration.md for what "
+            "to use instead"
+        )
+    decline(message, name, depth=2)  # 1: the adapter's __getattr__, 2: the code asking

@@ -90,9 +90,12 @@ def build_grid(shape: Mapping[str, int]) -> comm.ProcessGrid:
     return comm.ProcessGrid(comm.ProcessTopology(axes, [shape[a] for a in axes]))
 
 
-def check_mics_size(shape: Mapping[str, int], shard_size: int) -> None:
-    """MiCS's shard size against the grid: S must divide the data axis, and the other axes are
-    not composed with it yet. Local: a `ConfigError` on every rank before any collective."""
+def check_mics_size(shape: Mapping[str, int], shard_size: int, trains: bool = True) -> None:
+    """MiCS's shard size against the grid: S must divide the data axis, and, when the engine
+    `trains`, the other axes are not composed with it yet (forward only, stage 3 without an
+    optimizer, runs MiCS inside each tensor slice's data line: it has no norm and no tied
+    gradients to combine over them). Local: a `ConfigError` on every rank before any
+    collective."""
     if shard_size < 1:
         return
     data = shape["data"]
@@ -104,12 +107,13 @@ def check_mics_size(shape: Mapping[str, int], shard_size: int) -> None:
             f"data {data} x tensor {shape['tensor']}): MiCS cuts the data "
             f"ranks into groups of S; pick S among {fits} (usually the ranks of one node), or -1",
         )
-    if shape["tensor"] > 1 or shape["pipe"] > 1:
+    if trains and (shape["tensor"] > 1 or shape["pipe"] > 1):
         raise ConfigError(
             "zero_optimization.mics_shard_size",
-            "MiCS with tensor or pipeline parallelism is not implemented (the norm and tied "
-            "gradients over those axes are untested under it); drop tensor_parallel.autotp_size "
-            "or the pipeline, or mics_shard_size",
+            "MiCS with tensor or pipeline parallelism is not implemented for training (the norm "
+            "and tied gradients over those axes are untested under it); drop "
+            "tensor_parallel.autotp_size or the pipeline, or mics_shard_size (without an "
+            "optimizer, stage 3 runs MiCS on a tensor-parallel grid)",
         )
 
 

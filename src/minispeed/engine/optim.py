@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from minispeed.core.config import ConfigError
+from minispeed.core.config import ConfigError, ConfigTypeError
 from minispeed.engine.by_name import OptimizerSection, check_params, construct, did_you_mean
 
 __all__ = ["OPTIMIZER_TYPES", "build_optimizer"]
@@ -200,6 +200,38 @@ def _torch_optimizer_class(kind: str) -> type | None:
     return None
 
 
+# torch.optim's hyper-parameters that are numbers (a tensor for `lr` too), and the pairs.
+_NUMBERS = ("lr", "eps", "weight_decay", "momentum", "dampening", "lr_decay", "alpha", "rho")
+_PAIRS = ("betas",)
+
+
+def _check_hyperparameters(params: dict[str, Any]) -> None:
+    """A number given as a string (`"lr": "3e-4"`) or a pair of the wrong length (`"betas":
+    [0.9]`) fails inside torch's constructor with a bare comparison or index error: refuse it
+    at its key, for every optimizer type."""
+    for name in _NUMBERS:
+        value = params.get(name)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int | float | torch.Tensor)
+        ):
+            raise ConfigTypeError(
+                f"{_PATH}.params.{name}",
+                f"must be a number, got {value!r} ({type(value).__name__}); write it unquoted, "
+                "e.g. 3e-4",
+            )
+    for name in _PAIRS:
+        value = params.get(name)
+        if value is not None and not (
+            isinstance(value, list | tuple)
+            and len(value) == 2
+            and all(isinstance(v, int | float) and not isinstance(v, bool) for v in value)
+        ):
+            raise ConfigTypeError(
+                f"{_PATH}.params.{name}",
+                f"must be two numbers, got {value!r}; e.g. [0.9, 0.999]",
+            )
+
+
 def build_optimizer(
     section: OptimizerSection | dict[str, Any],
     model_parameters: Iterable[Any],
@@ -224,6 +256,7 @@ def build_optimizer(
             f"'max_grad_norm' is not a param of {kind!r} (as in DeepSpeed); set the top-level "
             "'gradient_clipping' instead",
         )
+    _check_hyperparameters(params)
     lower = kind.lower()
     if lower in ("adam", "adamw"):
         return _build_adam(kind, params, model_parameters, offload)

@@ -171,8 +171,11 @@ def _optimizer(given: Any, params: list[Any], cfg: EngineConfig) -> Any:
                        "of the model parameters")  # fmt: skip
     if cfg.optimizer is None:
         return None
+    from minispeed.engine.moe.groups import configure_moe_param_groups, holds_experts
     from minispeed.engine.optim import build_optimizer as by_name
 
+    if holds_experts(params):  # as DeepSpeed, for the optimizer it builds: experts' own groups
+        params = configure_moe_param_groups(params)
     return by_name(cfg.optimizer, params)
 
 
@@ -268,11 +271,26 @@ def shard_forward_only(
     None)`` over the data axis, the parameter shards alone in the config's dtype (Note [stage 3
     without an optimizer] in minispeed/engine/__init__.py). Collective over the data group."""
     # No optimizer state to offload: a training config's offload_optimizer is left out, as
-    # DeepSpeed's parameter-offload half of stage 3 leaves it (offload_param still applies).
-    zero_config = dataclasses.replace(cfg.zero, offload_optimizer=None)
+    # DeepSpeed's parameter-offload half of stage 3 leaves it (offload_param still applies);
+    # and no backward for hpZ's secondary copy or qgZ's gradients (Note [ZeRO++ without an
+    # optimizer] in zero's stage3/forward_only.py; qwZ still quantizes the gathers).
+    z = cfg.zero
+    left_out = [
+        (key, why)
+        for key, given, why in (
+            ("offload_optimizer", z.offload_optimizer is not None, "there is no optimizer state"),
+            ("zero_hpz_partition_size", z.hpz_partition_size > 1, "it serves backward's gathers"),
+            ("zero_quantized_gradients", z.quantized_gradients, "there are no gradients"),
+        )
+        if given
+    ]
+    zero_config = dataclasses.replace(
+        z, offload_optimizer=None, hpz_partition_size=1, quantized_gradients=False
+    )
     keys = ["zero_optimization.stage"]
     keys += [_precision_key(cfg)] if _precision_key(cfg) else []
     keys += ["zero_optimization.offload_param"] if zero_config.offload_param is not None else []
+    keys += ["zero_optimization.zero_quantized_weights"] if zero_config.quantized_weights else []
     parallel: dict[str, Any] = {}
     if grid is not None:
         parallel["group"] = grid.group("data")
@@ -288,8 +306,8 @@ def shard_forward_only(
             f"stage 3 without an optimizer over a data-parallel group of {data} ranks: parameter "
             f"shards in {_dtype(cfg.precision.param_dtype)} only (no fp32 masters, no gradients)"
         )
-        if cfg.zero.offload_optimizer is not None:
-            step.did("offload_optimizer left out: there is no optimizer state")
+        for key, why in left_out:
+            step.did(f"{key} left out: {why}")
         if zero_config.offload_param is not None:
             step.did(f"offload_param: {_offload_text(zero_config.offload_param)}")
         memory = zero.measure(shards, model)

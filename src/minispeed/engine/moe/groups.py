@@ -20,12 +20,20 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+import torch
+from torch import nn
+
 from minispeed.engine.moe.registry import expert_group_name, is_moe_param
 
 __all__ = [
+    "configure_moe_param_groups",
+    "has_moe_layers",
+    "holds_experts",
     "is_moe_param",
     "is_moe_param_group",
+    "split_params_grads_into_shared_and_expert_params",
     "split_params_into_different_moe_groups_for_optimizer",
+    "split_params_into_shared_and_expert_params",
 ]
 
 
@@ -87,3 +95,64 @@ def split_params_into_different_moe_groups_for_optimizer(
 def is_moe_param_group(param_group: dict[str, Any]) -> bool:
     """Whether an optimizer group holds expert parameters (DeepSpeed's helper)."""
     return param_group.get("moe", False)
+
+
+def configure_moe_param_groups(model_parameters: list[Any]) -> list[dict[str, Any]]:
+    """Optimizer groups ready for expert parallelism, as `initialize` builds them from
+    `model_parameters`: a list of parameters becomes one group named `dense-params`, split;
+    a list of groups is split unless one already says `moe`, then returned as given."""
+    if not isinstance(model_parameters, list) or not model_parameters:
+        raise TypeError("configure_moe_param_groups: pass a non-empty list of parameters or groups")
+    for p in model_parameters:
+        if not isinstance(p, (torch.Tensor, dict)):
+            raise TypeError(
+                "configure_moe_param_groups: each entry must be a parameter or a parameter group "
+                f"(dict), got {type(p).__name__}"
+            )
+    if isinstance(model_parameters[0], torch.Tensor):
+        group = {"params": model_parameters, "name": "dense-params"}
+        return split_params_into_different_moe_groups_for_optimizer(group)
+    if any("moe" in group for group in model_parameters):
+        return model_parameters
+    return split_params_into_different_moe_groups_for_optimizer(model_parameters)
+
+
+def holds_experts(model_parameters: list[Any]) -> bool:
+    """Whether a list of parameters or of parameter groups holds an expert's parameter. A
+    group's `params` given as an iterator becomes a list (as torch's optimizers make it), so
+    reading it here does not consume it."""
+    for entry in model_parameters:
+        if isinstance(entry, dict) and not isinstance(entry.get("params"), list | tuple):
+            one = isinstance(entry.get("params"), torch.Tensor)
+            entry["params"] = [entry["params"]] if one else list(entry.get("params", ()))
+    return any(
+        is_moe_param(p)
+        for entry in model_parameters
+        for p in (entry["params"] if isinstance(entry, dict) else [entry])
+    )
+
+
+def has_moe_layers(model: nn.Module) -> tuple[bool, int]:
+    """Whether `model` holds a `MoE` layer, and the first one's number of experts (0 if none)."""
+    from minispeed.engine.moe.layer import MoE
+
+    layer = next((m for m in model.modules() if isinstance(m, MoE)), None)
+    return (layer is not None, layer.num_experts if layer is not None else 0)
+
+
+def split_params_into_shared_and_expert_params(
+    params: list[nn.Parameter],
+) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """`params` as (the ones every rank holds, the experts'), each in the given order."""
+    shared = [p for p in params if not is_moe_param(p)]
+    return shared, [p for p in params if is_moe_param(p)]
+
+
+def split_params_grads_into_shared_and_expert_params(
+    group: list[nn.Parameter],
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The gradients of `group`'s parameters that have one, in each parameter's dtype, as
+    (shared, expert): the two norms clipping takes separately."""
+    with_grad = [p for p in group if p.grad is not None]
+    shared, expert = split_params_into_shared_and_expert_params(with_grad)
+    return [p.grad.to(p.dtype) for p in shared], [p.grad.to(p.dtype) for p in expert]

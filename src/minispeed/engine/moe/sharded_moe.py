@@ -36,6 +36,7 @@ import torch
 
 import minispeed.comm as comm
 import minispeed.moe as moe
+from minispeed.engine.missing import decline
 from minispeed.engine.moe.layer import deepspeed_rules, keep_as_deepspeed_top1
 from minispeed.moe.dispatch_einsum import combine_weights, dispatch_mask
 
@@ -179,8 +180,8 @@ _MODULES = {
 
 def __getattr__(name: str) -> Any:
     if name in _MODULES:
-        raise ImportError(
+        decline(
             f"deepspeed.moe.sharded_moe.{name} is not provided by minispeed; use {_MODULES[name]}",
-            name=name,
+            name,
         )
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

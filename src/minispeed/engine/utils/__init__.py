@@ -19,6 +19,7 @@ marks stage-3 leaves (`z3_leaf_module.py`), `OnDevice` builds modules on a devic
 
 from __future__ import annotations
 
+from minispeed.engine.missing import NotProvided, decline
 from minispeed.engine.utils import groups, logging, tensor_fragment, zero_to_fp32
 from minispeed.engine.utils.init_on_device import OnDevice
 from minispeed.engine.utils.logging import log_dist, logger
@@ -46,5 +47,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    # The safe_* names minispeed does not provide raise an ImportError naming what to use.
-    return getattr(tensor_fragment, name)
+    # The safe_* names minispeed does not provide are declined naming what to use.
+    try:
+        return getattr(tensor_fragment, name)
+    except NotProvided as declined:
+        decline(str(declined), name)

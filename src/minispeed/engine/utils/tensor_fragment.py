@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import torch
 
+from minispeed.engine.missing import decline
 from minispeed.zero import full_values as _fv
 
 safe_get_full_fp32_param = _fv.full_fp32_param
@@ -67,10 +68,10 @@ _INSTEAD = "set whole values with safe_set_full_fp32_param (every rank, the same
 
 def __getattr__(name: str) -> object:
     if name in _NOT_PROVIDED:
-        raise ImportError(
+        decline(
             f"deepspeed.utils.{name} is not provided by minispeed ({_NOT_PROVIDED[name]}); "
             f"{_INSTEAD}",
-            name=name,
+            name,
         )
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

@@ -69,7 +69,10 @@ class FlopsProfilerConfig(Section):
 
 
 class StepProfiler:
-    """Profiles the configured step of a training loop and reports it (config `output_file`)."""
+    """Profiles the configured step of a training loop and reports it (config `output_file`):
+    the model's forward, as DeepSpeed's engine profile, not the loop's own forward-phase work
+    (the optimizer's step, ZeRO's gradient bookkeeping: Note [the model's forward] in
+    `flops_profiler.py`), and the whole backward."""
 
     def __init__(
         self,
@@ -88,7 +91,10 @@ class StepProfiler:
         if not self.config.enabled or step != self.config.profile_step:
             yield
             return
-        with FlopsProfiler(self.model, peak_flops_per_s=self.peak_flops_per_s) as prof:
+        prof = FlopsProfiler(
+            self.model, peak_flops_per_s=self.peak_flops_per_s, outside_forward=False
+        )
+        with prof:
             yield
         self.profile = prof.result()
         self._report(self.profile)

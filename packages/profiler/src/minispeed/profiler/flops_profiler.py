@@ -33,6 +33,16 @@ Phases: an operator run by autograd's engine is **backward**; one run by a forwa
 re-executes inside a backward (activation checkpointing) is **recompute**, counted in backward
 too and also on its own. Everything else is **forward**.
 
+Note [the model's forward]: a training step runs forward-phase work that is no module's: the
+optimizer's step and its gradient clipping, ZeRO's gradient bookkeeping once backward has ended
+(a model whose gradients fit in one bucket has its `param.grad` copied into the bucket then),
+the loss scaling, a pipeline's loss. DeepSpeed's engine profile counts the model's forward only
+(it starts counting before the module's forward and stops after it), so `StepProfiler` builds
+its profiler with `outside_forward=False`: a forward-phase operator runs uncounted (not priced,
+not listed) unless a module of the model is running. One test of where the operator runs, so no
+caller has to pause the profiler around its own work; the backward (everything autograd runs) is
+counted whole.
+
 Cost of profiling: one Python call per operator (the mode), two hooks per module call (each
 walking the autograd nodes made since the last one) and two per autograd node in backward;
 `benchmarks/profiler_overhead.py` measures it against the same step unprofiled.
@@ -52,7 +62,14 @@ from minispeed.core.accelerator import get_accelerator
 from minispeed.core.files import atomic_write
 from minispeed.profiler.formulas import Cost
 from minispeed.profiler.ops import matmul_shape, op_cost
-from minispeed.profiler.report import ModuleProfile, Profile, number_to_string
+from minispeed.profiler.report import (
+    ModuleProfile,
+    Profile,
+    duration_to_string,
+    macs_to_string,
+    number_to_string,
+    params_to_string,
+)
 from minispeed.profiler.tracker import ModuleTracker, in_backward
 
 __all__ = ["FlopsProfiler", "ProfilerState"]
@@ -87,6 +104,8 @@ class _CountingMode(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if not self.profiler.counting_now():  # the loop's own work (Note [the model's forward])
+            return out
         try:
             cost = op_cost(func, args, kwargs, out)
         except Exception as exc:  # a formula that cannot read these arguments: list, don't crash
@@ -114,6 +133,11 @@ class FlopsProfiler:
             `"calibrated"` for the best matmul rate `python -m minispeed.profiler calibrate`
             measured (`perf_model.Machine.load()`; the error says to run it when missing);
             None leaves the fraction out.
+        outside_forward: count the forward-phase work outside every module of `model` (a loss
+            computed by the caller, an optimizer step run inside the block) in the forward
+            total, as the "(outside modules)" row. False counts only the model's own forward,
+            as DeepSpeed's engine profile does (what `StepProfiler` asks for: Note [the
+            model's forward]); the backward is counted whole either way.
     """
 
     def __init__(
@@ -122,6 +146,7 @@ class FlopsProfiler:
         *,
         count_ops: bool = True,
         peak_flops_per_s: float | str | None = None,
+        outside_forward: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"FlopsProfiler profiles an nn.Module, got {type(model).__name__}")
@@ -139,6 +164,7 @@ class FlopsProfiler:
         self.model = model
         self._ignore: tuple[type, ...] = ()
         self.count_ops = count_ops
+        self.outside_forward = outside_forward
         self.peak_flops_per_s = peak_flops_per_s
         self._sync = get_accelerator().synchronize
         self.state = ProfilerState.IDLE
@@ -151,6 +177,12 @@ class FlopsProfiler:
             import torch._dynamo  # noqa: F401
 
     # ---- counting ----------------------------------------------------------------------------
+    def counting_now(self) -> bool:
+        """Whether the operator running now is counted: always, unless `outside_forward` is
+        False and it runs in forward outside every module of the model (Note [the model's
+        forward])."""
+        return self.outside_forward or bool(self.tracker.stack) or in_backward()
+
     def on_op(self, op_name: str, cost: Cost, args: tuple = ()) -> None:
         """Credit one priced operator (called with `args`) to the current phase and to every
         module owning it (Note [backward belongs to the node's creator])."""
@@ -257,19 +289,19 @@ class FlopsProfiler:
     def get_total_macs(self, as_string: bool = False) -> int | str:
         """The model's forward MACs (DeepSpeed's `get_total_macs`)."""
         macs = self.result().root.forward.macs
-        return number_to_string(macs) + "MACs" if as_string else macs
+        return macs_to_string(macs) if as_string else macs
 
     def get_total_duration(self, as_string: bool = False) -> float | str:
         """The model's forward latency in seconds, summed over calls (DeepSpeed's
         `get_total_duration`)."""
         seconds = self.result().root.forward_s
-        return number_to_string(seconds) + "s" if as_string else seconds
+        return duration_to_string(seconds) if as_string else seconds
 
     def get_total_params(self, as_string: bool = False) -> int | str:
         """The model's parameters held by this rank, tied ones once (DeepSpeed's
         `get_total_params`)."""
         params = sum({id(p): p.numel() for p in self.model.parameters()}.values())
-        return number_to_string(params).replace("G", "B").strip() if as_string else params
+        return params_to_string(params) if as_string else params
 
     def print_model_profile(
         self,

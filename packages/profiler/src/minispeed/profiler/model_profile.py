@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from minispeed.profiler.flops_profiler import FlopsProfiler
-from minispeed.profiler.report import number_to_string
+from minispeed.profiler.report import macs_to_string, number_to_string, params_to_string
 
 __all__ = ["get_model_profile"]
 
@@ -98,7 +98,7 @@ def get_model_profile(
     if as_string:
         return (
             number_to_string(flops),
-            number_to_string(macs) + "MACs",
-            number_to_string(params).replace("G", "B").strip(),
+            macs_to_string(macs),
+            params_to_string(params),
         )
     return flops, macs, params

@@ -22,7 +22,10 @@ g / p bytes per gradient / parameter element on the wire, `r = (N-1)/N`:
                                                    fixed cost per tensor (n parameter tensors:
                                                    every rank steps one fragment of each)
     T_hooks    = A · n · t_hook                    ZeRO's gradient hook, once per tensor and
-                                                   micro-step (copy into the bucket, bookkeeping)
+                                                   micro-step (copy into the bucket, bookkeeping);
+                                                   0 at stages 0-2 when the Ψ gradients fit in
+                                                   one bucket: no hook is registered then
+                                                   (`core.gradient_buckets.hooks_each_gradient`)
     T_units    = A · U · t_unit                    stage 3 only: the fixed cost of fetching and
                                                    releasing each of U modules with parameters
                                                    in forward and backward (module hooks, state
@@ -69,6 +72,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from minispeed.core.gradient_buckets import hooks_each_gradient
+
 __all__ = [
     "CALIBRATION_FILE",
     "LinkCost",
@@ -81,6 +86,8 @@ __all__ = [
 ]
 
 CALIBRATION_FILE = Path(os.path.expanduser("~/.cache/minispeed/profiler/calibration.json"))
+BUCKET_NUMEL = 500_000
+"""Elements per gradient bucket when the caller gives no `bucket_numel`."""
 
 
 @dataclass(frozen=True)
@@ -182,7 +189,7 @@ def stage_collectives(
     grad_bytes: int = 4,
     param_bytes: int = 4,
     micro_steps: int = 1,
-    bucket_numel: int = 500_000,
+    bucket_numel: int = BUCKET_NUMEL,
     gather_calls: int | None = None,
 ) -> list[Collective]:
     """The collectives of one optimizer step (the table of the module docstring), cut into
@@ -229,7 +236,8 @@ class StepPrediction:
     optimizer_s: float
     """AdamW on the parameters this rank owns, plus its fixed cost per parameter tensor."""
     hooks_s: float
-    """ZeRO's gradient hooks: one per parameter tensor per micro-step."""
+    """ZeRO's gradient hooks: one per parameter tensor per micro-step where zero registers them
+    (stage 3; stages 0-2 beyond one bucket)."""
     units_s: float
     """Stage 3: the fixed cost per module with parameters per micro-step (fetch, release)."""
     params_s: float
@@ -313,7 +321,10 @@ def predict_step(
     `adam_s_per_param` per parameter a rank owns (Ψ, or Ψ/N from stage 1), or, uncalibrated,
     moves `OPTIMIZER_BYTES_PER_PARAM` per parameter at the memory rate. `num_tensors`, the
     model's parameter tensors, adds AdamW's fixed cost per tensor (every rank steps one fragment
-    per tensor, empty or not, at every stage) and one gradient hook per tensor and micro-step.
+    per tensor, empty or not, at every stage) and one gradient hook per tensor and micro-step,
+    where minispeed.zero registers them: at stage 3, and at stages 0-2 only for gradients
+    spanning more than one bucket of `bucket_numel` (`hooks_each_gradient`, the rule zero's
+    reducer follows).
     At stage 3, `stage3_units` modules with parameters cost `stage3_unit_s` each per micro-step
     (minispeed.zero's fixed cost of fetching and releasing a module, measured by the caller on one
     rank: the profiler does not run zero).
@@ -343,10 +354,12 @@ def predict_step(
     if machine.adam_s_per_param is not None:
         optimizer = owned * machine.adam_s_per_param
     optimizer += num_tensors * machine.adam_s_per_tensor
+    a = collective_kwargs.get("micro_steps", 1)
+    bucket = collective_kwargs.get("bucket_numel", BUCKET_NUMEL)
+    hooked = num_tensors if stage == 3 or hooks_each_gradient(num_params, bucket) else 0
     params = unpack = 0.0
     if machine.dram_bytes_per_s:
         p, g = collective_kwargs.get("param_bytes", 4), collective_kwargs.get("grad_bytes", 4)
-        a = collective_kwargs.get("micro_steps", 1)
         params = a * (2 * p + g) * num_params / machine.dram_bytes_per_s
         if stage == 3 and world_size > 1:  # per pass: copy out (read + write), fresh buffer
             unpack = 2 * a * 3 * p * num_params / machine.dram_bytes_per_s
@@ -359,10 +372,8 @@ def predict_step(
         memory_s=memory,
         overhead_s=ops_per_step * machine.op_overhead_s,
         optimizer_s=optimizer,
-        hooks_s=collective_kwargs.get("micro_steps", 1) * num_tensors * machine.hook_s_per_grad,
-        units_s=collective_kwargs.get("micro_steps", 1) * stage3_units * stage3_unit_s
-        if stage == 3
-        else 0.0,
+        hooks_s=a * hooked * machine.hook_s_per_grad,
+        units_s=a * stage3_units * stage3_unit_s if stage == 3 else 0.0,
         params_s=params,
         unpack_s=unpack,
         comm_s=comm,

@@ -17,7 +17,17 @@ from rich.table import Table
 from minispeed.core.files import atomic_write_json
 from minispeed.profiler.formulas import Cost
 
-__all__ = ["ModuleProfile", "Profile", "human", "number_to_string"]
+__all__ = [
+    "ModuleProfile",
+    "Profile",
+    "bytes_to_string",
+    "duration_to_string",
+    "flops_to_string",
+    "human",
+    "macs_to_string",
+    "number_to_string",
+    "params_to_string",
+]
 
 
 def human(x: float, unit: str = "") -> str:
@@ -37,6 +47,33 @@ def number_to_string(num: float, units: str | None = None, precision: int = 2) -
     if units is None:
         units = next((u for u, f in _DS_UNITS.items() if num >= f or (u == "" and num == 0)), "u")
     return f"{round(num / _DS_UNITS.get(units, 1.0), precision):g} {units}"
+
+
+# DeepSpeed's other report strings, each `number_to_string` with its unit (its profiler's names).
+def flops_to_string(flops: float, units: str | None = None, precision: int = 2) -> str:
+    """`124564` -> `"124.56 KFLOPS"`."""
+    return f"{number_to_string(flops, units, precision)}FLOPS"
+
+
+def macs_to_string(macs: float, units: str | None = None, precision: int = 2) -> str:
+    """`124564` -> `"124.56 KMACs"`."""
+    return f"{number_to_string(macs, units, precision)}MACs"
+
+
+def bytes_to_string(b: float, units: str | None = None, precision: int = 2) -> str:
+    """`2048` -> `"2.05 KB"` (powers of 1000, as DeepSpeed's)."""
+    return f"{number_to_string(b, units, precision)}B"
+
+
+def duration_to_string(seconds: float, units: str | None = None, precision: int = 2) -> str:
+    """`0.0123` -> `"12.3 ms"`."""
+    return f"{number_to_string(seconds, units, precision)}s"
+
+
+def params_to_string(params: float, units: str | None = None, precision: int = 2) -> str:
+    """`1.5e9` -> `"1.5 B"`: billions are `B`, not `G`."""
+    units = units.replace("B", "G") if units else units
+    return number_to_string(params, units, precision).replace("G", "B").strip()
 
 
 @dataclass

@@ -54,18 +54,19 @@ are launched by `backward_done` with zeros for the missing parameters, again in 
 
 Note [a model in one bucket has no gradient hooks]
 When all the managed gradients together fit in one bucket's elements (`ZeroConfig.bucket_numel`,
-summed over the param groups' layouts), there is no communication to overlap with backward: the
-hooks would launch the bucket(s) at the last gradient anyway, just before backward ends. So no
-hook is registered. Autograd leaves each gradient in `param.grad` as plain PyTorch does, and
-`backward_done` collects them (`_collect`): a parameter whose `.grad` is set got a gradient in
-this backward (the used mark), the gradients are written into their slots in two foreach
-dispatches (copy then ×1/N on a window's first micro-step, `add_(alpha=1/N)` after: the products
-and sums of the hook's `torch.mul` / `add_`, bit for bit) and `param.grad` is freed, then the
-buckets launch in order as before. Per gradient that is a loop iteration instead of a hook call
-from autograd's C++ and five Python calls with one dispatch each: at 30K parameters (29
-gradients, a micro-step of ~3.5 ms of CPU) the engine's ZeRO-0 step went from 1.13× PyTorch
-DDP's CPU time to 1.03× (medians of nine alternating runs; DDP's reducer is C++:
-docs/benchmarks.md). The cost: the gradients stay in `param.grad` until backward
+summed over the param groups' layouts; the rule is `core.gradient_buckets.hooks_each_gradient`,
+which the profiler's step-time model prices the hooks by), there is no communication to overlap
+with backward: the hooks would launch the bucket(s) at the last gradient anyway, just before
+backward ends. So no hook is registered. Autograd leaves each gradient in `param.grad` as plain
+PyTorch does, and `backward_done` collects them (`_collect`): a parameter whose `.grad` is set got
+a gradient in this backward (the used mark), the gradients are written into their slots in two
+foreach dispatches (copy then ×1/N on a window's first micro-step, `add_(alpha=1/N)` after: the
+products and sums of the hook's `torch.mul` / `add_`, bit for bit) and `param.grad` is freed, then
+the buckets launch in order as before. Per gradient that is a loop iteration instead of a hook call
+from autograd's C++ and five Python calls with one dispatch each: at 30K parameters (29 gradients,
+a micro-step of ~3.5 ms of CPU) the engine's ZeRO-0 step went from 1.13× PyTorch DDP's CPU time to
+1.03× (medians of nine alternating runs; DDP's reducer is C++: docs/benchmarks.md). The cost: the
+gradients stay in `param.grad` until backward
 ends, at most one bucket's elements in the parameters' dtype more at the peak (DDP keeps a full
 second copy too), and a parameter used twice in one backward (reentrant checkpointing) has its two
 gradients summed by autograd, as in plain PyTorch, where the hooks refuse it. A gradient already
@@ -101,6 +102,7 @@ from torch import nn
 import minispeed.comm as comm
 from minispeed.comm.buckets import InFlight, LaunchQueue
 from minispeed.core import ranges
+from minispeed.core.gradient_buckets import hooks_each_gradient
 from minispeed.zero.config import ZeroConfig
 from minispeed.zero.contract import weak_hook
 from minispeed.zero.flat import Bucket, FlatLayout
@@ -198,7 +200,8 @@ class _BucketedGrads:
             if p.requires_grad
         ]
         # See Note [a model in one bucket has no gradient hooks].
-        one_bucket = sum(lay.numel for lay in layouts) <= config.bucket_numel(grad_dtype.itemsize)
+        numel = sum(lay.numel for lay in layouts)
+        one_bucket = not hooks_each_gradient(numel, config.bucket_numel(grad_dtype.itemsize))
         self._collected = managed if one_bucket else []
         self._handles = [
             p.register_post_accumulate_grad_hook(weak_hook(self._on_grad, g, i, k))

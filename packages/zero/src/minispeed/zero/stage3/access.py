@@ -139,17 +139,22 @@ def unguard_module(module: nn.Module) -> None:
 
 
 # -- state_dict / load_state_dict ------------------------------------------------------------------
-def _released_param(module: nn.Module) -> str | None:
-    """The name of one of ``module``'s own stage-3 parameters that is not gathered, if any."""
+def _released_param(module: nn.Module, loaded: Any = None, prefix: str = "") -> str | None:
+    """The name of one of ``module``'s own stage-3 parameters that is not gathered, if any;
+    with ``loaded`` (a state dict), only among those it holds a value for (``prefix + name``):
+    torch's load leaves the others alone, so a state dict holding part of a module's
+    parameters (transformers loads a checkpoint group by group) needs only that part gathered."""
     for name, p in dict.items(module._parameters):
         sp = REGISTRY.get(p) if p is not None else None
+        if loaded is not None and prefix + name not in loaded:
+            continue
         if sp is not None and sp.state is not ParamState.GATHERED:
             return sp.name or name
     return None
 
 
 def _refuse_load_state_dict(module: nn.Module, state_dict: Any, prefix: str, *rest: Any) -> None:
-    name = _released_param(module)
+    name = _released_param(module, state_dict, prefix)
     if name is not None:
         raise not_gathered_error(
             name,

@@ -65,6 +65,19 @@ __all__ = ["ForwardOnly", "check_forward_only", "model_precision"]
 # alone (``torch.autograd.grad(out, inputs)``) run as under training: stage 3 gathers each
 # module again for its backward.
 
+# Note [ZeRO++ without an optimizer]
+# Of ZeRO++'s three, only qwZ acts on a forward: each gather sends int8 blocks of the shards
+# (about 4x fewer bytes than fp32), so a forward-only model computes with the dequantized
+# weights, within max|block|/254 of the true ones per element (stage3/zeropp.py), exactly as
+# a training forward under qwZ does. hpZ allocates a secondary shard of every non-persistent
+# parameter at shard() ((N/k)·s·p bytes per rank each, N/k times the primary shard) and
+# writes it at each forward gather, for backward's node-local gather only; qgZ changes how
+# gradients are reduced. Without an optimizer neither can do anything but cost, so both are
+# refused here, naming the key; the engine leaves them out of a training config used for
+# inference, as it leaves out offload_optimizer (steps.shard_forward_only). MiCS (its shard
+# group gathers, its replicas hold copies) and a tensor-parallel grid (the data group of the
+# grid, each rank sharding its own tensor slice) run as under training.
+
 
 class ForwardOnly(Detachable):
     """What ``zero.shard(model, None, config)`` returns: stage 3's shards, no optimizer side.
@@ -167,7 +180,8 @@ def model_precision(model: nn.Module) -> MixedPrecision:
 
 
 def check_forward_only(config: ZeroConfig, **refused: Any) -> None:
-    """`shard(model, None, ...)`: stage 3, and nothing that only an optimizer would use."""
+    """`shard(model, None, ...)`: stage 3, and nothing that only an optimizer (or a backward)
+    would use: offload_optimizer, hpZ, qgZ (Note [ZeRO++ without an optimizer])."""
     if config.stage != 3:
         raise ValueError(
             f"zero.shard(model, None) needs stage 3 (got {config.stage}): without an optimizer "
@@ -178,6 +192,21 @@ def check_forward_only(config: ZeroConfig, **refused: Any) -> None:
         raise ValueError(
             "zero.shard(model, None) has no optimizer state for offload_optimizer to move: "
             "remove it (offload_param still moves the parameter shards), or pass an optimizer"
+        )
+    # Note [ZeRO++ without an optimizer]
+    if config.hpz_partition_size > 1:
+        raise ValueError(
+            f"zero.shard(model, None) with hpz_partition_size={config.hpz_partition_size}: hpZ "
+            f"keeps a secondary copy of every sharded parameter, N/k times a shard per rank, for "
+            f"backward's gathers alone, and forward only runs no backward, so the copy would be "
+            f"memory spent for nothing; set hpz_partition_size (zero_hpz_partition_size) to 1 "
+            f"(quantized_weights still shrinks the forward's gathers), or pass an optimizer"
+        )
+    if config.quantized_gradients:
+        raise ValueError(
+            "zero.shard(model, None) with quantized_gradients: qgZ quantizes the reduction of "
+            "gradients, and forward only has none; set quantized_gradients "
+            "(zero_quantized_gradients) to false, or pass an optimizer"
         )
     for name, value in refused.items():
         if value is not None:

@@ -267,7 +267,7 @@ class GatheredParameters:
         self.enabled = enabled
         seen: dict[ShardedParam, None] = {}
         for p in params:
-            sp = REGISTRY.get(p)
+            sp = REGISTRY.get(p) if p is not None else None  # None: a module's absent bias
             if sp is not None:
                 seen[sp] = None
         self.sharded = list(seen)
