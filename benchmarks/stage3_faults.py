@@ -30,7 +30,6 @@ import contextlib
 import ctypes
 import os
 import resource
-import socket
 import sys
 import time
 import traceback
@@ -38,7 +37,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +45,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from zerobench.contenders import SIZES, build  # noqa: E402
 from zerobench.heap import _MallInfo2  # noqa: E402
+from zerobench.ranks import run_ranks  # noqa: E402
 from zerobench.rounds import global_batches  # noqa: E402
 
 RUSAGE_THREAD = 1  # Linux: the calling thread only
@@ -167,17 +166,7 @@ def main() -> None:
         setattr(args, key, value)
     args.seed, args.persistence_threshold, args.reduce_bucket_numel = 0, 0, 0
     args.prefetch_numel, args.overlap_comm, args.mics_shard_size = 0, "default", 0
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, args, queue)) for r in range(2)]
-    for pr in procs:
-        pr.start()
-    results = dict(queue.get() for _ in procs)
-    for pr in procs:
-        pr.join()
+    results = run_ranks(_worker, 2, args)
     for name in args.contender:
         for rank in (0, 1):
             r = results[rank][name]
