@@ -8,13 +8,16 @@ model is written once with `save_pretrained` (random weights from a fixed seed) 
 - `T5ForConditionalGeneration`: encoder-decoder, the token embedding shared by encoder, decoder
   and head (one parameter used three times per step), grown by `resize_token_embeddings` after
   loading, as when a tokenizer gains tokens (the new rows drawn around the old rows' mean,
-  inside `zero.GatheredParameters`);
+  inside `zero.GatheredParameters`); trained by the `Seq2SeqTrainer`, whose `predict` with
+  `predict_with_generate` runs `generate` (beam search, 2 beams) under ZeRO-3, the encoder
+  called alone;
 - `BertForMaskedLM`: masked-LM head whose decoder weight is tied to the word embedding;
 - `MixtralForCausalLM`: top-2 mixture of experts whose experts are fused 3-D parameters
   (transformers 5 loads them group by group, a module's parameters in separate state dicts),
   with the router's auxiliary loss.
 
-Per family: the loss the Trainer logs at each of 4 optimizer steps and `evaluate()`'s loss. The
+Per family: the loss the Trainer logs at each of 4 optimizer steps and `evaluate()`'s loss (for
+T5 also the generated tokens of `predict`). The
 accelerate state is started as in `record_ds_trainer.py` (gloo on a CPU-only host).
 
 Recorded on DeepSpeed 0.19.8, 2 gloo processes on the CPU:
@@ -110,7 +113,12 @@ def one_family(family, scratch):
     dist.barrier()
     AcceleratorState._reset_state()
     GradientState._reset_state()
-    args = hf.TrainingArguments(
+    seq2seq = family == "t5"
+    generation = {"predict_with_generate": True, "generation_max_length": 8} if seq2seq else {}
+    if seq2seq:
+        generation["generation_num_beams"] = 2
+    arguments = hf.Seq2SeqTrainingArguments if seq2seq else hf.TrainingArguments
+    args = arguments(
         output_dir=str(scratch / f"{family}-out"),
         deepspeed=DS_CONFIG,
         per_device_train_batch_size=2,
@@ -125,18 +133,22 @@ def one_family(family, scratch):
         report_to=[],
         disable_tqdm=True,
         accelerator_config={"use_configured_state": True},
+        **generation,
     )
     model = cls.from_pretrained(init)  # under ZeRO-3: built partitioned, loaded into the shards
     if family == "t5":
         model.resize_token_embeddings(VOCAB + 8)
-    trainer = hf.Trainer(
+    trainer = (hf.Seq2SeqTrainer if seq2seq else hf.Trainer)(
         model=model, args=args, train_dataset=rows(family, 16, 1), eval_dataset=rows(family, 8, 2)
     )
     trainer.train()
-    return {
+    result = {
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
         "eval_loss": trainer.evaluate()["eval_loss"],
     }
+    if seq2seq:
+        result["generated"] = trainer.predict(rows(family, 5, 3)).predictions.tolist()
+    return result
 
 
 def main(scratch):

@@ -9,7 +9,8 @@ runs two recorders unchanged, one after the other in the same processes:
   at ZeRO-2 and ZeRO-3, offload none and cpu: per-step losses, learning rates and gradient
   norms, `evaluate()`, `save_model()` reloaded in a plain process, and a second Trainer resumed
   from the step-3 checkpoint;
-- `scripts/record_ds_hf_families.py`: T5 (one embedding shared three ways), BERT's masked-LM
+- `scripts/record_ds_hf_families.py`: T5 (one embedding shared three ways, its vocabulary grown,
+  the `Seq2SeqTrainer`'s `predict_with_generate`: beam search under ZeRO-3), BERT's masked-LM
   head (tied decoder) and Mixtral (fused 3-D experts, loaded group by group) through the Trainer
   at ZeRO-3, each loaded with `from_pretrained` into the shards: per-step losses and
   `evaluate()`;
@@ -89,3 +90,4 @@ def test_model_families_load_partitioned_and_train_as_deepspeed(runs: list[dict]
         ours, theirs = mine["record_ds_hf_families.py"][family], ref[family]
         assert ours["losses"] == pytest.approx(theirs["losses"], rel=REL), (rank, family)
         assert ours["eval_loss"] == pytest.approx(theirs["eval_loss"], rel=REL), (rank, family)
+        assert ours.get("generated") == theirs.get("generated"), (rank, family)  # T5's beams

@@ -178,3 +178,56 @@ def test_released_parameters_answer_or_raise() -> None:
         assert res["closed"]["values"] == res["shard"]["gathered"]
         stale, plain = res["stale"]
         assert abs(stale - plain) <= 1e-6 * abs(plain), res["stale"]
+
+
+class FeedForward(nn.Module):
+    """Parameter-less, as T5's: checks its output layer's dtype before calling it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(WIDTH, 2 * WIDTH)
+        self.out = nn.Linear(2 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        if h.dtype != self.out.weight.dtype:  # metadata of a released parameter
+            h = h.to(self.out.weight.dtype)
+        return self.out(h)
+
+
+class EncoderDecoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(FeedForward(), FeedForward())
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x)).pow(2).mean()
+
+
+def _encoder_alone(rank: int, world_size: int) -> dict:
+    """`generate` runs an encoder-decoder's encoder alone, outside the root's forward."""
+    x = torch.randn(3, WIDTH, generator=torch.Generator().manual_seed(2))
+    torch.manual_seed(0)
+    plain = EncoderDecoder()
+    torch.manual_seed(0)
+    model = EncoderDecoder()
+    cfg = zero.ZeroConfig(stage=3, stage3_param_persistence_threshold_numel=0)
+    zero.shard(model, torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
+    with torch.no_grad():
+        alone = model.encoder(x)
+        direct = _error(lambda: model.encoder[0].out.forward(x.repeat(1, 2)))
+        return dict(
+            equal=torch.equal(alone, plain.encoder(x)),
+            released=model.encoder[0].out.weight.data.numel() == 0,
+            direct=direct,
+        )
+
+
+def test_a_submodule_run_alone_may_read_a_childs_metadata() -> None:
+    """A parameter-less module run outside the model's forward reads a child's dtype (released:
+    the answer is the full parameter's) and then calls the child, which gathers it; a value
+    read from a forward the hooks did not start names that forward."""
+    for res in run_distributed(_encoder_alone, world_size=2, timeout_s=120):
+        assert res["equal"] and res["released"]
+        assert "by linear() inside Linear.forward, which ran without the stage-3" in res["direct"]

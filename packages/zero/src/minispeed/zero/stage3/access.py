@@ -12,11 +12,13 @@ intercept every use of a tensor, so we guard the paths a user actually takes:
      module, which keeps it as an *external* parameter from then on (a tied weight read by another
      module, ``nn.MultiheadAttention`` reading ``self.out_proj.weight`` without calling
      ``out_proj``). See ``FetchCoordinator.demand_fetch``;
-   - from inside some module's ``forward`` that our hooks did not start (``module.forward(x)``
-     instead of ``module(x)``, a parameter-less wrapper reading another module's weight outside
-     the model's forward): raises `ParameterNotGatheredError` naming GatheredParameters;
-   - anywhere else: returns the parameter object. That is how user code names parameters for
-     ``GatheredParameters(model.head.weight, ...)``, so it must not fail.
+   - anywhere else: returns the parameter object, released: its shape, dtype and device answer
+     as the full parameter's and any use of its values raises (point 5). That is how user code
+     names parameters for ``GatheredParameters(model.head.weight, ...)``, and how a
+     parameter-less module run outside the model's forward checks a child's dtype before calling
+     it (T5's feed-forward block does, when ``generate`` runs the encoder alone): neither may
+     fail. A value read from inside a ``forward`` our hooks did not start (``module.forward(x)``
+     instead of ``module(x)``) raises `ParameterNotGatheredError` naming that forward.
 
 2. **Reads and writes during ``zero.Init``** (``nn.init.normal_(self.block.weight)`` after the
    block was partitioned, e.g. ``self.apply(init_fn)`` or Hugging Face's ``post_init`` at the end
@@ -191,13 +193,6 @@ def check_access(param: nn.Parameter, attr: str, owner: str) -> None:
     coordinator = sp.coordinator
     if coordinator is not None and coordinator.in_forward:
         coordinator.demand_fetch(sp, sp.name or f"{owner}.{attr}")
-        return
-    forward_of = _unhooked_forward_caller()
-    if forward_of is not None:
-        raise not_gathered_error(
-            sp.name or f"{owner}.{attr}",
-            f"inside {forward_of}.forward, which ran without the stage-3 hooks",
-        )
 
 
 def full_value(param: nn.Parameter) -> torch.Tensor:
@@ -226,11 +221,23 @@ def not_gathered_error(
     )
 
 
-_SKIP_FILES = (os.path.abspath(__file__), os.path.abspath(nn.modules.module.__file__))
+# Frames between a module's forward and the guard that sees its read: ours, torch's module call,
+# and torch's dispatch of a function or method to ``__torch_function__``.
+_SKIP_FILES = frozenset(
+    os.path.abspath(f)
+    for f in (
+        __file__,
+        os.path.join(os.path.dirname(__file__), "released.py"),
+        nn.modules.module.__file__,
+        torch.overrides.__file__,
+        torch._tensor.__file__,
+        torch.nn.functional.__file__,
+    )
+)
 
 
-def _unhooked_forward_caller() -> str | None:
-    """The class name of the module whose ``forward`` made this attribute read, if any."""
+def unhooked_forward_caller() -> str | None:
+    """The class name of the module whose ``forward`` made this read, if any."""
     frame = sys._getframe(1)
     while frame is not None and os.path.abspath(frame.f_code.co_filename) in _SKIP_FILES:
         frame = frame.f_back

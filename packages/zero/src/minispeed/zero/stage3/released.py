@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from minispeed.zero.stage3.access import not_gathered_error
+from minispeed.zero.stage3.access import not_gathered_error, unhooked_forward_caller
 from minispeed.zero.stage3.params import ParamState, ShardedParam
 
 __all__ = ["guard_param", "is_guarded", "needs_values", "released_among", "unguard_param"]
@@ -216,10 +216,15 @@ def _torch_function(cls: type, func: Any, types: Any, args: tuple = (), kwargs: 
                 return answer
             coordinator = sp.coordinator
             if coordinator is None or not coordinator.in_forward:
+                forward_of = unhooked_forward_caller()
                 raise not_gathered_error(
                     sp.name or "?",
-                    f"by {name.removesuffix('__get')}() outside a forward pass and "
-                    f"GatheredParameters",
+                    f"by {name.removesuffix('__get')}() "
+                    + (
+                        f"inside {forward_of}.forward, which ran without the stage-3 hooks"
+                        if forward_of is not None
+                        else "outside a forward pass and GatheredParameters"
+                    ),
                 )
             for other in released_among(args, kwargs):  # torch.cat([p, q]): fetch both
                 coordinator.demand_fetch(other, other.name or "?")
