@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -32,13 +31,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 from data import CharDataset  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
+from zerobench.ranks import run_ranks  # noqa: E402
 
 # (n_layer, n_head, n_embd, block_size, micro_batch): zero_vs_torch.py's presets
 SIZES = {"small": (4, 4, 256, 64, 8), "large": (8, 8, 592, 256, 4)}
@@ -167,26 +166,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--calls", type=int, default=200_000, help="guard calls timed for the price")
     args = p.parse_args()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, args, queue)) for r in range(2)]
-    for pr in procs:
-        pr.start()
-    results: dict[int, Any] = {}
-    while len(results) < len(procs):
-        try:
-            rank, res = queue.get(timeout=5)
-            results[rank] = res
-        except Exception:  # queue.Empty: stop if a rank died
-            if any(pr.exitcode not in (None, 0) for pr in procs):
-                for pr in procs:
-                    pr.kill()
-                raise SystemExit("a benchmark rank failed; see its traceback above") from None
-    for pr in procs:
-        pr.join()
+    results = run_ranks(_worker, 2, args)
     r0 = results[0]
     on, off = r0["times"][True], r0["times"][False]
     ratios = [a / b for a, b in zip(on, off, strict=True)]

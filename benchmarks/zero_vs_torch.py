@@ -89,14 +89,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -111,6 +109,7 @@ from zerobench.contenders import (  # noqa: E402
 )
 from zerobench.heap import peak_memory  # noqa: E402
 from zerobench.limit import LIMITS  # noqa: E402
+from zerobench.ranks import run_ranks  # noqa: E402
 from zerobench.report import report  # noqa: E402
 from zerobench.rounds import profile_steps, time_contenders  # noqa: E402
 
@@ -143,12 +142,6 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -
     queue.put((rank, result))
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -245,32 +238,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             p.error(f"unknown contender {n!r}; choose from {known}")
     if not args.contenders:
         args.contenders = known
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, args.world_size, port, args, queue))
-        for r in range(args.world_size)
-    ]
-    for pr in procs:
-        pr.start()
-    results: dict[int, dict] = {}
-    while len(results) < len(procs):
-        try:
-            rank, res = queue.get(timeout=5)
-            results[rank] = res
-        except Exception:  # queue.Empty: check that nobody died
-            dead = [r for r, pr in enumerate(procs) if pr.exitcode not in (None, 0)]
-            if dead:
-                for pr in procs:
-                    pr.kill()
-                raise SystemExit(
-                    f"benchmark rank(s) {dead} failed; see their tracebacks above"
-                ) from None
-    for pr in procs:
-        pr.join()
-        if pr.exitcode != 0:
-            raise SystemExit(f"a benchmark process exited with code {pr.exitcode}")
+    results = run_ranks(_worker, args.world_size, args)
     summary = report(results, args)
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))

@@ -1,1 +1,2 @@
-"""`zero_vs_torch.py` split by concern: contenders, timing rounds, heap peaks, report."""
+"""`zero_vs_torch.py` split by concern: contenders, timing rounds, heap peaks, report, and the
+worker processes (`ranks`, shared with the other ZeRO benchmarks)."""

@@ -133,6 +133,23 @@ def _adamw(params) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
 
 
+#: The gradient of every element AdamW steps without a model behind it (the floor; stage 0's
+#: limit). Any normal nonzero value: AdamW's time depends on the values after all. With zero
+#: gradients ``exp_avg_sq`` stays 0, and ``sqrt`` of zeros took 3.0 ms per 700K elements on this
+#: machine against 0.22 ms for real values: the floor's step was ~75 ms too slow at 33.9M
+#: parameters (docs/benchmarks.md, "Stage 3's page faults").
+STAND_IN_GRAD = 1e-3
+
+
+def stepped_leaves(numels: list[int]) -> list[torch.Tensor]:
+    """One fp32 leaf per size (sizes of 0 left out), each with a gradient of `STAND_IN_GRAD`s:
+    what AdamW steps in place of a ZeRO stage's shards."""
+    leaves = [torch.zeros(n, requires_grad=True) for n in numels if n]
+    for leaf in leaves:
+        leaf.grad = torch.full_like(leaf, STAND_IN_GRAD)
+    return leaves
+
+
 #: torch DDP's default bucket (`bucket_cap_mb=25`) in fp32 elements: what stages 0 and 1 are
 #: compared against (ZeroRedundancyOptimizer reduces gradients through DDP's buckets too).
 DDP_BUCKET_NUMEL = 25 * 2**20 // 4
@@ -229,15 +246,11 @@ def build(name: str, args: argparse.Namespace, vocab: int) -> Trainer:
         # bookkeeping: forward and backward on this rank's micro-batch, then AdamW over this
         # rank's 1/N of every parameter (one tensor per parameter, as ZeRO's masters are: one
         # flat tensor would make torch's AdamW allocate model-sized temporaries, which cost
-        # fresh pages every step; gradients are zero buffers, as the arithmetic does not depend
-        # on the values). No data-parallel system that keeps the same model, batch and
-        # optimizer can beat it on this machine, so it bounds every ratio.
+        # fresh pages every step; gradients are stand-ins: `stepped_leaves`). No data-parallel
+        # system that keeps the same model, batch and optimizer can beat it on this machine, so
+        # it bounds every ratio.
         world = dist.get_world_size()
-        shards = [
-            torch.zeros(-(-p.numel() // world), requires_grad=True) for p in model.parameters()
-        ]
-        for shard in shards:
-            shard.grad = torch.zeros_like(shard)
+        shards = stepped_leaves([-(-p.numel() // world) for p in model.parameters()])
         floor_opt = _adamw(shards)
 
         def floor_step() -> None:
@@ -245,7 +258,11 @@ def build(name: str, args: argparse.Namespace, vocab: int) -> Trainer:
             model.zero_grad(set_to_none=True)
 
         return Trainer(
-            name, lambda x, y: model(x, y)[1], torch.Tensor.backward, floor_step, (model, shards)
+            name,
+            lambda x, y: model(x, y)[1],
+            torch.Tensor.backward,
+            floor_step,
+            (model, shards, floor_opt),
         )
     block_numel = sum(p.numel() for p in model.blocks[0].parameters())
     if name in LIMITS:

@@ -195,11 +195,11 @@ def replay(calls: list[Call], group=None) -> Callable[[], None]:
 def limit_trainer(stage: int, args: argparse.Namespace, build_zero: Callable, vocab: int):
     """The `ZeRO-k limit - floor` contender: forward and backward do nothing, the optimizer step
     issues the step's collectives (`step_calls`), then, for stage 0, AdamW over the (N-1)/N of
-    each parameter the floor leaves out (zero gradients, as the floor's). Its loss is 0 (it
+    each parameter the floor leaves out (stand-in gradients, as the floor's). Its loss is 0 (it
     trains nothing)."""
     import torch.distributed as dist
 
-    from zerobench.contenders import Trainer, _adamw
+    from zerobench.contenders import Trainer, _adamw, stepped_leaves
 
     g = torch.Generator().manual_seed(args.seed + dist.get_rank())
     batches = [
@@ -215,10 +215,7 @@ def limit_trainer(stage: int, args: argparse.Namespace, build_zero: Callable, vo
     step = communicate
     rest = []
     if stage == 0:  # the floor steps ceil(numel / N) of each parameter; stage 0 all of it
-        rest = [torch.zeros(n - -(-n // world), requires_grad=True) for n in numels]
-        rest = [r for r in rest if r.numel()]
-        for r in rest:
-            r.grad = torch.zeros_like(r)
+        rest = stepped_leaves([n - -(-n // world) for n in numels])
         replicated = _adamw(rest)
 
         def step() -> None:
