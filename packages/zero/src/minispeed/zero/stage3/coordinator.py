@@ -90,7 +90,8 @@ class _PostBackward(torch.autograd.Function):
 
 def _wrap_inputs(args: tuple, kwargs: dict, callback: Callable[[], None]) -> tuple[tuple, dict]:
     """Route the inputs that require grad through one ``_PostBackward`` (identity kept: x, x -> y, y)."""
-    flat, spec = tree_flatten((args, kwargs))
+    plain = not kwargs and all(type(x) is torch.Tensor for x in args)  # the usual call: no pytree
+    flat, spec = (list(args), None) if plain else tree_flatten((args, kwargs))
     unique: dict[int, int] = {}  # id(tensor) -> position among the wrapped tensors
     tensors: list[torch.Tensor] = []
     for x in flat:
@@ -104,8 +105,7 @@ def _wrap_inputs(args: tuple, kwargs: dict, callback: Callable[[], None]) -> tup
         wrapped[unique[id(x)]] if isinstance(x, torch.Tensor) and id(x) in unique else x
         for x in flat
     ]
-    new_args, new_kwargs = tree_unflatten(flat, spec)
-    return new_args, new_kwargs
+    return (tuple(flat), kwargs) if spec is None else tree_unflatten(flat, spec)
 
 
 def install_module_hooks(
@@ -148,7 +148,8 @@ def _make_post(unit: FetchUnit, coordinator: FetchCoordinator, is_root: bool) ->
     def post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         coordinator.post_forward(unit)
         if torch.is_grad_enabled():
-            flat, _ = tree_flatten(output)
+            # The usual output is one tensor: no pytree to flatten.
+            flat = [output] if type(output) is torch.Tensor else tree_flatten(output)[0]
             needs_grad = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
             if needs_grad:
                 register_multi_grad_hook(needs_grad, pre_backward, mode="any")
@@ -250,37 +251,37 @@ class FetchCoordinator:
 
     def begin_forward(self) -> None:
         """The root module starts: follow the trace if there is one, else record it."""
-        if self.phase is not FetchPhase.IDLE or self.stack:
+        if self._phase is not FetchPhase.IDLE or self.stack:
             self._recover()
         self._to_pass(FetchPhase.FORWARD)
         self.trace.begin_forward()
 
     def pre_forward(self, unit: FetchUnit) -> None:
         """Module ``unit`` starts its forward: its parameters must be gathered on return."""
-        if self.phase is FetchPhase.FORWARD:
+        if self._phase is FetchPhase.FORWARD:
             self._step("pre", unit, f"module {unit.label} starts its forward")
-        elif self.phase is FetchPhase.IDLE:
+        elif self._phase is FetchPhase.IDLE:
             self.trace.check_call(unit)
         self._acquire(unit)
         self.stack.append(unit)
-        if self.phase is FetchPhase.FORWARD:
+        if self._phase is FetchPhase.FORWARD:
             self._prefetch(self.trace.upcoming_forward(), unit)
 
     def post_forward(self, unit: FetchUnit) -> None:
         """Module ``unit`` finished its forward: release what nobody else holds."""
-        if self.phase is FetchPhase.FORWARD:
+        if self._phase is FetchPhase.FORWARD:
             self._step("post", unit, f"module {unit.label} ends its forward", cross_check=False)
         if self.stack and self.stack[-1] is unit:
             self.stack.pop()
         elif unit in self.stack:
             del self.stack[len(self.stack) - 1 - self.stack[::-1].index(unit)]
         # A forward inside backward is a recomputation (Note [recomputation keeps its unit]).
-        keep = set(unit.params) if self.phase is FetchPhase.BACKWARD else None
+        keep = set(unit.params) if self._phase is FetchPhase.BACKWARD else None
         self._release(unit, keep or self.prefetcher.keep(unit, self.trace.upcoming_forward()))
 
     def end_forward(self) -> None:
         """The root module returned: verify the pass, release prefetched leftovers."""
-        if self.phase is not FetchPhase.FORWARD:
+        if self._phase is not FetchPhase.FORWARD:
             return
         if not self.trace.forward_complete():
             self._diverge(0, "reaches the end of its forward")
@@ -298,7 +299,7 @@ class FetchCoordinator:
         fetches; one there means control flow changed, and is treated as a divergence).
         """
         unit = self.stack[-1]
-        if self.phase is FetchPhase.FORWARD:
+        if self._phase is FetchPhase.FORWARD:
             what = f"reads {what} inside {unit.label}"
             if self.trace.following:
                 self._diverge(unit.fingerprint("get"), what)
@@ -312,7 +313,7 @@ class FetchCoordinator:
     # -- backward ---------------------------------------------------------------------------------
     def pre_backward(self, unit: FetchUnit) -> None:
         """Gradients reached ``unit``'s outputs: gather it again before its backward runs."""
-        if self.phase is not FetchPhase.BACKWARD:
+        if self._phase is not FetchPhase.BACKWARD:
             self._begin_backward()
         self.trace.step_backward(unit)
         self._acquire(unit)
@@ -328,7 +329,7 @@ class FetchCoordinator:
 
     def end_backward(self) -> None:
         """Autograd finished (queued callback): release everything fetched for backward."""
-        if self.phase is not FetchPhase.BACKWARD:
+        if self._phase is not FetchPhase.BACKWARD:
             return
         self._release_backward_holds()
         self._release_unclaimed()
@@ -336,7 +337,7 @@ class FetchCoordinator:
         self._to_idle(FetchPhase.BACKWARD)
 
     def _begin_backward(self) -> None:
-        if self.phase is FetchPhase.FORWARD:  # the forward raised midway; start clean
+        if self._phase is FetchPhase.FORWARD:  # the forward raised midway; start clean
             self._recover()
         self._to_pass(FetchPhase.BACKWARD)
         self.trace.begin_backward()
@@ -384,7 +385,7 @@ class FetchCoordinator:
             nbytes = sum(sp.padded_numel * sp.shard.element_size() for sp in sps)
             where = unit.label if unit is not None else "(end of pass)"
             self.stats.events.append(
-                f"{self.phase.value:8} {where:32} {what:8} {nbytes:7d} B  "
+                f"{self._phase.value:8} {where:32} {what:8} {nbytes:7d} B  "
                 + " ".join(sp.name for sp in sps)
             )
 

@@ -84,7 +84,7 @@ class Prefetcher:
         """Elements gathered now among those tracked (forgetting the ones released since)."""
         for sp in [sp for sp in self._live if sp.state is ParamState.SHARDED]:
             del self._live[sp]
-        return sum(sp.padded_numel for sp in self._live)
+        return sum([sp.padded_numel for sp in self._live])  # a list: no generator to resume
 
     def live(self) -> list[ShardedParam]:
         """The tracked parameters (gathered, in flight, or released since the last count)."""

@@ -170,14 +170,21 @@ _IN_PASS = (TraceState.RECORDING, TraceState.FOLLOWING, TraceState.DIVERGED)
 class _Track:
     """One direction's trace: the recorded events, this pass's record, and the `TraceState`.
 
-    ``state``, ``events`` and ``record`` are written only here, in the transitions.
+    ``state``, ``events`` and ``record`` are written only here, in the transitions. When a
+    recording ends, the trace's module starts are listed once (``starts``), with, for every
+    position, where the starts from that position on begin in that list (``first_start``), so
+    that `upcoming_units` is one slice per module event, not a walk over the rest of the trace.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, units: list[FetchUnit], start_of: Callable) -> None:
         self.name = name
+        self.units = units
+        self.start_of = start_of  # event -> index of the unit it starts, or None
         self.state = TraceState.NEW
         self.events: list[Any] | None = None  # the trace followed by the next pass
         self.record: list[Any] | None = None  # what this pass appended (RECORDING only)
+        self.starts: list[FetchUnit] = []  # the units ``events`` starts, in order
+        self.first_start: list[int] = [0]  # position -> index into ``starts``; len(events) + 1
 
     def begin(self) -> None:
         self.state = TraceState.FOLLOWING if self.events is not None else TraceState.RECORDING
@@ -204,10 +211,21 @@ class _Track:
         self.expect(_IN_PASS, "ending a pass that did not begin")
         if self.state is TraceState.RECORDING:
             self.state, self.events, self.record = TraceState.RECORDED, self.record, None
+            self.starts, self.first_start = [], [0]
+            for index in map(self.start_of, self.events):
+                if index is not None:
+                    self.starts.append(self.units[index])
+                self.first_start.append(len(self.starts))
 
     def upcoming(self, pos: int) -> list[Any]:
         """The followed trace's events from ``pos`` on (none unless FOLLOWING)."""
         return (self.events or [])[pos:] if self.state is TraceState.FOLLOWING else []
+
+    def upcoming_units(self, pos: int) -> list[FetchUnit]:
+        """The units the followed trace starts from ``pos`` on (none unless FOLLOWING)."""
+        if self.state is not TraceState.FOLLOWING:
+            return []
+        return self.starts[self.first_start[min(pos, len(self.events))] :]  # pos is shared
 
 
 class FetchTrace:
@@ -226,8 +244,8 @@ class FetchTrace:
         self.units = units
         self.check = check if comm.get_world_size(group) > 1 else TraceCheck.OFF
         self.stats = stats  # FetchStats: trace_checks, retraces
-        self._fwd = _Track("forward")
-        self._bwd = _Track("backward")
+        self._fwd = _Track("forward", units, lambda event: event[1] if event[0] == "pre" else None)
+        self._bwd = _Track("backward", units, lambda index: index)
         self.pos = 0
 
     @property
@@ -268,11 +286,9 @@ class FetchTrace:
         self.pos += 1
         return True
 
-    def upcoming_forward(self) -> Iterator[FetchUnit]:
-        """The units that start after ``pos`` in the followed forward trace (nothing if none)."""
-        for kind, index in self._fwd.upcoming(self.pos):
-            if kind == "pre":
-                yield self.units[index]
+    def upcoming_forward(self) -> list[FetchUnit]:
+        """The units that start after ``pos`` in the followed forward trace (none if none)."""
+        return self._fwd.upcoming_units(self.pos)
 
     def check_demand(self, what: str) -> None:
         """A module read a released parameter by attribute (not in the trace): check it."""
@@ -367,10 +383,9 @@ class FetchTrace:
         self._bwd.append(unit.index)
         self.pos += 1
 
-    def upcoming_backward(self) -> Iterator[FetchUnit]:
+    def upcoming_backward(self) -> list[FetchUnit]:
         """The units whose backward starts after ``pos`` in the followed backward trace."""
-        for index in self._bwd.upcoming(self.pos):
-            yield self.units[index]
+        return self._bwd.upcoming_units(self.pos)
 
     def end_backward(self) -> None:
         """Keep what was recorded as the backward trace."""
