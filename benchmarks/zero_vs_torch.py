@@ -63,6 +63,8 @@ Run:
 python benchmarks/zero_vs_torch.py                 # the numbers in docs/benchmarks.md
 python benchmarks/zero_vs_torch.py --json out.json # plus machine-readable results
 python benchmarks/zero_vs_torch.py --profile ZeRO-3 --profile "torch FSDP2"  # where time goes
+python benchmarks/zero_vs_torch.py --size large --keys deepspeed --contenders ZeRO-3 --rounds 1 \
+    --calls ZeRO-3 --calls "floor (no communication)"  # Python calls per step, by where they go
 python benchmarks/zero_vs_torch.py --size large --keys deepspeed --rounds 6  # 33.9M, DS defaults
 python benchmarks/zero_vs_torch.py --world-size 4 --mics-shard-size 2 \
     --contenders "torch FSDP2 HSDP" MiCS "torch FSDP2" ZeRO-3     # MiCS vs HSDP, 2 x 2
@@ -111,7 +113,7 @@ from zerobench.heap import peak_memory  # noqa: E402
 from zerobench.limit import LIMITS  # noqa: E402
 from zerobench.ranks import run_ranks  # noqa: E402
 from zerobench.report import report  # noqa: E402
-from zerobench.rounds import profile_steps, time_contenders  # noqa: E402
+from zerobench.rounds import count_steps, profile_steps, time_contenders  # noqa: E402
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
@@ -139,6 +141,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -
             if name not in LIMITS:  # no model of their own: their buffers are a few messages
                 result["memory"][name] = peak_memory(args, name, dataset, rank, world)
         result["profiles"] = {n: profile_steps(args, n, dataset, rank, world) for n in args.profile}
+        result["calls"] = {n: count_steps(args, n, dataset, rank, world) for n in args.calls}
     queue.put((rank, result))
     dist.barrier()
     dist.destroy_process_group()
@@ -214,6 +217,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument(
         "--profile", action="append", default=[], help="print a CPU profile of this contender"
     )
+    p.add_argument(
+        "--calls",
+        action="append",
+        default=[],
+        help="count this contender's Python calls per step (rank 0, --profile-steps steps)",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     preset = dict(
@@ -233,7 +242,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "--deepspeed yes: `import deepspeed` fails; DS_BUILD_OPS=0 pip install deepspeed"
             )
         known += DEEPSPEED_CONTENDERS
-    for n in (args.contenders or []) + args.profile:
+    for n in (args.contenders or []) + args.profile + args.calls:
         if n not in known:
             p.error(f"unknown contender {n!r}; choose from {known}")
     if not args.contenders:

@@ -186,6 +186,10 @@ def report(results: dict[int, dict], args: argparse.Namespace) -> dict[str, Any]
         console.print(f"\n[bold]profile of {name}[/] (rank 0, {args.profile_steps} steps)")
         console.print(text, markup=False, highlight=False)
         summary.setdefault("profiles", {})[name] = text
+    for name, text in results[0].get("calls", {}).items():
+        console.print(f"\n[bold]Python calls of {name}[/] (rank 0, {args.profile_steps} steps)")
+        console.print(text, markup=False, highlight=False)
+        summary.setdefault("calls", {})[name] = text
     return summary
 
 

@@ -1,4 +1,5 @@
-"""Step times of the contenders, taken in turns (rounds), and a CPU profile of one of them."""
+"""Step times of the contenders, taken in turns (rounds), and a CPU profile or the Python calls
+of one of them."""
 
 from __future__ import annotations
 
@@ -114,3 +115,24 @@ def profile_steps(args, name: str, dataset, rank: int, world: int) -> str:
     return prof.key_averages().table(
         sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=48
     )
+
+
+def count_steps(args, name: str, dataset, rank: int, world: int) -> str:
+    """Rank 0's Python calls per step of `name` over `--profile-steps` steps (after 2 warm-up):
+    by group, then the 30 functions called most. Counted by `sys.setprofile`
+    (`engine_vs_deepspeed.count_calls`), so the same on every run, whatever the load."""
+    from engine_vs_deepspeed import _by_group, count_calls
+
+    batches = global_batches(args, dataset, rank, world, args.profile_steps + 2)
+    trainer = build(name, args, dataset.tokenizer.vocab_size)
+    for x, y in batches[:2]:
+        trainer.step(x, y)
+    dist.barrier()
+    counts = count_calls(lambda: [trainer.step(x, y) for x, y in batches[2:]])
+    python = {k: c for k, c in counts.items() if not k[1].startswith("[builtin]")}
+    per = args.profile_steps
+    lines = [f"{sum(python.values()) / per:.0f} Python calls per step"]
+    lines += [f"  {g:<22} {c / per:9.1f}" for g, c in _by_group(python).most_common()]
+    top = sorted(python.items(), key=lambda kv: -kv[1])[:30]
+    lines += [f"    {c / per:9.1f}  {g:<20} {f}" for (g, f), c in top]
+    return "\n".join(lines)
