@@ -17,7 +17,15 @@ model is written once with `save_pretrained` (random weights from a fixed seed) 
   with the router's auxiliary loss.
 
 Per family: the loss the Trainer logs at each of 4 optimizer steps and `evaluate()`'s loss (for
-T5 also the generated tokens of `predict`). The
+T5 also the generated tokens of `predict`).
+
+Then accelerate's own loop on a tied-embedding `Qwen2ForCausalLM` at ZeRO-3 (`DummyOptim`, 3
+steps), saved as transformers' `*_no_trainer.py` examples save, on every rank:
+`accelerator.unwrap_model(model).save_pretrained(out, is_main_process=...,
+save_function=accelerator.save, state_dict=accelerator.get_state_dict(model))` (rank 0 gets the
+gathered state dict, the other ranks `None`, so `save_pretrained` inspects their own
+`state_dict()` for tied weights before deciding not to write); the saved model is reloaded with
+`from_pretrained` on rank 0 and evaluated. The
 accelerate state is started as in `record_ds_trainer.py` (gloo on a CPU-only host).
 
 Recorded on DeepSpeed 0.19.8, 2 gloo processes on the CPU:
@@ -151,13 +159,66 @@ def one_family(family, scratch):
     return result
 
 
+def accelerate_no_trainer(scratch):
+    """accelerate's loop at ZeRO-3 and the examples' save on every rank (module docstring)."""
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, DummyOptim
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+    config = {**DS_CONFIG, "train_micro_batch_size_per_gpu": 2, "train_batch_size": 4,
+              "gradient_accumulation_steps": 1, "gradient_clipping": 1.0}  # fmt: skip
+    config["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}
+    config["zero_optimization"] = {**config["zero_optimization"],
+                                   "stage3_gather_16bit_weights_on_model_save": True}  # fmt: skip
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+    torch.manual_seed(0)
+    model = hf.Qwen2ForCausalLM(
+        hf.Qwen2Config(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+            tie_word_embeddings=True,
+        )
+    )  # fmt: skip
+    model, optimizer = accelerator.prepare(model, DummyOptim(model.parameters()))
+    g = torch.Generator().manual_seed(accelerator.process_index)
+    losses = []
+    for _ in range(3):
+        ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+        loss = model(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    out = scratch / "qwen2-saved"
+    accelerator.unwrap_model(model).save_pretrained(
+        out,
+        is_main_process=accelerator.is_main_process,
+        save_function=accelerator.save,
+        state_dict=accelerator.get_state_dict(model),
+    )
+    accelerator.wait_for_everyone()
+    saved_loss = None
+    if accelerator.is_main_process:
+        unset_hf_deepspeed_config()  # a plain model: not built under zero.Init
+        reloaded = hf.Qwen2ForCausalLM.from_pretrained(out).eval()
+        ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(9))
+        with torch.no_grad():
+            saved_loss = reloaded(input_ids=ids, labels=ids).loss.item()
+    accelerator.wait_for_everyone()
+    return {"losses": losses, "saved_model_loss": saved_loss}
+
+
 def main(scratch):
     os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
     PartialState(backend="gloo")  # accelerate on a CPU-only host (record_ds_trainer.py)
     if dist.get_rank() == 0:
         shutil.rmtree(scratch, ignore_errors=True)
     dist.barrier()
-    return {family: one_family(family, scratch) for family in FAMILIES}
+    runs = {family: one_family(family, scratch) for family in FAMILIES}
+    runs["qwen2_accelerate"] = accelerate_no_trainer(scratch)
+    return runs
 
 
 if __name__ == "__main__":

@@ -91,3 +91,15 @@ def test_model_families_load_partitioned_and_train_as_deepspeed(runs: list[dict]
         assert ours["losses"] == pytest.approx(theirs["losses"], rel=REL), (rank, family)
         assert ours["eval_loss"] == pytest.approx(theirs["eval_loss"], rel=REL), (rank, family)
         assert ours.get("generated") == theirs.get("generated"), (rank, family)  # T5's beams
+
+
+def test_accelerate_examples_save_on_every_rank_as_deepspeed(runs: list[dict]) -> None:
+    """transformers' `*_no_trainer.py` save (`save_pretrained(state_dict=get_state_dict(model))`
+    on every rank) of a tied-embedding model at ZeRO-3: the ranks that do not write inspect
+    their own `state_dict()` of placeholders without failing, and rank 0's saved model,
+    reloaded, evaluates as DeepSpeed's."""
+    for rank, (mine, ref) in enumerate(zip(runs, FAMILIES["ranks"], strict=True)):
+        ours, theirs = mine["record_ds_hf_families.py"]["qwen2_accelerate"], ref["qwen2_accelerate"]
+        assert ours["losses"] == pytest.approx(theirs["losses"], rel=REL), rank
+        if rank == 0:
+            assert ours["saved_model_loss"] == pytest.approx(theirs["saved_model_loss"], rel=REL)

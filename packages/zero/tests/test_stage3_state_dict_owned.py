@@ -50,6 +50,9 @@ def _body(rank: int, world_size: int) -> dict:
 
     placeholders = model.state_dict()
     shapes = {k: tuple(v.shape) for k, v in placeholders.items()}
+    # their layout answers, as Hugging Face's save_pretrained inspects it on every rank
+    first = next(iter(placeholders.values()))
+    layout = (first.device.type, type(first.view(-1)[-1].data_ptr()), first.dtype == torch.float32)
     outside = _error_of(lambda: torch.save(placeholders, io.BytesIO()))
     load_outside = _error_of(lambda: model.load_state_dict(gathered))
     full = zero.full_state_dict(model)
@@ -85,6 +88,7 @@ def _body(rank: int, world_size: int) -> dict:
         full_keys=list(full),
         keys=list(gathered),
         placeholder_keys=list(placeholders),
+        layout=layout,
         shapes_equal=shapes == {k: tuple(v.shape) for k, v in gathered.items()},
         full_equal=all(torch.equal(full[k], gathered[k]) for k in gathered),
         still_equal=all(torch.equal(still_full[k], full[k]) for k in full),
@@ -105,6 +109,7 @@ def test_state_dict_tensors_outlive_gathered_parameters() -> None:
         assert "modifier_rank=0" in res["load_outside"], res["load_outside"]
         assert res["keys"] == names and res["full_keys"] == names
         assert res["placeholder_keys"] == names and res["shapes_equal"]
+        assert res["layout"] == ("meta", int, True)
         assert res["full_equal"] and res["still_equal"] and res["doubled"] and res["released"]
         assert res["rank0_keys"] == (len(names) if rank == 0 else 0)
         assert res["partial_loaded"] and res["partial_kept_bias"]

@@ -174,15 +174,17 @@ def _own_state_dict(module: nn.Module, state_dict: dict, prefix: str, metadata: 
     parameter is released (Note [why storage is resized, not replaced]): read after
     GatheredParameters exits, it would crash the process. Costs: one copy, ``n·p`` bytes, per
     stage-3 parameter of the state dict. ``keep_vars=True`` entries are the parameters
-    themselves and are left alone, as are released placeholders (Note [a released parameter in
-    a state_dict] in released.py).
+    themselves and are left alone, as are released parameters' placeholders (Note [a released
+    parameter in a state_dict] in released.py).
     """
     for name, p in dict.items(module._parameters):
         key = prefix + name
         value = state_dict.get(key)
-        if p is None or value is None or isinstance(value, nn.Parameter) or p not in REGISTRY:
+        sp = REGISTRY.get(p) if p is not None else None
+        if sp is None or value is None or isinstance(value, nn.Parameter):
             continue
-        state_dict[key] = value.clone()
+        if sp.state is ParamState.GATHERED:  # released: value is a placeholder, no bytes
+            state_dict[key] = value.clone()
 
 
 def check_access(param: nn.Parameter, attr: str, owner: str) -> None:

@@ -12,7 +12,7 @@ parameter's class is switched, while stage 3 owns it, to a subclass of its own c
 | ``dtype``, ``device``, ``requires_grad``, ``grad``, ``is_leaf``, hooks, ``requires_grad_()`` ... | the parameter's own (they do not depend on its values) |
 | ``data``, ``untyped_storage()``, ``data_ptr()`` | this rank's storage, empty while released: what memory accounting needs |
 | ``repr(p)`` / ``str(p)`` | a description naming the parameter, its full shape, and that it is released |
-| ``detach()`` | the released parameter itself: a placeholder that answers as this table says (Note [a released parameter in a state_dict]) |
+| ``detach()`` | a placeholder on the meta device, of the full shape and dtype, holding no bytes; its views and pointers answer, its values raise (Note [a released parameter in a state_dict]) |
 | any other op: ``norm()``, ``sum()``, ``item()``, ``p[0]``, ``cpu()``, ``tolist()``, ``torch.add(p, 1)``, pickling, in-place writes ... | inside a forward run by the stage-3 hooks: fetched first (a demand fetch, as an attribute read is); elsewhere `ParameterNotGatheredError` naming the parameter and `GatheredParameters` |
 
 Inside ``GatheredParameters`` (or a module's forward and backward) every use passes through
@@ -52,12 +52,17 @@ __all__ = ["guard_param", "is_guarded", "needs_values", "released_among", "ungua
 
 # Note [a released parameter in a state_dict]
 # ``module.state_dict()`` stores ``param.detach()`` for each parameter. Outside GatheredParameters
-# a released parameter's detach() returns the parameter itself, so the state dict has every key,
-# with placeholders that answer shape, dtype and device exactly and raise on any use of their
-# values (``torch.save`` pickles them: it raises; safetensors and ``load_state_dict`` fail on
-# them). Code that only needs the keys or shapes of a model built under ``zero.Init`` (Hugging
-# Face's ``from_pretrained`` asks for ``model.state_dict().keys()``) works; code that would save
-# or compare the values fails loudly, as before, instead of reading an empty tensor.
+# a released parameter's detach() returns a `ReleasedValue`: a tensor on the meta device with the
+# parameter's full shape and dtype and no bytes, so the state dict has every key, with
+# placeholders whose layout answers exactly (shape, dtype, views, pointers: the meta device's)
+# and which raise on any use of their values (``torch.save`` pickles them: it raises;
+# safetensors and ``load_state_dict`` fail on them). Code that only needs the keys, shapes or
+# layout of a model built under ``zero.Init`` works: Hugging Face's ``from_pretrained`` asks for
+# ``model.state_dict().keys()``, and ``save_pretrained`` on a rank that will not write still
+# compares the entries' pointers to find tied weights (it keys meta tensors by the parameter
+# itself, so the tie is found as on rank 0). Code that would save or compare the values fails
+# loudly instead of reading an empty tensor. The placeholder is not the parameter: a write into
+# it (a view of it) reaches nothing, as a write into a detached copy would not reach the values.
 
 #: Getters and methods whose answer does not depend on the parameter's values, or that stage 3
 #: and autograd need on a released parameter: they run as for any parameter.
@@ -208,8 +213,8 @@ def _torch_function(cls: type, func: Any, types: Any, args: tuple = (), kwargs: 
         elif name in _DESCRIBE:
             return _describe(sp)
         elif name == "detach" and args and _SHARDED.get(id(args[0])) is sp:
-            # Note [a released parameter in a state_dict]: the placeholder itself.
-            return args[0]
+            # Note [a released parameter in a state_dict]: a placeholder without bytes.
+            return ReleasedValue.of(sp)
         else:
             answered, answer = _shape_answer(name, sp, args, kwargs)
             if answered:
@@ -243,6 +248,77 @@ _FINALIZERS: dict[int, weakref.finalize] = {}
 _GUARDED_TYPES: set[type] = set()  # the guarded subclasses, for a fast ``type(a) in`` test
 
 
+_SAVE_FIX = (
+    "To save a model, use `sd = zero.full_state_dict(model)` (full tensors of your own, on "
+    "every rank; rank0_only=True keeps them on rank 0 only), or call state_dict() inside `with "
+    "zero.GatheredParameters(model.parameters()):` (it returns copies there); "
+    "zero.save_checkpoint saves the shards without gathering"
+)
+
+#: What a `ReleasedValue` answers: its shape, dtype and storage (none: it is on the meta
+#: device), and views of it (meta tensors too), for code that inspects a state dict's layout.
+_PLACEHOLDER_ANSWERS = _SHAPE_QUERIES | frozenset(
+    {
+        "dtype__get", "device__get", "layout__get", "requires_grad__get", "is_leaf__get",
+        "is_meta__get", "is_cuda__get", "is_cpu__get", "is_sparse__get", "is_quantized__get",
+        "is_nested__get", "itemsize__get", "grad__get", "grad_fn__get", "data__get",
+        "element_size", "is_floating_point", "is_complex", "get_device", "untyped_storage",
+        "data_ptr", "storage_offset", "stride", "is_contiguous", "is_pinned", "is_shared",
+        "view", "reshape", "flatten", "__getitem__", "narrow", "select", "t", "transpose",
+        "permute", "detach", "as_strided", "numel", "size",
+    }
+)  # fmt: skip
+
+
+class ReleasedValue(torch.Tensor):
+    """A released stage-3 parameter's value where a state dict holds it (Note [a released
+    parameter in a state_dict]): a tensor on the meta device, of the parameter's full shape and
+    dtype, holding no bytes. Its layout answers (keys, shapes, dtypes, views and pointers, what
+    Hugging Face's `save_pretrained` inspects to find tied weights on every rank); saving it,
+    copying it, or any use of values raises `ParameterNotGatheredError` naming the parameter."""
+
+    _stage3_name: str
+
+    @staticmethod
+    def of(sp: ShardedParam) -> ReleasedValue:
+        value = torch.empty(sp.shape, dtype=sp.shard.dtype, device="meta").as_subclass(
+            ReleasedValue
+        )
+        value._stage3_name = sp.name or "?"
+        return value
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        name = _func_name(func)
+        if name in _PLACEHOLDER_ANSWERS or name.endswith("__set"):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        value = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, ReleasedValue))
+        if name in _DESCRIBE:
+            return (
+                f"ReleasedValue(placeholder of released stage-3 parameter {value._stage3_name!r})"
+            )
+        raise not_gathered_error(
+            value._stage3_name,
+            f"by {name.removesuffix('__get')}() of its entry in a state_dict taken outside "
+            "GatheredParameters (a placeholder: shape and dtype only)",
+            fix=_SAVE_FIX,
+        )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise not_gathered_error(
+            self._stage3_name,
+            "by pickling (torch.save of a state_dict taken outside GatheredParameters holds "
+            "placeholders)",
+            fix=_SAVE_FIX,
+        )
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        raise not_gathered_error(
+            self._stage3_name, "by deepcopy() of a state_dict placeholder", fix=_SAVE_FIX
+        )
+
+
 def _copy_guard(method: str) -> Any:
     """``__deepcopy__`` / ``__reduce_ex__`` that refuse a released parameter: nn.Parameter's own
     copy ``.data``, which would give an empty parameter silently."""
@@ -252,12 +328,8 @@ def _copy_guard(method: str) -> Any:
         if sp is not None and sp.state is not _GATHERED:
             raise not_gathered_error(
                 sp.name or "?",
-                f"by {method}() (copy or pickle: torch.save of a state_dict taken outside "
-                "GatheredParameters holds it as a placeholder)",
-                fix="To save a model, use `sd = zero.full_state_dict(model)` (full tensors of "
-                "your own, on every rank; rank0_only=True keeps them on rank 0 only), or call "
-                "state_dict() inside `with zero.GatheredParameters(model.parameters()):` (it "
-                "returns copies there); zero.save_checkpoint saves the shards without gathering",
+                f"by {method}() (a copy or pickle of a released parameter)",
+                fix=_SAVE_FIX,
             )
         return getattr(type(self)._stage3_plain_class, method)(self, arg)
 
