@@ -89,6 +89,8 @@ from minispeed.engine import (  # isort: skip
 )
 from minispeed.engine.accelerator import get_accelerator  # isort: skip
 from minispeed.engine.inference import InferenceEngine, init_inference  # isort: skip
+from minispeed.engine.moe.groups import configure_moe_param_groups as _moe_groups  # isort: skip
+from minispeed.engine.moe.groups import holds_experts as _holds_experts  # isort: skip
 from minispeed.engine.pipe import PipelineModule  # isort: skip
 from minispeed.engine.runtime.config import DeepSpeedConfig, DeepSpeedConfigError  # isort: skip
 from minispeed.engine.runtime.engine import DeepSpeedEngine  # isort: skip
@@ -235,6 +237,9 @@ def initialize(
     # 5. The optimizer; on a grid, an error on one rank is raised on every rank, before ZeRO's
     # first collective (minispeed.tensor_parallel.agreed).
     params = list(model_parameters) if model_parameters is not None else list(model.parameters())
+    if optimizer is None and cfg.optimizer is not None and _holds_experts(params):
+        # as DeepSpeed, for the optimizer it builds: the experts' parameters in groups of their own
+        params = _moe_groups(params)
     if grid is None:
         opt = steps.build_optimizer(composition, optimizer, params, cfg)
     else:

@@ -171,11 +171,8 @@ def _optimizer(given: Any, params: list[Any], cfg: EngineConfig) -> Any:
                        "of the model parameters")  # fmt: skip
     if cfg.optimizer is None:
         return None
-    from minispeed.engine.moe.groups import configure_moe_param_groups, holds_experts
     from minispeed.engine.optim import build_optimizer as by_name
 
-    if holds_experts(params):  # as DeepSpeed, for the optimizer it builds: experts' own groups
-        params = configure_moe_param_groups(params)
     return by_name(cfg.optimizer, params)
 
 
