@@ -180,18 +180,24 @@ def all_reduce_coalesced(
         )
     flat = torch.cat([t.reshape(-1) for t in tensors])
     work = _comm.all_reduce(flat, op=op, group=group, async_op=async_op)
-    copy_back = lambda: _unflatten(flat, tensors)  # noqa: E731
+    return _copied_out(work, flat, tensors)
+
+
+def _copied_out(work: Any, flat: torch.Tensor, tensors: list[torch.Tensor]) -> Any:
+    """`tensors` filled from the staging buffer `flat` (their elements one after the other):
+    now after a blocking call (returns None), at `wait()` after an async one (returns the
+    handle whose `wait()` copies)."""
+
+    def copy() -> None:
+        start, values = 0, flat.reshape(-1)
+        for t in tensors:
+            t.copy_(values[start : start + t.numel()].view_as(t))
+            start += t.numel()
+
     if work is None:
-        copy_back()
+        copy()
         return None
-    return _AfterWait(work, copy_back)
-
-
-def _unflatten(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    start = 0
-    for t in tensors:
-        t.copy_(flat[start : start + t.numel()].view_as(t))
-        start += t.numel()
+    return _AfterWait(work, copy)
 
 
 def broadcast(
@@ -324,11 +330,7 @@ def all_to_all(
         group=group,
         async_op=async_op,
     )
-    copy_out = lambda: _unflatten(flat_out, output_tensor_list)  # noqa: E731
-    if work is None:
-        copy_out()
-        return None
-    return _AfterWait(work, copy_out)
+    return _copied_out(work, flat_out, output_tensor_list)
 
 
 def reduce_scatter(
@@ -386,15 +388,7 @@ def all_gather(
         )
     flat = torch.empty((len(tensor_list), *tensor.shape), dtype=tensor.dtype, device=tensor.device)
     work = _comm.all_gather_into_tensor(flat, tensor.contiguous(), group=group, async_op=async_op)
-    if work is None:
-        _unstack(flat, tensor_list)
-        return None
-    return _AfterWait(work, lambda: _unstack(flat, tensor_list))
-
-
-def _unstack(flat: torch.Tensor, tensor_list: list[torch.Tensor]) -> None:
-    for out, chunk in zip(tensor_list, flat, strict=True):
-        out.copy_(chunk)
+    return _copied_out(work, flat, tensor_list)
 
 
 class _AfterWait:
@@ -411,7 +405,7 @@ class _AfterWait:
         return True
 
     def is_completed(self) -> bool:
-        """Whether the gather finished (as `CommWork`: the list is filled only by `wait`)."""
+        """Whether the call finished (as `CommWork`: the outputs are filled only by `wait`)."""
         return self._done or self._work.is_completed()
 
 
