@@ -53,6 +53,7 @@ def _body(rank: int, world_size: int) -> dict:
     # their layout answers, as Hugging Face's save_pretrained inspects it on every rank
     first = next(iter(placeholders.values()))
     layout = (first.device.type, type(first.view(-1)[-1].data_ptr()), first.dtype == torch.float32)
+    cat_error = _error_of(lambda: torch.cat([first, first]))  # a placeholder inside a list
     outside = _error_of(lambda: torch.save(placeholders, io.BytesIO()))
     load_outside = _error_of(lambda: model.load_state_dict(gathered))
     full = zero.full_state_dict(model)
@@ -89,6 +90,7 @@ def _body(rank: int, world_size: int) -> dict:
         keys=list(gathered),
         placeholder_keys=list(placeholders),
         layout=layout,
+        cat_error=cat_error,
         shapes_equal=shapes == {k: tuple(v.shape) for k, v in gathered.items()},
         full_equal=all(torch.equal(full[k], gathered[k]) for k in gathered),
         still_equal=all(torch.equal(still_full[k], full[k]) for k in full),
@@ -110,6 +112,7 @@ def test_state_dict_tensors_outlive_gathered_parameters() -> None:
         assert res["keys"] == names and res["full_keys"] == names
         assert res["placeholder_keys"] == names and res["shapes_equal"]
         assert res["layout"] == ("meta", int, True)
+        assert res["cat_error"].startswith("ParameterNotGatheredError"), res["cat_error"]
         assert res["full_equal"] and res["still_equal"] and res["doubled"] and res["released"]
         assert res["rank0_keys"] == (len(names) if rank == 0 else 0)
         assert res["partial_loaded"] and res["partial_kept_bias"]

@@ -255,19 +255,17 @@ _SAVE_FIX = (
     "zero.save_checkpoint saves the shards without gathering"
 )
 
-#: What a `ReleasedValue` answers: its shape, dtype and storage (none: it is on the meta
-#: device), and views of it (meta tensors too), for code that inspects a state dict's layout.
-_PLACEHOLDER_ANSWERS = _SHAPE_QUERIES | frozenset(
-    {
-        "dtype__get", "device__get", "layout__get", "requires_grad__get", "is_leaf__get",
-        "is_meta__get", "is_cuda__get", "is_cpu__get", "is_sparse__get", "is_quantized__get",
-        "is_nested__get", "itemsize__get", "grad__get", "grad_fn__get", "data__get",
-        "element_size", "is_floating_point", "is_complex", "get_device", "untyped_storage",
-        "data_ptr", "storage_offset", "stride", "is_contiguous", "is_pinned", "is_shared",
-        "view", "reshape", "flatten", "__getitem__", "narrow", "select", "t", "transpose",
-        "permute", "detach", "as_strided", "numel", "size",
-    }
+#: What a `ReleasedValue` answers besides a parameter's metadata (`needs_values`): its strides
+#: and its views, meta tensors too, for code that inspects a state dict's layout.
+_LAYOUT = frozenset(
+    {"stride", "view", "reshape", "flatten", "__getitem__", "narrow", "select", "t",
+     "transpose", "permute", "detach", "as_strided"}
 )  # fmt: skip
+
+
+def _items(arg: Any) -> tuple:
+    """An argument, or the items of a list or tuple argument (``torch.cat([p, q])``)."""
+    return tuple(arg) if type(arg) is list or type(arg) is tuple else (arg,)
 
 
 class ReleasedValue(torch.Tensor):
@@ -290,16 +288,17 @@ class ReleasedValue(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         name = _func_name(func)
-        if name in _PLACEHOLDER_ANSWERS or name.endswith("__set"):
-            with torch._C.DisableTorchFunctionSubclass():
+        if name not in _DESCRIBE and (
+            name in _LAYOUT or name == "data__get" or not needs_values(func)
+        ):
+            with torch._C.DisableTorchFunctionSubclass():  # a meta tensor's answer: no bytes
                 return func(*args, **(kwargs or {}))
-        value = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, ReleasedValue))
+        within = (b for a in (*args, *(kwargs or {}).values()) for b in _items(a))
+        param = next((b._stage3_name for b in within if isinstance(b, ReleasedValue)), "?")
         if name in _DESCRIBE:
-            return (
-                f"ReleasedValue(placeholder of released stage-3 parameter {value._stage3_name!r})"
-            )
+            return f"ReleasedValue(placeholder of released stage-3 parameter {param!r})"
         raise not_gathered_error(
-            value._stage3_name,
+            param,
             f"by {name.removesuffix('__get')}() of its entry in a state_dict taken outside "
             "GatheredParameters (a placeholder: shape and dtype only)",
             fix=_SAVE_FIX,
