@@ -53,14 +53,20 @@ class StaleRef(nn.Module):
         return torch.nn.functional.linear(x, *self.kept).pow(2).mean()
 
 
-def _stale_losses() -> tuple[float, float]:
-    x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(1))
+def _plain_and_sharded(cls: type) -> tuple[nn.Module, nn.Module]:
+    """Two equal `cls()`, the second partitioned by stage 3 (no parameter kept whole)."""
     torch.manual_seed(0)
-    plain = StaleRef()
+    plain = cls()
     torch.manual_seed(0)
-    model = StaleRef()
+    model = cls()
     cfg = zero.ZeroConfig(stage=3, stage3_param_persistence_threshold_numel=0)
     zero.shard(model, torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
+    return plain, model
+
+
+def _stale_losses() -> tuple[float, float]:
+    x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(1))
+    plain, model = _plain_and_sharded(StaleRef)
     return model(x).item(), plain(x).item()
 
 
@@ -208,12 +214,7 @@ class EncoderDecoder(nn.Module):
 def _encoder_alone(rank: int, world_size: int) -> dict:
     """`generate` runs an encoder-decoder's encoder alone, outside the root's forward."""
     x = torch.randn(3, WIDTH, generator=torch.Generator().manual_seed(2))
-    torch.manual_seed(0)
-    plain = EncoderDecoder()
-    torch.manual_seed(0)
-    model = EncoderDecoder()
-    cfg = zero.ZeroConfig(stage=3, stage3_param_persistence_threshold_numel=0)
-    zero.shard(model, torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
+    plain, model = _plain_and_sharded(EncoderDecoder)
     with torch.no_grad():
         alone = model.encoder(x)
         direct = _error(lambda: model.encoder[0].out.forward(x.repeat(1, 2)))
