@@ -141,15 +141,15 @@ def unguard_module(module: nn.Module) -> None:
 
 
 # -- state_dict / load_state_dict ------------------------------------------------------------------
-def _released_param(module: nn.Module, loaded: Any = None, prefix: str = "") -> str | None:
-    """The name of one of ``module``'s own stage-3 parameters that is not gathered, if any;
-    with ``loaded`` (a state dict), only among those it holds a value for (``prefix + name``):
-    torch's load leaves the others alone, so a state dict holding part of a module's
-    parameters (transformers loads a checkpoint group by group) needs only that part gathered."""
+def _released_param(module: nn.Module, loaded: Any, prefix: str) -> str | None:
+    """The name of one of ``module``'s own stage-3 parameters that is not gathered and that the
+    state dict ``loaded`` holds a value for (``prefix + name``), if any: torch's load leaves the
+    others alone, so a state dict holding part of a module's parameters (transformers loads a
+    checkpoint group by group) needs only that part gathered."""
     for name, p in dict.items(module._parameters):
-        sp = REGISTRY.get(p) if p is not None else None
-        if loaded is not None and prefix + name not in loaded:
+        if prefix + name not in loaded:
             continue
+        sp = REGISTRY.get(p) if p is not None else None
         if sp is not None and sp.state is not ParamState.GATHERED:
             return sp.name or name
     return None
