@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from minispeed.engine.moe.layer import MoE
 from minispeed.engine.moe.registry import expert_group_name, is_moe_param
 
 __all__ = [
@@ -134,8 +135,6 @@ def holds_experts(model_parameters: list[Any]) -> bool:
 
 def has_moe_layers(model: nn.Module) -> tuple[bool, int]:
     """Whether `model` holds a `MoE` layer, and the first one's number of experts (0 if none)."""
-    from minispeed.engine.moe.layer import MoE
-
     layer = next((m for m in model.modules() if isinstance(m, MoE)), None)
     return (layer is not None, layer.num_experts if layer is not None else 0)
 
