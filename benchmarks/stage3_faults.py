@@ -13,12 +13,17 @@ touches a page the kernel had not mapped, not to the code that freed it, and a f
 gloo thread lands on the op the main thread was running then (the `main` column says which
 share is the main thread's own). With `FAULTS_MARK=1` each phase starts with a `stat` of
 `/tmp/mark-<contender>-<phase>-<rank>`, so that `strace -f -e trace=brk,mmap,munmap,newfstatat`
-attributes the heap's growth and trims to phases.
+attributes the heap's growth and trims to phases. With `--cpu` the ledger charges the main
+thread's CPU time inside each op instead (`time.thread_time` around it; what the ledger's own
+Python costs falls between ops and is not charged): where a step's tensor work goes, op by op,
+against the floor's.
 
 ```bash
 .venv/bin/python benchmarks/stage3_faults.py --contender "torch FSDP2" ZeRO-3 "floor (no communication)"
 .venv/bin/python benchmarks/stage3_faults.py --contender ZeRO-3 "floor (no communication)" \
     "ZeRO-3 limit - floor" --no-ledger --warmup 1 --steps 4
+.venv/bin/python benchmarks/stage3_faults.py --contender ZeRO-3 "floor (no communication)" --cpu \
+    --warmup 1 --steps 2 --top 45
 ```
 """
 
@@ -65,10 +70,12 @@ def _where() -> str:
 
 
 class FaultLedger(TorchDispatchMode):
-    """Minor faults (all threads; main thread) and mmapped bytes added, per (phase, op, where)."""
+    """Minor faults (all threads; main thread) and mmapped bytes added, per (phase, op, where);
+    with ``cpu``, the main thread's CPU microseconds inside each op (column 0) instead."""
 
-    def __init__(self) -> None:
+    def __init__(self, cpu: bool = False) -> None:
         super().__init__()
+        self.cpu = cpu
         libc = ctypes.CDLL("libc.so.6")
         libc.mallinfo2.restype = _MallInfo2
         self.mallinfo = libc.mallinfo2
@@ -76,6 +83,13 @@ class FaultLedger(TorchDispatchMode):
         self.rows: dict[tuple, list[int]] = collections.defaultdict(lambda: [0, 0, 0, 0, 0, 0])
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.cpu:
+            t0 = time.thread_time()
+            out = func(*args, **(kwargs or {}))
+            row = self.rows[(self.phase, func.__name__, _where())]
+            row[0] += (time.thread_time() - t0) * 1e6
+            row[3] += 1
+            return out
         m0 = self.mallinfo()
         f0, t0 = _faults(), _faults(RUSAGE_THREAD)
         out = func(*args, **(kwargs or {}))
@@ -110,7 +124,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -
     for name in names:
         for x, y in batches[: args.warmup]:
             trainers[name].step(x, y)
-    ledgers = {n: FaultLedger() for n in names}
+    ledgers = {n: FaultLedger(args.cpu) for n in names}
     phases = {n: collections.Counter() for n in names}
     cpu = {n: collections.Counter() for n in names}  # (phase, "all"/"main") -> CPU seconds
     per_step = {n: [] for n in names}
@@ -160,6 +174,7 @@ def main() -> None:
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--checkpoint", action="store_true")
     p.add_argument("--no-ledger", dest="ledger", action="store_false", help="phases only")
+    p.add_argument("--cpu", action="store_true", help="the ledger charges main-thread CPU µs")
     args = p.parse_args()
     names = ("n_layer", "n_head", "n_embd", "block_size", "micro_batch")
     for key, value in zip(names, SIZES[args.size]):
@@ -177,9 +192,11 @@ def main() -> None:
             )
         rows = results[0][name]["rows"]
         total = sum(v[0] for v in rows.values()) / args.steps
-        print(f"rank 0, per step: {total:.0f} faults under the ledger; top rows:")
+        unit = "µs of main-thread CPU in ops" if args.cpu else "faults"
+        print(f"rank 0, per step: {total:.0f} {unit} under the ledger; top rows:")
+        first = "CPU µs" if args.cpu else "faults"
         print(
-            f"{'phase':9} {'op':34} {'where':44} {'faults':>8} {'main':>8} {'mmap MiB':>9} {'ops':>5} {'arena+':>7} {'arena-':>7}"
+            f"{'phase':9} {'op':34} {'where':44} {first:>8} {'main':>8} {'mmap MiB':>9} {'ops':>5} {'arena+':>7} {'arena-':>7}"
         )
         for (phase, op, where), (f, t, h, n, ag, ash) in sorted(
             rows.items(), key=lambda kv: -kv[1][0]

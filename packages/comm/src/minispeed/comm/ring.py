@@ -12,7 +12,8 @@ n-1 steps around the ring (rank r sends to r+1 and receives from r-1), step k (k
 
 After the last step chunk (r-n) mod n = r holds all n contributions. Each rank sends n-1 chunks:
 (n-1)/n · S bytes, half of what the all-reduce that torch's gloo runs instead sends, and keeps
-one m-element scratch (S/n) while in flight. Where the partial sums live:
+one m-element scratch (S/n) while in flight (none out of place on 2 ranks: the one step receives
+into `output`). Where the partial sums live:
 
 - in place (`output` is this rank's chunk of `input`, ZeRO's buckets): in `input`'s chunks
   themselves, which the caller gave up as scratch (Note [in-place flat collectives]);
@@ -82,7 +83,8 @@ class RingWork:
         self._chunks = input.view(n, -1)
         self._in_place = output.data_ptr() == self._chunks[me].data_ptr()
         self._output = output
-        self._scratch = torch.empty_like(output)
+        # Allocated at first use: out of place on 2 ranks the one step receives into `output`.
+        self._scratch: torch.Tensor | None = None
         ranks = [(me + 1) % n, (me - 1) % n]
         if group is not None:
             ranks = [dist.get_global_rank(group, p) for p in ranks]
@@ -96,14 +98,19 @@ class RingWork:
         n, me = self._n, self._rank
         c = (me - k - 2) % n  # the chunk received at step k
         if self._in_place:  # partial sums live in the input's chunks; receive into the scratch
-            return self._chunks[(me - k - 1) % n], self._scratch, c
+            return self._chunks[(me - k - 1) % n], self._scratch_buffer(), c
         # out of place: receive into output and scratch alternately, the last step into output
-        recv = self._output if (n - 2 - k) % 2 == 0 else self._scratch
         send = self._chunks[(me - 1) % n] if k == 0 else self._received(k - 1)
-        return send, recv, c
+        return send, self._received(k), c
 
     def _received(self, k: int) -> torch.Tensor:
-        return self._output if (self._n - 2 - k) % 2 == 0 else self._scratch
+        """Out of place: the buffer step k receives into."""
+        return self._output if (self._n - 2 - k) % 2 == 0 else self._scratch_buffer()
+
+    def _scratch_buffer(self) -> torch.Tensor:
+        if self._scratch is None:
+            self._scratch = torch.empty_like(self._output)
+        return self._scratch
 
     def step(self) -> None:
         """Issue step `k` (inside an open Loan)."""

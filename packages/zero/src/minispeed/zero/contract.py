@@ -80,6 +80,9 @@ class ShardStrategy(Protocol):
     io_failures: Any = None
     #: ``master_grads()`` are markers; the values are in swap files (ZeRO-Infinity).
     grads_in_files: bool = False
+    #: The optimizer divides the loss by this before backward, so that the strategy's summed
+    #: gradients are already the mean (stage 3: Note [averaging at the loss] in stage3/strategy.py).
+    loss_divisor: int = 1
 
     def master_params(self) -> list[list[torch.Tensor]]:
         """Per optimizer param group: the fp32 tensors this rank updates."""
@@ -138,6 +141,7 @@ class StrategyWrapper(ShardStrategy):
         self._inner = strategy
         self.io_failures = strategy.io_failures
         self.grads_in_files = strategy.grads_in_files
+        self.loss_divisor = strategy.loss_divisor
 
     @property
     def strategy(self) -> Any:

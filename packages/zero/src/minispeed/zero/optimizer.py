@@ -296,7 +296,8 @@ class ZeroOptimizer(torch.optim.Optimizer, Detachable):
         return self._window
 
     def backward(self, loss: Tensor, *, ends: bool | None = None, divided: bool = False) -> None:
-        """Backward of `loss` scaled by `loss_scale / gradient_accumulation_steps`.
+        """Backward of `loss` scaled by `loss_scale / gradient_accumulation_steps` (and divided by
+        the strategy's `loss_divisor`, N where its reduction then yields the mean).
 
         `ends`: whether this micro-step ends the accumulation window (`None`: when it is the
         window's `gradient_accumulation_steps`-th). `divided=True`: the caller divided the loss
@@ -317,6 +318,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Detachable):
         gas = self.config.gradient_accumulation_steps
         is_boundary = self._window + 1 == gas if ends is None else bool(ends)
         factor = self.loss_scaler.scale if divided else self.loss_scaler.scale / gas
+        factor /= self.strategy.loss_divisor  # 1, or N: Note [averaging at the loss] (stage 3)
         self.strategy.backward_begins(is_boundary)
         with ranges.range("zero.backward"):
             # In fp32, so that an fp16 loss times 2**16 does not overflow before backward starts.

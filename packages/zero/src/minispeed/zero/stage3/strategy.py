@@ -109,6 +109,7 @@ class Stage3Strategy(ShardStrategy):
         self.persistent = persistent
         self.units, self.coordinator, self._handles = units, coordinator, module_hooks
         self.zeropp, self.reducer = zeropp, reducer  # ZeroPP or None; GradShardReducer
+        self.loss_divisor = reducer.loss_divisor  # Note [averaging at the loss]
         # offload_param (stage3/offloaded.py, through `offload_params`): where released shards
         # live, the parameters that live there, and its record of failed file I/O.
         self.param_home: ShardHome | None = None
@@ -247,6 +248,20 @@ class Stage3Strategy(ShardStrategy):
 # ``reduce_bucket_numel`` elements per message.
 _ALONE_NUMEL = 1 << 18
 
+# Note [averaging at the loss]
+# The reduce-scatter sums N ranks' gradients; the optimizer wants their mean. Dividing the reduced
+# row afterwards is a pass over every gradient shard (Ψ/N elements a step: 16 ms of a 2.3 s step
+# at 33.9M on 2 gloo ranks, the main thread's CPU in ``mul``). When N is a power of two the
+# reducer asks the optimizer to divide the loss by N instead (``loss_divisor``; one scalar
+# multiply): backward then produces every gradient already divided by N, exactly, since scaling
+# by 2^-k commutes with rounding through the linear maps backward is made of (results differ
+# only where a value would fall below fp32's normal range, ~1e-38). comm's reduce-scatter writes
+# the summed row into a compact (cols,) tensor given to it (out of place: comm's ring on 2 gloo
+# ranks then receives straight into it, with no scratch), and that tensor is the gradient shards:
+# no pass at all. fp16 parameters keep the division after the reduction (a gradient N times
+# smaller may underflow in fp16), and so do other N and ZeRO++'s or MiCS's collectives (which
+# reduce, quantize or divide on their own), in place in the compact row.
+
 # Reduce-scatters in flight before the next launch waits for the oldest: bounds staging memory.
 _MAX_IN_FLIGHT = 2
 
@@ -270,13 +285,15 @@ class GradShardReducer:
         reduce_scatter: Any = None,
     ) -> None:
         self.group = group
-        self.world_size = comm.get_world_size(group)
+        self.world_size = n = comm.get_world_size(group)
         self.rank = comm.get_rank(group)
-        self.bucket_numel = bucket_numel
         self.grad_dtype = grad_dtype
         self.overlap = overlap
         # comm.reduce_scatter_tensor, or ZeRO++'s quantized two-hop one (stage3/zeropp_grads.py)
         self.reduce_scatter = reduce_scatter or comm.reduce_scatter_tensor
+        # Note [averaging at the loss]: the optimizer divides the loss by this before backward.
+        exact = n & (n - 1) == 0 and torch.float16 not in {sp.shard.dtype for sp in sps}
+        self.loss_divisor = n if exact and reduce_scatter is None else 1
         # Where each reduced shard goes, sink(sp, averaged_shard): `_keep` here, or ZeRO-Infinity's
         # (stage3/infinity.py), to a swap file. Chosen once, at zero.shard (`redirect`).
         self._sink: Any = self._keep
@@ -331,33 +348,37 @@ class GradShardReducer:
         """Reduce-scatter bucket ``b``: its gradients side by side, missing ones as zeros."""
         self._queue.reap()
         arrived, self._rows[b] = self._rows[b], {}
-        offsets, rows, col = [], [], 0
+        rows = []
         for sp in self._plan[b]:
-            offsets.append((sp, col))
-            col += sp.shard_numel
             got = arrived.pop(sp, None)
             if got is None:  # no gradient on this rank: zeros (Note [a fixed bucket plan])
                 got = sp.shard.new_zeros(self.world_size, sp.shard_numel, dtype=self.grad_dtype)
             rows.append(got)
         staged = torch.cat(rows, dim=1) if len(rows) > 1 else rows[0].contiguous()  # (N, cols)
         del rows  # the full gradients are freed now (unless staged is one of them, uncopied)
-        # In place: this rank's row of the input receives the reduced row (Note [in-place flat
-        # collectives], comm/api_compat.py), so a bucket in flight holds N·cols elements, not more.
+        # comm's ring or a native reduce-scatter writes this rank's reduced row into a compact
+        # (cols,) tensor of its own (the ring on 2 ranks needs no scratch then), which becomes the
+        # gradient shards: no copy out (Note [averaging at the loss]). gloo's all-reduce forms
+        # (`comm.reduce_scatter_as`) write it in place, into this rank's row of the input (Note
+        # [in-place flat collectives], comm/api_compat.py), copied out in `_deliver`.
+        compact = comm.reduce_scatter_impl(self.group) in ("native", "ring_p2p")
+        row = staged.new_empty(staged.shape[1]) if compact else staged[self.rank]
         with ranges.range("zero3.reduce_scatter"):
-            work = self.reduce_scatter(
-                staged[self.rank], staged.view(-1), group=self.group, async_op=self.overlap
-            )
-        return InFlight(work, lambda: self._deliver(staged, offsets), (staged,))
+            work = self.reduce_scatter(row, staged.ravel(), group=self.group, async_op=self.overlap)
+        return InFlight(work, lambda: self._deliver(row, compact, b), (staged, row))
 
-    def _deliver(self, staged: torch.Tensor, offsets: list[tuple[ShardedParam, int]]) -> None:
-        """The reduction of a bucket completed: average this rank's row into the gradient shards.
+    def _deliver(self, row: torch.Tensor, compact: bool, b: int) -> None:
+        """The reduction of bucket ``b`` completed: ``row`` (cols) holds this rank's summed row.
 
-        The average goes to a compact (cols,) tensor of its own, so the N·cols input is freed
-        with the bucket's record, and the gradient shards made below are views of it.
+        Divided by N here unless the loss was (Note [averaging at the loss]); the gradient shards
+        are views of a compact (cols,) tensor: ``row``, or its copy when it is a row of the input.
         """
-        out = staged[self.rank].mul(1.0 / self.world_size)
-        for sp, col in offsets:
-            self._sink(sp, out[col : col + sp.shard_numel])
+        if self.loss_divisor == 1 or not compact:  # (not compact: a copy, to free the input)
+            row = row.mul(self.loss_divisor / self.world_size)
+        col = 0
+        for sp in self._plan[b]:
+            self._sink(sp, row[col : col + sp.shard_numel])
+            col += sp.shard_numel
 
     def _keep(self, sp: ShardedParam, mine: torch.Tensor) -> None:
         """The default sink: keep this rank's averaged shard (a view at the window's first
