@@ -139,8 +139,7 @@ class StrategyWrapper(ShardStrategy):
 
     def __init__(self, strategy: Any) -> None:
         self._inner = strategy
-        self.io_failures = strategy.io_failures
-        self.grads_in_files = strategy.grads_in_files
+        self.io_failures, self.grads_in_files = strategy.io_failures, strategy.grads_in_files
         self.loss_divisor = strategy.loss_divisor
 
     @property

@@ -317,8 +317,9 @@ class ZeroOptimizer(torch.optim.Optimizer, Detachable):
             )
         gas = self.config.gradient_accumulation_steps
         is_boundary = self._window + 1 == gas if ends is None else bool(ends)
-        factor = self.loss_scaler.scale if divided else self.loss_scaler.scale / gas
-        factor /= self.strategy.loss_divisor  # 1, or N: Note [averaging at the loss] (stage 3)
+        # loss_divisor: 1, or N where the strategy's sum is then the mean (Note [averaging at the
+        # loss] in stage3/strategy.py); a power of two, so the order of the divisions is exact.
+        factor = self.loss_scaler.scale / self.strategy.loss_divisor / (1 if divided else gas)
         self.strategy.backward_begins(is_boundary)
         with ranges.range("zero.backward"):
             # In fp32, so that an fp16 loss times 2**16 does not overflow before backward starts.

@@ -108,8 +108,8 @@ class Stage3Strategy(ShardStrategy):
         self.trained = [sharded[p] for ps in groups for p in ps]
         self.persistent = persistent
         self.units, self.coordinator, self._handles = units, coordinator, module_hooks
-        self.zeropp, self.reducer = zeropp, reducer  # ZeroPP or None; GradShardReducer
-        self.loss_divisor = reducer.loss_divisor  # Note [averaging at the loss]
+        # ZeroPP or None; GradShardReducer; 1 or N (Note [averaging at the loss])
+        self.zeropp, self.reducer, self.loss_divisor = zeropp, reducer, reducer.loss_divisor
         # offload_param (stage3/offloaded.py, through `offload_params`): where released shards
         # live, the parameters that live there, and its record of failed file I/O.
         self.param_home: ShardHome | None = None
@@ -157,12 +157,11 @@ class Stage3Strategy(ShardStrategy):
 
     def fragments(self) -> list[ParamFragment]:
         """Per trained parameter, the slice ``[r·s, r·s + owned)`` this rank holds (padding excluded)."""
-        out = []
-        for g, ps in enumerate(self.groups):
-            for i, p in enumerate(ps):
-                sp = self.sharded[p]
-                out.append(ParamFragment(sp.name, sp.shape, sp.start, sp.owned_numel, g, i, 0))
-        return out
+        return [
+            ParamFragment(sp.name, sp.shape, sp.start, sp.owned_numel, g, i, 0)
+            for g, ps in enumerate(self.groups)
+            for i, sp in enumerate([self.sharded[p] for p in ps])
+        ]
 
     # -- extras -------------------------------------------------------------------------------------
     def offload_params(self, home: Any, offloaded: list[ShardedParam], io_failures: Any) -> None:
@@ -375,10 +374,8 @@ class GradShardReducer:
         """
         if self.loss_divisor == 1 or not compact:  # (not compact: a copy, to free the input)
             row = row.mul(self.loss_divisor / self.world_size)
-        col = 0
-        for sp in self._plan[b]:
-            self._sink(sp, row[col : col + sp.shard_numel])
-            col += sp.shard_numel
+        for sp, mine in zip(self._plan[b], row.split([sp.shard_numel for sp in self._plan[b]])):
+            self._sink(sp, mine)
 
     def _keep(self, sp: ShardedParam, mine: torch.Tensor) -> None:
         """The default sink: keep this rank's averaged shard (a view at the window's first
