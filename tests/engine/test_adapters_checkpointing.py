@@ -64,3 +64,44 @@ def test_what_is_not_implemented_is_refused_by_name(kwargs, word):
     checkpointing.configure(None, contiguous_checkpointing=True)  # a layout: accepted
     with pytest.raises((NotImplementedError, ValueError), match=word):
         checkpointing.configure(None, **kwargs)
+
+
+def test_checkpoint_function_collects_every_output_and_returns_the_tensors():
+    """DeepSpeed's `CheckpointFunction.apply(function, all_outputs, *args)`: `all_outputs` gets
+    every output, non-tensors too; gradients equal plain autograd's, dropout included."""
+    checkpointing.configure(None)
+
+    def run(use_function):
+        torch.manual_seed(0)
+        block = Block()
+        x = torch.randn(4, 8, requires_grad=True)
+        torch.manual_seed(1)
+        if use_function:
+            outputs = []
+            returned = checkpointing.CheckpointFunction.apply(
+                lambda t: (block(t), "tag"), outputs, x
+            )
+            assert outputs[1] == "tag" and returned[0] is outputs[0]
+            out = outputs[0]
+        else:
+            out = block(x)
+        out.square().sum().backward()
+        return x.grad, block.lin.weight.grad
+
+    for got, want in zip(run(True), run(False)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_module_flags_answer_the_settings():
+    """The module-level names Megatron-era code reads, on both DeepSpeed paths."""
+    from minispeed.engine.runtime.activation_checkpointing import checkpointing as long_path
+
+    checkpointing.configure(None, partition_activations=True, checkpoint_in_cpu=True)
+    try:
+        for module in (checkpointing, long_path):
+            assert module.PARTITION_ACTIVATIONS and module.CPU_CHECKPOINT
+            assert module.mp_size == 1 and module.deepspeed_checkpointing_enabled
+            assert module._CUDA_RNG_STATE_TRACKER is module.get_cuda_rng_tracker()
+            assert module._MODEL_PARALLEL_RNG_TRACKER_NAME == "model-parallel-rng"
+    finally:
+        checkpointing.configure(None)
