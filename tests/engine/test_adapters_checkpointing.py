@@ -103,5 +103,7 @@ def test_module_flags_answer_the_settings():
             assert module.mp_size == 1 and module.deepspeed_checkpointing_enabled
             assert module._CUDA_RNG_STATE_TRACKER is module.get_cuda_rng_tracker()
             assert module._MODEL_PARALLEL_RNG_TRACKER_NAME == "model-parallel-rng"
+        checkpointing.partition_activations_in_checkpoint(False)
+        assert not long_path.PARTITION_ACTIVATIONS and long_path.CPU_CHECKPOINT
     finally:
         checkpointing.configure(None)

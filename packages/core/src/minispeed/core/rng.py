@@ -66,21 +66,24 @@ def _device_module() -> object | None:
 
 
 def device_rng_state() -> torch.Tensor:
-    """The accelerator's generator's state (the CPU generator's on a CPU-only accelerator): a new
-    tensor, never changed afterwards."""
+    """The accelerator's generator's state (the current device's; the CPU generator's on a
+    CPU-only accelerator): a new tensor, never changed afterwards."""
     module = _device_module()
     if module is None:
         return torch.get_rng_state()
     return module.get_rng_state(get_accelerator().current_device_index())
 
 
-def set_device_rng_state(state: torch.Tensor) -> None:
-    """Put `state` (from `device_rng_state`) into the accelerator's generator."""
+def set_device_rng_state(state: torch.Tensor, index: int | None = None) -> None:
+    """Put `state` (from `device_rng_state`) into the accelerator's generator (device `index`;
+    None: the current one)."""
     module = _device_module()
     if module is None:
         torch.set_rng_state(state)
     else:
-        module.set_rng_state(state, get_accelerator().current_device_index())
+        module.set_rng_state(
+            state, get_accelerator().current_device_index() if index is None else index
+        )
 
 
 def device_manual_seed(seed: int) -> None:
@@ -172,17 +175,20 @@ class RngSnapshot:
 
     cpu: torch.Tensor
     device: torch.Tensor | None  # None on a CPU-only accelerator (the CPU generator is it)
+    device_index: int = 0  # whose generator `device` is (backward may run on another thread)
     tracked: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @staticmethod
     def capture() -> RngSnapshot:
-        """The states now: the CPU generator, the accelerator's, the tracker's."""
-        device = None if _device_module() is None else device_rng_state()
-        return RngSnapshot(torch.get_rng_state(), device, _TRACKER.get_states())
+        """The states now: the CPU generator, the current device's, the tracker's."""
+        if _device_module() is None:
+            return RngSnapshot(torch.get_rng_state(), None, 0, _TRACKER.get_states())
+        index = get_accelerator().current_device_index()
+        return RngSnapshot(torch.get_rng_state(), device_rng_state(), index, _TRACKER.get_states())
 
     def restore(self) -> None:
         """Put every stream back to this snapshot (the snapshot stays usable again)."""
         torch.set_rng_state(self.cpu)
         if self.device is not None:
-            set_device_rng_state(self.device)
+            set_device_rng_state(self.device, self.device_index)
         _TRACKER.set_states(self.tracked)
