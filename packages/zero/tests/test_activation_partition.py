@@ -38,6 +38,8 @@ def _run(mode: str, group, rank: int) -> dict:
             out = block(x)
         elif mode == "hooks":
             out = checkpoint(block, x, partition_group=group)
+        elif mode == "hooks+offload":
+            out = checkpoint(block, x, offload_to_cpu=True, partition_group=group)
         else:
             out = ReentrantCheckpoint.apply(block, [], (False, group), x)
         out.square().sum().backward()
@@ -52,7 +54,10 @@ def _run(mode: str, group, rank: int) -> dict:
 def _body(rank: int, world_size: int) -> dict:
     group = comm.new_group(list(range(world_size)))
     try:
-        return {mode: _run(mode, group, rank) for mode in ("plain", "hooks", "reentrant")}
+        return {
+            mode: _run(mode, group, rank)
+            for mode in ("plain", "hooks", "hooks+offload", "reentrant")
+        }
     finally:
         rng_tracker().reset()
 
@@ -61,7 +66,7 @@ def test_partitioned_inputs_give_plain_gradients_and_one_gather():
     for result in run_distributed(_body, world_size=2, timeout_s=60):
         plain = result["plain"]
         assert plain["gathers"] == []
-        for mode in ("hooks", "reentrant"):
+        for mode in ("hooks", "hooks+offload", "reentrant"):
             got = result[mode]
             for a, b in zip(got["grads"] + got["after"], plain["grads"] + plain["after"]):
                 assert torch.equal(a, b), mode
