@@ -3,6 +3,8 @@ autograd's (dropout included: the RNG is replayed), kwargs travel, the ds_config
 arguments configure it, parameters get gradients when no input requires grad, and what is not
 implemented is refused by name."""
 
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -53,7 +55,6 @@ def test_parameters_get_gradients_when_no_input_requires_grad():
 @pytest.mark.parametrize(
     "kwargs,word",
     [
-        ({"profile": True}, "profile"),
         (
             {"deepspeed_config": {"activation_checkpointing": {"cpu_checkpoint": True}}},
             "cpu_checkpoint",
@@ -107,3 +108,33 @@ def test_module_flags_answer_the_settings():
         assert not long_path.PARTITION_ACTIVATIONS and long_path.CPU_CHECKPOINT
     finally:
         checkpointing.configure(None)
+
+
+@pytest.mark.parametrize("via", ["checkpoint", "CheckpointFunction"])
+def test_profile_logs_the_forward_and_the_recomputation(via):
+    """`profile` (Megatron-DeepSpeed's `--profile-backward`): one timing line per checkpointed
+    forward and one per recomputation, on both forms."""
+    from minispeed.core.logging import get_logger
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    get_logger().addHandler(handler)
+    checkpointing.configure(None, deepspeed_config={"activation_checkpointing": {"profile": True}})
+    try:
+        assert checkpointing.PROFILE_TIME
+        x = torch.randn(2, 8, requires_grad=True)
+        if via == "checkpoint":
+            out = checkpointing.checkpoint(Block(), x)
+        else:
+            out = checkpointing.CheckpointFunction.apply(Block(), [], x)
+        out.sum().backward()
+    finally:
+        get_logger().removeHandler(handler)
+        checkpointing.configure(None)
+    lines = [r.getMessage() for r in records]
+    assert [line.split(":")[0] for line in lines] == [
+        "activation checkpointing forward",
+        "activation checkpointing recomputation",
+    ]
+    assert all(line.endswith(" ms") for line in lines)

@@ -45,7 +45,8 @@ What is provided, with DeepSpeed 0.19.8's names:
   tensor-parallel rank's slice (the ranks' inputs must be equal, as Megatron's replicated
   activations are); `contiguous_memory_optimization` / `contiguous_checkpointing` (a buffer
   layout) and `number_checkpoints` (that buffer's size) are accepted and change nothing here;
-  `profile` is refused. The module-level flags Megatron-era code reads (`PARTITION_ACTIVATIONS`,
+  `profile` logs each checkpointed forward's and recomputation's time on rank 0 (the
+  accelerator synchronized around each, which serializes its work). The module-level flags Megatron-era code reads (`PARTITION_ACTIVATIONS`,
   `CPU_CHECKPOINT`, `mpu`, `mp_rank`, `mp_size`, ...) answer the current settings (read-only:
   change them through `configure`).
 """
@@ -54,13 +55,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import minispeed.comm as comm
+from minispeed.core import ranges
 from minispeed.core.accelerator import get_accelerator
+from minispeed.core.logging import log_rank0
 from minispeed.core.rng import (
     MODEL_PARALLEL_RNG,
     RngStateError,
@@ -103,6 +107,7 @@ class _Settings:
     partition: bool = False
     contiguous: bool = False
     num_checkpoints: int | None = None
+    profile: bool = False
     mpu: Any = None  # as given: Megatron's mpu or a minispeed grid
     tensor: TensorGroup | None = None  # this rank's tensor-parallel group, read from `mpu`
 
@@ -122,7 +127,7 @@ _FLAGS = {  # DeepSpeed's module globals, answered from the settings (module `__
     "CPU_CHECKPOINT": lambda s: s.cpu_checkpointing,
     "CONTIGUOUS_CHECKPOINTING": lambda s: s.contiguous,
     "SYNCHRONIZE": lambda s: s.synchronize,
-    "PROFILE_TIME": lambda s: False,
+    "PROFILE_TIME": lambda s: s.profile,
     "deepspeed_checkpointing_enabled": lambda s: s.configured,
     "num_layers": lambda s: s.num_checkpoints,
     "mpu": lambda s: s.mpu,
@@ -186,10 +191,6 @@ def configure(
     """Set how `checkpoint` keeps its inputs (see the module docstring). Arguments given here
     override the config's section, as in DeepSpeed; unset ones return to the defaults. `mpu_`
     None keeps the mpu of an earlier call (DeepSpeed's rule)."""
-    if profile:
-        raise NotImplementedError(
-            "checkpointing profile=True is not implemented; use minispeed.profiler instead"
-        )
     section = (
         _section(deepspeed_config)
         if deepspeed_config is not None
@@ -200,6 +201,7 @@ def configure(
         "num_checkpoints": num_checkpoints,
         "offload_to_cpu": checkpoint_in_cpu,
         "synchronize": synchronize,
+        "profile": profile,
     }
     section = dataclasses.replace(section, **{k: v for k, v in given.items() if v is not None})
     apply(section, mpu_ if mpu_ is not None else _SETTINGS.mpu)
@@ -217,6 +219,7 @@ def apply(section: ActivationCheckpointingConfig, mpu: Any = None) -> None:
     _SETTINGS.synchronize = section.synchronize
     _SETTINGS.partition = section.partition_activations
     _SETTINGS.num_checkpoints = section.num_checkpoints
+    _SETTINGS.profile = section.profile
     _SETTINGS.contiguous = False
     _SETTINGS.mpu = mpu
     _SETTINGS.tensor = _tensor_group(mpu)
@@ -246,6 +249,26 @@ def _synchronize() -> None:
         get_accelerator().synchronize()
 
 
+def _timed(function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function`, logging on rank 0 how long each call took: the first is the forward, later
+    ones the recomputation in backward (the `profile` setting)."""
+    calls = 0
+
+    def run(*args: Any) -> Any:
+        nonlocal calls
+        phase = "forward" if calls == 0 else "recomputation"
+        calls += 1
+        get_accelerator().synchronize()
+        start = time.perf_counter()
+        with ranges.range(f"checkpointing.{phase}"):
+            out = function(*args)
+        get_accelerator().synchronize()
+        log_rank0(f"activation checkpointing {phase}: {1e3 * (time.perf_counter() - start):.3f} ms")
+        return out
+
+    return run
+
+
 def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """`function(*args, **kwargs)`, keeping only the inputs for backward (module docstring)."""
     if kwargs:
@@ -257,7 +280,7 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return checkpoint(call, *args, *kwargs.values())
     _synchronize()
     out = _zero_checkpoint(
-        function,
+        _timed(function) if _SETTINGS.profile else function,
         *args,
         offload_to_cpu=_SETTINGS.cpu_checkpointing,
         partition_group=_SETTINGS.partition_group,
@@ -280,7 +303,8 @@ class CheckpointFunction(ReentrantCheckpoint):
     def apply(cls, run_function: Callable[..., Any], all_outputs: list, *args: Any) -> Any:
         keep = (_SETTINGS.cpu_checkpointing, _SETTINGS.partition_group)
         _synchronize()
-        out = super().apply(run_function, all_outputs, keep, *args)
+        run = _timed(run_function) if _SETTINGS.profile else run_function
+        out = super().apply(run, all_outputs, keep, *args)
         _synchronize()
         return out
 

@@ -71,7 +71,6 @@ class ActivationCheckpointingConfig(Section):
             "are ordinary tensors, so either value gives the same numbers and memory",
             also=(True,),  # Megatron-DeepSpeed's configs turn it on with partition_activations
         ),
-        "profile": ds_only(False, "time checkpointed regions with minispeed.profiler"),
     }
 
     partition_activations: bool = key("partition_activations", False)
@@ -85,6 +84,10 @@ class ActivationCheckpointingConfig(Section):
     such buffer, so it is accepted and unused (null: every call)."""
     synchronize: bool = key("synchronize_checkpoint_boundary", False)
     """Synchronize the accelerator before and after each checkpointed forward."""
+    profile: bool = key("profile", False)
+    """Log the time of each checkpointed forward and of its recomputation in backward (rank 0;
+    `deepspeed.checkpointing`'s option: the accelerator is synchronized around each, which
+    serializes the device's work)."""
 
 
 class _KeptInputs:
