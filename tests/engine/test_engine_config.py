@@ -121,14 +121,6 @@ def test_sections_reach_their_packages() -> None:
         ),
         ({"tensor_parallel": {"autotp_sise": 2}}, "tensor_parallel.autotp_sise", "'autotp_size'"),
         ({"communication_data_type": "fp16"}, "communication_data_type", "grad_accum_dtype"),
-        (  # nothing to partition over without tensor parallelism; refused with it
-            {
-                "activation_checkpointing": {"partition_activations": True},
-                "tensor_parallel": {"autotp_size": 2},
-            },
-            "activation_checkpointing.partition_activations",
-            "2 model-parallel ranks",
-        ),
         (
             {"activation_checkpointing": {"contiguous_memory_optimization": 1}},
             "activation_checkpointing.contiguous_memory_optimization",

@@ -24,8 +24,7 @@ What this module owns, and nothing more:
   anything else is an unknown key with a did-you-mean;
 - **what one section needs from another**: ZeRO gets the accumulation steps, the clipping norm
   and `aio`; the pipeline gets the batch and the stage count; `communication_data_type` must
-  be the gradients' dtype; `activation_checkpointing.partition_activations` needs no tensor
-  parallelism.
+  be the gradients' dtype.
 
 Every check is local (no collective): each rank parses the same file and fails the same way
 before the first collective, so a bad config never hangs a job. Every error starts with the key
@@ -454,9 +453,6 @@ class EngineConfig(Section):
             kwargs.get("fp16"), kwargs.get("bf16"), kwargs.get("data_types")
         )
         _check_communication_dtype(kwargs.get("communication_data_type"), kwargs["precision"])
-        tensor = kwargs.get("tensor_parallel", TensorParallelConfig())
-        if kwargs.get("activation_checkpointing") is not None:
-            kwargs["activation_checkpointing"].check_model_parallel(tensor.size)
         if ds.get("pipeline") is not None or pipeline_stages is not None:
             kwargs["pipeline"] = PipelineConfig.from_section(
                 ds.get("pipeline"),
