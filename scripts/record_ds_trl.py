@@ -13,10 +13,16 @@ tokenizer built in memory (no download), and for each of ZeRO-2 and ZeRO-3:
   *before* the Trainer fills its `"auto"` values, with sizes added as dotted top-level keys
   (`"zero_optimization.reduce_bucket_size"`), and at ZeRO-2 turned to stage 0. Its loss, reward
   margins and log-probabilities over 5 steps (the first updates at a warm-up learning rate of
-  0, so rewards leave 0 at step 4).
+  0, so rewards leave 0 at step 4);
+- at ZeRO-3 only: `GRPOTrainer` with a reward function and a KL term (`beta`), so TRL samples
+  completions with `generate` inside `GatheredParameters` of the whole model, stripping and
+  restoring DeepSpeed's module hooks around it (`parameter_offload`), and prepares a reference
+  model at ZeRO-3 without an optimizer; `RewardTrainer` on a `LlamaForSequenceClassification`
+  loaded partitioned.
 
 Recorded per optimizer step: what the trainer logs (loss, gradient norm, DPO's rewards and
-log-probabilities). The accelerate state is started as in `record_ds_trainer.py` (gloo on a
+log-probabilities, GRPO's reward, KL and completion length, the reward model's accuracy and
+margin). The accelerate state is started as in `record_ds_trainer.py` (gloo on a
 CPU-only host).
 
 Recorded on DeepSpeed 0.19.8 (TRL 1.16, PEFT 0.21), 2 gloo processes on the CPU:
@@ -43,8 +49,22 @@ from accelerate.state import AcceleratorState, GradientState
 from datasets import Dataset
 from peft import LoraConfig
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+    PreTrainedTokenizerFast,
+)
+from trl import (
+    DPOConfig,
+    DPOTrainer,
+    GRPOConfig,
+    GRPOTrainer,
+    RewardConfig,
+    RewardTrainer,
+    SFTConfig,
+    SFTTrainer,
+)
 
 FIXTURE = Path(__file__).resolve().parents[1] / "tests/engine/fixtures/ds_trl.json"
 WORDS = [f"w{i}" for i in range(120)]
@@ -77,7 +97,12 @@ RUNS = {
     for stage in (2, 3)
     for kind, steps, lr in (("sft", 3, 1e-3), ("sft_lora", 3, 1e-2), ("dpo", 5, 2e-2))
 }
-LOGGED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "logps/chosen")
+RUNS |= {"grpo-z3": (3, "grpo", 3, 1e-2), "reward-z3": (3, "reward", 3, 1e-2)}
+LOGGED = (
+    "loss", "grad_norm", "rewards/chosen", "rewards/rejected", "logps/chosen",  # DPO
+    "reward", "kl", "completions/mean_length",  # GRPO
+    "accuracy", "margin",  # the reward model
+)  # fmt: skip
 
 
 def tokenizer():
@@ -108,6 +133,11 @@ def datasets():
     return text, pairs
 
 
+def reward_words(completions, **_):
+    """GRPO's reward: completions of a length ≡ 2 mod 3 and those naming `w5` score higher."""
+    return [float(len(c.split()) % 3) + float("w5" in c.split()) for c in completions]
+
+
 def one_run(name, init, scratch):
     stage, kind, steps, lr = RUNS[name]
     AcceleratorState._reset_state()  # a new trainer starts a new accelerate state
@@ -119,13 +149,28 @@ def one_run(name, init, scratch):
         learning_rate=lr, warmup_steps=1, logging_steps=1, save_strategy="no", bf16=False,
         seed=7, report_to=[], disable_tqdm=True, accelerator_config={"use_configured_state": True},
     )  # fmt: skip
-    model = LlamaForCausalLM.from_pretrained(init)  # under ZeRO-3: built partitioned
-    if kind == "dpo":
+    if kind == "reward":  # a sequence-scoring head on the same body, trained on the pairs
+        model = LlamaForSequenceClassification.from_pretrained(init, num_labels=1)
+        model.config.pad_token_id = 0
+        args = RewardConfig(max_length=16, **common)
+        trainer = RewardTrainer(
+            model=model, args=args, train_dataset=pairs, processing_class=tokenizer()
+        )
+    else:
+        model = LlamaForCausalLM.from_pretrained(init)  # under ZeRO-3: built partitioned
+    if kind == "grpo":  # sampling under ZeRO-3 (TRL gathers every parameter around generate)
+        prompts = Dataset.from_list([{"prompt": p} for p in pairs["prompt"]])
+        args = GRPOConfig(num_generations=4, max_completion_length=6, beta=0.04, **common)
+        trainer = GRPOTrainer(
+            model=model, reward_funcs=reward_words, args=args, train_dataset=prompts,
+            processing_class=tokenizer(),
+        )  # fmt: skip
+    elif kind == "dpo":
         args = DPOConfig(max_length=16, beta=0.1, **common)
         trainer = DPOTrainer(
             model=model, args=args, train_dataset=pairs, processing_class=tokenizer()
         )
-    else:
+    elif kind.startswith("sft"):
         lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
         trainer = SFTTrainer(
             model=model, args=SFTConfig(max_length=16, **common), train_dataset=text,

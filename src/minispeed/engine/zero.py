@@ -83,6 +83,9 @@ for _name, _answer in {
     "ds_tensor": lambda sp: sp.shard,
     "ds_persist": lambda sp: sp.persistent,
     "ds_id": id,
+    # the modules using it, by DeepSpeed's count; minispeed counts holders (ShardedParam.holds),
+    # not modules, so a new empty set: TRL clears it before generating, which changes nothing
+    "ds_active_sub_modules": lambda sp: set(),
 }.items():
     register_param_attribute(_name, _answer)
 
