@@ -45,3 +45,33 @@ def test_the_model_charges_the_gradient_hooks_zero_registers() -> None:
     (rows,) = run_distributed(_hooks, world_size=1, timeout_s=60)
     # (stage, parameters zero hooks, hooks per micro-step the model charges)
     assert rows == [(0, 0, 0), (0, 4, 4), (3, 4, 4)]
+
+
+def _default_bucket(rank: int, world_size: int) -> tuple[int, int, int, int]:
+    import minispeed.zero as zero
+    from minispeed.profiler import Machine, perf_model, predict_step
+
+    machine = Machine({64: 1e9}, hook_s_per_grad=T_HOOK)
+    model = nn.Linear(800, 800)  # 640,800 elements: over 500,000, within zero's 6,553,600
+    numel = sum(p.numel() for p in model.parameters())
+    opt = zero.shard(model, torch.optim.SGD(model.parameters(), lr=0.1))  # zero's defaults
+    hooked = sum(1 for p in model.parameters() if getattr(p, "_post_accumulate_grad_hooks", None))
+    opt.close()
+    pred = predict_step(
+        machine, flops_per_step=1.0, num_params=numel, num_tensors=2, stage=0,
+        world_size=world_size, micro_steps=A,
+    )  # fmt: skip
+    planned = zero.ZeroConfig().bucket_numel(4)
+    return planned, perf_model.default_bucket_numel(4), hooked, round(pred.hooks_s / T_HOOK)
+
+
+def test_with_no_bucket_given_the_model_uses_zeros_default_plan() -> None:
+    """`predict_step` without `bucket_numel` prices zero's own default buckets (5e8 elements
+    capped at 25 MiB: 6,553,600 fp32), by the rule zero plans them with
+    (`core.gradient_buckets.planned_bucket_numel`). Before, it assumed 500,000 elements and
+    charged hooks zero does not register for a model between the two."""
+    ((planned, modelled, hooked, charged),) = run_distributed(
+        _default_bucket, world_size=1, timeout_s=60
+    )
+    assert planned == modelled == 6_553_600
+    assert hooked == charged == 0
