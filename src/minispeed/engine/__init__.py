@@ -230,7 +230,8 @@ def initialize(
     # 4. Activation checkpointing, for model code that calls `deepspeed.checkpointing.checkpoint`.
     if cfg.activation_checkpointing is not None:
         with composition.step("activation checkpointing", keys=("activation_checkpointing",)) as s:
-            checkpointing.apply(cfg.activation_checkpointing)
+            # partition_activations splits the kept inputs over the grid's tensor axis
+            checkpointing.apply(cfg.activation_checkpointing, grid if tensor > 1 else None)
             s.did("deepspeed.checkpointing.checkpoint configured (for model code that calls it)")
     # A `minispeed tune` trial's recorder counts the model before anything is partitioned.
     recorder = None if trial is None else TrialRecorder(trial, model)

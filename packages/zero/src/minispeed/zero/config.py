@@ -90,6 +90,7 @@ class ZeroConfig(Section):
     """
 
     ds_path: ClassVar[str] = "zero_optimization"
+    ds_auto_is_default: ClassVar[bool] = True  # DeepSpeed: "auto" is the default
     # DeepSpeed keys ZeRO implements at one value only: accepted at that value (its default).
     ds_unsupported: ClassVar[dict[str, Unsupported]] = {
         "allgather_partitions": ds_only(
