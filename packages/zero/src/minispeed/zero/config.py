@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from minispeed.core.config import check_top_level_spelling, field_error
+from minispeed.core.gradient_buckets import DEFAULT_BUCKET_NUMEL, planned_bucket_numel
 from minispeed.core.sections import (
     Section,
     Unsupported,
@@ -46,16 +47,16 @@ _PERSISTENCE = "one persistence rule, per parameter: use param_persistence_thres
 _GRANULARITY = "fetch units are modules as written, never merged"
 _DEPRECATED = "deprecated by DeepSpeed (false, like its default null, means off)"
 
-# DeepSpeed's default bucket size for reduce_bucket_size / allgather_bucket_size: 5e8 elements.
-_DS_BUCKET_DEFAULT = 500_000_000
 # The offload sections' classes, in minispeed.offload (imported only when a section is given).
 _OFFLOAD_OPTIMIZER = "minispeed.offload.config:OffloadOptimizerConfig"
 _OFFLOAD_PARAM = "minispeed.offload.config:OffloadParamConfig"
 
 # Note [bucket sizes are upper bounds]
 # `reduce_bucket_numel` bounds a gradient bucket; the plan cuts buckets of at most
-# `BUCKET_CAP_BYTES` (PyTorch DDP's 25 MiB) whatever larger bound is given. DeepSpeed's default,
-# 5e8 elements, makes one bucket of the whole model, which costs three ways, measured at 33.9M
+# `BUCKET_CAP_BYTES` (PyTorch DDP's 25 MiB) whatever larger bound is given: the rule is
+# `core.gradient_buckets.planned_bucket_numel`, which the profiler's step-time model reads too
+# (its default bucket is this plan at the default bound). DeepSpeed's default, 5e8 elements,
+# makes one bucket of the whole model, which costs three ways, measured at 33.9M
 # parameters on 2 gloo ranks: (1) nothing is reduced until backward ends (no overlap); (2) a
 # transient bucket (stage 2's staging, stage 3's) of Ψ elements is a fresh allocation each step,
 # and above glibc's largest mmap threshold (32 MiB) every one comes back from the kernel as new
@@ -64,7 +65,6 @@ _OFFLOAD_PARAM = "minispeed.offload.config:OffloadParamConfig"
 # elements, none at 6.5M). Buckets at or below 25 MiB are reused by the allocator and overlap with
 # backward, like DDP's. The bytes sent are the same; only the number of calls grows (at most
 # Ψ·g / 25 MiB calls, five for 33.9M fp32 parameters). Smaller bounds are taken as given.
-BUCKET_CAP_BYTES = 25 * 2**20
 
 # Note [overlap_comm's default]
 # When a DeepSpeed config leaves `overlap_comm` out, DeepSpeed turns it on at stage 3 only. Its
@@ -160,12 +160,12 @@ class ZeroConfig(Section):
     stage: int = key("stage", 0, schema={"enum": [0, 1, 2, 3]})
     """0 = plain data parallel (bucketed all-reduce), 1 = + optimizer states partitioned, 2 = +
     gradients partitioned, 3 = + parameters partitioned (DeepSpeed `stage`)."""
-    reduce_bucket_numel: int = key("reduce_bucket_size", _DS_BUCKET_DEFAULT)
+    reduce_bucket_numel: int = key("reduce_bucket_size", DEFAULT_BUCKET_NUMEL)
     """Most elements per gradient-reduction bucket (DeepSpeed `reduce_bucket_size`, which counts
     elements too). Smaller buckets overlap more with backward; larger ones make fewer calls. An
     upper bound: buckets are cut at 25 MiB at most (`bucket_numel`, Note [bucket sizes are upper
     bounds])."""
-    allgather_bucket_numel: int = key("allgather_bucket_size", _DS_BUCKET_DEFAULT)
+    allgather_bucket_numel: int = key("allgather_bucket_size", DEFAULT_BUCKET_NUMEL)
     """Elements per parameter all-gather call after the step, stages 1-2 (DeepSpeed
     `allgather_bucket_size`)."""
     overlap_comm: bool = key(
@@ -287,8 +287,9 @@ class ZeroConfig(Section):
 
     def bucket_numel(self, element_size: int) -> int:
         """Elements per gradient bucket as planned: `reduce_bucket_numel`, at most
-        `BUCKET_CAP_BYTES` of `element_size`-byte elements (Note [bucket sizes are upper bounds])."""
-        return max(1, min(self.reduce_bucket_numel, BUCKET_CAP_BYTES // element_size))
+        `core.gradient_buckets.BUCKET_CAP_BYTES` of `element_size`-byte elements
+        (`planned_bucket_numel`: Note [bucket sizes are upper bounds])."""
+        return planned_bucket_numel(self.reduce_bucket_numel, element_size)
 
     def __post_init__(self) -> None:
         super().__post_init__()
