@@ -224,8 +224,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Detachable):
         carry = getattr(strategy, "carry_flags", None)
         self.flags_in_bucket = bool(model_parallel is None and carry and carry(self._params))
         # Carried flags are marked by the reducer's own hooks, and a strategy that sees every
-        # gradient marks them itself (Note [the reducer marks the used parameters] in
-        # reducer.py): no marker hook of ours then.
+        # gradient marks them itself (Note [the reducer marks the used parameters]): no hook.
         self._marked_by_strategy = strategy.marks_used(self._params)
         self._hooks = [
             p.register_post_accumulate_grad_hook(_used_marker(self._used, k))
@@ -447,9 +446,8 @@ class ZeroOptimizer(torch.optim.Optimizer, Detachable):
         ]
         if unfrozen:  # See Note [requires_grad is fixed at shard time]
             self._agreement[0] = float(unfrozen[-1] + 2)
-        if self._marked_by_strategy:
-            self._used[:] = self.strategy.used_marks()
-        used = torch.tensor(self._used, dtype=torch.uint8)  # slots 1..n: 1.0 where used
+        marks = self.strategy.used_marks() if self._marked_by_strategy else self._used
+        used = torch.tensor(marks, dtype=torch.uint8)  # slots 1..n: 1.0 where used
         self._agreement[1 : 1 + len(self._used)].copy_(used)
         self._used[:] = bytes(len(self._used))
         if self._io is not None:  # writes still in flight must land (or fail) before the vote
