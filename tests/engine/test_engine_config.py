@@ -278,3 +278,62 @@ def test_a_dotted_path_at_the_top_level_is_ignored_as_deepspeed_does(caplog) -> 
     assert '{"zero_optimization": {"stage3_prefetch_bucket_size": ...}}' in caplog.text
     with pytest.raises(ConfigError, match=r"zero_optimisation\.stage: unknown key"):
         EngineConfig.from_ds_config({**base, "zero_optimisation.stage": 3})
+
+
+# axolotl's zero3_bf16.json (bf16 off on the CPU): every stage-3 count 0, DeepSpeed's "none"
+AXOLOTL_ZEROS = {
+    "stage": 3,
+    "overlap_comm": True,
+    "contiguous_gradients": True,
+    "sub_group_size": 0,
+    "reduce_bucket_size": "auto",
+    "stage3_prefetch_bucket_size": "auto",
+    "stage3_param_persistence_threshold": "auto",
+    "stage3_max_live_parameters": 0,
+    "stage3_max_reuse_distance": 0,
+    "stage3_gather_16bit_weights_on_model_save": True,
+}
+
+
+def _zeros_steps(rank: int, world_size: int, zero: dict) -> list[float]:
+    import torch
+
+    import minispeed.engine as deepspeed
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config={
+            "train_batch_size": 4,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "zero_optimization": zero,
+        },
+    )
+    losses = []
+    for step in range(3):
+        x = torch.randn(2, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        loss = engine(x).square().mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_zero_counts_of_deepspeeds_configs_train_as_the_defaults() -> None:
+    """`0` for the prefetch bucket, live parameters, reuse distance, persistence threshold and
+    sub-group size is DeepSpeed's "none" (axolotl ships it): accepted, and the same steps as the
+    defaults (they change what is kept gathered and when, never a value)."""
+    from minispeed.core.testing import run_distributed
+
+    zeros = run_distributed(_zeros_steps, world_size=2, args=(AXOLOTL_ZEROS,), timeout_s=120)
+    plain = run_distributed(_zeros_steps, world_size=2, args=({"stage": 3},), timeout_s=120)
+    assert zeros == plain
+    with pytest.raises(ConfigError, match="stage3_max_live_parameters: must be >= 0"):
+        EngineConfig.from_ds_config(
+            {
+                "train_batch_size": 4,
+                "zero_optimization": {"stage": 3, "stage3_max_live_parameters": -1},
+            }
+        )

@@ -200,7 +200,8 @@ class ZeroConfig(Section):
     """Most master elements the inner optimizer steps in one call, every stage (DeepSpeed
     `sub_group_size`, which DeepSpeed reads for stage 3 only): bounds the step's temporaries to
     about max(sub_group_numel, largest fragment)·4 bytes per temporary instead of Ψ/N·4, at one
-    `optimizer.step()` call per sub-group. See Note [optimizer sub-groups] in optimizer.py."""
+    `optimizer.step()` call per sub-group (0: one per parameter, as DeepSpeed). See Note [optimizer
+    sub-groups] in optimizer.py."""
 
     # -- stage 3 (read by minispeed.zero.stage3) ------------------------------------------------
     # Each stage3_* key also under its DeepSpeed pydantic field name (DeepSpeed takes both).
@@ -209,7 +210,7 @@ class ZeroConfig(Section):
     )
     """Most elements fetched ahead of use by the stage-3 prefetcher (`stage3_prefetch_bucket_size`);
     at most one 4M-element chunk is ahead at a time whatever this says (Note [a prefetch stays one
-    chunk ahead] in stage3/prefetch.py)."""
+    chunk ahead] in stage3/prefetch.py); 0: no prefetch."""
     stage3_param_persistence_threshold_numel: int = key(
         "stage3_param_persistence_threshold", 100_000, aliases=("param_persistence_threshold",)
     )
@@ -218,7 +219,8 @@ class ZeroConfig(Section):
     stage3_max_live_numel: int = key(
         "stage3_max_live_parameters", 1_000_000_000, aliases=("max_live_parameters",)
     )
-    """Upper bound on gathered parameter elements alive at once (`stage3_max_live_parameters`)."""
+    """Upper bound on gathered parameter elements alive at once (`stage3_max_live_parameters`);
+    it stops prefetching, never a fetch a module needs (0: no prefetch)."""
     stage3_max_reuse_distance_numel: int = key(
         "stage3_max_reuse_distance", 1_000_000_000, aliases=("max_reuse_distance",)
     )
@@ -307,9 +309,6 @@ class ZeroConfig(Section):
             "reduce_bucket_numel",
             "allgather_bucket_numel",
             "gradient_accumulation_steps",
-            "stage3_prefetch_bucket_numel",
-            "stage3_max_live_numel",
-            "sub_group_numel",
         ):
             if getattr(self, name) < 1:
                 raise field_error(
@@ -318,7 +317,15 @@ class ZeroConfig(Section):
                     f"must be >= 1, got {getattr(self, name)}; a bucket holds at least one "
                     f"element (use a positive count, e.g. 500_000_000)",
                 )
-        for name in ("stage3_param_persistence_threshold_numel", "stage3_max_reuse_distance_numel"):
+        # 0 is DeepSpeed's too (axolotl's and others' configs write it): no prefetch, nothing
+        # kept gathered past its use, one sub-group per parameter, nothing persistent or reused.
+        for name in (
+            "stage3_prefetch_bucket_numel",
+            "stage3_max_live_numel",
+            "sub_group_numel",
+            "stage3_param_persistence_threshold_numel",
+            "stage3_max_reuse_distance_numel",
+        ):
             if getattr(self, name) < 0:
                 raise field_error(self, name, f"must be >= 0, got {getattr(self, name)}")
         if self.stage3_trace_check not in ("off", "first", "every"):
