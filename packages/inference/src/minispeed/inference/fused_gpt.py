@@ -195,6 +195,7 @@ class InferenceGPT(nn.Module):
         # itself when tied); the fp32 tables are not referenced.
         self.wte: nn.Module = Int8Embedding(wte) if int8 else wte
         self.head_q: Int8Embedding | None = None
+        self._plans: dict = {}  # (batch, id(op)) -> GPTDecodePlan or None: see _decode_plan
         if int8:
             self.head_q = self.wte if head_weight is None else Int8Embedding(head_weight)
             self.head_weight = None
@@ -227,7 +228,7 @@ class InferenceGPT(nn.Module):
 
     def _run(
         self, idx: torch.Tensor, positions: torch.Tensor, attend: Attend | None,
-        last_only: bool = False,
+        last_only: bool = False, plan: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:  # fmt: skip
         # Token ids and positions built on the host (generate, the batcher) go to the weights'
         # device here, once per forward (a no-op when they are already there).
@@ -238,16 +239,18 @@ class InferenceGPT(nn.Module):
                 "generate fewer tokens or start a new sequence"
             )
         with kernels.pinned_op():  # the op is looked up once per forward, not per kernel call
-            return self._run_blocks(idx, positions, attend, last_only)
+            return self._run_blocks(idx, positions, attend, last_only, plan)
 
     def _run_blocks(
         self, idx: torch.Tensor, positions: torch.Tensor, attend: Attend | None,
-        last_only: bool = False,
+        last_only: bool = False, plan: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:  # fmt: skip
         x = self.wte(idx)  # (B, T, C)
         if self.wpe is not None:
             x = x + self.wpe(positions)
-        for layer, block in enumerate(self.blocks):
+        if plan is not None:  # the blocks as raw op calls: see decode_plan.py
+            x = plan(x)
+        for layer, block in enumerate(self.blocks if plan is None else ()):
             if getattr(block, "is_fused", False):
                 x = block(x, layer, attend or self._full_attention, positions)
             elif attend is None:
@@ -321,6 +324,23 @@ class InferenceGPT(nn.Module):
             cache.advance(s, T)
         return logits
 
+    def _decode_plan(self, batch: int, cache: PagedKVCache):
+        """The `GPTDecodePlan` of this model at `batch` rows for the op in force, kept per
+        (batch, op) and dropped when the model moves (`_apply`); None where it does not apply."""
+        from minispeed.inference.decode_plan import GPTDecodePlan  # it imports this module
+
+        op = kernels.load_op()
+        if op is None or not cache.k[0].is_cpu:
+            return None
+        key = (batch, id(op))
+        if key not in self._plans:
+            self._plans[key] = GPTDecodePlan.build(self, op, batch)
+        return self._plans[key]
+
+    def _apply(self, fn, recurse=True):  # .to(), .cuda(), .float(): the plans' addresses go stale
+        self._plans.clear()
+        return super()._apply(fn, recurse)
+
     def decode(self, tokens: torch.Tensor, cache: PagedKVCache, seq_ids: list[int]) -> torch.Tensor:
         """Logits `(B, V)` for one new token per sequence (`tokens` `(B,)`), reading the cache."""
         B = len(seq_ids)
@@ -344,7 +364,9 @@ class InferenceGPT(nn.Module):
             return y.view(B, 1, -1)
 
         pos = torch.tensor(positions, device=tokens.device)[:, None]
-        logits = self._run(tokens[:, None], pos, attend)[:, 0]
+        plan = self._decode_plan(B, cache)
+        run_plan = None if plan is None else (lambda x: plan.run(x, cache, slots, tables, seq_lens))
+        logits = self._run(tokens[:, None], pos, attend, plan=run_plan)[:, 0]
         for s in seq_ids:
             cache.advance(s, 1)
         return logits
