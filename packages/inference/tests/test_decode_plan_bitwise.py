@@ -1,4 +1,5 @@
-"""The decode step's blocks as raw op calls (decode_plan.py) give the block loop's logits bit for bit."""
+"""The decode step's blocks as raw op calls (decode_plan.py: GPT, GPT-2, LLaMA) give the block
+loop's logits bit for bit."""
 
 from __future__ import annotations
 
@@ -20,6 +21,12 @@ def _models(gpt_module):
         embd_pdrop=0.0, attn_pdrop=0.0, eos_token_id=0, bos_token_id=0,
     )  # fmt: skip
     yield "gpt2", transformers.GPT2LMHeadModel(hf).eval()  # Conv1D (K, N) weights, tanh GeLU
+    llama = transformers.LlamaConfig(
+        vocab_size=53, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=40,
+        bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
+    yield "llama", transformers.LlamaForCausalLM(llama).eval()  # RMSNorm, rotary, GQA, SwiGLU
 
 
 def _decode_logits(engine, prompts: torch.Tensor, steps: int) -> list[torch.Tensor]:

@@ -327,14 +327,14 @@ class InferenceGPT(nn.Module):
     def _decode_plan(self, batch: int, cache: PagedKVCache):
         """The `GPTDecodePlan` of this model at `batch` rows for the op in force, kept per
         (batch, op) and dropped when the model moves (`_apply`); None where it does not apply."""
-        from minispeed.inference.decode_plan import GPTDecodePlan  # it imports this module
+        from minispeed.inference import decode_plan  # it imports this module
 
         op = kernels.load_op()
         if op is None or not cache.k[0].is_cpu:
             return None
         key = (batch, id(op))
         if key not in self._plans:
-            self._plans[key] = GPTDecodePlan.build(self, op, batch)
+            self._plans[key] = decode_plan.build(self, op, batch)
         return self._plans[key]
 
     def _apply(self, fn, recurse=True):  # .to(), .cuda(), .float(): the plans' addresses go stale
@@ -365,7 +365,9 @@ class InferenceGPT(nn.Module):
 
         pos = torch.tensor(positions, device=tokens.device)[:, None]
         plan = self._decode_plan(B, cache)
-        run_plan = None if plan is None else (lambda x: plan.run(x, cache, slots, tables, seq_lens))
+        run_plan = None
+        if plan is not None:
+            run_plan = lambda x: plan.run(x, cache, slots, tables, seq_lens, pos)  # noqa: E731
         logits = self._run(tokens[:, None], pos, attend, plan=run_plan)[:, 0]
         for s in seq_ids:
             cache.advance(s, 1)
