@@ -351,7 +351,7 @@ class InferenceGPT(nn.Module):
         shape, kv_shape = (B, self.n_head, self.head_dim), (B, self.n_kv_head, self.head_dim)
         tables, seq_lens = kernels.check_decode_inputs(
             shape, cache.k[0], cache.v[0], cache.block_tables(seq_ids),
-            torch.tensor(positions, dtype=torch.int32, device=cache.k[0].device) + 1,
+            torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=cache.k[0].device),
         )  # fmt: skip
         slots = cache.next_slots(seq_ids)
 
