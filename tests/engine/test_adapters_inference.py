@@ -166,3 +166,10 @@ def test_a_model_without_a_policy_runs_as_written(caplog, monkeypatch):
         torch.testing.assert_close(engine.generate(ids, max_new_tokens=3, do_sample=False), want)
     with pytest.raises(ValueError, match="no injection policy recognises OPTForCausalLM"):
         init_inference(model, dtype=torch.int8)
+    # a tensor-parallel size of 1 splits nothing (DeepSpeed's scripts write it out): the same
+    for one in ({"tp_size": 1}, {"tp_size": 1, "enabled": True}):
+        with torch.no_grad():
+            got = init_inference(model, dtype=torch.float32, tensor_parallel=one).generate(
+                ids, max_new_tokens=3, do_sample=False
+            )
+        torch.testing.assert_close(got, want)

@@ -9,7 +9,8 @@ from torch import nn
 
 from minispeed.core.testing import run_distributed
 
-CONFIG = {"zero_optimization": {"stage": 3}}
+# "auto" (a Hugging Face config the Trainer has not filled yet) is the key's default, as in DeepSpeed
+CONFIG = {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto"}}
 
 
 def _init_and_gather(rank, world_size):
@@ -19,17 +20,32 @@ def _init_and_gather(rank, world_size):
     with zero.Init(config_dict_or_path=CONFIG, remote_device="none"):
         model = nn.Linear(6, 4)
     held = [p.data.numel() for p in model.parameters()]  # p.numel() is the full shape
+    w = model.weight
+    # DeepSpeed's attributes, which clients read (TRL gathers where ds_status says released)
+    released = (w.ds_status, w.ds_numel, tuple(w.ds_shape), w.ds_tensor.numel(), w.ds_persist)
+    ids = {p.ds_id for p in model.parameters()}
     with zero.GatheredParameters(list(model.parameters())):
         full = model.weight.detach().clone()
+        gathered = w.ds_status
     with zero.GatheredParameters(model.weight, modifier_rank=0):
         if rank == 0:
             model.weight.data.fill_(0.5)
     with zero.GatheredParameters(model.weight):
         kept = bool((model.weight == 0.5).all())
-    return {"held": held, "full": full, "kept": kept}
+    return {
+        "held": held,
+        "full": full,
+        "kept": kept,
+        "released": released,
+        "gathered": gathered,
+        "ids": len(ids),
+        "plain": hasattr(nn.Linear(2, 2).weight, "ds_status"),
+    }
 
 
 def test_init_partitions_and_gathered_parameters_keeps_the_modifiers_change():
+    import minispeed.engine.zero as zero
+
     res = run_distributed(_init_and_gather, world_size=2, timeout_s=120)
     torch.manual_seed(0)
     want = nn.Linear(6, 4).weight.detach()
@@ -37,6 +53,9 @@ def test_init_partitions_and_gathered_parameters_keeps_the_modifiers_change():
         torch.testing.assert_close(r["full"], want, rtol=0, atol=0)  # rank 0's values
         assert r["kept"]
         assert sum(r["held"]) < 6 * 4 + 4  # a shard, not the whole layer
+        assert r["released"] == (zero.ZeroParamStatus.NOT_AVAILABLE, 24, (4, 6), 12, False)
+        assert r["gathered"] == zero.ZeroParamStatus.AVAILABLE
+        assert r["ids"] == 2 and not r["plain"]
 
 
 @pytest.mark.parametrize(

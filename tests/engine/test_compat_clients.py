@@ -14,12 +14,17 @@ runs two recorders unchanged, one after the other in the same processes:
   head (tied decoder) and Mixtral (fused 3-D experts, loaded group by group) through the Trainer
   at ZeRO-3, each loaded with `from_pretrained` into the shards: per-step losses and
   `evaluate()`;
+- `scripts/record_ds_trl.py`: TRL's `SFTTrainer` (plain and with a LoRA adapter, the adapter saved
+  alone) and `DPOTrainer`, whose reference model TRL prepares itself with `deepspeed.initialize`
+  from the ds_config before the Trainer fills its `"auto"` values, with dotted top-level keys,
+  at ZeRO-2 and ZeRO-3; `GRPOTrainer` (sampling under ZeRO-3) and `RewardTrainer` at ZeRO-3:
+  what each logs per step;
 - `scripts/record_ds_accelerate.py`: accelerate's loop (`DummyOptim` / `DummyScheduler`,
   `accumulate`, `clip_grad_norm_`, `save_state` / `load_state`), at ZeRO-2 with the plugin from
   `accelerate launch`'s config and at ZeRO-3 with the plugin in code.
 
 Every number is compared with DeepSpeed's record (`fixtures/ds_trainer.json`,
-`fixtures/ds_hf_families.json`, `fixtures/ds_accelerate.json`) within 2e-4 relative; a resumed run must repeat minispeed's own
+`fixtures/ds_hf_families.json`, `fixtures/ds_trl.json`, `fixtures/ds_accelerate.json`) within 2e-4 relative; a resumed run must repeat minispeed's own
 uninterrupted steps exactly.
 """
 
@@ -38,6 +43,7 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 TRAINER = json.loads((FIXTURES / "ds_trainer.json").read_text())
 ACCELERATE = json.loads((FIXTURES / "ds_accelerate.json").read_text())
 FAMILIES = json.loads((FIXTURES / "ds_hf_families.json").read_text())
+TRL = json.loads((FIXTURES / "ds_trl.json").read_text())
 REL = 2e-4
 LAUNCH = [
     sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch",
@@ -48,7 +54,12 @@ LAUNCH = [
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("compat_clients")
-    scripts = ["record_ds_trainer.py", "record_ds_hf_families.py", "record_ds_accelerate.py"]
+    scripts = [
+        "record_ds_trainer.py",
+        "record_ds_hf_families.py",
+        "record_ds_trl.py",
+        "record_ds_accelerate.py",
+    ]
     return ds_scripts.run_recorder(scripts, out, launcher=LAUNCH)
 
 
@@ -103,3 +114,24 @@ def test_accelerate_examples_save_on_every_rank_as_deepspeed(runs: list[dict]) -
         assert ours["losses"] == pytest.approx(theirs["losses"], rel=REL), rank
         if rank == 0:
             assert ours["saved_model_loss"] == pytest.approx(theirs["saved_model_loss"], rel=REL)
+
+
+@pytest.mark.parametrize("name", sorted(TRL["ranks"][0]))
+def test_trl_trainers_match_deepspeed(runs: list[dict], name: str) -> None:
+    """TRL's SFT (plain and LoRA), DPO, GRPO and reward trainers log DeepSpeed's values at every
+    step. DPO's reference model is TRL's own `deepspeed.initialize` without an optimizer, from a
+    ds_config still holding `"auto"` and TRL's dotted top-level keys: its rewards leave 0 once
+    the policy moves, and match DeepSpeed's only if the reference stayed the initial model.
+    GRPO samples under ZeRO-3 with every parameter gathered and the hooks "stripped"
+    (`parameter_offload`); its KL term is against a ZeRO-3 reference."""
+    for rank, (mine, ref) in enumerate(zip(runs, TRL["ranks"], strict=True)):
+        ours, theirs = mine["record_ds_trl.py"][name], ref[name]
+        _steps_match(ours["steps"], theirs["steps"], f"rank {rank} {name}")
+        last = ours["steps"][-1]
+        if name.startswith("dpo"):
+            assert abs(last["rewards/chosen"]) > 1e-3  # the policy moved
+        if name.startswith("grpo"):
+            assert last["kl"] > 1e-3  # away from the reference
+        if name.startswith("sft_lora") and rank == 0:  # the adapter saved alone
+            assert ours["adapter_keys"] == theirs["adapter_keys"]
+            assert ours["adapter_abs_sum"] == pytest.approx(theirs["adapter_abs_sum"], rel=REL)

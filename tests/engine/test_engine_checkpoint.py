@@ -99,3 +99,35 @@ def test_checkpoint_of_another_model_is_refused_by_name(tmp_path) -> None:
     messages = run_distributed(_other_model, world_size=2, args=(path,), timeout_s=120)
     for message in messages:
         assert "weight" in message or "tok" in message, message
+
+
+def _sixteen_bit(rank: int, world_size: int, path: str) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    model[0].bias.requires_grad_(False)  # frozen: left out by exclude_frozen_parameters
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
+        config={"train_batch_size": 4, "zero_optimization": {"stage": 3}},
+    )  # stage3_gather_16bit_weights_on_model_save left false
+    engine.backward(engine(torch.randn(2, 8)).square().mean())
+    engine.step()
+    state = engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True)
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        whole = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    return {
+        "saved": engine.save_16bit_model(path),
+        "state": None if state is None else {k: torch.equal(v, whole[k]) for k, v in state.items()},
+    }
+
+
+def test_zero3_16bit_state_dict_and_save_as_deepspeed(tmp_path) -> None:
+    """Without `stage3_gather_16bit_weights_on_model_save`, DeepSpeed's
+    `_zero3_consolidated_16bit_state_dict` still gathers (the Trainer calls it to save a PEFT
+    adapter under ZeRO-3), rank 0 holding every parameter and the others None, while
+    `save_16bit_model` writes nothing and returns False."""
+    ranks = run_distributed(_sixteen_bit, world_size=2, args=(str(tmp_path),), timeout_s=120)
+    assert ranks[1]["state"] is None
+    assert ranks[0]["state"] == {"0.weight": True, "1.weight": True, "1.bias": True}
+    assert [r["saved"] for r in ranks] == [False, False]
+    assert not any(tmp_path.iterdir())

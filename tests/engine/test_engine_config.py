@@ -121,14 +121,6 @@ def test_sections_reach_their_packages() -> None:
         ),
         ({"tensor_parallel": {"autotp_sise": 2}}, "tensor_parallel.autotp_sise", "'autotp_size'"),
         ({"communication_data_type": "fp16"}, "communication_data_type", "grad_accum_dtype"),
-        (  # nothing to partition over without tensor parallelism; refused with it
-            {
-                "activation_checkpointing": {"partition_activations": True},
-                "tensor_parallel": {"autotp_size": 2},
-            },
-            "activation_checkpointing.partition_activations",
-            "2 model-parallel ranks",
-        ),
         (
             {"activation_checkpointing": {"contiguous_memory_optimization": 1}},
             "activation_checkpointing.contiguous_memory_optimization",
@@ -243,3 +235,105 @@ def test_hugging_face_auto_batch_sizes_name_who_fills_them() -> None:
         resolve_batch({**ds, "gradient_accumulation_steps": "auto"}, 2)
     assert err.value.path == "train_batch_size"
     assert resolve_batch({**ds, "train_micro_batch_size_per_gpu": 4}, 2) == (8, 4, 1)
+
+
+def test_auto_in_deepspeeds_model_sections_is_the_default() -> None:
+    """A Hugging Face config not yet filled by the Trainer (TRL prepares its reference model
+    from one): `"auto"` in zero_optimization, its offload sections, fp16 and bf16 is the key's
+    default, as DeepSpeed's pydantic models read it; the same config without them is equal."""
+    filled = {
+        "train_batch_size": 4,
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "none"}},
+    }
+    auto = {
+        "train_batch_size": 4,
+        "bf16": {"enabled": "auto"},
+        "fp16": {"enabled": "auto", "loss_scale": "auto"},
+        "zero_optimization": {
+            "stage": 3,
+            "reduce_bucket_size": "auto",
+            "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto",
+            "overlap_comm": "auto",
+            "offload_optimizer": {"device": "none", "pin_memory": "auto"},
+        },
+    }
+    a, b = EngineConfig.from_ds_config(auto), EngineConfig.from_ds_config(filled)
+    assert (a.zero, a.precision) == (b.zero, b.precision)
+    with pytest.raises(ConfigError, match=r"^activation_checkpointing\.partition_activations"):
+        EngineConfig.from_ds_config(  # not one of DeepSpeed's pydantic sections: a bad value
+            {**filled, "activation_checkpointing": {"partition_activations": "auto"}}
+        )
+
+
+def test_a_dotted_path_at_the_top_level_is_ignored_as_deepspeed_does(caplog) -> None:
+    """TRL adds `"zero_optimization.reduce_bucket_size"` at the top level; DeepSpeed reads nested
+    sections only, so the key changes nothing there: here too, with a warning naming the nested
+    form. A dotted key into no known section is still an unknown key."""
+    base = {"train_batch_size": 4, "zero_optimization": {"stage": 3}}
+    dotted = {**base, "zero_optimization.stage3_prefetch_bucket_size": 128.0}
+    with caplog.at_level("WARNING"):
+        cfg = EngineConfig.from_ds_config(dotted)
+    assert cfg.zero == EngineConfig.from_ds_config(base).zero
+    assert '{"zero_optimization": {"stage3_prefetch_bucket_size": ...}}' in caplog.text
+    with pytest.raises(ConfigError, match=r"zero_optimisation\.stage: unknown key"):
+        EngineConfig.from_ds_config({**base, "zero_optimisation.stage": 3})
+
+
+# axolotl's zero3_bf16.json (bf16 off on the CPU): every stage-3 count 0, DeepSpeed's "none"
+AXOLOTL_ZEROS = {
+    "stage": 3,
+    "overlap_comm": True,
+    "contiguous_gradients": True,
+    "sub_group_size": 0,
+    "reduce_bucket_size": "auto",
+    "stage3_prefetch_bucket_size": "auto",
+    "stage3_param_persistence_threshold": "auto",
+    "stage3_max_live_parameters": 0,
+    "stage3_max_reuse_distance": 0,
+    "stage3_gather_16bit_weights_on_model_save": True,
+}
+
+
+def _zeros_steps(rank: int, world_size: int, zero: dict) -> list[float]:
+    import torch
+
+    import minispeed.engine as deepspeed
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config={
+            "train_batch_size": 4,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "zero_optimization": zero,
+        },
+    )
+    losses = []
+    for step in range(3):
+        x = torch.randn(2, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        loss = engine(x).square().mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_zero_counts_of_deepspeeds_configs_train_as_the_defaults() -> None:
+    """`0` for the prefetch bucket, live parameters, reuse distance, persistence threshold and
+    sub-group size is DeepSpeed's "none" (axolotl ships it): accepted, and the same steps as the
+    defaults (they change what is kept gathered and when, never a value)."""
+    from minispeed.core.testing import run_distributed
+
+    zeros = run_distributed(_zeros_steps, world_size=2, args=(AXOLOTL_ZEROS,), timeout_s=120)
+    plain = run_distributed(_zeros_steps, world_size=2, args=({"stage": 3},), timeout_s=120)
+    assert zeros == plain
+    with pytest.raises(ConfigError, match="stage3_max_live_parameters: must be >= 0"):
+        EngineConfig.from_ds_config(
+            {
+                "train_batch_size": 4,
+                "zero_optimization": {"stage": 3, "stage3_max_live_parameters": -1},
+            }
+        )

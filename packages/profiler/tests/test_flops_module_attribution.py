@@ -204,6 +204,36 @@ class _Keep(torch.autograd.Function):
         return grad * 2, None
 
 
+@pytest.mark.parametrize("outside_model", [True, False])
+def test_a_gradient_hook_is_no_modules_work_and_the_accumulation_stays_its(outside_model):
+    """Note [work in a gradient hook]: ZeRO's kind of hook (the gradient scaled by 1/N into a
+    bucket, after `AccumulateGrad`) is no module's backward: the "(outside modules)" row, or
+    uncounted for a `StepProfiler`; the accumulation into an existing `.grad`, in the same
+    node, stays the module's. The received gradient is still stolen into `.grad`, not copied.
+    Before, the hook's C·C FLOPs were charged to the `Linear`."""
+    lin = nn.Linear(C, C, bias=False)
+    slot = torch.empty(C, C)
+
+    def into_bucket(p: torch.Tensor) -> None:
+        torch.mul(p.grad, 0.5, out=slot)
+
+    lin.weight.register_post_accumulate_grad_hook(into_bucket)
+    x = torch.randn(B, C, requires_grad=True)
+    grad_path = 4 * B * C * C  # dX and dW, 2·B·C·C each
+    for existing in (None, torch.zeros(C, C)):
+        lin.weight.grad, x.grad = existing, None
+        with FlopsProfiler(lin, outside_model=outside_model) as prof:
+            lin(x).sum().backward()
+        r = prof.result()
+        added = 0 if existing is None else C * C  # .grad += the new gradient
+        assert r.root.backward.flops == grad_path + added
+        assert r.outside_backward.flops == (C * C if outside_model else 0)  # the hook's mul
+        assert r.backward.flops == r.root.backward.flops + r.outside_backward.flops
+        assert torch.equal(slot, 0.5 * lin.weight.grad)
+        if existing is None:  # stolen, as unprofiled: no copy of the gradient
+            assert not {"aten.clone", "aten.copy_"} & set(r.op_calls), r.op_calls
+
+
 def test_a_profiled_forward_frees_its_graph_like_an_unprofiled_one():
     import gc
     import weakref

@@ -77,9 +77,9 @@ def test_step_profiler_profiles_only_the_configured_step_and_writes_json(tmp_pat
 
 
 def test_a_profiled_step_counts_the_models_forward_not_the_loops_own_work(tmp_path):
-    """Note [the model's forward]: the optimizer's step and the caller's loss run in forward,
-    outside the model; the step's forward total is the model's (DeepSpeed's engine profile), the
-    whole backward is still counted. A plain `FlopsProfiler` keeps counting them."""
+    """Note [the model's forward and backward]: the optimizer's step and the caller's loss run
+    in forward, outside the model; the step's forward total is the model's (DeepSpeed's engine
+    profile), its backward the model's. A plain `FlopsProfiler` keeps counting them."""
     model = _mlp()
     opt = torch.optim.AdamW(model.parameters())
     out = str(tmp_path / "profile.json")
@@ -91,9 +91,10 @@ def test_a_profiled_step_counts_the_models_forward_not_the_loops_own_work(tmp_pa
         opt.step()
     r = steps.profile
     assert r.outside_forward.flops == 0 and r.forward == r.root.forward
+    assert r.outside_backward.flops == 0 and r.backward == r.root.backward
     model.zero_grad()  # no .grad to add into: the same backward as the step's
     alone = _profile(model)  # forward and backward only
-    assert r.forward == alone.root.forward and r.backward == alone.backward
+    assert r.forward == alone.root.forward and r.backward == alone.root.backward
     with FlopsProfiler(model) as prof:
         model(x).sum().backward()
         opt.step()

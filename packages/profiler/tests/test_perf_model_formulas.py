@@ -77,10 +77,10 @@ def test_prediction_is_flops_over_throughput_plus_alpha_beta_per_call():
     pred = predict_step(timed, flops_per_step=2e10, num_params=PSI, stage=1, world_size=2)
     assert pred.optimizer_s == pytest.approx(PSI / 2 * 3e-9)
     # Per parameter tensor: AdamW's fixed cost (every rank steps a fragment of each tensor) and
-    # one gradient hook per tensor and micro-step.
+    # one gradient hook per tensor and micro-step (Ψ in two buckets: zero hooks every gradient).
     per_tensor = dataclasses.replace(timed, adam_s_per_tensor=2e-4, hook_s_per_grad=5e-5)
     pred_t = predict_step(per_tensor, flops_per_step=2e10, num_params=PSI, num_tensors=28,
-                          stage=1, world_size=2, micro_steps=3)  # fmt: skip
+                          stage=1, world_size=2, micro_steps=3, bucket_numel=PSI // 2)  # fmt: skip
     assert pred_t.optimizer_s == pytest.approx(PSI / 2 * 3e-9 + 28 * 2e-4)
     assert pred_t.hooks_s == pytest.approx(3 * 28 * 5e-5)
     assert pred_t.step_s == pytest.approx(pred.step_s + 28 * 2e-4 + 3 * 28 * 5e-5, rel=1e-3)

@@ -1,5 +1,6 @@
-"""`reduce_bucket_numel` is an upper bound: buckets are cut at `BUCKET_CAP_BYTES` at most (Note
-[bucket sizes are upper bounds], config.py), at every stage, with the same losses.
+"""`reduce_bucket_numel` is an upper bound: buckets are cut at `BUCKET_CAP_BYTES` at most
+(`core.gradient_buckets`; Note [bucket sizes are upper bounds], config.py), at every stage, with
+the same losses.
 
 The cap is lowered to 2 KiB for the test (PyTorch DDP's 25 MiB otherwise) and the model is six
 16x16 linears of 1,088 bytes each, so DeepSpeed's default bound (5e8 elements: one bucket of the
@@ -14,8 +15,8 @@ import torch
 from torch import nn
 
 import minispeed.comm as comm
+import minispeed.core.gradient_buckets as gradient_buckets
 import minispeed.zero as zero
-import minispeed.zero.config as zero_config
 from minispeed.core.testing import run_distributed
 
 WIDTH, DEPTH, STEPS = 16, 6, 2
@@ -27,7 +28,7 @@ def _data() -> torch.Tensor:
 
 
 def _train(rank: int, world_size: int, stage: int, cap: int) -> dict:
-    zero_config.BUCKET_CAP_BYTES = cap
+    gradient_buckets.BUCKET_CAP_BYTES = cap
     torch.manual_seed(0)
     model = nn.Sequential(
         *(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(DEPTH))
@@ -55,14 +56,14 @@ def _train(rank: int, world_size: int, stage: int, cap: int) -> dict:
 
 
 def _body(rank: int, world_size: int, stage: int) -> dict:
-    default = zero_config.BUCKET_CAP_BYTES
+    default = gradient_buckets.BUCKET_CAP_BYTES
     try:
         return dict(
             capped=_train(rank, world_size, stage, CAP),
             real=_train(rank, world_size, stage, default),
         )
     finally:  # the worker process serves later tests
-        zero_config.BUCKET_CAP_BYTES = default
+        gradient_buckets.BUCKET_CAP_BYTES = default
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

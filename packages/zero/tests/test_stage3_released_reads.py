@@ -22,7 +22,12 @@ from torch import nn
 
 import minispeed.zero as zero
 from minispeed.core.testing import run_distributed
-from minispeed.zero.stage3 import GatheredParameters, Init, ParameterNotGatheredError
+from minispeed.zero.stage3 import (
+    GatheredParameters,
+    Init,
+    ParameterNotGatheredError,
+    register_param_attribute,
+)
 
 WIDTH = 8
 
@@ -144,7 +149,19 @@ def _body(rank: int, world_size: int) -> dict:
     opt.backward(model(x))  # forward and backward still see gathered values
     opt.step()
     out["shard"] = _reads(model)
+    # an attribute registered for code written for another ZeRO-3 (the engine registers
+    # DeepSpeed's), answered from the parameter's partitioning while stage 3 owns it
+    register_param_attribute("test_full_numel", lambda sp: (sp.numel, sp.state.name))
+    out["attribute"] = model.inp.weight.test_full_numel
+    with GatheredParameters([model.inp.weight]):
+        out["attribute_gathered"] = model.inp.weight.test_full_numel
+    try:
+        register_param_attribute("shape", lambda sp: 0)
+        out["refused"] = "no error"
+    except ValueError as err:
+        out["refused"] = str(err)
     opt.strategy.close()  # a plain model again: plain class, full values, no errors
+    out["attribute_closed"] = hasattr(model.inp.weight, "test_full_numel")
     out["stale"] = _stale_losses()
     out["closed"] = dict(
         plain=type(model.inp.weight) is nn.Parameter, values=_values(model), shapes=_shapes(model)
@@ -181,6 +198,8 @@ def test_released_parameters_answer_or_raise() -> None:
         # After one SGD step, every rank reads the same values (the group's, not its shard).
         assert res["shard"]["gathered"] == results[0]["shard"]["gathered"]
         assert res["closed"]["plain"] and res["closed"]["shapes"] == shapes
+        assert res["attribute"] == (64, "SHARDED") and res["attribute_gathered"] == (64, "GATHERED")
+        assert "attribute of every tensor" in res["refused"] and not res["attribute_closed"]
         assert res["closed"]["values"] == res["shard"]["gathered"]
         stale, plain = res["stale"]
         assert abs(stale - plain) <= 1e-6 * abs(plain), res["stale"]

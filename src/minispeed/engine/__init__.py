@@ -94,6 +94,7 @@ from minispeed.engine.moe.groups import holds_experts as _holds_experts  # isort
 from minispeed.engine.pipe import PipelineModule  # isort: skip
 from minispeed.engine.runtime.config import DeepSpeedConfig, DeepSpeedConfigError  # isort: skip
 from minispeed.engine.runtime.engine import DeepSpeedEngine  # isort: skip
+from minispeed.engine.runtime.zero.parameter_offload import DeepSpeedZeRoOffload as _ZeroOffload  # isort: skip
 from minispeed.engine.runtime.tensor_parallel import tp_model_init  # isort: skip
 from minispeed.engine.utils import OnDevice, log_dist, logger  # isort: skip
 
@@ -230,7 +231,8 @@ def initialize(
     # 4. Activation checkpointing, for model code that calls `deepspeed.checkpointing.checkpoint`.
     if cfg.activation_checkpointing is not None:
         with composition.step("activation checkpointing", keys=("activation_checkpointing",)) as s:
-            checkpointing.apply(cfg.activation_checkpointing)
+            # partition_activations splits the kept inputs over the grid's tensor axis
+            checkpointing.apply(cfg.activation_checkpointing, grid if tensor > 1 else None)
             s.did("deepspeed.checkpointing.checkpoint configured (for model code that calls it)")
     # A `minispeed tune` trial's recorder counts the model before anything is partitioned.
     recorder = None if trial is None else TrialRecorder(trial, model)
@@ -292,6 +294,8 @@ def initialize(
         composition=composition,
     )  # fmt: skip
     engine.forward_only_zero = forward_only  # kept alive with the engine; destroy() closes it
+    if zero_opt is not None and cfg.zero.stage == 3:  # what TRL strips around generate
+        zero_opt.parameter_offload = _ZeroOffload(model)
     return engine, zero_opt, loader, scheduler
 
 

@@ -96,6 +96,7 @@ ADAPTERS: dict[str, str] = {
     "deepspeed.runtime.zero.config": f"{_E}.runtime.zero.config",
     "deepspeed.runtime.zero.offload_config": f"{_E}.runtime.zero.offload_config",
     "deepspeed.runtime.zero.partition_parameters": f"{_E}.runtime.zero.partition_parameters",
+    "deepspeed.runtime.zero.parameter_offload": f"{_E}.runtime.zero.parameter_offload",
     "deepspeed.runtime.zero.stage3": f"{_E}.runtime.zero.stage3",
     "deepspeed.runtime.zero.stage_1_and_2": f"{_E}.runtime.zero.stage_1_and_2",
     "deepspeed.utils": f"{_E}.utils",

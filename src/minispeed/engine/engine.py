@@ -44,7 +44,7 @@ import minispeed.engine.checkpoint.background as ckpt_async
 import minispeed.engine.checkpoint.grid as ckpt
 import minispeed.zero as zero
 from minispeed.core.accelerator import get_accelerator
-from minispeed.core.logging import get_logger
+from minispeed.core.logging import get_logger, warn_once
 from minispeed.engine.checkpoint.calls import CheckpointCalls, Restore
 from minispeed.engine.composition import Composition
 from minispeed.engine.config import EngineConfig
@@ -470,8 +470,18 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
     def save_16bit_model(
         self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin"
     ) -> bool:
-        """Write the model's weights in their training dtype as one `state_dict` file (rank 0)."""
+        """Write the model's weights in their training dtype as one `state_dict` file (rank 0).
+        At stage 3 without `stage3_gather_16bit_weights_on_model_save` nothing is written and it
+        returns False, as DeepSpeed's (with a warning naming the key)."""
         opt = self._require_optimizer("save_16bit_model")
+        if self.config.zero.stage == 3 and not self.zero_gather_16bit_weights_on_model_save():
+            warn_once(
+                f"save_16bit_model did not save the model in {os.fspath(save_dir)!r}: at stage 3 it "
+                "gathers the whole model, which needs "
+                "zero_optimization.stage3_gather_16bit_weights_on_model_save = true (as in "
+                "DeepSpeed, it returns False); or save_checkpoint and `minispeed consolidate`"
+            )
+            return False
         axes = () if self.grid is None else self.grid.topology.axes
         if "tensor" in axes or "pipe" in axes:
             raise NotImplementedError(
@@ -489,13 +499,15 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
         """The model's `state_dict` with whole parameters in their training dtype, on global rank
         0 (None elsewhere), as DeepSpeed's (accelerate and the Trainer call it for `save_model`
         under ZeRO-3); `exclude_frozen_parameters` leaves out those without `requires_grad`.
-        Collective: `zero.full_state_dict` (one all-gather per module at stage 3). Needs
-        `stage3_gather_16bit_weights_on_model_save` at stage 3, as DeepSpeed."""
-        if self.config.zero.stage == 3 and not self.zero_gather_16bit_weights_on_model_save():
+        Collective: `zero.full_state_dict` (one all-gather per module). As DeepSpeed's, it
+        needs stage 3 and not `stage3_gather_16bit_weights_on_model_save`: that key gates the
+        callers (accelerate's `get_state_dict`, `save_16bit_model`), while the Trainer calls
+        this directly to save a PEFT adapter."""
+        if self.config.zero.stage != 3:
             raise ValueError(
-                "_zero3_consolidated_16bit_state_dict gathers the whole model on rank 0; set "
-                "zero_optimization.stage3_gather_16bit_weights_on_model_save to true (or save a "
-                "sharded checkpoint with save_checkpoint and consolidate it)"
+                "_zero3_consolidated_16bit_state_dict needs ZeRO stage 3 (as DeepSpeed's); at "
+                f"stage {self.config.zero.stage} every rank holds whole parameters: use "
+                "engine.module.state_dict()"
             )
         state = zero.full_state_dict(self.module, rank0_only=True)
         if comm.get_rank() != 0:

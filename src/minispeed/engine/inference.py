@@ -34,6 +34,7 @@ DeepSpeed inference key is accepted at its default value and refused, by name, a
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -225,6 +226,9 @@ def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> Infer
                 "init_inference: give tensor_parallel or the deprecated mp_size, not both"
             )
         tp = {"tp_size": mp_size}
+    size = tp.get("tp_size", 1) if isinstance(tp, Mapping) else getattr(tp, "tp_size", 1)
+    if size == 1:  # DeepSpeed's `tensor_parallel={"tp_size": 1}`: no split, as if not given
+        tp = None
     if not inference.is_recognised(model) and dtype == torch.float32 and not tp:
         _log.warning(
             "init_inference: no injection policy recognises %s (minispeed fuses GPT-2, LLaMA "

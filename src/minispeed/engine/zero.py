@@ -47,6 +47,7 @@ from torch import nn
 
 import minispeed.comm as comm
 import minispeed.zero as zero
+from minispeed.zero.stage3 import ParamState, register_param_attribute
 
 __all__ = [
     "GatheredParameters",
@@ -64,6 +65,29 @@ class ZeroParamStatus(enum.Enum):
     AVAILABLE = 1
     NOT_AVAILABLE = 2
     INFLIGHT = 3
+
+
+# DeepSpeed's per-parameter attributes, answered by every stage-3 parameter while stage 3 owns
+# it (minispeed.zero.stage3.register_param_attribute). TRL gathers a head only where
+# `p.ds_status != ZeroParamStatus.AVAILABLE`; transformers and PEFT count parameters with
+# `ds_numel`.
+_DS_STATUS = {
+    ParamState.GATHERED: ZeroParamStatus.AVAILABLE,
+    ParamState.GATHERING: ZeroParamStatus.INFLIGHT,
+    ParamState.SHARDED: ZeroParamStatus.NOT_AVAILABLE,
+}
+for _name, _answer in {
+    "ds_status": lambda sp: _DS_STATUS[sp.state],
+    "ds_numel": lambda sp: sp.numel,
+    "ds_shape": lambda sp: sp.shape,
+    "ds_tensor": lambda sp: sp.shard,
+    "ds_persist": lambda sp: sp.persistent,
+    "ds_id": id,
+    # the modules using it, by DeepSpeed's count; minispeed counts holders (ShardedParam.holds),
+    # not modules, so a new empty set: TRL clears it before generating, which changes nothing
+    "ds_active_sub_modules": lambda sp: set(),
+}.items():
+    register_param_attribute(_name, _answer)
 
 
 class ZeroParamType(enum.Enum):
@@ -84,15 +108,6 @@ def _ds_config(config_dict_or_path: Any, config: Any) -> dict[str, Any] | None:
     if isinstance(given, (str, Path)):
         return json.loads(Path(given).read_text())
     raise TypeError(f"zero.Init: config must be a dict or a JSON path, got {type(given).__name__}")
-
-
-def _without_auto(config: Any) -> Any:
-    """`config` without the entries whose value is `"auto"`: a Hugging Face config's
-    placeholders, which the Trainer fills in only when training starts, after the model was
-    built under `Init` (and which `Init` does not read)."""
-    if not isinstance(config, dict):
-        return config
-    return {k: _without_auto(v) for k, v in config.items() if v != "auto"}
 
 
 class Init(zero.Init):
@@ -133,7 +148,7 @@ class Init(zero.Init):
                     f"zero.Init({name}=...) is not supported by minispeed (see "
                     "docs/engine/deepspeed-paths.md); leave it at its default"
                 )
-        ds_config = _without_auto(_ds_config(config_dict_or_path, config))
+        ds_config = _ds_config(config_dict_or_path, config)
         zero_config = (
             zero.ZeroConfig.from_section(
                 ds_config.get("zero_optimization"), aio=ds_config.get("aio")

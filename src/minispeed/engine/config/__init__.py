@@ -24,8 +24,7 @@ What this module owns, and nothing more:
   anything else is an unknown key with a did-you-mean;
 - **what one section needs from another**: ZeRO gets the accumulation steps, the clipping norm
   and `aio`; the pipeline gets the batch and the stage count; `communication_data_type` must
-  be the gradients' dtype; `activation_checkpointing.partition_activations` needs no tensor
-  parallelism.
+  be the gradients' dtype.
 
 Every check is local (no collective): each rank parses the same file and fails the same way
 before the first collective, so a bad config never hangs a job. Every error starts with the key
@@ -44,6 +43,7 @@ from typing import Any, ClassVar
 
 from minispeed.comm import CommsLoggerConfig
 from minispeed.core.config import BATCH_KEYS, ConfigError, batch_triple, join_path
+from minispeed.core.logging import warn_once
 from minispeed.core.sections import (
     Section,
     Unsupported,
@@ -435,7 +435,7 @@ class EngineConfig(Section):
         """Check every key of `ds` and resolve it (see the module docstring).
         `pipeline_stages`: the PipelineModule's stage count, for a pipeline model (the
         `pipeline` section is then read with it, `"auto"` meaning it)."""
-        ds = dict(ds)
+        ds = _without_dotted_paths(ds)
         # Each package reads its own section (`from_section`); the two that need values from
         # elsewhere in the ds_config are read below, with them.
         with_context = (*BATCH_KEYS, "zero_optimization", "pipeline")
@@ -453,9 +453,6 @@ class EngineConfig(Section):
             kwargs.get("fp16"), kwargs.get("bf16"), kwargs.get("data_types")
         )
         _check_communication_dtype(kwargs.get("communication_data_type"), kwargs["precision"])
-        tensor = kwargs.get("tensor_parallel", TensorParallelConfig())
-        if kwargs.get("activation_checkpointing") is not None:
-            kwargs["activation_checkpointing"].check_model_parallel(tensor.size)
         if ds.get("pipeline") is not None or pipeline_stages is not None:
             kwargs["pipeline"] = PipelineConfig.from_section(
                 ds.get("pipeline"),
@@ -472,6 +469,34 @@ class EngineConfig(Section):
             raw=ds,
         )
         return build(cls, "", kwargs, ds)
+
+
+# Note [a dotted path at the top level]
+# TRL writes the sizes it wants for its reference model as dotted top-level keys
+# (`config["zero_optimization.reduce_bucket_size"] = h * h`), accelerate's spelling for filling
+# in a nested key. DeepSpeed 0.19.8 reads nested sections only and ignores unknown top-level
+# keys, so those keys change nothing there and the run goes on. Refusing them as unknown keys
+# would stop every TRL run; reading them would train differently from DeepSpeed. A top-level key
+# that is a dotted path into a section we read is therefore left out, with a warning naming the
+# nested form that would set it; any other unknown key is still refused with a did-you-mean.
+
+
+def _without_dotted_paths(ds: Mapping[str, Any]) -> dict[str, Any]:
+    """`ds` without its top-level keys that are dotted paths into a known section (Note [a
+    dotted path at the top level]), each reported once."""
+    kept = {}
+    for name, value in ds.items():
+        head, dot, rest = name.partition(".")
+        if dot and rest and head in READ:
+            parts = [head, *rest.split(".")]
+            nested = "".join(f'{{"{p}": ' for p in parts) + "..." + "}" * len(parts)
+            warn_once(
+                f"ds_config key {name!r} is a dotted path at the top level, which DeepSpeed does "
+                f"not read either: it is ignored. To set it, write it nested: {nested}"
+            )
+            continue
+        kept[name] = value
+    return kept
 
 
 def top_level_keys() -> frozenset[str]:

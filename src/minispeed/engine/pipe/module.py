@@ -254,7 +254,3 @@ class PipelineModule(pipeline.PipelineModule):
     def partitions(self) -> list[int]:
         """Same as `parts` (DeepSpeed's method)."""
         return self.parts
-
-    def forward(self, x: Any) -> Any:
-        """Run this stage's layers on `x` (the previous stage's output, or the batch inputs)."""
-        return self.forward_chunk(0, x)

@@ -99,6 +99,7 @@ class CommsLoggerConfig(Section):
     those named, printing each as it goes if asked."""
 
     ds_path: ClassVar[str] = "comms_logger"
+    ds_auto_is_default: ClassVar[bool] = True  # DeepSpeed: "auto" is the default
 
     enabled: bool = key("enabled", False)
     """Record collectives into `engine.comms_logger`. (DeepSpeed 0.19.8 turns its logger on

@@ -256,6 +256,8 @@ def translate_section(cls: type, section: Any, path: str) -> dict[str, Any]:
     written are left out, so the fields' defaults apply. Errors are `ConfigError`s at the key's
     path."""
     section = _as_section(section, path)
+    if getattr(cls, "ds_auto_is_default", False):  # Note ["auto" in a DeepSpeed model section]
+        section = {k: v for k, v in section.items() if not (type(v) is str and v == "auto")}
     keys = ds_keys(cls)
     aliases = {a: name for name, (_, k) in keys.items() for a in k.aliases}
     extra = getattr(cls, "ds_extra", None) or {}
@@ -282,6 +284,17 @@ def translate_section(cls: type, section: Any, path: str) -> dict[str, Any]:
         where = join_path(path, written.get(name, name))
         kwargs[f.name] = _read_value(f, k, values[name], where)
     return kwargs
+
+
+# Note ["auto" in a DeepSpeed model section]
+# Hugging Face's ds_configs write "auto" for what the Trainer fills in when training starts
+# (`reduce_bucket_size`, `stage3_prefetch_bucket_size`, `bf16.enabled`). A client that hands such
+# a config to `initialize` before the Trainer filled it (TRL prepares its reference model so)
+# still runs on DeepSpeed 0.19.8: its pydantic config models (`DeepSpeedConfigModel`) drop every
+# key whose value is "auto", so the key takes its default. The sections DeepSpeed reads that way
+# set `ds_auto_is_default` (zero_optimization and its offload sections, fp16, bf16,
+# comms_logger, tensor_parallel) and mean the same; elsewhere "auto" is a value like any other
+# (the batch triple and `pipeline.stages` read it themselves; a key that cannot take it names it).
 
 
 def _written(keys: Mapping[str, tuple[dataclasses.Field, Key]], section: Mapping) -> dict:
@@ -355,6 +368,10 @@ class Section:
     ds_path: ClassVar[str] = ""
     """Where the section sits in a ds_config (`"zero_optimization"`): `from_section`'s default
     path, which every error starts with."""
+
+    ds_auto_is_default: ClassVar[bool] = False
+    """Whether a key written `"auto"` means its default here (Note ["auto" in a DeepSpeed model
+    section]): True for the sections DeepSpeed reads with its pydantic models."""
 
     def __post_init__(self) -> None:
         check_types(self)
@@ -458,9 +475,12 @@ def section_schema(cls: type, description: str | None = None) -> dict[str, Any]:
         props[name] = {"description": f"Not supported: {entry.why}. {accepted}"}
         if not entry.refused:
             props[name]["default"] = entry.accepted
+    described = description or _class_doc(cls)
+    if getattr(cls, "ds_auto_is_default", False):
+        described += ' A key written `"auto"` takes its default, as in DeepSpeed.'
     return {
         "type": "object",
-        "description": description or _class_doc(cls),
+        "description": described,
         "properties": props,
         "additionalProperties": False,
     }

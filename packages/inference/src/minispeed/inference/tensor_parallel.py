@@ -80,6 +80,7 @@ class TPConfig(Section):
     (`init_inference` also takes the TP size as an int, or a `TPConfig`)."""
 
     ds_path: ClassVar[str] = "tensor_parallel"
+    ds_auto_is_default: ClassVar[bool] = True  # DeepSpeed: "auto" is the default
     ds_extra: ClassVar[dict[str, Any]] = {
         "enabled": {
             "type": "boolean",

@@ -104,6 +104,7 @@ class OffloadOptimizerConfig(Section):
     """
 
     ds_path: ClassVar[str] = "zero_optimization.offload_optimizer"
+    ds_auto_is_default: ClassVar[bool] = True  # DeepSpeed: "auto" is the default
     ds_unsupported: ClassVar[dict[str, Unsupported]] = {
         "fast_init": ds_only(
             False, "DeepSpeed's fast NVMe optimizer set-up; the states are swapped out one way"
@@ -176,6 +177,7 @@ class OffloadParamConfig(Section):
     """Where ZeRO-3 parameter partitions live (DeepSpeed ``zero_optimization.offload_param``)."""
 
     ds_path: ClassVar[str] = "zero_optimization.offload_param"
+    ds_auto_is_default: ClassVar[bool] = True  # DeepSpeed: "auto" is the default
 
     device: str = key("device", "none", read=_device, schema={"enum": list(_DEVICES)})
     """Where the shards live: ``none``, ``cpu`` or ``nvme``."""

@@ -87,8 +87,8 @@ class SwappedOptimizer(CPUAdam):
                 f"SwappedOptimizer needs offload_optimizer.device='nvme', got {config.device!r}; "
                 "for device='cpu' use CPUAdam (see minispeed.offload.offload_optimizer)"
             )
-        if sub_group_numel < 1:
-            raise ValueError(f"sub_group_numel must be >= 1, got {sub_group_numel}")
+        if sub_group_numel < 0:  # 0: one partition per parameter, as DeepSpeed's sub-groups
+            raise ValueError(f"sub_group_numel must be >= 0, got {sub_group_numel}")
         super().__init__(params, **adam_kwargs)
         self.config = config
         self.partitions = self._cut(sub_group_numel)

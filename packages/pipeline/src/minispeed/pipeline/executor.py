@@ -428,7 +428,8 @@ class PipelineExecutor:
         start = time.perf_counter()
         with ranges.range("pipeline.forward"):
             keep: list | None = [] if self.schedule.splits_backward and self._trains else None
-            out = self.module.forward_chunk(i.chunk, arg, segments=keep)
+            # Note [a stage's forward is a call of its module] in module.py
+            out = self.module(arg, chunk=i.chunk, segments=keep)
             if self._keep_outputs and self._is_last(i.chunk):  # the last micro-batch's stays
                 self._kept_output = out
             if self._is_last(i.chunk) and self.module.loss_fn is not None and self._compute_loss:

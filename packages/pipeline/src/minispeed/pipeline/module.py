@@ -292,6 +292,22 @@ class PipelineModule(nn.Module):
             else:
                 yield ref, []
 
+    def forward(
+        self, x: Any, chunk: int = 0, segments: list[split_backward.Segment] | None = None
+    ) -> Any:
+        """Run chunk `chunk` on `x` (`forward_chunk`) as a call of this module, as the executor
+        does: See Note [a stage's forward is a call of its module]."""
+        return self.forward_chunk(chunk, x, segments)
+
+    # Note [a stage's forward is a call of its module]
+    # The executor runs a chunk through `module(x, chunk=c)`, never `forward_chunk` directly, so
+    # whatever the stage computes happens inside a call of this module: its layers', and the
+    # work that belongs to no layer module, a plain-function layer (a `lambda` in the layer list)
+    # and a tied layer's `forward_fn`. Whoever watches modules (forward hooks, the FLOPs
+    # profiler, which counts only work done while a module of the model runs) sees the stage's
+    # whole forward, as DeepSpeed's engine, which calls its `PipelineModule`, does. The loss is
+    # the executor's, computed after the call. Cost: one `nn.Module.__call__` per chunk forward.
+
     def forward_chunk(
         self, c: int, x: Any, segments: list[split_backward.Segment] | None = None
     ) -> Any:

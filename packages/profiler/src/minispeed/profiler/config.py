@@ -70,9 +70,9 @@ class FlopsProfilerConfig(Section):
 
 class StepProfiler:
     """Profiles the configured step of a training loop and reports it (config `output_file`):
-    the model's forward, as DeepSpeed's engine profile, not the loop's own forward-phase work
-    (the optimizer's step, ZeRO's gradient bookkeeping: Note [the model's forward] in
-    `flops_profiler.py`), and the whole backward."""
+    the model's forward, as DeepSpeed's engine profile, and the model's backward, not the loop's
+    own work (the optimizer's step, the loss, ZeRO's gradient bookkeeping and gradient hooks:
+    Note [the model's forward and backward] in `flops_profiler.py`)."""
 
     def __init__(
         self,
@@ -92,7 +92,7 @@ class StepProfiler:
             yield
             return
         prof = FlopsProfiler(
-            self.model, peak_flops_per_s=self.peak_flops_per_s, outside_forward=False
+            self.model, peak_flops_per_s=self.peak_flops_per_s, outside_model=False
         )
         with prof:
             yield

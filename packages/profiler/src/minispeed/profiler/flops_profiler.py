@@ -33,15 +33,20 @@ Phases: an operator run by autograd's engine is **backward**; one run by a forwa
 re-executes inside a backward (activation checkpointing) is **recompute**, counted in backward
 too and also on its own. Everything else is **forward**.
 
-Note [the model's forward]: a training step runs forward-phase work that is no module's: the
-optimizer's step and its gradient clipping, ZeRO's gradient bookkeeping once backward has ended
-(a model whose gradients fit in one bucket has its `param.grad` copied into the bucket then),
-the loss scaling, a pipeline's loss. DeepSpeed's engine profile counts the model's forward only
-(it starts counting before the module's forward and stops after it), so `StepProfiler` builds
-its profiler with `outside_forward=False`: a forward-phase operator runs uncounted (not priced,
-not listed) unless a module of the model is running. One test of where the operator runs, so no
-caller has to pause the profiler around its own work; the backward (everything autograd runs) is
-counted whole.
+Note [the model's forward and backward]: a training step runs work that is no module's. In
+forward: the optimizer's step and its gradient clipping, ZeRO's gradient bookkeeping once
+backward has ended (a model whose gradients fit in one bucket has its `param.grad` copied into
+the bucket then), the loss scaling, a caller's or a pipeline's loss. In backward: the backward of
+that loss, and the hooks on the parameters' gradients (ZeRO's copy of each gradient into its
+bucket, scaled by 1/N: Ψ FLOPs per micro-step when the gradients span several buckets; Note
+[work in a gradient hook] in `tracker.py`). DeepSpeed's engine profile counts the model's
+forward only (it starts counting before the module's forward and stops after it) and reports
+its backward as 2 × that forward, so `StepProfiler` builds its profiler with
+`outside_model=False`: an operator runs uncounted (not priced, not listed) unless it is the
+model's, a module of the model running it in forward, or in backward an autograd node a module's
+forward created (or the adds summing a module's gradients) and not a gradient hook. One test of
+where the operator runs, so no caller has to pause the profiler around its own work. A plain
+`FlopsProfiler` counts all of it, the work no module owns in the "(outside modules)" row.
 
 Cost of profiling: one Python call per operator (the mode), two hooks per module call (each
 walking the autograd nodes made since the last one) and two per autograd node in backward;
@@ -70,7 +75,7 @@ from minispeed.profiler.report import (
     number_to_string,
     params_to_string,
 )
-from minispeed.profiler.tracker import ModuleTracker, in_backward
+from minispeed.profiler.tracker import ModuleTracker, Stack, in_backward
 
 __all__ = ["FlopsProfiler", "ProfilerState"]
 
@@ -104,7 +109,8 @@ class _CountingMode(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if not self.profiler.counting_now():  # the loop's own work (Note [the model's forward])
+        owners = self.profiler.owners_counted(args)
+        if owners is None:  # the loop's own work (Note [the model's forward and backward])
             return out
         try:
             cost = op_cost(func, args, kwargs, out)
@@ -114,7 +120,7 @@ class _CountingMode(TorchDispatchMode):
         if cost is None:
             self.profiler.unknown_ops[str(func)] += 1
         else:
-            self.profiler.on_op(str(func.overloadpacket), cost, args)
+            self.profiler.on_op(str(func.overloadpacket), cost, owners)
             shape = matmul_shape(func, args, kwargs)
             if shape is not None:
                 self.profiler.matmul_shapes[shape] += 1
@@ -133,11 +139,13 @@ class FlopsProfiler:
             `"calibrated"` for the best matmul rate `python -m minispeed.profiler calibrate`
             measured (`perf_model.Machine.load()`; the error says to run it when missing);
             None leaves the fraction out.
-        outside_forward: count the forward-phase work outside every module of `model` (a loss
-            computed by the caller, an optimizer step run inside the block) in the forward
-            total, as the "(outside modules)" row. False counts only the model's own forward,
-            as DeepSpeed's engine profile does (what `StepProfiler` asks for: Note [the
-            model's forward]); the backward is counted whole either way.
+        outside_model: count the work no module of `model` owns: in forward, what runs
+            outside every module (a loss computed by the caller, an optimizer step run inside
+            the block), in backward that loss's backward and the hooks on the parameters'
+            gradients (ZeRO's copy into its buckets), as the "(outside modules)" row. False
+            counts only the model's forward and backward, as DeepSpeed's engine profile counts
+            its forward (what `StepProfiler` asks for: Note [the model's forward and
+            backward]).
     """
 
     def __init__(
@@ -146,7 +154,7 @@ class FlopsProfiler:
         *,
         count_ops: bool = True,
         peak_flops_per_s: float | str | None = None,
-        outside_forward: bool = True,
+        outside_model: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"FlopsProfiler profiles an nn.Module, got {type(model).__name__}")
@@ -164,7 +172,7 @@ class FlopsProfiler:
         self.model = model
         self._ignore: tuple[type, ...] = ()
         self.count_ops = count_ops
-        self.outside_forward = outside_forward
+        self.outside_model = outside_model
         self.peak_flops_per_s = peak_flops_per_s
         self._sync = get_accelerator().synchronize
         self.state = ProfilerState.IDLE
@@ -177,15 +185,21 @@ class FlopsProfiler:
             import torch._dynamo  # noqa: F401
 
     # ---- counting ----------------------------------------------------------------------------
-    def counting_now(self) -> bool:
-        """Whether the operator running now is counted: always, unless `outside_forward` is
-        False and it runs in forward outside every module of the model (Note [the model's
-        forward])."""
-        return self.outside_forward or bool(self.tracker.stack) or in_backward()
+    def owners_counted(self, args: tuple) -> Stack | None:
+        """The modules owning the operator running now (called with `args`; `()`: no module),
+        or None when it is not counted: with `outside_model` False, work no module of the model
+        owns (Note [the model's forward and backward])."""
+        tracker = self.tracker
+        if not in_backward():
+            return tuple(tracker.stack) if tracker.stack or self.outside_model else None
+        if tracker.in_gradient_hook(args):
+            return () if self.outside_model else None
+        owners = tracker.owners_of_op(args)
+        return owners if owners or self.outside_model else None
 
-    def on_op(self, op_name: str, cost: Cost, args: tuple = ()) -> None:
-        """Credit one priced operator (called with `args`) to the current phase and to every
-        module owning it (Note [backward belongs to the node's creator])."""
+    def on_op(self, op_name: str, cost: Cost, owners: Stack) -> None:
+        """Credit one priced operator to the current phase and to every module in `owners`
+        (`owners_counted`: Note [backward belongs to the node's creator])."""
         self.op_calls[op_name] += 1
         if cost.flops == 0:
             return
@@ -194,7 +208,7 @@ class FlopsProfiler:
             phases = ("backward", "recompute") if self.tracker.recomputing else ("backward",)
         else:
             phases = ("forward",)
-        names = set(self.tracker.owners_of_op(args)) or {OUTSIDE}
+        names = set(owners) or {OUTSIDE}
         for phase in phases:
             self.totals[phase] += cost
             for name in names:

@@ -55,7 +55,9 @@ profiler depends on minispeed.core only):
 | 2     | reduce-scatter each micro-step, all-gather | A·r·Ψ·g + r·Ψ·p               |
 | 3     | per micro-step: all-gather in forward and in backward, reduce-scatter | A·(r·Ψ·g + 2r·Ψ·p) |
 
-Calls: gradients go in buckets of `bucket_numel` elements (one call each); stage 3 gathers in
+Calls: gradients go in buckets of `bucket_numel` elements (one call each; by default zero's own
+plan at its default bound, `core.gradient_buckets.planned_bucket_numel`: 6,553,600 elements of
+4 bytes, 25 MiB); stage 3 gathers in
 `stage3_gather_calls` calls per pass: with minispeed.zero's prefetcher, the first module's
 blocking gather plus one prefetch of everything else when the model fits in the prefetch window
 (the budget, at most a 4M-element chunk), else about one call per module with parameters.
@@ -72,13 +74,18 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from minispeed.core.gradient_buckets import hooks_each_gradient
+from minispeed.core.gradient_buckets import (
+    DEFAULT_BUCKET_NUMEL,
+    hooks_each_gradient,
+    planned_bucket_numel,
+)
 
 __all__ = [
     "CALIBRATION_FILE",
     "LinkCost",
     "Machine",
     "StepPrediction",
+    "default_bucket_numel",
     "matmul_seconds",
     "predict_step",
     "stage3_gather_calls",
@@ -86,8 +93,13 @@ __all__ = [
 ]
 
 CALIBRATION_FILE = Path(os.path.expanduser("~/.cache/minispeed/profiler/calibration.json"))
-BUCKET_NUMEL = 500_000
-"""Elements per gradient bucket when the caller gives no `bucket_numel`."""
+
+
+def default_bucket_numel(grad_bytes: int = 4) -> int:
+    """Elements per gradient bucket when the caller gives no `bucket_numel`: zero's plan at its
+    default bound (`planned_bucket_numel(DEFAULT_BUCKET_NUMEL, grad_bytes)`, the one rule zero
+    cuts its buckets by): 6,553,600 for 4-byte gradients."""
+    return planned_bucket_numel(DEFAULT_BUCKET_NUMEL, grad_bytes)
 
 
 @dataclass(frozen=True)
@@ -189,18 +201,21 @@ def stage_collectives(
     grad_bytes: int = 4,
     param_bytes: int = 4,
     micro_steps: int = 1,
-    bucket_numel: int = BUCKET_NUMEL,
+    bucket_numel: int | None = None,
     gather_calls: int | None = None,
 ) -> list[Collective]:
     """The collectives of one optimizer step (the table of the module docstring), cut into
-    calls of at most `bucket_numel` elements; stage 3 gathers in `gather_calls` calls per pass
-    (one per module with parameters; default: buckets of `bucket_numel`)."""
+    calls of at most `bucket_numel` elements (None: `default_bucket_numel(grad_bytes)`, zero's
+    plan); stage 3 gathers in `gather_calls` calls per pass (one per module with parameters;
+    default: buckets of `bucket_numel`)."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
     n, psi, a = world_size, num_params, micro_steps
     if n == 1:
         return []
     r = (n - 1) / n
+    if bucket_numel is None:
+        bucket_numel = default_bucket_numel(grad_bytes)
     buckets = max(1, math.ceil(psi / bucket_numel))
 
     def split(op: str, total_bytes: float, calls: int) -> list[Collective]:
@@ -324,7 +339,7 @@ def predict_step(
     per tensor, empty or not, at every stage) and one gradient hook per tensor and micro-step,
     where minispeed.zero registers them: at stage 3, and at stages 0-2 only for gradients
     spanning more than one bucket of `bucket_numel` (`hooks_each_gradient`, the rule zero's
-    reducer follows).
+    reducer follows; no `bucket_numel` given: zero's default plan, `default_bucket_numel`).
     At stage 3, `stage3_units` modules with parameters cost `stage3_unit_s` each per micro-step
     (minispeed.zero's fixed cost of fetching and releasing a module, measured by the caller on one
     rank: the profiler does not run zero).
@@ -335,7 +350,12 @@ def predict_step(
     """
     if not 0.0 <= overlap <= 1.0:
         raise ValueError(f"overlap is a fraction in [0, 1], got {overlap}")
-    calls = stage_collectives(stage, num_params, world_size, **collective_kwargs)
+    bucket = collective_kwargs.get("bucket_numel")
+    if bucket is None:
+        bucket = default_bucket_numel(collective_kwargs.get("grad_bytes", 4))
+    calls = stage_collectives(
+        stage, num_params, world_size, **{**collective_kwargs, "bucket_numel": bucket}
+    )
     missing = sorted({c.op for c in calls} - set(machine.links))
     if missing:
         raise ValueError(
@@ -355,7 +375,6 @@ def predict_step(
         optimizer = owned * machine.adam_s_per_param
     optimizer += num_tensors * machine.adam_s_per_tensor
     a = collective_kwargs.get("micro_steps", 1)
-    bucket = collective_kwargs.get("bucket_numel", BUCKET_NUMEL)
     hooked = num_tensors if stage == 3 or hooks_each_gradient(num_params, bucket) else 0
     params = unpack = 0.0
     if machine.dram_bytes_per_s:

@@ -30,6 +30,19 @@ of work have no creating node:
 - nodes no boundary walk reached (work done outside every module, such as a loss computed by
   the caller; or a tensor a module keeps as an attribute instead of returning it): outside.
 
+Note [work in a gradient hook]: a hook on a parameter's gradient
+(`register_post_accumulate_grad_hook`: ZeRO's copy of each gradient into its bucket, scaled by
+1/N on the way; an optimizer stepping in backward) runs inside the parameter's `AccumulateGrad`
+node, after the node's own accumulation, so the node says nothing of whose it is. Its operands
+do: the accumulation reads the gradient the node received (`.grad += new`, the one operator
+with FLOPs autograd runs there), a hook reads `param.grad`, another tensor (the received one
+detached, or the sum). So the tracker's pre-hook on each `AccumulateGrad` notes the received
+gradient, by `id` only (holding it would stop `AccumulateGrad` from stealing it into `.grad`: it
+would copy it instead; it lives until the node ends, so the id is its own meanwhile), and
+`in_gradient_hook(args)` answers True for an operator of that node reading none of it: no
+module's work (`test_flops_module_attribution.py` checks ZeRO's kind of hook and an
+accumulation side by side).
+
 Note [who adds up a gradient]: a tensor read k times gets k gradients, which autograd's engine
 sums with k - 1 adds of the tensor's size (elementwise, counted like any add); its
 `AccumulateGrad` then adds the sum into `.grad` when one exists (gradient accumulation, another
@@ -166,6 +179,17 @@ class ModuleTracker:
             return self._recompute_base + tuple(self.stack)
         return self._owners(self._tag_of(torch._C._current_autograd_node()))
 
+    def in_gradient_hook(self, args: tuple) -> bool:
+        """True for an operator (called with `args`) run by a hook on a parameter's gradient
+        inside its `AccumulateGrad` node, not by the accumulation (Note [work in a gradient
+        hook])."""
+        leaf = getattr(self._local, "leaf", None)
+        if leaf is None or self.stack or not in_backward():
+            return False
+        if self._tag_of(torch._C._current_autograd_node()) is not leaf[0]:
+            return False
+        return not any(id(a) == leaf[1] for a in args if isinstance(a, torch.Tensor))
+
     def owners_of_op(self, args: tuple) -> Stack:
         """`owners()`, except for the engine's accumulation of a gradient the current node
         produced (an operand is that gradient): the innermost module reading the tensor."""
@@ -222,7 +246,7 @@ class ModuleTracker:
                 targets.append((i, target))
                 if type(nxt).__name__ == "AccumulateGrad":
                     if not target.hooked:  # outlives the graph; its readers decide its owner
-                        nxt.register_prehook(self._node_start)
+                        nxt.register_prehook(self._leaf_start(target))
                         nxt.register_hook(self._leaf_done(target))
                         target.hooked = True
                 elif target.creator is None:
@@ -236,6 +260,17 @@ class ModuleTracker:
         if self._entered:
             self._local.t0 = self._now()
             self._local.done = None
+            self._local.leaf = None
+
+    def _leaf_start(self, tag: _Tag) -> Callable[..., None]:
+        def hook(grad_outputs: tuple) -> None:
+            if self._entered:
+                self._node_start(grad_outputs)
+                received = grad_outputs[0] if grad_outputs else None
+                # Its id, never the tensor: See Note [work in a gradient hook].
+                self._local.leaf = (tag, id(received) if received is not None else None)
+
+        return hook
 
     def _node_done(self, tag: _Tag, targets: list[tuple[int, _Tag]]) -> Callable[..., None]:
         def hook(grad_inputs: tuple, grad_outputs: tuple) -> None:
@@ -310,6 +345,7 @@ class ModuleTracker:
     def __exit__(self, *exc: object) -> None:
         self._entered = False
         self._local.done = None  # the last node's gradients
+        self._local.leaf = None
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

@@ -14,6 +14,8 @@ Reading order (see README.md):
    engine's tensor-parallel step).
 8. `memory` — activation bytes per rank, with and without sequence parallelism.
 9. `config` — `TensorParallelConfig`, DeepSpeed's `tensor_parallel` section (the grid's T).
+10. `seeds` — the random streams per tensor-parallel rank (`seed_tensor_parallel`): the default
+    generator alike on a group, a tracked state (`minispeed.core.rng`) apart.
 
 ```python
 import minispeed.tensor_parallel as tp
@@ -57,6 +59,12 @@ from minispeed.tensor_parallel.mappings import (
 )
 from minispeed.tensor_parallel.plan import Plan, check_divides, parallelize
 from minispeed.tensor_parallel.plans import gpt2_plan, gpt_plan, llama_plan
+from minispeed.tensor_parallel.seeds import (
+    TENSOR_SEED_OFFSET,
+    reseed_tensor_parallel,
+    seed_tensor_parallel,
+    tensor_seed,
+)
 from minispeed.tensor_parallel.sharding import ShardSpec, shard, unshard, unshard_module
 from minispeed.tensor_parallel.styles import (
     Column,
@@ -69,6 +77,7 @@ from minispeed.tensor_parallel.styles import (
 )
 
 __all__ = [
+    "TENSOR_SEED_OFFSET",
     "Collective",
     "Column",
     "ColumnParallelLinear",
@@ -102,10 +111,13 @@ __all__ = [
     "rebind",
     "reduce_from_parallel",
     "reduce_scatter_to_sequence",
+    "reseed_tensor_parallel",
     "row_collectives",
     "scatter_to_parallel",
     "scatter_to_sequence",
+    "seed_tensor_parallel",
     "shard",
+    "tensor_seed",
     "unshard",
     "unshard_module",
     "vocab_parallel_cross_entropy",

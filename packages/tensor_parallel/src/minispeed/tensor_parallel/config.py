@@ -36,6 +36,7 @@ class TensorParallelConfig(Section):
     or `initialize(tensor_parallel_plan=...)`; not inferred as by DeepSpeed's AutoTP."""
 
     ds_path: ClassVar[str] = "tensor_parallel"
+    ds_auto_is_default: ClassVar[bool] = True  # DeepSpeed: "auto" is the default
     ds_unsupported: ClassVar[dict[str, Unsupported]] = {
         "dtype": ds_refused("AutoTP's inference dtype; the training dtypes come from fp16 / bf16"),
         "injection_policy_tuple": ds_only(None, _AUTOTP),

@@ -11,7 +11,7 @@ Reading order: see packages/zero/README.md.
 """
 
 from minispeed.zero import full_values
-from minispeed.zero.activation import ActivationCheckpointingConfig, checkpoint
+from minispeed.zero.activation import ActivationCheckpointingConfig, ReentrantCheckpoint, checkpoint
 from minispeed.zero.api import shard
 from minispeed.zero.checkpoints import (
     consolidate,
@@ -51,6 +51,7 @@ __all__ = [
     "OffloadIOError",
     "OffloadSetupError",
     "ParamFragment",
+    "ReentrantCheckpoint",
     "ShardStrategy",
     "SharedGrad",
     "ZeroConfig",

@@ -147,16 +147,29 @@ class BucketedStrategy(ShardStrategy):
         """
         self.reducer.remove_hooks()
 
+    def _in_group_order(self, params: Sequence[nn.Parameter]) -> bool:
+        """Whether `params` are the param groups' parameters, in order (the reducer's marks')."""
+        ours = [p for ps in self.groups for p in ps]
+        return len(ours) == len(params) and all(a is b for a, b in zip(ours, params))
+
     def carry_flags(self, params: Sequence[nn.Parameter]) -> bool:
         """Whether the optimizer's per-parameter flags (one per element of `params`, which must
         be the param groups' parameters in order) now travel in the last gradient bucket's
         all-reduce (stage 0 with no loss scaling: Note [the flags ride with the last bucket] in
         reducer.py). The same answer on every rank: it depends on the config and layout only."""
         carry = getattr(self.reducer, "carry_flags", None)
-        ours = [p for ps in self.groups for p in ps]
-        if carry is None or self.precision.uses_loss_scaling or len(ours) != len(params):
+        if carry is None or self.precision.uses_loss_scaling:
             return False
-        return all(a is b for a, b in zip(ours, params)) and carry(self.groups)
+        return self._in_group_order(params) and carry(self.groups)
+
+    def marks_used(self, params: Sequence[nn.Parameter]) -> bool:
+        """The reducer sees every gradient: its marks serve the optimizer when `params` are the
+        param groups' in order (Note [the reducer marks the used parameters] in reducer.py)."""
+        return self._in_group_order(params)
+
+    def used_marks(self) -> bytearray:
+        """The reducer's marks of the window (`take_window_marks`), in param-group order."""
+        return self.reducer.take_window_marks()
 
     def carried_flags(self, trainable: Sequence[bool]) -> list[float]:
         """The flags summed with this window's last bucket, in `ZeroOptimizer._agree`'s layout:

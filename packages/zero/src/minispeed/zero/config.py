@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from minispeed.core.config import check_top_level_spelling, field_error
+from minispeed.core.gradient_buckets import DEFAULT_BUCKET_NUMEL, planned_bucket_numel
 from minispeed.core.sections import (
     Section,
     Unsupported,
@@ -46,16 +47,16 @@ _PERSISTENCE = "one persistence rule, per parameter: use param_persistence_thres
 _GRANULARITY = "fetch units are modules as written, never merged"
 _DEPRECATED = "deprecated by DeepSpeed (false, like its default null, means off)"
 
-# DeepSpeed's default bucket size for reduce_bucket_size / allgather_bucket_size: 5e8 elements.
-_DS_BUCKET_DEFAULT = 500_000_000
 # The offload sections' classes, in minispeed.offload (imported only when a section is given).
 _OFFLOAD_OPTIMIZER = "minispeed.offload.config:OffloadOptimizerConfig"
 _OFFLOAD_PARAM = "minispeed.offload.config:OffloadParamConfig"
 
 # Note [bucket sizes are upper bounds]
 # `reduce_bucket_numel` bounds a gradient bucket; the plan cuts buckets of at most
-# `BUCKET_CAP_BYTES` (PyTorch DDP's 25 MiB) whatever larger bound is given. DeepSpeed's default,
-# 5e8 elements, makes one bucket of the whole model, which costs three ways, measured at 33.9M
+# `BUCKET_CAP_BYTES` (PyTorch DDP's 25 MiB) whatever larger bound is given: the rule is
+# `core.gradient_buckets.planned_bucket_numel`, which the profiler's step-time model reads too
+# (its default bucket is this plan at the default bound). DeepSpeed's default, 5e8 elements,
+# makes one bucket of the whole model, which costs three ways, measured at 33.9M
 # parameters on 2 gloo ranks: (1) nothing is reduced until backward ends (no overlap); (2) a
 # transient bucket (stage 2's staging, stage 3's) of Ψ elements is a fresh allocation each step,
 # and above glibc's largest mmap threshold (32 MiB) every one comes back from the kernel as new
@@ -64,7 +65,6 @@ _OFFLOAD_PARAM = "minispeed.offload.config:OffloadParamConfig"
 # elements, none at 6.5M). Buckets at or below 25 MiB are reused by the allocator and overlap with
 # backward, like DDP's. The bytes sent are the same; only the number of calls grows (at most
 # Ψ·g / 25 MiB calls, five for 33.9M fp32 parameters). Smaller bounds are taken as given.
-BUCKET_CAP_BYTES = 25 * 2**20
 
 # Note [overlap_comm's default]
 # When a DeepSpeed config leaves `overlap_comm` out, DeepSpeed turns it on at stage 3 only. Its
@@ -90,6 +90,7 @@ class ZeroConfig(Section):
     """
 
     ds_path: ClassVar[str] = "zero_optimization"
+    ds_auto_is_default: ClassVar[bool] = True  # DeepSpeed: "auto" is the default
     # DeepSpeed keys ZeRO implements at one value only: accepted at that value (its default).
     ds_unsupported: ClassVar[dict[str, Unsupported]] = {
         "allgather_partitions": ds_only(
@@ -159,12 +160,12 @@ class ZeroConfig(Section):
     stage: int = key("stage", 0, schema={"enum": [0, 1, 2, 3]})
     """0 = plain data parallel (bucketed all-reduce), 1 = + optimizer states partitioned, 2 = +
     gradients partitioned, 3 = + parameters partitioned (DeepSpeed `stage`)."""
-    reduce_bucket_numel: int = key("reduce_bucket_size", _DS_BUCKET_DEFAULT)
+    reduce_bucket_numel: int = key("reduce_bucket_size", DEFAULT_BUCKET_NUMEL)
     """Most elements per gradient-reduction bucket (DeepSpeed `reduce_bucket_size`, which counts
     elements too). Smaller buckets overlap more with backward; larger ones make fewer calls. An
     upper bound: buckets are cut at 25 MiB at most (`bucket_numel`, Note [bucket sizes are upper
     bounds])."""
-    allgather_bucket_numel: int = key("allgather_bucket_size", _DS_BUCKET_DEFAULT)
+    allgather_bucket_numel: int = key("allgather_bucket_size", DEFAULT_BUCKET_NUMEL)
     """Elements per parameter all-gather call after the step, stages 1-2 (DeepSpeed
     `allgather_bucket_size`)."""
     overlap_comm: bool = key(
@@ -199,7 +200,8 @@ class ZeroConfig(Section):
     """Most master elements the inner optimizer steps in one call, every stage (DeepSpeed
     `sub_group_size`, which DeepSpeed reads for stage 3 only): bounds the step's temporaries to
     about max(sub_group_numel, largest fragment)·4 bytes per temporary instead of Ψ/N·4, at one
-    `optimizer.step()` call per sub-group. See Note [optimizer sub-groups] in optimizer.py."""
+    `optimizer.step()` call per sub-group (0: one per parameter, as DeepSpeed). See Note [optimizer
+    sub-groups] in optimizer.py."""
 
     # -- stage 3 (read by minispeed.zero.stage3) ------------------------------------------------
     # Each stage3_* key also under its DeepSpeed pydantic field name (DeepSpeed takes both).
@@ -208,7 +210,7 @@ class ZeroConfig(Section):
     )
     """Most elements fetched ahead of use by the stage-3 prefetcher (`stage3_prefetch_bucket_size`);
     at most one 4M-element chunk is ahead at a time whatever this says (Note [a prefetch stays one
-    chunk ahead] in stage3/prefetch.py)."""
+    chunk ahead] in stage3/prefetch.py); 0: no prefetch."""
     stage3_param_persistence_threshold_numel: int = key(
         "stage3_param_persistence_threshold", 100_000, aliases=("param_persistence_threshold",)
     )
@@ -217,7 +219,8 @@ class ZeroConfig(Section):
     stage3_max_live_numel: int = key(
         "stage3_max_live_parameters", 1_000_000_000, aliases=("max_live_parameters",)
     )
-    """Upper bound on gathered parameter elements alive at once (`stage3_max_live_parameters`)."""
+    """Upper bound on gathered parameter elements alive at once (`stage3_max_live_parameters`);
+    it stops prefetching, never a fetch a module needs (0: no prefetch)."""
     stage3_max_reuse_distance_numel: int = key(
         "stage3_max_reuse_distance", 1_000_000_000, aliases=("max_reuse_distance",)
     )
@@ -286,8 +289,9 @@ class ZeroConfig(Section):
 
     def bucket_numel(self, element_size: int) -> int:
         """Elements per gradient bucket as planned: `reduce_bucket_numel`, at most
-        `BUCKET_CAP_BYTES` of `element_size`-byte elements (Note [bucket sizes are upper bounds])."""
-        return max(1, min(self.reduce_bucket_numel, BUCKET_CAP_BYTES // element_size))
+        `core.gradient_buckets.BUCKET_CAP_BYTES` of `element_size`-byte elements
+        (`planned_bucket_numel`: Note [bucket sizes are upper bounds])."""
+        return planned_bucket_numel(self.reduce_bucket_numel, element_size)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -305,9 +309,6 @@ class ZeroConfig(Section):
             "reduce_bucket_numel",
             "allgather_bucket_numel",
             "gradient_accumulation_steps",
-            "stage3_prefetch_bucket_numel",
-            "stage3_max_live_numel",
-            "sub_group_numel",
         ):
             if getattr(self, name) < 1:
                 raise field_error(
@@ -316,7 +317,15 @@ class ZeroConfig(Section):
                     f"must be >= 1, got {getattr(self, name)}; a bucket holds at least one "
                     f"element (use a positive count, e.g. 500_000_000)",
                 )
-        for name in ("stage3_param_persistence_threshold_numel", "stage3_max_reuse_distance_numel"):
+        # 0 is DeepSpeed's too (axolotl's and others' configs write it): no prefetch, nothing
+        # kept gathered past its use, one sub-group per parameter, nothing persistent or reused.
+        for name in (
+            "stage3_prefetch_bucket_numel",
+            "stage3_max_live_numel",
+            "sub_group_numel",
+            "stage3_param_persistence_threshold_numel",
+            "stage3_max_reuse_distance_numel",
+        ):
             if getattr(self, name) < 0:
                 raise field_error(self, name, f"must be >= 0, got {getattr(self, name)}")
         if self.stage3_trace_check not in ("off", "first", "every"):

@@ -24,7 +24,7 @@ is gone. ``close()`` (``ZeroOptimizer.close``) removes the hooks outright.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -120,6 +120,17 @@ class ShardStrategy(Protocol):
         """This rank's Σ g² for the clipping norm when the strategy computes it itself (weighted
         replica groups, gradients in swap files), else None: the optimizer sums `master_grads`."""
         return None
+
+    def marks_used(self, params: Sequence[nn.Parameter]) -> bool:
+        """Whether `used_marks` says which of `params` got a gradient, so the optimizer needs
+        no hook of its own (Note [the reducer marks the used parameters] in reducer.py); False:
+        the optimizer hooks them."""
+        return False
+
+    def used_marks(self) -> bytearray:
+        """1 per parameter of `marks_used`'s `params` that got a gradient on this rank since the
+        last call (the optimizer's step), and start over."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no used marks (marks_used)")
 
     def scale_grads(self, coef: float) -> bool:
         """Clip: scale the gradients by ``coef`` where the strategy keeps them itself (in swap

@@ -223,11 +223,13 @@ class ZeroOptimizer(torch.optim.Optimizer, Detachable):
         # reducer.py). Every rank decides alike (from the config and the layout).
         carry = getattr(strategy, "carry_flags", None)
         self.flags_in_bucket = bool(model_parallel is None and carry and carry(self._params))
-        # Carried flags are marked by the reducer's own hooks: no marker hook of ours then.
+        # Carried flags are marked by the reducer's own hooks, and a strategy that sees every
+        # gradient marks them itself (Note [the reducer marks the used parameters]): no hook.
+        self._marked_by_strategy = strategy.marks_used(self._params)
         self._hooks = [
             p.register_post_accumulate_grad_hook(_used_marker(self._used, k))
             for k, p in enumerate(self._params)
-            if p.requires_grad and not self.flags_in_bucket
+            if p.requires_grad and not self.flags_in_bucket and not self._marked_by_strategy
         ]
 
     # -- torch.optim.Optimizer's surface (Note [ZeroOptimizer is a torch.optim.Optimizer]) ----
@@ -444,7 +446,8 @@ class ZeroOptimizer(torch.optim.Optimizer, Detachable):
         ]
         if unfrozen:  # See Note [requires_grad is fixed at shard time]
             self._agreement[0] = float(unfrozen[-1] + 2)
-        used = torch.tensor(self._used, dtype=torch.uint8)  # slots 1..n: 1.0 where used
+        marks = self.strategy.used_marks() if self._marked_by_strategy else self._used
+        used = torch.tensor(marks, dtype=torch.uint8)  # slots 1..n: 1.0 where used
         self._agreement[1 : 1 + len(self._used)].copy_(used)
         self._used[:] = bytes(len(self._used))
         if self._io is not None:  # writes still in flight must land (or fail) before the vote

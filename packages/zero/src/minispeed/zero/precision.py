@@ -84,6 +84,7 @@ class Fp16Config(Section):
     read only when `enabled`)."""
 
     ds_path: ClassVar[str] = "fp16"
+    ds_auto_is_default: ClassVar[bool] = True  # DeepSpeed: "auto" is the default
     ds_unsupported: ClassVar[dict[str, Unsupported]] = {
         "fp16_master_weights_and_grads": ds_only(False, _FP32_MASTERS),
         "auto_cast": ds_only(
@@ -116,6 +117,7 @@ class Bf16Config(Section):
     """bf16 mixed precision (DeepSpeed section `bf16`, or its old name `bfloat16`)."""
 
     ds_path: ClassVar[str] = "bf16"
+    ds_auto_is_default: ClassVar[bool] = True  # DeepSpeed: "auto" is the default
     ds_unsupported: ClassVar[dict[str, Unsupported]] = {
         "bf16_master_weights_and_grads": ds_only(False, _FP32_MASTERS),
         "bf16_optimizer_states": ds_only(False, _FP32_MASTERS),

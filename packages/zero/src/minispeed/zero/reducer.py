@@ -74,6 +74,17 @@ in `param.grad` when `backward_begins` runs came from a backward outside `ZeroOp
 and is refused (one `.grad` read per parameter per micro-step). Larger models keep the
 per-gradient hooks and their overlap.
 
+Note [the reducer marks the used parameters]
+The optimizer must know which parameters got a gradient on any rank in the window (Note [unused
+parameters] in optimizer.py). Every gradient passes through the reducer, in a hook or in
+`_collect`, which marks it in `_seen`; each backward folds those marks into the window's
+(`_window_used`), and the optimizer takes them at its step (`take_window_marks`, through
+`BucketedStrategy.used_marks`) instead of hooking every parameter itself. So a model within one
+bucket has no hook on its gradients at all, at stages 0-2 alike, and a larger one one hook per
+gradient, the reducer's (before, stages 1-2 and stage 0 with loss scaling added the optimizer's
+marker: one more Python call per gradient, which the profiler's step-time model did not price).
+Cost: one OR of m bytes per backward (m parameters).
+
 Note [the flags ride with the last bucket]
 At every optimizer step the ranks must agree on which parameters got a gradient on any rank
 (Note [unused parameters] in optimizer.py). Stage 0 needs no other verdict when no loss is scaled:
@@ -183,6 +194,9 @@ class _BucketedGrads:
         )
         # _seen[g][i] = 1: parameter i of group g got its gradient in this backward.
         self._seen = [bytearray(len(ps)) for ps in groups]
+        # The window's marks so far, the groups' parameters in order (`take_window_marks`,
+        # Note [the reducer marks the used parameters]).
+        self._window_used = bytearray(sum(len(ps) for ps in groups))
         self._micro_step = 0
         # Whether the backward now running ends the accumulation window, as the optimizer said
         # (`backward_begins`); None: not said, counted from `gradient_accumulation_steps`.
@@ -347,8 +361,22 @@ class _BucketedGrads:
         self._reset()
 
     def _window_done(self, is_boundary: bool) -> None:
-        """After each backward, before `_seen` is cleared (AllReduceReducer keeps the window's
-        marks: Note [the flags ride with the last bucket])."""
+        """After each backward, before `_seen` is cleared: fold its marks into the window's."""
+        self._window_used = self._marks()
+
+    def _marks(self) -> bytearray:
+        """The window's used marks so far, this backward's included (flat parameter order)."""
+        w = self._window_used
+        now = b"".join(self._seen)
+        return bytearray(
+            (int.from_bytes(w, "little") | int.from_bytes(now, "little")).to_bytes(len(w), "little")
+        )
+
+    def take_window_marks(self) -> bytearray:
+        """1 per parameter of the groups (in order) that got a gradient on this rank since the
+        last call, and start over (Note [the reducer marks the used parameters])."""
+        marks, self._window_used = self._window_used, bytearray(len(self._window_used))
+        return marks
 
     def _reset(self) -> None:
         self._queue.reset()
@@ -428,7 +456,6 @@ class AllReduceReducer(_FlatBufferGrads):
     # Set by carry_flags: (group of the last bucket, its all-reduced tensor with the flags,
     # the flags, frozen (flat index, parameter)s); the window's marks; whether they travelled.
     _carry: tuple[int, torch.Tensor, torch.Tensor, list[tuple[int, nn.Parameter]]] | None = None
-    _window_used: bytearray
     _carried = False
 
     def carry_flags(self, groups: Sequence[Sequence[nn.Parameter]]) -> bool:
@@ -454,7 +481,6 @@ class AllReduceReducer(_FlatBufferGrads):
         ps = [p for group in groups for p in group]
         frozen = [(j, p) for j, p in enumerate(ps) if not p.requires_grad]
         self._carry = (g, bucket, flags, frozen)
-        self._window_used = bytearray(m)
         return True
 
     def carried_flags(self) -> torch.Tensor | None:
@@ -466,20 +492,10 @@ class AllReduceReducer(_FlatBufferGrads):
         return self._carry[2]  # type: ignore[index]
 
     def _window_done(self, is_boundary: bool) -> None:
-        if self._carry is None:
-            return
-        if is_boundary:
+        if self._carry is not None and is_boundary:  # the marks travelled with the last bucket
             self._window_used = bytearray(len(self._window_used))
-        else:  # fold this backward's marks into the window's
-            self._window_used = self._marks()
-
-    def _marks(self) -> bytearray:
-        """The window's used marks so far, this backward's included (flat parameter order)."""
-        w = self._window_used
-        now = b"".join(self._seen)
-        return bytearray(
-            (int.from_bytes(w, "little") | int.from_bytes(now, "little")).to_bytes(len(w), "little")
-        )
+        else:
+            super()._window_done(is_boundary)
 
     def _launch(self, g: int, bk: Bucket, k: int) -> InFlight:
         if self._fresh:  # Note [the first micro-step overwrites]

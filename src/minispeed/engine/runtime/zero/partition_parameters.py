@@ -4,10 +4,10 @@
 
 `ZeroParamStatus` is DeepSpeed's enum of where a partitioned parameter's full value is
 (`AVAILABLE` = minispeed's `ParamState.GATHERED`, `NOT_AVAILABLE` = `SHARDED`, `INFLIGHT` =
-`GATHERING`); minispeed keeps that state on its own `ShardedParam`, never as a `ds_status`
-attribute patched onto the `nn.Parameter`, so code that reads `param.ds_status` (or
-`ds_numel`, `ds_shape`) finds none: transformers' parameter count logs 0 under ZeRO-3 for that
-reason, and nothing else changes.
+`GATHERING`). minispeed keeps that state on its own `ShardedParam`; while stage 3 owns a
+parameter, DeepSpeed's attributes read it from there (`minispeed.engine.zero`): `ds_status`,
+`ds_numel` and `ds_shape` (the full parameter's), `ds_tensor` (this rank's shard), `ds_persist`
+and `ds_id`. They are read-only, and gone once the engine releases the model.
 
 DeepSpeed's `Init` wraps torch's tensor constructors to build parameters in the config's dtype;
 transformers swaps that wrapper (`zero_wrapper_for_fp_tensor_constructor`) around `from_pretrained`

@@ -9,7 +9,7 @@ from minispeed.engine.deepspeed_paths import adapted_attribute as _adapted_attri
 from minispeed.engine.runtime.zero import *  # noqa: F403
 from minispeed.engine.runtime.zero import __all__  # noqa: F401
 
-for _child in ('config', 'offload_config', 'partition_parameters', 'stage3', 'stage_1_and_2'):
+for _child in ('config', 'offload_config', 'parameter_offload', 'partition_parameters', 'stage3', 'stage_1_and_2'):
     _importlib.import_module(f"{__name__}.{_child}")
 
 

@@ -43,6 +43,7 @@ from minispeed.zero.stage3.init import (
 )
 from minispeed.zero.stage3.ledger import Stage3StepBytes, stage3_step_bytes
 from minispeed.zero.stage3.params import REGISTRY, FetchUnit, ParamState, ShardedParam
+from minispeed.zero.stage3.released import register_param_attribute
 from minispeed.zero.stage3.strategy import Stage3Strategy
 from minispeed.zero.stage3.trace import FetchOrderError, TraceCheck
 from minispeed.zero.stage3.zeropp import ZeroPP
@@ -75,6 +76,7 @@ __all__ = [
     "full_state_dict",
     "is_leaf_module",
     "mics_step_bytes",
+    "register_param_attribute",
     "set_leaf_module",
     "stage3_step_bytes",
     "zeropp_step_bytes",

@@ -28,6 +28,7 @@ runs in C++ and never calls it; measured below 1 % of a step at 33.9M parameters
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,7 +37,14 @@ from torch import nn
 from minispeed.zero.stage3.access import not_gathered_error, unhooked_forward_caller
 from minispeed.zero.stage3.params import ParamState, ShardedParam
 
-__all__ = ["guard_param", "is_guarded", "needs_values", "released_among", "unguard_param"]
+__all__ = [
+    "guard_param",
+    "is_guarded",
+    "needs_values",
+    "register_param_attribute",
+    "released_among",
+    "unguard_param",
+]
 
 # Note [a released parameter answers or raises]
 # We cannot replace the nn.Parameter objects (the user's optimizer, autograd's AccumulateGrad
@@ -336,6 +344,28 @@ def _copy_guard(method: str) -> Any:
     return guarded
 
 
+# Note [attributes a stage-3 parameter answers]
+# Code written for another ZeRO-3 reads the partitioning state off the parameter itself
+# (DeepSpeed's clients: `p.ds_status`, `p.ds_numel`). Nothing is set on a parameter here (Note [a
+# released parameter answers or raises]); instead a name registered with
+# `register_param_attribute` is a read-only property of every guarded class, answered from the
+# parameter's ShardedParam while stage 3 owns it and gone once `unguard_param` restores its class.
+# The engine registers DeepSpeed's names; this package names none.
+_ATTRIBUTES: dict[str, property] = {}
+
+
+def register_param_attribute(name: str, answer: Callable[[ShardedParam], Any]) -> None:
+    """Make `name` a read-only attribute of every stage-3 parameter, `answer(its ShardedParam)`
+    (Note [attributes a stage-3 parameter answers]). A name a tensor already has is refused.
+    Cost: one dict lookup per read."""
+    if hasattr(nn.Parameter, name):
+        raise ValueError(f"{name!r} is an attribute of every tensor; choose another name")
+    attribute = property(lambda param: answer(_SHARDED[id(param)]), doc=answer.__doc__)
+    _ATTRIBUTES[name] = attribute
+    for guarded in _GUARDED_CLASSES.values():
+        setattr(guarded, name, attribute)
+
+
 def _guarded_class(plain: type) -> type:
     """The subclass of ``plain`` (nn.Parameter or a subclass of it) that stage 3 switches to."""
     guarded = _GUARDED_CLASSES.get(plain)
@@ -350,6 +380,7 @@ def _guarded_class(plain: type) -> type:
                 "_stage3_plain_class": plain,
                 "__module__": plain.__module__,
                 "__qualname__": plain.__qualname__,
+                **_ATTRIBUTES,
             },
         )
         _GUARDED_CLASSES[plain] = guarded
