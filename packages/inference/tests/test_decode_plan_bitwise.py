@@ -3,6 +3,8 @@ loop's logits bit for bit."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -52,7 +54,7 @@ def test_decode_plan_equals_the_block_loop(gpt_module, monkeypatch, dtype, batch
         vocab = engine.vocab_size
         prompts = torch.randint(0, vocab, (batch, 5), generator=torch.Generator().manual_seed(1))
         got = _decode_logits(engine, prompts, 6)
-        plan = engine._plans[(batch, id(kernels.load_op()))]
+        plan = engine._plans[(batch, id(kernels.load_op()), threading.get_ident())]
         # fp32 linears take at most 8 rows in the op (kernels.linear's torch path beyond): no plan
         assert (plan is None) == (dtype == torch.float32 and batch > 8), name
         with monkeypatch.context() as m:

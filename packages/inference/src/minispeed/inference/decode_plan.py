@@ -24,7 +24,7 @@ It applies where every block is a `FusedGPTBlock` whose four linears are `Int8Li
 `StreamingLinear`s the C++ op takes (no tensor parallelism), the op is loaded, the tensors are on
 the CPU, and the batch has at most `op.linear_max_rows` rows when a linear is fp32; otherwise
 `InferenceGPT.decode` runs the block loop. Buffers: `4 · B · (6C + F)` bytes per plan (C the
-width, F the MLP width), one plan per batch size, kept on the model.
+width, F the MLP width), one plan per batch size and thread, kept on the model.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ With `int8=True` the token table and the head are `Int8Embedding`s (see Note [in
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -195,7 +196,7 @@ class InferenceGPT(nn.Module):
         # itself when tied); the fp32 tables are not referenced.
         self.wte: nn.Module = Int8Embedding(wte) if int8 else wte
         self.head_q: Int8Embedding | None = None
-        self._plans: dict = {}  # (batch, id(op)) -> GPTDecodePlan or None: see _decode_plan
+        self._plans: dict = {}  # (batch, id(op), thread) -> decode plan or None: _decode_plan
         if int8:
             self.head_q = self.wte if head_weight is None else Int8Embedding(head_weight)
             self.head_weight = None
@@ -325,14 +326,14 @@ class InferenceGPT(nn.Module):
         return logits
 
     def _decode_plan(self, batch: int, cache: PagedKVCache):
-        """The `GPTDecodePlan` of this model at `batch` rows for the op in force, kept per
-        (batch, op) and dropped when the model moves (`_apply`); None where it does not apply."""
+        """The decode plan of this model at `batch` rows for the op in force, kept per (batch, op,
+        thread) and dropped when the model moves (`_apply`); None where it does not apply."""
         from minispeed.inference import decode_plan  # it imports this module
 
         op = kernels.load_op()
         if op is None or not cache.k[0].is_cpu:
             return None
-        key = (batch, id(op))
+        key = (batch, id(op), threading.get_ident())  # a plan's buffers serve one step at a time
         if key not in self._plans:
             self._plans[key] = decode_plan.build(self, op, batch)
         return self._plans[key]
