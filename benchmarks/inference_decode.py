@@ -5,7 +5,7 @@ Run from the repository root::
 
     .venv/bin/python benchmarks/inference_decode.py            # small and 30M+ models, batch 1 and 16
     .venv/bin/python benchmarks/inference_decode.py --quick    # small model only
-    .venv/bin/python benchmarks/inference_decode.py --only hf  # one section: decode, hf, profile
+    .venv/bin/python benchmarks/inference_decode.py --only hf  # one section: decode, hf, profile, ttft
 
 Variants, on the same model and prompts (greedy, so every variant emits the same tokens; checked):
 
@@ -333,37 +333,37 @@ def profile_hf_step(
     """Where one decode step of the injected 124M HF model goes, at `batch` sequences (`dtype`:
     `init_inference`'s, fp32 or int8).
 
-    Each kernel wrapper (and the cache's `write_next`) is timed by `clock` around its call
-    for this run only, and a step is `(t(new + 1 tokens) - t(1 token)) / new` as in the
-    transformers rows. torch.profiler is not used here: its per-op bookkeeping made the small
+    Each call into the C++ op (`kernels.load_op()`'s functions, which both the kernel wrappers
+    and the decode plan call: Note [decode step as raw op calls]) is timed by `clock` around
+    it for this run only, and a step is `(t(new + 1 tokens) - t(1 token)) / new` as in the
+    transformers rows; the rest (wrappers, the plan's Python, cache writes, embeddings, tables)
+    is what remains. torch.profiler is not used here: its per-op bookkeeping made the small
     kernels of a batch-8 step look 5-10× longer than they run (a layer norm of 8 × 768: 0.5 ms
     profiled, 0.06 ms timed).
     """
-    from minispeed.inference import kv_cache
-
     model = hf_model(family, "124M", prompt_len + new + 1)
     engine, _ = init_inference(model, dtype=dtype)
     prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_len),
                             generator=torch.Generator().manual_seed(2))  # fmt: skip
     head_rows = model.config.vocab_size
     spent: dict[str, float] = {}
+    op = kernels.load_op()
 
     def timed(name, fn):
-        def run(*args, **kwargs):
+        def run(*args):
             part = name
-            if name in ("linear", "int8_linear"):
-                part = "head" if args[1].shape[0] == head_rows else "linear"
+            if name in ("linear", "int8_linear"):  # (x, w, [scales,] b, out, M, N, ...)
+                part = "head" if args[6 if name == "int8_linear" else 5] == head_rows else "linear"
             start = clock()
-            out = fn(*args, **kwargs)
+            out = fn(*args)
             spent[part] = spent.get(part, 0.0) + clock() - start
             return out
 
         return run
 
     names = ("linear", "linear_many", "swiglu", "decode_attention", "layer_norm", "rms_norm",
-             "bias_gelu", "rotary_embedding", "argmax", "int8_linear")  # fmt: skip
-    originals = {n: getattr(kernels, n) for n in names}
-    write_next = kv_cache.PagedKVCache.write_next
+             "bias_gelu", "bias_gelu_tanh", "rotary", "argmax_rows", "int8_linear")  # fmt: skip
+    originals = {n: getattr(op, n) for n in names}
 
     def run(n: int) -> tuple[float, dict[str, float]]:
         spent.clear()
@@ -373,28 +373,26 @@ def profile_hf_step(
 
     try:
         for n, fn in originals.items():
-            setattr(kernels, n, timed(n, fn))
-        kv_cache.PagedKVCache.write_next = timed("cache", write_next)
+            setattr(op, n, timed(n, fn))
         run(new + 1)  # warm-up
         (w1, s1), (w2, s2) = run(1), run(new + 1)
     finally:
         for n, fn in originals.items():
-            setattr(kernels, n, fn)
-        kv_cache.PagedKVCache.write_next = write_next
+            setattr(op, n, fn)
     step = (w2 - w1) / new
     per = {k: (v - s1.get(k, 0.0)) / new for k, v in s2.items()}
     labels = {
-        "linear": "block linears (kernels.linear, linear_many, swiglu, int8_linear: weights read once)",
-        "linear_many": "block linears (kernels.linear, linear_many, swiglu, int8_linear: weights read once)",
-        "swiglu": "block linears (kernels.linear, linear_many, swiglu, int8_linear: weights read once)",
-        "head": "output head (kernels.linear or int8_linear over the vocabulary)",
+        "linear": "block linears (op linear, linear_many, swiglu, int8_linear: weights read once)",
+        "linear_many": "block linears (op linear, linear_many, swiglu, int8_linear: weights read once)",
+        "swiglu": "block linears (op linear, linear_many, swiglu, int8_linear: weights read once)",
+        "head": "output head (op linear or int8_linear over the vocabulary)",
         "decode_attention": "paged decode attention",
-        "cache": "KV-cache appends (index_copy_)",
         "layer_norm": "norms (add + LayerNorm / RMSNorm)",
         "rms_norm": "norms (add + LayerNorm / RMSNorm)",
         "bias_gelu": "bias + GeLU",
-        "rotary_embedding": "rotary",
-        "argmax": "greedy argmax (kernels.argmax)",
+        "bias_gelu_tanh": "bias + GeLU",
+        "rotary": "rotary",
+        "argmax_rows": "greedy argmax (kernels.argmax)",
     }
     parts: dict[str, float] = {}
     for k, v in per.items():
@@ -403,11 +401,45 @@ def profile_hf_step(
     out = [f"| {name} | {k} | {v * 1e3:.2f} | {100 * v / step:.0f} % |"
            for k, v in sorted(parts.items(), key=lambda kv: -kv[1])]  # fmt: skip
     rest = step - sum(parts.values())
-    out.append(f"| {name} | everything else (Python per layer, residual adds, "
-               f"SiLU·up, embeddings, tables) | {rest * 1e3:.2f} | {100 * rest / step:.0f} % |")  # fmt: skip
+    out.append(f"| {name} | everything else (Python: wrappers, the plan's calls; cache writes, "
+               f"residual adds, SiLU·up, embeddings, tables) | {rest * 1e3:.2f} | "
+               f"{100 * rest / step:.0f} % |")  # fmt: skip
     out.append(f"| {name} | **step** (load {os.getloadavg()[0]:.1f}) | "
                f"{step * 1e3:.2f} | 100 % |")  # fmt: skip
     return out
+
+
+def bench_ttft(family: str, batch: int, prompt_len: int, rounds: int, clock=time.perf_counter,
+               dtype: torch.dtype = torch.float32) -> str:  # fmt: skip
+    """One row: a prefill of `batch` prompts of the injected 124M model with every position's
+    logits (what `generate` computed before) against `last_only=True` (what it asks for now:
+    Note [prefill: the last position's logits only]), alternated, median of `rounds` each; the
+    first token's logits are checked equal (int8) or close (fp32)."""
+    model = hf_model(family, "124M", prompt_len + 1)
+    engine, _ = init_inference(model, dtype=dtype)
+    prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_len),
+                            generator=torch.Generator().manual_seed(2))  # fmt: skip
+    ids = list(range(batch))
+
+    def prefill(last_only: bool) -> tuple[float, torch.Tensor]:
+        cache = engine.new_cache(batch * -(-prompt_len // 16), 16)
+        for i in ids:
+            cache.add_sequence(i)
+        start = clock()
+        with torch.no_grad():
+            logits = engine.prefill_many(prompts, cache, ids, last_only=last_only)
+        return clock() - start, logits[:, -1]
+
+    full, last = prefill(False)[1], prefill(True)[1]
+    torch.testing.assert_close(last, full, rtol=1e-5, atol=1e-5)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for r in range(rounds):
+        for last_only in (False, True) if r % 2 == 0 else (True, False):
+            times[last_only].append(prefill(last_only)[0])
+    t_full, t_last = statistics.median(times[False]), statistics.median(times[True])
+    kind = "int8" if dtype == torch.int8 else "fp32"
+    return (f"| {family} 124M {kind} | {batch} | {prompt_len} | {t_full * 1e3:.1f} | "
+            f"{t_last * 1e3:.1f} | {t_full / t_last:.2f}× | {os.getloadavg()[0]:.1f} |")  # fmt: skip
 
 
 def bench_batching(gpt, rounds: int) -> list[str]:
@@ -488,7 +520,8 @@ def main(argv: list[str] | None = None) -> int:
         "--no-hf", dest="hf", action="store_false",
         help="skip the transformers rows (they need pip install packages/inference[hf])",
     )  # fmt: skip
-    parser.add_argument("--only", choices=("decode", "hf", "profile"), help="run one section")
+    parser.add_argument("--only", choices=("decode", "hf", "profile", "ttft"),
+                        help="run one section")  # fmt: skip
     parser.add_argument("--families", nargs="+", default=["gpt2", "llama"], choices=("gpt2", "llama"),
                         help="Hugging Face families of the hf section")  # fmt: skip
     parser.add_argument("--hf-sizes", nargs="+", default=["124M"], choices=("small", "30M", "124M"),
@@ -560,6 +593,17 @@ def main(argv: list[str] | None = None) -> int:
                                                     clock)  # fmt: skip
                         print(row, flush=True)
         torch.set_num_threads(args.threads)
+    if args.hf and wanted("ttft") and not args.quick:
+        print("\nTime to the first token's logits: a prefill of the injected 124M model with "
+              "every position's logits (before) and the last position's only (now), "
+              f"{args.clock} time, medians of {args.rounds} alternated rounds, ms:")  # fmt: skip
+        print("\n| model | batch | prompt | all positions | last only | ratio | load |")
+        print("|---|---|---|---|---|---|---|")
+        for family in args.families:
+            for dt in (torch.float32, torch.int8):
+                for batch in args.batches:
+                    print(bench_ttft(family, batch, args.prompt_len, max(args.rounds, 5), clock,
+                                     dt), flush=True)  # fmt: skip
     if wanted("profile"):
         print("\nWhere a batch-1 decode of the small GPT spends its time (torch.profiler):")
         print("\n| part | ms | share |")

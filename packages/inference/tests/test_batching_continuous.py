@@ -94,11 +94,11 @@ class _Poisoned:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def prefill(self, idx, cache, seq_id):
+    def prefill(self, idx, cache, seq_id, **kwargs):
         if int(idx[0]) == 13:
             cache.reserve(seq_id, len(idx))  # fail after taking blocks, as a real failure can
             raise RuntimeError("prefill exploded")
-        return self.engine.prefill(idx, cache, seq_id)
+        return self.engine.prefill(idx, cache, seq_id, **kwargs)
 
     def decode(self, tokens, cache, seq_ids):
         if self.poisoned_decode in seq_ids:

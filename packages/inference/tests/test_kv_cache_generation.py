@@ -136,3 +136,46 @@ def test_empty_batch_bad_ids_and_bad_block_size_are_handled(engine):
         ValueError, match=r"prompt 1: token id 31 at position 0 is outside the vocabulary \[0, 31\)"
     ):
         generate(inf, [[1, 2], [31]], cfg)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8], ids=["fp32", "int8"])
+def test_prefill_last_only_is_the_full_prefills_last_row_and_generate_asks_for_it(
+    gpt_module, monkeypatch, dtype
+):
+    # See Note [prefill: the last position's logits only]: generate's prefill used to run the
+    # head over every prompt position (B·T rows) to sample from the last one.
+    torch.manual_seed(0)
+    cfg = gpt_module.GPTConfig(vocab_size=31, block_size=40, n_layer=2, n_head=2, n_embd=16)
+    inf = init_inference(gpt_module.GPT(cfg).eval(), dtype=dtype)[0]
+    ids = torch.tensor([[1, 5, 9, 2, 2, 7, 3, 0, 4, 4, 1], [4, 0, 6, 6, 1, 2, 3, 8, 9, 9, 5]])
+    caches = [inf.new_cache(8, 4), inf.new_cache(8, 4)]
+    for c in caches:
+        c.add_sequence(0), c.add_sequence(1)
+    full = inf.prefill_many(ids, caches[0], [0, 1])
+    last = inf.prefill_many(ids, caches[1], [0, 1], last_only=True)
+    assert last.shape == (2, 1, cfg.vocab_size)
+    if dtype == torch.int8:
+        assert torch.equal(last, full[:, -1:])  # int8_linear sums each row alike at any M
+    else:  # one row on the streaming kernel, eleven on torch's GEMM
+        torch.testing.assert_close(last, full[:, -1:], rtol=1e-5, atol=1e-5)
+    for layer in range(cfg.n_layer):  # every position's K and V cached all the same
+        assert torch.equal(caches[0].k[layer], caches[1].k[layer])
+        assert torch.equal(caches[0].v[layer], caches[1].v[layer])
+    one = inf.new_cache(4, 4)
+    one.add_sequence(0)
+    assert torch.equal(inf.prefill(ids[0], one, 0, last_only=True), last[0])
+
+    from minispeed.inference import kernels
+
+    head_rows = []
+    for name in ("linear", "int8_linear"):
+        original = getattr(kernels, name)
+
+        def spy(x, w, *args, original=original):
+            if w.shape[0] == cfg.vocab_size:
+                head_rows.append(x.numel() // x.shape[-1])
+            return original(x, w, *args)
+
+        monkeypatch.setattr(kernels, name, spy)
+    generate(inf, ids, SamplingConfig(max_new_tokens=3))
+    assert head_rows == [2, 2, 2]  # the prefill's last rows, then two decode steps

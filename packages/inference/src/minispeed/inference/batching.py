@@ -143,7 +143,9 @@ class ContinuousBatcher:
                 continue
             try:
                 with ranges.range("inference.prefill"):
-                    logits = self.model.prefill(torch.tensor(req.prompt), self.cache, req.rid)
+                    logits = self.model.prefill(
+                        torch.tensor(req.prompt), self.cache, req.rid, last_only=True
+                    )
                 req.result.tokens.append(sample_next(logits[-1], req.cfg, req.generator))
             except Exception as exc:
                 self._fail(req, "prefill", exc)

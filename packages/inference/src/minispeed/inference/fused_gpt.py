@@ -20,6 +20,7 @@ With `int8=True` the token table and the head are `Int8Embedding`s (see Note [in
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -141,6 +142,18 @@ class FusedGPTBlock(nn.Module):
 # logits are that close. Learned positions (wpe, P × C, gathered) stay fp32.
 
 
+# Note [prefill: the last position's logits only]
+# Sampling the first new token reads the last prompt position's logits; the other T - 1 rows of a
+# prefill's head are computed for callers that score the prompt (perplexity, tests). The head is
+# the largest matmul of a step (V·C: GPT-2's 50257 × 768), so for B prompts of T tokens it costs
+# 2·B·T·V·C FLOPs against 2·B·V·C for the last row, and at int8 the kernel's rows go in chunks of 8
+# over the whole table (ceil(B·T / 8) reads of it instead of ceil(B / 8)). `generate` and the
+# batcher ask for `last_only`. Its logits are the full forward's last row: bit for bit with int8
+# weights (the final norm and `int8_linear` sum each row alone, in the same order at any row
+# count), to fp32 rounding with fp32 ones (one row goes to the streaming `kernels.linear`, more
+# than 8 to torch's GEMM: the same split as a decode step's).
+
+
 class InferenceGPT(nn.Module):
     """minispeed's GPT for inference: fused blocks where a policy matched, originals elsewhere.
 
@@ -183,6 +196,7 @@ class InferenceGPT(nn.Module):
         # itself when tied); the fp32 tables are not referenced.
         self.wte: nn.Module = Int8Embedding(wte) if int8 else wte
         self.head_q: Int8Embedding | None = None
+        self._plans: dict = {}  # (batch, id(op), thread) -> decode plan or None: _decode_plan
         if int8:
             self.head_q = self.wte if head_weight is None else Int8Embedding(head_weight)
             self.head_weight = None
@@ -214,8 +228,9 @@ class InferenceGPT(nn.Module):
         return t.view(B, T, -1, self.head_dim).transpose(1, 2)
 
     def _run(
-        self, idx: torch.Tensor, positions: torch.Tensor, attend: Attend | None
-    ) -> torch.Tensor:
+        self, idx: torch.Tensor, positions: torch.Tensor, attend: Attend | None,
+        last_only: bool = False, plan: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         # Token ids and positions built on the host (generate, the batcher) go to the weights'
         # device here, once per forward (a no-op when they are already there).
         idx, positions = idx.to(self.device), positions.to(self.device)
@@ -225,15 +240,18 @@ class InferenceGPT(nn.Module):
                 "generate fewer tokens or start a new sequence"
             )
         with kernels.pinned_op():  # the op is looked up once per forward, not per kernel call
-            return self._run_blocks(idx, positions, attend)
+            return self._run_blocks(idx, positions, attend, last_only, plan)
 
     def _run_blocks(
-        self, idx: torch.Tensor, positions: torch.Tensor, attend: Attend | None
-    ) -> torch.Tensor:
+        self, idx: torch.Tensor, positions: torch.Tensor, attend: Attend | None,
+        last_only: bool = False, plan: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         x = self.wte(idx)  # (B, T, C)
         if self.wpe is not None:
             x = x + self.wpe(positions)
-        for layer, block in enumerate(self.blocks):
+        if plan is not None:  # the blocks as raw op calls: see decode_plan.py
+            x = plan(x)
+        for layer, block in enumerate(self.blocks if plan is None else ()):
             if getattr(block, "is_fused", False):
                 x = block(x, layer, attend or self._full_attention, positions)
             elif attend is None:
@@ -245,6 +263,8 @@ class InferenceGPT(nn.Module):
                     f"{f' ({why})' if why else ''}, so it cannot read a KV cache: generate with "
                     "use_cache=False"
                 )
+        if last_only:  # See Note [prefill: the last position's logits only].
+            x = x[:, -1:]
         if self.rms_final_norm:
             x, _ = kernels.rms_norm(x, self.ln_f.weight, self.ln_f.variance_epsilon)
         else:
@@ -269,15 +289,22 @@ class InferenceGPT(nn.Module):
             raise ValueError(f"sequence length {T} exceeds block_size {self.block_size}")
         return self._run(idx, torch.arange(T, device=idx.device), None)
 
-    def prefill(self, idx: torch.Tensor, cache: PagedKVCache, seq_id: int) -> torch.Tensor:
-        """Logits `(T, V)` of one new sequence's prompt `idx` `(T,)`; its K, V go into `cache`."""
-        return self.prefill_many(idx[None], cache, [seq_id])[0]
+    def prefill(
+        self, idx: torch.Tensor, cache: PagedKVCache, seq_id: int, last_only: bool = False
+    ) -> torch.Tensor:
+        """Logits `(T, V)` of one new sequence's prompt `idx` `(T,)`; its K, V go into `cache`.
+        `last_only`: the last position's only, `(1, V)` (see `prefill_many`)."""
+        return self.prefill_many(idx[None], cache, [seq_id], last_only)[0]
 
     def prefill_many(
-        self, idx: torch.Tensor, cache: PagedKVCache, seq_ids: list[int]
+        self, idx: torch.Tensor, cache: PagedKVCache, seq_ids: list[int], last_only: bool = False
     ) -> torch.Tensor:
         """Logits `(B, T, V)` of B new sequences whose prompts `idx` `(B, T)` have the same length,
-        in one forward (one pass of Python per layer for all B); their K, V go into `cache`."""
+        in one forward (one pass of Python per layer for all B); their K, V go into `cache`.
+
+        `last_only=True` returns `(B, 1, V)`: the final norm and the head run on the last
+        position only, what sampling the first new token needs (see Note [prefill: the last
+        position's logits only]); the other positions' K and V are cached all the same."""
         B, T = idx.shape
         if len(seq_ids) != B:
             raise ValueError(f"{B} prompts but {len(seq_ids)} sequence ids")
@@ -293,10 +320,27 @@ class InferenceGPT(nn.Module):
                 cache.write(layer, s, kh[row], vh[row])
             return self._full_attention(layer, q, k, v)
 
-        logits = self._run(idx, torch.arange(T, device=idx.device), attend)
+        logits = self._run(idx, torch.arange(T, device=idx.device), attend, last_only)
         for s in seq_ids:
             cache.advance(s, T)
         return logits
+
+    def _decode_plan(self, batch: int, cache: PagedKVCache):
+        """The decode plan of this model at `batch` rows for the op in force, kept per (batch, op,
+        thread) and dropped when the model moves (`_apply`); None where it does not apply."""
+        from minispeed.inference import decode_plan  # it imports this module
+
+        op = kernels.load_op()
+        if op is None or not cache.k[0].is_cpu:
+            return None
+        key = (batch, id(op), threading.get_ident())  # a plan's buffers serve one step at a time
+        if key not in self._plans:
+            self._plans[key] = decode_plan.build(self, op, batch)
+        return self._plans[key]
+
+    def _apply(self, fn, recurse=True):  # .to(), .cuda(), .float(): the plans' addresses go stale
+        self._plans.clear()
+        return super()._apply(fn, recurse)
 
     def decode(self, tokens: torch.Tensor, cache: PagedKVCache, seq_ids: list[int]) -> torch.Tensor:
         """Logits `(B, V)` for one new token per sequence (`tokens` `(B,)`), reading the cache."""
@@ -308,7 +352,7 @@ class InferenceGPT(nn.Module):
         shape, kv_shape = (B, self.n_head, self.head_dim), (B, self.n_kv_head, self.head_dim)
         tables, seq_lens = kernels.check_decode_inputs(
             shape, cache.k[0], cache.v[0], cache.block_tables(seq_ids),
-            torch.tensor(positions, dtype=torch.int32, device=cache.k[0].device) + 1,
+            torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=cache.k[0].device),
         )  # fmt: skip
         slots = cache.next_slots(seq_ids)
 
@@ -321,7 +365,11 @@ class InferenceGPT(nn.Module):
             return y.view(B, 1, -1)
 
         pos = torch.tensor(positions, device=tokens.device)[:, None]
-        logits = self._run(tokens[:, None], pos, attend)[:, 0]
+        plan = self._decode_plan(B, cache)
+        run_plan = None
+        if plan is not None:
+            run_plan = lambda x: plan.run(x, cache, slots, tables, seq_lens, pos)  # noqa: E731
+        logits = self._run(tokens[:, None], pos, attend, plan=run_plan)[:, 0]
         for s in seq_ids:
             cache.advance(s, 1)
         return logits

@@ -220,7 +220,9 @@ def _generate_cached(model, prompts, cfg, gens, outputs, num_blocks, kv_block_si
         by_length.setdefault(len(p), []).append(i)
     for ids in by_length.values():
         with ranges.range("inference.prefill"):
-            logits = model.prefill_many(torch.tensor([prompts[i] for i in ids]), cache, ids)
+            logits = model.prefill_many(
+                torch.tensor([prompts[i] for i in ids]), cache, ids, last_only=True
+            )  # (B, 1, V)
         for row, i in enumerate(ids):
             outputs[i].append(sample_next(logits[row, -1], cfg, gens[i]))
     live = [i for i in range(len(prompts)) if not _done(cfg, outputs[i])]

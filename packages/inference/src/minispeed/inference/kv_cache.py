@@ -129,11 +129,9 @@ class PagedKVCache:
     def block_tables(self, seq_ids: list[int]) -> torch.Tensor:
         """`(B, max_blocks)` int32 block ids, rows padded with 0 (never read past `lengths`), on
         the cache's device (filled on the host, copied once)."""
-        width = max((len(self.tables[s]) for s in seq_ids), default=0)
-        out = torch.zeros(len(seq_ids), max(width, 1), dtype=torch.int32)
-        for row, s in enumerate(seq_ids):
-            out[row, : len(self.tables[s])] = torch.tensor(self.tables[s], dtype=torch.int32)
-        return out.to(self.k[0].device)
+        width = max(1, max((len(self.tables[s]) for s in seq_ids), default=0))
+        rows = [self.tables[s] + [0] * (width - len(self.tables[s])) for s in seq_ids]
+        return torch.tensor(rows, dtype=torch.int32).view(len(seq_ids), width).to(self.k[0].device)
 
     def free(self, seq_id: int) -> None:
         """Return `seq_id`'s blocks to the pool and forget it."""

@@ -1,0 +1,282 @@
+"""A decode step's GPT blocks as raw op calls on buffers kept between steps.
+
+Note [decode step as raw op calls]
+A batch-1 int8 decode step of GPT-2 (124M) reads its weights in ~14 ms at this machine's
+single-core bandwidth, and each of its 12 `FusedGPTBlock` forwards cost ~250 µs of Python
+around the kernels besides: four `nn.Module` calls, a wrapper per kernel (checks, an output
+`torch.empty`), `chunk`, three reshapes and two `index_copy_` for the cache, the residual add.
+`GPTDecodePlan` runs the same kernels in the same order on the same inputs, so its output is the
+block loop's bit for bit (`test_decode_plan_equals_the_block_loop` checks), but as one op call per
+kernel on buffers allocated once per batch size and reused every step (the weights' and buffers'
+addresses are read once):
+
+```text
+a      = LayerNorm1(x)                 op.layer_norm                          -> a
+qkv    = a @ Wqkvᵀ + b                 op.int8_linear / op.linear             -> qkv (B, 3C)
+cache  <- k, v (views of qkv)          index_copy_ at the step's slots (two)
+y      = attention(q, cache)           op.decode_attention (q: a view, or one copy at B > 1)
+n2, h  = LayerNorm2(y @ Woᵀ + bo + x)  op.int8_linear, op.layer_norm(residual=x)
+g      = gelu(n2 @ Wfcᵀ + bfc)         op.int8_linear, op.bias_gelu[_tanh]
+x'     = g @ Wpᵀ + bp + h              op.int8_linear, add_
+```
+
+It applies where every block is a `FusedGPTBlock` whose four linears are `Int8Linear`s or
+`StreamingLinear`s the C++ op takes (no tensor parallelism), the op is loaded, the tensors are on
+the CPU, and the batch has at most `op.linear_max_rows` rows when a linear is fp32; otherwise
+`InferenceGPT.decode` runs the block loop. Buffers: `4 · B · (6C + F)` bytes per plan (C the
+width, F the MLP width), one plan per batch size and thread, kept on the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+
+from minispeed.inference.fused_gpt import FusedGPTBlock, StreamingLinear
+from minispeed.inference.fused_llama import FusedLlamaBlock
+from minispeed.inference.quantize import Int8Linear
+
+__all__ = ["GPTDecodePlan", "LlamaDecodePlan", "build"]
+
+# linear(x_ptr, out_ptr, rows): y (rows, N) = x (rows, K) @ Wᵀ + b, all addresses but x/out fixed.
+LinearCall = Callable[[int, int, int], None]
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _linear_call(op: ModuleType, m: torch.nn.Module, rows: int) -> LinearCall | None:
+    """The op call `kernels.int8_linear` or `kernels.linear` makes for module `m` at `rows` rows,
+    or None where that wrapper would not call the op (another module, layout, dtype, device)."""
+    if isinstance(m, Int8Linear):
+        wq, s, b = m.weight_q, m.scales, m.bias
+        if not (wq.is_cpu and wq.is_contiguous() and s.dtype == torch.float32):
+            return None
+        if b is not None and not (b.dtype == torch.float32 and b.is_contiguous()):
+            return None
+        N, K = wq.shape
+        w, sp, bp = wq.data_ptr(), s.data_ptr(), _ptr(b)
+        return lambda x, out, M, keep=(wq, s, b): op.int8_linear(x, w, sp, bp, out, M, N, K)
+    if type(m) is StreamingLinear:
+        w, b = m.weight, m.bias
+        if rows > op.linear_max_rows or w.dtype != torch.float32 or not w.is_cpu:
+            return None
+        if b is not None and not (b.dtype == torch.float32 and b.is_contiguous()):
+            return None
+        N, K = w.shape
+        if w.is_contiguous():
+            kn = False
+        elif w.stride() == (1, N):  # a Conv1D weight's transposed view: see kernels.linear
+            kn = True
+        else:
+            return None
+        wp, bp = w.data_ptr(), _ptr(b)
+        return lambda x, out, M, keep=(w, b): op.linear(x, wp, bp, out, M, N, K, kn)
+    return None
+
+
+class GPTDecodePlan:
+    """The L blocks of an `InferenceGPT` decode step at `batch` rows (see Note [decode step as
+    raw op calls]); build with `GPTDecodePlan.build`, which answers None where it does not apply."""
+
+    def __init__(self, op: ModuleType, blocks: list[FusedGPTBlock], batch: int, head_dim: int,
+                 n_kv_head: int, calls: list[tuple[LinearCall, ...]]) -> None:  # fmt: skip
+        self.op, self.blocks, self.batch, self.calls = op, blocks, batch, calls
+        first = blocks[0]
+        C = first.ln1.weight.numel()
+        F = first.fc.out_features
+        self.C, self.D, self.H, self.KV = C, head_dim, first.n_head, n_kv_head
+        B = batch
+        self.x = [torch.empty(B, C), torch.empty(B, C)]  # the residual stream, ping-pong
+        self.a, self.y, self.p = torch.empty(B, C), torch.empty(B, C), torch.empty(B, C)
+        self.n2, self.h = torch.empty(B, C), torch.empty(B, C)
+        self.qkv = torch.empty(B, 3 * C)
+        self.f, self.g = torch.empty(B, F), torch.empty(B, F)
+        heads = self.qkv.view(B, 3, self.H, head_dim)
+        self.q = heads[:, 0] if B == 1 else torch.empty(B, self.H, head_dim)
+        self.q_view = heads[:, 0]
+        self.k, self.v = heads[:, 1], heads[:, 2]  # (B, H, D) views written into the cache
+
+    @staticmethod
+    def build(model: torch.nn.Module, op: ModuleType, batch: int) -> GPTDecodePlan | None:
+        """A plan for `model`'s blocks at `batch` rows, or None (see the module docstring)."""
+        blocks = list(model.blocks)
+        if model.n_kv_head != model.n_head:
+            return None
+        calls = []
+        for b in blocks:
+            if type(b) is not FusedGPTBlock:
+                return None
+            if not _vectors_ok(b.ln1.weight, b.ln1.bias, b.ln2.weight, b.ln2.bias, b.fc_bias):
+                return None
+            layer = tuple(
+                _linear_call(op, m, batch) for m in (b.qkv, b.attn_proj, b.fc, b.mlp_proj)
+            )
+            if any(c is None for c in layer):
+                return None
+            calls.append(layer)
+        return GPTDecodePlan(op, blocks, batch, model.head_dim, model.n_kv_head, calls)
+
+    def run(self, x: torch.Tensor, cache, slots: torch.Tensor, tables: torch.Tensor,
+            seq_lens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """The blocks over `x` `(B, 1, C)`, writing each layer's K, V at `slots` of `cache`;
+        returns `(B, 1, C)` (a buffer of the plan: read it before the next step)."""
+        op, B, C, D, H = self.op, self.batch, self.C, self.D, self.H
+        cur = self.x[0]
+        cur.copy_(x.view(B, C))
+        a, y, p, n2, h = (t.data_ptr() for t in (self.a, self.y, self.p, self.n2, self.h))
+        qkv, f, g, q = (t.data_ptr() for t in (self.qkv, self.f, self.g, self.q))
+        tp, lp = tables.data_ptr(), seq_lens.data_ptr()
+        scale = 1.0 / D**0.5
+        for layer, (blk, (lin_qkv, lin_o, lin_fc, lin_p)) in enumerate(
+            zip(self.blocks, self.calls)
+        ):
+            nxt = self.x[(layer + 1) % 2]
+            ln1, ln2 = blk.ln1, blk.ln2
+            op.layer_norm(
+                cur.data_ptr(), 0, ln1.weight.data_ptr(), _ptr(ln1.bias), a, p, B, C, ln1.eps
+            )  # fmt: skip (p: scratch for the unused x + 0)
+            lin_qkv(a, qkv, B)
+            kc, vc = cache.k[layer], cache.v[layer]
+            kc.view(-1, self.KV, D).index_copy_(0, slots, self.k)
+            vc.view(-1, self.KV, D).index_copy_(0, slots, self.v)
+            if B > 1:
+                self.q.copy_(self.q_view)
+            op.decode_attention(q, kc.data_ptr(), vc.data_ptr(), tp, lp, y, B, H, self.KV, D,
+                                kc.shape[1], tables.shape[1], scale)  # fmt: skip
+            lin_o(y, p, B)
+            op.layer_norm(p, cur.data_ptr(), ln2.weight.data_ptr(), _ptr(ln2.bias), n2, h, B, C,
+                          ln2.eps)  # fmt: skip
+            lin_fc(n2, f, B)
+            gelu = op.bias_gelu_tanh if blk.gelu_approximate == "tanh" else op.bias_gelu
+            gelu(f, _ptr(blk.fc_bias), g, B, self.f.shape[1])
+            lin_p(g, nxt.data_ptr(), B)
+            nxt.add_(self.h)
+            cur = nxt
+        return cur.view(B, 1, C)
+
+
+def _vectors_ok(*vectors: torch.Tensor | None) -> bool:
+    """Every given vector is a contiguous fp32 CPU tensor (what the wrappers would pass as is)."""
+    return all(
+        v is None or (v.is_cpu and v.dtype == torch.float32 and v.is_contiguous()) for v in vectors
+    )
+
+
+class LlamaDecodePlan:
+    """`FusedLlamaBlock`s as raw op calls (see Note [decode step as raw op calls]): per layer
+    `op.rms_norm`, q/k/v (`op.linear_many` with fp32 weights, three `op.int8_linear` with int8),
+    `op.rotary` on q and k, the cache writes, `op.decode_attention` (grouped-query), o and
+    `op.rms_norm(residual=x)`, then `op.swiglu` (fp32) or gate, up and `silu(gate) · up` (int8, in
+    torch as the block does), down, and the residual add."""
+
+    def __init__(self, op: ModuleType, blocks: list[FusedLlamaBlock], batch: int,
+                 calls: list[tuple]) -> None:  # fmt: skip
+        self.op, self.blocks, self.batch, self.calls = op, blocks, batch, calls
+        first, B = blocks[0], batch
+        self.C, self.D = first.ln1.weight.numel(), first.head_dim
+        self.H, self.KV, self.F = first.n_head, first.n_kv_head, first.down.in_features
+        C, HD, KD, F = self.C, self.H * self.D, self.KV * self.D, self.F
+        self.x = [torch.empty(B, C), torch.empty(B, C)]  # the residual stream, ping-pong
+        self.a, self.p, self.n2, self.h = (torch.empty(B, C) for _ in range(4))
+        self.q, self.qr, self.y = torch.empty(B, HD), torch.empty(B, HD), torch.empty(B, HD)
+        self.k, self.kr, self.v = torch.empty(B, KD), torch.empty(B, KD), torch.empty(B, KD)
+        self.g, self.u, self.m = torch.empty(B, F), torch.empty(B, F), torch.empty(B, F)
+
+    @staticmethod
+    def build(model: torch.nn.Module, op: ModuleType, batch: int) -> LlamaDecodePlan | None:
+        """A plan for `model`'s LLaMA blocks at `batch` rows, or None (see the module docstring)."""
+        calls = []
+        for b in model.blocks:
+            if type(b) is not FusedLlamaBlock:
+                return None
+            if not _vectors_ok(b.ln1.weight, b.ln2.weight, b.cos, b.sin):
+                return None
+            if b.streaming:  # fp32: one linear_many for q/k/v, one swiglu (as the block calls)
+                ws = (b.q, b.k, b.v, b.gate, b.up)
+                if batch > op.linear_max_rows or not all(
+                    m.weight.is_cpu and m.weight.is_contiguous() and _vectors_ok(m.bias) for m in ws
+                ):
+                    return None
+                if b.gate.weight.shape != b.up.weight.shape:
+                    return None
+                inner = (b.q, b.k, b.v), (b.gate, b.up)
+            else:
+                inner = tuple(_linear_call(op, m, batch) for m in (b.q, b.k, b.v, b.gate, b.up))
+                if any(c is None for c in inner):
+                    return None
+            outer = tuple(_linear_call(op, m, batch) for m in (b.o, b.down))
+            if any(c is None for c in outer):
+                return None
+            calls.append((inner, outer))
+        return LlamaDecodePlan(op, list(model.blocks), batch, calls)
+
+    def _qkv_mlp(self, blk: FusedLlamaBlock, inner, which: str) -> None:
+        op, B = self.op, self.batch
+        if which == "qkv":
+            if blk.streaming:
+                ms = inner[0]
+                op.linear_many(self.a.data_ptr(), [m.weight.data_ptr() for m in ms],
+                               [_ptr(m.bias) for m in ms],
+                               [t.data_ptr() for t in (self.q, self.k, self.v)],
+                               [m.weight.shape[0] for m in ms], B, self.C)  # fmt: skip
+            else:
+                for call, out in zip(inner[:3], (self.q, self.k, self.v)):
+                    call(self.a.data_ptr(), out.data_ptr(), B)
+            return
+        if blk.streaming:
+            gate, up = inner[1]
+            op.swiglu(self.n2.data_ptr(), gate.weight.data_ptr(), up.weight.data_ptr(),
+                      _ptr(gate.bias), _ptr(up.bias), self.m.data_ptr(), B, self.F,
+                      self.C)  # fmt: skip
+        else:
+            inner[3](self.n2.data_ptr(), self.g.data_ptr(), B)
+            inner[4](self.n2.data_ptr(), self.u.data_ptr(), B)
+            torch.mul(torch.nn.functional.silu(self.g), self.u, out=self.m)
+
+    def run(self, x: torch.Tensor, cache, slots: torch.Tensor, tables: torch.Tensor,
+            seq_lens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """As `GPTDecodePlan.run`; `positions` `(B, 1)` int64, each sequence's new position."""
+        op, B, C, D, H, KV = self.op, self.batch, self.C, self.D, self.H, self.KV
+        pos = positions.reshape(-1)
+        if pos.dtype != torch.int64 or not pos.is_contiguous():
+            pos = pos.to(torch.int64).contiguous()
+        cur = self.x[0]
+        cur.copy_(x.view(B, C))
+        tp, lp, scale = tables.data_ptr(), seq_lens.data_ptr(), 1.0 / D**0.5
+        for layer, (blk, (inner, (lin_o, lin_down))) in enumerate(zip(self.blocks, self.calls)):
+            nxt = self.x[(layer + 1) % 2]
+            eps1, eps2 = blk.ln1.variance_epsilon, blk.ln2.variance_epsilon
+            op.rms_norm(cur.data_ptr(), 0, blk.ln1.weight.data_ptr(), self.a.data_ptr(),
+                        self.p.data_ptr(), B, C, eps1)  # fmt: skip
+            self._qkv_mlp(blk, inner, "qkv")
+            cos, sin = blk.cos.data_ptr(), blk.sin.data_ptr()
+            op.rotary(self.q.data_ptr(), cos, sin, pos.data_ptr(), self.qr.data_ptr(), B, H, D)
+            op.rotary(self.k.data_ptr(), cos, sin, pos.data_ptr(), self.kr.data_ptr(), B, KV, D)
+            kc, vc = cache.k[layer], cache.v[layer]
+            kc.view(-1, KV, D).index_copy_(0, slots, self.kr.view(B, KV, D))
+            vc.view(-1, KV, D).index_copy_(0, slots, self.v.view(B, KV, D))
+            op.decode_attention(self.qr.data_ptr(), kc.data_ptr(), vc.data_ptr(), tp, lp,
+                                self.y.data_ptr(), B, H, KV, D, kc.shape[1], tables.shape[1],
+                                scale)  # fmt: skip
+            lin_o(self.y.data_ptr(), self.p.data_ptr(), B)
+            op.rms_norm(self.p.data_ptr(), cur.data_ptr(), blk.ln2.weight.data_ptr(),
+                        self.n2.data_ptr(), self.h.data_ptr(), B, C, eps2)  # fmt: skip
+            self._qkv_mlp(blk, inner, "mlp")
+            lin_down(self.m.data_ptr(), nxt.data_ptr(), B)
+            nxt.add_(self.h)
+            cur = nxt
+        return cur.view(B, 1, C)
+
+
+def build(model: torch.nn.Module, op: ModuleType | None, batch: int):
+    """The plan of `model`'s decode step at `batch` rows (GPT or LLaMA blocks), or None where the
+    block loop must run (see Note [decode step as raw op calls])."""
+    if op is None or not len(model.blocks) or model.tp is not None:
+        return None
+    if type(model.blocks[0]) is FusedLlamaBlock:
+        return LlamaDecodePlan.build(model, op, batch)
+    return GPTDecodePlan.build(model, op, batch)
