@@ -15,6 +15,7 @@ tokens = generate(engine, [[1, 2, 3]], SamplingConfig(max_new_tokens=20, tempera
 ```
 """
 
+from minispeed.inference import decode_plan as decode_plan  # registers the decode plans
 from minispeed.inference.batching import ContinuousBatcher, RequestResult
 from minispeed.inference.evaluation import perplexity
 from minispeed.inference.fused_gpt import FusedGPTBlock, InferenceGPT

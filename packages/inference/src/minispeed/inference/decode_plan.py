@@ -34,7 +34,7 @@ from types import ModuleType
 
 import torch
 
-from minispeed.inference.fused_gpt import FusedGPTBlock, StreamingLinear
+from minispeed.inference.fused_gpt import FusedGPTBlock, StreamingLinear, set_decode_planner
 from minispeed.inference.fused_llama import FusedLlamaBlock
 from minispeed.inference.quantize import Int8Linear
 
@@ -280,3 +280,6 @@ def build(model: torch.nn.Module, op: ModuleType | None, batch: int):
     if type(model.blocks[0]) is FusedLlamaBlock:
         return LlamaDecodePlan.build(model, op, batch)
     return GPTDecodePlan.build(model, op, batch)
+
+
+set_decode_planner(build)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -152,6 +153,18 @@ class FusedGPTBlock(nn.Module):
 # weights (the final norm and `int8_linear` sum each row alone, in the same order at any row
 # count), to fp32 rounding with fp32 ones (one row goes to the streaming `kernels.linear`, more
 # than 8 to torch's GEMM: the same split as a decode step's).
+
+
+# The decode-plan builder (decode_plan.build). decode_plan imports this module for its block
+# types and registers itself here when imported (the package's __init__ imports it), so this
+# module does not import it back (docs/architecture.md, "No cycle").
+_PLANNER: Callable[..., Any] | None = None
+
+
+def set_decode_planner(build: Callable[..., Any]) -> None:
+    """Install the builder of decode plans (`decode_plan.build`)."""
+    global _PLANNER
+    _PLANNER = build
 
 
 class InferenceGPT(nn.Module):
@@ -328,14 +341,12 @@ class InferenceGPT(nn.Module):
     def _decode_plan(self, batch: int, cache: PagedKVCache):
         """The decode plan of this model at `batch` rows for the op in force, kept per (batch, op,
         thread) and dropped when the model moves (`_apply`); None where it does not apply."""
-        from minispeed.inference import decode_plan  # it imports this module
-
         op = kernels.load_op()
-        if op is None or not cache.k[0].is_cpu:
+        if op is None or not cache.k[0].is_cpu or _PLANNER is None:
             return None
         key = (batch, id(op), threading.get_ident())  # a plan's buffers serve one step at a time
         if key not in self._plans:
-            self._plans[key] = decode_plan.build(self, op, batch)
+            self._plans[key] = _PLANNER(self, op, batch)
         return self._plans[key]
 
     def _apply(self, fn, recurse=True):  # .to(), .cuda(), .float(): the plans' addresses go stale
