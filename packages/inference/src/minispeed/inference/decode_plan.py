@@ -34,6 +34,7 @@ from types import ModuleType
 
 import torch
 
+from minispeed.inference import kernels
 from minispeed.inference.fused_gpt import FusedGPTBlock, StreamingLinear, set_decode_planner
 from minispeed.inference.fused_llama import FusedLlamaBlock
 from minispeed.inference.quantize import Int8Linear
@@ -67,11 +68,8 @@ def _linear_call(op: ModuleType, m: torch.nn.Module, rows: int) -> LinearCall | 
         if b is not None and not (b.dtype == torch.float32 and b.is_contiguous()):
             return None
         N, K = w.shape
-        if w.is_contiguous():
-            kn = False
-        elif w.stride() == (1, N):  # a Conv1D weight's transposed view: see kernels.linear
-            kn = True
-        else:
+        kn = kernels.stored_transposed(w)  # a Conv1D weight's transposed view: True
+        if kn is None:
             return None
         wp, bp = w.data_ptr(), _ptr(b)
         return lambda x, out, M, keep=(w, b): op.linear(x, wp, bp, out, M, N, K, kn)
@@ -214,28 +212,29 @@ class LlamaDecodePlan:
             calls.append((inner, outer))
         return LlamaDecodePlan(op, list(model.blocks), batch, calls)
 
-    def _qkv_mlp(self, blk: FusedLlamaBlock, inner, which: str) -> None:
-        op, B = self.op, self.batch
-        if which == "qkv":
-            if blk.streaming:
-                ms = inner[0]
-                op.linear_many(self.a.data_ptr(), [m.weight.data_ptr() for m in ms],
-                               [_ptr(m.bias) for m in ms],
-                               [t.data_ptr() for t in (self.q, self.k, self.v)],
-                               [m.weight.shape[0] for m in ms], B, self.C)  # fmt: skip
-            else:
-                for call, out in zip(inner[:3], (self.q, self.k, self.v)):
-                    call(self.a.data_ptr(), out.data_ptr(), B)
+    def _qkv(self, blk: FusedLlamaBlock, inner) -> None:
+        """q, k, v of `self.a` into `self.q`, `self.k`, `self.v`, as the block computes them."""
+        if blk.streaming:
+            ms = inner[0]
+            self.op.linear_many(self.a.data_ptr(), [m.weight.data_ptr() for m in ms],
+                                [_ptr(m.bias) for m in ms],
+                                [t.data_ptr() for t in (self.q, self.k, self.v)],
+                                [m.weight.shape[0] for m in ms], self.batch, self.C)  # fmt: skip
             return
+        for call, out in zip(inner[:3], (self.q, self.k, self.v)):
+            call(self.a.data_ptr(), out.data_ptr(), self.batch)
+
+    def _gated(self, blk: FusedLlamaBlock, inner) -> None:
+        """`silu(gate(n2)) · up(n2)` into `self.m`, as the block computes it."""
         if blk.streaming:
             gate, up = inner[1]
-            op.swiglu(self.n2.data_ptr(), gate.weight.data_ptr(), up.weight.data_ptr(),
-                      _ptr(gate.bias), _ptr(up.bias), self.m.data_ptr(), B, self.F,
-                      self.C)  # fmt: skip
-        else:
-            inner[3](self.n2.data_ptr(), self.g.data_ptr(), B)
-            inner[4](self.n2.data_ptr(), self.u.data_ptr(), B)
-            torch.mul(torch.nn.functional.silu(self.g), self.u, out=self.m)
+            self.op.swiglu(self.n2.data_ptr(), gate.weight.data_ptr(), up.weight.data_ptr(),
+                           _ptr(gate.bias), _ptr(up.bias), self.m.data_ptr(), self.batch, self.F,
+                           self.C)  # fmt: skip
+            return
+        inner[3](self.n2.data_ptr(), self.g.data_ptr(), self.batch)
+        inner[4](self.n2.data_ptr(), self.u.data_ptr(), self.batch)
+        torch.mul(torch.nn.functional.silu(self.g), self.u, out=self.m)
 
     def run(self, x: torch.Tensor, cache, slots: torch.Tensor, tables: torch.Tensor,
             seq_lens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # fmt: skip
@@ -252,7 +251,7 @@ class LlamaDecodePlan:
             eps1, eps2 = blk.ln1.variance_epsilon, blk.ln2.variance_epsilon
             op.rms_norm(cur.data_ptr(), 0, blk.ln1.weight.data_ptr(), self.a.data_ptr(),
                         self.p.data_ptr(), B, C, eps1)  # fmt: skip
-            self._qkv_mlp(blk, inner, "qkv")
+            self._qkv(blk, inner)
             cos, sin = blk.cos.data_ptr(), blk.sin.data_ptr()
             op.rotary(self.q.data_ptr(), cos, sin, pos.data_ptr(), self.qr.data_ptr(), B, H, D)
             op.rotary(self.k.data_ptr(), cos, sin, pos.data_ptr(), self.kr.data_ptr(), B, KV, D)
@@ -265,7 +264,7 @@ class LlamaDecodePlan:
             lin_o(self.y.data_ptr(), self.p.data_ptr(), B)
             op.rms_norm(self.p.data_ptr(), cur.data_ptr(), blk.ln2.weight.data_ptr(),
                         self.n2.data_ptr(), self.h.data_ptr(), B, C, eps2)  # fmt: skip
-            self._qkv_mlp(blk, inner, "mlp")
+            self._gated(blk, inner)
             lin_down(self.m.data_ptr(), nxt.data_ptr(), B)
             nxt.add_(self.h)
             cur = nxt

@@ -60,6 +60,7 @@ __all__ = [
     "rms_norm",
     "rotary_embedding",
     "rotary_tables",
+    "stored_transposed",
     "swiglu",
 ]
 
@@ -468,6 +469,15 @@ def _bias_of(bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
     return bias.detach().contiguous()
 
 
+def stored_transposed(weight: torch.Tensor) -> bool | None:
+    """How the `(N, K)` `weight` is laid out for the streaming op: False contiguous
+    (`nn.Linear`), True a transposed view of a contiguous `(K, N)` tensor (Hugging Face's
+    `Conv1D`, the op's `kn` layout), None any other layout (the op does not take it)."""
+    if weight.is_contiguous():
+        return False
+    return True if weight.stride() == (1, weight.shape[0]) else None
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, reading the weight once when `x` has few rows (decode).
 
@@ -479,15 +489,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     device): `F.linear` itself, the reference. Costs: 2MNK FLOPs, 4NK + 4MK + 4MN bytes moved.
     """
     op = _streaming_op(x, (weight,), (bias,))
-    if op is None:
+    kn = None if op is None else stored_transposed(weight)
+    if kn is None:
         return reference.linear(x, weight, bias)
     N, K = weight.shape
-    if weight.is_contiguous():
-        kn = False
-    elif weight.stride() == (1, N):  # the (K, N) storage of a transposed view
-        kn = True
-    else:
-        return reference.linear(x, weight, bias)
     bias = _bias_of(bias, N)
     x = x.detach().contiguous()
     out = torch.empty(*x.shape[:-1], N, dtype=torch.float32)
