@@ -14,6 +14,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 from torch.testing import assert_close
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import minispeed.comm as comm
 from minispeed.comm import api_compat
@@ -92,6 +93,18 @@ def test_uneven_all_to_all(rank, world_size):
         assert_close(out, torch.cat(expected))
 
 
+class _CopiedElements(TorchDispatchMode):
+    """Elements written by copies (`copy_`, `cat`) on this thread while active."""
+
+    numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.__name__.split(".")[0] in ("copy_", "cat"):
+            self.numel += out.numel()
+        return out
+
+
 @distributed_test(world_size=[2, 4])
 def test_coalesced_all_gather_of_different_sizes(rank, world_size):
     n = world_size
@@ -99,14 +112,19 @@ def test_coalesced_all_gather_of_different_sizes(rank, world_size):
     for async_op in (False, True):
         ins = [_data(10 * rank + i, *shape) for i, shape in enumerate(shapes)]
         outs = [torch.empty(n * t.numel()) for t in ins]
-        with comm.CommsLogger() as log:
+        with comm.CommsLogger() as log, _CopiedElements() as copied:
             _finish(comm.all_gather_coalesced(outs, ins, async_op=async_op), async_op)
         assert log.count() == 1, "coalesced all-gather must issue exactly one collective"
+        if api_compat.all_gather_impl(None) == "broadcasts":  # received in place: no pack, unpack
+            assert copied.numel == sum(t.numel() for t in ins), copied.numel
         for i, shape in enumerate(shapes):
             expected = torch.cat([_data(10 * r + i, *shape).reshape(-1) for r in range(n)])
             assert_close(outs[i], expected)
 
-        # Lazy outputs: allocated only once the data is there (in wait() for an async call).
+        # Lazy outputs: allocated only when the data has somewhere to land: at issue where the
+        # backend receives straight into them (gloo: broadcasts), else once the data is there (in
+        # wait() for an async call). Either way an in-flight gather holds one copy.
+        into_outputs = api_compat.all_gather_impl(None) == "broadcasts"
         made: list[list[torch.Tensor]] = []
 
         def allocate(made=made, ins=ins) -> list[torch.Tensor]:
@@ -114,7 +132,7 @@ def test_coalesced_all_gather_of_different_sizes(rank, world_size):
             return made[-1]
 
         work = comm.all_gather_coalesced(allocate, ins, async_op=async_op)
-        assert len(made) == (0 if async_op else 1)
+        assert len(made) == (0 if async_op and not into_outputs else 1)
         _finish(work, async_op)
         assert len(made) == 1
         for i, shape in enumerate(shapes):

@@ -297,24 +297,28 @@ def native_or_fallback(
 
 
 def all_gather_flat(
-    output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool, impl: str
+    outs: list[torch.Tensor], ins: list[torch.Tensor], group: Any, async_op: bool, impl: str
 ) -> Issued:
-    """Gather every rank's `input` into `output` (rank-major, n·m elements).
+    """Gather every rank's `ins[i]` into `outs[i]` (1-D, rank-major, n·m elements).
 
     `impl`: what `api_compat.all_gather_impl` chose (the caller logs it). `broadcasts` (Note
-    [gloo's all-gather is broadcasts] in api_compat.py): chunk j of `output` from rank j.
+    [gloo's all-gather is broadcasts] in api_compat.py): chunk j of each output from rank j,
+    received in place, this rank's chunk a copy of the input (none when it is that chunk).
+    Otherwise the backend's flat all-gather, of one output.
     """
     if impl == "broadcasts":
-        facts = validation.group_facts("all_gather", group)
-        chunks = output.view(facts.n, -1).unbind(0)
-        if chunks[facts.rank].data_ptr() != input.data_ptr():
-            chunks[facts.rank].copy_(input)
-        works = [
-            dist.broadcast(lend(c), src, group=group, async_op=True)
-            for c, src in zip(chunks, facts.ranks)
-        ]
+        facts, works = validation.group_facts("all_gather", group), []
+        for output, input in zip(outs, ins):
+            chunks = output.view(facts.n, -1).unbind(0)
+            if chunks[facts.rank].data_ptr() != input.data_ptr():
+                chunks[facts.rank].copy_(input)
+            works += [
+                dist.broadcast(lend(c), j, group=group, async_op=True)
+                for c, j in zip(chunks, facts.ranks)
+            ]
         work = api_compat.WorkList(works)
         return work if async_op or not work.wait() else None, None  # wait() is True
+    (output,), (input,) = outs, ins  # one
     return native_or_fallback(
         "all_gather",
         group,

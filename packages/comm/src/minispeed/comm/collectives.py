@@ -110,7 +110,7 @@ def reduce_scatter_tensor(
     call.agree(lambda: {"shape": tuple(input.shape), "dtype": str(input.dtype), "op": str(op)})
     impl = call.impl = api_compat.reduce_scatter_impl(group, output, input, op)
     return call.launch(
-        lambda: reduce_scatter_flat(_flat(output), _flat(input), op, group, async_op, impl),
+        lambda: reduce_scatter_flat(output.view(-1), input.view(-1), op, group, async_op, impl),
         async_op,
         input,
         input.numel(),
@@ -136,7 +136,7 @@ def all_gather_into_tensor(
     call.agree(lambda: {"shape": tuple(input.shape), "dtype": str(input.dtype)})
     impl = call.impl = api_compat.all_gather_impl(group)
     return call.launch(
-        lambda: all_gather_flat(_flat(output), _flat(input), group, async_op, impl),
+        lambda: all_gather_flat([output.view(-1)], [input.view(-1)], group, async_op, impl),
         async_op,
         output,
         output.numel(),
@@ -153,53 +153,57 @@ def all_gather_coalesced(
 ) -> CommWork | None:
     """All-gather a list of tensors of different sizes with ONE collective.
 
-    `outputs[i]` (n · inputs[i].numel() elements) receives every rank's `inputs[i]`, rank-major.
-    The inputs are packed straight into this rank's chunk of one flat buffer of n · Σ numel
-    elements, gathered in place (the input is a view of the output: see Note [in-place flat
-    collectives] in api_compat.py), and unpacked. Cost: one call's latency instead of
-    len(inputs); (n-1)/n · S sent with S = Σ output bytes; memory: one temporary of n · Σ numel
-    elements, alive until the call completes.
+    `outputs[i]` (n · inputs[i].numel() elements, contiguous) receives every rank's `inputs[i]`,
+    rank-major. One input is gathered straight into its output. Where the backend's all-gather
+    is broadcasts (gloo: Note [gloo's all-gather is broadcasts] in api_compat.py) so is each of
+    several: chunk j from rank j, n broadcasts per input, this rank's chunk a copy of its input,
+    no other buffer and no other copy. Otherwise the inputs are packed straight into this rank's chunk of one flat buffer of
+    n · Σ numel elements, gathered in place (the input is a view of the output: see Note
+    [in-place flat collectives] in api_compat.py), and unpacked into the outputs. Cost: one
+    call's latency instead of len(inputs) (the broadcasts: n · len(inputs) messages); (n-1)/n ·
+    S sent with S = Σ output bytes; memory: the outputs, plus (flat) one temporary of n · Σ
+    numel elements, alive until the call completes.
 
-    `outputs` may be a function returning the output tensors: it is called once the data has
-    arrived (in `wait()` for an async call), so an in-flight gather holds only its n · Σ numel
-    buffer, not the outputs as well (ZeRO-3 prefetches this way). Its tensors are checked then.
+    `outputs` may be a function returning the output tensors: it is called when the data has
+    somewhere to land, at issue where the outputs receive it, else once it has arrived (in
+    `wait()` for an async call), so an in-flight gather holds one copy, never the flat buffer
+    and the outputs at once (ZeRO-3 prefetches this way). Its tensors are checked then.
     """
     call = Call("all_gather_coalesced", group)
-    lazy = callable(outputs)
     with call:
         if not inputs:
             raise CommInputError(f"{call.op}: got no inputs; pass at least one tensor")
         validation.check_tensor_list(call.op, call.facts, inputs, False)
         validation.check_one_dtype(call.op, "inputs", inputs, inputs[0].dtype, "the first")
-        if not lazy:  # lazy outputs are checked when they are made, in finish()
+        if not callable(outputs):  # lazy outputs are checked when they are made
             _check_coalesced_outputs(call, outputs, inputs)
     dtype = inputs[0].dtype
     call.agree(lambda: {"shapes": [tuple(t.shape) for t in inputs], "dtype": str(dtype)})
     n, sizes = call.n, [t.numel() for t in inputs]
     total = sum(sizes)
-    flat_out = inputs[0].new_empty(n * total)  # 1D, rank-major: [rank0: in0|in1|..][rank1: ...]
-    me = call.facts.rank  # this rank's chunk (below) is gathered in place
-    flat_in = flat_out[me * total : (me + 1) * total]
-    torch.cat([t.reshape(-1) for t in inputs], out=flat_in)
-
-    def finish() -> None:  # unpack: outputs[i] takes column block i of every rank's chunk
-        outs = outputs() if lazy else outputs
-        if lazy:
-            _check_coalesced_outputs(call, outs, inputs)
-        by_rank, offset = flat_out.view(n, total), 0
-        for o, size in zip(outs, sizes):
-            o.view(n, size).copy_(by_rank[:, offset : offset + size])
-            offset += size
-
     impl = call.impl = api_compat.all_gather_impl(group)
+    if impl == "broadcasts" or len(inputs) == 1:  # into the outputs: no n·Σ buffer, no copies
+        outs, finish = [o.view(-1) for o in _made(call, outputs, inputs)], None
+        ins = [t.reshape(-1) for t in inputs]
+    else:
+        outs = [inputs[0].new_empty(n * total)]  # 1D, rank-major: [rank0: in0|in1|..][rank1: ..]
+        me = call.facts.rank  # this rank's chunk (below) is gathered in place
+        ins = [outs[0][me * total : (me + 1) * total]]
+        torch.cat([t.reshape(-1) for t in inputs], out=ins[0])
+
+        def finish() -> None:  # unpack: outputs[i] takes column block i of every rank's chunk
+            by_rank, offset = outs[0].view(n, total), 0
+            for o, size in zip(_made(call, outputs, inputs), sizes):
+                o.view(n, size).copy_(by_rank[:, offset : offset + size])
+                offset += size
 
     def issue() -> Issued:
-        work, inner_finish = all_gather_flat(flat_out, flat_in, group, async_op, impl)
+        work, inner_finish = all_gather_flat(outs, ins, group, async_op, impl)
         if inner_finish is not None:
             raise AssertionError("the flat all-gather fallback needs no finishing step")
         return work, finish
 
-    return call.launch(issue, async_op, flat_out, n * total, inputs, compat_op="all_gather")
+    return call.launch(issue, async_op, inputs[0], n * total, inputs, compat_op="all_gather")
 
 
 def broadcast(
@@ -241,7 +245,7 @@ def _check_coalesced_outputs(
             f"{call.op}: got {len(outputs)} outputs for {len(inputs)} inputs; pass one output "
             "per input"
         )
-    validation.check_tensor_list(call.op, call.facts, outputs, False)
+    validation.check_tensor_list(call.op, call.facts, outputs)  # contiguous: viewed flat
     validation.check_one_dtype(call.op, "outputs", outputs, inputs[0].dtype, "the inputs")
     for i, (o, t) in enumerate(zip(outputs, inputs)):
         validation.check_numel(
@@ -253,6 +257,10 @@ def _check_coalesced_outputs(
         )
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """`t` as a 1-D view (contiguous: checked before)."""
-    return t if t.dim() == 1 else t.view(-1)
+def _made(call: Call, outputs: Any, inputs: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    """A coalesced all-gather's outputs, made now (and checked) when `outputs` is a function."""
+    if not callable(outputs):
+        return outputs
+    made = outputs()
+    _check_coalesced_outputs(call, made, inputs)
+    return made

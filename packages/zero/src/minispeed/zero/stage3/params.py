@@ -99,14 +99,18 @@ __all__ = [
 # swapped]), so "released" keeps meaning ``param.data.numel() == 0`` to user code and tests.
 
 # Note [a prefetch holds one copy]
-# Several parameters fetched together travel in one coalesced all-gather, whose N·Σs buffer is
-# unpacked into each parameter's full buffer. If the full buffers were allocated when the gather
-# is issued, a prefetch in flight would hold the parameters twice (the buffer and the full
-# buffers) for as long as it waits, and backward prefetches wait while the previous module's
-# backward runs, at the moment activations peak. So the full buffers are allocated only when the
-# data has landed (comm.all_gather_coalesced's lazy outputs, called in wait()): in flight, one
-# copy. On the benchmark's GPT (benchmarks/zero_vs_torch.py) this moved the backward peak from
-# 1.02x FSDP2's to below it. A single parameter is gathered straight into its full buffer.
+# Several parameters fetched together travel in one coalesced all-gather. Where the backend's
+# all-gather is a flat one (NCCL), its N·Σs buffer is unpacked into each parameter's full buffer.
+# If the full buffers were allocated when the gather is issued, a prefetch in flight would hold
+# the parameters twice (the buffer and the full buffers) for as long as it waits, and backward
+# prefetches wait while the previous module's backward runs, at the moment activations peak. So
+# the full buffers are allocated only when the data has landed (comm.all_gather_coalesced's lazy
+# outputs, called in wait()): in flight, one copy. On the benchmark's GPT
+# (benchmarks/zero_vs_torch.py) this moved the backward peak from 1.02x FSDP2's to below it.
+# On gloo, whose all-gather comm runs as broadcasts, each full buffer receives its chunks in
+# place, so comm makes them at issue: again one copy in flight, and neither the pack into the
+# N·Σs buffer nor the unpack out of it (Σs + N·Σs elements copied per gather; issue 34: 17-37 ms
+# of a 33.9M-parameter step). A single parameter is gathered straight into its full buffer.
 
 # Note [ShardedParam holds its coordinator weakly]
 # REGISTRY keeps a ShardedParam alive until its parameter dies, and a parameter usually dies inside
@@ -130,7 +134,7 @@ class ParamState(enum.Enum):
     | state | tensors that exist | bytes held for this parameter |
     |---|---|---|
     | SHARDED | shard (s); ``param.data`` = empty (0); full buffer (N·s) with storage of 0 bytes | ``s·p`` (shard only) |
-    | GATHERING | shard; an async all-gather in flight, into the full buffer (one parameter) or into the collective's buffer, copied into the full buffer when it lands (several: Note [a prefetch holds one copy]); ``param.data`` empty | ``s·p + N·s·p`` |
+    | GATHERING | shard; an async all-gather in flight, into the full buffer (one parameter; several on gloo) or into the collective's buffer, copied into the full buffer when it lands (several on NCCL: Note [a prefetch holds one copy]); ``param.data`` empty | ``s·p + N·s·p`` |
     | GATHERED | shard; full buffer; ``param.data`` = ``full[:n].view(shape)`` | ``s·p + N·s·p`` |
 
     (Plus the strategy's fp32 master, ``4s`` bytes in every state, and from backward to the step
@@ -451,19 +455,14 @@ class PlainGather:
     @staticmethod
     def all_gather(todo: list[ShardedParam], async_op: bool) -> Any:
         """One collective for ``todo`` (SHARDED, one group and dtype); marks them issued."""
-        group = todo[0].group
         # Into each parameter's own 1D buffer (N*s, rank-major), whose storage autograd's saved
         # views share. See Note [a prefetch holds one copy].
-        if len(todo) == 1:
-            full = todo[0].allocate_full()
-            work = comm.all_gather_into_tensor(full, todo[0].shard, group=group, async_op=async_op)
-        else:
-            work = comm.all_gather_coalesced(
-                lambda: [sp.allocate_full() for sp in todo],
-                [sp.shard for sp in todo],
-                group=group,
-                async_op=async_op,
-            )
+        work = comm.all_gather_coalesced(
+            lambda: [sp.allocate_full() for sp in todo],
+            [sp.shard for sp in todo],
+            group=todo[0].group,
+            async_op=async_op,
+        )
         mark_issued(todo, work, async_op)
         return work
 
@@ -497,12 +496,8 @@ def refresh_gathered(sps: Sequence[ShardedParam]) -> None:
             sp.full_flat().copy_(sp.shard)
         return
     with ranges.range("zero3.gather"):
-        if len(sps) == 1:
-            comm.all_gather_into_tensor(sps[0].full_flat(), sps[0].shard, group=sps[0].group)
-        else:
-            comm.all_gather_coalesced(
-                [sp.full_flat() for sp in sps], [sp.shard for sp in sps], group=sps[0].group
-            )
+        fulls, shards = [sp.full_flat() for sp in sps], [sp.shard for sp in sps]
+        comm.all_gather_coalesced(fulls, shards, group=sps[0].group)
 
 
 # -- the fetch unit ---------------------------------------------------------------------------------

@@ -295,36 +295,23 @@ class ZeroPP:
 
     def _plain(self, todo: list[ShardedParam], async_op: bool, keep: bool = True) -> Any:
         """The world gather of params.py, plus (``keep``) hpZ's secondary copy when it lands."""
-        if len(todo) == 1:
-            work = comm.all_gather_into_tensor(
-                todo[0].allocate_full(), todo[0].shard, group=todo[0].group, async_op=async_op
-            )
-        else:
-            work = comm.all_gather_coalesced(
-                lambda: [sp.allocate_full() for sp in todo],
-                [sp.shard for sp in todo],
-                group=todo[0].group,
-                async_op=async_op,
-            )
+        work = comm.all_gather_coalesced(
+            lambda: [sp.allocate_full() for sp in todo],
+            [sp.shard for sp in todo],
+            group=todo[0].group,
+            async_op=async_op,
+        )
         return self._finish(work, lambda: self._keep_secondary(todo) if keep else None, async_op)
 
     def _from_secondary(self, todo: list[ShardedParam], async_op: bool) -> Any:
         """hpZ: all-gather the secondary shards inside the node; chunk j of the result is local
         rank j's secondary, so the output *is* the padded full parameter."""
-        group = self.layout.intra_group
-        if len(todo) == 1:
-            full = todo[0].allocate_full()
-            work = comm.all_gather_into_tensor(
-                full, self.secondary_shards[todo[0]], group=group, async_op=async_op
-            )
-        else:
-            work = comm.all_gather_coalesced(
-                lambda: [sp.allocate_full() for sp in todo],
-                [self.secondary_shards[sp] for sp in todo],
-                group=group,
-                async_op=async_op,
-            )
-        return work
+        return comm.all_gather_coalesced(
+            lambda: [sp.allocate_full() for sp in todo],
+            [self.secondary_shards[sp] for sp in todo],
+            group=self.layout.intra_group,
+            async_op=async_op,
+        )
 
     def _quantized(self, todo: list[ShardedParam], async_op: bool) -> Any:
         """qwZ: one uint8 all-gather of every member's quantized shard; dequantized on landing."""
