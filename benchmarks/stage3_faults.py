@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from zerobench.contenders import SIZES, build  # noqa: E402
+from zerobench.contenders import SIZES, build, size_args  # noqa: E402
 from zerobench.heap import _MallInfo2  # noqa: E402
 from zerobench.ranks import run_ranks  # noqa: E402
 from zerobench.rounds import global_batches  # noqa: E402
@@ -175,12 +175,7 @@ def main() -> None:
     p.add_argument("--checkpoint", action="store_true")
     p.add_argument("--no-ledger", dest="ledger", action="store_false", help="phases only")
     p.add_argument("--cpu", action="store_true", help="the ledger charges main-thread CPU µs")
-    args = p.parse_args()
-    names = ("n_layer", "n_head", "n_embd", "block_size", "micro_batch")
-    for key, value in zip(names, SIZES[args.size]):
-        setattr(args, key, value)
-    args.seed, args.persistence_threshold, args.reduce_bucket_numel = 0, 0, 0
-    args.prefetch_numel, args.overlap_comm, args.mics_shard_size = 0, "default", 0
+    args = size_args(p.parse_args())
     results = run_ranks(_worker, 2, args)
     for name in args.contender:
         for rank in (0, 1):

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from zerobench.contenders import SIZES, build  # noqa: E402
+from zerobench.contenders import SIZES, build, size_args  # noqa: E402
 from zerobench.limit import replay  # noqa: E402
 from zerobench.ranks import run_ranks  # noqa: E402
 
@@ -121,12 +121,7 @@ def main() -> None:
     p.add_argument("--size", choices=sorted(SIZES), default="large")
     p.add_argument("--keys", default="deepspeed")
     p.add_argument("--reps", type=int, default=5)
-    args = p.parse_args()
-    names = ("n_layer", "n_head", "n_embd", "block_size", "micro_batch")
-    for key, value in zip(names, SIZES[args.size]):
-        setattr(args, key, value)
-    args.seed, args.persistence_threshold, args.reduce_bucket_numel = 0, 0, 0
-    args.prefetch_numel, args.overlap_comm, args.mics_shard_size = 0, "default", 0
+    args = size_args(p.parse_args())
     print(f"load {os.getloadavg()[0]:.1f}")
     results = run_ranks(_worker, 2, args)
     for rank in (0, 1):

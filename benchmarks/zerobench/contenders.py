@@ -59,6 +59,17 @@ PAIRS_MICS = [("MiCS", "torch FSDP2 HSDP"), ("MiCS", "ZeRO-3")]
 SIZES = {"tiny": (2, 4, 32, 16, 4), "small": (4, 4, 256, 64, 8), "large": (8, 8, 592, 256, 4)}
 
 
+def size_args(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` (with ``size``) completed as `zero_vs_torch.py`'s defaults complete them: the model
+    of that size, seed 0, every ZeRO knob at its default; for the probes beside the benchmark."""
+    names = ("n_layer", "n_head", "n_embd", "block_size", "micro_batch")
+    for key, value in zip(names, SIZES[args.size]):
+        setattr(args, key, value)
+    args.seed, args.persistence_threshold, args.reduce_bucket_numel = 0, 0, 0
+    args.prefetch_numel, args.overlap_comm, args.mics_shard_size = 0, "default", 0
+    return args
+
+
 def trains(name: str) -> bool:
     """Whether `name` trains the model (its losses are compared): not the floor, whose
     parameters never change, nor what a stage's limit adds to it (`zerobench/limit.py`)."""

@@ -108,36 +108,45 @@ class _CopiedElements(TorchDispatchMode):
 @distributed_test(world_size=[2, 4])
 def test_coalesced_all_gather_of_different_sizes(rank, world_size):
     n = world_size
-    shapes = [(3,), (2, 5), (1,), (4, 1, 2)]
-    for async_op in (False, True):
-        ins = [_data(10 * rank + i, *shape) for i, shape in enumerate(shapes)]
-        outs = [torch.empty(n * t.numel()) for t in ins]
-        with comm.CommsLogger() as log, _CopiedElements() as copied:
-            _finish(comm.all_gather_coalesced(outs, ins, async_op=async_op), async_op)
-        assert log.count() == 1, "coalesced all-gather must issue exactly one collective"
-        if api_compat.all_gather_impl(None) == "broadcasts":  # received in place: no pack, unpack
-            assert copied.numel == sum(t.numel() for t in ins), copied.numel
-        for i, shape in enumerate(shapes):
-            expected = torch.cat([_data(10 * r + i, *shape).reshape(-1) for r in range(n)])
-            assert_close(outs[i], expected)
+    big = comm.collectives.DIRECT_NUMEL
+    broadcasts = api_compat.all_gather_impl(None) == "broadcasts"
+    # Small inputs are packed into one buffer and unpacked; one input, and on gloo (broadcasts)
+    # inputs of DIRECT_NUMEL elements on average, land straight in their outputs: no other copy.
+    for shapes, direct in (
+        ([(3,), (2, 5), (1,), (4, 1, 2)], False),
+        ([(2, 5)], True),
+        ([(big // 2, 2), (big + 3,)], broadcasts),
+    ):
+        for async_op in (False, True):
+            ins = [_data(10 * rank + i, *shape) for i, shape in enumerate(shapes)]
+            expected = [
+                torch.cat([_data(10 * r + i, *shape).reshape(-1) for r in range(n)])
+                for i, shape in enumerate(shapes)
+            ]
+            outs = [torch.empty(n * t.numel()) for t in ins]
+            with comm.CommsLogger() as log, _CopiedElements() as copied:
+                _finish(comm.all_gather_coalesced(outs, ins, async_op=async_op), async_op)
+            assert log.count() == 1, "coalesced all-gather must issue exactly one collective"
+            numel = sum(t.numel() for t in ins)
+            assert copied.numel == (numel if direct else (n + 1) * numel), (shapes, copied.numel)
+            for out, want in zip(outs, expected):
+                assert_close(out, want)
 
-        # Lazy outputs: allocated only when the data has somewhere to land: at issue where the
-        # backend receives straight into them (gloo: broadcasts), else once the data is there (in
-        # wait() for an async call). Either way an in-flight gather holds one copy.
-        into_outputs = api_compat.all_gather_impl(None) == "broadcasts"
-        made: list[list[torch.Tensor]] = []
+            # Lazy outputs: made only when the data has somewhere to land: at issue where it is
+            # received straight into them, else once it is there (in wait() for an async call).
+            # Either way an in-flight gather holds one copy.
+            made: list[list[torch.Tensor]] = []
 
-        def allocate(made=made, ins=ins) -> list[torch.Tensor]:
-            made.append([torch.empty(n * t.numel()) for t in ins])
-            return made[-1]
+            def allocate(made=made, ins=ins) -> list[torch.Tensor]:
+                made.append([torch.empty(n * t.numel()) for t in ins])
+                return made[-1]
 
-        work = comm.all_gather_coalesced(allocate, ins, async_op=async_op)
-        assert len(made) == (0 if async_op and not into_outputs else 1)
-        _finish(work, async_op)
-        assert len(made) == 1
-        for i, shape in enumerate(shapes):
-            expected = torch.cat([_data(10 * r + i, *shape).reshape(-1) for r in range(n)])
-            assert_close(made[0][i], expected)
+            work = comm.all_gather_coalesced(allocate, ins, async_op=async_op)
+            assert len(made) == (0 if async_op and not direct else 1)
+            _finish(work, async_op)
+            assert len(made) == 1
+            for out, want in zip(made[0], expected):
+                assert_close(out, want)
 
 
 @distributed_test(world_size=[2, 4])

@@ -59,6 +59,13 @@ __all__ = [
 ]
 
 ReduceOp = dist.ReduceOp
+#: Where the all-gather is broadcasts, `all_gather_coalesced` receives its inputs straight into
+#: their outputs when they hold at least this many elements on average (n broadcasts each), and
+#: packs smaller ones into one buffer (n broadcasts in all, then the unpack): on 2 gloo ranks here
+#: a broadcast cost its caller about 0.1 ms of CPU (issue 34: 61 gathers, 122 broadcasts, 9-13 ms;
+#: `benchmarks/stage3_gather_costs.py`), which copying about 70K fp32 elements also costs
+#: (own-shard copies, ~1.4 ns an element), and the pack and unpack copy (n+1) elements per one.
+DIRECT_NUMEL = 1 << 16
 
 
 # -- collectives --------------------------------------------------------------------------------
@@ -110,7 +117,7 @@ def reduce_scatter_tensor(
     call.agree(lambda: {"shape": tuple(input.shape), "dtype": str(input.dtype), "op": str(op)})
     impl = call.impl = api_compat.reduce_scatter_impl(group, output, input, op)
     return call.launch(
-        lambda: reduce_scatter_flat(output.view(-1), input.view(-1), op, group, async_op, impl),
+        lambda: reduce_scatter_flat(_flat(output), _flat(input), op, group, async_op, impl),
         async_op,
         input,
         input.numel(),
@@ -136,7 +143,7 @@ def all_gather_into_tensor(
     call.agree(lambda: {"shape": tuple(input.shape), "dtype": str(input.dtype)})
     impl = call.impl = api_compat.all_gather_impl(group)
     return call.launch(
-        lambda: all_gather_flat([output.view(-1)], [input.view(-1)], group, async_op, impl),
+        lambda: all_gather_flat([_flat(output)], [_flat(input)], group, async_op, impl),
         async_op,
         output,
         output.numel(),
@@ -155,14 +162,15 @@ def all_gather_coalesced(
 
     `outputs[i]` (n · inputs[i].numel() elements, contiguous) receives every rank's `inputs[i]`,
     rank-major. One input is gathered straight into its output. Where the backend's all-gather
-    is broadcasts (gloo: Note [gloo's all-gather is broadcasts] in api_compat.py) so is each of
-    several: chunk j from rank j, n broadcasts per input, this rank's chunk a copy of its input,
-    no other buffer and no other copy. Otherwise the inputs are packed straight into this rank's chunk of one flat buffer of
-    n · Σ numel elements, gathered in place (the input is a view of the output: see Note
-    [in-place flat collectives] in api_compat.py), and unpacked into the outputs. Cost: one
-    call's latency instead of len(inputs) (the broadcasts: n · len(inputs) messages); (n-1)/n ·
-    S sent with S = Σ output bytes; memory: the outputs, plus (flat) one temporary of n · Σ
-    numel elements, alive until the call completes.
+    is broadcasts (gloo: Note [gloo's all-gather is broadcasts] in api_compat.py) so are several
+    of `DIRECT_NUMEL` elements or more on average: chunk j from rank j, n broadcasts per input,
+    this rank's chunk a copy of its input, no other buffer and no other copy. Otherwise the
+    inputs are packed straight into this rank's chunk of one flat buffer of n · Σ numel elements,
+    gathered in place (the input is a view of the output: see Note [in-place flat collectives]
+    in api_compat.py), and unpacked into the outputs. Cost: one call's latency instead of
+    len(inputs) (straight in: n · len(inputs) messages); (n-1)/n · S sent with S = Σ output
+    bytes; memory: the outputs, plus (packed) one temporary of n · Σ numel elements, alive until
+    the call completes.
 
     `outputs` may be a function returning the output tensors: it is called when the data has
     somewhere to land, at issue where the outputs receive it, else once it has arrived (in
@@ -182,8 +190,8 @@ def all_gather_coalesced(
     n, sizes = call.n, [t.numel() for t in inputs]
     total = sum(sizes)
     impl = call.impl = api_compat.all_gather_impl(group)
-    if impl == "broadcasts" or len(inputs) == 1:  # into the outputs: no n·Σ buffer, no copies
-        outs, finish = [o.view(-1) for o in _made(call, outputs, inputs)], None
+    if len(inputs) == 1 or (impl == "broadcasts" and total >= len(inputs) * DIRECT_NUMEL):
+        outs, finish = [_flat(o) for o in _made(call, outputs, inputs)], None
         ins = [t.reshape(-1) for t in inputs]
     else:
         outs = [inputs[0].new_empty(n * total)]  # 1D, rank-major: [rank0: in0|in1|..][rank1: ..]
@@ -264,3 +272,8 @@ def _made(call: Call, outputs: Any, inputs: Sequence[torch.Tensor]) -> Sequence[
     made = outputs()
     _check_coalesced_outputs(call, made, inputs)
     return made
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a 1-D view (contiguous: checked before)."""
+    return t if t.dim() == 1 else t.view(-1)
