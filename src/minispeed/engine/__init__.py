@@ -55,6 +55,7 @@ import minispeed.pipeline
 import minispeed.tensor_parallel
 from minispeed.core.config import ConfigError
 from minispeed.engine import steps
+from minispeed.engine.agreement import agree_on_inputs
 from minispeed.engine.composition import Composition
 from minispeed.engine.config import EngineConfig, load_ds_config
 from minispeed.engine.distributed import add_config_arguments, init_distributed
@@ -204,6 +205,9 @@ def initialize(
     # 2. The process group, and the grid's shape (checked on every rank before any collective);
     # a pipeline brings its own grid (pipe × data [× tensor]).
     init_distributed(distributed_port=distributed_port)
+    # Every rank's config and model the same (agreement.py): a difference named by key, on every
+    # rank, before the first collective that depends on it.
+    agree_on_inputs(ds, None if is_pipeline else model)
     tensor = tensor_parallel_size(ds)  # before EngineConfig: its data-parallel size needs T
     shape = grid_shape(minispeed.comm.get_world_size(), model.stages if is_pipeline else 1, tensor)
     # Every key checked, with the grid's data-parallel size (and a pipeline's stage count, which
