@@ -196,8 +196,13 @@ def _refused(rank: int, world_size: int, config: dict, with_mpu: bool) -> str:
             "with tensor_parallel.autotp_size=2 is not supported",
         ),
         ({"sequence_parallel_size": 1}, True, "mpu's sequence-parallel group has 2 ranks"),
+        (
+            {"sequence_parallel_size": 2, "zero_optimization": {"stage": 3, "mics_shard_size": 2}},
+            False,
+            "with zero_optimization.mics_shard_size is not supported",
+        ),
     ],
-    ids=["indivisible", "zero", "with-tensor-parallel", "disagrees-with-mpu"],
+    ids=["indivisible", "zero", "with-tensor-parallel", "disagrees-with-mpu", "with-mics"],
 )
 def test_bad_sequence_parallel_settings_are_refused_on_every_rank(config, with_mpu, says):
     for msg in run_distributed(_refused, world_size=2, args=(config, with_mpu)):
