@@ -18,7 +18,7 @@ Use it as `import minispeed.comm as comm`. Reading order (see README.md):
    the two-level all-gather.
 """
 
-from minispeed.comm.all_to_all import all_to_all_single
+from minispeed.comm.all_to_all import all_to_all_autograd, all_to_all_single
 from minispeed.comm.api_compat import reduce_scatter_impl
 from minispeed.comm.buckets import InFlight, LaunchQueue, all_reduce_unbucketed
 from minispeed.comm.call import CommWork
@@ -78,6 +78,7 @@ __all__ = [
     "all_gather_object",
     "all_reduce",
     "all_reduce_unbucketed",
+    "all_to_all_autograd",
     "all_to_all_single",
     "barrier",
     "batch_isend_irecv",

@@ -14,7 +14,9 @@ Reading order (see README.md):
    engine's tensor-parallel step).
 8. `memory` — activation bytes per rank, with and without sequence parallelism.
 9. `config` — `TensorParallelConfig`, DeepSpeed's `tensor_parallel` section (the grid's T).
-10. `seeds` — the random streams per tensor-parallel rank (`seed_tensor_parallel`): the default
+10. `ulysses` — DeepSpeed-Ulysses sequence parallelism: `seq_all_to_all` (heads for sequence,
+    differentiable) and `DistributedAttention` around any local attention.
+11. `seeds` — the random streams per tensor-parallel rank (`seed_tensor_parallel`): the default
     generator alike on a group, a tracked state (`minispeed.core.rng`) apart.
 
 ```python
@@ -75,12 +77,18 @@ from minispeed.tensor_parallel.styles import (
     SequenceShard,
     Vocab,
 )
+from minispeed.tensor_parallel.ulysses import (
+    DistributedAttention,
+    seq_all_to_all,
+    seq_all_to_all_bytes,
+)
 
 __all__ = [
     "TENSOR_SEED_OFFSET",
     "Collective",
     "Column",
     "ColumnParallelLinear",
+    "DistributedAttention",
     "HeadInput",
     "Heads",
     "Plan",
@@ -116,6 +124,8 @@ __all__ = [
     "scatter_to_parallel",
     "scatter_to_sequence",
     "seed_tensor_parallel",
+    "seq_all_to_all",
+    "seq_all_to_all_bytes",
     "shard",
     "tensor_seed",
     "unshard",
