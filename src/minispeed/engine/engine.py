@@ -49,6 +49,7 @@ from minispeed.engine.checkpoint.calls import CheckpointCalls, Restore
 from minispeed.engine.composition import Composition
 from minispeed.engine.config import EngineConfig
 from minispeed.engine.queries import DeepSpeedQueries
+from minispeed.engine.sequence_groups import sequence_gradient_factor
 
 __all__ = ["Engine", "StepObserver", "zero_config_for"]
 
@@ -113,6 +114,7 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
         # set_gradient_accumulation_boundary's value (None: every gradient_accumulation_steps).
         self._boundary: bool | None = None
         self._no_sync = False  # inside no_sync()
+        self._sequence_factor = sequence_gradient_factor(config.zero, self.sequence_parallel_size)
         self.device = get_accelerator().device()
         self.timers: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._stack = contextlib.ExitStack()  # the step being profiled, while it runs
@@ -162,13 +164,20 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
                 "hooks take each parameter's gradient once per backward; call "
                 "engine.backward(loss)"
             )
+        # Note [DeepSpeed's sequence-parallel reduction] in sequence_groups.py
+        summed = loss * self._sequence_factor if self._sequence_factor != 1 else loss
         if not self.config.wall_clock_breakdown:  # no dict of arguments built per call
-            opt.backward(loss, ends=self._boundary, divided=not scale_wrt_gas)
+            opt.backward(summed, ends=self._boundary, divided=not scale_wrt_gas)
         else:
             with self._timed("backward"):
-                opt.backward(loss, ends=self._boundary, divided=not scale_wrt_gas)
+                opt.backward(summed, ends=self._boundary, divided=not scale_wrt_gas)
         # DeepSpeed's return value: the loss as its backward ran on it (after the graph is freed).
         return loss / self.config.gradient_accumulation_steps if scale_wrt_gas else loss
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        """S, the ranks splitting each sequence (DeepSpeed's attribute; 1: none)."""
+        return self.config.sequence_parallel_size or 1
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-step (the next `step()`) ends an accumulation window: the

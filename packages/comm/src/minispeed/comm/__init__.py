@@ -39,6 +39,7 @@ from minispeed.comm.groups import (
     is_initialized,
     is_member,
     new_group,
+    world_group,
 )
 from minispeed.comm.handshake import validation_enabled, validation_mode
 from minispeed.comm.hierarchical import HierarchicalAllGather
@@ -104,6 +105,7 @@ __all__ = [
     "tensor_device",
     "validation_enabled",
     "validation_mode",
+    "world_group",
 ]
 
 # -- gradient compression (owned by the compression engineer) ----------------------------------
