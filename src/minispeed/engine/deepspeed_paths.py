@@ -112,6 +112,9 @@ ADAPTERS: dict[str, str] = {
     "deepspeed.runtime.sequence_parallel.parallel_state_sp": (
         f"{_E}.runtime.sequence_parallel.parallel_state_sp"
     ),
+    "deepspeed.runtime.sequence_parallel.ulysses_sp": (
+        f"{_E}.runtime.sequence_parallel.ulysses_sp"
+    ),
     "deepspeed.sequence": f"{_E}.sequence",
     "deepspeed.sequence.layer": f"{_E}.sequence.layer",
 }
