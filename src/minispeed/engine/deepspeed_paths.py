@@ -238,11 +238,6 @@ HINTS: dict[str, str] = {
     "deepspeed.runtime.state_dict_factory": (
         "DeepSpeed's Megatron checkpoint loaders; use engine.load_checkpoint"
     ),
-    "deepspeed.runtime.sequence_parallel": (
-        "DeepSpeed's other Ulysses helpers; use deepspeed.runtime.sequence_parallel."
-        "parallel_state_sp and deepspeed.sequence.layer.DistributedAttention "
-        "(minispeed.tensor_parallel.ulysses)"
-    ),
     "deepspeed.runtime.superoffload": f"SuperOffload; use offload_optimizer: cpu, {_OFFLOAD}",
     "deepspeed.runtime.tensor_parallel": (
         "DeepSpeed's AutoTP internals; use minispeed.tensor_parallel "
