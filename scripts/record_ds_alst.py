@@ -10,7 +10,8 @@ user reaches `deepspeed.runtime.sequence_parallel.ulysses_sp`:
   wraps the data loader in `UlyssesSPDataLoaderAdapter`; the Trainer aggregates the two shards'
   losses): a tiny grouped-query `LlamaForCausalLM` (sdpa attention) loaded with
   `from_pretrained`, ZeRO-2 and ZeRO-3, 4 optimizer steps, per step the loss and gradient norm
-  the Trainer logs;
+  the Trainer logs, and `evaluate()`'s loss (each rank evaluating whole sequences: accelerate
+  registers the attention with `disable_in_eval`);
 - `direct-z3`: the loop of DeepSpeed's ALST tutorial, by hand: `register_with_transformers`,
   `deepspeed.initialize(..., mpu=mpu)`, `UlyssesSPDataLoaderAdapter` over a plain `DataLoader`,
   the model's own `loss_function` on `shift_labels`, the shards' losses weighted by their
@@ -159,14 +160,15 @@ def one_trainer_run(stage, init, scratch):
         accelerator_config={"use_configured_state": True},
     )
     model = LlamaForCausalLM.from_pretrained(init, attn_implementation="sdpa")
-    trainer = Trainer(model=model, args=args, train_dataset=rows(16, 1))
+    trainer = Trainer(model=model, args=args, train_dataset=rows(16, 1), eval_dataset=rows(4, 3))
     trainer.train()
     steps = [
         {"loss": h["loss"], "grad_norm": h["grad_norm"]}
         for h in trainer.state.log_history
         if "loss" in h
     ]
-    return {"steps": steps}
+    # evaluation runs without sequence parallelism (accelerate registers with disable_in_eval)
+    return {"steps": steps, "eval_loss": trainer.evaluate()["eval_loss"]}
 
 
 def summed_loss(model, x, y):

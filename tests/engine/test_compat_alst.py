@@ -3,12 +3,12 @@ minispeed through the `deepspeed` distribution of packages/deepspeed_compat as o
 0.19.8.
 
 One torchrun launch (2 processes) runs `scripts/record_ds_alst.py` unchanged: transformers'
-Trainer with `ParallelismConfig(sp_size=2, sp_backend="deepspeed")` at ZeRO-2 and ZeRO-3 (accelerate
-registers the Ulysses attention, builds the groups, hands `mpu` to `initialize`, wraps the
-loader; the Trainer weights the shards' losses), and DeepSpeed's ALST tutorial loop by hand
-(`register_with_transformers`, `UlyssesSPDataLoaderAdapter`, the token-weighted loss over the
-SP group; batches of two lengths, labels masked over a prompt), plain and with `TiledMLP` in
-every layer and the loss by `TiledFusedLogitsLoss`.
+Trainer with `ParallelismConfig(sp_size=2, sp_backend="deepspeed")` at ZeRO-2 and ZeRO-3
+(accelerate registers the Ulysses attention, builds the groups, hands `mpu` to `initialize`,
+wraps the loader; the Trainer weights the shards' losses; then `evaluate()`), and DeepSpeed's
+ALST tutorial loop by hand (`register_with_transformers`, `UlyssesSPDataLoaderAdapter`, the
+token-weighted loss over the SP group; batches of two lengths, labels masked over a prompt),
+plain and with `TiledMLP` in every layer and the loss by `TiledFusedLogitsLoss`.
 
 Compared with DeepSpeed's record (`fixtures/ds_alst.json`) within 2e-4 relative. Where DeepSpeed
 is not the whole-sequence reference (checked against single-process PyTorch on the same batches
@@ -57,6 +57,9 @@ def test_trainer_with_sequence_parallel_matches_deepspeed(runs: list[dict], stag
     for rank, (ours, ref) in enumerate(zip(runs, ALST["ranks"], strict=True)):
         steps = ours[f"trainer-z{stage}"]["steps"]
         _close(steps, ref[f"trainer-z{stage}"]["steps"], ("loss", "grad_norm"), f"rank {rank}")
+        # evaluate(): whole sequences on each rank (the attention registered with disable_in_eval)
+        evaluated = ours[f"trainer-z{stage}"]["eval_loss"]
+        assert evaluated == pytest.approx(ref[f"trainer-z{stage}"]["eval_loss"], rel=REL), rank
         assert steps[-1]["loss"] < steps[0]["loss"] - 0.2  # it learns
 
 
