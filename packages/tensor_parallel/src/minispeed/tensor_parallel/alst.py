@@ -17,7 +17,7 @@ for batch in tp.SequenceShardLoader(loader, group):          # T/P tokens of eve
     loss = model.loss_function(logits=out.logits, labels=None,
                                shift_labels=batch["shift_labels"], vocab_size=V)
     loss = tp.sequence_parallel_mean(loss, (batch["shift_labels"] != -100).sum(), group)
-    loss.backward()    # then average the gradients over the group (the engine's SP×DP average)
+    loss.backward()    # exact once gradients are averaged over the group (see Loss)
 ```
 
 **Attention** (`UlyssesAttention`, transformers' attention-interface signature `(module, query,
@@ -39,9 +39,13 @@ Lengths may differ between ranks and steps; each must divide by P.
 
 **Loss** (`sequence_parallel_mean`): Σ_r loss_r·n_r / Σ_r n_r over the group (n_r the tokens
 rank r counts; a rank with none adds 0, not NaN), the whole sequence's mean; one differentiable
-all-reduce of a scalar each way. Its backward gives each rank P × its share, so gradients are
-then averaged (not summed) over the group, as DeepSpeed's engine averages over its
-sequence-data-parallel group.
+all-reduce of a scalar each way (the Trainer's all-gather of the losses does the same). Its
+backward gives each rank P × its share of the whole sequence's gradient, so the gradients are
+exact once *averaged* over the group: ZeRO-3's reduce-scatter in DeepSpeed's engine and
+minispeed's, or by hand. Stages 0-2 of both engines *sum* the sequence ranks' gradients
+(docs/engine/deepspeed-compat.md, DeepSpeed-Ulysses), which gives P × the whole-sequence
+gradient there: harmless with gradient clipping and Adam (the Trainer's default), otherwise
+divide this loss by P at those stages.
 
 transformers is imported only inside `register_ulysses_attention`. See `docs/architecture.md`
 (tensor_parallel).
