@@ -118,6 +118,47 @@ def test_sequence_parallel_gpt_equals_single_process_pytorch_at_every_stage():
             torch.testing.assert_close(g1[name], want, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def _two_replicas(rank: int, world_size: int) -> dict:
+    """4 ranks, data 2 x sequence 2: replica d (ranks 2d, 2d+1) reads batch `data(10 d)`; per
+    stage, every parameter's full gradient after one backward."""
+    s = _script()
+    s.mpu.initialize_sequence_parallel(2)
+    replica, sp_rank, local = rank // 2, s.mpu.get_sequence_parallel_rank(), s.SEQ // 2
+    mine = slice(sp_rank * local, (sp_rank + 1) * local)
+    out = {}
+    for stage in (1, 3):
+        torch.manual_seed(3)
+        model = s.GPT(s.mpu.get_sequence_parallel_group())
+        engine, *_ = s.deepspeed.initialize(
+            model=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+            config=s.config(stage),
+            mpu=s.mpu,
+        )
+        tokens, labels = s.data(10 * replica)
+        per_token = engine(tokens[:, mine], labels[:, mine], sp_rank * local)
+        engine.backward(per_token.sum() / (s.BATCH * s.SEQ) if stage < 3 else per_token.mean())
+        out[stage] = {n: s.safe_get_full_grad(p).clone() for n, p in model.named_parameters()}
+        engine.step()
+        engine.destroy()
+    return out
+
+
+def test_data_replicas_are_averaged_and_sequence_ranks_combined():
+    """The mean over the 2 replicas of the whole-sequence gradient, on every rank."""
+    s = _script()
+    torch.manual_seed(3)
+    model = s.GPT(None)
+    for d in range(2):
+        tokens, labels = s.data(10 * d)
+        (model(tokens, labels, 0).mean() / 2).backward()
+    ranks = run_distributed(_two_replicas, world_size=4, timeout_s=240)
+    for stage in (1, 3):
+        for got in ranks:
+            for name, p in model.named_parameters():
+                torch.testing.assert_close(got[stage][name], p.grad, rtol=1e-5, atol=1e-6)
+
+
 def _ds_script(rank: int, world_size: int) -> dict:
     return _script().main()
 
@@ -196,8 +237,13 @@ def _refused(rank: int, world_size: int, config: dict, with_mpu: bool) -> str:
             "with tensor_parallel.autotp_size=2 is not supported",
         ),
         ({"sequence_parallel_size": 1}, True, "mpu's sequence-parallel group has 2 ranks"),
+        (
+            {"sequence_parallel_size": 2, "zero_optimization": {"stage": 3, "mics_shard_size": 2}},
+            False,
+            "with zero_optimization.mics_shard_size is not supported",
+        ),
     ],
-    ids=["indivisible", "zero", "with-tensor-parallel", "disagrees-with-mpu"],
+    ids=["indivisible", "zero", "with-tensor-parallel", "disagrees-with-mpu", "with-mics"],
 )
 def test_bad_sequence_parallel_settings_are_refused_on_every_rank(config, with_mpu, says):
     for msg in run_distributed(_refused, world_size=2, args=(config, with_mpu)):

@@ -211,7 +211,6 @@ def initialize(
     # S, from the config or DeepSpeed's `mpu=` (parallel_state_sp): data x sequence only
     sequence = sequence_parallel_size(ds, mpu)
     pipe = model.stages if is_pipeline else 1
-    check_sequence_grid(sequence, pipe, tensor, bool(minispeed.moe.moe_layers(model)))
     shape = grid_shape(minispeed.comm.get_world_size(), pipe, tensor, sequence)
     # Every key checked, with the grid's data-parallel size (and a pipeline's stage count, which
     # the `pipeline` section's "auto" stages means).
@@ -220,11 +219,12 @@ def initialize(
     )
     if sequence > 1:  # the mpu's S, when the config left the key out
         cfg = dataclasses.replace(cfg, sequence_parallel_size=sequence)
+    has_experts = bool(minispeed.moe.moe_layers(model))
+    check_sequence_grid(sequence, pipe, tensor, has_experts, cfg.zero.mics_shard_size)
     record_config(composition, cfg, "trial" if trial is not None else "ds_config")
     # MiCS's S against the data axis (and, to train, against the other axes)
     trains = optimizer is not None or cfg.optimizer is not None or is_pipeline
     check_mics_size(shape, cfg.zero.mics_shard_size, trains=trains)
-    has_experts = bool(minispeed.moe.moe_layers(model))
     if is_pipeline:
         steps.check_pipeline(model, cfg, has_experts)
         _check_pipeline_grid(model.grid, shape)

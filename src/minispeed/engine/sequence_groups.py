@@ -190,11 +190,19 @@ def size_from_mpu(mpu: Any) -> int:
     return size
 
 
-def check_sequence_grid(sequence: int, pipe: int, tensor: int, experts: bool) -> None:
+def check_sequence_grid(
+    sequence: int, pipe: int, tensor: int, experts: bool, mics_shard_size: int = -1
+) -> None:
     """Sequence parallelism composes with data parallelism and ZeRO 0-3 only: a `ConfigError`
     naming the keys otherwise. Local, on every rank alike."""
     if sequence <= 1:
         return
+    if mics_shard_size > 0:
+        raise ConfigError(
+            "sequence_parallel_size",
+            "sequence parallelism with zero_optimization.mics_shard_size is not supported (MiCS "
+            "cuts the data axis; ZeRO here runs over data x sequence); drop one of the two keys",
+        )
     if pipe > 1:
         raise ConfigError(
             "sequence_parallel_size",

@@ -31,13 +31,13 @@ Every exchange is `minispeed.comm.all_to_all_autograd`, so the comms logger coun
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
 import minispeed.comm as comm
+from minispeed.core.logging import warn_once
 
 __all__ = ["DistributedAttention", "seq_all_to_all", "seq_all_to_all_bytes"]
 
@@ -123,10 +123,9 @@ class DistributedAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.sp_stream = sp_stream
         if sp_stream is not None:
-            warnings.warn(
+            warn_once(
                 "DistributedAttention: sp_stream is accepted but minispeed does not overlap the "
-                "all-to-alls with compute; they run on the current stream (same results)",
-                stacklevel=2,
+                "all-to-alls with compute; they run on the current stream (same results)"
             )
 
     def forward(
