@@ -112,6 +112,9 @@ ADAPTERS: dict[str, str] = {
     "deepspeed.runtime.sequence_parallel.parallel_state_sp": (
         f"{_E}.runtime.sequence_parallel.parallel_state_sp"
     ),
+    "deepspeed.runtime.sequence_parallel.ulysses_sp": (
+        f"{_E}.runtime.sequence_parallel.ulysses_sp"
+    ),
     "deepspeed.sequence": f"{_E}.sequence",
     "deepspeed.sequence.layer": f"{_E}.sequence.layer",
 }
@@ -234,11 +237,6 @@ HINTS: dict[str, str] = {
     "deepspeed.runtime.precision_config": "use the config's fp16 / bf16 sections",
     "deepspeed.runtime.state_dict_factory": (
         "DeepSpeed's Megatron checkpoint loaders; use engine.load_checkpoint"
-    ),
-    "deepspeed.runtime.sequence_parallel": (
-        "DeepSpeed's other Ulysses helpers; use deepspeed.runtime.sequence_parallel."
-        "parallel_state_sp and deepspeed.sequence.layer.DistributedAttention "
-        "(minispeed.tensor_parallel.ulysses)"
     ),
     "deepspeed.runtime.superoffload": f"SuperOffload; use offload_optimizer: cpu, {_OFFLOAD}",
     "deepspeed.runtime.tensor_parallel": (

@@ -9,7 +9,7 @@ from minispeed.engine.deepspeed_paths import adapted_attribute as _adapted_attri
 from minispeed.engine.runtime.sequence_parallel import *  # noqa: F403
 from minispeed.engine.runtime.sequence_parallel import __all__  # noqa: F401
 
-for _child in ('parallel_state_sp',):
+for _child in ('parallel_state_sp', 'ulysses_sp'):
     _importlib.import_module(f"{__name__}.{_child}")
 
 
