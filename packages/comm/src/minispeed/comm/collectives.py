@@ -61,10 +61,10 @@ __all__ = [
 ReduceOp = dist.ReduceOp
 #: Where the all-gather is broadcasts, `all_gather_coalesced` receives its inputs straight into
 #: their outputs when they hold at least this many elements on average (n broadcasts each), and
-#: packs smaller ones into one buffer (n broadcasts in all, then the unpack): on 2 gloo ranks here
-#: a broadcast cost its caller about 0.1 ms of CPU (issue 34: 61 gathers, 122 broadcasts, 9-13 ms;
-#: `benchmarks/stage3_gather_costs.py`), which copying about 70K fp32 elements also costs
-#: (own-shard copies, ~1.4 ns an element), and the pack and unpack copy (n+1) elements per one.
+#: packs smaller ones into one buffer (n broadcasts in all, then the unpack). On 2 gloo ranks here
+#: a broadcast cost its caller ~0.1 ms of CPU and a copy ~0.9 ns an element (issue 34,
+#: `benchmarks/stage3_gather_costs.py`): an input's n = 2 broadcasts cost what packing and
+#: unpacking its (n+1)·s elements does at s ≈ 70K.
 DIRECT_NUMEL = 1 << 16
 
 
