@@ -55,6 +55,9 @@ def test_the_dry_run_runs_every_check_and_prints_its_table(tmp_path):
     whats = " ".join(r["what"] for r in checks["train.zero"]["rows"])
     for label in ("ZeRO-0", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-Offload (stage 2"):
         assert label in whats
+    # and parking the states between steps (DeepSpeed's offload_states) changed no loss
+    parks = [r for r in checks["train.zero"]["rows"] if "parked between steps" in r["what"]]
+    assert len(parks) == 2 and all(r["ok"] for r in parks), parks
 
 
 def test_a_check_that_raises_crashes_or_hangs_is_recorded_and_the_run_goes_on(tmp_path):

@@ -174,8 +174,10 @@ def test_a_key_refused_by_name_says_why_and_what_to_use() -> None:
         "minispeed: leaf modules are set in code: deepspeed.utils.set_z3_leaf_modules(model, "
         "classes) or minispeed.zero.set_leaf_module; remove it"
     )
-    config = {"train_batch_size": 2, "sequence_parallel_size": 2}
-    with pytest.raises(ConfigError, match=r"^sequence_parallel_size: .*Ulysses.*null is accepted"):
+    config = {"train_batch_size": 2, "data_parallel_size": 2}
+    with pytest.raises(
+        ConfigError, match=r"^data_parallel_size: .*pipeline stages.*null is accepted"
+    ):
         EngineConfig.from_ds_config(config, data_parallel_size=1)
 
 

@@ -42,6 +42,7 @@ Reading order: `config/` (the ds_config) → `engine.py` (the loop) → `steps.p
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -55,6 +56,7 @@ import minispeed.pipeline
 import minispeed.tensor_parallel
 from minispeed.core.config import ConfigError
 from minispeed.engine import steps
+from minispeed.engine.agreement import agree_on_inputs
 from minispeed.engine.composition import Composition
 from minispeed.engine.config import EngineConfig, load_ds_config
 from minispeed.engine.distributed import add_config_arguments, init_distributed
@@ -68,6 +70,7 @@ from minispeed.engine.grid import (
     tensor_parallel_size,
 )
 from minispeed.engine.pipe_engine import PipelineEngine
+from minispeed.engine.sequence_groups import check_sequence_grid, sequence_parallel_size
 from minispeed.engine.steps import record_config, record_grid
 from minispeed.engine.tune.trial import Trial, TrialRecorder
 from minispeed.engine.version import __version__ as __version__
@@ -185,10 +188,11 @@ def initialize(
     """
     if model is None or not isinstance(model, nn.Module):
         raise TypeError(f"initialize() needs model= (an nn.Module), got {type(model).__name__}")
-    if mpu is not None or mesh_param is not None:
+    if mesh_param is not None:
         raise ValueError(
-            "mpu= and mesh_param= are not supported: minispeed builds its process grid from the "
-            "config (pipeline stages x data x tensor_parallel.autotp_size); remove them"
+            "mesh_param= is not supported: minispeed builds its process grid from the config "
+            "(pipeline stages x data x tensor_parallel.autotp_size, or data x "
+            "sequence_parallel_size); remove it"
         )
     # 1. The whole config, checked locally on every rank before any collective.
     composition = Composition()
@@ -204,23 +208,35 @@ def initialize(
     # 2. The process group, and the grid's shape (checked on every rank before any collective);
     # a pipeline brings its own grid (pipe × data [× tensor]).
     init_distributed(distributed_port=distributed_port)
+    # Every rank's config and model the same (agreement.py): a difference named by key, on every
+    # rank, before the first collective that depends on it.
+    agree_on_inputs(ds, None if is_pipeline else model)
     tensor = tensor_parallel_size(ds)  # before EngineConfig: its data-parallel size needs T
-    shape = grid_shape(minispeed.comm.get_world_size(), model.stages if is_pipeline else 1, tensor)
+    # S, from the config or DeepSpeed's `mpu=` (parallel_state_sp): data x sequence only
+    sequence = sequence_parallel_size(ds, mpu)
+    pipe = model.stages if is_pipeline else 1
+    shape = grid_shape(minispeed.comm.get_world_size(), pipe, tensor, sequence)
     # Every key checked, with the grid's data-parallel size (and a pipeline's stage count, which
     # the `pipeline` section's "auto" stages means).
     cfg = EngineConfig.from_ds_config(
         ds, data_parallel_size=shape["data"], pipeline_stages=model.stages if is_pipeline else None
     )
+    if sequence > 1:  # the mpu's S, when the config left the key out
+        cfg = dataclasses.replace(cfg, sequence_parallel_size=sequence)
+    has_experts = bool(minispeed.moe.moe_layers(model))
+    check_sequence_grid(sequence, pipe, tensor, has_experts, cfg.zero.mics_shard_size)
     record_config(composition, cfg, "trial" if trial is not None else "ds_config")
     # MiCS's S against the data axis (and, to train, against the other axes)
     trains = optimizer is not None or cfg.optimizer is not None or is_pipeline
     check_mics_size(shape, cfg.zero.mics_shard_size, trains=trains)
-    has_experts = bool(minispeed.moe.moe_layers(model))
     if is_pipeline:
         steps.check_pipeline(model, cfg, has_experts)
         _check_pipeline_grid(model.grid, shape)
     grid = model.grid if is_pipeline else build_grid(shape) if tensor > 1 else None
     record_grid(composition, shape, grid)
+    # Sequence parallelism: the registry's data x sequence grid (the mpu's, or built now); ZeRO
+    # then runs over the world, the sequence-data group (sequence_groups.py).
+    sequence_grid = steps.sequence_grid(composition, sequence) if sequence > 1 else None
     # 3. The tensor-parallel plan, applied to the model (each pipeline stage) and agreed by every
     # rank, before the optimizer sees the parameters.
     if tensor > 1:
@@ -273,7 +289,7 @@ def initialize(
     # 7. The scheduler, on the optimizer whose param groups hold the hyper-parameters.
     scheduler = steps.build_scheduler(composition, lr_scheduler, zero_opt, cfg)
     loader = steps.dataloader(
-        composition, training_data, cfg, collate_fn, grid, for_pipeline=is_pipeline
+        composition, training_data, cfg, collate_fn, grid or sequence_grid, for_pipeline=is_pipeline
     )
     # 8. The engine, with the profiler, comms logger and timers it reads from the config; a
     # pipeline's drives its stage's executor. (MoEEngine: Note [expert checkpoints until the

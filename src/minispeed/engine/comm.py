@@ -135,7 +135,7 @@ def get_global_rank(group: Any = None, group_rank: int = 0) -> int:
 
 
 def get_world_group() -> Any:
-    return _dist.group.WORLD
+    return _comm.world_group()
 
 
 def new_group(ranks: list[int]) -> Any:

@@ -108,6 +108,15 @@ ADAPTERS: dict[str, str] = {
     "deepspeed.utils.zero_to_fp32": f"{_E}.utils.zero_to_fp32",
     "deepspeed.utils.zero_to_torch": f"{_E}.utils.zero_to_torch",
     "deepspeed.zero": f"{_E}.zero",
+    "deepspeed.runtime.sequence_parallel": f"{_E}.runtime.sequence_parallel",
+    "deepspeed.runtime.sequence_parallel.parallel_state_sp": (
+        f"{_E}.runtime.sequence_parallel.parallel_state_sp"
+    ),
+    "deepspeed.runtime.sequence_parallel.ulysses_sp": (
+        f"{_E}.runtime.sequence_parallel.ulysses_sp"
+    ),
+    "deepspeed.sequence": f"{_E}.sequence",
+    "deepspeed.sequence.layer": f"{_E}.sequence.layer",
 }
 
 _OFFLOAD = "minispeed.offload (CPUAdam, async I/O, the NVMe swapper; docs/packages/offload.md)"
@@ -162,9 +171,6 @@ REFUSED: dict[str, str] = {
         "and the loss scaler is minispeed.zero.LossScaler"
     ),
     "deepspeed.runtime.hybrid_engine": "the RLHF hybrid engine; train and generate with two engines",
-    "deepspeed.runtime.sequence_parallel": (
-        "DeepSpeed-Ulysses sequence parallelism; train without sp_size > 1"
-    ),
     "deepspeed.runtime.swap_tensor": f"DeepSpeed's swappers; use {_OFFLOAD}",
     "deepspeed.runtime.zero.tiling": (
         "TiledLinear; stage 3 gathers one module at a time already: use a ModuleList of smaller "
@@ -174,7 +180,6 @@ REFUSED: dict[str, str] = {
         "MiCS_Init (gone from DeepSpeed 0.19.8 too); set zero_optimization.mics_shard_size in the "
         "config (docs/engine/config-reference.md)"
     ),
-    "deepspeed.sequence": "DeepSpeed-Ulysses sequence parallelism; train without sp_size > 1",
 }
 
 _INFERENCE = "init_inference(model, config) and minispeed.inference (docs/packages/inference.md)"
@@ -241,6 +246,10 @@ HINTS: dict[str, str] = {
     "deepspeed.runtime.torch_autocast": "use the config's fp16 / bf16 sections",
     "deepspeed.runtime.zenflow": f"ZenFlow; use offload_optimizer: cpu, {_OFFLOAD}",
     "deepspeed.runtime.zero": f"ZeRO's internals; use {_ZERO}",
+    "deepspeed.sequence": (
+        "DeepSpeed's AutoSP, FPDT and vocabulary-parallel losses; use "
+        "deepspeed.sequence.layer.DistributedAttention (minispeed.tensor_parallel.ulysses)"
+    ),
     "deepspeed.utils": "DeepSpeed's utilities; use deepspeed.utils (minispeed.engine.utils)",
     "deepspeed.utils.comms_logging": "use the `comms_logger` config section",
     "deepspeed.utils.timer": (

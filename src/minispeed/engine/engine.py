@@ -49,6 +49,7 @@ from minispeed.engine.checkpoint.calls import CheckpointCalls, Restore
 from minispeed.engine.composition import Composition
 from minispeed.engine.config import EngineConfig
 from minispeed.engine.queries import DeepSpeedQueries
+from minispeed.engine.sequence_groups import sequence_gradient_factor
 
 __all__ = ["Engine", "StepObserver", "zero_config_for"]
 
@@ -113,8 +114,13 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
         # set_gradient_accumulation_boundary's value (None: every gradient_accumulation_steps).
         self._boundary: bool | None = None
         self._no_sync = False  # inside no_sync()
+        self._sequence_factor = sequence_gradient_factor(config.zero, self.sequence_parallel_size)
         self.device = get_accelerator().device()
         self.timers: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+        # offload_states()'s parked storages (zero/parking.py) until reload_states(); the host
+        # buffers of the last reload, reused by the next offload_states().
+        self._parked: Any = None
+        self._park_buffers: Any = None
         self._stack = contextlib.ExitStack()  # the step being profiled, while it runs
         self._profiling = False
         self._step_started = time.perf_counter()
@@ -138,6 +144,8 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
         """The module's forward, with every tensor argument moved to the engine's device."""
         if self._step_profiler is not None and not self._profiling:
             self._start_profile()
+        if self._parked is not None:
+            self._refuse_parked("forward")
         args = _to_device(args, self.device)
         if kwargs:
             kwargs = _to_device(kwargs, self.device)
@@ -156,19 +164,28 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
         opt = self.optimizer
         if opt is None:
             opt = self._require_optimizer("backward")  # raises
+        if self._parked is not None:
+            self._refuse_parked("backward")
         if retain_graph:
             raise NotImplementedError(
                 "engine.backward(retain_graph=True) is not supported by minispeed: its gradient "
                 "hooks take each parameter's gradient once per backward; call "
                 "engine.backward(loss)"
             )
+        # Note [DeepSpeed's sequence-parallel reduction] in sequence_groups.py
+        summed = loss * self._sequence_factor if self._sequence_factor != 1 else loss
         if not self.config.wall_clock_breakdown:  # no dict of arguments built per call
-            opt.backward(loss, ends=self._boundary, divided=not scale_wrt_gas)
+            opt.backward(summed, ends=self._boundary, divided=not scale_wrt_gas)
         else:
             with self._timed("backward"):
-                opt.backward(loss, ends=self._boundary, divided=not scale_wrt_gas)
+                opt.backward(summed, ends=self._boundary, divided=not scale_wrt_gas)
         # DeepSpeed's return value: the loss as its backward ran on it (after the graph is freed).
         return loss / self.config.gradient_accumulation_steps if scale_wrt_gas else loss
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        """S, the ranks splitting each sequence (DeepSpeed's attribute; 1: none)."""
+        return self.config.sequence_parallel_size or 1
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-step (the next `step()`) ends an accumulation window: the
@@ -215,6 +232,8 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
         opt = self.optimizer
         if opt is None:
             opt = self._require_optimizer("step")  # raises
+        if self._parked is not None:
+            self._refuse_parked("step")
         if self._no_sync:
             raise RuntimeError(
                 "engine.step() inside engine.no_sync(): leave the context first (DeepSpeed "
@@ -524,6 +543,82 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
             "a 16-bit state dict of a tensor-parallel model is not gathered by minispeed: use "
             "save_checkpoint (it loads at any tensor-parallel size, 1 included) and "
             "`minispeed consolidate`"
+        )
+
+    # -- parking the states between phases (RLHF: generation needs the device) ------------------
+    def offload_states(
+        self,
+        include: Any = None,
+        device: Any = "cpu",
+        pin_memory: bool = True,
+        non_blocking: bool = False,
+    ) -> None:
+        """DeepSpeed's `offload_states`: move the kinds of training state named by `include`
+        (DeepSpeed's `OffloadStateTypeEnum` members or their names; all when `None`) to host
+        memory and free their device memory, until `reload_states()`. Call between steps.
+
+        What moves, and what it costs (`B` bytes of those states: copied to the host, freed on
+        the device; the host buffers are kept for the next call): `minispeed.zero.parking`.
+        States already in host memory (an offloaded optimizer's, or everything on a CPU-only
+        machine) stay where they are. Until `reload_states()`, `forward`, `backward` and `step`
+        raise, naming the fix."""
+        from minispeed.zero import parking
+
+        opt = self._require_optimizer("offload_states")
+        where = str(getattr(device, "value", device))
+        if where == "none":
+            warn_once(_log, "offload_states(device='none'): nothing is moved")
+            return
+        if where != "cpu":
+            raise ValueError(
+                f"offload_states(device={where!r}): states can be moved to the 'cpu' only "
+                "(DeepSpeed refuses NVMe here too)"
+            )
+        if self.config.zero.offload_param is not None:
+            raise RuntimeError(
+                "offload_states() with zero_optimization.offload_param set: the parameters "
+                "already live on the host; DeepSpeed refuses this combination too"
+            )
+        kinds = parking.KINDS if include is None else [str(getattr(k, "value", k)) for k in include]
+        parked = self._parked
+        taken = set(parked.slots) if parked is not None else set()
+        more = parking.park(
+            opt,
+            self.module,
+            [k for k in kinds if k not in taken],
+            pin_memory=pin_memory,
+            non_blocking=non_blocking,
+            reuse=self._park_buffers,
+        )
+        if parked is not None:
+            more.slots.update(parked.slots)
+        self._parked, self._park_buffers = more, None
+        parking.release_gathered(opt)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """DeepSpeed's `reload_states`: give back every state `offload_states` moved, byte for
+        byte (`B` bytes allocated on the device and copied back); a no-op when none is."""
+        from minispeed.zero import parking
+
+        parked, self._parked = self._parked, None
+        if parked is not None:
+            parking.unpark(parked, non_blocking=non_blocking)
+            self._park_buffers = parked
+
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's `empty_partition_cache`: at stage 3, release every gathered parameter that
+        no module holds and that is not persistent (between passes there is normally none);
+        then collect garbage and empty the device allocator's cache."""
+        from minispeed.zero import parking
+
+        for opt in (self.optimizer, self.forward_only_zero):
+            if opt is not None and not opt.closed and hasattr(opt, "strategy"):
+                parking.release_gathered(opt)
+
+    def _refuse_parked(self, what: str) -> None:
+        raise RuntimeError(
+            f"engine.{what}() while the training states are offloaded by "
+            "engine.offload_states(): call engine.reload_states() first"
         )
 
     def compile(self, backend: Any = None, compile_kwargs: Any = None, **_: Any) -> None:

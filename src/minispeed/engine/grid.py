@@ -42,6 +42,7 @@ from torch import nn
 import minispeed.comm as comm
 import minispeed.zero as zero
 from minispeed.core.config import ConfigError
+from minispeed.engine.sequence_groups import check_world_divides
 from minispeed.tensor_parallel import TensorParallelConfig
 from minispeed.tensor_parallel.sharding import sharded_parameters
 
@@ -68,9 +69,14 @@ def tensor_parallel_size(ds: Mapping[str, Any]) -> int:
     return TensorParallelConfig.from_section(ds.get("tensor_parallel")).size
 
 
-def grid_shape(world_size: int, pipe: int, tensor: int) -> dict[str, int]:
-    """`{"pipe": P, "data": D, "tensor": T}` with `D = world / (P · T)`; a `ConfigError` naming
-    the sizes and the ones that fit when `P · T` does not divide the world size. Local."""
+def grid_shape(world_size: int, pipe: int, tensor: int, sequence: int = 1) -> dict[str, int]:
+    """`{"pipe": P, "data": D, "tensor": T, "sequence": S}` with `D = world / (P · T · S)`; a
+    `ConfigError` naming the sizes and the ones that fit when `P · T · S` does not divide the
+    world size. Local. S > 1 comes with P = T = 1 (`sequence_groups.check_sequence_grid`): its
+    groups are `sequence_groups`' data x sequence grid, not built here."""
+    if sequence > 1:
+        check_world_divides(sequence, world_size)
+        return {"pipe": 1, "data": world_size // sequence, "tensor": 1, "sequence": sequence}
     if world_size % (pipe * tensor):
         fits = [t for t in range(1, world_size + 1) if world_size % (pipe * t) == 0]
         raise ConfigError(
@@ -80,7 +86,7 @@ def grid_shape(world_size: int, pipe: int, tensor: int) -> dict[str, int]:
             f"{pipe} pipeline stage(s), pick autotp_size among {fits}, or launch "
             f"{pipe * tensor}·k processes",
         )
-    return {"pipe": pipe, "data": world_size // (pipe * tensor), "tensor": tensor}
+    return {"pipe": pipe, "data": world_size // (pipe * tensor), "tensor": tensor, "sequence": 1}
 
 
 def build_grid(shape: Mapping[str, int]) -> comm.ProcessGrid:

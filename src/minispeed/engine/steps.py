@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import minispeed.comm as comm
+import minispeed.engine.sequence_groups as sequence_groups
 import minispeed.pipeline as pipeline
 import minispeed.tensor_parallel as tensor_parallel
 import minispeed.zero as zero
@@ -75,6 +76,31 @@ def record_grid(composition: Composition, shape: dict[str, int], grid: Any) -> N
             return
         for axis in grid.topology.axes:
             step.did(f"{axis} group of this rank: ranks {list(grid.group_ranks(axis))}")
+
+
+def sequence_grid(composition: Composition, sequence: int) -> comm.ProcessGrid:
+    """Step 2 under sequence parallelism: the registry's data x sequence grid, built now unless
+    `parallel_state_sp.initialize_sequence_parallel` built it (collective then: every rank)."""
+    with composition.step("sequence-parallel groups", keys=("sequence_parallel_size",)) as step:
+        groups = sequence_groups.current()
+        if groups is None:
+            groups = sequence_groups.initialize_sequence_parallel(sequence)
+            step.did(f"built data {groups.data_parallel_size} x sequence {sequence}")
+        elif groups.sequence_parallel_size != sequence:
+            raise ConfigError(
+                "sequence_parallel_size",
+                f"{sequence}, but initialize_sequence_parallel built groups of "
+                f"{groups.sequence_parallel_size}; make them equal",
+            )
+        else:
+            step.did(f"the initialized data {groups.data_parallel_size} x sequence {sequence}")
+        grid = groups.grid
+        step.did(f"sequence group of this rank: ranks {list(grid.group_ranks('sequence'))}")
+        step.did(
+            "ZeRO over all ranks (the sequence-data group); gradients summed over the sequence "
+            f"axis and averaged over the {groups.data_parallel_size} data ranks"
+        )
+        return grid
 
 
 def tensor_parallel_plan(

@@ -56,6 +56,7 @@ from minispeed.core.sections import (
 )
 from minispeed.engine.by_name import OptimizerSection, SchedulerSection
 from minispeed.engine.checkpoint.grid import CheckpointConfig
+from minispeed.engine.sequence_groups import sequence_size
 from minispeed.offload import AioConfig
 from minispeed.pipeline import PipelineConfig
 from minispeed.profiler.config import FlopsProfilerConfig
@@ -151,7 +152,10 @@ UNSUPPORTED: dict[str, Unsupported] = {
         False, "checkpoints load at any data-parallel size already"
     ),
     "use_node_local_storage": ds_only(False, "give checkpoint.use_node_local_storage instead"),
-    "seq_parallel_communication_data_type": ds_only("fp32", "no sequence parallelism in training"),
+    "seq_parallel_communication_data_type": ds_only(
+        "fp32",
+        "gradients reduce in data_types.grad_accum_dtype with or without sequence parallelism",
+    ),
     "compile": ds_only(
         {"disable": False, "backend": "inductor", "kwargs": {}},
         "call torch.compile on the model yourself",
@@ -165,7 +169,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "data_parallel_size": ds_only(
         None, "the data-parallel size is the world over pipeline stages and tensor ranks"
     ),
-    "sequence_parallel_size": ds_only(None, "no Ulysses sequence parallelism"),
     "dataloader_drop_last": ds_only(
         False, "no deepspeed_io data loader: build the DataLoader (drop_last) in the script"
     ),
@@ -382,6 +385,17 @@ class EngineConfig(Section):
     )
     """Tensor parallelism (minispeed.tensor_parallel) on the engine's pipe x data x tensor grid:
     ZeRO over the data axis, clipping over all three (docs: 3D parallelism)."""
+    sequence_parallel_size: int | None = key(
+        "sequence_parallel_size",
+        None,
+        read=sequence_size,
+        schema={"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}]},
+    )
+    """DeepSpeed-Ulysses: ranks that split each sequence (S); the grid is data x sequence and
+    the batch counts D = world / S replicas. ZeRO shards over all D x S ranks, summing the
+    sequence ranks' gradients (stages 0-2) or averaging them (stage 3's reduce-scatter), as
+    DeepSpeed (`minispeed.engine.sequence_groups`). The model's attention runs in
+    `DistributedAttention` (minispeed.tensor_parallel.ulysses). null or 1: off."""
     aio: AioConfig = key("aio", default_factory=AioConfig, section=AioConfig)
     """Asynchronous I/O for NVMe offload (minispeed.offload)."""
     communication_data_type: str | None = key(

@@ -1,6 +1,7 @@
 """`deepspeed.runtime`: the engine's class and config (`engine`, `config`), the schedules
 (`lr_schedules`), ZeRO (`zero`), the pipeline's long paths (`pipe`), activation checkpointing's
-(`activation_checkpointing`), `tensor_parallel.tp_model_init` and the helpers scripts import
+(`activation_checkpointing`), DeepSpeed-Ulysses' groups (`sequence_parallel.parallel_state_sp`),
+`tensor_parallel.tp_model_init` and the helpers scripts import
 (`utils`)."""
 
 from minispeed.engine.runtime import (
@@ -10,6 +11,7 @@ from minispeed.engine.runtime import (
     engine,
     lr_schedules,
     pipe,
+    sequence_parallel,
     tensor_parallel,
     utils,
     zero,
@@ -22,6 +24,7 @@ __all__ = [
     "engine",
     "lr_schedules",
     "pipe",
+    "sequence_parallel",
     "tensor_parallel",
     "utils",
     "zero",

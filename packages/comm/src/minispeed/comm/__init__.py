@@ -18,7 +18,7 @@ Use it as `import minispeed.comm as comm`. Reading order (see README.md):
    the two-level all-gather.
 """
 
-from minispeed.comm.all_to_all import all_to_all_single
+from minispeed.comm.all_to_all import all_to_all_autograd, all_to_all_single
 from minispeed.comm.api_compat import reduce_scatter_impl
 from minispeed.comm.buckets import InFlight, LaunchQueue, all_reduce_unbucketed
 from minispeed.comm.call import CommWork
@@ -39,6 +39,7 @@ from minispeed.comm.groups import (
     is_initialized,
     is_member,
     new_group,
+    world_group,
 )
 from minispeed.comm.handshake import validation_enabled, validation_mode
 from minispeed.comm.hierarchical import HierarchicalAllGather
@@ -78,6 +79,7 @@ __all__ = [
     "all_gather_object",
     "all_reduce",
     "all_reduce_unbucketed",
+    "all_to_all_autograd",
     "all_to_all_single",
     "barrier",
     "batch_isend_irecv",
@@ -103,6 +105,7 @@ __all__ = [
     "tensor_device",
     "validation_enabled",
     "validation_mode",
+    "world_group",
 ]
 
 # -- gradient compression (owned by the compression engineer) ----------------------------------

@@ -7,6 +7,11 @@ no all-to-all (gloo on some builds) it runs as point-to-point sends and receives
 (`api_compat.all_to_all_p2p`, Note [backend fallbacks] in api_compat.py).
 
 S = input bytes; each rank sends S minus its own chunk (equal splits: (n-1)/n · S).
+
+`all_to_all_autograd` is the same exchange as an autograd function along dim 0: its backward is
+the all-to-all with the splits swapped (what rank r received from rank j goes back to rank j),
+so the backward sends what the forward received. MoE's token dispatch and Ulysses' sequence
+all-to-all (`minispeed.tensor_parallel.ulysses`) both use it.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from minispeed.comm.call import Call, CommWork, Issued, native_or_fallback
 from minispeed.comm.handoff import lend
 from minispeed.comm.validation import CommInputError
 
-__all__ = ["all_to_all_single"]
+__all__ = ["all_to_all_autograd", "all_to_all_single"]
 
 
 def all_to_all_single(
@@ -109,3 +114,38 @@ def _check_all_to_all_rows(
             f"{call.op}: equal splits need output.numel() == input.numel() "
             f"({output.numel()} != {input.numel()}); pass split sizes"
         )
+
+
+class _AllToAll(torch.autograd.Function):
+    """`all_to_all_single` along dim 0 forward; the same with the splits swapped backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, out_splits, in_splits, group: Any) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        rows = x.shape[0] if out_splits is None else sum(out_splits)
+        out = x.new_empty((rows, *x.shape[1:]))
+        all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        rows = grad.shape[0] if in_splits is None else sum(in_splits)
+        back = grad.new_empty((rows, *grad.shape[1:]))
+        all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+def all_to_all_autograd(
+    x: torch.Tensor,
+    group: Any,
+    out_splits: Sequence[int] | None = None,
+    in_splits: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Differentiable `all_to_all_single` along dim 0 (equal splits when both are `None`).
+
+    Returns a new tensor of `sum(out_splits)` rows (`x.shape[0]` with equal splits). Backward
+    runs the inverse exchange on the gradient: the same bytes again, (n-1)/n · S with equal
+    splits (S = bytes of `x`).
+    """
+    return _AllToAll.apply(x, out_splits, in_splits, group)

@@ -29,6 +29,7 @@ __all__ = [
     "is_initialized",
     "is_member",
     "new_group",
+    "world_group",
 ]
 
 _log = get_logger("comm")
@@ -145,6 +146,12 @@ def get_world_size(group: Any = None) -> int:
     """Number of ranks in `group` (the world for `None`); -1 if this rank is not a member."""
     validation.check_group("get_world_size", None)
     return dist.get_world_size(group)
+
+
+def world_group() -> Any:
+    """The default process group itself (torch's `group.WORLD`), for APIs that want a group
+    object rather than `None`; a new object each time the process group is initialized."""
+    return dist.group.WORLD
 
 
 def is_member(group: Any) -> bool:

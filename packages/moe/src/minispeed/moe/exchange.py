@@ -12,14 +12,14 @@ rows for rank r are one contiguous chunk: an all-to-all moves them with no extra
   uneven-split all-to-all of the rows, then a permutation (a gather through the op) that groups
   the (source, expert)-ordered rows by expert.
 
-The backward of an all-to-all is the all-to-all with the splits swapped (`_AllToAll`). Bytes on
+The backward of an all-to-all is the all-to-all with the splits swapped
+(`comm.all_to_all_autograd`, shared with Ulysses' sequence all-to-all). Bytes on
 the wire per call: `costs.all_to_all_bytes`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 
@@ -27,35 +27,7 @@ import minispeed.comm as comm
 from minispeed.moe import permute as perm
 from minispeed.moe.groups import ExpertGroups
 
-__all__ = ["Exchange", "all_to_all", "send_to_experts"]
-
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, out_splits, in_splits, group: Any) -> torch.Tensor:
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        rows = x.shape[0] if out_splits is None else sum(out_splits)
-        out = x.new_empty((rows, *x.shape[1:]))
-        comm.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):
-        out_splits, in_splits = ctx.splits
-        rows = grad.shape[0] if in_splits is None else sum(in_splits)
-        back = grad.new_empty((rows, *grad.shape[1:]))
-        comm.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return back, None, None, None
-
-
-def all_to_all(
-    x: torch.Tensor,
-    group: Any,
-    out_splits: list[int] | None = None,
-    in_splits: list[int] | None = None,
-) -> torch.Tensor:
-    """Differentiable `comm.all_to_all_single` along dim 0 (equal splits when both are None)."""
-    return _AllToAll.apply(x, out_splits, in_splits, group)
+__all__ = ["Exchange", "send_to_experts"]
 
 
 @dataclasses.dataclass
@@ -78,10 +50,10 @@ class Exchange:
             d = y.shape[1:]
             # (E_l, E_p, C) -> (E_p, E_l, C): rows for source rank s are chunk s again.
             y = y.reshape(e_local, ep, self.capacity, *d).transpose(0, 1).reshape(-1, *d)
-            return all_to_all(y, groups.expert_group)
+            return comm.all_to_all_autograd(y, groups.expert_group)
         assert self.regroup is not None and self.ungroup is not None
         y = perm.permute(y, self.ungroup, self.regroup[:, None])
-        return all_to_all(y, groups.expert_group, self.send_splits, self.recv_splits)
+        return comm.all_to_all_autograd(y, groups.expert_group, self.send_splits, self.recv_splits)
 
 
 def send_to_experts(
@@ -96,7 +68,9 @@ def send_to_experts(
     num_experts = len(rows_per_expert)
     e_local = num_experts // ep
     if capacity is not None:
-        recv = all_to_all(buf, groups.expert_group)  # (E_p · E_l · C, d), source-major
+        recv = comm.all_to_all_autograd(
+            buf, groups.expert_group
+        )  # (E_p · E_l · C, d), source-major
         d = recv.shape[1:]
         grouped = recv.reshape(ep, e_local, capacity, *d).transpose(0, 1).reshape(-1, *d)
         return grouped, Exchange([ep * capacity] * e_local, capacity=capacity)
@@ -107,7 +81,7 @@ def send_to_experts(
     by_source = recv_counts.view(ep, e_local)  # [s, e]: rows from source s for local expert e
     send_splits = counts.view(ep, e_local).sum(1).tolist()
     recv_splits = by_source.sum(1).tolist()
-    recv = all_to_all(buf, groups.expert_group, recv_splits, send_splits)
+    recv = comm.all_to_all_autograd(buf, groups.expert_group, recv_splits, send_splits)
     # Group the (source, expert)-ordered rows by expert: row (e, s, i) reads (s, e, i).
     flat = by_source.reshape(-1)
     starts = (torch.cumsum(flat, 0) - flat).view(ep, e_local).t().reshape(-1)  # (e, s) order

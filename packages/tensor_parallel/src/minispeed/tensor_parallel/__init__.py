@@ -14,8 +14,14 @@ Reading order (see README.md):
    engine's tensor-parallel step).
 8. `memory` — activation bytes per rank, with and without sequence parallelism.
 9. `config` — `TensorParallelConfig`, DeepSpeed's `tensor_parallel` section (the grid's T).
-10. `seeds` — the random streams per tensor-parallel rank (`seed_tensor_parallel`): the default
+10. `ulysses` — DeepSpeed-Ulysses sequence parallelism: `seq_all_to_all` (heads for sequence,
+    differentiable) and `DistributedAttention` around any local attention.
+11. `seeds` — the random streams per tensor-parallel rank (`seed_tensor_parallel`): the default
     generator alike on a group, a tracked state (`minispeed.core.rng`) apart.
+12. `alst` — Ulysses for Hugging Face models (ALST): `register_ulysses_attention` (transformers'
+    attention run over the sequence split), `SequenceShardLoader`, `sequence_parallel_mean`.
+13. `tiled` — sequence tiling: `TiledMLP`, `TiledLogitsLoss`, `sequence_tiled_compute` (one
+    tile's intermediates at a time; no communication).
 
 ```python
 import minispeed.tensor_parallel as tp
@@ -32,6 +38,14 @@ from minispeed.tensor_parallel.agreed import (
     parallelize_everywhere,
     ready_plan,
     rebind,
+)
+from minispeed.tensor_parallel.alst import (
+    SequenceShardLoader,
+    UlyssesAttention,
+    register_ulysses_attention,
+    sequence_parallel_mean,
+    shard_batch,
+    unregister_ulysses_attention,
 )
 from minispeed.tensor_parallel.config import TensorParallelConfig
 from minispeed.tensor_parallel.costs import (
@@ -75,12 +89,24 @@ from minispeed.tensor_parallel.styles import (
     SequenceShard,
     Vocab,
 )
+from minispeed.tensor_parallel.tiled import (
+    SequenceTiledCompute,
+    TiledLogitsLoss,
+    TiledMLP,
+    sequence_tiled_compute,
+)
+from minispeed.tensor_parallel.ulysses import (
+    DistributedAttention,
+    seq_all_to_all,
+    seq_all_to_all_bytes,
+)
 
 __all__ = [
     "TENSOR_SEED_OFFSET",
     "Collective",
     "Column",
     "ColumnParallelLinear",
+    "DistributedAttention",
     "HeadInput",
     "Heads",
     "Plan",
@@ -88,9 +114,14 @@ __all__ = [
     "RowParallelLinear",
     "ScatterSequence",
     "SequenceShard",
+    "SequenceShardLoader",
+    "SequenceTiledCompute",
     "ShardSpec",
     "TensorGroup",
     "TensorParallelConfig",
+    "TiledLogitsLoss",
+    "TiledMLP",
+    "UlyssesAttention",
     "Vocab",
     "VocabParallelEmbedding",
     "agreed",
@@ -111,13 +142,20 @@ __all__ = [
     "rebind",
     "reduce_from_parallel",
     "reduce_scatter_to_sequence",
+    "register_ulysses_attention",
     "reseed_tensor_parallel",
     "row_collectives",
     "scatter_to_parallel",
     "scatter_to_sequence",
     "seed_tensor_parallel",
+    "seq_all_to_all",
+    "seq_all_to_all_bytes",
+    "sequence_parallel_mean",
+    "sequence_tiled_compute",
     "shard",
+    "shard_batch",
     "tensor_seed",
+    "unregister_ulysses_attention",
     "unshard",
     "unshard_module",
     "vocab_parallel_cross_entropy",

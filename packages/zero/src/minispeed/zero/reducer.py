@@ -402,6 +402,16 @@ class _BucketedGrads:
         self._fresh = True
         self._fp32 = None
 
+    def held_buffers(self) -> list[torch.Tensor]:
+        """The gradient buffers this reducer keeps between steps (what `parking.park` calls
+        `lp_grads`): every group's reduced gradients, views of its flat or partition buffer."""
+        return [t for ts in self._results() for t in ts]
+
+    def staging_buffers(self) -> list[torch.Tensor]:
+        """The buckets' staging buffers alive now (`parking.park`'s `contiguous_grad_buffer`):
+        none here; stage 2's while a bucket's reduce-scatter is outstanding."""
+        return []
+
     def remove_hooks(self) -> None:
         """Wait for in-flight collectives, then detach from the model (plain PyTorch again).
 
@@ -620,3 +630,6 @@ class BackwardScatterReducer(_BucketedGrads):
     def _reset(self) -> None:
         super()._reset()
         self._staging.clear()
+
+    def staging_buffers(self) -> list[torch.Tensor]:
+        return list(self._staging.values())

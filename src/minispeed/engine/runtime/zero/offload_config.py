@@ -30,6 +30,7 @@ __all__ = [
     "DeepSpeedZeroOffloadOptimizerConfig",
     "DeepSpeedZeroOffloadParamConfig",
     "OffloadDeviceEnum",
+    "OffloadStateTypeEnum",
     "ds_fields",
 ]
 
@@ -40,6 +41,17 @@ class OffloadDeviceEnum(enum.StrEnum):
     none = "none"
     cpu = "cpu"
     nvme = "nvme"
+
+
+class OffloadStateTypeEnum(enum.StrEnum):
+    """The kinds of training state `engine.offload_states(include=...)` moves to the host
+    (`minispeed.zero.parking`'s table)."""
+
+    optim_states = "optim_states"
+    hp_params = "hp_params"
+    lp_params = "lp_params"
+    lp_grads = "lp_grads"
+    contiguous_grad_buffer = "contiguous_grad_buffer"
 
 
 def ds_fields(section: Any, renamed: Mapping[str, str] | None = None) -> dict[str, Any]:

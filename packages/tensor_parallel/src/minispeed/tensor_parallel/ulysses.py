@@ -1,0 +1,189 @@
+"""DeepSpeed-Ulysses sequence parallelism: attention over a sequence split across P ranks by
+trading the sequence split for a head split, with all-to-alls.
+
+Outside attention every rank of the sequence-parallel group holds T/P tokens of every sequence
+and all H heads (the layers around attention are per token, so they need nothing else).
+Attention needs the whole sequence, but its heads are independent: one all-to-all per tensor
+turns `(T/P tokens, H heads)` into `(T tokens, H/P heads)`, local attention runs on the whole
+sequence for its H/P heads, and one all-to-all turns the output back.
+
+```
+q, k, v  (B, T/P, H, D) ──all-to-all: scatter heads, gather sequence──▶ (B, T, H/P, D)
+                         local attention (any: softmax, flash, causal mask on the full T)
+out      (B, T/P, H, D) ◀──all-to-all: scatter sequence, gather heads── (B, T, H/P, D)
+```
+
+**Cost.** `seq_all_to_all` of a tensor of S = numel · itemsize bytes sends (P-1)/P · S per rank
+(the 1/P it keeps does not travel) and receives as much. An attention forward makes 4 such calls
+(q, k, v in, the output back), each of S = B · (T/P) · H · D · itemsize, and its backward the 4
+inverse ones on the gradients: 8 · (P-1)/P · S per layer per step, a volume that does not grow
+with P (unlike an all-gather of the sequence, (P-1) · S). Memory: the activations outside
+attention are 1/P of the unsplit model's; attention itself holds T tokens for H/P heads.
+
+**What is supported.** Even splits: P divides the heads (query and key/value heads alike) and
+the sequence length. DeepSpeed's uneven-head all-to-all and its communication overlap on a side
+stream are not implemented (`DistributedAttention` refuses the first and runs the second on the
+current stream).
+
+Every exchange is `minispeed.comm.all_to_all_autograd`, so the comms logger counts it. See
+`docs/architecture.md` (the grid's sequence-parallel dimension).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+import minispeed.comm as comm
+from minispeed.core.logging import warn_once
+
+__all__ = ["DistributedAttention", "seq_all_to_all", "seq_all_to_all_bytes"]
+
+
+def seq_all_to_all_bytes(x: torch.Tensor, world_size: int) -> int:
+    """Bytes one rank sends in `seq_all_to_all(x, ...)` over `world_size` ranks:
+    numel · itemsize · (P-1)/P (and as many received)."""
+    return x.numel() * x.element_size() * (world_size - 1) // world_size
+
+
+def seq_all_to_all(x: torch.Tensor, group: Any, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """Split `x` along `scatter_dim` into P equal chunks, send chunk j to rank j of `group`, and
+    concatenate the P chunks received (rank order) along `gather_dim`. Differentiable: the
+    backward is the inverse exchange (scatter `gather_dim`, gather `scatter_dim`).
+
+    The result has `x.shape` with `scatter_dim` divided by P and `gather_dim` multiplied by P.
+    Every rank of `group` must call it with the same shape (checked on the first call of the call
+    site, on every call in `comm.validation_mode("all")`).
+
+    Bytes sent per call and rank: numel · itemsize · (P-1)/P (`seq_all_to_all_bytes`); an
+    attention forward makes 4 calls (q, k, v in, output back), its backward 4 more. On a group
+    of one rank it returns `x` and sends nothing.
+    """
+    p = comm.get_world_size(group)
+    nd = x.dim()
+    for name, d in (("scatter_dim", scatter_dim), ("gather_dim", gather_dim)):
+        if not -nd <= d < nd:
+            raise ValueError(
+                f"seq_all_to_all: {name}={d} is out of range for a tensor of shape "
+                f"{tuple(x.shape)} ({nd} dims)"
+            )
+    scatter_dim, gather_dim = scatter_dim % nd, gather_dim % nd
+    if x.shape[scatter_dim] % p:
+        raise ValueError(
+            f"seq_all_to_all: dim {scatter_dim} of shape {tuple(x.shape)} has size "
+            f"{x.shape[scatter_dim]}, not divisible by the sequence-parallel size {p}; make it a "
+            f"multiple of {p} (pad the sequence, or choose a head count divisible by {p})"
+        )
+    if p == 1:
+        return x
+    # (P, ...): row j is chunk j along scatter_dim, the rows rank j receives from us.
+    rows = x.unflatten(scatter_dim, (p, x.shape[scatter_dim] // p)).movedim(scatter_dim, 0)
+    received = comm.all_to_all_autograd(rows.contiguous(), group)  # row j: rank j's chunk for us
+    # Put the source-rank axis just before gather_dim and merge the two: rank-major concatenation.
+    return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
+
+
+class DistributedAttention(nn.Module):
+    """Wrap a local attention so it runs on a sequence split across `sequence_process_group`
+    (DeepSpeed's `deepspeed.sequence.layer.DistributedAttention`, same signature and meaning).
+
+    `forward(query, key, value, batch_dim_idx, rotary_pos_emb=None, *args, **kwargs)` takes this
+    rank's tokens, `(B, T/P, H, D)` when `batch_dim_idx == 0` or `(T/P, B, H, D)` when it is 1
+    (Megatron's layout), all-to-alls q, k, v to the whole sequence and H/P heads, calls
+    `local_attention(q, k, v, *args, **kwargs)`, and all-to-alls its output back to this rank's
+    tokens and all heads. `scatter_idx` and `gather_idx` are DeepSpeed's: with 4-D tensors only
+    `scatter_idx >= 2` (the default: scatter heads on the way in) or `< 2` (scatter the sequence
+    on the way in, the reverse use) matters; the sequence dim is the one that is not the batch.
+
+    `rotary_pos_emb`, when given, is Megatron-DeepSpeed's `(cos, sin)` pair of shape
+    `(B', T, 1, D_rot)`; it is applied to q and k after the exchange, on the full sequence.
+
+    Supported: even splits (P divides the query and key/value heads, and the sequence).
+    Refused with an error: uneven heads (DeepSpeed pads ranks with unequal head counts).
+    `sp_stream` is accepted and its overlap not implemented: every exchange runs on the current
+    stream, with a warning. Cost: 4 `seq_all_to_all` per forward and 4 per backward, each
+    (P-1)/P of one of q, k, v, out (module docstring).
+    """
+
+    def __init__(
+        self,
+        local_attention: nn.Module,
+        sequence_process_group: Any,
+        scatter_idx: int = 2,
+        gather_idx: int = 0,
+        sp_stream: Any = None,
+        num_kv_heads: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.local_attn = local_attention
+        self.spg = sequence_process_group
+        self.scatter_idx, self.gather_idx = scatter_idx, gather_idx
+        self.num_kv_heads = num_kv_heads
+        self.sp_stream = sp_stream
+        if sp_stream is not None:
+            warn_once(
+                "DistributedAttention: sp_stream is accepted but minispeed does not overlap the "
+                "all-to-alls with compute; they run on the current stream (same results)"
+            )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        batch_dim_idx: int,
+        rotary_pos_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """Attention over the whole sequence from this rank's tokens; returns this rank's
+        tokens of the output, in the layout of `query`."""
+        if batch_dim_idx not in (0, 1):
+            raise ValueError(
+                f"DistributedAttention: batch_dim_idx must be 0 ((B, T, H, D)) or 1 "
+                f"((T, B, H, D)), got {batch_dim_idx}"
+            )
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if t.dim() != 4:
+                raise ValueError(
+                    f"DistributedAttention: {name} has shape {tuple(t.shape)}; it must be 4-D, "
+                    "(B, T, H, D) or (T, B, H, D) with heads in dim 2"
+                )
+        seq_dim, head_dim = 1 - batch_dim_idx, 2
+        # DeepSpeed's scatter_idx: >= 2 scatters heads on the way in, < 2 the sequence.
+        inward = (head_dim, seq_dim) if self.scatter_idx >= 2 else (seq_dim, head_dim)
+        if inward[0] == head_dim:
+            self._check_heads(query, key, value)
+        q, k, v = (seq_all_to_all(t, self.spg, *inward) for t in (query, key, value))
+        if rotary_pos_emb is not None:
+            cos, sin = (f.permute(1, 0, 2, 3) for f in rotary_pos_emb)
+            q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
+        context = self.local_attn(q, k, v, *args, **kwargs)
+        return seq_all_to_all(context, self.spg, inward[1], inward[0])
+
+    def _check_heads(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """P must divide every head count: refuse DeepSpeed's uneven-head case by name."""
+        p = comm.get_world_size(self.spg)
+        heads = {"query": query.shape[2], "key": key.shape[2], "value": value.shape[2]}
+        if self.num_kv_heads is not None:
+            heads["num_kv_heads"] = self.num_kv_heads
+        uneven = {name: h for name, h in heads.items() if h % p}
+        if uneven:
+            raise ValueError(
+                f"DistributedAttention: head counts {uneven} are not divisible by the "
+                f"sequence-parallel size {p}; minispeed splits heads evenly only (DeepSpeed's "
+                f"uneven-head all-to-all is not implemented): use a sequence_parallel_size that "
+                f"divides every head count"
+            )
+
+
+def _rotary(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding on the first `cos.shape[-1]` channels of `t` (half-split
+    rotation: channels [a, b] -> [-b, a]); the rest pass through. Pure PyTorch."""
+    rot = cos.shape[-1]
+    t_rot, t_pass = t[..., :rot], t[..., rot:]
+    a, b = t_rot.chunk(2, dim=-1)
+    t_rot = t_rot * cos + torch.cat((-b, a), dim=-1) * sin
+    return torch.cat((t_rot, t_pass), dim=-1) if t_pass.shape[-1] else t_rot
