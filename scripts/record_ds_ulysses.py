@@ -5,9 +5,21 @@ A tiny GPT whose self-attention runs in `deepspeed.sequence.layer.DistributedAtt
 `deepspeed.runtime.sequence_parallel.parallel_state_sp` passed as `mpu=` with
 `sequence_parallel_size: 2` in the config: 2 ranks, one sequence group, each rank given its half
 of every sequence (positions offset by its sequence rank) and taking the mean loss of its own
-tokens, as Megatron does. SGD (so the size of the gradient shows in the weights), no clipping,
-fp32, ZeRO stages 0 to 3; per stage it records the losses of 3 steps and every parameter's full
-gradient at the first step (6 significant digits).
+tokens, as Megatron does. SGD (so the size of the gradient shows in the weights), ZeRO stages 0
+to 3. Per stage, 3 steps of each case, recording each micro-batch's loss, each step's
+`get_global_grad_norm()` and, at the first step, every parameter's full gradient in 4 numbers
+(sum, norm, first and last element, 6 significant digits):
+
+- `stage<n>`: fp32, no clipping; `clip-stage<n>`: `gradient_clipping: 0.05` (every step
+  clipped); `gas2-stage<n>`: 2 micro-batches per step, clipped; `bf16-stage<n>`: bf16, clipped
+  (DeepSpeed refuses fp16 on the CPU: "Type fp16 is not supported on your device");
+- `resume-stage<n>`: momentum SGD, 4 steps straight, and 2 steps, `save_checkpoint`, a fresh
+  engine from other weights, `load_checkpoint`, 2 steps: both runs' losses;
+- at stage 0, uneven heads: `heads3` (3 heads over 2 ranks), `heads6-kv3` (grouped-query, 6
+  query over 3 key/value heads), and `kv1-refused` (1 key/value head for 2 ranks: refused).
+
+Stage 3 runs last: DeepSpeed's ZeRO-3 replaces `torch.nn.functional.linear` for the rest of the
+process, which changes bf16 results of later runs at other stages.
 
 Recorded on DeepSpeed 0.19.8, 2 gloo processes on the CPU:
 

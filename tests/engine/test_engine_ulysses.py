@@ -8,7 +8,14 @@
   DeepSpeed sums the sequence ranks' gradients, and the mean of its own tokens at stage 3, where
   it averages them (Note [DeepSpeed's sequence-parallel reduction] in sequence_groups.py).
 - The same script, its import lines changed to minispeed's, against what DeepSpeed 0.19.8
-  recorded (per-rank mean losses: gradients S times the whole-sequence mean's, as DeepSpeed).
+  recorded (per-rank mean losses: gradients S times the whole-sequence mean's at stages 0-2, as
+  DeepSpeed), one launch for every case: fp32 with and without `gradient_clipping`, 2
+  micro-batches per step, bf16 (losses, `get_global_grad_norm()` per step, gradient summaries),
+  save/load mid-run, uneven heads. DeepSpeed's global norm is the norm of the gradients its stage
+  reduced (summed over the sequence ranks at 0-2, averaged at 3), not counting the sequence ranks
+  twice through the mpu's model-parallel alias; minispeed's equals it.
+- A checkpoint saved under sequence parallelism resumes without it (2 data-parallel ranks,
+  whole sequences) and continues the uninterrupted run.
 - `sequence_parallel_size` alone builds the groups (`deepspeed.utils.groups` answers them);
   bad sizes and combinations are refused on every rank, naming the key.
 """
