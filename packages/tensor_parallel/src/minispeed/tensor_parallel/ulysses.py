@@ -33,6 +33,7 @@ Every exchange is `minispeed.comm.all_to_all_autograd`, so the comms logger coun
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -130,7 +131,7 @@ def uneven_seq_all_to_all(
     our `send_sizes` entry and `gather_dim` to `recv_sizes[j]` (every rank passes the same lists).
     Each chunk travels flattened, so one all-to-all of 1-D splits carries them. Differentiable
     (the backward swaps the splits). Bytes sent per rank: `x`'s bytes less its own chunk."""
-    p, me = comm.get_world_size(group), comm.get_rank(group)
+    me = comm.get_rank(group)
     chunks = x.split(send_sizes, dim=scatter_dim)
     flat = torch.cat([c.reshape(-1) for c in chunks])
     shapes = []
@@ -141,7 +142,7 @@ def uneven_seq_all_to_all(
     out_splits = [torch.Size(s).numel() for s in shapes]
     received = comm.all_to_all_autograd(flat, group, out_splits, [c.numel() for c in chunks])
     parts = [part.view(s) for part, s in zip(received.split(out_splits), shapes, strict=True)]
-    return torch.cat(parts, dim=gather_dim) if p > 1 else parts[0]
+    return torch.cat(parts, dim=gather_dim)
 
 
 class DistributedAttention(nn.Module):
@@ -218,38 +219,43 @@ class DistributedAttention(nn.Module):
         inward = (head_dim, seq_dim) if self.scatter_idx >= 2 else (seq_dim, head_dim)
         p = comm.get_world_size(self.spg)
         kv_heads = self.num_kv_heads if self.num_kv_heads is not None else key.shape[2]
-        if inward[0] == head_dim and p > 1 and kv_heads % p:
-            return self._uneven(query, key, value, kv_heads, seq_dim, rotary_pos_emb, args, kwargs)
-        if inward[0] == head_dim:
-            self._check_heads(query, key, value)
-        q, k, v = (seq_all_to_all(t, self.spg, *inward) for t in (query, key, value))
+        if inward[0] == head_dim and kv_heads % p:  # DeepSpeed's uneven heads
+            exchange_in, exchange_out = self._uneven_exchanges(kv_heads, seq_dim, query)
+        else:
+            if inward[0] == head_dim:
+                self._check_heads(query, key, value)
+            scatter, gather = inward
+            exchange_in = partial(
+                seq_all_to_all, group=self.spg, scatter_dim=scatter, gather_dim=gather
+            )
+            exchange_out = partial(
+                seq_all_to_all, group=self.spg, scatter_dim=gather, gather_dim=scatter
+            )
+        q, k, v = (exchange_in(t) for t in (query, key, value))
         if rotary_pos_emb is not None:
             cos, sin = (f.permute(1, 0, 2, 3) for f in rotary_pos_emb)
             q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
         context = self.local_attn(q, k, v, *args, **kwargs)
-        return seq_all_to_all(context, self.spg, inward[1], inward[0])
+        return exchange_out(context)
 
-    def _uneven(self, query, key, value, kv_heads, seq_dim, rotary_pos_emb, args, kwargs):
-        """The forward when P does not divide the key/value heads: each rank attends over the
-        whole sequence for its `head_shares` of the heads (DeepSpeed's uneven-head split)."""
+    def _uneven_exchanges(self, kv_heads: int, seq_dim: int, query: torch.Tensor) -> tuple:
+        """The two exchanges when P does not divide the K key/value heads: in, each tensor's
+        `head_shares` of its heads for the whole sequence; out, this rank's T/P tokens of every
+        rank's heads, rank order (DeepSpeed's uneven-head split)."""
         p, me, head_dim = comm.get_world_size(self.spg), comm.get_rank(self.spg), 2
         tokens = [query.shape[seq_dim]] * p  # T/P from each rank
-        q, k, v = (
-            uneven_seq_all_to_all(
-                t, self.spg, head_dim, seq_dim, head_shares(t.shape[2], kv_heads, p), tokens
-            )
-            for t in (query, key, value)
-        )
-        if rotary_pos_emb is not None:
-            cos, sin = (f.permute(1, 0, 2, 3) for f in rotary_pos_emb)
-            q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
-        context = self.local_attn(q, k, v, *args, **kwargs)
-        # this rank holds head_shares(H_out)[me] heads; H_out / K of them per key/value group
-        per_group = context.shape[2] // (kv_heads // p + (me < kv_heads % p))
-        shares = head_shares(per_group * kv_heads, kv_heads, p)
-        return uneven_seq_all_to_all(
-            context, self.spg, seq_dim, head_dim, [context.shape[seq_dim] // p] * p, shares
-        )
+
+        def exchange_in(t: torch.Tensor) -> torch.Tensor:
+            shares = head_shares(t.shape[head_dim], kv_heads, p)
+            return uneven_seq_all_to_all(t, self.spg, head_dim, seq_dim, shares, tokens)
+
+        def exchange_out(context: torch.Tensor) -> torch.Tensor:
+            # this rank holds (K // P + [me < K mod P]) key/value groups of H_out / K heads each
+            per_group = context.shape[head_dim] // (kv_heads // p + (me < kv_heads % p))
+            shares = head_shares(per_group * kv_heads, kv_heads, p)
+            return uneven_seq_all_to_all(context, self.spg, seq_dim, head_dim, tokens, shares)
+
+        return exchange_in, exchange_out
 
     def _check_heads(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """P must divide every head count when it divides the key/value heads."""
