@@ -337,7 +337,8 @@ def profile_hf_step(
     and the decode plan call: Note [decode step as raw op calls]) is timed by `clock` around
     it for this run only, and a step is `(t(new + 1 tokens) - t(1 token)) / new` as in the
     transformers rows; the rest (wrappers, the plan's Python, cache writes, embeddings, tables)
-    is what remains. torch.profiler is not used here: its per-op bookkeeping made the small
+    is what remains. A GPT step's blocks are one `gpt_layers` call, timed whole (the kernels it
+    calls from C++ are not seen apart: Note [the GPT blocks in one call]). torch.profiler is not used here: its per-op bookkeeping made the small
     kernels of a batch-8 step look 5-10× longer than they run (a layer norm of 8 × 768: 0.5 ms
     profiled, 0.06 ms timed).
     """
@@ -362,7 +363,8 @@ def profile_hf_step(
         return run
 
     names = ("linear", "linear_many", "swiglu", "decode_attention", "layer_norm", "rms_norm",
-             "bias_gelu", "bias_gelu_tanh", "rotary", "argmax_rows", "int8_linear")  # fmt: skip
+             "bias_gelu", "bias_gelu_tanh", "rotary", "argmax_rows", "int8_linear",
+             "gpt_layers")  # fmt: skip
     originals = {n: getattr(op, n) for n in names}
 
     def run(n: int) -> tuple[float, dict[str, float]]:
@@ -393,6 +395,8 @@ def profile_hf_step(
         "bias_gelu_tanh": "bias + GeLU",
         "rotary": "rotary",
         "argmax_rows": "greedy argmax (kernels.argmax)",
+        "gpt_layers": "GPT blocks in one op call (gpt_layers: block linears, attention, norms, "
+        "GeLU, cache writes, residual adds)",
     }
     parts: dict[str, float] = {}
     for k, v in per.items():

@@ -65,3 +65,46 @@ def test_decode_plan_equals_the_block_loop(gpt_module, monkeypatch, dtype, batch
         engine._plans[(1, 0)] = None
         engine.to("cpu")  # a move drops the plans (their weight addresses would be stale)
         assert engine._plans == {}
+
+
+@pytest.mark.parametrize("level", ["scalar", "avx2", "avx512"])
+def test_gpt_blocks_run_in_one_op_call_at_every_simd_level(gpt_module, monkeypatch, level):
+    """A GPT decode step's blocks are one `op.gpt_layers` call (Note [the GPT blocks in one call]
+    in csrc/kernels/decode_step.cpp), none of the per-kernel calls the Python plan made, and its
+    logits are the block loop's bit for bit at each SIMD level's build."""
+    from minispeed.core.op_builder import SIMD_ENV, SimdLevel, cpu_simd_level
+    from minispeed.inference.kernels import InferenceKernelsBuilder
+
+    monkeypatch.setenv(SIMD_ENV, level)
+    if (
+        not InferenceKernelsBuilder().is_compatible()[0]
+        or SimdLevel[level.upper()] > cpu_simd_level()
+    ):
+        pytest.skip(f"no {level} build on this machine")
+    op = kernels.load_op()
+    if op is None:
+        pytest.skip(f"the {level} build failed; see python -m minispeed.core.report")
+    model = dict(_models(gpt_module))["gpt2"]
+    engine, _ = init_inference(model, dtype=torch.int8)
+    prompts = torch.randint(
+        0, engine.vocab_size, (3, 5), generator=torch.Generator().manual_seed(1)
+    )
+    calls: dict[str, int] = {}
+
+    def counted(name, fn):
+        def call(*args):
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*args)
+
+        return call
+
+    for name in ("gpt_layers", "decode_attention"):
+        monkeypatch.setattr(op, name, counted(name, getattr(op, name)))
+    got = _decode_logits(engine, prompts, 4)
+    # per decode step: the blocks in one call; the final norm and the head outside it
+    assert calls == {"gpt_layers": 4}, calls
+    with monkeypatch.context() as m:
+        m.setattr(decode_plan.GPTDecodePlan, "build", staticmethod(lambda *a: None))
+        engine._plans.clear()
+        want = _decode_logits(engine, prompts, 4)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))

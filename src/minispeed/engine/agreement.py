@@ -88,9 +88,14 @@ def config_entries(ds: Mapping[str, Any]) -> dict[str, Any]:
 def model_entries(model: nn.Module) -> dict[str, Any]:
     """Per parameter name: full shape (a ZeRO-3 shard's `ds_shape`), dtype, trainable."""
     return {
-        name: [list(getattr(p, "ds_shape", p.shape)), str(p.dtype), p.requires_grad]
-        for name, p in model.named_parameters()
+        name: [_shape(p), str(p.dtype), p.requires_grad] for name, p in model.named_parameters()
     }
+
+
+def _shape(p: nn.Parameter) -> Any:
+    if isinstance(p, nn.parameter.UninitializedParameter):  # a lazy module before its forward
+        return "uninitialized"
+    return list(getattr(p, "ds_shape", p.shape))
 
 
 def _differences(what: str, everyone: list[dict[str, Any]]) -> list[str]:

@@ -269,6 +269,15 @@ def _timed(function: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+def _configured(run: Callable[[Callable[..., Any]], Any], function: Callable[..., Any]) -> Any:
+    """`run(function)` under the settings both entry points share: the accelerator synchronized
+    before and after (`synchronize`), `function` timed (`profile`)."""
+    _synchronize()
+    out = run(_timed(function) if _SETTINGS.profile else function)
+    _synchronize()
+    return out
+
+
 def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """`function(*args, **kwargs)`, keeping only the inputs for backward (module docstring)."""
     if kwargs:
@@ -278,15 +287,15 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             return function(*all_args[:count], **dict(zip(keys, all_args[count:])))
 
         return checkpoint(call, *args, *kwargs.values())
-    _synchronize()
-    out = _zero_checkpoint(
-        _timed(function) if _SETTINGS.profile else function,
-        *args,
-        offload_to_cpu=_SETTINGS.cpu_checkpointing,
-        partition_group=_SETTINGS.partition_group,
+    return _configured(
+        lambda run: _zero_checkpoint(
+            run,
+            *args,
+            offload_to_cpu=_SETTINGS.cpu_checkpointing,
+            partition_group=_SETTINGS.partition_group,
+        ),
+        function,
     )
-    _synchronize()
-    return out
 
 
 non_reentrant_checkpoint = checkpoint
@@ -302,11 +311,10 @@ class CheckpointFunction(ReentrantCheckpoint):
     @classmethod
     def apply(cls, run_function: Callable[..., Any], all_outputs: list, *args: Any) -> Any:
         keep = (_SETTINGS.cpu_checkpointing, _SETTINGS.partition_group)
-        _synchronize()
-        run = _timed(run_function) if _SETTINGS.profile else run_function
-        out = super().apply(run, all_outputs, keep, *args)
-        _synchronize()
-        return out
+        return _configured(
+            lambda run: super(CheckpointFunction, cls).apply(run, all_outputs, keep, *args),
+            run_function,
+        )
 
 
 def get_cuda_rng_tracker() -> RngTracker:

@@ -1,4 +1,4 @@
-"""A decode step's GPT blocks as raw op calls on buffers kept between steps.
+"""A decode step's blocks as raw op calls on buffers kept between steps.
 
 Note [decode step as raw op calls]
 A batch-1 int8 decode step of GPT-2 (124M) reads its weights in ~14 ms at this machine's
@@ -6,19 +6,23 @@ single-core bandwidth, and each of its 12 `FusedGPTBlock` forwards cost ~250 µs
 around the kernels besides: four `nn.Module` calls, a wrapper per kernel (checks, an output
 `torch.empty`), `chunk`, three reshapes and two `index_copy_` for the cache, the residual add.
 `GPTDecodePlan` runs the same kernels in the same order on the same inputs, so its output is the
-block loop's bit for bit (`test_decode_plan_equals_the_block_loop` checks), but as one op call per
-kernel on buffers allocated once per batch size and reused every step (the weights' and buffers'
-addresses are read once):
+block loop's bit for bit (`test_decode_plan_equals_the_block_loop` checks), on buffers allocated
+once per batch size and reused every step (the weights' and buffers' addresses are read once).
+For GPT blocks the whole layer loop is one op call per step, `op.gpt_layers` (Note [the GPT
+blocks in one call] in csrc/kernels/decode_step.cpp), which runs per layer:
 
 ```text
-a      = LayerNorm1(x)                 op.layer_norm                          -> a
-qkv    = a @ Wqkvᵀ + b                 op.int8_linear / op.linear             -> qkv (B, 3C)
-cache  <- k, v (views of qkv)          index_copy_ at the step's slots (two)
-y      = attention(q, cache)           op.decode_attention (q: a view, or one copy at B > 1)
-n2, h  = LayerNorm2(y @ Woᵀ + bo + x)  op.int8_linear, op.layer_norm(residual=x)
-g      = gelu(n2 @ Wfcᵀ + bfc)         op.int8_linear, op.bias_gelu[_tanh]
-x'     = g @ Wpᵀ + bp + h              op.int8_linear, add_
+a      = LayerNorm1(x)                 layer_norm                             -> a
+qkv    = a @ Wqkvᵀ + b                 int8_linear / linear                   -> qkv (B, 3C)
+cache  <- k, v (rows of qkv)           a copy per sequence into its slot
+y      = attention(q, cache)           decode_attention (q: in qkv, or one copy at B > 1)
+n2, h  = LayerNorm2(y @ Woᵀ + bo + x)  int8_linear, layer_norm(residual=x)
+g      = gelu(n2 @ Wfcᵀ + bfc)         int8_linear, bias_gelu[_tanh]
+x'     = g @ Wpᵀ + bp + h              int8_linear, the residual add
 ```
+
+LLaMA blocks (`LlamaDecodePlan`) are one op call per kernel from Python, with `index_copy_` for
+the cache writes and torch's `silu(gate) · up` with int8 weights.
 
 It applies where every block is a `FusedGPTBlock` whose four linears are `Int8Linear`s or
 `StreamingLinear`s the C++ op takes (no tensor parallelism), the op is loaded, the tensors are on
@@ -49,54 +53,62 @@ def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def _linear_call(op: ModuleType, m: torch.nn.Module, rows: int) -> LinearCall | None:
-    """The op call `kernels.int8_linear` or `kernels.linear` makes for module `m` at `rows` rows,
-    or None where that wrapper would not call the op (another module, layout, dtype, device)."""
+def _linear_fields(op: ModuleType, m: torch.nn.Module, rows: int) -> tuple | None:
+    """`(kind, weight, scales, bias, N, K)` of the op call `kernels.int8_linear` or
+    `kernels.linear` makes for module `m` at `rows` rows (kind 0: int8 (N, K); 1: fp32 (N, K);
+    2: fp32 stored (K, N)), then the tensors behind the addresses; None where that wrapper would
+    not call the op (another module, layout, dtype, device)."""
     if isinstance(m, Int8Linear):
         wq, s, b = m.weight_q, m.scales, m.bias
         if not (wq.is_cpu and wq.is_contiguous() and s.dtype == torch.float32):
             return None
         if b is not None and not (b.dtype == torch.float32 and b.is_contiguous()):
             return None
-        N, K = wq.shape
-        w, sp, bp = wq.data_ptr(), s.data_ptr(), _ptr(b)
-        return lambda x, out, M, keep=(wq, s, b): op.int8_linear(x, w, sp, bp, out, M, N, K)
+        return (0, wq.data_ptr(), s.data_ptr(), _ptr(b), *wq.shape), (wq, s, b)
     if type(m) is StreamingLinear:
         w, b = m.weight, m.bias
         if rows > op.linear_max_rows or w.dtype != torch.float32 or not w.is_cpu:
             return None
         if b is not None and not (b.dtype == torch.float32 and b.is_contiguous()):
             return None
-        N, K = w.shape
         kn = kernels.stored_transposed(w)  # a Conv1D weight's transposed view: True
         if kn is None:
             return None
-        wp, bp = w.data_ptr(), _ptr(b)
-        return lambda x, out, M, keep=(w, b): op.linear(x, wp, bp, out, M, N, K, kn)
+        return (2 if kn else 1, w.data_ptr(), 0, _ptr(b), *w.shape), (w, b)
     return None
+
+
+def _linear_call(op: ModuleType, m: torch.nn.Module, rows: int) -> LinearCall | None:
+    """The op call of `_linear_fields` as a function of the input and output addresses."""
+    found = _linear_fields(op, m, rows)
+    if found is None:
+        return None
+    (kind, w, s, b, N, K), keep = found
+    if kind == 0:
+        return lambda x, out, M, keep=keep: op.int8_linear(x, w, s, b, out, M, N, K)
+    return lambda x, out, M, keep=keep: op.linear(x, w, b, out, M, N, K, kind == 2)
 
 
 class GPTDecodePlan:
     """The L blocks of an `InferenceGPT` decode step at `batch` rows (see Note [decode step as
-    raw op calls]); build with `GPTDecodePlan.build`, which answers None where it does not apply."""
+    raw op calls]), run by one `op.gpt_layers` call per step (Note [the GPT blocks in one call] in
+    csrc/kernels/decode_step.cpp); build with `GPTDecodePlan.build`, which answers None where it
+    does not apply."""
 
     def __init__(self, op: ModuleType, blocks: list[FusedGPTBlock], batch: int, head_dim: int,
-                 n_kv_head: int, calls: list[tuple[LinearCall, ...]]) -> None:  # fmt: skip
-        self.op, self.blocks, self.batch, self.calls = op, blocks, batch, calls
+                 layers: list[list[int]], keep: list) -> None:  # fmt: skip
+        self.op, self.blocks, self.batch, self._keep = op, blocks, batch, keep
         first = blocks[0]
-        C = first.ln1.weight.numel()
-        F = first.fc.out_features
-        self.C, self.D, self.H, self.KV = C, head_dim, first.n_head, n_kv_head
-        B = batch
-        self.x = [torch.empty(B, C), torch.empty(B, C)]  # the residual stream, ping-pong
-        self.a, self.y, self.p = torch.empty(B, C), torch.empty(B, C), torch.empty(B, C)
-        self.n2, self.h = torch.empty(B, C), torch.empty(B, C)
-        self.qkv = torch.empty(B, 3 * C)
-        self.f, self.g = torch.empty(B, F), torch.empty(B, F)
-        heads = self.qkv.view(B, 3, self.H, head_dim)
-        self.q = heads[:, 0] if B == 1 else torch.empty(B, self.H, head_dim)
-        self.q_view = heads[:, 0]
-        self.k, self.v = heads[:, 1], heads[:, 2]  # (B, H, D) views written into the cache
+        C, F, B = first.ln1.weight.numel(), first.fc.out_features, batch
+        self.C, self.D, self.H, self.F = C, head_dim, first.n_head, F
+        self.layers = torch.tensor(layers, dtype=torch.int64)  # (L, op.gpt_layer_fields)
+        self.eps = torch.tensor([[b.ln1.eps, b.ln2.eps] for b in blocks], dtype=torch.float64)
+        # x0, x1 (the residual stream, ping-pong), a, p, y, n2, h, qkv, f, g, q: see decode_step.cpp
+        widths = (C, C, C, C, C, C, C, 3 * C, F, F, C)
+        self.buffers = [torch.empty(B, w) for w in widths]
+        self.x0 = self.buffers[0]
+        self.buffer_ptrs = torch.tensor([t.data_ptr() for t in self.buffers], dtype=torch.int64)
+        self.by_address = {t.data_ptr(): t for t in self.buffers[:2]}
 
     @staticmethod
     def build(model: torch.nn.Module, op: ModuleType, batch: int) -> GPTDecodePlan | None:
@@ -104,57 +116,42 @@ class GPTDecodePlan:
         blocks = list(model.blocks)
         if model.n_kv_head != model.n_head:
             return None
-        calls = []
+        layers, keep = [], []
         for b in blocks:
             if type(b) is not FusedGPTBlock:
                 return None
             if not _vectors_ok(b.ln1.weight, b.ln1.bias, b.ln2.weight, b.ln2.bias, b.fc_bias):
                 return None
-            layer = tuple(
-                _linear_call(op, m, batch) for m in (b.qkv, b.attn_proj, b.fc, b.mlp_proj)
-            )
-            if any(c is None for c in layer):
+            found = [_linear_fields(op, m, batch) for m in (b.qkv, b.attn_proj, b.fc, b.mlp_proj)]
+            if any(f is None for f in found):
                 return None
-            calls.append(layer)
-        return GPTDecodePlan(op, blocks, batch, model.head_dim, model.n_kv_head, calls)
+            vectors = (b.ln1.weight, b.ln1.bias, b.ln2.weight, b.ln2.bias, b.fc_bias)
+            row = [_ptr(v) for v in vectors] + [int(b.gelu_approximate == "tanh")]
+            for fields, tensors in found:
+                row.extend(fields)
+                keep.append(tensors)
+            layers.append(row)
+        if len(layers[0]) != op.gpt_layer_fields:
+            return None
+        return GPTDecodePlan(op, blocks, batch, model.head_dim, layers, keep)
 
     def run(self, x: torch.Tensor, cache, slots: torch.Tensor, tables: torch.Tensor,
             seq_lens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # fmt: skip
         """The blocks over `x` `(B, 1, C)`, writing each layer's K, V at `slots` of `cache`;
         returns `(B, 1, C)` (a buffer of the plan: read it before the next step)."""
-        op, B, C, D, H = self.op, self.batch, self.C, self.D, self.H
-        cur = self.x[0]
-        cur.copy_(x.view(B, C))
-        a, y, p, n2, h = (t.data_ptr() for t in (self.a, self.y, self.p, self.n2, self.h))
-        qkv, f, g, q = (t.data_ptr() for t in (self.qkv, self.f, self.g, self.q))
-        tp, lp = tables.data_ptr(), seq_lens.data_ptr()
-        scale = 1.0 / D**0.5
-        for layer, (blk, (lin_qkv, lin_o, lin_fc, lin_p)) in enumerate(
-            zip(self.blocks, self.calls)
-        ):
-            nxt = self.x[(layer + 1) % 2]
-            ln1, ln2 = blk.ln1, blk.ln2
-            op.layer_norm(
-                cur.data_ptr(), 0, ln1.weight.data_ptr(), _ptr(ln1.bias), a, p, B, C, ln1.eps
-            )  # fmt: skip (p: scratch for the unused x + 0)
-            lin_qkv(a, qkv, B)
-            kc, vc = cache.k[layer], cache.v[layer]
-            kc.view(-1, self.KV, D).index_copy_(0, slots, self.k)
-            vc.view(-1, self.KV, D).index_copy_(0, slots, self.v)
-            if B > 1:
-                self.q.copy_(self.q_view)
-            op.decode_attention(q, kc.data_ptr(), vc.data_ptr(), tp, lp, y, B, H, self.KV, D,
-                                kc.shape[1], tables.shape[1], scale)  # fmt: skip
-            lin_o(y, p, B)
-            op.layer_norm(p, cur.data_ptr(), ln2.weight.data_ptr(), _ptr(ln2.bias), n2, h, B, C,
-                          ln2.eps)  # fmt: skip
-            lin_fc(n2, f, B)
-            gelu = op.bias_gelu_tanh if blk.gelu_approximate == "tanh" else op.bias_gelu
-            gelu(f, _ptr(blk.fc_bias), g, B, self.f.shape[1])
-            lin_p(g, nxt.data_ptr(), B)
-            nxt.add_(self.h)
-            cur = nxt
-        return cur.view(B, 1, C)
+        B, C = self.batch, self.C
+        self.x0.copy_(x.view(B, C))
+        if slots.dtype != torch.int64 or not slots.is_contiguous():
+            slots = slots.to(torch.int64).contiguous()
+        caches = torch.tensor([t.data_ptr() for kv in zip(cache.k, cache.v) for t in kv],
+                              dtype=torch.int64)  # fmt: skip
+        out = self.op.gpt_layers(
+            self.layers.data_ptr(), self.eps.data_ptr(), self.buffer_ptrs.data_ptr(),
+            caches.data_ptr(), len(self.blocks), slots.data_ptr(), tables.data_ptr(),
+            seq_lens.data_ptr(), B, C, self.F, self.H, self.D, cache.k[0].shape[1],
+            tables.shape[1], 1.0 / self.D**0.5,
+        )  # fmt: skip
+        return self.by_address[out].view(B, 1, C)
 
 
 def _vectors_ok(*vectors: torch.Tensor | None) -> bool:

@@ -73,7 +73,12 @@ class InferenceKernelsBuilder(OpBuilder):
 
     name = "inference_kernels"
     csrc_root = _CSRC
-    sources = ("kernels/kernels.cpp", "kernels/sparse_attention.cpp", "kernels/linear.cpp")
+    sources = (
+        "kernels/kernels.cpp",
+        "kernels/sparse_attention.cpp",
+        "kernels/linear.cpp",
+        "kernels/decode_step.cpp",
+    )
 
 
 class InferenceCudaKernelsBuilder(OpBuilder):
