@@ -79,6 +79,7 @@ def _pipeline(rank: int, world_size: int) -> dict:
         out["resize"] = ""
     except NotImplementedError as e:
         out["resize"] = str(e)
+    engine.destroy()
     return out
 
 
