@@ -162,17 +162,80 @@ def test_distributed_attention_equals_attention_on_the_whole_sequence(batch_dim_
         assert calls == 8  # q, k, v, out forward; their inverses backward
 
 
-def _uneven_heads(rank: int, world_size: int) -> str:
-    attn = tp.DistributedAttention(_Causal(0), None)
-    q = torch.zeros(B, T // 2, 3, D)  # 3 heads over 2 ranks
+class _GroupedCausal(torch.nn.Module):
+    """Causal attention on (B, T, H, D) whose key/value heads serve H / K query heads each."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        groups = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(groups, 2), v.repeat_interleave(groups, 2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return y.transpose(1, 2)
+
+
+def _grouped_qkv(heads: int, kv_heads: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randn(B, T, h, D, generator=g) for h in (heads, kv_heads, kv_heads)]
+
+
+def _uneven_body(rank: int, world_size: int, heads: int, kv_heads: int) -> tuple:
+    mine = [
+        t.chunk(world_size, 1)[rank].clone().requires_grad_(True)
+        for t in _grouped_qkv(heads, kv_heads)
+    ]
+    attn = tp.DistributedAttention(_GroupedCausal(), None)
+    out = attn(*mine, 0)
+    out.backward(torch.ones_like(out) * (rank + 1))
+    return out.detach(), [t.grad for t in mine]
+
+
+@pytest.mark.parametrize(
+    ("world_size", "heads", "kv_heads"),
+    [(2, 3, 3), (2, 6, 3), (4, 10, 5)],
+    ids=["3-heads-over-2", "6-over-3-kv-over-2", "10-over-5-kv-over-4"],
+)
+def test_uneven_heads_equal_attention_on_the_whole_sequence(world_size, heads, kv_heads):
+    """P does not divide the key/value heads: ranks take whole key/value groups (DeepSpeed's
+    split, `head_shares`), and every rank's output and gradients are its tokens' of the
+    single-process attention."""
+    got = run_distributed(_uneven_body, world_size=world_size, args=(heads, kv_heads))
+    full = [t.requires_grad_(True) for t in _grouped_qkv(heads, kv_heads)]
+    want = _GroupedCausal()(*full)
+    weights = torch.cat(
+        [torch.full_like(c, r + 1.0) for r, c in enumerate(want.chunk(world_size, 1))], 1
+    )
+    (want * weights).sum().backward()
+    for r, (out, grads) in enumerate(got):
+        # fp32 attention on the same values, heads computed apart: sums in another order only
+        torch.testing.assert_close(out, want.detach().chunk(world_size, 1)[r], rtol=1e-5, atol=1e-6)
+        for g, t in zip(grads, full, strict=True):
+            torch.testing.assert_close(g, t.grad.chunk(world_size, 1)[r], rtol=1e-5, atol=1e-6)
+
+
+def test_head_shares_deal_key_value_groups_lowest_ranks_first():
+    assert tp.head_shares(3, 3, 2) == [2, 1]
+    assert tp.head_shares(6, 3, 2) == [4, 2]  # query heads follow their key/value head
+    assert tp.head_shares(7, 7, 4) == [2, 2, 2, 1]
+
+
+def _refused(rank: int, world_size: int, heads: int, kv_heads: int) -> str:
+    attn = tp.DistributedAttention(_GroupedCausal(), None)
+    q, k, v = (t.chunk(world_size, 1)[rank] for t in _grouped_qkv(heads, kv_heads))
     try:
-        attn(q, q, q, 0)
+        attn(q, k, v, 0)
     except ValueError as exc:
         return str(exc)
     return "no error"
 
 
-def test_uneven_heads_are_refused_naming_the_counts():
-    for msg in run_distributed(_uneven_heads, world_size=2):
-        assert "'query': 3" in msg and "sequence-parallel size 2" in msg, msg
-        assert "uneven-head" in msg
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "says"),
+    [
+        (4, 1, "1 key/value heads are fewer than the sequence-parallel size 2"),
+        (4, 3, "4 heads are not a multiple of the 3 key/value heads"),
+    ],
+    ids=["fewer-kv-heads-than-ranks", "query-heads-not-grouped"],
+)
+def test_bad_head_counts_are_refused_naming_them(heads, kv_heads, says):
+    for msg in run_distributed(_refused, world_size=2, args=(heads, kv_heads)):
+        assert says in msg, msg

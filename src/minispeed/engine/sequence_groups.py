@@ -248,4 +248,6 @@ def sequence_gradient_factor(zero: Any, sequence: int) -> int:
 # 2^k commutes with rounding). So with a per-rank loss that is its share of the whole sequence's
 # mean (its tokens' sum / all T tokens), stages 0-2 train as the unsplit model; with a per-rank
 # mean over its T/S tokens (Megatron's), ZeRO-3 does, and stages 0-2 get S times that gradient,
-# all as in DeepSpeed. The loss `backward` returns is not multiplied.
+# all as in DeepSpeed. The loss `backward` returns is not multiplied. The global gradient norm
+# (clipping, get_global_grad_norm) is the reduced gradients', in both: S times the whole mean's at
+# stages 0-2 with per-rank means (recorded with clipping, 2 micro-batches and bf16).

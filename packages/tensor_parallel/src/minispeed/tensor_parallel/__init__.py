@@ -15,7 +15,8 @@ Reading order (see README.md):
 8. `memory` — activation bytes per rank, with and without sequence parallelism.
 9. `config` — `TensorParallelConfig`, DeepSpeed's `tensor_parallel` section (the grid's T).
 10. `ulysses` — DeepSpeed-Ulysses sequence parallelism: `seq_all_to_all` (heads for sequence,
-    differentiable) and `DistributedAttention` around any local attention.
+    differentiable), its unequal-chunk form `uneven_seq_all_to_all` with `head_shares`
+    (DeepSpeed's uneven key/value heads), and `DistributedAttention` around any local attention.
 11. `seeds` — the random streams per tensor-parallel rank (`seed_tensor_parallel`): the default
     generator alike on a group, a tracked state (`minispeed.core.rng`) apart.
 12. `alst` — Ulysses for Hugging Face models (ALST): `register_ulysses_attention` (transformers'
@@ -97,8 +98,10 @@ from minispeed.tensor_parallel.tiled import (
 )
 from minispeed.tensor_parallel.ulysses import (
     DistributedAttention,
+    head_shares,
     seq_all_to_all,
     seq_all_to_all_bytes,
+    uneven_seq_all_to_all,
 )
 
 __all__ = [
@@ -135,6 +138,7 @@ __all__ = [
     "gather_from_sequence",
     "gpt2_plan",
     "gpt_plan",
+    "head_shares",
     "llama_plan",
     "parallelize",
     "parallelize_everywhere",
@@ -155,6 +159,7 @@ __all__ = [
     "shard",
     "shard_batch",
     "tensor_seed",
+    "uneven_seq_all_to_all",
     "unregister_ulysses_attention",
     "unshard",
     "unshard_module",

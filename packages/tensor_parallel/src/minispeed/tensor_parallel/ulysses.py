@@ -20,10 +20,12 @@ inverse ones on the gradients: 8 · (P-1)/P · S per layer per step, a volume th
 with P (unlike an all-gather of the sequence, (P-1) · S). Memory: the activations outside
 attention are 1/P of the unsplit model's; attention itself holds T tokens for H/P heads.
 
-**What is supported.** Even splits: P divides the heads (query and key/value heads alike) and
-the sequence length. DeepSpeed's uneven-head all-to-all and its communication overlap on a side
-stream are not implemented (`DistributedAttention` refuses the first and runs the second on the
-current stream).
+**What is supported.** P divides the sequence length. Heads split evenly when P divides the
+key/value head count; otherwise (DeepSpeed's uneven heads) the K key/value heads are dealt out
+in contiguous groups, rank r taking K // P of them plus one when r < K mod P, and every query
+head goes with its key/value group (`head_shares`). Fewer key/value heads than ranks is refused,
+as in DeepSpeed (a rank would hold no head). DeepSpeed's communication overlap on a side stream
+is not implemented (`DistributedAttention` runs it on the current stream).
 
 Every exchange is `minispeed.comm.all_to_all_autograd`, so the comms logger counts it. See
 `docs/architecture.md` (the grid's sequence-parallel dimension).
@@ -31,6 +33,7 @@ Every exchange is `minispeed.comm.all_to_all_autograd`, so the comms logger coun
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -39,7 +42,13 @@ from torch import nn
 import minispeed.comm as comm
 from minispeed.core.logging import warn_once
 
-__all__ = ["DistributedAttention", "seq_all_to_all", "seq_all_to_all_bytes"]
+__all__ = [
+    "DistributedAttention",
+    "head_shares",
+    "seq_all_to_all",
+    "seq_all_to_all_bytes",
+    "uneven_seq_all_to_all",
+]
 
 
 def seq_all_to_all_bytes(x: torch.Tensor, world_size: int) -> int:
@@ -85,6 +94,57 @@ def seq_all_to_all(x: torch.Tensor, group: Any, scatter_dim: int, gather_dim: in
     return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
 
 
+def head_shares(heads: int, kv_heads: int, world_size: int) -> list[int]:
+    """Heads per rank when `kv_heads` key/value heads are dealt over `world_size` ranks in
+    contiguous groups (DeepSpeed's uneven-head split): rank r takes `kv_heads // P` groups plus
+    one when r < `kv_heads % P`, and each group carries `heads / kv_heads` heads of this tensor
+    (1 for keys and values, the query heads sharing one key/value head for queries)."""
+    if kv_heads < world_size:
+        raise ValueError(
+            f"DistributedAttention: {kv_heads} key/value heads are fewer than the "
+            f"sequence-parallel size {world_size}, which would leave a rank with no head (DeepSpeed "
+            f"refuses it too); use a sequence_parallel_size of at most {kv_heads}"
+        )
+    if heads % kv_heads:
+        raise ValueError(
+            f"DistributedAttention: {heads} heads are not a multiple of the {kv_heads} key/value "
+            "heads; each query head must belong to one key/value group (pass num_kv_heads= the "
+            "model's key/value head count)"
+        )
+    group = heads // kv_heads
+    return [
+        group * (kv_heads // world_size + (r < kv_heads % world_size)) for r in range(world_size)
+    ]
+
+
+def uneven_seq_all_to_all(
+    x: torch.Tensor,
+    group: Any,
+    scatter_dim: int,
+    gather_dim: int,
+    send_sizes: list[int],
+    recv_sizes: list[int],
+) -> torch.Tensor:
+    """`seq_all_to_all` with unequal chunks: split `x` along `scatter_dim` into `send_sizes`
+    (chunk j to rank j) and concatenate what rank j sends, `recv_sizes[j]` long along
+    `gather_dim`, in rank order. What rank j sends us has `x`'s shape with `scatter_dim` set to
+    our `send_sizes` entry and `gather_dim` to `recv_sizes[j]` (every rank passes the same lists).
+    Each chunk travels flattened, so one all-to-all of 1-D splits carries them. Differentiable
+    (the backward swaps the splits). Bytes sent per rank: `x`'s bytes less its own chunk."""
+    me = comm.get_rank(group)
+    chunks = x.split(send_sizes, dim=scatter_dim)
+    flat = torch.cat([c.reshape(-1) for c in chunks])
+    shapes = []
+    for size in recv_sizes:
+        shape = list(x.shape)
+        shape[scatter_dim], shape[gather_dim] = send_sizes[me], size
+        shapes.append(shape)
+    out_splits = [torch.Size(s).numel() for s in shapes]
+    received = comm.all_to_all_autograd(flat, group, out_splits, [c.numel() for c in chunks])
+    parts = [part.view(s) for part, s in zip(received.split(out_splits), shapes, strict=True)]
+    return torch.cat(parts, dim=gather_dim)
+
+
 class DistributedAttention(nn.Module):
     """Wrap a local attention so it runs on a sequence split across `sequence_process_group`
     (DeepSpeed's `deepspeed.sequence.layer.DistributedAttention`, same signature and meaning).
@@ -100,8 +160,11 @@ class DistributedAttention(nn.Module):
     `rotary_pos_emb`, when given, is Megatron-DeepSpeed's `(cos, sin)` pair of shape
     `(B', T, 1, D_rot)`; it is applied to q and k after the exchange, on the full sequence.
 
-    Supported: even splits (P divides the query and key/value heads, and the sequence).
-    Refused with an error: uneven heads (DeepSpeed pads ranks with unequal head counts).
+    Supported: P divides the sequence; heads split evenly when P divides the key/value head
+    count K (`num_kv_heads`, else the key's head count, as DeepSpeed), unevenly otherwise
+    (`head_shares`: whole key/value groups per rank, the first K mod P ranks one more), which is
+    DeepSpeed's uneven-head split. Refused with an error: K < P, and uneven splits whose query
+    heads are not a multiple of K.
     `sp_stream` is accepted and its overlap not implemented: every exchange runs on the current
     stream, with a warning. Cost: 4 `seq_all_to_all` per forward and 4 per backward, each
     (P-1)/P of one of q, k, v, out (module docstring).
@@ -154,17 +217,48 @@ class DistributedAttention(nn.Module):
         seq_dim, head_dim = 1 - batch_dim_idx, 2
         # DeepSpeed's scatter_idx: >= 2 scatters heads on the way in, < 2 the sequence.
         inward = (head_dim, seq_dim) if self.scatter_idx >= 2 else (seq_dim, head_dim)
-        if inward[0] == head_dim:
-            self._check_heads(query, key, value)
-        q, k, v = (seq_all_to_all(t, self.spg, *inward) for t in (query, key, value))
+        p = comm.get_world_size(self.spg)
+        kv_heads = self.num_kv_heads if self.num_kv_heads is not None else key.shape[2]
+        if inward[0] == head_dim and kv_heads % p:  # DeepSpeed's uneven heads
+            exchange_in, exchange_out = self._uneven_exchanges(kv_heads, seq_dim, query)
+        else:
+            if inward[0] == head_dim:
+                self._check_heads(query, key, value)
+            scatter, gather = inward
+            exchange_in = partial(
+                seq_all_to_all, group=self.spg, scatter_dim=scatter, gather_dim=gather
+            )
+            exchange_out = partial(
+                seq_all_to_all, group=self.spg, scatter_dim=gather, gather_dim=scatter
+            )
+        q, k, v = (exchange_in(t) for t in (query, key, value))
         if rotary_pos_emb is not None:
             cos, sin = (f.permute(1, 0, 2, 3) for f in rotary_pos_emb)
             q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
         context = self.local_attn(q, k, v, *args, **kwargs)
-        return seq_all_to_all(context, self.spg, inward[1], inward[0])
+        return exchange_out(context)
+
+    def _uneven_exchanges(self, kv_heads: int, seq_dim: int, query: torch.Tensor) -> tuple:
+        """The two exchanges when P does not divide the K key/value heads: in, each tensor's
+        `head_shares` of its heads for the whole sequence; out, this rank's T/P tokens of every
+        rank's heads, rank order (DeepSpeed's uneven-head split)."""
+        p, me, head_dim = comm.get_world_size(self.spg), comm.get_rank(self.spg), 2
+        tokens = [query.shape[seq_dim]] * p  # T/P from each rank
+
+        def exchange_in(t: torch.Tensor) -> torch.Tensor:
+            shares = head_shares(t.shape[head_dim], kv_heads, p)
+            return uneven_seq_all_to_all(t, self.spg, head_dim, seq_dim, shares, tokens)
+
+        def exchange_out(context: torch.Tensor) -> torch.Tensor:
+            # this rank holds (K // P + [me < K mod P]) key/value groups of H_out / K heads each
+            per_group = context.shape[head_dim] // (kv_heads // p + (me < kv_heads % p))
+            shares = head_shares(per_group * kv_heads, kv_heads, p)
+            return uneven_seq_all_to_all(context, self.spg, seq_dim, head_dim, tokens, shares)
+
+        return exchange_in, exchange_out
 
     def _check_heads(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """P must divide every head count: refuse DeepSpeed's uneven-head case by name."""
+        """P must divide every head count when it divides the key/value heads."""
         p = comm.get_world_size(self.spg)
         heads = {"query": query.shape[2], "key": key.shape[2], "value": value.shape[2]}
         if self.num_kv_heads is not None:
@@ -173,9 +267,8 @@ class DistributedAttention(nn.Module):
         if uneven:
             raise ValueError(
                 f"DistributedAttention: head counts {uneven} are not divisible by the "
-                f"sequence-parallel size {p}; minispeed splits heads evenly only (DeepSpeed's "
-                f"uneven-head all-to-all is not implemented): use a sequence_parallel_size that "
-                f"divides every head count"
+                f"sequence-parallel size {p} while the key/value heads are; make every head "
+                f"count a multiple of {p} (or the query heads a multiple of the key/value heads)"
             )
 
 
