@@ -50,6 +50,7 @@ from minispeed.engine.composition import Composition
 from minispeed.engine.config import EngineConfig
 from minispeed.engine.queries import DeepSpeedQueries
 from minispeed.engine.sequence_groups import sequence_gradient_factor
+from minispeed.engine.surface import DeepSpeedSurface
 
 __all__ = ["Engine", "StepObserver", "zero_config_for"]
 
@@ -71,13 +72,15 @@ class StepObserver(Protocol):
         """Called by `Engine.step` at each accumulation boundary."""
 
 
-class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
+class Engine(DeepSpeedQueries, DeepSpeedSurface, CheckpointCalls, nn.Module):
     """A model, its `ZeroOptimizer` and its scheduler, stepped with DeepSpeed's semantics.
 
     Built by `minispeed.engine.initialize`. `module` is the user's model (sharded in place by
     `zero.shard`); `optimizer` the `ZeroOptimizer`; `lr_scheduler` the scheduler or `None`.
     Being an `nn.Module`, `engine.parameters()` and `engine.state_dict()` (keys prefixed by
     `module.`, as DeepSpeed's) work. `describe()` tells what `initialize` did to the model.
+    Every other public name of DeepSpeed's engine answers, or is declined by name
+    (`surface.py`).
     """
 
     def __init__(
@@ -174,11 +177,14 @@ class Engine(DeepSpeedQueries, CheckpointCalls, nn.Module):
             )
         # Note [DeepSpeed's sequence-parallel reduction] in sequence_groups.py
         summed = loss * self._sequence_factor if self._sequence_factor != 1 else loss
+        # The engine's count decides the window's end, as DeepSpeed's (set_train_batch_size may
+        # change the accumulation steps at any micro-step: surface.py).
+        ends = self.is_gradient_accumulation_boundary()
         if not self.config.wall_clock_breakdown:  # no dict of arguments built per call
-            opt.backward(summed, ends=self._boundary, divided=not scale_wrt_gas)
+            opt.backward(summed, ends=ends, divided=not scale_wrt_gas)
         else:
             with self._timed("backward"):
-                opt.backward(summed, ends=self._boundary, divided=not scale_wrt_gas)
+                opt.backward(summed, ends=ends, divided=not scale_wrt_gas)
         # DeepSpeed's return value: the loss as its backward ran on it (after the graph is freed).
         return loss / self.config.gradient_accumulation_steps if scale_wrt_gas else loss
 

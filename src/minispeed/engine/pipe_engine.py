@@ -73,6 +73,7 @@ from minispeed.engine import steps
 from minispeed.engine.composition import Composition
 from minispeed.engine.config import EngineConfig
 from minispeed.engine.engine import Engine, StepObserver
+from minispeed.engine.surface import PIPE_DECLINED
 
 __all__ = ["PipelineEngine", "PipelineError"]
 
@@ -90,6 +91,8 @@ class PipelineEngine(Engine):
     (or None: `eval_batch` only) and the ds_config dict: it then runs the steps `initialize`
     runs from the optimizer on (`steps.py`). Collective: every rank of the grid builds it.
     """
+
+    _declined = PIPE_DECLINED  # DeepSpeed's pipeline names minispeed declines (surface.py)
 
     def __init__(
         self,
@@ -145,6 +148,32 @@ class PipelineEngine(Engine):
     def is_last_stage(self) -> bool:
         """Whether this rank runs the last stage (reads the labels, computes the loss)."""
         return self.stage_id == self.num_stages - 1
+
+    def get_pipeline_parallel_rank(self) -> int:
+        """This rank's pipeline stage (`stage_id`)."""
+        return self.stage_id
+
+    def reset_activation_shape(self) -> None:
+        """The activations' shapes change from the next batch on (e.g. a longer sequence): each
+        link between stages negotiates its shapes again at its next message (one more message
+        of the layout's size). Every rank calls it at the same point, as under DeepSpeed."""
+        self.executor.messenger.forget_layouts()
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """Refused: a pipeline's schedule and its optimizer's window are built for the
+        configured number of micro-batches."""
+        raise NotImplementedError(
+            "set_train_batch_size on a pipeline engine is not supported by minispeed: its "
+            "schedule is built for gradient_accumulation_steps micro-batches; build a new engine "
+            "with the new train_batch_size (or gradient_accumulation_steps)"
+        )
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        """Refused, as `set_train_batch_size`."""
+        raise NotImplementedError(
+            "set_train_micro_batch_size on a pipeline engine is not supported by minispeed: "
+            "build a new engine with the new train_micro_batch_size_per_gpu"
+        )
 
     def set_dataiterator(self, iterator: Iterator) -> None:
         """The iterator `train_batch()` reads when given none."""

@@ -153,6 +153,12 @@ class StageMessenger:
         for t in tensors:
             self._isend(t.detach().contiguous(), peer)
 
+    def forget_layouts(self) -> None:
+        """Negotiate every link's layout again at its next message (the activations' shapes
+        change, e.g. a longer sequence: DeepSpeed's `reset_activation_shape`). Only the sender
+        keeps a layout to check against; a receiver takes a new one whenever it is sent."""
+        self._sent_layouts.clear()
+
     def recv(self, peer: int, kind: str, chunk: int) -> tuple[torch.Tensor, ...]:
         """Receive the next message from pipeline stage `peer` (blocking); tensors that required
         grad on the sender require grad here (they are leaves of this stage's graph)."""
