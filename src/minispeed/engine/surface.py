@@ -203,8 +203,9 @@ class DeepSpeedSurface:
             c, train_batch_size=train, micro_batch_size=micro, gradient_accumulation_steps=gas,
             zero=zero,
         )  # fmt: skip
-        if self.optimizer is not None:
-            self.optimizer.set_gradient_accumulation_steps(gas)
+        opt = self.optimizer
+        if opt is not None:  # later losses divided by `gas` (the optimizer reads its config's)
+            opt.config = dataclasses.replace(opt.config, gradient_accumulation_steps=gas)
 
     # -- the module's state ---------------------------------------------------------------------
     def module_state_dict(

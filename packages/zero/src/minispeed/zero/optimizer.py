@@ -16,7 +16,6 @@ masters and gradient buffers belong to the strategy (see its module for their by
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -331,14 +330,6 @@ class ZeroOptimizer(torch.optim.Optimizer, Detachable):
         self.micro_step += 1
         self._window, self._window_ended = self._window + 1, is_boundary
         self._backward_since_step = True
-
-    def set_gradient_accumulation_steps(self, steps: int) -> None:
-        """Divide each later micro-batch's loss by `steps` and, where `backward` is not told
-        `ends`, end a window every `steps` backward calls (DeepSpeed's `set_train_batch_size`,
-        which may change it at any micro-step: the gradients accumulated so far stay)."""
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"gradient accumulation steps must be a positive int, got {steps!r}")
-        self.config = dataclasses.replace(self.config, gradient_accumulation_steps=steps)
 
     # -- step -------------------------------------------------------------------------------------
     def step(self, closure: None = None) -> bool:  # type: ignore[override]
