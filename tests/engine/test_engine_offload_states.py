@@ -69,3 +69,36 @@ def test_offload_and_reload_states_leave_training_unchanged(stage: int) -> None:
         nvme, unknown = offloaded["bad"]
         assert "'cpu' only" in nvme
         assert "'moments'" in unknown and "optim_states" in unknown
+
+
+def _pipeline_parked(rank: int, world_size: int) -> list[str]:
+    from minispeed.engine.pipe import PipelineModule
+
+    torch.manual_seed(0)
+    model = PipelineModule(
+        layers=[torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)],
+        num_stages=2,
+        loss_fn=torch.nn.functional.mse_loss,
+    )
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+        config={"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1},
+    )
+    data = iter([(torch.randn(2, 4), torch.randn(2, 2))] * 4)
+    engine.train_batch(data)
+    engine.offload_states()
+    refused = []
+    for call in (lambda: engine.train_batch(data), lambda: engine.eval_batch(data)):
+        try:
+            call()
+        except RuntimeError as e:
+            refused.append(str(e))
+    engine.reload_states()
+    engine.train_batch(data)  # trains again
+    return refused
+
+
+def test_a_pipeline_refuses_to_run_while_its_states_are_offloaded() -> None:
+    for refused in run_distributed(_pipeline_parked, world_size=2, timeout_s=120):
+        assert len(refused) == 2 and all("reload_states()" in m for m in refused), refused

@@ -216,6 +216,8 @@ class PipelineEngine(Engine):
             )
         if self.optimizer is None:
             raise ValueError("train_batch needs an optimizer; build the engine with one")
+        if self._parked is not None:
+            self._refuse_parked("train_batch")
         if data_iter is not None:
             self.set_dataiterator(data_iter)
         if self._step_profiler is not None:
@@ -260,6 +262,8 @@ class PipelineEngine(Engine):
                 f"eval_batch(reduce_output={reduce_output!r}): DeepSpeed's reductions are 'avg' "
                 "and None (the per-micro-batch values)"
             )
+        if self._parked is not None:
+            self._refuse_parked("eval_batch")
         n = self.micro_batches if num_micro_batches is None else num_micro_batches
         self.module.eval()
         inputs, labels = self._pull(data_iter, n)
