@@ -43,6 +43,9 @@ def _build(kind: str) -> tuple[nn.Module, nn.Module, nn.ModuleList]:
     return model, model.model, model.model.layers
 
 
+_LATE_FREES = 32 * 1024
+
+
 def _nbytes(params) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
@@ -107,6 +110,10 @@ def test_hf_model_built_under_init_equals_normal_build(kind: str) -> None:
     results = run_distributed(_body, world_size=world_size, args=(kind,), timeout_s=300)
     for rank, res in enumerate(results):
         assert res["differ"] == [], (rank, res["differ"])
-        assert res["built"]["net"] == share, (rank, res["built"], share)
+        # Init holds its share, to within _LATE_FREES: a few small frees land after the trace
+        # closes (gloo's worker thread), 256 B - 16 KiB over the share in 3 of 14 runs, on the
+        # code of stop 41 as on this one; a decoder block's full values left behind (~74 KiB
+        # over the share here, the bug this catches was MBs) still fail.
+        assert share <= res["built"]["net"] <= share + _LATE_FREES, (rank, res["built"], share)
         assert res["built"]["peak"] <= peak_bound, (rank, res["built"], peak_bound)
         assert abs(res["loss"] - res["plain_loss"]) <= 1e-5 * abs(res["plain_loss"]), res
