@@ -586,6 +586,9 @@ class Engine(DeepSpeedQueries, DeepSpeedSurface, CheckpointCalls, nn.Module):
                 "already live on the host; DeepSpeed refuses this combination too"
             )
         kinds = parking.KINDS if include is None else [str(getattr(k, "value", k)) for k in include]
+        # First what a pass left gathered, released as stage 3 releases it: parked, its full
+        # buffer would come back on reload while the parameter reads as released.
+        parking.release_gathered(opt)
         parked = self._parked
         taken = set(parked.slots) if parked is not None else set()
         more = parking.park(
@@ -599,7 +602,6 @@ class Engine(DeepSpeedQueries, DeepSpeedSurface, CheckpointCalls, nn.Module):
         if parked is not None:
             more.slots.update(parked.slots)
         self._parked, self._park_buffers = more, None
-        parking.release_gathered(opt)
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """DeepSpeed's `reload_states`: give back every state `offload_states` moved, byte for

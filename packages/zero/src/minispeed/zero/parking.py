@@ -107,10 +107,11 @@ def park(
     reuse: Parked | None = None,
     host_too: bool = False,
 ) -> Parked:
-    """Copy the storages under `kinds` of the states of `opt`, `model`'s `ZeroOptimizer`, to host memory and free them (module
-    docstring). `reuse`: an earlier (unparked) `Parked` whose host buffers are used again where
-    the sizes match. Storages shared by two kinds are parked once, under the first kind named.
-    Call between steps: `opt` must not be inside an accumulation window."""
+    """Copy the storages under `kinds` of the states of `opt`, `model`'s `ZeroOptimizer`, to
+    host memory and free them (module docstring), then empty the device allocator's cache.
+    `reuse`: an earlier (unparked) `Parked` whose host buffers are used again where the sizes
+    match. Storages shared by two kinds are parked once, under the first kind named. Call
+    between steps: `opt` must not be inside an accumulation window."""
     kinds = list(kinds)
     for kind in kinds:
         if kind not in KINDS:
@@ -143,6 +144,7 @@ def park(
             slots.append(_Slot(storage, host, nbytes))
     if non_blocking:
         get_accelerator().synchronize()
+    get_accelerator().empty_cache()  # the freed blocks back to the device, for the next owner
     return parked
 
 
