@@ -10,6 +10,7 @@ Reading order (see README.md):
 5. `cross_entropy` — the loss over vocabulary-split logits.
 6. `costs` — bytes per call of each layer, the formulas the tests assert.
 7. `styles`, `plan`, `plans` — `parallelize(model, plan, group)` and the ready plans;
+   `auto` — `auto_plan(model)`, a plan read from a Hugging Face model's structure (AutoTP);
    `agreed` — a plan chosen and applied on every rank of a grid, agreed by all of them (the
    engine's tensor-parallel step).
 8. `memory` — activation bytes per rank, with and without sequence parallelism.
@@ -48,6 +49,7 @@ from minispeed.tensor_parallel.alst import (
     shard_batch,
     unregister_ulysses_attention,
 )
+from minispeed.tensor_parallel.auto import auto_plan, decoder_layers
 from minispeed.tensor_parallel.config import TensorParallelConfig
 from minispeed.tensor_parallel.costs import (
     Collective,
@@ -129,10 +131,12 @@ __all__ = [
     "VocabParallelEmbedding",
     "agreed",
     "apply_plan",
+    "auto_plan",
     "check_divides",
     "column_collectives",
     "copy_to_parallel",
     "cross_entropy_collectives",
+    "decoder_layers",
     "embedding_collectives",
     "gather_from_parallel",
     "gather_from_sequence",

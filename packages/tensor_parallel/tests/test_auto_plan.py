@@ -1,0 +1,136 @@
+"""`auto_plan`: the plan read from a Hugging Face model's structure (AutoTP). On 2 gloo ranks the
+model's own `labels=` loss, its whole logits and every parameter's gradient (slices gathered back)
+equal the unsplit model's, for LLaMA (GQA), Qwen2 (q/k/v biases, tied head), OPT (learned
+positions, linears on the layer itself, `num_heads` divided), GPT-NeoX (fused per-head
+`query_key_value`) and GPT-2 (`Conv1D`, fused `c_attn`); families it cannot read are refused
+naming the module."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import minispeed.tensor_parallel as tp
+from minispeed.core.testing import run_distributed
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.timeout(300)
+
+VOCAB = 48
+FAMILIES = ("llama", "qwen2", "opt", "gpt_neox", "gpt2")
+
+
+def _model(name: str):
+    torch.manual_seed(0)
+    t = transformers
+    gqa = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=44, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+               use_cache=False, pad_token_id=None)  # fmt: skip
+    if name == "llama":
+        return t.LlamaForCausalLM(t.LlamaConfig(**gqa, tie_word_embeddings=False))
+    if name == "qwen2":
+        return t.Qwen2ForCausalLM(t.Qwen2Config(**gqa, tie_word_embeddings=True))
+    if name == "opt":
+        return t.OPTForCausalLM(t.OPTConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
+            max_position_embeddings=32, word_embed_proj_dim=32, dropout=0.0, use_cache=False,
+        ))  # fmt: skip
+    if name == "gpt_neox":
+        return t.GPTNeoXForCausalLM(t.GPTNeoXConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=32, use_cache=False,
+            attention_bias=True, tie_word_embeddings=False,
+        ))  # fmt: skip
+    return t.GPT2LMHeadModel(t.GPT2Config(
+        vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0,
+    ))  # fmt: skip
+
+
+def _batch() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+
+
+def _body(rank: int, world_size: int) -> dict:
+    out = {}
+    for name in FAMILIES:
+        model = _model(name)
+        whole = sum(p.numel() for p in model.parameters())
+        tp.parallelize(model, tp.auto_plan(model), None)
+        idx = _batch()
+        result = model(input_ids=idx, labels=idx)  # the model's own loss, on whole logits
+        result.loss.backward()
+        out[name] = {
+            "loss": result.loss.detach(),
+            "logits": result.logits.detach(),
+            "grads": tp.unshard_module(model, tp.TensorGroup.of(None), grads=True),
+            "params": (whole, sum(p.numel() for p in model.parameters())),
+        }
+    return out
+
+
+def test_auto_plan_over_2_ranks_equals_unsplit(rel_close):
+    results = run_distributed(_body, world_size=2, timeout_s=240)
+    for name in FAMILIES:
+        model = _model(name)
+        idx = _batch()
+        want = model(input_ids=idx, labels=idx)
+        want.loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        for got in (r[name] for r in results):
+            rel_close(got["loss"], want.loss.detach())
+            rel_close(got["logits"], want.logits.detach())  # whole logits on every rank
+            assert set(got["grads"]) == set(grads), name
+            for n, g in grads.items():
+                if g.abs().max() < 1e-8:  # zero by symmetry (a key bias under softmax): rounding
+                    assert got["grads"][n].abs().max() < 1e-8, (name, n)
+                else:
+                    rel_close(got["grads"][n], g)
+            whole, local = got["params"]
+            assert local < whole, name  # the layers' linears hold half
+
+
+def test_auto_plan_styles_for_llama():
+    """The split written out: q/k/v, gate, up by columns; o, down by rows; the head gathers."""
+    plan = tp.auto_plan(_model("llama"))
+    col, row = tp.Column(), tp.Row()
+    assert plan.styles == {
+        "model.layers.*.self_attn.q_proj": col, "model.layers.*.self_attn.k_proj": col,
+        "model.layers.*.self_attn.v_proj": col, "model.layers.*.self_attn.o_proj": row,
+        "model.layers.*.mlp.gate_proj": col, "model.layers.*.mlp.up_proj": col,
+        "model.layers.*.mlp.down_proj": row, "lm_head": tp.Column(gather_output=True),
+    }  # fmt: skip
+    # the sizes that must divide, named as the config names them
+    with pytest.raises(
+        ValueError, match=r"num_key_value_heads\) \(2\).*pick a size among \[1, 2\]"
+    ):
+        tp.check_divides(4, plan.divides)
+
+
+def test_modules_the_plan_cannot_read_are_refused_by_path():
+    t = transformers
+    phi3 = t.Phi3ForCausalLM(t.Phi3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=44, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+    ))  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"model\.layers\.0\.self_attn\.qkv_proj .*fuses q, k and v"
+    ):
+        tp.auto_plan(phi3)
+    qwen3 = t.Qwen3ForCausalLM(t.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=44, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    ))  # fmt: skip
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_norm \(Qwen3RMSNorm\)"):
+        tp.auto_plan(qwen3)
+    llama = _model("llama")
+    llama.model.layers[0].mlp.extra = torch.nn.Linear(32, 32)
+    for layer in llama.model.layers[1:]:
+        layer.mlp.extra = torch.nn.Linear(32, 32)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.extra is a linear the plan"):
+        tp.auto_plan(llama)
+    t5 = t.T5ForConditionalGeneration(t.T5Config(
+        vocab_size=VOCAB, d_model=32, d_ff=64, num_layers=1, num_heads=4, d_kv=8,
+    ))  # fmt: skip
+    with pytest.raises(ValueError, match=r"found \['encoder.block', 'decoder.block'\]"):
+        tp.auto_plan(t5)
