@@ -7,8 +7,15 @@ ranks the same batches (one tensor group, data-parallel size 1) and `deepspeed.i
 the model by its structure, the output head gathering whole logits, so the model's own
 `labels=` loss trains. Tiny random models from a fixed seed (written once with
 `save_pretrained`, loaded with `from_pretrained`): a grouped-query `LlamaForCausalLM` and a
-`Qwen2ForCausalLM` (biases on q/k/v), at ZeRO stages 1 and 2. Per optimizer step it records the
-loss, learning rate and gradient norm the Trainer logs, and `trainer.evaluate()`'s loss.
+`Qwen2ForCausalLM` (biases on q/k/v), at ZeRO stages 1 and 2. It records:
+
+- per optimizer step the loss, learning rate and gradient norm the Trainer logs (6 steps of 2
+  micro-batches, a checkpoint saved after step 3: the model gathered whole by `save_model` and
+  the engine's `save_checkpoint`), and `trainer.evaluate()`'s loss;
+- the loss of the model written by `trainer.save_model()` reloaded with `from_pretrained` in a
+  plain process (no launcher, no DeepSpeed);
+- the steps of a second Trainer resumed from the step-3 checkpoint, which must continue as the
+  uninterrupted run.
 
 On a CPU-only host accelerate leaves the process-group backend unset, so the script starts
 accelerate's state itself with `backend="gloo"` and hands it to the Trainer
@@ -27,8 +34,10 @@ this same file, unchanged, on minispeed (the `deepspeed` distribution of
 `packages/deepspeed_compat`) and compares.
 """
 
+import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -59,7 +68,7 @@ SHAPE = {
 }
 FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
 RUNS = [("llama", 1), ("llama", 2), ("qwen2", 2)]
-SEQ, STEPS = 16, 6
+SEQ, STEPS, SAVE_AT = 16, 6, 3
 
 
 def ds_config(stage):
@@ -73,7 +82,8 @@ def ds_config(stage):
             "type": "AdamW",
             "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
         },
-        "zero_optimization": {"stage": stage},
+        # accelerate gathers a tensor-parallel model for save_model only with this key
+        "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True},
         "tensor_parallel": {"autotp_size": 2},
         "steps_per_print": 1000,
     }
@@ -94,11 +104,11 @@ def token_rows(n, seed):
 TRAIN, EVAL = token_rows(48, 1), token_rows(8, 2)
 
 
-def one_run(family, stage, init, scratch, plain=False):
+def trainer_for(family, stage, init, out, plain=False):
     AcceleratorState._reset_state()  # a new Trainer starts a new accelerate state
     GradientState._reset_state()
     args = TrainingArguments(
-        output_dir=str(scratch / f"{family}-z{stage}"),
+        output_dir=str(out),
         deepspeed=None if plain else ds_config(stage),
         per_device_train_batch_size=2,
         per_device_eval_batch_size=4,
@@ -108,16 +118,19 @@ def one_run(family, stage, init, scratch, plain=False):
         weight_decay=0.01,
         max_grad_norm=0.5,
         logging_steps=1,
-        save_strategy="no",
+        save_strategy="no" if plain else "steps",
+        save_steps=SAVE_AT,
         seed=7,
         report_to=[],
         disable_tqdm=True,
         accelerator_config={"use_configured_state": not plain},
     )
     model = FAMILIES[family][1].from_pretrained(init)
-    trainer = Trainer(model=model, args=args, train_dataset=TRAIN, eval_dataset=EVAL)
-    trainer.train()
-    steps = [
+    return Trainer(model=model, args=args, train_dataset=TRAIN, eval_dataset=EVAL)
+
+
+def logged_steps(trainer):
+    return [
         {
             "step": h["step"],
             "loss": h["loss"],
@@ -127,7 +140,44 @@ def one_run(family, stage, init, scratch, plain=False):
         for h in trainer.state.log_history
         if "loss" in h
     ]
-    return {"steps": steps, "eval_loss": trainer.evaluate()["eval_loss"]}
+
+
+def one_run(family, stage, init, scratch, plain=False):
+    """Train (a checkpoint after step 3), evaluate, `save_model`; then a second Trainer
+    resumed from the checkpoint, whose steps 4-6 must repeat the first's."""
+    out = scratch / f"{family}-z{stage}"
+    trainer = trainer_for(family, stage, init, out, plain)
+    trainer.train()
+    result = {"steps": logged_steps(trainer), "eval_loss": trainer.evaluate()["eval_loss"]}
+    if plain:
+        return result
+    trainer.save_model(str(out / "final"))  # the tensor-parallel model gathered whole
+    resumed = trainer_for(family, stage, init, out)
+    resumed.train(resume_from_checkpoint=str(out / f"checkpoint-{SAVE_AT}"))
+    result["resumed_steps"] = logged_steps(resumed)[-(STEPS - SAVE_AT) :]
+    return result
+
+
+def plain_eval_losses(folders):
+    """The evaluation loss of the saved model in each folder, from one plain process (no
+    launcher, no DeepSpeed)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    out = subprocess.run(
+        [sys.executable, __file__, "--plain-eval", *map(str, folders)],
+        env=env, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def plain_eval(folders):
+    batch = torch.stack([r["input_ids"] for r in EVAL])
+    losses = []
+    for folder in folders:
+        family = Path(folder).parent.name.split("-")[0]
+        model = FAMILIES[family][1].from_pretrained(folder).eval()
+        with torch.no_grad():
+            losses.append(model(input_ids=batch, labels=batch).loss.item())
+    print(json.dumps(losses))
 
 
 def main(scratch):
@@ -139,10 +189,15 @@ def main(scratch):
             torch.manual_seed(0)
             model(config(**SHAPE)).save_pretrained(scratch / f"init-{family}")
     dist.barrier()
-    return {
+    runs = {
         f"{family}-z{stage}": one_run(family, stage, scratch / f"init-{family}", scratch)
         for family, stage in RUNS
     }
+    first = dist.get_rank() == 0
+    saved = plain_eval_losses([scratch / name / "final" for name in runs]) if first else None
+    for i, run in enumerate(runs.values()):
+        run["saved_model_eval_loss"] = None if saved is None else saved[i]
+    return runs
 
 
 def plain(scratch):
@@ -157,6 +212,9 @@ def plain(scratch):
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--plain-eval"]:
+        plain_eval(sys.argv[2:])
+        sys.exit(0)
     if sys.argv[1:2] == ["--plain"]:
         plain(Path(tempfile.mkdtemp()))
         sys.exit(0)

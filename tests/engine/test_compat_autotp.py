@@ -5,8 +5,11 @@ One torchrun launch (2 processes) runs `scripts/record_ds_autotp.py` unchanged: 
 `deepspeed_init` calls `tp_model_init`, accelerate gives both ranks the same batches and
 `initialize` cuts a GQA LLaMA (ZeRO-1 and ZeRO-2) and a Qwen2 with q/k/v biases (ZeRO-2) by their
 structure (`minispeed.tensor_parallel.auto_plan`), the head gathering whole logits so the
-model's own loss trains. Every logged loss, learning rate and gradient norm, and `evaluate()`'s
-loss, equal DeepSpeed's record (`fixtures/ds_autotp.json`) within 2e-4 relative. DeepSpeed's
+model's own loss trains. Every logged loss, learning rate and gradient norm, `evaluate()`'s loss
+and the loss of the model `save_model()` gathered whole (reloaded in a plain process) equal
+DeepSpeed's record (`fixtures/ds_autotp.json`) within 2e-4 relative; a Trainer resumed from the
+step-3 checkpoint (the engine's tensor-parallel checkpoint) repeats minispeed's own steps 4-6
+exactly. DeepSpeed's
 record itself equals one process without DeepSpeed (`python scripts/record_ds_autotp.py --plain`:
 the same losses to 2e-5).
 """
@@ -43,3 +46,9 @@ def test_trainer_with_autotp_matches_deepspeed(runs: list[dict], run: str) -> No
                 assert a[key] == pytest.approx(b[key], rel=REL, abs=1e-12), (rank, run, key, a, b)
         assert mine[run]["eval_loss"] == pytest.approx(ref[run]["eval_loss"], rel=REL)
         assert ours[-1]["loss"] < ours[0]["loss"] - 0.2  # it learns
+        # the Trainer resumed from the step-3 checkpoint repeats the uninterrupted steps 4-6
+        assert mine[run]["resumed_steps"] == ours[-3:], (rank, run)
+        if rank == 0:  # save_model() (the split model gathered whole) reloaded in a plain process
+            saved = mine[run]["saved_model_eval_loss"]
+            assert saved == pytest.approx(ref[run]["saved_model_eval_loss"], rel=REL)
+            assert saved == pytest.approx(mine[run]["eval_loss"], rel=1e-5)

@@ -82,7 +82,13 @@ from minispeed.tensor_parallel.seeds import (
     seed_tensor_parallel,
     tensor_seed,
 )
-from minispeed.tensor_parallel.sharding import ShardSpec, shard, unshard, unshard_module
+from minispeed.tensor_parallel.sharding import (
+    ShardSpec,
+    shard,
+    unshard,
+    unshard_module,
+    unshard_state_dict,
+)
 from minispeed.tensor_parallel.styles import (
     Column,
     HeadInput,
@@ -167,5 +173,6 @@ __all__ = [
     "unregister_ulysses_attention",
     "unshard",
     "unshard_module",
+    "unshard_state_dict",
     "vocab_parallel_cross_entropy",
 ]
