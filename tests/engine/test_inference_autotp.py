@@ -56,7 +56,9 @@ def _body(rank: int, world_size: int) -> dict:
     out = {}
     for name in FAMILIES:
         model = _model(name)
-        engine = deepspeed.init_inference(model, tensor_parallel={"tp_size": 2}, dtype=torch.float32)
+        engine = deepspeed.init_inference(
+            model, tensor_parallel={"tp_size": 2}, dtype=torch.float32
+        )
         ids = _prompt()
         with torch.no_grad():
             out[name] = {
