@@ -2,14 +2,16 @@
 model's own `labels=` loss, its whole logits and every parameter's gradient (slices gathered back)
 equal the unsplit model's, for LLaMA (GQA), Qwen2 (q/k/v biases, tied head), OPT (learned
 positions, linears on the layer itself, `num_heads` divided), GPT-NeoX (fused per-head
-`query_key_value`) and GPT-2 (`Conv1D`, fused `c_attn`); families it cannot read are refused
-naming the module."""
+`query_key_value`), GPT-2 (`Conv1D`, fused `c_attn`), Phi (`self_attn.dense`) and Mixtral (its
+experts, fused 3-D weights without linears, stay whole on every rank); families it cannot read
+are refused naming the module."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import minispeed.comm as comm
 import minispeed.tensor_parallel as tp
 from minispeed.core.testing import run_distributed
 
@@ -17,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(300)
 
 VOCAB = 48
-FAMILIES = ("llama", "qwen2", "opt", "gpt_neox", "gpt2")
+FAMILIES = ("llama", "qwen2", "opt", "gpt_neox", "gpt2", "phi", "mixtral")
 
 
 def _model(name: str):
@@ -35,6 +37,14 @@ def _model(name: str):
             vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
             max_position_embeddings=32, word_embed_proj_dim=32, dropout=0.0, use_cache=False,
         ))  # fmt: skip
+    if name == "phi":  # the attention's output projection is `self_attn.dense`
+        return t.PhiForCausalLM(t.PhiConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=44, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=16, resid_pdrop=0.0, embd_pdrop=0.0,
+            use_cache=False,
+        ))  # fmt: skip
+    if name == "mixtral":  # fused 3-D experts and their router: no linears, kept whole
+        return t.MixtralForCausalLM(t.MixtralConfig(**gqa, num_local_experts=2))
     if name == "gpt_neox":
         return t.GPTNeoXForCausalLM(t.GPTNeoXConfig(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -58,9 +68,11 @@ def _body(rank: int, world_size: int) -> dict:
         whole = sum(p.numel() for p in model.parameters())
         tp.parallelize(model, tp.auto_plan(model), None)
         idx = _batch()
-        result = model(input_ids=idx, labels=idx)  # the model's own loss, on whole logits
-        result.loss.backward()
+        with comm.CommsLogger() as log:
+            result = model(input_ids=idx, labels=idx)  # the model's own loss, on whole logits
+            result.loss.backward()
         out[name] = {
+            "records": [(r.op, r.msg_bytes, r.wire_bytes, r.impl) for r in log.records],
             "loss": result.loss.detach(),
             "logits": result.logits.detach(),
             "grads": tp.unshard_module(model, tp.TensorGroup.of(None), grads=True),
@@ -69,7 +81,20 @@ def _body(rank: int, world_size: int) -> dict:
     return out
 
 
-def test_auto_plan_over_2_ranks_equals_unsplit(rel_close):
+def _llama_step_collectives(n: int) -> list[tp.Collective]:
+    """One forward and backward of the split LLaMA, written out from the layers' formulas: per
+    layer 5 column linears (q, k, v, gate, up: each all-reduces its input gradient) and 2 row
+    linears (o, down: one all-reduce each in forward); the head all-gathers the logits."""
+    M, C, d, F = 2 * 12, 32, 8, 44
+    layer = (
+        tp.column_collectives(M, C, 4 * d, n) + tp.column_collectives(M, C, 2 * d, n) * 2
+        + tp.row_collectives(M, 4 * d, C, n)
+        + tp.column_collectives(M, C, F, n) * 2 + tp.row_collectives(M, F, C, n)
+    )  # fmt: skip
+    return layer * 2 + tp.column_collectives(M, C, VOCAB, n, gather_output=True)
+
+
+def test_auto_plan_over_2_ranks_equals_unsplit(rel_close, logged_bytes):
     results = run_distributed(_body, world_size=2, timeout_s=240)
     for name in FAMILIES:
         model = _model(name)
@@ -88,6 +113,8 @@ def test_auto_plan_over_2_ranks_equals_unsplit(rel_close):
                     rel_close(got["grads"][n], g)
             whole, local = got["params"]
             assert local < whole, name  # the layers' linears hold half
+    for got in results:
+        logged_bytes(got["llama"]["records"], _llama_step_collectives(2), 2)
 
 
 def test_auto_plan_styles_for_llama():

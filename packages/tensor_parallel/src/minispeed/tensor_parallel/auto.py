@@ -32,8 +32,9 @@ The output head (`lm_head`, GPT-NeoX's `embed_out`) gives **whole logits**, so t
 tied to the token embedding stays whole on every rank with it (splitting one would split both).
 
 Replicated (whole on every rank): the embeddings (token and position), every norm, the biases of
-the row-parallel linears (added once, after the all-reduce), a tied head, and any module outside
-the decoder layers. Their gradients are equal on every rank (their inputs and output gradients
+the row-parallel linears (added once, after the all-reduce), a tied head, any module outside
+the decoder layers, and a layer's modules without linears reading the residual stream (Mixtral's
+router and fused 3-D experts: the MoE block runs whole on every rank). Their gradients are equal on every rank (their inputs and output gradients
 are whole), so nothing sums them.
 
 Costs per rank, with L layers, width C, MLP width F, vocabulary V, H heads / KV kv heads of size
@@ -43,9 +44,11 @@ d, e bytes per element, M tokens per step, n ranks (Megatron's, `costs.py` per l
   `C·(H + 2·KV)·d + H·d·C + 3·C·F` weights and keeps its norms (`2·C`) whole; the untied head
   `e·V·C/n`, the embedding `e·V·C` whole (`e·V·C·(n−1)/n` more than a vocabulary split would keep,
   and no collective);
-- **bytes all-reduced per layer**: two all-reduces forward (attention out, MLP out) and two
-  backward (the column layers' input gradients), each of `e·M·C`; a ring puts
-  `2(n−1)/n · e·M·C` on the wire per rank for each;
+- **bytes all-reduced per layer**: two all-reduces in forward (attention out, MLP out), and in
+  backward one per column linear (its input gradient: LLaMA's q, k, v, gate, up make 5; a fused
+  `query_key_value` and one up projection make 2, as Megatron's), each of `e·M·C`; a ring puts
+  `2(n−1)/n · e·M·C` on the wire per rank for each (`costs.column_collectives`,
+  `costs.row_collectives`; DeepSpeed's AutoTP layers issue the same);
 - **the head**: one all-gather of the logits, `e·M·V` (`(n−1)/n` of it on the wire per rank),
   forward; one all-reduce of `e·M·C` backward. `vocab_parallel_cross_entropy` on split logits
   (the ready plans) avoids the gather but needs a loss that knows the split.
@@ -140,29 +143,30 @@ def _classify(layer: nn.Module, rel: str, where: str) -> Style:
 def _layer_styles(layer: nn.Module, prefix: str) -> dict[str, Style]:
     """`{relative path: style}` for one layer: its linears, and `Heads` on each attention."""
     styles: dict[str, Style] = {}
+    attentions: set[str] = set()  # the modules holding q/k/v (or a fused qkv)
     for rel, m in layer.named_modules():
         if rel and _is_linear(m):
             styles[rel] = _classify(layer, rel, f"{prefix}.{rel}")
-    # modules beside the split linears inside their attention / MLP module: whole or split input?
-    # (linears held by the layer itself, OPT's fc1 / fc2: its norms read the residual stream)
-    parents = {rel.rpartition(".")[0] for rel in styles}
-    for parent in parents - {""}:
-        for name, child in layer.get_submodule(parent).named_modules():
-            rel = f"{parent}.{name}" if name else parent
-            if rel in styles or any(rel.startswith(s + ".") for s in styles) or not name:
+            parent, _, leaf = rel.rpartition(".")
+            kind = type(layer.get_submodule(parent)).__name__
+            if leaf in QKV_NAMES or (kind, leaf) in FUSED:
+                attentions.add(parent)
+    # Modules with parameters beside the split linears inside their attention / MLP module
+    # may see split activations (a norm over split heads): refused. Linears held by the layer
+    # itself (OPT's fc1 / fc2) sit beside its norms, which read the residual stream.
+    for parent in {rel.rpartition(".")[0] for rel in styles} - {""}:
+        for name, child in layer.get_submodule(parent).named_modules(prefix=parent):
+            if name == parent or name in styles or any(name.startswith(s + ".") for s in styles):
                 continue
-            if any(True for _ in child.parameters(recurse=False)):
+            if next(child.parameters(recurse=False), None) is not None:
                 raise ValueError(
-                    f"automatic tensor-parallel plan: {prefix}.{rel} ({type(child).__name__}) has "
-                    "parameters inside a module whose linears are split: the plan cannot tell "
-                    f"whether it sees whole or split activations (a norm over split heads needs "
-                    f"its gradient summed); {_FIX}"
+                    f"automatic tensor-parallel plan: {prefix}.{name} ({type(child).__name__}) "
+                    "has parameters inside a module whose linears are split: the plan cannot "
+                    "tell whether it sees whole or split activations (a norm over split heads "
+                    f"needs its gradient summed); {_FIX}"
                 )
-    for parent in parents:
+    for parent in sorted(attentions):  # the head counts the attention reshapes by, divided
         module = layer.get_submodule(parent)
-        if not any(rel.rpartition(".")[2] in QKV_NAMES or (type(module).__name__, rel.rpartition(".")[2]) in FUSED
-                   for rel in styles if rel.rpartition(".")[0] == parent):  # fmt: skip
-            continue
         attrs = [a for a in HEAD_ATTRS if isinstance(getattr(module, a, None), int)]
         attrs += FUSED_EXTRA_ATTRS.get(type(module).__name__, ())
         if attrs:
