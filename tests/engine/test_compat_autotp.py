@@ -3,7 +3,7 @@
 
 One torchrun launch (2 processes) runs `scripts/record_ds_autotp.py` unchanged: transformers'
 `deepspeed_init` calls `tp_model_init`, accelerate gives both ranks the same batches and
-`initialize` cuts a GQA LLaMA (ZeRO-1 and ZeRO-2) and a Qwen2 with q/k/v biases (ZeRO-2) by their
+`initialize` cuts a GQA LLaMA (ZeRO-1) and a Qwen2 with q/k/v biases (ZeRO-2) by their
 structure (`minispeed.tensor_parallel.auto_plan`), the head gathering whole logits so the
 model's own loss trains. Every logged loss, learning rate and gradient norm, `evaluate()`'s loss
 and the loss of the model `save_model()` gathered whole (reloaded in a plain process) equal
@@ -35,7 +35,7 @@ def runs(tmp_path_factory) -> list[dict]:
     return [r["record_ds_autotp.py"] for r in ds_scripts.run_recorder(["record_ds_autotp.py"], out)]
 
 
-@pytest.mark.parametrize("run", ["llama-z1", "llama-z2", "qwen2-z2"])
+@pytest.mark.parametrize("run", ["llama-z1", "qwen2-z2"])
 def test_trainer_with_autotp_matches_deepspeed(runs: list[dict], run: str) -> None:
     for rank, (mine, ref) in enumerate(zip(runs, AUTOTP["ranks"], strict=True)):
         ours, theirs = mine[run]["steps"], ref[run]["steps"]

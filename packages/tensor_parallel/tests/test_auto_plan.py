@@ -3,8 +3,9 @@ model's own `labels=` loss, its whole logits and every parameter's gradient (sli
 equal the unsplit model's, for LLaMA (GQA), Qwen2 (q/k/v biases, tied head), OPT (learned
 positions, linears on the layer itself, `num_heads` divided), GPT-NeoX (fused per-head
 `query_key_value`), GPT-2 (`Conv1D`, fused `c_attn`), Phi (`self_attn.dense`) and Mixtral (its
-experts, fused 3-D weights without linears, stay whole on every rank); families it cannot read
-are refused naming the module."""
+experts, fused 3-D weights without linears, stay whole on every rank) and a LLaMA whose MLP
+stacks gate and up in one `gate_up_proj`; families it cannot read are refused naming the
+module."""
 
 from __future__ import annotations
 
@@ -19,7 +20,22 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(300)
 
 VOCAB = 48
-FAMILIES = ("llama", "qwen2", "opt", "gpt_neox", "gpt2", "phi", "mixtral")
+FAMILIES = ("llama", "qwen2", "opt", "gpt_neox", "gpt2", "phi", "mixtral", "gate_up")
+
+
+class _PackedMLP(torch.nn.Module):
+    """LLaMA's MLP with gate and up stacked in one `gate_up_proj` (Phi-3's and GLM's layout)."""
+
+    def __init__(self, mlp: torch.nn.Module) -> None:
+        super().__init__()
+        self.gate_up_proj = torch.nn.Linear(32, 88, bias=False)
+        with torch.no_grad():
+            self.gate_up_proj.weight.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+        self.down_proj = mlp.down_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, -1)
+        return self.down_proj(torch.nn.functional.silu(gate) * up)
 
 
 def _model(name: str):
@@ -28,8 +44,12 @@ def _model(name: str):
     gqa = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=44, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
                use_cache=False, pad_token_id=None)  # fmt: skip
-    if name == "llama":
-        return t.LlamaForCausalLM(t.LlamaConfig(**gqa, tie_word_embeddings=False))
+    if name in ("llama", "gate_up"):
+        model = t.LlamaForCausalLM(t.LlamaConfig(**gqa, tie_word_embeddings=False))
+        if name == "gate_up":  # cut as Column(parts=2): each rank keeps its slice of both
+            for layer in model.model.layers:
+                layer.mlp = _PackedMLP(layer.mlp)
+        return model
     if name == "qwen2":
         return t.Qwen2ForCausalLM(t.Qwen2Config(**gqa, tie_word_embeddings=True))
     if name == "opt":
