@@ -85,8 +85,9 @@ def _body(rank: int, world_size: int) -> dict:
     out = {}
     for name in FAMILIES:
         model = _model(name)
-        whole = sum(p.numel() for p in model.parameters())
-        tp.parallelize(model, tp.auto_plan(model), None)
+        plan = tp.auto_plan(model)
+        formula = tp.kept_numel(model, plan, world_size)
+        tp.parallelize(model, plan, None)
         idx = _batch()
         with comm.CommsLogger() as log:
             result = model(input_ids=idx, labels=idx)  # the model's own loss, on whole logits
@@ -96,7 +97,7 @@ def _body(rank: int, world_size: int) -> dict:
             "loss": result.loss.detach(),
             "logits": result.logits.detach(),
             "grads": tp.unshard_module(model, tp.TensorGroup.of(None), grads=True),
-            "params": (whole, sum(p.numel() for p in model.parameters())),
+            "params": (formula, sum(p.numel() for p in model.parameters())),
         }
     return out
 
@@ -131,8 +132,8 @@ def test_auto_plan_over_2_ranks_equals_unsplit(rel_close, logged_bytes):
                     assert got["grads"][n].abs().max() < 1e-8, (name, n)
                 else:
                     rel_close(got["grads"][n], g)
-            whole, local = got["params"]
-            assert local < whole, name  # the layers' linears hold half
+            formula, local = got["params"]  # bytes kept: the formula's, less than the whole
+            assert local == formula < sum(p.numel() for p in model.parameters()), name
     for got in results:
         logged_bytes(got["llama"]["records"], _llama_step_collectives(2), 2)
 

@@ -49,7 +49,7 @@ from minispeed.tensor_parallel.alst import (
     shard_batch,
     unregister_ulysses_attention,
 )
-from minispeed.tensor_parallel.auto import auto_plan, decoder_layers
+from minispeed.tensor_parallel.auto import auto_plan, decoder_layers, kept_numel
 from minispeed.tensor_parallel.config import TensorParallelConfig
 from minispeed.tensor_parallel.costs import (
     Collective,
@@ -149,6 +149,7 @@ __all__ = [
     "gpt2_plan",
     "gpt_plan",
     "head_shares",
+    "kept_numel",
     "llama_plan",
     "parallelize",
     "parallelize_everywhere",

@@ -40,7 +40,7 @@ are whole), so nothing sums them.
 Costs per rank, with L layers, width C, MLP width F, vocabulary V, H heads / KV kv heads of size
 d, e bytes per element, M tokens per step, n ranks (Megatron's, `costs.py` per layer):
 
-- **bytes kept**: `e·(Ψ_layers/n + Ψ_replicated)`, where a LLaMA-shaped layer splits
+- **bytes kept**: `e·(Ψ_layers/n + Ψ_replicated)` (`kept_numel`), where a LLaMA-shaped layer splits
   `C·(H + 2·KV)·d + H·d·C + 3·C·F` weights and keeps its norms (`2·C`) whole; the untied head
   `e·V·C/n`, the embedding `e·V·C` whole (`e·V·C·(n−1)/n` more than a vocabulary split would keep,
   and no collective);
@@ -56,12 +56,14 @@ d, e bytes per element, M tokens per step, n ranks (Megatron's, `costs.py` per l
 
 from __future__ import annotations
 
+import fnmatch
+
 from torch import nn
 
 from minispeed.tensor_parallel.plan import Plan
 from minispeed.tensor_parallel.styles import Column, Heads, Row, Style
 
-__all__ = ["auto_plan", "decoder_layers"]
+__all__ = ["auto_plan", "decoder_layers", "kept_numel"]
 
 ROW_NAMES = frozenset(
     {"o_proj", "out_proj", "down_proj", "fc2", "fc_out", "c_proj", "dense_4h_to_h", "w2", "wo"}
@@ -213,3 +215,21 @@ def auto_plan(model: nn.Module) -> Plan:
             styles[head_name] = Column(gather_output=True)
             divides[f"vocabulary ({head_name} output features)"] = head.out_features
     return Plan(styles, divides)
+
+
+def kept_numel(model: nn.Module, plan: Plan, n: int) -> int:
+    """Parameter elements one rank keeps once `plan` splits the (unsplit) `model` over `n` ranks:
+    a column-parallel linear's weight and bias `1/n`, a row-parallel linear's weight `1/n` and
+    its bias whole, everything else whole (the module docstring's `Ψ_layers/n + Ψ_replicated`;
+    a tied weight counted once). Local; works on a `meta`-device model, so a size can be costed
+    without building it."""
+    split: dict[int, int] = {}  # id(parameter) -> the elements one rank keeps
+    for path, m in model.named_modules():
+        style = next(
+            (st for pat, st in plan.styles.items() if fnmatch.fnmatchcase(path, pat)), None
+        )
+        if isinstance(style, Column | Row):
+            split[id(m.weight)] = m.weight.numel() // n
+            if m.bias is not None and isinstance(style, Column):
+                split[id(m.bias)] = m.bias.numel() // n
+    return sum(split.get(id(p), p.numel()) for p in model.parameters())
