@@ -1,7 +1,8 @@
 """`tp_model_init` then `initialize` (DeepSpeed's AutoTP training path, without the Trainer): the
 record fills `tensor_parallel.autotp_size`, the model is cut by its structure and its own loss
 trains. On 2 gloo ranks (tensor 2) a Qwen2 (GQA, q/k/v biases) at ZeRO-3 takes the losses and
-gradient norms of one process running torch's AdamW on the unsplit model; a model built under
+gradient norms of one process running torch's AdamW on the unsplit model (and, given to
+`initialize` without `tp_model_init`, is cut the same way: whole logits); a model built under
 `zero.Init` is refused on every rank, naming a parameter; a record that disagrees with the config
 is refused naming both."""
 
@@ -53,6 +54,13 @@ def _body(rank: int, world_size: int) -> dict:
         engine.step()
         steps.append((loss.item(), engine.get_global_grad_norm()))
     out = {"steps": steps, "tensor": engine.autotp_size()}
+    # without tp_model_init: a model with no ready plan is cut by its structure too
+    plain, *_ = deepspeed.initialize(
+        model=_qwen2(),
+        config={**CONFIG, "zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": 2}},
+    )
+    with torch.no_grad():
+        out["first"] = plain(input_ids=_batches()[0], labels=_batches()[0])
     with zero.Init():
         built = _qwen2()
     deepspeed.tp_model_init(built, tp_size=2, dtype=torch.float32)
@@ -75,8 +83,11 @@ def test_tp_model_init_trains_at_zero3_like_one_process():
         opt.step()
         opt.zero_grad()
         want.append((loss.item(), norm.item()))
+    first = _qwen2()(input_ids=_batches()[0], labels=_batches()[0])
     for r in results:
         assert r["tensor"] == 2
+        torch.testing.assert_close(r["first"].logits, first.logits.detach())  # whole (B, T, V)
+        assert r["first"].loss.item() == pytest.approx(first.loss.item(), rel=1e-6)
         for (loss, norm), (want_loss, want_norm) in zip(r["steps"], want, strict=True):
             assert loss == pytest.approx(want_loss, rel=1e-5)
             assert norm == pytest.approx(want_norm, rel=1e-4)
