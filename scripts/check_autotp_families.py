@@ -23,6 +23,8 @@ GQA = dict(vocab_size=48, hidden_size=32, intermediate_size=44, num_hidden_layer
            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)  # fmt: skip
 GPTJ = dict(vocab_size=48, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=32,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+PHI = dict(vocab_size=48, hidden_size=32, intermediate_size=44, num_hidden_layers=2,
+           num_attention_heads=4, max_position_embeddings=32, resid_pdrop=0.0, embd_pdrop=0.0)  # fmt: skip
 FAMILIES = {
     "mistral": lambda: t.MistralForCausalLM(t.MistralConfig(**GQA)),
     "gemma": lambda: t.GemmaForCausalLM(t.GemmaConfig(**GQA, head_dim=8)),
@@ -33,7 +35,9 @@ FAMILIES = {
     ),
     "gptj": lambda: t.GPTJForCausalLM(t.GPTJConfig(**GPTJ)),
     "phi3": lambda: t.Phi3ForCausalLM(t.Phi3Config(**GQA, pad_token_id=0)),
-    "qwen3": lambda: t.Qwen3ForCausalLM(t.Qwen3Config(**GQA, head_dim=8)),
+    "phi_qk_norm": lambda: t.PhiForCausalLM(t.PhiConfig(**PHI, qk_layernorm=True)),
+    "gemma3": lambda: t.Gemma3ForCausalLM(t.Gemma3TextConfig(**GQA, head_dim=8)),
+    "olmo2": lambda: t.Olmo2ForCausalLM(t.Olmo2Config(**GQA)),
     "falcon": lambda: t.FalconForCausalLM(
         t.FalconConfig(vocab_size=48, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
     ),

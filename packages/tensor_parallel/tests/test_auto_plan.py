@@ -1,6 +1,7 @@
 """`auto_plan`: the plan read from a Hugging Face model's structure (AutoTP). On 2 gloo ranks the
 model's own `labels=` loss, its whole logits and every parameter's gradient (slices gathered back)
-equal the unsplit model's, for LLaMA (GQA), Qwen2 (q/k/v biases, tied head), OPT (learned
+equal the unsplit model's, for LLaMA (GQA), Qwen2 (q/k/v biases, tied head), Qwen3 (q/k norms
+over each head: their gradients summed over the ranks), OPT (learned
 positions, linears on the layer itself, `num_heads` divided), GPT-NeoX (fused per-head
 `query_key_value`), GPT-2 (`Conv1D`, fused `c_attn`), Phi (`self_attn.dense`) and Mixtral (its
 experts, fused 3-D weights without linears, stay whole on every rank) and a LLaMA whose MLP
@@ -20,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(300)
 
 VOCAB = 48
-FAMILIES = ("llama", "qwen2", "opt", "gpt_neox", "gpt2", "phi", "mixtral", "gate_up")
+FAMILIES = ("llama", "qwen2", "qwen3", "opt", "gpt_neox", "gpt2", "phi", "mixtral", "gate_up")
 
 
 class _PackedMLP(torch.nn.Module):
@@ -52,6 +53,8 @@ def _model(name: str):
         return model
     if name == "qwen2":
         return t.Qwen2ForCausalLM(t.Qwen2Config(**gqa, tie_word_embeddings=True))
+    if name == "qwen3":  # q_norm / k_norm over each head: HeadNorm, its gradient summed
+        return t.Qwen3ForCausalLM(t.Qwen3Config(**gqa, head_dim=8, tie_word_embeddings=False))
     if name == "opt":
         return t.OPTForCausalLM(t.OPTConfig(
             vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
@@ -165,12 +168,12 @@ def test_modules_the_plan_cannot_read_are_refused_by_path():
         ValueError, match=r"model\.layers\.0\.self_attn\.qkv_proj .*fuses q, k and v"
     ):
         tp.auto_plan(phi3)
-    qwen3 = t.Qwen3ForCausalLM(t.Qwen3Config(
+    olmo2 = t.Olmo2ForCausalLM(t.Olmo2Config(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=44, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_attention_heads=4, num_key_value_heads=2,
     ))  # fmt: skip
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_norm \(Qwen3RMSNorm\)"):
-        tp.auto_plan(qwen3)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_norm \(Olmo2RMSNorm\)"):
+        tp.auto_plan(olmo2)  # its q_norm spans all heads at once
     llama = _model("llama")
     llama.model.layers[0].mlp.extra = torch.nn.Linear(32, 32)
     for layer in llama.model.layers[1:]:

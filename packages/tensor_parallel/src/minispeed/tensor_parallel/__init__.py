@@ -92,6 +92,7 @@ from minispeed.tensor_parallel.sharding import (
 from minispeed.tensor_parallel.styles import (
     Column,
     HeadInput,
+    HeadNorm,
     Heads,
     Row,
     ScatterSequence,
@@ -119,6 +120,7 @@ __all__ = [
     "ColumnParallelLinear",
     "DistributedAttention",
     "HeadInput",
+    "HeadNorm",
     "Heads",
     "Plan",
     "Row",

@@ -17,7 +17,8 @@ The rules, in each decoder layer (the `nn.ModuleList` of identical blocks that h
 | GPT-NeoX's `query_key_value` | `Column()` | rows ordered head by head (`(H, 3, d)`): a contiguous cut keeps whole heads with their q, k, v |
 | GPT-2's `c_attn` (`Conv1D`) | `Column(parts=3)` | q, k, v stacked |
 | other fused q/k/v (`qkv_proj`, `Wqkv`, `W_pack`, Falcon's `query_key_value`) | refused by path | their layouts (unequal q/k/v widths under GQA, grouped kv) differ per family |
-| any other linear, or a module with parameters beside the split linears inside their attention / MLP module (a norm on split heads) | refused by path | the plan cannot tell whole from split activations there (norms held by the layer itself, as OPT's beside its `fc1` / `fc2`, are taken to read the residual stream) |
+| a q/k norm inside the attention whose weight spans one head (`head_dim`: Qwen3's `q_norm` / `k_norm`, Phi's `q_layernorm`) | `HeadNorm()` | applied head by head, exact on split heads; its replicated weight's partial gradient is all-reduced |
+| any other linear, or any other module with parameters beside the split linears inside their attention / MLP module (OLMo2's `q_norm` over all heads) | refused by path | the plan cannot tell whole from split activations there (norms held by the layer itself, as OPT's beside its `fc1` / `fc2`, are taken to read the residual stream) |
 
 q/k/v are cut by whole heads: q keeps heads `[r·H/n, (r+1)·H/n)`, k and v kv heads
 `[r·KV/n, (r+1)·KV/n)`, so grouped-query attention stays local (head h reads kv head `h // (H/KV)`
@@ -58,10 +59,11 @@ from __future__ import annotations
 
 import fnmatch
 
+import torch
 from torch import nn
 
 from minispeed.tensor_parallel.plan import Plan
-from minispeed.tensor_parallel.styles import Column, Heads, Row, Style
+from minispeed.tensor_parallel.styles import Column, HeadNorm, Heads, Row, Style
 
 __all__ = ["auto_plan", "decoder_layers", "kept_numel"]
 
@@ -84,6 +86,7 @@ PACKED: dict[str, Style] = {"gate_up_proj": Column(parts=2)}
 HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads",
               "n_head", "n_heads")  # fmt: skip
 HEAD_NAMES = ("lm_head", "embed_out")
+HEAD_NORM_NAMES = frozenset({"q_norm", "k_norm", "q_layernorm", "k_layernorm"})
 _FIX = (
     "give a minispeed.tensor_parallel.Plan naming each module's style (training: "
     "initialize(..., tensor_parallel_plan=...)), or run without tensor parallelism"
@@ -142,6 +145,19 @@ def _classify(layer: nn.Module, rel: str, where: str) -> Style:
     )
 
 
+def _is_head_norm(attention: nn.Module, name: str, norm: nn.Module) -> bool:
+    """A norm named as a q/k norm whose weight spans one head (`head_dim` features): applied to
+    each head alone, so a split by heads leaves it exact (OLMo2's spans all heads: refused)."""
+    weight = getattr(norm, "weight", None)
+    head_dim = getattr(attention, "head_dim", None)
+    return (
+        name.rpartition(".")[2] in HEAD_NORM_NAMES
+        and isinstance(weight, torch.Tensor)
+        and weight.dim() == 1
+        and weight.numel() == head_dim
+    )
+
+
 def _layer_styles(layer: nn.Module, prefix: str) -> dict[str, Style]:
     """`{relative path: style}` for one layer: its linears, and `Heads` on each attention."""
     styles: dict[str, Style] = {}
@@ -154,18 +170,23 @@ def _layer_styles(layer: nn.Module, prefix: str) -> dict[str, Style]:
             if leaf in QKV_NAMES or (kind, leaf) in FUSED:
                 attentions.add(parent)
     # Modules with parameters beside the split linears inside their attention / MLP module
-    # may see split activations (a norm over split heads): refused. Linears held by the layer
-    # itself (OPT's fc1 / fc2) sit beside its norms, which read the residual stream.
+    # see split activations: a norm over one head's features (Qwen3's q_norm) is a HeadNorm,
+    # anything else is refused. Linears held by the layer itself (OPT's fc1 / fc2) sit beside
+    # its norms, which read the residual stream.
     for parent in {rel.rpartition(".")[0] for rel in styles} - {""}:
         for name, child in layer.get_submodule(parent).named_modules(prefix=parent):
             if name == parent or name in styles or any(name.startswith(s + ".") for s in styles):
                 continue
-            if next(child.parameters(recurse=False), None) is not None:
+            if next(child.parameters(recurse=False), None) is None:
+                continue
+            if parent in attentions and _is_head_norm(layer.get_submodule(parent), name, child):
+                styles[name] = HeadNorm()
+            else:
                 raise ValueError(
                     f"automatic tensor-parallel plan: {prefix}.{name} ({type(child).__name__}) "
-                    "has parameters inside a module whose linears are split: the plan cannot "
-                    "tell whether it sees whole or split activations (a norm over split heads "
-                    f"needs its gradient summed); {_FIX}"
+                    "has parameters inside a module whose linears are split and is not a q/k "
+                    "norm over one head: the plan cannot tell whether it sees whole or split "
+                    f"activations (a norm over all heads cannot be split at all); {_FIX}"
                 )
     for parent in sorted(attentions):  # the head counts the attention reshapes by, divided
         module = layer.get_submodule(parent)
