@@ -35,8 +35,9 @@ tied to the token embedding stays whole on every rank with it (splitting one wou
 Replicated (whole on every rank): the embeddings (token and position), every norm, the biases of
 the row-parallel linears (added once, after the all-reduce), a tied head, any module outside
 the decoder layers, and a layer's modules without linears reading the residual stream (Mixtral's
-router and fused 3-D experts: the MoE block runs whole on every rank). Their gradients are equal on every rank (their inputs and output gradients
-are whole), so nothing sums them.
+router and fused 3-D experts: the MoE block runs whole on every rank). Their inputs and output
+gradients are whole, so their gradients are equal on every rank and nothing sums them; only a
+`HeadNorm`'s weight, whole too but seeing `H/n` heads, has its gradient all-reduced.
 
 Costs per rank, with L layers, width C, MLP width F, vocabulary V, H heads / KV kv heads of size
 d, e bytes per element, M tokens per step, n ranks (Megatron's, `costs.py` per layer):
@@ -49,7 +50,8 @@ d, e bytes per element, M tokens per step, n ranks (Megatron's, `costs.py` per l
   backward one per column linear (its input gradient: LLaMA's q, k, v, gate, up make 5; a fused
   `query_key_value` and one up projection make 2, as Megatron's), each of `e·M·C`; a ring puts
   `2(n−1)/n · e·M·C` on the wire per rank for each (`costs.column_collectives`,
-  `costs.row_collectives`; DeepSpeed's AutoTP layers issue the same);
+  `costs.row_collectives`; DeepSpeed's AutoTP `LinearLayer` all-reduces each one's input gradient
+  too);
 - **the head**: one all-gather of the logits, `e·M·V` (`(n−1)/n` of it on the wire per rank),
   forward; one all-reduce of `e·M·C` backward. `vocab_parallel_cross_entropy` on split logits
   (the ready plans) avoids the gather but needs a loss that knows the split.
