@@ -1,0 +1,156 @@
+"""Checkpoints DeepSpeed 0.19.8 wrote, loaded by minispeed's engine: training goes on as DeepSpeed's.
+
+The fixtures `tests/engine/fixtures/ds_checkpoint_<precision>_stage<s>/` are DeepSpeed's own
+files (`scripts/record_ds_checkpoint_files.py`: 3 steps on 2 ranks, `save_checkpoint`, then 2
+more steps, whose losses `ds_checkpoint_files.json` keeps). Here a fresh minispeed engine built
+by the same script (its import lines changed) loads each directory and trains those 2 steps:
+the losses, the evaluation loss at the checkpoint, the learning rate, the counters and the
+client state must be DeepSpeed's (floats within 1e-5 relative, as the other ds_* fixtures).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ds_scripts
+
+from minispeed.core.testing import run_distributed
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+IMPORTS = {
+    "import deepspeed\n": "import minispeed.engine as deepspeed\n",
+    "from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint\n": (
+        "from minispeed.engine.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint\n"
+    ),
+}
+
+
+def _fixture() -> dict:
+    return json.loads((FIXTURES / "ds_checkpoint_files.json").read_text())
+
+
+def _script():
+    return ds_scripts.load("record_ds_checkpoint_files.py", IMPORTS)
+
+
+def _resume_every_case(rank, world_size):
+    script = _script()
+    out = {}
+    for precision, stage in script.CASES:
+        engine = script.build(precision, stage)
+        path, client = engine.load_checkpoint(str(script.case_dir(precision, stage)))
+        out[f"{precision} stage {stage}"] = {
+            "path": Path(path).parent.name,
+            "eval": script.evaluate(engine),
+            "lr": engine.get_lr(),
+            "counters": script.counters(engine),
+            "client": {k: client[k] for k in ("epoch", "note")},
+            "client_keys": sorted(client),
+            "after": script.train(engine, [rank], script.SAVED_AT, script.MORE),
+        }
+        engine.destroy()
+    return out
+
+
+def test_fixtures_were_recorded_on_deepspeed_0_19_8():
+    assert _fixture()["deepspeed"] == "0.19.8"
+
+
+def test_deepspeed_checkpoints_resume_with_deepspeeds_losses():
+    """Every stage 0-3, fp32, bf16 and fp16: the 2 steps after loading DeepSpeed's files equal
+    DeepSpeed's own 2 steps after its save (and after its own load)."""
+    runs = run_distributed(_resume_every_case, world_size=2, timeout_s=300)
+    for ours, ref in zip(runs, _fixture()["ranks"], strict=True):
+        for case, got in ours.items():
+            want = ref[case]
+            assert got["path"] == "global_step3", case
+            expect = {k: want[k] for k in ("eval", "lr", "counters", "client", "client_keys")}
+            ds_scripts.assert_matches({k: got[k] for k in expect}, expect, path=case)
+            ds_scripts.assert_matches(got["after"], want["after"], path=case)
+            assert want["resumed_after"] == want["after"]  # DeepSpeed's own resume, the same
+
+
+def _resume_on_one_rank(rank, world_size):
+    """fp32 stage 2 at one rank: each micro-batch both ranks' batches side by side, so the
+    gradient is the 2-rank run's (the mean over the same 8 samples)."""
+    script = _script()
+    engine = script.build("fp32", 2, batch=2 * script.BATCH)
+    engine.load_checkpoint(str(script.case_dir("fp32", 2)))
+    return {
+        "eval": script.evaluate(engine),
+        "counters": script.counters(engine),
+        "after": script.train(engine, [0, 1], script.SAVED_AT, script.MORE),
+    }
+
+
+def test_a_deepspeed_checkpoint_of_two_ranks_resumes_on_one():
+    """Written by 2 data-parallel ranks, loaded on 1: the masters and moments are whole per
+    parameter, so the losses are the mean of DeepSpeed's two ranks' losses."""
+    (got,) = run_distributed(_resume_on_one_rank, world_size=1, timeout_s=120)
+    ref = [r["fp32 stage 2"] for r in _fixture()["ranks"]]
+    assert got["counters"] == ref[0]["counters"]
+    assert got["eval"] == pytest.approx(ref[0]["eval"], rel=1e-5)
+    mean = [(a + b) / 2 for a, b in zip(ref[0]["after"], ref[1]["after"], strict=True)]
+    assert got["after"] == pytest.approx(mean, rel=1e-5)
+
+
+@pytest.mark.parametrize("case", ["fp32_stage1", "fp32_stage3", "bf16_stage2", "bf16_stage3"])
+def test_get_fp32_state_dict_reads_a_deepspeed_checkpoint(case):
+    """minispeed's `get_fp32_state_dict_from_zero_checkpoint` gives DeepSpeed's: the names,
+    shapes and sums DeepSpeed's own function gave for the same directory."""
+    from minispeed.engine.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    precision, stage = case.split("_")
+    want = _fixture()["ranks"][0][f"{precision} stage {stage[-1]}"]["fp32"]
+    state = get_fp32_state_dict_from_zero_checkpoint(FIXTURES / f"ds_checkpoint_{case}")
+    assert list(state) == list(want)
+    for name, t in state.items():
+        assert t.dtype == torch.float32 and list(t.shape) == want[name][0], name
+        assert float(t.double().sum()) == pytest.approx(want[name][1], rel=1e-6, abs=1e-6), name
+
+
+def _copy(case: str, to: Path) -> Path:
+    shutil.copytree(FIXTURES / f"ds_checkpoint_{case}", to)
+    return to
+
+
+def test_unsupported_deepspeed_checkpoints_are_refused_by_name(tmp_path):
+    """A pipeline, tensor-parallel or universal checkpoint, a rank's file missing, an unreadable
+    ds_version: an error naming the file and what to do, never a KeyError or a wrong load."""
+    from minispeed.engine.checkpoint.deepspeed_files import read_tag
+    from minispeed.zero.checkpoints import CheckpointError
+
+    tag = _copy("fp32_stage2", tmp_path / "tp") / "global_step3"
+    shutil.copy(tag / "mp_rank_00_model_states.pt", tag / "mp_rank_01_model_states.pt")
+    with pytest.raises(CheckpointError, match=r"mp_rank_01_model_states.pt: .*tensor- or pipeline"):
+        read_tag(tag)
+
+    tag = _copy("fp32_stage2", tmp_path / "pipe") / "global_step3"
+    (tag / "layer_01-model_states.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"layer_01-model_states.pt: .*pipeline checkpoint"):
+        read_tag(tag)
+
+    tag = _copy("fp32_stage2", tmp_path / "universal") / "global_step3"
+    (tag / "zero").mkdir()
+    with pytest.raises(CheckpointError, match=r"universal checkpoint .*zero_to_fp32"):
+        read_tag(tag)
+
+    tag = _copy("fp32_stage3", tmp_path / "missing") / "global_step3"
+    (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    (tag / "zero_pp_rank_2_mp_rank_00_optim_states.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"lacks the optimizer file of data-parallel rank 1"):
+        read_tag(tag)
+
+    tag = _copy("fp32_stage1", tmp_path / "version") / "global_step3"
+    states = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)
+    del states["ds_version"]
+    torch.save(states, tag / "mp_rank_00_model_states.pt")
+    with pytest.raises(CheckpointError, match=r"mp_rank_00_model_states.pt has no readable ds_v"):
+        read_tag(tag)
