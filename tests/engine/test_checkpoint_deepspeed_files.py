@@ -109,7 +109,13 @@ def test_get_fp32_state_dict_reads_a_deepspeed_checkpoint(case):
 
     precision, stage = case.split("_")
     want = _fixture()["ranks"][0][f"{precision} stage {stage[-1]}"]["fp32"]
-    state = get_fp32_state_dict_from_zero_checkpoint(FIXTURES / f"ds_checkpoint_{case}")
+    _assert_like_deepspeeds(
+        get_fp32_state_dict_from_zero_checkpoint(FIXTURES / f"ds_checkpoint_{case}"), want
+    )
+
+
+def _assert_like_deepspeeds(state: dict, want: dict) -> None:
+    """The names (in order), fp32, shapes and sums DeepSpeed's zero_to_fp32 recorded."""
     assert list(state) == list(want)
     for name, t in state.items():
         assert t.dtype == torch.float32 and list(t.shape) == want[name][0], name
@@ -154,3 +160,28 @@ def test_unsupported_deepspeed_checkpoints_are_refused_by_name(tmp_path):
     torch.save(states, tag / "mp_rank_00_model_states.pt")
     with pytest.raises(CheckpointError, match=r"mp_rank_00_model_states.pt has no readable ds_v"):
         read_tag(tag)
+
+
+def test_minispeed_consolidate_reads_a_deepspeed_checkpoint(tmp_path):
+    """`minispeed consolidate` on DeepSpeed's directories: at stage 3 DeepSpeed's own fp32
+    weights; at fp32 stage 0 (which DeepSpeed's zero_to_fp32 cannot read) the module's weights,
+    which are the masters there; bf16 at stage 0 is refused by name (masters without names)."""
+    from minispeed.engine.cli.main import main
+
+    out = tmp_path / "stage3.pt"
+    assert main(["consolidate", str(FIXTURES / "ds_checkpoint_bf16_stage3"), str(out)]) == 0
+    want = _fixture()["ranks"][0]["bf16 stage 3"]["fp32"]
+    _assert_like_deepspeeds(torch.load(out, weights_only=True), want)
+
+    out = tmp_path / "stage0.pt"
+    src = FIXTURES / "ds_checkpoint_fp32_stage0"
+    assert main(["consolidate", str(src), str(out)]) == 0
+    module = torch.load(src / "global_step3/mp_rank_00_model_states.pt", weights_only=True)[
+        "module"
+    ]
+    state = torch.load(out, weights_only=True)
+    assert list(state) == list(module)
+    for name, t in module.items():
+        torch.testing.assert_close(state[name], t, rtol=0, atol=0)
+
+    assert main(["consolidate", str(FIXTURES / "ds_checkpoint_bf16_stage0"), str(out)]) == 1
