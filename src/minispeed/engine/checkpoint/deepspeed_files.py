@@ -364,7 +364,7 @@ def _read_stage0(tag_dir: Path, states: dict[str, Any], path: Path) -> DeepSpeed
         flat_index += len(masters)
         keys = sorted({k for s in per for k, v in s.items() if _per_element(v)})
         moments = {k: [s[k] for s in per] for k in keys}
-        scalars = [{k: v for k, v in s.items() if k not in keys} for s in per]
+        scalars = [_scalars(s, keys) for s in per]
         groups.append(GroupState(None, _hyper(pg), masters, moments, scalars))
     scaler = {"cur_scale": saved.get("cur_scale", 1.0), "dynamic": False}
     return DeepSpeedTag(tag_dir, 0, states.get("dp_world_size", 1), states, groups, scaler)
@@ -372,6 +372,16 @@ def _read_stage0(tag_dir: Path, states: dict[str, Any], path: Path) -> DeepSpeed
 
 def _per_element(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0
+
+
+def _scalars(state: dict[str, Any], per_element: list[str]) -> dict[str, Any]:
+    """The scalar state of one parameter (Adam's `step`). DeepSpeed's own Adams keep `step` as
+    an int, torch's as a 0-dim fp32 tensor, which every optimizer minispeed steps accepts
+    (torch's Adam refuses an int): an int step becomes that tensor."""
+    out = {k: v for k, v in state.items() if k not in per_element}
+    if isinstance(out.get("step"), int | float):
+        out["step"] = torch.tensor(float(out["step"]), dtype=torch.float32)
+    return out
 
 
 def _hyper(pg: dict[str, Any]) -> dict[str, Any]:
@@ -414,7 +424,7 @@ def _join_stage12(paths: list[Path], ranks: list[dict], shapes: list[dict]) -> l
             )
         masters = _cut(flat, named)
         moments = {k: _cut(v, named) for k, v in flats.items()}
-        scalar = {k: v for k, v in state0.items() if k not in keys}
+        scalar = _scalars(state0, keys)
         groups.append(GroupState(list(named), hyper, masters, moments, [scalar] * len(masters)))
     return groups
 
@@ -458,7 +468,7 @@ def _join_stage3(paths: list[Path], ranks: list[dict], shapes: list[dict]) -> li
                 f"{offset}: a rank's file is from another save; copy the tag again"
             )
         masters = joined.pop("master")
-        scalar = {k: v for k, v in state0.items() if k not in keys}
+        scalar = _scalars(state0, keys)
         groups.append(GroupState(list(named), hyper, masters, joined, [scalar] * len(masters)))
     return groups
 
