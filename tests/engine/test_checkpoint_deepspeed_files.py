@@ -185,3 +185,32 @@ def test_minispeed_consolidate_reads_a_deepspeed_checkpoint(tmp_path):
         torch.testing.assert_close(state[name], t, rtol=0, atol=0)
 
     assert main(["consolidate", str(FIXTURES / "ds_checkpoint_bf16_stage0"), str(out)]) == 1
+
+
+def _groups_reordered(rank, world_size):
+    import minispeed.engine as deepspeed
+
+    script = _script()
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(script.IN, script.HIDDEN),
+        torch.nn.Tanh(),
+        torch.nn.Linear(script.HIDDEN, script.OUT),
+    )
+    groups = [{"params": list(model[2].parameters())}, {"params": list(model[0].parameters())}]
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=groups, config=script.config("fp32", 0)
+    )
+    try:
+        engine.load_checkpoint(str(script.case_dir("fp32", 0)))
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "loaded"
+
+
+def test_stage0_optimizer_state_in_other_groups_is_refused():
+    """At stage 0 DeepSpeed keeps the optimizer state by position; an optimizer whose groups list
+    the parameters in another order is refused naming the parameter, not loaded crosswise."""
+    (got,) = run_distributed(_groups_reordered, world_size=1, timeout_s=120)
+    assert got.startswith("CheckpointError"), got
+    assert "parameter in that place here ('2.weight')" in got and "order that saved it" in got

@@ -110,9 +110,6 @@ class _Plain:
     """An inert object that keeps the attributes a pickle gives it (DeepSpeed's loss scalers,
     `fragment_address`): no method of DeepSpeed's runs."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.args = args
-
 
 def _zero_stage(value: int) -> int:
     """DeepSpeed's `ZeroStageEnum(value)`, read as its int."""
