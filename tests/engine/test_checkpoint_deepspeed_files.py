@@ -154,6 +154,18 @@ def test_unsupported_deepspeed_checkpoints_are_refused_by_name(tmp_path):
     with pytest.raises(CheckpointError, match=r"lacks the optimizer file of data-parallel rank 1"):
         read_tag(tag)
 
+    tag = _copy("fp32_stage2", tmp_path / "last") / "global_step3"
+    (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(
+        CheckpointError, match=r"written by 2 data-parallel ranks .* ranks 0-0 only"
+    ):
+        read_tag(tag)
+
+    tag = _copy("fp32_stage2", tmp_path / "moe") / "global_step3"
+    (tag / "layer_0_expert_0_mp_rank_00_model_states.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"expert_0_mp_rank_00_model_states.pt: .*MoE"):
+        read_tag(tag)
+
     tag = _copy("fp32_stage1", tmp_path / "version") / "global_step3"
     states = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)
     del states["ds_version"]

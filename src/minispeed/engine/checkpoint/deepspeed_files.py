@@ -176,9 +176,7 @@ class GroupState:
 
     names: list[str] | None  # None at stage 0 (positional: `DeepSpeedTag.name_groups`)
     hyper: dict[str, Any]  # lr, betas, eps, weight_decay, ... (no "params")
-    masters: list[
-        torch.Tensor | None
-    ]  # fp32, each the parameter's shape (None: stage-0 fp32, by name)
+    masters: list[torch.Tensor | None]  # fp32, shaped (None: fp32 stage 0, taken by name)
     moments: dict[str, list[torch.Tensor]]  # exp_avg, exp_avg_sq: like `masters`
     scalars: list[dict[str, Any]]  # per parameter: step
 
@@ -251,8 +249,9 @@ def is_deepspeed_tag(tag_dir: Path) -> bool:
 def _refuse_unsupported(tag_dir: Path) -> None:
     names = sorted(p.name for p in tag_dir.iterdir())
     kinds = [
-        (lambda n: n.startswith("layer_"), "a pipeline checkpoint (one file per layer)"),
-        (lambda n: n.startswith("expert_") or "expp_rank" in n, "an MoE checkpoint (expert files)"),
+        (lambda n: "expert_" in n or "expp_rank" in n, "an MoE checkpoint (expert files)"),
+        (lambda n: re.match(r"layer_\d+-model_states", n) is not None,
+         "a pipeline checkpoint (one file per layer)"),
         (lambda n: re.search(r"mp_rank_(?!00_)\d+", n) is not None,
          "a tensor- or pipeline-parallel checkpoint (mp_rank above 00)"),
         (lambda n: n == "zero" and (tag_dir / n).is_dir(), "a universal checkpoint (zero/ folder)"),
@@ -308,6 +307,14 @@ def read_tag(tag_dir: Path) -> DeepSpeedTag:
         )
     states = _open(states_path)
     _check_version(states, states_path)
+    saved_by = states.get("dp_world_size", len(optim_files))
+    if optim_files and saved_by != len(optim_files):
+        raise CheckpointError(
+            f"DeepSpeed checkpoint {tag_dir} was written by {saved_by} data-parallel ranks "
+            f"({states_path.name}) but holds the optimizer files of ranks 0-"
+            f"{len(optim_files) - 1} only: copy every rank's zero_pp_rank_*_optim_states.pt "
+            "file into it"
+        )
     if not optim_files:
         return _read_stage0(tag_dir, states, states_path)
     ranks = [
