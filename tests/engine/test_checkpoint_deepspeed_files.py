@@ -10,6 +10,7 @@ client state must be DeepSpeed's (floats within 1e-5 relative, as the other ds_*
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import sys
@@ -164,6 +165,14 @@ def test_unsupported_deepspeed_checkpoints_are_refused_by_name(tmp_path):
     tag = _copy("fp32_stage2", tmp_path / "moe") / "global_step3"
     (tag / "layer_0_expert_0_mp_rank_00_model_states.pt").write_bytes(b"")
     with pytest.raises(CheckpointError, match=r"expert_0_mp_rank_00_model_states.pt: .*MoE"):
+        read_tag(tag)
+
+    tag = _copy("fp32_stage0", tmp_path / "pickle") / "global_step3"
+    states = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=True)
+    states["note"] = argparse.Namespace(run="mid-run")  # an object weights_only does not build
+    torch.save(states, tag / "mp_rank_00_model_states.pt")
+    with pytest.raises(CheckpointError, match=r"mp_rank_00_model_states.pt holds an object .*"
+                       r"GLOBAL argparse.Namespace"):  # fmt: skip
         read_tag(tag)
 
     tag = _copy("fp32_stage1", tmp_path / "version") / "global_step3"

@@ -142,9 +142,10 @@ def _open(path: Path) -> dict[str, Any]:
         with torch.serialization.safe_globals(_DS_GLOBALS):
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
+        lines = [ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln] or [str(e)]
         raise CheckpointError(
             f"DeepSpeed checkpoint file {path} holds an object this reader does not open "
-            f"({str(e).splitlines()[0]}): it reads DeepSpeed 0.19's ZeRO checkpoints with "
+            f"({lines[0]}): it reads DeepSpeed 0.19's ZeRO checkpoints with "
             "weights_only=True and maps only the objects those hold. Convert the checkpoint with "
             "DeepSpeed's zero_to_fp32.py and load the weights, or load it with DeepSpeed"
         ) from e
