@@ -128,58 +128,59 @@ def _copy(case: str, to: Path) -> Path:
     return to
 
 
-def test_unsupported_deepspeed_checkpoints_are_refused_by_name(tmp_path):
-    """A pipeline, tensor-parallel or universal checkpoint, a rank's file missing, an unreadable
-    ds_version: an error naming the file and what to do, never a KeyError or a wrong load."""
+def _second_mp_rank(tag: Path) -> None:
+    shutil.copy(tag / "mp_rank_00_model_states.pt", tag / "mp_rank_01_model_states.pt")
+
+
+def _rank_gap(tag: Path) -> None:
+    (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    (tag / "zero_pp_rank_2_mp_rank_00_optim_states.pt").write_bytes(b"")
+
+
+def _edit_states(edit):
+    def mutate(tag: Path) -> None:
+        states = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=True)
+        edit(states)
+        torch.save(states, tag / "mp_rank_00_model_states.pt")
+
+    return mutate
+
+
+REFUSALS = {
+    "tensor parallel": ("fp32_stage2", _second_mp_rank,
+                        r"mp_rank_01_model_states.pt: .*tensor- or pipeline"),
+    "pipeline": ("fp32_stage2", lambda t: (t / "layer_01-model_states.pt").write_bytes(b""),
+                 r"layer_01-model_states.pt: .*pipeline checkpoint"),
+    "moe": ("fp32_stage2",
+            lambda t: (t / "layer_0_expert_0_mp_rank_00_model_states.pt").write_bytes(b""),
+            r"expert_0_mp_rank_00_model_states.pt: .*MoE"),
+    "universal": ("fp32_stage2", lambda t: (t / "zero").mkdir(),
+                  r"universal checkpoint .*zero_to_fp32"),
+    "a rank's file missing": ("fp32_stage3", _rank_gap,
+                              r"lacks the optimizer file of data-parallel rank 1"),
+    "the last rank's file missing": (
+        "fp32_stage2", lambda t: (t / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink(),
+        r"written by 2 data-parallel ranks .* ranks 0-0 only"),
+    "an object weights_only refuses": (
+        "fp32_stage0", _edit_states(lambda s: s.update(note=argparse.Namespace(run="mid-run"))),
+        r"mp_rank_00_model_states.pt holds an object .*GLOBAL argparse.Namespace"),
+    "no ds_version": ("fp32_stage1", _edit_states(lambda s: s.pop("ds_version")),
+                      r"mp_rank_00_model_states.pt has no readable ds_v"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("what", list(REFUSALS))
+def test_unsupported_deepspeed_checkpoints_are_refused_by_name(tmp_path, what):
+    """A pipeline, tensor-parallel, MoE or universal checkpoint, a rank's file missing, an object
+    the safe unpickler does not build, no ds_version: an error naming the file and what to do,
+    never a KeyError or a wrong load."""
     from minispeed.engine.checkpoint.deepspeed_files import read_tag
     from minispeed.zero.checkpoints import CheckpointError
 
-    tag = _copy("fp32_stage2", tmp_path / "tp") / "global_step3"
-    shutil.copy(tag / "mp_rank_00_model_states.pt", tag / "mp_rank_01_model_states.pt")
-    with pytest.raises(CheckpointError, match=r"mp_rank_01_model_states.pt: .*tensor- or pipeline"):
-        read_tag(tag)
-
-    tag = _copy("fp32_stage2", tmp_path / "pipe") / "global_step3"
-    (tag / "layer_01-model_states.pt").write_bytes(b"")
-    with pytest.raises(CheckpointError, match=r"layer_01-model_states.pt: .*pipeline checkpoint"):
-        read_tag(tag)
-
-    tag = _copy("fp32_stage2", tmp_path / "universal") / "global_step3"
-    (tag / "zero").mkdir()
-    with pytest.raises(CheckpointError, match=r"universal checkpoint .*zero_to_fp32"):
-        read_tag(tag)
-
-    tag = _copy("fp32_stage3", tmp_path / "missing") / "global_step3"
-    (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
-    (tag / "zero_pp_rank_2_mp_rank_00_optim_states.pt").write_bytes(b"")
-    with pytest.raises(CheckpointError, match=r"lacks the optimizer file of data-parallel rank 1"):
-        read_tag(tag)
-
-    tag = _copy("fp32_stage2", tmp_path / "last") / "global_step3"
-    (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
-    with pytest.raises(
-        CheckpointError, match=r"written by 2 data-parallel ranks .* ranks 0-0 only"
-    ):
-        read_tag(tag)
-
-    tag = _copy("fp32_stage2", tmp_path / "moe") / "global_step3"
-    (tag / "layer_0_expert_0_mp_rank_00_model_states.pt").write_bytes(b"")
-    with pytest.raises(CheckpointError, match=r"expert_0_mp_rank_00_model_states.pt: .*MoE"):
-        read_tag(tag)
-
-    tag = _copy("fp32_stage0", tmp_path / "pickle") / "global_step3"
-    states = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=True)
-    states["note"] = argparse.Namespace(run="mid-run")  # an object weights_only does not build
-    torch.save(states, tag / "mp_rank_00_model_states.pt")
-    with pytest.raises(CheckpointError, match=r"mp_rank_00_model_states.pt holds an object .*"
-                       r"GLOBAL argparse.Namespace"):  # fmt: skip
-        read_tag(tag)
-
-    tag = _copy("fp32_stage1", tmp_path / "version") / "global_step3"
-    states = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)
-    del states["ds_version"]
-    torch.save(states, tag / "mp_rank_00_model_states.pt")
-    with pytest.raises(CheckpointError, match=r"mp_rank_00_model_states.pt has no readable ds_v"):
+    case, mutate, message = REFUSALS[what]
+    tag = _copy(case, tmp_path / "ckpt") / "global_step3"
+    mutate(tag)
+    with pytest.raises(CheckpointError, match=message):
         read_tag(tag)
 
 
