@@ -57,6 +57,11 @@ def _resume_every_case(rank, world_size):
             "after": script.train(engine, [rank], script.SAVED_AT, script.MORE),
         }
         engine.destroy()
+    # Another ZeRO stage than the one that wrote it: DeepSpeed's stage-2 files into stage 3.
+    engine = script.build("fp32", 3)
+    engine.load_checkpoint(str(script.case_dir("fp32", 2)))
+    out["fp32 stage 2 into stage 3"] = script.train(engine, [rank], script.SAVED_AT, script.MORE)
+    engine.destroy()
     return out
 
 
@@ -66,9 +71,12 @@ def test_fixtures_were_recorded_on_deepspeed_0_19_8():
 
 def test_deepspeed_checkpoints_resume_with_deepspeeds_losses():
     """Every stage 0-3, fp32, bf16 and fp16: the 2 steps after loading DeepSpeed's files equal
-    DeepSpeed's own 2 steps after its save (and after its own load)."""
+    DeepSpeed's own 2 steps after its save (and after its own load); also DeepSpeed's stage-2
+    files loaded into a stage-3 engine."""
     runs = run_distributed(_resume_every_case, world_size=2, timeout_s=300)
     for ours, ref in zip(runs, _fixture()["ranks"], strict=True):
+        across = ours.pop("fp32 stage 2 into stage 3")
+        ds_scripts.assert_matches(across, ref["fp32 stage 2"]["after"], path="2 into 3")
         for case, got in ours.items():
             want = ref[case]
             assert got["path"] == "global_step3", case
