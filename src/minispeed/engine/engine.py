@@ -60,7 +60,7 @@ _log = get_logger("engine")
 _WARM_UP_STEPS = 2
 
 # The keys the engine adds to a checkpoint's client_state (the user's own stays under "client").
-_ENGINE_STATE = "minispeed_engine"
+_ENGINE_STATE = ckpt.ENGINE_STATE
 
 
 class StepObserver(Protocol):
