@@ -60,6 +60,7 @@ d, e bytes per element, M tokens per step, n ranks (Megatron's, `costs.py` per l
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -77,13 +78,43 @@ COLUMN_NAMES = frozenset(
      "dense_h_to_4h", "w1", "w3", "query", "key", "value"}
 )  # fmt: skip
 QKV_NAMES = frozenset({"q_proj", "k_proj", "v_proj", "query", "key", "value"})
-# Fused layers whose layout is known per attention class: (class name, leaf) -> style, and the
-# attention attributes beside the head counts that the split divides.
-FUSED: dict[tuple[str, str], Style] = {
-    ("GPTNeoXAttention", "query_key_value"): Column(),
-    ("GPT2Attention", "c_attn"): Column(parts=3),
+
+
+def _phi3_qkv(attention: nn.Module) -> Style | str:
+    """Phi-3's rows `[q: H·d; k: KV·d; v: KV·d]`: three parts in proportions `(H, KV, KV)`."""
+    kv = attention.num_key_value_heads
+    return Column(parts=(attention.config.num_attention_heads, kv, kv))
+
+
+def _falcon_qkv(attention: nn.Module) -> Style | str:
+    """Falcon's rows: grouped per kv head, `(KV, H/KV + 2, d)` (`new_decoder_architecture`), or
+    per head, `(H, 3, d)` (neither new nor multi-query): a contiguous cut keeps whole groups
+    (heads). Multi-query's `[q: H·d; k: d; v: d]` has one kv head to share, not to split; ALiBi
+    is folded into a mask of all H heads by the model, outside the layer."""
+    if getattr(attention.config, "alibi", False):
+        return "ALiBi (config.alibi=True) is added to one attention mask of all heads"
+    if not attention.new_decoder_architecture and attention.multi_query:
+        return (
+            "multi-query attention (config.multi_query=True) has one k/v head for all query "
+            "heads, which cannot be split"
+        )
+    return Column()
+
+
+# Fused layers whose layout is known per attention class: (class name, leaf) -> the style (or
+# the reason it cannot be split, a string), and the attention attributes beside the head counts
+# that the split divides.
+FUSED: dict[tuple[str, str], Callable[[nn.Module], Style | str]] = {
+    ("GPTNeoXAttention", "query_key_value"): lambda _: Column(),
+    ("GPT2Attention", "c_attn"): lambda _: Column(parts=3),
+    ("Phi3Attention", "qkv_proj"): _phi3_qkv,
+    ("FalconAttention", "query_key_value"): _falcon_qkv,
+    ("FalconFlashAttention2", "query_key_value"): _falcon_qkv,
 }
-FUSED_EXTRA_ATTRS = {"GPT2Attention": ("split_size",)}
+FUSED_EXTRA_ATTRS = {
+    "GPT2Attention": ("split_size",),
+    "Phi3Attention": ("config.num_attention_heads",),  # its forward reads q's width there
+}
 PACKED: dict[str, Style] = {"gate_up_proj": Column(parts=2)}
 HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads",
               "n_head", "n_heads")  # fmt: skip
@@ -125,8 +156,14 @@ def _classify(layer: nn.Module, rel: str, where: str) -> Style:
     """The style of one linear of a decoder layer, by its leaf name (module docstring)."""
     parent_path, _, leaf = rel.rpartition(".")
     parent = layer.get_submodule(parent_path) if parent_path else layer
-    fused = FUSED.get((type(parent).__name__, leaf))
-    if fused is not None:
+    layout = FUSED.get((type(parent).__name__, leaf))
+    if layout is not None:
+        fused = layout(parent)
+        if isinstance(fused, str):
+            raise ValueError(
+                f"automatic tensor-parallel plan: {where} ({type(parent).__name__}.{leaf}) "
+                f"cannot be split by heads: {fused}; {_FIX}"
+            )
         return fused
     if leaf in PACKED:
         return PACKED[leaf]
