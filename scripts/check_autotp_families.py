@@ -41,6 +41,12 @@ FAMILIES = {
     "phi_qk_norm": lambda: t.PhiForCausalLM(t.PhiConfig(**PHI, qk_layernorm=True)),
     "gemma3": lambda: t.Gemma3ForCausalLM(t.Gemma3TextConfig(**GQA, head_dim=8)),
     "olmo2": lambda: t.Olmo2ForCausalLM(t.Olmo2Config(**GQA)),
+    "bloom": lambda: t.BloomForCausalLM(
+        t.BloomConfig(vocab_size=48, hidden_size=32, n_layer=2, n_head=4, hidden_dropout=0.0)
+    ),
+    "bloom_slopes_8_heads": lambda: t.BloomForCausalLM(
+        t.BloomConfig(vocab_size=48, hidden_size=32, n_layer=1, n_head=8, hidden_dropout=0.0)
+    ),
     "falcon": lambda: t.FalconForCausalLM(t.FalconConfig(**FALCON)),
     "falcon_new_arch": lambda: t.FalconForCausalLM(
         t.FalconConfig(**FALCON, new_decoder_architecture=True, num_kv_heads=2, bias=True)

@@ -101,6 +101,18 @@ def _falcon_qkv(attention: nn.Module) -> Style | str:
     return Column()
 
 
+def _bloom_qkv(attention: nn.Module) -> Style | str:
+    """Bloom's rows ordered head by head, `(H, 3, d)` (GPT-NeoX's): a contiguous cut keeps whole
+    heads; its ALiBi biases, built by the model for all H heads, are cut to this rank's heads
+    (`Heads.per_head_kwargs`)."""
+    if attention.pretraining_tp > 1 and attention.slow_but_exact:
+        return (
+            "config.slow_but_exact with pretraining_tp > 1 applies the output projection in "
+            "slices of its whole weight"
+        )
+    return Column()
+
+
 # Fused layers whose layout is known per attention class: (class name, leaf) -> the style (or
 # the reason it cannot be split, a string), and the attention attributes beside the head counts
 # that the split divides.
@@ -110,11 +122,13 @@ FUSED: dict[tuple[str, str], Callable[[nn.Module], Style | str]] = {
     ("Phi3Attention", "qkv_proj"): _phi3_qkv,
     ("FalconAttention", "query_key_value"): _falcon_qkv,
     ("FalconFlashAttention2", "query_key_value"): _falcon_qkv,
+    ("BloomAttention", "query_key_value"): _bloom_qkv,
 }
 FUSED_EXTRA_ATTRS = {
     "GPT2Attention": ("split_size",),
     "Phi3Attention": ("config.num_attention_heads",),  # its forward reads q's width there
 }
+PER_HEAD_KWARGS = {"BloomAttention": ("alibi",)}  # built by the model for all heads
 PACKED: dict[str, Style] = {"gate_up_proj": Column(parts=2)}
 HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads",
               "n_head", "n_heads")  # fmt: skip
@@ -232,7 +246,7 @@ def _layer_styles(layer: nn.Module, prefix: str) -> dict[str, Style]:
         attrs = [a for a in HEAD_ATTRS if isinstance(getattr(module, a, None), int)]
         attrs += FUSED_EXTRA_ATTRS.get(type(module).__name__, ())
         if attrs:
-            styles[parent] = Heads(tuple(attrs))
+            styles[parent] = Heads(tuple(attrs), PER_HEAD_KWARGS.get(type(module).__name__, ()))
     return styles
 
 

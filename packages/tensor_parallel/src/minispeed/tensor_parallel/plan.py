@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import fnmatch
 import weakref
 from dataclasses import dataclass, field
@@ -192,6 +193,21 @@ def _own_copy(obj: Any, name: str) -> Any:
     return mine
 
 
+def _keep_heads(names: tuple[str, ...], local: int, tg: TensorGroup, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:  # fmt: skip
+    """`styles.Heads.per_head_kwargs`: this rank's `local` heads of each `(B·H, ...)` tensor."""
+    for name in names:
+        if name not in kwargs:
+            raise RuntimeError(
+                f"tensor-parallel plan: {type(module).__name__} was called without the keyword "
+                f"argument {name!r} whose heads the plan keeps (Heads.per_head_kwargs); pass it "
+                "by keyword, or plan the module by hand"
+            )
+        t = kwargs[name]
+        if t is not None:  # (B·H, ...) -> (B, n, H/n, ...) -> this rank's (B·H/n, ...)
+            kwargs[name] = t.unflatten(0, (-1, tg.size, local))[:, tg.rank].flatten(0, 1)
+    return args, kwargs
+
+
 def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
     parent_path, _, name = path.rpartition(".")
     setattr(model.get_submodule(parent_path) if parent_path else model, name, new)
@@ -226,6 +242,11 @@ def _apply(model: nn.Module, path: str, style: Style, tg: TensorGroup, tied: dic
                 for part in owner_path.split("."):
                     owner = _own_copy(owner, part)
             setattr(owner, name, getattr(owner, name) // tg.size)
+        if style.per_head_kwargs and tg.size > 1:
+            local = _get_dotted(m, style.attrs[0])
+            m.register_forward_pre_hook(
+                functools.partial(_keep_heads, style.per_head_kwargs, local, tg), with_kwargs=True
+            )
     elif isinstance(style, ScatterSequence):
         m.register_forward_hook(lambda _m, _i, out: scatter_to_sequence(out, tg))
     elif isinstance(style, HeadInput):

@@ -66,6 +66,12 @@ class Heads:
     name (`"config.num_attention_heads"`: Phi-3's attention reads its q width from the config)
     divides the attribute of a shallow copy of that object given to this module alone, so the
     model's own config stays whole."""
+    per_head_kwargs: tuple[str, ...] = ()
+    """Keyword arguments of the module holding one slice per head of all the model's heads,
+    laid out `(B·H, ...)` (Bloom's ALiBi biases, built by the model for its H heads): a forward
+    pre-hook keeps this rank's heads `[r·H/n, (r+1)·H/n)` (the first attribute's count, divided,
+    is `H/n`), so each head keeps its own slope. A copy of `e·B·H/n·T` bytes, no
+    communication."""
 
 
 @dataclass(frozen=True)
