@@ -116,6 +116,7 @@ def _body(rank: int, world_size: int) -> dict:
             "logits": result.logits.detach(),
             "grads": tp.unshard_module(model, tp.TensorGroup.of(None), grads=True),
             "params": (formula, sum(p.numel() for p in model.parameters())),
+            "config": model.config.to_dict(),  # whole: what save_pretrained writes
         }
     return out
 
@@ -150,6 +151,7 @@ def test_auto_plan_over_2_ranks_equals_unsplit(rel_close, logged_bytes):
                     assert got["grads"][n].abs().max() < 1e-8, (name, n)
                 else:
                     rel_close(got["grads"][n], g)
+            assert got["config"] == model.config.to_dict(), name  # Phi-3's heads divided on a copy
             formula, local = got["params"]  # bytes kept: the formula's, less than the whole
             assert local == formula < sum(p.numel() for p in model.parameters()), name
     for got in results:
@@ -191,6 +193,13 @@ def test_modules_the_plan_cannot_read_are_refused_by_path():
     ))  # fmt: skip
     with pytest.raises(ValueError, match=r"transformer\.h\.0\.self_attention\.query_key_value .*slow_but_exact"):  # fmt: skip
         tp.auto_plan(bloom)
+    bloom = _model(
+        "bloom"
+    )  # its ALiBi biases passed by position cannot be cut: an error, not wrong
+    tp.parallelize(bloom, tp.auto_plan(bloom), tp.TensorGroup(0, 2))  # slopes (no collective yet)
+    x, alibi = torch.zeros(1, 3, 32), torch.zeros(8, 1, 3)
+    with pytest.raises(RuntimeError, match=r"BloomAttention was called without .*'alibi'"):
+        bloom.transformer.h[0].self_attention(x, x, alibi, None)
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_norm \(Olmo2RMSNorm\)"):
         tp.auto_plan(olmo2)  # its q_norm spans all heads at once
     llama = _model("llama")

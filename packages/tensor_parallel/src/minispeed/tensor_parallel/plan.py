@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import copy
 import difflib
-import functools
 import fnmatch
+import functools
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
