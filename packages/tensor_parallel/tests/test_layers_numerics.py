@@ -192,7 +192,7 @@ def test_a_size_that_does_not_split_names_the_layer():
         ValueError, match=r"size 24, which does not split in parts \(16, 4, 4\) over 8 .*dividing 4"
     ):
         tp.ColumnParallelLinear.from_module(_linear(d), tp.TensorGroup(0, 8), parts=(4, 1, 1))
-    with pytest.raises(ValueError, match=r"proportions \(4, 1\) do not divide it"):
+    with pytest.raises(ValueError, match=r"parts \(\(4, 1\)\) do not divide it"):
         tp.ColumnParallelLinear.from_module(_linear(d), tp.TensorGroup(0, 2), parts=(4, 1))
     with pytest.raises(ValueError, match=r"vocabulary: dimension 0 has size 40.*over 3"):
         tp.VocabParallelEmbedding(d["emb"], tp.TensorGroup(0, 3))

@@ -4,9 +4,11 @@ A weight is cut along one dimension into `n` equal slices, rank r keeping slice 
 (GPT's `qkv`: q, k and v stacked) is first cut into its parts, each part cut into `n`, and rank r
 keeps slice r of every part, concatenated: so each rank holds whole heads of q, k and v alike.
 The parts are equal (`parts=3`) or in given proportions (`parts=(H, KV, KV)`: Phi-3's `qkv_proj`
-under grouped-query attention, q of H heads then k and v of KV heads each). `ShardSpec` records the cut; `shard` applies it; `unshard` gathers the slices back into
-the whole tensor (one all-gather of the whole tensor's bytes), which is how tests compare
-gradients with the unsplit model and how a checkpoint can be written independent of `n`.
+under grouped-query attention, q of H heads then k and v of KV heads each). `ShardSpec` records
+the cut; `shard` applies it; `unshard` gathers the slices back into the whole tensor (one
+all-gather of the whole tensor's bytes), which is how tests compare gradients with the unsplit
+model and how a checkpoint can be written independent of `n` (proportions, unlike row counts,
+hold at every n).
 
 This is the one implementation of the split: the training layers of this package and
 `minispeed.inference`'s tensor-parallel blocks both slice through `shard`.
@@ -61,7 +63,7 @@ class ShardSpec:
         sizes = self.sizes(size)
         per = f" in parts {tuple(sizes)}" if len(sizes) > 1 else ""
         if sum(sizes) != size:
-            fix = f"its parts' proportions {self.parts} do not divide it"
+            fix = f"its parts ({self.parts}) do not divide it"
         elif any(s % n for s in sizes):
             fix = f"pick a size dividing {math.gcd(*sizes)}"
         else:

@@ -65,7 +65,7 @@ class Heads:
     """Attribute names, e.g. `("n_head",)`; each must exist and be divisible by n. A dotted
     name (`"config.num_attention_heads"`: Phi-3's attention reads its q width from the config)
     divides the attribute of a shallow copy of that object given to this module alone, so the
-    model's own config stays whole."""
+    model's own config stays whole (and a later change to it does not reach the copy)."""
     per_head_kwargs: tuple[str, ...] = ()
     """Keyword arguments of the module holding one slice per head of all the model's heads,
     laid out `(B·H, ...)` (Bloom's ALiBi biases, built by the model for its H heads): a forward
