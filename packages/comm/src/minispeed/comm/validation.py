@@ -345,16 +345,18 @@ _PEER_LOST_RE = re.compile(r"(closed|reset) by peer|broken pipe|connection refus
 # Note [a failed collective breaks the group]
 # After the backend failed a collective (a timeout, a peer that closed its connection) the
 # process cannot count on its peers again: gloo's connection to a dead peer stays closed, and
-# ranks that timed out are out of step. `wrap_backend_error` keeps the first such error of the
-# process (`first_backend_error`), so code that waits for the other ranks outside any
-# collective (the background checkpoint writer waiting for their done markers at exit) knows at
-# once that they are not coming, instead of waiting out its own bound.
-_first_backend_error: CommError | None = None
+# ranks that timed out are out of step. `wrap_backend_error` keeps the message of the first
+# such error of the process (`first_backend_error`), so code that waits for the other ranks
+# outside any collective (the background checkpoint writer waiting for their done markers at
+# exit) knows at once that they are not coming, instead of waiting out its own bound. The text
+# only: the error itself would keep its traceback's frames, and with them the call's tensors
+# and loans, alive for the rest of the process.
+_first_backend_error: str | None = None
 
 
-def first_backend_error() -> CommError | None:
-    """The first collective the backend failed in this process (None while all went well): see
-    Note [a failed collective breaks the group]."""
+def first_backend_error() -> str | None:
+    """The message of the first collective the backend failed in this process (None while all
+    went well): see Note [a failed collective breaks the group]."""
     return _first_backend_error
 
 
@@ -385,7 +387,7 @@ def wrap_backend_error(
     else:
         wrapped = CommBackendError(f"{where} failed: {err}")
     if _first_backend_error is None:
-        _first_backend_error = wrapped
+        _first_backend_error = str(wrapped)
     return wrapped
 
 
