@@ -309,25 +309,19 @@ def main() -> None:
         f"fp32, torch threads {torch.get_num_threads()}, {args.rounds} interleaved rounds "
         f"(medians, {args.clock} time), load average {load:.1f} on {os.cpu_count()} CPUs"
     )
-    if args.before is not None:
-        print(
-            "| T | attention | density | per score / sdpa's, fwd: before → after "
-            "| bwd: before → after | after / before (fwd; bwd) |"
-        )
-        print("|---|---|---|---|---|---|")
-        for seq in args.seq_lens:
-            for row in before_after(seq, args):
-                print(row, flush=True)
-        print(f"load average at the end: {os.getloadavg()[0]:.1f}")
-        return
-    print(
-        "| T | attention | density | fwd ms | fwd+bwd ms | peak MiB (fwd+bwd) "
-        "| x over sdpa+mask (fwd / fwd+bwd) | x over sdpa, same direction (fwd / fwd+bwd) "
-        "| time per computed score / sdpa's (fwd / bwd / fwd+bwd) [min–max] |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
+    if args.before is not None:  # see the module docstring
+        header = ("T", "attention", "density", "per score / sdpa's, fwd: before → after",
+                  "bwd: before → after", "after / before (fwd; bwd)")  # fmt: skip
+        table = before_after
+    else:
+        header = ("T", "attention", "density", "fwd ms", "fwd+bwd ms", "peak MiB (fwd+bwd)",
+                  "x over sdpa+mask (fwd / fwd+bwd)", "x over sdpa, same direction (fwd / fwd+bwd)",
+                  "time per computed score / sdpa's (fwd / bwd / fwd+bwd) [min–max]")  # fmt: skip
+        table = bench
+    print(f"| {' | '.join(header)} |")
+    print("|" + "---|" * len(header))
     for seq in args.seq_lens:
-        for row in bench(seq, args):
+        for row in table(seq, args):
             print(row, flush=True)
     print(f"load average at the end: {os.getloadavg()[0]:.1f}")
 
