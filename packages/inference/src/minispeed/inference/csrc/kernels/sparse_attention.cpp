@@ -122,7 +122,8 @@ void tile(int64_t p0, int64_t p1, Strided a, const float* b, int64_t ldb, float*
   for (int r = 0; r < MR; ++r) {
     const Vec out = Vec::splat(scale.after ? scale.after[r] : 1.f);
 #pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) (scale.after ? acc[r][j] * out : acc[r][j]).store(c + r * ldc + j * kW);
+    for (int j = 0; j < NV; ++j)
+      (scale.after ? acc[r][j] * out : acc[r][j]).store(c + r * ldc + j * kW);
   }
 }
 
