@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 from pathlib import Path
 
 import pytest
@@ -122,16 +123,27 @@ def _overflow_run(rank: int, world_size: int) -> dict:
     engine.step()  # overflow: skipped, the scheduler must not move
     counted.append(1)
     after_overflow = (engine.global_steps, engine.skipped_steps, engine.get_lr())
+    # what accelerate reads: `optimizer.overflow` (optimizer_step_was_skipped) and the norm
+    # the Trainer logs, infinite as DeepSpeed's optimizers report it
+    skipped = (engine.optimizer.overflow, engine.get_global_grad_norm())
     engine.backward(engine(x, y))
     engine.step()
     handle.remove()
-    return {"after_overflow": after_overflow, "after_step": (engine.global_steps, engine.get_lr())}
+    stepped = (engine.optimizer.overflow, engine.get_global_grad_norm())
+    return {
+        "after_overflow": after_overflow,
+        "after_step": (engine.global_steps, engine.get_lr()),
+        "skipped": skipped,
+        "stepped": stepped,
+    }
 
 
 def test_scheduler_does_not_step_on_fp16_overflow() -> None:
     r = run_distributed(_overflow_run, world_size=2, timeout_s=120)[0]
     assert r["after_overflow"] == (1, 1, [0.1])
     assert r["after_step"][0] == 2 and r["after_step"][1] == pytest.approx([0.05])
+    assert r["skipped"] == (True, math.inf)
+    assert r["stepped"][0] is False and 0 < r["stepped"][1] < math.inf
 
 
 def _args_run(rank: int, world_size: int, path: str) -> dict:
