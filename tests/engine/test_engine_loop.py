@@ -301,3 +301,22 @@ def test_optimizer_and_scheduler_arguments_that_are_not_callable_are_refused_by_
         "optimizer= must be a torch.optim.Optimizer or a callable of the model parameters, got int",
         "lr_scheduler= must be a scheduler or a callable of the optimizer, got str",
     ]
+
+
+def _compile_refused_run(rank: int, world_size: int) -> str:
+    model = GPT()
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=_config(3)
+    )
+    with pytest.raises(NotImplementedError) as refused:
+        engine.compile()
+    assert not engine.is_compiled
+    return str(refused.value)
+
+
+def test_compile_is_refused_by_name_at_stage_3() -> None:
+    """engine.compile (the Trainer's torch_compile=True) works at stages 0-2
+    (test_compat_clients.py's compile_z2, against DeepSpeed); stage 3 says why not."""
+    for text in run_distributed(_compile_refused_run, world_size=2, timeout_s=120):
+        assert "stage 3 gathers each module's parameters" in text
+        assert "torch_compile=False" in text
