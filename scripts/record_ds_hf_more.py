@@ -227,9 +227,9 @@ class OddParams(nn.Module):
         return F.linear(h, self.embed.weight)  # the embedding's weight as the output head
 
 
-def odd_params_case(stage):
-    fresh_state()
-    config = {
+def loop_config(stage):
+    """accelerate's own loop: the optimizer from the config (`DummyOptim`), clipped to 1."""
+    return {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
@@ -237,7 +237,20 @@ def odd_params_case(stage):
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "steps_per_print": 1000,
     }
-    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+
+
+def loop_step(accelerator, model, optimizer, loss):
+    """One step of accelerate's loop; the loss and the norm it reports."""
+    accelerator.backward(loss)
+    norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad()
+    return {"loss": loss.item(), "grad_norm": float(norm)}
+
+
+def odd_params_case(stage):
+    fresh_state()
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=loop_config(stage)))
     torch.manual_seed(0)
     model = OddParams()
     model, optimizer = accelerator.prepare(model, DummyOptim(model.parameters()))
@@ -247,11 +260,7 @@ def odd_params_case(stage):
         ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
         logits = model(ids[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
-        accelerator.backward(loss)
-        norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        steps.append({"loss": loss.item(), "grad_norm": float(norm)})
+        steps.append(loop_step(accelerator, model, optimizer, loss))
     return {"steps": steps, "pytorch": odd_params_pytorch()[accelerator.process_index]}
 
 
@@ -283,21 +292,13 @@ def odd_params_pytorch():
 def two_models_case():
     """Distillation with a ZeRO-3 teacher (no optimizer) and a ZeRO-2 student, one Accelerator."""
     fresh_state()
-    student_config = {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
-        "zero_optimization": {"stage": 2},
-        "steps_per_print": 1000,
-    }
     teacher_config = {
         "train_micro_batch_size_per_gpu": 2,
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
         "steps_per_print": 1000,
     }
     plugins = {
-        "student": DeepSpeedPlugin(hf_ds_config=student_config),
+        "student": DeepSpeedPlugin(hf_ds_config=loop_config(2)),
         "teacher": DeepSpeedPlugin(hf_ds_config=teacher_config),
     }
     accelerator = Accelerator(deepspeed_plugins=plugins)
@@ -317,11 +318,7 @@ def two_models_case():
             target = teacher(input_ids=ids).logits.softmax(-1)
         logits = student(input_ids=ids).logits
         loss = F.kl_div(logits.log_softmax(-1), target, reduction="batchmean")
-        accelerator.backward(loss)
-        norm = accelerator.clip_grad_norm_(student.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        steps.append({"loss": loss.item(), "grad_norm": float(norm)})
+        steps.append(loop_step(accelerator, student, optimizer, loss))
     return {"steps": steps}
 
 
