@@ -23,6 +23,9 @@ client recorders (`record_ds_trainer.py`, `record_ds_hf_families.py`, `record_ds
   scaling) whose first loss scale overflows the gradients: the skipped step's logged gradient
   norm, accelerate's `optimizer_step_was_skipped` after each step, the learning rate (the
   scheduler does not step on a skipped step), the engine's `global_steps` and `skipped_steps`;
+- `best_model_z3`: the Trainer evaluating and saving every 2 steps with
+  `load_best_model_at_end=True` (the best checkpoint loaded back into the engine at the end);
+- `save_model_z3`: accelerate's `save_model` at ZeRO-3, the saved safetensors' keys and sum;
 - `odd_params_z2`, `odd_params_z3`: accelerate's loop on a model that calls one `Linear` twice
   per forward, skips a branch on every other step (its parameters get no gradient then), and
   reads a sibling module's weight directly (`F.linear(x, self.embed.weight)`: an output head tied
@@ -154,7 +157,9 @@ class SkippedSteps(hf.TrainerCallback):
         self.skipped.append(self.trainer.accelerator.optimizer_step_was_skipped)
 
 
-def trainer_case(scratch, name, cls, config, kind, stage, train=True, ds=None, **extra):
+def trainer_case(
+    scratch, name, cls, config, kind, stage, train=True, ds=None, evals=False, **extra
+):
     init = saved(cls, config, scratch, name)
     fresh_state()
     seq2seq = kind == "seq2seq"
@@ -195,6 +200,9 @@ def trainer_case(scratch, name, cls, config, kind, stage, train=True, ds=None, *
             for h in trainer.state.log_history
             if "loss" in h
         ]
+    if evals:  # evaluations during training, and which checkpoint was loaded at the end
+        result["evals"] = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
+        result["best"] = Path(trainer.state.best_model_checkpoint).name
     result["eval_loss"] = trainer.evaluate()["eval_loss"]
     if seq2seq:
         result["generated"] = trainer.predict(rows(kind, 4, 3)).predictions.tolist()
@@ -289,6 +297,36 @@ def odd_params_pytorch():
     return per_rank
 
 
+def save_model_case(scratch):
+    """accelerate's `save_model` at ZeRO-3 (the 16-bit weights gathered to rank 0, written as
+    safetensors): the keys and the sum of the saved tensors."""
+    from safetensors.torch import load_file
+
+    fresh_state()
+    config = loop_config(3)
+    config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+    torch.manual_seed(0)
+    model = hf.LlamaForCausalLM(hf.LlamaConfig(**LLAMA))
+    model, optimizer = accelerator.prepare(model, DummyOptim(model.parameters()))
+    g = torch.Generator().manual_seed(accelerator.process_index)
+    steps = []
+    for _ in range(2):
+        ids = torch.randint(3, VOCAB, (2, SEQ), generator=g)
+        steps.append(
+            loop_step(accelerator, model, optimizer, model(input_ids=ids, labels=ids).loss)
+        )
+    accelerator.save_model(model, str(scratch / "saved"))
+    accelerator.wait_for_everyone()
+    result = {"steps": steps, "saved_keys": None, "saved_abs_sum": None}
+    if accelerator.is_main_process:
+        saved = load_file(str(scratch / "saved" / "model.safetensors"))
+        result["saved_keys"] = sorted(saved)
+        result["saved_abs_sum"] = sum(t.double().abs().sum().item() for t in saved.values())
+    accelerator.wait_for_everyone()
+    return result
+
+
 def two_models_case():
     """Distillation with a ZeRO-3 teacher (no optimizer) and a ZeRO-2 student, one Accelerator."""
     fresh_state()
@@ -353,6 +391,11 @@ def cases(scratch):
         "fp16_z3": lambda: trainer_case(
             scratch, "fp16_z3", *llama, 3, ds=FP16, fp16=True, max_steps=6
         ),
+        "best_model_z3": lambda: trainer_case(
+            scratch, "best_model_z3", *llama, 3, evals=True, max_steps=4, eval_strategy="steps",
+            eval_steps=2, save_strategy="steps", save_steps=2, load_best_model_at_end=True,
+        ),
+        "save_model_z3": lambda: save_model_case(scratch),
         "odd_params_z2": lambda: odd_params_case(2),
         "odd_params_z3": lambda: odd_params_case(3),
         "two_models": two_models_case,

@@ -147,7 +147,7 @@ def test_trl_trainers_match_deepspeed(runs: list[dict], name: str) -> None:
 @pytest.mark.parametrize(
     "case",
     ["gc_z3_reentrant", "gc_z3", "gc_z2_gas2", "compile_z2", "eval_only_z3", "albert_z3",
-     "bart_z3", "fp16_z2", "fp16_z3", "two_models"],
+     "bart_z3", "fp16_z2", "fp16_z3", "best_model_z3", "save_model_z3", "two_models"],
 )  # fmt: skip
 def test_more_client_uses_match_deepspeed(runs: list[dict], case: str) -> None:
     """Each case of record_ds_hf_more.py gives DeepSpeed's logged steps, evaluation and
@@ -157,16 +157,17 @@ def test_more_client_uses_match_deepspeed(runs: list[dict], case: str) -> None:
     `compile_z2`: the Trainer's `torch_compile=True` compiles the model at ZeRO-2 through
     `engine.compile`, as DeepSpeed (minispeed refused it). `fp16_*`: the overflowed first step logs an infinite gradient norm and accelerate's
     `optimizer_step_was_skipped` is True for it (minispeed logged no norm and never reported a
-    skip); the learning rate holds, as DeepSpeed's."""
+    skip); the learning rate holds, as DeepSpeed's. `best_model_z3`: the checkpoint
+    `load_best_model_at_end` loads back, and the evaluation after it, are DeepSpeed's."""
     for rank, (mine, ref) in enumerate(zip(runs, MORE["ranks"], strict=True)):
         ours, theirs = mine["record_ds_hf_more.py"][case], ref[case]
         assert ours.keys() == theirs.keys(), (rank, case)
         for key, value in theirs.items():
             if key == "steps":
                 _steps_match(ours[key], value, f"rank {rank} {case}")
-            elif isinstance(value, float):
+            elif isinstance(value, float) or key == "evals":
                 assert ours[key] == pytest.approx(value, rel=REL), (rank, case, key)
-            else:  # generated tokens, argmaxes, skipped flags, the engine's step counters
+            else:  # tokens, argmaxes, skipped flags, step counters, checkpoint and key names
                 assert ours[key] == value, (rank, case, key)
         if case == "compile_z2":
             assert ours["compiled"] is True, rank
