@@ -60,7 +60,7 @@ _log = get_logger("engine")
 _WARM_UP_STEPS = 2
 
 # The keys the engine adds to a checkpoint's client_state (the user's own stays under "client").
-_ENGINE_STATE = "minispeed_engine"
+_ENGINE_STATE = ckpt.ENGINE_STATE
 
 
 class StepObserver(Protocol):
@@ -542,14 +542,31 @@ class Engine(DeepSpeedQueries, DeepSpeedSurface, CheckpointCalls, nn.Module):
             state = {k: v for k, v in state.items() if k not in frozen}
         return state
 
-    def _consolidated_16bit_state_dict(self, **_: Any) -> Any:
-        """DeepSpeed's gather of a tensor-parallel model (accelerate calls it for `save_model`
-        under `tensor_parallel.autotp_size` > 1): refused, as `save_16bit_model` is there."""
-        raise NotImplementedError(
-            "a 16-bit state dict of a tensor-parallel model is not gathered by minispeed: use "
-            "save_checkpoint (it loads at any tensor-parallel size, 1 included) and "
-            "`minispeed consolidate`"
-        )
+    def _consolidated_16bit_state_dict(
+        self, exclude_frozen_parameters: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """DeepSpeed's gather of a tensor-parallel model (accelerate's `get_state_dict`, so the
+        Trainer's `save_model`, under `tensor_parallel.autotp_size` > 1): the unsplit model's
+        `state_dict`, in its training dtype, on every rank. Collective over the tensor group:
+        one all-gather of each split parameter's whole bytes
+        (`minispeed.tensor_parallel.unshard_state_dict`). Refused with a pipeline, or with ZeRO-3
+        partitioning the slices (save_checkpoint loads at any tensor-parallel size there)."""
+        axes = () if self.grid is None else self.grid.topology.axes
+        if "tensor" not in axes or "pipe" in axes or self.config.zero.stage == 3:
+            raise NotImplementedError(
+                "_consolidated_16bit_state_dict gathers a tensor-parallel model at ZeRO stage 0-2 "
+                f"without a pipeline (this engine: grid axes {axes}, ZeRO stage "
+                f"{self.config.zero.stage}): use save_checkpoint (it loads at any tensor-parallel "
+                "size, 1 included) and `minispeed consolidate`"
+            )
+        import minispeed.tensor_parallel as tensor_parallel
+
+        group = tensor_parallel.TensorGroup.of(self.grid)
+        state = tensor_parallel.unshard_state_dict(self.module, group)
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        return state
 
     # -- parking the states between phases (RLHF: generation needs the device) ------------------
     def offload_states(

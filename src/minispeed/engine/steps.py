@@ -115,7 +115,20 @@ def tensor_parallel_plan(
 ) -> tuple[Any, Any]:
     """Step 3: the plan chosen, applied and agreed by every rank (collective over the world:
     `minispeed.tensor_parallel.parallelize_everywhere`), before the optimizer sees the
-    parameters. Returns `(optimizer, model_parameters)` pointed at the slices."""
+    parameters. Returns `(optimizer, model_parameters)` pointed at the slices. A model built
+    under `zero.Init` (its parameters already ZeRO-3 shards) is refused, naming a parameter:
+    the cut needs whole weights (local: every rank raises before the first collective)."""
+    from minispeed.zero.stage3.params import REGISTRY
+
+    partitioned = next((n for n, p in model.named_parameters() if p in REGISTRY), None)
+    if partitioned is not None:
+        raise ConfigError(
+            "tensor_parallel.autotp_size",
+            f"the model's parameters are ZeRO-3 shards already ({partitioned!r}: built under "
+            "zero.Init, or from_pretrained with a stage-3 HfDeepSpeedConfig) and tensor "
+            "parallelism cuts whole weights: build the model outside zero.Init (initialize "
+            "then partitions the slices at stage 3)",
+        )
     with composition.step(
         "tensor-parallel plan", model, keys=("tensor_parallel.autotp_size",)
     ) as step:

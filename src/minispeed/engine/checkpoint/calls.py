@@ -139,7 +139,8 @@ class CheckpointCalls:
         `load_path` is DeepSpeed's (the module docstring). `tag=None` reads `load_dir/latest`;
         with no `latest` file this returns `(None, None)` with a warning, as DeepSpeed does.
         Loads at any data-parallel size; another pipeline or expert-parallel size is refused
-        naming both grids. Waits for an asynchronous save in flight first.
+        naming both grids. A directory DeepSpeed itself wrote (ZeRO 0-3, data-parallel) loads
+        too, with DeepSpeed's client state (`deepspeed_files.py`). Waits for an asynchronous save in flight first.
         `load_module_strict=False` lets the frozen parameters differ from the checkpoint's:
         those it lacks keep the model's values, those the model lacks are skipped (trainable
         ones must still match, since their optimizer state is loaded with them).

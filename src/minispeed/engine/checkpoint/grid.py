@@ -61,6 +61,7 @@ from minispeed.zero.checkpoints import (
 )
 
 __all__ = [
+    "ENGINE_STATE",
     "GRID_FILE",
     "CheckpointConfig",
     "GridPlace",
@@ -106,6 +107,9 @@ def write_recovery_scripts(root: Path) -> None:
 
 # The key of a tensor-parallel part's client_state that records how each parameter is cut.
 TENSOR_SPECS = "minispeed_tensor_specs"
+# The key of a part's client_state holding the engine's own state (counters, scheduler); the
+# caller's client_state is under "client" beside it.
+ENGINE_STATE = "minispeed_engine"
 
 
 def tensor_specs(module: nn.Module) -> dict[str, list[int]]:

@@ -2,7 +2,7 @@
 
 Find the tag (`latest` or `tag=`), read `grid.json` and refuse a grid that cannot load
 (`check_grid`), then hand the part to `zero.load_checkpoint`, or to `resplit.py` when the
-tensor-parallel size changed. Every step is
+tensor-parallel size changed, or to `deepspeed_files.py` when DeepSpeed itself wrote the tag. Every step is
 agreed over the world (Note [a checkpoint fails on every rank]). Apart from `grid.py`
 because the re-split builds on the layout that module defines.
 """
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import minispeed.zero as zero
+from minispeed.engine.checkpoint.deepspeed_files import is_deepspeed_tag, load_deepspeed
 from minispeed.engine.checkpoint.grid import (
     Part,
     check_grid,
@@ -39,13 +40,20 @@ def load_part(
     `strict=False`: frozen parameters may differ (zero's `load_checkpoint`)."""
     what = f"load_checkpoint from {os.fspath(load_dir)!r}" + (f" (tag {tag!r})" if tag else "")
 
-    def find() -> tuple[Path, int]:
+    def find() -> tuple[Path, int | None]:
         tag_dir = find_tag(load_dir, tag)
+        if is_deepspeed_tag(tag_dir):  # written by DeepSpeed itself (deepspeed_files.py)
+            return tag_dir, None
         saved = read_grid(tag_dir)
         check_grid(saved, part, tag_dir)
         return tag_dir, 1 if saved is None else saved["grid"].get("tensor", 1)
 
     (tag_dir, saved_tensor), _ = together(None, what, find)
+    if saved_tensor is None:
+        payload = load_deepspeed(
+            part, tag_dir, load_optimizer_states=load_optimizer_states, strict=strict, what=what
+        )
+        return tag_dir, payload
     where = part_dir(tag_dir, part.place)
     if saved_tensor != part.place.tensor:
         # See resplit.py: this rank's slices, re-cut from the saved ones.

@@ -54,7 +54,7 @@ from minispeed.zero.checkpoints import (
     weights_file,
 )
 
-__all__ = ["load_resplit"]
+__all__ = ["load_resplit", "write_one_rank"]
 
 _TAG = "resplit"
 
@@ -170,33 +170,56 @@ def _convert(part: Part, tag_dir: Path, saved_tensor: int, states: bool) -> Path
 def _write(meta, common, weights, states, shapes, rng) -> Path:
     """A one-rank ZeRO checkpoint of the re-cut tensors in a temporary directory."""
     work = Path(tempfile.mkdtemp(prefix="minispeed-tensor-resplit-"))
-    tag_dir = work / _TAG
-    tag_dir.mkdir()
-    names = list(weights)
-    header = {"format_version": meta.format_version, "rank": 0, "world_size": 1}
-    packed = pack_pieces([(n, 0, weights[n]) for n in names])
-    torch.save({**header, **packed}, tag_dir / weights_file(0, 1))
-    packed_states = {k: pack_pieces([(n, 0, v[n]) for n in names]) for k, v in states.items()}
-    torch.save({**header, "state": packed_states, "rng": rng}, tag_dir / optim_file(0, 1))
-    torch.save(common, tag_dir / COMMON_FILE)
+    flat = {n: w.reshape(-1) for n, w in weights.items()}
     new_meta = dataclasses.replace(
         meta,
-        tag=_TAG,
-        world_size=1,
         params=tuple(ParamRecord(p.name, shapes[p.name], p.group, p.aliases) for p in meta.params),
-        shards=(
-            ShardRecord(
-                0,
-                weights_file(0, 1),
-                optim_file(0, 1),
-                tuple((n, 0, weights[n].numel()) for n in names),
-                4 * sum(w.numel() for w in weights.values()),
-            ),
-        ),
         common_file_bytes=None,
         model_16bit_file=None,
         model_16bit_file_bytes=None,
         node_local_ranks=None,
     )
-    (tag_dir / METADATA_FILE).write_text(new_meta.to_json())
+    write_one_rank(work, _TAG, new_meta, common, flat, states, rng)
     return work
+
+
+def write_one_rank(
+    root: Path,
+    tag: str,
+    meta: CheckpointMetadata,
+    common: dict[str, Any],
+    weights: dict[str, torch.Tensor],
+    states: dict[str, dict[str, torch.Tensor]],
+    rng: Any,
+) -> None:
+    """`root/tag` as a one-rank ZeRO checkpoint holding whole parameters: `weights` and
+    `states` (`{state key: {name: tensor}}`) by parameter name, `common.pt`, and `meta` with its
+    tag, world size and shard record replaced. A private scratch directory, so written plainly
+    (the caller removes it); `zero.load_checkpoint` re-slices it over any data-parallel size."""
+    tag_dir = root / tag
+    tag_dir.mkdir()
+    names = [p.name for p in meta.params]
+    header = {"format_version": meta.format_version, "rank": 0, "world_size": 1}
+    flat = {n: weights[n].reshape(-1) for n in names}
+    torch.save({**header, **pack_pieces([(n, 0, flat[n]) for n in names])},
+               tag_dir / weights_file(0, 1))  # fmt: skip
+    packed_states = {
+        k: pack_pieces([(n, 0, v[n].reshape(-1)) for n in names]) for k, v in states.items()
+    }
+    torch.save({**header, "state": packed_states, "rng": rng}, tag_dir / optim_file(0, 1))
+    torch.save(common, tag_dir / COMMON_FILE)
+    new_meta = dataclasses.replace(
+        meta,
+        tag=tag,
+        world_size=1,
+        shards=(
+            ShardRecord(
+                0,
+                weights_file(0, 1),
+                optim_file(0, 1),
+                tuple((n, 0, flat[n].numel()) for n in names),
+                4 * sum(w.numel() for w in flat.values()),
+            ),
+        ),
+    )
+    (tag_dir / METADATA_FILE).write_text(new_meta.to_json())

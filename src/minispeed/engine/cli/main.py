@@ -198,7 +198,11 @@ def _delegate(module: str, prefix: Sequence[str]):
 
 #: Subcommands that are a package's own command line: every argument (`--help` too) goes to it.
 _DELEGATES = {
-    "consolidate": ("minispeed.zero.__main__", ["consolidate"], "sharded checkpoint -> fp32"),
+    "consolidate": (
+        "minispeed.engine.cli.consolidate",
+        ["consolidate"],
+        "sharded checkpoint -> fp32",
+    ),
     "trace": ("minispeed.profiler.__main__", ["trace"], "Chrome trace of a training step"),
 }
 

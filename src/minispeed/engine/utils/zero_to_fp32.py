@@ -10,7 +10,9 @@ Over `minispeed.zero.consolidate` (the `minispeed consolidate` command): the wei
 streamed into one `torch.save` file, which is then loaded, so the cost is one pass over the
 weight shards (never the optimizer moments), Ψ·4 bytes of disk in a temporary file and Ψ·4 bytes
 of host memory for the returned dict. Works at every ZeRO stage (DeepSpeed's needs 1-3) and
-for checkpoints saved at any data-parallel size. A checkpoint of several parts (pipeline stages
+for checkpoints saved at any data-parallel size, and reads a checkpoint DeepSpeed itself wrote
+(stages 0-3; `minispeed.engine.checkpoint.deepspeed_files`, which first joins its flat
+partitions per parameter into a temporary one-rank checkpoint: Ψ·(4 + K) more bytes read). A checkpoint of several parts (pipeline stages
 or expert ranks: `minispeed.engine.checkpoint`) is refused naming its parts: consolidate each
 part directory, as each holds its own layers. `lazy_mode=True` and `safe_serialization=True` are
 refused.
@@ -35,11 +37,13 @@ python zero_to_torch.py . out/ --dtype bf16        # bf16 weights
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -47,6 +51,7 @@ from torch import nn
 
 import minispeed.zero as zero
 from minispeed.core.files import atomic_replace, atomic_write, fsync_dir
+from minispeed.engine.checkpoint.deepspeed_files import deepspeed_weights, is_deepspeed_tag
 from minispeed.engine.checkpoint.grid import find_tag, read_grid
 
 __all__ = [
@@ -56,6 +61,7 @@ __all__ = [
     "get_fp32_state_dict_from_zero_checkpoint",
     "load_state_dict_from_zero_checkpoint",
     "main",
+    "zero_tag_dir",
 ]
 
 OUTPUT_DTYPE_NAMES = {
@@ -70,6 +76,22 @@ OUTPUT_DTYPE_NAMES = {
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+@contextlib.contextmanager
+def zero_tag_dir(checkpoint_dir: str | os.PathLike, tag: str | None) -> Iterator[Path]:
+    """The tag directory to consolidate: minispeed's own, or, for a tag DeepSpeed wrote, its
+    weights as a one-rank minispeed checkpoint in a temporary directory (removed on exit;
+    `minispeed.engine.checkpoint.deepspeed_files`)."""
+    tag_dir = _tag_dir(checkpoint_dir, tag)
+    if not is_deepspeed_tag(tag_dir):
+        yield tag_dir
+        return
+    work = deepspeed_weights(tag_dir)
+    try:
+        yield work / "deepspeed"
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _tag_dir(checkpoint_dir: str | os.PathLike, tag: str | None) -> Path:
@@ -101,8 +123,7 @@ def get_fp32_state_dict_from_zero_checkpoint(
     (no collective). `exclude_frozen_parameters` leaves the frozen parameters out."""
     if lazy_mode:
         raise ValueError("lazy_mode=True is not supported: the whole fp32 state dict is returned")
-    tag_dir = _tag_dir(checkpoint_dir, tag)
-    with tempfile.TemporaryDirectory(dir=tag_dir.parent) as tmp:
+    with zero_tag_dir(checkpoint_dir, tag) as tag_dir, tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "fp32.pt"
         zero.consolidate(tag_dir, out, exclude_frozen=exclude_frozen_parameters)
         state = torch.load(out, map_location="cpu", weights_only=True)
@@ -195,12 +216,11 @@ def convert_zero_checkpoint_to_state_dict(
             raise ImportError(
                 "safe_serialization=True needs the safetensors package: pip install safetensors"
             ) from None
-    tag_dir = _tag_dir(checkpoint_dir, tag)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     stem, ext = ("model", ".safetensors") if safe_serialization else ("pytorch_model", ".bin")
     written: list[Path] = []
-    with tempfile.TemporaryDirectory(dir=out) as tmp:
+    with zero_tag_dir(checkpoint_dir, tag) as tag_dir, tempfile.TemporaryDirectory(dir=out) as tmp:
         whole = Path(tmp) / "fp32.pt"
         zero.consolidate(tag_dir, whole, exclude_frozen=exclude_frozen_parameters)
         state = torch.load(whole, map_location="cpu", weights_only=True, mmap=True)

@@ -48,6 +48,7 @@ from minispeed.tensor_parallel.sharding import ShardSpec
 from minispeed.tensor_parallel.styles import (
     Column,
     HeadInput,
+    HeadNorm,
     Heads,
     Row,
     ScatterSequence,
@@ -212,7 +213,7 @@ def _apply(model: nn.Module, path: str, style: Style, tg: TensorGroup, tied: dic
             m.register_forward_hook(lambda _m, _i, out: gather_from_sequence(out, tg))
         else:
             m.register_forward_hook(lambda _m, _i, out: copy_to_parallel(out, tg))
-    sums_grads = isinstance(style, SequenceShard) or (
+    sums_grads = isinstance(style, SequenceShard | HeadNorm) or (
         isinstance(style, HeadInput) and style.sequence_parallel
     )
     if sums_grads and tg.size > 1:

@@ -21,7 +21,15 @@ from torch import nn
 from minispeed.tensor_parallel.group import TensorGroup
 from minispeed.tensor_parallel.mappings import all_gather_along
 
-__all__ = ["ShardSpec", "join", "shard", "sharded_parameters", "unshard", "unshard_module"]
+__all__ = [
+    "ShardSpec",
+    "join",
+    "shard",
+    "sharded_parameters",
+    "unshard",
+    "unshard_module",
+    "unshard_state_dict",
+]
 
 
 @dataclass(frozen=True)
@@ -95,3 +103,12 @@ def unshard_module(
             continue
         out[name] = unshard(t, specs[name], tg) if name in specs else t.detach().clone()
     return out
+
+
+def unshard_state_dict(module: nn.Module, tg: TensorGroup) -> dict[str, torch.Tensor]:
+    """`module.state_dict()` with every split parameter whole (the unsplit model's state dict:
+    its names, shapes and dtypes), e.g. to save a split Hugging Face model with
+    `save_pretrained`. Collective: one all-gather per split parameter (its whole bytes), in the
+    order of `named_parameters`; the rest is copied."""
+    whole = unshard_module(module, tg)
+    return {k: whole.get(k, v.detach().clone()) for k, v in module.state_dict().items()}

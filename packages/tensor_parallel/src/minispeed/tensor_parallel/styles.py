@@ -2,8 +2,9 @@
 
 A plan maps module paths to one style each. Three styles replace the module by a split layer
 (`Column`, `Row`, `Vocab`); the others leave it in place and change what flows through it:
-`Heads` divides the head counts an attention module reshapes by, `SequenceShard` marks a norm
-that runs on sequence shards, `HeadInput` prepares the input of an output head the model
+`Heads` divides the head counts an attention module reshapes by, `HeadNorm` marks a norm applied
+to each of this rank's heads (its replicated weight gets a partial gradient), `SequenceShard`
+marks a norm that runs on sequence shards, `HeadInput` prepares the input of an output head the model
 computes itself (a tied `F.linear(x, wte.weight)`), `ScatterSequence` cuts a replicated output
 (position embeddings) into this rank's sequence shard.
 """
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 __all__ = [
     "Column",
     "HeadInput",
+    "HeadNorm",
     "Heads",
     "Row",
     "ScatterSequence",
@@ -63,6 +65,14 @@ class Heads:
 
 
 @dataclass(frozen=True)
+class HeadNorm:
+    """A norm over one head's features (Qwen3's `q_norm` / `k_norm`, weight `(d,)`) applied to this
+    rank's heads after a column split: the forward is local, but its replicated weight sees only
+    `H/n` heads, so its gradient is a partial sum, all-reduced in backward (one all-reduce of its
+    `e·d` bytes per parameter)."""
+
+
+@dataclass(frozen=True)
 class SequenceShard:
     """A module (a norm, a dropout) that runs on sequence shards under sequence parallelism: its
     replicated parameters get partial gradients, summed by one all-reduce each in backward."""
@@ -84,4 +94,4 @@ class ScatterSequence:
     this rank's sequence shard; backward all-gathers the gradient, so it is whole everywhere."""
 
 
-Style = Column | Row | Vocab | Heads | SequenceShard | HeadInput | ScatterSequence
+Style = Column | Row | Vocab | Heads | HeadNorm | SequenceShard | HeadInput | ScatterSequence
