@@ -361,7 +361,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Detachable):
             return self._boundary_step()
 
     def _boundary_step(self) -> bool:
-        self._window, self._window_ended = 0, False
+        self._window, self._window_ended, self.overflow = 0, False, False
         grads_by_group = self.strategy.master_grads()
         grads = [g for gs in grads_by_group for g in gs]
         if self.model_parallel is not None and self.model_parallel.shared:
@@ -404,12 +404,10 @@ class ZeroOptimizer(torch.optim.Optimizer, Detachable):
             )
         unused = [p for p, f in zip(self._params, flags[1 : 1 + len(self._params)]) if f == 0]
 
-        self.overflow = overflow
         if overflow:
             # Skip: no master, no state and no parameter is touched. See LossScaler. The norm
             # of overflowed gradients is infinite, as DeepSpeed's optimizers report it.
-            if self.config.max_grad_norm > 0:
-                self._grad_norm = torch.full((), math.inf)
+            self.overflow, self._grad_norm = True, torch.full((), math.inf)
             self.strategy.zero_grad()
             self.loss_scaler.update(overflow=True)
             _log.warning(
@@ -436,9 +434,8 @@ class ZeroOptimizer(torch.optim.Optimizer, Detachable):
             )
         self.strategy.publish_params()
         self.loss_scaler.update(overflow=False)
-        if (
-            self._user_optimizer is not None
-        ):  # Note [a scheduler on the user's optimizer sees it step]
+        # Note [a scheduler on the user's optimizer sees it step]
+        if self._user_optimizer is not None:
             self._user_optimizer._opt_called = True  # type: ignore[attr-defined]
         self.strategy.zero_grad()
         self.global_step += 1
@@ -531,7 +528,8 @@ class ZeroOptimizer(torch.optim.Optimizer, Detachable):
     def global_grad_norm(self) -> float | None:
         """The global L2 norm of the gradients before clipping, at the last step that clipped
         (`max_grad_norm` > 0, `math.inf` for the norm without clipping); infinite after a step
-        skipped for an fp16 overflow; `None` before then or with `max_grad_norm` 0."""
+        skipped for an fp16 overflow; `None` before the first step or with `max_grad_norm` 0
+        (until an overflow)."""
         return None if self._grad_norm is None else float(self._grad_norm)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
