@@ -31,6 +31,12 @@ client recorders (`record_ds_trainer.py`, `record_ds_hf_families.py`, `record_ds
   reads a sibling module's weight directly (`F.linear(x, self.embed.weight)`: an output head tied
   by hand, a parameter used outside its module's forward), and the same steps in single-process
   PyTorch;
+- `accumulate_generate_z3`: accelerate's loop with `gradient_accumulation_steps` on the
+  `Accelerator` and `accumulate`, then `unwrap_model(model).generate(..., synced_gpus=True)`
+  with a prompt and an output length per rank;
+- `save_no_gather_z3`: the Trainer's `save_model()` at ZeRO-3 without
+  `stage3_gather_16bit_weights_on_model_save` (a DeepSpeed checkpoint is written instead), the
+  weights recovered by `zero_to_fp32` into a plain model and evaluated;
 - `two_models`: accelerate with two DeepSpeed plugins (`deepspeed_plugins={"student": ...,
   "teacher": ...}`): a teacher at ZeRO-3 without an optimizer, prepared after
   `select_deepspeed_plugin("teacher")`, distilled into a student at ZeRO-2.
@@ -158,8 +164,9 @@ class SkippedSteps(hf.TrainerCallback):
 
 
 def trainer_case(
-    scratch, name, cls, config, kind, stage, train=True, ds=None, evals=False, **extra
-):
+    scratch, name, cls, config, kind, stage, train=True, ds=None, evals=False, save_to=None,
+    **extra,
+):  # fmt: skip
     init = saved(cls, config, scratch, name)
     fresh_state()
     seq2seq = kind == "seq2seq"
@@ -204,6 +211,8 @@ def trainer_case(
         result["evals"] = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
         result["best"] = Path(trainer.state.best_model_checkpoint).name
     result["eval_loss"] = trainer.evaluate()["eval_loss"]
+    if save_to is not None:
+        trainer.save_model(str(save_to))
     if seq2seq:
         result["generated"] = trainer.predict(rows(kind, 4, 3)).predictions.tolist()
     elif not train:
@@ -327,6 +336,67 @@ def save_model_case(scratch):
     return result
 
 
+def accumulate_generate_case():
+    """accelerate's loop at ZeRO-3 with the accumulation set on the `Accelerator` (the config's
+    `"auto"` filled from it) and `accumulate`, then the no_trainer examples' generation:
+    `unwrap_model(model).generate(..., synced_gpus=True)`, each rank a prompt and an output
+    length of its own (the rank that finishes first keeps stepping for the other)."""
+    fresh_state()
+    config = {**loop_config(3), "gradient_accumulation_steps": "auto"}
+    accelerator = Accelerator(
+        gradient_accumulation_steps=2, deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config)
+    )
+    torch.manual_seed(0)
+    model = hf.LlamaForCausalLM(hf.LlamaConfig(**LLAMA))
+    g = torch.Generator().manual_seed(5)
+    data = torch.utils.data.TensorDataset(torch.randint(3, VOCAB, (16, SEQ), generator=g))
+    loader = torch.utils.data.DataLoader(data, batch_size=2)
+    model, optimizer, loader = accelerator.prepare(model, DummyOptim(model.parameters()), loader)
+    steps = []
+    for (ids,) in loader:
+        with accelerator.accumulate(model):
+            loss = model(input_ids=ids, labels=ids).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                steps.append({"loss": loss.item(), "grad_norm": float(norm)})
+            optimizer.step()
+            optimizer.zero_grad()
+    model.eval()
+    rank = accelerator.process_index
+    prompt = torch.randint(3, VOCAB, (1, 3 + rank), generator=torch.Generator().manual_seed(rank))
+    out = accelerator.unwrap_model(model).generate(
+        prompt, max_new_tokens=4 + 2 * rank, do_sample=False, synced_gpus=True
+    )
+    return {"steps": steps, "generated": out.tolist()}
+
+
+def save_without_gather_case(scratch):
+    """The Trainer's `save_model()` at ZeRO-3 without `stage3_gather_16bit_weights_on_model_save`:
+    transformers saves a DeepSpeed checkpoint instead, and the weights come back with
+    `zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint` into a plain model (rank 0)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    result = trainer_case(
+        scratch, "no_gather_z3", hf.LlamaForCausalLM, hf.LlamaConfig(**LLAMA), "clm", 3,
+        ds={"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": False}},
+        save_to=scratch / "no_gather_saved",
+    )  # fmt: skip
+    unset_hf_deepspeed_config()  # a plain model next: not built under zero.Init
+    result["saved_files"], result["reloaded_eval_loss"] = None, None
+    if dist.get_rank() == 0:
+        saved = scratch / "no_gather_saved"
+        result["saved_files"] = sorted(os.listdir(saved))
+        model = hf.LlamaForCausalLM(hf.LlamaConfig(**LLAMA))
+        model.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(str(saved)))
+        batch = torch.stack([r["input_ids"] for r in rows("clm", 8, 2)])
+        with torch.no_grad():
+            result["reloaded_eval_loss"] = model.eval()(input_ids=batch, labels=batch).loss.item()
+    dist.barrier()
+    return result
+
+
 def two_models_case():
     """Distillation with a ZeRO-3 teacher (no optimizer) and a ZeRO-2 student, one Accelerator."""
     fresh_state()
@@ -400,6 +470,8 @@ def cases(scratch):
         "odd_params_z2": lambda: odd_params_case(2),
         "odd_params_z3": lambda: odd_params_case(3),
         "two_models": two_models_case,
+        "accumulate_generate_z3": accumulate_generate_case,
+        "save_no_gather_z3": lambda: save_without_gather_case(scratch),  # last: unsets HF's ds
     }  # fmt: skip
 
 

@@ -147,7 +147,8 @@ def test_trl_trainers_match_deepspeed(runs: list[dict], name: str) -> None:
 @pytest.mark.parametrize(
     "case",
     ["gc_z3_reentrant", "gc_z3", "gc_z2_gas2", "compile_z2", "eval_only_z3", "albert_z3",
-     "bart_z3", "fp16_z2", "fp16_z3", "best_model_z3", "save_model_z3", "two_models"],
+     "bart_z3", "fp16_z2", "fp16_z3", "best_model_z3", "save_model_z3", "two_models",
+     "accumulate_generate_z3", "save_no_gather_z3"],
 )  # fmt: skip
 def test_more_client_uses_match_deepspeed(runs: list[dict], case: str) -> None:
     """Each case of record_ds_hf_more.py gives DeepSpeed's logged steps, evaluation and
