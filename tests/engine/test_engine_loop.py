@@ -311,12 +311,23 @@ def _compile_refused_run(rank: int, world_size: int) -> str:
     with pytest.raises(NotImplementedError) as refused:
         engine.compile()
     assert not engine.is_compiled
-    return str(refused.value)
+    import minispeed.engine.pipe as pipe
+
+    stages = pipe.PipelineModule([pipe.LayerSpec(nn.Linear, 4, 4) for _ in range(2)], num_stages=2)
+    engine, _, _, _ = deepspeed.initialize(
+        model=stages, optimizer=torch.optim.SGD(stages.parameters(), lr=0.1),
+        config={"train_batch_size": 2},
+    )  # fmt: skip
+    with pytest.raises(NotImplementedError) as pipeline_refused:
+        engine.compile()
+    return str(refused.value), str(pipeline_refused.value)
 
 
-def test_compile_is_refused_by_name_at_stage_3() -> None:
+def test_compile_is_refused_by_name_at_stage_3_and_on_a_pipeline() -> None:
     """engine.compile (the Trainer's torch_compile=True) works at stages 0-2
-    (test_compat_clients.py's compile_z2, against DeepSpeed); stage 3 says why not."""
-    for text in run_distributed(_compile_refused_run, world_size=2, timeout_s=120):
-        assert "stage 3 gathers each module's parameters" in text
-        assert "torch_compile=False" in text
+    (test_compat_clients.py's compile_z2, against DeepSpeed); stage 3 and a pipeline say why
+    not."""
+    for stage3, pipeline in run_distributed(_compile_refused_run, world_size=2, timeout_s=120):
+        assert "stage 3 gathers each module's parameters" in stage3
+        assert "torch_compile=False" in stage3
+        assert "pipeline schedule" in pipeline
