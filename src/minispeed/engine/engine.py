@@ -646,15 +646,41 @@ class Engine(DeepSpeedQueries, DeepSpeedSurface, CheckpointCalls, nn.Module):
             "engine.offload_states(): call engine.reload_states() first"
         )
 
-    def compile(self, backend: Any = None, compile_kwargs: Any = None, **_: Any) -> None:
-        """DeepSpeed's `engine.compile` (accelerate calls it when a dynamo backend is set):
-        refused rather than compiling the engine's own forward, which `nn.Module.compile` would
-        do around the ZeRO hooks."""
-        raise NotImplementedError(
-            "engine.compile() is not supported by minispeed: its ZeRO hooks run in eager mode; "
-            "turn torch.compile off (TrainingArguments(torch_compile=False), or no dynamo backend "
-            "in accelerate's config)"
+    def compile(
+        self,
+        backend: Any = None,
+        compile_kwargs: dict[str, Any] | None = None,
+        schedule: Any = None,
+        compiled_autograd_enabled: bool = False,
+    ) -> None:
+        """DeepSpeed's `engine.compile` (accelerate calls it when a dynamo backend is set, as
+        with the Trainer's `torch_compile=True`): `nn.Module.compile` of the model, as DeepSpeed
+        does without deepcompile, at ZeRO stages 0-2, whose hooks are on the gradients (they
+        run as autograd accumulates each one, outside the compiled graphs). A second call does
+        nothing. Refused at stage 3 (each module's forward is wrapped in hooks that gather its
+        parameters), with a deepcompile `schedule` and with compiled autograd (and on a
+        pipeline: `PipelineEngine.compile`).
+        """
+        if self.is_compiled:
+            return
+        refusal = (
+            "stage 3 gathers each module's parameters in forward hooks, which run eagerly"
+            if self.config.zero.stage == 3
+            else "deepcompile schedules are not provided"
+            if schedule is not None
+            else "compiled autograd would trace the gradient hooks"
+            if compiled_autograd_enabled
+            else None
         )
+        if refusal is not None:
+            raise NotImplementedError(
+                f"engine.compile() is not supported here by minispeed: {refusal}; turn "
+                "torch.compile off (TrainingArguments(torch_compile=False), or no dynamo backend "
+                "in accelerate's config), or compile at ZeRO stages 0-2"
+            )
+        kwargs = {k: v for k, v in (compile_kwargs or {}).items() if k != "backend"}
+        self.module.compile(backend=backend or "inductor", **kwargs)
+        self._compiled = True
 
     def destroy(self) -> None:
         """Stop the comms logger and release the model's hooks (the model stays usable)."""

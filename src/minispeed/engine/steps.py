@@ -376,6 +376,13 @@ def build_scheduler(composition: Composition, given: Any, zero_opt: Any, cfg: En
     """Step 7: the scheduler given, a callable of the optimizer, or the config's by name (on the
     inner optimizer, whose param groups hold the hyper-parameters the step reads)."""
     with composition.step("scheduler") as step:
+        if given is None and zero_opt is None and cfg.scheduler is not None:
+            # A training config reused without an optimizer (transformers' evaluate-only
+            # Trainer removes the optimizer section, not the scheduler): DeepSpeed builds no
+            # scheduler then either.
+            step.keys = ("scheduler.type",)
+            step.did("scheduler left out: there is no optimizer to schedule")
+            return None
         scheduler = _scheduler(given, zero_opt, cfg)
         if scheduler is None:
             step.did("none")
@@ -396,8 +403,6 @@ def _scheduler(given: Any, zero_opt: Any, cfg: EngineConfig) -> Any:
                        "optimizer")  # fmt: skip
     if cfg.scheduler is None:
         return None
-    if target is None:
-        raise ConfigError("scheduler", "a scheduler needs an optimizer; add an optimizer section")
     from minispeed.engine.lr_schedules import build_scheduler as by_name
 
     return by_name(cfg.scheduler, target)
