@@ -7,11 +7,13 @@ and the largest gradient difference relative to that parameter's largest gradien
 gathered back). A family `auto_plan` refuses prints the refusal.
 
 ```bash
-.venv/bin/python scripts/check_autotp_families.py
+.venv/bin/python scripts/check_autotp_families.py [family ...]
 ```
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import transformers as t
@@ -25,6 +27,7 @@ GPTJ = dict(vocab_size=48, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_posit
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
 PHI = dict(vocab_size=48, hidden_size=32, intermediate_size=44, num_hidden_layers=2,
            num_attention_heads=4, max_position_embeddings=32, resid_pdrop=0.0, embd_pdrop=0.0)  # fmt: skip
+FALCON = dict(vocab_size=48, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
 FAMILIES = {
     "mistral": lambda: t.MistralForCausalLM(t.MistralConfig(**GQA)),
     "gemma": lambda: t.GemmaForCausalLM(t.GemmaConfig(**GQA, head_dim=8)),
@@ -38,8 +41,21 @@ FAMILIES = {
     "phi_qk_norm": lambda: t.PhiForCausalLM(t.PhiConfig(**PHI, qk_layernorm=True)),
     "gemma3": lambda: t.Gemma3ForCausalLM(t.Gemma3TextConfig(**GQA, head_dim=8)),
     "olmo2": lambda: t.Olmo2ForCausalLM(t.Olmo2Config(**GQA)),
-    "falcon": lambda: t.FalconForCausalLM(
-        t.FalconConfig(vocab_size=48, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
+    "bloom": lambda: t.BloomForCausalLM(
+        t.BloomConfig(vocab_size=48, hidden_size=32, n_layer=2, n_head=4, hidden_dropout=0.0)
+    ),
+    "bloom_slopes_8_heads": lambda: t.BloomForCausalLM(
+        t.BloomConfig(vocab_size=48, hidden_size=32, n_layer=1, n_head=8, hidden_dropout=0.0)
+    ),
+    "falcon": lambda: t.FalconForCausalLM(t.FalconConfig(**FALCON)),
+    "falcon_new_arch": lambda: t.FalconForCausalLM(
+        t.FalconConfig(**FALCON, new_decoder_architecture=True, num_kv_heads=2, bias=True)
+    ),
+    "falcon_mha": lambda: t.FalconForCausalLM(
+        t.FalconConfig(**FALCON, multi_query=False, parallel_attn=False, bias=True)
+    ),
+    "falcon_alibi": lambda: t.FalconForCausalLM(
+        t.FalconConfig(**FALCON, multi_query=False, alibi=True)
     ),
 }
 IDS = torch.randint(0, 48, (2, 12), generator=torch.Generator().manual_seed(3))
@@ -52,7 +68,7 @@ def _model(name: str) -> torch.nn.Module:
 
 def _body(rank: int, world_size: int) -> dict:
     out = {}
-    for name in FAMILIES:
+    for name in sys.argv[1:] or FAMILIES:
         model = _model(name)
         try:
             plan = tp.auto_plan(model)
@@ -69,7 +85,7 @@ def _body(rank: int, world_size: int) -> dict:
 
 def main() -> None:
     got = run_distributed(_body, world_size=2, timeout_s=300)[0]
-    for name in FAMILIES:
+    for name in got:
         if isinstance(got[name], str):
             print(f"{name}: refused: {got[name][:110]}...")
             continue

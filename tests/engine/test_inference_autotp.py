@@ -3,7 +3,9 @@ policy fuses (DeepSpeed's AutoTP without kernel injection): on 2 gloo ranks the 
 its structure (`minispeed.tensor_parallel.auto_plan`) and every rank's logits and greedy
 `generate` tokens equal the single-process model's, for Qwen2 (GQA, q/k/v biases, tied head),
 OPT (learned positions, `num_heads` divided) and GPT-NeoX (fused per-head `query_key_value`, its
-own head `embed_out`). A family the plan cannot read is refused on every rank naming the module."""
+own head `embed_out`), Phi-3 (fused `qkv_proj` of unequal q/k/v widths), Falcon's new decoder
+(`query_key_value` grouped per kv head) and Bloom (ALiBi slopes cut per rank). A family the plan
+cannot read (Falcon's multi-query layers) is refused on every rank naming the module."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(300)
 
 VOCAB = 48
-FAMILIES = ("qwen2", "opt", "gpt_neox")
+FAMILIES = ("qwen2", "opt", "gpt_neox", "phi3", "falcon", "bloom")
 
 
 def _model(name: str):
@@ -36,8 +38,20 @@ def _model(name: str):
         )).eval()  # fmt: skip
     if name == "phi3":
         return t.Phi3ForCausalLM(t.Phi3Config(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=44, num_hidden_layers=1,
-            num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=44, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+            pad_token_id=None, bos_token_id=0, eos_token_id=None,
+        )).eval()  # fmt: skip
+    if name in ("falcon", "falcon_multi_query"):
+        grouped = dict(new_decoder_architecture=True, num_kv_heads=2, bias=True)
+        return t.FalconForCausalLM(t.FalconConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            bos_token_id=0, eos_token_id=None, **(grouped if name == "falcon" else {}),
+        )).eval()  # fmt: skip
+    if name == "bloom":
+        return t.BloomForCausalLM(t.BloomConfig(
+            vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=8, bos_token_id=0,
+            eos_token_id=None, pad_token_id=None,
         )).eval()  # fmt: skip
     return t.GPTNeoXForCausalLM(t.GPTNeoXConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -66,7 +80,7 @@ def _body(rank: int, world_size: int) -> dict:
                 "tokens": engine.generate(ids, max_new_tokens=6, do_sample=False),
                 "split": engine.injection_report.replaced,
             }
-    for bad, dtype in (("phi3", torch.float32), ("qwen2", torch.int8)):
+    for bad, dtype in (("falcon_multi_query", torch.float32), ("qwen2", torch.int8)):
         try:
             deepspeed.init_inference(_model(bad), tensor_parallel={"tp_size": 2}, dtype=dtype)
         except (ValueError, NotImplementedError) as err:
@@ -90,5 +104,5 @@ def test_init_inference_splits_unfused_families_over_2_ranks():
             tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
             assert set(got["split"]) == linears - ({"lm_head"} if tied else set()), name
     for r in results:  # on every rank, naming the module or the dtype
-        assert "model.layers.0.self_attn.qkv_proj" in r["refused phi3"]
+        assert "transformer.h.0.self_attention.query_key_value" in r["refused falcon_multi_query"]
         assert "use dtype=torch.float32" in r["refused qwen2"]

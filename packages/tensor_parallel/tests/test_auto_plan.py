@@ -4,9 +4,11 @@ equal the unsplit model's, for LLaMA (GQA), Qwen2 (q/k/v biases, tied head), Qwe
 over each head: their gradients summed over the ranks), OPT (learned
 positions, linears on the layer itself, `num_heads` divided), GPT-NeoX (fused per-head
 `query_key_value`), GPT-2 (`Conv1D`, fused `c_attn`), Phi (`self_attn.dense`) and Mixtral (its
-experts, fused 3-D weights without linears, stay whole on every rank) and a LLaMA whose MLP
-stacks gate and up in one `gate_up_proj`; families it cannot read are refused naming the
-module."""
+experts, fused 3-D weights without linears, stay whole on every rank), a LLaMA whose MLP
+stacks gate and up in one `gate_up_proj`, Phi-3 (fused `qkv_proj` of unequal q/k/v widths under
+GQA, `gate_up_proj`), Falcon's new decoder (`query_key_value` grouped per kv head) and Bloom
+(per-head `query_key_value`, ALiBi slopes of all heads cut per rank); families it cannot read
+(Falcon's multi-query or ALiBi layers, Bloom's `slow_but_exact`) are refused naming the module."""
 
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(300)
 
 VOCAB = 48
-FAMILIES = ("llama", "qwen2", "qwen3", "opt", "gpt_neox", "gpt2", "phi", "mixtral", "gate_up")
+FAMILIES = ("llama", "qwen2", "qwen3", "opt", "gpt_neox", "gpt2", "phi", "mixtral", "gate_up",
+            "phi3", "falcon", "bloom")  # fmt: skip
 
 
 class _PackedMLP(torch.nn.Module):
@@ -66,6 +69,18 @@ def _model(name: str):
             num_attention_heads=4, max_position_embeddings=16, resid_pdrop=0.0, embd_pdrop=0.0,
             use_cache=False,
         ))  # fmt: skip
+    if name == "phi3":  # fused qkv_proj [q: H·d; k: KV·d; v: KV·d] (Column(parts=(4, 2, 2)))
+        return t.Phi3ForCausalLM(t.Phi3Config(**gqa, tie_word_embeddings=False))
+    if name == "falcon":  # fused query_key_value grouped per kv head, (KV, H/KV + 2, d)
+        return t.FalconForCausalLM(t.FalconConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_kv_heads=2, new_decoder_architecture=True, bias=True, use_cache=False,
+        ))  # fmt: skip
+    if name == "bloom":  # per-head query_key_value; ALiBi slopes of all 8 heads, cut per rank
+        return t.BloomForCausalLM(t.BloomConfig(
+            vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=8, hidden_dropout=0.0,
+            use_cache=False,
+        ))  # fmt: skip
     if name == "mixtral":  # fused 3-D experts and their router: no linears, kept whole
         return t.MixtralForCausalLM(t.MixtralConfig(**gqa, num_local_experts=2))
     if name == "gpt_neox":
@@ -101,6 +116,7 @@ def _body(rank: int, world_size: int) -> dict:
             "logits": result.logits.detach(),
             "grads": tp.unshard_module(model, tp.TensorGroup.of(None), grads=True),
             "params": (formula, sum(p.numel() for p in model.parameters())),
+            "config": model.config.to_dict(),  # whole: what save_pretrained writes
         }
     return out
 
@@ -135,6 +151,7 @@ def test_auto_plan_over_2_ranks_equals_unsplit(rel_close, logged_bytes):
                     assert got["grads"][n].abs().max() < 1e-8, (name, n)
                 else:
                     rel_close(got["grads"][n], g)
+            assert got["config"] == model.config.to_dict(), name  # Phi-3's heads divided on a copy
             formula, local = got["params"]  # bytes kept: the formula's, less than the whole
             assert local == formula < sum(p.numel() for p in model.parameters()), name
     for got in results:
@@ -160,18 +177,29 @@ def test_auto_plan_styles_for_llama():
 
 def test_modules_the_plan_cannot_read_are_refused_by_path():
     t = transformers
-    phi3 = t.Phi3ForCausalLM(t.Phi3Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=44, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
-    ))  # fmt: skip
-    with pytest.raises(
-        ValueError, match=r"model\.layers\.0\.self_attn\.qkv_proj .*fuses q, k and v"
-    ):
-        tp.auto_plan(phi3)
+    falcon = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4)
+    for options, why in (({}, "multi-query"), ({"multi_query": False, "alibi": True}, "ALiBi")):
+        model = t.FalconForCausalLM(t.FalconConfig(**falcon, **options))
+        with pytest.raises(
+            ValueError, match=rf"transformer\.h\.0\.self_attention\.query_key_value .*{why}"
+        ):
+            tp.auto_plan(model)
     olmo2 = t.Olmo2ForCausalLM(t.Olmo2Config(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=44, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2,
     ))  # fmt: skip
+    bloom = t.BloomForCausalLM(t.BloomConfig(
+        vocab_size=VOCAB, hidden_size=32, n_layer=1, n_head=4, pretraining_tp=2, slow_but_exact=True,
+    ))  # fmt: skip
+    with pytest.raises(ValueError, match=r"transformer\.h\.0\.self_attention\.query_key_value .*slow_but_exact"):  # fmt: skip
+        tp.auto_plan(bloom)
+    bloom = _model(
+        "bloom"
+    )  # its ALiBi biases passed by position cannot be cut: an error, not wrong
+    tp.parallelize(bloom, tp.auto_plan(bloom), tp.TensorGroup(0, 2))  # slopes (no collective yet)
+    x, alibi = torch.zeros(1, 3, 32), torch.zeros(8, 1, 3)
+    with pytest.raises(RuntimeError, match=r"BloomAttention was called without .*'alibi'"):
+        bloom.transformer.h[0].self_attention(x, x, alibi, None)
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_norm \(Olmo2RMSNorm\)"):
         tp.auto_plan(olmo2)  # its q_norm spans all heads at once
     llama = _model("llama")

@@ -14,16 +14,23 @@ The rules, in each decoder layer (the `nn.ModuleList` of identical blocks that h
 | `o_proj`, `out_proj`, `down_proj`, `fc2`, `fc_out`, `c_proj`, `dense_4h_to_h`, `w2`, `wo`; `dense` inside an attention module | `Row()` | writes into the residual stream: partial sums, one all-reduce |
 | `q_proj`, `k_proj`, `v_proj`, `gate_proj`, `up_proj`, `fc1`, `fc_in`, `c_fc`, `dense_h_to_4h`, `w1`, `w3`, `query`, `key`, `value` | `Column()` | reads the residual stream: output features split, no communication |
 | `gate_up_proj` | `Column(parts=2)` | gate and up stacked: each rank keeps its slice of both |
-| GPT-NeoX's `query_key_value` | `Column()` | rows ordered head by head (`(H, 3, d)`): a contiguous cut keeps whole heads with their q, k, v |
+| GPT-NeoX's and Bloom's `query_key_value`; Falcon's without `new_decoder_architecture` nor `multi_query` | `Column()` | rows ordered head by head (`(H, 3, d)`): a contiguous cut keeps whole heads with their q, k, v |
+| Falcon's `query_key_value` with `new_decoder_architecture` | `Column()` | rows grouped per kv head (`(KV, H/KV + 2, d)`: its q heads, then its k and v): a contiguous cut keeps whole groups |
+| Phi-3's `qkv_proj` | `Column(parts=(H, KV, KV))` | rows `[q: H·d; k: KV·d; v: KV·d]`, unequal under GQA: each part cut by heads (its forward reads q's width from `config.num_attention_heads`: divided on a copy of the config of that attention alone) |
 | GPT-2's `c_attn` (`Conv1D`) | `Column(parts=3)` | q, k, v stacked |
-| other fused q/k/v (`qkv_proj`, `Wqkv`, `W_pack`, Falcon's `query_key_value`) | refused by path | their layouts (unequal q/k/v widths under GQA, grouped kv) differ per family |
+| other fused q/k/v (`Wqkv`, `W_pack`, Falcon's multi-query `[q: H·d; k: d; v: d]` or with ALiBi, Bloom's `slow_but_exact`) | refused by path | one k/v head shared by all q heads cannot be split; Falcon folds ALiBi into one mask of all heads outside the layer; the others' layouts are not known here |
 | a q/k norm inside the attention whose weight spans one head (`head_dim`: Qwen3's `q_norm` / `k_norm`, Phi's `q_layernorm`) | `HeadNorm()` | applied head by head, exact on split heads; its replicated weight's partial gradient is all-reduced |
 | any other linear, or any other module with parameters beside the split linears inside their attention / MLP module (OLMo2's `q_norm` over all heads) | refused by path | the plan cannot tell whole from split activations there (norms held by the layer itself, as OPT's beside its `fc1` / `fc2`, are taken to read the residual stream) |
 
 q/k/v are cut by whole heads: q keeps heads `[r·H/n, (r+1)·H/n)`, k and v kv heads
 `[r·KV/n, (r+1)·KV/n)`, so grouped-query attention stays local (head h reads kv head `h // (H/KV)`
 and both ranges are cut at the same place); the attention module's head counts it reshapes by
-(`num_heads`, `num_key_value_heads`, ... where it keeps them) are divided (`Heads`). The size must
+(`num_heads`, `num_key_value_heads`, ... where it keeps them) are divided (`Heads`). Bloom's
+ALiBi biases, built by the model from the slopes of all H heads (`(B·H, 1, T)`, each head's
+slope depends on its index and on H), are cut to the rank's heads on their way into the
+attention (`Heads.per_head_kwargs`): dividing the count instead would give every rank the
+slopes of an `H/n`-head model (for a power-of-two H, `2^(-8i·n/H)` for its i-th head, not
+`2^(-8(i + r·H/n)/H)`). The size must
 divide H, KV and every split width: checked before anything changes, the error naming each count
 and the sizes that fit.
 
@@ -60,6 +67,7 @@ d, e bytes per element, M tokens per step, n ranks (Megatron's, `costs.py` per l
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -77,13 +85,57 @@ COLUMN_NAMES = frozenset(
      "dense_h_to_4h", "w1", "w3", "query", "key", "value"}
 )  # fmt: skip
 QKV_NAMES = frozenset({"q_proj", "k_proj", "v_proj", "query", "key", "value"})
-# Fused layers whose layout is known per attention class: (class name, leaf) -> style, and the
-# attention attributes beside the head counts that the split divides.
-FUSED: dict[tuple[str, str], Style] = {
-    ("GPTNeoXAttention", "query_key_value"): Column(),
-    ("GPT2Attention", "c_attn"): Column(parts=3),
+
+
+def _phi3_qkv(attention: nn.Module) -> Style | str:
+    """Phi-3's rows `[q: H·d; k: KV·d; v: KV·d]`: three parts in proportions `(H, KV, KV)`."""
+    kv = attention.num_key_value_heads
+    return Column(parts=(attention.config.num_attention_heads, kv, kv))
+
+
+def _falcon_qkv(attention: nn.Module) -> Style | str:
+    """Falcon's rows: grouped per kv head, `(KV, H/KV + 2, d)` (`new_decoder_architecture`), or
+    per head, `(H, 3, d)` (neither new nor multi-query): a contiguous cut keeps whole groups
+    (heads). Multi-query's `[q: H·d; k: d; v: d]` has one kv head to share, not to split; ALiBi
+    is folded into a mask of all H heads by the model, outside the layer."""
+    if getattr(attention.config, "alibi", False):
+        return "ALiBi (config.alibi=True) is added to one attention mask of all heads"
+    if not attention.new_decoder_architecture and attention.multi_query:
+        return (
+            "multi-query attention (config.multi_query=True) has one k/v head for all query "
+            "heads, which cannot be split"
+        )
+    return Column()
+
+
+def _bloom_qkv(attention: nn.Module) -> Style | str:
+    """Bloom's rows ordered head by head, `(H, 3, d)` (GPT-NeoX's): a contiguous cut keeps whole
+    heads; its ALiBi biases, built by the model for all H heads, are cut to this rank's heads
+    (`Heads.per_head_kwargs`)."""
+    if attention.pretraining_tp > 1 and attention.slow_but_exact:
+        return (
+            "config.slow_but_exact with pretraining_tp > 1 applies the output projection in "
+            "slices of its whole weight"
+        )
+    return Column()
+
+
+# Fused layers whose layout is known per attention class: (class name, leaf) -> the style (or
+# the reason it cannot be split, a string), and the attention attributes beside the head counts
+# that the split divides.
+FUSED: dict[tuple[str, str], Callable[[nn.Module], Style | str]] = {
+    ("GPTNeoXAttention", "query_key_value"): lambda _: Column(),
+    ("GPT2Attention", "c_attn"): lambda _: Column(parts=3),
+    ("Phi3Attention", "qkv_proj"): _phi3_qkv,
+    ("FalconAttention", "query_key_value"): _falcon_qkv,
+    ("FalconFlashAttention2", "query_key_value"): _falcon_qkv,
+    ("BloomAttention", "query_key_value"): _bloom_qkv,
 }
-FUSED_EXTRA_ATTRS = {"GPT2Attention": ("split_size",)}
+FUSED_EXTRA_ATTRS = {
+    "GPT2Attention": ("split_size",),
+    "Phi3Attention": ("config.num_attention_heads",),  # its forward reads q's width there
+}
+PER_HEAD_KWARGS = {"BloomAttention": ("alibi",)}  # built by the model for all heads
 PACKED: dict[str, Style] = {"gate_up_proj": Column(parts=2)}
 HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads",
               "n_head", "n_heads")  # fmt: skip
@@ -125,8 +177,14 @@ def _classify(layer: nn.Module, rel: str, where: str) -> Style:
     """The style of one linear of a decoder layer, by its leaf name (module docstring)."""
     parent_path, _, leaf = rel.rpartition(".")
     parent = layer.get_submodule(parent_path) if parent_path else layer
-    fused = FUSED.get((type(parent).__name__, leaf))
-    if fused is not None:
+    layout = FUSED.get((type(parent).__name__, leaf))
+    if layout is not None:
+        fused = layout(parent)
+        if isinstance(fused, str):
+            raise ValueError(
+                f"automatic tensor-parallel plan: {where} ({type(parent).__name__}.{leaf}) "
+                f"cannot be split by heads: {fused}; {_FIX}"
+            )
         return fused
     if leaf in PACKED:
         return PACKED[leaf]
@@ -195,7 +253,7 @@ def _layer_styles(layer: nn.Module, prefix: str) -> dict[str, Style]:
         attrs = [a for a in HEAD_ATTRS if isinstance(getattr(module, a, None), int)]
         attrs += FUSED_EXTRA_ATTRS.get(type(module).__name__, ())
         if attrs:
-            styles[parent] = Heads(tuple(attrs))
+            styles[parent] = Heads(tuple(attrs), PER_HEAD_KWARGS.get(type(module).__name__, ()))
     return styles
 
 

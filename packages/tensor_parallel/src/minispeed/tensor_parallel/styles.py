@@ -30,8 +30,9 @@ __all__ = [
 class Column:
     """Replace an `nn.Linear` / `Conv1D` by a `ColumnParallelLinear`."""
 
-    parts: int = 1
-    """Fused parts cut separately (3 for GPT's q/k/v in one weight)."""
+    parts: int | tuple[int, ...] = 1
+    """Fused parts cut separately: a count of equal parts (3 for GPT's q/k/v in one weight) or
+    their proportions (`(H, KV, KV)` for Phi-3's q/k/v under grouped-query attention)."""
     gather_output: bool = False
     """All-gather the output slices (for a head whose logits must be whole)."""
     sequence_parallel: bool = False
@@ -61,7 +62,16 @@ class Heads:
     """Divide an attention module's integer attributes (head counts, split sizes) by n."""
 
     attrs: tuple[str, ...]
-    """Attribute names, e.g. `("n_head",)`; each must exist and be divisible by n."""
+    """Attribute names, e.g. `("n_head",)`; each must exist and be divisible by n. A dotted
+    name (`"config.num_attention_heads"`: Phi-3's attention reads its q width from the config)
+    divides the attribute of a shallow copy of that object given to this module alone, so the
+    model's own config stays whole (and a later change to it does not reach the copy)."""
+    per_head_kwargs: tuple[str, ...] = ()
+    """Keyword arguments of the module holding one slice per head of all the model's heads,
+    laid out `(B·H, ...)` (Bloom's ALiBi biases, built by the model for its H heads): a forward
+    pre-hook keeps this rank's heads `[r·H/n, (r+1)·H/n)` (the first attribute's count, divided,
+    is `H/n`), so each head keeps its own slope. A copy of `e·B·H/n·T` bytes, no
+    communication."""
 
 
 @dataclass(frozen=True)
