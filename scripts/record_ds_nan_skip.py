@@ -19,7 +19,6 @@ runs this same file with its import line changed to minispeed's and compares.
 """
 
 import math
-import os
 from pathlib import Path
 
 import deepspeed
