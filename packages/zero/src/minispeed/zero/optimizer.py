@@ -506,7 +506,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Detachable):
             sq = travel.to(self._grad_device)
         if self.model_parallel is not None:  # the other axes' parts of the model
             sq = self.model_parallel.sum_squares(sq)
-        self._grad_norm = sq.sqrt()  # read lazily by global_grad_norm: no host sync here
+        self._grad_norm = sq.sqrt().nan_to_num(math.inf, math.inf)  # NaN as inf; no host sync
         if self.config.max_grad_norm == math.inf:  # the norm only: nothing to scale
             return
         # torch.nn.utils.clip_grad_norm_'s rule, so that results match it.
@@ -528,7 +528,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Detachable):
         skipped for inf/NaN gradients (and where a NaN was not checked: DeepSpeed's
         `inf`); `None` before the first step or with `max_grad_norm` 0
         (until an overflow)."""
-        return None if self._grad_norm is None else float(self._grad_norm.nan_to_num(math.inf, math.inf))
+        return None if self._grad_norm is None else float(self._grad_norm)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop every accumulated gradient (`step` already does this after stepping).
