@@ -125,7 +125,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Detachable):
     Attributes: `optimizer` (the inner optimizer, now holding master tensors: the user's, or
     offload's CPU optimizer over the user's param groups), `strategy`, `config`, `precision`, `loss_scaler`,
     `global_step` (optimizer steps taken, skipped ones excluded), `micro_step` (backward calls),
-    `overflow` (whether the last window's step was skipped for an fp16 overflow: DeepSpeed's
+    `overflow` (whether the last window's step was skipped for inf/NaN gradients: DeepSpeed's
     optimizers' attribute, which accelerate's `optimizer_step_was_skipped` reads),
     `flags_in_bucket` (whether the step's flags travel in the last gradient bucket: the ledger's
     `stage_collectives(..., flags_in_bucket=...)`).
@@ -164,7 +164,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Detachable):
         self.global_step = 0
         self.micro_step = 0
         self._grad_norm: Tensor | None = None  # before clipping, at the last clipped step
-        self.overflow = False  # the last boundary skipped its step (fp16 overflow)
+        self.overflow = False  # the last boundary skipped its step (inf/NaN gradients)
         # Backward calls in the current accumulation window; whether the last one ended it
         # (and step() has not handled it yet).
         self._window, self._window_ended = 0, False
