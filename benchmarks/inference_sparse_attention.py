@@ -29,6 +29,14 @@ from the same run: over `sdpa+mask` and over the unmasked SDPA of the same direc
 column divides the op's time per computed score (`computed_scores`) by the same-direction SDPA's,
 per round, forward, backward (a round's fwd+bwd less its forward) and both: its median and
 [min–max].
+
+`--before DIR` compares two builds of the op instead: DIR is a copy of an earlier
+`minispeed/inference/csrc` (for example `git archive <commit>` of it), built as its own `.so`;
+both builds take turns with SDPA in the same rounds, every layout, after their outputs and
+gradients are asserted bit-equal (or the script stops), and every call comes after a 512 MiB
+write, so q, k, v and out come from DRAM, as after the masked SDPA of the main table. The table
+gives each build's time per computed score over SDPA's and the median of the per-round ratio
+after / before, forward and backward.
 """
 
 from __future__ import annotations
@@ -40,10 +48,12 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from minispeed.inference.kernels import InferenceKernelsBuilder
 from minispeed.inference.sparse import (
     BigBirdSparsityConfig,
     BlockSparseLayout,
@@ -54,7 +64,7 @@ from minispeed.inference.sparse import (
     block_sparse_attention,
     expand_layout,
 )
-from minispeed.inference.sparse.attention import _load_sparse_op
+from minispeed.inference.sparse.attention import BlockSparseAttentionFunction, _load_sparse_op
 
 
 def _layouts(heads: int, block: int) -> dict[str, object]:
@@ -111,11 +121,12 @@ def _ratio_cell(ratios: list[float]) -> str:
 
 
 def _rounds(
-    contenders: dict, q, k, v, rounds: int, clock=time.perf_counter
+    contenders: dict, q, k, v, rounds: int, clock=time.perf_counter, before_each=lambda: None
 ) -> dict[str, tuple[list[float], list[float]]]:
     """`{name: (fwd seconds per round, fwd+bwd seconds per round)}`, the contenders taking turns
     in every round (order reversed every other round) after one warm-up call each; `clock` is
-    wall time, or `time.process_time` (CPU time of every thread of this process)."""
+    wall time, or `time.process_time` (CPU time of every thread of this process); `before_each`
+    runs untimed before every timed call."""
     grad_out = torch.randn_like(q)
 
     def fwd(attend):
@@ -132,6 +143,7 @@ def _rounds(
         names = list(contenders)[:: 1 if r % 2 == 0 else -1]
         for name in names:
             for run, out in ((fwd, times[name][0]), (fwd_bwd, times[name][1])):
+                before_each()
                 start = clock()
                 run(contenders[name])
                 out.append(clock() - start)
@@ -222,6 +234,49 @@ def bench(seq: int, args) -> list[str]:
     return rows
 
 
+def before_after(seq: int, args) -> list[str]:
+    """Rows of the `--before` table for one T (see the module docstring)."""
+    before = InferenceKernelsBuilder(csrc_root=Path(args.before)).load()
+    after = _load_sparse_op()
+    if before.__name__ == after.__name__:
+        raise SystemExit(f"{args.before} holds this checkout's sources: nothing to compare")
+    (q, k, v), csrs, _, _ = _setup(seq, args)
+    scale = args.dim**-0.5
+    contenders = {
+        "sdpa": F.scaled_dot_product_attention,
+        "sdpa-causal": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+    }
+    grad_out = torch.randn_like(q)
+    for name, csr in csrs.items():
+        outputs = []
+        for build, op in (("before", before), ("after", after)):
+            attend = contenders[name, build] = lambda q, k, v, csr=csr, op=op: (
+                BlockSparseAttentionFunction.apply(q, k, v, csr, op, scale)
+            )
+            out = attend(q, k, v)
+            outputs.append((out, *torch.autograd.grad(out, (q, k, v), grad_out)))
+        if not all(torch.equal(a, b) for a, b in zip(*outputs)):
+            raise SystemExit(f"{name}: the two builds' outputs or gradients differ")
+    flush = torch.empty(128 * 2**20)  # 512 MiB, written before every timed call
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    times = _rounds(contenders, q, k, v, args.rounds, clock, lambda: flush.fill_(1.0))
+    rows = []
+    for name, csr in csrs.items():
+        dense = computed_scores(None, seq, args.heads, csr.causal)
+        ours = computed_scores(csr, seq, args.heads, csr.causal)
+        base = "sdpa-causal" if csr.causal else "sdpa"
+        cells, speedups = [], []
+        for pick in (lambda t: t[0], _backward):
+            old, new, sdpa = (pick(times[key]) for key in ((name, "before"), (name, "after"), base))
+            per = [statistics.median([(o / ours) / (d / dense) for o, d in zip(t, sdpa)])
+                   for t in (old, new)]  # fmt: skip
+            cells.append(f"{per[0]:.2f} → {per[1]:.2f}")
+            speedups.append(f"{statistics.median([n / o for n, o in zip(new, old)]):.3f}")
+        rows.append(f"| {seq} | {name} | {csr.density:.3f} | {' | '.join(cells)} "
+                    f"| {'; '.join(speedups)} |")  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 16384])
@@ -237,6 +292,9 @@ def main() -> None:
                         "machine (every thread counted; with --threads 1, the work itself)")  # fmt: skip
     parser.add_argument("--mask-max-seq", type=int, default=8192,
                         help="longest T timed with SDPA under the layout's mask (8 H T² bytes)")  # fmt: skip
+    parser.add_argument(
+        "--before", help="an earlier csrc directory: compare its build with this one"
+    )
     parser.add_argument("--peaks-for", type=int, help=argparse.SUPPRESS)  # the child of peaks()
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -251,14 +309,19 @@ def main() -> None:
         f"fp32, torch threads {torch.get_num_threads()}, {args.rounds} interleaved rounds "
         f"(medians, {args.clock} time), load average {load:.1f} on {os.cpu_count()} CPUs"
     )
-    print(
-        "| T | attention | density | fwd ms | fwd+bwd ms | peak MiB (fwd+bwd) "
-        "| x over sdpa+mask (fwd / fwd+bwd) | x over sdpa, same direction (fwd / fwd+bwd) "
-        "| time per computed score / sdpa's (fwd / bwd / fwd+bwd) [min–max] |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
+    if args.before is not None:  # see the module docstring
+        header = ("T", "attention", "density", "per score / sdpa's, fwd: before → after",
+                  "bwd: before → after", "after / before (fwd; bwd)")  # fmt: skip
+        table = before_after
+    else:
+        header = ("T", "attention", "density", "fwd ms", "fwd+bwd ms", "peak MiB (fwd+bwd)",
+                  "x over sdpa+mask (fwd / fwd+bwd)", "x over sdpa, same direction (fwd / fwd+bwd)",
+                  "time per computed score / sdpa's (fwd / bwd / fwd+bwd) [min–max]")  # fmt: skip
+        table = bench
+    print(f"| {' | '.join(header)} |")
+    print("|" + "---|" * len(header))
     for seq in args.seq_lens:
-        for row in bench(seq, args):
+        for row in table(seq, args):
             print(row, flush=True)
     print(f"load average at the end: {os.getloadavg()[0]:.1f}")
 

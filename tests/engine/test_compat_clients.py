@@ -21,7 +21,12 @@ runs two recorders unchanged, one after the other in the same processes:
   what each logs per step;
 - `scripts/record_ds_accelerate.py`: accelerate's loop (`DummyOptim` / `DummyScheduler`,
   `accumulate`, `clip_grad_norm_`, `save_state` / `load_state`), at ZeRO-2 with the plugin from
-  `accelerate launch`'s config and at ZeRO-3 with the plugin in code.
+  `accelerate launch`'s config and at ZeRO-3 with the plugin in code;
+- `scripts/record_ds_hf_more.py`: gradient checkpointing (reentrant and not) at ZeRO-3 and at
+  ZeRO-2 with accumulation, an evaluate/predict-only Trainer at ZeRO-3, ALBERT's shared layer,
+  BART's `predict_with_generate`, fp16 whose first steps overflow, a model with a parameter
+  used twice, a skipped branch and a weight read outside its module, and a ZeRO-3 teacher
+  distilled into a ZeRO-2 student in one `Accelerator`.
 
 Every number is compared with DeepSpeed's record (`fixtures/ds_trainer.json`,
 `fixtures/ds_hf_families.json`, `fixtures/ds_trl.json`, `fixtures/ds_accelerate.json`) within 2e-4 relative; a resumed run must repeat minispeed's own
@@ -44,6 +49,7 @@ TRAINER = json.loads((FIXTURES / "ds_trainer.json").read_text())
 ACCELERATE = json.loads((FIXTURES / "ds_accelerate.json").read_text())
 FAMILIES = json.loads((FIXTURES / "ds_hf_families.json").read_text())
 TRL = json.loads((FIXTURES / "ds_trl.json").read_text())
+MORE = json.loads((FIXTURES / "ds_hf_more.json").read_text())
 REL = 2e-4
 LAUNCH = [
     sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch",
@@ -59,6 +65,7 @@ def runs(tmp_path_factory) -> list[dict]:
         "record_ds_hf_families.py",
         "record_ds_trl.py",
         "record_ds_accelerate.py",
+        "record_ds_hf_more.py",
     ]
     return ds_scripts.run_recorder(scripts, out, launcher=LAUNCH)
 
@@ -135,3 +142,52 @@ def test_trl_trainers_match_deepspeed(runs: list[dict], name: str) -> None:
         if name.startswith("sft_lora") and rank == 0:  # the adapter saved alone
             assert ours["adapter_keys"] == theirs["adapter_keys"]
             assert ours["adapter_abs_sum"] == pytest.approx(theirs["adapter_abs_sum"], rel=REL)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["gc_z3_reentrant", "gc_z3", "gc_z2_gas2", "compile_z2", "eval_only_z3", "albert_z3",
+     "bart_z3", "fp16_z2", "fp16_z3", "best_model_z3", "save_model_z3", "two_models",
+     "accumulate_generate_z3", "save_no_gather_z3"],
+)  # fmt: skip
+def test_more_client_uses_match_deepspeed(runs: list[dict], case: str) -> None:
+    """Each case of record_ds_hf_more.py gives DeepSpeed's logged steps, evaluation and
+    outputs. `eval_only_z3`: a Trainer that never trains builds its engine without an
+    optimizer from a config that still has a scheduler (transformers deletes `lr_scheduler`,
+    not `scheduler`); DeepSpeed builds no scheduler then, as minispeed now does (it refused).
+    `compile_z2`: the Trainer's `torch_compile=True` compiles the model at ZeRO-2 through
+    `engine.compile`, as DeepSpeed (minispeed refused it). `fp16_*`: the overflowed first step logs an infinite gradient norm and accelerate's
+    `optimizer_step_was_skipped` is True for it (minispeed logged no norm and never reported a
+    skip); the learning rate holds, as DeepSpeed's. `best_model_z3`: the checkpoint
+    `load_best_model_at_end` loads back, and the evaluation after it, are DeepSpeed's."""
+    for rank, (mine, ref) in enumerate(zip(runs, MORE["ranks"], strict=True)):
+        ours, theirs = mine["record_ds_hf_more.py"][case], ref[case]
+        assert ours.keys() == theirs.keys(), (rank, case)
+        for key, value in theirs.items():
+            if key == "steps":
+                _steps_match(ours[key], value, f"rank {rank} {case}")
+            elif isinstance(value, float) or key == "evals":
+                assert ours[key] == pytest.approx(value, rel=REL), (rank, case, key)
+            else:  # tokens, argmaxes, skipped flags, step counters, checkpoint and key names
+                assert ours[key] == value, (rank, case, key)
+        if case == "compile_z2":
+            assert ours["compiled"] is True, rank
+        if case.startswith("fp16"):
+            assert ours["skipped"][0] and not any(ours["skipped"][1:]), (rank, ours)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_unusual_parameter_use_trains_as_pytorch(runs: list[dict], stage: int) -> None:
+    """A Linear called twice per forward, a branch skipped every other step and a head reading
+    the embedding's weight directly (`F.linear(h, self.embed.weight)`), through accelerate:
+    every step as single-process PyTorch. DeepSpeed 0.19.8 agrees until the branch is first
+    skipped: its ZeRO-3 then counts (and applies) the branch's gradient of the step before in
+    the norm (2.5394 where PyTorch has 2.0724), and its ZeRO-2 moves the skipped parameters by
+    Adam's momentum, where torch.optim leaves a parameter without a gradient untouched."""
+    agree = {2: 2, 3: 1}[stage]  # the steps DeepSpeed gets right
+    for rank, (mine, ref) in enumerate(zip(runs, MORE["ranks"], strict=True)):
+        run = mine["record_ds_hf_more.py"][f"odd_params_z{stage}"]
+        ours = run["steps"]  # `pytorch`: the same steps in single-process PyTorch
+        _steps_match(ours, run["pytorch"], f"rank {rank} z{stage} vs PyTorch")
+        theirs = ref[f"odd_params_z{stage}"]["steps"]
+        _steps_match(ours[:agree], theirs[:agree], f"rank {rank} z{stage} vs DeepSpeed")

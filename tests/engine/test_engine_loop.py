@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 from pathlib import Path
 
 import pytest
@@ -122,16 +123,27 @@ def _overflow_run(rank: int, world_size: int) -> dict:
     engine.step()  # overflow: skipped, the scheduler must not move
     counted.append(1)
     after_overflow = (engine.global_steps, engine.skipped_steps, engine.get_lr())
+    # what accelerate reads: `optimizer.overflow` (optimizer_step_was_skipped) and the norm
+    # the Trainer logs, infinite as DeepSpeed's optimizers report it
+    skipped = (engine.optimizer.overflow, engine.get_global_grad_norm())
     engine.backward(engine(x, y))
     engine.step()
     handle.remove()
-    return {"after_overflow": after_overflow, "after_step": (engine.global_steps, engine.get_lr())}
+    stepped = (engine.optimizer.overflow, engine.get_global_grad_norm())
+    return {
+        "after_overflow": after_overflow,
+        "after_step": (engine.global_steps, engine.get_lr()),
+        "skipped": skipped,
+        "stepped": stepped,
+    }
 
 
 def test_scheduler_does_not_step_on_fp16_overflow() -> None:
     r = run_distributed(_overflow_run, world_size=2, timeout_s=120)[0]
     assert r["after_overflow"] == (1, 1, [0.1])
     assert r["after_step"][0] == 2 and r["after_step"][1] == pytest.approx([0.05])
+    assert r["skipped"] == (True, math.inf)
+    assert r["stepped"][0] is False and 0 < r["stepped"][1] < math.inf
 
 
 def _args_run(rank: int, world_size: int, path: str) -> dict:
@@ -289,3 +301,33 @@ def test_optimizer_and_scheduler_arguments_that_are_not_callable_are_refused_by_
         "optimizer= must be a torch.optim.Optimizer or a callable of the model parameters, got int",
         "lr_scheduler= must be a scheduler or a callable of the optimizer, got str",
     ]
+
+
+def _compile_refused_run(rank: int, world_size: int) -> str:
+    model = GPT()
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=_config(3)
+    )
+    with pytest.raises(NotImplementedError) as refused:
+        engine.compile()
+    assert not engine.is_compiled
+    import minispeed.engine.pipe as pipe
+
+    stages = pipe.PipelineModule([pipe.LayerSpec(nn.Linear, 4, 4) for _ in range(2)], num_stages=2)
+    engine, _, _, _ = deepspeed.initialize(
+        model=stages, optimizer=torch.optim.SGD(stages.parameters(), lr=0.1),
+        config={"train_batch_size": 2},
+    )  # fmt: skip
+    with pytest.raises(NotImplementedError) as pipeline_refused:
+        engine.compile()
+    return str(refused.value), str(pipeline_refused.value)
+
+
+def test_compile_is_refused_by_name_at_stage_3_and_on_a_pipeline() -> None:
+    """engine.compile (the Trainer's torch_compile=True) works at stages 0-2
+    (test_compat_clients.py's compile_z2, against DeepSpeed); stage 3 and a pipeline say why
+    not."""
+    for stage3, pipeline in run_distributed(_compile_refused_run, world_size=2, timeout_s=120):
+        assert "stage 3 gathers each module's parameters" in stage3
+        assert "torch_compile=False" in stage3
+        assert "pipeline schedule" in pipeline

@@ -109,6 +109,8 @@ CASES = {
     "column": ("column", {}),
     "column-gather-3parts": ("column", {"gather_output": True, "parts": 3}),
     "column-3parts": ("column", {"parts": 3}),
+    # parts of unequal widths (Phi-3's q of 4 heads, k and v of 1): rows 16, 4, 4
+    "column-gather-unequal-parts": ("column", {"gather_output": True, "parts": (4, 1, 1)}),
     "column-sequence": ("column", {"sequence_parallel": True}),
     "row": ("row", {}),
     "row-whole-input": ("row", {"input_is_parallel": False}),
@@ -186,5 +188,11 @@ def test_a_size_that_does_not_split_names_the_layer():
     d = _inputs()
     with pytest.raises(ValueError, match=r"output features: dimension 0 has size 24.*over 5"):
         tp.ColumnParallelLinear.from_module(_linear(d), tp.TensorGroup(0, 5))
+    with pytest.raises(
+        ValueError, match=r"size 24, which does not split in parts \(16, 4, 4\) over 8 .*dividing 4"
+    ):
+        tp.ColumnParallelLinear.from_module(_linear(d), tp.TensorGroup(0, 8), parts=(4, 1, 1))
+    with pytest.raises(ValueError, match=r"parts \(\(4, 1\)\) do not divide it"):
+        tp.ColumnParallelLinear.from_module(_linear(d), tp.TensorGroup(0, 2), parts=(4, 1))
     with pytest.raises(ValueError, match=r"vocabulary: dimension 0 has size 40.*over 3"):
         tp.VocabParallelEmbedding(d["emb"], tp.TensorGroup(0, 3))

@@ -122,3 +122,20 @@ def test_a_shard_overwritten_with_garbage_of_its_size_is_named_as_damaged(saved,
     common.write_bytes(os.urandom(common.stat().st_size))
     with pytest.raises(CheckpointError, match=r"common\.pt of tag 'global_step1' is damaged"):
         consolidate(copy, tmp_path / "out.pt")
+
+
+def test_a_garbled_metadata_json_is_named_as_damaged(saved, tmp_path):
+    """The seal itself cut short or overwritten: named as a damaged file of its tag, with the tag
+    to load instead (it was a bare `JSONDecodeError` naming no file)."""
+    import shutil
+
+    copy = tmp_path / "ckpt"
+    for tag in ("global_step1", "global_step2"):
+        shutil.copytree(saved / tag, copy / tag)
+    meta = copy / "global_step2" / "metadata.json"
+    meta.write_text(meta.read_text()[:40])  # a copy cut short
+    with pytest.raises(CheckpointError) as e:
+        consolidate(copy / "global_step2", tmp_path / "out.pt")
+    message = str(e.value)
+    assert f"checkpoint file {meta} of tag 'global_step2' is damaged" in message, message
+    assert "Tag 'global_step1'" in message and "is complete" in message, message

@@ -85,3 +85,46 @@ def test_an_incompatible_format_version_names_the_fix(messages):
 def test_a_directory_that_is_no_checkpoint_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="neither a checkpoint directory"):
         consolidate(tmp_path, tmp_path / "out.pt")
+
+
+def _with_optimizer(make_inner):
+    import torch
+    from ckpt_testlib import make_model
+
+    import minispeed.zero as zero
+
+    model = make_model(0)
+    config = zero.ZeroConfig(stage=2, reduce_bucket_numel=2000, allgather_bucket_numel=2000)
+    return model, zero.shard(model, make_inner(torch, model.parameters()), config=config)
+
+
+def _other_optimizer_body(rank: int, world_size: int, path: str) -> list[str]:
+    model, opt = build(stage=2)  # AdamW
+    train(model, opt, rank, world_size, range(0, 1))
+    save_checkpoint(opt, model, path)
+    messages = []
+    for make in (
+        lambda torch, ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        lambda torch, ps: torch.optim.AdamW(ps, lr=0.1, amsgrad=True),
+    ):
+        model2, opt2 = _with_optimizer(make)
+        with pytest.raises(CheckpointError) as e:
+            load_checkpoint(opt2, model2, path)
+        messages.append(str(e.value))
+        load_checkpoint(opt2, model2, path, load_optimizer_states=False)  # the weights do load
+        train(model2, opt2, rank, world_size, range(1, 2))
+    return messages
+
+
+def test_optimizer_state_of_another_optimizer_is_refused_by_name(tmp_path):
+    """SGD's momentum or amsgrad's maximum is not in an AdamW checkpoint: refused on every rank at
+    the load, naming both key sets and the fix (the first step failed on `KeyError: 'exp_avg'`
+    for Adam after SGD, and SGD silently started its momentum from zero after Adam)."""
+    results = run_distributed(
+        _other_optimizer_body, world_size=2, args=(str(tmp_path / "ckpt"),), timeout_s=120
+    )
+    for sgd, amsgrad in results:
+        assert "holds the optimizer state ['exp_avg', 'exp_avg_sq'] per element" in sgd, sgd
+        assert "this optimizer (SGD) keeps ['momentum_buffer']" in sgd, sgd
+        assert "load_optimizer_states=False" in sgd, sgd
+        assert "keeps ['exp_avg', 'exp_avg_sq', 'max_exp_avg_sq']" in amsgrad, amsgrad

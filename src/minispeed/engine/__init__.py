@@ -98,7 +98,12 @@ from minispeed.engine.pipe import PipelineModule  # isort: skip
 from minispeed.engine.runtime.config import DeepSpeedConfig, DeepSpeedConfigError  # isort: skip
 from minispeed.engine.runtime.engine import DeepSpeedEngine  # isort: skip
 from minispeed.engine.runtime.zero.parameter_offload import DeepSpeedZeRoOffload as _ZeroOffload  # isort: skip
-from minispeed.engine.runtime.tensor_parallel import tp_model_init  # isort: skip
+from minispeed.engine.runtime.tensor_parallel import (  # isort: skip
+    batch_over_data,
+    merge_recorded,
+    recorded_for,
+    tp_model_init,
+)
 from minispeed.engine.utils import OnDevice, log_dist, logger  # isort: skip
 
 __all__ = [
@@ -181,10 +186,12 @@ def initialize(
 
     `tensor_parallel_plan` (minispeed's keyword, read when `tensor_parallel.autotp_size` > 1):
     a `minispeed.tensor_parallel.Plan` or a callable of the module (of the stage, for a
-    pipeline) returning one; `None` picks a ready plan by the model's type (`tensor_plan.py`).
-    The split model's output head gives each tensor rank its vocabulary slice of the logits:
-    take the loss with `minispeed.tensor_parallel.vocab_parallel_cross_entropy(logits,
-    targets, engine.grid)`.
+    pipeline) returning one; `None` picks a ready plan by the model's type
+    (`minispeed.tensor_parallel.ready_plan`): for minispeed's GPT, GPT-2 and LLaMA the output
+    head gives each tensor rank its vocabulary slice of the logits (take the loss with
+    `minispeed.tensor_parallel.vocab_parallel_cross_entropy(logits, targets, engine.grid)`);
+    any other model, and any model given to `tp_model_init` first (the Trainer's path), is cut
+    by its structure (`minispeed.tensor_parallel.auto_plan`), its logits whole.
     """
     if model is None or not isinstance(model, nn.Module):
         raise TypeError(f"initialize() needs model= (an nn.Module), got {type(model).__name__}")
@@ -208,10 +215,18 @@ def initialize(
     # 2. The process group, and the grid's shape (checked on every rank before any collective);
     # a pipeline brings its own grid (pipe × data [× tensor]).
     init_distributed(distributed_port=distributed_port)
+    # transformers' Trainer records the tensor-parallel size with `tp_model_init` first: merged
+    # into the config here, and the model cut by its structure (whole logits) in step 3.
+    if not is_pipeline:
+        ds = merge_recorded(ds, model)
+        if tensor_parallel_plan is None and recorded_for(model):
+            tensor_parallel_plan = minispeed.tensor_parallel.auto_plan
     # Every rank's config and model the same (agreement.py): a difference named by key, on every
     # rank, before the first collective that depends on it.
     agree_on_inputs(ds, None if is_pipeline else model)
     tensor = tensor_parallel_size(ds)  # before EngineConfig: its data-parallel size needs T
+    if not is_pipeline:  # a batch counted over every rank, as DeepSpeed's AutoTP counts it
+        ds = batch_over_data(ds, minispeed.comm.get_world_size(), tensor)
     # S, from the config or DeepSpeed's `mpu=` (parallel_state_sp): data x sequence only
     sequence = sequence_parallel_size(ds, mpu)
     pipe = model.stages if is_pipeline else 1

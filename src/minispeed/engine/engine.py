@@ -542,14 +542,31 @@ class Engine(DeepSpeedQueries, DeepSpeedSurface, CheckpointCalls, nn.Module):
             state = {k: v for k, v in state.items() if k not in frozen}
         return state
 
-    def _consolidated_16bit_state_dict(self, **_: Any) -> Any:
-        """DeepSpeed's gather of a tensor-parallel model (accelerate calls it for `save_model`
-        under `tensor_parallel.autotp_size` > 1): refused, as `save_16bit_model` is there."""
-        raise NotImplementedError(
-            "a 16-bit state dict of a tensor-parallel model is not gathered by minispeed: use "
-            "save_checkpoint (it loads at any tensor-parallel size, 1 included) and "
-            "`minispeed consolidate`"
-        )
+    def _consolidated_16bit_state_dict(
+        self, exclude_frozen_parameters: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """DeepSpeed's gather of a tensor-parallel model (accelerate's `get_state_dict`, so the
+        Trainer's `save_model`, under `tensor_parallel.autotp_size` > 1): the unsplit model's
+        `state_dict`, in its training dtype, on every rank. Collective over the tensor group:
+        one all-gather of each split parameter's whole bytes
+        (`minispeed.tensor_parallel.unshard_state_dict`). Refused with a pipeline, or with ZeRO-3
+        partitioning the slices (save_checkpoint loads at any tensor-parallel size there)."""
+        axes = () if self.grid is None else self.grid.topology.axes
+        if "tensor" not in axes or "pipe" in axes or self.config.zero.stage == 3:
+            raise NotImplementedError(
+                "_consolidated_16bit_state_dict gathers a tensor-parallel model at ZeRO stage 0-2 "
+                f"without a pipeline (this engine: grid axes {axes}, ZeRO stage "
+                f"{self.config.zero.stage}): use save_checkpoint (it loads at any tensor-parallel "
+                "size, 1 included) and `minispeed consolidate`"
+            )
+        import minispeed.tensor_parallel as tensor_parallel
+
+        group = tensor_parallel.TensorGroup.of(self.grid)
+        state = tensor_parallel.unshard_state_dict(self.module, group)
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        return state
 
     # -- parking the states between phases (RLHF: generation needs the device) ------------------
     def offload_states(
@@ -629,15 +646,41 @@ class Engine(DeepSpeedQueries, DeepSpeedSurface, CheckpointCalls, nn.Module):
             "engine.offload_states(): call engine.reload_states() first"
         )
 
-    def compile(self, backend: Any = None, compile_kwargs: Any = None, **_: Any) -> None:
-        """DeepSpeed's `engine.compile` (accelerate calls it when a dynamo backend is set):
-        refused rather than compiling the engine's own forward, which `nn.Module.compile` would
-        do around the ZeRO hooks."""
-        raise NotImplementedError(
-            "engine.compile() is not supported by minispeed: its ZeRO hooks run in eager mode; "
-            "turn torch.compile off (TrainingArguments(torch_compile=False), or no dynamo backend "
-            "in accelerate's config)"
+    def compile(
+        self,
+        backend: Any = None,
+        compile_kwargs: dict[str, Any] | None = None,
+        schedule: Any = None,
+        compiled_autograd_enabled: bool = False,
+    ) -> None:
+        """DeepSpeed's `engine.compile` (accelerate calls it when a dynamo backend is set, as
+        with the Trainer's `torch_compile=True`): `nn.Module.compile` of the model, as DeepSpeed
+        does without deepcompile, at ZeRO stages 0-2, whose hooks are on the gradients (they
+        run as autograd accumulates each one, outside the compiled graphs). A second call does
+        nothing. Refused at stage 3 (each module's forward is wrapped in hooks that gather its
+        parameters), with a deepcompile `schedule` and with compiled autograd (and on a
+        pipeline: `PipelineEngine.compile`).
+        """
+        if self.is_compiled:
+            return
+        refusal = (
+            "stage 3 gathers each module's parameters in forward hooks, which run eagerly"
+            if self.config.zero.stage == 3
+            else "deepcompile schedules are not provided"
+            if schedule is not None
+            else "compiled autograd would trace the gradient hooks"
+            if compiled_autograd_enabled
+            else None
         )
+        if refusal is not None:
+            raise NotImplementedError(
+                f"engine.compile() is not supported here by minispeed: {refusal}; turn "
+                "torch.compile off (TrainingArguments(torch_compile=False), or no dynamo backend "
+                "in accelerate's config), or compile at ZeRO stages 0-2"
+            )
+        kwargs = {k: v for k, v in (compile_kwargs or {}).items() if k != "backend"}
+        self.module.compile(backend=backend or "inductor", **kwargs)
+        self._compiled = True
 
     def destroy(self) -> None:
         """Stop the comms logger and release the model's hooks (the model stays usable)."""

@@ -23,8 +23,11 @@ engine, as in DeepSpeed's tutorial, keeps working.
 
 A model that no injection policy recognises (GPT-2, LLaMA and minispeed's GPT are recognised)
 runs as written, as under DeepSpeed when it has no policy for it: `engine(...)` is the model's
-forward and `engine.generate` its own `generate`, with a warning naming the model (int8 or
-tensor parallelism cannot be given to such a model and are refused).
+forward and `engine.generate` its own `generate`, with a warning naming the model (int8 is
+refused). With `tensor_parallel={"tp_size": n}` such a model, or any model without
+`replace_with_kernel_inject`, is cut by its structure as DeepSpeed's AutoTP cuts it
+(`minispeed.inference.split_by_structure`: Qwen2, Mistral, OPT, GPT-NeoX, ...): it still runs
+its own forward and `generate`, every rank holding the whole logits.
 
 Different from DeepSpeed: without `dtype`, minispeed runs fp32 (DeepSpeed's default is fp16;
 minispeed has no fp16/bf16 inference kernels, so an explicit fp16/bf16 is refused). Every other
@@ -229,6 +232,9 @@ def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> Infer
     size = tp.get("tp_size", 1) if isinstance(tp, Mapping) else getattr(tp, "tp_size", 1)
     if size == 1:  # DeepSpeed's `tensor_parallel={"tp_size": 1}`: no split, as if not given
         tp = None
+    kernel_inject = bool(options.get("replace_with_kernel_inject", False))
+    if tp and (not inference.is_recognised(model) or not kernel_inject):
+        return _split_by_structure(model, dtype, tp)
     if not inference.is_recognised(model) and dtype == torch.float32 and not tp:
         _log.warning(
             "init_inference: no injection policy recognises %s (minispeed fuses GPT-2, LLaMA "
@@ -239,7 +245,25 @@ def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> Infer
     fused, report = inference.init_inference(
         model,
         dtype=dtype,
-        replace_with_kernel_inject=bool(options.get("replace_with_kernel_inject", False)),
+        replace_with_kernel_inject=kernel_inject,
         tensor_parallel=tp or None,
     )
     return InferenceEngine(model, fused, report)
+
+
+def _split_by_structure(model: nn.Module, dtype: torch.dtype, tp: Any) -> InferenceEngine:
+    """DeepSpeed's AutoTP: `tensor_parallel` on a model no policy fuses, or without
+    `replace_with_kernel_inject`: the model cut in place by its structure
+    (`minispeed.inference.split_by_structure`), run by its own forward and `generate`, whole
+    logits on every rank. Collective over the tensor group."""
+    if dtype != torch.float32:
+        raise NotImplementedError(
+            f"init_inference(dtype={dtype}) with tensor_parallel on {type(model).__name__}, "
+            "split by its structure (no fused kernels): minispeed's int8 weights need the fused "
+            "blocks (GPT-2, LLaMA and its own GPT with replace_with_kernel_inject=True); use "
+            "dtype=torch.float32"
+        )
+    cfg = tp if isinstance(tp, inference.TPConfig) else inference.TPConfig.from_section(tp)
+    split = inference.split_by_structure(model, cfg)
+    report = inference.InjectionReport("autotp", split, (), dtype, cfg.tp_size)
+    return InferenceEngine(model, None, report)

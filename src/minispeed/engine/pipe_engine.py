@@ -153,6 +153,14 @@ class PipelineEngine(Engine):
         """This rank's pipeline stage (`stage_id`)."""
         return self.stage_id
 
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: the stages run from the pipeline's own schedule, not through one forward."""
+        raise NotImplementedError(
+            "engine.compile() is not supported by minispeed's pipeline engine: its stages run "
+            "from the pipeline schedule; call torch.compile on the layers before building the "
+            "PipelineModule, or turn torch.compile off"
+        )
+
     def reset_activation_shape(self) -> None:
         """The activations' shapes change from the next batch on (e.g. a longer sequence): each
         link between stages negotiates its shapes again at its next message (one more message

@@ -249,8 +249,8 @@ class DeepSpeedQueries:
 
     @property
     def is_compiled(self) -> bool:
-        """False: `engine.compile()` is refused (the ZeRO hooks run in eager mode)."""
-        return False
+        """Whether `engine.compile()` compiled the model."""
+        return getattr(self, "_compiled", False)
 
     # The ranks, from the engine's grid (`checkpoint.background.place_of`: data x pipe x tensor).
     def get_data_parallel_rank(self) -> int:

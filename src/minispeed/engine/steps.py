@@ -115,7 +115,20 @@ def tensor_parallel_plan(
 ) -> tuple[Any, Any]:
     """Step 3: the plan chosen, applied and agreed by every rank (collective over the world:
     `minispeed.tensor_parallel.parallelize_everywhere`), before the optimizer sees the
-    parameters. Returns `(optimizer, model_parameters)` pointed at the slices."""
+    parameters. Returns `(optimizer, model_parameters)` pointed at the slices. A model built
+    under `zero.Init` (its parameters already ZeRO-3 shards) is refused, naming a parameter:
+    the cut needs whole weights (local: every rank raises before the first collective)."""
+    from minispeed.zero.stage3.params import REGISTRY
+
+    partitioned = next((n for n, p in model.named_parameters() if p in REGISTRY), None)
+    if partitioned is not None:
+        raise ConfigError(
+            "tensor_parallel.autotp_size",
+            f"the model's parameters are ZeRO-3 shards already ({partitioned!r}: built under "
+            "zero.Init, or from_pretrained with a stage-3 HfDeepSpeedConfig) and tensor "
+            "parallelism cuts whole weights: build the model outside zero.Init (initialize "
+            "then partitions the slices at stage 3)",
+        )
     with composition.step(
         "tensor-parallel plan", model, keys=("tensor_parallel.autotp_size",)
     ) as step:
@@ -363,6 +376,13 @@ def build_scheduler(composition: Composition, given: Any, zero_opt: Any, cfg: En
     """Step 7: the scheduler given, a callable of the optimizer, or the config's by name (on the
     inner optimizer, whose param groups hold the hyper-parameters the step reads)."""
     with composition.step("scheduler") as step:
+        if given is None and zero_opt is None and cfg.scheduler is not None:
+            # A training config reused without an optimizer (transformers' evaluate-only
+            # Trainer removes the optimizer section, not the scheduler): DeepSpeed builds no
+            # scheduler then either.
+            step.keys = ("scheduler.type",)
+            step.did("scheduler left out: there is no optimizer to schedule")
+            return None
         scheduler = _scheduler(given, zero_opt, cfg)
         if scheduler is None:
             step.did("none")
@@ -383,8 +403,6 @@ def _scheduler(given: Any, zero_opt: Any, cfg: EngineConfig) -> Any:
                        "optimizer")  # fmt: skip
     if cfg.scheduler is None:
         return None
-    if target is None:
-        raise ConfigError("scheduler", "a scheduler needs an optimizer; add an optimizer section")
     from minispeed.engine.lr_schedules import build_scheduler as by_name
 
     return by_name(cfg.scheduler, target)

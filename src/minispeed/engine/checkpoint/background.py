@@ -20,8 +20,10 @@ any moment leaves the previous `latest` naming a complete tag.
 
 The next `save`, `load_checkpoint` and `wait` join the thread and agree over the world that
 every rank's writer succeeded (two `all_gather_object`s), so a failed background write raises
-on every rank at that point. At interpreter exit the thread is joined (up to `EXIT_WAIT_S`);
-a writer still waiting then for a dead rank's marker gives up, leaving `latest` where it was.
+on every rank at that point. At interpreter exit the thread is joined: this rank's files get up
+to `EXIT_WAIT_S`, the other ranks' markers as long as a collective waits for a peer (the
+process group's timeout, `init_distributed(timeout=...)`), and none at all once a collective of
+this process has failed (a peer lost); a writer that gives up leaves `latest` where it was.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import threading
 import time
 from typing import Any
 
+import minispeed.comm as comm
 from minispeed.core.logging import get_logger
 from minispeed.engine.checkpoint.grid import (
     CheckpointConfig,
@@ -179,17 +182,28 @@ class Checkpointer:
         together(None, what, lambda: _reraise(job.error))
 
     def _at_exit(self) -> None:
+        """Let the save in flight land before the process goes: this rank's own files (local
+        work, up to `EXIT_WAIT_S`), then the other ranks' done markers for as long as a
+        collective would wait for them (`comm.collective_timeout_s`), or not at all once a
+        collective has failed: Note [a failed collective breaks the group] in minispeed.comm."""
         job = self.job
         if job is None:
             return
-        job.thread.join(EXIT_WAIT_S)
+        job.files_done.wait(EXIT_WAIT_S)
+        lost = comm.first_backend_error()
+        if lost is None:
+            job.thread.join(comm.collective_timeout_s())
         if job.thread.is_alive():
             job.stop.set()
             job.thread.join(5.0)
         failure = job.files_error or job.error
         if failure is not None or job.thread.is_alive():
-            _log.warning("%s did not complete at exit (%s); 'latest' was not moved", job.save.what,
-                         failure or "still waiting for other ranks")  # fmt: skip
+            why = failure or "still waiting for other ranks"
+            if lost is not None:
+                why = f"a collective failed before the exit, so the other ranks' files may never come: {lost}"
+            _log.warning(
+                "%s did not complete at exit (%s); 'latest' was not moved", job.save.what, why
+            )
 
 
 def _reraise(error: BaseException | None) -> None:
@@ -208,8 +222,6 @@ def checkpointer_of(engine: Any) -> Checkpointer:
 
 def place_of(engine: Any) -> GridPlace:
     """The engine's place in the grid: its `grid` if it has one, else data parallelism only."""
-    import minispeed.comm as comm
-
     grid = getattr(engine, "grid", None)
     if grid is not None:
         return GridPlace.from_grid(grid)

@@ -32,6 +32,7 @@ from minispeed.comm.collectives import (
     reduce_scatter_tensor,
 )
 from minispeed.comm.groups import (
+    collective_timeout_s,
     destroy_process_group,
     get_rank,
     get_world_size,
@@ -54,6 +55,7 @@ from minispeed.comm.validation import (
     CommInputError,
     CommMismatchError,
     CommTimeoutError,
+    first_backend_error,
     tensor_device,
 )
 
@@ -85,8 +87,10 @@ __all__ = [
     "batch_isend_irecv",
     "broadcast",
     "broadcast_object",
+    "collective_timeout_s",
     "comms_logger",
     "destroy_process_group",
+    "first_backend_error",
     "gather",
     "get_rank",
     "get_world_size",

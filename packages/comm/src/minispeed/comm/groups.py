@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 from minispeed.comm import handoff, validation
 from minispeed.comm.validation import CommInputError
@@ -22,6 +23,7 @@ from minispeed.core.accelerator import get_accelerator
 from minispeed.core.logging import get_logger
 
 __all__ = [
+    "collective_timeout_s",
     "destroy_process_group",
     "get_rank",
     "get_world_size",
@@ -54,12 +56,14 @@ def init_distributed(
     A script that never calls `destroy_process_group` (most DeepSpeed scripts) gets it called
     for it when the interpreter exits cleanly: Note [destroy before finalization].
     """
+    global _timeout_s
     _register_exit_teardown()  # also for a group the script started itself
     if dist.is_initialized():
         return
     acc = get_accelerator()
     backend = backend or acc.communication_backend()
     timeout = datetime.timedelta(seconds=timeout_s)
+    _timeout_s = timeout_s
     if rank is not None or world_size is not None:
         if rank is None or world_size is None or not 0 <= rank < world_size:
             raise CommInputError(
@@ -122,6 +126,19 @@ def _destroy_at_exit() -> None:
         dist.destroy_process_group()
     except Exception as err:  # exiting anyway: say so, never mask the exit status
         _log.warning("destroying the process group at exit failed: %s", err)
+
+
+_timeout_s: float | None = None  # what init_distributed gave the default group
+
+
+def collective_timeout_s() -> float:
+    """How long a collective of the default group waits for a peer before failing, in seconds:
+    `init_distributed`'s `timeout_s`, or torch's default for a group the script started itself.
+    Also the bound on waiting for other ranks outside a collective (a background checkpoint's
+    done markers at exit)."""
+    if _timeout_s is not None:
+        return _timeout_s
+    return default_pg_timeout.total_seconds()
 
 
 def is_initialized() -> bool:

@@ -34,6 +34,7 @@ __all__ = [
     "CommInputError",
     "CommMismatchError",
     "CommTimeoutError",
+    "first_backend_error",
 ]
 
 VALIDATE_ENV = "MINISPEED_COMM_VALIDATE"
@@ -338,21 +339,56 @@ def _describe(signature: Any) -> str:
 
 # -- backend errors -----------------------------------------------------------------------------
 _TIMEOUT_RE = re.compile(r"timed? ?out|timeout|pair closure", re.IGNORECASE)
+# gloo's words when the process at the other end of a connection is gone
+_PEER_LOST_RE = re.compile(r"(closed|reset) by peer|broken pipe|connection refused", re.IGNORECASE)
+
+# Note [a failed collective breaks the group]
+# After the backend failed a collective (a timeout, a peer that closed its connection) the
+# process cannot count on its peers again: gloo's connection to a dead peer stays closed, and
+# ranks that timed out are out of step. `wrap_backend_error` keeps the message of the first
+# such error of the process (`first_backend_error`), so code that waits for the other ranks
+# outside any collective (the background checkpoint writer waiting for their done markers at
+# exit) knows at once that they are not coming, instead of waiting out its own bound. The text
+# only: the error itself would keep its traceback's frames, and with them the call's tensors
+# and loans, alive for the rest of the process.
+_first_backend_error: str | None = None
+
+
+def first_backend_error() -> str | None:
+    """The message of the first collective the backend failed in this process (None while all
+    went well): see Note [a failed collective breaks the group]."""
+    return _first_backend_error
 
 
 def wrap_backend_error(
     err: BaseException, op: str, group: Any, shapes: Sequence[Any], dtype: Any
 ) -> CommError:
-    """A `CommTimeoutError` (or `CommBackendError`) naming op, shapes and group."""
+    """A `CommTimeoutError` (or `CommBackendError`) naming op, shapes and group; a lost peer is
+    named as such (the other rank itself when the group has two). Recorded for
+    `first_backend_error`."""
+    global _first_backend_error
     ranks = group_ranks(group)
-    where = f"{op} on rank {dist.get_rank()} over group ranks {ranks} (shapes {list(shapes)}, dtype {dtype})"
+    me = dist.get_rank()
+    where = f"{op} on rank {me} over group ranks {ranks} (shapes {list(shapes)}, dtype {dtype})"
     if _TIMEOUT_RE.search(str(err)):
-        return CommTimeoutError(
+        wrapped: CommError = CommTimeoutError(
             f"{where} timed out: a peer probably did not call {op}, or called it with other "
             f"arguments or in another order. Rerun with {VALIDATE_ENV}=1 to compare calls across "
             f"ranks. Backend said: {err}"
         )
-    return CommBackendError(f"{where} failed: {err}")
+    elif _PEER_LOST_RE.search(str(err)):
+        others = [r for r in ranks if r != me]
+        who = f"rank {others[0]}" if len(others) == 1 else f"one of ranks {others}"
+        wrapped = CommBackendError(
+            f"{where} failed: {who} closed its connection, so that process exited or was killed "
+            f"while this rank waited in {op}. Its own log holds the cause; this rank cannot go "
+            f"on (restart the job, from its last checkpoint). Backend said: {err}"
+        )
+    else:
+        wrapped = CommBackendError(f"{where} failed: {err}")
+    if _first_backend_error is None:
+        _first_backend_error = str(wrapped)
+    return wrapped
 
 
 # -- the cross-rank check's slow path (handshake.compare: fingerprints differ) --------------------

@@ -25,7 +25,7 @@ from minispeed.inference.injection import GPTPolicy, InjectionReport, init_infer
 from minispeed.inference.kv_cache import CacheFullError, PagedKVCache, kv_cache_bytes
 from minispeed.inference.quantize import Int8Linear, quantize_per_channel, weight_bytes
 from minispeed.inference.sparse import SparseSelfAttention, SparsityConfig
-from minispeed.inference.tensor_parallel import TPConfig, allreduce_cost
+from minispeed.inference.tensor_parallel import TPConfig, allreduce_cost, split_by_structure
 
 __all__ = [
     "CacheFullError",
@@ -51,5 +51,6 @@ __all__ = [
     "perplexity",
     "quantize_per_channel",
     "sample_next",
+    "split_by_structure",
     "weight_bytes",
 ]

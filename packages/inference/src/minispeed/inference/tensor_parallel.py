@@ -71,6 +71,7 @@ __all__ = [
     "column_shard",
     "resolve",
     "row_shard",
+    "split_by_structure",
 ]
 
 
@@ -158,6 +159,33 @@ def resolve(cfg: TPConfig) -> TPContext | None:
             "equal"
         )
     return ctx
+
+
+def split_by_structure(model: nn.Module, cfg: TPConfig) -> tuple[str, ...]:
+    """AutoTP for inference: `model` cut in place over `cfg`'s group by the plan read from its
+    structure (`minispeed.tensor_parallel.auto_plan`), for a model no injection policy fuses
+    (Qwen2, Mistral, OPT, GPT-NeoX, ...) or when fused kernels are not asked for. Returns the
+    paths of the modules split.
+
+    The model then runs its own forward and `generate`: each decoder layer's attention and MLP
+    split as in the module docstring (column then row, two all-reduces per layer of `4·M·C`
+    bytes), its output head column-parallel with the logits all-gathered (`4·M·V` bytes per
+    forward), so every rank holds the whole logits and samples the same tokens; a tied head,
+    the embeddings and the norms stay whole. Every rank must hold the same weights (the same
+    `from_pretrained`, or the same seed), as under DeepSpeed. The plan and its size checks run
+    before the group is built: a module the plan does not recognise, or a size that does not
+    divide the heads, is a `ValueError` on every rank, naming the module or the counts.
+    """
+    plan = tp.auto_plan(model)
+    check_divides(cfg.tp_size, plan.divides)
+    ctx = resolve(cfg)
+    tp.parallelize(model, plan, ctx)
+    model.eval()
+    return tuple(
+        p
+        for p, m in model.named_modules()
+        if isinstance(m, tp.ColumnParallelLinear | tp.RowParallelLinear)
+    )
 
 
 def _frozen_linear(w: torch.Tensor, b: torch.Tensor | None) -> nn.Linear:

@@ -10,6 +10,7 @@ Reading order (see README.md):
 5. `cross_entropy` — the loss over vocabulary-split logits.
 6. `costs` — bytes per call of each layer, the formulas the tests assert.
 7. `styles`, `plan`, `plans` — `parallelize(model, plan, group)` and the ready plans;
+   `auto` — `auto_plan(model)`, a plan read from a Hugging Face model's structure (AutoTP);
    `agreed` — a plan chosen and applied on every rank of a grid, agreed by all of them (the
    engine's tensor-parallel step).
 8. `memory` — activation bytes per rank, with and without sequence parallelism.
@@ -48,6 +49,7 @@ from minispeed.tensor_parallel.alst import (
     shard_batch,
     unregister_ulysses_attention,
 )
+from minispeed.tensor_parallel.auto import auto_plan, decoder_layers, kept_numel
 from minispeed.tensor_parallel.config import TensorParallelConfig
 from minispeed.tensor_parallel.costs import (
     Collective,
@@ -80,10 +82,17 @@ from minispeed.tensor_parallel.seeds import (
     seed_tensor_parallel,
     tensor_seed,
 )
-from minispeed.tensor_parallel.sharding import ShardSpec, shard, unshard, unshard_module
+from minispeed.tensor_parallel.sharding import (
+    ShardSpec,
+    shard,
+    unshard,
+    unshard_module,
+    unshard_state_dict,
+)
 from minispeed.tensor_parallel.styles import (
     Column,
     HeadInput,
+    HeadNorm,
     Heads,
     Row,
     ScatterSequence,
@@ -111,6 +120,7 @@ __all__ = [
     "ColumnParallelLinear",
     "DistributedAttention",
     "HeadInput",
+    "HeadNorm",
     "Heads",
     "Plan",
     "Row",
@@ -129,16 +139,19 @@ __all__ = [
     "VocabParallelEmbedding",
     "agreed",
     "apply_plan",
+    "auto_plan",
     "check_divides",
     "column_collectives",
     "copy_to_parallel",
     "cross_entropy_collectives",
+    "decoder_layers",
     "embedding_collectives",
     "gather_from_parallel",
     "gather_from_sequence",
     "gpt2_plan",
     "gpt_plan",
     "head_shares",
+    "kept_numel",
     "llama_plan",
     "parallelize",
     "parallelize_everywhere",
@@ -163,5 +176,6 @@ __all__ = [
     "unregister_ulysses_attention",
     "unshard",
     "unshard_module",
+    "unshard_state_dict",
     "vocab_parallel_cross_entropy",
 ]

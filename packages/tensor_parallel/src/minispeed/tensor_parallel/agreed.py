@@ -9,9 +9,10 @@ model_parameters=None)`. With a tensor axis of T > 1 ranks:
    `minispeed.tensor_parallel.Plan`, or a callable `(module) -> Plan` (for a `PipelineModule`
    it gets this rank's stage). Without one, a ready plan is picked by the model's type:
    `GPT2LMHeadModel` → `gpt2_plan`, `LlamaForCausalLM` → `llama_plan`, minispeed's GPT
-   (`examples/gpt.py`, a `GPT` with a `GPTConfig` as `cfg`) → `gpt_plan`; any other model (and
-   every `PipelineModule`, whose layer paths are the user's) needs a plan. DeepSpeed's AutoTP
-   infers the split from the layer types instead; minispeed splits only what a plan names.
+   (`examples/gpt.py`, a `GPT` with a `GPTConfig` as `cfg`) → `gpt_plan`; any other model gets
+   the plan read from its structure (`auto_plan`, DeepSpeed's AutoTP: whole logits), as does a
+   model given to `tp_model_init` (the Trainer's path) whatever its type. Every
+   `PipelineModule`, whose layer paths are the user's, needs a plan.
 2. **One model to cut.** Every parameter and buffer is broadcast from the tensor group's first
    rank before the cut, so the n slices come from one model whatever each rank's seed (Ψ·4
    bytes once, over the tensor group).
@@ -44,6 +45,7 @@ from torch import nn
 
 import minispeed.comm as comm
 from minispeed.tensor_parallel import plans as ready
+from minispeed.tensor_parallel.auto import auto_plan
 from minispeed.tensor_parallel.plan import Plan, parallelize
 
 __all__ = ["PlanLike", "agreed", "apply_plan", "parallelize_everywhere", "ready_plan", "rebind"]
@@ -52,7 +54,9 @@ PlanLike = Plan | Callable[[nn.Module], Plan] | None
 
 
 def ready_plan(model: nn.Module) -> Plan:
-    """The ready plan for `model`'s type, or a `ValueError` saying to pass one."""
+    """The ready plan for `model`'s type (its head's logits split by vocabulary), or else the
+    plan read from its structure (`auto_plan`: whole logits), which refuses a module it does
+    not recognise by path."""
     kind = type(model).__name__
     if kind == "GPT2LMHeadModel":
         return ready.gpt2_plan(model)
@@ -60,11 +64,7 @@ def ready_plan(model: nn.Module) -> Plan:
         return ready.llama_plan(model)
     if kind == "GPT" and type(getattr(model, "cfg", None)).__name__ == "GPTConfig":
         return ready.gpt_plan(model)
-    raise ValueError(
-        f"tensor_parallel.autotp_size > 1 but minispeed has no ready plan for {kind}: pass "
-        "initialize(..., tensor_parallel_plan=minispeed.tensor_parallel.Plan({...})) naming "
-        "each module's style (ready plans: minispeed's GPT, GPT2LMHeadModel, LlamaForCausalLM)"
-    )
+    return auto_plan(model)
 
 
 def _resolve(module: nn.Module, plan: PlanLike, per_stage: bool) -> Plan:

@@ -20,20 +20,21 @@ __all__ = ["TensorParallelConfig"]
 
 _AUTOTP = "AutoTP's inference keys; minispeed reads autotp_size for training"
 _PLAN = (
-    "the plan is a ready one by model type or initialize(tensor_parallel_plan=...), not "
-    "configured by keys"
+    "the plan is a ready one by model type, initialize(tensor_parallel_plan=...) or the one "
+    "read from the model's structure (auto_plan), not configured by keys"
 )
 _VOCAB = (
-    "the head's vocabulary is split by the ready plans; compute the loss with "
-    "minispeed.tensor_parallel.vocab_parallel_cross_entropy"
+    "the ready plans split the head's vocabulary (compute the loss with "
+    "minispeed.tensor_parallel.vocab_parallel_cross_entropy); auto_plan gathers whole logits"
 )
 
 
 @dataclass(frozen=True)
 class TensorParallelConfig(Section):
     """Tensor parallelism for training (DeepSpeed section `tensor_parallel`): ZeRO over the data
-    axis, clipping over all three (docs: 3D parallelism). The plan is a ready one by model type
-    or `initialize(tensor_parallel_plan=...)`; not inferred as by DeepSpeed's AutoTP."""
+    axis, clipping over all three (docs: 3D parallelism). The plan is a ready one by model type,
+    `initialize(tensor_parallel_plan=...)`, or read from the model's structure as by DeepSpeed's
+    AutoTP (`auto_plan`: a model with no ready plan, or given to `tp_model_init`)."""
 
     ds_path: ClassVar[str] = "tensor_parallel"
     ds_auto_is_default: ClassVar[bool] = True  # DeepSpeed: "auto" is the default

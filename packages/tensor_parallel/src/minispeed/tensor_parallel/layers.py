@@ -41,7 +41,7 @@ from minispeed.tensor_parallel.mappings import (
     reduce_scatter_to_sequence,
     scatter_to_parallel,
 )
-from minispeed.tensor_parallel.sharding import ShardSpec, shard
+from minispeed.tensor_parallel.sharding import ShardSpec, part_major, shard
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "source_layout"]
 
@@ -117,14 +117,15 @@ class ColumnParallelLinear(_ParallelLinear):
     """`y_r = x W_rᵀ + b_r`: this rank's slice of the output features (see the module docstring).
 
     Weight `(N/n, K)` per rank (`(K, N/n)` when `transposed`), bias `(N/n,)`. `parts`: a fused
-    weight cut per part (3 for q/k/v stacked), so each rank holds whole heads of each.
+    weight cut per part (3 equal parts for q/k/v stacked; proportions `(H, KV, KV)` for q/k/v of
+    unequal widths), so each rank holds whole heads of each.
     `gather_output=True` all-gathers the output slices into the whole `y`. Bytes per call:
     `costs.column_collectives` (plain: one all-reduce of the input gradient, `e·M·K`, in backward).
     """
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, group: Any, *,
-        transposed: bool = False, parts: int = 1, gather_output: bool = False,
+        transposed: bool = False, parts: int | tuple[int, ...] = 1, gather_output: bool = False,
         sequence_parallel: bool = False,
     ) -> None:  # fmt: skip
         super().__init__()
@@ -151,13 +152,8 @@ class ColumnParallelLinear(_ParallelLinear):
             y = F.linear(copy_to_parallel(x, self.tg), w, self.bias)
         if not self.gather_output:
             return y
-        y = gather_from_parallel(y, self.tg)
-        if self.parts == 1 or self.tg.size == 1:
-            return y
         # rank-major (rank, part, piece) -> the unsplit layer's part-major order
-        n, p = self.tg.size, self.parts
-        pieces = y.chunk(n * p, -1)
-        return torch.cat([pieces[r * p + q] for q in range(p) for r in range(n)], -1)
+        return part_major(gather_from_parallel(y, self.tg), ShardSpec(-1, self.parts), self.tg.size)
 
     def extra_repr(self) -> str:
         return self._repr(

@@ -22,8 +22,10 @@ The composition order (docs/architecture.md): pipeline partition, then this, the
 
 from __future__ import annotations
 
+import copy
 import difflib
 import fnmatch
+import functools
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +50,7 @@ from minispeed.tensor_parallel.sharding import ShardSpec
 from minispeed.tensor_parallel.styles import (
     Column,
     HeadInput,
+    HeadNorm,
     Heads,
     Row,
     ScatterSequence,
@@ -141,7 +144,7 @@ def _check_modules(model: nn.Module, matched: dict[str, tuple[str, Style]], n: i
             ShardSpec(0).check(m.num_embeddings, n, f"{where} vocabulary")
         elif isinstance(style, Heads):
             for attr in style.attrs:
-                value = getattr(m, attr, None)
+                value = _get_dotted(m, attr)
                 if not isinstance(value, int) or value % n:
                     raise ValueError(
                         f"{where}: Heads divides the integer attribute {attr!r} by {n}, but it is "
@@ -176,6 +179,35 @@ def _check_tied(model: nn.Module, matched: dict[str, tuple[str, Style]]) -> None
             )
 
 
+def _get_dotted(obj: Any, attr: str) -> Any:
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _own_copy(obj: Any, name: str) -> Any:
+    """`obj.name` replaced by a shallow copy of it (so dividing its counts leaves the object
+    other modules share, such as the model's config, whole); returns the copy."""
+    mine = copy.copy(getattr(obj, name))
+    setattr(obj, name, mine)
+    return mine
+
+
+def _keep_heads(names: tuple[str, ...], local: int, tg: TensorGroup, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:  # fmt: skip
+    """`styles.Heads.per_head_kwargs`: this rank's `local` heads of each `(B·H, ...)` tensor."""
+    for name in names:
+        if name not in kwargs:
+            raise RuntimeError(
+                f"tensor-parallel plan: {type(module).__name__} was called without the keyword "
+                f"argument {name!r} whose heads the plan keeps (Heads.per_head_kwargs); pass it "
+                "by keyword, or plan the module by hand"
+            )
+        t = kwargs[name]
+        if t is not None:  # (B·H, ...) -> (B, n, H/n, ...) -> this rank's (B·H/n, ...)
+            kwargs[name] = t.unflatten(0, (-1, tg.size, local))[:, tg.rank].flatten(0, 1)
+    return args, kwargs
+
+
 def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
     parent_path, _, name = path.rpartition(".")
     setattr(model.get_submodule(parent_path) if parent_path else model, name, new)
@@ -204,7 +236,17 @@ def _apply(model: nn.Module, path: str, style: Style, tg: TensorGroup, tied: dic
         return
     if isinstance(style, Heads):
         for attr in style.attrs:  # checked by _check_modules
-            setattr(m, attr, getattr(m, attr) // tg.size)
+            owner_path, _, name = attr.rpartition(".")
+            owner = m
+            if owner_path:  # a shallow copy for this module alone (styles.Heads)
+                for part in owner_path.split("."):
+                    owner = _own_copy(owner, part)
+            setattr(owner, name, getattr(owner, name) // tg.size)
+        if style.per_head_kwargs and tg.size > 1:
+            local = _get_dotted(m, style.attrs[0])
+            m.register_forward_pre_hook(
+                functools.partial(_keep_heads, style.per_head_kwargs, local, tg), with_kwargs=True
+            )
     elif isinstance(style, ScatterSequence):
         m.register_forward_hook(lambda _m, _i, out: scatter_to_sequence(out, tg))
     elif isinstance(style, HeadInput):
@@ -212,7 +254,7 @@ def _apply(model: nn.Module, path: str, style: Style, tg: TensorGroup, tied: dic
             m.register_forward_hook(lambda _m, _i, out: gather_from_sequence(out, tg))
         else:
             m.register_forward_hook(lambda _m, _i, out: copy_to_parallel(out, tg))
-    sums_grads = isinstance(style, SequenceShard) or (
+    sums_grads = isinstance(style, SequenceShard | HeadNorm) or (
         isinstance(style, HeadInput) and style.sequence_parallel
     )
     if sums_grads and tg.size > 1:

@@ -2,8 +2,9 @@
 
 A plan maps module paths to one style each. Three styles replace the module by a split layer
 (`Column`, `Row`, `Vocab`); the others leave it in place and change what flows through it:
-`Heads` divides the head counts an attention module reshapes by, `SequenceShard` marks a norm
-that runs on sequence shards, `HeadInput` prepares the input of an output head the model
+`Heads` divides the head counts an attention module reshapes by, `HeadNorm` marks a norm applied
+to each of this rank's heads (its replicated weight gets a partial gradient), `SequenceShard`
+marks a norm that runs on sequence shards, `HeadInput` prepares the input of an output head the model
 computes itself (a tied `F.linear(x, wte.weight)`), `ScatterSequence` cuts a replicated output
 (position embeddings) into this rank's sequence shard.
 """
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 __all__ = [
     "Column",
     "HeadInput",
+    "HeadNorm",
     "Heads",
     "Row",
     "ScatterSequence",
@@ -28,8 +30,9 @@ __all__ = [
 class Column:
     """Replace an `nn.Linear` / `Conv1D` by a `ColumnParallelLinear`."""
 
-    parts: int = 1
-    """Fused parts cut separately (3 for GPT's q/k/v in one weight)."""
+    parts: int | tuple[int, ...] = 1
+    """Fused parts cut separately: a count of equal parts (3 for GPT's q/k/v in one weight) or
+    their proportions (`(H, KV, KV)` for Phi-3's q/k/v under grouped-query attention)."""
     gather_output: bool = False
     """All-gather the output slices (for a head whose logits must be whole)."""
     sequence_parallel: bool = False
@@ -59,7 +62,24 @@ class Heads:
     """Divide an attention module's integer attributes (head counts, split sizes) by n."""
 
     attrs: tuple[str, ...]
-    """Attribute names, e.g. `("n_head",)`; each must exist and be divisible by n."""
+    """Attribute names, e.g. `("n_head",)`; each must exist and be divisible by n. A dotted
+    name (`"config.num_attention_heads"`: Phi-3's attention reads its q width from the config)
+    divides the attribute of a shallow copy of that object given to this module alone, so the
+    model's own config stays whole (and a later change to it does not reach the copy)."""
+    per_head_kwargs: tuple[str, ...] = ()
+    """Keyword arguments of the module holding one slice per head of all the model's heads,
+    laid out `(B·H, ...)` (Bloom's ALiBi biases, built by the model for its H heads): a forward
+    pre-hook keeps this rank's heads `[r·H/n, (r+1)·H/n)` (the first attribute's count, divided,
+    is `H/n`), so each head keeps its own slope. A copy of `e·B·H/n·T` bytes, no
+    communication."""
+
+
+@dataclass(frozen=True)
+class HeadNorm:
+    """A norm over one head's features (Qwen3's `q_norm` / `k_norm`, weight `(d,)`) applied to this
+    rank's heads after a column split: the forward is local, but its replicated weight sees only
+    `H/n` heads, so its gradient is a partial sum, all-reduced in backward (one all-reduce of its
+    `e·d` bytes per parameter)."""
 
 
 @dataclass(frozen=True)
@@ -84,4 +104,4 @@ class ScatterSequence:
     this rank's sequence shard; backward all-gathers the gradient, so it is whole everywhere."""
 
 
-Style = Column | Row | Vocab | Heads | SequenceShard | HeadInput | ScatterSequence
+Style = Column | Row | Vocab | Heads | HeadNorm | SequenceShard | HeadInput | ScatterSequence

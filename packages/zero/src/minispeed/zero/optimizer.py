@@ -125,6 +125,8 @@ class ZeroOptimizer(torch.optim.Optimizer, Detachable):
     Attributes: `optimizer` (the inner optimizer, now holding master tensors: the user's, or
     offload's CPU optimizer over the user's param groups), `strategy`, `config`, `precision`, `loss_scaler`,
     `global_step` (optimizer steps taken, skipped ones excluded), `micro_step` (backward calls),
+    `overflow` (whether the last window's step was skipped for an fp16 overflow: DeepSpeed's
+    optimizers' attribute, which accelerate's `optimizer_step_was_skipped` reads),
     `flags_in_bucket` (whether the step's flags travel in the last gradient bucket: the ledger's
     `stage_collectives(..., flags_in_bucket=...)`).
 
@@ -162,6 +164,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Detachable):
         self.global_step = 0
         self.micro_step = 0
         self._grad_norm: Tensor | None = None  # before clipping, at the last clipped step
+        self.overflow = False  # the last boundary skipped its step (fp16 overflow)
         # Backward calls in the current accumulation window; whether the last one ended it
         # (and step() has not handled it yet).
         self._window, self._window_ended = 0, False
@@ -358,7 +361,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Detachable):
             return self._boundary_step()
 
     def _boundary_step(self) -> bool:
-        self._window, self._window_ended = 0, False
+        self._window, self._window_ended, self.overflow = 0, False, False
         grads_by_group = self.strategy.master_grads()
         grads = [g for gs in grads_by_group for g in gs]
         if self.model_parallel is not None and self.model_parallel.shared:
@@ -402,7 +405,9 @@ class ZeroOptimizer(torch.optim.Optimizer, Detachable):
         unused = [p for p, f in zip(self._params, flags[1 : 1 + len(self._params)]) if f == 0]
 
         if overflow:
-            # Skip: no master, no state and no parameter is touched. See LossScaler.
+            # Skip: no master, no state and no parameter is touched. See LossScaler. The norm
+            # of overflowed gradients is infinite, as DeepSpeed's optimizers report it.
+            self.overflow, self._grad_norm = True, torch.full((), math.inf)
             self.strategy.zero_grad()
             self.loss_scaler.update(overflow=True)
             _log.warning(
@@ -429,9 +434,8 @@ class ZeroOptimizer(torch.optim.Optimizer, Detachable):
             )
         self.strategy.publish_params()
         self.loss_scaler.update(overflow=False)
-        if (
-            self._user_optimizer is not None
-        ):  # Note [a scheduler on the user's optimizer sees it step]
+        # Note [a scheduler on the user's optimizer sees it step]
+        if self._user_optimizer is not None:
             self._user_optimizer._opt_called = True  # type: ignore[attr-defined]
         self.strategy.zero_grad()
         self.global_step += 1
@@ -523,8 +527,9 @@ class ZeroOptimizer(torch.optim.Optimizer, Detachable):
     @property
     def global_grad_norm(self) -> float | None:
         """The global L2 norm of the gradients before clipping, at the last step that clipped
-        (`max_grad_norm` > 0, `math.inf` for the norm without clipping); `None` before then or
-        with `max_grad_norm` 0."""
+        (`max_grad_norm` > 0, `math.inf` for the norm without clipping); infinite after a step
+        skipped for an fp16 overflow; `None` before the first step or with `max_grad_norm` 0
+        (until an overflow)."""
         return None if self._grad_norm is None else float(self._grad_norm)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -267,8 +267,29 @@ class _DieMidWrite(io.RawIOBase):
         return self.f.write(data)
 
 
+class _KeepsWriteError(io.RawIOBase):
+    """A file wrapper that keeps the `OSError` of a failed write: ``torch.save`` reports one as
+    ``unexpected pos N vs M``, dropping the cause (a full disk, a file size limit)."""
+
+    def __init__(self, f: io.BufferedWriter | _DieMidWrite) -> None:
+        self.f = f
+        self.error: OSError | None = None
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+
 def atomic_save(obj: Any, path: Path, *, crash_point: bool = False) -> int:
-    """``torch.save`` to ``path`` atomically; returns the file size in bytes.
+    """``torch.save`` to ``path`` atomically; returns the file size in bytes. A failed write
+    raises the `OSError` the file system gave (``No space left on device``, ``File too
+    large``), naming ``path``; nothing is left behind (`atomic_write`).
 
     ``crash_point``: this write is the one the test hook (``MINISPEED_CHECKPOINT_CRASH_RANK``)
     may interrupt.
@@ -276,7 +297,13 @@ def atomic_save(obj: Any, path: Path, *, crash_point: bool = False) -> int:
 
     def write(f: io.BufferedWriter) -> None:
         crash = crash_point and os.environ.get(CRASH_RANK_ENV) == os.environ.get("RANK", "0")
-        torch.save(obj, _DieMidWrite(f) if crash else f)
+        kept = _KeepsWriteError(_DieMidWrite(f) if crash else f)
+        try:
+            torch.save(obj, kept)
+        except RuntimeError as e:
+            if kept.error is None:
+                raise
+            raise OSError(kept.error.errno, kept.error.strerror, str(path)) from e
 
     return atomic_write(path, write)
 
@@ -334,7 +361,15 @@ def read_metadata(tag_dir: Path, *, need_optimizer_state: bool = True) -> Checkp
             f"was interrupted. Missing shards: {missing or 'none (all shard files exist)'}; "
             f"present: {present}{hint}"
         )
-    raw = json.loads(meta_path.read_text())
+    try:
+        raw = json.loads(meta_path.read_text())
+        if not isinstance(raw, dict):
+            raise ValueError(f"a JSON {type(raw).__name__}, not an object")
+    except ValueError as e:  # json.JSONDecodeError too
+        raise CheckpointError(
+            f"checkpoint file {meta_path} of tag {tag_dir.name!r} is damaged: it is not the JSON "
+            f"index save_checkpoint writes ({e}). {_earlier_hint(tag_dir)}"
+        ) from e
     version = raw.get("format_version")
     if version != FORMAT_VERSION:
         raise CheckpointError(

@@ -14,6 +14,7 @@ Each rank reads metadata.json, common.pt and the shards that overlap its fragmen
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections import defaultdict
 from contextlib import nullcontext
@@ -164,6 +165,8 @@ def load_checkpoint(
         # 2. Local: fill this rank's masters and optimizer state from the shards that hold them.
         def check_and_read() -> Any:
             _check_model_matches(model, shapes, meta, strict)
+            if load_optimizer_states:
+                _check_optimizer_matches(inner, meta, tag_dir)
             return _read(
                 opt,
                 model,
@@ -347,6 +350,45 @@ def _element_state(inner, master, keys, state_filled, key) -> dict[str, torch.Te
         inner.state[master] = {k: torch.zeros_like(master) for k in keys}
         state_filled[key] = True
     return inner.state[master]
+
+
+def _element_state_keys(inner: torch.optim.Optimizer) -> set[str] | None:
+    """The per-element state `inner`'s class keeps (Adam: exp_avg, exp_avg_sq), read from one
+    step of a copy over a 2-element tensor: a few hundred bytes. Only torch.optim's own classes
+    are probed (their step is local; another's might call a collective, or need arguments its
+    `defaults` do not hold): None for the rest, and when no copy can be built."""
+    if not type(inner).__module__.startswith("torch.optim."):
+        return None
+    try:
+        takes = inspect.signature(type(inner)).parameters  # AdamW's defaults hold more
+        anything = any(a.kind is inspect.Parameter.VAR_KEYWORD for a in takes.values())
+        probe = torch.zeros(2, requires_grad=True)
+        copy = type(inner)(
+            [probe], **{k: v for k, v in inner.defaults.items() if anything or k in takes}
+        )
+        probe.grad = torch.ones(2)
+        copy.step()
+        state = copy.state[probe]
+    except Exception:
+        return None
+    return {k for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == probe.shape}
+
+
+def _check_optimizer_matches(
+    inner: torch.optim.Optimizer, meta: CheckpointMetadata, tag_dir
+) -> None:
+    """Refuse optimizer state this optimizer cannot step with: a checkpoint of SGD with momentum
+    loaded into Adam would fail at the first step, naming only a missing ``'exp_avg'``."""
+    saved = set(meta.state_keys)
+    needed = _element_state_keys(inner) if saved else None
+    if needed is not None and not needed <= saved:
+        raise CheckpointError(
+            f"checkpoint {tag_dir} holds the optimizer state {sorted(saved)} per element, but "
+            f"this optimizer ({type(inner).__name__}) keeps {sorted(needed)}: the checkpoint was "
+            "saved with another optimizer or other settings (amsgrad, momentum). Build the "
+            "optimizer it was saved with, or pass load_optimizer_states=False to load the "
+            "weights and start the optimizer afresh"
+        )
 
 
 def _restore_scalars_and_hyper(opt, meta, common, mine, masters, state_filled) -> None:

@@ -76,51 +76,82 @@ struct Strided {
 // work. Rows, columns and the inner index all count from the tile's corner.
 enum class Part { kFull, kUpperCols, kLowerInner, kUpperInner };
 
-// C[r, 0 .. NV·width) (+)= sum_{p0 <= p < p1} A(r, p) B[p, 0 .. NV·width) for MR rows; see Note
-// [tiles as small matrix products]. B rows are ldb apart, C rows ldc apart.
+// Per-row factors a product applies to C as it goes (nullptr: none): `before[r]` multiplies row
+// r's old value when the product adds to it, `after[r]` the result as it is stored. The forward's
+// online softmax uses them for its rescale by alpha and its final 1 / l, which would otherwise
+// each read and write O_r once more (see forward_row_block); each is the one multiplication the
+// separate pass did, so the results are the same bits.
+struct RowScale {
+  const float* before = nullptr;
+  const float* after = nullptr;
+  RowScale from(int64_t m) const {  // the same factors for the rows from m on
+    return {before ? before + m : nullptr, after ? after + m : nullptr};
+  }
+};
+
+// C[r, 0 .. NV·width) (+)= sum_{p0 <= p < p1} A(r, p) B[p, 0 .. NV·width) for MR rows, with
+// `scale` (see RowScale); see Note [tiles as small matrix products]. B rows are ldb apart, C rows
+// ldc apart. The loops over the register block are unrolled by hand (the pragmas): left to the
+// compiler, the accumulators' loads and stores went through the stack (64 x 64 x 64 from L1:
+// 5.1-5.4 against 4.8-5.0 G vector multiply-adds per second, AVX-512, best of 400).
 template <int MR, int NV>
 void tile(int64_t p0, int64_t p1, Strided a, const float* b, int64_t ldb, float* c, int64_t ldc,
-          bool add) {
+          bool add, RowScale scale) {
   Vec acc[MR][NV];
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NV; ++j) acc[r][j] = add ? Vec::load(c + r * ldc + j * kW) : Vec::zero();
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    const Vec in = Vec::splat(add && scale.before ? scale.before[r] : 1.f);
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) {
+      acc[r][j] = add ? Vec::load(c + r * ldc + j * kW) : Vec::zero();
+      if (add && scale.before) acc[r][j] = acc[r][j] * in;
+    }
+  }
   for (int64_t p = p0; p < p1; ++p) {
     Vec bv[NV];
+#pragma GCC unroll 4
     for (int j = 0; j < NV; ++j) bv[j] = Vec::load(b + p * ldb + j * kW);
+#pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const Vec ar = Vec::splat(a.at(r, p));
+#pragma GCC unroll 4
       for (int j = 0; j < NV; ++j) acc[r][j].fma(ar, bv[j]);
     }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NV; ++j) acc[r][j].store(c + r * ldc + j * kW);
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    const Vec out = Vec::splat(scale.after ? scale.after[r] : 1.f);
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j)
+      (scale.after ? acc[r][j] * out : acc[r][j]).store(c + r * ldc + j * kW);
+  }
 }
 
 // tile<rows, NV> for the 1 .. kMaxRows rows a group may have.
 constexpr int kMaxRows = Vec::kWidth == 8 ? 3 : 6;  // registers: see gemm
 template <int NV>
 void tile_rows(int64_t rows, int64_t p0, int64_t p1, Strided a, const float* b, int64_t ldb,
-               float* c, int64_t ldc, bool add) {
+               float* c, int64_t ldc, bool add, RowScale scale) {
   switch (rows) {
-    case 1: return tile<1, NV>(p0, p1, a, b, ldb, c, ldc, add);
-    case 2: return tile<2, NV>(p0, p1, a, b, ldb, c, ldc, add);
-    case 3: return tile<3, NV>(p0, p1, a, b, ldb, c, ldc, add);
+    case 1: return tile<1, NV>(p0, p1, a, b, ldb, c, ldc, add, scale);
+    case 2: return tile<2, NV>(p0, p1, a, b, ldb, c, ldc, add, scale);
+    case 3: return tile<3, NV>(p0, p1, a, b, ldb, c, ldc, add, scale);
 #if !defined(MINISPEED_HAS_AVX2) || defined(MINISPEED_HAS_AVX512)
-    case 4: return tile<4, NV>(p0, p1, a, b, ldb, c, ldc, add);
-    case 5: return tile<5, NV>(p0, p1, a, b, ldb, c, ldc, add);
-    case 6: return tile<6, NV>(p0, p1, a, b, ldb, c, ldc, add);
+    case 4: return tile<4, NV>(p0, p1, a, b, ldb, c, ldc, add, scale);
+    case 5: return tile<5, NV>(p0, p1, a, b, ldb, c, ldc, add, scale);
+    case 6: return tile<6, NV>(p0, p1, a, b, ldb, c, ldc, add, scale);
 #endif
   }
 }
 
 // tile_rows<nv> for nv = 1 .. 4 vectors chosen at run time.
 void tile_vectors(int64_t nv, int64_t rows, int64_t p0, int64_t p1, Strided a, const float* b,
-                  int64_t ldb, float* c, int64_t ldc, bool add) {
+                  int64_t ldb, float* c, int64_t ldc, bool add, RowScale scale) {
   switch (nv) {
-    case 1: return tile_rows<1>(rows, p0, p1, a, b, ldb, c, ldc, add);
-    case 2: return tile_rows<2>(rows, p0, p1, a, b, ldb, c, ldc, add);
-    case 3: return tile_rows<3>(rows, p0, p1, a, b, ldb, c, ldc, add);
-    case 4: return tile_rows<4>(rows, p0, p1, a, b, ldb, c, ldc, add);
+    case 1: return tile_rows<1>(rows, p0, p1, a, b, ldb, c, ldc, add, scale);
+    case 2: return tile_rows<2>(rows, p0, p1, a, b, ldb, c, ldc, add, scale);
+    case 3: return tile_rows<3>(rows, p0, p1, a, b, ldb, c, ldc, add, scale);
+    case 4: return tile_rows<4>(rows, p0, p1, a, b, ldb, c, ldc, add, scale);
   }
 }
 
@@ -154,16 +185,22 @@ class Ahead {
   void finish() { request(std::numeric_limits<int64_t>::max()); }
 
  private:
+  // The position lives in locals while the loop runs: kept in the members, every request waited
+  // on the previous one's store of it (a chain through memory: tile_scores' own share of a warm
+  // sliding-window row, T = 512, fell from 8 % to 6.4 %, perf).
   void request(int64_t lines) {
-    for (; lines > 0 && i_ < n_; --lines) {
-      const Range& r = ranges_[i_];
+    int i = i_;
+    int64_t off = off_;
+    for (; lines > 0 && i < n_; --lines) {
+      const Range& r = ranges_[i];
       if (r.write)
-        __builtin_prefetch(r.p + off_, 1, 2);
+        __builtin_prefetch(r.p + off, 1, 2);
       else
-        __builtin_prefetch(r.p + off_, 0, 2);
-      off_ += kLineBytes;
-      if (off_ >= r.bytes) ++i_, off_ = 0;
+        __builtin_prefetch(r.p + off, 0, 2);
+      off += kLineBytes;
+      if (off >= r.bytes) ++i, off = 0;
     }
+    i_ = i, off_ = off;
   }
   static constexpr int kMax = 8;  // ranges: the backward's next row queues eight
   static constexpr int64_t kLineBytes = 64;
@@ -178,11 +215,13 @@ class Ahead {
 };
 
 
-// C (M x N) = A (M x P) B (P x N), or C += with add; only `part` of it (see Part). Registers:
+// C (M x N) = A (M x P) B (P x N), or C += with add, with `scale` (see RowScale); only `part` of
+// it (see Part). Registers:
 // kMaxRows · NV accumulators, NV vectors of B and one broadcast (29 of AVX-512's 32 at 6 x 4;
 // AVX2 has 16, hence 3 x 4 there). Entries a Part skips are left as they were.
 void gemm(int64_t M, int64_t N, int64_t P, Strided a, const float* b, int64_t ldb, float* c,
-          int64_t ldc, bool add, Part part = Part::kFull, Ahead* ahead = nullptr) {
+          int64_t ldc, bool add, Part part = Part::kFull, Ahead* ahead = nullptr,
+          RowScale scale = {}) {
   const int64_t nvec = N / kW;
   for (int64_t m = 0; m < M; m += kMaxRows) {
     const int64_t rows = std::min<int64_t>(kMaxRows, M - m);
@@ -193,28 +232,21 @@ void gemm(int64_t M, int64_t N, int64_t P, Strided a, const float* b, int64_t ld
     const Strided ag{a.data + m * a.row, a.row, a.step};
     for (; v < nvec; v += 4) {
       const int64_t nv = std::min<int64_t>(4, nvec - v);
-      tile_vectors(nv, rows, p0, p1, ag, b + v * kW, ldb, c + m * ldc + v * kW, ldc, add);
+      tile_vectors(nv, rows, p0, p1, ag, b + v * kW, ldb, c + m * ldc + v * kW, ldc, add,
+                   scale.from(m));
     }
     for (int64_t r = m; r < m + rows; ++r) {  // the last < width columns, one at a time
       for (int64_t n = nvec * kW; n < N; ++n) {
         if (part == Part::kUpperCols && n < r) continue;
         const int64_t q0 = part == Part::kUpperInner ? r : 0;
         const int64_t q1 = part == Part::kLowerInner ? std::min(P, r + 1) : P;
-        float s = add ? c[r * ldc + n] : 0.f;
+        float s = add ? c[r * ldc + n] * (scale.before ? scale.before[r] : 1.f) : 0.f;
         for (int64_t p = q0; p < q1; ++p) s += a.at(r, p) * b[p * ldb + n];
-        c[r * ldc + n] = s;
+        c[r * ldc + n] = scale.after ? s * scale.after[r] : s;
       }
     }
     if (ahead != nullptr) ahead->step();  // See Note [prefetch the next tile].
   }
-}
-
-// y[i] *= alpha (vectorized, scalar tail).
-inline void scale_row(float* y, float alpha, int64_t n) {
-  int64_t i = 0;
-  const Vec a = Vec::splat(alpha);
-  for (; i + kW <= n; i += kW) (Vec::load(y + i) * a).store(y + i);
-  for (; i < n; ++i) y[i] *= alpha;
 }
 
 struct Problem {
@@ -234,11 +266,16 @@ inline bool worth_threads(const Problem& p, const int32_t* row_ptr) {
 }
 
 // A thread's tile buffers, kept between calls (grown to the largest call, never shrunk: 4 b² +
-// 2 b D + 4 b floats), so a call maps no fresh pages for them.
+// 2 b D + 4 b floats), so a call maps no fresh pages for them. The buffer starts on a cache line
+// (malloc gives 16 bytes): a product's B rows (Q_rᵀ, dO_rᵀ) and C rows (Sᵀ, dPᵀ) live in it, and a
+// 64-byte load or store across two lines costs both (64 x 64 x 64 from L1: 4.2 against 4.4 G
+// vector multiply-adds per second, AVX-512).
 float* thread_buffer(int64_t floats) {
+  constexpr int64_t kLine = 64 / sizeof(float);
   thread_local std::vector<float> buffer;
-  if (static_cast<int64_t>(buffer.size()) < floats) buffer.resize(floats);
-  return buffer.data();
+  if (static_cast<int64_t>(buffer.size()) < floats + kLine) buffer.resize(floats + kLine);
+  const auto at = reinterpret_cast<uintptr_t>(buffer.data());
+  return buffer.data() + (-at / sizeof(float)) % kLine;  // the first float on a 64-byte line
 }
 
 bool diagonal(const Problem& p, int64_t r, int64_t c) { return p.causal && r == c; }
@@ -381,11 +418,12 @@ void forward_row_block(const Problem& p, int64_t t, const float* q, const float*
   const float *q0 = q, *k0 = k, *v0 = v;
   float* out0 = out;
   const int32_t* rp = row_ptr + h * (nb + 1);
-  float* st = thread_buffer(b * b + D * b + 3 * b);  // (b, b): Sᵀ, then Pᵀ
+  float* st = thread_buffer(b * b + D * b + 4 * b);  // (b, b): Sᵀ, then Pᵀ
   float* qt = st + b * b;                             // (D, b): Q_rᵀ
   float* m = qt + D * b;                              // running max per query (raw scores)
   float* l = m + b;                                   // running sum per query
   float* alpha = l + b;                               // this tile's rescale per query
+  float* inv_l = alpha + b;                           // 1 / l, once the last tile has run
   std::fill(m, m + b, std::numeric_limits<float>::lowest());
   std::fill(l, l + b, 0.f);
   q += bh * T * D, k += bh * T * D, v += bh * T * D;
@@ -402,17 +440,16 @@ void forward_row_block(const Problem& p, int64_t t, const float* q, const float*
       softmax_tile<true>(st, b, m, l, alpha, p.scale);
     else
       softmax_tile<false>(st, b, m, l, alpha, p.scale);
-    if (!first)
-      for (int64_t i = 0; i < b; ++i)
-        if (alpha[i] != 1.f) scale_row(o + i * D, alpha[i], D);
+    const bool last = e + 1 == rp[r + 1];  // o is stored normalized: times 1 / l
+    if (last)
+      for (int64_t i = 0; i < b; ++i) inv_l[i] = 1.f / l[i];
     const Part part = diag ? Part::kLowerInner : Part::kFull;
-    gemm(b, D, b, {st, 1, b}, v + c * b * D, D, o, D, !first, part, &ahead);  // O (+)= P V_c
+    const RowScale scale{first ? nullptr : alpha, last ? inv_l : nullptr};
+    gemm(b, D, b, {st, 1, b}, v + c * b * D, D, o, D, !first, part, &ahead,
+         scale);  // O = alpha O + P V_c, then / l after the last
     ahead.finish();
   }
-  for (int64_t i = 0; i < b; ++i) {
-    scale_row(o + i * D, 1.f / l[i], D);
-    lse[bh * T + r * b + i] = m[i] * p.scale + std::log(l[i]);
-  }
+  for (int64_t i = 0; i < b; ++i) lse[bh * T + r * b + i] = m[i] * p.scale + std::log(l[i]);
 }
 
 void sparse_attention_forward(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t row_ptr,
