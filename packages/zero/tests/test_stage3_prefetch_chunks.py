@@ -7,7 +7,8 @@ the forward's activations.
 elements: the whole model). With the chunk above the model, when the root starts (it owns no
 parameter) every unit is admitted at once: one all-gather per pass, the whole model gathered at
 once. With a chunk of one unit, each module start gathers the next unit: one all-gather per unit,
-and never more than the running unit and the next gathered.
+and never more than the running unit and the next gathered. With a chunk smaller than a unit,
+the next unit is still gathered ahead: one unit ahead is the least a prefetch keeps.
 Either way the steady-state steps gather the same bytes and train to the same losses as
 single-process PyTorch.
 """
@@ -45,11 +46,14 @@ def _train(rank: int, world_size: int, chunk_numel: int) -> dict:
     model = Stack()
     cfg = zero.ZeroConfig(stage=3, stage3_param_persistence_threshold_numel=0)
     opt = zero.shard(model, torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
-    opt.strategy.coordinator.prefetcher.chunk_numel = chunk_numel
+    coordinator = opt.strategy.coordinator
+    coordinator.prefetcher.chunk_numel = chunk_numel
+    coordinator.log_events = True
     n = 8 // world_size
     x = _data()[rank * n : (rank + 1) * n]
-    losses, calls, nbytes = [], [], 0
+    losses, calls, nbytes, ahead = [], [], 0, []
     for step in range(STEPS):
+        coordinator.stats.events.clear()
         with comm.CommsLogger() as log:
             loss = model(x)
             opt.backward(loss)
@@ -62,12 +66,20 @@ def _train(rank: int, world_size: int, chunk_numel: int) -> dict:
             gathers = [r for r in gathers if r.dtype != "torch.int64"]  # not the order check
             calls.append(len(gathers))
             nbytes += sum(r.msg_bytes for r in gathers)
+            # Units gathered by each prefetch of this step (one event per all-gather).
+            events = [e.split() for e in coordinator.stats.events if " prefetch " in e]
+            ahead.append([int(e[e.index("B") - 1]) // (UNIT_NUMEL * 4) for e in events])
     live = opt.strategy.coordinator.stats.peak_live_numel
-    return dict(losses=losses, calls=calls, bytes=nbytes, live=live)
+    return dict(losses=losses, calls=calls, bytes=nbytes, live=live, ahead=ahead)
 
 
 def _body(rank: int, world_size: int) -> dict:
-    return dict(one=_train(rank, world_size, 1 << 40), chunked=_train(rank, world_size, UNIT_NUMEL))
+    return dict(
+        one=_train(rank, world_size, 1 << 40),
+        chunked=_train(rank, world_size, UNIT_NUMEL),
+        below=_train(rank, world_size, 1),  # a chunk smaller than any unit
+        three=_train(rank, world_size, 3 * UNIT_NUMEL),  # a chunk of 3 units, below the model
+    )
 
 
 def _reference() -> list[float]:
@@ -99,5 +111,22 @@ def test_prefetch_stays_one_chunk_ahead_with_same_bytes_and_losses() -> None:
         assert chunked["live"] == 2 * UNIT_NUMEL
         assert chunked["bytes"] == one["bytes"] == (STEPS - 1) * 2 * DEPTH * UNIT_NUMEL * 4
         assert chunked["losses"] == one["losses"]
+        # A chunk smaller than the next unit still lets that one unit ahead: the same plan as a
+        # chunk of one unit (before, nothing was prefetched and every module waited for its own).
+        below = res["below"]
+        assert (below["calls"], below["live"], below["bytes"]) == (
+            chunked["calls"],
+            chunked["live"],
+            chunked["bytes"],
+        )
+        assert below["losses"] == one["losses"]
+        # A chunk of 3 units, below the model's 6: one unit ahead while the rest of the pass does
+        # not fit it (a deeper window holds more and saves no call: every module start tops it
+        # up), then the rest in one call once it fits: 1+1+1+3 units per pass. Before, the first
+        # prefetch took 3 units and each later start one: 3+1+1+1.
+        three = res["three"]
+        assert three["ahead"] == [[1, 1, 1, 3] * 2] * (STEPS - 1)
+        assert three["bytes"] == one["bytes"]
+        assert three["losses"] == one["losses"]
         for a, b in zip(chunked["losses"], ref):
             assert abs(a - b) <= 1e-6 * abs(b)

@@ -286,10 +286,10 @@ def stage3_gather_calls(
 ) -> int:
     """All-gather calls of one stage-3 pass (forward, or backward) under minispeed.zero's
     prefetcher with a budget of `prefetch_numel` elements: the first of `units` modules with
-    parameters gathers blocking; the prefetch gathers ahead at most `min(prefetch_numel,
-    chunk_numel)` elements (zero's Note [a prefetch stays one chunk ahead]: 4M elements), so a
-    model that fits is one more call, and otherwise the window slides and about every unit
-    starts a top-up call."""
+    parameters gathers blocking; the prefetch gathers the rest of the pass when it fits
+    `min(prefetch_numel, chunk_numel)` elements, else one unit ahead (zero's Note [a prefetch
+    stays one chunk ahead]: 4M elements), so a model that fits is one more call, and otherwise
+    about every unit starts a top-up call."""
     if units <= 1:
         return units
     if num_params <= min(prefetch_numel, chunk_numel):

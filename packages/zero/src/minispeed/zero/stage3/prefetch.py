@@ -1,8 +1,9 @@
 """The look-ahead of stage 3: what to fetch before it is needed, and what to keep for reuse.
 
 Given the units that come next in the followed trace (trace.py), `Prefetcher` decides which of
-their parameters to gather ahead (`chunks`), within two budgets: the parameters fetched ahead fit
-in ``stage3_prefetch_bucket_numel`` elements, and the gathered total stays within
+their parameters to gather ahead (`chunks`: the rest of the pass, or the next unit), within two
+budgets: the parameters fetched ahead fit in ``stage3_prefetch_bucket_numel`` elements (and one
+chunk, unless they are one unit), and the gathered total stays within
 ``stage3_max_live_numel``. It keeps the *live set* (the non-persistent parameters the coordinator
 gathered and has not yet seen released) from which that total is counted, and decides which
 parameters of an ending unit stay gathered because a unit soon after needs them again (`keep`,
@@ -38,19 +39,25 @@ __all__ = ["Prefetcher"]
 
 
 # Note [a prefetch stays one chunk ahead]
-# What is gathered ahead of the running modules fits ``stage3_prefetch_bucket_numel`` elements
-# and one chunk, ``chunk_numel`` (4M elements: 16 MiB in fp32), whichever is smaller; it travels
-# as one async all-gather, issued at a module start, and the window slides: each later module
-# start tops it up by what was claimed since. DeepSpeed's default budget, 5e7 elements, is a whole
+# What is gathered ahead of the running modules is the rest of the pass when it fits
+# ``stage3_prefetch_bucket_numel`` elements and one chunk, ``chunk_numel`` (4M elements: 16 MiB in
+# fp32), whichever is smaller; otherwise the next unit alone (if the budget holds it, even where
+# it is larger than the chunk). It travels as one async all-gather, issued at a module start, and
+# each later module start tops it up. DeepSpeed's default budget, 5e7 elements, is a whole
 # 34M-parameter model. Admitted at once as one all-gather, the first backward module waited for
 # the whole model (0.23 s per step at 33.9M); cut into chunks all issued at once, nobody waited,
 # but the first module of backward started with every block gathered or in flight on top of the
 # forward's activations, the moment they peak: 129 MiB more than one chunk at 33.9M, a
 # steady-state peak 1.18x FSDP2's (benchmarks/zero_vs_torch.py, docs/benchmarks.md). On gloo a
-# chunk's transfer takes milliseconds against a block's compute of a second, so one chunk ahead
-# hides the transfer as well as the whole model ahead did. Cost: with a budget above the chunk,
-# about one all-gather per module with parameters (a ~0.1 ms call each on gloo) instead of one per
-# chunk; bytes are the same.
+# unit's transfer takes milliseconds against its compute of tens, so one unit ahead hides it.
+# Why one unit and not a chunk's worth when the rest does not fit: the window slides, so every
+# module start issues a top-up either way; a deeper window saves no call and only holds more at
+# backward's start (at 33.9M a chunk's 10.7 MiB against one unit's 5.3: peak 524.8 -> 519.5 MiB
+# per rank). Why the rest of the pass when it fits: that saves the calls, one all-gather per pass
+# instead of one per unit (at 3.2M parameters, 12 gathered weights: holding them all is 9.5 MiB
+# more at the peak than one unit ahead, and saves 22 calls a step, 0-30 ms of CPU in loaded runs).
+# Before, a unit larger than the window stopped the prefetch: nothing was gathered ahead of it.
+# Bytes are the same either way.
 _GATHER_CHUNK_NUMEL = 1 << 22  # 4M elements: 16 MiB in fp32
 
 
@@ -58,8 +65,9 @@ class Prefetcher:
     """Fetch-ahead and reuse decisions within the prefetch, live and reuse budgets.
 
     ``stats`` is the coordinator's `FetchStats` (``peak_live_numel``, ``live_budget_stops``).
-    ``chunk_numel`` caps what is gathered ahead below the prefetch budget (Note [a prefetch
-    stays one chunk ahead]); a plain attribute, so a test can make chunks small.
+    ``chunk_numel``: the most a prefetch gathers ahead in one call, below the prefetch budget,
+    where it holds the rest of the pass; else one unit ahead (Note [a prefetch stays one chunk
+    ahead]); a plain attribute, so a test can make chunks small.
     """
 
     def __init__(
@@ -92,15 +100,15 @@ class Prefetcher:
 
     # -- the decisions ----------------------------------------------------------------------------
     def chunks(self, upcoming: Iterable[FetchUnit]) -> list[list[ShardedParam]]:
-        """What to gather ahead: the next units that fit the prefetch window (the budget, at most
-        one chunk: Note [a prefetch stays one chunk ahead]) and the live budget, whole units in
-        trace order; one all-gather's parameters, or none.
+        """What to gather ahead: the rest of the pass if it fits the prefetch window (the budget,
+        at most one chunk) and the live budget, else the next unit alone (Note [a prefetch stays
+        one chunk ahead]); whole units in trace order; one all-gather's parameters, or none.
 
         The window counts the upcoming units' parameters that no running module holds (already
         in flight or not), so it slides: each module start tops it up by what was consumed.
         """
         window = min(self.prefetch_numel, self.chunk_numel)
-        ahead, seen, batch = 0, set(), []
+        ahead, seen, batch, first = 0, set(), [], None
         live = self.live_numel()
         sharded = ParamState.SHARDED
         for unit in upcoming:
@@ -115,13 +123,16 @@ class Prefetcher:
                 if sp.state is sharded:
                     missing.append(sp)
                     extra += sp.padded_numel
-            if ahead + numel > window:
-                break
-            if live + extra > self.max_live_numel:
-                self.stats.live_budget_stops += 1
-                break
+            over = ahead + numel > window and not (first is None and numel <= self.prefetch_numel)
+            if over or live + extra > self.max_live_numel:
+                # The rest of the pass does not fit: one unit ahead, no more (a deeper window
+                # would hold more and save no call: it is topped up at every module start).
+                self.stats.live_budget_stops += not over
+                return [first] if first else []
             ahead, live = ahead + numel, live + extra
             batch += missing
+            if numel and first is None:
+                first = missing
         return [batch] if batch else []
 
     def keep(self, unit: FetchUnit, upcoming: Iterable[FetchUnit]) -> set[ShardedParam]:
