@@ -27,8 +27,6 @@ SCHEMA = config_schema()
 # Keys we refuse by name but accept at one value that is not DeepSpeed 0.19.8's default (the
 # value that says what minispeed does), and why.
 ACCEPTED_DIFFER: dict[str, str] = {
-    "bf16.check_grad_overflow": "DeepSpeed skips a bf16 step with inf/nan gradients; we have no "
-    "such check, so only false is accepted",
     "data_types.keep_in_fp32_modules": "DeepSpeed's \"auto\" keeps a model's "
     "_keep_in_fp32_modules in fp32; we keep none, which [] says",
     "zero_optimization.cpu_offload": "DeepSpeed's null; false (what old configs write) means the "

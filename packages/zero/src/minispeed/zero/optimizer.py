@@ -125,7 +125,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Detachable):
     Attributes: `optimizer` (the inner optimizer, now holding master tensors: the user's, or
     offload's CPU optimizer over the user's param groups), `strategy`, `config`, `precision`, `loss_scaler`,
     `global_step` (optimizer steps taken, skipped ones excluded), `micro_step` (backward calls),
-    `overflow` (whether the last window's step was skipped for an fp16 overflow: DeepSpeed's
+    `overflow` (whether the last window's step was skipped for inf/NaN gradients: DeepSpeed's
     optimizers' attribute, which accelerate's `optimizer_step_was_skipped` reads),
     `flags_in_bucket` (whether the step's flags travel in the last gradient bucket: the ledger's
     `stage_collectives(..., flags_in_bucket=...)`).
@@ -160,11 +160,11 @@ class ZeroOptimizer(torch.optim.Optimizer, Detachable):
         self.config = config
         self.precision = precision
         self.comm_group = group
-        self.loss_scaler = LossScaler(precision)
+        self.loss_scaler = LossScaler(precision, config.stage)
         self.global_step = 0
         self.micro_step = 0
         self._grad_norm: Tensor | None = None  # before clipping, at the last clipped step
-        self.overflow = False  # the last boundary skipped its step (fp16 overflow)
+        self.overflow = False  # the last boundary skipped its step (inf/NaN gradients)
         # Backward calls in the current accumulation window; whether the last one ended it
         # (and step() has not handled it yet).
         self._window, self._window_ended = 0, False
@@ -373,12 +373,12 @@ class ZeroOptimizer(torch.optim.Optimizer, Detachable):
                 self.strategy.partitions_grads,
             )
 
-        overflow = self.loss_scaler.unscale(grads, self._grad_device)  # fp16 only: a flag
+        overflow = self.loss_scaler.unscale(grads, self._grad_device)  # a flag where checked
         if self.flags_in_bucket:  # summed with the gradients: no collective of their own
             flags = self.strategy.carried_flags(self._trainable_at_shard)
         else:
             flags = self._agree(overflow)
-        overflow = flags[0] == 1
+        overflow = flags[0] == 1 or (self.flags_in_bucket and bool(overflow))  # stage 0: whole
 
         if self.model_parallel is not None:  # the verdict over the whole grid: model_parallel.py
             failed = flags[0] >= 2 or (self._io is not None and bool(flags[-1]))
@@ -409,10 +409,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Detachable):
             # of overflowed gradients is infinite, as DeepSpeed's optimizers report it.
             self.overflow, self._grad_norm = True, torch.full((), math.inf)
             self.strategy.zero_grad()
-            self.loss_scaler.update(overflow=True)
-            _log.warning(
-                "fp16 gradient overflow: step skipped, loss scale now %g", self.loss_scaler.scale
-            )
+            self.loss_scaler.skip(self.global_step + self.loss_scaler.overflows + 1)  # logs it
             return False
         missing = [p for p in unused if p.requires_grad]  # a frozen one is skipped silently
         if missing and not self.config.ignore_unused_parameters:
@@ -509,7 +506,7 @@ class ZeroOptimizer(torch.optim.Optimizer, Detachable):
             sq = travel.to(self._grad_device)
         if self.model_parallel is not None:  # the other axes' parts of the model
             sq = self.model_parallel.sum_squares(sq)
-        self._grad_norm = sq.sqrt()  # read lazily by global_grad_norm: no host sync here
+        self._grad_norm = sq.sqrt().nan_to_num(math.inf, math.inf)  # NaN as inf; no host sync
         if self.config.max_grad_norm == math.inf:  # the norm only: nothing to scale
             return
         # torch.nn.utils.clip_grad_norm_'s rule, so that results match it.
@@ -528,7 +525,8 @@ class ZeroOptimizer(torch.optim.Optimizer, Detachable):
     def global_grad_norm(self) -> float | None:
         """The global L2 norm of the gradients before clipping, at the last step that clipped
         (`max_grad_norm` > 0, `math.inf` for the norm without clipping); infinite after a step
-        skipped for an fp16 overflow; `None` before the first step or with `max_grad_norm` 0
+        skipped for inf/NaN gradients (and where a NaN was not checked: DeepSpeed's
+        `inf`); `None` before the first step or with `max_grad_norm` 0
         (until an overflow)."""
         return None if self._grad_norm is None else float(self._grad_norm)
 

@@ -121,12 +121,6 @@ class Bf16Config(Section):
     ds_unsupported: ClassVar[dict[str, Unsupported]] = {
         "bf16_master_weights_and_grads": ds_only(False, _FP32_MASTERS),
         "bf16_optimizer_states": ds_only(False, _FP32_MASTERS),
-        "check_grad_overflow": ds_only(
-            False,
-            "bf16 has no loss scale here, so no overflow check: a step is never skipped "
-            "(DeepSpeed's default, true, skips one whose gradients hold inf or nan); only false, "
-            "which says so, is accepted",
-        ),
         "immediate_grad_update": ds_only(
             False, "gradients are accumulated into the reduce buckets, one path"
         ),
@@ -134,6 +128,11 @@ class Bf16Config(Section):
 
     enabled: bool = key("enabled", False, read=_switch("bf16"))
     """Train in bf16: 16-bit parameters, fp32 masters, no loss scale."""
+    check_grad_overflow: bool = key("check_grad_overflow", True)
+    """Skip a step whose gradients hold an inf or a NaN on any rank (counted in
+    `skipped_steps`, the norm reported infinite, the LR scheduler not stepped). False lets the
+    NaN into every weight, as DeepSpeed does at ZeRO-1/2; at stages 0 and 3 bf16 steps are
+    checked either way, as DeepSpeed's there (`MixedPrecision.check_grad_overflow`)."""
 
 
 @dataclass(frozen=True)
@@ -188,6 +187,9 @@ class MixedPrecision:
     """fp16, dynamic: refill the hysteresis budget after every clean step (else after a raise)."""
     min_loss_scale: float = 1.0
     """fp16, dynamic: the scale never goes below this."""
+    check_grad_overflow: bool = True
+    """bf16 at ZeRO-1/2: skip a step whose gradients hold an inf or a NaN (ds_config
+    `bf16.check_grad_overflow`); see `LossScaler.checks` for every stage and dtype."""
     raise_error_at_min_scale: bool = True
     """fp16, dynamic: an overflow while the scale is already at `min_loss_scale` raises
     `FloatingPointError` (DeepSpeed's default: such a run usually skips every step from then
@@ -307,6 +309,8 @@ class MixedPrecision:
         kwargs: dict[str, Any] = {"param_dtype": param_dtype}
         if data_types.grad_accum_dtype is not None:
             kwargs["grad_accum_dtype"] = _DTYPES[data_types.grad_accum_dtype]
+        if bf16.enabled:
+            kwargs["check_grad_overflow"] = bf16.check_grad_overflow
         if fp16.enabled:
             kwargs.update(
                 static_loss_scale=None if fp16.loss_scale == 0 else float(fp16.loss_scale),
@@ -356,10 +360,25 @@ class LossScaler:
 
     For fp32/bf16 the scale is 1 and never changes. A static scale never changes either, but
     overflowing steps are still skipped.
+
+    `checks`: whether a step's gradients are checked for inf/NaN at all, as DeepSpeed 0.19.8
+    checks them (`scripts/record_ds_nan_skip.py`): fp16 always; bf16 at stages 0 and 3, and at
+    stages 1-2 unless `check_grad_overflow` is False; fp32 at stages 1-3 (at stage 0 fp32
+    DeepSpeed steps the bare torch optimizer, so a NaN reaches every weight there too). A
+    checked step costs one read of the gradients and nothing on the wire: the flag rides in
+    the optimizer's existing flags all-reduce (at stage 0 every rank holds the whole reduced
+    gradient, so its own check is every rank's).
     """
 
-    def __init__(self, precision: MixedPrecision) -> None:
+    def __init__(self, precision: MixedPrecision, stage: int = 1) -> None:
         self.precision = precision
+        bf16 = precision.param_dtype == torch.bfloat16
+        if precision.uses_loss_scaling:
+            self.checks = True
+        elif bf16:
+            self.checks = stage in (0, 3) or precision.check_grad_overflow
+        else:
+            self.checks = stage > 0
         self.dynamic = precision.uses_loss_scaling and precision.static_loss_scale is None
         if not precision.uses_loss_scaling:
             self.scale = 1.0
@@ -373,18 +392,29 @@ class LossScaler:
 
     def unscale(self, grads: list[torch.Tensor], device: torch.device) -> torch.Tensor | None:
         """Divide `grads` by the scale, in place; return this rank's overflow flag (1 element,
-        fp32, on `device`: 1 where any gradient holds an inf or a NaN) when the loss is scaled,
-        else None (fp32 and bf16: the scale is 1, nothing is read)."""
+        fp32, on `device`: 1 where any gradient holds an inf or a NaN) when the step is checked
+        (`checks`), else None (nothing is read)."""
         if self.scale != 1.0:
             inv_scale = 1.0 / self.scale
             for g in grads:
                 g.mul_(inv_scale)
-        if not self.precision.uses_loss_scaling:
+        if not self.checks:
             return None
         bad = torch.zeros(1, dtype=torch.float32, device=device)
         for g in grads:  # on the gradients' device: no host sync per tensor
-            torch.maximum(bad, (~torch.isfinite(g)).any().float(), out=bad)
+            if g.device.type != "meta":  # ZeRO-Infinity's markers: the values are in files
+                torch.maximum(bad, (~torch.isfinite(g)).any().float(), out=bad)
         return bad
+
+    def skip(self, step: int) -> None:
+        """Record a skipped step (`update(overflow=True)`) and log a warning naming it: `step`
+        counts the boundaries, skipped ones included, as DeepSpeed's `global_steps` + 1."""
+        self.update(overflow=True)
+        _log.warning(
+            "gradient overflow (inf/nan) in step %d: step skipped, loss scale now %g",
+            step,
+            self.scale,
+        )
 
     def update(self, overflow: bool) -> None:
         """Record one optimizer step's outcome and adjust the scale.
