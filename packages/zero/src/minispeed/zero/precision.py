@@ -400,10 +400,14 @@ class LossScaler:
                 g.mul_(inv_scale)
         if not self.checks:
             return None
+        # A tensor holding an inf or a NaN has a sum that is not finite (DeepSpeed's own test,
+        # which also counts a finite sum past fp32's range): one scalar per tensor, where
+        # `isfinite(g).any()` allocates numel bytes twice, the step's peak at a small
+        # sub-group (test_subgroup_step_memory.py). On the gradients' device: no host sync.
         bad = torch.zeros(1, dtype=torch.float32, device=device)
-        for g in grads:  # on the gradients' device: no host sync per tensor
+        for g in grads:
             if g.device.type != "meta":  # ZeRO-Infinity's markers: the values are in files
-                torch.maximum(bad, (~torch.isfinite(g)).any().float(), out=bad)
+                torch.maximum(bad, (~torch.isfinite(g.sum(dtype=torch.float32))).float(), out=bad)
         return bad
 
     def skip(self, step: int) -> None:
