@@ -537,10 +537,12 @@ class Engine(DeepSpeedQueries, DeepSpeedSurface, CheckpointCalls, nn.Module):
         state = zero.full_state_dict(self.module, rank0_only=True)
         if comm.get_rank() != 0:
             return None
-        if exclude_frozen_parameters:
-            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
-            state = {k: v for k, v in state.items() if k not in frozen}
-        return state
+        return self._trainable_only(state) if exclude_frozen_parameters else state
+
+    def _trainable_only(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`state` without the model's frozen parameters (`exclude_frozen_parameters`)."""
+        frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+        return {k: v for k, v in state.items() if k not in frozen}
 
     def _consolidated_16bit_state_dict(
         self, exclude_frozen_parameters: bool = False
@@ -563,10 +565,7 @@ class Engine(DeepSpeedQueries, DeepSpeedSurface, CheckpointCalls, nn.Module):
 
         group = tensor_parallel.TensorGroup.of(self.grid)
         state = tensor_parallel.unshard_state_dict(self.module, group)
-        if exclude_frozen_parameters:
-            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
-            state = {k: v for k, v in state.items() if k not in frozen}
-        return state
+        return self._trainable_only(state) if exclude_frozen_parameters else state
 
     # -- parking the states between phases (RLHF: generation needs the device) ------------------
     def offload_states(

@@ -170,7 +170,6 @@ def _convert(part: Part, tag_dir: Path, saved_tensor: int, states: bool) -> Path
 def _write(meta, common, weights, states, shapes, rng) -> Path:
     """A one-rank ZeRO checkpoint of the re-cut tensors in a temporary directory."""
     work = Path(tempfile.mkdtemp(prefix="minispeed-tensor-resplit-"))
-    flat = {n: w.reshape(-1) for n, w in weights.items()}
     new_meta = dataclasses.replace(
         meta,
         params=tuple(ParamRecord(p.name, shapes[p.name], p.group, p.aliases) for p in meta.params),
@@ -179,7 +178,7 @@ def _write(meta, common, weights, states, shapes, rng) -> Path:
         model_16bit_file_bytes=None,
         node_local_ranks=None,
     )
-    write_one_rank(work, _TAG, new_meta, common, flat, states, rng)
+    write_one_rank(work, _TAG, new_meta, common, weights, states, rng)
     return work
 
 
