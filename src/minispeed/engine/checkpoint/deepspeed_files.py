@@ -495,6 +495,11 @@ def _loss_scaler(found: DeepSpeedTag, skipped: int) -> dict[str, Any] | None:
     }
 
 
+def _accumulation(states: dict[str, Any]) -> int:
+    """The run's gradient accumulation steps, from the ds_config DeepSpeed stored."""
+    return int((states.get("ds_config") or {}).get("gradient_accumulation_steps", 1) or 1)
+
+
 def to_zero_checkpoint(found: DeepSpeedTag, payload: dict[str, Any] | None = None) -> Path:
     """`found` as a one-rank `minispeed.zero` checkpoint in a new temporary directory (tag
     `"deepspeed"`, the caller removes it): masters, moments and scalars per parameter, the
@@ -519,14 +524,13 @@ def to_zero_checkpoint(found: DeepSpeedTag, payload: dict[str, Any] | None = Non
             moments.setdefault(key, {})[name] = values[i]
         scalars[name] = group.scalars[i]
     steps, skipped = int(states.get("global_steps", 0)), int(states.get("skipped_steps", 0))
-    gas = int((states.get("ds_config") or {}).get("gradient_accumulation_steps", 1) or 1)
     common = {
         "format_version": FORMAT_VERSION,
         "param_groups": [group.hyper for group in found.groups],
         "scalar_state": scalars,
         "loss_scaler": _loss_scaler(found, skipped),
         "global_step": steps - skipped,
-        "micro_step": steps * gas,
+        "micro_step": steps * _accumulation(states),
         "buffers": {n: module[n] for n in buffer_names if n in module},
         "frozen_params": frozen,
         "client_state": found.client_state() if payload is None else payload,
@@ -587,14 +591,14 @@ def engine_payload(found: DeepSpeedTag) -> dict[str, Any]:
     steps = int(states.get("global_steps", 0))
     batch = config.get("train_batch_size") or (
         int(config.get("train_micro_batch_size_per_gpu", 1))
-        * int(config.get("gradient_accumulation_steps", 1))
+        * _accumulation(states)
         * int(states.get("dp_world_size", 1))
     )
     ours = {
         "global_steps": steps,
         "global_samples": int(states.get("global_samples", steps * batch)),
         "skipped_steps": int(states.get("skipped_steps", 0)),
-        "micro_steps": steps * int(config.get("gradient_accumulation_steps", 1) or 1),
+        "micro_steps": steps * _accumulation(states),
         "lr_scheduler": states.get("lr_scheduler"),
         "train_batch_size": batch,
     }

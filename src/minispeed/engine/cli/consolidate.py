@@ -10,27 +10,26 @@ the zero command then consolidates. Every other argument (`--help` too) goes to 
 from __future__ import annotations
 
 import argparse
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
+from minispeed.engine.checkpoint.grid import find_tag
 from minispeed.zero.checkpoints import LATEST_FILE
 
 __all__ = ["main"]
 
 
 def _tag_dir(checkpoint_dir: str, tag: str | None) -> Path:
+    """`--tag`, else the tag `latest` names, else CKPT_DIR itself (the zero command's rule)."""
     root = Path(checkpoint_dir)
-    if tag is not None:
-        return root / tag
-    latest = root / LATEST_FILE
-    return root / latest.read_text().strip() if latest.is_file() else root
+    return find_tag(root, tag) if tag is not None or (root / LATEST_FILE).is_file() else root
 
 
 def main(argv: Sequence[str]) -> int:
     """Run `minispeed.zero`'s command line on `argv` (`["consolidate", ...]`), a DeepSpeed tag
     converted first; returns the exit status."""
-    from minispeed.engine.checkpoint.deepspeed_files import deepspeed_weights, is_deepspeed_tag
+    from minispeed.engine.checkpoint.deepspeed_files import is_deepspeed_tag
+    from minispeed.engine.utils.zero_to_fp32 import zero_tag_dir
     from minispeed.zero.__main__ import main as zero_main
     from minispeed.zero.checkpoints import CheckpointError
 
@@ -49,11 +48,8 @@ def main(argv: Sequence[str]) -> int:
     if not is_deepspeed_tag(tag_dir):
         return zero_main(args)
     try:
-        work = deepspeed_weights(tag_dir)
-    except CheckpointError as e:
+        with zero_tag_dir(tag_dir.parent, tag_dir.name) as converted:
+            return zero_main(["consolidate", str(converted), known.out_file])
+    except CheckpointError as e:  # DeepSpeed's files refused (deepspeed_files.py)
         print(f"error: {e}")
         return 1
-    try:
-        return zero_main(["consolidate", str(work / "deepspeed"), known.out_file])
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
