@@ -66,13 +66,12 @@ d, e bytes per element, M tokens per step, n ranks (Megatron's, `costs.py` per l
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from minispeed.tensor_parallel.plan import Plan
+from minispeed.tensor_parallel.plan import Plan, _match
 from minispeed.tensor_parallel.styles import Column, HeadNorm, Heads, Row, Style
 
 __all__ = ["auto_plan", "decoder_layers", "kept_numel"]
@@ -305,10 +304,8 @@ def kept_numel(model: nn.Module, plan: Plan, n: int) -> int:
     a tied weight counted once). Local; works on a `meta`-device model, so a size can be costed
     without building it."""
     split: dict[int, int] = {}  # id(parameter) -> the elements one rank keeps
-    for path, m in model.named_modules():
-        style = next(
-            (st for pat, st in plan.styles.items() if fnmatch.fnmatchcase(path, pat)), None
-        )
+    for path, (_, style) in _match(model, plan).items():  # as parallelize matches them
+        m = model.get_submodule(path)
         if isinstance(style, Column | Row):
             split[id(m.weight)] = m.weight.numel() // n
             if m.bias is not None and isinstance(style, Column):
