@@ -10,6 +10,7 @@ the zero command then consolidates. Every other argument (`--help` too) goes to 
 from __future__ import annotations
 
 import argparse
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -27,9 +28,10 @@ def _tag_dir(checkpoint_dir: str, tag: str | None) -> Path:
 
 def main(argv: Sequence[str]) -> int:
     """Run `minispeed.zero`'s command line on `argv` (`["consolidate", ...]`), a DeepSpeed tag
-    converted first; returns the exit status."""
-    from minispeed.engine.checkpoint.deepspeed_files import is_deepspeed_tag
-    from minispeed.engine.utils.zero_to_fp32 import zero_tag_dir
+    converted first; returns the exit status. The conversion repeats the adapter
+    `deepspeed.utils.zero_to_fp32`'s `zero_tag_dir` because the engine's core may not import an
+    adapter (tests/engine/test_import_graph.py)."""
+    from minispeed.engine.checkpoint.deepspeed_files import deepspeed_weights, is_deepspeed_tag
     from minispeed.zero.__main__ import main as zero_main
     from minispeed.zero.checkpoints import CheckpointError
 
@@ -48,8 +50,11 @@ def main(argv: Sequence[str]) -> int:
     if not is_deepspeed_tag(tag_dir):
         return zero_main(args)
     try:
-        with zero_tag_dir(tag_dir.parent, tag_dir.name) as converted:
-            return zero_main(["consolidate", str(converted), known.out_file])
-    except CheckpointError as e:  # DeepSpeed's files refused (deepspeed_files.py)
+        work = deepspeed_weights(tag_dir)
+    except CheckpointError as e:
         print(f"error: {e}")
         return 1
+    try:
+        return zero_main(["consolidate", str(work / "deepspeed"), known.out_file])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
