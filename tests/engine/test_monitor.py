@@ -45,7 +45,7 @@ def _is_timer(name):
 
 
 def _same_rows(got, want, name):
-    """CSV rows: headers and steps exactly, values within 1e-5 (a timer's: any number)."""
+    """CSV rows: headers and steps exactly, values within 1e-5 (a timer's: any number >= 0)."""
     assert len(got) == len(want), (name, got, want)
     for g, w in zip(got, want, strict=True):
         if w[0] == "step":  # a header row (a second run appends a second one)
@@ -53,6 +53,7 @@ def _same_rows(got, want, name):
             continue
         assert int(g[0]) == int(w[0]), (name, g, w)
         value = float(g[1])
+        assert value >= 0.0, (name, g)
         if not _is_timer(name):
             assert value == pytest.approx(float(w[1]), rel=1e-5, abs=1e-7), (name, g, w)
 

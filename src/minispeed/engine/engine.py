@@ -136,7 +136,9 @@ class Engine(DeepSpeedQueries, DeepSpeedSurface, CheckpointCalls, nn.Module):
         # DeepSpeed's monitors (tensorboard, csv_monitor, wandb, comet): backends on rank 0 only.
         self.monitor = monitors.MonitorMaster(config.monitor, rank=comm.get_rank())
         self._monitoring = bool(self.monitor.monitors)  # this rank writes events
-        self._timers_at_boundary = dict(self.timers)  # the timers when the last window ended
+        if optimizer is not None and config.wall_clock_breakdown:
+            optimizer.time_reduction = True  # backward_allreduce, apart from the backward
+        self._timers_at_boundary = self._timer_totals()  # when the last window ended
         # Told of every boundary (a `minispeed tune` trial's recorder: engine/tune/trial.py).
         self._observers = tuple(observers)
         self._step_profiler = None
@@ -300,7 +302,7 @@ class Engine(DeepSpeedQueries, DeepSpeedSurface, CheckpointCalls, nn.Module):
             self._write_monitor()
         self._report(loss)
         if self._monitoring:
-            self._timers_at_boundary = dict(self.timers)
+            self._timers_at_boundary = self._timer_totals()
         for observer in self._observers:
             observer.on_boundary(self)
 
@@ -310,17 +312,21 @@ class Engine(DeepSpeedQueries, DeepSpeedSurface, CheckpointCalls, nn.Module):
         flops profiler, the window's timers in ms (a pipeline's `train_batch` writes no
         timers, as DeepSpeed's)."""
         samples = self.global_samples
-        self.monitor.write_events(
-            monitors.step_events(self.get_lr()[0], self._loss_scale(), samples)
-        )
-        if self._writes_timers and (
-            self.config.wall_clock_breakdown or self.config.flops_profiler.enabled
-        ):
+        lr = self.get_lr()[0]
+        self.monitor.write_events(monitors.step_events(lr, self._loss_scale(), samples))
+        config = self.config
+        if self._writes_timers and (config.wall_clock_breakdown or config.flops_profiler.enabled):
             last = self._timers_at_boundary
-            window = {k: (v - last.get(k, 0.0)) * 1e3 for k, v in self.timers.items()}
-            # One backward timer here: its reductions are timed with it (docs/packages/profiler.md)
-            window["backward_inner"] = window.get("backward", 0.0)
+            window = {k: (v - last.get(k, 0.0)) * 1e3 for k, v in self._timer_totals().items()}
+            # The backward timer holds the reduction at its end; DeepSpeed's "inner" is without.
+            window["backward_inner"] = window["backward"] - window["backward_allreduce"]
             self.monitor.write_events(monitors.timer_events(window, samples))
+
+    def _timer_totals(self) -> dict[str, float]:
+        """The timers' seconds, with the optimizer's end-of-backward reduction as
+        `backward_allreduce` (timed under `wall_clock_breakdown`)."""
+        reduced = self.optimizer.reduce_seconds if self.optimizer is not None else 0.0
+        return {**self.timers, "backward_allreduce": reduced}
 
     _writes_timers = True  # the pipeline engine's train_batch writes none (DeepSpeed's)
 
