@@ -4,7 +4,9 @@ Two processes train tiny models for a few steps with `csv_monitor` (and, where t
 `tensorboard` package is installed, `tensorboard`) on: the plain engine in fp32 with a WarmupLR
 schedule and `wall_clock_breakdown` (the timer events), with gradient accumulation, in bf16 and
 in fp16 (the loss-scale events), a second run into the same job (the files are appended to,
-with a second header), and a two-stage pipeline with `train_batch` and `eval_batch`. Each rank
+with a second header), and a two-stage pipeline with `train_batch` and `eval_batch`; each run
+also writes one event of its own through `engine.monitor`, and a client's own `MonitorMaster`
+(`get_monitor_config` of the sections) writes a few. Each rank
 returns every file under the output path: its rows for a CSV file, `(tag, step, value)` per
 event for a TensorBoard event file.
 
@@ -28,6 +30,8 @@ import deepspeed
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from deepspeed.monitor.config import get_monitor_config
+from deepspeed.monitor.monitor import MonitorMaster
 from deepspeed.pipe import LayerSpec, PipelineModule
 from torch import nn
 
@@ -87,6 +91,10 @@ def train(rank, cfg):
         loss = engine(x).float().pow(2).mean()
         engine.backward(loss)
         engine.step()
+    # a client's own event, through the engine's monitor
+    engine.monitor.write_events(
+        [("Client/global_steps", engine.global_steps, engine.global_samples)]
+    )
     engine.destroy()
 
 
@@ -119,6 +127,13 @@ def train_pipeline(rank, root):
     for step in range(STEPS):
         engine.train_batch(iter(data[2 * step : 2 * step + 2]))
     engine.eval_batch(iter(data[6:8]))
+
+
+def client_monitor(root):
+    """A client's own MonitorMaster, from a ds_config's monitor sections."""
+    master = MonitorMaster(get_monitor_config(monitors(root, "client")))
+    master.write_events([("Client/accuracy", 0.75, 3), ("Client/accuracy", 0.5, 6)])
+    master.write_events([("epoch", 1, 6)])
 
 
 def read_events(path):
@@ -166,6 +181,9 @@ def main(root=None):
     train_pipeline(rank, base / "pipe")
     dist.barrier()
     result["cases"]["pipe"] = files_under(base / "pipe")
+    client_monitor(base / "client")
+    dist.barrier()
+    result["cases"]["client"] = files_under(base / "client")
     return result
 
 

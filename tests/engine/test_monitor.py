@@ -6,6 +6,7 @@ only), the same appending on a second run, the same TensorBoard events."""
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,12 @@ IMPORTS = {
     **ds_scripts.PLAIN_IMPORTS,
     "from deepspeed.pipe import LayerSpec, PipelineModule\n": (
         "from minispeed.engine.pipe import LayerSpec, PipelineModule\n"
+    ),
+    "from deepspeed.monitor.config import get_monitor_config\n": (
+        "from minispeed.engine.monitor.config import get_monitor_config\n"
+    ),
+    "from deepspeed.monitor.monitor import MonitorMaster\n": (
+        "from minispeed.engine.monitor.monitor import MonitorMaster\n"
     ),
 }
 
@@ -114,10 +121,71 @@ def test_monitor_sections_are_checked_by_key():
         EngineConfig.from_ds_config({"train_batch_size": 1, "wandb": {"project": 3}})
 
 
-def test_comet_logs_a_name_again_after_samples_log_interval():
-    """DeepSpeed's EventsLogScheduler: the first event of a name, then one at least
-    `samples_log_interval` samples after the last logged."""
-    scheduler = monitor.EventsLogScheduler(10)
-    steps = [0, 4, 10, 12, 19, 20, 35]
-    assert [s for s in steps if scheduler.needs_logging("lr", s)] == [0, 10, 20, 35]
-    assert scheduler.needs_logging("loss", 4)  # names are scheduled apart
+def _wandb_records(path):
+    """The records of a W&B offline run file (`run-<id>.wandb`: LevelDB's log format, 32 KiB
+    blocks of records with a 7-byte header, after W&B's own 7-byte header)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = Path(path).read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, pending = 7, 32768, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0 or pos + 7 + length > len(data):  # the end, or a record still written
+            break
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a whole record, or a record's last piece
+            record = pb.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def _train_with_wandb(rank, world_size, root):
+    script = ds_scripts.load("record_ds_monitor.py", IMPORTS)
+    changes = dict(script.CASES["fp16"][0])
+    changes["wandb"] = {"enabled": True, "project": "p", "group": "g"}
+    script.train(rank, script.config(Path(root), "fp16", changes))
+
+
+def test_wandb_logs_the_events_the_csv_files_hold(tmp_path):
+    """With `wandb` installed (offline: nothing leaves the machine): rank 0's run is initialized
+    with the project and group, and logs every event at its step, the same ones the CSV monitor
+    writes (checked against DeepSpeed above); rank 1 starts no run."""
+    pytest.importorskip("wandb", reason="the wandb package is not installed (pip install wandb)")
+    env = {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}
+    run_distributed(_train_with_wandb, world_size=2, args=(str(tmp_path),), env=env, timeout_s=120)
+    (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")  # one run: rank 0's
+    # wandb's service process writes the file behind the run's finish(): wait for its end
+    deadline = time.monotonic() + 60
+    while not any(r.WhichOneof("record_type") == "exit" for r in _wandb_records(run_file)):
+        assert time.monotonic() < deadline, "the W&B run file never got its exit record"
+        time.sleep(0.2)
+    logged, runs = {}, []
+    for record in _wandb_records(run_file):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            runs.append((record.run.project, record.run.run_group))
+        elif kind == "history":
+            for item in record.history.item:
+                name = item.key or "/".join(item.nested_key)
+                if not name.startswith("_"):
+                    logged.setdefault(name, []).append(
+                        [int(record.history.step.num), float(item.value_json)]
+                    )
+    assert runs == [("p", "g")]
+    csv_dir = tmp_path / "rank0" / "csv" / "fp16"
+    written = {}  # by file name: the event's name with "/" made "_"
+    for path in csv_dir.glob("*.csv"):
+        rows = path.read_text().split()[1:]  # past the header
+        written[path.stem] = [[int(s), float(v)] for s, v in (row.split(",") for row in rows)]
+    assert sorted(written) == [
+        "Client_global_steps", "Train_Samples_loss_scale", "Train_Samples_lr"
+    ]  # fmt: skip
+    assert {name.replace("/", "_"): steps for name, steps in logged.items()} == written

@@ -136,7 +136,7 @@ class Engine(DeepSpeedQueries, DeepSpeedSurface, CheckpointCalls, nn.Module):
         # DeepSpeed's monitors (tensorboard, csv_monitor, wandb, comet): backends on rank 0 only.
         self.monitor = monitors.MonitorMaster(config.monitor, rank=comm.get_rank())
         self._monitoring = bool(self.monitor.monitors)  # this rank writes events
-        if optimizer is not None and config.wall_clock_breakdown:
+        if self._monitoring and optimizer is not None and config.wall_clock_breakdown:
             optimizer.time_reduction = True  # backward_allreduce, apart from the backward
         self._timers_at_boundary = self._timer_totals()  # when the last window ended
         # Told of every boundary (a `minispeed tune` trial's recorder: engine/tune/trial.py).

@@ -321,6 +321,10 @@ class CometMonitor:
                 # the call DeepSpeed makes (Experiment.log_metric checks names it has no use for)
                 self.experiment.__internal_api__log_metric__(name=name, value=value, step=step)
 
+    def close(self) -> None:
+        """End the experiment (an offline one is then written out as its archive)."""
+        self.experiment.end()
+
 
 def _version(text: str) -> tuple[int, ...]:
     parts = []
@@ -370,8 +374,8 @@ class MonitorMaster:
             monitor.write_events(events)
 
     def close(self) -> None:
-        """Close the backends that hold a file or a run open (TensorBoard, W&B)."""
-        for monitor in (self.tb_monitor, self.wandb_monitor):
+        """Close the backends that hold a file, a run or an experiment open."""
+        for monitor in (self.tb_monitor, self.wandb_monitor, self.comet_monitor):
             if monitor is not None:
                 monitor.close()
 
