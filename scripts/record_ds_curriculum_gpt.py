@@ -4,7 +4,10 @@ longer passes `curriculum_seqlen=` itself), so the loop asks
 `deepspeed.runtime.data_pipeline.curriculum_scheduler.CurriculumScheduler` for each step's
 difficulty and passes it to the model, a tiny Megatron-style GPT whose forward truncates the
 batch to `curriculum_seqlen`. ZeRO stage 1, 2 micro-batches per step, 6 steps; per step it
-records the sequence length and the loss.
+records the sequence length and the loss. `pipeline()` is Megatron-DeepSpeed's pipeline form
+of the same curriculum: the loop truncates each micro-batch before `train_batch` and calls
+`engine.reset_activation_shape()` whenever the length changes (the stages exchange activations
+of a new shape), on a 2-stage `PipelineModule`.
 
 Recorded on DeepSpeed 0.19.8, 2 gloo processes on the CPU:
 
@@ -23,6 +26,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from deepspeed.pipe import LayerSpec, PipelineModule
 from deepspeed.runtime.data_pipeline.curriculum_scheduler import CurriculumScheduler
 from torch import nn
 
@@ -91,9 +95,55 @@ def main():
     return {"steps": record, "state": scheduler.state}
 
 
+class Block(nn.Module):
+    """A pre-norm MLP block with a residual (a pipeline stage's layer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.up = nn.Linear(WIDTH, 2 * WIDTH)
+        self.down = nn.Linear(2 * WIDTH, WIDTH)
+
+    def forward(self, h):
+        return h + self.down(F.gelu(self.up(self.norm(h))))
+
+
+def lm_loss(logits, labels):
+    return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def pipeline():
+    torch.manual_seed(0)
+    layers = [LayerSpec(nn.Embedding, VOCAB, WIDTH), LayerSpec(Block), LayerSpec(Block),
+              LayerSpec(nn.Linear, WIDTH, VOCAB)]  # fmt: skip
+    model = PipelineModule(
+        layers, num_stages=2, loss_fn=lm_loss, partition_method="uniform", seed_layers=True,
+        base_seed=1234,
+    )  # fmt: skip
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    config = {k: v for k, v in CONFIG.items() if k not in ("optimizer", "zero_optimization")}
+    # Clipping off: DeepSpeed 0.19.8's pipeline clips every stage by stage 0's gradient norm,
+    # minispeed by the whole model's (docs/engine/migration.md), and the default clips at 1.0.
+    config["gradient_clipping"] = 0.0
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    scheduler = CurriculumScheduler(CURRICULUM)
+    g = torch.Generator().manual_seed(7)
+    data = torch.randint(0, VOCAB, (STEPS * 2, MICRO, SEQ + 1), generator=g)
+    record, current = [], None
+    for step in range(STEPS):
+        seqlen = scheduler.update_difficulty(engine.global_steps + 1)
+        if seqlen != current:  # the activations between stages change shape
+            engine.reset_activation_shape()
+            current = seqlen
+        micro = [(m[:, :seqlen], m[:, 1 : seqlen + 1]) for m in data[2 * step : 2 * step + 2]]
+        loss = engine.train_batch(iter(micro))
+        record.append({"seqlen": seqlen, "loss": float(loss)})
+    return {"steps": record, "stage": engine.stage_id}
+
+
 if __name__ == "__main__":
     from ds_fixture import record  # scripts/ is on sys.path when run as a script
 
     deepspeed.init_distributed()
-    result = main()
+    result = {"zero1": main(), "pipeline": pipeline()}
     record(result, FIXTURE)

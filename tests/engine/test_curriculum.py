@@ -5,7 +5,8 @@
   `minispeed.engine.curriculum`) gives DeepSpeed's difficulty at every step for every schedule
   type and refuses the configs DeepSpeed refuses (scripts/record_ds_curriculum.py).
 - A 2-process loop that truncates a tiny GPT's sequences to the schedule's length trains as the
-  same script does on DeepSpeed (scripts/record_ds_curriculum_gpt.py).
+  same script does on DeepSpeed, at ZeRO-1 and on a 2-stage pipeline that resets its activation
+  shapes at each new length (scripts/record_ds_curriculum_gpt.py).
 - `curriculum_learning`, `progressive_layer_drop` and `elasticity` enabled are refused, as
   DeepSpeed refuses them, with what to do; their modules and engine names are absent there too.
 """
@@ -35,6 +36,12 @@ SCHEDULER_IMPORTS = {
     ),
 }
 
+PIPE_IMPORT = {
+    "from deepspeed.pipe import LayerSpec, PipelineModule\n": (
+        "from minispeed.engine.pipe import LayerSpec, PipelineModule\n"
+    )
+}
+
 
 def _fixture(name: str) -> dict:
     return json.loads((FIXTURES / name).read_text())
@@ -59,15 +66,19 @@ def test_curriculum_scheduler_matches_deepspeed_at_every_step() -> None:
 
 
 def _gpt(rank: int, world_size: int) -> dict:
-    imports = {**ds_scripts.PLAIN_IMPORTS, **SCHEDULER_IMPORTS}
-    return ds_scripts.load("record_ds_curriculum_gpt.py", imports).main()
+    imports = {**ds_scripts.PLAIN_IMPORTS, **SCHEDULER_IMPORTS, **PIPE_IMPORT}
+    script = ds_scripts.load("record_ds_curriculum_gpt.py", imports)
+    return {"zero1": script.main(), "pipeline": script.pipeline()}
 
 
 def test_sequence_curriculum_script_trains_as_on_deepspeed() -> None:
+    """ZeRO-1 with the length passed to the forward, and a 2-stage pipeline fed truncated
+    micro-batches with `reset_activation_shape()` at each new length."""
     runs = run_distributed(_gpt, world_size=2, timeout_s=240)
     for ours, ref in zip(runs, _fixture("ds_curriculum_gpt.json")["ranks"], strict=True):
         ds_scripts.assert_matches(ours, ref)
-    assert [s["seqlen"] for s in runs[0]["steps"]] == [4, 8, 12, 16, 16, 16]
+    for part in ("zero1", "pipeline"):
+        assert [s["seqlen"] for s in runs[0][part]["steps"]] == [4, 8, 12, 16, 16, 16]
 
 
 @pytest.mark.parametrize("section", ["curriculum_learning", "progressive_layer_drop", "elasticity"])
