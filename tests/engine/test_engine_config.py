@@ -95,7 +95,7 @@ def test_sections_reach_their_packages() -> None:
             "gradient_acumulation_steps",
             "gradient_accumulation_steps",
         ),
-        ({"elasticity": {"enabled": True}}, "elasticity", "not supported"),
+        ({"eigenvalue": {"enabled": True}}, "eigenvalue", "not supported"),
         ({"prescale_gradients": True}, "prescale_gradients", "not supported"),
         ({"comms_logger": {"enabeld": True}}, "comms_logger.enabeld", "did you mean 'enabled'"),
         ({"optimizer": {"type": "AdamW", "parms": {}}}, "optimizer.parms", "did you mean 'params'"),
