@@ -73,32 +73,35 @@ TIMERS = ("forward", "backward", "backward_inner", "backward_allreduce", "step")
 
 
 @dataclass(frozen=True)
-class TensorBoardConfig(Section):
-    """TensorBoard event files (DeepSpeed section `tensorboard`; needs `pip install
-    tensorboard`)."""
-
-    ds_path: ClassVar[str] = "tensorboard"
+class _JobFolderConfig(Section):
+    """A monitor writing files into `<output_path>/<job_name>/` (TensorBoard's, the CSV one)."""
 
     enabled: bool = key("enabled", False)
-    """Write events with `torch.utils.tensorboard.SummaryWriter` on rank 0."""
+    """Write this monitor's events on rank 0."""
     output_path: str = key("output_path", "")
     """The folder holding the job's folder (empty: the working directory)."""
     job_name: str = key("job_name", "DeepSpeedJobName")
-    """The job's folder inside `output_path`, which holds the event files."""
+    """The job's folder inside `output_path`, which holds the files."""
+
+    @property
+    def log_dir(self) -> str:
+        """`<output_path>/<job_name>`, where the files go."""
+        return os.path.join(self.output_path, self.job_name)
 
 
 @dataclass(frozen=True)
-class CsvMonitorConfig(Section):
-    """CSV files, one per event name (DeepSpeed section `csv_monitor`)."""
+class TensorBoardConfig(_JobFolderConfig):
+    """TensorBoard event files, by `torch.utils.tensorboard.SummaryWriter` (DeepSpeed section
+    `tensorboard`; needs `pip install tensorboard`)."""
+
+    ds_path: ClassVar[str] = "tensorboard"
+
+
+@dataclass(frozen=True)
+class CsvMonitorConfig(_JobFolderConfig):
+    """CSV files, one per event name, appended to (DeepSpeed section `csv_monitor`)."""
 
     ds_path: ClassVar[str] = "csv_monitor"
-
-    enabled: bool = key("enabled", False)
-    """Append each event to `<output_path>/<job_name>/<name>.csv` on rank 0."""
-    output_path: str = key("output_path", "")
-    """The folder holding the job's folder (empty: the working directory)."""
-    job_name: str = key("job_name", "DeepSpeedJobName")
-    """The job's folder inside `output_path`, which holds the CSV files."""
 
 
 @dataclass(frozen=True)
@@ -213,7 +216,7 @@ class CsvMonitor:
     docstring)."""
 
     def __init__(self, config: CsvMonitorConfig) -> None:
-        self.log_dir = os.path.join(config.output_path, config.job_name)
+        self.log_dir = config.log_dir
         os.makedirs(self.log_dir, exist_ok=True)
         self._headed: set[str] = set()  # the files this monitor wrote a header into
 
@@ -238,9 +241,8 @@ class TensorBoardMonitor:
         library("tensorboard")  # torch.utils.tensorboard needs it
         from torch.utils.tensorboard import SummaryWriter
 
-        log_dir = os.path.join(config.output_path, config.job_name)
-        os.makedirs(log_dir, exist_ok=True)
-        self.summary_writer = SummaryWriter(log_dir=log_dir)
+        os.makedirs(config.log_dir, exist_ok=True)
+        self.summary_writer = SummaryWriter(log_dir=config.log_dir)
 
     def write_events(self, events: Sequence[Event], flush: bool = True) -> None:
         """`add_scalar(name, value, step)` per event, then flush the file."""
