@@ -15,7 +15,6 @@ from minispeed.profiler.monitor import (
 )
 
 CSVConfig = CsvMonitorConfig
-DeepSpeedMonitorConfig = MonitorConfig
 
 __all__ = [
     "CSVConfig",
@@ -31,3 +30,9 @@ def get_monitor_config(param_dict: Mapping[str, Any]) -> MonitorConfig:
     """The `tensorboard`, `wandb`, `csv_monitor` and `comet` sections of a ds_config dict,
     each checked by its class (an unknown key is a `ConfigError` naming it)."""
     return MonitorConfig.from_ds_config(param_dict)
+
+
+def DeepSpeedMonitorConfig(**sections: Mapping[str, Any]) -> MonitorConfig:
+    """DeepSpeed's model of the four sections, built from their dicts by keyword
+    (`DeepSpeedMonitorConfig(csv_monitor={"enabled": True})`): a `MonitorConfig`."""
+    return MonitorConfig.from_ds_config(sections)
