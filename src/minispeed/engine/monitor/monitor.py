@@ -4,12 +4,16 @@ group, as DeepSpeed's does)."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
 import minispeed.comm as comm
 from minispeed.profiler import monitor as _monitor
 from minispeed.profiler.monitor import (
     CometMonitor,
     CsvMonitor,
-    Monitor,
+    Event,
     MonitorConfig,
     TensorBoardMonitor,
     WandbMonitor,
@@ -25,6 +29,18 @@ __all__ = [
     "WandbMonitor",
     "csvMonitor",
 ]
+
+
+class Monitor(ABC):
+    """DeepSpeed's base of a monitor, for a client's own: keeps its config, writes events."""
+
+    @abstractmethod
+    def __init__(self, monitor_config: Any) -> None:
+        self.monitor_config = monitor_config
+
+    @abstractmethod
+    def write_events(self, event_list: Sequence[Event]) -> None:
+        """Write each `(name, value, step)`."""
 
 
 class MonitorMaster(_monitor.MonitorMaster):
