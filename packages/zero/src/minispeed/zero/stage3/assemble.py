@@ -142,6 +142,7 @@ def assemble(
         overlap=config.overlap_comm,
         position={sharded[p]: k for k, p in enumerate(model.parameters())},
         reduce_scatter=zeropp.reduce_scatter if zeropp and zeropp.grads else reduce_scatter,
+        wire_dtypes=precision.autocast.wire_dtypes(model) if precision.autocast else None,
     )
     return Stage3Strategy(
         model,
