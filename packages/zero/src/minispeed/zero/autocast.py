@@ -16,10 +16,10 @@ gathers the safe ones in `dtype`; see docs/packages/zero.md).
 Bytes on the wire per reduction, Ψ_s = elements of the safe parameters, Ψ_o = the others, N
 ranks, reduce-scatter: (N-1)/N · (2·Ψ_s + 4·Ψ_o), against (N-1)/N · 4·(Ψ_s + Ψ_o) without
 autocast: the safe parameters' share is halved (`wire_bytes`). The safe and the other
-parameters never share a bucket (`FlatLayout`'s `wire_dtypes`), so each bucket is one
-collective in one dtype; a 16-bit bucket is cast from the fp32 gradient buffer before its
-collective and cast back after it: one more buffer of the bucket's size in `dtype` while it is
-in flight. Bytes kept are fp32 training's (4 per parameter, 4 per gradient, the optimizer's).
+parameters never share a bucket (`FlatLayout`'s `wire_dtypes`, stage 3's bucket plan), so each
+bucket is one collective in one dtype; a 16-bit bucket is cast from the fp32 gradient buffer
+before its collective and cast back after it: one more buffer of the bucket's size in `dtype`
+while it is in flight (Note [a 16-bit bucket on the wire] in reducer.py). Bytes kept are fp32 training's (4 per parameter, 4 per gradient, the optimizer's).
 
 fp16 autocast needs a loss scale (fp16's range, precision.py): the optimizer's `LossScaler`
 with `torch.amp.GradScaler`'s settings (first scale 2^16, halved on an overflow, doubled after

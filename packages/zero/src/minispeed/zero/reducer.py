@@ -12,7 +12,9 @@ Under torch.autocast (autocast.py) the gradients of the lower-precision-safe par
 the way in, so the cast rounds g/N, as DeepSpeed rounds its bucket before dividing it by N, which
 is exact for N a power of two), reduced in it, and this rank's shard is cast back into the fp32
 buffer when the collective is done. Bytes sent for that bucket: half of fp32's; held while it is
-in flight: one copy of the bucket in the wire dtype (padded_numel · 2 bytes).
+in flight: one copy of the bucket in the wire dtype (padded_numel · 2 bytes). Stage 3
+(`stage3/strategy.py`) has no fp32 bucket buffer: its hook writes each safe gradient into the
+bucket's rows in the wire dtype, and the reduced row is cast back to fp32 on delivery.
 
 Note [bucket launch order]). A model whose gradients fit in one
 bucket's elements gets no hook: its gradients are collected once backward ends (Note [a model in

@@ -286,8 +286,7 @@ class GradShardReducer:
     ) -> None:
         """`wire_dtypes[param]`: the dtype that parameter's gradient is reduce-scattered in
         (torch.autocast's safe parameters: minispeed/zero/autocast.py), in buckets of their own;
-        the others travel in `grad_dtype`. With `reduce_scatter` given (ZeRO++, MiCS) every
-        gradient travels in `grad_dtype`."""
+        the others travel in `grad_dtype`. The caller leaves it out with ZeRO++ or MiCS."""
         self.group = group
         self.world_size = n = comm.get_world_size(group)
         self.rank = comm.get_rank(group)
@@ -313,11 +312,10 @@ class GradShardReducer:
         sizes = [self.world_size * sp.shard_numel for sp in backwards]  # reduce-scatter input
         # A large gradient forms a bucket of its own: Note [a large gradient travels alone].
         sizes = [max(n, bucket_numel) if n >= _ALONE_NUMEL else n for n in sizes]
-        wire = {} if wire_dtypes is None or reduce_scatter is not None else wire_dtypes
-        kinds = [wire.get(sp.param, grad_dtype) for sp in backwards]
+        # The dtype each gradient travels in: Note [a 16-bit bucket on the wire] (reducer.py).
+        self._dtypes = {sp: (wire_dtypes or {}).get(sp.param, grad_dtype) for sp in sps}
+        kinds = [self._dtypes[sp] for sp in backwards]  # a bucket travels in one dtype
         self._plan: list[list[ShardedParam]] = cut_runs(backwards, sizes, bucket_numel, kinds)
-        # [b]: the dtype bucket b travels in (Note [a 16-bit bucket on the wire], reducer.py).
-        self._wire = [wire.get(run[0].param, grad_dtype) for run in self._plan]
         self._bucket_of = {sp: b for b, run in enumerate(self._plan) for sp in run}
         # [b]: the (N, s) gradients of bucket b that arrived in this backward, until its launch.
         self._rows: list[dict[ShardedParam, torch.Tensor]] = [{} for _ in self._plan]
@@ -344,7 +342,7 @@ class GradShardReducer:
                 f"ZeroOptimizer.backward(loss) (sum several losses first), and use "
                 f"non-reentrant activation checkpointing (use_reentrant=False)"
             )
-        rows = sp.grad_by_rank(grad, self.grad_dtype)
+        rows = sp.grad_by_rank(grad, self._dtypes[sp])
         arrived = self._rows[b]
         if sp in arrived:  # a second gradient before the launch: accumulate (a copy)
             arrived[sp] = arrived[sp] + rows
@@ -360,11 +358,10 @@ class GradShardReducer:
         for sp in self._plan[b]:
             got = arrived.pop(sp, None)
             if got is None:  # no gradient on this rank: zeros (Note [a fixed bucket plan])
-                got = sp.shard.new_zeros(self.world_size, sp.shard_numel, dtype=self.grad_dtype)
+                got = sp.shard.new_zeros(self.world_size, sp.shard_numel, dtype=self._dtypes[sp])
             rows.append(got)
         staged = torch.cat(rows, dim=1) if len(rows) > 1 else rows[0].contiguous()  # (N, cols)
         del rows  # the full gradients are freed now (unless staged is one of them, uncopied)
-        staged = staged.to(self._wire[b])  # a 16-bit bucket (autocast); else staged itself
         # comm's ring or a native reduce-scatter writes this rank's reduced row into a compact
         # (cols,) tensor of its own (the ring on 2 ranks needs no scratch then), which becomes the
         # gradient shards: no copy out (Note [averaging at the loss]). gloo's all-reduce forms
@@ -382,11 +379,9 @@ class GradShardReducer:
         Divided by N here unless the loss was (Note [averaging at the loss]); the gradient shards
         are views of a compact (cols,) tensor: ``row``, or its copy when it is a row of the input.
         """
-        if row.dtype != self.grad_dtype:  # a 16-bit bucket back in the gradients' dtype
-            row = row.to(self.grad_dtype)
-            compact = True  # a tensor of its own now
-        if self.loss_divisor == 1 or not compact:  # (not compact: a copy, to free the input)
-            row = row.mul(self.loss_divisor / self.world_size)
+        # (not compact: a copy, to free the input; a 16-bit bucket: back in the gradients' dtype)
+        if self.loss_divisor == 1 or not compact or row.dtype != self.grad_dtype:
+            row = row.to(self.grad_dtype).mul(self.loss_divisor / self.world_size)
         for sp, mine in zip(self._plan[b], row.split([sp.shard_numel for sp in self._plan[b]])):
             self._sink(sp, mine)
 
