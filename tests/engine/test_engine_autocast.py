@@ -130,6 +130,7 @@ BF16 = {"enabled": True, "dtype": "bfloat16"}
             "list of class paths",
         ),
         ({"torch_autocast": {"enabled": True, "dtype": "int8"}}, "torch_autocast.dtype", "int8"),
+        ({"pipeline": {"stages": 2}}, "torch_autocast.enabled", "pipeline"),
     ],
 )
 def test_refusals_name_the_keys_and_the_fix(extra, key, says):

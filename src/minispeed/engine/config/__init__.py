@@ -479,6 +479,13 @@ class EngineConfig(Section):
                 "the two do not combine): turn one of them off",
             )
         if ds.get("pipeline") is not None or pipeline_stages is not None:
+            if kwargs["precision"].autocast is not None:
+                raise ConfigError(
+                    "torch_autocast.enabled",
+                    "true with a pipeline: minispeed's pipeline engine does not run its stages "
+                    "under torch.autocast; set torch_autocast.enabled to false (bf16.enabled "
+                    "trains a pipeline in 16 bits)",
+                )
             kwargs["pipeline"] = PipelineConfig.from_section(
                 ds.get("pipeline"),
                 micro_batch_size=micro,
