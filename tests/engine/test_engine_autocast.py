@@ -29,6 +29,7 @@ import ds_scripts
 
 import minispeed.comm as comm
 import minispeed.engine as deepspeed
+import minispeed.zero as zero
 from minispeed.core.config import ConfigError
 from minispeed.core.testing import run_distributed
 from minispeed.engine.config import EngineConfig
@@ -138,3 +139,18 @@ def test_refusals_name_the_keys_and_the_fix(extra, key, says):
     with pytest.raises(ConfigError) as e:
         EngineConfig.from_ds_config(ds)
     assert e.value.path == key and says in str(e.value), str(e.value)
+
+
+def test_the_forward_region_replaces_or_switches_off_an_outer_autocast():
+    """The engine's forward region, as DeepSpeed's `autocast_if_enabled`: the section's autocast
+    (bf16 matrix products), or, with the section off, none even inside the caller's autocast."""
+    x = torch.randn(2, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with zero.autocast_region(None, "cpu"):
+            assert (x @ x.T).dtype == torch.float32
+        with zero.autocast_region(zero.Autocast(torch.float16), "cpu"):
+            assert (x @ x.T).dtype == torch.float16
+    with zero.autocast_region(zero.Autocast(torch.bfloat16), "cpu"):
+        assert (x @ x.T).dtype == torch.bfloat16
+    with zero.autocast_region(None, "cpu"):
+        assert (x @ x.T).dtype == torch.float32
