@@ -30,13 +30,7 @@ from minispeed.core.logging import get_logger
 from minispeed.core.sections import Section, Unsupported, ds_keys, ds_only, key
 from minispeed.zero.autocast import Autocast, TorchAutocastConfig
 
-__all__ = [
-    "Bf16Config",
-    "DataTypesConfig",
-    "Fp16Config",
-    "LossScaler",
-    "MixedPrecision",
-]
+__all__ = ["Bf16Config", "DataTypesConfig", "Fp16Config", "LossScaler", "MixedPrecision"]
 
 # The top-level ds_config sections MixedPrecision.from_ds_config reads.
 _SECTIONS = {"fp16", "bf16", "bfloat16", "data_types"}

@@ -5,18 +5,7 @@ parameter's gradient, the hook writes it into its bucket's buffer (in `grad_accu
 `param.grad`, and the bucket's collective is launched once every parameter of the bucket has
 arrived (asynchronously with `overlap_comm`), so the communication of the last layers overlaps
 the backward of the first ones. The launch order and the window of collectives in flight are
-`minispeed.comm.LaunchQueue`'s (Note [a 16-bit bucket on the wire]
-Under torch.autocast (autocast.py) the gradients of the lower-precision-safe parameters travel in
-16 bits at stages 1-2, in buckets of their own (`Bucket.wire_dtype`). The buffers stay in
-`grad_accum_dtype` (fp32): at launch the bucket is cast to its wire dtype (already averaged on
-the way in, so the cast rounds g/N, as DeepSpeed rounds its bucket before dividing it by N, which
-is exact for N a power of two), reduced in it, and this rank's shard is cast back into the fp32
-buffer when the collective is done. Bytes sent for that bucket: half of fp32's; held while it is
-in flight: one copy of the bucket in the wire dtype (padded_numel · 2 bytes). Stage 3
-(`stage3/strategy.py`) has no fp32 bucket buffer: its hook writes each safe gradient into the
-bucket's rows in the wire dtype, and the reduced row is cast back to fp32 on delivery.
-
-Note [bucket launch order]). A model whose gradients fit in one
+`minispeed.comm.LaunchQueue`'s (Note [bucket launch order]). A model whose gradients fit in one
 bucket's elements gets no hook: its gradients are collected once backward ends (Note [a model in
 one bucket has no gradient hooks]).
 
@@ -54,6 +43,17 @@ way (`torch.mul(grad, 1/N, out=slot)`, `slot.add_(grad, alpha=1/N)`): the same s
 a plain copy or add. For N a power of two the result is bit-identical to dividing the sum
 (scaling by 2^-k is exact and commutes with rounding); otherwise it differs by rounding. With a
 cast (16-bit gradients accumulated in fp32) the mean is still taken after the reduction, in fp32.
+
+Note [a 16-bit bucket on the wire]
+Under torch.autocast (autocast.py) the gradients of the lower-precision-safe parameters travel in
+16 bits at stages 1-2, in buckets of their own (`Bucket.wire_dtype`). The buffers stay in
+`grad_accum_dtype` (fp32): at launch the bucket is cast to its wire dtype (already averaged on
+the way in, so the cast rounds g/N, as DeepSpeed rounds its bucket before dividing it by N, which
+is exact for N a power of two), reduced in it, and this rank's shard is cast back into the fp32
+buffer when the collective is done. Bytes sent for that bucket: half of fp32's; held while it is
+in flight: one copy of the bucket in the wire dtype (padded_numel · 2 bytes). Stage 3
+(`stage3/strategy.py`) has no fp32 bucket buffer: its hook writes each safe gradient into the
+bucket's rows in the wire dtype, and the reduced row is cast back to fp32 on delivery.
 
 Note [bucket launch order]
 Collectives are matched across ranks by the order they are issued, and gradients may arrive in a
