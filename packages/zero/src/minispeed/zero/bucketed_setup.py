@@ -1,14 +1,16 @@
 """How `zero.shard` builds stages 0-2: the first rank's weights, replica groups, 1-bit Adam.
 
 `zero.shard` (api.py) checks its inputs and picks the stage; for stages 0-2 it calls
-`bucketed_strategy`, which makes every rank start from the weights of its group's first rank
-(stage 3 does the same per parameter as it partitions: Note [partitioning starts from the first
-rank's values] in stage3/params.py), then builds `ReplicatedStrategy` (stage 0) or
-`PartitionedStrategy` (stages 1-2), one per replica group when there are several (Note [replica
-groups] in replica_groups.py). A 1-bit optimizer is checked first (`check_onebit`) and, once the
-stage is built, becomes `onebit_parts`: its own optimizer over the stage.
+`bucketed_strategy`, which makes every rank start from the weights of its group's first rank,
+frozen ones included (stage 3 does the same per parameter as it partitions: Note [partitioning
+starts from the first rank's values] in stage3/params.py), then builds `ReplicatedStrategy`
+(stage 0) or `PartitionedStrategy` (stages 1-2), one per replica group when there are several
+(Note [replica groups] in replica_groups.py). A 1-bit optimizer is checked first
+(`check_onebit`) and, once the stage is built, becomes `onebit_parts`: its own optimizer over the
+stage.
 
-Costs: one broadcast of every parameter (Ψ·p bytes) and one 1-element all-reduce, once.
+Costs: one broadcast of every parameter, frozen ones too (Ψ·p bytes), and one 1-element
+all-reduce, once.
 """
 
 from __future__ import annotations
@@ -55,7 +57,9 @@ def bucketed_strategy(
     """Stage 0 or 1-2 over `param_groups`, every rank starting from its group's first rank."""
     kind = ReplicatedStrategy if config.stage == 0 else PartitionedStrategy
     if replica_groups is None:
-        broadcast_from_first_rank(param_groups, group)
+        # The frozen parameters too (a diffusion script's text encoder, built unseeded on each
+        # rank), as DeepSpeed broadcasts every parameter of the module at `initialize`.
+        broadcast_from_first_rank([*param_groups, frozen_parameters(model, param_groups)], group)
         return kind(model, config, precision, group, param_groups=param_groups)
     # See Note [replica groups]: checked by zero.shard (check_replica_groups) already.
     broadcast_within(param_groups, replica_groups, group, broadcast_from_first_rank)
@@ -98,6 +102,14 @@ def onebit_parts(
         onebit.warmup_adam(optimizer),
         onebit.OnebitStrategy(strategy, group),
     )
+
+
+def frozen_parameters(
+    model: nn.Module, param_groups: list[list[nn.Parameter]]
+) -> list[nn.Parameter]:
+    """The model's parameters in no param group (frozen, or left out of the optimizer)."""
+    trained = {id(p) for ps in param_groups for p in ps}
+    return [p for p in model.parameters() if id(p) not in trained]
 
 
 @torch.no_grad()
