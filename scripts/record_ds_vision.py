@@ -10,6 +10,9 @@ accelerate with a DeepSpeed plugin (diffusers' and timm's example scripts: a cli
   `num_batches_tracked` buffers that each rank updates from its own batch) and a buffer drawn at
   init (a colour mix), fed `channels_last` images, then one evaluation-mode forward (the running
   statistics used);
+- `cnn_resume_z2`, `cnn_resume_z3`: the CNN's run, `accelerator.save_state`, then a fresh
+  model (drawn per rank) prepared and `load_state`d: the parameters and buffers each rank holds,
+  and the loss of one more step;
 - `vit_z0`, `vit_bf16_z2`, `vit_bf16_z3`: a small ViT (a patch `Conv2d`, a class token and a position
   embedding as bare `nn.Parameter`s, one pre-norm attention block), in fp32 and in bf16;
 - `unet_z2`, `unet_z3`: a small UNet (`GroupNorm`, a strided `Conv2d` down, a `ConvTranspose2d`
@@ -227,6 +230,33 @@ def run_case(result, scratch, name, build, stage, *, bf16=False, seed=0, batch_f
         result["saved"] = {k: [str(v.dtype), *digest(v)] for k, v in saved.items()}
     accelerator.wait_for_everyone()
     result["phase"] = "done"
+    return accelerator, model
+
+
+def resume_case(result, scratch, name, stage):
+    """The CNN trained, `save_state`, then a fresh model drawn per rank `load_state`s it: what
+    each rank holds then (BatchNorm's statistics differed per rank at the save), and one step."""
+    accelerator, model = run_case(result, scratch, name, CNN, stage, batch_fn=images)
+    result["phase"] = "save_state"
+    accelerator.save_state(str(scratch / f"{name}_state"))
+    accelerator.wait_for_everyone()
+    result["phase"] = "load_state"
+    accelerator = fresh(stage)
+    rank = accelerator.process_index
+    torch.manual_seed(200 + rank)
+    model = CNN()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.load_state(str(scratch / f"{name}_state"))
+    loaded = accelerator.unwrap_model(model)
+    result["loaded_params"], result["loaded_buffers"] = own_parameters(loaded, stage)
+    g = torch.Generator().manual_seed(30 + rank)
+    (x,), target = images(g)
+    loss = F.mse_loss(model(x), target)
+    accelerator.backward(loss)
+    optimizer.step()
+    result["resumed_loss"] = loss.item()
+    result["phase"] = "done"
 
 
 def images(g, out=3):
@@ -250,6 +280,10 @@ def cases(scratch):
     for stage in range(4):
         out[f"cnn_z{stage}"] = lambda r, s=stage: run_case(
             r, scratch, f"cnn_z{s}", CNN, s, batch_fn=images
+        )
+    for stage in (2, 3):
+        out[f"cnn_resume_z{stage}"] = lambda r, s=stage: resume_case(
+            r, scratch, f"cnn_resume_z{s}", s
         )
     out["vit_z0"] = lambda r: run_case(r, scratch, "vit_z0", ViT, 0, batch_fn=images)
     for stage in (2, 3):

@@ -7,7 +7,8 @@ images, a ViT (class token and position embedding as bare parameters) in fp32 an
 elements beside a frozen text encoder, and models initialized differently on each rank, at ZeRO
 stages 0-3 (see the script for which case runs where). Each is compared with DeepSpeed's record
 (`fixtures/ds_vision.json`) rank by rank: the per-step losses, the parameters and buffers each
-rank holds afterwards, `accelerator.get_state_dict` on each rank and what `save_model` wrote.
+rank holds afterwards, `accelerator.get_state_dict` on each rank, what `save_model` wrote, and
+what each rank holds after `save_state` / `load_state` into a fresh model.
 """
 
 from __future__ import annotations
@@ -65,9 +66,21 @@ def test_vision_model_trains_as_deepspeed(runs: list[dict], case: str) -> None:
         assert ours["losses"] == pytest.approx(theirs["losses"], rel=tol), where
         if "eval_loss" in theirs:  # BatchNorm's running statistics in eval mode
             assert ours["eval_loss"] == pytest.approx(theirs["eval_loss"], rel=tol), where
-        for key in ("params", "buffers", "state_dict", "saved"):
+        if "resumed_loss" in theirs:
+            assert ours["resumed_loss"] == pytest.approx(theirs["resumed_loss"], rel=tol), where
+        keys = ["params", "buffers", "state_dict", "saved", "loaded_params", "loaded_buffers"]
+        if case == "cnn_resume_z3" and rank == 1:  # the difference below
+            keys.remove("loaded_buffers")
+        for key in keys:
             if key in theirs:  # `saved`: rank 0 only
                 _digests_match(ours[key], theirs[key], tol, f"{where} {key}")
+    if case == "cnn_resume_z3":
+        # `load_state` gives every rank rank 0's buffers (BatchNorm's statistics), at every stage,
+        # as DeepSpeed's stages 0-2 (one model-states file); DeepSpeed's ZeRO-3 gives each rank
+        # back its own (one model-states file per rank): docs/engine/migration.md.
+        ours, theirs = runs[1][case], REF[1][case]
+        assert ours["loaded_buffers"] == runs[0][case]["loaded_buffers"]
+        _digests_match(theirs["loaded_buffers"], theirs["buffers"], 0.0, "DeepSpeed's own")
     # Every rank ends with rank 0's parameters, even when each drew its own (`unseeded_*`),
     # frozen ones included; buffers stay each rank's own (BatchNorm's running statistics from
     # its own batches, a buffer drawn at init), in DeepSpeed as here.
