@@ -10,6 +10,8 @@ accelerate with a DeepSpeed plugin (diffusers' and timm's example scripts: a cli
   `num_batches_tracked` buffers that each rank updates from its own batch) and a buffer drawn at
   init (a colour mix), fed `channels_last` images, then one evaluation-mode forward (the running
   statistics used);
+- `cnn_channels_last_z0`, `_z2`, `_z3`: the CNN with its weights in `channels_last` too (timm's
+  `--channels-last`: `model.to(memory_format=torch.channels_last)` before `prepare`);
 - `cnn_resume_z2`, `cnn_resume_z3`: the CNN's run, `accelerator.save_state`, then a fresh
   model (drawn per rank) prepared and `load_state`d: the parameters and buffers each rank holds,
   and the loss of one more step;
@@ -31,7 +33,8 @@ Per case: the loss at each step; each rank's own parameters and buffers after tr
 with `GatheredParameters`), each as `[sum, abs sum, a position-weighted sum]`;
 `accelerator.get_state_dict(model)` on each rank (what it holds); `accelerator.save_model`, the
 saved safetensors' keys and digests read back on rank 0. A case that raises keeps what it
-had and the error, in the phase it was in (DeepSpeed fails `scalar_*` and `empty_z3`).
+had and the error, in the phase it was in (DeepSpeed fails
+`cnn_channels_last_*`, `scalar_*` and `empty_z3`).
 
 The accelerate state is started with `backend="gloo"` first (a CPU-only host: see
 `record_ds_accelerate.py`). Recorded on DeepSpeed 0.19.8, 2 gloo processes on the CPU:
@@ -161,6 +164,10 @@ class Odd(nn.Module):
         return self.head(torch.tanh(h)) * self.scale
 
 
+def channels_last_cnn():
+    return CNN().to(memory_format=torch.channels_last)
+
+
 def digest(t):
     """`[sum, abs sum, position-weighted sum]` of a tensor, in float64."""
     t = t.detach().double().flatten()
@@ -280,6 +287,10 @@ def cases(scratch):
     for stage in range(4):
         out[f"cnn_z{stage}"] = lambda r, s=stage: run_case(
             r, scratch, f"cnn_z{s}", CNN, s, batch_fn=images
+        )
+    for stage in (0, 2, 3):  # timm's --channels-last: the weights in that layout too
+        out[f"cnn_channels_last_z{stage}"] = lambda r, s=stage: run_case(
+            r, scratch, f"cnn_channels_last_z{s}", channels_last_cnn, s, batch_fn=images
         )
     for stage in (2, 3):
         out[f"cnn_resume_z{stage}"] = lambda r, s=stage: resume_case(
