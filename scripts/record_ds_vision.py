@@ -10,6 +10,8 @@ accelerate with a DeepSpeed plugin (diffusers' and timm's example scripts: a cli
   `num_batches_tracked` buffers that each rank updates from its own batch) and a buffer drawn at
   init (a colour mix), fed `channels_last` images, then one evaluation-mode forward (the running
   statistics used);
+- `cnn_bf16_z2`, `cnn_bf16_z3`: the CNN in bf16 (a bf16 image through the colour mix buffer);
+  `cnn_nomix_bf16_z2`, `_z3`: without the colour mix (BatchNorm's statistics the only buffers);
 - `cnn_channels_last_z0`, `_z2`, `_z3`: the CNN with its weights in `channels_last` too (timm's
   `--channels-last`: `model.to(memory_format=torch.channels_last)` before `prepare`);
 - `cnn_resume_z2`, `cnn_resume_z3`: the CNN's run, `accelerator.save_state`, then a fresh
@@ -34,7 +36,7 @@ with `GatheredParameters`), each as `[sum, abs sum, a position-weighted sum]`;
 `accelerator.get_state_dict(model)` on each rank (what it holds); `accelerator.save_model`, the
 saved safetensors' keys and digests read back on rank 0. A case that raises keeps what it
 had and the error, in the phase it was in (DeepSpeed fails
-`cnn_channels_last_*`, `scalar_*` and `empty_z3`).
+`cnn_channels_last_*`, `cnn_bf16_*`, `scalar_*` and `empty_z3`).
 
 The accelerate state is started with `backend="gloo"` first (a CPU-only host: see
 `record_ds_accelerate.py`). Recorded on DeepSpeed 0.19.8, 2 gloo processes on the CPU:
@@ -82,7 +84,7 @@ def ds_config(stage, bf16=False):
 
 
 class CNN(nn.Module):
-    def __init__(self):
+    def __init__(self, mix=True):
         super().__init__()
         # No bias before a BatchNorm (as torchvision's): its gradient is 0 but for rounding,
         # which Adam would scale up to steps of the learning rate's size, in any direction.
@@ -92,10 +94,12 @@ class CNN(nn.Module):
         self.bn2 = nn.BatchNorm2d(8)
         self.head = nn.Linear(8, 3)
         # A fixed random colour mix: a buffer drawn at init (different per rank when unseeded)
-        self.register_buffer("mix", torch.eye(3) + 0.1 * torch.randn(3, 3))
+        mix = torch.eye(3) + 0.1 * torch.randn(3, 3) if mix else None
+        self.register_buffer("mix", mix)
 
     def forward(self, x):
-        x = F.conv2d(x, self.mix[:, :, None, None])
+        if self.mix is not None:
+            x = F.conv2d(x, self.mix[:, :, None, None])
         x = F.relu(self.bn1(self.conv1(x)))
         x = F.relu(self.bn2(self.conv2(x)))
         return self.head(x.mean((2, 3)))
@@ -219,6 +223,7 @@ def run_case(result, scratch, name, build, stage, *, bf16=False, seed=0, batch_f
     if any(isinstance(m, nn.BatchNorm2d) for m in model.modules()):
         model.eval()
         inputs, target = batch_fn(g)
+        inputs = [i.to(dtype) if i.is_floating_point() else i for i in inputs]
         with torch.no_grad():
             result["eval_loss"] = F.mse_loss(model(*inputs).float(), target).item()
         model.train()
@@ -287,6 +292,19 @@ def cases(scratch):
     for stage in range(4):
         out[f"cnn_z{stage}"] = lambda r, s=stage: run_case(
             r, scratch, f"cnn_z{s}", CNN, s, batch_fn=images
+        )
+    for stage in (2, 3):
+        out[f"cnn_bf16_z{stage}"] = lambda r, s=stage: run_case(
+            r, scratch, f"cnn_bf16_z{s}", CNN, s, bf16=True, batch_fn=images
+        )
+        out[f"cnn_nomix_bf16_z{stage}"] = lambda r, s=stage: run_case(
+            r,
+            scratch,
+            f"cnn_nomix_bf16_z{s}",
+            lambda: CNN(mix=False),
+            s,
+            bf16=True,
+            batch_fn=images,
         )
     for stage in (0, 2, 3):  # timm's --channels-last: the weights in that layout too
         out[f"cnn_channels_last_z{stage}"] = lambda r, s=stage: run_case(

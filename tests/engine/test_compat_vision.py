@@ -89,6 +89,17 @@ def test_vision_model_trains_as_deepspeed(runs: list[dict], case: str) -> None:
         assert runs[0][case]["buffers"]["mix"] != runs[1][case]["buffers"]["mix"], case
 
 
+# What stands in for DeepSpeed where it fails: the same function written the way it takes, and
+# the tolerance against it (bf16 against fp32: 3 Adam steps apart by up to 0.5% here).
+TWINS = {
+    "cnn_channels_last": ("cnn", 1e-6),
+    "scalar": ("odd", 1e-6),
+    "empty": ("odd", 1e-6),
+    "cnn_bf16": ("cnn", 2e-2),
+    "cnn_nomix_bf16": ("cnn_nomix_bf16", 1e-6),  # stage 3 as stage 2
+}
+
+
 @pytest.mark.parametrize("case", sorted(REFUSED))
 def test_models_deepspeed_fails_on_train_as_their_like(runs: list[dict], case: str) -> None:
     """What DeepSpeed 0.19.8 fails on trains here, as the same function written the way it takes:
@@ -100,16 +111,26 @@ def test_models_deepspeed_fails_on_train_as_their_like(runs: list[dict], case: s
       Byte"): here it trains as `odd_z*`, whose parameter is the same value of shape (1,);
     - `empty_z3`: a parameter of no element added to the output: DeepSpeed's ZeRO-3 fails at the
       first forward ("torch.cat(): expected a non-empty list of Tensors"); minispeed failed at
-      `prepare` on an internal assertion; here it trains as `odd_z3`.
+      `prepare` on an internal assertion; here it trains as `odd_z3`;
+    - `cnn_bf16_z*`, `cnn_nomix_bf16_z*`: the CNN in bf16. DeepSpeed casts the parameters, not
+      the buffers, so its first forward fails on this CPU (BatchNorm's fp32 statistics with a
+      bf16 input: "expected scalar type BFloat16 but found Float"; the colour mix, a conv
+      weight: "Input type (CPUBFloat16Type) and weight type (torch.FloatTensor)"); the engine
+      casts floating-point buffers with the parameters and trains it as the fp32 `cnn_z*` to
+      bf16's precision, the same at ZeRO-2 and ZeRO-3.
 
     `cnn_z*` and `odd_z*` match DeepSpeed's (the test above)."""
     assert all("error" in ref[case] for ref in REF), case  # DeepSpeed's record of its failure
     prefix, stage = case.rsplit("_z", 1)
-    twin = {"cnn_channels_last": "cnn", "scalar": "odd", "empty": "odd"}[prefix] + "_z" + stage
+    name, tol = TWINS[prefix]
+    twin = f"{name}_z{2 if name == case.rsplit('_z', 1)[0] else stage}"
     for rank, mine in enumerate(runs):
         ours, like = mine[case], mine[twin]
-        assert "error" not in ours, (rank, ours)
-        assert ours["losses"] == pytest.approx(like["losses"], rel=1e-6), (rank, case)
+        assert "error" not in ours and ours["phase"] == "done", (rank, ours)
+        assert ours["losses"] == pytest.approx(like["losses"], rel=tol), (rank, case)
+        if tol > 1e-6:  # bf16 against fp32: the losses only
+            assert ours["eval_loss"] == pytest.approx(like["eval_loss"], rel=tol), (rank, case)
+            continue
         for key in ("params", "buffers"):
             got = {k: v for k, v in ours[key].items() if k != "empty"}
             assert got.keys() == like[key].keys(), (rank, case, key)
