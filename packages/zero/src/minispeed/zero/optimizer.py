@@ -373,7 +373,10 @@ class ZeroOptimizer(torch.optim.Optimizer, Detachable):
                 self.strategy.partitions_grads,
             )
 
-        overflow = self.loss_scaler.unscale(grads, self._grad_device)  # a flag where checked
+        # A flag where checked; gradients in swap files are checked by the Σ g² kept as they
+        # were written (ZeRO-Infinity: `grads` are markers there).
+        written = self.strategy.grad_square_sum() if self.strategy.grads_in_files else None
+        overflow = self.loss_scaler.unscale(grads, self._grad_device, written)
         if self.flags_in_bucket:  # summed with the gradients: no collective of their own
             flags = self.strategy.carried_flags(self._trainable_at_shard)
         else:

@@ -390,10 +390,20 @@ class LossScaler:
         self.hysteresis_left = precision.hysteresis
         self.overflows = 0  # total skipped steps, for logs
 
-    def unscale(self, grads: list[torch.Tensor], device: torch.device) -> torch.Tensor | None:
+    def unscale(
+        self,
+        grads: list[torch.Tensor],
+        device: torch.device,
+        written_squares: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
         """Divide `grads` by the scale, in place; return this rank's overflow flag (1 element,
         fp32, on `device`: 1 where any gradient holds an inf or a NaN) when the step is checked
-        (`checks`), else None (nothing is read)."""
+        (`checks`), else None (nothing is read).
+
+        `written_squares`: under ZeRO-Infinity the gradients are in swap files (`grads` holds
+        meta markers) and their Σ g² was kept as they were written; it is not finite when one
+        of them held an inf or a NaN (or a value past fp32's range squared, as DeepSpeed's own
+        test counts a sum past it), so the check reads no file."""
         if self.scale != 1.0:
             inv_scale = 1.0 / self.scale
             for g in grads:
@@ -406,8 +416,11 @@ class LossScaler:
         # sub-group (test_subgroup_step_memory.py). On the gradients' device: no host sync.
         bad = torch.zeros(1, dtype=torch.float32, device=device)
         for g in grads:
-            if g.device.type != "meta":  # ZeRO-Infinity's markers: the values are in files
+            if g.device.type != "meta":  # ZeRO-Infinity's markers: `written_squares` checks them
                 torch.maximum(bad, (~torch.isfinite(g.sum(dtype=torch.float32))).float(), out=bad)
+        if written_squares is not None:
+            squares = written_squares.to(device, torch.float32).reshape(1)
+            torch.maximum(bad, (~torch.isfinite(squares)).float(), out=bad)
         return bad
 
     def skip(self, step: int) -> None:
