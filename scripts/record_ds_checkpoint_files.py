@@ -70,7 +70,8 @@ def config(precision, stage, batch=BATCH):
     }
 
 
-def build(precision, stage, batch=BATCH):
+def build(precision, stage, batch=BATCH, extra=None):
+    """The regressor's engine; `extra`: more ds_config keys (`record_ds_universal.py`'s)."""
     torch.manual_seed(5)
     model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT))
     groups = [
@@ -78,7 +79,9 @@ def build(precision, stage, batch=BATCH):
         {"params": list(model[2].parameters()), "weight_decay": 0.0},
     ]
     engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=groups, config=config(precision, stage, batch)
+        model=model,
+        model_parameters=groups,
+        config={**config(precision, stage, batch), **(extra or {})},
     )
     return engine
 

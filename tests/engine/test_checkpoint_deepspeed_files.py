@@ -163,7 +163,7 @@ REFUSALS = {
             lambda t: (t / "layer_0_expert_0_mp_rank_00_model_states.pt").write_bytes(b""),
             r"expert_0_mp_rank_00_model_states.pt: .*MoE"),
     "universal": ("fp32_stage2", lambda t: (t / "zero").mkdir(),
-                  r"universal checkpoint .*zero_to_fp32"),
+                  r"universal checkpoint .* lacks zero/optimizer_state.pt"),
     "a rank's file missing": ("fp32_stage3", _rank_gap,
                               r"lacks the optimizer file of data-parallel rank 1"),
     "the last rank's file missing": (

@@ -145,8 +145,9 @@ class CheckpointCalls:
         those it lacks keep the model's values, those the model lacks are skipped (trainable
         ones must still match, since their optimizer state is loaded with them).
         """
-        ckpt_async.checkpointer_of(self).wait()  # a save in flight lands (and moves `latest`)
-        if tag is None and not ckpt.has_latest(load_dir):
+        saver = ckpt_async.checkpointer_of(self)
+        saver.wait()  # a save in flight lands (and moves `latest`)
+        if tag is None and not ckpt.has_latest(load_dir, saver.config.load_universal):
             _log.warning(
                 "no '%s' file in %s: nothing loaded; pass tag= to load a tag",
                 LATEST_FILE,
