@@ -33,7 +33,7 @@ env -u PYTHONPATH DS_ACCELERATOR=cpu /work/dsvenv/bin/python -m torch.distribute
     --nproc_per_node 1 scripts/record_ds_universal.py    # ds_universal_world1.json
 ```
 
-`tests/engine/test_checkpoint_universal.py` compares minispeed with these.
+`tests/engine/test_checkpoint_deepspeed_universal.py` compares minispeed with these.
 """
 
 import shutil

@@ -6,7 +6,7 @@ steps on 2 ranks, saves `tests/engine/fixtures/ms_checkpoint_<case>/global_step3
 `client_state={"epoch": 2, "note": "mid-run"}`, and rank 0 converts it with
 `minispeed consolidate ... --to deepspeed-universal` into `global_step3_universal` beside it
 (with `latest_universal`). `record_ds_universal.py` then has DeepSpeed resume from that
-folder; `tests/engine/test_checkpoint_universal.py` checks minispeed's own resume against
+folder; `tests/engine/test_checkpoint_deepspeed_universal.py` checks minispeed's own resume against
 DeepSpeed's losses. Run with minispeed's venv, before the DeepSpeed recorder:
 
 ```bash

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -77,9 +78,14 @@ def _every_case(rank, world_size):
             script, ms_root, precision, stage, ranks, None
         )
     if world_size == 2:  # without the key, named by tag, into another ZeRO stage
-        out["untagged into stage 1"] = _resume(
+        out["tagged into stage 1"] = _resume(
             script, script.case_dir("fp32", 2), "fp32", 1, ranks, None, "global_step3_universal"
         )
+    else:  # without the key, a directory holding only the universal folder
+        with tempfile.TemporaryDirectory() as tmp:
+            only = shutil.copytree(script.case_dir("fp32", 2), Path(tmp) / "ckpt",
+                                   ignore=shutil.ignore_patterns("latest", "global_step3"))  # fmt: skip
+            out["only universal"] = _resume(script, only, "fp32", 2, ranks, None)
     return out
 
 
@@ -97,7 +103,7 @@ def test_universal_checkpoints_resume_as_deepspeed_does_on_two_ranks():
     key, into a stage-1 engine: the same losses as stage 2."""
     runs = run_distributed(_every_case, world_size=2, timeout_s=300)
     for ours, ref in zip(runs, _fixture(2)["ranks"], strict=True):
-        other = ours.pop("untagged into stage 1")
+        other = ours.pop("tagged into stage 1")
         ds_scripts.assert_matches(other["after"], ref["deepspeed fp32 stage 2"]["after"])
         for case, got in ours.items():
             if case.startswith("deepspeed"):
@@ -107,9 +113,13 @@ def test_universal_checkpoints_resume_as_deepspeed_does_on_two_ranks():
 
 def test_universal_checkpoints_of_two_ranks_resume_on_one():
     """Written by 2 ranks, resumed by 1 (each micro-batch both ranks' batches): DeepSpeed's
-    losses at one rank, for DeepSpeed's universal folders and for minispeed's conversion."""
+    losses at one rank, for DeepSpeed's universal folders and for minispeed's conversion; a
+    directory holding only the universal folder and `latest_universal` loads without the key."""
     (ours,) = run_distributed(_every_case, world_size=1, timeout_s=300)
     (ref,) = _fixture(1)["ranks"]
+    alone = ours.pop("only universal")  # `latest_universal` read without the key
+    assert alone["path"] == "global_step3_universal"
+    _assert_like_deepspeeds(alone, ref["deepspeed fp32 stage 2"], "only universal")
     for case, got in ours.items():
         _assert_like_deepspeeds(got, ref[REFERENCE[case]], case)
 
