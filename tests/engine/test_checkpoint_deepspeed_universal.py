@@ -77,7 +77,9 @@ def _every_case(rank, world_size):
         out[f"minispeed {precision} stage {stage}"] = _resume(
             script, ms_root, precision, stage, ranks, None
         )
-    if world_size == 2:  # without the key, named by tag, into another ZeRO stage
+    if world_size == 2:  # minispeed's conversion read back; a universal tag without the key
+        ms_root = FIXTURES / "ms_checkpoint_bf16_stage3"
+        out["round trip"] = _resume(script, ms_root, "bf16", 3, ranks, UNIVERSAL)
         out["tagged into stage 1"] = _resume(
             script, script.case_dir("fp32", 2), "fp32", 1, ranks, None, "global_step3_universal"
         )
@@ -99,12 +101,16 @@ def test_universal_checkpoints_resume_as_deepspeed_does_on_two_ranks():
     """DeepSpeed's universal folders (stage 2 fp32, stage 3 bf16; 2 ranks wrote them) loaded
     with `checkpoint.load_universal` through `latest_universal`: DeepSpeed's losses after its own
     universal load. minispeed's own checkpoint resumed by minispeed: the losses DeepSpeed had
-    after loading minispeed's universal conversion of it. A universal tag loaded without the
-    key, into a stage-1 engine: the same losses as stage 2."""
+    after loading minispeed's universal conversion of it, and so does minispeed loading that
+    conversion. A universal tag loaded without the key, into a stage-1 engine: the same losses
+    as stage 2."""
     runs = run_distributed(_every_case, world_size=2, timeout_s=300)
     for ours, ref in zip(runs, _fixture(2)["ranks"], strict=True):
         other = ours.pop("tagged into stage 1")
         ds_scripts.assert_matches(other["after"], ref["deepspeed fp32 stage 2"]["after"])
+        back = ours.pop("round trip")
+        assert back["path"] == "global_step3_universal"
+        _assert_like_deepspeeds(back, ref[REFERENCE["minispeed bf16 stage 3"]], "round trip")
         for case, got in ours.items():
             if case.startswith("deepspeed"):
                 assert got["path"] == "global_step3_universal", case  # latest_universal

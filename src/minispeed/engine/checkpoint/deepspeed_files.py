@@ -5,7 +5,9 @@ A job moved from DeepSpeed to minispeed resumes from the checkpoints DeepSpeed w
 optimizer's moments and step, the scheduler, the counters and the client state, as
 DeepSpeed's own `load_checkpoint` would, at any data-parallel size (`load.py` calls
 `load_deepspeed` when the tag holds DeepSpeed's files); `get_fp32_state_dict_from_zero_checkpoint`
-and the `zero_to_fp32` command read them through `to_zero_checkpoint` too.
+and the `zero_to_fp32` command read them through `to_zero_checkpoint` too (`weights_tag_dir`).
+A universal checkpoint's folder (`zero/`, DeepSpeed's `ds_to_universal`) is read by
+`universal.py` into the same `DeepSpeedTag` and loads the same way.
 
 DeepSpeed's layout (0.19.8; the keys read are the ones of its `runtime/engine.py` and ZeRO
 optimizers' `state_dict`s), one tag directory, N data-parallel ranks:

@@ -213,6 +213,12 @@ def _engine_states(common: dict[str, Any], meta: Any, weights: dict[str, torch.T
     module = {n: t.view(_shape(meta, n)) for n, t in weights.items()}
     module |= dict(common.get("frozen_params") or {}) | dict(common.get("buffers") or {})
     client = payload.get("client") if ENGINE_STATE in payload else payload
+    # The two ds_config keys a reader of DeepSpeed's files takes its counters from (DeepSpeed
+    # stores its whole config): the micro-batches per step keep the accumulation boundary.
+    micro = int(ours.get("micro_steps", common.get("micro_step", steps)))
+    config = {"gradient_accumulation_steps": micro // steps if steps else 1}
+    if "train_batch_size" in ours:
+        config["train_batch_size"] = int(ours["train_batch_size"])
     return {
         **(client or {}),
         "module": {n: module[n] for n in meta.state_dict_keys if n in module} or module,
@@ -227,6 +233,7 @@ def _engine_states(common: dict[str, Any], meta: Any, weights: dict[str, torch.T
         "dp_world_size": meta.world_size,
         "mp_world_size": 1,
         "ds_version": DS_VERSION,
+        "ds_config": config,
         "universal_checkpoint_info": {"universal_checkpoint_version": UNIVERSAL_VERSION},
     }
 
