@@ -7,7 +7,8 @@ caller's thread or in the background) → `load.py` (a part back, any data-paral
 its pickles opened safely) → `deepspeed_files.py` (a checkpoint DeepSpeed itself wrote, joined
 per parameter) → `universal.py` (DeepSpeed's universal checkpoints, read and written) →
 `calls.py` (DeepSpeed's `save_checkpoint` / `load_checkpoint`, written once for every engine).
-What this package uses of zero is the public face of `minispeed.zero.checkpoints` (its files, its atomic writes, its agreement).
+What this package uses of zero is the public face of `minispeed.zero.checkpoints` (its files,
+its atomic writes, its agreement).
 """
 
 from minispeed.engine.checkpoint.background import Checkpointer, checkpointer_of, place_of
