@@ -88,10 +88,14 @@ DECLINED: Mapping[str, str] = {
     **dict.fromkeys(
         (
             "curriculum_learning_config", "data_efficiency_config", "data_sampling_config",
-            "random_ltd_config", "random_ltd_initialize",
-            "set_custom_curriculum_learning_schedule", "set_data_post_process_func",
+            "random_ltd_config", "random_ltd_initialize", "set_data_post_process_func",
         ),
         _DATA_EFFICIENCY,
+    ),
+    "set_custom_curriculum_learning_schedule": (
+        "DeepSpeed 0.19.8 hands it to its data-efficiency sampler only, which minispeed does not "
+        "provide: give the function to your CurriculumScheduler's set_custom_get_difficulty "
+        "(deepspeed.runtime.data_pipeline.curriculum_scheduler; docs/engine/migration.md)"
     ),
     "deepspeed_io": (
         "pass training_data= (and collate_fn=) to initialize(), which builds DeepSpeed's loader "

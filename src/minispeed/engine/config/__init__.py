@@ -83,6 +83,18 @@ __all__ = ["ConfigError", "EngineConfig", "load_ds_config", "resolve_batch"]
 # gradients it stepped were the same ones times min(1, 1/‖g‖).
 DS_GRADIENT_CLIPPING_DEFAULT = 1.0
 
+# Note [Megatron-DeepSpeed's legacy sections]
+# Megatron-DeepSpeed's configs carry `curriculum_learning` (the engine passed
+# `curriculum_seqlen=` to the forward), `progressive_layer_drop` (`progressive_layer_drop=` and
+# `pld_theta=`) and `elasticity` (`compute_elastic_config` chose the batch for the world size).
+# DeepSpeed 0.19.8 removed all three (deepspeed/runtime/config.py,
+# `_REMOVED_TOP_LEVEL_CONFIG_KEYS`): it raises on the section at every value, `enabled: false`
+# included, and has no `deepspeed.elasticity`, no `progressive_layer_drop` module, no
+# `get_pld_theta` (tests/engine/fixtures/ds_curriculum.json). A job ported from it fails there
+# as here; minispeed accepts the disabled section, which changes nothing, and names what to do
+# for the enabled one. Only the curriculum's difficulty schedule survives in DeepSpeed, for its
+# data-efficiency sampler: `minispeed.engine.curriculum`.
+
 # DeepSpeed's top-level keys minispeed does not implement: accepted at DeepSpeed's default only
 # (a config holding it loads unchanged), or refused at every value; each says what to use.
 UNSUPPORTED: dict[str, Unsupported] = {
@@ -121,14 +133,29 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "comet": ds_only(
         {"enabled": False}, "no monitor backends; read the engine's per-step losses and timers"
     ),
+    # See Note [Megatron-DeepSpeed's legacy sections].
     "elasticity": ds_only(
-        {"enabled": False}, "no elastic batch sizes; torchrun restarts whole jobs"
+        {"enabled": False},
+        "DeepSpeed 0.19.8 removed elastic training and refuses this section at every value: "
+        "set train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps "
+        "for the world you launch",
     ),
-    "curriculum_learning": ds_only({"enabled": False}, "no curriculum learning"),
+    "curriculum_learning": ds_only(
+        {"enabled": False},
+        "DeepSpeed 0.19.8 removed the legacy curriculum (it refuses this section at every value "
+        "and no longer passes curriculum_seqlen to the model): take each step's difficulty "
+        "from deepspeed.runtime.data_pipeline.curriculum_scheduler.CurriculumScheduler and "
+        "truncate the batch in your loop (docs/engine/migration.md)",
+    ),
     "data_efficiency": ds_only({"enabled": False}, "no data-efficiency library"),
     "compression_training": ds_refused("no compression training"),
     "eigenvalue": ds_only({"enabled": False}, "no eigenvalue computation"),
-    "progressive_layer_drop": ds_only({"enabled": False}, "no progressive layer drop"),
+    "progressive_layer_drop": ds_only(
+        {"enabled": False},
+        "DeepSpeed 0.19.8 removed progressive layer drop and refuses this section at every "
+        "value (no progressive_layer_drop / pld_theta forward arguments, no get_pld_theta): "
+        "skip layers in the model's own forward",
+    ),
     "hybrid_engine": ds_only({"enabled": False}, "no RLHF hybrid engine"),
     "autotuning": ds_only(
         {"enabled": False},
