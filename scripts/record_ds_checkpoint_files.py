@@ -19,7 +19,9 @@ env -u PYTHONPATH DS_ACCELERATOR=cpu /work/dsvenv/bin/python -m torch.distribute
     --nproc_per_node 2 scripts/record_ds_checkpoint_files.py
 ```
 
-which writes those directories and `tests/engine/fixtures/ds_checkpoint_files.json`.
+which writes those directories and `tests/engine/fixtures/ds_checkpoint_files.json`. It removes
+the directories first, the universal folders `record_ds_universal.py` writes beside two of them
+included: run that recorder again afterwards (its docstring).
 `tests/engine/test_checkpoint_deepspeed_files.py` loads each directory into minispeed's engine
 (this script's `build` and `train`, with the import line changed) and compares.
 """
