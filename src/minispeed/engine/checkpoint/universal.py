@@ -183,12 +183,15 @@ def read_universal(tag_dir: Path) -> DeepSpeedTag:
         groups.append(
             GroupState(list(named), group_hyper(param_groups[g]), masters, moments, scalars)
         )
-    trained = {n for named in shapes for n in named}
+    # ds_to_universal writes fp32.pt for every module tensor without optimizer state: the
+    # frozen weights (whole, where stage 3's module holds empty ones) and the buffers (kept
+    # as the module has them, in their own dtype).
+    kept = {n for named in shapes for n in named} | set(states.get("buffer_names") or ())
     module = dict(states.get("module") or {})
     frozen_shapes = states.get("frozen_param_shapes") or {}
-    for name in module:  # frozen weights whole from zero/ (stage 3's module holds none)
+    for name in module:
         path = tag_dir / ZERO_DIR / name / "fp32.pt"
-        if name not in trained and path.is_file():
+        if name not in kept and path.is_file():
             module[name] = _whole(path, frozen_shapes.get(name, module[name].shape))
     scaler = optim.get("loss_scaler")
     return DeepSpeedTag(
