@@ -193,8 +193,8 @@ def test_every_deepspeed_top_level_key_is_read_or_refused_with_a_reason() -> Non
     assert UNSUPPORTED.keys() <= DEEPSPEED_TOP_LEVEL
     assert {
         "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-        "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "data_types", "zero_optimization",
-        "gradient_clipping", "aio", "steps_per_print", "wall_clock_breakdown", "comms_logger",
+        "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "data_types", "torch_autocast",
+        "zero_optimization", "gradient_clipping", "aio", "steps_per_print", "wall_clock_breakdown", "comms_logger",
         "flops_profiler", "activation_checkpointing", "pipeline", "checkpoint",
         "communication_data_type", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
         "tensor_parallel", "sequence_parallel_size",

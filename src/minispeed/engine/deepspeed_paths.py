@@ -95,6 +95,7 @@ ADAPTERS: dict[str, str] = {
     "deepspeed.runtime.pipe.module": f"{_E}.runtime.pipe.module",
     "deepspeed.runtime.pipe.topology": f"{_E}.runtime.pipe.topology",
     "deepspeed.runtime.tensor_parallel": f"{_E}.runtime.tensor_parallel",
+    "deepspeed.runtime.torch_autocast": f"{_E}.runtime.torch_autocast",
     "deepspeed.runtime.utils": f"{_E}.runtime.utils",
     "deepspeed.runtime.zero": f"{_E}.runtime.zero",
     "deepspeed.runtime.zero.config": f"{_E}.runtime.zero.config",
@@ -259,7 +260,6 @@ HINTS: dict[str, str] = {
         "DeepSpeed's AutoTP internals; use minispeed.tensor_parallel "
         "(docs/packages/tensor_parallel.md)"
     ),
-    "deepspeed.runtime.torch_autocast": "use the config's fp16 / bf16 sections",
     "deepspeed.runtime.zenflow": f"ZenFlow; use offload_optimizer: cpu, {_OFFLOAD}",
     "deepspeed.runtime.zero": f"ZeRO's internals; use {_ZERO}",
     "deepspeed.sequence": (

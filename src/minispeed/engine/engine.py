@@ -152,6 +152,14 @@ class Engine(DeepSpeedQueries, DeepSpeedSurface, CheckpointCalls, nn.Module):
         args = _to_device(args, self.device)
         if kwargs:
             kwargs = _to_device(kwargs, self.device)
+        autocast = self.config.precision.autocast
+        if autocast is not None or torch.is_autocast_enabled(self.device.type):
+            # torch_autocast's region, or the caller's autocast switched off, as DeepSpeed's.
+            with zero.autocast_region(autocast, self.device.type):
+                return self._run_module(args, kwargs)
+        return self._run_module(args, kwargs)
+
+    def _run_module(self, args: tuple, kwargs: dict) -> Any:
         if not self.config.wall_clock_breakdown:  # untimed: no context manager on the hot path
             return self.module(*args, **kwargs)
         with self._timed("forward"):

@@ -122,10 +122,6 @@ DECLINED: Mapping[str, str] = {
         "the swap settings are zero_optimization.offload_optimizer / offload_param "
         "(engine.zero_offload_optimizer(), engine.zero_offload_param())"
     ),
-    "torch_autocast_lower_precision_safe_modules": (
-        "no torch_autocast (engine.torch_autocast_enabled() is False): use bf16 or fp16 "
-        "(minispeed.zero.MixedPrecision)"
-    ),
 }
 # fmt: on
 

@@ -3,7 +3,7 @@
 ```python
 cfg = EngineConfig.load("ds_config.json", data_parallel_size=comm.get_world_size())
 cfg.zero          # minispeed.zero.ZeroConfig (zero_optimization, with its offload sections)
-cfg.precision     # minispeed.zero.MixedPrecision (from cfg.fp16 / cfg.bf16 / cfg.data_types)
+cfg.precision     # minispeed.zero.MixedPrecision (cfg.fp16 / bf16 / data_types / torch_autocast)
 cfg.train_batch_size, cfg.micro_batch_size, cfg.gradient_accumulation_steps
 ```
 
@@ -67,6 +67,7 @@ from minispeed.zero import (
     DataTypesConfig,
     Fp16Config,
     MixedPrecision,
+    TorchAutocastConfig,
     ZeroConfig,
 )
 
@@ -114,9 +115,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "amp": ds_only(
         {"enabled": False},
         "use bf16 or fp16 (minispeed.zero.MixedPrecision) instead of NVIDIA Apex AMP",
-    ),
-    "torch_autocast": ds_only(
-        {"enabled": False}, "use bf16 or fp16 (minispeed.zero.MixedPrecision)"
     ),
     "tensorboard": ds_only(
         {"enabled": False, "output_path": "", "job_name": "DeepSpeedJobName"},
@@ -374,6 +372,10 @@ class EngineConfig(Section):
         "data_types", default_factory=DataTypesConfig, section=DataTypesConfig
     )
     """Data types: the gradients' accumulation and reduction dtype."""
+    torch_autocast: TorchAutocastConfig = key(
+        "torch_autocast", default_factory=TorchAutocastConfig, section=TorchAutocastConfig
+    )
+    """fp32 parameters, the forward under torch.autocast (minispeed.zero.Autocast)."""
     # See Note [DeepSpeed clips at 1.0 by default].
     gradient_clipping: float = key(
         "gradient_clipping", DS_GRADIENT_CLIPPING_DEFAULT, read=_clipping
@@ -494,10 +496,26 @@ class EngineConfig(Section):
             aio=aio,
         )
         kwargs["precision"] = MixedPrecision.from_sections(
-            kwargs.get("fp16"), kwargs.get("bf16"), kwargs.get("data_types")
+            kwargs.get("fp16"),
+            kwargs.get("bf16"),
+            kwargs.get("data_types"),
+            kwargs.get("torch_autocast"),
         )
         _check_communication_dtype(kwargs.get("communication_data_type"), kwargs["precision"])
+        if kwargs["precision"].autocast is not None and kwargs["zero"].quantized_weights:
+            raise ConfigError(
+                "torch_autocast.enabled",
+                "true, and so is zero_optimization.zero_quantized_weights (as in DeepSpeed, "
+                "the two do not combine): turn one of them off",
+            )
         if ds.get("pipeline") is not None or pipeline_stages is not None:
+            if kwargs["precision"].autocast is not None:
+                raise ConfigError(
+                    "torch_autocast.enabled",
+                    "true with a pipeline: minispeed's pipeline engine does not run its stages "
+                    "under torch.autocast; set torch_autocast.enabled to false (bf16.enabled "
+                    "trains a pipeline in 16 bits)",
+                )
             kwargs["pipeline"] = PipelineConfig.from_section(
                 ds.get("pipeline"),
                 micro_batch_size=micro,
