@@ -64,6 +64,14 @@ ADAPTERS: dict[str, str] = {
     "deepspeed.moe.layer": f"{_E}.moe.layer",
     "deepspeed.moe.sharded_moe": f"{_E}.moe.sharded_moe",
     "deepspeed.moe.utils": f"{_E}.moe.utils",
+    "deepspeed.monitor": f"{_E}.monitor",
+    "deepspeed.monitor.comet": f"{_E}.monitor.comet",
+    "deepspeed.monitor.config": f"{_E}.monitor.config",
+    "deepspeed.monitor.csv_monitor": f"{_E}.monitor.csv_monitor",
+    "deepspeed.monitor.monitor": f"{_E}.monitor.monitor",
+    "deepspeed.monitor.tensorboard": f"{_E}.monitor.tensorboard",
+    "deepspeed.monitor.utils": f"{_E}.monitor.utils",
+    "deepspeed.monitor.wandb": f"{_E}.monitor.wandb",
     "deepspeed.ops": f"{_E}.ops",
     "deepspeed.ops.adagrad": f"{_E}.ops.adagrad",
     "deepspeed.ops.adagrad.cpu_adagrad": f"{_E}.ops.adagrad",
@@ -147,10 +155,6 @@ REFUSED: dict[str, str] = {
     "deepspeed.module_inject": (
         "kernel injection by DeepSpeed's policies; use init_inference(model, "
         "replace_with_kernel_inject=True), which applies minispeed.inference's policies"
-    ),
-    "deepspeed.monitor": (
-        "DeepSpeed's TensorBoard/W&B/CSV monitors; use your own logging of engine.get_lr() and "
-        "the loss, or the config's comms_logger / flops_profiler"
     ),
     "deepspeed.nvme": f"DeepSpeed's NVMe benchmarks; use {_OFFLOAD}",
     "deepspeed.ops.aio": f"DeepSpeed's async I/O op; use {_OFFLOAD}",

@@ -60,6 +60,13 @@ from minispeed.engine.sequence_groups import sequence_size
 from minispeed.offload import AioConfig
 from minispeed.pipeline import PipelineConfig
 from minispeed.profiler.config import FlopsProfilerConfig
+from minispeed.profiler.monitor import (
+    CometConfig,
+    CsvMonitorConfig,
+    MonitorConfig,
+    TensorBoardConfig,
+    WandbConfig,
+)
 from minispeed.tensor_parallel import TensorParallelConfig
 from minispeed.zero import (
     ActivationCheckpointingConfig,
@@ -115,21 +122,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "amp": ds_only(
         {"enabled": False},
         "use bf16 or fp16 (minispeed.zero.MixedPrecision) instead of NVIDIA Apex AMP",
-    ),
-    "tensorboard": ds_only(
-        {"enabled": False, "output_path": "", "job_name": "DeepSpeedJobName"},
-        "no monitor backends; read the engine's per-step losses and timers",
-    ),
-    "wandb": ds_only(
-        {"enabled": False, "group": None, "team": None, "project": "deepspeed"},
-        "no monitor backends; read the engine's per-step losses and timers",
-    ),
-    "csv_monitor": ds_only(
-        {"enabled": False, "output_path": "", "job_name": "DeepSpeedJobName"},
-        "no monitor backends; read the engine's per-step losses and timers",
-    ),
-    "comet": ds_only(
-        {"enabled": False}, "no monitor backends; read the engine's per-step losses and timers"
     ),
     # See Note [Megatron-DeepSpeed's legacy sections].
     "elasticity": ds_only(
@@ -399,6 +391,20 @@ class EngineConfig(Section):
         "flops_profiler", default_factory=FlopsProfilerConfig, section=FlopsProfilerConfig
     )
     """The FLOPs profiler (minispeed.profiler)."""
+    tensorboard: TensorBoardConfig = key(
+        "tensorboard", default_factory=TensorBoardConfig, section=TensorBoardConfig
+    )
+    """TensorBoard events of the learning rate, loss scale, losses and timers, on rank 0
+    (minispeed.profiler.monitor)."""
+    wandb: WandbConfig = key("wandb", default_factory=WandbConfig, section=WandbConfig)
+    """The same events to Weights & Biases, on rank 0 (minispeed.profiler.monitor)."""
+    csv_monitor: CsvMonitorConfig = key(
+        "csv_monitor", default_factory=CsvMonitorConfig, section=CsvMonitorConfig
+    )
+    """The same events appended to one CSV file per name, on rank 0
+    (minispeed.profiler.monitor)."""
+    comet: CometConfig = key("comet", default_factory=CometConfig, section=CometConfig)
+    """The same events to a Comet experiment, on rank 0 (minispeed.profiler.monitor)."""
     activation_checkpointing: ActivationCheckpointingConfig | None = key(
         "activation_checkpointing", None, section=ActivationCheckpointingConfig
     )
@@ -449,6 +455,11 @@ class EngineConfig(Section):
         dict, and clients read it (`engine.config.get("zero_optimization", {})`); the engine
         itself reads the typed fields."""
         return self.raw.get(key, default)
+
+    @property
+    def monitor(self) -> MonitorConfig:
+        """The four monitor sections together (DeepSpeed's `monitor_config`)."""
+        return MonitorConfig(self.tensorboard, self.wandb, self.csv_monitor, self.comet)
 
     @property
     def tensor_parallel_size(self) -> int:
