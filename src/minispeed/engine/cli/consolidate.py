@@ -26,6 +26,15 @@ from minispeed.zero.checkpoints import LATEST_FILE
 __all__ = ["main"]
 
 
+_MORE_HELP = """
+also:
+  checkpoint_dir may hold a checkpoint DeepSpeed wrote (its global_step* tags); its weights are
+  consolidated the same way.
+  --to deepspeed-universal  write the whole training state instead, as a DeepSpeed universal
+                            checkpoint folder named by out_file (latest_universal beside it);
+                            DeepSpeed resumes it with "checkpoint": {"load_universal": true}"""
+
+
 def _tag_dir(checkpoint_dir: str, tag: str | None) -> Path:
     """`--tag`, else the tag `latest` names, else CKPT_DIR itself (the zero command's rule)."""
     root = Path(checkpoint_dir)
@@ -41,8 +50,15 @@ def main(argv: Sequence[str]) -> int:
     from minispeed.zero.checkpoints import CheckpointError
 
     args = list(argv)
-    if len(args) < 3 or any(a in ("-h", "--help") for a in args):
-        return zero_main(args)  # its usage, or its error
+    if any(a in ("-h", "--help") for a in args):
+        try:
+            status = zero_main(args)  # its usage
+        except SystemExit as e:
+            status = e.code if isinstance(e.code, int) else 0
+        print(_MORE_HELP)
+        return status
+    if len(args) < 3:
+        return zero_main(args)  # its error
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("command")
     p.add_argument("checkpoint_dir")
