@@ -239,9 +239,7 @@ class FetchCoordinator:
 
     def _to_idle(self, ending: FetchPhase | None) -> None:
         """The pass ``ending`` ends; ``None``: a pass that raised midway, from any phase."""
-        assert ending is None or self._phase is ending, (
-            f"stage 3: {ending} ends during {self._phase}"
-        )
+        assert ending in (None, self._phase), f"stage 3: {ending} ends during {self._phase}"
         self._phase = FetchPhase.IDLE
 
     # -- forward ----------------------------------------------------------------------------------
