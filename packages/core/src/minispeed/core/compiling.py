@@ -10,7 +10,9 @@ hooks on the outputs): traced by dynamo, they would either break the graph at so
 line inside or be baked into a graph that never gathers again. `eager` marks such a function
 as a graph break of its own: the compiled code stops before the call, the function runs as
 plain Python (nothing it calls is compiled either), and the next graph starts after it. Outside
-compiled code the wrapper costs one attribute read per call.
+compiled code each call costs about 1.8 us more than the bare function (dynamo's wrapper turns
+its frame callback off and on: 2.1 us against 0.37 us for a 3-argument no-op, 10^5 calls, load
+5 on 2 cores): for stage 3, two hook calls per parameter-owning module per forward.
 
 Both are torch's own API, present unchanged in torch 2.11, 2.12 and 2.13: `eager` is
 `torch._disable_dynamo` (`torch.compiler.disable` imports `torch._dynamo` when it wraps, a few
