@@ -107,3 +107,9 @@ def test_bad_sections_are_refused_naming_the_key(section, path):
     with pytest.raises(ConfigError) as e:
         compression.CompressionConfig.from_ds_config(section)
     assert str(e.value).startswith(f"{path}") and e.value.path.startswith(path)
+
+
+def test_a_schedule_over_an_uncompressed_model_names_the_missing_call():
+    cfg = compression.CompressionConfig.from_ds_config(_section())
+    with pytest.raises(ValueError, match="init_compression"):
+        compression.Schedule(_Block(), cfg)

@@ -88,7 +88,12 @@ def _layers(model: nn.Module, technique: Technique) -> Iterator[tuple[Group, Com
     for group, _, names in _group_layers(model, technique):
         for name in names:
             layer = _find(model, name)
-            assert isinstance(layer, CompressedLinear), f"{name} was not compressed"
+            if not isinstance(layer, CompressedLinear):
+                raise ValueError(
+                    f"{technique.name} selects {name!r}, which is not compressed: call "
+                    "init_compression(model, ds_config) (minispeed.compression.compress) before "
+                    "deepspeed.initialize, with the same compression_training section"
+                )
             yield group, layer
 
 
@@ -170,8 +175,8 @@ class Schedule:
             raise ValueError(
                 "compression_training enables "
                 + ", ".join(t.name for t in config.enabled)
-                + " but the model holds no compressed layer it selects: call "
-                "init_compression(model, ds_config) before deepspeed.initialize"
+                + " but its modules patterns match no nn.Linear of the model: check them "
+                "against the names of model.named_modules()"
             )
         self._apply()
 
@@ -181,10 +186,13 @@ class Schedule:
         self._apply()
 
     def on_boundary(self, engine: object) -> None:
-        """The engine's step observer: `step()` when the boundary's optimizer step was applied
-        (an fp16 overflow's skipped step does not count, as DeepSpeed's)."""
-        if engine.was_step_applied():  # type: ignore[attr-defined]
-            self.step()
+        """The engine's step observer: the count becomes the engine's applied optimizer steps
+        (`global_steps - skipped_steps`: an fp16 overflow's skipped step does not count, as
+        DeepSpeed's), so a resumed engine's schedule catches up at its first boundary."""
+        applied = engine.global_steps - engine.skipped_steps  # type: ignore[attr-defined]
+        if applied != self.steps:
+            self.steps = applied
+            self._apply()
 
     def active(self, technique: Technique) -> bool:
         """Whether `technique` is on at `self.steps` (sparse pruning: switched on at a step in
