@@ -95,7 +95,7 @@ def test_sections_reach_their_packages() -> None:
             "gradient_acumulation_steps",
             "gradient_accumulation_steps",
         ),
-        ({"tensorboard": {"enabled": True}}, "tensorboard", "not supported"),
+        ({"eigenvalue": {"enabled": True}}, "eigenvalue", "not supported"),
         ({"prescale_gradients": True}, "prescale_gradients", "not supported"),
         ({"comms_logger": {"enabeld": True}}, "comms_logger.enabeld", "did you mean 'enabled'"),
         ({"optimizer": {"type": "AdamW", "parms": {}}}, "optimizer.parms", "did you mean 'params'"),
@@ -193,11 +193,12 @@ def test_every_deepspeed_top_level_key_is_read_or_refused_with_a_reason() -> Non
     assert UNSUPPORTED.keys() <= DEEPSPEED_TOP_LEVEL
     assert {
         "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-        "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "data_types", "zero_optimization",
-        "gradient_clipping", "aio", "steps_per_print", "wall_clock_breakdown", "comms_logger",
+        "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "data_types", "torch_autocast",
+        "zero_optimization", "gradient_clipping", "aio", "steps_per_print", "wall_clock_breakdown", "comms_logger",
         "flops_profiler", "activation_checkpointing", "pipeline", "checkpoint",
         "communication_data_type", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
         "tensor_parallel", "sequence_parallel_size", "compression_training",
+        "tensorboard", "wandb", "csv_monitor", "comet",
     } == READ  # fmt: skip
 
 

@@ -68,6 +68,14 @@ ADAPTERS: dict[str, str] = {
     "deepspeed.moe.layer": f"{_E}.moe.layer",
     "deepspeed.moe.sharded_moe": f"{_E}.moe.sharded_moe",
     "deepspeed.moe.utils": f"{_E}.moe.utils",
+    "deepspeed.monitor": f"{_E}.monitor",
+    "deepspeed.monitor.comet": f"{_E}.monitor.comet",
+    "deepspeed.monitor.config": f"{_E}.monitor.config",
+    "deepspeed.monitor.csv_monitor": f"{_E}.monitor.csv_monitor",
+    "deepspeed.monitor.monitor": f"{_E}.monitor.monitor",
+    "deepspeed.monitor.tensorboard": f"{_E}.monitor.tensorboard",
+    "deepspeed.monitor.utils": f"{_E}.monitor.utils",
+    "deepspeed.monitor.wandb": f"{_E}.monitor.wandb",
     "deepspeed.ops": f"{_E}.ops",
     "deepspeed.ops.adagrad": f"{_E}.ops.adagrad",
     "deepspeed.ops.adagrad.cpu_adagrad": f"{_E}.ops.adagrad",
@@ -87,6 +95,10 @@ ADAPTERS: dict[str, str] = {
     ),
     "deepspeed.runtime.base_optimizer": f"{_E}.runtime.base_optimizer",
     "deepspeed.runtime.config": f"{_E}.runtime.config",
+    "deepspeed.runtime.data_pipeline": f"{_E}.runtime.data_pipeline",
+    "deepspeed.runtime.data_pipeline.curriculum_scheduler": (
+        f"{_E}.runtime.data_pipeline.curriculum_scheduler"
+    ),
     "deepspeed.runtime.dataloader": f"{_E}.runtime.dataloader",
     "deepspeed.runtime.engine": f"{_E}.runtime.engine",
     "deepspeed.runtime.lr_schedules": f"{_E}.runtime.lr_schedules",
@@ -95,6 +107,7 @@ ADAPTERS: dict[str, str] = {
     "deepspeed.runtime.pipe.module": f"{_E}.runtime.pipe.module",
     "deepspeed.runtime.pipe.topology": f"{_E}.runtime.pipe.topology",
     "deepspeed.runtime.tensor_parallel": f"{_E}.runtime.tensor_parallel",
+    "deepspeed.runtime.torch_autocast": f"{_E}.runtime.torch_autocast",
     "deepspeed.runtime.utils": f"{_E}.runtime.utils",
     "deepspeed.runtime.zero": f"{_E}.runtime.zero",
     "deepspeed.runtime.zero.config": f"{_E}.runtime.zero.config",
@@ -128,7 +141,11 @@ _OFFLOAD = "minispeed.offload (CPUAdam, async I/O, the NVMe swapper; docs/packag
 REFUSED: dict[str, str] = {
     "deepspeed.autotuning": "DeepSpeed's autotuner; use `minispeed tune` (docs/cli/tune.md)",
     "deepspeed.compile": "DeepSpeed's compile backends; call torch.compile on your model",
-    "deepspeed.elasticity": "elastic training; launch a fixed world with `minispeed run` or torchrun",
+    "deepspeed.elasticity": (
+        "elastic training (gone from DeepSpeed 0.19.8 too); set train_batch_size, "
+        "train_micro_batch_size_per_gpu and gradient_accumulation_steps for the world you launch "
+        "with `minispeed run` or torchrun"
+    ),
     "deepspeed.env_report": "the `ds_report` environment report; run `minispeed report`",
     "deepspeed.io": f"DeepSpeed's file I/O engine; use {_OFFLOAD}",
     "deepspeed.linear": "LoRA-optimized linear layers; use your model's own (or peft's) layers",
@@ -138,10 +155,6 @@ REFUSED: dict[str, str] = {
     "deepspeed.module_inject": (
         "kernel injection by DeepSpeed's policies; use init_inference(model, "
         "replace_with_kernel_inject=True), which applies minispeed.inference's policies"
-    ),
-    "deepspeed.monitor": (
-        "DeepSpeed's TensorBoard/W&B/CSV monitors; use your own logging of engine.get_lr() and "
-        "the loss, or the config's comms_logger / flops_profiler"
     ),
     "deepspeed.nvme": f"DeepSpeed's NVMe benchmarks; use {_OFFLOAD}",
     "deepspeed.ops.aio": f"DeepSpeed's async I/O op; use {_OFFLOAD}",
@@ -165,12 +178,15 @@ REFUSED: dict[str, str] = {
         "pluggable checkpoint engines; use checkpoint.async_save in the config for background "
         "saves (docs/engine/checkpoints.md)"
     ),
-    "deepspeed.runtime.data_pipeline": "curriculum learning and data efficiency; feed your own loader",
     "deepspeed.runtime.fp16": (
         "DeepSpeed's fp16 optimizer wrappers; mixed precision is the config's fp16/bf16 section, "
         "and the loss scaler is minispeed.zero.LossScaler"
     ),
     "deepspeed.runtime.hybrid_engine": "the RLHF hybrid engine; train and generate with two engines",
+    "deepspeed.runtime.progressive_layer_drop": (
+        "progressive layer drop (gone from DeepSpeed 0.19.8 too); to drop layers, use a model "
+        "whose forward skips them (docs/engine/migration.md)"
+    ),
     "deepspeed.runtime.swap_tensor": f"DeepSpeed's swappers; use {_OFFLOAD}",
     "deepspeed.runtime.zero.tiling": (
         "TiledLinear; stage 3 gathers one module at a time already: use a ModuleList of smaller "
@@ -227,6 +243,11 @@ HINTS: dict[str, str] = {
     "deepspeed.runtime.constants": "DeepSpeed's config key names; use deepspeed.runtime.config",
     "deepspeed.runtime.compiler": "DeepSpeed's compile wrapper; call torch.compile on your model",
     "deepspeed.runtime.config_utils": "DeepSpeed's config models; use deepspeed.runtime.config",
+    "deepspeed.runtime.data_pipeline": (
+        "DeepSpeed's data-efficiency sampler and random-LTD; use your DataLoader to order or "
+        "filter the data, with deepspeed.runtime.data_pipeline.curriculum_scheduler's "
+        "CurriculumScheduler for the difficulty of each step (docs/engine/migration.md)"
+    ),
     "deepspeed.runtime.model_checkpointing": (
         "DeepSpeed's checkpoint writers; use engine.save_checkpoint (docs/engine/checkpoints.md)"
     ),
@@ -243,7 +264,6 @@ HINTS: dict[str, str] = {
         "DeepSpeed's AutoTP internals; use minispeed.tensor_parallel "
         "(docs/packages/tensor_parallel.md)"
     ),
-    "deepspeed.runtime.torch_autocast": "use the config's fp16 / bf16 sections",
     "deepspeed.runtime.zenflow": f"ZenFlow; use offload_optimizer: cpu, {_OFFLOAD}",
     "deepspeed.runtime.zero": f"ZeRO's internals; use {_ZERO}",
     "deepspeed.sequence": (

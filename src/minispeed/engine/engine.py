@@ -18,7 +18,7 @@ Counters follow DeepSpeed: `global_steps` counts accumulation boundaries (an fp1
 that skips its step still counts, and also counts in `skipped_steps`); `global_samples` adds
 `train_batch_size()` per boundary; the scheduler steps only when the optimizer really stepped.
 What happens at a boundary (`_end_of_step`: counters, scheduler, the profiled step's report, the
-comms logger's step, `steps_per_print`'s line, the step observers) is the same for a pipeline's
+comms logger's step, the monitors' events, `steps_per_print`'s line, the step observers) is the same for a pipeline's
 `train_batch`.
 
 Cost over calling `zero.shard` directly: a few Python attribute reads per call, plus what the
@@ -51,6 +51,7 @@ from minispeed.engine.config import EngineConfig
 from minispeed.engine.queries import DeepSpeedQueries
 from minispeed.engine.sequence_groups import sequence_gradient_factor
 from minispeed.engine.surface import DeepSpeedSurface
+from minispeed.profiler import monitor as monitors
 
 __all__ = ["Engine", "StepObserver", "zero_config_for"]
 
@@ -132,6 +133,12 @@ class Engine(DeepSpeedQueries, DeepSpeedSurface, CheckpointCalls, nn.Module):
         if config.comms_logger.enabled:
             self.comms_logger = comm.CommsLogger.from_config(config.comms_logger)
             self.comms_logger.__enter__()
+        # DeepSpeed's monitors (tensorboard, csv_monitor, wandb, comet): backends on rank 0 only.
+        self.monitor = monitors.MonitorMaster(config.monitor, rank=comm.get_rank())
+        self._monitoring = bool(self.monitor.monitors)  # this rank writes events
+        if self._monitoring and optimizer is not None and config.wall_clock_breakdown:
+            optimizer.time_reduction = True  # backward_allreduce, apart from the backward
+        self._timers_at_boundary = self._timer_totals()  # when the last window ended
         # Told of every boundary (a `minispeed tune` trial's recorder: engine/tune/trial.py).
         self._observers = tuple(observers)
         self._step_profiler = None
@@ -152,6 +159,14 @@ class Engine(DeepSpeedQueries, DeepSpeedSurface, CheckpointCalls, nn.Module):
         args = _to_device(args, self.device)
         if kwargs:
             kwargs = _to_device(kwargs, self.device)
+        autocast = self.config.precision.autocast
+        if autocast is not None or torch.is_autocast_enabled(self.device.type):
+            # torch_autocast's region, or the caller's autocast switched off, as DeepSpeed's.
+            with zero.autocast_region(autocast, self.device.type):
+                return self._run_module(args, kwargs)
+        return self._run_module(args, kwargs)
+
+    def _run_module(self, args: tuple, kwargs: dict) -> Any:
         if not self.config.wall_clock_breakdown:  # untimed: no context manager on the hot path
             return self.module(*args, **kwargs)
         with self._timed("forward"):
@@ -291,9 +306,44 @@ class Engine(DeepSpeedQueries, DeepSpeedSurface, CheckpointCalls, nn.Module):
             self._profiling = False
         if self.comms_logger is not None:
             self.comms_logger.mark_step()
+        if self._monitoring:
+            self._write_monitor()
         self._report(loss)
+        if self._monitoring:
+            self._timers_at_boundary = self._timer_totals()
         for observer in self._observers:
             observer.on_boundary(self)
+
+    def _write_monitor(self) -> None:
+        """The boundary's monitor events, as DeepSpeed 0.19.8's engine writes them: the
+        learning rate and (fp16) the loss scale, then, under `wall_clock_breakdown` or the
+        flops profiler, the window's timers in ms (a pipeline's `train_batch` writes no
+        timers, as DeepSpeed's)."""
+        samples = self.global_samples
+        lr = self.get_lr()[0]
+        self.monitor.write_events(monitors.step_events(lr, self._loss_scale(), samples))
+        config = self.config
+        if self._writes_timers and (config.wall_clock_breakdown or config.flops_profiler.enabled):
+            last = self._timers_at_boundary
+            window = {k: (v - last.get(k, 0.0)) * 1e3 for k, v in self._timer_totals().items()}
+            # The backward timer holds the reduction at its end; DeepSpeed's "inner" is without.
+            window["backward_inner"] = window["backward"] - window["backward_allreduce"]
+            self.monitor.write_events(monitors.timer_events(window, samples))
+
+    def _timer_totals(self) -> dict[str, float]:
+        """The timers' seconds, with the optimizer's end-of-backward reduction as
+        `backward_allreduce` (timed under `wall_clock_breakdown`)."""
+        reduced = self.optimizer.reduce_seconds if self.optimizer is not None else 0.0
+        return {**self.timers, "backward_allreduce": reduced}
+
+    _writes_timers = True  # the pipeline engine's train_batch writes none (DeepSpeed's)
+
+    def _loss_scale(self) -> float | None:
+        """The fp16 loss scale (None unless training in fp16)."""
+        scaler = getattr(self.optimizer, "loss_scaler", None)
+        if self.config.precision.param_dtype != torch.float16 or scaler is None:
+            return None
+        return scaler.scale
 
     def _require_optimizer(self, what: str) -> zero.ZeroOptimizer:
         if self.optimizer is None:
@@ -336,9 +386,9 @@ class Engine(DeepSpeedQueries, DeepSpeedSurface, CheckpointCalls, nn.Module):
         line += f", mom={self.get_mom()}"
         if loss is not None:
             line += f", loss={loss:.4f}"
-        scaler = getattr(self.optimizer, "loss_scaler", None)
-        if self.config.precision.param_dtype == torch.float16 and scaler is not None:
-            line += f", loss_scale={scaler.scale:g}"
+        scale = self._loss_scale()
+        if scale is not None:
+            line += f", loss_scale={scale:g}"
         elapsed = now - self._step_started
         batch = self.config.train_batch_size
         line += f", {batch * every / elapsed:.1f} samples/s"
@@ -686,6 +736,7 @@ class Engine(DeepSpeedQueries, DeepSpeedSurface, CheckpointCalls, nn.Module):
         self._stack.close()
         if self.comms_logger is not None:
             self.comms_logger.__exit__(None, None, None)
+        self.monitor.close()
         for opt in (self.optimizer, self.forward_only_zero):
             if opt is not None and not opt.closed:
                 opt.close()

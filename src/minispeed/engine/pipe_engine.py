@@ -74,6 +74,7 @@ from minispeed.engine.composition import Composition
 from minispeed.engine.config import EngineConfig
 from minispeed.engine.engine import Engine, StepObserver
 from minispeed.engine.surface import PIPE_DECLINED
+from minispeed.profiler import monitor as monitors
 
 __all__ = ["PipelineEngine", "PipelineError"]
 
@@ -93,6 +94,7 @@ class PipelineEngine(Engine):
     """
 
     _declined = PIPE_DECLINED  # DeepSpeed's pipeline names minispeed declines (surface.py)
+    _writes_timers = False  # DeepSpeed's train_batch writes no timer events to the monitors
 
     def __init__(
         self,
@@ -241,6 +243,8 @@ class PipelineEngine(Engine):
         self.micro_steps += self.micro_batches
         self.agg_train_loss = torch.tensor(loss, dtype=torch.float32)
         self._end_of_step(self.executor.step_result is not False, loss=loss)
+        if self._monitoring:
+            self.monitor.write_events(monitors.loss_event("train_loss", loss, self.global_samples))
         return self.agg_train_loss
 
     def eval_batch(
@@ -280,6 +284,10 @@ class PipelineEngine(Engine):
         if compute_loss and reduce_output == "avg":
             loss, outputs = ex.eval_batch(inputs, labels, return_outputs=True, micro_batches=n)
             value = torch.tensor(loss, dtype=torch.float32) if bcast_loss or last else None
+            if self._monitoring:  # every rank knows the loss: DeepSpeed broadcasts it for this
+                self.monitor.write_events(
+                    monitors.loss_event("eval_loss", loss, self.global_samples)
+                )
         else:
             each = ex.eval_outputs(inputs, labels, compute_loss=compute_loss, micro_batches=n)
             outputs = each[-1] if return_logits and each is not None else None

@@ -28,7 +28,7 @@ from minispeed.engine.checkpoint.grid import CheckpointConfig
 from minispeed.engine.config import EngineConfig
 from minispeed.offload.config import OffloadOptimizerConfig
 from minispeed.profiler.config import FlopsProfilerConfig
-from minispeed.zero import Bf16Config, Fp16Config, ZeroConfig
+from minispeed.zero import Autocast, Bf16Config, Fp16Config, TorchAutocastConfig, ZeroConfig
 
 __all__ = ["DeepSpeedQueries"]
 
@@ -454,8 +454,16 @@ class DeepSpeedQueries:
         return self.data_efficiency_enabled()
 
     def torch_autocast_enabled(self) -> bool:
-        return _accepted(EngineConfig, "torch_autocast")["enabled"]
+        """`torch_autocast.enabled` (minispeed.zero.Autocast)."""
+        return self.config.torch_autocast.enabled
 
-    def torch_autocast_dtype(self) -> None:
-        """None: no `torch_autocast` (use bf16 or fp16)."""
-        return None
+    def torch_autocast_dtype(self) -> torch.dtype | None:
+        """`torch_autocast.dtype` as a torch dtype, enabled or not; None where left out."""
+        dtype = self.config.torch_autocast.dtype
+        return None if dtype is None else TorchAutocastConfig.torch_dtype(dtype)
+
+    def torch_autocast_lower_precision_safe_modules(self) -> list[str]:
+        """The classes whose gradients travel in the autocast dtype, as the config names them
+        (left out: DeepSpeed's defaults, `torch.nn.modules.linear.Linear` and the Convs)."""
+        names = self.config.torch_autocast.lower_precision_safe_modules
+        return list(names) if names is not None else Autocast().safe_module_names()

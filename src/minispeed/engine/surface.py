@@ -88,10 +88,14 @@ DECLINED: Mapping[str, str] = {
     **dict.fromkeys(
         (
             "curriculum_learning_config", "data_efficiency_config", "data_sampling_config",
-            "random_ltd_config", "random_ltd_initialize",
-            "set_custom_curriculum_learning_schedule", "set_data_post_process_func",
+            "random_ltd_config", "random_ltd_initialize", "set_data_post_process_func",
         ),
         _DATA_EFFICIENCY,
+    ),
+    "set_custom_curriculum_learning_schedule": (
+        "DeepSpeed 0.19.8 hands it to its data-efficiency sampler only, which minispeed does not "
+        "provide: give the function to your CurriculumScheduler's set_custom_get_difficulty "
+        "(deepspeed.runtime.data_pipeline.curriculum_scheduler; docs/engine/migration.md)"
     ),
     "deepspeed_io": (
         "pass training_data= (and collate_fn=) to initialize(), which builds DeepSpeed's loader "
@@ -117,10 +121,6 @@ DECLINED: Mapping[str, str] = {
         "DeepSpeed 0.19.8's own raises AttributeError (its config has no swap_tensor_config); "
         "the swap settings are zero_optimization.offload_optimizer / offload_param "
         "(engine.zero_offload_optimizer(), engine.zero_offload_param())"
-    ),
-    "torch_autocast_lower_precision_safe_modules": (
-        "no torch_autocast (engine.torch_autocast_enabled() is False): use bf16 or fp16 "
-        "(minispeed.zero.MixedPrecision)"
     ),
 }
 # fmt: on

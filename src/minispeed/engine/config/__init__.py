@@ -3,7 +3,7 @@
 ```python
 cfg = EngineConfig.load("ds_config.json", data_parallel_size=comm.get_world_size())
 cfg.zero          # minispeed.zero.ZeroConfig (zero_optimization, with its offload sections)
-cfg.precision     # minispeed.zero.MixedPrecision (from cfg.fp16 / cfg.bf16 / cfg.data_types)
+cfg.precision     # minispeed.zero.MixedPrecision (cfg.fp16 / bf16 / data_types / torch_autocast)
 cfg.train_batch_size, cfg.micro_batch_size, cfg.gradient_accumulation_steps
 ```
 
@@ -61,6 +61,13 @@ from minispeed.engine.sequence_groups import sequence_size
 from minispeed.offload import AioConfig
 from minispeed.pipeline import PipelineConfig
 from minispeed.profiler.config import FlopsProfilerConfig
+from minispeed.profiler.monitor import (
+    CometConfig,
+    CsvMonitorConfig,
+    MonitorConfig,
+    TensorBoardConfig,
+    WandbConfig,
+)
 from minispeed.tensor_parallel import TensorParallelConfig
 from minispeed.zero import (
     ActivationCheckpointingConfig,
@@ -68,6 +75,7 @@ from minispeed.zero import (
     DataTypesConfig,
     Fp16Config,
     MixedPrecision,
+    TorchAutocastConfig,
     ZeroConfig,
 )
 
@@ -83,6 +91,18 @@ __all__ = ["ConfigError", "EngineConfig", "load_ds_config", "resolve_batch"]
 # DeepSpeed contender of benchmarks/zero_vs_torch.py ended 1.48 in loss away from DDP: the
 # gradients it stepped were the same ones times min(1, 1/‖g‖).
 DS_GRADIENT_CLIPPING_DEFAULT = 1.0
+
+# Note [Megatron-DeepSpeed's legacy sections]
+# Megatron-DeepSpeed's configs carry `curriculum_learning` (the engine passed
+# `curriculum_seqlen=` to the forward), `progressive_layer_drop` (`progressive_layer_drop=` and
+# `pld_theta=`) and `elasticity` (`compute_elastic_config` chose the batch for the world size).
+# DeepSpeed 0.19.8 removed all three (deepspeed/runtime/config.py,
+# `_REMOVED_TOP_LEVEL_CONFIG_KEYS`): it raises on the section at every value, `enabled: false`
+# included, and has no `deepspeed.elasticity`, no `progressive_layer_drop` module, no
+# `get_pld_theta` (tests/engine/fixtures/ds_curriculum.json). A job ported from it fails there
+# as here; minispeed accepts the disabled section, which changes nothing, and names what to do
+# for the enabled one. Only the curriculum's difficulty schedule survives in DeepSpeed, for its
+# data-efficiency sampler: `minispeed.engine.curriculum`.
 
 # DeepSpeed's top-level keys minispeed does not implement: accepted at DeepSpeed's default only
 # (a config holding it loads unchanged), or refused at every value; each says what to use.
@@ -104,31 +124,28 @@ UNSUPPORTED: dict[str, Unsupported] = {
         {"enabled": False},
         "use bf16 or fp16 (minispeed.zero.MixedPrecision) instead of NVIDIA Apex AMP",
     ),
-    "torch_autocast": ds_only(
-        {"enabled": False}, "use bf16 or fp16 (minispeed.zero.MixedPrecision)"
-    ),
-    "tensorboard": ds_only(
-        {"enabled": False, "output_path": "", "job_name": "DeepSpeedJobName"},
-        "no monitor backends; read the engine's per-step losses and timers",
-    ),
-    "wandb": ds_only(
-        {"enabled": False, "group": None, "team": None, "project": "deepspeed"},
-        "no monitor backends; read the engine's per-step losses and timers",
-    ),
-    "csv_monitor": ds_only(
-        {"enabled": False, "output_path": "", "job_name": "DeepSpeedJobName"},
-        "no monitor backends; read the engine's per-step losses and timers",
-    ),
-    "comet": ds_only(
-        {"enabled": False}, "no monitor backends; read the engine's per-step losses and timers"
-    ),
+    # See Note [Megatron-DeepSpeed's legacy sections].
     "elasticity": ds_only(
-        {"enabled": False}, "no elastic batch sizes; torchrun restarts whole jobs"
+        {"enabled": False},
+        "DeepSpeed 0.19.8 removed elastic training and refuses this section at every value: "
+        "set train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps "
+        "for the world you launch",
     ),
-    "curriculum_learning": ds_only({"enabled": False}, "no curriculum learning"),
+    "curriculum_learning": ds_only(
+        {"enabled": False},
+        "DeepSpeed 0.19.8 removed the legacy curriculum (it refuses this section at every value "
+        "and no longer passes curriculum_seqlen to the model): take each step's difficulty "
+        "from deepspeed.runtime.data_pipeline.curriculum_scheduler.CurriculumScheduler and "
+        "truncate the batch in your loop (docs/engine/migration.md)",
+    ),
     "data_efficiency": ds_only({"enabled": False}, "no data-efficiency library"),
     "eigenvalue": ds_only({"enabled": False}, "no eigenvalue computation"),
-    "progressive_layer_drop": ds_only({"enabled": False}, "no progressive layer drop"),
+    "progressive_layer_drop": ds_only(
+        {"enabled": False},
+        "DeepSpeed 0.19.8 removed progressive layer drop and refuses this section at every "
+        "value (no progressive_layer_drop / pld_theta forward arguments, no get_pld_theta): "
+        "skip layers in the model's own forward",
+    ),
     "hybrid_engine": ds_only({"enabled": False}, "no RLHF hybrid engine"),
     "autotuning": ds_only(
         {"enabled": False},
@@ -344,6 +361,10 @@ class EngineConfig(Section):
         "data_types", default_factory=DataTypesConfig, section=DataTypesConfig
     )
     """Data types: the gradients' accumulation and reduction dtype."""
+    torch_autocast: TorchAutocastConfig = key(
+        "torch_autocast", default_factory=TorchAutocastConfig, section=TorchAutocastConfig
+    )
+    """fp32 parameters, the forward under torch.autocast (minispeed.zero.Autocast)."""
     # See Note [DeepSpeed clips at 1.0 by default].
     gradient_clipping: float = key(
         "gradient_clipping", DS_GRADIENT_CLIPPING_DEFAULT, read=_clipping
@@ -367,6 +388,20 @@ class EngineConfig(Section):
         "flops_profiler", default_factory=FlopsProfilerConfig, section=FlopsProfilerConfig
     )
     """The FLOPs profiler (minispeed.profiler)."""
+    tensorboard: TensorBoardConfig = key(
+        "tensorboard", default_factory=TensorBoardConfig, section=TensorBoardConfig
+    )
+    """TensorBoard events of the learning rate, loss scale, losses and timers, on rank 0
+    (minispeed.profiler.monitor)."""
+    wandb: WandbConfig = key("wandb", default_factory=WandbConfig, section=WandbConfig)
+    """The same events to Weights & Biases, on rank 0 (minispeed.profiler.monitor)."""
+    csv_monitor: CsvMonitorConfig = key(
+        "csv_monitor", default_factory=CsvMonitorConfig, section=CsvMonitorConfig
+    )
+    """The same events appended to one CSV file per name, on rank 0
+    (minispeed.profiler.monitor)."""
+    comet: CometConfig = key("comet", default_factory=CometConfig, section=CometConfig)
+    """The same events to a Comet experiment, on rank 0 (minispeed.profiler.monitor)."""
     activation_checkpointing: ActivationCheckpointingConfig | None = key(
         "activation_checkpointing", None, section=ActivationCheckpointingConfig
     )
@@ -428,6 +463,11 @@ class EngineConfig(Section):
         return self.raw.get(key, default)
 
     @property
+    def monitor(self) -> MonitorConfig:
+        """The four monitor sections together (DeepSpeed's `monitor_config`)."""
+        return MonitorConfig(self.tensorboard, self.wandb, self.csv_monitor, self.comet)
+
+    @property
     def tensor_parallel_size(self) -> int:
         """T, the grid's tensor axis (`tensor_parallel.autotp_size`; 0 or absent: 1)."""
         return self.tensor_parallel.size
@@ -473,10 +513,26 @@ class EngineConfig(Section):
             aio=aio,
         )
         kwargs["precision"] = MixedPrecision.from_sections(
-            kwargs.get("fp16"), kwargs.get("bf16"), kwargs.get("data_types")
+            kwargs.get("fp16"),
+            kwargs.get("bf16"),
+            kwargs.get("data_types"),
+            kwargs.get("torch_autocast"),
         )
         _check_communication_dtype(kwargs.get("communication_data_type"), kwargs["precision"])
+        if kwargs["precision"].autocast is not None and kwargs["zero"].quantized_weights:
+            raise ConfigError(
+                "torch_autocast.enabled",
+                "true, and so is zero_optimization.zero_quantized_weights (as in DeepSpeed, "
+                "the two do not combine): turn one of them off",
+            )
         if ds.get("pipeline") is not None or pipeline_stages is not None:
+            if kwargs["precision"].autocast is not None:
+                raise ConfigError(
+                    "torch_autocast.enabled",
+                    "true with a pipeline: minispeed's pipeline engine does not run its stages "
+                    "under torch.autocast; set torch_autocast.enabled to false (bf16.enabled "
+                    "trains a pipeline in 16 bits)",
+                )
             kwargs["pipeline"] = PipelineConfig.from_section(
                 ds.get("pipeline"),
                 micro_batch_size=micro,

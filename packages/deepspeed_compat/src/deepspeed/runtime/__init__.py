@@ -9,7 +9,7 @@ from minispeed.engine.deepspeed_paths import adapted_attribute as _adapted_attri
 from minispeed.engine.runtime import *  # noqa: F403
 from minispeed.engine.runtime import __all__  # noqa: F401
 
-for _child in ('activation_checkpointing', 'base_optimizer', 'config', 'dataloader', 'engine', 'lr_schedules', 'pipe', 'sequence_parallel', 'tensor_parallel', 'utils', 'zero'):
+for _child in ('activation_checkpointing', 'base_optimizer', 'config', 'data_pipeline', 'dataloader', 'engine', 'lr_schedules', 'pipe', 'sequence_parallel', 'tensor_parallel', 'torch_autocast', 'utils', 'zero'):
     _importlib.import_module(f"{__name__}.{_child}")
 
 

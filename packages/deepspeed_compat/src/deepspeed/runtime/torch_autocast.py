@@ -1,7 +1,14 @@
-"""`deepspeed.runtime.torch_autocast`: not provided by minispeed; importing it raises, naming what to use.
+"""`deepspeed.runtime.torch_autocast`: minispeed's `minispeed.engine.runtime.torch_autocast` under DeepSpeed's name.
 
 Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_compat.py`; do not edit."""
 
-from minispeed.engine.deepspeed_paths import refuse
+import importlib as _importlib
 
-refuse(__name__)
+import minispeed.engine.runtime.torch_autocast as _adapter
+from minispeed.engine.deepspeed_paths import adapted_attribute as _adapted_attribute
+from minispeed.engine.runtime.torch_autocast import *  # noqa: F403
+from minispeed.engine.runtime.torch_autocast import __all__  # noqa: F401
+
+
+def __getattr__(name):
+    return _adapted_attribute(__name__, _adapter, name)

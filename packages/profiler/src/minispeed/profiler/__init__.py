@@ -7,6 +7,8 @@
 - `range`, `module_ranges`: named NVTX / torch.profiler ranges (`nvtx.py`).
 - `traced_step`, `merge_traces`: a Chrome trace of one step across ranks (`timeline.py`;
   `python -m minispeed.profiler trace`).
+- `monitor`: DeepSpeed's monitors (CSV, TensorBoard, W&B, Comet) and the events an engine
+  writes to them (`monitor.py`; `MonitorMaster`, `MonitorConfig`).
 - `predict_step`, `Machine`: the step-time model (`perf_model.py`), calibrated by
   `python -m minispeed.profiler calibrate` (`calibrate.py`).
 """

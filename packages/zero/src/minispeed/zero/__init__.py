@@ -13,6 +13,7 @@ Reading order: see packages/zero/README.md.
 from minispeed.zero import full_values
 from minispeed.zero.activation import ActivationCheckpointingConfig, ReentrantCheckpoint, checkpoint
 from minispeed.zero.api import shard
+from minispeed.zero.autocast import Autocast, TorchAutocastConfig, autocast_region
 from minispeed.zero.checkpoints import (
     consolidate,
     load_checkpoint,
@@ -38,6 +39,7 @@ from minispeed.zero.stage3.mics_groups import MicsGroups
 
 __all__ = [
     "ActivationCheckpointingConfig",
+    "Autocast",
     "Bf16Config",
     "DataTypesConfig",
     "ForwardOnly",
@@ -54,8 +56,10 @@ __all__ = [
     "ReentrantCheckpoint",
     "ShardStrategy",
     "SharedGrad",
+    "TorchAutocastConfig",
     "ZeroConfig",
     "ZeroOptimizer",
+    "autocast_region",
     "checkpoint",
     "consolidate",
     "estimate",

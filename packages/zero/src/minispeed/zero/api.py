@@ -115,6 +115,8 @@ def shard(
     if precision is None:  # forward only: the model's own dtype (a 16-bit one is not widened)
         precision = MixedPrecision() if optimizer is not None else model_precision(model)
     _check_inputs(model, optimizer, config, precision, allow_untested_optimizer)
+    if precision.autocast is not None:
+        precision.autocast.mark(model)  # each safe parameter's wire dtype (autocast.py)
     if optimizer is None:  # Note [stage 3 without an optimizer] (stage3/forward_only.py)
         check_forward_only(config, model_parallel=model_parallel, replica_groups=replica_groups)
     # 1-bit Adam runs its own phases over stages 0-2 (Note [1-bit Adam under zero])

@@ -73,8 +73,12 @@ class BucketedStrategy(ShardStrategy):
         self.names = param_names(model)
         bucket_numel = config.bucket_numel(precision.grad_accum_dtype.itemsize)
         world_size = comm.get_world_size(group)
+        # torch.autocast's safe gradients travel in 16 bits at stages 1-2, not at stage 0
+        # (DeepSpeed's all-reduce sends fp32 there): minispeed/zero/autocast.py.
+        wire = precision.autocast.wire_dtypes(model) if precision.autocast and self.pad else {}
         self.layouts = [
-            FlatLayout(ps, bucket_numel, world_size, pad=self.pad) for ps in self.groups
+            FlatLayout(ps, bucket_numel, world_size, self.pad, [wire.get(p) for p in ps])
+            for ps in self.groups
         ]
 
     def _views_of(

@@ -61,6 +61,7 @@ class Bucket:
     param_indices: tuple[int, ...]  # the parameters inside, in flat-buffer order
     shard_numel: int  # padded_numel // N: elements each rank owns
     shard_offset: int  # where this bucket's shard starts inside a rank's partition
+    wire_dtype: torch.dtype | None = None  # the dtype its gradients travel in; None: the buffer's
 
     def shard_start(self, rank: int) -> int:
         """First flat-buffer element of `rank`'s shard of this bucket."""
@@ -72,19 +73,28 @@ class Bucket:
         return flat[start : start + self.shard_numel]
 
 
-def cut_runs(items: Sequence[Any], sizes: Sequence[int], limit: int) -> list[list[Any]]:
+def cut_runs(
+    items: Sequence[Any],
+    sizes: Sequence[int],
+    limit: int,
+    kinds: Sequence[Any] | None = None,
+) -> list[list[Any]]:
     """Cut `items` (in the given order) into consecutive runs of total size at most `limit`;
-    an item larger than `limit` forms a run of its own. How gradient buckets are formed, here
-    and for stage 3 (`stage3/strategy.py`)."""
+    an item larger than `limit` forms a run of its own, and with `kinds` (one per item) a run
+    also ends where the kind changes (gradients travelling in different dtypes: autocast.py).
+    How gradient buckets are formed, here and for stage 3 (`stage3/strategy.py`)."""
     runs: list[list[Any]] = []
     current: list[Any] = []
     total = 0
-    for item, size in zip(items, sizes):
-        if current and total + size > limit:
+    kinds = kinds if kinds is not None else [None] * len(items)
+    last = None
+    for item, size, kind in zip(items, sizes, kinds):
+        if current and (total + size > limit or kind != last):
             runs.append(current)
             current, total = [], 0
         current.append(item)
         total += size
+        last = kind
     if current:
         runs.append(current)
     return runs
@@ -95,10 +105,17 @@ class FlatLayout:
 
     `pad=False` (stage 0) keeps buckets unpadded and has no partition; `pad=True` (stages
     1-2) pads each bucket to a multiple of `world_size`. See Note [bucket-major flat layout].
+    `wire_dtypes[i]`: the dtype parameter i's gradient travels in (None: the buffer's); a bucket
+    holds one of them only (`Bucket.wire_dtype`).
     """
 
     def __init__(
-        self, params: Sequence[torch.Tensor], bucket_numel: int, world_size: int, pad: bool
+        self,
+        params: Sequence[torch.Tensor],
+        bucket_numel: int,
+        world_size: int,
+        pad: bool,
+        wire_dtypes: Sequence[torch.dtype | None] | None = None,
     ) -> None:
         if bucket_numel < 1:
             raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")
@@ -108,7 +125,9 @@ class FlatLayout:
         # Group parameters into buckets walking backwards (the order gradients arrive in), so the
         # last bucket to fill during backward is the (possibly small) remainder at the front.
         backwards = list(reversed(range(len(params))))
-        runs = cut_runs(backwards, [params[i].numel() for i in backwards], bucket_numel)
+        wire = list(wire_dtypes) if wire_dtypes is not None else [None] * len(params)
+        sizes = [params[i].numel() for i in backwards]
+        runs = cut_runs(backwards, sizes, bucket_numel, [wire[i] for i in backwards])
         runs = [sorted(run) for run in reversed(runs)]  # flat-buffer order
 
         self.slots: list[Slot] = [None] * len(params)  # type: ignore[list-item]
@@ -122,7 +141,9 @@ class FlatLayout:
             numel = offset - start
             padded = -(-numel // multiple) * multiple
             shard = padded // world_size if pad else 0
-            self.buckets.append(Bucket(b, start, numel, padded, tuple(run), shard, shard_offset))
+            self.buckets.append(
+                Bucket(b, start, numel, padded, tuple(run), shard, shard_offset, wire[run[0]])
+            )
             offset = start + padded
             shard_offset += shard
         self.numel = offset  # padded total: sum of padded bucket sizes

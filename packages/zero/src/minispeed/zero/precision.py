@@ -28,6 +28,7 @@ import torch
 from minispeed.core.config import ConfigError, check_top_level_spelling, field_error
 from minispeed.core.logging import get_logger
 from minispeed.core.sections import Section, Unsupported, ds_keys, ds_only, key
+from minispeed.zero.autocast import Autocast, TorchAutocastConfig
 
 __all__ = ["Bf16Config", "DataTypesConfig", "Fp16Config", "LossScaler", "MixedPrecision"]
 
@@ -195,6 +196,9 @@ class MixedPrecision:
     `FloatingPointError` (DeepSpeed's default: such a run usually skips every step from then
     on). False: log a warning, skip the step and go on. ds_config key
     `fp16.raise_error_at_min_scale` (DeepSpeed's `DynamicLossScaler` argument of that name)."""
+    autocast: Autocast | None = None
+    """Forward under `torch.autocast` with fp32 parameters (autocast.py; ds_config section
+    `torch_autocast`); only with `param_dtype` fp32."""
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "grad_accum_dtype"):
@@ -213,7 +217,14 @@ class MixedPrecision:
                 f"{self.grad_accum_dtype} only loses precision: set grad_accum_dtype=torch.float32 "
                 "(data_types.grad_accum_dtype: fp32), or train in bf16/fp16",
             )
-        if self.static_loss_scale is not None and self.param_dtype != torch.float16:
+        if self.autocast is not None and self.param_dtype != torch.float32:
+            raise field_error(
+                self,
+                "autocast",
+                f"autocast keeps the parameters fp32, and param_dtype is {self.param_dtype}: "
+                "train with one of them (torch_autocast, or bf16 / fp16)",
+            )
+        if self.static_loss_scale is not None and not self.uses_loss_scaling:
             raise field_error(
                 self,
                 "static_loss_scale",
@@ -248,8 +259,11 @@ class MixedPrecision:
 
     @property
     def uses_loss_scaling(self) -> bool:
-        """Only fp16 needs a loss scale (bf16 has fp32's exponent range)."""
-        return self.param_dtype == torch.float16
+        """Only fp16 needs a loss scale (bf16 has fp32's exponent range): fp16 parameters, or an
+        fp16 autocast forward."""
+        return self.param_dtype == torch.float16 or (
+            self.autocast is not None and self.autocast.scales_loss
+        )
 
     @property
     def needs_master_copy(self) -> bool:
@@ -285,15 +299,20 @@ class MixedPrecision:
         fp16: Fp16Config | Mapping[str, Any] | None = None,
         bf16: Bf16Config | Mapping[str, Any] | None = None,
         data_types: DataTypesConfig | Mapping[str, Any] | None = None,
+        torch_autocast: TorchAutocastConfig | Mapping[str, Any] | None = None,
     ) -> MixedPrecision:
-        """Mixed precision from its three ds_config sections, `fp16`, `bf16` and `data_types`
-        (each a section object, its dict, or None: absent). fp16's keys are read only when it
-        is enabled.
+        """Mixed precision from its four ds_config sections, `fp16`, `bf16`, `data_types` and
+        `torch_autocast` (each a section object, its dict, or None: absent). fp16's keys are
+        read only when it is enabled.
 
-        Both `fp16.enabled` and `bf16.enabled` true is a contradiction and an error; a bad key
-        or value is a `ConfigError` naming the key as written (`fp16.loss_scale`), the value and
-        the fix, with this class's field in parentheses.
+        Both `fp16.enabled` and `bf16.enabled` true is a contradiction and an error, and so is
+        either with `torch_autocast.enabled` (autocast keeps the parameters fp32; DeepSpeed
+        0.19.8 accepts bf16 with it and runs a bf16 model under autocast: choose one here); a
+        bad key or value is a `ConfigError` naming the key as written (`fp16.loss_scale`), the
+        value and the fix, with this class's field in parentheses.
         """
+        if not isinstance(torch_autocast, TorchAutocastConfig):
+            torch_autocast = TorchAutocastConfig.from_section(torch_autocast)
         fp16 = fp16 if isinstance(fp16, Fp16Config) else Fp16Config.from_section(fp16)
         bf16 = bf16 if isinstance(bf16, Bf16Config) else Bf16Config.from_section(bf16)
         if not isinstance(data_types, DataTypesConfig):
@@ -303,10 +322,23 @@ class MixedPrecision:
                 "bf16.enabled",
                 "true, and so is fp16.enabled; enable at most one of fp16 and bf16",
             )
+        for name, section in (("bf16", bf16), ("fp16", fp16)):
+            if section.enabled and torch_autocast.enabled:
+                raise ConfigError(
+                    "torch_autocast.enabled",
+                    f"true, and so is {name}.enabled: torch_autocast trains fp32 parameters under "
+                    f"torch.autocast, {name} trains {name} parameters; set one of "
+                    f"torch_autocast.enabled and {name}.enabled to false",
+                )
         param_dtype = (
             torch.float16 if fp16.enabled else torch.bfloat16 if bf16.enabled else torch.float32
         )
         kwargs: dict[str, Any] = {"param_dtype": param_dtype}
+        autocast = torch_autocast.policy()
+        if autocast is not None:
+            kwargs["autocast"] = autocast
+            if autocast.scales_loss:  # torch.amp.GradScaler's settings, as DeepSpeed's
+                kwargs.update(loss_scale_window=2000, hysteresis=1, raise_error_at_min_scale=False)
         if data_types.grad_accum_dtype is not None:
             kwargs["grad_accum_dtype"] = _DTYPES[data_types.grad_accum_dtype]
         if bf16.enabled:

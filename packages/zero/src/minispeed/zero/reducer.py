@@ -44,6 +44,17 @@ a plain copy or add. For N a power of two the result is bit-identical to dividin
 (scaling by 2^-k is exact and commutes with rounding); otherwise it differs by rounding. With a
 cast (16-bit gradients accumulated in fp32) the mean is still taken after the reduction, in fp32.
 
+Note [a 16-bit bucket on the wire]
+Under torch.autocast (autocast.py) the gradients of the lower-precision-safe parameters travel in
+16 bits at stages 1-2, in buckets of their own (`Bucket.wire_dtype`). The buffers stay in
+`grad_accum_dtype` (fp32): at launch the bucket is cast to its wire dtype (already averaged on
+the way in, so the cast rounds g/N, as DeepSpeed rounds its bucket before dividing it by N, which
+is exact for N a power of two), reduced in it, and this rank's shard is cast back into the fp32
+buffer when the collective is done. Bytes sent for that bucket: half of fp32's; held while it is
+in flight: one copy of the bucket in the wire dtype (padded_numel · 2 bytes). Stage 3
+(`stage3/strategy.py`) has no fp32 bucket buffer: its hook writes each safe gradient into the
+bucket's rows in the wire dtype, and the reduced row is cast back to fp32 on delivery.
+
 Note [bucket launch order]
 Collectives are matched across ranks by the order they are issued, and gradients may arrive in a
 different order on different ranks (data-dependent control flow, or a parameter no rank uses).
@@ -308,6 +319,31 @@ class _BucketedGrads:
         lo = bk.shard_start(self.rank) - bk.start
         return slice(lo, lo + bk.shard_numel)
 
+    def _scatter(
+        self, bk: Bucket, full: torch.Tensor, then: Any = None, keep: tuple = ()
+    ) -> InFlight:
+        """Reduce-scatter the bucket `full` (padded) so that this rank's shard of it holds the
+        sum (with `reduce_scatter` off: all-reduce it whole), then run `then`. In the bucket's
+        `wire_dtype` when it has one: Note [a 16-bit bucket on the wire]."""
+        overlap, group = self.config.overlap_comm, self.comm_group
+        mine = full[self._shard_range(bk)]
+        wire = full if bk.wire_dtype in (None, full.dtype) else full.to(bk.wire_dtype)
+        if self.config.reduce_scatter:
+            work = comm.reduce_scatter_tensor(
+                wire[self._shard_range(bk)], wire, group=group, async_op=overlap
+            )
+        else:
+            work = comm.all_reduce(wire, group=group, async_op=overlap)
+        if wire is full:
+            return InFlight(work, then, keep)
+
+        def finish() -> None:
+            mine.copy_(wire[self._shard_range(bk)])
+            if then is not None:
+                then()
+
+        return InFlight(work, finish, (*keep, wire))
+
     # -- called by the strategy -------------------------------------------------------------
     def _window_ends(self) -> bool:
         """Whether the backward now running ends the accumulation window."""
@@ -552,14 +588,8 @@ class BoundaryScatterReducer(_FlatBufferGrads):
             self._zero_missing(g, bk, self.flat_grads[g], 0)
         # In place: this rank's shard of the bucket receives the reduced shard (Note [in-place
         # flat collectives] in comm/api_compat.py); shard_grads views it.
-        bucket = self.flat_grads[g][bk.start : bk.start + bk.padded_numel]
-        overlap = self.config.overlap_comm
-        if self.config.reduce_scatter:
-            mine = bucket[self._shard_range(bk)]
-            work = comm.reduce_scatter_tensor(mine, bucket, group=self.comm_group, async_op=overlap)
-        else:  # the all-reduce leaves the reduced shard in place too
-            work = comm.all_reduce(bucket, group=self.comm_group, async_op=overlap)
-        return InFlight(work)
+        # (the all-reduce, with reduce_scatter off, leaves the reduced shard in place too)
+        return self._scatter(bk, self.flat_grads[g][bk.start : bk.start + bk.padded_numel])
 
     def _results(self) -> list[list[torch.Tensor]]:
         return self.shard_grads
@@ -615,14 +645,7 @@ class BackwardScatterReducer(_BucketedGrads):
         part = self.shard_grads[g][bk.index]
         fold = part.copy_ if self._fresh else part.add_  # Note [the first micro-step overwrites]
         mine = self._shard_range(bk)
-        overlap = self.config.overlap_comm
-        if self.config.reduce_scatter:
-            work = comm.reduce_scatter_tensor(
-                staging[mine], staging, group=self.comm_group, async_op=overlap
-            )
-        else:
-            work = comm.all_reduce(staging, group=self.comm_group, async_op=overlap)
-        return InFlight(work, lambda: fold(staging[mine]), (staging,))
+        return self._scatter(bk, staging, lambda: fold(staging[mine]), (staging,))
 
     def _results(self) -> list[list[torch.Tensor]]:
         return self.shard_grads

@@ -133,7 +133,9 @@ def assemble(
     # 5. ZeRO++ (optional): quantized / node-local gathers, quantized gradients.
     zeropp = ZeroPP(config, list(sharded.values()), node_size, model) if node_size else None
 
-    # 6. gradients.
+    # 6. gradients (torch.autocast's 16-bit ones over comm's own reduce-scatter only).
+    collective = zeropp.reduce_scatter if zeropp and zeropp.grads else reduce_scatter
+    autocast = precision.autocast if collective is None else None
     reducer = GradShardReducer(
         trained,
         group,
@@ -141,7 +143,8 @@ def assemble(
         grad_dtype=precision.grad_accum_dtype,
         overlap=config.overlap_comm,
         position={sharded[p]: k for k, p in enumerate(model.parameters())},
-        reduce_scatter=zeropp.reduce_scatter if zeropp and zeropp.grads else reduce_scatter,
+        reduce_scatter=collective,
+        wire_dtypes=autocast.wire_dtypes(model) if autocast else None,
     )
     return Stage3Strategy(
         model,

@@ -282,7 +282,11 @@ class GradShardReducer:
         overlap: bool,
         position: dict[ShardedParam, int] | None = None,
         reduce_scatter: Any = None,
+        wire_dtypes: dict[nn.Parameter, torch.dtype] | None = None,
     ) -> None:
+        """`wire_dtypes[param]`: the dtype that parameter's gradient is reduce-scattered in
+        (torch.autocast's safe parameters: minispeed/zero/autocast.py), in buckets of their own;
+        the others travel in `grad_dtype`. The caller leaves it out with ZeRO++ or MiCS."""
         self.group = group
         self.world_size = n = comm.get_world_size(group)
         self.rank = comm.get_rank(group)
@@ -308,7 +312,10 @@ class GradShardReducer:
         sizes = [self.world_size * sp.shard_numel for sp in backwards]  # reduce-scatter input
         # A large gradient forms a bucket of its own: Note [a large gradient travels alone].
         sizes = [max(n, bucket_numel) if n >= _ALONE_NUMEL else n for n in sizes]
-        self._plan: list[list[ShardedParam]] = cut_runs(backwards, sizes, bucket_numel)
+        # The dtype each gradient travels in: Note [a 16-bit bucket on the wire] (reducer.py).
+        self._dtypes = {sp: (wire_dtypes or {}).get(sp.param, grad_dtype) for sp in sps}
+        kinds = [self._dtypes[sp] for sp in backwards]  # a bucket travels in one dtype
+        self._plan: list[list[ShardedParam]] = cut_runs(backwards, sizes, bucket_numel, kinds)
         self._bucket_of = {sp: b for b, run in enumerate(self._plan) for sp in run}
         # [b]: the (N, s) gradients of bucket b that arrived in this backward, until its launch.
         self._rows: list[dict[ShardedParam, torch.Tensor]] = [{} for _ in self._plan]
@@ -335,7 +342,7 @@ class GradShardReducer:
                 f"ZeroOptimizer.backward(loss) (sum several losses first), and use "
                 f"non-reentrant activation checkpointing (use_reentrant=False)"
             )
-        rows = sp.grad_by_rank(grad, self.grad_dtype)
+        rows = sp.grad_by_rank(grad, self._dtypes[sp])
         arrived = self._rows[b]
         if sp in arrived:  # a second gradient before the launch: accumulate (a copy)
             arrived[sp] = arrived[sp] + rows
@@ -351,7 +358,7 @@ class GradShardReducer:
         for sp in self._plan[b]:
             got = arrived.pop(sp, None)
             if got is None:  # no gradient on this rank: zeros (Note [a fixed bucket plan])
-                got = sp.shard.new_zeros(self.world_size, sp.shard_numel, dtype=self.grad_dtype)
+                got = sp.shard.new_zeros(self.world_size, sp.shard_numel, dtype=self._dtypes[sp])
             rows.append(got)
         staged = torch.cat(rows, dim=1) if len(rows) > 1 else rows[0].contiguous()  # (N, cols)
         del rows  # the full gradients are freed now (unless staged is one of them, uncopied)
@@ -372,8 +379,9 @@ class GradShardReducer:
         Divided by N here unless the loss was (Note [averaging at the loss]); the gradient shards
         are views of a compact (cols,) tensor: ``row``, or its copy when it is a row of the input.
         """
-        if self.loss_divisor == 1 or not compact:  # (not compact: a copy, to free the input)
-            row = row.mul(self.loss_divisor / self.world_size)
+        # (not compact: a copy, to free the input; a 16-bit bucket: back in the gradients' dtype)
+        if self.loss_divisor == 1 or not compact or row.dtype != self.grad_dtype:
+            row = row.to(self.grad_dtype).mul(self.loss_divisor / self.world_size)
         for sp, mine in zip(self._plan[b], row.split([sp.shard_numel for sp in self._plan[b]])):
             self._sink(sp, mine)
 

@@ -1,4 +1,4 @@
-"""`deepspeed.monitor`: not provided by minispeed; importing it raises, naming what to use.
+"""`deepspeed.runtime.data_pipeline.data_routing`: not provided by minispeed; importing it raises, naming what to use.
 
 Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_compat.py`; do not edit."""
 

@@ -1,0 +1,17 @@
+"""`deepspeed.monitor`: minispeed's `minispeed.engine.monitor` under DeepSpeed's name.
+
+Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_compat.py`; do not edit."""
+
+import importlib as _importlib
+
+import minispeed.engine.monitor as _adapter
+from minispeed.engine.deepspeed_paths import adapted_attribute as _adapted_attribute
+from minispeed.engine.monitor import *  # noqa: F403
+from minispeed.engine.monitor import __all__  # noqa: F401
+
+for _child in ('comet', 'config', 'csv_monitor', 'monitor', 'tensorboard', 'utils', 'wandb'):
+    _importlib.import_module(f"{__name__}.{_child}")
+
+
+def __getattr__(name):
+    return _adapted_attribute(__name__, _adapter, name)
