@@ -231,6 +231,15 @@ def clean(model: nn.Module, config: CompressionConfig) -> nn.Module:
     `in`, `d·(3·in + 3 + out)` parameters; and every mask and score tensor.
     """
     target = _unwrap(model)
+    released = [
+        n for n, p in target.named_parameters() if p.numel() and not p.untyped_storage().size()
+    ]
+    if released:
+        raise ValueError(
+            f"parameters {released[:3]} hold no storage (ZeRO stage 3 partitions them): clean "
+            "the consolidated model instead (engine.save_16bit_model, or `minispeed consolidate` "
+            "of a checkpoint, loaded into the compressed model)"
+        )
     enabled = {t.name: t for t in config.enabled}
     for name in _CLEAN_ORDER:
         technique = enabled.get(name)
