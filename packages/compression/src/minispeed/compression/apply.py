@@ -12,9 +12,10 @@ model = compression.clean(model, cfg)             # masks applied, pruned rows/h
 ```
 
 Module selection, as DeepSpeed's: a group's pattern takes every compressible module whose name
-it is found in (`re.search`); a module taken twice by one technique is an error. Only
-`nn.Linear` layers are compressed here; other compressible modules DeepSpeed would take
-(`nn.Embedding`, `nn.Conv2d`, `nn.BatchNorm2d`) are left as they are, with one warning naming them.
+it is found in (`re.search`); a module taken twice by one technique is an error. `nn.Linear`
+layers are compressed here, and `nn.Embedding` tables by weight quantization; other compressible
+modules DeepSpeed would take (`nn.Conv2d`, `nn.BatchNorm2d`, an embedding for pruning) are left
+as they are, with one warning naming them.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 
 from minispeed.compression.config import CompressionConfig, Group, LayerReduction, Technique
-from minispeed.compression.layer import CompressedLinear
+from minispeed.compression.layer import CompressedEmbedding, CompressedLinear
 from minispeed.core.logging import get_logger
 
 __all__ = ["Schedule", "clean", "compress", "init_student"]
@@ -47,16 +48,19 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
-def _matches(model: nn.Module, pattern: str, taken: set[str] | None, where: str) -> list[str]:
-    """Names of the linear layers `pattern` is found in (`"*"`: all), in module order; a name
-    already in `taken` is an error (`taken` None: no check)."""
+def _matches(
+    model: nn.Module, pattern: str, taken: set[str] | None, where: str, embeddings: bool = False
+) -> list[str]:
+    """Names of the linear layers (and, with `embeddings`, embedding tables) `pattern` is found
+    in (`"*"`: all), in module order; a name already in `taken` is an error (None: no check)."""
     names, skipped = [], []
+    kinds = (nn.Linear, nn.Embedding) if embeddings else (nn.Linear,)
     for name, module in model.named_modules():
         if not name or (pattern != "*" and re.search(pattern, name) is None):
             continue
-        if isinstance(module, _OTHER_COMPRESSIBLE):
+        if isinstance(module, _OTHER_COMPRESSIBLE) and not isinstance(module, kinds):
             skipped.append(f"{name} ({type(module).__name__})")
-        if not isinstance(module, nn.Linear):
+        if not isinstance(module, kinds):
             continue
         if taken is not None:
             if name in taken:
@@ -69,7 +73,7 @@ def _matches(model: nn.Module, pattern: str, taken: set[str] | None, where: str)
     if skipped:
         _log.warning(
             "%s: pattern %r also matches %s, left uncompressed: minispeed.compression "
-            "compresses nn.Linear only",
+            "compresses nn.Linear (and nn.Embedding for weight quantization) only",
             where, pattern, ", ".join(skipped),
         )  # fmt: skip
     return names
@@ -78,17 +82,20 @@ def _matches(model: nn.Module, pattern: str, taken: set[str] | None, where: str)
 def _group_layers(model: nn.Module, technique: Technique) -> Iterator[tuple[Group, int, list[str]]]:
     """(group, pattern index, matched names) for every pattern of every group of `technique`."""
     taken: set[str] = set()
+    wq = technique.name == "weight_quantization"  # the one technique embeddings take
     for group in technique.groups:
         where = f"{technique.name}.different_groups.{group.name}"
         for i, pattern in enumerate(group.modules):
-            yield group, i, _matches(model, pattern, taken, where)
+            yield group, i, _matches(model, pattern, taken, where, wq)
 
 
-def _layers(model: nn.Module, technique: Technique) -> Iterator[tuple[Group, CompressedLinear]]:
+def _layers(
+    model: nn.Module, technique: Technique
+) -> Iterator[tuple[Group, CompressedLinear | CompressedEmbedding]]:
     for group, _, names in _group_layers(model, technique):
         for name in names:
             layer = _find(model, name)
-            if not isinstance(layer, CompressedLinear):
+            if not isinstance(layer, CompressedLinear | CompressedEmbedding):
                 raise ValueError(
                     f"{technique.name} selects {name!r}, which is not compressed: call "
                     "init_compression(model, ds_config) (minispeed.compression.compress) before "
@@ -123,20 +130,27 @@ def compress(
         for group, _, names in _group_layers(target, technique):
             for name in names:
                 layer = _find(target, name)
-                if not isinstance(layer, CompressedLinear):
+                if isinstance(layer, nn.Embedding) and not isinstance(layer, CompressedEmbedding):
+                    layer = CompressedEmbedding.wrap(layer)
+                    _replace(target, name, layer)
+                elif isinstance(layer, nn.Linear) and not isinstance(layer, CompressedLinear):
                     layer = CompressedLinear.wrap(layer)
                     _replace(target, name, layer)
                 _attach(layer, technique, group, name)
     return model
 
 
-def _attach(layer: CompressedLinear, technique: Technique, group: Group, name: str) -> None:
+def _attach(
+    layer: CompressedLinear | CompressedEmbedding, technique: Technique, group: Group, name: str
+) -> None:
     try:
         if technique.name == "weight_quantization":
             assert group.target_bits is not None
             layer.enable_weight_quantization(
                 group.target_bits, technique.quantize_groups, technique.symmetric
             )
+        elif isinstance(layer, CompressedEmbedding):
+            raise AssertionError(f"{technique.name} does not select embeddings")
         elif technique.name == "activation_quantization":
             assert group.target_bits is not None
             layer.enable_activation_quantization(
@@ -250,6 +264,9 @@ def clean(model: nn.Module, config: CompressionConfig) -> nn.Module:
             keeps = []
             for layer_name in names:
                 layer = _find(target, layer_name)
+                if name == "weight_quantization" and isinstance(layer, CompressedEmbedding):
+                    layer.fix_weight_quantization()
+                    continue
                 assert isinstance(layer, CompressedLinear), f"{layer_name} was not compressed"
                 keeps.append(_fix(layer, name, shrink=related is not None))
             for pattern in related or ():

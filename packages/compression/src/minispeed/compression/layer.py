@@ -29,7 +29,7 @@ from torch.nn import functional as F
 
 from minispeed.compression.quantize import fake_quantize, top_k_mask
 
-__all__ = ["CompressedLinear", "Prune"]
+__all__ = ["CompressedEmbedding", "CompressedLinear", "Prune"]
 
 _RANGE_MOMENTUM = 0.95  # static activation range: DeepSpeed's QuantAct momentum
 # DeepSpeed's names for the masks (buffers) and scores (parameters), so state dicts agree.
@@ -279,3 +279,53 @@ class CompressedLinear(nn.Linear):
             if value is not None
         ]
         return f"{super().extra_repr()}, compressed={on}"
+
+
+class CompressedEmbedding(nn.Embedding):
+    """`nn.Embedding` whose table is fake-quantized once active (weight quantization only):
+    one scale per token row (`groups = num_embeddings`, DeepSpeed's rule for embeddings, whatever
+    `quantize_groups` says). Built with `CompressedEmbedding.wrap(embedding)` (shared weight)."""
+
+    @classmethod
+    def wrap(cls, embedding: nn.Embedding) -> CompressedEmbedding:
+        """A `CompressedEmbedding` holding `embedding`'s own weight (no copy, no init)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        for name in ("num_embeddings", "embedding_dim", "padding_idx", "max_norm", "norm_type",
+                     "scale_grad_by_freq", "sparse"):  # fmt: skip
+            setattr(layer, name, getattr(embedding, name))
+        layer.weight = embedding.weight
+        layer.weight_bits: int | None = None
+        layer.weight_symmetric = True
+        layer.weight_active = False
+        return layer
+
+    def enable_weight_quantization(self, bits: int, groups: int, symmetric: bool) -> None:
+        """Fake-quantize the table to `bits`, one group per row (`groups` is not used)."""
+        del groups
+        if bits <= 2 and not symmetric:
+            raise ValueError(f"{bits}-bit weights are symmetric only: set quantization_type")
+        self.weight_bits, self.weight_symmetric = bits, symmetric
+
+    def _table(self) -> torch.Tensor:
+        assert self.weight_bits is not None
+        return fake_quantize(
+            self.weight, self.weight_bits, self.weight_symmetric, self.num_embeddings
+        )
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if self.weight_active and self.weight_bits is not None:
+            weight = self._table()
+        return F.embedding(
+            tokens, weight, self.padding_idx, self.max_norm, self.norm_type,
+            self.scale_grad_by_freq, self.sparse,
+        )  # fmt: skip
+
+    def fix_weight_quantization(self) -> None:
+        """The table ← its quantized value; the forward stops quantizing."""
+        if self.weight_bits is None:
+            return
+        with torch.no_grad():
+            self.weight.copy_(self._table())
+        self.weight_bits, self.weight_active = None, False
