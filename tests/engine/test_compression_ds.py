@@ -4,10 +4,12 @@ with its import lines changed to minispeed's, and every rank's record must equal
 
 Per case, on 2 gloo ranks through the engine: the outputs after `init_compression`, the loss of
 each of 6 steps across the techniques' `schedule_offset`s (weight quantization symmetric 8/4
-bits in 2 groups from step 2 with static 8-bit activations from step 3; asymmetric 4-bit
-weights from step 0 with dynamic activations from step 1; l1 sparse + l1 row pruning with
+bits in 2 groups (the embedding per token row) from step 2 with static 8-bit activations from
+step 3; asymmetric 4-bit weights and an 8-bit embedding from step 0 with dynamic activations
+from step 1; l1 sparse + l1 row pruning with
 `related_modules` + topk head pruning with Q/K/V related; topk sparse + topk row pruning in
-place), the outputs after training, every parameter's shape after `redundancy_clean` (rows and
+place; topk channel pruning of a convolution with its batch norm and next convolution related),
+the outputs after training, every parameter's shape after `redundancy_clean` (rows and
 heads removed where DeepSpeed removes them) and the outputs after it; and a 2-layer student
 initialized from teacher layers [1, 3]. The topk scores are DeepSpeed's random draws, given
 back to the script. Numbers to 1e-5 relative.

@@ -96,7 +96,7 @@ def test_clean_removes_pruned_rows_and_heads_and_keeps_the_function():
                                   "different_groups": {}}},
          "compression_training.weight_quantization.shared_parameters.quantize_weight_in_forward"),
         ({"channel_pruning": {"shared_parameters": {"enabled": True}}},
-         "compression_training.channel_pruning.shared_parameters.enabled"),
+         "compression_training.channel_pruning.different_groups"),
         ({"sparse_pruning": {"shared_parameters": {"enabled": True, "method": "l1"},
                              "different_groups": {"g": {"params": {"dense_ratio": 1.5}}}}},
          "compression_training.sparse_pruning.different_groups.g.params.dense_ratio"),
@@ -113,3 +113,26 @@ def test_a_schedule_over_an_uncompressed_model_names_the_missing_call():
     cfg = compression.CompressionConfig.from_ds_config(_section())
     with pytest.raises(ValueError, match="init_compression"):
         compression.Schedule(_Block(), cfg)
+
+
+def test_channel_pruning_keeps_the_largest_kernels_and_clean_removes_the_rest():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 1), nn.BatchNorm2d(4), nn.Conv2d(4, 3, 1)).eval()
+    with torch.no_grad():  # kernels' L1 norms 2, 4, 8, 6: l1 at 0.5 keeps channels 2 and 3
+        model[0].weight.copy_(
+            torch.tensor([1.0, 2.0, 4.0, 3.0]).view(4, 1, 1, 1).expand(4, 2, 1, 1)
+        )
+    section = {"channel_pruning": {
+        "shared_parameters": {"enabled": True, "method": "l1", "schedule_offset": 0},
+        "different_groups": {"cp": {"params": {"dense_ratio": 0.5}, "modules": ["^0$"],
+                                    "related_modules": [["^1$", "^2$"]]}}}}  # fmt: skip
+    cfg = compression.CompressionConfig.from_ds_config(section)
+    compression.compress(model, cfg)
+    compression.Schedule(model, cfg)
+    assert model[0].mask().view(-1).tolist() == [0.0, 0.0, 1.0, 1.0]
+    x = torch.randn(2, 2, 3, 3)
+    masked = model(x)
+    compression.clean(model, cfg)
+    torch.testing.assert_close(model(x), masked)
+    assert model[0].weight.shape == (2, 2, 1, 1) and model[2].weight.shape == (3, 2, 1, 1)
+    assert model[1].running_mean.shape == (2,) and model[1].num_features == 2

@@ -14,11 +14,12 @@ from minispeed.compression.config import (
     LayerReduction,
     Technique,
 )
-from minispeed.compression.layer import CompressedEmbedding, CompressedLinear
+from minispeed.compression.layer import CompressedConv2d, CompressedEmbedding, CompressedLinear
 from minispeed.compression.quantize import fake_quantize, quantize_reference, top_k_mask
 
 __all__ = [
     "TECHNIQUES",
+    "CompressedConv2d",
     "CompressedEmbedding",
     "CompressedLinear",
     "CompressionConfig",

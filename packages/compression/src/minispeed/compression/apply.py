@@ -13,9 +13,10 @@ model = compression.clean(model, cfg)             # masks applied, pruned rows/h
 
 Module selection, as DeepSpeed's: a group's pattern takes every compressible module whose name
 it is found in (`re.search`); a module taken twice by one technique is an error. `nn.Linear`
-layers are compressed here, and `nn.Embedding` tables by weight quantization; other compressible
-modules DeepSpeed would take (`nn.Conv2d`, `nn.BatchNorm2d`, an embedding for pruning) are left
-as they are, with one warning naming them.
+layers take every technique but channel pruning, `nn.Embedding` tables weight quantization,
+`nn.Conv2d` channel pruning; other modules DeepSpeed would take for a technique (a convolution
+for quantization or sparse pruning, an embedding for pruning) are left as they are, with one
+warning naming them.
 """
 
 from __future__ import annotations
@@ -27,7 +28,12 @@ import torch
 from torch import nn
 
 from minispeed.compression.config import CompressionConfig, Group, LayerReduction, Technique
-from minispeed.compression.layer import CompressedEmbedding, CompressedLinear
+from minispeed.compression.layer import (
+    CompressedConv2d,
+    CompressedEmbedding,
+    CompressedLinear,
+    keep_channels,
+)
 from minispeed.core.logging import get_logger
 
 __all__ = ["Schedule", "clean", "compress", "init_student"]
@@ -36,7 +42,15 @@ _log = get_logger("compression")
 _OTHER_COMPRESSIBLE = (nn.Embedding, nn.Conv2d, nn.BatchNorm2d)
 # The order `clean` makes techniques permanent in (DeepSpeed's redundancy_clean order):
 # quantize the weights first, then apply the masks over them.
-_CLEAN_ORDER = ("weight_quantization", "sparse_pruning", "row_pruning", "head_pruning")
+_CLEAN_ORDER = (
+    "weight_quantization", "sparse_pruning", "row_pruning", "head_pruning", "channel_pruning",
+)  # fmt: skip
+# The module types each technique takes (`_KINDS`), and those its related_modules may be.
+_KINDS: dict[str, tuple[type, ...]] = {
+    "weight_quantization": (nn.Linear, nn.Embedding),
+    "channel_pruning": (nn.Conv2d,),
+}
+_RELATED_KINDS: dict[str, tuple[type, ...]] = {"channel_pruning": (nn.Conv2d, nn.BatchNorm2d)}
 
 
 def _find(model: nn.Module, name: str) -> nn.Module:
@@ -49,12 +63,15 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def _matches(
-    model: nn.Module, pattern: str, taken: set[str] | None, where: str, embeddings: bool = False
+    model: nn.Module,
+    pattern: str,
+    taken: set[str] | None,
+    where: str,
+    kinds: tuple[type, ...] = (nn.Linear,),
 ) -> list[str]:
-    """Names of the linear layers (and, with `embeddings`, embedding tables) `pattern` is found
-    in (`"*"`: all), in module order; a name already in `taken` is an error (None: no check)."""
+    """Names of the modules of `kinds` `pattern` is found in (`"*"`: all), in module order; a
+    name already in `taken` is an error (None: no check)."""
     names, skipped = [], []
-    kinds = (nn.Linear, nn.Embedding) if embeddings else (nn.Linear,)
     for name, module in model.named_modules():
         if not name or (pattern != "*" and re.search(pattern, name) is None):
             continue
@@ -72,8 +89,8 @@ def _matches(
         names.append(name)
     if skipped:
         _log.warning(
-            "%s: pattern %r also matches %s, left uncompressed: minispeed.compression "
-            "compresses nn.Linear (and nn.Embedding for weight quantization) only",
+            "%s: pattern %r also matches %s, left uncompressed by this technique "
+            "(minispeed.compression: docs/packages/compression.md)",
             where, pattern, ", ".join(skipped),
         )  # fmt: skip
     return names
@@ -82,20 +99,20 @@ def _matches(
 def _group_layers(model: nn.Module, technique: Technique) -> Iterator[tuple[Group, int, list[str]]]:
     """(group, pattern index, matched names) for every pattern of every group of `technique`."""
     taken: set[str] = set()
-    wq = technique.name == "weight_quantization"  # the one technique embeddings take
+    kinds = _KINDS.get(technique.name, (nn.Linear,))
     for group in technique.groups:
         where = f"{technique.name}.different_groups.{group.name}"
         for i, pattern in enumerate(group.modules):
-            yield group, i, _matches(model, pattern, taken, where, wq)
+            yield group, i, _matches(model, pattern, taken, where, kinds)
 
 
 def _layers(
     model: nn.Module, technique: Technique
-) -> Iterator[tuple[Group, CompressedLinear | CompressedEmbedding]]:
+) -> Iterator[tuple[Group, CompressedLinear | CompressedEmbedding | CompressedConv2d]]:
     for group, _, names in _group_layers(model, technique):
         for name in names:
             layer = _find(model, name)
-            if not isinstance(layer, CompressedLinear | CompressedEmbedding):
+            if not isinstance(layer, CompressedLinear | CompressedEmbedding | CompressedConv2d):
                 raise ValueError(
                     f"{technique.name} selects {name!r}, which is not compressed: call "
                     "init_compression(model, ds_config) (minispeed.compression.compress) before "
@@ -133,6 +150,9 @@ def compress(
                 if isinstance(layer, nn.Embedding) and not isinstance(layer, CompressedEmbedding):
                     layer = CompressedEmbedding.wrap(layer)
                     _replace(target, name, layer)
+                elif isinstance(layer, nn.Conv2d) and not isinstance(layer, CompressedConv2d):
+                    layer = CompressedConv2d.wrap(layer)
+                    _replace(target, name, layer)
                 elif isinstance(layer, nn.Linear) and not isinstance(layer, CompressedLinear):
                     layer = CompressedLinear.wrap(layer)
                     _replace(target, name, layer)
@@ -141,9 +161,16 @@ def compress(
 
 
 def _attach(
-    layer: CompressedLinear | CompressedEmbedding, technique: Technique, group: Group, name: str
+    layer: CompressedLinear | CompressedEmbedding | CompressedConv2d,
+    technique: Technique,
+    group: Group,
+    name: str,
 ) -> None:
     try:
+        if isinstance(layer, CompressedConv2d):
+            assert technique.name == "channel_pruning" and group.dense_ratio is not None
+            layer.enable_channel_pruning(group.dense_ratio, technique.method)
+            return
         if technique.name == "weight_quantization":
             assert group.target_bits is not None
             layer.enable_weight_quantization(
@@ -267,22 +294,29 @@ def clean(model: nn.Module, config: CompressionConfig) -> nn.Module:
                 if name == "weight_quantization" and isinstance(layer, CompressedEmbedding):
                     layer.fix_weight_quantization()
                     continue
+                if isinstance(layer, CompressedConv2d):
+                    keeps.append(layer.fix_channel_pruning(shrink=related is not None))
+                    continue
                 assert isinstance(layer, CompressedLinear), f"{layer_name} was not compressed"
                 keeps.append(_fix(layer, name, shrink=related is not None))
             for pattern in related or ():
                 where = f"{name}.different_groups.{group.name}.related_modules"
-                for j, other_name in enumerate(_matches(target, pattern, None, where)):
+                kinds = _RELATED_KINDS.get(name, (nn.Linear,))
+                for j, other_name in enumerate(_matches(target, pattern, None, where, kinds)):
                     if j >= len(keeps):
                         raise ValueError(
                             f"{where}: pattern {pattern!r} matches more layers than "
                             f"{group.modules[i]!r} ({len(keeps)}); pair them one to one"
                         )
+                    keep = keeps[j]
+                    assert keep is not None
                     other = _find(target, other_name)
+                    if name == "channel_pruning":
+                        keep_channels(other, keep)
+                        continue
                     if not isinstance(other, CompressedLinear):
                         other = CompressedLinear.wrap(other)
                         _replace(target, other_name, other)
-                    keep = keeps[j]
-                    assert keep is not None
                     if name == "row_pruning":
                         other.keep_inputs(keep)
                     else:

@@ -71,9 +71,10 @@ class Group:
     """Regular expressions: a module is in the group when one is found (`re.search`) in its
     name. `"*"` alone: every compressible module."""
     related_modules: tuple[tuple[str, ...], ...] | None = None
-    """Row/head pruning: for each pattern of `modules`, the patterns of the layers whose inputs
-    (row pruning) or heads (head pruning: Q, K, V) go with it, so `clean` removes them
-    physically; None: pruned rows/heads are zeroed in place only."""
+    """Row/head/channel pruning: for each pattern of `modules`, the patterns of the layers whose
+    inputs (row pruning: the next linear; channel pruning: the next batch norm and convolution)
+    or heads (head pruning: Q, K, V) go with it, so `clean` removes them physically; None:
+    pruned rows/heads/channels are zeroed in place only."""
     target_bits: int | None = None
     """Weight quantization: the bits of the fake-quantized weights from `schedule_offset` on;
     activation quantization: `bits`."""
@@ -227,12 +228,6 @@ def _technique(name: str, raw: Any, path: str) -> Technique:
             if "num_heads" not in shared:
                 raise ConfigError(at("num_heads"), "must be given with head pruning enabled")
             kwargs["num_heads"] = _int(shared["num_heads"], at("num_heads"), 1)
-        if name == "channel_pruning" and enabled:
-            raise ConfigError(
-                at("enabled"),
-                "channel pruning prunes nn.Conv2d output channels; minispeed.compression "
-                "compresses nn.Linear layers only: use row_pruning for a Linear's outputs",
-            )
     groups_path = join_path(path, "different_groups")
     groups_raw = _mapping(raw.get("different_groups"), groups_path)
     if enabled and not groups_raw:
@@ -279,9 +274,10 @@ def _group(technique: str, name: str, raw: Any, path: str) -> Group:
         )
     related = raw.get("related_modules")
     if related is not None:
-        if technique not in ("row_pruning", "head_pruning"):
+        if technique not in ("row_pruning", "head_pruning", "channel_pruning"):
             raise ConfigError(
-                join_path(path, "related_modules"), f"is for row and head pruning, not {technique}"
+                join_path(path, "related_modules"),
+                f"is for row, head and channel pruning, not {technique}",
             )
         if len(related) != len(modules) or not all(isinstance(r, list) for r in related):
             raise ConfigError(

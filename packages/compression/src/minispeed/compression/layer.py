@@ -29,7 +29,7 @@ from torch.nn import functional as F
 
 from minispeed.compression.quantize import fake_quantize, top_k_mask
 
-__all__ = ["CompressedEmbedding", "CompressedLinear", "Prune"]
+__all__ = ["CompressedConv2d", "CompressedEmbedding", "CompressedLinear", "Prune", "keep_channels"]
 
 _RANGE_MOMENTUM = 0.95  # static activation range: DeepSpeed's QuantAct momentum
 # DeepSpeed's names for the masks (buffers) and scores (parameters), so state dicts agree.
@@ -329,3 +329,94 @@ class CompressedEmbedding(nn.Embedding):
         with torch.no_grad():
             self.weight.copy_(self._table())
         self.weight_bits, self.weight_active = None, False
+
+
+class CompressedConv2d(nn.Conv2d):
+    """`nn.Conv2d` with channel pruning (channel_pruning only): output channels ⊙ c, c keeping
+    `dense_ratio` of the channels by their kernels' L1 norm (`l1`, fixed at `init_compression`)
+    or learned scores (`topk`). Keeps a 4·out-byte mask or scores. Built with `wrap` (shared
+    tensors)."""
+
+    @classmethod
+    def wrap(cls, conv: nn.Conv2d) -> CompressedConv2d:
+        """A `CompressedConv2d` holding `conv`'s own weight and bias (no copy, no init)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.__dict__.update({k: v for k, v in conv.__dict__.items() if not k.startswith("_")})
+        layer._reversed_padding_repeated_twice = conv._reversed_padding_repeated_twice
+        layer.weight, layer.bias = conv.weight, conv.bias
+        layer.channel: Prune | None = None
+        return layer
+
+    def enable_channel_pruning(self, dense_ratio: float, method: str) -> None:
+        """Keep `dense_ratio` of the output channels (l1 by kernel norm now, or topk learned)."""
+        self.channel = Prune(method, dense_ratio)
+        if method == "l1":
+            # each kernel's L1 norm (DeepSpeed 0.17.6 writes linalg.norm(ord=1, dim=[1, 2, 3]),
+            # which torch refuses for three dims: its l1 channel pruning does not run)
+            norms = self.weight.detach().abs().sum(dim=(1, 2, 3))
+            self.register_buffer(
+                "channel_pruning_mask", top_k_mask(norms, dense_ratio).view(-1, 1, 1, 1)
+            )
+        else:
+            scores = _scores((self.out_channels, 1, 1, 1), self.weight.device)
+            self.register_parameter("channel_mask_scores", scores)
+
+    def mask(self) -> torch.Tensor:
+        """The current 0/1 channel mask, `(out, 1, 1, 1)`."""
+        assert self.channel is not None
+        if self.channel.method == "l1":
+            return self.channel_pruning_mask
+        return top_k_mask(self.channel_mask_scores, self.channel.dense_ratio)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.weight, self.bias
+        if self.channel is not None and self.channel.active:
+            channels = self.mask()
+            weight = weight * channels
+            bias = None if bias is None else bias * channels.view(-1)
+        return self._conv_forward(x, weight, bias)
+
+    def fix_channel_pruning(self, shrink: bool) -> torch.Tensor | None:
+        """Apply the mask: `shrink` removes the pruned output channels, else they are zeroed.
+        Returns the kept channels (bool, `(out,)`) for the layers that read them."""
+        if self.channel is None:
+            return None
+        keep = self.mask().detach().bool().view(-1)
+        if shrink:
+            self.weight = nn.Parameter(self.weight.detach()[keep].clone())
+            if self.bias is not None:
+                self.bias = nn.Parameter(self.bias.detach()[keep].clone())
+            self.out_channels = self.weight.shape[0]
+        else:
+            with torch.no_grad():
+                self.weight.mul_(keep.view(-1, 1, 1, 1))
+                if self.bias is not None:
+                    self.bias.mul_(keep)
+        delattr(
+            self, "channel_pruning_mask" if self.channel.method == "l1" else "channel_mask_scores"
+        )
+        self.channel = None
+        return keep
+
+
+def keep_channels(module: nn.Module, keep: torch.Tensor) -> None:
+    """Remove the input channels not in `keep` from the layer reading a pruned convolution: a
+    convolution's input channels, or a batch norm's channels (its affine parameters and running
+    statistics)."""
+    if isinstance(module, nn.Conv2d):
+        module.weight = nn.Parameter(module.weight.detach()[:, keep].clone())
+        module.in_channels = module.weight.shape[1]
+    elif isinstance(module, nn.BatchNorm2d):
+        if module.affine:
+            module.weight = nn.Parameter(module.weight.detach()[keep].clone())
+            module.bias = nn.Parameter(module.bias.detach()[keep].clone())
+        if module.running_mean is not None:
+            module.running_mean = module.running_mean[keep].clone()
+            module.running_var = module.running_var[keep].clone()
+        module.num_features = int(keep.sum())
+    else:
+        raise ValueError(
+            f"channel pruning's related modules are convolutions and batch norms, got "
+            f"{type(module).__name__}"
+        )
