@@ -166,7 +166,10 @@ UNSUPPORTED: dict[str, Unsupported] = {
         False, "it belongs in zero_optimization (DeepSpeed's place for it)"
     ),
     "load_universal_checkpoint": ds_only(
-        False, "checkpoints load at any data-parallel size already"
+        False,
+        "DeepSpeed 0.19.8 reads checkpoint.load_universal only (Megatron-DeepSpeed's "
+        '--universal-checkpoint sets that); give "checkpoint": {"load_universal": true}. A '
+        "universal folder loads without either key",
     ),
     "use_node_local_storage": ds_only(False, "give checkpoint.use_node_local_storage instead"),
     "seq_parallel_communication_data_type": ds_only(
