@@ -5,7 +5,7 @@
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip
-PACKAGES := core comm zero offload pipeline moe tensor_parallel inference profiler
+PACKAGES := core comm zero offload pipeline moe tensor_parallel inference profiler compression
 STAMP   := $(VENV)/.minispeed-installed
 PYPROJECTS := pyproject.toml $(foreach p,$(PACKAGES),packages/$(p)/pyproject.toml) packages/deepspeed_compat/pyproject.toml
 

@@ -19,7 +19,9 @@ env -u PYTHONPATH DS_ACCELERATOR=cpu /work/dsvenv/bin/python -m torch.distribute
     --nproc_per_node 2 scripts/record_ds_checkpoint_files.py
 ```
 
-which writes those directories and `tests/engine/fixtures/ds_checkpoint_files.json`.
+which writes those directories and `tests/engine/fixtures/ds_checkpoint_files.json`. It removes
+the directories first, the universal folders `record_ds_universal.py` writes beside two of them
+included: run that recorder again afterwards (its docstring).
 `tests/engine/test_checkpoint_deepspeed_files.py` loads each directory into minispeed's engine
 (this script's `build` and `train`, with the import line changed) and compares.
 """
@@ -70,7 +72,8 @@ def config(precision, stage, batch=BATCH):
     }
 
 
-def build(precision, stage, batch=BATCH):
+def build(precision, stage, batch=BATCH, extra=None):
+    """The regressor's engine; `extra`: more ds_config keys (`record_ds_universal.py`'s)."""
     torch.manual_seed(5)
     model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT))
     groups = [
@@ -78,7 +81,9 @@ def build(precision, stage, batch=BATCH):
         {"params": list(model[2].parameters()), "weight_decay": 0.0},
     ]
     engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=groups, config=config(precision, stage, batch)
+        model=model,
+        model_parameters=groups,
+        config={**config(precision, stage, batch), **(extra or {})},
     )
     return engine
 

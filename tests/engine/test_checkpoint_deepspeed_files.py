@@ -163,7 +163,7 @@ REFUSALS = {
             lambda t: (t / "layer_0_expert_0_mp_rank_00_model_states.pt").write_bytes(b""),
             r"expert_0_mp_rank_00_model_states.pt: .*MoE"),
     "universal": ("fp32_stage2", lambda t: (t / "zero").mkdir(),
-                  r"universal checkpoint .*zero_to_fp32"),
+                  r"universal checkpoint .* lacks zero/optimizer_state.pt"),
     "a rank's file missing": ("fp32_stage3", _rank_gap,
                               r"lacks the optimizer file of data-parallel rank 1"),
     "the last rank's file missing": (
@@ -179,9 +179,9 @@ REFUSALS = {
 
 @pytest.mark.parametrize("what", list(REFUSALS))
 def test_unsupported_deepspeed_checkpoints_are_refused_by_name(tmp_path, what):
-    """A pipeline, tensor-parallel, MoE or universal checkpoint, a rank's file missing, an object
-    the safe unpickler does not build, no ds_version: an error naming the file and what to do,
-    never a KeyError or a wrong load."""
+    """A pipeline, tensor-parallel or MoE checkpoint, a universal one without its optimizer
+    state, a rank's file missing, an object the safe unpickler does not build, no ds_version:
+    an error naming the file and what to do, never a KeyError or a wrong load."""
     from minispeed.engine.checkpoint.deepspeed_files import read_tag
     from minispeed.zero.checkpoints import CheckpointError
 

@@ -95,7 +95,7 @@ def test_report_prints_the_resolved_table(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("sub", "words"),
     [("run", "--nproc_per_node"), ("report", "--config"), ("config", "schema"),
-     ("estimate", "--gpu-mem"), ("tune", "--budget"), ("consolidate", "out_file"),
+     ("estimate", "--gpu-mem"), ("tune", "--budget"), ("consolidate", "--to deepspeed-universal"),
      ("trace", "usage")],
 )  # fmt: skip
 def test_help_on_every_subcommand(sub, words) -> None:

@@ -309,7 +309,10 @@ def initialize(
     # 8. The engine, with the profiler, comms logger and timers it reads from the config; a
     # pipeline's drives its stage's executor. (MoEEngine: Note [expert checkpoints until the
     # layout names experts] in experts.py.)
-    observers = [] if recorder is None else [recorder]
+    observers: list[Any] = [] if recorder is None else [recorder]
+    schedule = steps.compression_schedule(composition, model, cfg)
+    if schedule is not None:  # switches compression techniques on as optimizer steps apply
+        observers.append(schedule)
     if is_pipeline:
         executor = steps.pipeline_executor(composition, model, zero_opt, cfg)
         engine = PipelineEngine(

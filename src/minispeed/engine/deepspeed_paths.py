@@ -54,6 +54,10 @@ ADAPTERS: dict[str, str] = {
     "deepspeed.checkpoint.utils": f"{_E}.ds_checkpoint",
     "deepspeed.checkpointing": f"{_E}.checkpointing",
     "deepspeed.comm": f"{_E}.comm",
+    "deepspeed.compression": f"{_E}.compression",
+    "deepspeed.compression.compress": f"{_E}.compression.compress",
+    "deepspeed.compression.helper": f"{_E}.compression.helper",
+    "deepspeed.compression.scheduler": f"{_E}.compression.scheduler",
     "deepspeed.comm.comm": f"{_E}.comm",
     "deepspeed.comm.reduce_op": f"{_E}.comm",
     "deepspeed.git_version_info": f"{_E}.git_version_info",
@@ -137,10 +141,6 @@ _OFFLOAD = "minispeed.offload (CPUAdam, async I/O, the NVMe swapper; docs/packag
 REFUSED: dict[str, str] = {
     "deepspeed.autotuning": "DeepSpeed's autotuner; use `minispeed tune` (docs/cli/tune.md)",
     "deepspeed.compile": "DeepSpeed's compile backends; call torch.compile on your model",
-    "deepspeed.compression": (
-        "model compression (quantization-aware training, pruning, distillation); for int8 "
-        "inference use init_inference(model, dtype=torch.int8) (docs/packages/inference.md)"
-    ),
     "deepspeed.elasticity": (
         "elastic training (gone from DeepSpeed 0.19.8 too); set train_batch_size, "
         "train_micro_batch_size_per_gpu and gradient_accumulation_steps for the world you launch "

@@ -43,6 +43,7 @@ import minispeed.comm as comm
 import minispeed.engine.checkpoint.background as ckpt_async
 import minispeed.engine.checkpoint.grid as ckpt
 import minispeed.zero as zero
+from minispeed.core import ranges
 from minispeed.core.accelerator import get_accelerator
 from minispeed.core.logging import get_logger, warn_once
 from minispeed.engine.checkpoint.calls import CheckpointCalls, Restore
@@ -136,8 +137,10 @@ class Engine(DeepSpeedQueries, DeepSpeedSurface, CheckpointCalls, nn.Module):
         # DeepSpeed's monitors (tensorboard, csv_monitor, wandb, comet): backends on rank 0 only.
         self.monitor = monitors.MonitorMaster(config.monitor, rank=comm.get_rank())
         self._monitoring = bool(self.monitor.monitors)  # this rank writes events
+        # backward_allreduce, apart from the backward: the optimizer's end-of-backward reduction
+        self._reduce_timer: ranges.Timer | None = None
         if self._monitoring and optimizer is not None and config.wall_clock_breakdown:
-            optimizer.time_reduction = True  # backward_allreduce, apart from the backward
+            self._reduce_timer = ranges.Timer("zero.backward_done")
         self._timers_at_boundary = self._timer_totals()  # when the last window ended
         # Told of every boundary (a `minispeed tune` trial's recorder: engine/tune/trial.py).
         self._observers = tuple(observers)
@@ -333,7 +336,7 @@ class Engine(DeepSpeedQueries, DeepSpeedSurface, CheckpointCalls, nn.Module):
     def _timer_totals(self) -> dict[str, float]:
         """The timers' seconds, with the optimizer's end-of-backward reduction as
         `backward_allreduce` (timed under `wall_clock_breakdown`)."""
-        reduced = self.optimizer.reduce_seconds if self.optimizer is not None else 0.0
+        reduced = self._reduce_timer.seconds if self._reduce_timer is not None else 0.0
         return {**self.timers, "backward_allreduce": reduced}
 
     _writes_timers = True  # the pipeline engine's train_batch writes none (DeepSpeed's)
@@ -704,28 +707,31 @@ class Engine(DeepSpeedQueries, DeepSpeedSurface, CheckpointCalls, nn.Module):
     ) -> None:
         """DeepSpeed's `engine.compile` (accelerate calls it when a dynamo backend is set, as
         with the Trainer's `torch_compile=True`): `nn.Module.compile` of the model, as DeepSpeed
-        does without deepcompile, at ZeRO stages 0-2, whose hooks are on the gradients (they
-        run as autograd accumulates each one, outside the compiled graphs). A second call does
-        nothing. Refused at stage 3 (each module's forward is wrapped in hooks that gather its
-        parameters), with a deepcompile `schedule` and with compiled autograd (and on a
+        does without deepcompile, at every ZeRO stage. Stages 0-2 hook the gradients (the hooks
+        run as autograd accumulates each one, outside the compiled graphs); stage 3's module
+        hooks, which gather and release each module's parameters, run eagerly between the
+        graphs (`minispeed.core.compiling.eager`), so each module's forward is a graph of its
+        own and stage 3 releases what it gathered as in eager mode. A second call does
+        nothing. Refused with a deepcompile `schedule` and with compiled autograd (and on a
         pipeline: `PipelineEngine.compile`).
         """
         if self.is_compiled:
             return
         refusal = (
-            "stage 3 gathers each module's parameters in forward hooks, which run eagerly"
-            if self.config.zero.stage == 3
-            else "deepcompile schedules are not provided"
+            "engine.compile(schedule=...) asks for deepcompile's schedules (ds_config "
+            "`compile.deepcompile`), which minispeed does not provide"
             if schedule is not None
-            else "compiled autograd would trace the gradient hooks"
+            else "engine.compile(compiled_autograd_enabled=True) would have compiled autograd "
+            "trace ZeRO's gradient hooks"
             if compiled_autograd_enabled
             else None
         )
         if refusal is not None:
             raise NotImplementedError(
-                f"engine.compile() is not supported here by minispeed: {refusal}; turn "
-                "torch.compile off (TrainingArguments(torch_compile=False), or no dynamo backend "
-                "in accelerate's config), or compile at ZeRO stages 0-2"
+                f"engine.compile() is not supported here by minispeed: {refusal}; call "
+                "engine.compile() without it, or turn torch.compile off "
+                "(TrainingArguments(torch_compile=False), or no dynamo backend in accelerate's "
+                "config)"
             )
         kwargs = {k: v for k, v in (compile_kwargs or {}).items() if k != "backend"}
         self.module.compile(backend=backend or "inductor", **kwargs)
@@ -736,6 +742,8 @@ class Engine(DeepSpeedQueries, DeepSpeedSurface, CheckpointCalls, nn.Module):
         self._stack.close()
         if self.comms_logger is not None:
             self.comms_logger.__exit__(None, None, None)
+        if self._reduce_timer is not None:
+            self._reduce_timer.close()
         self.monitor.close()
         for opt in (self.optimizer, self.forward_only_zero):
             if opt is not None and not opt.closed:

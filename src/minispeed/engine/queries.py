@@ -338,7 +338,7 @@ class DeepSpeedQueries:
         return _accepted(CheckpointConfig, "writer") is not None
 
     def load_universal_checkpoint(self) -> bool:
-        return _accepted(CheckpointConfig, "load_universal")
+        return self.config.checkpoint.load_universal
 
     def fp16_auto_cast(self) -> bool:
         return _accepted(Fp16Config, "auto_cast")

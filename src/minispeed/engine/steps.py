@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import minispeed.comm as comm
+import minispeed.compression as compression
 import minispeed.engine.sequence_groups as sequence_groups
 import minispeed.pipeline as pipeline
 import minispeed.tensor_parallel as tensor_parallel
@@ -406,6 +407,20 @@ def _scheduler(given: Any, zero_opt: Any, cfg: EngineConfig) -> Any:
     from minispeed.engine.lr_schedules import build_scheduler as by_name
 
     return by_name(cfg.scheduler, target)
+
+
+def compression_schedule(composition: Composition, model: Any, cfg: EngineConfig) -> Any:
+    """Step 8's observer for `compression_training`: the `compression.Schedule` that switches
+    each technique on at its offset (the model was compressed by `init_compression` before);
+    None when no technique is enabled."""
+    if not cfg.compression.enabled:
+        return None
+    with composition.step("compression schedule", model, keys=("compression_training",)) as step:
+        schedule = compression.Schedule(model, cfg.compression)
+        step.did(
+            ", ".join(f"{t.name} from step {t.schedule_offset}" for t in cfg.compression.enabled)
+        )
+        return schedule
 
 
 def dataloader(

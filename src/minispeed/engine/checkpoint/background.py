@@ -161,7 +161,7 @@ class Checkpointer:
     ) -> tuple[Any, Any]:
         """`load.load_part`, after the save in flight has landed."""
         self.wait()
-        return load_part(part, load_dir, tag, **kwargs)
+        return load_part(part, load_dir, tag, universal=self.config.load_universal, **kwargs)
 
     def wait(self) -> None:
         """Wait for the save in flight (collective): raises on every rank if any rank's

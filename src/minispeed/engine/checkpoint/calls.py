@@ -140,13 +140,16 @@ class CheckpointCalls:
         with no `latest` file this returns `(None, None)` with a warning, as DeepSpeed does.
         Loads at any data-parallel size; another pipeline or expert-parallel size is refused
         naming both grids. A directory DeepSpeed itself wrote (ZeRO 0-3, data-parallel) loads
-        too, with DeepSpeed's client state (`deepspeed_files.py`). Waits for an asynchronous save in flight first.
+        too, with DeepSpeed's client state (`deepspeed_files.py`), and so does a DeepSpeed
+        universal folder (`universal.py`; with `checkpoint.load_universal`, `tag=None` reads
+        `latest_universal`). Waits for an asynchronous save in flight first.
         `load_module_strict=False` lets the frozen parameters differ from the checkpoint's:
         those it lacks keep the model's values, those the model lacks are skipped (trainable
         ones must still match, since their optimizer state is loaded with them).
         """
-        ckpt_async.checkpointer_of(self).wait()  # a save in flight lands (and moves `latest`)
-        if tag is None and not ckpt.has_latest(load_dir):
+        saver = ckpt_async.checkpointer_of(self)
+        saver.wait()  # a save in flight lands (and moves `latest`)
+        if tag is None and not ckpt.has_latest(load_dir, saver.config.load_universal):
             _log.warning(
                 "no '%s' file in %s: nothing loaded; pass tag= to load a tag",
                 LATEST_FILE,

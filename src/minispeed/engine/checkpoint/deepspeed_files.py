@@ -5,7 +5,9 @@ A job moved from DeepSpeed to minispeed resumes from the checkpoints DeepSpeed w
 optimizer's moments and step, the scheduler, the counters and the client state, as
 DeepSpeed's own `load_checkpoint` would, at any data-parallel size (`load.py` calls
 `load_deepspeed` when the tag holds DeepSpeed's files); `get_fp32_state_dict_from_zero_checkpoint`
-and the `zero_to_fp32` command read them through `to_zero_checkpoint` too.
+and the `zero_to_fp32` command read them through `to_zero_checkpoint` too (`weights_tag_dir`).
+A universal checkpoint's folder (`zero/`, DeepSpeed's `ds_to_universal`) is read by
+`universal.py` into the same `DeepSpeedTag` and loads the same way.
 
 DeepSpeed's layout (0.19.8; the keys read are the ones of its `runtime/engine.py` and ZeRO
 optimizers' `state_dict`s), one tag directory, N data-parallel ranks:
@@ -46,16 +48,11 @@ written as a one-rank `minispeed.zero` checkpoint in a private temporary directo
 (`resplit.write_one_rank`), which `zero.load_checkpoint` re-slices over this engine's ranks.
 
 Refused, naming the file and what to do: pipeline (`layer_*-model_states.pt`), tensor-parallel
-(`mp_rank_01...`) and MoE (`expert_*` / `expp_rank`) checkpoints, universal checkpoints (a
-`zero/` folder), a `ds_version` missing or unreadable, a file that lacks a key this reader needs,
+(`mp_rank_01...`) and MoE (`expert_*` / `expp_rank`) checkpoints, a `ds_version` missing or unreadable, a file that lacks a key this reader needs,
 a missing rank's file, and (stage 3) frozen parameters.
 
-Safety: DeepSpeed's files are pickles holding four objects of DeepSpeed's besides tensors
-(`ZeroStageEnum`, `LossScaler`, `DynamicLossScaler`, `fragment_address`). They are opened with
-`torch.load(weights_only=True)`, which runs no code from the file, with those four names mapped
-to the inert stand-ins below (`_DS_GLOBALS`); any other object in the file is refused by torch,
-named in the error. So a DeepSpeed checkpoint of unknown origin is as safe to read as a
-`weights_only` state dict, and DeepSpeed need not be installed.
+Safety: DeepSpeed's pickles are opened `weights_only` with inert stand-ins for its four objects
+(`deepspeed_tag.py`), so DeepSpeed need not be installed and no code from the file runs.
 
 Cost per loading rank: reads every file of the tag, (4 + K)·Ψ bytes of fp32 masters and moments
 (K: optimizer bytes per parameter, 8 for Adam) plus the 16-bit module, holds the whole joined
@@ -64,19 +61,32 @@ state in host memory at once ((4 + K)·Ψ bytes) and writes it to the temporary 
 
 from __future__ import annotations
 
+import contextlib
 import math
-import pickle
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import minispeed.zero as zero
+from minispeed.engine.checkpoint.deepspeed_tag import (
+    MODEL_STATES,
+    DeepSpeedTag,
+    GroupState,
+    check_version,
+    group_hyper,
+    is_per_element,
+    need,
+    open_file,
+    scalar_state,
+    shape_numel,
+)
 from minispeed.engine.checkpoint.grid import ENGINE_STATE
+from minispeed.engine.checkpoint.universal import is_universal_tag, read_universal
 from minispeed.zero.checkpoints import (
     FORMAT_VERSION,
     CheckpointError,
@@ -93,151 +103,11 @@ __all__ = [
     "load_deepspeed",
     "read_tag",
     "to_zero_checkpoint",
+    "weights_tag_dir",
 ]
 
-MODEL_STATES = "mp_rank_00_model_states.pt"
 _ZERO_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_(optim|model)_states\.pt$")
 _TAG = "deepspeed"
-# Model-states keys DeepSpeed's load_checkpoint consumes; the rest is its client state.
-_ENGINE_KEYS = ("module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size",
-                "data_sampler", "random_ltd", "lr_scheduler")  # fmt: skip
-
-
-# -- opening DeepSpeed's pickles with weights_only=True -------------------------------------------
-
-
-class _Plain:
-    """An inert object that keeps the attributes a pickle gives it (DeepSpeed's loss scalers,
-    `fragment_address`): no method of DeepSpeed's runs."""
-
-
-def _zero_stage(value: int) -> int:
-    """DeepSpeed's `ZeroStageEnum(value)`, read as its int."""
-    return int(value)
-
-
-class _LossScaler(_Plain):
-    pass
-
-
-class _DynamicLossScaler(_Plain):
-    pass
-
-
-class _FragmentAddress(_Plain):
-    pass
-
-
-_DS_GLOBALS = [
-    (_zero_stage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
-    (_LossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
-    (_DynamicLossScaler, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
-    (_FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address"),
-]
-
-
-def _open(path: Path) -> dict[str, Any]:
-    """One DeepSpeed file, `weights_only` with the stand-ins (module docstring: Safety)."""
-    try:
-        with torch.serialization.safe_globals(_DS_GLOBALS):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        lines = [ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln] or [str(e)]
-        raise CheckpointError(
-            f"DeepSpeed checkpoint file {path} holds an object this reader does not open "
-            f"({lines[0]}): it reads DeepSpeed 0.19's ZeRO checkpoints with "
-            "weights_only=True and maps only the objects those hold. Convert the checkpoint with "
-            "DeepSpeed's zero_to_fp32.py and load the weights, or load it with DeepSpeed"
-        ) from e
-    except (RuntimeError, OSError, EOFError, ValueError) as e:
-        raise CheckpointError(
-            f"DeepSpeed checkpoint file {path} cannot be read ({type(e).__name__}: "
-            f"{str(e).splitlines()[0] if str(e) else ''}): it is damaged or cut short; copy it "
-            "again from where DeepSpeed wrote it"
-        ) from e
-
-
-def _need(saved: dict[str, Any], key: str, path: Path, what: str) -> Any:
-    """`saved[key]`, or an error naming the file and what the key is (no KeyError)."""
-    if not isinstance(saved, dict) or key not in saved:
-        raise CheckpointError(
-            f"DeepSpeed checkpoint file {path} has no {key!r} ({what}): this is not a layout "
-            "this reader knows (DeepSpeed 0.19's ZeRO checkpoints). Load it with the DeepSpeed "
-            "that wrote it, or convert it to fp32 weights with its zero_to_fp32.py"
-        )
-    return saved[key]
-
-
-# -- what one tag holds ----------------------------------------------------------------------------
-
-
-@dataclass
-class GroupState:
-    """One optimizer param group, joined over the ranks: whole fp32 tensors per parameter."""
-
-    names: list[str] | None  # None at stage 0 (positional: `DeepSpeedTag.name_groups`)
-    hyper: dict[str, Any]  # lr, betas, eps, weight_decay, ... (no "params")
-    masters: list[torch.Tensor | None]  # fp32, shaped (None: fp32 stage 0, taken by name)
-    moments: dict[str, list[torch.Tensor]]  # exp_avg, exp_avg_sq: like `masters`
-    scalars: list[dict[str, Any]]  # per parameter: step
-
-
-@dataclass
-class DeepSpeedTag:
-    """What `read_tag` found in one DeepSpeed tag directory."""
-
-    tag_dir: Path
-    stage: int
-    world_size: int  # the data-parallel size that wrote it
-    states: dict[str, Any]  # the (rank 0) model-states file
-    groups: list[GroupState]
-    loss_scaler: dict[str, Any] | None  # DeepSpeed's loss scaler's attributes
-    aliases: dict[str, str] = field(default_factory=dict)  # tied name -> the name it shares
-
-    def name_groups(self, names: list[list[str]]) -> None:
-        """Stage 0: name the parameters by position (DeepSpeed's own load is positional), from
-        the loading optimizer's groups, checking every group's size and every tensor's size. An
-        fp32 run's masters are the module's weights, taken here by name."""
-        if len(names) != len(self.groups):
-            raise CheckpointError(
-                f"DeepSpeed checkpoint {self.tag_dir} has {len(self.groups)} optimizer param "
-                f"groups, this optimizer {len(names)}: build the optimizer with the groups that "
-                "saved it, or pass load_optimizer_states=False"
-            )
-        module = self.states["module"]
-        for g, (group, mine) in enumerate(zip(self.groups, names, strict=True)):
-            if len(mine) != len(group.masters):
-                raise CheckpointError(
-                    f"DeepSpeed checkpoint {self.tag_dir}: param group {g} has "
-                    f"{len(group.masters)} parameters there, {len(mine)} here; build the "
-                    "optimizer with the groups that saved it"
-                )
-            group.names = list(mine)
-            for i, name in enumerate(mine):
-                if group.masters[i] is None:  # fp32: the module's weight is the master
-                    group.masters[i] = module[name].float().clone()
-                master = group.masters[i]
-                for key, values in group.moments.items():
-                    if values[i].numel() != master.numel():
-                        raise CheckpointError(
-                            f"DeepSpeed checkpoint {self.tag_dir}: the optimizer's {key} of "
-                            f"parameter {i} of group {g} has {values[i].numel()} elements, the "
-                            f"parameter in that place here ({name!r}) {master.numel()}: build "
-                            "the optimizer's groups in the order that saved it"
-                        )
-                    values[i] = values[i].float().reshape(master.shape)
-
-    def named(self) -> dict[str, tuple[int, int]]:
-        """{parameter name: (group, index)}."""
-        return {n: (g, i) for g, group in enumerate(self.groups) for i, n in enumerate(group.names)}
-
-    def client_state(self) -> dict[str, Any]:
-        """What DeepSpeed's `load_checkpoint` returns as client state (with its default flags):
-        the model-states keys it does not consume (the caller's among them)."""
-        client = {k: v for k, v in self.states.items() if k not in (*_ENGINE_KEYS, "optimizer")}
-        if self.stage == 0:  # DeepSpeed hands the stage-0 optimizer state back too
-            client["optimizer"] = self.states["optimizer"]
-        return client
 
 
 def is_deepspeed_tag(tag_dir: Path) -> bool:
@@ -255,7 +125,6 @@ def _refuse_unsupported(tag_dir: Path) -> None:
          "a pipeline checkpoint (one file per layer)"),
         (lambda n: re.search(r"mp_rank_(?!00_)\d+", n) is not None,
          "a tensor- or pipeline-parallel checkpoint (mp_rank above 00)"),
-        (lambda n: n == "zero" and (tag_dir / n).is_dir(), "a universal checkpoint (zero/ folder)"),
     ]  # fmt: skip
     for test, what in kinds:
         hit = next((n for n in names if test(n)), None)
@@ -265,16 +134,6 @@ def _refuse_unsupported(tag_dir: Path) -> None:
                 "only data-parallel ZeRO checkpoints (stages 0-3) load. Convert it to fp32 weights "
                 "with DeepSpeed's zero_to_fp32.py and load those (the optimizer state starts anew)"
             )
-
-
-def _check_version(states: dict[str, Any], path: Path) -> None:
-    version = states.get("ds_version") if isinstance(states, dict) else None
-    if not isinstance(version, str) or not re.match(r"^\d+\.\d+", version):
-        raise CheckpointError(
-            f"DeepSpeed checkpoint file {path} has no readable ds_version ({version!r}): this "
-            "reader knows the layout of DeepSpeed 0.19's checkpoints only. Load it with the "
-            "DeepSpeed that wrote it, or convert it to fp32 weights with its zero_to_fp32.py"
-        )
 
 
 def _optim_files(tag_dir: Path) -> list[Path]:
@@ -295,8 +154,11 @@ def _optim_files(tag_dir: Path) -> list[Path]:
 
 
 def read_tag(tag_dir: Path) -> DeepSpeedTag:
-    """Everything one DeepSpeed tag holds, per parameter (module docstring)."""
+    """Everything one DeepSpeed tag holds, per parameter (module docstring); a universal
+    checkpoint's folder is read by `universal.read_universal`."""
     _refuse_unsupported(tag_dir)
+    if is_universal_tag(tag_dir):
+        return read_universal(tag_dir)
     optim_files = _optim_files(tag_dir)
     states_path = tag_dir / MODEL_STATES
     if not states_path.is_file():  # stage 3: one model-states file per rank, the same counters
@@ -306,8 +168,8 @@ def read_tag(tag_dir: Path) -> DeepSpeedTag:
             f"DeepSpeed checkpoint {tag_dir} has neither {MODEL_STATES} nor "
             "zero_pp_rank_0_mp_rank_00_model_states.pt: copy the whole tag directory"
         )
-    states = _open(states_path)
-    _check_version(states, states_path)
+    states = open_file(states_path)
+    check_version(states, states_path)
     saved_by = states.get("dp_world_size", len(optim_files))
     if optim_files and saved_by != len(optim_files):
         raise CheckpointError(
@@ -319,10 +181,10 @@ def read_tag(tag_dir: Path) -> DeepSpeedTag:
     if not optim_files:
         return _read_stage0(tag_dir, states, states_path)
     ranks = [
-        _need(_open(p), "optimizer_state_dict", p, "ZeRO's optimizer state") for p in optim_files
+        need(open_file(p), "optimizer_state_dict", p, "ZeRO's optimizer state") for p in optim_files
     ]
-    stage = _need(ranks[0], "zero_stage", optim_files[0], "the ZeRO stage")
-    shapes = _need(states, "param_shapes", states_path, "the parameters of each flat group")
+    stage = need(ranks[0], "zero_stage", optim_files[0], "the ZeRO stage")
+    shapes = need(states, "param_shapes", states_path, "the parameters of each flat group")
     if stage == 3:
         if states.get("frozen_param_shapes"):
             raise CheckpointError(
@@ -343,8 +205,8 @@ def read_tag(tag_dir: Path) -> DeepSpeedTag:
 
 def _read_stage0(tag_dir: Path, states: dict[str, Any], path: Path) -> DeepSpeedTag:
     """Stage 0: the optimizer's own state in the model-states file, per parameter already."""
-    saved = _need(states, "optimizer", path, "the optimizer state at ZeRO stage 0")
-    module = _need(states, "module", path, "the module's state_dict")
+    saved = need(states, "optimizer", path, "the optimizer state at ZeRO stage 0")
+    module = need(states, "module", path, "the module's state_dict")
     if isinstance(saved, dict) and "state" in saved and "param_groups" in saved:
         inner = saved  # torch's: the masters are the fp32 module's weights (by name, later)
         if any(t.is_floating_point() and t.dtype != torch.float32 for t in module.values()):
@@ -354,7 +216,7 @@ def _read_stage0(tag_dir: Path, states: dict[str, Any], path: Path) -> DeepSpeed
             )
         masters_by_group = [[None] * len(pg["params"]) for pg in inner["param_groups"]]
     elif isinstance(saved, dict) and "fp32_groups" in saved:  # DeepSpeed's bf16/fp16 wrapper
-        inner = _need(saved, "optimizer_state_dict", path, "the inner optimizer's state")
+        inner = need(saved, "optimizer_state_dict", path, "the inner optimizer's state")
         masters_by_group = [[m.float().clone() for m in ms] for ms in saved["fp32_groups"]]
     else:
         raise CheckpointError(
@@ -367,55 +229,33 @@ def _read_stage0(tag_dir: Path, states: dict[str, Any], path: Path) -> DeepSpeed
     for pg, masters in zip(inner["param_groups"], masters_by_group, strict=True):
         per = [inner["state"].get(flat_index + i, {}) for i in range(len(masters))]
         flat_index += len(masters)
-        keys = sorted({k for s in per for k, v in s.items() if _per_element(v)})
+        keys = sorted({k for s in per for k, v in s.items() if is_per_element(v)})
         moments = {k: [s[k] for s in per] for k in keys}
-        scalars = [_scalars(s, keys) for s in per]
-        groups.append(GroupState(None, _hyper(pg), masters, moments, scalars))
+        scalars = [scalar_state(s, keys) for s in per]
+        groups.append(GroupState(None, group_hyper(pg), masters, moments, scalars))
     scaler = {"cur_scale": saved.get("cur_scale", 1.0), "dynamic": False}
     return DeepSpeedTag(tag_dir, 0, states.get("dp_world_size", 1), states, groups, scaler)
-
-
-def _per_element(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() > 0
-
-
-def _scalars(state: dict[str, Any], per_element: list[str]) -> dict[str, Any]:
-    """The scalar state of one parameter (Adam's `step`). DeepSpeed's own Adams keep `step` as
-    an int, torch's as a 0-dim fp32 tensor, which every optimizer minispeed steps accepts
-    (torch's Adam refuses an int): an int step becomes that tensor."""
-    out = {k: v for k, v in state.items() if k not in per_element}
-    if isinstance(out.get("step"), int | float):
-        out["step"] = torch.tensor(float(out["step"]), dtype=torch.float32)
-    return out
-
-
-def _hyper(pg: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in pg.items() if k != "params"}
-
-
-def _numel(shape: Any) -> int:
-    return math.prod(int(d) for d in shape)
 
 
 def _inner_group(inner: dict[str, Any], g: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """(state, hyper-parameters) of flat group g in a ZeRO rank's inner optimizer state dict."""
     state = inner["state"].get(g, {})
-    return state, _hyper(inner["param_groups"][g])
+    return state, group_hyper(inner["param_groups"][g])
 
 
 def _join_stage12(paths: list[Path], ranks: list[dict], shapes: list[dict]) -> list[GroupState]:
     """Stages 1-2: concatenate the ranks' slices of each group's flat buffer, cut it per
     parameter in `param_shapes` order (the padding at the end dropped)."""
     masters_key, base_key = "single_partition_of_fp32_groups", "base_optimizer_state"
-    slices = [_need(r, masters_key, p, "the fp32 masters") for r, p in zip(ranks, paths)]
-    inners = [_need(r, base_key, p, "the inner optimizer's state") for r, p in zip(ranks, paths)]
+    slices = [need(r, masters_key, p, "the fp32 masters") for r, p in zip(ranks, paths)]
+    inners = [need(r, base_key, p, "the inner optimizer's state") for r, p in zip(ranks, paths)]
     groups = []
     for g, named in enumerate(shapes):
-        numels = [_numel(s) for s in named.values()]
+        numels = [shape_numel(s) for s in named.values()]
         flat = torch.cat([s[g].float() for s in slices])
         per_rank = [_inner_group(inner, g) for inner in inners]
         state0, hyper = per_rank[0]
-        keys = sorted(k for k, v in state0.items() if _per_element(v))
+        keys = sorted(k for k, v in state0.items() if is_per_element(v))
         # The moments keep the padding the masters lost: each rank's first len(slice) elements.
         flats = {
             k: torch.cat([st[k].float()[: s[g].numel()] for (st, _), s in zip(per_rank, slices)])
@@ -429,7 +269,7 @@ def _join_stage12(paths: list[Path], ranks: list[dict], shapes: list[dict]) -> l
             )
         masters = _cut(flat, named)
         moments = {k: _cut(v, named) for k, v in flats.items()}
-        scalar = _scalars(state0, keys)
+        scalar = scalar_state(state0, keys)
         groups.append(GroupState(list(named), hyper, masters, moments, [scalar] * len(masters)))
     return groups
 
@@ -437,7 +277,7 @@ def _join_stage12(paths: list[Path], ranks: list[dict], shapes: list[dict]) -> l
 def _cut(flat: torch.Tensor, named: dict[str, Any]) -> list[torch.Tensor]:
     out, offset = [], 0
     for shape in named.values():
-        n = _numel(shape)
+        n = shape_numel(shape)
         out.append(flat[offset : offset + n].clone().view(tuple(shape)))
         offset += n
     return out
@@ -447,20 +287,20 @@ def _join_stage3(paths: list[Path], ranks: list[dict], shapes: list[dict]) -> li
     """Stage 3: every parameter is cut in N pieces of ⌈numel/N⌉; rank r's flat group holds its
     piece of each parameter back to back. Join the pieces, drop the last one's padding."""
     n_ranks = len(paths)
-    flats = [_need(r, "fp32_flat_groups", p, "the fp32 masters") for r, p in zip(ranks, paths)]
-    inners = [_need(r, "optimizer_state_dict", p, "the inner optimizer's state")
+    flats = [need(r, "fp32_flat_groups", p, "the fp32 masters") for r, p in zip(ranks, paths)]
+    inners = [need(r, "optimizer_state_dict", p, "the inner optimizer's state")
               for r, p in zip(ranks, paths)]  # fmt: skip
     groups = []
     for g, named in enumerate(shapes):
         per_rank = [_inner_group(inner, g) for inner in inners]
         state0, hyper = per_rank[0]
-        keys = sorted(k for k, v in state0.items() if _per_element(v))
+        keys = sorted(k for k, v in state0.items() if is_per_element(v))
         sources = {"master": [f[g].float() for f in flats]}
         sources |= {k: [st[k].float() for st, _ in per_rank] for k in keys}
         joined: dict[str, list[torch.Tensor]] = {k: [] for k in sources}
         offset = 0
         for shape in named.values():
-            numel = _numel(shape)
+            numel = shape_numel(shape)
             piece = math.ceil(numel / n_ranks)
             for k, per in sources.items():
                 whole = torch.cat([t[offset : offset + piece] for t in per])[:numel]
@@ -473,7 +313,7 @@ def _join_stage3(paths: list[Path], ranks: list[dict], shapes: list[dict]) -> li
                 f"{offset}: a rank's file is from another save; copy the tag again"
             )
         masters = joined.pop("master")
-        scalar = _scalars(state0, keys)
+        scalar = scalar_state(state0, keys)
         groups.append(GroupState(list(named), hyper, masters, joined, [scalar] * len(masters)))
     return groups
 
@@ -581,6 +421,22 @@ def deepspeed_weights(tag_dir: Path) -> Path:
             start += len(group.masters)
         found.name_groups(names)
     return to_zero_checkpoint(found)
+
+
+@contextlib.contextmanager
+def weights_tag_dir(tag_dir: Path) -> Iterator[Path]:
+    """The tag directory `zero.consolidate` reads for `tag_dir`: `tag_dir` itself when minispeed
+    wrote it; for a tag DeepSpeed wrote, its weights as a one-rank minispeed checkpoint
+    (`deepspeed_weights`) in a temporary directory, removed on exit. The one conversion behind
+    `minispeed consolidate` and the adapter `zero_to_fp32`."""
+    if not is_deepspeed_tag(tag_dir):
+        yield tag_dir
+        return
+    work = deepspeed_weights(tag_dir)
+    try:
+        yield work / _TAG
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def engine_payload(found: DeepSpeedTag) -> dict[str, Any]:

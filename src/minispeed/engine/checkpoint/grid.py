@@ -63,6 +63,7 @@ from minispeed.zero.checkpoints import (
 __all__ = [
     "ENGINE_STATE",
     "GRID_FILE",
+    "LATEST_UNIVERSAL",
     "CheckpointConfig",
     "GridPlace",
     "GridSave",
@@ -70,6 +71,7 @@ __all__ = [
     "PathLike",
     "find_tag",
     "has_latest",
+    "latest_file",
     "part_dir",
     "read_grid",
     "save_now",
@@ -129,7 +131,6 @@ class CheckpointConfig(Section):
     ds_path: ClassVar[str] = "checkpoint"
     # DeepSpeed's checkpoint keys minispeed does not implement, accepted at their defaults.
     ds_unsupported: ClassVar[dict[str, Unsupported]] = {
-        "load_universal": ds_only(False, "checkpoints load at any data-parallel size already"),
         "parallel_write": ds_only(
             {"pipeline_stage": False}, "every rank writes its own shard files already"
         ),
@@ -149,6 +150,12 @@ class CheckpointConfig(Section):
     """DeepSpeed's key: the ranks of each node may see their own directory at the checkpoint
     path; each node then keeps its ranks' files plus the common ones, and loads at the same
     placement. Without it, a directory not every rank sees is refused at save time."""
+    load_universal: bool = key("load_universal", False)
+    """DeepSpeed's key: `load_checkpoint(dir)` without a tag reads the tag `dir/latest_universal`
+    names (DeepSpeed's `ds_to_universal` writes it beside `latest`), falling back to `latest`.
+    A universal folder (one with `zero/`) loads with or without the key, at any data-parallel
+    size and ZeRO stage (`universal.py`), and so does every other tag: the key only picks the
+    file that names the tag."""
     tag_validation: str = key("tag_validation", "WARN")
     """DeepSpeed's key: whether `save_checkpoint` checks that every rank names the same tag
     (one gather of the tags): `"WARN"` (the default) logs a warning when they differ, `"FAIL"`
@@ -237,9 +244,22 @@ class Part:
     exclude_frozen: bool = False
 
 
-def has_latest(load_dir: PathLike) -> bool:
-    """Whether `load_dir` has a `latest` file."""
-    return (Path(load_dir) / LATEST_FILE).is_file()
+# The file DeepSpeed's `ds_to_universal` writes beside `latest`, naming the universal tag.
+LATEST_UNIVERSAL = "latest_universal"
+
+
+def latest_file(load_dir: PathLike, universal: bool = False) -> Path | None:
+    """The file naming the tag to load, or None: `latest`; with `checkpoint.load_universal`,
+    `latest_universal` first. Without the key, a directory holding only `latest_universal` (a
+    universal checkpoint copied alone) loads from it too."""
+    root = Path(load_dir)
+    names = (LATEST_UNIVERSAL, LATEST_FILE) if universal else (LATEST_FILE, LATEST_UNIVERSAL)
+    return next((root / n for n in names if (root / n).is_file()), None)
+
+
+def has_latest(load_dir: PathLike, universal: bool = False) -> bool:
+    """Whether `load_dir` has a file naming the tag to load (`latest_file`)."""
+    return latest_file(load_dir, universal) is not None
 
 
 def part_dir(tag_dir: Path, place: GridPlace) -> Path:
@@ -394,9 +414,9 @@ def save_now(save: GridSave) -> None:
 # -- loading --------------------------------------------------------------------------------------
 
 
-def find_tag(load_dir: str | os.PathLike, tag: str | None) -> Path:
-    """The tag directory: `load_dir/tag`, or the one `latest` names."""
+def find_tag(load_dir: str | os.PathLike, tag: str | None, universal: bool = False) -> Path:
+    """The tag directory: `load_dir/tag`, or the one `latest_file` names."""
     root = Path(load_dir)
     if tag is not None:
         return root / tag
-    return root / (root / LATEST_FILE).read_text().strip()
+    return root / (latest_file(root, universal) or root / LATEST_FILE).read_text().strip()

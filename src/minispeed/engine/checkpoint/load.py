@@ -35,14 +35,16 @@ def load_part(
     *,
     load_optimizer_states: bool,
     strict: bool = True,
+    universal: bool = False,
 ) -> tuple[Path, dict[str, Any] | None]:
     """Load this rank's part (collective over the world); returns (tag dir, saved payload).
-    `strict=False`: frozen parameters may differ (zero's `load_checkpoint`)."""
+    `strict=False`: frozen parameters may differ (zero's `load_checkpoint`). `universal`
+    (`checkpoint.load_universal`): with no tag, `latest_universal` names it (`grid.latest_file`)."""
     what = f"load_checkpoint from {os.fspath(load_dir)!r}" + (f" (tag {tag!r})" if tag else "")
 
     def find() -> tuple[Path, int | None]:
-        tag_dir = find_tag(load_dir, tag)
-        if is_deepspeed_tag(tag_dir):  # written by DeepSpeed itself (deepspeed_files.py)
+        tag_dir = find_tag(load_dir, tag, universal)
+        if is_deepspeed_tag(tag_dir):  # DeepSpeed's own files, universal too (deepspeed_files.py)
             return tag_dir, None
         saved = read_grid(tag_dir)
         check_grid(saved, part, tag_dir)

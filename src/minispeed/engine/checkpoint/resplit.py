@@ -54,7 +54,7 @@ from minispeed.zero.checkpoints import (
     weights_file,
 )
 
-__all__ = ["load_resplit", "write_one_rank"]
+__all__ = ["load_resplit", "read_part", "write_one_rank"]
 
 _TAG = "resplit"
 
@@ -89,7 +89,7 @@ def load_resplit(
     return payload
 
 
-def _read_part(src: Path, states: bool) -> tuple[CheckpointMetadata, dict, dict, Any]:
+def read_part(src: Path, states: bool) -> tuple[CheckpointMetadata, dict, dict, Any]:
     """(metadata, {name: flat weights}, {state key: {name: flat}}, rank 0's RNG) of a part."""
     meta = read_metadata(src, need_optimizer_state=states)
     if meta.node_local_ranks is not None:
@@ -121,7 +121,7 @@ def _convert(part: Part, tag_dir: Path, saved_tensor: int, states: bool) -> Path
         part_dir(tag_dir, dataclasses.replace(place, tensor_rank=r, tensor=saved_tensor))
         for r in range(saved_tensor)
     ]
-    read = [_read_part(src, states) for src in sources]
+    read = [read_part(src, states) for src in sources]
     meta = read[0][0]
     common = load_shard(sources[0] / COMMON_FILE, meta.tag, weights_only=False)
     saved_specs = (common.get("client_state") or {}).get(TENSOR_SPECS, {})

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from minispeed.comm import CommsLoggerConfig
+from minispeed.compression import CompressionConfig
 from minispeed.core.config import BATCH_KEYS, ConfigError, batch_triple, join_path
 from minispeed.core.logging import warn_once
 from minispeed.core.sections import (
@@ -138,7 +139,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
         "truncate the batch in your loop (docs/engine/migration.md)",
     ),
     "data_efficiency": ds_only({"enabled": False}, "no data-efficiency library"),
-    "compression_training": ds_refused("no compression training"),
     "eigenvalue": ds_only({"enabled": False}, "no eigenvalue computation"),
     "progressive_layer_drop": ds_only(
         {"enabled": False},
@@ -166,7 +166,10 @@ UNSUPPORTED: dict[str, Unsupported] = {
         False, "it belongs in zero_optimization (DeepSpeed's place for it)"
     ),
     "load_universal_checkpoint": ds_only(
-        False, "checkpoints load at any data-parallel size already"
+        False,
+        "DeepSpeed 0.19.8 reads checkpoint.load_universal only (Megatron-DeepSpeed's "
+        '--universal-checkpoint sets that); give "checkpoint": {"load_universal": true}. A '
+        "universal folder loads without either key",
     ),
     "use_node_local_storage": ds_only(False, "give checkpoint.use_node_local_storage instead"),
     "seq_parallel_communication_data_type": ds_only(
@@ -431,6 +434,15 @@ class EngineConfig(Section):
     sequence ranks' gradients (stages 0-2) or averaging them (stage 3's reduce-scatter), as
     DeepSpeed (`minispeed.engine.sequence_groups`). The model's attention runs in
     `DistributedAttention` (minispeed.tensor_parallel.ulysses). null or 1: off."""
+    compression: CompressionConfig = key(
+        "compression_training",
+        default_factory=CompressionConfig,
+        read=CompressionConfig.from_ds_config,
+        schema={"type": "object"},
+    )
+    """Quantization-aware training, pruning and layer reduction (minispeed.compression): the
+    model is compressed by `init_compression(model, ds_config)` before `initialize`; the
+    engine switches each technique on at its `schedule_offset` (`compression.Schedule`)."""
     aio: AioConfig = key("aio", default_factory=AioConfig, section=AioConfig)
     """Asynchronous I/O for NVMe offload (minispeed.offload)."""
     communication_data_type: str | None = key(

@@ -41,7 +41,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -51,7 +50,7 @@ from torch import nn
 
 import minispeed.zero as zero
 from minispeed.core.files import atomic_replace, atomic_write, fsync_dir
-from minispeed.engine.checkpoint.deepspeed_files import deepspeed_weights, is_deepspeed_tag
+from minispeed.engine.checkpoint.deepspeed_files import weights_tag_dir
 from minispeed.engine.checkpoint.grid import find_tag, read_grid
 
 __all__ = [
@@ -82,16 +81,9 @@ _UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 def zero_tag_dir(checkpoint_dir: str | os.PathLike, tag: str | None) -> Iterator[Path]:
     """The tag directory to consolidate: minispeed's own, or, for a tag DeepSpeed wrote, its
     weights as a one-rank minispeed checkpoint in a temporary directory (removed on exit;
-    `minispeed.engine.checkpoint.deepspeed_files`)."""
-    tag_dir = _tag_dir(checkpoint_dir, tag)
-    if not is_deepspeed_tag(tag_dir):
+    `minispeed.engine.checkpoint.deepspeed_files.weights_tag_dir`)."""
+    with weights_tag_dir(_tag_dir(checkpoint_dir, tag)) as tag_dir:
         yield tag_dir
-        return
-    work = deepspeed_weights(tag_dir)
-    try:
-        yield work / "deepspeed"
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def _tag_dir(checkpoint_dir: str | os.PathLike, tag: str | None) -> Path:

@@ -1,0 +1,14 @@
+"""`deepspeed.compression.scheduler`: minispeed's `minispeed.engine.compression.scheduler` under DeepSpeed's name.
+
+Generated from `minispeed.engine.deepspeed_paths` by `scripts/sync_deepspeed_compat.py`; do not edit."""
+
+import importlib as _importlib
+
+import minispeed.engine.compression.scheduler as _adapter
+from minispeed.engine.deepspeed_paths import adapted_attribute as _adapted_attribute
+from minispeed.engine.compression.scheduler import *  # noqa: F403
+from minispeed.engine.compression.scheduler import __all__  # noqa: F401
+
+
+def __getattr__(name):
+    return _adapted_attribute(__name__, _adapter, name)
