@@ -1,0 +1,65 @@
+"""Megatron-DeepSpeed's legacy sections DeepSpeed 0.19.8 removed, kept with DeepSpeed 0.17.6's
+meaning (minispeed.engine.legacy), against scripts/record_ds_legacy.py's record on 0.17.6.
+
+- `progressive_layer_drop`: the forward's `progressive_layer_drop=True, pld_theta=` in training
+  mode, `engine.get_pld_theta()` per step, and the losses of a model that scales its layers by
+  theta, on 2 ranks with gradient accumulation.
+- `curriculum_learning` (`seqlen`), for `fixed_linear`, `fixed_root` and `fixed_discrete`: the
+  forward's `curriculum_seqlen=` per micro-step and the losses of a model that truncates.
+- What is left refused: another `curriculum_type`, a pipeline, a section missing a key.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ds_scripts
+
+from minispeed.core.config import ConfigError
+from minispeed.core.testing import run_distributed
+from minispeed.engine.config import EngineConfig
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "ds_legacy.json"
+
+
+def _run(rank: int, world_size: int) -> list:
+    return ds_scripts.load("record_ds_legacy.py", ds_scripts.PLAIN_IMPORTS).main()
+
+
+def test_legacy_sections_train_as_on_deepspeed_0_17_6() -> None:
+    recorded = json.loads(FIXTURE.read_text())
+    assert recorded["deepspeed"] == "0.17.6"
+    runs = run_distributed(_run, world_size=2, timeout_s=240)
+    for ours, ref in zip(runs, recorded["ranks"], strict=True):
+        ds_scripts.assert_matches(ours, ref)
+    pld = runs[0][0]
+    assert pld["forward_kwargs"][-1]["pld_theta"] < 1.0  # the schedule decayed
+    assert pld["eval_kwargs"] == {}  # nothing added in eval mode
+    lengths = [k["curriculum_seqlen"] for k in runs[0][1]["forward_kwargs"]]
+    assert lengths == [4, 4, 8, 8, 8, 8, 12, 12, 12, 12]
+
+
+@pytest.mark.parametrize(
+    ("section", "key"),
+    [
+        ({"progressive_layer_drop": {"enabled": True, "theta": 0.5}}, "progressive_layer_drop.gamma"),
+        ({"progressive_layer_drop": {"enabled": True, "theta": 0.0, "gamma": 0.1}},
+         "progressive_layer_drop.theta"),
+        ({"curriculum_learning": {"enabled": True, "curriculum_type": "vocab",
+                                  "min_difficulty": 4, "max_difficulty": 8,
+                                  "schedule_type": "fixed_discrete"}},
+         "curriculum_learning.curriculum_type"),
+        ({"curriculum_learning": {"enabled": True, "curriculum_type": "seqlen",
+                                  "min_difficulty": 4, "max_difficulty": 8,
+                                  "schedule_type": "fixed_linear"}},
+         "curriculum_learning.schedule_config"),
+    ],
+)  # fmt: skip
+def test_legacy_section_missing_or_wrong_key_is_named(section: dict, key: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^{key}: "):
+        EngineConfig.from_ds_config({"train_batch_size": 8, **section})
