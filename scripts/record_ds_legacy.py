@@ -16,15 +16,21 @@ GPT whose forward takes the keyword arguments 0.17.6's engine adds in training m
 layer's residual branch by `pld_theta` and truncates the sequences to `curriculum_seqlen`.
 `STEPS` steps of 2 micro-batches (SGD, ZeRO stage 0, fp32); per micro-step it records the
 keyword arguments the forward received and the loss, per step `engine.get_pld_theta()`, and
-after training the arguments of one forward in eval mode (none). `tests/engine/test_legacy.py`
-runs this file with its import line changed to minispeed's and compares.
+after training the arguments of one forward in eval mode (none). Then `elasticity`:
+`compute_elastic_config`'s answer for each of `ELASTIC_CASES` (the batch, the valid world sizes
+and the micro-batch, or the error's type) and the engine's batch triple from an elastic section
+at 2 ranks (and its errors for a world size outside the section and for batch keys beside it).
+`tests/engine/test_legacy.py` runs this file with its import lines changed to minispeed's and
+compares.
 """
 
+import json
 from pathlib import Path
 
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.elasticity import compute_elastic_config
 from torch import nn
 
 VOCAB, DIM, LAYERS, SEQ, MICRO, STEPS = 16, 8, 2, 16, 2, 5
@@ -95,9 +101,89 @@ def run_case(rank, name):
             "eval_kwargs": engine.module.seen[-1]}  # fmt: skip
 
 
+def elastic(**section):
+    return {"elasticity": {"enabled": True, "max_train_batch_size": 2000,
+                           "micro_batch_sizes": [2, 4, 6], **section}}  # fmt: skip
+
+
+# (name, ds_config, compute_elastic_config's keyword arguments, the key an error names)
+ELASTIC_CASES = [
+    ("v01", elastic(version=0.1), {}, None),
+    ("v01_range", elastic(version=0.1, min_gpus=2, max_gpus=16), {}, None),
+    ("v01_smaller", elastic(version=0.1, prefer_larger_batch=False, max_gpus=64), {}, None),
+    ("v01_world", elastic(version=0.1, max_train_batch_size=100, micro_batch_sizes=[3, 5]),
+     {"world_size": 5}, None),
+    ("v02_world", elastic(max_gpus=64), {"world_size": 8}, None),
+    ("v02_outside", elastic(max_train_batch_size=50, min_gpus=1, max_gpus=4),
+     {"world_size": 7}, None),
+    ("v02_nodes", elastic(num_gpus_per_node=4, model_parallel_size=2, max_gpus=64),
+     {"world_size": 16, "return_microbatch": True}, None),
+    ("no_section", {"train_batch_size": 8}, {}, "elasticity"),
+    ("disabled", {"elasticity": {"enabled": False}}, {}, "enabled"),
+    ("no_max", {"elasticity": {"enabled": True, "micro_batch_sizes": [2]}}, {},
+     "max_train_batch_size"),
+    ("no_micro", {"elasticity": {"enabled": True, "max_train_batch_size": 8}}, {},
+     "micro_batch_sizes"),
+    ("micro_not_list", elastic(micro_batch_sizes=4), {}, "micro_batch_sizes"),
+    ("micro_zero", elastic(micro_batch_sizes=[0, 2]), {}, "micro_batch_sizes"),
+    ("micro_above_max", elastic(version=0.1, micro_batch_sizes=[4000]), {}, "micro_batch_sizes"),
+    ("min_above_max", elastic(min_gpus=8, max_gpus=4), {}, "min_gpus"),
+    ("mp_zero", elastic(model_parallel_size=0), {}, "model_parallel_size"),
+    ("mp_v01", elastic(version=0.1, model_parallel_size=2), {}, "model_parallel_size"),
+    ("gpn_not_mp", elastic(num_gpus_per_node=3, model_parallel_size=2), {"world_size": 6},
+     "num_gpus_per_node"),
+    ("min_time", elastic(min_time=-1), {}, "min_time"),
+    ("version_03", elastic(version=0.3), {}, "version"),
+    ("old_target", elastic(version=0.1), {"target_deepspeed_version": "0.3.0"},
+     "target_deepspeed_version"),
+    ("world_invalid", elastic(version=0.1, max_gpus=4), {"world_size": 7}, "max_gpus"),
+]  # fmt: skip
+
+
+def elastic_table():
+    out = {}
+    for name, ds_config, kwargs, _ in ELASTIC_CASES:
+        kwargs = {"target_deepspeed_version": "0.17.6", **kwargs}
+        try:
+            answer = compute_elastic_config(ds_config, **kwargs)
+            out[name] = json.loads(json.dumps(answer, default=int))  # numpy ints to plain
+        except Exception as e:
+            out[name] = {"error": type(e).__name__}
+    return out
+
+
+def elastic_engine():
+    """The engine's batch triple from an elastic section at this world size, and the errors of
+    a world size outside it and of batch keys beside it."""
+    section = {"enabled": True, "max_train_batch_size": 24, "micro_batch_sizes": [2, 3],
+               "max_gpus": 4, "version": 0.1}  # fmt: skip
+    base = {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "steps_per_print": 1000}
+    out = {}
+    for name, config in {
+        "adopted": {**base, "elasticity": section},
+        "ignored_batch_keys": {**base, "train_batch_size": 8,
+                               "elasticity": {**section, "ignore_non_elastic_batch_info": True}},
+        "world_invalid": {**base, "elasticity": {**section, "min_gpus": 3}},
+        "batch_keys": {**base, "train_batch_size": 8, "elasticity": section},
+    }.items():  # fmt: skip
+        model = nn.Linear(2, 2)
+        try:
+            engine, _, _, _ = deepspeed.initialize(
+                model=model, model_parameters=model.parameters(), config=config
+            )
+            out[name] = [engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(),
+                         engine.gradient_accumulation_steps()]  # fmt: skip
+            engine.destroy()
+        except Exception as e:
+            out[name] = {"error": type(e).__name__}
+    return out
+
+
 def main():
     rank = dist.get_rank()
-    return [run_case(rank, name) for name in CASES]
+    records = [run_case(rank, name) for name in CASES]
+    return [*records, {"case": "elastic_table", "answers": elastic_table()},
+            {"case": "elastic_engine", "answers": elastic_engine()}]  # fmt: skip
 
 
 if __name__ == "__main__":

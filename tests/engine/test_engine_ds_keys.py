@@ -65,6 +65,7 @@ KEPT_REMOVED: dict[str, str] = {
     "compression_training": "minispeed.compression (DeepSpeed 0.17.6's library, recorded there)",
     "progressive_layer_drop": "minispeed.engine.legacy (DeepSpeed 0.17.6's, recorded there)",
     "curriculum_learning": "minispeed.engine.legacy, seqlen (DeepSpeed 0.17.6's, recorded there)",
+    "elasticity": "minispeed.engine.elastic (DeepSpeed 0.17.6's, recorded there)",
 }
 
 # Keys both read whose default differs, and why.

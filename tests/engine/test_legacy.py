@@ -6,7 +6,9 @@ meaning (minispeed.engine.legacy), against scripts/record_ds_legacy.py's record 
   theta, on 2 ranks with gradient accumulation.
 - `curriculum_learning` (`seqlen`), for `fixed_linear`, `fixed_root` and `fixed_discrete`: the
   forward's `curriculum_seqlen=` per micro-step and the losses of a model that truncates.
-- What is left refused: another `curriculum_type`, a pipeline, a section missing a key.
+- `elasticity`: `compute_elastic_config`'s answers for a table of sections and world sizes (its
+  error conditions by class, each naming the key), and the engine's batch triple at 2 ranks.
+- What is left refused: another `curriculum_type`, a section missing a key.
 """
 
 from __future__ import annotations
@@ -22,13 +24,33 @@ import ds_scripts
 
 from minispeed.core.config import ConfigError
 from minispeed.core.testing import run_distributed
+import minispeed.engine.elastic as elastic
 from minispeed.engine.config import EngineConfig
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "ds_legacy.json"
 
 
+IMPORTS = {
+    **ds_scripts.PLAIN_IMPORTS,
+    "from deepspeed.elasticity import compute_elastic_config\n": (
+        "from minispeed.engine.elasticity import compute_elastic_config\n"
+    ),
+}
+
+
+def _script():
+    return ds_scripts.load("record_ds_legacy.py", IMPORTS)
+
+
 def _run(rank: int, world_size: int) -> list:
-    return ds_scripts.load("record_ds_legacy.py", ds_scripts.PLAIN_IMPORTS).main()
+    return _script().main()
+
+
+def _same_error(ours: dict, ref: dict) -> bool:
+    """Ours is DeepSpeed's error class or a subclass of it (ours are `ConfigError`s, so
+    DeepSpeed's bare ValueError is matched by any of them)."""
+    classes = {**vars(elastic), "ValueError": ValueError}
+    return issubclass(classes[ours["error"]], classes[ref["error"]])
 
 
 def test_legacy_sections_train_as_on_deepspeed_0_17_6() -> None:
@@ -36,12 +58,34 @@ def test_legacy_sections_train_as_on_deepspeed_0_17_6() -> None:
     assert recorded["deepspeed"] == "0.17.6"
     runs = run_distributed(_run, world_size=2, timeout_s=240)
     for ours, ref in zip(runs, recorded["ranks"], strict=True):
+        # The elastic answers' errors by class (below); every other value as recorded.
+        for part in (ours[-2]["answers"], ours[-1]["answers"]):
+            for name, answer in part.items():
+                if "error" in answer:
+                    refs = {**ref[-2]["answers"], **ref[-1]["answers"]}
+                    assert _same_error(answer, refs[name]), (name, answer, refs[name])
+                    part[name] = refs[name]
         ds_scripts.assert_matches(ours, ref)
     pld = runs[0][0]
     assert pld["forward_kwargs"][-1]["pld_theta"] < 1.0  # the schedule decayed
     assert pld["eval_kwargs"] == {}  # nothing added in eval mode
     lengths = [k["curriculum_seqlen"] for k in runs[0][1]["forward_kwargs"]]
     assert lengths == [4, 4, 8, 8, 8, 8, 12, 12, 12, 12]
+    # At 2 ranks the elastic section gives a batch of 24 as 3 per rank x 4 micro-steps.
+    assert runs[0][-1]["answers"]["adopted"] == [24, 3, 4]
+
+
+def test_elastic_errors_name_the_key() -> None:
+    """Each error condition of `compute_elastic_config` (DeepSpeed's classes, recorded) names
+    the key to change, where DeepSpeed's messages sometimes name none."""
+    script = _script()
+    for name, ds_config, kwargs, key in script.ELASTIC_CASES:
+        if key is None:
+            continue
+        with pytest.raises(elastic.ElasticityError, match=key):
+            script.compute_elastic_config(
+                ds_config, **{"target_deepspeed_version": "0.17.6", **kwargs}
+            )
 
 
 @pytest.mark.parametrize(

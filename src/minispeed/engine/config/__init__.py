@@ -57,6 +57,7 @@ from minispeed.core.sections import (
 )
 from minispeed.engine.by_name import OptimizerSection, SchedulerSection
 from minispeed.engine.checkpoint.grid import CheckpointConfig
+from minispeed.engine.elastic import ElasticConfig, adopt_batch
 from minispeed.engine.legacy import LayerDropConfig, LegacyCurriculumConfig
 from minispeed.engine.sequence_groups import sequence_size
 from minispeed.offload import AioConfig
@@ -103,8 +104,9 @@ DS_GRADIENT_CLIPPING_DEFAULT = 1.0
 # `get_pld_theta` (tests/engine/fixtures/ds_curriculum.json). A job ported from it fails there
 # as here; minispeed accepts the disabled section, which changes nothing. minispeed keeps
 # `progressive_layer_drop` and the `seqlen` curriculum with DeepSpeed 0.17.6's meaning (the
-# forward's keyword arguments: minispeed.engine.legacy, recorded against 0.17.6 by
-# scripts/record_ds_legacy.py) and refuses enabled `elasticity`, naming what to do. Only the
+# forward's keyword arguments: minispeed.engine.legacy) and `elasticity` (the batch triple
+# chosen for the data-parallel size: minispeed.engine.elastic), recorded against 0.17.6 by
+# scripts/record_ds_legacy.py. Only the
 # curriculum's difficulty schedule survives in DeepSpeed, for its data-efficiency sampler:
 # `minispeed.engine.curriculum`.
 
@@ -129,12 +131,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
         "use bf16 or fp16 (minispeed.zero.MixedPrecision) instead of NVIDIA Apex AMP",
     ),
     # See Note [Megatron-DeepSpeed's legacy sections].
-    "elasticity": ds_only(
-        {"enabled": False},
-        "DeepSpeed 0.19.8 removed elastic training and refuses this section at every value: "
-        "set train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps "
-        "for the world you launch",
-    ),
     "data_efficiency": ds_only({"enabled": False}, "no data-efficiency library"),
     "eigenvalue": ds_only({"enabled": False}, "no eigenvalue computation"),
     "hybrid_engine": ds_only({"enabled": False}, "no RLHF hybrid engine"),
@@ -454,6 +450,16 @@ class EngineConfig(Section):
     `curriculum_type: "seqlen"` only; every training forward gets `curriculum_seqlen=` the
     schedule's running difficulty (minispeed.engine.curriculum's schedules); not with a
     pipeline (minispeed.engine.legacy)."""
+    elasticity: ElasticConfig = key(
+        "elasticity",
+        default_factory=ElasticConfig,
+        read=ElasticConfig.from_ds_config,
+        schema={"type": "object"},
+    )
+    """Elastic batch sizes, DeepSpeed 0.17.6's (0.19.8 removed them): enabled, the batch
+    triple is chosen for the data-parallel size from `max_train_batch_size` and
+    `micro_batch_sizes` (one global batch valid for every world size in `min_gpus`..`max_gpus`);
+    a world size outside it is refused naming those keys (minispeed.engine.elastic)."""
     aio: AioConfig = key("aio", default_factory=AioConfig, section=AioConfig)
     """Asynchronous I/O for NVMe offload (minispeed.offload)."""
     communication_data_type: str | None = key(
@@ -517,6 +523,9 @@ class EngineConfig(Section):
         # elsewhere in the ds_config are read below, with them.
         with_context = (*BATCH_KEYS, "zero_optimization", "pipeline")
         kwargs = translate_section(cls, {k: v for k, v in ds.items() if k not in with_context}, "")
+        elastic = kwargs.get("elasticity")
+        if elastic is not None and elastic.enabled:  # the batch from the world size
+            ds = adopt_batch(ds, elastic, data_parallel_size)
         train, micro, gas = resolve_batch(ds, data_parallel_size)
         aio = kwargs.setdefault("aio", AioConfig())
         kwargs["zero"] = ZeroConfig.from_section(
