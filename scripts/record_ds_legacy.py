@@ -51,7 +51,9 @@ CASES = {
     "seqlen_fixed_root": seqlen(
         "fixed_root", {"total_curriculum_step": 6, "difficulty_step": 4, "root_degree": 2}
     ),
-    "seqlen_fixed_discrete": seqlen("fixed_discrete", {"difficulty": [4, 8, 16], "max_step": [3, 6]}),
+    "seqlen_fixed_discrete": seqlen(
+        "fixed_discrete", {"difficulty": [4, 8, 16], "max_step": [3, 6]}
+    ),
 }
 
 

@@ -22,9 +22,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ds_scripts
 
+import minispeed.engine.elastic as elastic
 from minispeed.core.config import ConfigError
 from minispeed.core.testing import run_distributed
-import minispeed.engine.elastic as elastic
 from minispeed.engine.config import EngineConfig
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "ds_legacy.json"
@@ -79,7 +79,7 @@ def test_elastic_errors_name_the_key() -> None:
     """Each error condition of `compute_elastic_config` (DeepSpeed's classes, recorded) names
     the key to change, where DeepSpeed's messages sometimes name none."""
     script = _script()
-    for name, ds_config, kwargs, key in script.ELASTIC_CASES:
+    for _name, ds_config, kwargs, key in script.ELASTIC_CASES:
         if key is None:
             continue
         with pytest.raises(elastic.ElasticityError, match=key):
@@ -107,3 +107,26 @@ def test_elastic_errors_name_the_key() -> None:
 def test_legacy_section_missing_or_wrong_key_is_named(section: dict, key: str) -> None:
     with pytest.raises(ConfigError, match=rf"^{key}: "):
         EngineConfig.from_ds_config({"train_batch_size": 8, **section})
+
+
+def _on_pipeline(rank: int, world_size: int) -> str:
+    from torch import nn
+
+    import minispeed.engine as deepspeed
+    from minispeed.engine.pipe import LayerSpec, PipelineModule
+
+    model = PipelineModule(
+        [LayerSpec(nn.Linear, 2, 2), LayerSpec(nn.Linear, 2, 2)], num_stages=2, loss_fn=nn.MSELoss()
+    )
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {}},
+              "progressive_layer_drop": {"enabled": True, "theta": 0.5, "gamma": 0.1}}  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return str(e.value)
+
+
+def test_forward_arguments_on_a_pipeline_are_refused_on_every_rank() -> None:
+    """A pipeline's stages take no extra forward arguments (0.17.6's pipeline engine passes
+    none): refused at set-up, naming the section, on both ranks."""
+    for message in run_distributed(_on_pipeline, world_size=2, timeout_s=120):
+        assert message.startswith("progressive_layer_drop: ") and "pipeline" in message

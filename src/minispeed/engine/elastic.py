@@ -107,7 +107,9 @@ class ElasticConfig:
             raise ElasticityConfigError(path, f"is {config!r}; give an object")
         for name in config:
             if name not in _KEYS:
-                raise ElasticityConfigError(f"{path}.{name}", f"is not a key; use {', '.join(_KEYS)}")
+                raise ElasticityConfigError(
+                    f"{path}.{name}", f"is not a key; use {', '.join(_KEYS)}"
+                )
         enabled = bool(config.get("enabled", False))
         if enabled:
             for name in ("max_train_batch_size", "micro_batch_sizes"):
@@ -160,7 +162,9 @@ class ElasticConfig:
             )
         micro = None
         if version == 0.1:
-            batch, valid = self._search(self.max_train_batch_size, self.min_gpus, self.max_gpus, path)
+            batch, valid = self._search(
+                self.max_train_batch_size, self.min_gpus, self.max_gpus, path
+            )
         elif version == 0.2:
             if world_size == 0:
                 env = os.environ.get("WORLD_SIZE", "")

@@ -68,7 +68,9 @@ class LayerDropConfig:
         if config.get("enabled", False):
             for name in ("theta", "gamma"):
                 if name not in config:  # DeepSpeed 0.17.6 fails with a bare KeyError
-                    raise ConfigError(f"{path}.{name}", "progressive layer drop requires it: add it")
+                    raise ConfigError(
+                        f"{path}.{name}", "progressive layer drop requires it: add it"
+                    )
         out = cls(**config)
         if out.enabled and not 0.0 < out.theta <= 1.0:
             raise ConfigError(

@@ -431,12 +431,11 @@ def forward_arguments(
     forward (`progressive_layer_drop`, the `seqlen` `curriculum_learning`: minispeed.engine.legacy);
     None when both are off. Refused on a pipeline, whose stages' forwards take no arguments."""
     layer_drop, curriculum = cfg.layer_drop, cfg.legacy_curriculum
-    keys = tuple(
-        name
-        for name, on in (("progressive_layer_drop", layer_drop.enabled),
-                         ("curriculum_learning", curriculum.enabled))  # fmt: skip
-        if on
-    )
+    switches = {
+        "progressive_layer_drop": layer_drop.enabled,
+        "curriculum_learning": curriculum.enabled,
+    }
+    keys = tuple(name for name, on in switches.items() if on)
     if not keys:
         return None
     if is_pipeline:
