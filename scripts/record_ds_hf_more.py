@@ -12,6 +12,8 @@ client recorders (`record_ds_trainer.py`, `record_ds_hf_families.py`, `record_ds
 - `compile_z2`: the Trainer with `torch_compile=True` at ZeRO-2 (accelerate calls
   `engine.compile`), with the `aot_eager` backend: forward and backward traced by AOTAutograd,
   no code generated (inductor gives the same numbers, in minutes on this CPU);
+- `compile_z3`: the same at ZeRO-3, where the parameter hooks run around the compiled graphs
+  (each gathers and releases the module's parameters eagerly);
 - `eval_only_z3`: a Trainer that never trains (`evaluate()` and `predict()` only), so
   transformers' `deepspeed_init(inference=True)` drops the optimizer and scheduler from the
   ds_config; the model loaded partitioned by `from_pretrained`;
@@ -446,6 +448,10 @@ def cases(scratch):
             scratch, "compile_z2", *llama, 2, torch_compile=True,
             torch_compile_backend="aot_eager",
             per_device_eval_batch_size=2,  # the training shapes: no second compilation
+        ),
+        "compile_z3": lambda: trainer_case(
+            scratch, "compile_z3", *llama, 3, torch_compile=True,
+            torch_compile_backend="aot_eager", per_device_eval_batch_size=2,
         ),
         "eval_only_z3": lambda: trainer_case(scratch, "eval_only_z3", *llama, 3, train=False),
         "albert_z3": lambda: trainer_case(

@@ -303,13 +303,16 @@ def test_optimizer_and_scheduler_arguments_that_are_not_callable_are_refused_by_
     ]
 
 
-def _compile_refused_run(rank: int, world_size: int) -> str:
+def _compile_refused_run(rank: int, world_size: int) -> tuple[str, str, str]:
     model = GPT()
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=_config(3)
     )
-    with pytest.raises(NotImplementedError) as refused:
-        engine.compile()
+    refused = []
+    for asked in ({"schedule": [(0, [])]}, {"compiled_autograd_enabled": True}):
+        with pytest.raises(NotImplementedError) as error:
+            engine.compile(backend="eager", **asked)
+        refused.append(str(error.value))
     assert not engine.is_compiled
     import minispeed.engine.pipe as pipe
 
@@ -320,14 +323,17 @@ def _compile_refused_run(rank: int, world_size: int) -> str:
     )  # fmt: skip
     with pytest.raises(NotImplementedError) as pipeline_refused:
         engine.compile()
-    return str(refused.value), str(pipeline_refused.value)
+    return refused[0], refused[1], str(pipeline_refused.value)
 
 
-def test_compile_is_refused_by_name_at_stage_3_and_on_a_pipeline() -> None:
-    """engine.compile (the Trainer's torch_compile=True) works at stages 0-2
-    (test_compat_clients.py's compile_z2, against DeepSpeed); stage 3 and a pipeline say why
-    not."""
-    for stage3, pipeline in run_distributed(_compile_refused_run, world_size=2, timeout_s=120):
-        assert "stage 3 gathers each module's parameters" in stage3
-        assert "torch_compile=False" in stage3
+def test_compile_is_refused_by_name_for_deepcompile_and_on_a_pipeline() -> None:
+    """engine.compile (the Trainer's torch_compile=True) works at every stage
+    (test_compat_clients.py's compile_z2 and compile_z3, test_engine_compile.py); a deepcompile
+    schedule, compiled autograd and a pipeline say why not, naming what the user asked for."""
+    runs = run_distributed(_compile_refused_run, world_size=2, timeout_s=120)
+    for schedule, compiled_autograd, pipeline in runs:
+        assert "engine.compile(schedule=...)" in schedule
+        assert "compile.deepcompile" in schedule
+        assert "engine.compile(compiled_autograd_enabled=True)" in compiled_autograd
+        assert "torch_compile=False" in compiled_autograd
         assert "pipeline schedule" in pipeline

@@ -719,28 +719,31 @@ class Engine(DeepSpeedQueries, DeepSpeedSurface, CheckpointCalls, nn.Module):
     ) -> None:
         """DeepSpeed's `engine.compile` (accelerate calls it when a dynamo backend is set, as
         with the Trainer's `torch_compile=True`): `nn.Module.compile` of the model, as DeepSpeed
-        does without deepcompile, at ZeRO stages 0-2, whose hooks are on the gradients (they
-        run as autograd accumulates each one, outside the compiled graphs). A second call does
-        nothing. Refused at stage 3 (each module's forward is wrapped in hooks that gather its
-        parameters), with a deepcompile `schedule` and with compiled autograd (and on a
+        does without deepcompile, at every ZeRO stage. Stages 0-2 hook the gradients (the hooks
+        run as autograd accumulates each one, outside the compiled graphs); stage 3's module
+        hooks, which gather and release each module's parameters, run eagerly between the
+        graphs (`minispeed.core.compiling.eager`), so each module's forward is a graph of its
+        own and stage 3 releases what it gathered as in eager mode. A second call does
+        nothing. Refused with a deepcompile `schedule` and with compiled autograd (and on a
         pipeline: `PipelineEngine.compile`).
         """
         if self.is_compiled:
             return
         refusal = (
-            "stage 3 gathers each module's parameters in forward hooks, which run eagerly"
-            if self.config.zero.stage == 3
-            else "deepcompile schedules are not provided"
+            "engine.compile(schedule=...) asks for deepcompile's schedules (ds_config "
+            "`compile.deepcompile`), which minispeed does not provide"
             if schedule is not None
-            else "compiled autograd would trace the gradient hooks"
+            else "engine.compile(compiled_autograd_enabled=True) would have compiled autograd "
+            "trace ZeRO's gradient hooks"
             if compiled_autograd_enabled
             else None
         )
         if refusal is not None:
             raise NotImplementedError(
-                f"engine.compile() is not supported here by minispeed: {refusal}; turn "
-                "torch.compile off (TrainingArguments(torch_compile=False), or no dynamo backend "
-                "in accelerate's config), or compile at ZeRO stages 0-2"
+                f"engine.compile() is not supported here by minispeed: {refusal}; call "
+                "engine.compile() without it, or turn torch.compile off "
+                "(TrainingArguments(torch_compile=False), or no dynamo backend in accelerate's "
+                "config)"
             )
         kwargs = {k: v for k, v in (compile_kwargs or {}).items() if k != "backend"}
         self.module.compile(backend=backend or "inductor", **kwargs)

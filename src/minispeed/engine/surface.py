@@ -40,7 +40,7 @@ _REDUCTION = (
 _AUTOTUNING = "DeepSpeed's autotuner is not provided (its switch, autotuning_enabled(), is False); run `minispeed tune`"
 _DEEPCOMPILE = (
     "DeepSpeed's deepcompile (compiler passes over the engine) is not provided: engine.compile() "
-    "compiles the model with torch.compile at ZeRO stages 0-2, without those passes"
+    "compiles the model with torch.compile at every ZeRO stage, without those passes"
 )
 _DATA_EFFICIENCY = (
     "DeepSpeed's data-efficiency library (curriculum learning, data sampling, random-LTD) is not "

@@ -392,7 +392,8 @@ class ZeroOptimizer(torch.optim.Optimizer, Detachable):
                 self.strategy.partitions_grads,
             )
 
-        overflow = self.loss_scaler.unscale(grads, self._grad_device)  # a flag where checked
+        # A flag where checked (ZeRO-Infinity's gradients in files: by the strategy's Σ g²)
+        overflow = self.loss_scaler.unscale(grads, self._grad_device, self.strategy)
         if self.flags_in_bucket:  # summed with the gradients: no collective of their own
             flags = self.strategy.carried_flags(self._trainable_at_shard)
         else:

@@ -422,10 +422,21 @@ class LossScaler:
         self.hysteresis_left = precision.hysteresis
         self.overflows = 0  # total skipped steps, for logs
 
-    def unscale(self, grads: list[torch.Tensor], device: torch.device) -> torch.Tensor | None:
+    def unscale(
+        self,
+        grads: list[torch.Tensor],
+        device: torch.device,
+        strategy: Any = None,
+    ) -> torch.Tensor | None:
         """Divide `grads` by the scale, in place; return this rank's overflow flag (1 element,
         fp32, on `device`: 1 where any gradient holds an inf or a NaN) when the step is checked
-        (`checks`), else None (nothing is read)."""
+        (`checks`), else None (nothing is read).
+
+        `strategy`: the `ShardStrategy` whose `master_grads` `grads` are. With `grads_in_files`
+        (ZeRO-Infinity) they are meta markers and the values are in swap files; their Σ g²,
+        kept as they were written (`grad_square_sum`), is not finite when one of them held an
+        inf or a NaN (or a value past fp32's range squared, as DeepSpeed's own test counts a
+        sum past it), so the check reads no file."""
         if self.scale != 1.0:
             inv_scale = 1.0 / self.scale
             for g in grads:
@@ -438,8 +449,11 @@ class LossScaler:
         # sub-group (test_subgroup_step_memory.py). On the gradients' device: no host sync.
         bad = torch.zeros(1, dtype=torch.float32, device=device)
         for g in grads:
-            if g.device.type != "meta":  # ZeRO-Infinity's markers: the values are in files
+            if g.device.type != "meta":  # ZeRO-Infinity's markers: checked below
                 torch.maximum(bad, (~torch.isfinite(g.sum(dtype=torch.float32))).float(), out=bad)
+        if strategy is not None and strategy.grads_in_files:
+            squares = strategy.grad_square_sum().to(device, torch.float32).reshape(1)
+            torch.maximum(bad, (~torch.isfinite(squares)).float(), out=bad)
         return bad
 
     def skip(self, step: int) -> None:

@@ -57,6 +57,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from minispeed.core.compiling import eager, is_compiling
 from minispeed.zero.stage3.params import REGISTRY, ParamState
 
 __all__ = [
@@ -98,7 +99,10 @@ class GuardedParameterDict(dict):
     def __getitem__(self, name: str) -> Any:
         param = dict.__getitem__(self, name)
         if param is not None:
-            self.guard(param, name, self.owner_name)
+            if not is_compiling():
+                self.guard(param, name, self.owner_name)
+            elif param.numel() == 0:  # released: Note [the guard under torch.compile]
+                _guard_eagerly(self.guard, param, name, self.owner_name)
         return param
 
     def __deepcopy__(self, memo: dict) -> Any:
@@ -113,6 +117,22 @@ class GuardedParameterDict(dict):
                     "zero.shard), or build each copy by calling its constructor inside zero.Init",
                 )
         return {k: copy.deepcopy(v, memo) for k, v in dict.items(self)}
+
+
+# Note [the guard under torch.compile]
+# While dynamo traces a module's forward (``engine.compile()``), a read of a gathered parameter
+# (its own, gathered by its module's pre-hook; ``numel()`` is its full size there) is not
+# checked: the check is a weak-dict lookup dynamo cannot trace, and breaking the graph at every
+# parameter read would cut each forward into one graph per op. A released one (``numel()`` 0 in
+# the trace: another module's weight, the first time it is read) breaks the graph: the guard
+# runs eagerly and demand-fetches it as in eager mode, and the trace goes on with the gathered
+# value. From the next pass it is fetched with the reading module's unit, so the graph compiled
+# for it is guarded on the released size and compiled once more. Stage 3 never releases a
+# 0-element parameter's values: for one, the extra graph break is all it costs.
+@eager
+def _guard_eagerly(guard: Callable[[nn.Parameter, str, str], None], *args: Any) -> None:
+    """A guard called from code dynamo traces (``engine.compile()``), run as plain Python."""
+    guard(*args)
 
 
 def guard_module(

@@ -63,6 +63,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
+from minispeed.core.compiling import eager
 from minispeed.core.logging import get_logger
 from minispeed.zero.stage3.params import FetchUnit, ShardedParam
 from minispeed.zero.stage3.prefetch import Prefetcher
@@ -138,7 +139,7 @@ def _make_pre(unit: FetchUnit, coordinator: FetchCoordinator, is_root: bool) -> 
             return _wrap_inputs(args, kwargs, post_backward)
         return args, kwargs
 
-    return pre_hook
+    return eager(pre_hook)
 
 
 def _make_post(unit: FetchUnit, coordinator: FetchCoordinator, is_root: bool) -> Callable:
@@ -156,7 +157,7 @@ def _make_post(unit: FetchUnit, coordinator: FetchCoordinator, is_root: bool) ->
         if is_root:
             coordinator.end_forward()
 
-    return post_hook
+    return eager(post_hook)
 
 
 # -- the coordinator -------------------------------------------------------------------------------
@@ -238,9 +239,7 @@ class FetchCoordinator:
 
     def _to_idle(self, ending: FetchPhase | None) -> None:
         """The pass ``ending`` ends; ``None``: a pass that raised midway, from any phase."""
-        assert ending is None or self._phase is ending, (
-            f"stage 3: {ending} ends during {self._phase}"
-        )
+        assert ending in (None, self._phase), f"stage 3: {ending} ends during {self._phase}"
         self._phase = FetchPhase.IDLE
 
     # -- forward ----------------------------------------------------------------------------------

@@ -30,7 +30,10 @@ Bytes per rank (s = Ψ/N elements, p bytes per parameter element):
 
 Disk traffic per step: read 12s + 4s, write 12s + p·s (new shards); per micro-step 4s written
 (plus 4s read from the second micro-step of a window). fp16 (loss scaling) is refused: the
-overflow check would have to read every gradient back before the step.
+overflow check would have to read every gradient back before the step. In bf16 and fp32 a
+gradient holding an inf or a NaN still skips the step, as at stage 3 in memory: its Σ g², kept
+as it was written, is not finite (`LossScaler.unscale` reads `grad_square_sum`), so the check
+reads no file.
 
 `InfinityHome` (each trained parameter's `ShardHome`, over the home its shard had) routes a
 value changed under `zero.GatheredParameters` into the master's file as well, so checkpoints, `full_state_dict` and `close()` see one truth.

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from minispeed.core.compiling import is_compiling
 from minispeed.zero.stage3.access import not_gathered_error, unhooked_forward_caller
 from minispeed.zero.stage3.params import ParamState, ShardedParam
 
@@ -71,6 +72,18 @@ __all__ = [
 # itself, so the tie is found as on rank 0). Code that would save or compare the values fails
 # loudly instead of reading an empty tensor. The placeholder is not the parameter: a write into
 # it (a view of it) reaches nothing, as a write into a detached copy would not reach the values.
+
+# Note [a compiled forward reads gathered parameters]
+# Under ``torch.compile`` (``engine.compile()``) dynamo traces a module's forward between the
+# stage-3 hooks, which run eagerly (`minispeed.core.compiling.eager`): every parameter the
+# forward reads by attribute was gathered by its module's pre-hook or, for another module's
+# parameter, by the demand fetch of the attribute guard (access.py, also eager), before the
+# graph that uses it is traced or run. So while dynamo traces, a guarded parameter is a plain
+# parameter: the checks above (a weak-dict lookup per op, which dynamo refuses to trace and would
+# break the graph at every op on a parameter) are skipped, and the graph holds the op itself.
+# Limit: a released parameter reached by a reference kept from outside the forward (not an
+# attribute read) is traced as the empty tensor its ``.data`` is: dynamo's shape check fails
+# where eager mode would have fetched it.
 
 #: Getters and methods whose answer does not depend on the parameter's values, or that stage 3
 #: and autograd need on a released parameter: they run as for any parameter.
@@ -213,7 +226,13 @@ def _describe(sp: Any) -> str:
 def _torch_function(cls: type, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
     """Every torch function, method and getter called on a guarded parameter passes here."""
     plain = cls._stage3_plain_class
-    sp = _released_in(args, kwargs)
+    if is_compiling():  # Note [a compiled forward reads gathered parameters]
+        if plain is nn.Parameter:  # its __torch_function__, in a form dynamo traces
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        sp = None
+    else:
+        sp = _released_in(args, kwargs)
     if sp is not None:
         name = _func_name(func)
         if name.endswith("__set") or name in _METADATA or name.removesuffix("__get") in _METADATA:

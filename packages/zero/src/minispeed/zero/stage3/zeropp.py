@@ -56,6 +56,7 @@ import minispeed.comm as comm
 from minispeed.comm import api_compat
 from minispeed.comm.compression import BlockQuantizer, ScaledCodes
 from minispeed.core import ranges
+from minispeed.core.compiling import eager
 from minispeed.zero.config import ZeroConfig
 from minispeed.zero.stage3.params import ShardedParam, mark_issued
 from minispeed.zero.stage3.zeropp_grads import hierarchical_quantized_reduce_scatter
@@ -238,6 +239,7 @@ class ZeroPP:
                     self.secondary_shards[sp] = sp.shard.new_zeros(per * sp.shard_numel)
             me = weakref.ref(self)
 
+            @eager  # state, not math: never traced (engine.compile())
             def invalidate(module: nn.Module, args: Any) -> None:
                 zeropp = me()
                 if zeropp is not None:
