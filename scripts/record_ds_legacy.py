@@ -12,7 +12,8 @@ env -u PYTHONPATH DS_ACCELERATOR=cpu /tmp/ds-old/venv17/bin/python -m torch.dist
 
 which writes `tests/engine/fixtures/ds_legacy.json`. For each case, two gloo ranks train a tiny
 GPT whose forward takes the keyword arguments 0.17.6's engine adds in training mode
-(`progressive_layer_drop=True, pld_theta=...` and `curriculum_seqlen=...`): it scales each
+(`progressive_layer_drop=True, pld_theta=...` and `curriculum_seqlen=...`; the custom schedule's
+function is given to `engine.curriculum_scheduler_legacy`): it scales each
 layer's residual branch by `pld_theta` and truncates the sequences to `curriculum_seqlen`.
 `STEPS` steps of 2 micro-batches (SGD, ZeRO stage 0, fp32); per micro-step it records the
 keyword arguments the forward received and the loss, per step `engine.get_pld_theta()`, and
@@ -54,6 +55,7 @@ CASES = {
     "seqlen_fixed_discrete": seqlen(
         "fixed_discrete", {"difficulty": [4, 8, 16], "max_step": [3, 6]}
     ),
+    "seqlen_custom": seqlen("custom", {}),
 }
 
 
@@ -86,6 +88,10 @@ def run_case(rank, name):
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), config=config
     )
+    if name == "seqlen_custom":  # the custom schedule's function, on the engine's scheduler
+        engine.curriculum_scheduler_legacy.set_custom_get_difficulty(
+            lambda step: 16 - 4 * (step % 3)
+        )
     generator = torch.Generator().manual_seed(100 + rank)
     losses, thetas = [], [engine.get_pld_theta()]
     for _ in range(STEPS):

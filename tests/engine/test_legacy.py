@@ -4,7 +4,8 @@ meaning (minispeed.engine.legacy), against scripts/record_ds_legacy.py's record 
 - `progressive_layer_drop`: the forward's `progressive_layer_drop=True, pld_theta=` in training
   mode, `engine.get_pld_theta()` per step, and the losses of a model that scales its layers by
   theta, on 2 ranks with gradient accumulation.
-- `curriculum_learning` (`seqlen`), for `fixed_linear`, `fixed_root` and `fixed_discrete`: the
+- `curriculum_learning` (`seqlen`), for `fixed_linear`, `fixed_root`, `fixed_discrete` and
+  `custom` (its function given to `engine.curriculum_scheduler_legacy`): the
   forward's `curriculum_seqlen=` per micro-step and the losses of a model that truncates.
 - `elasticity`: `compute_elastic_config`'s answers for a table of sections and world sizes (its
   error conditions by class, each naming the key), and the engine's batch triple at 2 ranks.

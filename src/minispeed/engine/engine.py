@@ -187,6 +187,18 @@ class Engine(DeepSpeedQueries, DeepSpeedSurface, CheckpointCalls, nn.Module):
             return None
         return arguments.layer_drop.theta_at(self.global_steps)
 
+    @property
+    def curriculum_scheduler_legacy(self) -> ForwardArguments:
+        """The legacy seqlen curriculum's scheduler (DeepSpeed 0.17.6's attribute, present only
+        with `curriculum_learning` enabled): `set_custom_get_difficulty(fn)`,
+        `get_current_difficulty()` (minispeed.engine.legacy)."""
+        arguments = self.forward_arguments
+        if arguments is None or arguments.schedule is None:
+            raise AttributeError(
+                "curriculum_scheduler_legacy exists with the curriculum_learning section enabled"
+            )
+        return arguments
+
     def backward(
         self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
     ) -> torch.Tensor:

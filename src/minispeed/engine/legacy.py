@@ -20,7 +20,8 @@ engine.get_pld_theta()
   (`CurriculumSchedule.update`: its table in minispeed.engine.curriculum).
 
 `ForwardArguments` holds the running difficulty (the one piece of state); the engine asks it
-for the arguments of each training forward. In eval mode nothing is added, as in 0.17.6.
+for the arguments of each training forward, and answers it as `engine.curriculum_scheduler_legacy`
+(`set_custom_get_difficulty(fn)` for the `custom` schedule, `get_current_difficulty()`). In eval mode nothing is added, as in 0.17.6.
 Recorded against DeepSpeed 0.17.6 by scripts/record_ds_legacy.py.
 
 Cost: one dict merge and O(1) arithmetic per forward (`O(len(max_step))` for `fixed_discrete`);
@@ -30,7 +31,7 @@ nothing on the device.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,6 +130,20 @@ class ForwardArguments:
         self.schedule = curriculum.schedule if curriculum.enabled else None
         # DeepSpeed's CurriculumScheduler starts at min_difficulty.
         self.seqlen = None if self.schedule is None else self.schedule.min_difficulty
+
+    def set_custom_get_difficulty(self, function: Callable[[int], int]) -> None:
+        """The `custom` schedule's step -> length function (DeepSpeed 0.17.6's
+        `engine.curriculum_scheduler_legacy.set_custom_get_difficulty`); before the first
+        training forward."""
+        if self.schedule is None:
+            raise RuntimeError(
+                "set_custom_get_difficulty needs the curriculum_learning section enabled"
+            )
+        self.schedule = self.schedule.with_custom(function)
+
+    def get_current_difficulty(self) -> int | None:
+        """The sequence length the last training forward got (min_difficulty before any)."""
+        return self.seqlen
 
     def __call__(self, steps: int) -> dict[str, Any]:
         """The arguments of a training forward after `steps` optimizer steps (updates the
