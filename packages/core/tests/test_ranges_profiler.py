@@ -50,3 +50,25 @@ def test_enabled_nvtx_pushes_and_pops_nested_ranges_in_order(monkeypatch):
     finally:
         ranges.enable_nvtx(False)
     assert events == ["push a", "push b", "pop", "pop", "push c", "pop"]
+
+
+def test_a_timer_sums_the_seconds_inside_its_ranges_only_while_open():
+    import time
+
+    with ranges.Timer("t.phase") as timer:
+        with ranges.range("t.phase"):
+            time.sleep(0.05)
+        with ranges.range("t.other"):  # another name: not counted
+            time.sleep(0.25)
+
+        @ranges.range("t.phase")
+        def phase() -> None:
+            time.sleep(0.02)
+
+        phase()
+    inside = timer.seconds
+    assert 0.07 <= inside < 0.25, inside
+    with ranges.range("t.phase"):  # closed: the sum stays
+        time.sleep(0.02)
+    assert timer.seconds == inside
+    assert "t.phase" not in ranges._timers  # no listener left behind: ranges cost a dict read

@@ -43,6 +43,7 @@ import minispeed.comm as comm
 import minispeed.engine.checkpoint.background as ckpt_async
 import minispeed.engine.checkpoint.grid as ckpt
 import minispeed.zero as zero
+from minispeed.core import ranges
 from minispeed.core.accelerator import get_accelerator
 from minispeed.core.logging import get_logger, warn_once
 from minispeed.engine.checkpoint.calls import CheckpointCalls, Restore
@@ -140,8 +141,10 @@ class Engine(DeepSpeedQueries, DeepSpeedSurface, CheckpointCalls, nn.Module):
         # DeepSpeed's monitors (tensorboard, csv_monitor, wandb, comet): backends on rank 0 only.
         self.monitor = monitors.MonitorMaster(config.monitor, rank=comm.get_rank())
         self._monitoring = bool(self.monitor.monitors)  # this rank writes events
+        # backward_allreduce, apart from the backward: the optimizer's end-of-backward reduction
+        self._reduce_timer: ranges.Timer | None = None
         if self._monitoring and optimizer is not None and config.wall_clock_breakdown:
-            optimizer.time_reduction = True  # backward_allreduce, apart from the backward
+            self._reduce_timer = ranges.Timer("zero.backward_done")
         self._timers_at_boundary = self._timer_totals()  # when the last window ended
         # Told of every boundary (a `minispeed tune` trial's recorder: engine/tune/trial.py).
         self._observers = tuple(observers)
@@ -360,7 +363,7 @@ class Engine(DeepSpeedQueries, DeepSpeedSurface, CheckpointCalls, nn.Module):
     def _timer_totals(self) -> dict[str, float]:
         """The timers' seconds, with the optimizer's end-of-backward reduction as
         `backward_allreduce` (timed under `wall_clock_breakdown`)."""
-        reduced = self.optimizer.reduce_seconds if self.optimizer is not None else 0.0
+        reduced = self._reduce_timer.seconds if self._reduce_timer is not None else 0.0
         return {**self.timers, "backward_allreduce": reduced}
 
     _writes_timers = True  # the pipeline engine's train_batch writes none (DeepSpeed's)
@@ -766,6 +769,8 @@ class Engine(DeepSpeedQueries, DeepSpeedSurface, CheckpointCalls, nn.Module):
         self._stack.close()
         if self.comms_logger is not None:
             self.comms_logger.__exit__(None, None, None)
+        if self._reduce_timer is not None:
+            self._reduce_timer.close()
         self.monitor.close()
         for opt in (self.optimizer, self.forward_only_zero):
             if opt is not None and not opt.closed:

@@ -7,7 +7,7 @@ with ranges.range("zero3.gather"):  # or @ranges.range("pipeline.forward") on a 
     ...
 ```
 
-A range is pushed to two listeners, each only while it listens:
+A range is pushed to three listeners, each only while it listens:
 
 - **NVTX**, so Nsight Systems draws the phase by name on its timeline. NVTX listens when a tool
   has injected itself (`NVTX_INJECTION64_PATH` is set, as `nsys` does) or when
@@ -15,8 +15,12 @@ A range is pushed to two listeners, each only while it listens:
   `torch.cuda.nvtx`.
 - **`torch.profiler`**, through `torch.profiler.record_function`, so a CPU run's Chrome/Perfetto
   trace shows the same names. It listens while a profiler is recording.
+- **`Timer(name)`**, the seconds spent inside every range of that name (the device synchronized
+  at both ends), summed while the timer is open: how an engine's `wall_clock_breakdown` times a
+  phase deep inside a package (`zero.backward_done`: DeepSpeed's `backward_allreduce`) without
+  that package knowing of timers.
 
-When neither listens a range costs one call and two boolean reads: no allocation, no C call
+When none listens a range costs one call, two boolean reads and one dict read: no allocation, no C call
 into a profiler. comm and zero call this primitive, never `minispeed.profiler`, so the packages
 do not depend on the profiler; the profiler builds its views on the names they emit.
 
@@ -28,12 +32,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["NVTX_DOMAIN", "enable_nvtx", "nvtx_enabled", "range"]
+__all__ = ["NVTX_DOMAIN", "Timer", "enable_nvtx", "nvtx_enabled", "range"]
 
 _NVTX_ENV = "MINISPEED_NVTX"
 _nvtx_on: bool | None = None  # decided once, on first use; enable_nvtx() overrides
@@ -98,6 +103,43 @@ def _profiler_recording() -> bool:
     return torch._C._autograd._profiler_enabled()
 
 
+_timers: dict[str, list[Timer]] = {}  # range name -> the open timers of that name
+
+
+class Timer:
+    """Seconds spent inside `range(name)`, summed from now until `close()` (or the context's
+    exit): `with ranges.Timer("zero.backward_done") as t: ...; t.seconds`.
+
+    Each timed range costs two device synchronizations (`Accelerator.synchronize`, nothing on
+    CPU) and two `perf_counter` reads; ranges of other names, one dict read.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.seconds = 0.0
+        _timers.setdefault(name, []).append(self)
+
+    def close(self) -> None:
+        """Stop listening (idempotent); `seconds` keeps its sum."""
+        listening = _timers.get(self.name, [])
+        if self in listening:
+            listening.remove(self)
+            if not listening:
+                del _timers[self.name]
+
+    def __enter__(self) -> Timer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _synchronize() -> None:
+    from minispeed.core.accelerator import get_accelerator  # accelerator imports nothing of ours
+
+    get_accelerator().synchronize()
+
+
 # `range` shadows the builtin on purpose, in this module only: NVTX pushes and pops ranges.
 class range(contextlib.ContextDecorator):
     """A named range: `with range("zero3.gather"):` or `@range("pipeline.step")`.
@@ -106,13 +148,17 @@ class range(contextlib.ContextDecorator):
     NVTX push/pop and one `record_function` enter/exit.
     """
 
-    __slots__ = ("_name", "_record")
+    __slots__ = ("_name", "_record", "_start")
 
     def __init__(self, name: str) -> None:
         self._name = name
         self._record: contextlib.AbstractContextManager[Any] | None = None
+        self._start: float | None = None
 
     def __enter__(self) -> range:
+        if _timers and self._name in _timers:
+            _synchronize()
+            self._start = time.perf_counter()
         if nvtx_enabled():
             _push(self._name)  # type: ignore[misc]
         if _profiler_recording():
@@ -126,6 +172,11 @@ class range(contextlib.ContextDecorator):
             record.__exit__(*exc)
         if _nvtx_on:
             _pop()  # type: ignore[misc]
+        if self._start is not None:
+            _synchronize()
+            elapsed, self._start = time.perf_counter() - self._start, None
+            for timer in _timers.get(self._name, ()):
+                timer.seconds += elapsed
 
     def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         name = self._name

@@ -17,7 +17,6 @@ masters and gradient buffers belong to the strategy (see its module for their by
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,7 +25,6 @@ from torch import Tensor, nn
 
 import minispeed.comm as comm
 from minispeed.core import ranges
-from minispeed.core.accelerator import get_accelerator
 from minispeed.core.logging import get_logger
 from minispeed.zero.config import ZeroConfig
 from minispeed.zero.contract import ParamFragment, ShardStrategy, param_names
@@ -167,12 +165,6 @@ class ZeroOptimizer(torch.optim.Optimizer, Detachable):
         self.micro_step = 0
         self._grad_norm: Tensor | None = None  # before clipping, at the last clipped step
         self.overflow = False  # the last boundary skipped its step (inf/NaN gradients)
-        # Seconds spent in the strategy's end-of-backward reduction (the boundary's all-reduce or
-        # reduce-scatter; at stages 2-3 the flush of the last buckets), summed while
-        # `time_reduction` is True (an engine's wall_clock_breakdown: two device
-        # synchronizations per backward).
-        self.time_reduction = False
-        self.reduce_seconds = 0.0
         # Backward calls in the current accumulation window; whether the last one ended it
         # (and step() has not handled it yet).
         self._window, self._window_ended = 0, False
@@ -337,21 +329,13 @@ class ZeroOptimizer(torch.optim.Optimizer, Detachable):
         with ranges.range("zero.backward"):
             # In fp32, so that an fp16 loss times 2**16 does not overflow before backward starts.
             (loss.float() * factor if factor != 1.0 else loss).backward()
-            if not self.time_reduction:
+            # The end-of-backward reduction (the boundary's all-reduce or reduce-scatter; at
+            # stages 2-3 the last buckets' flush): wall_clock_breakdown's backward_allreduce.
+            with ranges.range("zero.backward_done"):
                 self.strategy.backward_done(is_boundary)
-            else:
-                self._timed_backward_done(is_boundary)
         self.micro_step += 1
         self._window, self._window_ended = self._window + 1, is_boundary
         self._backward_since_step = True
-
-    def _timed_backward_done(self, is_boundary: bool) -> None:
-        sync = get_accelerator().synchronize
-        sync()
-        start = time.perf_counter()
-        self.strategy.backward_done(is_boundary)
-        sync()
-        self.reduce_seconds += time.perf_counter() - start
 
     # -- step -------------------------------------------------------------------------------------
     def step(self, closure: None = None) -> bool:  # type: ignore[override]
