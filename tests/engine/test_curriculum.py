@@ -7,8 +7,9 @@
 - A 2-process loop that truncates a tiny GPT's sequences to the schedule's length trains as the
   same script does on DeepSpeed, at ZeRO-1 and on a 2-stage pipeline that resets its activation
   shapes at each new length (scripts/record_ds_curriculum_gpt.py).
-- `curriculum_learning`, `progressive_layer_drop` and `elasticity` enabled are refused, as
-  DeepSpeed refuses them, with what to do; their modules and engine names are absent there too.
+- `curriculum_learning`, `progressive_layer_drop` and `elasticity`, which DeepSpeed 0.19.8
+  refuses, are kept with DeepSpeed 0.17.6's meaning (test_legacy.py); `deepspeed.elasticity`
+  with them, `deepspeed.runtime.progressive_layer_drop` absent as in 0.19.8.
 """
 
 from __future__ import annotations
@@ -82,11 +83,19 @@ def test_sequence_curriculum_script_trains_as_on_deepspeed() -> None:
 
 
 @pytest.mark.parametrize("section", ["curriculum_learning", "progressive_layer_drop", "elasticity"])
-def test_legacy_section_enabled_is_refused_as_deepspeed_refuses_it(section: str) -> None:
+def test_legacy_section_enabled_is_kept_from_deepspeed_0_17_6(section: str) -> None:
+    """DeepSpeed 0.19.8 refuses all three; minispeed keeps them with DeepSpeed 0.17.6's meaning
+    (tests/engine/test_legacy.py). An elastic section beside batch keys is refused naming
+    them, as 0.17.6 refuses it."""
     recorded = _fixture("ds_curriculum.json")
     assert recorded["sections"][f"{section}.enabled=True"]["type"] == "DeepSpeedConfigError"
     value = ds_scripts.load("record_ds_curriculum.py", SCHEDULER_IMPORTS).LEGACY_SECTIONS[section]
-    with pytest.raises(ConfigError, match=rf"^{section}: .*DeepSpeed 0\.19\.8 removed"):
+    if section == "elasticity":
+        with pytest.raises(ConfigError, match=r"^elasticity: .*train_batch_size"):
+            EngineConfig.from_ds_config({"train_batch_size": 8, section: value})
+        cfg = EngineConfig.from_ds_config({section: value}, data_parallel_size=2)
+        assert cfg.train_batch_size == cfg.micro_batch_size * cfg.gradient_accumulation_steps * 2
+    else:
         EngineConfig.from_ds_config({"train_batch_size": 8, section: value})
     # Disabled, it changes nothing: accepted here (DeepSpeed refuses it too; see the Note).
     EngineConfig.from_ds_config({"train_batch_size": 8, section: {"enabled": False}})
@@ -98,7 +107,11 @@ def test_legacy_modules_and_engine_names_are_absent_as_in_deepspeed() -> None:
 
     for path, present in recorded["modules"].items():
         assert not present
+        if path == "deepspeed.elasticity":  # kept from DeepSpeed 0.17.6 (test_legacy.py)
+            assert importlib.import_module("minispeed.engine.elasticity").compute_elastic_config
+            continue
         with pytest.raises(ImportError, match=r"gone from DeepSpeed 0\.19\.8 too"):
             importlib.import_module(path)
+    # DeepSpeed 0.19.8 dropped get_pld_theta; minispeed keeps 0.17.6's (test_legacy.py).
     assert not recorded["engine_names"]["get_pld_theta"]
-    assert not hasattr(Engine, "get_pld_theta")
+    assert hasattr(Engine, "get_pld_theta")

@@ -198,6 +198,7 @@ def test_every_deepspeed_top_level_key_is_read_or_refused_with_a_reason() -> Non
         "flops_profiler", "activation_checkpointing", "pipeline", "checkpoint",
         "communication_data_type", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
         "tensor_parallel", "sequence_parallel_size", "compression_training",
+        "progressive_layer_drop", "curriculum_learning", "elasticity",
         "tensorboard", "wandb", "csv_monitor", "comet",
     } == READ  # fmt: skip
 

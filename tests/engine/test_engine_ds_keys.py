@@ -63,6 +63,9 @@ KEPT_REMOVED: dict[str, str] = {
     "zero_optimization.mics_shard_size": "MiCS is ours (issue 35)",
     "zero_optimization.mics_hierarchical_params_gather": "MiCS is ours (issue 35)",
     "compression_training": "minispeed.compression (DeepSpeed 0.17.6's library, recorded there)",
+    "progressive_layer_drop": "minispeed.engine.legacy (DeepSpeed 0.17.6's, recorded there)",
+    "curriculum_learning": "minispeed.engine.legacy, seqlen (DeepSpeed 0.17.6's, recorded there)",
+    "elasticity": "minispeed.engine.elastic (DeepSpeed 0.17.6's, recorded there)",
 }
 
 # Keys both read whose default differs, and why.

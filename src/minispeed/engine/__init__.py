@@ -313,6 +313,7 @@ def initialize(
     schedule = steps.compression_schedule(composition, model, cfg)
     if schedule is not None:  # switches compression techniques on as optimizer steps apply
         observers.append(schedule)
+    arguments = steps.forward_arguments(composition, cfg, is_pipeline=is_pipeline)
     if is_pipeline:
         executor = steps.pipeline_executor(composition, model, zero_opt, cfg)
         engine = PipelineEngine(
@@ -328,6 +329,7 @@ def initialize(
         composition=composition,
     )  # fmt: skip
     engine.forward_only_zero = forward_only  # kept alive with the engine; destroy() closes it
+    engine.forward_arguments = arguments
     if zero_opt is not None and cfg.zero.stage == 3:  # what TRL strips around generate
         zero_opt.parameter_offload = _ZeroOffload(model)
     return engine, zero_opt, loader, scheduler

@@ -132,6 +132,7 @@ ADAPTERS: dict[str, str] = {
     "deepspeed.runtime.sequence_parallel.ulysses_sp": (
         f"{_E}.runtime.sequence_parallel.ulysses_sp"
     ),
+    "deepspeed.elasticity": f"{_E}.elasticity",  # DeepSpeed 0.17.6's (0.19.8 removed it)
     "deepspeed.sequence": f"{_E}.sequence",
     "deepspeed.sequence.layer": f"{_E}.sequence.layer",
 }
@@ -141,11 +142,6 @@ _OFFLOAD = "minispeed.offload (CPUAdam, async I/O, the NVMe swapper; docs/packag
 REFUSED: dict[str, str] = {
     "deepspeed.autotuning": "DeepSpeed's autotuner; use `minispeed tune` (docs/cli/tune.md)",
     "deepspeed.compile": "DeepSpeed's compile backends; call torch.compile on your model",
-    "deepspeed.elasticity": (
-        "elastic training (gone from DeepSpeed 0.19.8 too); set train_batch_size, "
-        "train_micro_batch_size_per_gpu and gradient_accumulation_steps for the world you launch "
-        "with `minispeed run` or torchrun"
-    ),
     "deepspeed.env_report": "the `ds_report` environment report; run `minispeed report`",
     "deepspeed.io": f"DeepSpeed's file I/O engine; use {_OFFLOAD}",
     "deepspeed.linear": "LoRA-optimized linear layers; use your model's own (or peft's) layers",

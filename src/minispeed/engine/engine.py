@@ -49,6 +49,7 @@ from minispeed.core.logging import get_logger, warn_once
 from minispeed.engine.checkpoint.calls import CheckpointCalls, Restore
 from minispeed.engine.composition import Composition
 from minispeed.engine.config import EngineConfig
+from minispeed.engine.legacy import ForwardArguments
 from minispeed.engine.queries import DeepSpeedQueries
 from minispeed.engine.sequence_groups import sequence_gradient_factor
 from minispeed.engine.surface import DeepSpeedSurface
@@ -119,6 +120,9 @@ class Engine(DeepSpeedQueries, DeepSpeedSurface, CheckpointCalls, nn.Module):
         # set_gradient_accumulation_boundary's value (None: every gradient_accumulation_steps).
         self._boundary: bool | None = None
         self._no_sync = False  # inside no_sync()
+        # DeepSpeed 0.17.6's keyword arguments for training forwards (progressive layer drop,
+        # the seqlen curriculum: engine/legacy.py), set by initialize; None: none.
+        self.forward_arguments: ForwardArguments | None = None
         self._sequence_factor = sequence_gradient_factor(config.zero, self.sequence_parallel_size)
         self.device = get_accelerator().device()
         self.timers: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
@@ -154,7 +158,8 @@ class Engine(DeepSpeedQueries, DeepSpeedSurface, CheckpointCalls, nn.Module):
 
     # -- the loop ---------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's forward, with every tensor argument moved to the engine's device."""
+        """The module's forward, with every tensor argument moved to the engine's device (and,
+        in training mode, `forward_arguments`' keyword arguments added)."""
         if self._step_profiler is not None and not self._profiling:
             self._start_profile()
         if self._parked is not None:
@@ -162,6 +167,8 @@ class Engine(DeepSpeedQueries, DeepSpeedSurface, CheckpointCalls, nn.Module):
         args = _to_device(args, self.device)
         if kwargs:
             kwargs = _to_device(kwargs, self.device)
+        if self.forward_arguments is not None and self.module.training:
+            kwargs = {**kwargs, **self.forward_arguments(self.global_steps)}
         autocast = self.config.precision.autocast
         if autocast is not None or torch.is_autocast_enabled(self.device.type):
             # torch_autocast's region, or the caller's autocast switched off, as DeepSpeed's.
@@ -174,6 +181,26 @@ class Engine(DeepSpeedQueries, DeepSpeedSurface, CheckpointCalls, nn.Module):
             return self.module(*args, **kwargs)
         with self._timed("forward"):
             return self.module(*args, **kwargs)
+
+    def get_pld_theta(self) -> float | None:
+        """Progressive layer drop's `pld_theta` for the next training forward (DeepSpeed
+        0.17.6's; minispeed.engine.legacy); None when the section is off."""
+        arguments = self.forward_arguments
+        if arguments is None or not arguments.layer_drop.enabled:
+            return None
+        return arguments.layer_drop.theta_at(self.global_steps)
+
+    @property
+    def curriculum_scheduler_legacy(self) -> ForwardArguments:
+        """The legacy seqlen curriculum's scheduler (DeepSpeed 0.17.6's attribute, present only
+        with `curriculum_learning` enabled): `set_custom_get_difficulty(fn)`,
+        `get_current_difficulty()` (minispeed.engine.legacy)."""
+        arguments = self.forward_arguments
+        if arguments is None or arguments.schedule is None:
+            raise AttributeError(
+                "curriculum_scheduler_legacy exists with the curriculum_learning section enabled"
+            )
+        return arguments
 
     def backward(
         self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True

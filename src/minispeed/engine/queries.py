@@ -440,7 +440,9 @@ class DeepSpeedQueries:
         return _accepted(EngineConfig, "autotuning")["enabled"]
 
     def curriculum_learning_enabled(self) -> bool:
-        return _accepted(EngineConfig, "curriculum_learning")["enabled"]
+        """The data-efficiency sampler's curriculum (DeepSpeed's meaning of this query, not the
+        legacy top-level `curriculum_learning` section): off, as `data_efficiency`."""
+        return self.data_efficiency_enabled()
 
     def data_efficiency_enabled(self) -> bool:
         return _accepted(EngineConfig, "data_efficiency")["enabled"]

@@ -28,6 +28,7 @@ from minispeed.engine.composition import Composition, placements
 from minispeed.engine.config import EngineConfig
 from minispeed.engine.engine import zero_config_for
 from minispeed.engine.grid import mics_groups, model_parallel
+from minispeed.engine.legacy import ForwardArguments
 from minispeed.tensor_parallel.sharding import sharded_parameters
 
 __all__ = [
@@ -421,6 +422,32 @@ def compression_schedule(composition: Composition, model: Any, cfg: EngineConfig
             ", ".join(f"{t.name} from step {t.schedule_offset}" for t in cfg.compression.enabled)
         )
         return schedule
+
+
+def forward_arguments(
+    composition: Composition, cfg: EngineConfig, *, is_pipeline: bool
+) -> ForwardArguments | None:
+    """Step 8's source of the keyword arguments DeepSpeed 0.17.6's engine added to a training
+    forward (`progressive_layer_drop`, the `seqlen` `curriculum_learning`: minispeed.engine.legacy);
+    None when both are off. Refused on a pipeline, whose stages' forwards take no arguments."""
+    layer_drop, curriculum = cfg.layer_drop, cfg.legacy_curriculum
+    switches = {
+        "progressive_layer_drop": layer_drop.enabled,
+        "curriculum_learning": curriculum.enabled,
+    }
+    keys = tuple(name for name, on in switches.items() if on)
+    if not keys:
+        return None
+    if is_pipeline:
+        raise ConfigError(
+            keys[0],
+            "is not supported with a pipeline here (DeepSpeed 0.17.6's pipeline engine passes "
+            "no forward arguments either): turn it off and truncate the micro-batches / skip "
+            "layers in the PipelineModule's layers (docs/engine/migration.md)",
+        )
+    with composition.step("forward arguments", keys=keys) as step:
+        step.did(", ".join(keys) + " arguments added to every training forward")
+        return ForwardArguments(layer_drop, curriculum)
 
 
 def dataloader(

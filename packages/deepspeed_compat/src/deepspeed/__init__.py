@@ -10,7 +10,7 @@ from minispeed.engine import *  # noqa: F403
 from minispeed.engine import __all__  # noqa: F401
 from minispeed.engine.git_version_info import version as __version__
 
-for _child in ('accelerator', 'checkpoint', 'checkpointing', 'comm', 'compression', 'git_version_info', 'inference', 'launcher', 'moe', 'monitor', 'ops', 'pipe', 'profiling', 'runtime', 'sequence', 'utils', 'zero'):
+for _child in ('accelerator', 'checkpoint', 'checkpointing', 'comm', 'compression', 'elasticity', 'git_version_info', 'inference', 'launcher', 'moe', 'monitor', 'ops', 'pipe', 'profiling', 'runtime', 'sequence', 'utils', 'zero'):
     _importlib.import_module(f"{__name__}.{_child}")
 
 

@@ -57,6 +57,8 @@ from minispeed.core.sections import (
 )
 from minispeed.engine.by_name import OptimizerSection, SchedulerSection
 from minispeed.engine.checkpoint.grid import CheckpointConfig
+from minispeed.engine.elastic import ElasticConfig, adopt_batch
+from minispeed.engine.legacy import LayerDropConfig, LegacyCurriculumConfig
 from minispeed.engine.sequence_groups import sequence_size
 from minispeed.offload import AioConfig
 from minispeed.pipeline import PipelineConfig
@@ -100,9 +102,13 @@ DS_GRADIENT_CLIPPING_DEFAULT = 1.0
 # `_REMOVED_TOP_LEVEL_CONFIG_KEYS`): it raises on the section at every value, `enabled: false`
 # included, and has no `deepspeed.elasticity`, no `progressive_layer_drop` module, no
 # `get_pld_theta` (tests/engine/fixtures/ds_curriculum.json). A job ported from it fails there
-# as here; minispeed accepts the disabled section, which changes nothing, and names what to do
-# for the enabled one. Only the curriculum's difficulty schedule survives in DeepSpeed, for its
-# data-efficiency sampler: `minispeed.engine.curriculum`.
+# as here; minispeed accepts the disabled section, which changes nothing. minispeed keeps
+# `progressive_layer_drop` and the `seqlen` curriculum with DeepSpeed 0.17.6's meaning (the
+# forward's keyword arguments: minispeed.engine.legacy) and `elasticity` (the batch triple
+# chosen for the data-parallel size: minispeed.engine.elastic), recorded against 0.17.6 by
+# scripts/record_ds_legacy.py. Only the
+# curriculum's difficulty schedule survives in DeepSpeed, for its data-efficiency sampler:
+# `minispeed.engine.curriculum`.
 
 # DeepSpeed's top-level keys minispeed does not implement: accepted at DeepSpeed's default only
 # (a config holding it loads unchanged), or refused at every value; each says what to use.
@@ -125,27 +131,8 @@ UNSUPPORTED: dict[str, Unsupported] = {
         "use bf16 or fp16 (minispeed.zero.MixedPrecision) instead of NVIDIA Apex AMP",
     ),
     # See Note [Megatron-DeepSpeed's legacy sections].
-    "elasticity": ds_only(
-        {"enabled": False},
-        "DeepSpeed 0.19.8 removed elastic training and refuses this section at every value: "
-        "set train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps "
-        "for the world you launch",
-    ),
-    "curriculum_learning": ds_only(
-        {"enabled": False},
-        "DeepSpeed 0.19.8 removed the legacy curriculum (it refuses this section at every value "
-        "and no longer passes curriculum_seqlen to the model): take each step's difficulty "
-        "from deepspeed.runtime.data_pipeline.curriculum_scheduler.CurriculumScheduler and "
-        "truncate the batch in your loop (docs/engine/migration.md)",
-    ),
     "data_efficiency": ds_only({"enabled": False}, "no data-efficiency library"),
     "eigenvalue": ds_only({"enabled": False}, "no eigenvalue computation"),
-    "progressive_layer_drop": ds_only(
-        {"enabled": False},
-        "DeepSpeed 0.19.8 removed progressive layer drop and refuses this section at every "
-        "value (no progressive_layer_drop / pld_theta forward arguments, no get_pld_theta): "
-        "skip layers in the model's own forward",
-    ),
     "hybrid_engine": ds_only({"enabled": False}, "no RLHF hybrid engine"),
     "autotuning": ds_only(
         {"enabled": False},
@@ -443,6 +430,36 @@ class EngineConfig(Section):
     """Quantization-aware training, pruning and layer reduction (minispeed.compression): the
     model is compressed by `init_compression(model, ds_config)` before `initialize`; the
     engine switches each technique on at its `schedule_offset` (`compression.Schedule`)."""
+    layer_drop: LayerDropConfig = key(
+        "progressive_layer_drop",
+        default_factory=LayerDropConfig,
+        read=LayerDropConfig.from_ds_config,
+        schema={"type": "object"},
+    )
+    """Progressive layer drop, DeepSpeed 0.17.6's (0.19.8 removed it): every training forward
+    gets `progressive_layer_drop=True, pld_theta=theta(t)`, `theta(t) = (1 - theta)
+    e^(-gamma (t - 1)) + theta` after `t >= 1` steps, 1 before; `engine.get_pld_theta()`
+    (minispeed.engine.legacy)."""
+    legacy_curriculum: LegacyCurriculumConfig = key(
+        "curriculum_learning",
+        default_factory=LegacyCurriculumConfig,
+        read=LegacyCurriculumConfig.from_ds_config,
+        schema={"type": "object"},
+    )
+    """The legacy sequence-length curriculum, DeepSpeed 0.17.6's (0.19.8 removed it):
+    `curriculum_type: "seqlen"` only; every training forward gets `curriculum_seqlen=` the
+    schedule's running difficulty (minispeed.engine.curriculum's schedules); not with a
+    pipeline (minispeed.engine.legacy)."""
+    elasticity: ElasticConfig = key(
+        "elasticity",
+        default_factory=ElasticConfig,
+        read=ElasticConfig.from_ds_config,
+        schema={"type": "object"},
+    )
+    """Elastic batch sizes, DeepSpeed 0.17.6's (0.19.8 removed them): enabled, the batch
+    triple is chosen for the data-parallel size from `max_train_batch_size` and
+    `micro_batch_sizes` (one global batch valid for every world size in `min_gpus`..`max_gpus`);
+    a world size outside it is refused naming those keys (minispeed.engine.elastic)."""
     aio: AioConfig = key("aio", default_factory=AioConfig, section=AioConfig)
     """Asynchronous I/O for NVMe offload (minispeed.offload)."""
     communication_data_type: str | None = key(
@@ -506,6 +523,9 @@ class EngineConfig(Section):
         # elsewhere in the ds_config are read below, with them.
         with_context = (*BATCH_KEYS, "zero_optimization", "pipeline")
         kwargs = translate_section(cls, {k: v for k, v in ds.items() if k not in with_context}, "")
+        elastic = kwargs.get("elasticity")
+        if elastic is not None and elastic.enabled:  # the batch from the world size
+            ds = adopt_batch(ds, elastic, data_parallel_size)
         train, micro, gas = resolve_batch(ds, data_parallel_size)
         aio = kwargs.setdefault("aio", AioConfig())
         kwargs["zero"] = ZeroConfig.from_section(
