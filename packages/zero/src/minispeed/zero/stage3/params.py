@@ -308,12 +308,10 @@ class ShardedParam(Resident):
             self._work.wait()  # CommWork.wait is idempotent: several params may share one call
             self._work = None
         else:
-            allocated = self._full is not None and (
-                self.full_storage_nbytes == self.padded_numel * self._full.element_size()
-            )  # a parameter of no element has a full buffer of 0 bytes
-            assert self.state is ParamState.SHARDED and allocated, (
-                f"{self.name}: to_gathered from {self.state} without an allocated full buffer"
-            )
+            # (a parameter of no element has nothing to allocate: a full buffer of 0 bytes)
+            assert self.state is ParamState.SHARDED and (
+                self.full_storage_nbytes or not self.padded_numel
+            ), f"{self.name}: to_gathered from {self.state} without an allocated full buffer"
         self.param.data = self._full[: self.numel].view(self.shape)
         self.state = ParamState.GATHERED
         self._home.evict(self)  # offload_param: the gathered buffer holds it now
