@@ -18,8 +18,8 @@ Counters follow DeepSpeed: `global_steps` counts accumulation boundaries (an fp1
 that skips its step still counts, and also counts in `skipped_steps`); `global_samples` adds
 `train_batch_size()` per boundary; the scheduler steps only when the optimizer really stepped.
 What happens at a boundary (`_end_of_step`: counters, scheduler, the profiled step's report, the
-comms logger's step, the monitors' events, `steps_per_print`'s line, the step observers) is the same for a pipeline's
-`train_batch`.
+comms logger's step, the monitors' events, `steps_per_print`'s line, the step observers) is the
+same for a pipeline's `train_batch`.
 
 Cost over calling `zero.shard` directly: a few Python attribute reads per call, plus what the
 config turns on (timers synchronize the device three times per micro-step).

@@ -20,8 +20,8 @@ A range is pushed to three listeners, each only while it listens:
   phase deep inside a package (`zero.backward_done`: DeepSpeed's `backward_allreduce`) without
   that package knowing of timers.
 
-When none listens a range costs one call, two boolean reads and one dict read: no allocation, no C call
-into a profiler. comm and zero call this primitive, never `minispeed.profiler`, so the packages
+When none listens a range costs one call, two boolean reads and one dict read: no allocation, no
+C call into a profiler. comm and zero call this primitive, never `minispeed.profiler`, so the packages
 do not depend on the profiler; the profiler builds its views on the names they emit.
 
 Names are dotted, package first: `comm.all_gather`, `zero3.gather`, `pipeline.forward`.
