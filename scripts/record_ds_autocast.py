@@ -10,7 +10,10 @@ loss of every micro-step, each parameter's sum after the last step, the dtype De
 communicates each parameter's gradient in (`get_comm_dtype`; "none": not marked, its own),
 and `engine.torch_autocast_dtype()` / `torch_autocast_lower_precision_safe_modules()`. Then the
 configs DeepSpeed refuses at `initialize` (a class path that does not import; autocast with
-`zero_quantized_weights`), by exception type.
+`zero_quantized_weights`), by exception type. Last, bf16 autocast on a 2-stage `PipelineModule`
+(Linear, Tanh, LayerNorm | Linear, Tanh, Linear; each rank one stage) at ZeRO stages 0 and 1, 3
+`train_batch` steps of 2 micro-batches, clipping off: each stage's losses, parameter sums and
+comm dtypes.
 
 Recorded on DeepSpeed 0.19.8, 2 gloo processes on the CPU:
 
@@ -28,6 +31,7 @@ from pathlib import Path
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.torch_autocast import get_comm_dtype, has_comm_dtype
 from torch import nn
 
@@ -107,11 +111,42 @@ def refusal(stage, autocast, zero):
     return None
 
 
+def pipe_loss(out, labels):
+    return (out.float() - labels).pow(2).mean()
+
+
+def run_pipe(stage):
+    """bf16 autocast on a 2-stage pipeline (the 2 ranks; data-parallel size 1), ZeRO `stage`,
+    3 `train_batch` steps of 2 micro-batches; clipping off (the pipeline's clipping norm is a
+    documented difference, docs/engine/deepspeed-compat.md)."""
+    torch.manual_seed(7)
+    layers = [nn.Linear(DIM, DIM), nn.Tanh(), nn.LayerNorm(DIM), nn.Linear(DIM, DIM)]
+    layers += [nn.Tanh(), nn.Linear(DIM, 1)]
+    model = PipelineModule(layers=layers, num_stages=2, loss_fn=pipe_loss)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ds = config(stage, BF16, 2, {"gradient_clipping": 0.0})
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds)
+    g = torch.Generator().manual_seed(11)
+    data = [(torch.randn(2, DIM, generator=g), torch.randn(2, 1, generator=g)) for _ in range(6)]
+    batches = iter(data)
+    losses = [float(engine.train_batch(batches)) for _ in range(STEPS)]
+    params = list(engine.module.parameters())
+    record = {
+        "case": [stage, BF16, 2, "pipeline"],
+        "losses": losses,
+        "comm_dtypes": [str(get_comm_dtype(p)) if has_comm_dtype(p) else "none" for p in params],
+        "params": [float(p.detach().double().sum()) for p in params],
+    }
+    engine.destroy()
+    return record
+
+
 def main():
     rank = dist.get_rank()
     return {
         "runs": [run_case(rank, *case) for case in CASES],
         "refused": [refusal(*case) for case in REFUSED],
+        "pipe": [run_pipe(stage) for stage in (0, 1)],
     }
 
 

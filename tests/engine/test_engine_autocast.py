@@ -2,8 +2,8 @@
 
 `scripts/record_ds_autocast.py` (2 ranks, a Linear-LayerNorm-Tanh-Linear model, 3 AdamW steps;
 bf16 at ZeRO stages 0-3, at stage 2 with 2 accumulation steps, at stage 1 with
-`lower_precision_safe_modules: ["torch.nn.LayerNorm"]`; fp16 at stages 0 and 2) runs here with
-its import lines changed to minispeed's. Every loss, and every parameter's sum after the last
+`lower_precision_safe_modules: ["torch.nn.LayerNorm"]`; fp16 at stages 0 and 2; bf16 on a
+2-stage pipeline at stages 0 and 1) runs here with its import lines changed to minispeed's. Every loss, and every parameter's sum after the last
 step, equals DeepSpeed's to 1e-5 relative (they are bit for bit equal where recorded: the same
 torch.autocast forward and the same 16-bit roundings of g/N and of the sum; with the safe
 gradients reduced in fp32 instead the parameters differ by more, so this checks the wire dtype
@@ -40,6 +40,9 @@ IMPORTS = {
     **ds_scripts.PLAIN_IMPORTS,
     "from deepspeed.runtime.torch_autocast import get_comm_dtype, has_comm_dtype\n": (
         "from minispeed.engine.runtime.torch_autocast import get_comm_dtype, has_comm_dtype\n"
+    ),
+    "from deepspeed.pipe import PipelineModule\n": (
+        "from minispeed.engine.pipe import PipelineModule\n"
     ),
 }
 REL = 1e-5
@@ -95,6 +98,18 @@ def test_autocast_trains_as_deepspeed_and_halves_the_safe_gradients_bytes():
                 )
             for name in ("comm_dtypes", "autocast_dtype", "safe_modules", "case"):
                 assert case_ours[name] == case_ref[name], (where, name)
+        # The 2-stage pipeline (each rank one stage, data-parallel size 1) at ZeRO 0 and 1.
+        for case_ours, case_ref in zip(ours["pipe"], ref["pipe"], strict=True):
+            where = str(case_ref["case"])
+            for name in ("losses", "params"):
+                torch.testing.assert_close(
+                    torch.tensor(case_ours[name], dtype=torch.float64),
+                    torch.tensor(case_ref[name], dtype=torch.float64),
+                    rtol=REL,
+                    atol=1e-6,
+                    msg=lambda m, w=where, k=name: f"{w} {k}: {m}",
+                )
+            assert case_ours["comm_dtypes"] == case_ref["comm_dtypes"], where
         assert [r is not None for r in ours["refused"]] == [r is not None for r in ref["refused"]]
         assert all(r is not None for r in ours["refused"])
         # Linear(8, 8) and Linear(8, 1): 72 + 9 safe elements, LayerNorm's 16 not. Stages 1-2
@@ -131,7 +146,11 @@ BF16 = {"enabled": True, "dtype": "bfloat16"}
             "list of class paths",
         ),
         ({"torch_autocast": {"enabled": True, "dtype": "int8"}}, "torch_autocast.dtype", "int8"),
-        ({"pipeline": {"stages": 2}}, "torch_autocast.enabled", "pipeline"),
+        (
+            {"pipeline": {"stages": 2}, "zero_optimization": {"stage": 2}},
+            "torch_autocast.enabled",
+            "pipeline at zero_optimization.stage 2",
+        ),
     ],
 )
 def test_refusals_name_the_keys_and_the_fix(extra, key, says):

@@ -11,6 +11,7 @@ called by every rank with the same arguments.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -487,11 +488,20 @@ def pipeline_executor(
     composition: Composition, module: pipeline.PipelineModule, opt: Any, cfg: EngineConfig
 ) -> pipeline.PipelineExecutor:
     """Step 8 (a pipeline): the executor of this rank's stage, its schedule from the `pipeline`
-    section (collective over the grid: the executor's build agreement)."""
+    section (collective over the grid: the executor's build agreement); with `torch_autocast`,
+    each stage's forward runs in `zero.autocast_region` (the loss outside it, as DeepSpeed's)."""
     schedule = _schedule(module, cfg)
+    autocast, region = cfg.precision.autocast, None
+    if autocast is not None:  # each stage's forward under torch_autocast, as DeepSpeed's
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        region = functools.partial(zero.autocast_region, autocast, device.type)
     with composition.step("pipeline executor", keys=("pipeline",)) as step:
         executor = pipeline.PipelineExecutor(
-            module, opt, micro_batches=cfg.gradient_accumulation_steps, schedule=schedule
+            module,
+            opt,
+            micro_batches=cfg.gradient_accumulation_steps,
+            schedule=schedule,
+            forward_region=region,
         )
         lo, hi = module.boundaries[module.stage], module.boundaries[module.stage + 1]
         step.did(

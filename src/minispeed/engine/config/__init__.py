@@ -549,12 +549,13 @@ class EngineConfig(Section):
                 "the two do not combine): turn one of them off",
             )
         if ds.get("pipeline") is not None or pipeline_stages is not None:
-            if kwargs["precision"].autocast is not None:
+            if kwargs["precision"].autocast is not None and kwargs["zero"].stage >= 2:
                 raise ConfigError(
                     "torch_autocast.enabled",
-                    "true with a pipeline: minispeed's pipeline engine does not run its stages "
-                    "under torch.autocast; set torch_autocast.enabled to false (bf16.enabled "
-                    "trains a pipeline in 16 bits)",
+                    f"true with a pipeline at zero_optimization.stage {kwargs['zero'].stage}: "
+                    "minispeed runs a pipeline under torch.autocast at ZeRO stage 0 or 1 only "
+                    "(DeepSpeed's pipelines take no other); set the stage to 0 or 1, or "
+                    "torch_autocast.enabled to false",
                 )
             kwargs["pipeline"] = PipelineConfig.from_section(
                 ds.get("pipeline"),

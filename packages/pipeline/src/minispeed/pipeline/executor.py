@@ -33,6 +33,7 @@ program (messages may be left unread between stages) the executor refuses furthe
 
 from __future__ import annotations
 
+import contextlib
 import time
 import zlib
 from collections.abc import Callable
@@ -92,6 +93,9 @@ class PipelineExecutor:
     gradient_accumulation_steps=M·V), group=module.grid.group("data"))` (see `sharded.py`).
     `check_finite_loss`: raise `NonFiniteLossError` on every rank, before the step, when the
     batch's loss is NaN or infinite.
+    `forward_region`: called once per forward pass, a context manager each stage's module runs
+    in (the loss outside it), e.g. `lambda: torch.autocast("cpu", dtype=torch.bfloat16)` for
+    torch.autocast training (the engine's `torch_autocast` section); None: no region.
 
     Collective: every rank of the grid builds its executor, with the same arguments. Building
     ends with one agreement (`status.agree_at_build`: 2 all-reduces of 8 · P · D · 5 bytes), so a
@@ -106,8 +110,10 @@ class PipelineExecutor:
         micro_batches: int,
         schedule: str | type[PipeSchedule] = "1f1b",
         check_finite_loss: bool = True,
+        forward_region: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
     ) -> None:
         self.module, self.optimizer = module, optimizer
+        self.forward_region = forward_region or contextlib.nullcontext
         self.check_finite_loss = check_finite_loss
         self.micro_batches = micro_batches
         grid = module.grid
@@ -429,7 +435,8 @@ class PipelineExecutor:
         with ranges.range("pipeline.forward"):
             keep: list | None = [] if self.schedule.splits_backward and self._trains else None
             # Note [a stage's forward is a call of its module] in module.py
-            out = self.module(arg, chunk=i.chunk, segments=keep)
+            with self.forward_region():
+                out = self.module(arg, chunk=i.chunk, segments=keep)
             if self._keep_outputs and self._is_last(i.chunk):  # the last micro-batch's stays
                 self._kept_output = out
             if self._is_last(i.chunk) and self.module.loss_fn is not None and self._compute_loss:
