@@ -86,7 +86,10 @@ def test_autocast_trains_as_deepspeed_and_halves_the_safe_gradients_bytes():
     assert fixture["deepspeed"] == "0.19.8"
     runs = run_distributed(_runs, world_size=2, timeout_s=300)
     for (ours, ledger), ref in zip(runs, fixture["ranks"], strict=True):
-        for case_ours, case_ref in zip(ours["runs"], ref["runs"], strict=True):
+        # The plain cases, then the 2-stage pipeline's (each rank one stage, data-parallel size
+        # 1) at ZeRO 0 and 1: its losses and its stage's parameters (no engine answers kept).
+        pairs = zip(ours["runs"] + ours["pipe"], ref["runs"] + ref["pipe"], strict=True)
+        for case_ours, case_ref in pairs:
             where = str(case_ref["case"])
             for name in ("losses", "params"):
                 torch.testing.assert_close(
@@ -96,20 +99,9 @@ def test_autocast_trains_as_deepspeed_and_halves_the_safe_gradients_bytes():
                     atol=1e-6,
                     msg=lambda m, w=where, k=name: f"{w} {k}: {m}",
                 )
+            assert case_ours.keys() == case_ref.keys(), where
             for name in ("comm_dtypes", "autocast_dtype", "safe_modules", "case"):
-                assert case_ours[name] == case_ref[name], (where, name)
-        # The 2-stage pipeline (each rank one stage, data-parallel size 1) at ZeRO 0 and 1.
-        for case_ours, case_ref in zip(ours["pipe"], ref["pipe"], strict=True):
-            where = str(case_ref["case"])
-            for name in ("losses", "params"):
-                torch.testing.assert_close(
-                    torch.tensor(case_ours[name], dtype=torch.float64),
-                    torch.tensor(case_ref[name], dtype=torch.float64),
-                    rtol=REL,
-                    atol=1e-6,
-                    msg=lambda m, w=where, k=name: f"{w} {k}: {m}",
-                )
-            assert case_ours["comm_dtypes"] == case_ref["comm_dtypes"], where
+                assert case_ours.get(name) == case_ref.get(name), (where, name)
         assert [r is not None for r in ours["refused"]] == [r is not None for r in ref["refused"]]
         assert all(r is not None for r in ours["refused"])
         # Linear(8, 8) and Linear(8, 1): 72 + 9 safe elements, LayerNorm's 16 not. Stages 1-2
