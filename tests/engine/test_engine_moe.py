@@ -274,13 +274,17 @@ def _frozen_parts(rank, world_size, modulo):
     return {"before": before, "after": after, "losses": losses}
 
 
+def _frozen_both(rank, world_size):
+    return {modulo: _frozen_parts(rank, world_size, modulo) for modulo in (WORLD, EP)}
+
+
 def test_frozen_shared_and_expert_parameters_start_from_their_groups_first_rank():
     """Ranks drawing their models differently (seed = rank): after `initialize` a frozen shared
     layer holds global rank 0's values on every rank and a frozen expert half holds the first
     rank of its expert-data group's (rank r mod E_p), as DeepSpeed's `_broadcast_model`; then
     training equals the run where ranks are seeded alike within each replica group."""
-    unseeded = run_distributed(_frozen_parts, world_size=WORLD, args=(WORLD,), timeout_s=120)
-    alike = run_distributed(_frozen_parts, world_size=WORLD, args=(EP,), timeout_s=120)
+    runs = run_distributed(_frozen_both, world_size=WORLD, timeout_s=120)
+    unseeded, alike = [r[WORLD] for r in runs], [r[EP] for r in runs]
     for rank, got in enumerate(unseeded):
         assert got["after"]["shared"].equal(unseeded[0]["before"]["shared"]), rank
         assert got["after"]["expert"].equal(unseeded[rank % EP]["before"]["expert"]), rank
