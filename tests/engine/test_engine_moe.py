@@ -232,3 +232,61 @@ def test_top2_residual_and_top3_layers_match_deepspeed():
         for name in ref:
             ds_scripts.assert_matches(ours[name]["losses"], ref[name]["losses"])
             ds_scripts.assert_matches(ours[name]["eval_sum"], ref[name]["eval_sum"], rel=2e-4)
+
+
+def _frozen_parts(rank, world_size, modulo):
+    """An MoE net with a frozen shared layer and a frozen half of each expert, each rank drawing
+    it from the seed `rank % modulo`: (the frozen values before and after `initialize`, 3 steps' losses)."""
+    import torch
+
+    import minispeed.engine as deepspeed
+    from minispeed.engine.moe.layer import MoE
+
+    torch.manual_seed(rank % modulo)
+    expert = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    model = torch.nn.ModuleDict(
+        {
+            "shared": torch.nn.Linear(4, 8),
+            "moe": MoE(8, expert, num_experts=EP, ep_size=EP, k=1, use_rts=False),
+            "head": torch.nn.Linear(8, 1),
+        }
+    )
+    local = model["moe"].deepspeed_moe.experts.local_experts[0]
+    frozen = {"shared": model["shared"].weight, "expert": local[0].weight}
+    model["shared"].requires_grad_(False)
+    local[0].requires_grad_(False)
+    before = {k: p.detach().clone() for k, p in frozen.items()}
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config={**_config(2), "gradient_accumulation_steps": 1},
+    )
+    after = {k: p.detach().clone() for k, p in frozen.items()}
+    g = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(3):
+        x, y = torch.randn(4, 4, generator=g), torch.randn(4, 1, generator=g)
+        h, _, _ = model["moe"](torch.tanh(model["shared"](x)).unsqueeze(0))
+        loss = torch.nn.functional.mse_loss(model["head"](h[0]), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return {"before": before, "after": after, "losses": losses}
+
+
+def _frozen_both(rank, world_size):
+    return {modulo: _frozen_parts(rank, world_size, modulo) for modulo in (WORLD, EP)}
+
+
+def test_frozen_shared_and_expert_parameters_start_from_their_groups_first_rank():
+    """Ranks drawing their models differently (seed = rank): after `initialize` a frozen shared
+    layer holds global rank 0's values on every rank and a frozen expert half holds the first
+    rank of its expert-data group's (rank r mod E_p), as DeepSpeed's `_broadcast_model`; then
+    training equals the run where ranks are seeded alike within each replica group."""
+    runs = run_distributed(_frozen_both, world_size=WORLD, timeout_s=120)
+    unseeded, alike = [r[WORLD] for r in runs], [r[EP] for r in runs]
+    for rank, got in enumerate(unseeded):
+        assert got["after"]["shared"].equal(unseeded[0]["before"]["shared"]), rank
+        assert got["after"]["expert"].equal(unseeded[rank % EP]["before"]["expert"]), rank
+        assert got["losses"] == alike[rank]["losses"], rank
+    assert not unseeded[1]["after"]["expert"].equal(unseeded[0]["after"]["expert"])

@@ -61,7 +61,7 @@ from minispeed.engine.composition import Composition
 from minispeed.engine.config import EngineConfig, load_ds_config
 from minispeed.engine.distributed import add_config_arguments, init_distributed
 from minispeed.engine.engine import Engine
-from minispeed.engine.experts import MoEEngine, expert_replica_groups
+from minispeed.engine.experts import MoEEngine, broadcast_frozen, expert_replica_groups
 from minispeed.engine.grid import (
     build_grid,
     check_mics_size,
@@ -294,6 +294,8 @@ def initialize(
                 "tensor_parallel.autotp_size > 1 with MoE layers is not supported: the experts' "
                 "groups are built over the world, not inside the grid's data axis; use one of them"
             )
+        if replica_groups is not None:  # what zero.shard cannot tell apart (experts.py)
+            broadcast_frozen(model, opt.param_groups)
         ties = model.tied_grad_groups() if is_pipeline else None
         zero_opt = steps.shard(
             composition, model, opt, cfg, grid=grid, replica_groups=replica_groups, ties=ties

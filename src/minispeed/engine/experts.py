@@ -9,7 +9,10 @@ experts (`layer.experts`; DeepSpeed's adapter `minispeed.engine.moe.layer.MoE` h
 layer), reduced over that layer's `groups.expert_data_group`. `expert_replica_groups` gives
 `zero.shard` one replica group per param group (Note [replica groups] in minispeed.zero's
 replica_groups.py): the expert-data group of the param group's experts, or `None` (the data
-group) for dense parameters.
+group) for dense parameters. `zero.shard` starts each param group equal over its replica group;
+the frozen parameters (in no param group) it cannot place, so `broadcast_frozen` does, as
+DeepSpeed's `_broadcast_model`: an expert's from the first rank of its expert-data group, any
+other from the data group's first rank.
 
 Checked locally on every rank before any collective: a param group mixing experts with dense
 parameters (or experts of different expert-parallel degrees) cannot be reduced over one group,
@@ -44,8 +47,10 @@ import minispeed.moe
 from minispeed.core.files import atomic_write
 from minispeed.engine.checkpoint.calls import Restore
 from minispeed.engine.engine import Engine
+from minispeed.zero.bucketed_setup import broadcast_from_first_rank, frozen_parameters
+from minispeed.zero.replica_groups import broadcast_within
 
-__all__ = ["MoEEngine", "expert_replica_groups"]
+__all__ = ["MoEEngine", "broadcast_frozen", "expert_replica_groups"]
 
 
 def expert_replica_groups(
@@ -80,6 +85,27 @@ def expert_replica_groups(
         degree = next(iter(kinds), None)
         replica_groups.append(None if degree is None else by_degree[degree])
     return replica_groups
+
+
+def broadcast_frozen(model: nn.Module, param_groups: Sequence[dict[str, Any]]) -> None:
+    """Start the parameters in no param group equal where their copies live (collective over
+    the world): experts over their layer's expert-data group, the rest over the data group, each
+    from its first rank. Ψ_frozen·bytes sent, once."""
+    if not minispeed.comm.is_initialized():
+        return
+    frozen = {id(p) for p in frozen_parameters(model, [g["params"] for g in param_groups])}
+    by_degree: dict[int, tuple[Any, list[nn.Parameter]]] = {}
+    for layer in minispeed.moe.moe_layers(model):
+        degree = layer.groups.expert_parallel_degree
+        _, part = by_degree.setdefault(degree, (layer.groups.expert_data_group, []))
+        part += [p for p in layer.experts.parameters() if id(p) in frozen]
+    experts = {id(p) for _, ps in by_degree.values() for p in ps}
+    dense = [p for p in model.parameters() if id(p) in frozen and id(p) not in experts]
+    parts = [(None, dense), *by_degree.values()]
+    parts = [(g, ps) for g, ps in parts if ps]  # every rank freezes alike: no collective for none
+    broadcast_within(
+        [ps for _, ps in parts], [g for g, _ in parts], None, broadcast_from_first_rank
+    )
 
 
 def _rank_file(tag_dir: Path, group: Any) -> Path:

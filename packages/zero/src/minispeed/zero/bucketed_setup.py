@@ -61,7 +61,9 @@ def bucketed_strategy(
         # rank), as DeepSpeed broadcasts every parameter of the module at `initialize`.
         broadcast_from_first_rank([*param_groups, frozen_parameters(model, param_groups)], group)
         return kind(model, config, precision, group, param_groups=param_groups)
-    # See Note [replica groups]: checked by zero.shard (check_replica_groups) already.
+    # See Note [replica groups]: checked by zero.shard (check_replica_groups) already. Frozen
+    # parameters are the caller's here: zero cannot tell an expert's replica group from a shared
+    # one's (the engine broadcasts them: broadcast_frozen in minispeed.engine's experts.py).
     broadcast_within(param_groups, replica_groups, group, broadcast_from_first_rank)
     return ReplicaGroupedStrategy(
         make_stage_strategy(kind, model, config, precision),
