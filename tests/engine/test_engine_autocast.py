@@ -143,6 +143,11 @@ BF16 = {"enabled": True, "dtype": "bfloat16"}
             "torch_autocast.enabled",
             "pipeline at zero_optimization.stage 2",
         ),
+        (
+            {"pipeline": {"stages": 2}, "torch_autocast": {"enabled": True, "dtype": "float16"}},
+            "torch_autocast.dtype",
+            "float16 with a pipeline",
+        ),
     ],
 )
 def test_refusals_name_the_keys_and_the_fix(extra, key, says):

@@ -557,6 +557,16 @@ class EngineConfig(Section):
                     "(DeepSpeed's pipelines take no other); set the stage to 0 or 1, or "
                     "torch_autocast.enabled to false",
                 )
+            if (
+                kwargs["precision"].autocast is not None
+                and kwargs["precision"].autocast.scales_loss
+            ):
+                raise ConfigError(
+                    "torch_autocast.dtype",
+                    "float16 with a pipeline: minispeed runs a pipeline under bf16 autocast only "
+                    "(fp16's loss scale across the stages is not checked against DeepSpeed's); "
+                    "set torch_autocast.dtype to bfloat16",
+                )
             kwargs["pipeline"] = PipelineConfig.from_section(
                 ds.get("pipeline"),
                 micro_batch_size=micro,
