@@ -19,7 +19,8 @@ from minispeed.core.testing import run_distributed
 GAS, WINDOWS = 2, 3
 # The engine's own calls per micro-step: forward (nn.Module's call, the device check of its
 # arguments), backward and step (the boundary bookkeeping, amortised over the window). With
-# timers and the profiler off nothing else may run: 16.5 measured at both stages (13.5 before
+# timers and the profiler off nothing else may run: 16.5 measured at both stages (18.5 while
+# forward reached the module through `self.module`'s two __getattr__ calls; 13.5 before
 # the engine decided each window's end and `self.module` passed its declining __getattr__);
 # 86.5 when each call entered a timer context manager and each counter went through
 # nn.Module.__setattr__.
@@ -45,13 +46,17 @@ def _count_calls(loop) -> int:
             calls += 1
 
     # Earlier tests' garbage (engines, hooks) collected inside the loop would count its
-    # finalizers' calls (22.8 instead of 16.5 seen once): collected before counting.
+    # finalizers' calls (22.8 and 20.5 instead of 16.5 and 18.5 seen in full runs, where the
+    # worker process ran other tests first): collected before counting, the collector off while
+    # counting.
     gc.collect()
+    gc.disable()
     sys.setprofile(profile)
     try:
         loop()
     finally:
         sys.setprofile(None)
+        gc.enable()
     return calls
 
 

@@ -177,10 +177,13 @@ class Engine(DeepSpeedQueries, DeepSpeedSurface, CheckpointCalls, nn.Module):
         return self._run_module(args, kwargs)
 
     def _run_module(self, args: tuple, kwargs: dict) -> Any:
+        # `self._modules["module"]`, not `self.module`: the registry read directly, where the
+        # attribute goes through two __getattr__ calls (the engine's declining one, nn.Module's).
+        module = self._modules["module"]
         if not self.config.wall_clock_breakdown:  # untimed: no context manager on the hot path
-            return self.module(*args, **kwargs)
+            return module(*args, **kwargs)
         with self._timed("forward"):
-            return self.module(*args, **kwargs)
+            return module(*args, **kwargs)
 
     def get_pld_theta(self) -> float | None:
         """Progressive layer drop's `pld_theta` for the next training forward (DeepSpeed
