@@ -23,6 +23,12 @@ from minispeed.core.testing import run_distributed
 from minispeed.engine import checkpointing
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
+# The fixtures' losses and gradients were computed on the recording host's CPU; torch's float
+# kernels round differently on another (DeepSpeed itself, rerun on an AMD EPYC with AVX-512,
+# reproduces its own fixture's gradients to 4.1e-7 relative, not bit for bit). The seeded draws
+# and the tracker are compared exactly, and each checkpointed run with this host's plain run bit
+# for bit.
+ACROSS_CPUS = 1e-6
 
 
 def _recorder(rank, world_size):
@@ -52,8 +58,9 @@ def test_recorder_matches_deepspeed(world):
                 if "error" in want:  # DeepSpeed fails here: held to the plain run
                     assert world == 1 and setting == "partition=True", (setting, name, want)
                     want = runners["plain"]
-                ds_scripts.assert_matches(ours["runs"][setting][name], want, rel=0)
-                ds_scripts.assert_matches(ours["runs"][setting][name], runners["plain"], rel=0)
+                ds_scripts.assert_matches(ours["runs"][setting][name], want, rel=ACROSS_CPUS)
+                mine = ours["runs"][setting]
+                ds_scripts.assert_matches(mine[name], mine["plain"], rel=0)
 
 
 def test_tracker_errors_name_the_fix():

@@ -163,7 +163,11 @@ def test_prefill_last_only_is_the_full_prefills_last_row_and_generate_asks_for_i
         assert torch.equal(caches[0].v[layer], caches[1].v[layer])
     one = inf.new_cache(4, 4)
     one.add_sequence(0)
-    assert torch.equal(inf.prefill(ids[0], one, 0, last_only=True), last[0])
+    # One sequence against the same row of two: equal up to the summation order, which torch's
+    # kernels may change with the row count on some CPUs (2.2e-8 apart on an AMD EPYC with
+    # AVX-512, bit for bit on the Intel hosts).
+    single = inf.prefill(ids[0], one, 0, last_only=True)
+    torch.testing.assert_close(single, last[0], rtol=1e-6, atol=1e-6)
 
     from minispeed.inference import kernels
 
