@@ -39,6 +39,12 @@ client recorders (`record_ds_trainer.py`, `record_ds_hf_families.py`, `record_ds
 - `save_no_gather_z3`: the Trainer's `save_model()` at ZeRO-3 without
   `stage3_gather_16bit_weights_on_model_save` (a DeepSpeed checkpoint is written instead), the
   weights recovered by `zero_to_fp32` into a plain model and evaluated;
+- `plugin_fp16_z1`, `plugin_fp16_z3`: the `accelerate config` path, a `DeepSpeedPlugin` built
+  from keyword arguments (no json) with `Accelerator(mixed_precision="fp16")`, for which
+  accelerate writes `"fp16": {"enabled": true, "auto_cast": true}`; the script's own
+  `torch.optim.AdamW` and `LambdaLR`, and a model called with one fp32 positional tensor, which
+  `auto_cast` casts to fp16 (the loss, gradient norm and learning rate per micro-step, and the
+  trained weights' absolute sums);
 - `two_models`: accelerate with two DeepSpeed plugins (`deepspeed_plugins={"student": ...,
   "teacher": ...}`): a teacher at ZeRO-3 without an optimizer, prepared after
   `select_deepspeed_plugin("teacher")`, distilled into a student at ZeRO-2.
@@ -373,6 +379,55 @@ def accumulate_generate_case():
     return {"steps": steps, "generated": out.tolist()}
 
 
+def plugin_fp16_case(stage):
+    """A `DeepSpeedPlugin` from keyword arguments with `mixed_precision="fp16"` (accelerate adds
+    `fp16.auto_cast: true`), a torch optimizer and scheduler, an fp32 positional input."""
+    fresh_state()
+    # Under `accelerate launch --config_file` (the tests' launcher) the launcher's DeepSpeed
+    # settings are in the environment and would fill the plugin: this case is the plugin built
+    # from its keyword arguments alone, as a plain torchrun launch builds it.
+    launched = {
+        k: os.environ.pop(k)
+        for k in list(os.environ)
+        if k.startswith("ACCELERATE_DEEPSPEED_") or k == "ACCELERATE_CONFIG_DS_FIELDS"
+    }
+    try:
+        plugin = DeepSpeedPlugin(
+            zero_stage=stage, gradient_accumulation_steps=2, gradient_clipping=1.0,
+            zero3_init_flag=False, zero3_save_16bit_model=True,
+        )  # fmt: skip
+        accelerator = Accelerator(deepspeed_plugin=plugin, mixed_precision="fp16")
+    finally:
+        os.environ.update(launched)
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 32), nn.GELU(),
+        nn.Linear(32, 1),
+    )  # fmt: skip
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 3))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 8, generator=g)
+    data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin())
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    steps = []
+    for inputs, target in loader:
+        with accelerator.accumulate(model):
+            loss = F.mse_loss(model(inputs).float(), target)  # inputs: fp32, cast by auto_cast
+            accelerator.backward(loss)
+            step = {"loss": loss.item(), "lr": scheduler.get_last_lr()[0]}
+            if accelerator.sync_gradients:
+                step["grad_norm"] = float(accelerator.clip_grad_norm_(model.parameters(), 1.0))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            steps.append(step)
+    state = accelerator.get_state_dict(model)  # rank 0's; None elsewhere at ZeRO-3
+    sums = None if state is None else {k: v.float().abs().sum().item() for k, v in state.items()}
+    return {"steps": steps, "weight_abs_sums": sums}
+
+
 def save_without_gather_case(scratch):
     """The Trainer's `save_model()` at ZeRO-3 without `stage3_gather_16bit_weights_on_model_save`:
     transformers saves a DeepSpeed checkpoint instead, and the weights come back with
@@ -475,6 +530,8 @@ def cases(scratch):
         "save_model_z3": lambda: save_model_case(scratch),
         "odd_params_z2": lambda: odd_params_case(2),
         "odd_params_z3": lambda: odd_params_case(3),
+        "plugin_fp16_z1": lambda: plugin_fp16_case(1),
+        "plugin_fp16_z3": lambda: plugin_fp16_case(3),
         "two_models": two_models_case,
         "accumulate_generate_z3": accumulate_generate_case,
         "save_no_gather_z3": lambda: save_without_gather_case(scratch),  # last: unsets HF's ds

@@ -123,6 +123,7 @@ class Engine(DeepSpeedQueries, DeepSpeedSurface, CheckpointCalls, nn.Module):
         # DeepSpeed 0.17.6's keyword arguments for training forwards (progressive layer drop,
         # the seqlen curriculum: engine/legacy.py), set by initialize; None: none.
         self.forward_arguments: ForwardArguments | None = None
+        self._half_inputs = config.fp16.enabled and config.fp16.auto_cast
         self._sequence_factor = sequence_gradient_factor(config.zero, self.sequence_parallel_size)
         self.device = get_accelerator().device()
         self.timers: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
@@ -169,6 +170,8 @@ class Engine(DeepSpeedQueries, DeepSpeedSurface, CheckpointCalls, nn.Module):
             kwargs = _to_device(kwargs, self.device)
         if self.forward_arguments is not None and self.module.training:
             kwargs = {**kwargs, **self.forward_arguments(self.global_steps)}
+        if self._half_inputs:  # fp16.auto_cast: the positional inputs only, as DeepSpeed's
+            args = _to_half(args)
         autocast = self.config.precision.autocast
         if autocast is not None or torch.is_autocast_enabled(self.device.type):
             # torch_autocast's region, or the caller's autocast switched off, as DeepSpeed's.
@@ -815,6 +818,19 @@ def _state_of(scheduler: Any) -> Any:
         if scheduler is not None and hasattr(scheduler, "state_dict")
         else None
     )
+
+
+def _to_half(value: Any) -> Any:
+    """`value` with every floating-point tensor in it (tuples, lists, dicts) cast to fp16:
+    `fp16.auto_cast`'s input cast."""
+    if isinstance(value, torch.Tensor):
+        return value.half() if value.is_floating_point() else value
+    if isinstance(value, tuple | list):
+        cast = [_to_half(v) for v in value]
+        return type(value)(*cast) if hasattr(value, "_fields") else type(value)(cast)
+    if isinstance(value, dict):
+        return type(value)((k, _to_half(v)) for k, v in value.items())
+    return value
 
 
 def _to_device(value: Any, device: torch.device) -> Any:

@@ -341,7 +341,7 @@ class DeepSpeedQueries:
         return self.config.checkpoint.load_universal
 
     def fp16_auto_cast(self) -> bool:
-        return _accepted(Fp16Config, "auto_cast")
+        return self.config.fp16.enabled and self.config.fp16.auto_cast
 
     def fp16_master_weights_and_gradients(self) -> bool:
         return _accepted(Fp16Config, "fp16_master_weights_and_grads")

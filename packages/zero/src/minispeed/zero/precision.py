@@ -88,9 +88,6 @@ class Fp16Config(Section):
     ds_auto_is_default: ClassVar[bool] = True  # DeepSpeed: "auto" is the default
     ds_unsupported: ClassVar[dict[str, Unsupported]] = {
         "fp16_master_weights_and_grads": ds_only(False, _FP32_MASTERS),
-        "auto_cast": ds_only(
-            False, "the model's inputs are the script's: cast them to fp16 yourself if needed"
-        ),
     }
 
     enabled: bool = key("enabled", False, read=_switch("fp16"))
@@ -111,6 +108,13 @@ class Fp16Config(Section):
     """An overflow while the scale is already at `min_loss_scale` raises `FloatingPointError`
     (DeepSpeed's default: such a run usually skips every step from then on); false: log a
     warning, skip the step and go on."""
+    auto_cast: bool = key("auto_cast", False)
+    """The engine's `forward` casts every floating-point tensor among its positional arguments
+    (inside tuples, lists and dicts too) to fp16 before calling the model, as DeepSpeed's does;
+    keyword arguments pass as given. accelerate writes it (`"auto_cast": true`) when
+    `mixed_precision="fp16"` meets a DeepSpeed config without an `fp16` section. Read by the
+    engine only: `zero.shard` takes the inputs the script passes. Cost: one cast per floating
+    input, none when the inputs are already fp16."""
 
 
 @dataclass(frozen=True)
