@@ -171,7 +171,7 @@ class Engine(DeepSpeedQueries, DeepSpeedSurface, CheckpointCalls, nn.Module):
         if self.forward_arguments is not None and self.module.training:
             kwargs = {**kwargs, **self.forward_arguments(self.global_steps)}
         if self._half_inputs:  # fp16.auto_cast: the positional inputs only, as DeepSpeed's
-            args = _to_half(args)
+            args = to_half(args)
         autocast = self.config.precision.autocast
         if autocast is not None or torch.is_autocast_enabled(self.device.type):
             # torch_autocast's region, or the caller's autocast switched off, as DeepSpeed's.
@@ -820,16 +820,16 @@ def _state_of(scheduler: Any) -> Any:
     )
 
 
-def _to_half(value: Any) -> Any:
+def to_half(value: Any) -> Any:
     """`value` with every floating-point tensor in it (tuples, lists, dicts) cast to fp16:
     `fp16.auto_cast`'s input cast."""
     if isinstance(value, torch.Tensor):
         return value.half() if value.is_floating_point() else value
     if isinstance(value, tuple | list):
-        cast = [_to_half(v) for v in value]
+        cast = [to_half(v) for v in value]
         return type(value)(*cast) if hasattr(value, "_fields") else type(value)(cast)
     if isinstance(value, dict):
-        return type(value)((k, _to_half(v)) for k, v in value.items())
+        return type(value)((k, to_half(v)) for k, v in value.items())
     return value
 
 

@@ -72,7 +72,7 @@ import minispeed.pipeline as pipeline
 from minispeed.engine import steps
 from minispeed.engine.composition import Composition
 from minispeed.engine.config import EngineConfig
-from minispeed.engine.engine import Engine, StepObserver
+from minispeed.engine.engine import Engine, StepObserver, to_half
 from minispeed.engine.surface import PIPE_DECLINED
 from minispeed.profiler import monitor as monitors
 
@@ -206,7 +206,12 @@ class PipelineEngine(Engine):
         """The step's inputs and labels from `data_iter`, each micro-batch through `batch_fn`."""
         if data_iter is not None and self.batch_fn is not None:
             data_iter = map(self.batch_fn, data_iter)
-        return pipeline.pull_batch(data_iter, micro_batches, self.module)
+        inputs, labels = pipeline.pull_batch(data_iter, micro_batches, self.module)
+        if self._half_inputs and inputs is not None:
+            # fp16.auto_cast: DeepSpeed's pipeline runs each micro-batch's inputs through the
+            # engine's forward, which casts them; the labels reach the loss as given.
+            inputs = to_half(inputs)
+        return inputs, labels
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise PipelineError("Only train_batch() is accessible in pipeline mode.")

@@ -110,8 +110,9 @@ class Fp16Config(Section):
     warning, skip the step and go on."""
     auto_cast: bool = key("auto_cast", False)
     """The engine's `forward` casts every floating-point tensor among its positional arguments
-    (inside tuples, lists and dicts too) to fp16 before calling the model, as DeepSpeed's does;
-    keyword arguments pass as given. accelerate writes it (`"auto_cast": true`) when
+    (inside tuples, lists and dicts too) to fp16 before calling the model, as DeepSpeed's does,
+    and a pipeline the first stage's inputs of each micro-batch; keyword arguments and labels
+    pass as given. accelerate writes it (`"auto_cast": true`) when
     `mixed_precision="fp16"` meets a DeepSpeed config without an `fp16` section. Read by the
     engine only: `zero.shard` takes the inputs the script passes. Cost: one cast per floating
     input, none when the inputs are already fp16."""
