@@ -165,7 +165,7 @@ def test_prefill_last_only_is_the_full_prefills_last_row_and_generate_asks_for_i
     one.add_sequence(0)
     # One sequence against the same row of two: equal up to the summation order, which torch's
     # kernels may change with the row count on some CPUs (2.2e-8 apart on an AMD EPYC with
-    # AVX-512, bit for bit on the Intel hosts).
+    # AVX-512, bit for bit on the hosts this suite passed on before).
     single = inf.prefill(ids[0], one, 0, last_only=True)
     torch.testing.assert_close(single, last[0], rtol=1e-6, atol=1e-6)
 
