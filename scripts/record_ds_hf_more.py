@@ -25,6 +25,8 @@ client recorders (`record_ds_trainer.py`, `record_ds_hf_families.py`, `record_ds
   scaling) whose first loss scale overflows the gradients: the skipped step's logged gradient
   norm, accelerate's `optimizer_step_was_skipped` after each step, the learning rate (the
   scheduler does not step on a skipped step), the engine's `global_steps` and `skipped_steps`;
+- `trainer_fp16_auto_cast_z2`: the Trainer with `fp16=True` and a ds_config without an `fp16`
+  section, which accelerate then writes as `{"enabled": true, "auto_cast": true}`;
 - `best_model_z3`: the Trainer evaluating and saving every 2 steps with
   `load_best_model_at_end=True` (the best checkpoint loaded back into the engine at the end);
 - `save_model_z3`: accelerate's `save_model` at ZeRO-3, the saved safetensors' keys and sum;
@@ -522,6 +524,9 @@ def cases(scratch):
         ),
         "fp16_z3": lambda: trainer_case(
             scratch, "fp16_z3", *llama, 3, ds=FP16, fp16=True, max_steps=6
+        ),
+        "trainer_fp16_auto_cast_z2": lambda: trainer_case(
+            scratch, "trainer_fp16_auto_cast_z2", *llama, 2, fp16=True, max_steps=6
         ),
         "best_model_z3": lambda: trainer_case(
             scratch, "best_model_z3", *llama, 3, evals=True, max_steps=4, eval_strategy="steps",
