@@ -19,19 +19,11 @@ import time
 
 import torch
 import torch.nn.functional as F
+from timing import best_time
 
 from minispeed.inference import kernels
 
 COPIES = 8  # weight copies cycled through: 8 × the largest block weight is beyond the L3
-
-
-def _best(fn, reps: int) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def _median(fn, reps: int) -> float:
@@ -54,8 +46,8 @@ def main() -> None:
     src = torch.randn(64 << 20)  # 256 MiB
     dst = torch.empty_like(src)
     nbytes = src.numel() * 4
-    copy_rate = 2 * nbytes / _best(lambda: dst.copy_(src), 10)
-    read_rate = nbytes / _best(src.sum, 10)
+    copy_rate = 2 * nbytes / best_time(lambda: dst.copy_(src), 10)
+    read_rate = nbytes / best_time(src.sum, 10)
     print(f"{args.threads} thread(s): copy (read + written) {copy_rate / 1e9:.1f} GB/s, "
           f"read-only (sum) {read_rate / 1e9:.1f} GB/s\n")  # fmt: skip
 
