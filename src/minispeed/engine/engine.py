@@ -46,6 +46,7 @@ import minispeed.zero as zero
 from minispeed.core import ranges
 from minispeed.core.accelerator import get_accelerator
 from minispeed.core.logging import get_logger, warn_once
+from minispeed.core.nested import map_tensors
 from minispeed.engine.checkpoint.calls import CheckpointCalls, Restore
 from minispeed.engine.composition import Composition
 from minispeed.engine.config import EngineConfig
@@ -823,14 +824,7 @@ def _state_of(scheduler: Any) -> Any:
 def to_half(value: Any) -> Any:
     """`value` with every floating-point tensor in it (tuples, lists, dicts) cast to fp16:
     `fp16.auto_cast`'s input cast."""
-    if isinstance(value, torch.Tensor):
-        return value.half() if value.is_floating_point() else value
-    if isinstance(value, tuple | list):
-        cast = [to_half(v) for v in value]
-        return type(value)(*cast) if hasattr(value, "_fields") else type(value)(cast)
-    if isinstance(value, dict):
-        return type(value)((k, to_half(v)) for k, v in value.items())
-    return value
+    return map_tensors(value, lambda t: t.half() if t.is_floating_point() else t)
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
